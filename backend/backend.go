@@ -1,0 +1,161 @@
+// Package backend defines the narrow compute interface every mktrain layer is
+// written against, and the tensors it hands out.
+//
+// The compute model has no autograd: each layer calls a forward op that saves
+// what its backward needs, and the engine calls the backward ops in reverse
+// order. Every op exists on every backend: backend/cpu is the plain-Go
+// reference (float32, or float64 for gradient checks) and later backends are
+// compared against it by the conformance suite in backend/backendtest.
+//
+// Shape legend used in names throughout the project:
+//
+//	T tokens in a micro-batch (B sequences x S positions)   D model dim
+//	H query heads   KV key/value heads   Dh head dim   Q = H*Dh   KD = KV*Dh
+//	V vocabulary    E experts   K experts per token (top-k)   F expert FFN dim
+//	N rows routed to one expert (or to one rank)
+//
+// Tensors are row-major. Ops panic on shape mismatches: those are bugs in the
+// caller, not bad user input, and the engine turns a panic inside a step into
+// an error. Device failures (which the CPU backend never has) are sticky and
+// reported by Sync.
+package backend
+
+import (
+	"fmt"
+
+	"gorgonia.org/tensor"
+)
+
+// DType is the element type of a Tensor.
+type DType int
+
+const (
+	Float32 DType = iota + 1
+	Float64
+	Int32
+)
+
+func (d DType) String() string {
+	switch d {
+	case Float32:
+		return "float32"
+	case Float64:
+		return "float64"
+	case Int32:
+		return "int32"
+	}
+	return fmt.Sprintf("DType(%d)", int(d))
+}
+
+// Tensor is a handle to backend-owned memory. Its contents are reached only
+// through the Backend that made it.
+type Tensor interface {
+	Shape() []int
+	DType() DType
+	// Len is the number of elements.
+	Len() int
+}
+
+// AttnShape describes one attention call: Batch sequences of Seq positions,
+// Heads query heads sharing KVHeads key/value heads (GQA), HeadDim per head.
+// Scores are scaled by 1/sqrt(HeadDim) and masked causally.
+type AttnShape struct {
+	Batch, Seq, Heads, KVHeads, HeadDim int
+}
+
+// AdamW holds one optimizer update's hyper-parameters. Step counts from 1 and
+// drives the bias correction.
+type AdamW struct {
+	LR, Beta1, Beta2, Eps, WeightDecay float64
+	Step                               int
+}
+
+// Backend is the set of ops the model is built from. Unless an op says it
+// accumulates, it overwrites its outputs. Row-vector arguments named ...T,
+// ...N, ...TK are Int32 tensors where they hold indices.
+type Backend interface {
+	// Name is "cpu" or "cuda"; FloatType is the dtype New uses for
+	// parameters and activations.
+	Name() string
+	FloatType() DType
+
+	// New allocates a zeroed tensor.
+	New(dt DType, shape ...int) Tensor
+	// View returns a tensor sharing t's memory, starting offset elements
+	// into t, with the given shape.
+	View(t Tensor, offset int, shape ...int) Tensor
+	// Upload copies host data into dst; src must have dst's length. Float
+	// data is converted to dst's float type.
+	Upload(dst Tensor, src *tensor.Dense)
+	// Download copies t to a new host tensor of t's dtype and shape.
+	Download(t Tensor) *tensor.Dense
+	// Sync waits for queued work and returns the first device error since
+	// the last Sync.
+	Sync() error
+
+	// Elementwise and reductions.
+	Zero(t Tensor)
+	Copy(dst, src Tensor)
+	Axpy(dst Tensor, alpha float64, x Tensor) // dst += alpha*x
+	Scale(t Tensor, alpha float64)
+	Sum(t Tensor) float64
+	SumSquares(t Tensor) float64
+
+	// MatMul computes out = alpha*op(a)*op(b) + beta*out for 2-D tensors,
+	// where op transposes when trans is set. beta=0 ignores out's contents.
+	MatMul(out, a, b Tensor, transA, transB bool, alpha, beta float64)
+
+	// EmbeddingForward gathers rows: outTD[t] = tableVD[idsT[t]].
+	EmbeddingForward(outTD, tableVD, idsT Tensor)
+	// EmbeddingBackward accumulates dTableVD[idsT[t]] += dOutTD[t].
+	EmbeddingBackward(dTableVD, dOutTD, idsT Tensor)
+
+	// RMSNormForward: out = x / rms(x) * w, saving rstdT = 1/rms(x).
+	RMSNormForward(outTD, rstdT, xTD, wD Tensor, eps float64)
+	// RMSNormBackward writes dxTD and accumulates into dwD.
+	RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT Tensor)
+
+	// RoPE rotates xTQ (T rows of heads*headDim) in place with the
+	// rotate-half convention at the positions posT; inverse rotates back,
+	// which is the backward.
+	RoPE(xTQ, posT Tensor, headDim int, theta float64, inverse bool)
+
+	// AttentionForward computes causal GQA attention. qTQ is [T, H*Dh],
+	// kTK and vTK are [T, KV*Dh], outTQ is [T, H*Dh]; lseBHS saves each query
+	// row's log-sum-exp of scaled scores for the backward.
+	AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK Tensor, s AttnShape)
+	// AttentionBackward writes dq, dk, dv.
+	AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS Tensor, s AttnShape)
+
+	// SwiGLUForward: out = silu(a) * b, elementwise over [N, F].
+	SwiGLUForward(outNF, aNF, bNF Tensor)
+	// SwiGLUBackward writes daNF and dbNF.
+	SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF Tensor)
+
+	// CrossEntropy computes per-row lossT[t] = logsumexp(logits[t]) -
+	// logits[t][targets[t]] and writes dlogitsTV = (softmax - onehot) *
+	// gradScale. dlogitsTV may be logitsTV itself. A negative target is
+	// ignored (loss 0, gradient 0).
+	CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT Tensor, gradScale float64)
+
+	// RouterForward: probsTE = softmax(logitsTE); lseT = logsumexp of each
+	// logits row (for the z-loss); idxTK = the k experts with the largest
+	// probs+biasE (biasE may be nil; it steers selection only), best first;
+	// gatesTK = probs at idxTK renormalised to sum 1.
+	RouterForward(probsTE, lseT, idxTK, gatesTK, logitsTE, biasE Tensor)
+	// RouterBackward writes dlogitsTE from the gradient of the gates
+	// (dgatesTK), plus auxDProbE[e] added to every row's dprobs (the
+	// load-balancing loss), plus zScale*lse[t]*probs[t,e] (the z-loss
+	// gradient, zScale = 2*coef/tokens).
+	RouterBackward(dlogitsTE, dgatesTK, probsTE, lseT, idxTK, gatesTK, auxDProbE Tensor, zScale float64)
+
+	// GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil (1).
+	GatherRows(outND, inTD, rowsN, scaleN Tensor)
+	// ScatterAddRows: outTD[rowsN[i]] += scale[i] * inND[i]; scaleN may be nil.
+	ScatterAddRows(outTD, inND, rowsN, scaleN Tensor)
+	// RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]).
+	RowDots(outN, aTD, rowsN, bND Tensor)
+
+	// AdamWUpdate updates param in place from grad with moments m and v.
+	AdamWUpdate(param, grad, m, v Tensor, h AdamW)
+}

@@ -1,0 +1,5 @@
+package cpu
+
+import "github.com/mktrain/mktrain/backend"
+
+var _ backend.Backend = (*Backend)(nil)

@@ -1,0 +1,56 @@
+// Package comm holds the ranks of a training run and the collectives between
+// them.
+//
+// A run's world is a mesh dp x ep x cp x tp (Mesh). Each rank belongs to
+// several Groups cut from the mesh: the data group (every rank that holds a
+// distinct part of the batch, used for non-expert gradients and for global
+// load-balancing statistics), the expert group (the ranks that shard the
+// experts between them, used for the token all-to-all) and the expert-replica
+// group (the ranks that hold the same experts, used for expert gradients).
+//
+// The in-process implementation (NewLocal) runs virtual ranks as goroutines
+// of one process on the CPU backend; every rank reduces in rank order, so
+// all ranks get bitwise identical results and replicated weights never drift.
+// An NCCL implementation is planned behind the same interface.
+package comm
+
+import "github.com/mktrain/mktrain/backend"
+
+// Group is a set of ranks that run collectives together. Every rank of the
+// group must call the same collectives in the same order. A collective
+// returns an error (and never hangs) once any rank of the group has called
+// Abort.
+type Group interface {
+	// Rank is this rank's index within the group, Size the group's size.
+	Rank() int
+	Size() int
+
+	// AllReduceSum sums t over the group, in place.
+	AllReduceSum(t backend.Tensor) error
+	// AllReduceFloat64 sums small host vectors (losses, counts, norms) in
+	// place.
+	AllReduceFloat64(vals []float64) error
+	// AllToAllInts sends send[j] to rank j and returns what each rank sent
+	// to this one, indexed by source rank (the count exchange before a
+	// token all-to-all).
+	AllToAllInts(send []int) ([]int, error)
+	// AllToAllRows exchanges rows of 2-D tensors with uneven splits: send
+	// holds sendCounts[0] rows for rank 0, then sendCounts[1] rows for rank
+	// 1, ...; recv receives recvCounts[j] rows from rank j, in rank order.
+	// Both tensors have the same row length.
+	AllToAllRows(recv, send backend.Tensor, recvCounts, sendCounts []int) error
+	// Barrier waits for every rank of the group.
+	Barrier() error
+	// Abort makes every pending and future collective of the group fail
+	// with err (a rank that failed calls it so the others stop instead of
+	// waiting for it).
+	Abort(err error)
+}
+
+// Mesh is the parallel layout. Its product is the world size.
+type Mesh struct {
+	DP, EP, CP, TP int
+}
+
+// World is the number of ranks.
+func (m Mesh) World() int { return m.DP * m.EP * m.CP * m.TP }

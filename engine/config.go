@@ -1,0 +1,115 @@
+package engine
+
+// Config is a whole run's configuration: the typed form of a recipe. Each
+// section is owned here and validated in sentences by Validate; the recipes
+// package decodes YAML into it. Every field's default is given by
+// DefaultConfig and documented in docs/recipes.md.
+type Config struct {
+	Model      ModelConfig      `yaml:"model"`
+	Data       DataConfig       `yaml:"data"`
+	Train      TrainConfig      `yaml:"train"`
+	Parallel   ParallelConfig   `yaml:"parallel"`
+	Checkpoint CheckpointConfig `yaml:"checkpoint"`
+	Log        LogConfig        `yaml:"log"`
+}
+
+// ModelConfig is the Mixtral-style decoder's shape.
+type ModelConfig struct {
+	Vocab     int       `yaml:"vocab"`      // vocabulary size (256 for the byte-level tokenizer)
+	Dim       int       `yaml:"dim"`        // model width D
+	Layers    int       `yaml:"layers"`     // decoder layers
+	Heads     int       `yaml:"heads"`      // query heads H; head dim is Dim/Heads
+	KVHeads   int       `yaml:"kv_heads"`   // key/value heads (GQA); divides Heads
+	RopeTheta float64   `yaml:"rope_theta"` // RoPE base
+	NormEps   float64   `yaml:"norm_eps"`   // RMSNorm epsilon
+	InitStd   float64   `yaml:"init_std"`   // std of the normal init of linear and embedding weights
+	MoE       MoEConfig `yaml:"moe"`
+}
+
+// MoEConfig is the sparse MoE block and its load balancing.
+type MoEConfig struct {
+	Experts        int     `yaml:"experts"`          // routed experts E
+	TopK           int     `yaml:"top_k"`            // experts per token K
+	FFN            int     `yaml:"ffn"`              // expert hidden size F
+	AuxLossCoef    float64 `yaml:"aux_loss_coef"`    // Switch load-balancing loss weight (0 = off)
+	ZLossCoef      float64 `yaml:"z_loss_coef"`      // router z-loss weight (0 = off)
+	BiasUpdateRate float64 `yaml:"bias_update_rate"` // aux-loss-free balancing step (0 = off)
+	SharedExperts  int     `yaml:"shared_experts"`   // always-on experts added to every token (0 = none)
+	CapacityFactor float64 `yaml:"capacity_factor"`  // expert capacity = ceil(cf*T*K/E); 0 = dropless
+}
+
+// DataConfig names the token shards. Empty globs select the embedded corpus.
+type DataConfig struct {
+	Train string `yaml:"train"` // glob of llm.c .bin shards for training
+	Val   string `yaml:"val"`   // glob of shards for validation
+}
+
+// TrainConfig is the optimisation.
+type TrainConfig struct {
+	Backend     string  `yaml:"backend"`      // auto | cpu | cuda
+	GlobalBatch int     `yaml:"global_batch"` // sequences per optimizer step, over all ranks
+	MicroBatch  int     `yaml:"micro_batch"`  // sequences per rank per forward/backward
+	Seq         int     `yaml:"seq"`          // tokens per sequence
+	Steps       int     `yaml:"steps"`        // optimizer steps
+	LR          float64 `yaml:"lr"`           // peak learning rate
+	MinLR       float64 `yaml:"min_lr"`       // floor of the decay
+	Schedule    string  `yaml:"schedule"`     // cosine | constant | wsd
+	WarmupSteps int     `yaml:"warmup_steps"` // linear warmup from 0
+	DecaySteps  int     `yaml:"decay_steps"`  // wsd: length of the final decay (0 = 20% of steps)
+	WeightDecay float64 `yaml:"weight_decay"` // decoupled; never applied to norm weights
+	Beta1       float64 `yaml:"beta1"`
+	Beta2       float64 `yaml:"beta2"`
+	Eps         float64 `yaml:"eps"`
+	GradClip    float64 `yaml:"grad_clip"`    // global-norm clip (0 = off)
+	Seed        uint64  `yaml:"seed"`         // drives init and data sampling
+	EvalEvery   int     `yaml:"eval_every"`   // steps between validation runs (0 = only at the end)
+	EvalBatches int     `yaml:"eval_batches"` // micro-batches per validation run
+}
+
+// ParallelConfig is the mesh; dp*ep*cp*tp ranks.
+type ParallelConfig struct {
+	DP int `yaml:"dp"`
+	EP int `yaml:"ep"`
+	CP int `yaml:"cp"`
+	TP int `yaml:"tp"`
+}
+
+// CheckpointConfig controls saving and resuming.
+type CheckpointConfig struct {
+	Every    int    `yaml:"every"`     // steps between saves (0 = only on stop and at the end)
+	KeepLast int    `yaml:"keep_last"` // checkpoints kept (0 = all)
+	Resume   string `yaml:"resume"`    // auto | never | PATH
+	Compress string `yaml:"compress"`  // none | zstd (optimizer moments)
+	Async    bool   `yaml:"async"`     // write in the background
+}
+
+// LogConfig controls metrics and console output.
+type LogConfig struct {
+	Every    int    `yaml:"every"`    // steps between metrics lines
+	Level    string `yaml:"level"`    // debug | info | warn | error
+	Progress string `yaml:"progress"` // auto | on | off: progress bar on a terminal
+}
+
+// DefaultConfig is the configuration a recipe starts from: the tiny model
+// that trains on a laptop's CPU.
+func DefaultConfig() Config {
+	return Config{
+		Model: ModelConfig{
+			Vocab: 256, Dim: 64, Layers: 2, Heads: 4, KVHeads: 2,
+			RopeTheta: 1e6, NormEps: 1e-5, InitStd: 0.02,
+			MoE: MoEConfig{Experts: 4, TopK: 2, FFN: 128, AuxLossCoef: 0.01},
+		},
+		Train: TrainConfig{
+			Backend: "auto", GlobalBatch: 8, MicroBatch: 8, Seq: 64, Steps: 200,
+			LR: 1e-3, MinLR: 1e-4, Schedule: "cosine", WarmupSteps: 10,
+			WeightDecay: 0.1, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, GradClip: 1.0,
+			Seed: 1, EvalEvery: 50, EvalBatches: 4,
+		},
+		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1},
+		Checkpoint: CheckpointConfig{Every: 0, KeepLast: 3, Resume: "auto", Compress: "none"},
+		Log:        LogConfig{Every: 10, Level: "info", Progress: "auto"},
+	}
+}
+
+// HeadDim is Dim/Heads.
+func (m ModelConfig) HeadDim() int { return m.Dim / m.Heads }
