@@ -1,5 +1,7 @@
 package engine
 
+import "github.com/mktrain/mktrain/moe"
+
 // Config is a whole run's configuration: the typed form of a recipe. Each
 // section is owned here and validated in sentences by Validate; the recipes
 // package decodes YAML into it. Every field's default is given by
@@ -15,27 +17,15 @@ type Config struct {
 
 // ModelConfig is the Mixtral-style decoder's shape.
 type ModelConfig struct {
-	Vocab     int       `yaml:"vocab"`      // vocabulary size (256 for the byte-level tokenizer)
-	Dim       int       `yaml:"dim"`        // model width D
-	Layers    int       `yaml:"layers"`     // decoder layers
-	Heads     int       `yaml:"heads"`      // query heads H; head dim is Dim/Heads
-	KVHeads   int       `yaml:"kv_heads"`   // key/value heads (GQA); divides Heads
-	RopeTheta float64   `yaml:"rope_theta"` // RoPE base
-	NormEps   float64   `yaml:"norm_eps"`   // RMSNorm epsilon
-	InitStd   float64   `yaml:"init_std"`   // std of the normal init of linear and embedding weights
-	MoE       MoEConfig `yaml:"moe"`
-}
-
-// MoEConfig is the sparse MoE block and its load balancing.
-type MoEConfig struct {
-	Experts        int     `yaml:"experts"`          // routed experts E
-	TopK           int     `yaml:"top_k"`            // experts per token K
-	FFN            int     `yaml:"ffn"`              // expert hidden size F
-	AuxLossCoef    float64 `yaml:"aux_loss_coef"`    // Switch load-balancing loss weight (0 = off)
-	ZLossCoef      float64 `yaml:"z_loss_coef"`      // router z-loss weight (0 = off)
-	BiasUpdateRate float64 `yaml:"bias_update_rate"` // aux-loss-free balancing step (0 = off)
-	SharedExperts  int     `yaml:"shared_experts"`   // always-on experts added to every token (0 = none)
-	CapacityFactor float64 `yaml:"capacity_factor"`  // expert capacity = ceil(cf*T*K/E); 0 = dropless
+	Vocab     int        `yaml:"vocab"`      // vocabulary size (256 for the byte-level tokenizer)
+	Dim       int        `yaml:"dim"`        // model width D
+	Layers    int        `yaml:"layers"`     // decoder layers
+	Heads     int        `yaml:"heads"`      // query heads H; head dim is Dim/Heads
+	KVHeads   int        `yaml:"kv_heads"`   // key/value heads (GQA); divides Heads
+	RopeTheta float64    `yaml:"rope_theta"` // RoPE base
+	NormEps   float64    `yaml:"norm_eps"`   // RMSNorm epsilon
+	InitStd   float64    `yaml:"init_std"`   // std of the normal init of linear and embedding weights
+	MoE       moe.Config `yaml:"moe"`        // the sparse MoE block
 }
 
 // DataConfig names the token shards. Empty globs select the embedded corpus.
@@ -97,7 +87,7 @@ func DefaultConfig() Config {
 		Model: ModelConfig{
 			Vocab: 256, Dim: 64, Layers: 2, Heads: 4, KVHeads: 2,
 			RopeTheta: 1e6, NormEps: 1e-5, InitStd: 0.02,
-			MoE: MoEConfig{Experts: 4, TopK: 2, FFN: 128, AuxLossCoef: 0.01},
+			MoE: moe.Config{Experts: 4, TopK: 2, FFN: 128, AuxLossCoef: 0.01},
 		},
 		Train: TrainConfig{
 			Backend: "auto", GlobalBatch: 8, MicroBatch: 8, Seq: 64, Steps: 200,
