@@ -1,0 +1,33 @@
+# mktrain: build, test, bench. Go is the only requirement.
+GO      ?= go
+BIN     ?= bin/mktrain
+FUZZTIME ?= 30s
+
+.PHONY: all build test vet lint fuzz bench clean
+
+all: build test
+
+build:
+	$(GO) build -o $(BIN) ./cmd/mktrain
+
+test:
+	$(GO) test ./...
+
+vet:
+	$(GO) vet ./...
+
+lint: vet
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt:"; echo "$$out"; exit 1; fi
+
+# Short fuzzing sessions of the parsers that read user files.
+fuzz:
+	$(GO) test ./recipes -run '^$$' -fuzz FuzzParse -fuzztime $(FUZZTIME)
+	$(GO) test ./data -run '^$$' -fuzz FuzzShardHeader -fuzztime $(FUZZTIME)
+	$(GO) test ./checkpoint -run '^$$' -fuzz FuzzSafetensorsHeader -fuzztime $(FUZZTIME)
+
+# CPU training throughput of the tiny recipe; writes bench/results/*.json.
+bench: build
+	$(BIN) bench train tiny --steps 20
+
+clean:
+	rm -rf bin

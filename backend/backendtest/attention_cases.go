@@ -1,0 +1,166 @@
+package backendtest
+
+import (
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// attnCompareShapes are compared against the oracle, as are the
+// attnCheckShapes of more than one position: realistic head dims and more
+// positions than one tile.
+var attnCompareShapes = []backend.AttnShape{
+	{Batch: 2, Seq: 33, Heads: 8, KVHeads: 2, HeadDim: 16},
+	{Batch: 1, Seq: 64, Heads: 4, KVHeads: 1, HeadDim: 128},
+	{Batch: 2, Seq: 17, Heads: 4, KVHeads: 4, HeadDim: 64},
+}
+
+// attnCheckShapes are small enough for a finite-difference check of every
+// input coordinate: GQA groups of 2 and 3, plain multi-head (H == KV),
+// multi-query (KV = 1), a single position, and an odd head dim.
+var attnCheckShapes = []backend.AttnShape{
+	{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 4},
+	{Batch: 2, Seq: 5, Heads: 4, KVHeads: 4, HeadDim: 4},
+	{Batch: 1, Seq: 6, Heads: 3, KVHeads: 1, HeadDim: 2},
+	{Batch: 1, Seq: 7, Heads: 6, KVHeads: 2, HeadDim: 5},
+	// One position: p = 1, so dq = dk = 0 exactly. Only checked here: a
+	// float32 backend's rounding residue, compared with the oracle's exact
+	// zeros, has no scale to be measured against.
+	{Batch: 3, Seq: 1, Heads: 2, KVHeads: 1, HeadDim: 3},
+}
+
+// attentionCases lists the conformance and gradient cases of
+// AttentionForward and AttentionBackward.
+func attentionCases() []Case {
+	var cs []Case
+	for _, s := range attnCheckShapes {
+		c := Case{Name: attnName(s), Compare: attnCompare(s), Check: attnCheck(s)}
+		if s.Seq == 1 {
+			c.Compare = nil
+		}
+		cs = append(cs, c)
+	}
+	for _, s := range attnCompareShapes {
+		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s)})
+	}
+	return cs
+}
+
+func attnName(s backend.AttnShape) string {
+	return fmt.Sprintf("Attention/B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim)
+}
+
+// attnCompare runs the forward and then the backward on the forward's own
+// out and lse, on both backends.
+func attnCompare(s backend.AttnShape) func(e *Env) {
+	return func(e *Env) {
+		T, Q, K := s.Batch*s.Seq, s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		// q and k in [-2, 2) give scaled scores of standard deviation about
+		// 1.3 at every head dim: softmax rows that are neither flat nor
+		// one-hot.
+		q, k := e.Uniform("q", -2, 2, T, Q), e.Uniform("k", -2, 2, T, K)
+		v, dout := e.Rand("v", T, K), e.Rand("dout", T, Q)
+		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
+		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", T, K), e.Out("dv", T, K)
+		e.Run(func(b backend.Backend, x Pick) {
+			b.AttentionForward(x(out), x(lse), x(q), x(k), x(v), s)
+			b.AttentionBackward(x(dq), x(dk), x(dv), x(dout), x(q), x(k), x(v), x(out), x(lse), s)
+		})
+	}
+}
+
+// attnCheck compares the forward with naiveAttention and every coordinate of
+// dq, dk and dv with central differences of L = sum(out * dout).
+func attnCheck(s backend.AttnShape) func(t *testing.T, b64 backend.Backend) {
+	return func(t *testing.T, b64 backend.Backend) {
+		rng := NewRand(attnName(s) + "/check")
+		T, Q, K := s.Batch*s.Seq, s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		host := map[string][]float64{
+			"q": RandFloats(rng, T*Q, -2, 2),
+			"k": RandFloats(rng, T*K, -2, 2),
+			"v": RandFloats(rng, T*K, -1, 1),
+		}
+		dout := RandFloats(rng, T*Q, -1, 1)
+		q, k, v := Upload(b64, host["q"], T, Q), Upload(b64, host["k"], T, K), Upload(b64, host["v"], T, K)
+		dev := map[string]backend.Tensor{"q": q, "k": k, "v": v}
+		out, lse := b64.New(backend.Float64, T, Q), b64.New(backend.Float64, s.Batch, s.Heads, s.Seq)
+
+		b64.AttentionForward(out, lse, q, k, v, s)
+		wantOut, wantLSE := naiveAttention(s, host["q"], host["k"], host["v"])
+		CompareFloats(t, "out against naive attention", Download(b64, out), wantOut, 1e-12)
+		CompareFloats(t, "lse against naive attention", Download(b64, lse), wantLSE, 1e-12)
+
+		// Gradients start as NaN: the backward must overwrite them.
+		grads := map[string]backend.Tensor{
+			"q": Upload(b64, attnNaNs(T*Q), T, Q), "k": Upload(b64, attnNaNs(T*K), T, K), "v": Upload(b64, attnNaNs(T*K), T, K),
+		}
+		b64.AttentionBackward(grads["q"], grads["k"], grads["v"], Upload(b64, dout, T, Q), q, k, v, out, lse, s)
+
+		for _, name := range []string{"q", "k", "v"} {
+			x := host[name]
+			loss := func() float64 {
+				Set(b64, dev[name], x)
+				b64.AttentionForward(out, lse, q, k, v, s)
+				return Dot(Download(b64, out), dout)
+			}
+			CheckGrad(t, "d"+name, loss, x, Download(b64, grads[name]), 1e-6)
+			Set(b64, dev[name], x)
+		}
+	}
+}
+
+func attnNaNs(n int) []float64 {
+	out := make([]float64, n)
+	for i := range out {
+		out[i] = math.NaN()
+	}
+	return out
+}
+
+// naiveAttention is the textbook computation in float64: repeat_kv (query
+// head h reads kv head h/(H/KV)), the full S x S score matrix with a -Inf
+// causal mask, softmax, times V. It returns out [T, H*Dh] and lse [B, H, S].
+func naiveAttention(s backend.AttnShape, q, k, v []float64) (outTQ, lseBHS []float64) {
+	B, S, H, KV, Dh := s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim
+	kRep, vRep := make([]float64, B*S*H*Dh), make([]float64, B*S*H*Dh)
+	for t := range B * S {
+		for h := range H {
+			src := (t*KV + h/(H/KV)) * Dh
+			copy(kRep[(t*H+h)*Dh:(t*H+h+1)*Dh], k[src:src+Dh])
+			copy(vRep[(t*H+h)*Dh:(t*H+h+1)*Dh], v[src:src+Dh])
+		}
+	}
+	outTQ, lseBHS = make([]float64, B*S*H*Dh), make([]float64, B*H*S)
+	scores := make([]float64, S*S)
+	for b := range B {
+		for h := range H {
+			for i := range S {
+				for j := range S {
+					scores[i*S+j] = math.Inf(-1)
+					if j <= i {
+						qi, kj := ((b*S+i)*H+h)*Dh, ((b*S+j)*H+h)*Dh
+						scores[i*S+j] = Dot(q[qi:qi+Dh], kRep[kj:kj+Dh]) / math.Sqrt(float64(Dh))
+					}
+				}
+			}
+			for i := range S {
+				var z float64
+				for j := range S {
+					z += math.Exp(scores[i*S+j])
+				}
+				lseBHS[(b*H+h)*S+i] = math.Log(z)
+				oi := ((b*S+i)*H + h) * Dh
+				for j := range S {
+					p := math.Exp(scores[i*S+j]) / z
+					vj := ((b*S+j)*H + h) * Dh
+					for d := range Dh {
+						outTQ[oi+d] += p * vRep[vj+d]
+					}
+				}
+			}
+		}
+	}
+	return outTQ, lseBHS
+}

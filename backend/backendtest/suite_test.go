@@ -1,0 +1,151 @@
+package backendtest_test
+
+// The suite must be able to fail. TestSuiteCatchesMutants runs RunAll and
+// GradCheck, in a child process (a failing subtest cannot be contained in
+// this one), against CPU backends with one deliberate bug each, and expects
+// each bug to fail the cases of its op.
+
+import (
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/backendtest"
+	"github.com/mktrain/mktrain/backend/cpu"
+)
+
+const (
+	envMutant = "BACKENDTEST_MUTANT"
+	envMode   = "BACKENDTEST_MODE"
+)
+
+// mutants lists each bug with the top-level case names whose RunAll and
+// GradCheck cases must catch it ("" where that half need not).
+func mutants() []struct{ kind, runAll, gradCheck string } {
+	return []struct{ kind, runAll, gradCheck string }{
+		{"matmul-beta0-reads-out", "MatMul", "MatMul"},
+		{"matmul-clobbers-input", "MatMul", ""},
+		{"rmsnorm-dw-overwrites", "RMSNormBackward", "RMSNorm"},
+		{"crossentropy-keeps-ignored", "CrossEntropy", "CrossEntropy"},
+		{"rope-wrong-direction", "RoPE", "RoPE"},
+		{"swiglu-da-off-1e-4", "SwiGLUBackward", "SwiGLU"},
+		{"gather-drops-scale", "GatherRows", "Rows"},
+		{"adamw-no-bias-correction", "AdamWUpdate", "AdamWUpdate"},
+	}
+}
+
+func TestSuiteCatchesMutants(t *testing.T) {
+	filters := map[string][]string{}
+	for _, m := range mutants() {
+		for mode, filter := range map[string]string{"runall": m.runAll, "gradcheck": m.gradCheck} {
+			if filter == "" {
+				continue
+			}
+			filters[mode] = append(filters[mode], filter)
+			out, err := child(m.kind, mode, filter)
+			if err == nil {
+				t.Errorf("%s: the suite (%s) passed a backend with this bug", m.kind, mode)
+				continue
+			}
+			if !strings.Contains(out, "--- FAIL: TestMutant/"+filter) {
+				t.Errorf("%s: the suite (%s) failed, but not in %s:\n%s", m.kind, mode, filter, out)
+			}
+		}
+	}
+	// The same filters pass without a bug, so the failures above are the bugs'.
+	for mode, fs := range filters {
+		if out, err := child("none", mode, strings.Join(fs, "|")); err != nil {
+			t.Errorf("the suite (%s) fails on the unmodified CPU backend:\n%s", mode, out)
+		}
+	}
+}
+
+// child runs TestMutant in a new process of this test binary.
+func child(kind, mode, filter string) (string, error) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestMutant$/^("+filter+")$", "-test.count=1")
+	cmd.Env = append(os.Environ(), envMutant+"="+kind, envMode+"="+mode)
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// TestMutant is the child side of TestSuiteCatchesMutants; it does nothing
+// unless started by it.
+func TestMutant(t *testing.T) {
+	kind := os.Getenv(envMutant)
+	if kind == "" {
+		return
+	}
+	switch os.Getenv(envMode) {
+	case "runall":
+		backendtest.RunAll(t, mutant{cpu.New(backend.Float32), kind}, cpu.New(backend.Float64))
+	case "gradcheck":
+		backendtest.GradCheck(t, mutant{cpu.New(backend.Float64), kind})
+	default:
+		t.Fatalf("unknown %s", envMode)
+	}
+}
+
+// mutant is a CPU backend with the bug named by kind.
+type mutant struct {
+	*cpu.Backend
+	kind string
+}
+
+func (m mutant) MatMul(out, a, b backend.Tensor, transA, transB bool, alpha, beta float64) {
+	if m.kind == "matmul-beta0-reads-out" && beta == 0 {
+		m.Backend.Scale(out, 0) // NaN*0 is NaN
+		beta = 1
+	}
+	m.Backend.MatMul(out, a, b, transA, transB, alpha, beta)
+	if m.kind == "matmul-clobbers-input" {
+		m.Backend.Scale(a, 2)
+	}
+}
+
+func (m mutant) RMSNormBackward(dx, dw, dout, x, w, rstd backend.Tensor) {
+	if m.kind == "rmsnorm-dw-overwrites" {
+		m.Backend.Zero(dw)
+	}
+	m.Backend.RMSNormBackward(dx, dw, dout, x, w, rstd)
+}
+
+func (m mutant) CrossEntropy(loss, dlogits, logits, targets backend.Tensor, gradScale float64) {
+	if m.kind == "crossentropy-keeps-ignored" {
+		kept := m.Backend.New(backend.Int32, targets.Len()).(*cpu.Tensor)
+		for i, v := range targets.(*cpu.Tensor).Int32s() {
+			kept.Int32s()[i] = max(v, 0)
+		}
+		targets = kept
+	}
+	m.Backend.CrossEntropy(loss, dlogits, logits, targets, gradScale)
+}
+
+func (m mutant) RoPE(x, pos backend.Tensor, headDim int, theta float64, inverse bool) {
+	if m.kind == "rope-wrong-direction" {
+		inverse = !inverse
+	}
+	m.Backend.RoPE(x, pos, headDim, theta, inverse)
+}
+
+func (m mutant) SwiGLUBackward(da, db, dout, a, b backend.Tensor) {
+	m.Backend.SwiGLUBackward(da, db, dout, a, b)
+	if m.kind == "swiglu-da-off-1e-4" {
+		m.Backend.Scale(da, 1+1e-4)
+	}
+}
+
+func (m mutant) GatherRows(out, in, rows, scale backend.Tensor) {
+	if m.kind == "gather-drops-scale" {
+		scale = nil
+	}
+	m.Backend.GatherRows(out, in, rows, scale)
+}
+
+func (m mutant) AdamWUpdate(param, grad, mm, v backend.Tensor, h backend.AdamW) {
+	if m.kind == "adamw-no-bias-correction" {
+		h.Step = 1 << 20
+	}
+	m.Backend.AdamWUpdate(param, grad, mm, v, h)
+}

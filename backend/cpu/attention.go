@@ -1,0 +1,174 @@
+package cpu
+
+// Causal grouped-query attention, flash style: the forward keeps one row of
+// scores per worker and saves only the log-sum-exp of each query row; the
+// backward recomputes the probabilities from it. Nothing of size Seq x Seq is
+// ever held, so the reference has the memory profile of the CUDA kernels.
+//
+// Layout: token t = b*Seq + i. Query head h reads columns [h*Dh, (h+1)*Dh) of
+// qTQ and uses key/value head h/(H/KV) (Hugging Face repeat_kv order: the
+// first H/KV query heads share kv head 0). lseBHS[b, h, i] is the log-sum-exp
+// of row i's scaled, masked scores.
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
+	checkAttn(s, lseBHS,
+		attnArg{"out", outTQ, s.Heads}, attnArg{"q", qTQ, s.Heads}, attnArg{"k", kTK, s.KVHeads}, attnArg{"v", vTK, s.KVHeads})
+	if b.dt == backend.Float32 {
+		attnForward[float32](b, outTQ, lseBHS, qTQ, kTK, vTK, s)
+	} else {
+		attnForward[float64](b, outTQ, lseBHS, qTQ, kTK, vTK, s)
+	}
+}
+
+func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
+	checkAttn(s, lseBHS,
+		attnArg{"dq", dqTQ, s.Heads}, attnArg{"dk", dkTK, s.KVHeads}, attnArg{"dv", dvTK, s.KVHeads},
+		attnArg{"dout", doutTQ, s.Heads}, attnArg{"q", qTQ, s.Heads}, attnArg{"k", kTK, s.KVHeads},
+		attnArg{"v", vTK, s.KVHeads}, attnArg{"out", outTQ, s.Heads})
+	if b.dt == backend.Float32 {
+		attnBackward[float32](b, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS, s)
+	} else {
+		attnBackward[float64](b, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS, s)
+	}
+}
+
+// attnArg is a token-major tensor argument and the number of heads of width
+// HeadDim in each of its rows.
+type attnArg struct {
+	name  string
+	t     backend.Tensor
+	heads int
+}
+
+// checkAttn panics unless the shape is well formed and every tensor holds
+// exactly what s says it should.
+func checkAttn(s backend.AttnShape, lseBHS backend.Tensor, args ...attnArg) {
+	if s.Batch < 1 || s.Seq < 1 || s.Heads < 1 || s.KVHeads < 1 || s.HeadDim < 1 || s.Heads%s.KVHeads != 0 {
+		panic(fmt.Sprintf("cpu: attention shape %+v: all sizes must be positive and KVHeads must divide Heads", s))
+	}
+	tokens := s.Batch * s.Seq
+	for _, a := range args {
+		if want := tokens * a.heads * s.HeadDim; a.t.Len() != want {
+			panic(fmt.Sprintf("cpu: attention %s has %d elements, want %d for %+v", a.name, a.t.Len(), want, s))
+		}
+	}
+	if want := s.Batch * s.Heads * s.Seq; lseBHS.Len() != want {
+		panic(fmt.Sprintf("cpu: attention lse has %d elements, want %d for %+v", lseBHS.Len(), want, s))
+	}
+}
+
+func attnDot[T Float](a, b []T) T {
+	var s T
+	for i := range a {
+		s += a[i] * b[i]
+	}
+	return s
+}
+
+// attnAxpy does y += alpha*x.
+func attnAxpy[T Float](y []T, alpha T, x []T) {
+	for i := range y {
+		y[i] += alpha * x[i]
+	}
+}
+
+// attnForward runs one (batch, head) pair per work item.
+func attnForward[T Float](b *Backend, outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
+	out, lse, q, k, v := floats[T](outTQ), floats[T](lseBHS), floats[T](qTQ), floats[T](kTK), floats[T](vTK)
+	S, H, Dh := s.Seq, s.Heads, s.HeadDim
+	group := H / s.KVHeads
+	qStride, kStride := H*Dh, s.KVHeads*Dh
+	scale := 1 / math.Sqrt(float64(Dh))
+
+	b.parallelFor(s.Batch*H, 1, func(lo, hi int) {
+		scores := make([]T, S) // the one row of scores this worker holds
+		for bh := lo; bh < hi; bh++ {
+			bi, h := bh/H, bh%H
+			qOff, kOff := h*Dh, (h/group)*Dh
+			for i := range S {
+				ti := bi*S + i
+				qi := q[ti*qStride+qOff : ti*qStride+qOff+Dh]
+				// Scaled scores of keys 0..i; later keys are masked out.
+				m := math.Inf(-1)
+				for j := 0; j <= i; j++ {
+					tj := bi*S + j
+					sc := float64(attnDot(qi, k[tj*kStride+kOff:tj*kStride+kOff+Dh])) * scale
+					scores[j] = T(sc)
+					m = max(m, sc)
+				}
+				var sum float64
+				for j := 0; j <= i; j++ {
+					p := math.Exp(float64(scores[j]) - m)
+					scores[j] = T(p)
+					sum += p
+				}
+				oi := out[ti*qStride+qOff : ti*qStride+qOff+Dh]
+				clear(oi)
+				for j := 0; j <= i; j++ {
+					tj := bi*S + j
+					attnAxpy(oi, scores[j], v[tj*kStride+kOff:tj*kStride+kOff+Dh])
+				}
+				inv := T(1 / sum)
+				for d := range oi {
+					oi[d] *= inv
+				}
+				lse[bh*S+i] = T(m + math.Log(sum))
+			}
+		}
+	})
+}
+
+// attnBackward runs one (batch, kv head) pair per work item: every query head
+// of the group adds into the same dk/dv rows, so owning the whole group keeps
+// the accumulation race-free without per-worker buffers. With
+// p = exp(score - lse), dP = dout·vᵀ and D = rowsum(dout*out):
+//
+//	dS = p * (dP - D),  dq = scale*dS·k,  dk = scale*dSᵀ·q,  dv = pᵀ·dout.
+func attnBackward[T Float](b *Backend, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
+	dq, dk, dv := floats[T](dqTQ), floats[T](dkTK), floats[T](dvTK)
+	dout, q, k, v, out, lse := floats[T](doutTQ), floats[T](qTQ), floats[T](kTK), floats[T](vTK), floats[T](outTQ), floats[T](lseBHS)
+	S, H, KV, Dh := s.Seq, s.Heads, s.KVHeads, s.HeadDim
+	group := H / KV
+	qStride, kStride := H*Dh, KV*Dh
+	scale := 1 / math.Sqrt(float64(Dh))
+	tscale := T(scale)
+
+	b.parallelFor(s.Batch*KV, 1, func(lo, hi int) {
+		for bg := lo; bg < hi; bg++ {
+			bi, g := bg/KV, bg%KV
+			kOff := g * Dh
+			for i := range S {
+				ti := bi*S + i
+				clear(dk[ti*kStride+kOff : ti*kStride+kOff+Dh])
+				clear(dv[ti*kStride+kOff : ti*kStride+kOff+Dh])
+			}
+			for h := g * group; h < (g+1)*group; h++ {
+				qOff := h * Dh
+				for i := range S {
+					ti := bi*S + i
+					row := ti*qStride + qOff
+					qi, doi, dqi := q[row:row+Dh], dout[row:row+Dh], dq[row:row+Dh]
+					di := attnDot(doi, out[row:row+Dh])
+					lseI := float64(lse[(bi*H+h)*S+i])
+					clear(dqi)
+					for j := 0; j <= i; j++ {
+						col := (bi*S+j)*kStride + kOff
+						kj, vj := k[col:col+Dh], v[col:col+Dh]
+						p := T(math.Exp(float64(attnDot(qi, kj))*scale - lseI))
+						attnAxpy(dv[col:col+Dh], p, doi)
+						ds := p * (attnDot(doi, vj) - di) * tscale
+						attnAxpy(dqi, ds, kj)
+						attnAxpy(dk[col:col+Dh], ds, qi)
+					}
+				}
+			}
+		}
+	})
+}

@@ -1,0 +1,21 @@
+package cpu_test
+
+import (
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/backendtest"
+	"github.com/mktrain/mktrain/backend/cpu"
+)
+
+// TestConformance runs the suite with the float32 backend against the
+// float64 one.
+func TestConformance(t *testing.T) {
+	backendtest.RunAll(t, cpu.New(backend.Float32), cpu.New(backend.Float64))
+}
+
+// TestGradCheck proves the float64 backend against finite differences and
+// naive references.
+func TestGradCheck(t *testing.T) {
+	backendtest.GradCheck(t, cpu.New(backend.Float64))
+}

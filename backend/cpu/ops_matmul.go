@@ -1,0 +1,147 @@
+package cpu
+
+// MatMul is the hot op of CPU training, so its kernel is shaped for Go's
+// compiler, which does not vectorise: every layout is computed in i-k-j
+// order, out[i, j0:j1] += a(i,k) * B[k, j0:j1], four k at a time, so the inner
+// loop streams one output row segment and four contiguous rows of B with no
+// loop-carried dependency. When B is transposed its blocks are first copied,
+// transposed, into a small per-worker panel, so the inner loop always reads B
+// rows contiguously. The loops are blocked over k and j so that the block of
+// B in use stays in cache while every output row of a worker passes over it.
+//
+// Work is split over output rows, and each output element is summed in the
+// same order whatever the split, so results do not depend on the worker
+// count.
+
+import "github.com/mktrain/mktrain/backend"
+
+const (
+	// mmKB and mmJB are the k and j extents of the block of B kept in cache
+	// (64 KiB of float32, 128 KiB of float64).
+	mmKB = 64
+	mmJB = 256
+	// mmWork is the least number of multiply-adds worth a goroutine.
+	mmWork = 1 << 16
+)
+
+// MatMul computes out = alpha*op(a)*op(b) + beta*out.
+func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, beta float64) {
+	const op = "MatMul"
+	ar, ac := b.matrix(op, "a", a)
+	br, bc := b.matrix(op, "b", bb)
+	m, k := ar, ac
+	if transA {
+		m, k = ac, ar
+	}
+	kb, n := br, bc
+	if transB {
+		kb, n = bc, br
+	}
+	if k != kb {
+		fail(op, "inner dimensions differ: op(a) is [%d %d] (a %v, transA=%v), op(b) is [%d %d] (b %v, transB=%v)",
+			m, k, a.Shape(), transA, kb, n, bb.Shape(), transB)
+	}
+	b.wantMatrix(op, "out", out, m, n)
+	if b.dt == backend.Float32 {
+		matmul(b, floats[float32](out), floats[float32](a), floats[float32](bb), m, n, k, transA, transB, float32(alpha), float32(beta))
+	} else {
+		matmul(b, floats[float64](out), floats[float64](a), floats[float64](bb), m, n, k, transA, transB, alpha, beta)
+	}
+}
+
+// matmul is MatMul for [m, k] x [k, n] after the shape checks.
+func matmul[T Float](be *Backend, out, a, b []T, m, n, k int, transA, transB bool, alpha, beta T) {
+	if m == 0 || n == 0 {
+		return
+	}
+	if k == 0 {
+		// The product is empty: only the beta term remains.
+		scaleOrZero(out, beta)
+		return
+	}
+	// a(i, kk) = a[i*ai + kk*ak].
+	ai, ak := k, 1
+	if transA {
+		ai, ak = 1, m
+	}
+	minRows := max(1, mmWork/(n*k))
+	be.parallelFor(m, minRows, func(lo, hi int) {
+		var panel []T
+		if transB {
+			panel = make([]T, mmKB*min(mmJB, n))
+		}
+		for j0 := 0; j0 < n; j0 += mmJB {
+			jw := min(mmJB, n-j0)
+			for k0 := 0; k0 < k; k0 += mmKB {
+				kw := min(mmKB, k-k0)
+				// bk[kk*ldb : kk*ldb+jw] is row k0+kk of op(b), columns j0..j0+jw.
+				var bk []T
+				ldb := n
+				if transB {
+					packTransposed(panel, b, k, j0, jw, k0, kw)
+					bk, ldb = panel, jw
+				} else {
+					bk = b[k0*n+j0:]
+				}
+				for i := lo; i < hi; i++ {
+					o := out[i*n+j0 : i*n+j0+jw]
+					if k0 == 0 {
+						scaleOrZero(o, beta)
+					}
+					axpyRows(o, a[i*ai+k0*ak:], ak, bk, ldb, kw, alpha)
+				}
+			}
+		}
+	})
+}
+
+// scaleOrZero computes x *= beta, where beta = 0 clears x (so NaN in x
+// does not survive).
+func scaleOrZero[T Float](x []T, beta T) {
+	switch beta {
+	case 0:
+		clear(x)
+	case 1:
+	default:
+		for i := range x {
+			x[i] *= beta
+		}
+	}
+}
+
+// packTransposed copies the block of b ([n, k], row-major) with rows
+// j0..j0+jw and columns k0..k0+kw into panel as [kw, jw], transposed.
+func packTransposed[T Float](panel, b []T, k, j0, jw, k0, kw int) {
+	for j := range jw {
+		row := b[(j0+j)*k+k0 : (j0+j)*k+k0+kw]
+		for kk, v := range row {
+			panel[kk*jw+j] = v
+		}
+	}
+}
+
+// axpyRows computes o += alpha * sum over kk < kw of a[kk*ak] * bk[kk*ldb :
+// kk*ldb+len(o)].
+func axpyRows[T Float](o, a []T, ak int, bk []T, ldb, kw int, alpha T) {
+	kk := 0
+	for ; kk+4 <= kw; kk += 4 {
+		x0 := alpha * a[kk*ak]
+		x1 := alpha * a[(kk+1)*ak]
+		x2 := alpha * a[(kk+2)*ak]
+		x3 := alpha * a[(kk+3)*ak]
+		b0 := bk[kk*ldb:][:len(o)]
+		b1 := bk[(kk+1)*ldb:][:len(o)]
+		b2 := bk[(kk+2)*ldb:][:len(o)]
+		b3 := bk[(kk+3)*ldb:][:len(o)]
+		for j := range o {
+			o[j] += x0*b0[j] + x1*b1[j] + x2*b2[j] + x3*b3[j]
+		}
+	}
+	for ; kk < kw; kk++ {
+		x := alpha * a[kk*ak]
+		b0 := bk[kk*ldb:][:len(o)]
+		for j := range o {
+			o[j] += x * b0[j]
+		}
+	}
+}

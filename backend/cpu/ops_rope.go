@@ -1,0 +1,67 @@
+package cpu
+
+// Rotary position embedding in Hugging Face's rotate-half convention: within
+// each head of Dh dims, dim i < Dh/2 is paired with dim i+Dh/2 and the pair
+// is rotated by the angle pos * theta^(-2i/Dh):
+//
+//	out[i]      = x[i]*cos - x[i+Dh/2]*sin
+//	out[i+Dh/2] = x[i+Dh/2]*cos + x[i]*sin
+//
+// Angles and their sines and cosines are computed in float64. The rotation is
+// orthogonal, so its transpose (the backward) is the rotation by -angle.
+
+import (
+	"math"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// RoPE rotates xTQ in place at the positions posT; inverse rotates back.
+func (b *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
+	const op = "RoPE"
+	t, q := b.matrix(op, "x", xTQ)
+	if headDim <= 0 || headDim%2 != 0 || q%headDim != 0 {
+		fail(op, "head dim %d must be even and positive and divide the row width %d of x %v", headDim, q, xTQ.Shape())
+	}
+	if theta <= 0 {
+		fail(op, "theta %v must be positive", theta)
+	}
+	pos := indices(op, "pos", posT, t, math.MaxInt32, true)
+	if b.dt == backend.Float32 {
+		rope(b, floats[float32](xTQ), pos, q, headDim, theta, inverse)
+	} else {
+		rope(b, floats[float64](xTQ), pos, q, headDim, theta, inverse)
+	}
+}
+
+func rope[T Float](b *Backend, x []T, pos []int32, q, dh int, theta float64, inverse bool) {
+	half := dh / 2
+	invFreq := make([]float64, half)
+	for i := range invFreq {
+		invFreq[i] = math.Pow(theta, -2*float64(i)/float64(dh))
+	}
+	b.parallelFor(len(pos), rowChunk(q), func(lo, hi int) {
+		cos := make([]T, half)
+		sin := make([]T, half)
+		for t := lo; t < hi; t++ {
+			p := float64(pos[t])
+			for i, f := range invFreq {
+				s, c := math.Sincos(p * f)
+				if inverse {
+					s = -s
+				}
+				cos[i], sin[i] = T(c), T(s)
+			}
+			row := x[t*q : (t+1)*q]
+			for h := 0; h < q; h += dh {
+				x1 := row[h : h+half]
+				x2 := row[h+half : h+dh][:len(x1)]
+				for i, u := range x1 {
+					v := x2[i]
+					x1[i] = u*cos[i] - v*sin[i]
+					x2[i] = v*cos[i] + u*sin[i]
+				}
+			}
+		}
+	})
+}

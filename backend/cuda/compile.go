@@ -1,0 +1,127 @@
+package cuda
+
+// Kernels are compiled by NVRTC when first used and the cubins cached on
+// disk, keyed by everything that can change the output: the source text, the
+// target, the options and NVRTC's version. A cache file is written to a
+// temporary name and renamed into place, so a crash or a second process
+// racing on the same key never leaves a torn file behind.
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+)
+
+// compileOptions are NVRTC's options besides the target. -lineinfo costs
+// nothing at run time and lets profilers map time to source lines.
+func compileOptions(arch string) []string {
+	return []string{"--gpu-architecture=" + arch, "--std=c++17", "-lineinfo"}
+}
+
+// CompileInfo says how a module's code was obtained.
+type CompileInfo struct {
+	File      string
+	Arch      string
+	Options   []string
+	CacheHit  bool
+	CachePath string        // "" when caching is off
+	CacheErr  error         // a failed cache write (the module still works)
+	Elapsed   time.Duration // compiling or reading the cache
+	Log       string        // NVRTC's warnings, if any
+}
+
+// cacheKey hashes what determines a cubin. Fields are length-prefixed, so
+// no two different inputs hash the same text.
+func cacheKey(source, arch string, options []string, nvrtcMajor, nvrtcMinor int) string {
+	h := sha256.New()
+	field := func(s string) { fmt.Fprintf(h, "%d:%s;", len(s), s) }
+	field("mktrain-kernel-cache-v1")
+	field(source)
+	field(arch)
+	for _, o := range options {
+		field(o)
+	}
+	field(fmt.Sprintf("nvrtc %d.%d", nvrtcMajor, nvrtcMinor))
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// cachedCompile returns the image for key from dir, or calls compile and
+// stores its result there. dir "" disables the cache. A cache that cannot be
+// written is reported in CompileInfo.CacheErr, never as a failure.
+func cachedCompile(dir, key string, skipRead bool, compile func() ([]byte, string, error)) ([]byte, CompileInfo, error) {
+	var info CompileInfo
+	start := time.Now()
+	if dir != "" {
+		info.CachePath = filepath.Join(dir, key+".cubin")
+		if !skipRead {
+			if img, err := os.ReadFile(info.CachePath); err == nil && len(img) > 0 {
+				info.CacheHit = true
+				info.Elapsed = time.Since(start)
+				return img, info, nil
+			}
+		}
+	}
+	img, log, err := compile()
+	info.Log = log
+	info.Elapsed = time.Since(start)
+	if err != nil {
+		return nil, info, err
+	}
+	if dir != "" {
+		info.CacheErr = writeAtomic(info.CachePath, img)
+	}
+	return img, info, nil
+}
+
+// writeAtomic writes data to path through a temporary file in the same
+// folder and a rename.
+func writeAtomic(path string, data []byte) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("kernel cache: %w", err)
+	}
+	f, err := os.CreateTemp(dir, filepath.Base(path)+".tmp*")
+	if err != nil {
+		return fmt.Errorf("kernel cache: %w", err)
+	}
+	tmp := f.Name()
+	_, werr := f.Write(data)
+	if werr == nil {
+		werr = f.Sync()
+	}
+	if cerr := f.Close(); werr == nil {
+		werr = cerr
+	}
+	if werr == nil {
+		werr = os.Rename(tmp, path)
+	}
+	if werr != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("kernel cache: writing %s: %w", path, werr)
+	}
+	return nil
+}
+
+// Compile compiles source (a complete translation unit, e.g. from
+// kernels.Source.Text) for arch with NVRTC, through the runtime's disk
+// cache. name labels it in messages. It needs no GPU. A source NVRTC
+// rejects returns a *driver.CompileError with the compiler's log.
+func (r *Runtime) Compile(name, source, arch string) ([]byte, CompileInfo, error) {
+	return r.compile(name, source, arch, false)
+}
+
+func (r *Runtime) compile(name, source, arch string, skipCache bool) ([]byte, CompileInfo, error) {
+	opts := compileOptions(arch)
+	major, minor := r.nvrtc.Version()
+	key := cacheKey(source, arch, opts, major, minor)
+	img, info, err := cachedCompile(r.cacheDir, key, skipCache, func() ([]byte, string, error) {
+		return r.nvrtc.Compile(name, source, opts, driver.OutputCubin)
+	})
+	info.File, info.Arch, info.Options = name, arch, opts
+	return img, info, err
+}

@@ -1,0 +1,42 @@
+// Package safetensors reads and writes the safetensors tensor file format
+// (https://github.com/huggingface/safetensors) without holding a second copy
+// of the data in memory.
+//
+// # Format
+//
+// A file is three parts, back to back:
+//
+//	8 bytes        N, the header length, unsigned little-endian
+//	N bytes        the header: a UTF-8 JSON object, padded with spaces
+//	rest           the data buffer: every tensor's raw little-endian bytes
+//
+// The header maps each tensor name to its element type, shape and byte range
+// in the data buffer, and may hold one "__metadata__" object of string
+// values:
+//
+//	{"__metadata__":{"format":"pt"},
+//	 "w1":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},
+//	 "w2":{"dtype":"BF16","shape":[3],"data_offsets":[24,30]}}
+//
+// data_offsets are [begin, end) relative to the start of the data buffer.
+// The ranges must tile the buffer exactly: no overlaps, no holes, nothing
+// after the last tensor. Tensors are row-major. This package pads the header
+// with spaces so that the data buffer starts at a multiple of 8 bytes, as the
+// reference implementation does.
+//
+// # Writing
+//
+// NewWriter takes every tensor's name, dtype and shape up front and writes
+// the header at once; the caller then streams each tensor's elements in the
+// declared order with WriteFloat32, in as many chunks as it likes. The writer
+// converts through a small fixed buffer, so saving a model never needs a
+// second copy of it. It writes F32 and BF16 (rounded to nearest, ties to
+// even; NaN stays NaN).
+//
+// # Reading
+//
+// NewFile and Open parse and validate the header (errors name the file and
+// the tensor); File.Float32 reads one tensor by name into a []float32,
+// converting from F32, BF16, F16 or F64. ReadHeader parses only the header
+// from a stream, for compressed files that cannot be read at random.
+package safetensors

@@ -1,0 +1,91 @@
+// Command mktrain trains mixture-of-experts transformers.
+//
+//	mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
+//	mktrain data prepare [--out DIR] [--val-fraction F] FILE|GLOB...
+//	mktrain bench train [RECIPE] [--steps N]
+//	mktrain version
+//
+// Every subcommand takes --help. Exit status: 0 on success, 2 on bad input
+// or a failed run (the message names the file, field or step), 130 when
+// interrupted (the run stops cleanly between two steps).
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+// Exit statuses.
+const (
+	exitOK          = 0
+	exitFailure     = 2
+	exitInterrupted = 130
+)
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// usageError marks an error caused by how the command was called; its
+// subcommand's usage is printed with it.
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+const topUsage = `mktrain trains mixture-of-experts transformers.
+
+Usage:
+  mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
+                         train from a recipe (a file, or a shipped name: tiny, moe-small)
+  mktrain data prepare [--out DIR] [--val-fraction F] FILE|GLOB...
+                         turn text files into byte-level token shards
+  mktrain bench train [RECIPE] [--steps N]
+                         measure training tokens/s; writes bench/results/*.json
+  mktrain version        print the version
+
+Run 'mktrain COMMAND --help' for a command's flags.
+`
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, topUsage)
+		return exitFailure
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	var err error
+	switch args[0] {
+	case "run":
+		err = cmdRun(ctx, args[1:], stdout, stderr)
+	case "data":
+		err = cmdData(args[1:], stdout, stderr)
+	case "bench":
+		err = cmdBench(ctx, args[1:], stdout, stderr)
+	case "version", "--version":
+		fmt.Fprintln(stdout, versionString())
+		return exitOK
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, topUsage)
+		return exitOK
+	default:
+		fmt.Fprintf(stderr, "mktrain: unknown command %q\n\n%s", args[0], topUsage)
+		return exitFailure
+	}
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.Is(err, errHelp):
+		return exitOK
+	case errors.Is(err, errInterrupted):
+		fmt.Fprintln(stderr, "mktrain:", err)
+		return exitInterrupted
+	default:
+		fmt.Fprintln(stderr, "mktrain:", err)
+		return exitFailure
+	}
+}

@@ -1,0 +1,72 @@
+package comm
+
+import "fmt"
+
+// Rank layout. A world rank is the mesh coordinate read as a mixed-radix
+// number with tp varying fastest:
+//
+//	rank = ((dp*EP + ep)*CP + cp)*TP + tp
+//
+// so with CP = TP = 1, rank = dp*EP + ep: the EP ranks of one data-parallel
+// replica are neighbours. The groups cut from the mesh are
+//
+//	World          every rank                        size DP*EP*CP*TP
+//	Data           same cp, tp    (rank dp*EP + ep)  size DP*EP
+//	Expert         same dp, cp, tp (rank ep)         size EP
+//	ExpertReplica  same ep, cp, tp (rank dp)         size DP
+//
+// The rank of a member within a group is its coordinate on the group's
+// axes, read the same way (so Data's group rank orders dp before ep).
+
+// Coord is one rank's position in the mesh; each index counts from 0.
+type Coord struct {
+	DP, EP, CP, TP int
+}
+
+// Validate reports a mesh with a dimension below 1.
+func (m Mesh) Validate() error {
+	for _, d := range []struct {
+		name string
+		v    int
+	}{{"dp", m.DP}, {"ep", m.EP}, {"cp", m.CP}, {"tp", m.TP}} {
+		if d.v < 1 {
+			return fmt.Errorf("comm: mesh %s is %d; every mesh dimension must be at least 1", d.name, d.v)
+		}
+	}
+	return nil
+}
+
+// Rank is the world rank at c.
+func (m Mesh) Rank(c Coord) int {
+	return ((c.DP*m.EP+c.EP)*m.CP+c.CP)*m.TP + c.TP
+}
+
+// Coord is the mesh position of a world rank; the inverse of Rank.
+func (m Mesh) Coord(rank int) Coord {
+	var c Coord
+	c.TP, rank = rank%m.TP, rank/m.TP
+	c.CP, rank = rank%m.CP, rank/m.CP
+	c.EP, rank = rank%m.EP, rank/m.EP
+	c.DP = rank
+	return c
+}
+
+// Ranks is one world rank's view of the mesh: where it sits and the groups
+// it belongs to (see the rank layout above).
+type Ranks struct {
+	Mesh  Mesh
+	Coord Coord
+	Rank  int // world rank
+
+	World, Data, Expert, ExpertReplica Group
+}
+
+// Abort aborts every group of this rank, so that a failing rank releases
+// every peer waiting on it whichever group they wait in. A rank woken by the
+// resulting error should call Abort too, which passes the failure on to the
+// groups it shares with ranks that never met the failed one.
+func (r *Ranks) Abort(err error) {
+	for _, g := range []Group{r.World, r.Data, r.Expert, r.ExpertReplica} {
+		g.Abort(err)
+	}
+}

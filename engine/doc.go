@@ -1,0 +1,49 @@
+// Package engine is mktrain's trainer: it assembles the Mixtral-style model
+// from its layers, runs the training loop over one or more ranks, and reports
+// every step. It is the public Go API: a service embeds it as
+//
+//	cfg := engine.DefaultConfig()            // or recipes.Load("recipes/tiny.yaml", nil)
+//	eng, err := engine.New(cfg,
+//		engine.WithLogger(logger),
+//		engine.WithHook(func(ev engine.StepEvent) { ... }))
+//	res, err := eng.Run(ctx)                 // cancel ctx to stop between two steps
+//
+// Run returns errors, never panics or exits; a cancelled context returns the
+// result so far and ErrStopped.
+//
+// # Where things are
+//
+//   - config.go, validate.go: Config, the typed recipe, and its checks.
+//   - engine.go: New, options, backend and data selection, Run.
+//   - train.go: the training loop, read top to bottom.
+//   - rank.go: one rank's step: micro-batches, gradient reduction, clipping,
+//     AdamW, expert-bias updates; evaluation.
+//   - model.go: the decoder's forward and backward over a micro-batch:
+//     embedding, per layer RMSNorm, attention (package attention), residual,
+//     RMSNorm, sparse MoE (package moe), residual; final RMSNorm; the LM head
+//     fused with the cross-entropy in chunks of rows.
+//   - params.go: parameters, their Hugging Face names, initialisation.
+//   - schedule.go: the learning-rate schedules.
+//   - events.go: StepEvent and the metrics.jsonl line.
+//
+// # The model
+//
+// The model computes what Hugging Face's MixtralForCausalLM computes: token
+// embedding; per layer x += attn(rmsnorm(x)), x += moe(rmsnorm(x)); final
+// RMSNorm; untied LM head; next-token cross-entropy averaged over the global
+// batch. The objective adds, per MoE layer, aux_loss_coef times the Switch
+// load-balancing loss and z_loss_coef times the router z-loss (both computed
+// over the global batch of each micro-step); StepEvent reports the
+// cross-entropy and the two auxiliary losses separately.
+//
+// # Ranks
+//
+// The recipe's parallel section becomes a mesh of ranks (package comm). Each
+// rank owns a model replica with all non-expert weights and its share of the
+// experts (model.moe.experts / parallel.ep), reads a disjoint part of the
+// data, and exchanges routed tokens with the other ranks of its expert group.
+// Gradients of replicated weights are summed over all data ranks, those of
+// experts over the ranks holding the same experts, so every layout trains
+// the same model as one rank would, up to floating-point summation order.
+// On the CPU backend ranks are goroutines of one process (virtual ranks).
+package engine

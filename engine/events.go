@@ -1,0 +1,86 @@
+package engine
+
+import (
+	"encoding/json"
+	"io"
+	"math"
+	"time"
+)
+
+// StepEvent describes one optimizer step. Hooks receive one per step;
+// metrics.jsonl holds the logged ones.
+type StepEvent struct {
+	Step, Steps  int
+	Loss         float64 // mean next-token cross-entropy over the global batch
+	AuxLoss      float64 // load-balancing loss, summed over layers (unweighted)
+	ZLoss        float64 // router z-loss, summed over layers (unweighted)
+	LR           float64
+	GradNorm     float64 // global gradient norm before clipping
+	Tokens       int64   // tokens trained on so far
+	TokensPerSec float64 // this step's throughput
+	Elapsed      time.Duration
+	ValLoss      float64 // NaN unless validation ran after this step
+	Experts      []ExpertLoad
+}
+
+// ExpertLoad is one MoE layer's routing in a step.
+type ExpertLoad struct {
+	Layer       int       `json:"layer"`
+	Fraction    []float64 `json:"fraction"`      // share of token assignments per expert
+	MaxOverMean float64   `json:"max_over_mean"` // imbalance: busiest expert's load over the mean
+	Dropped     int       `json:"dropped"`       // assignments dropped by the capacity factor
+}
+
+func expertLoads(sr stepResult) []ExpertLoad {
+	out := make([]ExpertLoad, len(sr.expertLoad))
+	for l, counts := range sr.expertLoad {
+		total, peak := 0.0, 0.0
+		for _, c := range counts {
+			total += c
+			peak = math.Max(peak, c)
+		}
+		frac := make([]float64, len(counts))
+		imbalance := 0.0
+		if total > 0 {
+			for e, c := range counts {
+				frac[e] = round4(c / total)
+			}
+			imbalance = round4(peak / (total / float64(len(counts))))
+		}
+		out[l] = ExpertLoad{Layer: l, Fraction: frac, MaxOverMean: imbalance, Dropped: sr.dropped[l]}
+	}
+	return out
+}
+
+// metricsLine is the JSON form of a logged step in metrics.jsonl.
+type metricsLine struct {
+	Step         int          `json:"step"`
+	Loss         float64      `json:"loss"`
+	AuxLoss      float64      `json:"aux_loss"`
+	ZLoss        float64      `json:"z_loss"`
+	LR           float64      `json:"lr"`
+	GradNorm     float64      `json:"grad_norm"`
+	Tokens       int64        `json:"tokens"`
+	TokensPerSec float64      `json:"tokens_per_s"`
+	ElapsedS     float64      `json:"elapsed_s"`
+	ValLoss      *float64     `json:"val_loss,omitempty"`
+	Experts      []ExpertLoad `json:"experts"`
+}
+
+func writeMetrics(w io.Writer, ev StepEvent) error {
+	line := metricsLine{
+		Step: ev.Step, Loss: ev.Loss, AuxLoss: ev.AuxLoss, ZLoss: ev.ZLoss, LR: ev.LR,
+		GradNorm: ev.GradNorm, Tokens: ev.Tokens, TokensPerSec: math.Round(ev.TokensPerSec),
+		ElapsedS: ev.Elapsed.Seconds(), Experts: ev.Experts,
+	}
+	if !math.IsNaN(ev.ValLoss) {
+		v := ev.ValLoss
+		line.ValLoss = &v
+	}
+	b, err := json.Marshal(line)
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(b, '\n'))
+	return err
+}

@@ -1,0 +1,172 @@
+package engine
+
+import (
+	"fmt"
+
+	"gorgonia.org/tensor"
+
+	"github.com/mktrain/mktrain/attention"
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/moe"
+)
+
+// model is one rank's replica of the decoder with the activations of one
+// micro-batch of batch x seq tokens. Forward saves what Backward needs, as in
+// llm.c: there is no autograd.
+type model struct {
+	cfg        ModelConfig
+	b          backend.Backend
+	batch, seq int
+	w, g       *modelParams
+	attn       []*attention.Layer
+	moe        []*moe.Layer
+
+	// Inputs of the micro-batch.
+	idsT, targetsT, posT backend.Tensor
+
+	// Saved activations, per layer l: residL[l] is the residual stream
+	// entering layer l (residL[Layers] leaves the last one), midL[l] the
+	// stream after attention, h1L/h2L the normalised inputs of attention and
+	// MoE, rstd1L/rstd2L their inverse RMS.
+	residL, midL, h1L, h2L []backend.Tensor
+	rstd1L, rstd2L         []backend.Tensor
+	finalTD, rstdFinalT    backend.Tensor
+
+	// Scratch: block outputs and gradient streams.
+	blockOutTD, dResidTD, dBlockTD, dTmpTD backend.Tensor
+	dFinalTD                               backend.Tensor
+	// LM head in chunks of rows, so [T, V] logits never exist whole.
+	logitsCV, lossT backend.Tensor
+	chunkRows       int
+}
+
+// lmHeadChunkRows bounds the logits buffer of the fused LM head and loss.
+const lmHeadChunkRows = 1024
+
+func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups) (*model, error) {
+	T, D, ft := batch*seq, cfg.Dim, b.FloatType()
+	m := &model{cfg: cfg, b: b, batch: batch, seq: seq, w: w, g: g}
+	m.idsT, m.targetsT, m.posT = b.New(backend.Int32, T), b.New(backend.Int32, T), b.New(backend.Int32, T)
+	pos := make([]int32, T)
+	for i := range pos {
+		pos[i] = int32(i % seq)
+	}
+	b.Upload(m.posT, tensor.New(tensor.WithShape(T), tensor.WithBacking(pos)))
+	L := cfg.Layers
+	for l := 0; l <= L; l++ {
+		m.residL = append(m.residL, b.New(ft, T, D))
+	}
+	for l := 0; l < L; l++ {
+		m.midL = append(m.midL, b.New(ft, T, D))
+		m.h1L = append(m.h1L, b.New(ft, T, D))
+		m.h2L = append(m.h2L, b.New(ft, T, D))
+		m.rstd1L = append(m.rstd1L, b.New(ft, T))
+		m.rstd2L = append(m.rstd2L, b.New(ft, T))
+		m.attn = append(m.attn, attention.New(b, attentionShape(cfg), batch, seq))
+		layer, err := moe.New(b, cfg.MoE, D, T, groups)
+		if err != nil {
+			return nil, fmt.Errorf("layer %d: %w", l, err)
+		}
+		m.moe = append(m.moe, layer)
+	}
+	m.finalTD, m.rstdFinalT = b.New(ft, T, D), b.New(ft, T)
+	m.blockOutTD, m.dResidTD, m.dBlockTD, m.dTmpTD = b.New(ft, T, D), b.New(ft, T, D), b.New(ft, T, D), b.New(ft, T, D)
+	m.dFinalTD = b.New(ft, T, D)
+	m.chunkRows = min(T, lmHeadChunkRows)
+	m.logitsCV, m.lossT = b.New(ft, m.chunkRows, cfg.Vocab), b.New(ft, T)
+	return m, nil
+}
+
+// setBatch uploads one micro-batch of token ids and next-token targets.
+func (m *model) setBatch(ids, targets []int32) {
+	T := m.batch * m.seq
+	m.b.Upload(m.idsT, tensor.New(tensor.WithShape(T), tensor.WithBacking(ids)))
+	m.b.Upload(m.targetsT, tensor.New(tensor.WithShape(T), tensor.WithBacking(targets)))
+}
+
+// microStats is what one forward reports: the summed token losses of this
+// rank and the MoE statistics of every layer (global over the data group).
+type microStats struct {
+	lossSum float64
+	moe     []moe.Stats
+}
+
+// forward runs the model on the uploaded batch. When train is set it also
+// runs the LM head's backward (fused with the loss, chunk by chunk) with
+// gradScale, leaving dFinalTD for backward; lossScale weighs the MoE
+// auxiliary losses' gradients.
+func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backend.Tensor) (microStats, error) {
+	b, w := m.b, m.w
+	st := microStats{moe: make([]moe.Stats, m.cfg.Layers)}
+	b.EmbeddingForward(m.residL[0], w.embedVD, m.idsT)
+	for l := 0; l < m.cfg.Layers; l++ {
+		lw := &w.layers[l]
+		b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
+		m.attn[l].Forward(m.blockOutTD, m.h1L[l], m.posT, lw.attn)
+		b.Copy(m.midL[l], m.residL[l])
+		b.Axpy(m.midL[l], 1, m.blockOutTD)
+
+		b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
+		var bias backend.Tensor
+		if biasE != nil {
+			bias = biasE[l]
+		}
+		s, err := m.moe[l].Forward(m.blockOutTD, m.h2L[l], lw.moe, bias, lossScale)
+		if err != nil {
+			return st, fmt.Errorf("layer %d MoE: %w", l, err)
+		}
+		st.moe[l] = s
+		b.Copy(m.residL[l+1], m.midL[l])
+		b.Axpy(m.residL[l+1], 1, m.blockOutTD)
+	}
+	L := m.cfg.Layers
+	b.RMSNormForward(m.finalTD, m.rstdFinalT, m.residL[L], w.finalNormD, m.cfg.NormEps)
+	st.lossSum = m.lmHeadLoss(train, gradScale)
+	return st, nil
+}
+
+// lmHeadLoss computes logits, per-token losses and, when training, the
+// gradients of the final hidden states and the LM head, chunk by chunk.
+func (m *model) lmHeadLoss(train bool, gradScale float64) float64 {
+	b := m.b
+	T, D, V := m.batch*m.seq, m.cfg.Dim, m.cfg.Vocab
+	if !train {
+		gradScale = 0
+	}
+	for r0 := 0; r0 < T; r0 += m.chunkRows {
+		rows := min(m.chunkRows, T-r0)
+		logits := b.View(m.logitsCV, 0, rows, V)
+		hCD := b.View(m.finalTD, r0*D, rows, D)
+		b.MatMul(logits, hCD, m.w.lmHeadVD, false, true, 1, 0)
+		b.CrossEntropy(b.View(m.lossT, r0, rows), logits, logits, b.View(m.targetsT, r0, rows), gradScale)
+		if train {
+			b.MatMul(b.View(m.dFinalTD, r0*D, rows, D), logits, m.w.lmHeadVD, false, false, 1, 0)
+			b.MatMul(m.g.lmHeadVD, logits, hCD, true, false, 1, 1)
+		}
+	}
+	return b.Sum(m.lossT)
+}
+
+// backward propagates from dFinalTD (left by a training forward) to every
+// parameter gradient, accumulating into m.g.
+func (m *model) backward() error {
+	b, w, g := m.b, m.w, m.g
+	L := m.cfg.Layers
+	b.RMSNormBackward(m.dResidTD, g.finalNormD, m.dFinalTD, m.residL[L], w.finalNormD, m.rstdFinalT)
+	for l := L - 1; l >= 0; l-- {
+		lw, lg := &w.layers[l], &g.layers[l]
+		// residL[l+1] = midL[l] + moe(norm(midL[l])): the stream's gradient
+		// flows straight through and through the MoE block.
+		if err := m.moe[l].Backward(m.dBlockTD, m.dResidTD, lw.moe, lg.moe); err != nil {
+			return fmt.Errorf("layer %d MoE backward: %w", l, err)
+		}
+		b.RMSNormBackward(m.dTmpTD, lg.ffnNormD, m.dBlockTD, m.midL[l], lw.ffnNormD, m.rstd2L[l])
+		b.Axpy(m.dResidTD, 1, m.dTmpTD)
+		// midL[l] = residL[l] + attn(norm(residL[l])).
+		m.attn[l].Backward(m.dBlockTD, m.dResidTD, lw.attn, lg.attn)
+		b.RMSNormBackward(m.dTmpTD, lg.attnNormD, m.dBlockTD, m.residL[l], lw.attnNormD, m.rstd1L[l])
+		b.Axpy(m.dResidTD, 1, m.dTmpTD)
+	}
+	b.EmbeddingBackward(g.embedVD, m.dResidTD, m.idsT)
+	return nil
+}

@@ -1,0 +1,158 @@
+package engine
+
+import (
+	"fmt"
+	"hash/fnv"
+	"math/rand/v2"
+
+	"gorgonia.org/tensor"
+
+	"github.com/mktrain/mktrain/attention"
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/moe"
+)
+
+// Parameter names are Hugging Face Mixtral's, so they do not depend on the
+// parallel layout and an export needs no renaming. Options beyond Mixtral
+// (shared experts) get names in the same style.
+const (
+	nameEmbed     = "model.embed_tokens.weight"
+	nameFinalNorm = "model.norm.weight"
+	nameLMHead    = "lm_head.weight"
+)
+
+func layerName(l int, suffix string) string { return fmt.Sprintf("model.layers.%d.%s", l, suffix) }
+
+// expertName is the name of expert j's matrix w ("w1", "w2", "w3") in layer l.
+func expertName(l, j int, w string) string {
+	return fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%d.%s.weight", l, j, w)
+}
+
+// layerParams holds one decoder layer's tensors (weights, or their gradients).
+type layerParams struct {
+	attnNormD, ffnNormD backend.Tensor
+	attn                *attention.Params
+	moe                 *moe.Params
+}
+
+// modelParams holds every tensor of one rank's model replica. The same
+// struct holds weights and gradients.
+type modelParams struct {
+	embedVD, finalNormD, lmHeadVD backend.Tensor
+	layers                        []layerParams
+}
+
+func newModelParams(b backend.Backend, m ModelConfig, localExperts int) *modelParams {
+	ft := b.FloatType()
+	p := &modelParams{
+		embedVD:    b.New(ft, m.Vocab, m.Dim),
+		finalNormD: b.New(ft, m.Dim),
+		lmHeadVD:   b.New(ft, m.Vocab, m.Dim),
+		layers:     make([]layerParams, m.Layers),
+	}
+	for l := range p.layers {
+		p.layers[l] = layerParams{
+			attnNormD: b.New(ft, m.Dim),
+			ffnNormD:  b.New(ft, m.Dim),
+			attn:      attention.NewParams(b, attentionShape(m)),
+			moe:       moe.NewParams(b, m.MoE, m.Dim, localExperts),
+		}
+	}
+	return p
+}
+
+func attentionShape(m ModelConfig) attention.Shape {
+	return attention.Shape{Dim: m.Dim, Heads: m.Heads, KVHeads: m.KVHeads, RopeTheta: m.RopeTheta}
+}
+
+// tensorRole says how a parameter is initialised, decayed and reduced.
+type tensorRole int
+
+const (
+	roleNorm   tensorRole = iota // RMSNorm weight: init 1, no weight decay
+	roleMatrix                   // dense weight replicated on every rank
+	roleExpert                   // stacked [E_local, ...] expert weights, sharded over EP
+)
+
+// paramSlot describes one tensor of modelParams.
+type paramSlot struct {
+	name string // for experts: a fmt pattern taking the global expert index
+	role tensorRole
+	pick func(*modelParams) backend.Tensor
+}
+
+// slots lists every parameter in a fixed order: the order of optimizer
+// state, gradient reduction and checkpoints.
+func slots(m ModelConfig) []paramSlot {
+	s := []paramSlot{{nameEmbed, roleMatrix, func(p *modelParams) backend.Tensor { return p.embedVD }}}
+	for l := 0; l < m.Layers; l++ {
+		s = append(s,
+			paramSlot{layerName(l, "input_layernorm.weight"), roleNorm, func(p *modelParams) backend.Tensor { return p.layers[l].attnNormD }},
+			paramSlot{layerName(l, "self_attn.q_proj.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].attn.WqQD }},
+			paramSlot{layerName(l, "self_attn.k_proj.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].attn.WkKD }},
+			paramSlot{layerName(l, "self_attn.v_proj.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].attn.WvKD }},
+			paramSlot{layerName(l, "self_attn.o_proj.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].attn.WoDQ }},
+			paramSlot{layerName(l, "post_attention_layernorm.weight"), roleNorm, func(p *modelParams) backend.Tensor { return p.layers[l].ffnNormD }},
+			paramSlot{layerName(l, "block_sparse_moe.gate.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].moe.GateED }},
+			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w1.weight", l), roleExpert, func(p *modelParams) backend.Tensor { return p.layers[l].moe.W1EFD }},
+			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w2.weight", l), roleExpert, func(p *modelParams) backend.Tensor { return p.layers[l].moe.W2EDF }},
+			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w3.weight", l), roleExpert, func(p *modelParams) backend.Tensor { return p.layers[l].moe.W3EFD }},
+		)
+		if m.MoE.SharedExperts > 0 {
+			s = append(s,
+				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w1.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].moe.SharedW1FD }},
+				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w2.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].moe.SharedW2DF }},
+				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w3.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].moe.SharedW3FD }},
+			)
+		}
+	}
+	return append(s,
+		paramSlot{nameFinalNorm, roleNorm, func(p *modelParams) backend.Tensor { return p.finalNormD }},
+		paramSlot{nameLMHead, roleMatrix, func(p *modelParams) backend.Tensor { return p.lmHeadVD }},
+	)
+}
+
+// param binds one parameter's weight, gradient and AdamW moments.
+type param struct {
+	slot        paramSlot
+	w, g, m, v  backend.Tensor
+	firstExpert int // roleExpert: global index of the first local expert
+}
+
+// tensorRNG returns the random stream that initialises one named tensor. It
+// depends only on the seed and the name, so a model initialises identically
+// under every parallel layout.
+func tensorRNG(seed uint64, name string) *rand.Rand {
+	h := fnv.New64a()
+	h.Write([]byte(name))
+	return rand.New(rand.NewPCG(seed, h.Sum64()))
+}
+
+// initParam fills p.w: norms with ones, matrices (and each expert matrix)
+// with N(0, std).
+func initParam(b backend.Backend, p *param, seed uint64, std float64) {
+	n := p.w.Len()
+	host := make([]float64, n)
+	switch p.slot.role {
+	case roleNorm:
+		for i := range host {
+			host[i] = 1
+		}
+	case roleMatrix:
+		fillNormal(host, tensorRNG(seed, p.slot.name), std)
+	case roleExpert:
+		shape := p.w.Shape()
+		per := n / shape[0]
+		for j := 0; j < shape[0]; j++ {
+			name := fmt.Sprintf(p.slot.name, p.firstExpert+j)
+			fillNormal(host[j*per:(j+1)*per], tensorRNG(seed, name), std)
+		}
+	}
+	b.Upload(p.w, tensor.New(tensor.WithShape(n), tensor.WithBacking(host)))
+}
+
+func fillNormal(x []float64, rng *rand.Rand, std float64) {
+	for i := range x {
+		x[i] = rng.NormFloat64() * std
+	}
+}

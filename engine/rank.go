@@ -1,0 +1,211 @@
+package engine
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/moe"
+)
+
+// batchSource yields micro-batches of token ids and their next-token targets,
+// batch sequences at a time.
+type batchSource interface {
+	Next(batch int) (inputs, targets []int32, err error)
+}
+
+// evalSource is a batchSource that restarts at the same place for every
+// evaluation, so validation losses are comparable.
+type evalSource interface {
+	batchSource
+	Reset()
+}
+
+// rank is one rank of the run: its model replica (non-expert weights
+// replicated, its share of the experts), optimizer state, data and groups.
+// Virtual ranks are goroutines of one process, each driving its own rank.
+type rank struct {
+	cfg    Config
+	b      backend.Backend
+	groups *comm.Ranks
+	w, g   *modelParams
+	params []param
+	biasE  []backend.Tensor // per layer, nil when bias balancing is off
+	model  *model
+	train  batchSource
+	val    evalSource
+}
+
+func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource) (*rank, error) {
+	m := cfg.Model
+	localExperts := m.MoE.Experts / cfg.Parallel.EP
+	firstExpert := groups.Expert.Rank() * localExperts
+	r := &rank{cfg: cfg, b: b, groups: groups, train: train, val: val}
+	r.w = newModelParams(b, m, localExperts)
+	r.g = newModelParams(b, m, localExperts)
+	for _, s := range slots(m) {
+		w := s.pick(r.w)
+		p := param{slot: s, w: w, g: s.pick(r.g), firstExpert: firstExpert}
+		p.m = b.New(b.FloatType(), w.Shape()...)
+		p.v = b.New(b.FloatType(), w.Shape()...)
+		initParam(b, &p, cfg.Train.Seed, m.InitStd)
+		r.params = append(r.params, p)
+	}
+	if m.MoE.BiasUpdateRate > 0 {
+		for l := 0; l < m.Layers; l++ {
+			r.biasE = append(r.biasE, b.New(b.FloatType(), m.MoE.Experts))
+		}
+	}
+	var err error
+	r.model, err = newModel(b, m, r.w, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
+		moe.Groups{Expert: groups.Expert, Data: groups.Data})
+	if err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// stepResult is one optimizer step, identical on every rank.
+type stepResult struct {
+	loss, auxLoss, zLoss float64
+	gradNorm, lr         float64
+	expertLoad           [][]float64 // [layer][expert] token assignments this step
+	dropped              []int       // per layer
+}
+
+// trainStep runs the micro-batches of one optimizer step, reduces the
+// gradients across ranks, clips and applies AdamW.
+func (r *rank) trainStep(step int) (stepResult, error) {
+	b, cfg := r.b, r.cfg
+	accum := cfg.AccumSteps()
+	globalTokens := float64(cfg.Train.GlobalBatch * cfg.Train.Seq)
+	res := stepResult{expertLoad: make([][]float64, cfg.Model.Layers), dropped: make([]int, cfg.Model.Layers)}
+	for l := range res.expertLoad {
+		res.expertLoad[l] = make([]float64, cfg.Model.MoE.Experts)
+	}
+	for _, p := range r.params {
+		b.Zero(p.g)
+	}
+	lossSum := 0.0
+	for a := 0; a < accum; a++ {
+		ids, targets, err := r.train.Next(cfg.Train.MicroBatch)
+		if err != nil {
+			return res, fmt.Errorf("training data: %w", err)
+		}
+		r.model.setBatch(ids, targets)
+		st, err := r.model.forward(true, 1/globalTokens, 1/float64(accum), r.biasE)
+		if err != nil {
+			return res, err
+		}
+		lossSum += st.lossSum
+		for l, s := range st.moe {
+			res.auxLoss += s.AuxLoss / float64(accum)
+			res.zLoss += s.ZLoss / float64(accum)
+			res.dropped[l] += s.Dropped
+			for e, c := range s.TokensPerExpert {
+				res.expertLoad[l][e] += c
+			}
+		}
+		if err := r.model.backward(); err != nil {
+			return res, err
+		}
+	}
+	sums := []float64{lossSum}
+	if err := r.groups.Data.AllReduceFloat64(sums); err != nil {
+		return res, err
+	}
+	res.loss = sums[0] / globalTokens
+	if math.IsNaN(res.loss) || math.IsInf(res.loss, 0) {
+		return res, fmt.Errorf("step %d: the loss is %v; lower train.lr, set train.grad_clip (now %g) or check the data", step, res.loss, cfg.Train.GradClip)
+	}
+	if err := r.reduceGradients(); err != nil {
+		return res, err
+	}
+	norm, err := r.gradNorm()
+	if err != nil {
+		return res, err
+	}
+	res.gradNorm = norm
+	if clip := cfg.Train.GradClip; clip > 0 && norm > clip {
+		for _, p := range r.params {
+			b.Scale(p.g, clip/(norm+1e-6))
+		}
+	}
+	res.lr = learningRate(cfg.Train, step)
+	t := cfg.Train
+	for _, p := range r.params {
+		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: t.WeightDecay, Step: step}
+		if p.slot.role == roleNorm {
+			h.WeightDecay = 0
+		}
+		b.AdamWUpdate(p.w, p.g, p.m, p.v, h)
+	}
+	for l, bias := range r.biasE {
+		moe.UpdateBias(b, bias, res.expertLoad[l], cfg.Model.MoE.BiasUpdateRate)
+	}
+	return res, b.Sync()
+}
+
+// reduceGradients sums gradients over the ranks that share each parameter:
+// replicated weights over the data group, expert weights over the ranks
+// that hold the same experts.
+func (r *rank) reduceGradients() error {
+	for _, p := range r.params {
+		g := r.groups.Data
+		if p.slot.role == roleExpert {
+			g = r.groups.ExpertReplica
+		}
+		if g.Size() == 1 {
+			continue
+		}
+		if err := g.AllReduceSum(p.g); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// gradNorm is the global L2 norm of the reduced gradients: replicated
+// tensors counted once, expert shards summed over the expert group.
+func (r *rank) gradNorm() (float64, error) {
+	replicated, experts := 0.0, []float64{0}
+	for _, p := range r.params {
+		ss := r.b.SumSquares(p.g)
+		if p.slot.role == roleExpert {
+			experts[0] += ss
+		} else {
+			replicated += ss
+		}
+	}
+	if err := r.groups.Expert.AllReduceFloat64(experts); err != nil {
+		return 0, err
+	}
+	return math.Sqrt(replicated + experts[0]), nil
+}
+
+// evaluate returns the mean validation loss over eval_batches micro-batches
+// of every data rank.
+func (r *rank) evaluate() (float64, error) {
+	cfg := r.cfg
+	r.val.Reset()
+	sum := 0.0
+	for i := 0; i < cfg.Train.EvalBatches; i++ {
+		ids, targets, err := r.val.Next(cfg.Train.MicroBatch)
+		if err != nil {
+			return 0, fmt.Errorf("validation data: %w", err)
+		}
+		r.model.setBatch(ids, targets)
+		st, err := r.model.forward(false, 0, 0, r.biasE)
+		if err != nil {
+			return 0, err
+		}
+		sum += st.lossSum
+	}
+	sums := []float64{sum}
+	if err := r.groups.Data.AllReduceFloat64(sums); err != nil {
+		return 0, err
+	}
+	tokens := cfg.Train.EvalBatches * cfg.Train.MicroBatch * cfg.Train.Seq * r.groups.Data.Size()
+	return sums[0] / float64(tokens), nil
+}

@@ -1,0 +1,286 @@
+package engine
+
+// Validation of a whole Config. Every rule here is listed, with its field, in
+// docs/recipes.md; the messages are sentences a user can act on without
+// reading code, and each names the recipe path of the value at fault.
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"path/filepath"
+	"strings"
+)
+
+// MaxVocab is the largest vocabulary a model may have: token ids are int32.
+const MaxVocab = 1 << 31
+
+// A FieldError is one problem Validate found. Field is the recipe path of the
+// value at fault ("model.heads"); the message is a whole sentence that names
+// it, and any other field the rule involves.
+type FieldError struct {
+	Field string
+	Msg   string
+}
+
+func (e *FieldError) Error() string { return e.Msg }
+
+// Validate checks every field and the rules between fields. It reports all
+// problems at once, joined with errors.Join, each a *FieldError; nil means
+// the configuration can be run.
+func (c Config) Validate() error {
+	var v validator
+	v.model(c.Model, c.Data)
+	v.data(c.Data)
+	v.train(c.Train, c.Parallel)
+	v.parallel(c.Parallel, c.Model.MoE.Experts)
+	v.checkpoint(c.Checkpoint)
+	v.log(c.Log)
+	return errors.Join(v.errs...)
+}
+
+// DataParallelRanks is the number of ranks that each take a different slice
+// of the global batch: dp*ep, because expert-parallel ranks hold different
+// tokens too (context- and tensor-parallel ranks share theirs).
+func (c Config) DataParallelRanks() int { return c.Parallel.DP * c.Parallel.EP }
+
+// AccumSteps is the number of micro-batches each rank runs per optimizer
+// step: global_batch / (micro_batch * dp*ep). It is meaningful for a Config
+// that passed Validate, and 0 for one whose batch sizes are not positive.
+func (c Config) AccumSteps() int {
+	per := c.Train.MicroBatch * c.DataParallelRanks()
+	if per <= 0 {
+		return 0
+	}
+	return c.Train.GlobalBatch / per
+}
+
+// WSDDecaySteps is the length of the wsd schedule's final decay:
+// train.decay_steps, or 20% of train.steps (at least 1) when that is 0.
+func (t TrainConfig) WSDDecaySteps() int {
+	if t.DecaySteps > 0 {
+		return t.DecaySteps
+	}
+	return max(1, t.Steps/5)
+}
+
+// validator collects the problems; its helpers report and return whether the
+// value was good, so that rules between fields run only on good operands and
+// one mistake gives one message.
+type validator struct{ errs []error }
+
+func (v *validator) fail(field, format string, args ...any) bool {
+	v.errs = append(v.errs, &FieldError{Field: field, Msg: fmt.Sprintf(format, args...)})
+	return false
+}
+
+func (v *validator) positiveInt(field string, x int) bool {
+	if x <= 0 {
+		return v.fail(field, "%s must be positive, got %d", field, x)
+	}
+	return true
+}
+
+func (v *validator) nonNegativeInt(field string, x int, zeroMeans string) bool {
+	if x < 0 {
+		return v.fail(field, "%s must be 0 (%s) or positive, got %d", field, zeroMeans, x)
+	}
+	return true
+}
+
+func (v *validator) atLeast(field string, x, least int) bool {
+	if x < least {
+		return v.fail(field, "%s must be at least %d, got %d", field, least, x)
+	}
+	return true
+}
+
+func (v *validator) finite(field string, x float64) bool {
+	if math.IsNaN(x) || math.IsInf(x, 0) {
+		return v.fail(field, "%s must be a finite number, got %v", field, x)
+	}
+	return true
+}
+
+func (v *validator) positive(field string, x float64) bool {
+	if !v.finite(field, x) {
+		return false
+	}
+	if x <= 0 {
+		return v.fail(field, "%s must be positive, got %v", field, x)
+	}
+	return true
+}
+
+func (v *validator) nonNegative(field string, x float64, zeroMeans string) bool {
+	if !v.finite(field, x) {
+		return false
+	}
+	if x < 0 {
+		return v.fail(field, "%s must be 0 (%s) or positive, got %v", field, zeroMeans, x)
+	}
+	return true
+}
+
+// unitInterval checks x in [0, 1), the range of Adam's betas.
+func (v *validator) unitInterval(field string, x float64) bool {
+	if !v.finite(field, x) {
+		return false
+	}
+	if x < 0 || x >= 1 {
+		return v.fail(field, "%s must be in [0, 1), got %v", field, x)
+	}
+	return true
+}
+
+func (v *validator) oneOf(field, x string, allowed ...string) bool {
+	for _, a := range allowed {
+		if x == a {
+			return true
+		}
+	}
+	return v.fail(field, "%s must be one of %s; got %q", field, strings.Join(allowed, ", "), x)
+}
+
+func (v *validator) model(m ModelConfig, d DataConfig) {
+	if v.positiveInt("model.vocab", m.Vocab) {
+		if m.Vocab > MaxVocab {
+			v.fail("model.vocab", "model.vocab (%d) must be at most %d (2^31): token ids are int32", m.Vocab, MaxVocab)
+		} else if d.Train == "" && m.Vocab < 256 {
+			v.fail("model.vocab", "model.vocab (%d) must be at least 256 when data.train is empty: the embedded corpus is byte-level", m.Vocab)
+		}
+	}
+	dimOK := v.positiveInt("model.dim", m.Dim)
+	v.positiveInt("model.layers", m.Layers)
+	headsOK := v.positiveInt("model.heads", m.Heads)
+	kvOK := v.positiveInt("model.kv_heads", m.KVHeads)
+	if dimOK && headsOK {
+		if m.Dim%m.Heads != 0 {
+			v.fail("model.heads", "model.heads (%d) must divide model.dim (%d)", m.Heads, m.Dim)
+		} else if hd := m.Dim / m.Heads; hd%2 != 0 {
+			v.fail("model.heads", "the head dim model.dim/model.heads (%d/%d = %d) must be even: RoPE rotates pairs of dimensions", m.Dim, m.Heads, hd)
+		}
+	}
+	if headsOK && kvOK && m.Heads%m.KVHeads != 0 {
+		v.fail("model.kv_heads", "model.kv_heads (%d) must divide model.heads (%d)", m.KVHeads, m.Heads)
+	}
+	v.positive("model.rope_theta", m.RopeTheta)
+	v.positive("model.norm_eps", m.NormEps)
+	v.positive("model.init_std", m.InitStd)
+
+	e := m.MoE
+	expertsOK := v.positiveInt("model.moe.experts", e.Experts)
+	if v.positiveInt("model.moe.top_k", e.TopK) && expertsOK && e.TopK > e.Experts {
+		v.fail("model.moe.top_k", "model.moe.top_k (%d) cannot exceed model.moe.experts (%d)", e.TopK, e.Experts)
+	}
+	v.positiveInt("model.moe.ffn", e.FFN)
+	v.nonNegative("model.moe.aux_loss_coef", e.AuxLossCoef, "off")
+	v.nonNegative("model.moe.z_loss_coef", e.ZLossCoef, "off")
+	v.nonNegative("model.moe.bias_update_rate", e.BiasUpdateRate, "off")
+	v.nonNegativeInt("model.moe.shared_experts", e.SharedExperts, "none")
+	v.nonNegative("model.moe.capacity_factor", e.CapacityFactor, "dropless")
+}
+
+func (v *validator) data(d DataConfig) {
+	for _, g := range []struct{ field, pattern string }{{"data.train", d.Train}, {"data.val", d.Val}} {
+		if _, err := filepath.Match(g.pattern, ""); err != nil {
+			v.fail(g.field, "%s is not a valid glob pattern: %q", g.field, g.pattern)
+		}
+	}
+	// Shards are for both or neither: the embedded corpus has its own
+	// held-out part, and shards from elsewhere would not be held out from it.
+	switch {
+	case d.Train == "" && d.Val != "":
+		v.fail("data.val", "data.val is set but data.train is empty; set both (shards) or neither (the embedded corpus)")
+	case d.Train != "" && d.Val == "":
+		v.fail("data.val", "data.train is set but data.val is empty; set both (shards) or neither (the embedded corpus)")
+	}
+}
+
+func (v *validator) train(t TrainConfig, p ParallelConfig) {
+	v.oneOf("train.backend", t.Backend, "auto", "cpu", "cuda")
+	globalOK := v.positiveInt("train.global_batch", t.GlobalBatch)
+	microOK := v.positiveInt("train.micro_batch", t.MicroBatch)
+	if globalOK && microOK && p.DP >= 1 && p.EP >= 1 {
+		// A product that overflows is larger than global_batch, so it cannot divide it.
+		ranks, ok := mul(p.DP, p.EP)
+		per := 0
+		if ok {
+			per, ok = mul(t.MicroBatch, ranks)
+		}
+		if !ok || t.GlobalBatch%per != 0 {
+			ranksText := fmt.Sprint(ranks)
+			if ranks == 0 {
+				ranksText = fmt.Sprintf("%d*%d", p.DP, p.EP)
+			}
+			v.fail("train.global_batch", "train.global_batch (%d) must be a multiple of train.micro_batch (%d) x data-parallel ranks (dp*ep = %s)",
+				t.GlobalBatch, t.MicroBatch, ranksText)
+		}
+	}
+	v.atLeast("train.seq", t.Seq, 2)
+	stepsOK := v.positiveInt("train.steps", t.Steps)
+	if v.positive("train.lr", t.LR) && v.nonNegative("train.min_lr", t.MinLR, "decay to zero") && t.MinLR > t.LR {
+		v.fail("train.min_lr", "train.min_lr (%v) must not exceed train.lr (%v)", t.MinLR, t.LR)
+	}
+	wsd := t.Schedule == "wsd"
+	v.oneOf("train.schedule", t.Schedule, "cosine", "constant", "wsd")
+	warmupOK := v.nonNegativeInt("train.warmup_steps", t.WarmupSteps, "no warmup")
+	if warmupOK && stepsOK && t.WarmupSteps >= t.Steps {
+		warmupOK = v.fail("train.warmup_steps", "train.warmup_steps (%d) must be less than train.steps (%d)", t.WarmupSteps, t.Steps)
+	}
+	if v.nonNegativeInt("train.decay_steps", t.DecaySteps, "20% of train.steps") && wsd && warmupOK && stepsOK {
+		decay := t.WSDDecaySteps()
+		switch {
+		case decay <= t.Steps-t.WarmupSteps:
+		case t.DecaySteps > 0:
+			v.fail("train.decay_steps", "train.warmup_steps (%d) + train.decay_steps (%d) must not exceed train.steps (%d)",
+				t.WarmupSteps, decay, t.Steps)
+		default:
+			v.fail("train.warmup_steps", "train.warmup_steps (%d) + the wsd decay (train.decay_steps 0: 20%% of train.steps = %d) must not exceed train.steps (%d)",
+				t.WarmupSteps, decay, t.Steps)
+		}
+	}
+	v.nonNegative("train.weight_decay", t.WeightDecay, "off")
+	v.unitInterval("train.beta1", t.Beta1)
+	v.unitInterval("train.beta2", t.Beta2)
+	v.positive("train.eps", t.Eps)
+	v.nonNegative("train.grad_clip", t.GradClip, "off")
+	v.nonNegativeInt("train.eval_every", t.EvalEvery, "only at the end")
+	v.positiveInt("train.eval_batches", t.EvalBatches)
+}
+
+func (v *validator) parallel(p ParallelConfig, experts int) {
+	v.atLeast("parallel.dp", p.DP, 1)
+	if v.atLeast("parallel.ep", p.EP, 1) && experts > 0 && experts%p.EP != 0 {
+		v.fail("parallel.ep", "model.moe.experts (%d) must be divisible by parallel.ep (%d)", experts, p.EP)
+	}
+	if v.atLeast("parallel.cp", p.CP, 1) && p.CP > 1 {
+		v.fail("parallel.cp", "parallel.cp = %d: context parallelism is not available yet; set parallel.cp: 1", p.CP)
+	}
+	if v.atLeast("parallel.tp", p.TP, 1) && p.TP > 1 {
+		v.fail("parallel.tp", "parallel.tp = %d: tensor parallelism is not available yet; set parallel.tp: 1", p.TP)
+	}
+}
+
+func (v *validator) checkpoint(c CheckpointConfig) {
+	v.nonNegativeInt("checkpoint.every", c.Every, "only on stop and at the end")
+	v.nonNegativeInt("checkpoint.keep_last", c.KeepLast, "keep all")
+	if strings.TrimSpace(c.Resume) == "" {
+		v.fail("checkpoint.resume", "checkpoint.resume must be auto, never, or the path of a checkpoint; got %q", c.Resume)
+	}
+	v.oneOf("checkpoint.compress", c.Compress, "none", "zstd")
+}
+
+func (v *validator) log(l LogConfig) {
+	v.nonNegativeInt("log.every", l.Every, "only the first and last steps and evaluations")
+	v.oneOf("log.level", l.Level, "debug", "info", "warn", "error")
+	v.oneOf("log.progress", l.Progress, "auto", "on", "off")
+}
+
+// mul is a*b for positive a and b, and false when the product overflows.
+func mul(a, b int) (int, bool) {
+	if a > math.MaxInt/b {
+		return 0, false
+	}
+	return a * b, true
+}

@@ -1,0 +1,140 @@
+// Package kernels holds mktrain's CUDA C sources and describes them. The
+// sources are embedded in the binary (go:embed) and compiled at run time by
+// NVRTC for the GPU at hand (package backend/cuda), so building mktrain
+// needs no CUDA toolkit.
+//
+// Rules every source follows:
+//   - No #include: NVRTC has no default include path, and a user may have
+//     only the driver and a pip-installed NVRTC. What the kernels share
+//     (reductions, warp shuffles, bf16 conversion) is in prelude.cuh, which
+//     Source.Text prepends to every file.
+//   - Every kernel is extern "C", so its name in the cubin is its source
+//     name, and is listed in Sources with its launch shape.
+//   - Sizes are run-time arguments; element counts and offsets are 64-bit.
+//   - Each kernel has a CPU twin in backend/cpu; backend/cuda's tests compare
+//     the two on fresh random inputs.
+//
+// kernels_test.go compiles every source to sm_90a PTX with clang-19 when it
+// is installed (Debian/Ubuntu: apt-get install -y clang-19), a check that
+// needs no GPU and no CUDA toolkit.
+package kernels
+
+import (
+	"embed"
+	"fmt"
+	"strings"
+)
+
+//go:embed prelude.cuh *.cu
+var files embed.FS
+
+// PreludeFile is the file prepended to every source.
+const PreludeFile = "prelude.cuh"
+
+// Kernel describes one entry point of a source.
+type Kernel struct {
+	Name string
+	// Block is the number of threads per block the kernel is written for.
+	// Kernels with __launch_bounds__ or fixed shared arrays need exactly
+	// this; grid-stride kernels accept any multiple of 32.
+	Block int
+	// Grid says how the grid is sized, in words.
+	Grid string
+}
+
+// Source is one .cu file and the kernels it defines.
+type Source struct {
+	File    string
+	Kernels []Kernel
+}
+
+// Sources lists every source and kernel. A test checks that it matches the
+// files: every .cu is listed and every listed kernel is defined.
+func Sources() []Source {
+	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
+	return []Source{
+		{File: "elementwise.cu", Kernels: []Kernel{
+			{Name: "fill_f32", Block: 256, Grid: gridStride},
+			{Name: "axpy_f32", Block: 256, Grid: gridStride},
+			{Name: "scale_f32", Block: 256, Grid: gridStride},
+			{Name: "sum_partial_f32", Block: 256, Grid: "any; one float64 partial per block, added on the host"},
+		}},
+		{File: "convert.cu", Kernels: []Kernel{
+			{Name: "f32_to_bf16", Block: 256, Grid: gridStride},
+			{Name: "bf16_to_f32", Block: 256, Grid: gridStride},
+		}},
+		{File: "embedding.cu", Kernels: []Kernel{
+			{Name: "embedding_forward_f32", Block: 256, Grid: "T blocks"},
+			{Name: "embedding_backward_f32", Block: 256, Grid: "T blocks"},
+		}},
+		{File: "rmsnorm.cu", Kernels: []Kernel{
+			{Name: "rmsnorm_forward_f32", Block: 256, Grid: "T blocks"},
+			{Name: "rmsnorm_backward_dx_f32", Block: 256, Grid: "T blocks"},
+			{Name: "rmsnorm_backward_dw_f32", Block: 256, Grid: "(ceil(D/32), ceil(T/rows_per_block)) blocks of 32x8"},
+		}},
+		{File: "swiglu.cu", Kernels: []Kernel{
+			{Name: "swiglu_forward_f32", Block: 256, Grid: gridStride},
+			{Name: "swiglu_backward_f32", Block: 256, Grid: gridStride},
+		}},
+		{File: "adamw.cu", Kernels: []Kernel{
+			{Name: "adamw_f32", Block: 256, Grid: gridStride},
+		}},
+		{File: "crossentropy.cu", Kernels: []Kernel{
+			{Name: "cross_entropy_f32", Block: 256, Grid: "T blocks"},
+		}},
+		{File: "rows.cu", Kernels: []Kernel{
+			{Name: "gather_rows_f32", Block: 256, Grid: "N blocks"},
+			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
+			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
+		}},
+	}
+}
+
+// Lookup returns the source named file (e.g. "rmsnorm.cu").
+func Lookup(file string) (Source, error) {
+	for _, s := range Sources() {
+		if s.File == file {
+			return s, nil
+		}
+	}
+	return Source{}, fmt.Errorf("kernels: no source %q", file)
+}
+
+// Text is the compilable source: the prelude, then the file, with a #line
+// directive so compiler messages name the file and its own line numbers.
+func (s Source) Text() (string, error) {
+	prelude, err := files.ReadFile(PreludeFile)
+	if err != nil {
+		return "", fmt.Errorf("kernels: %w", err)
+	}
+	body, err := files.ReadFile(s.File)
+	if err != nil {
+		return "", fmt.Errorf("kernels: %w", err)
+	}
+	return fmt.Sprintf("%s\n#line 1 %q\n%s", prelude, s.File, body), nil
+}
+
+// Kernel returns the description of the kernel called name.
+func (s Source) Kernel(name string) (Kernel, bool) {
+	for _, k := range s.Kernels {
+		if k.Name == name {
+			return k, true
+		}
+	}
+	return Kernel{}, false
+}
+
+// Files lists the embedded .cu files, for the consistency test.
+func Files() ([]string, error) {
+	entries, err := files.ReadDir(".")
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range entries {
+		if strings.HasSuffix(e.Name(), ".cu") {
+			out = append(out, e.Name())
+		}
+	}
+	return out, nil
+}

@@ -1,0 +1,58 @@
+// RMSNorm over rows of D: out = x * rstd * w with rstd = 1/sqrt(mean(x^2) +
+// eps), and its backward.
+
+// rmsnorm_forward_f32: one block of 256 threads per row; writes out[t, :]
+// and rstd[t].
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(float* out, float* rstd, const float* x, const float* w, int T, int D, float eps) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  if (t >= T) return;
+  const float* xt = x + (long long)t * D;
+  float ss = 0.0f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) ss += xt[d] * xt[d];
+  ss = mk_block_sum(ss, scratch);
+  const float r = 1.0f / sqrtf(ss / (float)D + eps);
+  float* ot = out + (long long)t * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) ot[d] = w[d] * (xt[d] * r);
+  if (threadIdx.x == 0) rstd[t] = r;
+}
+
+// rmsnorm_backward_dx_f32: one block of 256 threads per row;
+// dx = r * (w*g - x * r^2 * mean(w*g*x)).
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dx_f32(float* dx, const float* dout, const float* x, const float* w, const float* rstd, int T, int D) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  if (t >= T) return;
+  const long long off = (long long)t * D;
+  float dot = 0.0f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) dot += w[d] * dout[off + d] * x[off + d];
+  dot = mk_block_sum(dot, scratch);
+  const float r = rstd[t];
+  const float c = r * r * dot / (float)D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) dx[off + d] = r * (w[d] * dout[off + d] - x[off + d] * c);
+}
+
+// rmsnorm_backward_dw_f32: dw[d] += sum over t of dout[t,d] * x[t,d] *
+// rstd[t]. Blocks of 32x8 threads; grid (ceil(D/32), ceil(T/rows_per_block)).
+// Each block sums rows_per_block rows of 32 columns and adds its column sums
+// to dw atomically.
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dw_f32(float* dw, const float* dout, const float* x, const float* rstd, int T, int D, int rows_per_block) {
+  __shared__ float s[8][33];
+  const int d = blockIdx.x * 32 + threadIdx.x;
+  const int t0 = blockIdx.y * rows_per_block;
+  const int t1 = t0 + rows_per_block < T ? t0 + rows_per_block : T;
+  float acc = 0.0f;
+  if (d < D) {
+    for (int t = t0 + (int)threadIdx.y; t < t1; t += 8) {
+      const long long i = (long long)t * D + d;
+      acc += dout[i] * x[i] * rstd[t];
+    }
+  }
+  s[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && d < D) {
+    float sum = 0.0f;
+    for (int k = 0; k < 8; k++) sum += s[k][threadIdx.x];
+    atomicAdd(&dw[d], sum);
+  }
+}

@@ -1,0 +1,447 @@
+package moe
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/comm"
+)
+
+// Groups are the communicators a Layer uses.
+type Groups struct {
+	// Expert shards the experts: its size is EP, and rank r owns experts
+	// [r*E/EP, (r+1)*E/EP). Tokens move between its ranks.
+	Expert comm.Group
+	// Data is every rank holding distinct tokens; the load statistics (and
+	// so the aux and z losses) are summed over it.
+	Data comm.Group
+}
+
+// Layer is one MoE block on one rank, sized for a fixed number of local
+// tokens per micro-step. It holds the activations of the last Forward until
+// Backward. A Layer is used by one goroutine (its rank).
+type Layer struct {
+	b                  backend.Backend
+	cfg                Config
+	g                  Groups
+	dim, tokens        int // D, local T
+	local, firstExpert int // experts on this rank, and the first one's global index
+	sharedFFN          int // Fs = SharedExperts*FFN, 0 when off
+
+	// Router, per local token.
+	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
+	dlogitsTE, dgatesTK                     backend.Tensor
+	onesT, probSumE                         backend.Tensor // [1, T] ones and [1, E]: column sums of probs by MatMul
+	auxDProbE                               backend.Tensor // [E] aux-loss gradient on every row of probs
+
+	// Shared experts, [T, Fs]; nil when off.
+	sharedH1TF, sharedH3TF, sharedActTF, sharedDActTF, sharedDH1TF, sharedDH3TF backend.Tensor
+
+	// Routed rows. Their number changes every step, so these grow on
+	// demand and each step views the prefix it needs. S = rows this rank
+	// sends, R = rows its experts process.
+	sendTokS, sendSlotS, permR, invPermR rowBuf // Int32 index vectors
+	gateS, dgateS                        rowBuf // per sent row
+	rowsSD, rowsR1D, rowsR2D             rowBuf // scratch rows of width D
+	xRD, ySD                             rowBuf // saved: expert inputs (expert-major), expert outputs (send order)
+	h1RF, h3RF, actRF                    rowBuf // saved: expert hidden activations
+	dActRF, dh1RF, dh3RF                 rowBuf // backward scratch
+
+	step *step // the last successful Forward, nil before
+}
+
+// step is what Forward leaves for Backward.
+type step struct {
+	xTD                 backend.Tensor
+	plan                *plan
+	zScale              float64
+	sendTokS, sendSlotS backend.Tensor
+	permR, invPermR     backend.Tensor
+	gateS               backend.Tensor
+	xRD, h1RF, h3RF     backend.Tensor
+	actRF, ySD          backend.Tensor
+}
+
+// New builds a Layer of width dim for tokens local tokens per micro-step.
+func New(b backend.Backend, cfg Config, dim, tokens int, g Groups) (*Layer, error) {
+	if err := validate(cfg, dim, tokens, g); err != nil {
+		return nil, err
+	}
+	E, K, F, ft := cfg.Experts, cfg.TopK, cfg.FFN, b.FloatType()
+	l := &Layer{
+		b: b, cfg: cfg, g: g, dim: dim, tokens: tokens,
+		local: E / g.Expert.Size(), sharedFFN: cfg.SharedExperts * F,
+		logitsTE: b.New(ft, tokens, E), probsTE: b.New(ft, tokens, E), lseT: b.New(ft, tokens),
+		idxTK: b.New(backend.Int32, tokens, K), gatesTK: b.New(ft, tokens, K),
+		dlogitsTE: b.New(ft, tokens, E), dgatesTK: b.New(ft, tokens, K),
+		onesT: b.New(ft, 1, tokens), probSumE: b.New(ft, 1, E), auxDProbE: b.New(ft, E),
+	}
+	l.firstExpert = g.Expert.Rank() * l.local
+	ones := make([]float64, tokens)
+	for i := range ones {
+		ones[i] = 1
+	}
+	upload(b, l.onesT, ones)
+	if fs := l.sharedFFN; fs > 0 {
+		l.sharedH1TF, l.sharedH3TF, l.sharedActTF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
+		l.sharedDActTF, l.sharedDH1TF, l.sharedDH3TF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
+	}
+	for _, r := range []*rowBuf{&l.sendTokS, &l.sendSlotS, &l.permR, &l.invPermR} {
+		*r = rowBuf{dt: backend.Int32, cols: 1}
+	}
+	for _, r := range []*rowBuf{&l.gateS, &l.dgateS} {
+		*r = rowBuf{dt: ft, cols: 1}
+	}
+	for _, r := range []*rowBuf{&l.rowsSD, &l.rowsR1D, &l.rowsR2D, &l.xRD, &l.ySD} {
+		*r = rowBuf{dt: ft, cols: dim}
+	}
+	for _, r := range []*rowBuf{&l.h1RF, &l.h3RF, &l.actRF, &l.dActRF, &l.dh1RF, &l.dh3RF} {
+		*r = rowBuf{dt: ft, cols: F}
+	}
+	return l, nil
+}
+
+func validate(cfg Config, dim, tokens int, g Groups) error {
+	switch {
+	case cfg.Experts < 1:
+		return fmt.Errorf("moe: experts is %d; it must be at least 1", cfg.Experts)
+	case cfg.TopK < 1 || cfg.TopK > cfg.Experts:
+		return fmt.Errorf("moe: top_k is %d; it must be between 1 and experts (%d)", cfg.TopK, cfg.Experts)
+	case cfg.FFN < 1:
+		return fmt.Errorf("moe: ffn is %d; it must be at least 1", cfg.FFN)
+	case cfg.SharedExperts < 0:
+		return fmt.Errorf("moe: shared_experts is %d; it cannot be negative", cfg.SharedExperts)
+	case cfg.AuxLossCoef < 0 || cfg.ZLossCoef < 0 || cfg.BiasUpdateRate < 0 || cfg.CapacityFactor < 0:
+		return fmt.Errorf("moe: aux_loss_coef, z_loss_coef, bias_update_rate and capacity_factor cannot be negative (%g, %g, %g, %g)",
+			cfg.AuxLossCoef, cfg.ZLossCoef, cfg.BiasUpdateRate, cfg.CapacityFactor)
+	case dim < 1 || tokens < 1:
+		return fmt.Errorf("moe: model width (%d) and tokens per micro-step (%d) must be at least 1", dim, tokens)
+	case g.Expert == nil || g.Data == nil:
+		return errors.New("moe: both the expert and the data group are required")
+	case cfg.Experts%g.Expert.Size() != 0:
+		return fmt.Errorf("moe: experts (%d) must be divisible by the expert group size (%d)", cfg.Experts, g.Expert.Size())
+	}
+	return nil
+}
+
+// Forward computes outTD = MoE(xTD), plus the shared experts when
+// configured. xTD is kept by reference until Backward. biasE, when not nil,
+// is a float tensor [E] added to the router probs for selection only.
+// lossScale multiplies the aux and z loss gradients of the following
+// Backward (the engine passes 1/accumulation steps).
+//
+// Forward calls collectives on both groups (the load statistics'
+// all-reduce over the data group, then the count all-reduce and two row
+// all-to-alls over the expert group), so every rank of them must call it
+// together. A rank whose Forward or Backward fails should abort its groups
+// (comm.Ranks.Abort) so that its peers stop waiting for it.
+func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tensor, lossScale float64) (Stats, error) {
+	l.step = nil
+	if err := l.checkArgs(p, "out", outTD, "x", xTD); err != nil {
+		return Stats{}, err
+	}
+	if biasE != nil && (biasE.Len() != l.cfg.Experts || biasE.DType() != l.b.FloatType()) {
+		return Stats{}, fmt.Errorf("moe: bias is %v %v, want %v [%d]", biasE.DType(), biasE.Shape(), l.b.FloatType(), l.cfg.Experts)
+	}
+	b, E, K := l.b, l.cfg.Experts, l.cfg.TopK
+
+	// Route: logits = x·Gateᵀ, then softmax, top-k and renormalised gates.
+	b.MatMul(l.logitsTE, xTD, p.GateED, false, true, 1, 0)
+	b.RouterForward(l.probsTE, l.lseT, l.idxTK, l.gatesTK, l.logitsTE, biasE)
+
+	capRows := capacity(l.cfg.CapacityFactor, l.tokens, K, E)
+	pl := planSource(hostInt32s(b, l.idxTK), l.tokens, K, E, l.g.Expert.Size(), capRows)
+	stats, zScale, err := l.balance(pl, lossScale)
+	if err != nil {
+		return Stats{}, err
+	}
+	if err := l.exchangeCounts(pl); err != nil {
+		return Stats{}, err
+	}
+
+	st := &step{xTD: xTD, plan: pl, zScale: zScale}
+	if err := l.dispatchForward(st, p); err != nil {
+		return Stats{}, err
+	}
+
+	// Combine: out[t] = Σ_k gate[t,k]·y[t,k] over kept assignments, on top
+	// of the shared experts' output (or zero).
+	S := len(pl.sendTok)
+	if l.sharedFFN > 0 {
+		l.sharedForward(outTD, xTD, p)
+	} else {
+		b.Zero(outTD)
+	}
+	st.gateS = l.gateS.vec(b, S)
+	if S > 0 {
+		b.GatherRows(b.View(st.gateS, 0, S, 1), b.View(l.gatesTK, 0, l.tokens*K, 1), st.sendSlotS, nil)
+		b.ScatterAddRows(outTD, st.ySD, st.sendTokS, st.gateS)
+	}
+	l.step = st
+	return stats, nil
+}
+
+// exchangeCounts tells every rank of the expert group how many rows each
+// source sends to each expert: each rank fills its row of an [EP, E] matrix
+// and one small all-reduce completes it. The destination half of the plan
+// is read from it.
+func (l *Layer) exchangeCounts(pl *plan) error {
+	ep, E := l.g.Expert.Size(), l.cfg.Experts
+	m := make([]float64, ep*E)
+	for e, n := range pl.keptE {
+		m[l.g.Expert.Rank()*E+e] = float64(n)
+	}
+	if err := l.g.Expert.AllReduceFloat64(m); err != nil {
+		return fmt.Errorf("moe: count exchange: %w", err)
+	}
+	counts := make([]int, len(m))
+	for i, v := range m {
+		counts[i] = int(v)
+	}
+	pl.planDest(counts, ep, E, l.firstExpert, l.local)
+	return nil
+}
+
+// dispatchForward sends each kept assignment's token row to its expert's
+// rank, runs the local experts on what arrives and brings the outputs back
+// into st.ySD, in send order.
+func (l *Layer) dispatchForward(st *step, p *Params) error {
+	b, pl, D := l.b, st.plan, l.dim
+	S, R := len(pl.sendTok), len(pl.perm)
+	st.sendTokS = l.sendTokS.uploadInts(b, pl.sendTok)
+	st.sendSlotS = l.sendSlotS.uploadInts(b, pl.sendSlot)
+	st.permR = l.permR.uploadInts(b, pl.perm)
+	st.invPermR = l.invPermR.uploadInts(b, pl.invPerm)
+
+	sendSD, recvRD := l.rowsSD.view(b, S), l.rowsR1D.view(b, R)
+	if S > 0 {
+		b.GatherRows(sendSD, st.xTD, st.sendTokS, nil)
+	}
+	if err := l.g.Expert.AllToAllRows(recvRD, sendSD, pl.recvCounts, pl.sendCounts); err != nil {
+		return fmt.Errorf("moe: dispatch: %w", err)
+	}
+	st.xRD = l.xRD.view(b, R)
+	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
+	yRD := l.rowsR2D.view(b, R)
+	if R > 0 {
+		b.GatherRows(st.xRD, recvRD, st.permR, nil)
+		// Expert SwiGLU: y = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ, one expert's rows
+		// at a time.
+		l.eachExpert(pl, func(e expertView) {
+			x := e.rows(st.xRD, D)
+			b.MatMul(e.rows(st.h1RF, l.cfg.FFN), x, e.w1(p), false, true, 1, 0)
+			b.MatMul(e.rows(st.h3RF, l.cfg.FFN), x, e.w3(p), false, true, 1, 0)
+		})
+		b.SwiGLUForward(st.actRF, st.h1RF, st.h3RF)
+		l.eachExpert(pl, func(e expertView) {
+			b.MatMul(e.rows(yRD, D), e.rows(st.actRF, l.cfg.FFN), e.w2(p), false, true, 1, 0)
+		})
+		b.GatherRows(recvRD, yRD, st.invPermR, nil) // back to arrival order
+	}
+	st.ySD = l.ySD.view(b, S)
+	if err := l.g.Expert.AllToAllRows(st.ySD, recvRD, pl.sendCounts, pl.recvCounts); err != nil {
+		return fmt.Errorf("moe: combine: %w", err)
+	}
+	return nil
+}
+
+// sharedForward writes out = SwiGLU_shared(x) for every token.
+func (l *Layer) sharedForward(outTD, xTD backend.Tensor, p *Params) {
+	b := l.b
+	b.MatMul(l.sharedH1TF, xTD, p.SharedW1FD, false, true, 1, 0)
+	b.MatMul(l.sharedH3TF, xTD, p.SharedW3FD, false, true, 1, 0)
+	b.SwiGLUForward(l.sharedActTF, l.sharedH1TF, l.sharedH3TF)
+	b.MatMul(outTD, l.sharedActTF, p.SharedW2DF, false, true, 1, 0)
+}
+
+// Backward writes dxTD from doutTD and accumulates the gradients of the
+// router, this rank's experts and the shared experts into g. The aux and
+// z-loss gradients (scaled by Forward's lossScale) are included. Like
+// Forward it calls collectives (two row all-to-alls on the expert group).
+func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
+	st := l.step
+	if st == nil {
+		return errors.New("moe: Backward called without a successful Forward")
+	}
+	if err := l.checkArgs(p, "dx", dxTD, "dout", doutTD); err != nil {
+		return err
+	}
+	if err := l.checkParams("gradient", g); err != nil {
+		return err
+	}
+	b, K, S := l.b, l.cfg.TopK, len(st.plan.sendTok)
+
+	// Gate gradients: dgate[t,k] = dout[t]·y[t,k] for kept assignments; a
+	// dropped assignment contributed nothing and gets 0.
+	b.Zero(l.dgatesTK)
+	if S > 0 {
+		dgS := l.dgateS.vec(b, S)
+		b.RowDots(dgS, doutTD, st.sendTokS, st.ySD)
+		b.ScatterAddRows(b.View(l.dgatesTK, 0, l.tokens*K, 1), b.View(dgS, 0, S, 1), st.sendSlotS, nil)
+	}
+
+	// Router: dlogits, then dx = dlogits·Gate and dGate += dlogitsᵀ·x.
+	b.RouterBackward(l.dlogitsTE, l.dgatesTK, l.probsTE, l.lseT, l.idxTK, l.gatesTK, l.auxDProbE, st.zScale)
+	b.MatMul(dxTD, l.dlogitsTE, p.GateED, false, false, 1, 0)
+	b.MatMul(g.GateED, l.dlogitsTE, st.xTD, true, false, 1, 1)
+
+	if l.sharedFFN > 0 {
+		l.sharedBackward(dxTD, doutTD, st.xTD, p, g)
+	}
+	return l.dispatchBackward(dxTD, doutTD, st, p, g)
+}
+
+// dispatchBackward runs the routed path in reverse: dy = gate·dout travels to
+// the experts, their backward produces dx rows and weight gradients, and the
+// dx rows travel back and are added to their tokens.
+func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Params) error {
+	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
+	S, R := len(pl.sendTok), len(pl.perm)
+
+	dySD := l.rowsSD.view(b, S)
+	if S > 0 {
+		b.GatherRows(dySD, doutTD, st.sendTokS, st.gateS)
+	}
+	dyRecvRD := l.rowsR1D.view(b, R)
+	if err := l.g.Expert.AllToAllRows(dyRecvRD, dySD, pl.recvCounts, pl.sendCounts); err != nil {
+		return fmt.Errorf("moe: backward dispatch: %w", err)
+	}
+	// Scratch rows are reused as their contents die: rowsR2D holds dy, then
+	// (once the experts have consumed dy) the dx rows in arrival order;
+	// rowsR1D holds dy in arrival order, then the experts' dx.
+	dyRD, dxRD, dxRecvRD := l.rowsR2D.view(b, R), l.rowsR1D.view(b, R), l.rowsR2D.view(b, R)
+	if R > 0 {
+		b.GatherRows(dyRD, dyRecvRD, st.permR, nil)
+		dActRF, dh1RF, dh3RF := l.dActRF.view(b, R), l.dh1RF.view(b, R), l.dh3RF.view(b, R)
+		l.eachExpert(pl, func(e expertView) {
+			dy := e.rows(dyRD, D)
+			b.MatMul(e.rows(dActRF, F), dy, e.w2(p), false, false, 1, 0)
+			b.MatMul(e.w2(g), dy, e.rows(st.actRF, F), true, false, 1, 1)
+		})
+		b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
+		l.eachExpert(pl, func(e expertView) {
+			x, dh1, dh3, dx := e.rows(st.xRD, D), e.rows(dh1RF, F), e.rows(dh3RF, F), e.rows(dxRD, D)
+			b.MatMul(e.w1(g), dh1, x, true, false, 1, 1)
+			b.MatMul(e.w3(g), dh3, x, true, false, 1, 1)
+			b.MatMul(dx, dh1, e.w1(p), false, false, 1, 0)
+			b.MatMul(dx, dh3, e.w3(p), false, false, 1, 1)
+		})
+		b.GatherRows(dxRecvRD, dxRD, st.invPermR, nil)
+	}
+	dxSD := l.rowsSD.view(b, S)
+	if err := l.g.Expert.AllToAllRows(dxSD, dxRecvRD, pl.sendCounts, pl.recvCounts); err != nil {
+		return fmt.Errorf("moe: backward combine: %w", err)
+	}
+	if S > 0 {
+		b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
+	}
+	return nil
+}
+
+// sharedBackward adds the shared experts' dx to dxTD and accumulates their
+// weight gradients.
+func (l *Layer) sharedBackward(dxTD, doutTD, xTD backend.Tensor, p, g *Params) {
+	b := l.b
+	b.MatMul(l.sharedDActTF, doutTD, p.SharedW2DF, false, false, 1, 0)
+	b.MatMul(g.SharedW2DF, doutTD, l.sharedActTF, true, false, 1, 1)
+	b.SwiGLUBackward(l.sharedDH1TF, l.sharedDH3TF, l.sharedDActTF, l.sharedH1TF, l.sharedH3TF)
+	b.MatMul(g.SharedW1FD, l.sharedDH1TF, xTD, true, false, 1, 1)
+	b.MatMul(g.SharedW3FD, l.sharedDH3TF, xTD, true, false, 1, 1)
+	b.MatMul(dxTD, l.sharedDH1TF, p.SharedW1FD, false, false, 1, 1)
+	b.MatMul(dxTD, l.sharedDH3TF, p.SharedW3FD, false, false, 1, 1)
+}
+
+// expertView is one local expert's slice of the expert-major rows and of
+// the weight tensors.
+type expertView struct {
+	b           backend.Backend
+	le          int // local expert index
+	off, n      int // its rows [off, off+n)
+	dim, hidden int // D, F
+}
+
+func (e expertView) rows(t backend.Tensor, cols int) backend.Tensor {
+	return e.b.View(t, e.off*cols, e.n, cols)
+}
+func (e expertView) w1(p *Params) backend.Tensor {
+	return e.b.View(p.W1EFD, e.le*e.hidden*e.dim, e.hidden, e.dim)
+}
+func (e expertView) w3(p *Params) backend.Tensor {
+	return e.b.View(p.W3EFD, e.le*e.hidden*e.dim, e.hidden, e.dim)
+}
+func (e expertView) w2(p *Params) backend.Tensor {
+	return e.b.View(p.W2EDF, e.le*e.dim*e.hidden, e.dim, e.hidden)
+}
+
+// eachExpert calls fn for every local expert that received rows. An expert
+// with none is skipped: its outputs are empty and its weight gradients get
+// nothing.
+func (l *Layer) eachExpert(pl *plan, fn func(expertView)) {
+	off := 0
+	for le, n := range pl.expertRows {
+		if n > 0 {
+			fn(expertView{b: l.b, le: le, off: off, n: n, dim: l.dim, hidden: l.cfg.FFN})
+		}
+		off += n
+	}
+}
+
+// checkArgs checks the activations and weights a call is given.
+func (l *Layer) checkArgs(p *Params, outName string, out backend.Tensor, inName string, in backend.Tensor) error {
+	for _, a := range []struct {
+		name string
+		t    backend.Tensor
+	}{{outName, out}, {inName, in}} {
+		if err := checkShape(a.name, a.t, l.tokens, l.dim); err != nil {
+			return err
+		}
+	}
+	return l.checkParams("weight", p)
+}
+
+// checkParams checks a Params against the layer's shapes.
+func (l *Layer) checkParams(what string, p *Params) error {
+	if p == nil {
+		return fmt.Errorf("moe: %s params are nil", what)
+	}
+	E, F, D, fs := l.cfg.Experts, l.cfg.FFN, l.dim, l.sharedFFN
+	checks := []struct {
+		name  string
+		t     backend.Tensor
+		shape []int
+	}{
+		{"gate", p.GateED, []int{E, D}},
+		{"w1", p.W1EFD, []int{l.local, F, D}},
+		{"w3", p.W3EFD, []int{l.local, F, D}},
+		{"w2", p.W2EDF, []int{l.local, D, F}},
+	}
+	if fs > 0 {
+		checks = append(checks, []struct {
+			name  string
+			t     backend.Tensor
+			shape []int
+		}{
+			{"shared w1", p.SharedW1FD, []int{fs, D}},
+			{"shared w3", p.SharedW3FD, []int{fs, D}},
+			{"shared w2", p.SharedW2DF, []int{D, fs}},
+		}...)
+	}
+	for _, c := range checks {
+		if c.t == nil {
+			return fmt.Errorf("moe: %s %s is missing", what, c.name)
+		}
+		if err := checkShape(what+" "+c.name, c.t, c.shape...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func checkShape(name string, t backend.Tensor, want ...int) error {
+	if !slices.Equal(t.Shape(), want) {
+		return fmt.Errorf("moe: %s has shape %v, want %v", name, t.Shape(), want)
+	}
+	return nil
+}

@@ -1,0 +1,110 @@
+package moe
+
+// The dispatch plan: which rows go where, built on the host from the
+// router's choices. On the CPU backend downloading idxTK costs nothing; on a
+// GPU it is a small device-to-host copy per layer, and a device-side planner
+// (a histogram and a prefix sum in a kernel) is planned to replace it.
+
+import "math"
+
+// plan is one micro-step's routing on one rank. Both halves are in terms of
+// rows of D values: "send" rows are this rank's token copies, one per kept
+// (token, expert) assignment; "recv" rows are what this rank's experts
+// process.
+type plan struct {
+	// Source side. Rows are sorted by global expert, which is the same as
+	// by destination rank and then local expert (experts are sharded in
+	// contiguous blocks); within an expert, by token.
+	sendTok    []int32 // [S] token each row copies
+	sendSlot   []int32 // [S] its assignment t*K + k, an index into gatesTK
+	sendCounts []int   // [EP] rows to each rank of the expert group
+	countsE    []int   // [E] the router's assignments per expert, before capacity
+	keptE      []int   // [E] rows sent to each expert, after capacity
+	dropped    int     // assignments dropped by capacity
+
+	// Destination side. Rows arrive in source-rank order, each source's
+	// block sorted by local expert; perm regroups them by local expert
+	// (all sources' rows for expert 0 first) so each expert runs one
+	// MatMul over contiguous rows.
+	recvCounts []int   // [EP] rows from each rank
+	expertRows []int   // [E_local] rows for each local expert, expert-major
+	perm       []int32 // [R] expert-major row i is received row perm[i]
+	invPerm    []int32 // [R] received row j is expert-major row invPerm[j]
+}
+
+// capacity is the most rows one expert takes from one source rank per
+// micro-step, or 0 for dropless routing.
+func capacity(cf float64, tokens, k, experts int) int {
+	if cf <= 0 {
+		return 0
+	}
+	return int(math.Ceil(cf * float64(tokens*k) / float64(experts)))
+}
+
+// planSource builds the source half of the plan from idxTK (T tokens, K
+// choices each). With a positive capacity, an expert's assignments beyond it
+// are dropped in token order (earlier tokens keep their place).
+func planSource(idxTK []int32, T, K, E, ep, capacity int) *plan {
+	p := &plan{countsE: make([]int, E), keptE: make([]int, E), sendCounts: make([]int, ep)}
+	keep := make([]bool, T*K)
+	for a, e := range idxTK {
+		p.countsE[e]++
+		if capacity > 0 && p.keptE[e] >= capacity {
+			p.dropped++
+			continue
+		}
+		p.keptE[e]++
+		keep[a] = true
+	}
+	// Counting sort by expert: offsets, then place assignments in token
+	// order.
+	start := make([]int, E+1)
+	for e := range E {
+		start[e+1] = start[e] + p.keptE[e]
+	}
+	S := start[E]
+	p.sendTok, p.sendSlot = make([]int32, S), make([]int32, S)
+	next := append([]int(nil), start[:E]...)
+	for a, e := range idxTK {
+		if !keep[a] {
+			continue
+		}
+		i := next[e]
+		next[e]++
+		p.sendTok[i], p.sendSlot[i] = int32(a/K), int32(a)
+	}
+	local := E / ep
+	for e, n := range p.keptE {
+		p.sendCounts[e/local] += n
+	}
+	return p
+}
+
+// planDest fills in the destination half from countsSE, the rows every
+// source rank sends to every expert ([EP][E], row-major), for the rank that
+// owns experts [first, first+local).
+func (p *plan) planDest(countsSE []int, ep, E, first, local int) {
+	at := func(src, le int) int { return countsSE[src*E+first+le] }
+	p.recvCounts, p.expertRows = make([]int, ep), make([]int, local)
+	recvStart := make([]int, ep*local) // first received row of (src, le)
+	R := 0
+	for src := range ep {
+		for le := range local {
+			recvStart[src*local+le] = R
+			R += at(src, le)
+			p.recvCounts[src] += at(src, le)
+			p.expertRows[le] += at(src, le)
+		}
+	}
+	p.perm, p.invPerm = make([]int32, R), make([]int32, R)
+	i := 0
+	for le := range local {
+		for src := range ep {
+			for r := range at(src, le) {
+				j := recvStart[src*local+le] + r
+				p.perm[i], p.invPerm[j] = int32(j), int32(i)
+				i++
+			}
+		}
+	}
+}
