@@ -189,17 +189,37 @@ func (t *TensorSet) Tensor(name string) ([]float32, []int, error) {
 		n *= d
 	}
 	out := make([]float32, n)
+	if err := t.ReadInto(name, out); err != nil {
+		return nil, nil, err
+	}
+	return out, slices.Clone(e.shape), nil
+}
+
+// ReadInto is Tensor into the caller's buffer (a host staging buffer, say),
+// which must hold exactly the tensor's number of elements.
+func (t *TensorSet) ReadInto(name string, dst []float32) error {
+	e, ok := t.tensors[name]
+	if !ok {
+		return fmt.Errorf("checkpoint: no tensor %q in %d files", name, len(t.files))
+	}
+	n := 1
+	for _, d := range e.shape {
+		n *= d
+	}
+	if len(dst) != n {
+		return fmt.Errorf("checkpoint: tensor %q %v: destination holds %d values, want %d", name, e.shape, len(dst), n)
+	}
 	if p := e.pieces[0]; p.offset == nil {
-		return out, slices.Clone(e.shape), p.file.read(p.info, out)
+		return p.file.read(p.info, dst)
 	}
 	for _, p := range e.pieces {
 		block := make([]float32, p.info.NumElements())
 		if err := p.file.read(p.info, block); err != nil {
-			return nil, nil, err
+			return err
 		}
-		scatterBlock(out, e.shape, block, p.info.Shape, p.offset)
+		scatterBlock(dst, e.shape, block, p.info.Shape, p.offset)
 	}
-	return out, slices.Clone(e.shape), nil
+	return nil
 }
 
 // scatterBlock copies the row-major block of shape blockShape into the
@@ -292,8 +312,8 @@ func checkTiling(name string, e *tensorEntry) error {
 		}
 	}
 	if covered != total {
-		return fmt.Errorf("tensor %q of shape %v: its %d blocks cover %d of %d elements (a shard file missing?)",
-			name, e.shape, len(e.pieces), covered, total)
+		return fmt.Errorf("tensor %q of shape %v: blocks cover %d of %d elements (%d blocks found; a shard file missing?)",
+			name, e.shape, covered, total, len(e.pieces))
 	}
 	return nil
 }

@@ -29,9 +29,7 @@ func (e *Engine) train(ctx context.Context, ranks []*rank, world []*comm.Ranks) 
 			// Wake every rank blocked in a collective so none waits
 			// for the one that failed.
 			for _, g := range world {
-				for _, grp := range []comm.Group{g.World, g.Data, g.Expert, g.ExpertReplica} {
-					grp.Abort(err)
-				}
+				g.Abort(err)
 			}
 		})
 	}

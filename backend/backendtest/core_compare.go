@@ -231,7 +231,7 @@ func normRopeCases() []Case {
 	}
 	for _, s := range []struct {
 		t, heads, dh int
-		theta       float64
+		theta        float64
 	}{{7, 3, 8, 10000}, {300, 4, 64, 1e6}, {5, 1, 2, 500}} {
 		for _, inverse := range []bool{false, true} {
 			cs = append(cs, Case{Name: fmt.Sprintf("RoPE/%dx%dx%d/inverse=%v", s.t, s.heads, s.dh, inverse), Compare: func(e *Env) {

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"unsafe"
 )
 
 // DType is a safetensors element type, spelled as in the header ("F32").
@@ -134,4 +135,13 @@ func decodeFloat32(d DType, dst []float32, src []byte) {
 	default:
 		panic(fmt.Sprintf("safetensors: decodeFloat32 called with %s", d)) // guarded by readable
 	}
+}
+
+// hostIsLittleEndian reports whether the host's float32 memory already has
+// the file's byte order, so F32 data can be moved without conversion.
+func hostIsLittleEndian() bool { return binary.NativeEndian.Uint16([]byte{1, 0}) == 1 }
+
+// float32Bytes views f's memory as bytes (no copy).
+func float32Bytes(f []float32) []byte {
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(f))), 4*len(f))
 }

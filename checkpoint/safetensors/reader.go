@@ -101,9 +101,16 @@ func ReadFloat32At(file string, r io.ReaderAt, dataStart int64, t TensorInfo, ds
 		return fmt.Errorf("safetensors %s: tensor %q %v: destination holds %d values, want %d",
 			file, t.Name, t.Shape, len(dst), t.NumElements())
 	}
+	pos := dataStart + t.Begin
+	if t.DType == F32 && hostIsLittleEndian() {
+		// Read straight into dst: no conversion, no second buffer.
+		if err := readFullAt(r, float32Bytes(dst), pos); err != nil {
+			return fmt.Errorf("safetensors %s: tensor %q: %w", file, t.Name, err)
+		}
+		return nil
+	}
 	size := t.DType.Size()
 	buf := make([]byte, min(int64(chunkBytes), t.End-t.Begin))
-	pos := dataStart + t.Begin
 	for len(dst) > 0 {
 		n := min(len(dst), len(buf)/size)
 		if err := readFullAt(r, buf[:n*size], pos); err != nil {

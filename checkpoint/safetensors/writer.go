@@ -98,6 +98,15 @@ func (w *Writer) WriteFloat32(data []float32) error {
 			t.Name, t.Shape, len(data), left)
 		return w.err
 	}
+	if t.DType == F32 && hostIsLittleEndian() {
+		// The bytes are already in file order: write them as they are.
+		if _, err := w.w.Write(float32Bytes(data)); err != nil {
+			w.err = err
+			return err
+		}
+		w.done += int64(len(data))
+		return nil
+	}
 	size := t.DType.Size()
 	if w.buf == nil {
 		w.buf = make([]byte, chunkBytes)

@@ -1,0 +1,54 @@
+// Package cuda is the runtime under mktrain's CUDA backend: it loads the
+// NVIDIA libraries at run time (no cgo, no toolkit at build time), owns each
+// GPU through a Device, compiles the kernels of package kernels with NVRTC
+// and launches them.
+//
+// # Use
+//
+//	rt, err := cuda.Load(cuda.Options{})        // finds libcuda and libnvrtc, cuInit
+//	dev, err := rt.Open(0)                      // thread, primary context, stream
+//	defer dev.Close()
+//	buf, err := dev.Alloc(4 * n)                // caching allocator
+//	err = dev.CopyToDevice(buf, 0, cuda.Bytes(xs))
+//	src, _ := kernels.Lookup("elementwise.cu")
+//	mod, err := dev.Load(src)                   // NVRTC, disk cache, cuModuleLoadData
+//	k, _ := mod.Kernel("scale_f32")
+//	err = dev.Launch(k, dev.StrideGrid(n, 256, 4), buf, float32(2), int64(n))
+//	err = dev.Sync()                            // first asynchronous error, if any
+//
+// Where the libraries are looked for, and the variables that override it
+// (MKTRAIN_LIBCUDA, MKTRAIN_LIBNVRTC, MKTRAIN_LIBCUBLASLT, MKTRAIN_LIBNCCL,
+// MKTRAIN_CUDA_LIB_DIR), is documented in package driver.
+//
+// # Threads
+//
+// A CUDA context is current on one OS thread at a time, and goroutines move
+// between threads, so a Device runs every context-bound call on one
+// goroutine locked to its thread (runtime.LockOSThread), fed closures
+// through a channel. Do waits for the closure; Submit and Launch only queue
+// it, and their errors, like the GPU's own asynchronous faults, come back
+// from the next Sync. The channel's order is the stream's order. One Device
+// may be used from many goroutines.
+//
+// # Memory
+//
+// Alloc rounds a request up to a size class (512 bytes, then four classes
+// per power of two) and serves it from that class's free list when it can.
+// Free puts the block back on the list once the work queued before it has
+// reached the stream, so a block is reused only by later work. Blocks return
+// to the driver when an allocation fails (then the allocation is retried),
+// on EmptyCache, and on Close. AllocStats reports bytes in use, cached and
+// at peak, and allocation counts. When the GPU is full, Alloc returns an
+// *OutOfMemoryError naming the bytes asked and free and telling the user to
+// lower train.micro_batch or train.seq.
+//
+// # Kernels
+//
+// Load compiles a kernels.Source for the device's architecture (sm_90a on
+// compute capability 9.0, sm_XY otherwise) to a cubin and caches it under
+// $XDG_CACHE_HOME/mktrain/kernels (else ~/.cache/mktrain/kernels), keyed by
+// sha256 of the source, target, options and NVRTC version; a cache file is
+// written to a temporary name and renamed. A rejected source returns a
+// *driver.CompileError with NVRTC's log. Launch takes the kernel's arguments
+// as typed Go values (*Buffer, int32, int64, float32, float64, ...).
+package cuda
