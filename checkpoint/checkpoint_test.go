@@ -2,6 +2,10 @@ package checkpoint
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -12,6 +16,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/klauspost/compress/zstd"
 
 	"github.com/mktrain/mktrain/checkpoint/safetensors"
 )
@@ -580,6 +586,32 @@ func TestExtraJSON(t *testing.T) {
 	}
 }
 
+// replaceFile swaps a checkpoint file's content and updates its manifest
+// entry to match, as a writer bug (not disk corruption) would.
+func replaceFile(t *testing.T, dir, name string, content []byte) {
+	t.Helper()
+	if err := os.WriteFile(filepath.Join(dir, name), content, 0o666); err != nil {
+		t.Fatal(err)
+	}
+	m, err := ReadManifest(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range m.Files {
+		if m.Files[i].Name == name {
+			sum := sha256.Sum256(content)
+			m.Files[i].Size, m.Files[i].SHA256 = int64(len(content)), hex.EncodeToString(sum[:])
+		}
+	}
+	b, _ := json.Marshal(m)
+	if err := os.WriteFile(filepath.Join(dir, "MANIFEST.json"), b, 0o666); err != nil {
+		t.Fatal(err)
+	}
+	if err := Verify(dir); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestOpenRejectsMalformedTensorFile(t *testing.T) {
 	t.Parallel()
 	rng := rand.New(rand.NewPCG(9, 1))
@@ -590,16 +622,33 @@ func TestOpenRejectsMalformedTensorFile(t *testing.T) {
 		if compress {
 			name += ".zst"
 		}
-		path := filepath.Join(dir, name)
-		st, _ := os.Stat(path)
-		// Garbage of the right size, with a manifest that agrees with it:
-		// a bug in a writer rather than disk corruption.
-		garbage := make([]byte, st.Size())
-		garbage[0] = 0xff
-		garbage[6] = 0x01
-		os.WriteFile(path, garbage, 0o666)
-		if _, err := Open(dir); err == nil || !strings.Contains(err.Error(), path) {
+		replaceFile(t, dir, name, []byte("\xff\x00\x00\x00\x00\x00\x01\x00garbage"))
+		if _, err := Open(dir); err == nil || !strings.Contains(err.Error(), filepath.Join(dir, name)) {
 			t.Fatalf("compress=%v: Open of garbage: %v", compress, err)
 		}
+	}
+}
+
+// A compressed file whose header promises a terabyte of data it does not
+// have must fail to read, not allocate the terabyte.
+func TestLyingCompressedHeader(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(12, 1))
+	dir := save(t, t.TempDir(), 1, rankTensors(rng, ""), rankTensors(rng, "m."), TensorOptions{Compress: true})
+	header := `{"huge":{"dtype":"F32","shape":[274877906944],"data_offsets":[0,1099511627776]}}`
+	file := binary.LittleEndian.AppendUint64(nil, uint64(len(header)))
+	file = append(append(file, header...), make([]byte, 16)...)
+	var zbuf bytes.Buffer
+	enc, _ := zstd.NewWriter(&zbuf)
+	enc.Write(file)
+	enc.Close()
+	replaceFile(t, dir, OptimFile(0)+".zst", zbuf.Bytes())
+	c, err := Open(dir) // only the header is read here
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, _, err := c.Optim().Tensor("huge"); err == nil || !strings.Contains(err.Error(), OptimFile(0)) {
+		t.Fatalf("reading a tensor the file does not hold: %v", err)
 	}
 }

@@ -101,7 +101,7 @@
 // first; blocks written by several ranks are put back together from the
 // slice metadata:
 //
-//	import glob, io, json, os
+//	import glob, json
 //	import zstandard                                    # only for .zst files
 //	from safetensors.torch import load                  # or safetensors.numpy (no BF16)
 //	from safetensors import safe_open
@@ -113,7 +113,7 @@
 //	def read(path):
 //	    raw = open(path, "rb").read()
 //	    if path.endswith(".zst"):
-//	        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read()
+//	        raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
 //	    n = int.from_bytes(raw[:8], "little")
 //	    meta = json.loads(raw[8:8 + n]).get("__metadata__", {})
 //	    return load(raw), meta

@@ -184,6 +184,14 @@ func (t *TensorSet) Tensor(name string) ([]float32, []int, error) {
 	if !ok {
 		return nil, nil, fmt.Errorf("checkpoint: no tensor %q in %d files", name, len(t.files))
 	}
+	// Load the files first: a .zst file's header is only trusted once the
+	// decompressed file has been checked against it, and the allocation
+	// below relies on the header.
+	for _, p := range e.pieces {
+		if _, err := p.file.reader(); err != nil {
+			return nil, nil, err
+		}
+	}
 	n := 1
 	for _, d := range e.shape {
 		n *= d
@@ -423,19 +431,23 @@ func (f *shardFile) reader() (io.ReaderAt, error) {
 		return nil, fmt.Errorf("checkpoint %s: %w", f.path, err)
 	}
 	defer dec.Close()
-	buf := make([]byte, f.header.FileSize())
-	if _, err := io.ReadFull(dec, buf); err != nil {
-		return nil, fmt.Errorf("checkpoint %s: decompressing: %w", f.path, err)
+	// Grow the buffer with the data rather than trusting the header's size
+	// up front, so a corrupt header cannot make us allocate terabytes.
+	var buf bytes.Buffer
+	buf.Grow(int(min(f.header.FileSize(), 64<<20)))
+	if n, err := io.CopyN(&buf, dec, f.header.FileSize()); err != nil {
+		return nil, fmt.Errorf("checkpoint %s: decompressing: %d of %d bytes: %w", f.path, n, f.header.FileSize(), err)
 	}
 	// Reading on to the end also checks the zstd frame checksum.
 	if n, err := dec.Read(make([]byte, 1)); n > 0 || err != io.EOF {
 		return nil, fmt.Errorf("checkpoint %s: decompressing: data after the last tensor (%v)", f.path, err)
 	}
 	// Validate the decompressed whole, as NewFile does for plain files.
-	if _, err := safetensors.NewFile(f.path, bytes.NewReader(buf), int64(len(buf))); err != nil {
+	r := bytes.NewReader(buf.Bytes())
+	if _, err := safetensors.NewFile(f.path, r, r.Size()); err != nil {
 		return nil, err
 	}
-	f.r = bytes.NewReader(buf)
+	f.r = r
 	return f.r, nil
 }
 

@@ -366,9 +366,12 @@ func writeSynced(path string, compress bool, write func(io.Writer) error) (FileE
 //  3. write the `latest` pointer to a temporary file, fsync it, rename it
 //     over <root>/latest and fsync root.
 //
-// Every write must have returned before Commit is called, and none may have
-// failed. An error after step 2 leaves a complete checkpoint with a stale
-// `latest`, which FindResumable still finds.
+// (The one exception: when step 2 replaces a checkpoint of the same step,
+// a crash between its two renames leaves neither in place, the old one
+// under a .tmp- name.) Every write must have returned before Commit is
+// called, and none may have failed. An error after step 2 leaves a
+// complete checkpoint with a stale `latest`, which FindResumable still
+// finds.
 func (s *Save) Commit() error {
 	s.mu.Lock()
 	if err := s.commitCheck(); err != nil {

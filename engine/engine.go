@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"path/filepath"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -24,6 +25,9 @@ type Engine struct {
 	metrics io.Writer
 	backend backend.Backend
 	runDir  string
+	// The recipe as the user wrote it, kept in checkpoints.
+	recipe     []byte
+	recipeHash string
 }
 
 // Option configures an Engine.
@@ -45,6 +49,11 @@ func WithBackend(b backend.Backend) Option { return func(e *Engine) { e.backend 
 
 // WithRunDir names the run directory, where checkpoints are kept.
 func WithRunDir(dir string) Option { return func(e *Engine) { e.runDir = dir } }
+
+// WithRecipe records the recipe's YAML snapshot and hash in checkpoints.
+func WithRecipe(snapshot []byte, hash string) Option {
+	return func(e *Engine) { e.recipe, e.recipeHash = snapshot, hash }
+}
 
 // ErrStopped is returned by Run when its context was cancelled; the run
 // stopped cleanly between two steps.
@@ -110,9 +119,25 @@ func (e *Engine) Run(ctx context.Context) (Result, error) {
 			return Result{}, fmt.Errorf("rank %d: %w", i, err)
 		}
 	}
+	s := &session{e: e, ranks: ranks, world: world, snaps: make([]rankSnapshot, len(ranks))}
+	if e.runDir != "" {
+		root := filepath.Join(e.runDir, "checkpoints")
+		s.saver = &saver{e: e, root: root}
+		dir, st, err := e.resumePoint(root)
+		if err != nil {
+			return Result{}, err
+		}
+		if dir != "" {
+			if err := restoreAll(dir, st, ranks); err != nil {
+				return Result{}, fmt.Errorf("resuming from %s: %w", dir, err)
+			}
+			s.resume = st
+			e.log.Info().Str("checkpoint", dir).Int("step", st.Step).Msg("resuming")
+		}
+	}
 	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).
 		Int("params", ParamCount(cfg.Model)).Int("steps", cfg.Train.Steps).Msg("training starts")
-	return e.train(ctx, ranks, world)
+	return s.run(ctx)
 }
 
 // openData opens the training and validation batches of one data rank: the

@@ -87,12 +87,14 @@ func matmulCases() []Case {
 	shapes := []mmShape{
 		{"1x1x1", 1, 1, 1, 1, 0},
 		{"small", 5, 7, 3, 1, 0},
-		{"odd-alpha-beta", 33, 17, 65, -0.5, 0.75},
-		// n > 256 and k > 64 cross the CPU kernel's blocks.
-		{"blocked", 70, 300, 130, 1, 0},
-		{"blocked-accumulate", 9, 260, 67, 2, 1},
+		{"odd-alpha-beta", 33, 17, 69, -0.5, 0.75},
+		// n > 512 and k > 128 cross the CPU kernel's blocks; k = 8q+4+r
+		// reaches every unrolled path.
+		{"blocked", 20, 600, 150, 1, 0},
+		{"blocked-accumulate", 9, 530, 141, 2, 1},
 		{"k0-beta", 4, 6, 0, 1, 0.5},
 		{"k0", 4, 6, 0, 1, 0},
+		{"alpha0-beta", 4, 6, 5, 0, 0.5},
 	}
 	var cs []Case
 	for _, s := range shapes {

@@ -4,10 +4,11 @@ package cpu
 // compiler, which does not vectorise: every layout is computed in i-k-j
 // order, out[i, j0:j1] += a(i,k) * B[k, j0:j1], eight k at a time, so the
 // inner loop streams one output row segment and eight contiguous rows of B
-// with no loop-carried dependency. When B is transposed its blocks are first copied,
-// transposed, into a small per-worker panel, so the inner loop always reads B
-// rows contiguously. The loops are blocked over k and j so that the block of
-// B in use stays in cache while every output row of a worker passes over it.
+// with no loop-carried dependency. When B is transposed its blocks are first
+// copied, transposed, into a small per-worker panel, so the inner loop always
+// reads B rows contiguously. The loops are blocked over k and j so that the
+// block of B in use stays in cache while every output row of a worker passes
+// over it.
 //
 // Work is split over output rows, and each output element is summed in the
 // same order whatever the split, so results do not depend on the worker
@@ -24,7 +25,8 @@ const (
 	mmWork = 1 << 16
 )
 
-// MatMul computes out = alpha*op(a)*op(b) + beta*out.
+// MatMul computes out = alpha*op(a)*op(b) + beta*out. out must not overlap a
+// or b. With beta = 0 out is not read, and with alpha = 0 neither are a and b.
 func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, beta float64) {
 	const op = "MatMul"
 	ar, ac := b.matrix(op, "a", a)
@@ -54,8 +56,8 @@ func matmul[T Float](be *Backend, out, a, b []T, m, n, k int, transA, transB boo
 	if m == 0 || n == 0 {
 		return
 	}
-	if k == 0 {
-		// The product is empty: only the beta term remains.
+	if k == 0 || alpha == 0 {
+		// Only the beta term remains; as in BLAS, a and b are not read.
 		scaleOrZero(out, beta)
 		return
 	}
@@ -68,7 +70,7 @@ func matmul[T Float](be *Backend, out, a, b []T, m, n, k int, transA, transB boo
 	be.parallelFor(m, minRows, func(lo, hi int) {
 		var panel []T
 		if transB {
-			panel = make([]T, mmKB*min(mmJB, n))
+			panel = make([]T, min(mmKB, k)*min(mmJB, n))
 		}
 		for j0 := 0; j0 < n; j0 += mmJB {
 			jw := min(mmJB, n-j0)
@@ -110,11 +112,28 @@ func scaleOrZero[T Float](x []T, beta T) {
 }
 
 // packTransposed copies the block of b ([n, k], row-major) with rows
-// j0..j0+jw and columns k0..k0+kw into panel as [kw, jw], transposed.
+// j0..j0+jw and columns k0..k0+kw into panel as [kw, jw], transposed. It
+// walks eight rows of b side by side, so that reads run along those rows
+// and each step writes eight adjacent panel elements.
 func packTransposed[T Float](panel, b []T, k, j0, jw, k0, kw int) {
-	for j := range jw {
-		row := b[(j0+j)*k+k0 : (j0+j)*k+k0+kw]
-		for kk, v := range row {
+	j := 0
+	for ; j+8 <= jw; j += 8 {
+		r0 := b[(j0+j)*k+k0:][:kw]
+		r1 := b[(j0+j+1)*k+k0:][:kw]
+		r2 := b[(j0+j+2)*k+k0:][:kw]
+		r3 := b[(j0+j+3)*k+k0:][:kw]
+		r4 := b[(j0+j+4)*k+k0:][:kw]
+		r5 := b[(j0+j+5)*k+k0:][:kw]
+		r6 := b[(j0+j+6)*k+k0:][:kw]
+		r7 := b[(j0+j+7)*k+k0:][:kw]
+		for kk := range r0 {
+			p := panel[kk*jw+j:][:8]
+			p[0], p[1], p[2], p[3] = r0[kk], r1[kk], r2[kk], r3[kk]
+			p[4], p[5], p[6], p[7] = r4[kk], r5[kk], r6[kk], r7[kk]
+		}
+	}
+	for ; j < jw; j++ {
+		for kk, v := range b[(j0+j)*k+k0:][:kw] {
 			panel[kk*jw+j] = v
 		}
 	}

@@ -26,7 +26,7 @@ func (b *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inv
 	if theta <= 0 {
 		fail(op, "theta %v must be positive", theta)
 	}
-	pos := indices(op, "pos", posT, t, math.MaxInt32, true)
+	pos := indices(op, "pos", posT, t, math.MaxInt32, false)
 	if b.dt == backend.Float32 {
 		rope(b, floats[float32](xTQ), pos, q, headDim, theta, inverse)
 	} else {

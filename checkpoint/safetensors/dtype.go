@@ -14,22 +14,21 @@ type DType string
 // BF16; the reader converts F32, BF16, F16 and F64 to float32 and parses
 // headers naming any of them.
 const (
-	BOOL    DType = "BOOL"
-	U8      DType = "U8"
-	I8      DType = "I8"
-	F8E4M3  DType = "F8_E4M3"
-	F8E5M2  DType = "F8_E5M2"
-	I16     DType = "I16"
-	U16     DType = "U16"
-	F16     DType = "F16"
-	BF16    DType = "BF16"
-	I32     DType = "I32"
-	U32     DType = "U32"
-	F32     DType = "F32"
-	F64     DType = "F64"
-	I64     DType = "I64"
-	U64     DType = "U64"
-	invalid DType = ""
+	BOOL   DType = "BOOL"
+	U8     DType = "U8"
+	I8     DType = "I8"
+	F8E4M3 DType = "F8_E4M3"
+	F8E5M2 DType = "F8_E5M2"
+	I16    DType = "I16"
+	U16    DType = "U16"
+	F16    DType = "F16"
+	BF16   DType = "BF16"
+	I32    DType = "I32"
+	U32    DType = "U32"
+	F32    DType = "F32"
+	F64    DType = "F64"
+	I64    DType = "I64"
+	U64    DType = "U64"
 )
 
 // Size is the number of bytes of one element, or 0 for an unknown dtype.

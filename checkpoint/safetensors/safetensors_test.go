@@ -55,6 +55,24 @@ func TestReadHandMadeFile(t *testing.T) {
 	}
 }
 
+// TestReferenceExample parses the example file of the reference Rust
+// implementation's documentation: an unpadded 60-byte header ('<') and a
+// 2x2 I32 tensor.
+func TestReferenceExample(t *testing.T) {
+	b := []byte("<\x00\x00\x00\x00\x00\x00\x00" + `{"test":{"dtype":"I32","shape":[2,2],"data_offsets":[0,16]}}` + strings.Repeat("\x00", 16))
+	f, err := NewFile("example", bytes.NewReader(b), int64(len(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, ok := f.Header().Lookup("test")
+	if !ok || info.DType != I32 || !slices.Equal(info.Shape, []int{2, 2}) || info.End != 16 || f.Header().DataStart != 68 {
+		t.Fatalf("test: %+v", info)
+	}
+	if _, err := f.Float32("test"); err == nil || !strings.Contains(err.Error(), "cannot read dtype I32") {
+		t.Fatalf("reading I32 as float32: %v", err)
+	}
+}
+
 func TestWriteMatchesHandMadeFile(t *testing.T) {
 	var buf bytes.Buffer
 	w, err := NewWriter(&buf, []TensorSpec{

@@ -124,7 +124,8 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	)).With().Timestamp().Logger()
 	logger.Info().Str("recipe", pos[0]).Str("run_dir", *runDir).Str("version", versionString()).Msg("mktrain run")
 
-	opts := []engine.Option{engine.WithLogger(logger), engine.WithMetrics(metricsFile), engine.WithRunDir(*runDir)}
+	opts := []engine.Option{engine.WithLogger(logger), engine.WithMetrics(metricsFile), engine.WithRunDir(*runDir),
+		engine.WithRecipe(snapshot, recipes.Hash(cfg))}
 	if bar != nil {
 		opts = append(opts, engine.WithHook(func(ev engine.StepEvent) {
 			desc := fmt.Sprintf("loss %.4f  %.0f tok/s", ev.Loss, ev.TokensPerSec)

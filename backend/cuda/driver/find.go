@@ -109,8 +109,8 @@ type Found struct {
 // place is one folder (or one explicit file) the search visits.
 type place struct {
 	via  string // the reason it is searched, for messages
-	path string // a folder, or a file when file is set
-	file bool
+	path string // a folder
+	note bool   // not a folder: only a line for the message
 }
 
 // Find looks for lib in every place in order and returns the first hit.
@@ -127,6 +127,9 @@ func (s Search) Find(lib Lib) (Found, error) {
 	cache, cacheErr := s.ldCache()
 	for _, p := range s.places(cache, cacheErr) {
 		looked = append(looked, p.describe())
+		if p.note {
+			continue
+		}
 		if p.via == "loader cache" {
 			for _, name := range lib.Sonames() {
 				if path, ok := cache[name]; ok && s.isFile(path) {
@@ -201,8 +204,13 @@ func (s Search) places(cache map[string]string, cacheErr error) []place {
 	}
 	add("CUDA toolkit", "/usr/local/cuda/lib64")
 	add("CUDA toolkit", filepath.Join("/usr/local/cuda/targets", target, "lib"))
-	for _, d := range s.wheelDirs() {
+	wheels, prefixes := s.wheelDirs()
+	for _, d := range wheels {
 		add("Python wheel", d)
+	}
+	if len(wheels) == 0 {
+		// Still say where wheels were looked for.
+		out = append(out, place{via: "Python wheel", path: "no site-packages/nvidia/*/lib under " + strings.Join(prefixes, ", "), note: true})
 	}
 	for _, d := range systemDirs() {
 		add("system folder", d)
@@ -212,8 +220,7 @@ func (s Search) places(cache map[string]string, cacheErr error) []place {
 
 // wheelDirs finds the lib folders of NVIDIA's pip wheels (nvidia/cu13/lib,
 // nvidia/nccl/lib, nvidia/cublas/lib, ...) under the usual Python prefixes.
-func (s Search) wheelDirs() []string {
-	var prefixes []string
+func (s Search) wheelDirs() (dirs, prefixes []string) {
 	for _, env := range []string{"VIRTUAL_ENV", "CONDA_PREFIX"} {
 		if p := s.getenv(env); p != "" {
 			prefixes = append(prefixes, p)
@@ -223,7 +230,6 @@ func (s Search) wheelDirs() []string {
 	if h := s.getenv("HOME"); h != "" {
 		prefixes = append(prefixes, filepath.Join(h, ".local"))
 	}
-	var dirs []string
 	for _, pre := range prefixes {
 		for _, pkgs := range []string{"lib/python3*/site-packages", "lib/python3*/dist-packages", "lib/python3/dist-packages"} {
 			matches, _ := filepath.Glob(filepath.Join(s.root(pre), pkgs, "nvidia", "*", "lib"))
@@ -233,7 +239,7 @@ func (s Search) wheelDirs() []string {
 			}
 		}
 	}
-	return dirs
+	return dirs, prefixes
 }
 
 // cudaTarget is the folder name CUDA uses under targets/ for this machine.

@@ -166,6 +166,12 @@ func TestNotFoundListsEveryPlace(t *testing.T) {
 			t.Errorf("message lacks %q:\n%s", want, msg)
 		}
 	}
+	// With no wheel folder at all, the message still says where wheels
+	// were looked for.
+	_, err = Search{Getenv: envOf(nil), Root: t.TempDir()}.Find(LibNCCL)
+	if err == nil || !strings.Contains(err.Error(), "no site-packages/nvidia/*/lib under /opt/torch/.venv, /usr/local, /usr (Python wheel)") {
+		t.Errorf("no wheels: %v", err)
+	}
 	// The order of the list is the search order.
 	if strings.Index(msg, "(LD_LIBRARY_PATH)") > strings.Index(msg, "(loader cache)") ||
 		strings.Index(msg, "(loader cache)") > strings.Index(msg, "(Python wheel)") {

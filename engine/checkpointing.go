@@ -1,0 +1,344 @@
+package engine
+
+// Checkpoints: what a rank saves, how a run resumes, and how a recipe change
+// is judged on resume. The on-disk format is package checkpoint's; here is
+// only what the engine puts in it.
+//
+// Model tensors keep their Hugging Face names, one tensor per expert, so a
+// checkpoint written under one parallel layout loads under any other: a
+// rank reads the tensors it holds by name. World rank 0 writes the
+// replicated tensors; the ranks of the first data-parallel replica write
+// their experts. Optimizer moments are "<name>.exp_avg" and
+// "<name>.exp_avg_sq"; expert biases "model.layers.<l>.block_sparse_moe.expert_bias".
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"reflect"
+	"strings"
+	"time"
+
+	"gorgonia.org/tensor"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/checkpoint"
+	"github.com/mktrain/mktrain/checkpoint/safetensors"
+	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/data"
+)
+
+// trainState is the engine's part of a checkpoint's state.json.
+type trainState struct {
+	Step        int           `json:"step"`
+	Tokens      int64         `json:"tokens"`
+	DataCursors []data.Cursor `json:"data_cursors"` // train loader position, by data rank
+	LR          float64       `json:"lr"`           // schedule position: the rate of Step
+	Config      Config        `json:"config"`
+	Recipe      string        `json:"recipe,omitempty"` // the recipe's YAML snapshot
+	RecipeHash  string        `json:"recipe_hash,omitempty"`
+	Mesh        comm.Mesh     `json:"mesh"`
+	Backend     string        `json:"backend"`
+	Version     string        `json:"mktrain_version"`
+	SavedAt     time.Time     `json:"saved_at"`
+}
+
+func biasName(l int) string { return layerName(l, "block_sparse_moe.expert_bias") }
+
+// rankSnapshot is one rank's share of a checkpoint, copied to host memory
+// so training can go on while it is written.
+type rankSnapshot struct {
+	worldRank    int
+	model, optim []checkpoint.NamedTensor
+	cursor       data.Cursor
+	dataRank     int
+}
+
+// hostFloats copies t to a new float32 slice.
+func hostFloats(b backend.Backend, t backend.Tensor) []float32 {
+	switch d := b.Download(t).Data().(type) {
+	case []float32:
+		return d
+	case []float64:
+		out := make([]float32, len(d))
+		for i, v := range d {
+			out[i] = float32(v)
+		}
+		return out
+	default:
+		panic(fmt.Sprintf("engine: tensor of %T is not a float tensor", d))
+	}
+}
+
+// snapshot copies this rank's share of the model and optimizer state.
+func (r *rank) snapshot(worldRank int) rankSnapshot {
+	s := rankSnapshot{worldRank: worldRank, dataRank: r.groups.Data.Rank()}
+	if src, ok := r.train.(cursorSource); ok {
+		s.cursor = src.Cursor()
+	}
+	writesReplicated := worldRank == 0
+	writesExperts := r.groups.ExpertReplica.Rank() == 0
+	for _, p := range r.params {
+		if p.slot.role == roleExpert && !writesExperts || p.slot.role != roleExpert && !writesReplicated {
+			continue
+		}
+		w, m, v := hostFloats(r.b, p.w), hostFloats(r.b, p.m), hostFloats(r.b, p.v)
+		for _, piece := range p.pieces() {
+			at := func(x []float32) []float32 { return x[piece.offset : piece.offset+piece.size] }
+			s.model = append(s.model, checkpoint.NamedTensor{Name: piece.name, Shape: piece.shape, Data: at(w)})
+			s.optim = append(s.optim,
+				checkpoint.NamedTensor{Name: piece.name + ".exp_avg", Shape: piece.shape, Data: at(m)},
+				checkpoint.NamedTensor{Name: piece.name + ".exp_avg_sq", Shape: piece.shape, Data: at(v)})
+		}
+	}
+	if writesReplicated {
+		for l, bias := range r.biasE {
+			s.model = append(s.model, checkpoint.NamedTensor{Name: biasName(l), Shape: bias.Shape(), Data: hostFloats(r.b, bias)})
+		}
+	}
+	return s
+}
+
+// tensorPiece is one named tensor inside a parameter: the whole parameter,
+// or one expert of a stacked expert parameter.
+type tensorPiece struct {
+	name         string
+	shape        []int
+	offset, size int
+}
+
+func (p *param) pieces() []tensorPiece {
+	shape := p.w.Shape()
+	if p.slot.role != roleExpert {
+		return []tensorPiece{{name: p.slot.name, shape: shape, size: p.w.Len()}}
+	}
+	per := p.w.Len() / shape[0]
+	out := make([]tensorPiece, shape[0])
+	for j := range out {
+		out[j] = tensorPiece{name: fmt.Sprintf(p.slot.name, p.firstExpert+j), shape: shape[1:], offset: j * per, size: per}
+	}
+	return out
+}
+
+// cursorSource is a batch source whose position a checkpoint can keep.
+type cursorSource interface {
+	Cursor() data.Cursor
+	Seek(data.Cursor) error
+}
+
+// restore loads this rank's tensors from ck by name. withOptimizer is false
+// when initialising from weights alone.
+func (r *rank) restore(ck *checkpoint.Checkpoint, withOptimizer bool) error {
+	type source struct {
+		set    *checkpoint.TensorSet
+		t      backend.Tensor
+		suffix string
+	}
+	for i := range r.params {
+		p := &r.params[i]
+		targets := []source{{ck.Model(), p.w, ""}}
+		if withOptimizer {
+			targets = append(targets, source{ck.Optim(), p.m, ".exp_avg"}, source{ck.Optim(), p.v, ".exp_avg_sq"})
+		}
+		for _, tg := range targets {
+			host := make([]float32, tg.t.Len())
+			for _, piece := range p.pieces() {
+				if err := tg.set.ReadInto(piece.name+tg.suffix, host[piece.offset:piece.offset+piece.size]); err != nil {
+					return err
+				}
+			}
+			r.b.Upload(tg.t, tensor.New(tensor.WithShape(len(host)), tensor.WithBacking(host)))
+		}
+	}
+	for l, bias := range r.biasE {
+		host := make([]float32, bias.Len())
+		if err := ck.Model().ReadInto(biasName(l), host); err != nil {
+			if !withOptimizer {
+				continue // weights from elsewhere start with zero biases
+			}
+			return err
+		}
+		r.b.Upload(bias, tensor.New(tensor.WithShape(len(host)), tensor.WithBacking(host)))
+	}
+	return nil
+}
+
+// saver writes checkpoints of one run, in the background when
+// checkpoint.async is set. A save waits for the previous one.
+type saver struct {
+	e       *Engine
+	root    string
+	pending chan error // result of the save in flight; nil when none
+	last    int        // step of the newest save started
+}
+
+// save writes the snapshots of every rank as the checkpoint of step.
+func (s *saver) save(snaps []rankSnapshot, st trainState) error {
+	if err := s.wait(); err != nil {
+		return err
+	}
+	s.last = st.Step
+	if !s.e.cfg.Checkpoint.Async {
+		return s.write(snaps, st)
+	}
+	done := make(chan error, 1)
+	s.pending = done
+	go func() { done <- s.write(snaps, st) }()
+	return nil
+}
+
+// wait returns the result of the save in flight, if any.
+func (s *saver) wait() error {
+	if s.pending == nil {
+		return nil
+	}
+	err := <-s.pending
+	s.pending = nil
+	return err
+}
+
+func (s *saver) write(snaps []rankSnapshot, st trainState) error {
+	cfg := s.e.cfg.Checkpoint
+	start := time.Now()
+	sv, err := checkpoint.BeginSave(s.root, st.Step)
+	if err != nil {
+		return err
+	}
+	defer sv.Abort()
+	st.DataCursors = make([]data.Cursor, 0, len(snaps))
+	for _, snap := range snaps {
+		if snap.dataRank == len(st.DataCursors) {
+			st.DataCursors = append(st.DataCursors, snap.cursor)
+		}
+		if len(snap.model) > 0 {
+			if err := sv.WriteTensors(checkpoint.ModelFile(snap.worldRank), snap.model, checkpoint.TensorOptions{DType: safetensors.F32}); err != nil {
+				return err
+			}
+		}
+		if len(snap.optim) > 0 {
+			opts := checkpoint.TensorOptions{DType: safetensors.F32, Compress: cfg.Compress == "zstd"}
+			if err := sv.WriteTensors(checkpoint.OptimFile(snap.worldRank), snap.optim, opts); err != nil {
+				return err
+			}
+		}
+	}
+	st.SavedAt = time.Now().UTC()
+	if err := sv.WriteState(st); err != nil {
+		return err
+	}
+	if err := sv.Commit(); err != nil {
+		return err
+	}
+	if err := checkpoint.Prune(s.root, cfg.KeepLast); err != nil {
+		s.e.log.Warn().Err(err).Msg("cannot prune old checkpoints")
+	}
+	var bytes int64
+	if ck, err := checkpoint.ReadManifest(sv.Dir()); err == nil {
+		for _, f := range ck.Files {
+			bytes += f.Size
+		}
+	}
+	s.e.log.Info().Int("step", st.Step).Str("dir", sv.Dir()).Int64("bytes", bytes).
+		Dur("took", time.Since(start).Round(time.Millisecond)).Msg("checkpoint saved")
+	return nil
+}
+
+// resumePoint finds the checkpoint a run continues from: none for a fresh
+// run, else the directory and its state. The recipe may change fields that
+// do not touch the model's shape; those changes are logged.
+func (e *Engine) resumePoint(root string) (string, *trainState, error) {
+	mode := e.cfg.Checkpoint.Resume
+	var dir string
+	switch mode {
+	case "never":
+		if infos, err := checkpoint.List(root); err == nil && len(infos) > 0 {
+			return "", nil, fmt.Errorf("checkpoint.resume is never, but %s already holds checkpoints; choose another --run-dir or set checkpoint.resume: auto", root)
+		}
+		return "", nil, nil
+	case "auto":
+		d, err := checkpoint.FindResumable(root, func(msg string) { e.log.Warn().Msg(msg) })
+		if errors.Is(err, checkpoint.ErrNoCheckpoint) || errors.Is(err, os.ErrNotExist) {
+			return "", nil, nil
+		}
+		if err != nil {
+			return "", nil, err
+		}
+		dir = d
+	default:
+		if err := checkpoint.Verify(mode); err != nil {
+			return "", nil, fmt.Errorf("checkpoint.resume: %w", err)
+		}
+		dir = mode
+	}
+	ck, err := checkpoint.Open(dir)
+	if err != nil {
+		return "", nil, err
+	}
+	defer ck.Close()
+	var st trainState
+	if err := ck.ReadState(&st); err != nil {
+		return "", nil, err
+	}
+	changes := diffFields(reflect.ValueOf(st.Config), reflect.ValueOf(e.cfg), "")
+	var refused []string
+	for _, c := range changes {
+		switch {
+		case strings.HasPrefix(c, "model."):
+			refused = append(refused, c)
+		case strings.HasPrefix(c, "checkpoint.resume"):
+		default:
+			e.log.Info().Str("change", c).Msg("resuming with a changed recipe field")
+		}
+	}
+	if len(refused) > 0 {
+		return "", nil, fmt.Errorf("cannot resume from %s: the model changed (%s); a checkpoint only resumes the model it was trained with; start a new --run-dir or set checkpoint.resume: never",
+			dir, strings.Join(refused, "; "))
+	}
+	return dir, &st, nil
+}
+
+// diffFields lists the fields of two configs that differ, as
+// "path: old -> new", with recipe (yaml) paths.
+func diffFields(a, b reflect.Value, prefix string) []string {
+	var out []string
+	t := a.Type()
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		name := strings.Split(f.Tag.Get("yaml"), ",")[0]
+		path := prefix + name
+		av, bv := a.Field(i), b.Field(i)
+		if f.Type.Kind() == reflect.Struct {
+			out = append(out, diffFields(av, bv, path+".")...)
+			continue
+		}
+		if !reflect.DeepEqual(av.Interface(), bv.Interface()) {
+			out = append(out, fmt.Sprintf("%s: %v -> %v", path, av.Interface(), bv.Interface()))
+		}
+	}
+	return out
+}
+
+// restoreAll loads the checkpoint at dir into every rank and positions the
+// data loaders.
+func restoreAll(dir string, st *trainState, ranks []*rank) error {
+	ck, err := checkpoint.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer ck.Close()
+	for i, r := range ranks {
+		if err := r.restore(ck, true); err != nil {
+			return fmt.Errorf("rank %d: %w", i, err)
+		}
+		src, ok := r.train.(cursorSource)
+		if !ok || len(st.DataCursors) == 0 {
+			continue
+		}
+		// Loader cursors count windows of the whole data order, so one
+		// saved under any number of ranks positions every rank.
+		if err := src.Seek(st.DataCursors[0]); err != nil {
+			return fmt.Errorf("rank %d: %w", i, err)
+		}
+	}
+	return nil
+}
