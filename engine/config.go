@@ -71,6 +71,7 @@ type CheckpointConfig struct {
 	Resume   string `yaml:"resume"`    // auto | never | PATH
 	Compress string `yaml:"compress"`  // none | zstd (optimizer moments)
 	Async    bool   `yaml:"async"`     // write in the background
+	InitFrom string `yaml:"init_from"` // start a fresh run from these weights: a Hugging Face Mixtral directory
 }
 
 // LogConfig controls metrics and console output.
