@@ -193,7 +193,8 @@ func (d *Device) Driver() *driver.Driver { return d.drv }
 // Stream is the device's stream; all work is queued on it, in order.
 func (d *Device) Stream() driver.Stream { return d.stream }
 
-// Do runs f on the device thread and returns its error.
+// Do runs f on the device thread and returns its error. f must not call
+// the Device's own methods: they would wait for the thread f holds.
 func (d *Device) Do(f func() error) error {
 	reply := make(chan error, 1)
 	if err := d.send(work{f: f, reply: reply}); err != nil {
@@ -298,8 +299,9 @@ func (d *Device) CopyToDevice(dst *Buffer, offset int64, src []byte) error {
 	if err := dst.span("CopyToDevice", offset, int64(len(src))); err != nil || len(src) == 0 {
 		return err
 	}
+	p := dst.ptr + driver.DevicePtr(offset)
 	return d.Do(func() error {
-		if err := d.drv.MemcpyHtoDAsync(dst.ptr+driver.DevicePtr(offset), unsafe.Pointer(&src[0]), len(src), d.stream); err != nil {
+		if err := d.drv.MemcpyHtoDAsync(p, unsafe.Pointer(&src[0]), len(src), d.stream); err != nil {
 			return err
 		}
 		return d.drv.StreamSynchronize(d.stream)
@@ -312,8 +314,9 @@ func (d *Device) CopyFromDevice(dst []byte, src *Buffer, offset int64) error {
 	if err := src.span("CopyFromDevice", offset, int64(len(dst))); err != nil || len(dst) == 0 {
 		return err
 	}
+	p := src.ptr + driver.DevicePtr(offset)
 	return d.Do(func() error {
-		if err := d.drv.MemcpyDtoHAsync(unsafe.Pointer(&dst[0]), src.ptr+driver.DevicePtr(offset), len(dst), d.stream); err != nil {
+		if err := d.drv.MemcpyDtoHAsync(unsafe.Pointer(&dst[0]), p, len(dst), d.stream); err != nil {
 			return err
 		}
 		// Into page-locked memory the copy is still running: wait.
@@ -329,8 +332,10 @@ func (d *Device) CopyDevice(dst *Buffer, dstOff int64, src *Buffer, srcOff int64
 	if err := src.span("CopyDevice", srcOff, bytes); err != nil {
 		return err
 	}
+	// Addresses are read now: the buffers may be freed before this runs.
+	to, from := dst.ptr+driver.DevicePtr(dstOff), src.ptr+driver.DevicePtr(srcOff)
 	return d.Submit(func() error {
-		return d.drv.MemcpyDtoDAsync(dst.ptr+driver.DevicePtr(dstOff), src.ptr+driver.DevicePtr(srcOff), int(bytes), d.stream)
+		return d.drv.MemcpyDtoDAsync(to, from, int(bytes), d.stream)
 	})
 }
 
@@ -340,8 +345,9 @@ func (d *Device) Memset32(b *Buffer, offset, words int64, v uint32) error {
 	if err := b.span("Memset32", 4*offset, 4*words); err != nil {
 		return err
 	}
+	p := b.ptr + driver.DevicePtr(4*offset)
 	return d.Submit(func() error {
-		return d.drv.MemsetD32Async(b.ptr+driver.DevicePtr(4*offset), v, int(words), d.stream)
+		return d.drv.MemsetD32Async(p, v, int(words), d.stream)
 	})
 }
 
