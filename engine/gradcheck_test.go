@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -92,6 +93,35 @@ func TestModelGradient(t *testing.T) {
 			if diff := math.Abs(numeric - g[i]); diff > 1e-6+1e-4*math.Abs(numeric) {
 				t.Errorf("%s[%d]: analytic %.10g, finite difference %.10g", p.slot.name, i, g[i], numeric)
 			}
+		}
+	}
+}
+
+// TestParamShapesMatchTensors: the exported shape list names exactly the
+// tensors a rank allocates.
+func TestParamShapesMatchTensors(t *testing.T) {
+	cfg := gradCheckConfig()
+	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := newRank(cfg, cpu.New(backend.Float32), world[0], nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][]int{}
+	for _, p := range r.params {
+		for _, piece := range p.pieces() {
+			want[piece.name] = piece.shape
+		}
+	}
+	got := ParamShapes(cfg.Model)
+	if len(got) != len(want) {
+		t.Fatalf("%d shapes, %d tensors", len(got), len(want))
+	}
+	for _, ns := range got {
+		if fmt.Sprint(want[ns.Name]) != fmt.Sprint(ns.Shape) {
+			t.Errorf("%s: listed %v, allocated %v", ns.Name, ns.Shape, want[ns.Name])
 		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math/rand/v2"
+	"strings"
 
 	"gorgonia.org/tensor"
 
@@ -155,4 +156,52 @@ func fillNormal(x []float64, rng *rand.Rand, std float64) {
 	for i := range x {
 		x[i] = rng.NormFloat64() * std
 	}
+}
+
+// NamedShape is one tensor of a model as it appears in checkpoints and
+// exports.
+type NamedShape struct {
+	Name  string
+	Shape []int
+}
+
+// ParamShapes lists every model tensor of m by its layout-independent name,
+// one entry per expert, in checkpoint order.
+func ParamShapes(m ModelConfig) []NamedShape {
+	D, Q, KD, F, E := m.Dim, m.Heads*m.HeadDim(), m.KVHeads*m.HeadDim(), m.MoE.FFN, m.MoE.Experts
+	SF := m.MoE.SharedExperts * F
+	var out []NamedShape
+	for _, s := range slots(m) {
+		var shape []int
+		switch {
+		case s.name == nameEmbed || s.name == nameLMHead:
+			shape = []int{m.Vocab, D}
+		case s.role == roleNorm:
+			shape = []int{D}
+		case strings.HasSuffix(s.name, "q_proj.weight"):
+			shape = []int{Q, D}
+		case strings.HasSuffix(s.name, "k_proj.weight"), strings.HasSuffix(s.name, "v_proj.weight"):
+			shape = []int{KD, D}
+		case strings.HasSuffix(s.name, "o_proj.weight"):
+			shape = []int{D, Q}
+		case strings.HasSuffix(s.name, "gate.weight"):
+			shape = []int{E, D}
+		case strings.HasSuffix(s.name, "shared_experts.w2.weight"):
+			shape = []int{D, SF}
+		case strings.Contains(s.name, "shared_experts."):
+			shape = []int{SF, D}
+		case strings.HasSuffix(s.name, "w2.weight"):
+			shape = []int{D, F}
+		default: // w1, w3
+			shape = []int{F, D}
+		}
+		if s.role != roleExpert {
+			out = append(out, NamedShape{s.name, shape})
+			continue
+		}
+		for j := 0; j < E; j++ {
+			out = append(out, NamedShape{fmt.Sprintf(s.name, j), shape})
+		}
+	}
+	return out
 }

@@ -28,12 +28,16 @@
 // through a channel. Do waits for the closure; Submit and Launch only queue
 // it, and their errors, like the GPU's own asynchronous faults, come back
 // from the next Sync. The channel's order is the stream's order. One Device
-// may be used from many goroutines.
+// may be used from many goroutines. A round trip through Do costs tens of
+// microseconds (waking a parked thread and back), a queued Launch a few, so
+// hot paths queue and synchronize once. A closure run by Do or Submit must
+// not call the Device's own methods: they would wait for the thread it holds.
 //
 // # Memory
 //
 // Alloc rounds a request up to a size class (512 bytes, then four classes
-// per power of two) and serves it from that class's free list when it can.
+// per power of two) and serves it from that class's free list when it can,
+// without a trip to the device thread.
 // Free puts the block back on the list once the work queued before it has
 // reached the stream, so a block is reused only by later work. Blocks return
 // to the driver when an allocation fails (then the allocation is retried),

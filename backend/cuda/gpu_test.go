@@ -105,8 +105,9 @@ func TestDeviceQuery(t *testing.T) {
 		t.Errorf("MemInfo: %d free of %d (device total %d)", free, total, info.TotalMem)
 	}
 	t.Logf("memory: %s free of %s", FormatBytes(free), FormatBytes(total))
-	t.Logf("libcuda: %s", gpu.rt.Driver().Path())
-	t.Logf("libnvrtc: %s", gpu.rt.NVRTC().Path())
+	for _, l := range []*driver.Library{gpu.rt.Driver().Library(), gpu.rt.NVRTC().Library()} {
+		t.Logf("%s: %s (via %s)", l.Lib, l.Path, l.Via)
+	}
 	// cuBLASLt and NCCL have no bindings yet; check they can be found and
 	// opened where the GPU is.
 	for _, lib := range []driver.Lib{driver.LibCublasLt, driver.LibNCCL} {

@@ -113,40 +113,59 @@ func newAllocator(mem memory, desc string) *allocator {
 	return &allocator{mem: mem, desc: desc, cache: map[int64][]driver.DevicePtr{}, live: map[driver.DevicePtr]*Buffer{}}
 }
 
+// fromCache serves n from its class's free list, if that holds a block. It
+// needs no driver call, so it runs on any goroutine: a block enters the
+// list only in queue order (see release), so work queued by the new owner
+// runs after the old owner's.
+func (a *allocator) fromCache(n int64) (*Buffer, bool) {
+	class := sizeClass(n)
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	free := a.cache[class]
+	if n < 0 || len(free) == 0 {
+		return nil, false
+	}
+	p := free[len(free)-1]
+	a.cache[class] = free[:len(free)-1]
+	a.stats.Cached -= class
+	a.stats.CacheHits++
+	return a.addLiveLocked(p, n, class), true
+}
+
+// allocate serves n from the cache or the driver; it runs on the device
+// thread.
 func (a *allocator) allocate(n int64) (*Buffer, error) {
 	if n < 0 {
 		return nil, fmt.Errorf("cuda: Alloc of %d bytes", n)
 	}
+	if b, ok := a.fromCache(n); ok {
+		return b, nil
+	}
 	class := sizeClass(n)
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	var p driver.DevicePtr
-	if free := a.cache[class]; len(free) > 0 {
-		p = free[len(free)-1]
-		a.cache[class] = free[:len(free)-1]
-		a.stats.Cached -= class
-		a.stats.CacheHits++
-	} else {
-		var err error
+	p, err := a.mem.alloc(class)
+	if driver.Code(err) == driver.ErrorOutOfMemory && a.stats.Cached > 0 {
+		// Give the cache back and try once more: the free lists may hold
+		// plenty of memory in the wrong sizes.
+		if rerr := a.releaseCacheLocked(); rerr != nil {
+			return nil, rerr
+		}
 		p, err = a.mem.alloc(class)
-		if driver.Code(err) == driver.ErrorOutOfMemory && a.stats.Cached > 0 {
-			// Give the cache back and try once more: the free lists may
-			// hold plenty of memory in the wrong sizes.
-			if rerr := a.releaseCacheLocked(); rerr != nil {
-				return nil, rerr
-			}
-			p, err = a.mem.alloc(class)
-		}
-		if driver.Code(err) == driver.ErrorOutOfMemory {
-			e := &OutOfMemoryError{GPU: a.desc, Asked: n, Class: class, InUse: a.stats.InUse, Cached: a.stats.Cached, Err: err}
-			e.Free, e.Total, _ = a.mem.info()
-			return nil, e
-		}
-		if err != nil {
-			return nil, err
-		}
-		a.stats.DriverAllocs++
 	}
+	if driver.Code(err) == driver.ErrorOutOfMemory {
+		e := &OutOfMemoryError{GPU: a.desc, Asked: n, Class: class, InUse: a.stats.InUse, Cached: a.stats.Cached, Err: err}
+		e.Free, e.Total, _ = a.mem.info()
+		return nil, e
+	}
+	if err != nil {
+		return nil, err
+	}
+	a.stats.DriverAllocs++
+	return a.addLiveLocked(p, n, class), nil
+}
+
+func (a *allocator) addLiveLocked(p driver.DevicePtr, n, class int64) *Buffer {
 	b := &Buffer{ptr: p, size: n, class: class}
 	a.live[p] = b
 	a.stats.Allocs++
@@ -154,7 +173,7 @@ func (a *allocator) allocate(n int64) (*Buffer, error) {
 	a.stats.InUse += class
 	a.stats.Requested += n
 	a.stats.Peak = max(a.stats.Peak, a.stats.InUse)
-	return b, nil
+	return b
 }
 
 // release takes b out of the live set. The block joins the free list only
@@ -242,6 +261,10 @@ func (m deviceMemory) sync() error                             { return m.d.drv.
 // the same size class when there is one. Its contents are undefined. When
 // the GPU is full it returns an *OutOfMemoryError.
 func (d *Device) Alloc(bytes int64) (*Buffer, error) {
+	// A cached block needs no hand-off to the device thread.
+	if b, ok := d.mem.fromCache(bytes); ok {
+		return b, nil
+	}
 	var b *Buffer
 	err := d.Do(func() error {
 		var err error

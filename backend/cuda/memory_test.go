@@ -99,6 +99,9 @@ func mustFree(t *testing.T, a *allocator, b *Buffer) {
 func TestAllocatorReuseAndStats(t *testing.T) {
 	mem := newFakeMemory(1 << 30)
 	a := newAllocator(mem, "fake GPU")
+	if b, ok := a.fromCache(1000); ok || b != nil || a.snapshot() != (AllocStats{}) {
+		t.Fatalf("fromCache on an empty cache: %v %v %+v", b, ok, a.snapshot())
+	}
 	b1, err := a.allocate(1000)
 	if err != nil {
 		t.Fatal(err)
@@ -118,10 +121,11 @@ func TestAllocatorReuseAndStats(t *testing.T) {
 	if _, err := a.release(b1); err == nil {
 		t.Fatal("second Free of the same buffer succeeded")
 	}
-	// A request of the same class reuses the block without the driver.
-	b3, err := a.allocate(990)
-	if err != nil {
-		t.Fatal(err)
+	// A request of the same class reuses the block without the driver,
+	// through the path Device.Alloc takes off the device thread.
+	b3, ok := a.fromCache(990)
+	if !ok {
+		t.Fatal("fromCache missed a cached block of the same class")
 	}
 	if b3.ptr != p1 || mem.allocs != 2 {
 		t.Fatalf("no reuse: got %#x (first was %#x), %d driver allocations", b3.ptr, p1, mem.allocs)

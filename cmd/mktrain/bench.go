@@ -20,6 +20,7 @@ import (
 )
 
 const benchUsage = `Usage: mktrain bench train [RECIPE] [--steps N] [--warmup N] [--set k=v]... [--out DIR]
+       mktrain bench checkpoint [RECIPE] [--set k=v]... (see mktrain bench checkpoint --help)
 
 Measures training throughput: runs RECIPE (default tiny) for warmup+steps
 optimizer steps, ignores the warmup steps, and prints the median tokens/s and
@@ -51,9 +52,12 @@ type machineInfo struct {
 }
 
 func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && args[0] == "checkpoint" {
+		return cmdBenchCheckpoint(ctx, args[1:], stdout, stderr)
+	}
 	if len(args) == 0 || args[0] != "train" {
 		fmt.Fprint(stderr, benchUsage)
-		return usageError{"bench takes the subcommand train"}
+		return usageError{"bench takes the subcommand train or checkpoint"}
 	}
 	fs := newFlagSet("bench train", benchUsage, stderr)
 	var sets setFlags
@@ -113,11 +117,26 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			"model_params":    engine.ParamCount(cfg.Model),
 		},
 	}
-	if err := os.MkdirAll(*out, 0o755); err != nil {
+	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s\n", "benchmark", "recipe", "tokens/s", "step ms")
+	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f\n", "train", recipe, tokens/median, median*1e3)
+	return writeResult(stdout, *out, res)
+}
+
+// writeBenchResult records a benchmark's figures with the commit, machine
+// and command.
+func writeBenchResult(stdout io.Writer, dir, benchmark, recipe string, cfg engine.Config, command string, figures map[string]any) error {
+	return writeResult(stdout, dir, benchResult{
+		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
+		Command: command, Machine: machine(cfg.Train.Backend), Recipe: recipe, Config: cfg, Figures: figures,
+	})
+}
+
+func writeResult(stdout io.Writer, dir string, res benchResult) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("bench results: %w", err)
 	}
-	name := fmt.Sprintf("train-%s-%s.json", strings.TrimSuffix(filepath.Base(recipe), ".yaml"), time.Now().UTC().Format("20060102T150405Z"))
-	path := filepath.Join(*out, name)
+	name := fmt.Sprintf("%s-%s-%s.json", res.Benchmark, strings.TrimSuffix(filepath.Base(res.Recipe), ".yaml"), time.Now().UTC().Format("20060102T150405Z"))
+	path := filepath.Join(dir, name)
 	buf, err := json.MarshalIndent(res, "", "  ")
 	if err != nil {
 		return err
@@ -125,8 +144,6 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := os.WriteFile(path, append(buf, '\n'), 0o644); err != nil {
 		return fmt.Errorf("bench results: %w", err)
 	}
-	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s\n", "benchmark", "recipe", "tokens/s", "step ms")
-	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f\n", "train", recipe, tokens/median, median*1e3)
 	fmt.Fprintf(stdout, "wrote %s\n", path)
 	return nil
 }

@@ -149,6 +149,9 @@ func (s Search) LoadDriver() (*Driver, error) {
 // Path is the libcuda file that was loaded.
 func (d *Driver) Path() string { return d.lib.Path }
 
+// Library is the loaded libcuda and where it was found.
+func (d *Driver) Library() *Library { return d.lib }
+
 // call is go:uintptrescapes like SyscallN itself: a pointer converted to
 // uintptr in the argument list of a call to it is moved to the heap and kept
 // alive until it returns, so stack copying cannot move what C is writing to.

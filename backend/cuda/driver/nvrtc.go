@@ -72,6 +72,9 @@ func (s Search) LoadNVRTC() (*NVRTC, error) {
 // Path is the libnvrtc file that was loaded.
 func (n *NVRTC) Path() string { return n.lib.Path }
 
+// Library is the loaded libnvrtc and where it was found.
+func (n *NVRTC) Library() *Library { return n.lib }
+
 // Version is NVRTC's major and minor version, e.g. 13, 0.
 func (n *NVRTC) Version() (major, minor int) { return n.major, n.minor }
 
