@@ -135,6 +135,11 @@ func (e *Engine) Run(ctx context.Context) (Result, error) {
 			e.log.Info().Str("checkpoint", dir).Int("step", st.Step).Msg("resuming")
 		}
 	}
+	if s.resume == nil && cfg.Checkpoint.InitFrom != "" {
+		if err := e.loadHF(cfg.Checkpoint.InitFrom, ranks); err != nil {
+			return Result{}, err
+		}
+	}
 	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).
 		Int("params", ParamCount(cfg.Model)).Int("steps", cfg.Train.Steps).Msg("training starts")
 	return s.run(ctx)

@@ -2,6 +2,10 @@
 //
 //	mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
 //	mktrain data prepare [--out DIR] [--val-fraction F] FILE|GLOB...
+//	mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
+//	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
+//	mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
+//	mktrain ckpt verify|inspect DIR
 //	mktrain bench train [RECIPE] [--steps N]
 //	mktrain version
 //
@@ -44,6 +48,16 @@ Usage:
                          train from a recipe (a file, or a shipped name: tiny, moe-small)
   mktrain data prepare [--out DIR] [--val-fraction F] FILE|GLOB...
                          turn text files into byte-level token shards
+  mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
+                         a checkpoint's validation loss and perplexity
+  mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
+                         continue a text with a checkpoint's model (byte-level)
+  mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
+                         write a checkpoint as a Hugging Face Mixtral directory
+  mktrain ckpt verify DIR
+                         check the checksums of a checkpoint, or of all under a run
+  mktrain ckpt inspect DIR
+                         show a checkpoint's state, tensors and recipe
   mktrain bench train [RECIPE] [--steps N]
                          measure training tokens/s; writes bench/results/*.json
   mktrain version        print the version
@@ -66,6 +80,14 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = cmdData(args[1:], stdout, stderr)
 	case "bench":
 		err = cmdBench(ctx, args[1:], stdout, stderr)
+	case "eval":
+		err = cmdEval(ctx, args[1:], stdout, stderr)
+	case "sample":
+		err = cmdSample(ctx, args[1:], stdout, stderr)
+	case "export":
+		err = cmdExport(args[1:], stdout, stderr)
+	case "ckpt":
+		err = cmdCkpt(args[1:], stdout, stderr)
 	case "version", "--version":
 		fmt.Fprintln(stdout, versionString())
 		return exitOK

@@ -1,0 +1,83 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+
+	"github.com/mktrain/mktrain/data"
+	"github.com/mktrain/mktrain/engine"
+)
+
+const sampleUsage = `Usage: mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
+
+Continues TEXT with N tokens from a checkpoint's model and prints the prompt
+and its continuation. The tokenizer is byte-level: each byte of TEXT is one
+token and each token one byte. Each new token sees the last train.seq tokens.
+--temperature 0 takes the most likely byte every time; higher temperatures
+sample more freely; --top-k K samples among the K most likely bytes only.
+The same seed gives the same text. DIR is a checkpoint (a step_* directory),
+or a run directory or checkpoints root (its newest checkpoint that verifies).
+
+Flags:
+`
+
+func cmdSample(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("sample", sampleUsage, stderr)
+	dir := fs.String("checkpoint", "", "checkpoint, run directory or checkpoints root")
+	prompt := fs.String("prompt", "", "text to continue")
+	n := fs.Int("tokens", 200, "tokens (bytes) to generate")
+	temperature := fs.Float64("temperature", 0.8, "sampling temperature (0: greedy)")
+	topK := fs.Int("top-k", 0, "sample among the K most likely tokens only (0: all)")
+	seed := fs.Uint64("seed", 1, "random seed")
+	pos, err := parseInterspersed(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		fs.Usage()
+		return usageError{fmt.Sprintf("sample takes no arguments besides flags; got %q (quote the prompt: --prompt \"...\")", pos[0])}
+	}
+	if err := requireFlag(fs, "checkpoint", *dir); err != nil {
+		return err
+	}
+	if err := requireFlag(fs, "prompt", *prompt); err != nil {
+		return err
+	}
+	switch {
+	case *n < 0:
+		return usageError{fmt.Sprintf("--tokens must not be negative, got %d", *n)}
+	case *temperature < 0 || math.IsNaN(*temperature) || math.IsInf(*temperature, 0):
+		return usageError{fmt.Sprintf("--temperature must be 0 or positive, got %v", *temperature)}
+	case *topK < 0:
+		return usageError{fmt.Sprintf("--top-k must be 0 or positive, got %d", *topK)}
+	}
+	m, err := engine.LoadModel(*dir, engine.WithLogger(warnLogger(stderr)))
+	if err != nil {
+		return err
+	}
+	encoded := data.EncodeBytes([]byte(*prompt))
+	ids := make([]int32, len(encoded))
+	for i, t := range encoded {
+		ids[i] = int32(t)
+	}
+	out, err := m.Sample(ctx, ids, *n, *temperature, *topK, *seed)
+	if errors.Is(err, context.Canceled) {
+		return fmt.Errorf("%w: sampling stopped", errInterrupted)
+	}
+	if err != nil {
+		return err
+	}
+	tokens := make([]uint32, len(out))
+	for i, t := range out {
+		tokens[i] = uint32(t)
+	}
+	text, err := data.DecodeBytes(tokens)
+	if err != nil {
+		return fmt.Errorf("the model's output is not byte-level (model.vocab %d): %w", m.Config().Model.Vocab, err)
+	}
+	_, err = fmt.Fprintf(stdout, "%s%s\n", *prompt, text)
+	return err
+}
