@@ -13,10 +13,14 @@ package engine
 //
 // An imported one may instead be sharded: model-0000i-of-0000n.safetensors
 // files listed by model.safetensors.index.json's weight_map; tensors may be
-// F32, BF16 or F16.
+// F32, BF16, F16 or F64.
+//
+// scripts/hf_check.py loads an fp32 export in transformers and compares its
+// loss with `mktrain eval --json` on the same windows.
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -25,6 +29,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 
 	"gorgonia.org/tensor"
@@ -43,33 +48,50 @@ const (
 // hfConfig is the config.json of an exported model: the fields of
 // transformers' MixtralConfig.
 type hfConfig struct {
-	Architectures         []string `json:"architectures"`
-	ModelType             string   `json:"model_type"`
-	VocabSize             int      `json:"vocab_size"`
-	HiddenSize            int      `json:"hidden_size"`
-	IntermediateSize      int      `json:"intermediate_size"`
-	NumHiddenLayers       int      `json:"num_hidden_layers"`
-	NumAttentionHeads     int      `json:"num_attention_heads"`
-	NumKeyValueHeads      int      `json:"num_key_value_heads"`
-	HeadDim               int      `json:"head_dim"`
-	NumLocalExperts       int      `json:"num_local_experts"`
-	NumExpertsPerTok      int      `json:"num_experts_per_tok"`
-	RopeTheta             float64  `json:"rope_theta"`
-	RMSNormEps            float64  `json:"rms_norm_eps"`
-	MaxPositionEmbeddings int      `json:"max_position_embeddings"`
-	TieWordEmbeddings     bool     `json:"tie_word_embeddings"`
-	HiddenAct             string   `json:"hidden_act"`
-	RouterAuxLossCoef     float64  `json:"router_aux_loss_coef"`
-	RouterJitterNoise     float64  `json:"router_jitter_noise"`
-	OutputRouterLogits    bool     `json:"output_router_logits"`
-	SlidingWindow         *int     `json:"sliding_window"` // null: full attention
-	AttentionDropout      float64  `json:"attention_dropout"`
-	InitializerRange      float64  `json:"initializer_range"`
-	TorchDType            string   `json:"torch_dtype"`
-	BOSTokenID            *int     `json:"bos_token_id"` // null: the byte-level tokenizer has no special tokens
-	EOSTokenID            *int     `json:"eos_token_id"`
-	PadTokenID            *int     `json:"pad_token_id"`
-	UseCache              bool     `json:"use_cache"`
+	Architectures         []string  `json:"architectures"`
+	ModelType             string    `json:"model_type"`
+	VocabSize             int       `json:"vocab_size"`
+	HiddenSize            int       `json:"hidden_size"`
+	IntermediateSize      int       `json:"intermediate_size"`
+	NumHiddenLayers       int       `json:"num_hidden_layers"`
+	NumAttentionHeads     int       `json:"num_attention_heads"`
+	NumKeyValueHeads      int       `json:"num_key_value_heads"`
+	HeadDim               int       `json:"head_dim"`
+	NumLocalExperts       int       `json:"num_local_experts"`
+	NumExpertsPerTok      int       `json:"num_experts_per_tok"`
+	RopeTheta             jsonFloat `json:"rope_theta"`
+	RMSNormEps            jsonFloat `json:"rms_norm_eps"`
+	MaxPositionEmbeddings int       `json:"max_position_embeddings"`
+	TieWordEmbeddings     bool      `json:"tie_word_embeddings"`
+	HiddenAct             string    `json:"hidden_act"`
+	RouterAuxLossCoef     jsonFloat `json:"router_aux_loss_coef"`
+	RouterJitterNoise     jsonFloat `json:"router_jitter_noise"`
+	OutputRouterLogits    bool      `json:"output_router_logits"`
+	SlidingWindow         *int      `json:"sliding_window"` // null: full attention
+	AttentionDropout      jsonFloat `json:"attention_dropout"`
+	InitializerRange      jsonFloat `json:"initializer_range"`
+	TorchDType            string    `json:"torch_dtype"`
+	BOSTokenID            *int      `json:"bos_token_id"` // null: the byte-level tokenizer has no special tokens
+	EOSTokenID            *int      `json:"eos_token_id"`
+	PadTokenID            *int      `json:"pad_token_id"`
+	UseCache              bool      `json:"use_cache"`
+}
+
+// jsonFloat is a float64 that is written with a decimal point or an
+// exponent, as Python reads floats: transformers' config classes refuse an
+// integer (0) where they declare a float.
+type jsonFloat float64
+
+func (f jsonFloat) MarshalJSON() ([]byte, error) {
+	v := float64(f)
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return nil, fmt.Errorf("config.json: %v is not a JSON number", v)
+	}
+	b := strconv.AppendFloat(nil, v, 'g', -1, 64)
+	if !bytes.ContainsAny(b, ".e") {
+		b = append(b, ".0"...)
+	}
+	return b, nil
 }
 
 func hfConfigFor(cfg Config, torchDType string) hfConfig {
@@ -79,24 +101,18 @@ func hfConfigFor(cfg Config, torchDType string) hfConfig {
 		VocabSize: m.Vocab, HiddenSize: m.Dim, IntermediateSize: m.MoE.FFN, NumHiddenLayers: m.Layers,
 		NumAttentionHeads: m.Heads, NumKeyValueHeads: m.KVHeads, HeadDim: m.HeadDim(),
 		NumLocalExperts: m.MoE.Experts, NumExpertsPerTok: m.MoE.TopK,
-		RopeTheta: m.RopeTheta, RMSNormEps: m.NormEps, MaxPositionEmbeddings: cfg.Train.Seq,
-		HiddenAct: "silu", RouterAuxLossCoef: m.MoE.AuxLossCoef, InitializerRange: m.InitStd,
+		RopeTheta: jsonFloat(m.RopeTheta), RMSNormEps: jsonFloat(m.NormEps), MaxPositionEmbeddings: cfg.Train.Seq,
+		HiddenAct: "silu", RouterAuxLossCoef: jsonFloat(m.MoE.AuxLossCoef), InitializerRange: jsonFloat(m.InitStd),
 		TorchDType: torchDType, UseCache: true,
 	}
 }
 
-// mixtralNames lists the tensors of a Mixtral model of shape m, in the
-// engine's parameter order, experts by global index.
+// mixtralNames lists the tensors of a Mixtral model of shape m (one
+// without shared experts), in checkpoint order, experts by global index.
 func mixtralNames(m ModelConfig) []string {
 	var names []string
-	for _, s := range slots(m) {
-		if s.role != roleExpert {
-			names = append(names, s.name)
-			continue
-		}
-		for j := 0; j < m.MoE.Experts; j++ {
-			names = append(names, fmt.Sprintf(s.name, j))
-		}
+	for _, t := range ParamShapes(m) {
+		names = append(names, t.Name)
 	}
 	return names
 }
@@ -144,15 +160,18 @@ func ExportHF(ckptDir, outDir, dtype string) error {
 	if err := checkExportable(ck, m); err != nil {
 		return fmt.Errorf("export of %s: %w", dir, err)
 	}
-	names := mixtralNames(m)
-	specs := make([]safetensors.TensorSpec, len(names))
+	want := ParamShapes(m)
+	specs := make([]safetensors.TensorSpec, len(want))
 	largest := 0
-	for i, name := range names {
-		shape, ok := ck.Model().Shape(name)
-		if !ok {
-			return fmt.Errorf("export of %s: the checkpoint has no tensor %q", dir, name)
+	for i, t := range want {
+		shape, ok := ck.Model().Shape(t.Name)
+		switch {
+		case !ok:
+			return fmt.Errorf("export of %s: the checkpoint has no tensor %q", dir, t.Name)
+		case !slices.Equal(shape, t.Shape):
+			return fmt.Errorf("export of %s: tensor %q has shape %v, but the checkpoint's model section makes it %v", dir, t.Name, shape, t.Shape)
 		}
-		specs[i] = safetensors.TensorSpec{Name: name, DType: dt, Shape: shape}
+		specs[i] = safetensors.TensorSpec{Name: t.Name, DType: dt, Shape: shape}
 		largest = max(largest, numElements(shape))
 	}
 	config, err := json.MarshalIndent(hfConfigFor(st.Config, torchDType), "", "  ")

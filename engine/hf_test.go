@@ -128,6 +128,18 @@ func TestExportHF(t *testing.T) {
 			if a, ok := c["architectures"].([]any); !ok || len(a) != 1 || a[0] != "MixtralForCausalLM" {
 				t.Errorf("architectures %v", c["architectures"])
 			}
+			// transformers refuses an integer where its config declares a float.
+			dec := json.NewDecoder(bytes.NewReader(raw))
+			dec.UseNumber()
+			var numbers map[string]any
+			if err := dec.Decode(&numbers); err != nil {
+				t.Fatal(err)
+			}
+			for _, k := range []string{"rope_theta", "rms_norm_eps", "router_aux_loss_coef", "router_jitter_noise", "attention_dropout", "initializer_range"} {
+				if n, ok := numbers[k].(json.Number); !ok || !strings.ContainsAny(string(n), ".e") {
+					t.Errorf("config.json %s is %v, not written as a float", k, numbers[k])
+				}
+			}
 		})
 	}
 }

@@ -87,6 +87,10 @@ func Sources() []Source {
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
 		}},
+		{File: "router.cu", Kernels: []Kernel{
+			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},
+			{Name: "router_backward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},
+		}},
 	}
 }
 

@@ -1,0 +1,186 @@
+package cuda
+
+// Backend: the backend.Backend interface on one GPU. Tensors are float32 (or
+// int32) in device memory; MatMul multiplies in bf16 with fp32 accumulation
+// (Gemm), every other op computes in fp32. Ops queue kernels on the
+// device's stream and return at once; what goes wrong on the way (a launch
+// the driver refuses, an allocation the GPU cannot hold, a kernel that
+// faults) is kept and returned by the next Sync, as package backend
+// prescribes. Shape mismatches are caller bugs and panic before anything is
+// queued.
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+)
+
+// ErrNoGPU is returned by OpenBackend when the driver loads but sees no GPU.
+var ErrNoGPU = errors.New("cuda: the driver sees no GPU")
+
+// relTolerance is the Backend's precision against a float64 reference
+// (backend.Precision): MatMul rounds its inputs to bf16, 8 significant bits,
+// so a product's error is a few times 2^-9 of its magnitude.
+const relTolerance = 1e-2
+
+// Backend implements backend.Backend on one Device. Its methods may be
+// called from several goroutines; ops from one goroutine run in the order
+// they were called.
+type Backend struct {
+	dev  *Device
+	owns bool // Close closes dev (OpenBackend)
+	k    *kernelSet
+	gemm *Gemm
+
+	mu  sync.Mutex
+	err error // the first error since the last Sync
+}
+
+var (
+	_ backend.Backend   = (*Backend)(nil)
+	_ backend.Precision = (*Backend)(nil)
+)
+
+// NewBackend makes a Backend on d. It compiles (or reads from the kernel
+// cache) every kernel the ops use, so a broken kernel or compiler shows up
+// here rather than in the middle of a step. Closing the Backend leaves d
+// open.
+func NewBackend(d *Device) (*Backend, error) {
+	ks, err := loadKernelSet(d)
+	if err != nil {
+		return nil, err
+	}
+	g, err := NewGemm(d)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: matrix multiply: %w", err)
+	}
+	return &Backend{dev: d, k: ks, gemm: g}, nil
+}
+
+// OpenBackend loads the CUDA libraries with opts, opens GPU 0 and returns a
+// Backend that owns it (Close closes the device). Where there is no usable
+// GPU the error says why: a *driver.NotFoundError naming the places looked
+// in, ErrNoGPU, or the driver's own error (NoGPU reports all three).
+func OpenBackend(opts Options) (*Backend, error) {
+	rt, err := Load(opts)
+	if err != nil {
+		return nil, err
+	}
+	n, err := rt.DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	if n == 0 {
+		return nil, ErrNoGPU
+	}
+	d, err := rt.Open(0)
+	if err != nil {
+		return nil, err
+	}
+	b, err := NewBackend(d)
+	if err != nil {
+		d.Close()
+		return nil, err
+	}
+	b.owns = true
+	return b, nil
+}
+
+// NoGPU reports whether err, from OpenBackend or Load, means that this
+// machine has no usable NVIDIA GPU (no driver library, no device), as
+// opposed to a GPU that failed.
+func NoGPU(err error) bool {
+	var nf *driver.NotFoundError
+	if errors.As(err, &nf) || errors.Is(err, ErrNoGPU) {
+		return true
+	}
+	c := driver.Code(err)
+	return c == driver.ErrorNoDevice || c == driver.ErrorNotInitialized
+}
+
+// Device is the GPU the Backend runs on.
+func (b *Backend) Device() *Device { return b.dev }
+
+// Close waits for queued work and, when OpenBackend opened the device,
+// closes it. Tensors of the Backend must not be used afterwards.
+func (b *Backend) Close() error {
+	err := b.Sync()
+	if b.owns {
+		err = errors.Join(err, b.dev.Close())
+	}
+	return err
+}
+
+func (b *Backend) Name() string             { return "cuda" }
+func (b *Backend) FloatType() backend.DType { return backend.Float32 }
+
+// RelTolerance is the relative tolerance the conformance suite applies to
+// this backend against a float64 reference (backend.Precision).
+func (b *Backend) RelTolerance() float64 { return relTolerance }
+
+// Sync waits for every queued op and returns the first error since the last
+// Sync: the Backend's own (an allocation that failed, a launch the driver
+// refused), else the device's.
+func (b *Backend) Sync() error {
+	derr := b.dev.Sync()
+	b.mu.Lock()
+	err := b.err
+	b.err = nil
+	b.mu.Unlock()
+	if err == nil {
+		err = derr
+	}
+	return err
+}
+
+// fail keeps err (if not nil) for the next Sync.
+func (b *Backend) fail(err error) {
+	if err == nil {
+		return
+	}
+	b.mu.Lock()
+	if b.err == nil {
+		b.err = err
+	}
+	b.mu.Unlock()
+}
+
+// launch queues k. Arguments that are tensors (*Tensor, or a nil
+// backend.Tensor for an optional one) become device addresses; the rest go
+// to Device.Launch as they are. A tensor whose allocation failed makes the
+// launch a no-op: the failure is already waiting for Sync.
+func (b *Backend) launch(k *Kernel, g Grid, args ...any) {
+	conv := make([]any, len(args))
+	for i, a := range args {
+		switch v := a.(type) {
+		case nil:
+			conv[i] = driver.DevicePtr(0)
+		case *Tensor:
+			if v == nil {
+				conv[i] = driver.DevicePtr(0)
+				continue
+			}
+			p, ok := v.ptr()
+			if !ok {
+				return
+			}
+			conv[i] = p
+		default:
+			conv[i] = a
+		}
+	}
+	b.fail(b.dev.Launch(k, g, conv...))
+	// The addresses are in the queue now; until then the tensors must stay
+	// reachable, or their memory could be recycled ahead of the launch.
+	runtime.KeepAlive(args)
+}
+
+// rowGrid is a grid of one block of threads per row.
+func rowGrid(rows, threads int) Grid { return Grid1D(rows, threads) }
+
+// strideGrid sizes a grid-stride launch over n elements.
+func (b *Backend) strideGrid(n int) Grid { return b.dev.StrideGrid(int64(n), 256, 4) }

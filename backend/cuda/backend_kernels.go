@@ -1,0 +1,79 @@
+package cuda
+
+// The kernels the Backend's ops launch, resolved once per Backend.
+// Device.Load already caches each module per Device (keyed by source file),
+// so code outside the Backend (Gemm, attention) loads its sources with
+// Device.Load directly and pays the compile once.
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/mktrain/mktrain/kernels"
+)
+
+// kernelSet holds every kernel of the Backend's ops.
+type kernelSet struct {
+	fill, axpy, scale, sumPartial *Kernel
+
+	embedFwd, embedBwd *Kernel
+
+	rmsFwd, rmsBwdDx, rmsBwdDw *Kernel
+
+	swigluFwd, swigluBwd *Kernel
+
+	crossEntropy *Kernel
+
+	gatherRows, scatterAddRows, rowDots *Kernel
+
+	routerFwd, routerBwd *Kernel
+
+	adamw *Kernel
+}
+
+// loadKernelSet compiles (or reads from the cache) and loads the sources,
+// in parallel, and resolves every kernel.
+func loadKernelSet(d *Device) (*kernelSet, error) {
+	ks := &kernelSet{}
+	want := []struct {
+		file string
+		refs map[string]**Kernel
+	}{
+		{"elementwise.cu", map[string]**Kernel{"fill_f32": &ks.fill, "axpy_f32": &ks.axpy, "scale_f32": &ks.scale, "sum_partial_f32": &ks.sumPartial}},
+		{"embedding.cu", map[string]**Kernel{"embedding_forward_f32": &ks.embedFwd, "embedding_backward_f32": &ks.embedBwd}},
+		{"rmsnorm.cu", map[string]**Kernel{"rmsnorm_forward_f32": &ks.rmsFwd, "rmsnorm_backward_dx_f32": &ks.rmsBwdDx, "rmsnorm_backward_dw_f32": &ks.rmsBwdDw}},
+		{"swiglu.cu", map[string]**Kernel{"swiglu_forward_f32": &ks.swigluFwd, "swiglu_backward_f32": &ks.swigluBwd}},
+		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy}},
+		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots}},
+		{"router.cu", map[string]**Kernel{"router_forward_f32": &ks.routerFwd, "router_backward_f32": &ks.routerBwd}},
+		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw}},
+	}
+	mods := make([]*Module, len(want))
+	errs := make([]error, len(want))
+	var wg sync.WaitGroup
+	for i, w := range want {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			src, err := kernels.Lookup(w.file)
+			if err == nil {
+				mods[i], err = d.Load(src)
+			}
+			errs[i] = err
+		}()
+	}
+	wg.Wait()
+	for i, w := range want {
+		if errs[i] != nil {
+			return nil, fmt.Errorf("cuda: backend kernels: %w", errs[i])
+		}
+		for name, ref := range w.refs {
+			k, err := mods[i].Kernel(name)
+			if err != nil {
+				return nil, err
+			}
+			*ref = k
+		}
+	}
+	return ks, nil
+}

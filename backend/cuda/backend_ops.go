@@ -1,0 +1,310 @@
+package cuda
+
+// The Backend's ops that map onto the kernels of package kernels one for
+// one: elementwise ops and reductions, embedding, RMSNorm, SwiGLU,
+// cross-entropy, row gathers and scatters, AdamW. Each checks its
+// arguments as backend/cpu does and queues its kernel; none waits for the
+// GPU except the reductions, which return a number.
+
+import (
+	"fmt"
+	"math"
+	"runtime"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+)
+
+// Zero clears t (float32 or int32).
+func (b *Backend) Zero(t backend.Tensor) {
+	ct := tensorOf("Zero", "t", t)
+	if ct == nil {
+		fail("Zero", "tensor is nil")
+	}
+	if n := ct.Len(); n > 0 && ct.st.buf != nil {
+		b.fail(b.dev.Memset32(ct.st.buf, int64(ct.off), int64(n), 0))
+	}
+}
+
+// Copy copies src into dst: same dtype and length, shapes may differ.
+func (b *Backend) Copy(dst, src backend.Tensor) {
+	const op = "Copy"
+	d, s := tensorOf(op, "dst", dst), tensorOf(op, "src", src)
+	if d == nil || s == nil {
+		fail(op, "nil tensor")
+	}
+	if d.dt != s.dt {
+		fail(op, "dst is %v but src is %v", d.dt, s.dt)
+	}
+	if d.Len() != s.Len() {
+		fail(op, "dst has shape %v but src has shape %v", d.shape, s.shape)
+	}
+	if n := d.Len(); n > 0 && d.st.buf != nil && s.st.buf != nil {
+		b.fail(b.dev.CopyDevice(d.st.buf, int64(elemBytes*d.off), s.st.buf, int64(elemBytes*s.off), int64(elemBytes*n)))
+	}
+	runtime.KeepAlive(d)
+	runtime.KeepAlive(s)
+}
+
+// Axpy computes dst += alpha*x.
+func (b *Backend) Axpy(dst backend.Tensor, alpha float64, x backend.Tensor) {
+	d := float("Axpy", "dst", dst)
+	xs := vector("Axpy", "x", x, d.Len())
+	if n := d.Len(); n > 0 {
+		b.launch(b.k.axpy, b.strideGrid(n), d, float32(alpha), xs, int64(n))
+	}
+}
+
+// Scale computes t *= alpha.
+func (b *Backend) Scale(t backend.Tensor, alpha float64) {
+	ct := float("Scale", "t", t)
+	if n := ct.Len(); n > 0 {
+		b.launch(b.k.scale, b.strideGrid(n), ct, float32(alpha), int64(n))
+	}
+}
+
+// Sum returns the sum of t's elements, accumulated in float64. It waits for
+// the GPU.
+func (b *Backend) Sum(t backend.Tensor) float64 {
+	return b.reduce(float("Sum", "t", t), false)
+}
+
+// SumSquares returns the sum of the squares of t's elements, accumulated in
+// float64. It waits for the GPU.
+func (b *Backend) SumSquares(t backend.Tensor) float64 {
+	return b.reduce(float("SumSquares", "t", t), true)
+}
+
+// reduce runs sum_partial_f32 on a fixed grid (so the same tensor gives the
+// same bits every time) and adds the per-block float64 partials in order.
+// A failure returns NaN and waits for Sync.
+func (b *Backend) reduce(t *Tensor, squares bool) float64 {
+	n := t.Len()
+	if n == 0 {
+		return 0
+	}
+	g := b.strideGrid(n)
+	partials := make([]float64, g.Grid.X)
+	buf, err := b.alloc(int64(8 * len(partials)))
+	if err != nil {
+		b.fail(err)
+		return math.NaN()
+	}
+	defer b.dev.Free(buf)
+	sq := int32(0)
+	if squares {
+		sq = 1
+	}
+	b.launch(b.k.sumPartial, g, t, int64(n), sq, buf)
+	if err := b.dev.CopyFromDevice(Bytes(partials), buf, 0); err != nil {
+		b.fail(err)
+		return math.NaN()
+	}
+	var s float64
+	for _, p := range partials {
+		s += p
+	}
+	return s
+}
+
+// EmbeddingForward gathers rows: outTD[t] = tableVD[idsT[t]]. An id outside
+// the table gives a row of NaNs.
+func (b *Backend) EmbeddingForward(outTD, tableVD, idsT backend.Tensor) {
+	const op = "EmbeddingForward"
+	table, v, d := matrix(op, "table", tableVD)
+	out, t, _ := matrix(op, "out", outTD)
+	wantMatrix(op, "out", outTD, t, d)
+	ids := indices(op, "ids", idsT, t)
+	fitsInt32(op, t, d, v)
+	if t > 0 && d > 0 {
+		b.launch(b.k.embedFwd, Grid1D(t, 256), out, table, ids, int32(t), int32(d), int32(v))
+	}
+}
+
+// EmbeddingBackward accumulates dTableVD[idsT[t]] += dOutTD[t]. Repeated
+// ids add through atomics, so the last bits may vary from run to run. Ids
+// outside the table are skipped.
+func (b *Backend) EmbeddingBackward(dTableVD, dOutTD, idsT backend.Tensor) {
+	const op = "EmbeddingBackward"
+	dTable, v, d := matrix(op, "dTable", dTableVD)
+	dOut, t, _ := matrix(op, "dOut", dOutTD)
+	wantMatrix(op, "dOut", dOutTD, t, d)
+	ids := indices(op, "ids", idsT, t)
+	fitsInt32(op, t, d, v)
+	if t > 0 && d > 0 {
+		b.launch(b.k.embedBwd, Grid1D(t, 256), dTable, dOut, ids, int32(t), int32(d), int32(v))
+	}
+}
+
+// RMSNormForward: out = x / rms(x) * w, saving rstdT = 1/rms(x).
+func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float64) {
+	const op = "RMSNormForward"
+	x, t, d := matrix(op, "x", xTD)
+	out := wantMatrix(op, "out", outTD, t, d)
+	rstd := vector(op, "rstd", rstdT, t)
+	w := vector(op, "w", wD, d)
+	fitsInt32(op, t, d)
+	if t > 0 {
+		b.launch(b.k.rmsFwd, Grid1D(t, 256), out, rstd, x, w, int32(t), int32(d), float32(eps))
+	}
+}
+
+// rmsRowsPerBlock is how many rows one block of the dw kernel sums before
+// its atomic add: enough to keep the atomics few, few enough to fill the
+// GPU for a few thousand rows.
+const rmsRowsPerBlock = 32
+
+// RMSNormBackward writes dxTD and accumulates into dwD.
+func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor) {
+	const op = "RMSNormBackward"
+	x, t, d := matrix(op, "x", xTD)
+	dx := wantMatrix(op, "dx", dxTD, t, d)
+	dout := wantMatrix(op, "dout", doutTD, t, d)
+	dw := vector(op, "dw", dwD, d)
+	w := vector(op, "w", wD, d)
+	rstd := vector(op, "rstd", rstdT, t)
+	fitsInt32(op, t, d)
+	if t == 0 || d == 0 {
+		return
+	}
+	b.launch(b.k.rmsBwdDx, Grid1D(t, 256), dx, dout, x, w, rstd, int32(t), int32(d))
+	// The grid's y extent is at most 65535 blocks.
+	rows := max(rmsRowsPerBlock, (t+65534)/65535)
+	g := Grid{Grid: driver.Dim3{X: (d + 31) / 32, Y: (t + rows - 1) / rows, Z: 1}, Block: driver.Dim3{X: 32, Y: 8, Z: 1}}
+	b.launch(b.k.rmsBwdDw, g, dw, dout, x, rstd, int32(t), int32(d), int32(rows))
+}
+
+// SwiGLUForward: out = silu(a) * b, elementwise over [N, F].
+func (b *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {
+	const op = "SwiGLUForward"
+	a, n, f := matrix(op, "a", aNF)
+	bv := wantMatrix(op, "b", bNF, n, f)
+	out := wantMatrix(op, "out", outNF, n, f)
+	if m := n * f; m > 0 {
+		b.launch(b.k.swigluFwd, b.strideGrid(m), out, a, bv, int64(m))
+	}
+}
+
+// SwiGLUBackward writes daNF and dbNF.
+func (b *Backend) SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF backend.Tensor) {
+	const op = "SwiGLUBackward"
+	a, n, f := matrix(op, "a", aNF)
+	bv := wantMatrix(op, "b", bNF, n, f)
+	dout := wantMatrix(op, "dout", doutNF, n, f)
+	da := wantMatrix(op, "da", daNF, n, f)
+	db := wantMatrix(op, "db", dbNF, n, f)
+	if m := n * f; m > 0 {
+		b.launch(b.k.swigluBwd, b.strideGrid(m), da, db, dout, a, bv, int64(m))
+	}
+}
+
+// CrossEntropy: lossT[t] = logsumexp(logits[t]) - logits[t][targets[t]],
+// dlogitsTV = (softmax - onehot) * gradScale (dlogitsTV may be logitsTV or
+// nil); a negative target gives loss 0 and a zero gradient row, a target
+// past the vocabulary a NaN loss.
+func (b *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tensor, gradScale float64) {
+	const op = "CrossEntropy"
+	logits, t, v := matrix(op, "logits", logitsTV)
+	loss := vector(op, "loss", lossT, t)
+	var dlogits *Tensor
+	if dlogitsTV != nil {
+		dlogits = wantMatrix(op, "dlogits", dlogitsTV, t, v)
+	}
+	targets := indices(op, "targets", targetsT, t)
+	fitsInt32(op, t, v)
+	if t > 0 {
+		b.launch(b.k.crossEntropy, Grid1D(t, 256), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
+	}
+}
+
+// GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil (1).
+func (b *Backend) GatherRows(outND, inTD, rowsN, scaleN backend.Tensor) {
+	const op = "GatherRows"
+	in, t, d := matrix(op, "in", inTD)
+	out, n, _ := matrix(op, "out", outND)
+	wantMatrix(op, "out", outND, n, d)
+	rows := indices(op, "rows", rowsN, n)
+	scale := optFloat(op, "scale", scaleN, n)
+	fitsInt32(op, t, n, d)
+	if n > 0 && d > 0 {
+		b.launch(b.k.gatherRows, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d))
+	}
+}
+
+// ScatterAddRows: outTD[rowsN[i]] += scale[i] * inND[i]; scaleN may be nil.
+// Rows hit more than once add through atomics.
+func (b *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
+	const op = "ScatterAddRows"
+	out, t, d := matrix(op, "out", outTD)
+	in, n, _ := matrix(op, "in", inND)
+	wantMatrix(op, "in", inND, n, d)
+	rows := indices(op, "rows", rowsN, n)
+	scale := optFloat(op, "scale", scaleN, n)
+	fitsInt32(op, t, n, d)
+	if n > 0 && d > 0 {
+		b.launch(b.k.scatterAddRows, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d))
+	}
+}
+
+// RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]).
+func (b *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
+	const op = "RowDots"
+	a, t, d := matrix(op, "a", aTD)
+	bm, n, _ := matrix(op, "b", bND)
+	wantMatrix(op, "b", bND, n, d)
+	out := vector(op, "out", outN, n)
+	rows := indices(op, "rows", rowsN, n)
+	fitsInt32(op, t, n, d)
+	if n > 0 {
+		b.launch(b.k.rowDots, Grid1D(n, 256), out, a, rows, bm, int32(n), int32(d))
+	}
+}
+
+// AdamWUpdate updates param in place from grad with moments m and v, in
+// float64 arithmetic on the float32 state as the CPU backend does.
+func (b *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW) {
+	const op = "AdamWUpdate"
+	p := float(op, "param", param)
+	n := p.Len()
+	g := vector(op, "grad", grad, n)
+	mm := vector(op, "m", m, n)
+	vv := vector(op, "v", v, n)
+	if h.Step < 1 {
+		fail(op, "step %d must count from 1", h.Step)
+	}
+	if n == 0 {
+		return
+	}
+	bc1 := 1 - math.Pow(h.Beta1, float64(h.Step))
+	bc2 := 1 - math.Pow(h.Beta2, float64(h.Step))
+	decay := 1 - h.LR*h.WeightDecay
+	b.launch(b.k.adamw, b.strideGrid(n), p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2)
+}
+
+// devicePtrs returns the addresses of ts (0 for nil) and whether every
+// tensor has memory; a tensor whose allocation failed makes the caller skip
+// its work (the failure is already waiting for Sync).
+func devicePtrs(ts ...*Tensor) ([]driver.DevicePtr, bool) {
+	ps := make([]driver.DevicePtr, len(ts))
+	for i, t := range ts {
+		if t == nil {
+			continue
+		}
+		p, ok := t.ptr()
+		if !ok {
+			return nil, false
+		}
+		ps[i] = p
+	}
+	return ps, true
+}
+
+// overlaps reports whether a and b share any element.
+func overlaps(a, b *Tensor) bool {
+	return a.st == b.st && a.off < b.off+b.Len() && b.off < a.off+a.Len()
+}
+
+// describe names a tensor's window for messages.
+func (t *Tensor) describe() string {
+	return fmt.Sprintf("%v %v at element %d", t.dt, t.shape, t.off)
+}
