@@ -19,8 +19,6 @@ import (
 	"strings"
 	"time"
 
-	"gorgonia.org/tensor"
-
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/checkpoint/safetensors"
@@ -54,22 +52,6 @@ type rankSnapshot struct {
 	dataRank     int
 }
 
-// hostFloats copies t to a new float32 slice.
-func hostFloats(b backend.Backend, t backend.Tensor) []float32 {
-	switch d := b.Download(t).Data().(type) {
-	case []float32:
-		return d
-	case []float64:
-		out := make([]float32, len(d))
-		for i, v := range d {
-			out[i] = float32(v)
-		}
-		return out
-	default:
-		panic(fmt.Sprintf("engine: tensor of %T is not a float tensor", d))
-	}
-}
-
 // snapshot copies this rank's share of the model and optimizer state.
 func (r *rank) snapshot(worldRank int) rankSnapshot {
 	s := rankSnapshot{worldRank: worldRank, dataRank: r.groups.Data.Rank()}
@@ -82,7 +64,7 @@ func (r *rank) snapshot(worldRank int) rankSnapshot {
 		if p.slot.role == roleExpert && !writesExperts || p.slot.role != roleExpert && !writesReplicated {
 			continue
 		}
-		w, m, v := hostFloats(r.b, p.w), hostFloats(r.b, p.m), hostFloats(r.b, p.v)
+		w, m, v := backend.DownloadFloat32(r.b, p.w), backend.DownloadFloat32(r.b, p.m), backend.DownloadFloat32(r.b, p.v)
 		for _, piece := range p.pieces() {
 			at := func(x []float32) []float32 { return x[piece.offset : piece.offset+piece.size] }
 			s.model = append(s.model, checkpoint.NamedTensor{Name: piece.name, Shape: piece.shape, Data: at(w)})
@@ -93,7 +75,7 @@ func (r *rank) snapshot(worldRank int) rankSnapshot {
 	}
 	if writesReplicated {
 		for l, bias := range r.biasE {
-			s.model = append(s.model, checkpoint.NamedTensor{Name: biasName(l), Shape: bias.Shape(), Data: hostFloats(r.b, bias)})
+			s.model = append(s.model, checkpoint.NamedTensor{Name: biasName(l), Shape: bias.Shape(), Data: backend.DownloadFloat32(r.b, bias)})
 		}
 	}
 	return s
@@ -147,7 +129,7 @@ func (r *rank) restore(ck *checkpoint.Checkpoint, withOptimizer bool) error {
 					return err
 				}
 			}
-			r.b.Upload(tg.t, tensor.New(tensor.WithShape(len(host)), tensor.WithBacking(host)))
+			backend.UploadSlice(r.b, tg.t, host)
 		}
 	}
 	for l, bias := range r.biasE {
@@ -158,7 +140,7 @@ func (r *rank) restore(ck *checkpoint.Checkpoint, withOptimizer bool) error {
 			}
 			return err
 		}
-		r.b.Upload(bias, tensor.New(tensor.WithShape(len(host)), tensor.WithBacking(host)))
+		backend.UploadSlice(r.b, bias, host)
 	}
 	return nil
 }

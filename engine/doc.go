@@ -9,7 +9,9 @@
 //	res, err := eng.Run(ctx)                 // cancel ctx to stop between two steps
 //
 // Run returns errors, never panics or exits; a cancelled context returns the
-// result so far and ErrStopped.
+// result so far and ErrStopped. With WithRunDir, Run saves checkpoints under
+// DIR/checkpoints (every checkpoint.every steps, on stop and at the end)
+// and resumes from the newest valid one when started again.
 //
 // # Where things are
 //
@@ -25,6 +27,11 @@
 //   - params.go: parameters, their Hugging Face names, initialisation.
 //   - schedule.go: the learning-rate schedules.
 //   - events.go: StepEvent and the metrics.jsonl line.
+//   - checkpointing.go: what a rank saves, resume (with resharding by tensor
+//     name), the recipe-change check.
+//   - inference.go: LoadModel, Evaluate and Sample on a trained checkpoint.
+//   - hf.go: Hugging Face Mixtral export (ExportHF) and import
+//     (checkpoint.init_from).
 //
 // # The model
 //

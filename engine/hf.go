@@ -32,8 +32,7 @@ import (
 	"strconv"
 	"strings"
 
-	"gorgonia.org/tensor"
-
+	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/checkpoint/safetensors"
 )
@@ -547,7 +546,7 @@ func (ts *hfTensors) loadRank(r *rank, tied bool) error {
 				return err
 			}
 		}
-		r.b.Upload(p.w, tensor.New(tensor.WithShape(len(host)), tensor.WithBacking(host)))
+		backend.UploadSlice(r.b, p.w, host)
 	}
 	return nil
 }

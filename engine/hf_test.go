@@ -168,7 +168,7 @@ func importedRanks(t *testing.T, cfg Config, hfDir string, ep int) (map[string][
 	out := map[string][]float32{}
 	for _, r := range ranks {
 		for _, p := range r.params {
-			w := hostFloats(r.b, p.w)
+			w := backend.DownloadFloat32(r.b, p.w)
 			for _, piece := range p.pieces() {
 				out[piece.name] = w[piece.offset : piece.offset+piece.size]
 			}

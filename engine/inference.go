@@ -317,7 +317,7 @@ func (m *model) rowLogits(t int) []float32 {
 	D, V := m.cfg.Dim, m.cfg.Vocab
 	out := b.View(m.logitsCV, 0, 1, V)
 	b.MatMul(out, b.View(m.finalTD, t*D, 1, D), m.w.lmHeadVD, false, true, 1, 0)
-	return hostFloats(b, out)
+	return backend.DownloadFloat32(b, out)
 }
 
 // sampleToken draws a token from one row of logits: the first largest when

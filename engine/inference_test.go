@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/data"
 )
@@ -133,7 +134,7 @@ func TestRowLogitsMatchLoss(t *testing.T) {
 	if _, err := mod.forward(false, 0, 0, m.r.biasE); err != nil {
 		t.Fatal(err)
 	}
-	losses := hostFloats(m.b, mod.lossT)
+	losses := backend.DownloadFloat32(m.b, mod.lossT)
 	for _, row := range []int{0, 5, T - 1} {
 		z := mod.rowLogits(row)
 		top := math.Inf(-1)

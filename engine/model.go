@@ -3,8 +3,6 @@ package engine
 import (
 	"fmt"
 
-	"gorgonia.org/tensor"
-
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/moe"
@@ -51,7 +49,7 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 	for i := range pos {
 		pos[i] = int32(i % seq)
 	}
-	b.Upload(m.posT, tensor.New(tensor.WithShape(T), tensor.WithBacking(pos)))
+	backend.UploadSlice(b, m.posT, pos)
 	L := cfg.Layers
 	for l := 0; l <= L; l++ {
 		m.residL = append(m.residL, b.New(ft, T, D))
@@ -79,9 +77,8 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 
 // setBatch uploads one micro-batch of token ids and next-token targets.
 func (m *model) setBatch(ids, targets []int32) {
-	T := m.batch * m.seq
-	m.b.Upload(m.idsT, tensor.New(tensor.WithShape(T), tensor.WithBacking(ids)))
-	m.b.Upload(m.targetsT, tensor.New(tensor.WithShape(T), tensor.WithBacking(targets)))
+	backend.UploadSlice(m.b, m.idsT, ids)
+	backend.UploadSlice(m.b, m.targetsT, targets)
 }
 
 // microStats is what one forward reports: the summed token losses of this

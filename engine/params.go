@@ -6,8 +6,6 @@ import (
 	"math/rand/v2"
 	"strings"
 
-	"gorgonia.org/tensor"
-
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/moe"
@@ -149,7 +147,7 @@ func initParam(b backend.Backend, p *param, seed uint64, std float64) {
 			fillNormal(host[j*per:(j+1)*per], tensorRNG(seed, name), std)
 		}
 	}
-	b.Upload(p.w, tensor.New(tensor.WithShape(n), tensor.WithBacking(host)))
+	backend.UploadSlice(b, p.w, host)
 }
 
 func fillNormal(x []float64, rng *rand.Rand, std float64) {

@@ -27,7 +27,7 @@ type Stats struct {
 func (l *Layer) balance(pl *plan, lossScale float64) (Stats, float64, error) {
 	b, E, K := l.b, l.cfg.Experts, l.cfg.TopK
 	b.MatMul(l.probSumE, l.onesT, l.probsTE, false, false, 1, 0) // Σ_t probs[t,e]
-	probSumE := hostFloats(b, l.probSumE)
+	probSumE := backend.DownloadFloat64(b, l.probSumE)
 
 	// One all-reduce carries everything: counts, prob sums, Σ lse²,
 	// tokens, drops.
@@ -55,7 +55,7 @@ func (l *Layer) balance(pl *plan, lossScale float64) (Stats, float64, error) {
 		st.AuxLoss += float64(E) * f * v[E+e] / tokens
 		auxDProbE[e] = lossScale * l.cfg.AuxLossCoef * float64(E) * f / tokens
 	}
-	upload(b, l.auxDProbE, auxDProbE)
+	backend.UploadSlice(b, l.auxDProbE, auxDProbE)
 	// d(coef * mean lse²)/dlogits = coef * 2 lse probs / T.
 	zScale := lossScale * l.cfg.ZLossCoef * 2 / tokens
 	return st, zScale, nil
@@ -75,7 +75,7 @@ func UpdateBias(b backend.Backend, biasE backend.Tensor, tokensPerExpert []float
 		mean += n
 	}
 	mean /= float64(len(tokensPerExpert))
-	bias := hostFloats(b, biasE)
+	bias := backend.DownloadFloat64(b, biasE)
 	for e, load := range tokensPerExpert {
 		switch {
 		case load < mean:
@@ -84,5 +84,5 @@ func UpdateBias(b backend.Backend, biasE backend.Tensor, tokensPerExpert []float
 			bias[e] -= rate
 		}
 	}
-	upload(b, biasE, bias)
+	backend.UploadSlice(b, biasE, bias)
 }

@@ -3,8 +3,6 @@ package moe
 // Buffers whose size changes every micro-step, and host transfers.
 
 import (
-	"gorgonia.org/tensor"
-
 	"github.com/mktrain/mktrain/backend"
 )
 
@@ -35,7 +33,7 @@ func (r *rowBuf) vec(b backend.Backend, n int) backend.Tensor {
 func (r *rowBuf) uploadInts(b backend.Backend, vals []int32) backend.Tensor {
 	v := r.vec(b, len(vals))
 	if len(vals) > 0 {
-		b.Upload(v, tensor.New(tensor.WithShape(len(vals)), tensor.WithBacking(vals)))
+		backend.UploadSlice(b, v, vals)
 	}
 	return v
 }
@@ -46,30 +44,4 @@ func (r *rowBuf) grow(b backend.Backend, n int) {
 	}
 	r.rows = max(n, r.rows+r.rows/4, 1)
 	r.t = b.New(r.dt, r.rows*r.cols)
-}
-
-// upload copies host floats into a float tensor of the same length.
-func upload(b backend.Backend, t backend.Tensor, vals []float64) {
-	b.Upload(t, tensor.New(tensor.WithShape(len(vals)), tensor.WithBacking(vals)))
-}
-
-// hostFloats downloads a float tensor as float64s.
-func hostFloats(b backend.Backend, t backend.Tensor) []float64 {
-	switch d := b.Download(t).Data().(type) {
-	case []float64:
-		return d
-	case []float32:
-		out := make([]float64, len(d))
-		for i, v := range d {
-			out[i] = float64(v)
-		}
-		return out
-	default:
-		panic("moe: hostFloats of a non-float tensor")
-	}
-}
-
-// hostInt32s downloads an Int32 tensor.
-func hostInt32s(b backend.Backend, t backend.Tensor) []int32 {
-	return b.Download(t).Data().([]int32)
 }

@@ -83,7 +83,7 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups) (*Layer, erro
 	for i := range ones {
 		ones[i] = 1
 	}
-	upload(b, l.onesT, ones)
+	backend.UploadSlice(b, l.onesT, ones)
 	if fs := l.sharedFFN; fs > 0 {
 		l.sharedH1TF, l.sharedH3TF, l.sharedActTF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
 		l.sharedDActTF, l.sharedDH1TF, l.sharedDH3TF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
@@ -152,7 +152,7 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	b.RouterForward(l.probsTE, l.lseT, l.idxTK, l.gatesTK, l.logitsTE, biasE)
 
 	capRows := capacity(l.cfg.CapacityFactor, l.tokens, K, E)
-	pl := planSource(hostInt32s(b, l.idxTK), l.tokens, K, E, l.g.Expert.Size(), capRows)
+	pl := planSource(backend.DownloadInt32(b, l.idxTK), l.tokens, K, E, l.g.Expert.Size(), capRows)
 	stats, zScale, err := l.balance(pl, lossScale)
 	if err != nil {
 		return Stats{}, err

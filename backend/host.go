@@ -1,0 +1,57 @@
+package backend
+
+import (
+	"fmt"
+
+	"gorgonia.org/tensor"
+)
+
+// Host-side helpers over Upload and Download for code that holds plain
+// slices (initialisation, batches, checkpoints, routing plans).
+
+// UploadSlice copies a host slice ([]float32, []float64 or []int32) into t,
+// which must have its length.
+func UploadSlice[T float32 | float64 | int32](b Backend, t Tensor, host []T) {
+	b.Upload(t, tensor.New(tensor.WithShape(len(host)), tensor.WithBacking(host)))
+}
+
+// DownloadFloat32 copies a float tensor to a new float32 slice.
+func DownloadFloat32(b Backend, t Tensor) []float32 {
+	switch d := b.Download(t).Data().(type) {
+	case []float32:
+		return d
+	case []float64:
+		out := make([]float32, len(d))
+		for i, v := range d {
+			out[i] = float32(v)
+		}
+		return out
+	default:
+		panic(fmt.Sprintf("backend: DownloadFloat32 of a %v tensor", t.DType()))
+	}
+}
+
+// DownloadFloat64 copies a float tensor to a new float64 slice.
+func DownloadFloat64(b Backend, t Tensor) []float64 {
+	switch d := b.Download(t).Data().(type) {
+	case []float64:
+		return d
+	case []float32:
+		out := make([]float64, len(d))
+		for i, v := range d {
+			out[i] = float64(v)
+		}
+		return out
+	default:
+		panic(fmt.Sprintf("backend: DownloadFloat64 of a %v tensor", t.DType()))
+	}
+}
+
+// DownloadInt32 copies an Int32 tensor to a new slice.
+func DownloadInt32(b Backend, t Tensor) []int32 {
+	d, ok := b.Download(t).Data().([]int32)
+	if !ok {
+		panic(fmt.Sprintf("backend: DownloadInt32 of a %v tensor", t.DType()))
+	}
+	return d
+}
