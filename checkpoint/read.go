@@ -431,10 +431,18 @@ func (f *shardFile) reader() (io.ReaderAt, error) {
 		return nil, fmt.Errorf("checkpoint %s: %w", f.path, err)
 	}
 	defer dec.Close()
-	// Grow the buffer with the data rather than trusting the header's size
-	// up front, so a corrupt header cannot make us allocate terabytes.
+	// Trust the header's size up front only when it is plausible for the
+	// compressed file (tensor data compresses far less than 16x); otherwise
+	// grow with the data, so a corrupt header cannot make us allocate
+	// terabytes. Growing by doubling would need up to three times the
+	// tensor bytes at once.
 	var buf bytes.Buffer
-	buf.Grow(int(min(f.header.FileSize(), 64<<20)))
+	want := f.header.FileSize()
+	if st, err := file.Stat(); err == nil && want <= 16*st.Size() {
+		buf.Grow(int(want))
+	} else {
+		buf.Grow(int(min(want, 64<<20)))
+	}
 	if n, err := io.CopyN(&buf, dec, f.header.FileSize()); err != nil {
 		return nil, fmt.Errorf("checkpoint %s: decompressing: %d of %d bytes: %w", f.path, n, f.header.FileSize(), err)
 	}
