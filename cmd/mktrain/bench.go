@@ -48,7 +48,7 @@ type machineInfo struct {
 	Arch    string `json:"arch"`
 	CPUs    int    `json:"cpus"`
 	CPU     string `json:"cpu"`
-	Backend string `json:"backend"`
+	Backend string `json:"backend,omitempty"`
 }
 
 func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -124,10 +124,10 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 
 // writeBenchResult records a benchmark's figures with the commit, machine
 // and command.
-func writeBenchResult(stdout io.Writer, dir, benchmark, recipe string, cfg engine.Config, command string, figures map[string]any) error {
+func writeBenchResult(stdout io.Writer, dir, benchmark, recipe, backendName string, cfg engine.Config, command string, figures map[string]any) error {
 	return writeResult(stdout, dir, benchResult{
 		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
-		Command: command, Machine: machine(cfg.Train.Backend), Recipe: recipe, Config: cfg, Figures: figures,
+		Command: command, Machine: machine(backendName), Recipe: recipe, Config: cfg, Figures: figures,
 	})
 }
 
@@ -148,13 +148,23 @@ func writeResult(stdout io.Writer, dir string, res benchResult) error {
 	return nil
 }
 
-// commit is the source revision: from the build info, else from git.
+// commit is the source revision, from the build info (with "+dirty" when
+// the tree had uncommitted changes), else from git.
 func commit() string {
 	if info, ok := debug.ReadBuildInfo(); ok {
+		rev, dirty := "", ""
 		for _, s := range info.Settings {
-			if s.Key == "vcs.revision" {
-				return s.Value
+			switch s.Key {
+			case "vcs.revision":
+				rev = s.Value
+			case "vcs.modified":
+				if s.Value == "true" {
+					dirty = "+dirty"
+				}
 			}
+		}
+		if rev != "" {
+			return rev + dirty
 		}
 	}
 	if out, err := exec.Command("git", "rev-parse", "HEAD").Output(); err == nil {

@@ -124,7 +124,7 @@ func cmdBenchCheckpoint(ctx context.Context, args []string, stdout, stderr io.Wr
 			return err
 		}
 	}
-	return writeBenchResult(stdout, *out, "checkpoint", recipe, cfg, "mktrain bench checkpoint "+strings.Join(args, " "), figures)
+	return writeBenchResult(stdout, *out, "checkpoint", recipe, "", cfg, "mktrain bench checkpoint "+strings.Join(args, " "), figures)
 }
 
 // benchState makes training-like state: weights N(0, 0.02), first moments

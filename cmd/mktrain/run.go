@@ -145,10 +145,16 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		_ = bar.Finish()
 		fmt.Fprintln(stderr)
 	}
+	trained := res.Steps - res.StartStep
 	summary := fmt.Sprintf("%d steps, %d tokens in %s (%.0f tokens/s); loss %.4f",
-		res.Steps, res.Tokens, res.Elapsed.Round(time.Millisecond), float64(res.Tokens)/res.Elapsed.Seconds(), res.Loss)
+		res.Steps, res.Tokens, res.Elapsed.Round(time.Millisecond),
+		float64(int64(trained*cfg.Train.GlobalBatch*cfg.Train.Seq))/res.Elapsed.Seconds(), res.Loss)
 	if !math.IsNaN(res.ValLoss) {
 		summary += fmt.Sprintf(", val loss %.4f", res.ValLoss)
+	}
+	if err == nil && trained == 0 && res.StartStep > 0 {
+		summary = fmt.Sprintf("the run in %s is already complete at step %d; raise train.steps to train further, or use another --run-dir",
+			*runDir, res.StartStep)
 	}
 	switch {
 	case errors.Is(err, engine.ErrStopped):
