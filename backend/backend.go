@@ -159,3 +159,12 @@ type Backend interface {
 	// AdamWUpdate updates param in place from grad with moments m and v.
 	AdamWUpdate(param, grad, m, v Tensor, h AdamW)
 }
+
+// Precision is an optional capability: a Backend that computes some ops
+// below the precision of its FloatType (the CUDA backend stores float32 but
+// multiplies matrices in bf16) reports the relative tolerance it meets
+// against a float64 reference. The conformance suite (backend/backendtest)
+// uses it instead of the tolerance of the float type.
+type Precision interface {
+	RelTolerance() float64
+}

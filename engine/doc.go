@@ -16,7 +16,10 @@
 // # Where things are
 //
 //   - config.go, validate.go: Config, the typed recipe, and its checks.
-//   - engine.go: New, options, backend and data selection, Run.
+//   - engine.go: New, options, backend and data selection, Run. With
+//     train.backend auto the GPU is used when there is one and the layout
+//     is a single rank; otherwise the CPU, with the reason logged.
+//   - solo.go: the collectives of a single rank on a GPU backend.
 //   - train.go: the training loop, read top to bottom.
 //   - rank.go: one rank's step: micro-batches, gradient reduction, clipping,
 //     AdamW, expert-bias updates; evaluation.
@@ -52,5 +55,6 @@
 // Gradients of replicated weights are summed over all data ranks, those of
 // experts over the ranks holding the same experts, so every layout trains
 // the same model as one rank would, up to floating-point summation order.
-// On the CPU backend ranks are goroutines of one process (virtual ranks).
+// On the CPU backend ranks are goroutines of one process (virtual ranks);
+// the CUDA backend runs layouts of one rank for now.
 package engine

@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/rs/zerolog"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
+	"github.com/mktrain/mktrain/backend/cuda"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/data"
 )
@@ -24,6 +26,7 @@ type Engine struct {
 	hooks   []func(StepEvent)
 	metrics io.Writer
 	backend backend.Backend
+	closer  io.Closer // the backend, when the engine opened it
 	runDir  string
 	// The recipe as the user wrote it, kept in checkpoints.
 	recipe     []byte
@@ -75,39 +78,122 @@ func New(cfg Config, opts ...Option) (*Engine, error) {
 		}
 		e.backend = b
 	}
+	if _, onCPU := e.backend.(*cpu.Backend); !onCPU && cfg.mesh().World() > 1 {
+		return nil, fmt.Errorf("parallel: %d ranks on the %s backend: layouts of more than one rank run on the CPU backend only, for now",
+			cfg.mesh().World(), e.backend.Name())
+	}
 	return e, nil
 }
 
 // Config returns the engine's configuration.
 func (e *Engine) Config() Config { return e.cfg }
 
+// pickBackend opens the backend train.backend names: "cpu"; "cuda", which
+// fails with the reason when the GPU cannot be used; or "auto": CUDA when a
+// GPU is there and the layout allows it, else the CPU with the reason
+// logged.
 func (e *Engine) pickBackend() (backend.Backend, error) {
-	switch e.cfg.Train.Backend {
+	c := e.cfg
+	switch c.Train.Backend {
+	case "cpu":
+		return cpu.New(backend.Float32), nil
 	case "cuda":
-		return nil, fmt.Errorf("train.backend: cuda: this build of mktrain has no CUDA backend yet; set train.backend: cpu")
-	case "auto":
-		e.log.Info().Msg("backend auto: no CUDA backend in this build, training on the CPU")
+		if err := cudaUnsupported(c); err != nil {
+			return nil, fmt.Errorf("train.backend: cuda: %w", err)
+		}
+		b, err := cuda.OpenBackend(cuda.Options{})
+		if err != nil {
+			return nil, fmt.Errorf("train.backend: cuda: %w", err)
+		}
+		e.closer = b
+		e.log.Info().Msgf("backend cuda: using %s (GPU %d)", b.Device().Info().Name, b.Device().Info().Ordinal)
+		return b, nil
+	}
+	// auto
+	if err := cudaUnsupported(c); err != nil {
+		e.log.Info().Msgf("backend auto: training on the CPU, since %v", err)
+		return cpu.New(backend.Float32), nil
+	}
+	b, err := cuda.OpenBackend(cuda.Options{})
+	switch {
+	case err == nil:
+		e.closer = b
+		e.log.Info().Msgf("backend auto: using %s (GPU %d)", b.Device().Info().Name, b.Device().Info().Ordinal)
+		return b, nil
+	case cuda.NoGPU(err):
+		// The reason's first line: the full list of folders searched is
+		// for train.backend: cuda to print.
+		reason, _, _ := strings.Cut(err.Error(), "\n")
+		e.log.Info().Msgf("backend auto: no GPU (%s), training on the CPU", strings.TrimSuffix(reason, "; looked in:"))
+	default:
+		e.log.Warn().Msgf("backend auto: the GPU cannot be used (%v), training on the CPU; set train.backend: cuda to make this an error", err)
 	}
 	return cpu.New(backend.Float32), nil
 }
 
+// cudaUnsupported says why cfg cannot train on the CUDA backend yet, or
+// returns nil: the in-process communicator moves CPU tensors only, so
+// layouts of more than one rank need the CPU, and the router kernel has
+// size limits.
+func cudaUnsupported(c Config) error {
+	p := c.Parallel
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"dp", p.DP}, {"ep", p.EP}, {"cp", p.CP}, {"tp", p.TP}} {
+		if f.v > 1 {
+			return fmt.Errorf("parallel.%s is %d: parallel.%s > 1 on the CUDA backend is not available yet; set it to 1, or train.backend: cpu", f.name, f.v, f.name)
+		}
+	}
+	if m := c.Model.MoE; m.Experts > cuda.RouterMaxExperts || m.TopK > cuda.RouterMaxTopK {
+		return fmt.Errorf("model.moe.experts is %d and model.moe.top_k %d: the CUDA router handles at most %d experts and top-%d",
+			m.Experts, m.TopK, cuda.RouterMaxExperts, cuda.RouterMaxTopK)
+	}
+	if dh := c.Model.HeadDim(); dh > cuda.MaxAttnHeadDim {
+		return fmt.Errorf("the head dim (model.dim / model.heads) is %d: the CUDA attention kernels take at most %d", dh, cuda.MaxAttnHeadDim)
+	}
+	return nil
+}
+
+// mesh is the parallel layout as a comm.Mesh.
+func (c Config) mesh() comm.Mesh {
+	return comm.Mesh{DP: c.Parallel.DP, EP: c.Parallel.EP, CP: c.Parallel.CP, TP: c.Parallel.TP}
+}
+
+// Close releases the backend the engine opened itself (the GPU of
+// train.backend: cuda or auto); a backend given by WithBackend stays open.
+// The engine must not be used afterwards.
+func (e *Engine) Close() error {
+	if e.closer == nil {
+		return nil
+	}
+	err := e.closer.Close()
+	e.closer = nil
+	return err
+}
+
 // Result sums up a finished (or stopped) run.
 type Result struct {
-	Steps   int           // optimizer steps completed
-	Loss    float64       // training loss of the last step
-	ValLoss float64       // last validation loss (NaN when none ran)
-	Tokens  int64         // tokens trained on
-	Elapsed time.Duration // wall time of the training loop
+	StartStep int           // steps already done when Run began (resumed runs)
+	Steps     int           // optimizer steps completed, StartStep included
+	Loss      float64       // training loss of the last step (NaN when none ran)
+	ValLoss   float64       // last validation loss (NaN when none ran)
+	Tokens    int64         // tokens trained on, those before StartStep included
+	Elapsed   time.Duration // wall time of the training loop
 }
 
 // Run trains until the configured number of steps or until ctx is
 // cancelled, in which case it returns the result so far and ErrStopped.
 func (e *Engine) Run(ctx context.Context) (Result, error) {
 	cfg := e.cfg
-	mesh := comm.Mesh{DP: cfg.Parallel.DP, EP: cfg.Parallel.EP, CP: cfg.Parallel.CP, TP: cfg.Parallel.TP}
-	world, err := comm.NewLocal(mesh)
+	world, err := comm.NewLocal(cfg.mesh())
 	if err != nil {
 		return Result{}, err
+	}
+	if _, onCPU := e.backend.(*cpu.Backend); !onCPU {
+		// The in-process communicator reads CPU tensors; one rank on
+		// another backend needs no communication at all.
+		world = soloWorld(e.backend, world[0])
 	}
 	ranks := make([]*rank, len(world))
 	for i, g := range world {

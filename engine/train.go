@@ -86,11 +86,11 @@ func (s *session) run(ctx context.Context) (Result, error) {
 func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, error) {
 	cfg := s.e.cfg
 	lead := worldRank == 0
-	res := Result{ValLoss: math.NaN()}
-	firstStep := 1
+	res := Result{Loss: math.NaN(), ValLoss: math.NaN()}
 	if s.resume != nil {
-		firstStep, res.Steps, res.Tokens = s.resume.Step+1, s.resume.Step, s.resume.Tokens
+		res.StartStep, res.Steps, res.Tokens = s.resume.Step, s.resume.Step, s.resume.Tokens
 	}
+	firstStep := res.Steps + 1
 	lastSaved := res.Steps
 	tokensPerStep := int64(cfg.Train.GlobalBatch * cfg.Train.Seq)
 	for step := firstStep; step <= cfg.Train.Steps; step++ {

@@ -97,17 +97,41 @@ __device__ __forceinline__ void attn_store_row(float* dst, long long base, const
     }
 }
 
-// attn_load_tile copies TILE head rows, starting at sequence position row0,
-// into dst as rows of DP floats. src + base is the head's first column at
-// position 0 of the sequence, stride the matrix's row stride. Positions
-// past S and dims past Dh read as zero.
+// Asynchronous copies from global to shared memory (cp.async, sm_80 and
+// later), so the next tile loads while the current one is used. A copy
+// with valid false reads nothing and writes a zero.
+__device__ __forceinline__ void attn_cp_async4(float* dst, const float* src, bool valid) {
+  unsigned int d;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void attn_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// attn_cp_wait_prev waits for all but the most recent group of copies.
+__device__ __forceinline__ void attn_cp_wait_prev() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ void attn_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// attn_reread makes the compiler load shared memory afresh after it: the
+// second pass over a chunk re-reads the rows the first pass read, which is
+// cheaper than keeping them all in registers in between (that spills).
+__device__ __forceinline__ void attn_reread() { asm volatile("" ::: "memory"); }
+
+// attn_issue_tile starts copying TILE head rows, from sequence position
+// row0, into dst as rows of DP floats. src + base is the head's first
+// column at position 0 of the sequence, stride the matrix's row stride.
+// Positions past S and dims past Dh read as zero. Each thread copies one
+// column of every NT/DP-th row, so it keeps one pointer, not one per copy.
 template <int DP, int NT, int TILE>
-__device__ __forceinline__ void attn_load_tile(attn_f4* dst, const float* src, long long base, long long stride, int row0, int S, int Dh) {
-  float* d = (float*)dst;
+__device__ __forceinline__ void attn_issue_tile(attn_f4* dst, const float* src, long long base, long long stride, int row0, int S, int Dh) {
+  constexpr int RS = NT / DP;
+  static_assert(NT % DP == 0 && TILE % RS == 0, "tile copy shape");
+  const int c = threadIdx.x % DP, r0 = threadIdx.x / DP;
+  float* d = (float*)dst + r0 * DP + c;
+  const float* p = src + base + (long long)(row0 + r0) * stride + c;
 #pragma unroll
-  for (int x = threadIdx.x; x < TILE * DP; x += NT) {
-    const int r = x / DP, c = x % DP, i = row0 + r;
-    d[x] = (i < S && c < Dh) ? src[base + (long long)i * stride + c] : 0.0f;
+  for (int n = 0; n < TILE / RS; n++) {
+    const bool valid = row0 + r0 + n * RS < S && c < Dh;
+    attn_cp_async4(d + n * RS * DP, valid ? p : src, valid);
+    p += RS * stride;
   }
 }
 
@@ -116,9 +140,9 @@ __device__ __forceinline__ void attn_load_tile(attn_f4* dst, const float* src, l
 template <int DP>
 __device__ __forceinline__ void attn_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                                              int S, int H, int KV, int Dh, float scale_log2) {
-  constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 4096 / DP, CH = 16, RW = 32 / G;
-  __shared__ attn_f4 ks[TILE * DP / 4];
-  __shared__ attn_f4 vs[TILE * DP / 4];
+  constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 2048 / DP, CH = 16, RW = 32 / G;
+  __shared__ attn_f4 ks[2][TILE * DP / 4];
+  __shared__ attn_f4 vs[2][TILE * DP / 4];
   const int tid = threadIdx.x, g = tid % G;
   const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV);
   const int q0 = (gridDim.y - 1 - blockIdx.y) * ATTN_ROWS;
@@ -127,6 +151,11 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
   const long long qstride = (long long)H * Dh, kstride = (long long)KV * Dh;
   const long long qrow = ((long long)b * S + i) * qstride + (long long)h * Dh;
   const long long kbase = (long long)b * S * kstride + (long long)kvh * Dh;
+  const int kend = attn_min(S, q0 + ATTN_ROWS), ntiles = (kend + TILE - 1) / TILE;
+
+  attn_issue_tile<DP, NT, TILE>(ks[0], k, kbase, kstride, 0, S, Dh);
+  attn_issue_tile<DP, NT, TILE>(vs[0], v, kbase, kstride, 0, S, Dh);
+  attn_cp_commit();
 
   float qr[32], o[32];
   attn_load_row<G>(qr, q, qrow, i < S, Dh, g, scale_log2);
@@ -134,12 +163,19 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
   for (int d = 0; d < 32; d++) o[d] = 0.0f;
   float m = -MK_INF, l = 0.0f;
 
-  const int kend = attn_min(S, q0 + ATTN_ROWS);
-  for (int k0 = 0; k0 < kend; k0 += TILE) {
-    __syncthreads();  // the previous tile is consumed
-    attn_load_tile<DP, NT, TILE>(ks, k, kbase, kstride, k0, S, Dh);
-    attn_load_tile<DP, NT, TILE>(vs, v, kbase, kstride, k0, S, Dh);
-    __syncthreads();
+  for (int t = 0; t < ntiles; t++) {
+    const int k0 = t * TILE;
+    if (t + 1 < ntiles) {
+      attn_issue_tile<DP, NT, TILE>(ks[(t + 1) & 1], k, kbase, kstride, k0 + TILE, S, Dh);
+      attn_issue_tile<DP, NT, TILE>(vs[(t + 1) & 1], v, kbase, kstride, k0 + TILE, S, Dh);
+      attn_cp_commit();
+      attn_cp_wait_prev();
+    } else {
+      attn_cp_wait_all();
+    }
+    __syncthreads();  // tile t is in for every thread
+    const attn_f4* kt = ks[t & 1];
+    const attn_f4* vt = vs[t & 1];
     for (int c0 = 0; c0 < TILE && k0 + c0 < kend; c0 += CH) {
       // Warp-uniform: keys after every row of this warp are all masked.
       if (k0 + c0 > warp_last) break;
@@ -149,7 +185,7 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
 #pragma unroll
       for (int u = 0; u < 8; u++)
 #pragma unroll
-        for (int c = 0; c < CH; c++) s[c] = attn_dot4(s[c], qr + 4 * u, ks[(c0 + c) * (DP / 4) + g + G * u]);
+        for (int c = 0; c < CH; c++) s[c] = attn_dot4(s[c], qr + 4 * u, kt[(c0 + c) * (DP / 4) + g + G * u]);
       float mx = m;
 #pragma unroll
       for (int c = 0; c < CH; c++) {
@@ -170,9 +206,10 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
         const float p = exp2f(s[c] - mref);
         l += p;
 #pragma unroll
-        for (int u = 0; u < 8; u++) attn_axpy4(o + 4 * u, p, vs[(c0 + c) * (DP / 4) + g + G * u]);
+        for (int u = 0; u < 8; u++) attn_axpy4(o + 4 * u, p, vt[(c0 + c) * (DP / 4) + g + G * u]);
       }
     }
+    __syncthreads();  // tile t is used up before its buffer is refilled
   }
   if (i < S) {
     attn_store_row<G>(out, qrow, o, Dh, g, 1.0f / l);
@@ -186,9 +223,9 @@ template <int DP>
 __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const float* dout, const float* q, const float* k,
                                                  const float* v, const float* out, const float* lse,
                                                  int S, int H, int KV, int Dh, float scale_log2, float scale) {
-  constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 4096 / DP, CH = 16, RW = 32 / G;
-  __shared__ attn_f4 ks[TILE * DP / 4];
-  __shared__ attn_f4 vs[TILE * DP / 4];
+  constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 2048 / DP, CH = 8, RW = 32 / G;
+  __shared__ attn_f4 ks[2][TILE * DP / 4];
+  __shared__ attn_f4 vs[2][TILE * DP / 4];
   const int tid = threadIdx.x, g = tid % G;
   const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV);
   const int q0 = (gridDim.y - 1 - blockIdx.y) * ATTN_ROWS;
@@ -198,6 +235,11 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
   const long long qrow = ((long long)b * S + i) * qstride + (long long)h * Dh;
   const long long kbase = (long long)b * S * kstride + (long long)kvh * Dh;
   const long long lrow = ((long long)b * H + h) * S + i;
+  const int kend = attn_min(S, q0 + ATTN_ROWS), ntiles = (kend + TILE - 1) / TILE;
+
+  attn_issue_tile<DP, NT, TILE>(ks[0], k, kbase, kstride, 0, S, Dh);
+  attn_issue_tile<DP, NT, TILE>(vs[0], v, kbase, kstride, 0, S, Dh);
+  attn_cp_commit();
 
   float qr[32], dor[32], acc[32];
   attn_load_row<G>(qr, q, qrow, i < S, Dh, g, scale_log2);
@@ -214,12 +256,19 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
   const float lse2 = i < S ? lse[lrow] * ATTN_LOG2E : 0.0f;
   if (i < S && g == 0) delta[lrow] = di;
 
-  const int kend = attn_min(S, q0 + ATTN_ROWS);
-  for (int k0 = 0; k0 < kend; k0 += TILE) {
+  for (int t = 0; t < ntiles; t++) {
+    const int k0 = t * TILE;
+    if (t + 1 < ntiles) {
+      attn_issue_tile<DP, NT, TILE>(ks[(t + 1) & 1], k, kbase, kstride, k0 + TILE, S, Dh);
+      attn_issue_tile<DP, NT, TILE>(vs[(t + 1) & 1], v, kbase, kstride, k0 + TILE, S, Dh);
+      attn_cp_commit();
+      attn_cp_wait_prev();
+    } else {
+      attn_cp_wait_all();
+    }
     __syncthreads();
-    attn_load_tile<DP, NT, TILE>(ks, k, kbase, kstride, k0, S, Dh);
-    attn_load_tile<DP, NT, TILE>(vs, v, kbase, kstride, k0, S, Dh);
-    __syncthreads();
+    const attn_f4* kt = ks[t & 1];
+    const attn_f4* vt = vs[t & 1];
     for (int c0 = 0; c0 < TILE && k0 + c0 < kend; c0 += CH) {
       if (k0 + c0 > warp_last) break;
       float s[CH], dp[CH];
@@ -230,35 +279,40 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
 #pragma unroll
         for (int c = 0; c < CH; c++) {
           const int slot = (c0 + c) * (DP / 4) + g + G * u;
-          s[c] = attn_dot4(s[c], qr + 4 * u, ks[slot]);
-          dp[c] = attn_dot4(dp[c], dor + 4 * u, vs[slot]);
+          s[c] = attn_dot4(s[c], qr + 4 * u, kt[slot]);
+          dp[c] = attn_dot4(dp[c], dor + 4 * u, vt[slot]);
         }
 #pragma unroll
       for (int c = 0; c < CH; c++) {
-        const float p = k0 + c0 + c > i ? 0.0f : exp2f(attn_group_sum<G>(s[c]) - lse2);
-        s[c] = p * (attn_group_sum<G>(dp[c]) - di);  // now ds
+        // Every lane shuffles (shfl.sync with a full mask), masked or not.
+        const float sc = attn_group_sum<G>(s[c]), dpc = attn_group_sum<G>(dp[c]);
+        const float p = k0 + c0 + c > i ? 0.0f : exp2f(sc - lse2);
+        s[c] = p * (dpc - di);  // now ds
       }
+      attn_reread();
 #pragma unroll
       for (int c = 0; c < CH; c++)
 #pragma unroll
-        for (int u = 0; u < 8; u++) attn_axpy4(acc + 4 * u, s[c], ks[(c0 + c) * (DP / 4) + g + G * u]);
+        for (int u = 0; u < 8; u++) attn_axpy4(acc + 4 * u, s[c], kt[(c0 + c) * (DP / 4) + g + G * u]);
     }
+    __syncthreads();
   }
   if (i < S) attn_store_row<G>(dq, qrow, acc, Dh, g, scale);
 }
 
 // attn_backward_dkdv: grid (B*KV, ceil(S/64)), 64*G threads. Writes dk and
 // dv for keys j0..j0+63 of kv head kvh; the longest rows (small j0) go
-// first.
+// first. Its tiles run over the group's query heads and, for each, the
+// query positions from j0 on.
 template <int DP>
 __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const float* dout, const float* q, const float* k,
                                                    const float* v, const float* lse, const float* delta,
                                                    int S, int H, int KV, int Dh, float scale_log2, float scale) {
-  constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 4096 / DP, CH = 8, RW = 32 / G;
-  __shared__ attn_f4 qs[TILE * DP / 4];
-  __shared__ attn_f4 dos[TILE * DP / 4];
-  __shared__ float lse_s[TILE];
-  __shared__ float del_s[TILE];
+  constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 2048 / DP, CH = 8, RW = 32 / G;
+  __shared__ attn_f4 qs[2][TILE * DP / 4];
+  __shared__ attn_f4 dos[2][TILE * DP / 4];
+  __shared__ float lse_s[2][TILE];
+  __shared__ float del_s[2][TILE];
   const int tid = threadIdx.x, g = tid % G;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, group = H / KV;
   const int j0 = blockIdx.y * ATTN_ROWS;
@@ -266,6 +320,23 @@ __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const f
   const int warp_first = j0 + (tid / 32) * RW;
   const long long qstride = (long long)H * Dh, kstride = (long long)KV * Dh;
   const long long krow = ((long long)b * S + j) * kstride + (long long)kvh * Dh;
+  const int per_head = (S - j0 + TILE - 1) / TILE, ntiles = group * per_head;
+
+  // issue starts loading tile t (head kvh*group + t/per_head) into stage.
+  auto issue = [&](int t, int stage) {
+    const int h = kvh * group + t / per_head, i0 = j0 + (t % per_head) * TILE;
+    const long long qbase = (long long)b * S * qstride + (long long)h * Dh;
+    const long long lbase = ((long long)b * H + h) * S;
+    attn_issue_tile<DP, NT, TILE>(qs[stage], q, qbase, qstride, i0, S, Dh);
+    attn_issue_tile<DP, NT, TILE>(dos[stage], dout, qbase, qstride, i0, S, Dh);
+    for (int x = tid; x < TILE; x += NT) {
+      const bool valid = i0 + x < S;
+      attn_cp_async4(&lse_s[stage][x], valid ? lse + lbase + i0 + x : lse, valid);
+      attn_cp_async4(&del_s[stage][x], valid ? delta + lbase + i0 + x : delta, valid);
+    }
+    attn_cp_commit();
+  };
+  issue(0, 0);
 
   float kr[32], vr[32], dka[32], dva[32];
   attn_load_row<G>(kr, k, krow, j < S, Dh, g, scale_log2);
@@ -273,50 +344,52 @@ __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const f
 #pragma unroll
   for (int d = 0; d < 32; d++) dka[d] = dva[d] = 0.0f;
 
-  for (int h = kvh * group; h < (kvh + 1) * group; h++) {
-    const long long qbase = (long long)b * S * qstride + (long long)h * Dh;
-    const long long lbase = ((long long)b * H + h) * S;
-    for (int i0 = j0; i0 < S; i0 += TILE) {
-      __syncthreads();
-      attn_load_tile<DP, NT, TILE>(qs, q, qbase, qstride, i0, S, Dh);
-      attn_load_tile<DP, NT, TILE>(dos, dout, qbase, qstride, i0, S, Dh);
-      for (int x = tid; x < TILE; x += NT) {
-        const int ii = i0 + x;
-        // A query past S gets lse = inf, so its p is exactly 0.
-        lse_s[x] = ii < S ? lse[lbase + ii] * ATTN_LOG2E : MK_INF;
-        del_s[x] = ii < S ? delta[lbase + ii] : 0.0f;
-      }
-      __syncthreads();
-      for (int c0 = 0; c0 < TILE && i0 + c0 < S; c0 += CH) {
-        // Warp-uniform: queries before every key of this warp are masked.
-        if (i0 + c0 + CH - 1 < warp_first) continue;
-        float s[CH], dp[CH];
+  for (int t = 0; t < ntiles; t++) {
+    const int i0 = j0 + (t % per_head) * TILE;
+    if (t + 1 < ntiles) {
+      issue(t + 1, (t + 1) & 1);
+      attn_cp_wait_prev();
+    } else {
+      attn_cp_wait_all();
+    }
+    __syncthreads();
+    const attn_f4* qt = qs[t & 1];
+    const attn_f4* dot = dos[t & 1];
+    const float* lt = lse_s[t & 1];
+    const float* dt = del_s[t & 1];
+    for (int c0 = 0; c0 < TILE && i0 + c0 < S; c0 += CH) {
+      // Warp-uniform: queries before every key of this warp are masked.
+      if (i0 + c0 + CH - 1 < warp_first) continue;
+      float s[CH], dp[CH];
 #pragma unroll
-        for (int c = 0; c < CH; c++) s[c] = dp[c] = 0.0f;
+      for (int c = 0; c < CH; c++) s[c] = dp[c] = 0.0f;
 #pragma unroll
-        for (int u = 0; u < 8; u++)
-#pragma unroll
-          for (int c = 0; c < CH; c++) {
-            const int slot = (c0 + c) * (DP / 4) + g + G * u;
-            s[c] = attn_dot4(s[c], kr + 4 * u, qs[slot]);
-            dp[c] = attn_dot4(dp[c], vr + 4 * u, dos[slot]);
-          }
+      for (int u = 0; u < 8; u++)
 #pragma unroll
         for (int c = 0; c < CH; c++) {
-          const float p = i0 + c0 + c < j ? 0.0f : exp2f(attn_group_sum<G>(s[c]) - lse_s[c0 + c]);
-          dp[c] = p * (attn_group_sum<G>(dp[c]) - del_s[c0 + c]);  // now ds
-          s[c] = p;
+          const int slot = (c0 + c) * (DP / 4) + g + G * u;
+          s[c] = attn_dot4(s[c], kr + 4 * u, qt[slot]);
+          dp[c] = attn_dot4(dp[c], vr + 4 * u, dot[slot]);
         }
 #pragma unroll
-        for (int c = 0; c < CH; c++)
-#pragma unroll
-          for (int u = 0; u < 8; u++) {
-            const int slot = (c0 + c) * (DP / 4) + g + G * u;
-            attn_axpy4(dva + 4 * u, s[c], dos[slot]);
-            attn_axpy4(dka + 4 * u, dp[c], qs[slot]);
-          }
+      for (int c = 0; c < CH; c++) {
+        const int ii = i0 + c0 + c;
+        const float sc = attn_group_sum<G>(s[c]), dpc = attn_group_sum<G>(dp[c]);
+        const float p = ii < j || ii >= S ? 0.0f : exp2f(sc - lt[c0 + c] * ATTN_LOG2E);
+        dp[c] = p * (dpc - dt[c0 + c]);  // now ds
+        s[c] = p;
       }
+      attn_reread();
+#pragma unroll
+      for (int c = 0; c < CH; c++)
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+          const int slot = (c0 + c) * (DP / 4) + g + G * u;
+          attn_axpy4(dva + 4 * u, s[c], dot[slot]);
+          attn_axpy4(dka + 4 * u, dp[c], qt[slot]);
+        }
     }
+    __syncthreads();
   }
   if (j < S) {
     attn_store_row<G>(dk, krow, dka, Dh, g, scale);

@@ -52,6 +52,8 @@ type Source struct {
 // files: every .cu is listed and every listed kernel is defined.
 func Sources() []Source {
 	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
+	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
+	const attnKeyGrid = "(B*KV, ceil(S/64)) blocks: one per kv head and 64 keys"
 	return []Source{
 		{File: "elementwise.cu", Kernels: []Kernel{
 			{Name: "fill_f32", Block: 256, Grid: gridStride},
@@ -86,6 +88,20 @@ func Sources() []Source {
 			{Name: "gather_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
+		}},
+		{File: "attention.cu", Kernels: []Kernel{
+			{Name: "attn_forward_d32_f32", Block: 64, Grid: attnQueryGrid},
+			{Name: "attn_forward_d64_f32", Block: 128, Grid: attnQueryGrid},
+			{Name: "attn_forward_d128_f32", Block: 256, Grid: attnQueryGrid},
+			{Name: "attn_backward_dq_d32_f32", Block: 64, Grid: attnQueryGrid},
+			{Name: "attn_backward_dq_d64_f32", Block: 128, Grid: attnQueryGrid},
+			{Name: "attn_backward_dq_d128_f32", Block: 256, Grid: attnQueryGrid},
+			{Name: "attn_backward_dkdv_d32_f32", Block: 64, Grid: attnKeyGrid},
+			{Name: "attn_backward_dkdv_d64_f32", Block: 128, Grid: attnKeyGrid},
+			{Name: "attn_backward_dkdv_d128_f32", Block: 256, Grid: attnKeyGrid},
+		}},
+		{File: "rope.cu", Kernels: []Kernel{
+			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -1,38 +1,85 @@
 #!/usr/bin/env bash
-# GPU tests of the CUDA backend, in two steps, from the repository root:
+# GPU tests and the training benchmark of the CUDA backend, in two steps,
+# from the repository root:
 #
-#   scripts/gpu-test.sh build   # where Go is: builds the test binaries into .gpu/
-#   scripts/gpu-test.sh         # on the GPU machine (no Go needed): runs them
+#   scripts/gpu-test.sh build   # where Go is: builds everything into .gpu/
+#   scripts/gpu-test.sh         # on the GPU machine (no Go needed): runs it
 #
-# build cross-compiles each package's tests with CGO_ENABLED=0 for
-# linux/amd64 (the binaries dlopen the NVIDIA libraries at run time, so the
-# build machine needs no CUDA) plus Go's test2json. The run step runs each
-# binary with -test.v from its package folder and writes, under $OUT (or
-# .gpu/out): <pkg>.log (the raw output), <pkg>.json (test2json events) and
-# summary.json (per-package counts and the "figure:" lines the tests log).
-# It prints a short table last and exits non-zero if any package failed.
+# build cross-compiles, with CGO_ENABLED=0 for linux/amd64 (the binaries
+# dlopen the NVIDIA libraries at run time, so the build machine needs no
+# CUDA) and without symbol tables (-s -w; panics still print file:line):
+# each package's test binary, Go's test2json and mktrain itself; copies the
+# PyTorch peer (../shared/peer/torch_moe_train.py, which does not travel
+# with the repository) to .gpu/peer/; and packs all of it into
+# .gpu/bundle.tgz (about 20 MB), the one file to take to the GPU machine
+# (the device tool: carry [".gpu/bundle.tgz"]). The run step unpacks the
+# bundle when it finds one.
+#
+# The run step, on the GPU machine:
+#   1. runs each test binary with -test.v from its package folder (engine:
+#      its GPU test only);
+#   2. runs `mktrain bench train moe-small --steps 5 --warmup 2` on CUDA,
+#      on the embedded corpus (the recipe's data shards are not there);
+#   3. runs the PyTorch peer on the same model and batch, same step counts.
+# It writes under $OUT (or .gpu/out) at most four files, so that a device
+# call brings them all back: summary.json (per-package counts, the
+# "figure:" lines the tests log, the two tokens/s figures), bench.json
+# (mktrain's result), peer.json (the peer's line) and logs.tgz (every raw
+# log and test2json stream). It prints a short table last and exits
+# non-zero if any package or the benchmark failed.
+#
+# Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip;
+# NO_BENCH=1 skips steps 2 and 3; PYTHON names the peer's interpreter
+# (default /opt/torch/.venv/bin/python, else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(backend/cuda/driver backend/cuda kernels)
+# Package, and the -test.run filter for it ("" = all tests).
+PACKAGES=(
+  "backend/cuda/driver|"
+  "backend/cuda|"
+  "kernels|"
+  "engine|^TestTinyRecipeCUDAMatchesCPU$"
+)
 BIN=.gpu
+PEER_SRC=../shared/peer/torch_moe_train.py
+BENCH_ARGS=(bench train moe-small --steps 5 --warmup 2 --set data.train= --set data.val= --set train.backend=cuda)
+PEER_ARGS=(--steps 5 --warmup 2)
 
 name_of() { echo "${1//\//_}"; }
 
 if [[ "${1:-}" == "build" ]]; then
   set -e
-  mkdir -p "$BIN"
-  for pkg in "${PACKAGES[@]}"; do
-    CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go test -c -o "$BIN/$(name_of "$pkg").test" "./$pkg"
+  mkdir -p "$BIN" "$BIN/peer"
+  : >"$BIN/packages.txt"
+  files=()
+  for entry in "${PACKAGES[@]}"; do
+    pkg=${entry%%|*}
+    CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go test -c -ldflags='-s -w' -o "$BIN/$(name_of "$pkg").test" "./$pkg"
+    echo "$entry" >>"$BIN/packages.txt"
+    files+=("$(name_of "$pkg").test")
   done
-  CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -o "$BIN/test2json" cmd/test2json
-  printf '%s\n' "${PACKAGES[@]}" >"$BIN/packages.txt"
-  ls -l "$BIN"
+  CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -ldflags='-s -w' -o "$BIN/test2json" cmd/test2json
+  CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -ldflags='-s -w' -o "$BIN/mktrain" ./cmd/mktrain
+  files+=(test2json mktrain packages.txt)
+  if [[ -f "$PEER_SRC" ]]; then
+    cp -f "$PEER_SRC" "$BIN/peer/"
+    files+=(peer/torch_moe_train.py)
+  else
+    echo "note: $PEER_SRC not found; the run step will skip the peer"
+  fi
+  tar czf "$BIN/bundle.tgz" -C "$BIN" "${files[@]}"
+  ls -l "$BIN/bundle.tgz"
   exit 0
+fi
+
+if [[ -f "$BIN/bundle.tgz" ]]; then
+  tar xzf "$BIN/bundle.tgz" -C "$BIN" || exit 1
 fi
 
 OUT="${OUT:-$BIN/out}"
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)
 # Multi-GPU hosts: NVLink multicast stays off (it can take shared GPUs out
 # of service).
 export NCCL_NVLS_ENABLE=0
@@ -47,7 +94,9 @@ rows=()
 figures=()
 pkg_json=()
 status=0
-while read -r pkg; do
+skip_args=()
+[[ -n "${GPU_TEST_SKIP:-}" ]] && skip_args=(-test.skip "$GPU_TEST_SKIP")
+while IFS='|' read -r pkg filter; do
   [[ -z "$pkg" ]] && continue
   n=$(name_of "$pkg")
   test_bin="$root/$BIN/$n.test"
@@ -57,28 +106,97 @@ while read -r pkg; do
     status=1
     continue
   fi
-  echo "== $pkg"
+  run_args=()
+  [[ -n "$filter" ]] && run_args=(-test.run "$filter")
+  echo "== $pkg ${filter:+(-test.run $filter)}"
   start=$(date +%s%N)
-  (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout=300s -test.count=1) >"$OUT/$n.log" 2>&1
+  (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout=240s -test.count=1 "${run_args[@]}" "${skip_args[@]}") >"$LOGS/$n.log" 2>&1
   rc=$?
   secs=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.2f", (b - a) / 1e9 }')
   if [[ -x "$root/$BIN/test2json" ]]; then
-    "$root/$BIN/test2json" -t -p "$pkg" <"$OUT/$n.log" >"$OUT/$n.json"
+    "$root/$BIN/test2json" -t -p "$pkg" <"$LOGS/$n.log" >"$LOGS/$n.json"
   fi
-  # The log with test2json's framing bytes removed.
-  tr -d '\026' <"$OUT/$n.log" | grep -v '^=== \(RUN\|PAUSE\|CONT\|NAME\)' | tail -n 60
-  pass=$(tr -d '\026' <"$OUT/$n.log" | grep -c -- '--- PASS')
-  fail=$(tr -d '\026' <"$OUT/$n.log" | grep -c -- '--- FAIL')
-  skip=$(tr -d '\026' <"$OUT/$n.log" | grep -c -- '--- SKIP')
+  # The log with test2json's framing bytes removed: failures first, then
+  # the tail.
+  tr -d '\026' <"$LOGS/$n.log" >"$LOGS/$n.txt"
+  grep -B2 -A8 -- '--- FAIL' "$LOGS/$n.txt" | head -n 80
+  grep -v '^=== \(RUN\|PAUSE\|CONT\|NAME\)' "$LOGS/$n.txt" | tail -n 25
+  pass=$(grep -c -- '--- PASS' "$LOGS/$n.txt")
+  fail=$(grep -c -- '--- FAIL' "$LOGS/$n.txt")
+  skip=$(grep -c -- '--- SKIP' "$LOGS/$n.txt")
   result=ok
   if [[ $rc -ne 0 ]]; then result="FAIL($rc)"; status=1; fi
   rows+=("$pkg|$result|$pass|$fail|$skip|$secs")
   pkg_json+=("{\"package\":\"$pkg\",\"exit\":$rc,\"passed\":$pass,\"failed\":$fail,\"skipped\":$skip,\"seconds\":${secs:-0}}")
   while IFS= read -r line; do
     figures+=("$line")
-  done < <(tr -d '\026' <"$OUT/$n.log" | sed -n 's/.*figure: \(.*\) = \([^ ]*\) \(.*\)$/\1|\2|\3/p')
+  done < <(sed -n 's/.*figure: \(.*\) = \([^ ]*\) \(.*\)$/\1|\2|\3/p' "$LOGS/$n.txt")
   echo
 done <"$BIN/packages.txt"
+
+# The training benchmark and its PyTorch peer, in the same command on the
+# same machine, so their ratio means something.
+bench_tps=null
+peer_tps=null
+bench_rc=-
+peer_rc=-
+if [[ "${NO_BENCH:-}" != 1 ]]; then
+  echo "== mktrain ${BENCH_ARGS[*]}"
+  if [[ -x "$BIN/mktrain" ]]; then
+    timeout 150 "$BIN/mktrain" "${BENCH_ARGS[@]}" --out "$LOGS/bench" >"$LOGS/bench.log" 2>&1
+    bench_rc=$?
+    tail -n 15 "$LOGS/bench.log"
+    if f=$(ls "$LOGS"/bench/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
+      cp "$f" "$OUT/bench.json"
+      bench_tps=$(sed -n 's/.*"tokens_per_s": \([0-9.e+]*\).*/\1/p' "$f" | head -n 1)
+      bench_tps=${bench_tps:-null}
+    fi
+    [[ $bench_rc -ne 0 ]] && status=1
+  else
+    echo "$BIN/mktrain missing (run scripts/gpu-test.sh build first)"
+    bench_rc=missing
+    status=1
+  fi
+  echo
+  PY="${PYTHON:-/opt/torch/.venv/bin/python}"
+  [[ -x "$PY" ]] || PY=python3
+  echo "== peer: $PY $BIN/peer/torch_moe_train.py ${PEER_ARGS[*]}"
+  if [[ -f "$BIN/peer/torch_moe_train.py" ]]; then
+    PYTHONUNBUFFERED=1 timeout 100 "$PY" "$BIN/peer/torch_moe_train.py" "${PEER_ARGS[@]}" >"$LOGS/peer.log" 2>&1
+    peer_rc=$?
+    tail -n 5 "$LOGS/peer.log"
+    grep '^{' "$LOGS/peer.log" | tail -n 1 >"$OUT/peer.json"
+    peer_tps=$(sed -n 's/.*"tokens_per_s": \([0-9.e+]*\).*/\1/p' "$OUT/peer.json" | head -n 1)
+    peer_tps=${peer_tps:-null}
+  else
+    echo "peer script missing (it is copied from $PEER_SRC by the build step)"
+    peer_rc=missing
+  fi
+  echo
+fi
+
+# The Hugging Face check: a short CPU run of the tiny recipe, exported in
+# fp32, must give transformers' MixtralForCausalLM the loss mktrain computes.
+hf_rc=-
+if [[ "${NO_HF:-}" != 1 && -x "$BIN/mktrain" ]]; then
+  echo "== Hugging Face check (scripts/hf_check.py)"
+  PY="${PYTHON:-/opt/torch/.venv/bin/python}"
+  [[ -x "$PY" ]] || PY=python3
+  HFD=$(mktemp -d)
+  {
+    "$BIN/mktrain" run tiny --run-dir "$HFD/run" --set train.steps=60 --set train.backend=cpu --set log.progress=off &&
+    "$BIN/mktrain" data prepare --out "$HFD/data" --val-fraction 0.5 'engine/*.go' &&
+    "$BIN/mktrain" export --format hf --dtype fp32 "$HFD/run" "$HFD/hf" &&
+    "$BIN/mktrain" eval --checkpoint "$HFD/run" --data "$HFD/data/val_*.bin" --batches 4 --json >"$HFD/eval.json" &&
+    "$PY" scripts/hf_check.py "$HFD/hf" --mktrain-json "$HFD/eval.json" >"$OUT/hf_check.json"
+  } >"$LOGS/hf.log" 2>&1
+  hf_rc=$?
+  tail -n 3 "$LOGS/hf.log"
+  cat "$HFD/eval.json" "$OUT/hf_check.json" 2>/dev/null
+  [[ $hf_rc -ne 0 ]] && status=1
+  rm -rf "$HFD"
+  echo
+fi
 
 # summary.json, with plain shell quoting: names hold no quotes.
 {
@@ -93,14 +211,16 @@ done <"$BIN/packages.txt"
     printf '{"name":"%s","value":%s,"unit":"%s"}' "$fname" "$fval" "$funit"
     first=0
   done
-  echo "]}"
+  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps},\"hf_check_exit\":\"$hf_rc\"}"
 } >"$OUT/summary.json"
+tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
+rm -rf "$LOGS"
 
 echo "== figures"
 for f in "${figures[@]:-}"; do
   [[ -z "$f" ]] && continue
   IFS='|' read -r fname fval funit <<<"$f"
-  printf '  %-52s %10s %s\n' "$fname" "$fval" "$funit"
+  printf '  %-60s %10s %s\n' "$fname" "$fval" "$funit"
 done
 echo
 echo "== summary"
@@ -109,4 +229,13 @@ for r in "${rows[@]}"; do
   IFS='|' read -r p res pa fa sk se <<<"$r"
   printf '  %-22s %-9s %5s %5s %5s %8.1f\n' "$p" "$res" "$pa" "$fa" "$sk" "$se"
 done
+if [[ "${NO_BENCH:-}" != 1 ]]; then
+  echo
+  echo "== moe-small training, tokens/s (same machine, same command)"
+  printf '  %-28s %12s  exit %s\n' "mktrain (CUDA backend)" "$bench_tps" "$bench_rc"
+  printf '  %-28s %12s  exit %s\n' "PyTorch peer (eager)" "$peer_tps" "$peer_rc"
+  if [[ "$bench_tps" != null && "$peer_tps" != null ]]; then
+    awk -v a="$bench_tps" -v b="$peer_tps" 'BEGIN { printf "  %-28s %12.3f\n", "mktrain / peer", a / b }'
+  fi
+fi
 exit $status

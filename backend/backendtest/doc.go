@@ -20,7 +20,8 @@
 //     that skips part of its output, or reads it when it should not (MatMul
 //     with beta 0), fails. After the run every output and every Env.InOut
 //     pair must agree within Env.Tol (Tolerance of the tested backend's float
-//     type: 1e-5 for float32, 1e-12 for float64, 1e-2 for a half type) and
+//     type: 1e-5 for float32, 1e-12 for float64, 1e-2 for a half type; or
+//     the backend's own RelTolerance when it implements backend.Precision) and
 //     never be NaN or Inf, and every plain input must come back unchanged on
 //     both backends.
 //   - Check verifies the op on a float64 backend; GradCheck calls it. The

@@ -35,14 +35,19 @@ func cases() []Case {
 }
 
 // RunAll runs every Case's Compare on b against oracle (usually the float64
-// CPU backend), one subtest per case, with tolerances set by b's float type.
+// CPU backend), one subtest per case, with tolerances set by b's float type,
+// or by b itself when it implements backend.Precision.
 func RunAll(t *testing.T, b, oracle backend.Backend) {
+	tol := Tolerance(b.FloatType())
+	if p, ok := b.(backend.Precision); ok {
+		tol = p.RelTolerance()
+	}
 	for _, c := range cases() {
 		if c.Compare == nil {
 			continue
 		}
 		t.Run(c.Name, func(t *testing.T) {
-			e := &Env{T: t, B: b, Oracle: oracle, Rng: NewRand(c.Name), Tol: Tolerance(b.FloatType())}
+			e := &Env{T: t, B: b, Oracle: oracle, Rng: NewRand(c.Name), Tol: tol}
 			c.Compare(e)
 			if !e.ran {
 				t.Fatalf("case %s never called Run or RunScalar", c.Name)
@@ -117,7 +122,8 @@ type Env struct {
 	B, Oracle backend.Backend
 	// Rng is seeded from the case name (NewRand).
 	Rng *rand.Rand
-	// Tol is Tolerance(B.FloatType()).
+	// Tol is Tolerance(B.FloatType()), or B's RelTolerance when B
+	// implements backend.Precision.
 	Tol   float64
 	pairs []*Pair
 	ran   bool

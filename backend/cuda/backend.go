@@ -105,10 +105,11 @@ func NoGPU(err error) bool {
 // Device is the GPU the Backend runs on.
 func (b *Backend) Device() *Device { return b.dev }
 
-// Close waits for queued work and, when OpenBackend opened the device,
-// closes it. Tensors of the Backend must not be used afterwards.
+// Close waits for queued work, frees the matrix multiply's memory and,
+// when OpenBackend opened the device, closes it. Tensors of the Backend
+// must not be used afterwards.
 func (b *Backend) Close() error {
-	err := b.Sync()
+	err := errors.Join(b.Sync(), b.gemm.Close())
 	if b.owns {
 		err = errors.Join(err, b.dev.Close())
 	}
@@ -178,9 +179,6 @@ func (b *Backend) launch(k *Kernel, g Grid, args ...any) {
 	// reachable, or their memory could be recycled ahead of the launch.
 	runtime.KeepAlive(args)
 }
-
-// rowGrid is a grid of one block of threads per row.
-func rowGrid(rows, threads int) Grid { return Grid1D(rows, threads) }
 
 // strideGrid sizes a grid-stride launch over n elements.
 func (b *Backend) strideGrid(n int) Grid { return b.dev.StrideGrid(int64(n), 256, 4) }

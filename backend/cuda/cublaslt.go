@@ -145,11 +145,11 @@ type ltHeuristicResult struct {
 type cublasLt struct {
 	lib *driver.Library
 	fn  struct {
-		create, destroy, getVersion                                  uintptr
-		matmulDescCreate, matmulDescDestroy, matmulDescSetAttribute  uintptr
-		layoutCreate, layoutDestroy, layoutSetAttribute              uintptr
+		create, destroy, getVersion                                 uintptr
+		matmulDescCreate, matmulDescDestroy, matmulDescSetAttribute uintptr
+		layoutCreate, layoutDestroy, layoutSetAttribute             uintptr
 		preferenceCreate, preferenceDestroy, preferenceSetAttribute uintptr
-		algoGetHeuristic, matmul                                     uintptr
+		algoGetHeuristic, matmul                                    uintptr
 	}
 }
 

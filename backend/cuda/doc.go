@@ -55,4 +55,26 @@
 // written to a temporary name and renamed. A rejected source returns a
 // *driver.CompileError with NVRTC's log. Launch takes the kernel's arguments
 // as typed Go values (*Buffer, int32, int64, float32, float64, ...).
+//
+// # Backend
+//
+// Backend implements backend.Backend on one Device:
+//
+//	b, err := cuda.OpenBackend(cuda.Options{})  // GPU 0; cuda.NoGPU(err) where there is none
+//	defer b.Close()
+//	x := b.New(backend.Float32, T, D)           // zeroed, in device memory
+//	b.RMSNormForward(out, rstd, x, w, 1e-5)     // queued on the stream
+//	err = b.Sync()                              // the first failure since the last Sync
+//
+// Tensors are float32 or int32 (float64 panics: the CPU backend serves
+// gradient checks); a Tensor is a window on a storage that views share.
+// Storage returns to the caching allocator when the garbage collector finds
+// it unreachable, stream-ordered (backend_tensor.go says why that is safe).
+// MatMul rounds its inputs to bf16 and accumulates in fp32 (Gemm, through
+// cuBLASLt); every other op computes in fp32, so the Backend reports a
+// bf16-level RelTolerance (backend.Precision) to the conformance suite. Ops
+// return at once; a launch the driver refuses, an allocation the GPU cannot
+// hold or a kernel fault is kept for Sync, and ops on a tensor whose
+// allocation failed do nothing. Upload, Download, Sum and SumSquares wait
+// for the GPU.
 package cuda

@@ -1,0 +1,118 @@
+package cuda
+
+// The Backend ops that call the device-pointer functions of this package
+// rather than one kernel: MatMul (Gemm, cuBLASLt in bf16 with fp32
+// accumulation), RoPE and attention.
+
+import (
+	"runtime"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// MatMul computes out = alpha*op(a)*op(b) + beta*out for 2-D tensors. out
+// must not overlap a or b. With beta = 0 out is not read, and with
+// alpha = 0 (or an empty inner dimension) neither are a and b.
+func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, beta float64) {
+	const op = "MatMul"
+	at, ar, ac := matrix(op, "a", a)
+	bt, br, bc := matrix(op, "b", bb)
+	m, k := ar, ac
+	if transA {
+		m, k = ac, ar
+	}
+	kb, n := br, bc
+	if transB {
+		kb, n = bc, br
+	}
+	if k != kb {
+		fail(op, "inner dimensions differ: op(a) is [%d %d] (a %v, transA=%v), op(b) is [%d %d] (b %v, transB=%v)",
+			m, k, at.shape, transA, kb, n, bt.shape, transB)
+	}
+	ot := wantMatrix(op, "out", out, m, n)
+	if overlaps(ot, at) || overlaps(ot, bt) {
+		fail(op, "out (%s) overlaps an input (a %s, b %s)", ot.describe(), at.describe(), bt.describe())
+	}
+	ps, ok := devicePtrs(ot, at, bt)
+	if !ok {
+		return
+	}
+	b.fail(b.gemm.MatMul(ps[0], ps[1], ps[2], m, n, k, transA, transB, float32(alpha), float32(beta)))
+	runtime.KeepAlive(ot)
+	runtime.KeepAlive(at)
+	runtime.KeepAlive(bt)
+}
+
+// RoPE rotates xTQ in place at the positions posT (rotate-half convention);
+// inverse rotates back.
+func (b *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
+	const op = "RoPE"
+	x, t, q := matrix(op, "x", xTQ)
+	if headDim <= 0 || headDim%2 != 0 || q%headDim != 0 {
+		fail(op, "head dim %d must be even and positive and divide the row width %d of x %v", headDim, q, x.shape)
+	}
+	if theta <= 0 {
+		fail(op, "theta %v must be positive", theta)
+	}
+	pos := indices(op, "pos", posT, t)
+	if t == 0 || q == 0 {
+		return
+	}
+	ps, ok := devicePtrs(x, pos)
+	if !ok {
+		return
+	}
+	b.fail(RoPE(b.dev, ps[0], ps[1], t, q, headDim, theta, inverse))
+	runtime.KeepAlive(x)
+	runtime.KeepAlive(pos)
+}
+
+// attnArg is a token-major attention argument and the number of heads of
+// width HeadDim in each of its rows.
+type attnArg struct {
+	name  string
+	t     backend.Tensor
+	heads int
+}
+
+// checkAttn panics unless s is well formed and every tensor holds exactly
+// what s says, and returns the tensors in argument order, lse last.
+func checkAttn(op string, s backend.AttnShape, lseBHS backend.Tensor, args ...attnArg) []*Tensor {
+	if s.Batch < 1 || s.Seq < 1 || s.Heads < 1 || s.KVHeads < 1 || s.HeadDim < 1 || s.Heads%s.KVHeads != 0 {
+		fail(op, "attention shape %+v: all sizes must be positive and KVHeads must divide Heads", s)
+	}
+	tokens := s.Batch * s.Seq
+	var ts []*Tensor
+	for _, a := range args {
+		ts = append(ts, vector(op, a.name, a.t, tokens*a.heads*s.HeadDim))
+	}
+	return append(ts, vector(op, "lse", lseBHS, s.Batch*s.Heads*s.Seq))
+}
+
+// AttentionForward computes causal GQA attention (see backend.Backend).
+func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
+	ts := checkAttn("AttentionForward", s, lseBHS,
+		attnArg{"out", outTQ, s.Heads}, attnArg{"q", qTQ, s.Heads}, attnArg{"k", kTK, s.KVHeads}, attnArg{"v", vTK, s.KVHeads})
+	ps, ok := devicePtrs(ts...)
+	if !ok {
+		return
+	}
+	out, q, k, v, lse := ps[0], ps[1], ps[2], ps[3], ps[4]
+	b.fail(AttentionForward(b.dev, out, lse, q, k, v, s))
+	runtime.KeepAlive(ts)
+}
+
+// AttentionBackward writes dq, dk and dv (see backend.Backend).
+func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
+	ts := checkAttn("AttentionBackward", s, lseBHS,
+		attnArg{"dq", dqTQ, s.Heads}, attnArg{"dk", dkTK, s.KVHeads}, attnArg{"dv", dvTK, s.KVHeads},
+		attnArg{"dout", doutTQ, s.Heads}, attnArg{"q", qTQ, s.Heads}, attnArg{"k", kTK, s.KVHeads},
+		attnArg{"v", vTK, s.KVHeads}, attnArg{"out", outTQ, s.Heads})
+	ps, ok := devicePtrs(ts...)
+	if !ok {
+		return
+	}
+	dq, dk, dv, dout, q, k, v, out, lse := ps[0], ps[1], ps[2], ps[3], ps[4], ps[5], ps[6], ps[7], ps[8]
+	b.fail(AttentionBackward(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s))
+	runtime.KeepAlive(ts)
+}

@@ -1,0 +1,597 @@
+package cuda
+
+// Row-major matrix products on raw device pointers, through cuBLASLt.
+//
+// cuBLASLt is column-major, and a row-major [r, c] matrix read column-major
+// is its transpose, [c, r]. So out[m,n] = op(a)·op(b) (row-major) is asked
+// of cuBLASLt as outᵀ[n,m] = op(b)ᵀ·op(a)ᵀ: the operands swap places, and
+// each keeps its own transpose flag (planRowMajor spells it out).
+//
+// In the default precision a and b are first rounded to bfloat16 into two
+// scratch buffers the Gemm owns (kernels/convert.cu), then multiplied on the
+// tensor cores with fp32 accumulation into the fp32 out. cuBLASLt picks an
+// algorithm per problem with a heuristic query, which costs far more than a
+// product of moderate size; the answer is cached per shape, transposes,
+// input type and pointer alignment.
+
+import (
+	"errors"
+	"fmt"
+	"math/bits"
+	"sync"
+
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+	"github.com/mktrain/mktrain/kernels"
+)
+
+// GemmPrecision says what a Gemm's MatMul multiplies.
+type GemmPrecision int
+
+const (
+	// GemmBF16 rounds a and b to bfloat16 (to nearest, ties to even), then
+	// multiplies on the tensor cores with fp32 products and accumulation,
+	// fp32 alpha and beta, and an fp32 out. The default.
+	GemmBF16 GemmPrecision = iota
+	// GemmFP32 multiplies the fp32 inputs as they are, with fp32 products
+	// and accumulation and no TF32 rounding: many times slower, exact up to
+	// fp32 rounding. Tests use it to tell conversion error from GEMM bugs.
+	GemmFP32
+)
+
+func (p GemmPrecision) String() string {
+	switch p {
+	case GemmBF16:
+		return "bf16"
+	case GemmFP32:
+		return "fp32"
+	}
+	return fmt.Sprintf("GemmPrecision(%d)", int(p))
+}
+
+// DefaultGemmWorkspace is the cuBLASLt workspace a Gemm allocates unless
+// told otherwise: 32 MiB, NVIDIA's recommendation for Hopper.
+const DefaultGemmWorkspace = 32 << 20
+
+// maxGemmShapes bounds the algorithm cache. Training uses a few dozen
+// shapes; token-count-dependent shapes (one per expert load) could
+// otherwise grow it without end.
+const maxGemmShapes = 4096
+
+// GemmOptions configures NewGemmWith. The zero value is NewGemm's default.
+type GemmOptions struct {
+	// Precision is GemmBF16 (the zero value) or GemmFP32.
+	Precision GemmPrecision
+	// WorkspaceBytes is cuBLASLt's scratch memory; 0 means
+	// DefaultGemmWorkspace. Algorithms that need more are not chosen.
+	WorkspaceBytes int64
+	// Search says where libcublasLt is looked for (see package driver);
+	// the zero value searches the process environment.
+	Search driver.Search
+}
+
+// Gemm runs row-major matrix products on one Device's stream. It owns a
+// cuBLASLt handle, a workspace, the bf16 copies of its inputs (grown to the
+// largest operands seen) and the cache of chosen algorithms. Its methods are
+// safe for concurrent use. Close it before its Device.
+type Gemm struct {
+	d       *Device
+	lt      *cublasLt
+	opts    GemmOptions
+	version int
+
+	toBF16 *Kernel // f32_to_bf16
+	scale  *Kernel // scale_f32
+
+	// mu is held while a call queues its work, so the scratch buffers are
+	// used by one call after another in queue order; it also guards the
+	// fields below.
+	mu                 sync.Mutex
+	closed             bool
+	workspace          *Buffer
+	scratchA, scratchB *Buffer
+	algos              algoCache
+
+	// cuBLASLt objects, touched only on the device thread. The layouts and
+	// the operation descriptor are set afresh for every call.
+	handle           ltHandle
+	desc             ltMatmulDesc
+	layA, layB, layC ltLayout
+	pref             ltPreference
+}
+
+// NewGemm is NewGemmWith(d, GemmOptions{}): bf16 inputs, a 32 MiB
+// workspace, cuBLASLt found in the process environment.
+func NewGemm(d *Device) (*Gemm, error) { return NewGemmWith(d, GemmOptions{}) }
+
+// NewGemmWith loads cuBLASLt, compiles the conversion kernels and sets up
+// a Gemm on d.
+func NewGemmWith(d *Device, o GemmOptions) (*Gemm, error) {
+	if o.Precision != GemmBF16 && o.Precision != GemmFP32 {
+		return nil, fmt.Errorf("cuda: GemmOptions.Precision is %v; use GemmBF16 or GemmFP32", o.Precision)
+	}
+	if o.WorkspaceBytes < 0 {
+		return nil, fmt.Errorf("cuda: GemmOptions.WorkspaceBytes is %d; it must be 0 (the default, %d) or positive", o.WorkspaceBytes, DefaultGemmWorkspace)
+	}
+	if o.WorkspaceBytes == 0 {
+		o.WorkspaceBytes = DefaultGemmWorkspace
+	}
+	lt, err := loadCublasLt(o.Search)
+	if err != nil {
+		return nil, err
+	}
+	g := &Gemm{d: d, lt: lt, opts: o, version: lt.Version(), algos: algoCache{limit: maxGemmShapes}}
+	if g.toBF16, err = gemmKernel(d, "convert.cu", "f32_to_bf16"); err != nil {
+		return nil, err
+	}
+	if g.scale, err = gemmKernel(d, "elementwise.cu", "scale_f32"); err != nil {
+		return nil, err
+	}
+	if g.workspace, err = d.Alloc(o.WorkspaceBytes); err != nil {
+		return nil, err
+	}
+	if err := d.Do(g.create); err != nil {
+		return nil, errors.Join(err, d.Free(g.workspace), d.Do(g.destroy))
+	}
+	return g, nil
+}
+
+func gemmKernel(d *Device, file, name string) (*Kernel, error) {
+	src, err := kernels.Lookup(file)
+	if err != nil {
+		return nil, err
+	}
+	m, err := d.Load(src)
+	if err != nil {
+		return nil, err
+	}
+	return m.Kernel(name)
+}
+
+// create runs on the device thread. On failure the caller runs destroy,
+// which skips what was not made.
+func (g *Gemm) create() error {
+	lt := g.lt
+	var err error
+	if g.handle, err = lt.Create(); err != nil {
+		return err
+	}
+	if g.desc, err = lt.MatmulDescCreate(cublasCompute32F, cudaR32F); err != nil {
+		return err
+	}
+	for _, l := range []*ltLayout{&g.layA, &g.layB, &g.layC} {
+		if *l, err = lt.LayoutCreate(cudaR32F, 1, 1, 1); err != nil {
+			return err
+		}
+	}
+	if g.pref, err = lt.PreferenceCreate(); err != nil {
+		return err
+	}
+	return lt.PreferenceSetUint64(g.pref, ltPrefMaxWorkspaceBytes, uint64(g.opts.WorkspaceBytes))
+}
+
+// destroy runs on the device thread.
+func (g *Gemm) destroy() error {
+	lt := g.lt
+	var errs []error
+	if g.pref != 0 {
+		errs = append(errs, lt.PreferenceDestroy(g.pref))
+	}
+	for _, l := range []ltLayout{g.layA, g.layB, g.layC} {
+		if l != 0 {
+			errs = append(errs, lt.LayoutDestroy(l))
+		}
+	}
+	if g.desc != 0 {
+		errs = append(errs, lt.MatmulDescDestroy(g.desc))
+	}
+	if g.handle != 0 {
+		errs = append(errs, lt.Destroy(g.handle))
+	}
+	g.pref, g.layA, g.layB, g.layC, g.desc, g.handle = 0, 0, 0, 0, 0, 0
+	return errors.Join(errs...)
+}
+
+// Close frees the Gemm's memory and cuBLASLt objects once the work queued
+// before it has run. Closing twice does nothing.
+func (g *Gemm) Close() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return nil
+	}
+	g.closed = true
+	var errs []error
+	for _, b := range []*Buffer{g.scratchA, g.scratchB, g.workspace} {
+		if b != nil {
+			errs = append(errs, g.d.Free(b))
+		}
+	}
+	g.scratchA, g.scratchB, g.workspace = nil, nil, nil
+	errs = append(errs, g.d.Do(g.destroy))
+	return errors.Join(errs...)
+}
+
+// Precision is what MatMul multiplies.
+func (g *Gemm) Precision() GemmPrecision { return g.opts.Precision }
+
+// CublasLtVersion is the loaded cuBLASLt's version, major*10000 +
+// minor*100 + patch (e.g. 130100).
+func (g *Gemm) CublasLtVersion() int { return g.version }
+
+// CublasLtPath is the libcublasLt file that was loaded.
+func (g *Gemm) CublasLtPath() string { return g.lt.lib.Path }
+
+// MatMul queues out = alpha*op(a)*op(b) + beta*out on the device's stream,
+// for row-major float32 matrices: out is [m,n]; a is [m,k], or [k,m] read
+// transposed when transA; b is [k,n], or [n,k] read transposed when transB.
+// As in BLAS (and backend/cpu), beta = 0 does not read out, and alpha = 0 or
+// k = 0 reads neither a nor b (out = beta*out). With GemmBF16, out may
+// overlap a or b (they are copied first); with GemmFP32 it must not.
+//
+// Argument errors and cuBLASLt's refusal of a shape return at once;
+// failures while the product runs return from the next Sync.
+func (g *Gemm) MatMul(out, a, b driver.DevicePtr, m, n, k int, transA, transB bool, alpha, beta float32) error {
+	c := gemmCall{out: out, a: a, b: b, m: m, n: n, k: k, transA: transA, transB: transB, alpha: alpha, beta: beta,
+		bf16: g.opts.Precision == GemmBF16, converted: g.opts.Precision == GemmBF16}
+	return g.matmul(c)
+}
+
+// MatMulBF16 is MatMul on operands already in bfloat16 (a and b point at
+// 16-bit words, e.g. weights rounded once per step), whatever the Gemm's
+// precision: no conversion and no scratch. out must not overlap a or b.
+func (g *Gemm) MatMulBF16(out, a, b driver.DevicePtr, m, n, k int, transA, transB bool, alpha, beta float32) error {
+	c := gemmCall{out: out, a: a, b: b, m: m, n: n, k: k, transA: transA, transB: transB, alpha: alpha, beta: beta, bf16: true}
+	return g.matmul(c)
+}
+
+func (g *Gemm) matmul(c gemmCall) error {
+	if err := c.validate(); err != nil {
+		return err
+	}
+	if c.m == 0 || c.n == 0 {
+		return nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return fmt.Errorf("cuda: MatMul on a closed Gemm")
+	}
+	if c.k == 0 || c.alpha == 0 {
+		return g.scaleOut(c)
+	}
+	if c.converted {
+		na, nb := int64(c.m)*int64(c.k), int64(c.k)*int64(c.n)
+		if err := g.grow(&g.scratchA, 2*na); err != nil {
+			return err
+		}
+		if err := g.grow(&g.scratchB, 2*nb); err != nil {
+			return err
+		}
+		if err := g.convert(g.scratchA, c.a, na); err != nil {
+			return err
+		}
+		if err := g.convert(g.scratchB, c.b, nb); err != nil {
+			return err
+		}
+		c.a, c.b = g.scratchA.ptr, g.scratchB.ptr
+	}
+	return g.run(c)
+}
+
+// scaleOut is the product without a term of a and b: out = beta*out.
+func (g *Gemm) scaleOut(c gemmCall) error {
+	n := int64(c.m) * int64(c.n)
+	switch c.beta {
+	case 1:
+		return nil
+	case 0:
+		d, out := g.d, c.out
+		return d.Submit(func() error { return d.drv.MemsetD32Async(out, 0, int(n), d.stream) })
+	}
+	return g.d.Launch(g.scale, g.d.StrideGrid(n, 256, 4), c.out, c.beta, n)
+}
+
+// grow makes *buf hold at least bytes. The old buffer is freed in queue
+// order, after the work that used it.
+func (g *Gemm) grow(buf **Buffer, bytes int64) error {
+	if *buf != nil && (*buf).Size() >= bytes {
+		return nil
+	}
+	if *buf != nil {
+		if err := g.d.Free(*buf); err != nil {
+			return err
+		}
+		*buf = nil
+	}
+	b, err := g.d.Alloc(bytes)
+	if err != nil {
+		return err
+	}
+	*buf = b
+	return nil
+}
+
+func (g *Gemm) convert(dst *Buffer, src driver.DevicePtr, n int64) error {
+	return g.d.Launch(g.toBF16, g.d.StrideGrid(n, 256, 4), dst, src, n)
+}
+
+// run queues the cuBLASLt call, asking for an algorithm first if the shape
+// is new.
+func (g *Gemm) run(c gemmCall) error {
+	p := planRowMajor(c.m, c.n, c.k, c.transA, c.transB)
+	key := c.key()
+	algo, ok := g.algos.get(key)
+	if !ok {
+		err := g.d.Do(func() error {
+			var err error
+			algo, err = g.heuristic(c, p)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		g.algos.put(key, algo)
+	}
+	d, lt, ws := g.d, g.lt, g.workspace.ptr
+	return d.Submit(func() error {
+		if err := g.describe(c, p); err != nil {
+			return err
+		}
+		// cuBLASLt's A is the caller's b and its B the caller's a.
+		s := lt.Matmul(g.handle, g.desc, c.alpha, c.b, g.layA, c.a, g.layB, c.beta, c.out, g.layC,
+			&algo.algo, ws, algo.workspace, d.stream)
+		return ltCheck(s, "cublasLtMatmul", c.String)
+	})
+}
+
+// describe sets the descriptors for c; it runs on the device thread.
+func (g *Gemm) describe(c gemmCall, p ltPlan) error {
+	lt := g.lt
+	in := uint32(cudaR32F)
+	if c.bf16 {
+		in = cudaR16BF
+	}
+	if err := lt.MatmulDescSetInt32(g.desc, ltDescTransA, p.a.op()); err != nil {
+		return err
+	}
+	if err := lt.MatmulDescSetInt32(g.desc, ltDescTransB, p.b.op()); err != nil {
+		return err
+	}
+	if err := lt.LayoutSet(g.layA, in, uint64(p.a.rows), uint64(p.a.cols), int64(p.a.ld)); err != nil {
+		return err
+	}
+	if err := lt.LayoutSet(g.layB, in, uint64(p.b.rows), uint64(p.b.cols), int64(p.b.ld)); err != nil {
+		return err
+	}
+	return lt.LayoutSet(g.layC, cudaR32F, uint64(p.c.rows), uint64(p.c.cols), int64(p.c.ld))
+}
+
+// heuristic asks cuBLASLt for the best algorithm for c; it runs on the
+// device thread.
+func (g *Gemm) heuristic(c gemmCall, p ltPlan) (chosenAlgo, error) {
+	if err := g.describe(c, p); err != nil {
+		return chosenAlgo{}, err
+	}
+	lt := g.lt
+	for _, a := range []struct {
+		attr int
+		ptr  driver.DevicePtr
+	}{
+		{ltPrefMinAlignmentA, c.b}, {ltPrefMinAlignmentB, c.a},
+		{ltPrefMinAlignmentC, c.out}, {ltPrefMinAlignmentD, c.out},
+	} {
+		if err := lt.PreferenceSetUint32(g.pref, a.attr, ptrAlign(a.ptr)); err != nil {
+			return chosenAlgo{}, err
+		}
+	}
+	res, found, err := lt.AlgoGetHeuristic(g.handle, g.desc, g.layA, g.layB, g.layC, g.pref)
+	var ce *CublasError
+	if errors.As(err, &ce) {
+		ce.Detail = c.String()
+	}
+	switch {
+	case err != nil:
+		return chosenAlgo{}, err
+	case !found:
+		return chosenAlgo{}, fmt.Errorf("cuda: cuBLASLt %d has no algorithm for MatMul(%s)", g.version, c)
+	case res.state != CublasSuccess:
+		return chosenAlgo{}, &CublasError{Call: "cublasLtMatmulAlgoGetHeuristic", Status: res.state, Detail: c.String()}
+	case res.workspaceSize > uint64(g.opts.WorkspaceBytes):
+		return chosenAlgo{}, fmt.Errorf("cuda: cuBLASLt chose an algorithm needing %d bytes of workspace, over the %d allowed, for MatMul(%s)",
+			res.workspaceSize, g.opts.WorkspaceBytes, c)
+	}
+	return chosenAlgo{algo: res.algo, workspace: res.workspaceSize}, nil
+}
+
+// gemmCall is one product's arguments.
+type gemmCall struct {
+	out, a, b      driver.DevicePtr
+	m, n, k        int
+	transA, transB bool
+	alpha, beta    float32
+	// bf16: cuBLASLt reads a and b as bfloat16 (else float32).
+	bf16 bool
+	// converted: a and b are float32 here and are rounded into scratch
+	// before cuBLASLt reads them, so out may overlap them.
+	converted bool
+}
+
+func (c gemmCall) String() string {
+	in := "fp32 inputs"
+	if c.bf16 {
+		in = "bf16 inputs"
+	}
+	return fmt.Sprintf("m=%d, n=%d, k=%d, transA=%v, transB=%v, %s", c.m, c.n, c.k, c.transA, c.transB, in)
+}
+
+// maxGemmDim is cuBLASLt's limit on a matrix dimension ("usually only
+// values that can be expressed as int32_t are supported").
+const maxGemmDim = 1<<31 - 1
+
+// validate checks c's arguments before anything is queued.
+func (c gemmCall) validate() error {
+	for _, d := range []struct {
+		name string
+		v    int
+	}{{"m", c.m}, {"n", c.n}, {"k", c.k}} {
+		if d.v < 0 {
+			return fmt.Errorf("cuda: MatMul: %s = %d is negative", d.name, d.v)
+		}
+		if d.v > maxGemmDim {
+			return fmt.Errorf("cuda: MatMul: %s = %d is over cuBLASLt's limit of %d", d.name, d.v, maxGemmDim)
+		}
+	}
+	// What cuBLASLt (or the conversion) reads, in bytes and alignment.
+	in := int64(4)
+	if c.bf16 && !c.converted {
+		in = 2
+	}
+	reads := c.k > 0 && c.alpha != 0
+	type operand struct {
+		name  string
+		ptr   driver.DevicePtr
+		shape [2]int
+		elem  int64
+		used  bool
+	}
+	aShape, bShape := [2]int{c.m, c.k}, [2]int{c.k, c.n}
+	if c.transA {
+		aShape = [2]int{c.k, c.m}
+	}
+	if c.transB {
+		bShape = [2]int{c.n, c.k}
+	}
+	ops := []operand{
+		{"out", c.out, [2]int{c.m, c.n}, 4, c.m > 0 && c.n > 0},
+		{"a", c.a, aShape, in, reads && c.m > 0 && c.n > 0},
+		{"b", c.b, bShape, in, reads && c.m > 0 && c.n > 0},
+	}
+	for _, o := range ops {
+		if !o.used {
+			continue
+		}
+		if o.ptr == 0 {
+			return fmt.Errorf("cuda: MatMul: %s is a null pointer but holds a %dx%d matrix (%s)", o.name, o.shape[0], o.shape[1], c)
+		}
+		if uint64(o.ptr)%uint64(o.elem) != 0 {
+			return fmt.Errorf("cuda: MatMul: %s = %#x is not aligned to its %d-byte elements (%s)", o.name, uint64(o.ptr), o.elem, c)
+		}
+	}
+	if c.converted || !ops[1].used {
+		return nil
+	}
+	// cuBLASLt reads a and b while it writes out.
+	outEnd := uint64(c.out) + uint64(c.m)*uint64(c.n)*4
+	for _, o := range ops[1:] {
+		end := uint64(o.ptr) + uint64(o.shape[0])*uint64(o.shape[1])*uint64(o.elem)
+		if uint64(o.ptr) < outEnd && uint64(c.out) < end {
+			return fmt.Errorf("cuda: MatMul: out [%#x, %#x) overlaps %s [%#x, %#x), which cuBLASLt reads while it writes out (%s)",
+				uint64(c.out), outEnd, o.name, uint64(o.ptr), end, c)
+		}
+	}
+	return nil
+}
+
+// key is c's algorithm cache key.
+func (c gemmCall) key() gemmKey {
+	return gemmKey{
+		m: int32(c.m), n: int32(c.n), k: int32(c.k), transA: c.transA, transB: c.transB, bf16: c.bf16,
+		alignA: ptrAlign(c.a), alignB: ptrAlign(c.b), alignOut: ptrAlign(c.out),
+	}
+}
+
+// ptrAlign is the largest power of two up to 256 that divides p: what the
+// heuristic is told it may assume (its default is 256, and an algorithm
+// chosen under that assumption may fault on a view at an odd offset).
+func ptrAlign(p driver.DevicePtr) uint32 {
+	if p == 0 {
+		return 256
+	}
+	return uint32(min(uint64(1)<<bits.TrailingZeros64(uint64(p)), 256))
+}
+
+// ltMatrix is one matrix as cuBLASLt sees it: column-major, rows x cols in
+// memory with leading dimension ld, transposed by the operation when trans.
+type ltMatrix struct {
+	rows, cols, ld int
+	trans          bool
+}
+
+func (x ltMatrix) op() int32 {
+	if x.trans {
+		return cublasOpT
+	}
+	return cublasOpN
+}
+
+// ltPlan is a row-major product restated for cuBLASLt: D[m x n] =
+// op(A)[m x k] · op(B)[k x n] + C, column-major, with C = D.
+type ltPlan struct {
+	m, n, k int
+	a, b, c ltMatrix
+}
+
+// planRowMajor maps row-major out[m,n] = op(a)[m,k]·op(b)[k,n] onto
+// cuBLASLt: outᵀ[n,m] = op(b)ᵀ·op(a)ᵀ. A row-major [r,c] matrix is a
+// column-major c x r matrix with ld c, so
+//   - cuBLASLt's A is the caller's b: [k,n] is n x k (ld n), used as is;
+//     [n,k] (transB) is k x n (ld k), transposed to n x k;
+//   - cuBLASLt's B is the caller's a: [m,k] is k x m (ld k), used as is;
+//     [k,m] (transA) is m x k (ld m), transposed to k x m;
+//   - C = D is out, n x m with ld n.
+func planRowMajor(m, n, k int, transA, transB bool) ltPlan {
+	p := ltPlan{m: n, n: m, k: k}
+	if transB {
+		p.a = ltMatrix{rows: k, cols: n, ld: k, trans: true}
+	} else {
+		p.a = ltMatrix{rows: n, cols: k, ld: n}
+	}
+	if transA {
+		p.b = ltMatrix{rows: m, cols: k, ld: m, trans: true}
+	} else {
+		p.b = ltMatrix{rows: k, cols: m, ld: k}
+	}
+	p.c = ltMatrix{rows: n, cols: m, ld: n}
+	return p
+}
+
+// gemmKey identifies a problem for the algorithm cache: the same shape at a
+// coarser alignment may need another algorithm.
+type gemmKey struct {
+	m, n, k                  int32
+	transA, transB, bf16     bool
+	alignA, alignB, alignOut uint32
+}
+
+// chosenAlgo is the heuristic's answer for one key.
+type chosenAlgo struct {
+	algo      ltAlgo
+	workspace uint64
+}
+
+// algoCache maps keys to algorithms, holding at most limit entries; when
+// full, an arbitrary entry makes room (asking again costs only time).
+type algoCache struct {
+	limit int
+	m     map[gemmKey]chosenAlgo
+}
+
+func (c *algoCache) get(k gemmKey) (chosenAlgo, bool) {
+	a, ok := c.m[k]
+	return a, ok
+}
+
+func (c *algoCache) put(k gemmKey, a chosenAlgo) {
+	if c.m == nil {
+		c.m = map[gemmKey]chosenAlgo{}
+	}
+	if _, ok := c.m[k]; !ok && len(c.m) >= c.limit {
+		for old := range c.m {
+			delete(c.m, old)
+			break
+		}
+	}
+	c.m[k] = a
+}
+
+func (c *algoCache) len() int { return len(c.m) }

@@ -1,0 +1,97 @@
+package engine
+
+// The engine on the GPU: the tiny recipe trained on the CUDA backend and on
+// the CPU from the same initialisation and batches. It skips, with one line,
+// where there is no GPU; scripts/gpu-test.sh runs it on a GPU machine.
+
+import (
+	"context"
+	"errors"
+	"math"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
+	"github.com/mktrain/mktrain/backend/cuda"
+)
+
+// cudaVsCPUTol bounds the relative difference of the two runs' losses: the
+// GPU multiplies matrices in bf16, so the runs drift apart at about bf16's
+// precision.
+const cudaVsCPUTol = 2e-2
+
+// tinyRecipeConfig is recipes/tiny.yaml (engine cannot import recipes):
+// DefaultConfig's model with the recipe's batch and schedule.
+func tinyRecipeConfig() Config {
+	cfg := DefaultConfig()
+	cfg.Train.GlobalBatch, cfg.Train.MicroBatch, cfg.Train.Seq = 16, 16, 64
+	cfg.Train.Steps, cfg.Train.LR, cfg.Train.MinLR, cfg.Train.WarmupSteps = 300, 3e-3, 3e-4, 20
+	return cfg
+}
+
+// runSteps trains cfg on b for its first steps (stopping the run there, so
+// the schedule is the recipe's) and returns the losses and the median
+// tokens/s of the steps after the first two (which compile and warm up).
+func runSteps(t *testing.T, cfg Config, b backend.Backend, steps int) (losses []float64, tokensPerSec float64) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var rates []float64
+	eng, err := New(cfg, WithBackend(b), WithHook(func(ev StepEvent) {
+		losses = append(losses, ev.Loss)
+		if ev.Step > 2 {
+			rates = append(rates, ev.TokensPerSec)
+		}
+		if ev.Step == steps {
+			cancel()
+		}
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := eng.Run(ctx); !errors.Is(err, ErrStopped) {
+		t.Fatalf("run on %s: %v, want ErrStopped after step %d", b.Name(), err, steps)
+	}
+	if len(losses) != steps {
+		t.Fatalf("%d losses on %s, want %d", len(losses), b.Name(), steps)
+	}
+	slices.Sort(rates)
+	return losses, rates[len(rates)/2]
+}
+
+func TestTinyRecipeCUDAMatchesCPU(t *testing.T) {
+	gpu, err := cuda.OpenBackend(cuda.Options{})
+	if cuda.NoGPU(err) {
+		reason, _, _ := strings.Cut(err.Error(), "\n")
+		t.Skip("no GPU: " + strings.TrimSuffix(reason, "; looked in:"))
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := gpu.Close(); err != nil {
+			t.Error(err)
+		}
+	}()
+	const steps = 20
+	cfg := tinyRecipeConfig()
+	want, cpuRate := runSteps(t, cfg, cpu.New(backend.Float32), steps)
+	got, gpuRate := runSteps(t, cfg, gpu, steps)
+	worst := 0.0
+	for i := range want {
+		rel := math.Abs(got[i]-want[i]) / math.Abs(want[i])
+		worst = max(worst, rel)
+		t.Logf("step %2d: loss %.5f on CUDA, %.5f on the CPU (relative difference %.2e)", i+1, got[i], want[i], rel)
+		if !(rel <= cudaVsCPUTol) {
+			t.Errorf("step %d: loss %.5f on CUDA, %.5f on the CPU: relative difference %.3g > %g", i+1, got[i], want[i], rel, cudaVsCPUTol)
+		}
+	}
+	if want[steps-1] >= want[0] {
+		t.Errorf("the CPU loss did not fall: %.4f -> %.4f", want[0], want[steps-1])
+	}
+	t.Logf("figure: engine tiny loss max relative difference CUDA vs CPU = %.3g ratio", worst)
+	t.Logf("figure: engine tiny tokens/s CUDA = %.4g tokens/s", gpuRate)
+	t.Logf("figure: engine tiny tokens/s CPU float32 = %.4g tokens/s", cpuRate)
+}
