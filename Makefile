@@ -3,7 +3,7 @@ GO      ?= go
 BIN     ?= bin/mktrain
 FUZZTIME ?= 30s
 
-.PHONY: all build test vet lint fuzz bench clean
+.PHONY: all build test vet lint fuzz bench gpu-test clean
 
 all: build test
 
@@ -28,6 +28,13 @@ fuzz:
 # CPU training throughput of the tiny recipe; writes bench/results/*.json.
 bench: build
 	$(BIN) bench train tiny --steps 20
+
+# Builds the GPU test binaries, mktrain and the peer into .gpu/bundle.tgz on
+# any machine (no CUDA needed); on the GPU machine `bash scripts/gpu-test.sh`
+# runs the tests, the moe-small benchmark, the PyTorch peer and the Hugging
+# Face check, and prints a table.
+gpu-test:
+	bash scripts/gpu-test.sh build
 
 clean:
 	rm -rf bin

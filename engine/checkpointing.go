@@ -221,7 +221,7 @@ func (s *saver) write(snaps []rankSnapshot, st trainState) error {
 		}
 	}
 	s.e.log.Info().Int("step", st.Step).Str("dir", sv.Dir()).Int64("bytes", bytes).
-		Dur("took", time.Since(start).Round(time.Millisecond)).Msg("checkpoint saved")
+		Str("took", time.Since(start).Round(time.Millisecond).String()).Msg("checkpoint saved")
 	return nil
 }
 

@@ -88,6 +88,10 @@ func New(cfg Config, opts ...Option) (*Engine, error) {
 // Config returns the engine's configuration.
 func (e *Engine) Config() Config { return e.cfg }
 
+// BackendName is the name of the backend the engine trains on ("cpu",
+// "cuda"), once New has resolved train.backend: auto.
+func (e *Engine) BackendName() string { return e.backend.Name() }
+
 // pickBackend opens the backend train.backend names: "cpu"; "cuda", which
 // fails with the reason when the GPU cannot be used; or "auto": CUDA when a
 // GPU is there and the layout allows it, else the CPU with the reason

@@ -92,7 +92,8 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stderr, "bench: %s, %d warmup + %d measured steps\n", recipe, *warmup, *steps)
+	defer eng.Close()
+	fmt.Fprintf(stderr, "bench: %s on %s, %d warmup + %d measured steps\n", recipe, eng.BackendName(), *warmup, *steps)
 	if _, err := eng.Run(ctx); err != nil {
 		return err
 	}
@@ -104,7 +105,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		Commit:    commit(),
 		Date:      time.Now().UTC().Format(time.RFC3339),
 		Command:   "mktrain bench " + strings.Join(args, " "),
-		Machine:   machine(cfg.Train.Backend),
+		Machine:   machine(eng.BackendName()),
 		Recipe:    recipe,
 		Config:    cfg,
 		Figures: map[string]any{

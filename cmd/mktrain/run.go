@@ -140,6 +140,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err != nil {
 		return err
 	}
+	defer eng.Close()
 	res, err := eng.Run(ctx)
 	if bar != nil {
 		_ = bar.Finish()
