@@ -20,27 +20,6 @@ import (
 	"github.com/mktrain/mktrain/comm"
 )
 
-// modelTensors reads the model tensors of the newest checkpoint under runDir.
-func modelTensors(t *testing.T, runDir string) map[string][]float32 {
-	t.Helper()
-	dir, err := checkpoint.Latest(filepath.Join(runDir, "checkpoints"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ck, err := checkpoint.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ck.Close()
-	out := map[string][]float32{}
-	for _, name := range ck.Model().Names() {
-		if out[name], _, err = ck.Model().Tensor(name); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return out
-}
-
 // readSafetensors reads every tensor of one file, with its dtype.
 func readSafetensors(t *testing.T, path string) (map[string][]float32, map[string]safetensors.DType, map[string]string) {
 	t.Helper()
@@ -72,7 +51,7 @@ func TestExportHF(t *testing.T) {
 	cfg := inferenceConfig()
 	run := t.TempDir()
 	trainRun(t, cfg, run)
-	want := modelTensors(t, run)
+	want := checkpointTensors(t, false, run)
 	m := cfg.Model
 	for _, dtype := range []string{"fp32", "bf16"} {
 		t.Run(dtype, func(t *testing.T) {
@@ -184,7 +163,7 @@ func TestImportHF(t *testing.T) {
 	cfg := inferenceConfig()
 	run := t.TempDir()
 	trainRun(t, cfg, run)
-	want := modelTensors(t, run)
+	want := checkpointTensors(t, false, run)
 	check := func(t *testing.T, got map[string][]float32, exact func(name string) bool) {
 		t.Helper()
 		if len(got) != len(mixtralNames(cfg.Model)) {
@@ -342,7 +321,7 @@ func TestInitFromStartsFromExportedWeights(t *testing.T) {
 	if !strings.Contains(logBuf.String(), "init_from") {
 		t.Errorf("the log does not mention init_from:\n%s", logBuf.String())
 	}
-	a, got := modelTensors(t, runA), modelTensors(t, runB)
+	a, got := checkpointTensors(t, false, runA), checkpointTensors(t, false, runB)
 	for _, name := range mixtralNames(cfg.Model) {
 		if !slices.Equal(a[name], got[name]) {
 			t.Fatalf("%s differs from the exported weights", name)

@@ -29,21 +29,13 @@ const (
 // or b. With beta = 0 out is not read, and with alpha = 0 neither are a and b.
 func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, beta float64) {
 	const op = "MatMul"
-	ar, ac := b.matrix(op, "a", a)
-	br, bc := b.matrix(op, "b", bb)
-	m, k := ar, ac
-	if transA {
-		m, k = ac, ar
+	b.matrix(op, "a", a)
+	b.matrix(op, "b", bb)
+	b.matrix(op, "out", out)
+	m, n, k, err := backend.MatMulDims(out, a, bb, transA, transB)
+	if err != nil {
+		fail(op, "%v", err)
 	}
-	kb, n := br, bc
-	if transB {
-		kb, n = bc, br
-	}
-	if k != kb {
-		fail(op, "inner dimensions differ: op(a) is [%d %d] (a %v, transA=%v), op(b) is [%d %d] (b %v, transB=%v)",
-			m, k, a.Shape(), transA, kb, n, bb.Shape(), transB)
-	}
-	b.wantMatrix(op, "out", out, m, n)
 	if b.dt == backend.Float32 {
 		matmul(b, floats[float32](out), floats[float32](a), floats[float32](bb), m, n, k, transA, transB, float32(alpha), float32(beta))
 	} else {

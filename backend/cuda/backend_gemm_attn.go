@@ -15,21 +15,13 @@ import (
 // alpha = 0 (or an empty inner dimension) neither are a and b.
 func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, beta float64) {
 	const op = "MatMul"
-	at, ar, ac := matrix(op, "a", a)
-	bt, br, bc := matrix(op, "b", bb)
-	m, k := ar, ac
-	if transA {
-		m, k = ac, ar
+	at, _, _ := matrix(op, "a", a)
+	bt, _, _ := matrix(op, "b", bb)
+	ot, _, _ := matrix(op, "out", out)
+	m, n, k, err := backend.MatMulDims(out, a, bb, transA, transB)
+	if err != nil {
+		fail(op, "%v", err)
 	}
-	kb, n := br, bc
-	if transB {
-		kb, n = bc, br
-	}
-	if k != kb {
-		fail(op, "inner dimensions differ: op(a) is [%d %d] (a %v, transA=%v), op(b) is [%d %d] (b %v, transB=%v)",
-			m, k, at.shape, transA, kb, n, bt.shape, transB)
-	}
-	ot := wantMatrix(op, "out", out, m, n)
 	if overlaps(ot, at) || overlaps(ot, bt) {
 		fail(op, "out (%s) overlaps an input (a %s, b %s)", ot.describe(), at.describe(), bt.describe())
 	}
