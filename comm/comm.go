@@ -9,9 +9,13 @@
 // group (the ranks that hold the same experts, used for expert gradients).
 //
 // The in-process implementation (NewLocal) runs virtual ranks as goroutines
-// of one process on the CPU backend; every rank reduces in rank order, so
-// all ranks get bitwise identical results and replicated weights never drift.
-// An NCCL implementation is planned behind the same interface.
+// of one process sharing one backend (the CPU, or one GPU whose ranks read
+// each other's buffers through plain device pointers); it moves data with
+// the backend's own ops, and every rank reduces in rank order, so all ranks
+// get bitwise identical results and replicated weights never drift. An NCCL
+// implementation is planned behind the same interface; launch.go and
+// rendezvous.go hold the multi-node launch configuration and the TCP
+// rendezvous it will use.
 package comm
 
 import "github.com/mktrain/mktrain/backend"

@@ -1,15 +1,28 @@
 package comm
 
-// The in-process communicator: virtual ranks are goroutines sharing memory,
-// and each group is a hub where the members meet.
+// The in-process communicator: virtual ranks are goroutines of one process,
+// and each group is a hub where the members meet. The ranks' tensors live
+// on one backend (the host for the CPU backend, one GPU for the CUDA
+// backend), so a rank can read a peer's tensor directly: data moves with the
+// backend's own ops (Copy, Axpy on views), never through the host, and on a
+// GPU the collectives are device-to-device copies and kernels queued on its
+// stream.
 //
 // Every collective is built from one primitive, hub.gather: each rank
 // deposits a value for the current round and blocks until all members have
 // deposited; then every member sees the whole round's values. Rounds are
 // fresh objects, so a fast rank that enters the next collective never
-// disturbs a slow one still reading the last round. A collective that must
-// not let a rank move on while peers still read its buffers (AllToAllRows)
-// ends with a second, empty gather.
+// disturbs a slow one still reading the last round.
+//
+// # Ordering of the data
+//
+// A meeting orders the ranks' backend ops: every op a rank issued before it
+// deposits comes before every op a peer issues after the meeting. On the CPU
+// ops run when called; on the CUDA backend they are queued, from whichever
+// goroutine, on the device's one stream in the order they were issued, so
+// the order of issue is the order of execution. The collectives rely on
+// nothing else: a rank reads a peer's buffer only between two meetings in
+// which that peer does not write it (see AllReduceSum and AllToAllRows).
 //
 // Reductions are computed in rank order, element by element: rank 0's value
 // plus rank 1's plus ..., so every rank ends with bitwise the same sum and
@@ -25,20 +38,23 @@ package comm
 import (
 	"errors"
 	"fmt"
-	"reflect"
 	"sync"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cpu"
 )
 
-// NewLocal builds the in-process ranks of mesh: one *Ranks per world rank,
-// indexed by world rank, with groups cut as described in mesh.go. The
-// groups' tensors must be CPU tensors (Float32 or Float64; AllToAllRows
-// also moves Int32 rows).
-func NewLocal(mesh Mesh) ([]*Ranks, error) {
+// NewLocal builds the in-process ranks of mesh on b: one *Ranks per world
+// rank, indexed by world rank, with groups cut as described in mesh.go.
+// Every tensor handed to the groups must be one of b's. AllReduceSum sums
+// tensors of b's float type (b.FloatType()); AllToAllRows moves rows of any
+// dtype b holds (Int32 included). A rank's groups must be called from one
+// goroutine at a time, as every rank calls its collectives in order anyway.
+func NewLocal(mesh Mesh, b backend.Backend) ([]*Ranks, error) {
 	if err := mesh.Validate(); err != nil {
 		return nil, err
+	}
+	if b == nil {
+		return nil, errors.New("comm: NewLocal needs the backend that holds the ranks' tensors, got nil")
 	}
 	world := newHub("world", mesh.World())
 	data := map[Coord]*hub{}    // keyed by cp, tp
@@ -52,15 +68,16 @@ func NewLocal(mesh Mesh) ([]*Ranks, error) {
 		m[key] = h
 		return h
 	}
+	group := func(h *hub, rank int) *localGroup { return &localGroup{hub: h, rank: rank, b: b} }
 	ranks := make([]*Ranks, mesh.World())
 	for r := range ranks {
 		c := mesh.Coord(r)
 		ranks[r] = &Ranks{
 			Mesh: mesh, Coord: c, Rank: r,
-			World:         &localGroup{hub: world, rank: r},
-			Data:          &localGroup{hub: find(data, Coord{CP: c.CP, TP: c.TP}, "data", mesh.DP*mesh.EP), rank: c.DP*mesh.EP + c.EP},
-			Expert:        &localGroup{hub: find(expert, Coord{DP: c.DP, CP: c.CP, TP: c.TP}, "expert", mesh.EP), rank: c.EP},
-			ExpertReplica: &localGroup{hub: find(replica, Coord{EP: c.EP, CP: c.CP, TP: c.TP}, "expert-replica", mesh.DP), rank: c.DP},
+			World:         group(world, r),
+			Data:          group(find(data, Coord{CP: c.CP, TP: c.TP}, "data", mesh.DP*mesh.EP), c.DP*mesh.EP+c.EP),
+			Expert:        group(find(expert, Coord{DP: c.DP, CP: c.CP, TP: c.TP}, "expert", mesh.EP), c.EP),
+			ExpertReplica: group(find(replica, Coord{EP: c.EP, CP: c.CP, TP: c.TP}, "expert-replica", mesh.DP), c.DP),
 		}
 	}
 	return ranks, nil
@@ -162,6 +179,11 @@ func (h *hub) abortErr() error {
 type localGroup struct {
 	hub  *hub
 	rank int
+	b    backend.Backend
+
+	// scratch holds this rank's reduced chunk during AllReduceSum, one
+	// tensor per dtype, grown to the largest chunk seen.
+	scratch map[backend.DType]backend.Tensor
 }
 
 func (g *localGroup) Rank() int       { return g.rank }
@@ -178,9 +200,10 @@ func (g *localGroup) AllReduceFloat64(vals []float64) error {
 	if err != nil {
 		return err
 	}
+	n0 := len(all[0].val.([]float64))
 	for j, d := range all {
-		if n := len(d.val.([]float64)); n != len(vals) {
-			return fmt.Errorf("comm: %s group AllReduceFloat64: rank %d has %d values, rank %d has %d", g.hub.name, j, n, g.rank, len(vals))
+		if n := len(d.val.([]float64)); n != n0 {
+			return fmt.Errorf("comm: %s group AllReduceFloat64: rank %d has %d values, rank 0 has %d", g.hub.name, j, n, n0)
 		}
 	}
 	for i := range vals {
@@ -209,93 +232,132 @@ func (g *localGroup) AllToAllInts(send []int) ([]int, error) {
 	return recv, nil
 }
 
-// AllReduceSum: deposit the tensor, reduce this rank's chunk of every
-// member's tensor in rank order, deposit the chunk, copy every chunk back.
-// The second gather also guarantees that nobody still reads the inputs when
-// they are overwritten.
+// sumArgs is what a rank deposits for AllReduceSum.
+type sumArgs struct {
+	t  backend.Tensor
+	dt backend.DType
+	n  int
+}
+
+// AllReduceSum reduces in two meetings:
+//
+//  1. Every rank deposits its tensor. After the meeting, rank r sums, in
+//     rank order, chunk r of every member's tensor into its own scratch
+//     tensor (Copy from rank 0, then Axpy with alpha 1 from rank 1, 2, ...).
+//  2. Every rank deposits its scratch. After the meeting, each rank copies
+//     every member's scratch into the matching chunk of its own tensor.
+//
+// Why no rank reads a buffer while another writes it: in step 1 the
+// tensors are only read and each scratch is written by its owner alone; a
+// rank overwrites its tensor only in step 2, after the second meeting, which
+// every peer reaches once its step-1 reads are issued. A scratch is read in
+// step 2 and written next in step 1 of the group's next AllReduceSum, after
+// that call's first meeting, which every peer reaches only once it has
+// finished (issued the reads of) this call. So one scratch per rank
+// suffices, with no third meeting. Every rank copies the same scratch bits,
+// so the results agree bitwise.
 func (g *localGroup) AllReduceSum(t backend.Tensor) error {
-	data, argErr := hostSlice(t, false)
-	all, err := g.hub.gather(g.rank, deposit{op: "AllReduceSum", err: argErr, val: data})
+	args, argErr := sumArgs{}, error(nil)
+	switch {
+	case t == nil:
+		argErr = errors.New("the tensor is nil")
+	case t.DType() != g.b.FloatType():
+		argErr = fmt.Errorf("cannot sum a %v tensor on the %s backend, which computes in %v", t.DType(), g.b.Name(), g.b.FloatType())
+	default:
+		args = sumArgs{t: t, dt: t.DType(), n: t.Len()}
+	}
+	all, err := g.hub.gather(g.rank, deposit{op: "AllReduceSum", err: argErr, val: args})
 	if err != nil {
 		return err
 	}
-	n := sliceLen(data)
+	a0 := all[0].val.(sumArgs)
 	for j, d := range all {
-		if reflect.TypeOf(d.val) != reflect.TypeOf(data) || sliceLen(d.val) != n {
-			return fmt.Errorf("comm: %s group AllReduceSum: rank %d has %d elements of %T, rank %d has %d of %T",
-				g.hub.name, j, sliceLen(d.val), d.val, g.rank, n, data)
+		if a := d.val.(sumArgs); a.dt != a0.dt || a.n != a0.n {
+			return fmt.Errorf("comm: %s group AllReduceSum: rank %d has %d elements of %v, rank 0 has %d of %v",
+				g.hub.name, j, a.n, a.dt, a0.n, a0.dt)
 		}
 	}
-	lo, hi := g.rank*n/g.hub.size, (g.rank+1)*n/g.hub.size
-	var chunk any
-	switch data.(type) {
-	case []float32:
-		chunk = reduceChunk[float32](all, lo, hi)
-	case []float64:
-		chunk = reduceChunk[float64](all, lo, hi)
+	size, n := g.hub.size, args.n
+	if size == 1 {
+		return nil
 	}
-	chunks, err := g.hub.gather(g.rank, deposit{op: "AllReduceSum chunks", val: chunk})
+	chunk := func(r int) (lo, hi int) { return r * n / size, (r + 1) * n / size }
+
+	lo, hi := chunk(g.rank)
+	var mine backend.Tensor // this rank's reduced chunk; nil when empty
+	if hi > lo {
+		mine = g.scratchView(args.dt, hi-lo)
+		g.b.Copy(mine, g.b.View(all[0].val.(sumArgs).t, lo, hi-lo))
+		for _, d := range all[1:] {
+			g.b.Axpy(mine, 1, g.b.View(d.val.(sumArgs).t, lo, hi-lo))
+		}
+	}
+	chunks, err := g.hub.gather(g.rank, deposit{op: "AllReduceSum chunks", val: mine})
 	if err != nil {
 		return err
 	}
-	switch dst := data.(type) {
-	case []float32:
-		copyChunks(dst, chunks, g.hub.size)
-	case []float64:
-		copyChunks(dst, chunks, g.hub.size)
+	for j, c := range chunks {
+		if lo, hi := chunk(j); hi > lo {
+			g.b.Copy(g.b.View(t, lo, hi-lo), c.val.(backend.Tensor))
+		}
 	}
 	return nil
 }
 
-func reduceChunk[T float32 | float64](all []deposit, lo, hi int) []T {
-	out := append([]T(nil), all[0].val.([]T)[lo:hi]...)
-	for _, d := range all[1:] {
-		src := d.val.([]T)[lo:hi]
-		for i := range out {
-			out[i] += src[i]
+// scratchView returns the first n elements of this rank's scratch tensor
+// of dt, replacing it with a larger one when it is too small.
+func (g *localGroup) scratchView(dt backend.DType, n int) backend.Tensor {
+	s := g.scratch[dt]
+	if s == nil || s.Len() < n {
+		if g.scratch == nil {
+			g.scratch = map[backend.DType]backend.Tensor{}
 		}
+		s = g.b.New(dt, n)
+		g.scratch[dt] = s
 	}
-	return out
-}
-
-func copyChunks[T float32 | float64](dst []T, chunks []deposit, size int) {
-	n := len(dst)
-	for j, c := range chunks {
-		copy(dst[j*n/size:(j+1)*n/size], c.val.([]T))
-	}
+	return g.b.View(s, 0, n)
 }
 
 // rowsArgs is what a rank deposits for AllToAllRows.
 type rowsArgs struct {
-	send                   any // []float32, []float64 or []int32
+	send                   backend.Tensor
+	dt                     backend.DType
 	cols                   int
 	sendCounts, recvCounts []int
 }
 
+// AllToAllRows: every rank deposits its send tensor and counts; after the
+// meeting each rank copies, in source-rank order, the block every source
+// addressed to it from the source's send tensor into its own recv tensor.
+// A rank writes only its recv tensor and reads only send tensors; the
+// closing meeting keeps every rank from overwriting its send tensor (which
+// it may do as soon as it returns) before all peers have issued their reads
+// of it.
 func (g *localGroup) AllToAllRows(recv, send backend.Tensor, recvCounts, sendCounts []int) error {
-	recvData, argErr := hostSlice(recv, true)
-	sendData, sendErr := hostSlice(send, true)
-	args := rowsArgs{send: sendData, sendCounts: append([]int(nil), sendCounts...), recvCounts: append([]int(nil), recvCounts...)}
+	args := rowsArgs{send: send, sendCounts: append([]int(nil), sendCounts...), recvCounts: append([]int(nil), recvCounts...)}
+	var argErr error
+	args.cols, argErr = checkRows(recv, send, recvCounts, sendCounts, g.hub.size)
 	if argErr == nil {
-		argErr = sendErr
-	}
-	if argErr == nil {
-		args.cols, argErr = checkRows(recv, send, recvCounts, sendCounts, g.hub.size)
+		args.dt = send.DType()
 	}
 	all, err := g.hub.gather(g.rank, deposit{op: "AllToAllRows", err: argErr, val: args})
 	if err != nil {
 		return err
 	}
-	if err := g.checkRowsPlan(all, sendData); err != nil {
+	if err := g.checkRowsPlan(all); err != nil {
 		return err
 	}
-	switch dst := recvData.(type) {
-	case []float32:
-		copyRows(dst, all, g.rank)
-	case []float64:
-		copyRows(dst, all, g.rank)
-	case []int32:
-		copyRows(dst, all, g.rank)
+	at := 0 // rows of recv filled so far
+	for _, d := range all {
+		a := d.val.(rowsArgs)
+		from := 0
+		for r := range g.rank {
+			from += a.sendCounts[r]
+		}
+		if rows := a.sendCounts[g.rank]; rows > 0 {
+			g.b.Copy(g.b.View(recv, at*a.cols, rows, a.cols), g.b.View(a.send, from*a.cols, rows, a.cols))
+			at += rows
+		}
 	}
 	_, err = g.hub.gather(g.rank, deposit{op: "AllToAllRows done"})
 	return err
@@ -304,6 +366,9 @@ func (g *localGroup) AllToAllRows(recv, send backend.Tensor, recvCounts, sendCou
 // checkRows checks one rank's AllToAllRows arguments and returns the row
 // length.
 func checkRows(recv, send backend.Tensor, recvCounts, sendCounts []int, size int) (int, error) {
+	if recv == nil || send == nil {
+		return 0, errors.New("recv or send is nil")
+	}
 	rs, ss := recv.Shape(), send.Shape()
 	if len(rs) != 2 || len(ss) != 2 || rs[1] != ss[1] {
 		return 0, fmt.Errorf("recv %v and send %v must be 2-D with the same row length", rs, ss)
@@ -331,13 +396,13 @@ func checkRows(recv, send backend.Tensor, recvCounts, sendCounts []int, size int
 // checkRowsPlan checks that the ranks agree: what i sends to j is what j
 // expects from i, and all rows have one length and dtype. Every rank runs it
 // over the same deposits, so they all reach the same verdict.
-func (g *localGroup) checkRowsPlan(all []deposit, sendData any) error {
+func (g *localGroup) checkRowsPlan(all []deposit) error {
 	a0 := all[0].val.(rowsArgs)
 	for i, d := range all {
 		a := d.val.(rowsArgs)
-		if a.cols != a0.cols || reflect.TypeOf(a.send) != reflect.TypeOf(a0.send) {
-			return fmt.Errorf("comm: %s group AllToAllRows: rank %d has rows of %d %T, rank 0 of %d %T",
-				g.hub.name, i, a.cols, a.send, a0.cols, a0.send)
+		if a.cols != a0.cols || a.dt != a0.dt {
+			return fmt.Errorf("comm: %s group AllToAllRows: rank %d has rows of %d %v, rank 0 of %d %v",
+				g.hub.name, i, a.cols, a.dt, a0.cols, a0.dt)
 		}
 		for j, b := range all {
 			if sent, want := a.sendCounts[j], b.val.(rowsArgs).recvCounts[i]; sent != want {
@@ -347,53 +412,6 @@ func (g *localGroup) checkRowsPlan(all []deposit, sendData any) error {
 		}
 	}
 	return nil
-}
-
-// copyRows copies into dst, in source-rank order, the block each source
-// addressed to rank me.
-func copyRows[T float32 | float64 | int32](dst []T, all []deposit, me int) {
-	at := 0
-	for _, d := range all {
-		a := d.val.(rowsArgs)
-		from := 0
-		for r := range me {
-			from += a.sendCounts[r]
-		}
-		n := a.sendCounts[me] * a.cols
-		at += copy(dst[at:at+n], a.send.([]T)[from*a.cols:from*a.cols+n])
-	}
-}
-
-// hostSlice returns a CPU tensor's backing slice. Int32 is allowed only
-// where rows are moved, never summed.
-func hostSlice(t backend.Tensor, allowInt bool) (any, error) {
-	ct, ok := t.(*cpu.Tensor)
-	if !ok {
-		return nil, fmt.Errorf("the in-process communicator needs CPU tensors, got %T", t)
-	}
-	switch ct.DType() {
-	case backend.Float32:
-		return ct.Float32s(), nil
-	case backend.Float64:
-		return ct.Float64s(), nil
-	case backend.Int32:
-		if allowInt {
-			return ct.Int32s(), nil
-		}
-	}
-	return nil, fmt.Errorf("cannot reduce %v tensors", ct.DType())
-}
-
-func sliceLen(s any) int {
-	switch v := s.(type) {
-	case []float32:
-		return len(v)
-	case []float64:
-		return len(v)
-	case []int32:
-		return len(v)
-	}
-	return 0
 }
 
 var _ Group = (*localGroup)(nil)

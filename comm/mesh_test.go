@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/comm"
 )
 
@@ -24,7 +26,7 @@ func TestMeshValidate(t *testing.T) {
 		if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
 			t.Errorf("%+v: Validate() = %v, want %q", c.m, err, c.want)
 		}
-		if _, err := comm.NewLocal(c.m); (err == nil) != (c.want == "") {
+		if _, err := comm.NewLocal(c.m, cpu.New(backend.Float32)); (err == nil) != (c.want == "") {
 			t.Errorf("%+v: NewLocal error = %v", c.m, err)
 		}
 	}
@@ -57,7 +59,7 @@ func TestMeshRankCoordRoundTrip(t *testing.T) {
 // group ranks must follow it.
 func TestLocalGroupMembership(t *testing.T) {
 	m := comm.Mesh{DP: 2, EP: 2, CP: 2, TP: 2}
-	ranks, err := comm.NewLocal(m)
+	ranks, err := comm.NewLocal(m, cpu.New(backend.Float32))
 	if err != nil {
 		t.Fatal(err)
 	}

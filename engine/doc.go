@@ -17,9 +17,9 @@
 //
 //   - config.go, validate.go: Config, the typed recipe, and its checks.
 //   - engine.go: New, options, backend and data selection, Run. With
-//     train.backend auto the GPU is used when there is one and the layout
-//     is a single rank; otherwise the CPU, with the reason logged.
-//   - solo.go: the collectives of a single rank on a GPU backend.
+//     train.backend auto the GPU is used when there is one and the model
+//     fits the CUDA kernels' limits; otherwise the CPU, with the reason
+//     logged.
 //   - train.go: the training loop, read top to bottom.
 //   - rank.go: one rank's step: micro-batches, gradient reduction, clipping,
 //     AdamW, expert-bias updates; evaluation.
@@ -55,6 +55,8 @@
 // Gradients of replicated weights are summed over all data ranks, those of
 // experts over the ranks holding the same experts, so every layout trains
 // the same model as one rank would, up to floating-point summation order.
-// On the CPU backend ranks are goroutines of one process (virtual ranks);
-// the CUDA backend runs layouts of one rank for now.
+// The ranks are goroutines of one process (virtual ranks) sharing the one
+// backend: the CPU, or one GPU, where each rank's tensors are separate
+// allocations and the collectives move data with device copies and kernels
+// (comm.NewLocal).
 package engine

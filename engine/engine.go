@@ -78,10 +78,6 @@ func New(cfg Config, opts ...Option) (*Engine, error) {
 		}
 		e.backend = b
 	}
-	if _, onCPU := e.backend.(*cpu.Backend); !onCPU && cfg.mesh().World() > 1 {
-		return nil, fmt.Errorf("parallel: %d ranks on the %s backend: layouts of more than one rank run on the CPU backend only, for now",
-			cfg.mesh().World(), e.backend.Name())
-	}
 	return e, nil
 }
 
@@ -94,8 +90,8 @@ func (e *Engine) BackendName() string { return e.backend.Name() }
 
 // pickBackend opens the backend train.backend names: "cpu"; "cuda", which
 // fails with the reason when the GPU cannot be used; or "auto": CUDA when a
-// GPU is there and the layout allows it, else the CPU with the reason
-// logged.
+// GPU is there and the model fits the CUDA kernels' limits, else the CPU
+// with the reason logged.
 func (e *Engine) pickBackend() (backend.Backend, error) {
 	c := e.cfg
 	switch c.Train.Backend {
@@ -135,20 +131,10 @@ func (e *Engine) pickBackend() (backend.Backend, error) {
 	return cpu.New(backend.Float32), nil
 }
 
-// cudaUnsupported says why cfg cannot train on the CUDA backend yet, or
-// returns nil: the in-process communicator moves CPU tensors only, so
-// layouts of more than one rank need the CPU, and the router kernel has
-// size limits.
+// cudaUnsupported says why cfg cannot train on the CUDA backend, or returns
+// nil: the router and attention kernels have size limits. Layouts of
+// several ranks run there as virtual ranks on the one GPU.
 func cudaUnsupported(c Config) error {
-	p := c.Parallel
-	for _, f := range []struct {
-		name string
-		v    int
-	}{{"dp", p.DP}, {"ep", p.EP}, {"cp", p.CP}, {"tp", p.TP}} {
-		if f.v > 1 {
-			return fmt.Errorf("parallel.%s is %d: parallel.%s > 1 on the CUDA backend is not available yet; set it to 1, or train.backend: cpu", f.name, f.v, f.name)
-		}
-	}
 	if m := c.Model.MoE; m.Experts > cuda.RouterMaxExperts || m.TopK > cuda.RouterMaxTopK {
 		return fmt.Errorf("model.moe.experts is %d and model.moe.top_k %d: the CUDA router handles at most %d experts and top-%d",
 			m.Experts, m.TopK, cuda.RouterMaxExperts, cuda.RouterMaxTopK)
@@ -190,14 +176,11 @@ type Result struct {
 // cancelled, in which case it returns the result so far and ErrStopped.
 func (e *Engine) Run(ctx context.Context) (Result, error) {
 	cfg := e.cfg
-	world, err := comm.NewLocal(cfg.mesh())
+	// Every rank allocates its own tensors on the one backend; the
+	// in-process communicator moves data between them with backend ops.
+	world, err := comm.NewLocal(cfg.mesh(), e.backend)
 	if err != nil {
 		return Result{}, err
-	}
-	if _, onCPU := e.backend.(*cpu.Backend); !onCPU {
-		// The in-process communicator reads CPU tensors; one rank on
-		// another backend needs no communication at all.
-		world = soloWorld(e.backend, world[0])
 	}
 	ranks := make([]*rank, len(world))
 	for i, g := range world {

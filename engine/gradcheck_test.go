@@ -42,7 +42,7 @@ func objective(cfg Config, st microStats, tokens int) float64 {
 func TestModelGradient(t *testing.T) {
 	cfg := gradCheckConfig()
 	b := cpu.New(backend.Float64)
-	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: 1})
+	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: 1}, b)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,11 +101,12 @@ func TestModelGradient(t *testing.T) {
 // tensors a rank allocates.
 func TestParamShapesMatchTensors(t *testing.T) {
 	cfg := gradCheckConfig()
-	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: 1})
+	b := cpu.New(backend.Float32)
+	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: 1}, b)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := newRank(cfg, cpu.New(backend.Float32), world[0], nil, nil)
+	r, err := newRank(cfg, b, world[0], nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -130,13 +130,14 @@ func importedRanks(t *testing.T, cfg Config, hfDir string, ep int) (map[string][
 	t.Helper()
 	cfg.Train.Seed = 99
 	cfg.Parallel.EP = ep
-	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: ep, CP: 1, TP: 1})
+	b := cpu.New(backend.Float32)
+	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: ep, CP: 1, TP: 1}, b)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ranks := make([]*rank, ep)
 	for i := range ranks {
-		if ranks[i], err = newRank(cfg, cpu.New(backend.Float32), world[i], nil, nil); err != nil {
+		if ranks[i], err = newRank(cfg, b, world[i], nil, nil); err != nil {
 			t.Fatal(err)
 		}
 	}

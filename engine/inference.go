@@ -152,7 +152,7 @@ func LoadModel(dir string, opts ...Option) (*Model, error) {
 	if b == nil {
 		b = cpu.New(backend.Float32)
 	}
-	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: 1})
+	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: 1}, b)
 	if err != nil {
 		return nil, err
 	}

@@ -279,18 +279,18 @@ func addInto(dst []float64, off int, src []float64) {
 // its shard of the experts.
 func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward bool) result {
 	t.Helper()
-	ranks, err := comm.NewLocal(mesh)
+	dt := pr.dt
+	if dt == 0 {
+		dt = backend.Float64
+	}
+	b := cpu.New(dt)
+	ranks, err := comm.NewLocal(mesh, b)
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg, D, F, E := pr.cfg, pr.D, pr.cfg.FFN, pr.cfg.Experts
 	W, local, fs := len(ranks), E/mesh.EP, cfg.SharedExperts*cfg.FFN
 	Tl := pr.T / W
-	dt := pr.dt
-	if dt == 0 {
-		dt = backend.Float64
-	}
-	b := cpu.New(dt)
 	type rankOut struct {
 		out, dx                 []float64
 		gGate, gW1, gW3, gW2    []float64
@@ -614,11 +614,11 @@ func TestUpdateBias(t *testing.T) {
 
 // Argument errors are returned, not panicked, and name what is wrong.
 func TestErrors(t *testing.T) {
-	ranks, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 3, CP: 1, TP: 1})
+	b := cpu.New(backend.Float64)
+	ranks, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 3, CP: 1, TP: 1}, b)
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := cpu.New(backend.Float64)
 	g := moe.Groups{Expert: ranks[0].Expert, Data: ranks[0].Data}
 	for _, c := range []struct {
 		cfg  moe.Config
@@ -635,7 +635,7 @@ func TestErrors(t *testing.T) {
 			t.Errorf("New(%+v) error %v, want %q", c.cfg, err, c.want)
 		}
 	}
-	solo, _ := comm.NewLocal(oneRank())
+	solo, _ := comm.NewLocal(oneRank(), b)
 	layer, err := moe.New(b, baseCfg, 4, 3, moe.Groups{Expert: solo[0].Expert, Data: solo[0].Data})
 	if err != nil {
 		t.Fatal(err)

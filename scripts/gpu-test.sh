@@ -39,7 +39,7 @@ PACKAGES=(
   "backend/cuda/driver|"
   "backend/cuda|"
   "kernels|"
-  "engine|^TestTinyRecipeCUDAMatchesCPU$"
+  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA)$"
 )
 BIN=.gpu
 PEER_SRC=../shared/peer/torch_moe_train.py
