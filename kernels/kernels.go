@@ -65,6 +65,9 @@ func Sources() []Source {
 			{Name: "f32_to_bf16", Block: 256, Grid: gridStride},
 			{Name: "bf16_to_f32", Block: 256, Grid: gridStride},
 		}},
+		{File: "convert_vec.cu", Kernels: []Kernel{
+			{Name: "f32_to_bf16_x4", Block: 256, Grid: "any; grid-stride over ceil(n/4) groups of four (up to 8 blocks per SM); x 16-byte and out 8-byte aligned"},
+		}},
 		{File: "embedding.cu", Kernels: []Kernel{
 			{Name: "embedding_forward_f32", Block: 256, Grid: "T blocks"},
 			{Name: "embedding_backward_f32", Block: 256, Grid: "T blocks"},
@@ -99,6 +102,14 @@ func Sources() []Source {
 			{Name: "attn_backward_dkdv_d32_f32", Block: 64, Grid: attnKeyGrid},
 			{Name: "attn_backward_dkdv_d64_f32", Block: 128, Grid: attnKeyGrid},
 			{Name: "attn_backward_dkdv_d128_f32", Block: 256, Grid: attnKeyGrid},
+		}},
+		{File: "attention_tc.cu", Kernels: []Kernel{
+			{Name: "attn_tc_forward_d64", Block: 128, Grid: attnQueryGrid},
+			{Name: "attn_tc_forward_d128", Block: 128, Grid: attnQueryGrid},
+			{Name: "attn_tc_backward_dq_d64", Block: 128, Grid: attnQueryGrid},
+			{Name: "attn_tc_backward_dq_d128", Block: 128, Grid: attnQueryGrid},
+			{Name: "attn_tc_backward_dkdv_d64", Block: 128, Grid: attnKeyGrid},
+			{Name: "attn_tc_backward_dkdv_d128", Block: 128, Grid: attnKeyGrid},
 		}},
 		{File: "rope.cu", Kernels: []Kernel{
 			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},

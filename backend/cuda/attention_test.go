@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
 )
 
 func TestAttentionShapeChecks(t *testing.T) {
@@ -39,6 +40,54 @@ func TestAttentionShapeChecks(t *testing.T) {
 	g := attnGrid(8*16, 2049, 64)
 	if g.Grid.X != 128 || g.Grid.Y != 33 || g.Block.X != 128 {
 		t.Errorf("attnGrid(128, 2049, 64) = %+v", g)
+	}
+}
+
+// TestAttentionChoice checks which kernels serve a call: the tensor cores
+// for head dims 64 and 128 on 16-byte aligned tensors (when
+// attnTensorCores is on), float32 otherwise, and an error when the tensor
+// cores are demanded where they cannot run.
+func TestAttentionChoice(t *testing.T) {
+	const aligned, odd = 0x7f0000001000, 0x7f0000001004
+	autoTC := attnFP32
+	if attnTensorCores {
+		autoTC = attnTC
+	}
+	for _, c := range []struct {
+		dh   int
+		ptrs []driver.DevicePtr
+		impl attnImpl
+		want attnImpl
+		err  string
+	}{
+		{64, []driver.DevicePtr{aligned, aligned + 256}, attnAuto, autoTC, ""},
+		{128, []driver.DevicePtr{aligned, aligned + 16}, attnAuto, autoTC, ""},
+		{32, []driver.DevicePtr{aligned}, attnAuto, attnFP32, ""},
+		{96, []driver.DevicePtr{aligned}, attnAuto, attnFP32, ""},
+		{64, []driver.DevicePtr{aligned, odd}, attnAuto, attnFP32, ""},
+		{64, []driver.DevicePtr{aligned + 8}, attnAuto, attnFP32, ""},
+		{64, []driver.DevicePtr{aligned}, attnFP32, attnFP32, ""},
+		{64, []driver.DevicePtr{aligned}, attnTC, attnTC, ""},
+		{37, []driver.DevicePtr{aligned}, attnTC, 0, "head dims 64 and 128, not 37"},
+		{128, []driver.DevicePtr{odd}, attnTC, 0, "16-byte aligned"},
+		{64, nil, attnImpl(9), 0, "unknown attention kernels"},
+	} {
+		s := backend.AttnShape{Batch: 1, Seq: 8, Heads: 2, KVHeads: 1, HeadDim: c.dh}
+		got, err := chooseAttn("test", c.impl, s, c.ptrs...)
+		switch {
+		case c.err != "" && (err == nil || !strings.Contains(err.Error(), c.err)):
+			t.Errorf("head dim %d, %v, %#x: %v, want an error saying %q", c.dh, c.impl, c.ptrs, err, c.err)
+		case c.err == "" && (err != nil || got != c.want):
+			t.Errorf("head dim %d, %v, %#x: %v (%v), want %v", c.dh, c.impl, c.ptrs, got, err, c.want)
+		}
+	}
+	if g := tcGrid(8*16, 2049); g.Grid.X != 128 || g.Grid.Y != 33 || g.Block.X != 128 {
+		t.Errorf("tcGrid(128, 2049) = %+v", g)
+	}
+	// The tensor-core launch refuses a bad shape before anything else.
+	if err := attentionForward(nil, 0, 0, 0, 0, 0, backend.AttnShape{Batch: 1, Seq: 4, Heads: 3, KVHeads: 2, HeadDim: 64}, attnTC); err == nil ||
+		!strings.Contains(err.Error(), "KVHeads must divide Heads") {
+		t.Errorf("attentionForward with a bad shape: %v", err)
 	}
 }
 

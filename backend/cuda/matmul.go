@@ -8,11 +8,12 @@ package cuda
 // each keeps its own transpose flag (planRowMajor spells it out).
 //
 // In the default precision a and b are first rounded to bfloat16 into two
-// scratch buffers the Gemm owns (kernels/convert.cu), then multiplied on the
-// tensor cores with fp32 accumulation into the fp32 out. cuBLASLt picks an
-// algorithm per problem with a heuristic query, which costs far more than a
-// product of moderate size; the answer is cached per shape, transposes,
-// input type and pointer alignment.
+// scratch buffers the Gemm owns (kernels/convert_vec.cu, or convert.cu for
+// unaligned views), then multiplied on the tensor cores with fp32
+// accumulation into the fp32 out. cuBLASLt picks an algorithm per problem
+// with a heuristic query, which costs far more than a product of moderate
+// size; the answer is cached per shape, transposes, input type and pointer
+// alignment.
 
 import (
 	"errors"
@@ -79,8 +80,9 @@ type Gemm struct {
 	opts    GemmOptions
 	version int
 
-	toBF16 *Kernel // f32_to_bf16
-	scale  *Kernel // scale_f32
+	toBF16   *Kernel // f32_to_bf16, for any alignment
+	toBF16x4 *Kernel // f32_to_bf16_x4: the same bits, 16 bytes a load
+	scale    *Kernel // scale_f32
 
 	// mu is held while a call queues its work, so the scratch buffers are
 	// used by one call after another in queue order; it also guards the
@@ -121,6 +123,9 @@ func NewGemmWith(d *Device, o GemmOptions) (*Gemm, error) {
 	}
 	g := &Gemm{d: d, lt: lt, opts: o, version: lt.Version(), algos: algoCache{limit: maxGemmShapes}}
 	if g.toBF16, err = gemmKernel(d, "convert.cu", "f32_to_bf16"); err != nil {
+		return nil, err
+	}
+	if g.toBF16x4, err = gemmKernel(d, "convert_vec.cu", "f32_to_bf16_x4"); err != nil {
 		return nil, err
 	}
 	if g.scale, err = gemmKernel(d, "elementwise.cu", "scale_f32"); err != nil {
@@ -311,7 +316,14 @@ func (g *Gemm) grow(buf **Buffer, bytes int64) error {
 	return nil
 }
 
+// convert rounds n float32s at src into dst (a scratch buffer, so 256-byte
+// aligned): four at a time when src is 16-byte aligned, which tensors from
+// the allocator are, else one at a time (views at odd offsets). Both
+// kernels round the same way, bit for bit.
 func (g *Gemm) convert(dst *Buffer, src driver.DevicePtr, n int64) error {
+	if src%16 == 0 && dst.ptr%8 == 0 {
+		return g.d.Launch(g.toBF16x4, g.d.StrideGrid((n+3)/4, 256, 8), dst, src, n)
+	}
 	return g.d.Launch(g.toBF16, g.d.StrideGrid(n, 256, 4), dst, src, n)
 }
 

@@ -1,0 +1,689 @@
+// Causal grouped-query attention on the tensor cores, flash style
+// (FlashAttention-2's algorithm): the forward writes out and lse, the
+// backward dq, dk and dv. Same layout and semantics as attention.cu, whose
+// float32 kernels serve the head dims these do not (these take Dh = 64 and
+// 128 only, and 16-byte aligned tensors).
+//
+// Layout (backend.AttnShape): token t = b*S + i; q and out are [B*S, H*Dh],
+// k and v [B*S, KV*Dh], row-major float32; query head h reads kv head
+// h / (H/KV); lse is [B, H, S], natural log. Scores are scaled by
+// 1/sqrt(Dh) and masked causally (query i sees keys 0..i).
+//
+// Precision. Tiles are read as float32 and rounded to bfloat16 (nearest
+// even) when they are staged into shared memory; the products run as
+// mma.sync.m16n8k16 with bf16 operands and float32 accumulation. Softmax
+// statistics, lse, the rescaling and every accumulator stay in float32;
+// the probabilities P and the score gradients dS are rounded to bf16 only
+// as the A operand of the next product, and D_i = rowsum(dout_i * out_i)
+// is summed in float32 (from dout rounded to bf16, as dP sees it). Expect
+// bf16-level error against a float64 reference: about 4e-3 relative (L2)
+// on out and 5e-3..8e-3 on the gradients, and element-wise deviations of a
+// few percent of the tensor's rms; bf16 rounding of the inputs alone
+// accounts for over 1e-2 of rms element-wise.
+//
+// Work split. A block has 4 warps and owns 64 rows (queries in the forward
+// and dq kernels, keys in the dk/dv kernel), 16 per warp: each warp runs
+// its own m16 row of mma tiles and keeps its accumulators in registers.
+// The other side streams through shared memory in tiles of BN rows. A
+// tile's float32 loads (16 bytes per thread, coalesced) are issued into
+// registers before the current tile is computed, and rounded and stored
+// into the other of two shared buffers after it, so one barrier per tile
+// suffices and global latency hides behind the mma work. Shared tiles are
+// bf16 rows of Dh elements whose 16-byte chunks are XOR-swizzled by the
+// row (chunk c of row r sits at c ^ (r & 7)), so ldmatrix reads 8 rows of
+// one chunk without bank conflicts. Everything fits the 48 KiB of static
+// shared memory; BN is chosen per kernel and head dim so the prefetch
+// registers, the accumulators and the operand fragments fit without
+// spilling.
+//
+// Fragments (PTX ISA, mma.m16n8k16 .bf16): lane = 4*g + t4. A (16x16, row
+// major) holds rows g and g+8, columns 2*t4.. and 2*t4+8..; B (16x8, "col")
+// holds k = 2*t4.. and 2*t4+8.. of column g; the accumulator C holds rows g
+// (c0, c1) and g+8 (c2, c3), columns 2*t4, 2*t4+1. So a row's scores sit
+// in the 4 lanes of a quad (reduced with two shuffles), and the C tiles of
+// two neighbouring n8 blocks, rounded to bf16 pairs, are exactly the A
+// fragment of the next product (P or dS as A needs no shuffle).
+//
+// The backward is two kernels, deterministic, with no atomics, as in
+// attention.cu: attn_tc_backward_dq per query tile (also writes
+// delta = D_i), then attn_tc_backward_dkdv per key tile of one kv head,
+// over the query heads of its group and the query tiles at or after its
+// keys.
+
+#define ATC_THREADS 128
+#define ATC_ROWS 64
+#define ATC_LOG2E 1.4426950408889634f
+#define ATC_LN2 0.6931471805599453f
+
+struct alignas(16) atc_f4 {
+  float x, y, z, w;
+};
+struct alignas(8) atc_u2 {
+  unsigned int x, y;
+};
+struct alignas(8) atc_f2 {
+  float x, y;
+};
+
+__device__ __forceinline__ int atc_min(int a, int b) { return a < b ? a : b; }
+
+// The PTX the kernels use, wrapped. A host emulation of the warp (a test
+// tool that runs this file on the CPU) defines ATC_HOST_EMULATION and
+// supplies its own versions of these functions.
+#ifndef ATC_HOST_EMULATION
+typedef unsigned int atc_saddr;  // an address in the shared state space
+
+__device__ __forceinline__ atc_saddr atc_smem_addr(const void* p) {
+  unsigned int d;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(p));
+  return d;
+}
+
+// atc_ldg4 reads 16 bytes of a tensor no kernel writes while this one
+// runs. volatile keeps the prefetch where it is written, ahead of the
+// work that hides its latency.
+__device__ __forceinline__ atc_f4 atc_ldg4(const float* p) {
+  atc_f4 r;
+  asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ float atc_ldg1(const float* p) {
+  float r;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+
+// atc_ldsm reads four 8x8 bf16 matrices; lanes 8m..8m+7 give the row
+// addresses of matrix m, and register m receives row lane/4, columns
+// 2*(lane%4) and 2*(lane%4)+1 of it (atc_ldsm_t: of its transpose).
+__device__ __forceinline__ void atc_ldsm(unsigned int (&r)[4], atc_saddr a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+__device__ __forceinline__ void atc_ldsm_t(unsigned int (&r)[4], atc_saddr a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+// atc_mma does c += a * b for one m16n8k16 tile, bf16 in, float32 out.
+__device__ __forceinline__ void atc_mma(float (&c)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// atc_pack rounds lo and hi to bf16 (nearest even) into one word, lo in
+// the low half: the element order of a fragment register.
+__device__ __forceinline__ unsigned int atc_pack(float lo, float hi) {
+  unsigned int d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// atc_ex2 is 2^x; 2^-inf = 0.
+__device__ __forceinline__ float atc_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#endif
+
+// atc_off is the byte offset of 16-byte chunk c of row r in a swizzled
+// bf16 tile of rows DH wide.
+template <int DH>
+__device__ __forceinline__ int atc_off(int r, int c) {
+  return r * (DH * 2) + ((c ^ (r & 7)) << 4);
+}
+
+// atc_load issues this thread's share of the float32 loads of a ROWS x DH
+// tile: rows row0.. of a head whose position 0 is at src + base, rows
+// stride floats apart. Rows at or past S read as zeros. Thread tid takes
+// the float4s tid, tid + 128, ... of the tile in row-major order, so a
+// warp reads whole rows.
+template <int DH, int ROWS>
+__device__ __forceinline__ void atc_load(atc_f4 (&r)[ROWS * DH / (4 * ATC_THREADS)], const float* src, long long base,
+                                         long long stride, int row0, int S) {
+  constexpr int C4 = DH / 4;
+  static_assert(ROWS * DH % (4 * ATC_THREADS) == 0, "tile shape");
+#pragma unroll
+  for (int n = 0; n < ROWS * DH / (4 * ATC_THREADS); n++) {
+    const int idx = (int)threadIdx.x + n * ATC_THREADS, row = row0 + idx / C4, c4 = idx % C4;
+    if (row < S) {
+      r[n] = atc_ldg4(src + base + (long long)row * stride + 4 * c4);
+    } else {
+      r[n] = atc_f4{0.0f, 0.0f, 0.0f, 0.0f};
+    }
+  }
+}
+
+// atc_store rounds what atc_load fetched to bf16 and writes it into the
+// swizzled tile at tile.
+template <int DH, int ROWS>
+__device__ __forceinline__ void atc_store(unsigned char* tile, const atc_f4 (&r)[ROWS * DH / (4 * ATC_THREADS)]) {
+  constexpr int C4 = DH / 4;
+#pragma unroll
+  for (int n = 0; n < ROWS * DH / (4 * ATC_THREADS); n++) {
+    const int idx = (int)threadIdx.x + n * ATC_THREADS, row = idx / C4, c4 = idx % C4;
+    *(atc_u2*)(tile + atc_off<DH>(row, c4 >> 1) + ((c4 & 1) << 3)) =
+        atc_u2{atc_pack(r[n].x, r[n].y), atc_pack(r[n].z, r[n].w)};
+  }
+}
+
+// atc_a_frag packs the float32 C tiles c[2k] and c[2k+1] (16 rows x 16
+// columns) into the bf16 A fragment of a product over those columns.
+__device__ __forceinline__ void atc_a_frag(unsigned int (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = atc_pack(lo[0], lo[1]);
+  a[1] = atc_pack(lo[2], lo[3]);
+  a[2] = atc_pack(hi[0], hi[1]);
+  a[3] = atc_pack(hi[2], hi[3]);
+}
+
+// atc_quad_max and atc_quad_sum reduce over the 4 lanes that share a row.
+__device__ __forceinline__ float atc_quad_max(float v) {
+  v = fmaxf(v, mk_shfl_xor(v, 1));
+  return fmaxf(v, mk_shfl_xor(v, 2));
+}
+__device__ __forceinline__ float atc_quad_sum(float v) {
+  v += mk_shfl_xor(v, 1);
+  return v + mk_shfl_xor(v, 2);
+}
+
+// Lane roles in ldmatrix: lane l gives the address of row l%8 of matrix
+// l/8. For an A fragment (16 rows x 16 columns, matrices ordered rows 0-7
+// / 8-15, then columns 8-15) and for the B fragments of two n8 tiles read
+// transposed from [k][n] storage, that is row (l/8%2)*8 + l%8, chunk l/16.
+// For the B fragments of two n8 tiles read from [n][k] storage (matrices:
+// n 0-7 k lo, n 0-7 k hi, n 8-15 k lo, n 8-15 k hi), row (l/16)*8 + l%8,
+// chunk l/8%2.
+struct atc_lanes {
+  int g, t4;          // the lane's mma row group and column pair
+  int arow, achunk;   // A-style and transposed-B-style ldmatrix address
+  int brow, bchunk;   // B-style ldmatrix address
+};
+
+__device__ __forceinline__ atc_lanes atc_lane_roles() {
+  const int lane = (int)threadIdx.x & 31;
+  atc_lanes r;
+  r.g = lane >> 2;
+  r.t4 = lane & 3;
+  r.arow = ((lane >> 3) & 1) * 8 + (lane & 7);
+  r.achunk = lane >> 4;
+  r.brow = (lane >> 4) * 8 + (lane & 7);
+  r.bchunk = (lane >> 3) & 1;
+  return r;
+}
+
+// atc_forward: grid (B*H, ceil(S/64)), 128 threads. Writes out and lse for
+// queries q0..q0+63 of head h; the longest rows go first. K and V stream
+// in tiles of BN keys.
+template <int DH, int BN>
+__device__ __forceinline__ void atc_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                                            int S, int H, int KV, float scale_log2) {
+  constexpr int TILE = BN * DH * 2, QTILE = ATC_ROWS * DH * 2;
+  constexpr int SMEM = QTILE > 4 * TILE ? QTILE : 4 * TILE;
+  constexpr int NL = BN * DH / (4 * ATC_THREADS);
+  // Q is staged here first, then the two K/V buffers reuse the space.
+  __shared__ atc_f4 smem4[SMEM / 16];
+  unsigned char* smem = (unsigned char*)smem4;
+  const atc_saddr sbase = atc_smem_addr(smem);
+  const atc_lanes L = atc_lane_roles();
+  const int w = (int)threadIdx.x >> 5;
+  const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV);
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * ATC_ROWS;
+  const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
+  const long long qbase = (long long)b * S * qstride + (long long)h * DH;
+  const long long kbase = (long long)b * S * kstride + (long long)kvh * DH;
+  const int ntiles = (atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
+  const int wrow = q0 + 16 * w;  // the warp's first query row
+
+  {
+    atc_f4 qr[ATC_ROWS * DH / (4 * ATC_THREADS)];
+    atc_load<DH, ATC_ROWS>(qr, q, qbase, qstride, q0, S);
+    atc_store<DH, ATC_ROWS>(smem, qr);
+  }
+  __syncthreads();
+  unsigned int qf[DH / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) atc_ldsm(qf[kk], sbase + atc_off<DH>(16 * w + L.arow, 2 * kk + L.achunk));
+  __syncthreads();  // Q is in registers; its space takes K and V now
+
+  atc_f4 kr[NL], vr[NL];
+  atc_load<DH, BN>(kr, k, kbase, kstride, 0, S);
+  atc_load<DH, BN>(vr, v, kbase, kstride, 0, S);
+  atc_store<DH, BN>(smem, kr);
+  atc_store<DH, BN>(smem + TILE, vr);
+  __syncthreads();
+
+  float o[DH / 8][4];
+#pragma unroll
+  for (int n = 0; n < DH / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  // m is the running max in log2 units (score * scale_log2); l the running
+  // sum of this lane's columns, summed over the quad at the end.
+  float m[2] = {-MK_INF, -MK_INF}, l[2] = {0.0f, 0.0f};
+
+  for (int t = 0; t < ntiles; t++) {
+    const int k0 = t * BN;
+    if (t + 1 < ntiles) {
+      atc_load<DH, BN>(kr, k, kbase, kstride, k0 + BN, S);
+      atc_load<DH, BN>(vr, v, kbase, kstride, k0 + BN, S);
+    }
+    const atc_saddr ks = sbase + (t & 1) * 2 * TILE, vs = ks + TILE;
+    // Warp-uniform: a tile of keys past every row of this warp is all
+    // masked (and so is every later one).
+    if (k0 <= wrow + 15) {
+      float s[BN / 8][4];
+#pragma unroll
+      for (int n = 0; n < BN / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < BN / 16; j++) {
+          unsigned int bf[4];
+          atc_ldsm(bf, ks + atc_off<DH>(16 * j + L.brow, 2 * kk + L.bchunk));
+          atc_mma(s[2 * j], qf[kk], bf[0], bf[1]);
+          atc_mma(s[2 * j + 1], qf[kk], bf[2], bf[3]);
+        }
+      if (k0 + BN - 1 > wrow) {  // the tile crosses the diagonal
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+          for (int e = 0; e < 4; e++)
+            if (k0 + 8 * n + 2 * L.t4 + (e & 1) > wrow + L.g + 8 * (e >> 1)) s[n][e] = -MK_INF;
+      }
+      float mref[2];
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        float mx = -MK_INF;
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        const float mn = fmaxf(m[r], atc_quad_max(mx) * scale_log2);
+        // Key 0 is in every row's first tile and no row of an active warp
+        // is fully masked in a tile, so mn is finite; the guard keeps a
+        // fully masked row from turning into NaNs all the same.
+        mref[r] = mn == -MK_INF ? 0.0f : mn;
+        const float corr = atc_ex2(m[r] - mref[r]);
+        m[r] = mn;
+        l[r] *= corr;
+#pragma unroll
+        for (int n = 0; n < DH / 8; n++) {
+          o[n][2 * r] *= corr;
+          o[n][2 * r + 1] *= corr;
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          s[n][e] = atc_ex2(s[n][e] * scale_log2 - mref[e >> 1]);
+          l[e >> 1] += s[n][e];
+        }
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; kk++) {
+        unsigned int pa[4];
+        atc_a_frag(pa, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+        for (int j = 0; j < DH / 16; j++) {
+          unsigned int bf[4];
+          atc_ldsm_t(bf, vs + atc_off<DH>(16 * kk + L.arow, 2 * j + L.achunk));
+          atc_mma(o[2 * j], pa, bf[0], bf[1]);
+          atc_mma(o[2 * j + 1], pa, bf[2], bf[3]);
+        }
+      }
+    }
+    if (t + 1 < ntiles) {
+      // The other buffer was last read in tile t-1, before the barrier
+      // that ended it.
+      unsigned char* nb = smem + ((t + 1) & 1) * 2 * TILE;
+      atc_store<DH, BN>(nb, kr);
+      atc_store<DH, BN>(nb + TILE, vr);
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const float lr = atc_quad_sum(l[r]);
+    const int i = wrow + L.g + 8 * r;
+    if (i < S) {
+      const float inv = 1.0f / lr;
+      float* row = out + qbase + (long long)i * qstride + 2 * L.t4;
+#pragma unroll
+      for (int n = 0; n < DH / 8; n++) *(atc_f2*)(row + 8 * n) = atc_f2{o[n][2 * r] * inv, o[n][2 * r + 1] * inv};
+      if (L.t4 == 0) lse[((long long)b * H + h) * S + i] = m[r] * ATC_LN2 + logf(lr);
+    }
+  }
+}
+
+// atc_backward_dq: grid (B*H, ceil(S/64)), 128 threads. Writes dq and
+// delta (D_i = dout_i . out_i) for queries q0..q0+63 of head h. K and V
+// stream in tiles of BN keys; per tile, with P = exp(S - lse) and
+// dS = P * (dout V^T - D): dq += dS K (times the scale at the end).
+template <int DH, int BN>
+__device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const float* dout, const float* q,
+                                                const float* k, const float* v, const float* out, const float* lse,
+                                                int S, int H, int KV, float scale_log2, float scale) {
+  constexpr int TILE = BN * DH * 2, QTILE = ATC_ROWS * DH * 2;
+  constexpr int SMEM = 2 * QTILE > 4 * TILE ? 2 * QTILE : 4 * TILE;
+  constexpr int NL = BN * DH / (4 * ATC_THREADS), NQ = ATC_ROWS * DH / (4 * ATC_THREADS), C4 = DH / 4;
+  // Q and dout are staged here first, then the K/V buffers reuse the space.
+  __shared__ atc_f4 smem4[SMEM / 16];
+  __shared__ float dsum[ATC_ROWS];
+  unsigned char* smem = (unsigned char*)smem4;
+  const atc_saddr sbase = atc_smem_addr(smem);
+  const atc_lanes L = atc_lane_roles();
+  const int tid = threadIdx.x, w = tid >> 5;
+  const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV);
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * ATC_ROWS;
+  const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
+  const long long qbase = (long long)b * S * qstride + (long long)h * DH;
+  const long long kbase = (long long)b * S * kstride + (long long)kvh * DH;
+  const long long lbase = ((long long)b * H + h) * S;
+  const int ntiles = (atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
+  const int wrow = q0 + 16 * w;
+
+  {
+    // D_i, summed in float32 while dout is staged: the C4 lanes of a row
+    // (consecutive, within one warp) add up its products. dout enters
+    // rounded to bf16, as it enters dP = dout V^T, so that sum_j dS_ij =
+    // sum_j P_ij dP_ij - D_i is 0 up to P's rounding (a row with one key
+    // gets dS = 0 exactly, as in exact arithmetic) rather than off by
+    // dout's rounding error, which dq and dk would otherwise carry.
+    atc_f4 dr[NQ], orr[NQ];
+    atc_load<DH, ATC_ROWS>(dr, dout, qbase, qstride, q0, S);
+    atc_load<DH, ATC_ROWS>(orr, out, qbase, qstride, q0, S);
+    atc_store<DH, ATC_ROWS>(smem + QTILE, dr);
+#pragma unroll
+    for (int n = 0; n < NQ; n++) {
+      const unsigned int lo = atc_pack(dr[n].x, dr[n].y), hi = atc_pack(dr[n].z, dr[n].w);
+      float part = __uint_as_float(lo << 16) * orr[n].x + __uint_as_float(lo & 0xffff0000u) * orr[n].y +
+                   __uint_as_float(hi << 16) * orr[n].z + __uint_as_float(hi & 0xffff0000u) * orr[n].w;
+#pragma unroll
+      for (int x = 1; x < C4; x <<= 1) part += mk_shfl_xor(part, x);
+      const int idx = tid + n * ATC_THREADS;
+      if (idx % C4 == 0) {
+        const int row = idx / C4;
+        dsum[row] = part;
+        if (q0 + row < S) delta[lbase + q0 + row] = part;
+      }
+    }
+  }
+  {
+    atc_f4 qr[NQ];
+    atc_load<DH, ATC_ROWS>(qr, q, qbase, qstride, q0, S);
+    atc_store<DH, ATC_ROWS>(smem, qr);
+  }
+  __syncthreads();
+  unsigned int qf[DH / 16][4], df[DH / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    atc_ldsm(qf[kk], sbase + atc_off<DH>(16 * w + L.arow, 2 * kk + L.achunk));
+    atc_ldsm(df[kk], sbase + QTILE + atc_off<DH>(16 * w + L.arow, 2 * kk + L.achunk));
+  }
+  float dd[2], lse2[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int i = wrow + L.g + 8 * r;
+    dd[r] = dsum[16 * w + L.g + 8 * r];
+    lse2[r] = i < S ? lse[lbase + i] * ATC_LOG2E : 0.0f;
+  }
+  __syncthreads();  // Q and dout are in registers; their space takes K and V
+
+  atc_f4 kr[NL], vr[NL];
+  atc_load<DH, BN>(kr, k, kbase, kstride, 0, S);
+  atc_load<DH, BN>(vr, v, kbase, kstride, 0, S);
+  atc_store<DH, BN>(smem, kr);
+  atc_store<DH, BN>(smem + TILE, vr);
+  __syncthreads();
+
+  float acc[DH / 8][4];
+#pragma unroll
+  for (int n = 0; n < DH / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+  for (int t = 0; t < ntiles; t++) {
+    const int k0 = t * BN;
+    if (t + 1 < ntiles) {
+      atc_load<DH, BN>(kr, k, kbase, kstride, k0 + BN, S);
+      atc_load<DH, BN>(vr, v, kbase, kstride, k0 + BN, S);
+    }
+    const atc_saddr ks = sbase + (t & 1) * 2 * TILE, vs = ks + TILE;
+    if (k0 <= wrow + 15) {
+      float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+      for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < BN / 16; j++) {
+          unsigned int bf[4];
+          atc_ldsm(bf, ks + atc_off<DH>(16 * j + L.brow, 2 * kk + L.bchunk));
+          atc_mma(s[2 * j], qf[kk], bf[0], bf[1]);
+          atc_mma(s[2 * j + 1], qf[kk], bf[2], bf[3]);
+          atc_ldsm(bf, vs + atc_off<DH>(16 * j + L.brow, 2 * kk + L.bchunk));
+          atc_mma(dp[2 * j], df[kk], bf[0], bf[1]);
+          atc_mma(dp[2 * j + 1], df[kk], bf[2], bf[3]);
+        }
+      // s becomes dS; masked keys (after the row, or past S) give 0.
+#pragma unroll
+      for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const bool masked = k0 + 8 * n + 2 * L.t4 + (e & 1) > wrow + L.g + 8 * (e >> 1);
+          const float p = masked ? 0.0f : atc_ex2(s[n][e] * scale_log2 - lse2[e >> 1]);
+          s[n][e] = p * (dp[n][e] - dd[e >> 1]);
+        }
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; kk++) {
+        unsigned int da[4];
+        atc_a_frag(da, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+        for (int j = 0; j < DH / 16; j++) {
+          unsigned int bf[4];
+          atc_ldsm_t(bf, ks + atc_off<DH>(16 * kk + L.arow, 2 * j + L.achunk));
+          atc_mma(acc[2 * j], da, bf[0], bf[1]);
+          atc_mma(acc[2 * j + 1], da, bf[2], bf[3]);
+        }
+      }
+    }
+    if (t + 1 < ntiles) {
+      unsigned char* nb = smem + ((t + 1) & 1) * 2 * TILE;
+      atc_store<DH, BN>(nb, kr);
+      atc_store<DH, BN>(nb + TILE, vr);
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int i = wrow + L.g + 8 * r;
+    if (i < S) {
+      float* row = dq + qbase + (long long)i * qstride + 2 * L.t4;
+#pragma unroll
+      for (int n = 0; n < DH / 8; n++)
+        *(atc_f2*)(row + 8 * n) = atc_f2{acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale};
+    }
+  }
+}
+
+// atc_backward_dkdv: grid (B*KV, ceil(S/64)), 128 threads. Writes dk and
+// dv for keys j0..j0+63 of kv head kvh; the longest rows (small j0) go
+// first. Q and dout stream in tiles of BM queries, over the group's query
+// heads and, for each, the positions from j0 on. Per tile, transposed
+// (keys are the rows here): P^T = exp(K Q^T - lse), dS^T = P^T * (V dout^T
+// - D); dv += P^T dout, dk += dS^T Q (times the scale at the end). K and V
+// stay in shared memory for the block's lifetime.
+template <int DH, int BM>
+__device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const float* dout, const float* q,
+                                                  const float* k, const float* v, const float* lse,
+                                                  const float* delta, int S, int H, int KV, float scale_log2,
+                                                  float scale) {
+  constexpr int KTILE = ATC_ROWS * DH * 2, TILE = BM * DH * 2;
+  constexpr int NL = BM * DH / (4 * ATC_THREADS), NK = ATC_ROWS * DH / (4 * ATC_THREADS);
+  // K, V, then two buffers of (Q, dout).
+  __shared__ atc_f4 smem4[(2 * KTILE + 4 * TILE) / 16];
+  unsigned char* smem = (unsigned char*)smem4;
+  const atc_saddr sbase = atc_smem_addr(smem);
+  const atc_lanes L = atc_lane_roles();
+  const int w = (int)threadIdx.x >> 5;
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, group = H / KV;
+  const int j0 = blockIdx.y * ATC_ROWS;
+  const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
+  const long long kbase = (long long)b * S * kstride + (long long)kvh * DH;
+  const int per_head = (S - j0 + BM - 1) / BM, ntiles = group * per_head;
+  const int wkey = j0 + 16 * w;  // the warp's first key row
+
+  {
+    atc_f4 r[NK];
+    atc_load<DH, ATC_ROWS>(r, k, kbase, kstride, j0, S);
+    atc_store<DH, ATC_ROWS>(smem, r);
+    atc_load<DH, ATC_ROWS>(r, v, kbase, kstride, j0, S);
+    atc_store<DH, ATC_ROWS>(smem + KTILE, r);
+  }
+
+  // Tile t is query head kvh*group + t/per_head, positions i0.. with
+  // i0 = j0 + (t % per_head)*BM. Besides Q and dout, each lane fetches lse
+  // (times log2 e) and D of the query columns its C fragments hold.
+  atc_f4 qr[NL], dr[NL];
+  float lsen[BM / 8][2], deln[BM / 8][2];
+  auto issue = [&](int t) {
+    const int h = kvh * group + t / per_head, i0 = j0 + (t % per_head) * BM;
+    const long long qbase = (long long)b * S * qstride + (long long)h * DH;
+    const long long lbase = ((long long)b * H + h) * S;
+    atc_load<DH, BM>(qr, q, qbase, qstride, i0, S);
+    atc_load<DH, BM>(dr, dout, qbase, qstride, i0, S);
+#pragma unroll
+    for (int n = 0; n < BM / 8; n++)
+#pragma unroll
+      for (int c = 0; c < 2; c++) {
+        const int i = i0 + 8 * n + 2 * L.t4 + c;
+        lsen[n][c] = i < S ? atc_ldg1(lse + lbase + i) : 0.0f;
+        deln[n][c] = i < S ? atc_ldg1(delta + lbase + i) : 0.0f;
+      }
+  };
+  float lsec[BM / 8][2], delc[BM / 8][2];
+  auto stage = [&](int t) {
+    unsigned char* nb = smem + 2 * KTILE + (t & 1) * 2 * TILE;
+    atc_store<DH, BM>(nb, qr);
+    atc_store<DH, BM>(nb + TILE, dr);
+#pragma unroll
+    for (int n = 0; n < BM / 8; n++)
+#pragma unroll
+      for (int c = 0; c < 2; c++) {
+        lsec[n][c] = lsen[n][c] * ATC_LOG2E;
+        delc[n][c] = deln[n][c];
+      }
+  };
+  issue(0);
+  stage(0);
+  __syncthreads();
+
+  float dka[DH / 8][4], dva[DH / 8][4];
+#pragma unroll
+  for (int n = 0; n < DH / 8; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.0f;
+
+  for (int t = 0; t < ntiles; t++) {
+    const int i0 = j0 + (t % per_head) * BM;
+    if (t + 1 < ntiles) issue(t + 1);
+    const atc_saddr qs = sbase + 2 * KTILE + (t & 1) * 2 * TILE, ds = qs + TILE;
+    // Warp-uniform: queries before every key of this warp see none of them.
+    if (i0 + BM - 1 >= wkey) {
+      float s[BM / 8][4], dp[BM / 8][4];
+#pragma unroll
+      for (int n = 0; n < BM / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) {
+        unsigned int ka[4], va[4];
+        atc_ldsm(ka, sbase + atc_off<DH>(16 * w + L.arow, 2 * kk + L.achunk));
+        atc_ldsm(va, sbase + KTILE + atc_off<DH>(16 * w + L.arow, 2 * kk + L.achunk));
+#pragma unroll
+        for (int j = 0; j < BM / 16; j++) {
+          unsigned int bf[4];
+          atc_ldsm(bf, qs + atc_off<DH>(16 * j + L.brow, 2 * kk + L.bchunk));
+          atc_mma(s[2 * j], ka, bf[0], bf[1]);
+          atc_mma(s[2 * j + 1], ka, bf[2], bf[3]);
+          atc_ldsm(bf, ds + atc_off<DH>(16 * j + L.brow, 2 * kk + L.bchunk));
+          atc_mma(dp[2 * j], va, bf[0], bf[1]);
+          atc_mma(dp[2 * j + 1], va, bf[2], bf[3]);
+        }
+      }
+      // s becomes P^T, dp becomes dS^T; a query before the key, or past
+      // S, gives 0.
+#pragma unroll
+      for (int n = 0; n < BM / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int i = i0 + 8 * n + 2 * L.t4 + (e & 1), j = wkey + L.g + 8 * (e >> 1);
+          const float p = i < j || i >= S ? 0.0f : atc_ex2(s[n][e] * scale_log2 - lsec[n][e & 1]);
+          dp[n][e] = p * (dp[n][e] - delc[n][e & 1]);
+          s[n][e] = p;
+        }
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; kk++) {
+        unsigned int pa[4], da[4];
+        atc_a_frag(pa, s[2 * kk], s[2 * kk + 1]);
+        atc_a_frag(da, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+        for (int j = 0; j < DH / 16; j++) {
+          unsigned int bf[4];
+          atc_ldsm_t(bf, ds + atc_off<DH>(16 * kk + L.arow, 2 * j + L.achunk));
+          atc_mma(dva[2 * j], pa, bf[0], bf[1]);
+          atc_mma(dva[2 * j + 1], pa, bf[2], bf[3]);
+          atc_ldsm_t(bf, qs + atc_off<DH>(16 * kk + L.arow, 2 * j + L.achunk));
+          atc_mma(dka[2 * j], da, bf[0], bf[1]);
+          atc_mma(dka[2 * j + 1], da, bf[2], bf[3]);
+        }
+      }
+    }
+    if (t + 1 < ntiles) stage(t + 1);
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int j = wkey + L.g + 8 * r;
+    if (j < S) {
+      const long long off = kbase + (long long)j * kstride + 2 * L.t4;
+#pragma unroll
+      for (int n = 0; n < DH / 8; n++) {
+        *(atc_f2*)(dk + off + 8 * n) = atc_f2{dka[n][2 * r] * scale, dka[n][2 * r + 1] * scale};
+        *(atc_f2*)(dv + off + 8 * n) = atc_f2{dva[n][2 * r], dva[n][2 * r + 1]};
+      }
+    }
+  }
+}
+
+// The entry points. Tile sizes per head dim keep registers under ~200 and
+// static shared memory within 48 KiB: forward BN = 64 / 32 keys, dq
+// BN = 32 / 16 keys, dk/dv BM = 32 / 16 queries for Dh = 64 / 128.
+
+extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d64(float* out, float* lse, const float* q, const float* k, const float* v, int S, int H, int KV, float scale_log2) {
+  atc_forward<64, 64>(out, lse, q, k, v, S, H, KV, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d128(float* out, float* lse, const float* q, const float* k, const float* v, int S, int H, int KV, float scale_log2) {
+  atc_forward<128, 32>(out, lse, q, k, v, S, H, KV, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<64, 32>(dq, delta, dout, q, k, v, out, lse, S, H, KV, scale_log2, scale);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<128, 16>(dq, delta, dout, q, k, v, out, lse, S, H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d64(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dkdv<64, 32>(dk, dv, dout, q, k, v, lse, delta, S, H, KV, scale_log2, scale);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d128(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dkdv<128, 16>(dk, dv, dout, q, k, v, lse, delta, S, H, KV, scale_log2, scale);
+}
