@@ -20,7 +20,6 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/data"
@@ -116,16 +115,20 @@ type Model struct {
 	b    backend.Backend
 	r    *rank  // the weights, and the model of train.micro_batch sequences that Evaluate runs
 	one  *model // a model of one sequence sharing r's weights, built by Sample on first use
+
+	engine *Engine // holds the backend LoadModel opened, for Close
 }
 
 // LoadModel loads the checkpoint dir stands for (see ResolveCheckpoint:
 // a step directory, or a run directory or checkpoints root, whose newest
 // verified checkpoint is taken) after verifying its checksums. The
 // configuration is the one saved with the checkpoint, its parallel section
-// reset to one rank. The model runs on the float32 CPU backend unless
-// WithBackend names another; WithLogger receives warnings about skipped
-// corrupt checkpoints; other options are ignored.
-func LoadModel(dir string, opts ...Option) (*Model, error) {
+// reset to one rank. The model runs on the first GPU when there is one and
+// on the float32 CPU backend otherwise (whatever backend trained it), unless
+// WithBackend names one; WithLogger receives warnings about skipped corrupt
+// checkpoints and the backend chosen; other options are ignored. Close
+// releases a GPU the model opened.
+func LoadModel(dir string, opts ...Option) (_ *Model, err error) {
 	e := &Engine{log: zerolog.Nop()}
 	for _, o := range opts {
 		o(e)
@@ -148,10 +151,19 @@ func LoadModel(dir string, opts ...Option) (*Model, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("checkpoint %s: the saved configuration does not validate: %w", ckDir, err)
 	}
-	b := e.backend
-	if b == nil {
-		b = cpu.New(backend.Float32)
+	if e.backend == nil {
+		e.cfg = cfg
+		e.cfg.Train.Backend = "auto"
+		if e.backend, err = e.pickBackend(); err != nil {
+			return nil, err
+		}
+		defer func() {
+			if err != nil {
+				e.Close()
+			}
+		}()
 	}
+	b := e.backend
 	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: 1}, b)
 	if err != nil {
 		return nil, err
@@ -163,8 +175,12 @@ func LoadModel(dir string, opts ...Option) (*Model, error) {
 	if err := r.restore(ck, false); err != nil {
 		return nil, fmt.Errorf("checkpoint %s: %w", ckDir, err)
 	}
-	return &Model{cfg: cfg, dir: ckDir, step: st.Step, b: b, r: r}, nil
+	return &Model{cfg: cfg, dir: ckDir, step: st.Step, b: b, r: r, engine: e}, nil
 }
+
+// Close releases the GPU LoadModel opened, if any; the model must not be
+// used afterwards.
+func (m *Model) Close() error { return m.engine.Close() }
 
 // Config is the model's configuration as saved with its checkpoint (one rank).
 func (m *Model) Config() Config { return m.cfg }

@@ -67,6 +67,7 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
+	defer m.Close()
 	res, err := m.Evaluate(ctx, *glob, *batches)
 	if errors.Is(err, context.Canceled) {
 		return fmt.Errorf("%w: evaluation stopped", errInterrupted)

@@ -58,6 +58,7 @@ func cmdSample(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err != nil {
 		return err
 	}
+	defer m.Close()
 	encoded := data.EncodeBytes([]byte(*prompt))
 	ids := make([]int32, len(encoded))
 	for i, t := range encoded {
