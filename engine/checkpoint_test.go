@@ -203,3 +203,35 @@ func TestResumeRefusesModelChange(t *testing.T) {
 		t.Errorf("schedule change not listed:\n%s", log)
 	}
 }
+
+// TestResumeFromPathAndNever: checkpoint.resume names a checkpoint to
+// continue from (an older one here), and never refuses a run directory
+// that already holds checkpoints instead of overwriting them.
+func TestResumeFromPathAndNever(t *testing.T) {
+	cfg := checkpointConfig()
+	want, _ := runLosses(t, cfg, t.TempDir(), 0)
+	dir := t.TempDir()
+	runLosses(t, cfg, dir, 7) // checkpoints at 3, 6 and 7
+
+	fromPath := cfg
+	fromPath.Checkpoint.Resume = filepath.Join(dir, "checkpoints", checkpoint.StepDirName(3))
+	got, log := runLosses(t, fromPath, dir, 0)
+	if !strings.Contains(log, `"step":3`) || !strings.Contains(log, "resuming") {
+		t.Fatalf("did not resume from step 3:\n%s", log)
+	}
+	for step := 4; step <= cfg.Train.Steps; step++ {
+		if got[step] != want[step] {
+			t.Errorf("step %d: loss %v, straight %v", step, got[step], want[step])
+		}
+	}
+
+	never := cfg
+	never.Checkpoint.Resume = "never"
+	eng, err := New(never, WithRunDir(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := eng.Run(context.Background()); err == nil || !strings.Contains(err.Error(), "already holds checkpoints") {
+		t.Fatalf("resume never on a run directory with checkpoints: %v", err)
+	}
+}
