@@ -23,7 +23,7 @@ func runLosses(t *testing.T, cfg Config, runDir string, stopAfter int) (map[int]
 	defer cancel()
 	losses := map[int]float64{}
 	var logBuf bytes.Buffer
-	eng, err := New(cfg, WithRunDir(runDir), WithLogger(zerolog.New(&logBuf)), WithHook(func(ev StepEvent) {
+	eng, err := New(cfg, WithRunDir(runDir), WithLogger(zerolog.New(zerolog.SyncWriter(&logBuf))), WithHook(func(ev StepEvent) {
 		losses[ev.Step] = ev.Loss
 		if ev.Step == stopAfter {
 			cancel()

@@ -37,6 +37,9 @@ type Engine struct {
 type Option func(*Engine)
 
 // WithLogger sends the engine's log lines to l (the default discards them).
+// The engine logs from more than one goroutine (an asynchronous checkpoint
+// writes in the background), so l's writer must be safe for concurrent use:
+// wrap a plain io.Writer in zerolog.SyncWriter.
 func WithLogger(l zerolog.Logger) Option { return func(e *Engine) { e.log = l } }
 
 // WithHook calls h after every optimizer step, from the training goroutine:

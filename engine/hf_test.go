@@ -311,7 +311,7 @@ func TestInitFromStartsFromExportedWeights(t *testing.T) {
 	b.Train.Seed = 42
 	runB := t.TempDir()
 	var logBuf bytes.Buffer
-	eng, err := New(b, WithRunDir(runB), WithLogger(zerolog.New(&logBuf)))
+	eng, err := New(b, WithRunDir(runB), WithLogger(zerolog.New(zerolog.SyncWriter(&logBuf))))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -118,10 +118,12 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		// The bar owns the terminal; only warnings and errors interrupt it.
 		consoleLevel = max(level, zerolog.WarnLevel)
 	}
-	logger := zerolog.New(zerolog.MultiLevelWriter(
+	// The engine logs from its training goroutine and from a background
+	// checkpoint writer: the writer must take one line at a time.
+	logger := zerolog.New(zerolog.SyncWriter(zerolog.MultiLevelWriter(
 		levelWriter{logFile, level},
 		levelWriter{console, consoleLevel},
-	)).With().Timestamp().Logger()
+	))).With().Timestamp().Logger()
 	logger.Info().Str("recipe", pos[0]).Str("run_dir", *runDir).Str("version", versionString()).Msg("mktrain run")
 
 	opts := []engine.Option{engine.WithLogger(logger), engine.WithMetrics(metricsFile), engine.WithRunDir(*runDir),
