@@ -3,7 +3,7 @@ GO      ?= go
 BIN     ?= bin/mktrain
 FUZZTIME ?= 30s
 
-.PHONY: all build test vet lint fuzz bench gpu-test clean
+.PHONY: all build test race vet lint fuzz bench gpu-test clean
 
 all: build test
 
@@ -12,6 +12,10 @@ build:
 
 test:
 	$(GO) test ./...
+
+# The whole suite under the race detector (a few minutes on 2 cores).
+race:
+	$(GO) test -race ./...
 
 vet:
 	$(GO) vet ./...
