@@ -37,6 +37,8 @@ type rank struct {
 	val    evalSource
 }
 
+// newRank builds a rank with initialised weights. A rank without training
+// data (evaluation, sampling, gradient checks) gets no AdamW moments.
 func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource) (*rank, error) {
 	m := cfg.Model
 	localExperts := m.MoE.Experts / cfg.Parallel.EP
@@ -47,8 +49,10 @@ func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSourc
 	for _, s := range slots(m) {
 		w := s.pick(r.w)
 		p := param{slot: s, w: w, g: s.pick(r.g), firstExpert: firstExpert}
-		p.m = b.New(b.FloatType(), w.Shape()...)
-		p.v = b.New(b.FloatType(), w.Shape()...)
+		if train != nil {
+			p.m = b.New(b.FloatType(), w.Shape()...)
+			p.v = b.New(b.FloatType(), w.Shape()...)
+		}
 		initParam(b, &p, cfg.Train.Seed, m.InitStd)
 		r.params = append(r.params, p)
 	}
