@@ -43,6 +43,24 @@ type Group interface {
 	// 1, ...; recv receives recvCounts[j] rows from rank j, in rank order.
 	// Both tensors have the same row length.
 	AllToAllRows(recv, send backend.Tensor, recvCounts, sendCounts []int) error
+	// ReduceScatterSum sums send over the group and leaves block r of the
+	// sum in rank r's recv: with n = recv.Len(), send holds Size()*n
+	// elements and rank r receives the sum, in rank order, of every rank's
+	// send[r*n:(r+1)*n]. recv may be this rank's own block of send (in
+	// place).
+	ReduceScatterSum(recv, send backend.Tensor) error
+	// AllGather concatenates every rank's send into recv, in rank order:
+	// recv holds Size()*send.Len() elements and block r is rank r's send.
+	// send may be this rank's own block of recv (in place).
+	AllGather(recv, send backend.Tensor) error
+	// Send hands t to group rank dst, which takes it with a matching Recv;
+	// Recv fills t from group rank src. Between one pair the k-th Send
+	// matches the k-th Recv. Both block until the transfer is done (the
+	// sender may overwrite t once Send returns); the two tensors must have
+	// the same length and dtype, or both calls fail with the same error.
+	// Unlike the collectives, they involve only the two ranks.
+	Send(t backend.Tensor, dst int) error
+	Recv(t backend.Tensor, src int) error
 	// Barrier waits for every rank of the group.
 	Barrier() error
 	// Abort makes every pending and future collective of the group fail

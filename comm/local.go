@@ -30,6 +30,10 @@ package comm
 // into one contiguous chunk per rank, each reduced by one rank, so the work
 // is spread rather than repeated.
 //
+// Send and Recv do not use the hub's rounds: each ordered pair of ranks has
+// a mailbox, an unbuffered channel on which the sender hands its tensor to
+// the receiver, which copies it and then releases the sender (see Send).
+//
 // Argument errors are found by all ranks together: every rank deposits a
 // description of its arguments (or its local error) and all ranks check all
 // of them, so a bad call fails with the same error everywhere instead of
@@ -46,8 +50,9 @@ import (
 // NewLocal builds the in-process ranks of mesh on b: one *Ranks per world
 // rank, indexed by world rank, with groups cut as described in mesh.go.
 // Every tensor handed to the groups must be one of b's. AllReduceSum sums
-// tensors of b's float type (b.FloatType()); AllToAllRows moves rows of any
-// dtype b holds (Int32 included). A rank's groups must be called from one
+// and ReduceScatterSum sum tensors of b's float type (b.FloatType());
+// AllGather, AllToAllRows and Send/Recv move any dtype b holds (Int32
+// included). A rank's groups must be called from one
 // goroutine at a time, as every rank calls its collectives in order anyway.
 func NewLocal(mesh Mesh, b backend.Backend) ([]*Ranks, error) {
 	if err := mesh.Validate(); err != nil {
@@ -90,8 +95,9 @@ type hub struct {
 
 	mu      sync.Mutex
 	cur     *round
-	err     error         // set once by the first Abort
-	aborted chan struct{} // closed by the first Abort
+	boxes   map[[2]int]chan *p2pMessage // keyed by (src, dst), made on first use
+	err     error                       // set once by the first Abort
+	aborted chan struct{}               // closed by the first Abort
 }
 
 // round is one collective's meeting: the values deposited so far, and a
@@ -415,3 +421,236 @@ func (g *localGroup) checkRowsPlan(all []deposit) error {
 }
 
 var _ Group = (*localGroup)(nil)
+
+// checkFloat checks a tensor that a reduction sums.
+func (g *localGroup) checkFloat(name string, t backend.Tensor) error {
+	switch {
+	case t == nil:
+		return fmt.Errorf("%s is nil", name)
+	case t.DType() != g.b.FloatType():
+		return fmt.Errorf("cannot sum a %v tensor (%s) on the %s backend, which computes in %v", t.DType(), name, g.b.Name(), g.b.FloatType())
+	}
+	return nil
+}
+
+// blockArgs is what a rank deposits for ReduceScatterSum and AllGather: its
+// send tensor, the dtype, and the block length (the length of one rank's
+// share).
+type blockArgs struct {
+	send backend.Tensor
+	dt   backend.DType
+	n    int
+}
+
+// checkBlocks checks that every rank has the same block length and dtype.
+// Every rank runs it over the same deposits, so they all reach the same
+// verdict.
+func (g *localGroup) checkBlocks(op string, all []deposit) error {
+	a0 := all[0].val.(blockArgs)
+	for j, d := range all {
+		if a := d.val.(blockArgs); a.dt != a0.dt || a.n != a0.n {
+			return fmt.Errorf("comm: %s group %s: rank %d has blocks of %d elements of %v, rank 0 of %d of %v",
+				g.hub.name, op, j, a.n, a.dt, a0.n, a0.dt)
+		}
+	}
+	return nil
+}
+
+// ReduceScatterSum reduces in two meetings:
+//
+//  1. Every rank deposits its send tensor. After the meeting, rank r sums,
+//     in rank order, block r of every member's send into its scratch
+//     (Copy from rank 0, then Axpy with alpha 1 from rank 1, 2, ...).
+//  2. A closing meeting, which every peer reaches once its reads of the
+//     send tensors are issued; then rank r copies its scratch into recv.
+//
+// Summing into the scratch rather than into recv lets recv be a block of
+// the rank's own send (in place): recv is written only after the closing
+// meeting, when no peer reads send any more. The scratch is the one
+// AllReduceSum uses; peers read it only in AllReduceSum's second step, which
+// they have finished issuing before they reach this call's first meeting.
+// Every rank adds the same bits in the same order, so a block's sum is the
+// same whichever rank computes it.
+func (g *localGroup) ReduceScatterSum(recv, send backend.Tensor) error {
+	const op = "ReduceScatterSum"
+	args, argErr := blockArgs{}, g.checkFloat("recv", recv)
+	if argErr == nil {
+		argErr = g.checkFloat("send", send)
+	}
+	if argErr == nil {
+		if send.DType() != recv.DType() || send.Len() != recv.Len()*g.hub.size {
+			argErr = fmt.Errorf("send has %d elements of %v but must hold %d (the group size %d times recv's %d) of %v",
+				send.Len(), send.DType(), recv.Len()*g.hub.size, g.hub.size, recv.Len(), recv.DType())
+		} else {
+			args = blockArgs{send: send, dt: send.DType(), n: recv.Len()}
+		}
+	}
+	all, err := g.hub.gather(g.rank, deposit{op: op, err: argErr, val: args})
+	if err != nil {
+		return err
+	}
+	if err := g.checkBlocks(op, all); err != nil {
+		return err
+	}
+	n := args.n
+	if n == 0 {
+		return nil // every rank has n == 0, so every rank returns here
+	}
+	mine := g.scratchView(args.dt, n)
+	lo := g.rank * n
+	g.b.Copy(mine, g.b.View(all[0].val.(blockArgs).send, lo, n))
+	for _, d := range all[1:] {
+		g.b.Axpy(mine, 1, g.b.View(d.val.(blockArgs).send, lo, n))
+	}
+	if _, err := g.hub.gather(g.rank, deposit{op: op + " done"}); err != nil {
+		return err
+	}
+	g.b.Copy(recv, mine)
+	return nil
+}
+
+// AllGather: each rank first copies its own send into its block of recv,
+// then deposits send; after the meeting it copies every peer's send into
+// the peer's block of its recv. A closing meeting keeps every rank from
+// overwriting its send (which it may do as soon as it returns) before all
+// peers have issued their reads of it.
+//
+// The own block is copied before the meeting so that, when send is that
+// very block of recv (in place), the rank never writes it while peers read
+// it: after the meeting the rank writes only the peers' blocks, which are
+// not its send. (The copy is then of a tensor onto itself, which must leave
+// it unchanged.)
+func (g *localGroup) AllGather(recv, send backend.Tensor) error {
+	const op = "AllGather"
+	var args blockArgs
+	var argErr error
+	switch {
+	case recv == nil || send == nil:
+		argErr = errors.New("recv or send is nil")
+	case recv.DType() != send.DType() || recv.Len() != send.Len()*g.hub.size:
+		argErr = fmt.Errorf("recv has %d elements of %v but must hold %d (the group size %d times send's %d) of %v",
+			recv.Len(), recv.DType(), send.Len()*g.hub.size, g.hub.size, send.Len(), send.DType())
+	default:
+		args = blockArgs{send: send, dt: send.DType(), n: send.Len()}
+		if args.n > 0 {
+			g.b.Copy(g.b.View(recv, g.rank*args.n, args.n), send)
+		}
+	}
+	all, err := g.hub.gather(g.rank, deposit{op: op, err: argErr, val: args})
+	if err != nil {
+		return err
+	}
+	if err := g.checkBlocks(op, all); err != nil {
+		return err
+	}
+	n := args.n
+	if n == 0 || g.hub.size == 1 {
+		return nil // every rank agrees on n and size, so all return here
+	}
+	for j, d := range all {
+		if j != g.rank {
+			g.b.Copy(g.b.View(recv, j*n, n), d.val.(blockArgs).send)
+		}
+	}
+	_, err = g.hub.gather(g.rank, deposit{op: op + " done"})
+	return err
+}
+
+// p2pMessage is one Send waiting in a mailbox: the sender's tensor (nil when
+// the sender passed nil, so the receiver fails too) and the channel on which
+// the receiver reports the outcome to the sender.
+type p2pMessage struct {
+	t    backend.Tensor
+	done chan error
+}
+
+// box returns the mailbox from src to dst.
+func (h *hub) box(src, dst int) chan *p2pMessage {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.boxes == nil {
+		h.boxes = map[[2]int]chan *p2pMessage{}
+	}
+	key := [2]int{src, dst}
+	b, ok := h.boxes[key]
+	if !ok {
+		b = make(chan *p2pMessage)
+		h.boxes[key] = b
+	}
+	return b
+}
+
+// checkPeer checks the peer rank of a Send or Recv. Send to oneself would
+// wait forever for a Recv that the same goroutine cannot make.
+func (g *localGroup) checkPeer(op string, peer int) error {
+	if peer < 0 || peer >= g.hub.size || peer == g.rank {
+		return fmt.Errorf("comm: %s group %s on rank %d: peer rank %d is not another rank of this group of %d",
+			g.hub.name, op, g.rank, peer, g.hub.size)
+	}
+	return nil
+}
+
+// Send hands t to dst's matching Recv over their mailbox and waits for the
+// receiver's verdict. Once the receiver has taken the message it always
+// answers, after its copy is issued, so the sender waits for that answer
+// even if the group is aborted meanwhile: t is never read after Send
+// returns. Until then, an Abort releases the sender. Each rank sends from
+// one goroutine at a time, so messages between a pair arrive in call order.
+func (g *localGroup) Send(t backend.Tensor, dst int) error {
+	if err := g.checkPeer("Send", dst); err != nil {
+		return err
+	}
+	h := g.hub
+	if isClosed(h.aborted) {
+		return h.abortErr()
+	}
+	m := &p2pMessage{t: t, done: make(chan error, 1)}
+	select {
+	case h.box(g.rank, dst) <- m:
+	case <-h.aborted:
+		return h.abortErr()
+	}
+	return <-m.done
+}
+
+// Recv takes the next message from src, checks that it fits t, copies it
+// and releases the sender with the same verdict it returns.
+func (g *localGroup) Recv(t backend.Tensor, src int) error {
+	if err := g.checkPeer("Recv", src); err != nil {
+		return err
+	}
+	h := g.hub
+	if isClosed(h.aborted) {
+		return h.abortErr()
+	}
+	var m *p2pMessage
+	select {
+	case m = <-h.box(src, g.rank):
+	case <-h.aborted:
+		return h.abortErr()
+	}
+	var err error
+	switch {
+	case m.t == nil:
+		err = fmt.Errorf("comm: %s group Send from rank %d to rank %d: the sent tensor is nil", h.name, src, g.rank)
+	case t == nil:
+		err = fmt.Errorf("comm: %s group Send from rank %d to rank %d: the receive buffer is nil", h.name, src, g.rank)
+	case m.t.DType() != t.DType() || m.t.Len() != t.Len():
+		err = fmt.Errorf("comm: %s group Send from rank %d to rank %d: sent %d elements of %v, but the receive buffer holds %d of %v",
+			h.name, src, g.rank, m.t.Len(), m.t.DType(), t.Len(), t.DType())
+	case t.Len() > 0:
+		g.b.Copy(t, m.t)
+	}
+	m.done <- err
+	return err
+}
+
+// isClosed reports whether ch is closed, without blocking.
+func isClosed(ch chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}

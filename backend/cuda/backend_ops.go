@@ -39,7 +39,10 @@ func (b *Backend) Copy(dst, src backend.Tensor) {
 	if d.Len() != s.Len() {
 		fail(op, "dst has shape %v but src has shape %v", d.shape, s.shape)
 	}
-	if n := d.Len(); n > 0 && d.st.buf != nil && s.st.buf != nil {
+	// A copy of a tensor onto itself (the in-place collectives do that) is
+	// a no-op, never a device copy between overlapping ranges.
+	sameRange := d.st.buf == s.st.buf && d.off == s.off
+	if n := d.Len(); n > 0 && d.st.buf != nil && s.st.buf != nil && !sameRange {
 		b.fail(b.dev.CopyDevice(d.st.buf, int64(elemBytes*d.off), s.st.buf, int64(elemBytes*s.off), int64(elemBytes*n)))
 	}
 	runtime.KeepAlive(d)
