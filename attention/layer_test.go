@@ -144,31 +144,12 @@ func reference(in inputs) []float64 {
 	return linear(a, in.w.wo, H*Dh, s.Dim)
 }
 
-func upload(b backend.Backend, t backend.Tensor, data []float64) {
-	b.Upload(t, tensor.New(tensor.WithShape(len(data)), tensor.WithBacking(append([]float64(nil), data...))))
-}
-
-func download(b backend.Backend, t backend.Tensor) []float64 {
-	switch d := b.Download(t).Data().(type) {
-	case []float64:
-		return d
-	case []float32:
-		out := make([]float64, len(d))
-		for i, v := range d {
-			out[i] = float64(v)
-		}
-		return out
-	default:
-		panic(fmt.Sprintf("download of %T", d))
-	}
-}
-
 func uploadParams(b backend.Backend, s attention.Shape, w hostParams) *attention.Params {
 	p := attention.NewParams(b, s)
-	upload(b, p.WqQD, w.wq)
-	upload(b, p.WkKD, w.wk)
-	upload(b, p.WvKD, w.wv)
-	upload(b, p.WoDQ, w.wo)
+	backend.UploadSlice(b, p.WqQD, w.wq)
+	backend.UploadSlice(b, p.WkKD, w.wk)
+	backend.UploadSlice(b, p.WvKD, w.wv)
+	backend.UploadSlice(b, p.WoDQ, w.wo)
 	return p
 }
 
@@ -176,14 +157,14 @@ func uploadParams(b backend.Backend, s attention.Shape, w hostParams) *attention
 func forward(b backend.Backend, in inputs) []float64 {
 	l, x, pos, out := setup(b, in)
 	l.Forward(out, x, pos, uploadParams(b, in.c.s, in.w))
-	return download(b, out)
+	return backend.DownloadFloat64(b, out)
 }
 
 func setup(b backend.Backend, in inputs) (l *attention.Layer, xTD, posT, outTD backend.Tensor) {
 	T, D := in.c.batch*in.c.seq, in.c.s.Dim
 	l = attention.New(b, in.c.s, in.c.batch, in.c.seq)
 	xTD, posT, outTD = b.New(b.FloatType(), T, D), b.New(backend.Int32, T), b.New(b.FloatType(), T, D)
-	upload(b, xTD, in.x)
+	backend.UploadSlice(b, xTD, in.x)
 	b.Upload(posT, tensor.New(tensor.WithShape(T), tensor.WithBacking(append([]int32(nil), in.pos...))))
 	return l, xTD, posT, outTD
 }
@@ -238,8 +219,8 @@ func TestBackwardFiniteDifferences(t *testing.T) {
 			g := uploadParams(b, c.s, g0)
 			l.Forward(outTD, xTD, posT, p)
 			doutTD, dxTD := b.New(b.FloatType(), T, D), b.New(b.FloatType(), T, D)
-			upload(b, doutTD, dout)
-			upload(b, dxTD, randn(rng, T*D, 100))
+			backend.UploadSlice(b, doutTD, dout)
+			backend.UploadSlice(b, dxTD, randn(rng, T*D, 100))
 			l.Backward(dxTD, doutTD, p, g)
 
 			loss := func() float64 {
@@ -264,7 +245,7 @@ func TestBackwardFiniteDifferences(t *testing.T) {
 				}
 			}
 
-			dx := download(b, dxTD)
+			dx := backend.DownloadFloat64(b, dxTD)
 			for i := range in.x {
 				check("dx", in.x, i, dx[i])
 			}
@@ -276,7 +257,7 @@ func TestBackwardFiniteDifferences(t *testing.T) {
 				{"dWq", in.w.wq, g0.wq, g.WqQD}, {"dWk", in.w.wk, g0.wk, g.WkKD},
 				{"dWv", in.w.wv, g0.wv, g.WvKD}, {"dWo", in.w.wo, g0.wo, g.WoDQ},
 			} {
-				got := download(b, w.gradTensor)
+				got := backend.DownloadFloat64(b, w.gradTensor)
 				for range 12 {
 					i := rng.IntN(len(w.host))
 					check(w.name, w.host, i, got[i]-w.g0[i])

@@ -236,24 +236,11 @@ func upload(b backend.Backend, vals []float64, shape ...int) backend.Tensor {
 	return t
 }
 
-func download(b backend.Backend, t backend.Tensor) []float64 {
-	switch d := b.Download(t).Data().(type) {
-	case []float32:
-		out := make([]float64, len(d))
-		for i, v := range d {
-			out[i] = float64(v)
-		}
-		return out
-	default:
-		return d.([]float64)
-	}
-}
-
 // gradInit is where gradients start in run; downloadGrad takes it off.
 const gradInit = 0.25
 
 func downloadGrad(b backend.Backend, t backend.Tensor) []float64 {
-	v := download(b, t)
+	v := backend.DownloadFloat64(b, t)
 	for i := range v {
 		v[i] -= gradInit
 	}
@@ -330,7 +317,7 @@ func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward
 				rk.Abort(o.forwardErr)
 				return
 			}
-			o.out = download(b, out)
+			o.out = backend.DownloadFloat64(b, out)
 			if !backward {
 				return
 			}
@@ -347,7 +334,7 @@ func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward
 				rk.Abort(o.backErr)
 				return
 			}
-			o.dx = download(b, dx)
+			o.dx = backend.DownloadFloat64(b, dx)
 			o.gGate, o.gW1, o.gW3, o.gW2 = downloadGrad(b, g.GateED), downloadGrad(b, g.W1EFD), downloadGrad(b, g.W3EFD), downloadGrad(b, g.W2EDF)
 			if fs > 0 {
 				o.gSW1, o.gSW3, o.gSW2 = downloadGrad(b, g.SharedW1FD), downloadGrad(b, g.SharedW3FD), downloadGrad(b, g.SharedW2DF)
@@ -607,9 +594,9 @@ func TestUpdateBias(t *testing.T) {
 	b := cpu.New(backend.Float64)
 	bias := upload(b, []float64{0.5, 0, -1, 2, 0}, 5)
 	moe.UpdateBias(b, bias, []float64{10, 2, 4, 5, 4}, 0.25) // mean 5
-	assertClose(t, "bias", download(b, bias), []float64{0.25, 0.25, -0.75, 2, 0.25}, 0)
+	assertClose(t, "bias", backend.DownloadFloat64(b, bias), []float64{0.25, 0.25, -0.75, 2, 0.25}, 0)
 	moe.UpdateBias(b, bias, []float64{3, 3, 3, 3, 3}, 0.25)
-	assertClose(t, "bias at balance", download(b, bias), []float64{0.25, 0.25, -0.75, 2, 0.25}, 0)
+	assertClose(t, "bias at balance", backend.DownloadFloat64(b, bias), []float64{0.25, 0.25, -0.75, 2, 0.25}, 0)
 }
 
 // Argument errors are returned, not panicked, and name what is wrong.
