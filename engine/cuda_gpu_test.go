@@ -62,19 +62,7 @@ func runSteps(t *testing.T, cfg Config, b backend.Backend, steps int) (losses []
 }
 
 func TestTinyRecipeCUDAMatchesCPU(t *testing.T) {
-	gpu, err := cuda.OpenBackend(cuda.Options{})
-	if cuda.NoGPU(err) {
-		reason, _, _ := strings.Cut(err.Error(), "\n")
-		t.Skip("no GPU: " + strings.TrimSuffix(reason, "; looked in:"))
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := gpu.Close(); err != nil {
-			t.Error(err)
-		}
-	}()
+	gpu := openGPU(t)
 	const steps = 20
 	cfg := tinyRecipeConfig()
 	want, cpuRate := runSteps(t, cfg, cpu.New(backend.Float32), steps)
@@ -94,4 +82,24 @@ func TestTinyRecipeCUDAMatchesCPU(t *testing.T) {
 	t.Logf("figure: engine tiny loss max relative difference CUDA vs CPU = %.3g ratio", worst)
 	t.Logf("figure: engine tiny tokens/s CUDA = %.4g tokens/s", gpuRate)
 	t.Logf("figure: engine tiny tokens/s CPU float32 = %.4g tokens/s", cpuRate)
+}
+
+// openGPU opens the first GPU for a test and closes it when the test ends;
+// without a GPU the test skips with one line saying why.
+func openGPU(t *testing.T) *cuda.Backend {
+	t.Helper()
+	gpu, err := cuda.OpenBackend(cuda.Options{})
+	if cuda.NoGPU(err) {
+		reason, _, _ := strings.Cut(err.Error(), "\n")
+		t.Skip("no GPU: " + strings.TrimSuffix(reason, "; looked in:"))
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := gpu.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return gpu
 }

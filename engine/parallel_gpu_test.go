@@ -11,12 +11,10 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
-	"github.com/mktrain/mktrain/backend/cuda"
 )
 
 // virtualRanksTol bounds the relative difference between a layout's losses
@@ -73,19 +71,7 @@ func trainOn(t *testing.T, cfg Config, b backend.Backend, layout string) layoutR
 // cudaVsCPUTol, so that a GPU run that went wrong the same way at every
 // layout still fails.
 func TestVirtualRanksCUDA(t *testing.T) {
-	gpu, err := cuda.OpenBackend(cuda.Options{})
-	if cuda.NoGPU(err) {
-		reason, _, _ := strings.Cut(err.Error(), "\n")
-		t.Skip("no GPU: " + strings.TrimSuffix(reason, "; looked in:"))
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := gpu.Close(); err != nil {
-			t.Error(err)
-		}
-	}()
+	gpu := openGPU(t)
 	base := equivalenceConfig()
 	if err := cudaUnsupported(base); err != nil {
 		t.Fatalf("the equivalence model does not fit the CUDA kernels: %v", err)
