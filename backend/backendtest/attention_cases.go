@@ -64,6 +64,8 @@ func attnCompare(s backend.AttnShape) func(e *Env) {
 		v, dout := e.Rand("v", T, K), e.Rand("dout", T, Q)
 		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
 		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", T, K), e.Out("dv", T, K)
+		// Every output element is a reduction over Seq rounded products.
+		e.NormWise = true
 		e.Run(func(b backend.Backend, x Pick) {
 			b.AttentionForward(x(out), x(lse), x(q), x(k), x(v), s)
 			b.AttentionBackward(x(dq), x(dk), x(dv), x(dout), x(q), x(k), x(v), x(out), x(lse), s)

@@ -124,10 +124,19 @@ type Env struct {
 	Rng *rand.Rand
 	// Tol is Tolerance(B.FloatType()), or B's RelTolerance when B
 	// implements backend.Precision.
-	Tol   float64
-	pairs []*Pair
-	ran   bool
+	Tol float64
+	// NormWise compares outputs as whole tensors (CompareNormWise) instead
+	// of element by element, when B computes below float32 (Tol is looser
+	// than float32's). A case sets it before Run where each output element
+	// is a long reduction over rounded operands (see CompareNormWise).
+	NormWise bool
+	pairs    []*Pair
+	ran      bool
 }
+
+// lowPrecision reports whether B computes below float32, so that the
+// tolerance it asks for is looser than float32's.
+func (e *Env) lowPrecision() bool { return e.Tol > Tolerance(backend.Float32) }
 
 // grid returns the float type on whose grid inputs are drawn: the coarser
 // of the two backends' types, so that both see exactly the same inputs.
@@ -279,6 +288,8 @@ func (e *Env) check(p *Pair) {
 		// Inputs lie on both backends' grids, so they must come back exact.
 		CompareFloats(e.T, p.Name+" (input, changed)", Download(e.B, p.b), p.host, 0)
 		CompareFloats(e.T, p.Name+" (input, changed on the oracle)", Download(e.Oracle, p.o), p.host, 0)
+	case e.NormWise && e.lowPrecision():
+		CompareNormWise(e.T, p.Name, Download(e.B, p.b), Download(e.Oracle, p.o), e.Tol)
 	default:
 		CompareFloats(e.T, p.Name, Download(e.B, p.b), Download(e.Oracle, p.o), e.Tol)
 	}
@@ -436,4 +447,44 @@ func numel(shape []int) int {
 		n *= s
 	}
 	return n
+}
+
+// normWiseElementFactor bounds single elements under CompareNormWise: each
+// may stray up to this many times the tolerance of CompareFloats, so that an
+// error confined to a few elements (a wrong mask entry, a missed tile edge)
+// still fails even when the tensor's norm hides it.
+const normWiseElementFactor = 8
+
+// CompareNormWise reports where got and want differ as tensors: it passes
+// when every element of both is finite, the relative error of the whole
+// tensor ||got-want||₂ / ||want||₂ is at most tol, and every element is
+// within normWiseElementFactor times CompareFloats' bound.
+//
+// It is the metric for ops whose every output element is a long reduction
+// over operands rounded to a half-precision type (attention on bf16 tensor
+// cores: a row of out sums Seq products of bf16 probabilities and values).
+// Rounding the inputs alone moves single elements by more than 1e-2 of the
+// tensor's rms, while the tensor as a whole stays within a few 1e-3.
+func CompareNormWise(t testing.TB, what string, got, want []float64, tol float64) bool {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Errorf("%s: %d elements, want %d", what, len(got), len(want))
+		return false
+	}
+	var diff2, want2 float64
+	for i, w := range want {
+		g := got[i]
+		if math.IsNaN(g) || math.IsInf(g, 0) || math.IsNaN(w) || math.IsInf(w, 0) {
+			t.Errorf("%s: element %d is %v, want %v (both must be finite)", what, i, g, w)
+			return false
+		}
+		diff2 += (g - w) * (g - w)
+		want2 += w * w
+	}
+	ok := true
+	if rel := math.Sqrt(diff2 / max(want2, math.SmallestNonzeroFloat64)); rel > tol {
+		t.Errorf("%s: relative L2 error %.3g, over the tolerance %.3g", what, rel, tol)
+		ok = false
+	}
+	return CompareFloats(t, what+" (element-wise, loosened)", got, want, normWiseElementFactor*tol) && ok
 }

@@ -6,6 +6,7 @@ package backendtest_test
 // each bug to fail the cases of its op.
 
 import (
+	"math"
 	"os"
 	"os/exec"
 	"strings"
@@ -148,4 +149,47 @@ func (m mutant) AdamWUpdate(param, grad, mm, v backend.Tensor, h backend.AdamW) 
 		h.Step = 1 << 20
 	}
 	m.Backend.AdamWUpdate(param, grad, mm, v, h)
+}
+
+// countingTB records failures instead of failing the test.
+type countingTB struct {
+	testing.TB
+	errors int
+}
+
+func (c *countingTB) Helper()               {}
+func (c *countingTB) Errorf(string, ...any) { c.errors++ }
+
+// TestCompareNormWise checks the bf16 attention metric: spread-out noise
+// within the tolerance passes; the same noise scaled past it, one element
+// far off, or a NaN fails.
+func TestCompareNormWise(t *testing.T) {
+	rng := backendtest.NewRand(t.Name())
+	want := backendtest.RandFloats(rng, 4096, -1, 1)
+	noisy := func(scale float64) []float64 {
+		got := make([]float64, len(want))
+		for i, w := range want {
+			got[i] = w + scale*(2*rng.Float64()-1)
+		}
+		return got
+	}
+	const tol = 1e-2
+	for _, c := range []struct {
+		name string
+		got  []float64
+		pass bool
+	}{
+		// Uniform noise of amplitude a has rms a/sqrt(3); want's rms is
+		// 1/sqrt(3), so the relative L2 error is about a.
+		{"noise 0.5%", noisy(0.005), true},
+		{"noise 2%", noisy(0.02), false},
+		{"one element off by 0.5", func() []float64 { g := noisy(0.001); g[77] += 0.5; return g }(), false},
+		{"a NaN", func() []float64 { g := noisy(0.001); g[5] = math.NaN(); return g }(), false},
+	} {
+		rec := &countingTB{TB: t}
+		ok := backendtest.CompareNormWise(rec, c.name, c.got, want, tol)
+		if ok != c.pass || (rec.errors == 0) != c.pass {
+			t.Errorf("%s: CompareNormWise = %v with %d errors, want pass = %v", c.name, ok, rec.errors, c.pass)
+		}
+	}
 }
