@@ -41,23 +41,94 @@ type modelParams struct {
 	layers                        []layerParams
 }
 
-func newModelParams(b backend.Backend, m ModelConfig, localExperts int) *modelParams {
-	ft := b.FloatType()
-	p := &modelParams{
-		embedVD:    b.New(ft, m.Vocab, m.Dim),
-		finalNormD: b.New(ft, m.Dim),
-		lmHeadVD:   b.New(ft, m.Vocab, m.Dim),
-		layers:     make([]layerParams, m.Layers),
-	}
+// paramStore is one kind of per-parameter state of a rank (the weights,
+// their gradients, or an AdamW moment): one contiguous tensor, every
+// parameter a view into it at the offsets of a flatLayout. Whole-model
+// passes (zeroing the gradients, their norm, clipping, the cross-rank
+// reductions, AdamW) then cost a call or two over long ranges rather than
+// one per tensor.
+type paramStore struct {
+	flat backend.Tensor // [layout.total]
+	p    *modelParams   // views into flat
+}
+
+// newParamStore allocates a zeroed store laid out by lay.
+func newParamStore(b backend.Backend, m ModelConfig, lay *flatLayout) paramStore {
+	flat := b.New(b.FloatType(), lay.total)
+	p := &modelParams{layers: make([]layerParams, m.Layers)}
 	for l := range p.layers {
-		p.layers[l] = layerParams{
-			attnNormD: b.New(ft, m.Dim),
-			ffnNormD:  b.New(ft, m.Dim),
-			attn:      attention.NewParams(b, attentionShape(m)),
-			moe:       moe.NewParams(b, m.MoE, m.Dim, localExperts),
+		p.layers[l] = layerParams{attn: &attention.Params{}, moe: &moe.Params{}}
+	}
+	for i, s := range lay.slots {
+		*s.pick(p) = b.View(flat, lay.offset[i], lay.shape[i]...)
+	}
+	return paramStore{flat: flat, p: p}
+}
+
+// view returns the store's elements [r.lo, r.hi).
+func (ps paramStore) view(b backend.Backend, r span) backend.Tensor {
+	return b.View(ps.flat, r.lo, r.hi-r.lo)
+}
+
+// span is a range [lo, hi) of a flat store.
+type span struct{ lo, hi int }
+
+func (r span) empty() bool { return r.hi <= r.lo }
+
+// flatLayout places every parameter of one rank in a flat store: norms
+// first, then the other replicated matrices, then this rank's experts, each
+// tensor starting on a flatAlign boundary. So the replicated tensors are
+// one range (reduced over the data group), the experts another (reduced
+// over the ranks holding the same experts), and the norms, which take no
+// weight decay, a prefix. The padding between tensors stays zero in every
+// store, and AdamW keeps zero weights with zero gradients at zero.
+type flatLayout struct {
+	slots  []paramSlot // in slots() order
+	offset []int       // per slot, elements into the store
+	shape  [][]int     // per slot, the local tensor's shape
+	total  int
+
+	norms, replicated, experts span
+}
+
+// flatAlign keeps every view 256-byte aligned (64 float32s), as the
+// allocator's own tensors are: the vectorised kernels and cuBLASLt's
+// fastest algorithms need it.
+const flatAlign = 64
+
+func newFlatLayout(m ModelConfig, localExperts int) *flatLayout {
+	ss := slots(m)
+	lay := &flatLayout{slots: ss, offset: make([]int, len(ss)), shape: make([][]int, len(ss))}
+	for i, s := range ss {
+		lay.shape[i] = slotShape(m, s)
+		if s.role == roleExpert {
+			lay.shape[i] = append([]int{localExperts}, lay.shape[i]...)
 		}
 	}
-	return p
+	off := 0
+	for _, role := range []tensorRole{roleNorm, roleMatrix, roleExpert} {
+		lo := off
+		for i, s := range ss {
+			if s.role != role {
+				continue
+			}
+			lay.offset[i] = off
+			n := 1
+			for _, d := range lay.shape[i] {
+				n *= d
+			}
+			off += (n + flatAlign - 1) / flatAlign * flatAlign
+		}
+		switch role {
+		case roleNorm:
+			lay.norms = span{lo, off}
+		case roleExpert:
+			lay.experts = span{lo, off}
+		}
+	}
+	lay.replicated = span{0, lay.experts.lo}
+	lay.total = off
+	return lay
 }
 
 func attentionShape(m ModelConfig) attention.Shape {
@@ -77,37 +148,37 @@ const (
 type paramSlot struct {
 	name string // for experts: a fmt pattern taking the global expert index
 	role tensorRole
-	pick func(*modelParams) backend.Tensor
+	pick func(*modelParams) *backend.Tensor
 }
 
 // slots lists every parameter in a fixed order: the order of optimizer
 // state, gradient reduction and checkpoints.
 func slots(m ModelConfig) []paramSlot {
-	s := []paramSlot{{nameEmbed, roleMatrix, func(p *modelParams) backend.Tensor { return p.embedVD }}}
+	s := []paramSlot{{nameEmbed, roleMatrix, func(p *modelParams) *backend.Tensor { return &p.embedVD }}}
 	for l := 0; l < m.Layers; l++ {
 		s = append(s,
-			paramSlot{layerName(l, "input_layernorm.weight"), roleNorm, func(p *modelParams) backend.Tensor { return p.layers[l].attnNormD }},
-			paramSlot{layerName(l, "self_attn.q_proj.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].attn.WqQD }},
-			paramSlot{layerName(l, "self_attn.k_proj.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].attn.WkKD }},
-			paramSlot{layerName(l, "self_attn.v_proj.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].attn.WvKD }},
-			paramSlot{layerName(l, "self_attn.o_proj.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].attn.WoDQ }},
-			paramSlot{layerName(l, "post_attention_layernorm.weight"), roleNorm, func(p *modelParams) backend.Tensor { return p.layers[l].ffnNormD }},
-			paramSlot{layerName(l, "block_sparse_moe.gate.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].moe.GateED }},
-			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w1.weight", l), roleExpert, func(p *modelParams) backend.Tensor { return p.layers[l].moe.W1EFD }},
-			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w2.weight", l), roleExpert, func(p *modelParams) backend.Tensor { return p.layers[l].moe.W2EDF }},
-			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w3.weight", l), roleExpert, func(p *modelParams) backend.Tensor { return p.layers[l].moe.W3EFD }},
+			paramSlot{layerName(l, "input_layernorm.weight"), roleNorm, func(p *modelParams) *backend.Tensor { return &p.layers[l].attnNormD }},
+			paramSlot{layerName(l, "self_attn.q_proj.weight"), roleMatrix, func(p *modelParams) *backend.Tensor { return &p.layers[l].attn.WqQD }},
+			paramSlot{layerName(l, "self_attn.k_proj.weight"), roleMatrix, func(p *modelParams) *backend.Tensor { return &p.layers[l].attn.WkKD }},
+			paramSlot{layerName(l, "self_attn.v_proj.weight"), roleMatrix, func(p *modelParams) *backend.Tensor { return &p.layers[l].attn.WvKD }},
+			paramSlot{layerName(l, "self_attn.o_proj.weight"), roleMatrix, func(p *modelParams) *backend.Tensor { return &p.layers[l].attn.WoDQ }},
+			paramSlot{layerName(l, "post_attention_layernorm.weight"), roleNorm, func(p *modelParams) *backend.Tensor { return &p.layers[l].ffnNormD }},
+			paramSlot{layerName(l, "block_sparse_moe.gate.weight"), roleMatrix, func(p *modelParams) *backend.Tensor { return &p.layers[l].moe.GateED }},
+			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w1.weight", l), roleExpert, func(p *modelParams) *backend.Tensor { return &p.layers[l].moe.W1EFD }},
+			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w2.weight", l), roleExpert, func(p *modelParams) *backend.Tensor { return &p.layers[l].moe.W2EDF }},
+			paramSlot{fmt.Sprintf("model.layers.%d.block_sparse_moe.experts.%%d.w3.weight", l), roleExpert, func(p *modelParams) *backend.Tensor { return &p.layers[l].moe.W3EFD }},
 		)
 		if m.MoE.SharedExperts > 0 {
 			s = append(s,
-				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w1.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].moe.SharedW1FD }},
-				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w2.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].moe.SharedW2DF }},
-				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w3.weight"), roleMatrix, func(p *modelParams) backend.Tensor { return p.layers[l].moe.SharedW3FD }},
+				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w1.weight"), roleMatrix, func(p *modelParams) *backend.Tensor { return &p.layers[l].moe.SharedW1FD }},
+				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w2.weight"), roleMatrix, func(p *modelParams) *backend.Tensor { return &p.layers[l].moe.SharedW2DF }},
+				paramSlot{layerName(l, "block_sparse_moe.shared_experts.w3.weight"), roleMatrix, func(p *modelParams) *backend.Tensor { return &p.layers[l].moe.SharedW3FD }},
 			)
 		}
 	}
 	return append(s,
-		paramSlot{nameFinalNorm, roleNorm, func(p *modelParams) backend.Tensor { return p.finalNormD }},
-		paramSlot{nameLMHead, roleMatrix, func(p *modelParams) backend.Tensor { return p.lmHeadVD }},
+		paramSlot{nameFinalNorm, roleNorm, func(p *modelParams) *backend.Tensor { return &p.finalNormD }},
+		paramSlot{nameLMHead, roleMatrix, func(p *modelParams) *backend.Tensor { return &p.lmHeadVD }},
 	)
 }
 
@@ -166,40 +237,44 @@ type NamedShape struct {
 // ParamShapes lists every model tensor of m by its layout-independent name,
 // one entry per expert, in checkpoint order.
 func ParamShapes(m ModelConfig) []NamedShape {
-	D, Q, KD, F, E := m.Dim, m.Heads*m.HeadDim(), m.KVHeads*m.HeadDim(), m.MoE.FFN, m.MoE.Experts
-	SF := m.MoE.SharedExperts * F
 	var out []NamedShape
 	for _, s := range slots(m) {
-		var shape []int
-		switch {
-		case s.name == nameEmbed || s.name == nameLMHead:
-			shape = []int{m.Vocab, D}
-		case s.role == roleNorm:
-			shape = []int{D}
-		case strings.HasSuffix(s.name, "q_proj.weight"):
-			shape = []int{Q, D}
-		case strings.HasSuffix(s.name, "k_proj.weight"), strings.HasSuffix(s.name, "v_proj.weight"):
-			shape = []int{KD, D}
-		case strings.HasSuffix(s.name, "o_proj.weight"):
-			shape = []int{D, Q}
-		case strings.HasSuffix(s.name, "gate.weight"):
-			shape = []int{E, D}
-		case strings.HasSuffix(s.name, "shared_experts.w2.weight"):
-			shape = []int{D, SF}
-		case strings.Contains(s.name, "shared_experts."):
-			shape = []int{SF, D}
-		case strings.HasSuffix(s.name, "w2.weight"):
-			shape = []int{D, F}
-		default: // w1, w3
-			shape = []int{F, D}
-		}
+		shape := slotShape(m, s)
 		if s.role != roleExpert {
 			out = append(out, NamedShape{s.name, shape})
 			continue
 		}
-		for j := 0; j < E; j++ {
+		for j := 0; j < m.MoE.Experts; j++ {
 			out = append(out, NamedShape{fmt.Sprintf(s.name, j), shape})
 		}
 	}
 	return out
+}
+
+// slotShape is the shape of one tensor of slot s (of one expert, for
+// expert slots).
+func slotShape(m ModelConfig, s paramSlot) []int {
+	D, Q, KD, F, E := m.Dim, m.Heads*m.HeadDim(), m.KVHeads*m.HeadDim(), m.MoE.FFN, m.MoE.Experts
+	SF := m.MoE.SharedExperts * F
+	switch {
+	case s.name == nameEmbed || s.name == nameLMHead:
+		return []int{m.Vocab, D}
+	case s.role == roleNorm:
+		return []int{D}
+	case strings.HasSuffix(s.name, "q_proj.weight"):
+		return []int{Q, D}
+	case strings.HasSuffix(s.name, "k_proj.weight"), strings.HasSuffix(s.name, "v_proj.weight"):
+		return []int{KD, D}
+	case strings.HasSuffix(s.name, "o_proj.weight"):
+		return []int{D, Q}
+	case strings.HasSuffix(s.name, "gate.weight"):
+		return []int{E, D}
+	case strings.HasSuffix(s.name, "shared_experts.w2.weight"):
+		return []int{D, SF}
+	case strings.Contains(s.name, "shared_experts."):
+		return []int{SF, D}
+	case strings.HasSuffix(s.name, "w2.weight"):
+		return []int{D, F}
+	}
+	return []int{F, D} // w1, w3
 }

@@ -31,10 +31,15 @@ type rank struct {
 	groups *comm.Ranks
 	w, g   *modelParams
 	params []param
-	biasE  []backend.Tensor // per layer, nil when bias balancing is off
-	model  *model
-	train  batchSource
-	val    evalSource
+	// The flat stores behind w, g and the AdamW moments (m and v have no
+	// flat tensor on ranks that do not train), and where each role lies.
+	layout         *flatLayout
+	wStore, gStore paramStore
+	mStore, vStore paramStore
+	biasE          []backend.Tensor // per layer, nil when bias balancing is off
+	model          *model
+	train          batchSource
+	val            evalSource
 }
 
 // newRank builds a rank with initialised weights. A rank without training
@@ -44,14 +49,16 @@ func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSourc
 	localExperts := m.MoE.Experts / cfg.Parallel.EP
 	firstExpert := groups.Expert.Rank() * localExperts
 	r := &rank{cfg: cfg, b: b, groups: groups, train: train, val: val}
-	r.w = newModelParams(b, m, localExperts)
-	r.g = newModelParams(b, m, localExperts)
-	for _, s := range slots(m) {
-		w := s.pick(r.w)
-		p := param{slot: s, w: w, g: s.pick(r.g), firstExpert: firstExpert}
+	r.layout = newFlatLayout(m, localExperts)
+	r.wStore, r.gStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
+	r.w, r.g = r.wStore.p, r.gStore.p
+	if train != nil {
+		r.mStore, r.vStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
+	}
+	for _, s := range r.layout.slots {
+		p := param{slot: s, w: *s.pick(r.w), g: *s.pick(r.g), firstExpert: firstExpert}
 		if train != nil {
-			p.m = b.New(b.FloatType(), w.Shape()...)
-			p.v = b.New(b.FloatType(), w.Shape()...)
+			p.m, p.v = *s.pick(r.mStore.p), *s.pick(r.vStore.p)
 		}
 		initParam(b, &p, cfg.Train.Seed, m.InitStd)
 		r.params = append(r.params, p)
@@ -88,9 +95,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	for l := range res.expertLoad {
 		res.expertLoad[l] = make([]float64, cfg.Model.MoE.Experts)
 	}
-	for _, p := range r.params {
-		b.Zero(p.g)
-	}
+	b.Zero(r.gStore.flat)
 	lossSum := 0.0
 	for a := 0; a < accum; a++ {
 		ids, targets, err := r.train.Next(cfg.Train.MicroBatch)
@@ -132,18 +137,22 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	}
 	res.gradNorm = norm
 	if clip := cfg.Train.GradClip; clip > 0 && norm > clip {
-		for _, p := range r.params {
-			b.Scale(p.g, clip/(norm+1e-6))
-		}
+		b.Scale(r.gStore.flat, clip/(norm+1e-6))
 	}
 	res.lr = learningRate(cfg.Train, step)
 	t := cfg.Train
-	for _, p := range r.params {
-		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: t.WeightDecay, Step: step}
-		if p.slot.role == roleNorm {
-			h.WeightDecay = 0
+	// One AdamW pass over the norms (no weight decay) and one over the
+	// rest of the flat stores.
+	lay := r.layout
+	for _, part := range []struct {
+		r  span
+		wd float64
+	}{{lay.norms, 0}, {span{lay.norms.hi, lay.total}, t.WeightDecay}} {
+		if part.r.empty() {
+			continue
 		}
-		b.AdamWUpdate(p.w, p.g, p.m, p.v, h)
+		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: part.wd, Step: step}
+		b.AdamWUpdate(r.wStore.view(b, part.r), r.gStore.view(b, part.r), r.mStore.view(b, part.r), r.vStore.view(b, part.r), h)
 	}
 	for l, bias := range r.biasE {
 		moe.UpdateBias(b, bias, res.expertLoad[l], cfg.Model.MoE.BiasUpdateRate)
@@ -155,32 +164,37 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 // replicated weights over the data group, expert weights over the ranks
 // that hold the same experts.
 func (r *rank) reduceGradients() error {
-	for _, p := range r.params {
-		g := r.groups.Data
-		if p.slot.role == roleExpert {
-			g = r.groups.ExpertReplica
-		}
-		if g.Size() == 1 {
+	for _, part := range []struct {
+		r span
+		g comm.Group
+	}{{r.layout.replicated, r.groups.Data}, {r.layout.experts, r.groups.ExpertReplica}} {
+		if part.g.Size() == 1 {
 			continue
 		}
-		if err := g.AllReduceSum(p.g); err != nil {
-			return err
+		for lo := part.r.lo; lo < part.r.hi; lo += gradBucket {
+			bucket := span{lo, min(lo+gradBucket, part.r.hi)}
+			if err := part.g.AllReduceSum(r.gStore.view(r.b, bucket)); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
 }
 
+// gradBucket is the most gradient elements one all-reduce sums (64 MiB of
+// float32): the communicators' scratch memory grows with the call, not with
+// the model.
+const gradBucket = 16 << 20
+
 // gradNorm is the global L2 norm of the reduced gradients: replicated
 // tensors counted once, expert shards summed over the expert group.
 func (r *rank) gradNorm() (float64, error) {
 	replicated, experts := 0.0, []float64{0}
-	for _, p := range r.params {
-		ss := r.b.SumSquares(p.g)
-		if p.slot.role == roleExpert {
-			experts[0] += ss
-		} else {
-			replicated += ss
-		}
+	if lay := r.layout; !lay.replicated.empty() {
+		replicated = r.b.SumSquares(r.gStore.view(r.b, lay.replicated))
+	}
+	if lay := r.layout; !lay.experts.empty() {
+		experts[0] = r.b.SumSquares(r.gStore.view(r.b, lay.experts))
 	}
 	if err := r.groups.Expert.AllReduceFloat64(experts); err != nil {
 		return 0, err
