@@ -44,13 +44,46 @@ type Layer struct {
 	// sends, R = rows its experts process.
 	sendTokS, sendSlotS, permR, invPermR rowBuf // Int32 index vectors
 	gateS, dgateS                        rowBuf // per sent row
-	rowsSD, rowsR1D, rowsR2D             rowBuf // scratch rows of width D
 	xRD, ySD                             rowBuf // saved: expert inputs (expert-major), expert outputs (send order)
-	h1RF, h3RF, actRF                    rowBuf // saved: expert hidden activations
-	dActRF, dh1RF, dh3RF                 rowBuf // backward scratch
+	h1RF, h3RF                           rowBuf // saved: expert hidden activations before SwiGLU
+	scratch                              *Scratch
 
 	step *step // the last successful Forward, nil before
 }
+
+// Scratch is the working memory a Layer uses only inside one Forward or
+// Backward call: rows in transit and the experts' SwiGLU output and
+// gradients, which for moe-small are most of a layer's memory. The layers of
+// one rank run one after another, so they can share one Scratch (see
+// WithScratch); layers that run at the same time (different ranks) must
+// not.
+type Scratch struct {
+	rowsSD, rowsR1D, rowsR2D rowBuf // rows of width D
+	actRF                    rowBuf // SwiGLU output: made in Forward, made again in Backward
+	dActRF, dh1RF, dh3RF     rowBuf // backward
+}
+
+// NewScratch returns an empty Scratch for layers of width dim and expert
+// hidden size ffn; its buffers grow on first use.
+func NewScratch(b backend.Backend, dim, ffn int) *Scratch {
+	ft := b.FloatType()
+	s := &Scratch{}
+	for _, r := range []*rowBuf{&s.rowsSD, &s.rowsR1D, &s.rowsR2D} {
+		*r = rowBuf{dt: ft, cols: dim}
+	}
+	for _, r := range []*rowBuf{&s.actRF, &s.dActRF, &s.dh1RF, &s.dh3RF} {
+		*r = rowBuf{dt: ft, cols: ffn}
+	}
+	return s
+}
+
+// Option configures New.
+type Option func(*Layer)
+
+// WithScratch makes the Layer use s, shared with the other layers of its
+// rank, instead of a Scratch of its own. s must be of the Layer's width and
+// expert hidden size.
+func WithScratch(s *Scratch) Option { return func(l *Layer) { l.scratch = s } }
 
 // step is what Forward leaves for Backward.
 type step struct {
@@ -61,11 +94,11 @@ type step struct {
 	permR, invPermR     backend.Tensor
 	gateS               backend.Tensor
 	xRD, h1RF, h3RF     backend.Tensor
-	actRF, ySD          backend.Tensor
+	ySD                 backend.Tensor
 }
 
 // New builds a Layer of width dim for tokens local tokens per micro-step.
-func New(b backend.Backend, cfg Config, dim, tokens int, g Groups) (*Layer, error) {
+func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Option) (*Layer, error) {
 	if err := validate(cfg, dim, tokens, g); err != nil {
 		return nil, err
 	}
@@ -94,11 +127,20 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups) (*Layer, erro
 	for _, r := range []*rowBuf{&l.gateS, &l.dgateS} {
 		*r = rowBuf{dt: ft, cols: 1}
 	}
-	for _, r := range []*rowBuf{&l.rowsSD, &l.rowsR1D, &l.rowsR2D, &l.xRD, &l.ySD} {
+	for _, r := range []*rowBuf{&l.xRD, &l.ySD} {
 		*r = rowBuf{dt: ft, cols: dim}
 	}
-	for _, r := range []*rowBuf{&l.h1RF, &l.h3RF, &l.actRF, &l.dActRF, &l.dh1RF, &l.dh3RF} {
+	for _, r := range []*rowBuf{&l.h1RF, &l.h3RF} {
 		*r = rowBuf{dt: ft, cols: F}
+	}
+	for _, o := range opts {
+		o(l)
+	}
+	if l.scratch == nil {
+		l.scratch = NewScratch(b, dim, F)
+	} else if sc := l.scratch; sc.rowsSD.cols != dim || sc.actRF.cols != F || sc.rowsSD.dt != ft {
+		return nil, fmt.Errorf("moe: the shared scratch is for width %d, ffn %d, %v; this layer has width %d, ffn %d, %v",
+			sc.rowsSD.cols, sc.actRF.cols, sc.rowsSD.dt, dim, F, ft)
 	}
 	return l, nil
 }
@@ -215,7 +257,8 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 	st.permR = l.permR.uploadInts(b, pl.perm)
 	st.invPermR = l.invPermR.uploadInts(b, pl.invPerm)
 
-	sendSD, recvRD := l.rowsSD.view(b, S), l.rowsR1D.view(b, R)
+	sc := l.scratch
+	sendSD, recvRD := sc.rowsSD.view(b, S), sc.rowsR1D.view(b, R)
 	if S > 0 {
 		b.GatherRows(sendSD, st.xTD, st.sendTokS, nil)
 	}
@@ -223,8 +266,8 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 		return fmt.Errorf("moe: dispatch: %w", err)
 	}
 	st.xRD = l.xRD.view(b, R)
-	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
-	yRD := l.rowsR2D.view(b, R)
+	st.h1RF, st.h3RF = l.h1RF.view(b, R), l.h3RF.view(b, R)
+	actRF, yRD := sc.actRF.view(b, R), sc.rowsR2D.view(b, R)
 	if R > 0 {
 		b.GatherRows(st.xRD, recvRD, st.permR, nil)
 		// Expert SwiGLU: y = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ, one expert's rows
@@ -234,9 +277,9 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 			b.MatMul(e.rows(st.h1RF, l.cfg.FFN), x, e.w1(p), false, true, 1, 0)
 			b.MatMul(e.rows(st.h3RF, l.cfg.FFN), x, e.w3(p), false, true, 1, 0)
 		})
-		b.SwiGLUForward(st.actRF, st.h1RF, st.h3RF)
+		b.SwiGLUForward(actRF, st.h1RF, st.h3RF)
 		l.eachExpert(pl, func(e expertView) {
-			b.MatMul(e.rows(yRD, D), e.rows(st.actRF, l.cfg.FFN), e.w2(p), false, true, 1, 0)
+			b.MatMul(e.rows(yRD, D), e.rows(actRF, l.cfg.FFN), e.w2(p), false, true, 1, 0)
 		})
 		b.GatherRows(recvRD, yRD, st.invPermR, nil) // back to arrival order
 	}
@@ -300,25 +343,30 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
 	S, R := len(pl.sendTok), len(pl.perm)
 
-	dySD := l.rowsSD.view(b, S)
+	sc := l.scratch
+	dySD := sc.rowsSD.view(b, S)
 	if S > 0 {
 		b.GatherRows(dySD, doutTD, st.sendTokS, st.gateS)
 	}
-	dyRecvRD := l.rowsR1D.view(b, R)
+	dyRecvRD := sc.rowsR1D.view(b, R)
 	if err := l.g.Expert.AllToAllRows(dyRecvRD, dySD, pl.recvCounts, pl.sendCounts); err != nil {
 		return fmt.Errorf("moe: backward dispatch: %w", err)
 	}
 	// Scratch rows are reused as their contents die: rowsR2D holds dy, then
 	// (once the experts have consumed dy) the dx rows in arrival order;
 	// rowsR1D holds dy in arrival order, then the experts' dx.
-	dyRD, dxRD, dxRecvRD := l.rowsR2D.view(b, R), l.rowsR1D.view(b, R), l.rowsR2D.view(b, R)
+	dyRD, dxRD, dxRecvRD := sc.rowsR2D.view(b, R), sc.rowsR1D.view(b, R), sc.rowsR2D.view(b, R)
 	if R > 0 {
 		b.GatherRows(dyRD, dyRecvRD, st.permR, nil)
-		dActRF, dh1RF, dh3RF := l.dActRF.view(b, R), l.dh1RF.view(b, R), l.dh3RF.view(b, R)
+		dActRF, dh1RF, dh3RF := sc.dActRF.view(b, R), sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
+		// The SwiGLU output is not kept from Forward (it would be the
+		// largest saved tensor); w2's gradient needs it, so make it again.
+		actRF := sc.actRF.view(b, R)
+		b.SwiGLUForward(actRF, st.h1RF, st.h3RF)
 		l.eachExpert(pl, func(e expertView) {
 			dy := e.rows(dyRD, D)
 			b.MatMul(e.rows(dActRF, F), dy, e.w2(p), false, false, 1, 0)
-			b.MatMul(e.w2(g), dy, e.rows(st.actRF, F), true, false, 1, 1)
+			b.MatMul(e.w2(g), dy, e.rows(actRF, F), true, false, 1, 1)
 		})
 		b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
 		l.eachExpert(pl, func(e expertView) {
@@ -330,7 +378,7 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 		})
 		b.GatherRows(dxRecvRD, dxRD, st.invPermR, nil)
 	}
-	dxSD := l.rowsSD.view(b, S)
+	dxSD := sc.rowsSD.view(b, S)
 	if err := l.g.Expert.AllToAllRows(dxSD, dxRecvRD, pl.sendCounts, pl.recvCounts); err != nil {
 		return fmt.Errorf("moe: backward combine: %w", err)
 	}

@@ -638,3 +638,60 @@ func TestErrors(t *testing.T) {
 		t.Errorf("Forward with 2 local experts of 4 on one rank: %v", err)
 	}
 }
+
+// TestSharedScratch runs two layers that share one Scratch in the order a
+// model does (forward 1, forward 2, backward 2, backward 1) and checks that
+// their outputs and gradients are bitwise those of layers with their own;
+// and that a Scratch of another width is refused.
+func TestSharedScratch(t *testing.T) {
+	b := cpu.New(backend.Float64)
+	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001}
+	const D, T = 5, 12
+	solo, err := comm.NewLocal(oneRank(), b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := moe.Groups{Expert: solo[0].Expert, Data: solo[0].Data}
+	probs := []*problem{newProblem(1, cfg, D, T, false), newProblem(2, cfg, D, T, false)}
+	run := func(shared *moe.Scratch) (outs [][]float64) {
+		var layers []*moe.Layer
+		var ps, gs []*moe.Params
+		var xs, ys []backend.Tensor
+		for _, pr := range probs {
+			var opts []moe.Option
+			if shared != nil {
+				opts = append(opts, moe.WithScratch(shared))
+			}
+			l, err := moe.New(b, cfg, D, T, g, opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := moe.NewParams(b, cfg, D, cfg.Experts)
+			p.GateED, p.W1EFD, p.W3EFD, p.W2EDF = upload(b, pr.gate, cfg.Experts, D), upload(b, pr.w1, cfg.Experts, cfg.FFN, D),
+				upload(b, pr.w3, cfg.Experts, cfg.FFN, D), upload(b, pr.w2, cfg.Experts, D, cfg.FFN)
+			layers, ps, gs = append(layers, l), append(ps, p), append(gs, moe.NewParams(b, cfg, D, cfg.Experts))
+			xs, ys = append(xs, upload(b, pr.x, T, D)), append(ys, b.New(backend.Float64, T, D))
+		}
+		for i, l := range layers {
+			if _, err := l.Forward(ys[i], xs[i], ps[i], nil, 1); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for i := len(layers) - 1; i >= 0; i-- {
+			dx := b.New(backend.Float64, T, D)
+			if err := layers[i].Backward(dx, upload(b, probs[i].dout, T, D), ps[i], gs[i]); err != nil {
+				t.Fatal(err)
+			}
+			outs = append(outs, backend.DownloadFloat64(b, ys[i]), backend.DownloadFloat64(b, dx),
+				backend.DownloadFloat64(b, gs[i].W1EFD), backend.DownloadFloat64(b, gs[i].W2EDF), backend.DownloadFloat64(b, gs[i].GateED))
+		}
+		return outs
+	}
+	own, shared := run(nil), run(moe.NewScratch(b, D, cfg.FFN))
+	for i := range own {
+		assertClose(t, fmt.Sprintf("tensor %d", i), shared[i], own[i], 0)
+	}
+	if _, err := moe.New(b, cfg, D, T, g, moe.WithScratch(moe.NewScratch(b, D+1, cfg.FFN))); err == nil || !strings.Contains(err.Error(), "shared scratch") {
+		t.Errorf("a scratch of another width: error %v", err)
+	}
+}
