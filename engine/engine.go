@@ -27,6 +27,7 @@ type Engine struct {
 	metrics io.Writer
 	backend backend.Backend
 	closer  io.Closer // the backend, when the engine opened it
+	wrap    func(backend.Backend) backend.Backend
 	runDir  string
 	// The recipe as the user wrote it, kept in checkpoints.
 	recipe     []byte
@@ -52,6 +53,14 @@ func WithMetrics(w io.Writer) Option { return func(e *Engine) { e.metrics = w } 
 // WithBackend runs on b instead of the backend the config names (for
 // example cpu.New(backend.Float64) for gradient checks).
 func WithBackend(b backend.Backend) Option { return func(e *Engine) { e.backend = b } }
+
+// WithBackendWrapper runs the engine on wrap(b), where b is the backend
+// New picked (or the one WithBackend gave): for example a profiler
+// (package backend/profile) that times every op. Close still closes b when
+// the engine opened it.
+func WithBackendWrapper(wrap func(backend.Backend) backend.Backend) Option {
+	return func(e *Engine) { e.wrap = wrap }
+}
 
 // WithRunDir names the run directory, where checkpoints are kept.
 func WithRunDir(dir string) Option { return func(e *Engine) { e.runDir = dir } }
@@ -80,6 +89,9 @@ func New(cfg Config, opts ...Option) (*Engine, error) {
 			return nil, err
 		}
 		e.backend = b
+	}
+	if e.wrap != nil {
+		e.backend = e.wrap(e.backend)
 	}
 	return e, nil
 }

@@ -5,6 +5,7 @@ import (
 
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/moe"
 )
 
@@ -51,6 +52,9 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 	}
 	backend.UploadSlice(b, m.posT, pos)
 	L := cfg.Layers
+	// The MoE layers run one after another, so they share their working
+	// memory.
+	moeScratch := moe.NewScratch(b, D, cfg.MoE.FFN)
 	for l := 0; l <= L; l++ {
 		m.residL = append(m.residL, b.New(ft, T, D))
 	}
@@ -61,7 +65,7 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 		m.rstd1L = append(m.rstd1L, b.New(ft, T))
 		m.rstd2L = append(m.rstd2L, b.New(ft, T))
 		m.attn = append(m.attn, attention.New(b, attentionShape(cfg), batch, seq))
-		layer, err := moe.New(b, cfg.MoE, D, T, groups)
+		layer, err := moe.New(b, cfg.MoE, D, T, groups, moe.WithScratch(moeScratch))
 		if err != nil {
 			return nil, fmt.Errorf("layer %d: %w", l, err)
 		}
@@ -95,11 +99,16 @@ type microStats struct {
 func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backend.Tensor) (microStats, error) {
 	b, w := m.b, m.w
 	st := microStats{moe: make([]moe.Stats, m.cfg.Layers)}
+	// Scopes tell a profiler (package backend/profile) what the ops are
+	// part of; on any other backend profile.Scope does nothing.
+	profile.Scope(b, "")
 	b.EmbeddingForward(m.residL[0], w.embedVD, m.idsT)
 	for l := 0; l < m.cfg.Layers; l++ {
 		lw := &w.layers[l]
 		b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
+		profile.Scope(b, profile.ScopeAttention)
 		m.attn[l].Forward(m.blockOutTD, m.h1L[l], m.posT, lw.attn)
+		profile.Scope(b, "")
 		b.Copy(m.midL[l], m.residL[l])
 		b.Axpy(m.midL[l], 1, m.blockOutTD)
 
@@ -108,7 +117,9 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 		if biasE != nil {
 			bias = biasE[l]
 		}
+		profile.Scope(b, profile.ScopeMoE)
 		s, err := m.moe[l].Forward(m.blockOutTD, m.h2L[l], lw.moe, bias, lossScale)
+		profile.Scope(b, "")
 		if err != nil {
 			return st, fmt.Errorf("layer %d MoE: %w", l, err)
 		}
@@ -118,7 +129,9 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 	}
 	L := m.cfg.Layers
 	b.RMSNormForward(m.finalTD, m.rstdFinalT, m.residL[L], w.finalNormD, m.cfg.NormEps)
+	profile.Scope(b, profile.ScopeHead)
 	st.lossSum = m.lmHeadLoss(train, gradScale)
+	profile.Scope(b, "")
 	return st, nil
 }
 
@@ -149,18 +162,24 @@ func (m *model) lmHeadLoss(train bool, gradScale float64) float64 {
 func (m *model) backward() error {
 	b, w, g := m.b, m.w, m.g
 	L := m.cfg.Layers
+	profile.Scope(b, "")
 	b.RMSNormBackward(m.dResidTD, g.finalNormD, m.dFinalTD, m.residL[L], w.finalNormD, m.rstdFinalT)
 	for l := L - 1; l >= 0; l-- {
 		lw, lg := &w.layers[l], &g.layers[l]
 		// residL[l+1] = midL[l] + moe(norm(midL[l])): the stream's gradient
 		// flows straight through and through the MoE block.
-		if err := m.moe[l].Backward(m.dBlockTD, m.dResidTD, lw.moe, lg.moe); err != nil {
+		profile.Scope(b, profile.ScopeMoE)
+		err := m.moe[l].Backward(m.dBlockTD, m.dResidTD, lw.moe, lg.moe)
+		profile.Scope(b, "")
+		if err != nil {
 			return fmt.Errorf("layer %d MoE backward: %w", l, err)
 		}
 		b.RMSNormBackward(m.dTmpTD, lg.ffnNormD, m.dBlockTD, m.midL[l], lw.ffnNormD, m.rstd2L[l])
 		b.Axpy(m.dResidTD, 1, m.dTmpTD)
 		// midL[l] = residL[l] + attn(norm(residL[l])).
+		profile.Scope(b, profile.ScopeAttention)
 		m.attn[l].Backward(m.dBlockTD, m.dResidTD, lw.attn, lg.attn)
+		profile.Scope(b, "")
 		b.RMSNormBackward(m.dTmpTD, lg.attnNormD, m.dBlockTD, m.residL[l], lw.attnNormD, m.rstd1L[l])
 		b.Axpy(m.dResidTD, 1, m.dTmpTD)
 	}

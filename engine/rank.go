@@ -5,6 +5,7 @@ import (
 	"math"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 )
@@ -131,6 +132,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	if err := r.reduceGradients(); err != nil {
 		return res, err
 	}
+	profile.Scope(r.b, profile.ScopeOptimizer)
 	norm, err := r.gradNorm()
 	if err != nil {
 		return res, err
@@ -154,6 +156,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: part.wd, Step: step}
 		b.AdamWUpdate(r.wStore.view(b, part.r), r.gStore.view(b, part.r), r.mStore.view(b, part.r), r.vStore.view(b, part.r), h)
 	}
+	profile.Scope(r.b, "")
 	for l, bias := range r.biasE {
 		moe.UpdateBias(b, bias, res.expertLoad[l], cfg.Model.MoE.BiasUpdateRate)
 	}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,17 +16,24 @@ import (
 	"strings"
 	"time"
 
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/recipes"
 )
 
-const benchUsage = `Usage: mktrain bench train [RECIPE] [--steps N] [--warmup N] [--set k=v]... [--out DIR]
+const benchUsage = `Usage: mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--set k=v]... [--out DIR]
        mktrain bench checkpoint [RECIPE] [--set k=v]... (see mktrain bench checkpoint --help)
 
 Measures training throughput: runs RECIPE (default tiny) for warmup+steps
 optimizer steps, ignores the warmup steps, and prints the median tokens/s and
-step time. Writes DIR/train-<recipe>-<time>.json with the commit, the machine,
-the command and the figures.
+step time, the model FLOPs utilisation (MFU, on the GPU) and the peak memory.
+With --profile (the default) one more step runs with every backend op timed,
+and a table shows where that step's time goes: attention, expert GEMMs,
+other GEMMs, dispatch, router, norms and elementwise, loss, optimizer, host
+transfers and host gaps (time no op covers); a last, untimed step follows
+(it runs the final evaluation). Writes DIR/train-<recipe>-<time>.json with
+the commit, the machine, the command and the figures.
 
 Flags:
 `
@@ -64,6 +72,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.Var(&sets, "set", "override a recipe field (repeatable)")
 	steps := fs.Int("steps", 20, "measured steps")
 	warmup := fs.Int("warmup", 3, "steps run before measuring")
+	doProfile := fs.Bool("profile", true, "time one extra step op by op and print where its time goes")
 	out := fs.String("out", filepath.Join("bench", "results"), "directory for the JSON result")
 	pos, err := parseInterspersed(fs, args[1:])
 	if err != nil {
@@ -78,17 +87,54 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *steps < 1 || *warmup < 0 {
 		return usageError{"--steps must be positive and --warmup not negative"}
 	}
-	sets = append(sets, fmt.Sprintf("train.steps=%d", *steps+*warmup), "train.eval_every=0", "train.warmup_steps=0")
+	measuredEnd := *warmup + *steps
+	total := measuredEnd
+	if *doProfile {
+		// The profiled step, then one that runs the final evaluation,
+		// which must not fall into the profile.
+		total += 2
+	}
+	sets = append(sets, fmt.Sprintf("train.steps=%d", total), "train.eval_every=0", "train.warmup_steps=0")
 	cfg, _, err := recipes.Load(recipe, sets)
 	if err != nil {
 		return err
 	}
-	var stepSeconds []float64
-	eng, err := engine.New(cfg, engine.WithHook(func(ev engine.StepEvent) {
-		if ev.Step > *warmup {
-			stepSeconds = append(stepSeconds, float64(cfg.Train.GlobalBatch*cfg.Train.Seq)/ev.TokensPerSec)
+	tokens := float64(cfg.Train.GlobalBatch * cfg.Train.Seq)
+	var (
+		inner       backend.Backend // the engine's backend, under the profiler
+		prof        *profile.Backend
+		stepSeconds []float64
+		profWall    time.Duration
+		rep         profile.Report
+		profErr     error
+	)
+	wrap := func(b backend.Backend) backend.Backend {
+		inner = b
+		if !*doProfile {
+			return b
 		}
-	}))
+		prof = profile.New(b, profile.ClockFor(b))
+		return prof.Backend()
+	}
+	// The hook runs after each step, before the next: it switches the
+	// profiler on for step measuredEnd+1 and reads it after that step.
+	hook := func(ev engine.StepEvent) {
+		if ev.Step > *warmup && ev.Step <= measuredEnd {
+			stepSeconds = append(stepSeconds, tokens/ev.TokensPerSec)
+		}
+		if prof == nil {
+			return
+		}
+		switch ev.Step {
+		case measuredEnd:
+			prof.SetEnabled(true)
+		case measuredEnd + 1:
+			prof.SetEnabled(false)
+			profWall = time.Duration(tokens / ev.TokensPerSec * float64(time.Second))
+			rep, profErr = prof.Report()
+		}
+	}
+	eng, err := engine.New(cfg, engine.WithHook(hook), engine.WithBackendWrapper(wrap))
 	if err != nil {
 		return err
 	}
@@ -97,9 +143,39 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if _, err := eng.Run(ctx); err != nil {
 		return err
 	}
+	if profErr != nil {
+		return fmt.Errorf("bench: profiling step %d: %w", measuredEnd+1, profErr)
+	}
 	slices.Sort(stepSeconds)
 	median := stepSeconds[len(stepSeconds)/2]
-	tokens := float64(cfg.Train.GlobalBatch * cfg.Train.Seq)
+	flopsPerToken := modelFLOPsPerToken(cfg.Model, cfg.Train.Seq)
+	figures := map[string]any{
+		"tokens_per_step": tokens,
+		"step_ms_median":  median * 1e3,
+		"step_ms_min":     stepSeconds[0] * 1e3,
+		"tokens_per_s":    tokens / median,
+		"measured_steps":  len(stepSeconds),
+		"ranks":           cfg.Parallel.DP * cfg.Parallel.EP * cfg.Parallel.CP * cfg.Parallel.TP,
+		"model_params":    engine.ParamCount(cfg.Model),
+		"flops_per_token": flopsPerToken,
+		"model_tflops":    flopsPerToken * tokens / median / 1e12,
+		"mfu":             nil, // null on the CPU
+	}
+	mem := peakMemory(inner)
+	figures["peak_memory_bytes"], figures["peak_memory_source"] = mem.bytes, mem.source
+	mfu := math.NaN()
+	if inner.Name() == "cuda" {
+		mfu = flopsPerToken * tokens / median / gpuPeakFLOPs
+		figures["mfu"], figures["mfu_peak_flops"] = mfu, gpuPeakFLOPs
+	}
+	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s %8s %12s\n", "benchmark", "recipe", "tokens/s", "step ms", "MFU", "peak memory")
+	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f %8s %12s\n", "train", recipe, tokens/median, median*1e3, formatMFU(mfu), formatBytes(mem.bytes))
+	if prof != nil {
+		rep = rep.WithWall(profWall)
+		figures["profiled_step_ms"] = profWall.Seconds() * 1e3
+		figures["breakdown"] = breakdownRows(rep)
+		printBreakdown(stdout, rep, profWall, median)
+	}
 	res := benchResult{
 		Benchmark: "train",
 		Commit:    commit(),
@@ -108,19 +184,91 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		Machine:   machine(eng.BackendName()),
 		Recipe:    recipe,
 		Config:    cfg,
-		Figures: map[string]any{
-			"tokens_per_step": tokens,
-			"step_ms_median":  median * 1e3,
-			"step_ms_min":     stepSeconds[0] * 1e3,
-			"tokens_per_s":    tokens / median,
-			"measured_steps":  len(stepSeconds),
-			"ranks":           cfg.Parallel.DP * cfg.Parallel.EP * cfg.Parallel.CP * cfg.Parallel.TP,
-			"model_params":    engine.ParamCount(cfg.Model),
-		},
+		Figures:   figures,
 	}
-	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s\n", "benchmark", "recipe", "tokens/s", "step ms")
-	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f\n", "train", recipe, tokens/median, median*1e3)
 	return writeResult(stdout, *out, res)
+}
+
+// gpuPeakFLOPs is the dense bf16 peak of an H100 or H200 (SXM), the
+// denominator of MFU on the CUDA backend, as in the PyTorch peer benchmark.
+const gpuPeakFLOPs = 989e12
+
+// modelFLOPsPerToken counts a training step's FLOPs per token as the
+// PyTorch peer benchmark does (shared/peer/torch_moe_train.py): 6 per active
+// parameter (forward and backward of every matrix multiply) plus 6*L*D*S
+// for causal attention (half of 12*L*D*S). Active parameters are all
+// parameters less the experts a token does not visit (E-K of each layer's
+// E) and less the embedding table, which is a lookup, not a matmul.
+func modelFLOPsPerToken(m engine.ModelConfig, seq int) float64 {
+	L, D, V := float64(m.Layers), float64(m.Dim), float64(m.Vocab)
+	E, K, F := float64(m.MoE.Experts), float64(m.MoE.TopK), float64(m.MoE.FFN)
+	active := float64(engine.ParamCount(m)) - L*E*3*D*F + L*K*3*D*F - V*D
+	return 6*active + 6*L*D*float64(seq)
+}
+
+// memoryFigure is the peak memory and what it measures.
+type memoryFigure struct {
+	bytes  int64
+	source string
+}
+
+// peakMemory is the CUDA allocator's peak of bytes held by live tensors,
+// or, on the CPU, the bytes the Go runtime has obtained from the OS
+// (runtime.MemStats.Sys): the process's footprint, an upper bound of the
+// tensors' peak.
+func peakMemory(b backend.Backend) memoryFigure {
+	if p, ok := b.(interface{ PeakMemory() int64 }); ok {
+		return memoryFigure{p.PeakMemory(), "peak bytes of live tensors (allocator)"}
+	}
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return memoryFigure{int64(ms.Sys), "bytes obtained from the OS by the Go runtime (runtime.MemStats.Sys)"}
+}
+
+// breakdownRow is one kind of work in the JSON figures.
+type breakdownRow struct {
+	Kind  string  `json:"kind"`
+	MS    float64 `json:"ms"`
+	Share float64 `json:"share"`
+	Ops   int     `json:"ops"`
+}
+
+func breakdownRows(rep profile.Report) []breakdownRow {
+	rows := make([]breakdownRow, len(rep.Kinds))
+	for i, k := range rep.Kinds {
+		rows[i] = breakdownRow{Kind: k.Kind, MS: k.Time.Seconds() * 1e3, Share: k.Share, Ops: k.Ops}
+	}
+	return rows
+}
+
+// printBreakdown writes the profiled step's time per kind of work.
+func printBreakdown(w io.Writer, rep profile.Report, wall time.Duration, median float64) {
+	fmt.Fprintf(w, "\nwhere the time goes (profiled step: %.1f ms; median measured step: %.1f ms)\n", wall.Seconds()*1e3, median*1e3)
+	fmt.Fprintf(w, "%-24s %10s %8s %8s\n", "kind", "ms/step", "share", "ops")
+	for _, k := range rep.Kinds {
+		fmt.Fprintf(w, "%-24s %10.2f %7.1f%% %8d\n", k.Kind, k.Time.Seconds()*1e3, 100*k.Share, k.Ops)
+	}
+}
+
+func formatMFU(mfu float64) string {
+	if math.IsNaN(mfu) {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f%%", 100*mfu)
+}
+
+// formatBytes writes n in binary units.
+func formatBytes(n int64) string {
+	v, units := float64(n), []string{"B", "KiB", "MiB", "GiB", "TiB"}
+	i := 0
+	for v >= 1024 && i < len(units)-1 {
+		v /= 1024
+		i++
+	}
+	if i == 0 {
+		return fmt.Sprintf("%d B", n)
+	}
+	return fmt.Sprintf("%.1f %s", v, units[i])
 }
 
 // writeBenchResult records a benchmark's figures with the commit, machine

@@ -1,0 +1,183 @@
+package profile
+
+// The forwarded ops. Each timed op defers end(begin(), name): begin runs
+// before the op, end after it returns (or panics).
+
+import (
+	"gorgonia.org/tensor"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// Op names as recorded: the backend.Backend method names.
+const (
+	opUpload            = "Upload"
+	opDownload          = "Download"
+	opSync              = "Sync"
+	opZero              = "Zero"
+	opCopy              = "Copy"
+	opAxpy              = "Axpy"
+	opScale             = "Scale"
+	opSum               = "Sum"
+	opSumSquares        = "SumSquares"
+	opMatMul            = "MatMul"
+	opEmbeddingForward  = "EmbeddingForward"
+	opEmbeddingBackward = "EmbeddingBackward"
+	opRMSNormForward    = "RMSNormForward"
+	opRMSNormBackward   = "RMSNormBackward"
+	opRoPE              = "RoPE"
+	opAttentionForward  = "AttentionForward"
+	opAttentionBackward = "AttentionBackward"
+	opSwiGLUForward     = "SwiGLUForward"
+	opSwiGLUBackward    = "SwiGLUBackward"
+	opCrossEntropy      = "CrossEntropy"
+	opRouterForward     = "RouterForward"
+	opRouterBackward    = "RouterBackward"
+	opGatherRows        = "GatherRows"
+	opScatterAddRows    = "ScatterAddRows"
+	opRowDots           = "RowDots"
+	opAdamWUpdate       = "AdamWUpdate"
+)
+
+func (p *Backend) Name() string             { return p.inner.Name() }
+func (p *Backend) FloatType() backend.DType { return p.inner.FloatType() }
+
+// New and View queue no work: not timed.
+
+func (p *Backend) New(dt backend.DType, shape ...int) backend.Tensor {
+	return p.inner.New(dt, shape...)
+}
+
+func (p *Backend) View(t backend.Tensor, offset int, shape ...int) backend.Tensor {
+	return p.inner.View(t, offset, shape...)
+}
+
+func (p *Backend) Upload(dst backend.Tensor, src *tensor.Dense) {
+	defer p.end(p.begin(), opUpload)
+	p.inner.Upload(dst, src)
+}
+
+func (p *Backend) Download(t backend.Tensor) *tensor.Dense {
+	defer p.end(p.begin(), opDownload)
+	return p.inner.Download(t)
+}
+
+func (p *Backend) Sync() error {
+	defer p.end(p.begin(), opSync)
+	return p.inner.Sync()
+}
+
+func (p *Backend) Zero(t backend.Tensor) {
+	defer p.end(p.begin(), opZero)
+	p.inner.Zero(t)
+}
+
+func (p *Backend) Copy(dst, src backend.Tensor) {
+	defer p.end(p.begin(), opCopy)
+	p.inner.Copy(dst, src)
+}
+
+func (p *Backend) Axpy(dst backend.Tensor, alpha float64, x backend.Tensor) {
+	defer p.end(p.begin(), opAxpy)
+	p.inner.Axpy(dst, alpha, x)
+}
+
+func (p *Backend) Scale(t backend.Tensor, alpha float64) {
+	defer p.end(p.begin(), opScale)
+	p.inner.Scale(t, alpha)
+}
+
+func (p *Backend) Sum(t backend.Tensor) float64 {
+	defer p.end(p.begin(), opSum)
+	return p.inner.Sum(t)
+}
+
+func (p *Backend) SumSquares(t backend.Tensor) float64 {
+	defer p.end(p.begin(), opSumSquares)
+	return p.inner.SumSquares(t)
+}
+
+func (p *Backend) MatMul(out, a, b backend.Tensor, transA, transB bool, alpha, beta float64) {
+	defer p.end(p.begin(), opMatMul)
+	p.inner.MatMul(out, a, b, transA, transB, alpha, beta)
+}
+
+func (p *Backend) EmbeddingForward(outTD, tableVD, idsT backend.Tensor) {
+	defer p.end(p.begin(), opEmbeddingForward)
+	p.inner.EmbeddingForward(outTD, tableVD, idsT)
+}
+
+func (p *Backend) EmbeddingBackward(dTableVD, dOutTD, idsT backend.Tensor) {
+	defer p.end(p.begin(), opEmbeddingBackward)
+	p.inner.EmbeddingBackward(dTableVD, dOutTD, idsT)
+}
+
+func (p *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float64) {
+	defer p.end(p.begin(), opRMSNormForward)
+	p.inner.RMSNormForward(outTD, rstdT, xTD, wD, eps)
+}
+
+func (p *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor) {
+	defer p.end(p.begin(), opRMSNormBackward)
+	p.inner.RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT)
+}
+
+func (p *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
+	defer p.end(p.begin(), opRoPE)
+	p.inner.RoPE(xTQ, posT, headDim, theta, inverse)
+}
+
+func (p *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
+	defer p.end(p.begin(), opAttentionForward)
+	p.inner.AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK, s)
+}
+
+func (p *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
+	defer p.end(p.begin(), opAttentionBackward)
+	p.inner.AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS, s)
+}
+
+func (p *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {
+	defer p.end(p.begin(), opSwiGLUForward)
+	p.inner.SwiGLUForward(outNF, aNF, bNF)
+}
+
+func (p *Backend) SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF backend.Tensor) {
+	defer p.end(p.begin(), opSwiGLUBackward)
+	p.inner.SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF)
+}
+
+func (p *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tensor, gradScale float64) {
+	defer p.end(p.begin(), opCrossEntropy)
+	p.inner.CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT, gradScale)
+}
+
+func (p *Backend) RouterForward(probsTE, lseT, idxTK, gatesTK, logitsTE, biasE backend.Tensor) {
+	defer p.end(p.begin(), opRouterForward)
+	p.inner.RouterForward(probsTE, lseT, idxTK, gatesTK, logitsTE, biasE)
+}
+
+func (p *Backend) RouterBackward(dlogitsTE, dgatesTK, probsTE, lseT, idxTK, gatesTK, auxDProbE backend.Tensor, zScale float64) {
+	defer p.end(p.begin(), opRouterBackward)
+	p.inner.RouterBackward(dlogitsTE, dgatesTK, probsTE, lseT, idxTK, gatesTK, auxDProbE, zScale)
+}
+
+func (p *Backend) GatherRows(outND, inTD, rowsN, scaleN backend.Tensor) {
+	defer p.end(p.begin(), opGatherRows)
+	p.inner.GatherRows(outND, inTD, rowsN, scaleN)
+}
+
+func (p *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
+	defer p.end(p.begin(), opScatterAddRows)
+	p.inner.ScatterAddRows(outTD, inND, rowsN, scaleN)
+}
+
+func (p *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
+	defer p.end(p.begin(), opRowDots)
+	p.inner.RowDots(outN, aTD, rowsN, bND)
+}
+
+func (p *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW) {
+	defer p.end(p.begin(), opAdamWUpdate)
+	p.inner.AdamWUpdate(param, grad, m, v, h)
+}

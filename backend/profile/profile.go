@@ -1,0 +1,192 @@
+package profile
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// Backend wraps a backend.Backend and, while enabled, times each op it
+// forwards. Its methods are safe for concurrent use, like those of the
+// backends it wraps.
+type Backend struct {
+	inner   backend.Backend
+	clock   Clock
+	enabled atomic.Bool
+
+	// opMu spans each profiled op with its two marks, so profiled ops do
+	// not interleave (see the package doc).
+	opMu sync.Mutex
+
+	mu      sync.Mutex
+	scope   string
+	records []record
+	err     error // the first Clock error since the last Report
+}
+
+// record is one timed op.
+type record struct {
+	scope, op  string
+	start, end Mark
+}
+
+var _ backend.Backend = (*Backend)(nil)
+
+// New wraps inner, timing its ops with clock once enabled. Name and
+// FloatType are inner's. Hand p.Backend() to code that should also see
+// inner's optional capabilities.
+func New(inner backend.Backend, clock Clock) *Backend {
+	return &Backend{inner: inner, clock: clock}
+}
+
+// Inner is the wrapped backend.
+func (p *Backend) Inner() backend.Backend { return p.inner }
+
+// Backend is p as the backend to compute on: p itself, or, when the wrapped
+// backend implements backend.Precision, p with RelTolerance forwarded, so
+// that the conformance suite applies the wrapped backend's tolerance.
+func (p *Backend) Backend() backend.Backend {
+	if prec, ok := p.inner.(backend.Precision); ok {
+		return precise{Backend: p, prec: prec}
+	}
+	return p
+}
+
+// precise is a *Backend that forwards backend.Precision.
+type precise struct {
+	*Backend
+	prec backend.Precision
+}
+
+func (b precise) RelTolerance() float64 { return b.prec.RelTolerance() }
+
+// SetEnabled starts (true) or stops (false) recording ops. Records are kept
+// until Report.
+func (p *Backend) SetEnabled(on bool) { p.enabled.Store(on) }
+
+// SetScope names what the following ops are part of (ScopeAttention, ...;
+// "" for elsewhere).
+func (p *Backend) SetScope(name string) {
+	p.mu.Lock()
+	p.scope = name
+	p.mu.Unlock()
+}
+
+// Scope sets the scope of b when b is a profiler (a *Backend, or what its
+// Backend method returns) and does nothing otherwise, so model code calls it
+// on any backend.
+func Scope(b backend.Backend, name string) {
+	switch p := b.(type) {
+	case *Backend:
+		p.SetScope(name)
+	case precise:
+		p.SetScope(name)
+	}
+}
+
+// span is an op in progress: locked when the profiler was enabled as it
+// began (opMu is held), ok when its start mark was taken.
+type span struct {
+	locked, ok bool
+	scope      string
+	start      Mark
+}
+
+// begin starts timing an op; the op's method defers end(begin(), name), so
+// the lock is released even when the op panics on a caller's bug.
+func (p *Backend) begin() span {
+	if !p.enabled.Load() {
+		return span{}
+	}
+	p.opMu.Lock()
+	p.mu.Lock()
+	s := span{locked: true, scope: p.scope}
+	p.mu.Unlock()
+	m, err := p.clock.Mark()
+	if err != nil {
+		p.fail(err)
+		return s
+	}
+	s.ok, s.start = true, m
+	return s
+}
+
+// end takes the end mark of s and records the op.
+func (p *Backend) end(s span, op string) {
+	if !s.locked {
+		return
+	}
+	defer p.opMu.Unlock()
+	if !s.ok {
+		return
+	}
+	m, err := p.clock.Mark()
+	if err != nil {
+		p.clock.Release(s.start)
+		p.fail(err)
+		return
+	}
+	p.mu.Lock()
+	p.records = append(p.records, record{scope: s.scope, op: op, start: s.start, end: m})
+	p.mu.Unlock()
+}
+
+func (p *Backend) fail(err error) {
+	p.mu.Lock()
+	if p.err == nil {
+		p.err = fmt.Errorf("profile: clock: %w", err)
+	}
+	p.mu.Unlock()
+}
+
+// Report waits for the wrapped backend's queued work (Sync), reads the
+// durations of the ops recorded since the last Report, sums them by
+// (scope, op) and by kind, and forgets them. Call it when no op is in
+// flight, for example between two steps. It returns the Sync's error, or
+// the first Clock error, with what could be read.
+func (p *Backend) Report() (Report, error) {
+	syncErr := p.inner.Sync()
+	p.mu.Lock()
+	recs, clockErr := p.records, p.err
+	p.records, p.err = nil, nil
+	p.mu.Unlock()
+
+	type key struct{ scope, op string }
+	byOp := map[key]*OpTime{}
+	var order []key
+	var errs []error
+	for _, r := range recs {
+		d, err := p.clock.Elapsed(r.start, r.end)
+		p.clock.Release(r.start)
+		p.clock.Release(r.end)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		k := key{r.scope, r.op}
+		o := byOp[k]
+		if o == nil {
+			o = &OpTime{Scope: r.scope, Op: r.op, Kind: KindOf(r.scope, r.op)}
+			byOp[k] = o
+			order = append(order, k)
+		}
+		o.Time += d
+		o.Calls++
+	}
+	ops := make([]OpTime, 0, len(order))
+	for _, k := range order {
+		ops = append(ops, *byOp[k])
+	}
+	rep := newReport(ops)
+	if len(errs) > 0 {
+		// Errors of one cause repeat for every record: keep the first.
+		clockErr = errors.Join(clockErr, fmt.Errorf("profile: reading %d of %d op times: %w", len(errs), len(recs), errs[0]))
+	}
+	if syncErr != nil {
+		return rep, fmt.Errorf("profile: %w", syncErr)
+	}
+	return rep, clockErr
+}
