@@ -174,6 +174,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		rep = rep.WithWall(profWall)
 		figures["profiled_step_ms"] = profWall.Seconds() * 1e3
 		figures["breakdown"] = breakdownRows(rep)
+		figures["breakdown_ops"] = opRows(rep)
 		printBreakdown(stdout, rep, profWall, median)
 	}
 	res := benchResult{
@@ -237,6 +238,24 @@ func breakdownRows(rep profile.Report) []breakdownRow {
 	rows := make([]breakdownRow, len(rep.Kinds))
 	for i, k := range rep.Kinds {
 		rows[i] = breakdownRow{Kind: k.Kind, MS: k.Time.Seconds() * 1e3, Share: k.Share, Ops: k.Ops}
+	}
+	return rows
+}
+
+// opRow is one (scope, op) pair of the profiled step in the JSON figures:
+// the detail behind the kinds.
+type opRow struct {
+	Scope string  `json:"scope"`
+	Op    string  `json:"op"`
+	Kind  string  `json:"kind"`
+	MS    float64 `json:"ms"`
+	Calls int     `json:"calls"`
+}
+
+func opRows(rep profile.Report) []opRow {
+	rows := make([]opRow, len(rep.Ops))
+	for i, o := range rep.Ops {
+		rows[i] = opRow{Scope: o.Scope, Op: o.Op, Kind: o.Kind, MS: o.Time.Seconds() * 1e3, Calls: o.Calls}
 	}
 	return rows
 }
