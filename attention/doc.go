@@ -48,4 +48,19 @@
 // The backward scratch (dq, dk, dv and the gradient of a) is owned by the
 // Layer too, so a Layer is not safe for concurrent use, and one Layer
 // serves one micro-batch at a time.
+//
+// # Context parallelism
+//
+// NewContextParallel builds a Layer whose sequences are split over the W
+// ranks of a comm.Group (comm.Ranks.Context) in zigzag order: the sequence
+// is cut into 2W chunks and rank r holds chunks r and 2W-1-r, which evens
+// out the causal work. Each rank calls the same Forward and Backward on its
+// own B*S/W tokens, per sequence the rows of chunk r and then those of
+// chunk 2W-1-r, with posT holding their global positions
+// (ZigzagPositions). Keys and values are all-gathered over the group for
+// the attention and their gradients reduce-scattered back (context.go has
+// the details). Outputs and dx are exactly the rows of a one-rank run;
+// weight gradients are this rank's share, to be summed over the group (and
+// over data parallelism) like any replicated weight's. With W = 1 it is
+// the Layer of New.
 package attention

@@ -74,6 +74,10 @@ type Layer struct {
 
 	// Backward scratch.
 	daTQ, dqTQ, dkTK, dvTK backend.Tensor
+
+	// cp is set on a Layer of a context-parallel group of more than one
+	// rank (NewContextParallel); lseBHS is then laid out [B, 2, H, C].
+	cp *contextParallel
 }
 
 // New allocates a Layer for micro-batches of batch sequences of seq tokens.
@@ -124,7 +128,11 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) {
 	b.MatMul(l.vTK, xTD, p.WvKD, false, true, 1, 0)
 	b.RoPE(l.qTQ, posT, dh, theta, false)
 	b.RoPE(l.kTK, posT, dh, theta, false)
-	b.AttentionForward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK, l.attn)
+	if l.cp != nil {
+		l.cp.forward(l)
+	} else {
+		b.AttentionForward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK, l.attn)
+	}
 	b.MatMul(outTD, l.aTQ, p.WoDQ, false, true, 1, 0)
 	l.xTD, l.posT = xTD, posT
 }
@@ -144,7 +152,11 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) {
 	b.MatMul(l.daTQ, doutTD, p.WoDQ, false, false, 1, 0)
 	b.MatMul(g.WoDQ, doutTD, l.aTQ, true, false, 1, 1)
 
-	b.AttentionBackward(l.dqTQ, l.dkTK, l.dvTK, l.daTQ, l.qTQ, l.kTK, l.vTK, l.aTQ, l.lseBHS, l.attn)
+	if l.cp != nil {
+		l.cp.backward(l)
+	} else {
+		b.AttentionBackward(l.dqTQ, l.dkTK, l.dvTK, l.daTQ, l.qTQ, l.kTK, l.vTK, l.aTQ, l.lseBHS, l.attn)
+	}
 
 	// RoPE is a rotation, so its backward rotates the gradient back.
 	b.RoPE(l.dqTQ, l.posT, dh, theta, true)

@@ -56,11 +56,34 @@ type Tensor interface {
 	Len() int
 }
 
-// AttnShape describes one attention call: Batch sequences of Seq positions,
-// Heads query heads sharing KVHeads key/value heads (GQA), HeadDim per head.
-// Scores are scaled by 1/sqrt(HeadDim) and masked causally.
+// AttnShape describes one attention call: Batch sequences of Seq query
+// positions, Heads query heads sharing KVHeads key/value heads (GQA),
+// HeadDim per head. Scores are scaled by 1/sqrt(HeadDim) and masked
+// causally: key j is visible to query i iff j <= QOffset + i.
+//
+// KVSeq and QOffset let the queries be a contiguous slice of a longer
+// sequence of keys, as on a context-parallel rank: q and out are
+// [Batch*Seq, H*Dh], k and v [Batch*Keys(), KV*Dh], lse [Batch, H, Seq].
+// Their zero values give plain causal self-attention (KVSeq = Seq,
+// QOffset = 0). Ops require 0 <= QOffset and QOffset+Seq <= Keys(); the
+// backward writes dk and dv for all Keys() rows, zero where no query sees a
+// key.
 type AttnShape struct {
 	Batch, Seq, Heads, KVHeads, HeadDim int
+
+	// KVSeq is the number of key/value positions per sequence; 0 means Seq.
+	KVSeq int
+	// QOffset is the position of query 0 counted in key positions.
+	QOffset int
+}
+
+// Keys is the number of key/value positions per sequence: KVSeq, or Seq
+// when KVSeq is 0.
+func (s AttnShape) Keys() int {
+	if s.KVSeq == 0 {
+		return s.Seq
+	}
+	return s.KVSeq
 }
 
 // AdamW holds one optimizer update's hyper-parameters. Step counts from 1 and

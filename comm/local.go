@@ -65,6 +65,7 @@ func NewLocal(mesh Mesh, b backend.Backend) ([]*Ranks, error) {
 	data := map[Coord]*hub{}    // keyed by cp, tp
 	expert := map[Coord]*hub{}  // keyed by dp, cp, tp
 	replica := map[Coord]*hub{} // keyed by ep, cp, tp
+	context := map[Coord]*hub{} // keyed by dp, ep, tp
 	find := func(m map[Coord]*hub, key Coord, name string, size int) *hub {
 		if h, ok := m[key]; ok {
 			return h
@@ -83,6 +84,7 @@ func NewLocal(mesh Mesh, b backend.Backend) ([]*Ranks, error) {
 			Data:          group(find(data, Coord{CP: c.CP, TP: c.TP}, "data", mesh.DP*mesh.EP), c.DP*mesh.EP+c.EP),
 			Expert:        group(find(expert, Coord{DP: c.DP, CP: c.CP, TP: c.TP}, "expert", mesh.EP), c.EP),
 			ExpertReplica: group(find(replica, Coord{EP: c.EP, CP: c.CP, TP: c.TP}, "expert-replica", mesh.DP), c.DP),
+			Context:       group(find(context, Coord{DP: c.DP, EP: c.EP, TP: c.TP}, "context", mesh.CP), c.CP),
 		}
 	}
 	return ranks, nil

@@ -14,6 +14,7 @@ import "fmt"
 //	Data           same cp, tp    (rank dp*EP + ep)  size DP*EP
 //	Expert         same dp, cp, tp (rank ep)         size EP
 //	ExpertReplica  same ep, cp, tp (rank dp)         size DP
+//	Context        same dp, ep, tp (rank cp)         size CP
 //
 // The rank of a member within a group is its coordinate on the group's
 // axes, read the same way (so Data's group rank orders dp before ep).
@@ -59,6 +60,9 @@ type Ranks struct {
 	Rank  int // world rank
 
 	World, Data, Expert, ExpertReplica Group
+	// Context is the context-parallel group: the ranks that hold the
+	// chunks of the same sequences (see attention.NewContextParallel).
+	Context Group
 }
 
 // Abort aborts every group of this rank, so that a failing rank releases
@@ -66,7 +70,7 @@ type Ranks struct {
 // resulting error should call Abort too, which passes the failure on to the
 // groups it shares with ranks that never met the failed one.
 func (r *Ranks) Abort(err error) {
-	for _, g := range []Group{r.World, r.Data, r.Expert, r.ExpertReplica} {
+	for _, g := range []Group{r.World, r.Data, r.Expert, r.ExpertReplica, r.Context} {
 		g.Abort(err)
 	}
 }

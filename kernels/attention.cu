@@ -3,10 +3,15 @@
 // holds a Seq x Seq matrix: scores live in registers, a chunk of 8 or 16
 // keys (or queries) at a time.
 //
-// Layout (backend.AttnShape): token t = b*S + i; q and out are [B*S, H*Dh],
-// k and v [B*S, KV*Dh], row-major; query head h reads kv head h / (H/KV)
-// (Hugging Face repeat_kv order); lse is [B, H, S], natural log. Scores are
-// scaled by 1/sqrt(Dh) and masked causally (query i sees keys 0..i).
+// Layout (backend.AttnShape): S queries and KS keys per sequence (KS =
+// KVSeq, equal to S in plain self-attention); query token b*S + i, key
+// token b*KS + j; q and out are [B*S, H*Dh], k and v [B*KS, KV*Dh],
+// row-major; query head h reads kv head h / (H/KV) (Hugging Face repeat_kv
+// order); lse is [B, H, S], natural log. Scores are scaled by 1/sqrt(Dh)
+// and masked causally with the query offset off (QOffset): query i sees
+// keys 0..off+i. So key tiles run up to the block's last visible key, and
+// the dk/dv kernel's query tiles start at the first query that sees its
+// first key (max(0, j0-off)); a key block no query sees writes zeros.
 //
 // Work split. Every kernel is instantiated for DP = 32, 64 and 128, the head
 // dim rounded up; dims Dh..DP-1 are zeros in registers and shared memory.
@@ -29,7 +34,7 @@
 //     p_ij = exp(s_ij - lse_i), ds_ij = p_ij * (dout_i.v_j - D_i); it also
 //     writes D_i = dout_i.out_i to delta [B, H, S] for the next kernel.
 //   attn_backward_dkdv: per key tile of one kv head, over the H/KV query
-//     heads of its group and the query tiles at or after its keys:
+//     heads of its group and the query tiles that see its keys:
 //     dv_j = sum_i p_ij dout_i, dk_j = scale * sum_i ds_ij q_i.
 // Each output row is written by the one thread group that owns it.
 
@@ -139,7 +144,7 @@ __device__ __forceinline__ void attn_issue_tile(attn_f4* dst, const float* src, 
 // for queries q0..q0+63 of head h; the longest rows go first.
 template <int DP>
 __device__ __forceinline__ void attn_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                                             int S, int H, int KV, int Dh, float scale_log2) {
+                                             int S, int KS, int off, int H, int KV, int Dh, float scale_log2) {
   constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 2048 / DP, CH = 16, RW = 32 / G;
   __shared__ attn_f4 ks[2][TILE * DP / 4];
   __shared__ attn_f4 vs[2][TILE * DP / 4];
@@ -147,14 +152,15 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
   const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV);
   const int q0 = (gridDim.y - 1 - blockIdx.y) * ATTN_ROWS;
   const int i = q0 + tid / G;
-  const int warp_last = q0 + (tid / 32 + 1) * RW - 1;
+  // The last key any row of this warp sees, and one past the block's.
+  const int warp_last = off + q0 + (tid / 32 + 1) * RW - 1;
   const long long qstride = (long long)H * Dh, kstride = (long long)KV * Dh;
   const long long qrow = ((long long)b * S + i) * qstride + (long long)h * Dh;
-  const long long kbase = (long long)b * S * kstride + (long long)kvh * Dh;
-  const int kend = attn_min(S, q0 + ATTN_ROWS), ntiles = (kend + TILE - 1) / TILE;
+  const long long kbase = (long long)b * KS * kstride + (long long)kvh * Dh;
+  const int kend = off + attn_min(S, q0 + ATTN_ROWS), ntiles = (kend + TILE - 1) / TILE;
 
-  attn_issue_tile<DP, NT, TILE>(ks[0], k, kbase, kstride, 0, S, Dh);
-  attn_issue_tile<DP, NT, TILE>(vs[0], v, kbase, kstride, 0, S, Dh);
+  attn_issue_tile<DP, NT, TILE>(ks[0], k, kbase, kstride, 0, KS, Dh);
+  attn_issue_tile<DP, NT, TILE>(vs[0], v, kbase, kstride, 0, KS, Dh);
   attn_cp_commit();
 
   float qr[32], o[32];
@@ -166,8 +172,8 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
   for (int t = 0; t < ntiles; t++) {
     const int k0 = t * TILE;
     if (t + 1 < ntiles) {
-      attn_issue_tile<DP, NT, TILE>(ks[(t + 1) & 1], k, kbase, kstride, k0 + TILE, S, Dh);
-      attn_issue_tile<DP, NT, TILE>(vs[(t + 1) & 1], v, kbase, kstride, k0 + TILE, S, Dh);
+      attn_issue_tile<DP, NT, TILE>(ks[(t + 1) & 1], k, kbase, kstride, k0 + TILE, KS, Dh);
+      attn_issue_tile<DP, NT, TILE>(vs[(t + 1) & 1], v, kbase, kstride, k0 + TILE, KS, Dh);
       attn_cp_commit();
       attn_cp_wait_prev();
     } else {
@@ -190,11 +196,11 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
 #pragma unroll
       for (int c = 0; c < CH; c++) {
         s[c] = attn_group_sum<G>(s[c]);
-        if (k0 + c0 + c > i) s[c] = -MK_INF;
+        if (k0 + c0 + c > off + i) s[c] = -MK_INF;
         mx = fmaxf(mx, s[c]);
       }
-      // Key 0 is in every row's first chunk, so mx is finite; the guard
-      // keeps a fully masked chunk from making NaNs all the same.
+      // Key 0 is in every row's first chunk, so mx is finite after it; the
+      // guard keeps a chunk masked for a whole row from making NaNs.
       const float mref = mx == -MK_INF ? 0.0f : mx;
       const float corr = exp2f(m - mref);
       m = mx;
@@ -222,7 +228,7 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
 template <int DP>
 __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const float* dout, const float* q, const float* k,
                                                  const float* v, const float* out, const float* lse,
-                                                 int S, int H, int KV, int Dh, float scale_log2, float scale) {
+                                                 int S, int KS, int off, int H, int KV, int Dh, float scale_log2, float scale) {
   constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 2048 / DP, CH = 8, RW = 32 / G;
   __shared__ attn_f4 ks[2][TILE * DP / 4];
   __shared__ attn_f4 vs[2][TILE * DP / 4];
@@ -230,15 +236,15 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
   const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV);
   const int q0 = (gridDim.y - 1 - blockIdx.y) * ATTN_ROWS;
   const int i = q0 + tid / G;
-  const int warp_last = q0 + (tid / 32 + 1) * RW - 1;
+  const int warp_last = off + q0 + (tid / 32 + 1) * RW - 1;
   const long long qstride = (long long)H * Dh, kstride = (long long)KV * Dh;
   const long long qrow = ((long long)b * S + i) * qstride + (long long)h * Dh;
-  const long long kbase = (long long)b * S * kstride + (long long)kvh * Dh;
+  const long long kbase = (long long)b * KS * kstride + (long long)kvh * Dh;
   const long long lrow = ((long long)b * H + h) * S + i;
-  const int kend = attn_min(S, q0 + ATTN_ROWS), ntiles = (kend + TILE - 1) / TILE;
+  const int kend = off + attn_min(S, q0 + ATTN_ROWS), ntiles = (kend + TILE - 1) / TILE;
 
-  attn_issue_tile<DP, NT, TILE>(ks[0], k, kbase, kstride, 0, S, Dh);
-  attn_issue_tile<DP, NT, TILE>(vs[0], v, kbase, kstride, 0, S, Dh);
+  attn_issue_tile<DP, NT, TILE>(ks[0], k, kbase, kstride, 0, KS, Dh);
+  attn_issue_tile<DP, NT, TILE>(vs[0], v, kbase, kstride, 0, KS, Dh);
   attn_cp_commit();
 
   float qr[32], dor[32], acc[32];
@@ -259,8 +265,8 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
   for (int t = 0; t < ntiles; t++) {
     const int k0 = t * TILE;
     if (t + 1 < ntiles) {
-      attn_issue_tile<DP, NT, TILE>(ks[(t + 1) & 1], k, kbase, kstride, k0 + TILE, S, Dh);
-      attn_issue_tile<DP, NT, TILE>(vs[(t + 1) & 1], v, kbase, kstride, k0 + TILE, S, Dh);
+      attn_issue_tile<DP, NT, TILE>(ks[(t + 1) & 1], k, kbase, kstride, k0 + TILE, KS, Dh);
+      attn_issue_tile<DP, NT, TILE>(vs[(t + 1) & 1], v, kbase, kstride, k0 + TILE, KS, Dh);
       attn_cp_commit();
       attn_cp_wait_prev();
     } else {
@@ -286,7 +292,7 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
       for (int c = 0; c < CH; c++) {
         // Every lane shuffles (shfl.sync with a full mask), masked or not.
         const float sc = attn_group_sum<G>(s[c]), dpc = attn_group_sum<G>(dp[c]);
-        const float p = k0 + c0 + c > i ? 0.0f : exp2f(sc - lse2);
+        const float p = k0 + c0 + c > off + i ? 0.0f : exp2f(sc - lse2);
         s[c] = p * (dpc - di);  // now ds
       }
       attn_reread();
@@ -300,14 +306,15 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
   if (i < S) attn_store_row<G>(dq, qrow, acc, Dh, g, scale);
 }
 
-// attn_backward_dkdv: grid (B*KV, ceil(S/64)), 64*G threads. Writes dk and
-// dv for keys j0..j0+63 of kv head kvh; the longest rows (small j0) go
+// attn_backward_dkdv: grid (B*KV, ceil(KS/64)), 64*G threads. Writes dk
+// and dv for keys j0..j0+63 of kv head kvh; the longest rows (small j0) go
 // first. Its tiles run over the group's query heads and, for each, the
-// query positions from j0 on.
+// query positions from i1 = max(0, j0-off) on, the first that sees key j0;
+// with none (i1 >= S) it writes zeros.
 template <int DP>
 __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const float* dout, const float* q, const float* k,
                                                    const float* v, const float* lse, const float* delta,
-                                                   int S, int H, int KV, int Dh, float scale_log2, float scale) {
+                                                   int S, int KS, int off, int H, int KV, int Dh, float scale_log2, float scale) {
   constexpr int G = DP / 32, NT = ATTN_ROWS * G, TILE = 2048 / DP, CH = 8, RW = 32 / G;
   __shared__ attn_f4 qs[2][TILE * DP / 4];
   __shared__ attn_f4 dos[2][TILE * DP / 4];
@@ -319,12 +326,13 @@ __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const f
   const int j = j0 + tid / G;
   const int warp_first = j0 + (tid / 32) * RW;
   const long long qstride = (long long)H * Dh, kstride = (long long)KV * Dh;
-  const long long krow = ((long long)b * S + j) * kstride + (long long)kvh * Dh;
-  const int per_head = (S - j0 + TILE - 1) / TILE, ntiles = group * per_head;
+  const long long krow = ((long long)b * KS + j) * kstride + (long long)kvh * Dh;
+  const int i1 = j0 > off ? j0 - off : 0;
+  const int per_head = i1 < S ? (S - i1 + TILE - 1) / TILE : 0, ntiles = group * per_head;
 
   // issue starts loading tile t (head kvh*group + t/per_head) into stage.
   auto issue = [&](int t, int stage) {
-    const int h = kvh * group + t / per_head, i0 = j0 + (t % per_head) * TILE;
+    const int h = kvh * group + t / per_head, i0 = i1 + (t % per_head) * TILE;
     const long long qbase = (long long)b * S * qstride + (long long)h * Dh;
     const long long lbase = ((long long)b * H + h) * S;
     attn_issue_tile<DP, NT, TILE>(qs[stage], q, qbase, qstride, i0, S, Dh);
@@ -336,16 +344,16 @@ __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const f
     }
     attn_cp_commit();
   };
-  issue(0, 0);
+  if (ntiles > 0) issue(0, 0);
 
   float kr[32], vr[32], dka[32], dva[32];
-  attn_load_row<G>(kr, k, krow, j < S, Dh, g, scale_log2);
-  attn_load_row<G>(vr, v, krow, j < S, Dh, g, 1.0f);
+  attn_load_row<G>(kr, k, krow, j < KS, Dh, g, scale_log2);
+  attn_load_row<G>(vr, v, krow, j < KS, Dh, g, 1.0f);
 #pragma unroll
   for (int d = 0; d < 32; d++) dka[d] = dva[d] = 0.0f;
 
   for (int t = 0; t < ntiles; t++) {
-    const int i0 = j0 + (t % per_head) * TILE;
+    const int i0 = i1 + (t % per_head) * TILE;
     if (t + 1 < ntiles) {
       issue(t + 1, (t + 1) & 1);
       attn_cp_wait_prev();
@@ -359,7 +367,7 @@ __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const f
     const float* dt = del_s[t & 1];
     for (int c0 = 0; c0 < TILE && i0 + c0 < S; c0 += CH) {
       // Warp-uniform: queries before every key of this warp are masked.
-      if (i0 + c0 + CH - 1 < warp_first) continue;
+      if (off + i0 + c0 + CH - 1 < warp_first) continue;
       float s[CH], dp[CH];
 #pragma unroll
       for (int c = 0; c < CH; c++) s[c] = dp[c] = 0.0f;
@@ -375,7 +383,7 @@ __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const f
       for (int c = 0; c < CH; c++) {
         const int ii = i0 + c0 + c;
         const float sc = attn_group_sum<G>(s[c]), dpc = attn_group_sum<G>(dp[c]);
-        const float p = ii < j || ii >= S ? 0.0f : exp2f(sc - lt[c0 + c] * ATTN_LOG2E);
+        const float p = off + ii < j || ii >= S ? 0.0f : exp2f(sc - lt[c0 + c] * ATTN_LOG2E);
         dp[c] = p * (dpc - dt[c0 + c]);  // now ds
         s[c] = p;
       }
@@ -391,7 +399,7 @@ __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const f
     }
     __syncthreads();
   }
-  if (j < S) {
+  if (j < KS) {
     attn_store_row<G>(dk, krow, dka, Dh, g, scale);
     attn_store_row<G>(dv, krow, dva, Dh, g, 1.0f);
   }
@@ -399,32 +407,32 @@ __device__ __forceinline__ void attn_backward_dkdv(float* dk, float* dv, const f
 
 // The entry points, one per padded head dim DP: 64*DP/32 threads per block.
 
-extern "C" __global__ void __launch_bounds__(64) attn_forward_d32_f32(float* out, float* lse, const float* q, const float* k, const float* v, int S, int H, int KV, int Dh, float scale_log2) {
-  attn_forward<32>(out, lse, q, k, v, S, H, KV, Dh, scale_log2);
+extern "C" __global__ void __launch_bounds__(64) attn_forward_d32_f32(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, int Dh, float scale_log2) {
+  attn_forward<32>(out, lse, q, k, v, S, KS, off, H, KV, Dh, scale_log2);
 }
-extern "C" __global__ void __launch_bounds__(128) attn_forward_d64_f32(float* out, float* lse, const float* q, const float* k, const float* v, int S, int H, int KV, int Dh, float scale_log2) {
-  attn_forward<64>(out, lse, q, k, v, S, H, KV, Dh, scale_log2);
+extern "C" __global__ void __launch_bounds__(128) attn_forward_d64_f32(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, int Dh, float scale_log2) {
+  attn_forward<64>(out, lse, q, k, v, S, KS, off, H, KV, Dh, scale_log2);
 }
-extern "C" __global__ void __launch_bounds__(256) attn_forward_d128_f32(float* out, float* lse, const float* q, const float* k, const float* v, int S, int H, int KV, int Dh, float scale_log2) {
-  attn_forward<128>(out, lse, q, k, v, S, H, KV, Dh, scale_log2);
-}
-
-extern "C" __global__ void __launch_bounds__(64) attn_backward_dq_d32_f32(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int H, int KV, int Dh, float scale_log2, float scale) {
-  attn_backward_dq<32>(dq, delta, dout, q, k, v, out, lse, S, H, KV, Dh, scale_log2, scale);
-}
-extern "C" __global__ void __launch_bounds__(128) attn_backward_dq_d64_f32(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int H, int KV, int Dh, float scale_log2, float scale) {
-  attn_backward_dq<64>(dq, delta, dout, q, k, v, out, lse, S, H, KV, Dh, scale_log2, scale);
-}
-extern "C" __global__ void __launch_bounds__(256) attn_backward_dq_d128_f32(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int H, int KV, int Dh, float scale_log2, float scale) {
-  attn_backward_dq<128>(dq, delta, dout, q, k, v, out, lse, S, H, KV, Dh, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(256) attn_forward_d128_f32(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, int Dh, float scale_log2) {
+  attn_forward<128>(out, lse, q, k, v, S, KS, off, H, KV, Dh, scale_log2);
 }
 
-extern "C" __global__ void __launch_bounds__(64) attn_backward_dkdv_d32_f32(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int H, int KV, int Dh, float scale_log2, float scale) {
-  attn_backward_dkdv<32>(dk, dv, dout, q, k, v, lse, delta, S, H, KV, Dh, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(64) attn_backward_dq_d32_f32(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, int Dh, float scale_log2, float scale) {
+  attn_backward_dq<32>(dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, Dh, scale_log2, scale);
 }
-extern "C" __global__ void __launch_bounds__(128) attn_backward_dkdv_d64_f32(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int H, int KV, int Dh, float scale_log2, float scale) {
-  attn_backward_dkdv<64>(dk, dv, dout, q, k, v, lse, delta, S, H, KV, Dh, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(128) attn_backward_dq_d64_f32(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, int Dh, float scale_log2, float scale) {
+  attn_backward_dq<64>(dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, Dh, scale_log2, scale);
 }
-extern "C" __global__ void __launch_bounds__(256) attn_backward_dkdv_d128_f32(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int H, int KV, int Dh, float scale_log2, float scale) {
-  attn_backward_dkdv<128>(dk, dv, dout, q, k, v, lse, delta, S, H, KV, Dh, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(256) attn_backward_dq_d128_f32(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, int Dh, float scale_log2, float scale) {
+  attn_backward_dq<128>(dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, Dh, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(64) attn_backward_dkdv_d32_f32(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, int Dh, float scale_log2, float scale) {
+  attn_backward_dkdv<32>(dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, Dh, scale_log2, scale);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_backward_dkdv_d64_f32(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, int Dh, float scale_log2, float scale) {
+  attn_backward_dkdv<64>(dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, Dh, scale_log2, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) attn_backward_dkdv_d128_f32(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, int Dh, float scale_log2, float scale) {
+  attn_backward_dkdv<128>(dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, Dh, scale_log2, scale);
 }

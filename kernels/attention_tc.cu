@@ -4,10 +4,15 @@
 // float32 kernels serve the head dims these do not (these take Dh = 64 and
 // 128 only, and 16-byte aligned tensors).
 //
-// Layout (backend.AttnShape): token t = b*S + i; q and out are [B*S, H*Dh],
-// k and v [B*S, KV*Dh], row-major float32; query head h reads kv head
-// h / (H/KV); lse is [B, H, S], natural log. Scores are scaled by
-// 1/sqrt(Dh) and masked causally (query i sees keys 0..i).
+// Layout (backend.AttnShape): S queries and KS keys per sequence (KS =
+// KVSeq, equal to S in plain self-attention); query token b*S + i, key
+// token b*KS + j; q and out are [B*S, H*Dh], k and v [B*KS, KV*Dh],
+// row-major float32; query head h reads kv head h / (H/KV); lse is
+// [B, H, S], natural log. Scores are scaled by 1/sqrt(Dh) and masked
+// causally with the query offset off (QOffset): query i sees keys
+// 0..off+i. Key tiles run up to the block's last visible key; the dk/dv
+// kernel's query tiles start at the first query that sees its first key
+// (max(0, j0-off)), and a key block no query sees writes zeros.
 //
 // Precision. Tiles are read as float32 and rounded to bfloat16 (nearest
 // even) when they are staged into shared memory; the products run as
@@ -47,8 +52,7 @@
 // The backward is two kernels, deterministic, with no atomics, as in
 // attention.cu: attn_tc_backward_dq per query tile (also writes
 // delta = D_i), then attn_tc_backward_dkdv per key tile of one kv head,
-// over the query heads of its group and the query tiles at or after its
-// keys.
+// over the query heads of its group and the query tiles that see its keys.
 
 #define ATC_THREADS 128
 #define ATC_ROWS 64
@@ -224,7 +228,7 @@ __device__ __forceinline__ atc_lanes atc_lane_roles() {
 // in tiles of BN keys.
 template <int DH, int BN>
 __device__ __forceinline__ void atc_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                                            int S, int H, int KV, float scale_log2) {
+                                            int S, int KS, int off, int H, int KV, float scale_log2) {
   constexpr int TILE = BN * DH * 2, QTILE = ATC_ROWS * DH * 2;
   constexpr int SMEM = QTILE > 4 * TILE ? QTILE : 4 * TILE;
   constexpr int NL = BN * DH / (4 * ATC_THREADS);
@@ -238,9 +242,10 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   const int q0 = (gridDim.y - 1 - blockIdx.y) * ATC_ROWS;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
   const long long qbase = (long long)b * S * qstride + (long long)h * DH;
-  const long long kbase = (long long)b * S * kstride + (long long)kvh * DH;
-  const int ntiles = (atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
+  const long long kbase = (long long)b * KS * kstride + (long long)kvh * DH;
+  const int ntiles = (off + atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
   const int wrow = q0 + 16 * w;  // the warp's first query row
+  const int wkey = off + wrow;   // the last key the warp's first row sees
 
   {
     atc_f4 qr[ATC_ROWS * DH / (4 * ATC_THREADS)];
@@ -254,8 +259,8 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   __syncthreads();  // Q is in registers; its space takes K and V now
 
   atc_f4 kr[NL], vr[NL];
-  atc_load<DH, BN>(kr, k, kbase, kstride, 0, S);
-  atc_load<DH, BN>(vr, v, kbase, kstride, 0, S);
+  atc_load<DH, BN>(kr, k, kbase, kstride, 0, KS);
+  atc_load<DH, BN>(vr, v, kbase, kstride, 0, KS);
   atc_store<DH, BN>(smem, kr);
   atc_store<DH, BN>(smem + TILE, vr);
   __syncthreads();
@@ -270,13 +275,13 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   for (int t = 0; t < ntiles; t++) {
     const int k0 = t * BN;
     if (t + 1 < ntiles) {
-      atc_load<DH, BN>(kr, k, kbase, kstride, k0 + BN, S);
-      atc_load<DH, BN>(vr, v, kbase, kstride, k0 + BN, S);
+      atc_load<DH, BN>(kr, k, kbase, kstride, k0 + BN, KS);
+      atc_load<DH, BN>(vr, v, kbase, kstride, k0 + BN, KS);
     }
     const atc_saddr ks = sbase + (t & 1) * 2 * TILE, vs = ks + TILE;
     // Warp-uniform: a tile of keys past every row of this warp is all
     // masked (and so is every later one).
-    if (k0 <= wrow + 15) {
+    if (k0 <= wkey + 15) {
       float s[BN / 8][4];
 #pragma unroll
       for (int n = 0; n < BN / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -289,12 +294,12 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
           atc_mma(s[2 * j], qf[kk], bf[0], bf[1]);
           atc_mma(s[2 * j + 1], qf[kk], bf[2], bf[3]);
         }
-      if (k0 + BN - 1 > wrow) {  // the tile crosses the diagonal
+      if (k0 + BN - 1 > wkey) {  // the tile crosses the diagonal
 #pragma unroll
         for (int n = 0; n < BN / 8; n++)
 #pragma unroll
           for (int e = 0; e < 4; e++)
-            if (k0 + 8 * n + 2 * L.t4 + (e & 1) > wrow + L.g + 8 * (e >> 1)) s[n][e] = -MK_INF;
+            if (k0 + 8 * n + 2 * L.t4 + (e & 1) > wkey + L.g + 8 * (e >> 1)) s[n][e] = -MK_INF;
       }
       float mref[2];
 #pragma unroll
@@ -303,9 +308,10 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
 #pragma unroll
         for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         const float mn = fmaxf(m[r], atc_quad_max(mx) * scale_log2);
-        // Key 0 is in every row's first tile and no row of an active warp
-        // is fully masked in a tile, so mn is finite; the guard keeps a
-        // fully masked row from turning into NaNs all the same.
+        // Key 0 is in every row's first tile, so mn is finite from then
+        // on; the guard keeps a row that sees no key of a tile (a query
+        // offset that is not a multiple of 16 leaves such rows in active
+        // warps) from turning into NaNs.
         mref[r] = mn == -MK_INF ? 0.0f : mn;
         const float corr = atc_ex2(m[r] - mref[r]);
         m[r] = mn;
@@ -367,7 +373,7 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
 template <int DH, int BN>
 __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const float* dout, const float* q,
                                                 const float* k, const float* v, const float* out, const float* lse,
-                                                int S, int H, int KV, float scale_log2, float scale) {
+                                                int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
   constexpr int TILE = BN * DH * 2, QTILE = ATC_ROWS * DH * 2;
   constexpr int SMEM = 2 * QTILE > 4 * TILE ? 2 * QTILE : 4 * TILE;
   constexpr int NL = BN * DH / (4 * ATC_THREADS), NQ = ATC_ROWS * DH / (4 * ATC_THREADS), C4 = DH / 4;
@@ -382,10 +388,11 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   const int q0 = (gridDim.y - 1 - blockIdx.y) * ATC_ROWS;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
   const long long qbase = (long long)b * S * qstride + (long long)h * DH;
-  const long long kbase = (long long)b * S * kstride + (long long)kvh * DH;
+  const long long kbase = (long long)b * KS * kstride + (long long)kvh * DH;
   const long long lbase = ((long long)b * H + h) * S;
-  const int ntiles = (atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
+  const int ntiles = (off + atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
   const int wrow = q0 + 16 * w;
+  const int wkey = off + wrow;  // the last key the warp's first row sees
 
   {
     // D_i, summed in float32 while dout is staged: the C4 lanes of a row
@@ -435,8 +442,8 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   __syncthreads();  // Q and dout are in registers; their space takes K and V
 
   atc_f4 kr[NL], vr[NL];
-  atc_load<DH, BN>(kr, k, kbase, kstride, 0, S);
-  atc_load<DH, BN>(vr, v, kbase, kstride, 0, S);
+  atc_load<DH, BN>(kr, k, kbase, kstride, 0, KS);
+  atc_load<DH, BN>(vr, v, kbase, kstride, 0, KS);
   atc_store<DH, BN>(smem, kr);
   atc_store<DH, BN>(smem + TILE, vr);
   __syncthreads();
@@ -448,11 +455,11 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   for (int t = 0; t < ntiles; t++) {
     const int k0 = t * BN;
     if (t + 1 < ntiles) {
-      atc_load<DH, BN>(kr, k, kbase, kstride, k0 + BN, S);
-      atc_load<DH, BN>(vr, v, kbase, kstride, k0 + BN, S);
+      atc_load<DH, BN>(kr, k, kbase, kstride, k0 + BN, KS);
+      atc_load<DH, BN>(vr, v, kbase, kstride, k0 + BN, KS);
     }
     const atc_saddr ks = sbase + (t & 1) * 2 * TILE, vs = ks + TILE;
-    if (k0 <= wrow + 15) {
+    if (k0 <= wkey + 15) {
       float s[BN / 8][4], dp[BN / 8][4];
 #pragma unroll
       for (int n = 0; n < BN / 8; n++)
@@ -470,12 +477,13 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
           atc_mma(dp[2 * j], df[kk], bf[0], bf[1]);
           atc_mma(dp[2 * j + 1], df[kk], bf[2], bf[3]);
         }
-      // s becomes dS; masked keys (after the row, or past S) give 0.
+      // s becomes dS; masked keys (after the row's last, which also
+      // covers keys past KS) give 0.
 #pragma unroll
       for (int n = 0; n < BN / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          const bool masked = k0 + 8 * n + 2 * L.t4 + (e & 1) > wrow + L.g + 8 * (e >> 1);
+          const bool masked = k0 + 8 * n + 2 * L.t4 + (e & 1) > wkey + L.g + 8 * (e >> 1);
           const float p = masked ? 0.0f : atc_ex2(s[n][e] * scale_log2 - lse2[e >> 1]);
           s[n][e] = p * (dp[n][e] - dd[e >> 1]);
         }
@@ -512,18 +520,19 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   }
 }
 
-// atc_backward_dkdv: grid (B*KV, ceil(S/64)), 128 threads. Writes dk and
+// atc_backward_dkdv: grid (B*KV, ceil(KS/64)), 128 threads. Writes dk and
 // dv for keys j0..j0+63 of kv head kvh; the longest rows (small j0) go
 // first. Q and dout stream in tiles of BM queries, over the group's query
-// heads and, for each, the positions from j0 on. Per tile, transposed
+// heads and, for each, the positions from i1 = max(0, j0-off) on, the first
+// that sees key j0; with none (i1 >= S) the block writes zeros. Per tile, transposed
 // (keys are the rows here): P^T = exp(K Q^T - lse), dS^T = P^T * (V dout^T
 // - D); dv += P^T dout, dk += dS^T Q (times the scale at the end). K and V
 // stay in shared memory for the block's lifetime.
 template <int DH, int BM>
 __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const float* dout, const float* q,
                                                   const float* k, const float* v, const float* lse,
-                                                  const float* delta, int S, int H, int KV, float scale_log2,
-                                                  float scale) {
+                                                  const float* delta, int S, int KS, int off, int H, int KV,
+                                                  float scale_log2, float scale) {
   constexpr int KTILE = ATC_ROWS * DH * 2, TILE = BM * DH * 2;
   constexpr int NL = BM * DH / (4 * ATC_THREADS), NK = ATC_ROWS * DH / (4 * ATC_THREADS);
   // K, V, then two buffers of (Q, dout).
@@ -535,25 +544,26 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, group = H / KV;
   const int j0 = blockIdx.y * ATC_ROWS;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
-  const long long kbase = (long long)b * S * kstride + (long long)kvh * DH;
-  const int per_head = (S - j0 + BM - 1) / BM, ntiles = group * per_head;
+  const long long kbase = (long long)b * KS * kstride + (long long)kvh * DH;
+  const int i1 = j0 > off ? j0 - off : 0;
+  const int per_head = i1 < S ? (S - i1 + BM - 1) / BM : 0, ntiles = group * per_head;
   const int wkey = j0 + 16 * w;  // the warp's first key row
 
   {
     atc_f4 r[NK];
-    atc_load<DH, ATC_ROWS>(r, k, kbase, kstride, j0, S);
+    atc_load<DH, ATC_ROWS>(r, k, kbase, kstride, j0, KS);
     atc_store<DH, ATC_ROWS>(smem, r);
-    atc_load<DH, ATC_ROWS>(r, v, kbase, kstride, j0, S);
+    atc_load<DH, ATC_ROWS>(r, v, kbase, kstride, j0, KS);
     atc_store<DH, ATC_ROWS>(smem + KTILE, r);
   }
 
   // Tile t is query head kvh*group + t/per_head, positions i0.. with
-  // i0 = j0 + (t % per_head)*BM. Besides Q and dout, each lane fetches lse
+  // i0 = i1 + (t % per_head)*BM. Besides Q and dout, each lane fetches lse
   // (times log2 e) and D of the query columns its C fragments hold.
   atc_f4 qr[NL], dr[NL];
   float lsen[BM / 8][2], deln[BM / 8][2];
   auto issue = [&](int t) {
-    const int h = kvh * group + t / per_head, i0 = j0 + (t % per_head) * BM;
+    const int h = kvh * group + t / per_head, i0 = i1 + (t % per_head) * BM;
     const long long qbase = (long long)b * S * qstride + (long long)h * DH;
     const long long lbase = ((long long)b * H + h) * S;
     atc_load<DH, BM>(qr, q, qbase, qstride, i0, S);
@@ -580,8 +590,10 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
         delc[n][c] = deln[n][c];
       }
   };
-  issue(0);
-  stage(0);
+  if (ntiles > 0) {
+    issue(0);
+    stage(0);
+  }
   __syncthreads();
 
   float dka[DH / 8][4], dva[DH / 8][4];
@@ -591,11 +603,11 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
     for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.0f;
 
   for (int t = 0; t < ntiles; t++) {
-    const int i0 = j0 + (t % per_head) * BM;
+    const int i0 = i1 + (t % per_head) * BM;
     if (t + 1 < ntiles) issue(t + 1);
     const atc_saddr qs = sbase + 2 * KTILE + (t & 1) * 2 * TILE, ds = qs + TILE;
     // Warp-uniform: queries before every key of this warp see none of them.
-    if (i0 + BM - 1 >= wkey) {
+    if (off + i0 + BM - 1 >= wkey) {
       float s[BM / 8][4], dp[BM / 8][4];
 #pragma unroll
       for (int n = 0; n < BM / 8; n++)
@@ -617,14 +629,14 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
           atc_mma(dp[2 * j + 1], va, bf[2], bf[3]);
         }
       }
-      // s becomes P^T, dp becomes dS^T; a query before the key, or past
-      // S, gives 0.
+      // s becomes P^T, dp becomes dS^T; a query that does not see the key
+      // (off + i < j), or past S, gives 0.
 #pragma unroll
       for (int n = 0; n < BM / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           const int i = i0 + 8 * n + 2 * L.t4 + (e & 1), j = wkey + L.g + 8 * (e >> 1);
-          const float p = i < j || i >= S ? 0.0f : atc_ex2(s[n][e] * scale_log2 - lsec[n][e & 1]);
+          const float p = off + i < j || i >= S ? 0.0f : atc_ex2(s[n][e] * scale_log2 - lsec[n][e & 1]);
           dp[n][e] = p * (dp[n][e] - delc[n][e & 1]);
           s[n][e] = p;
         }
@@ -652,12 +664,12 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     const int j = wkey + L.g + 8 * r;
-    if (j < S) {
-      const long long off = kbase + (long long)j * kstride + 2 * L.t4;
+    if (j < KS) {
+      const long long row = kbase + (long long)j * kstride + 2 * L.t4;
 #pragma unroll
       for (int n = 0; n < DH / 8; n++) {
-        *(atc_f2*)(dk + off + 8 * n) = atc_f2{dka[n][2 * r] * scale, dka[n][2 * r + 1] * scale};
-        *(atc_f2*)(dv + off + 8 * n) = atc_f2{dva[n][2 * r], dva[n][2 * r + 1]};
+        *(atc_f2*)(dk + row + 8 * n) = atc_f2{dka[n][2 * r] * scale, dka[n][2 * r + 1] * scale};
+        *(atc_f2*)(dv + row + 8 * n) = atc_f2{dva[n][2 * r], dva[n][2 * r + 1]};
       }
     }
   }
@@ -667,23 +679,23 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
 // static shared memory within 48 KiB: forward BN = 64 / 32 keys, dq
 // BN = 32 / 16 keys, dk/dv BM = 32 / 16 queries for Dh = 64 / 128.
 
-extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d64(float* out, float* lse, const float* q, const float* k, const float* v, int S, int H, int KV, float scale_log2) {
-  atc_forward<64, 64>(out, lse, q, k, v, S, H, KV, scale_log2);
+extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d64(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
+  atc_forward<64, 64>(out, lse, q, k, v, S, KS, off, H, KV, scale_log2);
 }
-extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d128(float* out, float* lse, const float* q, const float* k, const float* v, int S, int H, int KV, float scale_log2) {
-  atc_forward<128, 32>(out, lse, q, k, v, S, H, KV, scale_log2);
-}
-
-extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dq<64, 32>(dq, delta, dout, q, k, v, out, lse, S, H, KV, scale_log2, scale);
-}
-extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dq<128, 16>(dq, delta, dout, q, k, v, out, lse, S, H, KV, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d128(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
+  atc_forward<128, 32>(out, lse, q, k, v, S, KS, off, H, KV, scale_log2);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d64(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dkdv<64, 32>(dk, dv, dout, q, k, v, lse, delta, S, H, KV, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<64, 32>(dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, scale_log2, scale);
 }
-extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d128(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dkdv<128, 16>(dk, dv, dout, q, k, v, lse, delta, S, H, KV, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<128, 16>(dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d64(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dkdv<64, 32>(dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, scale_log2, scale);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d128(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dkdv<128, 16>(dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, scale_log2, scale);
 }

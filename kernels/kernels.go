@@ -53,7 +53,7 @@ type Source struct {
 func Sources() []Source {
 	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
 	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
-	const attnKeyGrid = "(B*KV, ceil(S/64)) blocks: one per kv head and 64 keys"
+	const attnKeyGrid = "(B*KV, ceil(KVSeq/64)) blocks: one per kv head and 64 keys"
 	return []Source{
 		{File: "elementwise.cu", Kernels: []Kernel{
 			{Name: "fill_f32", Block: 256, Grid: gridStride},

@@ -15,6 +15,10 @@ var attnCompareShapes = []backend.AttnShape{
 	{Batch: 2, Seq: 33, Heads: 8, KVHeads: 2, HeadDim: 16},
 	{Batch: 1, Seq: 64, Heads: 4, KVHeads: 1, HeadDim: 128},
 	{Batch: 2, Seq: 17, Heads: 4, KVHeads: 4, HeadDim: 64},
+	// A context-parallel rank's call: the queries are positions 70..99 of
+	// 133 keys, so both the first and the last key tile are partly masked
+	// and a tail of keys is seen by no query.
+	{Batch: 2, Seq: 30, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 133, QOffset: 70},
 }
 
 // attnCheckShapes are small enough for a finite-difference check of every
@@ -25,6 +29,12 @@ var attnCheckShapes = []backend.AttnShape{
 	{Batch: 2, Seq: 5, Heads: 4, KVHeads: 4, HeadDim: 4},
 	{Batch: 1, Seq: 6, Heads: 3, KVHeads: 1, HeadDim: 2},
 	{Batch: 1, Seq: 7, Heads: 6, KVHeads: 2, HeadDim: 5},
+	// More keys than queries: queries at key positions 4..8 of 9, and
+	// queries at 0..4 of 9, where keys 5..8 are seen by no query (their
+	// dk and dv must be 0).
+	{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 4, KVSeq: 9, QOffset: 4},
+	{Batch: 2, Seq: 5, Heads: 2, KVHeads: 1, HeadDim: 3, KVSeq: 9},
+	{Batch: 1, Seq: 3, Heads: 2, KVHeads: 2, HeadDim: 4, KVSeq: 8, QOffset: 2},
 	// One position: p = 1, so dq = dk = 0 exactly. Only checked here: a
 	// float32 backend's rounding residue, compared with the oracle's exact
 	// zeros, has no scale to be measured against.
@@ -49,21 +59,25 @@ func attentionCases() []Case {
 }
 
 func attnName(s backend.AttnShape) string {
-	return fmt.Sprintf("Attention/B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim)
+	name := fmt.Sprintf("Attention/B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim)
+	if s.KVSeq != 0 || s.QOffset != 0 {
+		name += fmt.Sprintf("_KVS%d_Off%d", s.Keys(), s.QOffset)
+	}
+	return name
 }
 
 // attnCompare runs the forward and then the backward on the forward's own
 // out and lse, on both backends.
 func attnCompare(s backend.AttnShape) func(e *Env) {
 	return func(e *Env) {
-		T, Q, K := s.Batch*s.Seq, s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
 		// q and k in [-2, 2) give scaled scores of standard deviation about
 		// 1.3 at every head dim: softmax rows that are neither flat nor
 		// one-hot.
-		q, k := e.Uniform("q", -2, 2, T, Q), e.Uniform("k", -2, 2, T, K)
-		v, dout := e.Rand("v", T, K), e.Rand("dout", T, Q)
+		q, k := e.Uniform("q", -2, 2, T, Q), e.Uniform("k", -2, 2, TK, K)
+		v, dout := e.Rand("v", TK, K), e.Rand("dout", T, Q)
 		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
-		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", T, K), e.Out("dv", T, K)
+		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
 		// Every output element is a reduction over Seq rounded products.
 		e.NormWise = true
 		e.Run(func(b backend.Backend, x Pick) {
@@ -78,14 +92,14 @@ func attnCompare(s backend.AttnShape) func(e *Env) {
 func attnCheck(s backend.AttnShape) func(t *testing.T, b64 backend.Backend) {
 	return func(t *testing.T, b64 backend.Backend) {
 		rng := NewRand(attnName(s) + "/check")
-		T, Q, K := s.Batch*s.Seq, s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
 		host := map[string][]float64{
 			"q": RandFloats(rng, T*Q, -2, 2),
-			"k": RandFloats(rng, T*K, -2, 2),
-			"v": RandFloats(rng, T*K, -1, 1),
+			"k": RandFloats(rng, TK*K, -2, 2),
+			"v": RandFloats(rng, TK*K, -1, 1),
 		}
 		dout := RandFloats(rng, T*Q, -1, 1)
-		q, k, v := Upload(b64, host["q"], T, Q), Upload(b64, host["k"], T, K), Upload(b64, host["v"], T, K)
+		q, k, v := Upload(b64, host["q"], T, Q), Upload(b64, host["k"], TK, K), Upload(b64, host["v"], TK, K)
 		dev := map[string]backend.Tensor{"q": q, "k": k, "v": v}
 		out, lse := b64.New(backend.Float64, T, Q), b64.New(backend.Float64, s.Batch, s.Heads, s.Seq)
 
@@ -96,7 +110,7 @@ func attnCheck(s backend.AttnShape) func(t *testing.T, b64 backend.Backend) {
 
 		// Gradients start as NaN: the backward must overwrite them.
 		grads := map[string]backend.Tensor{
-			"q": Upload(b64, attnNaNs(T*Q), T, Q), "k": Upload(b64, attnNaNs(T*K), T, K), "v": Upload(b64, attnNaNs(T*K), T, K),
+			"q": Upload(b64, attnNaNs(T*Q), T, Q), "k": Upload(b64, attnNaNs(TK*K), TK, K), "v": Upload(b64, attnNaNs(TK*K), TK, K),
 		}
 		b64.AttentionBackward(grads["q"], grads["k"], grads["v"], Upload(b64, dout, T, Q), q, k, v, out, lse, s)
 
@@ -122,12 +136,13 @@ func attnNaNs(n int) []float64 {
 }
 
 // naiveAttention is the textbook computation in float64: repeat_kv (query
-// head h reads kv head h/(H/KV)), the full S x S score matrix with a -Inf
-// causal mask, softmax, times V. It returns out [T, H*Dh] and lse [B, H, S].
+// head h reads kv head h/(H/KV)), the full S x Keys score matrix with a
+// -Inf causal mask (key j hidden from query i when j > QOffset+i), softmax,
+// times V. It returns out [T, H*Dh] and lse [B, H, S].
 func naiveAttention(s backend.AttnShape, q, k, v []float64) (outTQ, lseBHS []float64) {
-	B, S, H, KV, Dh := s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim
-	kRep, vRep := make([]float64, B*S*H*Dh), make([]float64, B*S*H*Dh)
-	for t := range B * S {
+	B, S, KS, H, KV, Dh := s.Batch, s.Seq, s.Keys(), s.Heads, s.KVHeads, s.HeadDim
+	kRep, vRep := make([]float64, B*KS*H*Dh), make([]float64, B*KS*H*Dh)
+	for t := range B * KS {
 		for h := range H {
 			src := (t*KV + h/(H/KV)) * Dh
 			copy(kRep[(t*H+h)*Dh:(t*H+h+1)*Dh], k[src:src+Dh])
@@ -135,28 +150,28 @@ func naiveAttention(s backend.AttnShape, q, k, v []float64) (outTQ, lseBHS []flo
 		}
 	}
 	outTQ, lseBHS = make([]float64, B*S*H*Dh), make([]float64, B*H*S)
-	scores := make([]float64, S*S)
+	scores := make([]float64, S*KS)
 	for b := range B {
 		for h := range H {
 			for i := range S {
-				for j := range S {
-					scores[i*S+j] = math.Inf(-1)
-					if j <= i {
-						qi, kj := ((b*S+i)*H+h)*Dh, ((b*S+j)*H+h)*Dh
-						scores[i*S+j] = Dot(q[qi:qi+Dh], kRep[kj:kj+Dh]) / math.Sqrt(float64(Dh))
+				for j := range KS {
+					scores[i*KS+j] = math.Inf(-1)
+					if j <= s.QOffset+i {
+						qi, kj := ((b*S+i)*H+h)*Dh, ((b*KS+j)*H+h)*Dh
+						scores[i*KS+j] = Dot(q[qi:qi+Dh], kRep[kj:kj+Dh]) / math.Sqrt(float64(Dh))
 					}
 				}
 			}
 			for i := range S {
 				var z float64
-				for j := range S {
-					z += math.Exp(scores[i*S+j])
+				for j := range KS {
+					z += math.Exp(scores[i*KS+j])
 				}
 				lseBHS[(b*H+h)*S+i] = math.Log(z)
 				oi := ((b*S+i)*H + h) * Dh
-				for j := range S {
-					p := math.Exp(scores[i*S+j]) / z
-					vj := ((b*S+j)*H + h) * Dh
+				for j := range KS {
+					p := math.Exp(scores[i*KS+j]) / z
+					vj := ((b*KS+j)*H + h) * Dh
 					for d := range Dh {
 						outTQ[oi+d] += p * vRep[vj+d]
 					}

@@ -5,10 +5,11 @@ package cpu
 // backward recomputes the probabilities from it. Nothing of size Seq x Seq is
 // ever held, so the reference has the memory profile of the CUDA kernels.
 //
-// Layout: token t = b*Seq + i. Query head h reads columns [h*Dh, (h+1)*Dh) of
-// qTQ and uses key/value head h/(H/KV) (Hugging Face repeat_kv order: the
-// first H/KV query heads share kv head 0). lseBHS[b, h, i] is the log-sum-exp
-// of row i's scaled, masked scores.
+// Layout: query token t = b*Seq + i, key token b*Keys + j (Keys = s.Keys()).
+// Query head h reads columns [h*Dh, (h+1)*Dh) of qTQ and uses key/value head
+// h/(H/KV) (Hugging Face repeat_kv order: the first H/KV query heads share kv
+// head 0). Query i sees keys 0..QOffset+i of its sequence. lseBHS[b, h, i] is
+// the log-sum-exp of row i's scaled, masked scores.
 
 import (
 	"fmt"
@@ -19,7 +20,8 @@ import (
 
 func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
 	checkAttn(s, lseBHS,
-		attnArg{"out", outTQ, s.Heads}, attnArg{"q", qTQ, s.Heads}, attnArg{"k", kTK, s.KVHeads}, attnArg{"v", vTK, s.KVHeads})
+		attnArg{"out", outTQ, s.Heads, false}, attnArg{"q", qTQ, s.Heads, false},
+		attnArg{"k", kTK, s.KVHeads, true}, attnArg{"v", vTK, s.KVHeads, true})
 	if b.dt == backend.Float32 {
 		attnForward[float32](b, outTQ, lseBHS, qTQ, kTK, vTK, s)
 	} else {
@@ -29,9 +31,9 @@ func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, 
 
 func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
 	checkAttn(s, lseBHS,
-		attnArg{"dq", dqTQ, s.Heads}, attnArg{"dk", dkTK, s.KVHeads}, attnArg{"dv", dvTK, s.KVHeads},
-		attnArg{"dout", doutTQ, s.Heads}, attnArg{"q", qTQ, s.Heads}, attnArg{"k", kTK, s.KVHeads},
-		attnArg{"v", vTK, s.KVHeads}, attnArg{"out", outTQ, s.Heads})
+		attnArg{"dq", dqTQ, s.Heads, false}, attnArg{"dk", dkTK, s.KVHeads, true}, attnArg{"dv", dvTK, s.KVHeads, true},
+		attnArg{"dout", doutTQ, s.Heads, false}, attnArg{"q", qTQ, s.Heads, false}, attnArg{"k", kTK, s.KVHeads, true},
+		attnArg{"v", vTK, s.KVHeads, true}, attnArg{"out", outTQ, s.Heads, false})
 	if b.dt == backend.Float32 {
 		attnBackward[float32](b, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS, s)
 	} else {
@@ -39,12 +41,14 @@ func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, out
 	}
 }
 
-// attnArg is a token-major tensor argument and the number of heads of width
-// HeadDim in each of its rows.
+// attnArg is a token-major tensor argument, the number of heads of width
+// HeadDim in each of its rows, and whether it has a row per key (Keys per
+// sequence) rather than per query (Seq per sequence).
 type attnArg struct {
 	name  string
 	t     backend.Tensor
 	heads int
+	keys  bool
 }
 
 // checkAttn panics unless the shape is well formed and every tensor holds
@@ -53,9 +57,15 @@ func checkAttn(s backend.AttnShape, lseBHS backend.Tensor, args ...attnArg) {
 	if s.Batch < 1 || s.Seq < 1 || s.Heads < 1 || s.KVHeads < 1 || s.HeadDim < 1 || s.Heads%s.KVHeads != 0 {
 		panic(fmt.Sprintf("cpu: attention shape %+v: all sizes must be positive and KVHeads must divide Heads", s))
 	}
-	tokens := s.Batch * s.Seq
+	if s.KVSeq < 0 || s.QOffset < 0 || s.QOffset+s.Seq > s.Keys() {
+		panic(fmt.Sprintf("cpu: attention shape %+v: need 0 <= QOffset and QOffset+Seq <= KVSeq", s))
+	}
 	for _, a := range args {
-		if want := tokens * a.heads * s.HeadDim; a.t.Len() != want {
+		rows := s.Batch * s.Seq
+		if a.keys {
+			rows = s.Batch * s.Keys()
+		}
+		if want := rows * a.heads * s.HeadDim; a.t.Len() != want {
 			panic(fmt.Sprintf("cpu: attention %s has %d elements, want %d for %+v", a.name, a.t.Len(), want, s))
 		}
 	}
@@ -82,37 +92,38 @@ func attnAxpy[T Float](y []T, alpha T, x []T) {
 // attnForward runs one (batch, head) pair per work item.
 func attnForward[T Float](b *Backend, outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
 	out, lse, q, k, v := floats[T](outTQ), floats[T](lseBHS), floats[T](qTQ), floats[T](kTK), floats[T](vTK)
-	S, H, Dh := s.Seq, s.Heads, s.HeadDim
+	S, KS, off, H, Dh := s.Seq, s.Keys(), s.QOffset, s.Heads, s.HeadDim
 	group := H / s.KVHeads
 	qStride, kStride := H*Dh, s.KVHeads*Dh
 	scale := 1 / math.Sqrt(float64(Dh))
 
 	b.parallelFor(s.Batch*H, 1, func(lo, hi int) {
-		scores := make([]T, S) // the one row of scores this worker holds
+		scores := make([]T, KS) // the one row of scores this worker holds
 		for bh := lo; bh < hi; bh++ {
 			bi, h := bh/H, bh%H
 			qOff, kOff := h*Dh, (h/group)*Dh
 			for i := range S {
 				ti := bi*S + i
 				qi := q[ti*qStride+qOff : ti*qStride+qOff+Dh]
-				// Scaled scores of keys 0..i; later keys are masked out.
+				// Scaled scores of keys 0..last; later keys are masked out.
+				last := off + i
 				m := math.Inf(-1)
-				for j := 0; j <= i; j++ {
-					tj := bi*S + j
+				for j := 0; j <= last; j++ {
+					tj := bi*KS + j
 					sc := float64(attnDot(qi, k[tj*kStride+kOff:tj*kStride+kOff+Dh])) * scale
 					scores[j] = T(sc)
 					m = max(m, sc)
 				}
 				var sum float64
-				for j := 0; j <= i; j++ {
+				for j := 0; j <= last; j++ {
 					p := math.Exp(float64(scores[j]) - m)
 					scores[j] = T(p)
 					sum += p
 				}
 				oi := out[ti*qStride+qOff : ti*qStride+qOff+Dh]
 				clear(oi)
-				for j := 0; j <= i; j++ {
-					tj := bi*S + j
+				for j := 0; j <= last; j++ {
+					tj := bi*KS + j
 					attnAxpy(oi, scores[j], v[tj*kStride+kOff:tj*kStride+kOff+Dh])
 				}
 				inv := T(1 / sum)
@@ -134,7 +145,7 @@ func attnForward[T Float](b *Backend, outTQ, lseBHS, qTQ, kTK, vTK backend.Tenso
 func attnBackward[T Float](b *Backend, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
 	dq, dk, dv := floats[T](dqTQ), floats[T](dkTK), floats[T](dvTK)
 	dout, q, k, v, out, lse := floats[T](doutTQ), floats[T](qTQ), floats[T](kTK), floats[T](vTK), floats[T](outTQ), floats[T](lseBHS)
-	S, H, KV, Dh := s.Seq, s.Heads, s.KVHeads, s.HeadDim
+	S, KS, off, H, KV, Dh := s.Seq, s.Keys(), s.QOffset, s.Heads, s.KVHeads, s.HeadDim
 	group := H / KV
 	qStride, kStride := H*Dh, KV*Dh
 	scale := 1 / math.Sqrt(float64(Dh))
@@ -144,10 +155,11 @@ func attnBackward[T Float](b *Backend, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, 
 		for bg := lo; bg < hi; bg++ {
 			bi, g := bg/KV, bg%KV
 			kOff := g * Dh
-			for i := range S {
-				ti := bi*S + i
-				clear(dk[ti*kStride+kOff : ti*kStride+kOff+Dh])
-				clear(dv[ti*kStride+kOff : ti*kStride+kOff+Dh])
+			// Every key row is written: keys no query sees keep 0.
+			for j := range KS {
+				tj := bi*KS + j
+				clear(dk[tj*kStride+kOff : tj*kStride+kOff+Dh])
+				clear(dv[tj*kStride+kOff : tj*kStride+kOff+Dh])
 			}
 			for h := g * group; h < (g+1)*group; h++ {
 				qOff := h * Dh
@@ -158,8 +170,8 @@ func attnBackward[T Float](b *Backend, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, 
 					di := attnDot(doi, out[row:row+Dh])
 					lseI := float64(lse[(bi*H+h)*S+i])
 					clear(dqi)
-					for j := 0; j <= i; j++ {
-						col := (bi*S+j)*kStride + kOff
+					for j := 0; j <= off+i; j++ {
+						col := (bi*KS+j)*kStride + kOff
 						kj, vj := k[col:col+Dh], v[col:col+Dh]
 						p := T(math.Exp(float64(attnDot(qi, kj))*scale - lseI))
 						attnAxpy(dv[col:col+Dh], p, doi)

@@ -40,10 +40,10 @@ func attnHost(t backend.Tensor) []float64 {
 // runAttn runs the forward and the backward on b and returns out, lse, dq,
 // dk and dv, in that order.
 func runAttn(b *Backend, s backend.AttnShape, q, k, v, dout []float64) [5][]float64 {
-	T, Q, K := s.Batch*s.Seq, s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
-	qT, kT, vT := attnUpload(b, q, T, Q), attnUpload(b, k, T, K), attnUpload(b, v, T, K)
+	T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+	qT, kT, vT := attnUpload(b, q, T, Q), attnUpload(b, k, TK, K), attnUpload(b, v, TK, K)
 	out, lse := b.New(b.FloatType(), T, Q), b.New(b.FloatType(), s.Batch, s.Heads, s.Seq)
-	dq, dk, dv := b.New(b.FloatType(), T, Q), b.New(b.FloatType(), T, K), b.New(b.FloatType(), T, K)
+	dq, dk, dv := b.New(b.FloatType(), T, Q), b.New(b.FloatType(), TK, K), b.New(b.FloatType(), TK, K)
 	b.AttentionForward(out, lse, qT, kT, vT, s)
 	b.AttentionBackward(dq, dk, dv, attnUpload(b, dout, T, Q), qT, kT, vT, out, lse, s)
 	return [5][]float64{attnHost(out), attnHost(lse), attnHost(dq), attnHost(dk), attnHost(dv)}
@@ -52,11 +52,10 @@ func runAttn(b *Backend, s backend.AttnShape, q, k, v, dout []float64) [5][]floa
 // TestAttentionWorkersAgree checks that the split over workers changes
 // nothing: each (batch, head) item is computed the same way whoever runs it,
 // so results must be bit-identical. Run under -race it also checks the dk/dv
-// accumulation across a GQA group for data races.
+// accumulation across a GQA group for data races. The second shape has
+// more keys than queries and a query offset.
 func TestAttentionWorkersAgree(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 6))
-	s := backend.AttnShape{Batch: 3, Seq: 9, Heads: 8, KVHeads: 2, HeadDim: 8}
-	T := s.Batch * s.Seq
 	randn := func(n int) []float64 {
 		x := make([]float64, n)
 		for i := range x {
@@ -64,18 +63,24 @@ func TestAttentionWorkersAgree(t *testing.T) {
 		}
 		return x
 	}
-	q, k, v := randn(T*s.Heads*s.HeadDim), randn(T*s.KVHeads*s.HeadDim), randn(T*s.KVHeads*s.HeadDim)
-	dout := randn(T * s.Heads * s.HeadDim)
+	for _, s := range []backend.AttnShape{
+		{Batch: 3, Seq: 9, Heads: 8, KVHeads: 2, HeadDim: 8},
+		{Batch: 2, Seq: 4, Heads: 4, KVHeads: 2, HeadDim: 8, KVSeq: 11, QOffset: 5},
+	} {
+		T, TK := s.Batch*s.Seq, s.Batch*s.Keys()
+		q, k, v := randn(T*s.Heads*s.HeadDim), randn(TK*s.KVHeads*s.HeadDim), randn(TK*s.KVHeads*s.HeadDim)
+		dout := randn(T * s.Heads * s.HeadDim)
 
-	serial, parallel := New(backend.Float32), New(backend.Float32)
-	serial.SetWorkers(1)
-	parallel.SetWorkers(5)
-	want := runAttn(serial, s, q, k, v, dout)
-	got := runAttn(parallel, s, q, k, v, dout)
-	for n, name := range []string{"out", "lse", "dq", "dk", "dv"} {
-		for i := range want[n] {
-			if got[n][i] != want[n][i] {
-				t.Fatalf("%s[%d]: 5 workers give %v, 1 worker gives %v", name, i, got[n][i], want[n][i])
+		serial, parallel := New(backend.Float32), New(backend.Float32)
+		serial.SetWorkers(1)
+		parallel.SetWorkers(5)
+		want := runAttn(serial, s, q, k, v, dout)
+		got := runAttn(parallel, s, q, k, v, dout)
+		for n, name := range []string{"out", "lse", "dq", "dk", "dv"} {
+			for i := range want[n] {
+				if got[n][i] != want[n][i] {
+					t.Fatalf("%+v: %s[%d]: 5 workers give %v, 1 worker gives %v", s, name, i, got[n][i], want[n][i])
+				}
 			}
 		}
 	}
@@ -95,6 +100,21 @@ func TestAttentionRejectsBadShapes(t *testing.T) {
 		"k too short":   func() { b.AttentionForward(q, lse, q, b.New(backend.Float32, 3, 4), kv, s) },
 		"lse too short": func() { b.AttentionForward(q, b.New(backend.Float32, 4, 3), q, kv, kv, s) },
 		"dk too long":   func() { b.AttentionBackward(q, q, kv, q, q, kv, kv, q, lse, s) },
+		"negative offset": func() {
+			bad := s
+			bad.QOffset = -1
+			b.AttentionForward(q, lse, q, kv, kv, bad)
+		},
+		"queries past the keys": func() {
+			bad := s
+			bad.QOffset = 1
+			b.AttentionForward(q, lse, q, kv, kv, bad)
+		},
+		"k sized for Seq, not KVSeq": func() {
+			bad := s
+			bad.KVSeq = 6
+			b.AttentionForward(q, lse, q, kv, kv, bad)
+		},
 	} {
 		func() {
 			defer func() {

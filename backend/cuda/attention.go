@@ -4,9 +4,10 @@ package cuda
 // kernels/attention_tc.cu (tensor cores) and kernels/attention.cu (float32
 // on the CUDA cores). Both are flash style (no Seq x Seq matrix in memory);
 // the headers of the .cu files describe their tiling. Semantics are
-// backend/cpu's (the oracle): token t = b*Seq + i, query head h reads kv
-// head h/(Heads/KVHeads), scores scaled by 1/sqrt(HeadDim) and masked
-// causally, lse in natural log.
+// backend/cpu's (the oracle): query token b*Seq + i, key token
+// b*Keys() + j, query head h reads kv head h/(Heads/KVHeads), scores
+// scaled by 1/sqrt(HeadDim) and masked causally with the query offset (key
+// j visible to query i iff j <= QOffset + i), lse in natural log.
 //
 // Which kernels run: the tensor-core ones (bf16 operands, float32
 // accumulation and softmax statistics) for head dims 64 and 128 when every
@@ -71,16 +72,17 @@ const attnTensorCores = true
 func tcHeadDim(dh int) bool { return dh == 64 || dh == 128 }
 
 // AttentionForward computes causal GQA attention: q is [B*S, H*Dh], k and
-// v are [B*S, KV*Dh], out is [B*S, H*Dh], all float32 row-major; lse
-// [B, H, S] receives each query row's log-sum-exp of its scaled, masked
-// scores, for the backward. It queues the kernel on d's stream; launch
+// v are [B*KS, KV*Dh] (KS = s.Keys()), out is [B*S, H*Dh], all float32
+// row-major; lse [B, H, S] receives each query row's log-sum-exp of its
+// scaled, masked scores, for the backward. It queues the kernel on d's stream; launch
 // errors come back from the next Sync.
 func AttentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape) error {
 	return attentionForward(d, out, lse, q, k, v, s, attnAuto)
 }
 
 // AttentionBackward writes (overwrites) dq [B*S, H*Dh], dk and dv
-// [B*S, KV*Dh] from dout, the forward's inputs, its out and its lse. It
+// [B*KS, KV*Dh] (every key row; 0 where no query sees the key) from dout,
+// the forward's inputs, its out and its lse. It
 // runs two kernels, deterministic and free of atomics: one over query tiles
 // for dq, which also saves D_i = rowsum(dout*out) in a [B, H, S] scratch,
 // and one over key tiles for dk and dv, each owning its rows across the
@@ -100,19 +102,19 @@ func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 		return err
 	}
 	_, scaleLog2 := attnScales(s.HeadDim)
-	S, H, KV := int32(s.Seq), int32(s.Heads), int32(s.KVHeads)
+	S, KS, off, H, KV := int32(s.Seq), int32(s.Keys()), int32(s.QOffset), int32(s.Heads), int32(s.KVHeads)
 	if impl == attnTC {
 		kern, err := sourceKernel(d, "attention_tc.cu", fmt.Sprintf("attn_tc_forward_d%d", s.HeadDim))
 		if err != nil {
 			return err
 		}
-		return d.Launch(kern, tcGrid(s.Batch*s.Heads, s.Seq), out, lse, q, k, v, S, H, KV, scaleLog2)
+		return d.Launch(kern, tcGrid(s.Batch*s.Heads, s.Seq), out, lse, q, k, v, S, KS, off, H, KV, scaleLog2)
 	}
 	kern, err := attnKernel(d, fmt.Sprintf("attn_forward_d%d_f32", dp))
 	if err != nil {
 		return err
 	}
-	return d.Launch(kern, attnGrid(s.Batch*s.Heads, s.Seq, dp), out, lse, q, k, v, S, H, KV, int32(s.HeadDim), scaleLog2)
+	return d.Launch(kern, attnGrid(s.Batch*s.Heads, s.Seq, dp), out, lse, q, k, v, S, KS, off, H, KV, int32(s.HeadDim), scaleLog2)
 }
 
 // attentionBackward is AttentionBackward on the kernels impl names.
@@ -126,10 +128,11 @@ func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 		return err
 	}
 	dqName, dkvName := fmt.Sprintf("attn_backward_dq_d%d_f32", dp), fmt.Sprintf("attn_backward_dkdv_d%d_f32", dp)
-	file, qGrid, kGrid := "attention.cu", attnGrid(s.Batch*s.Heads, s.Seq, dp), attnGrid(s.Batch*s.KVHeads, s.Seq, dp)
+	// dq runs over query tiles, dk/dv over key tiles.
+	file, qGrid, kGrid := "attention.cu", attnGrid(s.Batch*s.Heads, s.Seq, dp), attnGrid(s.Batch*s.KVHeads, s.Keys(), dp)
 	if impl == attnTC {
 		dqName, dkvName = fmt.Sprintf("attn_tc_backward_dq_d%d", s.HeadDim), fmt.Sprintf("attn_tc_backward_dkdv_d%d", s.HeadDim)
-		file, qGrid, kGrid = "attention_tc.cu", tcGrid(s.Batch*s.Heads, s.Seq), tcGrid(s.Batch*s.KVHeads, s.Seq)
+		file, qGrid, kGrid = "attention_tc.cu", tcGrid(s.Batch*s.Heads, s.Seq), tcGrid(s.Batch*s.KVHeads, s.Keys())
 	}
 	dqKern, err := sourceKernel(d, file, dqName)
 	if err != nil {
@@ -146,17 +149,18 @@ func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 	// Free is stream-ordered: the kernels queued before it still see delta.
 	defer d.Free(delta)
 	scale, scaleLog2 := attnScales(s.HeadDim)
-	S, H, KV, Dh := int32(s.Seq), int32(s.Heads), int32(s.KVHeads), int32(s.HeadDim)
+	S, KS, off := int32(s.Seq), int32(s.Keys()), int32(s.QOffset)
+	H, KV, Dh := int32(s.Heads), int32(s.KVHeads), int32(s.HeadDim)
 	if impl == attnTC {
-		if err := d.Launch(dqKern, qGrid, dq, delta, dout, q, k, v, out, lse, S, H, KV, scaleLog2, scale); err != nil {
+		if err := d.Launch(dqKern, qGrid, dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, scaleLog2, scale); err != nil {
 			return err
 		}
-		return d.Launch(dkvKern, kGrid, dk, dv, dout, q, k, v, lse, delta, S, H, KV, scaleLog2, scale)
+		return d.Launch(dkvKern, kGrid, dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, scaleLog2, scale)
 	}
-	if err := d.Launch(dqKern, qGrid, dq, delta, dout, q, k, v, out, lse, S, H, KV, Dh, scaleLog2, scale); err != nil {
+	if err := d.Launch(dqKern, qGrid, dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, Dh, scaleLog2, scale); err != nil {
 		return err
 	}
-	return d.Launch(dkvKern, kGrid, dk, dv, dout, q, k, v, lse, delta, S, H, KV, Dh, scaleLog2, scale)
+	return d.Launch(dkvKern, kGrid, dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, Dh, scaleLog2, scale)
 }
 
 // chooseAttn resolves attnAuto and checks that the tensor-core kernels,
@@ -193,14 +197,18 @@ func checkAttnShape(op string, s backend.AttnShape) (int, error) {
 	if s.Batch < 1 || s.Seq < 1 || s.Heads < 1 || s.KVHeads < 1 || s.HeadDim < 1 || s.Heads%s.KVHeads != 0 {
 		return 0, fmt.Errorf("cuda: %s: attention shape %+v: all sizes must be positive and KVHeads must divide Heads", op, s)
 	}
+	if s.KVSeq < 0 || s.QOffset < 0 || s.QOffset+s.Seq > s.Keys() {
+		return 0, fmt.Errorf("cuda: %s: attention shape %+v: need 0 <= QOffset and QOffset+Seq <= KVSeq", op, s)
+	}
 	if s.HeadDim > MaxAttnHeadDim {
 		return 0, fmt.Errorf("cuda: %s: head dim %d is over the kernels' limit of %d", op, s.HeadDim, MaxAttnHeadDim)
 	}
-	if tiles := (s.Seq + attnRows - 1) / attnRows; tiles > maxGridY {
-		return 0, fmt.Errorf("cuda: %s: sequence length %d is over the kernels' limit of %d", op, s.Seq, maxGridY*attnRows)
+	// Keys() >= Seq, so the key tiles bound both grids.
+	if tiles := (s.Keys() + attnRows - 1) / attnRows; tiles > maxGridY {
+		return 0, fmt.Errorf("cuda: %s: sequence length %d is over the kernels' limit of %d", op, s.Keys(), maxGridY*attnRows)
 	}
-	if int64(s.Batch)*int64(s.Heads) > math.MaxInt32 || int64(s.Batch)*int64(s.Seq) > math.MaxInt32 {
-		return 0, fmt.Errorf("cuda: %s: attention shape %+v is too large (batch*heads and batch*seq must fit in 32 bits)", op, s)
+	if int64(s.Batch)*int64(s.Heads) > math.MaxInt32 || int64(s.Batch)*int64(s.Keys()) > math.MaxInt32 {
+		return 0, fmt.Errorf("cuda: %s: attention shape %+v is too large (batch*heads and batch*keys must fit in 32 bits)", op, s)
 	}
 	switch {
 	case s.HeadDim <= 32:

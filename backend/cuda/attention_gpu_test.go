@@ -55,6 +55,17 @@ func TestAttentionKernels(t *testing.T) {
 		{Batch: 1, Seq: 70, Heads: 3, KVHeads: 1, HeadDim: 128},
 		{Batch: 3, Seq: 64, Heads: 2, KVHeads: 1, HeadDim: 64},
 		{Batch: 1, Seq: 1, Heads: 2, KVHeads: 2, HeadDim: 128},
+		// More keys than queries, as on a context-parallel rank: an offset
+		// that is no multiple of 16 (rows of an active warp that see no key
+		// of a tile), keys 250..299 that no query sees (a whole dk/dv block
+		// of zeros), zigzag chunks (the last of 4, the first with a tail
+		// nobody sees) and one query deep in the sequence.
+		{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 16, KVSeq: 9, QOffset: 4},
+		{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 300, QOffset: 150},
+		{Batch: 1, Seq: 100, Heads: 3, KVHeads: 1, HeadDim: 37, KVSeq: 300, QOffset: 150},
+		{Batch: 1, Seq: 128, Heads: 2, KVHeads: 1, HeadDim: 128, KVSeq: 512, QOffset: 384},
+		{Batch: 2, Seq: 64, Heads: 2, KVHeads: 2, HeadDim: 64, KVSeq: 256},
+		{Batch: 1, Seq: 1, Heads: 2, KVHeads: 2, HeadDim: 64, KVSeq: 70, QOffset: 67},
 	}
 	for n, s := range shapes {
 		impls := []attnImpl{attnFP32}
@@ -62,7 +73,11 @@ func TestAttentionKernels(t *testing.T) {
 			impls = append(impls, attnTC)
 		}
 		for _, impl := range impls {
-			t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d_%s", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim, strings.ReplaceAll(impl.String(), " ", "_")), func(t *testing.T) {
+			name := fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim)
+			if s.KVSeq != 0 || s.QOffset != 0 {
+				name += fmt.Sprintf("_KVS%d_Off%d", s.Keys(), s.QOffset)
+			}
+			t.Run(name+"_"+strings.ReplaceAll(impl.String(), " ", "_"), func(t *testing.T) {
 				checkAttention(newKT(t, uint64(30+n)), s, impl)
 			})
 		}
@@ -72,8 +87,8 @@ func TestAttentionKernels(t *testing.T) {
 // checkAttention runs the forward and the backward on one shape with
 // impl's kernels and compares every output with the CPU backend's.
 func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
-	T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
-	nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
+	T, TK, H, KV, Dh := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads, s.KVHeads, s.HeadDim
+	nq, nk, nl := T*H*Dh, TK*KV*Dh, s.Batch*H*s.Seq
 	tol := attnTol(impl)
 	// q and k at 1.5 give peaked softmax rows as well as flat ones.
 	q, kk, v, dout := k.randn(nq, 1.5), k.randn(nk, 1.5), k.randn(nk, 1), k.randn(nq, 1)
@@ -82,7 +97,7 @@ func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
 	if err := attentionForward(k.d, out.Ptr(), lse.Ptr(), bq.Ptr(), bk.Ptr(), bv.Ptr(), s, impl); err != nil {
 		k.t.Fatal(err)
 	}
-	rq, rk, rv := k.cpuF(q, T, H*Dh), k.cpuF(kk, T, KV*Dh), k.cpuF(v, T, KV*Dh)
+	rq, rk, rv := k.cpuF(q, T, H*Dh), k.cpuF(kk, TK, KV*Dh), k.cpuF(v, TK, KV*Dh)
 	rout, rlse := k.ref.New(backend.Float64, T, H*Dh), k.ref.New(backend.Float64, s.Batch, H, s.Seq)
 	k.ref.AttentionForward(rout, rlse, rq, rk, rv, s)
 	gotOut, gotLse := k.download(out, nq), k.download(lse, nl)
@@ -90,7 +105,7 @@ func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
 	k.check("lse", gotLse, k.get(rlse), tol)
 	if impl == attnTC {
 		bout, blse := k.ref.New(backend.Float64, T, H*Dh), k.ref.New(backend.Float64, s.Batch, H, s.Seq)
-		k.ref.AttentionForward(bout, blse, k.cpuF(roundBF16(q), T, H*Dh), k.cpuF(roundBF16(kk), T, KV*Dh), rv, s)
+		k.ref.AttentionForward(bout, blse, k.cpuF(roundBF16(q), T, H*Dh), k.cpuF(roundBF16(kk), TK, KV*Dh), rv, s)
 		k.check("lse against bf16-rounded q and k", gotLse, k.get(blse), attnRoundedLseTol)
 	}
 
@@ -103,13 +118,13 @@ func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
 		}
 	}
 	backward()
-	rdq, rdk, rdv := k.ref.New(backend.Float64, T, H*Dh), k.ref.New(backend.Float64, T, KV*Dh), k.ref.New(backend.Float64, T, KV*Dh)
+	rdq, rdk, rdv := k.ref.New(backend.Float64, T, H*Dh), k.ref.New(backend.Float64, TK, KV*Dh), k.ref.New(backend.Float64, TK, KV*Dh)
 	k.ref.AttentionBackward(rdq, rdk, rdv, k.cpuF(dout, T, H*Dh), rq, rk, rv, k.cpuF(gotOut, T, H*Dh), k.cpuF(gotLse, nl), s)
 	gotQ, gotK, gotV := k.download(gq, nq), k.download(gk, nk), k.download(gv, nk)
-	if s.Seq == 1 {
-		// One key: dS = P*(dP - D) is 0 in exact arithmetic, so dq and dk
-		// are 0 up to rounding and a relative error means nothing; bound
-		// them instead.
+	if s.Seq == 1 && s.QOffset == 0 {
+		// One visible key: dS = P*(dP - D) is 0 in exact arithmetic, so dq
+		// and dk are 0 up to rounding and a relative error means nothing;
+		// bound them instead.
 		for name, g := range map[string][]float32{"dq": gotQ, "dk": gotK} {
 			for i, x := range g {
 				if !(math.Abs(float64(x)) < 10*tol) {
@@ -123,6 +138,17 @@ func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
 		k.check("dk", gotK, k.get(rdk), tol)
 	}
 	k.check("dv", gotV, k.get(rdv), tol)
+	// Keys after the last query's last visible key get exactly 0.
+	for b := range s.Batch {
+		for j := s.QOffset + s.Seq; j < s.Keys(); j++ {
+			row := (b*s.Keys() + j) * KV * Dh
+			for x := row; x < row+KV*Dh; x++ {
+				if gotK[x] != 0 || gotV[x] != 0 {
+					k.t.Fatalf("key %d of sequence %d, seen by no query: dk %v, dv %v, want 0", j, b, gotK[x], gotV[x])
+				}
+			}
+		}
+	}
 	if impl == attnTC {
 		// For the record: the conformance suite's element-wise measure,
 		// max |got - want| / (|want| + rms(want)), which bf16 rounding of

@@ -21,6 +21,11 @@ func TestAttentionShapeChecks(t *testing.T) {
 		{backend.AttnShape{Batch: 1, Seq: 5, Heads: 4, KVHeads: 3, HeadDim: 16}, "KVHeads must divide Heads"},
 		{backend.AttnShape{Batch: 1, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 129}, "head dim 129 is over"},
 		{backend.AttnShape{Batch: 1, Seq: 64*65535 + 1, Heads: 4, KVHeads: 2, HeadDim: 64}, "sequence length"},
+		{backend.AttnShape{Batch: 1, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 16, KVSeq: 64*65535 + 1}, "sequence length"},
+		{backend.AttnShape{Batch: 1, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 16, QOffset: -1}, "QOffset"},
+		{backend.AttnShape{Batch: 1, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 16, QOffset: 1}, "QOffset+Seq <= KVSeq"},
+		{backend.AttnShape{Batch: 1, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 16, KVSeq: 8, QOffset: 4}, "QOffset+Seq <= KVSeq"},
+		{backend.AttnShape{Batch: 1, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 16, KVSeq: -3}, "QOffset"},
 	} {
 		if err := AttentionForward(nil, 0, 0, 0, 0, 0, c.s); err == nil || !strings.Contains(err.Error(), c.want) ||
 			!strings.Contains(err.Error(), "AttentionForward") {

@@ -65,6 +65,7 @@ type attnArg struct {
 	name  string
 	t     backend.Tensor
 	heads int
+	keys  bool // k, v and their gradients: Batch*Keys() rows, not Batch*Seq
 }
 
 // checkAttn panics unless s is well formed and every tensor holds exactly
@@ -73,10 +74,16 @@ func checkAttn(op string, s backend.AttnShape, lseBHS backend.Tensor, args ...at
 	if s.Batch < 1 || s.Seq < 1 || s.Heads < 1 || s.KVHeads < 1 || s.HeadDim < 1 || s.Heads%s.KVHeads != 0 {
 		fail(op, "attention shape %+v: all sizes must be positive and KVHeads must divide Heads", s)
 	}
-	tokens := s.Batch * s.Seq
+	if s.KVSeq < 0 || s.QOffset < 0 || s.QOffset+s.Seq > s.Keys() {
+		fail(op, "attention shape %+v: need 0 <= QOffset and QOffset+Seq <= KVSeq", s)
+	}
 	var ts []*Tensor
 	for _, a := range args {
-		ts = append(ts, vector(op, a.name, a.t, tokens*a.heads*s.HeadDim))
+		rows := s.Batch * s.Seq
+		if a.keys {
+			rows = s.Batch * s.Keys()
+		}
+		ts = append(ts, vector(op, a.name, a.t, rows*a.heads*s.HeadDim))
 	}
 	return append(ts, vector(op, "lse", lseBHS, s.Batch*s.Heads*s.Seq))
 }
@@ -84,7 +91,7 @@ func checkAttn(op string, s backend.AttnShape, lseBHS backend.Tensor, args ...at
 // AttentionForward computes causal GQA attention (see backend.Backend).
 func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
 	ts := checkAttn("AttentionForward", s, lseBHS,
-		attnArg{"out", outTQ, s.Heads}, attnArg{"q", qTQ, s.Heads}, attnArg{"k", kTK, s.KVHeads}, attnArg{"v", vTK, s.KVHeads})
+		attnArg{"out", outTQ, s.Heads, false}, attnArg{"q", qTQ, s.Heads, false}, attnArg{"k", kTK, s.KVHeads, true}, attnArg{"v", vTK, s.KVHeads, true})
 	ps, ok := devicePtrs(ts...)
 	if !ok {
 		return
@@ -97,9 +104,9 @@ func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, 
 // AttentionBackward writes dq, dk and dv (see backend.Backend).
 func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
 	ts := checkAttn("AttentionBackward", s, lseBHS,
-		attnArg{"dq", dqTQ, s.Heads}, attnArg{"dk", dkTK, s.KVHeads}, attnArg{"dv", dvTK, s.KVHeads},
-		attnArg{"dout", doutTQ, s.Heads}, attnArg{"q", qTQ, s.Heads}, attnArg{"k", kTK, s.KVHeads},
-		attnArg{"v", vTK, s.KVHeads}, attnArg{"out", outTQ, s.Heads})
+		attnArg{"dq", dqTQ, s.Heads, false}, attnArg{"dk", dkTK, s.KVHeads, true}, attnArg{"dv", dvTK, s.KVHeads, true},
+		attnArg{"dout", doutTQ, s.Heads, false}, attnArg{"q", qTQ, s.Heads, false}, attnArg{"k", kTK, s.KVHeads, true},
+		attnArg{"v", vTK, s.KVHeads, true}, attnArg{"out", outTQ, s.Heads, false})
 	ps, ok := devicePtrs(ts...)
 	if !ok {
 		return
