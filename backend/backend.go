@@ -87,10 +87,21 @@ func (s AttnShape) Keys() int {
 }
 
 // AdamW holds one optimizer update's hyper-parameters. Step counts from 1 and
-// drives the bias correction.
+// drives the bias correction. GradScale multiplies the gradient before the
+// update (gradient clipping folded into the optimizer pass); 0 means 1.
 type AdamW struct {
 	LR, Beta1, Beta2, Eps, WeightDecay float64
 	Step                               int
+	GradScale                          float64
+}
+
+// GradFactor is the factor AdamWUpdate applies to the gradient: GradScale,
+// or 1 when it is 0.
+func (h AdamW) GradFactor() float64 {
+	if h.GradScale == 0 {
+		return 1
+	}
+	return h.GradScale
 }
 
 // Backend is the set of ops the model is built from. Unless an op says it

@@ -138,8 +138,10 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		return res, err
 	}
 	res.gradNorm = norm
+	// Clipping scales the gradients inside the AdamW pass.
+	gradScale := 1.0
 	if clip := cfg.Train.GradClip; clip > 0 && norm > clip {
-		b.Scale(r.gStore.flat, clip/(norm+1e-6))
+		gradScale = clip / (norm + 1e-6)
 	}
 	res.lr = learningRate(cfg.Train, step)
 	t := cfg.Train
@@ -153,7 +155,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		if part.r.empty() {
 			continue
 		}
-		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: part.wd, Step: step}
+		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: part.wd, Step: step, GradScale: gradScale}
 		b.AdamWUpdate(r.wStore.view(b, part.r), r.gStore.view(b, part.r), r.mStore.view(b, part.r), r.vStore.view(b, part.r), h)
 	}
 	profile.Scope(r.b, "")

@@ -80,9 +80,12 @@ func Sources() []Source {
 		{File: "swiglu.cu", Kernels: []Kernel{
 			{Name: "swiglu_forward_f32", Block: 256, Grid: gridStride},
 			{Name: "swiglu_backward_f32", Block: 256, Grid: gridStride},
+			{Name: "swiglu_forward_f32_x4", Block: 256, Grid: gridStride},
+			{Name: "swiglu_backward_f32_x4", Block: 256, Grid: gridStride},
 		}},
 		{File: "adamw.cu", Kernels: []Kernel{
 			{Name: "adamw_f32", Block: 256, Grid: gridStride},
+			{Name: "adamw_f32_x4", Block: 256, Grid: gridStride},
 		}},
 		{File: "crossentropy.cu", Kernels: []Kernel{
 			{Name: "cross_entropy_f32", Block: 256, Grid: "T blocks"},

@@ -509,7 +509,15 @@ func checkAdamWRef(t *testing.T, b backend.Backend) {
 	for step := 1; step <= 3; step++ {
 		g := c.rand(n, -1, 1)
 		h.Step = step
+		// Step 1 leaves the gradient as it is (GradScale 0 means 1); the
+		// others scale it first, as clipping does before torch's step.
+		h.GradScale = []float64{0, 0.5, 1.25}[step-1]
 		b.AdamWUpdate(pT, c.up(g, n), mT, vT, h)
+		if h.GradScale != 0 {
+			for i := range g {
+				g[i] *= h.GradScale
+			}
+		}
 		// torch.optim.AdamW, written out.
 		for i := range p {
 			p[i] *= 1 - h.LR*h.WeightDecay

@@ -297,7 +297,11 @@ func adamWCases() []Case {
 			param, grad := e.InOut(e.Rand("param", n)), e.Rand("grad", n)
 			m := e.InOut(e.Uniform("m", -0.1, 0.1, n))
 			v := e.InOut(e.Uniform("v", 0, 0.01, n))
+			// Step 7 also scales the gradient, as clipping does.
 			h := backend.AdamW{LR: 0.1, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.1, Step: step}
+			if step > 1 {
+				h.GradScale = 0.37
+			}
 			e.Run(func(b backend.Backend, p Pick) { b.AdamWUpdate(p(param), p(grad), p(m), p(v), h) })
 		}})
 	}

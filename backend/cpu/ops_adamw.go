@@ -37,14 +37,14 @@ func (b *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW)
 func adamW[T Float](b *Backend, param, grad, m, v []T, h backend.AdamW) {
 	bc1 := 1 - math.Pow(h.Beta1, float64(h.Step))
 	bc2 := 1 - math.Pow(h.Beta2, float64(h.Step))
-	decay := 1 - h.LR*h.WeightDecay
+	decay, gscale := 1-h.LR*h.WeightDecay, h.GradFactor()
 	b.parallelFor(len(param), elemChunk, func(lo, hi int) {
 		p := param[lo:hi]
 		g := grad[lo:hi][:len(p)]
 		mm := m[lo:hi][:len(p)]
 		vv := v[lo:hi][:len(p)]
 		for i, pi := range p {
-			gi := float64(g[i])
+			gi := float64(g[i]) * gscale
 			mi := T(h.Beta1*float64(mm[i]) + (1-h.Beta1)*gi)
 			vi := T(h.Beta2*float64(vv[i]) + (1-h.Beta2)*gi*gi)
 			mm[i], vv[i] = mi, vi

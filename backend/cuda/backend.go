@@ -180,5 +180,10 @@ func (b *Backend) launch(k *Kernel, g Grid, args ...any) {
 	runtime.KeepAlive(args)
 }
 
+// strideBlocksPerSM is how many 256-thread blocks per SM a grid-stride op
+// launches: 8 fill an SM's 2048 threads, so memory-bound kernels keep
+// enough loads in flight.
+const strideBlocksPerSM = 8
+
 // strideGrid sizes a grid-stride launch over n elements.
-func (b *Backend) strideGrid(n int) Grid { return b.dev.StrideGrid(int64(n), 256, 4) }
+func (b *Backend) strideGrid(n int) Grid { return b.dev.StrideGrid(int64(n), 256, strideBlocksPerSM) }

@@ -20,7 +20,8 @@ type kernelSet struct {
 
 	rmsFwd, rmsBwdDx, rmsBwdDw *Kernel
 
-	swigluFwd, swigluBwd *Kernel
+	swigluFwd, swigluBwd     *Kernel
+	swigluFwdX4, swigluBwdX4 *Kernel // 16-byte accesses, for aligned tensors
 
 	crossEntropy *Kernel
 
@@ -28,7 +29,7 @@ type kernelSet struct {
 
 	routerFwd, routerBwd *Kernel
 
-	adamw *Kernel
+	adamw, adamwX4 *Kernel
 }
 
 // loadKernelSet compiles (or reads from the cache) and loads the sources,
@@ -42,11 +43,12 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 		{"elementwise.cu", map[string]**Kernel{"fill_f32": &ks.fill, "axpy_f32": &ks.axpy, "scale_f32": &ks.scale, "sum_partial_f32": &ks.sumPartial}},
 		{"embedding.cu", map[string]**Kernel{"embedding_forward_f32": &ks.embedFwd, "embedding_backward_f32": &ks.embedBwd}},
 		{"rmsnorm.cu", map[string]**Kernel{"rmsnorm_forward_f32": &ks.rmsFwd, "rmsnorm_backward_dx_f32": &ks.rmsBwdDx, "rmsnorm_backward_dw_f32": &ks.rmsBwdDw}},
-		{"swiglu.cu", map[string]**Kernel{"swiglu_forward_f32": &ks.swigluFwd, "swiglu_backward_f32": &ks.swigluBwd}},
+		{"swiglu.cu", map[string]**Kernel{"swiglu_forward_f32": &ks.swigluFwd, "swiglu_backward_f32": &ks.swigluBwd,
+			"swiglu_forward_f32_x4": &ks.swigluFwdX4, "swiglu_backward_f32_x4": &ks.swigluBwdX4}},
 		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy}},
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots}},
 		{"router.cu", map[string]**Kernel{"router_forward_f32": &ks.routerFwd, "router_backward_f32": &ks.routerBwd}},
-		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw}},
+		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw, "adamw_f32_x4": &ks.adamwX4}},
 	}
 	mods := make([]*Module, len(want))
 	errs := make([]error, len(want))

@@ -184,7 +184,11 @@ func (b *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {
 	bv := wantMatrix(op, "b", bNF, n, f)
 	out := wantMatrix(op, "out", outNF, n, f)
 	if m := n * f; m > 0 {
-		b.launch(b.k.swigluFwd, b.strideGrid(m), out, a, bv, int64(m))
+		k := b.k.swigluFwd
+		if aligned16(out, a, bv) {
+			k = b.k.swigluFwdX4
+		}
+		b.launch(k, b.strideGrid(m), out, a, bv, int64(m))
 	}
 }
 
@@ -197,7 +201,11 @@ func (b *Backend) SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF backend.Tensor) {
 	da := wantMatrix(op, "da", daNF, n, f)
 	db := wantMatrix(op, "db", dbNF, n, f)
 	if m := n * f; m > 0 {
-		b.launch(b.k.swigluBwd, b.strideGrid(m), da, db, dout, a, bv, int64(m))
+		k := b.k.swigluBwd
+		if aligned16(da, db, dout, a, bv) {
+			k = b.k.swigluBwdX4
+		}
+		b.launch(k, b.strideGrid(m), da, db, dout, a, bv, int64(m))
 	}
 }
 
@@ -281,7 +289,24 @@ func (b *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW)
 	bc1 := 1 - math.Pow(h.Beta1, float64(h.Step))
 	bc2 := 1 - math.Pow(h.Beta2, float64(h.Step))
 	decay := 1 - h.LR*h.WeightDecay
-	b.launch(b.k.adamw, b.strideGrid(n), p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2)
+	k := b.k.adamw
+	if aligned16(p, g, mm, vv) {
+		k = b.k.adamwX4
+	}
+	b.launch(k, b.strideGrid(n), p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor())
+}
+
+// aligned16 reports whether every tensor starts on a 16-byte boundary, as
+// the _x4 kernels' vector accesses need (tensors from the allocator do;
+// views at offsets that are not a multiple of 4 elements do not).
+func aligned16(ts ...*Tensor) bool {
+	for _, t := range ts {
+		p, ok := t.ptr()
+		if !ok || p%16 != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // devicePtrs returns the addresses of ts (0 for nil) and whether every

@@ -335,38 +335,43 @@ func TestKernelSwiGLU(t *testing.T) {
 	const N, F = 5, 777
 	a, b, g := k.randn(N*F, 3), k.randn(N*F, 1), k.randn(N*F, 1)
 	da, db, dg := upload(k, a), upload(k, b), upload(k, g)
-	out, gda, gdb := k.poisoned(N*F), k.poisoned(N*F), k.poisoned(N*F)
-	grid := k.d.StrideGrid(N*F, 256, 4)
-	k.launch("swiglu.cu", "swiglu_forward_f32", grid, out, da, db, int64(N*F))
-	k.launch("swiglu.cu", "swiglu_backward_f32", grid, gda, gdb, dg, da, db, int64(N*F))
 	ra, rb := k.cpuF(a, N, F), k.cpuF(b, N, F)
 	rout, rda, rdb := k.ref.New(backend.Float64, N, F), k.ref.New(backend.Float64, N, F), k.ref.New(backend.Float64, N, F)
 	k.ref.SwiGLUForward(rout, ra, rb)
 	k.ref.SwiGLUBackward(rda, rdb, k.cpuF(g, N, F), ra, rb)
-	k.check("swiglu out", k.download(out, N*F), k.get(rout), fp32Tol)
-	k.check("swiglu da", k.download(gda, N*F), k.get(rda), fp32Tol)
-	k.check("swiglu db", k.download(gdb, N*F), k.get(rdb), fp32Tol)
+	// N*F is odd, so the vector kernels run their scalar tail too.
+	grid := k.d.StrideGrid(N*F, 256, 4)
+	for _, suffix := range []string{"", "_x4"} {
+		out, gda, gdb := k.poisoned(N*F), k.poisoned(N*F), k.poisoned(N*F)
+		k.launch("swiglu.cu", "swiglu_forward_f32"+suffix, grid, out, da, db, int64(N*F))
+		k.launch("swiglu.cu", "swiglu_backward_f32"+suffix, grid, gda, gdb, dg, da, db, int64(N*F))
+		k.check("swiglu"+suffix+" out", k.download(out, N*F), k.get(rout), fp32Tol)
+		k.check("swiglu"+suffix+" da", k.download(gda, N*F), k.get(rda), fp32Tol)
+		k.check("swiglu"+suffix+" db", k.download(gdb, N*F), k.get(rdb), fp32Tol)
+	}
 }
 
 func TestKernelAdamW(t *testing.T) {
-	k := newKT(t, 7)
-	const n = 10007
-	p := k.randn(n, 1)
-	dp, dm, dv := upload(k, p), upload(k, make([]float32, n)), upload(k, make([]float32, n))
-	rp, rm, rv := k.cpuF(p, n), k.ref.New(backend.Float64, n), k.ref.New(backend.Float64, n)
-	for step := 1; step <= 3; step++ {
-		g := k.randn(n, 0.1)
-		dg := upload(k, g)
-		h := backend.AdamW{LR: 1e-2, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.1, Step: step}
-		bc1 := 1 - math.Pow(h.Beta1, float64(step))
-		bc2 := 1 - math.Pow(h.Beta2, float64(step))
-		k.launch("adamw.cu", "adamw_f32", k.d.StrideGrid(n, 256, 4), dp, dg, dm, dv, int64(n),
-			h.LR, h.Beta1, h.Beta2, h.Eps, 1-h.LR*h.WeightDecay, bc1, bc2)
-		k.ref.AdamWUpdate(rp, k.cpuF(g, n), rm, rv, h)
+	for _, name := range []string{"adamw_f32", "adamw_f32_x4"} {
+		k := newKT(t, 7)
+		const n = 10007 // odd: the vector kernel's scalar tail runs too
+		p := k.randn(n, 1)
+		dp, dm, dv := upload(k, p), upload(k, make([]float32, n)), upload(k, make([]float32, n))
+		rp, rm, rv := k.cpuF(p, n), k.ref.New(backend.Float64, n), k.ref.New(backend.Float64, n)
+		for step := 1; step <= 3; step++ {
+			g := k.randn(n, 0.1)
+			dg := upload(k, g)
+			h := backend.AdamW{LR: 1e-2, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.1, Step: step, GradScale: 0.5 + 0.25*float64(step)}
+			bc1 := 1 - math.Pow(h.Beta1, float64(step))
+			bc2 := 1 - math.Pow(h.Beta2, float64(step))
+			k.launch("adamw.cu", name, k.d.StrideGrid(n, 256, 4), dp, dg, dm, dv, int64(n),
+				h.LR, h.Beta1, h.Beta2, h.Eps, 1-h.LR*h.WeightDecay, bc1, bc2, h.GradScale)
+			k.ref.AdamWUpdate(rp, k.cpuF(g, n), rm, rv, h)
+		}
+		k.check(name+" param", k.download(dp, n), k.get(rp), fp32Tol)
+		k.check(name+" m", k.download(dm, n), k.get(rm), fp32Tol)
+		k.check(name+" v", k.download(dv, n), k.get(rv), fp32Tol)
 	}
-	k.check("adamw param", k.download(dp, n), k.get(rp), fp32Tol)
-	k.check("adamw m", k.download(dm, n), k.get(rm), fp32Tol)
-	k.check("adamw v", k.download(dv, n), k.get(rv), fp32Tol)
 }
 
 func TestKernelCrossEntropy(t *testing.T) {
