@@ -250,10 +250,22 @@ func (l *Layer) exchangeCounts(pl *plan) error {
 // rank, runs the local experts on what arrives and brings the outputs back
 // into st.ySD, in send order.
 func (l *Layer) dispatchForward(st *step, p *Params) error {
-	b, pl, D := l.b, st.plan, l.dim
+	b, pl := l.b, st.plan
 	S, R := len(pl.sendTok), len(pl.perm)
 	st.sendTokS = l.sendTokS.uploadInts(b, pl.sendTok)
 	st.sendSlotS = l.sendSlotS.uploadInts(b, pl.sendSlot)
+	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
+	st.h1RF, st.h3RF = l.h1RF.view(b, R), l.h3RF.view(b, R)
+	if l.g.Expert.Size() == 1 {
+		// One rank: the sent rows are the expert-major rows (nothing is
+		// exchanged and perm is the identity), so the tokens are gathered
+		// straight into xRD and the experts write straight into ySD.
+		if S > 0 {
+			b.GatherRows(st.xRD, st.xTD, st.sendTokS, nil)
+			l.expertsForward(st, p, st.ySD)
+		}
+		return nil
+	}
 	st.permR = l.permR.uploadInts(b, pl.perm)
 	st.invPermR = l.invPermR.uploadInts(b, pl.invPerm)
 
@@ -265,29 +277,33 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 	if err := l.g.Expert.AllToAllRows(recvRD, sendSD, pl.recvCounts, pl.sendCounts); err != nil {
 		return fmt.Errorf("moe: dispatch: %w", err)
 	}
-	st.xRD = l.xRD.view(b, R)
-	st.h1RF, st.h3RF = l.h1RF.view(b, R), l.h3RF.view(b, R)
-	actRF, yRD := sc.actRF.view(b, R), sc.rowsR2D.view(b, R)
 	if R > 0 {
 		b.GatherRows(st.xRD, recvRD, st.permR, nil)
-		// Expert SwiGLU: y = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ, one expert's rows
-		// at a time.
-		l.eachExpert(pl, func(e expertView) {
-			x := e.rows(st.xRD, D)
-			b.MatMul(e.rows(st.h1RF, l.cfg.FFN), x, e.w1(p), false, true, 1, 0)
-			b.MatMul(e.rows(st.h3RF, l.cfg.FFN), x, e.w3(p), false, true, 1, 0)
-		})
-		b.SwiGLUForward(actRF, st.h1RF, st.h3RF)
-		l.eachExpert(pl, func(e expertView) {
-			b.MatMul(e.rows(yRD, D), e.rows(actRF, l.cfg.FFN), e.w2(p), false, true, 1, 0)
-		})
+		yRD := sc.rowsR2D.view(b, R)
+		l.expertsForward(st, p, yRD)
 		b.GatherRows(recvRD, yRD, st.invPermR, nil) // back to arrival order
 	}
-	st.ySD = l.ySD.view(b, S)
 	if err := l.g.Expert.AllToAllRows(st.ySD, recvRD, pl.sendCounts, pl.recvCounts); err != nil {
 		return fmt.Errorf("moe: combine: %w", err)
 	}
 	return nil
+}
+
+// expertsForward runs the local experts on the expert-major rows st.xRD:
+// yRD = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ, one expert's rows at a time, keeping
+// the hidden activations h1 and h3 in st.
+func (l *Layer) expertsForward(st *step, p *Params, yRD backend.Tensor) {
+	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
+	actRF := l.scratch.actRF.view(b, len(pl.perm))
+	l.eachExpert(pl, func(e expertView) {
+		x := e.rows(st.xRD, D)
+		b.MatMul(e.rows(st.h1RF, F), x, e.w1(p), false, true, 1, 0)
+		b.MatMul(e.rows(st.h3RF, F), x, e.w3(p), false, true, 1, 0)
+	})
+	b.SwiGLUForward(actRF, st.h1RF, st.h3RF)
+	l.eachExpert(pl, func(e expertView) {
+		b.MatMul(e.rows(yRD, D), e.rows(actRF, F), e.w2(p), false, true, 1, 0)
+	})
 }
 
 // sharedForward writes out = SwiGLU_shared(x) for every token.
@@ -340,13 +356,22 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 // the experts, their backward produces dx rows and weight gradients, and the
 // dx rows travel back and are added to their tokens.
 func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Params) error {
-	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
+	b, pl := l.b, st.plan
 	S, R := len(pl.sendTok), len(pl.perm)
 
 	sc := l.scratch
 	dySD := sc.rowsSD.view(b, S)
 	if S > 0 {
 		b.GatherRows(dySD, doutTD, st.sendTokS, st.gateS)
+	}
+	if l.g.Expert.Size() == 1 {
+		// One rank: send order is expert-major order (see dispatchForward).
+		if S > 0 {
+			dxSD := sc.rowsR1D.view(b, S)
+			l.expertsBackward(st, p, g, dySD, dxSD)
+			b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
+		}
+		return nil
 	}
 	dyRecvRD := sc.rowsR1D.view(b, R)
 	if err := l.g.Expert.AllToAllRows(dyRecvRD, dySD, pl.recvCounts, pl.sendCounts); err != nil {
@@ -358,24 +383,7 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 	dyRD, dxRD, dxRecvRD := sc.rowsR2D.view(b, R), sc.rowsR1D.view(b, R), sc.rowsR2D.view(b, R)
 	if R > 0 {
 		b.GatherRows(dyRD, dyRecvRD, st.permR, nil)
-		dActRF, dh1RF, dh3RF := sc.dActRF.view(b, R), sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
-		// The SwiGLU output is not kept from Forward (it would be the
-		// largest saved tensor); w2's gradient needs it, so make it again.
-		actRF := sc.actRF.view(b, R)
-		b.SwiGLUForward(actRF, st.h1RF, st.h3RF)
-		l.eachExpert(pl, func(e expertView) {
-			dy := e.rows(dyRD, D)
-			b.MatMul(e.rows(dActRF, F), dy, e.w2(p), false, false, 1, 0)
-			b.MatMul(e.w2(g), dy, e.rows(actRF, F), true, false, 1, 1)
-		})
-		b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
-		l.eachExpert(pl, func(e expertView) {
-			x, dh1, dh3, dx := e.rows(st.xRD, D), e.rows(dh1RF, F), e.rows(dh3RF, F), e.rows(dxRD, D)
-			b.MatMul(e.w1(g), dh1, x, true, false, 1, 1)
-			b.MatMul(e.w3(g), dh3, x, true, false, 1, 1)
-			b.MatMul(dx, dh1, e.w1(p), false, false, 1, 0)
-			b.MatMul(dx, dh3, e.w3(p), false, false, 1, 1)
-		})
+		l.expertsBackward(st, p, g, dyRD, dxRD)
 		b.GatherRows(dxRecvRD, dxRD, st.invPermR, nil)
 	}
 	dxSD := sc.rowsSD.view(b, S)
@@ -386,6 +394,32 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 		b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
 	}
 	return nil
+}
+
+// expertsBackward is expertsForward's backward: from the output gradients
+// dyRD (expert-major) it writes the input gradients dxRD and accumulates
+// the local experts' weight gradients into g.
+func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tensor) {
+	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
+	sc, R := l.scratch, len(pl.perm)
+	dActRF, dh1RF, dh3RF := sc.dActRF.view(b, R), sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
+	// The SwiGLU output is not kept from Forward (it would be the largest
+	// saved tensor); w2's gradient needs it, so make it again.
+	actRF := sc.actRF.view(b, R)
+	b.SwiGLUForward(actRF, st.h1RF, st.h3RF)
+	l.eachExpert(pl, func(e expertView) {
+		dy := e.rows(dyRD, D)
+		b.MatMul(e.rows(dActRF, F), dy, e.w2(p), false, false, 1, 0)
+		b.MatMul(e.w2(g), dy, e.rows(actRF, F), true, false, 1, 1)
+	})
+	b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
+	l.eachExpert(pl, func(e expertView) {
+		x, dh1, dh3, dx := e.rows(st.xRD, D), e.rows(dh1RF, F), e.rows(dh3RF, F), e.rows(dxRD, D)
+		b.MatMul(e.w1(g), dh1, x, true, false, 1, 1)
+		b.MatMul(e.w3(g), dh3, x, true, false, 1, 1)
+		b.MatMul(dx, dh1, e.w1(p), false, false, 1, 0)
+		b.MatMul(dx, dh3, e.w3(p), false, false, 1, 1)
+	})
 }
 
 // sharedBackward adds the shared experts' dx to dxTD and accumulates their
