@@ -327,8 +327,10 @@ func (g *Gemm) convert(dst *Buffer, src driver.DevicePtr, n int64) error {
 	return g.d.Launch(g.toBF16, g.d.StrideGrid(n, 256, 4), dst, src, n)
 }
 
-// run queues the cuBLASLt call, asking for an algorithm first if the shape
-// is new.
+// run queues the cuBLASLt call, asking for an algorithm first if the
+// shape's bucket is new (see gemmCall.key). An algorithm chosen for another
+// shape of the bucket that cuBLASLt refuses for this one is replaced by one
+// asked for this exact shape, on the device thread, before the product runs.
 func (g *Gemm) run(c gemmCall) error {
 	p := planRowMajor(c.m, c.n, c.k, c.transA, c.transB)
 	key := c.key()
@@ -342,6 +344,7 @@ func (g *Gemm) run(c gemmCall) error {
 		if err != nil {
 			return err
 		}
+		algo.exact = c.exactShape()
 		g.algos.put(key, algo)
 	}
 	d, lt, ws := g.d, g.lt, g.workspace.ptr
@@ -350,8 +353,21 @@ func (g *Gemm) run(c gemmCall) error {
 			return err
 		}
 		// cuBLASLt's A is the caller's b and its B the caller's a.
-		s := lt.Matmul(g.handle, g.desc, c.alpha, c.b, g.layA, c.a, g.layB, c.beta, c.out, g.layC,
-			&algo.algo, ws, algo.workspace, d.stream)
+		matmul := func(a chosenAlgo) CublasStatus {
+			return lt.Matmul(g.handle, g.desc, c.alpha, c.b, g.layA, c.a, g.layB, c.beta, c.out, g.layC,
+				&a.algo, ws, a.workspace, d.stream)
+		}
+		s := matmul(algo)
+		if s != CublasSuccess && algo.exact != c.exactShape() {
+			exact, err := g.heuristic(c, p)
+			if err != nil {
+				return err
+			}
+			if err := g.describe(c, p); err != nil {
+				return err
+			}
+			s = matmul(exact)
+		}
 		return ltCheck(s, "cublasLtMatmul", c.String)
 	})
 }
@@ -504,12 +520,33 @@ func (c gemmCall) validate() error {
 	return nil
 }
 
-// key is c's algorithm cache key.
+// key is c's algorithm cache key. Sizes are rounded up to a multiple of
+// gemmBucket: an expert's rows change every step, and asking cuBLASLt's
+// heuristic for each new count (a round trip to the device thread and a
+// search, far longer than the product) would stall every MoE layer. The
+// algorithm chosen for the first shape of a bucket serves the others.
 func (c gemmCall) key() gemmKey {
 	return gemmKey{
-		m: int32(c.m), n: int32(c.n), k: int32(c.k), transA: c.transA, transB: c.transB, bf16: c.bf16,
+		m: bucketDim(c.m), n: bucketDim(c.n), k: bucketDim(c.k), transA: c.transA, transB: c.transB, bf16: c.bf16,
 		alignA: ptrAlign(c.a), alignB: ptrAlign(c.b), alignOut: ptrAlign(c.out),
 	}
+}
+
+// exactShape is c's sizes, to tell whether a cached algorithm was chosen
+// for exactly this problem.
+func (c gemmCall) exactShape() [3]int32 { return [3]int32{int32(c.m), int32(c.n), int32(c.k)} }
+
+// gemmBucket is the granularity of sizes in algorithm cache keys.
+const gemmBucket = 128
+
+// bucketDim rounds a size up to a multiple of gemmBucket; sizes up to
+// gemmBucket keep their own entries (small products pick their algorithm
+// by exact size).
+func bucketDim(v int) int32 {
+	if v <= gemmBucket {
+		return int32(v)
+	}
+	return int32((v + gemmBucket - 1) / gemmBucket * gemmBucket)
 }
 
 // ptrAlign is the largest power of two up to 256 that divides p: what the
@@ -575,10 +612,12 @@ type gemmKey struct {
 	alignA, alignB, alignOut uint32
 }
 
-// chosenAlgo is the heuristic's answer for one key.
+// chosenAlgo is the heuristic's answer for one key, and the exact shape it
+// was asked for.
 type chosenAlgo struct {
 	algo      ltAlgo
 	workspace uint64
+	exact     [3]int32
 }
 
 // algoCache maps keys to algorithms, holding at most limit entries; when

@@ -222,6 +222,15 @@ func TestAlgoCache(t *testing.T) {
 	if k1 == k2 || k1 == k3 {
 		t.Errorf("keys collide: %+v %+v %+v", k1, k2, k3)
 	}
+	// Expert row counts of one bucket share an entry; small sizes and
+	// other buckets do not.
+	rows := func(m, k int) gemmKey { return gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: m, n: 2816, k: k}.key() }
+	if rows(4073, 1024) != rows(4096, 1024) || rows(1024, 4001) != rows(1024, 4096) {
+		t.Errorf("row counts 4073 and 4096 have different keys")
+	}
+	if rows(4097, 1024) == rows(4096, 1024) || rows(100, 1024) == rows(101, 1024) {
+		t.Errorf("row counts of different buckets share a key")
+	}
 }
 
 // TestCublasLtABI pins the Go copies of cuBLASLt's structs to the layout
