@@ -516,6 +516,10 @@ func TestGemmFigures(t *testing.T) {
 		{"moe-small expert down 16384x2816 @ 2816x1024", gemmCase{m: 16384, n: 1024, k: 2816}, false},
 		{"moe-small expert up dX 16384x2816 @ (1024x2816)T", gemmCase{m: 16384, n: 1024, k: 2816, transB: true}, false},
 		{"moe-small expert up dW (16384x1024)T @ 16384x2816", gemmCase{m: 1024, n: 2816, k: 16384, transA: true}, true},
+		// One expert's share of moe-small's routed rows (32768 / 8 experts).
+		{"moe-small one expert up/gate 4096x1024 @ 1024x2816", gemmCase{m: 4096, n: 2816, k: 1024}, false},
+		{"moe-small one expert down 4096x2816 @ 2816x1024", gemmCase{m: 4096, n: 1024, k: 2816}, false},
+		{"moe-small one expert up dW (4096x1024)T @ 4096x2816", gemmCase{m: 1024, n: 2816, k: 4096, transA: true}, false},
 		{"moe-small attention proj 16384x1024 @ 1024x1024", gemmCase{m: 16384, n: 1024, k: 1024}, false},
 		{"moe-small lm head 16384x1024 @ (32768x1024)T", gemmCase{m: 16384, n: 32768, k: 1024, transB: true}, false},
 	}
