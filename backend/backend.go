@@ -183,6 +183,15 @@ type Backend interface {
 	// gradient, zScale = 2*coef/tokens).
 	RouterBackward(dlogitsTE, dgatesTK, probsTE, lseT, idxTK, gatesTK, auxDProbE Tensor, zScale float64)
 
+	// RouteByExpert sorts a router's choices for the dispatch, on the
+	// device: with E = countsE.Len(), countsE[e] is the number of
+	// assignments to expert e, and sendTokS and sendSlotS ([T*K] each)
+	// list every assignment a = t*K + k of idxTK grouped by expert
+	// (expert 0's first) and in assignment order within an expert:
+	// sendSlotS[i] = a, sendTokS[i] = a / K. Every idxTK entry must lie in
+	// [0, E).
+	RouteByExpert(countsE, sendTokS, sendSlotS, idxTK Tensor)
+
 	// GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil (1).
 	GatherRows(outND, inTD, rowsN, scaleN Tensor)
 	// ScatterAddRows: outTD[rowsN[i]] += scale[i] * inND[i]; scaleN may be nil.

@@ -90,6 +90,9 @@ func Sources() []Source {
 		{File: "crossentropy.cu", Kernels: []Kernel{
 			{Name: "cross_entropy_f32", Block: 256, Grid: "T blocks"},
 		}},
+		{File: "route.cu", Kernels: []Kernel{
+			{Name: "route_by_expert", Block: 1024, Grid: "E blocks"},
+		}},
 		{File: "rows.cu", Kernels: []Kernel{
 			{Name: "gather_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},

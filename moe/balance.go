@@ -26,8 +26,7 @@ type Stats struct {
 // returns the z-loss gradient scale for RouterBackward.
 func (l *Layer) balance(pl *plan, lossScale float64) (Stats, float64, error) {
 	b, E, K := l.b, l.cfg.Experts, l.cfg.TopK
-	b.MatMul(l.probSumE, l.onesT, l.probsTE, false, false, 1, 0) // Σ_t probs[t,e]
-	probSumE := backend.DownloadFloat64(b, l.probSumE)
+	probSumE := backend.DownloadFloat64(b, l.probSumE) // Σ_t probs[t,e], queued by Forward
 
 	// One all-reduce carries everything: counts, prob sums, Σ lse²,
 	// tokens, drops.

@@ -34,6 +34,7 @@ type Layer struct {
 	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
 	dlogitsTE, dgatesTK                     backend.Tensor
 	onesT, probSumE                         backend.Tensor // [1, T] ones and [1, E]: column sums of probs by MatMul
+	countsE                                 backend.Tensor // Int32 [E]: assignments per expert (RouteByExpert)
 	auxDProbE                               backend.Tensor // [E] aux-loss gradient on every row of probs
 
 	// Shared experts, [T, Fs]; nil when off.
@@ -110,6 +111,7 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 		idxTK: b.New(backend.Int32, tokens, K), gatesTK: b.New(ft, tokens, K),
 		dlogitsTE: b.New(ft, tokens, E), dgatesTK: b.New(ft, tokens, K),
 		onesT: b.New(ft, 1, tokens), probSumE: b.New(ft, 1, E), auxDProbE: b.New(ft, E),
+		countsE: b.New(backend.Int32, E),
 	}
 	l.firstExpert = g.Expert.Rank() * l.local
 	ones := make([]float64, tokens)
@@ -193,8 +195,26 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	b.MatMul(l.logitsTE, xTD, p.GateED, false, true, 1, 0)
 	b.RouterForward(l.probsTE, l.lseT, l.idxTK, l.gatesTK, l.logitsTE, biasE)
 
-	capRows := capacity(l.cfg.CapacityFactor, l.tokens, K, E)
-	pl := planSource(backend.DownloadInt32(b, l.idxTK), l.tokens, K, E, l.g.Expert.Size(), capRows)
+	// Σ_t probs[t,e] for the load statistics, queued before the routing
+	// counts make the host wait.
+	b.MatMul(l.probSumE, l.onesT, l.probsTE, false, false, 1, 0)
+
+	// Plan the dispatch. Dropless (the default), the GPU sorts the
+	// assignments by expert and only the per-expert counts come to the
+	// host, which needs them to size the expert GEMMs and the exchange.
+	// With a capacity the host decides which assignments to drop, from
+	// the router's choices.
+	var pl *plan
+	var sendTokS, sendSlotS backend.Tensor
+	if capRows := capacity(l.cfg.CapacityFactor, l.tokens, K, E); capRows == 0 {
+		n := l.tokens * K
+		sendTokS, sendSlotS = l.sendTokS.vec(b, n), l.sendSlotS.vec(b, n)
+		b.RouteByExpert(l.countsE, sendTokS, sendSlotS, l.idxTK)
+		pl = planCounts(backend.DownloadInt32(b, l.countsE), l.g.Expert.Size())
+	} else {
+		pl = planSource(backend.DownloadInt32(b, l.idxTK), l.tokens, K, E, l.g.Expert.Size(), capRows)
+		sendTokS, sendSlotS = l.sendTokS.uploadInts(b, pl.sendTok), l.sendSlotS.uploadInts(b, pl.sendSlot)
+	}
 	stats, zScale, err := l.balance(pl, lossScale)
 	if err != nil {
 		return Stats{}, err
@@ -203,14 +223,14 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		return Stats{}, err
 	}
 
-	st := &step{xTD: xTD, plan: pl, zScale: zScale}
+	st := &step{xTD: xTD, plan: pl, zScale: zScale, sendTokS: sendTokS, sendSlotS: sendSlotS}
 	if err := l.dispatchForward(st, p); err != nil {
 		return Stats{}, err
 	}
 
 	// Combine: out[t] = Σ_k gate[t,k]·y[t,k] over kept assignments, on top
 	// of the shared experts' output (or zero).
-	S := len(pl.sendTok)
+	S := pl.sent
 	if l.sharedFFN > 0 {
 		l.sharedForward(outTD, xTD, p)
 	} else {
@@ -251,9 +271,7 @@ func (l *Layer) exchangeCounts(pl *plan) error {
 // into st.ySD, in send order.
 func (l *Layer) dispatchForward(st *step, p *Params) error {
 	b, pl := l.b, st.plan
-	S, R := len(pl.sendTok), len(pl.perm)
-	st.sendTokS = l.sendTokS.uploadInts(b, pl.sendTok)
-	st.sendSlotS = l.sendSlotS.uploadInts(b, pl.sendSlot)
+	S, R := pl.sent, len(pl.perm)
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
 	st.h1RF, st.h3RF = l.h1RF.view(b, R), l.h3RF.view(b, R)
 	if l.g.Expert.Size() == 1 {
@@ -330,7 +348,7 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	if err := l.checkParams("gradient", g); err != nil {
 		return err
 	}
-	b, K, S := l.b, l.cfg.TopK, len(st.plan.sendTok)
+	b, K, S := l.b, l.cfg.TopK, st.plan.sent
 
 	// Gate gradients: dgate[t,k] = dout[t]·y[t,k] for kept assignments; a
 	// dropped assignment contributed nothing and gets 0.
@@ -357,7 +375,7 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 // dx rows travel back and are added to their tokens.
 func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Params) error {
 	b, pl := l.b, st.plan
-	S, R := len(pl.sendTok), len(pl.perm)
+	S, R := pl.sent, len(pl.perm)
 
 	sc := l.scratch
 	dySD := sc.rowsSD.view(b, S)

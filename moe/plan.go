@@ -1,9 +1,9 @@
 package moe
 
-// The dispatch plan: which rows go where, built on the host from the
-// router's choices. On the CPU backend downloading idxTK costs nothing; on a
-// GPU it is a small device-to-host copy per layer, and a device-side planner
-// (a histogram and a prefix sum in a kernel) is planned to replace it.
+// The dispatch plan: which rows go where. Dropless, the backend sorts the
+// router's choices by expert (RouteByExpert) and the host plans from the
+// per-expert counts alone (planCounts); with a capacity the host reads the
+// choices and decides which to drop (planSource).
 
 import "math"
 
@@ -15,8 +15,9 @@ type plan struct {
 	// Source side. Rows are sorted by global expert, which is the same as
 	// by destination rank and then local expert (experts are sharded in
 	// contiguous blocks); within an expert, by token.
-	sendTok    []int32 // [S] token each row copies
-	sendSlot   []int32 // [S] its assignment t*K + k, an index into gatesTK
+	sent       int     // S, the rows this rank sends
+	sendTok    []int32 // [S] token each row copies (planSource only)
+	sendSlot   []int32 // [S] its assignment t*K + k, an index into gatesTK (planSource only)
 	sendCounts []int   // [EP] rows to each rank of the expert group
 	countsE    []int   // [E] the router's assignments per expert, before capacity
 	keptE      []int   // [E] rows sent to each expert, after capacity
@@ -73,11 +74,32 @@ func planSource(idxTK []int32, T, K, E, ep, capacity int) *plan {
 		next[e]++
 		p.sendTok[i], p.sendSlot[i] = int32(a/K), int32(a)
 	}
-	local := E / ep
+	p.sent = S
+	p.countSends(ep)
+	return p
+}
+
+// planCounts is the source half of a dropless plan from countsE, the
+// router's assignments per expert (the rows themselves stay on the device,
+// sorted by RouteByExpert in the order planSource would list them).
+func planCounts(countsE []int32, ep int) *plan {
+	E := len(countsE)
+	p := &plan{countsE: make([]int, E), keptE: make([]int, E), sendCounts: make([]int, ep)}
+	for e, c := range countsE {
+		p.countsE[e], p.keptE[e] = int(c), int(c)
+		p.sent += int(c)
+	}
+	p.countSends(ep)
+	return p
+}
+
+// countSends fills sendCounts from keptE: experts are sharded over the ep
+// ranks in contiguous blocks.
+func (p *plan) countSends(ep int) {
+	local := len(p.keptE) / ep
 	for e, n := range p.keptE {
 		p.sendCounts[e/local] += n
 	}
-	return p
 }
 
 // planDest fills in the destination half from countsSE, the rows every

@@ -12,6 +12,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
@@ -225,4 +226,79 @@ func routerNaive(logits, bias []float64, T, E, K int) (probs, lse []float64, idx
 		}
 	}
 	return probs, lse, idx, gates
+}
+
+// routeShape is one RouteByExpert case: T tokens choosing K of E experts,
+// drawn by pick (nil: uniformly).
+type routeShape struct {
+	name    string
+	T, K, E int
+	pick    func(rng *rand.Rand, t, k, E int) int32
+}
+
+var routeShapes = []routeShape{
+	{"uniform", 37, 3, 7, nil},
+	{"one expert takes all", 50, 2, 5, func(_ *rand.Rand, _, _, _ int) int32 { return 3 }},
+	{"empty experts", 64, 2, 12, func(rng *rand.Rand, _, _, _ int) int32 { return int32(4 * rng.IntN(3)) }},
+	{"top-1", 33, 1, 4, nil},
+	{"more than a tile", 1500, 2, 3, nil},
+}
+
+// routeCases compares RouteByExpert with the oracle and checks it against
+// routeNaive.
+func routeCases() []Case {
+	var cs []Case
+	for _, s := range routeShapes {
+		name := "RouteByExpert/" + strings.ReplaceAll(s.name, " ", "_")
+		cs = append(cs, Case{
+			Name: name,
+			Compare: func(e *Env) {
+				idx := e.IntsOf("idx", routeIdx(e.Rng, s), s.T, s.K)
+				counts := e.IntOut("counts", s.E)
+				tok, slot := e.IntOut("sendTok", s.T*s.K), e.IntOut("sendSlot", s.T*s.K)
+				e.Run(func(b backend.Backend, x Pick) { b.RouteByExpert(x(counts), x(tok), x(slot), x(idx)) })
+			},
+			Check: func(t *testing.T, b backend.Backend) {
+				idx := routeIdx(NewRand(name), s)
+				counts, tok, slot := b.New(backend.Int32, s.E), b.New(backend.Int32, s.T*s.K), b.New(backend.Int32, s.T*s.K)
+				b.RouteByExpert(counts, tok, slot, UploadInts(b, idx, s.T, s.K))
+				wantCounts, wantTok, wantSlot := routeNaive(idx, s.K, s.E)
+				for _, c := range []struct {
+					what      string
+					got, want []int32
+				}{{"counts", DownloadInts(b, counts), wantCounts}, {"sendTok", DownloadInts(b, tok), wantTok}, {"sendSlot", DownloadInts(b, slot), wantSlot}} {
+					if !slices.Equal(c.got, c.want) {
+						t.Errorf("%s = %v, want %v", c.what, c.got, c.want)
+					}
+				}
+			},
+		})
+	}
+	return cs
+}
+
+func routeIdx(rng *rand.Rand, s routeShape) []int32 {
+	idx := make([]int32, s.T*s.K)
+	for a := range idx {
+		if s.pick != nil {
+			idx[a] = s.pick(rng, a/s.K, a%s.K, s.E)
+		} else {
+			idx[a] = int32(rng.IntN(s.E))
+		}
+	}
+	return idx
+}
+
+// routeNaive lists, expert by expert, the assignments that chose it.
+func routeNaive(idx []int32, K, E int) (counts, tok, slot []int32) {
+	counts = make([]int32, E)
+	for e := range E {
+		for a, x := range idx {
+			if int(x) == e {
+				counts[e]++
+				tok, slot = append(tok, int32(a/K)), append(slot, int32(a))
+			}
+		}
+	}
+	return counts, tok, slot
 }

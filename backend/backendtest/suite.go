@@ -31,6 +31,7 @@ func cases() []Case {
 	all = append(all, coreCases()...)
 	all = append(all, attentionCases()...)
 	all = append(all, routerCases()...)
+	all = append(all, routeCases()...)
 	return all
 }
 

@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 
@@ -34,6 +35,7 @@ func mutants() []struct{ kind, runAll, gradCheck string } {
 		{"swiglu-da-off-1e-4", "SwiGLUBackward", "SwiGLU"},
 		{"gather-drops-scale", "GatherRows", "Rows"},
 		{"adamw-no-bias-correction", "AdamWUpdate", "AdamWUpdate"},
+		{"route-unstable", "RouteByExpert", "RouteByExpert"},
 	}
 }
 
@@ -121,6 +123,21 @@ func (m mutant) CrossEntropy(loss, dlogits, logits, targets backend.Tensor, grad
 		targets = kept
 	}
 	m.Backend.CrossEntropy(loss, dlogits, logits, targets, gradScale)
+}
+
+func (m mutant) RouteByExpert(counts, tok, slot, idx backend.Tensor) {
+	m.Backend.RouteByExpert(counts, tok, slot, idx)
+	if m.kind != "route-unstable" {
+		return
+	}
+	// Reverse each expert's rows: the right rows, the wrong order.
+	lo := 0
+	for _, c := range counts.(*cpu.Tensor).Int32s() {
+		hi := lo + int(c)
+		slices.Reverse(tok.(*cpu.Tensor).Int32s()[lo:hi])
+		slices.Reverse(slot.(*cpu.Tensor).Int32s()[lo:hi])
+		lo = hi
+	}
 }
 
 func (m mutant) RoPE(x, pos backend.Tensor, headDim int, theta float64, inverse bool) {

@@ -28,6 +28,7 @@ type kernelSet struct {
 	gatherRows, scatterAddRows, rowDots *Kernel
 
 	routerFwd, routerBwd *Kernel
+	route                *Kernel
 
 	adamw, adamwX4 *Kernel
 }
@@ -47,6 +48,7 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 			"swiglu_forward_f32_x4": &ks.swigluFwdX4, "swiglu_backward_f32_x4": &ks.swigluBwdX4}},
 		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy}},
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots}},
+		{"route.cu", map[string]**Kernel{"route_by_expert": &ks.route}},
 		{"router.cu", map[string]**Kernel{"router_forward_f32": &ks.routerFwd, "router_backward_f32": &ks.routerBwd}},
 		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw, "adamw_f32_x4": &ks.adamwX4}},
 	}

@@ -69,3 +69,25 @@ func checkRouter(op string, probsTE, lseT, idxTK, gatesTK, vecE backend.Tensor) 
 	vec = optFloat(op, "per-expert vector", vecE, E)
 	return probs, lse, idx, gates, vec, T, E, K
 }
+
+// RouteByExpert sorts idxTK's assignments by expert on the GPU (see
+// backend.Backend and kernels/route.cu): one block per expert.
+func (b *Backend) RouteByExpert(countsE, sendTokS, sendSlotS, idxTK backend.Tensor) {
+	const op = "RouteByExpert"
+	if countsE == nil || idxTK == nil {
+		fail(op, "counts and idx are required")
+	}
+	shape := idxTK.Shape()
+	if len(shape) != 2 {
+		fail(op, "idx has shape %v, want [T, K]", shape)
+	}
+	E, K, n := countsE.Len(), shape[1], idxTK.Len()
+	idx := indices(op, "idx", idxTK, n)
+	counts := indices(op, "counts", countsE, E)
+	tok := indices(op, "sendTok", sendTokS, n)
+	slot := indices(op, "sendSlot", sendSlotS, n)
+	fitsInt32(op, n, E)
+	if E > 0 {
+		b.launch(b.k.route, Grid1D(E, 1024), counts, tok, slot, idx, int32(n), int32(K))
+	}
+}

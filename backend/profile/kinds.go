@@ -35,7 +35,7 @@ const (
 //	any         AttentionForward, AttentionBackward         attention
 //	any         MatMul                                      dense GEMM
 //	any         GatherRows, ScatterAddRows, RowDots         dispatch/permute
-//	any         RouterForward, RouterBackward               router
+//	any         RouterForward, RouterBackward, RouteByExpert router
 //	any         CrossEntropy                                loss
 //	any         AdamWUpdate                                 optimizer
 //	any         anything else                               norms and elementwise
@@ -69,7 +69,7 @@ func KindOf(scope, op string) string {
 		return KindDenseGEMM
 	case opGatherRows, opScatterAddRows, opRowDots:
 		return KindDispatch
-	case opRouterForward, opRouterBackward:
+	case opRouterForward, opRouterBackward, opRouteByExpert:
 		return KindRouter
 	case opCrossEntropy:
 		return KindLoss

@@ -36,6 +36,7 @@ const (
 	opGatherRows        = "GatherRows"
 	opScatterAddRows    = "ScatterAddRows"
 	opRowDots           = "RowDots"
+	opRouteByExpert     = "RouteByExpert"
 	opAdamWUpdate       = "AdamWUpdate"
 )
 
@@ -175,6 +176,11 @@ func (p *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
 func (p *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
 	defer p.end(p.begin(), opRowDots)
 	p.inner.RowDots(outN, aTD, rowsN, bND)
+}
+
+func (p *Backend) RouteByExpert(countsE, sendTokS, sendSlotS, idxTK backend.Tensor) {
+	defer p.end(p.begin(), opRouteByExpert)
+	p.inner.RouteByExpert(countsE, sendTokS, sendSlotS, idxTK)
 }
 
 func (p *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW) {
