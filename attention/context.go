@@ -45,10 +45,17 @@ import (
 // ZigzagPositions returns the sequence positions of the 2C local rows one
 // sequence has on rank rank of a context-parallel group of ranks ranks
 // (C = seq/(2*ranks)), in local row order: chunk rank, then chunk
-// 2*ranks-1-rank. With one rank it is 0..seq-1.
+// 2*ranks-1-rank. With one rank it is 0..seq-1, for any seq.
 func ZigzagPositions(seq, ranks, rank int) ([]int32, error) {
 	if ranks < 1 || rank < 0 || rank >= ranks {
 		return nil, fmt.Errorf("attention: context-parallel rank %d of %d is out of range", rank, ranks)
+	}
+	if ranks == 1 && seq >= 1 {
+		pos := make([]int32, seq)
+		for i := range pos {
+			pos[i] = int32(i)
+		}
+		return pos, nil
 	}
 	if seq < 1 || seq%(2*ranks) != 0 {
 		return nil, fmt.Errorf("attention: seq_len %d is not a positive multiple of 2*cp = %d (zigzag chunks)", seq, 2*ranks)
@@ -71,9 +78,9 @@ func ZigzagPositions(seq, ranks, rank int) ([]int32, error) {
 // of one rank gives exactly the Layer of New.
 //
 // A collective that fails (a peer aborted the group) makes Forward or
-// Backward panic with its error, as the shape checks do: the engine turns
-// a panic in a step into an error.
-func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.Group) (*Layer, error) {
+// Backward return its error; the rank should then abort its groups
+// (comm.Ranks.Abort) so that its peers stop waiting for it.
+func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.Group, opts ...Option) (*Layer, error) {
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
@@ -88,11 +95,17 @@ func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.G
 		return nil, err
 	}
 	if w == 1 {
-		return New(b, s, batch, seq), nil
+		return newLayer(b, s, batch, seq, opts)
 	}
 	c := seq / (2 * w)
-	l := New(b, s, batch, 2*c)
-	l.cp = newContextParallel(b, s, batch, seq, group)
+	l, err := newLayer(b, s, batch, 2*c, opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := l.sc.fitCP(b, batch*seq, seq, s.KVHeads*s.HeadDim()); err != nil {
+		return nil, err
+	}
+	l.cp = newContextParallel(b, s, batch, seq, group, l.sc.cp)
 	return l, nil
 }
 
@@ -106,15 +119,40 @@ type contextParallel struct {
 	// holds natural row n = b*S + p; natOfAll is its inverse. Int32 [B*S].
 	allOfNat, natOfAll backend.Tensor
 
+	kNatTK, vNatTK backend.Tensor // [B*S, KD] k, v in natural order, kept for Backward
+	*cpScratch                    // shared with the other layers of the rank
+}
+
+// cpScratch is the part of a Scratch only context-parallel Layers use.
+type cpScratch struct {
 	kAllTK, vAllTK   backend.Tensor // [W*B*2C, KD] gathered k, v; dk, dv before the reduce-scatter
-	kNatTK, vNatTK   backend.Tensor // [B*S, KD] k, v in natural order, kept for Backward
 	dkNatTK, dvNatTK backend.Tensor // [B*S, KD] dk, dv summed over the local chunks
 	dkOneTK, dvOneTK backend.Tensor // [S, KD] one attention call's dk, dv
 }
 
-func newContextParallel(b backend.Backend, s Shape, batch, seq int, g comm.Group) *contextParallel {
+// fitCP allocates the context-parallel scratch for rows = B*S natural rows
+// of sequences of seq positions, kd columns, or checks that it has that size.
+func (sc *Scratch) fitCP(b backend.Backend, rows, seq, kd int) error {
+	ft := b.FloatType()
+	if sc.cp == nil {
+		c := &cpScratch{}
+		for _, t := range []*backend.Tensor{&c.kAllTK, &c.vAllTK, &c.dkNatTK, &c.dvNatTK} {
+			*t = b.New(ft, rows, kd)
+		}
+		c.dkOneTK, c.dvOneTK = b.New(ft, seq, kd), b.New(ft, seq, kd)
+		sc.cp = c
+		return nil
+	}
+	if c := sc.cp; c.kAllTK.Len() != rows*kd || c.dkOneTK.Len() != seq*kd || c.kAllTK.DType() != ft {
+		return fmt.Errorf("attention: the shared scratch is for context-parallel layers of %d rows of sequences of %d, %d columns; this layer has %d rows of sequences of %d, %d columns",
+			c.kAllTK.Shape()[0], c.dkOneTK.Shape()[0], c.kAllTK.Shape()[1], rows, seq, kd)
+	}
+	return nil
+}
+
+func newContextParallel(b backend.Backend, s Shape, batch, seq int, g comm.Group, sc *cpScratch) *contextParallel {
 	w, ft, kd := g.Size(), b.FloatType(), s.KVHeads*s.HeadDim()
-	cp := &contextParallel{g: g, w: w, rank: g.Rank(), batch: batch, seq: seq, chunk: seq / (2 * w)}
+	cp := &contextParallel{g: g, w: w, rank: g.Rank(), batch: batch, seq: seq, chunk: seq / (2 * w), cpScratch: sc}
 	local := batch * 2 * cp.chunk
 	allOfNat, natOfAll := make([]int32, batch*seq), make([]int32, batch*seq)
 	for r := range w {
@@ -129,10 +167,7 @@ func newContextParallel(b backend.Backend, s Shape, batch, seq int, g comm.Group
 	cp.allOfNat, cp.natOfAll = b.New(backend.Int32, batch*seq), b.New(backend.Int32, batch*seq)
 	backend.UploadSlice(b, cp.allOfNat, allOfNat)
 	backend.UploadSlice(b, cp.natOfAll, natOfAll)
-	for _, t := range []*backend.Tensor{&cp.kAllTK, &cp.vAllTK, &cp.kNatTK, &cp.vNatTK, &cp.dkNatTK, &cp.dvNatTK} {
-		*t = b.New(ft, batch*seq, kd)
-	}
-	cp.dkOneTK, cp.dvOneTK = b.New(ft, seq, kd), b.New(ft, seq, kd)
+	cp.kNatTK, cp.vNatTK = b.New(ft, batch*seq, kd), b.New(ft, batch*seq, kd)
 	return cp
 }
 
@@ -160,10 +195,14 @@ func (cp *contextParallel) calls(s Shape) []chunkCall {
 }
 
 // forward writes aTQ and lseBHS from the local, rotated q, k and v.
-func (cp *contextParallel) forward(l *Layer) {
+func (cp *contextParallel) forward(l *Layer) error {
 	b := l.b
-	cp.must("all-gather k", cp.g.AllGather(cp.kAllTK, l.kTK))
-	cp.must("all-gather v", cp.g.AllGather(cp.vAllTK, l.vTK))
+	if err := cp.g.AllGather(cp.kAllTK, l.kTK); err != nil {
+		return cp.fail("all-gather k", err)
+	}
+	if err := cp.g.AllGather(cp.vAllTK, l.vTK); err != nil {
+		return cp.fail("all-gather v", err)
+	}
 	b.GatherRows(cp.kNatTK, cp.kAllTK, cp.allOfNat, nil)
 	b.GatherRows(cp.vNatTK, cp.vAllTK, cp.allOfNat, nil)
 	for n, c := range cp.calls(l.s) {
@@ -171,10 +210,11 @@ func (cp *contextParallel) forward(l *Layer) {
 		k, v := cp.keys(l, cp.kNatTK, c), cp.keys(l, cp.vNatTK, c)
 		b.AttentionForward(a, lse, q, k, v, c.s)
 	}
+	return nil
 }
 
 // backward writes l.dqTQ, l.dkTK and l.dvTK (this rank's rows) from l.daTQ.
-func (cp *contextParallel) backward(l *Layer) {
+func (cp *contextParallel) backward(l *Layer) error {
 	b := l.b
 	b.Zero(cp.dkNatTK)
 	b.Zero(cp.dvNatTK)
@@ -190,8 +230,13 @@ func (cp *contextParallel) backward(l *Layer) {
 	// Rank order, then each rank keeps the sum of its own block.
 	b.GatherRows(cp.kAllTK, cp.dkNatTK, cp.natOfAll, nil)
 	b.GatherRows(cp.vAllTK, cp.dvNatTK, cp.natOfAll, nil)
-	cp.must("reduce-scatter dk", cp.g.ReduceScatterSum(l.dkTK, cp.kAllTK))
-	cp.must("reduce-scatter dv", cp.g.ReduceScatterSum(l.dvTK, cp.vAllTK))
+	if err := cp.g.ReduceScatterSum(l.dkTK, cp.kAllTK); err != nil {
+		return cp.fail("reduce-scatter dk", err)
+	}
+	if err := cp.g.ReduceScatterSum(l.dvTK, cp.vAllTK); err != nil {
+		return cp.fail("reduce-scatter dv", err)
+	}
+	return nil
 }
 
 // keys is the view of the first c.s.KVSeq natural-order rows of sequence
@@ -200,10 +245,8 @@ func (cp *contextParallel) keys(l *Layer, t backend.Tensor, c chunkCall) backend
 	return l.b.View(t, c.bi*cp.seq*l.kdWidth(), c.s.KVSeq, l.kdWidth())
 }
 
-func (cp *contextParallel) must(what string, err error) {
-	if err != nil {
-		panic(fmt.Errorf("attention: context-parallel %s (rank %d of %d): %w", what, cp.rank, cp.w, err))
-	}
+func (cp *contextParallel) fail(what string, err error) error {
+	return fmt.Errorf("attention: context-parallel %s (rank %d of %d): %w", what, cp.rank, cp.w, err)
 }
 
 // qRows, aRows and lseRows are a chunk call's views of q, a and the lse

@@ -23,7 +23,7 @@ type blockRun struct {
 
 // runBlock runs Forward then Backward of l on x, pos and dout, with grads
 // starting at zero.
-func runBlock(b backend.Backend, l *attention.Layer, s attention.Shape, p *attention.Params, x []float64, pos []int32, dout []float64) blockRun {
+func runBlock(b backend.Backend, l *attention.Layer, s attention.Shape, p *attention.Params, x []float64, pos []int32, dout []float64) (blockRun, error) {
 	T := len(pos)
 	xT, posT, outT := b.New(b.FloatType(), T, s.Dim), b.New(backend.Int32, T), b.New(b.FloatType(), T, s.Dim)
 	doutT, dxT := b.New(b.FloatType(), T, s.Dim), b.New(b.FloatType(), T, s.Dim)
@@ -31,10 +31,14 @@ func runBlock(b backend.Backend, l *attention.Layer, s attention.Shape, p *atten
 	backend.UploadSlice(b, posT, pos)
 	backend.UploadSlice(b, doutT, dout)
 	g := attention.NewParams(b, s)
-	l.Forward(outT, xT, posT, p)
-	l.Backward(dxT, doutT, p, g)
+	if err := l.Forward(outT, xT, posT, p); err != nil {
+		return blockRun{}, err
+	}
+	if err := l.Backward(dxT, doutT, p, g); err != nil {
+		return blockRun{}, err
+	}
 	dl := func(t backend.Tensor) []float64 { return backend.DownloadFloat64(b, t) }
-	return blockRun{out: dl(outT), dx: dl(dxT), g: hostParams{dl(g.WqQD), dl(g.WkKD), dl(g.WvKD), dl(g.WoDQ)}}
+	return blockRun{out: dl(outT), dx: dl(dxT), g: hostParams{dl(g.WqQD), dl(g.WkKD), dl(g.WvKD), dl(g.WoDQ)}}, nil
 }
 
 // TestContextParallelMatchesOneRank runs the block on a dp x cp mesh of
@@ -68,7 +72,10 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 					pos = append(pos, int32(i))
 				}
 			}
-			want := runBlock(b, attention.New(b, s, B, S), s, p, x, pos, dout)
+			want, err := runBlock(b, attention.New(b, s, B, S), s, p, x, pos, dout)
+			if err != nil {
+				t.Fatal(err)
+			}
 
 			ranks, err := comm.NewLocal(comm.Mesh{DP: c.dp, EP: 1, CP: c.cp, TP: 1}, b)
 			if err != nil {
@@ -101,13 +108,9 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					defer func() {
-						if p := recover(); p != nil {
-							errs[r] = fmt.Errorf("rank %d: %v", r, p)
-							rk.Abort(errs[r])
-						}
-					}()
-					got[r] = runBlock(b, l, s, p, lx, lpos, ldout)
+					if got[r], errs[r] = runBlock(b, l, s, p, lx, lpos, ldout); errs[r] != nil {
+						rk.Abort(errs[r])
+					}
 				}()
 			}
 			wg.Wait()
@@ -175,6 +178,7 @@ func TestZigzagPositions(t *testing.T) {
 		want             []int32
 	}{
 		{4, 1, 0, []int32{0, 1, 2, 3}},
+		{5, 1, 0, []int32{0, 1, 2, 3, 4}}, // one rank cuts nothing
 		{8, 2, 0, []int32{0, 1, 6, 7}},
 		{8, 2, 1, []int32{2, 3, 4, 5}},
 		{8, 4, 0, []int32{0, 7}},

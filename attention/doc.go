@@ -32,22 +32,30 @@
 // A Layer belongs to one decoder layer and holds the activations of one
 // micro-batch between Forward and Backward:
 //
-//	l := attention.New(b, shape, batch, seq)   // buffers for batch*seq tokens
-//	l.Forward(outTD, xTD, posT, params)        // saves q, k (rotated), v, a, lse
+//	l := attention.New(b, shape, batch, seq)       // buffers for batch*seq tokens
+//	err := l.Forward(outTD, xTD, posT, params)     // saves q, k (rotated), v, a, lse
 //	...
-//	l.Backward(dxTD, doutTD, params, grads)    // writes dx, adds into grads
+//	err = l.Backward(dxTD, doutTD, params, grads)  // writes dx, adds into grads
 //
 // Forward saves the rotated q and k, v, the attention output a (before
 // o_proj) and the per-row log-sum-exp of the scores (lse, [B, H, S]), which
 // is all the flash-style attention backward needs to recompute the
 // probabilities. It keeps xTD and posT by reference: the caller must keep
-// both alive and unchanged until Backward. Backward overwrites dxTD and
+// both alive, holding the same values when Backward runs (it may use the
+// memory in between and recompute them, as the engine does with xTD). Backward overwrites dxTD and
 // accumulates (adds) the weight gradients into grads, so gradients of several
 // micro-batches sum without extra copies; the caller zeroes them per step.
 //
-// The backward scratch (dq, dk, dv and the gradient of a) is owned by the
-// Layer too, so a Layer is not safe for concurrent use, and one Layer
-// serves one micro-batch at a time.
+// Both return an error, and write nothing useful, for tensors of the wrong
+// shape and, on a context-parallel Layer, when a collective fails (a peer
+// aborted the group); a Backward needs a successful Forward before it.
+//
+// The backward scratch (the gradients of a, q, k and v, and the keys and
+// values in transit under context parallelism) lives in a Scratch. Each
+// Layer has its own unless built WithScratch(s): the layers of one rank run
+// one after another, so they can share one and keep only their saved
+// activations each. A Layer is not safe for concurrent use, and serves one
+// micro-batch at a time.
 //
 // # Context parallelism
 //

@@ -64,7 +64,8 @@ type Layer struct {
 	attn   backend.AttnShape
 	tokens int
 
-	// Saved by Forward. xTD and posT are the caller's tensors.
+	// Saved by Forward. xTD and posT are the caller's tensors; xTD is nil
+	// before a Forward succeeds.
 	xTD, posT backend.Tensor
 	qTQ       backend.Tensor // q after RoPE
 	kTK       backend.Tensor // k after RoPE
@@ -72,7 +73,8 @@ type Layer struct {
 	aTQ       backend.Tensor // attention output, the input of o_proj
 	lseBHS    backend.Tensor
 
-	// Backward scratch.
+	// Backward scratch: the tensors of sc, which other Layers may share.
+	sc                     *Scratch
 	daTQ, dqTQ, dkTK, dvTK backend.Tensor
 
 	// cp is set on a Layer of a context-parallel group of more than one
@@ -80,16 +82,63 @@ type Layer struct {
 	cp *contextParallel
 }
 
+// Scratch is the working memory a Layer uses only inside one call: the
+// gradients of a, q, k and v in Backward and, on a context-parallel Layer,
+// the keys and values in transit and their gradients in natural order. The
+// layers of one rank run one after another, so they can share one Scratch
+// (see WithScratch); layers that run at the same time (different ranks)
+// must not. The first Layer given a Scratch sizes it; the others must have
+// the same shape and micro-batch, on the same backend.
+type Scratch struct {
+	daTQ, dqTQ, dkTK, dvTK backend.Tensor // [T, H*Dh] and [T, KV*Dh]; nil until sized
+	cp                     *cpScratch     // sized by the first context-parallel Layer
+}
+
+// NewScratch returns an empty Scratch; the first Layer built with it
+// (WithScratch) allocates its tensors.
+func NewScratch() *Scratch { return &Scratch{} }
+
+// Option configures New and NewContextParallel.
+type Option func(*options)
+
+type options struct{ scratch *Scratch }
+
+// WithScratch makes the Layer use s, shared with the other layers of its
+// rank, instead of a Scratch of its own.
+func WithScratch(s *Scratch) Option { return func(o *options) { o.scratch = s } }
+
 // New allocates a Layer for micro-batches of batch sequences of seq tokens.
-// s must be valid (see Shape.Validate); the engine validates its config
-// before building layers.
-func New(b backend.Backend, s Shape, batch, seq int) *Layer {
-	mustValid(s)
+// s must be valid (see Shape.Validate), batch and seq positive, and a
+// shared Scratch sized for the same shape and tokens; the engine validates
+// its config before building layers, so New panics on a violation.
+func New(b backend.Backend, s Shape, batch, seq int, opts ...Option) *Layer {
+	l, err := newLayer(b, s, batch, seq, opts)
+	if err != nil {
+		panic(err.Error())
+	}
+	return l
+}
+
+func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer, error) {
+	if err := s.Validate(); err != nil {
+		return nil, err
+	}
 	if batch < 1 || seq < 1 {
-		panic(fmt.Sprintf("attention: batch %d and seq %d must be positive", batch, seq))
+		return nil, fmt.Errorf("attention: batch %d and seq %d must be positive", batch, seq)
+	}
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.scratch == nil {
+		o.scratch = NewScratch()
 	}
 	ft, T := b.FloatType(), batch*seq
 	q, kd := s.Heads*s.HeadDim(), s.KVHeads*s.HeadDim()
+	if err := o.scratch.fit(b, T, q, kd); err != nil {
+		return nil, err
+	}
+	sc := o.scratch
 	return &Layer{
 		b:      b,
 		s:      s,
@@ -100,27 +149,46 @@ func New(b backend.Backend, s Shape, batch, seq int) *Layer {
 		vTK:    b.New(ft, T, kd),
 		aTQ:    b.New(ft, T, q),
 		lseBHS: b.New(ft, batch, s.Heads, seq),
-		daTQ:   b.New(ft, T, q),
-		dqTQ:   b.New(ft, T, q),
-		dkTK:   b.New(ft, T, kd),
-		dvTK:   b.New(ft, T, kd),
-	}
+		sc:     sc,
+		daTQ:   sc.daTQ,
+		dqTQ:   sc.dqTQ,
+		dkTK:   sc.dkTK,
+		dvTK:   sc.dvTK,
+	}, nil
 }
 
-func mustValid(s Shape) {
-	if err := s.Validate(); err != nil {
-		panic(err.Error())
+// fit allocates the scratch for T tokens of q and kd columns, or checks
+// that it has that size.
+func (sc *Scratch) fit(b backend.Backend, T, q, kd int) error {
+	ft := b.FloatType()
+	if sc.daTQ == nil {
+		sc.daTQ, sc.dqTQ = b.New(ft, T, q), b.New(ft, T, q)
+		sc.dkTK, sc.dvTK = b.New(ft, T, kd), b.New(ft, T, kd)
+		return nil
 	}
+	if sc.daTQ.DType() != ft || sc.daTQ.Len() != T*q || sc.dkTK.Len() != T*kd {
+		return fmt.Errorf("attention: the shared scratch is for %v [%d, %d] and [%d, %d]; this layer needs %v [%d, %d] and [%d, %d]",
+			sc.daTQ.DType(), sc.daTQ.Shape()[0], sc.daTQ.Shape()[1], sc.dkTK.Shape()[0], sc.dkTK.Shape()[1], ft, T, q, T, kd)
+	}
+	return nil
 }
 
 // Forward writes outTD = o_proj(attention(rope(q_proj x), rope(k_proj x),
 // v_proj x)) for the normalised input xTD [T, D] at positions posT (Int32
-// [T]). It keeps xTD and posT by reference until Backward.
-func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) {
-	l.checkTD("Forward", "out", outTD)
-	l.checkTD("Forward", "x", xTD)
+// [T]). It keeps xTD and posT by reference until Backward. It fails on
+// tensors of the wrong shape and, on a context-parallel Layer, when a
+// collective fails (a peer aborted the group); the Layer then has no
+// Forward for Backward to use.
+func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
+	l.xTD, l.posT = nil, nil
+	if err := l.checkTD("Forward", "out", outTD); err != nil {
+		return err
+	}
+	if err := l.checkTD("Forward", "x", xTD); err != nil {
+		return err
+	}
 	if posT.Len() != l.tokens || posT.DType() != backend.Int32 {
-		panic(fmt.Sprintf("attention: Forward: pos is %v %v, want int32 [%d]", posT.DType(), posT.Shape(), l.tokens))
+		return fmt.Errorf("attention: Forward: pos is %v %v, want int32 [%d]", posT.DType(), posT.Shape(), l.tokens)
 	}
 	b, dh, theta := l.b, l.s.HeadDim(), l.s.RopeTheta
 	b.MatMul(l.qTQ, xTD, p.WqQD, false, true, 1, 0)
@@ -129,23 +197,32 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) {
 	b.RoPE(l.qTQ, posT, dh, theta, false)
 	b.RoPE(l.kTK, posT, dh, theta, false)
 	if l.cp != nil {
-		l.cp.forward(l)
+		if err := l.cp.forward(l); err != nil {
+			return err
+		}
 	} else {
 		b.AttentionForward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK, l.attn)
 	}
 	b.MatMul(outTD, l.aTQ, p.WoDQ, false, true, 1, 0)
 	l.xTD, l.posT = xTD, posT
+	return nil
 }
 
 // Backward writes dxTD, the gradient of the last Forward's input, from
 // doutTD, and adds the weight gradients into g. p must be the weights that
-// Forward used.
-func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) {
+// Forward used. It fails without a successful Forward before it, on
+// tensors of the wrong shape and, on a context-parallel Layer, when a
+// collective fails; g may then hold part of the gradients.
+func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	if l.xTD == nil {
-		panic("attention: Backward called before Forward")
+		return fmt.Errorf("attention: Backward called without a successful Forward")
 	}
-	l.checkTD("Backward", "dx", dxTD)
-	l.checkTD("Backward", "dout", doutTD)
+	if err := l.checkTD("Backward", "dx", dxTD); err != nil {
+		return err
+	}
+	if err := l.checkTD("Backward", "dout", doutTD); err != nil {
+		return err
+	}
 	b, dh, theta := l.b, l.s.HeadDim(), l.s.RopeTheta
 
 	// o_proj: out = a·Woᵀ.
@@ -153,7 +230,9 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) {
 	b.MatMul(g.WoDQ, doutTD, l.aTQ, true, false, 1, 1)
 
 	if l.cp != nil {
-		l.cp.backward(l)
+		if err := l.cp.backward(l); err != nil {
+			return err
+		}
 	} else {
 		b.AttentionBackward(l.dqTQ, l.dkTK, l.dvTK, l.daTQ, l.qTQ, l.kTK, l.vTK, l.aTQ, l.lseBHS, l.attn)
 	}
@@ -169,12 +248,20 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) {
 	b.MatMul(dxTD, l.dqTQ, p.WqQD, false, false, 1, 0)
 	b.MatMul(dxTD, l.dkTK, p.WkKD, false, false, 1, 1)
 	b.MatMul(dxTD, l.dvTK, p.WvKD, false, false, 1, 1)
+	return nil
 }
 
-// checkTD panics unless t is [T, D] for the micro-batch the Layer was built
-// for.
-func (l *Layer) checkTD(op, name string, t backend.Tensor) {
+// checkTD reports a t that is not [T, D] for the micro-batch the Layer was
+// built for.
+func (l *Layer) checkTD(op, name string, t backend.Tensor) error {
 	if t.Len() != l.tokens*l.s.Dim {
-		panic(fmt.Sprintf("attention: %s: %s has shape %v, want [%d, %d]", op, name, t.Shape(), l.tokens, l.s.Dim))
+		return fmt.Errorf("attention: %s: %s has shape %v, want [%d, %d]", op, name, t.Shape(), l.tokens, l.s.Dim)
+	}
+	return nil
+}
+
+func mustValid(s Shape) {
+	if err := s.Validate(); err != nil {
+		panic(err.Error())
 	}
 }

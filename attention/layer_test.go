@@ -156,7 +156,9 @@ func uploadParams(b backend.Backend, s attention.Shape, w hostParams) *attention
 // forward runs the block on b and returns its output.
 func forward(b backend.Backend, in inputs) []float64 {
 	l, x, pos, out := setup(b, in)
-	l.Forward(out, x, pos, uploadParams(b, in.c.s, in.w))
+	if err := l.Forward(out, x, pos, uploadParams(b, in.c.s, in.w)); err != nil {
+		panic(err) // the tests' shapes are right
+	}
 	return backend.DownloadFloat64(b, out)
 }
 
@@ -217,11 +219,15 @@ func TestBackwardFiniteDifferences(t *testing.T) {
 				wv: randn(rng, len(in.w.wv), 1), wo: randn(rng, len(in.w.wo), 1),
 			}
 			g := uploadParams(b, c.s, g0)
-			l.Forward(outTD, xTD, posT, p)
+			if err := l.Forward(outTD, xTD, posT, p); err != nil {
+				t.Fatal(err)
+			}
 			doutTD, dxTD := b.New(b.FloatType(), T, D), b.New(b.FloatType(), T, D)
 			backend.UploadSlice(b, doutTD, dout)
 			backend.UploadSlice(b, dxTD, randn(rng, T*D, 100))
-			l.Backward(dxTD, doutTD, p, g)
+			if err := l.Backward(dxTD, doutTD, p, g); err != nil {
+				t.Fatal(err)
+			}
 
 			loss := func() float64 {
 				out := forward(b, in)

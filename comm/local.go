@@ -66,6 +66,7 @@ func NewLocal(mesh Mesh, b backend.Backend) ([]*Ranks, error) {
 	expert := map[Coord]*hub{}  // keyed by dp, cp, tp
 	replica := map[Coord]*hub{} // keyed by ep, cp, tp
 	context := map[Coord]*hub{} // keyed by dp, ep, tp
+	dataCtx := map[Coord]*hub{} // keyed by tp
 	find := func(m map[Coord]*hub, key Coord, name string, size int) *hub {
 		if h, ok := m[key]; ok {
 			return h
@@ -85,6 +86,7 @@ func NewLocal(mesh Mesh, b backend.Backend) ([]*Ranks, error) {
 			Expert:        group(find(expert, Coord{DP: c.DP, CP: c.CP, TP: c.TP}, "expert", mesh.EP), c.EP),
 			ExpertReplica: group(find(replica, Coord{EP: c.EP, CP: c.CP, TP: c.TP}, "expert-replica", mesh.DP), c.DP),
 			Context:       group(find(context, Coord{DP: c.DP, EP: c.EP, TP: c.TP}, "context", mesh.CP), c.CP),
+			DataContext:   group(find(dataCtx, Coord{TP: c.TP}, "data-context", mesh.DP*mesh.EP*mesh.CP), (c.DP*mesh.EP+c.EP)*mesh.CP+c.CP),
 		}
 	}
 	return ranks, nil

@@ -10,14 +10,19 @@ import "fmt"
 // so with CP = TP = 1, rank = dp*EP + ep: the EP ranks of one data-parallel
 // replica are neighbours. The groups cut from the mesh are
 //
-//	World          every rank                        size DP*EP*CP*TP
-//	Data           same cp, tp    (rank dp*EP + ep)  size DP*EP
-//	Expert         same dp, cp, tp (rank ep)         size EP
-//	ExpertReplica  same ep, cp, tp (rank dp)         size DP
-//	Context        same dp, ep, tp (rank cp)         size CP
+//	World          every rank                                  size DP*EP*CP*TP
+//	Data           same cp, tp     (rank dp*EP + ep)           size DP*EP
+//	Expert         same dp, cp, tp (rank ep)                   size EP
+//	ExpertReplica  same ep, cp, tp (rank dp)                   size DP
+//	Context        same dp, ep, tp (rank cp)                   size CP
+//	DataContext    same tp         (rank (dp*EP + ep)*CP + cp) size DP*EP*CP
 //
 // The rank of a member within a group is its coordinate on the group's
 // axes, read the same way (so Data's group rank orders dp before ep).
+// Data holds one rank per data replica's share of the tokens at one cp
+// position; DataContext holds every rank with distinct tokens, which is
+// what sums of per-token quantities (the loss, the MoE load statistics,
+// the gradients of replicated weights) run over under context parallelism.
 
 // Coord is one rank's position in the mesh; each index counts from 0.
 type Coord struct {
@@ -63,6 +68,9 @@ type Ranks struct {
 	// Context is the context-parallel group: the ranks that hold the
 	// chunks of the same sequences (see attention.NewContextParallel).
 	Context Group
+	// DataContext is Data and Context together: every rank that holds
+	// distinct tokens (with CP = 1 it has Data's members and ranks).
+	DataContext Group
 }
 
 // Abort aborts every group of this rank, so that a failing rank releases
@@ -70,7 +78,7 @@ type Ranks struct {
 // resulting error should call Abort too, which passes the failure on to the
 // groups it shares with ranks that never met the failed one.
 func (r *Ranks) Abort(err error) {
-	for _, g := range []Group{r.World, r.Data, r.Expert, r.ExpertReplica, r.Context} {
+	for _, g := range []Group{r.World, r.Data, r.Expert, r.ExpertReplica, r.Context, r.DataContext} {
 		g.Abort(err)
 	}
 }

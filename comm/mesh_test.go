@@ -82,6 +82,8 @@ func TestLocalGroupMembership(t *testing.T) {
 			func(a, b comm.Coord) bool { return a.EP == b.EP && a.CP == b.CP && a.TP == b.TP }, func(c comm.Coord) int { return c.DP }, m.DP},
 		{"context", func(r *comm.Ranks) comm.Group { return r.Context },
 			func(a, b comm.Coord) bool { return a.DP == b.DP && a.EP == b.EP && a.TP == b.TP }, func(c comm.Coord) int { return c.CP }, m.CP},
+		{"data-context", func(r *comm.Ranks) comm.Group { return r.DataContext },
+			func(a, b comm.Coord) bool { return a.TP == b.TP }, func(c comm.Coord) int { return (c.DP*m.EP+c.EP)*m.CP + c.CP }, m.DP * m.EP * m.CP},
 	}
 	for _, c := range cases {
 		members := make([][]float64, W)

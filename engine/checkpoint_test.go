@@ -124,23 +124,28 @@ func TestResumeIsBitExact(t *testing.T) {
 }
 
 // TestResumeReshards: a checkpoint written by 4 expert-parallel ranks
-// resumes on 2 and on 1 rank, and one from 1 rank on 4, with the losses of
-// the uninterrupted run.
+// resumes on 2 and on 1 rank, and one from 1 rank on 4; one written by 2
+// context-parallel ranks (times 2 expert-parallel) on 1 rank and back;
+// all with the losses of the uninterrupted run.
 func TestResumeReshards(t *testing.T) {
 	cfg := checkpointConfig()
-	layout := func(ep int) Config {
+	type layout struct{ ep, cp int }
+	config := func(l layout) Config {
 		c := cfg
-		c.Parallel.EP, c.Train.MicroBatch = ep, 8/ep
+		c.Parallel.EP, c.Parallel.CP, c.Train.MicroBatch = l.ep, l.cp, 8/l.ep
 		return c
 	}
-	want, _ := runLosses(t, layout(4), t.TempDir(), 0)
-	for _, pair := range [][2]int{{4, 2}, {4, 1}, {1, 4}} {
+	want, _ := runLosses(t, config(layout{4, 1}), t.TempDir(), 0)
+	for _, pair := range [][2]layout{
+		{{4, 1}, {2, 1}}, {{4, 1}, {1, 1}}, {{1, 1}, {4, 1}},
+		{{2, 2}, {1, 1}}, {{1, 1}, {1, 2}},
+	} {
 		dir := t.TempDir()
-		runLosses(t, layout(pair[0]), dir, 3)
-		got, _ := runLosses(t, layout(pair[1]), dir, 0)
+		runLosses(t, config(pair[0]), dir, 3)
+		got, _ := runLosses(t, config(pair[1]), dir, 0)
 		for step := 4; step <= cfg.Train.Steps; step++ {
-			if math.Abs(got[step]-want[step]) > 2e-4*want[step] {
-				t.Errorf("ep %d -> %d, step %d: loss %.6f, uninterrupted %.6f", pair[0], pair[1], step, got[step], want[step])
+			if !(math.Abs(got[step]-want[step]) <= 2e-4*want[step]) {
+				t.Errorf("%+v -> %+v, step %d: loss %.6f, uninterrupted %.6f", pair[0], pair[1], step, got[step], want[step])
 			}
 		}
 	}

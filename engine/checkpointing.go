@@ -7,8 +7,10 @@ package engine
 // Model tensors keep their Hugging Face names, one tensor per expert, so a
 // checkpoint written under one parallel layout loads under any other: a
 // rank reads the tensors it holds by name. World rank 0 writes the
-// replicated tensors; the ranks of the first data-parallel replica write
-// their experts. Optimizer moments are "<name>.exp_avg" and
+// replicated tensors; the ranks of the first data-parallel replica at
+// context-parallel position 0 write their experts (the other cp ranks hold
+// the same ones). The cp ranks of one data replica read the same data, so
+// the data cursors are kept by data rank. Optimizer moments are "<name>.exp_avg" and
 // "<name>.exp_avg_sq"; expert biases "model.layers.<l>.block_sparse_moe.expert_bias".
 
 import (
@@ -59,7 +61,7 @@ func (r *rank) snapshot(worldRank int) rankSnapshot {
 		s.cursor = src.Cursor()
 	}
 	writesReplicated := worldRank == 0
-	writesExperts := r.groups.ExpertReplica.Rank() == 0
+	writesExperts := r.groups.ExpertReplica.Rank() == 0 && r.groups.Context.Rank() == 0
 	for _, p := range r.params {
 		if p.slot.role == roleExpert && !writesExperts || p.slot.role != roleExpert && !writesReplicated {
 			continue

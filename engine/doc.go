@@ -50,11 +50,17 @@
 //
 // The recipe's parallel section becomes a mesh of ranks (package comm). Each
 // rank owns a model replica with all non-expert weights and its share of the
-// experts (model.moe.experts / parallel.ep), reads a disjoint part of the
-// data, and exchanges routed tokens with the other ranks of its expert group.
-// Gradients of replicated weights are summed over all data ranks, those of
-// experts over the ranks holding the same experts, so every layout trains
-// the same model as one rank would, up to floating-point summation order.
+// experts (model.moe.experts / parallel.ep), and exchanges routed tokens with
+// the other ranks of its expert group. Each of the dp*ep data ranks reads a
+// disjoint part of the data; under context parallelism the parallel.cp
+// ranks of one data rank read the same sequences and each keeps its zigzag
+// share of every sequence (attention.ZigzagPositions): attention gathers the
+// keys and values of whole sequences over the context group, and everything
+// else runs per token. The loss and the MoE load statistics are summed over
+// every rank with distinct tokens (data x context), gradients of replicated
+// weights likewise, those of experts over the ranks holding the same
+// experts, so every layout trains the same model as one rank would, up to
+// floating-point summation order.
 // The ranks are goroutines of one process (virtual ranks) sharing the one
 // backend: the CPU, or one GPU, where each rank's tensors are separate
 // allocations and the collectives move data with device copies and kernels

@@ -199,6 +199,10 @@ func (e *Engine) Run(ctx context.Context) (Result, error) {
 	}
 	ranks := make([]*rank, len(world))
 	for i, g := range world {
+		// A rank's data part is its data group's: the data group holds one
+		// rank per data replica (dp*ep), so the context-parallel ranks of a
+		// replica read the same sequences, and each keeps its share of
+		// every sequence (model.setBatch).
 		train, val, err := e.openData(g.Data.Rank(), g.Data.Size())
 		if err != nil {
 			return Result{}, err

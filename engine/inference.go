@@ -293,7 +293,7 @@ func (m *Model) Sample(ctx context.Context, prompt []int32, n int, temperature f
 	}
 	if m.one == nil {
 		one, err := newModel(m.b, m.cfg.Model, m.r.w, m.r.g, 1, seq,
-			moe.Groups{Expert: m.r.groups.Expert, Data: m.r.groups.Data})
+			moe.Groups{Expert: m.r.groups.Expert, Data: m.r.groups.Data}, nil)
 		if err != nil {
 			return nil, err
 		}

@@ -6,30 +6,42 @@ import (
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/profile"
+	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 )
 
 // model is one rank's replica of the decoder with the activations of one
-// micro-batch of batch x seq tokens. Forward saves what Backward needs, as in
-// llm.c: there is no autograd.
+// micro-batch of batch sequences of seq tokens. Under context parallelism
+// the rank holds tokens = batch*seq/cp of them: per sequence, the positions
+// attention.ZigzagPositions gives its cp rank. Forward saves what Backward
+// needs, as in llm.c: there is no autograd.
 type model struct {
 	cfg        ModelConfig
 	b          backend.Backend
 	batch, seq int
+	tokens     int     // local tokens T of a micro-batch
+	keep       []int32 // cp > 1: the row of the full batch each local row holds; nil otherwise
 	w, g       *modelParams
 	attn       []*attention.Layer
 	moe        []*moe.Layer
 
-	// Inputs of the micro-batch.
+	// Inputs of the micro-batch: local tokens, targets and their positions
+	// in their sequences.
 	idsT, targetsT, posT backend.Tensor
 
 	// Saved activations, per layer l: residL[l] is the residual stream
 	// entering layer l (residL[Layers] leaves the last one), midL[l] the
-	// stream after attention, h1L/h2L the normalised inputs of attention and
-	// MoE, rstd1L/rstd2L their inverse RMS.
-	residL, midL, h1L, h2L []backend.Tensor
-	rstd1L, rstd2L         []backend.Tensor
-	finalTD, rstdFinalT    backend.Tensor
+	// stream after attention, rstd1L/rstd2L the inverse RMS of the
+	// normalised inputs of attention and MoE.
+	residL, midL        []backend.Tensor
+	rstd1L, rstd2L      []backend.Tensor
+	finalTD, rstdFinalT backend.Tensor
+	// The normalised inputs of attention (h1TD) and MoE (h2TD), one buffer
+	// each for all layers: backward makes a layer's again from residL/midL
+	// and rstd before its blocks' Backward, which read them by reference.
+	// RMSNormForward is deterministic, so they are bitwise what Forward
+	// used, and a layer's [T, D] tensors cost 2 instead of 4 per layer.
+	h1TD, h2TD backend.Tensor
 
 	// Scratch: block outputs and gradient streams.
 	blockOutTD, dResidTD, dBlockTD, dTmpTD backend.Tensor
@@ -40,31 +52,57 @@ type model struct {
 }
 
 // lmHeadChunkRows bounds the logits buffer of the fused LM head and loss.
-const lmHeadChunkRows = 1024
+const lmHeadChunkRows = 2048
 
-func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups) (*model, error) {
-	T, D, ft := batch*seq, cfg.Dim, b.FloatType()
-	m := &model{cfg: cfg, b: b, batch: batch, seq: seq, w: w, g: g}
+// newModel builds a rank's model for micro-batches of batch sequences of
+// seq tokens. groups are the MoE layers' (Data: every rank with distinct
+// tokens); context is the context-parallel group the sequences are split
+// over, nil for none.
+func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group) (*model, error) {
+	cp, cpRank := 1, 0
+	if context != nil {
+		cp, cpRank = context.Size(), context.Rank()
+	}
+	local, err := attention.ZigzagPositions(seq, cp, cpRank)
+	if err != nil {
+		return nil, err
+	}
+	T, D, ft := batch*len(local), cfg.Dim, b.FloatType()
+	m := &model{cfg: cfg, b: b, batch: batch, seq: seq, tokens: T, w: w, g: g}
 	m.idsT, m.targetsT, m.posT = b.New(backend.Int32, T), b.New(backend.Int32, T), b.New(backend.Int32, T)
-	pos := make([]int32, T)
-	for i := range pos {
-		pos[i] = int32(i % seq)
+	pos := make([]int32, 0, T)
+	for bi := range batch {
+		pos = append(pos, local...)
+		if cp > 1 {
+			for _, p := range local {
+				m.keep = append(m.keep, int32(bi*seq)+p)
+			}
+		}
 	}
 	backend.UploadSlice(b, m.posT, pos)
 	L := cfg.Layers
-	// The MoE layers run one after another, so they share their working
-	// memory.
+	// The attention and MoE layers run one after another, so they share
+	// their working memory.
 	moeScratch := moe.NewScratch(b, D, cfg.MoE.FFN)
+	attnScratch := attention.NewScratch()
 	for l := 0; l <= L; l++ {
 		m.residL = append(m.residL, b.New(ft, T, D))
 	}
+	m.h1TD, m.h2TD = b.New(ft, T, D), b.New(ft, T, D)
 	for l := 0; l < L; l++ {
 		m.midL = append(m.midL, b.New(ft, T, D))
-		m.h1L = append(m.h1L, b.New(ft, T, D))
-		m.h2L = append(m.h2L, b.New(ft, T, D))
 		m.rstd1L = append(m.rstd1L, b.New(ft, T))
 		m.rstd2L = append(m.rstd2L, b.New(ft, T))
-		m.attn = append(m.attn, attention.New(b, attentionShape(cfg), batch, seq))
+		var attn *attention.Layer
+		if cp > 1 {
+			attn, err = attention.NewContextParallel(b, attentionShape(cfg), batch, seq, context, attention.WithScratch(attnScratch))
+			if err != nil {
+				return nil, fmt.Errorf("layer %d: %w", l, err)
+			}
+		} else {
+			attn = attention.New(b, attentionShape(cfg), batch, seq, attention.WithScratch(attnScratch))
+		}
+		m.attn = append(m.attn, attn)
 		layer, err := moe.New(b, cfg.MoE, D, T, groups, moe.WithScratch(moeScratch))
 		if err != nil {
 			return nil, fmt.Errorf("layer %d: %w", l, err)
@@ -79,14 +117,24 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 	return m, nil
 }
 
-// setBatch uploads one micro-batch of token ids and next-token targets.
+// setBatch uploads one micro-batch of token ids and next-token targets,
+// batch whole sequences of each; a context-parallel rank keeps its share of
+// every sequence (see keep).
 func (m *model) setBatch(ids, targets []int32) {
+	if m.keep != nil {
+		localIDs, localTargets := make([]int32, len(m.keep)), make([]int32, len(m.keep))
+		for i, row := range m.keep {
+			localIDs[i], localTargets[i] = ids[row], targets[row]
+		}
+		ids, targets = localIDs, localTargets
+	}
 	backend.UploadSlice(m.b, m.idsT, ids)
 	backend.UploadSlice(m.b, m.targetsT, targets)
 }
 
 // microStats is what one forward reports: the summed token losses of this
-// rank and the MoE statistics of every layer (global over the data group).
+// rank and the MoE statistics of every layer (global over the ranks with
+// distinct tokens).
 type microStats struct {
 	lossSum float64
 	moe     []moe.Stats
@@ -105,20 +153,23 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 	b.EmbeddingForward(m.residL[0], w.embedVD, m.idsT)
 	for l := 0; l < m.cfg.Layers; l++ {
 		lw := &w.layers[l]
-		b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
+		b.RMSNormForward(m.h1TD, m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
 		profile.Scope(b, profile.ScopeAttention)
-		m.attn[l].Forward(m.blockOutTD, m.h1L[l], m.posT, lw.attn)
+		err := m.attn[l].Forward(m.blockOutTD, m.h1TD, m.posT, lw.attn)
 		profile.Scope(b, "")
+		if err != nil {
+			return st, fmt.Errorf("layer %d attention: %w", l, err)
+		}
 		b.Copy(m.midL[l], m.residL[l])
 		b.Axpy(m.midL[l], 1, m.blockOutTD)
 
-		b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
+		b.RMSNormForward(m.h2TD, m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
 		var bias backend.Tensor
 		if biasE != nil {
 			bias = biasE[l]
 		}
 		profile.Scope(b, profile.ScopeMoE)
-		s, err := m.moe[l].Forward(m.blockOutTD, m.h2L[l], lw.moe, bias, lossScale)
+		s, err := m.moe[l].Forward(m.blockOutTD, m.h2TD, lw.moe, bias, lossScale)
 		profile.Scope(b, "")
 		if err != nil {
 			return st, fmt.Errorf("layer %d MoE: %w", l, err)
@@ -139,7 +190,7 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 // gradients of the final hidden states and the LM head, chunk by chunk.
 func (m *model) lmHeadLoss(train bool, gradScale float64) float64 {
 	b := m.b
-	T, D, V := m.batch*m.seq, m.cfg.Dim, m.cfg.Vocab
+	T, D, V := m.tokens, m.cfg.Dim, m.cfg.Vocab
 	if !train {
 		gradScale = 0
 	}
@@ -166,6 +217,12 @@ func (m *model) backward() error {
 	b.RMSNormBackward(m.dResidTD, g.finalNormD, m.dFinalTD, m.residL[L], w.finalNormD, m.rstdFinalT)
 	for l := L - 1; l >= 0; l-- {
 		lw, lg := &w.layers[l], &g.layers[l]
+		if l < L-1 {
+			// The blocks' normalised inputs, as Forward made them (the
+			// last layer's are still there).
+			b.RMSNormForward(m.h1TD, m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
+			b.RMSNormForward(m.h2TD, m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
+		}
 		// residL[l+1] = midL[l] + moe(norm(midL[l])): the stream's gradient
 		// flows straight through and through the MoE block.
 		profile.Scope(b, profile.ScopeMoE)
@@ -178,8 +235,11 @@ func (m *model) backward() error {
 		b.Axpy(m.dResidTD, 1, m.dTmpTD)
 		// midL[l] = residL[l] + attn(norm(residL[l])).
 		profile.Scope(b, profile.ScopeAttention)
-		m.attn[l].Backward(m.dBlockTD, m.dResidTD, lw.attn, lg.attn)
+		err = m.attn[l].Backward(m.dBlockTD, m.dResidTD, lw.attn, lg.attn)
 		profile.Scope(b, "")
+		if err != nil {
+			return fmt.Errorf("layer %d attention backward: %w", l, err)
+		}
 		b.RMSNormBackward(m.dTmpTD, lg.attnNormD, m.dBlockTD, m.residL[l], lw.attnNormD, m.rstd1L[l])
 		b.Axpy(m.dResidTD, 1, m.dTmpTD)
 	}

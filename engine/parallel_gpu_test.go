@@ -65,8 +65,8 @@ func trainOn(t *testing.T, cfg Config, b backend.Backend, layout string) layoutR
 }
 
 // TestVirtualRanksCUDA trains the same global batches on one rank and on 2
-// and 4 virtual ranks sharing the GPU (ep=2, ep=4, dp=2 x ep=2, dp=2) and
-// requires each layout's loss sequence to follow one rank's within
+// and 4 virtual ranks sharing the GPU (equivalenceLayouts: ep=2, ep=4,
+// dp=2 x ep=2, dp=2, cp=2, dp=2 x cp=2, ep=2 x cp=2) and requires each layout's loss sequence to follow one rank's within
 // virtualRanksTol. One rank's GPU run is also held to the CPU's within
 // cudaVsCPUTol, so that a GPU run that went wrong the same way at every
 // layout still fails.
@@ -98,10 +98,13 @@ func layoutsMatchOneRank(t *testing.T, b backend.Backend, name string) {
 	}
 	t.Logf("figure: engine virtual ranks dp1 ep1 tokens/s %s = %.4g tokens/s", name, one.tokensPerSec)
 
-	for _, l := range []struct{ dp, ep, micro int }{{1, 2, 4}, {1, 4, 2}, {2, 2, 2}, {2, 1, 4}} {
+	for _, l := range equivalenceLayouts {
 		layout := fmt.Sprintf("dp%d ep%d", l.dp, l.ep)
+		if l.cp > 1 {
+			layout += fmt.Sprintf(" cp%d", l.cp) // the figures of the others keep their names
+		}
 		cfg := equivalenceConfig()
-		cfg.Parallel.DP, cfg.Parallel.EP, cfg.Train.MicroBatch = l.dp, l.ep, l.micro
+		cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP, cfg.Train.MicroBatch = l.dp, l.ep, l.cp, l.micro
 		got := trainOn(t, cfg, b, layout)
 		worst := 0.0
 		for i, want := range one.losses {
@@ -109,7 +112,7 @@ func layoutsMatchOneRank(t *testing.T, b backend.Backend, name string) {
 			worst = max(worst, rel)
 			if !(rel <= virtualRanksTol) {
 				t.Errorf("%s (%d virtual ranks on %s): step %d: loss %.6f, one rank %.6f: relative difference %.3g > %g",
-					layout, l.dp*l.ep, name, i+1, got.losses[i], want, rel, virtualRanksTol)
+					layout, l.dp*l.ep*l.cp, name, i+1, got.losses[i], want, rel, virtualRanksTol)
 			}
 		}
 		t.Logf("%s: loss %.5f -> %.5f, max relative difference from one rank %.2e", layout, got.losses[0], got.losses[len(got.losses)-1], worst)

@@ -23,36 +23,70 @@ func equivalenceConfig() Config {
 func trainLosses(t *testing.T, cfg Config) []float64 {
 	t.Helper()
 	var losses []float64
-	eng, err := New(cfg, WithHook(func(ev StepEvent) { losses = append(losses, ev.Loss) }))
+	for _, ev := range trainEvents(t, cfg) {
+		losses = append(losses, ev.Loss)
+	}
+	return losses
+}
+
+// trainEvents trains cfg and returns the event of every step.
+func trainEvents(t *testing.T, cfg Config) []StepEvent {
+	t.Helper()
+	var evs []StepEvent
+	eng, err := New(cfg, WithHook(func(ev StepEvent) { evs = append(evs, ev) }))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := eng.Run(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	return losses
+	return evs
+}
+
+// equivalenceLayouts are the layouts of 2 and 4 virtual ranks the
+// equivalence tests train: expert, data and context parallel and their
+// products. micro is the micro-batch that keeps one micro-batch per step.
+var equivalenceLayouts = []struct{ dp, ep, cp, micro int }{
+	{1, 2, 1, 4}, {1, 4, 1, 2}, {2, 2, 1, 2}, {2, 1, 1, 4},
+	{1, 1, 2, 8}, {2, 1, 2, 4}, {1, 2, 2, 4},
 }
 
 // TestVirtualRanksMatchOneRank trains the same global batches on one rank
-// and on layouts of 2 and 4 virtual ranks (expert parallel, and data x
-// expert parallel) and requires the same loss sequence within float32
-// tolerance.
+// and on layouts of 2 and 4 virtual ranks (equivalenceLayouts) and requires
+// the same loss sequence within float32 tolerance, and the same auxiliary
+// losses, gradient norms and final validation loss, which every layout
+// must compute over the global batch too.
 func TestVirtualRanksMatchOneRank(t *testing.T) {
 	base := equivalenceConfig()
 	base.Train.MicroBatch = 8
-	want := trainLosses(t, base)
-	for _, layout := range []struct{ dp, ep, micro int }{{1, 2, 4}, {1, 4, 2}, {2, 2, 2}, {2, 1, 4}} {
-		t.Run(fmt.Sprintf("dp%d_ep%d", layout.dp, layout.ep), func(t *testing.T) {
+	want := trainEvents(t, base)
+	for _, layout := range equivalenceLayouts {
+		t.Run(fmt.Sprintf("dp%d_ep%d_cp%d", layout.dp, layout.ep, layout.cp), func(t *testing.T) {
 			cfg := equivalenceConfig()
-			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Train.MicroBatch = layout.dp, layout.ep, layout.micro
-			got := trainLosses(t, cfg)
+			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP, cfg.Train.MicroBatch = layout.dp, layout.ep, layout.cp, layout.micro
+			got := trainEvents(t, cfg)
 			if len(got) != len(want) {
-				t.Fatalf("%d losses, want %d", len(got), len(want))
+				t.Fatalf("%d steps, want %d", len(got), len(want))
 			}
 			for i := range want {
-				if math.Abs(got[i]-want[i]) > 2e-4*math.Abs(want[i]) {
-					t.Errorf("step %d: loss %.6f, one rank %.6f", i+1, got[i], want[i])
+				for _, q := range []struct {
+					name      string
+					got, want float64
+					tol       float64
+				}{
+					{"loss", got[i].Loss, want[i].Loss, 2e-4},
+					{"aux loss", got[i].AuxLoss, want[i].AuxLoss, 1e-3},
+					{"z loss", got[i].ZLoss, want[i].ZLoss, 1e-3},
+					{"grad norm", got[i].GradNorm, want[i].GradNorm, 1e-3},
+				} {
+					if !(math.Abs(q.got-q.want) <= q.tol*math.Abs(q.want)) {
+						t.Errorf("step %d: %s %.6f, one rank %.6f", i+1, q.name, q.got, q.want)
+					}
 				}
+			}
+			last := len(want) - 1
+			if g, w := got[last].ValLoss, want[last].ValLoss; !(math.Abs(g-w) <= 2e-4*w) {
+				t.Errorf("validation loss %.6f, one rank %.6f", g, w)
 			}
 		})
 	}

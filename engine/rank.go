@@ -70,8 +70,10 @@ func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSourc
 		}
 	}
 	var err error
+	// The MoE load statistics are summed over every rank with distinct
+	// tokens: data and context parallel.
 	r.model, err = newModel(b, m, r.w, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
-		moe.Groups{Expert: groups.Expert, Data: groups.Data})
+		moe.Groups{Expert: groups.Expert, Data: groups.DataContext}, groups.Context)
 	if err != nil {
 		return nil, err
 	}
@@ -121,8 +123,10 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 			return res, err
 		}
 	}
+	// Every rank with distinct tokens (data and context parallel) holds a
+	// part of the global batch's loss.
 	sums := []float64{lossSum}
-	if err := r.groups.Data.AllReduceFloat64(sums); err != nil {
+	if err := r.groups.DataContext.AllReduceFloat64(sums); err != nil {
 		return res, err
 	}
 	res.loss = sums[0] / globalTokens
@@ -165,14 +169,20 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	return res, b.Sync()
 }
 
-// reduceGradients sums gradients over the ranks that share each parameter:
-// replicated weights over the data group, expert weights over the ranks
-// that hold the same experts.
+// reduceGradients sums gradients over the ranks that share each parameter
+// and hold distinct tokens: replicated weights over the data and context
+// groups together, expert weights over the ranks that hold the same experts
+// (the expert replicas, then the context group: a cp rank's tokens reach
+// the experts of its own cp position only).
 func (r *rank) reduceGradients() error {
 	for _, part := range []struct {
 		r span
 		g comm.Group
-	}{{r.layout.replicated, r.groups.Data}, {r.layout.experts, r.groups.ExpertReplica}} {
+	}{
+		{r.layout.replicated, r.groups.DataContext},
+		{r.layout.experts, r.groups.ExpertReplica},
+		{r.layout.experts, r.groups.Context},
+	} {
 		if part.g.Size() == 1 {
 			continue
 		}
@@ -192,7 +202,8 @@ func (r *rank) reduceGradients() error {
 const gradBucket = 16 << 20
 
 // gradNorm is the global L2 norm of the reduced gradients: replicated
-// tensors counted once, expert shards summed over the expert group.
+// tensors counted once, expert shards summed over the expert group (after
+// the reduction every data and context rank holds the same sums).
 func (r *rank) gradNorm() (float64, error) {
 	replicated, experts := 0.0, []float64{0}
 	if lay := r.layout; !lay.replicated.empty() {
@@ -208,7 +219,7 @@ func (r *rank) gradNorm() (float64, error) {
 }
 
 // evaluate returns the mean validation loss over eval_batches micro-batches
-// of every data rank.
+// of every data rank (each split over its context-parallel ranks).
 func (r *rank) evaluate() (float64, error) {
 	cfg := r.cfg
 	r.val.Reset()
@@ -226,7 +237,7 @@ func (r *rank) evaluate() (float64, error) {
 		sum += st.lossSum
 	}
 	sums := []float64{sum}
-	if err := r.groups.Data.AllReduceFloat64(sums); err != nil {
+	if err := r.groups.DataContext.AllReduceFloat64(sums); err != nil {
 		return 0, err
 	}
 	tokens := cfg.Train.EvalBatches * cfg.Train.MicroBatch * cfg.Train.Seq * r.groups.Data.Size()

@@ -217,7 +217,11 @@ func (v *validator) train(t TrainConfig, p ParallelConfig) {
 				t.GlobalBatch, t.MicroBatch, ranksText)
 		}
 	}
-	v.atLeast("train.seq", t.Seq, 2)
+	if v.atLeast("train.seq", t.Seq, 2) && p.CP > 1 && t.Seq%(2*p.CP) != 0 {
+		// Zigzag sharding cuts every sequence into 2*cp equal chunks.
+		v.fail("train.seq", "train.seq (%d) must be a multiple of 2 x parallel.cp (2*%d = %d): context parallelism cuts each sequence into 2*cp equal chunks",
+			t.Seq, p.CP, 2*p.CP)
+	}
 	stepsOK := v.positiveInt("train.steps", t.Steps)
 	if v.positive("train.lr", t.LR) && v.nonNegative("train.min_lr", t.MinLR, "decay to zero") && t.MinLR > t.LR {
 		v.fail("train.min_lr", "train.min_lr (%v) must not exceed train.lr (%v)", t.MinLR, t.LR)
@@ -254,9 +258,7 @@ func (v *validator) parallel(p ParallelConfig, experts int) {
 	if v.atLeast("parallel.ep", p.EP, 1) && experts > 0 && experts%p.EP != 0 {
 		v.fail("parallel.ep", "model.moe.experts (%d) must be divisible by parallel.ep (%d)", experts, p.EP)
 	}
-	if v.atLeast("parallel.cp", p.CP, 1) && p.CP > 1 {
-		v.fail("parallel.cp", "parallel.cp = %d: context parallelism is not available yet; set parallel.cp: 1", p.CP)
-	}
+	v.atLeast("parallel.cp", p.CP, 1)
 	if v.atLeast("parallel.tp", p.TP, 1) && p.TP > 1 {
 		v.fail("parallel.tp", "parallel.tp = %d: tensor parallelism is not available yet; set parallel.tp: 1", p.TP)
 	}

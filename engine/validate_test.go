@@ -109,8 +109,8 @@ func TestValidateRules(t *testing.T) {
 		{"ep zero", func(c *Config) { c.Parallel.EP = 0 }, "parallel.ep", "parallel.ep must be at least 1, got 0"},
 		{"experts by ep", func(c *Config) { c.Model.MoE.Experts = 6; c.Parallel.EP = 4; c.Train.GlobalBatch = 32 }, "parallel.ep",
 			"model.moe.experts (6) must be divisible by parallel.ep (4)"},
-		{"cp", func(c *Config) { c.Parallel.CP = 2 }, "parallel.cp",
-			"parallel.cp = 2: context parallelism is not available yet; set parallel.cp: 1"},
+		{"seq by cp", func(c *Config) { c.Parallel.CP = 3 }, "train.seq",
+			"train.seq (64) must be a multiple of 2 x parallel.cp (2*3 = 6): context parallelism cuts each sequence into 2*cp equal chunks"},
 		{"cp zero", func(c *Config) { c.Parallel.CP = 0 }, "parallel.cp", "parallel.cp must be at least 1, got 0"},
 		{"tp", func(c *Config) { c.Parallel.TP = 4 }, "parallel.tp",
 			"parallel.tp = 4: tensor parallelism is not available yet; set parallel.tp: 1"},
@@ -168,6 +168,9 @@ func TestValidateAcceptsEdges(t *testing.T) {
 		"no clip":                 func(c *Config) { c.Train.GradClip = 0 },
 		"resume path":             func(c *Config) { c.Checkpoint.Resume = "runs/a/step-100" },
 		"dp and ep":               func(c *Config) { c.Parallel.DP = 2; c.Parallel.EP = 2; c.Train.GlobalBatch = 64 },
+		"cp 2":                    func(c *Config) { c.Parallel.CP = 2 },
+		"cp seq/2":                func(c *Config) { c.Parallel.CP = 32 }, // chunks of one token
+		"dp ep cp":                func(c *Config) { c.Parallel.DP, c.Parallel.EP, c.Parallel.CP, c.Train.GlobalBatch = 2, 2, 4, 32 },
 	}
 	for name, edit := range edits {
 		cfg := DefaultConfig()

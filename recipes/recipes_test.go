@@ -175,8 +175,8 @@ func TestDecodeErrors(t *testing.T) {
 		{"validate default field", "model:\n  moe:\n    experts: 1\n",
 			[]string{"r.yaml: model.moe.top_k (2) cannot exceed model.moe.experts (1)"}},
 		{"validate inf", "train:\n  lr: .inf\n", []string{"r.yaml:2: train.lr must be a finite number, got +Inf"}},
-		{"validate cp", "parallel:\n  cp: 2\n",
-			[]string{"r.yaml:2: parallel.cp = 2: context parallelism is not available yet; set parallel.cp: 1"}},
+		{"validate cp", "train:\n  seq: 64\nparallel:\n  cp: 3\n",
+			[]string{"r.yaml:2: train.seq (64) must be a multiple of 2 x parallel.cp (2*3 = 6): context parallelism cuts each sequence into 2*cp equal chunks"}},
 		{"null string", "checkpoint:\n  resume:\n",
 			[]string{`r.yaml:2: checkpoint.resume must be auto, never, or the path of a checkpoint; got ""`}},
 	}
