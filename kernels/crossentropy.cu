@@ -38,3 +38,65 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_f32(float* loss,
     }
   }
 }
+
+// cross_entropy_f32_reg is cross_entropy_f32 for rows that fit in
+// registers: one block of 1024 threads per row, each thread holding up to
+// CE_VEC float4s of it, so the row is read from memory once and written
+// once (the loop kernel above reads it three times; a 32768-wide vocabulary
+// row is 128 KiB, more than stays in cache across the passes). It needs V a
+// multiple of 4, V <= 4096*CE_VEC, and logits and dlogits 16-byte aligned
+// (the launcher checks). Same results as cross_entropy_f32 up to the order
+// of the float additions.
+#define CE_VEC 8
+struct alignas(16) ce_f4 {
+  float x, y, z, w;
+};
+
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_f32_reg(float* loss, float* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  if (t >= T) return;
+  const long long off = (long long)t * V;
+  const ce_f4* row = (const ce_f4*)(logits + off);
+  const int tgt = targets[t], V4 = V >> 2;
+  if (tgt < 0) {
+    if (dlogits != 0)
+      for (int j = threadIdx.x; j < V4; j += blockDim.x) ((ce_f4*)(dlogits + off))[j] = ce_f4{0.0f, 0.0f, 0.0f, 0.0f};
+    if (threadIdx.x == 0) loss[t] = 0.0f;
+    return;
+  }
+  // The target's logit is read before the block reductions, whose barriers
+  // order it before any in-place write of the row.
+  const float xt = threadIdx.x == 0 && tgt < V ? logits[off + tgt] : MK_NAN;
+  ce_f4 v[CE_VEC];
+  float mx = -MK_INF;
+#pragma unroll
+  for (int i = 0; i < CE_VEC; i++) {
+    const int j = threadIdx.x + i * 1024;
+    v[i] = j < V4 ? row[j] : ce_f4{-MK_INF, -MK_INF, -MK_INF, -MK_INF};
+    mx = fmaxf(mx, fmaxf(fmaxf(v[i].x, v[i].y), fmaxf(v[i].z, v[i].w)));
+  }
+  mx = mk_block_max(mx, scratch);
+  float se = 0.0f;
+#pragma unroll
+  for (int i = 0; i < CE_VEC; i++) se += expf(v[i].x - mx) + expf(v[i].y - mx) + expf(v[i].z - mx) + expf(v[i].w - mx);
+  se = mk_block_sum(se, scratch);
+  const float lse = mx + logf(se);
+  if (threadIdx.x == 0) loss[t] = lse - xt;
+  if (dlogits == 0) return;
+  // Every thread has read its part of the row before the reductions'
+  // barriers, so writing in place is safe.
+  ce_f4* out = (ce_f4*)(dlogits + off);
+#pragma unroll
+  for (int i = 0; i < CE_VEC; i++) {
+    const int j = threadIdx.x + i * 1024;
+    if (j >= V4) break;
+    const int c = 4 * j;
+    ce_f4 p = ce_f4{expf(v[i].x - lse), expf(v[i].y - lse), expf(v[i].z - lse), expf(v[i].w - lse)};
+    if (c == tgt) p.x -= 1.0f;
+    if (c + 1 == tgt) p.y -= 1.0f;
+    if (c + 2 == tgt) p.z -= 1.0f;
+    if (c + 3 == tgt) p.w -= 1.0f;
+    out[j] = ce_f4{p.x * grad_scale, p.y * grad_scale, p.z * grad_scale, p.w * grad_scale};
+  }
+}

@@ -23,7 +23,7 @@ type kernelSet struct {
 	swigluFwd, swigluBwd     *Kernel
 	swigluFwdX4, swigluBwdX4 *Kernel // 16-byte accesses, for aligned tensors
 
-	crossEntropy *Kernel
+	crossEntropy, crossEntropyReg *Kernel
 
 	gatherRows, scatterAddRows, rowDots *Kernel
 
@@ -46,7 +46,7 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 		{"rmsnorm.cu", map[string]**Kernel{"rmsnorm_forward_f32": &ks.rmsFwd, "rmsnorm_backward_dx_f32": &ks.rmsBwdDx, "rmsnorm_backward_dw_f32": &ks.rmsBwdDw}},
 		{"swiglu.cu", map[string]**Kernel{"swiglu_forward_f32": &ks.swigluFwd, "swiglu_backward_f32": &ks.swigluBwd,
 			"swiglu_forward_f32_x4": &ks.swigluFwdX4, "swiglu_backward_f32_x4": &ks.swigluBwdX4}},
-		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy}},
+		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy, "cross_entropy_f32_reg": &ks.crossEntropyReg}},
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots}},
 		{"route.cu", map[string]**Kernel{"route_by_expert": &ks.route}},
 		{"router.cu", map[string]**Kernel{"router_forward_f32": &ks.routerFwd, "router_backward_f32": &ks.routerBwd}},

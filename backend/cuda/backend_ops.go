@@ -209,6 +209,10 @@ func (b *Backend) SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF backend.Tensor) {
 	}
 }
 
+// ceRegMaxV is the widest row cross_entropy_f32_reg holds in registers:
+// 1024 threads x CE_VEC (8) float4s.
+const ceRegMaxV = 1024 * 8 * 4
+
 // CrossEntropy: lossT[t] = logsumexp(logits[t]) - logits[t][targets[t]],
 // dlogitsTV = (softmax - onehot) * gradScale (dlogitsTV may be logitsTV or
 // nil); a negative target gives loss 0 and a zero gradient row, a target
@@ -223,9 +227,15 @@ func (b *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tens
 	}
 	targets := indices(op, "targets", targetsT, t)
 	fitsInt32(op, t, v)
-	if t > 0 {
-		b.launch(b.k.crossEntropy, Grid1D(t, 256), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
+	if t == 0 {
+		return
 	}
+	// Rows that fit in registers are read once (cross_entropy_f32_reg).
+	if v%4 == 0 && v <= ceRegMaxV && aligned16(logits) && (dlogits == nil || aligned16(dlogits)) {
+		b.launch(b.k.crossEntropyReg, Grid1D(t, 1024), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
+		return
+	}
+	b.launch(b.k.crossEntropy, Grid1D(t, 256), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
 }
 
 // GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil (1).

@@ -6,6 +6,7 @@ package cuda
 // write fails the comparison.
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -375,32 +376,47 @@ func TestKernelAdamW(t *testing.T) {
 }
 
 func TestKernelCrossEntropy(t *testing.T) {
-	k := newKT(t, 8)
-	const T, V = 19, 5003
-	logits := k.randn(T*V, 3)
-	targets := k.ids(T, V)
-	targets[3] = -1 // ignored
-	scale := 1.0 / T
-	rlogits, rtargets := k.cpuF(logits, T, V), k.cpuI(targets)
-	rloss, rd := k.ref.New(backend.Float64, T), k.ref.New(backend.Float64, T, V)
-	k.ref.CrossEntropy(rloss, rd, rlogits, rtargets, scale)
-	dt := upload(k, targets)
-	for _, mode := range []string{"separate", "in place", "loss only"} {
-		dl := upload(k, logits)
-		loss := k.poisoned(T)
-		var dlogits *Buffer
-		switch mode {
-		case "separate":
-			dlogits = k.poisoned(T * V)
-		case "in place":
-			dlogits = dl
-		}
-		k.launch("crossentropy.cu", "cross_entropy_f32", Grid1D(T, 256), loss, dlogits, dl, dt, int32(T), int32(V), float32(scale))
-		k.check(mode+": loss", k.download(loss, T), k.get(rloss), fp32Tol)
-		if dlogits != nil {
-			k.check(mode+": dlogits", k.download(dlogits, T*V), k.get(rd), 1e-5)
-		} else {
-			k.check(mode+": logits untouched", k.download(dl, T*V), k.get(rlogits), 0)
+	for _, c := range []struct {
+		kernel string
+		block  int
+		V      int
+	}{
+		{"cross_entropy_f32", 256, 5003},
+		// The register kernel: a row shorter than its capacity, and a full
+		// one (moe-small's vocabulary).
+		{"cross_entropy_f32_reg", 1024, 5004},
+		{"cross_entropy_f32_reg", 1024, ceRegMaxV},
+	} {
+		k := newKT(t, 8)
+		const T = 19
+		V := c.V
+		logits := k.randn(T*V, 3)
+		targets := k.ids(T, V)
+		targets[3] = -1 // ignored
+		targets[5] = int32(V - 1)
+		scale := 1.0 / T
+		rlogits, rtargets := k.cpuF(logits, T, V), k.cpuI(targets)
+		rloss, rd := k.ref.New(backend.Float64, T), k.ref.New(backend.Float64, T, V)
+		k.ref.CrossEntropy(rloss, rd, rlogits, rtargets, scale)
+		dt := upload(k, targets)
+		for _, mode := range []string{"separate", "in place", "loss only"} {
+			what := fmt.Sprintf("%s V=%d %s", c.kernel, V, mode)
+			dl := upload(k, logits)
+			loss := k.poisoned(T)
+			var dlogits *Buffer
+			switch mode {
+			case "separate":
+				dlogits = k.poisoned(T * V)
+			case "in place":
+				dlogits = dl
+			}
+			k.launch("crossentropy.cu", c.kernel, Grid1D(T, c.block), loss, dlogits, dl, dt, int32(T), int32(V), float32(scale))
+			k.check(what+": loss", k.download(loss, T), k.get(rloss), fp32Tol)
+			if dlogits != nil {
+				k.check(what+": dlogits", k.download(dlogits, T*V), k.get(rd), 1e-5)
+			} else {
+				k.check(what+": logits untouched", k.download(dl, T*V), k.get(rlogits), 0)
+			}
 		}
 	}
 }
