@@ -175,6 +175,56 @@ if [[ "${NO_BENCH:-}" != 1 ]]; then
   echo
 fi
 
+# Parallel layouts on the one GPU (virtual ranks): moe-small's per-rank
+# shape (8 sequences of 2048 tokens a rank; 16 sequences under cp=2, whose
+# ranks hold half of each) at world sizes 1, 2 and 4, each with its
+# breakdown; layouts.json gathers them.
+if [[ "${NO_BENCH:-}" != 1 && "${NO_LAYOUTS:-}" != 1 && -x "$BIN/mktrain" ]]; then
+  echo "== parallel layouts (virtual ranks on one GPU)"
+  mkdir -p "$LOGS/layouts"
+  for layout in "w2_ep2|ep=2|16|8" "w2_dp2|dp=2|16|8" "w2_cp2|cp=2|16|16" \
+                "w4_ep4|ep=4|32|8" "w4_dp2_ep2|dp=2 ep=2|32|8" "w4_dp2_cp2|dp=2 cp=2|32|16"; do
+    IFS='|' read -r name dims global micro <<<"$layout"
+    sets=()
+    for d in $dims; do sets+=(--set "parallel.$d"); done
+    timeout 120 "$BIN/mktrain" "${BENCH_ARGS[@]}" --steps 3 --warmup 1 "${sets[@]}" \
+      --set train.global_batch="$global" --set train.micro_batch="$micro" --out "$LOGS/layouts/$name" >"$LOGS/layouts/$name.log" 2>&1
+    rc=$?
+    echo "  $name (${dims}): exit $rc"
+    [[ $rc -ne 0 ]] && { tail -n 5 "$LOGS/layouts/$name.log"; status=1; }
+  done
+  PY="${PYTHON:-/opt/torch/.venv/bin/python}"
+  [[ -x "$PY" ]] || PY=python3
+  "$PY" - "$LOGS/layouts" "$OUT/bench.json" >"$OUT/layouts.json" <<'PYEOF'
+import glob, json, os, sys
+root, main = sys.argv[1], sys.argv[2]
+runs = [("w1", main)] + [(os.path.basename(d), f) for d in sorted(glob.glob(root + "/*")) if os.path.isdir(d)
+                         for f in glob.glob(d + "/train-*.json")[:1]]
+out = []
+for name, f in runs:
+    try:
+        r = json.load(open(f))
+    except OSError:
+        continue
+    fig, par = r["figures"], r["config"]["Parallel"]
+    out.append({"layout": name, "dp": par["DP"], "ep": par["EP"], "cp": par["CP"], "ranks": fig["ranks"],
+                "tokens_per_step": fig["tokens_per_step"], "step_ms": fig["step_ms_median"],
+                "tokens_per_s": fig["tokens_per_s"], "peak_memory_bytes": fig.get("peak_memory_bytes"),
+                "breakdown": fig.get("breakdown"), "commit": r["commit"], "command": r["command"]})
+json.dump({"layouts": out}, sys.stdout, indent=1)
+PYEOF
+  "$PY" - "$OUT/layouts.json" <<'PYEOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))["layouts"]
+print("  %-12s %5s %9s %11s %12s   %s" % ("layout", "ranks", "step ms", "tokens/s", "tok/s/rank", "largest shares"))
+for r in rows:
+    top = ", ".join("%s %.0f%%" % (k["kind"], 100 * k["share"]) for k in (r["breakdown"] or [])[:3])
+    print("  %-12s %5d %9.1f %11.0f %12.0f   %s" % (r["layout"], r["ranks"], r["step_ms"], r["tokens_per_s"],
+                                                   r["tokens_per_s"] / r["ranks"], top))
+PYEOF
+  echo
+fi
+
 # The Hugging Face check: a short CPU run of the tiny recipe, exported in
 # fp32, must give transformers' MixtralForCausalLM the loss mktrain computes.
 hf_rc=-
