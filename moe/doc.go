@@ -39,12 +39,15 @@
 // Experts are sharded over the expert group: its rank r owns experts
 // [r*E/EP, (r+1)*E/EP). Every micro-step:
 //
-//  1. The router runs on the local tokens and idxTK is read on the host
-//     (free on the CPU; a device-side planner is planned for GPUs).
-//  2. The plan sorts this rank's kept assignments by global expert — which
-//     is by destination rank, then local expert — and within an expert by
+//  1. The router runs on the local tokens.
+//  2. This rank's kept assignments are sorted by global expert — which is
+//     by destination rank, then local expert — and within an expert by
 //     token. sendTok[s] is the token of row s and sendSlot[s] = t*K+k its
-//     gate.
+//     gate. Dropless, the backend sorts them where they are
+//     (RouteByExpert: on a GPU, one kernel) and only the [E] counts come to
+//     the host, which needs them to size the expert GEMMs and the
+//     exchange; with a capacity the host reads idxTK and decides which
+//     assignments to drop.
 //  3. The ranks learn how many rows each source sends to each expert: each
 //     rank fills its row of an [EP, E] count matrix, and one small
 //     all-reduce over the expert group completes it.
@@ -56,6 +59,10 @@
 //  5. The inverse permutation and the reverse AllToAllRows bring the
 //     outputs back in send order, and ScatterAddRows adds gate·y into each
 //     token's row of out.
+//
+// With one expert rank there is nothing to exchange and the permutation is
+// the identity: the token rows are gathered straight into the experts'
+// input rows and the experts write straight into the send-order outputs.
 //
 // Backward mirrors it: dgate[t,k] = dout[t]·y[t,k] (RowDots), dy = gate·dout
 // travels the forward path to the experts, their backward accumulates the
