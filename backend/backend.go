@@ -33,6 +33,12 @@ const (
 	Float32 DType = iota + 1
 	Float64
 	Int32
+	// BFloat16 holds values of the bfloat16 grid (8 significant bits,
+	// float32's exponent range). It serves only as the storage of MatMul
+	// operands and of the few ops that produce them (see
+	// Backend.OperandType); every write to it rounds to nearest, ties to
+	// even, and NaN stays NaN. Other ops refuse it.
+	BFloat16
 )
 
 func (d DType) String() string {
@@ -43,6 +49,8 @@ func (d DType) String() string {
 		return "float64"
 	case Int32:
 		return "int32"
+	case BFloat16:
+		return "bfloat16"
 	}
 	return fmt.Sprintf("DType(%d)", int(d))
 }
@@ -112,6 +120,11 @@ type Backend interface {
 	// parameters and activations.
 	Name() string
 	FloatType() DType
+	// OperandType is the dtype in which layers keep the tensors they feed
+	// to MatMul (expert activations): BFloat16 where MatMul multiplies in
+	// bf16 anyway (cuda), so the product reads them without a conversion;
+	// FloatType where it does not (cpu, which stays the exact reference).
+	OperandType() DType
 
 	// New allocates a zeroed tensor.
 	New(dt DType, shape ...int) Tensor
@@ -119,15 +132,19 @@ type Backend interface {
 	// into t, with the given shape.
 	View(t Tensor, offset int, shape ...int) Tensor
 	// Upload copies host data into dst; src must have dst's length. Float
-	// data is converted to dst's float type.
+	// data is converted to dst's float type (rounded to nearest even for a
+	// BFloat16 dst).
 	Upload(dst Tensor, src *tensor.Dense)
-	// Download copies t to a new host tensor of t's dtype and shape.
+	// Download copies t to a new host tensor of t's dtype and shape; a
+	// BFloat16 tensor comes back as float32, which holds its values
+	// exactly.
 	Download(t Tensor) *tensor.Dense
 	// Sync waits for queued work and returns the first device error since
 	// the last Sync.
 	Sync() error
 
-	// Elementwise and reductions.
+	// Elementwise and reductions. Zero and Copy (same dtype both sides)
+	// accept every dtype; the others take the float type.
 	Zero(t Tensor)
 	Copy(dst, src Tensor)
 	Axpy(dst Tensor, alpha float64, x Tensor) // dst += alpha*x
@@ -137,6 +154,9 @@ type Backend interface {
 
 	// MatMul computes out = alpha*op(a)*op(b) + beta*out for 2-D tensors,
 	// where op transposes when trans is set. beta=0 ignores out's contents.
+	// a and b are each of the float type or BFloat16 (the product is of
+	// their values either way); out is of the float type, or BFloat16
+	// (the result rounded) only with beta = 0.
 	MatMul(out, a, b Tensor, transA, transB bool, alpha, beta float64)
 
 	// EmbeddingForward gathers rows: outTD[t] = tableVD[idsT[t]].
@@ -161,9 +181,13 @@ type Backend interface {
 	// AttentionBackward writes dq, dk, dv.
 	AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS Tensor, s AttnShape)
 
-	// SwiGLUForward: out = silu(a) * b, elementwise over [N, F].
+	// SwiGLUForward: out = silu(a) * b, elementwise over [N, F]. a and b
+	// are both of the float type or both BFloat16; out is either (a
+	// BFloat16 out holds the rounded result).
 	SwiGLUForward(outNF, aNF, bNF Tensor)
-	// SwiGLUBackward writes daNF and dbNF.
+	// SwiGLUBackward writes daNF and dbNF. dout is of the float type; a
+	// and b are both of the float type or both BFloat16, and so are da
+	// and db (rounded).
 	SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF Tensor)
 
 	// CrossEntropy computes per-row lossT[t] = logsumexp(logits[t]) -
@@ -192,7 +216,9 @@ type Backend interface {
 	// [0, E).
 	RouteByExpert(countsE, sendTokS, sendSlotS, idxTK Tensor)
 
-	// GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil (1).
+	// GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil
+	// (1). in and scale are of the float type; out is too, or BFloat16
+	// (rounded).
 	GatherRows(outND, inTD, rowsN, scaleN Tensor)
 	// ScatterAddRows: outTD[rowsN[i]] += scale[i] * inND[i]; scaleN may be nil.
 	ScatterAddRows(outTD, inND, rowsN, scaleN Tensor)

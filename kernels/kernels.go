@@ -82,6 +82,12 @@ func Sources() []Source {
 			{Name: "swiglu_backward_f32", Block: 256, Grid: gridStride},
 			{Name: "swiglu_forward_f32_x4", Block: 256, Grid: gridStride},
 			{Name: "swiglu_backward_f32_x4", Block: 256, Grid: gridStride},
+			{Name: "swiglu_forward_bf16_f32", Block: 256, Grid: gridStride},
+			{Name: "swiglu_forward_f32_bf16", Block: 256, Grid: gridStride},
+			{Name: "swiglu_forward_bf16_bf16", Block: 256, Grid: gridStride},
+			{Name: "swiglu_backward_bf16_f32", Block: 256, Grid: gridStride},
+			{Name: "swiglu_backward_f32_bf16", Block: 256, Grid: gridStride},
+			{Name: "swiglu_backward_bf16_bf16", Block: 256, Grid: gridStride},
 		}},
 		{File: "adamw.cu", Kernels: []Kernel{
 			{Name: "adamw_f32", Block: 256, Grid: gridStride},
@@ -96,6 +102,7 @@ func Sources() []Source {
 		}},
 		{File: "rows.cu", Kernels: []Kernel{
 			{Name: "gather_rows_f32", Block: 256, Grid: "N blocks"},
+			{Name: "gather_rows_f32_bf16", Block: 256, Grid: "N blocks"},
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
 		}},

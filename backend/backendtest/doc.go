@@ -9,8 +9,9 @@
 // # The table
 //
 // The suite is one table of Case values: coreCases (core_compare.go,
-// core_check.go), attentionCases (attention_cases.go) and routerCases
-// (router_cases.go). A new op adds its cases once and every backend runs
+// core_check.go), attentionCases (attention_cases.go), routerCases
+// (router_cases.go) and bf16Cases (bf16_cases.go: the ops that take or
+// produce BFloat16 tensors). A new op adds its cases once and every backend runs
 // them. A Case has a Name (the subtest) and up to two functions:
 //
 //   - Compare builds inputs through an Env and runs the op on both backends;
@@ -50,9 +51,13 @@
 //
 // # Helpers for writing cases
 //
-// Env: Rand, Uniform, Floats, Ints, IntsOf (inputs); Out, IntOut (poisoned
-// outputs); InOut (in-place or accumulating arguments); View; Run,
-// RunScalar. Host side: NewRand, RandFloats, RandInts, Upload, UploadInts,
-// Set, Download, DownloadInts, Dot, RoundTo. Checking: CompareFloats (the
+// Env: Rand, Uniform, Floats, Ints, IntsOf (inputs); BF16, BF16Uniform,
+// BF16Floats (BFloat16 inputs, drawn on the bf16 grid); Out, OutBF16,
+// IntOut (poisoned outputs); InOut (in-place or accumulating arguments);
+// View; Run, RunScalar. BFloat16 outputs are compared at bf16 tolerance at
+// least (Tolerance(backend.BFloat16)), whatever Tol is: two correct
+// backends may round a result to neighbouring bf16 values (bf16_cases.go).
+// Host side: NewRand, RandFloats, RandInts, Upload, UploadBF16,
+// UploadInts, Set, Download, DownloadInts, Dot, RoundTo, RoundBF16. Checking: CompareFloats (the
 // suite's tolerance rule), Tolerance, CheckGrad and FDStep.
 package backendtest

@@ -32,6 +32,7 @@ func cases() []Case {
 	all = append(all, attentionCases()...)
 	all = append(all, routerCases()...)
 	all = append(all, routeCases()...)
+	all = append(all, bf16Cases()...)
 	return all
 }
 
@@ -114,6 +115,7 @@ type Pair struct {
 	host  []float64 // initial float contents (after rounding)
 	ints  []int32   // initial int contents
 	isInt bool
+	bf16  bool // a BFloat16 tensor (bf16_cases.go)
 	role  role
 }
 
@@ -229,7 +231,7 @@ func (e *Env) InOut(p *Pair) *Pair {
 // itself is not checked; parent is, by its own role (make it InOut when the
 // op writes through the view).
 func (e *Env) View(name string, parent *Pair, offset int, shape ...int) *Pair {
-	p := &Pair{Name: name, Shape: shape, isInt: parent.isInt, role: view}
+	p := &Pair{Name: name, Shape: shape, isInt: parent.isInt, bf16: parent.bf16, role: view}
 	p.b = e.B.View(parent.b, offset, shape...)
 	p.o = e.Oracle.View(parent.o, offset, shape...)
 	return e.add(p)
@@ -291,6 +293,10 @@ func (e *Env) check(p *Pair) {
 		CompareFloats(e.T, p.Name+" (input, changed on the oracle)", Download(e.Oracle, p.o), p.host, 0)
 	case e.NormWise && e.lowPrecision():
 		CompareNormWise(e.T, p.Name, Download(e.B, p.b), Download(e.Oracle, p.o), e.Tol)
+	case p.bf16:
+		// Both backends round their result to bf16; where the results
+		// straddle a rounding boundary they differ by one bf16 step.
+		CompareFloats(e.T, p.Name, Download(e.B, p.b), Download(e.Oracle, p.o), max(e.Tol, Tolerance(backend.BFloat16)))
 	default:
 		CompareFloats(e.T, p.Name, Download(e.B, p.b), Download(e.Oracle, p.o), e.Tol)
 	}
@@ -342,12 +348,18 @@ func CompareFloats(t testing.TB, what string, got, want []float64, tol float64) 
 }
 
 // RoundTo rounds data onto dt's grid (a copy): values a backend computing in
-// dt stores exactly.
+// dt stores exactly. BFloat16 rounds through float32, as backends writing
+// bf16 do (see RoundBF16).
 func RoundTo(dt backend.DType, data []float64) []float64 {
 	out := append([]float64(nil), data...)
-	if dt == backend.Float32 {
+	switch dt {
+	case backend.Float32:
 		for i, v := range out {
 			out[i] = float64(float32(v))
+		}
+	case backend.BFloat16:
+		for i, v := range out {
+			out[i] = RoundBF16(v)
 		}
 	}
 	return out

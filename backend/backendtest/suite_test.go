@@ -36,6 +36,10 @@ func mutants() []struct{ kind, runAll, gradCheck string } {
 		{"gather-drops-scale", "GatherRows", "Rows"},
 		{"adamw-no-bias-correction", "AdamWUpdate", "AdamWUpdate"},
 		{"route-unstable", "RouteByExpert", "RouteByExpert"},
+		// One bf16 step of error is within RunAll's tolerance; the float64
+		// checks demand round-to-nearest exactly.
+		{"bf16-rounds-toward-zero", "", "BF16"},
+		{"swiglu-bf16-skips-last", "SwiGLUForward", "BF16"},
 	}
 }
 
@@ -96,15 +100,46 @@ type mutant struct {
 	kind string
 }
 
+// The float mutants leave bf16 tensors alone: Scale refuses them.
+
 func (m mutant) MatMul(out, a, b backend.Tensor, transA, transB bool, alpha, beta float64) {
-	if m.kind == "matmul-beta0-reads-out" && beta == 0 {
+	if m.kind == "bf16-rounds-toward-zero" && out.DType() == backend.BFloat16 {
+		tmp := m.Backend.New(m.FloatType(), out.Shape()...)
+		m.Backend.MatMul(tmp, a, b, transA, transB, alpha, beta)
+		m.truncateInto(out, tmp)
+		return
+	}
+	if m.kind == "matmul-beta0-reads-out" && beta == 0 && out.DType() != backend.BFloat16 {
 		m.Backend.Scale(out, 0) // NaN*0 is NaN
 		beta = 1
 	}
 	m.Backend.MatMul(out, a, b, transA, transB, alpha, beta)
-	if m.kind == "matmul-clobbers-input" {
+	if m.kind == "matmul-clobbers-input" && a.DType() != backend.BFloat16 {
 		m.Backend.Scale(a, 2)
 	}
+}
+
+// truncateInto writes src's values into the bf16 tensor dst rounded toward
+// zero rather than to nearest: values already on the bf16 grid, which
+// Upload keeps as they are.
+func (m mutant) truncateInto(dst, src backend.Tensor) {
+	vals := backend.DownloadFloat32(m.Backend, src)
+	for i, v := range vals {
+		vals[i] = math.Float32frombits(math.Float32bits(v) &^ 0xffff)
+	}
+	backend.UploadSlice(m.Backend, dst, vals)
+}
+
+func (m mutant) SwiGLUForward(out, a, b backend.Tensor) {
+	if m.kind != "swiglu-bf16-skips-last" || out.DType() != backend.BFloat16 || out.Len() == 0 {
+		m.Backend.SwiGLUForward(out, a, b)
+		return
+	}
+	// The right values, but the last element is never written.
+	tmp := m.Backend.New(backend.BFloat16, out.Shape()...)
+	m.Backend.SwiGLUForward(tmp, a, b)
+	n := out.Len() - 1
+	m.Backend.Copy(m.Backend.View(out, 0, n), m.Backend.View(tmp, 0, n))
 }
 
 func (m mutant) RMSNormBackward(dx, dw, dout, x, w, rstd backend.Tensor) {
@@ -149,12 +184,18 @@ func (m mutant) RoPE(x, pos backend.Tensor, headDim int, theta float64, inverse 
 
 func (m mutant) SwiGLUBackward(da, db, dout, a, b backend.Tensor) {
 	m.Backend.SwiGLUBackward(da, db, dout, a, b)
-	if m.kind == "swiglu-da-off-1e-4" {
+	if m.kind == "swiglu-da-off-1e-4" && da.DType() != backend.BFloat16 {
 		m.Backend.Scale(da, 1+1e-4)
 	}
 }
 
 func (m mutant) GatherRows(out, in, rows, scale backend.Tensor) {
+	if m.kind == "bf16-rounds-toward-zero" && out.DType() == backend.BFloat16 {
+		tmp := m.Backend.New(m.FloatType(), out.Shape()...)
+		m.Backend.GatherRows(tmp, in, rows, scale)
+		m.truncateInto(out, tmp)
+		return
+	}
 	if m.kind == "gather-drops-scale" {
 		scale = nil
 	}

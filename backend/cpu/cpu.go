@@ -23,7 +23,8 @@ import (
 type Float interface{ ~float32 | ~float64 }
 
 // Tensor is the CPU backend's tensor: a typed slice, owned by a gorgonia dense
-// tensor (or a view into another Tensor's slice), and a shape.
+// tensor (or a view into another Tensor's slice), and a shape. A BFloat16
+// tensor uses the slice of its backend's float type (bf16.go).
 type Tensor struct {
 	shape []int
 	dt    backend.DType
@@ -90,7 +91,11 @@ func numel(shape []int) int {
 func (b *Backend) New(dt backend.DType, shape ...int) backend.Tensor {
 	n := numel(shape)
 	t := &Tensor{shape: append([]int(nil), shape...), dt: dt}
-	switch dt {
+	store := dt
+	if dt == backend.BFloat16 {
+		store = b.dt
+	}
+	switch store {
 	case backend.Float32:
 		t.f32 = tensor.New(tensor.Of(tensor.Float32), tensor.WithShape(max(n, 1))).Data().([]float32)[:n]
 	case backend.Float64:
@@ -109,13 +114,14 @@ func (b *Backend) View(t backend.Tensor, offset int, shape ...int) backend.Tenso
 	if offset < 0 || offset+n > src.Len() {
 		panic(fmt.Sprintf("cpu: view [%d, %d) outside tensor of %d elements", offset, offset+n, src.Len()))
 	}
+	// Exactly one slice is set (a BFloat16 tensor's is f32 or f64).
 	v := &Tensor{shape: append([]int(nil), shape...), dt: src.dt}
-	switch src.dt {
-	case backend.Float32:
+	switch {
+	case src.f32 != nil:
 		v.f32 = src.f32[offset : offset+n : offset+n]
-	case backend.Float64:
+	case src.f64 != nil:
 		v.f64 = src.f64[offset : offset+n : offset+n]
-	case backend.Int32:
+	default:
 		v.i32 = src.i32[offset : offset+n : offset+n]
 	}
 	return v
@@ -125,6 +131,10 @@ func (b *Backend) Upload(dst backend.Tensor, src *tensor.Dense) {
 	d := dst.(*Tensor)
 	if src.Size() != d.Len() {
 		panic(fmt.Sprintf("cpu: upload of %d elements into tensor of %d", src.Size(), d.Len()))
+	}
+	if d.dt == backend.BFloat16 {
+		b.uploadBF16(d, src)
+		return
 	}
 	switch s := src.Data().(type) {
 	case []float32:
@@ -164,6 +174,14 @@ func (b *Backend) Download(t backend.Tensor) *tensor.Dense {
 		shape = []int{1}
 	}
 	switch s.dt {
+	case backend.BFloat16:
+		// float32 holds bf16 values exactly; the float64 store's too.
+		f := make([]float32, len(s.f32)+len(s.f64))
+		copy(f, s.f32)
+		for i, v := range s.f64 {
+			f[i] = float32(v)
+		}
+		return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(f))
 	case backend.Float32:
 		return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(append([]float32(nil), s.f32...)))
 	case backend.Float64:
@@ -173,7 +191,8 @@ func (b *Backend) Download(t backend.Tensor) *tensor.Dense {
 	}
 }
 
-// floats returns t's backing slice as []T; T must match t's dtype.
+// floats returns t's backing slice as []T; T must match t's dtype, or be
+// the storage of a BFloat16 tensor.
 func floats[T Float](t backend.Tensor) []T {
 	if t == nil {
 		return nil
@@ -182,10 +201,14 @@ func floats[T Float](t backend.Tensor) []T {
 	var zero T
 	switch any(zero).(type) {
 	case float32:
-		ct.must(backend.Float32)
+		if ct.dt != backend.BFloat16 || ct.f32 == nil {
+			ct.must(backend.Float32)
+		}
 		return any(ct.f32).([]T)
 	default:
-		ct.must(backend.Float64)
+		if ct.dt != backend.BFloat16 || ct.f64 == nil {
+			ct.must(backend.Float64)
+		}
 		return any(ct.f64).([]T)
 	}
 }

@@ -10,7 +10,8 @@ const elemChunk = 1 << 15
 // reduction gives the same bits whatever the worker count.
 const sumBlock = 1 << 12
 
-// Zero clears t. It accepts Int32 tensors as well as float ones.
+// Zero clears t. It accepts Int32 and BFloat16 tensors as well as float
+// ones.
 func (b *Backend) Zero(t backend.Tensor) {
 	if t == nil {
 		fail("Zero", "tensor is nil")
@@ -23,11 +24,14 @@ func (b *Backend) Zero(t backend.Tensor) {
 		clear(ct.f64)
 	case backend.Int32:
 		clear(ct.i32)
+	case backend.BFloat16:
+		clear(ct.f32)
+		clear(ct.f64)
 	}
 }
 
 // Copy copies src into dst; both must have the same dtype and length (shapes
-// may differ). It accepts Int32 tensors as well as float ones.
+// may differ). It accepts Int32 and BFloat16 tensors as well as float ones.
 func (b *Backend) Copy(dst, src backend.Tensor) {
 	const op = "Copy"
 	if dst == nil || src == nil {
@@ -47,6 +51,10 @@ func (b *Backend) Copy(dst, src backend.Tensor) {
 		copy(d.f64, s.f64)
 	case backend.Int32:
 		copy(d.i32, s.i32)
+	case backend.BFloat16:
+		// Both are on the bf16 grid already.
+		copy(d.f32, s.f32)
+		copy(d.f64, s.f64)
 	}
 }
 

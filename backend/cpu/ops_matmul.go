@@ -27,15 +27,22 @@ const (
 
 // MatMul computes out = alpha*op(a)*op(b) + beta*out. out must not overlap a
 // or b. With beta = 0 out is not read, and with alpha = 0 neither are a and b.
+// a, b and out may each be BFloat16 (out only with beta = 0): the product
+// is computed in the float type from the operands' values, then rounded
+// into a BFloat16 out.
 func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, beta float64) {
 	const op = "MatMul"
-	b.matrix(op, "a", a)
-	b.matrix(op, "b", bb)
-	b.matrix(op, "out", out)
+	b.operandMatrix(op, "a", a)
+	b.operandMatrix(op, "b", bb)
+	b.operandMatrix(op, "out", out)
 	m, n, k, err := backend.MatMulDims(out, a, bb, transA, transB)
 	if err != nil {
 		fail(op, "%v", err)
 	}
+	if out.DType() == backend.BFloat16 && beta != 0 {
+		fail(op, "out is bfloat16, which needs beta = 0 (got %v)", beta)
+	}
+	defer b.roundIfBF16(out)
 	if b.dt == backend.Float32 {
 		matmul(b, floats[float32](out), floats[float32](a), floats[float32](bb), m, n, k, transA, transB, float32(alpha), float32(beta))
 	} else {

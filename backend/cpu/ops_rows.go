@@ -44,12 +44,13 @@ func (b *Backend) EmbeddingBackward(dTableVD, dOutTD, idsT backend.Tensor) {
 }
 
 // GatherRows computes outND[i] = scaleN[i] * inTD[rowsN[i]]; scaleN may be
-// nil (all ones).
+// nil (all ones). outND may be BFloat16 (the rows are rounded).
 func (b *Backend) GatherRows(outND, inTD, rowsN, scaleN backend.Tensor) {
 	const op = "GatherRows"
 	t, d := b.matrix(op, "in", inTD)
-	n, _ := b.matrix(op, "out", outND)
-	b.wantMatrix(op, "out", outND, n, d)
+	n, _ := b.operandMatrix(op, "out", outND)
+	b.wantOperandMatrix(op, "out", outND, n, d)
+	defer b.roundIfBF16(outND)
 	rows := indices(op, "rows", rowsN, n, t, false)
 	if scaleN != nil {
 		b.vector(op, "scale", scaleN, n)

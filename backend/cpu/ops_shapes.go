@@ -30,9 +30,44 @@ func (b *Backend) float(op, name string, t backend.Tensor) {
 	}
 }
 
+// operand checks that t is a float tensor of the backend's float type or
+// a BFloat16 tensor: the arguments that may be kept in bf16 (MatMul's, and
+// the outputs and inputs named in backend.Backend's docs).
+func (b *Backend) operand(op, name string, t backend.Tensor) {
+	if t == nil || t.DType() != backend.BFloat16 {
+		b.float(op, name, t)
+	}
+}
+
 // matrix checks that t is a 2-D float tensor and returns its dimensions.
 func (b *Backend) matrix(op, name string, t backend.Tensor) (rows, cols int) {
 	b.float(op, name, t)
+	return shape2(op, name, t)
+}
+
+// operandMatrix is matrix for an argument that may be BFloat16 (operand).
+func (b *Backend) operandMatrix(op, name string, t backend.Tensor) (rows, cols int) {
+	b.operand(op, name, t)
+	return shape2(op, name, t)
+}
+
+// wantOperandMatrix is wantMatrix for an argument that may be BFloat16.
+func (b *Backend) wantOperandMatrix(op, name string, t backend.Tensor, rows, cols int) {
+	r, c := b.operandMatrix(op, name, t)
+	if r != rows || c != cols {
+		fail(op, "%s has shape %v, want [%d %d]", name, t.Shape(), rows, cols)
+	}
+}
+
+// sameDType checks that x and y (checked already) have one dtype.
+func sameDType(op, xName string, x backend.Tensor, yName string, y backend.Tensor) {
+	if x.DType() != y.DType() {
+		fail(op, "%s is %v but %s is %v; they must have one dtype", xName, x.DType(), yName, y.DType())
+	}
+}
+
+// shape2 returns the dimensions of t, which must be 2-D.
+func shape2(op, name string, t backend.Tensor) (rows, cols int) {
 	s := t.Shape()
 	if len(s) != 2 {
 		fail(op, "%s has shape %v, want a 2-D tensor", name, s)

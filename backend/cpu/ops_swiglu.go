@@ -13,12 +13,15 @@ import (
 	"github.com/mktrain/mktrain/backend"
 )
 
-// SwiGLUForward writes outNF = silu(aNF) * bNF.
+// SwiGLUForward writes outNF = silu(aNF) * bNF. a and b are both of the
+// float type or both BFloat16; out may be either (rounded when BFloat16).
 func (b *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {
 	const op = "SwiGLUForward"
-	n, f := b.matrix(op, "a", aNF)
-	b.wantMatrix(op, "b", bNF, n, f)
-	b.wantMatrix(op, "out", outNF, n, f)
+	n, f := b.operandMatrix(op, "a", aNF)
+	b.wantOperandMatrix(op, "b", bNF, n, f)
+	sameDType(op, "a", aNF, "b", bNF)
+	b.wantOperandMatrix(op, "out", outNF, n, f)
+	defer b.roundIfBF16(outNF)
 	if b.dt == backend.Float32 {
 		swigluForward(b, floats[float32](outNF), floats[float32](aNF), floats[float32](bNF))
 	} else {
@@ -26,14 +29,19 @@ func (b *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {
 	}
 }
 
-// SwiGLUBackward writes daNF and dbNF.
+// SwiGLUBackward writes daNF and dbNF. dout is of the float type; a and b
+// are both of it or both BFloat16, and so are da and db (rounded).
 func (b *Backend) SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF backend.Tensor) {
 	const op = "SwiGLUBackward"
-	n, f := b.matrix(op, "a", aNF)
-	b.wantMatrix(op, "b", bNF, n, f)
+	n, f := b.operandMatrix(op, "a", aNF)
+	b.wantOperandMatrix(op, "b", bNF, n, f)
+	sameDType(op, "a", aNF, "b", bNF)
 	b.wantMatrix(op, "dout", doutNF, n, f)
-	b.wantMatrix(op, "da", daNF, n, f)
-	b.wantMatrix(op, "db", dbNF, n, f)
+	b.wantOperandMatrix(op, "da", daNF, n, f)
+	b.wantOperandMatrix(op, "db", dbNF, n, f)
+	sameDType(op, "da", daNF, "db", dbNF)
+	defer b.roundIfBF16(dbNF)
+	defer b.roundIfBF16(daNF)
 	if b.dt == backend.Float32 {
 		swigluBackward(b, floats[float32](daNF), floats[float32](dbNF), floats[float32](doutNF), floats[float32](aNF), floats[float32](bNF))
 	} else {

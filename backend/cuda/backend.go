@@ -1,8 +1,9 @@
 package cuda
 
 // Backend: the backend.Backend interface on one GPU. Tensors are float32 (or
-// int32) in device memory; MatMul multiplies in bf16 with fp32 accumulation
-// (Gemm), every other op computes in fp32. Ops queue kernels on the
+// int32, or bfloat16 for MatMul operands) in device memory; MatMul
+// multiplies in bf16 with fp32 accumulation (Gemm), every other op computes
+// in fp32. Ops queue kernels on the
 // device's stream and return at once; what goes wrong on the way (a launch
 // the driver refuses, an allocation the GPU cannot hold, a kernel that
 // faults) is kept and returned by the next Sync, as package backend
@@ -118,6 +119,10 @@ func (b *Backend) Close() error {
 
 func (b *Backend) Name() string             { return "cuda" }
 func (b *Backend) FloatType() backend.DType { return backend.Float32 }
+
+// OperandType is BFloat16: MatMul multiplies in bf16, so operands kept in
+// bf16 go to cuBLASLt without the conversion a float32 operand needs.
+func (b *Backend) OperandType() backend.DType { return backend.BFloat16 }
 
 // RelTolerance is the relative tolerance the conformance suite applies to
 // this backend against a float64 reference (backend.Precision).

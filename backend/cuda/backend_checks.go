@@ -30,6 +30,45 @@ func float(op, name string, t backend.Tensor) *Tensor {
 	return ct
 }
 
+// operand is float for an argument that may also be bfloat16 (the
+// arguments backend.Backend allows to be: MatMul's, GatherRows' out,
+// SwiGLU's inputs and outputs).
+func operand(op, name string, t backend.Tensor) *Tensor {
+	if t == nil {
+		fail(op, "%s is nil", name)
+	}
+	ct := tensorOf(op, name, t)
+	if ct.dt != backend.Float32 && ct.dt != backend.BFloat16 {
+		fail(op, "%s is %v, want float32 or bfloat16", name, ct.dt)
+	}
+	return ct
+}
+
+// operandMatrix is matrix for an argument that may be bfloat16.
+func operandMatrix(op, name string, t backend.Tensor) (*Tensor, int, int) {
+	ct := operand(op, name, t)
+	if len(ct.shape) != 2 {
+		fail(op, "%s has shape %v, want a 2-D tensor", name, ct.shape)
+	}
+	return ct, ct.shape[0], ct.shape[1]
+}
+
+// wantOperandMatrix is wantMatrix for an argument that may be bfloat16.
+func wantOperandMatrix(op, name string, t backend.Tensor, rows, cols int) *Tensor {
+	ct, r, c := operandMatrix(op, name, t)
+	if r != rows || c != cols {
+		fail(op, "%s has shape %v, want [%d %d]", name, ct.shape, rows, cols)
+	}
+	return ct
+}
+
+// sameDType panics unless x and y have one dtype.
+func sameDType(op, xName string, x *Tensor, yName string, y *Tensor) {
+	if x.dt != y.dt {
+		fail(op, "%s is %v but %s is %v; they must have one dtype", xName, x.dt, yName, y.dt)
+	}
+}
+
 // optFloat is float for an optional argument (nil allowed) of n elements.
 func optFloat(op, name string, t backend.Tensor, n int) *Tensor {
 	if t == nil {

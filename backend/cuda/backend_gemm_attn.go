@@ -12,15 +12,21 @@ import (
 
 // MatMul computes out = alpha*op(a)*op(b) + beta*out for 2-D tensors. out
 // must not overlap a or b. With beta = 0 out is not read, and with
-// alpha = 0 (or an empty inner dimension) neither are a and b.
+// alpha = 0 (or an empty inner dimension) neither are a and b. a, b and
+// out may each be bfloat16 (out only with beta = 0): a bf16 operand goes
+// to cuBLASLt as it is, a float32 one is rounded to bf16 first, and a bf16
+// out is rounded from the fp32 accumulators (Gemm.MatMulTypes).
 func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, beta float64) {
 	const op = "MatMul"
-	at, _, _ := matrix(op, "a", a)
-	bt, _, _ := matrix(op, "b", bb)
-	ot, _, _ := matrix(op, "out", out)
+	at, _, _ := operandMatrix(op, "a", a)
+	bt, _, _ := operandMatrix(op, "b", bb)
+	ot, _, _ := operandMatrix(op, "out", out)
 	m, n, k, err := backend.MatMulDims(out, a, bb, transA, transB)
 	if err != nil {
 		fail(op, "%v", err)
+	}
+	if ot.dt == backend.BFloat16 && beta != 0 {
+		fail(op, "out is bfloat16, which needs beta = 0 (got %v)", beta)
 	}
 	if overlaps(ot, at) || overlaps(ot, bt) {
 		fail(op, "out (%s) overlaps an input (a %s, b %s)", ot.describe(), at.describe(), bt.describe())
@@ -29,7 +35,8 @@ func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, 
 	if !ok {
 		return
 	}
-	b.fail(b.gemm.MatMul(ps[0], ps[1], ps[2], m, n, k, transA, transB, float32(alpha), float32(beta)))
+	types := GemmTypes{Out: ot.dt, A: at.dt, B: bt.dt}
+	b.fail(b.gemm.MatMulTypes(types, ps[0], ps[1], ps[2], m, n, k, transA, transB, float32(alpha), float32(beta)))
 	runtime.KeepAlive(ot)
 	runtime.KeepAlive(at)
 	runtime.KeepAlive(bt)

@@ -22,10 +22,14 @@ type kernelSet struct {
 
 	swigluFwd, swigluBwd     *Kernel
 	swigluFwdX4, swigluBwdX4 *Kernel // 16-byte accesses, for aligned tensors
+	// bf16 variants, by [inputs bf16][outputs bf16] ([0][0] unused: the
+	// f32 kernels above).
+	swigluFwdBF16, swigluBwdBF16 [2][2]*Kernel
 
 	crossEntropy, crossEntropyReg *Kernel
 
 	gatherRows, scatterAddRows, rowDots *Kernel
+	gatherRowsBF16                      *Kernel // into a bf16 out
 
 	routerFwd, routerBwd *Kernel
 	route                *Kernel
@@ -45,9 +49,13 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 		{"embedding.cu", map[string]**Kernel{"embedding_forward_f32": &ks.embedFwd, "embedding_backward_f32": &ks.embedBwd}},
 		{"rmsnorm.cu", map[string]**Kernel{"rmsnorm_forward_f32": &ks.rmsFwd, "rmsnorm_backward_dx_f32": &ks.rmsBwdDx, "rmsnorm_backward_dw_f32": &ks.rmsBwdDw}},
 		{"swiglu.cu", map[string]**Kernel{"swiglu_forward_f32": &ks.swigluFwd, "swiglu_backward_f32": &ks.swigluBwd,
-			"swiglu_forward_f32_x4": &ks.swigluFwdX4, "swiglu_backward_f32_x4": &ks.swigluBwdX4}},
+			"swiglu_forward_f32_x4": &ks.swigluFwdX4, "swiglu_backward_f32_x4": &ks.swigluBwdX4,
+			"swiglu_forward_bf16_f32": &ks.swigluFwdBF16[1][0], "swiglu_forward_f32_bf16": &ks.swigluFwdBF16[0][1],
+			"swiglu_forward_bf16_bf16": &ks.swigluFwdBF16[1][1], "swiglu_backward_bf16_f32": &ks.swigluBwdBF16[1][0],
+			"swiglu_backward_f32_bf16": &ks.swigluBwdBF16[0][1], "swiglu_backward_bf16_bf16": &ks.swigluBwdBF16[1][1]}},
 		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy, "cross_entropy_f32_reg": &ks.crossEntropyReg}},
-		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots}},
+		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "gather_rows_f32_bf16": &ks.gatherRowsBF16,
+			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots}},
 		{"route.cu", map[string]**Kernel{"route_by_expert": &ks.route}},
 		{"router.cu", map[string]**Kernel{"router_forward_f32": &ks.routerFwd, "router_backward_f32": &ks.routerBwd}},
 		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw, "adamw_f32_x4": &ks.adamwX4}},

@@ -15,15 +15,29 @@ import (
 	"github.com/mktrain/mktrain/backend/cuda/driver"
 )
 
-// Zero clears t (float32 or int32).
+// Zero clears t (float32, bfloat16 or int32).
 func (b *Backend) Zero(t backend.Tensor) {
 	ct := tensorOf("Zero", "t", t)
 	if ct == nil {
 		fail("Zero", "tensor is nil")
 	}
-	if n := ct.Len(); n > 0 && ct.st.buf != nil {
-		b.fail(b.dev.Memset32(ct.st.buf, int64(ct.off), int64(n), 0))
+	b.zero(ct)
+}
+
+// zero queues clearing t's elements: in 32-bit words where t's bytes start
+// and end on word boundaries (always, but for bf16 views), else bytewise.
+func (b *Backend) zero(t *Tensor) {
+	n := int64(t.Len())
+	if n == 0 || t.st.buf == nil {
+		return
 	}
+	size := int64(dtypeBytes(t.dt))
+	off, bytes := size*int64(t.off), size*n
+	if off%4 == 0 && bytes%4 == 0 {
+		b.fail(b.dev.Memset32(t.st.buf, off/4, bytes/4, 0))
+		return
+	}
+	b.fail(b.dev.Memset8(t.st.buf, off, bytes, 0))
 }
 
 // Copy copies src into dst: same dtype and length, shapes may differ.
@@ -43,7 +57,8 @@ func (b *Backend) Copy(dst, src backend.Tensor) {
 	// a no-op, never a device copy between overlapping ranges.
 	sameRange := d.st.buf == s.st.buf && d.off == s.off
 	if n := d.Len(); n > 0 && d.st.buf != nil && s.st.buf != nil && !sameRange {
-		b.fail(b.dev.CopyDevice(d.st.buf, int64(elemBytes*d.off), s.st.buf, int64(elemBytes*s.off), int64(elemBytes*n)))
+		size := int64(dtypeBytes(d.dt))
+		b.fail(b.dev.CopyDevice(d.st.buf, size*int64(d.off), s.st.buf, size*int64(s.off), size*int64(n)))
 	}
 	runtime.KeepAlive(d)
 	runtime.KeepAlive(s)
@@ -177,36 +192,76 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 	b.launch(b.k.rmsBwdDw, g, dw, dout, x, rstd, int32(t), int32(d), int32(rows))
 }
 
-// SwiGLUForward: out = silu(a) * b, elementwise over [N, F].
+// SwiGLUForward: out = silu(a) * b, elementwise over [N, F]. a and b are
+// both float32 or both bfloat16; out is either (rounded when bf16).
 func (b *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {
 	const op = "SwiGLUForward"
-	a, n, f := matrix(op, "a", aNF)
-	bv := wantMatrix(op, "b", bNF, n, f)
-	out := wantMatrix(op, "out", outNF, n, f)
-	if m := n * f; m > 0 {
-		k := b.k.swigluFwd
-		if aligned16(out, a, bv) {
-			k = b.k.swigluFwdX4
-		}
-		b.launch(k, b.strideGrid(m), out, a, bv, int64(m))
+	a, n, f := operandMatrix(op, "a", aNF)
+	bv := wantOperandMatrix(op, "b", bNF, n, f)
+	sameDType(op, "a", a, "b", bv)
+	out := wantOperandMatrix(op, "out", outNF, n, f)
+	m := n * f
+	if m == 0 {
+		return
 	}
+	in16, out16 := a.dt == backend.BFloat16, out.dt == backend.BFloat16
+	if in16 || out16 {
+		b.launch(b.k.swigluFwdBF16[bit(in16)][bit(out16)], b.strideGrid(m), out, a, bv, int64(m), vecFlag(out, a, bv))
+		return
+	}
+	k := b.k.swigluFwd
+	if aligned16(out, a, bv) {
+		k = b.k.swigluFwdX4
+	}
+	b.launch(k, b.strideGrid(m), out, a, bv, int64(m))
 }
 
-// SwiGLUBackward writes daNF and dbNF.
+// SwiGLUBackward writes daNF and dbNF. dout is float32; a and b are both
+// float32 or both bfloat16, and so are da and db (rounded when bf16).
 func (b *Backend) SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF backend.Tensor) {
 	const op = "SwiGLUBackward"
-	a, n, f := matrix(op, "a", aNF)
-	bv := wantMatrix(op, "b", bNF, n, f)
+	a, n, f := operandMatrix(op, "a", aNF)
+	bv := wantOperandMatrix(op, "b", bNF, n, f)
+	sameDType(op, "a", a, "b", bv)
 	dout := wantMatrix(op, "dout", doutNF, n, f)
-	da := wantMatrix(op, "da", daNF, n, f)
-	db := wantMatrix(op, "db", dbNF, n, f)
-	if m := n * f; m > 0 {
-		k := b.k.swigluBwd
-		if aligned16(da, db, dout, a, bv) {
-			k = b.k.swigluBwdX4
-		}
-		b.launch(k, b.strideGrid(m), da, db, dout, a, bv, int64(m))
+	da := wantOperandMatrix(op, "da", daNF, n, f)
+	db := wantOperandMatrix(op, "db", dbNF, n, f)
+	sameDType(op, "da", da, "db", db)
+	m := n * f
+	if m == 0 {
+		return
 	}
+	in16, out16 := a.dt == backend.BFloat16, da.dt == backend.BFloat16
+	if in16 || out16 {
+		b.launch(b.k.swigluBwdBF16[bit(in16)][bit(out16)], b.strideGrid(m), da, db, dout, a, bv, int64(m), vecFlag(da, db, dout, a, bv))
+		return
+	}
+	k := b.k.swigluBwd
+	if aligned16(da, db, dout, a, bv) {
+		k = b.k.swigluBwdX4
+	}
+	b.launch(k, b.strideGrid(m), da, db, dout, a, bv, int64(m))
+}
+
+// bit is 1 for true, as an index.
+func bit(v bool) int {
+	if v {
+		return 1
+	}
+	return 0
+}
+
+// vecFlag is the vec argument of the kernels that move four elements per
+// access: 1 when every tensor is aligned to four of its elements (16 bytes
+// for float32, 8 for bf16), else 0.
+func vecFlag(ts ...*Tensor) int32 {
+	for _, t := range ts {
+		p, ok := t.ptr()
+		if !ok || p%driver.DevicePtr(4*dtypeBytes(t.dt)) != 0 {
+			return 0
+		}
+	}
+	return 1
 }
 
 // ceRegMaxV is the widest row cross_entropy_f32_reg holds in registers:
@@ -239,17 +294,28 @@ func (b *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tens
 }
 
 // GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil (1).
+// outND may be bfloat16 (rounded).
 func (b *Backend) GatherRows(outND, inTD, rowsN, scaleN backend.Tensor) {
 	const op = "GatherRows"
 	in, t, d := matrix(op, "in", inTD)
-	out, n, _ := matrix(op, "out", outND)
-	wantMatrix(op, "out", outND, n, d)
+	out, n, _ := operandMatrix(op, "out", outND)
+	wantOperandMatrix(op, "out", outND, n, d)
 	rows := indices(op, "rows", rowsN, n)
 	scale := optFloat(op, "scale", scaleN, n)
 	fitsInt32(op, t, n, d)
-	if n > 0 && d > 0 {
-		b.launch(b.k.gatherRows, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d))
+	if n == 0 || d == 0 {
+		return
 	}
+	if out.dt == backend.BFloat16 {
+		// Four at a time when every row starts aligned: d a multiple of 4.
+		vec := int32(0)
+		if d%4 == 0 {
+			vec = vecFlag(out, in)
+		}
+		b.launch(b.k.gatherRowsBF16, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d), vec)
+		return
+	}
+	b.launch(b.k.gatherRows, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d))
 }
 
 // ScatterAddRows: outTD[rowsN[i]] += scale[i] * inND[i]; scaleN may be nil.

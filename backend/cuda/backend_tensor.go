@@ -31,9 +31,14 @@ import (
 	"github.com/mktrain/mktrain/backend/cuda/driver"
 )
 
-// elemBytes is the size of every element type the GPU stores (float32,
-// int32).
-const elemBytes = 4
+// dtypeBytes is the size in bytes of an element of dt: 2 for BFloat16
+// (stored as its 16 bits), 4 for float32 and int32.
+func dtypeBytes(dt backend.DType) int {
+	if dt == backend.BFloat16 {
+		return 2
+	}
+	return 4
+}
 
 // storage owns one device allocation shared by a tensor and its views. buf
 // is nil when the allocation failed (the error waits for Sync).
@@ -66,7 +71,7 @@ func (t *Tensor) ptr() (driver.DevicePtr, bool) {
 	if t.st.buf == nil {
 		return 0, false
 	}
-	return t.st.buf.Ptr() + driver.DevicePtr(elemBytes*t.off), true
+	return t.st.buf.Ptr() + driver.DevicePtr(dtypeBytes(t.dt)*t.off), true
 }
 
 func numel(shape []int) int {
@@ -80,7 +85,7 @@ func numel(shape []int) int {
 // checkDType panics on dtypes the GPU does not store.
 func checkDType(op string, dt backend.DType) {
 	switch dt {
-	case backend.Float32, backend.Int32:
+	case backend.Float32, backend.Int32, backend.BFloat16:
 	case backend.Float64:
 		panic(fmt.Sprintf("cuda.%s: float64 tensors are not supported on the GPU; the CUDA backend computes in float32 (use backend/cpu with Float64 for gradient checks)", op))
 	default:
@@ -100,7 +105,7 @@ func (b *Backend) New(dt backend.DType, shape ...int) backend.Tensor {
 	}
 	n := numel(shape)
 	t := &Tensor{st: &storage{}, shape: append([]int(nil), shape...), dt: dt}
-	buf, err := b.alloc(int64(elemBytes * n))
+	buf, err := b.alloc(int64(dtypeBytes(dt) * n))
 	if err != nil {
 		b.fail(err)
 		return t
@@ -108,9 +113,7 @@ func (b *Backend) New(dt backend.DType, shape ...int) backend.Tensor {
 	t.st.buf = buf
 	d := b.dev
 	runtime.AddCleanup(t.st, func(buf *Buffer) { d.Free(buf) }, buf)
-	if n > 0 {
-		b.fail(d.Memset32(buf, 0, int64(n), 0))
-	}
+	b.zero(t)
 	return t
 }
 
@@ -160,8 +163,9 @@ func (b *Backend) View(t backend.Tensor, offset int, shape ...int) backend.Tenso
 }
 
 // Upload copies host data into dst and returns when the copy is done.
-// Float data ([]float32 or []float64) goes into a float32 tensor, []int32
-// into an int32 one.
+// Float data ([]float32 or []float64) goes into a float32 tensor, or a
+// bfloat16 one (rounded to nearest even on the host), []int32 into an
+// int32 one.
 func (b *Backend) Upload(dst backend.Tensor, src *tensor.Dense) {
 	d := tensorOf("Upload", "dst", dst)
 	if d == nil {
@@ -174,15 +178,24 @@ func (b *Backend) Upload(dst backend.Tensor, src *tensor.Dense) {
 	var bytes []byte
 	switch s := src.Data().(type) {
 	case []float32:
+		if d.dt == backend.BFloat16 {
+			bytes = Bytes(bf16Slice(s[:n]))
+			break
+		}
 		d.must("Upload", backend.Float32, "float32 data")
 		bytes = Bytes(s[:n])
 	case []float64:
-		d.must("Upload", backend.Float32, "float64 data")
+		if d.dt != backend.BFloat16 {
+			d.must("Upload", backend.Float32, "float64 data")
+		}
 		f := make([]float32, n)
 		for i, v := range s[:n] {
 			f[i] = float32(v)
 		}
 		bytes = Bytes(f)
+		if d.dt == backend.BFloat16 {
+			bytes = Bytes(bf16Slice(f))
+		}
 	case []int32:
 		d.must("Upload", backend.Int32, "int32 data")
 		bytes = Bytes(s[:n])
@@ -192,7 +205,7 @@ func (b *Backend) Upload(dst backend.Tensor, src *tensor.Dense) {
 	if n == 0 || d.st.buf == nil {
 		return
 	}
-	b.fail(b.dev.CopyToDevice(d.st.buf, int64(elemBytes*d.off), bytes))
+	b.fail(b.dev.CopyToDevice(d.st.buf, int64(dtypeBytes(d.dt)*d.off), bytes))
 	runtime.KeepAlive(d)
 }
 
@@ -204,8 +217,9 @@ func (t *Tensor) must(op string, dt backend.DType, what string) {
 }
 
 // Download copies t to a new host tensor of t's dtype and shape, after the
-// work queued before it. If the copy fails, the host tensor holds zeros and
-// the error waits for Sync.
+// work queued before it; a bfloat16 tensor comes back as float32 (exact).
+// If the copy fails, the host tensor holds zeros and the error waits for
+// Sync.
 func (b *Backend) Download(t backend.Tensor) *tensor.Dense {
 	s := tensorOf("Download", "t", t)
 	if s == nil {
@@ -218,17 +232,28 @@ func (b *Backend) Download(t backend.Tensor) *tensor.Dense {
 	n := s.Len()
 	var backing any
 	var bytes []byte
+	var bits []uint16
 	switch s.dt {
 	case backend.Float32:
 		f := make([]float32, max(n, 1))[:n]
 		backing, bytes = f, Bytes(f)
+	case backend.BFloat16:
+		bits = make([]uint16, n)
+		bytes = Bytes(bits)
 	default:
 		i := make([]int32, max(n, 1))[:n]
 		backing, bytes = i, Bytes(i)
 	}
 	if n > 0 && s.st.buf != nil {
-		b.fail(b.dev.CopyFromDevice(bytes, s.st.buf, int64(elemBytes*s.off)))
+		b.fail(b.dev.CopyFromDevice(bytes, s.st.buf, int64(dtypeBytes(s.dt)*s.off)))
 	}
 	runtime.KeepAlive(s)
+	if s.dt == backend.BFloat16 {
+		f := make([]float32, max(n, 1))[:n]
+		for i, h := range bits {
+			f[i] = bf16Value(h)
+		}
+		backing = f
+	}
 	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(backing))
 }

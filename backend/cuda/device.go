@@ -351,6 +351,18 @@ func (d *Device) Memset32(b *Buffer, offset, words int64, v uint32) error {
 	})
 }
 
+// Memset8 queues setting bytes bytes of b, from byte offset on, to v
+// (errors at Sync). Memset32 is faster where offset and length allow it.
+func (d *Device) Memset8(b *Buffer, offset, bytes int64, v uint8) error {
+	if err := b.span("Memset8", offset, bytes); err != nil {
+		return err
+	}
+	p := b.ptr + driver.DevicePtr(offset)
+	return d.Submit(func() error {
+		return d.drv.MemsetD8Async(p, v, int(bytes), d.stream)
+	})
+}
+
 // Event is a point on the device's stream, for timing.
 type Event struct {
 	d  *Device

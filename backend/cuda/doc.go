@@ -66,12 +66,15 @@
 //	b.RMSNormForward(out, rstd, x, w, 1e-5)     // queued on the stream
 //	err = b.Sync()                              // the first failure since the last Sync
 //
-// Tensors are float32 or int32 (float64 panics: the CPU backend serves
-// gradient checks); a Tensor is a window on a storage that views share.
-// Storage returns to the caching allocator when the garbage collector finds
-// it unreachable, stream-ordered (backend_tensor.go says why that is safe).
-// MatMul rounds its inputs to bf16 and accumulates in fp32 (Gemm, through
-// cuBLASLt); every other op computes in fp32, so the Backend reports a
+// Tensors are float32, int32 or bfloat16 (float64 panics: the CPU backend
+// serves gradient checks); a Tensor is a window on a storage that views
+// share. Storage returns to the caching allocator when the garbage
+// collector finds it unreachable, stream-ordered (backend_tensor.go says
+// why that is safe). MatMul rounds float32 inputs to bf16 and accumulates
+// in fp32 (Gemm, through cuBLASLt); bfloat16 tensors (OperandType) are the
+// operands it reads without that conversion, and GatherRows and SwiGLU can
+// write and read them (bf16.go, kernels/swiglu.cu and rows.cu). Every
+// other op computes in fp32, so the Backend reports a
 // bf16-level RelTolerance (backend.Precision) to the conformance suite. Ops
 // return at once; a launch the driver refuses, an allocation the GPU cannot
 // hold or a kernel fault is kept for Sync, and ops on a tensor whose

@@ -10,10 +10,11 @@ package cuda
 // In the default precision a and b are first rounded to bfloat16 into two
 // scratch buffers the Gemm owns (kernels/convert_vec.cu, or convert.cu for
 // unaligned views), then multiplied on the tensor cores with fp32
-// accumulation into the fp32 out. cuBLASLt picks an algorithm per problem
-// with a heuristic query, which costs far more than a product of moderate
-// size; the answer is cached per shape, transposes, input type and pointer
-// alignment.
+// accumulation into the fp32 out. Operands already stored in bf16
+// (MatMulTypes) skip their conversion, and a bf16 out is written by
+// cuBLASLt directly. cuBLASLt picks an algorithm per problem with a
+// heuristic query, which costs far more than a product of moderate size;
+// the answer is cached per shape, transposes, types and pointer alignment.
 
 import (
 	"errors"
@@ -21,6 +22,7 @@ import (
 	"math/bits"
 	"sync"
 
+	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda/driver"
 	"github.com/mktrain/mktrain/kernels"
 )
@@ -82,6 +84,7 @@ type Gemm struct {
 
 	toBF16   *Kernel // f32_to_bf16, for any alignment
 	toBF16x4 *Kernel // f32_to_bf16_x4: the same bits, 16 bytes a load
+	toF32    *Kernel // bf16_to_f32: a bf16 operand beside an fp32 one, in GemmFP32
 	scale    *Kernel // scale_f32
 
 	// mu is held while a call queues its work, so the scratch buffers are
@@ -126,6 +129,9 @@ func NewGemmWith(d *Device, o GemmOptions) (*Gemm, error) {
 		return nil, err
 	}
 	if g.toBF16x4, err = gemmKernel(d, "convert_vec.cu", "f32_to_bf16_x4"); err != nil {
+		return nil, err
+	}
+	if g.toF32, err = gemmKernel(d, "convert.cu", "bf16_to_f32"); err != nil {
 		return nil, err
 	}
 	if g.scale, err = gemmKernel(d, "elementwise.cu", "scale_f32"); err != nil {
@@ -236,16 +242,54 @@ func (g *Gemm) CublasLtPath() string { return g.lt.lib.Path }
 // Argument errors and cuBLASLt's refusal of a shape return at once;
 // failures while the product runs return from the next Sync.
 func (g *Gemm) MatMul(out, a, b driver.DevicePtr, m, n, k int, transA, transB bool, alpha, beta float32) error {
-	c := gemmCall{out: out, a: a, b: b, m: m, n: n, k: k, transA: transA, transB: transB, alpha: alpha, beta: beta,
-		bf16: g.opts.Precision == GemmBF16, converted: g.opts.Precision == GemmBF16}
-	return g.matmul(c)
+	return g.MatMulTypes(GemmTypes{}, out, a, b, m, n, k, transA, transB, alpha, beta)
 }
 
 // MatMulBF16 is MatMul on operands already in bfloat16 (a and b point at
 // 16-bit words, e.g. weights rounded once per step), whatever the Gemm's
 // precision: no conversion and no scratch. out must not overlap a or b.
 func (g *Gemm) MatMulBF16(out, a, b driver.DevicePtr, m, n, k int, transA, transB bool, alpha, beta float32) error {
-	c := gemmCall{out: out, a: a, b: b, m: m, n: n, k: k, transA: transA, transB: transB, alpha: alpha, beta: beta, bf16: true}
+	t := GemmTypes{A: backend.BFloat16, B: backend.BFloat16}
+	return g.MatMulTypes(t, out, a, b, m, n, k, transA, transB, alpha, beta)
+}
+
+// GemmTypes says how each matrix of a product is stored: backend.Float32
+// or backend.BFloat16 (16-bit words); the zero value means Float32 for
+// all three.
+type GemmTypes struct {
+	Out, A, B backend.DType
+}
+
+func (t GemmTypes) bf16() (out, a, b bool) {
+	return t.Out == backend.BFloat16, t.A == backend.BFloat16, t.B == backend.BFloat16
+}
+
+func (t GemmTypes) check() error {
+	for _, x := range []struct {
+		name string
+		dt   backend.DType
+	}{{"out", t.Out}, {"a", t.A}, {"b", t.B}} {
+		if x.dt != 0 && x.dt != backend.Float32 && x.dt != backend.BFloat16 {
+			return fmt.Errorf("cuda: MatMul: %s is stored as %v; the GPU multiplies float32 and bfloat16", x.name, x.dt)
+		}
+	}
+	return nil
+}
+
+// MatMulTypes is MatMul on matrices stored as t says. What cuBLASLt reads
+// is bf16 in GemmBF16 precision (a float32 operand is rounded into
+// scratch, a bf16 one read as it is) and in GemmFP32 precision when both
+// operands are bf16; else float32 (a bf16 operand is widened into scratch,
+// exactly). A bf16 out is written by cuBLASLt from its fp32 accumulators,
+// rounded to nearest even; it needs bf16 reads and beta = 0. out may
+// overlap an operand that is converted, not one read as it is.
+func (g *Gemm) MatMulTypes(t GemmTypes, out, a, b driver.DevicePtr, m, n, k int, transA, transB bool, alpha, beta float32) error {
+	if err := t.check(); err != nil {
+		return err
+	}
+	c := gemmCall{out: out, a: a, b: b, m: m, n: n, k: k, transA: transA, transB: transB, alpha: alpha, beta: beta}
+	c.outBF16, c.aBF16, c.bBF16 = t.bf16()
+	c.bf16 = g.opts.Precision == GemmBF16 || (c.aBF16 && c.bBF16)
 	return g.matmul(c)
 }
 
@@ -264,32 +308,52 @@ func (g *Gemm) matmul(c gemmCall) error {
 	if c.k == 0 || c.alpha == 0 {
 		return g.scaleOut(c)
 	}
-	if c.converted {
-		na, nb := int64(c.m)*int64(c.k), int64(c.k)*int64(c.n)
-		if err := g.grow(&g.scratchA, 2*na); err != nil {
+	if c.convA() {
+		p, err := g.convertInto(&g.scratchA, c.a, int64(c.m)*int64(c.k), c.bf16)
+		if err != nil {
 			return err
 		}
-		if err := g.grow(&g.scratchB, 2*nb); err != nil {
+		c.a = p
+	}
+	if c.convB() {
+		p, err := g.convertInto(&g.scratchB, c.b, int64(c.k)*int64(c.n), c.bf16)
+		if err != nil {
 			return err
 		}
-		if err := g.convert(g.scratchA, c.a, na); err != nil {
-			return err
-		}
-		if err := g.convert(g.scratchB, c.b, nb); err != nil {
-			return err
-		}
-		c.a, c.b = g.scratchA.ptr, g.scratchB.ptr
+		c.b = p
 	}
 	return g.run(c)
 }
 
-// scaleOut is the product without a term of a and b: out = beta*out.
+// convertInto converts n elements at src into the scratch buffer *buf
+// (grown to fit) and returns its address: rounding float32 to bf16 when
+// toBF16, else widening bf16 to float32.
+func (g *Gemm) convertInto(buf **Buffer, src driver.DevicePtr, n int64, toBF16 bool) (driver.DevicePtr, error) {
+	size := int64(4)
+	if toBF16 {
+		size = 2
+	}
+	if err := g.grow(buf, size*n); err != nil {
+		return 0, err
+	}
+	dst := *buf
+	if !toBF16 {
+		return dst.ptr, g.d.Launch(g.toF32, g.d.StrideGrid(n, 256, 4), dst, src, n)
+	}
+	return dst.ptr, g.convert(dst, src, n)
+}
+
+// scaleOut is the product without a term of a and b: out = beta*out. A
+// bf16 out has beta = 0 (validate).
 func (g *Gemm) scaleOut(c gemmCall) error {
 	n := int64(c.m) * int64(c.n)
-	switch c.beta {
-	case 1:
+	switch {
+	case c.outBF16:
+		d, out := g.d, c.out
+		return d.Submit(func() error { return d.drv.MemsetD8Async(out, 0, int(2*n), d.stream) })
+	case c.beta == 1:
 		return nil
-	case 0:
+	case c.beta == 0:
 		d, out := g.d, c.out
 		return d.Submit(func() error { return d.drv.MemsetD32Async(out, 0, int(n), d.stream) })
 	}
@@ -391,7 +455,12 @@ func (g *Gemm) describe(c gemmCall, p ltPlan) error {
 	if err := lt.LayoutSet(g.layB, in, uint64(p.b.rows), uint64(p.b.cols), int64(p.b.ld)); err != nil {
 		return err
 	}
-	return lt.LayoutSet(g.layC, cudaR32F, uint64(p.c.rows), uint64(p.c.cols), int64(p.c.ld))
+	// C and D share one layout (out is both).
+	outType := uint32(cudaR32F)
+	if c.outBF16 {
+		outType = cudaR16BF
+	}
+	return lt.LayoutSet(g.layC, outType, uint64(p.c.rows), uint64(p.c.cols), int64(p.c.ld))
 }
 
 // heuristic asks cuBLASLt for the best algorithm for c; it runs on the
@@ -439,17 +508,32 @@ type gemmCall struct {
 	alpha, beta    float32
 	// bf16: cuBLASLt reads a and b as bfloat16 (else float32).
 	bf16 bool
-	// converted: a and b are float32 here and are rounded into scratch
-	// before cuBLASLt reads them, so out may overlap them.
-	converted bool
+	// aBF16, bBF16, outBF16: how a, b and out are stored (else float32).
+	// An operand stored in the other type than cuBLASLt reads is converted
+	// into scratch first (convA, convB), so out may overlap it.
+	aBF16, bBF16, outBF16 bool
 }
+
+func (c gemmCall) convA() bool { return c.aBF16 != c.bf16 }
+func (c gemmCall) convB() bool { return c.bBF16 != c.bf16 }
 
 func (c gemmCall) String() string {
 	in := "fp32 inputs"
 	if c.bf16 {
 		in = "bf16 inputs"
 	}
-	return fmt.Sprintf("m=%d, n=%d, k=%d, transA=%v, transB=%v, %s", c.m, c.n, c.k, c.transA, c.transB, in)
+	// A lone bf16 operand, and a bf16 out, are named.
+	var stored string
+	switch {
+	case c.aBF16 && !c.bBF16:
+		stored = ", a stored bf16"
+	case c.bBF16 && !c.aBF16:
+		stored = ", b stored bf16"
+	}
+	if c.outBF16 {
+		stored += ", bf16 out"
+	}
+	return fmt.Sprintf("m=%d, n=%d, k=%d, transA=%v, transB=%v, %s%s", c.m, c.n, c.k, c.transA, c.transB, in, stored)
 }
 
 // maxGemmDim is cuBLASLt's limit on a matrix dimension ("usually only
@@ -469,10 +553,19 @@ func (c gemmCall) validate() error {
 			return fmt.Errorf("cuda: MatMul: %s = %d is over cuBLASLt's limit of %d", d.name, d.v, maxGemmDim)
 		}
 	}
-	// What cuBLASLt (or the conversion) reads, in bytes and alignment.
-	in := int64(4)
-	if c.bf16 && !c.converted {
-		in = 2
+	if c.outBF16 && c.beta != 0 {
+		return fmt.Errorf("cuda: MatMul: a bf16 out needs beta = 0, not %v (%s)", c.beta, c)
+	}
+	if c.outBF16 && !c.bf16 {
+		return fmt.Errorf("cuda: MatMul: a bf16 out needs bf16 inputs (GemmBF16 precision, or both operands bf16) (%s)", c)
+	}
+	// What cuBLASLt (or the conversion) reads and writes, in bytes and
+	// alignment: the stored types.
+	size := func(bf16 bool) int64 {
+		if bf16 {
+			return 2
+		}
+		return 4
 	}
 	reads := c.k > 0 && c.alpha != 0
 	type operand struct {
@@ -481,6 +574,7 @@ func (c gemmCall) validate() error {
 		shape [2]int
 		elem  int64
 		used  bool
+		conv  bool
 	}
 	aShape, bShape := [2]int{c.m, c.k}, [2]int{c.k, c.n}
 	if c.transA {
@@ -490,9 +584,9 @@ func (c gemmCall) validate() error {
 		bShape = [2]int{c.n, c.k}
 	}
 	ops := []operand{
-		{"out", c.out, [2]int{c.m, c.n}, 4, c.m > 0 && c.n > 0},
-		{"a", c.a, aShape, in, reads && c.m > 0 && c.n > 0},
-		{"b", c.b, bShape, in, reads && c.m > 0 && c.n > 0},
+		{"out", c.out, [2]int{c.m, c.n}, size(c.outBF16), c.m > 0 && c.n > 0, false},
+		{"a", c.a, aShape, size(c.aBF16), reads && c.m > 0 && c.n > 0, c.convA()},
+		{"b", c.b, bShape, size(c.bBF16), reads && c.m > 0 && c.n > 0, c.convB()},
 	}
 	for _, o := range ops {
 		if !o.used {
@@ -505,12 +599,13 @@ func (c gemmCall) validate() error {
 			return fmt.Errorf("cuda: MatMul: %s = %#x is not aligned to its %d-byte elements (%s)", o.name, uint64(o.ptr), o.elem, c)
 		}
 	}
-	if c.converted || !ops[1].used {
-		return nil
-	}
-	// cuBLASLt reads a and b while it writes out.
-	outEnd := uint64(c.out) + uint64(c.m)*uint64(c.n)*4
+	// cuBLASLt reads the operands it is given as they are while it writes
+	// out; a converted operand was copied before.
+	outEnd := uint64(c.out) + uint64(c.m)*uint64(c.n)*uint64(ops[0].elem)
 	for _, o := range ops[1:] {
+		if !o.used || o.conv {
+			continue
+		}
 		end := uint64(o.ptr) + uint64(o.shape[0])*uint64(o.shape[1])*uint64(o.elem)
 		if uint64(o.ptr) < outEnd && uint64(c.out) < end {
 			return fmt.Errorf("cuda: MatMul: out [%#x, %#x) overlaps %s [%#x, %#x), which cuBLASLt reads while it writes out (%s)",
@@ -528,6 +623,7 @@ func (c gemmCall) validate() error {
 func (c gemmCall) key() gemmKey {
 	return gemmKey{
 		m: bucketDim(c.m), n: bucketDim(c.n), k: bucketDim(c.k), transA: c.transA, transB: c.transB, bf16: c.bf16,
+		aBF16: c.aBF16, bBF16: c.bBF16, outBF16: c.outBF16,
 		alignA: ptrAlign(c.a), alignB: ptrAlign(c.b), alignOut: ptrAlign(c.out),
 	}
 }
@@ -605,10 +701,13 @@ func planRowMajor(m, n, k int, transA, transB bool) ltPlan {
 }
 
 // gemmKey identifies a problem for the algorithm cache: the same shape at a
-// coarser alignment may need another algorithm.
+// coarser alignment, or with another out type, may need another algorithm.
+// The operands' stored types are part of it too (a converted operand's
+// alignment is its scratch buffer's).
 type gemmKey struct {
 	m, n, k                  int32
 	transA, transB, bf16     bool
+	aBF16, bBF16, outBF16    bool
 	alignA, alignB, alignOut uint32
 }
 

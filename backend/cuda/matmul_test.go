@@ -126,8 +126,17 @@ func TestGemmValidate(t *testing.T) {
 	out, a, b := base, base+1<<20, base+2<<20
 	ok := gemmCall{out: out, a: a, b: b, m: 7, n: 13, k: 5, alpha: 1}
 	fp32 := func(f func(*gemmCall)) gemmCall { c := ok; f(&c); return c }
-	bf16In := func(f func(*gemmCall)) gemmCall { c := ok; c.bf16 = true; f(&c); return c }
-	converted := func(f func(*gemmCall)) gemmCall { c := ok; c.bf16, c.converted = true, true; f(&c); return c }
+	bf16In := func(f func(*gemmCall)) gemmCall {
+		c := ok
+		c.bf16, c.aBF16, c.bBF16 = true, true, true
+		f(&c)
+		return c
+	}
+	converted := func(f func(*gemmCall)) gemmCall { c := ok; c.bf16 = true; f(&c); return c }
+	// a stored bf16 and read as it is, b stored fp32 and rounded first.
+	mixed := func(f func(*gemmCall)) gemmCall { c := ok; c.bf16, c.aBF16 = true, true; f(&c); return c }
+	// GemmFP32 with a bf16 a: a is widened first, b read as it is.
+	widened := func(f func(*gemmCall)) gemmCall { c := ok; c.aBF16 = true; f(&c); return c }
 	good := []gemmCall{
 		ok,
 		fp32(func(c *gemmCall) { c.m, c.out, c.a = 0, 0, 0 }),                                          // empty product
@@ -141,6 +150,11 @@ func TestGemmValidate(t *testing.T) {
 		fp32(func(c *gemmCall) { c.transA, c.transB = true, true }),                                    // transposes change no size
 		bf16In(func(c *gemmCall) { c.a, c.b = a+2, b+6 }),                                              // bf16 needs 2-byte alignment
 		converted(func(c *gemmCall) { c.out, c.a = out, out+4*1000 }),                                  // fp32 view offsets
+		mixed(func(c *gemmCall) { c.b = out }),                                                         // b is copied before the product
+		widened(func(c *gemmCall) { c.a = out + 2 }),                                                   // a is copied; bf16 needs 2-byte alignment
+		bf16In(func(c *gemmCall) { c.outBF16, c.out = true, out+2 }),                                   // a bf16 out needs 2-byte alignment
+		bf16In(func(c *gemmCall) { c.outBF16, c.a = true, out+7*13*2 }),                                // right after a bf16 out
+		converted(func(c *gemmCall) { c.outBF16, c.k, c.a, c.b = true, 0, 0, 0 }),                      // out = 0
 	}
 	for i, c := range good {
 		if err := c.validate(); err != nil {
@@ -166,6 +180,13 @@ func TestGemmValidate(t *testing.T) {
 		{fp32(func(c *gemmCall) { c.a = out + 7*13*4 - 4 }), "overlaps a"},
 		{fp32(func(c *gemmCall) { c.b = out - 5*13*4 + 4 }), "overlaps b"},
 		{bf16In(func(c *gemmCall) { c.b = out }), "overlaps b"},
+		{mixed(func(c *gemmCall) { c.a = out + 8 }), "overlaps a"},
+		{widened(func(c *gemmCall) { c.b = out + 8 }), "overlaps b"},
+		{mixed(func(c *gemmCall) { c.b += 2 }), "b = 0x7f0000200002 is not aligned to its 4-byte elements"},
+		{bf16In(func(c *gemmCall) { c.outBF16, c.out = true, out+1 }), "out = 0x7f0000000001 is not aligned to its 2-byte elements"},
+		{bf16In(func(c *gemmCall) { c.outBF16, c.a = true, out+7*13*2-2 }), "overlaps a"},
+		{bf16In(func(c *gemmCall) { c.outBF16, c.beta = true, 1 }), "a bf16 out needs beta = 0, not 1"},
+		{widened(func(c *gemmCall) { c.outBF16 = true }), "a bf16 out needs bf16 inputs"},
 	}
 	for _, tc := range bad {
 		err := tc.c.validate()
@@ -219,8 +240,17 @@ func TestAlgoCache(t *testing.T) {
 	k1 := gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: 4, n: 4, k: 4}.key()
 	k2 := gemmCall{out: 0x1004, a: 0x2000, b: 0x3000, m: 4, n: 4, k: 4}.key()
 	k3 := gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: 4, n: 4, k: 4, bf16: true}.key()
-	if k1 == k2 || k1 == k3 {
-		t.Errorf("keys collide: %+v %+v %+v", k1, k2, k3)
+	// ... and the stored types of out and of each operand.
+	k4 := gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: 4, n: 4, k: 4, bf16: true, outBF16: true}.key()
+	k5 := gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: 4, n: 4, k: 4, bf16: true, aBF16: true}.key()
+	k6 := gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: 4, n: 4, k: 4, bf16: true, bBF16: true}.key()
+	keys3 := []gemmKey{k1, k2, k3, k4, k5, k6}
+	for i := range keys3 {
+		for j := range i {
+			if keys3[i] == keys3[j] {
+				t.Errorf("keys %d and %d collide: %+v", j, i, keys3[i])
+			}
+		}
 	}
 	// Expert row counts of one bucket share an entry; small sizes and
 	// other buckets do not.
@@ -264,6 +294,10 @@ func TestCublasErrorText(t *testing.T) {
 	var ce *CublasError
 	if !errors.As(err, &ce) || ce.Status != CublasNotSupported {
 		t.Errorf("not a *CublasError with the status: %#v", err)
+	}
+	mixed := gemmCall{m: 7, n: 13, k: 5, bf16: true, bBF16: true, outBF16: true}
+	if got, want := mixed.String(), "m=7, n=13, k=5, transA=false, transB=false, bf16 inputs, b stored bf16, bf16 out"; got != want {
+		t.Errorf("String() = %q, want %q", got, want)
 	}
 	if err := ltCheck(CublasSuccess, "cublasLtMatmul", func() string { t.Error("detail formatted on success"); return "" }); err != nil {
 		t.Errorf("success gave %v", err)

@@ -43,6 +43,9 @@ const (
 func (p *Backend) Name() string             { return p.inner.Name() }
 func (p *Backend) FloatType() backend.DType { return p.inner.FloatType() }
 
+// OperandType queues no work: not timed.
+func (p *Backend) OperandType() backend.DType { return p.inner.OperandType() }
+
 // New and View queue no work: not timed.
 
 func (p *Backend) New(dt backend.DType, shape ...int) backend.Tensor {
