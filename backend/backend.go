@@ -143,8 +143,9 @@ type Backend interface {
 	// the last Sync.
 	Sync() error
 
-	// Elementwise and reductions. Zero and Copy (same dtype both sides)
-	// accept every dtype; the others take the float type.
+	// Elementwise and reductions. Zero and Copy accept every dtype; Copy
+	// takes the same dtype on both sides, or a float src into a BFloat16
+	// dst, which rounds (to nearest even). The others take the float type.
 	Zero(t Tensor)
 	Copy(dst, src Tensor)
 	Axpy(dst Tensor, alpha float64, x Tensor) // dst += alpha*x

@@ -105,6 +105,7 @@ func bf16Cases() []Case {
 	cs = append(cs, bf16StorageCases()...)
 	cs = append(cs,
 		Case{Name: "BF16/Upload/ref", Check: checkBF16Upload},
+		Case{Name: "BF16/Copy/ref", Check: checkBF16Copy},
 		Case{Name: "BF16/MatMul/ref", Check: checkBF16MatMul},
 		Case{Name: "BF16/Rows/ref", Check: checkBF16Rows},
 		Case{Name: "BF16/SwiGLU/ref", Check: checkBF16SwiGLU},
@@ -272,6 +273,17 @@ func bf16StorageCases() []Case {
 			src := e.View("src", e.BF16("srcParent", 20), 1, 3, 5)
 			e.Run(func(b backend.Backend, p Pick) { b.Copy(p(dst), p(src)) })
 		}},
+		// A float src rounds into a bf16 dst (the weights' operand copy).
+		{Name: "Copy/float-to-bf16", Compare: func(e *Env) {
+			src, dst := e.Uniform("src", -3, 3, 5, 41), e.OutBF16("dst", 205)
+			e.Run(func(b backend.Backend, p Pick) { b.Copy(p(dst), p(src)) })
+		}},
+		{Name: "Copy/float-to-bf16-view", Compare: func(e *Env) {
+			parent := e.InOut(e.BF16("parent", 40))
+			dst := e.View("dst", parent, 3, 29)
+			src := e.View("src", e.Uniform("srcParent", -3, 3, 33), 1, 29)
+			e.Run(func(b backend.Backend, p Pick) { b.Copy(p(dst), p(src)) })
+		}},
 	}
 }
 
@@ -324,6 +336,16 @@ func checkBF16Upload(t *testing.T, b backend.Backend) {
 			t.Fatalf("element %d = %v is not on the bf16 grid", i, v)
 		}
 	}
+}
+
+// checkBF16Copy checks that Copy from a float tensor into a bf16 one rounds
+// as Upload does, exactly.
+func checkBF16Copy(t *testing.T, b backend.Backend) {
+	c := newChecker(t, b)
+	data := append(c.rand(777, -3, 3), 1+0x1p-8, 1+3*0x1p-8, -(1 + 3*0x1p-8 - 0x1p-20))
+	dst := b.New(backend.BFloat16, len(data))
+	b.Copy(dst, c.up(data, len(data)))
+	exact(t, "copy into bf16", c.down(dst), RoundTo(backend.BFloat16, data))
 }
 
 // checkBF16MatMul checks that MatMul with bf16 operands equals the float

@@ -38,11 +38,19 @@ func (b *Backend) Copy(dst, src backend.Tensor) {
 		fail(op, "nil tensor")
 	}
 	d, s := dst.(*Tensor), src.(*Tensor)
-	if d.dt != s.dt {
+	rounding := d.dt == backend.BFloat16 && s.dt == b.dt
+	if d.dt != s.dt && !rounding {
 		fail(op, "dst is %v but src is %v", d.dt, s.dt)
 	}
 	if d.Len() != s.Len() {
 		fail(op, "dst has shape %v but src has shape %v", d.shape, s.shape)
+	}
+	if rounding {
+		// A bf16 tensor keeps its values in the float type's storage.
+		copy(d.f32, s.f32)
+		copy(d.f64, s.f64)
+		b.roundIfBF16(d)
+		return
 	}
 	switch d.dt {
 	case backend.Float32:

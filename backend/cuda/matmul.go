@@ -385,7 +385,13 @@ func (g *Gemm) grow(buf **Buffer, bytes int64) error {
 // the allocator are, else one at a time (views at odd offsets). Both
 // kernels round the same way, bit for bit.
 func (g *Gemm) convert(dst *Buffer, src driver.DevicePtr, n int64) error {
-	if src%16 == 0 && dst.ptr%8 == 0 {
+	return g.roundToBF16(dst.ptr, src, n)
+}
+
+// roundToBF16 queues the rounding of n float32s at src into bf16 at dst,
+// for any alignment (the backend's Copy into a bf16 tensor uses it too).
+func (g *Gemm) roundToBF16(dst, src driver.DevicePtr, n int64) error {
+	if src%16 == 0 && dst%8 == 0 {
 		return g.d.Launch(g.toBF16x4, g.d.StrideGrid((n+3)/4, 256, 8), dst, src, n)
 	}
 	return g.d.Launch(g.toBF16, g.d.StrideGrid(n, 256, 4), dst, src, n)
