@@ -220,6 +220,7 @@ func (m *Model) Evaluate(ctx context.Context, glob string, batches int) (EvalRes
 		}
 	}
 	sum := 0.0
+	m.r.op.refresh(m.b)
 	for i := 0; i < batches; i++ {
 		if err := ctx.Err(); err != nil {
 			return EvalResult{}, err
@@ -292,7 +293,7 @@ func (m *Model) Sample(ctx context.Context, prompt []int32, n int, temperature f
 		}
 	}
 	if m.one == nil {
-		one, err := newModel(m.b, m.cfg.Model, m.r.w, m.r.g, 1, seq,
+		one, err := newModel(m.b, m.cfg.Model, m.r.op.p, m.r.g, 1, seq,
 			moe.Groups{Expert: m.r.groups.Expert, Data: m.r.groups.Data}, nil)
 		if err != nil {
 			return nil, err
@@ -306,6 +307,7 @@ func (m *Model) Sample(ctx context.Context, prompt []int32, n int, temperature f
 		targets[i] = -1 // no loss is wanted
 	}
 	out := make([]int32, 0, n)
+	m.r.op.refresh(m.b)
 	for range n {
 		if err := ctx.Err(); err != nil {
 			return out, err

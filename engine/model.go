@@ -55,7 +55,9 @@ type model struct {
 const lmHeadChunkRows = 2048
 
 // newModel builds a rank's model for micro-batches of batch sequences of
-// seq tokens. groups are the MoE layers' (Data: every rank with distinct
+// seq tokens. w are the weights it reads (a rank's operandStore: bf16
+// copies of the matrices on the GPU), g the gradients it accumulates into.
+// groups are the MoE layers' (Data: every rank with distinct
 // tokens); context is the context-parallel group the sequences are split
 // over, nil for none.
 func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group) (*model, error) {

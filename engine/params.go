@@ -70,6 +70,48 @@ func (ps paramStore) view(b backend.Backend, r span) backend.Tensor {
 	return b.View(ps.flat, r.lo, r.hi-r.lo)
 }
 
+// operandStore is the weights as the layers multiply by them: in the
+// backend's operand type (bf16 on the GPU), rounded from the float32 masters
+// once per step instead of inside every product that reads them. Norm
+// weights and the embedding table, which no product reads, are the masters
+// themselves. Where the operand type is the float type (the CPU), the
+// store is the masters and refresh does nothing.
+type operandStore struct {
+	p    *modelParams   // what the model reads
+	flat backend.Tensor // the operand copy of the masters' flat store; nil when they are the operands
+	src  backend.Tensor // the masters' flat store
+}
+
+func newOperandStore(b backend.Backend, m ModelConfig, lay *flatLayout, w paramStore) operandStore {
+	ot := b.OperandType()
+	if ot == b.FloatType() {
+		return operandStore{p: w.p}
+	}
+	flat := b.New(ot, lay.total)
+	p := &modelParams{layers: make([]layerParams, m.Layers)}
+	for l := range p.layers {
+		p.layers[l] = layerParams{attn: &attention.Params{}, moe: &moe.Params{}}
+	}
+	for i, s := range lay.slots {
+		if s.role == roleNorm || s.name == nameEmbed {
+			*s.pick(p) = *s.pick(w.p)
+			continue
+		}
+		*s.pick(p) = b.View(flat, lay.offset[i], lay.shape[i]...)
+	}
+	return operandStore{p: p, flat: flat, src: w.flat}
+}
+
+// refresh rounds the masters into the operand copy: after every change of
+// the weights (an optimizer step, a restore) and before the model reads
+// them. The norms and the embedding table are rounded too, unread: one
+// pass over the whole store is cheaper than one per tensor.
+func (o operandStore) refresh(b backend.Backend) {
+	if o.flat != nil {
+		b.Copy(o.flat, o.src)
+	}
+}
+
 // span is a range [lo, hi) of a flat store.
 type span struct{ lo, hi int }
 

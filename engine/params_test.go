@@ -1,6 +1,13 @@
 package engine
 
-import "testing"
+import (
+	"context"
+	"math"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
+)
 
 // TestFlatLayout checks the placement of parameters in the flat stores:
 // every tensor aligned, none overlapping, norms first, then the replicated
@@ -49,4 +56,47 @@ func tinyModelForLayout() ModelConfig {
 	m := ModelConfig{Vocab: 64, Dim: 12, Layers: 2, Heads: 3, KVHeads: 1, RopeTheta: 1e4, NormEps: 1e-5, InitStd: 0.02}
 	m.MoE.Experts, m.MoE.TopK, m.MoE.FFN, m.MoE.SharedExperts = 4, 2, 20, 1
 	return m
+}
+
+// bf16Operands is the CPU backend with BFloat16 as its operand type, as the
+// CUDA backend has: the engine then multiplies by bf16 copies of the
+// weights, refreshed from the float32 masters every step.
+type bf16Operands struct{ *cpu.Backend }
+
+func (bf16Operands) OperandType() backend.DType { return backend.BFloat16 }
+
+// TestBF16OperandWeights trains with bf16 operand weights and activations
+// and checks that the losses follow the float run within bf16 error but
+// are not identical (the bf16 path ran), and that the run keeps learning:
+// a stale operand copy (never refreshed after the optimizer steps) would
+// leave the later losses at the first step's level.
+func TestBF16OperandWeights(t *testing.T) {
+	cfg := equivalenceConfig()
+	cfg.Train.Steps = 8
+	losses := func(b backend.Backend) []float64 {
+		var out []float64
+		eng, err := New(cfg, WithBackend(b), WithHook(func(ev StepEvent) { out = append(out, ev.Loss) }))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := eng.Run(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	want, got := losses(cpu.New(backend.Float32)), losses(bf16Operands{cpu.New(backend.Float32)})
+	same := true
+	for i := range want {
+		rel := math.Abs(got[i]-want[i]) / math.Abs(want[i])
+		if !(rel <= 2e-2) {
+			t.Errorf("step %d: loss %.6f with bf16 operands, %.6f in float: relative difference %.3g", i+1, got[i], want[i], rel)
+		}
+		same = same && got[i] == want[i]
+	}
+	if same {
+		t.Errorf("the bf16 run's losses equal the float run's bit for bit: the bf16 path did not run")
+	}
+	if !(got[len(got)-1] < got[0]-0.05) {
+		t.Errorf("losses %v: the bf16 run does not learn", got)
+	}
 }

@@ -36,6 +36,7 @@ type rank struct {
 	// flat tensor on ranks that do not train), and where each role lies.
 	layout         *flatLayout
 	wStore, gStore paramStore
+	op             operandStore // the weights the model multiplies by
 	mStore, vStore paramStore
 	biasE          []backend.Tensor // per layer, nil when bias balancing is off
 	model          *model
@@ -53,6 +54,7 @@ func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSourc
 	r.layout = newFlatLayout(m, localExperts)
 	r.wStore, r.gStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
 	r.w, r.g = r.wStore.p, r.gStore.p
+	r.op = newOperandStore(b, m, r.layout, r.wStore)
 	if train != nil {
 		r.mStore, r.vStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
 	}
@@ -72,7 +74,7 @@ func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSourc
 	var err error
 	// The MoE load statistics are summed over every rank with distinct
 	// tokens: data and context parallel.
-	r.model, err = newModel(b, m, r.w, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
+	r.model, err = newModel(b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
 		moe.Groups{Expert: groups.Expert, Data: groups.DataContext}, groups.Context)
 	if err != nil {
 		return nil, err
@@ -98,6 +100,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	for l := range res.expertLoad {
 		res.expertLoad[l] = make([]float64, cfg.Model.MoE.Experts)
 	}
+	r.op.refresh(b) // the weights may have changed since the last forward: an optimizer step, a restore
 	b.Zero(r.gStore.flat)
 	lossSum := 0.0
 	for a := 0; a < accum; a++ {
@@ -222,6 +225,7 @@ func (r *rank) gradNorm() (float64, error) {
 // of every data rank (each split over its context-parallel ranks).
 func (r *rank) evaluate() (float64, error) {
 	cfg := r.cfg
+	r.op.refresh(r.b)
 	r.val.Reset()
 	sum := 0.0
 	for i := 0; i < cfg.Train.EvalBatches; i++ {

@@ -45,35 +45,41 @@ type Layer struct {
 	// sends, R = rows its experts process.
 	sendTokS, sendSlotS, permR, invPermR rowBuf // Int32 index vectors
 	gateS, dgateS                        rowBuf // per sent row
-	xRD, ySD                             rowBuf // saved: expert inputs (expert-major), expert outputs (send order)
-	h1RF, h3RF                           rowBuf // saved: expert hidden activations before SwiGLU
+	xRD, ySD                             rowBuf // saved: expert inputs (expert-major, operand type), expert outputs (send order)
+	h1RF, h3RF, actRF                    rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)
 	scratch                              *Scratch
 
 	step *step // the last successful Forward, nil before
 }
 
 // Scratch is the working memory a Layer uses only inside one Forward or
-// Backward call: rows in transit and the experts' SwiGLU output and
-// gradients, which for moe-small are most of a layer's memory. The layers of
+// Backward call: rows in transit and the experts' activation gradients,
+// which for moe-small are a large part of a layer's memory. The layers of
 // one rank run one after another, so they can share one Scratch (see
 // WithScratch); layers that run at the same time (different ranks) must
 // not.
+//
+// The tensors the expert products read (the expert inputs, the hidden
+// activations and their gradients, the SwiGLU output, the output gradient
+// rows on one rank) are kept in the backend's operand type (bf16 on the
+// GPU: backend.Backend.OperandType), so the products read them as they are.
 type Scratch struct {
 	rowsSD, rowsR1D, rowsR2D rowBuf // rows of width D
-	actRF                    rowBuf // SwiGLU output: made in Forward, made again in Backward
-	dActRF, dh1RF, dh3RF     rowBuf // backward
+	dyRD                     rowBuf // output gradient rows, operand type (one expert rank)
+	dActRF                   rowBuf // the SwiGLU output's gradient
+	dh1RF, dh3RF             rowBuf // the hidden activations' gradients (operand type)
 }
 
 // NewScratch returns an empty Scratch for layers of width dim and expert
 // hidden size ffn; its buffers grow on first use.
 func NewScratch(b backend.Backend, dim, ffn int) *Scratch {
-	ft := b.FloatType()
-	s := &Scratch{}
+	ft, ot := b.FloatType(), b.OperandType()
+	s := &Scratch{dyRD: rowBuf{dt: ot, cols: dim}, dActRF: rowBuf{dt: ft, cols: ffn}}
 	for _, r := range []*rowBuf{&s.rowsSD, &s.rowsR1D, &s.rowsR2D} {
 		*r = rowBuf{dt: ft, cols: dim}
 	}
-	for _, r := range []*rowBuf{&s.actRF, &s.dActRF, &s.dh1RF, &s.dh3RF} {
-		*r = rowBuf{dt: ft, cols: ffn}
+	for _, r := range []*rowBuf{&s.dh1RF, &s.dh3RF} {
+		*r = rowBuf{dt: ot, cols: ffn}
 	}
 	return s
 }
@@ -95,6 +101,7 @@ type step struct {
 	permR, invPermR     backend.Tensor
 	gateS               backend.Tensor
 	xRD, h1RF, h3RF     backend.Tensor
+	actRF               backend.Tensor
 	ySD                 backend.Tensor
 }
 
@@ -129,20 +136,17 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 	for _, r := range []*rowBuf{&l.gateS, &l.dgateS} {
 		*r = rowBuf{dt: ft, cols: 1}
 	}
-	for _, r := range []*rowBuf{&l.xRD, &l.ySD} {
-		*r = rowBuf{dt: ft, cols: dim}
-	}
-	for _, r := range []*rowBuf{&l.h1RF, &l.h3RF} {
-		*r = rowBuf{dt: ft, cols: F}
-	}
+	ot := b.OperandType()
+	l.xRD, l.ySD = rowBuf{dt: ot, cols: dim}, rowBuf{dt: ft, cols: dim}
+	l.h1RF, l.h3RF, l.actRF = rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}
 	for _, o := range opts {
 		o(l)
 	}
 	if l.scratch == nil {
 		l.scratch = NewScratch(b, dim, F)
-	} else if sc := l.scratch; sc.rowsSD.cols != dim || sc.actRF.cols != F || sc.rowsSD.dt != ft {
+	} else if sc := l.scratch; sc.rowsSD.cols != dim || sc.dh1RF.cols != F || sc.rowsSD.dt != ft || sc.dh1RF.dt != ot {
 		return nil, fmt.Errorf("moe: the shared scratch is for width %d, ffn %d, %v; this layer has width %d, ffn %d, %v",
-			sc.rowsSD.cols, sc.actRF.cols, sc.rowsSD.dt, dim, F, ft)
+			sc.rowsSD.cols, sc.dh1RF.cols, sc.rowsSD.dt, dim, F, ft)
 	}
 	return l, nil
 }
@@ -273,7 +277,7 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 	b, pl := l.b, st.plan
 	S, R := pl.sent, len(pl.perm)
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
-	st.h1RF, st.h3RF = l.h1RF.view(b, R), l.h3RF.view(b, R)
+	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
 	if l.g.Expert.Size() == 1 {
 		// One rank: the sent rows are the expert-major rows (nothing is
 		// exchanged and perm is the identity), so the tokens are gathered
@@ -309,18 +313,17 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 
 // expertsForward runs the local experts on the expert-major rows st.xRD:
 // yRD = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ, one expert's rows at a time, keeping
-// the hidden activations h1 and h3 in st.
+// the hidden activations h1, h3 and silu(h1)*h3 in st.
 func (l *Layer) expertsForward(st *step, p *Params, yRD backend.Tensor) {
 	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
-	actRF := l.scratch.actRF.view(b, len(pl.perm))
 	l.eachExpert(pl, func(e expertView) {
 		x := e.rows(st.xRD, D)
 		b.MatMul(e.rows(st.h1RF, F), x, e.w1(p), false, true, 1, 0)
 		b.MatMul(e.rows(st.h3RF, F), x, e.w3(p), false, true, 1, 0)
 	})
-	b.SwiGLUForward(actRF, st.h1RF, st.h3RF)
+	b.SwiGLUForward(st.actRF, st.h1RF, st.h3RF)
 	l.eachExpert(pl, func(e expertView) {
-		b.MatMul(e.rows(yRD, D), e.rows(actRF, F), e.w2(p), false, true, 1, 0)
+		b.MatMul(e.rows(yRD, D), e.rows(st.actRF, F), e.w2(p), false, true, 1, 0)
 	})
 }
 
@@ -378,18 +381,20 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 	S, R := pl.sent, len(pl.perm)
 
 	sc := l.scratch
-	dySD := sc.rowsSD.view(b, S)
-	if S > 0 {
-		b.GatherRows(dySD, doutTD, st.sendTokS, st.gateS)
-	}
 	if l.g.Expert.Size() == 1 {
-		// One rank: send order is expert-major order (see dispatchForward).
+		// One rank: send order is expert-major order (see dispatchForward),
+		// so dy is gathered straight into the experts' operand rows.
 		if S > 0 {
-			dxSD := sc.rowsR1D.view(b, S)
-			l.expertsBackward(st, p, g, dySD, dxSD)
+			dyRD, dxSD := sc.dyRD.view(b, S), sc.rowsR1D.view(b, S)
+			b.GatherRows(dyRD, doutTD, st.sendTokS, st.gateS)
+			l.expertsBackward(st, p, g, dyRD, dxSD)
 			b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
 		}
 		return nil
+	}
+	dySD := sc.rowsSD.view(b, S)
+	if S > 0 {
+		b.GatherRows(dySD, doutTD, st.sendTokS, st.gateS)
 	}
 	dyRecvRD := sc.rowsR1D.view(b, R)
 	if err := l.g.Expert.AllToAllRows(dyRecvRD, dySD, pl.recvCounts, pl.sendCounts); err != nil {
@@ -421,14 +426,10 @@ func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tenso
 	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
 	sc, R := l.scratch, len(pl.perm)
 	dActRF, dh1RF, dh3RF := sc.dActRF.view(b, R), sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
-	// The SwiGLU output is not kept from Forward (it would be the largest
-	// saved tensor); w2's gradient needs it, so make it again.
-	actRF := sc.actRF.view(b, R)
-	b.SwiGLUForward(actRF, st.h1RF, st.h3RF)
 	l.eachExpert(pl, func(e expertView) {
 		dy := e.rows(dyRD, D)
 		b.MatMul(e.rows(dActRF, F), dy, e.w2(p), false, false, 1, 0)
-		b.MatMul(e.w2(g), dy, e.rows(actRF, F), true, false, 1, 1)
+		b.MatMul(e.w2(g), dy, e.rows(st.actRF, F), true, false, 1, 1)
 	})
 	b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
 	l.eachExpert(pl, func(e expertView) {

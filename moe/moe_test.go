@@ -29,6 +29,7 @@ type problem struct {
 	sw1, sw3, sw2 []float64     // shared: [Fs, D], [Fs, D], [D, Fs]
 	bias          []float64     // [E] or nil
 	dt            backend.DType // the backend's float type; Float64 when 0
+	bf16Operands  bool          // run on a CPU backend whose OperandType is BFloat16
 }
 
 func gauss(rng *rand.Rand, n int, std float64) []float64 {
@@ -270,7 +271,10 @@ func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward
 	if dt == 0 {
 		dt = backend.Float64
 	}
-	b := cpu.New(dt)
+	var b backend.Backend = cpu.New(dt)
+	if pr.bf16Operands {
+		b = bf16Operands{cpu.New(dt)}
+	}
 	ranks, err := comm.NewLocal(mesh, b)
 	if err != nil {
 		t.Fatal(err)
@@ -693,5 +697,38 @@ func TestSharedScratch(t *testing.T) {
 	}
 	if _, err := moe.New(b, cfg, D, T, g, moe.WithScratch(moe.NewScratch(b, D+1, cfg.FFN))); err == nil || !strings.Contains(err.Error(), "shared scratch") {
 		t.Errorf("a scratch of another width: error %v", err)
+	}
+}
+
+// bf16Operands is the CPU backend with BFloat16 as its operand type, as the
+// CUDA backend has: the layer then keeps its expert activations in bf16.
+type bf16Operands struct{ *cpu.Backend }
+
+func (bf16Operands) OperandType() backend.DType { return backend.BFloat16 }
+
+// TestBF16Operands runs the layer with bf16 expert activations (as on the
+// GPU), on one rank and on two expert ranks (where the rows travel in float
+// and are rounded on arrival), and compares with the float run: every
+// output and gradient within bf16's relative error, as a whole tensor.
+func TestBF16Operands(t *testing.T) {
+	for _, mesh := range []comm.Mesh{oneRank(), {DP: 1, EP: 2, CP: 1, TP: 1}} {
+		pr := newProblem(77, baseCfg, 16, 24, false)
+		want := pr.run(t, mesh, 1, true)
+		pr.bf16Operands = true
+		got := pr.run(t, mesh, 1, true)
+		for i, g := range append([][]float64{got.out}, got.grads()...) {
+			w := append([][]float64{want.out}, want.grads()...)[i]
+			var d2, w2 float64
+			for j := range w {
+				d2 += (g[j] - w[j]) * (g[j] - w[j])
+				w2 += w[j] * w[j]
+			}
+			if w2 == 0 {
+				continue
+			}
+			if rel := math.Sqrt(d2 / w2); !(rel <= 2e-2) || rel == 0 {
+				t.Errorf("ep %d, tensor %d: relative L2 difference %.3g from the float run, want (0, 2e-2]", mesh.EP, i, rel)
+			}
+		}
 	}
 }
