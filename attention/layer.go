@@ -92,6 +92,24 @@ type Layer struct {
 type Scratch struct {
 	daTQ, dqTQ, dkTK, dvTK backend.Tensor // [T, H*Dh] and [T, KV*Dh]; nil until sized
 	cp                     *cpScratch     // sized by the first context-parallel Layer
+	ops                    *operands      // nil where the operand type is the float type
+}
+
+// operands are the layer's matrix-product inputs rounded once to the
+// backend's operand type (bf16 on the GPU) where it differs from the float
+// type: x feeds three products in Forward and three in Backward, dout two,
+// and each of dq, dk, dv two, which would otherwise each round their own
+// copy.
+type operands struct {
+	xTD, doutTD backend.Tensor // [T, D]
+	dqTQ        backend.Tensor // [T, H*Dh]
+	dkTK, dvTK  backend.Tensor // [T, KV*Dh]
+}
+
+// operand rounds t into buf and returns buf.
+func (l *Layer) operand(t, buf backend.Tensor) backend.Tensor {
+	l.b.Copy(buf, t)
+	return buf
 }
 
 // NewScratch returns an empty Scratch; the first Layer built with it
@@ -164,6 +182,11 @@ func (sc *Scratch) fit(b backend.Backend, T, q, kd int) error {
 	if sc.daTQ == nil {
 		sc.daTQ, sc.dqTQ = b.New(ft, T, q), b.New(ft, T, q)
 		sc.dkTK, sc.dvTK = b.New(ft, T, kd), b.New(ft, T, kd)
+		if ot := b.OperandType(); ot != ft {
+			// q = H*Dh is the model width D (Shape.HeadDim).
+			sc.ops = &operands{xTD: b.New(ot, T, q), doutTD: b.New(ot, T, q), dqTQ: b.New(ot, T, q),
+				dkTK: b.New(ot, T, kd), dvTK: b.New(ot, T, kd)}
+		}
 		return nil
 	}
 	if sc.daTQ.DType() != ft || sc.daTQ.Len() != T*q || sc.dkTK.Len() != T*kd {
@@ -191,9 +214,14 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 		return fmt.Errorf("attention: Forward: pos is %v %v, want int32 [%d]", posT.DType(), posT.Shape(), l.tokens)
 	}
 	b, dh, theta := l.b, l.s.HeadDim(), l.s.RopeTheta
-	b.MatMul(l.qTQ, xTD, p.WqQD, false, true, 1, 0)
-	b.MatMul(l.kTK, xTD, p.WkKD, false, true, 1, 0)
-	b.MatMul(l.vTK, xTD, p.WvKD, false, true, 1, 0)
+	ops := l.sc.ops
+	x := xTD
+	if ops != nil {
+		x = l.operand(xTD, ops.xTD)
+	}
+	b.MatMul(l.qTQ, x, p.WqQD, false, true, 1, 0)
+	b.MatMul(l.kTK, x, p.WkKD, false, true, 1, 0)
+	b.MatMul(l.vTK, x, p.WvKD, false, true, 1, 0)
 	b.RoPE(l.qTQ, posT, dh, theta, false)
 	b.RoPE(l.kTK, posT, dh, theta, false)
 	if l.cp != nil {
@@ -225,9 +253,17 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	}
 	b, dh, theta := l.b, l.s.HeadDim(), l.s.RopeTheta
 
+	// Each product input rounded once to the operand type (see operands).
+	ops := l.sc.ops
+	dout, x := doutTD, l.xTD
+	dq, dk, dv := l.dqTQ, l.dkTK, l.dvTK
+	if ops != nil {
+		dout = l.operand(doutTD, ops.doutTD)
+	}
+
 	// o_proj: out = a·Woᵀ.
-	b.MatMul(l.daTQ, doutTD, p.WoDQ, false, false, 1, 0)
-	b.MatMul(g.WoDQ, doutTD, l.aTQ, true, false, 1, 1)
+	b.MatMul(l.daTQ, dout, p.WoDQ, false, false, 1, 0)
+	b.MatMul(g.WoDQ, dout, l.aTQ, true, false, 1, 1)
 
 	if l.cp != nil {
 		if err := l.cp.backward(l); err != nil {
@@ -241,13 +277,17 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	b.RoPE(l.dqTQ, l.posT, dh, theta, true)
 	b.RoPE(l.dkTK, l.posT, dh, theta, true)
 
+	if ops != nil {
+		x = l.operand(l.xTD, ops.xTD)
+		dq, dk, dv = l.operand(l.dqTQ, ops.dqTQ), l.operand(l.dkTK, ops.dkTK), l.operand(l.dvTK, ops.dvTK)
+	}
 	// q/k/v projections: each reads x, so dx sums three terms.
-	b.MatMul(g.WqQD, l.dqTQ, l.xTD, true, false, 1, 1)
-	b.MatMul(g.WkKD, l.dkTK, l.xTD, true, false, 1, 1)
-	b.MatMul(g.WvKD, l.dvTK, l.xTD, true, false, 1, 1)
-	b.MatMul(dxTD, l.dqTQ, p.WqQD, false, false, 1, 0)
-	b.MatMul(dxTD, l.dkTK, p.WkKD, false, false, 1, 1)
-	b.MatMul(dxTD, l.dvTK, p.WvKD, false, false, 1, 1)
+	b.MatMul(g.WqQD, dq, x, true, false, 1, 1)
+	b.MatMul(g.WkKD, dk, x, true, false, 1, 1)
+	b.MatMul(g.WvKD, dv, x, true, false, 1, 1)
+	b.MatMul(dxTD, dq, p.WqQD, false, false, 1, 0)
+	b.MatMul(dxTD, dk, p.WkKD, false, false, 1, 1)
+	b.MatMul(dxTD, dv, p.WvKD, false, false, 1, 1)
 	return nil
 }
 

@@ -36,19 +36,22 @@ type model struct {
 	residL, midL        []backend.Tensor
 	rstd1L, rstd2L      []backend.Tensor
 	finalTD, rstdFinalT backend.Tensor
-	// The normalised inputs of attention (h1TD) and MoE (h2TD), one buffer
-	// each for all layers: backward makes a layer's again from residL/midL
-	// and rstd before its blocks' Backward, which read them by reference.
-	// RMSNormForward is deterministic, so they are bitwise what Forward
-	// used, and a layer's [T, D] tensors cost 2 instead of 4 per layer.
-	h1TD, h2TD backend.Tensor
+	// The normalised inputs of attention (h1L) and MoE (h2L) per layer,
+	// which the blocks' Backward reads by reference. Keeping them costs two
+	// [T, D] tensors a layer; making them again in backward cost about 1%
+	// of moe-small's step on an H200.
+	h1L, h2L []backend.Tensor
 
 	// Scratch: block outputs and gradient streams.
 	blockOutTD, dResidTD, dBlockTD, dTmpTD backend.Tensor
 	dFinalTD                               backend.Tensor
 	// LM head in chunks of rows, so [T, V] logits never exist whole.
 	logitsCV, lossT backend.Tensor
-	chunkRows       int
+	// dlogitsCV is the logits' gradient rounded once to the operand type
+	// for the head's two backward products; nil where that is the float
+	// type.
+	dlogitsCV backend.Tensor
+	chunkRows int
 }
 
 // lmHeadChunkRows bounds the logits buffer of the fused LM head and loss.
@@ -90,7 +93,9 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 	for l := 0; l <= L; l++ {
 		m.residL = append(m.residL, b.New(ft, T, D))
 	}
-	m.h1TD, m.h2TD = b.New(ft, T, D), b.New(ft, T, D)
+	for range cfg.Layers {
+		m.h1L, m.h2L = append(m.h1L, b.New(ft, T, D)), append(m.h2L, b.New(ft, T, D))
+	}
 	for l := 0; l < L; l++ {
 		m.midL = append(m.midL, b.New(ft, T, D))
 		m.rstd1L = append(m.rstd1L, b.New(ft, T))
@@ -116,6 +121,9 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 	m.dFinalTD = b.New(ft, T, D)
 	m.chunkRows = min(T, lmHeadChunkRows)
 	m.logitsCV, m.lossT = b.New(ft, m.chunkRows, cfg.Vocab), b.New(ft, T)
+	if ot := b.OperandType(); ot != ft {
+		m.dlogitsCV = b.New(ot, m.chunkRows, cfg.Vocab)
+	}
 	return m, nil
 }
 
@@ -155,9 +163,9 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 	b.EmbeddingForward(m.residL[0], w.embedVD, m.idsT)
 	for l := 0; l < m.cfg.Layers; l++ {
 		lw := &w.layers[l]
-		b.RMSNormForward(m.h1TD, m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
+		b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
 		profile.Scope(b, profile.ScopeAttention)
-		err := m.attn[l].Forward(m.blockOutTD, m.h1TD, m.posT, lw.attn)
+		err := m.attn[l].Forward(m.blockOutTD, m.h1L[l], m.posT, lw.attn)
 		profile.Scope(b, "")
 		if err != nil {
 			return st, fmt.Errorf("layer %d attention: %w", l, err)
@@ -165,13 +173,13 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 		b.Copy(m.midL[l], m.residL[l])
 		b.Axpy(m.midL[l], 1, m.blockOutTD)
 
-		b.RMSNormForward(m.h2TD, m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
+		b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
 		var bias backend.Tensor
 		if biasE != nil {
 			bias = biasE[l]
 		}
 		profile.Scope(b, profile.ScopeMoE)
-		s, err := m.moe[l].Forward(m.blockOutTD, m.h2TD, lw.moe, bias, lossScale)
+		s, err := m.moe[l].Forward(m.blockOutTD, m.h2L[l], lw.moe, bias, lossScale)
 		profile.Scope(b, "")
 		if err != nil {
 			return st, fmt.Errorf("layer %d MoE: %w", l, err)
@@ -203,8 +211,13 @@ func (m *model) lmHeadLoss(train bool, gradScale float64) float64 {
 		b.MatMul(logits, hCD, m.w.lmHeadVD, false, true, 1, 0)
 		b.CrossEntropy(b.View(m.lossT, r0, rows), logits, logits, b.View(m.targetsT, r0, rows), gradScale)
 		if train {
-			b.MatMul(b.View(m.dFinalTD, r0*D, rows, D), logits, m.w.lmHeadVD, false, false, 1, 0)
-			b.MatMul(m.g.lmHeadVD, logits, hCD, true, false, 1, 1)
+			dlogits := logits // CrossEntropy left the gradient in place
+			if m.dlogitsCV != nil {
+				dlogits = b.View(m.dlogitsCV, 0, rows, V)
+				b.Copy(dlogits, logits)
+			}
+			b.MatMul(b.View(m.dFinalTD, r0*D, rows, D), dlogits, m.w.lmHeadVD, false, false, 1, 0)
+			b.MatMul(m.g.lmHeadVD, dlogits, hCD, true, false, 1, 1)
 		}
 	}
 	return b.Sum(m.lossT)
@@ -219,12 +232,6 @@ func (m *model) backward() error {
 	b.RMSNormBackward(m.dResidTD, g.finalNormD, m.dFinalTD, m.residL[L], w.finalNormD, m.rstdFinalT)
 	for l := L - 1; l >= 0; l-- {
 		lw, lg := &w.layers[l], &g.layers[l]
-		if l < L-1 {
-			// The blocks' normalised inputs, as Forward made them (the
-			// last layer's are still there).
-			b.RMSNormForward(m.h1TD, m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
-			b.RMSNormForward(m.h2TD, m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
-		}
 		// residL[l+1] = midL[l] + moe(norm(midL[l])): the stream's gradient
 		// flows straight through and through the MoE block.
 		profile.Scope(b, profile.ScopeMoE)
