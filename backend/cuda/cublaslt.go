@@ -318,6 +318,19 @@ func (lt *cublasLt) AlgoGetHeuristic(h ltHandle, d ltMatmulDesc, a, b, c ltLayou
 	return res, n > 0, nil
 }
 
+// AlgoGetHeuristics is cublasLtMatmulAlgoGetHeuristic asking for up to n
+// algorithms, best first by cuBLASLt's estimate.
+func (lt *cublasLt) AlgoGetHeuristics(h ltHandle, d ltMatmulDesc, a, b, c ltLayout, p ltPreference, n int) ([]ltHeuristicResult, error) {
+	res := make([]ltHeuristicResult, n)
+	var got int32
+	s := ltCall(lt.fn.algoGetHeuristic, uintptr(h), uintptr(d), uintptr(a), uintptr(b), uintptr(c), uintptr(c),
+		uintptr(p), uintptr(n), uintptr(unsafe.Pointer(&res[0])), uintptr(unsafe.Pointer(&got)))
+	if s != CublasSuccess {
+		return nil, &CublasError{Call: "cublasLtMatmulAlgoGetHeuristic", Status: s}
+	}
+	return res[:got], nil
+}
+
 // Matmul is cublasLtMatmul with host alpha and beta and D = C in place.
 // It queues the product on stream and returns.
 func (lt *cublasLt) Matmul(h ltHandle, d ltMatmulDesc, alpha float32, a driver.DevicePtr, la ltLayout,

@@ -70,7 +70,22 @@ type GemmOptions struct {
 	// Search says where libcublasLt is looked for (see package driver);
 	// the zero value searches the process environment.
 	Search driver.Search
+	// NoAutotune takes cuBLASLt's first choice for every product. By
+	// default a product of at least autotuneMinFLOPs times cuBLASLt's best
+	// few candidates once per shape bucket and keeps the fastest, so two
+	// runs may pick different algorithms for a shape (and round
+	// differently); set it for runs that must repeat bit for bit.
+	NoAutotune bool
 }
+
+// autotuneCandidates is how many of cuBLASLt's algorithms an autotuned
+// product times; autotuneMinFLOPs the least work (2mnk) worth timing;
+// autotuneRuns how many products each candidate's time averages.
+const (
+	autotuneCandidates = 8
+	autotuneMinFLOPs   = 1 << 31
+	autotuneRuns       = 3
+)
 
 // Gemm runs row-major matrix products on one Device's stream. It owns a
 // cuBLASLt handle, a workspace, the bf16 copies of its inputs (grown to the
@@ -94,6 +109,7 @@ type Gemm struct {
 	closed             bool
 	workspace          *Buffer
 	scratchA, scratchB *Buffer
+	tuneOut            *Buffer // where autotuning's trial products write
 	algos              algoCache
 
 	// cuBLASLt objects, touched only on the device thread. The layouts and
@@ -212,12 +228,12 @@ func (g *Gemm) Close() error {
 	}
 	g.closed = true
 	var errs []error
-	for _, b := range []*Buffer{g.scratchA, g.scratchB, g.workspace} {
+	for _, b := range []*Buffer{g.scratchA, g.scratchB, g.tuneOut, g.workspace} {
 		if b != nil {
 			errs = append(errs, g.d.Free(b))
 		}
 	}
-	g.scratchA, g.scratchB, g.workspace = nil, nil, nil
+	g.scratchA, g.scratchB, g.tuneOut, g.workspace = nil, nil, nil, nil
 	errs = append(errs, g.d.Do(g.destroy))
 	return errors.Join(errs...)
 }
@@ -406,9 +422,24 @@ func (g *Gemm) run(c gemmCall) error {
 	key := c.key()
 	algo, ok := g.algos.get(key)
 	if !ok {
+		var tuneOut driver.DevicePtr
+		if g.autotunes(c) {
+			outBytes := int64(4)
+			if c.outBF16 {
+				outBytes = 2
+			}
+			if err := g.grow(&g.tuneOut, outBytes*int64(c.m)*int64(c.n)); err != nil {
+				return err
+			}
+			tuneOut = g.tuneOut.ptr
+		}
 		err := g.d.Do(func() error {
 			var err error
-			algo, err = g.heuristic(c, p)
+			if tuneOut != 0 {
+				algo, err = g.tune(c, p, tuneOut)
+			} else {
+				algo, err = g.heuristic(c, p)
+			}
 			return err
 		})
 		if err != nil {
@@ -504,6 +535,71 @@ func (g *Gemm) heuristic(c gemmCall, p ltPlan) (chosenAlgo, error) {
 			res.workspaceSize, g.opts.WorkspaceBytes, c)
 	}
 	return chosenAlgo{algo: res.algo, workspace: res.workspaceSize}, nil
+}
+
+// autotunes reports whether c's algorithm is chosen by timing.
+func (g *Gemm) autotunes(c gemmCall) bool {
+	return !g.opts.NoAutotune && 2*float64(c.m)*float64(c.n)*float64(c.k) >= autotuneMinFLOPs
+}
+
+// tune asks cuBLASLt for its best autotuneCandidates algorithms for c, times
+// each (autotuneRuns products into tuneOut, with beta 0 so that nothing is
+// read from it, after one untimed product) and returns the fastest; it runs
+// on the device thread and waits for the GPU. It falls back to the
+// heuristic's first choice when there is nothing to choose from.
+func (g *Gemm) tune(c gemmCall, p ltPlan, tuneOut driver.DevicePtr) (chosenAlgo, error) {
+	first, err := g.heuristic(c, p) // also sets the descriptors and preferences
+	if err != nil {
+		return first, err
+	}
+	lt, d := g.lt, g.d
+	res, err := lt.AlgoGetHeuristics(g.handle, g.desc, g.layA, g.layB, g.layC, g.pref, autotuneCandidates)
+	if err != nil || len(res) < 2 {
+		return first, nil
+	}
+	start, err := d.drv.EventCreate(0)
+	if err != nil {
+		return first, err
+	}
+	defer d.drv.EventDestroy(start)
+	end, err := d.drv.EventCreate(0)
+	if err != nil {
+		return first, err
+	}
+	defer d.drv.EventDestroy(end)
+	best, bestMS := first, float32(-1)
+	for _, r := range res {
+		if r.state != CublasSuccess || r.workspaceSize > uint64(g.opts.WorkspaceBytes) {
+			continue
+		}
+		run := func() CublasStatus {
+			return lt.Matmul(g.handle, g.desc, c.alpha, c.b, g.layA, c.a, g.layB, 0, tuneOut, g.layC,
+				&r.algo, g.workspace.ptr, r.workspaceSize, d.stream)
+		}
+		if run() != CublasSuccess {
+			continue
+		}
+		if err := d.drv.EventRecord(start, d.stream); err != nil {
+			return first, err
+		}
+		for range autotuneRuns {
+			run()
+		}
+		if err := d.drv.EventRecord(end, d.stream); err != nil {
+			return first, err
+		}
+		if err := d.drv.EventSynchronize(end); err != nil {
+			return first, err
+		}
+		ms, err := d.drv.EventElapsed(start, end)
+		if err != nil {
+			return first, err
+		}
+		if bestMS < 0 || ms < bestMS {
+			best, bestMS = chosenAlgo{algo: r.algo, workspace: r.workspaceSize}, ms
+		}
+	}
+	return best, nil
 }
 
 // gemmCall is one product's arguments.

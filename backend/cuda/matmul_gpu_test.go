@@ -307,6 +307,11 @@ func TestGemmDegenerate(t *testing.T) {
 func TestGemmUnaligned(t *testing.T) {
 	k := newKT(t, 26)
 	gb, gf := openGemm(t, k.d, GemmBF16), openGemm(t, k.d, GemmFP32)
+	gfirst, err := NewGemmWith(k.d, GemmOptions{NoAutotune: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gfirst.Close()
 	// at copies xs to a new buffer, off bytes in.
 	at := func(xs []float32, off int) *Buffer {
 		b, err := k.d.Alloc(int64(4*len(xs) + off))
@@ -463,6 +468,11 @@ func TestGemmLarge(t *testing.T) {
 		return out
 	}
 	gb, gf := openGemm(t, k.d, GemmBF16), openGemm(t, k.d, GemmFP32)
+	gfirst, err := NewGemmWith(k.d, GemmOptions{NoAutotune: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gfirst.Close()
 	out := k.poisoned(N * N)
 	w := worst{}
 	for _, tr := range gemmLayouts {
@@ -505,6 +515,11 @@ func TestGemmFigures(t *testing.T) {
 		t.Skip("figures take seconds; not in -short")
 	}
 	gb, gf := openGemm(t, k.d, GemmBF16), openGemm(t, k.d, GemmFP32)
+	gfirst, err := NewGemmWith(k.d, GemmOptions{NoAutotune: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gfirst.Close()
 	type shape struct {
 		name string
 		c    gemmCase
@@ -551,6 +566,9 @@ func TestGemmFigures(t *testing.T) {
 			}},
 			{"MatMulBF16 (cuBLASLt alone)", true, func() error {
 				return gb.MatMulBF16(out.Ptr(), ha.Ptr(), hb.Ptr(), c.m, c.n, c.k, c.transA, c.transB, 1, 0)
+			}},
+			{"MatMulBF16 (cuBLASLt alone, heuristic's first choice)", true, func() error {
+				return gfirst.MatMulBF16(out.Ptr(), ha.Ptr(), hb.Ptr(), c.m, c.n, c.k, c.transA, c.transB, 1, 0)
 			}},
 		}
 		if s.fp32 {
