@@ -420,6 +420,9 @@ func (g *Gemm) roundToBF16(dst, src driver.DevicePtr, n int64) error {
 func (g *Gemm) run(c gemmCall) error {
 	p := planRowMajor(c.m, c.n, c.k, c.transA, c.transB)
 	key := c.key()
+	if g.autotunes(c) {
+		key = c.tuneKey()
+	}
 	algo, ok := g.algos.get(key)
 	if !ok {
 		var tuneOut driver.DevicePtr
@@ -730,21 +733,41 @@ func (c gemmCall) key() gemmKey {
 	}
 }
 
+// tuneKey is key with sizes rounded up to a multiple of tuneBucket: the
+// bucket an autotuned algorithm serves. Timing costs milliseconds, and the
+// row counts of a MoE layer's experts wander over several 128-row buckets
+// from step to step; one timing for each 1024 rows keeps it to a few per
+// shape for a whole run.
+func (c gemmCall) tuneKey() gemmKey {
+	k := c.key()
+	k.m, k.n, k.k = bucketBy(c.m, tuneBucket), bucketBy(c.n, tuneBucket), bucketBy(c.k, tuneBucket)
+	k.tuned = true
+	return k
+}
+
 // exactShape is c's sizes, to tell whether a cached algorithm was chosen
 // for exactly this problem.
 func (c gemmCall) exactShape() [3]int32 { return [3]int32{int32(c.m), int32(c.n), int32(c.k)} }
 
-// gemmBucket is the granularity of sizes in algorithm cache keys.
-const gemmBucket = 128
+// gemmBucket is the granularity of sizes in algorithm cache keys,
+// tuneBucket that of autotuned products' keys.
+const (
+	gemmBucket = 128
+	tuneBucket = 1024
+)
 
 // bucketDim rounds a size up to a multiple of gemmBucket; sizes up to
 // gemmBucket keep their own entries (small products pick their algorithm
 // by exact size).
-func bucketDim(v int) int32 {
-	if v <= gemmBucket {
+func bucketDim(v int) int32 { return bucketBy(v, gemmBucket) }
+
+// bucketBy rounds v up to a multiple of step, leaving sizes up to step as
+// they are.
+func bucketBy(v, step int) int32 {
+	if v <= step {
 		return int32(v)
 	}
-	return int32((v + gemmBucket - 1) / gemmBucket * gemmBucket)
+	return int32((v + step - 1) / step * step)
 }
 
 // ptrAlign is the largest power of two up to 256 that divides p: what the
@@ -811,6 +834,7 @@ type gemmKey struct {
 	transA, transB, bf16     bool
 	aBF16, bBF16, outBF16    bool
 	alignA, alignB, alignOut uint32
+	tuned                    bool // an autotuned product's key (tuneKey)
 }
 
 // chosenAlgo is the heuristic's answer for one key, and the exact shape it

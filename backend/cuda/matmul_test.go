@@ -261,6 +261,13 @@ func TestAlgoCache(t *testing.T) {
 	if rows(4097, 1024) == rows(4096, 1024) || rows(100, 1024) == rows(101, 1024) {
 		t.Errorf("row counts of different buckets share a key")
 	}
+	// Autotuned products share an entry per 1024 rows.
+	tuned := func(m int) gemmKey {
+		return gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: m, n: 2816, k: 1024}.tuneKey()
+	}
+	if tuned(3100) != tuned(4096) || tuned(4097) == tuned(4096) || tuned(4096) == rows(4096, 1024) {
+		t.Errorf("autotuned keys: 3100 and 4096 must share one, 4097 and 4096 not, and none a heuristic key")
+	}
 }
 
 // TestCublasLtABI pins the Go copies of cuBLASLt's structs to the layout
