@@ -71,10 +71,11 @@ type GemmOptions struct {
 	// the zero value searches the process environment.
 	Search driver.Search
 	// NoAutotune takes cuBLASLt's first choice for every product. By
-	// default a product of at least autotuneMinFLOPs times cuBLASLt's best
-	// few candidates once per shape bucket and keeps the fastest, so two
-	// runs may pick different algorithms for a shape (and round
-	// differently); set it for runs that must repeat bit for bit.
+	// default a product of at least autotuneMinFLOPs whose exact sizes
+	// come a second time times cuBLASLt's best few candidates and keeps
+	// the fastest for those sizes, so two runs may pick different
+	// algorithms for a shape (and round differently); set it for runs that
+	// must repeat bit for bit.
 	NoAutotune bool
 }
 
@@ -109,7 +110,8 @@ type Gemm struct {
 	closed             bool
 	workspace          *Buffer
 	scratchA, scratchB *Buffer
-	tuneOut            *Buffer // where autotuning's trial products write
+	tuneOut            *Buffer          // where autotuning's trial products write
+	seen               map[gemmKey]bool // autotunable shapes met once (tuneSeen)
 	algos              algoCache
 
 	// cuBLASLt objects, touched only on the device thread. The layouts and
@@ -419,14 +421,22 @@ func (g *Gemm) roundToBF16(dst, src driver.DevicePtr, n int64) error {
 // asked for this exact shape, on the device thread, before the product runs.
 func (g *Gemm) run(c gemmCall) error {
 	p := planRowMajor(c.m, c.n, c.k, c.transA, c.transB)
-	key := c.key()
-	if g.autotunes(c) {
-		key = c.tuneKey()
+	key, tuned := c.key(), c.tuneKey()
+	algo, ok := g.algos.get(tuned)
+	if ok {
+		key = tuned
+	} else {
+		algo, ok = g.algos.get(key)
 	}
-	algo, ok := g.algos.get(key)
+	// A shape seen before is timed (once), and serves only itself: expert
+	// row counts change every step, so a product that recurs with the same
+	// sizes is the attention's or the LM head's, run every step.
+	if g.autotunes(c) && g.tuneSeen(tuned) {
+		key, ok = tuned, ok && key == tuned
+	}
 	if !ok {
 		var tuneOut driver.DevicePtr
-		if g.autotunes(c) {
+		if key == tuned {
 			outBytes := int64(4)
 			if c.outBF16 {
 				outBytes = 2
@@ -733,28 +743,32 @@ func (c gemmCall) key() gemmKey {
 	}
 }
 
-// tuneKey is key with sizes rounded up to a multiple of tuneBucket: the
-// bucket an autotuned algorithm serves. Timing costs milliseconds, and the
-// row counts of a MoE layer's experts wander over several 128-row buckets
-// from step to step; one timing for each 1024 rows keeps it to a few per
-// shape for a whole run.
+// tuneKey is the key of an autotuned algorithm: the exact sizes, which
+// it serves alone.
 func (c gemmCall) tuneKey() gemmKey {
 	k := c.key()
-	k.m, k.n, k.k = bucketBy(c.m, tuneBucket), bucketBy(c.n, tuneBucket), bucketBy(c.k, tuneBucket)
+	k.m, k.n, k.k = int32(c.m), int32(c.n), int32(c.k)
 	k.tuned = true
 	return k
+}
+
+// tuneSeen counts a sighting of an autotunable shape and reports whether it
+// was seen before (the second sighting times it).
+func (g *Gemm) tuneSeen(k gemmKey) bool {
+	if g.seen == nil || len(g.seen) >= maxGemmShapes {
+		g.seen = map[gemmKey]bool{}
+	}
+	before := g.seen[k]
+	g.seen[k] = true
+	return before
 }
 
 // exactShape is c's sizes, to tell whether a cached algorithm was chosen
 // for exactly this problem.
 func (c gemmCall) exactShape() [3]int32 { return [3]int32{int32(c.m), int32(c.n), int32(c.k)} }
 
-// gemmBucket is the granularity of sizes in algorithm cache keys,
-// tuneBucket that of autotuned products' keys.
-const (
-	gemmBucket = 128
-	tuneBucket = 1024
-)
+// gemmBucket is the granularity of sizes in algorithm cache keys.
+const gemmBucket = 128
 
 // bucketDim rounds a size up to a multiple of gemmBucket; sizes up to
 // gemmBucket keep their own entries (small products pick their algorithm

@@ -261,12 +261,12 @@ func TestAlgoCache(t *testing.T) {
 	if rows(4097, 1024) == rows(4096, 1024) || rows(100, 1024) == rows(101, 1024) {
 		t.Errorf("row counts of different buckets share a key")
 	}
-	// Autotuned products share an entry per 1024 rows.
+	// An autotuned algorithm serves its exact sizes only.
 	tuned := func(m int) gemmKey {
 		return gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: m, n: 2816, k: 1024}.tuneKey()
 	}
-	if tuned(3100) != tuned(4096) || tuned(4097) == tuned(4096) || tuned(4096) == rows(4096, 1024) {
-		t.Errorf("autotuned keys: 3100 and 4096 must share one, 4097 and 4096 not, and none a heuristic key")
+	if tuned(4073) == tuned(4096) || tuned(4096) != tuned(4096) || tuned(4096) == rows(4096, 1024) {
+		t.Errorf("autotuned keys: 4073 and 4096 must differ, and none be a heuristic key")
 	}
 }
 
@@ -333,5 +333,21 @@ func TestGemmOptionsChecked(t *testing.T) {
 	var nf *driver.NotFoundError
 	if !errors.As(err, &nf) || nf.Lib != driver.LibCublasLt {
 		t.Errorf("no library: %v", err)
+	}
+}
+
+// TestTuneSeen checks the autotuning policy's memory: a shape is timed on
+// its second sighting, and the memory is bounded.
+func TestTuneSeen(t *testing.T) {
+	g := &Gemm{}
+	k := gemmCall{m: 4096, n: 1024, k: 1024}.tuneKey()
+	if g.tuneSeen(k) || !g.tuneSeen(k) || !g.tuneSeen(k) {
+		t.Fatal("a shape must count as seen from its second sighting on")
+	}
+	for i := range maxGemmShapes + 10 {
+		g.tuneSeen(gemmCall{m: i + 1, n: 1, k: 1}.tuneKey())
+	}
+	if len(g.seen) > maxGemmShapes {
+		t.Errorf("%d shapes remembered, over the bound %d", len(g.seen), maxGemmShapes)
 	}
 }
