@@ -68,6 +68,9 @@ func TestModelGradient(t *testing.T) {
 	if err := r.model.backward(); err != nil {
 		t.Fatal(err)
 	}
+	if err := r.model.finishStep(&st); err != nil {
+		t.Fatal(err)
+	}
 	lossAt := func() float64 {
 		st, err := r.model.forward(false, 0, 0, nil)
 		if err != nil {

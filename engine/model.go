@@ -47,6 +47,7 @@ type model struct {
 	dFinalTD                               backend.Tensor
 	// LM head in chunks of rows, so [T, V] logits never exist whole.
 	logitsCV, lossT backend.Tensor
+	moeStats        backend.Tensor // [Layers*(E+1)]: each MoE layer's statistics (moe.WithStats)
 	// dlogitsCV is the logits' gradient rounded once to the operand type
 	// for the head's two backward products; nil where that is the float
 	// type.
@@ -89,6 +90,10 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 	// The attention and MoE layers run one after another, so they share
 	// their working memory.
 	moeScratch := moe.NewScratch(b, D, cfg.MoE.FFN)
+	// Every MoE layer's load statistics in one buffer, read with one
+	// download per micro-batch (finishStep).
+	E1 := cfg.MoE.Experts + 1
+	m.moeStats = b.New(ft, cfg.Layers*E1)
 	attnScratch := attention.NewScratch()
 	for l := 0; l <= L; l++ {
 		m.residL = append(m.residL, b.New(ft, T, D))
@@ -110,7 +115,7 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 			attn = attention.New(b, attentionShape(cfg), batch, seq, attention.WithScratch(attnScratch))
 		}
 		m.attn = append(m.attn, attn)
-		layer, err := moe.New(b, cfg.MoE, D, T, groups, moe.WithScratch(moeScratch))
+		layer, err := moe.New(b, cfg.MoE, D, T, groups, moe.WithScratch(moeScratch), moe.WithStats(b.View(m.moeStats, l*E1, E1)))
 		if err != nil {
 			return nil, fmt.Errorf("layer %d: %w", l, err)
 		}
@@ -152,8 +157,11 @@ type microStats struct {
 
 // forward runs the model on the uploaded batch. When train is set it also
 // runs the LM head's backward (fused with the loss, chunk by chunk) with
-// gradScale, leaving dFinalTD for backward; lossScale weighs the MoE
-// auxiliary losses' gradients.
+// gradScale, leaving dFinalTD for backward, and leaves the loss sum and the
+// MoE losses of its microStats to finishStep, to be read once the backward
+// is queued (the host reading them here would leave the GPU idle between
+// forward and backward); lossScale weighs the MoE auxiliary losses'
+// gradients.
 func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backend.Tensor) (microStats, error) {
 	b, w := m.b, m.w
 	st := microStats{moe: make([]moe.Stats, m.cfg.Layers)}
@@ -191,14 +199,19 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 	L := m.cfg.Layers
 	b.RMSNormForward(m.finalTD, m.rstdFinalT, m.residL[L], w.finalNormD, m.cfg.NormEps)
 	profile.Scope(b, profile.ScopeHead)
-	st.lossSum = m.lmHeadLoss(train, gradScale)
+	m.lmHeadLoss(train, gradScale)
+	if !train {
+		if err := m.finishStep(&st); err != nil {
+			return st, err
+		}
+	}
 	profile.Scope(b, "")
 	return st, nil
 }
 
 // lmHeadLoss computes logits, per-token losses and, when training, the
 // gradients of the final hidden states and the LM head, chunk by chunk.
-func (m *model) lmHeadLoss(train bool, gradScale float64) float64 {
+func (m *model) lmHeadLoss(train bool, gradScale float64) {
 	b := m.b
 	T, D, V := m.tokens, m.cfg.Dim, m.cfg.Vocab
 	if !train {
@@ -220,7 +233,13 @@ func (m *model) lmHeadLoss(train bool, gradScale float64) float64 {
 			b.MatMul(m.g.lmHeadVD, dlogits, hCD, true, false, 1, 1)
 		}
 	}
-	return b.Sum(m.lossT)
+}
+
+// finishStep fills in what a forward left on the device: the summed token
+// losses and the MoE layers' auxiliary losses. It waits for the GPU.
+func (m *model) finishStep(st *microStats) error {
+	st.lossSum = m.b.Sum(m.lossT)
+	return moe.FinishStats(m.moe, st.moe, backend.DownloadFloat64(m.b, m.moeStats))
 }
 
 // backward propagates from dFinalTD (left by a training forward) to every

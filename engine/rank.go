@@ -113,6 +113,12 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		if err != nil {
 			return res, err
 		}
+		if err := r.model.backward(); err != nil {
+			return res, err
+		}
+		if err := r.model.finishStep(&st); err != nil {
+			return res, err
+		}
 		lossSum += st.lossSum
 		for l, s := range st.moe {
 			res.auxLoss += s.AuxLoss / float64(accum)
@@ -121,9 +127,6 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 			for e, c := range s.TokensPerExpert {
 				res.expertLoad[l][e] += c
 			}
-		}
-		if err := r.model.backward(); err != nil {
-			return res, err
 		}
 	}
 	// Every rank with distinct tokens (data and context parallel) holds a

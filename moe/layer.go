@@ -33,9 +33,14 @@ type Layer struct {
 	// Router, per local token.
 	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
 	dlogitsTE, dgatesTK                     backend.Tensor
-	onesT, probSumE                         backend.Tensor // [1, T] ones and [1, E]: column sums of probs by MatMul
-	countsE                                 backend.Tensor // Int32 [E]: assignments per expert (RouteByExpert)
-	auxDProbE                               backend.Tensor // [E] aux-loss gradient on every row of probs
+	onesT                                   backend.Tensor // [1, T] ones: column sums of probs by MatMul
+	// statsE1 receives, per Forward, Σ_t probs[t,e] (E values) then
+	// Σ_t lse[t]² on the device; they are read once the step is done
+	// (FinishStats, Layer.ReadStats), not in the middle of the layer.
+	statsE1, zeroRow backend.Tensor // float [E+1]; Int32 [1] holding 0 (the row RowDots reads)
+	pending          *pendingStats  // the last training Forward's global counts, for FinishStats
+	countsE          backend.Tensor // Int32 [E]: assignments per expert (RouteByExpert)
+	auxDProbE        backend.Tensor // [E] aux-loss gradient on every row of probs
 
 	// Shared experts, [T, Fs]; nil when off.
 	sharedH1TF, sharedH3TF, sharedActTF, sharedDActTF, sharedDH1TF, sharedDH3TF backend.Tensor
@@ -87,6 +92,11 @@ func NewScratch(b backend.Backend, dim, ffn int) *Scratch {
 // Option configures New.
 type Option func(*Layer)
 
+// WithStats makes the Layer leave its per-Forward statistics in t, a float
+// tensor of E+1 elements (a view of a buffer that holds every layer's, so
+// that one download reads them all: see FinishStats).
+func WithStats(t backend.Tensor) Option { return func(l *Layer) { l.statsE1 = t } }
+
 // WithScratch makes the Layer use s, shared with the other layers of its
 // rank, instead of a Scratch of its own. s must be of the Layer's width and
 // expert hidden size.
@@ -117,7 +127,7 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 		logitsTE: b.New(ft, tokens, E), probsTE: b.New(ft, tokens, E), lseT: b.New(ft, tokens),
 		idxTK: b.New(backend.Int32, tokens, K), gatesTK: b.New(ft, tokens, K),
 		dlogitsTE: b.New(ft, tokens, E), dgatesTK: b.New(ft, tokens, K),
-		onesT: b.New(ft, 1, tokens), probSumE: b.New(ft, 1, E), auxDProbE: b.New(ft, E),
+		onesT: b.New(ft, 1, tokens), auxDProbE: b.New(ft, E), zeroRow: b.New(backend.Int32, 1),
 		countsE: b.New(backend.Int32, E),
 	}
 	l.firstExpert = g.Expert.Rank() * l.local
@@ -141,6 +151,11 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 	l.h1RF, l.h3RF, l.actRF = rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}
 	for _, o := range opts {
 		o(l)
+	}
+	if l.statsE1 == nil {
+		l.statsE1 = b.New(ft, E+1)
+	} else if l.statsE1.Len() != E+1 || l.statsE1.DType() != ft {
+		return nil, fmt.Errorf("moe: the statistics tensor is %v %v; want %v [%d]", l.statsE1.DType(), l.statsE1.Shape(), ft, E+1)
 	}
 	if l.scratch == nil {
 		l.scratch = NewScratch(b, dim, F)
@@ -199,9 +214,11 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	b.MatMul(l.logitsTE, xTD, p.GateED, false, true, 1, 0)
 	b.RouterForward(l.probsTE, l.lseT, l.idxTK, l.gatesTK, l.logitsTE, biasE)
 
-	// Σ_t probs[t,e] for the load statistics, queued before the routing
-	// counts make the host wait.
-	b.MatMul(l.probSumE, l.onesT, l.probsTE, false, false, 1, 0)
+	// The load statistics that only the reported losses need stay on the
+	// device: Σ_t probs[t,e] and Σ_t lse[t]².
+	T := l.tokens
+	b.MatMul(b.View(l.statsE1, 0, 1, E), l.onesT, l.probsTE, false, false, 1, 0)
+	b.RowDots(b.View(l.statsE1, E, 1), b.View(l.lseT, 0, 1, T), l.zeroRow, b.View(l.lseT, 0, 1, T))
 
 	// Plan the dispatch. Dropless (the default), the GPU sorts the
 	// assignments by expert and only the per-expert counts come to the

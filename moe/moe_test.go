@@ -317,6 +317,9 @@ func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward
 			}
 			x, out := upload(b, pr.x[t0*D:(t0+Tl)*D], Tl, D), b.New(dt, Tl, D)
 			o.stats, o.forwardErr = layer.Forward(out, x, p, bias, lossScale)
+			if o.forwardErr == nil {
+				o.forwardErr = layer.ReadStats(&o.stats)
+			}
 			if o.forwardErr != nil {
 				rk.Abort(o.forwardErr)
 				return
@@ -730,5 +733,57 @@ func TestBF16Operands(t *testing.T) {
 				t.Errorf("ep %d, tensor %d: relative L2 difference %.3g from the float run, want (0, 2e-2]", mesh.EP, i, rel)
 			}
 		}
+	}
+}
+
+// TestFinishStats checks that layers sharing one statistics buffer and
+// finished together with one read get the losses each would get alone,
+// and that FinishStats refuses sums of the wrong length or a layer without
+// a Forward.
+func TestFinishStats(t *testing.T) {
+	b := cpu.New(backend.Float64)
+	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001}
+	const D, T, L = 5, 12, 3
+	solo, err := comm.NewLocal(oneRank(), b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := moe.Groups{Expert: solo[0].Expert, Data: solo[0].Data}
+	buf := b.New(backend.Float64, L*(cfg.Experts+1))
+	var layers []*moe.Layer
+	var stats, alone []moe.Stats
+	for i := range L {
+		pr := newProblem(uint64(40+i), cfg, D, T, false)
+		l, err := moe.New(b, cfg, D, T, g, moe.WithStats(b.View(buf, i*(cfg.Experts+1), cfg.Experts+1)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := moe.NewParams(b, cfg, D, cfg.Experts)
+		p.GateED, p.W1EFD, p.W3EFD, p.W2EDF = upload(b, pr.gate, cfg.Experts, D), upload(b, pr.w1, cfg.Experts, cfg.FFN, D),
+			upload(b, pr.w3, cfg.Experts, cfg.FFN, D), upload(b, pr.w2, cfg.Experts, D, cfg.FFN)
+		st, err := l.Forward(b.New(backend.Float64, T, D), upload(b, pr.x, T, D), p, nil, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		one := st
+		if err := l.ReadStats(&one); err != nil {
+			t.Fatal(err)
+		}
+		layers, stats, alone = append(layers, l), append(stats, st), append(alone, one)
+	}
+	if err := moe.FinishStats(layers, stats, backend.DownloadFloat64(b, buf)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range L {
+		if stats[i].AuxLoss != alone[i].AuxLoss || stats[i].ZLoss != alone[i].ZLoss || stats[i].AuxLoss == 0 || stats[i].ZLoss == 0 {
+			t.Errorf("layer %d: FinishStats gives aux %v z %v, ReadStats aux %v z %v", i, stats[i].AuxLoss, stats[i].ZLoss, alone[i].AuxLoss, alone[i].ZLoss)
+		}
+	}
+	if err := moe.FinishStats(layers, stats, make([]float64, 3)); err == nil || !strings.Contains(err.Error(), "want 15") {
+		t.Errorf("sums of the wrong length: error %v", err)
+	}
+	fresh, _ := moe.New(b, cfg, D, T, g)
+	if err := moe.FinishStats([]*moe.Layer{fresh}, make([]moe.Stats, 1), make([]float64, cfg.Experts+1)); err == nil || !strings.Contains(err.Error(), "no Forward") {
+		t.Errorf("a layer without a Forward: error %v", err)
 	}
 }
