@@ -73,6 +73,9 @@ type Layer struct {
 	aTQ       backend.Tensor // attention output, the input of o_proj
 	lseBHS    backend.Tensor
 
+	// outBeta is 1 when Forward adds to out (AddToOutput), else 0.
+	outBeta float64
+
 	// Backward scratch: the tensors of sc, which other Layers may share.
 	sc                     *Scratch
 	daTQ, dqTQ, dkTK, dvTK backend.Tensor
@@ -119,7 +122,22 @@ func NewScratch() *Scratch { return &Scratch{} }
 // Option configures New and NewContextParallel.
 type Option func(*options)
 
-type options struct{ scratch *Scratch }
+type options struct {
+	scratch  *Scratch
+	addToOut bool
+}
+
+func outBeta(add bool) float64 {
+	if add {
+		return 1
+	}
+	return 0
+}
+
+// AddToOutput makes Forward add its output to out (a residual stream)
+// instead of overwriting it: the output projection accumulates, and the
+// caller needs no separate addition.
+func AddToOutput() Option { return func(o *options) { o.addToOut = true } }
 
 // WithScratch makes the Layer use s, shared with the other layers of its
 // rank, instead of a Scratch of its own.
@@ -158,20 +176,21 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer
 	}
 	sc := o.scratch
 	return &Layer{
-		b:      b,
-		s:      s,
-		attn:   backend.AttnShape{Batch: batch, Seq: seq, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim()},
-		tokens: T,
-		qTQ:    b.New(ft, T, q),
-		kTK:    b.New(ft, T, kd),
-		vTK:    b.New(ft, T, kd),
-		aTQ:    b.New(ft, T, q),
-		lseBHS: b.New(ft, batch, s.Heads, seq),
-		sc:     sc,
-		daTQ:   sc.daTQ,
-		dqTQ:   sc.dqTQ,
-		dkTK:   sc.dkTK,
-		dvTK:   sc.dvTK,
+		b:       b,
+		s:       s,
+		attn:    backend.AttnShape{Batch: batch, Seq: seq, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim()},
+		tokens:  T,
+		qTQ:     b.New(ft, T, q),
+		kTK:     b.New(ft, T, kd),
+		vTK:     b.New(ft, T, kd),
+		aTQ:     b.New(ft, T, q),
+		lseBHS:  b.New(ft, batch, s.Heads, seq),
+		sc:      sc,
+		outBeta: outBeta(o.addToOut),
+		daTQ:    sc.daTQ,
+		dqTQ:    sc.dqTQ,
+		dkTK:    sc.dkTK,
+		dvTK:    sc.dvTK,
 	}, nil
 }
 
@@ -197,8 +216,8 @@ func (sc *Scratch) fit(b backend.Backend, T, q, kd int) error {
 }
 
 // Forward writes outTD = o_proj(attention(rope(q_proj x), rope(k_proj x),
-// v_proj x)) for the normalised input xTD [T, D] at positions posT (Int32
-// [T]). It keeps xTD and posT by reference until Backward. It fails on
+// v_proj x)) (or adds it to outTD: AddToOutput) for the normalised input
+// xTD [T, D] at positions posT (Int32 [T]). It keeps xTD and posT by reference until Backward. It fails on
 // tensors of the wrong shape and, on a context-parallel Layer, when a
 // collective fails (a peer aborted the group); the Layer then has no
 // Forward for Backward to use.
@@ -231,7 +250,7 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 	} else {
 		b.AttentionForward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK, l.attn)
 	}
-	b.MatMul(outTD, l.aTQ, p.WoDQ, false, true, 1, 0)
+	b.MatMul(outTD, l.aTQ, p.WoDQ, false, true, 1, l.outBeta)
 	l.xTD, l.posT = xTD, posT
 	return nil
 }

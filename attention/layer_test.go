@@ -291,3 +291,28 @@ func TestShapeValidate(t *testing.T) {
 		}
 	}
 }
+
+// TestAddToOutput checks that a Layer built with AddToOutput adds the
+// block's output onto what out held.
+func TestAddToOutput(t *testing.T) {
+	rng := rand.New(rand.NewPCG(21, 22))
+	b := cpu.New(backend.Float64)
+	for _, c := range cases {
+		in := newInputs(rng, c)
+		want := forward(b, in)
+		T, D := c.batch*c.seq, c.s.Dim
+		prior := randn(rng, T*D, 1)
+		_, x, pos, out := setup(b, in)
+		l := attention.New(b, c.s, c.batch, c.seq, attention.AddToOutput())
+		backend.UploadSlice(b, out, prior)
+		if err := l.Forward(out, x, pos, uploadParams(b, c.s, in.w)); err != nil {
+			t.Fatal(err)
+		}
+		got := backend.DownloadFloat64(b, out)
+		for i := range want {
+			if d := math.Abs(got[i] - (prior[i] + want[i])); d > 1e-12 {
+				t.Fatalf("%v: element %d is %v, want %v + %v", c, i, got[i], prior[i], want[i])
+			}
+		}
+	}
+}

@@ -42,9 +42,9 @@ type model struct {
 	// of moe-small's step on an H200.
 	h1L, h2L []backend.Tensor
 
-	// Scratch: block outputs and gradient streams.
-	blockOutTD, dResidTD, dBlockTD, dTmpTD backend.Tensor
-	dFinalTD                               backend.Tensor
+	// Scratch: the gradient streams.
+	dResidTD, dBlockTD, dTmpTD backend.Tensor
+	dFinalTD                   backend.Tensor
 	// LM head in chunks of rows, so [T, V] logits never exist whole.
 	logitsCV, lossT backend.Tensor
 	moeStats        backend.Tensor // [Layers*(E+1)]: each MoE layer's statistics (moe.WithStats)
@@ -107,22 +107,22 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 		m.rstd2L = append(m.rstd2L, b.New(ft, T))
 		var attn *attention.Layer
 		if cp > 1 {
-			attn, err = attention.NewContextParallel(b, attentionShape(cfg), batch, seq, context, attention.WithScratch(attnScratch))
+			attn, err = attention.NewContextParallel(b, attentionShape(cfg), batch, seq, context, attention.WithScratch(attnScratch), attention.AddToOutput())
 			if err != nil {
 				return nil, fmt.Errorf("layer %d: %w", l, err)
 			}
 		} else {
-			attn = attention.New(b, attentionShape(cfg), batch, seq, attention.WithScratch(attnScratch))
+			attn = attention.New(b, attentionShape(cfg), batch, seq, attention.WithScratch(attnScratch), attention.AddToOutput())
 		}
 		m.attn = append(m.attn, attn)
-		layer, err := moe.New(b, cfg.MoE, D, T, groups, moe.WithScratch(moeScratch), moe.WithStats(b.View(m.moeStats, l*E1, E1)))
+		layer, err := moe.New(b, cfg.MoE, D, T, groups, moe.WithScratch(moeScratch), moe.WithStats(b.View(m.moeStats, l*E1, E1)), moe.AddToOutput())
 		if err != nil {
 			return nil, fmt.Errorf("layer %d: %w", l, err)
 		}
 		m.moe = append(m.moe, layer)
 	}
 	m.finalTD, m.rstdFinalT = b.New(ft, T, D), b.New(ft, T)
-	m.blockOutTD, m.dResidTD, m.dBlockTD, m.dTmpTD = b.New(ft, T, D), b.New(ft, T, D), b.New(ft, T, D), b.New(ft, T, D)
+	m.dResidTD, m.dBlockTD, m.dTmpTD = b.New(ft, T, D), b.New(ft, T, D), b.New(ft, T, D)
 	m.dFinalTD = b.New(ft, T, D)
 	m.chunkRows = min(T, lmHeadChunkRows)
 	m.logitsCV, m.lossT = b.New(ft, m.chunkRows, cfg.Vocab), b.New(ft, T)
@@ -172,29 +172,30 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 	for l := 0; l < m.cfg.Layers; l++ {
 		lw := &w.layers[l]
 		b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
+		// The blocks add their outputs onto a copy of the stream
+		// (AddToOutput): midL[l] = residL[l] + attn(...), residL[l+1] =
+		// midL[l] + moe(...).
+		b.Copy(m.midL[l], m.residL[l])
 		profile.Scope(b, profile.ScopeAttention)
-		err := m.attn[l].Forward(m.blockOutTD, m.h1L[l], m.posT, lw.attn)
+		err := m.attn[l].Forward(m.midL[l], m.h1L[l], m.posT, lw.attn)
 		profile.Scope(b, "")
 		if err != nil {
 			return st, fmt.Errorf("layer %d attention: %w", l, err)
 		}
-		b.Copy(m.midL[l], m.residL[l])
-		b.Axpy(m.midL[l], 1, m.blockOutTD)
 
 		b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
 		var bias backend.Tensor
 		if biasE != nil {
 			bias = biasE[l]
 		}
+		b.Copy(m.residL[l+1], m.midL[l])
 		profile.Scope(b, profile.ScopeMoE)
-		s, err := m.moe[l].Forward(m.blockOutTD, m.h2L[l], lw.moe, bias, lossScale)
+		s, err := m.moe[l].Forward(m.residL[l+1], m.h2L[l], lw.moe, bias, lossScale)
 		profile.Scope(b, "")
 		if err != nil {
 			return st, fmt.Errorf("layer %d MoE: %w", l, err)
 		}
 		st.moe[l] = s
-		b.Copy(m.residL[l+1], m.midL[l])
-		b.Axpy(m.residL[l+1], 1, m.blockOutTD)
 	}
 	L := m.cfg.Layers
 	b.RMSNormForward(m.finalTD, m.rstdFinalT, m.residL[L], w.finalNormD, m.cfg.NormEps)

@@ -26,9 +26,10 @@ type Layer struct {
 	b                  backend.Backend
 	cfg                Config
 	g                  Groups
-	dim, tokens        int // D, local T
-	local, firstExpert int // experts on this rank, and the first one's global index
-	sharedFFN          int // Fs = SharedExperts*FFN, 0 when off
+	dim, tokens        int  // D, local T
+	local, firstExpert int  // experts on this rank, and the first one's global index
+	sharedFFN          int  // Fs = SharedExperts*FFN, 0 when off
+	addToOut           bool // Forward adds to out (AddToOutput)
 
 	// Router, per local token.
 	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
@@ -91,6 +92,10 @@ func NewScratch(b backend.Backend, dim, ffn int) *Scratch {
 
 // Option configures New.
 type Option func(*Layer)
+
+// AddToOutput makes Forward add its output to out (a residual stream)
+// instead of overwriting it: the combine scatters onto it directly.
+func AddToOutput() Option { return func(l *Layer) { l.addToOut = true } }
 
 // WithStats makes the Layer leave its per-Forward statistics in t, a float
 // tensor of E+1 elements (a view of a buffer that holds every layer's, so
@@ -190,7 +195,7 @@ func validate(cfg Config, dim, tokens int, g Groups) error {
 }
 
 // Forward computes outTD = MoE(xTD), plus the shared experts when
-// configured. xTD is kept by reference until Backward. biasE, when not nil,
+// configured (or adds it to outTD: AddToOutput). xTD is kept by reference until Backward. biasE, when not nil,
 // is a float tensor [E] added to the router probs for selection only.
 // lossScale multiplies the aux and z loss gradients of the following
 // Backward (the engine passes 1/accumulation steps).
@@ -253,9 +258,11 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	// of the shared experts' output (or zero).
 	S := pl.sent
 	if l.sharedFFN > 0 {
-		l.sharedForward(outTD, xTD, p)
+		l.sharedForward(outTD, xTD, p, l.addToOut)
 	} else {
-		b.Zero(outTD)
+		if !l.addToOut {
+			b.Zero(outTD)
+		}
 	}
 	st.gateS = l.gateS.vec(b, S)
 	if S > 0 {
@@ -344,13 +351,18 @@ func (l *Layer) expertsForward(st *step, p *Params, yRD backend.Tensor) {
 	})
 }
 
-// sharedForward writes out = SwiGLU_shared(x) for every token.
-func (l *Layer) sharedForward(outTD, xTD backend.Tensor, p *Params) {
+// sharedForward writes (or with add, adds) out = SwiGLU_shared(x) for every
+// token.
+func (l *Layer) sharedForward(outTD, xTD backend.Tensor, p *Params, add bool) {
 	b := l.b
 	b.MatMul(l.sharedH1TF, xTD, p.SharedW1FD, false, true, 1, 0)
 	b.MatMul(l.sharedH3TF, xTD, p.SharedW3FD, false, true, 1, 0)
 	b.SwiGLUForward(l.sharedActTF, l.sharedH1TF, l.sharedH3TF)
-	b.MatMul(outTD, l.sharedActTF, p.SharedW2DF, false, true, 1, 0)
+	beta := 0.0
+	if add {
+		beta = 1
+	}
+	b.MatMul(outTD, l.sharedActTF, p.SharedW2DF, false, true, 1, beta)
 }
 
 // Backward writes dxTD from doutTD and accumulates the gradients of the

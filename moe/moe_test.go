@@ -787,3 +787,41 @@ func TestFinishStats(t *testing.T) {
 		t.Errorf("a layer without a Forward: error %v", err)
 	}
 }
+
+// TestAddToOutput checks that a layer built with AddToOutput adds exactly
+// what a plain layer writes onto what out held.
+func TestAddToOutput(t *testing.T) {
+	b := cpu.New(backend.Float64)
+	cfg := baseCfg
+	cfg.SharedExperts = 1
+	const D, T = 6, 12
+	solo, err := comm.NewLocal(oneRank(), b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := moe.Groups{Expert: solo[0].Expert, Data: solo[0].Data}
+	pr := newProblem(91, cfg, D, T, false)
+	outs := make([][]float64, 2)
+	prior := gauss(rand.New(rand.NewPCG(1, 2)), T*D, 1)
+	for i, opts := range [][]moe.Option{nil, {moe.AddToOutput()}} {
+		l, err := moe.New(b, cfg, D, T, g, opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := moe.NewParams(b, cfg, D, cfg.Experts)
+		p.GateED, p.W1EFD, p.W3EFD, p.W2EDF = upload(b, pr.gate, cfg.Experts, D), upload(b, pr.w1, cfg.Experts, cfg.FFN, D),
+			upload(b, pr.w3, cfg.Experts, cfg.FFN, D), upload(b, pr.w2, cfg.Experts, D, cfg.FFN)
+		fs := cfg.SharedExperts * cfg.FFN
+		p.SharedW1FD, p.SharedW3FD, p.SharedW2DF = upload(b, pr.sw1, fs, D), upload(b, pr.sw3, fs, D), upload(b, pr.sw2, D, fs)
+		out := upload(b, prior, T, D)
+		if _, err := l.Forward(out, upload(b, pr.x, T, D), p, nil, 1); err != nil {
+			t.Fatal(err)
+		}
+		outs[i] = backend.DownloadFloat64(b, out)
+	}
+	for j := range prior {
+		if d := math.Abs(outs[1][j] - (prior[j] + outs[0][j])); d > 1e-12 {
+			t.Fatalf("element %d: added %v, want %v + %v", j, outs[1][j], prior[j], outs[0][j])
+		}
+	}
+}
