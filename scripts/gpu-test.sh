@@ -17,20 +17,25 @@
 #
 # The run step, on the GPU machine:
 #   1. runs each test binary with -test.v from its package folder (engine:
-#      its GPU test only);
-#   2. runs `mktrain bench train moe-small --steps 5 --warmup 2` on CUDA,
-#      on the embedded corpus (the recipe's data shards are not there);
-#   3. runs the PyTorch peer on the same model and batch, same step counts.
-# It writes under $OUT (or .gpu/out) at most four files, so that a device
-# call brings them all back: summary.json (per-package counts, the
-# "figure:" lines the tests log, the two tokens/s figures), bench.json
-# (mktrain's result), peer.json (the peer's line) and logs.tgz (every raw
-# log and test2json stream). It prints a short table last and exits
-# non-zero if any package or the benchmark failed.
+#      its GPU tests only);
+#   2. runs `mktrain bench train moe-small --steps 10 --warmup 3` on CUDA,
+#      on the embedded corpus (the recipe's data shards are not there),
+#      with its breakdown of the step;
+#   3. runs the PyTorch peer on the same model and batch, same step counts;
+#   4. runs the benchmark for the parallel layouts of world 2 and 4 on the
+#      one GPU (virtual ranks, moe-small's per-rank shape);
+#   5. the Hugging Face check (scripts/hf_check.py).
+# It writes under $OUT (or .gpu/out) a few files, so that a device call
+# brings them all back: summary.json (per-package counts, the "figure:"
+# lines the tests log, the two tokens/s figures), bench.json (mktrain's
+# result), peer.json (the peer's line), layouts.json, hf_check.json and
+# logs.tgz (every raw log and test2json stream). It prints a short table
+# last and exits non-zero if any package or benchmark failed.
 #
 # Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip;
-# NO_BENCH=1 skips steps 2 and 3; PYTHON names the peer's interpreter
-# (default /opt/torch/.venv/bin/python, else python3).
+# NO_BENCH=1 skips steps 2 to 4, NO_LAYOUTS=1 step 4, NO_HF=1 step 5;
+# PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
+# else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,8 +48,8 @@ PACKAGES=(
 )
 BIN=.gpu
 PEER_SRC=../shared/peer/torch_moe_train.py
-BENCH_ARGS=(bench train moe-small --steps 5 --warmup 2 --set data.train= --set data.val= --set train.backend=cuda)
-PEER_ARGS=(--steps 5 --warmup 2)
+BENCH_ARGS=(bench train moe-small --steps 10 --warmup 3 --set data.train= --set data.val= --set train.backend=cuda)
+PEER_ARGS=(--steps 10 --warmup 3)
 
 name_of() { echo "${1//\//_}"; }
 
@@ -187,7 +192,7 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_LAYOUTS:-}" != 1 && -x "$BIN/mktrain" ]]; th
     IFS='|' read -r name dims global micro <<<"$layout"
     sets=()
     for d in $dims; do sets+=(--set "parallel.$d"); done
-    timeout 120 "$BIN/mktrain" "${BENCH_ARGS[@]}" --steps 3 --warmup 1 "${sets[@]}" \
+    timeout 120 "$BIN/mktrain" "${BENCH_ARGS[@]}" --steps 4 --warmup 2 "${sets[@]}" \
       --set train.global_batch="$global" --set train.micro_batch="$micro" --out "$LOGS/layouts/$name" >"$LOGS/layouts/$name.log" 2>&1
     rc=$?
     echo "  $name (${dims}): exit $rc"
