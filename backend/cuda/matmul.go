@@ -71,11 +71,11 @@ type GemmOptions struct {
 	// the zero value searches the process environment.
 	Search driver.Search
 	// NoAutotune takes cuBLASLt's first choice for every product. By
-	// default a product of at least autotuneMinFLOPs whose exact sizes
-	// come a second time times cuBLASLt's best few candidates and keeps
-	// the fastest for those sizes, so two runs may pick different
-	// algorithms for a shape (and round differently); set it for runs that
-	// must repeat bit for bit.
+	// default a product of at least autotuneMinFLOPs whose sizes are all
+	// multiples of autotuneMultiple times cuBLASLt's best few candidates
+	// the first time it comes and keeps the fastest for those exact sizes,
+	// so two runs may pick different algorithms for a shape (and round
+	// differently); set it for runs that must repeat bit for bit.
 	NoAutotune bool
 }
 
@@ -86,6 +86,7 @@ const (
 	autotuneCandidates = 8
 	autotuneMinFLOPs   = 1 << 31
 	autotuneRuns       = 3
+	autotuneMultiple   = 128
 )
 
 // Gemm runs row-major matrix products on one Device's stream. It owns a
@@ -110,8 +111,7 @@ type Gemm struct {
 	closed             bool
 	workspace          *Buffer
 	scratchA, scratchB *Buffer
-	tuneOut            *Buffer          // where autotuning's trial products write
-	seen               map[gemmKey]bool // autotunable shapes met once (tuneSeen)
+	tuneOut            *Buffer // where autotuning's trial products write
 	algos              algoCache
 
 	// cuBLASLt objects, touched only on the device thread. The layouts and
@@ -421,22 +421,14 @@ func (g *Gemm) roundToBF16(dst, src driver.DevicePtr, n int64) error {
 // asked for this exact shape, on the device thread, before the product runs.
 func (g *Gemm) run(c gemmCall) error {
 	p := planRowMajor(c.m, c.n, c.k, c.transA, c.transB)
-	key, tuned := c.key(), c.tuneKey()
-	algo, ok := g.algos.get(tuned)
-	if ok {
-		key = tuned
-	} else {
-		algo, ok = g.algos.get(key)
+	key := c.key()
+	if g.autotunes(c) {
+		key = c.tuneKey()
 	}
-	// A shape seen before is timed (once), and serves only itself: expert
-	// row counts change every step, so a product that recurs with the same
-	// sizes is the attention's or the LM head's, run every step.
-	if g.autotunes(c) && g.tuneSeen(tuned) {
-		key, ok = tuned, ok && key == tuned
-	}
+	algo, ok := g.algos.get(key)
 	if !ok {
 		var tuneOut driver.DevicePtr
-		if key == tuned {
+		if key.tuned {
 			outBytes := int64(4)
 			if c.outBF16 {
 				outBytes = 2
@@ -550,9 +542,15 @@ func (g *Gemm) heuristic(c gemmCall, p ltPlan) (chosenAlgo, error) {
 	return chosenAlgo{algo: res.algo, workspace: res.workspaceSize}, nil
 }
 
-// autotunes reports whether c's algorithm is chosen by timing.
+// autotunes reports whether c's algorithm is chosen by timing: products of
+// at least autotuneMinFLOPs whose sizes are all multiples of
+// autotuneMultiple. Those are the model's own dimensions, the same every
+// step (attention projections, LM head); a MoE expert's rows change every
+// step and are rarely such a multiple, so its products keep the
+// heuristic's choice per size bucket instead of timing each new count.
 func (g *Gemm) autotunes(c gemmCall) bool {
-	return !g.opts.NoAutotune && 2*float64(c.m)*float64(c.n)*float64(c.k) >= autotuneMinFLOPs
+	return !g.opts.NoAutotune && 2*float64(c.m)*float64(c.n)*float64(c.k) >= autotuneMinFLOPs &&
+		c.m%autotuneMultiple == 0 && c.n%autotuneMultiple == 0 && c.k%autotuneMultiple == 0
 }
 
 // tune asks cuBLASLt for its best autotuneCandidates algorithms for c, times
@@ -750,17 +748,6 @@ func (c gemmCall) tuneKey() gemmKey {
 	k.m, k.n, k.k = int32(c.m), int32(c.n), int32(c.k)
 	k.tuned = true
 	return k
-}
-
-// tuneSeen counts a sighting of an autotunable shape and reports whether it
-// was seen before (the second sighting times it).
-func (g *Gemm) tuneSeen(k gemmKey) bool {
-	if g.seen == nil || len(g.seen) >= maxGemmShapes {
-		g.seen = map[gemmKey]bool{}
-	}
-	before := g.seen[k]
-	g.seen[k] = true
-	return before
 }
 
 // exactShape is c's sizes, to tell whether a cached algorithm was chosen

@@ -336,18 +336,27 @@ func TestGemmOptionsChecked(t *testing.T) {
 	}
 }
 
-// TestTuneSeen checks the autotuning policy's memory: a shape is timed on
-// its second sighting, and the memory is bounded.
-func TestTuneSeen(t *testing.T) {
-	g := &Gemm{}
-	k := gemmCall{m: 4096, n: 1024, k: 1024}.tuneKey()
-	if g.tuneSeen(k) || !g.tuneSeen(k) || !g.tuneSeen(k) {
-		t.Fatal("a shape must count as seen from its second sighting on")
-	}
-	for i := range maxGemmShapes + 10 {
-		g.tuneSeen(gemmCall{m: i + 1, n: 1, k: 1}.tuneKey())
-	}
-	if len(g.seen) > maxGemmShapes {
-		t.Errorf("%d shapes remembered, over the bound %d", len(g.seen), maxGemmShapes)
+// TestAutotunePolicy checks which products are timed: large ones whose
+// sizes are multiples of 128 (the model's dimensions), not an expert's
+// changing row count, not small ones, and none with NoAutotune.
+func TestAutotunePolicy(t *testing.T) {
+	on, off := &Gemm{}, &Gemm{opts: GemmOptions{NoAutotune: true}}
+	for _, c := range []struct {
+		m, n, k int
+		want    bool
+	}{
+		{16384, 1024, 1024, true},
+		{2048, 32768, 1024, true},
+		{4073, 2816, 1024, false},
+		{1024, 2816, 4073, false},
+		{128, 128, 128, false},
+	} {
+		call := gemmCall{m: c.m, n: c.n, k: c.k}
+		if got := on.autotunes(call); got != c.want {
+			t.Errorf("autotunes(%dx%dx%d) = %v, want %v", c.m, c.n, c.k, got, c.want)
+		}
+		if off.autotunes(call) {
+			t.Errorf("NoAutotune: autotunes(%dx%dx%d) = true", c.m, c.n, c.k)
+		}
 	}
 }
