@@ -8,7 +8,7 @@ FUZZTIME ?= 30s
 all: build test
 
 build:
-	$(GO) build -o $(BIN) ./cmd/mktrain
+	$(GO) build -buildvcs=true -o $(BIN) ./cmd/mktrain
 
 test:
 	$(GO) test ./...
