@@ -6,16 +6,21 @@
 // distinct part of the batch, used for non-expert gradients and for global
 // load-balancing statistics), the expert group (the ranks that shard the
 // experts between them, used for the token all-to-all) and the expert-replica
-// group (the ranks that hold the same experts, used for expert gradients).
+// group (the ranks that hold the same experts, used for expert gradients);
+// with context parallelism, the context group (the ranks that split each
+// sequence between them) and the data-context group (every rank with
+// distinct tokens: losses and load statistics).
 //
 // The in-process implementation (NewLocal) runs virtual ranks as goroutines
 // of one process sharing one backend (the CPU, or one GPU whose ranks read
 // each other's buffers through plain device pointers); it moves data with
 // the backend's own ops, and every rank reduces in rank order, so all ranks
-// get bitwise identical results and replicated weights never drift. An NCCL
-// implementation is planned behind the same interface; launch.go and
+// get bitwise identical results and replicated weights never drift. The
+// NCCL implementation of the same interface is cuda.NCCLGroup (package
+// backend/cuda, since it needs device pointers); launch.go and
 // rendezvous.go hold the multi-node launch configuration and the TCP
-// rendezvous it will use.
+// rendezvous (Join) that hands out its unique id (Rendezvous.Blob). The
+// engine trains on in-process groups only so far.
 package comm
 
 import "github.com/mktrain/mktrain/backend"

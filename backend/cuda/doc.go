@@ -80,4 +80,26 @@
 // hold or a kernel fault is kept for Sync, and ops on a tensor whose
 // allocation failed do nothing. Upload, Download, Sum and SumSquares wait
 // for the GPU.
+//
+// # Matrix products
+//
+// Gemm (matmul.go) runs every MatMul through cuBLASLt. The algorithm for a
+// product comes from cuBLASLt's heuristic, cached per size bucket of 128
+// (an expert's row count changes every step; asking again for each would
+// cost more than the product). Products of at least 2 GFLOP whose sizes are
+// all multiples of 128, the model's own dimensions, are autotuned the first
+// time they come: cuBLASLt's best 8 candidates are timed and the fastest
+// kept for those sizes (GemmOptions.NoAutotune turns it off for runs that
+// must repeat bit for bit).
+//
+// # Collectives
+//
+// NCCLGroup (nccl.go, nccl_group.go) is a comm.Group over NCCL on one
+// Backend's stream: NewNCCLGroups for one process driving several GPUs,
+// NewNCCLGroup for one rank per process with the unique id handed out by
+// the rendezvous (comm.Rendezvous). Tensor collectives queue on the stream;
+// the calls that return host values wait with a watchdog that turns a
+// peer's failure or a timeout into an error instead of a hang. The engine
+// does not use it yet: layouts of several ranks run as virtual ranks on one
+// GPU (comm.NewLocal).
 package cuda

@@ -108,8 +108,8 @@ func TestDeviceQuery(t *testing.T) {
 	for _, l := range []*driver.Library{gpu.rt.Driver().Library(), gpu.rt.NVRTC().Library()} {
 		t.Logf("%s: %s (via %s)", l.Lib, l.Path, l.Via)
 	}
-	// cuBLASLt and NCCL have no bindings yet; check they can be found and
-	// opened where the GPU is.
+	// cuBLASLt and NCCL are opened by Gemm and NCCLGroup; check they can be
+	// found and opened where the GPU is.
 	for _, lib := range []driver.Lib{driver.LibCublasLt, driver.LibNCCL} {
 		l, err := driver.Search{}.Open(lib)
 		if err != nil {
