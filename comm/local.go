@@ -346,7 +346,7 @@ type rowsArgs struct {
 func (g *localGroup) AllToAllRows(recv, send backend.Tensor, recvCounts, sendCounts []int) error {
 	args := rowsArgs{send: send, sendCounts: append([]int(nil), sendCounts...), recvCounts: append([]int(nil), recvCounts...)}
 	var argErr error
-	args.cols, argErr = checkRows(recv, send, recvCounts, sendCounts, g.hub.size)
+	args.cols, argErr = CheckRows(recv, send, recvCounts, sendCounts, g.hub.size)
 	if argErr == nil {
 		args.dt = send.DType()
 	}
@@ -373,9 +373,10 @@ func (g *localGroup) AllToAllRows(recv, send backend.Tensor, recvCounts, sendCou
 	return err
 }
 
-// checkRows checks one rank's AllToAllRows arguments and returns the row
-// length.
-func checkRows(recv, send backend.Tensor, recvCounts, sendCounts []int, size int) (int, error) {
+// CheckRows checks one rank's AllToAllRows arguments for a group of size
+// ranks and returns the row length; every Group implementation words its
+// errors the same way with it.
+func CheckRows(recv, send backend.Tensor, recvCounts, sendCounts []int, size int) (int, error) {
 	if recv == nil || send == nil {
 		return 0, errors.New("recv or send is nil")
 	}

@@ -875,32 +875,12 @@ func (g *NCCLGroup) AllGather(recv, send backend.Tensor) error {
 	return err
 }
 
-// checkRows checks one rank's AllToAllRows arguments and returns the row
-// length, in local.go's words.
+// checkRows checks one rank's AllToAllRows arguments as comm's own groups
+// do (comm.CheckRows), and that both tensors are this backend's.
 func checkRows(recv, send backend.Tensor, recvCounts, sendCounts []int, size int) (int, error) {
-	if recv == nil || send == nil {
-		return 0, errors.New("recv or send is nil")
-	}
-	rs, ss := recv.Shape(), send.Shape()
-	if len(rs) != 2 || len(ss) != 2 || rs[1] != ss[1] {
-		return 0, fmt.Errorf("recv %v and send %v must be 2-D with the same row length", rs, ss)
-	}
-	if recv.DType() != send.DType() {
-		return 0, fmt.Errorf("recv is %v but send is %v", recv.DType(), send.DType())
-	}
-	if len(recvCounts) != size || len(sendCounts) != size {
-		return 0, fmt.Errorf("%d recv and %d send counts for a group of %d", len(recvCounts), len(sendCounts), size)
-	}
-	var nr, ns int
-	for j := range size {
-		if recvCounts[j] < 0 || sendCounts[j] < 0 {
-			return 0, fmt.Errorf("negative count for rank %d (recv %d, send %d)", j, recvCounts[j], sendCounts[j])
-		}
-		nr += recvCounts[j]
-		ns += sendCounts[j]
-	}
-	if nr != rs[0] || ns != ss[0] {
-		return 0, fmt.Errorf("counts add up to %d recv and %d send rows, but the tensors have %d and %d", nr, ns, rs[0], ss[0])
+	cols, err := comm.CheckRows(recv, send, recvCounts, sendCounts, size)
+	if err != nil {
+		return 0, err
 	}
 	if _, err := devTensor("recv", recv); err != nil {
 		return 0, err
@@ -908,7 +888,7 @@ func checkRows(recv, send backend.Tensor, recvCounts, sendCounts []int, size int
 	if _, err := devTensor("send", send); err != nil {
 		return 0, err
 	}
-	return ss[1], nil
+	return cols, nil
 }
 
 // rowOffsets returns where each rank's block starts, in rows: the prefix
