@@ -341,6 +341,10 @@ type server struct {
 	peers     map[*peer]bool // every open connection
 	arrived   []*peer        // connections that said hello, in arrival order
 	dropped   map[int]string // node rank -> how it came and left before the verdict
+	// graceC runs while two connections claim one node rank: one of them
+	// may be a node that came, left and came back, whose old connection's
+	// end the hub has not read yet. When it fires the claim is final.
+	graceC <-chan time.Time
 }
 
 // hub0 is node 0's hub: it gathers hellos until every node has come or the
@@ -365,6 +369,15 @@ func (r *Rendezvous) hub0(ctx context.Context, ln net.Listener, joined chan<- er
 				return
 			}
 			if !s.listening { // the verdict is out: stop the join-time clocks
+				deadlineC, ctxDone = nil, nil
+			}
+
+		case <-s.graceC:
+			s.graceC = nil
+			if len(s.arrived) == r.cfg.Launch.NNodes-1 && s.verdict(true) {
+				return
+			}
+			if !s.listening {
 				deadlineC, ctxDone = nil, nil
 			}
 
@@ -417,7 +430,7 @@ func (s *server) handle(ev event) (done bool) {
 		s.arrived = append(s.arrived, p)
 		delete(s.dropped, info.NodeRank)
 		if len(s.arrived) == s.r.cfg.Launch.NNodes-1 {
-			return s.verdict()
+			return s.verdict(false)
 		}
 
 	case ev.msg.Kind == kindAbort && !s.listening && p.node != nil:
@@ -455,13 +468,21 @@ func (s *server) lost(p *peer, err error) (done bool) {
 }
 
 // verdict checks the nodes once all have come, and welcomes or refuses
-// them.
-func (s *server) verdict() (done bool) {
+// them. A node rank claimed twice is refused only when final, or once the
+// grace period (two heartbeats) has passed without one claimant leaving.
+func (s *server) verdict(final bool) (done bool) {
 	r := s.r
 	if problems := r.check(s.arrived, true); len(problems) > 0 {
+		if !final && s.rankClaimedTwice() {
+			if s.graceC == nil {
+				s.graceC = time.After(2 * r.cfg.Heartbeat)
+			}
+			return false
+		}
 		s.refuse(fmt.Errorf("rendezvous at %s: %s", r.addr, strings.Join(problems, "; ")))
 		return true
 	}
+	s.graceC = nil
 	r.blob, r.nodes = r.cfg.Blob, r.table(s.arrived)
 	s.stopListening()
 	welcome := message{Kind: kindWelcome, Blob: r.blob[:], Nodes: r.nodes}
@@ -473,6 +494,19 @@ func (s *server) verdict() (done bool) {
 		p.send(welcome)
 	}
 	s.joined <- nil
+	return false
+}
+
+// rankClaimedTwice reports whether two arrived nodes, or one and node 0,
+// claim the same node rank.
+func (s *server) rankClaimedTwice() bool {
+	seen := map[int]bool{s.r.self.NodeRank: true}
+	for _, p := range s.arrived {
+		if seen[p.node.NodeRank] {
+			return true
+		}
+		seen[p.node.NodeRank] = true
+	}
 	return false
 }
 
