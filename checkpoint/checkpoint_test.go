@@ -652,3 +652,31 @@ func TestLyingCompressedHeader(t *testing.T) {
 		t.Fatalf("reading a tensor the file does not hold: %v", err)
 	}
 }
+
+// TestSetLatest: resuming repoints a pointer left one checkpoint behind, and
+// refuses what is not a complete checkpoint under root.
+func TestSetLatest(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(9, 1))
+	root := t.TempDir()
+	d1 := save(t, root, 1, rankTensors(rng, ""), rankTensors(rng, "m."), TensorOptions{})
+	d2 := save(t, root, 2, rankTensors(rng, ""), rankTensors(rng, "m."), TensorOptions{})
+	// A save stopped before moving the pointer.
+	if err := os.WriteFile(filepath.Join(root, "latest"), []byte("step_00000001\n"), 0o666); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := Latest(root); got != d1 {
+		t.Fatalf("Latest = %s before SetLatest, want %s", got, d1)
+	}
+	if err := SetLatest(root, d2); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := Latest(root); err != nil || got != d2 {
+		t.Errorf("Latest = %s, %v after SetLatest, want %s", got, err, d2)
+	}
+	for _, bad := range []string{filepath.Join(root, "step_00000007"), t.TempDir(), filepath.Join(root, "latest")} {
+		if err := SetLatest(root, bad); err == nil {
+			t.Errorf("SetLatest(%s) succeeded", bad)
+		}
+	}
+}

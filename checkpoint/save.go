@@ -468,6 +468,24 @@ func (s *Save) moveIntoPlace() error {
 	return nil
 }
 
+// SetLatest points root's `latest` at dir, a complete checkpoint directly
+// under root, atomically as a save does. A save stopped between renaming its
+// directory into place and moving the pointer leaves the pointer one
+// checkpoint behind; resuming from the newer one calls SetLatest so that
+// Latest names what the run continued from.
+func SetLatest(root, dir string) error {
+	if filepath.Clean(filepath.Dir(dir)) != filepath.Clean(root) {
+		return fmt.Errorf("checkpoint: %s is not a checkpoint directly under %s", dir, root)
+	}
+	if _, ok := parseStepDirName(filepath.Base(dir)); !ok || !isComplete(dir) {
+		return fmt.Errorf("checkpoint: %s is not a complete checkpoint", dir)
+	}
+	if cur, ok := readPointer(root); ok && cur == filepath.Join(root, filepath.Base(dir)) {
+		return nil
+	}
+	return writePointer(root, filepath.Base(dir))
+}
+
 // writePointer atomically replaces root/latest with name.
 func writePointer(root, name string) error {
 	var rnd [8]byte

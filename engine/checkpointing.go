@@ -247,6 +247,12 @@ func (e *Engine) resumePoint(root string) (string, *trainState, error) {
 		if err != nil {
 			return "", nil, err
 		}
+		// The pointer may lag behind d after a crash mid-save (or name
+		// a checkpoint that failed to verify): it names what the run
+		// continues from.
+		if err := checkpoint.SetLatest(root, d); err != nil {
+			e.log.Warn().Err(err).Msg("could not point latest at the checkpoint resumed from")
+		}
 		dir = d
 	default:
 		if err := checkpoint.Verify(mode); err != nil {
