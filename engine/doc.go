@@ -27,7 +27,8 @@
 //     embedding, per layer RMSNorm, attention (package attention), residual,
 //     RMSNorm, sparse MoE (package moe), residual; final RMSNorm; the LM head
 //     fused with the cross-entropy in chunks of rows.
-//   - params.go: parameters, their Hugging Face names, initialisation.
+//   - params.go: parameters, their Hugging Face names, initialisation, and
+//     their storage (below).
 //   - schedule.go: the learning-rate schedules.
 //   - events.go: StepEvent and the metrics.jsonl line.
 //   - checkpointing.go: what a rank saves, resume (with resharding by tensor
@@ -65,4 +66,23 @@
 // backend: the CPU, or one GPU, where each rank's tensors are separate
 // allocations and the collectives move data with device copies and kernels
 // (comm.NewLocal).
+//
+// # Storage and precision
+//
+// A rank's weights, gradients and AdamW moments are each one flat tensor
+// (flatLayout): norms first, then the other replicated matrices, then the
+// rank's experts, every parameter a view into it. Zeroing the gradients,
+// their norm, the cross-rank reductions (in buckets) and AdamW (with the
+// clipping factor folded in) are a few calls over long ranges.
+//
+// The model reads the weights through an operandStore: on a backend whose
+// operand type differs from its float type (the GPU: bf16 products with
+// float32 accumulation), a bf16 copy of the matrices rounded from the
+// float32 masters at the start of every step and evaluation; on the CPU,
+// the masters themselves. The blocks add their outputs onto the residual
+// stream (attention.AddToOutput, moe.AddToOutput). What the host needs to
+// read from a forward (the summed token losses, the MoE auxiliary losses)
+// is read once per micro-batch after its backward is queued
+// (model.finishStep), so the GPU never waits for the host in mid-step
+// except for the MoE layers' per-expert row counts.
 package engine
