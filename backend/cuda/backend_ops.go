@@ -224,7 +224,7 @@ func (b *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {
 		return
 	}
 	k := b.k.swigluFwd
-	if aligned16(out, a, bv) {
+	if aligned4(out, a, bv) {
 		k = b.k.swigluFwdX4
 	}
 	b.launch(k, b.strideGrid(m), out, a, bv, int64(m))
@@ -251,7 +251,7 @@ func (b *Backend) SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF backend.Tensor) {
 		return
 	}
 	k := b.k.swigluBwd
-	if aligned16(da, db, dout, a, bv) {
+	if aligned4(da, db, dout, a, bv) {
 		k = b.k.swigluBwdX4
 	}
 	b.launch(k, b.strideGrid(m), da, db, dout, a, bv, int64(m))
@@ -266,16 +266,21 @@ func bit(v bool) int {
 }
 
 // vecFlag is the vec argument of the kernels that move four elements per
-// access: 1 when every tensor is aligned to four of its elements (16 bytes
-// for float32, 8 for bf16), else 0.
-func vecFlag(ts ...*Tensor) int32 {
+// access: 1 when aligned4(ts...), else 0.
+func vecFlag(ts ...*Tensor) int32 { return int32(bit(aligned4(ts...))) }
+
+// aligned4 reports whether every tensor starts on a multiple of four of its
+// elements (16 bytes for float32, 8 for bf16), as the kernels that move
+// four elements per access (the _x4 kernels, and those given vec = 1)
+// need. Tensors from the allocator are; views at other offsets are not.
+func aligned4(ts ...*Tensor) bool {
 	for _, t := range ts {
 		p, ok := t.ptr()
 		if !ok || p%driver.DevicePtr(4*dtypeBytes(t.dt)) != 0 {
-			return 0
+			return false
 		}
 	}
-	return 1
+	return true
 }
 
 // ceRegMaxV is the widest row cross_entropy_f32_reg holds in registers:
@@ -300,7 +305,7 @@ func (b *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tens
 		return
 	}
 	// Rows that fit in registers are read once (cross_entropy_f32_reg).
-	if v%4 == 0 && v <= ceRegMaxV && aligned16(logits) && (dlogits == nil || aligned16(dlogits)) {
+	if v%4 == 0 && v <= ceRegMaxV && aligned4(logits) && (dlogits == nil || aligned4(dlogits)) {
 		b.launch(b.k.crossEntropyReg, Grid1D(t, 1024), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
 		return
 	}
@@ -380,23 +385,10 @@ func (b *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW)
 	bc2 := 1 - math.Pow(h.Beta2, float64(h.Step))
 	decay := 1 - h.LR*h.WeightDecay
 	k := b.k.adamw
-	if aligned16(p, g, mm, vv) {
+	if aligned4(p, g, mm, vv) {
 		k = b.k.adamwX4
 	}
 	b.launch(k, b.strideGrid(n), p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor())
-}
-
-// aligned16 reports whether every tensor starts on a 16-byte boundary, as
-// the _x4 kernels' vector accesses need (tensors from the allocator do;
-// views at offsets that are not a multiple of 4 elements do not).
-func aligned16(ts ...*Tensor) bool {
-	for _, t := range ts {
-		p, ok := t.ptr()
-		if !ok || p%16 != 0 {
-			return false
-		}
-	}
-	return true
 }
 
 // devicePtrs returns the addresses of ts (0 for nil) and whether every
