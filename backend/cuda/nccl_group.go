@@ -730,14 +730,13 @@ func devTensor(name string, t backend.Tensor) (devArg, error) {
 		return devArg{}, fmt.Errorf("%s is a %T, not a tensor of the CUDA backend", name, t)
 	}
 	var dt ncclDataType
-	elem := 4
 	switch ct.dt {
 	case backend.Float32:
 		dt = ncclFloat32
 	case backend.Int32:
 		dt = ncclInt32
 	case backend.BFloat16:
-		dt, elem = ncclBfloat16, 2
+		dt = ncclBfloat16
 	default:
 		return devArg{}, fmt.Errorf("%s has dtype %v, which NCCLGroup does not move", name, ct.dt)
 	}
@@ -745,7 +744,7 @@ func devTensor(name string, t backend.Tensor) (devArg, error) {
 	if !ok {
 		return devArg{}, fmt.Errorf("%s has no memory: its allocation failed (Backend.Sync says why)", name)
 	}
-	return devArg{p: p, dt: dt, elem: elem, n: ct.Len()}, nil
+	return devArg{p: p, dt: dt, elem: dtypeBytes(ct.dt), n: ct.Len()}, nil
 }
 
 // checkSum checks a tensor that a reduction sums, in local.go's words.
