@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/backendtest"
 	"github.com/mktrain/mktrain/backend/cpu"
 )
 
@@ -58,13 +59,6 @@ func tinyModelForLayout() ModelConfig {
 	return m
 }
 
-// bf16Operands is the CPU backend with BFloat16 as its operand type, as the
-// CUDA backend has: the engine then multiplies by bf16 copies of the
-// weights, refreshed from the float32 masters every step.
-type bf16Operands struct{ *cpu.Backend }
-
-func (bf16Operands) OperandType() backend.DType { return backend.BFloat16 }
-
 // TestBF16OperandWeights trains with bf16 operand weights and activations
 // and checks that the losses follow the float run within bf16 error but
 // are not identical (the bf16 path ran), and that the run keeps learning:
@@ -84,7 +78,7 @@ func TestBF16OperandWeights(t *testing.T) {
 		}
 		return out
 	}
-	want, got := losses(cpu.New(backend.Float32)), losses(bf16Operands{cpu.New(backend.Float32)})
+	want, got := losses(cpu.New(backend.Float32)), losses(backendtest.BF16Operands(cpu.New(backend.Float32)))
 	same := true
 	for i := range want {
 		rel := math.Abs(got[i]-want[i]) / math.Abs(want[i])

@@ -13,6 +13,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/backendtest"
 	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
@@ -273,7 +274,7 @@ func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward
 	}
 	var b backend.Backend = cpu.New(dt)
 	if pr.bf16Operands {
-		b = bf16Operands{cpu.New(dt)}
+		b = backendtest.BF16Operands(cpu.New(dt))
 	}
 	ranks, err := comm.NewLocal(mesh, b)
 	if err != nil {
@@ -702,12 +703,6 @@ func TestSharedScratch(t *testing.T) {
 		t.Errorf("a scratch of another width: error %v", err)
 	}
 }
-
-// bf16Operands is the CPU backend with BFloat16 as its operand type, as the
-// CUDA backend has: the layer then keeps its expert activations in bf16.
-type bf16Operands struct{ *cpu.Backend }
-
-func (bf16Operands) OperandType() backend.DType { return backend.BFloat16 }
 
 // TestBF16Operands runs the layer with bf16 expert activations (as on the
 // GPU), on one rank and on two expert ranks (where the rows travel in float

@@ -437,3 +437,13 @@ func checkBF16SwiGLU(t *testing.T, b backend.Backend) {
 		exact(t, ty.name+" db", c.down(gdb), want(db))
 	}
 }
+
+// BF16Operands returns b with BFloat16 as its operand type, as the CUDA
+// backend has, so that code which keeps matrix-product operands in
+// Backend.OperandType runs its bf16 path on a backend without a GPU. b must
+// implement the ops on bf16 tensors (the CPU backend does).
+func BF16Operands(b backend.Backend) backend.Backend { return bf16Operands{b} }
+
+type bf16Operands struct{ backend.Backend }
+
+func (bf16Operands) OperandType() backend.DType { return backend.BFloat16 }
