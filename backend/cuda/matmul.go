@@ -760,15 +760,11 @@ const gemmBucket = 128
 // bucketDim rounds a size up to a multiple of gemmBucket; sizes up to
 // gemmBucket keep their own entries (small products pick their algorithm
 // by exact size).
-func bucketDim(v int) int32 { return bucketBy(v, gemmBucket) }
-
-// bucketBy rounds v up to a multiple of step, leaving sizes up to step as
-// they are.
-func bucketBy(v, step int) int32 {
-	if v <= step {
+func bucketDim(v int) int32 {
+	if v <= gemmBucket {
 		return int32(v)
 	}
-	return int32((v + step - 1) / step * step)
+	return int32((v + gemmBucket - 1) / gemmBucket * gemmBucket)
 }
 
 // ptrAlign is the largest power of two up to 256 that divides p: what the
