@@ -239,8 +239,12 @@ func (m *model) lmHeadLoss(train bool, gradScale float64) {
 // finishStep fills in what a forward left on the device: the summed token
 // losses and the MoE layers' auxiliary losses. It waits for the GPU.
 func (m *model) finishStep(st *microStats) error {
+	profile.Scope(m.b, profile.ScopeHead) // the loss sum is the loss's work
 	st.lossSum = m.b.Sum(m.lossT)
-	return moe.FinishStats(m.moe, st.moe, backend.DownloadFloat64(m.b, m.moeStats))
+	profile.Scope(m.b, profile.ScopeMoE)
+	sums := backend.DownloadFloat64(m.b, m.moeStats)
+	profile.Scope(m.b, "")
+	return moe.FinishStats(m.moe, st.moe, sums)
 }
 
 // backward propagates from dFinalTD (left by a training forward) to every
