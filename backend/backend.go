@@ -160,6 +160,23 @@ type Backend interface {
 	// (the result rounded) only with beta = 0.
 	MatMul(out, a, b Tensor, transA, transB bool, alpha, beta float64)
 
+	// GroupedMatMul multiplies consecutive groups of rows by a matrix of
+	// their own (the MoE experts' forward and input-gradient products).
+	// Group g is the rows [o_g, o_g+groupRows[g]) of aRK and outRN, where
+	// o_g is the sum of the counts before it, and its matrix is block g of
+	// bG, which stacks len(groupRows) matrices by rows: [G*N, K] used
+	// transposed when transB, else [G*K, N]:
+	//   outRN[o_g:o_g+n_g] = alpha*aRK[o_g:o_g+n_g]·op(b_g) + beta*outRN[o_g:o_g+n_g]
+	// Rows past the last group are not touched. Types and beta are as
+	// for MatMul. Unlike a loop of MatMul calls it tells the backend that
+	// the row counts change from call to call (see GroupedMatMulDims).
+	GroupedMatMul(outRN, aRK, bG Tensor, groupRows []int, transB bool, alpha, beta float64)
+	// GroupedMatMulTN is the weight-gradient product of the same groups:
+	// for every group g, with outG stacking G blocks [M, N] by rows,
+	//   out_g = alpha*aRM[o_g:o_g+n_g]ᵀ·bRN[o_g:o_g+n_g] + beta*out_g
+	// A group with no rows gets beta*out_g. out is of the float type.
+	GroupedMatMulTN(outGMN, aRM, bRN Tensor, groupRows []int, alpha, beta float64)
+
 	// EmbeddingForward gathers rows: outTD[t] = tableVD[idsT[t]].
 	EmbeddingForward(outTD, tableVD, idsT Tensor)
 	// EmbeddingBackward accumulates dTableVD[idsT[t]] += dOutTD[t].

@@ -1,6 +1,9 @@
 package backend
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // MatMulDims returns m, n and k of out[m,n] = op(a)[m,k]·op(b)[k,n], checking
 // that a, b and out are 2-D and agree. Backends call it before MatMul's
@@ -34,4 +37,95 @@ func MatMulDims(out, a, b Tensor, transA, transB bool) (m, n, k int, err error) 
 		return 0, 0, 0, fmt.Errorf("out has shape %v, want [%d %d]", os, m, n)
 	}
 	return m, n, k, nil
+}
+
+// GroupedMatMulDims checks GroupedMatMul's arguments and returns the
+// product's n and k (each group is [n_g, k]·[k, n]). The counts must be
+// non-negative and add up to at most a's rows, and out must have a's rows.
+func GroupedMatMulDims(outRN, aRK, bG Tensor, groupRows []int, transB bool) (n, k int, err error) {
+	if err := check2D(map[string]Tensor{"out": outRN, "a": aRK, "b": bG}); err != nil {
+		return 0, 0, err
+	}
+	G := len(groupRows)
+	if G == 0 {
+		return 0, 0, fmt.Errorf("no groups: groupRows is empty")
+	}
+	as, bs, os := aRK.Shape(), bG.Shape(), outRN.Shape()
+	k = as[1]
+	if transB {
+		if bs[0]%G != 0 || bs[1] != k {
+			return 0, 0, fmt.Errorf("b has shape %v, want [%d*N %d] (%d matrices [N %d], transB)", bs, G, k, G, k)
+		}
+		n = bs[0] / G
+	} else {
+		if bs[0] != G*k {
+			return 0, 0, fmt.Errorf("b has shape %v, want [%d %d] (%d matrices [%d N])", bs, G*k, bs[1], G, k)
+		}
+		n = bs[1]
+	}
+	if os[0] != as[0] || os[1] != n {
+		return 0, 0, fmt.Errorf("out has shape %v, want [%d %d] (a has %d rows, each group's product %d columns)", os, as[0], n, as[0], n)
+	}
+	if err := checkGroupRows(groupRows, as[0]); err != nil {
+		return 0, 0, err
+	}
+	return n, k, nil
+}
+
+// GroupedMatMulTNDims checks GroupedMatMulTN's arguments and returns m and
+// n: a is [R, m], b [R, n] and out [G*m, n].
+func GroupedMatMulTNDims(outGMN, aRM, bRN Tensor, groupRows []int) (m, n int, err error) {
+	if err := check2D(map[string]Tensor{"out": outGMN, "a": aRM, "b": bRN}); err != nil {
+		return 0, 0, err
+	}
+	G := len(groupRows)
+	if G == 0 {
+		return 0, 0, fmt.Errorf("no groups: groupRows is empty")
+	}
+	as, bs, os := aRM.Shape(), bRN.Shape(), outGMN.Shape()
+	m, n = as[1], bs[1]
+	if bs[0] != as[0] {
+		return 0, 0, fmt.Errorf("a has %d rows and b %d; the groups split both the same way (a %v, b %v)", as[0], bs[0], as, bs)
+	}
+	if os[0] != G*m || os[1] != n {
+		return 0, 0, fmt.Errorf("out has shape %v, want [%d %d] (%d blocks [%d %d])", os, G*m, n, G, m, n)
+	}
+	if err := checkGroupRows(groupRows, as[0]); err != nil {
+		return 0, 0, err
+	}
+	return m, n, nil
+}
+
+// checkGroupRows checks that the counts are non-negative and fit rows.
+func checkGroupRows(groupRows []int, rows int) error {
+	sum := 0
+	for g, c := range groupRows {
+		if c < 0 {
+			return fmt.Errorf("group %d has %d rows", g, c)
+		}
+		sum += c
+	}
+	if sum > rows {
+		return fmt.Errorf("the groups hold %d rows, more than the %d of the operands", sum, rows)
+	}
+	return nil
+}
+
+// check2D checks that every named tensor is present and 2-D, in name order.
+func check2D(ts map[string]Tensor) error {
+	names := make([]string, 0, len(ts))
+	for name := range ts {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		t := ts[name]
+		if t == nil {
+			return fmt.Errorf("%s is nil", name)
+		}
+		if s := t.Shape(); len(s) != 2 {
+			return fmt.Errorf("%s has shape %v, want a 2-D tensor", name, s)
+		}
+	}
+	return nil
 }

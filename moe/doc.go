@@ -53,9 +53,11 @@
 //     all-reduce over the expert group completes it.
 //  4. GatherRows copies the token rows into send order and AllToAllRows
 //     moves them; only routed rows travel. They arrive by source rank, and
-//     a permutation regroups them by local expert so that each expert runs
-//     one MatMul over contiguous rows: h1 = X·W1ᵀ, h3 = X·W3ᵀ,
-//     a = silu(h1)*h3, y = a·W2ᵀ.
+//     a permutation regroups them by local expert so that each expert's
+//     rows are contiguous, and the experts run as grouped products
+//     (GroupedMatMul, one call for all local experts): h1 = X·W1ᵀ,
+//     h3 = X·W3ᵀ, a = silu(h1)*h3, y = a·W2ᵀ. The weight gradients are
+//     GroupedMatMulTN products over the same groups.
 //  5. The inverse permutation and the reverse AllToAllRows bring the
 //     outputs back in send order, and ScatterAddRows adds gate·y into each
 //     token's row of out.

@@ -336,19 +336,22 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 }
 
 // expertsForward runs the local experts on the expert-major rows st.xRD:
-// yRD = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ, one expert's rows at a time, keeping
-// the hidden activations h1, h3 and silu(h1)*h3 in st.
+// yRD = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ, each expert on its own rows (grouped
+// products), keeping the hidden activations h1, h3 and silu(h1)*h3 in st.
 func (l *Layer) expertsForward(st *step, p *Params, yRD backend.Tensor) {
-	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
-	l.eachExpert(pl, func(e expertView) {
-		x := e.rows(st.xRD, D)
-		b.MatMul(e.rows(st.h1RF, F), x, e.w1(p), false, true, 1, 0)
-		b.MatMul(e.rows(st.h3RF, F), x, e.w3(p), false, true, 1, 0)
-	})
+	b, rows := l.b, st.plan.expertRows
+	w1, w3, w2 := l.stacked(p)
+	b.GroupedMatMul(st.h1RF, st.xRD, w1, rows, true, 1, 0)
+	b.GroupedMatMul(st.h3RF, st.xRD, w3, rows, true, 1, 0)
 	b.SwiGLUForward(st.actRF, st.h1RF, st.h3RF)
-	l.eachExpert(pl, func(e expertView) {
-		b.MatMul(e.rows(yRD, D), e.rows(st.actRF, F), e.w2(p), false, true, 1, 0)
-	})
+	b.GroupedMatMul(yRD, st.actRF, w2, rows, true, 1, 0)
+}
+
+// stacked returns the local experts' matrices of p as the 2-D stacks the
+// grouped products take: w1 and w3 [E_local*F, D], w2 [E_local*D, F].
+func (l *Layer) stacked(p *Params) (w1, w3, w2 backend.Tensor) {
+	b, E, D, F := l.b, l.local, l.dim, l.cfg.FFN
+	return b.View(p.W1EFD, 0, E*F, D), b.View(p.W3EFD, 0, E*F, D), b.View(p.W2EDF, 0, E*D, F)
 }
 
 // sharedForward writes (or with add, adds) out = SwiGLU_shared(x) for every
@@ -452,22 +455,18 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 // dyRD (expert-major) it writes the input gradients dxRD and accumulates
 // the local experts' weight gradients into g.
 func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tensor) {
-	b, pl, D, F := l.b, st.plan, l.dim, l.cfg.FFN
-	sc, R := l.scratch, len(pl.perm)
+	b, rows := l.b, st.plan.expertRows
+	sc, R := l.scratch, len(st.plan.perm)
 	dActRF, dh1RF, dh3RF := sc.dActRF.view(b, R), sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
-	l.eachExpert(pl, func(e expertView) {
-		dy := e.rows(dyRD, D)
-		b.MatMul(e.rows(dActRF, F), dy, e.w2(p), false, false, 1, 0)
-		b.MatMul(e.w2(g), dy, e.rows(st.actRF, F), true, false, 1, 1)
-	})
+	w1, w3, w2 := l.stacked(p)
+	dw1, dw3, dw2 := l.stacked(g)
+	b.GroupedMatMul(dActRF, dyRD, w2, rows, false, 1, 0)
+	b.GroupedMatMulTN(dw2, dyRD, st.actRF, rows, 1, 1)
 	b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
-	l.eachExpert(pl, func(e expertView) {
-		x, dh1, dh3, dx := e.rows(st.xRD, D), e.rows(dh1RF, F), e.rows(dh3RF, F), e.rows(dxRD, D)
-		b.MatMul(e.w1(g), dh1, x, true, false, 1, 1)
-		b.MatMul(e.w3(g), dh3, x, true, false, 1, 1)
-		b.MatMul(dx, dh1, e.w1(p), false, false, 1, 0)
-		b.MatMul(dx, dh3, e.w3(p), false, false, 1, 1)
-	})
+	b.GroupedMatMulTN(dw1, dh1RF, st.xRD, rows, 1, 1)
+	b.GroupedMatMulTN(dw3, dh3RF, st.xRD, rows, 1, 1)
+	b.GroupedMatMul(dxRD, dh1RF, w1, rows, false, 1, 0)
+	b.GroupedMatMul(dxRD, dh3RF, w3, rows, false, 1, 1)
 }
 
 // sharedBackward adds the shared experts' dx to dxTD and accumulates their
@@ -481,41 +480,6 @@ func (l *Layer) sharedBackward(dxTD, doutTD, xTD backend.Tensor, p, g *Params) {
 	b.MatMul(g.SharedW3FD, l.sharedDH3TF, xTD, true, false, 1, 1)
 	b.MatMul(dxTD, l.sharedDH1TF, p.SharedW1FD, false, false, 1, 1)
 	b.MatMul(dxTD, l.sharedDH3TF, p.SharedW3FD, false, false, 1, 1)
-}
-
-// expertView is one local expert's slice of the expert-major rows and of
-// the weight tensors.
-type expertView struct {
-	b           backend.Backend
-	le          int // local expert index
-	off, n      int // its rows [off, off+n)
-	dim, hidden int // D, F
-}
-
-func (e expertView) rows(t backend.Tensor, cols int) backend.Tensor {
-	return e.b.View(t, e.off*cols, e.n, cols)
-}
-func (e expertView) w1(p *Params) backend.Tensor {
-	return e.b.View(p.W1EFD, e.le*e.hidden*e.dim, e.hidden, e.dim)
-}
-func (e expertView) w3(p *Params) backend.Tensor {
-	return e.b.View(p.W3EFD, e.le*e.hidden*e.dim, e.hidden, e.dim)
-}
-func (e expertView) w2(p *Params) backend.Tensor {
-	return e.b.View(p.W2EDF, e.le*e.dim*e.hidden, e.dim, e.hidden)
-}
-
-// eachExpert calls fn for every local expert that received rows. An expert
-// with none is skipped: its outputs are empty and its weight gradients get
-// nothing.
-func (l *Layer) eachExpert(pl *plan, fn func(expertView)) {
-	off := 0
-	for le, n := range pl.expertRows {
-		if n > 0 {
-			fn(expertView{b: l.b, le: le, off: off, n: n, dim: l.dim, hidden: l.cfg.FFN})
-		}
-		off += n
-	}
 }
 
 // checkArgs checks the activations and weights a call is given.

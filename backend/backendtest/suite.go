@@ -29,6 +29,7 @@ type Case struct {
 func cases() []Case {
 	var all []Case
 	all = append(all, coreCases()...)
+	all = append(all, groupedCases()...)
 	all = append(all, attentionCases()...)
 	all = append(all, routerCases()...)
 	all = append(all, routeCases()...)

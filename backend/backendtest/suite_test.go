@@ -36,6 +36,8 @@ func mutants() []struct{ kind, runAll, gradCheck string } {
 		{"gather-drops-scale", "GatherRows", "Rows"},
 		{"adamw-no-bias-correction", "AdamWUpdate", "AdamWUpdate"},
 		{"route-unstable", "RouteByExpert", "RouteByExpert"},
+		{"grouped-first-matrix", "GroupedMatMul", "Grouped"},
+		{"grouped-tn-skips-empty", "GroupedMatMulTN", "Grouped"},
 		// One bf16 step of error is within RunAll's tolerance; the float64
 		// checks demand round-to-nearest exactly.
 		{"bf16-rounds-toward-zero", "", "BF16"},
@@ -116,6 +118,40 @@ func (m mutant) MatMul(out, a, b backend.Tensor, transA, transB bool, alpha, bet
 	m.Backend.MatMul(out, a, b, transA, transB, alpha, beta)
 	if m.kind == "matmul-clobbers-input" && a.DType() != backend.BFloat16 {
 		m.Backend.Scale(a, 2)
+	}
+}
+
+func (m mutant) GroupedMatMul(out, a, bG backend.Tensor, groupRows []int, transB bool, alpha, beta float64) {
+	if m.kind != "grouped-first-matrix" {
+		m.Backend.GroupedMatMul(out, a, bG, groupRows, transB, alpha, beta)
+		return
+	}
+	// Every group multiplies by the first group's matrix.
+	k, n := a.Shape()[1], out.Shape()[1]
+	b0 := m.View(bG, 0, bG.Shape()[0]/len(groupRows), bG.Shape()[1])
+	off := 0
+	for _, rows := range groupRows {
+		if rows > 0 {
+			m.Backend.GroupedMatMul(m.View(out, off*n, rows, n), m.View(a, off*k, rows, k), b0, []int{rows}, transB, alpha, beta)
+		}
+		off += rows
+	}
+}
+
+func (m mutant) GroupedMatMulTN(out, a, b backend.Tensor, groupRows []int, alpha, beta float64) {
+	if m.kind != "grouped-tn-skips-empty" {
+		m.Backend.GroupedMatMulTN(out, a, b, groupRows, alpha, beta)
+		return
+	}
+	// An empty group's block is left as it was, whatever beta.
+	rowsM, n := out.Shape()[0]/len(groupRows), out.Shape()[1]
+	off := 0
+	for g, rows := range groupRows {
+		if rows > 0 {
+			m.Backend.GroupedMatMulTN(m.View(out, g*rowsM*n, rowsM, n), m.View(a, off*a.Shape()[1], rows, a.Shape()[1]),
+				m.View(b, off*b.Shape()[1], rows, b.Shape()[1]), []int{rows}, alpha, beta)
+		}
+		off += rows
 	}
 }
 

@@ -180,3 +180,24 @@ func axpyRows[T Float](o, a []T, ak int, bk []T, ldb, kw int, alpha T) {
 		}
 	}
 }
+
+// GroupedMatMul is one MatMul per group (backend.GroupedMatMulByLoop).
+func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, transB bool, alpha, beta float64) {
+	const op = "GroupedMatMul"
+	if _, _, err := backend.GroupedMatMulDims(outRN, aRK, bG, groupRows, transB); err != nil {
+		fail(op, "%v", err)
+	}
+	backend.GroupedMatMulByLoop(b, outRN, aRK, bG, groupRows, transB, alpha, beta)
+}
+
+// GroupedMatMulTN is one MatMul per group (backend.GroupedMatMulTNByLoop).
+func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []int, alpha, beta float64) {
+	const op = "GroupedMatMulTN"
+	if _, _, err := backend.GroupedMatMulTNDims(outGMN, aRM, bRN, groupRows); err != nil {
+		fail(op, "%v", err)
+	}
+	if outGMN.DType() == backend.BFloat16 {
+		fail(op, "out is bfloat16; the weight gradients it accumulates are of the float type")
+	}
+	backend.GroupedMatMulTNByLoop(b, outGMN, aRM, bRN, groupRows, alpha, beta)
+}

@@ -122,3 +122,64 @@ func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, out
 	b.fail(AttentionBackward(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s))
 	runtime.KeepAlive(ts)
 }
+
+// GroupedMatMul runs one cuBLASLt product per group of rows (see
+// backend.Backend and Gemm.GroupedMatMul): the MoE experts' forward and
+// input-gradient products, whose row counts change every step.
+func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, transB bool, alpha, beta float64) {
+	const op = "GroupedMatMul"
+	at, _, _ := operandMatrix(op, "a", aRK)
+	bt, _, _ := operandMatrix(op, "b", bG)
+	ot, _, _ := operandMatrix(op, "out", outRN)
+	n, k, err := backend.GroupedMatMulDims(outRN, aRK, bG, groupRows, transB)
+	if err != nil {
+		fail(op, "%v", err)
+	}
+	b.checkGroupedOut(op, ot, at, bt, beta)
+	ps, ok := devicePtrs(ot, at, bt)
+	if !ok {
+		return
+	}
+	types := GemmTypes{Out: ot.dt, A: at.dt, B: bt.dt}
+	b.fail(b.gemm.GroupedMatMul(types, ps[0], ps[1], ps[2], groupRows, n, k, transB, float32(alpha), float32(beta)))
+	runtime.KeepAlive(ot)
+	runtime.KeepAlive(at)
+	runtime.KeepAlive(bt)
+}
+
+// GroupedMatMulTN runs one cuBLASLt product per group (see
+// backend.Backend and Gemm.GroupedMatMulTN): the experts' weight
+// gradients.
+func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []int, alpha, beta float64) {
+	const op = "GroupedMatMulTN"
+	at, _, _ := operandMatrix(op, "a", aRM)
+	bt, _, _ := operandMatrix(op, "b", bRN)
+	ot, _, _ := operandMatrix(op, "out", outGMN)
+	m, n, err := backend.GroupedMatMulTNDims(outGMN, aRM, bRN, groupRows)
+	if err != nil {
+		fail(op, "%v", err)
+	}
+	if ot.dt == backend.BFloat16 {
+		fail(op, "out is bfloat16; the weight gradients it accumulates are float32")
+	}
+	b.checkGroupedOut(op, ot, at, bt, beta)
+	ps, ok := devicePtrs(ot, at, bt)
+	if !ok {
+		return
+	}
+	types := GemmTypes{Out: ot.dt, A: at.dt, B: bt.dt}
+	b.fail(b.gemm.GroupedMatMulTN(types, ps[0], ps[1], ps[2], groupRows, m, n, float32(alpha), float32(beta)))
+	runtime.KeepAlive(ot)
+	runtime.KeepAlive(at)
+	runtime.KeepAlive(bt)
+}
+
+// checkGroupedOut applies MatMul's rules on out to a grouped product.
+func (b *Backend) checkGroupedOut(op string, ot, at, bt *Tensor, beta float64) {
+	if ot.dt == backend.BFloat16 && beta != 0 {
+		fail(op, "out is bfloat16, which needs beta = 0 (got %v)", beta)
+	}
+	if overlaps(ot, at) || overlaps(ot, bt) {
+		fail(op, "out (%s) overlaps an input (a %s, b %s)", ot.describe(), at.describe(), bt.describe())
+	}
+}

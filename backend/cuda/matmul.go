@@ -305,10 +305,64 @@ func (g *Gemm) MatMulTypes(t GemmTypes, out, a, b driver.DevicePtr, m, n, k int,
 	if err := t.check(); err != nil {
 		return err
 	}
+	return g.matmul(g.typedCall(t, out, a, b, m, n, k, transA, transB, alpha, beta))
+}
+
+// GroupedMatMul runs one product per group of rows (backend.Backend's
+// GroupedMatMul on device pointers): group g is the rows [o_g,
+// o_g+groupRows[g]) of a ([R, k]) and out ([R, n]), times block g of b
+// ([G*n, k] read transposed when transB, else [G*k, n]). The products are
+// ragged: their algorithms are cuBLASLt's heuristic choices per size
+// bucket, never autotuned (see autotunes).
+func (g *Gemm) GroupedMatMul(t GemmTypes, out, a, b driver.DevicePtr, groupRows []int, n, k int, transB bool, alpha, beta float32) error {
+	if err := t.check(); err != nil {
+		return err
+	}
+	outB, aB, bB := int64(dtypeBytes(t.Out)), int64(dtypeBytes(t.A)), int64(dtypeBytes(t.B))
+	off := int64(0)
+	for gi, rows := range groupRows {
+		if rows > 0 {
+			c := g.typedCall(t, out+driver.DevicePtr(off*int64(n)*outB), a+driver.DevicePtr(off*int64(k)*aB),
+				b+driver.DevicePtr(int64(gi)*int64(n)*int64(k)*bB), rows, n, k, false, transB, alpha, beta)
+			c.ragged = true
+			if err := g.matmul(c); err != nil {
+				return fmt.Errorf("group %d: %w", gi, err)
+			}
+		}
+		off += int64(rows)
+	}
+	return nil
+}
+
+// GroupedMatMulTN is backend.Backend's GroupedMatMulTN on device
+// pointers: for every group g, block g of out ([G*m, n]) = alpha *
+// a[o_g:o_g+n_g]ᵀ·b[o_g:o_g+n_g] + beta*block g, with a [R, m] and b [R,
+// n]; an empty group's block is scaled by beta. Ragged, like
+// GroupedMatMul.
+func (g *Gemm) GroupedMatMulTN(t GemmTypes, out, a, b driver.DevicePtr, groupRows []int, m, n int, alpha, beta float32) error {
+	if err := t.check(); err != nil {
+		return err
+	}
+	outB, aB, bB := int64(dtypeBytes(t.Out)), int64(dtypeBytes(t.A)), int64(dtypeBytes(t.B))
+	off := int64(0)
+	for gi, rows := range groupRows {
+		c := g.typedCall(t, out+driver.DevicePtr(int64(gi)*int64(m)*int64(n)*outB), a+driver.DevicePtr(off*int64(m)*aB),
+			b+driver.DevicePtr(off*int64(n)*bB), m, n, rows, true, false, alpha, beta)
+		c.ragged = true
+		if err := g.matmul(c); err != nil {
+			return fmt.Errorf("group %d: %w", gi, err)
+		}
+		off += int64(rows)
+	}
+	return nil
+}
+
+// typedCall is the gemmCall of one product on matrices stored as t says.
+func (g *Gemm) typedCall(t GemmTypes, out, a, b driver.DevicePtr, m, n, k int, transA, transB bool, alpha, beta float32) gemmCall {
 	c := gemmCall{out: out, a: a, b: b, m: m, n: n, k: k, transA: transA, transB: transB, alpha: alpha, beta: beta}
 	c.outBF16, c.aBF16, c.bBF16 = t.bf16()
 	c.bf16 = g.opts.Precision == GemmBF16 || (c.aBF16 && c.bBF16)
-	return g.matmul(c)
+	return c
 }
 
 func (g *Gemm) matmul(c gemmCall) error {
@@ -544,12 +598,14 @@ func (g *Gemm) heuristic(c gemmCall, p ltPlan) (chosenAlgo, error) {
 
 // autotunes reports whether c's algorithm is chosen by timing: products of
 // at least autotuneMinFLOPs whose sizes are all multiples of
-// autotuneMultiple. Those are the model's own dimensions, the same every
-// step (attention projections, LM head); a MoE expert's rows change every
-// step and are rarely such a multiple, so its products keep the
-// heuristic's choice per size bucket instead of timing each new count.
+// autotuneMultiple, outside grouped products. Those are the model's own
+// dimensions, the same every step (attention projections, LM head). A MoE
+// expert's rows change every step, so its products (GroupedMatMul, ragged)
+// keep the heuristic's choice per size bucket: timing each count that
+// happens to be a multiple of 128 cost a stalled step now and then, with
+// candidates that ran for milliseconds, for a shape that may never recur.
 func (g *Gemm) autotunes(c gemmCall) bool {
-	return !g.opts.NoAutotune && 2*float64(c.m)*float64(c.n)*float64(c.k) >= autotuneMinFLOPs &&
+	return !g.opts.NoAutotune && !c.ragged && 2*float64(c.m)*float64(c.n)*float64(c.k) >= autotuneMinFLOPs &&
 		c.m%autotuneMultiple == 0 && c.n%autotuneMultiple == 0 && c.k%autotuneMultiple == 0
 }
 
@@ -625,6 +681,9 @@ type gemmCall struct {
 	// An operand stored in the other type than cuBLASLt reads is converted
 	// into scratch first (convA, convB), so out may overlap it.
 	aBF16, bBF16, outBF16 bool
+	// ragged: one product of a group whose sizes change from call to call
+	// (GroupedMatMul): never autotuned.
+	ragged bool
 }
 
 func (c gemmCall) convA() bool { return c.aBF16 != c.bf16 }

@@ -12,7 +12,7 @@ const (
 // Kinds of work a Report sums time into.
 const (
 	KindAttention   = "attention"             // AttentionForward/Backward
-	KindExpertGEMM  = "expert GEMM"           // MatMul in MoE layers (the router's gate GEMM included)
+	KindExpertGEMM  = "expert GEMM"           // grouped products, and MatMul in MoE layers (the router gate)
 	KindDenseGEMM   = "dense GEMM"            // other MatMul: attention projections, LM head
 	KindDispatch    = "dispatch/permute"      // moving routed rows to and from experts
 	KindRouter      = "router"                // RouterForward/Backward (softmax, top-k)
@@ -32,6 +32,7 @@ const (
 //	moe         Copy, Zero                                  dispatch/permute
 //	head        Sum                                         loss
 //	any         Upload, Download, Sync                      host transfers
+//	any         GroupedMatMul, GroupedMatMulTN              expert GEMM
 //	any         AttentionForward, AttentionBackward         attention
 //	any         MatMul                                      dense GEMM
 //	any         GatherRows, ScatterAddRows, RowDots         dispatch/permute
@@ -63,6 +64,8 @@ func KindOf(scope, op string) string {
 	switch op {
 	case opUpload, opDownload, opSync:
 		return KindTransfers
+	case opGroupedMatMul, opGroupedMatMulTN:
+		return KindExpertGEMM
 	case opAttentionForward, opAttentionBackward:
 		return KindAttention
 	case opMatMul:

@@ -21,6 +21,8 @@ const (
 	opSum               = "Sum"
 	opSumSquares        = "SumSquares"
 	opMatMul            = "MatMul"
+	opGroupedMatMul     = "GroupedMatMul"
+	opGroupedMatMulTN   = "GroupedMatMulTN"
 	opEmbeddingForward  = "EmbeddingForward"
 	opEmbeddingBackward = "EmbeddingBackward"
 	opRMSNormForward    = "RMSNormForward"
@@ -104,6 +106,16 @@ func (p *Backend) SumSquares(t backend.Tensor) float64 {
 func (p *Backend) MatMul(out, a, b backend.Tensor, transA, transB bool, alpha, beta float64) {
 	defer p.end(p.begin(), opMatMul)
 	p.inner.MatMul(out, a, b, transA, transB, alpha, beta)
+}
+
+func (p *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, transB bool, alpha, beta float64) {
+	defer p.end(p.begin(), opGroupedMatMul)
+	p.inner.GroupedMatMul(outRN, aRK, bG, groupRows, transB, alpha, beta)
+}
+
+func (p *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []int, alpha, beta float64) {
+	defer p.end(p.begin(), opGroupedMatMulTN)
+	p.inner.GroupedMatMulTN(outGMN, aRM, bRN, groupRows, alpha, beta)
 }
 
 func (p *Backend) EmbeddingForward(outTD, tableVD, idsT backend.Tensor) {

@@ -35,7 +35,7 @@ func TestConformanceThroughProfiler(t *testing.T) {
 		}
 		seen[o.Op] = true
 	}
-	for _, op := range []string{opMatMul, opAttentionForward, opAttentionBackward, opRouterForward, opRouterBackward,
+	for _, op := range []string{opMatMul, opGroupedMatMul, opGroupedMatMulTN, opAttentionForward, opAttentionBackward, opRouterForward, opRouterBackward,
 		opGatherRows, opScatterAddRows, opRowDots, opCrossEntropy, opAdamWUpdate, opRMSNormBackward, opRoPE, opUpload, opDownload} {
 		if !seen[op] {
 			t.Errorf("the suite ran %s but the report lacks it", op)
@@ -281,6 +281,10 @@ func TestKindOf(t *testing.T) {
 		{ScopeAttention, opRoPE, KindElementwise},
 		{ScopeAttention, opCopy, KindElementwise},
 		{ScopeMoE, opMatMul, KindExpertGEMM},
+		{ScopeMoE, opGroupedMatMul, KindExpertGEMM},
+		{ScopeMoE, opGroupedMatMulTN, KindExpertGEMM},
+		{"", opGroupedMatMul, KindExpertGEMM},
+		{ScopeOptimizer, opGroupedMatMulTN, KindOptimizer},
 		{ScopeMoE, opGatherRows, KindDispatch},
 		{ScopeMoE, opScatterAddRows, KindDispatch},
 		{ScopeMoE, opRowDots, KindDispatch},
