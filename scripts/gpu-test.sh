@@ -32,7 +32,8 @@
 # logs.tgz (every raw log and test2json stream). It prints a short table
 # last and exits non-zero if any package or benchmark failed.
 #
-# Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip;
+# Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
+# and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
 # NO_BENCH=1 skips steps 2 to 4, NO_LAYOUTS=1 step 4, NO_HF=1 step 5;
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
 # else python3).
@@ -112,6 +113,7 @@ while IFS='|' read -r pkg filter; do
     continue
   fi
   run_args=()
+  [[ -n "${GPU_TEST_RUN:-}" ]] && filter=$GPU_TEST_RUN
   [[ -n "$filter" ]] && run_args=(-test.run "$filter")
   echo "== $pkg ${filter:+(-test.run $filter)}"
   start=$(date +%s%N)

@@ -146,6 +146,10 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if profErr != nil {
 		return fmt.Errorf("bench: profiling step %d: %w", measuredEnd+1, profErr)
 	}
+	stepMS := make([]float64, len(stepSeconds)) // in step order, for spotting outliers
+	for i, s := range stepSeconds {
+		stepMS[i] = s * 1e3
+	}
 	slices.Sort(stepSeconds)
 	median := stepSeconds[len(stepSeconds)/2]
 	flopsPerToken := modelFLOPsPerToken(cfg.Model, cfg.Train.Seq)
@@ -153,6 +157,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		"tokens_per_step": tokens,
 		"step_ms_median":  median * 1e3,
 		"step_ms_min":     stepSeconds[0] * 1e3,
+		"step_ms":         stepMS,
 		"tokens_per_s":    tokens / median,
 		"measured_steps":  len(stepSeconds),
 		"ranks":           cfg.Parallel.DP * cfg.Parallel.EP * cfg.Parallel.CP * cfg.Parallel.TP,
