@@ -792,9 +792,18 @@ func (c gemmCall) validate() error {
 // heuristic for each new count (a round trip to the device thread and a
 // search, far longer than the product) would stall every MoE layer. The
 // algorithm chosen for the first shape of a bucket serves the others.
+//
+// A ragged product's sizes (a grouped product's rows) take coarser
+// buckets, a quarter octave wide (raggedBucketDim): its rows are new
+// nearly every step, and each new bucket costs a heuristic search on the
+// device thread while the GPU waits for the layer's routing anyway.
 func (c gemmCall) key() gemmKey {
+	bucket := bucketDim
+	if c.ragged {
+		bucket = raggedBucketDim
+	}
 	return gemmKey{
-		m: bucketDim(c.m), n: bucketDim(c.n), k: bucketDim(c.k), transA: c.transA, transB: c.transB, bf16: c.bf16,
+		m: bucket(c.m), n: bucket(c.n), k: bucket(c.k), transA: c.transA, transB: c.transB, bf16: c.bf16,
 		aBF16: c.aBF16, bBF16: c.bBF16, outBF16: c.outBF16,
 		alignA: ptrAlign(c.a), alignB: ptrAlign(c.b), alignOut: ptrAlign(c.out),
 	}
@@ -824,6 +833,17 @@ func bucketDim(v int) int32 {
 		return int32(v)
 	}
 	return int32((v + gemmBucket - 1) / gemmBucket * gemmBucket)
+}
+
+// raggedBucketDim rounds a size up to a multiple of a quarter of the power
+// of two at or below it (at least gemmBucket): 4096 stays, 4097 becomes
+// 5120. Sizes up to gemmBucket keep their own entries, as in bucketDim.
+func raggedBucketDim(v int) int32 {
+	if v <= gemmBucket {
+		return int32(v)
+	}
+	step := max(gemmBucket, 1<<(bits.Len(uint(v))-1)/4)
+	return int32((v + step - 1) / step * step)
 }
 
 // ptrAlign is the largest power of two up to 256 that divides p: what the

@@ -261,6 +261,20 @@ func TestAlgoCache(t *testing.T) {
 	if rows(4097, 1024) == rows(4096, 1024) || rows(100, 1024) == rows(101, 1024) {
 		t.Errorf("row counts of different buckets share a key")
 	}
+	// A grouped (ragged) product's rows take quarter-octave buckets.
+	ragged := func(m int) gemmKey {
+		return gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: m, n: 2816, k: 1024, ragged: true}.key()
+	}
+	if ragged(3073) != ragged(4096) || ragged(4097) != ragged(5120) || ragged(4096) == ragged(4097) ||
+		ragged(100) == ragged(101) || ragged(1000) != ragged(1024) || ragged(129) != ragged(256) {
+		t.Errorf("ragged row buckets: 3073..4096, 4097..5120, 897..1024 and 129..256 share keys, and nothing else")
+	}
+	for v := 1; v < 1<<16; v++ {
+		b := int(raggedBucketDim(v))
+		if b < v || (v > gemmBucket && b-v >= max(gemmBucket, v/4)) {
+			t.Fatalf("raggedBucketDim(%d) = %d", v, b)
+		}
+	}
 	// An autotuned algorithm serves its exact sizes only.
 	tuned := func(m int) gemmKey {
 		return gemmCall{out: 0x1000, a: 0x2000, b: 0x3000, m: m, n: 2816, k: 1024}.tuneKey()
