@@ -66,7 +66,12 @@ if [[ "${1:-}" == "build" ]]; then
     files+=("$(name_of "$pkg").test")
   done
   CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -ldflags='-s -w' -o "$BIN/test2json" cmd/test2json
-  CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -buildvcs=true -ldflags='-s -w' -o "$BIN/mktrain" ./cmd/mktrain
+  # The commit is stamped explicitly: Go's VCS stamping is off on some
+  # build machines (GOFLAGS=-buildvcs=false) and finds nothing in a git
+  # worktree.
+  rev=$(git rev-parse HEAD)
+  git diff --quiet HEAD -- . ':!.gpu' || rev+="+dirty"
+  CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -ldflags="-s -w -X main.buildCommit=$rev" -o "$BIN/mktrain" ./cmd/mktrain
   files+=(test2json mktrain packages.txt)
   if [[ -f "$PEER_SRC" ]]; then
     cp -f "$PEER_SRC" "$BIN/peer/"

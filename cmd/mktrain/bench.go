@@ -324,6 +324,9 @@ func writeResult(stdout io.Writer, dir string, res benchResult) error {
 // commit is the source revision, from the build info (with "+dirty" when
 // the tree had uncommitted changes), else from git.
 func commit() string {
+	if buildCommit != "" {
+		return buildCommit
+	}
 	if info, ok := debug.ReadBuildInfo(); ok {
 		rev, dirty := "", ""
 		for _, s := range info.Settings {

@@ -8,6 +8,12 @@ import (
 	"github.com/mktrain/mktrain/engine"
 )
 
+// buildCommit is the source revision stamped by the linker
+// (-ldflags "-X main.buildCommit=REV", as scripts/gpu-test.sh build does),
+// for builds where Go's own VCS stamping is off or finds no repository;
+// "" otherwise. Benchmark results name it as their commit.
+var buildCommit string
+
 // versionString is the release, the source revision when the binary was
 // built from a git checkout, and the Go version.
 func versionString() string {
@@ -23,6 +29,9 @@ func versionString() string {
 				}
 			}
 		}
+	}
+	if rev == "" && buildCommit != "" {
+		rev = " " + buildCommit[:min(12, len(buildCommit))]
 	}
 	return fmt.Sprintf("mktrain %s%s (%s %s/%s)", engine.Version, rev, runtime.Version(), runtime.GOOS, runtime.GOARCH)
 }
