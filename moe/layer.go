@@ -56,6 +56,8 @@ type Layer struct {
 	scratch                              *Scratch
 
 	step *step // the last successful Forward, nil before
+
+	onPhase func(Phase) // WithPhaseHook; nil when off
 }
 
 // Scratch is the working memory a Layer uses only inside one Forward or
@@ -215,6 +217,7 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	}
 	b, E, K := l.b, l.cfg.Experts, l.cfg.TopK
 
+	l.phase(PhaseRoute)
 	// Route: logits = x·Gateᵀ, then softmax, top-k and renormalised gates.
 	b.MatMul(l.logitsTE, xTD, p.GateED, false, true, 1, 0)
 	b.RouterForward(l.probsTE, l.lseT, l.idxTK, l.gatesTK, l.logitsTE, biasE)
@@ -245,6 +248,7 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	if err != nil {
 		return Stats{}, err
 	}
+	l.phase(PhaseCountExchange)
 	if err := l.exchangeCounts(pl); err != nil {
 		return Stats{}, err
 	}
@@ -270,6 +274,7 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		b.ScatterAddRows(outTD, st.ySD, st.sendTokS, st.gateS)
 	}
 	l.step = st
+	l.phase(PhaseEnd)
 	return stats, nil
 }
 
@@ -300,6 +305,7 @@ func (l *Layer) exchangeCounts(pl *plan) error {
 func (l *Layer) dispatchForward(st *step, p *Params) error {
 	b, pl := l.b, st.plan
 	S, R := pl.sent, len(pl.perm)
+	l.phase(PhaseDispatch)
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
 	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
 	if l.g.Expert.Size() == 1 {
@@ -308,8 +314,12 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 		// straight into xRD and the experts write straight into ySD.
 		if S > 0 {
 			b.GatherRows(st.xRD, st.xTD, st.sendTokS, nil)
+		}
+		l.phase(PhaseExperts)
+		if S > 0 {
 			l.expertsForward(st, p, st.ySD)
 		}
+		l.phase(PhaseCombine)
 		return nil
 	}
 	st.permR = l.permR.uploadInts(b, pl.perm)
@@ -323,10 +333,16 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 	if err := l.g.Expert.AllToAllRows(recvRD, sendSD, pl.recvCounts, pl.sendCounts); err != nil {
 		return fmt.Errorf("moe: dispatch: %w", err)
 	}
+	yRD := sc.rowsR2D.view(b, R)
 	if R > 0 {
 		b.GatherRows(st.xRD, recvRD, st.permR, nil)
-		yRD := sc.rowsR2D.view(b, R)
+	}
+	l.phase(PhaseExperts)
+	if R > 0 {
 		l.expertsForward(st, p, yRD)
+	}
+	l.phase(PhaseCombine)
+	if R > 0 {
 		b.GatherRows(recvRD, yRD, st.invPermR, nil) // back to arrival order
 	}
 	if err := l.g.Expert.AllToAllRows(st.ySD, recvRD, pl.sendCounts, pl.recvCounts); err != nil {
@@ -385,6 +401,7 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	}
 	b, K, S := l.b, l.cfg.TopK, st.plan.sent
 
+	l.phase(PhaseRouterBackward)
 	// Gate gradients: dgate[t,k] = dout[t]·y[t,k] for kept assignments; a
 	// dropped assignment contributed nothing and gets 0.
 	b.Zero(l.dgatesTK)
@@ -402,7 +419,11 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	if l.sharedFFN > 0 {
 		l.sharedBackward(dxTD, doutTD, st.xTD, p, g)
 	}
-	return l.dispatchBackward(dxTD, doutTD, st, p, g)
+	if err := l.dispatchBackward(dxTD, doutTD, st, p, g); err != nil {
+		return err
+	}
+	l.phase(PhaseEnd)
+	return nil
 }
 
 // dispatchBackward runs the routed path in reverse: dy = gate·dout travels to
@@ -413,13 +434,20 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 	S, R := pl.sent, len(pl.perm)
 
 	sc := l.scratch
+	l.phase(PhaseDispatchBackward)
 	if l.g.Expert.Size() == 1 {
 		// One rank: send order is expert-major order (see dispatchForward),
 		// so dy is gathered straight into the experts' operand rows.
+		dyRD, dxSD := sc.dyRD.view(b, S), sc.rowsR1D.view(b, S)
 		if S > 0 {
-			dyRD, dxSD := sc.dyRD.view(b, S), sc.rowsR1D.view(b, S)
 			b.GatherRows(dyRD, doutTD, st.sendTokS, st.gateS)
+		}
+		l.phase(PhaseExpertsBackward)
+		if S > 0 {
 			l.expertsBackward(st, p, g, dyRD, dxSD)
+		}
+		l.phase(PhaseCombineBackward)
+		if S > 0 {
 			b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
 		}
 		return nil
@@ -438,7 +466,13 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 	dyRD, dxRD, dxRecvRD := sc.rowsR2D.view(b, R), sc.rowsR1D.view(b, R), sc.rowsR2D.view(b, R)
 	if R > 0 {
 		b.GatherRows(dyRD, dyRecvRD, st.permR, nil)
+	}
+	l.phase(PhaseExpertsBackward)
+	if R > 0 {
 		l.expertsBackward(st, p, g, dyRD, dxRD)
+	}
+	l.phase(PhaseCombineBackward)
+	if R > 0 {
 		b.GatherRows(dxRecvRD, dxRD, st.invPermR, nil)
 	}
 	dxSD := sc.rowsSD.view(b, S)

@@ -24,6 +24,7 @@ import (
 
 const benchUsage = `Usage: mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--set k=v]... [--out DIR]
        mktrain bench checkpoint [RECIPE] [--set k=v]... (see mktrain bench checkpoint --help)
+       mktrain bench moe [--shape S,...] [--world W,...] (see mktrain bench moe --help)
 
 Measures training throughput: runs RECIPE (default tiny) for warmup+steps
 optimizer steps, ignores the warmup steps, and prints the median tokens/s and
@@ -46,7 +47,7 @@ type benchResult struct {
 	Command   string         `json:"command"`
 	Machine   machineInfo    `json:"machine"`
 	Recipe    string         `json:"recipe"`
-	Config    engine.Config  `json:"config"`
+	Config    any            `json:"config"` // the engine.Config, or a benchmark's own settings
 	Figures   map[string]any `json:"figures"`
 }
 
@@ -63,9 +64,12 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if len(args) > 0 && args[0] == "checkpoint" {
 		return cmdBenchCheckpoint(ctx, args[1:], stdout, stderr)
 	}
+	if len(args) > 0 && args[0] == "moe" {
+		return cmdBenchMoE(ctx, args[1:], stdout, stderr)
+	}
 	if len(args) == 0 || args[0] != "train" {
 		fmt.Fprint(stderr, benchUsage)
-		return usageError{"bench takes the subcommand train or checkpoint"}
+		return usageError{"bench takes the subcommand train, checkpoint or moe"}
 	}
 	fs := newFlagSet("bench train", benchUsage, stderr)
 	var sets setFlags
