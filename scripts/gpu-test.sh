@@ -24,17 +24,21 @@
 #   3. runs the PyTorch peer on the same model and batch, same step counts;
 #   4. runs the benchmark for the parallel layouts of world 2 and 4 on the
 #      one GPU (virtual ranks, moe-small's per-rank shape);
-#   5. the Hugging Face check (scripts/hf_check.py).
+#   5. `mktrain bench moe`: one MoE layer at W = 1, 2, 4, 8 virtual
+#      expert-parallel ranks, moe-small's and a fine-grained shape, with
+#      the time of each phase of the unfused path (moe.json);
+#   6. the Hugging Face check (scripts/hf_check.py).
 # It writes under $OUT (or .gpu/out) a few files, so that a device call
 # brings them all back: summary.json (per-package counts, the "figure:"
 # lines the tests log, the two tokens/s figures), bench.json (mktrain's
-# result), peer.json (the peer's line), layouts.json, hf_check.json and
+# result), peer.json (the peer's line), layouts.json, moe.json, hf_check.json and
 # logs.tgz (every raw log and test2json stream). It prints a short table
 # last and exits non-zero if any package or benchmark failed.
 #
 # Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
-# NO_BENCH=1 skips steps 2 to 4, NO_LAYOUTS=1 step 4, NO_HF=1 step 5;
+# NO_BENCH=1 skips steps 2 to 5, NO_LAYOUTS=1 step 4, NO_MOE=1 step 5,
+# NO_HF=1 step 6;
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
 # else python3).
 set -uo pipefail
@@ -234,6 +238,21 @@ for r in rows:
     print("  %-12s %5d %9.1f %11.0f %12.0f   %s" % (r["layout"], r["ranks"], r["step_ms"], r["tokens_per_s"],
                                                    r["tokens_per_s"] / r["ranks"], top))
 PYEOF
+  echo
+fi
+
+# One MoE layer on W = 1, 2, 4, 8 virtual expert-parallel ranks, with the
+# unfused path's phases (mktrain bench moe): moe.json.
+if [[ "${NO_BENCH:-}" != 1 && "${NO_MOE:-}" != 1 && -x "$BIN/mktrain" ]]; then
+  echo "== mktrain bench moe (one layer, virtual expert-parallel ranks)"
+  mkdir -p "$LOGS/moe"
+  timeout 240 "$BIN/mktrain" bench moe --shape moe-small,fine --world 1,2,4,8 --steps 5 --warmup 2 --backend cuda \
+    --out "$LOGS/moe" >"$LOGS/moe.log" 2>&1
+  rc=$?
+  grep -v '^wrote ' "$LOGS/moe.log" | tail -n 14
+  [[ $rc -ne 0 ]] && { echo "  bench moe: exit $rc"; status=1; }
+  f=$(ls "$LOGS"/moe/moe-*.json 2>/dev/null | head -n 1)
+  [[ -n "$f" ]] && cp "$f" "$OUT/moe.json"
   echo
 fi
 
