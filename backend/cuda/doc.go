@@ -83,14 +83,19 @@
 //
 // # Matrix products
 //
-// Gemm (matmul.go) runs every MatMul through cuBLASLt. The algorithm for a
-// product comes from cuBLASLt's heuristic, cached per size bucket of 128
-// (an expert's row count changes every step; asking again for each would
-// cost more than the product). Products of at least 2 GFLOP whose sizes are
-// all multiples of 128, the model's own dimensions, are autotuned the first
-// time they come: cuBLASLt's best 8 candidates are timed and the fastest
-// kept for those sizes (GemmOptions.NoAutotune turns it off for runs that
-// must repeat bit for bit).
+// Gemm (matmul.go) runs every MatMul through cuBLASLt, and the grouped
+// products (GroupedMatMul, GroupedMatMulTN: the MoE experts) as one
+// cuBLASLt call per group. The algorithm for a product comes from
+// cuBLASLt's heuristic, cached per size bucket: 128 wide for MatMul, a
+// quarter octave wide for a grouped product's rows (an expert's row count
+// changes every step; asking again for each would cost more than the
+// product, and the GPU waits on the layer's routing meanwhile). MatMul
+// products of at least 2 GFLOP whose sizes are all multiples of 128, the
+// model's own dimensions, are autotuned the first time they come:
+// cuBLASLt's best 8 candidates are timed and the fastest kept for those
+// sizes (GemmOptions.NoAutotune turns it off for runs that must repeat bit
+// for bit). Grouped products are never autotuned: a row count seen once
+// may never recur.
 //
 // # Collectives
 //
