@@ -19,8 +19,19 @@
 // NCCL implementation of the same interface is cuda.NCCLGroup (package
 // backend/cuda, since it needs device pointers); launch.go and
 // rendezvous.go hold the multi-node launch configuration and the TCP
-// rendezvous (Join) that hands out its unique id (Rendezvous.Blob). The
-// engine trains on in-process groups only so far.
+// rendezvous (Join) that hands out its unique id (Rendezvous.Blob).
+//
+// The TCP implementation (NewTCPRanks, tcp.go) spreads the ranks over
+// several processes, one per node, each hosting an equal block of world
+// ranks; the groups move host copies of the tensors over TCP and reduce in
+// rank order at each group's rank 0, so a layout gives bitwise the same
+// results across processes as in one. The nodes publish their data ports
+// through the rendezvous (RendezvousConfig.DataPort, DataAddrs), which
+// also gives the run id that tags the connections (RunIDFromBlob). A node
+// that dies or goes silent fails every pending operation on every node
+// with an error naming it and its ranks. The engine trains a multi-process
+// run on the CPU backend through it (engine.RunDistributed, mktrain run
+// --nnodes); the CUDA backend's multi-node path awaits the NCCL groups.
 package comm
 
 import "github.com/mktrain/mktrain/backend"

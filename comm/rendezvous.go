@@ -73,6 +73,10 @@ type RendezvousConfig struct {
 	// Blob is what node 0 hands to every node (an NCCL unique id); the
 	// other nodes' Blob is ignored.
 	Blob [BlobSize]byte
+	// DataPort is the port this node's data connections listen on (the TCP
+	// communicator's, NewTCPRanks), published in the node table; 0 when
+	// the node has none.
+	DataPort int
 
 	// Timeout bounds the wait: node 0 waits this long for every node, the
 	// others this long for node 0 to answer their dial and then this long
@@ -94,6 +98,7 @@ type NodeInfo struct {
 	Hostname   string `json:"hostname"`
 	Addr       string `json:"addr,omitempty"` // its IP as node 0 sees it (node 0: MasterAddr)
 	LocalRanks int    `json:"local_ranks"`
+	DataPort   int    `json:"data_port,omitempty"` // its data listener's port (RendezvousConfig.DataPort)
 	RecipeHash string `json:"recipe_hash"`
 	Version    string `json:"version"`
 }
@@ -140,7 +145,7 @@ func Join(ctx context.Context, cfg RendezvousConfig) (*Rendezvous, error) {
 		addr: l.Addr(),
 		self: NodeInfo{
 			NodeRank: l.NodeRank, NNodes: l.NNodes, Hostname: cfg.Hostname, Addr: l.MasterAddr,
-			LocalRanks: l.LocalRanks, RecipeHash: cfg.RecipeHash, Version: cfg.Version,
+			LocalRanks: l.LocalRanks, DataPort: cfg.DataPort, RecipeHash: cfg.RecipeHash, Version: cfg.Version,
 		},
 		events:  make(chan event),
 		aborts:  make(chan error),

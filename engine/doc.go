@@ -65,7 +65,11 @@
 // The ranks are goroutines of one process (virtual ranks) sharing the one
 // backend: the CPU, or one GPU, where each rank's tensors are separate
 // allocations and the collectives move data with device copies and kernels
-// (comm.NewLocal).
+// (comm.NewLocal). Engine.RunDistributed spreads the ranks over several
+// processes (nodes) instead, each training its own ranks, with the
+// collectives over TCP (comm.NewTCPRanks; the CPU backend only so far):
+// the losses are bitwise those of the same layout in one process, and node
+// 0 writes the metrics and the checkpoints (see distributed.go).
 //
 // # Storage and precision
 //

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"path/filepath"
 	"strings"
 	"time"
 
@@ -190,51 +189,13 @@ type Result struct {
 // Run trains until the configured number of steps or until ctx is
 // cancelled, in which case it returns the result so far and ErrStopped.
 func (e *Engine) Run(ctx context.Context) (Result, error) {
-	cfg := e.cfg
 	// Every rank allocates its own tensors on the one backend; the
 	// in-process communicator moves data between them with backend ops.
-	world, err := comm.NewLocal(cfg.mesh(), e.backend)
+	world, err := comm.NewLocal(e.cfg.mesh(), e.backend)
 	if err != nil {
 		return Result{}, err
 	}
-	ranks := make([]*rank, len(world))
-	for i, g := range world {
-		// A rank's data part is its data group's: the data group holds one
-		// rank per data replica (dp*ep), so the context-parallel ranks of a
-		// replica read the same sequences, and each keeps its share of
-		// every sequence (model.setBatch).
-		train, val, err := e.openData(g.Data.Rank(), g.Data.Size())
-		if err != nil {
-			return Result{}, err
-		}
-		if ranks[i], err = newRank(cfg, e.backend, g, train, val); err != nil {
-			return Result{}, fmt.Errorf("rank %d: %w", i, err)
-		}
-	}
-	s := &session{e: e, ranks: ranks, world: world, snaps: make([]rankSnapshot, len(ranks))}
-	if e.runDir != "" {
-		root := filepath.Join(e.runDir, "checkpoints")
-		s.saver = &saver{e: e, root: root}
-		dir, st, err := e.resumePoint(root)
-		if err != nil {
-			return Result{}, err
-		}
-		if dir != "" {
-			if err := restoreAll(dir, st, ranks); err != nil {
-				return Result{}, fmt.Errorf("resuming from %s: %w", dir, err)
-			}
-			s.resume = st
-			e.log.Info().Str("checkpoint", dir).Int("step", st.Step).Msg("resuming")
-		}
-	}
-	if s.resume == nil && cfg.Checkpoint.InitFrom != "" {
-		if err := e.loadHF(cfg.Checkpoint.InitFrom, ranks); err != nil {
-			return Result{}, err
-		}
-	}
-	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).
-		Int("params", ParamCount(cfg.Model)).Int("steps", cfg.Train.Steps).Msg("training starts")
-	return s.run(ctx)
+	return e.runWorld(ctx, world, false)
 }
 
 // openData opens the training and validation batches of one data rank: the

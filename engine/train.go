@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"path/filepath"
 	"runtime/debug"
 	"slices"
 	"sync"
@@ -17,15 +18,64 @@ import (
 	"github.com/mktrain/mktrain/comm"
 )
 
-// session is one Run's shared state across its ranks.
+// session is one Run's shared state across the ranks this process trains
+// (all of them, unless the run is distributed).
 type session struct {
 	e      *Engine
 	ranks  []*rank
-	world  []*comm.Ranks
+	world  []*comm.Ranks // ranks[i]'s groups; world[i].Rank is its world rank
 	start  time.Time
 	resume *trainState    // nil for a fresh run
 	saver  *saver         // nil without a run directory
-	snaps  []rankSnapshot // filled by every rank at a save, handed over by rank 0
+	snaps  []rankSnapshot // by world rank: filled by every rank at a save, handed over by rank 0
+	// distributed: other processes train the ranks not in world (see
+	// distributed.go).
+	distributed bool
+}
+
+// runWorld trains the ranks of world, which this process hosts: every rank
+// of the mesh (virtual ranks), or its share of a distributed run.
+func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, distributed bool) (Result, error) {
+	cfg := e.cfg
+	ranks := make([]*rank, len(world))
+	for i, g := range world {
+		// A rank's data part is its data group's: the data group holds one
+		// rank per data replica (dp*ep), so the context-parallel ranks of a
+		// replica read the same sequences, and each keeps its share of
+		// every sequence (model.setBatch). It depends on the rank alone,
+		// not on the process that trains it.
+		train, val, err := e.openData(g.Data.Rank(), g.Data.Size())
+		if err != nil {
+			return Result{}, err
+		}
+		if ranks[i], err = newRank(cfg, e.backend, g, train, val); err != nil {
+			return Result{}, fmt.Errorf("rank %d: %w", g.Rank, err)
+		}
+	}
+	s := &session{e: e, ranks: ranks, world: world, snaps: make([]rankSnapshot, cfg.mesh().World()), distributed: distributed}
+	if e.runDir != "" {
+		root := filepath.Join(e.runDir, "checkpoints")
+		s.saver = &saver{e: e, root: root}
+		dir, st, err := e.resumePoint(root)
+		if err != nil {
+			return Result{}, err
+		}
+		if dir != "" {
+			if err := restoreAll(dir, st, ranks); err != nil {
+				return Result{}, fmt.Errorf("resuming from %s: %w", dir, err)
+			}
+			s.resume = st
+			e.log.Info().Str("checkpoint", dir).Int("step", st.Step).Msg("resuming")
+		}
+	}
+	if s.resume == nil && cfg.Checkpoint.InitFrom != "" {
+		if err := e.loadHF(cfg.Checkpoint.InitFrom, ranks); err != nil {
+			return Result{}, err
+		}
+	}
+	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).
+		Int("params", ParamCount(cfg.Model)).Int("steps", cfg.Train.Steps).Msg("training starts")
+	return s.run(ctx)
 }
 
 func (s *session) run(ctx context.Context) (Result, error) {
@@ -39,7 +89,13 @@ func (s *session) run(ctx context.Context) (Result, error) {
 		errOnce.Do(func() {
 			first = err
 			// Wake every rank blocked in a collective so none waits for
-			// the one that failed.
+			// the one that failed. A distributed run's stop is not a
+			// failure: every rank of every process stops at the same
+			// step by itself, and an abort would reach the other
+			// processes as one.
+			if s.distributed && errors.Is(err, ErrStopped) {
+				return
+			}
 			for _, g := range s.world {
 				g.Abort(err)
 			}
@@ -47,16 +103,17 @@ func (s *session) run(ctx context.Context) (Result, error) {
 	}
 	s.start = time.Now()
 	for i, r := range s.ranks {
+		worldRank := s.world[i].Rank
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer func() {
 				if p := recover(); p != nil {
-					fail(fmt.Errorf("rank %d: internal error: %v\n%s", i, p, debug.Stack()))
+					fail(fmt.Errorf("rank %d: internal error: %v\n%s", worldRank, p, debug.Stack()))
 				}
 			}()
-			res, err := s.loop(ctx, r, i)
-			if i == 0 {
+			res, err := s.loop(ctx, r, worldRank)
+			if i == 0 { // every rank's result is the same
 				result = res
 			}
 			switch {
@@ -66,7 +123,7 @@ func (s *session) run(ctx context.Context) (Result, error) {
 					fail(err)
 				}
 			default:
-				fail(fmt.Errorf("rank %d: %w", i, err))
+				fail(fmt.Errorf("rank %d: %w", worldRank, err))
 			}
 		}()
 	}
@@ -92,6 +149,11 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 	}
 	firstStep := res.Steps + 1
 	lastSaved := res.Steps
+	if s.distributed {
+		if err := s.checkResume(r, worldRank); err != nil {
+			return res, err
+		}
+	}
 	tokensPerStep := int64(cfg.Train.GlobalBatch * cfg.Train.Seq)
 	for step := firstStep; step <= cfg.Train.Steps; step++ {
 		// Every rank stops at the same step: rank 0 reads the context and
@@ -149,13 +211,19 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 }
 
 // checkpoint saves the state after res.Steps. Every rank snapshots its
-// share; rank 0 hands them to the saver. Without a run directory it does
+// share; rank 0 hands them to the saver (in a distributed run, once the
+// other processes' ranks have sent theirs). Without a run directory it does
 // nothing.
 func (s *session) checkpoint(r *rank, worldRank int, res Result) error {
 	if s.saver == nil {
 		return nil
 	}
 	s.snaps[worldRank] = r.snapshot(worldRank)
+	if s.distributed {
+		if err := s.gatherSnapshots(r, worldRank); err != nil {
+			return fmt.Errorf("checkpoint of step %d: %w", res.Steps, err)
+		}
+	}
 	if err := r.groups.World.Barrier(); err != nil {
 		return err
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"github.com/schollz/progressbar/v3"
 	"golang.org/x/term"
 
+	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/recipes"
 )
@@ -62,10 +64,19 @@ func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
 }
 
 const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
+                  [--nnodes N --node-rank K --master-addr HOST [--master-port P]]
 
 Trains the model a recipe describes. RECIPE is a YAML file or the name of a
 shipped recipe (tiny, moe-small). The run directory receives recipe.yaml (the
 effective recipe), train.log and metrics.jsonl. Ctrl-C stops between two steps.
+
+Several nodes: start one process per node with the same recipe, the node
+count and each its node rank (flags, torchrun's NNODES/NODE_RANK/MASTER_ADDR/
+MASTER_PORT, or SLURM's variables). Node 0 holds the rendezvous; each node
+trains parallel.dp*ep*cp*tp / nnodes ranks, on the CPU backend (multi-node
+CUDA needs NCCL, not wired yet). Node 0 writes metrics.jsonl and the
+checkpoints; node K > 0 logs to train.node<K>.log. To resume, every node
+must see node 0's checkpoints (a shared run directory).
 
 Flags:
 `
@@ -75,6 +86,9 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	var sets setFlags
 	fs.Var(&sets, "set", "override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
 	runDir := fs.String("run-dir", "", "run directory (default runs/<recipe name>)")
+	var launchFlags comm.LaunchFlags
+	launchFlags.Register(fs)
+	rdvTimeout := fs.Duration("rendezvous-timeout", comm.DefaultRendezvousTimeout, "multi-node: how long the nodes wait for each other to start")
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err
@@ -87,25 +101,46 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err != nil {
 		return err
 	}
+	launch, err := comm.LaunchFromEnv(os.Getenv, launchFlags)
+	if err != nil {
+		return err
+	}
+	if launch.MultiNode() {
+		p := cfg.Parallel
+		if world := p.DP * p.EP * p.CP * p.TP; world%launch.NNodes != 0 {
+			return fmt.Errorf("parallel: dp %d x ep %d x cp %d x tp %d = %d ranks do not split evenly over %s; choose a layout whose rank count is a multiple of the node count",
+				p.DP, p.EP, p.CP, p.TP, world, nodesOrigin(launch))
+		}
+		launch.LocalRanks = p.DP * p.EP * p.CP * p.TP / launch.NNodes
+	}
 	if *runDir == "" {
 		*runDir = filepath.Join("runs", strings.TrimSuffix(filepath.Base(pos[0]), filepath.Ext(pos[0])))
 	}
 	if err := os.MkdirAll(*runDir, 0o755); err != nil {
 		return fmt.Errorf("run directory: %w", err)
 	}
-	if err := os.WriteFile(filepath.Join(*runDir, "recipe.yaml"), snapshot, 0o644); err != nil {
+	// Node 0 owns the run directory's shared files; the other nodes keep
+	// their own log beside them (the directory may be shared).
+	logName := "train.log"
+	if launch.NodeRank > 0 {
+		logName = fmt.Sprintf("train.node%d.log", launch.NodeRank)
+	} else if err := os.WriteFile(filepath.Join(*runDir, "recipe.yaml"), snapshot, 0o644); err != nil {
 		return fmt.Errorf("run directory: %w", err)
 	}
-	logFile, err := os.OpenFile(filepath.Join(*runDir, "train.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	logFile, err := os.OpenFile(filepath.Join(*runDir, logName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return fmt.Errorf("run directory: %w", err)
 	}
 	defer logFile.Close()
-	metricsFile, err := os.OpenFile(filepath.Join(*runDir, "metrics.jsonl"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return fmt.Errorf("run directory: %w", err)
+	metricsFile := io.Writer(io.Discard) // only world rank 0 reports steps
+	if launch.NodeRank == 0 {
+		f, err := os.OpenFile(filepath.Join(*runDir, "metrics.jsonl"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+		if err != nil {
+			return fmt.Errorf("run directory: %w", err)
+		}
+		defer f.Close()
+		metricsFile = f
 	}
-	defer metricsFile.Close()
 
 	level, err := zerolog.ParseLevel(cfg.Log.Level)
 	if err != nil {
@@ -124,7 +159,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		levelWriter{logFile, level},
 		levelWriter{console, consoleLevel},
 	))).With().Timestamp().Logger()
-	logger.Info().Str("recipe", pos[0]).Str("run_dir", *runDir).Str("version", versionString()).Msg("mktrain run")
+	logger.Info().Str("recipe", pos[0]).Str("run_dir", *runDir).Str("version", versionString()).Str("launch", launch.String()).Msg("mktrain run")
 
 	opts := []engine.Option{engine.WithLogger(logger), engine.WithMetrics(metricsFile), engine.WithRunDir(*runDir),
 		engine.WithRecipe(snapshot, recipes.Hash(cfg))}
@@ -143,7 +178,12 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return err
 	}
 	defer eng.Close()
-	res, err := eng.Run(ctx)
+	var res engine.Result
+	if launch.MultiNode() {
+		res, err = runMultiNode(ctx, eng, launch, recipes.Hash(cfg), *rdvTimeout, logger)
+	} else {
+		res, err = eng.Run(ctx)
+	}
 	if bar != nil {
 		_ = bar.Finish()
 		fmt.Fprintln(stderr)
@@ -170,6 +210,45 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	}
 	fmt.Fprintln(stdout, summary)
 	return nil
+}
+
+// runMultiNode trains this node's share of a multi-node run: it opens the
+// data listener, meets the other nodes at the rendezvous (which checks that
+// all run the same recipe and version, and publishes every node's data
+// port), then trains over TCP between the nodes.
+func runMultiNode(ctx context.Context, eng *engine.Engine, launch comm.Launch, recipeHash string, timeout time.Duration, logger zerolog.Logger) (engine.Result, error) {
+	if name := eng.BackendName(); name != "cpu" {
+		return engine.Result{}, fmt.Errorf("train.backend: a multi-node run trains on the cpu backend only, for now (this node picked %s): multi-node CUDA needs NCCL groups between the nodes, which are not wired yet; set train.backend: cpu", name)
+	}
+	// Every interface: the other nodes reach this one at the address the
+	// rendezvous saw it connect from.
+	ln, err := net.Listen("tcp", ":0")
+	if err != nil {
+		return engine.Result{}, fmt.Errorf("node %d: cannot open a port for the other nodes' data connections: %w", launch.NodeRank, err)
+	}
+	logger.Info().Str("launch", launch.String()).Msg("waiting for the other nodes")
+	rdv, err := comm.Join(ctx, comm.RendezvousConfig{
+		Launch: launch, RecipeHash: recipeHash, Version: versionString(),
+		Blob: comm.NewRunBlob(), DataPort: ln.Addr().(*net.TCPAddr).Port, Timeout: timeout,
+	})
+	if err != nil {
+		ln.Close()
+		return engine.Result{}, err
+	}
+	defer rdv.Close()
+	addrs, err := comm.DataAddrs(rdv.Nodes())
+	if err != nil {
+		ln.Close()
+		rdv.Abort(err)
+		return engine.Result{}, err
+	}
+	return eng.RunDistributed(ctx, engine.Distributed{
+		TCP: comm.TCPConfig{
+			NodeRank: launch.NodeRank, Addrs: addrs, Listener: ln,
+			RunID: comm.RunIDFromBlob(rdv.Blob()), DialTimeout: timeout,
+		},
+		Rendezvous: rdv,
+	})
 }
 
 // progressBar returns a bar on a terminal (or when log.progress is on), nil
@@ -209,4 +288,10 @@ func (l levelWriter) WriteLevel(level zerolog.Level, p []byte) (int, error) {
 		return len(p), nil
 	}
 	return l.w.Write(p)
+}
+
+// nodesOrigin names the node count for an error: "2 nodes (node count
+// from flags)".
+func nodesOrigin(l comm.Launch) string {
+	return fmt.Sprintf("%d nodes (node count from %s)", l.NNodes, l.Source)
 }

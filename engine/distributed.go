@@ -1,0 +1,275 @@
+package engine
+
+// Runs that span several processes (nodes): RunDistributed. Each process
+// trains only the ranks it hosts, with groups that reach the other
+// processes over TCP (comm.NewTCPRanks); everything else is the
+// single-process engine (runWorld, train.go):
+//
+//   - Data: a rank's part of the data is chosen by its data-group rank and
+//     size (runWorld), which do not depend on where the rank runs, so the
+//     processes read disjoint parts, the same parts as virtual ranks.
+//   - Stopping: world rank 0 reads the context and every rank of every
+//     process stops at the same step (the loop's stop vote); a stop is not
+//     a failure, so it aborts nothing.
+//   - Reports: only the process of world rank 0 calls the hooks and writes
+//     metrics (the loop's lead); the others log their own lines.
+//   - Checkpoints: every rank snapshots its share, and the ranks of the
+//     other processes send theirs to world rank 0 (Send/Recv in the world
+//     group), which writes the whole checkpoint, shards and manifest. The
+//     run directory of node 0 thus holds complete checkpoints with no
+//     shared filesystem; to resume, every node must find the same
+//     checkpoint (a shared run directory, or a copy), which the ranks
+//     check together before the first step.
+//   - Failures: a rank's error aborts its groups, which over TCP fails the
+//     run on every process; a failure the rendezvous reports (a node that
+//     left) aborts the groups too, and a local failure is passed on to the
+//     rendezvous. A snapshot share travels as Int32 words, so one rank's
+//     share is limited to 8 GiB.
+//
+// The CUDA backend will plug its NCCL groups (cuda.NCCLGroup) in the same
+// place; until then a multi-process run on the CUDA backend is refused.
+
+import (
+	"bytes"
+	"context"
+	"encoding/gob"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/checkpoint"
+	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/data"
+)
+
+// Distributed is this process's part of a run spread over several
+// processes.
+type Distributed struct {
+	// TCP says how to reach the other processes; Mesh and Backend are
+	// filled in by the engine (the recipe's layout, the engine's backend).
+	TCP comm.TCPConfig
+	// Rendezvous, when not nil, is the run's rendezvous (comm.Join): a
+	// failure it reports stops the training, and a failure of the training
+	// is reported through it. The caller closes it.
+	Rendezvous *comm.Rendezvous
+}
+
+// RunDistributed is Run for a run spread over several processes: it
+// connects to the other processes (d.TCP), trains the ranks this process
+// hosts until the configured number of steps or until ctx is cancelled
+// (then ErrStopped, as Run), and leaves the run. An error of any process
+// fails the run on every process.
+func (e *Engine) RunDistributed(ctx context.Context, d Distributed) (Result, error) {
+	world, closeWorld, err := e.openDistributed(ctx, d)
+	if err != nil {
+		return Result{}, err
+	}
+	res, err := e.runWorld(ctx, world, true)
+	closeWorld(err)
+	return res, err
+}
+
+// rendezvousGrace is how long a failure the rendezvous reports waits for
+// the data connections to report it themselves.
+const rendezvousGrace = 500 * time.Millisecond
+
+// openDistributed connects this process's ranks to the others. closeWorld
+// ends the world, first failing it on every process when the run failed.
+func (e *Engine) openDistributed(ctx context.Context, d Distributed) (ranks []*comm.Ranks, closeWorld func(runErr error), err error) {
+	if name := e.backend.Name(); name == "cuda" {
+		return nil, nil, fmt.Errorf("a run over %d processes on the cuda backend needs NCCL groups between the processes, which are not wired yet; set train.backend: cpu for a multi-node run on CPUs",
+			len(d.TCP.Addrs))
+	}
+	cfg := d.TCP
+	cfg.Mesh, cfg.Backend = e.cfg.mesh(), e.backend
+	rdv := d.Rendezvous
+	// A node that fails while the others connect to it stops the wait.
+	connectCtx, stopConnect := context.WithCancelCause(ctx)
+	if rdv != nil {
+		go func() {
+			if err, ok := <-rdv.Watch(connectCtx); ok {
+				stopConnect(err)
+			}
+		}()
+	}
+	w, err := comm.NewTCPRanks(connectCtx, cfg)
+	stopConnect(nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	// The rendezvous and the data connections watch the same nodes; the
+	// first to notice a failure tells the other.
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var rdvFailed <-chan error
+		if rdv != nil {
+			rdvFailed = rdv.Watch(watchCtx)
+		}
+		select {
+		case err, ok := <-rdvFailed:
+			if !ok || err == nil {
+				return
+			}
+			// A dead node closes both its connections at once; the data
+			// connection's error names the ranks lost, so give it a
+			// moment to be first.
+			t := time.NewTimer(rendezvousGrace)
+			defer t.Stop()
+			select {
+			case <-w.Failed():
+			case <-t.C:
+				w.Abort(err)
+			}
+		case <-w.Failed():
+			if rdv != nil {
+				rdv.Abort(w.Err())
+			}
+		case <-watchCtx.Done():
+		}
+	}()
+	e.log.Info().Int("node", cfg.NodeRank).Int("nodes", len(cfg.Addrs)).Int("ranks_here", len(w.Ranks())).
+		Int("first_rank", w.Ranks()[0].Rank).Msg("connected to the other nodes")
+	return w.Ranks(), func(runErr error) {
+		if runErr != nil && !errors.Is(runErr, ErrStopped) {
+			w.Abort(runErr)
+			if rdv != nil {
+				rdv.Abort(runErr)
+			}
+		}
+		stopWatch()
+		<-done
+		w.Close()
+	}, nil
+}
+
+// checkResume makes sure every rank of a distributed run resumes from the
+// same step (every node reads its own run directory): the ranks sum their
+// resume step and its square, which match only when all agree.
+func (s *session) checkResume(r *rank, worldRank int) error {
+	step := 0.0
+	if s.resume != nil {
+		step = float64(s.resume.Step)
+	}
+	vals := []float64{step, step * step}
+	if err := r.groups.World.AllReduceFloat64(vals); err != nil {
+		return err
+	}
+	w := float64(r.groups.World.Size())
+	if vals[0]*vals[0] != w*vals[1] {
+		mine := "starts fresh"
+		if s.resume != nil {
+			mine = fmt.Sprintf("resumes from step %d", s.resume.Step)
+		}
+		return fmt.Errorf("the ranks disagree on the checkpoint to resume from (rank %d %s; the mean over ranks is step %.4g): every node must see the same run directory (a shared filesystem, or a copy of node 0's checkpoints)",
+			worldRank, mine, vals[0]/w)
+	}
+	return nil
+}
+
+// hostsRank reports whether this process trains world rank q.
+func (s *session) hostsRank(q int) bool {
+	for _, g := range s.world {
+		if g.Rank == q {
+			return true
+		}
+	}
+	return false
+}
+
+// gatherSnapshots brings the snapshots of the ranks other processes host
+// to world rank 0 (the caller's rank when worldRank is 0) through the world
+// group: each sends its length, then its bytes, as Int32 tensors.
+func (s *session) gatherSnapshots(r *rank, worldRank int) error {
+	world := r.groups.World
+	b := r.b
+	if worldRank != 0 {
+		if s.hostsRank(0) {
+			return nil // rank 0 reads it from s.snaps
+		}
+		payload, err := encodeSnapshot(s.snaps[worldRank])
+		if err != nil {
+			return fmt.Errorf("rank %d: encoding its checkpoint share: %w", worldRank, err)
+		}
+		words := bytesToWords(payload)
+		n := b.New(backend.Int32, 2)
+		backend.UploadSlice(b, n, []int32{int32(len(words)), int32(len(payload) % 4)})
+		if err := world.Send(n, 0); err != nil {
+			return err
+		}
+		t := b.New(backend.Int32, len(words))
+		backend.UploadSlice(b, t, words)
+		return world.Send(t, 0)
+	}
+	for q := 1; q < world.Size(); q++ {
+		if s.hostsRank(q) {
+			continue
+		}
+		n := b.New(backend.Int32, 2)
+		if err := world.Recv(n, q); err != nil {
+			return err
+		}
+		hdr := backend.DownloadInt32(b, n)
+		t := b.New(backend.Int32, int(hdr[0]))
+		if err := world.Recv(t, q); err != nil {
+			return err
+		}
+		payload := wordsToBytes(backend.DownloadInt32(b, t), int(hdr[1]))
+		snap, err := decodeSnapshot(payload)
+		if err != nil {
+			return fmt.Errorf("rank %d's checkpoint share: %w", q, err)
+		}
+		if snap.worldRank != q {
+			return fmt.Errorf("rank %d sent the checkpoint share of rank %d", q, snap.worldRank)
+		}
+		s.snaps[q] = snap
+	}
+	return nil
+}
+
+// wireSnapshot is a rankSnapshot as it travels.
+type wireSnapshot struct {
+	WorldRank, DataRank int
+	Cursor              data.Cursor
+	Model, Optim        []checkpoint.NamedTensor
+}
+
+func encodeSnapshot(s rankSnapshot) ([]byte, error) {
+	var buf bytes.Buffer
+	err := gob.NewEncoder(&buf).Encode(wireSnapshot{s.worldRank, s.dataRank, s.cursor, s.model, s.optim})
+	return buf.Bytes(), err
+}
+
+func decodeSnapshot(p []byte) (rankSnapshot, error) {
+	var w wireSnapshot
+	if err := gob.NewDecoder(bytes.NewReader(p)).Decode(&w); err != nil {
+		return rankSnapshot{}, err
+	}
+	return rankSnapshot{worldRank: w.WorldRank, dataRank: w.DataRank, cursor: w.Cursor, model: w.Model, optim: w.Optim}, nil
+}
+
+// bytesToWords packs bytes into int32 words, little-endian, zero-padded.
+func bytesToWords(p []byte) []int32 {
+	out := make([]int32, (len(p)+3)/4)
+	for i, c := range p {
+		out[i/4] |= int32(uint32(c) << (8 * (i % 4)))
+	}
+	return out
+}
+
+// wordsToBytes undoes bytesToWords; tail is the length mod 4 (0: whole
+// words).
+func wordsToBytes(w []int32, tail int) []byte {
+	out := make([]byte, 4*len(w))
+	for i, v := range w {
+		for k := range 4 {
+			out[4*i+k] = byte(uint32(v) >> (8 * k))
+		}
+	}
+	if tail > 0 && len(out) > 0 {
+		out = out[:len(out)-4+tail]
+	}
+	return out
+}
