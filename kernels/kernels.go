@@ -54,6 +54,7 @@ func Sources() []Source {
 	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
 	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
 	const attnKeyGrid = "(B*KV, ceil(KVSeq/64)) blocks: one per kv head and 64 keys"
+	const groupedGrid = "persistent: min(SMs, most tiles) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"
 	return []Source{
 		{File: "elementwise.cu", Kernels: []Kernel{
 			{Name: "fill_f32", Block: 256, Grid: gridStride},
@@ -127,6 +128,14 @@ func Sources() []Source {
 		}},
 		{File: "rope.cu", Kernels: []Kernel{
 			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},
+		}},
+		{File: "grouped_gemm.cu", Kernels: []Kernel{
+			{Name: "grouped_gemm_nt_bn128_f32", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_bn128_bf16", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_bn256_f32", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_bn256_bf16", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_pp128_f32", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_pp128_bf16", Block: 384, Grid: groupedGrid},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

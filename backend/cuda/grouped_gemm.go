@@ -1,0 +1,313 @@
+package cuda
+
+// Grouped GEMM for MoE experts: the launch side of kernels/grouped_gemm.cu
+// (wgmma + TMA + mbarrier pipeline, sm_90a only; its header describes the
+// tiling). For each expert e with rows [off[e], off[e+1]) of A:
+//
+//	outRN[r, :] = alpha * aRK[r, :] . wENK[e]^T + beta * outRN[r, :]
+//
+// aRK [rows, K] and wENK [E, N, K] are bf16 row-major, outRN [rows, N] is
+// float32 or bf16, accumulation is float32. The offsets (E+1 int32 prefix
+// sums) stay in device memory: the kernel reads them and builds its own
+// tile schedule, so a caller never synchronizes to learn the counts. Rows
+// no expert owns (before off[0], from off[E] on) are not written; beta 0
+// never reads outRN.
+
+import (
+	"fmt"
+	"math"
+	"runtime"
+	"unsafe"
+
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+	"github.com/mktrain/mktrain/kernels"
+)
+
+// Kernel constants, as in grouped_gemm.cu.
+const (
+	ggBM         = 128  // rows per tile
+	ggBK         = 64   // K per pipeline stage
+	ggThreads    = 384  // producer + two consumer warpgroups
+	ggMaxExperts = 1024 // GG_MAX_EXPERTS
+)
+
+// ggStages is the pipeline depth the kernel for n-tile bn uses.
+func ggStages(bn int) int {
+	if bn == 256 {
+		return 4
+	}
+	return 6
+}
+
+// ggSmemBytes is the dynamic shared memory of the bn kernel for e experts:
+// alignment slack, the stage ring, the mbarriers and the schedule.
+func ggSmemBytes(bn, e int) int {
+	st := ggStages(bn)
+	return 1024 + st*(ggBM*ggBK*2+bn*ggBK*2) + 16*st + 16 + 4*(3*e+1)
+}
+
+// GroupedGemm runs the grouped GEMM on one Device. It is safe for
+// concurrent use (it holds no per-call state).
+type GroupedGemm struct {
+	d   *Device
+	enc *driver.TensorMapEncoder
+	// kern[variant][bf16], variant ggCoop128, ggCoop256 or ggPingPong128.
+	kern [3][2]*Kernel
+	// spills256 is set when the compiler spilled the BN 256 kernels'
+	// accumulators to local memory (they hold 128 floats a thread under
+	// a 168-register cap); auto then takes BN 128.
+	spills256 bool
+	// BN forces the n tile, 128 or 256; 0 picks per N (ggPickBN).
+	BN int
+	// PingPong runs the ping-pong kernel (n tile 128: each consumer
+	// warpgroup owns whole tiles and takes turns on the tensor cores, so
+	// one's epilogue hides under the other's mainloop) instead of the
+	// cooperative ones; BN must be 0 or 128.
+	PingPong bool
+}
+
+// Kernel variants, the first index of GroupedGemm.kern.
+const (
+	ggCoop128 = iota
+	ggCoop256
+	ggPingPong128
+)
+
+// NewGroupedGemm loads the kernels on d. It fails on GPUs other than
+// compute capability 9.0 (wgmma and TMA need sm_90a) and on drivers
+// without cuTensorMapEncodeTiled.
+func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
+	info := d.Info()
+	if info.Arch != "sm_90a" {
+		return nil, fmt.Errorf("cuda: GroupedGemm needs a Hopper GPU (sm_90a), not %s (%s)", info.Arch, info.Name)
+	}
+	if need := max(ggSmemBytes(128, ggMaxExperts), ggSmemBytes(256, ggMaxExperts)); info.MaxSharedOptIn < need {
+		return nil, fmt.Errorf("cuda: GroupedGemm needs %d bytes of shared memory per block, %s offers %d", need, info.Name, info.MaxSharedOptIn)
+	}
+	enc, err := d.drv.TensorMapEncoder()
+	if err != nil {
+		return nil, fmt.Errorf("cuda: GroupedGemm: %w", err)
+	}
+	src, err := kernels.Lookup("grouped_gemm.cu")
+	if err != nil {
+		return nil, err
+	}
+	m, err := d.Load(src)
+	if err != nil {
+		return nil, err
+	}
+	g := &GroupedGemm{d: d, enc: enc}
+	for i, v := range []struct {
+		name string
+		bn   int
+	}{{"bn128", 128}, {"bn256", 256}, {"pp128", 128}} {
+		bn := v.bn
+		for j, ty := range []string{"f32", "bf16"} {
+			k, err := m.Kernel(fmt.Sprintf("grouped_gemm_nt_%s_%s", v.name, ty))
+			if err != nil {
+				return nil, err
+			}
+			// Opt in once to the most any call can ask (E = ggMaxExperts).
+			smem := ggSmemBytes(bn, ggMaxExperts)
+			var local int
+			err = d.Do(func() error {
+				if err := d.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, smem); err != nil {
+					return err
+				}
+				var err error
+				local, err = d.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
+				return err
+			})
+			if err != nil {
+				return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", k.Desc.Name, err)
+			}
+			g.spills256 = g.spills256 || (bn == 256 && local > 0)
+			g.kern[i][j] = k
+		}
+	}
+	return g, nil
+}
+
+// checkGroupedGemm validates a call's sizes and pointers. The limits come
+// from the kernel: TMA needs 16-byte aligned bases and row strides (K a
+// multiple of 8), the epilogue stores column pairs and the maps' N rows
+// (N a multiple of 8), the schedule fits shared memory (E <= 1024) and
+// 32-bit tile indices.
+func checkGroupedGemm(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n, k, experts, bn int) error {
+	const op = "cuda: GroupedGemm"
+	switch {
+	case rows < 0 || rows > math.MaxInt32:
+		return fmt.Errorf("%s: rows %d, want 0..%d", op, rows, math.MaxInt32)
+	case n < 8 || n%8 != 0 || n > 1<<24:
+		return fmt.Errorf("%s: n %d, want a positive multiple of 8 up to 2^24", op, n)
+	case k < 8 || k%8 != 0 || k > 1<<24:
+		return fmt.Errorf("%s: k %d, want a positive multiple of 8 up to 2^24", op, k)
+	case experts < 1 || experts > ggMaxExperts:
+		return fmt.Errorf("%s: experts %d, want 1..%d", op, experts, ggMaxExperts)
+	case bn != 0 && bn != 128 && bn != 256:
+		return fmt.Errorf("%s: BN %d, want 0 (auto), 128 or 256", op, bn)
+	}
+	// Most tiles any offsets can make: every expert's partial tile plus the
+	// full ones, times the n-tiles (of 128, the smaller tile).
+	if tiles := (int64(rows)/ggBM + int64(experts)) * int64((n+127)/128); tiles > math.MaxInt32 {
+		return fmt.Errorf("%s: %d tiles overflow the kernel's 32-bit schedule", op, tiles)
+	}
+	for _, p := range []struct {
+		name  string
+		ptr   driver.DevicePtr
+		align driver.DevicePtr
+	}{{"outRN", outRN, 16}, {"aRK", aRK, 16}, {"wENK", wENK, 16}, {"offsetsE1", offsetsE1, 4}} {
+		if p.ptr == 0 {
+			return fmt.Errorf("%s: %s is null", op, p.name)
+		}
+		if p.ptr%p.align != 0 {
+			return fmt.Errorf("%s: %s %#x is not %d-byte aligned", op, p.name, uint64(p.ptr), p.align)
+		}
+	}
+	return nil
+}
+
+// ggPickBN picks the n tile for n columns: 256 unless it pads more
+// columns than 128 would (n = 1408: 6 tiles of 256 waste 128 columns, 11
+// of 128 none).
+func ggPickBN(n int) int {
+	pad := func(bn int) int { return (n+bn-1)/bn*bn - n }
+	if pad(256) <= pad(128) {
+		return 256
+	}
+	return 128
+}
+
+// ggGrid is the persistent grid: one block per SM, fewer when the most
+// tiles the call can have is smaller.
+func ggGrid(sms, rows, n, experts, bn int) int {
+	maxTiles := ((rows+ggBM-1)/ggBM + experts) * ((n + bn - 1) / bn)
+	return max(1, min(sms, maxTiles))
+}
+
+// ggTile is one tile of the kernel's schedule.
+type ggTile struct {
+	Expert, Row0, RowEnd, N0 int
+}
+
+// ggSchedule is the Go twin of the kernel's schedule set-up: each expert's
+// row range clamped to [0, rows] and the prefix sums of its m-tile counts
+// (cum has E+1 entries). The kernel runs tiles 0 .. cum[E]*nTilesN-1.
+func ggSchedule(offsets []int32, rows int) (beg, end, cum []int) {
+	e := len(offsets) - 1
+	beg, end, cum = make([]int, e), make([]int, e), make([]int, e+1)
+	for i := range e {
+		lo := min(max(int(offsets[i]), 0), rows)
+		hi := min(max(int(offsets[i+1]), lo), rows)
+		beg[i], end[i] = lo, hi
+		cum[i+1] = cum[i] + (hi-lo+ggBM-1)/ggBM
+	}
+	return beg, end, cum
+}
+
+// ggTileOf is the Go twin of gg_tile: tile t is global m-tile t/nTN and
+// n-tile t%nTN; its expert is the largest e with cum[e] <= m-tile.
+func ggTileOf(t, nTN, bn int, beg, end, cum []int) ggTile {
+	g, nt := t/nTN, t%nTN
+	lo, hi := 0, len(beg)-1
+	for lo < hi {
+		mid := (lo + hi + 1) >> 1
+		if cum[mid] <= g {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	return ggTile{Expert: lo, Row0: beg[lo] + (g-cum[lo])*ggBM, RowEnd: end[lo], N0: nt * bn}
+}
+
+// Run queues the grouped GEMM on the device stream: outRN [rows, n] (bf16
+// when outBF16, else float32) = alpha * aRK [rows, k] (bf16) times the
+// transpose of expert e's wENK [experts, n, k] (bf16) for the rows
+// [off[e], off[e+1]) that offsetsE1 (experts+1 int32, device memory) gives,
+// plus beta * outRN. Offsets are clamped to [0, rows]; an empty expert
+// writes nothing. Sizes and pointers are checked at once (an error names
+// the argument); launch and kernel errors come from the next Sync.
+func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n, k, experts int, outBF16 bool, alpha, beta float32) error {
+	if err := checkGroupedGemm(outRN, aRK, wENK, offsetsE1, rows, n, k, experts, g.BN); err != nil {
+		return err
+	}
+	if g.PingPong && g.BN == 256 {
+		return fmt.Errorf("cuda: GroupedGemm: PingPong takes BN 0 or 128, not 256")
+	}
+	if rows == 0 {
+		return nil // no rows, no expert owns anything
+	}
+	bn := g.BN
+	if bn == 0 {
+		bn = ggPickBN(n)
+		if g.spills256 {
+			bn = 128
+		}
+	}
+	variant := ggCoop128
+	switch {
+	case g.PingPong:
+		variant, bn = ggPingPong128, 128
+	case bn == 256:
+		variant = ggCoop256
+	}
+	kern := g.kern[variant][b2i(outBF16)]
+	grid := Grid1D(ggGrid(g.d.info.SMs, rows, n, experts, bn), ggThreads)
+	grid.Shared = ggSmemBytes(bn, experts)
+	mapA := driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: aRK,
+		Dims: []uint64{uint64(k), uint64(rows)}, Strides: []uint64{2 * uint64(k)},
+		Box: []uint32{ggBK, ggBM}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+	mapW := driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: wENK,
+		Dims:    []uint64{uint64(k), uint64(n), uint64(experts)},
+		Strides: []uint64{2 * uint64(k), 2 * uint64(k) * uint64(n)},
+		Box:     []uint32{ggBK, uint32(bn), 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+	for _, m := range []struct {
+		name string
+		m    driver.TiledMap
+	}{{"aRK", mapA}, {"wENK", mapW}} {
+		if err := m.m.Check(); err != nil {
+			return fmt.Errorf("cuda: GroupedGemm: %s: %w", m.name, err)
+		}
+	}
+	slots := []uint64{uint64(outRN), uint64(offsetsE1), uint64(uint32(rows)), uint64(uint32(n)), uint64(uint32(k)),
+		uint64(uint32(experts)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}
+	d := g.d
+	return d.Submit(func() error {
+		// Encoding on the device thread keeps Run free of round trips;
+		// the maps were checked above, so failures here are the driver's.
+		var ta, tw driver.TensorMap
+		if err := g.enc.EncodeTiled(&ta, mapA); err != nil {
+			return fmt.Errorf("cuda: GroupedGemm: aRK tensor map: %w", err)
+		}
+		if err := g.enc.EncodeTiled(&tw, mapW); err != nil {
+			return fmt.Errorf("cuda: GroupedGemm: wENK tensor map: %w", err)
+		}
+		var pin runtime.Pinner
+		defer pin.Unpin()
+		params := make([]unsafe.Pointer, 0, 2+len(slots))
+		pin.Pin(&ta)
+		pin.Pin(&tw)
+		pin.Pin(&slots[0])
+		params = append(params, unsafe.Pointer(&ta), unsafe.Pointer(&tw))
+		for i := range slots {
+			params = append(params, unsafe.Pointer(&slots[i]))
+		}
+		pin.Pin(&params[0])
+		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
+			return fmt.Errorf("%s: %w", kern.Desc.Name, err)
+		}
+		return nil
+	})
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,595 @@
+// Grouped GEMM for MoE experts on Hopper (sm_90a): for every expert e,
+//
+//   out[r, :N] = alpha * A[r, :K] . W[e, :N, :K]^T + beta * out[r, :N]
+//   for r in [off[e], off[e+1])
+//
+// A [rows, K] and W [E, N, K] are bfloat16, row-major, both K-contiguous
+// ("NT"); out [rows, N] is float32 or bfloat16; accumulation is float32.
+// off (E+1 int32, prefix sums of the per-expert row counts) is read here,
+// in device memory: the host never learns the counts. beta == 0 never
+// reads out (it may hold NaN); rows no expert owns are not written.
+//
+// Work split. A persistent grid (one CTA per SM, at most) walks a tile list
+// over (expert, m-tile of 128 rows, n-tile of BN columns), m-tile major:
+// tile t is global m-tile t / nTilesN, n-tile t % nTilesN, so the CTAs
+// running together share A tiles and one expert's W. Each CTA first turns
+// off into the expert's m-tile prefix sums in shared memory (one warp,
+// shuffle scan), then maps a global m-tile to its expert by binary search.
+// Empty experts own no m-tile. The tile list is mirrored in Go
+// (backend/cuda/grouped_gemm.go, ggTileOf) and tested there.
+//
+// A CTA has three warpgroups (384 threads). Warpgroup 0 is the producer:
+// one thread issues the TMA loads (cp.async.bulk.tensor) of a 128x64 A
+// tile and a BNx64 W tile per stage into a ring of STAGES shared-memory
+// stages, each completing on its "full" mbarrier (expect_tx of the whole
+// stage: TMA counts the zero-filled out-of-bounds part of a box too).
+// Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128-row
+// tile and all BN columns, runs wgmma.m64nBNk16 (4 per 64-wide k-block)
+// from shared-memory descriptors into float32 registers, and frees a stage
+// (its "empty" mbarrier, one arrival per consumer warp) once the wgmmas
+// that read it have completed (wgmma.wait_group 1: the k-block before the
+// current one). That is the cooperative kernel (n tile 128 or 256). The
+// ping-pong kernel (n tile 128, gg_consume_pp) instead gives each consumer
+// warpgroup whole 128x128 tiles, alternately, so one's epilogue runs under
+// the other's mainloop. No setmaxnreg: __launch_bounds__(384) caps every thread
+// at 168 registers, which holds the consumers' BN/2 accumulators (128 for
+// BN 256); setmaxnreg would need the (384, 1) form, which the kernel list's
+// check (kernels_test.go) does not parse yet.
+//
+// Every mbarrier wait is bounded (GG_TIMEOUT_NS): a pipeline bug traps
+// and surfaces as a launch error at the host's next Sync, not a hang.
+//
+// Bounds. K and N tails, and A rows past `rows`, come from TMA's
+// out-of-bounds zero fill (W is a 3-D map {K, N, E}, so a tile past N
+// never reads the next expert). A tile of expert e may load rows of expert
+// e+1 (A is one 2-D map); those rows' results are dropped by the store
+// mask row < off[e+1]. Columns >= N are masked too.
+//
+// Shared layout (128-byte swizzle). TMA writes a box {64 bf16, R rows} as
+// R rows of 128 bytes whose 16-byte chunks are XOR-ed with (row & 7); the
+// wgmma descriptor for such a K-major tile is: start address >> 4, leading
+// byte offset 1 (unused for swizzled K-major), stride byte offset 1024 (8
+// rows of 128 B) >> 4, layout 1 (128B swizzle) in bits 62-63. Each k16 step
+// inside the 64-wide k-block advances the start address by 32 bytes; the
+// hardware applies the XOR on absolute address bits, which is why every
+// tile starts 1024-byte aligned.
+//
+// Accumulator layout (wgmma m64nN, f32): thread t of the warpgroup, warp
+// w = t/32, lane l: d[4i+0..1] hold row 16w + l/4, columns 8i + 2(l%4) +
+// {0,1}; d[4i+2..3] the same columns of row 16w + l/4 + 8.
+
+#ifndef __CUDACC_RTC__
+// clang-19 (the compile check) has no grid_constant attribute.
+#define __grid_constant__
+#endif
+
+#define GG_BM 128
+#define GG_BK 64
+#define GG_THREADS 384
+// Most experts the in-kernel schedule holds (shared memory: 12 bytes each).
+#define GG_MAX_EXPERTS 1024
+
+// CUtensorMap: 128 opaque bytes, 64-byte aligned, filled by
+// cuTensorMapEncodeTiled on the host and passed by value.
+struct __attribute__((aligned(64))) gg_tmap {
+  unsigned long long v[16];
+};
+
+__device__ __forceinline__ unsigned gg_smem_addr(const void* p) {
+  unsigned d;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(p));
+  return d;
+}
+
+// ---- mbarrier ----
+
+__device__ __forceinline__ void gg_bar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void gg_bar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void gg_bar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// gg_bar_try reports whether the phase of parity `parity` has completed
+// (try_wait itself blocks for a short, hardware-chosen time first).
+__device__ __forceinline__ bool gg_bar_try(unsigned bar, unsigned parity) {
+  unsigned done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// A wait longer than this is a bug (a transaction count that never
+// completes, a phase mismatch): the kernel traps, so the host gets an
+// error at its next synchronization instead of a hung process.
+#define GG_TIMEOUT_NS 10000000000ull
+
+__device__ __forceinline__ unsigned long long gg_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// gg_bar_wait returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void gg_bar_wait(unsigned bar, unsigned parity) {
+  if (gg_bar_try(bar, parity)) return;
+  const unsigned long long t0 = gg_globaltimer();
+  while (!gg_bar_try(bar, parity)) {
+    if (gg_globaltimer() - t0 > GG_TIMEOUT_NS) asm volatile("trap;");
+  }
+}
+
+// ---- TMA ----
+
+__device__ __forceinline__ void gg_tma_2d(unsigned dst, const gg_tmap* map, int c0, int c1, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void gg_tma_3d(unsigned dst, const gg_tmap* map, int c0, int c1, int c2, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void gg_prefetch_tmap(const gg_tmap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)map) : "memory");
+}
+
+// ---- wgmma ----
+
+// gg_desc is the wgmma shared-memory descriptor of a K-major bf16 tile laid
+// out by TMA with the 128-byte swizzle (rows of 128 bytes, 1024-byte
+// aligned); see the header.
+__device__ __forceinline__ unsigned long long gg_desc(unsigned saddr) {
+  return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+__device__ __forceinline__ void gg_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void gg_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void gg_wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// gg_fence_acc keeps the compiler from moving accumulator reads or writes
+// across the asynchronous wgmma window.
+template <int R>
+__device__ __forceinline__ void gg_fence_acc(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, both K-major in shared memory
+// (descriptors da, db); scale_d 0 overwrites D, 1 accumulates.
+__device__ __forceinline__ void gg_wgmma(float (&d)[64], unsigned long long da, unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, both K-major in shared memory
+// (descriptors da, db); scale_d 0 overwrites D, 1 accumulates.
+__device__ __forceinline__ void gg_wgmma(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, "
+      "%128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+__device__ __forceinline__ int gg_min(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int gg_max(int a, int b) { return a > b ? a : b; }
+
+// ---- small helpers ----
+
+__device__ __forceinline__ int gg_shfl_up(int v, int delta) {
+  int r;
+  asm volatile("shfl.sync.up.b32 %0, %1, %2, 0x0, 0xffffffff;" : "=r"(r) : "r"(v), "r"(delta));
+  return r;
+}
+
+__device__ __forceinline__ int gg_shfl_idx(int v, int src) {
+  int r;
+  asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(v), "r"(src));
+  return r;
+}
+
+__device__ __forceinline__ unsigned gg_pack_bf16(float lo, float hi) {
+  unsigned d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// gg_store writes alpha*(a, b) + beta*old to the two neighbouring elements
+// at out + i (i even, so the pair is 8- or 4-byte aligned). beta == 0
+// never reads out.
+template <bool OUT_BF16>
+__device__ __forceinline__ void gg_store(void* out, long long i, float a, float b, float alpha, float beta) {
+  a *= alpha;
+  b *= alpha;
+  if (OUT_BF16) {
+    unsigned short* p = (unsigned short*)out + i;
+    if (beta != 0.0f) {
+      unsigned old;
+      asm volatile("ld.global.b32 %0, [%1];" : "=r"(old) : "l"(p));
+      a += beta * __uint_as_float(old << 16);
+      b += beta * __uint_as_float(old & 0xffff0000u);
+    }
+    asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(gg_pack_bf16(a, b)) : "memory");
+  } else {
+    float* p = (float*)out + i;
+    if (beta != 0.0f) {
+      float o0, o1;
+      asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(o0), "=f"(o1) : "l"(p));
+      a += beta * o0;
+      b += beta * o1;
+    }
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+  }
+}
+
+// gg_epilogue64 stores one warpgroup's 64-row accumulator block: this
+// thread's rows r0 and r0+8 (kept when below rowEnd), columns c0 + 8i and
+// c0 + 8i + 1 (kept when below N).
+template <bool OUT_BF16, int R>
+__device__ __forceinline__ void gg_epilogue64(const float (&acc)[R], long long r0, int rowEnd, int c0, int N, void* out,
+                                              float alpha, float beta) {
+  const long long r1 = r0 + 8;
+  const bool ok0 = r0 < rowEnd, ok1 = r1 < rowEnd;
+#pragma unroll
+  for (int i = 0; i < R / 4; i++) {
+    const int col = c0 + 8 * i;
+    if (col < N) {
+      if (ok0) gg_store<OUT_BF16>(out, r0 * N + col, acc[4 * i], acc[4 * i + 1], alpha, beta);
+      if (ok1) gg_store<OUT_BF16>(out, r1 * N + col, acc[4 * i + 2], acc[4 * i + 3], alpha, beta);
+    }
+  }
+}
+
+// gg_tile decodes tile t of the schedule: tile t is global m-tile
+// g = t / nTN and n-tile t % nTN; the expert is the largest e with
+// cum[e] <= g (empty experts have cum[e] == cum[e+1], so they are never
+// picked for a g they do not own). Mirrored by ggTileOf in Go.
+struct gg_tile_t {
+  int e, row0, rowEnd, n0;
+};
+
+template <int BN>
+__device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int E, const int* sBeg, const int* sEnd, const int* sCum) {
+  const int g = t / nTN, nt = t - g * nTN;
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (sCum[mid] <= g) lo = mid;
+    else hi = mid - 1;
+  }
+  gg_tile_t r;
+  r.e = lo;
+  r.row0 = sBeg[lo] + (g - sCum[lo]) * GG_BM;
+  r.rowEnd = sEnd[lo];
+  r.n0 = nt * BN;
+  return r;
+}
+
+extern __shared__ __attribute__((aligned(1024))) unsigned char gg_smem[];
+
+// gg_consume_pp is the ping-pong consumer (n tile 128): warpgroup cw takes
+// every other tile of its CTA's list (local tiles cw, cw+2, ...) and
+// computes all 128 rows of it, two m64n128 wgmmas per k16 step, so one
+// warpgroup's epilogue runs while the other's mainloop has the tensor
+// cores. The ring holds the tiles' k-blocks in list order (nK per tile),
+// so a warpgroup skips nK ring slots for each tile of the other one; the
+// producer filling the ring in that order is what staggers the two.
+template <int STAGES, bool OUT_BF16>
+__device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsigned base, unsigned bars, void* out, int N,
+                                              int nTN, int nK, int total, int E, const int* sBeg, const int* sEnd,
+                                              const int* sCum, float alpha, float beta) {
+  constexpr unsigned A_BYTES = GG_BM * GG_BK * 2;
+  constexpr unsigned STAGE_BYTES = A_BYTES + 128 * GG_BK * 2;
+  float acc0[64], acc1[64];  // rows 0..63 and 64..127 of the tile
+#pragma unroll
+  for (int i = 0; i < 64; i++) acc0[i] = acc1[i] = 0.0f;
+  int s = 0, prev = 0;
+  unsigned ph = 0;
+  int j = 0;  // local tile index
+  // Turn-taking barriers (4 warp arrivals each): ordMine is signalled by
+  // the other warpgroup when its mainloop is done.
+  const unsigned ordMine = bars + 8 * (2 * STAGES + cw), ordOther = bars + 8 * (2 * STAGES + (cw ^ 1));
+  unsigned ordPh = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x, j++) {
+    if ((j & 1) != cw) {
+      // The other warpgroup's tile: skip its nK ring slots.
+      const int it = s + nK;
+      s = it % STAGES;
+      ph ^= (unsigned)(it / STAGES) & 1u;
+      continue;
+    }
+    const gg_tile_t tile = gg_tile<128>(t, nTN, E, sBeg, sEnd, sCum);
+    // Mainloops take turns: wait until the other warpgroup has passed
+    // every ring wait of the tile before this one. Besides the overlap,
+    // this keeps the parity waits valid: the full barrier of each slot is
+    // then at most one phase from the one this warpgroup waits for.
+    if (j > 0) {
+      gg_bar_wait(ordMine, ordPh);
+      ordPh ^= 1;
+    }
+    for (int kb = 0; kb < nK; kb++) {
+      gg_bar_wait(bars + 8 * s, ph);
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned a = base + s * STAGE_BYTES;
+      const unsigned long long da0 = gg_desc(a), da1 = gg_desc(a + 64 * 128), db = gg_desc(a + A_BYTES);
+      gg_wgmma_fence();
+      gg_fence_acc(acc0);
+      gg_fence_acc(acc1);
+#pragma unroll
+      for (int kk = 0; kk < GG_BK / 16; kk++) {
+        const int sc = (kb > 0 || kk > 0) ? 1 : 0;
+        gg_wgmma(acc0, da0 + 2 * kk, db + 2 * kk, sc);
+        gg_wgmma(acc1, da1 + 2 * kk, db + 2 * kk, sc);
+      }
+      gg_wgmma_commit();
+      if (kb > 0) {
+        gg_wgmma_wait<1>();
+        gg_fence_acc(acc0);
+        gg_fence_acc(acc1);
+        if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+      }
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    if (lane == 0) gg_bar_arrive(ordOther);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc0);
+    gg_fence_acc(acc1);
+    if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+
+    const long long r0 = (long long)tile.row0 + (warp & 3) * 16 + (lane >> 2);
+    const int c0 = tile.n0 + 2 * (lane & 3);
+    gg_epilogue64<OUT_BF16>(acc0, r0, tile.rowEnd, c0, N, out, alpha, beta);
+    gg_epilogue64<OUT_BF16>(acc1, r0 + 64, tile.rowEnd, c0, N, out, alpha, beta);
+  }
+}
+
+template <int BN, int STAGES, bool OUT_BF16, bool PP>
+__device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, void* out, const int* off, int rows,
+                                        int N, int K, int E, float alpha, float beta) {
+  constexpr unsigned A_BYTES = GG_BM * GG_BK * 2;  // 16 KiB
+  constexpr unsigned B_BYTES = BN * GG_BK * 2;     // 16 or 32 KiB
+  constexpr unsigned STAGE_BYTES = A_BYTES + B_BYTES;
+  constexpr int R = BN / 2;  // accumulator floats per consumer thread
+
+  // Tiles start 1024-byte aligned (the swizzle is on absolute address
+  // bits); the host asks for 1 KiB of slack.
+  const unsigned raw = gg_smem_addr(gg_smem);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  // full[STAGES], empty[STAGES], then the ping-pong turn barriers [2].
+  const unsigned bars = base + STAGES * STAGE_BYTES;
+  int* sBeg = (int*)(gg_smem + (bars - raw) + 16 * STAGES + 16);
+  int* sEnd = sBeg + E;
+  int* sCum = sEnd + E;  // E+1
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(bars + 8 * s, 1);                 // full: the producer's expect_tx
+      gg_bar_init(bars + 8 * (STAGES + s), PP ? 4 : 8);  // empty: one arrival per consumer warp that reads it
+    }
+    gg_bar_init(bars + 8 * (2 * STAGES), 4);
+    gg_bar_init(bars + 8 * (2 * STAGES + 1), 4);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  if (warp == 1) {
+    // Per-expert row ranges (clamped to [0, rows]) and the prefix sums of
+    // their m-tile counts, 32 experts per step of a shuffle scan.
+    int carry = 0;
+    for (int b = 0; b < E; b += 32) {
+      const int e = b + lane;
+      int tiles = 0;
+      if (e < E) {
+        const int lo = gg_min(gg_max(off[e], 0), rows);
+        const int hi = gg_min(gg_max(off[e + 1], lo), rows);
+        sBeg[e] = lo;
+        sEnd[e] = hi;
+        tiles = (hi - lo + GG_BM - 1) / GG_BM;
+      }
+      int v = tiles;
+#pragma unroll
+      for (int m = 1; m < 32; m <<= 1) {
+        const int u = gg_shfl_up(v, m);
+        if (lane >= m) v += u;
+      }
+      if (e < E) sCum[e + 1] = carry + v;
+      carry += gg_shfl_idx(v, 31);
+    }
+    if (lane == 0) sCum[0] = 0;
+  }
+  __syncthreads();
+
+  const int nTN = (N + BN - 1) / BN, nK = (K + GG_BK - 1) / GG_BK;
+  const int total = sCum[E] * nTN;
+
+  if (warp < 4) {
+    // Producer warpgroup: one thread issues every load.
+    if (tid != 0) return;
+    gg_prefetch_tmap(mapA);
+    gg_prefetch_tmap(mapW);
+    int s = 0;
+    unsigned ph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const gg_tile_t tile = gg_tile<BN>(t, nTN, E, sBeg, sEnd, sCum);
+      for (int kb = 0; kb < nK; kb++) {
+        const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
+        // A fresh barrier counts its "previous" phase (parity 1) as
+        // complete, so the first pass over the ring does not wait.
+        gg_bar_wait(empty, ph ^ 1);
+        gg_bar_expect_tx(full, STAGE_BYTES);
+        const unsigned a = base + s * STAGE_BYTES;
+        gg_tma_2d(a, mapA, kb * GG_BK, tile.row0, full);
+        gg_tma_3d(a + A_BYTES, mapW, kb * GG_BK, tile.n0, tile.e, full);
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  const int cw = (warp >> 2) - 1;
+  if (PP) {
+    gg_consume_pp<STAGES, OUT_BF16>(cw, warp, lane, base, bars, out, N, nTN, nK, total, E, sBeg, sEnd, sCum, alpha,
+                                    beta);
+    return;
+  }
+  // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile.
+  float acc[R];
+#pragma unroll
+  for (int i = 0; i < R; i++) acc[i] = 0.0f;
+  int s = 0, prev = 0;
+  unsigned ph = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const gg_tile_t tile = gg_tile<BN>(t, nTN, E, sBeg, sEnd, sCum);
+    for (int kb = 0; kb < nK; kb++) {
+      gg_bar_wait(bars + 8 * s, ph);
+      // Reconverge the warp before the .aligned wgmma instructions.
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned a = base + s * STAGE_BYTES;
+      const unsigned long long da = gg_desc(a + cw * 64 * 128), db = gg_desc(a + A_BYTES);
+      gg_wgmma_fence();
+      gg_fence_acc(acc);
+#pragma unroll
+      for (int kk = 0; kk < GG_BK / 16; kk++) {
+        // +2 in the descriptor's address field is 32 bytes: 16 bf16 of K.
+        gg_wgmma(acc, da + 2 * kk, db + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      if (kb > 0) {
+        // The k-block before this one is done with its stage.
+        gg_wgmma_wait<1>();
+        gg_fence_acc(acc);
+        if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+      }
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+
+    // Epilogue: registers straight to global memory, masked to the
+    // expert's rows and to N.
+    const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
+    gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
+  }
+}
+
+// The kernels: cooperative with n tile 128 (6 stages) or 256 (4 stages),
+// and ping-pong with n tile 128 (6 stages); float32 or bf16 out.
+// Launch: GG_THREADS threads, at most one block per SM (persistent; blocks
+// past the tile count exit at once), dynamic shared memory
+// 1024 + STAGES*(16384 + BN*128) + 16*STAGES + 16 + 4*(3E+1) bytes.
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn128_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<128, 6, false, false>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn128_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<128, 6, true, false>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn256_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<256, 4, false, false>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn256_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<256, 4, true, false>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+}
+
+// Ping-pong: n tile 128, 6 stages, each consumer warpgroup a whole tile.
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_pp128_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<128, 6, false, true>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_pp128_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<128, 6, true, true>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+}
