@@ -38,7 +38,8 @@
 # Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
 # NO_BENCH=1 skips steps 2 to 5, NO_LAYOUTS=1 step 4, NO_MOE=1 step 5,
-# NO_HF=1 step 6;
+# NO_HF=1 step 6; PEER_KERNELS=1 also runs ../shared/peer/torch_kernels.py
+# (peer_kernels.json);
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
 # else python3).
 set -uo pipefail
@@ -80,6 +81,10 @@ if [[ "${1:-}" == "build" ]]; then
   if [[ -f "$PEER_SRC" ]]; then
     cp -f "$PEER_SRC" "$BIN/peer/"
     files+=(peer/torch_moe_train.py)
+    if [[ -f "$(dirname "$PEER_SRC")/torch_kernels.py" ]]; then
+      cp -f "$(dirname "$PEER_SRC")/torch_kernels.py" "$BIN/peer/"
+      files+=(peer/torch_kernels.py)
+    fi
   else
     echo "note: $PEER_SRC not found; the run step will skip the peer"
   fi
@@ -253,6 +258,18 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_MOE:-}" != 1 && -x "$BIN/mktrain" ]]; then
   [[ $rc -ne 0 ]] && { echo "  bench moe: exit $rc"; status=1; }
   f=$(ls "$LOGS"/moe/moe-*.json 2>/dev/null | head -n 1)
   [[ -n "$f" ]] && cp "$f" "$OUT/moe.json"
+  echo
+fi
+
+# The PyTorch kernel peer (dense GEMM, torch._grouped_mm, SDPA), for the
+# kernel figures the tests log: peer_kernels.json. Only with PEER_KERNELS=1.
+if [[ "${PEER_KERNELS:-}" == 1 && -f "$BIN/peer/torch_kernels.py" ]]; then
+  echo "== peer kernels: torch_kernels.py"
+  PY="${PYTHON:-/opt/torch/.venv/bin/python}"
+  [[ -x "$PY" ]] || PY=python3
+  timeout 180 "$PY" "$BIN/peer/torch_kernels.py" >"$OUT/peer_kernels.json" 2>"$LOGS/peer_kernels.log"
+  echo "  exit $?"
+  grep -o '"grouped_mm[^,]*' "$OUT/peer_kernels.json" | sed 's/^/  /'
   echo
 fi
 
