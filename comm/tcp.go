@@ -81,6 +81,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -807,63 +808,26 @@ func (w *TCPWorld) recv(k tcpKey) ([]byte, error) {
 
 // ---- groups ----------------------------------------------------------------
 
-// Group kinds, the top byte of a group id; the rest is the group's lowest
-// world rank, so every node numbers the groups alike.
-const (
-	kindWorld = iota
-	kindData
-	kindExpert
-	kindReplica
-	kindContext
-	kindDataContext
-)
-
-// buildRanks cuts this node's ranks' groups from the mesh (see mesh.go).
+// buildRanks cuts this node's ranks' groups from the mesh (Mesh.Members).
+// A group's id is its kind in the top byte and its lowest world rank in
+// the rest, so every node numbers the groups alike.
 func (w *TCPWorld) buildRanks() []*Ranks {
 	m := w.cfg.Mesh
-	type cut struct {
-		kind int
-		name string
-		key  func(Coord) Coord // members share the key
-		rank func(Coord) int   // the rank within the group
-	}
-	cuts := []cut{
-		{kindWorld, "world", func(Coord) Coord { return Coord{} }, func(c Coord) int { return m.Rank(c) }},
-		{kindData, "data", func(c Coord) Coord { return Coord{CP: c.CP, TP: c.TP} }, func(c Coord) int { return c.DP*m.EP + c.EP }},
-		{kindExpert, "expert", func(c Coord) Coord { return Coord{DP: c.DP, CP: c.CP, TP: c.TP} }, func(c Coord) int { return c.EP }},
-		{kindReplica, "expert-replica", func(c Coord) Coord { return Coord{EP: c.EP, CP: c.CP, TP: c.TP} }, func(c Coord) int { return c.DP }},
-		{kindContext, "context", func(c Coord) Coord { return Coord{DP: c.DP, EP: c.EP, TP: c.TP} }, func(c Coord) int { return c.CP }},
-		{kindDataContext, "data-context", func(c Coord) Coord { return Coord{TP: c.TP} }, func(c Coord) int { return (c.DP*m.EP+c.EP)*m.CP + c.CP }},
-	}
-	group := func(ct cut, self int) *tcpGroup {
-		me := m.Coord(self)
-		var members []int
-		for q := range m.World() {
-			if ct.key(m.Coord(q)) == ct.key(me) {
-				members = append(members, q)
-			}
-		}
-		byRank := make([]int, len(members))
-		for _, q := range members {
-			byRank[ct.rank(m.Coord(q))] = q
-		}
+	group := func(k GroupKind, self int) *tcpGroup {
+		members, place := m.Members(k, self)
 		return &tcpGroup{
-			w: w, b: w.cfg.Backend, name: ct.name,
-			id:      uint32(ct.kind)<<24 | uint32(members[0]), // members are in world-rank order
-			members: byRank, rank: ct.rank(me), self: self,
+			w: w, b: w.cfg.Backend, name: k.String(),
+			id:      uint32(k)<<24 | uint32(slices.Min(members)),
+			members: members, rank: place, self: self,
 		}
 	}
 	out := make([]*Ranks, w.perNode)
 	for i := range out {
 		r := w.cfg.NodeRank*w.perNode + i
-		g := make([]*tcpGroup, len(cuts))
-		for k, ct := range cuts {
-			g[k] = group(ct, r)
-		}
 		out[i] = &Ranks{
 			Mesh: m, Coord: m.Coord(r), Rank: r,
-			World: g[kindWorld], Data: g[kindData], Expert: g[kindExpert], ExpertReplica: g[kindReplica],
-			Context: g[kindContext], DataContext: g[kindDataContext],
+			World: group(GroupWorld, r), Data: group(GroupData, r), Expert: group(GroupExpert, r),
+			ExpertReplica: group(GroupExpertReplica, r), Context: group(GroupContext, r), DataContext: group(GroupDataContext, r),
 		}
 	}
 	return out

@@ -1,0 +1,93 @@
+package comm
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
+)
+
+// fakeGroup is a Group that only knows its members, for NewRanks.
+type fakeGroup struct {
+	Group
+	kind    GroupKind
+	members []int
+	rank    int
+}
+
+func (g *fakeGroup) Rank() int { return g.rank }
+func (g *fakeGroup) Size() int { return len(g.members) }
+
+// TestNewRanksMatchesLocal checks that NewRanks cuts the same groups as
+// NewLocal, and that every group is made once, with members that agree on
+// it.
+func TestNewRanksMatchesLocal(t *testing.T) {
+	for _, m := range []Mesh{{1, 1, 1, 1}, {2, 1, 1, 1}, {1, 4, 1, 1}, {2, 2, 1, 1}, {2, 1, 2, 1}, {3, 2, 2, 1}, {2, 2, 2, 2}} {
+		calls := map[GroupKind]int{}
+		ranks, err := NewRanks(m, func(k GroupKind, members []int) ([]Group, error) {
+			calls[k]++
+			gs := make([]Group, len(members))
+			for i := range members {
+				gs[i] = &fakeGroup{kind: k, members: members, rank: i}
+			}
+			return gs, nil
+		})
+		if err != nil {
+			t.Fatalf("%+v: %v", m, err)
+		}
+		local, err := NewLocal(m, cpu.New(backend.Float32))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for r, rk := range ranks {
+			lr := local[r]
+			for i, pair := range [][2]Group{{rk.World, lr.World}, {rk.Data, lr.Data}, {rk.Expert, lr.Expert},
+				{rk.ExpertReplica, lr.ExpertReplica}, {rk.Context, lr.Context}, {rk.DataContext, lr.DataContext}} {
+				g, want := pair[0].(*fakeGroup), pair[1]
+				if g.kind != GroupKinds()[i] || g.Rank() != want.Rank() || g.Size() != want.Size() || g.members[g.rank] != r {
+					t.Errorf("%+v rank %d %v: rank %d of %v, NewLocal says rank %d of %d", m, r, GroupKinds()[i], g.rank, g.members, want.Rank(), want.Size())
+				}
+			}
+			if rk.Rank != r || rk.Coord != m.Coord(r) {
+				t.Errorf("%+v rank %d: Ranks %d at %+v", m, r, rk.Rank, rk.Coord)
+			}
+		}
+		// One call per distinct group: World once, Data CP*TP times...
+		want := map[GroupKind]int{GroupWorld: 1, GroupData: m.CP * m.TP, GroupExpert: m.DP * m.CP * m.TP,
+			GroupExpertReplica: m.EP * m.CP * m.TP, GroupContext: m.DP * m.EP * m.TP, GroupDataContext: m.TP}
+		for k, n := range want {
+			if calls[k] != n {
+				t.Errorf("%+v: %d %v groups made, want %d", m, calls[k], k, n)
+			}
+		}
+	}
+}
+
+func TestNewRanksErrors(t *testing.T) {
+	boom := errors.New("boom")
+	_, err := NewRanks(Mesh{2, 1, 1, 1}, func(k GroupKind, members []int) ([]Group, error) {
+		if k == GroupData {
+			return nil, boom
+		}
+		return make([]Group, len(members)), nil
+	})
+	if !errors.Is(err, boom) || !strings.Contains(err.Error(), "data group of ranks [0 1]") {
+		t.Errorf("error %v", err)
+	}
+	_, err = NewRanks(Mesh{2, 1, 1, 1}, func(k GroupKind, members []int) ([]Group, error) { return nil, nil })
+	if err == nil || !strings.Contains(err.Error(), "0 handles for 2 members") {
+		t.Errorf("error %v", err)
+	}
+	if _, err := NewRanks(Mesh{0, 1, 1, 1}, nil); err == nil {
+		t.Error("a mesh with dp 0 was accepted")
+	}
+	var names []string
+	for _, k := range GroupKinds() {
+		names = append(names, k.String())
+	}
+	if got := strings.Join(names, ","); got != "world,data,expert,expert-replica,context,data-context" {
+		t.Errorf("kind names %v", got)
+	}
+}
