@@ -66,7 +66,11 @@ func NewBackend(d *Device) (*Backend, error) {
 // Backend that owns it (Close closes the device). Where there is no usable
 // GPU the error says why: a *driver.NotFoundError naming the places looked
 // in, ErrNoGPU, or the driver's own error (NoGPU reports all three).
-func OpenBackend(opts Options) (*Backend, error) {
+func OpenBackend(opts Options) (*Backend, error) { return OpenBackendOn(opts, 0) }
+
+// OpenBackendOn is OpenBackend on the GPU of the given ordinal (counted
+// among the GPUs CUDA_VISIBLE_DEVICES leaves visible).
+func OpenBackendOn(opts Options, ordinal int) (*Backend, error) {
 	rt, err := Load(opts)
 	if err != nil {
 		return nil, err
@@ -78,7 +82,10 @@ func OpenBackend(opts Options) (*Backend, error) {
 	if n == 0 {
 		return nil, ErrNoGPU
 	}
-	d, err := rt.Open(0)
+	if ordinal < 0 || ordinal >= n {
+		return nil, fmt.Errorf("cuda: GPU %d asked for, but %d are visible", ordinal, n)
+	}
+	d, err := rt.Open(ordinal)
 	if err != nil {
 		return nil, err
 	}
@@ -89,6 +96,16 @@ func OpenBackend(opts Options) (*Backend, error) {
 	}
 	b.owns = true
 	return b, nil
+}
+
+// VisibleGPUs loads the CUDA libraries with opts and counts the GPUs this
+// process sees (CUDA_VISIBLE_DEVICES applies).
+func VisibleGPUs(opts Options) (int, error) {
+	rt, err := Load(opts)
+	if err != nil {
+		return 0, err
+	}
+	return rt.DeviceCount()
 }
 
 // NoGPU reports whether err, from OpenBackend or Load, means that this
