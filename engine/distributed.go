@@ -65,7 +65,7 @@ func (e *Engine) RunDistributed(ctx context.Context, d Distributed) (Result, err
 	if err != nil {
 		return Result{}, err
 	}
-	res, err := e.runWorld(ctx, world, true)
+	res, err := e.runWorld(ctx, world, nil, true)
 	closeWorld(err)
 	return res, err
 }

@@ -65,7 +65,10 @@
 // The ranks are goroutines of one process (virtual ranks) sharing the one
 // backend: the CPU, or one GPU, where each rank's tensors are separate
 // allocations and the collectives move data with device copies and kernels
-// (comm.NewLocal). Engine.RunDistributed spreads the ranks over several
+// (comm.NewLocal). On the CUDA backend, when the machine shows at least as
+// many GPUs as the layout has ranks, each rank takes a GPU of its own and
+// the groups are NCCL communicators (cuda.NCCLRanks) instead.
+// Engine.RunDistributed spreads the ranks over several
 // processes (nodes) instead, each training its own ranks, with the
 // collectives over TCP (comm.NewTCPRanks; the CPU backend only so far):
 // the losses are bitwise those of the same layout in one process, and node

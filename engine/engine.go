@@ -56,7 +56,8 @@ func WithBackend(b backend.Backend) Option { return func(e *Engine) { e.backend 
 // WithBackendWrapper runs the engine on wrap(b), where b is the backend
 // New picked (or the one WithBackend gave): for example a profiler
 // (package backend/profile) that times every op. Close still closes b when
-// the engine opened it.
+// the engine opened it. When the ranks take one GPU each (see Run), wrap
+// is called once more for each GPU after the first.
 func WithBackendWrapper(wrap func(backend.Backend) backend.Backend) Option {
 	return func(e *Engine) { e.wrap = wrap }
 }
@@ -188,14 +189,19 @@ type Result struct {
 
 // Run trains until the configured number of steps or until ctx is
 // cancelled, in which case it returns the result so far and ErrStopped.
+// On the CUDA backend a layout of W ranks trains on W GPUs, one rank each
+// with NCCL between them, when W GPUs are visible, and as virtual ranks on
+// GPU 0 otherwise (placement.go).
 func (e *Engine) Run(ctx context.Context) (Result, error) {
-	// Every rank allocates its own tensors on the one backend; the
-	// in-process communicator moves data between them with backend ops.
-	world, err := comm.NewLocal(e.cfg.mesh(), e.backend)
+	world, backends, release, err := e.placeRanks()
 	if err != nil {
 		return Result{}, err
 	}
-	return e.runWorld(ctx, world, false)
+	res, err := e.runWorld(ctx, world, backends, false)
+	if rerr := release(); rerr != nil {
+		e.log.Warn().Err(rerr).Msg("closing the GPUs of the ranks")
+	}
+	return res, err
 }
 
 // openData opens the training and validation batches of one data rank: the

@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/comm"
 )
 
@@ -35,7 +36,11 @@ type session struct {
 
 // runWorld trains the ranks of world, which this process hosts: every rank
 // of the mesh (virtual ranks), or its share of a distributed run.
-func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, distributed bool) (Result, error) {
+//
+// backends[i] is world[i]'s backend (one GPU each, with NCCL groups); nil
+// puts every rank on e.backend (virtual ranks, or a process's ranks of a
+// distributed run).
+func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []backend.Backend, distributed bool) (Result, error) {
 	cfg := e.cfg
 	ranks := make([]*rank, len(world))
 	for i, g := range world {
@@ -48,7 +53,11 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, distributed 
 		if err != nil {
 			return Result{}, err
 		}
-		if ranks[i], err = newRank(cfg, e.backend, g, train, val); err != nil {
+		b := e.backend
+		if backends != nil {
+			b = backends[i]
+		}
+		if ranks[i], err = newRank(cfg, b, g, train, val); err != nil {
 			return Result{}, fmt.Errorf("rank %d: %w", g.Rank, err)
 		}
 	}
