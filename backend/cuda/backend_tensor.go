@@ -205,7 +205,9 @@ func (b *Backend) Upload(dst backend.Tensor, src *tensor.Dense) {
 	if n == 0 || d.st.buf == nil {
 		return
 	}
-	b.fail(b.dev.CopyToDevice(d.st.buf, int64(dtypeBytes(d.dt)*d.off), bytes))
+	// The data is Go memory: staged by the driver, so no wait for the GPU
+	// (an upload between two kernels of a step does not drain the queue).
+	b.fail(b.dev.StageToDevice(d.st.buf, int64(dtypeBytes(d.dt)*d.off), bytes))
 	runtime.KeepAlive(d)
 }
 

@@ -308,6 +308,23 @@ func (d *Device) CopyToDevice(dst *Buffer, offset int64, src []byte) error {
 	})
 }
 
+// StageToDevice queues a copy of src into dst, starting offset bytes into
+// it, behind the work queued before it, and returns without waiting for
+// the GPU. src must be ordinary (pageable) Go memory: the driver copies it
+// into a staging buffer before the call returns, so the caller may reuse
+// it at once. (Page-locked memory, from AllocHost, would be read later,
+// while the copy runs: use CopyToDevice for it.) Errors of the copy come
+// from the next Sync.
+func (d *Device) StageToDevice(dst *Buffer, offset int64, src []byte) error {
+	if err := dst.span("StageToDevice", offset, int64(len(src))); err != nil || len(src) == 0 {
+		return err
+	}
+	p := dst.ptr + driver.DevicePtr(offset)
+	return d.Do(func() error {
+		return d.drv.MemcpyHtoDAsync(p, unsafe.Pointer(&src[0]), len(src), d.stream)
+	})
+}
+
 // CopyFromDevice copies len(dst) bytes from src, starting offset bytes into
 // it, after all work queued before it has run.
 func (d *Device) CopyFromDevice(dst []byte, src *Buffer, offset int64) error {

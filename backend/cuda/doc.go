@@ -78,8 +78,8 @@
 // bf16-level RelTolerance (backend.Precision) to the conformance suite. Ops
 // return at once; a launch the driver refuses, an allocation the GPU cannot
 // hold or a kernel fault is kept for Sync, and ops on a tensor whose
-// allocation failed do nothing. Upload, Download, Sum and SumSquares wait
-// for the GPU.
+// allocation failed do nothing. Download, Sum and SumSquares wait for the
+// GPU; Upload waits only until the driver has staged the host data.
 //
 // # Matrix products
 //
