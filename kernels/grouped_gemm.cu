@@ -10,9 +10,10 @@
 // reads out (it may hold NaN); rows no expert owns are not written.
 //
 // Work split. A persistent grid (one CTA per SM, at most) walks a tile list
-// over (expert, m-tile of 128 rows, n-tile of BN columns), m-tile major:
-// tile t is global m-tile t / nTilesN, n-tile t % nTilesN, so the CTAs
-// running together share A tiles and one expert's W. Each CTA first turns
+// over (expert, m-tile of 128 rows, n-tile of BN columns), in raster
+// groups of GM m-tiles (a kernel argument), n-tile major inside a group,
+// so the CTAs running together share a few A tiles and a few W tiles
+// (gg_tile; GM 1 is plain m-tile major order). Each CTA first turns
 // off into the expert's m-tile prefix sums in shared memory (one warp,
 // shuffle scan), then maps a global m-tile to its expert by binary search.
 // Empty experts own no m-tile. The tile list is mirrored in Go
@@ -31,10 +32,11 @@
 // current one). That is the cooperative kernel (n tile 128 or 256). The
 // ping-pong kernel (n tile 128, gg_consume_pp) instead gives each consumer
 // warpgroup whole 128x128 tiles, alternately, so one's epilogue runs under
-// the other's mainloop. No setmaxnreg: __launch_bounds__(384) caps every thread
-// at 168 registers, which holds the consumers' BN/2 accumulators (128 for
-// BN 256); setmaxnreg would need the (384, 1) form, which the kernel list's
-// check (kernels_test.go) does not parse yet.
+// the other's mainloop. __launch_bounds__(384) caps every thread at 168
+// registers, which holds the consumers' BN/2 accumulators (128 for BN 256);
+// the "r" kernels (bn256r, pp128r) add setmaxnreg under (384, 1): the
+// producer warpgroup drops to 40 registers, the consumers rise to 232
+// (pp128 spilled 88 bytes under the flat 168).
 //
 // Every mbarrier wait is bounded (GG_TIMEOUT_NS): a pipeline bug traps
 // and surfaces as a launch error at the host's next Sync, not a hang.
@@ -307,17 +309,26 @@ __device__ __forceinline__ void gg_epilogue64(const float (&acc)[R], long long r
   }
 }
 
-// gg_tile decodes tile t of the schedule: tile t is global m-tile
-// g = t / nTN and n-tile t % nTN; the expert is the largest e with
-// cum[e] <= g (empty experts have cum[e] == cum[e+1], so they are never
-// picked for a g they do not own). Mirrored by ggTileOf in Go.
+// gg_tile decodes tile t of the schedule. The M = cum[E] global m-tiles
+// are cut into raster groups of GM (the last one may be short, gs); the
+// tiles of a group run n-tile major: t -> group t / (GM*nTN), then within
+// it m-tile rem % gs, n-tile rem / gs. So the ~132 tiles in flight cover
+// about GM m-tiles times 132/GM n-tiles, and both their A rows and their
+// W columns stay in L2 (GM 1 is plain m-tile major order: with N 28672
+// every wave then streams ~110 distinct W tiles from DRAM). The expert
+// is the largest e with cum[e] <= g (empty experts have cum[e] ==
+// cum[e+1], so they are never picked for a g they do not own). Mirrored
+// by ggTileOf in Go.
 struct gg_tile_t {
   int e, row0, rowEnd, n0;
 };
 
 template <int BN>
-__device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int E, const int* sBeg, const int* sEnd, const int* sCum) {
-  const int g = t / nTN, nt = t - g * nTN;
+__device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int E, const int* sBeg, const int* sEnd,
+                                             const int* sCum) {
+  const int span = GM * nTN, grp = t / span, gbase = grp * GM;
+  const int gs = gg_min(GM, M - gbase), rem = t - grp * span;
+  const int nt = rem / gs, g = gbase + (rem - nt * gs);
   int lo = 0, hi = E - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -343,7 +354,7 @@ extern __shared__ __attribute__((aligned(1024))) unsigned char gg_smem[];
 // producer filling the ring in that order is what staggers the two.
 template <int STAGES, bool OUT_BF16>
 __device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsigned base, unsigned bars, void* out, int N,
-                                              int nTN, int nK, int total, int E, const int* sBeg, const int* sEnd,
+                                              int nTN, int nK, int total, int GM, int E, const int* sBeg, const int* sEnd,
                                               const int* sCum, float alpha, float beta) {
   constexpr unsigned A_BYTES = GG_BM * GG_BK * 2;
   constexpr unsigned STAGE_BYTES = A_BYTES + 128 * GG_BK * 2;
@@ -365,7 +376,7 @@ __device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsign
       ph ^= (unsigned)(it / STAGES) & 1u;
       continue;
     }
-    const gg_tile_t tile = gg_tile<128>(t, nTN, E, sBeg, sEnd, sCum);
+    const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     // Mainloops take turns: wait until the other warpgroup has passed
     // every ring wait of the tile before this one. Besides the overlap,
     // this keeps the parity waits valid: the full barrier of each slot is
@@ -414,9 +425,9 @@ __device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsign
   }
 }
 
-template <int BN, int STAGES, bool OUT_BF16, bool PP>
+template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG>
 __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, void* out, const int* off, int rows,
-                                        int N, int K, int E, float alpha, float beta) {
+                                        int N, int K, int E, int GM, float alpha, float beta) {
   constexpr unsigned A_BYTES = GG_BM * GG_BK * 2;  // 16 KiB
   constexpr unsigned B_BYTES = BN * GG_BK * 2;     // 16 or 32 KiB
   constexpr unsigned STAGE_BYTES = A_BYTES + B_BYTES;
@@ -470,18 +481,22 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   }
   __syncthreads();
 
+  GM = gg_max(GM, 1);  // the host sends 1..256; never divide by 0
   const int nTN = (N + BN - 1) / BN, nK = (K + GG_BK - 1) / GG_BK;
   const int total = sCum[E] * nTN;
 
   if (warp < 4) {
-    // Producer warpgroup: one thread issues every load.
+    // Producer warpgroup: one thread issues every load. REG: the whole
+    // warpgroup first gives registers back (40 a thread) so the consumers
+    // can take 232 each (128*40 + 256*232 <= 64K).
+    if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (tid != 0) return;
     gg_prefetch_tmap(mapA);
     gg_prefetch_tmap(mapW);
     int s = 0;
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const gg_tile_t tile = gg_tile<BN>(t, nTN, E, sBeg, sEnd, sCum);
+      const gg_tile_t tile = gg_tile<BN>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
         // A fresh barrier counts its "previous" phase (parity 1) as
@@ -500,9 +515,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     return;
   }
 
+  if (REG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
   const int cw = (warp >> 2) - 1;
   if (PP) {
-    gg_consume_pp<STAGES, OUT_BF16>(cw, warp, lane, base, bars, out, N, nTN, nK, total, E, sBeg, sEnd, sCum, alpha,
+    gg_consume_pp<STAGES, OUT_BF16>(cw, warp, lane, base, bars, out, N, nTN, nK, total, GM, E, sBeg, sEnd, sCum, alpha,
                                     beta);
     return;
   }
@@ -513,7 +529,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   int s = 0, prev = 0;
   unsigned ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const gg_tile_t tile = gg_tile<BN>(t, nTN, E, sBeg, sEnd, sCum);
+    const gg_tile_t tile = gg_tile<BN>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     for (int kb = 0; kb < nK; kb++) {
       gg_bar_wait(bars + 8 * s, ph);
       // Reconverge the warp before the .aligned wgmma instructions.
@@ -552,44 +568,70 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
 }
 
 // The kernels: cooperative with n tile 128 (6 stages) or 256 (4 stages),
-// and ping-pong with n tile 128 (6 stages); float32 or bf16 out.
+// and ping-pong with n tile 128 (6 stages); float32 or bf16 out. The "r"
+// kernels are the same with setmaxnreg (producer 40 registers, consumers
+// 232), which needs the (384, 1) launch bound to fix the entry count at
+// 168. GM is the raster group (m-tiles, >= 1; see gg_tile).
 // Launch: GG_THREADS threads, at most one block per SM (persistent; blocks
 // past the tile count exit at once), dynamic shared memory
 // 1024 + STAGES*(16384 + BN*128) + 16*STAGES + 16 + 4*(3E+1) bytes.
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn128_f32(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
-    int N, int K, int E, float alpha, float beta) {
-  gg_body<128, 6, false, false>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<128, 6, false, false, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn128_bf16(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
-    int N, int K, int E, float alpha, float beta) {
-  gg_body<128, 6, true, false>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<128, 6, true, false, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn256_f32(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
-    int N, int K, int E, float alpha, float beta) {
-  gg_body<256, 4, false, false>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<256, 4, false, false, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn256_bf16(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
-    int N, int K, int E, float alpha, float beta) {
-  gg_body<256, 4, true, false>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<256, 4, true, false, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
-// Ping-pong: n tile 128, 6 stages, each consumer warpgroup a whole tile.
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_pp128_f32(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
-    int N, int K, int E, float alpha, float beta) {
-  gg_body<128, 6, false, true>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<128, 6, false, true, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_pp128_bf16(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
-    int N, int K, int E, float alpha, float beta) {
-  gg_body<128, 6, true, true>(&mapA, &mapW, out, off, rows, N, K, E, alpha, beta);
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<128, 6, true, true, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256r_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<256, 4, false, false, true>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256r_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<256, 4, true, false, true>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_pp128r_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<128, 6, false, true, true>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_pp128r_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<128, 6, true, true, true>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
 }

@@ -136,6 +136,10 @@ func Sources() []Source {
 			{Name: "grouped_gemm_nt_bn256_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_nt_pp128_f32", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_nt_pp128_bf16", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_bn256r_f32", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_bn256r_bf16", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_pp128r_f32", Block: 384, Grid: groupedGrid},
+			{Name: "grouped_gemm_nt_pp128r_bf16", Block: 384, Grid: groupedGrid},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -11,8 +11,9 @@ import (
 	"testing"
 )
 
-// kernelDecl matches a kernel definition and its optional launch bound.
-var kernelDecl = regexp.MustCompile(`extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(`)
+// kernelDecl matches a kernel definition and its optional launch bound
+// (threads, and optionally the minimum blocks per SM).
+var kernelDecl = regexp.MustCompile(`extern "C" __global__ void (?:__launch_bounds__\((\d+)(?:, *\d+)?\) )?(\w+)\(`)
 
 // TestSourcesMatchFiles checks the Go list against the files: every .cu is
 // listed, every kernel defined is listed with a block size that fits its

@@ -51,8 +51,8 @@ func ggSmemBytes(bn, e int) int {
 type GroupedGemm struct {
 	d   *Device
 	enc *driver.TensorMapEncoder
-	// kern[variant][bf16], variant ggCoop128, ggCoop256 or ggPingPong128.
-	kern [3][2]*Kernel
+	// kern[variant][bf16], variant ggCoop128 .. ggPingPong128R.
+	kern [ggVariantCount][2]*Kernel
 	// spills256 is set when the compiler spilled the BN 256 kernels'
 	// accumulators to local memory (they hold 128 floats a thread under
 	// a 168-register cap); auto then takes BN 128.
@@ -64,14 +64,46 @@ type GroupedGemm struct {
 	// one's epilogue hides under the other's mainloop) instead of the
 	// cooperative ones; BN must be 0 or 128.
 	PingPong bool
+	// Regs runs the setmaxnreg kernels (producer 40 registers a thread,
+	// consumers 232): bn256r for the cooperative BN 256 tile, pp128r with
+	// PingPong. BN 128 cooperative has no such kernel (it needs no more
+	// registers) and ignores Regs.
+	Regs bool
+	// GroupM is the raster group, in m-tiles, of the tile order: the
+	// tiles of GroupM m-tiles run n-tile major, so the tiles in flight
+	// share their A and W tiles in L2 (see gg_tile in the kernel). 0 is
+	// ggDefaultGroupM; 1 is plain m-tile major order (version 1).
+	GroupM int
 }
+
+// ggDefaultGroupM is GroupM's default: version 1's m-tile major order
+// until a GPU run shows the grouped order's gain (kernels/grouped_gemm.md).
+const ggDefaultGroupM = 1
+
+// ggMaxGroupM bounds GroupM (the kernel multiplies it by the n-tile count
+// in 32 bits).
+const ggMaxGroupM = 256
 
 // Kernel variants, the first index of GroupedGemm.kern.
 const (
 	ggCoop128 = iota
 	ggCoop256
 	ggPingPong128
+	ggCoop256R     // ggCoop256 with setmaxnreg
+	ggPingPong128R // ggPingPong128 with setmaxnreg
+	ggVariantCount
 )
+
+// ggKernel is a variant's kernel name stem and n tile.
+type ggKernel struct {
+	name string
+	bn   int
+}
+
+// ggKernels lists the variants' kernels, indexed like GroupedGemm.kern.
+func ggKernels() [ggVariantCount]ggKernel {
+	return [ggVariantCount]ggKernel{{"bn128", 128}, {"bn256", 256}, {"pp128", 128}, {"bn256r", 256}, {"pp128r", 128}}
+}
 
 // NewGroupedGemm loads the kernels on d. It fails on GPUs other than
 // compute capability 9.0 (wgmma and TMA need sm_90a) and on drivers
@@ -97,10 +129,7 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 		return nil, err
 	}
 	g := &GroupedGemm{d: d, enc: enc}
-	for i, v := range []struct {
-		name string
-		bn   int
-	}{{"bn128", 128}, {"bn256", 256}, {"pp128", 128}} {
+	for i, v := range ggKernels() {
 		bn := v.bn
 		for j, ty := range []string{"f32", "bf16"} {
 			k, err := m.Kernel(fmt.Sprintf("grouped_gemm_nt_%s_%s", v.name, ty))
@@ -121,7 +150,7 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 			if err != nil {
 				return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", k.Desc.Name, err)
 			}
-			g.spills256 = g.spills256 || (bn == 256 && local > 0)
+			g.spills256 = g.spills256 || (i == ggCoop256 && local > 0)
 			g.kern[i][j] = k
 		}
 	}
@@ -205,10 +234,18 @@ func ggSchedule(offsets []int32, rows int) (beg, end, cum []int) {
 	return beg, end, cum
 }
 
-// ggTileOf is the Go twin of gg_tile: tile t is global m-tile t/nTN and
-// n-tile t%nTN; its expert is the largest e with cum[e] <= m-tile.
-func ggTileOf(t, nTN, bn int, beg, end, cum []int) ggTile {
-	g, nt := t/nTN, t%nTN
+// ggTileOf is the Go twin of gg_tile: the cum[E] m-tiles are cut into
+// raster groups of gm (the last may be short); tile t is in group
+// t/(gm*nTN), where it is m-tile rem%gs and n-tile rem/gs of the group's
+// gs m-tiles; its expert is the largest e with cum[e] <= m-tile.
+func ggTileOf(t, nTN, gm, bn int, beg, end, cum []int) ggTile {
+	span := gm * nTN
+	grp := t / span
+	gbase := grp * gm
+	gs := min(gm, cum[len(cum)-1]-gbase)
+	rem := t - grp*span
+	nt := rem / gs
+	g := gbase + rem - nt*gs
 	lo, hi := 0, len(beg)-1
 	for lo < hi {
 		mid := (lo + hi + 1) >> 1
@@ -235,6 +272,13 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 	if g.PingPong && g.BN == 256 {
 		return fmt.Errorf("cuda: GroupedGemm: PingPong takes BN 0 or 128, not 256")
 	}
+	if g.GroupM < 0 || g.GroupM > ggMaxGroupM {
+		return fmt.Errorf("cuda: GroupedGemm: GroupM %d, want 0 (default) or 1..%d", g.GroupM, ggMaxGroupM)
+	}
+	gm := g.GroupM
+	if gm == 0 {
+		gm = ggDefaultGroupM
+	}
 	if rows == 0 {
 		return nil // no rows, no expert owns anything
 	}
@@ -247,8 +291,12 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 	}
 	variant := ggCoop128
 	switch {
+	case g.PingPong && g.Regs:
+		variant, bn = ggPingPong128R, 128
 	case g.PingPong:
 		variant, bn = ggPingPong128, 128
+	case bn == 256 && g.Regs:
+		variant = ggCoop256R
 	case bn == 256:
 		variant = ggCoop256
 	}
@@ -275,7 +323,7 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 		}
 	}
 	slots := []uint64{uint64(outRN), uint64(offsetsE1), uint64(uint32(rows)), uint64(uint32(n)), uint64(uint32(k)),
-		uint64(uint32(experts)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}
+		uint64(uint32(experts)), uint64(uint32(gm)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}
 	d := g.d
 	return d.Submit(func() error {
 		// Encoding on the device thread keeps Run free of round trips;

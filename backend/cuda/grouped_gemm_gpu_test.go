@@ -146,6 +146,8 @@ type ggCase struct {
 	alpha, beta   float32
 	bn            int  // 0: auto
 	pp            bool // the ping-pong kernel
+	reg           bool // the setmaxnreg kernel (bn256r, pp128r)
+	gm            int  // GroupedGemm.GroupM (0: default)
 	// a and w, when set, are the inputs (bf16 values) instead of random
 	// ones.
 	a, w []float32
@@ -226,7 +228,7 @@ func (c ggCase) run(t *testing.T, g *GroupedGemm, seed uint64, rowsToCheck []int
 	defer d.Free(wBuf)
 	defer d.Free(offBuf)
 	gg := *g
-	gg.BN, gg.PingPong = c.bn, c.pp
+	c.variant().apply(&gg)
 	if err := gg.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), c.rows, c.n, c.k, c.e, c.outBF16, c.alpha, c.beta); err != nil {
 		t.Fatal(err)
 	}
@@ -255,29 +257,59 @@ func (c ggCase) run(t *testing.T, g *GroupedGemm, seed uint64, rowsToCheck []int
 	res := p.check(got, poisoned, rowsToCheck)
 	if res.bad > 0 || !(res.relL2 < 1e-2) {
 		t.Errorf("%s (rows %d n %d k %d E %d bf16out %v alpha %g beta %g kernel %s, offsets %v): %d of %d elements bad, rel L2 %.3g; e.g. %v",
-			c.name, c.rows, c.n, c.k, c.e, c.outBF16, c.alpha, c.beta, ggVariant(c.bn, c.pp), ggShort(off), res.bad, res.checkedEl, res.relL2, res.examples)
+			c.name, c.rows, c.n, c.k, c.e, c.outBF16, c.alpha, c.beta, c.variant(), ggShort(off), res.bad, res.checkedEl, res.relL2, res.examples)
 	} else {
-		t.Logf("%s: kernel %s bf16out %v beta %g: rel L2 %.3g over %d elements", c.name, ggVariant(c.bn, c.pp), c.outBF16, c.beta, res.relL2, res.checkedEl)
+		t.Logf("%s: kernel %s bf16out %v beta %g: rel L2 %.3g over %d elements", c.name, c.variant(), c.outBF16, c.beta, res.relL2, res.checkedEl)
 	}
 	return res
 }
 
-// ggVariants are the kernels the tests run: cooperative with n tile 128
-// and 256, and ping-pong.
-var ggVariants = []struct {
-	bn int
-	pp bool
-}{{128, false}, {256, false}, {128, true}}
+// ggVar is a kernel choice: the n tile (0 auto), ping-pong, setmaxnreg
+// and the raster group (0 default).
+type ggVar struct {
+	bn      int
+	pp, reg bool
+	gm      int
+}
 
-// ggVariant names a kernel choice.
-func ggVariant(bn int, pp bool) string {
+// ggVariants are the kernels the correctness tests run: cooperative with
+// n tile 128 and 256, ping-pong, and the setmaxnreg kernels (in groups of
+// 8 m-tiles, so the grouped tile order runs too).
+var ggVariants = []ggVar{{bn: 128}, {bn: 256}, {bn: 128, pp: true}, {bn: 256, reg: true, gm: 8}, {bn: 128, pp: true, reg: true, gm: 8}}
+
+// variant is c's kernel choice.
+func (c ggCase) variant() ggVar { return ggVar{bn: c.bn, pp: c.pp, reg: c.reg, gm: c.gm} }
+
+// with sets c's kernel choice to v.
+func (c ggCase) with(v ggVar) ggCase {
+	c.bn, c.pp, c.reg, c.gm = v.bn, v.pp, v.reg, v.gm
+	return c
+}
+
+// apply sets g's knobs to v.
+func (v ggVar) apply(g *GroupedGemm) {
+	g.BN, g.PingPong, g.Regs, g.GroupM = v.bn, v.pp, v.reg, v.gm
+}
+
+// String names a kernel choice as the figures do: bn128, bn256, pp128,
+// bn256r, pp128r, auto, plus "_g<GroupM>" when GroupM is set.
+func (v ggVar) String() string {
+	var s string
 	switch {
-	case pp:
-		return "pp128"
-	case bn == 0:
-		return "auto"
+	case v.pp:
+		s = "pp128"
+	case v.bn == 0:
+		s = "auto"
+	default:
+		s = fmt.Sprintf("bn%d", v.bn)
 	}
-	return fmt.Sprintf("bn%d", bn)
+	if v.reg && (v.pp || v.bn == 256) {
+		s += "r"
+	}
+	if v.gm != 0 {
+		s += fmt.Sprintf("_g%d", v.gm)
+	}
+	return s
 }
 
 // ggShort prints long offset lists by their ends.
@@ -295,7 +327,8 @@ func TestGroupedGemmDebug(t *testing.T) {
 	g := testGroupedGemm(t)
 	// Registers and local memory (spills) per kernel, and NVRTC's log:
 	// the consumers hold BN/2 accumulators under a 168-register cap.
-	for i, v := range []string{"bn128", "bn256", "pp128"} {
+	for i, kv := range ggKernels() {
+		v := kv.name
 		for j, ty := range []string{"f32", "bf16"} {
 			k := g.kern[i][j]
 			var local int
@@ -328,6 +361,11 @@ func TestGroupedGemmDebug(t *testing.T) {
 		// ring wraps within and across tiles (9 k-blocks, 6 stages).
 		{name: "ping-pong, 600 tiles", rows: 128 * 600, n: 128, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, pp: true},
 		{name: "cooperative, 600 tiles", rows: 128 * 600, n: 128, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, bn: 128},
+		// The setmaxnreg kernels, then the grouped tile order.
+		{name: "setmaxnreg 128x256, 9 k-blocks", rows: 128, n: 256, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, bn: 256, reg: true},
+		{name: "setmaxnreg ping-pong, 9 k-blocks", rows: 128, n: 128, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, pp: true, reg: true},
+		{name: "setmaxnreg ping-pong, 600 tiles", rows: 128 * 600, n: 128, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, pp: true, reg: true},
+		{name: "group 8, 60x5 tiles", rows: 128 * 60, n: 640, k: 192, e: 1, off: ggOffsets(0, 128*60), alpha: 1, bn: 128, gm: 8},
 	} {
 		c.run(t, g, 7, nil)
 	}
@@ -361,8 +399,7 @@ func TestGroupedGemmDebugPatterns(t *testing.T) {
 			}
 		}
 		for _, v := range ggVariants {
-			bn := v.bn
-			c := ggCase{name: pat.name, rows: rows, n: n, k: k, e: 1, off: ggOffsets(0, rows), alpha: 1, bn: bn, pp: v.pp, a: a, w: w}
+			c := ggCase{name: pat.name, rows: rows, n: n, k: k, e: 1, off: ggOffsets(0, rows), alpha: 1, a: a, w: w}.with(v)
 			if res := c.run(t, g, 1, nil); res.bad == 0 {
 				continue
 			}
@@ -378,7 +415,7 @@ func TestGroupedGemmDebugPatterns(t *testing.T) {
 				}
 				if len(line) > 0 {
 					shown++
-					t.Logf("%s row %d (want %g at c0): %d wrong: %v", ggVariant(bn, v.pp), r, pat.want(r, 0), len(line), line[:min(len(line), 12)])
+					t.Logf("%s row %d (want %g at c0): %d wrong: %v", v, r, pat.want(r, 0), len(line), line[:min(len(line), 12)])
 				}
 			}
 		}
@@ -403,7 +440,7 @@ func ggRunRaw(t *testing.T, g *GroupedGemm, c ggCase) []float32 {
 		t.Fatal(err)
 	}
 	gg := *g
-	gg.BN, gg.PingPong = c.bn, c.pp
+	c.variant().apply(&gg)
 	if err := gg.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), c.rows, c.n, c.k, c.e, false, 1, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -440,7 +477,8 @@ func TestGroupedGemmCases(t *testing.T) {
 		for _, v := range ggVariants {
 			for _, bf := range []bool{false, true} {
 				for _, beta := range []float32{0, 1} {
-					c.bn, c.pp, c.outBF16, c.beta, c.alpha = v.bn, v.pp, bf, beta, 1
+					c = c.with(v)
+					c.outBF16, c.beta, c.alpha = bf, beta, 1
 					if beta != 0 {
 						c.alpha = 0.5
 					}
@@ -456,7 +494,7 @@ func TestGroupedGemmCases(t *testing.T) {
 		c := ggCase{name: fmt.Sprintf("random %d", i), rows: rng.IntN(1500), n: 8 * (1 + rng.IntN(64)),
 			k: 8 * (1 + rng.IntN(40)), e: 1 + rng.IntN(20), outBF16: rng.IntN(2) == 0, alpha: 1}
 		v := ggVariants[rng.IntN(len(ggVariants))]
-		c.bn, c.pp = v.bn, v.pp
+		c = c.with(v)
 		if rng.IntN(2) == 0 {
 			c.beta = 1
 		}
@@ -474,14 +512,13 @@ func TestGroupedGemmRepeatable(t *testing.T) {
 	_, a := ggRandBF16(41, 20000*512)
 	_, w := ggRandBF16(42, 8*512*512)
 	for _, v := range ggVariants {
-		bn := v.bn
-		c := ggCase{rows: 20000, n: 512, k: 512, e: 8, off: ggOffsets(0, 5000, 0, 381, 10000, 7, 600, 12, 4000), a: a, w: w, bn: bn, pp: v.pp}
+		c := ggCase{rows: 20000, n: 512, k: 512, e: 8, off: ggOffsets(0, 5000, 0, 381, 10000, 7, 600, 12, 4000), a: a, w: w}.with(v)
 		first := ggRunRaw(t, g, c)
 		for i := range 4 {
 			again := ggRunRaw(t, g, c)
 			for j := range first {
 				if math.Float32bits(first[j]) != math.Float32bits(again[j]) {
-					t.Fatalf("%s: run %d differs from the first at row %d col %d: %g vs %g", ggVariant(bn, v.pp), i+2, j/c.n, j%c.n, again[j], first[j])
+					t.Fatalf("%s: run %d differs from the first at row %d col %d: %g vs %g", v, i+2, j/c.n, j%c.n, again[j], first[j])
 				}
 			}
 		}
@@ -515,8 +552,7 @@ func TestGroupedGemmShapes(t *testing.T) {
 		}
 		c.off[c.e] = int32(c.rows)
 		for _, v := range ggVariants {
-			c.bn, c.pp = v.bn, v.pp
-			c.run(t, g, uint64(500+i), nil)
+			c.with(v).run(t, g, uint64(500+i), nil)
 		}
 	}
 }
@@ -564,10 +600,9 @@ func TestGroupedGemmFigures(t *testing.T) {
 		for range 32 {
 			sample = append(sample, rng.IntN(rows))
 		}
-		for _, v := range ggVariants {
-			bn := v.bn
+		for _, v := range ggFigureVariants {
 			gg := *g
-			gg.BN, gg.PingPong = bn, v.pp
+			v.apply(&gg)
 			run := func() error {
 				return gg.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), rows, n, k, s.E, true, 1, 0)
 			}
@@ -588,16 +623,27 @@ func TestGroupedGemmFigures(t *testing.T) {
 			}
 			res := p.check(got, func(i int) bool { return bits[i] == 0x7fc0 }, sample)
 			if res.bad > 0 || !(res.relL2 < 1e-2) {
-				t.Errorf("%s %s: %d of %d sampled elements bad, rel L2 %.3g; e.g. %v", shape, ggVariant(bn, v.pp), res.bad, res.checkedEl, res.relL2, res.examples)
+				t.Errorf("%s %s: %d of %d sampled elements bad, rel L2 %.3g; e.g. %v", shape, v, res.bad, res.checkedEl, res.relL2, res.examples)
 				continue
 			}
 			flop := 2 * float64(rows) * float64(n) * float64(k)
-			figure(t, fmt.Sprintf("grouped_gemm %s %s", shape, ggVariant(bn, v.pp)), ms, fmt.Sprintf("ms (%.1f TFLOP/s)", flop/ms/1e9))
+			figure(t, fmt.Sprintf("grouped_gemm %s %s", shape, v), ms, fmt.Sprintf("ms (%.1f TFLOP/s)", flop/ms/1e9))
 		}
 		for _, b := range []*Buffer{aBuf, wBuf, offBuf, out} {
 			d.Free(b)
 		}
 	}
+}
+
+// ggFigureVariants are the kernel choices TestGroupedGemmFigures times
+// side by side: version 1's three (m-tile major order), the grouped tile
+// order alone (bn256 in groups of 8 and 16 m-tiles), setmaxnreg alone and
+// with groups of 16, for the cooperative and ping-pong kernels.
+var ggFigureVariants = []ggVar{
+	{bn: 128}, {bn: 256}, {bn: 128, pp: true},
+	{bn: 256, gm: 8}, {bn: 256, gm: 16},
+	{bn: 256, reg: true, gm: 1}, {bn: 256, reg: true, gm: 16},
+	{bn: 128, pp: true, reg: true, gm: 1}, {bn: 128, pp: true, reg: true, gm: 16},
 }
 
 // ggTime is the median of 20 timed runs (device events) after 3 warm-up

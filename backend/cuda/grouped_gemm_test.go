@@ -10,6 +10,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -70,6 +71,36 @@ func TestGroupedGemmRunChecks(t *testing.T) {
 	}
 	if err := g.Run(p, p, p, p, 0, 64, 64, 2, false, 1, 0); err != nil {
 		t.Errorf("rows 0 is a no-op, got %v", err)
+	}
+	for _, gm := range []int{-1, ggMaxGroupM + 1} {
+		g = &GroupedGemm{GroupM: gm}
+		if err := g.Run(p, p, p, p, 100, 64, 64, 2, false, 1, 0); err == nil || !strings.Contains(err.Error(), "GroupM") {
+			t.Errorf("GroupM %d: %v", gm, err)
+		}
+	}
+}
+
+// TestGroupedGemmRasterOrder pins the grouped tile order on a small case:
+// 5 m-tiles (one expert), 3 n-tiles, groups of 2: (m0 n0) (m1 n0) (m0 n1)
+// (m1 n1) (m0 n2) (m1 n2) (m2 n0) ..., and the short last group (m4 n0)
+// (m4 n1) (m4 n2). Group 1 is plain m-tile major order.
+func TestGroupedGemmRasterOrder(t *testing.T) {
+	beg, end, cum := ggSchedule([]int32{0, 5 * ggBM}, 5*ggBM)
+	type mn struct{ m, n int }
+	var got2, got1 []mn
+	for tile := range 15 {
+		tl := ggTileOf(tile, 3, 2, 128, beg, end, cum)
+		got2 = append(got2, mn{tl.Row0 / ggBM, tl.N0 / 128})
+		tl = ggTileOf(tile, 3, 1, 128, beg, end, cum)
+		got1 = append(got1, mn{tl.Row0 / ggBM, tl.N0 / 128})
+	}
+	want2 := []mn{{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2}, {2, 0}, {3, 0}, {2, 1}, {3, 1}, {2, 2}, {3, 2}, {4, 0}, {4, 1}, {4, 2}}
+	want1 := []mn{{0, 0}, {0, 1}, {0, 2}, {1, 0}, {1, 1}, {1, 2}, {2, 0}, {2, 1}, {2, 2}, {3, 0}, {3, 1}, {3, 2}, {4, 0}, {4, 1}, {4, 2}}
+	if !slices.Equal(got2, want2) {
+		t.Errorf("group 2: got %v, want %v", got2, want2)
+	}
+	if !slices.Equal(got1, want1) {
+		t.Errorf("group 1: got %v, want %v", got1, want1)
 	}
 }
 
@@ -175,6 +206,7 @@ func TestGroupedGemmSchedule(t *testing.T) {
 		rows := rng.IntN(2000)
 		n := 8 * (1 + rng.IntN(80))
 		bn := []int{128, 256}[rng.IntN(2)]
+		gm := []int{1, 1, 2, 3, 8, 16, 64}[rng.IntN(7)]
 		off := ggRandOffsets(rng, e, rows)
 		beg, end, cum := ggSchedule(off, rows)
 		nTN := (n + bn - 1) / bn
@@ -190,7 +222,7 @@ func TestGroupedGemmSchedule(t *testing.T) {
 		}
 		hits := make([]int, rows*n)
 		for tile := range cum[e] * nTN {
-			tl := ggTileOf(tile, nTN, bn, beg, end, cum)
+			tl := ggTileOf(tile, nTN, gm, bn, beg, end, cum)
 			if tl.Row0 >= tl.RowEnd {
 				t.Fatalf("case %d: tile %d (%+v) has no row", it, tile, tl)
 			}
@@ -210,8 +242,8 @@ func TestGroupedGemmSchedule(t *testing.T) {
 			}
 			for c := range n {
 				if hits[r*n+c] != want {
-					t.Fatalf("case %d (E %d rows %d n %d bn %d offsets %v): element (%d, %d) written %d times, want %d",
-						it, e, rows, n, bn, off, r, c, hits[r*n+c], want)
+					t.Fatalf("case %d (E %d rows %d n %d bn %d group %d offsets %v): element (%d, %d) written %d times, want %d",
+						it, e, rows, n, bn, gm, off, r, c, hits[r*n+c], want)
 				}
 			}
 		}
