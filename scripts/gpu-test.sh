@@ -37,6 +37,7 @@
 #
 # Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
+# GPU_TEST_PACKAGES (a regexp of package paths) runs only those packages;
 # NO_BENCH=1 skips steps 2 to 5, NO_LAYOUTS=1 step 4, NO_MOE=1 step 5,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs ../shared/peer/torch_kernels.py
 # (peer_kernels.json);
@@ -118,6 +119,9 @@ skip_args=()
 [[ -n "${GPU_TEST_SKIP:-}" ]] && skip_args=(-test.skip "$GPU_TEST_SKIP")
 while IFS='|' read -r pkg filter; do
   [[ -z "$pkg" ]] && continue
+  if [[ -n "${GPU_TEST_PACKAGES:-}" ]] && ! [[ "$pkg" =~ ^(${GPU_TEST_PACKAGES})$ ]]; then
+    continue
+  fi
   n=$(name_of "$pkg")
   test_bin="$root/$BIN/$n.test"
   if [[ ! -x "$test_bin" ]]; then
