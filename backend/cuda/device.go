@@ -70,6 +70,7 @@ type Device struct {
 
 	// Touched only on the device thread.
 	asyncErr error
+	staging  stagingRing // small uploads (staging.go)
 
 	mem *allocator
 
@@ -254,7 +255,7 @@ func (d *Device) Close() error {
 
 func (d *Device) teardown() error {
 	errs := []error{d.drv.StreamSynchronize(d.stream)}
-	errs = append(errs, d.mem.releaseAll())
+	errs = append(errs, d.staging.release(d.drv), d.mem.releaseAll())
 	d.modMu.Lock()
 	for _, m := range d.modules {
 		errs = append(errs, d.drv.ModuleUnload(m.mod))
@@ -310,17 +311,22 @@ func (d *Device) CopyToDevice(dst *Buffer, offset int64, src []byte) error {
 
 // StageToDevice queues a copy of src into dst, starting offset bytes into
 // it, behind the work queued before it, and returns without waiting for
-// the GPU. src must be ordinary (pageable) Go memory: the driver copies it
-// into a staging buffer before the call returns, so the caller may reuse
-// it at once. (Page-locked memory, from AllocHost, would be read later,
-// while the copy runs: use CopyToDevice for it.) Errors of the copy come
-// from the next Sync.
+// the GPU; the caller may reuse src at once. Up to 64 KiB go through the
+// device's page-locked staging slots (staging.go); more is handed to the
+// driver, which copies pageable memory into its own staging buffers
+// before the call returns. src must be ordinary (pageable) Go memory:
+// page-locked memory from AllocHost would be read later, while the copy
+// runs (use CopyToDevice for it). Errors of the copy come from the next
+// Sync.
 func (d *Device) StageToDevice(dst *Buffer, offset int64, src []byte) error {
 	if err := dst.span("StageToDevice", offset, int64(len(src))); err != nil || len(src) == 0 {
 		return err
 	}
 	p := dst.ptr + driver.DevicePtr(offset)
 	return d.Do(func() error {
+		if len(src) <= stagingSlotBytes {
+			return d.stage(p, src)
+		}
 		return d.drv.MemcpyHtoDAsync(p, unsafe.Pointer(&src[0]), len(src), d.stream)
 	})
 }
