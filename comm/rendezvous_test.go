@@ -795,7 +795,10 @@ func TestRendezvousProcesses(t *testing.T) {
 		for rank, c := range nodes {
 			if rep := c.next(t, 10*time.Second); rep.Event != "joined" {
 				t.Errorf("node %d: %+v", rank, rep)
-			} else if rank == 1 && rep.Elapsed < 900*time.Millisecond {
+			} else if rank == 1 && rep.Elapsed < 500*time.Millisecond {
+				// Node 2 dials a second after its own start; the children's
+				// clocks start apart on a loaded machine, so half of it is
+				// the bound that still shows node 1 waited for node 2.
 				t.Errorf("node 1 joined after %v, before node 2 came", rep.Elapsed)
 			}
 		}
