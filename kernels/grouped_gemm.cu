@@ -36,7 +36,17 @@
 // registers, which holds the consumers' BN/2 accumulators (128 for BN 256);
 // the "r" kernels (bn256r, pp128r) add setmaxnreg under (384, 1): the
 // producer warpgroup drops to 40 registers, the consumers rise to 232
-// (pp128 spilled 88 bytes under the flat 168).
+// (the ping-pong kernel spilled 88 bytes under the flat 168, so it only
+// comes as pp128r).
+//
+// Epilogue. The default one stores registers straight to global memory
+// (masked), with the tensor cores idle meanwhile. The "s" and "h" kernels
+// (bn256 + setmaxnreg, bf16 out) instead write a warpgroup's 64x256 block
+// to a shared-memory staging buffer in TMA's swizzled box layout and let
+// one thread queue TMA stores (cp.async.bulk.tensor, bulk_group) that run
+// under the next tile's mainloop; the buffer is reused only after
+// cp.async.bulk.wait_group.read. Blocks with rows of the next expert, and
+// beta != 0, keep the register path (gg_epilogue_tma).
 //
 // Every mbarrier wait is bounded (GG_TIMEOUT_NS): a pipeline bug traps
 // and surfaces as a launch error at the host's next Sync, not a hang.
@@ -149,6 +159,31 @@ __device__ __forceinline__ void gg_tma_3d(unsigned dst, const gg_tmap* map, int 
 
 __device__ __forceinline__ void gg_prefetch_tmap(const gg_tmap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)map) : "memory");
+}
+
+// gg_tma_store_2d queues a TMA store of the box at shared address src to
+// the tensor at coordinates (c0, c1): elements past the tensor's bounds
+// are dropped. It joins this thread's current bulk async-group.
+__device__ __forceinline__ void gg_tma_store_2d(const gg_tmap* map, int c0, int c1, unsigned src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                   (unsigned long long)map),
+               "r"(c0), "r"(c1), "r"(src)
+               : "memory");
+}
+
+__device__ __forceinline__ void gg_bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// gg_bulk_wait_read returns once this thread's bulk stores have finished
+// reading shared memory (the global writes may still be in flight).
+__device__ __forceinline__ void gg_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// gg_bulk_wait returns once this thread's bulk stores are complete.
+__device__ __forceinline__ void gg_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// gg_named_sync is a barrier over the `count` threads (whole warps) that
+// use barrier `id` (0 is __syncthreads's).
+__device__ __forceinline__ void gg_named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
 // ---- wgmma ----
@@ -309,6 +344,57 @@ __device__ __forceinline__ void gg_epilogue64(const float (&acc)[R], long long r
   }
 }
 
+// gg_epilogue_tma stores one consumer warpgroup's 64x256 accumulator block
+// (alpha applied, bf16) through shared memory with TMA stores, so the
+// warpgroup goes back to the tensor cores while the copy engine writes
+// global memory. The block is four boxes of 64 columns x 64 rows (128-byte
+// rows, 128-byte swizzle: the 16-byte chunk c of row r sits at chunk
+// c ^ (r & 7), which also makes the writes below conflict-free: the 8 rows
+// a warp writes per step land in 8 different chunks). NPASS 1 stages all
+// four boxes (32 KiB per warpgroup); NPASS 2 stages two at a time in 16 KiB
+// and waits for the first pair to be read before writing the second.
+// stg is this warpgroup's staging buffer (1024-byte aligned); wtid the
+// thread's index in the warpgroup; barrier id is the warpgroup's own. The
+// previous tile's stores from stg may still be reading it: thread 0, which
+// issued them, waits for that before the warpgroup overwrites it. Boxes
+// past N are skipped; the N tail of a box and rows past the tensor are
+// clipped by TMA. Callers guarantee every row of the block that is inside
+// the tensor belongs to the tile's expert.
+template <int NPASS>
+__device__ __forceinline__ void gg_epilogue_tma(const float (&acc)[128], const gg_tmap* mapO, unsigned stg, int wtid,
+                                                int warp, int lane, int row0, int n0, int N, float alpha, int id) {
+  constexpr int BOXES = 4 / NPASS;  // boxes staged per pass
+  const int rl = (warp & 3) * 16 + (lane >> 2);
+  const unsigned rowA = stg + rl * 128, rowB = rowA + 8 * 128;
+  const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
+#pragma unroll
+  for (int p = 0; p < NPASS; p++) {
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(id, 128);
+#pragma unroll
+    for (int ii = 0; ii < 8 * BOXES; ii++) {
+      const int i = p * 8 * BOXES + ii;  // 8-column group of the 256
+      const unsigned o = (ii >> 3) * 8192 + ((((i & 7) ^ sw) << 4) | ((lane & 3) << 2));
+      const unsigned lo = gg_pack_bf16(alpha * acc[4 * i], alpha * acc[4 * i + 1]);
+      const unsigned hi = gg_pack_bf16(alpha * acc[4 * i + 2], alpha * acc[4 * i + 3]);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowA + o), "r"(lo) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowB + o), "r"(hi) : "memory");
+    }
+    // Generic-proxy writes, async-proxy reader: each writer fences its own
+    // writes, then the barrier orders them before thread 0's stores.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_named_sync(id, 128);
+    if (wtid == 0) {
+#pragma unroll
+      for (int b = 0; b < BOXES; b++) {
+        const int c = n0 + (p * BOXES + b) * 64;
+        if (c < N) gg_tma_store_2d(mapO, c, row0, stg + b * 8192);
+      }
+      gg_bulk_commit();
+    }
+  }
+}
+
 // gg_tile decodes tile t of the schedule. The M = cum[E] global m-tiles
 // are cut into raster groups of GM (the last one may be short, gs); the
 // tiles of a group run n-tile major: t -> group t / (GM*nTN), then within
@@ -425,20 +511,31 @@ __device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsign
   }
 }
 
-template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG>
-__device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, void* out, const int* off, int rows,
-                                        int N, int K, int E, int GM, float alpha, float beta) {
+// STORE 0 is the register epilogue; STORE 1 and 2 (BN 256, bf16 out, the
+// cooperative consumers) stage full-tile results in shared memory and
+// store them with TMA through mapO (gg_epilogue_tma with NPASS = STORE):
+// 1 stages the whole 128x256 tile (64 KiB), 2 half of it (32 KiB).
+template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG, int STORE>
+__device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, const gg_tmap* mapO, void* out,
+                                        const int* off, int rows, int N, int K, int E, int GM, float alpha,
+                                        float beta) {
   constexpr unsigned A_BYTES = GG_BM * GG_BK * 2;  // 16 KiB
   constexpr unsigned B_BYTES = BN * GG_BK * 2;     // 16 or 32 KiB
   constexpr unsigned STAGE_BYTES = A_BYTES + B_BYTES;
   constexpr int R = BN / 2;  // accumulator floats per consumer thread
+  static_assert(STORE == 0 || (BN == 256 && OUT_BF16 && !PP), "the TMA-store epilogue is for bn256 with bf16 out");
+  // Staging for the TMA-store epilogue: per consumer warpgroup 64 rows x
+  // 256 columns of bf16 (32 KiB) divided by the passes.
+  constexpr unsigned STG_BYTES = STORE ? 2u * 32768u / STORE : 0u;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
   const unsigned raw = gg_smem_addr(gg_smem);
   const unsigned base = (raw + 1023u) & ~1023u;
-  // full[STAGES], empty[STAGES], then the ping-pong turn barriers [2].
-  const unsigned bars = base + STAGES * STAGE_BYTES;
+  // The stage ring, the staging buffers (STORE), then full[STAGES],
+  // empty[STAGES] and the ping-pong turn barriers [2].
+  const unsigned stgBase = base + STAGES * STAGE_BYTES;
+  const unsigned bars = stgBase + STG_BYTES;
   int* sBeg = (int*)(gg_smem + (bars - raw) + 16 * STAGES + 16);
   int* sEnd = sBeg + E;
   int* sCum = sEnd + E;  // E+1
@@ -493,6 +590,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     if (tid != 0) return;
     gg_prefetch_tmap(mapA);
     gg_prefetch_tmap(mapW);
+    if (STORE) gg_prefetch_tmap(mapO);
     int s = 0;
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -560,78 +658,102 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     gg_fence_acc(acc);
     if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
 
+    if (STORE) {
+      // TMA-store epilogue when every row of this warpgroup's 64 that is
+      // inside the tensor is the expert's: a full block, or the tensor's
+      // last rows (TMA clips past `rows`). beta != 0 (reads out) and the
+      // other partial blocks, whose rows past rowEnd belong to the next
+      // expert, keep the register path. The branch is uniform per
+      // warpgroup, as the named barriers need.
+      const int wr0 = tile.row0 + cw * 64;
+      if (wr0 >= tile.rowEnd) continue;  // no row of ours in this tile
+      if (beta == 0.0f && (wr0 + 64 <= tile.rowEnd || tile.rowEnd == rows)) {
+        gg_epilogue_tma<STORE ? STORE : 1>(*(const float(*)[128])acc, mapO, stgBase + cw * (STG_BYTES / 2),
+                                            tid - 128 * (cw + 1), warp, lane, wr0, tile.n0, N, alpha, 1 + cw);
+        continue;
+      }
+    }
     // Epilogue: registers straight to global memory, masked to the
     // expert's rows and to N.
     const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
     gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
   }
+  // The staging buffers must outlive the stores reading them.
+  if (STORE && tid == 128 * (cw + 1)) gg_bulk_wait();
 }
 
 // The kernels: cooperative with n tile 128 (6 stages) or 256 (4 stages),
 // and ping-pong with n tile 128 (6 stages); float32 or bf16 out. The "r"
-// kernels are the same with setmaxnreg (producer 40 registers, consumers
-// 232), which needs the (384, 1) launch bound to fix the entry count at
-// 168. GM is the raster group (m-tiles, >= 1; see gg_tile).
+// kernels use setmaxnreg (producer 40 registers, consumers 232), which
+// needs the (384, 1) launch bound to fix the entry count at 168; the
+// ping-pong kernel exists only so (version 1's flat-168 pp128 spilled).
+// The "s" and "h" kernels are bn256r with the TMA-store epilogue (bf16 out
+// only; they also take mapO, the output's {N, rows} bf16 tensor map with
+// 64x64 boxes and the 128-byte swizzle): s has 3 stages and stages the
+// whole tile (64 KiB), h keeps 4 stages and stages half of it (32 KiB;
+// its shared memory fits Hopper's 227 KiB only for E <= 163). GM is the
+// raster group (m-tiles, >= 1; see gg_tile).
 // Launch: GG_THREADS threads, at most one block per SM (persistent; blocks
 // past the tile count exit at once), dynamic shared memory
-// 1024 + STAGES*(16384 + BN*128) + 16*STAGES + 16 + 4*(3E+1) bytes.
+// 1024 + STAGES*(16384 + BN*128) + staging + 16*STAGES + 16 + 4*(3E+1)
+// bytes (ggSmemBytes in backend/cuda/grouped_gemm.go).
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn128_f32(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
     int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<128, 6, false, false, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+  gg_body<128, 6, false, false, false, 0>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn128_bf16(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
     int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<128, 6, true, false, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+  gg_body<128, 6, true, false, false, 0>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn256_f32(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
     int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<256, 4, false, false, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+  gg_body<256, 4, false, false, false, 0>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn256_bf16(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
     int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<256, 4, true, false, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
-}
-
-extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_pp128_f32(
-    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
-    int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<128, 6, false, true, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
-}
-
-extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_pp128_bf16(
-    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
-    int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<128, 6, true, true, false>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+  gg_body<256, 4, true, false, false, 0>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256r_f32(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
     int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<256, 4, false, false, true>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+  gg_body<256, 4, false, false, true, 0>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256r_bf16(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
     int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<256, 4, true, false, true>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+  gg_body<256, 4, true, false, true, 0>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_pp128r_f32(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
     int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<128, 6, false, true, true>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+  gg_body<128, 6, false, true, true, 0>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_pp128r_bf16(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
     int N, int K, int E, int GM, float alpha, float beta) {
-  gg_body<128, 6, true, true, true>(&mapA, &mapW, out, off, rows, N, K, E, GM, alpha, beta);
+  gg_body<128, 6, true, true, true, 0>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, GM, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256s_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO,
+    void* out, const int* off, int rows, int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<256, 3, true, false, true, 1>(&mapA, &mapW, &mapO, out, off, rows, N, K, E, GM, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256h_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO,
+    void* out, const int* off, int rows, int N, int K, int E, int GM, float alpha, float beta) {
+  gg_body<256, 4, true, false, true, 2>(&mapA, &mapW, &mapO, out, off, rows, N, K, E, GM, alpha, beta);
 }

@@ -31,19 +31,35 @@ const (
 	ggMaxExperts = 1024 // GG_MAX_EXPERTS
 )
 
-// ggStages is the pipeline depth the kernel for n-tile bn uses.
-func ggStages(bn int) int {
-	if bn == 256 {
+// ggStages is the pipeline depth of a variant's kernel.
+func ggStages(variant int) int {
+	switch variant {
+	case ggCoop256S:
+		return 3
+	case ggCoop256, ggCoop256R, ggCoop256H:
 		return 4
 	}
 	return 6
 }
 
-// ggSmemBytes is the dynamic shared memory of the bn kernel for e experts:
-// alignment slack, the stage ring, the mbarriers and the schedule.
-func ggSmemBytes(bn, e int) int {
-	st := ggStages(bn)
-	return 1024 + st*(ggBM*ggBK*2+bn*ggBK*2) + 16*st + 16 + 4*(3*e+1)
+// ggStagingBytes is the shared memory a variant's TMA-store epilogue
+// stages results in: the whole 128x256 bf16 tile, half of it, or none.
+func ggStagingBytes(variant int) int {
+	switch variant {
+	case ggCoop256S:
+		return 128 * 256 * 2
+	case ggCoop256H:
+		return 128 * 256
+	}
+	return 0
+}
+
+// ggSmemBytes is the dynamic shared memory of a variant's kernel for e
+// experts: alignment slack, the stage ring, the staging buffer, the
+// mbarriers and the schedule.
+func ggSmemBytes(variant, e int) int {
+	st, bn := ggStages(variant), ggKernels()[variant].bn
+	return 1024 + st*(ggBM*ggBK*2+bn*ggBK*2) + ggStagingBytes(variant) + 16*st + 16 + 4*(3*e+1)
 }
 
 // GroupedGemm runs the grouped GEMM on one Device. It is safe for
@@ -51,24 +67,39 @@ func ggSmemBytes(bn, e int) int {
 type GroupedGemm struct {
 	d   *Device
 	enc *driver.TensorMapEncoder
-	// kern[variant][bf16], variant ggCoop128 .. ggPingPong128R.
+	// kern[variant][bf16], variant ggCoop128 .. ggCoop256H; nil where a
+	// variant has no such kernel (the TMA-store ones are bf16 only).
 	kern [ggVariantCount][2]*Kernel
+	// optIn is the dynamic shared memory each variant's kernels opted in
+	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
+	// (ggCoop256H needs more than that limit past 163 experts).
+	optIn [ggVariantCount]int
 	// spills256 is set when the compiler spilled the BN 256 kernels'
 	// accumulators to local memory (they hold 128 floats a thread under
 	// a 168-register cap); auto then takes BN 128.
 	spills256 bool
 	// BN forces the n tile, 128 or 256; 0 picks per N (ggPickBN).
 	BN int
-	// PingPong runs the ping-pong kernel (n tile 128: each consumer
-	// warpgroup owns whole tiles and takes turns on the tensor cores, so
-	// one's epilogue hides under the other's mainloop) instead of the
-	// cooperative ones; BN must be 0 or 128.
+	// PingPong runs the ping-pong kernel pp128r (n tile 128: each
+	// consumer warpgroup owns whole tiles and takes turns on the tensor
+	// cores, so one's epilogue hides under the other's mainloop; always
+	// with setmaxnreg) instead of the cooperative ones; BN must be 0 or
+	// 128.
 	PingPong bool
-	// Regs runs the setmaxnreg kernels (producer 40 registers a thread,
-	// consumers 232): bn256r for the cooperative BN 256 tile, pp128r with
-	// PingPong. BN 128 cooperative has no such kernel (it needs no more
-	// registers) and ignores Regs.
+	// Regs runs the cooperative BN 256 tile as bn256r, with setmaxnreg
+	// (producer 40 registers a thread, consumers 232). BN 128 cooperative
+	// has no such kernel (it needs no more registers) and ignores Regs.
 	Regs bool
+	// Store picks the TMA-store epilogue of the cooperative BN 256 kernel
+	// (bn256r's mainloop; BN must be 0 or 256, PingPong off): full result
+	// blocks go through shared memory and TMA stores that overlap the next
+	// tile's mainloop. 1 is bn256s (3 stages, the whole tile staged), 2 is
+	// bn256h (4 stages, half a tile staged; more than 163 experts fall
+	// back to bn256s, whose shared memory fits). 0 is the register
+	// epilogue. float32 outputs always take the register epilogue (bn256r);
+	// beta != 0 and blocks that hold the next expert's rows take it inside
+	// the kernel.
+	Store int
 	// GroupM is the raster group, in m-tiles, of the tile order: the
 	// tiles of GroupM m-tiles run n-tile major, so the tiles in flight
 	// share their A and W tiles in L2 (see gg_tile in the kernel). 0 is
@@ -88,21 +119,25 @@ const ggMaxGroupM = 256
 const (
 	ggCoop128 = iota
 	ggCoop256
-	ggPingPong128
 	ggCoop256R     // ggCoop256 with setmaxnreg
-	ggPingPong128R // ggPingPong128 with setmaxnreg
+	ggPingPong128R // ping-pong, n tile 128, with setmaxnreg
+	ggCoop256S     // ggCoop256R with the TMA-store epilogue, whole tile staged
+	ggCoop256H     // ggCoop256R with the TMA-store epilogue, half tile staged
 	ggVariantCount
 )
 
-// ggKernel is a variant's kernel name stem and n tile.
+// ggKernel is a variant's kernel name stem, n tile, and whether it has a
+// float32-out kernel and takes the output's tensor map.
 type ggKernel struct {
-	name string
-	bn   int
+	name     string
+	bn       int
+	bf16Only bool // TMA-store epilogue: bf16 out only, a third tensor map
 }
 
 // ggKernels lists the variants' kernels, indexed like GroupedGemm.kern.
 func ggKernels() [ggVariantCount]ggKernel {
-	return [ggVariantCount]ggKernel{{"bn128", 128}, {"bn256", 256}, {"pp128", 128}, {"bn256r", 256}, {"pp128r", 128}}
+	return [ggVariantCount]ggKernel{{"bn128", 128, false}, {"bn256", 256, false}, {"bn256r", 256, false},
+		{"pp128r", 128, false}, {"bn256s", 256, true}, {"bn256h", 256, true}}
 }
 
 // NewGroupedGemm loads the kernels on d. It fails on GPUs other than
@@ -113,7 +148,13 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	if info.Arch != "sm_90a" {
 		return nil, fmt.Errorf("cuda: GroupedGemm needs a Hopper GPU (sm_90a), not %s (%s)", info.Arch, info.Name)
 	}
-	if need := max(ggSmemBytes(128, ggMaxExperts), ggSmemBytes(256, ggMaxExperts)); info.MaxSharedOptIn < need {
+	need := 0
+	for v := range ggVariantCount {
+		if v != ggCoop256H { // it falls back to ggCoop256S past 163 experts
+			need = max(need, ggSmemBytes(v, ggMaxExperts))
+		}
+	}
+	if info.MaxSharedOptIn < need {
 		return nil, fmt.Errorf("cuda: GroupedGemm needs %d bytes of shared memory per block, %s offers %d", need, info.Name, info.MaxSharedOptIn)
 	}
 	enc, err := d.drv.TensorMapEncoder()
@@ -130,14 +171,17 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	}
 	g := &GroupedGemm{d: d, enc: enc}
 	for i, v := range ggKernels() {
-		bn := v.bn
+		// Opt in once to the most any call can ask (E = ggMaxExperts).
+		g.optIn[i] = min(ggSmemBytes(i, ggMaxExperts), info.MaxSharedOptIn)
 		for j, ty := range []string{"f32", "bf16"} {
+			if j == 0 && v.bf16Only {
+				continue
+			}
 			k, err := m.Kernel(fmt.Sprintf("grouped_gemm_nt_%s_%s", v.name, ty))
 			if err != nil {
 				return nil, err
 			}
-			// Opt in once to the most any call can ask (E = ggMaxExperts).
-			smem := ggSmemBytes(bn, ggMaxExperts)
+			smem := g.optIn[i]
 			var local int
 			err = d.Do(func() error {
 				if err := d.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, smem); err != nil {
@@ -272,6 +316,12 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 	if g.PingPong && g.BN == 256 {
 		return fmt.Errorf("cuda: GroupedGemm: PingPong takes BN 0 or 128, not 256")
 	}
+	switch {
+	case g.Store < 0 || g.Store > 2:
+		return fmt.Errorf("cuda: GroupedGemm: Store %d, want 0 (register epilogue), 1 (bn256s) or 2 (bn256h)", g.Store)
+	case g.Store != 0 && (g.PingPong || g.BN == 128):
+		return fmt.Errorf("cuda: GroupedGemm: Store %d needs the cooperative BN 256 kernel (BN 0 or 256, PingPong off)", g.Store)
+	}
 	if g.GroupM < 0 || g.GroupM > ggMaxGroupM {
 		return fmt.Errorf("cuda: GroupedGemm: GroupM %d, want 0 (default) or 1..%d", g.GroupM, ggMaxGroupM)
 	}
@@ -283,26 +333,23 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 		return nil // no rows, no expert owns anything
 	}
 	bn := g.BN
-	if bn == 0 {
+	switch {
+	case g.Store != 0:
+		bn = 256
+	case bn == 0:
 		bn = ggPickBN(n)
 		if g.spills256 {
 			bn = 128
 		}
 	}
-	variant := ggCoop128
-	switch {
-	case g.PingPong && g.Regs:
-		variant, bn = ggPingPong128R, 128
-	case g.PingPong:
-		variant, bn = ggPingPong128, 128
-	case bn == 256 && g.Regs:
-		variant = ggCoop256R
-	case bn == 256:
-		variant = ggCoop256
+	variant := ggPickVariant(bn, g.PingPong, g.Regs, g.Store, outBF16)
+	if variant == ggCoop256H && ggSmemBytes(ggCoop256H, experts) > g.optIn[ggCoop256H] {
+		variant = ggCoop256S // too many experts for half a tile of staging beside 4 stages
 	}
+	bn = ggKernels()[variant].bn
 	kern := g.kern[variant][b2i(outBF16)]
 	grid := Grid1D(ggGrid(g.d.info.SMs, rows, n, experts, bn), ggThreads)
-	grid.Shared = ggSmemBytes(bn, experts)
+	grid.Shared = ggSmemBytes(variant, experts)
 	mapA := driver.TiledMap{
 		Type: driver.TensorMapBfloat16, Addr: aRK,
 		Dims: []uint64{uint64(k), uint64(rows)}, Strides: []uint64{2 * uint64(k)},
@@ -314,10 +361,25 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 		Strides: []uint64{2 * uint64(k), 2 * uint64(k) * uint64(n)},
 		Box:     []uint32{ggBK, uint32(bn), 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
 	}
-	for _, m := range []struct {
+	// The TMA-store kernels' output map: {N, rows} bf16 in boxes of 64
+	// columns x 64 rows (one consumer warpgroup's block is four of them).
+	store := ggKernels()[variant].bf16Only
+	mapO := driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: outRN,
+		Dims: []uint64{uint64(n), uint64(rows)}, Strides: []uint64{2 * uint64(n)},
+		Box: []uint32{64, 64}, Swizzle: driver.Swizzle128B, L2: driver.L2PromotionNone,
+	}
+	maps := []struct {
 		name string
 		m    driver.TiledMap
-	}{{"aRK", mapA}, {"wENK", mapW}} {
+	}{{"aRK", mapA}, {"wENK", mapW}}
+	if store {
+		maps = append(maps, struct {
+			name string
+			m    driver.TiledMap
+		}{"outRN", mapO})
+	}
+	for _, m := range maps {
 		if err := m.m.Check(); err != nil {
 			return fmt.Errorf("cuda: GroupedGemm: %s: %w", m.name, err)
 		}
@@ -328,7 +390,7 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 	return d.Submit(func() error {
 		// Encoding on the device thread keeps Run free of round trips;
 		// the maps were checked above, so failures here are the driver's.
-		var ta, tw driver.TensorMap
+		var ta, tw, to driver.TensorMap
 		if err := g.enc.EncodeTiled(&ta, mapA); err != nil {
 			return fmt.Errorf("cuda: GroupedGemm: aRK tensor map: %w", err)
 		}
@@ -337,11 +399,18 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 		}
 		var pin runtime.Pinner
 		defer pin.Unpin()
-		params := make([]unsafe.Pointer, 0, 2+len(slots))
+		params := make([]unsafe.Pointer, 0, 3+len(slots))
 		pin.Pin(&ta)
 		pin.Pin(&tw)
 		pin.Pin(&slots[0])
 		params = append(params, unsafe.Pointer(&ta), unsafe.Pointer(&tw))
+		if store {
+			if err := g.enc.EncodeTiled(&to, mapO); err != nil {
+				return fmt.Errorf("cuda: GroupedGemm: outRN tensor map: %w", err)
+			}
+			pin.Pin(&to)
+			params = append(params, unsafe.Pointer(&to))
+		}
 		for i := range slots {
 			params = append(params, unsafe.Pointer(&slots[i]))
 		}
@@ -351,6 +420,25 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 		}
 		return nil
 	})
+}
+
+// ggPickVariant maps the knobs (bn already resolved to 128 or 256) to a
+// kernel variant: PingPong wins, then Store for BN 256 with bf16 out
+// (float32 out has no TMA-store kernel and runs bn256r), then Regs.
+func ggPickVariant(bn int, pingPong, regs bool, store int, outBF16 bool) int {
+	switch {
+	case pingPong:
+		return ggPingPong128R
+	case bn != 256:
+		return ggCoop128
+	case store == 1 && outBF16:
+		return ggCoop256S
+	case store == 2 && outBF16:
+		return ggCoop256H
+	case store != 0 || regs:
+		return ggCoop256R
+	}
+	return ggCoop256
 }
 
 func b2i(b bool) int {

@@ -146,12 +146,19 @@ type ggCase struct {
 	alpha, beta   float32
 	bn            int  // 0: auto
 	pp            bool // the ping-pong kernel
-	reg           bool // the setmaxnreg kernel (bn256r, pp128r)
+	reg           bool // the setmaxnreg kernel (bn256r; ping-pong always)
 	gm            int  // GroupedGemm.GroupM (0: default)
+	store         int  // GroupedGemm.Store: the TMA-store epilogue (bn256s, bn256h)
+	// shared, when set, keeps the problem (and its memoized reference)
+	// across runs of the same inputs with other kernels.
+	shared *ggShared
 	// a and w, when set, are the inputs (bf16 values) instead of random
 	// ones.
 	a, w []float32
 }
+
+// ggShared carries one problem from a case's first run to the next ones.
+type ggShared struct{ p *ggProblem }
 
 // ggOffsets turns counts into E+1 offsets starting at row start.
 func ggOffsets(start int, counts ...int) []int32 {
@@ -183,6 +190,15 @@ func (c ggCase) run(t *testing.T, g *GroupedGemm, seed uint64, rowsToCheck []int
 		w, wBits = c.w, bf16Slice(c.w)
 	}
 	p := &ggProblem{rows: c.rows, n: c.n, k: c.k, e: c.e, a: a, w: w, off: off, alpha: c.alpha, beta: c.beta, outBF16: c.outBF16}
+	if c.shared != nil {
+		// The same seed and offsets draw the same inputs: keep the first
+		// run's problem, whose reference rows are memoized.
+		if c.shared.p == nil {
+			p.memo = true
+			c.shared.p = p
+		}
+		p = c.shared.p
+	}
 	size := c.rows * c.n
 	elem := 4
 	if c.outBF16 {
@@ -211,7 +227,9 @@ func (c ggCase) run(t *testing.T, g *GroupedGemm, seed uint64, rowsToCheck []int
 				}
 			}
 		}
-		p.old = old
+		if p.old == nil {
+			p.old = old
+		}
 		if c.outBF16 {
 			if err := d.CopyToDevice(out, 0, Bytes(oldBits)); err != nil {
 				t.Fatal(err)
@@ -264,46 +282,59 @@ func (c ggCase) run(t *testing.T, g *GroupedGemm, seed uint64, rowsToCheck []int
 	return res
 }
 
-// ggVar is a kernel choice: the n tile (0 auto), ping-pong, setmaxnreg
-// and the raster group (0 default).
+// ggVar is a kernel choice: the n tile (0 auto), ping-pong, setmaxnreg,
+// the raster group (0 default) and the TMA-store epilogue.
 type ggVar struct {
 	bn      int
 	pp, reg bool
 	gm      int
+	store   int
 }
 
-// ggVariants are the kernels the correctness tests run: cooperative with
-// n tile 128 and 256, ping-pong, and the setmaxnreg kernels (in groups of
-// 8 m-tiles, so the grouped tile order runs too).
-var ggVariants = []ggVar{{bn: 128}, {bn: 256}, {bn: 128, pp: true}, {bn: 256, reg: true, gm: 8}, {bn: 128, pp: true, reg: true, gm: 8}}
+// ggVariants are the kernels the correctness tests run: the default
+// cooperative bn256, the ping-pong pp128r, the TMA-store epilogues bn256s
+// and bn256h (the latter in groups of 8 m-tiles, so the grouped tile order
+// runs too), and bn128, which auto takes where 256 pads N more (N 1408).
+var ggVariants = []ggVar{{bn: 256}, {bn: 128, pp: true}, {bn: 256, store: 1}, {bn: 256, store: 2, gm: 8}, {bn: 128}}
+
+// ggShapeVariants are the ones TestGroupedGemmShapes runs on the full
+// model shapes (bn128 is covered on the small cases).
+var ggShapeVariants = ggVariants[:4]
 
 // variant is c's kernel choice.
-func (c ggCase) variant() ggVar { return ggVar{bn: c.bn, pp: c.pp, reg: c.reg, gm: c.gm} }
+func (c ggCase) variant() ggVar {
+	return ggVar{bn: c.bn, pp: c.pp, reg: c.reg, gm: c.gm, store: c.store}
+}
 
 // with sets c's kernel choice to v.
 func (c ggCase) with(v ggVar) ggCase {
-	c.bn, c.pp, c.reg, c.gm = v.bn, v.pp, v.reg, v.gm
+	c.bn, c.pp, c.reg, c.gm, c.store = v.bn, v.pp, v.reg, v.gm, v.store
 	return c
 }
 
 // apply sets g's knobs to v.
 func (v ggVar) apply(g *GroupedGemm) {
-	g.BN, g.PingPong, g.Regs, g.GroupM = v.bn, v.pp, v.reg, v.gm
+	g.BN, g.PingPong, g.Regs, g.GroupM, g.Store = v.bn, v.pp, v.reg, v.gm, v.store
 }
 
-// String names a kernel choice as the figures do: bn128, bn256, pp128,
-// bn256r, pp128r, auto, plus "_g<GroupM>" when GroupM is set.
+// String names a kernel choice as the figures do: bn128, bn256, pp128r,
+// bn256r, bn256s, bn256h, auto, plus "_g<GroupM>" when GroupM is set.
+// (bn256s/bn256h with float32 out run bn256r.)
 func (v ggVar) String() string {
 	var s string
 	switch {
 	case v.pp:
-		s = "pp128"
+		s = "pp128r"
+	case v.store == 1:
+		s = "bn256s"
+	case v.store == 2:
+		s = "bn256h"
 	case v.bn == 0:
 		s = "auto"
 	default:
 		s = fmt.Sprintf("bn%d", v.bn)
 	}
-	if v.reg && (v.pp || v.bn == 256) {
+	if v.reg && !v.pp && v.store == 0 && v.bn == 256 {
 		s += "r"
 	}
 	if v.gm != 0 {
@@ -331,6 +362,9 @@ func TestGroupedGemmDebug(t *testing.T) {
 		v := kv.name
 		for j, ty := range []string{"f32", "bf16"} {
 			k := g.kern[i][j]
+			if k == nil {
+				continue // the TMA-store kernels are bf16 only
+			}
 			var local int
 			err := g.d.Do(func() error {
 				var err error
@@ -366,6 +400,16 @@ func TestGroupedGemmDebug(t *testing.T) {
 		{name: "setmaxnreg ping-pong, 9 k-blocks", rows: 128, n: 128, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, pp: true, reg: true},
 		{name: "setmaxnreg ping-pong, 600 tiles", rows: 128 * 600, n: 128, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, pp: true, reg: true},
 		{name: "group 8, 60x5 tiles", rows: 128 * 60, n: 640, k: 192, e: 1, off: ggOffsets(0, 128*60), alpha: 1, bn: 128, gm: 8},
+		// The TMA-store epilogues (bf16 out): one full tile, the ring
+		// wrapping, then 600 tiles (the staging buffers reused while
+		// earlier stores drain), an N tail inside a box and a box past N,
+		// and a last expert ending at the tensor's end (TMA clips rows).
+		{name: "TMA store, one tile 128x256x64", rows: 128, n: 256, k: 64, e: 1, off: ggOffsets(0, 128), alpha: 1, outBF16: true, store: 1},
+		{name: "TMA store half, one tile, 9 k-blocks", rows: 128, n: 256, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, outBF16: true, store: 2},
+		{name: "TMA store, 600 tiles", rows: 128 * 600, n: 256, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, outBF16: true, store: 1},
+		{name: "TMA store half, 600 tiles", rows: 128 * 600, n: 256, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, outBF16: true, store: 2},
+		{name: "TMA store, n 328 (tail box, box past N), rows 200 of one expert", rows: 200, n: 328, k: 128, e: 1, off: ggOffsets(0, 200), alpha: 0.5, outBF16: true, store: 1},
+		{name: "TMA store half, two experts 70 + 130", rows: 200, n: 256, k: 128, e: 2, off: ggOffsets(0, 70, 130), alpha: 1, outBF16: true, store: 2},
 	} {
 		c.run(t, g, 7, nil)
 	}
@@ -399,7 +443,10 @@ func TestGroupedGemmDebugPatterns(t *testing.T) {
 			}
 		}
 		for _, v := range ggVariants {
-			c := ggCase{name: pat.name, rows: rows, n: n, k: k, e: 1, off: ggOffsets(0, rows), alpha: 1, a: a, w: w}.with(v)
+			// bf16 out for the TMA-store kernels (the values are small
+			// integers, exact in bf16).
+			c := ggCase{name: pat.name, rows: rows, n: n, k: k, e: 1, off: ggOffsets(0, rows), alpha: 1, a: a, w: w,
+				outBF16: v.store != 0}.with(v)
 			if res := c.run(t, g, 1, nil); res.bad == 0 {
 				continue
 			}
@@ -436,20 +483,34 @@ func ggRunRaw(t *testing.T, g *GroupedGemm, c ggCase) []float32 {
 		t.Fatal(err)
 	}
 	defer d.Free(out)
-	if err := d.Memset32(out, 0, int64(c.rows*c.n), 0x7fc00000); err != nil {
+	poison := uint32(0x7fc00000) // a float32 NaN
+	if c.outBF16 {
+		poison = 0x7fc07fc0 // two bf16 NaNs
+	}
+	if err := d.Memset32(out, 0, int64(c.rows*c.n), poison); err != nil {
 		t.Fatal(err)
 	}
 	gg := *g
 	c.variant().apply(&gg)
-	if err := gg.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), c.rows, c.n, c.k, c.e, false, 1, 0); err != nil {
+	if err := gg.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), c.rows, c.n, c.k, c.e, c.outBF16, 1, 0); err != nil {
 		t.Fatal(err)
 	}
 	got := make([]float32, c.rows*c.n)
 	if err := d.Sync(); err != nil {
 		t.Fatal(err)
 	}
-	if err := d.CopyFromDevice(Bytes(got), out, 0); err != nil {
+	if !c.outBF16 {
+		if err := d.CopyFromDevice(Bytes(got), out, 0); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	bits := make([]uint16, c.rows*c.n)
+	if err := d.CopyFromDevice(Bytes(bits), out, 0); err != nil {
 		t.Fatal(err)
+	}
+	for i, h := range bits {
+		got[i] = bf16Value(h)
 	}
 	return got
 }
@@ -512,7 +573,9 @@ func TestGroupedGemmRepeatable(t *testing.T) {
 	_, a := ggRandBF16(41, 20000*512)
 	_, w := ggRandBF16(42, 8*512*512)
 	for _, v := range ggVariants {
-		c := ggCase{rows: 20000, n: 512, k: 512, e: 8, off: ggOffsets(0, 5000, 0, 381, 10000, 7, 600, 12, 4000), a: a, w: w}.with(v)
+		// bf16 out for the TMA-store kernels (float32 out runs bn256r).
+		c := ggCase{rows: 20000, n: 512, k: 512, e: 8, off: ggOffsets(0, 5000, 0, 381, 10000, 7, 600, 12, 4000), a: a, w: w,
+			outBF16: v.store != 0}.with(v)
 		first := ggRunRaw(t, g, c)
 		for i := range 4 {
 			again := ggRunRaw(t, g, c)
@@ -551,7 +614,10 @@ func TestGroupedGemmShapes(t *testing.T) {
 			c.off[j] = int32(cuts[j-1])
 		}
 		c.off[c.e] = int32(c.rows)
-		for _, v := range ggVariants {
+		// One problem for all kernels: the float64 reference (the slow
+		// part) is computed on the first run and memoized.
+		c.shared = &ggShared{}
+		for _, v := range ggShapeVariants {
 			c.with(v).run(t, g, uint64(500+i), nil)
 		}
 	}
@@ -600,7 +666,15 @@ func TestGroupedGemmFigures(t *testing.T) {
 		for range 32 {
 			sample = append(sample, rng.IntN(rows))
 		}
-		for _, v := range ggFigureVariants {
+		// Only the sampled rows come back: full copies of the largest
+		// output (1.9 GB) per variant cost more than the timing.
+		bits := make([]uint16, rows*n)
+		got := make([]float32, rows*n)
+		vars := ggFigureVariants
+		if s.D == 4096 {
+			vars = append(slices.Clip(vars), ggFigureVariantsWide...)
+		}
+		for _, v := range vars {
 			gg := *g
 			v.apply(&gg)
 			run := func() error {
@@ -613,13 +687,14 @@ func TestGroupedGemmFigures(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			bits := make([]uint16, rows*n)
-			if err := d.CopyFromDevice(Bytes(bits), out, 0); err != nil {
-				t.Fatal(err)
-			}
-			got := make([]float32, len(bits))
-			for i, h := range bits {
-				got[i] = bf16Value(h)
+			for _, r := range sample {
+				row := bits[r*n : (r+1)*n]
+				if err := d.CopyFromDevice(Bytes(row), out, int64(2*r*n)); err != nil {
+					t.Fatal(err)
+				}
+				for c, h := range row {
+					got[r*n+c] = bf16Value(h)
+				}
 			}
 			res := p.check(got, func(i int) bool { return bits[i] == 0x7fc0 }, sample)
 			if res.bad > 0 || !(res.relL2 < 1e-2) {
@@ -636,15 +711,15 @@ func TestGroupedGemmFigures(t *testing.T) {
 }
 
 // ggFigureVariants are the kernel choices TestGroupedGemmFigures times
-// side by side: version 1's three (m-tile major order), the grouped tile
-// order alone (bn256 in groups of 8 and 16 m-tiles), setmaxnreg alone and
-// with groups of 16, for the cooperative and ping-pong kernels.
-var ggFigureVariants = []ggVar{
-	{bn: 128}, {bn: 256}, {bn: 128, pp: true},
-	{bn: 256, gm: 8}, {bn: 256, gm: 16},
-	{bn: 256, reg: true, gm: 1}, {bn: 256, reg: true, gm: 16},
-	{bn: 128, pp: true, reg: true, gm: 1}, {bn: 128, pp: true, reg: true, gm: 16},
-}
+// side by side on every shape (m-tile major order): the default bn256,
+// the ping-pong pp128r, and the TMA-store epilogues bn256s and bn256h.
+// Version 2's bn128, pp128, bn256r and the g8 timings are gone (results
+// in kernels/grouped_gemm.md).
+var ggFigureVariants = []ggVar{{bn: 256}, {bn: 128, pp: true}, {bn: 256, store: 1}, {bn: 256, store: 2}}
+
+// ggFigureVariantsWide adds the grouped tile order on the shape where W
+// re-reads from DRAM bound the time (D 4096, N 28672).
+var ggFigureVariantsWide = []ggVar{{bn: 256, gm: 16}}
 
 // ggTime is the median of 20 timed runs (device events) after 3 warm-up
 // runs, in milliseconds.

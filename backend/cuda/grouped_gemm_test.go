@@ -72,6 +72,11 @@ func TestGroupedGemmRunChecks(t *testing.T) {
 	if err := g.Run(p, p, p, p, 0, 64, 64, 2, false, 1, 0); err != nil {
 		t.Errorf("rows 0 is a no-op, got %v", err)
 	}
+	for _, bad := range []GroupedGemm{{Store: 3}, {Store: -1}, {Store: 1, PingPong: true}, {Store: 2, BN: 128}} {
+		if err := bad.Run(p, p, p, p, 100, 64, 64, 2, true, 1, 0); err == nil || !strings.Contains(err.Error(), "Store") {
+			t.Errorf("%+v: %v", bad, err)
+		}
+	}
 	for _, gm := range []int{-1, ggMaxGroupM + 1} {
 		g = &GroupedGemm{GroupM: gm}
 		if err := g.Run(p, p, p, p, 100, 64, 64, 2, false, 1, 0); err == nil || !strings.Contains(err.Error(), "GroupM") {
@@ -145,10 +150,48 @@ func TestGroupedGemmPickBN(t *testing.T) {
 		}
 	}
 	// The largest schedule fits the shared memory Hopper lets a block opt
-	// in to (227 KiB).
-	for _, bn := range []int{128, 256} {
-		if b := ggSmemBytes(bn, ggMaxExperts); b > 227*1024 {
-			t.Errorf("bn %d: %d bytes of shared memory", bn, b)
+	// in to (227 KiB), except bn256h's (4 stages and half a tile of
+	// staging), which fits up to 163 experts: Run then takes bn256s.
+	const hopper = 227 * 1024
+	for v, kv := range ggKernels() {
+		b := ggSmemBytes(v, ggMaxExperts)
+		if v == ggCoop256H {
+			if ggSmemBytes(v, 163) > hopper || ggSmemBytes(v, 164) <= hopper {
+				t.Errorf("%s: %d bytes at 163 experts, %d at 164; want the limit at 163", kv.name, ggSmemBytes(v, 163), ggSmemBytes(v, 164))
+			}
+			continue
+		}
+		if b > hopper {
+			t.Errorf("%s: %d bytes of shared memory", kv.name, b)
+		}
+	}
+	// The staging buffer (1024-byte aligned, right after the ring)
+	// holds two warpgroups' 64x256 bf16 blocks, in 1 or 2 passes.
+	if ggStagingBytes(ggCoop256S) != 2*64*256*2 || ggStagingBytes(ggCoop256H) != 64*256*2 {
+		t.Errorf("staging: s %d, h %d bytes", ggStagingBytes(ggCoop256S), ggStagingBytes(ggCoop256H))
+	}
+}
+
+func TestGroupedGemmPickVariant(t *testing.T) {
+	for _, c := range []struct {
+		bn       int
+		pp, regs bool
+		store    int
+		bf16     bool
+		want     int
+	}{
+		{bn: 256, want: ggCoop256},
+		{bn: 128, want: ggCoop128},
+		{bn: 256, regs: true, want: ggCoop256R},
+		{bn: 128, pp: true, want: ggPingPong128R},
+		{bn: 128, pp: true, regs: true, want: ggPingPong128R},
+		{bn: 256, store: 1, bf16: true, want: ggCoop256S},
+		{bn: 256, store: 2, bf16: true, want: ggCoop256H},
+		{bn: 256, store: 1, want: ggCoop256R}, // float32 out: no TMA-store kernel
+		{bn: 256, store: 2, want: ggCoop256R},
+	} {
+		if got := ggPickVariant(c.bn, c.pp, c.regs, c.store, c.bf16); got != c.want {
+			t.Errorf("%+v: variant %d, want %d", c, got, c.want)
 		}
 	}
 }
@@ -272,6 +315,41 @@ type ggProblem struct {
 
 	wNormOnce sync.Once
 	wNorm     []float64 // ||w[e, c, :]||, filled by referenceRow
+
+	// memo keeps each reference row check computes (float32: its rounding
+	// is far below the tolerance), for problems checked against several
+	// kernels. memoState[r]: 0 not yet, 1 unowned, 2 owned. A row is
+	// filled by the one worker that handles it in a check; checks run one
+	// at a time.
+	memo               bool
+	memoState          []uint8
+	memoRef, memoScale []float32
+}
+
+// row fills ref and scale with reference row r (referenceRow), from the
+// memo when p.memo is set.
+func (p *ggProblem) row(r int, ref, scale []float64) bool {
+	if !p.memo {
+		return p.referenceRow(r, ref, scale)
+	}
+	switch p.memoState[r] {
+	case 1:
+		return false
+	case 2:
+		for c := range p.n {
+			ref[c], scale[c] = float64(p.memoRef[r*p.n+c]), float64(p.memoScale[r*p.n+c])
+		}
+		return true
+	}
+	if !p.referenceRow(r, ref, scale) {
+		p.memoState[r] = 1
+		return false
+	}
+	for c := range p.n {
+		p.memoRef[r*p.n+c], p.memoScale[r*p.n+c] = float32(ref[c]), float32(scale[c])
+	}
+	p.memoState[r] = 2
+	return true
 }
 
 // ggCheckResult is what comparing a result with the reference found.
@@ -350,6 +428,10 @@ func (p *ggProblem) check(got []float32, poisoned func(i int) bool, rowsToCheck 
 			rowsToCheck[i] = i
 		}
 	}
+	if p.memo && p.memoState == nil {
+		p.memoState = make([]uint8, p.rows)
+		p.memoRef, p.memoScale = make([]float32, p.rows*p.n), make([]float32, p.rows*p.n)
+	}
 	workers := runtime.GOMAXPROCS(0)
 	type part struct {
 		num, den float64
@@ -367,7 +449,7 @@ func (p *ggProblem) check(got []float32, poisoned func(i int) bool, rowsToCheck 
 			ref, scale := make([]float64, p.n), make([]float64, p.n)
 			for j := wi; j < len(rowsToCheck); j += workers {
 				r := rowsToCheck[j]
-				owned := p.referenceRow(r, ref, scale)
+				owned := p.row(r, ref, scale)
 				for c := range p.n {
 					i := r*p.n + c
 					pt.n++
@@ -444,6 +526,18 @@ func TestGroupedGemmReference(t *testing.T) {
 	}
 	if res := p.check(want, poison(want), nil); res.bad != 0 || res.relL2 > 1e-12 || res.checkedEl != 8 {
 		t.Fatalf("exact answer: %+v", res)
+	}
+	// The memo gives the same verdicts on a second check (served from it).
+	pm := &ggProblem{rows: p.rows, n: p.n, k: p.k, e: p.e, a: p.a, w: p.w, off: p.off, old: p.old, alpha: p.alpha, beta: p.beta, memo: true}
+	for range 2 {
+		if res := pm.check(want, poison(want), nil); res.bad != 0 || res.relL2 > 1e-6 || res.checkedEl != 8 {
+			t.Fatalf("memoized, exact answer: %+v", res)
+		}
+		bad := append([]float32(nil), want...)
+		bad[3] = 21
+		if res := pm.check(bad, poison(bad), nil); res.bad != 1 {
+			t.Fatalf("memoized, one wrong element: %+v", res)
+		}
 	}
 	for i, v := range []float32{7.01, float32(math.NaN()), 21, 22} {
 		got := append([]float32(nil), want...)
