@@ -104,6 +104,36 @@ func groupedCases() []Case {
 			}})
 		}
 	}
+	// All-bf16 operands with sizes that are multiples of 8, as the MoE
+	// forward passes them: the shape a grouped GEMM kernel takes (the
+	// CUDA backend's Hopper kernel), with an empty group, rows past the
+	// groups, groups that are not a multiple of a 128-row tile and several
+	// n tiles.
+	for _, k := range []struct {
+		name    string
+		rows    []int
+		total   int
+		n, k    int
+		outBF16 bool
+	}{
+		{"small", []int{5, 0, 19}, 30, 40, 64, true},
+		{"small-float-out", []int{5, 0, 19}, 30, 40, 64, false},
+		{"tiles", []int{130, 0, 257, 1}, 400, 264, 136, true},
+		{"tiles-float-out", []int{130, 0, 257, 1}, 400, 264, 136, false},
+	} {
+		cs = append(cs, Case{Name: "GroupedMatMul/bf16-kernel-" + k.name, Compare: func(e *Env) {
+			e.NormWise = groupedNormWise
+			a := e.BF16Uniform("a", -1, 1, k.total, k.k)
+			bb := e.BF16Uniform("b", -1, 1, len(k.rows)*k.n, k.k)
+			var out *Pair
+			if k.outBF16 {
+				out = e.InOut(e.BF16Uniform("out", -1, 1, k.total, k.n))
+			} else {
+				out = e.InOut(e.Rand("out", k.total, k.n))
+			}
+			e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMul(p(out), p(a), p(bb), k.rows, true, 0.5, 0) })
+		}})
+	}
 	cs = append(cs, Case{Name: "Grouped/ref", Check: checkGrouped})
 	return cs
 }

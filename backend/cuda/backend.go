@@ -36,6 +36,9 @@ type Backend struct {
 	owns bool // Close closes dev (OpenBackend)
 	k    *kernelSet
 	gemm *Gemm
+	// experts runs GroupedMatMul's forward products on the Hopper grouped
+	// GEMM (experts.go).
+	experts expertGemm
 
 	mu  sync.Mutex
 	err error // the first error since the last Sync
@@ -127,7 +130,7 @@ func (b *Backend) Device() *Device { return b.dev }
 // when OpenBackend opened the device, closes it. Tensors of the Backend
 // must not be used afterwards.
 func (b *Backend) Close() error {
-	err := errors.Join(b.Sync(), b.gemm.Close())
+	err := errors.Join(b.Sync(), b.experts.close(b.dev), b.gemm.Close())
 	if b.owns {
 		err = errors.Join(err, b.dev.Close())
 	}

@@ -136,6 +136,12 @@ func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, 
 		fail(op, "%v", err)
 	}
 	b.checkGroupedOut(op, ot, at, bt, beta)
+	if b.groupedKernel(ot, at, bt, groupRows, n, k, transB, alpha, beta) {
+		runtime.KeepAlive(ot)
+		runtime.KeepAlive(at)
+		runtime.KeepAlive(bt)
+		return
+	}
 	ps, ok := devicePtrs(ot, at, bt)
 	if !ok {
 		return

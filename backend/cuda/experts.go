@@ -1,0 +1,99 @@
+package cuda
+
+// The experts' forward products on the Hopper grouped GEMM (GroupedGemm,
+// kernels/grouped_gemm.cu) instead of one cuBLASLt call per expert: one
+// persistent kernel over every expert, reading the group offsets on the
+// device. It serves GroupedMatMul's NT case (out = a·W_gᵀ, the forward of
+// w1, w3 and w2) with bf16 operands, beta 0, and sizes and addresses the
+// kernel takes; everything else keeps the cuBLASLt path. bf16 outputs use
+// the TMA-store epilogue (bn256s), the fastest variant measured
+// (bench/results/h200-20261202-fa2ca3b/).
+
+import (
+	"encoding/binary"
+	"sync"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// expertGemm is the Backend's grouped GEMM state, made on first use.
+type expertGemm struct {
+	once     sync.Once
+	bf16Out  *GroupedGemm // Store: bn256s
+	floatOut *GroupedGemm // the register epilogue (float32 out)
+	err      error        // why the kernel is not used (not Hopper, ...)
+
+	mu      sync.Mutex
+	offsets *Buffer // the last call's group offsets, int32
+}
+
+// groupedKernel runs out = alpha·a·op(bG)ᵀ per group on the grouped GEMM
+// when the call is one it serves, and reports whether it did.
+func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, transB bool, alpha, beta float64) bool {
+	if !transB || beta != 0 || at.dt != backend.BFloat16 || bt.dt != backend.BFloat16 || n%8 != 0 || k%8 != 0 {
+		return false
+	}
+	x := &b.experts
+	x.once.Do(func() {
+		x.bf16Out, x.err = NewGroupedGemm(b.dev)
+		if x.err == nil {
+			x.bf16Out.Store = 1
+			x.floatOut, x.err = NewGroupedGemm(b.dev)
+		}
+	})
+	if x.err != nil || len(groupRows) > ggMaxExperts {
+		return false
+	}
+	ps, ok := devicePtrs(ot, at, bt)
+	if !ok {
+		return false
+	}
+	// The kernel's own checks (sizes, alignment), made before committing
+	// to it; the offsets' address is not known yet and is any aligned one.
+	if checkGroupedGemm(ps[0], ps[1], ps[2], 16, at.shape[0], n, k, len(groupRows), 0) != nil {
+		return false
+	}
+	// The offsets go up through the staging slots: no wait for the GPU,
+	// and the buffer's previous contents were read by the kernels queued
+	// before this copy.
+	off := make([]byte, 4*(len(groupRows)+1))
+	rows := 0
+	for g, r := range groupRows {
+		rows += r
+		binary.LittleEndian.PutUint32(off[4*(g+1):], uint32(rows))
+	}
+	if rows == 0 {
+		return true
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.offsets == nil { // room for the most experts the kernel takes
+		var err error
+		if x.offsets, err = b.dev.Alloc(4 * (ggMaxExperts + 1)); err != nil {
+			x.offsets = nil
+			return false
+		}
+	}
+	if err := b.dev.StageToDevice(x.offsets, 0, off); err != nil {
+		b.fail(err)
+		return true
+	}
+	gg := x.floatOut
+	if ot.dt == backend.BFloat16 {
+		gg = x.bf16Out
+	}
+	b.fail(gg.Run(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, n, k, len(groupRows), ot.dt == backend.BFloat16, float32(alpha), 0))
+	return true
+}
+
+// close frees the offsets buffer.
+func (x *expertGemm) close(d *Device) error {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.offsets == nil {
+		return nil
+	}
+	err := d.Free(x.offsets)
+	x.offsets = nil
+	return err
+}
