@@ -4,9 +4,6 @@ import (
 	"errors"
 	"strings"
 	"testing"
-
-	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cpu"
 )
 
 // fakeGroup is a Group that only knows its members, for NewRanks.
@@ -20,10 +17,11 @@ type fakeGroup struct {
 func (g *fakeGroup) Rank() int { return g.rank }
 func (g *fakeGroup) Size() int { return len(g.members) }
 
-// TestNewRanksMatchesLocal checks that NewRanks cuts the same groups as
-// NewLocal, and that every group is made once, with members that agree on
-// it.
-func TestNewRanksMatchesLocal(t *testing.T) {
+// TestNewRanksMatchesLayout checks that NewRanks cuts the groups of the
+// rank layout in mesh.go (each group's rank and size, from the table
+// there), with members that agree on them, and that every group is made
+// once. NewLocal and the TCP world cut their groups through it.
+func TestNewRanksMatchesLayout(t *testing.T) {
 	for _, m := range []Mesh{{1, 1, 1, 1}, {2, 1, 1, 1}, {1, 4, 1, 1}, {2, 2, 1, 1}, {2, 1, 2, 1}, {3, 2, 2, 1}, {2, 2, 2, 2}} {
 		calls := map[GroupKind]int{}
 		ranks, err := NewRanks(m, func(k GroupKind, members []int) ([]Group, error) {
@@ -37,17 +35,20 @@ func TestNewRanksMatchesLocal(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%+v: %v", m, err)
 		}
-		local, err := NewLocal(m, cpu.New(backend.Float32))
-		if err != nil {
-			t.Fatal(err)
-		}
 		for r, rk := range ranks {
-			lr := local[r]
-			for i, pair := range [][2]Group{{rk.World, lr.World}, {rk.Data, lr.Data}, {rk.Expert, lr.Expert},
-				{rk.ExpertReplica, lr.ExpertReplica}, {rk.Context, lr.Context}, {rk.DataContext, lr.DataContext}} {
-				g, want := pair[0].(*fakeGroup), pair[1]
-				if g.kind != GroupKinds()[i] || g.Rank() != want.Rank() || g.Size() != want.Size() || g.members[g.rank] != r {
-					t.Errorf("%+v rank %d %v: rank %d of %v, NewLocal says rank %d of %d", m, r, GroupKinds()[i], g.rank, g.members, want.Rank(), want.Size())
+			c := m.Coord(r)
+			want := [][2]int{ // rank within the group, size (mesh.go)
+				{r, m.World()},
+				{c.DP*m.EP + c.EP, m.DP * m.EP},
+				{c.EP, m.EP},
+				{c.DP, m.DP},
+				{c.CP, m.CP},
+				{(c.DP*m.EP+c.EP)*m.CP + c.CP, m.DP * m.EP * m.CP},
+			}
+			for i, gr := range []Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext} {
+				g := gr.(*fakeGroup)
+				if g.kind != GroupKinds()[i] || g.Rank() != want[i][0] || g.Size() != want[i][1] || g.members[g.rank] != r {
+					t.Errorf("%+v rank %d %v: rank %d of %v, want rank %d of %d", m, r, GroupKinds()[i], g.rank, g.members, want[i][0], want[i][1])
 				}
 			}
 			if rk.Rank != r || rk.Coord != m.Coord(r) {

@@ -61,35 +61,15 @@ func NewLocal(mesh Mesh, b backend.Backend) ([]*Ranks, error) {
 	if b == nil {
 		return nil, errors.New("comm: NewLocal needs the backend that holds the ranks' tensors, got nil")
 	}
-	world := newHub("world", mesh.World())
-	data := map[Coord]*hub{}    // keyed by cp, tp
-	expert := map[Coord]*hub{}  // keyed by dp, cp, tp
-	replica := map[Coord]*hub{} // keyed by ep, cp, tp
-	context := map[Coord]*hub{} // keyed by dp, ep, tp
-	dataCtx := map[Coord]*hub{} // keyed by tp
-	find := func(m map[Coord]*hub, key Coord, name string, size int) *hub {
-		if h, ok := m[key]; ok {
-			return h
+	// One hub per group, its members' handles in group-rank order.
+	return NewRanks(mesh, func(k GroupKind, members []int) ([]Group, error) {
+		h := newHub(k.String(), len(members))
+		gs := make([]Group, len(members))
+		for i := range members {
+			gs[i] = &localGroup{hub: h, rank: i, b: b}
 		}
-		h := newHub(name, size)
-		m[key] = h
-		return h
-	}
-	group := func(h *hub, rank int) *localGroup { return &localGroup{hub: h, rank: rank, b: b} }
-	ranks := make([]*Ranks, mesh.World())
-	for r := range ranks {
-		c := mesh.Coord(r)
-		ranks[r] = &Ranks{
-			Mesh: mesh, Coord: c, Rank: r,
-			World:         group(world, r),
-			Data:          group(find(data, Coord{CP: c.CP, TP: c.TP}, "data", mesh.DP*mesh.EP), c.DP*mesh.EP+c.EP),
-			Expert:        group(find(expert, Coord{DP: c.DP, CP: c.CP, TP: c.TP}, "expert", mesh.EP), c.EP),
-			ExpertReplica: group(find(replica, Coord{EP: c.EP, CP: c.CP, TP: c.TP}, "expert-replica", mesh.DP), c.DP),
-			Context:       group(find(context, Coord{DP: c.DP, EP: c.EP, TP: c.TP}, "context", mesh.CP), c.CP),
-			DataContext:   group(find(dataCtx, Coord{TP: c.TP}, "data-context", mesh.DP*mesh.EP*mesh.CP), (c.DP*mesh.EP+c.EP)*mesh.CP+c.CP),
-		}
-	}
-	return ranks, nil
+		return gs, nil
+	})
 }
 
 // hub is where the members of one group meet.
