@@ -1,24 +1,13 @@
 package backend
 
-import (
-	"fmt"
-	"slices"
-)
+import "fmt"
 
 // MatMulDims returns m, n and k of out[m,n] = op(a)[m,k]·op(b)[k,n], checking
 // that a, b and out are 2-D and agree. Backends call it before MatMul's
 // kernel so every backend enforces one rule with one message.
 func MatMulDims(out, a, b Tensor, transA, transB bool) (m, n, k int, err error) {
-	for _, t := range []struct {
-		name string
-		t    Tensor
-	}{{"a", a}, {"b", b}, {"out", out}} {
-		if t.t == nil {
-			return 0, 0, 0, fmt.Errorf("%s is nil", t.name)
-		}
-		if s := t.t.Shape(); len(s) != 2 {
-			return 0, 0, 0, fmt.Errorf("%s has shape %v, want a 2-D tensor", t.name, s)
-		}
+	if err := check2D(a, b, out); err != nil {
+		return 0, 0, 0, err
 	}
 	as, bs := a.Shape(), b.Shape()
 	m, k = as[0], as[1]
@@ -43,7 +32,7 @@ func MatMulDims(out, a, b Tensor, transA, transB bool) (m, n, k int, err error) 
 // product's n and k (each group is [n_g, k]·[k, n]). The counts must be
 // non-negative and add up to at most a's rows, and out must have a's rows.
 func GroupedMatMulDims(outRN, aRK, bG Tensor, groupRows []int, transB bool) (n, k int, err error) {
-	if err := check2D(map[string]Tensor{"out": outRN, "a": aRK, "b": bG}); err != nil {
+	if err := check2D(aRK, bG, outRN); err != nil {
 		return 0, 0, err
 	}
 	G := len(groupRows)
@@ -75,7 +64,7 @@ func GroupedMatMulDims(outRN, aRK, bG Tensor, groupRows []int, transB bool) (n, 
 // GroupedMatMulTNDims checks GroupedMatMulTN's arguments and returns m and
 // n: a is [R, m], b [R, n] and out [G*m, n].
 func GroupedMatMulTNDims(outGMN, aRM, bRN Tensor, groupRows []int) (m, n int, err error) {
-	if err := check2D(map[string]Tensor{"out": outGMN, "a": aRM, "b": bRN}); err != nil {
+	if err := check2D(aRM, bRN, outGMN); err != nil {
 		return 0, 0, err
 	}
 	G := len(groupRows)
@@ -111,20 +100,18 @@ func checkGroupRows(groupRows []int, rows int) error {
 	return nil
 }
 
-// check2D checks that every named tensor is present and 2-D, in name order.
-func check2D(ts map[string]Tensor) error {
-	names := make([]string, 0, len(ts))
-	for name := range ts {
-		names = append(names, name)
-	}
-	slices.Sort(names)
-	for _, name := range names {
-		t := ts[name]
-		if t == nil {
-			return fmt.Errorf("%s is nil", name)
+// check2D checks that a product's operands and output are present and
+// 2-D; errors name them a, b and out.
+func check2D(a, b, out Tensor) error {
+	for _, t := range []struct {
+		name string
+		t    Tensor
+	}{{"a", a}, {"b", b}, {"out", out}} {
+		if t.t == nil {
+			return fmt.Errorf("%s is nil", t.name)
 		}
-		if s := t.Shape(); len(s) != 2 {
-			return fmt.Errorf("%s has shape %v, want a 2-D tensor", name, s)
+		if s := t.t.Shape(); len(s) != 2 {
+			return fmt.Errorf("%s has shape %v, want a 2-D tensor", t.name, s)
 		}
 	}
 	return nil
