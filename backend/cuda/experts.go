@@ -10,7 +10,6 @@ package cuda
 // (bench/results/h200-20261202-fa2ca3b/).
 
 import (
-	"encoding/binary"
 	"sync"
 
 	"github.com/mktrain/mktrain/backend"
@@ -23,8 +22,9 @@ type expertGemm struct {
 	floatOut *GroupedGemm // the register epilogue (float32 out)
 	err      error        // why the kernel is not used (not Hopper, ...)
 
-	mu      sync.Mutex
-	offsets *Buffer // the last call's group offsets, int32
+	mu       sync.Mutex
+	offsets  *Buffer // the last call's group offsets, int32
+	offsetsH []int32 // their host copy, reused from call to call
 }
 
 // groupedKernel runs out = alpha·a·op(bG)ᵀ per group on the grouped GEMM
@@ -53,20 +53,23 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 	if checkGroupedGemm(ps[0], ps[1], ps[2], 16, at.shape[0], n, k, len(groupRows), 0) != nil {
 		return false
 	}
-	// The offsets go up through the staging slots: no wait for the GPU,
-	// and the buffer's previous contents were read by the kernels queued
-	// before this copy.
-	off := make([]byte, 4*(len(groupRows)+1))
 	rows := 0
-	for g, r := range groupRows {
+	for _, r := range groupRows {
 		rows += r
-		binary.LittleEndian.PutUint32(off[4*(g+1):], uint32(rows))
 	}
 	if rows == 0 {
 		return true
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	// The offsets go up through the staging slots: no wait for the GPU,
+	// and the buffer's previous contents were read by the kernels queued
+	// before this copy. StageToDevice copies the host slice before it
+	// returns, so it is reused.
+	x.offsetsH = append(x.offsetsH[:0], 0)
+	for _, r := range groupRows {
+		x.offsetsH = append(x.offsetsH, x.offsetsH[len(x.offsetsH)-1]+int32(r))
+	}
 	if x.offsets == nil { // room for the most experts the kernel takes
 		var err error
 		if x.offsets, err = b.dev.Alloc(4 * (ggMaxExperts + 1)); err != nil {
@@ -74,7 +77,7 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 			return false
 		}
 	}
-	if err := b.dev.StageToDevice(x.offsets, 0, off); err != nil {
+	if err := b.dev.StageToDevice(x.offsets, 0, Bytes(x.offsetsH)); err != nil {
 		b.fail(err)
 		return true
 	}
