@@ -721,44 +721,20 @@ var ggFigureVariants = []ggVar{{bn: 256}, {bn: 128, pp: true}, {bn: 256, store: 
 // re-reads from DRAM bound the time (D 4096, N 28672).
 var ggFigureVariantsWide = []ggVar{{bn: 256, gm: 16}}
 
-// ggTime is the median of 20 timed runs (device events) after 3 warm-up
-// runs, in milliseconds.
+// ggTime is the median of 20 timed runs (timeGPU, one run each) after 3
+// warm-up runs, in milliseconds.
 func ggTime(d *Device, run func() error) (float64, error) {
-	for range 3 {
-		if err := run(); err != nil {
-			return 0, err
-		}
-	}
-	if err := d.Sync(); err != nil {
-		return 0, err
-	}
-	start, err := d.NewEvent()
-	if err != nil {
-		return 0, err
-	}
-	defer start.Destroy()
-	end, err := d.NewEvent()
-	if err != nil {
-		return 0, err
-	}
-	defer end.Destroy()
 	ts := make([]float64, 20)
 	for i := range ts {
-		if err := start.Record(); err != nil {
+		warm := 0
+		if i == 0 {
+			warm = 3
+		}
+		ms, err := timeGPU(d, warm, 1, run)
+		if err != nil {
 			return 0, err
 		}
-		if err := run(); err != nil {
-			return 0, err
-		}
-		if err := end.Record(); err != nil {
-			return 0, err
-		}
-		if ts[i], err = end.Since(start); err != nil {
-			return 0, err
-		}
-	}
-	if err := d.Sync(); err != nil {
-		return 0, err
+		ts[i] = ms
 	}
 	slices.Sort(ts)
 	return ts[len(ts)/2], nil
