@@ -1,9 +1,6 @@
 package main
 
 import (
-	"encoding/json"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -24,14 +21,6 @@ func TestBenchMoE(t *testing.T) {
 	if !strings.Contains(stdout, "e.bwd") || !strings.Contains(stdout, "tiny ") {
 		t.Errorf("no table on stdout:\n%s", stdout)
 	}
-	files, err := filepath.Glob(filepath.Join(dir, "moe-tiny-*.json"))
-	if err != nil || len(files) != 1 {
-		t.Fatalf("result files %v (%v)", files, err)
-	}
-	buf, err := os.ReadFile(files[0])
-	if err != nil {
-		t.Fatal(err)
-	}
 	var res struct {
 		Commit  string `json:"commit"`
 		Figures struct {
@@ -39,9 +28,7 @@ func TestBenchMoE(t *testing.T) {
 			Phases []string      `json:"phases"`
 		} `json:"figures"`
 	}
-	if err := json.Unmarshal(buf, &res); err != nil {
-		t.Fatal(err)
-	}
+	readResult(t, dir, "moe-tiny-*.json", &res)
 	if res.Commit == "" {
 		t.Error("no commit in the result")
 	}

@@ -22,7 +22,18 @@ func readBench(t *testing.T, extra ...string) (string, map[string]any) {
 	if code != exitOK {
 		t.Fatalf("exit %d\n%s", code, stderr)
 	}
-	files, err := filepath.Glob(filepath.Join(dir, "train-tiny-*.json"))
+	var res struct {
+		Figures map[string]any `json:"figures"`
+	}
+	readResult(t, dir, "train-tiny-*.json", &res)
+	return stdout, res.Figures
+}
+
+// readResult decodes the one benchmark result in dir whose name matches
+// pattern into v.
+func readResult(t *testing.T, dir, pattern string, v any) {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(dir, pattern))
 	if err != nil || len(files) != 1 {
 		t.Fatalf("result files %v (%v)", files, err)
 	}
@@ -30,13 +41,9 @@ func readBench(t *testing.T, extra ...string) (string, map[string]any) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var res struct {
-		Figures map[string]any `json:"figures"`
-	}
-	if err := json.Unmarshal(buf, &res); err != nil {
+	if err := json.Unmarshal(buf, v); err != nil {
 		t.Fatal(err)
 	}
-	return stdout, res.Figures
 }
 
 func TestBenchTrainProfile(t *testing.T) {
