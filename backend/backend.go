@@ -243,6 +243,38 @@ type Backend interface {
 	// RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]).
 	RowDots(outN, aTD, rowsN, bND Tensor)
 
+	// Peer-row ops: the MoE dispatch and combine when a rank reaches its
+	// peers' buffers directly (the virtual ranks of one backend, or GPUs of
+	// one process with peer access) instead of through an all-to-all. The
+	// slices hold one tensor per rank of the expert group, in group-rank
+	// order; refsR2 is an Int32 [R, 2] tensor of row references (s, p):
+	// rank s, position p of that rank's send order. Every referenced
+	// position must exist.
+
+	// GatherPeerRows: for row r with (s, p) = refsR2[r] and t = tokS[s][p],
+	//   outRD[r] = scaleS[s][p] * srcTD[s][t]
+	// scaleS may be nil (1). Sources and scales are of the float type; out
+	// is too, or BFloat16 (rounded).
+	GatherPeerRows(outRD Tensor, srcTD, tokS, scaleS []Tensor, refsR2 Tensor)
+	// ScatterPeerRows: outSD[s][p] = inRD[r] for (s, p) = refsR2[r]; the
+	// references must be distinct. All of the float type.
+	ScatterPeerRows(outSD []Tensor, inRD, refsR2 Tensor)
+	// DispatchSwiGLU is the experts' gate/up half fused with the dispatch
+	// (Dispatch+GEMM): the rows are gathered as by GatherPeerRows(xRD,
+	// srcTD, tokS, nil, refsR2), then, per group g of groupRows (as in
+	// GroupedMatMul),
+	//   h1RF = xRD·W1_gᵀ, h3RF = xRD·W3_gᵀ, actRF = silu(h1RF) * h3RF
+	// with w1GFD and w3GFD stacking the G matrices [F, D] by rows. xRD,
+	// h1RF, h3RF and actRF are of the operand type; xRD, h1RF and h3RF are
+	// kept for the backward.
+	DispatchSwiGLU(xRD, h1RF, h3RF, actRF Tensor, srcTD, tokS []Tensor, refsR2, w1GFD, w3GFD Tensor, groupRows []int)
+	// DownCombine is the experts' down projection fused with the combine
+	// (GEMM+Combine): per group g, y = actRF·W2_gᵀ (w2GDF stacking the G
+	// matrices [D, F]), and row r of y is written to outSD[s][p], (s, p) =
+	// refsR2[r]: straight into its source rank's buffer, in the source's
+	// send order. outSD are of the float type.
+	DownCombine(outSD []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int)
+
 	// AdamWUpdate updates param in place from grad with moments m and v.
 	AdamWUpdate(param, grad, m, v Tensor, h AdamW)
 }

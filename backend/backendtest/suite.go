@@ -34,6 +34,7 @@ func cases() []Case {
 	all = append(all, routerCases()...)
 	all = append(all, routeCases()...)
 	all = append(all, bf16Cases()...)
+	all = append(all, peerCases()...)
 	return all
 }
 

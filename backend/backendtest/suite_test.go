@@ -42,6 +42,9 @@ func mutants() []struct{ kind, runAll, gradCheck string } {
 		// checks demand round-to-nearest exactly.
 		{"bf16-rounds-toward-zero", "", "BF16"},
 		{"swiglu-bf16-skips-last", "SwiGLUForward", "BF16"},
+		{"peer-gather-drops-scale", "GatherPeerRows", ""},
+		{"dispatch-first-matrix", "DispatchSwiGLU", ""},
+		{"down-combine-first-matrix", "DownCombine", ""},
 	}
 }
 
@@ -236,6 +239,37 @@ func (m mutant) GatherRows(out, in, rows, scale backend.Tensor) {
 		scale = nil
 	}
 	m.Backend.GatherRows(out, in, rows, scale)
+}
+
+func (m mutant) GatherPeerRows(out backend.Tensor, src, tok, scale []backend.Tensor, refs backend.Tensor) {
+	if m.kind == "peer-gather-drops-scale" {
+		scale = nil
+	}
+	m.Backend.GatherPeerRows(out, src, tok, scale, refs)
+}
+
+// firstGroup puts every row of groupRows in the first group: every row is
+// multiplied by the first matrix.
+func firstGroup(groupRows []int) []int {
+	all := make([]int, len(groupRows))
+	for _, r := range groupRows {
+		all[0] += r
+	}
+	return all
+}
+
+func (m mutant) DispatchSwiGLU(x, h1, h3, act backend.Tensor, src, tok []backend.Tensor, refs, w1, w3 backend.Tensor, groupRows []int) {
+	if m.kind == "dispatch-first-matrix" {
+		groupRows = firstGroup(groupRows)
+	}
+	m.Backend.DispatchSwiGLU(x, h1, h3, act, src, tok, refs, w1, w3, groupRows)
+}
+
+func (m mutant) DownCombine(out []backend.Tensor, refs, act, w2 backend.Tensor, groupRows []int) {
+	if m.kind == "down-combine-first-matrix" {
+		groupRows = firstGroup(groupRows)
+	}
+	m.Backend.DownCombine(out, refs, act, w2, groupRows)
 }
 
 func (m mutant) AdamWUpdate(param, grad, mm, v backend.Tensor, h backend.AdamW) {

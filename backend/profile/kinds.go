@@ -64,13 +64,13 @@ func KindOf(scope, op string) string {
 	switch op {
 	case opUpload, opDownload, opSync:
 		return KindTransfers
-	case opGroupedMatMul, opGroupedMatMulTN:
+	case opGroupedMatMul, opGroupedMatMulTN, opDispatchSwiGLU, opDownCombine:
 		return KindExpertGEMM
 	case opAttentionForward, opAttentionBackward:
 		return KindAttention
 	case opMatMul:
 		return KindDenseGEMM
-	case opGatherRows, opScatterAddRows, opRowDots:
+	case opGatherRows, opScatterAddRows, opRowDots, opGatherPeerRows, opScatterPeerRows:
 		return KindDispatch
 	case opRouterForward, opRouterBackward, opRouteByExpert:
 		return KindRouter

@@ -39,6 +39,10 @@ const (
 	opScatterAddRows    = "ScatterAddRows"
 	opRowDots           = "RowDots"
 	opRouteByExpert     = "RouteByExpert"
+	opGatherPeerRows    = "GatherPeerRows"
+	opScatterPeerRows   = "ScatterPeerRows"
+	opDispatchSwiGLU    = "DispatchSwiGLU"
+	opDownCombine       = "DownCombine"
 	opAdamWUpdate       = "AdamWUpdate"
 )
 
@@ -201,4 +205,24 @@ func (p *Backend) RouteByExpert(countsE, sendTokS, sendSlotS, idxTK backend.Tens
 func (p *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW) {
 	defer p.end(p.begin(), opAdamWUpdate)
 	p.inner.AdamWUpdate(param, grad, m, v, h)
+}
+
+func (p *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2 backend.Tensor) {
+	defer p.end(p.begin(), opGatherPeerRows)
+	p.inner.GatherPeerRows(outRD, srcTD, tokS, scaleS, refsR2)
+}
+
+func (p *Backend) ScatterPeerRows(outSD []backend.Tensor, inRD, refsR2 backend.Tensor) {
+	defer p.end(p.begin(), opScatterPeerRows)
+	p.inner.ScatterPeerRows(outSD, inRD, refsR2)
+}
+
+func (p *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+	defer p.end(p.begin(), opDispatchSwiGLU)
+	p.inner.DispatchSwiGLU(xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows)
+}
+
+func (p *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+	defer p.end(p.begin(), opDownCombine)
+	p.inner.DownCombine(outSD, refsR2, actRF, w2GDF, groupRows)
 }

@@ -1,0 +1,359 @@
+package backendtest
+
+// Conformance cases of the peer-row ops (GatherPeerRows, ScatterPeerRows,
+// DispatchSwiGLU, DownCombine): the MoE dispatch and combine of ranks that
+// read and write each other's tensors. Each case draws, for 1, 2 or 4
+// ranks, the ranks' sources, token lists (a token may be sent more than
+// once, as under top-k routing) and the expert side's row references
+// (rank, position), with ranks that send nothing, R = 0, and R not a
+// multiple of 128 among them. Run compares the backend with the oracle;
+// then the backend's results are compared with a float64 reference
+// computed here from the host data, so that the oracle's own peer ops are
+// not the only definition.
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// peerShape is one peer-row test: len(send) ranks, rank s sending send[s]
+// rows out of a source of src[s] rows, r rows on the expert side, rows d
+// wide.
+type peerShape struct {
+	name      string
+	send, src []int
+	r, d      int
+}
+
+func peerRowShapes() []peerShape {
+	return []peerShape{
+		{"1-rank", []int{37}, []int{20}, 37, 16},
+		// d = 15: no vector width divides the rows.
+		{"2-ranks-one-silent", []int{0, 50}, []int{9, 31}, 45, 15},
+		{"4-ranks", []int{120, 0, 77, 200}, []int{64, 1, 40, 90}, 300, 64},
+		{"R=0", []int{3, 0}, []int{2, 5}, 0, 8},
+		{"wide", []int{70, 130}, []int{50, 100}, 171, 260},
+	}
+}
+
+// peerMoEShape is one DispatchSwiGLU / DownCombine test: the ranks as in
+// peerShape, groups of groupRows rows (summing to R) multiplied by [F, D]
+// (w1, w3) and [D, F] (w2) matrices.
+type peerMoEShape struct {
+	name      string
+	send, src []int
+	groupRows []int
+	d, f      int
+}
+
+func (s peerMoEShape) rows() int {
+	r := 0
+	for _, g := range s.groupRows {
+		r += g
+	}
+	return r
+}
+
+func peerMoEShapes() []peerMoEShape {
+	return []peerMoEShape{
+		{"1-rank", []int{23}, []int{15}, []int{9, 14}, 16, 24},
+		{"2-ranks-empty-group", []int{0, 40}, []int{3, 20}, []int{12, 0, 19}, 24, 40},
+		{"4-ranks", []int{50, 0, 33, 61}, []int{40, 2, 30, 45}, []int{30, 17, 0, 50}, 32, 48},
+		{"R=0", []int{5, 0}, []int{4, 1}, []int{0, 0}, 16, 32},
+	}
+}
+
+// peerHopperShape is the shape of the MoE layer's bf16 forward that a
+// grouped GEMM kernel takes (D and F multiples of 64; the CUDA backend's
+// Hopper kernel): 4 ranks, one sending nothing, 4 groups of uneven rows
+// with an empty one, R = 702.
+func peerHopperShape() peerMoEShape {
+	return peerMoEShape{"hopper", []int{200, 0, 300, 260}, []int{180, 4, 256, 200}, []int{250, 0, 321, 131}, 256, 384}
+}
+
+// peerRefs draws r row references (rank, position) over ranks sending
+// send[s] rows: distinct ones (a random r of all positions, in random
+// order) or drawn with repeats.
+func peerRefs(rng *rand.Rand, send []int, r int, distinct bool) []int32 {
+	var all [][2]int32
+	for s, n := range send {
+		for p := range n {
+			all = append(all, [2]int32{int32(s), int32(p)})
+		}
+	}
+	if distinct && r > len(all) {
+		panic(fmt.Sprintf("backendtest: %d distinct references out of %d positions", r, len(all)))
+	}
+	rng.Shuffle(len(all), func(i, j int) { all[i], all[j] = all[j], all[i] })
+	refs := make([]int32, 0, 2*r)
+	for i := range r {
+		if !distinct {
+			i = rng.IntN(len(all))
+		}
+		refs = append(refs, all[i][0], all[i][1])
+	}
+	return refs
+}
+
+// peerSources makes each rank's source [src[s], d] (values in [lo, hi))
+// and token list (send[s] rows of it, repeats allowed).
+func (e *Env) peerSources(send, src []int, d int, lo, hi float64) (srcs, toks []*Pair) {
+	for s := range send {
+		srcs = append(srcs, e.Uniform(fmt.Sprintf("src%d", s), lo, hi, src[s], d))
+		toks = append(toks, e.Ints(fmt.Sprintf("tok%d", s), 0, src[s], send[s]))
+	}
+	return srcs, toks
+}
+
+// picks maps pairs to the running backend's tensors; nil for no pairs.
+func picks(p Pick, ps []*Pair) []backend.Tensor {
+	if ps == nil {
+		return nil
+	}
+	ts := make([]backend.Tensor, len(ps))
+	for i, x := range ps {
+		ts[i] = p(x)
+	}
+	return ts
+}
+
+// againstRef compares the tested backend's p, after Run, with want
+// computed on the host in float64, by the rule Run applies to p.
+func (e *Env) againstRef(p *Pair, want []float64) {
+	e.T.Helper()
+	what := p.Name + " (against the float64 reference)"
+	got := Download(e.B, p.b)
+	switch {
+	case e.NormWise && e.lowPrecision():
+		CompareNormWise(e.T, what, got, want, e.Tol)
+	case p.bf16:
+		CompareFloats(e.T, what, got, want, max(e.Tol, Tolerance(backend.BFloat16)))
+	default:
+		CompareFloats(e.T, what, got, want, e.Tol)
+	}
+}
+
+// hosts returns the pairs' initial float contents; nil for no pairs.
+func hosts(ps []*Pair) [][]float64 {
+	if ps == nil {
+		return nil
+	}
+	hs := make([][]float64, len(ps))
+	for i, p := range ps {
+		hs[i] = p.host
+	}
+	return hs
+}
+
+// gatherRef is GatherPeerRows on host data: row i of the result is
+// scale[s][p] * src[s][tok[s][p]] for (s, p) = refs[i] (scale nil: 1),
+// rounded to bf16 when roundBF16.
+func gatherRef(src [][]float64, toks []*Pair, scale [][]float64, refs []int32, d int, roundBF16 bool) []float64 {
+	out := make([]float64, 0, len(refs)/2*d)
+	for i := 0; i < len(refs); i += 2 {
+		s, p := refs[i], refs[i+1]
+		t := int(toks[s].ints[p])
+		k := 1.0
+		if scale != nil {
+			k = scale[s][p]
+		}
+		for _, v := range src[s][t*d : (t+1)*d] {
+			out = append(out, k*v)
+		}
+	}
+	if roundBF16 {
+		return RoundTo(backend.BFloat16, out)
+	}
+	return out
+}
+
+// scatterRef is ScatterPeerRows on host data: each rank's out, from its
+// initial contents out0, with row p replaced by in[i] for (s, p) = refs[i].
+func scatterRef(out0 [][]float64, in []float64, refs []int32, d int) [][]float64 {
+	want := make([][]float64, len(out0))
+	for s, o := range out0 {
+		want[s] = append([]float64(nil), o...)
+	}
+	for i := 0; i < len(refs); i += 2 {
+		s, p := refs[i], int(refs[i+1])
+		copy(want[s][p*d:(p+1)*d], in[i/2*d:(i/2+1)*d])
+	}
+	return want
+}
+
+// groupedNT is out[r] = a[r]·W_gᵀ per group g of groupRows, W_g the g-th
+// [n, k] block of w, in float64.
+func groupedNT(a, w []float64, groupRows []int, n, k int) []float64 {
+	var out []float64
+	r := 0
+	for g, rows := range groupRows {
+		wg := w[g*n*k : (g+1)*n*k]
+		for ; rows > 0; rows, r = rows-1, r+1 {
+			for j := range n {
+				out = append(out, Dot(a[r*k:(r+1)*k], wg[j*k:(j+1)*k]))
+			}
+		}
+	}
+	return out
+}
+
+func silu(x float64) float64 { return x / (1 + math.Exp(-x)) }
+
+func peerCases() []Case {
+	var cs []Case
+	for _, s := range peerRowShapes() {
+		for _, bf16 := range []bool{false, true} {
+			for _, scaled := range []bool{false, true} {
+				name := "GatherPeerRows/" + s.name + "/float-out"
+				if bf16 {
+					name = "GatherPeerRows/" + s.name + "/bf16-out"
+				}
+				if scaled {
+					name += "/scaled"
+				}
+				cs = append(cs, Case{Name: name, Compare: func(e *Env) {
+					srcs, toks := e.peerSources(s.send, s.src, s.d, -3, 3)
+					var scales []*Pair
+					if scaled {
+						for r, n := range s.send {
+							scales = append(scales, e.Rand(fmt.Sprintf("scale%d", r), n))
+						}
+					}
+					refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, s.r, false), s.r, 2)
+					out := e.typedOut(bf16, "out", s.r, s.d)
+					e.Run(func(b backend.Backend, p Pick) {
+						b.GatherPeerRows(p(out), picks(p, srcs), picks(p, toks), picks(p, scales), p(refs))
+					})
+					e.againstRef(out, gatherRef(hosts(srcs), toks, hosts(scales), refs.ints, s.d, bf16))
+				}})
+			}
+		}
+		cs = append(cs, Case{Name: "ScatterPeerRows/" + s.name, Compare: func(e *Env) {
+			// InOut: the positions no reference names keep their rows.
+			var outs []*Pair
+			for r, n := range s.send {
+				outs = append(outs, e.InOut(e.Rand(fmt.Sprintf("out%d", r), n, s.d)))
+			}
+			in := e.Rand("in", s.r, s.d)
+			refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, s.r, true), s.r, 2)
+			e.Run(func(b backend.Backend, p Pick) { b.ScatterPeerRows(picks(p, outs), p(in), p(refs)) })
+			for r, want := range scatterRef(hosts(outs), in.host, refs.ints, s.d) {
+				e.againstRef(outs[r], want)
+			}
+		}})
+	}
+	cs = append(cs, peerViewCases()...)
+	for _, s := range peerMoEShapes() {
+		// "operand": the tested backend's operand type (bf16 on the GPU);
+		// "bf16" on every backend.
+		for _, ty := range []string{"operand", "bf16"} {
+			cs = append(cs,
+				Case{Name: "DispatchSwiGLU/" + ty + "/" + s.name, Compare: func(e *Env) { e.dispatchSwiGLU(s, ty == "bf16") }},
+				Case{Name: "DownCombine/" + ty + "/" + s.name, Compare: func(e *Env) { e.downCombine(s, ty == "bf16") }},
+			)
+		}
+	}
+	hopper := peerHopperShape()
+	cs = append(cs,
+		Case{Name: "DispatchSwiGLU/bf16/" + hopper.name, Compare: func(e *Env) { e.dispatchSwiGLU(hopper, true) }},
+		Case{Name: "DownCombine/bf16/" + hopper.name, Compare: func(e *Env) { e.downCombine(hopper, true) }},
+	)
+	return cs
+}
+
+// peerViewCases put a rank's tensor, or the gather's out, at an odd
+// element offset in a larger one, so that rows are not aligned for
+// four-wide accesses while d is a multiple of 4.
+func peerViewCases() []Case {
+	send, src, r, d := []int{30, 25}, []int{12, 18}, 40, 16
+	return []Case{
+		{Name: "GatherPeerRows/views/source", Compare: func(e *Env) {
+			src0 := e.Uniform("src0", -3, 3, src[0], d)
+			src1Parent := e.Uniform("src1Parent", -3, 3, src[1]*d+1)
+			srcs := []*Pair{src0, e.View("src1", src1Parent, 1, src[1], d)}
+			toks := []*Pair{e.Ints("tok0", 0, src[0], send[0]), e.Ints("tok1", 0, src[1], send[1])}
+			refs := e.IntsOf("refs", peerRefs(e.Rng, send, r, false), r, 2)
+			out := e.Out("out", r, d)
+			e.Run(func(b backend.Backend, p Pick) {
+				b.GatherPeerRows(p(out), picks(p, srcs), picks(p, toks), nil, p(refs))
+			})
+			e.againstRef(out, gatherRef([][]float64{src0.host, src1Parent.host[1:]}, toks, nil, refs.ints, d, false))
+		}},
+		{Name: "GatherPeerRows/views/bf16-out", Compare: func(e *Env) {
+			srcs, toks := e.peerSources(send, src, d, -3, 3)
+			refs := e.IntsOf("refs", peerRefs(e.Rng, send, r, false), r, 2)
+			// InOut: the parent's elements outside the view keep their values.
+			parent := e.InOut(e.BF16("outParent", r*d+2))
+			out := e.View("out", parent, 1, r, d)
+			e.Run(func(b backend.Backend, p Pick) {
+				b.GatherPeerRows(p(out), picks(p, srcs), picks(p, toks), nil, p(refs))
+			})
+			want := append([]float64{parent.host[0]}, gatherRef(hosts(srcs), toks, nil, refs.ints, d, true)...)
+			e.againstRef(parent, append(want, parent.host[r*d+1]))
+		}},
+		{Name: "ScatterPeerRows/views", Compare: func(e *Env) {
+			out0 := e.InOut(e.Rand("out0", send[0], d))
+			parent := e.InOut(e.Rand("out1Parent", send[1]*d+3))
+			outs := []*Pair{out0, e.View("out1", parent, 3, send[1], d)}
+			in := e.Rand("in", r, d)
+			refs := e.IntsOf("refs", peerRefs(e.Rng, send, r, true), r, 2)
+			e.Run(func(b backend.Backend, p Pick) { b.ScatterPeerRows(picks(p, outs), p(in), p(refs)) })
+			want := scatterRef([][]float64{out0.host, parent.host[3:]}, in.host, refs.ints, d)
+			e.againstRef(out0, want[0])
+			e.againstRef(parent, append(append([]float64(nil), parent.host[:3]...), want[1]...))
+		}},
+	}
+}
+
+// dispatchSwiGLU runs DispatchSwiGLU on s with bf16 operands (or the
+// tested backend's operand type) and checks x, h1, h3 and act against the
+// gather, the grouped products and SwiGLU in float64.
+func (e *Env) dispatchSwiGLU(s peerMoEShape, bf16 bool) {
+	e.NormWise = groupedNormWise
+	bf16 = bf16 || e.B.OperandType() == backend.BFloat16
+	r, d, f, g := s.rows(), s.d, s.f, len(s.groupRows)
+	srcs, toks := e.peerSources(s.send, s.src, d, -1, 1)
+	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
+	// Weights of about 1/sqrt(d): h1 and h3 of order 1, where SwiGLU bends.
+	w1 := e.typed(bf16, "w1", -2/math.Sqrt(float64(d)), 2/math.Sqrt(float64(d)), g*f, d)
+	w3 := e.typed(bf16, "w3", -2/math.Sqrt(float64(d)), 2/math.Sqrt(float64(d)), g*f, d)
+	x, h1, h3, act := e.typedOut(bf16, "x", r, d), e.typedOut(bf16, "h1", r, f), e.typedOut(bf16, "h3", r, f), e.typedOut(bf16, "act", r, f)
+	e.Run(func(b backend.Backend, p Pick) {
+		b.DispatchSwiGLU(p(x), p(h1), p(h3), p(act), picks(p, srcs), picks(p, toks), p(refs), p(w1), p(w3), s.groupRows)
+	})
+	xRef := gatherRef(hosts(srcs), toks, nil, refs.ints, d, bf16)
+	h1Ref, h3Ref := groupedNT(xRef, w1.host, s.groupRows, f, d), groupedNT(xRef, w3.host, s.groupRows, f, d)
+	actRef := make([]float64, len(h1Ref))
+	for i, v := range h1Ref {
+		actRef[i] = silu(v) * h3Ref[i]
+	}
+	e.againstRef(x, xRef)
+	e.againstRef(h1, h1Ref)
+	e.againstRef(h3, h3Ref)
+	e.againstRef(act, actRef)
+}
+
+// downCombine runs DownCombine on s with bf16 operands (or the tested
+// backend's operand type) and checks the ranks' outputs against the
+// grouped product in float64, scattered.
+func (e *Env) downCombine(s peerMoEShape, bf16 bool) {
+	e.NormWise = groupedNormWise
+	bf16 = bf16 || e.B.OperandType() == backend.BFloat16
+	r, d, f, g := s.rows(), s.d, s.f, len(s.groupRows)
+	act := e.typed(bf16, "act", -1, 1, r, f)
+	w2 := e.typed(bf16, "w2", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*d, f)
+	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
+	// InOut: the positions no reference names keep their rows.
+	var outs []*Pair
+	for i, n := range s.send {
+		outs = append(outs, e.InOut(e.Rand(fmt.Sprintf("out%d", i), n, d)))
+	}
+	e.Run(func(b backend.Backend, p Pick) { b.DownCombine(picks(p, outs), p(refs), p(act), p(w2), s.groupRows) })
+	y := groupedNT(act.host, w2.host, s.groupRows, d, f)
+	for i, want := range scatterRef(hosts(outs), y, refs.ints, d) {
+		e.againstRef(outs[i], want)
+	}
+}

@@ -1,0 +1,143 @@
+package cpu
+
+// Peer-row ops: the MoE dispatch and combine of virtual ranks that read each
+// other's tensors directly (see backend.Backend). Row r of the expert side
+// refers to (rank s, send position p); the gather reads source s's token
+// tokS[s][p], the scatter writes s's row p.
+
+import "github.com/mktrain/mktrain/backend"
+
+// peerRefs checks refsR2 (Int32 [R, 2]) against the ranks' send lengths
+// sendLen[s] and returns the references as (rank, position) pairs.
+func peerRefs(op string, refsR2 backend.Tensor, sendLen []int) [][2]int {
+	if refsR2 == nil {
+		fail(op, "refs is nil")
+	}
+	s := refsR2.Shape()
+	if refsR2.DType() != backend.Int32 || len(s) != 2 || s[1] != 2 {
+		fail(op, "refs is %v %v, want int32 [R 2]", refsR2.DType(), s)
+	}
+	raw := ints(refsR2)
+	refs := make([][2]int, s[0])
+	for r := range refs {
+		rank, pos := int(raw[2*r]), int(raw[2*r+1])
+		if rank < 0 || rank >= len(sendLen) {
+			fail(op, "refs[%d] names rank %d of %d", r, rank, len(sendLen))
+		}
+		if pos < 0 || pos >= sendLen[rank] {
+			fail(op, "refs[%d] names position %d of rank %d, which sends %d rows", r, pos, rank, sendLen[rank])
+		}
+		refs[r] = [2]int{rank, pos}
+	}
+	return refs
+}
+
+// GatherPeerRows computes outRD[r] = scaleS[s][p] * srcTD[s][tokS[s][p]]
+// for (s, p) = refsR2[r]; scaleS may be nil (all ones). outRD may be
+// BFloat16 (the rows are rounded).
+func (b *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2 backend.Tensor) {
+	const op = "GatherPeerRows"
+	n, d := b.operandMatrix(op, "out", outRD)
+	if len(tokS) != len(srcTD) || (scaleS != nil && len(scaleS) != len(srcTD)) {
+		fail(op, "%d sources, %d token lists and %d scale lists; want one of each per rank", len(srcTD), len(tokS), len(scaleS))
+	}
+	sendLen := make([]int, len(srcTD))
+	toks := make([][]int32, len(srcTD))
+	for s, src := range srcTD {
+		t, _ := b.matrix(op, "source", src)
+		b.wantMatrix(op, "source", src, t, d)
+		if tokS[s] == nil {
+			fail(op, "token list of rank %d is nil", s)
+		}
+		sendLen[s] = tokS[s].Len()
+		toks[s] = indices(op, "tokens", tokS[s], sendLen[s], t, false)
+		if scaleS != nil {
+			b.vector(op, "scale", scaleS[s], sendLen[s])
+		}
+	}
+	refs := peerRefs(op, refsR2, sendLen)
+	if len(refs) != n {
+		fail(op, "refs has %d rows, out %d", len(refs), n)
+	}
+	defer b.roundIfBF16(outRD)
+	if b.dt == backend.Float32 {
+		gatherPeerRows[float32](b, outRD, srcTD, toks, scaleS, refs, d)
+	} else {
+		gatherPeerRows[float64](b, outRD, srcTD, toks, scaleS, refs, d)
+	}
+}
+
+func gatherPeerRows[T Float](b *Backend, outRD backend.Tensor, srcTD []backend.Tensor, toks [][]int32, scaleS []backend.Tensor, refs [][2]int, d int) {
+	out := floats[T](outRD)
+	b.parallelFor(len(refs), rowChunk(d), func(lo, hi int) {
+		for r := lo; r < hi; r++ {
+			s, p := refs[r][0], refs[r][1]
+			t := int(toks[s][p])
+			src := floats[T](srcTD[s])[t*d : (t+1)*d]
+			dst := out[r*d : (r+1)*d]
+			if scaleS == nil {
+				copy(dst, src)
+				continue
+			}
+			k := floats[T](scaleS[s])[p]
+			for j, v := range src {
+				dst[j] = k * v
+			}
+		}
+	})
+}
+
+// ScatterPeerRows computes outSD[s][p] = inRD[r] for (s, p) = refsR2[r].
+func (b *Backend) ScatterPeerRows(outSD []backend.Tensor, inRD, refsR2 backend.Tensor) {
+	const op = "ScatterPeerRows"
+	n, d := b.matrix(op, "in", inRD)
+	sendLen := make([]int, len(outSD))
+	for s, o := range outSD {
+		rows, _ := b.matrix(op, "out", o)
+		b.wantMatrix(op, "out", o, rows, d)
+		sendLen[s] = rows
+	}
+	refs := peerRefs(op, refsR2, sendLen)
+	if len(refs) != n {
+		fail(op, "refs has %d rows, in %d", len(refs), n)
+	}
+	seen := make(map[[2]int]int, n)
+	for r, ref := range refs {
+		if q, dup := seen[ref]; dup {
+			fail(op, "refs[%d] and refs[%d] both name rank %d position %d", q, r, ref[0], ref[1])
+		}
+		seen[ref] = r
+	}
+	if b.dt == backend.Float32 {
+		scatterPeerRows[float32](b, outSD, inRD, refs, d)
+	} else {
+		scatterPeerRows[float64](b, outSD, inRD, refs, d)
+	}
+}
+
+func scatterPeerRows[T Float](b *Backend, outSD []backend.Tensor, inRD backend.Tensor, refs [][2]int, d int) {
+	in := floats[T](inRD)
+	b.parallelFor(len(refs), rowChunk(d), func(lo, hi int) {
+		for r := lo; r < hi; r++ {
+			s, p := refs[r][0], refs[r][1]
+			copy(floats[T](outSD[s])[p*d:(p+1)*d], in[r*d:(r+1)*d])
+		}
+	})
+}
+
+// DispatchSwiGLU is its unfused sequence (backend.DispatchSwiGLUBySteps).
+func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+	backend.DispatchSwiGLUBySteps(b, xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows)
+}
+
+// DownCombine is its unfused sequence (backend.DownCombineBySteps) through
+// a scratch tensor of y rows.
+func (b *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+	const op = "DownCombine"
+	if len(outSD) == 0 {
+		fail(op, "no output tensors")
+	}
+	r, _ := b.operandMatrix(op, "act", actRF)
+	_, d := b.matrix(op, "out", outSD[0])
+	backend.DownCombineBySteps(b, b.New(b.dt, r, d), outSD, refsR2, actRF, w2GDF, groupRows)
+}

@@ -1,0 +1,20 @@
+package backend
+
+// DispatchSwiGLUBySteps computes DispatchSwiGLU as its unfused sequence on
+// b: GatherPeerRows, two GroupedMatMul and SwiGLUForward. It is the
+// reference definition of the fused op (the CPU backend's implementation)
+// and serves any call a backend's fused kernel does not take.
+func DispatchSwiGLUBySteps(b Backend, xRD, h1RF, h3RF, actRF Tensor, srcTD, tokS []Tensor, refsR2, w1GFD, w3GFD Tensor, groupRows []int) {
+	b.GatherPeerRows(xRD, srcTD, tokS, nil, refsR2)
+	b.GroupedMatMul(h1RF, xRD, w1GFD, groupRows, true, 1, 0)
+	b.GroupedMatMul(h3RF, xRD, w3GFD, groupRows, true, 1, 0)
+	b.SwiGLUForward(actRF, h1RF, h3RF)
+}
+
+// DownCombineBySteps computes DownCombine as its unfused sequence on b:
+// GroupedMatMul into a scratch tensor yRD (of the float type, actRF's row
+// count and the outputs' width), then ScatterPeerRows.
+func DownCombineBySteps(b Backend, yRD Tensor, outSD []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int) {
+	b.GroupedMatMul(yRD, actRF, w2GDF, groupRows, true, 1, 0)
+	b.ScatterPeerRows(outSD, yRD, refsR2)
+}

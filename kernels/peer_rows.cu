@@ -1,0 +1,114 @@
+// Row gathers and scatters across the ranks of an expert group: the MoE
+// dispatch and combine when a rank reads and writes its peers' tensors
+// directly (backend.Backend's GatherPeerRows and ScatterPeerRows). Row r of
+// the expert side refers to (rank s, send position p) = refs[2r], refs[2r+1].
+//
+// The ranks' tensors are separate allocations, so each kernel takes a small
+// table of 64-bit words per rank, uploaded by backend/cuda/peer.go:
+//   gather:  PR_GATHER_WORDS per rank: source rows' base address, token
+//            list (int32), scale list (float32; 0 for none), the rank's
+//            send count, its source's row count.
+//   scatter: PR_SCATTER_WORDS per rank: out's base address, its row count.
+// The counts let the kernels check references on the GPU, where the host
+// cannot read them: a gather row whose reference (or token) is out of range
+// is written as NaN, and a scatter row with a bad reference is skipped.
+//
+// One warp moves one row (grid-stride over rows): the reference and table
+// loads are one broadcast per warp, and the lanes stream the row. vec != 0
+// moves four elements per access; the launcher sets it only when D is a
+// multiple of 4 and every base address is aligned for it (16 bytes for
+// float32, 8 for bf16), so every row is.
+
+#define PR_GATHER_WORDS 5
+#define PR_SCATTER_WORDS 2
+
+struct alignas(16) pr_f4 {
+  float x, y, z, w;
+};
+struct alignas(8) pr_h4 {
+  mk_bf16 x, y, z, w;
+};
+
+__device__ __forceinline__ void pr_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void pr_store(mk_bf16* p, float v) { *p = mk_f32_to_bf16(v); }
+__device__ __forceinline__ void pr_store4(float* p, pr_f4 v) { *(pr_f4*)p = v; }
+__device__ __forceinline__ void pr_store4(mk_bf16* p, pr_f4 v) {
+  *(pr_h4*)p = pr_h4{mk_f32_to_bf16(v.x), mk_f32_to_bf16(v.y), mk_f32_to_bf16(v.z), mk_f32_to_bf16(v.w)};
+}
+
+// pr_gather: out[r, :] = scale_s[p] * src_s[tok_s[p], :] for (s, p) =
+// refs[r]; scale 1 where rank s has no scale list.
+template <typename TO>
+__device__ __forceinline__ void pr_gather(TO* out, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
+  const int lane = threadIdx.x & 31;
+  const long long warps = mk_grid_stride() >> 5;
+  for (long long r = mk_global_id() >> 5; r < R; r += warps) {
+    TO* dst = out + r * D;
+    const int s = refs[2 * r], p = refs[2 * r + 1];
+    const float* src = 0;
+    float k = 1.0f;
+    bool ok = false;
+    if (s >= 0 && s < S) {
+      const unsigned long long* e = ranks + (long long)PR_GATHER_WORDS * s;
+      if (p >= 0 && (unsigned long long)p < e[3]) {
+        const int t = ((const int*)e[1])[p];
+        if (t >= 0 && (unsigned long long)t < e[4]) {
+          src = (const float*)e[0] + (long long)t * D;
+          if (e[2] != 0) k = ((const float*)e[2])[p];
+          ok = true;
+        }
+      }
+    }
+    if (!ok) {
+      for (int j = lane; j < D; j += 32) pr_store(dst + j, MK_NAN);
+      continue;
+    }
+    if (vec) {
+      const pr_f4* src4 = (const pr_f4*)src;
+      for (int j = lane; j < D / 4; j += 32) {
+        const pr_f4 v = src4[j];
+        pr_store4(dst + 4 * j, pr_f4{k * v.x, k * v.y, k * v.z, k * v.w});
+      }
+      continue;
+    }
+    for (int j = lane; j < D; j += 32) pr_store(dst + j, k * src[j]);
+  }
+}
+
+// gather_peer_rows_f32: pr_gather into a float32 out. Grid: grid-stride,
+// one warp per row.
+extern "C" __global__ void gather_peer_rows_f32(float* out, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
+  pr_gather(out, ranks, refs, S, R, D, vec);
+}
+
+// gather_peer_rows_f32_bf16: pr_gather into a bf16 out, each value rounded
+// to nearest even (mk_f32_to_bf16, as every bf16 write of the backend).
+extern "C" __global__ void gather_peer_rows_f32_bf16(mk_bf16* out, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
+  pr_gather(out, ranks, refs, S, R, D, vec);
+}
+
+// scatter_peer_rows_f32: out_s[p, :] = in[r, :] for (s, p) = refs[r]. The
+// references must be distinct (two rows written to one place race). Grid:
+// grid-stride, one warp per row.
+extern "C" __global__ void scatter_peer_rows_f32(const float* in, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
+  const int lane = threadIdx.x & 31;
+  const long long warps = mk_grid_stride() >> 5;
+  for (long long r = mk_global_id() >> 5; r < R; r += warps) {
+    const int s = refs[2 * r], p = refs[2 * r + 1];
+    if (s < 0 || s >= S) continue;
+    const unsigned long long* e = ranks + (long long)PR_SCATTER_WORDS * s;
+    if (p < 0 || (unsigned long long)p >= e[1]) continue;
+    float* dst = (float*)e[0] + (long long)p * D;
+    const float* src = in + r * D;
+    if (vec) {
+      const pr_f4* src4 = (const pr_f4*)src;
+      pr_f4* dst4 = (pr_f4*)dst;
+      for (int j = lane; j < D / 4; j += 32) {
+        const pr_f4 v = src4[j];
+        dst4[j] = pr_f4{v.x, v.y, v.z, v.w}; // by field: one 16-byte store, not two 8-byte copies
+      }
+      continue;
+    }
+    for (int j = lane; j < D; j += 32) dst[j] = src[j];
+  }
+}
