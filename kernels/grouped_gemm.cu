@@ -406,7 +406,7 @@ __device__ __forceinline__ void gg_epilogue_tma(const float (&acc)[128], const g
 // cum[e+1], so they are never picked for a g they do not own). Mirrored
 // by ggTileOf in Go.
 struct gg_tile_t {
-  int e, row0, rowEnd, n0;
+  int e, row0, rowEnd, n0, g;  // g: the global m-tile index
 };
 
 template <int BN>
@@ -426,7 +426,217 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
   r.row0 = sBeg[lo] + (g - sCum[lo]) * GG_BM;
   r.rowEnd = sEnd[lo];
   r.n0 = nt * BN;
+  r.g = g;
   return r;
+}
+
+
+// ---- MoE fusion (FUSE 1: Dispatch+GEMM+SwiGLU, FUSE 2: GEMM+Combine) ----
+//
+// FUSE 1 computes, for the expert-major rows of a rank's experts,
+//   xRD[r] = bf16(src_s[tok_s[p]]), (s, p) = refs[r]   (the dispatch)
+//   h1 = xRD.W1_e^T, h3 = xRD.W3_e^T, act = silu(h1) * h3 (bf16 out)
+// in one persistent grid. The producer warpgroup's three spare warps are
+// the communication warps: they pull each row from its source rank's token
+// buffer (a plain device pointer: a virtual rank's buffer, or a peer GPU's
+// over NVLink), convert it to bf16 into xRD, and publish per m-tile ready
+// counts (release). The TMA thread waits for an m-tile's count (acquire)
+// before its first A load of that tile, so each tile is multiplied as soon
+// as its rows have landed while later tiles are still in flight. A tile of
+// 128 rows is gathered as GG_CHUNKS chunks, dealt round-robin over every
+// communication warp of the grid in m-tile order (the order the tiles are
+// consumed), so the first tiles land first. The B tile is the two halves
+// W1[n0:n0+128] and W3[n0:n0+128] (one 256-row wgmma operand), so every
+// thread holds h1 and h3 of the same columns and SwiGLU runs in the
+// epilogue.
+//
+// FUSE 2 is the plain NT product act.W2_e^T whose epilogue writes each
+// output row straight to its source: dst_s + p*N for (s, p) = refs[r]
+// (float32).
+//
+// The per-tile counts (flags, one int per m-tile) are zeroed by the host
+// before each launch. The wait is bounded: past GG_TIMEOUT_NS the kernel
+// traps, so a lost chunk surfaces as a launch error at the host's next
+// Sync, not a hang.
+#define GG_CHUNKS 8
+#define GG_CHUNK_ROWS (GG_BM / GG_CHUNKS)
+
+struct gg_fuse {
+  const gg_tmap* mapW3;                // FUSE 1: W3's map (as mapW)
+  unsigned short* h3;                  // FUSE 1: bf16 [rows, N]
+  unsigned short* act;                 // FUSE 1: bf16 [rows, N]
+  unsigned short* xRD;                 // FUSE 1: the gathered rows, bf16 [rows, K] (mapA's tensor)
+  const int* refs;                     // [rows, 2]: (rank, position)
+  const unsigned long long* ptrs;      // FUSE 1: per rank, its float32 token rows [*, K]; FUSE 2: its float32 output rows [*, N]
+  const unsigned long long* toks;      // FUSE 1: per rank, its int32 send-order token indices
+  int* flags;                          // FUSE 1: per m-tile count of landed chunks (zeroed by the host)
+};
+
+__device__ __forceinline__ float gg_silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ int gg_ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// gg_gather is a communication warp's work (FUSE 1): chunks u = cw,
+// cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major; each row is
+// read from its source as float32 and written to xRD as bf16 (8 columns a
+// lane per step: K is a multiple of 8), then the chunk is published.
+__device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
+                                          const int* sEnd, const int* sCum) {
+  const int M = sCum[E];
+  for (int u = cw; u < M * GG_CHUNKS; u += ncw) {
+    const int g = u / GG_CHUNKS, c = u - g * GG_CHUNKS;
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (sCum[mid] <= g) lo = mid;
+      else hi = mid - 1;
+    }
+    const int r0 = sBeg[lo] + (g - sCum[lo]) * GG_BM + c * GG_CHUNK_ROWS;
+    const int r1 = gg_min(r0 + GG_CHUNK_ROWS, sEnd[lo]);
+    for (int r = r0; r < r1; r++) {
+      const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
+      const int t = ((const int*)fz.toks[s])[p];
+      const float* src = (const float*)fz.ptrs[s] + (long long)t * K;
+      unsigned short* dst = fz.xRD + (long long)r * K;
+      // Up to four 8-column pieces a lane in flight before any store:
+      // the copy is bound by load latency, not bandwidth.
+      for (int j0 = lane * 8; j0 < K; j0 += 1024) {
+        float v[4][8];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+          const int j = j0 + 256 * u;
+          if (j < K) {
+            asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v[u][0]), "=f"(v[u][1]), "=f"(v[u][2]), "=f"(v[u][3])
+                         : "l"(src + j));
+            asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v[u][4]), "=f"(v[u][5]), "=f"(v[u][6]), "=f"(v[u][7])
+                         : "l"(src + j + 4));
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+          const int j = j0 + 256 * u;
+          if (j < K)
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(v[u][0], v[u][1])),
+                         "r"(gg_pack_bf16(v[u][2], v[u][3])), "r"(gg_pack_bf16(v[u][4], v[u][5])),
+                         "r"(gg_pack_bf16(v[u][6], v[u][7]))
+                         : "memory");
+        }
+      }
+    }
+    // Every lane's rows are visible at GPU scope, and ordered before the
+    // async proxy's (TMA's) reads, before lane 0 publishes the chunk.
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(fz.flags + g) : "memory");
+  }
+}
+
+// gg_wait_tile returns once m-tile g's GG_CHUNKS chunks have landed (FUSE
+// 1's TMA thread, before the tile's first A load).
+__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g) {
+  const int* f = fz.flags + g;
+  if (gg_ld_acquire(f) < GG_CHUNKS) {
+    const unsigned long long t0 = gg_globaltimer();
+    while (gg_ld_acquire(f) < GG_CHUNKS) {
+      if (gg_globaltimer() - t0 > GG_TIMEOUT_NS) {
+        asm volatile("trap;");
+      }
+    }
+  }
+  // The rows were written through the generic proxy; TMA reads them
+  // through the async proxy.
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// gg_quad_store writes, for one row, the 32 columns colBase .. colBase+31
+// that a quad of lanes (q = lane & 3) holds as bf16 pairs: lane q has
+// p[j] = columns colBase + 8j + 2q, +1 (j = 0..3). Three rounds of
+// shuffles give lane q the 8 columns colBase + 8q .. +7, which it stores
+// as one 16-byte vector, so a warp writes whole 32-byte sectors instead of
+// 4-byte pieces. Every lane must call it (the shuffles); ok masks the
+// store.
+__device__ __forceinline__ void gg_quad_store(unsigned short* out, long long r, int N, int colBase, int lane,
+                                              const unsigned (&p)[4], bool ok) {
+  const int q = lane & 3;
+  unsigned o0 = 0, o1 = 0, o2 = 0, o3 = 0;
+#pragma unroll
+  for (int rr = 0; rr < 4; rr++) {
+    // Round rr: lane q receives from quad lane (q + rr) & 3 its value for
+    // column group q, so that lane sends p[(its q - rr) & 3].
+    const int sj = (q - rr) & 3;
+    const unsigned v = sj == 0 ? p[0] : sj == 1 ? p[1] : sj == 2 ? p[2] : p[3];
+    const int src = (q + rr) & 3;
+    unsigned got;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(got) : "r"(v), "r"((lane & ~3) | src));
+    o0 = src == 0 ? got : o0;
+    o1 = src == 1 ? got : o1;
+    o2 = src == 2 ? got : o2;
+    o3 = src == 3 ? got : o3;
+  }
+  const int col = colBase + 8 * q;
+  if (ok && col < N)
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(out + r * N + col), "r"(o0), "r"(o1), "r"(o2), "r"(o3)
+                 : "memory");
+}
+
+// gg_epilogue_swiglu stores one warpgroup's 64 rows of h1, h3 and
+// act = silu(h1) * h3 (bf16): accumulator groups i < 16 are h1's columns
+// c0 + 8i, groups i + 16 h3's same columns (c0 = n0 + 2 * (lane & 3)).
+// Every lane runs the whole loop (gg_quad_store's shuffles); rows past
+// rowEnd are masked at the store.
+__device__ __forceinline__ void gg_epilogue_swiglu(const float (&acc)[128], long long r0, int rowEnd, int n0, int N,
+                                                   int lane, unsigned short* h1, const gg_fuse& fz) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const long long r = r0 + 8 * half;
+    const bool ok = r < rowEnd;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      unsigned ph1[4], ph3[4], pact[4];
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const int i = 4 * k + j;
+        const float a0 = acc[4 * i + 2 * half], a1 = acc[4 * i + 2 * half + 1];
+        const float b0 = acc[4 * (i + 16) + 2 * half], b1 = acc[4 * (i + 16) + 2 * half + 1];
+        ph1[j] = gg_pack_bf16(a0, a1);
+        ph3[j] = gg_pack_bf16(b0, b1);
+        pact[j] = gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
+      }
+      const int colBase = n0 + 32 * k;
+      gg_quad_store(h1, r, N, colBase, lane, ph1, ok);
+      gg_quad_store(fz.h3, r, N, colBase, lane, ph3, ok);
+      gg_quad_store(fz.act, r, N, colBase, lane, pact, ok);
+    }
+  }
+}
+
+// gg_epilogue_rows stores one warpgroup's 64-row block (float32) with each
+// row sent to its source rank's buffer (FUSE 2).
+template <int R>
+__device__ __forceinline__ void gg_epilogue_rows(const float (&acc)[R], long long r0, int rowEnd, int c0, int N,
+                                                 const gg_fuse& fz) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const long long r = r0 + 8 * half;
+    if (r >= rowEnd) continue;
+    const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
+    float* dst = (float*)fz.ptrs[s] + (long long)p * N;
+#pragma unroll
+    for (int i = 0; i < R / 4; i++) {
+      const int col = c0 + 8 * i;
+      if (col < N)
+        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst + col), "f"(acc[4 * i + 2 * half]),
+                     "f"(acc[4 * i + 2 * half + 1])
+                     : "memory");
+    }
+  }
 }
 
 extern __shared__ __attribute__((aligned(1024))) unsigned char gg_smem[];
@@ -515,15 +725,23 @@ __device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsign
 // cooperative consumers) stage full-tile results in shared memory and
 // store them with TMA through mapO (gg_epilogue_tma with NPASS = STORE):
 // 1 stages the whole 128x256 tile (64 KiB), 2 half of it (32 KiB).
-template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG, int STORE>
+//
+// FUSE (see "MoE fusion" above): 0 plain; 1 Dispatch+GEMM+SwiGLU (BN 256
+// holding W1's and W3's 128 columns, out is h1); 2 GEMM+Combine (out
+// unused: rows go to fz.ptrs).
+template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG, int STORE, int FUSE = 0>
 __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, const gg_tmap* mapO, void* out,
                                         const int* off, int rows, int N, int K, int E, int GM, float alpha,
-                                        float beta) {
+                                        float beta, const gg_fuse& fz = gg_fuse{}) {
   constexpr unsigned A_BYTES = GG_BM * GG_BK * 2;  // 16 KiB
   constexpr unsigned B_BYTES = BN * GG_BK * 2;     // 16 or 32 KiB
   constexpr unsigned STAGE_BYTES = A_BYTES + B_BYTES;
   constexpr int R = BN / 2;  // accumulator floats per consumer thread
   static_assert(STORE == 0 || (BN == 256 && OUT_BF16 && !PP), "the TMA-store epilogue is for bn256 with bf16 out");
+  static_assert(FUSE == 0 || (BN == 256 && !PP && !REG && STORE == 0), "the fused kernels are bn256 cooperative");
+  // Columns of N per tile: FUSE 1's 256-row B tile is 128 columns of W1
+  // and the same 128 of W3.
+  constexpr int BNT = FUSE == 1 ? 128 : BN;
   // Staging for the TMA-store epilogue: per consumer warpgroup 64 rows x
   // 256 columns of bf16 (32 KiB) divided by the passes.
   constexpr unsigned STG_BYTES = STORE ? 2u * 32768u / STORE : 0u;
@@ -579,7 +797,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   __syncthreads();
 
   GM = gg_max(GM, 1);  // the host sends 1..256; never divide by 0
-  const int nTN = (N + BN - 1) / BN, nK = (K + GG_BK - 1) / GG_BK;
+  const int nTN = (N + BNT - 1) / BNT, nK = (K + GG_BK - 1) / GG_BK;
   const int total = sCum[E] * nTN;
 
   if (warp < 4) {
@@ -587,14 +805,19 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // warpgroup first gives registers back (40 a thread) so the consumers
     // can take 232 each (128*40 + 256*232 <= 64K).
     if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
-    if (tid != 0) return;
+    if (tid != 0) {
+      if (FUSE == 1 && warp > 0) gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
+      return;
+    }
     gg_prefetch_tmap(mapA);
     gg_prefetch_tmap(mapW);
     if (STORE) gg_prefetch_tmap(mapO);
+    if (FUSE == 1) gg_prefetch_tmap(fz.mapW3);
     int s = 0;
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const gg_tile_t tile = gg_tile<BN>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
+      const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
+      if (FUSE == 1) gg_wait_tile(fz, tile.g);
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
         // A fresh barrier counts its "previous" phase (parity 1) as
@@ -603,7 +826,12 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         gg_bar_expect_tx(full, STAGE_BYTES);
         const unsigned a = base + s * STAGE_BYTES;
         gg_tma_2d(a, mapA, kb * GG_BK, tile.row0, full);
-        gg_tma_3d(a + A_BYTES, mapW, kb * GG_BK, tile.n0, tile.e, full);
+        if (FUSE == 1) {
+          gg_tma_3d(a + A_BYTES, mapW, kb * GG_BK, tile.n0, tile.e, full);
+          gg_tma_3d(a + A_BYTES + B_BYTES / 2, fz.mapW3, kb * GG_BK, tile.n0, tile.e, full);
+        } else {
+          gg_tma_3d(a + A_BYTES, mapW, kb * GG_BK, tile.n0, tile.e, full);
+        }
         if (++s == STAGES) {
           s = 0;
           ph ^= 1;
@@ -627,7 +855,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   int s = 0, prev = 0;
   unsigned ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const gg_tile_t tile = gg_tile<BN>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
+    const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     for (int kb = 0; kb < nK; kb++) {
       gg_bar_wait(bars + 8 * s, ph);
       // Reconverge the warp before the .aligned wgmma instructions.
@@ -676,7 +904,13 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // Epilogue: registers straight to global memory, masked to the
     // expert's rows and to N.
     const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
-    gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
+    if (FUSE == 1) {
+      gg_epilogue_swiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
+    } else if (FUSE == 2) {
+      gg_epilogue_rows<R>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
+    } else {
+      gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
+    }
   }
   // The staging buffers must outlive the stores reading them.
   if (STORE && tid == 128 * (cw + 1)) gg_bulk_wait();
@@ -756,4 +990,38 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256h_bf16
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO,
     void* out, const int* off, int rows, int N, int K, int E, int GM, float alpha, float beta) {
   gg_body<256, 4, true, false, true, 2>(&mapA, &mapW, &mapO, out, off, rows, N, K, E, GM, alpha, beta);
+}
+
+// The MoE fused kernels (FUSE 1 and 2 of gg_body; bn256 cooperative, 4
+// stages, register epilogue). moe_dispatch_swiglu: mapA is xRD's {K, rows}
+// map (written by the kernel itself before it is read), mapW and mapW3
+// are W1's and W3's {K, N, E} maps with boxes of 128 rows; h1, h3, act
+// are bf16 [rows, N]; refs [rows, 2]; ptrs/toks per rank; flags one int
+// per m-tile (at least rows/128 + E), zeroed.
+// moe_down_combine: mapA is act's map, mapW W2's (boxes of 256 rows); ptrs
+// per rank its float32 [*, N] output rows.
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3,
+    unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD, const int* refs,
+    const unsigned long long* ptrs, const unsigned long long* toks, int* flags, const int* off, int rows,
+    int N, int K, int E, int GM) {
+  gg_fuse fz;
+  fz.mapW3 = &mapW3;
+  fz.h3 = h3;
+  fz.act = act;
+  fz.xRD = xRD;
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  fz.toks = toks;
+  fz.flags = flags;
+  gg_body<256, 4, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const int* refs,
+    const unsigned long long* ptrs, const int* off, int rows, int N, int K, int E, int GM) {
+  gg_fuse fz = {};
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  gg_body<256, 4, false, false, false, 0, 2>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }

@@ -54,6 +54,7 @@ func Sources() []Source {
 	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
 	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
 	const attnKeyGrid = "(B*KV, ceil(KVSeq/64)) blocks: one per kv head and 64 keys"
+	const peerGrid = "any; grid-stride over R rows, one warp per row (8 blocks per SM for large R)"
 	const groupedGrid = "persistent: min(SMs, most tiles) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"
 	return []Source{
 		{File: "elementwise.cu", Kernels: []Kernel{
@@ -107,6 +108,11 @@ func Sources() []Source {
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
 		}},
+		{File: "peer_rows.cu", Kernels: []Kernel{
+			{Name: "gather_peer_rows_f32", Block: 256, Grid: peerGrid},
+			{Name: "gather_peer_rows_f32_bf16", Block: 256, Grid: peerGrid},
+			{Name: "scatter_peer_rows_f32", Block: 256, Grid: peerGrid},
+		}},
 		{File: "attention.cu", Kernels: []Kernel{
 			{Name: "attn_forward_d32_f32", Block: 64, Grid: attnQueryGrid},
 			{Name: "attn_forward_d64_f32", Block: 128, Grid: attnQueryGrid},
@@ -140,6 +146,8 @@ func Sources() []Source {
 			{Name: "grouped_gemm_nt_pp128r_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_nt_bn256s_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_nt_bn256h_bf16", Block: 384, Grid: groupedGrid},
+			{Name: "moe_dispatch_swiglu", Block: 384, Grid: groupedGrid + "; blocks must all be resident (the TMA threads wait on the communication warps of other blocks)"},
+			{Name: "moe_down_combine", Block: 384, Grid: groupedGrid},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

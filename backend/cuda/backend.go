@@ -39,6 +39,8 @@ type Backend struct {
 	// experts runs GroupedMatMul's forward products on the Hopper grouped
 	// GEMM (experts.go).
 	experts expertGemm
+	// fused holds the MoE fused kernels' tables (moe_fused.go).
+	fused fusedTables
 
 	mu  sync.Mutex
 	err error // the first error since the last Sync
@@ -130,7 +132,7 @@ func (b *Backend) Device() *Device { return b.dev }
 // when OpenBackend opened the device, closes it. Tensors of the Backend
 // must not be used afterwards.
 func (b *Backend) Close() error {
-	err := errors.Join(b.Sync(), b.experts.close(b.dev), b.gemm.Close())
+	err := errors.Join(b.Sync(), b.experts.close(b.dev), b.fused.close(b.dev), b.gemm.Close())
 	if b.owns {
 		err = errors.Join(err, b.dev.Close())
 	}
@@ -138,7 +140,12 @@ func (b *Backend) Close() error {
 }
 
 func (b *Backend) Name() string             { return "cuda" }
+
 func (b *Backend) FloatType() backend.DType { return backend.Float32 }
+
+// DeviceName is the GPU's name ("NVIDIA H200"): moe.ResolveDispatcher keys
+// its measured table by it.
+func (b *Backend) DeviceName() string { return b.dev.Info().Name }
 
 // OperandType is BFloat16: MatMul multiplies in bf16, so operands kept in
 // bf16 go to cuBLASLt without the conversion a float32 operand needs.

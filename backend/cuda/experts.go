@@ -27,12 +27,9 @@ type expertGemm struct {
 	offsetsH []int32 // their host copy, reused from call to call
 }
 
-// groupedKernel runs out = alpha·a·op(bG)ᵀ per group on the grouped GEMM
-// when the call is one it serves, and reports whether it did.
-func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, transB bool, alpha, beta float64) bool {
-	if !transB || beta != 0 || at.dt != backend.BFloat16 || bt.dt != backend.BFloat16 || n%8 != 0 || k%8 != 0 {
-		return false
-	}
+// expertKernels loads the grouped GEMM kernels on first use and reports
+// whether they run here (Hopper, a driver with tensor maps).
+func (b *Backend) expertKernels() (*expertGemm, bool) {
 	x := &b.experts
 	x.once.Do(func() {
 		x.bf16Out, x.err = NewGroupedGemm(b.dev)
@@ -41,7 +38,17 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 			x.floatOut, x.err = NewGroupedGemm(b.dev)
 		}
 	})
-	if x.err != nil || len(groupRows) > ggMaxExperts {
+	return x, x.err == nil
+}
+
+// groupedKernel runs out = alpha·a·op(bG)ᵀ per group on the grouped GEMM
+// when the call is one it serves, and reports whether it did.
+func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, transB bool, alpha, beta float64) bool {
+	if !transB || beta != 0 || at.dt != backend.BFloat16 || bt.dt != backend.BFloat16 || n%8 != 0 || k%8 != 0 {
+		return false
+	}
+	x, ok := b.expertKernels()
+	if !ok || len(groupRows) > ggMaxExperts {
 		return false
 	}
 	ps, ok := devicePtrs(ot, at, bt)

@@ -70,6 +70,9 @@ type GroupedGemm struct {
 	// kern[variant][bf16], variant ggCoop128 .. ggCoop256H; nil where a
 	// variant has no such kernel (the TMA-store ones are bf16 only).
 	kern [ggVariantCount][2]*Kernel
+	// dispatchSwiGLU and downCombine are the MoE fused kernels
+	// (moe_fused.go), bn256 cooperative like ggCoop256.
+	dispatchSwiGLU, downCombine *Kernel
 	// optIn is the dynamic shared memory each variant's kernels opted in
 	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
 	// (ggCoop256H needs more than that limit past 163 experts).
@@ -197,6 +200,20 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 			g.spills256 = g.spills256 || (i == ggCoop256 && local > 0)
 			g.kern[i][j] = k
 		}
+	}
+	for _, f := range []struct {
+		name string
+		k    **Kernel
+	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_down_combine", &g.downCombine}} {
+		k, err := m.Kernel(f.name)
+		if err != nil {
+			return nil, err
+		}
+		smem := g.optIn[ggCoop256]
+		if err := d.Do(func() error { return d.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, smem) }); err != nil {
+			return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", f.name, err)
+		}
+		*f.k = k
 	}
 	return g, nil
 }

@@ -1,0 +1,433 @@
+package cuda
+
+// The MoE experts' fused kernels (kernels/grouped_gemm.cu, "MoE fusion"):
+// DispatchSwiGLU and DownCombine of backend.Backend on the Hopper grouped
+// GEMM's mainloop.
+//
+//   - moe_dispatch_swiglu pulls every expert-major row from its source
+//     rank's token rows (float32, plain device pointers: the virtual ranks
+//     of this backend) into xRD as bf16, on the producer warpgroup's spare
+//     warps, publishing per m-tile ready counts; the TMA thread waits for a
+//     tile's count before loading it, so the gate/up product of a tile
+//     starts as soon as its rows have landed. W1 and W3 are multiplied in
+//     one 256-column tile (128 columns of each), so SwiGLU runs in the
+//     epilogue, which writes h1, h3 and act.
+//   - moe_down_combine is the down product whose epilogue writes each row
+//     straight to its source rank's output rows.
+//
+// Calls the kernels do not take (operands not bf16, a GPU other than
+// Hopper, sizes the kernel refuses) run the unfused sequence
+// (backend.DispatchSwiGLUBySteps, DownCombineBySteps), which is also the
+// reference the tests compare the kernels with.
+//
+// Where the host still needs a count: the row count R of the call (the
+// plan's, which sizes the buffers the layer passes) and the group sizes,
+// which go up as offsets with the call. The kernels themselves take their
+// tile schedule from the offsets on the device.
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"unsafe"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+)
+
+// fusedMaxRanks is the most ranks a fused call's pointer tables hold.
+const fusedMaxRanks = 256
+
+// fusedTables is the device memory a fused call needs besides its
+// operands: per-rank pointer tables and group offsets (staged up with the
+// call) and the per m-tile ready counts. Calls are queued on one stream,
+// so a call's uploads land after the previous call's kernel has read them.
+type fusedTables struct {
+	mu     sync.Mutex
+	tables *Buffer // [fusedMaxRanks]u64 ptrs, [fusedMaxRanks]u64 toks, [ggMaxExperts+1]int32 offsets
+	host   []byte
+	flags  *Buffer
+	flagsN int // ints in flags
+}
+
+const (
+	fusedPtrsOff = 0
+	fusedToksOff = 8 * fusedMaxRanks
+	fusedOffsOff = 16 * fusedMaxRanks
+	fusedTablesB = fusedOffsOff + 4*(ggMaxExperts+1)
+)
+
+// stage uploads the pointer tables and the offsets of groupRows and
+// returns the rows they sum to.
+func (f *fusedTables) stage(d *Device, ptrs, toks []driver.DevicePtr, groupRows []int) (int, error) {
+	if f.tables == nil {
+		var err error
+		if f.tables, err = d.Alloc(fusedTablesB); err != nil {
+			f.tables = nil
+			return 0, err
+		}
+	}
+	if cap(f.host) < fusedTablesB {
+		f.host = make([]byte, fusedTablesB)
+	}
+	h := f.host[:fusedTablesB]
+	put64 := func(at int, v driver.DevicePtr) {
+		for i := range 8 {
+			h[at+i] = byte(uint64(v) >> (8 * i))
+		}
+	}
+	for i, p := range ptrs {
+		put64(fusedPtrsOff+8*i, p)
+	}
+	for i, p := range toks {
+		put64(fusedToksOff+8*i, p)
+	}
+	rows := 0
+	put32 := func(at int, v int) {
+		for i := range 4 {
+			h[at+i] = byte(uint32(v) >> (8 * i))
+		}
+	}
+	put32(fusedOffsOff, 0)
+	for g, r := range groupRows {
+		rows += r
+		put32(fusedOffsOff+4*(g+1), rows)
+	}
+	// The offsets end the used part; a partial upload keeps it small.
+	return rows, d.StageToDevice(f.tables, 0, h[:fusedOffsOff+4*(len(groupRows)+1)])
+}
+
+// zeroFlags makes n ready counts, zeroed in stream order.
+func (f *fusedTables) zeroFlags(d *Device, n int) error {
+	if n > f.flagsN {
+		if f.flags != nil {
+			if err := d.Free(f.flags); err != nil {
+				return err
+			}
+			f.flags, f.flagsN = nil, 0
+		}
+		grown := max(n, 2*f.flagsN, 1024)
+		b, err := d.Alloc(4 * int64(grown))
+		if err != nil {
+			return err
+		}
+		f.flags, f.flagsN = b, grown
+	}
+	return d.Memset32(f.flags, 0, int64(n), 0)
+}
+
+func (f *fusedTables) close(d *Device) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var err error
+	for _, b := range []**Buffer{&f.tables, &f.flags} {
+		if *b != nil {
+			if e := d.Free(*b); e != nil && err == nil {
+				err = e
+			}
+			*b = nil
+		}
+	}
+	f.flagsN = 0
+	return err
+}
+
+// peerPtrs returns the device addresses of a rank list's tensors, checking
+// each is a CUDA tensor of dtype dt; ok is false when one is not.
+func peerPtrs(ts []backend.Tensor, dt backend.DType) ([]driver.DevicePtr, bool) {
+	ps := make([]driver.DevicePtr, len(ts))
+	for i, t := range ts {
+		ct, ok := t.(*Tensor)
+		if !ok || ct.dt != dt {
+			return nil, false
+		}
+		if ps[i], ok = ct.ptr(); !ok {
+			return nil, false
+		}
+	}
+	return ps, true
+}
+
+// DispatchSwiGLU runs moe_dispatch_swiglu when the call is one it takes
+// (bf16 rows and weights, float32 sources, Hopper), else the unfused
+// sequence.
+func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+	if !b.dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows) {
+		backend.DispatchSwiGLUBySteps(b, xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows)
+	}
+}
+
+func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
+	g := len(groupRows)
+	if len(srcTD) == 0 || len(srcTD) > fusedMaxRanks || len(tokS) != len(srcTD) || g == 0 || g > ggMaxExperts {
+		return false
+	}
+	bf := []backend.Tensor{xRD, h1RF, h3RF, actRF, w1GFD, w3GFD}
+	ps, ok := peerPtrs(bf, backend.BFloat16)
+	if !ok {
+		return false
+	}
+	src, ok := peerPtrs(srcTD, backend.Float32)
+	if !ok {
+		return false
+	}
+	toks, ok := peerPtrs(tokS, backend.Int32)
+	if !ok {
+		return false
+	}
+	refs, ok := peerPtrs([]backend.Tensor{refsR2}, backend.Int32)
+	if !ok {
+		return false
+	}
+	xs, hs, ws := xRD.Shape(), h1RF.Shape(), w1GFD.Shape()
+	if len(xs) != 2 || len(hs) != 2 || len(ws) != 2 {
+		return false
+	}
+	rows, k, n := xs[0], xs[1], hs[1]
+	if hs[0] != rows || ws[0] != g*n || ws[1] != k || !sameShape(h1RF, h3RF, actRF) || !sameShape(w1GFD, w3GFD) ||
+		refsR2.Len() != 2*rows {
+		return false
+	}
+	for i, s := range srcTD {
+		// The communication warps read 16-byte vectors of source rows.
+		if ss := s.Shape(); len(ss) != 2 || ss[1] != k || src[i]%16 != 0 || toks[i]%4 != 0 {
+			return false
+		}
+	}
+	x, ok := b.expertKernels()
+	if !ok || checkGroupedGemm(ps[1], ps[0], ps[4], 16, rows, n, k, g, 256) != nil {
+		return false
+	}
+	sum := 0
+	for _, r := range groupRows {
+		sum += r
+	}
+	if sum > rows {
+		return false
+	}
+	f := &b.fused
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, err := f.stage(b.dev, src, toks, groupRows); err != nil {
+		b.fail(err)
+		return true
+	}
+	if sum == 0 {
+		return true
+	}
+	tiles := sum/ggBM + g
+	if err := f.zeroFlags(b.dev, tiles); err != nil {
+		b.fail(err)
+		return true
+	}
+	tp := f.tables.Ptr()
+	b.fail(x.bf16Out.runDispatchSwiGLU(fusedDispatch{
+		x: ps[0], h1: ps[1], h3: ps[2], act: ps[3], w1: ps[4], w3: ps[5], refs: refs[0],
+		ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, offsets: tp + fusedOffsOff, flags: f.flags.Ptr(),
+		rows: sum, n: n, k: k, experts: g,
+	}))
+	runtime.KeepAlive(bf)
+	runtime.KeepAlive(srcTD)
+	runtime.KeepAlive(tokS)
+	runtime.KeepAlive(refsR2)
+	return true
+}
+
+// DownCombine runs moe_down_combine when the call is one it takes (bf16
+// act and weights, float32 outputs, Hopper), else the unfused sequence.
+func (b *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+	const op = "DownCombine"
+	if b.downCombineKernel(outSD, refsR2, actRF, w2GDF, groupRows) {
+		return
+	}
+	if len(outSD) == 0 {
+		fail(op, "no output tensors")
+	}
+	_, r, _ := operandMatrix(op, "act", actRF)
+	_, _, d := operandMatrix(op, "out", outSD[0])
+	backend.DownCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, refsR2, actRF, w2GDF, groupRows)
+}
+
+func (b *Backend) downCombineKernel(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) bool {
+	g := len(groupRows)
+	if len(outSD) == 0 || len(outSD) > fusedMaxRanks || g == 0 || g > ggMaxExperts {
+		return false
+	}
+	ps, ok := peerPtrs([]backend.Tensor{actRF, w2GDF}, backend.BFloat16)
+	if !ok {
+		return false
+	}
+	outs, ok := peerPtrs(outSD, backend.Float32)
+	if !ok {
+		return false
+	}
+	refs, ok := peerPtrs([]backend.Tensor{refsR2}, backend.Int32)
+	if !ok {
+		return false
+	}
+	as, ws := actRF.Shape(), w2GDF.Shape()
+	if len(as) != 2 || len(ws) != 2 {
+		return false
+	}
+	rows, k := as[0], as[1]
+	os := outSD[0].Shape()
+	if len(os) != 2 {
+		return false
+	}
+	n := os[1]
+	if ws[0] != g*n || ws[1] != k || refsR2.Len() != 2*rows {
+		return false
+	}
+	for i, o := range outSD {
+		// The epilogue stores column pairs (8 bytes).
+		if s := o.Shape(); len(s) != 2 || s[1] != n || outs[i]%8 != 0 {
+			return false
+		}
+	}
+	x, ok := b.expertKernels()
+	// The output check uses act's address: the rows go to the peers'.
+	if !ok || checkGroupedGemm(ps[0], ps[0], ps[1], 16, rows, n, k, g, 256) != nil {
+		return false
+	}
+	sum := 0
+	for _, r := range groupRows {
+		sum += r
+	}
+	if sum > rows {
+		return false
+	}
+	f := &b.fused
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, err := f.stage(b.dev, outs, nil, groupRows); err != nil {
+		b.fail(err)
+		return true
+	}
+	if sum == 0 {
+		return true
+	}
+	tp := f.tables.Ptr()
+	b.fail(x.bf16Out.runDownCombine(fusedCombine{
+		act: ps[0], w2: ps[1], refs: refs[0], ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff,
+		rows: sum, n: n, k: k, experts: g,
+	}))
+	runtime.KeepAlive(actRF)
+	runtime.KeepAlive(w2GDF)
+	runtime.KeepAlive(outSD)
+	runtime.KeepAlive(refsR2)
+	return true
+}
+
+// sameShape reports whether the tensors all have the first one's shape.
+func sameShape(ts ...backend.Tensor) bool {
+	for _, t := range ts[1:] {
+		a, c := ts[0].Shape(), t.Shape()
+		if len(a) != len(c) {
+			return false
+		}
+		for i := range a {
+			if a[i] != c[i] {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// fusedDispatch is one moe_dispatch_swiglu call: device addresses and
+// sizes (n = F, k = D).
+type fusedDispatch struct {
+	x, h1, h3, act, w1, w3, refs, ptrs, toks, offsets, flags driver.DevicePtr
+	rows, n, k, experts                                      int
+}
+
+// fusedCombine is one moe_down_combine call (n = D, k = F).
+type fusedCombine struct {
+	act, w2, refs, ptrs, offsets driver.DevicePtr
+	rows, n, k, experts          int
+}
+
+// runDispatchSwiGLU queues moe_dispatch_swiglu. Its grid must be resident
+// at once (TMA threads wait on other blocks' communication warps): one
+// block per SM at most, which its shared memory enforces.
+func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
+	mapX := driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: a.x,
+		Dims: []uint64{uint64(a.k), uint64(a.rows)}, Strides: []uint64{2 * uint64(a.k)},
+		Box: []uint32{ggBK, ggBM}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+	wMap := func(addr driver.DevicePtr) driver.TiledMap {
+		return driver.TiledMap{
+			Type: driver.TensorMapBfloat16, Addr: addr,
+			Dims:    []uint64{uint64(a.k), uint64(a.n), uint64(a.experts)},
+			Strides: []uint64{2 * uint64(a.k), 2 * uint64(a.k) * uint64(a.n)},
+			Box:     []uint32{ggBK, 128, 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+		}
+	}
+	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3)}
+	slots := []uint64{uint64(a.h1), uint64(a.h3), uint64(a.act), uint64(a.x), uint64(a.refs), uint64(a.ptrs),
+		uint64(a.toks), uint64(a.flags), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
+		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
+	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
+	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
+	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots)
+}
+
+// runDownCombine queues moe_down_combine.
+func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
+	mapA := driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: a.act,
+		Dims: []uint64{uint64(a.k), uint64(a.rows)}, Strides: []uint64{2 * uint64(a.k)},
+		Box: []uint32{ggBK, ggBM}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+	mapW := driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: a.w2,
+		Dims:    []uint64{uint64(a.k), uint64(a.n), uint64(a.experts)},
+		Strides: []uint64{2 * uint64(a.k), 2 * uint64(a.k) * uint64(a.n)},
+		Box:     []uint32{ggBK, 256, 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
+		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
+	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
+	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
+	return g.launchFused(g.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots)
+}
+
+// launchFused encodes maps (passed first, by value) and launches k with
+// the 64-bit slots after them (each slot holds one argument, pointer or
+// 32-bit integer, little-endian).
+func (g *GroupedGemm) launchFused(k *Kernel, grid Grid, maps []driver.TiledMap, slots []uint64) error {
+	for i, m := range maps {
+		if err := m.Check(); err != nil {
+			return fmt.Errorf("cuda: %s: tensor map %d: %w", k.Desc.Name, i, err)
+		}
+	}
+	if grid.Shared > g.optIn[ggCoop256] {
+		return fmt.Errorf("cuda: %s: needs %d bytes of shared memory, opted in to %d", k.Desc.Name, grid.Shared, g.optIn[ggCoop256])
+	}
+	d := g.d
+	return d.Submit(func() error {
+		tms := make([]driver.TensorMap, len(maps))
+		for i, m := range maps {
+			if err := g.enc.EncodeTiled(&tms[i], m); err != nil {
+				return fmt.Errorf("cuda: %s: tensor map %d: %w", k.Desc.Name, i, err)
+			}
+		}
+		var pin runtime.Pinner
+		defer pin.Unpin()
+		pin.Pin(&tms[0])
+		pin.Pin(&slots[0])
+		params := make([]unsafe.Pointer, 0, len(tms)+len(slots))
+		for i := range tms {
+			params = append(params, unsafe.Pointer(&tms[i]))
+		}
+		for i := range slots {
+			params = append(params, unsafe.Pointer(&slots[i]))
+		}
+		pin.Pin(&params[0])
+		if err := d.drv.LaunchKernel(k.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
+			return fmt.Errorf("%s: %w", k.Desc.Name, err)
+		}
+		return nil
+	})
+}

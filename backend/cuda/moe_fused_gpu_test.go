@@ -1,0 +1,279 @@
+package cuda
+
+// The MoE fused kernels (moe_fused.go) against their unfused sequence on
+// the same GPU (backend.DispatchSwiGLUBySteps, DownCombineBySteps: peer
+// gathers and scatters around the grouped products) on fresh random
+// inputs, and their figures against the sequence and the grouped products
+// alone on moe-small's shape.
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// fusedCase is one layer's worth of rows for one destination rank: ranks
+// sources with tokens rows each, sendS[s] rows sent by rank s, groups the
+// destination's experts (row counts summing to the rows sent).
+type fusedCase struct {
+	name          string
+	ranks, tokens int
+	sendS         []int
+	groups        []int
+	d, f          int
+}
+
+// fusedInputs are a case's tensors on b.
+type fusedInputs struct {
+	srcTD, tokS, outSD []backend.Tensor
+	refsR2             backend.Tensor
+	w1, w3, w2         backend.Tensor // bf16 stacks
+	rows               int
+}
+
+func (c fusedCase) inputs(b *Backend, seed uint64) fusedInputs {
+	rng := rand.New(rand.NewPCG(seed, 7))
+	in := fusedInputs{}
+	var refs []int32
+	for s := range c.ranks {
+		src := make([]float32, c.tokens*c.d)
+		for i := range src {
+			src[i] = float32(rng.NormFloat64())
+		}
+		st := b.New(backend.Float32, c.tokens, c.d)
+		backend.UploadSlice[float32](b, st, src)
+		toks := make([]int32, c.sendS[s])
+		for i := range toks {
+			toks[i] = int32(rng.IntN(c.tokens))
+		}
+		tt := b.New(backend.Int32, max(len(toks), 1))
+		if len(toks) > 0 {
+			tt = b.View(tt, 0, len(toks))
+			backend.UploadSlice(b, tt, toks)
+		} else {
+			tt = b.View(tt, 0, 0)
+		}
+		in.srcTD = append(in.srcTD, st)
+		in.tokS = append(in.tokS, tt)
+		in.outSD = append(in.outSD, b.New(backend.Float32, c.sendS[s], c.d))
+		for p := range c.sendS[s] {
+			refs = append(refs, int32(s), int32(p))
+		}
+	}
+	// Expert-major order is any permutation of the sent rows.
+	n := len(refs) / 2
+	perm := rng.Perm(n)
+	shuffled := make([]int32, 0, len(refs))
+	for _, i := range perm {
+		shuffled = append(shuffled, refs[2*i], refs[2*i+1])
+	}
+	in.rows = n
+	in.refsR2 = b.New(backend.Int32, max(n, 1), 2)
+	if n > 0 {
+		in.refsR2 = b.View(in.refsR2, 0, n, 2)
+		backend.UploadSlice(b, in.refsR2, shuffled)
+	}
+	g := len(c.groups)
+	bf := func(rows, cols int, scale float64) backend.Tensor {
+		v := make([]float32, rows*cols)
+		for i := range v {
+			v[i] = float32(scale * rng.NormFloat64())
+		}
+		f := b.New(backend.Float32, rows, cols)
+		backend.UploadSlice(b, f, v)
+		h := b.New(backend.BFloat16, rows, cols)
+		b.Copy(h, f)
+		return h
+	}
+	in.w1 = bf(g*c.f, c.d, 1/math.Sqrt(float64(c.d)))
+	in.w3 = bf(g*c.f, c.d, 1/math.Sqrt(float64(c.d)))
+	in.w2 = bf(g*c.d, c.f, 1/math.Sqrt(float64(c.f)))
+	return in
+}
+
+// fusedOut is what one path computed.
+type fusedOut struct {
+	x, h1, h3, act []float32
+	outs           [][]float32
+}
+
+func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
+	r := max(in.rows, 1)
+	x, h1, h3, act := b.New(backend.BFloat16, r, c.d), b.New(backend.BFloat16, r, c.f), b.New(backend.BFloat16, r, c.f), b.New(backend.BFloat16, r, c.f)
+	x, h1, h3, act = b.View(x, 0, in.rows, c.d), b.View(h1, 0, in.rows, c.f), b.View(h3, 0, in.rows, c.f), b.View(act, 0, in.rows, c.f)
+	for _, o := range in.outSD {
+		b.Zero(o)
+	}
+	if fused {
+		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
+		b.DownCombine(in.outSD, in.refsR2, act, in.w2, c.groups)
+	} else {
+		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
+		backend.DownCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.refsR2, act, in.w2, c.groups)
+	}
+	o := fusedOut{}
+	if in.rows > 0 {
+		o.x, o.h1, o.h3, o.act = backend.DownloadFloat32(b, x), backend.DownloadFloat32(b, h1), backend.DownloadFloat32(b, h3), backend.DownloadFloat32(b, act)
+	}
+	for _, t := range in.outSD {
+		var rows []float32
+		if t.Len() > 0 {
+			rows = backend.DownloadFloat32(b, t)
+		}
+		o.outs = append(o.outs, rows)
+	}
+	return o
+}
+
+// relL2 is ||a-b|| / ||b||.
+func relL2(a, b []float32) float64 {
+	var num, den float64
+	for i := range a {
+		d := float64(a[i]) - float64(b[i])
+		num += d * d
+		den += float64(b[i]) * float64(b[i])
+	}
+	if den == 0 {
+		return math.Sqrt(num)
+	}
+	return math.Sqrt(num / den)
+}
+
+func fusedCases() []fusedCase {
+	return []fusedCase{
+		{"w1 one group", 1, 300, []int{300}, []int{300}, 256, 384},
+		{"w2 uneven with an empty group", 2, 256, []int{333, 190}, []int{200, 0, 129, 194}, 256, 384},
+		{"w4 one rank sends nothing", 4, 200, []int{250, 0, 400, 77}, []int{1, 127, 128, 471}, 512, 256},
+		{"w8 skewed: all to one group", 8, 64, []int{100, 90, 80, 70, 60, 50, 40, 30}, []int{0, 520, 0, 0}, 256, 384},
+		{"tails: D and F not multiples of 64", 2, 100, []int{150, 99}, []int{120, 129}, 200, 136},
+	}
+}
+
+func TestMoEFusedMatchesUnfused(t *testing.T) {
+	testGroupedGemm(t) // the canary and the Hopper check
+	b := testBackend(t)
+	for i, c := range fusedCases() {
+		t.Run(c.name, func(t *testing.T) {
+			in := c.inputs(b, uint64(100+i))
+			got := c.run(b, in, true)
+			want := c.run(b, in, false)
+			if err := b.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			if in.rows > 0 {
+				for j := range want.x {
+					if got.x[j] != want.x[j] {
+						t.Fatalf("x[%d] = %v, the unfused gather gives %v (the gather is exact)", j, got.x[j], want.x[j])
+					}
+				}
+				for _, p := range []struct {
+					name      string
+					got, want []float32
+				}{{"h1", got.h1, want.h1}, {"h3", got.h3, want.h3}, {"act", got.act, want.act}} {
+					if e := relL2(p.got, p.want); !(e < 1e-2) {
+						t.Errorf("%s: rel L2 %.3g against the unfused sequence", p.name, e)
+					}
+				}
+			}
+			for s := range got.outs {
+				if e := relL2(got.outs[s], want.outs[s]); !(e < 2e-2) {
+					t.Errorf("rank %d's combined rows: rel L2 %.3g against the unfused sequence", s, e)
+				}
+			}
+		})
+	}
+}
+
+// TestMoEFusedFigures times one rank's expert block of moe-small at W = 1
+// and 4 expert-parallel ranks (16384 tokens a rank, top-2: each rank's
+// 8/W experts get 32768 rows on average, a W-th from every rank): the
+// fused pair, the unfused sequence, and the grouped products alone on the
+// same rows.
+func TestMoEFusedFigures(t *testing.T) {
+	testGroupedGemm(t)
+	b := testBackend(t)
+	const d, f, experts, k, tokens = 1024, 2816, 8, 2, 16384
+	for _, w := range []int{1, 4} {
+		t.Run(fmt.Sprintf("W%d", w), func(t *testing.T) {
+			g := experts / w
+			send := make([]int, w)
+			for s := range send {
+				send[s] = tokens * k / w
+			}
+			rows := 0
+			for _, n := range send {
+				rows += n
+			}
+			groups := make([]int, g)
+			rng := rand.New(rand.NewPCG(9, uint64(w)))
+			left := rows
+			for e := range groups[:g-1] {
+				groups[e] = rows/g + rng.IntN(rows/(4*g)) - rows/(8*g)
+				left -= groups[e]
+			}
+			groups[g-1] = left
+			c := fusedCase{fmt.Sprintf("moe-small W%d", w), w, tokens, send, groups, d, f}
+			in := c.inputs(b, 5)
+			x, h1, h3, act := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
+			y := b.New(backend.Float32, rows, d)
+			fused := func() error {
+				b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+				b.DownCombine(in.outSD, in.refsR2, act, in.w2, groups)
+				return nil
+			}
+			unfused := func() error {
+				backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+				backend.DownCombineBySteps(b, y, in.outSD, in.refsR2, act, in.w2, groups)
+				return nil
+			}
+			gemms := func() error {
+				b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
+				b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
+				b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0)
+				return nil
+			}
+			// The halves: gate/up (with the gather) and down (with the
+			// scatter), each fused, unfused and as its products alone.
+			gateUpFused := func() error {
+				b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+				return nil
+			}
+			gateUpUnfused := func() error {
+				backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+				return nil
+			}
+			gateUpGemm := func() error {
+				b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
+				b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
+				return nil
+			}
+			downFused := func() error { b.DownCombine(in.outSD, in.refsR2, act, in.w2, groups); return nil }
+			downGemm := func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
+			flop := 2 * float64(rows) * float64(d) * float64(f) * 3
+			ms := map[string]float64{}
+			for _, p := range []struct {
+				name string
+				run  func() error
+			}{{"fused", fused}, {"unfused", unfused}, {"gemm_alone", gemms}, {"gateup_fused", gateUpFused},
+				{"gateup_unfused", gateUpUnfused}, {"gateup_gemm", gateUpGemm}, {"down_fused", downFused}, {"down_gemm", downGemm}} {
+				v, err := ggTime(b.dev, p.run)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := b.Sync(); err != nil {
+					t.Fatal(err)
+				}
+				ms[p.name] = v
+				figure(t, fmt.Sprintf("moe_fused_W%d_%s_ms", w, p.name), v, "ms")
+				if p.name == "fused" || p.name == "unfused" || p.name == "gemm_alone" {
+					figure(t, fmt.Sprintf("moe_fused_W%d_%s_tflops", w, p.name), flop/v/1e9, "TFLOP/s")
+				}
+			}
+			figure(t, fmt.Sprintf("moe_fused_W%d_fused_over_gemm", w), ms["fused"]/ms["gemm_alone"], "x")
+			figure(t, fmt.Sprintf("moe_fused_W%d_unfused_over_fused", w), ms["unfused"]/ms["fused"], "x")
+		})
+	}
+}
