@@ -32,6 +32,11 @@
 // with an error naming it and its ranks. The engine trains a multi-process
 // run on the CPU backend through it (engine.RunDistributed, mktrain run
 // --nnodes); the CUDA backend's multi-node path awaits the NCCL groups.
+//
+// Only the in-process groups offer PeerAccess (peers.go): a rank gets its
+// peers' tensors and addresses them with the backend's ops, which the MoE
+// layer's fused dispatcher needs. The NCCL and TCP groups do not offer it
+// yet.
 package comm
 
 import "github.com/mktrain/mktrain/backend"

@@ -11,4 +11,19 @@ type Config struct {
 	BiasUpdateRate float64 `yaml:"bias_update_rate"` // aux-loss-free balancing step (0 = off)
 	SharedExperts  int     `yaml:"shared_experts"`   // always-on experts of width FFN added for every token (0 = none)
 	CapacityFactor float64 `yaml:"capacity_factor"`  // expert capacity = ceil(cf*T*K/E) per rank; 0 = dropless
+	// Dispatcher is how token rows reach the experts and come back:
+	// "unfused" (gather, all-to-all, permute; any comm.Group), "fused" (the
+	// experts read their rows from the source ranks' tensors and write
+	// their outputs straight back: the expert group must offer
+	// comm.PeerAccess) or "auto" ("" means "auto": the engine picks one
+	// from a measured table, ResolveDispatcher; New takes only a resolved
+	// value).
+	Dispatcher string `yaml:"dispatcher"`
 }
+
+// The values of Config.Dispatcher.
+const (
+	DispatcherAuto    = "auto"
+	DispatcherFused   = "fused"
+	DispatcherUnfused = "unfused"
+)

@@ -16,8 +16,8 @@
 //
 // There is no autograd: Layer.Forward saves what Layer.Backward needs, and
 // both are written against the backend.Backend ops only (MatMul, the router
-// ops, SwiGLU, GatherRows, ScatterAddRows, RowDots), so the block runs on
-// every backend.
+// ops, SwiGLU, GatherRows, ScatterAddRows, RowDots, and for the fused
+// dispatcher the peer-row ops), so the block runs on every backend.
 //
 // # Shapes
 //
@@ -65,6 +65,26 @@
 // With one expert rank there is nothing to exchange and the permutation is
 // the identity: the token rows are gathered straight into the experts'
 // input rows and the experts write straight into the send-order outputs.
+//
+// # Dispatchers
+//
+// Steps 4 and 5 above are the "unfused" dispatcher (Config.Dispatcher),
+// which any comm.Group can run. The "fused" one needs an expert group whose
+// ranks reach each other's tensors (comm.PeerAccess: the in-process virtual
+// ranks, which share one backend). Each rank lists, for its expert-major
+// rows, the (source rank, send position) each copies — the rows step 4's
+// all-to-all and permutation would bring, in the same order — and after
+// one exchange of tensor handles its experts read their input rows from
+// the sources' tokens and write their outputs straight into the sources'
+// send-order buffers (DispatchSwiGLU: gather, W1 and W3 products and
+// SwiGLU; DownCombine: the W2 product scattered to the sources; on a GPU,
+// fused kernels). A barrier then lets every rank combine its own rows as
+// in step 5. Backward gathers the gate-scaled output gradients from the
+// sources into expert-major order (GatherPeerRows) and scatters the dx
+// rows back (ScatterPeerRows). The two dispatchers compute the same rows
+// in the same order, so they agree to the bit on the CPU. "auto" picks one
+// from a measured table (ResolveDispatcher); New takes only a resolved
+// value.
 //
 // Backward mirrors it: dgate[t,k] = dout[t]·y[t,k] (RowDots), dy = gate·dout
 // travels the forward path to the experts, their backward accumulates the

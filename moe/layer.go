@@ -30,6 +30,9 @@ type Layer struct {
 	local, firstExpert int  // experts on this rank, and the first one's global index
 	sharedFFN          int  // Fs = SharedExperts*FFN, 0 when off
 	addToOut           bool // Forward adds to out (AddToOutput)
+	// peers is the expert group's peer access when the dispatcher is
+	// fused (see fused.go), nil when unfused.
+	peers comm.PeerAccess
 
 	// Router, per local token.
 	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
@@ -50,6 +53,7 @@ type Layer struct {
 	// demand and each step views the prefix it needs. S = rows this rank
 	// sends, R = rows its experts process.
 	sendTokS, sendSlotS, permR, invPermR rowBuf // Int32 index vectors
+	refsR2                               rowBuf // Int32 [R, 2]: the fused dispatcher's row references
 	gateS, dgateS                        rowBuf // per sent row
 	xRD, ySD                             rowBuf // saved: expert inputs (expert-major, operand type), expert outputs (send order)
 	h1RF, h3RF, actRF                    rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)
@@ -65,7 +69,8 @@ type Layer struct {
 // which for moe-small are a large part of a layer's memory. The layers of
 // one rank run one after another, so they can share one Scratch (see
 // WithScratch); layers that run at the same time (different ranks) must
-// not.
+// not. With the fused dispatcher, the expert group's peers write this
+// rank's dx rows into its Scratch during Backward (fused.go).
 //
 // The tensors the expert products read (the expert inputs, the hidden
 // activations and their gradients, the SwiGLU output, the output gradient
@@ -120,6 +125,7 @@ type step struct {
 	xRD, h1RF, h3RF     backend.Tensor
 	actRF               backend.Tensor
 	ySD                 backend.Tensor
+	refsR2              backend.Tensor // fused: expert-major row -> (source rank, send position)
 }
 
 // New builds a Layer of width dim for tokens local tokens per micro-step.
@@ -149,6 +155,10 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 	}
 	for _, r := range []*rowBuf{&l.sendTokS, &l.sendSlotS, &l.permR, &l.invPermR} {
 		*r = rowBuf{dt: backend.Int32, cols: 1}
+	}
+	l.refsR2 = rowBuf{dt: backend.Int32, cols: 2}
+	if cfg.Dispatcher == DispatcherFused {
+		l.peers = g.Expert.(comm.PeerAccess) // validate checked it
 	}
 	for _, r := range []*rowBuf{&l.gateS, &l.dgateS} {
 		*r = rowBuf{dt: ft, cols: 1}
@@ -193,6 +203,20 @@ func validate(cfg Config, dim, tokens int, g Groups) error {
 	case cfg.Experts%g.Expert.Size() != 0:
 		return fmt.Errorf("moe: experts (%d) must be divisible by the expert group size (%d)", cfg.Experts, g.Expert.Size())
 	}
+	switch cfg.Dispatcher {
+	case DispatcherUnfused:
+	case DispatcherFused:
+		if _, ok := g.Expert.(comm.PeerAccess); !ok {
+			return fmt.Errorf("moe: model.moe.dispatcher is %q, but the expert group (%T, %d ranks) has no peer access (comm.PeerAccess): "+
+				"only the in-process virtual ranks offer it, the NCCL and TCP groups do not yet; use %q",
+				DispatcherFused, g.Expert, g.Expert.Size(), DispatcherUnfused)
+		}
+	case DispatcherAuto, "":
+		return fmt.Errorf("moe: model.moe.dispatcher is %q; resolve it to %q or %q before building the layer (ResolveDispatcher)",
+			cfg.Dispatcher, DispatcherFused, DispatcherUnfused)
+	default:
+		return fmt.Errorf("moe: model.moe.dispatcher is %q; want %q, %q or %q", cfg.Dispatcher, DispatcherAuto, DispatcherFused, DispatcherUnfused)
+	}
 	return nil
 }
 
@@ -204,7 +228,8 @@ func validate(cfg Config, dim, tokens int, g Groups) error {
 //
 // Forward calls collectives on both groups (the load statistics'
 // all-reduce over the data group, then the count all-reduce and two row
-// all-to-alls over the expert group), so every rank of them must call it
+// all-to-alls over the expert group, or with the fused dispatcher a
+// PeerTensors exchange and a barrier), so every rank of them must call it
 // together. A rank whose Forward or Backward fails should abort its groups
 // (comm.Ranks.Abort) so that its peers stop waiting for it.
 func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tensor, lossScale float64) (Stats, error) {
@@ -254,7 +279,11 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	}
 
 	st := &step{xTD: xTD, plan: pl, zScale: zScale, sendTokS: sendTokS, sendSlotS: sendSlotS}
-	if err := l.dispatchForward(st, p); err != nil {
+	dispatch := l.dispatchForward
+	if l.peers != nil {
+		dispatch = l.fusedForward
+	}
+	if err := dispatch(st, p); err != nil {
 		return Stats{}, err
 	}
 
@@ -387,7 +416,8 @@ func (l *Layer) sharedForward(outTD, xTD backend.Tensor, p *Params, add bool) {
 // Backward writes dxTD from doutTD and accumulates the gradients of the
 // router, this rank's experts and the shared experts into g. The aux and
 // z-loss gradients (scaled by Forward's lossScale) are included. Like
-// Forward it calls collectives (two row all-to-alls on the expert group).
+// Forward it calls collectives on the expert group (two row all-to-alls,
+// or fused a PeerTensors exchange and a barrier).
 func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	st := l.step
 	if st == nil {
@@ -419,7 +449,11 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	if l.sharedFFN > 0 {
 		l.sharedBackward(dxTD, doutTD, st.xTD, p, g)
 	}
-	if err := l.dispatchBackward(dxTD, doutTD, st, p, g); err != nil {
+	dispatch := l.dispatchBackward
+	if l.peers != nil {
+		dispatch = l.fusedBackward
+	}
+	if err := dispatch(dxTD, doutTD, st, p, g); err != nil {
 		return err
 	}
 	l.phase(PhaseEnd)

@@ -411,7 +411,7 @@ func assertStats(t *testing.T, st moe.Stats, ref refResult) {
 // ---------------------------------------------------------------------------
 // Tests.
 
-var baseCfg = moe.Config{Experts: 4, TopK: 2, FFN: 5, AuxLossCoef: 0.1, ZLossCoef: 0.01}
+var baseCfg = moe.Config{Experts: 4, TopK: 2, FFN: 5, AuxLossCoef: 0.1, ZLossCoef: 0.01, Dispatcher: moe.DispatcherUnfused}
 
 // (a) Forward agrees with the HF reference, with and without bias, shared
 // experts and top-1, and the statistics agree too.
@@ -653,7 +653,7 @@ func TestErrors(t *testing.T) {
 // and that a Scratch of another width is refused.
 func TestSharedScratch(t *testing.T) {
 	b := cpu.New(backend.Float64)
-	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001}
+	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001, Dispatcher: moe.DispatcherUnfused}
 	const D, T = 5, 12
 	solo, err := comm.NewLocal(oneRank(), b)
 	if err != nil {
@@ -737,7 +737,7 @@ func TestBF16Operands(t *testing.T) {
 // a Forward.
 func TestFinishStats(t *testing.T) {
 	b := cpu.New(backend.Float64)
-	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001}
+	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001, Dispatcher: moe.DispatcherUnfused}
 	const D, T, L = 5, 12, 3
 	solo, err := comm.NewLocal(oneRank(), b)
 	if err != nil {

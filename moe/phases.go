@@ -3,8 +3,9 @@ package moe
 // Phase names a stage of a Layer's Forward or Backward, for WithPhaseHook.
 type Phase string
 
-// The phases, in the order a Forward and then a Backward run them. Every
-// rank passes through every phase, whatever its row counts.
+// The phases, in the order a Forward and then a Backward run them (Phases
+// lists them for a dispatcher). Every rank passes through the same phases,
+// whatever its row counts.
 const (
 	// PhaseRoute: the router GEMM, softmax and top-k, the load statistics,
 	// the sort of the assignments by expert and the counts to the host.
@@ -17,21 +18,42 @@ const (
 	PhaseDispatch Phase = "dispatch"
 	// PhaseExperts: the grouped expert GEMMs and SwiGLU.
 	PhaseExperts Phase = "experts"
+	// PhaseDispatchExperts replaces PhaseDispatch and PhaseExperts with the
+	// fused dispatcher: the peer exchange, then the experts gathering their
+	// rows from the source ranks (DispatchSwiGLU) and writing their outputs
+	// into the source ranks' buffers (DownCombine).
+	PhaseDispatchExperts Phase = "dispatch+experts"
 	// PhaseCombine: the outputs permuted back, exchanged and added into
-	// their tokens' rows, scaled by the gates.
+	// their tokens' rows, scaled by the gates (fused: the barrier that
+	// waits for the peers' outputs, then the add).
 	PhaseCombine Phase = "combine"
 	// PhaseRouterBackward: the gate gradients, the router's backward and
 	// its GEMMs.
 	PhaseRouterBackward Phase = "router backward"
 	// PhaseDispatchBackward, PhaseExpertsBackward, PhaseCombineBackward:
 	// the routed path in reverse (output gradients to the experts, their
-	// dgrad and wgrad GEMMs, input gradients back to the tokens).
+	// dgrad and wgrad GEMMs, input gradients back to the tokens). Fused,
+	// the output gradients are gathered from the source ranks and the
+	// input gradients written into theirs (GatherPeerRows,
+	// ScatterPeerRows), then a barrier.
 	PhaseDispatchBackward Phase = "dispatch backward"
 	PhaseExpertsBackward  Phase = "experts backward"
 	PhaseCombineBackward  Phase = "combine backward"
 	// PhaseEnd closes a Forward or a Backward.
 	PhaseEnd Phase = "end"
 )
+
+// Phases lists the phases, PhaseEnd left out, that a Forward and then a
+// Backward pass through with the given resolved dispatcher
+// (Config.Dispatcher: DispatcherFused or DispatcherUnfused).
+func Phases(dispatcher string) []Phase {
+	forward := []Phase{PhaseDispatch, PhaseExperts}
+	if dispatcher == DispatcherFused {
+		forward = []Phase{PhaseDispatchExperts}
+	}
+	return append(append([]Phase{PhaseRoute, PhaseCountExchange}, forward...),
+		PhaseCombine, PhaseRouterBackward, PhaseDispatchBackward, PhaseExpertsBackward, PhaseCombineBackward)
+}
 
 // WithPhaseHook calls hook with each phase as it begins, and with PhaseEnd
 // when Forward or Backward is done (not after an error). Work is queued on

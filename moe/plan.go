@@ -3,7 +3,8 @@ package moe
 // The dispatch plan: which rows go where. Dropless, the backend sorts the
 // router's choices by expert (RouteByExpert) and the host plans from the
 // per-expert counts alone (planCounts); with a capacity the host reads the
-// choices and decides which to drop (planSource).
+// choices and decides which to drop (planSource). The fused dispatcher
+// addresses the same rows by (source rank, send position) (peerRefs).
 
 import "math"
 
@@ -28,6 +29,7 @@ type plan struct {
 	// (all sources' rows for expert 0 first) so each expert runs one
 	// MatMul over contiguous rows.
 	recvCounts []int   // [EP] rows from each rank
+	srcStart   []int   // [EP] where, in each source's send order, its rows for this rank begin
 	expertRows []int   // [E_local] rows for each local expert, expert-major
 	perm       []int32 // [R] expert-major row i is received row perm[i]
 	invPerm    []int32 // [R] received row j is expert-major row invPerm[j]
@@ -107,10 +109,15 @@ func (p *plan) countSends(ep int) {
 // owns experts [first, first+local).
 func (p *plan) planDest(countsSE []int, ep, E, first, local int) {
 	at := func(src, le int) int { return countsSE[src*E+first+le] }
-	p.recvCounts, p.expertRows = make([]int, ep), make([]int, local)
+	p.recvCounts, p.expertRows, p.srcStart = make([]int, ep), make([]int, local), make([]int, ep)
 	recvStart := make([]int, ep*local) // first received row of (src, le)
 	R := 0
 	for src := range ep {
+		// A source's send order is by global expert, so its rows for
+		// this rank follow those for all lower experts.
+		for e := range first {
+			p.srcStart[src] += countsSE[src*E+e]
+		}
 		for le := range local {
 			recvStart[src*local+le] = R
 			R += at(src, le)
@@ -129,4 +136,25 @@ func (p *plan) planDest(countsSE []int, ep, E, first, local int) {
 			}
 		}
 	}
+}
+
+// peerRefs returns, for each expert-major row i (perm's order), the row it
+// copies as a (source rank, position in the source's send order) pair:
+// refs[2i], refs[2i+1], the layout of the backend's refsR2. Received row j
+// of source s's block is s's send position srcStart[s] + (j - the block's
+// first row), since the all-to-all moves each block in send order.
+func (p *plan) peerRefs() []int32 {
+	srcOf, posOf := make([]int32, len(p.perm)), make([]int32, len(p.perm))
+	j := 0
+	for s, n := range p.recvCounts {
+		for q := range n {
+			srcOf[j], posOf[j] = int32(s), int32(p.srcStart[s]+q)
+			j++
+		}
+	}
+	refs := make([]int32, 2*len(p.perm))
+	for i, j := range p.perm {
+		refs[2*i], refs[2*i+1] = srcOf[j], posOf[j]
+	}
+	return refs
 }

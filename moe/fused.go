@@ -1,0 +1,117 @@
+package moe
+
+// The fused dispatcher: the experts read their input rows from the source
+// ranks' tensors and write their outputs straight into the source ranks'
+// buffers (the backend's peer-row ops), so no row is gathered into send
+// order, exchanged and permuted. The expert-major rows, and so every
+// product, are the unfused path's (plan.peerRefs), which is why the two
+// agree to the bit on the CPU.
+//
+// Who touches whose memory, per expert-group rank r:
+//
+//	forward:  after PeerTensors, r reads every source's x and sendTok and
+//	          writes the rows its experts computed into every source's ySD;
+//	          after the Barrier, r reads its own ySD (the combine).
+//	backward: after PeerTensors, r reads every source's dout, sendTok and
+//	          gate rows and writes its experts' dx rows into every source's
+//	          dxSD (scratch rowsSD); after the Barrier, r reads its own dxSD.
+//
+// Between the two meetings no rank writes a tensor a peer reads, and no
+// rank uses its own ySD or rowsSD: the only writes to them are the peers'.
+// The meetings order the ops because all ranks issue onto one device
+// stream (or run them when called, on the CPU), as comm's local groups
+// document. With ranks on separate GPUs, a barrier on the host does not
+// order the devices' work: that needs completion flags written by the
+// peers' kernels, which are not built yet.
+
+import (
+	"fmt"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// fusedForward runs the routed experts of one Forward through the peer-row
+// ops and leaves their outputs in st.ySD, in send order, as
+// dispatchForward does.
+func (l *Layer) fusedForward(st *step, p *Params) error {
+	b, pl := l.b, st.plan
+	S, R := pl.sent, len(pl.perm)
+	l.phase(PhaseDispatchExperts)
+	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
+	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
+	st.refsR2 = l.uploadRefs(pl)
+	peers, err := l.peers.PeerTensors(st.xTD, st.sendTokS, st.ySD)
+	if err != nil {
+		return fmt.Errorf("moe: fused dispatch: %w", err)
+	}
+	if R > 0 {
+		w1, w3, w2 := l.stacked(p)
+		b.DispatchSwiGLU(st.xRD, st.h1RF, st.h3RF, st.actRF, peerColumn(peers, 0), peerColumn(peers, 1), st.refsR2, w1, w3, pl.expertRows)
+		b.DownCombine(peerColumn(peers, 2), st.refsR2, st.actRF, w2, pl.expertRows)
+	}
+	l.phase(PhaseCombine)
+	// Every peer's writes into this rank's ySD are issued before it
+	// reaches the barrier (see the file comment for separate GPUs).
+	if err := l.g.Expert.Barrier(); err != nil {
+		return fmt.Errorf("moe: fused combine: %w", err)
+	}
+	return nil
+}
+
+// fusedBackward is dispatchBackward through the peer-row ops: the output
+// gradients are gathered, scaled by the gates, from the source ranks
+// straight into expert-major order, and the experts' dx rows are written
+// into the source ranks' send-order scratch, which each adds into dxTD.
+func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Params) error {
+	b, pl, sc := l.b, st.plan, l.scratch
+	S, R := pl.sent, len(pl.perm)
+	l.phase(PhaseDispatchBackward)
+	// Peers write dxSD between the exchange and the barrier; this rank
+	// uses neither rowsSD nor anything aliasing it in between (dy is in
+	// dyRD, the experts' dx in rowsR1D, their hidden gradients in the
+	// F-wide scratch).
+	dyRD, dxRD, dxSD := sc.dyRD.view(b, R), sc.rowsR1D.view(b, R), sc.rowsSD.view(b, S)
+	peers, err := l.peers.PeerTensors(doutTD, st.sendTokS, st.gateS, dxSD)
+	if err != nil {
+		return fmt.Errorf("moe: fused backward dispatch: %w", err)
+	}
+	if R > 0 {
+		b.GatherPeerRows(dyRD, peerColumn(peers, 0), peerColumn(peers, 1), peerColumn(peers, 2), st.refsR2)
+	}
+	l.phase(PhaseExpertsBackward)
+	if R > 0 {
+		l.expertsBackward(st, p, g, dyRD, dxRD)
+	}
+	l.phase(PhaseCombineBackward)
+	if R > 0 {
+		b.ScatterPeerRows(peerColumn(peers, 3), dxRD, st.refsR2)
+	}
+	if err := l.g.Expert.Barrier(); err != nil {
+		return fmt.Errorf("moe: fused backward combine: %w", err)
+	}
+	if S > 0 {
+		b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
+	}
+	return nil
+}
+
+// uploadRefs uploads the plan's row references as the Int32 [R, 2] tensor
+// the peer-row ops take.
+func (l *Layer) uploadRefs(pl *plan) backend.Tensor {
+	refs := pl.peerRefs()
+	v := l.refsR2.view(l.b, len(refs)/2)
+	if len(refs) > 0 {
+		backend.UploadSlice(l.b, v, refs)
+	}
+	return v
+}
+
+// peerColumn returns tensor i of every rank, in rank order, from
+// PeerTensors' [rank][i] answer.
+func peerColumn(peers [][]backend.Tensor, i int) []backend.Tensor {
+	col := make([]backend.Tensor, len(peers))
+	for r, ts := range peers {
+		col[r] = ts[i]
+	}
+	return col
+}

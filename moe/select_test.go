@@ -1,0 +1,283 @@
+package moe_test
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
+	"github.com/mktrain/mktrain/moe"
+)
+
+// elsewhere is the CPU backend under another name, so that auto treats it
+// as a machine worth measuring.
+type elsewhere struct{ *cpu.Backend }
+
+func (elsewhere) Name() string { return "elsewhere" }
+
+// named is a backend that tells its device's name; wrapped hides a
+// backend behind a profiler-like wrapper.
+type named struct{ *cpu.Backend }
+
+func (named) DeviceName() string { return "Device 9" }
+
+type wrapped struct{ backend.Backend }
+
+func (w wrapped) Inner() backend.Backend { return w.Backend }
+
+func selectConfig() moe.Config {
+	return moe.Config{Experts: 4, TopK: 2, FFN: 24, Dispatcher: moe.DispatcherAuto}
+}
+
+// TestMeasureDispatch measures a small layer on 1 and 2 virtual ranks of
+// the CPU: every time is positive, and the routed rows are every token's
+// top_k assignments.
+func TestMeasureDispatch(t *testing.T) {
+	b := cpu.New(backend.Float32)
+	cfg := selectConfig()
+	const dim, tokens = 16, 40
+	for _, ep := range []int{1, 2} {
+		tm, err := moe.MeasureDispatch(b, cfg, dim, tokens, ep, 3)
+		if err != nil {
+			t.Fatalf("ep %d: %v", ep, err)
+		}
+		if tm.Iters != 3 || tm.FusedForward <= 0 || tm.FusedStep <= 0 || tm.UnfusedForward <= 0 || tm.UnfusedStep <= 0 {
+			t.Errorf("ep %d: %+v", ep, tm)
+		}
+		sum := 0
+		for _, n := range tm.RowsPerExpert {
+			sum += n
+		}
+		if len(tm.RowsPerExpert) != cfg.Experts || sum != tokens*cfg.TopK*ep {
+			t.Errorf("ep %d: rows per expert %v, want %d experts and %d rows", ep, tm.RowsPerExpert, cfg.Experts, tokens*cfg.TopK*ep)
+		}
+		if f := tm.Faster(); f != moe.DispatcherFused && f != moe.DispatcherUnfused {
+			t.Errorf("ep %d: Faster %q", ep, f)
+		}
+	}
+	for _, c := range []struct {
+		ep, iters int
+		cfg       moe.Config
+		want      string
+	}{
+		{0, 3, cfg, "at least 1"},
+		{2, 0, cfg, "at least 1"},
+		{3, 1, cfg, "do not divide"},
+		{1, 1, moe.Config{Experts: 4, TopK: 5, FFN: 8}, "top_k"},
+	} {
+		if _, err := moe.MeasureDispatch(b, c.cfg, dim, tokens, c.ep, c.iters); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("ep %d, %d steps, %+v: %v, want an error containing %q", c.ep, c.iters, c.cfg, err, c.want)
+		}
+	}
+}
+
+func TestTimingFaster(t *testing.T) {
+	ms := time.Millisecond
+	for _, c := range []struct {
+		fused, unfused time.Duration
+		want           string
+	}{{ms, 2 * ms, moe.DispatcherFused}, {2 * ms, ms, moe.DispatcherUnfused}, {ms, ms, moe.DispatcherUnfused}} {
+		// The forward times do not decide.
+		tm := moe.Timing{FusedStep: c.fused, UnfusedStep: c.unfused, FusedForward: 9 * ms, UnfusedForward: ms}
+		if got := tm.Faster(); got != c.want {
+			t.Errorf("%v fused, %v unfused: %q, want %q", c.fused, c.unfused, got, c.want)
+		}
+	}
+}
+
+func TestMachineName(t *testing.T) {
+	c := cpu.New(backend.Float32)
+	for _, tc := range []struct {
+		b    backend.Backend
+		want string
+	}{
+		{c, "cpu"}, {wrapped{c}, "cpu"}, {named{c}, "cpu/Device 9"}, {wrapped{named{c}}, "cpu/Device 9"}, {elsewhere{c}, "elsewhere"},
+	} {
+		if got := moe.MachineName(tc.b); got != tc.want {
+			t.Errorf("%T: %q, want %q", tc.b, got, tc.want)
+		}
+	}
+}
+
+// TestDispatchCache: entries are stored and found by key, replaced for the
+// same key, written whole (no temporary file left, valid JSON), and a
+// damaged or foreign file does not stop a Store.
+func TestDispatchCache(t *testing.T) {
+	dir := t.TempDir()
+	c := moe.DispatchCache{Path: filepath.Join(dir, "sub", "dispatch.json")}
+	k1 := moe.DispatchKey{Machine: "cuda/X", Dim: 1024, FFN: 2816, Experts: 8, TopK: 2, Tokens: 16384, EP: 8}
+	k2 := k1
+	k2.EP = 4
+	if _, ok, err := c.Lookup(k1); ok || err != nil {
+		t.Fatalf("empty table: %v, %v", ok, err)
+	}
+	ms := time.Millisecond
+	fused := moe.Timing{Iters: 5, FusedStep: ms, UnfusedStep: 2 * ms, FusedForward: ms / 2, UnfusedForward: ms}
+	unfused := moe.Timing{Iters: 5, FusedStep: 3 * ms, UnfusedStep: 2 * ms}
+	if _, err := c.Store(k1, fused); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Store(k2, unfused); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []struct {
+		k    moe.DispatchKey
+		want string
+	}{{k1, moe.DispatcherFused}, {k2, moe.DispatcherUnfused}} {
+		e, ok, err := c.Lookup(w.k)
+		if err != nil || !ok || e.Choice != w.want || e.DispatchKey != w.k || e.Iters != 5 {
+			t.Errorf("%v: %+v, %v, %v; want %s", w.k, e, ok, err, w.want)
+		}
+	}
+	e, _, _ := c.Lookup(k1)
+	if e.FusedMS != 1 || e.UnfusedMS != 2 || e.FusedForwardMS != 0.5 || e.UnfusedForwardMS != 1 || e.MeasuredAt.IsZero() {
+		t.Errorf("entry %+v", e)
+	}
+	// The same key again: replaced, not added.
+	if _, err := c.Store(k1, unfused); err != nil {
+		t.Fatal(err)
+	}
+	if e, _, _ := c.Lookup(k1); e.Choice != moe.DispatcherUnfused {
+		t.Errorf("k1 after a second Store: %+v", e)
+	}
+	var table struct {
+		Version int               `json:"version"`
+		Entries []json.RawMessage `json:"entries"`
+	}
+	buf, err := os.ReadFile(c.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(buf, &table); err != nil || table.Version != 1 || len(table.Entries) != 2 {
+		t.Errorf("table %s: version %d, %d entries, %v", buf, table.Version, len(table.Entries), err)
+	}
+	files, _ := os.ReadDir(filepath.Dir(c.Path))
+	if len(files) != 1 {
+		t.Errorf("files beside the table: %v", files)
+	}
+
+	// A damaged table is an error to Lookup and replaced by Store.
+	if err := os.WriteFile(c.Path, []byte("{not json"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.Lookup(k1); err == nil {
+		t.Error("Lookup of a damaged table: no error")
+	}
+	if _, err := c.Store(k2, fused); err != nil {
+		t.Fatal(err)
+	}
+	if e, ok, err := c.Lookup(k2); err != nil || !ok || e.Choice != moe.DispatcherFused {
+		t.Errorf("after replacing a damaged table: %+v, %v, %v", e, ok, err)
+	}
+	// A table of another version is ignored.
+	if err := os.WriteFile(c.Path, []byte(`{"version": 99, "entries": [{"machine": "cuda/X", "choice": "fused"}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok, err := c.Lookup(k1); ok || err != nil {
+		t.Errorf("a table of version 99: %v, %v", ok, err)
+	}
+}
+
+func TestDefaultDispatchCache(t *testing.T) {
+	dir := t.TempDir()
+	t.Setenv("MKTRAIN_CACHE_DIR", dir)
+	c, err := moe.DefaultDispatchCache()
+	if err != nil || c.Path != filepath.Join(dir, "dispatch.json") {
+		t.Errorf("MKTRAIN_CACHE_DIR: %q, %v", c.Path, err)
+	}
+	t.Setenv("MKTRAIN_CACHE_DIR", "")
+	base, err := os.UserCacheDir()
+	if err != nil {
+		t.Skip("no user cache directory: ", err)
+	}
+	c, err = moe.DefaultDispatchCache()
+	if err != nil || c.Path != filepath.Join(base, "mktrain", "dispatch.json") {
+		t.Errorf("default: %q, %v", c.Path, err)
+	}
+}
+
+// resolve runs ResolveDispatcher on a small layer of 2 ranks and returns
+// the choice and what it logged.
+func resolve(t *testing.T, b backend.Backend, dispatcher string, canPeer bool) (string, string, error) {
+	t.Helper()
+	cfg := selectConfig()
+	cfg.Dispatcher = dispatcher
+	var log []string
+	got, err := moe.ResolveDispatcher(b, cfg, 16, 40, 2, canPeer, func(s string) { log = append(log, s) })
+	return got, strings.Join(log, "\n"), err
+}
+
+func TestResolveDispatcher(t *testing.T) {
+	cache := t.TempDir()
+	t.Setenv("MKTRAIN_CACHE_DIR", cache)
+	table := filepath.Join(cache, "dispatch.json")
+	c := cpu.New(backend.Float32)
+	other := elsewhere{c}
+
+	// Explicit values pass; fused needs peer access; unknown values fail.
+	for _, d := range []string{moe.DispatcherFused, moe.DispatcherUnfused} {
+		if got, _, err := resolve(t, other, d, true); got != d || err != nil {
+			t.Errorf("%s: %q, %v", d, got, err)
+		}
+	}
+	if got, _, err := resolve(t, other, moe.DispatcherUnfused, false); got != moe.DispatcherUnfused || err != nil {
+		t.Errorf("unfused without peer access: %q, %v", got, err)
+	}
+	if _, _, err := resolve(t, other, moe.DispatcherFused, false); err == nil || !strings.Contains(err.Error(), "peer access") {
+		t.Errorf("fused without peer access: %v", err)
+	}
+	if _, _, err := resolve(t, other, "quick", true); err == nil || !strings.Contains(err.Error(), "model.moe.dispatcher") {
+		t.Errorf("unknown dispatcher: %v", err)
+	}
+
+	// auto without peer access, and on the CPU: unfused, unmeasured.
+	for _, d := range []string{moe.DispatcherAuto, ""} {
+		if got, log, err := resolve(t, other, d, false); got != moe.DispatcherUnfused || err != nil || !strings.Contains(log, "no peer access") {
+			t.Errorf("%q without peer access: %q, %v, %q", d, got, err, log)
+		}
+		if got, log, err := resolve(t, c, d, true); got != moe.DispatcherUnfused || err != nil || !strings.Contains(log, "unmeasured") {
+			t.Errorf("%q on the CPU: %q, %v, %q", d, got, err, log)
+		}
+	}
+	if _, err := os.Stat(table); err == nil {
+		t.Fatal("nothing was measured, but the table exists")
+	}
+
+	// auto elsewhere: measured and stored, then read from the table.
+	measured, log, err := resolve(t, other, moe.DispatcherAuto, true)
+	if err != nil || !strings.Contains(log, "measuring") || !strings.Contains(log, "stored in "+table) {
+		t.Fatalf("first auto: %q, %v, log:\n%s", measured, err, log)
+	}
+	got, log, err := resolve(t, other, "", true)
+	if err != nil || got != measured || !strings.Contains(log, "from the table") || strings.Contains(log, "measuring") {
+		t.Errorf("second auto: %q (measured %q), %v, log:\n%s", got, measured, err, log)
+	}
+	// What the table says goes, whichever it is.
+	key := moe.NewDispatchKey(other, selectConfig(), 16, 40, 2)
+	for _, tm := range []moe.Timing{{FusedStep: 1, UnfusedStep: 2}, {FusedStep: 2, UnfusedStep: 1}} {
+		if _, err := (moe.DispatchCache{Path: table}).Store(key, tm); err != nil {
+			t.Fatal(err)
+		}
+		if got, _, err := resolve(t, other, moe.DispatcherAuto, true); got != tm.Faster() || err != nil {
+			t.Errorf("table says %s: %q, %v", tm.Faster(), got, err)
+		}
+	}
+	// Another shape is not in the table.
+	cfg := selectConfig()
+	cfg.TopK = 1
+	var logs []string
+	if _, err := moe.ResolveDispatcher(other, cfg, 16, 40, 2, true, func(s string) { logs = append(logs, s) }); err != nil ||
+		!strings.Contains(strings.Join(logs, "\n"), "measuring") {
+		t.Errorf("top-1: %v, log %q", err, logs)
+	}
+
+	// A table that cannot be written costs nothing but the storing.
+	t.Setenv("MKTRAIN_CACHE_DIR", filepath.Join(table, "not-a-dir"))
+	if got, log, err := resolve(t, other, moe.DispatcherAuto, true); err != nil || got == "" || !strings.Contains(log, "not stored") {
+		t.Errorf("unwritable table: %q, %v, log:\n%s", got, err, log)
+	}
+}
