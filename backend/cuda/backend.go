@@ -139,7 +139,7 @@ func (b *Backend) Close() error {
 	return err
 }
 
-func (b *Backend) Name() string             { return "cuda" }
+func (b *Backend) Name() string { return "cuda" }
 
 func (b *Backend) FloatType() backend.DType { return backend.Float32 }
 
