@@ -46,6 +46,11 @@ package comm
 // and correct, made for the CPU backend and for tests of the multi-process
 // paths; the GPU path uses NCCL's rings instead.
 //
+// AllReduceSumStart (comm.AsyncReducer) runs an AllReduceSum on a goroutine
+// of its own, behind the reductions the rank started before it on the
+// group, so that a rank's gradient buckets travel while it computes the
+// rest of its backward.
+//
 // # Failures
 //
 // A rank never waits without a bound:
@@ -846,9 +851,17 @@ type tcpGroup struct {
 	// scratch holds the root's sums, and what it uploads before adding,
 	// per dtype, grown to the largest seen.
 	scratch [2]map[backend.DType]backend.Tensor
+
+	// lastStart is closed when the last reduction AllReduceSumStart
+	// started is done; nil before the first. Touched only by the rank's
+	// goroutine.
+	lastStart chan struct{}
 }
 
-var _ Group = (*tcpGroup)(nil)
+var (
+	_ Group        = (*tcpGroup)(nil)
+	_ AsyncReducer = (*tcpGroup)(nil)
+)
 
 func (g *tcpGroup) Rank() int       { return g.rank }
 func (g *tcpGroup) Size() int       { return len(g.members) }
@@ -1120,6 +1133,40 @@ func (g *tcpGroup) AllReduceSum(t backend.Tensor) error {
 		return err
 	}
 	return g.upload(op, t, out)
+}
+
+// AllReduceSumStart runs AllReduceSum(t) on a goroutine of its own, after
+// the reductions started before it: the group's background queue, which
+// keeps the group in use by one goroutine at a time as long as the rank
+// calls no other collective of it before the last Wait (comm.AsyncReducer).
+// The reduction never waits without a bound (see Failures), so neither does
+// Wait.
+func (g *tcpGroup) AllReduceSumStart(t backend.Tensor) (Pending, error) {
+	if err := g.w.Err(); err != nil {
+		return nil, g.wrap("AllReduceSum", err)
+	}
+	prev := g.lastStart
+	p := &tcpPending{done: make(chan struct{})}
+	g.lastStart = p.done
+	go func() {
+		defer close(p.done)
+		if prev != nil {
+			<-prev
+		}
+		p.err = g.AllReduceSum(t)
+	}()
+	return p, nil
+}
+
+// tcpPending is a reduction on a group's background queue.
+type tcpPending struct {
+	done chan struct{}
+	err  error // set before done is closed
+}
+
+func (p *tcpPending) Wait() error {
+	<-p.done
+	return p.err
 }
 
 // upload fills t with a reply's data.

@@ -23,6 +23,8 @@
 //   - train.go: the training loop, read top to bottom.
 //   - rank.go: one rank's step: micro-batches, gradient reduction, clipping,
 //     AdamW, expert-bias updates; evaluation.
+//   - grad_overlap.go: the gradients' cross-rank sums, in buckets started
+//     during the step's last backward as they become final.
 //   - model.go: the decoder's forward and backward over a micro-batch:
 //     embedding, per layer RMSNorm, attention (package attention), residual,
 //     RMSNorm, sparse MoE (package moe), residual; final RMSNorm; the LM head

@@ -42,6 +42,12 @@ type rank struct {
 	model          *model
 	train          batchSource
 	val            evalSource
+	// grads is how the gradients are summed across ranks, overlapped with
+	// the last backward of a step (grad_overlap.go); with syncGrads they
+	// are summed after it instead, in gradBucket pieces
+	// (reduceGradients: the tests compare the two).
+	grads     gradPlan
+	syncGrads bool
 }
 
 // newRank builds a rank with initialised weights. A rank without training
@@ -52,6 +58,7 @@ func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSourc
 	firstExpert := groups.Expert.Rank() * localExperts
 	r := &rank{cfg: cfg, b: b, groups: groups, train: train, val: val}
 	r.layout = newFlatLayout(m, localExperts)
+	r.grads = newGradPlan(m, r.layout, groups)
 	r.wStore, r.gStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
 	r.w, r.g = r.wStore.p, r.gStore.p
 	r.op = newOperandStore(b, m, r.layout, r.wStore)
@@ -113,7 +120,17 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		if err != nil {
 			return res, err
 		}
-		if err := r.model.backward(); err != nil {
+		// The last micro-batch's backward starts the gradients'
+		// reduction as they become final; it is done before finishStep,
+		// whose load statistics travel over the data group too.
+		var red *gradReduction
+		if a == accum-1 && !r.syncGrads {
+			red = r.newGradReduction()
+		}
+		if err := r.model.backwardNotify(red.notify()); err != nil {
+			return res, err
+		}
+		if err := red.finish(); err != nil {
 			return res, err
 		}
 		if err := r.model.finishStep(&st); err != nil {
@@ -139,8 +156,10 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	if math.IsNaN(res.loss) || math.IsInf(res.loss, 0) {
 		return res, fmt.Errorf("step %d: the loss is %v; lower train.lr, set train.grad_clip (now %g) or check the data", step, res.loss, cfg.Train.GradClip)
 	}
-	if err := r.reduceGradients(); err != nil {
-		return res, err
+	if r.syncGrads {
+		if err := r.reduceGradients(); err != nil {
+			return res, err
+		}
 	}
 	profile.Scope(r.b, profile.ScopeOptimizer)
 	norm, err := r.gradNorm()
@@ -179,7 +198,9 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 // and hold distinct tokens: replicated weights over the data and context
 // groups together, expert weights over the ranks that hold the same experts
 // (the expert replicas, then the context group: a cp rank's tokens reach
-// the experts of its own cp position only).
+// the experts of its own cp position only). It runs after the backward,
+// with syncGrads; otherwise the same sums overlap the backward
+// (grad_overlap.go).
 func (r *rank) reduceGradients() error {
 	for _, part := range []struct {
 		r span
@@ -204,7 +225,7 @@ func (r *rank) reduceGradients() error {
 
 // gradBucket is the most gradient elements one all-reduce sums (64 MiB of
 // float32): the communicators' scratch memory grows with the call, not with
-// the model.
+// the model, and a bucket's reduction starts before the backward is done.
 const gradBucket = 16 << 20
 
 // gradNorm is the global L2 norm of the reduced gradients: replicated

@@ -13,7 +13,9 @@ package cuda
 // communicator has called it. The host-vector collectives (AllReduceFloat64,
 // AllToAllInts), Barrier, Send and Recv wait for the GPU: they copy small
 // values through a device scratch buffer and a page-locked host buffer and
-// poll the stream until the copy back is done.
+// poll the stream until the copy back is done. AllReduceSumStart
+// (nccl_async.go) is the exception: it queues its all-reduce on a
+// communication stream of the group, to run beside the ops queued after it.
 //
 // # The watchdog
 //
@@ -124,6 +126,10 @@ type NCCLGroup struct {
 	dscratch *Buffer // device scratch, grown on demand
 	hscratch []byte  // page-locked host scratch, grown on demand
 	closed   bool
+
+	// The communication stream of AllReduceSumStart (nccl_async.go); nil
+	// before the first. Touched only on the device thread.
+	async *ncclAsync
 }
 
 var _ comm.Group = (*NCCLGroup)(nil)
@@ -317,10 +323,11 @@ func (g *NCCLGroup) Close() error {
 	}
 	g.closed = true
 	err := g.dev.Do(func() error {
+		var err error
 		if c := g.take(); c != 0 {
-			return g.lib.destroy(c)
+			err = g.lib.destroy(c)
 		}
-		return nil
+		return errors.Join(err, g.closeAsync())
 	})
 	if g.dscratch != nil {
 		err = errors.Join(err, g.dev.Free(g.dscratch))

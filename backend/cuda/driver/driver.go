@@ -69,6 +69,7 @@ type Driver struct {
 		ctxSetCurrent, ctxSynchronize                                uintptr
 		streamCreate, streamDestroy, streamSynchronize, streamQuery  uintptr
 		eventCreate, eventDestroy, eventRecord, eventSynchronize     uintptr
+		streamWaitEvent                                              uintptr
 		eventElapsedTime                                             uintptr
 		memAlloc, memFree, memAllocHost, memFreeHost, memGetInfo     uintptr
 		memcpyHtoD, memcpyDtoH                                       uintptr
@@ -109,6 +110,7 @@ func (s Search) LoadDriver() (*Driver, error) {
 		"cuEventDestroy_v2":            &f.eventDestroy,
 		"cuEventRecord":                &f.eventRecord,
 		"cuEventSynchronize":           &f.eventSynchronize,
+		"cuStreamWaitEvent":            &f.streamWaitEvent,
 		"cuMemAlloc_v2":                &f.memAlloc,
 		"cuMemFree_v2":                 &f.memFree,
 		"cuMemAllocHost_v2":            &f.memAllocHost,
@@ -307,6 +309,13 @@ func (d *Driver) EventRecord(e Event, s Stream) error {
 // EventSynchronize is cuEventSynchronize.
 func (d *Driver) EventSynchronize(e Event) error {
 	return d.check(d.call(d.fn.eventSynchronize, uintptr(e)), "cuEventSynchronize")
+}
+
+// StreamWaitEvent is cuStreamWaitEvent: the work queued on s after it waits
+// for the work before e's most recent record (as of this call) to finish,
+// without blocking the host.
+func (d *Driver) StreamWaitEvent(s Stream, e Event) error {
+	return d.check(d.call(d.fn.streamWaitEvent, uintptr(s), uintptr(e), 0), "cuStreamWaitEvent")
 }
 
 // EventElapsed is cuEventElapsedTime, in milliseconds.
