@@ -273,6 +273,9 @@ func (e *Engine) resumePoint(root string) (string, *trainState, error) {
 	var refused []string
 	for _, c := range changes {
 		switch {
+		case strings.HasPrefix(c, "model.moe.dispatcher:"):
+			// How rows reach the experts, not the model: any value resumes.
+			e.log.Info().Str("change", c).Msg("resuming with a changed recipe field")
 		case strings.HasPrefix(c, "model."):
 			refused = append(refused, c)
 		case strings.HasPrefix(c, "checkpoint.resume"):

@@ -88,7 +88,7 @@ func DefaultConfig() Config {
 		Model: ModelConfig{
 			Vocab: 256, Dim: 64, Layers: 2, Heads: 4, KVHeads: 2,
 			RopeTheta: 1e6, NormEps: 1e-5, InitStd: 0.02,
-			MoE: moe.Config{Experts: 4, TopK: 2, FFN: 128, AuxLossCoef: 0.01},
+			MoE: moe.Config{Experts: 4, TopK: 2, FFN: 128, AuxLossCoef: 0.01, Dispatcher: moe.DispatcherAuto},
 		},
 		Train: TrainConfig{
 			Backend: "auto", GlobalBatch: 8, MicroBatch: 8, Seq: 64, Steps: 200,

@@ -19,7 +19,7 @@ func gradCheckConfig() Config {
 	cfg := DefaultConfig()
 	cfg.Model = ModelConfig{
 		Vocab: 23, Dim: 16, Layers: 2, Heads: 4, KVHeads: 2, RopeTheta: 10000, NormEps: 1e-5, InitStd: 0.3,
-		MoE: moe.Config{Experts: 4, TopK: 2, FFN: 8, AuxLossCoef: 0.1, ZLossCoef: 0.05, SharedExperts: 1},
+		MoE: moe.Config{Experts: 4, TopK: 2, FFN: 8, AuxLossCoef: 0.1, ZLossCoef: 0.05, SharedExperts: 1, Dispatcher: moe.DispatcherUnfused},
 	}
 	cfg.Train.Seq, cfg.Train.GlobalBatch, cfg.Train.MicroBatch = 5, 2, 2
 	cfg.Train.Backend = "cpu"

@@ -18,6 +18,7 @@ import (
 	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/checkpoint/safetensors"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/moe"
 )
 
 // readSafetensors reads every tensor of one file, with its dtype.
@@ -130,6 +131,7 @@ func importedRanks(t *testing.T, cfg Config, hfDir string, ep int) (map[string][
 	t.Helper()
 	cfg.Train.Seed = 99
 	cfg.Parallel.EP = ep
+	cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused // newRank takes a resolved one
 	b := cpu.New(backend.Float32)
 	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: ep, CP: 1, TP: 1}, b)
 	if err != nil {

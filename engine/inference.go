@@ -168,7 +168,7 @@ func LoadModel(dir string, opts ...Option) (_ *Model, err error) {
 	if err != nil {
 		return nil, err
 	}
-	r, err := newRank(cfg, b, world[0], nil, nil)
+	r, err := newRank(servingConfig(cfg), b, world[0], nil, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -293,7 +293,7 @@ func (m *Model) Sample(ctx context.Context, prompt []int32, n int, temperature f
 		}
 	}
 	if m.one == nil {
-		one, err := newModel(m.b, m.cfg.Model, m.r.op.p, m.r.g, 1, seq,
+		one, err := newModel(m.b, m.r.cfg.Model, m.r.op.p, m.r.g, 1, seq,
 			moe.Groups{Expert: m.r.groups.Expert, Data: m.r.groups.Data}, nil)
 		if err != nil {
 			return nil, err

@@ -132,6 +132,42 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 	return m, nil
 }
 
+// resolveDispatcher settles model.moe.dispatcher for the ranks of world
+// (moe.ResolveDispatcher: auto is the faster dispatcher for this machine
+// and layer shape, from a measured table) and returns cfg with the value.
+// It runs once per run, before any rank builds its layers, since every
+// rank must use the same dispatcher. The fused dispatcher needs the expert
+// groups to offer peer access (comm.PeerAccess): virtual ranks do, ranks
+// on separate GPUs (NCCL) or in separate processes (TCP) do not yet.
+func (e *Engine) resolveDispatcher(cfg Config, world []*comm.Ranks) (Config, error) {
+	canPeer := true
+	for _, r := range world {
+		if _, ok := r.Expert.(comm.PeerAccess); !ok {
+			canPeer = false
+		}
+	}
+	// The layer's shape on one rank: its local tokens per micro-batch.
+	tokens := cfg.Train.MicroBatch * cfg.Train.Seq / cfg.Parallel.CP
+	d, err := moe.ResolveDispatcher(e.backend, cfg.Model.MoE, cfg.Model.Dim, tokens, cfg.Parallel.EP, canPeer,
+		func(msg string) { e.log.Info().Msg(msg) })
+	if err != nil {
+		return cfg, err
+	}
+	cfg.Model.MoE.Dispatcher = d
+	return cfg, nil
+}
+
+// servingConfig is the configuration a loaded model (evaluation and
+// sampling, one rank) builds its layers with: model.moe.dispatcher as
+// saved when it names a dispatcher, and unfused for auto; one rank
+// exchanges nothing, so a measurement would not pay for itself.
+func servingConfig(cfg Config) Config {
+	if cfg.Model.MoE.Dispatcher != moe.DispatcherFused {
+		cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused
+	}
+	return cfg
+}
+
 // setBatch uploads one micro-batch of token ids and next-token targets,
 // batch whole sequences of each; a context-parallel rank keeps its share of
 // every sequence (see keep).
@@ -249,11 +285,27 @@ func (m *model) finishStep(st *microStats) error {
 
 // backward propagates from dFinalTD (left by a training forward) to every
 // parameter gradient, accumulating into m.g.
-func (m *model) backward() error {
+func (m *model) backward() error { return m.backwardNotify(nil) }
+
+// backwardNotify is backward telling ready, when not nil, as the gradients
+// become final (for the gradient reduction that overlaps it,
+// grad_overlap.go): ready(Layers) once the final norm's are (the LM head's
+// are since the forward), ready(l) once layer l's are, ready(-1) once the
+// embedding's are. An error from ready ends the backward with it.
+func (m *model) backwardNotify(ready func(layer int) error) error {
 	b, w, g := m.b, m.w, m.g
 	L := m.cfg.Layers
+	notify := func(layer int) error {
+		if ready == nil {
+			return nil
+		}
+		return ready(layer)
+	}
 	profile.Scope(b, "")
 	b.RMSNormBackward(m.dResidTD, g.finalNormD, m.dFinalTD, m.residL[L], w.finalNormD, m.rstdFinalT)
+	if err := notify(L); err != nil {
+		return err
+	}
 	for l := L - 1; l >= 0; l-- {
 		lw, lg := &w.layers[l], &g.layers[l]
 		// residL[l+1] = midL[l] + moe(norm(midL[l])): the stream's gradient
@@ -275,7 +327,10 @@ func (m *model) backward() error {
 		}
 		b.RMSNormBackward(m.dTmpTD, lg.attnNormD, m.dBlockTD, m.residL[l], lw.attnNormD, m.rstd1L[l])
 		b.Axpy(m.dResidTD, 1, m.dTmpTD)
+		if err := notify(l); err != nil {
+			return err
+		}
 	}
 	b.EmbeddingBackward(g.embedVD, m.dResidTD, m.idsT)
-	return nil
+	return notify(-1)
 }

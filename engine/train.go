@@ -41,7 +41,12 @@ type session struct {
 // puts every rank on e.backend (virtual ranks, or a process's ranks of a
 // distributed run).
 func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []backend.Backend, distributed bool) (Result, error) {
-	cfg := e.cfg
+	// Every rank builds its layers with the one dispatcher settled here
+	// (e.cfg, which checkpoints keep, stays as the recipe says).
+	cfg, err := e.resolveDispatcher(e.cfg, world)
+	if err != nil {
+		return Result{}, err
+	}
 	ranks := make([]*rank, len(world))
 	for i, g := range world {
 		// A rank's data part is its data group's: the data group holds one

@@ -10,6 +10,8 @@ import (
 	"math"
 	"path/filepath"
 	"strings"
+
+	"github.com/mktrain/mktrain/moe"
 )
 
 // MaxVocab is the largest vocabulary a model may have: token ids are int32.
@@ -179,6 +181,9 @@ func (v *validator) model(m ModelConfig, d DataConfig) {
 	v.nonNegative("model.moe.bias_update_rate", e.BiasUpdateRate, "off")
 	v.nonNegativeInt("model.moe.shared_experts", e.SharedExperts, "none")
 	v.nonNegative("model.moe.capacity_factor", e.CapacityFactor, "dropless")
+	if e.Dispatcher != "" { // "" is auto (configurations saved before the field existed)
+		v.oneOf("model.moe.dispatcher", e.Dispatcher, moe.DispatcherAuto, moe.DispatcherFused, moe.DispatcherUnfused)
+	}
 }
 
 func (v *validator) data(d DataConfig) {

@@ -12,6 +12,13 @@ func TestDefaultConfigValidates(t *testing.T) {
 	if err := DefaultConfig().Validate(); err != nil {
 		t.Fatalf("DefaultConfig does not validate:\n%v", err)
 	}
+	// An empty dispatcher is auto: configurations saved before the field
+	// existed have it.
+	c := DefaultConfig()
+	c.Model.MoE.Dispatcher = ""
+	if err := c.Validate(); err != nil {
+		t.Errorf("an empty model.moe.dispatcher does not validate: %v", err)
+	}
 }
 
 // TestValidateRules breaks one rule per case, starting from the default, and
@@ -58,6 +65,8 @@ func TestValidateRules(t *testing.T) {
 			"model.moe.shared_experts must be 0 (none) or positive, got -1"},
 		{"capacity negative", func(c *Config) { c.Model.MoE.CapacityFactor = -1.5 }, "model.moe.capacity_factor",
 			"model.moe.capacity_factor must be 0 (dropless) or positive, got -1.5"},
+		{"dispatcher", func(c *Config) { c.Model.MoE.Dispatcher = "fast" }, "model.moe.dispatcher",
+			`model.moe.dispatcher must be one of auto, fused, unfused; got "fast"`},
 		// data
 		{"bad train glob", func(c *Config) { c.Data.Train, c.Data.Val = "data/[.bin", "data/val_*.bin" }, "data.train",
 			`data.train is not a valid glob pattern: "data/[.bin"`},

@@ -25,6 +25,7 @@ import (
 const benchUsage = `Usage: mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--set k=v]... [--out DIR]
        mktrain bench checkpoint [RECIPE] [--set k=v]... (see mktrain bench checkpoint --help)
        mktrain bench moe [--shape S,...] [--world W,...] (see mktrain bench moe --help)
+       mktrain bench kernels [--shape S,...] [--world W,...] (see mktrain bench kernels --help)
 
 Measures training throughput: runs RECIPE (default tiny) for warmup+steps
 optimizer steps, ignores the warmup steps, and prints the median tokens/s and
@@ -67,9 +68,12 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if len(args) > 0 && args[0] == "moe" {
 		return cmdBenchMoE(ctx, args[1:], stdout, stderr)
 	}
+	if len(args) > 0 && args[0] == "kernels" {
+		return cmdBenchKernels(ctx, args[1:], stdout, stderr)
+	}
 	if len(args) == 0 || args[0] != "train" {
 		fmt.Fprint(stderr, benchUsage)
-		return usageError{"bench takes the subcommand train, checkpoint or moe"}
+		return usageError{"bench takes the subcommand train, checkpoint, moe or kernels"}
 	}
 	fs := newFlagSet("bench train", benchUsage, stderr)
 	var sets setFlags

@@ -211,7 +211,7 @@ func benchMoELayer(b backend.Backend, s moeBenchShape, world, warmup, steps int)
 	if err != nil {
 		return moeBenchRow{}, err
 	}
-	cfg := moe.Config{Experts: s.Experts, TopK: s.TopK, FFN: s.FFN}
+	cfg := moe.Config{Experts: s.Experts, TopK: s.TopK, FFN: s.FFN, Dispatcher: moe.DispatcherUnfused}
 	clock := &phaseClock{total: map[moe.Phase]time.Duration{}}
 	ranks := make([]*moeBenchRank, world)
 	rng := rand.New(rand.NewPCG(uint64(world), uint64(s.Dim)))

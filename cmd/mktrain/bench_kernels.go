@@ -1,0 +1,297 @@
+package main
+
+// mktrain bench kernels: the MoE layer's two dispatchers against each other
+// and against the expert GEMMs alone, on the machine it runs on; the
+// choices go to the dispatch table that model.moe.dispatcher: auto reads.
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/moe"
+)
+
+const benchKernelsUsage = `Usage: mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend auto|cpu|cuda] [--out DIR]
+
+Times one MoE layer, forward and forward+backward, with each dispatcher
+(fused: the experts read their rows from the source ranks and write their
+outputs straight back; unfused: gather, all-to-all, permute) on W virtual
+expert-parallel ranks of one device, and the experts' three forward
+products alone (GroupedMatMul on the rows the layer routed). Shapes:
+  moe-small  dim 1024, 8 experts, top-2, ffn 2816, 16384 tokens per rank
+  fine       dim 2048, 64 experts, top-6, ffn 1408, 4096 tokens per rank
+  tiny       dim 32, 4 experts, top-2, ffn 48, 64 tokens per rank (tests)
+For each shape and W it prints the median times, the expert products'
+TFLOP/s, the ratios fused / GEMM alone and fused / unfused, and whether two
+bars hold: the fused forward within 10% of the GEMMs alone, and the fused
+forward+backward faster than the unfused one. Writes
+DIR/kernels-<shapes>-<time>.json, and stores each shape's faster
+dispatcher in the dispatch table that model.moe.dispatcher: auto reads
+(dispatch.json in $MKTRAIN_CACHE_DIR, else in the user cache directory's
+mktrain folder).
+
+Flags:
+`
+
+// kernelBenchShapes are bench kernels' layer shapes: moe-small's, and a
+// fine-grained one whose 4096 tokens per rank fit eight virtual ranks on
+// one H200.
+func kernelBenchShapes() []moeBenchShape {
+	return []moeBenchShape{
+		{"moe-small", 1024, 8, 2, 2816, 16384},
+		{"fine", 2048, 64, 6, 1408, 4096},
+		{"tiny", 32, 4, 2, 48, 64},
+	}
+}
+
+// The bars, as the table and the JSON name them.
+const (
+	gemmBarRatio = 1.10 // fused forward / GEMMs alone at most this
+	gemmBar      = "fused forward within 10% of the expert GEMMs alone"
+	unfusedBar   = "fused forward+backward faster than unfused"
+)
+
+// kernelBenchRow is one shape at one world size. Times are medians per
+// step of all ranks; TFLOP/s count the expert products of all ranks (the
+// forward's three, three times that forward+backward).
+type kernelBenchRow struct {
+	Shape      string `json:"shape"`
+	World      int    `json:"world"`
+	TokensRank int    `json:"tokens_per_rank"`
+	Rows       int    `json:"routed_rows"` // expert rows over all ranks
+
+	GEMMMS           float64 `json:"gemm_forward_ms"`
+	FusedForwardMS   float64 `json:"fused_forward_ms"`
+	UnfusedForwardMS float64 `json:"unfused_forward_ms"`
+	FusedStepMS      float64 `json:"fused_forward_backward_ms"`
+	UnfusedStepMS    float64 `json:"unfused_forward_backward_ms"`
+
+	GEMMTF           float64 `json:"gemm_forward_tflops"`
+	FusedForwardTF   float64 `json:"fused_forward_tflops"`
+	UnfusedForwardTF float64 `json:"unfused_forward_tflops"`
+	FusedStepTF      float64 `json:"fused_forward_backward_tflops"`
+	UnfusedStepTF    float64 `json:"unfused_forward_backward_tflops"`
+
+	FusedOverGEMM           float64 `json:"fused_forward_over_gemm"`
+	FusedOverUnfusedForward float64 `json:"fused_over_unfused_forward"`
+	FusedOverUnfused        float64 `json:"fused_over_unfused_forward_backward"`
+	GEMMBarHeld             bool    `json:"gemm_bar_held"`
+	UnfusedBarHeld          bool    `json:"unfused_bar_held"`
+	Choice                  string  `json:"choice"` // the faster dispatcher, as stored in the table
+}
+
+func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("bench kernels", benchKernelsUsage, stderr)
+	shapesFlag := fs.String("shape", "moe-small,fine", "comma-separated shapes")
+	worldFlag := fs.String("world", "1,2,4,8", "comma-separated numbers of virtual ranks")
+	iters := fs.Int("iters", 10, "measured steps of each kind")
+	backendName := fs.String("backend", "auto", "auto, cpu or cuda")
+	out := fs.String("out", "bench/results", "directory for the JSON result")
+	pos, err := parseInterspersed(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return usageError{"bench kernels takes no positional arguments"}
+	}
+	if *iters < 1 {
+		return usageError{"--iters must be positive"}
+	}
+	shapes, err := pickKernelShapes(*shapesFlag)
+	if err != nil {
+		return err
+	}
+	worlds, err := parseWorlds(*worldFlag)
+	if err != nil {
+		return err
+	}
+	b, closeB, err := openBenchBackend(*backendName)
+	if err != nil {
+		return err
+	}
+	defer closeB()
+	cache, cacheErr := moe.DefaultDispatchCache()
+	fmt.Fprintf(stderr, "bench kernels: on %s (%s), %d measured steps of each kind\n", b.Name(), moe.MachineName(b), *iters)
+
+	var rows []kernelBenchRow
+	for _, s := range shapes {
+		for _, w := range worlds {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if s.Experts%w != 0 {
+				fmt.Fprintf(stderr, "bench kernels: %s: skipping world %d, which does not divide its %d experts\n", s.Name, w, s.Experts)
+				continue
+			}
+			cfg := moe.Config{Experts: s.Experts, TopK: s.TopK, FFN: s.FFN}
+			tm, err := moe.MeasureDispatch(b, cfg, s.Dim, s.Tokens, w, *iters)
+			if err != nil {
+				return fmt.Errorf("bench kernels: %s at world %d: %w", s.Name, w, err)
+			}
+			runtime.GC() // the layers' device memory back to the backend
+			gemm, err := benchExpertGEMMs(b, s, w, tm.RowsPerExpert, *iters)
+			if err != nil {
+				return fmt.Errorf("bench kernels: %s at world %d: GEMMs alone: %w", s.Name, w, err)
+			}
+			runtime.GC()
+			rows = append(rows, kernelRow(s, w, tm, gemm))
+			if cacheErr == nil {
+				_, cacheErr = cache.Store(moe.NewDispatchKey(b, cfg, s.Dim, s.Tokens, w), tm)
+			}
+		}
+	}
+	printKernelBench(stdout, rows)
+	if cacheErr != nil {
+		fmt.Fprintf(stderr, "bench kernels: the choices were not stored: %v\n", cacheErr)
+	} else if len(rows) > 0 {
+		fmt.Fprintf(stdout, "stored the faster dispatcher of each row in %s\n", cache.Path)
+	}
+	names := make([]string, len(shapes))
+	for i, s := range shapes {
+		names[i] = s.Name
+	}
+	return writeResult(stdout, *out, benchResult{
+		Benchmark: "kernels", Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
+		Command: "mktrain bench kernels " + strings.Join(args, " "), Machine: machine(moe.MachineName(b)),
+		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters},
+		Figures: map[string]any{"rows": rows, "bars": []string{gemmBar, unfusedBar}, "dispatch_table": cache.Path},
+	})
+}
+
+func pickKernelShapes(list string) ([]moeBenchShape, error) {
+	var out []moeBenchShape
+	for _, name := range strings.Split(list, ",") {
+		i := slices.IndexFunc(kernelBenchShapes(), func(s moeBenchShape) bool { return s.Name == strings.TrimSpace(name) })
+		if i < 0 {
+			return nil, usageError{fmt.Sprintf("--shape: unknown shape %q (known: moe-small, fine, tiny)", name)}
+		}
+		out = append(out, kernelBenchShapes()[i])
+	}
+	return out, nil
+}
+
+// kernelRow derives a row's rates, ratios and bars from the measured
+// times.
+func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm time.Duration) kernelBenchRow {
+	rows := 0
+	for _, n := range tm.RowsPerExpert {
+		rows += n
+	}
+	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+	// The forward's three products of [rows, D] x [D, F].
+	fwdFLOPs := 3 * 2 * float64(rows) * float64(s.Dim) * float64(s.FFN)
+	tf := func(flops float64, d time.Duration) float64 { return flops / d.Seconds() / 1e12 }
+	r := kernelBenchRow{
+		Shape: s.Name, World: world, TokensRank: s.Tokens, Rows: rows,
+		GEMMMS: ms(gemm), FusedForwardMS: ms(tm.FusedForward), UnfusedForwardMS: ms(tm.UnfusedForward),
+		FusedStepMS: ms(tm.FusedStep), UnfusedStepMS: ms(tm.UnfusedStep),
+		GEMMTF: tf(fwdFLOPs, gemm), FusedForwardTF: tf(fwdFLOPs, tm.FusedForward), UnfusedForwardTF: tf(fwdFLOPs, tm.UnfusedForward),
+		FusedStepTF: tf(3*fwdFLOPs, tm.FusedStep), UnfusedStepTF: tf(3*fwdFLOPs, tm.UnfusedStep),
+		FusedOverGEMM:           tm.FusedForward.Seconds() / gemm.Seconds(),
+		FusedOverUnfusedForward: tm.FusedForward.Seconds() / tm.UnfusedForward.Seconds(),
+		FusedOverUnfused:        tm.FusedStep.Seconds() / tm.UnfusedStep.Seconds(),
+		Choice:                  tm.Faster(),
+	}
+	r.GEMMBarHeld = r.FusedOverGEMM <= gemmBarRatio
+	r.UnfusedBarHeld = tm.FusedStep < tm.UnfusedStep
+	return r
+}
+
+// benchExpertGEMMs times the experts' three forward products alone on
+// every rank's rows (rowsPerExpert, [E] over all ranks: rank r's experts
+// are E/world of them), as the layer runs them: expert-major operand rows
+// times the stacked weights, one GroupedMatMul per product and rank, all
+// ranks' work queued on the one device. It returns the median over iters
+// of the time until the device is done.
+func benchExpertGEMMs(b backend.Backend, s moeBenchShape, world int, rowsPerExpert []int, iters int) (time.Duration, error) {
+	if len(rowsPerExpert) != s.Experts {
+		return 0, fmt.Errorf("%d expert row counts for %d experts", len(rowsPerExpert), s.Experts)
+	}
+	D, F, local, ot := s.Dim, s.FFN, s.Experts/world, b.OperandType()
+	rng := rand.New(rand.NewPCG(uint64(world), uint64(D)))
+	operand := func(scale float64, shape ...int) backend.Tensor {
+		f := randTensor(b, rng, scale, shape...)
+		if ot == b.FloatType() {
+			return f
+		}
+		t := b.New(ot, shape...)
+		b.Copy(t, f)
+		return t
+	}
+	type rankGEMMs struct {
+		rows            []int
+		xRD, h1RF, h3RF backend.Tensor
+		yRD             backend.Tensor
+		w1, w3, w2      backend.Tensor
+	}
+	var ranks []rankGEMMs
+	for r := range world {
+		rows := rowsPerExpert[r*local : (r+1)*local]
+		R := 0
+		for _, n := range rows {
+			R += n
+		}
+		if R == 0 {
+			continue // nothing to multiply, as in the layer
+		}
+		ranks = append(ranks, rankGEMMs{
+			rows: rows,
+			xRD:  operand(1, R, D), h1RF: b.New(ot, R, F), h3RF: b.New(ot, R, F), yRD: b.New(b.FloatType(), R, D),
+			w1: operand(0.03, local*F, D), w3: operand(0.03, local*F, D), w2: operand(0.03, local*D, F),
+		})
+	}
+	run := func() (time.Duration, error) {
+		start := time.Now()
+		for _, g := range ranks {
+			b.GroupedMatMul(g.h1RF, g.xRD, g.w1, g.rows, true, 1, 0)
+			b.GroupedMatMul(g.h3RF, g.xRD, g.w3, g.rows, true, 1, 0)
+			// The third product reads the SwiGLU output, of h1's shape
+			// and type; the GEMM alone does not compute it.
+			b.GroupedMatMul(g.yRD, g.h1RF, g.w2, g.rows, true, 1, 0)
+		}
+		err := b.Sync()
+		return time.Since(start), err
+	}
+	if err := b.Sync(); err != nil {
+		return 0, err
+	}
+	times := make([]time.Duration, iters)
+	for i := -2; i < iters; i++ { // two warm-up runs
+		d, err := run()
+		if err != nil {
+			return 0, err
+		}
+		if i >= 0 {
+			times[i] = d
+		}
+	}
+	slices.Sort(times)
+	return times[len(times)/2], nil
+}
+
+func printKernelBench(w io.Writer, rows []kernelBenchRow) {
+	fmt.Fprintf(w, "%-10s %5s %8s | %9s %9s %9s | %9s %9s | %8s %8s %8s | %7s %7s %7s | %-9s %-9s\n",
+		"shape", "world", "rows", "gemm ms", "fused ms", "unfus ms", "fused f+b", "unfus f+b",
+		"gemm TF", "fused TF", "f+b TF", "f/gemm", "f/unf", "f+b f/u", "gemm bar", "unf bar")
+	held := func(ok bool) string {
+		if ok {
+			return "held"
+		}
+		return "not held"
+	}
+	for _, r := range rows {
+		fmt.Fprintf(w, "%-10s %5d %8d | %9.3f %9.3f %9.3f | %9.3f %9.3f | %8.3g %8.3g %8.3g | %7.2f %7.2f %7.2f | %-9s %-9s\n",
+			r.Shape, r.World, r.Rows, r.GEMMMS, r.FusedForwardMS, r.UnfusedForwardMS, r.FusedStepMS, r.UnfusedStepMS,
+			r.GEMMTF, r.FusedForwardTF, r.FusedStepTF, r.FusedOverGEMM, r.FusedOverUnfusedForward, r.FusedOverUnfused,
+			held(r.GEMMBarHeld), held(r.UnfusedBarHeld))
+	}
+	fmt.Fprintf(w, "(ms: medians per step of all ranks, forward unless f+b; TF: TFLOP/s of the expert products; bars: gemm: %s (f/gemm <= %.2f); unf: %s)\n",
+		gemmBar, gemmBarRatio, unfusedBar)
+}
