@@ -463,6 +463,7 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 
 struct gg_fuse {
   const gg_tmap* mapW3;                // FUSE 1: W3's map (as mapW)
+  const gg_tmap* mapOut[3];            // FUSE 1: h1's, h3's and act's {N, rows} maps (64x64 boxes, 128B swizzle)
   unsigned short* h3;                  // FUSE 1: bf16 [rows, N]
   unsigned short* act;                 // FUSE 1: bf16 [rows, N]
   unsigned short* xRD;                 // FUSE 1: the gathered rows, bf16 [rows, K] (mapA's tensor)
@@ -617,6 +618,57 @@ __device__ __forceinline__ void gg_epilogue_swiglu(const float (&acc)[128], long
   }
 }
 
+// gg_epilogue_swiglu_tma is gg_epilogue_swiglu through shared memory and
+// TMA stores (as gg_epilogue_tma): the warpgroup's 64 x 128 blocks of h1,
+// h3 and act, one at a time, each staged as two 64 x 64 swizzled boxes in
+// one of the warpgroup's two 16 KiB buffers and stored by thread 0 while
+// the warpgroup goes on (the next block, then the next tile's mainloop).
+// A buffer is rewritten only once the store two blocks back has read it
+// (wait_group.read 1); c counts the warpgroup's blocks across tiles.
+__device__ __forceinline__ void gg_epilogue_swiglu_tma(const float (&acc)[128], const gg_fuse& fz, unsigned stg,
+                                                       int wtid, int warp, int lane, int row0, int n0, int N, int id,
+                                                       unsigned& c) {
+  const int rl = (warp & 3) * 16 + (lane >> 2);
+  const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
+#pragma unroll
+  for (int p = 0; p < 3; p++, c++) {
+    const unsigned buf = stg + (c & 1u) * 16384u;
+    const unsigned rowA = buf + rl * 128, rowB = rowA + 8 * 128;
+    if (wtid == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    gg_named_sync(id, 128);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+      const unsigned o = (i >> 3) * 8192 + ((((i & 7) ^ sw) << 4) | ((lane & 3) << 2));
+      const float a0 = acc[4 * i], a1 = acc[4 * i + 1], a2 = acc[4 * i + 2], a3 = acc[4 * i + 3];
+      const float b0 = acc[4 * (i + 16)], b1 = acc[4 * (i + 16) + 1], b2 = acc[4 * (i + 16) + 2],
+                  b3 = acc[4 * (i + 16) + 3];
+      unsigned lo, hi;
+      if (p == 0) {
+        lo = gg_pack_bf16(a0, a1);
+        hi = gg_pack_bf16(a2, a3);
+      } else if (p == 1) {
+        lo = gg_pack_bf16(b0, b1);
+        hi = gg_pack_bf16(b2, b3);
+      } else {
+        lo = gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
+        hi = gg_pack_bf16(gg_silu(a2) * b2, gg_silu(a3) * b3);
+      }
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowA + o), "r"(lo) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowB + o), "r"(hi) : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_named_sync(id, 128);
+    if (wtid == 0) {
+#pragma unroll
+      for (int b = 0; b < 2; b++) {
+        const int col = n0 + b * 64;
+        if (col < N) gg_tma_store_2d(fz.mapOut[p], col, row0, buf + b * 8192);
+      }
+      gg_bulk_commit();
+    }
+  }
+}
+
 // gg_epilogue_rows stores one warpgroup's 64-row block (float32) with each
 // row sent to its source rank's buffer (FUSE 2).
 template <int R>
@@ -744,7 +796,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   constexpr int BNT = FUSE == 1 ? 128 : BN;
   // Staging for the TMA-store epilogue: per consumer warpgroup 64 rows x
   // 256 columns of bf16 (32 KiB) divided by the passes.
-  constexpr unsigned STG_BYTES = STORE ? 2u * 32768u / STORE : 0u;
+  // FUSE 1 stages its three outputs through two 16 KiB buffers per
+  // consumer warpgroup (gg_epilogue_swiglu_tma).
+  constexpr unsigned STG_BYTES = STORE ? 2u * 32768u / STORE : (FUSE == 1 ? 2u * 32768u : 0u);
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
@@ -812,7 +866,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     gg_prefetch_tmap(mapA);
     gg_prefetch_tmap(mapW);
     if (STORE) gg_prefetch_tmap(mapO);
-    if (FUSE == 1) gg_prefetch_tmap(fz.mapW3);
+    if (FUSE == 1) {
+      gg_prefetch_tmap(fz.mapW3);
+      for (int i = 0; i < 3; i++) gg_prefetch_tmap(fz.mapOut[i]);
+    }
     int s = 0;
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -854,6 +911,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   for (int i = 0; i < R; i++) acc[i] = 0.0f;
   int s = 0, prev = 0;
   unsigned ph = 0;
+  unsigned stgc = 0;  // FUSE 1: blocks this warpgroup has staged
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     for (int kb = 0; kb < nK; kb++) {
@@ -905,6 +963,14 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // expert's rows and to N.
     const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
     if (FUSE == 1) {
+      // TMA stores for blocks whose rows inside the tensor are all the
+      // expert's (as STORE above); the register path for the others.
+      const int wr0 = tile.row0 + cw * 64;
+      if (wr0 < tile.rowEnd && (wr0 + 64 <= tile.rowEnd || tile.rowEnd == rows)) {
+        gg_epilogue_swiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), tid - 128 * (cw + 1),
+                               warp, lane, wr0, tile.n0, N, 1 + cw, stgc);
+        continue;
+      }
       gg_epilogue_swiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
     } else if (FUSE == 2) {
       gg_epilogue_rows<R>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
@@ -913,7 +979,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
   }
   // The staging buffers must outlive the stores reading them.
-  if (STORE && tid == 128 * (cw + 1)) gg_bulk_wait();
+  if ((STORE || FUSE == 1) && tid == 128 * (cw + 1)) gg_bulk_wait();
 }
 
 // The kernels: cooperative with n tile 128 (6 stages) or 256 (4 stages),
@@ -992,21 +1058,26 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256h_bf16
   gg_body<256, 4, true, false, true, 2>(&mapA, &mapW, &mapO, out, off, rows, N, K, E, GM, alpha, beta);
 }
 
-// The MoE fused kernels (FUSE 1 and 2 of gg_body; bn256 cooperative, 4
-// stages, register epilogue). moe_dispatch_swiglu: mapA is xRD's {K, rows}
-// map (written by the kernel itself before it is read), mapW and mapW3
-// are W1's and W3's {K, N, E} maps with boxes of 128 rows; h1, h3, act
+// The MoE fused kernels (FUSE 1 and 2 of gg_body; bn256 cooperative).
+// moe_dispatch_swiglu (3 stages, TMA-store epilogue): mapA is xRD's
+// {K, rows} map (written by the kernel itself before it is read), mapW and
+// mapW3 are W1's and W3's {K, N, E} maps with boxes of 128 rows; mapH1,
+// mapH3 and mapAct the outputs' {N, rows} maps (64x64 boxes); h1, h3, act
 // are bf16 [rows, N]; refs [rows, 2]; ptrs/toks per rank; flags one int
 // per m-tile (at least rows/128 + E), zeroed.
 // moe_down_combine: mapA is act's map, mapW W2's (boxes of 256 rows); ptrs
-// per rank its float32 [*, N] output rows.
+// per rank its float32 [*, N] output rows (4 stages, register epilogue).
 extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3,
+    const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3, const __grid_constant__ gg_tmap mapAct,
     unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD, const int* refs,
     const unsigned long long* ptrs, const unsigned long long* toks, int* flags, const int* off, int rows,
     int N, int K, int E, int GM) {
   gg_fuse fz;
   fz.mapW3 = &mapW3;
+  fz.mapOut[0] = &mapH1;
+  fz.mapOut[1] = &mapH3;
+  fz.mapOut[2] = &mapAct;
   fz.h3 = h3;
   fz.act = act;
   fz.xRD = xRD;
@@ -1014,7 +1085,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
   fz.ptrs = ptrs;
   fz.toks = toks;
   fz.flags = flags;
-  gg_body<256, 4, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+  gg_body<256, 3, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(

@@ -73,6 +73,7 @@ type GroupedGemm struct {
 	// dispatchSwiGLU and downCombine are the MoE fused kernels
 	// (moe_fused.go), bn256 cooperative like ggCoop256.
 	dispatchSwiGLU, downCombine *Kernel
+	optInDispatch               int // dispatchSwiGLU's opted-in shared memory
 	// optIn is the dynamic shared memory each variant's kernels opted in
 	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
 	// (ggCoop256H needs more than that limit past 163 experts).
@@ -210,6 +211,10 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 			return nil, err
 		}
 		smem := g.optIn[ggCoop256]
+		if f.k == &g.dispatchSwiGLU {
+			smem = min(fusedDispatchSmem(ggMaxExperts), info.MaxSharedOptIn)
+			g.optInDispatch = smem
+		}
 		if err := d.Do(func() error { return d.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, smem) }); err != nil {
 			return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", f.name, err)
 		}

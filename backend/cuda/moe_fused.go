@@ -347,6 +347,14 @@ type fusedCombine struct {
 	rows, n, k, experts          int
 }
 
+// fusedDispatchSmem is moe_dispatch_swiglu's dynamic shared memory for e
+// experts: as ggSmemBytes for 3 stages of the BN 256 tile plus two 16 KiB
+// staging buffers per consumer warpgroup (its TMA-store epilogue).
+func fusedDispatchSmem(e int) int {
+	const stages = 3
+	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*(3*e+1)
+}
+
 // runDispatchSwiGLU queues moe_dispatch_swiglu. Its grid must be resident
 // at once (TMA threads wait on other blocks' communication warps): one
 // block per SM at most, which its shared memory enforces.
@@ -364,13 +372,20 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 			Box:     []uint32{ggBK, 128, 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
 		}
 	}
-	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3)}
+	outMap := func(addr driver.DevicePtr) driver.TiledMap {
+		return driver.TiledMap{
+			Type: driver.TensorMapBfloat16, Addr: addr,
+			Dims: []uint64{uint64(a.n), uint64(a.rows)}, Strides: []uint64{2 * uint64(a.n)},
+			Box: []uint32{64, 64}, Swizzle: driver.Swizzle128B, L2: driver.L2PromotionNone,
+		}
+	}
+	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3), outMap(a.h1), outMap(a.h3), outMap(a.act)}
 	slots := []uint64{uint64(a.h1), uint64(a.h3), uint64(a.act), uint64(a.x), uint64(a.refs), uint64(a.ptrs),
 		uint64(a.toks), uint64(a.flags), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
-	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
-	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots)
+	grid.Shared = fusedDispatchSmem(a.experts)
+	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots, g.optInDispatch)
 }
 
 // runDownCombine queues moe_down_combine.
@@ -390,20 +405,20 @@ func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
 		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
-	return g.launchFused(g.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots)
+	return g.launchFused(g.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots, g.optIn[ggCoop256])
 }
 
 // launchFused encodes maps (passed first, by value) and launches k with
 // the 64-bit slots after them (each slot holds one argument, pointer or
 // 32-bit integer, little-endian).
-func (g *GroupedGemm) launchFused(k *Kernel, grid Grid, maps []driver.TiledMap, slots []uint64) error {
+func (g *GroupedGemm) launchFused(k *Kernel, grid Grid, maps []driver.TiledMap, slots []uint64, optIn int) error {
 	for i, m := range maps {
 		if err := m.Check(); err != nil {
 			return fmt.Errorf("cuda: %s: tensor map %d: %w", k.Desc.Name, i, err)
 		}
 	}
-	if grid.Shared > g.optIn[ggCoop256] {
-		return fmt.Errorf("cuda: %s: needs %d bytes of shared memory, opted in to %d", k.Desc.Name, grid.Shared, g.optIn[ggCoop256])
+	if grid.Shared > optIn {
+		return fmt.Errorf("cuda: %s: needs %d bytes of shared memory, opted in to %d", k.Desc.Name, grid.Shared, optIn)
 	}
 	d := g.d
 	return d.Submit(func() error {
