@@ -26,7 +26,9 @@
 #      one GPU (virtual ranks, moe-small's per-rank shape);
 #   5. `mktrain bench moe`: one MoE layer at W = 1, 2, 4, 8 virtual
 #      expert-parallel ranks, moe-small's and a fine-grained shape, with
-#      the time of each phase of the unfused path (moe.json);
+#      the time of each phase of the unfused path (moe.json), then
+#      `mktrain bench kernels`: the fused MoE layer against the unfused
+#      one and the grouped products alone (kernels.json);
 #   6. the Hugging Face check (scripts/hf_check.py).
 # It writes under $OUT (or .gpu/out) a few files, so that a device call
 # brings them all back: summary.json (per-package counts, the "figure:"
@@ -39,7 +41,8 @@
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
 # GPU_TEST_PACKAGES (a regexp of package paths) runs only those packages;
 # GPU_TEST_TIMEOUT is each test binary's -test.timeout (default 240s);
-# NO_BENCH=1 skips steps 2 to 5, NO_LAYOUTS=1 step 4, NO_MOE=1 step 5,
+# NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_LAYOUTS=1 step 4,
+# NO_MOE=1 step 5, NO_KERNELS=1 bench kernels,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs ../shared/peer/torch_kernels.py
 # (peer_kernels.json);
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
@@ -52,7 +55,7 @@ PACKAGES=(
   "backend/cuda/driver|"
   "backend/cuda|"
   "kernels|"
-  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA)$"
+  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestDispatchersCUDA)$"
 )
 BIN=.gpu
 PEER_SRC=../shared/peer/torch_moe_train.py
@@ -263,6 +266,21 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_MOE:-}" != 1 && -x "$BIN/mktrain" ]]; then
   [[ $rc -ne 0 ]] && { echo "  bench moe: exit $rc"; status=1; }
   f=$(ls "$LOGS"/moe/moe-*.json 2>/dev/null | head -n 1)
   [[ -n "$f" ]] && cp "$f" "$OUT/moe.json"
+  echo
+fi
+
+# The fused MoE kernels against the unfused path and the grouped products
+# alone, W = 1, 2, 4, 8 virtual ranks (mktrain bench kernels): kernels.json.
+if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" ]]; then
+  echo "== mktrain bench kernels (fused vs unfused MoE layer)"
+  mkdir -p "$LOGS/kernels"
+  MKTRAIN_CACHE_DIR="$LOGS/kernels" timeout 300 "$BIN/mktrain" bench kernels --shape moe-small,fine --world 1,2,4,8 \
+    --iters 5 --backend cuda --out "$LOGS/kernels" >"$LOGS/kernels.log" 2>&1
+  rc=$?
+  grep -v '^wrote ' "$LOGS/kernels.log" | tail -n 24
+  [[ $rc -ne 0 ]] && { echo "  bench kernels: exit $rc"; status=1; }
+  f=$(ls "$LOGS"/kernels/kernels-*.json 2>/dev/null | head -n 1)
+  [[ -n "$f" ]] && cp "$f" "$OUT/kernels.json"
   echo
 fi
 
