@@ -471,6 +471,7 @@ struct gg_fuse {
   const unsigned long long* ptrs;      // FUSE 1: per rank, its float32 token rows [*, K]; FUSE 2: its float32 output rows [*, N]
   const unsigned long long* toks;      // FUSE 1: per rank, its int32 send-order token indices
   int* flags;                          // FUSE 1: per m-tile count of landed chunks (zeroed by the host)
+  int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu
 };
 
 __device__ __forceinline__ float gg_silu(float x) { return x / (1.0f + expf(-x)); }
@@ -485,6 +486,10 @@ __device__ __forceinline__ int gg_ld_acquire(const int* p) {
 // cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major; each row is
 // read from its source as float32 and written to xRD as bf16 (8 columns a
 // lane per step: K is a multiple of 8), then the chunk is published.
+//
+// LITE (the setmaxnreg kernel, whose producer warpgroup keeps 40
+// registers a thread) copies one row and one 8-column piece at a time.
+template <bool LITE>
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
                                           const int* sEnd, const int* sCum) {
   const int M = sCum[E];
@@ -497,36 +502,77 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       else hi = mid - 1;
     }
     const int r0 = sBeg[lo] + (g - sCum[lo]) * GG_BM + c * GG_CHUNK_ROWS;
-    const int r1 = gg_min(r0 + GG_CHUNK_ROWS, sEnd[lo]);
-    for (int r = r0; r < r1; r++) {
-      const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
-      const int t = ((const int*)fz.toks[s])[p];
-      const float* src = (const float*)fz.ptrs[s] + (long long)t * K;
-      unsigned short* dst = fz.xRD + (long long)r * K;
-      // Up to four 8-column pieces a lane in flight before any store:
-      // the copy is bound by load latency, not bandwidth.
-      for (int j0 = lane * 8; j0 < K; j0 += 1024) {
-        float v[4][8];
+    const int nr = gg_max(gg_min(r0 + GG_CHUNK_ROWS, sEnd[lo]) - r0, 0);
+    // Lane i < nr looks up row r0 + i's source (rank, token) once, so the
+    // copies below do not wait on the two dependent index loads per row.
+    long long srcOff = 0;
+    int srcRank = 0;
+    if (lane < nr) {
+      const int s = fz.refs[2 * (r0 + lane)], p = fz.refs[2 * (r0 + lane) + 1];
+      srcRank = s;
+      srcOff = (long long)((const int*)fz.toks[s])[p] * K;
+    }
+    if (LITE) {
+      for (int i = 0; i < nr; i++) {
+        const int s = gg_shfl_idx(srcRank, i);
+        const long long o = (long long)(unsigned)gg_shfl_idx((int)(srcOff & 0xffffffff), i) |
+                            ((long long)gg_shfl_idx((int)(srcOff >> 32), i) << 32);
+        const float* src = (const float*)fz.ptrs[s] + o;
+        unsigned short* dst = fz.xRD + (long long)(r0 + i) * K;
+        for (int j = lane * 8; j < K; j += 256) {
+          float a0, a1, a2, a3, b0, b1, b2, b3;
+          asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(a0), "=f"(a1), "=f"(a2), "=f"(a3) : "l"(src + j));
+          asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                       : "=f"(b0), "=f"(b1), "=f"(b2), "=f"(b3)
+                       : "l"(src + j + 4));
+          asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(a0, a1)),
+                       "r"(gg_pack_bf16(a2, a3)), "r"(gg_pack_bf16(b0, b1)), "r"(gg_pack_bf16(b2, b3))
+                       : "memory");
+        }
+      }
+    }
+    // Two rows at a time, up to four 8-column pieces of each per lane in
+    // flight before any store: the copy is bound by load latency.
+    for (int i = 0; !LITE && i < nr; i += 2) {
+      const float* src[2];
+      unsigned short* dst[2];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-          const int j = j0 + 256 * u;
-          if (j < K) {
-            asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(v[u][0]), "=f"(v[u][1]), "=f"(v[u][2]), "=f"(v[u][3])
-                         : "l"(src + j));
-            asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(v[u][4]), "=f"(v[u][5]), "=f"(v[u][6]), "=f"(v[u][7])
-                         : "l"(src + j + 4));
+      for (int h = 0; h < 2; h++) {
+        const int ii = gg_min(i + h, nr - 1);
+        const int s = gg_shfl_idx(srcRank, ii);
+        const long long o = (long long)(unsigned)gg_shfl_idx((int)(srcOff & 0xffffffff), ii) |
+                            ((long long)gg_shfl_idx((int)(srcOff >> 32), ii) << 32);
+        src[h] = (const float*)fz.ptrs[s] + o;
+        dst[h] = fz.xRD + (long long)(r0 + ii) * K;
+      }
+      for (int j0 = lane * 8; j0 < K; j0 += 1024) {
+        float v[2][4][8];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+          for (int u = 0; u < 4; u++) {
+            const int j = j0 + 256 * u;
+            if (j < K) {
+              asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                           : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
+                           : "l"(src[h] + j));
+              asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                           : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
+                           : "l"(src[h] + j + 4));
+            }
           }
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-          const int j = j0 + 256 * u;
-          if (j < K)
-            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(v[u][0], v[u][1])),
-                         "r"(gg_pack_bf16(v[u][2], v[u][3])), "r"(gg_pack_bf16(v[u][4], v[u][5])),
-                         "r"(gg_pack_bf16(v[u][6], v[u][7]))
-                         : "memory");
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+          for (int u = 0; u < 4; u++) {
+            const int j = j0 + 256 * u;
+            if (j < K)
+              asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst[h] + j),
+                           "r"(gg_pack_bf16(v[h][u][0], v[h][u][1])), "r"(gg_pack_bf16(v[h][u][2], v[h][u][3])),
+                           "r"(gg_pack_bf16(v[h][u][4], v[h][u][5])), "r"(gg_pack_bf16(v[h][u][6], v[h][u][7]))
+                           : "memory");
+          }
         }
       }
     }
@@ -630,8 +676,9 @@ __device__ __forceinline__ void gg_epilogue_swiglu_tma(const float (&acc)[128], 
                                                        unsigned& c) {
   const int rl = (warp & 3) * 16 + (lane >> 2);
   const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
+  const int np = (fz.mode & 2) ? 2 : 3;
 #pragma unroll
-  for (int p = 0; p < 3; p++, c++) {
+  for (int p = 0; p < np; p++, c++) {
     const unsigned buf = stg + (c & 1u) * 16384u;
     const unsigned rowA = buf + rl * 128, rowB = rowA + 8 * 128;
     if (wtid == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
@@ -649,6 +696,9 @@ __device__ __forceinline__ void gg_epilogue_swiglu_tma(const float (&acc)[128], 
       } else if (p == 1) {
         lo = gg_pack_bf16(b0, b1);
         hi = gg_pack_bf16(b2, b3);
+      } else if (fz.mode & 4) {
+        lo = gg_pack_bf16(a0 * b0, a1 * b1);
+        hi = gg_pack_bf16(a2 * b2, a3 * b3);
       } else {
         lo = gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
         hi = gg_pack_bf16(gg_silu(a2) * b2, gg_silu(a3) * b3);
@@ -790,7 +840,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   constexpr unsigned STAGE_BYTES = A_BYTES + B_BYTES;
   constexpr int R = BN / 2;  // accumulator floats per consumer thread
   static_assert(STORE == 0 || (BN == 256 && OUT_BF16 && !PP), "the TMA-store epilogue is for bn256 with bf16 out");
-  static_assert(FUSE == 0 || (BN == 256 && !PP && !REG && STORE == 0), "the fused kernels are bn256 cooperative");
+  static_assert(FUSE == 0 || (BN == 256 && !PP && STORE == 0), "the fused kernels are bn256 cooperative");
   // Columns of N per tile: FUSE 1's 256-row B tile is 128 columns of W1
   // and the same 128 of W3.
   constexpr int BNT = FUSE == 1 ? 128 : BN;
@@ -798,7 +848,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // 256 columns of bf16 (32 KiB) divided by the passes.
   // FUSE 1 stages its three outputs through two 16 KiB buffers per
   // consumer warpgroup (gg_epilogue_swiglu_tma).
-  constexpr unsigned STG_BYTES = STORE ? 2u * 32768u / STORE : (FUSE == 1 ? 2u * 32768u : 0u);
+  constexpr unsigned STG_BYTES = STORE ? 2u * 32768u / (STORE ? STORE : 1) : (FUSE == 1 ? 2u * 32768u : 0u);
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
@@ -860,7 +910,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // can take 232 each (128*40 + 256*232 <= 64K).
     if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (tid != 0) {
-      if (FUSE == 1 && warp > 0) gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
+      if (FUSE == 1 && warp > 0 && !(fz.mode & 1)) gg_gather<REG>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
       return;
     }
     gg_prefetch_tmap(mapA);
@@ -874,7 +924,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-      if (FUSE == 1) gg_wait_tile(fz, tile.g);
+      if (FUSE == 1 && !(fz.mode & 1)) gg_wait_tile(fz, tile.g);
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
         // A fresh barrier counts its "previous" phase (parity 1) as
@@ -1072,8 +1122,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
     const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3, const __grid_constant__ gg_tmap mapAct,
     unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD, const int* refs,
     const unsigned long long* ptrs, const unsigned long long* toks, int* flags, const int* off, int rows,
-    int N, int K, int E, int GM) {
+    int N, int K, int E, int GM, int mode) {
   gg_fuse fz;
+  fz.mode = mode;
   fz.mapW3 = &mapW3;
   fz.mapOut[0] = &mapH1;
   fz.mapOut[1] = &mapH3;
@@ -1086,6 +1137,30 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
   fz.toks = toks;
   fz.flags = flags;
   gg_body<256, 3, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+}
+
+// moe_dispatch_swiglu_r is moe_dispatch_swiglu with setmaxnreg (producer
+// warpgroup 40 registers, consumers 232) and the register-light gather.
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu_r(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3,
+    const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3, const __grid_constant__ gg_tmap mapAct,
+    unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD, const int* refs,
+    const unsigned long long* ptrs, const unsigned long long* toks, int* flags, const int* off, int rows,
+    int N, int K, int E, int GM, int mode) {
+  gg_fuse fz;
+  fz.mode = mode;
+  fz.mapW3 = &mapW3;
+  fz.mapOut[0] = &mapH1;
+  fz.mapOut[1] = &mapH3;
+  fz.mapOut[2] = &mapAct;
+  fz.h3 = h3;
+  fz.act = act;
+  fz.xRD = xRD;
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  fz.toks = toks;
+  fz.flags = flags;
+  gg_body<256, 3, true, false, true, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(

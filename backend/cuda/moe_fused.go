@@ -382,10 +382,14 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3), outMap(a.h1), outMap(a.h3), outMap(a.act)}
 	slots := []uint64{uint64(a.h1), uint64(a.h3), uint64(a.act), uint64(a.x), uint64(a.refs), uint64(a.ptrs),
 		uint64(a.toks), uint64(a.flags), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
+		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1, uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
 	grid.Shared = fusedDispatchSmem(a.experts)
-	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots, g.optInDispatch)
+	k := g.dispatchSwiGLU
+	if g.FusedRegs {
+		k = g.dispatchSwiGLUR
+	}
+	return g.launchFused(k, grid, maps, slots, g.optInDispatch)
 }
 
 // runDownCombine queues moe_down_combine.

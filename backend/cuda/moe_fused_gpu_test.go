@@ -155,35 +155,48 @@ func fusedCases() []fusedCase {
 func TestMoEFusedMatchesUnfused(t *testing.T) {
 	testGroupedGemm(t) // the canary and the Hopper check
 	b := testBackend(t)
-	for i, c := range fusedCases() {
-		t.Run(c.name, func(t *testing.T) {
-			in := c.inputs(b, uint64(100+i))
-			got := c.run(b, in, true)
-			want := c.run(b, in, false)
-			if err := b.Sync(); err != nil {
-				t.Fatal(err)
+	x, ok := b.expertKernels()
+	if !ok {
+		t.Fatal(x.err)
+	}
+	for _, regs := range []bool{false, true} {
+		for i, c := range fusedCases() {
+			t.Run(fmt.Sprintf("%s regs %v", c.name, regs), func(t *testing.T) {
+				x.bf16Out.FusedRegs = regs
+				defer func() { x.bf16Out.FusedRegs = false }()
+				c.testAgainstUnfused(t, b, uint64(100+i))
+			})
+		}
+	}
+}
+
+// testAgainstUnfused runs c on fresh inputs from seed both ways.
+func (c fusedCase) testAgainstUnfused(t *testing.T, b *Backend, seed uint64) {
+	in := c.inputs(b, seed)
+	got := c.run(b, in, true)
+	want := c.run(b, in, false)
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if in.rows > 0 {
+		for j := range want.x {
+			if got.x[j] != want.x[j] {
+				t.Fatalf("x[%d] = %v, the unfused gather gives %v (the gather is exact)", j, got.x[j], want.x[j])
 			}
-			if in.rows > 0 {
-				for j := range want.x {
-					if got.x[j] != want.x[j] {
-						t.Fatalf("x[%d] = %v, the unfused gather gives %v (the gather is exact)", j, got.x[j], want.x[j])
-					}
-				}
-				for _, p := range []struct {
-					name      string
-					got, want []float32
-				}{{"h1", got.h1, want.h1}, {"h3", got.h3, want.h3}, {"act", got.act, want.act}} {
-					if e := relL2(p.got, p.want); !(e < 1e-2) {
-						t.Errorf("%s: rel L2 %.3g against the unfused sequence", p.name, e)
-					}
-				}
+		}
+		for _, p := range []struct {
+			name      string
+			got, want []float32
+		}{{"h1", got.h1, want.h1}, {"h3", got.h3, want.h3}, {"act", got.act, want.act}} {
+			if e := relL2(p.got, p.want); !(e < 1e-2) {
+				t.Errorf("%s: rel L2 %.3g against the unfused sequence", p.name, e)
 			}
-			for s := range got.outs {
-				if e := relL2(got.outs[s], want.outs[s]); !(e < 2e-2) {
-					t.Errorf("rank %d's combined rows: rel L2 %.3g against the unfused sequence", s, e)
-				}
-			}
-		})
+		}
+	}
+	for s := range got.outs {
+		if e := relL2(got.outs[s], want.outs[s]); !(e < 2e-2) {
+			t.Errorf("rank %d's combined rows: rel L2 %.3g against the unfused sequence", s, e)
+		}
 	}
 }
 
@@ -271,6 +284,35 @@ func TestMoEFusedFigures(t *testing.T) {
 				if p.name == "fused" || p.name == "unfused" || p.name == "gemm_alone" {
 					figure(t, fmt.Sprintf("moe_fused_W%d_%s_tflops", w, p.name), flop/v/1e9, "TFLOP/s")
 				}
+			}
+			// Experiments on the gate/up kernel (fusedMode): which part
+			// costs the time over its products.
+			gg := b.experts.bf16Out
+			figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal[0]), "B")
+			figure(t, "moe_dispatch_swiglu_r_local_bytes", float64(gg.fusedLocal[1]), "B")
+			gg.FusedRegs = true
+			for _, p := range []struct {
+				name string
+				run  func() error
+			}{{"fused_r", fused}, {"gateup_fused_r", gateUpFused}} {
+				v, err := ggTime(b.dev, p.run)
+				if err != nil {
+					t.Fatal(err)
+				}
+				figure(t, fmt.Sprintf("moe_fused_W%d_%s_ms", w, p.name), v, "ms")
+			}
+			gg.FusedRegs = false
+			for _, mode := range []int{1, 2, 4, 7} {
+				gg.fusedMode = mode
+				v, err := ggTime(b.dev, gateUpFused)
+				gg.fusedMode = 0
+				if err != nil {
+					t.Fatal(err)
+				}
+				figure(t, fmt.Sprintf("moe_fused_W%d_gateup_fused_mode%d_ms", w, mode), v, "ms")
+			}
+			if err := b.Sync(); err != nil {
+				t.Fatal(err)
 			}
 			figure(t, fmt.Sprintf("moe_fused_W%d_fused_over_gemm", w), ms["fused"]/ms["gemm_alone"], "x")
 			figure(t, fmt.Sprintf("moe_fused_W%d_unfused_over_fused", w), ms["unfused"]/ms["fused"], "x")
