@@ -41,7 +41,7 @@
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
 # GPU_TEST_PACKAGES (a regexp of package paths) runs only those packages;
 # GPU_TEST_TIMEOUT is each test binary's -test.timeout (default 240s);
-# NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_LAYOUTS=1 step 4,
+# NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs ../shared/peer/torch_kernels.py
 # (peer_kernels.json);
@@ -169,7 +169,7 @@ bench_tps=null
 peer_tps=null
 bench_rc=-
 peer_rc=-
-if [[ "${NO_BENCH:-}" != 1 ]]; then
+if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   echo "== mktrain ${BENCH_ARGS[*]}"
   if [[ -x "$BIN/mktrain" ]]; then
     timeout 150 "$BIN/mktrain" "${BENCH_ARGS[@]}" --out "$LOGS/bench" >"$LOGS/bench.log" 2>&1
@@ -350,7 +350,7 @@ for r in "${rows[@]}"; do
   IFS='|' read -r p res pa fa sk se <<<"$r"
   printf '  %-22s %-9s %5s %5s %5s %8.1f\n' "$p" "$res" "$pa" "$fa" "$sk" "$se"
 done
-if [[ "${NO_BENCH:-}" != 1 ]]; then
+if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   echo
   echo "== moe-small training, tokens/s (same machine, same command)"
   printf '  %-28s %12s  exit %s\n' "mktrain (CUDA backend)" "$bench_tps" "$bench_rc"
