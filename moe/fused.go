@@ -98,6 +98,21 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 // uploadRefs uploads the plan's row references as the Int32 [R, 2] tensor
 // the peer-row ops take.
 func (l *Layer) uploadRefs(pl *plan) backend.Tensor {
+	if l.g.Expert.Size() == 1 {
+		// One rank: row i is (0, i) every step, so the references are
+		// uploaded once for the buffer's whole capacity, not per step.
+		R := len(pl.perm)
+		if R > l.refsIdentity || l.refsR2.t == nil {
+			l.refsR2.grow(l.b, R)
+			ids := make([]int32, 2*l.refsR2.rows)
+			for i := range l.refsR2.rows {
+				ids[2*i+1] = int32(i)
+			}
+			backend.UploadSlice(l.b, l.refsR2.t, ids)
+			l.refsIdentity = l.refsR2.rows
+		}
+		return l.refsR2.view(l.b, R)
+	}
 	refs := pl.peerRefs()
 	v := l.refsR2.view(l.b, len(refs)/2)
 	if len(refs) > 0 {
