@@ -8,8 +8,9 @@ package comm
 // a hello (its NodeInfo). When the expected number of hellos has arrived,
 // node 0 checks them (same node count, mktrain version and recipe hash;
 // distinct node ranks in range) and answers every node with the same
-// message: a welcome holding node 0's blob (the NCCL unique id, later) and
-// the table of nodes, or a refusal holding the error every node returns.
+// message: a welcome holding node 0's blob (the run id and the NCCL unique
+// id: BlobSize) and the table of nodes, or a refusal holding the error
+// every node returns.
 // Node 0 gives up at the deadline with an error naming the missing ranks and
 // sends it to the nodes that came.
 //
@@ -53,9 +54,12 @@ import (
 	"time"
 )
 
-// BlobSize is the size of the blob node 0 hands to every node: an NCCL
-// unique id.
-const BlobSize = 128
+// BlobSize is the size of the blob node 0 hands to every node: the run id
+// in its first RunIDSize bytes (RunIDFromBlob), then, for a run on the
+// CUDA backend, the NCCL world's unique id behind a short header
+// (cuda.PutNCCLID; 136 bytes), and room to spare. Every node runs the same
+// mktrain version (the rendezvous checks it), so they agree on the layout.
+const BlobSize = 256
 
 // Rendezvous defaults.
 const (
@@ -70,8 +74,8 @@ type RendezvousConfig struct {
 	RecipeHash string // the run's recipe hash; every node must have the same
 	Version    string // the mktrain version; every node must have the same
 	Hostname   string // this host's name in the node table and in errors; "" is os.Hostname
-	// Blob is what node 0 hands to every node (an NCCL unique id); the
-	// other nodes' Blob is ignored.
+	// Blob is what node 0 hands to every node (the run id and, on the
+	// CUDA backend, the NCCL unique id); the other nodes' Blob is ignored.
 	Blob [BlobSize]byte
 	// DataPort is the port this node's data connections listen on (the TCP
 	// communicator's, NewTCPRanks), published in the node table; 0 when

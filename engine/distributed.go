@@ -26,8 +26,19 @@ package engine
 //     rendezvous. A snapshot share travels as Int32 words, so one rank's
 //     share is limited to 8 GiB.
 //
-// The CUDA backend will plug its NCCL groups (cuda.NCCLGroup) in the same
-// place; until then a multi-process run on the CUDA backend is refused.
+// On the CUDA backend the groups are NCCL communicators that span the
+// processes instead (runNCCL; placeOnNodeGPUs in placement.go), one rank
+// per GPU: node 0 puts the NCCL world's unique id in the rendezvous blob
+// (RendezvousBlob), and every node hosts its block of world ranks on as
+// many GPUs. The rendezvous then watches the nodes alone: a failure it
+// reports aborts every NCCL group of this process, which returns the ranks
+// waiting in a collective at once (ncclCommAbort also stops the GPU work
+// that waits for the lost node), and a local failure is passed on to it.
+// It is also what releases the nodes while the communicators are made, a
+// wait that NCCL cannot bound: a node that fails then (too few GPUs, say)
+// aborts the rendezvous, and the others give up waiting. Data, stopping,
+// reports and checkpoints are as above (the checkpoint shares travel by
+// NCCL Send and Recv).
 
 import (
 	"bytes"
@@ -38,6 +49,7 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda"
 	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/data"
@@ -48,19 +60,46 @@ import (
 type Distributed struct {
 	// TCP says how to reach the other processes; Mesh and Backend are
 	// filled in by the engine (the recipe's layout, the engine's backend).
+	// On the CUDA backend only NodeRank is used (and Addrs' length, when
+	// given, must be the node count); the Listener is closed unused.
 	TCP comm.TCPConfig
 	// Rendezvous, when not nil, is the run's rendezvous (comm.Join): a
 	// failure it reports stops the training, and a failure of the training
-	// is reported through it. The caller closes it.
+	// is reported through it. The caller closes it. The CUDA backend needs
+	// it: node 0's blob holds the NCCL unique id (RendezvousBlob), and the
+	// node count is its table's length.
 	Rendezvous *comm.Rendezvous
 }
 
+// RendezvousBlob is the blob this node offers the rendezvous
+// (comm.RendezvousConfig.Blob; node 0's reaches every node): a fresh run id
+// (comm.NewRunBlob) and, on node 0 of a run on the CUDA backend, the unique
+// id of the NCCL world that RunDistributed makes (cuda.PutNCCLID). Making
+// the id starts NCCL's bootstrap listener on node 0, which the other nodes
+// reach on the interface NCCL picks (NCCL_SOCKET_IFNAME chooses).
+func (e *Engine) RendezvousBlob(nodeRank int) ([comm.BlobSize]byte, error) {
+	blob := comm.NewRunBlob()
+	if nodeRank != 0 || e.backend.Name() != "cuda" {
+		return blob, nil
+	}
+	id, err := cuda.NCCLUniqueID()
+	if err != nil {
+		return blob, fmt.Errorf("node 0: making the NCCL unique id: %w", err)
+	}
+	cuda.PutNCCLID(&blob, id)
+	return blob, nil
+}
+
 // RunDistributed is Run for a run spread over several processes: it
-// connects to the other processes (d.TCP), trains the ranks this process
-// hosts until the configured number of steps or until ctx is cancelled
-// (then ErrStopped, as Run), and leaves the run. An error of any process
-// fails the run on every process.
+// connects to the other processes (d.TCP on the CPU backend, NCCL between
+// the GPUs on the CUDA backend), trains the ranks this process hosts until
+// the configured number of steps or until ctx is cancelled (then
+// ErrStopped, as Run), and leaves the run. An error of any process fails
+// the run on every process.
 func (e *Engine) RunDistributed(ctx context.Context, d Distributed) (Result, error) {
+	if e.backend.Name() == "cuda" {
+		return e.runNCCL(ctx, d)
+	}
 	world, closeWorld, err := e.openDistributed(ctx, d)
 	if err != nil {
 		return Result{}, err
@@ -77,10 +116,6 @@ const rendezvousGrace = 500 * time.Millisecond
 // openDistributed connects this process's ranks to the others. closeWorld
 // ends the world, first failing it on every process when the run failed.
 func (e *Engine) openDistributed(ctx context.Context, d Distributed) (ranks []*comm.Ranks, closeWorld func(runErr error), err error) {
-	if name := e.backend.Name(); name == "cuda" {
-		return nil, nil, fmt.Errorf("a run over %d processes on the cuda backend needs NCCL groups between the processes, which are not wired yet; set train.backend: cpu for a multi-node run on CPUs",
-			len(d.TCP.Addrs))
-	}
 	cfg := d.TCP
 	cfg.Mesh, cfg.Backend = e.cfg.mesh(), e.backend
 	rdv := d.Rendezvous
@@ -143,6 +178,79 @@ func (e *Engine) openDistributed(ctx context.Context, d Distributed) (ranks []*c
 		<-done
 		w.Close()
 	}, nil
+}
+
+// runNCCL is RunDistributed on the CUDA backend: this node's ranks on its
+// GPUs, NCCL communicators between every rank of every node, and the
+// rendezvous watching the nodes (see the file comment).
+func (e *Engine) runNCCL(ctx context.Context, d Distributed) (Result, error) {
+	if d.TCP.Listener != nil {
+		d.TCP.Listener.Close() // NCCL needs no data port of ours
+	}
+	rdv := d.Rendezvous
+	if rdv == nil {
+		return Result{}, errors.New("a run over several processes on the cuda backend needs the rendezvous (Distributed.Rendezvous): node 0's blob holds the NCCL unique id, and the rendezvous watches the nodes")
+	}
+	nnodes, node := len(rdv.Nodes()), d.TCP.NodeRank
+	// Until the NCCL world is made the other nodes may wait for this one
+	// in NCCL calls that cannot be cancelled; the rendezvous releases them.
+	fail := func(err error) (Result, error) {
+		rdv.Abort(err)
+		return Result{}, err
+	}
+	gpu0, ok := e.closer.(*cuda.Backend)
+	if !ok {
+		return fail(fmt.Errorf("node %d: a run over %d processes on the cuda backend trains one rank per GPU, with NCCL between them, on GPUs the engine opens itself (train.backend: cuda or auto), not on a backend given with WithBackend", node, nnodes))
+	}
+	if n := len(d.TCP.Addrs); n != 0 && n != nnodes {
+		return fail(fmt.Errorf("node %d: %d data addresses for the %d nodes of the rendezvous", node, n, nnodes))
+	}
+	id, err := cuda.NCCLIDFromBlob(rdv.Blob())
+	if err != nil {
+		return fail(fmt.Errorf("node %d: %w", node, err))
+	}
+
+	// A node that fails while the communicators are made stops the wait.
+	setupCtx, stopSetup := context.WithCancelCause(ctx)
+	go func() {
+		if err, ok := <-rdv.Watch(setupCtx); ok {
+			stopSetup(err)
+		}
+	}()
+	world, backends, release, err := e.placeOnNodeGPUs(setupCtx, gpu0, node, nnodes, id)
+	stopSetup(nil)
+	if err != nil {
+		return fail(err)
+	}
+
+	// From here the rendezvous watches the nodes: a failure it reports
+	// aborts every group of this node's ranks.
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		if err, ok := <-rdv.Watch(watchCtx); ok && err != nil {
+			abortRanks(world, err)
+		}
+	}()
+	res, err := e.runWorld(ctx, world, backends, true)
+	if err != nil && !errors.Is(err, ErrStopped) {
+		abortRanks(world, err)
+		rdv.Abort(err)
+	}
+	stopWatch()
+	<-watched
+	if rerr := release(); rerr != nil {
+		e.log.Warn().Err(rerr).Msg("closing the NCCL groups and the GPUs of the ranks")
+	}
+	return res, err
+}
+
+// abortRanks aborts every group of the ranks.
+func abortRanks(world []*comm.Ranks, err error) {
+	for _, r := range world {
+		r.Abort(err)
+	}
 }
 
 // checkResume makes sure every rank of a distributed run resumes from the

@@ -73,8 +73,8 @@ effective recipe), train.log and metrics.jsonl. Ctrl-C stops between two steps.
 Several nodes: start one process per node with the same recipe, the node
 count and each its node rank (flags, torchrun's NNODES/NODE_RANK/MASTER_ADDR/
 MASTER_PORT, or SLURM's variables). Node 0 holds the rendezvous; each node
-trains parallel.dp*ep*cp*tp / nnodes ranks, on the CPU backend (multi-node
-CUDA needs NCCL, not wired yet). Node 0 writes metrics.jsonl and the
+trains parallel.dp*ep*cp*tp / nnodes ranks: on the CPU backend over TCP,
+on the CUDA backend one GPU per rank with NCCL between the nodes. Node 0 writes metrics.jsonl and the
 checkpoints; node K > 0 logs to train.node<K>.log. To resume, every node
 must see node 0's checkpoints (a shared run directory).
 
@@ -215,10 +215,13 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 // runMultiNode trains this node's share of a multi-node run: it opens the
 // data listener, meets the other nodes at the rendezvous (which checks that
 // all run the same recipe and version, and publishes every node's data
-// port), then trains over TCP between the nodes.
+// port), then trains: over TCP between the nodes on the CPU, over NCCL on
+// CUDA.
 func runMultiNode(ctx context.Context, eng *engine.Engine, launch comm.Launch, recipeHash string, timeout time.Duration, logger zerolog.Logger) (engine.Result, error) {
-	if name := eng.BackendName(); name != "cpu" {
-		return engine.Result{}, fmt.Errorf("train.backend: a multi-node run trains on the cpu backend only, for now (this node picked %s): multi-node CUDA needs NCCL groups between the nodes, which are not wired yet; set train.backend: cpu", name)
+	// Node 0 of a CUDA run puts the NCCL unique id in the blob.
+	blob, err := eng.RendezvousBlob(launch.NodeRank)
+	if err != nil {
+		return engine.Result{}, fmt.Errorf("node %d: %w", launch.NodeRank, err)
 	}
 	// Every interface: the other nodes reach this one at the address the
 	// rendezvous saw it connect from.
@@ -229,7 +232,7 @@ func runMultiNode(ctx context.Context, eng *engine.Engine, launch comm.Launch, r
 	logger.Info().Str("launch", launch.String()).Msg("waiting for the other nodes")
 	rdv, err := comm.Join(ctx, comm.RendezvousConfig{
 		Launch: launch, RecipeHash: recipeHash, Version: versionString(),
-		Blob: comm.NewRunBlob(), DataPort: ln.Addr().(*net.TCPAddr).Port, Timeout: timeout,
+		Blob: blob, DataPort: ln.Addr().(*net.TCPAddr).Port, Timeout: timeout,
 	})
 	if err != nil {
 		ln.Close()
