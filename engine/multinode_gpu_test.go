@@ -51,6 +51,7 @@ func (s nodeSpec) config() Config {
 	cfg := tinyRecipeConfig()
 	cfg.Train.Backend = "cuda"
 	cfg.Parallel.DP, cfg.Parallel.EP, cfg.Train.MicroBatch, cfg.Train.Steps = s.DP, s.EP, s.Micro, s.Steps
+	cfg.Train.WarmupSteps = min(cfg.Train.WarmupSteps, s.Steps/2) // a short run warms up within it
 	return cfg
 }
 
