@@ -83,6 +83,15 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 		l.expertsBackward(st, p, g, dyRD, dxRD)
 	}
 	l.phase(PhaseCombineBackward)
+	if l.g.Expert.Size() == 1 {
+		// One rank: expert-major order is send order, so the experts' dx
+		// rows are added to their tokens as they are, without the copy
+		// into send order.
+		if R > 0 {
+			b.ScatterAddRows(dxTD, dxRD, st.sendTokS, nil)
+		}
+		return nil
+	}
 	if R > 0 {
 		b.ScatterPeerRows(peerColumn(peers, 3), dxRD, st.refsR2)
 	}
