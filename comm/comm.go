@@ -31,7 +31,9 @@
 // that dies or goes silent fails every pending operation on every node
 // with an error naming it and its ranks. The engine trains a multi-process
 // run on the CPU backend through it (engine.RunDistributed, mktrain run
-// --nnodes); the CUDA backend's multi-node path awaits the NCCL groups.
+// --nnodes); on the CUDA backend the processes' ranks are NCCL
+// communicators instead (cuda.NCCLNodeRanks), with the rendezvous handing
+// out the NCCL unique id.
 //
 // Only the in-process groups offer PeerAccess (peers.go): a rank gets its
 // peers' tensors and addresses them with the backend's ops, which the MoE

@@ -182,8 +182,9 @@ type cudaNamed struct{ *cpu.Backend }
 
 func (cudaNamed) Name() string { return "cuda" }
 
-// A distributed run on the CUDA backend is refused until NCCL is wired.
-func TestDistributedRefusesCUDA(t *testing.T) {
+// A distributed run on the CUDA backend needs the NCCL unique id in the
+// rendezvous blob: without a rendezvous it is refused, naming NCCL.
+func TestDistributedCUDANeedsNCCLID(t *testing.T) {
 	cfg := equivalenceConfig()
 	cfg.Parallel.DP, cfg.Train.MicroBatch = 2, 4
 	eng, err := New(cfg, WithBackend(cudaNamed{cpu.New(backend.Float32)}))

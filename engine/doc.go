@@ -71,10 +71,11 @@
 // many GPUs as the layout has ranks, each rank takes a GPU of its own and
 // the groups are NCCL communicators (cuda.NCCLRanks) instead.
 // Engine.RunDistributed spreads the ranks over several
-// processes (nodes) instead, each training its own ranks, with the
-// collectives over TCP (comm.NewTCPRanks; the CPU backend only so far):
-// the losses are bitwise those of the same layout in one process, and node
-// 0 writes the metrics and the checkpoints (see distributed.go).
+// processes (nodes) instead, each training its own ranks: on the CPU with
+// the collectives over TCP (comm.NewTCPRanks), where the losses are bitwise
+// those of the same layout in one process; on CUDA one GPU per rank, the
+// groups cut from one NCCL world across the nodes (cuda.NCCLNodeRanks).
+// Node 0 writes the metrics and the checkpoints (see distributed.go).
 //
 // # Storage and precision
 //

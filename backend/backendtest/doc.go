@@ -10,8 +10,10 @@
 //
 // The suite is one table of Case values: coreCases (core_compare.go,
 // core_check.go), attentionCases (attention_cases.go), routerCases
-// (router_cases.go) and bf16Cases (bf16_cases.go: the ops that take or
-// produce BFloat16 tensors). A new op adds its cases once and every backend runs
+// (router_cases.go), bf16Cases (bf16_cases.go: the ops that take or
+// produce BFloat16 tensors), groupedCases (grouped_cases.go) and
+// peerCases (peer_cases.go: the peer-row ops and the fused MoE ops
+// DispatchSwiGLU and DownCombine, on 1, 2 and 4 ranks). A new op adds its cases once and every backend runs
 // them. A Case has a Name (the subtest) and up to two functions:
 //
 //   - Compare builds inputs through an Env and runs the op on both backends;

@@ -108,6 +108,8 @@
 // the rendezvous (comm.Rendezvous). Tensor collectives queue on the stream;
 // the calls that return host values wait with a watchdog that turns a
 // peer's failure or a timeout into an error instead of a hang. The engine
-// does not use it yet: layouts of several ranks run as virtual ranks on one
-// GPU (comm.NewLocal).
+// uses it through NCCLRanks (one process, one GPU per rank) and
+// NCCLNodeRanks (several processes: one NCCL world joined through the
+// rendezvous, its groups cut with ncclCommSplit); layouts with more ranks
+// than GPUs run as virtual ranks on one GPU (comm.NewLocal).
 package cuda
