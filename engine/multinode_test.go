@@ -69,7 +69,7 @@ func TestCheckNodeGPUs(t *testing.T) {
 	}
 	for _, c := range []struct {
 		node, first, per, world, visible int
-		cudaVisible, want               string
+		cudaVisible, want                string
 	}{
 		{1, 4, 4, 8, 2, "", "node 1 hosts world ranks 4-7 of 8 and needs 4 GPUs, one per rank, but sees 2: "},
 		{0, 0, 2, 4, 1, "3", "node 0 hosts world ranks 0-1 of 4 and needs 2 GPUs, one per rank, but sees 1 (CUDA_VISIBLE_DEVICES=3): "},
