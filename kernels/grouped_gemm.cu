@@ -495,10 +495,6 @@ __device__ __forceinline__ int gg_ld_acquire(const int* p) {
 // cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major; each row is
 // read from its source as float32 and written to xRD as bf16 (8 columns a
 // lane per step: K is a multiple of 8), then the chunk is published.
-//
-// LITE (the setmaxnreg kernel, whose producer warpgroup keeps 40
-// registers a thread) copies one row and one 8-column piece at a time.
-template <bool LITE>
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
                                           const int* sEnd, const int* sCum) {
   const int M = sCum[E];
@@ -521,28 +517,9 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       srcRank = s;
       srcOff = (long long)((const int*)fz.toks[s])[p] * K;
     }
-    if (LITE) {
-      for (int i = 0; i < nr; i++) {
-        const int s = gg_shfl_idx(srcRank, i);
-        const long long o = (long long)(unsigned)gg_shfl_idx((int)(srcOff & 0xffffffff), i) |
-                            ((long long)gg_shfl_idx((int)(srcOff >> 32), i) << 32);
-        const float* src = (const float*)fz.ptrs[s] + o;
-        unsigned short* dst = fz.xRD + (long long)(r0 + i) * K;
-        for (int j = lane * 8; j < K; j += 256) {
-          float a0, a1, a2, a3, b0, b1, b2, b3;
-          asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(a0), "=f"(a1), "=f"(a2), "=f"(a3) : "l"(src + j));
-          asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                       : "=f"(b0), "=f"(b1), "=f"(b2), "=f"(b3)
-                       : "l"(src + j + 4));
-          asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(a0, a1)),
-                       "r"(gg_pack_bf16(a2, a3)), "r"(gg_pack_bf16(b0, b1)), "r"(gg_pack_bf16(b2, b3))
-                       : "memory");
-        }
-      }
-    }
     // Two rows at a time, up to four 8-column pieces of each per lane in
     // flight before any store: the copy is bound by load latency.
-    for (int i = 0; !LITE && i < nr; i += 2) {
+    for (int i = 0; i < nr; i += 2) {
       const float* src[2];
       unsigned short* dst[2];
 #pragma unroll
@@ -849,7 +826,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   constexpr unsigned STAGE_BYTES = A_BYTES + B_BYTES;
   constexpr int R = BN / 2;  // accumulator floats per consumer thread
   static_assert(STORE == 0 || (BN == 256 && OUT_BF16 && !PP), "the TMA-store epilogue is for bn256 with bf16 out");
-  static_assert(FUSE == 0 || (BN == 256 && !PP && STORE == 0), "the fused kernels are bn256 cooperative");
+  static_assert(FUSE == 0 || (BN == 256 && !PP && !REG && STORE == 0), "the fused kernels are bn256 cooperative");
   // Columns of N per tile: FUSE 1's 256-row B tile is 128 columns of W1
   // and the same 128 of W3.
   constexpr int BNT = FUSE == 1 ? 128 : BN;
@@ -919,7 +896,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // can take 232 each (128*40 + 256*232 <= 64K).
     if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (tid != 0) {
-      if (FUSE == 1 && warp > 0 && !(fz.mode & 1)) gg_gather<REG>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
+      if (FUSE == 1 && warp > 0 && !(fz.mode & 1)) gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
       return;
     }
     gg_prefetch_tmap(mapA);
@@ -1146,30 +1123,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
   fz.toks = toks;
   fz.flags = flags;
   gg_body<256, 3, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
-}
-
-// moe_dispatch_swiglu_r is moe_dispatch_swiglu with setmaxnreg (producer
-// warpgroup 40 registers, consumers 232) and the register-light gather.
-extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu_r(
-    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3,
-    const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3, const __grid_constant__ gg_tmap mapAct,
-    unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD, const int* refs,
-    const unsigned long long* ptrs, const unsigned long long* toks, int* flags, const int* off, int rows,
-    int N, int K, int E, int GM, int mode) {
-  gg_fuse fz;
-  fz.mode = mode;
-  fz.mapW3 = &mapW3;
-  fz.mapOut[0] = &mapH1;
-  fz.mapOut[1] = &mapH3;
-  fz.mapOut[2] = &mapAct;
-  fz.h3 = h3;
-  fz.act = act;
-  fz.xRD = xRD;
-  fz.refs = refs;
-  fz.ptrs = ptrs;
-  fz.toks = toks;
-  fz.flags = flags;
-  gg_body<256, 3, true, false, true, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(

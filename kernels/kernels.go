@@ -147,7 +147,6 @@ func Sources() []Source {
 			{Name: "grouped_gemm_nt_bn256s_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_nt_bn256h_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "moe_dispatch_swiglu", Block: 384, Grid: groupedGrid + "; blocks must all be resident (the TMA threads wait on the communication warps of other blocks)"},
-			{Name: "moe_dispatch_swiglu_r", Block: 384, Grid: groupedGrid + "; blocks must all be resident"},
 			{Name: "moe_down_combine", Block: 384, Grid: groupedGrid},
 		}},
 		{File: "router.cu", Kernels: []Kernel{

@@ -73,15 +73,11 @@ type GroupedGemm struct {
 	// dispatchSwiGLU and downCombine are the MoE fused kernels
 	// (moe_fused.go), bn256 cooperative like ggCoop256.
 	dispatchSwiGLU, downCombine *Kernel
-	// dispatchSwiGLUR is dispatchSwiGLU with setmaxnreg (consumers 232
-	// registers a thread), run when FusedRegs is set.
-	dispatchSwiGLUR *Kernel
-	FusedRegs       bool
-	optInDispatch   int // dispatchSwiGLU's opted-in shared memory
-	fusedMode       int // dispatchSwiGLU's experiment switches (tests only; 0 in use)
-	// fusedLocal is the local memory (spilled registers) per thread of
-	// dispatchSwiGLU and dispatchSwiGLUR, read at load time.
-	fusedLocal [2]int
+	optInDispatch               int // dispatchSwiGLU's opted-in shared memory
+	fusedMode                   int // dispatchSwiGLU's experiment switches (tests only; 0 in use)
+	// fusedLocal is dispatchSwiGLU's local memory (spilled registers) per
+	// thread, read at load time.
+	fusedLocal int
 	// optIn is the dynamic shared memory each variant's kernels opted in
 	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
 	// (ggCoop256H needs more than that limit past 163 experts).
@@ -213,7 +209,7 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	for _, f := range []struct {
 		name string
 		k    **Kernel
-	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_dispatch_swiglu_r", &g.dispatchSwiGLUR}, {"moe_down_combine", &g.downCombine}} {
+	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_down_combine", &g.downCombine}} {
 		k, err := m.Kernel(f.name)
 		if err != nil {
 			return nil, err
@@ -235,11 +231,8 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 		if err != nil {
 			return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", f.name, err)
 		}
-		switch f.k {
-		case &g.dispatchSwiGLU:
-			g.fusedLocal[0] = local
-		case &g.dispatchSwiGLUR:
-			g.fusedLocal[1] = local
+		if f.k == &g.dispatchSwiGLU {
+			g.fusedLocal = local
 		}
 		*f.k = k
 	}

@@ -157,25 +157,70 @@ func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, t
 	}
 }
 
-func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
-	g := len(groupRows)
-	if len(srcTD) == 0 || len(srcTD) > fusedMaxRanks || len(tokS) != len(srcTD) || g == 0 || g > ggMaxExperts {
-		return false
+// fusedArgs are a fused call's device addresses: its bf16 operands, one
+// tensor (and for a gather one token list) per rank, and the references.
+type fusedArgs struct {
+	ops, ranks, toks []driver.DevicePtr
+	refs             driver.DevicePtr
+}
+
+// fusedPtrs checks the dtypes of a fused call's tensors and returns their
+// addresses; ok is false when the kernel does not take them (toks nil: a
+// call with no token lists).
+func fusedPtrs(ops, ranks []backend.Tensor, rankDT backend.DType, toks []backend.Tensor, refsR2 backend.Tensor, groups int) (a fusedArgs, ok bool) {
+	if len(ranks) == 0 || len(ranks) > fusedMaxRanks || groups == 0 || groups > ggMaxExperts ||
+		(toks != nil && len(toks) != len(ranks)) {
+		return a, false
 	}
-	bf := []backend.Tensor{xRD, h1RF, h3RF, actRF, w1GFD, w3GFD}
-	ps, ok := peerPtrs(bf, backend.BFloat16)
-	if !ok {
-		return false
+	if a.ops, ok = peerPtrs(ops, backend.BFloat16); !ok {
+		return a, false
 	}
-	src, ok := peerPtrs(srcTD, backend.Float32)
-	if !ok {
-		return false
+	if a.ranks, ok = peerPtrs(ranks, rankDT); !ok {
+		return a, false
 	}
-	toks, ok := peerPtrs(tokS, backend.Int32)
-	if !ok {
-		return false
+	if toks != nil {
+		if a.toks, ok = peerPtrs(toks, backend.Int32); !ok {
+			return a, false
+		}
 	}
 	refs, ok := peerPtrs([]backend.Tensor{refsR2}, backend.Int32)
+	if !ok {
+		return a, false
+	}
+	a.refs = refs[0]
+	return a, true
+}
+
+// runFused stages a's pointer tables and groupRows' offsets and, unless
+// the groups hold no rows, runs launch with the tables and the row count.
+// It reports whether the kernel took the call: false only when the groups
+// sum past rows (the unfused sequence then reports the error); launch and
+// staging errors go to b.fail.
+func (b *Backend) runFused(a fusedArgs, groupRows []int, rows int, launch func(f *fusedTables, sum int) error) bool {
+	sum := 0
+	for _, r := range groupRows {
+		sum += r
+	}
+	if sum > rows {
+		return false
+	}
+	f := &b.fused
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, err := f.stage(b.dev, a.ranks, a.toks, groupRows); err != nil {
+		b.fail(err)
+		return true
+	}
+	if sum > 0 {
+		b.fail(launch(f, sum))
+	}
+	return true
+}
+
+func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
+	g := len(groupRows)
+	bf := []backend.Tensor{xRD, h1RF, h3RF, actRF, w1GFD, w3GFD}
+	a, ok := fusedPtrs(bf, srcTD, backend.Float32, tokS, refsR2, g)
 	if !ok {
 		return false
 	}
@@ -190,47 +235,31 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 	}
 	for i, s := range srcTD {
 		// The communication warps read 16-byte vectors of source rows.
-		if ss := s.Shape(); len(ss) != 2 || ss[1] != k || src[i]%16 != 0 || toks[i]%4 != 0 {
+		if ss := s.Shape(); len(ss) != 2 || ss[1] != k || a.ranks[i]%16 != 0 || a.toks[i]%4 != 0 {
 			return false
 		}
 	}
 	x, ok := b.expertKernels()
+	ps := a.ops
 	if !ok || checkGroupedGemm(ps[1], ps[0], ps[4], 16, rows, n, k, g, 256) != nil {
 		return false
 	}
-	sum := 0
-	for _, r := range groupRows {
-		sum += r
-	}
-	if sum > rows {
-		return false
-	}
-	f := &b.fused
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if _, err := f.stage(b.dev, src, toks, groupRows); err != nil {
-		b.fail(err)
-		return true
-	}
-	if sum == 0 {
-		return true
-	}
-	tiles := sum/ggBM + g
-	if err := f.zeroFlags(b.dev, tiles); err != nil {
-		b.fail(err)
-		return true
-	}
-	tp := f.tables.Ptr()
-	b.fail(x.bf16Out.runDispatchSwiGLU(fusedDispatch{
-		x: ps[0], h1: ps[1], h3: ps[2], act: ps[3], w1: ps[4], w3: ps[5], refs: refs[0],
-		ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, offsets: tp + fusedOffsOff, flags: f.flags.Ptr(),
-		rows: sum, n: n, k: k, experts: g,
-	}))
+	taken := b.runFused(a, groupRows, rows, func(f *fusedTables, sum int) error {
+		if err := f.zeroFlags(b.dev, sum/ggBM+g); err != nil {
+			return err
+		}
+		tp := f.tables.Ptr()
+		return x.bf16Out.runDispatchSwiGLU(fusedDispatch{
+			x: ps[0], h1: ps[1], h3: ps[2], act: ps[3], w1: ps[4], w3: ps[5], refs: a.refs,
+			ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, offsets: tp + fusedOffsOff, flags: f.flags.Ptr(),
+			rows: sum, n: n, k: k, experts: g,
+		})
+	})
 	runtime.KeepAlive(bf)
 	runtime.KeepAlive(srcTD)
 	runtime.KeepAlive(tokS)
 	runtime.KeepAlive(refsR2)
-	return true
+	return taken
 }
 
 // DownCombine runs moe_down_combine when the call is one it takes (bf16
@@ -250,72 +279,42 @@ func (b *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backe
 
 func (b *Backend) downCombineKernel(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) bool {
 	g := len(groupRows)
-	if len(outSD) == 0 || len(outSD) > fusedMaxRanks || g == 0 || g > ggMaxExperts {
-		return false
-	}
-	ps, ok := peerPtrs([]backend.Tensor{actRF, w2GDF}, backend.BFloat16)
+	a, ok := fusedPtrs([]backend.Tensor{actRF, w2GDF}, outSD, backend.Float32, nil, refsR2, g)
 	if !ok {
 		return false
 	}
-	outs, ok := peerPtrs(outSD, backend.Float32)
-	if !ok {
+	as, ws, os := actRF.Shape(), w2GDF.Shape(), outSD[0].Shape()
+	if len(as) != 2 || len(ws) != 2 || len(os) != 2 {
 		return false
 	}
-	refs, ok := peerPtrs([]backend.Tensor{refsR2}, backend.Int32)
-	if !ok {
-		return false
-	}
-	as, ws := actRF.Shape(), w2GDF.Shape()
-	if len(as) != 2 || len(ws) != 2 {
-		return false
-	}
-	rows, k := as[0], as[1]
-	os := outSD[0].Shape()
-	if len(os) != 2 {
-		return false
-	}
-	n := os[1]
+	rows, k, n := as[0], as[1], os[1]
 	if ws[0] != g*n || ws[1] != k || refsR2.Len() != 2*rows {
 		return false
 	}
 	for i, o := range outSD {
 		// The epilogue stores column pairs (8 bytes).
-		if s := o.Shape(); len(s) != 2 || s[1] != n || outs[i]%8 != 0 {
+		if s := o.Shape(); len(s) != 2 || s[1] != n || a.ranks[i]%8 != 0 {
 			return false
 		}
 	}
 	x, ok := b.expertKernels()
+	ps := a.ops
 	// The output check uses act's address: the rows go to the peers'.
 	if !ok || checkGroupedGemm(ps[0], ps[0], ps[1], 16, rows, n, k, g, 256) != nil {
 		return false
 	}
-	sum := 0
-	for _, r := range groupRows {
-		sum += r
-	}
-	if sum > rows {
-		return false
-	}
-	f := &b.fused
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if _, err := f.stage(b.dev, outs, nil, groupRows); err != nil {
-		b.fail(err)
-		return true
-	}
-	if sum == 0 {
-		return true
-	}
-	tp := f.tables.Ptr()
-	b.fail(x.bf16Out.runDownCombine(fusedCombine{
-		act: ps[0], w2: ps[1], refs: refs[0], ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff,
-		rows: sum, n: n, k: k, experts: g,
-	}))
+	taken := b.runFused(a, groupRows, rows, func(f *fusedTables, sum int) error {
+		tp := f.tables.Ptr()
+		return x.bf16Out.runDownCombine(fusedCombine{
+			act: ps[0], w2: ps[1], refs: a.refs, ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff,
+			rows: sum, n: n, k: k, experts: g,
+		})
+	})
 	runtime.KeepAlive(actRF)
 	runtime.KeepAlive(w2GDF)
 	runtime.KeepAlive(outSD)
 	runtime.KeepAlive(refsR2)
-	return true
+	return taken
 }
 
 // sameShape reports whether the tensors all have the first one's shape.
@@ -385,11 +384,7 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1, uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
 	grid.Shared = fusedDispatchSmem(a.experts)
-	k := g.dispatchSwiGLU
-	if g.FusedRegs {
-		k = g.dispatchSwiGLUR
-	}
-	return g.launchFused(k, grid, maps, slots, g.optInDispatch)
+	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots, g.optInDispatch)
 }
 
 // runDownCombine queues moe_down_combine.

@@ -155,18 +155,8 @@ func fusedCases() []fusedCase {
 func TestMoEFusedMatchesUnfused(t *testing.T) {
 	testGroupedGemm(t) // the canary and the Hopper check
 	b := testBackend(t)
-	x, ok := b.expertKernels()
-	if !ok {
-		t.Fatal(x.err)
-	}
-	for _, regs := range []bool{false, true} {
-		for i, c := range fusedCases() {
-			t.Run(fmt.Sprintf("%s regs %v", c.name, regs), func(t *testing.T) {
-				x.bf16Out.FusedRegs = regs
-				defer func() { x.bf16Out.FusedRegs = false }()
-				c.testAgainstUnfused(t, b, uint64(100+i))
-			})
-		}
+	for i, c := range fusedCases() {
+		t.Run(c.name, func(t *testing.T) { c.testAgainstUnfused(t, b, uint64(100+i)) })
 	}
 }
 
@@ -288,20 +278,7 @@ func TestMoEFusedFigures(t *testing.T) {
 			// Experiments on the gate/up kernel (fusedMode): which part
 			// costs the time over its products.
 			gg := b.experts.bf16Out
-			figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal[0]), "B")
-			figure(t, "moe_dispatch_swiglu_r_local_bytes", float64(gg.fusedLocal[1]), "B")
-			gg.FusedRegs = true
-			for _, p := range []struct {
-				name string
-				run  func() error
-			}{{"fused_r", fused}, {"gateup_fused_r", gateUpFused}} {
-				v, err := ggTime(b.dev, p.run)
-				if err != nil {
-					t.Fatal(err)
-				}
-				figure(t, fmt.Sprintf("moe_fused_W%d_%s_ms", w, p.name), v, "ms")
-			}
-			gg.FusedRegs = false
+			figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal), "B")
 			for _, mode := range []int{1, 2, 4, 7} {
 				gg.fusedMode = mode
 				v, err := ggTime(b.dev, gateUpFused)
