@@ -54,7 +54,11 @@
 // The recipe's parallel section becomes a mesh of ranks (package comm). Each
 // rank owns a model replica with all non-expert weights and its share of the
 // experts (model.moe.experts / parallel.ep), and exchanges routed tokens with
-// the other ranks of its expert group. Each of the dp*ep data ranks reads a
+// the other ranks of its expert group: by all-to-all (the unfused
+// dispatcher) or by reading and writing the peers' rows directly in the
+// fused kernels (model.moe.dispatcher; auto is resolved once per run,
+// before the ranks start, from the measured table of moe.ResolveDispatcher,
+// so every rank uses the same). Each of the dp*ep data ranks reads a
 // disjoint part of the data; under context parallelism the parallel.cp
 // ranks of one data rank read the same sequences and each keeps its zigzag
 // share of every sequence (attention.ZigzagPositions): attention gathers the
