@@ -12,6 +12,11 @@ package engine
 // the same ones). The cp ranks of one data replica read the same data, so
 // the data cursors are kept by data rank. Optimizer moments are "<name>.exp_avg" and
 // "<name>.exp_avg_sq"; expert biases "model.layers.<l>.block_sparse_moe.expert_bias".
+//
+// With ZeRO-1 (parallel.zero: 1) every rank holds a part of the replicated
+// moments; the saver joins the parts into the whole tensors world rank 0
+// writes without ZeRO, so the checkpoint does not depend on the setting
+// (zero.go).
 
 import (
 	"errors"
@@ -66,14 +71,25 @@ func (r *rank) snapshot(worldRank int) rankSnapshot {
 		if p.slot.role == roleExpert && !writesExperts || p.slot.role != roleExpert && !writesReplicated {
 			continue
 		}
-		w, m, v := backend.DownloadFloat32(r.b, p.w), backend.DownloadFloat32(r.b, p.m), backend.DownloadFloat32(r.b, p.v)
+		// p.m is nil for a replicated tensor under ZeRO-1: its moments
+		// come in pieces, below.
+		w := backend.DownloadFloat32(r.b, p.w)
+		var m, v []float32
+		if p.m != nil {
+			m, v = backend.DownloadFloat32(r.b, p.m), backend.DownloadFloat32(r.b, p.v)
+		}
 		for _, piece := range p.pieces() {
 			at := func(x []float32) []float32 { return x[piece.offset : piece.offset+piece.size] }
 			s.model = append(s.model, checkpoint.NamedTensor{Name: piece.name, Shape: piece.shape, Data: at(w)})
-			s.optim = append(s.optim,
-				checkpoint.NamedTensor{Name: piece.name + ".exp_avg", Shape: piece.shape, Data: at(m)},
-				checkpoint.NamedTensor{Name: piece.name + ".exp_avg_sq", Shape: piece.shape, Data: at(v)})
+			if m != nil {
+				s.optim = append(s.optim,
+					checkpoint.NamedTensor{Name: piece.name + suffixAvg, Shape: piece.shape, Data: at(m)},
+					checkpoint.NamedTensor{Name: piece.name + suffixAvgSq, Shape: piece.shape, Data: at(v)})
+			}
 		}
+	}
+	if r.zero {
+		s.optim = append(s.optim, r.momentPieces()...)
 	}
 	if writesReplicated {
 		for l, bias := range r.biasE {
@@ -121,8 +137,8 @@ func (r *rank) restore(ck *checkpoint.Checkpoint, withOptimizer bool) error {
 	for i := range r.params {
 		p := &r.params[i]
 		targets := []source{{ck.Model(), p.w, ""}}
-		if withOptimizer {
-			targets = append(targets, source{ck.Optim(), p.m, ".exp_avg"}, source{ck.Optim(), p.v, ".exp_avg_sq"})
+		if withOptimizer && p.m != nil { // nil: a replicated tensor under ZeRO-1, read below
+			targets = append(targets, source{ck.Optim(), p.m, suffixAvg}, source{ck.Optim(), p.v, suffixAvgSq})
 		}
 		for _, tg := range targets {
 			host := make([]float32, tg.t.Len())
@@ -132,6 +148,11 @@ func (r *rank) restore(ck *checkpoint.Checkpoint, withOptimizer bool) error {
 				}
 			}
 			backend.UploadSlice(r.b, tg.t, host)
+		}
+	}
+	if withOptimizer && r.zero {
+		if err := r.restoreMomentPieces(ck); err != nil {
+			return err
 		}
 	}
 	for l, bias := range r.biasE {
@@ -189,6 +210,9 @@ func (s *saver) write(snaps []rankSnapshot, st trainState) error {
 		return err
 	}
 	defer sv.Abort()
+	if snaps, err = joinMoments(snaps, s.e.cfg.Model); err != nil {
+		return err
+	}
 	st.DataCursors = make([]data.Cursor, 0, len(snaps))
 	for _, snap := range snaps {
 		if snap.dataRank == len(st.DataCursors) {

@@ -62,6 +62,9 @@ type ParallelConfig struct {
 	EP int `yaml:"ep"`
 	CP int `yaml:"cp"`
 	TP int `yaml:"tp"`
+	// Zero is the ZeRO stage: 0, or 1 to shard the AdamW moments of the
+	// replicated weights over the data-context ranks (zero.go).
+	Zero int `yaml:"zero"`
 }
 
 // CheckpointConfig controls saving and resuming.

@@ -25,7 +25,9 @@ package engine
 // at the front of the store, form one bucket, final with layer 0. With
 // Layers layers that makes about one bucket per layer and part, plus the
 // norms, the embedding and the LM head; the padding between tensors goes
-// with the tensor before it.
+// with the tensor before it. With ZeRO-1 (parallel.zero: 1) the replicated
+// range is left out: it is reduce-scattered after the backward (zero.go),
+// and only the expert buckets overlap.
 //
 // Every bucket is summed element by element, in rank order, by the
 // in-process and TCP groups, so where the buckets are cut changes no bit:

@@ -63,7 +63,7 @@ func TestEvaluateMatchesTrainingValidation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m.Step() != cfg.Train.Steps || m.Config().Parallel != (ParallelConfig{1, 1, 1, 1}) || m.Config().Model != cfg.Model {
+	if m.Step() != cfg.Train.Steps || m.Config().Parallel != (ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1}) || m.Config().Model != cfg.Model {
 		t.Fatalf("step %d, config %+v", m.Step(), m.Config())
 	}
 	got, err := m.Evaluate(ctx, "", cfg.Train.EvalBatches)

@@ -55,14 +55,20 @@ type paramStore struct {
 // newParamStore allocates a zeroed store laid out by lay.
 func newParamStore(b backend.Backend, m ModelConfig, lay *flatLayout) paramStore {
 	flat := b.New(b.FloatType(), lay.total)
-	p := &modelParams{layers: make([]layerParams, m.Layers)}
-	for l := range p.layers {
-		p.layers[l] = layerParams{attn: &attention.Params{}, moe: &moe.Params{}}
-	}
+	p := newModelParams(m)
 	for i, s := range lay.slots {
 		*s.pick(p) = b.View(flat, lay.offset[i], lay.shape[i]...)
 	}
 	return paramStore{flat: flat, p: p}
+}
+
+// newModelParams returns a modelParams of m's layers with every tensor nil.
+func newModelParams(m ModelConfig) *modelParams {
+	p := &modelParams{layers: make([]layerParams, m.Layers)}
+	for l := range p.layers {
+		p.layers[l] = layerParams{attn: &attention.Params{}, moe: &moe.Params{}}
+	}
+	return p
 }
 
 // view returns the store's elements [r.lo, r.hi).
@@ -88,10 +94,7 @@ func newOperandStore(b backend.Backend, m ModelConfig, lay *flatLayout, w paramS
 		return operandStore{p: w.p}
 	}
 	flat := b.New(ot, lay.total)
-	p := &modelParams{layers: make([]layerParams, m.Layers)}
-	for l := range p.layers {
-		p.layers[l] = layerParams{attn: &attention.Params{}, moe: &moe.Params{}}
-	}
+	p := newModelParams(m)
 	for i, s := range lay.slots {
 		if s.role == roleNorm || s.name == nameEmbed {
 			*s.pick(p) = *s.pick(w.p)
@@ -123,7 +126,8 @@ func (r span) empty() bool { return r.hi <= r.lo }
 // one range (reduced over the data group), the experts another (reduced
 // over the ranks holding the same experts), and the norms, which take no
 // weight decay, a prefix. The padding between tensors stays zero in every
-// store, and AdamW keeps zero weights with zero gradients at zero.
+// store, and AdamW keeps zero weights with zero gradients at zero. Under
+// ZeRO-1 the replicated range ends in more such padding (padReplicated).
 type flatLayout struct {
 	slots  []paramSlot // in slots() order
 	offset []int       // per slot, elements into the store
@@ -171,6 +175,25 @@ func newFlatLayout(m ModelConfig, localExperts int) *flatLayout {
 	lay.replicated = span{0, lay.experts.lo}
 	lay.total = off
 	return lay
+}
+
+// padReplicated lengthens the replicated span to n elements (at least its
+// length), moving the experts after it: ZeRO-1 cuts the span into equal
+// pieces, one per rank and round (zero.go). The padding is zero in every
+// store, as the padding between tensors is.
+func (lay *flatLayout) padReplicated(n int) {
+	delta := n - (lay.replicated.hi - lay.replicated.lo)
+	if delta <= 0 {
+		return
+	}
+	for i, s := range lay.slots {
+		if s.role == roleExpert {
+			lay.offset[i] += delta
+		}
+	}
+	lay.replicated.hi += delta
+	lay.experts = span{lay.experts.lo + delta, lay.experts.hi + delta}
+	lay.total += delta
 }
 
 func attentionShape(m ModelConfig) attention.Shape {
@@ -224,7 +247,9 @@ func slots(m ModelConfig) []paramSlot {
 	)
 }
 
-// param binds one parameter's weight, gradient and AdamW moments.
+// param binds one parameter's weight, gradient and AdamW moments. m and v
+// are nil on a rank that does not train, and for a replicated parameter
+// under ZeRO-1, whose moments are spread over the ranks (zero.go).
 type param struct {
 	slot        paramSlot
 	w, g, m, v  backend.Tensor

@@ -32,16 +32,26 @@ type rank struct {
 	groups *comm.Ranks
 	w, g   *modelParams
 	params []param
-	// The flat stores behind w, g and the AdamW moments (m and v have no
-	// flat tensor on ranks that do not train), and where each role lies.
+	// The flat stores behind w and g, and where each role lies.
 	layout         *flatLayout
 	wStore, gStore paramStore
 	op             operandStore // the weights the model multiplies by
-	mStore, vStore paramStore
-	biasE          []backend.Tensor // per layer, nil when bias balancing is off
-	model          *model
-	train          batchSource
-	val            evalSource
+	// AdamW's moments, flat (nil on ranks that do not train): laid out
+	// as the weights, or with ZeRO-1 (zero.go) this rank's pieces of the
+	// replicated span, then the experts. adam is a step's AdamW calls:
+	// which spans of the weights, and where their moments are.
+	m, v  backend.Tensor
+	adam  []adamPart
+	biasE []backend.Tensor // per layer, nil when bias balancing is off
+	// shards cuts the replicated span over the data-context group: the
+	// pieces whose moments each rank keeps when zero is set (parallel.zero
+	// 1 on a group of several ranks), and the order in which the
+	// gradient norm sums the span's squares either way (zero.go).
+	shards shardPlan
+	zero   bool
+	model  *model
+	train  batchSource
+	val    evalSource
 	// grads is how the gradients are summed across ranks, overlapped with
 	// the last backward of a step (grad_overlap.go); with syncGrads they
 	// are summed after it instead, in gradBucket pieces
@@ -53,22 +63,37 @@ type rank struct {
 // newRank builds a rank with initialised weights. A rank without training
 // data (evaluation, sampling, gradient checks) gets no AdamW moments.
 func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource) (*rank, error) {
+	return newRankRounds(cfg, b, groups, train, val, gradBucket)
+}
+
+// newRankRounds is newRank with ZeRO-1's rounds of at most about
+// roundElems elements (gradBucket; less in tests, for several rounds).
+func newRankRounds(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource, roundElems int) (*rank, error) {
 	m := cfg.Model
 	localExperts := m.MoE.Experts / cfg.Parallel.EP
 	firstExpert := groups.Expert.Rank() * localExperts
 	r := &rank{cfg: cfg, b: b, groups: groups, train: train, val: val}
 	r.layout = newFlatLayout(m, localExperts)
+	r.shards = newShardPlan(groups.DataContext, r.layout.replicated, roundElems)
+	r.zero = cfg.Parallel.Zero == 1 && train != nil && groups.DataContext.Size() > 1
+	if r.zero {
+		r.layout.padReplicated(r.shards.padded())
+	}
 	r.grads = newGradPlan(m, r.layout, groups)
+	if r.zero {
+		r.grads = r.grads.without(r.layout.replicated) // reduce-scattered after the backward
+	}
 	r.wStore, r.gStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
 	r.w, r.g = r.wStore.p, r.gStore.p
 	r.op = newOperandStore(b, m, r.layout, r.wStore)
+	var mp, vp *modelParams
 	if train != nil {
-		r.mStore, r.vStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
+		mp, vp = r.newMoments()
 	}
 	for _, s := range r.layout.slots {
 		p := param{slot: s, w: *s.pick(r.w), g: *s.pick(r.g), firstExpert: firstExpert}
-		if train != nil {
-			p.m, p.v = *s.pick(r.mStore.p), *s.pick(r.vStore.p)
+		if mp != nil {
+			p.m, p.v = *s.pick(mp), *s.pick(vp)
 		}
 		initParam(b, &p, cfg.Train.Seed, m.InitStd)
 		r.params = append(r.params, p)
@@ -147,8 +172,16 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		}
 	}
 	// Every rank with distinct tokens (data and context parallel) holds a
-	// part of the global batch's loss.
+	// part of the global batch's loss. With ZeRO-1 each holds the sums of
+	// its pieces of the replicated gradients too, whose squares travel
+	// with the loss.
 	sums := []float64{lossSum}
+	if r.zero {
+		if err := r.reduceScatterGrads(); err != nil {
+			return res, err
+		}
+		sums = append(sums, r.shards.squares(b, r.gStore, r.shards.g.Rank()))
+	}
 	if err := r.groups.DataContext.AllReduceFloat64(sums); err != nil {
 		return res, err
 	}
@@ -162,7 +195,13 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		}
 	}
 	profile.Scope(r.b, profile.ScopeOptimizer)
-	norm, err := r.gradNorm()
+	var replicated float64 // the replicated gradients' squares, summed over the span
+	if r.zero {
+		replicated = sums[1]
+	} else {
+		replicated = r.shards.allSquares(b, r.gStore)
+	}
+	norm, err := r.gradNorm(replicated)
 	if err != nil {
 		return res, err
 	}
@@ -174,18 +213,23 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	}
 	res.lr = learningRate(cfg.Train, step)
 	t := cfg.Train
-	// One AdamW pass over the norms (no weight decay) and one over the
-	// rest of the flat stores.
-	lay := r.layout
-	for _, part := range []struct {
-		r  span
-		wd float64
-	}{{lay.norms, 0}, {span{lay.norms.hi, lay.total}, t.WeightDecay}} {
-		if part.r.empty() {
-			continue
+	// A few long AdamW calls: the norms (no weight decay) and the rest of
+	// the flat stores; with ZeRO-1 only this rank's pieces of the
+	// replicated span, whose updates the all-gather then hands to every
+	// rank.
+	for _, part := range r.adam {
+		wd := 0.0
+		if part.decay {
+			wd = t.WeightDecay
 		}
-		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: part.wd, Step: step, GradScale: gradScale}
-		b.AdamWUpdate(r.wStore.view(b, part.r), r.gStore.view(b, part.r), r.mStore.view(b, part.r), r.vStore.view(b, part.r), h)
+		n := part.r.hi - part.r.lo
+		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: wd, Step: step, GradScale: gradScale}
+		b.AdamWUpdate(r.wStore.view(b, part.r), r.gStore.view(b, part.r), b.View(r.m, part.at, n), b.View(r.v, part.at, n), h)
+	}
+	if r.zero {
+		if err := r.gatherWeights(); err != nil {
+			return res, err
+		}
 	}
 	profile.Scope(r.b, "")
 	for l, bias := range r.biasE {
@@ -200,7 +244,8 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 // (the expert replicas, then the context group: a cp rank's tokens reach
 // the experts of its own cp position only). It runs after the backward,
 // with syncGrads; otherwise the same sums overlap the backward
-// (grad_overlap.go).
+// (grad_overlap.go). With ZeRO-1 the replicated span is reduce-scattered
+// instead (reduceScatterGrads).
 func (r *rank) reduceGradients() error {
 	for _, part := range []struct {
 		r span
@@ -210,7 +255,7 @@ func (r *rank) reduceGradients() error {
 		{r.layout.experts, r.groups.ExpertReplica},
 		{r.layout.experts, r.groups.Context},
 	} {
-		if part.g.Size() == 1 {
+		if part.g.Size() == 1 || r.zero && part.r == r.layout.replicated {
 			continue
 		}
 		for lo := part.r.lo; lo < part.r.hi; lo += gradBucket {
@@ -228,14 +273,12 @@ func (r *rank) reduceGradients() error {
 // the model, and a bucket's reduction starts before the backward is done.
 const gradBucket = 16 << 20
 
-// gradNorm is the global L2 norm of the reduced gradients: replicated
-// tensors counted once, expert shards summed over the expert group (after
-// the reduction every data and context rank holds the same sums).
-func (r *rank) gradNorm() (float64, error) {
-	replicated, experts := 0.0, []float64{0}
-	if lay := r.layout; !lay.replicated.empty() {
-		replicated = r.b.SumSquares(r.gStore.view(r.b, lay.replicated))
-	}
+// gradNorm is the global L2 norm of the reduced gradients, given the sum
+// of the squares of the replicated ones (counted once: shardPlan's
+// squares): expert shards summed over the expert group (after the
+// reduction every data and context rank holds the same sums).
+func (r *rank) gradNorm(replicated float64) (float64, error) {
+	experts := []float64{0}
 	if lay := r.layout; !lay.experts.empty() {
 		experts[0] = r.b.SumSquares(r.gStore.view(r.b, lay.experts))
 	}

@@ -89,6 +89,7 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	}
 	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).
 		Int("params", ParamCount(cfg.Model)).Int("steps", cfg.Train.Steps).Msg("training starts")
+	e.logOptimizerMemory(ranks)
 	return s.run(ctx)
 }
 

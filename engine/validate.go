@@ -267,6 +267,9 @@ func (v *validator) parallel(p ParallelConfig, experts int) {
 	if v.atLeast("parallel.tp", p.TP, 1) && p.TP > 1 {
 		v.fail("parallel.tp", "parallel.tp = %d: tensor parallelism is not available yet; set parallel.tp: 1", p.TP)
 	}
+	if p.Zero != 0 && p.Zero != 1 {
+		v.fail("parallel.zero", "parallel.zero must be 0 (off) or 1 (AdamW moments of the replicated weights sharded over the data-parallel ranks), got %d", p.Zero)
+	}
 }
 
 func (v *validator) checkpoint(c CheckpointConfig) {

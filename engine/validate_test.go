@@ -123,6 +123,10 @@ func TestValidateRules(t *testing.T) {
 		{"cp zero", func(c *Config) { c.Parallel.CP = 0 }, "parallel.cp", "parallel.cp must be at least 1, got 0"},
 		{"tp", func(c *Config) { c.Parallel.TP = 4 }, "parallel.tp",
 			"parallel.tp = 4: tensor parallelism is not available yet; set parallel.tp: 1"},
+		{"zero", func(c *Config) { c.Parallel.Zero = 2 }, "parallel.zero",
+			"parallel.zero must be 0 (off) or 1 (AdamW moments of the replicated weights sharded over the data-parallel ranks), got 2"},
+		{"zero negative", func(c *Config) { c.Parallel.Zero = -1 }, "parallel.zero",
+			"parallel.zero must be 0 (off) or 1 (AdamW moments of the replicated weights sharded over the data-parallel ranks), got -1"},
 		// checkpoint
 		{"every", func(c *Config) { c.Checkpoint.Every = -1 }, "checkpoint.every",
 			"checkpoint.every must be 0 (only on stop and at the end) or positive, got -1"},
