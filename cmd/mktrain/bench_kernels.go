@@ -104,7 +104,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	if *iters < 1 {
 		return usageError{"--iters must be positive"}
 	}
-	shapes, err := pickKernelShapes(*shapesFlag)
+	shapes, err := pickShapes(*shapesFlag, kernelBenchShapes())
 	if err != nil {
 		return err
 	}
@@ -163,18 +163,6 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters},
 		Figures: map[string]any{"rows": rows, "bars": []string{gemmBar, unfusedBar}, "dispatch_table": cache.Path},
 	})
-}
-
-func pickKernelShapes(list string) ([]moeBenchShape, error) {
-	var out []moeBenchShape
-	for _, name := range strings.Split(list, ",") {
-		i := slices.IndexFunc(kernelBenchShapes(), func(s moeBenchShape) bool { return s.Name == strings.TrimSpace(name) })
-		if i < 0 {
-			return nil, usageError{fmt.Sprintf("--shape: unknown shape %q (known: moe-small, fine, tiny)", name)}
-		}
-		out = append(out, kernelBenchShapes()[i])
-	}
-	return out, nil
 }
 
 // kernelRow derives a row's rates, ratios and bars from the measured

@@ -92,7 +92,7 @@ func cmdBenchMoE(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if *steps < 1 || *warmup < 0 {
 		return usageError{"--steps must be positive and --warmup not negative"}
 	}
-	shapes, err := pickMoEShapes(*shapesFlag)
+	shapes, err := pickShapes(*shapesFlag, moeBenchShapes())
 	if err != nil {
 		return err
 	}
@@ -137,14 +137,19 @@ func cmdBenchMoE(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	})
 }
 
-func pickMoEShapes(list string) ([]moeBenchShape, error) {
+// pickShapes returns the shapes of known that list names (comma-separated).
+func pickShapes(list string, known []moeBenchShape) ([]moeBenchShape, error) {
 	var out []moeBenchShape
+	names := make([]string, len(known))
+	for i, s := range known {
+		names[i] = s.Name
+	}
 	for _, name := range strings.Split(list, ",") {
-		i := slices.IndexFunc(moeBenchShapes(), func(s moeBenchShape) bool { return s.Name == strings.TrimSpace(name) })
+		i := slices.IndexFunc(known, func(s moeBenchShape) bool { return s.Name == strings.TrimSpace(name) })
 		if i < 0 {
-			return nil, usageError{fmt.Sprintf("--shape: unknown shape %q (known: moe-small, fine, tiny)", name)}
+			return nil, usageError{fmt.Sprintf("--shape: unknown shape %q (known: %s)", name, strings.Join(names, ", "))}
 		}
-		out = append(out, moeBenchShapes()[i])
+		out = append(out, known[i])
 	}
 	return out, nil
 }
