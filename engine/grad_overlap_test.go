@@ -139,34 +139,7 @@ func stepResults(t *testing.T, cfg Config, b backend.Backend, world []*comm.Rank
 		}
 		ranks[i].syncGrads = syncGrads
 	}
-	results := make([][]stepResult, len(ranks))
-	errs := make([]error, len(ranks))
-	var wg sync.WaitGroup
-	for i, r := range ranks {
-		wg.Go(func() {
-			for step := 1; step <= cfg.Train.Steps; step++ {
-				res, err := r.trainStep(step)
-				if err != nil {
-					errs[i] = err
-					world[i].Abort(err)
-					return
-				}
-				results[i] = append(results[i], res)
-			}
-		})
-	}
-	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(60 * time.Second):
-		t.Fatal("the ranks did not finish their steps within a minute: a collective hangs")
-	}
-	for i, err := range errs {
-		if err != nil {
-			t.Fatalf("rank %d: %v", world[i].Rank, err)
-		}
-	}
+	results := trainRanks(t, ranks, cfg.Train.Steps)
 	for i, rs := range results {
 		if world[i].Rank == 0 {
 			return rs
@@ -217,4 +190,41 @@ func tcpWorld(t *testing.T, m comm.Mesh, nodes int, b backend.Backend) []*comm.R
 		out = append(out, w.Ranks()...)
 	}
 	return out
+}
+
+// trainRanks runs steps training steps on every rank, each in its own
+// goroutine as in a run, and returns every rank's results, indexed like
+// ranks. A failing rank aborts the world so the others stop; a hang fails
+// the test after a minute.
+func trainRanks(t *testing.T, ranks []*rank, steps int) [][]stepResult {
+	t.Helper()
+	results := make([][]stepResult, len(ranks))
+	errs := make([]error, len(ranks))
+	var wg sync.WaitGroup
+	for i, r := range ranks {
+		wg.Go(func() {
+			for step := 1; step <= steps; step++ {
+				res, err := r.trainStep(step)
+				if err != nil {
+					errs[i] = err
+					r.groups.World.Abort(err)
+					return
+				}
+				results[i] = append(results[i], res)
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the ranks did not finish their steps within a minute: a collective hangs")
+	}
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", i, err)
+		}
+	}
+	return results
 }

@@ -7,9 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/rs/zerolog"
 
@@ -134,34 +132,7 @@ func zeroSteps(t *testing.T, cfg Config, b backend.Backend, world []*comm.Ranks,
 			t.Fatal(err)
 		}
 	}
-	results := make([][]stepResult, len(ranks))
-	errs := make([]error, len(ranks))
-	var wg sync.WaitGroup
-	for q, r := range ranks {
-		wg.Go(func() {
-			for step := 1; step <= cfg.Train.Steps; step++ {
-				res, err := r.trainStep(step)
-				if err != nil {
-					errs[q] = err
-					r.groups.World.Abort(err)
-					return
-				}
-				results[q] = append(results[q], res)
-			}
-		})
-	}
-	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(60 * time.Second):
-		t.Fatal("the ranks did not finish their steps within a minute: a collective hangs")
-	}
-	for q, err := range errs {
-		if err != nil {
-			t.Fatalf("rank %d: %v", q, err)
-		}
-	}
+	results := trainRanks(t, ranks, cfg.Train.Steps)
 	return results[0], ranks
 }
 
