@@ -57,14 +57,13 @@ const (
 	fusedTablesB = fusedOffsOff + 4*(ggMaxExperts+1)
 )
 
-// stage uploads the pointer tables and the offsets of groupRows and
-// returns the rows they sum to.
-func (f *fusedTables) stage(d *Device, ptrs, toks []driver.DevicePtr, groupRows []int) (int, error) {
+// stage uploads the pointer tables and the offsets of groupRows.
+func (f *fusedTables) stage(d *Device, ptrs, toks []driver.DevicePtr, groupRows []int) error {
 	if f.tables == nil {
 		var err error
 		if f.tables, err = d.Alloc(fusedTablesB); err != nil {
 			f.tables = nil
-			return 0, err
+			return err
 		}
 	}
 	if cap(f.host) < fusedTablesB {
@@ -94,7 +93,7 @@ func (f *fusedTables) stage(d *Device, ptrs, toks []driver.DevicePtr, groupRows 
 		put32(fusedOffsOff+4*(g+1), rows)
 	}
 	// The offsets end the used part; a partial upload keeps it small.
-	return rows, d.StageToDevice(f.tables, 0, h[:fusedOffsOff+4*(len(groupRows)+1)])
+	return d.StageToDevice(f.tables, 0, h[:fusedOffsOff+4*(len(groupRows)+1)])
 }
 
 // zeroFlags makes n ready counts, zeroed in stream order.
@@ -207,7 +206,7 @@ func (b *Backend) runFused(a fusedArgs, groupRows []int, rows int, launch func(f
 	f := &b.fused
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if _, err := f.stage(b.dev, a.ranks, a.toks, groupRows); err != nil {
+	if err := f.stage(b.dev, a.ranks, a.toks, groupRows); err != nil {
 		b.fail(err)
 		return true
 	}
