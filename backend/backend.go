@@ -274,6 +274,23 @@ type Backend interface {
 	// refsR2[r]: straight into its source rank's buffer, in the source's
 	// send order. outSD are of the float type.
 	DownCombine(outSD []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int)
+	// DispatchDgradSwiGLU is the experts' backward through the down
+	// projection and SwiGLU, fused with the dispatch of the output
+	// gradients: the rows are gathered, scaled by their gates, as by
+	// GatherPeerRows(dyRD, srcTD, tokS, scaleS, refsR2), then per group g
+	//   dAct  = dyRD·W2_g              (w2GDF stacking the G matrices [D, F])
+	//   dh1RF = dAct * h3RF * silu'(h1RF)
+	//   dh3RF = dAct * silu(h1RF)
+	// dAct is not kept (the fused kernel holds it in float32). dyRD, dh1RF
+	// and dh3RF are of the operand type and are kept for the weight
+	// gradients.
+	DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF Tensor, srcTD, tokS, scaleS []Tensor, refsR2, h1RF, h3RF, w2GDF Tensor, groupRows []int)
+	// DgradCombine is the experts' input gradient fused with its combine:
+	// per group g, dx = dh1RF·W1_g + dh3RF·W3_g (w1GFD and w3GFD stacking
+	// the G matrices [F, D]), and row r of dx is written to outSD[s][p],
+	// (s, p) = refsR2[r], as DownCombine writes y. outSD are of the float
+	// type.
+	DgradCombine(outSD []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int)
 
 	// AdamWUpdate updates param in place from grad with moments m and v.
 	AdamWUpdate(param, grad, m, v Tensor, h AdamW)

@@ -18,3 +18,22 @@ func DownCombineBySteps(b Backend, yRD Tensor, outSD []Tensor, refsR2, actRF, w2
 	b.GroupedMatMul(yRD, actRF, w2GDF, groupRows, true, 1, 0)
 	b.ScatterPeerRows(outSD, yRD, refsR2)
 }
+
+// DispatchDgradSwiGLUBySteps computes DispatchDgradSwiGLU as its unfused
+// sequence on b: GatherPeerRows, GroupedMatMul into a scratch tensor
+// dActRF (dh1RF's shape, of the float type: SwiGLUBackward takes a float
+// dout), and SwiGLUBackward.
+func DispatchDgradSwiGLUBySteps(b Backend, dActRF, dyRD, dh1RF, dh3RF Tensor, srcTD, tokS, scaleS []Tensor, refsR2, h1RF, h3RF, w2GDF Tensor, groupRows []int) {
+	b.GatherPeerRows(dyRD, srcTD, tokS, scaleS, refsR2)
+	b.GroupedMatMul(dActRF, dyRD, w2GDF, groupRows, false, 1, 0)
+	b.SwiGLUBackward(dh1RF, dh3RF, dActRF, h1RF, h3RF)
+}
+
+// DgradCombineBySteps computes DgradCombine as its unfused sequence on b:
+// two GroupedMatMul into a scratch tensor dxRD (of the float type, the
+// rows' count and the outputs' width), then ScatterPeerRows.
+func DgradCombineBySteps(b Backend, dxRD Tensor, outSD []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int) {
+	b.GroupedMatMul(dxRD, dh1RF, w1GFD, groupRows, false, 1, 0)
+	b.GroupedMatMul(dxRD, dh3RF, w3GFD, groupRows, false, 1, 1)
+	b.ScatterPeerRows(outSD, dxRD, refsR2)
+}

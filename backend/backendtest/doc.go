@@ -12,9 +12,13 @@
 // core_check.go), attentionCases (attention_cases.go), routerCases
 // (router_cases.go), bf16Cases (bf16_cases.go: the ops that take or
 // produce BFloat16 tensors), groupedCases (grouped_cases.go) and
-// peerCases (peer_cases.go: the peer-row ops and the fused MoE ops
-// DispatchSwiGLU and DownCombine, on 1, 2 and 4 ranks). A new op adds its cases once and every backend runs
-// them. A Case has a Name (the subtest) and up to two functions:
+// peerCases (peer_cases.go: the peer-row ops and the fused MoE ops, on 1,
+// 2 and 4 ranks: DispatchSwiGLU and DownCombine, and their backward twins
+// DispatchDgradSwiGLU and DgradCombine, each checked against the oracle
+// and against a float64 reference of gather, grouped products, SwiGLU or
+// its derivative, and scatter). A new op adds its cases once and every
+// backend runs them. A Case has a Name (the subtest) and up to two
+// functions:
 //
 //   - Compare builds inputs through an Env and runs the op on both backends;
 //     RunAll calls it. Inputs are drawn from a generator seeded by the case

@@ -1,8 +1,9 @@
 package backendtest
 
 // Conformance cases of the peer-row ops (GatherPeerRows, ScatterPeerRows,
-// DispatchSwiGLU, DownCombine): the MoE dispatch and combine of ranks that
-// read and write each other's tensors. Each case draws, for 1, 2 or 4
+// DispatchSwiGLU, DownCombine and their backward twins DispatchDgradSwiGLU,
+// DgradCombine): the MoE dispatch and combine of ranks that read and write
+// each other's tensors. Each case draws, for 1, 2 or 4
 // ranks, the ranks' sources, token lists (a token may be sent more than
 // once, as under top-k routing) and the expert side's row references
 // (rank, position), with ranks that send nothing, R = 0, and R not a
@@ -39,7 +40,8 @@ func peerRowShapes() []peerShape {
 	}
 }
 
-// peerMoEShape is one DispatchSwiGLU / DownCombine test: the ranks as in
+// peerMoEShape is one test of the fused MoE ops (DispatchSwiGLU,
+// DownCombine, DispatchDgradSwiGLU, DgradCombine): the ranks as in
 // peerShape, groups of groupRows rows (summing to R) multiplied by [F, D]
 // (w1, w3) and [D, F] (w2) matrices.
 type peerMoEShape struct {
@@ -200,7 +202,37 @@ func groupedNT(a, w []float64, groupRows []int, n, k int) []float64 {
 	return out
 }
 
-func silu(x float64) float64 { return x / (1 + math.Exp(-x)) }
+// groupedNN is out[r] = a[r]·W_g per group g of groupRows, W_g the g-th
+// [k, n] block of w, in float64.
+func groupedNN(a, w []float64, groupRows []int, n, k int) []float64 {
+	var out []float64
+	r := 0
+	for g, rows := range groupRows {
+		wg := w[g*k*n : (g+1)*k*n]
+		for ; rows > 0; rows, r = rows-1, r+1 {
+			row := make([]float64, n)
+			for i, v := range a[r*k : (r+1)*k] {
+				for j, wv := range wg[i*n : (i+1)*n] {
+					row[j] += v * wv
+				}
+			}
+			out = append(out, row...)
+		}
+	}
+	return out
+}
+
+func sigmoid(x float64) float64 { return 1 / (1 + math.Exp(-x)) }
+
+func silu(x float64) float64 { return x * sigmoid(x) }
+
+// siluGrad is silu'(x) = s * (1 + x*(1-s)), s = sigmoid(x): SwiGLU's
+// derivative in its gate input, as the CPU backend's SwiGLUBackward writes
+// it.
+func siluGrad(x float64) float64 {
+	s := sigmoid(x)
+	return s * (1 + x*(1-s))
+}
 
 func peerCases() []Case {
 	var cs []Case
@@ -250,18 +282,23 @@ func peerCases() []Case {
 		// "operand": the tested backend's operand type (bf16 on the GPU);
 		// "bf16" on every backend.
 		for _, ty := range []string{"operand", "bf16"} {
-			cs = append(cs,
-				Case{Name: "DispatchSwiGLU/" + ty + "/" + s.name, Compare: func(e *Env) { e.dispatchSwiGLU(s, ty == "bf16") }},
-				Case{Name: "DownCombine/" + ty + "/" + s.name, Compare: func(e *Env) { e.downCombine(s, ty == "bf16") }},
-			)
+			cs = append(cs, peerMoECases(s, ty)...)
 		}
 	}
-	hopper := peerHopperShape()
-	cs = append(cs,
-		Case{Name: "DispatchSwiGLU/bf16/" + hopper.name, Compare: func(e *Env) { e.dispatchSwiGLU(hopper, true) }},
-		Case{Name: "DownCombine/bf16/" + hopper.name, Compare: func(e *Env) { e.downCombine(hopper, true) }},
-	)
-	return cs
+	return append(cs, peerMoECases(peerHopperShape(), "bf16")...)
+}
+
+// peerMoECases are the fused MoE ops' cases on s, ty "operand" or "bf16"
+// ("Op/ty/shape"): the forward pair and its backward twins.
+func peerMoECases(s peerMoEShape, ty string) []Case {
+	bf16 := ty == "bf16"
+	name := func(op string) string { return op + "/" + ty + "/" + s.name }
+	return []Case{
+		{Name: name("DispatchSwiGLU"), Compare: func(e *Env) { e.dispatchSwiGLU(s, bf16) }},
+		{Name: name("DownCombine"), Compare: func(e *Env) { e.downCombine(s, bf16) }},
+		{Name: name("DispatchDgradSwiGLU"), Compare: func(e *Env) { e.dispatchDgrad(s, bf16) }},
+		{Name: name("DgradCombine"), Compare: func(e *Env) { e.dgradCombine(s, bf16) }},
+	}
 }
 
 // peerViewCases put a rank's tensor, or the gather's out, at an odd
@@ -354,6 +391,72 @@ func (e *Env) downCombine(s peerMoEShape, bf16 bool) {
 	e.Run(func(b backend.Backend, p Pick) { b.DownCombine(picks(p, outs), p(refs), p(act), p(w2), s.groupRows) })
 	y := groupedNT(act.host, w2.host, s.groupRows, d, f)
 	for i, want := range scatterRef(hosts(outs), y, refs.ints, d) {
+		e.againstRef(outs[i], want)
+	}
+}
+
+// dispatchDgrad runs DispatchDgradSwiGLU on s with bf16 operands (or the
+// tested backend's operand type) and checks dy against the scaled gather,
+// and dh1 and dh3 against the grouped product dAct = dy·W2_g and SwiGLU's
+// derivative in float64. dAct is kept in float64 here, as the fused kernel
+// keeps it in float32: its rounding is the implementation's own error.
+func (e *Env) dispatchDgrad(s peerMoEShape, bf16 bool) {
+	e.NormWise = groupedNormWise
+	bf16 = bf16 || e.B.OperandType() == backend.BFloat16
+	r, d, f, g := s.rows(), s.d, s.f, len(s.groupRows)
+	// The sources are the output gradients of each rank's tokens; the
+	// scales its gates, away from 0 so that a dropped scale shows.
+	srcs, toks := e.peerSources(s.send, s.src, d, -1, 1)
+	var scales []*Pair
+	for i, n := range s.send {
+		scales = append(scales, e.Uniform(fmt.Sprintf("scale%d", i), 0.1, 1, n))
+	}
+	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
+	// h1 and h3 over [-2, 2], where silu bends; w2 of about 1/sqrt(d), so
+	// that dAct (a sum over d) is of order 1.
+	h1, h3 := e.typed(bf16, "h1", -2, 2, r, f), e.typed(bf16, "h3", -2, 2, r, f)
+	w2 := e.typed(bf16, "w2", -2/math.Sqrt(float64(d)), 2/math.Sqrt(float64(d)), g*d, f)
+	dy, dh1, dh3 := e.typedOut(bf16, "dy", r, d), e.typedOut(bf16, "dh1", r, f), e.typedOut(bf16, "dh3", r, f)
+	e.Run(func(b backend.Backend, p Pick) {
+		b.DispatchDgradSwiGLU(p(dy), p(dh1), p(dh3), picks(p, srcs), picks(p, toks), picks(p, scales), p(refs), p(h1), p(h3), p(w2), s.groupRows)
+	})
+	dyRef := gatherRef(hosts(srcs), toks, hosts(scales), refs.ints, d, bf16)
+	dAct := groupedNN(dyRef, w2.host, s.groupRows, f, d)
+	dh1Ref, dh3Ref := make([]float64, len(dAct)), make([]float64, len(dAct))
+	for i, v := range dAct {
+		dh1Ref[i] = v * h3.host[i] * siluGrad(h1.host[i])
+		dh3Ref[i] = v * silu(h1.host[i])
+	}
+	e.againstRef(dy, dyRef)
+	e.againstRef(dh1, dh1Ref)
+	e.againstRef(dh3, dh3Ref)
+}
+
+// dgradCombine runs DgradCombine on s with bf16 operands (or the tested
+// backend's operand type) and checks the ranks' outputs against
+// dx = dh1·W1_g + dh3·W3_g in float64, scattered.
+func (e *Env) dgradCombine(s peerMoEShape, bf16 bool) {
+	e.NormWise = groupedNormWise
+	bf16 = bf16 || e.B.OperandType() == backend.BFloat16
+	r, d, f, g := s.rows(), s.d, s.f, len(s.groupRows)
+	dh1, dh3 := e.typed(bf16, "dh1", -1, 1, r, f), e.typed(bf16, "dh3", -1, 1, r, f)
+	// Weights of about 1/sqrt(f): dx (a sum over f) of order 1.
+	w1 := e.typed(bf16, "w1", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*f, d)
+	w3 := e.typed(bf16, "w3", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*f, d)
+	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
+	// InOut: the positions no reference names keep their rows.
+	var outs []*Pair
+	for i, n := range s.send {
+		outs = append(outs, e.InOut(e.Rand(fmt.Sprintf("out%d", i), n, d)))
+	}
+	e.Run(func(b backend.Backend, p Pick) {
+		b.DgradCombine(picks(p, outs), p(refs), p(dh1), p(dh3), p(w1), p(w3), s.groupRows)
+	})
+	dx := groupedNN(dh1.host, w1.host, s.groupRows, d, f)
+	for i, v := range groupedNN(dh3.host, w3.host, s.groupRows, d, f) {
+		dx[i] += v
+	}
+	for i, want := range scatterRef(hosts(outs), dx, refs.ints, d) {
 		e.againstRef(outs[i], want)
 	}
 }

@@ -45,6 +45,8 @@ func mutants() []struct{ kind, runAll, gradCheck string } {
 		{"peer-gather-drops-scale", "GatherPeerRows", ""},
 		{"dispatch-first-matrix", "DispatchSwiGLU", ""},
 		{"down-combine-first-matrix", "DownCombine", ""},
+		{"dispatch-dgrad-dh3-unscaled", "DispatchDgradSwiGLU", ""},
+		{"dgrad-combine-skips-w3", "DgradCombine", ""},
 	}
 }
 
@@ -270,6 +272,28 @@ func (m mutant) DownCombine(out []backend.Tensor, refs, act, w2 backend.Tensor, 
 		groupRows = firstGroup(groupRows)
 	}
 	m.Backend.DownCombine(out, refs, act, w2, groupRows)
+}
+
+func (m mutant) DispatchDgradSwiGLU(dy, dh1, dh3 backend.Tensor, src, tok, scale []backend.Tensor, refs, h1, h3, w2 backend.Tensor, groupRows []int) {
+	m.Backend.DispatchDgradSwiGLU(dy, dh1, dh3, src, tok, scale, refs, h1, h3, w2, groupRows)
+	if m.kind != "dispatch-dgrad-dh3-unscaled" {
+		return
+	}
+	// dh3 from the unscaled rows, as a kernel applying the gates to one
+	// epilogue only would write it; dy and dh1 stay right.
+	m.Backend.DispatchDgradSwiGLU(m.New(dy.DType(), dy.Shape()...), m.New(dh1.DType(), dh1.Shape()...), dh3,
+		src, tok, nil, refs, h1, h3, w2, groupRows)
+}
+
+func (m mutant) DgradCombine(out []backend.Tensor, refs, dh1, dh3, w1, w3 backend.Tensor, groupRows []int) {
+	if m.kind == "dgrad-combine-skips-w3" {
+		// dh3·W3 is dropped: the second product overwrites instead of
+		// accumulating, or is never issued.
+		zero := m.New(dh3.DType(), dh3.Shape()...)
+		m.Zero(zero)
+		dh3 = zero
+	}
+	m.Backend.DgradCombine(out, refs, dh1, dh3, w1, w3, groupRows)
 }
 
 func (m mutant) AdamWUpdate(param, grad, mm, v backend.Tensor, h backend.AdamW) {

@@ -141,3 +141,24 @@ func (b *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backe
 	_, d := b.matrix(op, "out", outSD[0])
 	backend.DownCombineBySteps(b, b.New(b.dt, r, d), outSD, refsR2, actRF, w2GDF, groupRows)
 }
+
+// DispatchDgradSwiGLU is its unfused sequence
+// (backend.DispatchDgradSwiGLUBySteps) through a scratch tensor of dAct
+// rows.
+func (b *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) {
+	const op = "DispatchDgradSwiGLU"
+	r, f := b.operandMatrix(op, "dh1", dh1RF)
+	backend.DispatchDgradSwiGLUBySteps(b, b.New(b.dt, r, f), dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows)
+}
+
+// DgradCombine is its unfused sequence (backend.DgradCombineBySteps)
+// through a scratch tensor of dx rows.
+func (b *Backend) DgradCombine(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+	const op = "DgradCombine"
+	if len(outSD) == 0 {
+		fail(op, "no output tensors")
+	}
+	r, _ := b.operandMatrix(op, "dh1", dh1RF)
+	_, d := b.matrix(op, "out", outSD[0])
+	backend.DgradCombineBySteps(b, b.New(b.dt, r, d), outSD, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+}

@@ -66,6 +66,20 @@ func TestPeerOpsBadArguments(t *testing.T) {
 		{"down-combine refs", "cpu.ScatterPeerRows: refs[0] names position 2 of rank 0, which sends 2 rows", func() {
 			b.DownCombine(ts(f(2, 4)), refs(0, 2), f(1, F), w2, []int{1, 0})
 		}},
+		{"dispatch-dgrad dh1", "cpu.DispatchDgradSwiGLU: dh1 is int32", func() {
+			b.DispatchDgradSwiGLU(f(1, 4), list(1), f(1, F), src, tok, nil, refs(0, 0), f(1, F), f(1, F), w2, []int{1, 0})
+		}},
+		{"dispatch-dgrad scale lists", "cpu.GatherPeerRows: 2 sources, 2 token lists and 1 scale lists", func() {
+			b.DispatchDgradSwiGLU(f(1, 4), f(1, F), f(1, F), src, tok, ts(f(2)), refs(0, 0), f(1, F), f(1, F), w2, []int{1, 0})
+		}},
+		{"dispatch-dgrad h1 shape", "cpu.SwiGLUBackward", func() {
+			b.DispatchDgradSwiGLU(f(1, 4), f(1, F), f(1, F), src, tok, nil, refs(0, 0), f(2, F), f(1, F), w2, []int{1, 0})
+		}},
+		{"dgrad-combine no outs", "cpu.DgradCombine: no output tensors", func() { b.DgradCombine(nil, refs(0, 0), f(1, F), f(1, F), w1, w3, []int{1, 0}) }},
+		{"dgrad-combine dh1", "cpu.DgradCombine: dh1 is int32", func() { b.DgradCombine(ts(f(2, 4)), refs(0, 0), list(1), f(1, F), w1, w3, []int{1, 0}) }},
+		{"dgrad-combine refs", "cpu.ScatterPeerRows: refs[0] names position 2 of rank 0, which sends 2 rows", func() {
+			b.DgradCombine(ts(f(2, 4)), refs(0, 2), f(1, F), f(1, F), w1, w3, []int{1, 0})
+		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			defer func() {

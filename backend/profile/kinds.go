@@ -64,7 +64,7 @@ func KindOf(scope, op string) string {
 	switch op {
 	case opUpload, opDownload, opSync:
 		return KindTransfers
-	case opGroupedMatMul, opGroupedMatMulTN, opDispatchSwiGLU, opDownCombine:
+	case opGroupedMatMul, opGroupedMatMulTN, opDispatchSwiGLU, opDownCombine, opDispatchDgrad, opDgradCombine:
 		return KindExpertGEMM
 	case opAttentionForward, opAttentionBackward:
 		return KindAttention

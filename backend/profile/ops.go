@@ -43,6 +43,8 @@ const (
 	opScatterPeerRows   = "ScatterPeerRows"
 	opDispatchSwiGLU    = "DispatchSwiGLU"
 	opDownCombine       = "DownCombine"
+	opDispatchDgrad     = "DispatchDgradSwiGLU"
+	opDgradCombine      = "DgradCombine"
 	opAdamWUpdate       = "AdamWUpdate"
 )
 
@@ -225,4 +227,14 @@ func (p *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, t
 func (p *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
 	defer p.end(p.begin(), opDownCombine)
 	p.inner.DownCombine(outSD, refsR2, actRF, w2GDF, groupRows)
+}
+
+func (p *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) {
+	defer p.end(p.begin(), opDispatchDgrad)
+	p.inner.DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows)
+}
+
+func (p *Backend) DgradCombine(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+	defer p.end(p.begin(), opDgradCombine)
+	p.inner.DgradCombine(outSD, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
 }
