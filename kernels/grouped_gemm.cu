@@ -454,24 +454,44 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // output row straight to its source: dst_s + p*N for (s, p) = refs[r]
 // (float32).
 //
-// The per-tile counts (flags, one int per m-tile) are zeroed by the host
-// before each launch. The wait is bounded: past GG_TIMEOUT_NS the kernel
-// traps, so a lost chunk surfaces as a launch error at the host's next
-// Sync, not a hang.
+// FUSE 3 is FUSE 1's flow for the backward: the gathered rows are the
+// output gradients scaled by their gates (dy), the product is the dgrad
+// dAct = dy.W2_e (W2_eᵀ given K-major, a transposed copy), and the
+// epilogue turns dAct, with the forward's h1 and h3, into dh1 and dh3
+// (SwiGLU's backward); dAct never leaves the registers.
+//
+// FUSE 4 is FUSE 2 over two K halves: dx = dh1.W1_e + dh3.W3_e, the
+// k-blocks of (dh1, W1ᵀ) then those of (dh3, W3ᵀ) in one accumulator, the
+// rows written to their source ranks.
+//
+// The per-tile chunk sets (flags, one int per m-tile, bit c for chunk c)
+// are zeroed by the host before each launch. The wait is bounded: past
+// fz.timeoutNs the TMA thread records the m-tile, the chunks that landed
+// and the source rank of the first missing chunk's first row in fz.fault
+// (the first such wait of the launch only), and every later wait of the
+// launch returns at once: the kernel finishes, with wrong rows, and the
+// host reports the record at its next Sync instead of hanging.
 #define GG_CHUNKS 8
 #define GG_CHUNK_ROWS (GG_BM / GG_CHUNKS)
 
 struct gg_fuse {
-  const gg_tmap* mapW3;                // FUSE 1: W3's map (as mapW)
+  const gg_tmap* mapW3;                // FUSE 1: W3's map (as mapW); FUSE 4: W3ᵀ's map (the second K half's B)
+  const gg_tmap* mapA2;                // FUSE 4: dh3's map (the second K half's A)
   const gg_tmap* mapOut[3];            // FUSE 1: h1's, h3's and act's {N, rows} maps (64x64 boxes, 128B swizzle)
-  unsigned short* h3;                  // FUSE 1: bf16 [rows, N]
+  unsigned short* h3;                  // FUSE 1: bf16 [rows, N]; FUSE 3: dh3, bf16 [rows, N]
   unsigned short* act;                 // FUSE 1: bf16 [rows, N]
-  unsigned short* xRD;                 // FUSE 1: the gathered rows, bf16 [rows, K] (mapA's tensor)
+  const unsigned short* h1In;          // FUSE 3: the forward's h1, bf16 [rows, N]
+  const unsigned short* h3In;          // FUSE 3: the forward's h3, bf16 [rows, N]
+  unsigned short* xRD;                 // FUSE 1, 3: the gathered rows, bf16 [rows, K] (mapA's tensor)
   const int* refs;                     // [rows, 2]: (rank, position)
-  const unsigned long long* ptrs;      // FUSE 1: per rank, its float32 token rows [*, K]; FUSE 2: its float32 output rows [*, N]
-  const unsigned long long* toks;      // FUSE 1: per rank, its int32 send-order token indices
-  int* flags;                          // FUSE 1: per m-tile count of landed chunks (zeroed by the host)
-  int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu
+  const unsigned long long* ptrs;      // FUSE 1, 3: per rank, its float32 source rows [*, K]; FUSE 2, 4: its float32 output rows [*, N]
+  const unsigned long long* toks;      // FUSE 1, 3: per rank, its int32 send-order token indices
+  const unsigned long long* scales;    // FUSE 3: per rank, its float32 send-order row scales (the gates)
+  int* flags;                          // FUSE 1, 3: per m-tile bit set of landed chunks (zeroed by the host)
+  int* fault;                          // FUSE 1, 3: [4] the first wait that timed out: 1, m-tile, chunks landed, source rank
+  unsigned long long timeoutNs;        // FUSE 1, 3: bound of a tile wait
+  int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu;
+                                       // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published
 };
 
 // gg_silu is x * sigmoid(x) with the hardware's approximate exp2 and
@@ -491,10 +511,25 @@ __device__ __forceinline__ int gg_ld_acquire(const int* p) {
   return v;
 }
 
-// gg_gather is a communication warp's work (FUSE 1): chunks u = cw,
+// gg_bf16_lo and gg_bf16_hi widen the low and high bf16 of a pair.
+__device__ __forceinline__ float gg_bits_float(unsigned v) {
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(v));
+  return f;
+}
+__device__ __forceinline__ unsigned gg_float_bits(float f) {
+  unsigned v;
+  asm("mov.b32 %0, %1;" : "=r"(v) : "f"(f));
+  return v;
+}
+__device__ __forceinline__ float gg_bf16_lo(unsigned v) { return gg_bits_float(v << 16); }
+__device__ __forceinline__ float gg_bf16_hi(unsigned v) { return gg_bits_float(v & 0xffff0000u); }
+
+// gg_gather is a communication warp's work (FUSE 1, 3): chunks u = cw,
 // cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major; each row is
-// read from its source as float32 and written to xRD as bf16 (8 columns a
-// lane per step: K is a multiple of 8), then the chunk is published.
+// read from its source as float32, scaled (FUSE 3: by its send-order
+// scale), and written to xRD as bf16 (8 columns a lane per step: K is a
+// multiple of 8), then the chunk is published.
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
                                           const int* sEnd, const int* sCum) {
   const int M = sCum[E];
@@ -508,20 +543,24 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     }
     const int r0 = sBeg[lo] + (g - sCum[lo]) * GG_BM + c * GG_CHUNK_ROWS;
     const int nr = gg_max(gg_min(r0 + GG_CHUNK_ROWS, sEnd[lo]) - r0, 0);
-    // Lane i < nr looks up row r0 + i's source (rank, token) once, so the
-    // copies below do not wait on the two dependent index loads per row.
+    // Lane i < nr looks up row r0 + i's source (rank, token) and scale
+    // once, so the copies below do not wait on the dependent index loads
+    // per row.
     long long srcOff = 0;
     int srcRank = 0;
+    float srcScale = 1.0f;
     if (lane < nr) {
       const int s = fz.refs[2 * (r0 + lane)], p = fz.refs[2 * (r0 + lane) + 1];
       srcRank = s;
       srcOff = (long long)((const int*)fz.toks[s])[p] * K;
+      if (fz.scales) srcScale = ((const float*)fz.scales[s])[p];
     }
     // Two rows at a time, up to four 8-column pieces of each per lane in
     // flight before any store: the copy is bound by load latency.
     for (int i = 0; i < nr; i += 2) {
       const float* src[2];
       unsigned short* dst[2];
+      float sc[2];
 #pragma unroll
       for (int h = 0; h < 2; h++) {
         const int ii = gg_min(i + h, nr - 1);
@@ -530,6 +569,7 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
                             ((long long)gg_shfl_idx((int)(srcOff >> 32), ii) << 32);
         src[h] = (const float*)fz.ptrs[s] + o;
         dst[h] = fz.xRD + (long long)(r0 + ii) * K;
+        sc[h] = gg_bits_float((unsigned)gg_shfl_idx((int)gg_float_bits(srcScale), ii));
       }
       for (int j0 = lane * 8; j0 < K; j0 += 1024) {
         float v[2][4][8];
@@ -553,11 +593,15 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
 #pragma unroll
           for (int u = 0; u < 4; u++) {
             const int j = j0 + 256 * u;
-            if (j < K)
+            if (j < K) {
+              float w[8];
+#pragma unroll
+              for (int q = 0; q < 8; q++) w[q] = v[h][u][q] * sc[h];
               asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst[h] + j),
-                           "r"(gg_pack_bf16(v[h][u][0], v[h][u][1])), "r"(gg_pack_bf16(v[h][u][2], v[h][u][3])),
-                           "r"(gg_pack_bf16(v[h][u][4], v[h][u][5])), "r"(gg_pack_bf16(v[h][u][6], v[h][u][7]))
+                           "r"(gg_pack_bf16(w[0], w[1])), "r"(gg_pack_bf16(w[2], w[3])),
+                           "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                            : "memory");
+            }
           }
         }
       }
@@ -567,19 +611,39 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(fz.flags + g) : "memory");
+    // Test hook (mode 8): a chunk that is never published, as a peer that
+    // never delivers.
+    const bool lost = (fz.mode & 8) && g == M - 1 && c == 0;
+    if (lane == 0 && !lost)
+      asm volatile("red.release.gpu.global.or.b32 [%0], %1;" ::"l"(fz.flags + g), "r"(1u << c) : "memory");
   }
 }
 
 // gg_wait_tile returns once m-tile g's GG_CHUNKS chunks have landed (FUSE
-// 1's TMA thread, before the tile's first A load).
-__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g) {
+// 1 and 3's TMA thread, before the tile's first A load), or the wait timed
+// out (this one, recorded in fz.fault, or an earlier one of the launch).
+// Its rows are [row0, rowEnd).
+#define GG_ALL_CHUNKS ((1 << GG_CHUNKS) - 1)
+__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd) {
   const int* f = fz.flags + g;
-  if (gg_ld_acquire(f) < GG_CHUNKS) {
+  int got = gg_ld_acquire(f);
+  if (got != GG_ALL_CHUNKS) {
     const unsigned long long t0 = gg_globaltimer();
-    while (gg_ld_acquire(f) < GG_CHUNKS) {
-      if (gg_globaltimer() - t0 > GG_TIMEOUT_NS) {
-        asm volatile("trap;");
+    while ((got = gg_ld_acquire(f)) != GG_ALL_CHUNKS) {
+      if (*(volatile const int*)fz.fault != 0) break;  // an earlier wait failed
+      if (gg_globaltimer() - t0 > fz.timeoutNs) {
+        int was;
+        asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, 1;" : "=r"(was) : "l"(fz.fault) : "memory");
+        if (was == 0) {
+          int c = 0;
+          while (c < GG_CHUNKS && (got >> c) & 1) c++;
+          const int r = row0 + c * GG_CHUNK_ROWS;
+          fz.fault[1] = g;
+          fz.fault[2] = got;
+          fz.fault[3] = r < rowEnd ? fz.refs[2 * r] : -1;
+          asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
+        break;
       }
     }
   }
@@ -705,6 +769,114 @@ __device__ __forceinline__ void gg_epilogue_swiglu_tma(const float (&acc)[128], 
   }
 }
 
+// gg_sigmoid is 1 / (1 + e^-x) with the approximate exp2 and reciprocal
+// (as gg_silu).
+__device__ __forceinline__ float gg_sigmoid(float x) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
+}
+
+// gg_quad_gather turns a quad's accumulator layout into column runs: lane
+// q (= lane & 3) has p[2j], p[2j+1] = columns 8j + 2q, +1 (j = 0..3) of one
+// row's 32-column block; on return o[0..7] are columns 8q .. 8q+7. Four
+// rounds of two shuffles, as gg_quad_store's (which moves bf16 pairs).
+// Every lane must call it.
+__device__ __forceinline__ void gg_quad_gather(const float (&p)[8], int lane, float (&o)[8]) {
+  const int q = lane & 3;
+#pragma unroll
+  for (int rr = 0; rr < 4; rr++) {
+    // Round rr: lane q receives from quad lane (q + rr) & 3 its pair of
+    // column group q, so that lane sends its pair (q - rr) & 3.
+    const int sj = (q - rr) & 3;
+    const float lo = sj == 0 ? p[0] : sj == 1 ? p[2] : sj == 2 ? p[4] : p[6];
+    const float hi = sj == 0 ? p[1] : sj == 1 ? p[3] : sj == 2 ? p[5] : p[7];
+    const int src = (lane & ~3) | ((q + rr) & 3);
+    float glo, ghi;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(glo) : "f"(lo), "r"(src));
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(ghi) : "f"(hi), "r"(src));
+    // The pair came from quad lane (q + rr) & 3: columns 2 * that, +1.
+    const int at = 2 * ((q + rr) & 3);
+#pragma unroll
+    for (int c = 0; c < 8; c += 2) {
+      if (c == at) {
+        o[c] = glo;
+        o[c + 1] = ghi;
+      }
+    }
+  }
+}
+
+// gg_epilogue_dswiglu is FUSE 3's epilogue: one warpgroup's 64 rows of
+// dAct (accumulator groups i: columns n0 + 8i + 2(lane & 3), +1) become
+//   dh1 = dAct * h3 * s(h1) * (1 + h1 * (1 - s(h1))),  dh3 = dAct * h1 * s(h1)
+// with h1 and h3 read from the forward's rows. Each 32-column block of a
+// row is first regrouped so that each lane of a quad holds 8 adjacent
+// columns (gg_quad_gather): its h1 and h3 then come as one 16-byte load
+// each and dh1, dh3 go out as one 16-byte store each, whole sectors per
+// warp. The loads of a block are issued for both row halves before any
+// math. Every lane runs the whole loop; rows past rowEnd are masked
+// (mode 16, an experiment: no h1/h3 loads, as if both were 1).
+__device__ __forceinline__ void gg_epilogue_dswiglu(const float (&acc)[128], long long r0, int rowEnd, int n0, int N,
+                                                    int lane, unsigned short* dh1, const gg_fuse& fz) {
+  const int q = lane & 3;
+  const bool load = !(fz.mode & 16);
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    const int col = n0 + 32 * k + 8 * q;
+    unsigned v1[2][4], v3[2][4];  // bf16 pairs of h1 and h3: columns col .. col+7
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const long long r = r0 + 8 * half;
+#pragma unroll
+      for (int w = 0; w < 4; w++) v1[half][w] = v3[half][w] = 0x3f803f80u;  // 1.0, 1.0
+      if (load && r < rowEnd && col < N) {
+        asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v1[half][0]), "=r"(v1[half][1]), "=r"(v1[half][2]), "=r"(v1[half][3])
+                     : "l"(fz.h1In + r * N + col));
+        asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v3[half][0]), "=r"(v3[half][1]), "=r"(v3[half][2]), "=r"(v3[half][3])
+                     : "l"(fz.h3In + r * N + col));
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const long long r = r0 + 8 * half;
+      float p[8], d[8];
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        p[2 * j] = acc[4 * (4 * k + j) + 2 * half];
+        p[2 * j + 1] = acc[4 * (4 * k + j) + 2 * half + 1];
+      }
+      gg_quad_gather(p, lane, d);
+      unsigned o1[4], o3[4];
+#pragma unroll
+      for (int w = 0; w < 4; w++) {
+        float d1[2], d3[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float h1 = e ? gg_bf16_hi(v1[half][w]) : gg_bf16_lo(v1[half][w]);
+          const float h3 = e ? gg_bf16_hi(v3[half][w]) : gg_bf16_lo(v3[half][w]);
+          const float g = d[2 * w + e], sg = gg_sigmoid(h1);
+          d3[e] = g * h1 * sg;
+          d1[e] = g * h3 * sg * (1.0f + h1 * (1.0f - sg));
+        }
+        o1[w] = gg_pack_bf16(d1[0], d1[1]);
+        o3[w] = gg_pack_bf16(d3[0], d3[1]);
+      }
+      if (r < rowEnd && col < N) {
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dh1 + r * N + col), "r"(o1[0]), "r"(o1[1]),
+                     "r"(o1[2]), "r"(o1[3])
+                     : "memory");
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(fz.h3 + r * N + col), "r"(o3[0]), "r"(o3[1]),
+                     "r"(o3[2]), "r"(o3[3])
+                     : "memory");
+      }
+    }
+  }
+}
+
 // gg_epilogue_rows stores one warpgroup's 64-row block (float32) with each
 // row sent to its source rank's buffer (FUSE 2).
 template <int R>
@@ -816,7 +988,8 @@ __device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsign
 //
 // FUSE (see "MoE fusion" above): 0 plain; 1 Dispatch+GEMM+SwiGLU (BN 256
 // holding W1's and W3's 128 columns, out is h1); 2 GEMM+Combine (out
-// unused: rows go to fz.ptrs).
+// unused: rows go to fz.ptrs); 3 Dispatch+dgrad+SwiGLU backward (out is
+// dh1); 4 GEMM+Combine over two K halves.
 template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG, int STORE, int FUSE = 0>
 __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, const gg_tmap* mapO, void* out,
                                         const int* off, int rows, int N, int K, int E, int GM, float alpha,
@@ -887,7 +1060,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   __syncthreads();
 
   GM = gg_max(GM, 1);  // the host sends 1..256; never divide by 0
-  const int nTN = (N + BNT - 1) / BNT, nK = (K + GG_BK - 1) / GG_BK;
+  // FUSE 4 runs K's k-blocks twice: (A, W) then (A2, W3).
+  const int nTN = (N + BNT - 1) / BNT, nK1 = (K + GG_BK - 1) / GG_BK, nK = FUSE == 4 ? 2 * nK1 : nK1;
   const int total = sCum[E] * nTN;
 
   if (warp < 4) {
@@ -896,7 +1070,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // can take 232 each (128*40 + 256*232 <= 64K).
     if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (tid != 0) {
-      if (FUSE == 1 && warp > 0 && !(fz.mode & 1)) gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
+      if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1))
+        gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
       return;
     }
     gg_prefetch_tmap(mapA);
@@ -906,11 +1081,15 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       gg_prefetch_tmap(fz.mapW3);
       for (int i = 0; i < 3; i++) gg_prefetch_tmap(fz.mapOut[i]);
     }
+    if (FUSE == 4) {
+      gg_prefetch_tmap(fz.mapA2);
+      gg_prefetch_tmap(fz.mapW3);
+    }
     int s = 0;
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-      if (FUSE == 1 && !(fz.mode & 1)) gg_wait_tile(fz, tile.g);
+      if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1)) gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd);
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
         // A fresh barrier counts its "previous" phase (parity 1) as
@@ -918,10 +1097,16 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         gg_bar_wait(empty, ph ^ 1);
         gg_bar_expect_tx(full, STAGE_BYTES);
         const unsigned a = base + s * STAGE_BYTES;
-        gg_tma_2d(a, mapA, kb * GG_BK, tile.row0, full);
+        if (FUSE != 4) gg_tma_2d(a, mapA, kb * GG_BK, tile.row0, full);
         if (FUSE == 1) {
           gg_tma_3d(a + A_BYTES, mapW, kb * GG_BK, tile.n0, tile.e, full);
           gg_tma_3d(a + A_BYTES + B_BYTES / 2, fz.mapW3, kb * GG_BK, tile.n0, tile.e, full);
+        } else if (FUSE == 4) {
+          // k-blocks of (dh1, W1ᵀ), then of (dh3, W3ᵀ).
+          const bool second = kb >= nK1;
+          const int kc = (second ? kb - nK1 : kb) * GG_BK;
+          gg_tma_2d(a, second ? fz.mapA2 : mapA, kc, tile.row0, full);
+          gg_tma_3d(a + A_BYTES, second ? fz.mapW3 : mapW, kc, tile.n0, tile.e, full);
         } else {
           gg_tma_3d(a + A_BYTES, mapW, kb * GG_BK, tile.n0, tile.e, full);
         }
@@ -1008,7 +1193,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         continue;
       }
       gg_epilogue_swiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
-    } else if (FUSE == 2) {
+    } else if (FUSE == 3) {
+      gg_epilogue_dswiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
+    } else if (FUSE == 2 || FUSE == 4) {
       gg_epilogue_rows<R>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
     } else {
       gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
@@ -1100,17 +1287,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256h_bf16
 // mapW3 are W1's and W3's {K, N, E} maps with boxes of 128 rows; mapH1,
 // mapH3 and mapAct the outputs' {N, rows} maps (64x64 boxes); h1, h3, act
 // are bf16 [rows, N]; refs [rows, 2]; ptrs/toks per rank; flags one int
-// per m-tile (at least rows/128 + E), zeroed.
+// per m-tile (at least rows/128 + E), zeroed; fault [4] zeroed, written
+// by a tile wait that passed timeoutNs (see gg_wait_tile).
 // moe_down_combine: mapA is act's map, mapW W2's (boxes of 256 rows); ptrs
 // per rank its float32 [*, N] output rows (4 stages, register epilogue).
 extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3,
     const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3, const __grid_constant__ gg_tmap mapAct,
     unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD, const int* refs,
-    const unsigned long long* ptrs, const unsigned long long* toks, int* flags, const int* off, int rows,
-    int N, int K, int E, int GM, int mode) {
-  gg_fuse fz;
+    const unsigned long long* ptrs, const unsigned long long* toks, int* flags, int* fault,
+    unsigned long long timeoutNs, const int* off, int rows, int N, int K, int E, int GM, int mode) {
+  gg_fuse fz = {};
   fz.mode = mode;
+  fz.fault = fault;
+  fz.timeoutNs = timeoutNs;
   fz.mapW3 = &mapW3;
   fz.mapOut[0] = &mapH1;
   fz.mapOut[1] = &mapH3;
@@ -1123,6 +1313,72 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
   fz.toks = toks;
   fz.flags = flags;
   gg_body<256, 3, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+}
+
+// moe_dispatch_dgrad (FUSE 3, 4 stages, register epilogue): mapA is dy's
+// {K, rows} map (written by the kernel itself before it is read; K = D),
+// mapW W2ᵀ's {K, N, E} map (boxes of 256 rows; N = F); dh1, dh3 out and
+// h1, h3 in are bf16 [rows, N]; scales per rank its float32 gates in send
+// order; flags and fault as moe_dispatch_swiglu's.
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, unsigned short* dh1,
+    unsigned short* dh3, const unsigned short* h1, const unsigned short* h3, unsigned short* dy, const int* refs,
+    const unsigned long long* ptrs, const unsigned long long* toks, const unsigned long long* scales, int* flags,
+    int* fault, unsigned long long timeoutNs, const int* off, int rows, int N, int K, int E, int GM, int mode) {
+  gg_fuse fz = {};
+  fz.mode = mode;
+  fz.h3 = dh3;
+  fz.h1In = h1;
+  fz.h3In = h3;
+  fz.xRD = dy;
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  fz.toks = toks;
+  fz.scales = scales;
+  fz.flags = flags;
+  fz.fault = fault;
+  fz.timeoutNs = timeoutNs;
+  gg_body<256, 4, true, false, false, 0, 3>(&mapA, &mapW, nullptr, dh1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+}
+
+// moe_dgrad_combine (FUSE 4, 4 stages): dx = dh1.W1 + dh3.W3 per expert,
+// rows to their source ranks as moe_down_combine; mapA and mapA2 are dh1's
+// and dh3's {K, rows} maps (K = F), mapW and mapW3 W1ᵀ's and W3ᵀ's
+// {K, N, E} maps (boxes of 256 rows; N = D).
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dgrad_combine(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapA2, const __grid_constant__ gg_tmap mapW,
+    const __grid_constant__ gg_tmap mapW3, const int* refs, const unsigned long long* ptrs, const int* off, int rows,
+    int N, int K, int E, int GM) {
+  gg_fuse fz = {};
+  fz.mapA2 = &mapA2;
+  fz.mapW3 = &mapW3;
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  gg_body<256, 4, false, false, false, 0, 4>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+}
+
+// gg_transpose_bf16 writes out[e] = in[e]ᵀ for E matrices in [E, A, B]
+// (bf16), out [E, B, A]: the K-major copies of weights that the backward's
+// products take as B. A block moves one 64x64 tile through shared memory
+// (padded against bank conflicts); grid (ceil(B/64), ceil(A/64), E), 256
+// threads.
+extern "C" __global__ void __launch_bounds__(256) gg_transpose_bf16(const unsigned short* in, unsigned short* out,
+                                                                    int A, int B) {
+  __shared__ unsigned short tile[64][66];
+  const long long e = blockIdx.z;
+  const int b0 = blockIdx.x * 64, a0 = blockIdx.y * 64;
+  const unsigned short* src = in + e * A * B;
+  unsigned short* dst = out + e * A * B;
+  const int tx = threadIdx.x & 63, ty = threadIdx.x >> 6;  // 64 x 4
+  for (int i = ty; i < 64; i += 4) {
+    const int a = a0 + i, b = b0 + tx;
+    if (a < A && b < B) tile[i][tx] = src[(long long)a * B + b];
+  }
+  __syncthreads();
+  for (int i = ty; i < 64; i += 4) {
+    const int b = b0 + i, a = a0 + tx;
+    if (a < A && b < B) dst[(long long)b * A + a] = tile[tx][i];
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(

@@ -148,6 +148,9 @@ func Sources() []Source {
 			{Name: "grouped_gemm_nt_bn256h_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "moe_dispatch_swiglu", Block: 384, Grid: groupedGrid + "; blocks must all be resident (the TMA threads wait on the communication warps of other blocks)"},
 			{Name: "moe_down_combine", Block: 384, Grid: groupedGrid},
+			{Name: "moe_dispatch_dgrad", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
+			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
+			{Name: "gg_transpose_bf16", Block: 256, Grid: "(ceil(B/64), ceil(A/64), E) blocks"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -13,8 +13,9 @@ package moe
 //	          writes the rows its experts computed into every source's ySD;
 //	          after the Barrier, r reads its own ySD (the combine).
 //	backward: after PeerTensors, r reads every source's dout, sendTok and
-//	          gate rows and writes its experts' dx rows into every source's
-//	          dxSD (scratch rowsSD); after the Barrier, r reads its own dxSD.
+//	          gate rows (DispatchDgradSwiGLU) and writes its experts' dx
+//	          rows into every source's dxSD (scratch rowsSD, DgradCombine);
+//	          after the Barrier, r reads its own dxSD.
 //
 // Between the two meetings no rank writes a tensor a peer reads, and no
 // rank uses its own ySD or rowsSD: the only writes to them are the peers'.
@@ -58,45 +59,49 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 	return nil
 }
 
-// fusedBackward is dispatchBackward through the peer-row ops: the output
-// gradients are gathered, scaled by the gates, from the source ranks
-// straight into expert-major order, and the experts' dx rows are written
-// into the source ranks' send-order scratch, which each adds into dxTD.
+// fusedBackward is dispatchBackward through the fused backward ops: the
+// output gradients are gathered, scaled by the gates, from the source
+// ranks straight into expert-major order and multiplied through W2 and
+// SwiGLU's backward in one op (DispatchDgradSwiGLU); the weight gradients
+// follow; then the experts' dx rows are computed and written into the
+// source ranks' send-order scratch in one op (DgradCombine), and each
+// rank adds its scratch into dxTD.
 func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Params) error {
 	b, pl, sc := l.b, st.plan, l.scratch
 	S, R := pl.sent, len(pl.perm)
+	rows := pl.expertRows
 	l.phase(PhaseDispatchBackward)
 	// Peers write dxSD between the exchange and the barrier; this rank
 	// uses neither rowsSD nor anything aliasing it in between (dy is in
-	// dyRD, the experts' dx in rowsR1D, their hidden gradients in the
-	// F-wide scratch).
-	dyRD, dxRD, dxSD := sc.dyRD.view(b, R), sc.rowsR1D.view(b, R), sc.rowsSD.view(b, S)
+	// dyRD, the hidden gradients in the F-wide scratch).
+	dyRD, dxSD := sc.dyRD.view(b, R), sc.rowsSD.view(b, S)
+	dh1RF, dh3RF := sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
 	peers, err := l.peers.PeerTensors(doutTD, st.sendTokS, st.gateS, dxSD)
 	if err != nil {
 		return fmt.Errorf("moe: fused backward dispatch: %w", err)
 	}
+	w1, w3, w2 := l.stacked(p)
 	if R > 0 {
-		b.GatherPeerRows(dyRD, peerColumn(peers, 0), peerColumn(peers, 1), peerColumn(peers, 2), st.refsR2)
+		b.DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF, peerColumn(peers, 0), peerColumn(peers, 1), peerColumn(peers, 2),
+			st.refsR2, st.h1RF, st.h3RF, w2, rows)
 	}
 	l.phase(PhaseExpertsBackward)
 	if R > 0 {
-		l.expertsBackward(st, p, g, dyRD, dxRD)
+		dw1, dw3, dw2 := l.stacked(g)
+		b.GroupedMatMulTN(dw2, dyRD, st.actRF, rows, 1, 1)
+		b.GroupedMatMulTN(dw1, dh1RF, st.xRD, rows, 1, 1)
+		b.GroupedMatMulTN(dw3, dh3RF, st.xRD, rows, 1, 1)
 	}
 	l.phase(PhaseCombineBackward)
-	if l.g.Expert.Size() == 1 {
-		// One rank: expert-major order is send order, so the experts' dx
-		// rows are added to their tokens as they are, without the copy
-		// into send order.
-		if R > 0 {
-			b.ScatterAddRows(dxTD, dxRD, st.sendTokS, nil)
-		}
-		return nil
-	}
 	if R > 0 {
-		b.ScatterPeerRows(peerColumn(peers, 3), dxRD, st.refsR2)
+		// One rank: the references are (0, r), so dxSD is the experts'
+		// dx rows in send order.
+		b.DgradCombine(peerColumn(peers, 3), st.refsR2, dh1RF, dh3RF, w1, w3, rows)
 	}
-	if err := l.g.Expert.Barrier(); err != nil {
-		return fmt.Errorf("moe: fused backward combine: %w", err)
+	if l.g.Expert.Size() > 1 {
+		if err := l.g.Expert.Barrier(); err != nil {
+			return fmt.Errorf("moe: fused backward combine: %w", err)
+		}
 	}
 	if S > 0 {
 		b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)

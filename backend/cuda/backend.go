@@ -157,7 +157,8 @@ func (b *Backend) RelTolerance() float64 { return relTolerance }
 
 // Sync waits for every queued op and returns the first error since the last
 // Sync: the Backend's own (an allocation that failed, a launch the driver
-// refused), else the device's.
+// refused), else the device's, else a fused MoE kernel's report of rows
+// that never arrived (fusedTables.checkFault).
 func (b *Backend) Sync() error {
 	derr := b.dev.Sync()
 	b.mu.Lock()
@@ -166,6 +167,9 @@ func (b *Backend) Sync() error {
 	b.mu.Unlock()
 	if err == nil {
 		err = derr
+	}
+	if err == nil {
+		err = b.fused.checkFault(b.dev)
 	}
 	return err
 }

@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"time"
 	"unsafe"
 
 	"github.com/mktrain/mktrain/backend/cuda/driver"
@@ -27,6 +28,7 @@ import (
 const (
 	ggBM         = 128  // rows per tile
 	ggBK         = 64   // K per pipeline stage
+	ggChunks     = 8    // GG_CHUNKS: the fused gathers' row chunks per m-tile
 	ggThreads    = 384  // producer + two consumer warpgroups
 	ggMaxExperts = 1024 // GG_MAX_EXPERTS
 )
@@ -73,11 +75,18 @@ type GroupedGemm struct {
 	// dispatchSwiGLU and downCombine are the MoE fused kernels
 	// (moe_fused.go), bn256 cooperative like ggCoop256.
 	dispatchSwiGLU, downCombine *Kernel
-	optInDispatch               int // dispatchSwiGLU's opted-in shared memory
-	fusedMode                   int // dispatchSwiGLU's experiment switches (tests only; 0 in use)
-	// fusedLocal is dispatchSwiGLU's local memory (spilled registers) per
-	// thread, read at load time.
-	fusedLocal int
+	// dispatchDgrad and dgradCombine are their backward twins, on the
+	// weights' transposed copies that transposeK writes.
+	dispatchDgrad, dgradCombine, transposeK *Kernel
+	optInDispatch                           int // dispatchSwiGLU's opted-in shared memory
+	// fusedMode holds the fused kernels' experiment switches and test
+	// hooks (tests only; 0 in use); fusedTimeout, when set, replaces
+	// fusedTimeout (tests of the timeout report).
+	fusedMode    int
+	fusedTimeout time.Duration
+	// fusedLocal and dgradLocal are dispatchSwiGLU's and dispatchDgrad's
+	// local memory (spilled registers) per thread, read at load time.
+	fusedLocal, dgradLocal int
 	// optIn is the dynamic shared memory each variant's kernels opted in
 	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
 	// (ggCoop256H needs more than that limit past 163 experts).
@@ -209,13 +218,14 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	for _, f := range []struct {
 		name string
 		k    **Kernel
-	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_down_combine", &g.downCombine}} {
+	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_down_combine", &g.downCombine},
+		{"moe_dispatch_dgrad", &g.dispatchDgrad}, {"moe_dgrad_combine", &g.dgradCombine}} {
 		k, err := m.Kernel(f.name)
 		if err != nil {
 			return nil, err
 		}
 		smem := g.optIn[ggCoop256]
-		if f.k != &g.downCombine {
+		if f.k == &g.dispatchSwiGLU {
 			smem = min(fusedDispatchSmem(ggMaxExperts), info.MaxSharedOptIn)
 			g.optInDispatch = smem
 		}
@@ -231,10 +241,16 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 		if err != nil {
 			return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", f.name, err)
 		}
-		if f.k == &g.dispatchSwiGLU {
+		switch f.k {
+		case &g.dispatchSwiGLU:
 			g.fusedLocal = local
+		case &g.dispatchDgrad:
+			g.dgradLocal = local
 		}
 		*f.k = k
+	}
+	if g.transposeK, err = m.Kernel("gg_transpose_bf16"); err != nil {
+		return nil, err
 	}
 	return g, nil
 }

@@ -26,9 +26,12 @@ package cuda
 // tile schedule from the offsets on the device.
 
 import (
+	"encoding/binary"
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/mktrain/mktrain/backend"
@@ -40,25 +43,45 @@ const fusedMaxRanks = 256
 
 // fusedTables is the device memory a fused call needs besides its
 // operands: per-rank pointer tables and group offsets (staged up with the
-// call) and the per m-tile ready counts. Calls are queued on one stream,
-// so a call's uploads land after the previous call's kernel has read them.
+// call), the per m-tile chunk sets, the fault record of the tile waits,
+// and the transposed weight copies of the backward. Calls are queued on
+// one stream, so a call's uploads land after the previous call's kernel
+// has read them.
 type fusedTables struct {
 	mu     sync.Mutex
-	tables *Buffer // [fusedMaxRanks]u64 ptrs, [fusedMaxRanks]u64 toks, [ggMaxExperts+1]int32 offsets
+	tables *Buffer // [fusedMaxRanks]u64 ptrs, toks and scales, [ggMaxExperts+1]int32 offsets
 	host   []byte
 	flags  *Buffer
 	flagsN int // ints in flags
+	// fault is the tile waits' record ([4]int32, see gg_wait_tile),
+	// zeroed when allocated and after a report; waiter names the last
+	// kernel queued that writes it ("" when none ran since the last check).
+	fault   *Buffer
+	waiter  string
+	timeout time.Duration // the waiter's bound
+	// wT holds the K-major (transposed) weight copies of the backward's
+	// products, wTBytes long.
+	wT      *Buffer
+	wTBytes int64
 }
 
 const (
-	fusedPtrsOff = 0
-	fusedToksOff = 8 * fusedMaxRanks
-	fusedOffsOff = 16 * fusedMaxRanks
-	fusedTablesB = fusedOffsOff + 4*(ggMaxExperts+1)
+	fusedPtrsOff   = 0
+	fusedToksOff   = 8 * fusedMaxRanks
+	fusedScalesOff = 16 * fusedMaxRanks
+	fusedOffsOff   = 24 * fusedMaxRanks
+	fusedTablesB   = fusedOffsOff + 4*(ggMaxExperts+1)
 )
 
-// stage uploads the pointer tables and the offsets of groupRows.
-func (f *fusedTables) stage(d *Device, ptrs, toks []driver.DevicePtr, groupRows []int) error {
+// fusedTimeout bounds a fused kernel's wait for one m-tile's rows (unless
+// GroupedGemm.fusedTimeout says otherwise): far past any real delivery (a
+// tile is microseconds of copying), short enough that a lost peer is
+// reported rather than mistaken for a hang.
+const fusedTimeout = 10 * time.Second
+
+// stage uploads the pointer tables (toks and scales may be nil) and the
+// offsets of groupRows.
+func (f *fusedTables) stage(d *Device, ptrs, toks, scales []driver.DevicePtr, groupRows []int) error {
 	if f.tables == nil {
 		var err error
 		if f.tables, err = d.Alloc(fusedTablesB); err != nil {
@@ -81,6 +104,9 @@ func (f *fusedTables) stage(d *Device, ptrs, toks []driver.DevicePtr, groupRows 
 	for i, p := range toks {
 		put64(fusedToksOff+8*i, p)
 	}
+	for i, p := range scales {
+		put64(fusedScalesOff+8*i, p)
+	}
 	rows := 0
 	put32 := func(at int, v int) {
 		for i := range 4 {
@@ -94,6 +120,86 @@ func (f *fusedTables) stage(d *Device, ptrs, toks []driver.DevicePtr, groupRows 
 	}
 	// The offsets end the used part; a partial upload keeps it small.
 	return d.StageToDevice(f.tables, 0, h[:fusedOffsOff+4*(len(groupRows)+1)])
+}
+
+// armFault returns the fault record's address for a launch of kernel,
+// allocating (zeroed) the record on first use.
+func (f *fusedTables) armFault(d *Device, kernel string, timeout time.Duration) (driver.DevicePtr, error) {
+	if f.fault == nil {
+		b, err := d.Alloc(16)
+		if err != nil {
+			return 0, err
+		}
+		if err := d.Memset32(b, 0, 4, 0); err != nil {
+			return 0, errors.Join(err, d.Free(b))
+		}
+		f.fault = b
+	}
+	f.waiter, f.timeout = kernel, timeout
+	return f.fault.Ptr(), nil
+}
+
+// checkFault reads the fault record once the stream is idle (after a
+// Sync) and, when a tile wait timed out, returns the error naming the
+// tile and the rank whose rows did not arrive, and re-arms the record.
+func (f *fusedTables) checkFault(d *Device) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.waiter == "" {
+		return nil
+	}
+	kernel := f.waiter
+	f.waiter = ""
+	var rec [16]byte
+	if err := d.CopyFromDevice(rec[:], f.fault, 0); err != nil {
+		return err
+	}
+	w := func(i int) int32 { return int32(binary.LittleEndian.Uint32(rec[4*i:])) }
+	if w(0) == 0 {
+		return nil
+	}
+	if err := d.Memset32(f.fault, 0, 4, 0); err != nil {
+		return err
+	}
+	return fusedFaultError(kernel, f.timeout, int(w(1)), uint32(w(2)), int(w(3)))
+}
+
+// fusedFaultError describes a tile wait that timed out: m-tile tile had
+// the chunks of landed (bit c: rows [128*tile + 16c, +16) of the tile's
+// expert) and the first missing chunk's rows come from rank.
+func fusedFaultError(kernel string, timeout time.Duration, tile int, landed uint32, rank int) error {
+	var missing []int
+	for c := range ggChunks {
+		if landed&(1<<c) == 0 {
+			missing = append(missing, c)
+		}
+	}
+	from := fmt.Sprintf("rank %d", rank)
+	if rank < 0 {
+		from = "no rank (the chunk holds no rows)"
+	}
+	return fmt.Errorf("cuda: %s: the rows of m-tile %d never all arrived within %v: row chunks %v of %d missing, the first from %s; the results of this step are wrong",
+		kernel, tile, timeout, missing, ggChunks, from)
+}
+
+// transposed returns the i-th of the wT copies of experts matrices
+// [a, b] each, growing wT to hold n copies.
+func (f *fusedTables) transposed(d *Device, i, n, experts, a, b int) (driver.DevicePtr, error) {
+	each := 2 * int64(experts) * int64(a) * int64(b)
+	if need := each * int64(n); need > f.wTBytes {
+		if f.wT != nil {
+			if err := d.Free(f.wT); err != nil {
+				return 0, err
+			}
+			f.wT, f.wTBytes = nil, 0
+		}
+		buf, err := d.Alloc(need)
+		if err != nil {
+			return 0, err
+		}
+		f.wT, f.wTBytes = buf, need
+	}
+	return f.wT.Ptr() + driver.DevicePtr(int64(i)*each), nil
 }
 
 // zeroFlags makes n ready counts, zeroed in stream order.
@@ -119,7 +225,7 @@ func (f *fusedTables) close(d *Device) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var err error
-	for _, b := range []**Buffer{&f.tables, &f.flags} {
+	for _, b := range []**Buffer{&f.tables, &f.flags, &f.fault, &f.wT} {
 		if *b != nil {
 			if e := d.Free(*b); e != nil && err == nil {
 				err = e
@@ -127,7 +233,7 @@ func (f *fusedTables) close(d *Device) error {
 			*b = nil
 		}
 	}
-	f.flagsN = 0
+	f.flagsN, f.wTBytes, f.waiter = 0, 0, ""
 	return err
 }
 
@@ -159,8 +265,8 @@ func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, t
 // fusedArgs are a fused call's device addresses: its bf16 operands, one
 // tensor (and for a gather one token list) per rank, and the references.
 type fusedArgs struct {
-	ops, ranks, toks []driver.DevicePtr
-	refs             driver.DevicePtr
+	ops, ranks, toks, scales []driver.DevicePtr
+	refs                     driver.DevicePtr
 }
 
 // fusedPtrs checks the dtypes of a fused call's tensors and returns their
@@ -206,7 +312,7 @@ func (b *Backend) runFused(a fusedArgs, groupRows []int, rows int, launch func(f
 	f := &b.fused
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if err := f.stage(b.dev, a.ranks, a.toks, groupRows); err != nil {
+	if err := f.stage(b.dev, a.ranks, a.toks, a.scales, groupRows); err != nil {
 		b.fail(err)
 		return true
 	}
@@ -247,11 +353,16 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 		if err := f.zeroFlags(b.dev, sum/ggBM+g); err != nil {
 			return err
 		}
+		gg := x.bf16Out
+		fault, err := f.armFault(b.dev, "moe_dispatch_swiglu", gg.waitTimeout())
+		if err != nil {
+			return err
+		}
 		tp := f.tables.Ptr()
-		return x.bf16Out.runDispatchSwiGLU(fusedDispatch{
+		return gg.runDispatchSwiGLU(fusedDispatch{
 			x: ps[0], h1: ps[1], h3: ps[2], act: ps[3], w1: ps[4], w3: ps[5], refs: a.refs,
 			ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, offsets: tp + fusedOffsOff, flags: f.flags.Ptr(),
-			rows: sum, n: n, k: k, experts: g,
+			fault: fault, rows: sum, n: n, k: k, experts: g,
 		})
 	})
 	runtime.KeepAlive(bf)
@@ -335,8 +446,8 @@ func sameShape(ts ...backend.Tensor) bool {
 // fusedDispatch is one moe_dispatch_swiglu call: device addresses and
 // sizes (n = F, k = D).
 type fusedDispatch struct {
-	x, h1, h3, act, w1, w3, refs, ptrs, toks, offsets, flags driver.DevicePtr
-	rows, n, k, experts                                      int
+	x, h1, h3, act, w1, w3, refs, ptrs, toks, offsets, flags, fault driver.DevicePtr
+	rows, n, k, experts                                             int
 }
 
 // fusedCombine is one moe_down_combine call (n = D, k = F).
@@ -379,8 +490,9 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 	}
 	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3), outMap(a.h1), outMap(a.h3), outMap(a.act)}
 	slots := []uint64{uint64(a.h1), uint64(a.h3), uint64(a.act), uint64(a.x), uint64(a.refs), uint64(a.ptrs),
-		uint64(a.toks), uint64(a.flags), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1, uint64(uint32(g.fusedMode))}
+		uint64(a.toks), uint64(a.flags), uint64(a.fault), uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets),
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
+		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
 	grid.Shared = fusedDispatchSmem(a.experts)
 	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots, g.optInDispatch)
@@ -443,4 +555,220 @@ func (g *GroupedGemm) launchFused(k *Kernel, grid Grid, maps []driver.TiledMap, 
 		}
 		return nil
 	})
+}
+
+// DispatchDgradSwiGLU runs moe_dispatch_dgrad when the call is one it
+// takes (bf16 rows and weights, float32 sources and scales, Hopper), else
+// the unfused sequence.
+func (b *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) {
+	const op = "DispatchDgradSwiGLU"
+	if b.dispatchDgradKernel(dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows) {
+		return
+	}
+	_, r, f := operandMatrix(op, "dh1", dh1RF)
+	backend.DispatchDgradSwiGLUBySteps(b, b.New(b.FloatType(), r, f), dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows)
+}
+
+func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) bool {
+	g := len(groupRows)
+	bf := []backend.Tensor{dyRD, dh1RF, dh3RF, h1RF, h3RF, w2GDF}
+	if scaleS == nil || len(scaleS) != len(srcTD) {
+		return false
+	}
+	a, ok := fusedPtrs(bf, srcTD, backend.Float32, tokS, refsR2, g)
+	if !ok {
+		return false
+	}
+	if a.scales, ok = peerPtrs(scaleS, backend.Float32); !ok {
+		return false
+	}
+	ys, hs, ws := dyRD.Shape(), dh1RF.Shape(), w2GDF.Shape()
+	if len(ys) != 2 || len(hs) != 2 || len(ws) != 2 {
+		return false
+	}
+	rows, d, f := ys[0], ys[1], hs[1]
+	if hs[0] != rows || ws[0] != g*d || ws[1] != f || !sameShape(dh1RF, dh3RF, h1RF, h3RF) || refsR2.Len() != 2*rows {
+		return false
+	}
+	for i, s := range srcTD {
+		// The communication warps read 16-byte vectors of source rows.
+		if ss := s.Shape(); len(ss) != 2 || ss[1] != d || a.ranks[i]%16 != 0 || a.toks[i]%4 != 0 || a.scales[i]%4 != 0 ||
+			scaleS[i].Len() != tokS[i].Len() {
+			return false
+		}
+	}
+	x, ok := b.expertKernels()
+	ps := a.ops
+	if !ok || checkGroupedGemm(ps[1], ps[0], ps[5], 16, rows, f, d, g, 256) != nil {
+		return false
+	}
+	taken := b.runFused(a, groupRows, rows, func(tb *fusedTables, sum int) error {
+		gg := x.bf16Out
+		w2T, err := tb.transposed(b.dev, 0, 1, g, d, f)
+		if err != nil {
+			return err
+		}
+		if err := gg.transpose(w2T, ps[5], g, d, f); err != nil {
+			return err
+		}
+		if err := tb.zeroFlags(b.dev, sum/ggBM+g); err != nil {
+			return err
+		}
+		fault, err := tb.armFault(b.dev, "moe_dispatch_dgrad", gg.waitTimeout())
+		if err != nil {
+			return err
+		}
+		tp := tb.tables.Ptr()
+		return gg.runDispatchDgrad(fusedDgrad{
+			dy: ps[0], dh1: ps[1], dh3: ps[2], h1: ps[3], h3: ps[4], w2T: w2T, refs: a.refs,
+			ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, scales: tp + fusedScalesOff, offsets: tp + fusedOffsOff,
+			flags: tb.flags.Ptr(), fault: fault, rows: sum, n: f, k: d, experts: g,
+		})
+	})
+	runtime.KeepAlive(bf)
+	runtime.KeepAlive(srcTD)
+	runtime.KeepAlive(tokS)
+	runtime.KeepAlive(scaleS)
+	runtime.KeepAlive(refsR2)
+	return taken
+}
+
+// DgradCombine runs moe_dgrad_combine when the call is one it takes (bf16
+// gradients and weights, float32 outputs, Hopper), else the unfused
+// sequence.
+func (b *Backend) DgradCombine(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+	const op = "DgradCombine"
+	if b.dgradCombineKernel(outSD, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows) {
+		return
+	}
+	if len(outSD) == 0 {
+		fail(op, "no output tensors")
+	}
+	_, r, _ := operandMatrix(op, "dh1", dh1RF)
+	_, _, d := operandMatrix(op, "out", outSD[0])
+	backend.DgradCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+}
+
+func (b *Backend) dgradCombineKernel(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
+	g := len(groupRows)
+	bf := []backend.Tensor{dh1RF, dh3RF, w1GFD, w3GFD}
+	a, ok := fusedPtrs(bf, outSD, backend.Float32, nil, refsR2, g)
+	if !ok {
+		return false
+	}
+	hs, ws, os := dh1RF.Shape(), w1GFD.Shape(), outSD[0].Shape()
+	if len(hs) != 2 || len(ws) != 2 || len(os) != 2 {
+		return false
+	}
+	rows, f, d := hs[0], hs[1], os[1]
+	if ws[0] != g*f || ws[1] != d || !sameShape(dh1RF, dh3RF) || !sameShape(w1GFD, w3GFD) || refsR2.Len() != 2*rows {
+		return false
+	}
+	for i, o := range outSD {
+		// The epilogue stores column pairs (8 bytes).
+		if s := o.Shape(); len(s) != 2 || s[1] != d || a.ranks[i]%8 != 0 {
+			return false
+		}
+	}
+	x, ok := b.expertKernels()
+	ps := a.ops
+	if !ok || checkGroupedGemm(ps[0], ps[0], ps[2], 16, rows, d, f, g, 256) != nil {
+		return false
+	}
+	taken := b.runFused(a, groupRows, rows, func(tb *fusedTables, sum int) error {
+		gg := x.bf16Out
+		var wT [2]driver.DevicePtr
+		for i, w := range []driver.DevicePtr{ps[2], ps[3]} {
+			var err error
+			if wT[i], err = tb.transposed(b.dev, i, 2, g, f, d); err != nil {
+				return err
+			}
+			if err := gg.transpose(wT[i], w, g, f, d); err != nil {
+				return err
+			}
+		}
+		tp := tb.tables.Ptr()
+		return gg.runDgradCombine(fusedDgradCombine{
+			dh1: ps[0], dh3: ps[1], w1T: wT[0], w3T: wT[1], refs: a.refs, ptrs: tp + fusedPtrsOff,
+			offsets: tp + fusedOffsOff, rows: sum, n: d, k: f, experts: g,
+		})
+	})
+	runtime.KeepAlive(bf)
+	runtime.KeepAlive(outSD)
+	runtime.KeepAlive(refsR2)
+	return taken
+}
+
+// fusedDgrad is one moe_dispatch_dgrad call (n = F, k = D); w2T is W2's
+// transposed copy [E, F, D].
+type fusedDgrad struct {
+	dy, dh1, dh3, h1, h3, w2T, refs, ptrs, toks, scales, offsets, flags, fault driver.DevicePtr
+	rows, n, k, experts                                                        int
+}
+
+// fusedDgradCombine is one moe_dgrad_combine call (n = D, k = F); w1T and
+// w3T are the transposed copies [E, D, F].
+type fusedDgradCombine struct {
+	dh1, dh3, w1T, w3T, refs, ptrs, offsets driver.DevicePtr
+	rows, n, k, experts                     int
+}
+
+// waitTimeout is the fused kernels' bound on one tile wait.
+func (g *GroupedGemm) waitTimeout() time.Duration {
+	if g.fusedTimeout > 0 {
+		return g.fusedTimeout
+	}
+	return fusedTimeout
+}
+
+// rowsMap is the {k, rows} bf16 map of a [rows, k] operand, 64x128 boxes.
+func rowsMap(addr driver.DevicePtr, rows, k int) driver.TiledMap {
+	return driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: addr,
+		Dims: []uint64{uint64(k), uint64(rows)}, Strides: []uint64{2 * uint64(k)},
+		Box: []uint32{ggBK, ggBM}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+}
+
+// expertsMap is the {k, n, experts} bf16 map of stacked [n, k] matrices,
+// boxes of 64 x boxRows x 1.
+func expertsMap(addr driver.DevicePtr, experts, n, k int, boxRows uint32) driver.TiledMap {
+	return driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: addr,
+		Dims:    []uint64{uint64(k), uint64(n), uint64(experts)},
+		Strides: []uint64{2 * uint64(k), 2 * uint64(k) * uint64(n)},
+		Box:     []uint32{ggBK, boxRows, 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+}
+
+// runDispatchDgrad queues moe_dispatch_dgrad. Its grid must be resident at
+// once, as runDispatchSwiGLU's: one block per SM, which its shared memory
+// (ggCoop256's) enforces.
+func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
+	maps := []driver.TiledMap{rowsMap(a.dy, a.rows, a.k), expertsMap(a.w2T, a.experts, a.n, a.k, 256)}
+	slots := []uint64{uint64(a.dh1), uint64(a.dh3), uint64(a.h1), uint64(a.h3), uint64(a.dy), uint64(a.refs),
+		uint64(a.ptrs), uint64(a.toks), uint64(a.scales), uint64(a.flags), uint64(a.fault),
+		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
+		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1, uint64(uint32(g.fusedMode))}
+	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
+	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
+	return g.launchFused(g.dispatchDgrad, grid, maps, slots, g.optIn[ggCoop256])
+}
+
+// runDgradCombine queues moe_dgrad_combine.
+func (g *GroupedGemm) runDgradCombine(a fusedDgradCombine) error {
+	maps := []driver.TiledMap{rowsMap(a.dh1, a.rows, a.k), rowsMap(a.dh3, a.rows, a.k),
+		expertsMap(a.w1T, a.experts, a.n, a.k, 256), expertsMap(a.w3T, a.experts, a.n, a.k, 256)}
+	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
+		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
+	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
+	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
+	return g.launchFused(g.dgradCombine, grid, maps, slots, g.optIn[ggCoop256])
+}
+
+// transpose queues out[e] = in[e]ᵀ for experts bf16 matrices [a, b]
+// (out [experts, b, a]).
+func (g *GroupedGemm) transpose(out, in driver.DevicePtr, experts, a, b int) error {
+	grid := Grid{Grid: driver.Dim3{X: (b + 63) / 64, Y: (a + 63) / 64, Z: experts}, Block: driver.Dim3{X: 256, Y: 1, Z: 1}}
+	return g.d.Launch(g.transposeK, grid, in, out, int32(a), int32(b))
 }

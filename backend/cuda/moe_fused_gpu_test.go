@@ -1,16 +1,20 @@
 package cuda
 
 // The MoE fused kernels (moe_fused.go) against their unfused sequence on
-// the same GPU (backend.DispatchSwiGLUBySteps, DownCombineBySteps: peer
-// gathers and scatters around the grouped products) on fresh random
-// inputs, and their figures against the sequence and the grouped products
-// alone on moe-small's shape.
+// the same GPU (backend.DispatchSwiGLUBySteps, DownCombineBySteps,
+// DispatchDgradSwiGLUBySteps, DgradCombineBySteps: peer gathers and
+// scatters around the grouped products) on fresh random inputs, their
+// report of rows that never arrive, and their figures against the
+// sequence and the grouped products alone on moe-small's shape.
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -29,6 +33,7 @@ type fusedCase struct {
 // fusedInputs are a case's tensors on b.
 type fusedInputs struct {
 	srcTD, tokS, outSD []backend.Tensor
+	scaleS             []backend.Tensor // per rank, a gate per sent row (the backward's)
 	refsR2             backend.Tensor
 	w1, w3, w2         backend.Tensor // bf16 stacks
 	rows               int
@@ -59,6 +64,13 @@ func (c fusedCase) inputs(b *Backend, seed uint64) fusedInputs {
 		in.srcTD = append(in.srcTD, st)
 		in.tokS = append(in.tokS, tt)
 		in.outSD = append(in.outSD, b.New(backend.Float32, c.sendS[s], c.d))
+		gates := make([]float32, max(c.sendS[s], 1))
+		for i := range gates {
+			gates[i] = float32(0.1 + 0.9*rng.Float64())
+		}
+		gt := b.New(backend.Float32, len(gates))
+		backend.UploadSlice(b, gt, gates)
+		in.scaleS = append(in.scaleS, b.View(gt, 0, c.sendS[s]))
 		for p := range c.sendS[s] {
 			refs = append(refs, int32(s), int32(p))
 		}
@@ -117,6 +129,43 @@ func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
 	o := fusedOut{}
 	if in.rows > 0 {
 		o.x, o.h1, o.h3, o.act = backend.DownloadFloat32(b, x), backend.DownloadFloat32(b, h1), backend.DownloadFloat32(b, h3), backend.DownloadFloat32(b, act)
+	}
+	for _, t := range in.outSD {
+		var rows []float32
+		if t.Len() > 0 {
+			rows = backend.DownloadFloat32(b, t)
+		}
+		o.outs = append(o.outs, rows)
+	}
+	return o
+}
+
+// fusedGrads is what one path of the backward computed.
+type fusedGrads struct {
+	dy, dh1, dh3 []float32
+	outs         [][]float32
+}
+
+// runBackward runs the backward ops on in, with the source rows standing
+// for the output gradients and h1, h3 the forward's, fused or as their
+// unfused sequence.
+func (c fusedCase) runBackward(b *Backend, in fusedInputs, h1, h3 backend.Tensor, fused bool) fusedGrads {
+	r := max(in.rows, 1)
+	dy, dh1, dh3 := b.New(backend.BFloat16, r, c.d), b.New(backend.BFloat16, r, c.f), b.New(backend.BFloat16, r, c.f)
+	dy, dh1, dh3 = b.View(dy, 0, in.rows, c.d), b.View(dh1, 0, in.rows, c.f), b.View(dh3, 0, in.rows, c.f)
+	for _, o := range in.outSD {
+		b.Zero(o)
+	}
+	if fused {
+		b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, c.groups)
+		b.DgradCombine(in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
+	} else {
+		backend.DispatchDgradSwiGLUBySteps(b, b.New(backend.Float32, in.rows, c.f), dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, c.groups)
+		backend.DgradCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
+	}
+	o := fusedGrads{}
+	if in.rows > 0 {
+		o.dy, o.dh1, o.dh3 = backend.DownloadFloat32(b, dy), backend.DownloadFloat32(b, dh1), backend.DownloadFloat32(b, dh3)
 	}
 	for _, t := range in.outSD {
 		var rows []float32
@@ -188,6 +237,77 @@ func (c fusedCase) testAgainstUnfused(t *testing.T, b *Backend, seed uint64) {
 			t.Errorf("rank %d's combined rows: rel L2 %.3g against the unfused sequence", s, e)
 		}
 	}
+	if t.Failed() || in.rows == 0 {
+		return
+	}
+	// The backward, on the forward's h1 and h3 (the unfused path's).
+	r := in.rows
+	h1, h3 := bf16Of(b, want.h1, r, c.f), bf16Of(b, want.h3, r, c.f)
+	gotG := c.runBackward(b, in, h1, h3, true)
+	wantG := c.runBackward(b, in, h1, h3, false)
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for j := range wantG.dy {
+		if gotG.dy[j] != wantG.dy[j] {
+			t.Fatalf("dy[%d] = %v, the unfused gather gives %v (the scaled gather is exact)", j, gotG.dy[j], wantG.dy[j])
+		}
+	}
+	for _, p := range []struct {
+		name      string
+		got, want []float32
+	}{{"dh1", gotG.dh1, wantG.dh1}, {"dh3", gotG.dh3, wantG.dh3}} {
+		if e := relL2(p.got, p.want); !(e < 1e-2) {
+			t.Errorf("%s: rel L2 %.3g against the unfused sequence", p.name, e)
+		}
+	}
+	for s := range gotG.outs {
+		if e := relL2(gotG.outs[s], wantG.outs[s]); !(e < 2e-2) {
+			t.Errorf("rank %d's dx rows: rel L2 %.3g against the unfused sequence", s, e)
+		}
+	}
+}
+
+// bf16Of uploads float32 values that are bf16 already (a download of a
+// bf16 tensor) as a bf16 tensor [rows, cols], exactly.
+func bf16Of(b *Backend, v []float32, rows, cols int) backend.Tensor {
+	f := b.New(backend.Float32, rows, cols)
+	backend.UploadSlice(b, f, v)
+	h := b.New(backend.BFloat16, rows, cols)
+	b.Copy(h, f)
+	return h
+}
+
+// TestMoEFusedReportsLostRows makes the gathers of both dispatch kernels
+// lose one chunk of rows (the test hook of fusedMode, as a peer that
+// never delivers): Sync must return an error naming the kernel, the
+// m-tile and the rank, within the (shortened) bound, and the device must
+// work afterwards.
+func TestMoEFusedReportsLostRows(t *testing.T) {
+	testGroupedGemm(t)
+	b := testBackend(t)
+	c := fusedCases()[2] // 4 ranks, 727 rows: m-tiles 0..6 over the groups
+	in := c.inputs(b, 31)
+	gg := b.experts.bf16Out
+	gg.fusedMode, gg.fusedTimeout = 8, 200*time.Millisecond
+	defer func() { gg.fusedMode, gg.fusedTimeout = 0, 0 }()
+	fw := c.run(b, in, true)
+	err := b.Sync()
+	if err == nil || !strings.Contains(err.Error(), "moe_dispatch_swiglu") || !strings.Contains(err.Error(), "m-tile") ||
+		!strings.Contains(err.Error(), "rank") {
+		t.Fatalf("forward with a lost chunk: Sync gave %v, want the dispatch kernel's report of the m-tile and rank", err)
+	}
+	t.Logf("forward: %v", err)
+	h1, h3 := bf16Of(b, fw.h1, in.rows, c.f), bf16Of(b, fw.h3, in.rows, c.f)
+	c.runBackward(b, in, h1, h3, true)
+	err = b.Sync()
+	if err == nil || !strings.Contains(err.Error(), "moe_dispatch_dgrad") || !strings.Contains(err.Error(), "m-tile") {
+		t.Fatalf("backward with a lost chunk: Sync gave %v, want the dgrad kernel's report", err)
+	}
+	t.Logf("backward: %v", err)
+	// Healthy again: the record was re-armed and the context lives.
+	gg.fusedMode = 0
+	c.testAgainstUnfused(t, b, 32)
 }
 
 // TestMoEFusedFigures times one rank's expert block of moe-small at W = 1
@@ -275,10 +395,74 @@ func TestMoEFusedFigures(t *testing.T) {
 					figure(t, fmt.Sprintf("moe_fused_W%d_%s_tflops", w, p.name), flop/v/1e9, "TFLOP/s")
 				}
 			}
+			// The backward: the fused pair, its unfused sequence (cuBLASLt
+			// NN products per group), and its parts: the weights'
+			// transposes and the three products on them as plain NT
+			// grouped GEMMs.
+			dy, dh1, dh3 := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
+			dAct := b.New(backend.Float32, rows, f)
+			w2T, w1T, w3T := b.New(backend.BFloat16, g*f, d), b.New(backend.BFloat16, g*d, f), b.New(backend.BFloat16, g*d, f)
+			wps, _ := devicePtrs(w2T.(*Tensor), w1T.(*Tensor), w3T.(*Tensor), in.w2.(*Tensor), in.w1.(*Tensor), in.w3.(*Tensor))
+			gg := b.experts.bf16Out
+			bwd := []struct {
+				name string
+				run  func() error
+			}{
+				{"bwd_fused", func() error {
+					b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+					b.DgradCombine(in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+					return nil
+				}},
+				{"bwd_unfused", func() error {
+					backend.DispatchDgradSwiGLUBySteps(b, dAct, dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+					backend.DgradCombineBySteps(b, y, in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+					return nil
+				}},
+				{"bwd_transposes", func() error {
+					return errors.Join(gg.transpose(wps[0], wps[3], g, d, f), gg.transpose(wps[1], wps[4], g, f, d),
+						gg.transpose(wps[2], wps[5], g, f, d))
+				}},
+				{"bwd_gemm_nt", func() error {
+					b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0)
+					b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
+					b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
+					return nil
+				}},
+				// The halves: dispatch+dgrad (with the gather and SwiGLU's
+				// backward) and dgrad+combine, each fused and as its
+				// products alone.
+				{"bwd_dgrad_fused", func() error {
+					b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+					return nil
+				}},
+				{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0); return nil }},
+				{"bwd_combine_fused", func() error {
+					b.DgradCombine(in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+					return nil
+				}},
+				{"bwd_combine_gemm", func() error {
+					b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
+					b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
+					return nil
+				}},
+			}
+			for _, p := range bwd {
+				v, err := ggTime(b.dev, p.run)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := b.Sync(); err != nil {
+					t.Fatal(err)
+				}
+				ms[p.name] = v
+				figure(t, fmt.Sprintf("moe_fused_W%d_%s_ms", w, p.name), v, "ms")
+			}
+			figure(t, fmt.Sprintf("moe_fused_W%d_bwd_unfused_over_fused", w), ms["bwd_unfused"]/ms["bwd_fused"], "x")
+			figure(t, fmt.Sprintf("moe_fused_W%d_bwd_fused_over_parts", w), ms["bwd_fused"]/(ms["bwd_transposes"]+ms["bwd_gemm_nt"]), "x")
 			// Experiments on the gate/up kernel (fusedMode): which part
 			// costs the time over its products.
-			gg := b.experts.bf16Out
 			figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal), "B")
+			figure(t, "moe_dispatch_dgrad_local_bytes", float64(gg.dgradLocal), "B")
 			for _, mode := range []int{1, 2, 4, 7} {
 				gg.fusedMode = mode
 				v, err := ggTime(b.dev, gateUpFused)
@@ -287,6 +471,17 @@ func TestMoEFusedFigures(t *testing.T) {
 					t.Fatal(err)
 				}
 				figure(t, fmt.Sprintf("moe_fused_W%d_gateup_fused_mode%d_ms", w, mode), v, "ms")
+			}
+			// The same for the dgrad kernel: 1 no gather or waits, 16 no
+			// h1/h3 loads in the epilogue.
+			for _, mode := range []int{1, 16, 17} {
+				gg.fusedMode = mode
+				v, err := ggTime(b.dev, bwd[4].run)
+				gg.fusedMode = 0
+				if err != nil {
+					t.Fatal(err)
+				}
+				figure(t, fmt.Sprintf("moe_fused_W%d_bwd_dgrad_fused_mode%d_ms", w, mode), v, "ms")
 			}
 			if err := b.Sync(); err != nil {
 				t.Fatal(err)
