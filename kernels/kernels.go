@@ -20,7 +20,9 @@
 package kernels
 
 import (
+	"crypto/sha256"
 	"embed"
+	"encoding/hex"
 	"fmt"
 	"strings"
 )
@@ -191,6 +193,27 @@ func (s Source) Kernel(name string) (Kernel, bool) {
 		}
 	}
 	return Kernel{}, false
+}
+
+// Digest identifies this build's kernels: the first 12 hex digits of the
+// SHA-256 of the prelude and every source, in name order. Results measured
+// on the kernels (the MoE dispatcher table) keep it, so that a build with
+// other kernels measures again.
+func Digest() (string, error) {
+	entries, err := files.ReadDir(".")
+	if err != nil {
+		return "", fmt.Errorf("kernels: %w", err)
+	}
+	h := sha256.New()
+	for _, e := range entries { // ReadDir sorts by name
+		b, err := files.ReadFile(e.Name())
+		if err != nil {
+			return "", fmt.Errorf("kernels: %w", err)
+		}
+		fmt.Fprintf(h, "%s %d\n", e.Name(), len(b))
+		h.Write(b)
+	}
+	return hex.EncodeToString(h.Sum(nil))[:12], nil
 }
 
 // Files lists the embedded .cu files, for the consistency test.

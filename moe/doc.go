@@ -80,8 +80,10 @@
 // SwiGLU; DownCombine: the W2 product scattered to the sources; on a GPU,
 // fused kernels). A barrier then lets every rank combine its own rows as
 // in step 5. Backward gathers the gate-scaled output gradients from the
-// sources into expert-major order (GatherPeerRows) and scatters the dx
-// rows back (ScatterPeerRows). The two dispatchers compute the same rows
+// sources into expert-major order and takes them through W2 and SwiGLU's
+// backward (DispatchDgradSwiGLU), accumulates the weight gradients, and
+// computes the dx rows straight into the sources' send-order buffers
+// (DgradCombine); on a GPU those two are fused kernels too. The two dispatchers compute the same rows
 // in the same order, so they agree to the bit on the CPU. "auto" picks one
 // from a measured table (ResolveDispatcher); New takes only a resolved
 // value.

@@ -28,6 +28,7 @@ import (
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/kernels"
 )
 
 // Timing is what MeasureDispatch measured: the median wall time of one
@@ -271,10 +272,12 @@ func MachineName(b backend.Backend) string {
 	return name
 }
 
-// DispatchKey is what a measurement holds for: the machine and the layer
+// DispatchKey is what a measurement holds for: the machine, the build's
+// kernels (kernels.Digest: new kernels are measured again) and the layer
 // shape (tokens per rank, ep ranks).
 type DispatchKey struct {
 	Machine string `json:"machine"`
+	Kernels string `json:"kernels"`
 	Dim     int    `json:"dim"`
 	FFN     int    `json:"ffn"`
 	Experts int    `json:"experts"`
@@ -286,15 +289,26 @@ type DispatchKey struct {
 // NewDispatchKey is the key of layer cfg of width dim with tokens tokens
 // per rank on ep expert-parallel ranks of b.
 func NewDispatchKey(b backend.Backend, cfg Config, dim, tokens, ep int) DispatchKey {
-	return DispatchKey{Machine: MachineName(b), Dim: dim, FFN: cfg.FFN, Experts: cfg.Experts, TopK: cfg.TopK, Tokens: tokens, EP: ep}
+	return DispatchKey{Machine: MachineName(b), Kernels: kernelsDigest(), Dim: dim, FFN: cfg.FFN, Experts: cfg.Experts, TopK: cfg.TopK, Tokens: tokens, EP: ep}
+}
+
+// kernelsDigest is kernels.Digest, or "unknown" should the embedded
+// sources not read (then the table is only consulted for that same
+// answer, which costs a measurement at worst).
+func kernelsDigest() string {
+	d, err := kernels.Digest()
+	if err != nil {
+		return "unknown"
+	}
+	return d
 }
 
 func (k DispatchKey) String() string {
-	return fmt.Sprintf("%s: dim %d, ffn %d, %d experts, top-%d, %d tokens per rank, ep %d", k.Machine, k.Dim, k.FFN, k.Experts, k.TopK, k.Tokens, k.EP)
+	return fmt.Sprintf("%s (kernels %s): dim %d, ffn %d, %d experts, top-%d, %d tokens per rank, ep %d", k.Machine, k.Kernels, k.Dim, k.FFN, k.Experts, k.TopK, k.Tokens, k.EP)
 }
 
 func (k DispatchKey) compare(o DispatchKey) int {
-	return cmp.Or(cmp.Compare(k.Machine, o.Machine), cmp.Compare(k.Dim, o.Dim), cmp.Compare(k.FFN, o.FFN),
+	return cmp.Or(cmp.Compare(k.Machine, o.Machine), cmp.Compare(k.Kernels, o.Kernels), cmp.Compare(k.Dim, o.Dim), cmp.Compare(k.FFN, o.FFN),
 		cmp.Compare(k.Experts, o.Experts), cmp.Compare(k.TopK, o.TopK), cmp.Compare(k.Tokens, o.Tokens), cmp.Compare(k.EP, o.EP))
 }
 
@@ -319,7 +333,7 @@ type dispatchTable struct {
 
 // dispatchTableVersion is the file format; a file of another version is
 // ignored (and replaced by the next Store).
-const dispatchTableVersion = 1
+const dispatchTableVersion = 2
 
 // DispatchCache is the dispatch table file at Path.
 type DispatchCache struct{ Path string }

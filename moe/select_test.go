@@ -109,9 +109,12 @@ func TestMachineName(t *testing.T) {
 func TestDispatchCache(t *testing.T) {
 	dir := t.TempDir()
 	c := moe.DispatchCache{Path: filepath.Join(dir, "sub", "dispatch.json")}
-	k1 := moe.DispatchKey{Machine: "cuda/X", Dim: 1024, FFN: 2816, Experts: 8, TopK: 2, Tokens: 16384, EP: 8}
+	k1 := moe.DispatchKey{Machine: "cuda/X", Kernels: "0123456789ab", Dim: 1024, FFN: 2816, Experts: 8, TopK: 2, Tokens: 16384, EP: 8}
 	k2 := k1
 	k2.EP = 4
+	// Other kernels: not k1's measurement.
+	k3 := k1
+	k3.Kernels = "ba9876543210"
 	if _, ok, err := c.Lookup(k1); ok || err != nil {
 		t.Fatalf("empty table: %v, %v", ok, err)
 	}
@@ -133,6 +136,9 @@ func TestDispatchCache(t *testing.T) {
 			t.Errorf("%v: %+v, %v, %v; want %s", w.k, e, ok, err, w.want)
 		}
 	}
+	if _, ok, err := c.Lookup(k3); ok || err != nil {
+		t.Errorf("k1's shape with other kernels: found %v, %v", ok, err)
+	}
 	e, _, _ := c.Lookup(k1)
 	if e.FusedMS != 1 || e.UnfusedMS != 2 || e.FusedForwardMS != 0.5 || e.UnfusedForwardMS != 1 || e.MeasuredAt.IsZero() {
 		t.Errorf("entry %+v", e)
@@ -152,7 +158,7 @@ func TestDispatchCache(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := json.Unmarshal(buf, &table); err != nil || table.Version != 1 || len(table.Entries) != 2 {
+	if err := json.Unmarshal(buf, &table); err != nil || table.Version != 2 || len(table.Entries) != 2 {
 		t.Errorf("table %s: version %d, %d entries, %v", buf, table.Version, len(table.Entries), err)
 	}
 	files, _ := os.ReadDir(filepath.Dir(c.Path))
