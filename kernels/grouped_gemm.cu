@@ -488,7 +488,7 @@ struct gg_fuse {
   const unsigned long long* toks;      // FUSE 1, 3: per rank, its int32 send-order token indices
   const unsigned long long* scales;    // FUSE 3: per rank, its float32 send-order row scales (the gates)
   int* flags;                          // FUSE 1, 3: per m-tile bit set of landed chunks (zeroed by the host)
-  int* fault;                          // FUSE 1, 3: [4] the first wait that timed out: 1, m-tile, chunks landed, source rank
+  int* fault;                          // FUSE 1, 3: [4] the first wait that timed out: FUSE, m-tile, chunks landed, source rank
   unsigned long long timeoutNs;        // FUSE 1, 3: bound of a tile wait
   int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu;
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
@@ -625,7 +625,8 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
 // out (this one, recorded in fz.fault, or an earlier one of the launch).
 // Its rows are [row0, rowEnd).
 #define GG_ALL_CHUNKS ((1 << GG_CHUNKS) - 1)
-__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd) {
+// kind (the kernel's FUSE, 1 or 3) is the record's first word.
+__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
   const int* f = fz.flags + g;
   int got = gg_ld_acquire(f);
   if (got != GG_ALL_CHUNKS) {
@@ -634,7 +635,7 @@ __device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0,
       if (*(volatile const int*)fz.fault != 0) break;  // an earlier wait failed
       if (gg_globaltimer() - t0 > fz.timeoutNs) {
         int was;
-        asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, 1;" : "=r"(was) : "l"(fz.fault) : "memory");
+        asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, %2;" : "=r"(was) : "l"(fz.fault), "r"(kind) : "memory");
         if (was == 0) {
           int c = 0;
           while (c < GG_CHUNKS && (got >> c) & 1) c++;
@@ -1112,7 +1113,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-      if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1)) gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd);
+      if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1)) gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
         // A fresh barrier counts its "previous" phase (parity 1) as

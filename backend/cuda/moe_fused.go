@@ -54,11 +54,11 @@ type fusedTables struct {
 	flags  *Buffer
 	flagsN int // ints in flags
 	// fault is the tile waits' record ([4]int32, see gg_wait_tile),
-	// zeroed when allocated and after a report; waiter names the last
-	// kernel queued that writes it ("" when none ran since the last check).
+	// zeroed when allocated and after a report; armed says a kernel that
+	// writes it was queued since the last check, with bound timeout.
 	fault   *Buffer
-	waiter  string
-	timeout time.Duration // the waiter's bound
+	armed   bool
+	timeout time.Duration
 	// wT holds the K-major (transposed) weight copies of the backward's
 	// products, wTBytes long.
 	wT      *Buffer
@@ -122,9 +122,10 @@ func (f *fusedTables) stage(d *Device, ptrs, toks, scales []driver.DevicePtr, gr
 	return d.StageToDevice(f.tables, 0, h[:fusedOffsOff+4*(len(groupRows)+1)])
 }
 
-// armFault returns the fault record's address for a launch of kernel,
-// allocating (zeroed) the record on first use.
-func (f *fusedTables) armFault(d *Device, kernel string, timeout time.Duration) (driver.DevicePtr, error) {
+// armFault returns the fault record's address for a launch whose tile
+// waits are bounded by timeout, allocating (zeroed) the record on first
+// use.
+func (f *fusedTables) armFault(d *Device, timeout time.Duration) (driver.DevicePtr, error) {
 	if f.fault == nil {
 		b, err := d.Alloc(16)
 		if err != nil {
@@ -135,7 +136,7 @@ func (f *fusedTables) armFault(d *Device, kernel string, timeout time.Duration) 
 		}
 		f.fault = b
 	}
-	f.waiter, f.timeout = kernel, timeout
+	f.armed, f.timeout = true, timeout
 	return f.fault.Ptr(), nil
 }
 
@@ -145,11 +146,10 @@ func (f *fusedTables) armFault(d *Device, kernel string, timeout time.Duration) 
 func (f *fusedTables) checkFault(d *Device) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.waiter == "" {
+	if !f.armed {
 		return nil
 	}
-	kernel := f.waiter
-	f.waiter = ""
+	f.armed = false
 	var rec [16]byte
 	if err := d.CopyFromDevice(rec[:], f.fault, 0); err != nil {
 		return err
@@ -161,6 +161,7 @@ func (f *fusedTables) checkFault(d *Device) error {
 	if err := d.Memset32(f.fault, 0, 4, 0); err != nil {
 		return err
 	}
+	kernel := map[int32]string{1: "moe_dispatch_swiglu", 3: "moe_dispatch_dgrad"}[w(0)]
 	return fusedFaultError(kernel, f.timeout, int(w(1)), uint32(w(2)), int(w(3)))
 }
 
@@ -233,7 +234,7 @@ func (f *fusedTables) close(d *Device) error {
 			*b = nil
 		}
 	}
-	f.flagsN, f.wTBytes, f.waiter = 0, 0, ""
+	f.flagsN, f.wTBytes, f.armed = 0, 0, false
 	return err
 }
 
@@ -354,7 +355,7 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 			return err
 		}
 		gg := x.bf16Out
-		fault, err := f.armFault(b.dev, "moe_dispatch_swiglu", gg.waitTimeout())
+		fault, err := f.armFault(b.dev, gg.waitTimeout())
 		if err != nil {
 			return err
 		}
@@ -614,7 +615,7 @@ func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 		if err := tb.zeroFlags(b.dev, sum/ggBM+g); err != nil {
 			return err
 		}
-		fault, err := tb.armFault(b.dev, "moe_dispatch_dgrad", gg.waitTimeout())
+		fault, err := tb.armFault(b.dev, gg.waitTimeout())
 		if err != nil {
 			return err
 		}
