@@ -492,7 +492,7 @@ struct gg_fuse {
   unsigned long long timeoutNs;        // FUSE 1, 3: bound of a tile wait
   int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu;
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
-                                       // FUSE 3 experiments: 1 no gather/waits, 16 no h1/h3 loads, 32 their L2 prefetch
+                                       // FUSE 3 experiments: 1 no gather/waits, 16 no h1/h3 loads
 };
 
 // gg_silu is x * sigmoid(x) with the hardware's approximate exp2 and
@@ -879,28 +879,6 @@ __device__ __forceinline__ void gg_epilogue_dswiglu(const float (&acc)[128], lon
   }
 }
 
-// gg_prefetch_dswiglu asks L2 for the h1 and h3 rows that
-// gg_epilogue_dswiglu will read for this thread's rows r0 and r0 + 8 of
-// the tile (the quad's lane 0, one 128-byte line per 64 columns), before
-// the tile's mainloop, so that the epilogue's loads find them in L2
-// (mode 32, an experiment).
-__device__ __forceinline__ void gg_prefetch_dswiglu(const gg_fuse& fz, long long r0, int rowEnd, int n0, int N,
-                                                    int lane) {
-  if (lane & 3) return;
-#pragma unroll
-  for (int half = 0; half < 2; half++) {
-    const long long r = r0 + 8 * half;
-    if (r >= rowEnd) continue;
-#pragma unroll
-    for (int c = 0; c < 256; c += 64) {
-      if (n0 + c < N) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(fz.h1In + r * N + n0 + c));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(fz.h3In + r * N + n0 + c));
-      }
-    }
-  }
-}
-
 // gg_epilogue_rows stores one warpgroup's 64-row block (float32) with each
 // row sent to its source rank's buffer (FUSE 2).
 template <int R>
@@ -1159,7 +1137,6 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   unsigned stgc = 0;  // FUSE 1: blocks this warpgroup has staged
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-    if (FUSE == 3 && (fz.mode & 32)) gg_prefetch_dswiglu(fz, tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2), tile.rowEnd, tile.n0, N, lane);
     for (int kb = 0; kb < nK; kb++) {
       gg_bar_wait(bars + 8 * s, ph);
       // Reconverge the warp before the .aligned wgmma instructions.
