@@ -469,19 +469,8 @@ func fusedDispatchSmem(e int) int {
 // at once (TMA threads wait on other blocks' communication warps): one
 // block per SM at most, which its shared memory enforces.
 func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
-	mapX := driver.TiledMap{
-		Type: driver.TensorMapBfloat16, Addr: a.x,
-		Dims: []uint64{uint64(a.k), uint64(a.rows)}, Strides: []uint64{2 * uint64(a.k)},
-		Box: []uint32{ggBK, ggBM}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
-	}
-	wMap := func(addr driver.DevicePtr) driver.TiledMap {
-		return driver.TiledMap{
-			Type: driver.TensorMapBfloat16, Addr: addr,
-			Dims:    []uint64{uint64(a.k), uint64(a.n), uint64(a.experts)},
-			Strides: []uint64{2 * uint64(a.k), 2 * uint64(a.k) * uint64(a.n)},
-			Box:     []uint32{ggBK, 128, 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
-		}
-	}
+	mapX := rowsMap(a.x, a.rows, a.k)
+	wMap := func(addr driver.DevicePtr) driver.TiledMap { return expertsMap(addr, a.experts, a.n, a.k, 128) }
 	outMap := func(addr driver.DevicePtr) driver.TiledMap {
 		return driver.TiledMap{
 			Type: driver.TensorMapBfloat16, Addr: addr,
@@ -501,17 +490,7 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 
 // runDownCombine queues moe_down_combine.
 func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
-	mapA := driver.TiledMap{
-		Type: driver.TensorMapBfloat16, Addr: a.act,
-		Dims: []uint64{uint64(a.k), uint64(a.rows)}, Strides: []uint64{2 * uint64(a.k)},
-		Box: []uint32{ggBK, ggBM}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
-	}
-	mapW := driver.TiledMap{
-		Type: driver.TensorMapBfloat16, Addr: a.w2,
-		Dims:    []uint64{uint64(a.k), uint64(a.n), uint64(a.experts)},
-		Strides: []uint64{2 * uint64(a.k), 2 * uint64(a.k) * uint64(a.n)},
-		Box:     []uint32{ggBK, 256, 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
-	}
+	mapA, mapW := rowsMap(a.act, a.rows, a.k), expertsMap(a.w2, a.experts, a.n, a.k, 256)
 	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
