@@ -186,38 +186,15 @@ func scatterRef(out0 [][]float64, in []float64, refs []int32, d int) [][]float64
 	return want
 }
 
-// groupedNT is out[r] = a[r]·W_gᵀ per group g of groupRows, W_g the g-th
-// [n, k] block of w, in float64.
-func groupedNT(a, w []float64, groupRows []int, n, k int) []float64 {
+// groupedRef is out[r] = a[r]·W_gᵀ (transB) or a[r]·W_g per group g of
+// groupRows, W_g the g-th [n, k] (transB) or [k, n] block of w, in float64.
+func groupedRef(a, w []float64, groupRows []int, n, k int, transB bool) []float64 {
 	var out []float64
 	r := 0
 	for g, rows := range groupRows {
 		wg := w[g*n*k : (g+1)*n*k]
-		for ; rows > 0; rows, r = rows-1, r+1 {
-			for j := range n {
-				out = append(out, Dot(a[r*k:(r+1)*k], wg[j*k:(j+1)*k]))
-			}
-		}
-	}
-	return out
-}
-
-// groupedNN is out[r] = a[r]·W_g per group g of groupRows, W_g the g-th
-// [k, n] block of w, in float64.
-func groupedNN(a, w []float64, groupRows []int, n, k int) []float64 {
-	var out []float64
-	r := 0
-	for g, rows := range groupRows {
-		wg := w[g*k*n : (g+1)*k*n]
-		for ; rows > 0; rows, r = rows-1, r+1 {
-			row := make([]float64, n)
-			for i, v := range a[r*k : (r+1)*k] {
-				for j, wv := range wg[i*n : (i+1)*n] {
-					row[j] += v * wv
-				}
-			}
-			out = append(out, row...)
-		}
+		out = append(out, naiveMatMul(a[r*k:(r+rows)*k], wg, make([]float64, rows*n), rows, n, k, false, transB, 1, 0)...)
+		r += rows
 	}
 	return out
 }
@@ -362,7 +339,7 @@ func (e *Env) dispatchSwiGLU(s peerMoEShape, bf16 bool) {
 		b.DispatchSwiGLU(p(x), p(h1), p(h3), p(act), picks(p, srcs), picks(p, toks), p(refs), p(w1), p(w3), s.groupRows)
 	})
 	xRef := gatherRef(hosts(srcs), toks, nil, refs.ints, d, bf16)
-	h1Ref, h3Ref := groupedNT(xRef, w1.host, s.groupRows, f, d), groupedNT(xRef, w3.host, s.groupRows, f, d)
+	h1Ref, h3Ref := groupedRef(xRef, w1.host, s.groupRows, f, d, true), groupedRef(xRef, w3.host, s.groupRows, f, d, true)
 	actRef := make([]float64, len(h1Ref))
 	for i, v := range h1Ref {
 		actRef[i] = silu(v) * h3Ref[i]
@@ -383,16 +360,22 @@ func (e *Env) downCombine(s peerMoEShape, bf16 bool) {
 	act := e.typed(bf16, "act", -1, 1, r, f)
 	w2 := e.typed(bf16, "w2", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*d, f)
 	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
-	// InOut: the positions no reference names keep their rows.
-	var outs []*Pair
-	for i, n := range s.send {
-		outs = append(outs, e.InOut(e.Rand(fmt.Sprintf("out%d", i), n, d)))
-	}
+	outs := e.peerOutputs(s.send, d)
 	e.Run(func(b backend.Backend, p Pick) { b.DownCombine(picks(p, outs), p(refs), p(act), p(w2), s.groupRows) })
-	y := groupedNT(act.host, w2.host, s.groupRows, d, f)
+	y := groupedRef(act.host, w2.host, s.groupRows, d, f, true)
 	for i, want := range scatterRef(hosts(outs), y, refs.ints, d) {
 		e.againstRef(outs[i], want)
 	}
+}
+
+// peerOutputs are the ranks' send-order output rows [send[s], d], random
+// and InOut: the positions no reference names keep their rows.
+func (e *Env) peerOutputs(send []int, d int) []*Pair {
+	var outs []*Pair
+	for i, n := range send {
+		outs = append(outs, e.InOut(e.Rand(fmt.Sprintf("out%d", i), n, d)))
+	}
+	return outs
 }
 
 // dispatchDgrad runs DispatchDgradSwiGLU on s with bf16 operands (or the
@@ -421,7 +404,7 @@ func (e *Env) dispatchDgrad(s peerMoEShape, bf16 bool) {
 		b.DispatchDgradSwiGLU(p(dy), p(dh1), p(dh3), picks(p, srcs), picks(p, toks), picks(p, scales), p(refs), p(h1), p(h3), p(w2), s.groupRows)
 	})
 	dyRef := gatherRef(hosts(srcs), toks, hosts(scales), refs.ints, d, bf16)
-	dAct := groupedNN(dyRef, w2.host, s.groupRows, f, d)
+	dAct := groupedRef(dyRef, w2.host, s.groupRows, f, d, false)
 	dh1Ref, dh3Ref := make([]float64, len(dAct)), make([]float64, len(dAct))
 	for i, v := range dAct {
 		dh1Ref[i] = v * h3.host[i] * siluGrad(h1.host[i])
@@ -444,16 +427,12 @@ func (e *Env) dgradCombine(s peerMoEShape, bf16 bool) {
 	w1 := e.typed(bf16, "w1", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*f, d)
 	w3 := e.typed(bf16, "w3", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*f, d)
 	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
-	// InOut: the positions no reference names keep their rows.
-	var outs []*Pair
-	for i, n := range s.send {
-		outs = append(outs, e.InOut(e.Rand(fmt.Sprintf("out%d", i), n, d)))
-	}
+	outs := e.peerOutputs(s.send, d)
 	e.Run(func(b backend.Backend, p Pick) {
 		b.DgradCombine(picks(p, outs), p(refs), p(dh1), p(dh3), p(w1), p(w3), s.groupRows)
 	})
-	dx := groupedNN(dh1.host, w1.host, s.groupRows, d, f)
-	for i, v := range groupedNN(dh3.host, w3.host, s.groupRows, d, f) {
+	dx := groupedRef(dh1.host, w1.host, s.groupRows, d, f, false)
+	for i, v := range groupedRef(dh3.host, w3.host, s.groupRows, d, f, false) {
 		dx[i] += v
 	}
 	for i, want := range scatterRef(hosts(outs), dx, refs.ints, d) {
