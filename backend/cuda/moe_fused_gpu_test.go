@@ -376,21 +376,27 @@ func TestMoEFusedFigures(t *testing.T) {
 			downFused := func() error { b.DownCombine(in.outSD, in.refsR2, act, in.w2, groups); return nil }
 			downGemm := func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
 			flop := 2 * float64(rows) * float64(d) * float64(f) * 3
+			// timed times run, logs it as figure moe_fused_W<w>_<name>_ms
+			// and keeps it in ms.
 			ms := map[string]float64{}
-			for _, p := range []struct {
-				name string
-				run  func() error
-			}{{"fused", fused}, {"unfused", unfused}, {"gemm_alone", gemms}, {"gateup_fused", gateUpFused},
-				{"gateup_unfused", gateUpUnfused}, {"gateup_gemm", gateUpGemm}, {"down_fused", downFused}, {"down_gemm", downGemm}} {
-				v, err := ggTime(b.dev, p.run)
+			timed := func(name string, run func() error) float64 {
+				v, err := ggTime(b.dev, run)
 				if err != nil {
 					t.Fatal(err)
 				}
 				if err := b.Sync(); err != nil {
 					t.Fatal(err)
 				}
-				ms[p.name] = v
-				figure(t, fmt.Sprintf("moe_fused_W%d_%s_ms", w, p.name), v, "ms")
+				ms[name] = v
+				figure(t, fmt.Sprintf("moe_fused_W%d_%s_ms", w, name), v, "ms")
+				return v
+			}
+			for _, p := range []struct {
+				name string
+				run  func() error
+			}{{"fused", fused}, {"unfused", unfused}, {"gemm_alone", gemms}, {"gateup_fused", gateUpFused},
+				{"gateup_unfused", gateUpUnfused}, {"gateup_gemm", gateUpGemm}, {"down_fused", downFused}, {"down_gemm", downGemm}} {
+				v := timed(p.name, p.run)
 				if p.name == "fused" || p.name == "unfused" || p.name == "gemm_alone" {
 					figure(t, fmt.Sprintf("moe_fused_W%d_%s_tflops", w, p.name), flop/v/1e9, "TFLOP/s")
 				}
@@ -404,6 +410,10 @@ func TestMoEFusedFigures(t *testing.T) {
 			w2T, w1T, w3T := b.New(backend.BFloat16, g*f, d), b.New(backend.BFloat16, g*d, f), b.New(backend.BFloat16, g*d, f)
 			wps, _ := devicePtrs(w2T.(*Tensor), w1T.(*Tensor), w3T.(*Tensor), in.w2.(*Tensor), in.w1.(*Tensor), in.w3.(*Tensor))
 			gg := b.experts.bf16Out
+			dgradFused := func() error {
+				b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+				return nil
+			}
 			bwd := []struct {
 				name string
 				run  func() error
@@ -431,10 +441,7 @@ func TestMoEFusedFigures(t *testing.T) {
 				// The halves: dispatch+dgrad (with the gather and SwiGLU's
 				// backward) and dgrad+combine, each fused and as its
 				// products alone.
-				{"bwd_dgrad_fused", func() error {
-					b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-					return nil
-				}},
+				{"bwd_dgrad_fused", dgradFused},
 				{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0); return nil }},
 				{"bwd_combine_fused", func() error {
 					b.DgradCombine(in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
@@ -447,15 +454,7 @@ func TestMoEFusedFigures(t *testing.T) {
 				}},
 			}
 			for _, p := range bwd {
-				v, err := ggTime(b.dev, p.run)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := b.Sync(); err != nil {
-					t.Fatal(err)
-				}
-				ms[p.name] = v
-				figure(t, fmt.Sprintf("moe_fused_W%d_%s_ms", w, p.name), v, "ms")
+				timed(p.name, p.run)
 			}
 			figure(t, fmt.Sprintf("moe_fused_W%d_bwd_unfused_over_fused", w), ms["bwd_unfused"]/ms["bwd_fused"], "x")
 			figure(t, fmt.Sprintf("moe_fused_W%d_bwd_fused_over_parts", w), ms["bwd_fused"]/(ms["bwd_transposes"]+ms["bwd_gemm_nt"]), "x")
@@ -463,28 +462,18 @@ func TestMoEFusedFigures(t *testing.T) {
 			// costs the time over its products.
 			figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal), "B")
 			figure(t, "moe_dispatch_dgrad_local_bytes", float64(gg.dgradLocal), "B")
-			for _, mode := range []int{1, 2, 4, 7} {
+			inMode := func(mode int, name string, run func() error) {
 				gg.fusedMode = mode
-				v, err := ggTime(b.dev, gateUpFused)
-				gg.fusedMode = 0
-				if err != nil {
-					t.Fatal(err)
-				}
-				figure(t, fmt.Sprintf("moe_fused_W%d_gateup_fused_mode%d_ms", w, mode), v, "ms")
+				defer func() { gg.fusedMode = 0 }()
+				timed(fmt.Sprintf("%s_mode%d", name, mode), run)
+			}
+			for _, mode := range []int{1, 2, 4, 7} {
+				inMode(mode, "gateup_fused", gateUpFused)
 			}
 			// The same for the dgrad kernel: 1 no gather or waits, 16 no
 			// h1/h3 loads in the epilogue.
 			for _, mode := range []int{1, 16, 17} {
-				gg.fusedMode = mode
-				v, err := ggTime(b.dev, bwd[4].run)
-				gg.fusedMode = 0
-				if err != nil {
-					t.Fatal(err)
-				}
-				figure(t, fmt.Sprintf("moe_fused_W%d_bwd_dgrad_fused_mode%d_ms", w, mode), v, "ms")
-			}
-			if err := b.Sync(); err != nil {
-				t.Fatal(err)
+				inMode(mode, "bwd_dgrad_fused", dgradFused)
 			}
 			figure(t, fmt.Sprintf("moe_fused_W%d_fused_over_gemm", w), ms["fused"]/ms["gemm_alone"], "x")
 			figure(t, fmt.Sprintf("moe_fused_W%d_unfused_over_fused", w), ms["unfused"]/ms["fused"], "x")
