@@ -183,11 +183,15 @@ func fusedFaultError(kernel string, timeout time.Duration, tile int, landed uint
 		kernel, tile, timeout, missing, ggChunks, from)
 }
 
-// transposed returns the i-th of the wT copies of experts matrices
-// [a, b] each, growing wT to hold n copies.
-func (f *fusedTables) transposed(d *Device, i, n, experts, a, b int) (driver.DevicePtr, error) {
+// fusedWTCopies is how many transposed weights a backward call needs at
+// once (DgradCombine's W1ᵀ and W3ᵀ; DispatchDgradSwiGLU's W2ᵀ uses one).
+const fusedWTCopies = 2
+
+// transposedCopy queues slot i of wT (grown to fusedWTCopies copies) =
+// w[e]ᵀ for experts bf16 matrices [a, b] and returns its address.
+func (f *fusedTables) transposedCopy(d *Device, gg *GroupedGemm, i int, w driver.DevicePtr, experts, a, b int) (driver.DevicePtr, error) {
 	each := 2 * int64(experts) * int64(a) * int64(b)
-	if need := each * int64(n); need > f.wTBytes {
+	if need := each * fusedWTCopies; need > f.wTBytes {
 		if f.wT != nil {
 			if err := d.Free(f.wT); err != nil {
 				return 0, err
@@ -200,7 +204,44 @@ func (f *fusedTables) transposed(d *Device, i, n, experts, a, b int) (driver.Dev
 		}
 		f.wT, f.wTBytes = buf, need
 	}
-	return f.wT.Ptr() + driver.DevicePtr(int64(i)*each), nil
+	p := f.wT.Ptr() + driver.DevicePtr(int64(i)*each)
+	return p, gg.transpose(p, w, experts, a, b)
+}
+
+// armWaits prepares a launch whose tile waits read n chunk sets and are
+// bounded by timeout: the sets zeroed, the fault record armed.
+func (f *fusedTables) armWaits(d *Device, n int, timeout time.Duration) (flags, fault driver.DevicePtr, err error) {
+	if err := f.zeroFlags(d, n); err != nil {
+		return 0, 0, err
+	}
+	if fault, err = f.armFault(d, timeout); err != nil {
+		return 0, 0, err
+	}
+	return f.flags.Ptr(), fault, nil
+}
+
+// gatherSourcesOK checks what the communication warps of a gather need of
+// each rank's source rows [*, k]: 16-byte vectors of rows, 4-byte token
+// indices (and scales, when a has them).
+func gatherSourcesOK(srcTD []backend.Tensor, a fusedArgs, k int) bool {
+	for i, s := range srcTD {
+		if ss := s.Shape(); len(ss) != 2 || ss[1] != k || a.ranks[i]%16 != 0 || a.toks[i]%4 != 0 ||
+			(a.scales != nil && a.scales[i]%4 != 0) {
+			return false
+		}
+	}
+	return true
+}
+
+// combineOutputsOK checks each rank's output rows [*, n] for a combine
+// epilogue, which stores column pairs (8 bytes).
+func combineOutputsOK(outSD []backend.Tensor, a fusedArgs, n int) bool {
+	for i, o := range outSD {
+		if s := o.Shape(); len(s) != 2 || s[1] != n || a.ranks[i]%8 != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // zeroFlags makes n ready counts, zeroed in stream order.
@@ -339,11 +380,8 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 		refsR2.Len() != 2*rows {
 		return false
 	}
-	for i, s := range srcTD {
-		// The communication warps read 16-byte vectors of source rows.
-		if ss := s.Shape(); len(ss) != 2 || ss[1] != k || a.ranks[i]%16 != 0 || a.toks[i]%4 != 0 {
-			return false
-		}
+	if !gatherSourcesOK(srcTD, a, k) {
+		return false
 	}
 	x, ok := b.expertKernels()
 	ps := a.ops
@@ -351,18 +389,15 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 		return false
 	}
 	taken := b.runFused(a, groupRows, rows, func(f *fusedTables, sum int) error {
-		if err := f.zeroFlags(b.dev, sum/ggBM+g); err != nil {
-			return err
-		}
 		gg := x.bf16Out
-		fault, err := f.armFault(b.dev, gg.waitTimeout())
+		flags, fault, err := f.armWaits(b.dev, sum/ggBM+g, gg.waitTimeout())
 		if err != nil {
 			return err
 		}
 		tp := f.tables.Ptr()
 		return gg.runDispatchSwiGLU(fusedDispatch{
 			x: ps[0], h1: ps[1], h3: ps[2], act: ps[3], w1: ps[4], w3: ps[5], refs: a.refs,
-			ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, offsets: tp + fusedOffsOff, flags: f.flags.Ptr(),
+			ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, offsets: tp + fusedOffsOff, flags: flags,
 			fault: fault, rows: sum, n: n, k: k, experts: g,
 		})
 	})
@@ -402,11 +437,8 @@ func (b *Backend) downCombineKernel(outSD []backend.Tensor, refsR2, actRF, w2GDF
 	if ws[0] != g*n || ws[1] != k || refsR2.Len() != 2*rows {
 		return false
 	}
-	for i, o := range outSD {
-		// The epilogue stores column pairs (8 bytes).
-		if s := o.Shape(); len(s) != 2 || s[1] != n || a.ranks[i]%8 != 0 {
-			return false
-		}
+	if !combineOutputsOK(outSD, a, n) {
+		return false
 	}
 	x, ok := b.expertKernels()
 	ps := a.ops
@@ -570,10 +602,11 @@ func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 	if hs[0] != rows || ws[0] != g*d || ws[1] != f || !sameShape(dh1RF, dh3RF, h1RF, h3RF) || refsR2.Len() != 2*rows {
 		return false
 	}
-	for i, s := range srcTD {
-		// The communication warps read 16-byte vectors of source rows.
-		if ss := s.Shape(); len(ss) != 2 || ss[1] != d || a.ranks[i]%16 != 0 || a.toks[i]%4 != 0 || a.scales[i]%4 != 0 ||
-			scaleS[i].Len() != tokS[i].Len() {
+	if !gatherSourcesOK(srcTD, a, d) {
+		return false
+	}
+	for i := range scaleS {
+		if scaleS[i].Len() != tokS[i].Len() {
 			return false
 		}
 	}
@@ -584,17 +617,11 @@ func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 	}
 	taken := b.runFused(a, groupRows, rows, func(tb *fusedTables, sum int) error {
 		gg := x.bf16Out
-		w2T, err := tb.transposed(b.dev, 0, 1, g, d, f)
+		w2T, err := tb.transposedCopy(b.dev, gg, 0, ps[5], g, d, f)
 		if err != nil {
 			return err
 		}
-		if err := gg.transpose(w2T, ps[5], g, d, f); err != nil {
-			return err
-		}
-		if err := tb.zeroFlags(b.dev, sum/ggBM+g); err != nil {
-			return err
-		}
-		fault, err := tb.armFault(b.dev, gg.waitTimeout())
+		flags, fault, err := tb.armWaits(b.dev, sum/ggBM+g, gg.waitTimeout())
 		if err != nil {
 			return err
 		}
@@ -602,7 +629,7 @@ func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 		return gg.runDispatchDgrad(fusedDgrad{
 			dy: ps[0], dh1: ps[1], dh3: ps[2], h1: ps[3], h3: ps[4], w2T: w2T, refs: a.refs,
 			ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, scales: tp + fusedScalesOff, offsets: tp + fusedOffsOff,
-			flags: tb.flags.Ptr(), fault: fault, rows: sum, n: f, k: d, experts: g,
+			flags: flags, fault: fault, rows: sum, n: f, k: d, experts: g,
 		})
 	})
 	runtime.KeepAlive(bf)
@@ -644,11 +671,8 @@ func (b *Backend) dgradCombineKernel(outSD []backend.Tensor, refsR2, dh1RF, dh3R
 	if ws[0] != g*f || ws[1] != d || !sameShape(dh1RF, dh3RF) || !sameShape(w1GFD, w3GFD) || refsR2.Len() != 2*rows {
 		return false
 	}
-	for i, o := range outSD {
-		// The epilogue stores column pairs (8 bytes).
-		if s := o.Shape(); len(s) != 2 || s[1] != d || a.ranks[i]%8 != 0 {
-			return false
-		}
+	if !combineOutputsOK(outSD, a, d) {
+		return false
 	}
 	x, ok := b.expertKernels()
 	ps := a.ops
@@ -657,13 +681,10 @@ func (b *Backend) dgradCombineKernel(outSD []backend.Tensor, refsR2, dh1RF, dh3R
 	}
 	taken := b.runFused(a, groupRows, rows, func(tb *fusedTables, sum int) error {
 		gg := x.bf16Out
-		var wT [2]driver.DevicePtr
+		var wT [fusedWTCopies]driver.DevicePtr
 		for i, w := range []driver.DevicePtr{ps[2], ps[3]} {
 			var err error
-			if wT[i], err = tb.transposed(b.dev, i, 2, g, f, d); err != nil {
-				return err
-			}
-			if err := gg.transpose(wT[i], w, g, f, d); err != nil {
+			if wT[i], err = tb.transposedCopy(b.dev, gg, i, w, g, f, d); err != nil {
 				return err
 			}
 		}
