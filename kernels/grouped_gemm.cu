@@ -171,6 +171,13 @@ __device__ __forceinline__ void gg_tma_store_2d(const gg_tmap* map, int c0, int 
                : "memory");
 }
 
+// gg_tma_prefetch_l2 asks for the box at (c0, c1) to be brought into L2.
+__device__ __forceinline__ void gg_tma_prefetch_l2(const gg_tmap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"((unsigned long long)map),
+               "r"(c0), "r"(c1)
+               : "memory");
+}
+
 __device__ __forceinline__ void gg_bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // gg_bulk_wait_read returns once this thread's bulk stores have finished
@@ -458,7 +465,10 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // output gradients scaled by their gates (dy), the product is the dgrad
 // dAct = dy.W2_e (W2_eᵀ given K-major, a transposed copy), and the
 // epilogue turns dAct, with the forward's h1 and h3, into dh1 and dh3
-// (SwiGLU's backward); dAct never leaves the registers.
+// (SwiGLU's backward); dAct never leaves the registers. h1 and h3 come in
+// by TMA, box by box, into the staging buffers (the first two boxes of a
+// tile are requested before its mainloop), dh1 and dh3 are written over
+// them and leave by TMA stores (gg_epilogue_dswiglu_tma).
 //
 // FUSE 4 is FUSE 2 over two K halves: dx = dh1.W1_e + dh3.W3_e, the
 // k-blocks of (dh1, W1ᵀ) then those of (dh3, W3ᵀ) in one accumulator, the
@@ -477,7 +487,8 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 struct gg_fuse {
   const gg_tmap* mapW3;                // FUSE 1: W3's map (as mapW); FUSE 4: W3ᵀ's map (the second K half's B)
   const gg_tmap* mapA2;                // FUSE 4: dh3's map (the second K half's A)
-  const gg_tmap* mapOut[3];            // FUSE 1: h1's, h3's and act's {N, rows} maps (64x64 boxes, 128B swizzle)
+  const gg_tmap* mapOut[4];            // {N, rows} maps, 64x64 boxes, 128B swizzle: FUSE 1: h1, h3, act;
+                                       // FUSE 3: dh1, dh3 (out), h1, h3 (in)
   unsigned short* h3;                  // FUSE 1: bf16 [rows, N]; FUSE 3: dh3, bf16 [rows, N]
   unsigned short* act;                 // FUSE 1: bf16 [rows, N]
   const unsigned short* h1In;          // FUSE 3: the forward's h1, bf16 [rows, N]
@@ -492,7 +503,8 @@ struct gg_fuse {
   unsigned long long timeoutNs;        // FUSE 1, 3: bound of a tile wait
   int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu;
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
-                                       // FUSE 3 experiments: 1 no gather/waits, 16 no h1/h3 loads
+                                       // FUSE 3 experiments: 1 no gather/waits, 16 the register epilogue
+                                       // (gg_epilogue_dswiglu) for every block
 };
 
 // gg_silu is x * sigmoid(x) with the hardware's approximate exp2 and
@@ -818,12 +830,12 @@ __device__ __forceinline__ void gg_quad_gather(const float (&p)[8], int lane, fl
 // columns (gg_quad_gather): its h1 and h3 then come as one 16-byte load
 // each and dh1, dh3 go out as one 16-byte store each, whole sectors per
 // warp. The loads of a block are issued for both row halves before any
-// math. Every lane runs the whole loop; rows past rowEnd are masked
-// (mode 16, an experiment: no h1/h3 loads, as if both were 1).
+// math. Every lane runs the whole loop; rows past rowEnd are masked.
+// It takes the blocks gg_epilogue_dswiglu_tma cannot (rows of two
+// experts), and every block under mode 16.
 __device__ __forceinline__ void gg_epilogue_dswiglu(const float (&acc)[128], long long r0, int rowEnd, int n0, int N,
                                                     int lane, unsigned short* dh1, const gg_fuse& fz) {
   const int q = lane & 3;
-  const bool load = !(fz.mode & 16);
 #pragma unroll
   for (int k = 0; k < 8; k++) {
     const int col = n0 + 32 * k + 8 * q;
@@ -833,7 +845,7 @@ __device__ __forceinline__ void gg_epilogue_dswiglu(const float (&acc)[128], lon
       const long long r = r0 + 8 * half;
 #pragma unroll
       for (int w = 0; w < 4; w++) v1[half][w] = v3[half][w] = 0x3f803f80u;  // 1.0, 1.0
-      if (load && r < rowEnd && col < N) {
+      if (r < rowEnd && col < N) {
         asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(v1[half][0]), "=r"(v1[half][1]), "=r"(v1[half][2]), "=r"(v1[half][3])
                      : "l"(fz.h1In + r * N + col));
@@ -877,6 +889,82 @@ __device__ __forceinline__ void gg_epilogue_dswiglu(const float (&acc)[128], lon
       }
     }
   }
+}
+
+// gg_dswiglu_load requests box b (64 columns from n0 + 64b, the
+// warpgroup's 64 rows from row0) of the forward's h1 and h3 into staging
+// slot `slot` (h1 at +0, h3 at +8 KiB, the layout of the TMA-store boxes),
+// completing on that slot's barrier. Boxes past N are zero-filled by TMA.
+// The caller has waited for the slot's last store to finish reading it.
+__device__ __forceinline__ void gg_dswiglu_load(const gg_fuse& fz, unsigned slot, unsigned bar, int row0, int n0,
+                                                int b) {
+  gg_bar_expect_tx(bar, 16384u);
+  gg_tma_2d(slot, fz.mapOut[2], n0 + 64 * b, row0, bar);
+  gg_tma_2d(slot + 8192u, fz.mapOut[3], n0 + 64 * b, row0, bar);
+}
+
+// gg_epilogue_dswiglu_tma is FUSE 3's epilogue through shared memory: the
+// warpgroup's 64 x 256 block of dAct in four boxes of 64 columns. Box b
+// sits in slot b & 1 of the warpgroup's two 16 KiB slots (h1 and h3 boxes,
+// brought in by gg_dswiglu_load: boxes 0 and 1 before the tile's
+// mainloop, box b + 2 as soon as box b's stores have read its slot). Each
+// thread reads the h1 and h3 of its accumulator's elements at their
+// swizzled places, writes dh1 and dh3 over them, and thread 0 stores the
+// two boxes by TMA while the warpgroup goes on. Every element is read and
+// written by one thread, so no barrier separates the reads from the
+// writes. c counts the warpgroup's boxes (a multiple of 4 on entry):
+// slot b & 1's barrier completes its ((c + b) >> 1)-th phase for box b.
+// The same conditions as gg_epilogue_swiglu_tma's hold for the rows.
+__device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128], const gg_fuse& fz, unsigned stg,
+                                                        unsigned ebar, int wtid, int warp, int lane, int row0, int n0,
+                                                        int N, int id, unsigned& c) {
+  const int rl = (warp & 3) * 16 + (lane >> 2);
+  const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
+#pragma unroll
+  for (int b = 0; b < 4; b++) {
+    const unsigned slot = stg + (b & 1) * 16384u, bar = ebar + 8 * (b & 1);
+    gg_bar_wait(bar, ((c + b) >> 1) & 1u);
+    const unsigned rowA = slot + rl * 128, rowB = rowA + 8 * 128;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const unsigned o = (((i ^ sw) << 4) | ((lane & 3) << 2));
+      const int gi = 8 * b + i;  // the accumulator's 8-column group
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const unsigned a1 = (half ? rowB : rowA) + o, a3 = a1 + 8192u;
+        unsigned v1, v3;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v1) : "r"(a1) : "memory");
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v3) : "r"(a3) : "memory");
+        float d1[2], d3[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float h1 = e ? gg_bf16_hi(v1) : gg_bf16_lo(v1);
+          const float h3 = e ? gg_bf16_hi(v3) : gg_bf16_lo(v3);
+          const float g = acc[4 * gi + 2 * half + e], sg = gg_sigmoid(h1);
+          d3[e] = g * h1 * sg;
+          d1[e] = g * h3 * sg * (1.0f + h1 * (1.0f - sg));
+        }
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a1), "r"(gg_pack_bf16(d1[0], d1[1])) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a3), "r"(gg_pack_bf16(d3[0], d3[1])) : "memory");
+      }
+    }
+    // Generic-proxy writes, async-proxy reader (as gg_epilogue_tma).
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_named_sync(id, 128);
+    if (wtid == 0) {
+      const int col = n0 + 64 * b;
+      if (col < N) {
+        gg_tma_store_2d(fz.mapOut[0], col, row0, slot);
+        gg_tma_store_2d(fz.mapOut[1], col, row0, slot + 8192u);
+      }
+      gg_bulk_commit();
+      if (b + 2 < 4) {
+        gg_bulk_wait_read();
+        gg_dswiglu_load(fz, slot, bar, row0, n0, b + 2);
+      }
+    }
+  }
+  c += 4;
 }
 
 // gg_epilogue_rows stores one warpgroup's 64-row block (float32) with each
@@ -1009,17 +1097,23 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // 256 columns of bf16 (32 KiB) divided by the passes.
   // FUSE 1 stages its three outputs through two 16 KiB buffers per
   // consumer warpgroup (gg_epilogue_swiglu_tma).
-  constexpr unsigned STG_BYTES = STORE ? 2u * 32768u / (STORE ? STORE : 1) : (FUSE == 1 ? 2u * 32768u : 0u);
+  // FUSE 3 brings h1 and h3 in and sends dh1 and dh3 out through two
+  // 16 KiB slots per consumer warpgroup (gg_epilogue_dswiglu_tma), with
+  // one barrier per slot (XBARS).
+  constexpr unsigned STG_BYTES =
+      STORE ? 2u * 32768u / (STORE ? STORE : 1) : ((FUSE == 1 || FUSE == 3) ? 2u * 32768u : 0u);
+  constexpr int XBARS = FUSE == 3 ? 4 : 0;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
   const unsigned raw = gg_smem_addr(gg_smem);
   const unsigned base = (raw + 1023u) & ~1023u;
   // The stage ring, the staging buffers (STORE), then full[STAGES],
-  // empty[STAGES] and the ping-pong turn barriers [2].
+  // empty[STAGES], the ping-pong turn barriers [2] and XBARS more.
   const unsigned stgBase = base + STAGES * STAGE_BYTES;
   const unsigned bars = stgBase + STG_BYTES;
-  int* sBeg = (int*)(gg_smem + (bars - raw) + 16 * STAGES + 16);
+  const unsigned ebars = bars + 8 * (2 * STAGES + 2);  // FUSE 3: [consumer warpgroup][slot]
+  int* sBeg = (int*)(gg_smem + (bars - raw) + 16 * STAGES + 16 + 8 * XBARS);
   int* sEnd = sBeg + E;
   int* sCum = sEnd + E;  // E+1
 
@@ -1031,6 +1125,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
     gg_bar_init(bars + 8 * (2 * STAGES), 4);
     gg_bar_init(bars + 8 * (2 * STAGES + 1), 4);
+    for (int i = 0; i < XBARS; i++) gg_bar_init(ebars + 8 * i, 1);  // FUSE 3: thread 0's expect_tx
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
@@ -1134,9 +1229,32 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   for (int i = 0; i < R; i++) acc[i] = 0.0f;
   int s = 0, prev = 0;
   unsigned ph = 0;
-  unsigned stgc = 0;  // FUSE 1: blocks this warpgroup has staged
+  unsigned stgc = 0;  // FUSE 1: blocks this warpgroup has staged; FUSE 3: boxes it has loaded
+  const int wtid = tid - 128 * (cw + 1);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
+    // The TMA-store epilogues (STORE, FUSE 1 and 3) take a warpgroup's
+    // block when every row of its 64 that is inside the tensor is the
+    // expert's: a full block, or the tensor's last rows (TMA clips past
+    // `rows`). The other partial blocks, whose rows past rowEnd belong to
+    // the next expert, keep the register path. Uniform per warpgroup, as
+    // the named barriers need.
+    const int wr0 = tile.row0 + cw * 64;
+    const bool tmaBlock = wr0 < tile.rowEnd && (wr0 + 64 <= tile.rowEnd || tile.rowEnd == rows);
+    const bool dswTma = FUSE == 3 && tmaBlock && !(fz.mode & 16);
+    if (dswTma && wtid == 0) {
+      // h1 and h3 of the first two boxes arrive during the mainloop, once
+      // the previous tile's stores have read their slots; the last two are
+      // warmed in L2.
+      gg_bulk_wait_read();
+      const unsigned slots = stgBase + cw * (STG_BYTES / 2), eb = ebars + 16 * cw;
+      gg_dswiglu_load(fz, slots, eb, wr0, tile.n0, 0);
+      gg_dswiglu_load(fz, slots + 16384u, eb + 8, wr0, tile.n0, 1);
+      for (int b = 2; b < 4; b++) {
+        gg_tma_prefetch_l2(fz.mapOut[2], tile.n0 + 64 * b, wr0);
+        gg_tma_prefetch_l2(fz.mapOut[3], tile.n0 + 64 * b, wr0);
+      }
+    }
     for (int kb = 0; kb < nK; kb++) {
       gg_bar_wait(bars + 8 * s, ph);
       // Reconverge the warp before the .aligned wgmma instructions.
@@ -1168,17 +1286,11 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
 
     if (STORE) {
-      // TMA-store epilogue when every row of this warpgroup's 64 that is
-      // inside the tensor is the expert's: a full block, or the tensor's
-      // last rows (TMA clips past `rows`). beta != 0 (reads out) and the
-      // other partial blocks, whose rows past rowEnd belong to the next
-      // expert, keep the register path. The branch is uniform per
-      // warpgroup, as the named barriers need.
-      const int wr0 = tile.row0 + cw * 64;
+      // beta != 0 (reads out) keeps the register path.
       if (wr0 >= tile.rowEnd) continue;  // no row of ours in this tile
-      if (beta == 0.0f && (wr0 + 64 <= tile.rowEnd || tile.rowEnd == rows)) {
-        gg_epilogue_tma<STORE ? STORE : 1>(*(const float(*)[128])acc, mapO, stgBase + cw * (STG_BYTES / 2),
-                                            tid - 128 * (cw + 1), warp, lane, wr0, tile.n0, N, alpha, 1 + cw);
+      if (beta == 0.0f && tmaBlock) {
+        gg_epilogue_tma<STORE ? STORE : 1>(*(const float(*)[128])acc, mapO, stgBase + cw * (STG_BYTES / 2), wtid,
+                                            warp, lane, wr0, tile.n0, N, alpha, 1 + cw);
         continue;
       }
     }
@@ -1186,16 +1298,18 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // expert's rows and to N.
     const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
     if (FUSE == 1) {
-      // TMA stores for blocks whose rows inside the tensor are all the
-      // expert's (as STORE above); the register path for the others.
-      const int wr0 = tile.row0 + cw * 64;
-      if (wr0 < tile.rowEnd && (wr0 + 64 <= tile.rowEnd || tile.rowEnd == rows)) {
-        gg_epilogue_swiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), tid - 128 * (cw + 1),
-                               warp, lane, wr0, tile.n0, N, 1 + cw, stgc);
+      if (tmaBlock) {
+        gg_epilogue_swiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), wtid, warp, lane, wr0,
+                               tile.n0, N, 1 + cw, stgc);
         continue;
       }
       gg_epilogue_swiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
     } else if (FUSE == 3) {
+      if (dswTma) {
+        gg_epilogue_dswiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), ebars + 16 * cw, wtid,
+                                warp, lane, wr0, tile.n0, N, 1 + cw, stgc);
+        continue;
+      }
       gg_epilogue_dswiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
     } else if (FUSE == 2 || FUSE == 4) {
       gg_epilogue_rows<R>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
@@ -1204,7 +1318,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
   }
   // The staging buffers must outlive the stores reading them.
-  if ((STORE || FUSE == 1) && tid == 128 * (cw + 1)) gg_bulk_wait();
+  if ((STORE || FUSE == 1 || FUSE == 3) && wtid == 0) gg_bulk_wait();
 }
 
 // The kernels: cooperative with n tile 128 (6 stages) or 256 (4 stages),
@@ -1317,18 +1431,27 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
   gg_body<256, 3, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
-// moe_dispatch_dgrad (FUSE 3, 4 stages, register epilogue): mapA is dy's
-// {K, rows} map (written by the kernel itself before it is read; K = D),
-// mapW W2ᵀ's {K, N, E} map (boxes of 256 rows; N = F); dh1, dh3 out and
-// h1, h3 in are bf16 [rows, N]; scales per rank its float32 gates in send
-// order; flags and fault as moe_dispatch_swiglu's.
+// moe_dispatch_dgrad (FUSE 3, 3 stages, TMA loads and stores in the
+// epilogue): mapA is dy's {K, rows} map (written by the kernel itself
+// before it is read; K = D), mapW W2ᵀ's {K, N, E} map (boxes of 256 rows;
+// N = F); dh1, dh3 out and h1, h3 in are bf16 [rows, N], each also given
+// as a {N, rows} map with 64x64 boxes (mapDh1, mapDh3, mapH1, mapH3);
+// scales per rank its float32 gates in send order; flags and fault as
+// moe_dispatch_swiglu's. Dynamic shared memory as moe_dispatch_swiglu's
+// plus 32 bytes (the slots' barriers).
 extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(
-    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, unsigned short* dh1,
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapDh1,
+    const __grid_constant__ gg_tmap mapDh3, const __grid_constant__ gg_tmap mapH1,
+    const __grid_constant__ gg_tmap mapH3, unsigned short* dh1,
     unsigned short* dh3, const unsigned short* h1, const unsigned short* h3, unsigned short* dy, const int* refs,
     const unsigned long long* ptrs, const unsigned long long* toks, const unsigned long long* scales, int* flags,
     int* fault, unsigned long long timeoutNs, const int* off, int rows, int N, int K, int E, int GM, int mode) {
   gg_fuse fz = {};
   fz.mode = mode;
+  fz.mapOut[0] = &mapDh1;
+  fz.mapOut[1] = &mapDh3;
+  fz.mapOut[2] = &mapH1;
+  fz.mapOut[3] = &mapH3;
   fz.h3 = dh3;
   fz.h1In = h1;
   fz.h3In = h3;
@@ -1340,7 +1463,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(
   fz.flags = flags;
   fz.fault = fault;
   fz.timeoutNs = timeoutNs;
-  gg_body<256, 4, true, false, false, 0, 3>(&mapA, &mapW, nullptr, dh1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+  gg_body<256, 3, true, false, false, 0, 3>(&mapA, &mapW, nullptr, dh1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
 // moe_dgrad_combine (FUSE 4, 4 stages): dx = dh1.W1 + dh3.W3 per expert,

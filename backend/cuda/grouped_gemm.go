@@ -78,7 +78,9 @@ type GroupedGemm struct {
 	// dispatchDgrad and dgradCombine are their backward twins, on the
 	// weights' transposed copies that transposeK writes.
 	dispatchDgrad, dgradCombine, transposeK *Kernel
-	optInDispatch                           int // dispatchSwiGLU's opted-in shared memory
+	// optInDispatch and optInDgrad are dispatchSwiGLU's and
+	// dispatchDgrad's opted-in shared memory.
+	optInDispatch, optInDgrad int
 	// fusedMode holds the fused kernels' experiment switches and test
 	// hooks (tests only; 0 in use); fusedTimeout, when set, replaces
 	// fusedTimeout (tests of the timeout report).
@@ -225,9 +227,13 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 			return nil, err
 		}
 		smem := g.optIn[ggCoop256]
-		if f.k == &g.dispatchSwiGLU {
+		switch f.k {
+		case &g.dispatchSwiGLU:
 			smem = min(fusedDispatchSmem(ggMaxExperts), info.MaxSharedOptIn)
 			g.optInDispatch = smem
+		case &g.dispatchDgrad:
+			smem = min(fusedDgradSmem(ggMaxExperts), info.MaxSharedOptIn)
+			g.optInDgrad = smem
 		}
 		var local int
 		err = d.Do(func() error {

@@ -497,20 +497,28 @@ func fusedDispatchSmem(e int) int {
 	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*(3*e+1)
 }
 
+// fusedDgradSmem is moe_dispatch_dgrad's: moe_dispatch_swiglu's layout
+// plus one barrier per staging slot (its epilogue's TMA loads).
+func fusedDgradSmem(e int) int { return fusedDispatchSmem(e) + 4*8 }
+
+// boxesMap is the {n, rows} bf16 map of a [rows, n] operand that an
+// epilogue moves through shared memory: 64x64 boxes, 128-byte swizzle.
+func boxesMap(addr driver.DevicePtr, rows, n int) driver.TiledMap {
+	return driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: addr,
+		Dims: []uint64{uint64(n), uint64(rows)}, Strides: []uint64{2 * uint64(n)},
+		Box: []uint32{64, 64}, Swizzle: driver.Swizzle128B, L2: driver.L2PromotionNone,
+	}
+}
+
 // runDispatchSwiGLU queues moe_dispatch_swiglu. Its grid must be resident
 // at once (TMA threads wait on other blocks' communication warps): one
 // block per SM at most, which its shared memory enforces.
 func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 	mapX := rowsMap(a.x, a.rows, a.k)
 	wMap := func(addr driver.DevicePtr) driver.TiledMap { return expertsMap(addr, a.experts, a.n, a.k, 128) }
-	outMap := func(addr driver.DevicePtr) driver.TiledMap {
-		return driver.TiledMap{
-			Type: driver.TensorMapBfloat16, Addr: addr,
-			Dims: []uint64{uint64(a.n), uint64(a.rows)}, Strides: []uint64{2 * uint64(a.n)},
-			Box: []uint32{64, 64}, Swizzle: driver.Swizzle128B, L2: driver.L2PromotionNone,
-		}
-	}
-	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3), outMap(a.h1), outMap(a.h3), outMap(a.act)}
+	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3), boxesMap(a.h1, a.rows, a.n), boxesMap(a.h3, a.rows, a.n),
+		boxesMap(a.act, a.rows, a.n)}
 	slots := []uint64{uint64(a.h1), uint64(a.h3), uint64(a.act), uint64(a.x), uint64(a.refs), uint64(a.ptrs),
 		uint64(a.toks), uint64(a.flags), uint64(a.fault), uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets),
 		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
@@ -744,16 +752,18 @@ func expertsMap(addr driver.DevicePtr, experts, n, k int, boxRows uint32) driver
 
 // runDispatchDgrad queues moe_dispatch_dgrad. Its grid must be resident at
 // once, as runDispatchSwiGLU's: one block per SM, which its shared memory
-// (ggCoop256's) enforces.
+// enforces.
 func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
-	maps := []driver.TiledMap{rowsMap(a.dy, a.rows, a.k), expertsMap(a.w2T, a.experts, a.n, a.k, 256)}
+	maps := []driver.TiledMap{rowsMap(a.dy, a.rows, a.k), expertsMap(a.w2T, a.experts, a.n, a.k, 256),
+		boxesMap(a.dh1, a.rows, a.n), boxesMap(a.dh3, a.rows, a.n), boxesMap(a.h1, a.rows, a.n),
+		boxesMap(a.h3, a.rows, a.n)}
 	slots := []uint64{uint64(a.dh1), uint64(a.dh3), uint64(a.h1), uint64(a.h3), uint64(a.dy), uint64(a.refs),
 		uint64(a.ptrs), uint64(a.toks), uint64(a.scales), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1, uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
-	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
-	return g.launchFused(g.dispatchDgrad, grid, maps, slots, g.optIn[ggCoop256])
+	grid.Shared = fusedDgradSmem(a.experts)
+	return g.launchFused(g.dispatchDgrad, grid, maps, slots, g.optInDgrad)
 }
 
 // runDgradCombine queues moe_dgrad_combine.
