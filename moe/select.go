@@ -39,6 +39,12 @@ type Timing struct {
 	Iters                       int // measured steps of each kind
 	FusedForward, FusedStep     time.Duration
 	UnfusedForward, UnfusedStep time.Duration
+	// FusedExperts is the fused forward's expert block alone: its
+	// dispatch+experts phase (PhaseDispatchExperts until PhaseCombine,
+	// with the device idle and the ranks met at both ends), which runs
+	// the gather, the three expert products, SwiGLU and the scatter back
+	// to the sources. It is what compares with the expert GEMMs alone.
+	FusedExperts time.Duration
 	// RowsPerExpert are the token assignments of each expert ([E], over
 	// all ranks) in the measured steps, before any capacity: expert-group
 	// rank r's experts processed RowsPerExpert[r*E/ep : (r+1)*E/ep] rows
@@ -64,7 +70,8 @@ const measureWarmup = 2
 // tokens per rank) on an in-process world of ep virtual expert-parallel
 // ranks sharing b, with each dispatcher, on random weights and inputs: a
 // warm-up, then iters forward passes and iters forward+backward passes of
-// each, interleaved so that both see the same machine. Every rank runs in
+// each, interleaved so that both see the same machine, then iters fused
+// forward passes that time the expert block (Timing.FusedExperts). Every rank runs in
 // its own goroutine, as in training; every step ends with b.Sync and a
 // barrier. cfg.Dispatcher is ignored. The measurement allocates two layers
 // per rank; they are garbage once it returns.
@@ -99,6 +106,9 @@ func MeasureDispatch(b backend.Backend, cfg Config, dim, tokens, ep, iters int) 
 			passes = append(passes, measurePass{fused: true, backward: backward}, measurePass{backward: backward})
 		}
 	}
+	for range iters {
+		passes = append(passes, measurePass{fused: true, block: true})
+	}
 	times := make([]time.Duration, len(passes))
 	var wg sync.WaitGroup
 	errs := make([]error, ep)
@@ -117,10 +127,10 @@ func MeasureDispatch(b backend.Backend, cfg Config, dim, tokens, ep, iters int) 
 		return Timing{}, err
 	}
 
-	median := func(fused, backward bool) time.Duration {
+	median := func(want measurePass) time.Duration {
 		var ts []time.Duration
 		for i, p := range passes[first:] {
-			if p.fused == fused && p.backward == backward {
+			if p == want {
 				ts = append(ts, times[first+i])
 			}
 		}
@@ -129,10 +139,11 @@ func MeasureDispatch(b backend.Backend, cfg Config, dim, tokens, ep, iters int) 
 	}
 	t := Timing{
 		Iters:          iters,
-		FusedForward:   median(true, false),
-		FusedStep:      median(true, true),
-		UnfusedForward: median(false, false),
-		UnfusedStep:    median(false, true),
+		FusedForward:   median(measurePass{fused: true}),
+		FusedStep:      median(measurePass{fused: true, backward: true}),
+		UnfusedForward: median(measurePass{}),
+		UnfusedStep:    median(measurePass{backward: true}),
+		FusedExperts:   median(measurePass{fused: true, block: true}),
 	}
 	for _, n := range ranks[0].stats.TokensPerExpert {
 		t.RowsPerExpert = append(t.RowsPerExpert, int(math.Round(n)))
@@ -140,8 +151,9 @@ func MeasureDispatch(b backend.Backend, cfg Config, dim, tokens, ep, iters int) 
 	return t, nil
 }
 
-// measurePass is one step of MeasureDispatch's schedule.
-type measurePass struct{ fused, backward bool }
+// measurePass is one step of MeasureDispatch's schedule. A block pass is
+// a fused forward whose recorded time is its expert block's.
+type measurePass struct{ fused, backward, block bool }
 
 // measureRank is one virtual rank of MeasureDispatch: a layer of each
 // dispatcher (sharing one Scratch, as the layers of a rank do in
@@ -153,6 +165,12 @@ type measureRank struct {
 	outTD, dxTD    backend.Tensor
 	world          comm.Group
 	stats          Stats // the last forward's
+	// During a block pass, the fused layer's phase hook waits for the
+	// device and the other ranks where the expert block starts and ends
+	// (blockStart, blockEnd); hookErr is the first error of those waits.
+	inBlock              bool
+	blockStart, blockEnd time.Time
+	hookErr              error
 }
 
 func newMeasureRank(b backend.Backend, cfg Config, dim, tokens int, rk *comm.Ranks, rng *rand.Rand) (*measureRank, error) {
@@ -170,7 +188,11 @@ func newMeasureRank(b backend.Backend, cfg Config, dim, tokens int, rk *comm.Ran
 	}{{&m.fused, DispatcherFused}, {&m.unfused, DispatcherUnfused}} {
 		c := cfg
 		c.Dispatcher = l.disp
-		if *l.dst, err = New(b, c, dim, tokens, g, WithScratch(scratch)); err != nil {
+		opts := []Option{WithScratch(scratch)}
+		if l.disp == DispatcherFused {
+			opts = append(opts, WithPhaseHook(func(p Phase) { m.blockHook(b, p) }))
+		}
+		if *l.dst, err = New(b, c, dim, tokens, g, opts...); err != nil {
 			return nil, err
 		}
 	}
@@ -180,8 +202,29 @@ func newMeasureRank(b backend.Backend, cfg Config, dim, tokens int, rk *comm.Ran
 	return m, nil
 }
 
+// blockHook is the fused layer's phase hook: in a block pass it waits for
+// the device and the other ranks where the expert block starts and ends,
+// and notes the times.
+func (m *measureRank) blockHook(b backend.Backend, p Phase) {
+	if !m.inBlock || (p != PhaseDispatchExperts && p != PhaseCombine) {
+		return
+	}
+	if err := b.Sync(); err != nil {
+		m.hookErr = cmp.Or(m.hookErr, err)
+	}
+	if err := m.world.Barrier(); err != nil {
+		m.hookErr = cmp.Or(m.hookErr, err)
+	}
+	if p == PhaseDispatchExperts {
+		m.blockStart = time.Now()
+	} else {
+		m.blockEnd = time.Now()
+	}
+}
+
 // run runs the passes; after each, the device is waited for and the ranks
-// meet, and rank 0 (first) records the pass's wall time in times.
+// meet, and rank 0 (first) records the pass's wall time in times (a block
+// pass: its expert block's).
 func (m *measureRank) run(b backend.Backend, passes []measurePass, times []time.Duration, first bool) error {
 	for i, p := range passes {
 		l := m.unfused
@@ -189,7 +232,12 @@ func (m *measureRank) run(b backend.Backend, passes []measurePass, times []time.
 			l = m.fused
 		}
 		start := time.Now()
+		m.inBlock = p.block
 		st, err := l.Forward(m.outTD, m.xTD, m.p, nil, 1)
+		m.inBlock = false
+		if err == nil {
+			err = m.hookErr
+		}
 		if err != nil {
 			return err
 		}
@@ -207,6 +255,9 @@ func (m *measureRank) run(b backend.Backend, passes []measurePass, times []time.
 		}
 		if first {
 			times[i] = time.Since(start)
+			if p.block {
+				times[i] = m.blockEnd.Sub(m.blockStart)
+			}
 		}
 	}
 	return nil

@@ -34,7 +34,7 @@ func selectConfig() moe.Config {
 }
 
 // TestMeasureDispatch measures a small layer on 1 and 2 virtual ranks of
-// the CPU: every time is positive, and the routed rows are every token's
+// the CPU: every time is positive (the expert block's too), and the routed rows are every token's
 // top_k assignments.
 func TestMeasureDispatch(t *testing.T) {
 	b := cpu.New(backend.Float32)
@@ -45,7 +45,7 @@ func TestMeasureDispatch(t *testing.T) {
 		if err != nil {
 			t.Fatalf("ep %d: %v", ep, err)
 		}
-		if tm.Iters != 3 || tm.FusedForward <= 0 || tm.FusedStep <= 0 || tm.UnfusedForward <= 0 || tm.UnfusedStep <= 0 {
+		if tm.Iters != 3 || tm.FusedForward <= 0 || tm.FusedStep <= 0 || tm.UnfusedForward <= 0 || tm.UnfusedStep <= 0 || tm.FusedExperts <= 0 {
 			t.Errorf("ep %d: %+v", ep, tm)
 		}
 		sum := 0
