@@ -504,7 +504,8 @@ struct gg_fuse {
   int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu;
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
                                        // FUSE 3 experiments: 1 no gather/waits, 16 the register epilogue
-                                       // (gg_epilogue_dswiglu) for every block
+                                       // (gg_epilogue_dswiglu) for every block, 32 no dh1/dh3 stores,
+                                       // 64 no loads of boxes 2 and 3
 };
 
 // gg_silu is x * sigmoid(x) with the hardware's approximate exp2 and
@@ -924,28 +925,39 @@ __device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128],
   for (int b = 0; b < 4; b++) {
     const unsigned slot = stg + (b & 1) * 16384u, bar = ebar + 8 * (b & 1);
     gg_bar_wait(bar, ((c + b) >> 1) & 1u);
-    const unsigned rowA = slot + rl * 128, rowB = rowA + 8 * 128;
+    // A row half at a time: its 16 loads issue back to back, then 8
+    // independent chains of math, then the 16 stores (a load-use chain per
+    // element left the epilogue latency-bound: 8 warps an SM hide little).
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-      const unsigned o = (((i ^ sw) << 4) | ((lane & 3) << 2));
-      const int gi = 8 * b + i;  // the accumulator's 8-column group
+    for (int half = 0; half < 2; half++) {
+      const unsigned row = slot + (rl + 8 * half) * 128;
+      unsigned v1[8], v3[8];
 #pragma unroll
-      for (int half = 0; half < 2; half++) {
-        const unsigned a1 = (half ? rowB : rowA) + o, a3 = a1 + 8192u;
-        unsigned v1, v3;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v1) : "r"(a1) : "memory");
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v3) : "r"(a3) : "memory");
+      for (int i = 0; i < 8; i++) {
+        const unsigned a = row + (((i ^ sw) << 4) | ((lane & 3) << 2));
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v1[i]) : "r"(a) : "memory");
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v3[i]) : "r"(a + 8192u) : "memory");
+      }
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const int gi = 8 * b + i;  // the accumulator's 8-column group
         float d1[2], d3[2];
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-          const float h1 = e ? gg_bf16_hi(v1) : gg_bf16_lo(v1);
-          const float h3 = e ? gg_bf16_hi(v3) : gg_bf16_lo(v3);
+          const float h1 = e ? gg_bf16_hi(v1[i]) : gg_bf16_lo(v1[i]);
+          const float h3 = e ? gg_bf16_hi(v3[i]) : gg_bf16_lo(v3[i]);
           const float g = acc[4 * gi + 2 * half + e], sg = gg_sigmoid(h1);
           d3[e] = g * h1 * sg;
           d1[e] = g * h3 * sg * (1.0f + h1 * (1.0f - sg));
         }
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a1), "r"(gg_pack_bf16(d1[0], d1[1])) : "memory");
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a3), "r"(gg_pack_bf16(d3[0], d3[1])) : "memory");
+        v1[i] = gg_pack_bf16(d1[0], d1[1]);
+        v3[i] = gg_pack_bf16(d3[0], d3[1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const unsigned a = row + (((i ^ sw) << 4) | ((lane & 3) << 2));
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(v1[i]) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a + 8192u), "r"(v3[i]) : "memory");
       }
     }
     // Generic-proxy writes, async-proxy reader (as gg_epilogue_tma).
@@ -953,14 +965,15 @@ __device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128],
     gg_named_sync(id, 128);
     if (wtid == 0) {
       const int col = n0 + 64 * b;
-      if (col < N) {
+      if (col < N && !(fz.mode & 32)) {
         gg_tma_store_2d(fz.mapOut[0], col, row0, slot);
         gg_tma_store_2d(fz.mapOut[1], col, row0, slot + 8192u);
       }
       gg_bulk_commit();
       if (b + 2 < 4) {
         gg_bulk_wait_read();
-        gg_dswiglu_load(fz, slot, bar, row0, n0, b + 2);
+        if (fz.mode & 64) gg_bar_arrive(bar);
+        else gg_dswiglu_load(fz, slot, bar, row0, n0, b + 2);
       }
     }
   }
@@ -1242,19 +1255,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     const int wr0 = tile.row0 + cw * 64;
     const bool tmaBlock = wr0 < tile.rowEnd && (wr0 + 64 <= tile.rowEnd || tile.rowEnd == rows);
     const bool dswTma = FUSE == 3 && tmaBlock && !(fz.mode & 16);
-    if (dswTma && wtid == 0) {
-      // h1 and h3 of the first two boxes arrive during the mainloop, once
-      // the previous tile's stores have read their slots; the last two are
-      // warmed in L2.
-      gg_bulk_wait_read();
-      const unsigned slots = stgBase + cw * (STG_BYTES / 2), eb = ebars + 16 * cw;
-      gg_dswiglu_load(fz, slots, eb, wr0, tile.n0, 0);
-      gg_dswiglu_load(fz, slots + 16384u, eb + 8, wr0, tile.n0, 1);
-      for (int b = 2; b < 4; b++) {
-        gg_tma_prefetch_l2(fz.mapOut[2], tile.n0 + 64 * b, wr0);
-        gg_tma_prefetch_l2(fz.mapOut[3], tile.n0 + 64 * b, wr0);
-      }
-    }
+    // FUSE 3: the k-block after which the tile's first two h1/h3 boxes are
+    // requested: late enough that the previous tile's stores have read
+    // their slots, early enough that they land before the epilogue.
+    const int kPre = gg_min(2, nK - 1);
     for (int kb = 0; kb < nK; kb++) {
       gg_bar_wait(bars + 8 * s, ph);
       // Reconverge the warp before the .aligned wgmma instructions.
@@ -1279,6 +1283,17 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       if (++s == STAGES) {
         s = 0;
         ph ^= 1;
+      }
+      if (dswTma && wtid == 0 && kb == kPre) {
+        // The last two boxes are warmed in L2 for the epilogue's loads.
+        gg_bulk_wait_read();
+        const unsigned slots = stgBase + cw * (STG_BYTES / 2), eb = ebars + 16 * cw;
+        gg_dswiglu_load(fz, slots, eb, wr0, tile.n0, 0);
+        gg_dswiglu_load(fz, slots + 16384u, eb + 8, wr0, tile.n0, 1);
+        for (int b = 2; b < 4; b++) {
+          gg_tma_prefetch_l2(fz.mapOut[2], tile.n0 + 64 * b, wr0);
+          gg_tma_prefetch_l2(fz.mapOut[3], tile.n0 + 64 * b, wr0);
+        }
       }
     }
     gg_wgmma_wait<0>();
@@ -1484,16 +1499,53 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dgrad_combine(
 
 // gg_transpose_bf16 writes out[e] = in[e]ᵀ for E matrices in [E, A, B]
 // (bf16), out [E, B, A]: the K-major copies of weights that the backward's
-// products take as B. A block moves one 64x64 tile through shared memory
-// (padded against bank conflicts); grid (ceil(B/64), ceil(A/64), E), 256
-// threads.
+// products take as B. A block moves one 64x64 tile through shared memory;
+// grid (ceil(B/64), ceil(A/64), E), 256 threads. When A and B are
+// multiples of 8 (the fused ops' dims always are) every global access is
+// 16 bytes, 8 threads to a 128-byte row on both sides; the tile's rows are
+// 65 elements apart so that the column reads of the second half (8 rows
+// 8 apart, 4 columns) fall in distinct banks. Other sizes go element by
+// element.
 extern "C" __global__ void __launch_bounds__(256) gg_transpose_bf16(const unsigned short* in, unsigned short* out,
                                                                     int A, int B) {
-  __shared__ unsigned short tile[64][66];
+  __shared__ unsigned short tile[64][65];
   const long long e = blockIdx.z;
   const int b0 = blockIdx.x * 64, a0 = blockIdx.y * 64;
   const unsigned short* src = in + e * A * B;
   unsigned short* dst = out + e * A * B;
+  if (((A | B) & 7) == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int c = threadIdx.x + 256 * r, i = c >> 3, j = (c & 7) * 8;
+      const int a = a0 + i, b = b0 + j;
+      if (a < A && b < B) {
+        unsigned v[4];
+        asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                     : "l"(src + (long long)a * B + b));
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+          tile[i][j + 2 * k] = (unsigned short)(v[k] & 0xffffu);
+          tile[i][j + 2 * k + 1] = (unsigned short)(v[k] >> 16);
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int c = threadIdx.x + 256 * r, jb = c >> 3, i = (c & 7) * 8;
+      const int b = b0 + jb, a = a0 + i;
+      if (a < A && b < B) {
+        unsigned v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) v[k] = (unsigned)tile[i + 2 * k][jb] | ((unsigned)tile[i + 2 * k + 1][jb] << 16);
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + (long long)b * A + a), "r"(v[0]),
+                     "r"(v[1]), "r"(v[2]), "r"(v[3])
+                     : "memory");
+      }
+    }
+    return;
+  }
   const int tx = threadIdx.x & 63, ty = threadIdx.x >> 6;  // 64 x 4
   for (int i = ty; i < 64; i += 4) {
     const int a = a0 + i, b = b0 + tx;

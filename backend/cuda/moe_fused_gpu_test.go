@@ -471,8 +471,9 @@ func TestMoEFusedFigures(t *testing.T) {
 				inMode(mode, "gateup_fused", gateUpFused)
 			}
 			// The same for the dgrad kernel: 1 no gather or waits, 16 the
-			// register epilogue (v2) instead of the TMA one.
-			for _, mode := range []int{1, 16} {
+			// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
+			// stores, 64 no h1/h3 loads past the first two boxes.
+			for _, mode := range []int{1, 16, 32, 64, 96} {
 				inMode(mode, "bwd_dgrad_fused", dgradFused)
 			}
 			figure(t, fmt.Sprintf("moe_fused_W%d_fused_over_gemm", w), ms["fused"]/ms["gemm_alone"], "x")
