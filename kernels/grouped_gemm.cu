@@ -467,7 +467,7 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // epilogue turns dAct, with the forward's h1 and h3, into dh1 and dh3
 // (SwiGLU's backward); dAct never leaves the registers. h1 and h3 come in
 // by TMA, box by box, into the staging buffers (the first two boxes of a
-// tile are requested before its mainloop), dh1 and dh3 are written over
+// tile are requested early in its mainloop), dh1 and dh3 are written over
 // them and leave by TMA stores (gg_epilogue_dswiglu_tma).
 //
 // FUSE 4 is FUSE 2 over two K halves: dx = dh1.W1_e + dh3.W3_e, the
@@ -907,7 +907,7 @@ __device__ __forceinline__ void gg_dswiglu_load(const gg_fuse& fz, unsigned slot
 // gg_epilogue_dswiglu_tma is FUSE 3's epilogue through shared memory: the
 // warpgroup's 64 x 256 block of dAct in four boxes of 64 columns. Box b
 // sits in slot b & 1 of the warpgroup's two 16 KiB slots (h1 and h3 boxes,
-// brought in by gg_dswiglu_load: boxes 0 and 1 before the tile's
+// brought in by gg_dswiglu_load: boxes 0 and 1 during the tile's
 // mainloop, box b + 2 as soon as box b's stores have read its slot). Each
 // thread reads the h1 and h3 of its accumulator's elements at their
 // swizzled places, writes dh1 and dh3 over them, and thread 0 stores the

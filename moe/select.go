@@ -71,9 +71,9 @@ const measureWarmup = 2
 // ranks sharing b, with each dispatcher, on random weights and inputs: a
 // warm-up, then iters forward passes and iters forward+backward passes of
 // each, interleaved so that both see the same machine, then iters fused
-// forward passes that time the expert block (Timing.FusedExperts). Every rank runs in
-// its own goroutine, as in training; every step ends with b.Sync and a
-// barrier. cfg.Dispatcher is ignored. The measurement allocates two layers
+// forward passes that time the expert block (Timing.FusedExperts). Every
+// rank runs in its own goroutine, as in training; every step ends with
+// b.Sync and a barrier. cfg.Dispatcher is ignored. The measurement allocates two layers
 // per rank; they are garbage once it returns.
 func MeasureDispatch(b backend.Backend, cfg Config, dim, tokens, ep, iters int) (Timing, error) {
 	if ep < 1 || iters < 1 {
