@@ -307,11 +307,30 @@ func randomTensor(b backend.Backend, rng *rand.Rand, scale float64, shape ...int
 // optional method DeviceName() string; a wrapper with Inner() is looked
 // through). The CPU backend is "cpu".
 func MachineName(b backend.Backend) string {
-	name := b.Name()
+	if dn := lookThrough(b, func(d interface{ DeviceName() string }) string { return d.DeviceName() }); dn != "" {
+		return b.Name() + "/" + dn
+	}
+	return b.Name()
+}
+
+// SoftwareName names the software under b's kernels, for the dispatch
+// table: what the backend tells through an optional method
+// SoftwareVersions() string (the CUDA backend: its driver's and NVRTC's
+// versions), looked for as MachineName looks; "" when it tells nothing.
+// A driver upgrade can change which dispatcher is faster, so it is part
+// of the key.
+func SoftwareName(b backend.Backend) string {
+	return lookThrough(b, func(s interface{ SoftwareVersions() string }) string { return s.SoftwareVersions() })
+}
+
+// lookThrough returns get's answer for the first of b and the backends
+// it wraps (Inner() backend.Backend) that implements T and answers
+// something, or "".
+func lookThrough[T any](b backend.Backend, get func(T) string) string {
 	for b != nil {
-		if d, ok := b.(interface{ DeviceName() string }); ok {
-			if dn := d.DeviceName(); dn != "" {
-				return name + "/" + dn
+		if t, ok := b.(T); ok {
+			if v := get(t); v != "" {
+				return v
 			}
 		}
 		w, ok := b.(interface{ Inner() backend.Backend })
@@ -320,27 +339,29 @@ func MachineName(b backend.Backend) string {
 		}
 		b = w.Inner()
 	}
-	return name
+	return ""
 }
 
-// DispatchKey is what a measurement holds for: the machine, the build's
-// kernels (kernels.Digest: new kernels are measured again) and the layer
-// shape (tokens per rank, ep ranks).
+// DispatchKey is what a measurement holds for: the machine, the software
+// under the kernels (SoftwareName: a new driver is measured again), the
+// build's kernels (kernels.Digest: new kernels are measured again) and the
+// layer shape (tokens per rank, ep ranks).
 type DispatchKey struct {
-	Machine string `json:"machine"`
-	Kernels string `json:"kernels"`
-	Dim     int    `json:"dim"`
-	FFN     int    `json:"ffn"`
-	Experts int    `json:"experts"`
-	TopK    int    `json:"top_k"`
-	Tokens  int    `json:"tokens"`
-	EP      int    `json:"ep"`
+	Machine  string `json:"machine"`
+	Software string `json:"software,omitempty"`
+	Kernels  string `json:"kernels"`
+	Dim      int    `json:"dim"`
+	FFN      int    `json:"ffn"`
+	Experts  int    `json:"experts"`
+	TopK     int    `json:"top_k"`
+	Tokens   int    `json:"tokens"`
+	EP       int    `json:"ep"`
 }
 
 // NewDispatchKey is the key of layer cfg of width dim with tokens tokens
 // per rank on ep expert-parallel ranks of b.
 func NewDispatchKey(b backend.Backend, cfg Config, dim, tokens, ep int) DispatchKey {
-	return DispatchKey{Machine: MachineName(b), Kernels: kernelsDigest(), Dim: dim, FFN: cfg.FFN, Experts: cfg.Experts, TopK: cfg.TopK, Tokens: tokens, EP: ep}
+	return DispatchKey{Machine: MachineName(b), Software: SoftwareName(b), Kernels: kernelsDigest(), Dim: dim, FFN: cfg.FFN, Experts: cfg.Experts, TopK: cfg.TopK, Tokens: tokens, EP: ep}
 }
 
 // kernelsDigest is kernels.Digest, or "unknown" should the embedded
@@ -355,11 +376,15 @@ func kernelsDigest() string {
 }
 
 func (k DispatchKey) String() string {
-	return fmt.Sprintf("%s (kernels %s): dim %d, ffn %d, %d experts, top-%d, %d tokens per rank, ep %d", k.Machine, k.Kernels, k.Dim, k.FFN, k.Experts, k.TopK, k.Tokens, k.EP)
+	sw := ""
+	if k.Software != "" {
+		sw = ", " + k.Software
+	}
+	return fmt.Sprintf("%s (kernels %s%s): dim %d, ffn %d, %d experts, top-%d, %d tokens per rank, ep %d", k.Machine, k.Kernels, sw, k.Dim, k.FFN, k.Experts, k.TopK, k.Tokens, k.EP)
 }
 
 func (k DispatchKey) compare(o DispatchKey) int {
-	return cmp.Or(cmp.Compare(k.Machine, o.Machine), cmp.Compare(k.Kernels, o.Kernels), cmp.Compare(k.Dim, o.Dim), cmp.Compare(k.FFN, o.FFN),
+	return cmp.Or(cmp.Compare(k.Machine, o.Machine), cmp.Compare(k.Software, o.Software), cmp.Compare(k.Kernels, o.Kernels), cmp.Compare(k.Dim, o.Dim), cmp.Compare(k.FFN, o.FFN),
 		cmp.Compare(k.Experts, o.Experts), cmp.Compare(k.TopK, o.TopK), cmp.Compare(k.Tokens, o.Tokens), cmp.Compare(k.EP, o.EP))
 }
 
@@ -384,7 +409,7 @@ type dispatchTable struct {
 
 // dispatchTableVersion is the file format; a file of another version is
 // ignored (and replaced by the next Store).
-const dispatchTableVersion = 2
+const dispatchTableVersion = 3
 
 // DispatchCache is the dispatch table file at Path.
 type DispatchCache struct{ Path string }

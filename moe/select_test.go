@@ -25,6 +25,11 @@ type named struct{ *cpu.Backend }
 
 func (named) DeviceName() string { return "Device 9" }
 
+// versioned is a backend that tells its software's versions.
+type versioned struct{ *cpu.Backend }
+
+func (versioned) SoftwareVersions() string { return "driver 13.0" }
+
 type wrapped struct{ backend.Backend }
 
 func (w wrapped) Inner() backend.Backend { return w.Backend }
@@ -101,6 +106,18 @@ func TestMachineName(t *testing.T) {
 			t.Errorf("%T: %q, want %q", tc.b, got, tc.want)
 		}
 	}
+	for _, tc := range []struct {
+		b    backend.Backend
+		want string
+	}{{c, ""}, {named{c}, ""}, {versioned{c}, "driver 13.0"}, {wrapped{versioned{c}}, "driver 13.0"}} {
+		if got := moe.SoftwareName(tc.b); got != tc.want {
+			t.Errorf("SoftwareName(%T): %q, want %q", tc.b, got, tc.want)
+		}
+	}
+	if k := moe.NewDispatchKey(versioned{c}, selectConfig(), 16, 40, 2); k.Software != "driver 13.0" ||
+		!strings.Contains(k.String(), "driver 13.0") {
+		t.Errorf("key %+v: %s", k, k)
+	}
 }
 
 // TestDispatchCache: entries are stored and found by key, replaced for the
@@ -112,9 +129,11 @@ func TestDispatchCache(t *testing.T) {
 	k1 := moe.DispatchKey{Machine: "cuda/X", Kernels: "0123456789ab", Dim: 1024, FFN: 2816, Experts: 8, TopK: 2, Tokens: 16384, EP: 8}
 	k2 := k1
 	k2.EP = 4
-	// Other kernels: not k1's measurement.
+	// Other kernels, or another driver: not k1's measurement.
 	k3 := k1
 	k3.Kernels = "ba9876543210"
+	k4 := k1
+	k4.Software = "driver 13.1"
 	if _, ok, err := c.Lookup(k1); ok || err != nil {
 		t.Fatalf("empty table: %v, %v", ok, err)
 	}
@@ -139,6 +158,9 @@ func TestDispatchCache(t *testing.T) {
 	if _, ok, err := c.Lookup(k3); ok || err != nil {
 		t.Errorf("k1's shape with other kernels: found %v, %v", ok, err)
 	}
+	if _, ok, err := c.Lookup(k4); ok || err != nil {
+		t.Errorf("k1's shape under another driver: found %v, %v", ok, err)
+	}
 	e, _, _ := c.Lookup(k1)
 	if e.FusedMS != 1 || e.UnfusedMS != 2 || e.FusedForwardMS != 0.5 || e.UnfusedForwardMS != 1 || e.MeasuredAt.IsZero() {
 		t.Errorf("entry %+v", e)
@@ -158,7 +180,7 @@ func TestDispatchCache(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := json.Unmarshal(buf, &table); err != nil || table.Version != 2 || len(table.Entries) != 2 {
+	if err := json.Unmarshal(buf, &table); err != nil || table.Version != 3 || len(table.Entries) != 2 {
 		t.Errorf("table %s: version %d, %d entries, %v", buf, table.Version, len(table.Entries), err)
 	}
 	files, _ := os.ReadDir(filepath.Dir(c.Path))
