@@ -1500,11 +1500,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dgrad_combine(
 // gg_transpose_bf16 writes out[e] = in[e]ᵀ for E matrices in [E, A, B]
 // (bf16), out [E, B, A]: the K-major copies of weights that the backward's
 // products take as B. A block moves one 64x64 tile through shared memory;
-// grid (ceil(B/64), ceil(A/64), E), 256 threads. A and B are multiples
-// of 8 (as the fused ops' dims are; the host checks), so every global
-// access is 16 bytes, 8 threads to a 128-byte row on both sides; the
-// tile's rows are 65 elements apart so that the column reads of the second
-// half (8 rows 8 apart, 4 columns) fall in distinct banks.
+// grid (ceil(B/64), ceil(A/64), E), 256 threads. When A and B are
+// multiples of 8 (the fused ops' dims always are) every global access is
+// 16 bytes, 8 threads to a 128-byte row on both sides; the tile's rows are
+// 65 elements apart so that the column reads of the second half (8 rows
+// 8 apart, 4 columns) fall in distinct banks. Other sizes go element by
+// element.
 extern "C" __global__ void __launch_bounds__(256) gg_transpose_bf16(const unsigned short* in, unsigned short* out,
                                                                     int A, int B) {
   __shared__ unsigned short tile[64][65];
@@ -1512,35 +1513,48 @@ extern "C" __global__ void __launch_bounds__(256) gg_transpose_bf16(const unsign
   const int b0 = blockIdx.x * 64, a0 = blockIdx.y * 64;
   const unsigned short* src = in + e * A * B;
   unsigned short* dst = out + e * A * B;
+  if (((A | B) & 7) == 0) {
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int c = threadIdx.x + 256 * r, i = c >> 3, j = (c & 7) * 8;
-    const int a = a0 + i, b = b0 + j;
-    if (a < A && b < B) {
-      unsigned v[4];
-      asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                   : "l"(src + (long long)a * B + b));
+    for (int r = 0; r < 2; r++) {
+      const int c = threadIdx.x + 256 * r, i = c >> 3, j = (c & 7) * 8;
+      const int a = a0 + i, b = b0 + j;
+      if (a < A && b < B) {
+        unsigned v[4];
+        asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                     : "l"(src + (long long)a * B + b));
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        tile[i][j + 2 * k] = (unsigned short)(v[k] & 0xffffu);
-        tile[i][j + 2 * k + 1] = (unsigned short)(v[k] >> 16);
+        for (int k = 0; k < 4; k++) {
+          tile[i][j + 2 * k] = (unsigned short)(v[k] & 0xffffu);
+          tile[i][j + 2 * k + 1] = (unsigned short)(v[k] >> 16);
+        }
       }
     }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int c = threadIdx.x + 256 * r, jb = c >> 3, i = (c & 7) * 8;
+      const int b = b0 + jb, a = a0 + i;
+      if (a < A && b < B) {
+        unsigned v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) v[k] = (unsigned)tile[i + 2 * k][jb] | ((unsigned)tile[i + 2 * k + 1][jb] << 16);
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + (long long)b * A + a), "r"(v[0]),
+                     "r"(v[1]), "r"(v[2]), "r"(v[3])
+                     : "memory");
+      }
+    }
+    return;
+  }
+  const int tx = threadIdx.x & 63, ty = threadIdx.x >> 6;  // 64 x 4
+  for (int i = ty; i < 64; i += 4) {
+    const int a = a0 + i, b = b0 + tx;
+    if (a < A && b < B) tile[i][tx] = src[(long long)a * B + b];
   }
   __syncthreads();
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int c = threadIdx.x + 256 * r, jb = c >> 3, i = (c & 7) * 8;
-    const int b = b0 + jb, a = a0 + i;
-    if (a < A && b < B) {
-      unsigned v[4];
-#pragma unroll
-      for (int k = 0; k < 4; k++) v[k] = (unsigned)tile[i + 2 * k][jb] | ((unsigned)tile[i + 2 * k + 1][jb] << 16);
-      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + (long long)b * A + a), "r"(v[0]), "r"(v[1]),
-                   "r"(v[2]), "r"(v[3])
-                   : "memory");
-    }
+  for (int i = ty; i < 64; i += 4) {
+    const int b = b0 + i, a = a0 + tx;
+    if (a < A && b < B) dst[(long long)b * A + a] = tile[tx][i];
   }
 }
 

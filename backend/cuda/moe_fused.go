@@ -778,12 +778,8 @@ func (g *GroupedGemm) runDgradCombine(a fusedDgradCombine) error {
 }
 
 // transpose queues out[e] = in[e]ᵀ for experts bf16 matrices [a, b]
-// (out [experts, b, a]); a and b are multiples of 8 (the kernel moves
-// 16-byte pieces), as the fused products' dims are.
+// (out [experts, b, a]).
 func (g *GroupedGemm) transpose(out, in driver.DevicePtr, experts, a, b int) error {
-	if a%8 != 0 || b%8 != 0 {
-		return fmt.Errorf("cuda: gg_transpose_bf16: [%d, %d] matrices, want both dims multiples of 8", a, b)
-	}
 	grid := Grid{Grid: driver.Dim3{X: (b + 63) / 64, Y: (a + 63) / 64, Z: experts}, Block: driver.Dim3{X: 256, Y: 1, Z: 1}}
 	return g.d.Launch(g.transposeK, grid, in, out, int32(a), int32(b))
 }
