@@ -150,10 +150,7 @@ func (b *Backend) DeviceName() string { return b.dev.Info().Name }
 // SoftwareVersions names the driver and NVRTC under the kernels ("driver
 // 13.0, NVRTC 13.0"): moe.ResolveDispatcher's table measures again when
 // they change.
-func (b *Backend) SoftwareVersions() string {
-	i := b.dev.Info()
-	return fmt.Sprintf("driver %d.%d, NVRTC %d.%d", i.DriverVersion/1000, i.DriverVersion%1000/10, i.NVRTCMajor, i.NVRTCMinor)
-}
+func (b *Backend) SoftwareVersions() string { return b.dev.Info().Software() }
 
 // OperandType is BFloat16: MatMul multiplies in bf16, so operands kept in
 // bf16 go to cuBLASLt without the conversion a float32 operand needs.

@@ -36,9 +36,13 @@ type Info struct {
 }
 
 func (i Info) String() string {
-	return fmt.Sprintf("GPU %d: %s, compute capability %d.%d (%s), %d SMs, %s, driver API %d.%d, NVRTC %d.%d",
-		i.Ordinal, i.Name, i.Major, i.Minor, i.Arch, i.SMs, FormatBytes(i.TotalMem),
-		i.DriverVersion/1000, i.DriverVersion%1000/10, i.NVRTCMajor, i.NVRTCMinor)
+	return fmt.Sprintf("GPU %d: %s, compute capability %d.%d (%s), %d SMs, %s, %s",
+		i.Ordinal, i.Name, i.Major, i.Minor, i.Arch, i.SMs, FormatBytes(i.TotalMem), i.Software())
+}
+
+// Software names the driver and NVRTC versions ("driver 13.0, NVRTC 13.0").
+func (i Info) Software() string {
+	return fmt.Sprintf("driver %d.%d, NVRTC %d.%d", i.DriverVersion/1000, i.DriverVersion%1000/10, i.NVRTCMajor, i.NVRTCMinor)
 }
 
 // work is one closure for the device thread; reply is nil for asynchronous
