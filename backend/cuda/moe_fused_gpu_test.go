@@ -126,18 +126,25 @@ func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
 		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
 		backend.DownCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.refsR2, act, in.w2, c.groups)
 	}
-	o := fusedOut{}
+	o := fusedOut{outs: downloadRanks(b, in.outSD)}
 	if in.rows > 0 {
 		o.x, o.h1, o.h3, o.act = backend.DownloadFloat32(b, x), backend.DownloadFloat32(b, h1), backend.DownloadFloat32(b, h3), backend.DownloadFloat32(b, act)
 	}
-	for _, t := range in.outSD {
+	return o
+}
+
+// downloadRanks downloads every rank's output rows (nil for a rank with
+// none).
+func downloadRanks(b *Backend, outSD []backend.Tensor) [][]float32 {
+	var outs [][]float32
+	for _, t := range outSD {
 		var rows []float32
 		if t.Len() > 0 {
 			rows = backend.DownloadFloat32(b, t)
 		}
-		o.outs = append(o.outs, rows)
+		outs = append(outs, rows)
 	}
-	return o
+	return outs
 }
 
 // fusedGrads is what one path of the backward computed.
@@ -163,16 +170,9 @@ func (c fusedCase) runBackward(b *Backend, in fusedInputs, h1, h3 backend.Tensor
 		backend.DispatchDgradSwiGLUBySteps(b, b.New(backend.Float32, in.rows, c.f), dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, c.groups)
 		backend.DgradCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
 	}
-	o := fusedGrads{}
+	o := fusedGrads{outs: downloadRanks(b, in.outSD)}
 	if in.rows > 0 {
 		o.dy, o.dh1, o.dh3 = backend.DownloadFloat32(b, dy), backend.DownloadFloat32(b, dh1), backend.DownloadFloat32(b, dh3)
-	}
-	for _, t := range in.outSD {
-		var rows []float32
-		if t.Len() > 0 {
-			rows = backend.DownloadFloat32(b, t)
-		}
-		o.outs = append(o.outs, rows)
 	}
 	return o
 }
