@@ -251,6 +251,14 @@ type Backend interface {
 	// rank s, position p of that rank's send order. Every referenced
 	// position must exist.
 
+	// PeerRowRefs writes refsR2 (Int32 [R, 2]) from blocks of consecutive
+	// references: row r belongs to the last block b with First <= r, and
+	// refsR2[r] = (blocks[b].Rank, blocks[b].Pos + r - blocks[b].First).
+	// The blocks are in order of First, the first at row 0 when R > 0
+	// (empty blocks may repeat a First). Only the table crosses to the
+	// device, not R references (moe's fused dispatcher: one block per
+	// source rank and local expert).
+	PeerRowRefs(refsR2 Tensor, blocks []RowBlock)
 	// GatherPeerRows: for row r with (s, p) = refsR2[r] and t = tokS[s][p],
 	//   outRD[r] = scaleS[s][p] * srcTD[s][t]
 	// scaleS may be nil (1). Sources and scales are of the float type; out

@@ -1,5 +1,49 @@
 package backend
 
+import "fmt"
+
+// RowBlock is one block of PeerRowRefs' table: rows from First on refer to
+// rank Rank's send positions from Pos on.
+type RowBlock struct{ First, Rank, Pos int }
+
+// CheckRowBlocks checks a PeerRowRefs table for R rows and returns a
+// description of the first fault, or nil.
+func CheckRowBlocks(blocks []RowBlock, R int) error {
+	if R > 0 && (len(blocks) == 0 || blocks[0].First != 0) {
+		return fmt.Errorf("%d rows but the first block does not start at row 0 (%d blocks)", R, len(blocks))
+	}
+	for i, bl := range blocks {
+		switch {
+		case bl.First < 0 || bl.First > R:
+			return fmt.Errorf("block %d starts at row %d, outside [0, %d]", i, bl.First, R)
+		case i > 0 && bl.First < blocks[i-1].First:
+			return fmt.Errorf("block %d starts at row %d, before block %d (row %d)", i, bl.First, i-1, blocks[i-1].First)
+		case bl.Rank < 0 || bl.Pos < 0:
+			return fmt.Errorf("block %d names rank %d position %d", i, bl.Rank, bl.Pos)
+		case bl.First < R && int64(bl.Pos)+int64(R-bl.First) > 1<<31-1:
+			return fmt.Errorf("block %d: positions from %d overflow int32", i, bl.Pos)
+		}
+	}
+	return nil
+}
+
+// ExpandRowBlocks is PeerRowRefs on the host: the R references, as the
+// flat (rank, position) pairs refsR2 holds. The blocks must pass
+// CheckRowBlocks.
+func ExpandRowBlocks(blocks []RowBlock, R int) []int32 {
+	refs := make([]int32, 2*R)
+	for i, bl := range blocks {
+		end := R
+		if i+1 < len(blocks) {
+			end = blocks[i+1].First
+		}
+		for r := bl.First; r < end; r++ {
+			refs[2*r], refs[2*r+1] = int32(bl.Rank), int32(bl.Pos+r-bl.First)
+		}
+	}
+	return refs
+}
+
 // DispatchSwiGLUBySteps computes DispatchSwiGLU as its unfused sequence on
 // b: GatherPeerRows, two GroupedMatMul and SwiGLUForward. It is the
 // reference definition of the fused op (the CPU backend's implementation)

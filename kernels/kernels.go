@@ -114,6 +114,7 @@ func Sources() []Source {
 			{Name: "gather_peer_rows_f32", Block: 256, Grid: peerGrid},
 			{Name: "gather_peer_rows_f32_bf16", Block: 256, Grid: peerGrid},
 			{Name: "scatter_peer_rows_f32", Block: 256, Grid: peerGrid},
+			{Name: "peer_row_refs", Block: 256, Grid: "grid-stride, one thread per row"},
 		}},
 		{File: "attention.cu", Kernels: []Kernel{
 			{Name: "attn_forward_d32_f32", Block: 64, Grid: attnQueryGrid},

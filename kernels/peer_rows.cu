@@ -112,3 +112,25 @@ extern "C" __global__ void scatter_peer_rows_f32(const float* in, const unsigned
     for (int j = lane; j < D; j += 32) dst[j] = src[j];
   }
 }
+
+// peer_row_refs: refs[r] = (rank, pos + r - first) of the last block whose
+// first row is at most r; blocks holds 3 words per block (first, rank,
+// pos), in order of first, the first block at row 0 (checked by the host).
+// One thread per row, grid-stride: a binary search over the table (at most
+// a few hundred blocks, read through L1).
+extern "C" __global__ void peer_row_refs(int* refs, const unsigned long long* blocks, int B, int R) {
+  for (long long r = mk_global_id(); r < R; r += mk_grid_stride()) {
+    int lo = 0, hi = B;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if ((long long)blocks[3 * mid] <= r) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    const unsigned long long* bl = blocks + 3 * lo;
+    refs[2 * r] = (int)bl[1];
+    refs[2 * r + 1] = (int)(bl[2] + (unsigned long long)(r - (long long)bl[0]));
+  }
+}

@@ -4,7 +4,7 @@ package moe
 // ranks' tensors and write their outputs straight into the source ranks'
 // buffers (the backend's peer-row ops), so no row is gathered into send
 // order, exchanged and permuted. The expert-major rows, and so every
-// product, are the unfused path's (plan.peerRefs), which is why the two
+// product, are the unfused path's (plan.peerBlocks), which is why the two
 // agree to the bit on the CPU.
 //
 // Who touches whose memory, per expert-group rank r:
@@ -40,7 +40,7 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 	l.phase(PhaseDispatchExperts)
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
 	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
-	st.refsR2 = l.uploadRefs(pl)
+	st.refsR2 = l.writeRefs(pl)
 	peers, err := l.peers.PeerTensors(st.xTD, st.sendTokS, st.ySD)
 	if err != nil {
 		return fmt.Errorf("moe: fused dispatch: %w", err)
@@ -109,29 +109,23 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 	return nil
 }
 
-// uploadRefs uploads the plan's row references as the Int32 [R, 2] tensor
-// the peer-row ops take.
-func (l *Layer) uploadRefs(pl *plan) backend.Tensor {
+// writeRefs writes the plan's row references into the Int32 [R, 2]
+// tensor the peer-row ops take, on the device: only the table of
+// (expert, source) blocks crosses from the host (PeerRowRefs).
+func (l *Layer) writeRefs(pl *plan) backend.Tensor {
+	R := len(pl.perm)
 	if l.g.Expert.Size() == 1 {
 		// One rank: row i is (0, i) every step, so the references are
-		// uploaded once for the buffer's whole capacity, not per step.
-		R := len(pl.perm)
+		// written once for the buffer's whole capacity, not per step.
 		if R > l.refsIdentity || l.refsR2.t == nil {
 			l.refsR2.grow(l.b, R)
-			ids := make([]int32, 2*l.refsR2.rows)
-			for i := range l.refsR2.rows {
-				ids[2*i+1] = int32(i)
-			}
-			backend.UploadSlice(l.b, l.refsR2.t, ids)
+			l.b.PeerRowRefs(l.refsR2.view(l.b, l.refsR2.rows), []backend.RowBlock{{First: 0, Rank: 0, Pos: 0}})
 			l.refsIdentity = l.refsR2.rows
 		}
 		return l.refsR2.view(l.b, R)
 	}
-	refs := pl.peerRefs()
-	v := l.refsR2.view(l.b, len(refs)/2)
-	if len(refs) > 0 {
-		backend.UploadSlice(l.b, v, refs)
-	}
+	v := l.refsR2.view(l.b, R)
+	l.b.PeerRowRefs(v, pl.peerBlocks())
 	return v
 }
 

@@ -54,7 +54,7 @@ type Layer struct {
 	// sends, R = rows its experts process.
 	sendTokS, sendSlotS, permR, invPermR rowBuf // Int32 index vectors
 	refsR2                               rowBuf // Int32 [R, 2]: the fused dispatcher's row references
-	refsIdentity                         int    // one expert rank: rows of refsR2 holding (0, i), uploaded once
+	refsIdentity                         int    // one expert rank: rows of refsR2 holding (0, i), written once
 	gateS, dgateS                        rowBuf // per sent row
 	xRD, ySD                             rowBuf // saved: expert inputs (expert-major, operand type), expert outputs (send order)
 	h1RF, h3RF, actRF                    rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)

@@ -4,9 +4,13 @@ package moe
 // router's choices by expert (RouteByExpert) and the host plans from the
 // per-expert counts alone (planCounts); with a capacity the host reads the
 // choices and decides which to drop (planSource). The fused dispatcher
-// addresses the same rows by (source rank, send position) (peerRefs).
+// addresses the same rows by (source rank, send position) (peerBlocks).
 
-import "math"
+import (
+	"math"
+
+	"github.com/mktrain/mktrain/backend"
+)
 
 // plan is one micro-step's routing on one rank. Both halves are in terms of
 // rows of D values: "send" rows are this rank's token copies, one per kept
@@ -31,6 +35,7 @@ type plan struct {
 	recvCounts []int   // [EP] rows from each rank
 	srcStart   []int   // [EP] where, in each source's send order, its rows for this rank begin
 	expertRows []int   // [E_local] rows for each local expert, expert-major
+	countsSE   []int   // [EP][E_local] rows from each source rank for each local expert
 	perm       []int32 // [R] expert-major row i is received row perm[i]
 	invPerm    []int32 // [R] received row j is expert-major row invPerm[j]
 }
@@ -110,6 +115,7 @@ func (p *plan) countSends(ep int) {
 func (p *plan) planDest(countsSE []int, ep, E, first, local int) {
 	at := func(src, le int) int { return countsSE[src*E+first+le] }
 	p.recvCounts, p.expertRows, p.srcStart = make([]int, ep), make([]int, local), make([]int, ep)
+	p.countsSE = make([]int, ep*local)
 	recvStart := make([]int, ep*local) // first received row of (src, le)
 	R := 0
 	for src := range ep {
@@ -120,6 +126,7 @@ func (p *plan) planDest(countsSE []int, ep, E, first, local int) {
 		}
 		for le := range local {
 			recvStart[src*local+le] = R
+			p.countsSE[src*local+le] = at(src, le)
 			R += at(src, le)
 			p.recvCounts[src] += at(src, le)
 			p.expertRows[le] += at(src, le)
@@ -138,23 +145,25 @@ func (p *plan) planDest(countsSE []int, ep, E, first, local int) {
 	}
 }
 
-// peerRefs returns, for each expert-major row i (perm's order), the row it
-// copies as a (source rank, position in the source's send order) pair:
-// refs[2i], refs[2i+1], the layout of the backend's refsR2. Received row j
-// of source s's block is s's send position srcStart[s] + (j - the block's
-// first row), since the all-to-all moves each block in send order.
-func (p *plan) peerRefs() []int32 {
-	srcOf, posOf := make([]int32, len(p.perm)), make([]int32, len(p.perm))
-	j := 0
-	for s, n := range p.recvCounts {
-		for q := range n {
-			srcOf[j], posOf[j] = int32(s), int32(p.srcStart[s]+q)
-			j++
+// peerBlocks describes the fused dispatcher's row references (the
+// backend's PeerRowRefs table): expert-major rows come in blocks, one per
+// (local expert, source rank) in that order, and a block's rows are
+// consecutive send positions of its source, since each source sends its
+// rows for this rank sorted by expert. So row i of block (le, s) refers to
+// s's position srcStart[s] + (s's rows for experts below le) + i: where
+// the all-to-all and perm would bring that row from.
+func (p *plan) peerBlocks() []backend.RowBlock {
+	ep, local := len(p.recvCounts), len(p.expertRows)
+	blocks := make([]backend.RowBlock, 0, ep*local)
+	next := append([]int(nil), p.srcStart...) // each source's next send position
+	first := 0
+	for le := range local {
+		for s := range ep {
+			n := p.countsSE[s*local+le]
+			blocks = append(blocks, backend.RowBlock{First: first, Rank: s, Pos: next[s]})
+			first += n
+			next[s] += n
 		}
 	}
-	refs := make([]int32, 2*len(p.perm))
-	for i, j := range p.perm {
-		refs[2*i], refs[2*i+1] = srcOf[j], posOf[j]
-	}
-	return refs
+	return blocks
 }

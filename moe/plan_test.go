@@ -4,6 +4,8 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+
+	"github.com/mktrain/mktrain/backend"
 )
 
 // TestPlanCountsMatchesPlanSource checks that the dropless plan built from
@@ -27,7 +29,8 @@ func TestPlanCountsMatchesPlanSource(t *testing.T) {
 	}
 }
 
-// TestPeerRefs checks the fused dispatcher's row references against the
+// TestPeerRefs checks the fused dispatcher's row references (peerBlocks,
+// expanded as PeerRowRefs does) against the
 // unfused route: for every destination rank, expert-major row i copies the
 // row the all-to-all and perm bring there, whatever the routing (random,
 // all on two experts, with capacity drops, some ranks receiving nothing).
@@ -81,7 +84,11 @@ func TestPeerRefs(t *testing.T) {
 					}
 					recv = append(recv, sends[s][from:from+plans[s].sendCounts[r]]...)
 				}
-				refs := p.peerRefs()
+				blocks := p.peerBlocks()
+				if err := backend.CheckRowBlocks(blocks, len(p.perm)); err != nil {
+					t.Fatalf("ep %d %s rank %d: %v", ep, c.name, r, err)
+				}
+				refs := backend.ExpandRowBlocks(blocks, len(p.perm))
 				if len(refs) != 2*len(recv) {
 					t.Fatalf("ep %d %s rank %d: %d refs for %d rows", ep, c.name, r, len(refs)/2, len(recv))
 				}

@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"testing"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -255,6 +256,7 @@ func peerCases() []Case {
 		}})
 	}
 	cs = append(cs, peerViewCases()...)
+	cs = append(cs, rowBlockCases()...)
 	for _, s := range peerMoEShapes() {
 		// "operand": the tested backend's operand type (bf16 on the GPU);
 		// "bf16" on every backend.
@@ -438,4 +440,67 @@ func (e *Env) dgradCombine(s peerMoEShape, bf16 bool) {
 	for i, want := range scatterRef(hosts(outs), dx, refs.ints, d) {
 		e.againstRef(outs[i], want)
 	}
+}
+
+// rowBlockCases compare PeerRowRefs with the oracle and check it against
+// a row-by-row reading of the table: blocks of random sizes (some empty,
+// as an expert group's source ranks that send an expert nothing), one
+// block per (local expert, source rank) as moe's fused dispatcher builds
+// them.
+func rowBlockCases() []Case {
+	shapes := []struct {
+		name          string
+		experts, srcs int
+		maxRows       int
+	}{
+		{"one_block", 1, 1, 40},
+		{"4x2_with_empty", 4, 2, 9},
+		{"8x8", 8, 8, 300},
+		{"no_rows", 3, 2, 0},
+	}
+	var cs []Case
+	for _, sh := range shapes {
+		name := "PeerRowRefs/" + sh.name
+		blocksOf := func(rng *rand.Rand) ([]backend.RowBlock, int) {
+			var blocks []backend.RowBlock
+			R := 0
+			for range sh.experts {
+				for src := range sh.srcs {
+					n := 0
+					if sh.maxRows > 0 && rng.IntN(4) != 0 {
+						n = rng.IntN(sh.maxRows + 1)
+					}
+					blocks = append(blocks, backend.RowBlock{First: R, Rank: src, Pos: rng.IntN(1000)})
+					R += n
+				}
+			}
+			return blocks, R
+		}
+		cs = append(cs, Case{
+			Name: name,
+			Compare: func(e *Env) {
+				blocks, R := blocksOf(e.Rng)
+				refs := e.IntOut("refs", R, 2)
+				e.Run(func(b backend.Backend, p Pick) { b.PeerRowRefs(p(refs), blocks) })
+			},
+			Check: func(t *testing.T, b backend.Backend) {
+				blocks, R := blocksOf(NewRand(name))
+				refs := b.New(backend.Int32, R, 2)
+				b.PeerRowRefs(refs, blocks)
+				got := DownloadInts(b, refs)
+				for r := range R {
+					bl := blocks[0]
+					for _, c := range blocks {
+						if c.First <= r {
+							bl = c
+						}
+					}
+					if got[2*r] != int32(bl.Rank) || got[2*r+1] != int32(bl.Pos+r-bl.First) {
+						t.Fatalf("refs[%d] = (%d, %d), want (%d, %d)", r, got[2*r], got[2*r+1], bl.Rank, bl.Pos+r-bl.First)
+					}
+				}
+			},
+		})
+	}
+	return cs
 }

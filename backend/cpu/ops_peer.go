@@ -32,6 +32,22 @@ func peerRefs(op string, refsR2 backend.Tensor, sendLen []int) [][2]int {
 	return refs
 }
 
+// PeerRowRefs expands blocks into refsR2 (see backend.Backend).
+func (b *Backend) PeerRowRefs(refsR2 backend.Tensor, blocks []backend.RowBlock) {
+	const op = "PeerRowRefs"
+	if refsR2 == nil {
+		fail(op, "refs is nil")
+	}
+	s := refsR2.Shape()
+	if refsR2.DType() != backend.Int32 || len(s) != 2 || s[1] != 2 {
+		fail(op, "refs is %v %v, want int32 [R 2]", refsR2.DType(), s)
+	}
+	if err := backend.CheckRowBlocks(blocks, s[0]); err != nil {
+		fail(op, "%v", err)
+	}
+	copy(ints(refsR2), backend.ExpandRowBlocks(blocks, s[0]))
+}
+
 // GatherPeerRows computes outRD[r] = scaleS[s][p] * srcTD[s][tokS[s][p]]
 // for (s, p) = refsR2[r]; scaleS may be nil (all ones). outRD may be
 // BFloat16 (the rows are rounded).

@@ -155,11 +155,43 @@ func (b *Backend) ScatterPeerRows(outSD []backend.Tensor, inRD, refsR2 backend.T
 	runtime.KeepAlive(outs)
 }
 
+// PeerRowRefs expands blocks into refsR2 on the GPU (see backend.Backend):
+// the table is checked here and staged (3 words a block), and the
+// references are written by peer_row_refs.
+func (b *Backend) PeerRowRefs(refsR2 backend.Tensor, blocks []backend.RowBlock) {
+	const op = "PeerRowRefs"
+	if refsR2 == nil {
+		fail(op, "refs is nil")
+	}
+	refs := tensorOf(op, "refs", refsR2)
+	if refs.dt != backend.Int32 || len(refs.shape) != 2 || refs.shape[1] != 2 {
+		fail(op, "refs is %v %v, want int32 [R 2]", refs.dt, refs.shape)
+	}
+	R := refs.shape[0]
+	if err := backend.CheckRowBlocks(blocks, R); err != nil {
+		fail(op, "%v", err)
+	}
+	fitsInt32(op, R, len(blocks))
+	if R == 0 {
+		return
+	}
+	table := make([]uint64, 0, 3*len(blocks))
+	for _, bl := range blocks {
+		table = append(table, uint64(bl.First), uint64(bl.Rank), uint64(bl.Pos))
+	}
+	b.launchTable("peer_row_refs", table, b.dev.StrideGrid(int64(R), 256, strideBlocksPerSM), refs, int32(len(blocks)), int32(R))
+}
+
 // launchPeer uploads table and launches kernel name of peer_rows.cu over
 // rows rows (a warp each) with arguments (first, table, rest...), the
 // order every kernel there takes. The caller keeps the tensors the table
 // points to alive until launchPeer returns.
 func (b *Backend) launchPeer(name string, table []uint64, rows int, first *Tensor, rest ...any) {
+	b.launchTable(name, table, b.dev.StrideGrid(int64(rows)*32, 256, strideBlocksPerSM), first, rest...)
+}
+
+// launchTable is launchPeer on grid g.
+func (b *Backend) launchTable(name string, table []uint64, g Grid, first *Tensor, rest ...any) {
 	k, err := sourceKernel(b.dev, "peer_rows.cu", name)
 	if err != nil {
 		b.fail(err)
@@ -177,5 +209,5 @@ func (b *Backend) launchPeer(name string, table []uint64, rows int, first *Tenso
 		b.fail(err)
 		return
 	}
-	b.launch(k, b.dev.StrideGrid(int64(rows)*32, 256, strideBlocksPerSM), append([]any{first, buf}, rest...)...)
+	b.launch(k, g, append([]any{first, buf}, rest...)...)
 }

@@ -70,7 +70,7 @@ func KindOf(scope, op string) string {
 		return KindAttention
 	case opMatMul:
 		return KindDenseGEMM
-	case opGatherRows, opScatterAddRows, opRowDots, opGatherPeerRows, opScatterPeerRows:
+	case opGatherRows, opScatterAddRows, opRowDots, opGatherPeerRows, opScatterPeerRows, opPeerRowRefs:
 		return KindDispatch
 	case opRouterForward, opRouterBackward, opRouteByExpert:
 		return KindRouter

@@ -41,6 +41,7 @@ const (
 	opRouteByExpert     = "RouteByExpert"
 	opGatherPeerRows    = "GatherPeerRows"
 	opScatterPeerRows   = "ScatterPeerRows"
+	opPeerRowRefs       = "PeerRowRefs"
 	opDispatchSwiGLU    = "DispatchSwiGLU"
 	opDownCombine       = "DownCombine"
 	opDispatchDgrad     = "DispatchDgradSwiGLU"
@@ -212,6 +213,11 @@ func (p *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW)
 func (p *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2 backend.Tensor) {
 	defer p.end(p.begin(), opGatherPeerRows)
 	p.inner.GatherPeerRows(outRD, srcTD, tokS, scaleS, refsR2)
+}
+
+func (p *Backend) PeerRowRefs(refsR2 backend.Tensor, blocks []backend.RowBlock) {
+	defer p.end(p.begin(), opPeerRowRefs)
+	p.inner.PeerRowRefs(refsR2, blocks)
 }
 
 func (p *Backend) ScatterPeerRows(outSD []backend.Tensor, inRD, refsR2 backend.Tensor) {
