@@ -267,6 +267,21 @@ type Backend interface {
 	// ScatterPeerRows: outSD[s][p] = inRD[r] for (s, p) = refsR2[r]; the
 	// references must be distinct. All of the float type.
 	ScatterPeerRows(outSD []Tensor, inRD, refsR2 Tensor)
+	// MarkPeerRows raises the completion flag of every referenced row:
+	// doneS[s][p] = 1 for (s, p) = refsR2[r], published after the work
+	// queued before it (the rows it completes). doneS are Int32, one flag
+	// per send row of each rank.
+	MarkPeerRows(doneS []Tensor, refsR2 Tensor)
+	// CombineRows is the source rank's combine of rows that its peers
+	// write and flag (DownCombine, DgradCombine with flags): for each
+	// send row i, once doneS[i] is 1,
+	//   outTD[rowsS[i]] += scaleS[i] * inSD[i], then doneS[i] = 0
+	// (scaleS may be nil: 1), so the flags are clear for the next step.
+	// sendCounts ([EP]) are the rows sent to each rank of the expert
+	// group, in send order: a row whose flag never rises is reported, at
+	// the next Sync, with the rank that owed it (a bounded wait on the
+	// GPU; at once on the CPU), and is not added.
+	CombineRows(outTD, inSD, rowsS, scaleS, doneS Tensor, sendCounts []int)
 	// DispatchSwiGLU is the experts' gate/up half fused with the dispatch
 	// (Dispatch+GEMM): the rows are gathered as by GatherPeerRows(xRD,
 	// srcTD, tokS, nil, refsR2), then, per group g of groupRows (as in
@@ -280,8 +295,10 @@ type Backend interface {
 	// (GEMM+Combine): per group g, y = actRF·W2_gᵀ (w2GDF stacking the G
 	// matrices [D, F]), and row r of y is written to outSD[s][p], (s, p) =
 	// refsR2[r]: straight into its source rank's buffer, in the source's
-	// send order. outSD are of the float type.
-	DownCombine(outSD []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int)
+	// send order. outSD are of the float type. doneS, when not nil, are
+	// the ranks' row flags: each row's is raised once the whole row is
+	// written (as MarkPeerRows), for the source's CombineRows.
+	DownCombine(outSD, doneS []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int)
 	// DispatchDgradSwiGLU is the experts' backward through the down
 	// projection and SwiGLU, fused with the dispatch of the output
 	// gradients: the rows are gathered, scaled by their gates, as by
@@ -296,9 +313,10 @@ type Backend interface {
 	// DgradCombine is the experts' input gradient fused with its combine:
 	// per group g, dx = dh1RF·W1_g + dh3RF·W3_g (w1GFD and w3GFD stacking
 	// the G matrices [F, D]), and row r of dx is written to outSD[s][p],
-	// (s, p) = refsR2[r], as DownCombine writes y. outSD are of the float
+	// (s, p) = refsR2[r], as DownCombine writes y, and flagged in doneS
+	// (when not nil) as DownCombine flags them. outSD are of the float
 	// type.
-	DgradCombine(outSD []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int)
+	DgradCombine(outSD, doneS []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int)
 
 	// AdamWUpdate updates param in place from grad with moments m and v.
 	AdamWUpdate(param, grad, m, v Tensor, h AdamW)

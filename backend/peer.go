@@ -57,10 +57,14 @@ func DispatchSwiGLUBySteps(b Backend, xRD, h1RF, h3RF, actRF Tensor, srcTD, tokS
 
 // DownCombineBySteps computes DownCombine as its unfused sequence on b:
 // GroupedMatMul into a scratch tensor yRD (of the float type, actRF's row
-// count and the outputs' width), then ScatterPeerRows.
-func DownCombineBySteps(b Backend, yRD Tensor, outSD []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int) {
+// count and the outputs' width), ScatterPeerRows, and MarkPeerRows when
+// doneS is not nil.
+func DownCombineBySteps(b Backend, yRD Tensor, outSD, doneS []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int) {
 	b.GroupedMatMul(yRD, actRF, w2GDF, groupRows, true, 1, 0)
 	b.ScatterPeerRows(outSD, yRD, refsR2)
+	if doneS != nil {
+		b.MarkPeerRows(doneS, refsR2)
+	}
 }
 
 // DispatchDgradSwiGLUBySteps computes DispatchDgradSwiGLU as its unfused
@@ -75,9 +79,27 @@ func DispatchDgradSwiGLUBySteps(b Backend, dActRF, dyRD, dh1RF, dh3RF Tensor, sr
 
 // DgradCombineBySteps computes DgradCombine as its unfused sequence on b:
 // two GroupedMatMul into a scratch tensor dxRD (of the float type, the
-// rows' count and the outputs' width), then ScatterPeerRows.
-func DgradCombineBySteps(b Backend, dxRD Tensor, outSD []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int) {
+// rows' count and the outputs' width), ScatterPeerRows, and MarkPeerRows
+// when doneS is not nil.
+func DgradCombineBySteps(b Backend, dxRD Tensor, outSD, doneS []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int) {
 	b.GroupedMatMul(dxRD, dh1RF, w1GFD, groupRows, false, 1, 0)
 	b.GroupedMatMul(dxRD, dh3RF, w3GFD, groupRows, false, 1, 1)
 	b.ScatterPeerRows(outSD, dxRD, refsR2)
+	if doneS != nil {
+		b.MarkPeerRows(doneS, refsR2)
+	}
+}
+
+// RowOwner is the rank of the expert group that send row i goes to, given
+// the rows sent to each rank in send order (sendCounts), or -1 when i is
+// past them: how CombineRows names the rank that owed a row.
+func RowOwner(sendCounts []int, i int) int {
+	end := 0
+	for r, n := range sendCounts {
+		end += n
+		if i < end {
+			return r
+		}
+	}
+	return -1
 }

@@ -474,6 +474,15 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // k-blocks of (dh1, W1ᵀ) then those of (dh3, W3ᵀ) in one accumulator, the
 // rows written to their source ranks.
 //
+// FUSE 2 and 4 raise per-row completion flags when given them (fz.done,
+// per rank its int32 list in send order): a row is written by one tile of
+// each of the nTN column tiles, so each warpgroup, once its 64 rows of a
+// tile are stored, counts the tile in rowTiles[r] (zeroed by the host),
+// and the count's last tile sets done_s[p] = 1 with release at system
+// scope. The source rank's combine acquires the flag, reads the row and
+// sets it back to 0 (combine_rows, kernels/rows.cu), so no host barrier
+// has to order a peer's writes before the combine.
+//
 // The per-tile chunk sets (flags, one int per m-tile, bit c for chunk c)
 // are zeroed by the host before each launch. The wait is bounded: past
 // fz.timeoutNs the TMA thread records the m-tile, the chunks that landed
@@ -501,11 +510,14 @@ struct gg_fuse {
   int* flags;                          // FUSE 1, 3: per m-tile bit set of landed chunks (zeroed by the host)
   int* fault;                          // FUSE 1, 3: [4] the first wait that timed out: FUSE, m-tile, chunks landed, source rank
   unsigned long long timeoutNs;        // FUSE 1, 3: bound of a tile wait
+  const unsigned long long* done;      // FUSE 2, 4: per rank, its int32 row flags in send order (0: none)
+  int* rowTiles;                       // FUSE 2, 4: [rows] column tiles stored per row (zeroed by the host)
   int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu;
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
                                        // FUSE 3 experiments: 1 no gather/waits, 16 the register epilogue
                                        // (gg_epilogue_dswiglu) for every block, 32 no dh1/dh3 stores,
-                                       // 64 no loads of boxes 2 and 3
+                                       // 64 no loads of boxes 2 and 3;
+                                       // FUSE 2, 4 test hook: 8 row 0's flag is never raised
 };
 
 // gg_silu is x * sigmoid(x) with the hardware's approximate exp2 and
@@ -1002,6 +1014,25 @@ __device__ __forceinline__ void gg_epilogue_rows(const float (&acc)[R], long lon
   }
 }
 
+// gg_mark_rows counts one stored tile for each of a warpgroup's rows
+// [wr0, wr0 + 64) below rowEnd (FUSE 2, 4 with flags): after the named
+// barrier every thread's stores of the block are done, so one thread per
+// row adds to rowTiles[r]; the row's last tile (the count reaching nTN)
+// sets its source's flag. The add is acq_rel and the flag store a
+// release, both at system scope: the flag then covers the stores of every
+// CTA that wrote the row, whichever GPU the flag's reader is on.
+__device__ __forceinline__ void gg_mark_rows(const gg_fuse& fz, int wr0, int rowEnd, int nTN, int wtid, int barId) {
+  gg_named_sync(barId, 128);
+  const int r = wr0 + wtid;
+  if (wtid >= 64 || r >= rowEnd) return;
+  int before;
+  asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(fz.rowTiles + r) : "memory");
+  if (before != nTN - 1 || ((fz.mode & 8) && r == 0)) return;
+  const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
+  int* flag = (int*)fz.done[s] + p;
+  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
+}
+
 extern __shared__ __attribute__((aligned(1024))) unsigned char gg_smem[];
 
 // gg_consume_pp is the ping-pong consumer (n tile 128): warpgroup cw takes
@@ -1328,6 +1359,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       gg_epilogue_dswiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
     } else if (FUSE == 2 || FUSE == 4) {
       gg_epilogue_rows<R>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
+      if (fz.done != 0) gg_mark_rows(fz, wr0, tile.rowEnd, nTN, wtid, 1 + cw);
     } else {
       gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
     }
@@ -1421,7 +1453,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256h_bf16
 // per m-tile (at least rows/128 + E), zeroed; fault [4] zeroed, written
 // by a tile wait that passed timeoutNs (see gg_wait_tile).
 // moe_down_combine: mapA is act's map, mapW W2's (boxes of 256 rows); ptrs
-// per rank its float32 [*, N] output rows (4 stages, register epilogue).
+// per rank its float32 [*, N] output rows (4 stages, register epilogue);
+// done per rank its int32 row flags (or null: no flags) and rowTiles one
+// zeroed int per row (see gg_mark_rows).
 extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3,
     const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3, const __grid_constant__ gg_tmap mapAct,
@@ -1484,16 +1518,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(
 // moe_dgrad_combine (FUSE 4, 4 stages): dx = dh1.W1 + dh3.W3 per expert,
 // rows to their source ranks as moe_down_combine; mapA and mapA2 are dh1's
 // and dh3's {K, rows} maps (K = F), mapW and mapW3 W1ᵀ's and W3ᵀ's
-// {K, N, E} maps (boxes of 256 rows; N = D).
+// {K, N, E} maps (boxes of 256 rows; N = D); done and rowTiles as
+// moe_down_combine's.
 extern "C" __global__ void __launch_bounds__(384, 1) moe_dgrad_combine(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapA2, const __grid_constant__ gg_tmap mapW,
-    const __grid_constant__ gg_tmap mapW3, const int* refs, const unsigned long long* ptrs, const int* off, int rows,
-    int N, int K, int E, int GM) {
+    const __grid_constant__ gg_tmap mapW3, const int* refs, const unsigned long long* ptrs,
+    const unsigned long long* done, int* rowTiles, const int* off, int rows, int N, int K, int E, int GM, int mode) {
   gg_fuse fz = {};
   fz.mapA2 = &mapA2;
   fz.mapW3 = &mapW3;
   fz.refs = refs;
   fz.ptrs = ptrs;
+  fz.done = done;
+  fz.rowTiles = rowTiles;
+  fz.mode = mode;
   gg_body<256, 4, false, false, false, 0, 4>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
@@ -1560,9 +1598,13 @@ extern "C" __global__ void __launch_bounds__(256) gg_transpose_bf16(const unsign
 
 extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const int* refs,
-    const unsigned long long* ptrs, const int* off, int rows, int N, int K, int E, int GM) {
+    const unsigned long long* ptrs, const unsigned long long* done, int* rowTiles, const int* off, int rows, int N,
+    int K, int E, int GM, int mode) {
   gg_fuse fz = {};
   fz.refs = refs;
   fz.ptrs = ptrs;
+  fz.done = done;
+  fz.rowTiles = rowTiles;
+  fz.mode = mode;
   gg_body<256, 4, false, false, false, 0, 2>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }

@@ -115,6 +115,8 @@ func Sources() []Source {
 			{Name: "gather_peer_rows_f32_bf16", Block: 256, Grid: peerGrid},
 			{Name: "scatter_peer_rows_f32", Block: 256, Grid: peerGrid},
 			{Name: "peer_row_refs", Block: 256, Grid: "grid-stride, one thread per row"},
+			{Name: "mark_peer_rows", Block: 256, Grid: "grid-stride, one thread per row"},
+			{Name: "combine_rows_f32", Block: 256, Grid: "N blocks: one per send row"},
 		}},
 		{File: "attention.cu", Kernels: []Kernel{
 			{Name: "attn_forward_d32_f32", Block: 64, Grid: attnQueryGrid},

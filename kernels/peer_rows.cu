@@ -134,3 +134,75 @@ extern "C" __global__ void peer_row_refs(int* refs, const unsigned long long* bl
     refs[2 * r + 1] = (int)(bl[2] + (unsigned long long)(r - (long long)bl[0]));
   }
 }
+
+// mark_peer_rows: done_s[p] = 1 for (s, p) = refs[r], done_s being word s
+// of the table (a rank's int32 row flags). It runs after the kernels that
+// wrote the rows, in stream order; the release at system scope publishes
+// them to a reader on another GPU as well. Grid-stride, one thread a row;
+// references out of range (rank >= S) are skipped.
+extern "C" __global__ void mark_peer_rows(const int* refs, const unsigned long long* done, int S, int R) {
+  for (long long r = mk_global_id(); r < R; r += mk_grid_stride()) {
+    const int s = refs[2 * r], p = refs[2 * r + 1];
+    if (s < 0 || s >= S || p < 0) continue;
+    int* flag = (int*)done[s] + p;
+    asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
+  }
+}
+
+// combine_rows_f32 is the source rank's combine of rows its peers write
+// and flag: for send row i, once done[i] is 1 (acquired at system scope),
+// out[rows[i], :] += scale[i] * in[i, :] (scale null: 1) and done[i] = 0.
+// Grid: N blocks; thread 0 waits for the flag. The wait is bounded: past
+// timeoutNs the first late row of the launch records fault = {5, i, the
+// rank the row was sent to, the flag seen} (rankEnd: the running totals of
+// the rows sent to each of the `ranks` ranks) and is skipped, and the
+// launch's later waits give up at once, so the kernel ends and the host
+// reports the record. Rows hit more than once add through atomics.
+extern "C" __global__ void combine_rows_f32(float* out, const unsigned long long* rankEnd, const float* in,
+                                            const int* rows, const float* scale, int* done, int ranks, int* fault,
+                                            unsigned long long timeoutNs, int N, int D) {
+  __shared__ int arrived;
+  const int i = blockIdx.x;
+  if (i >= N) return;
+  if (threadIdx.x == 0) {
+    int f;
+    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(f) : "l"(done + i) : "memory");
+    if (f != 1) {
+      unsigned long long t0;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+      for (;;) {
+        asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(f) : "l"(done + i) : "memory");
+        if (f == 1 || *(volatile const int*)fault != 0) break;
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > timeoutNs) {
+          int was;
+          asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, 5;" : "=r"(was) : "l"(fault) : "memory");
+          if (was == 0) {
+            int rank = -1;
+            for (int r = 0; r < ranks; r++) {
+              if ((unsigned long long)i < rankEnd[r]) {
+                rank = r;
+                break;
+              }
+            }
+            fault[1] = i;
+            fault[2] = rank;
+            fault[3] = f;
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+          }
+          break;
+        }
+        asm volatile("nanosleep.u32 64;");
+      }
+    }
+    arrived = f == 1;
+    if (arrived) done[i] = 0;
+  }
+  __syncthreads();
+  if (!arrived) return;
+  const float s = scale != 0 ? scale[i] : 1.0f;
+  const float* src = in + (long long)i * D;
+  float* dst = out + (long long)rows[i] * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(&dst[d], s * src[d]);
+}

@@ -10,20 +10,25 @@ package moe
 // Who touches whose memory, per expert-group rank r:
 //
 //	forward:  after PeerTensors, r reads every source's x and sendTok and
-//	          writes the rows its experts computed into every source's ySD;
-//	          after the Barrier, r reads its own ySD (the combine).
+//	          writes the rows its experts computed into every source's ySD,
+//	          raising each row's flag in the source's doneS once the row is
+//	          whole; after the Barrier, r's combine (CombineRows) adds each
+//	          row of its own ySD once its flag is up, and clears the flag.
 //	backward: after PeerTensors, r reads every source's dout, sendTok and
 //	          gate rows (DispatchDgradSwiGLU) and writes its experts' dx
-//	          rows into every source's dxSD (scratch rowsSD, DgradCombine);
-//	          after the Barrier, r reads its own dxSD.
+//	          rows into every source's dxSD (scratch rowsSD, DgradCombine),
+//	          flagged as in the forward; after the Barrier, r combines its
+//	          own dxSD the same way.
 //
 // Between the two meetings no rank writes a tensor a peer reads, and no
-// rank uses its own ySD or rowsSD: the only writes to them are the peers'.
-// The meetings order the ops because all ranks issue onto one device
-// stream (or run them when called, on the CPU), as comm's local groups
-// document. With ranks on separate GPUs, a barrier on the host does not
-// order the devices' work: that needs completion flags written by the
-// peers' kernels, which are not built yet.
+// rank uses its own ySD, rowsSD or doneS: the only writes to them are the
+// peers'. The row flags are what orders a peer's writes before the
+// combine's reads on the device, with ranks on separate GPUs too. The
+// Barrier stays because the virtual ranks of one GPU share one stream: a
+// combine queued before a peer's kernel would wait for flags that only
+// the kernel behind it can raise (until its bounded wait reports them).
+// A rank's flags are all clear again when its combine is done, so one
+// buffer serves every layer and both passes.
 
 import (
 	"fmt"
@@ -41,14 +46,15 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
 	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
 	st.refsR2 = l.writeRefs(pl)
-	peers, err := l.peers.PeerTensors(st.xTD, st.sendTokS, st.ySD)
+	st.doneS = l.scratch.doneS.vec(b, S)
+	peers, err := l.peers.PeerTensors(st.xTD, st.sendTokS, st.ySD, st.doneS)
 	if err != nil {
 		return fmt.Errorf("moe: fused dispatch: %w", err)
 	}
 	if R > 0 {
 		w1, w3, w2 := l.stacked(p)
 		b.DispatchSwiGLU(st.xRD, st.h1RF, st.h3RF, st.actRF, peerColumn(peers, 0), peerColumn(peers, 1), st.refsR2, w1, w3, pl.expertRows)
-		b.DownCombine(peerColumn(peers, 2), st.refsR2, st.actRF, w2, pl.expertRows)
+		b.DownCombine(peerColumn(peers, 2), peerColumn(peers, 3), st.refsR2, st.actRF, w2, pl.expertRows)
 	}
 	l.phase(PhaseCombine)
 	// Every peer's writes into this rank's ySD are issued before it
@@ -65,7 +71,7 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 // SwiGLU's backward in one op (DispatchDgradSwiGLU); the weight gradients
 // follow; then the experts' dx rows are computed and written into the
 // source ranks' send-order scratch in one op (DgradCombine), and each
-// rank adds its scratch into dxTD.
+// rank adds its flagged scratch rows into dxTD (CombineRows).
 func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Params) error {
 	b, pl, sc := l.b, st.plan, l.scratch
 	S, R := pl.sent, len(pl.perm)
@@ -74,9 +80,9 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 	// Peers write dxSD between the exchange and the barrier; this rank
 	// uses neither rowsSD nor anything aliasing it in between (dy is in
 	// dyRD, the hidden gradients in the F-wide scratch).
-	dyRD, dxSD := sc.dyRD.view(b, R), sc.rowsSD.view(b, S)
+	dyRD, dxSD, doneS := sc.dyRD.view(b, R), sc.rowsSD.view(b, S), sc.doneS.vec(b, S)
 	dh1RF, dh3RF := sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
-	peers, err := l.peers.PeerTensors(doutTD, st.sendTokS, st.gateS, dxSD)
+	peers, err := l.peers.PeerTensors(doutTD, st.sendTokS, st.gateS, dxSD, doneS)
 	if err != nil {
 		return fmt.Errorf("moe: fused backward dispatch: %w", err)
 	}
@@ -96,7 +102,7 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 	if R > 0 {
 		// One rank: the references are (0, r), so dxSD is the experts'
 		// dx rows in send order.
-		b.DgradCombine(peerColumn(peers, 3), st.refsR2, dh1RF, dh3RF, w1, w3, rows)
+		b.DgradCombine(peerColumn(peers, 3), peerColumn(peers, 4), st.refsR2, dh1RF, dh3RF, w1, w3, rows)
 	}
 	if l.g.Expert.Size() > 1 {
 		if err := l.g.Expert.Barrier(); err != nil {
@@ -104,7 +110,7 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 		}
 	}
 	if S > 0 {
-		b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
+		b.CombineRows(dxTD, dxSD, st.sendTokS, nil, doneS, pl.sendCounts)
 	}
 	return nil
 }

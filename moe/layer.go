@@ -82,13 +82,17 @@ type Scratch struct {
 	dyRD                     rowBuf // output gradient rows, operand type (one expert rank)
 	dActRF                   rowBuf // the SwiGLU output's gradient
 	dh1RF, dh3RF             rowBuf // the hidden activations' gradients (operand type)
+	// doneS are the fused dispatcher's row flags (Int32, one per send
+	// row): raised by the peers as they write this rank's rows, cleared
+	// by its combine, so all zero between layers (fused.go).
+	doneS rowBuf
 }
 
 // NewScratch returns an empty Scratch for layers of width dim and expert
 // hidden size ffn; its buffers grow on first use.
 func NewScratch(b backend.Backend, dim, ffn int) *Scratch {
 	ft, ot := b.FloatType(), b.OperandType()
-	s := &Scratch{dyRD: rowBuf{dt: ot, cols: dim}, dActRF: rowBuf{dt: ft, cols: ffn}}
+	s := &Scratch{dyRD: rowBuf{dt: ot, cols: dim}, dActRF: rowBuf{dt: ft, cols: ffn}, doneS: rowBuf{dt: backend.Int32, cols: 1}}
 	for _, r := range []*rowBuf{&s.rowsSD, &s.rowsR1D, &s.rowsR2D} {
 		*r = rowBuf{dt: ft, cols: dim}
 	}
@@ -127,6 +131,7 @@ type step struct {
 	actRF               backend.Tensor
 	ySD                 backend.Tensor
 	refsR2              backend.Tensor // fused: expert-major row -> (source rank, send position)
+	doneS               backend.Tensor // fused: this rank's row flags (Int32 [S]), raised by the peers
 }
 
 // New builds a Layer of width dim for tokens local tokens per micro-step.
@@ -301,7 +306,12 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	st.gateS = l.gateS.vec(b, S)
 	if S > 0 {
 		b.GatherRows(b.View(st.gateS, 0, S, 1), b.View(l.gatesTK, 0, l.tokens*K, 1), st.sendSlotS, nil)
-		b.ScatterAddRows(outTD, st.ySD, st.sendTokS, st.gateS)
+		if st.doneS != nil {
+			// Fused: each row once its expert rank has flagged it.
+			b.CombineRows(outTD, st.ySD, st.sendTokS, st.gateS, st.doneS, pl.sendCounts)
+		} else {
+			b.ScatterAddRows(outTD, st.ySD, st.sendTokS, st.gateS)
+		}
 	}
 	l.step = st
 	l.phase(PhaseEnd)

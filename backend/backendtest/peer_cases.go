@@ -257,6 +257,44 @@ func peerCases() []Case {
 	}
 	cs = append(cs, peerViewCases()...)
 	cs = append(cs, rowBlockCases()...)
+	for _, s := range peerRowShapes() {
+		cs = append(cs, Case{Name: "MarkPeerRows/" + s.name, Compare: func(e *Env) {
+			refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, s.r, true), s.r, 2)
+			done := e.peerFlags(s.send)
+			e.Run(func(b backend.Backend, p Pick) { b.MarkPeerRows(picks(p, done), p(refs)) })
+			e.flagsRaised(done, refs.ints)
+		}})
+		for _, scaled := range []bool{false, true} {
+			name := "CombineRows/" + s.name
+			if scaled {
+				name += "/scaled"
+			}
+			cs = append(cs, Case{Name: name, Compare: func(e *Env) {
+				// One rank's combine: its S send rows (s.r of them) into T
+				// token rows, several rows to a token.
+				S, T := s.r, max(1, s.r/2)
+				tok := make([]int32, S)
+				for i := range tok {
+					tok[i] = int32(e.Rng.IntN(T))
+				}
+				out := e.InOut(e.Rand("out", T, s.d))
+				in, rows := e.Rand("in", S, s.d), e.IntsOf("rows", tok, S)
+				var scale *Pair
+				if scaled {
+					scale = e.Uniform("scale", 0.1, 1, S)
+				}
+				ones := make([]int32, S)
+				for i := range ones {
+					ones[i] = 1
+				}
+				done := e.InOut(e.IntsOf("done", ones, S))
+				e.Run(func(b backend.Backend, p Pick) {
+					b.CombineRows(p(out), p(in), p(rows), p(scale), p(done), []int{S / 2, S - S/2})
+				})
+				e.equalInts("done (cleared)", DownloadInts(e.B, done.b), make([]int32, S))
+			}})
+		}
+	}
 	for _, s := range peerMoEShapes() {
 		// "operand": the tested backend's operand type (bf16 on the GPU);
 		// "bf16" on every backend.
@@ -362,11 +400,40 @@ func (e *Env) downCombine(s peerMoEShape, bf16 bool) {
 	act := e.typed(bf16, "act", -1, 1, r, f)
 	w2 := e.typed(bf16, "w2", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*d, f)
 	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
-	outs := e.peerOutputs(s.send, d)
-	e.Run(func(b backend.Backend, p Pick) { b.DownCombine(picks(p, outs), p(refs), p(act), p(w2), s.groupRows) })
+	outs, done := e.peerOutputs(s.send, d), e.peerFlags(s.send)
+	e.Run(func(b backend.Backend, p Pick) {
+		b.DownCombine(picks(p, outs), picks(p, done), p(refs), p(act), p(w2), s.groupRows)
+	})
 	y := groupedRef(act.host, w2.host, s.groupRows, d, f, true)
 	for i, want := range scatterRef(hosts(outs), y, refs.ints, d) {
 		e.againstRef(outs[i], want)
+	}
+	e.flagsRaised(done, refs.ints)
+}
+
+// peerFlags are the ranks' send-order row flags, zero and InOut (compared
+// with the oracle's after the run).
+func (e *Env) peerFlags(send []int) []*Pair {
+	var done []*Pair
+	for i, n := range send {
+		done = append(done, e.InOut(e.IntsOf(fmt.Sprintf("done%d", i), make([]int32, n), n)))
+	}
+	return done
+}
+
+// flagsRaised checks the tested backend's flags: 1 exactly at the
+// referenced (rank, position) pairs.
+func (e *Env) flagsRaised(done []*Pair, refs []int32) {
+	e.T.Helper()
+	want := make([][]int32, len(done))
+	for s, p := range done {
+		want[s] = make([]int32, p.Shape[0])
+	}
+	for r := 0; r < len(refs); r += 2 {
+		want[refs[r]][refs[r+1]] = 1
+	}
+	for s, p := range done {
+		e.equalInts(p.Name+" (the referenced rows' flags)", DownloadInts(e.B, p.b), want[s])
 	}
 }
 
@@ -429,9 +496,9 @@ func (e *Env) dgradCombine(s peerMoEShape, bf16 bool) {
 	w1 := e.typed(bf16, "w1", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*f, d)
 	w3 := e.typed(bf16, "w3", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*f, d)
 	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
-	outs := e.peerOutputs(s.send, d)
+	outs, done := e.peerOutputs(s.send, d), e.peerFlags(s.send)
 	e.Run(func(b backend.Backend, p Pick) {
-		b.DgradCombine(picks(p, outs), p(refs), p(dh1), p(dh3), p(w1), p(w3), s.groupRows)
+		b.DgradCombine(picks(p, outs), picks(p, done), p(refs), p(dh1), p(dh3), p(w1), p(w3), s.groupRows)
 	})
 	dx := groupedRef(dh1.host, w1.host, s.groupRows, d, f, false)
 	for i, v := range groupedRef(dh3.host, w3.host, s.groupRows, d, f, false) {
@@ -440,6 +507,7 @@ func (e *Env) dgradCombine(s peerMoEShape, bf16 bool) {
 	for i, want := range scatterRef(hosts(outs), dx, refs.ints, d) {
 		e.againstRef(outs[i], want)
 	}
+	e.flagsRaised(done, refs.ints)
 }
 
 // rowBlockCases compare PeerRowRefs with the oracle and check it against

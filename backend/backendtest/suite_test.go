@@ -267,11 +267,11 @@ func (m mutant) DispatchSwiGLU(x, h1, h3, act backend.Tensor, src, tok []backend
 	m.Backend.DispatchSwiGLU(x, h1, h3, act, src, tok, refs, w1, w3, groupRows)
 }
 
-func (m mutant) DownCombine(out []backend.Tensor, refs, act, w2 backend.Tensor, groupRows []int) {
+func (m mutant) DownCombine(out, done []backend.Tensor, refs, act, w2 backend.Tensor, groupRows []int) {
 	if m.kind == "down-combine-first-matrix" {
 		groupRows = firstGroup(groupRows)
 	}
-	m.Backend.DownCombine(out, refs, act, w2, groupRows)
+	m.Backend.DownCombine(out, done, refs, act, w2, groupRows)
 }
 
 func (m mutant) DispatchDgradSwiGLU(dy, dh1, dh3 backend.Tensor, src, tok, scale []backend.Tensor, refs, h1, h3, w2 backend.Tensor, groupRows []int) {
@@ -285,7 +285,7 @@ func (m mutant) DispatchDgradSwiGLU(dy, dh1, dh3 backend.Tensor, src, tok, scale
 		src, tok, nil, refs, h1, h3, w2, groupRows)
 }
 
-func (m mutant) DgradCombine(out []backend.Tensor, refs, dh1, dh3, w1, w3 backend.Tensor, groupRows []int) {
+func (m mutant) DgradCombine(out, done []backend.Tensor, refs, dh1, dh3, w1, w3 backend.Tensor, groupRows []int) {
 	if m.kind == "dgrad-combine-skips-w3" {
 		// dh3·W3 is dropped: the second product overwrites instead of
 		// accumulating, or is never issued.
@@ -293,7 +293,7 @@ func (m mutant) DgradCombine(out []backend.Tensor, refs, dh1, dh3, w1, w3 backen
 		m.Zero(zero)
 		dh3 = zero
 	}
-	m.Backend.DgradCombine(out, refs, dh1, dh3, w1, w3, groupRows)
+	m.Backend.DgradCombine(out, done, refs, dh1, dh3, w1, w3, groupRows)
 }
 
 func (m mutant) AdamWUpdate(param, grad, mm, v backend.Tensor, h backend.AdamW) {

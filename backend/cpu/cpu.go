@@ -50,12 +50,14 @@ func (t *Tensor) must(dt backend.DType) {
 	}
 }
 
-// Backend is the CPU backend. It is stateless apart from its float type and
-// worker count, so one Backend may be shared by many goroutines (virtual
-// ranks).
+// Backend is the CPU backend. It is stateless apart from its float type,
+// worker count and the error kept for the next Sync, so one Backend may be
+// shared by many goroutines (virtual ranks).
 type Backend struct {
 	dt      backend.DType
 	workers int
+	mu      sync.Mutex
+	err     error // the first reported since the last Sync (report)
 }
 
 // New returns a CPU backend computing in dt (backend.Float32 or
@@ -78,7 +80,28 @@ func (b *Backend) SetWorkers(n int) {
 
 func (b *Backend) Name() string             { return "cpu" }
 func (b *Backend) FloatType() backend.DType { return b.dt }
-func (b *Backend) Sync() error              { return nil }
+
+// Sync returns the first error an op reported since the last Sync (ops
+// run when called, so there is nothing to wait for). Argument errors
+// panic at the call instead; only the state of shared data that an op
+// finds wrong, such as a combine's flag that was never raised, waits for
+// Sync, as it would on a device.
+func (b *Backend) Sync() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	err := b.err
+	b.err = nil
+	return err
+}
+
+// report keeps err for the next Sync unless an earlier error waits.
+func (b *Backend) report(err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.err == nil {
+		b.err = err
+	}
+}
 
 func numel(shape []int) int {
 	n := 1

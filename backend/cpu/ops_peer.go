@@ -5,7 +5,11 @@ package cpu
 // refers to (rank s, send position p); the gather reads source s's token
 // tokS[s][p], the scatter writes s's row p.
 
-import "github.com/mktrain/mktrain/backend"
+import (
+	"fmt"
+
+	"github.com/mktrain/mktrain/backend"
+)
 
 // peerRefs checks refsR2 (Int32 [R, 2]) against the ranks' send lengths
 // sendLen[s] and returns the references as (rank, position) pairs.
@@ -141,6 +145,45 @@ func scatterPeerRows[T Float](b *Backend, outSD []backend.Tensor, inRD backend.T
 	})
 }
 
+// MarkPeerRows sets doneS[s][p] = 1 for (s, p) = refsR2[r].
+func (b *Backend) MarkPeerRows(doneS []backend.Tensor, refsR2 backend.Tensor) {
+	const op = "MarkPeerRows"
+	sendLen := make([]int, len(doneS))
+	flags := make([][]int32, len(doneS))
+	for s, d := range doneS {
+		if d == nil {
+			fail(op, "flags of rank %d are nil", s)
+		}
+		sendLen[s] = d.Len()
+		flags[s] = indices(op, "flags", d, sendLen[s], 1<<31-1, true)
+	}
+	for _, ref := range peerRefs(op, refsR2, sendLen) {
+		flags[ref[0]][ref[1]] = 1
+	}
+}
+
+// CombineRows adds the flagged rows as ScatterAddRows does and clears
+// their flags. The ops run when called, so a flag that is not 1 was never
+// raised: the call then adds nothing and the next Sync reports the first
+// such row and the rank that owed it.
+func (b *Backend) CombineRows(outTD, inSD, rowsS, scaleS, doneS backend.Tensor, sendCounts []int) {
+	const op = "CombineRows"
+	if inSD == nil || doneS == nil {
+		fail(op, "in and flags are required")
+	}
+	n, _ := b.matrix(op, "in", inSD)
+	flags := indices(op, "flags", doneS, n, 1<<31-1, true)
+	for i, f := range flags {
+		if f != 1 {
+			b.report(fmt.Errorf("cpu: CombineRows: send row %d (to rank %d) was never flagged as written (flag %d); the results of this step are wrong",
+				i, backend.RowOwner(sendCounts, i), f))
+			return
+		}
+	}
+	b.ScatterAddRows(outTD, inSD, rowsS, scaleS)
+	clear(flags)
+}
+
 // DispatchSwiGLU is its unfused sequence (backend.DispatchSwiGLUBySteps).
 func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) {
 	backend.DispatchSwiGLUBySteps(b, xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows)
@@ -148,14 +191,14 @@ func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, t
 
 // DownCombine is its unfused sequence (backend.DownCombineBySteps) through
 // a scratch tensor of y rows.
-func (b *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
 	const op = "DownCombine"
 	if len(outSD) == 0 {
 		fail(op, "no output tensors")
 	}
 	r, _ := b.operandMatrix(op, "act", actRF)
 	_, d := b.matrix(op, "out", outSD[0])
-	backend.DownCombineBySteps(b, b.New(b.dt, r, d), outSD, refsR2, actRF, w2GDF, groupRows)
+	backend.DownCombineBySteps(b, b.New(b.dt, r, d), outSD, doneS, refsR2, actRF, w2GDF, groupRows)
 }
 
 // DispatchDgradSwiGLU is its unfused sequence
@@ -169,12 +212,12 @@ func (b *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 
 // DgradCombine is its unfused sequence (backend.DgradCombineBySteps)
 // through a scratch tensor of dx rows.
-func (b *Backend) DgradCombine(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+func (b *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
 	const op = "DgradCombine"
 	if len(outSD) == 0 {
 		fail(op, "no output tensors")
 	}
 	r, _ := b.operandMatrix(op, "dh1", dh1RF)
 	_, d := b.matrix(op, "out", outSD[0])
-	backend.DgradCombineBySteps(b, b.New(b.dt, r, d), outSD, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+	backend.DgradCombineBySteps(b, b.New(b.dt, r, d), outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
 }

@@ -60,11 +60,11 @@ func TestPeerOpsBadArguments(t *testing.T) {
 		{"dispatch groups", "cpu.GroupedMatMul", func() {
 			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(0, 0), w1, w3, []int{1})
 		}},
-		{"down-combine no outs", "cpu.DownCombine: no output tensors", func() { b.DownCombine(nil, refs(0, 0), f(1, F), w2, []int{1, 0}) }},
-		{"down-combine act", "cpu.DownCombine: act is int32", func() { b.DownCombine(ts(f(2, 4)), refs(0, 0), list(1), w2, []int{1, 0}) }},
-		{"down-combine out width", "cpu.GroupedMatMul", func() { b.DownCombine(ts(f(2, 5)), refs(0, 0), f(1, F), w2, []int{1, 0}) }},
+		{"down-combine no outs", "cpu.DownCombine: no output tensors", func() { b.DownCombine(nil, nil, refs(0, 0), f(1, F), w2, []int{1, 0}) }},
+		{"down-combine act", "cpu.DownCombine: act is int32", func() { b.DownCombine(ts(f(2, 4)), nil, refs(0, 0), list(1), w2, []int{1, 0}) }},
+		{"down-combine out width", "cpu.GroupedMatMul", func() { b.DownCombine(ts(f(2, 5)), nil, refs(0, 0), f(1, F), w2, []int{1, 0}) }},
 		{"down-combine refs", "cpu.ScatterPeerRows: refs[0] names position 2 of rank 0, which sends 2 rows", func() {
-			b.DownCombine(ts(f(2, 4)), refs(0, 2), f(1, F), w2, []int{1, 0})
+			b.DownCombine(ts(f(2, 4)), nil, refs(0, 2), f(1, F), w2, []int{1, 0})
 		}},
 		{"dispatch-dgrad dh1", "cpu.DispatchDgradSwiGLU: dh1 is int32", func() {
 			b.DispatchDgradSwiGLU(f(1, 4), list(1), f(1, F), src, tok, nil, refs(0, 0), f(1, F), f(1, F), w2, []int{1, 0})
@@ -75,10 +75,18 @@ func TestPeerOpsBadArguments(t *testing.T) {
 		{"dispatch-dgrad h1 shape", "cpu.SwiGLUBackward", func() {
 			b.DispatchDgradSwiGLU(f(1, 4), f(1, F), f(1, F), src, tok, nil, refs(0, 0), f(2, F), f(1, F), w2, []int{1, 0})
 		}},
-		{"dgrad-combine no outs", "cpu.DgradCombine: no output tensors", func() { b.DgradCombine(nil, refs(0, 0), f(1, F), f(1, F), w1, w3, []int{1, 0}) }},
-		{"dgrad-combine dh1", "cpu.DgradCombine: dh1 is int32", func() { b.DgradCombine(ts(f(2, 4)), refs(0, 0), list(1), f(1, F), w1, w3, []int{1, 0}) }},
+		{"mark flags nil", "cpu.MarkPeerRows: flags of rank 1 are nil", func() { b.MarkPeerRows(ts(list(0, 0), nil), refs(0, 0)) }},
+		{"mark position", "cpu.MarkPeerRows: refs[0] names position 2 of rank 0, which sends 2 rows", func() {
+			b.MarkPeerRows(ts(list(0, 0), list(0)), refs(0, 2))
+		}},
+		{"combine flags length", "cpu.CombineRows: flags has shape [1] (1 elements), want 2 elements", func() {
+			b.CombineRows(f(3, 4), f(2, 4), list(0, 1), nil, list(1), []int{2})
+		}},
+		{"combine flags nil", "cpu.CombineRows: in and flags are required", func() { b.CombineRows(f(3, 4), f(2, 4), list(0, 1), nil, nil, []int{2}) }},
+		{"dgrad-combine no outs", "cpu.DgradCombine: no output tensors", func() { b.DgradCombine(nil, nil, refs(0, 0), f(1, F), f(1, F), w1, w3, []int{1, 0}) }},
+		{"dgrad-combine dh1", "cpu.DgradCombine: dh1 is int32", func() { b.DgradCombine(ts(f(2, 4)), nil, refs(0, 0), list(1), f(1, F), w1, w3, []int{1, 0}) }},
 		{"dgrad-combine refs", "cpu.ScatterPeerRows: refs[0] names position 2 of rank 0, which sends 2 rows", func() {
-			b.DgradCombine(ts(f(2, 4)), refs(0, 2), f(1, F), f(1, F), w1, w3, []int{1, 0})
+			b.DgradCombine(ts(f(2, 4)), nil, refs(0, 2), f(1, F), f(1, F), w1, w3, []int{1, 0})
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -93,5 +101,44 @@ func TestPeerOpsBadArguments(t *testing.T) {
 			}()
 			c.call()
 		})
+	}
+}
+
+// TestCombineRowsReportsMissingFlag checks the CPU combine of flagged
+// rows: with every flag up it adds as ScatterAddRows and clears the flags;
+// with one down it adds nothing and the next Sync names the row and the
+// rank that owed it, once.
+func TestCombineRowsReportsMissingFlag(t *testing.T) {
+	b := New(backend.Float64)
+	in, want, got := b.New(backend.Float64, 3, 2), b.New(backend.Float64, 2, 2), b.New(backend.Float64, 2, 2)
+	copy(floats[float64](in), []float64{1, 2, 3, 4, 5, 6})
+	rows, scale := b.New(backend.Int32, 3), b.New(backend.Float64, 3)
+	copy(ints(rows), []int32{1, 0, 1})
+	copy(floats[float64](scale), []float64{0.5, 2, 1})
+	flags := b.New(backend.Int32, 3)
+	copy(ints(flags), []int32{1, 1, 1})
+	b.ScatterAddRows(want, in, rows, scale)
+	b.CombineRows(got, in, rows, scale, flags, []int{1, 2})
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if g, w := floats[float64](got), floats[float64](want); fmt.Sprint(g) != fmt.Sprint(w) {
+		t.Errorf("combined %v, ScatterAddRows gives %v", g, w)
+	}
+	if f := ints(flags); fmt.Sprint(f) != "[0 0 0]" {
+		t.Errorf("flags %v after the combine, want all clear", f)
+	}
+	copy(ints(flags), []int32{1, 0, 1})
+	before := fmt.Sprint(floats[float64](got))
+	b.CombineRows(got, in, rows, scale, flags, []int{1, 2})
+	err := b.Sync()
+	if err == nil || !strings.Contains(err.Error(), "send row 1 (to rank 1) was never flagged") {
+		t.Fatalf("Sync after a missing flag: %v, want the report of send row 1 and rank 1", err)
+	}
+	if after := fmt.Sprint(floats[float64](got)); after != before {
+		t.Errorf("the combine with a missing flag changed out: %s, was %s", after, before)
+	}
+	if err := b.Sync(); err != nil {
+		t.Errorf("a second Sync: %v, want nil (the report is given once)", err)
 	}
 }

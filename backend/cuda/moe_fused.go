@@ -49,16 +49,21 @@ const fusedMaxRanks = 256
 // has read them.
 type fusedTables struct {
 	mu     sync.Mutex
-	tables *Buffer // [fusedMaxRanks]u64 ptrs, toks and scales, [ggMaxExperts+1]int32 offsets
+	tables *Buffer // [fusedMaxRanks]u64 ptrs, toks, scales and done flags, [ggMaxExperts+1]int32 offsets
 	host   []byte
 	flags  *Buffer
 	flagsN int // ints in flags
-	// fault is the tile waits' record ([4]int32, see gg_wait_tile),
+	// fault is the record of the first bounded wait that timed out ([4]
+	// int32: the tile waits' (gg_wait_tile) or CombineRows' flag waits'),
 	// zeroed when allocated and after a report; armed says a kernel that
-	// writes it was queued since the last check, with bound timeout.
-	fault   *Buffer
-	armed   bool
-	timeout time.Duration
+	// writes it was queued since the last check, with bound timeout (tile
+	// waits) or combineWait (flag waits).
+	fault                *Buffer
+	armed                bool
+	timeout, combineWait time.Duration
+	// combineTimeout, when set, replaces fusedTimeout for CombineRows'
+	// flag waits (tests of the report).
+	combineTimeout time.Duration
 	// wT holds the K-major (transposed) weight copies of the backward's
 	// products, wTBytes long.
 	wT      *Buffer
@@ -69,7 +74,8 @@ const (
 	fusedPtrsOff   = 0
 	fusedToksOff   = 8 * fusedMaxRanks
 	fusedScalesOff = 16 * fusedMaxRanks
-	fusedOffsOff   = 24 * fusedMaxRanks
+	fusedDoneOff   = 24 * fusedMaxRanks
+	fusedOffsOff   = 32 * fusedMaxRanks
 	fusedTablesB   = fusedOffsOff + 4*(ggMaxExperts+1)
 )
 
@@ -79,9 +85,9 @@ const (
 // reported rather than mistaken for a hang.
 const fusedTimeout = 10 * time.Second
 
-// stage uploads the pointer tables (toks and scales may be nil) and the
-// offsets of groupRows.
-func (f *fusedTables) stage(d *Device, ptrs, toks, scales []driver.DevicePtr, groupRows []int) error {
+// stage uploads the pointer tables (toks, scales and done may be nil) and
+// the offsets of groupRows.
+func (f *fusedTables) stage(d *Device, ptrs, toks, scales, done []driver.DevicePtr, groupRows []int) error {
 	if f.tables == nil {
 		var err error
 		if f.tables, err = d.Alloc(fusedTablesB); err != nil {
@@ -107,6 +113,9 @@ func (f *fusedTables) stage(d *Device, ptrs, toks, scales []driver.DevicePtr, gr
 	for i, p := range scales {
 		put64(fusedScalesOff+8*i, p)
 	}
+	for i, p := range done {
+		put64(fusedDoneOff+8*i, p)
+	}
 	rows := 0
 	put32 := func(at int, v int) {
 		for i := range 4 {
@@ -122,10 +131,10 @@ func (f *fusedTables) stage(d *Device, ptrs, toks, scales []driver.DevicePtr, gr
 	return d.StageToDevice(f.tables, 0, h[:fusedOffsOff+4*(len(groupRows)+1)])
 }
 
-// armFault returns the fault record's address for a launch whose tile
-// waits are bounded by timeout, allocating (zeroed) the record on first
-// use.
-func (f *fusedTables) armFault(d *Device, timeout time.Duration) (driver.DevicePtr, error) {
+// armFault returns the fault record's address for a launch whose waits
+// are bounded by timeout (flag waits when combine is set, else tile
+// waits), allocating (zeroed) the record on first use.
+func (f *fusedTables) armFault(d *Device, timeout time.Duration, combine bool) (driver.DevicePtr, error) {
 	if f.fault == nil {
 		b, err := d.Alloc(16)
 		if err != nil {
@@ -136,7 +145,12 @@ func (f *fusedTables) armFault(d *Device, timeout time.Duration) (driver.DeviceP
 		}
 		f.fault = b
 	}
-	f.armed, f.timeout = true, timeout
+	f.armed = true
+	if combine {
+		f.combineWait = timeout
+	} else {
+		f.timeout = timeout
+	}
 	return f.fault.Ptr(), nil
 }
 
@@ -160,6 +174,10 @@ func (f *fusedTables) checkFault(d *Device) error {
 	}
 	if err := d.Memset32(f.fault, 0, 4, 0); err != nil {
 		return err
+	}
+	if w(0) == 5 {
+		return fmt.Errorf("cuda: combine_rows_f32: send row %d never arrived from rank %d within %v (its flag was %d); the results of this step are wrong",
+			w(1), w(2), f.combineWait, w(3))
 	}
 	kernel := map[int32]string{1: "moe_dispatch_swiglu", 3: "moe_dispatch_dgrad"}[w(0)]
 	return fusedFaultError(kernel, f.timeout, int(w(1)), uint32(w(2)), int(w(3)))
@@ -214,7 +232,7 @@ func (f *fusedTables) armWaits(d *Device, n int, timeout time.Duration) (flags, 
 	if err := f.zeroFlags(d, n); err != nil {
 		return 0, 0, err
 	}
-	if fault, err = f.armFault(d, timeout); err != nil {
+	if fault, err = f.armFault(d, timeout, false); err != nil {
 		return 0, 0, err
 	}
 	return f.flags.Ptr(), fault, nil
@@ -234,14 +252,41 @@ func gatherSourcesOK(srcTD []backend.Tensor, a fusedArgs, k int) bool {
 }
 
 // combineOutputsOK checks each rank's output rows [*, n] for a combine
-// epilogue, which stores column pairs (8 bytes).
-func combineOutputsOK(outSD []backend.Tensor, a fusedArgs, n int) bool {
+// epilogue, which stores column pairs (8 bytes), and, when doneS is not
+// nil, sets a.done to the ranks' row flags, one int32 per output row.
+func combineOutputsOK(outSD, doneS []backend.Tensor, a *fusedArgs, n int) bool {
 	for i, o := range outSD {
 		if s := o.Shape(); len(s) != 2 || s[1] != n || a.ranks[i]%8 != 0 {
 			return false
 		}
 	}
-	return true
+	if doneS == nil {
+		return true
+	}
+	if len(doneS) != len(outSD) {
+		return false
+	}
+	for i, t := range doneS {
+		if t.Len() != outSD[i].Shape()[0] {
+			return false
+		}
+	}
+	var ok bool
+	a.done, ok = peerPtrs(doneS, backend.Int32)
+	return ok
+}
+
+// combineFlags returns the done table's and the per-row tile counts'
+// addresses for a combine kernel over rows rows (the counts zeroed in
+// stream order), or zeros when the call has no flags.
+func (f *fusedTables) combineFlags(d *Device, a fusedArgs, rows int) (done, rowTiles driver.DevicePtr, err error) {
+	if a.done == nil {
+		return 0, 0, nil
+	}
+	if err := f.zeroFlags(d, rows); err != nil {
+		return 0, 0, err
+	}
+	return f.tables.Ptr() + fusedDoneOff, f.flags.Ptr(), nil
 }
 
 // zeroFlags makes n ready counts, zeroed in stream order.
@@ -308,6 +353,7 @@ func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, t
 // tensor (and for a gather one token list) per rank, and the references.
 type fusedArgs struct {
 	ops, ranks, toks, scales []driver.DevicePtr
+	done                     []driver.DevicePtr // a combine's per-rank row flags; nil: none
 	refs                     driver.DevicePtr
 }
 
@@ -354,7 +400,7 @@ func (b *Backend) runFused(a fusedArgs, groupRows []int, rows int, launch func(f
 	f := &b.fused
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if err := f.stage(b.dev, a.ranks, a.toks, a.scales, groupRows); err != nil {
+	if err := f.stage(b.dev, a.ranks, a.toks, a.scales, a.done, groupRows); err != nil {
 		b.fail(err)
 		return true
 	}
@@ -410,9 +456,9 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 
 // DownCombine runs moe_down_combine when the call is one it takes (bf16
 // act and weights, float32 outputs, Hopper), else the unfused sequence.
-func (b *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
 	const op = "DownCombine"
-	if b.downCombineKernel(outSD, refsR2, actRF, w2GDF, groupRows) {
+	if b.downCombineKernel(outSD, doneS, refsR2, actRF, w2GDF, groupRows) {
 		return
 	}
 	if len(outSD) == 0 {
@@ -420,10 +466,10 @@ func (b *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backe
 	}
 	_, r, _ := operandMatrix(op, "act", actRF)
 	_, _, d := operandMatrix(op, "out", outSD[0])
-	backend.DownCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, refsR2, actRF, w2GDF, groupRows)
+	backend.DownCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, doneS, refsR2, actRF, w2GDF, groupRows)
 }
 
-func (b *Backend) downCombineKernel(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) bool {
+func (b *Backend) downCombineKernel(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) bool {
 	g := len(groupRows)
 	a, ok := fusedPtrs([]backend.Tensor{actRF, w2GDF}, outSD, backend.Float32, nil, refsR2, g)
 	if !ok {
@@ -437,7 +483,7 @@ func (b *Backend) downCombineKernel(outSD []backend.Tensor, refsR2, actRF, w2GDF
 	if ws[0] != g*n || ws[1] != k || refsR2.Len() != 2*rows {
 		return false
 	}
-	if !combineOutputsOK(outSD, a, n) {
+	if !combineOutputsOK(outSD, doneS, &a, n) {
 		return false
 	}
 	x, ok := b.expertKernels()
@@ -447,15 +493,20 @@ func (b *Backend) downCombineKernel(outSD []backend.Tensor, refsR2, actRF, w2GDF
 		return false
 	}
 	taken := b.runFused(a, groupRows, rows, func(f *fusedTables, sum int) error {
+		done, rowTiles, err := f.combineFlags(b.dev, a, sum)
+		if err != nil {
+			return err
+		}
 		tp := f.tables.Ptr()
 		return x.bf16Out.runDownCombine(fusedCombine{
-			act: ps[0], w2: ps[1], refs: a.refs, ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff,
-			rows: sum, n: n, k: k, experts: g,
+			act: ps[0], w2: ps[1], refs: a.refs, ptrs: tp + fusedPtrsOff, done: done, rowTiles: rowTiles,
+			offsets: tp + fusedOffsOff, rows: sum, n: n, k: k, experts: g,
 		})
 	})
 	runtime.KeepAlive(actRF)
 	runtime.KeepAlive(w2GDF)
 	runtime.KeepAlive(outSD)
+	runtime.KeepAlive(doneS)
 	runtime.KeepAlive(refsR2)
 	return taken
 }
@@ -485,8 +536,8 @@ type fusedDispatch struct {
 
 // fusedCombine is one moe_down_combine call (n = D, k = F).
 type fusedCombine struct {
-	act, w2, refs, ptrs, offsets driver.DevicePtr
-	rows, n, k, experts          int
+	act, w2, refs, ptrs, done, rowTiles, offsets driver.DevicePtr
+	rows, n, k, experts                          int
 }
 
 // fusedDispatchSmem is moe_dispatch_swiglu's dynamic shared memory for e
@@ -531,8 +582,9 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 // runDownCombine queues moe_down_combine.
 func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
 	mapA, mapW := rowsMap(a.act, a.rows, a.k), expertsMap(a.w2, a.experts, a.n, a.k, 256)
-	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
+	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.done), uint64(a.rowTiles), uint64(a.offsets),
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
+		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
 	return g.launchFused(g.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots, g.optIn[ggCoop256])
@@ -651,9 +703,9 @@ func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 // DgradCombine runs moe_dgrad_combine when the call is one it takes (bf16
 // gradients and weights, float32 outputs, Hopper), else the unfused
 // sequence.
-func (b *Backend) DgradCombine(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+func (b *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
 	const op = "DgradCombine"
-	if b.dgradCombineKernel(outSD, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows) {
+	if b.dgradCombineKernel(outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows) {
 		return
 	}
 	if len(outSD) == 0 {
@@ -661,10 +713,10 @@ func (b *Backend) DgradCombine(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1G
 	}
 	_, r, _ := operandMatrix(op, "dh1", dh1RF)
 	_, _, d := operandMatrix(op, "out", outSD[0])
-	backend.DgradCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+	backend.DgradCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
 }
 
-func (b *Backend) dgradCombineKernel(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
+func (b *Backend) dgradCombineKernel(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
 	g := len(groupRows)
 	bf := []backend.Tensor{dh1RF, dh3RF, w1GFD, w3GFD}
 	a, ok := fusedPtrs(bf, outSD, backend.Float32, nil, refsR2, g)
@@ -679,7 +731,7 @@ func (b *Backend) dgradCombineKernel(outSD []backend.Tensor, refsR2, dh1RF, dh3R
 	if ws[0] != g*f || ws[1] != d || !sameShape(dh1RF, dh3RF) || !sameShape(w1GFD, w3GFD) || refsR2.Len() != 2*rows {
 		return false
 	}
-	if !combineOutputsOK(outSD, a, d) {
+	if !combineOutputsOK(outSD, doneS, &a, d) {
 		return false
 	}
 	x, ok := b.expertKernels()
@@ -696,14 +748,19 @@ func (b *Backend) dgradCombineKernel(outSD []backend.Tensor, refsR2, dh1RF, dh3R
 				return err
 			}
 		}
+		done, rowTiles, err := tb.combineFlags(b.dev, a, sum)
+		if err != nil {
+			return err
+		}
 		tp := tb.tables.Ptr()
 		return gg.runDgradCombine(fusedDgradCombine{
 			dh1: ps[0], dh3: ps[1], w1T: wT[0], w3T: wT[1], refs: a.refs, ptrs: tp + fusedPtrsOff,
-			offsets: tp + fusedOffsOff, rows: sum, n: d, k: f, experts: g,
+			done: done, rowTiles: rowTiles, offsets: tp + fusedOffsOff, rows: sum, n: d, k: f, experts: g,
 		})
 	})
 	runtime.KeepAlive(bf)
 	runtime.KeepAlive(outSD)
+	runtime.KeepAlive(doneS)
 	runtime.KeepAlive(refsR2)
 	return taken
 }
@@ -718,8 +775,8 @@ type fusedDgrad struct {
 // fusedDgradCombine is one moe_dgrad_combine call (n = D, k = F); w1T and
 // w3T are the transposed copies [E, D, F].
 type fusedDgradCombine struct {
-	dh1, dh3, w1T, w3T, refs, ptrs, offsets driver.DevicePtr
-	rows, n, k, experts                     int
+	dh1, dh3, w1T, w3T, refs, ptrs, done, rowTiles, offsets driver.DevicePtr
+	rows, n, k, experts                                     int
 }
 
 // waitTimeout is the fused kernels' bound on one tile wait.
@@ -770,8 +827,9 @@ func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
 func (g *GroupedGemm) runDgradCombine(a fusedDgradCombine) error {
 	maps := []driver.TiledMap{rowsMap(a.dh1, a.rows, a.k), rowsMap(a.dh3, a.rows, a.k),
 		expertsMap(a.w1T, a.experts, a.n, a.k, 256), expertsMap(a.w3T, a.experts, a.n, a.k, 256)}
-	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1}
+	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.done), uint64(a.rowTiles), uint64(a.offsets),
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
+		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
 	return g.launchFused(g.dgradCombine, grid, maps, slots, g.optIn[ggCoop256])

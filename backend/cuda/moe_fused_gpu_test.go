@@ -34,6 +34,7 @@ type fusedCase struct {
 type fusedInputs struct {
 	srcTD, tokS, outSD []backend.Tensor
 	scaleS             []backend.Tensor // per rank, a gate per sent row (the backward's)
+	doneS              []backend.Tensor // per rank, its row flags (Int32, zero between combines)
 	refsR2             backend.Tensor
 	w1, w3, w2         backend.Tensor // bf16 stacks
 	rows               int
@@ -64,6 +65,7 @@ func (c fusedCase) inputs(b *Backend, seed uint64) fusedInputs {
 		in.srcTD = append(in.srcTD, st)
 		in.tokS = append(in.tokS, tt)
 		in.outSD = append(in.outSD, b.New(backend.Float32, c.sendS[s], c.d))
+		in.doneS = append(in.doneS, b.View(b.New(backend.Int32, max(c.sendS[s], 1)), 0, c.sendS[s]))
 		gates := make([]float32, max(c.sendS[s], 1))
 		for i := range gates {
 			gates[i] = float32(0.1 + 0.9*rng.Float64())
@@ -110,6 +112,28 @@ func (c fusedCase) inputs(b *Backend, seed uint64) fusedInputs {
 type fusedOut struct {
 	x, h1, h3, act []float32
 	outs           [][]float32
+	// The sources' side: each rank's flags after the down product, and
+	// its combine of the rows into its tokens (CombineRows, gated as the
+	// forward's) and its flags after that.
+	raised, combined, cleared [][]float32
+}
+
+// combineRanks runs every source rank's CombineRows of its rows outSD
+// (scaled by scaleS, or not when nil) into a fresh [tokens, d] tensor and
+// returns the flags before, the combined rows and the flags after.
+func (c fusedCase) combineRanks(b *Backend, in fusedInputs, scaleS []backend.Tensor) (raised, combined, cleared [][]float32) {
+	raised = downloadRanks(b, in.doneS)
+	var sums []backend.Tensor
+	for s := range c.ranks {
+		sum := b.New(backend.Float32, c.tokens, c.d)
+		var scale backend.Tensor
+		if scaleS != nil {
+			scale = scaleS[s]
+		}
+		b.CombineRows(sum, in.outSD[s], in.tokS[s], scale, in.doneS[s], []int{c.sendS[s]})
+		sums = append(sums, sum)
+	}
+	return raised, downloadRanks(b, sums), downloadRanks(b, in.doneS)
 }
 
 func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
@@ -121,12 +145,13 @@ func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
 	}
 	if fused {
 		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
-		b.DownCombine(in.outSD, in.refsR2, act, in.w2, c.groups)
+		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, c.groups)
 	} else {
 		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
-		backend.DownCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.refsR2, act, in.w2, c.groups)
+		backend.DownCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.doneS, in.refsR2, act, in.w2, c.groups)
 	}
 	o := fusedOut{outs: downloadRanks(b, in.outSD)}
+	o.raised, o.combined, o.cleared = c.combineRanks(b, in, in.scaleS)
 	if in.rows > 0 {
 		o.x, o.h1, o.h3, o.act = backend.DownloadFloat32(b, x), backend.DownloadFloat32(b, h1), backend.DownloadFloat32(b, h3), backend.DownloadFloat32(b, act)
 	}
@@ -149,8 +174,9 @@ func downloadRanks(b *Backend, outSD []backend.Tensor) [][]float32 {
 
 // fusedGrads is what one path of the backward computed.
 type fusedGrads struct {
-	dy, dh1, dh3 []float32
-	outs         [][]float32
+	dy, dh1, dh3              []float32
+	outs                      [][]float32
+	raised, combined, cleared [][]float32 // as fusedOut's (the combine not scaled)
 }
 
 // runBackward runs the backward ops on in, with the source rows standing
@@ -165,12 +191,13 @@ func (c fusedCase) runBackward(b *Backend, in fusedInputs, h1, h3 backend.Tensor
 	}
 	if fused {
 		b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, c.groups)
-		b.DgradCombine(in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
+		b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
 	} else {
 		backend.DispatchDgradSwiGLUBySteps(b, b.New(backend.Float32, in.rows, c.f), dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, c.groups)
-		backend.DgradCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
+		backend.DgradCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
 	}
 	o := fusedGrads{outs: downloadRanks(b, in.outSD)}
+	o.raised, o.combined, o.cleared = c.combineRanks(b, in, nil)
 	if in.rows > 0 {
 		o.dy, o.dh1, o.dh3 = backend.DownloadFloat32(b, dy), backend.DownloadFloat32(b, dh1), backend.DownloadFloat32(b, dh3)
 	}
@@ -237,6 +264,7 @@ func (c fusedCase) testAgainstUnfused(t *testing.T, b *Backend, seed uint64) {
 			t.Errorf("rank %d's combined rows: rel L2 %.3g against the unfused sequence", s, e)
 		}
 	}
+	checkCombine(t, "forward", got.outs, got.raised, got.combined, got.cleared, want.combined)
 	if t.Failed() || in.rows == 0 {
 		return
 	}
@@ -264,6 +292,32 @@ func (c fusedCase) testAgainstUnfused(t *testing.T, b *Backend, seed uint64) {
 	for s := range gotG.outs {
 		if e := relL2(gotG.outs[s], wantG.outs[s]); !(e < 2e-2) {
 			t.Errorf("rank %d's dx rows: rel L2 %.3g against the unfused sequence", s, e)
+		}
+	}
+	checkCombine(t, "backward", gotG.outs, gotG.raised, gotG.combined, gotG.cleared, wantG.combined)
+}
+
+// checkCombine checks the sources' side of a fused combine: every sent
+// row's flag raised by the fused kernel (every sent row is some expert
+// row's in these cases), every flag cleared by CombineRows, and the
+// combined token rows against the unfused path's.
+func checkCombine(t *testing.T, pass string, outs, raised, combined, cleared, want [][]float32) {
+	t.Helper()
+	for s := range outs {
+		for p, f := range raised[s] {
+			if f != 1 {
+				t.Errorf("%s: rank %d's flag of send row %d is %v after the fused kernel, want 1", pass, s, p, f)
+				break
+			}
+		}
+		for p, f := range cleared[s] {
+			if f != 0 {
+				t.Errorf("%s: rank %d's flag of send row %d is %v after CombineRows, want 0", pass, s, p, f)
+				break
+			}
+		}
+		if e := relL2(combined[s], want[s]); !(e < 2e-2) {
+			t.Errorf("%s: rank %d's combined token rows: rel L2 %.3g against the unfused path", pass, s, e)
 		}
 	}
 }
@@ -310,6 +364,42 @@ func TestMoEFusedReportsLostRows(t *testing.T) {
 	c.testAgainstUnfused(t, b, 32)
 }
 
+// TestMoEFusedReportsLostCombineRow makes the down product never raise
+// the flag of expert-major row 0 (fusedMode's hook for the combine
+// kernels): the source's CombineRows must give up on that row within the
+// (shortened) bound, Sync must name the kernel, the send row and the rank
+// that owed it, and the device must work afterwards.
+func TestMoEFusedReportsLostCombineRow(t *testing.T) {
+	testGroupedGemm(t)
+	b := testBackend(t)
+	c := fusedCases()[1] // 2 ranks sending 333 and 190 rows
+	in := c.inputs(b, 41)
+	gg := b.experts.bf16Out
+	x, h1, h3, act := b.New(backend.BFloat16, in.rows, c.d), b.New(backend.BFloat16, in.rows, c.f), b.New(backend.BFloat16, in.rows, c.f), b.New(backend.BFloat16, in.rows, c.f)
+	b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
+	gg.fusedMode, b.fused.combineTimeout = 8, 200*time.Millisecond
+	defer func() { gg.fusedMode, b.fused.combineTimeout = 0, 0 }()
+	b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, c.groups)
+	gg.fusedMode = 0
+	refs := backend.DownloadInt32(b, in.refsR2)
+	start := time.Now()
+	_, _, cleared := c.combineRanks(b, in, in.scaleS)
+	err := b.Sync()
+	want := fmt.Sprintf("send row %d never arrived from rank 0", refs[1])
+	if err == nil || !strings.Contains(err.Error(), "combine_rows_f32") || !strings.Contains(err.Error(), want) {
+		t.Fatalf("a row never flagged: Sync gave %v, want combine_rows_f32's report with %q", err, want)
+	}
+	t.Logf("after %v: %v", time.Since(start).Round(time.Millisecond), err)
+	for s, flags := range cleared {
+		for p, f := range flags {
+			if f != 0 {
+				t.Errorf("rank %d's flag of send row %d is %v after the combine, want 0", s, p, f)
+			}
+		}
+	}
+	c.testAgainstUnfused(t, b, 42)
+}
+
 // TestMoEFusedFigures times one rank's expert block of moe-small at W = 1
 // and 4 expert-parallel ranks (16384 tokens a rank, top-2: each rank's
 // 8/W experts get 32768 rows on average, a W-th from every rank): the
@@ -344,12 +434,12 @@ func TestMoEFusedFigures(t *testing.T) {
 			y := b.New(backend.Float32, rows, d)
 			fused := func() error {
 				b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-				b.DownCombine(in.outSD, in.refsR2, act, in.w2, groups)
+				b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
 				return nil
 			}
 			unfused := func() error {
 				backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-				backend.DownCombineBySteps(b, y, in.outSD, in.refsR2, act, in.w2, groups)
+				backend.DownCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
 				return nil
 			}
 			gemms := func() error {
@@ -373,7 +463,7 @@ func TestMoEFusedFigures(t *testing.T) {
 				b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
 				return nil
 			}
-			downFused := func() error { b.DownCombine(in.outSD, in.refsR2, act, in.w2, groups); return nil }
+			downFused := func() error { b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups); return nil }
 			downGemm := func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
 			flop := 2 * float64(rows) * float64(d) * float64(f) * 3
 			// timed times run, logs it as figure moe_fused_W<w>_<name>_ms
@@ -420,12 +510,12 @@ func TestMoEFusedFigures(t *testing.T) {
 			}{
 				{"bwd_fused", func() error {
 					b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-					b.DgradCombine(in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+					b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
 					return nil
 				}},
 				{"bwd_unfused", func() error {
 					backend.DispatchDgradSwiGLUBySteps(b, dAct, dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-					backend.DgradCombineBySteps(b, y, in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+					backend.DgradCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
 					return nil
 				}},
 				{"bwd_transposes", func() error {
@@ -444,7 +534,7 @@ func TestMoEFusedFigures(t *testing.T) {
 				{"bwd_dgrad_fused", dgradFused},
 				{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0); return nil }},
 				{"bwd_combine_fused", func() error {
-					b.DgradCombine(in.outSD, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+					b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
 					return nil
 				}},
 				{"bwd_combine_gemm", func() error {

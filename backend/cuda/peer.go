@@ -15,6 +15,7 @@ package cuda
 // backend panics on both, and is the place to debug them).
 
 import (
+	"cmp"
 	"fmt"
 	"runtime"
 
@@ -180,6 +181,70 @@ func (b *Backend) PeerRowRefs(refsR2 backend.Tensor, blocks []backend.RowBlock) 
 		table = append(table, uint64(bl.First), uint64(bl.Rank), uint64(bl.Pos))
 	}
 	b.launchTable("peer_row_refs", table, b.dev.StrideGrid(int64(R), 256, strideBlocksPerSM), refs, int32(len(blocks)), int32(R))
+}
+
+// MarkPeerRows: doneS[s][p] = 1 for (s, p) = refsR2[r], after the work
+// queued before it (mark_peer_rows).
+func (b *Backend) MarkPeerRows(doneS []backend.Tensor, refsR2 backend.Tensor) {
+	const op = "MarkPeerRows"
+	if refsR2 == nil {
+		fail(op, "refs is nil")
+	}
+	refs := checkPeerRefs(op, "refs", refsR2, refsR2.Len()/2, len(doneS))
+	r := refs.shape[0]
+	fitsInt32(op, r, len(doneS))
+	if r == 0 {
+		return
+	}
+	table := make([]uint64, len(doneS))
+	for s, d := range doneS {
+		t := indices(op, fmt.Sprintf("flags %d", s), d, d.Len())
+		p, ok := t.ptr()
+		if !ok {
+			return
+		}
+		table[s] = uint64(p)
+	}
+	b.launchTable("mark_peer_rows", table, b.dev.StrideGrid(int64(r), 256, strideBlocksPerSM), refs, int32(len(doneS)), int32(r))
+	runtime.KeepAlive(doneS)
+}
+
+// CombineRows: outTD[rowsS[i]] += scaleS[i] * inSD[i] once doneS[i] is 1,
+// then doneS[i] = 0 (combine_rows_f32). The flag waits are bounded as the
+// fused kernels' tile waits (fusedTimeout) and report through the same
+// record (fusedTables.checkFault).
+func (b *Backend) CombineRows(outTD, inSD, rowsS, scaleS, doneS backend.Tensor, sendCounts []int) {
+	const op = "CombineRows"
+	out, t, d := matrix(op, "out", outTD)
+	in, n, _ := matrix(op, "in", inSD)
+	wantMatrix(op, "in", inSD, n, d)
+	rows := indices(op, "rows", rowsS, n)
+	scale := optFloat(op, "scale", scaleS, n)
+	done := indices(op, "flags", doneS, n)
+	fitsInt32(op, t, n, d, len(sendCounts))
+	if n == 0 {
+		return
+	}
+	table := make([]uint64, len(sendCounts))
+	end := uint64(0)
+	for r, c := range sendCounts {
+		end += uint64(c)
+		table[r] = end
+	}
+	if len(table) == 0 {
+		table = []uint64{0}
+	}
+	f := &b.fused
+	f.mu.Lock()
+	timeout := cmp.Or(f.combineTimeout, fusedTimeout)
+	fault, err := f.armFault(b.dev, timeout, true)
+	f.mu.Unlock()
+	if err != nil {
+		b.fail(err)
+		return
+	}
+	b.launchTable("combine_rows_f32", table, Grid1D(n, 256), out, in, rows, scale, done, int32(len(sendCounts)),
+		fault, uint64(timeout.Nanoseconds()), int32(n), int32(d))
 }
 
 // launchPeer uploads table and launches kernel name of peer_rows.cu over

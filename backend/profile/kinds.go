@@ -35,7 +35,8 @@ const (
 //	any         GroupedMatMul, GroupedMatMulTN              expert GEMM
 //	any         AttentionForward, AttentionBackward         attention
 //	any         MatMul                                      dense GEMM
-//	any         GatherRows, ScatterAddRows, RowDots         dispatch/permute
+//	any         GatherRows, ScatterAddRows, RowDots,        dispatch/permute
+//	            the peer-row ops (GatherPeerRows ... CombineRows)
 //	any         RouterForward, RouterBackward, RouteByExpert router
 //	any         CrossEntropy                                loss
 //	any         AdamWUpdate                                 optimizer
@@ -70,7 +71,7 @@ func KindOf(scope, op string) string {
 		return KindAttention
 	case opMatMul:
 		return KindDenseGEMM
-	case opGatherRows, opScatterAddRows, opRowDots, opGatherPeerRows, opScatterPeerRows, opPeerRowRefs:
+	case opGatherRows, opScatterAddRows, opRowDots, opGatherPeerRows, opScatterPeerRows, opPeerRowRefs, opMarkPeerRows, opCombineRows:
 		return KindDispatch
 	case opRouterForward, opRouterBackward, opRouteByExpert:
 		return KindRouter

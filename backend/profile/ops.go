@@ -42,6 +42,8 @@ const (
 	opGatherPeerRows    = "GatherPeerRows"
 	opScatterPeerRows   = "ScatterPeerRows"
 	opPeerRowRefs       = "PeerRowRefs"
+	opMarkPeerRows      = "MarkPeerRows"
+	opCombineRows       = "CombineRows"
 	opDispatchSwiGLU    = "DispatchSwiGLU"
 	opDownCombine       = "DownCombine"
 	opDispatchDgrad     = "DispatchDgradSwiGLU"
@@ -230,9 +232,19 @@ func (p *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, t
 	p.inner.DispatchSwiGLU(xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows)
 }
 
-func (p *Backend) DownCombine(outSD []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+func (p *Backend) MarkPeerRows(doneS []backend.Tensor, refsR2 backend.Tensor) {
+	defer p.end(p.begin(), opMarkPeerRows)
+	p.inner.MarkPeerRows(doneS, refsR2)
+}
+
+func (p *Backend) CombineRows(outTD, inSD, rowsS, scaleS, doneS backend.Tensor, sendCounts []int) {
+	defer p.end(p.begin(), opCombineRows)
+	p.inner.CombineRows(outTD, inSD, rowsS, scaleS, doneS, sendCounts)
+}
+
+func (p *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
 	defer p.end(p.begin(), opDownCombine)
-	p.inner.DownCombine(outSD, refsR2, actRF, w2GDF, groupRows)
+	p.inner.DownCombine(outSD, doneS, refsR2, actRF, w2GDF, groupRows)
 }
 
 func (p *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) {
@@ -240,7 +252,7 @@ func (p *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 	p.inner.DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows)
 }
 
-func (p *Backend) DgradCombine(outSD []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+func (p *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
 	defer p.end(p.begin(), opDgradCombine)
-	p.inner.DgradCombine(outSD, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+	p.inner.DgradCombine(outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
 }
