@@ -475,11 +475,11 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // rows written to their source ranks.
 //
 // FUSE 2 and 4 raise per-row completion flags when given them (fz.done,
-// per rank its int32 list in send order): a row is written by one tile of
-// each of the nTN column tiles, so each warpgroup, once its 64 rows of a
-// tile are stored, counts the tile in rowTiles[r] (zeroed by the host),
-// and the count's last tile sets done_s[p] = 1 with release at system
-// scope. The source rank's combine acquires the flag, reads the row and
+// per rank its int32 list in send order): a warpgroup's 64-row block of
+// an m-tile is written by nTN column tiles, so each warpgroup, once its
+// block of a tile is stored, counts the tile in rowTiles[2g + half]
+// (zeroed by the host), and the count's last tile sets done_s[p] = 1 for
+// the block's rows, released at system scope (gg_mark_rows). The source rank's combine acquires the flag, reads the row and
 // sets it back to 0 (combine_rows, kernels/rows.cu), so no host barrier
 // has to order a peer's writes before the combine.
 //
@@ -511,7 +511,7 @@ struct gg_fuse {
   int* fault;                          // FUSE 1, 3: [4] the first wait that timed out: FUSE, m-tile, chunks landed, source rank
   unsigned long long timeoutNs;        // FUSE 1, 3: bound of a tile wait
   const unsigned long long* done;      // FUSE 2, 4: per rank, its int32 row flags in send order (0: none)
-  int* rowTiles;                       // FUSE 2, 4: [rows] column tiles stored per row (zeroed by the host)
+  int* rowTiles;                       // FUSE 2, 4: [2 * m-tiles] column tiles stored per 64-row block (zeroed)
   int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu;
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
                                        // FUSE 3 experiments: 1 no gather/waits, 16 the register epilogue
@@ -1014,23 +1014,35 @@ __device__ __forceinline__ void gg_epilogue_rows(const float (&acc)[R], long lon
   }
 }
 
-// gg_mark_rows counts one stored tile for each of a warpgroup's rows
-// [wr0, wr0 + 64) below rowEnd (FUSE 2, 4 with flags): after the named
-// barrier every thread's stores of the block are done, so one thread per
-// row adds to rowTiles[r]; the row's last tile (the count reaching nTN)
-// sets its source's flag. The add is acq_rel and the flag store a
-// release, both at system scope: the flag then covers the stores of every
-// CTA that wrote the row, whichever GPU the flag's reader is on.
-__device__ __forceinline__ void gg_mark_rows(const gg_fuse& fz, int wr0, int rowEnd, int nTN, int wtid, int barId) {
+// gg_mark_rows counts one stored tile of a warpgroup's block: rows
+// [wr0, wr0 + 64) below rowEnd of m-tile g, half cw (FUSE 2, 4 with
+// flags). After the named barrier every thread's stores of the block are
+// done, so one thread adds the tile to the block's count,
+// rowTiles[2g + cw], with acq_rel at system scope: the release covers the
+// warpgroup's stores, the acquire the other column tiles' (their CTAs
+// counted before). The block's last tile (the count reaching nTN) raises
+// its rows' flags: its first warp syncs (ordering the lanes after the
+// acquire), fences (acq_rel, system scope: once per lane, one instruction
+// for the warp) and stores the flags, two rows a lane, so a reader that
+// acquires a flag, on any GPU, sees the whole row.
+__device__ __forceinline__ void gg_mark_rows(const gg_fuse& fz, int g, int cw, int wr0, int rowEnd, int nTN, int warp,
+                                             int lane, int barId) {
   gg_named_sync(barId, 128);
-  const int r = wr0 + wtid;
-  if (wtid >= 64 || r >= rowEnd) return;
-  int before;
-  asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(fz.rowTiles + r) : "memory");
-  if (before != nTN - 1 || ((fz.mode & 8) && r == 0)) return;
-  const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
-  int* flag = (int*)fz.done[s] + p;
-  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
+  if ((warp & 3) != 0 || wr0 >= rowEnd) return;
+  int before = 0;
+  if (lane == 0)
+    asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(fz.rowTiles + 2 * g + cw) : "memory");
+  asm volatile("shfl.sync.idx.b32 %0, %0, 0, 0x1f, 0xffffffff;" : "+r"(before));
+  if (before != nTN - 1) return;
+  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int r = wr0 + 32 * h + lane;
+    if (r >= rowEnd || ((fz.mode & 8) && r == 0)) continue;
+    const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
+    asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"((int*)fz.done[s] + p), "r"(1) : "memory");
+  }
 }
 
 extern __shared__ __attribute__((aligned(1024))) unsigned char gg_smem[];
@@ -1359,7 +1371,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       gg_epilogue_dswiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
     } else if (FUSE == 2 || FUSE == 4) {
       gg_epilogue_rows<R>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
-      if (fz.done != 0) gg_mark_rows(fz, wr0, tile.rowEnd, nTN, wtid, 1 + cw);
+      if (fz.done != 0) gg_mark_rows(fz, tile.g, cw, wr0, tile.rowEnd, nTN, warp, lane, 1 + cw);
     } else {
       gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
     }
@@ -1454,8 +1466,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256h_bf16
 // by a tile wait that passed timeoutNs (see gg_wait_tile).
 // moe_down_combine: mapA is act's map, mapW W2's (boxes of 256 rows); ptrs
 // per rank its float32 [*, N] output rows (4 stages, register epilogue);
-// done per rank its int32 row flags (or null: no flags) and rowTiles one
-// zeroed int per row (see gg_mark_rows).
+// done per rank its int32 row flags (or null: no flags) and rowTiles two
+// zeroed ints per m-tile (at least 2 * (rows/128 + E); see gg_mark_rows).
 extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3,
     const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3, const __grid_constant__ gg_tmap mapAct,

@@ -78,12 +78,19 @@
 // the sources' tokens and write their outputs straight into the sources'
 // send-order buffers (DispatchSwiGLU: gather, W1 and W3 products and
 // SwiGLU; DownCombine: the W2 product scattered to the sources; on a GPU,
-// fused kernels). A barrier then lets every rank combine its own rows as
-// in step 5. Backward gathers the gate-scaled output gradients from the
-// sources into expert-major order and takes them through W2 and SwiGLU's
-// backward (DispatchDgradSwiGLU), accumulates the weight gradients, and
-// computes the dx rows straight into the sources' send-order buffers
-// (DgradCombine); on a GPU those two are fused kernels too. The two dispatchers compute the same rows
+// fused kernels). The references go to the backend as one block per
+// (local expert, source rank), which it expands on the device
+// (PeerRowRefs). DownCombine raises each row's completion flag in its
+// source's list once the whole row is written, and every rank combines
+// its own rows as in step 5, each once its flag is up (CombineRows,
+// which clears the flags for the next layer). Backward gathers the
+// gate-scaled output gradients from the sources into expert-major order
+// and takes them through W2 and SwiGLU's backward (DispatchDgradSwiGLU),
+// accumulates the weight gradients, and computes the dx rows straight
+// into the sources' send-order buffers (DgradCombine, flagged the same
+// way); on a GPU those two are fused kernels too. With virtual ranks on
+// one stream a barrier still sits before each combine (fused.go says
+// why). The two dispatchers compute the same rows
 // in the same order, so they agree to the bit on the CPU. "auto" picks one
 // from a measured table (ResolveDispatcher); New takes only a resolved
 // value.

@@ -276,14 +276,15 @@ func combineOutputsOK(outSD, doneS []backend.Tensor, a *fusedArgs, n int) bool {
 	return ok
 }
 
-// combineFlags returns the done table's and the per-row tile counts'
-// addresses for a combine kernel over rows rows (the counts zeroed in
-// stream order), or zeros when the call has no flags.
-func (f *fusedTables) combineFlags(d *Device, a fusedArgs, rows int) (done, rowTiles driver.DevicePtr, err error) {
+// combineFlags returns the done table's and the block tile counts'
+// addresses for a combine kernel over rows rows of groups groups (two
+// counts per m-tile, zeroed in stream order), or zeros when the call has
+// no flags.
+func (f *fusedTables) combineFlags(d *Device, a fusedArgs, rows, groups int) (done, rowTiles driver.DevicePtr, err error) {
 	if a.done == nil {
 		return 0, 0, nil
 	}
-	if err := f.zeroFlags(d, rows); err != nil {
+	if err := f.zeroFlags(d, 2*(rows/ggBM+groups)); err != nil {
 		return 0, 0, err
 	}
 	return f.tables.Ptr() + fusedDoneOff, f.flags.Ptr(), nil
@@ -493,7 +494,7 @@ func (b *Backend) downCombineKernel(outSD, doneS []backend.Tensor, refsR2, actRF
 		return false
 	}
 	taken := b.runFused(a, groupRows, rows, func(f *fusedTables, sum int) error {
-		done, rowTiles, err := f.combineFlags(b.dev, a, sum)
+		done, rowTiles, err := f.combineFlags(b.dev, a, sum, g)
 		if err != nil {
 			return err
 		}
@@ -748,7 +749,7 @@ func (b *Backend) dgradCombineKernel(outSD, doneS []backend.Tensor, refsR2, dh1R
 				return err
 			}
 		}
-		done, rowTiles, err := tb.combineFlags(b.dev, a, sum)
+		done, rowTiles, err := tb.combineFlags(b.dev, a, sum, g)
 		if err != nil {
 			return err
 		}

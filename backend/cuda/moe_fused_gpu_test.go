@@ -115,14 +115,15 @@ type fusedOut struct {
 	// The sources' side: each rank's flags after the down product, and
 	// its combine of the rows into its tokens (CombineRows, gated as the
 	// forward's) and its flags after that.
-	raised, combined, cleared [][]float32
+	raised, cleared [][]int32
+	combined        [][]float32
 }
 
 // combineRanks runs every source rank's CombineRows of its rows outSD
 // (scaled by scaleS, or not when nil) into a fresh [tokens, d] tensor and
 // returns the flags before, the combined rows and the flags after.
-func (c fusedCase) combineRanks(b *Backend, in fusedInputs, scaleS []backend.Tensor) (raised, combined, cleared [][]float32) {
-	raised = downloadRanks(b, in.doneS)
+func (c fusedCase) combineRanks(b *Backend, in fusedInputs, scaleS []backend.Tensor) (raised [][]int32, combined [][]float32, cleared [][]int32) {
+	raised = downloadFlags(b, in.doneS)
 	var sums []backend.Tensor
 	for s := range c.ranks {
 		sum := b.New(backend.Float32, c.tokens, c.d)
@@ -133,7 +134,20 @@ func (c fusedCase) combineRanks(b *Backend, in fusedInputs, scaleS []backend.Ten
 		b.CombineRows(sum, in.outSD[s], in.tokS[s], scale, in.doneS[s], []int{c.sendS[s]})
 		sums = append(sums, sum)
 	}
-	return raised, downloadRanks(b, sums), downloadRanks(b, in.doneS)
+	return raised, downloadRanks(b, sums), downloadFlags(b, in.doneS)
+}
+
+// downloadFlags downloads every rank's row flags.
+func downloadFlags(b *Backend, doneS []backend.Tensor) [][]int32 {
+	var flags [][]int32
+	for _, t := range doneS {
+		var f []int32
+		if t.Len() > 0 {
+			f = backend.DownloadInt32(b, t)
+		}
+		flags = append(flags, f)
+	}
+	return flags
 }
 
 func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
@@ -174,9 +188,10 @@ func downloadRanks(b *Backend, outSD []backend.Tensor) [][]float32 {
 
 // fusedGrads is what one path of the backward computed.
 type fusedGrads struct {
-	dy, dh1, dh3              []float32
-	outs                      [][]float32
-	raised, combined, cleared [][]float32 // as fusedOut's (the combine not scaled)
+	dy, dh1, dh3    []float32
+	outs            [][]float32
+	raised, cleared [][]int32 // as fusedOut's (the combine not scaled)
+	combined        [][]float32
 }
 
 // runBackward runs the backward ops on in, with the source rows standing
@@ -301,7 +316,7 @@ func (c fusedCase) testAgainstUnfused(t *testing.T, b *Backend, seed uint64) {
 // row's flag raised by the fused kernel (every sent row is some expert
 // row's in these cases), every flag cleared by CombineRows, and the
 // combined token rows against the unfused path's.
-func checkCombine(t *testing.T, pass string, outs, raised, combined, cleared, want [][]float32) {
+func checkCombine(t *testing.T, pass string, outs [][]float32, raised [][]int32, combined [][]float32, cleared [][]int32, want [][]float32) {
 	t.Helper()
 	for s := range outs {
 		for p, f := range raised[s] {
