@@ -28,7 +28,9 @@ package moe
 // combine queued before a peer's kernel would wait for flags that only
 // the kernel behind it can raise (until its bounded wait reports them).
 // A rank's flags are all clear again when its combine is done, so one
-// buffer serves every layer and both passes.
+// buffer serves every layer and both passes. A rank alone in its expert
+// group combines without flags: its stream (or the CPU's call order)
+// already puts its own writes first.
 
 import (
 	"fmt"
@@ -46,8 +48,12 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
 	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
 	st.refsR2 = l.writeRefs(pl)
-	st.doneS = l.scratch.doneS.vec(b, S)
-	peers, err := l.peers.PeerTensors(st.xTD, st.sendTokS, st.ySD, st.doneS)
+	shared := []backend.Tensor{st.xTD, st.sendTokS, st.ySD}
+	if l.flagged() {
+		st.doneS = l.scratch.doneS.vec(b, S)
+		shared = append(shared, st.doneS)
+	}
+	peers, err := l.peers.PeerTensors(shared...)
 	if err != nil {
 		return fmt.Errorf("moe: fused dispatch: %w", err)
 	}
@@ -80,9 +86,15 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 	// Peers write dxSD between the exchange and the barrier; this rank
 	// uses neither rowsSD nor anything aliasing it in between (dy is in
 	// dyRD, the hidden gradients in the F-wide scratch).
-	dyRD, dxSD, doneS := sc.dyRD.view(b, R), sc.rowsSD.view(b, S), sc.doneS.vec(b, S)
+	dyRD, dxSD := sc.dyRD.view(b, R), sc.rowsSD.view(b, S)
 	dh1RF, dh3RF := sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
-	peers, err := l.peers.PeerTensors(doutTD, st.sendTokS, st.gateS, dxSD, doneS)
+	shared := []backend.Tensor{doutTD, st.sendTokS, st.gateS, dxSD}
+	var doneS backend.Tensor
+	if l.flagged() {
+		doneS = sc.doneS.vec(b, S)
+		shared = append(shared, doneS)
+	}
+	peers, err := l.peers.PeerTensors(shared...)
 	if err != nil {
 		return fmt.Errorf("moe: fused backward dispatch: %w", err)
 	}
@@ -109,11 +121,21 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 			return fmt.Errorf("moe: fused backward combine: %w", err)
 		}
 	}
-	if S > 0 {
+	switch {
+	case S == 0:
+	case doneS != nil:
 		b.CombineRows(dxTD, dxSD, st.sendTokS, nil, doneS, pl.sendCounts)
+	default:
+		b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
 	}
 	return nil
 }
+
+// flagged says whether the fused combines go through row flags: with
+// peers to wait for. A rank alone in its expert group writes its own rows
+// on its own stream (or at the call, on the CPU), which orders them
+// before its combine already.
+func (l *Layer) flagged() bool { return l.g.Expert.Size() > 1 }
 
 // writeRefs writes the plan's row references into the Int32 [R, 2]
 // tensor the peer-row ops take, on the device: only the table of
@@ -136,8 +158,11 @@ func (l *Layer) writeRefs(pl *plan) backend.Tensor {
 }
 
 // peerColumn returns tensor i of every rank, in rank order, from
-// PeerTensors' [rank][i] answer.
+// PeerTensors' [rank][i] answer, or nil when the ranks shared fewer.
 func peerColumn(peers [][]backend.Tensor, i int) []backend.Tensor {
+	if len(peers) == 0 || i >= len(peers[0]) {
+		return nil
+	}
 	col := make([]backend.Tensor, len(peers))
 	for r, ts := range peers {
 		col[r] = ts[i]
