@@ -135,16 +135,16 @@ extern "C" __global__ void peer_row_refs(int* refs, const unsigned long long* bl
   }
 }
 
-// mark_peer_rows: done_s[p] = 1 for (s, p) = refs[r], done_s being word s
-// of the table (a rank's int32 row flags). It runs after the kernels that
-// wrote the rows, in stream order; the release at system scope publishes
-// them to a reader on another GPU as well. Grid-stride, one thread a row;
-// references out of range (rank >= S) are skipped.
+// mark_peer_rows: done_s[p] = 1 for (s, p) = refs[r]; the table holds two
+// words per rank, the address of its int32 row flags and their count. It
+// runs after the kernels that wrote the rows, in stream order; the release
+// at system scope publishes them to a reader on another GPU as well.
+// Grid-stride, one thread a row; references out of range are skipped.
 extern "C" __global__ void mark_peer_rows(const int* refs, const unsigned long long* done, int S, int R) {
   for (long long r = mk_global_id(); r < R; r += mk_grid_stride()) {
     const int s = refs[2 * r], p = refs[2 * r + 1];
-    if (s < 0 || s >= S || p < 0) continue;
-    int* flag = (int*)done[s] + p;
+    if (s < 0 || s >= S || p < 0 || (unsigned long long)p >= done[2 * s + 1]) continue;
+    int* flag = (int*)done[2 * s] + p;
     asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
   }
 }

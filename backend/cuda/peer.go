@@ -184,7 +184,8 @@ func (b *Backend) PeerRowRefs(refsR2 backend.Tensor, blocks []backend.RowBlock) 
 }
 
 // MarkPeerRows: doneS[s][p] = 1 for (s, p) = refsR2[r], after the work
-// queued before it (mark_peer_rows).
+// queued before it (mark_peer_rows, which skips references past a rank's
+// flags, as the scatter skips them).
 func (b *Backend) MarkPeerRows(doneS []backend.Tensor, refsR2 backend.Tensor) {
 	const op = "MarkPeerRows"
 	if refsR2 == nil {
@@ -196,14 +197,17 @@ func (b *Backend) MarkPeerRows(doneS []backend.Tensor, refsR2 backend.Tensor) {
 	if r == 0 {
 		return
 	}
-	table := make([]uint64, len(doneS))
+	table := make([]uint64, 0, 2*len(doneS))
 	for s, d := range doneS {
+		if d == nil {
+			fail(op, "flags of rank %d are nil", s)
+		}
 		t := indices(op, fmt.Sprintf("flags %d", s), d, d.Len())
 		p, ok := t.ptr()
 		if !ok {
 			return
 		}
-		table[s] = uint64(p)
+		table = append(table, uint64(p), uint64(t.Len()))
 	}
 	b.launchTable("mark_peer_rows", table, b.dev.StrideGrid(int64(r), 256, strideBlocksPerSM), refs, int32(len(doneS)), int32(r))
 	runtime.KeepAlive(doneS)
