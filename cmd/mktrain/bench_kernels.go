@@ -23,8 +23,10 @@ const benchKernelsUsage = `Usage: mktrain bench kernels [--shape moe-small,fine]
 Times one MoE layer, forward and forward+backward, with each dispatcher
 (fused: the experts read their rows from the source ranks and write their
 outputs straight back; unfused: gather, all-to-all, permute) on W virtual
-expert-parallel ranks of one device, and the experts' three forward
-products alone (GroupedMatMul on the rows the layer routed). Shapes:
+expert-parallel ranks of one device, the experts' three forward products
+alone (GroupedMatMul on the rows the layer routed), and the fused
+forward's two kernels alone on those rows (without the layer's host work
+around them). Shapes:
   moe-small  dim 1024, 8 experts, top-2, ffn 2816, 16384 tokens per rank
   fine       dim 2048, 64 experts, top-6, ffn 1408, 4096 tokens per rank
   tiny       dim 32, 4 experts, top-2, ffn 48, 64 tokens per rank (tests)
@@ -72,6 +74,7 @@ type kernelBenchRow struct {
 	Rows       int    `json:"routed_rows"` // expert rows over all ranks
 
 	GEMMMS           float64 `json:"gemm_forward_ms"`
+	FusedKernelsMS   float64 `json:"fused_kernels_ms"` // the fused forward's two kernels alone on the same rows
 	FusedBlockMS     float64 `json:"fused_expert_block_ms"`
 	FusedForwardMS   float64 `json:"fused_forward_ms"`
 	UnfusedForwardMS float64 `json:"unfused_forward_ms"`
@@ -85,6 +88,7 @@ type kernelBenchRow struct {
 	UnfusedStepTF    float64 `json:"unfused_forward_backward_tflops"`
 
 	FusedBlockOverGEMM      float64 `json:"fused_expert_block_over_gemm"`
+	FusedKernelsOverGEMM    float64 `json:"fused_kernels_over_gemm"`
 	FusedOverGEMM           float64 `json:"fused_forward_over_gemm"`
 	FusedOverUnfusedForward float64 `json:"fused_over_unfused_forward"`
 	FusedOverUnfused        float64 `json:"fused_over_unfused_forward_backward"`
@@ -142,12 +146,12 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 				return fmt.Errorf("bench kernels: %s at world %d: %w", s.Name, w, err)
 			}
 			runtime.GC() // the layers' device memory back to the backend
-			gemm, err := benchExpertGEMMs(b, s, w, tm.RowsPerExpert, *iters)
+			gemm, kern, err := benchExpertGEMMs(b, s, w, tm.RowsPerExpert, *iters)
 			if err != nil {
-				return fmt.Errorf("bench kernels: %s at world %d: GEMMs alone: %w", s.Name, w, err)
+				return fmt.Errorf("bench kernels: %s at world %d: GEMMs and fused kernels alone: %w", s.Name, w, err)
 			}
 			runtime.GC()
-			rows = append(rows, kernelRow(s, w, tm, gemm))
+			rows = append(rows, kernelRow(s, w, tm, gemm, kern))
 			if cacheErr == nil {
 				_, cacheErr = cache.Store(moe.NewDispatchKey(b, cfg, s.Dim, s.Tokens, w), tm)
 			}
@@ -173,7 +177,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 
 // kernelRow derives a row's rates, ratios and bars from the measured
 // times.
-func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm time.Duration) kernelBenchRow {
+func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm, kern time.Duration) kernelBenchRow {
 	rows := 0
 	for _, n := range tm.RowsPerExpert {
 		rows += n
@@ -184,11 +188,12 @@ func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm time.Duration) ke
 	tf := func(flops float64, d time.Duration) float64 { return flops / d.Seconds() / 1e12 }
 	r := kernelBenchRow{
 		Shape: s.Name, World: world, TokensRank: s.Tokens, Rows: rows,
-		GEMMMS: ms(gemm), FusedBlockMS: ms(tm.FusedExperts), FusedForwardMS: ms(tm.FusedForward), UnfusedForwardMS: ms(tm.UnfusedForward),
+		GEMMMS: ms(gemm), FusedKernelsMS: ms(kern), FusedBlockMS: ms(tm.FusedExperts), FusedForwardMS: ms(tm.FusedForward), UnfusedForwardMS: ms(tm.UnfusedForward),
 		FusedStepMS: ms(tm.FusedStep), UnfusedStepMS: ms(tm.UnfusedStep),
 		GEMMTF: tf(fwdFLOPs, gemm), FusedForwardTF: tf(fwdFLOPs, tm.FusedForward), UnfusedForwardTF: tf(fwdFLOPs, tm.UnfusedForward),
 		FusedStepTF: tf(3*fwdFLOPs, tm.FusedStep), UnfusedStepTF: tf(3*fwdFLOPs, tm.UnfusedStep),
 		FusedBlockOverGEMM:      tm.FusedExperts.Seconds() / gemm.Seconds(),
+		FusedKernelsOverGEMM:    kern.Seconds() / gemm.Seconds(),
 		FusedOverGEMM:           tm.FusedForward.Seconds() / gemm.Seconds(),
 		FusedOverUnfusedForward: tm.FusedForward.Seconds() / tm.UnfusedForward.Seconds(),
 		FusedOverUnfused:        tm.FusedStep.Seconds() / tm.UnfusedStep.Seconds(),
@@ -199,17 +204,21 @@ func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm time.Duration) ke
 	return r
 }
 
-// benchExpertGEMMs times the experts' three forward products alone on
-// every rank's rows (rowsPerExpert, [E] over all ranks: rank r's experts
-// are E/world of them), as the layer runs them: expert-major operand rows
-// times the stacked weights, one GroupedMatMul per product and rank, all
-// ranks' work queued on the one device. It returns the median over iters
-// of the time until the device is done.
-func benchExpertGEMMs(b backend.Backend, s moeBenchShape, world int, rowsPerExpert []int, iters int) (time.Duration, error) {
+// benchExpertGEMMs times, on every rank's rows (rowsPerExpert, [E] over
+// all ranks: rank r's experts are E/world of them), the experts' three
+// forward products alone, as the layer runs them (expert-major operand
+// rows times the stacked weights, one GroupedMatMul per product and
+// rank), and the fused forward kernels alone on the same rows
+// (DispatchSwiGLU and DownCombine per rank, the rows gathered from and
+// written back to every source rank, flagged when there are peers), all
+// ranks' work queued on the one device, without the layer's host work
+// around them. It returns the medians over iters of the time until the
+// device is done.
+func benchExpertGEMMs(b backend.Backend, s moeBenchShape, world int, rowsPerExpert []int, iters int) (gemm, kernels time.Duration, err error) {
 	if len(rowsPerExpert) != s.Experts {
-		return 0, fmt.Errorf("%d expert row counts for %d experts", len(rowsPerExpert), s.Experts)
+		return 0, 0, fmt.Errorf("%d expert row counts for %d experts", len(rowsPerExpert), s.Experts)
 	}
-	D, F, local, ot := s.Dim, s.FFN, s.Experts/world, b.OperandType()
+	D, F, T, local, ot := s.Dim, s.FFN, s.Tokens, s.Experts/world, b.OperandType()
 	rng := rand.New(rand.NewPCG(uint64(world), uint64(D)))
 	operand := func(scale float64, shape ...int) backend.Tensor {
 		f := randTensor(b, rng, scale, shape...)
@@ -220,30 +229,70 @@ func benchExpertGEMMs(b backend.Backend, s moeBenchShape, world int, rowsPerExpe
 		b.Copy(t, f)
 		return t
 	}
-	type rankGEMMs struct {
-		rows            []int
-		xRD, h1RF, h3RF backend.Tensor
-		yRD             backend.Tensor
-		w1, w3, w2      backend.Tensor
+	// Each expert's rows come from the world sources in equal shares, and
+	// each source sends its rows in (destination, expert) order: a send
+	// list of random tokens, its output rows and its flags.
+	fromSE := make([][]int, world) // [source][expert] rows
+	sent := make([]int, world)
+	for src := range world {
+		fromSE[src] = make([]int, s.Experts)
+		for e, n := range rowsPerExpert {
+			fromSE[src][e] = n / world
+			if src < n%world {
+				fromSE[src][e]++
+			}
+			sent[src] += fromSE[src][e]
+		}
 	}
-	var ranks []rankGEMMs
+	var srcTD, tokS, outSD, doneS []backend.Tensor
+	for src := range world {
+		toks := make([]int32, sent[src])
+		for i := range toks {
+			toks[i] = int32(rng.IntN(T))
+		}
+		n := max(sent[src], 1)
+		tok, out, done := b.New(backend.Int32, n), b.New(b.FloatType(), n, D), b.New(backend.Int32, n)
+		backend.UploadSlice(b, tok, toks)
+		srcTD = append(srcTD, randTensor(b, rng, 1, T, D))
+		tokS = append(tokS, b.View(tok, 0, sent[src]))
+		outSD = append(outSD, b.View(out, 0, sent[src], D))
+		doneS = append(doneS, b.View(done, 0, sent[src]))
+	}
+	if world == 1 {
+		doneS = nil // a rank alone combines without flags, as in the layer
+	}
+	type rankWork struct {
+		rows                           []int
+		xRD, h1RF, h3RF, actRF, refsR2 backend.Tensor
+		yRD                            backend.Tensor
+		w1, w3, w2                     backend.Tensor
+	}
+	var ranks []rankWork
+	pos := make([]int, world) // each source's next send position
 	for r := range world {
 		rows := rowsPerExpert[r*local : (r+1)*local]
 		R := 0
-		for _, n := range rows {
-			R += n
+		var blocks []backend.RowBlock
+		for le := range local {
+			for src := range world {
+				n := fromSE[src][r*local+le]
+				blocks = append(blocks, backend.RowBlock{First: R, Rank: src, Pos: pos[src]})
+				R += n
+				pos[src] += n
+			}
 		}
 		if R == 0 {
 			continue // nothing to multiply, as in the layer
 		}
-		ranks = append(ranks, rankGEMMs{
-			rows: rows,
-			xRD:  operand(1, R, D), h1RF: b.New(ot, R, F), h3RF: b.New(ot, R, F), yRD: b.New(b.FloatType(), R, D),
+		refs := b.New(backend.Int32, R, 2)
+		b.PeerRowRefs(refs, blocks)
+		ranks = append(ranks, rankWork{
+			rows: rows, refsR2: refs,
+			xRD: operand(1, R, D), h1RF: b.New(ot, R, F), h3RF: b.New(ot, R, F), actRF: b.New(ot, R, F), yRD: b.New(b.FloatType(), R, D),
 			w1: operand(0.03, local*F, D), w3: operand(0.03, local*F, D), w2: operand(0.03, local*D, F),
 		})
 	}
-	run := func() (time.Duration, error) {
-		start := time.Now()
+	gemms := func() {
 		for _, g := range ranks {
 			b.GroupedMatMul(g.h1RF, g.xRD, g.w1, g.rows, true, 1, 0)
 			b.GroupedMatMul(g.h3RF, g.xRD, g.w3, g.rows, true, 1, 0)
@@ -251,30 +300,44 @@ func benchExpertGEMMs(b backend.Backend, s moeBenchShape, world int, rowsPerExpe
 			// and type; the GEMM alone does not compute it.
 			b.GroupedMatMul(g.yRD, g.h1RF, g.w2, g.rows, true, 1, 0)
 		}
-		err := b.Sync()
-		return time.Since(start), err
 	}
-	if err := b.Sync(); err != nil {
-		return 0, err
+	fused := func() {
+		for _, g := range ranks {
+			b.DispatchSwiGLU(g.xRD, g.h1RF, g.h3RF, g.actRF, srcTD, tokS, g.refsR2, g.w1, g.w3, g.rows)
+			b.DownCombine(outSD, doneS, g.refsR2, g.actRF, g.w2, g.rows)
+		}
 	}
-	times := make([]time.Duration, iters)
-	for i := -2; i < iters; i++ { // two warm-up runs
-		d, err := run()
-		if err != nil {
+	median := func(run func()) (time.Duration, error) {
+		if err := b.Sync(); err != nil {
 			return 0, err
 		}
-		if i >= 0 {
-			times[i] = d
+		times := make([]time.Duration, iters)
+		for i := -2; i < iters; i++ { // two warm-up runs
+			start := time.Now()
+			run()
+			if err := b.Sync(); err != nil {
+				return 0, err
+			}
+			if i >= 0 {
+				times[i] = time.Since(start)
+			}
 		}
+		slices.Sort(times)
+		return times[len(times)/2], nil
 	}
-	slices.Sort(times)
-	return times[len(times)/2], nil
+	if gemm, err = median(gemms); err != nil {
+		return 0, 0, err
+	}
+	if kernels, err = median(fused); err != nil {
+		return 0, 0, err
+	}
+	return gemm, kernels, nil
 }
 
 func printKernelBench(w io.Writer, rows []kernelBenchRow) {
-	fmt.Fprintf(w, "%-10s %5s %8s | %9s %9s %9s %9s | %9s %9s | %8s %8s %8s | %7s %7s %7s %7s | %-9s %-9s\n",
-		"shape", "world", "rows", "gemm ms", "block ms", "fused ms", "unfus ms", "fused f+b", "unfus f+b",
-		"gemm TF", "fused TF", "f+b TF", "blk/gem", "f/gemm", "f/unf", "f+b f/u", "gemm bar", "unf bar")
+	fmt.Fprintf(w, "%-10s %5s %8s | %9s %9s %9s %9s %9s | %9s %9s | %8s %8s %8s | %7s %7s %7s %7s %7s | %-9s %-9s\n",
+		"shape", "world", "rows", "gemm ms", "kern ms", "block ms", "fused ms", "unfus ms", "fused f+b", "unfus f+b",
+		"gemm TF", "fused TF", "f+b TF", "krn/gem", "blk/gem", "f/gemm", "f/unf", "f+b f/u", "gemm bar", "unf bar")
 	held := func(ok bool) string {
 		if ok {
 			return "held"
@@ -282,11 +345,11 @@ func printKernelBench(w io.Writer, rows []kernelBenchRow) {
 		return "not held"
 	}
 	for _, r := range rows {
-		fmt.Fprintf(w, "%-10s %5d %8d | %9.3f %9.3f %9.3f %9.3f | %9.3f %9.3f | %8.3g %8.3g %8.3g | %7.2f %7.2f %7.2f %7.2f | %-9s %-9s\n",
-			r.Shape, r.World, r.Rows, r.GEMMMS, r.FusedBlockMS, r.FusedForwardMS, r.UnfusedForwardMS, r.FusedStepMS,
-			r.UnfusedStepMS, r.GEMMTF, r.FusedForwardTF, r.FusedStepTF, r.FusedBlockOverGEMM, r.FusedOverGEMM,
+		fmt.Fprintf(w, "%-10s %5d %8d | %9.3f %9.3f %9.3f %9.3f %9.3f | %9.3f %9.3f | %8.3g %8.3g %8.3g | %7.2f %7.2f %7.2f %7.2f %7.2f | %-9s %-9s\n",
+			r.Shape, r.World, r.Rows, r.GEMMMS, r.FusedKernelsMS, r.FusedBlockMS, r.FusedForwardMS, r.UnfusedForwardMS, r.FusedStepMS,
+			r.UnfusedStepMS, r.GEMMTF, r.FusedForwardTF, r.FusedStepTF, r.FusedKernelsOverGEMM, r.FusedBlockOverGEMM, r.FusedOverGEMM,
 			r.FusedOverUnfusedForward, r.FusedOverUnfused, held(r.GEMMBarHeld), held(r.UnfusedBarHeld))
 	}
-	fmt.Fprintf(w, "(ms: medians per step of all ranks, forward unless f+b; block: the fused forward's expert block; TF: TFLOP/s of the expert products; bars: gemm: %s (blk/gem <= %.2f); unf: %s)\n",
+	fmt.Fprintf(w, "(ms: medians per step of all ranks, forward unless f+b; kern: the fused forward's two kernels alone on the layer's rows; block: the fused forward's expert block inside the layer; TF: TFLOP/s of the expert products; bars: gemm: %s (blk/gem <= %.2f); unf: %s)\n",
 		gemmBar, gemmBarRatio, unfusedBar)
 }
