@@ -13,7 +13,9 @@ package cuda
 //     one 256-column tile (128 columns of each), so SwiGLU runs in the
 //     epilogue, which writes h1, h3 and act.
 //   - moe_down_combine is the down product whose epilogue writes each row
-//     straight to its source rank's output rows.
+//     straight to its source rank's output rows and, when the call has
+//     flags, raises the row's flag in the source's list once the row is
+//     whole (CombineRows, peer.go, waits for them on the source's side).
 //
 // Calls the kernels do not take (operands not bf16, a GPU other than
 // Hopper, sizes the kernel refuses) run the unfused sequence
