@@ -137,19 +137,6 @@ func (c fusedCase) combineRanks(b *Backend, in fusedInputs, scaleS []backend.Ten
 	return raised, downloadRanks(b, sums), downloadFlags(b, in.doneS)
 }
 
-// downloadFlags downloads every rank's row flags.
-func downloadFlags(b *Backend, doneS []backend.Tensor) [][]int32 {
-	var flags [][]int32
-	for _, t := range doneS {
-		var f []int32
-		if t.Len() > 0 {
-			f = backend.DownloadInt32(b, t)
-		}
-		flags = append(flags, f)
-	}
-	return flags
-}
-
 func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
 	r := max(in.rows, 1)
 	x, h1, h3, act := b.New(backend.BFloat16, r, c.d), b.New(backend.BFloat16, r, c.f), b.New(backend.BFloat16, r, c.f), b.New(backend.BFloat16, r, c.f)
@@ -175,15 +162,25 @@ func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
 // downloadRanks downloads every rank's output rows (nil for a rank with
 // none).
 func downloadRanks(b *Backend, outSD []backend.Tensor) [][]float32 {
-	var outs [][]float32
-	for _, t := range outSD {
-		var rows []float32
+	return downloadEach(b, outSD, backend.DownloadFloat32)
+}
+
+// downloadFlags downloads every rank's row flags.
+func downloadFlags(b *Backend, doneS []backend.Tensor) [][]int32 {
+	return downloadEach(b, doneS, backend.DownloadInt32)
+}
+
+// downloadEach downloads every tensor of ts (nil for an empty one).
+func downloadEach[T any](b *Backend, ts []backend.Tensor, download func(backend.Backend, backend.Tensor) []T) [][]T {
+	var all [][]T
+	for _, t := range ts {
+		var v []T
 		if t.Len() > 0 {
-			rows = backend.DownloadFloat32(b, t)
+			v = download(b, t)
 		}
-		outs = append(outs, rows)
+		all = append(all, v)
 	}
-	return outs
+	return all
 }
 
 // fusedGrads is what one path of the backward computed.
