@@ -146,7 +146,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 				return fmt.Errorf("bench kernels: %s at world %d: %w", s.Name, w, err)
 			}
 			runtime.GC() // the layers' device memory back to the backend
-			gemm, kern, err := benchExpertGEMMs(b, s, w, tm.RowsPerExpert, *iters)
+			gemm, kern, err := benchExpertsAlone(b, s, w, tm.RowsPerExpert, *iters)
 			if err != nil {
 				return fmt.Errorf("bench kernels: %s at world %d: GEMMs and fused kernels alone: %w", s.Name, w, err)
 			}
@@ -204,7 +204,7 @@ func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm, kern time.Durati
 	return r
 }
 
-// benchExpertGEMMs times, on every rank's rows (rowsPerExpert, [E] over
+// benchExpertsAlone times, on every rank's rows (rowsPerExpert, [E] over
 // all ranks: rank r's experts are E/world of them), the experts' three
 // forward products alone, as the layer runs them (expert-major operand
 // rows times the stacked weights, one GroupedMatMul per product and
@@ -214,7 +214,7 @@ func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm, kern time.Durati
 // ranks' work queued on the one device, without the layer's host work
 // around them. It returns the medians over iters of the time until the
 // device is done.
-func benchExpertGEMMs(b backend.Backend, s moeBenchShape, world int, rowsPerExpert []int, iters int) (gemm, kernels time.Duration, err error) {
+func benchExpertsAlone(b backend.Backend, s moeBenchShape, world int, rowsPerExpert []int, iters int) (gemm, kernels time.Duration, err error) {
 	if len(rowsPerExpert) != s.Experts {
 		return 0, 0, fmt.Errorf("%d expert row counts for %d experts", len(rowsPerExpert), s.Experts)
 	}
