@@ -443,10 +443,12 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // FUSE 1 computes, for the expert-major rows of a rank's experts,
 //   xRD[r] = bf16(src_s[tok_s[p]]), (s, p) = refs[r]   (the dispatch)
 //   h1 = xRD.W1_e^T, h3 = xRD.W3_e^T, act = silu(h1) * h3 (bf16 out)
-// in one persistent grid. The producer warpgroup's three spare warps are
-// the communication warps: they pull each row from its source rank's token
-// buffer (a plain device pointer: a virtual rank's buffer, or a peer GPU's
-// over NVLink), convert it to bf16 into xRD, and publish per m-tile ready
+// in one persistent grid. Of the producer warpgroup's three spare warps,
+// warps 1 and 2 finish the consumers' epilogues (SwiGLU and act's store,
+// gg_act_helper) and warp 3 is the communication warp (FUSE 3: all
+// three). It pulls each row from its source rank's token buffer (a plain
+// device pointer: a virtual rank's buffer, or a peer GPU's over NVLink),
+// converts it to bf16 into xRD, and publishes per m-tile ready
 // counts (release). The TMA thread waits for an m-tile's count (acquire)
 // before its first A load of that tile, so each tile is multiplied as soon
 // as its rows have landed while later tiles are still in flight. A tile of
@@ -455,7 +457,7 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // consumed), so the first tiles land first. The B tile is the two halves
 // W1[n0:n0+128] and W3[n0:n0+128] (one 256-row wgmma operand), so every
 // thread holds h1 and h3 of the same columns and SwiGLU runs in the
-// epilogue.
+// epilogue, off the consumers' critical path.
 //
 // FUSE 2 is the plain NT product act.W2_e^T whose epilogue writes each
 // output row straight to its source: dst_s + p*N for (s, p) = refs[r]
@@ -711,10 +713,11 @@ __device__ __forceinline__ void gg_quad_store(unsigned short* out, long long r, 
 }
 
 // gg_epilogue_swiglu stores one warpgroup's 64 rows of h1, h3 and
-// act = silu(h1) * h3 (bf16): accumulator groups i < 16 are h1's columns
-// c0 + 8i, groups i + 16 h3's same columns (c0 = n0 + 2 * (lane & 3)).
-// Every lane runs the whole loop (gg_quad_store's shuffles); rows past
-// rowEnd are masked at the store.
+// act = silu(h1) * h3 (bf16) from registers: the blocks gg_block_tma
+// refuses (rows of two experts). Accumulator groups i < 16 are h1's
+// columns c0 + 8i, groups i + 16 h3's same columns (c0 = n0 + 2 *
+// (lane & 3)). Every lane runs the whole loop (gg_quad_store's shuffles);
+// rows past rowEnd are masked at the store.
 __device__ __forceinline__ void gg_epilogue_swiglu(const float (&acc)[128], long long r0, int rowEnd, int n0, int N,
                                                    int lane, unsigned short* h1, const gg_fuse& fz) {
 #pragma unroll
@@ -731,7 +734,9 @@ __device__ __forceinline__ void gg_epilogue_swiglu(const float (&acc)[128], long
         const float b0 = acc[4 * (i + 16) + 2 * half], b1 = acc[4 * (i + 16) + 2 * half + 1];
         ph1[j] = gg_pack_bf16(a0, a1);
         ph3[j] = gg_pack_bf16(b0, b1);
-        pact[j] = gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
+        // From the stored (bf16) h1 and h3, as gg_act_helper.
+        const float r0 = gg_bf16_lo(ph1[j]), r1 = gg_bf16_hi(ph1[j]);
+        pact[j] = gg_pack_bf16(gg_silu(r0) * gg_bf16_lo(ph3[j]), gg_silu(r1) * gg_bf16_hi(ph3[j]));
       }
       const int colBase = n0 + 32 * k;
       gg_quad_store(h1, r, N, colBase, lane, ph1, ok);
@@ -741,59 +746,131 @@ __device__ __forceinline__ void gg_epilogue_swiglu(const float (&acc)[128], long
   }
 }
 
-// gg_epilogue_swiglu_tma is gg_epilogue_swiglu through shared memory and
-// TMA stores (as gg_epilogue_tma): the warpgroup's 64 x 128 blocks of h1,
-// h3 and act, one at a time, each staged as two 64 x 64 swizzled boxes in
-// one of the warpgroup's two 16 KiB buffers and stored by thread 0 while
-// the warpgroup goes on (the next block, then the next tile's mainloop).
-// A buffer is rewritten only once the store two blocks back has read it
-// (wait_group.read 1); c counts the warpgroup's blocks across tiles.
-__device__ __forceinline__ void gg_epilogue_swiglu_tma(const float (&acc)[128], const gg_fuse& fz, unsigned stg,
-                                                       int wtid, int warp, int lane, int row0, int n0, int N, int id,
-                                                       unsigned& c) {
+// gg_block_tma reports whether a warpgroup's 64-row block from row wr0 of
+// a tile whose expert ends at rowEnd goes through a TMA-store epilogue:
+// every row of it that is inside the tensor (`rows`) is the expert's. A
+// full block qualifies, and so does the tensor's last block (TMA clips
+// past `rows`); other partial blocks, whose rows past rowEnd belong to
+// the next expert, keep the register path. Uniform per warpgroup, as the
+// named barriers need.
+__device__ __forceinline__ bool gg_block_tma(int wr0, int rowEnd, int rows) {
+  return wr0 < rowEnd && (wr0 + 64 <= rowEnd || rowEnd == rows);
+}
+
+// gg_stage_h13 is the consumers' half of FUSE 1's epilogue: the
+// warpgroup writes its
+// 64 x 128 blocks of h1 and h3 (bf16) to its two 16 KiB staging buffers,
+// each as two 64x64 swizzled boxes, and tells its helper warp (staged),
+// which stores them, computes act and frees the buffers (gg_act_helper).
+// Before block c (c counts the warpgroup's staged blocks) it waits until
+// block c - 1's buffers are free. So the consumers' epilogue is two
+// conflict-free shared-memory stores a pair of columns; SwiGLU and act's
+// store run under the next tile's mainloop.
+__device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned stg, unsigned staged, unsigned freed,
+                                             int wtid, int warp, int lane, int id, unsigned& c) {
+  if (c > 0) gg_bar_wait(freed, (c - 1) & 1u);
   const int rl = (warp & 3) * 16 + (lane >> 2);
   const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
-  const int np = (fz.mode & 2) ? 2 : 3;
+  const unsigned rowA = stg + rl * 128, rowB = rowA + 8 * 128;
 #pragma unroll
-  for (int p = 0; p < np; p++, c++) {
-    const unsigned buf = stg + (c & 1u) * 16384u;
-    const unsigned rowA = buf + rl * 128, rowB = rowA + 8 * 128;
-    if (wtid == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-    gg_named_sync(id, 128);
+  for (int p = 0; p < 2; p++) {
 #pragma unroll
     for (int i = 0; i < 16; i++) {
-      const unsigned o = (i >> 3) * 8192 + ((((i & 7) ^ sw) << 4) | ((lane & 3) << 2));
-      const float a0 = acc[4 * i], a1 = acc[4 * i + 1], a2 = acc[4 * i + 2], a3 = acc[4 * i + 3];
-      const float b0 = acc[4 * (i + 16)], b1 = acc[4 * (i + 16) + 1], b2 = acc[4 * (i + 16) + 2],
-                  b3 = acc[4 * (i + 16) + 3];
-      unsigned lo, hi;
-      if (p == 0) {
-        lo = gg_pack_bf16(a0, a1);
-        hi = gg_pack_bf16(a2, a3);
-      } else if (p == 1) {
-        lo = gg_pack_bf16(b0, b1);
-        hi = gg_pack_bf16(b2, b3);
-      } else if (fz.mode & 4) {
-        lo = gg_pack_bf16(a0 * b0, a1 * b1);
-        hi = gg_pack_bf16(a2 * b2, a3 * b3);
-      } else {
-        lo = gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
-        hi = gg_pack_bf16(gg_silu(a2) * b2, gg_silu(a3) * b3);
-      }
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowA + o), "r"(lo) : "memory");
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowB + o), "r"(hi) : "memory");
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    gg_named_sync(id, 128);
-    if (wtid == 0) {
-#pragma unroll
-      for (int b = 0; b < 2; b++) {
-        const int col = n0 + b * 64;
-        if (col < N) gg_tma_store_2d(fz.mapOut[p], col, row0, buf + b * 8192);
-      }
-      gg_bulk_commit();
+      const unsigned o = p * 16384u + (i >> 3) * 8192 + ((((i & 7) ^ sw) << 4) | ((lane & 3) << 2));
+      const int a = 4 * (i + 16 * p);  // h1: groups 0..15, h3: 16..31
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowA + o), "r"(gg_pack_bf16(acc[a], acc[a + 1])) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowB + o), "r"(gg_pack_bf16(acc[a + 2], acc[a + 3])) : "memory");
     }
   }
+  // Generic-proxy writes, async-proxy (TMA) reader; the named barrier
+  // orders every thread's writes before the one arrival.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  gg_named_sync(id, 128);
+  if (wtid == 0) gg_bar_arrive(staged);
+  c++;
+}
+
+// gg_act_helper is FUSE 1's act epilogue, run by one warp of the producer
+// warpgroup for consumer warpgroup cw (warps 1 and 2 for warpgroups 0 and
+// 1). It walks the same tiles as its consumers; for each block they stage
+// (gg_stage_h13) it stores h1 and h3 by TMA, and once those stores have
+// read the buffers it writes act = silu(h1) * h3 over h1's buffer, stores
+// act by TMA and frees both buffers (freed). h1, h3 and act share one
+// layout, so act is computed element by element, 16 bytes a lane, with no
+// unswizzling; it is computed from the bf16 h1 and h3 that the unfused
+// SwiGLU and the backward also see. Mode 2: no act store; mode 4: act
+// without silu (experiments).
+__device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
+                                              unsigned freed, int rows, int N, int total, int nTN, int GM, int E,
+                                              const int* sBeg, const int* sEnd, const int* sCum) {
+  unsigned k = 0;  // blocks handled
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
+    const int wr0 = tile.row0 + cw * 64;
+    if (!gg_block_tma(wr0, tile.rowEnd, rows)) continue;
+    gg_bar_wait(staged, k & 1u);
+    if (lane == 0) {
+#pragma unroll
+      for (int p = 0; p < 2; p++) {
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+          const int col = tile.n0 + 64 * b;
+          if (col < N) gg_tma_store_2d(fz.mapOut[p], col, wr0, stg + p * 16384u + b * 8192u);
+        }
+      }
+      gg_bulk_commit();
+      if (!(fz.mode & 2)) gg_bulk_wait_read();
+    }
+    if (!(fz.mode & 2)) {
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      // 1024 pieces of 16 bytes, 32 a lane: four pieces' loads in flight
+      // before their math and stores.
+      for (int i0 = 0; i0 < 32; i0 += 4) {
+        unsigned v1[4][4], v3[4][4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+          const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(v1[u][0]), "=r"(v1[u][1]), "=r"(v1[u][2]), "=r"(v1[u][3])
+                       : "r"(a));
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(v3[u][0]), "=r"(v3[u][1]), "=r"(v3[u][2]), "=r"(v3[u][3])
+                       : "r"(a + 16384u));
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+#pragma unroll
+          for (int w = 0; w < 4; w++) {
+            const float a0 = gg_bf16_lo(v1[u][w]), a1 = gg_bf16_hi(v1[u][w]);
+            const float b0 = gg_bf16_lo(v3[u][w]), b1 = gg_bf16_hi(v3[u][w]);
+            v1[u][w] = (fz.mode & 4) ? gg_pack_bf16(a0 * b0, a1 * b1)
+                                     : gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
+          }
+          const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v1[u][0]), "r"(v1[u][1]),
+                       "r"(v1[u][2]), "r"(v1[u][3])
+                       : "memory");
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      if (lane == 0) {
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+          const int col = tile.n0 + 64 * b;
+          if (col < N) gg_tma_store_2d(fz.mapOut[2], col, wr0, stg + b * 8192u);
+        }
+        gg_bulk_commit();
+      }
+    }
+    if (lane == 0) {
+      gg_bulk_wait_read();
+      gg_bar_arrive(freed);
+    }
+    k++;
+  }
+  // The staging buffers must outlive the stores reading them.
+  if (lane == 0) gg_bulk_wait();
 }
 
 // gg_sigmoid is 1 / (1 + e^-x) with the approximate exp2 and reciprocal
@@ -927,7 +1004,7 @@ __device__ __forceinline__ void gg_dswiglu_load(const gg_fuse& fz, unsigned slot
 // written by one thread, so no barrier separates the reads from the
 // writes. c counts the warpgroup's boxes (a multiple of 4 on entry):
 // slot b & 1's barrier completes its ((c + b) >> 1)-th phase for box b.
-// The same conditions as gg_epilogue_swiglu_tma's hold for the rows.
+// The rows are those gg_block_tma allows.
 __device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128], const gg_fuse& fz, unsigned stg,
                                                         unsigned ebar, int wtid, int warp, int lane, int row0, int n0,
                                                         int N, int id, unsigned& c) {
@@ -1151,14 +1228,16 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   constexpr int BNT = FUSE == 1 ? 128 : BN;
   // Staging for the TMA-store epilogue: per consumer warpgroup 64 rows x
   // 256 columns of bf16 (32 KiB) divided by the passes.
-  // FUSE 1 stages its three outputs through two 16 KiB buffers per
-  // consumer warpgroup (gg_epilogue_swiglu_tma).
+  // FUSE 1 stages h1 and h3 in two 16 KiB buffers per consumer
+  // warpgroup, and its helper warp writes act over h1's (gg_stage_h13,
+  // gg_act_helper), with a staged and a freed barrier per warpgroup
+  // (XBARS).
   // FUSE 3 brings h1 and h3 in and sends dh1 and dh3 out through two
   // 16 KiB slots per consumer warpgroup (gg_epilogue_dswiglu_tma), with
   // one barrier per slot (XBARS).
   constexpr unsigned STG_BYTES =
       STORE ? 2u * 32768u / (STORE ? STORE : 1) : ((FUSE == 1 || FUSE == 3) ? 2u * 32768u : 0u);
-  constexpr int XBARS = FUSE == 3 ? 4 : 0;
+  constexpr int XBARS = (FUSE == 1 || FUSE == 3) ? 4 : 0;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
@@ -1168,7 +1247,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // empty[STAGES], the ping-pong turn barriers [2] and XBARS more.
   const unsigned stgBase = base + STAGES * STAGE_BYTES;
   const unsigned bars = stgBase + STG_BYTES;
-  const unsigned ebars = bars + 8 * (2 * STAGES + 2);  // FUSE 3: [consumer warpgroup][slot]
+  // FUSE 1: staged[2] then freed[2] (per consumer warpgroup); FUSE 3:
+  // [consumer warpgroup][slot].
+  const unsigned ebars = bars + 8 * (2 * STAGES + 2);
   int* sBeg = (int*)(gg_smem + (bars - raw) + 16 * STAGES + 16 + 8 * XBARS);
   int* sEnd = sBeg + E;
   int* sCum = sEnd + E;  // E+1
@@ -1181,7 +1262,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
     gg_bar_init(bars + 8 * (2 * STAGES), 4);
     gg_bar_init(bars + 8 * (2 * STAGES + 1), 4);
-    for (int i = 0; i < XBARS; i++) gg_bar_init(ebars + 8 * i, 1);  // FUSE 3: thread 0's expect_tx
+    // FUSE 1: one consumer thread's or the helper's arrival; FUSE 3:
+    // thread 0's expect_tx.
+    for (int i = 0; i < XBARS; i++) gg_bar_init(ebars + 8 * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
@@ -1223,8 +1306,16 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // can take 232 each (128*40 + 256*232 <= 64K).
     if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (tid != 0) {
-      if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1))
-        gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
+      if (FUSE == 1 && (warp == 1 || warp == 2)) {
+        // Warps 1 and 2: the act epilogue of consumer warpgroup warp - 1.
+        gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
+                      ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
+      } else if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1)) {
+        // The communication warps: 1-3 (FUSE 3), or 3 beside the act
+        // helpers (FUSE 1).
+        if (FUSE == 1) gg_gather(fz, blockIdx.x, gridDim.x, lane, K, E, sBeg, sEnd, sCum);
+        else gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
+      }
       return;
     }
     gg_prefetch_tmap(mapA);
@@ -1289,14 +1380,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   const int wtid = tid - 128 * (cw + 1);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-    // The TMA-store epilogues (STORE, FUSE 1 and 3) take a warpgroup's
-    // block when every row of its 64 that is inside the tensor is the
-    // expert's: a full block, or the tensor's last rows (TMA clips past
-    // `rows`). The other partial blocks, whose rows past rowEnd belong to
-    // the next expert, keep the register path. Uniform per warpgroup, as
-    // the named barriers need.
+    // The TMA-store epilogues (STORE, FUSE 1 and 3) take the blocks
+    // gg_block_tma allows; the others keep the register path.
     const int wr0 = tile.row0 + cw * 64;
-    const bool tmaBlock = wr0 < tile.rowEnd && (wr0 + 64 <= tile.rowEnd || tile.rowEnd == rows);
+    const bool tmaBlock = gg_block_tma(wr0, tile.rowEnd, rows);
     const bool dswTma = FUSE == 3 && tmaBlock && !(fz.mode & 16);
     // FUSE 3: the k-block after which the tile's first two h1/h3 boxes are
     // requested: late enough that the previous tile's stores have read
@@ -1357,8 +1444,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
     if (FUSE == 1) {
       if (tmaBlock) {
-        gg_epilogue_swiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), wtid, warp, lane, wr0,
-                               tile.n0, N, 1 + cw, stgc);
+        gg_stage_h13(*(const float(*)[128])acc, stgBase + cw * (STG_BYTES / 2), ebars + 8 * cw, ebars + 8 * (2 + cw),
+                     wtid, warp, lane, 1 + cw, stgc);
         continue;
       }
       gg_epilogue_swiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);

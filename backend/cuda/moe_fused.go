@@ -545,15 +545,16 @@ type fusedCombine struct {
 
 // fusedDispatchSmem is moe_dispatch_swiglu's dynamic shared memory for e
 // experts: as ggSmemBytes for 3 stages of the BN 256 tile plus two 16 KiB
-// staging buffers per consumer warpgroup (its TMA-store epilogue).
+// staging buffers per consumer warpgroup (its TMA-store epilogue) and
+// four more barriers (FUSE 1: staged and freed per warpgroup; FUSE 3: one
+// per staging slot).
 func fusedDispatchSmem(e int) int {
 	const stages = 3
-	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*(3*e+1)
+	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*8 + 4*(3*e+1)
 }
 
-// fusedDgradSmem is moe_dispatch_dgrad's: moe_dispatch_swiglu's layout
-// plus one barrier per staging slot (its epilogue's TMA loads).
-func fusedDgradSmem(e int) int { return fusedDispatchSmem(e) + 4*8 }
+// fusedDgradSmem is moe_dispatch_dgrad's: moe_dispatch_swiglu's layout.
+func fusedDgradSmem(e int) int { return fusedDispatchSmem(e) }
 
 // boxesMap is the {n, rows} bf16 map of a [rows, n] operand that an
 // epilogue moves through shared memory: 64x64 boxes, 128-byte swizzle.
