@@ -6,12 +6,14 @@ package cuda
 //
 //   - moe_dispatch_swiglu pulls every expert-major row from its source
 //     rank's token rows (float32, plain device pointers: the virtual ranks
-//     of this backend) into xRD as bf16, on the producer warpgroup's spare
-//     warps, publishing per m-tile ready counts; the TMA thread waits for a
-//     tile's count before loading it, so the gate/up product of a tile
-//     starts as soon as its rows have landed. W1 and W3 are multiplied in
-//     one 256-column tile (128 columns of each), so SwiGLU runs in the
-//     epilogue, which writes h1, h3 and act.
+//     of this backend) into xRD as bf16, on a spare warp of the producer
+//     warpgroup, publishing per m-tile ready counts; the TMA thread waits
+//     for a tile's count before loading it, so the gate/up product of a
+//     tile starts as soon as its rows have landed. W1 and W3 are multiplied
+//     in one 256-column tile (128 columns of each), so SwiGLU runs in the
+//     epilogue: the consumers stage h1 and h3, and two more spare warps
+//     store them and compute and store act while the consumers go on to
+//     the next tile.
 //   - moe_down_combine is the down product whose epilogue writes each row
 //     straight to its source rank's output rows and, when the call has
 //     flags, raises the row's flag in the source's list once the row is
