@@ -43,6 +43,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -92,6 +93,20 @@ type round struct {
 	full    chan struct{}
 }
 
+// missing lists the ranks that have not deposited in r (mu is the hub's
+// lock, which guards the round's values).
+func (r *round) missing(mu *sync.Mutex) []int {
+	mu.Lock()
+	defer mu.Unlock()
+	var m []int
+	for j, v := range r.vals {
+		if v.op == "" {
+			m = append(m, j)
+		}
+	}
+	return m
+}
+
 // deposit is what one rank brings to a round: the collective it is in (so
 // mismatched call orders are caught), its local argument error if any, and
 // its payload.
@@ -114,6 +129,13 @@ func newRound(size int) *round {
 // is aborted, if any rank deposited an error, or if the ranks are not all in
 // the same collective.
 func (h *hub) gather(rank int, d deposit) ([]deposit, error) {
+	return h.gatherWithin(rank, d, 0)
+}
+
+// gatherWithin is gather with a bound on the wait: with within > 0, a rank
+// that has waited that long aborts the group with an error that names the
+// ranks that never arrived, so every member fails instead of hanging.
+func (h *hub) gatherWithin(rank int, d deposit, within time.Duration) ([]deposit, error) {
 	h.mu.Lock()
 	if h.err != nil {
 		h.mu.Unlock()
@@ -128,10 +150,23 @@ func (h *hub) gather(rank int, d deposit) ([]deposit, error) {
 	}
 	h.mu.Unlock()
 
+	var late <-chan time.Time
+	if within > 0 {
+		t := time.NewTimer(within)
+		defer t.Stop()
+		late = t.C
+	}
 	select {
 	case <-r.full:
 	case <-h.aborted:
 		return nil, h.abortErr()
+	case <-late:
+		select {
+		case <-r.full: // the last member came as the timer fired
+		default:
+			h.abort(fmt.Errorf("%s: rank %d waited %v for ranks %v, which never arrived", d.op, rank, within, r.missing(&h.mu)))
+			return nil, h.abortErr()
+		}
 	}
 	for j, v := range r.vals {
 		if v.op != d.op {

@@ -7,6 +7,7 @@ package comm
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -31,6 +32,13 @@ type PeerAccess interface {
 // slices (the tensors are shared, of course). A nil tensor is an argument error that
 // fails every rank.
 func (g *localGroup) PeerTensors(ts ...backend.Tensor) ([][]backend.Tensor, error) {
+	return exchangeTensors(g.hub, g.rank, ts, 0)
+}
+
+// exchangeTensors is PeerTensors' meeting on h: it deposits ts as rank's
+// and returns every member's, [rank][i]. With within > 0 a member that has
+// not arrived by then aborts the group (see hub.gatherWithin).
+func exchangeTensors(h *hub, rank int, ts []backend.Tensor, within time.Duration) ([][]backend.Tensor, error) {
 	const op = "PeerTensors"
 	var argErr error
 	for i, t := range ts {
@@ -39,7 +47,7 @@ func (g *localGroup) PeerTensors(ts ...backend.Tensor) ([][]backend.Tensor, erro
 			break
 		}
 	}
-	all, err := g.hub.gather(g.rank, deposit{op: op, err: argErr, val: append([]backend.Tensor(nil), ts...)})
+	all, err := h.gatherWithin(rank, deposit{op: op, err: argErr, val: append([]backend.Tensor(nil), ts...)}, within)
 	if err != nil {
 		return nil, err
 	}
@@ -49,10 +57,45 @@ func (g *localGroup) PeerTensors(ts ...backend.Tensor) ([][]backend.Tensor, erro
 		out[j] = append([]backend.Tensor(nil), d.val.([]backend.Tensor)...)
 		if n0 := len(all[0].val.([]backend.Tensor)); len(out[j]) != n0 {
 			return nil, fmt.Errorf("comm: %s group %s: rank %d passes %d tensors, rank 0 passes %d",
-				g.hub.name, op, j, len(out[j]), n0)
+				h.name, op, j, len(out[j]), n0)
 		}
 	}
 	return out, nil
 }
+
+// Exchange is the host half of PeerTensors for groups whose members are
+// goroutines of one process but whose collectives are not the in-process
+// ones: the NCCL groups of one process with one GPU per rank
+// (cuda.NCCLOptions.PeerAccess). The members hand each other their
+// tensors here; the group itself adds the meeting that orders the ranks'
+// device work (its Barrier), and makes the tensors reachable (peer
+// access between the GPUs).
+type Exchange struct {
+	hub    *hub
+	within time.Duration
+}
+
+// NewExchange returns the exchange of a group of size members named name.
+// A member that waits longer than within (0: no limit) for the others
+// fails, and aborts the exchange for every member.
+func NewExchange(name string, size int, within time.Duration) (*Exchange, error) {
+	if size < 1 {
+		return nil, fmt.Errorf("comm: NewExchange: a group of %d members", size)
+	}
+	return &Exchange{hub: newHub(name, size), within: within}, nil
+}
+
+// Tensors is PeerTensors for member rank: it deposits ts and returns every
+// member's, [rank][i], once all have arrived. Every member passes the same
+// number of tensors; a nil tensor or a different count fails every member.
+func (x *Exchange) Tensors(rank int, ts []backend.Tensor) ([][]backend.Tensor, error) {
+	if rank < 0 || rank >= x.hub.size {
+		return nil, fmt.Errorf("comm: %s exchange: rank %d of a group of %d", x.hub.name, rank, x.hub.size)
+	}
+	return exchangeTensors(x.hub, rank, ts, x.within)
+}
+
+// Abort fails every waiting and later Tensors call with err.
+func (x *Exchange) Abort(err error) { x.hub.abort(err) }
 
 var _ PeerAccess = (*localGroup)(nil)

@@ -168,3 +168,105 @@ func TestAbortReleasesPeerTensors(t *testing.T) {
 		t.Fatalf("PeerTensors after Abort returned %v", err)
 	}
 }
+
+// Exchange hands every member every member's tensors, indexed [rank][i],
+// round after round, and fails every member alike on a nil tensor or a
+// different count.
+func TestExchangeTensors(t *testing.T) {
+	const W = 3
+	b := cpu.New(backend.Float32)
+	x, err := comm.NewExchange("expert", W, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	own := make([]backend.Tensor, W)
+	for r := range own {
+		own[r] = b.New(backend.Float32, r+1)
+	}
+	run := func(pass func(rank int) []backend.Tensor) ([][][]backend.Tensor, []error) {
+		outs, errs := make([][][]backend.Tensor, W), make([]error, W)
+		done := make(chan struct{})
+		for r := range W {
+			go func() {
+				defer func() { done <- struct{}{} }()
+				outs[r], errs[r] = x.Tensors(r, pass(r))
+			}()
+		}
+		for range W {
+			<-done
+		}
+		return outs, errs
+	}
+	for round := range 3 {
+		outs, errs := run(func(r int) []backend.Tensor { return []backend.Tensor{own[r], own[(r+round)%W]} })
+		for r := range W {
+			if errs[r] != nil {
+				t.Fatalf("round %d, rank %d: %v", round, r, errs[r])
+			}
+			for s := range W {
+				if outs[r][s][0] != own[s] || outs[r][s][1] != own[(s+round)%W] {
+					t.Fatalf("round %d: rank %d got rank %d's tensors wrong", round, r, s)
+				}
+			}
+		}
+	}
+	_, errs := run(func(r int) []backend.Tensor { return own[:1+r%2] })
+	for r, err := range errs {
+		if err == nil || !strings.Contains(err.Error(), "rank 1 passes 2 tensors, rank 0 passes 1") {
+			t.Fatalf("rank %d: different counts gave %v", r, err)
+		}
+	}
+	_, errs = run(func(r int) []backend.Tensor {
+		if r == 2 {
+			return []backend.Tensor{nil}
+		}
+		return own[:1]
+	})
+	for r, err := range errs {
+		if err == nil || !strings.Contains(err.Error(), "rank 2: tensor 0 is nil") {
+			t.Fatalf("rank %d: a nil tensor gave %v", r, err)
+		}
+	}
+	if _, err := x.Tensors(W, nil); err == nil || !strings.Contains(err.Error(), "rank 3 of a group of 3") {
+		t.Fatalf("rank out of range: %v", err)
+	}
+	if _, err := comm.NewExchange("expert", 0, 0); err == nil {
+		t.Fatal("an exchange of 0 members was accepted")
+	}
+}
+
+// A member that never arrives fails the others after the bound, naming
+// it, and Abort fails the waiting members with the abort's reason.
+func TestExchangeNeverHangs(t *testing.T) {
+	b := cpu.New(backend.Float32)
+	one := []backend.Tensor{b.New(backend.Float32, 1)}
+	x, err := comm.NewExchange("expert", 3, 50*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 2)
+	for r := range 2 {
+		go func() { _, err := x.Tensors(r, one); errs <- err }()
+	}
+	for range 2 {
+		if err := <-errs; err == nil || !strings.Contains(err.Error(), "for ranks [2], which never arrived") {
+			t.Fatalf("a missing member gave %v", err)
+		}
+	}
+	// The exchange stays failed: the late member is told too.
+	if _, err := x.Tensors(2, one); err == nil || !strings.Contains(err.Error(), "never arrived") {
+		t.Fatalf("the late member got %v", err)
+	}
+
+	y, err := comm.NewExchange("expert", 2, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		time.Sleep(20 * time.Millisecond)
+		y.Abort(errors.New("rank 1's GPU failed"))
+	}()
+	if _, err := y.Tensors(0, one); err == nil || !strings.Contains(err.Error(), "rank 1's GPU failed") {
+		t.Fatalf("Abort gave %v", err)
+	}
+}

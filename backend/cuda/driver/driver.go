@@ -67,6 +67,7 @@ type Driver struct {
 		deviceTotalMem                                               uintptr
 		primaryCtxRetain, primaryCtxRelease                          uintptr
 		ctxSetCurrent, ctxSynchronize                                uintptr
+		deviceCanAccessPeer, ctxEnablePeerAccess                     uintptr
 		streamCreate, streamDestroy, streamSynchronize, streamQuery  uintptr
 		eventCreate, eventDestroy, eventRecord, eventSynchronize     uintptr
 		streamWaitEvent                                              uintptr
@@ -102,6 +103,8 @@ func (s Search) LoadDriver() (*Driver, error) {
 		"cuDevicePrimaryCtxRelease_v2": &f.primaryCtxRelease,
 		"cuCtxSetCurrent":              &f.ctxSetCurrent,
 		"cuCtxSynchronize":             &f.ctxSynchronize,
+		"cuDeviceCanAccessPeer":        &f.deviceCanAccessPeer,
+		"cuCtxEnablePeerAccess":        &f.ctxEnablePeerAccess,
 		"cuStreamCreate":               &f.streamCreate,
 		"cuStreamDestroy_v2":           &f.streamDestroy,
 		"cuStreamSynchronize":          &f.streamSynchronize,
@@ -260,6 +263,21 @@ func (d *Driver) CtxSetCurrent(c Context) error {
 // CtxSynchronize is cuCtxSynchronize.
 func (d *Driver) CtxSynchronize() error {
 	return d.check(d.call(d.fn.ctxSynchronize), "cuCtxSynchronize")
+}
+
+// DeviceCanAccessPeer is cuDeviceCanAccessPeer: whether dev can map
+// peer's memory (over NVLink or PCIe).
+func (d *Driver) DeviceCanAccessPeer(dev, peer Device) (bool, error) {
+	var can int32
+	r := d.call(d.fn.deviceCanAccessPeer, uintptr(unsafe.Pointer(&can)), uintptr(dev), uintptr(peer))
+	return can != 0, d.check(r, "cuDeviceCanAccessPeer(device %d, peer %d)", dev, peer)
+}
+
+// CtxEnablePeerAccess is cuCtxEnablePeerAccess: the current context's
+// kernels may then address peer's allocations. Enabling it twice is
+// ErrorPeerAccessAlreadyEnabled.
+func (d *Driver) CtxEnablePeerAccess(peer Context) error {
+	return d.check(d.call(d.fn.ctxEnablePeerAccess, uintptr(peer), 0), "cuCtxEnablePeerAccess")
 }
 
 // StreamCreate is cuStreamCreate.

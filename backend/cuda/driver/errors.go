@@ -18,6 +18,8 @@ const (
 	ErrorNoDevice       Result = 100
 	ErrorInvalidContext Result = 201
 	ErrorNotReady       Result = 600
+
+	ErrorPeerAccessAlreadyEnabled Result = 704
 )
 
 // Error is a failed driver call. Call names the C function and the
