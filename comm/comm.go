@@ -35,10 +35,12 @@
 // communicators instead (cuda.NCCLNodeRanks), with the rendezvous handing
 // out the NCCL unique id.
 //
-// Only the in-process groups offer PeerAccess (peers.go): a rank gets its
+// The in-process groups offer PeerAccess (peers.go): a rank gets its
 // peers' tensors and addresses them with the backend's ops, which the MoE
-// layer's fused dispatcher needs. The NCCL and TCP groups do not offer it
-// yet.
+// layer's fused dispatcher needs. So do the NCCL groups of one process
+// when asked (cuda.NCCLOptions.PeerAccess; their tensors meet in an
+// Exchange). Groups across processes (NCCL across nodes, TCP) do not offer
+// it yet.
 package comm
 
 import "github.com/mktrain/mktrain/backend"

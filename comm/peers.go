@@ -14,8 +14,9 @@ import (
 
 // PeerAccess is the optional interface of a Group whose ranks can address
 // each other's tensors with the backend's ops: the in-process groups of
-// NewLocal (one backend holds every rank's tensors). The NCCL and TCP groups
-// do not offer it yet.
+// NewLocal (one backend holds every rank's tensors), and the NCCL groups of
+// one process with peer access between their GPUs (cuda.NCCLPeerGroup).
+// Groups across processes (NCCL across nodes, TCP) do not offer it yet.
 type PeerAccess interface {
 	// PeerTensors is a collective: every rank of the group passes the same
 	// number of tensors, and each gets back every rank's, indexed

@@ -35,12 +35,20 @@ func tinyRecipeConfig() Config {
 // runSteps trains cfg on b for its first steps (stopping the run there, so
 // the schedule is the recipe's) and returns the losses and the median
 // tokens/s of the steps after the first two (which compile and warm up).
+// With b nil the engine opens its backend itself (train.backend), and so
+// places a layout's ranks one per GPU where there are enough.
 func runSteps(t *testing.T, cfg Config, b backend.Backend, steps int) (losses []float64, tokensPerSec float64) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var rates []float64
-	eng, err := New(cfg, WithBackend(b), WithHook(func(ev StepEvent) {
+	name := "its own " + cfg.Train.Backend + " backend"
+	opts := []Option{}
+	if b != nil {
+		name = b.Name()
+		opts = append(opts, WithBackend(b))
+	}
+	eng, err := New(cfg, append(opts, WithHook(func(ev StepEvent) {
 		losses = append(losses, ev.Loss)
 		if ev.Step > 2 {
 			rates = append(rates, ev.TokensPerSec)
@@ -48,15 +56,15 @@ func runSteps(t *testing.T, cfg Config, b backend.Backend, steps int) (losses []
 		if ev.Step == steps {
 			cancel()
 		}
-	}))
+	}))...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := eng.Run(ctx); !errors.Is(err, ErrStopped) {
-		t.Fatalf("run on %s: %v, want ErrStopped after step %d", b.Name(), err, steps)
+		t.Fatalf("run on %s: %v, want ErrStopped after step %d", name, err, steps)
 	}
 	if len(losses) != steps {
-		t.Fatalf("%d losses on %s, want %d", len(losses), b.Name(), steps)
+		t.Fatalf("%d losses on %s, want %d", len(losses), name, steps)
 	}
 	slices.Sort(rates)
 	return losses, rates[len(rates)/2]
@@ -103,6 +111,40 @@ func openGPU(t *testing.T) *cuda.Backend {
 		}
 	})
 	return gpu
+}
+
+// TestDispatchersOnGPUs is TestDispatchersCUDA with one rank per GPU (2
+// to 4 GPUs, opened by the engine): fused, where the expert group's NCCL
+// communicators offer peer access and the fused kernels read and write
+// the peers' rows on their GPUs, against unfused, whose rows cross in
+// NCCL's all-to-all. The losses agree within virtualRanksTol.
+func TestDispatchersOnGPUs(t *testing.T) {
+	gpuList(t, 2) // skips with fewer than 2 GPUs
+	n, err := cuda.VisibleGPUs(cuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n = min(n, 4)
+	const steps = 20
+	cfg := tinyRecipeConfig()
+	cfg.Train.Backend = "cuda"
+	cfg.Parallel.EP, cfg.Train.MicroBatch = n, 16/n
+	cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused
+	want, unfusedRate := runSteps(t, cfg, nil, steps)
+	cfg.Model.MoE.Dispatcher = moe.DispatcherFused
+	got, fusedRate := runSteps(t, cfg, nil, steps)
+	worst := 0.0
+	for i := range want {
+		rel := math.Abs(got[i]-want[i]) / math.Abs(want[i])
+		worst = max(worst, rel)
+		if !(rel <= virtualRanksTol) {
+			t.Errorf("ep%d on %d GPUs: step %d: loss %.6f fused, %.6f unfused: relative difference %.3g > %g",
+				n, n, i+1, got[i], want[i], rel, virtualRanksTol)
+		}
+	}
+	t.Logf("figure: engine tiny ep%d on %d GPUs loss max relative difference fused vs unfused = %.3g ratio", n, n, worst)
+	t.Logf("figure: engine tiny ep%d on %d GPUs tokens/s fused = %.4g tokens/s", n, n, fusedRate)
+	t.Logf("figure: engine tiny ep%d on %d GPUs tokens/s unfused = %.4g tokens/s", n, n, unfusedRate)
 }
 
 // TestDispatchersCUDA trains 20 steps of the tiny recipe at ep = 1, 2 and 4

@@ -61,8 +61,8 @@ func TestDispatchersTrainAlike(t *testing.T) {
 	}
 }
 
-// noPeers hides the in-process group's peer access, as the NCCL and TCP
-// groups lack it.
+// noPeers hides the in-process group's peer access, as the groups across
+// processes lack it.
 type noPeers struct{ comm.Group }
 
 // resolveOn resolves cfg's dispatcher for a dp=1 x ep layout on b, the

@@ -137,8 +137,10 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 // and layer shape, from a measured table) and returns cfg with the value.
 // It runs once per run, before any rank builds its layers, since every
 // rank must use the same dispatcher. The fused dispatcher needs the expert
-// groups to offer peer access (comm.PeerAccess): virtual ranks do, ranks
-// on separate GPUs (NCCL) or in separate processes (TCP) do not yet.
+// groups to offer peer access (comm.PeerAccess): virtual ranks do, and so
+// do ranks on the GPUs of one process under an explicit fused (see
+// placeOnGPUs); ranks in separate processes (NCCL across nodes, TCP) do
+// not yet.
 func (e *Engine) resolveDispatcher(cfg Config, world []*comm.Ranks) (Config, error) {
 	canPeer := true
 	for _, r := range world {

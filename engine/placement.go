@@ -9,6 +9,7 @@ import (
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/moe"
 )
 
 // placeRanks decides where the ranks of one process train and builds their
@@ -43,17 +44,23 @@ func (e *Engine) placeRanks() (world []*comm.Ranks, backends []backend.Backend, 
 
 // placeOnGPUs opens GPUs 1..W-1 beside gpu0 (GPU 0, the engine's), one
 // rank each, and cuts the mesh's groups as NCCL communicators over them.
+// Under model.moe.dispatcher fused the groups also offer peer access
+// (cuda.NCCLOptions.PeerAccess): the fused MoE kernels then read and write
+// the peers' rows over NVLink. auto does not ask for it: its measured
+// table is of virtual ranks on one GPU, which says nothing about the
+// links between GPUs, so auto stays unfused there.
 func (e *Engine) placeOnGPUs(mesh comm.Mesh, gpu0 *cuda.Backend) ([]*comm.Ranks, []backend.Backend, func() error, error) {
 	n := mesh.World()
 	gpus, backends, closeGPUs, err := e.openGPUs(n, gpu0)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	world, closeGroups, err := cuda.NCCLRanks(mesh, gpus, cuda.NCCLOptions{})
+	opts := cuda.NCCLOptions{PeerAccess: e.cfg.Model.MoE.Dispatcher == moe.DispatcherFused}
+	world, closeGroups, err := cuda.NCCLRanks(mesh, gpus, opts)
 	if err != nil {
 		return nil, nil, nil, errors.Join(fmt.Errorf("parallel: NCCL groups over %d GPUs: %w", n, err), closeGPUs())
 	}
-	e.log.Info().Msgf("parallel: %d ranks on %d GPUs, one each, NCCL between them", n, n)
+	e.log.Info().Msgf("parallel: %d ranks on %d GPUs, one each, NCCL between them (peer access: %v)", n, n, opts.PeerAccess)
 	return world, backends, func() error { return errors.Join(closeGroups(), closeGPUs()) }, nil
 }
 

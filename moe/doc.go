@@ -71,7 +71,8 @@
 // Steps 4 and 5 above are the "unfused" dispatcher (Config.Dispatcher),
 // which any comm.Group can run. The "fused" one needs an expert group whose
 // ranks reach each other's tensors (comm.PeerAccess: the in-process virtual
-// ranks, which share one backend). Each rank lists, for its expert-major
+// ranks, which share one backend, and the NCCL groups of one process with
+// peer access between their GPUs). Each rank lists, for its expert-major
 // rows, the (source rank, send position) each copies — the rows step 4's
 // all-to-all and permutation would bring, in the same order — and after
 // one exchange of tensor handles its experts read their input rows from

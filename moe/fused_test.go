@@ -151,7 +151,7 @@ func TestFusedBF16Operands(t *testing.T) {
 	}
 }
 
-// noPeers hides a group's PeerAccess, as an NCCL or TCP group lacks it.
+// noPeers hides a group's PeerAccess, as a group across processes lacks it.
 type noPeers struct{ comm.Group }
 
 // TestDispatcherErrors checks New's dispatcher values: fused needs peer

@@ -214,7 +214,7 @@ func validate(cfg Config, dim, tokens int, g Groups) error {
 	case DispatcherFused:
 		if _, ok := g.Expert.(comm.PeerAccess); !ok {
 			return fmt.Errorf("moe: model.moe.dispatcher is %q, but the expert group (%T, %d ranks) has no peer access (comm.PeerAccess): "+
-				"only the in-process virtual ranks offer it, the NCCL and TCP groups do not yet; use %q",
+				"the in-process virtual ranks and the NCCL groups of one process with peer access offer it, groups across processes do not yet; use %q",
 				DispatcherFused, g.Expert, g.Expert.Size(), DispatcherUnfused)
 		}
 	case DispatcherAuto, "":

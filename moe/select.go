@@ -557,7 +557,7 @@ func ResolveDispatcher(b backend.Backend, cfg Config, dim, tokens, ep int, canPe
 	case DispatcherFused:
 		if !canPeer {
 			return "", fmt.Errorf("moe: model.moe.dispatcher is %q, but the expert group has no peer access: "+
-				"only in-process virtual ranks offer it, the NCCL and TCP groups do not yet; use %q or %q",
+				"in-process virtual ranks and the NCCL groups of one process offer it, groups across processes do not yet; use %q or %q",
 				DispatcherFused, DispatcherUnfused, DispatcherAuto)
 		}
 		say("model.moe.dispatcher: fused, as the recipe says")
@@ -567,7 +567,7 @@ func ResolveDispatcher(b backend.Backend, cfg Config, dim, tokens, ep int, canPe
 		return "", fmt.Errorf("moe: model.moe.dispatcher is %q; want %q, %q or %q", cfg.Dispatcher, DispatcherAuto, DispatcherFused, DispatcherUnfused)
 	}
 	if !canPeer {
-		say("model.moe.dispatcher auto: unfused, since the expert group has no peer access (only in-process virtual ranks offer it)")
+		say("model.moe.dispatcher auto: unfused, since the expert group has no peer access")
 		return DispatcherUnfused, nil
 	}
 	if b.Name() == "cpu" {

@@ -101,6 +101,10 @@ type NCCLOptions struct {
 	CheckArgs bool
 	// Search says where libnccl is looked for (see package driver).
 	Search driver.Search
+	// PeerAccess makes NewNCCLGroups enable peer access between the GPUs
+	// (EnablePeerAccess) and NCCLRanks hand out NCCLPeerGroups, which
+	// offer comm.PeerAccess: what the fused MoE dispatcher needs.
+	PeerAccess bool
 }
 
 // NCCLGroup is one rank of an NCCL communicator, on one Backend (its
@@ -142,6 +146,9 @@ type ncclState struct {
 	mu      sync.Mutex
 	err     error
 	members []*NCCLGroup
+	// exchange is PeerTensors' meeting (NCCLOptions.PeerAccess), nil
+	// without peer access.
+	exchange *comm.Exchange
 }
 
 // abort records err as the reason (the first one wins) and aborts every
@@ -159,6 +166,9 @@ func (s *ncclState) abort(err error) bool {
 	s.aborted.Store(true)
 	members := s.members
 	s.mu.Unlock()
+	if s.exchange != nil {
+		s.exchange.Abort(err)
+	}
 	for _, g := range members {
 		g.abortComm()
 	}
@@ -212,6 +222,15 @@ func NewNCCLGroups(backends []*Backend, opts NCCLOptions) ([]*NCCLGroup, error) 
 	if err != nil {
 		return nil, err
 	}
+	state := &ncclState{name: opts.Name}
+	if opts.PeerAccess {
+		if err := EnablePeerAccess(backends); err != nil {
+			return nil, fmt.Errorf("comm: %s group of %d GPUs %v: %w", opts.Name, len(ordinals), ordinals, err)
+		}
+		if state.exchange, err = comm.NewExchange(opts.Name, len(backends), opts.Timeout); err != nil {
+			return nil, err
+		}
+	}
 	d0 := backends[0].dev
 	var comms []ncclComm
 	err = d0.Do(func() error {
@@ -224,7 +243,6 @@ func NewNCCLGroups(backends []*Backend, opts NCCLOptions) ([]*NCCLGroup, error) 
 	if err != nil {
 		return nil, fmt.Errorf("comm: %s group of %d GPUs %v: %w", opts.Name, len(ordinals), ordinals, err)
 	}
-	state := &ncclState{name: opts.Name}
 	groups := make([]*NCCLGroup, len(backends))
 	for r, b := range backends {
 		groups[r] = newNCCLGroup(lib, b, comms[r], r, len(backends), opts, state)

@@ -48,6 +48,9 @@ func NCCLRanks(mesh comm.Mesh, backends []*Backend, opts NCCLOptions) (ranks []*
 		for i, g := range gs {
 			made = append(made, g)
 			out[i] = g
+			if o.PeerAccess {
+				out[i] = NCCLPeerGroup{g}
+			}
 		}
 		return out, nil
 	})
