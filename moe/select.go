@@ -83,15 +83,43 @@ func MeasureDispatch(b backend.Backend, cfg Config, dim, tokens, ep, iters int) 
 	if err != nil {
 		return Timing{}, err
 	}
+	bs := make([]backend.Backend, ep)
+	for r := range bs {
+		bs[r] = b
+	}
+	return MeasureDispatchOn(world, bs, cfg, dim, tokens, iters)
+}
+
+// MeasureDispatchOn is MeasureDispatch on the ranks of world, rank r
+// computing on bs[r]: the virtual ranks of one device (MeasureDispatch),
+// or one rank per GPU with expert groups that offer peer access (mktrain
+// bench kernels --gpus). The world is expert-parallel only: its expert
+// group is the whole world.
+func MeasureDispatchOn(world []*comm.Ranks, bs []backend.Backend, cfg Config, dim, tokens, iters int) (Timing, error) {
+	ep := len(world)
+	switch {
+	case ep < 1 || iters < 1:
+		return Timing{}, fmt.Errorf("moe: MeasureDispatch: %d ranks and %d steps; both must be at least 1", ep, iters)
+	case len(bs) != ep:
+		return Timing{}, fmt.Errorf("moe: MeasureDispatch: %d backends for %d ranks", len(bs), ep)
+	}
+	for r, rk := range world {
+		if rk == nil || rk.Expert == nil || rk.Expert.Size() != ep || bs[r] == nil {
+			return Timing{}, fmt.Errorf("moe: MeasureDispatch: rank %d: want a backend and an expert group of all %d ranks", r, ep)
+		}
+	}
 	ranks := make([]*measureRank, ep)
 	rng := rand.New(rand.NewPCG(uint64(ep), uint64(dim)))
+	var err error
 	for r := range ranks {
-		if ranks[r], err = newMeasureRank(b, cfg, dim, tokens, world[r], rng); err != nil {
+		if ranks[r], err = newMeasureRank(bs[r], cfg, dim, tokens, world[r], rng); err != nil {
 			return Timing{}, fmt.Errorf("moe: MeasureDispatch: rank %d: %w", r, err)
 		}
 	}
-	if err := b.Sync(); err != nil {
-		return Timing{}, err
+	for _, b := range bs {
+		if err := b.Sync(); err != nil {
+			return Timing{}, err
+		}
 	}
 
 	// The schedule every rank follows: warm-up, then the forward passes
@@ -116,7 +144,7 @@ func MeasureDispatch(b backend.Backend, cfg Config, dim, tokens, ep, iters int) 
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := rk.run(b, passes, times, r == 0); err != nil {
+			if err := rk.run(bs[r], passes, times, r == 0); err != nil {
 				errs[r] = fmt.Errorf("moe: MeasureDispatch: rank %d: %w", r, err)
 				world[r].Abort(errs[r])
 			}

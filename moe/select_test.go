@@ -10,6 +10,7 @@ import (
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
+	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 )
 
@@ -76,6 +77,43 @@ func TestMeasureDispatch(t *testing.T) {
 	} {
 		if _, err := moe.MeasureDispatch(b, c.cfg, dim, tokens, c.ep, c.iters); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("ep %d, %d steps, %+v: %v, want an error containing %q", c.ep, c.iters, c.cfg, err, c.want)
+		}
+	}
+}
+
+// TestMeasureDispatchOn measures on ranks that compute on backends of
+// their own (as one rank per GPU does), each allocating its layer on its
+// own, and refuses worlds it cannot measure.
+func TestMeasureDispatchOn(t *testing.T) {
+	cfg := selectConfig()
+	const dim, tokens, ep = 16, 40, 2
+	bs := []backend.Backend{cpu.New(backend.Float32), cpu.New(backend.Float32)}
+	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: ep, CP: 1, TP: 1}, bs[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	tm, err := moe.MeasureDispatchOn(world, bs, cfg, dim, tokens, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tm.FusedStep <= 0 || tm.UnfusedStep <= 0 || tm.FusedExperts <= 0 || len(tm.RowsPerExpert) != cfg.Experts {
+		t.Errorf("%+v", tm)
+	}
+	dp2, err := comm.NewLocal(comm.Mesh{DP: 2, EP: 1, CP: 1, TP: 1}, bs[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		world []*comm.Ranks
+		bs    []backend.Backend
+		want  string
+	}{
+		{world, bs[:1], "1 backends for 2 ranks"},
+		{world, []backend.Backend{bs[0], nil}, "rank 1: want a backend"},
+		{dp2, bs, "rank 0: want a backend and an expert group of all 2 ranks"},
+	} {
+		if _, err := moe.MeasureDispatchOn(c.world, c.bs, cfg, dim, tokens, 1); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v, want an error containing %q", err, c.want)
 		}
 	}
 }

@@ -154,8 +154,13 @@ func (b *Backend) MarkPeerRows(doneS []backend.Tensor, refsR2 backend.Tensor) {
 		if d == nil {
 			fail(op, "flags of rank %d are nil", s)
 		}
+		if d.DType() != backend.Int32 {
+			fail(op, "flags of rank %d are %v, want int32", s, d.DType())
+		}
+		// Written, never read: the other ranks mark their rows in the
+		// same lists at the same time.
 		sendLen[s] = d.Len()
-		flags[s] = indices(op, "flags", d, sendLen[s], 1<<31-1, true)
+		flags[s] = ints(d)
 	}
 	for _, ref := range peerRefs(op, refsR2, sendLen) {
 		flags[ref[0]][ref[1]] = 1
