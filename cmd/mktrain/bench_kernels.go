@@ -6,19 +6,23 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda"
+	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 )
 
-const benchKernelsUsage = `Usage: mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend auto|cpu|cuda] [--out DIR]
+const benchKernelsUsage = `Usage: mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend auto|cpu|cuda] [--gpus] [--out DIR]
 
 Times one MoE layer, forward and forward+backward, with each dispatcher
 (fused: the experts read their rows from the source ranks and write their
@@ -42,6 +46,13 @@ DIR/kernels-<shapes>-<time>.json, and stores each shape's faster
 dispatcher in the dispatch table that model.moe.dispatcher: auto reads
 (dispatch.json in $MKTRAIN_CACHE_DIR, else in the user cache directory's
 mktrain folder).
+
+With --gpus, world W is W ranks on GPUs 0..W-1, one each, their expert
+group an NCCL communicator with peer access between the GPUs: the fused
+kernels read and write the peers' rows over NVLink, the unfused path
+exchanges them with NCCL's all-to-all. Those timings describe the links
+between the GPUs, not one device, so they are not stored in the dispatch
+table (which is keyed by one device).
 
 Flags:
 `
@@ -103,6 +114,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	worldFlag := fs.String("world", "1,2,4,8", "comma-separated numbers of virtual ranks")
 	iters := fs.Int("iters", 10, "measured steps of each kind")
 	backendName := fs.String("backend", "auto", "auto, cpu or cuda")
+	onGPUs := fs.Bool("gpus", false, "one rank per GPU (world W on GPUs 0..W-1, NCCL with peer access) instead of W virtual ranks of one device")
 	out := fs.String("out", "bench/results", "directory for the JSON result")
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
@@ -127,7 +139,22 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 		return err
 	}
 	defer closeB()
+	place := virtualRanks(b)
+	if *onGPUs {
+		var closeGPUs func() error
+		if place, closeGPUs, err = gpuRanks(b, slices.Max(worlds)); err != nil {
+			return err
+		}
+		defer func() {
+			if err := closeGPUs(); err != nil {
+				fmt.Fprintf(stderr, "bench kernels: closing the GPUs: %v\n", err)
+			}
+		}()
+	}
 	cache, cacheErr := moe.DefaultDispatchCache()
+	if *onGPUs {
+		cacheErr = errors.New("--gpus measures the links between GPUs; the table is keyed by one device")
+	}
 	fmt.Fprintf(stderr, "bench kernels: on %s (%s), %d measured steps of each kind\n", b.Name(), moe.MachineName(b), *iters)
 
 	var rows []kernelBenchRow
@@ -141,12 +168,17 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 				continue
 			}
 			cfg := moe.Config{Experts: s.Experts, TopK: s.TopK, FFN: s.FFN}
-			tm, err := moe.MeasureDispatch(b, cfg, s.Dim, s.Tokens, w, *iters)
+			world, bs, release, err := place(w)
+			if err != nil {
+				return fmt.Errorf("bench kernels: world %d: %w", w, err)
+			}
+			tm, err := moe.MeasureDispatchOn(world, bs, cfg, s.Dim, s.Tokens, *iters)
+			err = errors.Join(err, release())
 			if err != nil {
 				return fmt.Errorf("bench kernels: %s at world %d: %w", s.Name, w, err)
 			}
 			runtime.GC() // the layers' device memory back to the backend
-			gemm, kern, err := benchExpertsAlone(b, s, w, tm.RowsPerExpert, *iters)
+			gemm, kern, err := benchExpertsAlone(bs, s, tm.RowsPerExpert, *iters)
 			if err != nil {
 				return fmt.Errorf("bench kernels: %s at world %d: GEMMs and fused kernels alone: %w", s.Name, w, err)
 			}
@@ -170,9 +202,74 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	return writeResult(stdout, *out, benchResult{
 		Benchmark: "kernels", Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: "mktrain bench kernels " + strings.Join(args, " "), Machine: machine(moe.MachineName(b)),
-		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters},
+		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters, "gpus": *onGPUs},
 		Figures: map[string]any{"rows": rows, "bars": []string{gemmBar, unfusedBar}, "dispatch_table": cache.Path},
 	})
+}
+
+// rankPlacer builds the expert-parallel world of w ranks bench kernels
+// measures: the ranks, each one's backend, and a release for what it
+// opened for them.
+type rankPlacer func(w int) (world []*comm.Ranks, bs []backend.Backend, release func() error, err error)
+
+// virtualRanks places w virtual ranks on b (in-process groups).
+func virtualRanks(b backend.Backend) rankPlacer {
+	return func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
+		world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1}, b)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		bs := make([]backend.Backend, w)
+		for r := range bs {
+			bs[r] = b
+		}
+		return world, bs, func() error { return nil }, nil
+	}
+}
+
+// gpuRanks places world w on GPUs 0..w-1, one rank each, for w up to
+// most: b is GPU 0 (a CUDA backend), and gpuRanks opens GPUs 1..most-1
+// (closeGPUs closes them). Each world's expert group is an NCCL
+// communicator with peer access between its GPUs, closed by its release.
+func gpuRanks(b backend.Backend, most int) (place rankPlacer, closeGPUs func() error, err error) {
+	gpu0, ok := b.(*cuda.Backend)
+	if !ok {
+		return nil, nil, usageError{fmt.Sprintf("--gpus needs the cuda backend; this one is %s", b.Name())}
+	}
+	visible, err := cuda.VisibleGPUs(cuda.Options{})
+	if err != nil {
+		return nil, nil, err
+	}
+	if visible < most {
+		return nil, nil, fmt.Errorf("--gpus: world %d needs %d GPUs; %d visible", most, most, visible)
+	}
+	gpus := []*cuda.Backend{gpu0}
+	closeGPUs = func() error {
+		var errs []error
+		for _, g := range gpus[1:] {
+			errs = append(errs, g.Close())
+		}
+		return errors.Join(errs...)
+	}
+	for r := 1; r < most; r++ {
+		g, err := cuda.OpenBackendOn(cuda.Options{}, r)
+		if err != nil {
+			return nil, nil, errors.Join(fmt.Errorf("--gpus: opening GPU %d: %w", r, err), closeGPUs())
+		}
+		gpus = append(gpus, g)
+	}
+	place = func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
+		world, closeGroups, err := cuda.NCCLRanks(comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1}, gpus[:w], cuda.NCCLOptions{PeerAccess: true})
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		bs := make([]backend.Backend, w)
+		for r := range bs {
+			bs[r] = gpus[r]
+		}
+		return world, bs, closeGroups, nil
+	}
+	return place, closeGPUs, nil
 }
 
 // kernelRow derives a row's rates, ratios and bars from the measured
@@ -210,22 +307,25 @@ func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm, kern time.Durati
 // rows times the stacked weights, one GroupedMatMul per product and
 // rank), and the fused forward kernels alone on the same rows
 // (DispatchSwiGLU and DownCombine per rank, the rows gathered from and
-// written back to every source rank, flagged when there are peers), all
-// ranks' work queued on the one device, without the layer's host work
-// around them. It returns the medians over iters of the time until the
-// device is done.
-func benchExpertsAlone(b backend.Backend, s moeBenchShape, world int, rowsPerExpert []int, iters int) (gemm, kernels time.Duration, err error) {
+// written back to every source rank, flagged when there are peers),
+// without the layer's host work around them. Rank r computes on bs[r] and
+// keeps its source rows and outputs there: the virtual ranks of one
+// device queue their work on it one after another; ranks on devices of
+// their own run at once, each from its goroutine. It returns the medians
+// over iters of the time until every device is done.
+func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []int, iters int) (gemm, kernels time.Duration, err error) {
+	world := len(bs)
 	if len(rowsPerExpert) != s.Experts {
 		return 0, 0, fmt.Errorf("%d expert row counts for %d experts", len(rowsPerExpert), s.Experts)
 	}
-	D, F, T, local, ot := s.Dim, s.FFN, s.Tokens, s.Experts/world, b.OperandType()
+	D, F, T, local := s.Dim, s.FFN, s.Tokens, s.Experts/world
 	rng := rand.New(rand.NewPCG(uint64(world), uint64(D)))
-	operand := func(scale float64, shape ...int) backend.Tensor {
+	operand := func(b backend.Backend, scale float64, shape ...int) backend.Tensor {
 		f := randTensor(b, rng, scale, shape...)
-		if ot == b.FloatType() {
+		if b.OperandType() == b.FloatType() {
 			return f
 		}
-		t := b.New(ot, shape...)
+		t := b.New(b.OperandType(), shape...)
 		b.Copy(t, f)
 		return t
 	}
@@ -245,7 +345,7 @@ func benchExpertsAlone(b backend.Backend, s moeBenchShape, world int, rowsPerExp
 		}
 	}
 	var srcTD, tokS, outSD, doneS []backend.Tensor
-	for src := range world {
+	for src, b := range bs {
 		toks := make([]int32, sent[src])
 		for i := range toks {
 			toks[i] = int32(rng.IntN(T))
@@ -262,6 +362,7 @@ func benchExpertsAlone(b backend.Backend, s moeBenchShape, world int, rowsPerExp
 		doneS = nil // a rank alone combines without flags, as in the layer
 	}
 	type rankWork struct {
+		b                              backend.Backend
 		rows                           []int
 		xRD, h1RF, h3RF, actRF, refsR2 backend.Tensor
 		yRD                            backend.Tensor
@@ -269,7 +370,7 @@ func benchExpertsAlone(b backend.Backend, s moeBenchShape, world int, rowsPerExp
 	}
 	var ranks []rankWork
 	pos := make([]int, world) // each source's next send position
-	for r := range world {
+	for r, b := range bs {
 		rows := rowsPerExpert[r*local : (r+1)*local]
 		R := 0
 		var blocks []backend.RowBlock
@@ -286,36 +387,55 @@ func benchExpertsAlone(b backend.Backend, s moeBenchShape, world int, rowsPerExp
 		}
 		refs := b.New(backend.Int32, R, 2)
 		b.PeerRowRefs(refs, blocks)
+		ot := b.OperandType()
 		ranks = append(ranks, rankWork{
-			rows: rows, refsR2: refs,
-			xRD: operand(1, R, D), h1RF: b.New(ot, R, F), h3RF: b.New(ot, R, F), actRF: b.New(ot, R, F), yRD: b.New(b.FloatType(), R, D),
-			w1: operand(0.03, local*F, D), w3: operand(0.03, local*F, D), w2: operand(0.03, local*D, F),
+			b: b, rows: rows, refsR2: refs,
+			xRD: operand(b, 1, R, D), h1RF: b.New(ot, R, F), h3RF: b.New(ot, R, F), actRF: b.New(ot, R, F), yRD: b.New(b.FloatType(), R, D),
+			w1: operand(b, 0.03, local*F, D), w3: operand(b, 0.03, local*F, D), w2: operand(b, 0.03, local*D, F),
 		})
 	}
-	gemms := func() {
-		for _, g := range ranks {
-			b.GroupedMatMul(g.h1RF, g.xRD, g.w1, g.rows, true, 1, 0)
-			b.GroupedMatMul(g.h3RF, g.xRD, g.w3, g.rows, true, 1, 0)
-			// The third product reads the SwiGLU output, of h1's shape
-			// and type; the GEMM alone does not compute it.
-			b.GroupedMatMul(g.yRD, g.h1RF, g.w2, g.rows, true, 1, 0)
-		}
+	gemms := func(g rankWork) {
+		g.b.GroupedMatMul(g.h1RF, g.xRD, g.w1, g.rows, true, 1, 0)
+		g.b.GroupedMatMul(g.h3RF, g.xRD, g.w3, g.rows, true, 1, 0)
+		// The third product reads the SwiGLU output, of h1's shape and
+		// type; the GEMM alone does not compute it.
+		g.b.GroupedMatMul(g.yRD, g.h1RF, g.w2, g.rows, true, 1, 0)
 	}
-	fused := func() {
-		for _, g := range ranks {
-			b.DispatchSwiGLU(g.xRD, g.h1RF, g.h3RF, g.actRF, srcTD, tokS, g.refsR2, g.w1, g.w3, g.rows)
-			b.DownCombine(outSD, doneS, g.refsR2, g.actRF, g.w2, g.rows)
-		}
+	fused := func(g rankWork) {
+		g.b.DispatchSwiGLU(g.xRD, g.h1RF, g.h3RF, g.actRF, srcTD, tokS, g.refsR2, g.w1, g.w3, g.rows)
+		g.b.DownCombine(outSD, doneS, g.refsR2, g.actRF, g.w2, g.rows)
 	}
-	median := func(run func()) (time.Duration, error) {
-		if err := b.Sync(); err != nil {
+	devices := distinctBackends(bs)
+	syncAll := func() error {
+		for _, b := range devices {
+			if err := b.Sync(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	runAll := func(work func(rankWork)) {
+		if len(devices) == 1 {
+			for _, g := range ranks {
+				work(g)
+			}
+			return
+		}
+		var wg sync.WaitGroup
+		for _, g := range ranks {
+			wg.Go(func() { work(g) })
+		}
+		wg.Wait()
+	}
+	median := func(work func(rankWork)) (time.Duration, error) {
+		if err := syncAll(); err != nil {
 			return 0, err
 		}
 		times := make([]time.Duration, iters)
 		for i := -2; i < iters; i++ { // two warm-up runs
 			start := time.Now()
-			run()
-			if err := b.Sync(); err != nil {
+			runAll(work)
+			if err := syncAll(); err != nil {
 				return 0, err
 			}
 			if i >= 0 {
@@ -332,6 +452,17 @@ func benchExpertsAlone(b backend.Backend, s moeBenchShape, world int, rowsPerExp
 		return 0, 0, err
 	}
 	return gemm, kernels, nil
+}
+
+// distinctBackends lists bs without repeats, in order.
+func distinctBackends(bs []backend.Backend) []backend.Backend {
+	var out []backend.Backend
+	for _, b := range bs {
+		if !slices.Contains(out, b) {
+			out = append(out, b)
+		}
+	}
+	return out
 }
 
 func printKernelBench(w io.Writer, rows []kernelBenchRow) {

@@ -90,10 +90,41 @@ func TestBenchKernelsErrors(t *testing.T) {
 		{[]string{"--backend", "tpu"}, `"tpu" is not auto, cpu or cuda`},
 		{[]string{"--iters", "0"}, "--iters must be positive"},
 		{[]string{"extra"}, "no positional arguments"},
+		{[]string{"--gpus"}, "--gpus needs the cuda backend; this one is cpu"},
 	} {
 		code, _, stderr := runCLI(t, append([]string{"bench", "kernels", "--shape", "tiny", "--backend", "cpu"}, c.args...)...)
 		if code == exitOK || !strings.Contains(stderr, c.want) {
 			t.Errorf("%v: exit %d, stderr %q, want an error containing %q", c.args, code, stderr, c.want)
 		}
+	}
+}
+
+// benchExpertsAlone on ranks with backends of their own (as --gpus
+// places them) runs each rank's work from its goroutine and times both
+// parts; the virtual ranks of one backend queue theirs in turn. A row
+// count per expert that does not match the shape is an error.
+func TestBenchExpertsAloneOnOwnBackends(t *testing.T) {
+	var tiny moeBenchShape
+	for _, s := range kernelBenchShapes() {
+		if s.Name == "tiny" {
+			tiny = s
+		}
+	}
+	one := cpu.New(backend.Float32)
+	rows := []int{40, 30, 0, 58} // an empty expert too
+	for _, bs := range [][]backend.Backend{
+		{one, one},
+		{cpu.New(backend.Float32), cpu.New(backend.Float32)},
+	} {
+		gemm, kern, err := benchExpertsAlone(bs, tiny, rows, 2)
+		if err != nil {
+			t.Fatalf("%d distinct backends: %v", len(distinctBackends(bs)), err)
+		}
+		if gemm <= 0 || kern <= 0 {
+			t.Errorf("%d distinct backends: gemm %v, kernels %v", len(distinctBackends(bs)), gemm, kern)
+		}
+	}
+	if _, _, err := benchExpertsAlone([]backend.Backend{one}, tiny, rows[:3], 1); err == nil || !strings.Contains(err.Error(), "3 expert row counts for 4 experts") {
+		t.Errorf("short row counts: %v", err)
 	}
 }
