@@ -28,7 +28,9 @@
 #      expert-parallel ranks, moe-small's and a fine-grained shape, with
 #      the time of each phase of the unfused path (moe.json), then
 #      `mktrain bench kernels`: the fused MoE layer against the unfused
-#      one and the grouped products alone (kernels.json);
+#      one and the grouped products alone (kernels.json), and on a
+#      machine with several GPUs the same with one rank per GPU
+#      (kernels_gpus.json);
 #   6. the Hugging Face check (scripts/hf_check.py).
 # It writes under $OUT (or .gpu/out) a few files, so that a device call
 # brings them all back: summary.json (per-package counts, the "figure:"
@@ -281,6 +283,25 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" ]]; th
   [[ $rc -ne 0 ]] && { echo "  bench kernels: exit $rc"; status=1; }
   f=$(ls "$LOGS"/kernels/kernels-*.json 2>/dev/null | head -n 1)
   [[ -n "$f" ]] && cp "$f" "$OUT/kernels.json"
+  echo
+fi
+
+# The same with one rank per GPU where the machine has several (bench
+# kernels --gpus: NCCL groups with peer access, the fused kernels reaching
+# the peers' rows over NVLink): kernels_gpus.json.
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" && "${NGPU:-0}" -ge 2 ]]; then
+  worlds=1
+  for w in 2 4 8; do [[ $w -le $NGPU ]] && worlds+=",$w"; done
+  echo "== mktrain bench kernels --gpus (world $worlds, one rank per GPU)"
+  mkdir -p "$LOGS/kernels_gpus"
+  MKTRAIN_CACHE_DIR="$LOGS/kernels_gpus" timeout 400 "$BIN/mktrain" bench kernels --gpus --shape moe-small,fine \
+    --world "$worlds" --iters 5 --backend cuda --out "$LOGS/kernels_gpus" >"$LOGS/kernels_gpus.log" 2>&1
+  rc=$?
+  grep -v '^wrote ' "$LOGS/kernels_gpus.log" | tail -n 24
+  [[ $rc -ne 0 ]] && { echo "  bench kernels --gpus: exit $rc"; status=1; }
+  f=$(ls "$LOGS"/kernels_gpus/kernels-*.json 2>/dev/null | head -n 1)
+  [[ -n "$f" ]] && cp "$f" "$OUT/kernels_gpus.json"
   echo
 fi
 
