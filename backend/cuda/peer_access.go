@@ -58,9 +58,10 @@ func EnablePeerAccess(backends []*Backend) error {
 }
 
 // NCCLPeerGroup is an NCCLGroup of one process whose ranks reach each
-// other's tensors (comm.PeerAccess): NewNCCLGroups with
-// NCCLOptions.PeerAccess returns these inside NCCLRanks' groups. Its
-// collectives are the NCCLGroup's.
+// other's tensors (comm.PeerAccess): NCCLRanks hands these out under
+// NCCLOptions.PeerAccess, over groups NewNCCLGroups made with it. Its
+// collectives are the NCCLGroup's. (Groups across processes,
+// NCCLNodeRanks, never offer peer access.)
 type NCCLPeerGroup struct {
 	*NCCLGroup
 }
@@ -79,6 +80,9 @@ var _ comm.PeerAccess = NCCLPeerGroup{}
 func (g NCCLPeerGroup) PeerTensors(ts ...backend.Tensor) ([][]backend.Tensor, error) {
 	if err := g.usable(); err != nil {
 		return nil, err
+	}
+	if g.state.exchange == nil {
+		return nil, fmt.Errorf("comm: %s group PeerTensors: the group was made without NCCLOptions.PeerAccess", g.name)
 	}
 	for i, t := range ts {
 		if _, ok := t.(*Tensor); t != nil && !ok {
