@@ -61,6 +61,7 @@ func (e *Engine) placeOnGPUs(mesh comm.Mesh, gpu0 *cuda.Backend) ([]*comm.Ranks,
 		return nil, nil, nil, errors.Join(fmt.Errorf("parallel: NCCL groups over %d GPUs: %w", n, err), closeGPUs())
 	}
 	e.log.Info().Msgf("parallel: %d ranks on %d GPUs, one each, NCCL between them (peer access: %v)", n, n, opts.PeerAccess)
+	timeNCCL(world, backends)
 	return world, backends, func() error { return errors.Join(closeGroups(), closeGPUs()) }, nil
 }
 
@@ -125,7 +126,19 @@ func (e *Engine) placeOnNodeGPUs(ctx context.Context, gpu0 *cuda.Backend, node, 
 	}
 	e.log.Info().Msgf("parallel: node %d of %d trains %s of %d on %d GPUs, one each, NCCL between every rank",
 		node, nnodes, worldRanks(first, per), mesh.World(), per)
+	timeNCCL(world, backends)
 	return world, backends, func() error { return errors.Join(closeGroups(), closeGPUs()) }, nil
+}
+
+// timeNCCL has the profiler of each rank's backend, where
+// WithBackendWrapper put one, time that rank's NCCL collectives
+// (comm_timing.go).
+func timeNCCL(world []*comm.Ranks, backends []backend.Backend) {
+	for r, rk := range world {
+		if t, ok := backends[r].(collectiveTimer); ok {
+			timeCollectives(rk, t)
+		}
+	}
 }
 
 // checkNodeGPUs is the error when a node sees fewer GPUs than it hosts

@@ -7,6 +7,9 @@ const (
 	ScopeMoE       = "moe"       // MoE layers: router gate, dispatch, experts, combine
 	ScopeHead      = "head"      // the LM head fused with the cross-entropy
 	ScopeOptimizer = "optimizer" // gradient norm, clipping, AdamW
+	// ScopeComm is the scope of the collectives timed by Collective (the
+	// model code does not set it).
+	ScopeComm = "comm"
 )
 
 // Kinds of work a Report sums time into.
@@ -20,6 +23,7 @@ const (
 	KindLoss        = "loss"                  // CrossEntropy and its sum
 	KindOptimizer   = "optimizer"             // everything in the optimizer scope, and AdamWUpdate anywhere
 	KindTransfers   = "host transfers"        // Upload, Download, Sync
+	KindComm        = "communication"         // collectives timed by Collective (NCCL calls)
 	KindHostGaps    = "host gaps"             // wall time no op covers (Report.WithWall)
 )
 
@@ -27,6 +31,7 @@ const (
 // in scope. The table, first match wins:
 //
 //	scope       op                                          kind
+//	comm        any                                         communication
 //	optimizer   any                                         optimizer
 //	moe         MatMul                                      expert GEMM
 //	moe         Copy, Zero                                  dispatch/permute
@@ -48,6 +53,8 @@ const (
 // Download there is the routing plan going to the host (host transfers).
 func KindOf(scope, op string) string {
 	switch scope {
+	case ScopeComm:
+		return KindComm
 	case ScopeOptimizer:
 		return KindOptimizer
 	case ScopeMoE:

@@ -1,6 +1,7 @@
 package profile
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"sync"
@@ -97,13 +98,16 @@ type span struct {
 
 // begin starts timing an op; the op's method defers end(begin(), name), so
 // the lock is released even when the op panics on a caller's bug.
-func (p *Backend) begin() span {
+func (p *Backend) begin() span { return p.beginIn("") }
+
+// beginIn is begin with the op's scope given ("": the current one).
+func (p *Backend) beginIn(scope string) span {
 	if !p.enabled.Load() {
 		return span{}
 	}
 	p.opMu.Lock()
 	p.mu.Lock()
-	s := span{locked: true, scope: p.scope}
+	s := span{locked: true, scope: cmp.Or(scope, p.scope)}
 	p.mu.Unlock()
 	m, err := p.clock.Mark()
 	if err != nil {
@@ -132,6 +136,17 @@ func (p *Backend) end(s span, op string) {
 	p.mu.Lock()
 	p.records = append(p.records, record{scope: s.scope, op: op, start: s.start, end: m})
 	p.mu.Unlock()
+}
+
+// Collective runs fn, a collective of a communicator that queues its work
+// on the wrapped backend's device without going through p (an NCCL call on
+// the GPU's stream), and, while p is enabled, times it as op in the comm
+// scope (kind communication) with p's clock, as it times p's own ops. fn
+// must not call p's ops: p runs one timed op at a time, and fn runs inside
+// one.
+func (p *Backend) Collective(op string, fn func() error) error {
+	defer p.end(p.beginIn(ScopeComm), op)
+	return fn()
 }
 
 func (p *Backend) fail(err error) {

@@ -273,8 +273,45 @@ func TestWithWallClampsHostGaps(t *testing.T) {
 }
 
 // TestKindOf spells the table out case by case.
+// Collective times a call that is not one of the backend's ops in the
+// comm scope, kind communication, with the profiler's clock, passes its
+// error on, and records nothing while the profiler is off.
+func TestCollective(t *testing.T) {
+	clk := newFakeClock()
+	p := New(cpu.New(backend.Float32), clk)
+	call := func(d time.Duration, err error) func() error {
+		return func() error { clk.advance(d); return err }
+	}
+	if err := p.Collective("Barrier", call(time.Second, nil)); err != nil {
+		t.Fatal(err)
+	}
+	p.SetEnabled(true)
+	p.SetScope(ScopeMoE) // the model's scope does not label collectives
+	if err := p.Collective("AllToAllRows", call(3*time.Millisecond, nil)); err != nil {
+		t.Fatal(err)
+	}
+	broken := errors.New("peer gone")
+	if err := p.Collective("Barrier", call(2*time.Millisecond, broken)); !errors.Is(err, broken) {
+		t.Fatalf("the collective's error: %v", err)
+	}
+	rep, err := p.Report()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Kinds) != 1 || rep.Kinds[0].Kind != KindComm || rep.Kinds[0].Time != 5*time.Millisecond || rep.Kinds[0].Ops != 2 {
+		t.Fatalf("kinds %+v, want 5ms of communication in 2 calls", rep.Kinds)
+	}
+	for _, o := range rep.Ops {
+		if o.Scope != ScopeComm {
+			t.Errorf("op %+v is not in the comm scope", o)
+		}
+	}
+}
+
 func TestKindOf(t *testing.T) {
 	cases := []struct{ scope, op, want string }{
+		{ScopeComm, "AllToAllRows", KindComm},
+		{ScopeComm, opCopy, KindComm},
 		{ScopeAttention, opAttentionForward, KindAttention},
 		{ScopeAttention, opAttentionBackward, KindAttention},
 		{ScopeAttention, opMatMul, KindDenseGEMM},

@@ -33,8 +33,9 @@ step time, the model FLOPs utilisation (MFU, on the GPU) and the peak memory.
 With --profile (the default) one more step runs with every backend op timed,
 and a table shows where that step's time goes: attention, expert GEMMs,
 other GEMMs, dispatch, router, norms and elementwise, loss, optimizer, host
-transfers and host gaps (time no op covers); a last, untimed step follows
-(it runs the final evaluation). Writes DIR/train-<recipe>-<time>.json with
+transfers, communication (the NCCL collectives, with one rank per GPU) and
+host gaps (time no op covers); with several GPUs it is rank 0's step. A
+last, untimed step follows (it runs the final evaluation). Writes DIR/train-<recipe>-<time>.json with
 the commit, the machine, the command and the figures.
 
 Flags:
@@ -116,7 +117,14 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		rep         profile.Report
 		profErr     error
 	)
+	// The engine wraps its backend first, then, with one rank per GPU,
+	// each further GPU's: rank 0's is the one profiled (its NCCL
+	// collectives too, as kind communication) and whose memory is
+	// reported.
 	wrap := func(b backend.Backend) backend.Backend {
+		if inner != nil {
+			return b
+		}
 		inner = b
 		if !*doProfile {
 			return b
