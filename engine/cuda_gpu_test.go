@@ -7,6 +7,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"slices"
 	"strings"
@@ -117,7 +118,7 @@ func openGPU(t *testing.T) *cuda.Backend {
 // to 4 GPUs, opened by the engine): fused, where the expert group's NCCL
 // communicators offer peer access and the fused kernels read and write
 // the peers' rows on their GPUs, against unfused, whose rows cross in
-// NCCL's all-to-all. The losses agree within virtualRanksTol.
+// NCCL's all-to-all.
 func TestDispatchersOnGPUs(t *testing.T) {
 	gpuList(t, 2) // skips with fewer than 2 GPUs
 	n, err := cuda.VisibleGPUs(cuda.Options{})
@@ -125,26 +126,14 @@ func TestDispatchersOnGPUs(t *testing.T) {
 		t.Fatal(err)
 	}
 	n = min(n, 4)
-	const steps = 20
 	cfg := tinyRecipeConfig()
 	cfg.Train.Backend = "cuda"
 	cfg.Parallel.EP, cfg.Train.MicroBatch = n, 16/n
-	cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused
-	want, unfusedRate := runSteps(t, cfg, nil, steps)
-	cfg.Model.MoE.Dispatcher = moe.DispatcherFused
-	got, fusedRate := runSteps(t, cfg, nil, steps)
-	worst := 0.0
-	for i := range want {
-		rel := math.Abs(got[i]-want[i]) / math.Abs(want[i])
-		worst = max(worst, rel)
-		if !(rel <= virtualRanksTol) {
-			t.Errorf("ep%d on %d GPUs: step %d: loss %.6f fused, %.6f unfused: relative difference %.3g > %g",
-				n, n, i+1, got[i], want[i], rel, virtualRanksTol)
-		}
-	}
-	t.Logf("figure: engine tiny ep%d on %d GPUs loss max relative difference fused vs unfused = %.3g ratio", n, n, worst)
-	t.Logf("figure: engine tiny ep%d on %d GPUs tokens/s fused = %.4g tokens/s", n, n, fusedRate)
-	t.Logf("figure: engine tiny ep%d on %d GPUs tokens/s unfused = %.4g tokens/s", n, n, unfusedRate)
+	layout := fmt.Sprintf("ep%d on %d GPUs", n, n)
+	worst, fusedRate, unfusedRate := dispatchersAgree(t, cfg, nil, layout)
+	t.Logf("figure: engine tiny %s loss max relative difference fused vs unfused = %.3g ratio", layout, worst)
+	t.Logf("figure: engine tiny %s tokens/s fused = %.4g tokens/s", layout, fusedRate)
+	t.Logf("figure: engine tiny %s tokens/s unfused = %.4g tokens/s", layout, unfusedRate)
 }
 
 // TestDispatchersCUDA trains 20 steps of the tiny recipe at ep = 1, 2 and 4
@@ -153,28 +142,38 @@ func TestDispatchersOnGPUs(t *testing.T) {
 // the same order, but round their intermediates differently.
 func TestDispatchersCUDA(t *testing.T) {
 	gpu := openGPU(t)
-	const steps = 20
 	for _, l := range []struct{ ep, micro int }{{1, 16}, {2, 8}, {4, 4}} {
 		cfg := tinyRecipeConfig()
 		cfg.Parallel.EP, cfg.Train.MicroBatch = l.ep, l.micro
-		cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused
-		want, unfusedRate := runSteps(t, cfg, gpu, steps)
-		cfg.Model.MoE.Dispatcher = moe.DispatcherFused
-		got, fusedRate := runSteps(t, cfg, gpu, steps)
-		worst := 0.0
-		for i := range want {
-			rel := math.Abs(got[i]-want[i]) / math.Abs(want[i])
-			worst = max(worst, rel)
-			if !(rel <= virtualRanksTol) {
-				t.Errorf("ep%d: step %d: loss %.6f fused, %.6f unfused on CUDA: relative difference %.3g > %g",
-					l.ep, i+1, got[i], want[i], rel, virtualRanksTol)
-			}
-		}
-		if got[steps-1] >= got[0] {
-			t.Errorf("ep%d fused: the loss did not fall: %.4f -> %.4f", l.ep, got[0], got[steps-1])
-		}
+		worst, fusedRate, unfusedRate := dispatchersAgree(t, cfg, gpu, fmt.Sprintf("ep%d", l.ep))
 		t.Logf("figure: engine tiny ep%d loss max relative difference fused vs unfused CUDA = %.3g ratio", l.ep, worst)
 		t.Logf("figure: engine tiny ep%d tokens/s CUDA fused = %.4g tokens/s", l.ep, fusedRate)
 		t.Logf("figure: engine tiny ep%d tokens/s CUDA unfused = %.4g tokens/s", l.ep, unfusedRate)
 	}
+}
+
+// dispatchersAgree trains the first 20 steps of cfg on b (nil: the
+// engine's own backend) with each dispatcher and fails the test, naming
+// the layout, where a step's losses differ by more than virtualRanksTol
+// or the fused run's loss did not fall. It returns the worst relative
+// difference and each run's tokens/s.
+func dispatchersAgree(t *testing.T, cfg Config, b backend.Backend, layout string) (worst, fusedRate, unfusedRate float64) {
+	t.Helper()
+	const steps = 20
+	cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused
+	want, unfusedRate := runSteps(t, cfg, b, steps)
+	cfg.Model.MoE.Dispatcher = moe.DispatcherFused
+	got, fusedRate := runSteps(t, cfg, b, steps)
+	for i := range want {
+		rel := math.Abs(got[i]-want[i]) / math.Abs(want[i])
+		worst = max(worst, rel)
+		if !(rel <= virtualRanksTol) {
+			t.Errorf("%s: step %d: loss %.6f fused, %.6f unfused: relative difference %.3g > %g",
+				layout, i+1, got[i], want[i], rel, virtualRanksTol)
+		}
+	}
+	if got[steps-1] >= got[0] {
+		t.Errorf("%s fused: the loss did not fall: %.4f -> %.4f", layout, got[0], got[steps-1])
+	}
+	return worst, fusedRate, unfusedRate
 }

@@ -69,20 +69,8 @@ func (e *Engine) placeOnGPUs(mesh comm.Mesh, gpu0 *cuda.Backend) ([]*comm.Ranks,
 // ranks this process trains, one each. backends are the ranks' backends as
 // the engine wraps them; closeGPUs closes what openGPUs opened.
 func (e *Engine) openGPUs(n int, gpu0 *cuda.Backend) (gpus []*cuda.Backend, backends []backend.Backend, closeGPUs func() error, err error) {
-	gpus = []*cuda.Backend{gpu0}
-	closeGPUs = func() error {
-		var errs []error
-		for _, b := range gpus[1:] {
-			errs = append(errs, b.Close())
-		}
-		return errors.Join(errs...)
-	}
-	for r := 1; r < n; r++ {
-		b, err := cuda.OpenBackendOn(cuda.Options{}, r)
-		if err != nil {
-			return nil, nil, nil, errors.Join(fmt.Errorf("rank %d: opening GPU %d: %w", r, r, err), closeGPUs())
-		}
-		gpus = append(gpus, b)
+	if gpus, closeGPUs, err = cuda.OpenBackendsBeside(cuda.Options{}, gpu0, n); err != nil {
+		return nil, nil, nil, fmt.Errorf("parallel: one rank per GPU: %w", err)
 	}
 	backends = make([]backend.Backend, n)
 	backends[0] = e.backend // GPU 0, as the engine wrapped it

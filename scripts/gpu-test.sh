@@ -271,38 +271,38 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_MOE:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo
 fi
 
-# The fused MoE kernels against the unfused path and the grouped products
-# alone, W = 1, 2, 4, 8 virtual ranks (mktrain bench kernels): kernels.json.
+# bench_kernels NAME TIMEOUT ARGS...: one `mktrain bench kernels` run (the
+# fused MoE layer against the unfused one and the grouped products alone),
+# its log and JSON under $LOGS/NAME, the JSON copied to $OUT/NAME.json.
+bench_kernels() {
+  local name=$1 limit=$2
+  shift 2
+  mkdir -p "$LOGS/$name"
+  MKTRAIN_CACHE_DIR="$LOGS/$name" timeout "$limit" "$BIN/mktrain" bench kernels --shape moe-small,fine --iters 5 \
+    --backend cuda --out "$LOGS/$name" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  grep -v '^wrote ' "$LOGS/$name.log" | tail -n 24
+  [[ $rc -ne 0 ]] && { echo "  bench kernels $*: exit $rc"; status=1; }
+  local f
+  f=$(ls "$LOGS/$name"/kernels-*.json 2>/dev/null | head -n 1)
+  [[ -n "$f" ]] && cp "$f" "$OUT/$name.json"
+  echo
+}
+
+# W = 1, 2, 4, 8 virtual ranks of the one GPU: kernels.json; and, where the
+# machine has several GPUs, one rank per GPU (--gpus: NCCL groups with peer
+# access, the fused kernels reaching the peers' rows over NVLink):
+# kernels_gpus.json.
 if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo "== mktrain bench kernels (fused vs unfused MoE layer)"
-  mkdir -p "$LOGS/kernels"
-  MKTRAIN_CACHE_DIR="$LOGS/kernels" timeout 300 "$BIN/mktrain" bench kernels --shape moe-small,fine --world 1,2,4,8 \
-    --iters 5 --backend cuda --out "$LOGS/kernels" >"$LOGS/kernels.log" 2>&1
-  rc=$?
-  grep -v '^wrote ' "$LOGS/kernels.log" | tail -n 24
-  [[ $rc -ne 0 ]] && { echo "  bench kernels: exit $rc"; status=1; }
-  f=$(ls "$LOGS"/kernels/kernels-*.json 2>/dev/null | head -n 1)
-  [[ -n "$f" ]] && cp "$f" "$OUT/kernels.json"
-  echo
-fi
-
-# The same with one rank per GPU where the machine has several (bench
-# kernels --gpus: NCCL groups with peer access, the fused kernels reaching
-# the peers' rows over NVLink): kernels_gpus.json.
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" && "${NGPU:-0}" -ge 2 ]]; then
-  worlds=1
-  for w in 2 4 8; do [[ $w -le $NGPU ]] && worlds+=",$w"; done
-  echo "== mktrain bench kernels --gpus (world $worlds, one rank per GPU)"
-  mkdir -p "$LOGS/kernels_gpus"
-  MKTRAIN_CACHE_DIR="$LOGS/kernels_gpus" timeout 400 "$BIN/mktrain" bench kernels --gpus --shape moe-small,fine \
-    --world "$worlds" --iters 5 --backend cuda --out "$LOGS/kernels_gpus" >"$LOGS/kernels_gpus.log" 2>&1
-  rc=$?
-  grep -v '^wrote ' "$LOGS/kernels_gpus.log" | tail -n 24
-  [[ $rc -ne 0 ]] && { echo "  bench kernels --gpus: exit $rc"; status=1; }
-  f=$(ls "$LOGS"/kernels_gpus/kernels-*.json 2>/dev/null | head -n 1)
-  [[ -n "$f" ]] && cp "$f" "$OUT/kernels_gpus.json"
-  echo
+  bench_kernels kernels 300 --world 1,2,4,8
+  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  if [[ "${NGPU:-0}" -ge 2 ]]; then
+    worlds=1
+    for w in 2 4 8; do [[ $w -le $NGPU ]] && worlds+=",$w"; done
+    echo "== mktrain bench kernels --gpus (world $worlds, one rank per GPU)"
+    bench_kernels kernels_gpus 400 --gpus --world "$worlds"
+  fi
 fi
 
 # The PyTorch kernel peer (dense GEMM, torch._grouped_mm, SDPA), for the

@@ -103,6 +103,30 @@ func OpenBackendOn(opts Options, ordinal int) (*Backend, error) {
 	return b, nil
 }
 
+// OpenBackendsBeside opens GPUs 1..n-1 beside gpu0 (GPU 0, already open),
+// one backend each, for n ranks of one process that take a GPU each.
+// gpus[0] is gpu0; closeRest closes the backends OpenBackendsBeside
+// opened (not gpu0). On an error it closes them itself, and the error
+// names the GPU that failed.
+func OpenBackendsBeside(opts Options, gpu0 *Backend, n int) (gpus []*Backend, closeRest func() error, err error) {
+	gpus = []*Backend{gpu0}
+	closeRest = func() error {
+		var errs []error
+		for _, b := range gpus[1:] {
+			errs = append(errs, b.Close())
+		}
+		return errors.Join(errs...)
+	}
+	for r := 1; r < n; r++ {
+		b, err := OpenBackendOn(opts, r)
+		if err != nil {
+			return nil, nil, errors.Join(fmt.Errorf("opening GPU %d: %w", r, err), closeRest())
+		}
+		gpus = append(gpus, b)
+	}
+	return gpus, closeRest, nil
+}
+
 // VisibleGPUs loads the CUDA libraries with opts and counts the GPUs this
 // process sees (CUDA_VISIBLE_DEVICES applies).
 func VisibleGPUs(opts Options) (int, error) {

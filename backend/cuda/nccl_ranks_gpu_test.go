@@ -27,16 +27,7 @@ func TestNCCLRanks(t *testing.T) {
 		mesh = comm.Mesh{DP: 1, EP: 2, CP: 1, TP: 1}
 	}
 	n := mesh.World()
-	_, bs := ncclWorld(t, n, NCCLOptions{Name: "probe"}) // the backends, one per GPU
-	ranks, closeAll, err := NCCLRanks(mesh, bs, NCCLOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := closeAll(); err != nil {
-			t.Errorf("closing the groups: %v", err)
-		}
-	}()
+	ranks, bs := ncclRanksOnGPUs(t, mesh, NCCLOptions{})
 	errs := make(chan error, n)
 	for r, rk := range ranks {
 		go func() {
@@ -70,4 +61,22 @@ func TestNCCLRanks(t *testing.T) {
 		}
 	}
 	t.Logf("NCCL ranks of mesh %+v over %d GPUs", mesh, n)
+}
+
+// ncclRanksOnGPUs cuts mesh's groups with opts over GPUs 0..W-1, one rank
+// each, closed when the test ends, and returns the ranks and their
+// backends; it skips the test where there are fewer GPUs.
+func ncclRanksOnGPUs(t *testing.T, mesh comm.Mesh, opts NCCLOptions) ([]*comm.Ranks, []*Backend) {
+	t.Helper()
+	_, bs := ncclWorld(t, mesh.World(), NCCLOptions{Name: "probe"}) // the backends, one per GPU
+	ranks, closeAll, err := NCCLRanks(mesh, bs, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := closeAll(); err != nil {
+			t.Errorf("closing the groups: %v", err)
+		}
+	})
+	return ranks, bs
 }

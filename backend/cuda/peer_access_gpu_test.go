@@ -25,17 +25,7 @@ func TestNCCLPeerGroups(t *testing.T) {
 		t.Skipf("peer access between GPUs needs 2 GPUs; the driver sees %d", count)
 	}
 	n := min(count, 4)
-	_, bs := ncclWorld(t, n, NCCLOptions{Name: "probe"}) // the backends, one per GPU
-	mesh := comm.Mesh{DP: 1, EP: n, CP: 1, TP: 1}
-	ranks, closeAll, err := NCCLRanks(mesh, bs, NCCLOptions{PeerAccess: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := closeAll(); err != nil {
-			t.Errorf("closing the groups: %v", err)
-		}
-	}()
+	ranks, bs := ncclRanksOnGPUs(t, comm.Mesh{DP: 1, EP: n, CP: 1, TP: 1}, NCCLOptions{PeerAccess: true})
 	errs := make(chan error, n)
 	for r, rk := range ranks {
 		go func() { errs <- peerRounds(bs[r], rk.Expert, r, n) }()

@@ -243,20 +243,9 @@ func gpuRanks(b backend.Backend, most int) (place rankPlacer, closeGPUs func() e
 	if visible < most {
 		return nil, nil, fmt.Errorf("--gpus: world %d needs %d GPUs; %d visible", most, most, visible)
 	}
-	gpus := []*cuda.Backend{gpu0}
-	closeGPUs = func() error {
-		var errs []error
-		for _, g := range gpus[1:] {
-			errs = append(errs, g.Close())
-		}
-		return errors.Join(errs...)
-	}
-	for r := 1; r < most; r++ {
-		g, err := cuda.OpenBackendOn(cuda.Options{}, r)
-		if err != nil {
-			return nil, nil, errors.Join(fmt.Errorf("--gpus: opening GPU %d: %w", r, err), closeGPUs())
-		}
-		gpus = append(gpus, g)
+	gpus, closeGPUs, err := cuda.OpenBackendsBeside(cuda.Options{}, gpu0, most)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--gpus: %w", err)
 	}
 	place = func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
 		world, closeGroups, err := cuda.NCCLRanks(comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1}, gpus[:w], cuda.NCCLOptions{PeerAccess: true})
