@@ -61,6 +61,7 @@ func runSteps(t *testing.T, cfg Config, b backend.Backend, steps int) (losses []
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer eng.Close()
 	if _, err := eng.Run(ctx); !errors.Is(err, ErrStopped) {
 		t.Fatalf("run on %s: %v, want ErrStopped after step %d", name, err, steps)
 	}

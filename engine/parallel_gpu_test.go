@@ -1,10 +1,11 @@
 package engine
 
-// Virtual ranks on one GPU: the layouts of TestVirtualRanksMatchOneRank
-// trained on the CUDA backend, every rank's tensors in the one GPU's memory
-// and the collectives running as device copies and kernels. It skips, with
-// one line, where there is no GPU; scripts/gpu-test.sh runs it on a GPU
-// machine.
+// The layouts of TestVirtualRanksMatchOneRank trained on the CUDA backend:
+// as virtual ranks of one GPU, every rank's tensors in its memory and the
+// collectives running as device copies and kernels; and, where the machine
+// has several GPUs, one rank per GPU with NCCL between them. The tests skip,
+// with one line, where there is no GPU (or one, for the second);
+// scripts/gpu-test.sh runs them on a GPU machine.
 
 import (
 	"context"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
+	"github.com/mktrain/mktrain/backend/cuda"
 )
 
 // virtualRanksTol bounds the relative difference between a layout's losses
@@ -32,29 +34,38 @@ type layoutRun struct {
 
 // trainOn trains cfg on b to the end (cfg.Train.Steps) and fails the test,
 // naming the layout, when the run fails or reports a step count other than
-// the configured one.
+// the configured one. With b nil the engine opens its backend itself
+// (train.backend), and so places a layout's ranks one per GPU where there
+// are enough.
 func trainOn(t *testing.T, cfg Config, b backend.Backend, layout string) layoutRun {
 	t.Helper()
 	var run layoutRun
 	var rates []float64
-	eng, err := New(cfg, WithBackend(b), WithHook(func(ev StepEvent) {
+	opts := []Option{WithHook(func(ev StepEvent) {
 		run.losses = append(run.losses, ev.Loss)
 		if ev.Step > 2 {
 			rates = append(rates, ev.TokensPerSec)
 		}
-	}))
-	if err != nil {
-		t.Fatalf("%s on %s: New: %v", layout, b.Name(), err)
+	})}
+	name := "its own " + cfg.Train.Backend + " backend"
+	if b != nil {
+		name = b.Name()
+		opts = append(opts, WithBackend(b))
 	}
+	eng, err := New(cfg, opts...)
+	if err != nil {
+		t.Fatalf("%s on %s: New: %v", layout, name, err)
+	}
+	defer eng.Close()
 	if _, err := eng.Run(context.Background()); err != nil {
-		t.Fatalf("%s on %s: Run: %v", layout, b.Name(), err)
+		t.Fatalf("%s on %s: Run: %v", layout, name, err)
 	}
 	if len(run.losses) != cfg.Train.Steps {
-		t.Fatalf("%s on %s: %d losses, want one per step (%d)", layout, b.Name(), len(run.losses), cfg.Train.Steps)
+		t.Fatalf("%s on %s: %d losses, want one per step (%d)", layout, name, len(run.losses), cfg.Train.Steps)
 	}
 	for i, l := range run.losses {
 		if math.IsNaN(l) || math.IsInf(l, 0) {
-			t.Fatalf("%s on %s: step %d loss is %v", layout, b.Name(), i+1, l)
+			t.Fatalf("%s on %s: step %d loss is %v", layout, name, i+1, l)
 		}
 	}
 	if len(rates) > 0 {
@@ -76,17 +87,40 @@ func TestVirtualRanksCUDA(t *testing.T) {
 	if err := cudaUnsupported(base); err != nil {
 		t.Fatalf("the equivalence model does not fit the CUDA kernels: %v", err)
 	}
-	layoutsMatchOneRank(t, gpu, "CUDA")
+	layoutsMatchOneRank(t, gpu, "CUDA", 4)
 }
 
-// layoutsMatchOneRank is TestVirtualRanksCUDA's body on the backend b,
-// called name in messages and figures.
-func layoutsMatchOneRank(t *testing.T, b backend.Backend, name string) {
+// TestLayoutsOnGPUs is TestVirtualRanksCUDA with one rank per GPU: the
+// engine opens the GPUs itself, so each layout whose world the machine's
+// GPUs cover trains with NCCL between its ranks (the parallel runtime's
+// equivalence on real GPUs). It skips with fewer than 2 GPUs.
+func TestLayoutsOnGPUs(t *testing.T) {
+	gpuList(t, 2) // skips with fewer than 2 GPUs
+	n, err := cuda.VisibleGPUs(cuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	layoutsMatchOneRank(t, nil, "GPUs", n)
+}
+
+// layoutsMatchOneRank is TestVirtualRanksCUDA's body on the backend b
+// (nil: the engine opens the GPUs itself, one per rank), called name in
+// messages and figures, for the layouts of at most maxWorld ranks.
+func layoutsMatchOneRank(t *testing.T, b backend.Backend, name string, maxWorld int) {
 	t.Helper()
-	base := equivalenceConfig()
+	config := func() Config {
+		cfg := equivalenceConfig()
+		if b == nil {
+			cfg.Train.Backend = "cuda"
+		}
+		return cfg
+	}
+	base := config()
 	base.Train.MicroBatch = 8
 	one := trainOn(t, base, b, "dp1 ep1")
-	cpuRun := trainOn(t, base, cpu.New(backend.Float32), "dp1 ep1")
+	cpuBase := base
+	cpuBase.Train.Backend = "cpu"
+	cpuRun := trainOn(t, cpuBase, cpu.New(backend.Float32), "dp1 ep1")
 	for i, want := range cpuRun.losses {
 		if rel := math.Abs(one.losses[i]-want) / math.Abs(want); !(rel <= cudaVsCPUTol) {
 			t.Errorf("dp1 ep1: step %d: loss %.6f on %s, %.6f on the CPU: relative difference %.3g > %g",
@@ -99,11 +133,14 @@ func layoutsMatchOneRank(t *testing.T, b backend.Backend, name string) {
 	t.Logf("figure: engine virtual ranks dp1 ep1 tokens/s %s = %.4g tokens/s", name, one.tokensPerSec)
 
 	for _, l := range equivalenceLayouts {
+		if l.dp*l.ep*l.cp > maxWorld {
+			continue
+		}
 		layout := fmt.Sprintf("dp%d ep%d", l.dp, l.ep)
 		if l.cp > 1 {
 			layout += fmt.Sprintf(" cp%d", l.cp) // the figures of the others keep their names
 		}
-		cfg := equivalenceConfig()
+		cfg := config()
 		cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP, cfg.Train.MicroBatch = l.dp, l.ep, l.cp, l.micro
 		got := trainOn(t, cfg, b, layout)
 		worst := 0.0
