@@ -22,8 +22,10 @@
 #      on the embedded corpus (the recipe's data shards are not there),
 #      with its breakdown of the step;
 #   3. runs the PyTorch peer on the same model and batch, same step counts;
-#   4. runs the benchmark for the parallel layouts of world 2 and 4 on the
-#      one GPU (virtual ranks, moe-small's per-rank shape);
+#   4. runs the benchmark for the parallel layouts of world 2 and 4
+#      (moe-small's per-rank shape; one rank per GPU where the machine
+#      has enough GPUs, with the ep layouts under both dispatchers, else
+#      virtual ranks of the one GPU);
 #   5. `mktrain bench moe`: one MoE layer at W = 1, 2, 4, 8 virtual
 #      expert-parallel ranks, moe-small's and a fine-grained shape, with
 #      the time of each phase of the unfused path (moe.json), then
@@ -206,18 +208,26 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   echo
 fi
 
-# Parallel layouts on the one GPU (virtual ranks): moe-small's per-rank
-# shape (8 sequences of 2048 tokens a rank; 16 sequences under cp=2, whose
-# ranks hold half of each) at world sizes 1, 2 and 4, each with its
-# breakdown; layouts.json gathers them.
+# Parallel layouts: moe-small's per-rank shape (8 sequences of 2048 tokens
+# a rank; 16 sequences under cp=2, whose ranks hold half of each) at world
+# sizes 1, 2 and 4, each with its breakdown (with one rank per GPU, rank
+# 0's, communication included); layouts.json gathers them. The engine
+# gives each rank a GPU of its own where the machine has enough, else runs
+# virtual ranks of the one GPU; with several GPUs the ep layouts also run
+# under the fused dispatcher (auto keeps them unfused there).
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [[ "${NO_BENCH:-}" != 1 && "${NO_LAYOUTS:-}" != 1 && -x "$BIN/mktrain" ]]; then
-  echo "== parallel layouts (virtual ranks on one GPU)"
+  echo "== parallel layouts (${NGPU:-0} GPUs: one rank per GPU where they suffice, else virtual ranks)"
   mkdir -p "$LOGS/layouts"
-  for layout in "w2_ep2|ep=2|16|8" "w2_dp2|dp=2|16|8" "w2_cp2|cp=2|16|16" \
-                "w4_ep4|ep=4|32|8" "w4_dp2_ep2|dp=2 ep=2|32|8" "w4_dp2_cp2|dp=2 cp=2|32|16"; do
-    IFS='|' read -r name dims global micro <<<"$layout"
+  layouts=("w2_ep2|ep=2|16|8" "w2_dp2|dp=2|16|8" "w2_cp2|cp=2|16|16"
+           "w4_ep4|ep=4|32|8" "w4_dp2_ep2|dp=2 ep=2|32|8" "w4_dp2_cp2|dp=2 cp=2|32|16")
+  [[ "${NGPU:-0}" -ge 2 ]] && layouts+=("w2_ep2_fused|ep=2|16|8|fused")
+  [[ "${NGPU:-0}" -ge 4 ]] && layouts+=("w4_ep4_fused|ep=4|32|8|fused")
+  for layout in "${layouts[@]}"; do
+    IFS='|' read -r name dims global micro dispatcher <<<"$layout"
     sets=()
     for d in $dims; do sets+=(--set "parallel.$d"); done
+    [[ -n "$dispatcher" ]] && sets+=(--set "model.moe.dispatcher=$dispatcher")
     timeout 120 "$BIN/mktrain" "${BENCH_ARGS[@]}" --steps 4 --warmup 2 "${sets[@]}" \
       --set train.global_batch="$global" --set train.micro_batch="$micro" --out "$LOGS/layouts/$name" >"$LOGS/layouts/$name.log" 2>&1
     rc=$?
@@ -239,6 +249,7 @@ for name, f in runs:
         continue
     fig, par = r["figures"], r["config"]["Parallel"]
     out.append({"layout": name, "dp": par["DP"], "ep": par["EP"], "cp": par["CP"], "ranks": fig["ranks"],
+                "dispatcher": r["config"].get("Model", {}).get("MoE", {}).get("Dispatcher"),
                 "tokens_per_step": fig["tokens_per_step"], "step_ms": fig["step_ms_median"],
                 "tokens_per_s": fig["tokens_per_s"], "peak_memory_bytes": fig.get("peak_memory_bytes"),
                 "breakdown": fig.get("breakdown"), "commit": r["commit"], "command": r["command"]})
@@ -296,8 +307,7 @@ bench_kernels() {
 if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo "== mktrain bench kernels (fused vs unfused MoE layer)"
   bench_kernels kernels 300 --world 1,2,4,8
-  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-  if [[ "${NGPU:-0}" -ge 2 ]]; then
+    if [[ "${NGPU:-0}" -ge 2 ]]; then
     worlds=1
     for w in 2 4 8; do [[ $w -le $NGPU ]] && worlds+=",$w"; done
     echo "== mktrain bench kernels --gpus (world $worlds, one rank per GPU)"
