@@ -58,7 +58,11 @@ func (e *Engine) placeOnGPUs(mesh comm.Mesh, gpu0 *cuda.Backend) ([]*comm.Ranks,
 	opts := cuda.NCCLOptions{PeerAccess: e.cfg.Model.MoE.Dispatcher == moe.DispatcherFused}
 	world, closeGroups, err := cuda.NCCLRanks(mesh, gpus, opts)
 	if err != nil {
-		return nil, nil, nil, errors.Join(fmt.Errorf("parallel: NCCL groups over %d GPUs: %w", n, err), closeGPUs())
+		err = fmt.Errorf("parallel: NCCL groups over %d GPUs: %w", n, err)
+		if opts.PeerAccess {
+			err = fmt.Errorf("%w (model.moe.dispatcher: fused needs peer access between the GPUs; unfused does not)", err)
+		}
+		return nil, nil, nil, errors.Join(err, closeGPUs())
 	}
 	e.log.Info().Msgf("parallel: %d ranks on %d GPUs, one each, NCCL between them (peer access: %v)", n, n, opts.PeerAccess)
 	timeNCCL(world, backends)
