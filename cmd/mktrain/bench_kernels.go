@@ -111,7 +111,7 @@ type kernelBenchRow struct {
 func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("bench kernels", benchKernelsUsage, stderr)
 	shapesFlag := fs.String("shape", "moe-small,fine", "comma-separated shapes")
-	worldFlag := fs.String("world", "1,2,4,8", "comma-separated numbers of virtual ranks")
+	worldFlag := fs.String("world", "1,2,4,8", "comma-separated world sizes: virtual ranks, or GPUs with --gpus")
 	iters := fs.Int("iters", 10, "measured steps of each kind")
 	backendName := fs.String("backend", "auto", "auto, cpu or cuda")
 	onGPUs := fs.Bool("gpus", false, "one rank per GPU (world W on GPUs 0..W-1, NCCL with peer access) instead of W virtual ranks of one device")
@@ -152,8 +152,10 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 		}()
 	}
 	cache, cacheErr := moe.DefaultDispatchCache()
+	table := cache.Path
 	if *onGPUs {
 		cacheErr = errors.New("--gpus measures the links between GPUs; the table is keyed by one device")
+		table = ""
 	}
 	fmt.Fprintf(stderr, "bench kernels: on %s (%s), %d measured steps of each kind\n", b.Name(), moe.MachineName(b), *iters)
 
@@ -203,7 +205,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 		Benchmark: "kernels", Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: "mktrain bench kernels " + strings.Join(args, " "), Machine: machine(moe.MachineName(b)),
 		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters, "gpus": *onGPUs},
-		Figures: map[string]any{"rows": rows, "bars": []string{gemmBar, unfusedBar}, "dispatch_table": cache.Path},
+		Figures: map[string]any{"rows": rows, "bars": []string{gemmBar, unfusedBar}, "dispatch_table": table},
 	})
 }
 
