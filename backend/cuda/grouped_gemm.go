@@ -78,9 +78,9 @@ type GroupedGemm struct {
 	// dispatchDgrad and dgradCombine are their backward twins, on the
 	// weights' transposed copies that transposeK writes.
 	dispatchDgrad, dgradCombine, transposeK *Kernel
-	// optInDispatch and optInDgrad are dispatchSwiGLU's and
-	// dispatchDgrad's opted-in shared memory.
-	optInDispatch, optInDgrad int
+	// optInGather is dispatchSwiGLU's and dispatchDgrad's opted-in shared
+	// memory (one layout, fusedGatherSmem).
+	optInGather int
 	// fusedMode holds the fused kernels' experiment switches and test
 	// hooks (tests only; 0 in use); fusedTimeout, when set, replaces
 	// fusedTimeout (tests of the timeout report).
@@ -227,13 +227,9 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 			return nil, err
 		}
 		smem := g.optIn[ggCoop256]
-		switch f.k {
-		case &g.dispatchSwiGLU:
-			smem = min(fusedDispatchSmem(ggMaxExperts), info.MaxSharedOptIn)
-			g.optInDispatch = smem
-		case &g.dispatchDgrad:
-			smem = min(fusedDgradSmem(ggMaxExperts), info.MaxSharedOptIn)
-			g.optInDgrad = smem
+		if f.k == &g.dispatchSwiGLU || f.k == &g.dispatchDgrad {
+			smem = min(fusedGatherSmem(ggMaxExperts), info.MaxSharedOptIn)
+			g.optInGather = smem
 		}
 		var local int
 		err = d.Do(func() error {

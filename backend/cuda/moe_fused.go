@@ -545,18 +545,16 @@ type fusedCombine struct {
 	rows, n, k, experts                          int
 }
 
-// fusedDispatchSmem is moe_dispatch_swiglu's dynamic shared memory for e
+// fusedGatherSmem is the dynamic shared memory of the two gathering
+// kernels, moe_dispatch_swiglu and moe_dispatch_dgrad (one layout), for e
 // experts: as ggSmemBytes for 3 stages of the BN 256 tile plus two 16 KiB
 // staging buffers per consumer warpgroup (its TMA-store epilogue) and
 // four more barriers (FUSE 1: staged and freed per warpgroup; FUSE 3: one
 // per staging slot).
-func fusedDispatchSmem(e int) int {
+func fusedGatherSmem(e int) int {
 	const stages = 3
 	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*8 + 4*(3*e+1)
 }
-
-// fusedDgradSmem is moe_dispatch_dgrad's: moe_dispatch_swiglu's layout.
-func fusedDgradSmem(e int) int { return fusedDispatchSmem(e) }
 
 // boxesMap is the {n, rows} bf16 map of a [rows, n] operand that an
 // epilogue moves through shared memory: 64x64 boxes, 128-byte swizzle.
@@ -581,8 +579,8 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
 		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
-	grid.Shared = fusedDispatchSmem(a.experts)
-	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots, g.optInDispatch)
+	grid.Shared = fusedGatherSmem(a.experts)
+	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots, g.optInGather)
 }
 
 // runDownCombine queues moe_down_combine.
@@ -825,8 +823,8 @@ func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1, uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
-	grid.Shared = fusedDgradSmem(a.experts)
-	return g.launchFused(g.dispatchDgrad, grid, maps, slots, g.optInDgrad)
+	grid.Shared = fusedGatherSmem(a.experts)
+	return g.launchFused(g.dispatchDgrad, grid, maps, slots, g.optInGather)
 }
 
 // runDgradCombine queues moe_dgrad_combine.
