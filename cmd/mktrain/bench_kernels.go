@@ -238,16 +238,11 @@ func gpuRanks(b backend.Backend, most int) (place rankPlacer, closeGPUs func() e
 	if !ok {
 		return nil, nil, usageError{fmt.Sprintf("--gpus needs the cuda backend; this one is %s", b.Name())}
 	}
-	visible, err := cuda.VisibleGPUs(cuda.Options{})
-	if err != nil {
-		return nil, nil, err
-	}
-	if visible < most {
-		return nil, nil, fmt.Errorf("--gpus: world %d needs %d GPUs; %d visible", most, most, visible)
-	}
 	gpus, closeGPUs, err := cuda.OpenBackendsBeside(cuda.Options{}, gpu0, most)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--gpus: %w", err)
+		// A missing GPU reads "opening GPU 4: cuda: GPU 4 asked for, but
+		// 2 are visible".
+		return nil, nil, fmt.Errorf("--gpus: world %d: %w", most, err)
 	}
 	place = func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
 		world, closeGroups, err := cuda.NCCLRanks(comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1}, gpus[:w], cuda.NCCLOptions{PeerAccess: true})
