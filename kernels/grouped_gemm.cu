@@ -203,6 +203,16 @@ __device__ __forceinline__ unsigned long long gg_desc(unsigned saddr) {
          (1ull << 62);
 }
 
+// gg_desc_mn is the descriptor of an MN-major bf16 tile laid out by TMA
+// boxes of {64 M or N, 64 K} with the 128-byte swizzle: each K row is 128
+// bytes (64 elements of M or N), 8 K rows make a 1024-byte swizzle atom
+// (the stride byte offset), and the next 64 elements of M or N are the
+// next box, lbo bytes on (the leading byte offset).
+__device__ __forceinline__ unsigned long long gg_desc_mn(unsigned saddr, unsigned lbo) {
+  return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFFu) << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
 __device__ __forceinline__ void gg_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void gg_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -244,8 +254,11 @@ __device__ __forceinline__ void gg_wgmma(float (&d)[64], unsigned long long da, 
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, both K-major in shared memory
-// (descriptors da, db); scale_d 0 overwrites D, 1 accumulates.
+// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T from shared memory
+// (descriptors da, db); scale_d 0 overwrites D, 1 accumulates. TA and TB
+// say how A and B are stored: 0 K-major (the default), 1 MN-major (the
+// weight-gradient kernel's operands, gg_desc_mn).
+template <int TA = 0, int TB = 0>
 __device__ __forceinline__ void gg_wgmma(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\n"
@@ -261,7 +274,7 @@ __device__ __forceinline__ void gg_wgmma(float (&d)[128], unsigned long long da,
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
       "}, "
-      "%128, %129, p, 1, 1, 0, 0;\n"
+      "%128, %129, p, 1, 1, %131, %132;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -279,7 +292,7 @@ __device__ __forceinline__ void gg_wgmma(float (&d)[128], unsigned long long da,
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(scale_d));
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
 __device__ __forceinline__ int gg_min(int a, int b) { return a < b ? a : b; }
@@ -1706,4 +1719,176 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
   fz.rowTiles = rowTiles;
   fz.mode = mode;
   gg_body<256, 4, false, false, false, 0, 2>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+}
+
+// ---- Weight gradients: the grouped TN product ----
+//
+// grouped_gemm_tn: for every expert e with rows [off[e], off[e+1]) of A
+// and B (clamped to [0, rows]),
+//
+//   out[e, :M, :N] = alpha * A[rows of e, :M]^T . B[rows of e, :N] + beta * out[e]
+//
+// A [rows, M] and B [rows, N] are bfloat16 row-major: the experts' output
+// gradients and their inputs, expert-major as the forward left them; out
+// [E, M, N] is float32 (the weight gradients, accumulated with beta 1).
+// An expert's rows are the product's K, read from off on the device, so
+// the host never learns the counts; an empty expert's block is scaled by
+// beta (left as it is for beta 1, never read for beta 0).
+//
+// Tiles. Every expert has ceil(M/128) x ceil(N/256) output tiles whatever
+// its rows, so the tile list (expert-major, m-tile fastest) is fixed by
+// the shapes alone; the CTAs of the persistent grid stride over it. The
+// tiles running together are mostly one expert's, which keeps its A and
+// B rows in L2 while they are read once per n-tile and m-tile.
+//
+// Operands. The K of the product runs down the rows of A and B, so both
+// arrive MN-major: TMA brings 64 rows (K) x 64 columns (M or N) per box
+// with the 128-byte swizzle, two boxes of A (128 of M) and four of B (256
+// of N) per stage, 48 KiB as in the forward's bn256 kernels; the wgmma
+// reads them through MN-major descriptors (gg_desc_mn: 8 K rows of 128
+// bytes per swizzle atom, the next 64 columns one box on) with both
+// transpose bits set, and each k16 step moves 16 K rows (2048 bytes) on.
+// Warpgroup 0's thread 0 issues the loads into a 4-stage ring; consumer
+// warpgroup c computes rows [64c, 64c+64) of the tile's M from box c of
+// A, as gg_body's cooperative mainloop does.
+//
+// An expert's last k-block may hold rows of the next expert (A and B are
+// one 2-D map each; rows past the tensor come in as zeros). Before its
+// wgmmas read that block, each consumer warpgroup zeroes those rows of
+// its A box: whole 128-byte rows, which the swizzle only permutes within,
+// then a proxy fence so the tensor cores see the generic writes. The next
+// expert's B rows then meet zeros (they are finite: every row below rows
+// is some expert's, written before this kernel).
+//
+// Launch: GG_THREADS threads, at most one block per SM, dynamic shared
+// memory 1024 + GG_TN_STAGES * 49152 + 16 * GG_TN_STAGES bytes
+// (ggTNSmemBytes in backend/cuda/grouped_gemm.go).
+#define GG_TN_STAGES 4
+
+// gg_tn_tile is the expert, first output row (of M) and first column (of
+// N) of tile t; Go twin ggTNTileOf.
+__device__ __forceinline__ void gg_tn_tile(int t, int nTM, int nTN, int& e, int& m0, int& n0) {
+  const int per = nTM * nTN;
+  e = t / per;
+  const int r = t - e * per;
+  m0 = (r % nTM) * GG_BM;
+  n0 = (r / nTM) * 256;
+}
+
+// gg_tn_rows is expert e's row range, clamped to [0, rows].
+__device__ __forceinline__ void gg_tn_rows(const int* off, int e, int rows, int& beg, int& end) {
+  beg = gg_min(gg_max(off[e], 0), rows);
+  end = gg_min(gg_max(off[e + 1], beg), rows);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn(const __grid_constant__ gg_tmap mapA,
+                                                                     const __grid_constant__ gg_tmap mapB, float* out,
+                                                                     const int* off, int rows, int M, int N, int E,
+                                                                     float alpha, float beta) {
+  constexpr int STAGES = GG_TN_STAGES;
+  constexpr unsigned BOX = 64 * 128;                   // {64 columns, 64 rows} of bf16: 8 KiB
+  constexpr unsigned A_BYTES = 2 * BOX;                // 128 of M
+  constexpr unsigned STAGE_BYTES = A_BYTES + 4 * BOX;  // and 256 of N: 48 KiB
+  const unsigned raw = gg_smem_addr(gg_smem);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  const unsigned bars = base + STAGES * STAGE_BYTES;  // full[STAGES], empty[STAGES]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(bars + 8 * s, 1);             // full: the producer's expect_tx
+      gg_bar_init(bars + 8 * (STAGES + s), 8);  // empty: one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  const int nTM = (M + GG_BM - 1) / GG_BM, nTN = (N + 255) / 256;
+  const int total = E * nTM * nTN;  // the host checks it fits
+
+  if (warp < 4) {
+    if (tid != 0) return;
+    gg_prefetch_tmap(&mapA);
+    gg_prefetch_tmap(&mapB);
+    int s = 0;
+    unsigned ph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int e, m0, n0, beg, end;
+      gg_tn_tile(t, nTM, nTN, e, m0, n0);
+      gg_tn_rows(off, e, rows, beg, end);
+      for (int k0 = beg; k0 < end; k0 += GG_BK) {
+        const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
+        gg_bar_wait(empty, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+        gg_bar_expect_tx(full, STAGE_BYTES);
+        const unsigned a = base + s * STAGE_BYTES;
+        gg_tma_2d(a, &mapA, m0, k0, full);
+        gg_tma_2d(a + BOX, &mapA, m0 + 64, k0, full);
+#pragma unroll
+        for (int j = 0; j < 4; j++) gg_tma_2d(a + A_BYTES + j * BOX, &mapB, n0 + 64 * j, k0, full);
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile's M.
+  const int cw = (warp >> 2) - 1, wtid = tid - 128 * (cw + 1);
+  float acc[128];
+  int s = 0, prev = 0;
+  unsigned ph = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int e, m0, n0, beg, end;
+    gg_tn_tile(t, nTM, nTN, e, m0, n0);
+    gg_tn_rows(off, e, rows, beg, end);
+    const int nK = (end - beg + GG_BK - 1) / GG_BK;
+    if (nK == 0) {
+      if (beta == 1.0f) continue;  // an empty expert's block stays as it is
+#pragma unroll
+      for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+    }
+    for (int kb = 0; kb < nK; kb++) {
+      gg_bar_wait(bars + 8 * s, ph);
+      const unsigned a = base + s * STAGE_BYTES, boxA = a + cw * BOX;
+      const int valid = end - beg - kb * GG_BK;
+      if (valid < GG_BK) {
+        // Rows [valid, 64) of the block are the next expert's: zero them
+        // in this warpgroup's A box, 16 bytes a thread per step.
+        for (int i = valid * 8 + wtid; i < GG_BK * 8; i += 128)
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(boxA + 16 * i), "r"(0) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        gg_named_sync(1 + cw, 128);
+      }
+      // Reconverge the warp before the .aligned wgmma instructions.
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned long long da = gg_desc_mn(boxA, BOX), db = gg_desc_mn(a + A_BYTES, BOX);
+      gg_wgmma_fence();
+      gg_fence_acc(acc);
+#pragma unroll
+      for (int kk = 0; kk < GG_BK / 16; kk++) {
+        // +128 in the descriptor's address field is 2048 bytes: 16 rows of K.
+        gg_wgmma<1, 1>(acc, da + 128 * kk, db + 128 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      if (kb > 0) {
+        // The k-block before this one is done with its stage.
+        gg_wgmma_wait<1>();
+        gg_fence_acc(acc);
+        if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+      }
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    if (nK > 0) {
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+    }
+    const long long r0 = (long long)m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
+    gg_epilogue64<false>(acc, r0, M, n0 + 2 * (lane & 3), N, out + (long long)e * M * N, alpha, beta);
+  }
 }

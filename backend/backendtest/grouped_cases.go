@@ -133,6 +133,18 @@ func groupedCases() []Case {
 			}
 			e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMul(p(out), p(a), p(bb), k.rows, true, 0.5, 0) })
 		}})
+		if !k.outBF16 {
+			// The weight gradients of the same groups, accumulated into
+			// float32 (the CUDA backend's TN kernel): groups that end
+			// inside a 64-row k-block, an empty group, the rows past the
+			// groups, partial m and n tiles.
+			cs = append(cs, Case{Name: "GroupedMatMulTN/bf16-kernel-" + k.name, Compare: func(e *Env) {
+				e.NormWise = groupedNormWise
+				a, bb := e.BF16Uniform("a", -1, 1, k.total, k.k), e.BF16Uniform("b", -1, 1, k.total, k.n)
+				out := e.InOut(e.Rand("out", len(k.rows)*k.k, k.n))
+				e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMulTN(p(out), p(a), p(bb), k.rows, 0.5, 1) })
+			}})
+		}
 	}
 	cs = append(cs, Case{Name: "Grouped/ref", Check: checkGrouped})
 	return cs

@@ -5,7 +5,9 @@ package cuda
 // persistent kernel over every expert, reading the group offsets on the
 // device. It serves GroupedMatMul's NT case (out = a·W_gᵀ, the forward of
 // w1, w3 and w2) with bf16 operands, beta 0, and sizes and addresses the
-// kernel takes; everything else keeps the cuBLASLt path. bf16 outputs use
+// kernel takes, and GroupedMatMulTN (the weight gradients, float32 out
+// accumulated with beta 1) with bf16 operands on the TN kernel (RunTN);
+// everything else keeps the cuBLASLt path. bf16 outputs use
 // the TMA-store epilogue (bn256s), the fastest variant measured
 // (bench/results/h200-20261202-fa2ca3b/).
 
@@ -69,22 +71,9 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	// The offsets go up through the staging slots: no wait for the GPU,
-	// and the buffer's previous contents were read by the kernels queued
-	// before this copy. StageToDevice copies the host slice before it
-	// returns, so it is reused.
-	x.offsetsH = append(x.offsetsH[:0], 0)
-	for _, r := range groupRows {
-		x.offsetsH = append(x.offsetsH, x.offsetsH[len(x.offsetsH)-1]+int32(r))
-	}
-	if x.offsets == nil { // room for the most experts the kernel takes
-		var err error
-		if x.offsets, err = b.dev.Alloc(4 * (ggMaxExperts + 1)); err != nil {
-			x.offsets = nil
-			return false
-		}
-	}
-	if err := b.dev.StageToDevice(x.offsets, 0, Bytes(x.offsetsH)); err != nil {
+	if staged, err := x.stageOffsets(b.dev, groupRows); !staged {
+		return false
+	} else if err != nil {
 		b.fail(err)
 		return true
 	}
@@ -94,6 +83,66 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 	}
 	b.fail(gg.Run(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, n, k, len(groupRows), ot.dt == backend.BFloat16, float32(alpha), 0))
 	return true
+}
+
+// groupedKernelTN runs out[g] = alpha·a[rows of g]ᵀ·b[rows of g] +
+// beta·out[g] on the weight-gradient kernel (GroupedGemm.RunTN) when the
+// call is one it serves (bf16 operands, float32 out, sizes and addresses
+// the kernel takes, some rows), and reports whether it did.
+func (b *Backend) groupedKernelTN(ot, at, bt *Tensor, groupRows []int, m, n int, alpha, beta float64) bool {
+	if ot.dt != backend.Float32 || at.dt != backend.BFloat16 || bt.dt != backend.BFloat16 {
+		return false
+	}
+	x, ok := b.expertKernels()
+	if !ok {
+		return false
+	}
+	ps, ok := devicePtrs(ot, at, bt)
+	if !ok {
+		return false
+	}
+	rows := 0
+	for _, r := range groupRows {
+		rows += r
+	}
+	// The kernel's own checks (sizes, alignment), made before committing
+	// to it; the offsets' address is not known yet and is any aligned one.
+	// No rows (no K at all) is left to cuBLASLt's scaling path.
+	if rows == 0 || checkGroupedGemmTN(ps[0], ps[1], ps[2], 16, rows, m, n, len(groupRows)) != nil {
+		return false
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if staged, err := x.stageOffsets(b.dev, groupRows); !staged {
+		return false
+	} else if err != nil {
+		b.fail(err)
+		return true
+	}
+	b.fail(x.floatOut.RunTN(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, m, n, len(groupRows), float32(alpha), float32(beta)))
+	return true
+}
+
+// stageOffsets writes the prefix sums of groupRows (len+1 int32) into the
+// offsets buffer, allocating it on first use; x.mu is held. It reports
+// false when there is no buffer (the call keeps the cuBLASLt path), and an
+// error from the copy. The offsets go up through the staging slots: no
+// wait for the GPU, and the buffer's previous contents were read by the
+// kernels queued before this copy. StageToDevice copies the host slice
+// before it returns, so it is reused.
+func (x *expertGemm) stageOffsets(d *Device, groupRows []int) (bool, error) {
+	x.offsetsH = append(x.offsetsH[:0], 0)
+	for _, r := range groupRows {
+		x.offsetsH = append(x.offsetsH, x.offsetsH[len(x.offsetsH)-1]+int32(r))
+	}
+	if x.offsets == nil { // room for the most experts the kernel takes
+		var err error
+		if x.offsets, err = d.Alloc(4 * (ggMaxExperts + 1)); err != nil {
+			x.offsets = nil
+			return false, nil
+		}
+	}
+	return true, d.StageToDevice(x.offsets, 0, Bytes(x.offsetsH))
 }
 
 // close frees the offsets buffer.

@@ -78,6 +78,8 @@ type GroupedGemm struct {
 	// dispatchDgrad and dgradCombine are their backward twins, on the
 	// weights' transposed copies that transposeK writes.
 	dispatchDgrad, dgradCombine, transposeK *Kernel
+	// tn is the weight-gradient kernel (RunTN, grouped_gemm_tn).
+	tn *Kernel
 	// optInGather is dispatchSwiGLU's and dispatchDgrad's opted-in shared
 	// memory (one layout, fusedGatherSmem).
 	optInGather int
@@ -253,6 +255,14 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	}
 	if g.transposeK, err = m.Kernel("gg_transpose_bf16"); err != nil {
 		return nil, err
+	}
+	if g.tn, err = m.Kernel("grouped_gemm_tn"); err != nil {
+		return nil, err
+	}
+	if err := d.Do(func() error {
+		return d.drv.FuncSetAttribute(g.tn.fn, driver.FuncMaxDynamicSharedSizeOpt, ggTNSmemBytes)
+	}); err != nil {
+		return nil, fmt.Errorf("cuda: GroupedGemm: grouped_gemm_tn: %w", err)
 	}
 	return g, nil
 }
@@ -502,4 +512,126 @@ func b2i(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// The weight-gradient product (grouped_gemm_tn; its header describes the
+// tiling): for every expert e with rows [off[e], off[e+1]),
+//
+//	outEMN[e] = alpha * aRM[rows of e]ᵀ · bRN[rows of e] + beta * outEMN[e]
+//
+// with the rows as the product's K, read on the device.
+const (
+	ggTNStages    = 4                                       // GG_TN_STAGES
+	ggTNBN        = 256                                     // n tile
+	ggTNSmemBytes = 1024 + ggTNStages*49152 + 16*ggTNStages // slack, the ring, the barriers
+)
+
+// ggTNTiles is the kernel's tile count for an [experts, m, n] output:
+// every expert's m x n block, whatever its rows.
+func ggTNTiles(m, n, experts int) int64 {
+	return int64(experts) * int64((m+ggBM-1)/ggBM) * int64((n+ggTNBN-1)/ggTNBN)
+}
+
+// ggTNTileOf is the Go twin of gg_tn_tile: tile t's expert, first row of
+// m and first column of n; expert-major, then n-tile, m-tile fastest.
+func ggTNTileOf(t, m, n int) (expert, m0, n0 int) {
+	nTM, nTN := (m+ggBM-1)/ggBM, (n+ggTNBN-1)/ggTNBN
+	expert, r := t/(nTM*nTN), t%(nTM*nTN)
+	return expert, r % nTM * ggBM, r / nTM * ggTNBN
+}
+
+// checkGroupedGemmTN validates RunTN's sizes and pointers: TMA needs
+// 16-byte aligned bases and row strides (m and n multiples of 8), the
+// kernel counts tiles in 32 bits, and the offsets staging holds at most
+// ggMaxExperts+1 of them.
+func checkGroupedGemmTN(outEMN, aRM, bRN, offsetsE1 driver.DevicePtr, rows, m, n, experts int) error {
+	const op = "cuda: GroupedGemm.RunTN"
+	switch {
+	case rows < 1 || rows > math.MaxInt32:
+		return fmt.Errorf("%s: rows %d, want 1..%d", op, rows, math.MaxInt32)
+	case m < 8 || m%8 != 0 || m > 1<<24:
+		return fmt.Errorf("%s: m %d, want a positive multiple of 8 up to 2^24", op, m)
+	case n < 8 || n%8 != 0 || n > 1<<24:
+		return fmt.Errorf("%s: n %d, want a positive multiple of 8 up to 2^24", op, n)
+	case experts < 1 || experts > ggMaxExperts:
+		return fmt.Errorf("%s: experts %d, want 1..%d", op, experts, ggMaxExperts)
+	}
+	if tiles := ggTNTiles(m, n, experts); tiles > math.MaxInt32 {
+		return fmt.Errorf("%s: %d tiles overflow the kernel's 32-bit tile index", op, tiles)
+	}
+	for _, p := range []struct {
+		name  string
+		ptr   driver.DevicePtr
+		align driver.DevicePtr
+	}{{"outEMN", outEMN, 16}, {"aRM", aRM, 16}, {"bRN", bRN, 16}, {"offsetsE1", offsetsE1, 4}} {
+		if p.ptr == 0 {
+			return fmt.Errorf("%s: %s is null", op, p.name)
+		}
+		if p.ptr%p.align != 0 {
+			return fmt.Errorf("%s: %s %#x is not %d-byte aligned", op, p.name, uint64(p.ptr), p.align)
+		}
+	}
+	return nil
+}
+
+// RunTN queues the weight-gradient product on the device stream: for each
+// expert e, outEMN[e] ([m, n] float32, of [experts, m, n]) = alpha *
+// aRM[r, :]ᵀ · bRN[r, :] summed over the rows r in [off[e], off[e+1])
+// (offsetsE1: experts+1 int32 in device memory, clamped to [0, rows]),
+// plus beta * outEMN[e]. aRM [rows, m] and bRN [rows, n] are bf16. An
+// empty expert's block is scaled by beta. Sizes and pointers are checked
+// at once (an error names the argument); launch and kernel errors come
+// from the next Sync.
+func (g *GroupedGemm) RunTN(outEMN, aRM, bRN, offsetsE1 driver.DevicePtr, rows, m, n, experts int, alpha, beta float32) error {
+	if err := checkGroupedGemmTN(outEMN, aRM, bRN, offsetsE1, rows, m, n, experts); err != nil {
+		return err
+	}
+	// Both operands MN-major: boxes of 64 columns x 64 rows (K), the
+	// 128-byte swizzle (a box row is 128 bytes).
+	mapA := driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: aRM,
+		Dims: []uint64{uint64(m), uint64(rows)}, Strides: []uint64{2 * uint64(m)},
+		Box: []uint32{64, ggBK}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+	mapB := driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: bRN,
+		Dims: []uint64{uint64(n), uint64(rows)}, Strides: []uint64{2 * uint64(n)},
+		Box: []uint32{64, ggBK}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+	for _, mp := range []struct {
+		name string
+		m    driver.TiledMap
+	}{{"aRM", mapA}, {"bRN", mapB}} {
+		if err := mp.m.Check(); err != nil {
+			return fmt.Errorf("cuda: GroupedGemm.RunTN: %s: %w", mp.name, err)
+		}
+	}
+	grid := Grid1D(int(min(int64(g.d.info.SMs), ggTNTiles(m, n, experts))), ggThreads)
+	grid.Shared = ggTNSmemBytes
+	slots := []uint64{uint64(outEMN), uint64(offsetsE1), uint64(uint32(rows)), uint64(uint32(m)), uint64(uint32(n)),
+		uint64(uint32(experts)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}
+	d := g.d
+	return d.Submit(func() error {
+		var ta, tb driver.TensorMap
+		if err := g.enc.EncodeTiled(&ta, mapA); err != nil {
+			return fmt.Errorf("cuda: GroupedGemm.RunTN: aRM tensor map: %w", err)
+		}
+		if err := g.enc.EncodeTiled(&tb, mapB); err != nil {
+			return fmt.Errorf("cuda: GroupedGemm.RunTN: bRN tensor map: %w", err)
+		}
+		var pin runtime.Pinner
+		defer pin.Unpin()
+		pin.Pin(&ta)
+		pin.Pin(&tb)
+		pin.Pin(&slots[0])
+		params := []unsafe.Pointer{unsafe.Pointer(&ta), unsafe.Pointer(&tb)}
+		for i := range slots {
+			params = append(params, unsafe.Pointer(&slots[i]))
+		}
+		pin.Pin(&params[0])
+		if err := d.drv.LaunchKernel(g.tn.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
+			return fmt.Errorf("%s: %w", g.tn.Desc.Name, err)
+		}
+		return nil
+	})
 }

@@ -34,7 +34,7 @@ var ggProbe struct {
 
 // ggCanaryTests run in the child process before any grouped GEMM kernel
 // runs in this one.
-const ggCanaryTests = "^(TestGroupedGemmCompileProbe|TestGroupedGemmDebug|TestGroupedGemmDebugPatterns|TestGroupedGemmCases|TestMoEFusedMatchesUnfused)$"
+const ggCanaryTests = "^(TestGroupedGemmCompileProbe|TestGroupedGemmDebug|TestGroupedGemmDebugPatterns|TestGroupedGemmCases|TestGroupedGemmTN|TestMoEFusedMatchesUnfused)$"
 
 // testGroupedGemm returns a GroupedGemm on the test device, or skips.
 func testGroupedGemm(t *testing.T) *GroupedGemm {

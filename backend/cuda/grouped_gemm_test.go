@@ -548,3 +548,70 @@ func TestGroupedGemmReference(t *testing.T) {
 		}
 	}
 }
+
+func TestGroupedGemmTNCheck(t *testing.T) {
+	const p = driver.DevicePtr(1 << 20)
+	if err := checkGroupedGemmTN(p, p, p, p, 4096, 2816, 1024, 8); err != nil {
+		t.Fatalf("valid call refused: %v", err)
+	}
+	for _, c := range []struct {
+		want                string
+		out, a, b, off      driver.DevicePtr
+		rows, m, n, experts int
+	}{
+		{"rows 0", p, p, p, p, 0, 64, 64, 2},
+		{"m 12", p, p, p, p, 10, 12, 64, 2},
+		{"n 0", p, p, p, p, 10, 64, 0, 2},
+		{"experts 0", p, p, p, p, 10, 64, 64, 0},
+		{"experts 1025", p, p, p, p, 10, 64, 64, 1025},
+		{"tiles", p, p, p, p, 10, 1 << 24, 1 << 24, 2},
+		{"outEMN is null", 0, p, p, p, 10, 64, 64, 2},
+		{"aRM", p, p + 8, p, p, 10, 64, 64, 2},
+		{"bRN", p, p, p + 2, p, 10, 64, 64, 2},
+		{"offsetsE1", p, p, p, p + 2, 10, 64, 64, 2},
+	} {
+		err := checkGroupedGemmTN(c.out, c.a, c.b, c.off, c.rows, c.m, c.n, c.experts)
+		if err == nil || !strings.Contains(err.Error(), strings.Fields(c.want)[0]) {
+			t.Errorf("%s: got %v, want an error naming %q", c.want, err, strings.Fields(c.want)[0])
+		}
+	}
+	// RunTN validates before it touches the device (nil here).
+	g := &GroupedGemm{}
+	if err := g.RunTN(p, p+4, p, p, 100, 64, 64, 2, 1, 1); err == nil || !strings.Contains(err.Error(), "aRM") {
+		t.Errorf("misaligned A: %v", err)
+	}
+}
+
+// TestGroupedGemmTNTiles checks the weight-gradient kernel's tile list
+// (ggTNTileOf, the twin of gg_tn_tile): every expert's output block is
+// covered once, expert by expert, with m-tiles fastest, including partial
+// tiles at the m and n edges.
+func TestGroupedGemmTNTiles(t *testing.T) {
+	for _, s := range []struct{ m, n, experts int }{{2816, 1024, 2}, {1408, 2048, 2}, {136, 264, 3}, {64, 8, 1}} {
+		total := int(ggTNTiles(s.m, s.n, s.experts))
+		covered := make([]int, s.experts*s.m*s.n)
+		lastExpert := 0
+		for tile := range total {
+			e, m0, n0 := ggTNTileOf(tile, s.m, s.n)
+			if e < lastExpert || e >= s.experts {
+				t.Fatalf("%+v: tile %d is expert %d after expert %d", s, tile, e, lastExpert)
+			}
+			lastExpert = e
+			if tile > 0 {
+				if pe, pm, _ := ggTNTileOf(tile-1, s.m, s.n); pe == e && m0 != 0 && m0 != pm+ggBM {
+					t.Fatalf("%+v: tile %d at m %d after m %d: m-tiles are not fastest", s, tile, m0, pm)
+				}
+			}
+			for i := m0; i < min(m0+ggBM, s.m); i++ {
+				for j := n0; j < min(n0+ggTNBN, s.n); j++ {
+					covered[(e*s.m+i)*s.n+j]++
+				}
+			}
+		}
+		for i, c := range covered {
+			if c != 1 {
+				t.Fatalf("%+v: element %d covered %d times", s, i, c)
+			}
+		}
+	}
+}
