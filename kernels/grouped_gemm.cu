@@ -478,7 +478,9 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 //
 // FUSE 3 is FUSE 1's flow for the backward: the gathered rows are the
 // output gradients scaled by their gates (dy), the product is the dgrad
-// dAct = dy.W2_e (W2_eᵀ given K-major, a transposed copy), and the
+// dAct = dy.W2_e (W2_e [K, N] as stored: the B operand MN-major, four
+// boxes of 64 columns x 64 rows of K per stage, read with the transpose
+// bit and gg_desc_mn as grouped_gemm_tn's operands), and the
 // epilogue turns dAct, with the forward's h1 and h3, into dh1 and dh3
 // (SwiGLU's backward); dAct never leaves the registers. h1 and h3 come in
 // by TMA, box by box, into the staging buffers (the first two boxes of a
@@ -486,8 +488,9 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // them and leave by TMA stores (gg_epilogue_dswiglu_tma).
 //
 // FUSE 4 is FUSE 2 over two K halves: dx = dh1.W1_e + dh3.W3_e, the
-// k-blocks of (dh1, W1ᵀ) then those of (dh3, W3ᵀ) in one accumulator, the
-// rows written to their source ranks.
+// k-blocks of (dh1, W1) then those of (dh3, W3) in one accumulator (the
+// weights as stored, MN-major, as FUSE 3's W2), the rows written to their
+// source ranks.
 //
 // FUSE 2 and 4 raise per-row completion flags when given them (fz.done,
 // per rank its int32 list in send order): a warpgroup's 64-row block of
@@ -1359,11 +1362,17 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
           gg_tma_3d(a + A_BYTES, mapW, kb * GG_BK, tile.n0, tile.e, full);
           gg_tma_3d(a + A_BYTES + B_BYTES / 2, fz.mapW3, kb * GG_BK, tile.n0, tile.e, full);
         } else if (FUSE == 4) {
-          // k-blocks of (dh1, W1ᵀ), then of (dh3, W3ᵀ).
+          // k-blocks of (dh1, W1), then of (dh3, W3).
           const bool second = kb >= nK1;
           const int kc = (second ? kb - nK1 : kb) * GG_BK;
           gg_tma_2d(a, second ? fz.mapA2 : mapA, kc, tile.row0, full);
-          gg_tma_3d(a + A_BYTES, second ? fz.mapW3 : mapW, kc, tile.n0, tile.e, full);
+#pragma unroll
+          for (int j = 0; j < 4; j++)
+            gg_tma_3d(a + A_BYTES + j * 8192u, second ? fz.mapW3 : mapW, tile.n0 + 64 * j, kc, tile.e, full);
+        } else if (FUSE == 3) {
+          // W2 as it is stored, [E, K, N]: MN-major boxes of 64 columns.
+#pragma unroll
+          for (int j = 0; j < 4; j++) gg_tma_3d(a + A_BYTES + j * 8192u, mapW, tile.n0 + 64 * j, kb * GG_BK, tile.e, full);
         } else {
           gg_tma_3d(a + A_BYTES, mapW, kb * GG_BK, tile.n0, tile.e, full);
         }
@@ -1407,13 +1416,19 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       // Reconverge the warp before the .aligned wgmma instructions.
       asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
       const unsigned a = base + s * STAGE_BYTES;
-      const unsigned long long da = gg_desc(a + cw * 64 * 128), db = gg_desc(a + A_BYTES);
+      // The backward kernels (FUSE 3 and 4) read the weights as stored,
+      // MN-major; the rest K-major.
+      constexpr bool MN_B = FUSE == 3 || FUSE == 4;
+      const unsigned long long da = gg_desc(a + cw * 64 * 128),
+                               db = MN_B ? gg_desc_mn(a + A_BYTES, 8192u) : gg_desc(a + A_BYTES);
       gg_wgmma_fence();
       gg_fence_acc(acc);
 #pragma unroll
       for (int kk = 0; kk < GG_BK / 16; kk++) {
-        // +2 in the descriptor's address field is 32 bytes: 16 bf16 of K.
-        gg_wgmma(acc, da + 2 * kk, db + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+        // +2 in the descriptor's address field is 32 bytes: 16 bf16 of a
+        // K-major row; +128 is 2048 bytes: 16 MN-major rows of K.
+        if (MN_B) gg_wgmma<0, 1>(*(float(*)[128])acc, da + 2 * kk, db + 128 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+        else gg_wgmma(acc, da + 2 * kk, db + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
       }
       gg_wgmma_commit();
       if (kb > 0) {
@@ -1594,8 +1609,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
 
 // moe_dispatch_dgrad (FUSE 3, 3 stages, TMA loads and stores in the
 // epilogue): mapA is dy's {K, rows} map (written by the kernel itself
-// before it is read; K = D), mapW W2ᵀ's {K, N, E} map (boxes of 256 rows;
-// N = F); dh1, dh3 out and h1, h3 in are bf16 [rows, N], each also given
+// before it is read; K = D), mapW W2's {N, K, E} map (W2 as stored,
+// [E, D, F]; boxes of 64 columns x 64 rows; N = F); dh1, dh3 out and h1, h3 in are bf16 [rows, N], each also given
 // as a {N, rows} map with 64x64 boxes (mapDh1, mapDh3, mapH1, mapH3);
 // scales per rank its float32 gates in send order; flags and fault as
 // moe_dispatch_swiglu's. Dynamic shared memory as moe_dispatch_swiglu's
@@ -1629,8 +1644,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(
 
 // moe_dgrad_combine (FUSE 4, 4 stages): dx = dh1.W1 + dh3.W3 per expert,
 // rows to their source ranks as moe_down_combine; mapA and mapA2 are dh1's
-// and dh3's {K, rows} maps (K = F), mapW and mapW3 W1ᵀ's and W3ᵀ's
-// {K, N, E} maps (boxes of 256 rows; N = D); done and rowTiles as
+// and dh3's {K, rows} maps (K = F), mapW and mapW3 W1's and W3's
+// {N, K, E} maps (as stored, [E, F, D]; boxes of 64 columns x 64 rows;
+// N = D); done and rowTiles as
 // moe_down_combine's.
 extern "C" __global__ void __launch_bounds__(384, 1) moe_dgrad_combine(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapA2, const __grid_constant__ gg_tmap mapW,
@@ -1647,66 +1663,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dgrad_combine(
   gg_body<256, 4, false, false, false, 0, 4>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
-// gg_transpose_bf16 writes out[e] = in[e]ᵀ for E matrices in [E, A, B]
-// (bf16), out [E, B, A]: the K-major copies of weights that the backward's
-// products take as B. A block moves one 64x64 tile through shared memory;
-// grid (ceil(B/64), ceil(A/64), E), 256 threads. When A and B are
-// multiples of 8 (the fused ops' dims always are) every global access is
-// 16 bytes, 8 threads to a 128-byte row on both sides; the tile's rows are
-// 65 elements apart so that the column reads of the second half (8 rows
-// 8 apart, 4 columns) fall in distinct banks. Other sizes go element by
-// element.
-extern "C" __global__ void __launch_bounds__(256) gg_transpose_bf16(const unsigned short* in, unsigned short* out,
-                                                                    int A, int B) {
-  __shared__ unsigned short tile[64][65];
-  const long long e = blockIdx.z;
-  const int b0 = blockIdx.x * 64, a0 = blockIdx.y * 64;
-  const unsigned short* src = in + e * A * B;
-  unsigned short* dst = out + e * A * B;
-  if (((A | B) & 7) == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int c = threadIdx.x + 256 * r, i = c >> 3, j = (c & 7) * 8;
-      const int a = a0 + i, b = b0 + j;
-      if (a < A && b < B) {
-        unsigned v[4];
-        asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                     : "l"(src + (long long)a * B + b));
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-          tile[i][j + 2 * k] = (unsigned short)(v[k] & 0xffffu);
-          tile[i][j + 2 * k + 1] = (unsigned short)(v[k] >> 16);
-        }
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int c = threadIdx.x + 256 * r, jb = c >> 3, i = (c & 7) * 8;
-      const int b = b0 + jb, a = a0 + i;
-      if (a < A && b < B) {
-        unsigned v[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++) v[k] = (unsigned)tile[i + 2 * k][jb] | ((unsigned)tile[i + 2 * k + 1][jb] << 16);
-        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + (long long)b * A + a), "r"(v[0]),
-                     "r"(v[1]), "r"(v[2]), "r"(v[3])
-                     : "memory");
-      }
-    }
-    return;
-  }
-  const int tx = threadIdx.x & 63, ty = threadIdx.x >> 6;  // 64 x 4
-  for (int i = ty; i < 64; i += 4) {
-    const int a = a0 + i, b = b0 + tx;
-    if (a < A && b < B) tile[i][tx] = src[(long long)a * B + b];
-  }
-  __syncthreads();
-  for (int i = ty; i < 64; i += 4) {
-    const int b = b0 + i, a = a0 + tx;
-    if (a < A && b < B) dst[(long long)b * A + a] = tile[tx][i];
-  }
-}
 
 extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const int* refs,

@@ -156,7 +156,6 @@ func Sources() []Source {
 			{Name: "moe_dispatch_dgrad", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
 			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_tn", Block: 384, Grid: "persistent: min(SMs, E*ceil(M/128)*ceil(N/256)) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"},
-			{Name: "gg_transpose_bf16", Block: 256, Grid: "(ceil(B/64), ceil(A/64), E) blocks"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

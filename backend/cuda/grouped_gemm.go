@@ -75,9 +75,9 @@ type GroupedGemm struct {
 	// dispatchSwiGLU and downCombine are the MoE fused kernels
 	// (moe_fused.go), bn256 cooperative like ggCoop256.
 	dispatchSwiGLU, downCombine *Kernel
-	// dispatchDgrad and dgradCombine are their backward twins, on the
-	// weights' transposed copies that transposeK writes.
-	dispatchDgrad, dgradCombine, transposeK *Kernel
+	// dispatchDgrad and dgradCombine are their backward twins, which read
+	// the weights as stored (MN-major).
+	dispatchDgrad, dgradCombine *Kernel
 	// tn is the weight-gradient kernel (RunTN, grouped_gemm_tn).
 	tn *Kernel
 	// optInGather is dispatchSwiGLU's and dispatchDgrad's opted-in shared
@@ -252,9 +252,6 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 			g.dgradLocal = local
 		}
 		*f.k = k
-	}
-	if g.transposeK, err = m.Kernel("gg_transpose_bf16"); err != nil {
-		return nil, err
 	}
 	if g.tn, err = m.Kernel("grouped_gemm_tn"); err != nil {
 		return nil, err

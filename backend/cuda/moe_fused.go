@@ -47,8 +47,8 @@ const fusedMaxRanks = 256
 
 // fusedTables is the device memory a fused call needs besides its
 // operands: per-rank pointer tables and group offsets (staged up with the
-// call), the per m-tile chunk sets, the fault record of the tile waits,
-// and the transposed weight copies of the backward. Calls are queued on
+// call), the per m-tile chunk sets and the fault record of the tile
+// waits. Calls are queued on
 // one stream, so a call's uploads land after the previous call's kernel
 // has read them.
 type fusedTables struct {
@@ -68,10 +68,6 @@ type fusedTables struct {
 	// combineTimeout, when set, replaces fusedTimeout for CombineRows'
 	// flag waits (tests of the report).
 	combineTimeout time.Duration
-	// wT holds the K-major (transposed) weight copies of the backward's
-	// products, wTBytes long.
-	wT      *Buffer
-	wTBytes int64
 }
 
 const (
@@ -205,31 +201,6 @@ func fusedFaultError(kernel string, timeout time.Duration, tile int, landed uint
 		kernel, tile, timeout, missing, ggChunks, from)
 }
 
-// fusedWTCopies is how many transposed weights a backward call needs at
-// once (DgradCombine's W1ᵀ and W3ᵀ; DispatchDgradSwiGLU's W2ᵀ uses one).
-const fusedWTCopies = 2
-
-// transposedCopy queues slot i of wT (grown to fusedWTCopies copies) =
-// w[e]ᵀ for experts bf16 matrices [a, b] and returns its address.
-func (f *fusedTables) transposedCopy(d *Device, gg *GroupedGemm, i int, w driver.DevicePtr, experts, a, b int) (driver.DevicePtr, error) {
-	each := 2 * int64(experts) * int64(a) * int64(b)
-	if need := each * fusedWTCopies; need > f.wTBytes {
-		if f.wT != nil {
-			if err := d.Free(f.wT); err != nil {
-				return 0, err
-			}
-			f.wT, f.wTBytes = nil, 0
-		}
-		buf, err := d.Alloc(need)
-		if err != nil {
-			return 0, err
-		}
-		f.wT, f.wTBytes = buf, need
-	}
-	p := f.wT.Ptr() + driver.DevicePtr(int64(i)*each)
-	return p, gg.transpose(p, w, experts, a, b)
-}
-
 // armWaits prepares a launch whose tile waits read n chunk sets and are
 // bounded by timeout: the sets zeroed, the fault record armed.
 func (f *fusedTables) armWaits(d *Device, n int, timeout time.Duration) (flags, fault driver.DevicePtr, err error) {
@@ -317,7 +288,7 @@ func (f *fusedTables) close(d *Device) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var err error
-	for _, b := range []**Buffer{&f.tables, &f.flags, &f.fault, &f.wT} {
+	for _, b := range []**Buffer{&f.tables, &f.flags, &f.fault} {
 		if *b != nil {
 			if e := d.Free(*b); e != nil && err == nil {
 				err = e
@@ -325,7 +296,7 @@ func (f *fusedTables) close(d *Device) error {
 			*b = nil
 		}
 	}
-	f.flagsN, f.wTBytes, f.armed = 0, 0, false
+	f.flagsN, f.armed = 0, false
 	return err
 }
 
@@ -681,17 +652,13 @@ func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 	}
 	taken := b.runFused(a, groupRows, rows, func(tb *fusedTables, sum int) error {
 		gg := x.bf16Out
-		w2T, err := tb.transposedCopy(b.dev, gg, 0, ps[5], g, d, f)
-		if err != nil {
-			return err
-		}
 		flags, fault, err := tb.armWaits(b.dev, sum/ggBM+g, gg.waitTimeout())
 		if err != nil {
 			return err
 		}
 		tp := tb.tables.Ptr()
 		return gg.runDispatchDgrad(fusedDgrad{
-			dy: ps[0], dh1: ps[1], dh3: ps[2], h1: ps[3], h3: ps[4], w2T: w2T, refs: a.refs,
+			dy: ps[0], dh1: ps[1], dh3: ps[2], h1: ps[3], h3: ps[4], w2: ps[5], refs: a.refs,
 			ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, scales: tp + fusedScalesOff, offsets: tp + fusedOffsOff,
 			flags: flags, fault: fault, rows: sum, n: f, k: d, experts: g,
 		})
@@ -745,20 +712,13 @@ func (b *Backend) dgradCombineKernel(outSD, doneS []backend.Tensor, refsR2, dh1R
 	}
 	taken := b.runFused(a, groupRows, rows, func(tb *fusedTables, sum int) error {
 		gg := x.bf16Out
-		var wT [fusedWTCopies]driver.DevicePtr
-		for i, w := range []driver.DevicePtr{ps[2], ps[3]} {
-			var err error
-			if wT[i], err = tb.transposedCopy(b.dev, gg, i, w, g, f, d); err != nil {
-				return err
-			}
-		}
 		done, rowTiles, err := tb.combineFlags(b.dev, a, sum, g)
 		if err != nil {
 			return err
 		}
 		tp := tb.tables.Ptr()
 		return gg.runDgradCombine(fusedDgradCombine{
-			dh1: ps[0], dh3: ps[1], w1T: wT[0], w3T: wT[1], refs: a.refs, ptrs: tp + fusedPtrsOff,
+			dh1: ps[0], dh3: ps[1], w1: ps[2], w3: ps[3], refs: a.refs, ptrs: tp + fusedPtrsOff,
 			done: done, rowTiles: rowTiles, offsets: tp + fusedOffsOff, rows: sum, n: d, k: f, experts: g,
 		})
 	})
@@ -769,18 +729,18 @@ func (b *Backend) dgradCombineKernel(outSD, doneS []backend.Tensor, refsR2, dh1R
 	return taken
 }
 
-// fusedDgrad is one moe_dispatch_dgrad call (n = F, k = D); w2T is W2's
-// transposed copy [E, F, D].
+// fusedDgrad is one moe_dispatch_dgrad call (n = F, k = D); w2 is W2 as
+// stored, [E, D, F], which the kernel reads MN-major.
 type fusedDgrad struct {
-	dy, dh1, dh3, h1, h3, w2T, refs, ptrs, toks, scales, offsets, flags, fault driver.DevicePtr
-	rows, n, k, experts                                                        int
+	dy, dh1, dh3, h1, h3, w2, refs, ptrs, toks, scales, offsets, flags, fault driver.DevicePtr
+	rows, n, k, experts                                                       int
 }
 
-// fusedDgradCombine is one moe_dgrad_combine call (n = D, k = F); w1T and
-// w3T are the transposed copies [E, D, F].
+// fusedDgradCombine is one moe_dgrad_combine call (n = D, k = F); w1 and
+// w3 are W1 and W3 as stored, [E, F, D], read MN-major.
 type fusedDgradCombine struct {
-	dh1, dh3, w1T, w3T, refs, ptrs, done, rowTiles, offsets driver.DevicePtr
-	rows, n, k, experts                                     int
+	dh1, dh3, w1, w3, refs, ptrs, done, rowTiles, offsets driver.DevicePtr
+	rows, n, k, experts                                   int
 }
 
 // waitTimeout is the fused kernels' bound on one tile wait.
@@ -811,11 +771,23 @@ func expertsMap(addr driver.DevicePtr, experts, n, k int, boxRows uint32) driver
 	}
 }
 
+// expertsMNMap is the {n, k, experts} bf16 map of weights stored [experts,
+// k, n] (n contiguous) that a product reads as its MN-major B [n, k]:
+// boxes of 64 columns x 64 rows of k, the 128-byte swizzle.
+func expertsMNMap(addr driver.DevicePtr, experts, n, k int) driver.TiledMap {
+	return driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: addr,
+		Dims:    []uint64{uint64(n), uint64(k), uint64(experts)},
+		Strides: []uint64{2 * uint64(n), 2 * uint64(n) * uint64(k)},
+		Box:     []uint32{64, ggBK, 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+}
+
 // runDispatchDgrad queues moe_dispatch_dgrad. Its grid must be resident at
 // once, as runDispatchSwiGLU's: one block per SM, which its shared memory
 // enforces.
 func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
-	maps := []driver.TiledMap{rowsMap(a.dy, a.rows, a.k), expertsMap(a.w2T, a.experts, a.n, a.k, 256),
+	maps := []driver.TiledMap{rowsMap(a.dy, a.rows, a.k), expertsMNMap(a.w2, a.experts, a.n, a.k),
 		boxesMap(a.dh1, a.rows, a.n), boxesMap(a.dh3, a.rows, a.n), boxesMap(a.h1, a.rows, a.n),
 		boxesMap(a.h3, a.rows, a.n)}
 	slots := []uint64{uint64(a.dh1), uint64(a.dh3), uint64(a.h1), uint64(a.h3), uint64(a.dy), uint64(a.refs),
@@ -830,18 +802,11 @@ func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
 // runDgradCombine queues moe_dgrad_combine.
 func (g *GroupedGemm) runDgradCombine(a fusedDgradCombine) error {
 	maps := []driver.TiledMap{rowsMap(a.dh1, a.rows, a.k), rowsMap(a.dh3, a.rows, a.k),
-		expertsMap(a.w1T, a.experts, a.n, a.k, 256), expertsMap(a.w3T, a.experts, a.n, a.k, 256)}
+		expertsMNMap(a.w1, a.experts, a.n, a.k), expertsMNMap(a.w3, a.experts, a.n, a.k)}
 	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.done), uint64(a.rowTiles), uint64(a.offsets),
 		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
 		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
 	return g.launchFused(g.dgradCombine, grid, maps, slots, g.optIn[ggCoop256])
-}
-
-// transpose queues out[e] = in[e]ᵀ for experts bf16 matrices [a, b]
-// (out [experts, b, a]).
-func (g *GroupedGemm) transpose(out, in driver.DevicePtr, experts, a, b int) error {
-	grid := Grid{Grid: driver.Dim3{X: (b + 63) / 64, Y: (a + 63) / 64, Z: experts}, Block: driver.Dim3{X: 256, Y: 1, Z: 1}}
-	return g.d.Launch(g.transposeK, grid, in, out, int32(a), int32(b))
 }
