@@ -48,9 +48,8 @@ const fusedMaxRanks = 256
 // fusedTables is the device memory a fused call needs besides its
 // operands: per-rank pointer tables and group offsets (staged up with the
 // call), the per m-tile chunk sets and the fault record of the tile
-// waits. Calls are queued on
-// one stream, so a call's uploads land after the previous call's kernel
-// has read them.
+// waits. Calls are queued on one stream, so a call's uploads land after
+// the previous call's kernel has read them.
 type fusedTables struct {
 	mu     sync.Mutex
 	tables *Buffer // [fusedMaxRanks]u64 ptrs, toks, scales and done flags, [ggMaxExperts+1]int32 offsets
