@@ -135,7 +135,8 @@ func groupedCases() []Case {
 		}})
 		if !k.outBF16 {
 			// The weight gradients of the same groups, accumulated into
-			// float32 (the CUDA backend's TN kernel): groups that end
+			// float32 (the shapes the CUDA backend's TN kernel takes):
+			// groups that end
 			// inside a 64-row k-block, an empty group, the rows past the
 			// groups, partial m and n tiles.
 			cs = append(cs, Case{Name: "GroupedMatMulTN/bf16-kernel-" + k.name, Compare: func(e *Env) {

@@ -154,9 +154,9 @@ func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, 
 }
 
 // GroupedMatMulTN runs the experts' weight gradients (see
-// backend.Backend): on the TN grouped kernel for bf16 operands into
-// float32 (groupedKernelTN), else one cuBLASLt product per group
-// (Gemm.GroupedMatMulTN).
+// backend.Backend): one cuBLASLt product per group (Gemm.GroupedMatMulTN),
+// or the TN grouped kernel where expertGemm.wgrad routes them to it
+// (groupedKernelTN).
 func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []int, alpha, beta float64) {
 	const op = "GroupedMatMulTN"
 	at, _, _ := operandMatrix(op, "a", aRM)

@@ -5,9 +5,10 @@ package cuda
 // persistent kernel over every expert, reading the group offsets on the
 // device. It serves GroupedMatMul's NT case (out = a·W_gᵀ, the forward of
 // w1, w3 and w2) with bf16 operands, beta 0, and sizes and addresses the
-// kernel takes, and GroupedMatMulTN (the weight gradients, float32 out
-// accumulated with beta 1) with bf16 operands on the TN kernel (RunTN);
-// everything else keeps the cuBLASLt path. bf16 outputs use
+// kernel takes, and, when expertGemm.wgrad is on, GroupedMatMulTN (the
+// weight gradients, float32 out accumulated with beta 1) with bf16
+// operands on the TN kernel (RunTN); everything else keeps the cuBLASLt
+// path. bf16 outputs use
 // the TMA-store epilogue (bn256s), the fastest variant measured
 // (bench/results/h200-20261202-fa2ca3b/).
 
@@ -23,6 +24,15 @@ type expertGemm struct {
 	bf16Out  *GroupedGemm // Store: bn256s
 	floatOut *GroupedGemm // the register epilogue (float32 out)
 	err      error        // why the kernel is not used (not Hopper, ...)
+	// wgrad routes GroupedMatMulTN to the TN kernel (RunTN). Off for
+	// now: at 53821a3 its float32 epilogue with beta 1, one dependent
+	// load per stored pair, made the weight gradients 1.36x slower than
+	// the cuBLASLt loop in moe-small's training step (11.0 ms against
+	// 8.1 ms; bench/results/h200-20261203-53821a3/), though with beta 0
+	// it is within 10% of that loop at moe-small and 10-16% faster at the
+	// fine-grained shape. The batched epilogue that follows it waits for
+	// a GPU run (kernels/grouped_gemm.md).
+	wgrad bool
 
 	mu       sync.Mutex
 	offsets  *Buffer // the last call's group offsets, int32
@@ -94,7 +104,7 @@ func (b *Backend) groupedKernelTN(ot, at, bt *Tensor, groupRows []int, m, n int,
 		return false
 	}
 	x, ok := b.expertKernels()
-	if !ok {
+	if !ok || !x.wgrad {
 		return false
 	}
 	ps, ok := devicePtrs(ot, at, bt)
