@@ -6,8 +6,9 @@ package cuda
 // kernel zeroes the next expert's rows), empty experts under beta 0, 1
 // and others, m and n that are not multiples of the tile, rows before
 // the first expert, and every output element checked.
-// TestGroupedGemmTNFigures times it against the cuBLASLt loop it replaces
-// on moe-small's and the fine-grained shape's weight gradients.
+// TestGroupedGemmTNFigures times it against the cuBLASLt loop on
+// moe-small's and the fine-grained shape's weight gradients, overwriting
+// (beta 0) and accumulating (beta 1, as in training).
 
 import (
 	"fmt"
@@ -134,8 +135,8 @@ func ggTNReference(a, b, out0 []float32, off []int32, m, n int, alpha, beta floa
 // TestGroupedGemmTNFigures times the weight-gradient products of
 // moe-small (8 experts, D 1024, F 2816) and the fine-grained shape (64
 // experts, D 2048, F 1408) on one rank's routed rows, evenly spread:
-// RunTN against the cuBLASLt loop (one product per expert) it replaces,
-// after checking that the two agree.
+// RunTN against the cuBLASLt loop (one product per expert), after checking
+// that the two agree, with beta 0 and then beta 1.
 func TestGroupedGemmTNFigures(t *testing.T) {
 	g := testGroupedGemm(t)
 	if testing.Short() {
@@ -207,6 +208,23 @@ func TestGroupedGemmTNFigures(t *testing.T) {
 		figure(t, name+" kernel", msK, fmt.Sprintf("ms (%.1f TFLOP/s)", flop/msK/1e9))
 		figure(t, name+" cuBLASLt loop", msL, fmt.Sprintf("ms (%.1f TFLOP/s)", flop/msL/1e9))
 		figure(t, name+" kernel over cuBLASLt loop", msK/msL, "x")
+		// Accumulating (beta 1), as the training step does: the epilogue
+		// reads the old gradients too.
+		msK1, err := ggTime(d, func() error {
+			return g.RunTN(outK.Ptr(), aBuf.Ptr(), bBuf.Ptr(), offBuf.Ptr(), s.rows, s.m, s.n, s.e, 1, 1)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		msL1, err := ggTime(d, func() error {
+			return lt.GroupedMatMulTN(types, outL.Ptr(), aBuf.Ptr(), bBuf.Ptr(), counts, s.m, s.n, 1, 1)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		figure(t, name+" beta 1 kernel", msK1, "ms")
+		figure(t, name+" beta 1 cuBLASLt loop", msL1, "ms")
+		figure(t, name+" beta 1 kernel over cuBLASLt loop", msK1/msL1, "x")
 		for _, buf := range []*Buffer{aBuf, bBuf, offBuf, outK, outL} {
 			d.Free(buf)
 		}
