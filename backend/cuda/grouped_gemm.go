@@ -288,16 +288,23 @@ func checkGroupedGemm(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n, k, 
 	if tiles := (int64(rows)/ggBM + int64(experts)) * int64((n+127)/128); tiles > math.MaxInt32 {
 		return fmt.Errorf("%s: %d tiles overflow the kernel's 32-bit schedule", op, tiles)
 	}
-	for _, p := range []struct {
-		name  string
-		ptr   driver.DevicePtr
-		align driver.DevicePtr
-	}{{"outRN", outRN, 16}, {"aRK", aRK, 16}, {"wENK", wENK, 16}, {"offsetsE1", offsetsE1, 4}} {
-		if p.ptr == 0 {
-			return fmt.Errorf("%s: %s is null", op, p.name)
+	return checkOperandPtrs(op, []string{"outRN", "aRK", "wENK", "offsetsE1"}, outRN, aRK, wENK, offsetsE1)
+}
+
+// checkOperandPtrs checks a grouped kernel's pointers, named by names:
+// the three matrices 16-byte aligned (TMA and vector stores), the
+// offsets last, 4-byte aligned; none null.
+func checkOperandPtrs(op string, names []string, out, a, b, offsets driver.DevicePtr) error {
+	for i, p := range []driver.DevicePtr{out, a, b, offsets} {
+		align := driver.DevicePtr(16)
+		if i == 3 {
+			align = 4
 		}
-		if p.ptr%p.align != 0 {
-			return fmt.Errorf("%s: %s %#x is not %d-byte aligned", op, p.name, uint64(p.ptr), p.align)
+		if p == 0 {
+			return fmt.Errorf("%s: %s is null", op, names[i])
+		}
+		if p%align != 0 {
+			return fmt.Errorf("%s: %s %#x is not %d-byte aligned", op, names[i], uint64(p), align)
 		}
 	}
 	return nil
@@ -556,19 +563,7 @@ func checkGroupedGemmTN(outEMN, aRM, bRN, offsetsE1 driver.DevicePtr, rows, m, n
 	if tiles := ggTNTiles(m, n, experts); tiles > math.MaxInt32 {
 		return fmt.Errorf("%s: %d tiles overflow the kernel's 32-bit tile index", op, tiles)
 	}
-	for _, p := range []struct {
-		name  string
-		ptr   driver.DevicePtr
-		align driver.DevicePtr
-	}{{"outEMN", outEMN, 16}, {"aRM", aRM, 16}, {"bRN", bRN, 16}, {"offsetsE1", offsetsE1, 4}} {
-		if p.ptr == 0 {
-			return fmt.Errorf("%s: %s is null", op, p.name)
-		}
-		if p.ptr%p.align != 0 {
-			return fmt.Errorf("%s: %s %#x is not %d-byte aligned", op, p.name, uint64(p.ptr), p.align)
-		}
-	}
-	return nil
+	return checkOperandPtrs(op, []string{"outEMN", "aRM", "bRN", "offsetsE1"}, outEMN, aRM, bRN, offsetsE1)
 }
 
 // RunTN queues the weight-gradient product on the device stream: for each
