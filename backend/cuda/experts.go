@@ -5,10 +5,12 @@ package cuda
 // persistent kernel over every expert, reading the group offsets on the
 // device. It serves GroupedMatMul's NT case (out = a·W_gᵀ, the forward of
 // w1, w3 and w2) with bf16 operands, beta 0, and sizes and addresses the
-// kernel takes, and, when expertGemm.wgrad is on, GroupedMatMulTN (the
-// weight gradients, float32 out accumulated with beta 1) with bf16
-// operands on the TN kernel (RunTN); everything else keeps the cuBLASLt
-// path. bf16 outputs use
+// kernel takes; everything else, the weight gradients (GroupedMatMulTN)
+// included, keeps the cuBLASLt path. The weight-gradient kernel
+// (GroupedGemm.RunTN) is not routed to yet: at 53821a3 its accumulating
+// epilogue made the weight gradients 1.36x slower than the cuBLASLt loop
+// in moe-small's step (kernels/grouped_gemm.md, "The weight-gradient
+// kernel"). bf16 outputs use
 // the TMA-store epilogue (bn256s), the fastest variant measured
 // (bench/results/h200-20261202-fa2ca3b/).
 
@@ -24,15 +26,6 @@ type expertGemm struct {
 	bf16Out  *GroupedGemm // Store: bn256s
 	floatOut *GroupedGemm // the register epilogue (float32 out)
 	err      error        // why the kernel is not used (not Hopper, ...)
-	// wgrad routes GroupedMatMulTN to the TN kernel (RunTN). Off for
-	// now: at 53821a3 its float32 epilogue with beta 1, one dependent
-	// load per stored pair, made the weight gradients 1.36x slower than
-	// the cuBLASLt loop in moe-small's training step (11.0 ms against
-	// 8.1 ms; bench/results/h200-20261203-53821a3/), though with beta 0
-	// it is within 10% of that loop at moe-small and 10-16% faster at the
-	// fine-grained shape. The batched epilogue that follows it waits for
-	// a GPU run (kernels/grouped_gemm.md).
-	wgrad bool
 
 	mu       sync.Mutex
 	offsets  *Buffer // the last call's group offsets, int32
@@ -92,44 +85,6 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 		gg = x.bf16Out
 	}
 	b.fail(gg.Run(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, n, k, len(groupRows), ot.dt == backend.BFloat16, float32(alpha), 0))
-	return true
-}
-
-// groupedKernelTN runs out[g] = alpha·a[rows of g]ᵀ·b[rows of g] +
-// beta·out[g] on the weight-gradient kernel (GroupedGemm.RunTN) when the
-// call is one it serves (bf16 operands, float32 out, sizes and addresses
-// the kernel takes, some rows), and reports whether it did.
-func (b *Backend) groupedKernelTN(ot, at, bt *Tensor, groupRows []int, m, n int, alpha, beta float64) bool {
-	if ot.dt != backend.Float32 || at.dt != backend.BFloat16 || bt.dt != backend.BFloat16 {
-		return false
-	}
-	x, ok := b.expertKernels()
-	if !ok || !x.wgrad {
-		return false
-	}
-	ps, ok := devicePtrs(ot, at, bt)
-	if !ok {
-		return false
-	}
-	rows := 0
-	for _, r := range groupRows {
-		rows += r
-	}
-	// The kernel's own checks (sizes, alignment), made before committing
-	// to it; the offsets' address is not known yet and is any aligned one.
-	// No rows (no K at all) is left to cuBLASLt's scaling path.
-	if rows == 0 || checkGroupedGemmTN(ps[0], ps[1], ps[2], 16, rows, m, n, len(groupRows)) != nil {
-		return false
-	}
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if staged, err := x.stageOffsets(b.dev, groupRows); !staged {
-		return false
-	} else if err != nil {
-		b.fail(err)
-		return true
-	}
-	b.fail(x.floatOut.RunTN(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, m, n, len(groupRows), float32(alpha), float32(beta)))
 	return true
 }
 

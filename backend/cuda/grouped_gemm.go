@@ -274,10 +274,10 @@ func checkGroupedGemm(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n, k, 
 	switch {
 	case rows < 0 || rows > math.MaxInt32:
 		return fmt.Errorf("%s: rows %d, want 0..%d", op, rows, math.MaxInt32)
-	case n < 8 || n%8 != 0 || n > 1<<24:
-		return fmt.Errorf("%s: n %d, want a positive multiple of 8 up to 2^24", op, n)
-	case k < 8 || k%8 != 0 || k > 1<<24:
-		return fmt.Errorf("%s: k %d, want a positive multiple of 8 up to 2^24", op, k)
+	case !ggWidthOK(n):
+		return fmt.Errorf("%s: n %d, %s", op, n, ggWidthWant)
+	case !ggWidthOK(k):
+		return fmt.Errorf("%s: k %d, %s", op, k, ggWidthWant)
 	case experts < 1 || experts > ggMaxExperts:
 		return fmt.Errorf("%s: experts %d, want 1..%d", op, experts, ggMaxExperts)
 	case bn != 0 && bn != 128 && bn != 256:
@@ -290,6 +290,14 @@ func checkGroupedGemm(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n, k, 
 	}
 	return checkOperandPtrs(op, []string{"outRN", "aRK", "wENK", "offsetsE1"}, outRN, aRK, wENK, offsetsE1)
 }
+
+// ggWidthOK says whether a matrix width (elements of a row) suits the
+// grouped kernels: TMA's 16-byte row strides and the epilogues' column
+// pairs need a multiple of 8; 2^24 keeps tile and element indices in
+// range. ggWidthWant says so in an error.
+func ggWidthOK(w int) bool { return w >= 8 && w%8 == 0 && w <= 1<<24 }
+
+const ggWidthWant = "want a positive multiple of 8 up to 2^24"
 
 // checkOperandPtrs checks a grouped kernel's pointers, named by names:
 // the three matrices 16-byte aligned (TMA and vector stores), the
@@ -553,10 +561,10 @@ func checkGroupedGemmTN(outEMN, aRM, bRN, offsetsE1 driver.DevicePtr, rows, m, n
 	switch {
 	case rows < 1 || rows > math.MaxInt32:
 		return fmt.Errorf("%s: rows %d, want 1..%d", op, rows, math.MaxInt32)
-	case m < 8 || m%8 != 0 || m > 1<<24:
-		return fmt.Errorf("%s: m %d, want a positive multiple of 8 up to 2^24", op, m)
-	case n < 8 || n%8 != 0 || n > 1<<24:
-		return fmt.Errorf("%s: n %d, want a positive multiple of 8 up to 2^24", op, n)
+	case !ggWidthOK(m):
+		return fmt.Errorf("%s: m %d, %s", op, m, ggWidthWant)
+	case !ggWidthOK(n):
+		return fmt.Errorf("%s: n %d, %s", op, n, ggWidthWant)
 	case experts < 1 || experts > ggMaxExperts:
 		return fmt.Errorf("%s: experts %d, want 1..%d", op, experts, ggMaxExperts)
 	}
