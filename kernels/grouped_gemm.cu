@@ -530,7 +530,9 @@ struct gg_fuse {
   unsigned long long timeoutNs;        // FUSE 1, 3: bound of a tile wait
   const unsigned long long* done;      // FUSE 2, 4: per rank, its int32 row flags in send order (0: none)
   int* rowTiles;                       // FUSE 2, 4: [2 * m-tiles] column tiles stored per 64-row block (zeroed)
-  int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu;
+  int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu,
+                                       // 16 the gather without the waits (timing only: rows may be stale);
+                                       // FUSE 1, 3 experiment: 128 the gather unpaced (no GG_GATHER_LEAD);
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
                                        // FUSE 3 experiments: 1 no gather/waits, 16 the register epilogue
                                        // (gg_epilogue_dswiglu) for every block, 32 no dh1/dh3 stores,
@@ -569,86 +571,156 @@ __device__ __forceinline__ unsigned gg_float_bits(float f) {
 __device__ __forceinline__ float gg_bf16_lo(unsigned v) { return gg_bits_float(v << 16); }
 __device__ __forceinline__ float gg_bf16_hi(unsigned v) { return gg_bits_float(v & 0xffff0000u); }
 
+// The gather's unit is a chunk of up to GG_CHUNK_ROWS rows of one m-tile;
+// a step copies two of its rows' 1024-column block jb (a lane: four
+// 8-column pieces of each row, 64 floats in flight).
+struct gg_gather_chunk {
+  int g, c, r0, nr;  // m-tile, chunk in it, first row, rows (0..GG_CHUNK_ROWS)
+};
+
+__device__ __forceinline__ gg_gather_chunk gg_gather_chunk_of(int u, int E, const int* sBeg, const int* sEnd,
+                                                              const int* sCum) {
+  gg_gather_chunk k;
+  k.g = u / GG_CHUNKS;
+  k.c = u - k.g * GG_CHUNKS;
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (sCum[mid] <= k.g) lo = mid;
+    else hi = mid - 1;
+  }
+  k.r0 = sBeg[lo] + (k.g - sCum[lo]) * GG_BM + k.c * GG_CHUNK_ROWS;
+  k.nr = gg_max(gg_min(k.r0 + GG_CHUNK_ROWS, sEnd[lo]) - k.r0, 0);
+  return k;
+}
+
+// gg_shfl_ptr is lane src's 64-bit value.
+__device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
+  return (long long)(unsigned)gg_shfl_idx((int)(v & 0xffffffff), src) |
+         ((long long)gg_shfl_idx((int)(v >> 32), src) << 32);
+}
+
+// gg_gather_load issues the loads of step st of a chunk of nr rows: lane
+// i < nr holds row i's source address (src) in its float32 rows.
+__device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, int lane, long long src,
+                                               float (&v)[2][4][8]) {
+  const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const float* p = (const float*)gg_shfl_ptr(src, gg_min(i + h, nr - 1));
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int j = j0 + 256 * u;
+      if (j < K) {
+        asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
+                     : "l"(p + j));
+        asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
+                     : "l"(p + j + 4));
+      }
+    }
+  }
+}
+
+// gg_gather_store writes step st's rows, scaled (lane i: row i's scale),
+// to xRD as bf16. An odd chunk's last pair copies its last row twice.
+__device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K, int lane,
+                                                float scale, const float (&v)[2][4][8]) {
+  const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int ii = gg_min(i + h, nr - 1);
+    unsigned short* dst = fz.xRD + (long long)(r0 + ii) * K;
+    const float sc = gg_bits_float((unsigned)gg_shfl_idx((int)gg_float_bits(scale), ii));
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int j = j0 + 256 * u;
+      if (j < K) {
+        float w[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++) w[q] = v[h][u][q] * sc;
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
+                     "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
+                     : "memory");
+      }
+    }
+  }
+}
+
+// GG_GATHER_LEAD is how many m-tiles the gather may run ahead of its
+// block's tiles: 5 waves of 132 tiles at moe-small's 22 column tiles a
+// row of tiles (FUSE 1), 2.5 at 11 (FUSE 3), either far longer than a
+// chunk's copy takes.
+#define GG_GATHER_LEAD 32
+// GG_FRONT_DONE is a finished block's front: past every m-tile, and far
+// enough from INT_MAX that adding the lead cannot overflow.
+#define GG_FRONT_DONE (1 << 30)
+
 // gg_gather is a communication warp's work (FUSE 1, 3): chunks u = cw,
 // cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major; each row is
 // read from its source as float32, scaled (FUSE 3: by its send-order
-// scale), and written to xRD as bf16 (8 columns a lane per step: K is a
-// multiple of 8), then the chunk is published.
+// scale), and written to xRD as bf16 (K is a multiple of 8), then the
+// chunk is published. The copy is bound by load latency, so two steps
+// are in flight (one stored while the next one's loads are out), and the
+// next chunk's row lookups (references, then token indices: two dependent
+// loads) are issued under the current chunk's copy and its fence.
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
-                                          const int* sEnd, const int* sCum) {
-  const int M = sCum[E];
-  for (int u = cw; u < M * GG_CHUNKS; u += ncw) {
-    const int g = u / GG_CHUNKS, c = u - g * GG_CHUNKS;
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (sCum[mid] <= g) lo = mid;
-      else hi = mid - 1;
+                                          const int* sEnd, const int* sCum, const volatile int* front) {
+  const int total = sCum[E] * GG_CHUNKS, nJ = (K + 1023) / 1024;
+  if (cw >= total) return;
+  // Lane i < nr: its row's source rank and send position (the references)
+  // and, resolved from them, its source address and scale.
+  gg_gather_chunk cur = gg_gather_chunk_of(cw, E, sBeg, sEnd, sCum);
+  int refS = 0, refP = 0;
+  if (lane < cur.nr) {
+    refS = fz.refs[2 * (cur.r0 + lane)];
+    refP = fz.refs[2 * (cur.r0 + lane) + 1];
+  }
+  long long src = 0;
+  float scale = 1.0f;
+  if (lane < cur.nr) {
+    src = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * K);
+    if (fz.scales) scale = ((const float*)fz.scales[refS])[refP];
+  }
+  for (int u = cw; u < total; u += ncw) {
+    // Paced: at most GG_GATHER_LEAD m-tiles ahead of this block's TMA
+    // thread (front), so the rows stream in over the whole product rather
+    // than in one burst that takes L2 and DRAM bandwidth from its first
+    // tiles. No wait can close a cycle: the lowest unpublished chunk's
+    // warp is never held, since its block's TMA thread is at that chunk's
+    // m-tile or past it (or done: front GG_FRONT_DONE). Pacing only orders
+    // work, so a wait past the tile waits' bound gives up on it rather
+    // than risk a hang. Lane 0 decides for the warp.
+    if (!(fz.mode & 128) && cur.g > *front + GG_GATHER_LEAD) {
+      const unsigned long long t0 = gg_globaltimer();
+      while (gg_shfl_idx(cur.g > *front + GG_GATHER_LEAD && gg_globaltimer() - t0 < fz.timeoutNs, 0))
+        asm volatile("nanosleep.u32 256;");
     }
-    const int r0 = sBeg[lo] + (g - sCum[lo]) * GG_BM + c * GG_CHUNK_ROWS;
-    const int nr = gg_max(gg_min(r0 + GG_CHUNK_ROWS, sEnd[lo]) - r0, 0);
-    // Lane i < nr looks up row r0 + i's source (rank, token) and scale
-    // once, so the copies below do not wait on the dependent index loads
-    // per row.
-    long long srcOff = 0;
-    int srcRank = 0;
-    float srcScale = 1.0f;
-    if (lane < nr) {
-      const int s = fz.refs[2 * (r0 + lane)], p = fz.refs[2 * (r0 + lane) + 1];
-      srcRank = s;
-      srcOff = (long long)((const int*)fz.toks[s])[p] * K;
-      if (fz.scales) srcScale = ((const float*)fz.scales[s])[p];
+    const bool more = u + ncw < total;
+    gg_gather_chunk next = cur;
+    if (more) {
+      next = gg_gather_chunk_of(u + ncw, E, sBeg, sEnd, sCum);
+      if (lane < next.nr) {
+        refS = fz.refs[2 * (next.r0 + lane)];
+        refP = fz.refs[2 * (next.r0 + lane) + 1];
+      }
     }
-    // Two rows at a time, up to four 8-column pieces of each per lane in
-    // flight before any store: the copy is bound by load latency.
-    for (int i = 0; i < nr; i += 2) {
-      const float* src[2];
-      unsigned short* dst[2];
-      float sc[2];
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        const int ii = gg_min(i + h, nr - 1);
-        const int s = gg_shfl_idx(srcRank, ii);
-        const long long o = (long long)(unsigned)gg_shfl_idx((int)(srcOff & 0xffffffff), ii) |
-                            ((long long)gg_shfl_idx((int)(srcOff >> 32), ii) << 32);
-        src[h] = (const float*)fz.ptrs[s] + o;
-        dst[h] = fz.xRD + (long long)(r0 + ii) * K;
-        sc[h] = gg_bits_float((unsigned)gg_shfl_idx((int)gg_float_bits(srcScale), ii));
-      }
-      for (int j0 = lane * 8; j0 < K; j0 += 1024) {
-        float v[2][4][8];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-#pragma unroll
-          for (int u = 0; u < 4; u++) {
-            const int j = j0 + 256 * u;
-            if (j < K) {
-              asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                           : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
-                           : "l"(src[h] + j));
-              asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                           : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
-                           : "l"(src[h] + j + 4));
-            }
-          }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-#pragma unroll
-          for (int u = 0; u < 4; u++) {
-            const int j = j0 + 256 * u;
-            if (j < K) {
-              float w[8];
-#pragma unroll
-              for (int q = 0; q < 8; q++) w[q] = v[h][u][q] * sc[h];
-              asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst[h] + j),
-                           "r"(gg_pack_bf16(w[0], w[1])), "r"(gg_pack_bf16(w[2], w[3])),
-                           "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
-                           : "memory");
-            }
-          }
-        }
-      }
+    const int steps = ((cur.nr + 1) / 2) * nJ;
+    float va[2][4][8], vb[2][4][8];
+    if (steps > 0) gg_gather_load(0, nJ, cur.nr, K, lane, src, va);
+    for (int st = 0; st < steps; st += 2) {
+      if (st + 1 < steps) gg_gather_load(st + 1, nJ, cur.nr, K, lane, src, vb);
+      gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+      if (st + 2 < steps) gg_gather_load(st + 2, nJ, cur.nr, K, lane, src, va);
+      if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
+    }
+    // The next chunk's sources, resolved while this chunk's stores drain.
+    long long nsrc = 0;
+    float nscale = 1.0f;
+    if (more && lane < next.nr) {
+      nsrc = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * K);
+      if (fz.scales) nscale = ((const float*)fz.scales[refS])[refP];
     }
     // Every lane's rows are visible at GPU scope, and ordered before the
     // async proxy's (TMA's) reads, before lane 0 publishes the chunk.
@@ -657,9 +729,12 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     // Test hook (mode 8): a chunk that is never published, as a peer that
     // never delivers.
-    const bool lost = (fz.mode & 8) && g == M - 1 && c == 0;
+    const bool lost = (fz.mode & 8) && cur.g == sCum[E] - 1 && cur.c == 0;
     if (lane == 0 && !lost)
-      asm volatile("red.release.gpu.global.or.b32 [%0], %1;" ::"l"(fz.flags + g), "r"(1u << c) : "memory");
+      asm volatile("red.release.gpu.global.or.b32 [%0], %1;" ::"l"(fz.flags + cur.g), "r"(1u << cur.c) : "memory");
+    cur = next;
+    src = nsrc;
+    scale = nscale;
   }
 }
 
@@ -1269,6 +1344,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   int* sBeg = (int*)(gg_smem + (bars - raw) + 16 * STAGES + 16 + 8 * XBARS);
   int* sEnd = sBeg + E;
   int* sCum = sEnd + E;  // E+1
+  // FUSE 1, 3: the m-tile of the TMA thread's current tile
+  // (GG_FRONT_DONE once it has issued its last), which paces the gather.
+  volatile int* sFront = sCum + E + 1;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (tid == 0) {
@@ -1308,6 +1386,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       carry += gg_shfl_idx(v, 31);
     }
     if (lane == 0) sCum[0] = 0;
+    if ((FUSE == 1 || FUSE == 3) && lane == 0) *sFront = 0;
   }
   __syncthreads();
 
@@ -1329,8 +1408,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       } else if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1)) {
         // The communication warps: 1-3 (FUSE 3), or 3 beside the act
         // helpers (FUSE 1).
-        if (FUSE == 1) gg_gather(fz, blockIdx.x, gridDim.x, lane, K, E, sBeg, sEnd, sCum);
-        else gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum);
+        if (FUSE == 1) gg_gather(fz, blockIdx.x, gridDim.x, lane, K, E, sBeg, sEnd, sCum, sFront);
+        else gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
       }
       return;
     }
@@ -1349,7 +1428,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-      if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1)) gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
+      if (FUSE == 1 || FUSE == 3) *sFront = tile.g;
+      if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1) && !(FUSE == 1 && (fz.mode & 16)))
+        gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
         // A fresh barrier counts its "previous" phase (parity 1) as
@@ -1382,6 +1463,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         }
       }
     }
+    if (FUSE == 1 || FUSE == 3) *sFront = GG_FRONT_DONE;
     return;
   }
 

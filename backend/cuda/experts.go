@@ -5,14 +5,18 @@ package cuda
 // persistent kernel over every expert, reading the group offsets on the
 // device. It serves GroupedMatMul's NT case (out = a·W_gᵀ, the forward of
 // w1, w3 and w2) with bf16 operands, beta 0, and sizes and addresses the
-// kernel takes; everything else, the weight gradients (GroupedMatMulTN)
-// included, keeps the cuBLASLt path. The weight-gradient kernel
-// (GroupedGemm.RunTN) is not routed to yet: at 53821a3 its accumulating
-// epilogue made the weight gradients 1.36x slower than the cuBLASLt loop
-// in moe-small's step (kernels/grouped_gemm.md, "The weight-gradient
-// kernel"). bf16 outputs use
-// the TMA-store epilogue (bn256s), the fastest variant measured
-// (bench/results/h200-20261202-fa2ca3b/).
+// kernel takes. bf16 outputs use the TMA-store epilogue (bn256s), the
+// fastest variant measured (bench/results/h200-20261202-fa2ca3b/).
+//
+// The weight gradients (GroupedMatMulTN, float32 out accumulated with beta
+// 1) run on the TN kernel (GroupedGemm.RunTN) when its tiles fill their
+// last wave of SMs to at least ggTNMinFill, else on one cuBLASLt product
+// per expert. Measured at 3762013 (kernels/grouped_gemm.md, "The
+// weight-gradient kernel"): with beta 1 the kernel took 0.93x and 0.99x
+// the cuBLASLt loop's time at the fine-grained shape (5632 tiles, the
+// last of 43 waves 67% full: a fill of 0.99) and 1.11x at moe-small (704
+// tiles, the last of 6 waves 33% full: 0.89). Per full wave it runs at
+// the loop's rate; what it loses is the idle SMs of the last wave.
 
 import (
 	"sync"
@@ -26,6 +30,9 @@ type expertGemm struct {
 	bf16Out  *GroupedGemm // Store: bn256s
 	floatOut *GroupedGemm // the register epilogue (float32 out)
 	err      error        // why the kernel is not used (not Hopper, ...)
+	// tnMinFill is the least last-wave fill (ggTNFill) at which the
+	// weight gradients take the TN kernel: ggTNMinFill (tests move it).
+	tnMinFill float64
 
 	mu       sync.Mutex
 	offsets  *Buffer // the last call's group offsets, int32
@@ -42,6 +49,7 @@ func (b *Backend) expertKernels() (*expertGemm, bool) {
 			x.bf16Out.Store = 1
 			x.floatOut, x.err = NewGroupedGemm(b.dev)
 		}
+		x.tnMinFill = ggTNMinFill
 	})
 	return x, x.err == nil
 }
@@ -85,6 +93,60 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 		gg = x.bf16Out
 	}
 	b.fail(gg.Run(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, n, k, len(groupRows), ot.dt == backend.BFloat16, float32(alpha), 0))
+	return true
+}
+
+// ggTNMinFill is the least fill of the TN kernel's last wave at which it
+// takes the weight gradients from the cuBLASLt loop (experts.go's
+// measurements: even per full wave; 0.89 lost 11%).
+const ggTNMinFill = 0.95
+
+// ggTNFill is how full the last of the waves of tiles (tiles over sms
+// resident blocks, one a multiprocessor) runs: tiles / (waves * sms).
+func ggTNFill(tiles int64, sms int) float64 {
+	if tiles <= 0 || sms <= 0 {
+		return 0
+	}
+	waves := (tiles + int64(sms) - 1) / int64(sms)
+	return float64(tiles) / float64(waves*int64(sms))
+}
+
+// groupedKernelTN runs out[g] = alpha·a[rows of g]ᵀ·b[rows of g] +
+// beta·out[g] on the weight-gradient kernel (GroupedGemm.RunTN) when the
+// call is one it serves (bf16 operands, float32 out, sizes and addresses
+// the kernel takes, some rows) and its tiles fill their waves (ggTNFill
+// at least x.tnMinFill), and reports whether it did.
+func (b *Backend) groupedKernelTN(ot, at, bt *Tensor, groupRows []int, m, n int, alpha, beta float64) bool {
+	if ot.dt != backend.Float32 || at.dt != backend.BFloat16 || bt.dt != backend.BFloat16 {
+		return false
+	}
+	x, ok := b.expertKernels()
+	if !ok || ggTNFill(ggTNTiles(m, n, len(groupRows)), b.dev.info.SMs) < x.tnMinFill {
+		return false
+	}
+	ps, ok := devicePtrs(ot, at, bt)
+	if !ok {
+		return false
+	}
+	rows := 0
+	for _, r := range groupRows {
+		rows += r
+	}
+	// The kernel's own checks (sizes, alignment), made before committing
+	// to it; the offsets' address is not known yet and is any aligned one.
+	// No rows (no K at all) is left to cuBLASLt's scaling path.
+	if rows == 0 || checkGroupedGemmTN(ps[0], ps[1], ps[2], 16, rows, m, n, len(groupRows)) != nil {
+		return false
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if staged, err := x.stageOffsets(b.dev, groupRows); !staged {
+		return false
+	} else if err != nil {
+		b.fail(err)
+		return true
+	}
+	b.fail(x.floatOut.RunTN(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, m, n, len(groupRows), float32(alpha), float32(beta)))
 	return true
 }
 

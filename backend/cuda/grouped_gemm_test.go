@@ -615,3 +615,32 @@ func TestGroupedGemmTNTiles(t *testing.T) {
 		}
 	}
 }
+
+// TestGroupedGemmTNFill checks the rule that routes the weight gradients:
+// on an H200's 132 SMs the fine-grained shape's tiles fill their waves
+// (the TN kernel) and moe-small's leave two thirds of the last one idle
+// (the cuBLASLt loop), as measured.
+func TestGroupedGemmTNFill(t *testing.T) {
+	for _, c := range []struct {
+		name          string
+		m, n, experts int
+		kernel        bool
+	}{
+		{"moe-small dW1", 2816, 1024, 8, false},
+		{"moe-small dW2", 1024, 2816, 8, false},
+		{"fine dW1", 1408, 2048, 64, true},
+		{"fine dW2", 2048, 1408, 64, true},
+		{"one wave exactly", 128 * 11, 256, 12, true},
+	} {
+		fill := ggTNFill(ggTNTiles(c.m, c.n, c.experts), 132)
+		if got := fill >= ggTNMinFill; got != c.kernel {
+			t.Errorf("%s: fill %.3f, kernel %v, want %v", c.name, fill, got, c.kernel)
+		}
+	}
+	if f := ggTNFill(704, 132); math.Abs(f-704.0/792) > 1e-12 {
+		t.Errorf("ggTNFill(704, 132) = %v, want 704/792", f)
+	}
+	if ggTNFill(0, 132) != 0 || ggTNFill(10, 0) != 0 {
+		t.Error("ggTNFill of no tiles or no SMs is not 0")
+	}
+}

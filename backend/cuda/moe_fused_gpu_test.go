@@ -411,8 +411,8 @@ func TestMoEFusedReportsLostCombineRow(t *testing.T) {
 	c.testAgainstUnfused(t, b, 42)
 }
 
-// TestMoEFusedFigures times one rank's expert block of moe-small at W = 1
-// and 4 expert-parallel ranks (16384 tokens a rank, top-2: each rank's
+// TestMoEFusedFigures times one rank's expert block of moe-small at W = 1,
+// 4 and 8 expert-parallel ranks (16384 tokens a rank, top-2: each rank's
 // 8/W experts get 32768 rows on average, a W-th from every rank): the
 // fused pair, the unfused sequence, and the grouped products alone on the
 // same rows.
@@ -420,7 +420,7 @@ func TestMoEFusedFigures(t *testing.T) {
 	testGroupedGemm(t)
 	b := testBackend(t)
 	const d, f, experts, k, tokens = 1024, 2816, 8, 2, 16384
-	for _, w := range []int{1, 4} {
+	for _, w := range []int{1, 4, 8} {
 		t.Run(fmt.Sprintf("W%d", w), func(t *testing.T) {
 			g := experts / w
 			send := make([]int, w)
@@ -564,13 +564,17 @@ func TestMoEFusedFigures(t *testing.T) {
 				defer func() { gg.fusedMode = 0 }()
 				timed(fmt.Sprintf("%s_mode%d", name, mode), run)
 			}
-			for _, mode := range []int{1, 2, 4, 7} {
+			// 1 no gather or waits, 2 no act store, 4 no silu, 16 the
+			// gather without the waits (what the waits cost), 128 the
+			// gather unpaced.
+			for _, mode := range []int{1, 2, 4, 7, 16, 128} {
 				inMode(mode, "gateup_fused", gateUpFused)
 			}
 			// The same for the dgrad kernel: 1 no gather or waits, 16 the
 			// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
-			// stores, 64 no h1/h3 loads past the first two boxes.
-			for _, mode := range []int{1, 16, 32, 64, 96} {
+			// stores, 64 no h1/h3 loads past the first two boxes, 128 the
+			// gather unpaced.
+			for _, mode := range []int{1, 16, 32, 64, 96, 128} {
 				inMode(mode, "bwd_dgrad_fused", dgradFused)
 			}
 			figure(t, fmt.Sprintf("moe_fused_W%d_fused_over_gemm", w), ms["fused"]/ms["gemm_alone"], "x")
