@@ -88,7 +88,10 @@
 // cuBLASLt call per group, except GroupedMatMul's NT products with bf16
 // operands and beta 0 (the experts' forward): those run on GroupedGemm
 // (grouped_gemm.go, experts.go), one persistent wgmma/TMA kernel over
-// every expert that reads the group offsets on the device. The algorithm for a product comes from
+// every expert that reads the group offsets on the device; and
+// GroupedMatMulTN's bf16 weight gradients into float32 where the TN
+// kernel's tiles fill the GPU's waves (GroupedGemm.RunTN; experts.go has
+// the rule and its measurements). The algorithm for a product comes from
 // cuBLASLt's heuristic, cached per size bucket: 128 wide for MatMul, a
 // quarter octave wide for a grouped product's rows (an expert's row count
 // changes every step; asking again for each would cost more than the

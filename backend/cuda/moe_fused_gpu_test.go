@@ -413,172 +413,184 @@ func TestMoEFusedReportsLostCombineRow(t *testing.T) {
 
 // TestMoEFusedFigures times one rank's expert block of moe-small at W = 1,
 // 4 and 8 expert-parallel ranks (16384 tokens a rank, top-2: each rank's
-// 8/W experts get 32768 rows on average, a W-th from every rank): the
-// fused pair, the unfused sequence, and the grouped products alone on the
-// same rows.
+// 8/W experts get 32768 rows on average, a W-th from every rank), and of
+// the fine-grained shape at W = 1 and 4 (D 2048, F 1408, 64 experts, top-6
+// of 4096 tokens a rank: 24576 rows): the fused pair, the unfused
+// sequence, and the grouped products alone on the same rows.
 func TestMoEFusedFigures(t *testing.T) {
 	testGroupedGemm(t)
 	b := testBackend(t)
-	const d, f, experts, k, tokens = 1024, 2816, 8, 2, 16384
-	for _, w := range []int{1, 4, 8} {
-		t.Run(fmt.Sprintf("W%d", w), func(t *testing.T) {
-			g := experts / w
-			send := make([]int, w)
-			for s := range send {
-				send[s] = tokens * k / w
-			}
-			rows := 0
-			for _, n := range send {
-				rows += n
-			}
-			groups := make([]int, g)
-			rng := rand.New(rand.NewPCG(9, uint64(w)))
-			left := rows
-			for e := range groups[:g-1] {
-				groups[e] = rows/g + rng.IntN(rows/(4*g)) - rows/(8*g)
-				left -= groups[e]
-			}
-			groups[g-1] = left
-			c := fusedCase{fmt.Sprintf("moe-small W%d", w), w, tokens, send, groups, d, f}
-			in := c.inputs(b, 5)
-			x, h1, h3, act := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
-			y := b.New(backend.Float32, rows, d)
-			fused := func() error {
-				b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-				b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
-				return nil
-			}
-			unfused := func() error {
-				backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-				backend.DownCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
-				return nil
-			}
-			gemms := func() error {
-				b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
-				b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
-				b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0)
-				return nil
-			}
-			// The halves: gate/up (with the gather) and down (with the
-			// scatter), each fused, unfused and as its products alone.
-			gateUpFused := func() error {
-				b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-				return nil
-			}
-			gateUpUnfused := func() error {
-				backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-				return nil
-			}
-			gateUpGemm := func() error {
-				b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
-				b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
-				return nil
-			}
-			downFused := func() error { b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups); return nil }
-			downGemm := func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
-			flop := 2 * float64(rows) * float64(d) * float64(f) * 3
-			// timed times run, logs it as figure moe_fused_W<w>_<name>_ms
-			// and keeps it in ms.
-			ms := map[string]float64{}
-			timed := func(name string, run func() error) float64 {
-				v, err := ggTime(b.dev, run)
-				if err != nil {
-					t.Fatal(err)
+	type shape struct {
+		prefix                   string // of the subtest and figure names
+		d, f, experts, k, tokens int
+		worlds                   []int
+	}
+	for _, sh := range []shape{
+		{"", 1024, 2816, 8, 2, 16384, []int{1, 4, 8}},
+		{"fine_", 2048, 1408, 64, 6, 4096, []int{1, 4}},
+	} {
+		d, f, experts, k, tokens := sh.d, sh.f, sh.experts, sh.k, sh.tokens
+		for _, w := range sh.worlds {
+			tag := fmt.Sprintf("%sW%d", sh.prefix, w)
+			t.Run(tag, func(t *testing.T) {
+				g := experts / w
+				send := make([]int, w)
+				for s := range send {
+					send[s] = tokens * k / w
 				}
-				if err := b.Sync(); err != nil {
-					t.Fatal(err)
+				rows := 0
+				for _, n := range send {
+					rows += n
 				}
-				ms[name] = v
-				figure(t, fmt.Sprintf("moe_fused_W%d_%s_ms", w, name), v, "ms")
-				return v
-			}
-			for _, p := range []struct {
-				name string
-				run  func() error
-			}{{"fused", fused}, {"unfused", unfused}, {"gemm_alone", gemms}, {"gateup_fused", gateUpFused},
-				{"gateup_unfused", gateUpUnfused}, {"gateup_gemm", gateUpGemm}, {"down_fused", downFused}, {"down_gemm", downGemm}} {
-				v := timed(p.name, p.run)
-				if p.name == "fused" || p.name == "unfused" || p.name == "gemm_alone" {
-					figure(t, fmt.Sprintf("moe_fused_W%d_%s_tflops", w, p.name), flop/v/1e9, "TFLOP/s")
+				groups := make([]int, g)
+				rng := rand.New(rand.NewPCG(9, uint64(w)))
+				left := rows
+				for e := range groups[:g-1] {
+					groups[e] = rows/g + rng.IntN(rows/(4*g)) - rows/(8*g)
+					left -= groups[e]
 				}
-			}
-			// The backward: the fused pair, its unfused sequence (cuBLASLt
-			// NN products per group), and its three products alone as
-			// plain NT grouped GEMMs on K-major weights of the same
-			// shapes (zeros: the timing does not depend on the values;
-			// the fused kernels read the weights as stored, MN-major).
-			dy, dh1, dh3 := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
-			dAct := b.New(backend.Float32, rows, f)
-			w2T, w1T, w3T := b.New(backend.BFloat16, g*f, d), b.New(backend.BFloat16, g*d, f), b.New(backend.BFloat16, g*d, f)
-			gg := b.experts.bf16Out
-			dgradFused := func() error {
-				b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-				return nil
-			}
-			bwd := []struct {
-				name string
-				run  func() error
-			}{
-				{"bwd_fused", func() error {
+				groups[g-1] = left
+				c := fusedCase{tag, w, tokens, send, groups, d, f}
+				in := c.inputs(b, 5)
+				x, h1, h3, act := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
+				y := b.New(backend.Float32, rows, d)
+				fused := func() error {
+					b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+					b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+					return nil
+				}
+				unfused := func() error {
+					backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+					backend.DownCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+					return nil
+				}
+				gemms := func() error {
+					b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
+					b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
+					b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0)
+					return nil
+				}
+				// The halves: gate/up (with the gather) and down (with the
+				// scatter), each fused, unfused and as its products alone.
+				gateUpFused := func() error {
+					b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+					return nil
+				}
+				gateUpUnfused := func() error {
+					backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+					return nil
+				}
+				gateUpGemm := func() error {
+					b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
+					b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
+					return nil
+				}
+				downFused := func() error { b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups); return nil }
+				downGemm := func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
+				flop := 2 * float64(rows) * float64(d) * float64(f) * 3
+				// timed times run, logs it as figure moe_fused_<tag>_<name>_ms
+				// and keeps it in ms.
+				ms := map[string]float64{}
+				timed := func(name string, run func() error) float64 {
+					v, err := ggTime(b.dev, run)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := b.Sync(); err != nil {
+						t.Fatal(err)
+					}
+					ms[name] = v
+					figure(t, fmt.Sprintf("moe_fused_%s_%s_ms", tag, name), v, "ms")
+					return v
+				}
+				for _, p := range []struct {
+					name string
+					run  func() error
+				}{{"fused", fused}, {"unfused", unfused}, {"gemm_alone", gemms}, {"gateup_fused", gateUpFused},
+					{"gateup_unfused", gateUpUnfused}, {"gateup_gemm", gateUpGemm}, {"down_fused", downFused}, {"down_gemm", downGemm}} {
+					v := timed(p.name, p.run)
+					if p.name == "fused" || p.name == "unfused" || p.name == "gemm_alone" {
+						figure(t, fmt.Sprintf("moe_fused_%s_%s_tflops", tag, p.name), flop/v/1e9, "TFLOP/s")
+					}
+				}
+				// The backward: the fused pair, its unfused sequence (cuBLASLt
+				// NN products per group), and its three products alone as
+				// plain NT grouped GEMMs on K-major weights of the same
+				// shapes (zeros: the timing does not depend on the values;
+				// the fused kernels read the weights as stored, MN-major).
+				dy, dh1, dh3 := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
+				dAct := b.New(backend.Float32, rows, f)
+				w2T, w1T, w3T := b.New(backend.BFloat16, g*f, d), b.New(backend.BFloat16, g*d, f), b.New(backend.BFloat16, g*d, f)
+				gg := b.experts.bf16Out
+				dgradFused := func() error {
 					b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-					b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
 					return nil
-				}},
-				{"bwd_unfused", func() error {
-					backend.DispatchDgradSwiGLUBySteps(b, dAct, dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-					backend.DgradCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
-					return nil
-				}},
-				{"bwd_gemm_nt", func() error {
-					b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0)
-					b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
-					b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
-					return nil
-				}},
-				// The halves: dispatch+dgrad (with the gather and SwiGLU's
-				// backward) and dgrad+combine, each fused and as its
-				// products alone.
-				{"bwd_dgrad_fused", dgradFused},
-				{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0); return nil }},
-				{"bwd_combine_fused", func() error {
-					b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
-					return nil
-				}},
-				{"bwd_combine_gemm", func() error {
-					b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
-					b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
-					return nil
-				}},
-			}
-			for _, p := range bwd {
-				timed(p.name, p.run)
-			}
-			figure(t, fmt.Sprintf("moe_fused_W%d_bwd_unfused_over_fused", w), ms["bwd_unfused"]/ms["bwd_fused"], "x")
-			figure(t, fmt.Sprintf("moe_fused_W%d_bwd_fused_over_parts", w), ms["bwd_fused"]/ms["bwd_gemm_nt"], "x")
-			// Experiments on the gate/up kernel (fusedMode): which part
-			// costs the time over its products.
-			figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal), "B")
-			figure(t, "moe_dispatch_dgrad_local_bytes", float64(gg.dgradLocal), "B")
-			inMode := func(mode int, name string, run func() error) {
-				gg.fusedMode = mode
-				defer func() { gg.fusedMode = 0 }()
-				timed(fmt.Sprintf("%s_mode%d", name, mode), run)
-			}
-			// 1 no gather or waits, 2 no act store, 4 no silu, 16 the
-			// gather without the waits (what the waits cost), 128 the
-			// gather unpaced.
-			for _, mode := range []int{1, 2, 4, 7, 16, 128} {
-				inMode(mode, "gateup_fused", gateUpFused)
-			}
-			// The same for the dgrad kernel: 1 no gather or waits, 16 the
-			// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
-			// stores, 64 no h1/h3 loads past the first two boxes, 128 the
-			// gather unpaced.
-			for _, mode := range []int{1, 16, 32, 64, 96, 128} {
-				inMode(mode, "bwd_dgrad_fused", dgradFused)
-			}
-			figure(t, fmt.Sprintf("moe_fused_W%d_fused_over_gemm", w), ms["fused"]/ms["gemm_alone"], "x")
-			figure(t, fmt.Sprintf("moe_fused_W%d_unfused_over_fused", w), ms["unfused"]/ms["fused"], "x")
-		})
+				}
+				bwd := []struct {
+					name string
+					run  func() error
+				}{
+					{"bwd_fused", func() error {
+						b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+						b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+						return nil
+					}},
+					{"bwd_unfused", func() error {
+						backend.DispatchDgradSwiGLUBySteps(b, dAct, dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+						backend.DgradCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+						return nil
+					}},
+					{"bwd_gemm_nt", func() error {
+						b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0)
+						b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
+						b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
+						return nil
+					}},
+					// The halves: dispatch+dgrad (with the gather and SwiGLU's
+					// backward) and dgrad+combine, each fused and as its
+					// products alone.
+					{"bwd_dgrad_fused", dgradFused},
+					{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0); return nil }},
+					{"bwd_combine_fused", func() error {
+						b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+						return nil
+					}},
+					{"bwd_combine_gemm", func() error {
+						b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
+						b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
+						return nil
+					}},
+				}
+				for _, p := range bwd {
+					timed(p.name, p.run)
+				}
+				figure(t, "moe_fused_"+tag+"_bwd_unfused_over_fused", ms["bwd_unfused"]/ms["bwd_fused"], "x")
+				figure(t, "moe_fused_"+tag+"_bwd_fused_over_parts", ms["bwd_fused"]/ms["bwd_gemm_nt"], "x")
+				// Experiments on the gate/up kernel (fusedMode): which part
+				// costs the time over its products.
+				figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal), "B")
+				figure(t, "moe_dispatch_dgrad_local_bytes", float64(gg.dgradLocal), "B")
+				inMode := func(mode int, name string, run func() error) {
+					gg.fusedMode = mode
+					defer func() { gg.fusedMode = 0 }()
+					timed(fmt.Sprintf("%s_mode%d", name, mode), run)
+				}
+				// 1 no gather or waits, 2 no act store, 4 no silu, 16 the
+				// gather without the waits (what the waits cost), 128 the
+				// gather unpaced.
+				for _, mode := range []int{1, 2, 4, 7, 16, 128} {
+					inMode(mode, "gateup_fused", gateUpFused)
+				}
+				// The same for the dgrad kernel: 1 no gather or waits, 16 the
+				// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
+				// stores, 64 no h1/h3 loads past the first two boxes, 128 the
+				// gather unpaced.
+				for _, mode := range []int{1, 16, 32, 64, 96, 128} {
+					inMode(mode, "bwd_dgrad_fused", dgradFused)
+				}
+				figure(t, "moe_fused_"+tag+"_fused_over_gemm", ms["fused"]/ms["gemm_alone"], "x")
+				figure(t, "moe_fused_"+tag+"_unfused_over_fused", ms["unfused"]/ms["fused"], "x")
+			})
+		}
 	}
 }
