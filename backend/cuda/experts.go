@@ -22,6 +22,7 @@ import (
 	"sync"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
 )
 
 // expertGemm is the Backend's grouped GEMM state, made on first use.
@@ -80,6 +81,19 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 	if rows == 0 {
 		return true
 	}
+	gg := x.floatOut
+	if ot.dt == backend.BFloat16 {
+		gg = x.bf16Out
+	}
+	return b.withOffsets(x, groupRows, func(offsets driver.DevicePtr) error {
+		return gg.Run(ps[0], ps[1], ps[2], offsets, rows, n, k, len(groupRows), ot.dt == backend.BFloat16, float32(alpha), 0)
+	})
+}
+
+// withOffsets stages groupRows' offsets and runs run on them, under x.mu.
+// It reports false when there is no offsets buffer (the call then keeps
+// the cuBLASLt path); staging and launch errors go to b.fail.
+func (b *Backend) withOffsets(x *expertGemm, groupRows []int, run func(offsets driver.DevicePtr) error) bool {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	if staged, err := x.stageOffsets(b.dev, groupRows); !staged {
@@ -88,11 +102,7 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 		b.fail(err)
 		return true
 	}
-	gg := x.floatOut
-	if ot.dt == backend.BFloat16 {
-		gg = x.bf16Out
-	}
-	b.fail(gg.Run(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, n, k, len(groupRows), ot.dt == backend.BFloat16, float32(alpha), 0))
+	b.fail(run(x.offsets.Ptr()))
 	return true
 }
 
@@ -138,16 +148,9 @@ func (b *Backend) groupedKernelTN(ot, at, bt *Tensor, groupRows []int, m, n int,
 	if rows == 0 || checkGroupedGemmTN(ps[0], ps[1], ps[2], 16, rows, m, n, len(groupRows)) != nil {
 		return false
 	}
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if staged, err := x.stageOffsets(b.dev, groupRows); !staged {
-		return false
-	} else if err != nil {
-		b.fail(err)
-		return true
-	}
-	b.fail(x.floatOut.RunTN(ps[0], ps[1], ps[2], x.offsets.Ptr(), rows, m, n, len(groupRows), float32(alpha), float32(beta)))
-	return true
+	return b.withOffsets(x, groupRows, func(offsets driver.DevicePtr) error {
+		return x.floatOut.RunTN(ps[0], ps[1], ps[2], offsets, rows, m, n, len(groupRows), float32(alpha), float32(beta))
+	})
 }
 
 // stageOffsets writes the prefix sums of groupRows (len+1 int32) into the

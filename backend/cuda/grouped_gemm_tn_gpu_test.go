@@ -194,13 +194,7 @@ func TestGroupedGemmTNFigures(t *testing.T) {
 		if err := d.CopyFromDevice(Bytes(gotL), outL, 0); err != nil {
 			t.Fatal(err)
 		}
-		var num, den float64
-		for i := range gotK {
-			diff := float64(gotK[i]) - float64(gotL[i])
-			num += diff * diff
-			den += float64(gotL[i]) * float64(gotL[i])
-		}
-		if rel := math.Sqrt(num / den); !(rel < 1e-5) {
+		if rel := relL2(gotK, gotL); !(rel < 1e-5) {
 			t.Errorf("%s: the kernel and cuBLASLt differ, relative L2 %.3g", s.name, rel)
 		}
 		flop := 2 * float64(s.rows) * float64(s.m) * float64(s.n)
@@ -274,13 +268,7 @@ func TestGroupedMatMulTNRoutes(t *testing.T) {
 		return backend.DownloadFloat32(b, out)
 	}
 	kernel, loop := run(0), run(2)
-	var num, den float64
-	for i := range kernel {
-		d := float64(kernel[i]) - float64(loop[i])
-		num += d * d
-		den += float64(loop[i]) * float64(loop[i])
-	}
-	if rel := math.Sqrt(num / den); !(rel < 1e-5) {
+	if rel := relL2(kernel, loop); !(rel < 1e-5) {
 		t.Errorf("GroupedMatMulTN on the kernel and on the cuBLASLt loop differ: relative L2 %.3g", rel)
 	}
 }
