@@ -532,7 +532,8 @@ struct gg_fuse {
   int* rowTiles;                       // FUSE 2, 4: [2 * m-tiles] column tiles stored per 64-row block (zeroed)
   int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu,
                                        // 16 the gather without the waits (timing only: rows may be stale);
-                                       // FUSE 1, 3 experiment: 128 the gather unpaced (no GG_GATHER_LEAD);
+                                       // FUSE 1, 3 experiments: 128 the gather unpaced (no GG_GATHER_LEAD),
+                                       // 256 its copy one step deep (not two);
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
                                        // FUSE 3 experiments: 1 no gather/waits, 16 the register epilogue
                                        // (gg_epilogue_dswiglu) for every block, 32 no dh1/dh3 stores,
@@ -708,12 +709,21 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     }
     const int steps = ((cur.nr + 1) / 2) * nJ;
     float va[2][4][8], vb[2][4][8];
-    if (steps > 0) gg_gather_load(0, nJ, cur.nr, K, lane, src, va);
-    for (int st = 0; st < steps; st += 2) {
-      if (st + 1 < steps) gg_gather_load(st + 1, nJ, cur.nr, K, lane, src, vb);
-      gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
-      if (st + 2 < steps) gg_gather_load(st + 2, nJ, cur.nr, K, lane, src, va);
-      if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
+    if (fz.mode & 256) {
+      // Experiment: one step in flight (each stored before the next one's
+      // loads go out), the copy's depth before it was pipelined.
+      for (int st = 0; st < steps; st++) {
+        gg_gather_load(st, nJ, cur.nr, K, lane, src, va);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+      }
+    } else {
+      if (steps > 0) gg_gather_load(0, nJ, cur.nr, K, lane, src, va);
+      for (int st = 0; st < steps; st += 2) {
+        if (st + 1 < steps) gg_gather_load(st + 1, nJ, cur.nr, K, lane, src, vb);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+        if (st + 2 < steps) gg_gather_load(st + 2, nJ, cur.nr, K, lane, src, va);
+        if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
+      }
     }
     // The next chunk's sources, resolved while this chunk's stores drain.
     long long nsrc = 0;

@@ -577,15 +577,15 @@ func TestMoEFusedFigures(t *testing.T) {
 				}
 				// 1 no gather or waits, 2 no act store, 4 no silu, 16 the
 				// gather without the waits (what the waits cost), 128 the
-				// gather unpaced.
-				for _, mode := range []int{1, 2, 4, 7, 16, 128} {
+				// gather unpaced, 256 its copy one step deep.
+				for _, mode := range []int{1, 2, 4, 7, 16, 128, 256} {
 					inMode(mode, "gateup_fused", gateUpFused)
 				}
 				// The same for the dgrad kernel: 1 no gather or waits, 16 the
 				// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
 				// stores, 64 no h1/h3 loads past the first two boxes, 128 the
-				// gather unpaced.
-				for _, mode := range []int{1, 16, 32, 64, 96, 128} {
+				// gather unpaced, 256 its copy one step deep.
+				for _, mode := range []int{1, 16, 32, 64, 96, 128, 256} {
 					inMode(mode, "bwd_dgrad_fused", dgradFused)
 				}
 				figure(t, "moe_fused_"+tag+"_fused_over_gemm", ms["fused"]/ms["gemm_alone"], "x")
