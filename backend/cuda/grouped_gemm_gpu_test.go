@@ -85,14 +85,7 @@ func TestGroupedGemmCompileProbe(t *testing.T) {
 	if gpu.rt == nil {
 		t.Fatalf("no CUDA runtime: %v %s", gpu.err, gpu.skip)
 	}
-	src, err := kernels.Lookup("grouped_gemm.cu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	text, err := src.Text()
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, text := groupedGemmSource(t)
 	_, info, err := gpu.rt.Compile(src.File, text, "sm_90a")
 	if err != nil {
 		t.Fatal(err)

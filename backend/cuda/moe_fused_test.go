@@ -25,9 +25,9 @@ func TestFusedFaultError(t *testing.T) {
 	}
 }
 
-// TestGatherConstantsMatchKernel: the Go side's copies of the gather's
-// constants are the ones grouped_gemm.cu defines.
-func TestGatherConstantsMatchKernel(t *testing.T) {
+// groupedGemmSource returns grouped_gemm.cu and its text.
+func groupedGemmSource(t *testing.T) (kernels.Source, string) {
+	t.Helper()
 	src, err := kernels.Lookup("grouped_gemm.cu")
 	if err != nil {
 		t.Fatal(err)
@@ -36,6 +36,13 @@ func TestGatherConstantsMatchKernel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return src, text
+}
+
+// TestGatherConstantsMatchKernel: the Go side's copies of the gather's
+// constants are the ones grouped_gemm.cu defines.
+func TestGatherConstantsMatchKernel(t *testing.T) {
+	_, text := groupedGemmSource(t)
 	for _, want := range []string{
 		fmt.Sprintf("#define GG_CHUNKS %d\n", ggChunks),
 		fmt.Sprintf("#define GG_GATHER_LEAD %d\n", ggGatherLead),
