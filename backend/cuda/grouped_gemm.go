@@ -90,9 +90,10 @@ type GroupedGemm struct {
 	// fusedTimeout (tests of the timeout report).
 	fusedMode    int
 	fusedTimeout time.Duration
-	// fusedLocal and dgradLocal are dispatchSwiGLU's and dispatchDgrad's
-	// local memory (spilled registers) per thread, read at load time.
-	fusedLocal, dgradLocal int
+	// fusedLocal, downLocal, dgradLocal and dgradCombineLocal are the
+	// fused kernels' local memory (spilled registers) per thread, read at
+	// load time.
+	fusedLocal, downLocal, dgradLocal, dgradCombineLocal int
 	// optIn is the dynamic shared memory each variant's kernels opted in
 	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
 	// (ggCoop256H needs more than that limit past 163 experts).
@@ -250,8 +251,12 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 		switch f.k {
 		case &g.dispatchSwiGLU:
 			g.fusedLocal = local
+		case &g.downCombine:
+			g.downLocal = local
 		case &g.dispatchDgrad:
 			g.dgradLocal = local
+		case &g.dgradCombine:
+			g.dgradCombineLocal = local
 		}
 		*f.k = k
 	}

@@ -570,6 +570,8 @@ func TestMoEFusedFigures(t *testing.T) {
 				// costs the time over its products.
 				figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal), "B")
 				figure(t, "moe_dispatch_dgrad_local_bytes", float64(gg.dgradLocal), "B")
+				figure(t, "moe_down_combine_local_bytes", float64(gg.downLocal), "B")
+				figure(t, "moe_dgrad_combine_local_bytes", float64(gg.dgradCombineLocal), "B")
 				inMode := func(mode int, name string, run func() error) {
 					gg.fusedMode = mode
 					defer func() { gg.fusedMode = 0 }()
