@@ -601,6 +601,19 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
          ((long long)gg_shfl_idx((int)(v >> 32), src) << 32);
 }
 
+// GG_EXPERIMENT selects a compile-time variant of the gather (bits
+// below; kernels.Source.Variants lists them). 0, the default, is the
+// kernels as trained with. A variant is a compilation of its own, so it
+// leaves every other kernel, and the default ones' registers, as they are.
+#ifndef GG_EXPERIMENT
+#define GG_EXPERIMENT 0
+#endif
+#define GG_EX_BF16_SOURCES 1  // sources read as bf16 rows (timing only)
+#define GG_EX_NO_STORES 2     // the rows loaded, none stored (timing only)
+#define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
+#define GG_EX_GATHER_FIRST 8  // every warp but the TMA thread's gathers first
+#define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
+
 // gg_gather_load issues the loads of step st of a chunk of nr rows: lane
 // i < nr holds row i's source address (src) in its float32 rows.
 __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, int lane, long long src,
@@ -612,7 +625,26 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
 #pragma unroll
     for (int u = 0; u < 4; u++) {
       const int j = j0 + 256 * u;
-      if (j < K) {
+      if (j >= K) continue;
+      if constexpr ((GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0) {
+        // The same columns as bf16: 16 bytes where float32 takes 32.
+        unsigned w[4];
+        asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                     : "l"((const unsigned short*)p + j));
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          v[h][u][2 * q] = gg_bf16_lo(w[q]);
+          v[h][u][2 * q + 1] = gg_bf16_hi(w[q]);
+        }
+      } else if constexpr ((GG_EXPERIMENT & GG_EX_STREAMING) != 0) {
+        asm volatile("ld.global.cs.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
+                     : "l"(p + j));
+        asm volatile("ld.global.cs.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
+                     : "l"(p + j + 4));
+      } else {
         asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
                      : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
                      : "l"(p + j));
@@ -628,6 +660,7 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
 // to xRD as bf16. An odd chunk's last pair copies its last row twice.
 __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K, int lane,
                                                 float scale, const float (&v)[2][4][8]) {
+  if constexpr ((GG_EXPERIMENT & GG_EX_NO_STORES) != 0) return;
   const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
 #pragma unroll
   for (int h = 0; h < 2; h++) {
@@ -670,6 +703,8 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
                                           const int* sEnd, const int* sCum, const volatile int* front) {
   const int total = sCum[E] * GG_CHUNKS, nJ = (K + 1023) / 1024;
   if (cw >= total) return;
+  // A source row's length in floats (GG_EX_BF16_SOURCES: K bf16).
+  const int rowFloats = (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;
   // Lane i < nr: its row's source rank and send position (the references)
   // and, resolved from them, its source address and scale.
   gg_gather_chunk cur = gg_gather_chunk_of(cw, E, sBeg, sEnd, sCum);
@@ -681,7 +716,7 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
   long long src = 0;
   float scale = 1.0f;
   if (lane < cur.nr) {
-    src = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * K);
+    src = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * rowFloats);
     if (fz.scales) scale = ((const float*)fz.scales[refS])[refP];
   }
   for (int u = cw; u < total; u += ncw) {
@@ -693,7 +728,7 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     // m-tile or past it (or done: front GG_FRONT_DONE). Pacing only orders
     // work, so a wait past the tile waits' bound gives up on it rather
     // than risk a hang. Lane 0 decides for the warp.
-    if (!(fz.mode & 128) && cur.g > *front + GG_GATHER_LEAD) {
+    if ((GG_EXPERIMENT & GG_EX_GATHER_FIRST) == 0 && !(fz.mode & 128) && cur.g > *front + GG_GATHER_LEAD) {
       const unsigned long long t0 = gg_globaltimer();
       while (gg_shfl_idx(cur.g > *front + GG_GATHER_LEAD && gg_globaltimer() - t0 < fz.timeoutNs, 0))
         asm volatile("nanosleep.u32 256;");
@@ -729,13 +764,15 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     long long nsrc = 0;
     float nscale = 1.0f;
     if (more && lane < next.nr) {
-      nsrc = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * K);
+      nsrc = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * rowFloats);
       if (fz.scales) nscale = ((const float*)fz.scales[refS])[refP];
     }
     // Every lane's rows are visible at GPU scope, and ordered before the
     // async proxy's (TMA's) reads, before lane 0 publishes the chunk.
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
+    if constexpr ((GG_EXPERIMENT & GG_EX_NO_FENCES) == 0) {
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     // Test hook (mode 8): a chunk that is never published, as a peer that
     // never delivers.
@@ -1411,6 +1448,16 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // can take 232 each (128*40 + 256*232 <= 64K).
     if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (tid != 0) {
+      if constexpr ((FUSE == 1 || FUSE == 3) && (GG_EXPERIMENT & GG_EX_GATHER_FIRST) != 0) {
+        // GG_EX_GATHER_FIRST: warps 1-3 here and the consumers' 8 share
+        // the gather (11 warps a block), then do their own work.
+        if (!(fz.mode & 1))
+          gg_gather(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+        if (FUSE == 1 && (warp == 1 || warp == 2))
+          gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
+                        ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
+        return;
+      }
       if (FUSE == 1 && (warp == 1 || warp == 2)) {
         // Warps 1 and 2: the act epilogue of consumer warpgroup warp - 1.
         gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
@@ -1483,6 +1530,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     gg_consume_pp<STAGES, OUT_BF16>(cw, warp, lane, base, bars, out, N, nTN, nK, total, GM, E, sBeg, sEnd, sCum, alpha,
                                     beta);
     return;
+  }
+  if constexpr ((FUSE == 1 || FUSE == 3) && (GG_EXPERIMENT & GG_EX_GATHER_FIRST) != 0) {
+    if (!(fz.mode & 1))
+      gg_gather(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
   }
   // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile.
   float acc[R];

@@ -13,6 +13,11 @@
 //   - Sizes are run-time arguments; element counts and offsets are 64-bit.
 //   - Each kernel has a CPU twin in backend/cpu; backend/cuda's tests compare
 //     the two on fresh random inputs.
+//   - Experiments on a kernel are compile-time variants of its source
+//     (Source.Variants: preprocessor defines the source defaults with
+//     #ifndef), loaded beside it (backend/cuda's Device.LoadVariant), never
+//     run-time switches inside it: a switch changes the code and registers
+//     of the whole kernel, and so the figure it was meant to isolate.
 //
 // kernels_test.go compiles every source to sm_90a PTX with clang-19 when it
 // is installed (Debian/Ubuntu: apt-get install -y clang-19), a check that
@@ -48,6 +53,24 @@ type Kernel struct {
 type Source struct {
 	File    string
 	Kernels []Kernel
+	// Variants are compile-time experiments on the source, measured
+	// against it (none is used in training).
+	Variants []Variant
+}
+
+// Variant is a source compiled with preprocessor definitions that change
+// some of its kernels for an experiment. Its kernels keep their names and
+// launch shapes. Being a compilation of its own, a variant leaves the
+// source's own kernels as they are, to the register: a run-time switch in
+// a kernel changes the whole kernel's code and registers, and so the
+// figure it was meant to isolate.
+type Variant struct {
+	Name    string
+	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
+	// Exact is set when the variant computes what the source does (only
+	// faster or slower); otherwise its results are for timing only.
+	Exact   bool
+	Purpose string
 }
 
 // Sources lists every source and kernel. A test checks that it matches the
@@ -156,6 +179,19 @@ func Sources() []Source {
 			{Name: "moe_dispatch_dgrad", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
 			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_tn", Block: 384, Grid: "persistent: min(SMs, E*ceil(M/128)*ceil(N/256)) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"},
+		}, Variants: []Variant{
+			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad
+			// (GG_EXPERIMENT in the source; kernels/grouped_gemm.md).
+			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
+				Purpose: "the gather reads its float32 sources as bf16 rows: half the bytes loaded"},
+			{Name: "no-gather-stores", Defines: []string{"GG_EXPERIMENT=2"},
+				Purpose: "the gather loads its rows and stores none"},
+			{Name: "streaming-loads", Defines: []string{"GG_EXPERIMENT=4"}, Exact: true,
+				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
+			{Name: "gather-first", Defines: []string{"GG_EXPERIMENT=8"}, Exact: true,
+				Purpose: "every warp but the TMA thread's gathers first, unpaced, then does its own work"},
+			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
+				Purpose: "no fences before a chunk's flag is raised"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -60,6 +60,21 @@ func TestSourcesMatchFiles(t *testing.T) {
 				t.Errorf("%s: listed kernel %s is not defined there", s.File, k.Name)
 			}
 		}
+		// Every variant is named once and defines macros the source
+		// defaults (#ifndef), so the plain compilation is the default.
+		names := map[string]bool{}
+		for _, v := range s.Variants {
+			if v.Name == "" || names[v.Name] || v.Purpose == "" || len(v.Defines) == 0 {
+				t.Errorf("%s: variant %q: a unique name, a purpose and defines are required", s.File, v.Name)
+			}
+			names[v.Name] = true
+			for _, d := range v.Defines {
+				name, _, ok := strings.Cut(d, "=")
+				if !ok || !strings.Contains(text, "#ifndef "+name+"\n") {
+					t.Errorf("%s: variant %s: define %q is not NAME=VALUE of a macro the source defaults with #ifndef", s.File, v.Name, d)
+				}
+			}
+		}
 	}
 	slices.Sort(listed)
 	slices.Sort(onDisk)
@@ -83,20 +98,37 @@ func TestCompileWithClang(t *testing.T) {
 		t.Skip("kernels: clang-19 not on PATH, CUDA sources not compile-checked (apt-get install -y clang-19)")
 	}
 	dir := t.TempDir()
+	type unit struct {
+		name    string
+		src     Source
+		defines []string
+	}
+	var units []unit
 	for _, s := range Sources() {
-		t.Run(s.File, func(t *testing.T) {
+		units = append(units, unit{s.File, s, nil})
+		for _, v := range s.Variants {
+			units = append(units, unit{s.File + "+" + v.Name, s, v.Defines})
+		}
+	}
+	for _, u := range units {
+		s := u.src
+		t.Run(u.name, func(t *testing.T) {
 			t.Parallel()
 			text, err := s.Text()
 			if err != nil {
 				t.Fatal(err)
 			}
-			src := filepath.Join(dir, s.File)
+			src := filepath.Join(dir, u.name+".cu")
 			ptx := strings.TrimSuffix(src, ".cu") + ".ptx"
 			if err := os.WriteFile(src, []byte(text), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			cmd := exec.Command(clang, "-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_90a",
-				"-nocudainc", "-nocudalib", "-O3", "-Wall", "-Werror", "-S", "-o", ptx, src)
+			args := []string{"-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_90a",
+				"-nocudainc", "-nocudalib", "-O3", "-Wall", "-Werror", "-S", "-o", ptx}
+			for _, d := range u.defines {
+				args = append(args, "-D"+d)
+			}
+			cmd := exec.Command(clang, append(args, src)...)
 			if out, err := cmd.CombinedOutput(); err != nil {
 				t.Fatalf("%s: %v\n%s", cmd, err, out)
 			}

@@ -17,10 +17,15 @@ import (
 	"github.com/mktrain/mktrain/backend/cuda/driver"
 )
 
-// compileOptions are NVRTC's options besides the target. -lineinfo costs
-// nothing at run time and lets profilers map time to source lines.
-func compileOptions(arch string) []string {
-	return []string{"--gpu-architecture=" + arch, "--std=c++17", "-lineinfo"}
+// compileOptions are NVRTC's options besides the target, then one -D for
+// each of defines (a kernels.Variant's). -lineinfo costs nothing at run
+// time and lets profilers map time to source lines.
+func compileOptions(arch string, defines ...string) []string {
+	opts := []string{"--gpu-architecture=" + arch, "--std=c++17", "-lineinfo"}
+	for _, d := range defines {
+		opts = append(opts, "-D"+d)
+	}
+	return opts
 }
 
 // CompileInfo says how a module's code was obtained.
@@ -115,8 +120,8 @@ func (r *Runtime) Compile(name, source, arch string) ([]byte, CompileInfo, error
 	return r.compile(name, source, arch, false)
 }
 
-func (r *Runtime) compile(name, source, arch string, skipCache bool) ([]byte, CompileInfo, error) {
-	opts := compileOptions(arch)
+func (r *Runtime) compile(name, source, arch string, skipCache bool, defines ...string) ([]byte, CompileInfo, error) {
+	opts := compileOptions(arch, defines...)
 	major, minor := r.nvrtc.Version()
 	key := cacheKey(source, arch, opts, major, minor)
 	img, info, err := cachedCompile(r.cacheDir, key, skipCache, func() ([]byte, string, error) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 )
@@ -23,12 +24,27 @@ func TestCacheKey(t *testing.T) {
 		"arch":    cacheKey("src", "sm_90", compileOptions("sm_90"), 13, 0),
 		"options": cacheKey("src", "sm_90a", append(opts[:len(opts):len(opts)], "-G"), 13, 0),
 		"nvrtc":   cacheKey("src", "sm_90a", opts, 13, 1),
+		"defines": cacheKey("src", "sm_90a", compileOptions("sm_90a", "GG_EXPERIMENT=1"), 13, 0),
 		// Field boundaries matter: moving text between fields changes the key.
 		"boundary": cacheKey("srcsm_90a", "", opts, 13, 0),
 	} {
 		if k == base {
 			t.Errorf("changing the %s does not change the key", name)
 		}
+	}
+}
+
+// TestCompileOptionsDefines: a variant's defines follow the fixed options
+// as -D arguments, and no defines leave the options (and so the cache keys
+// of the sources as used) as they were.
+func TestCompileOptionsDefines(t *testing.T) {
+	plain := compileOptions("sm_90a")
+	if want := []string{"--gpu-architecture=sm_90a", "--std=c++17", "-lineinfo"}; !slices.Equal(plain, want) {
+		t.Errorf("options %q, want %q", plain, want)
+	}
+	got := compileOptions("sm_90a", "A=1", "B=2")
+	if want := append(plain[:len(plain):len(plain)], "-DA=1", "-DB=2"); !slices.Equal(got, want) {
+		t.Errorf("options with defines %q, want %q", got, want)
 	}
 }
 

@@ -31,8 +31,28 @@ type Kernel struct {
 // Compiling runs on the calling goroutine, so sources may be loaded in
 // parallel; only loading the cubin runs on the device thread.
 func (d *Device) Load(src kernels.Source) (*Module, error) {
+	return d.load(src, kernels.Variant{})
+}
+
+// LoadVariant is Load for a compile-time variant of src (one of
+// src.Variants: the source compiled with its defines), a Module of its
+// own beside src's, for experiments on the kernels.
+func (d *Device) LoadVariant(src kernels.Source, name string) (*Module, error) {
+	for _, v := range src.Variants {
+		if v.Name == name {
+			return d.load(src, v)
+		}
+	}
+	return nil, fmt.Errorf("cuda: %s has no variant %q", src.File, name)
+}
+
+func (d *Device) load(src kernels.Source, v kernels.Variant) (*Module, error) {
+	key := src.File
+	if v.Name != "" {
+		key += "+" + v.Name
+	}
 	d.modMu.Lock()
-	m, ok := d.modules[src.File]
+	m, ok := d.modules[key]
 	d.modMu.Unlock()
 	if ok {
 		return m, nil
@@ -41,7 +61,7 @@ func (d *Device) Load(src kernels.Source) (*Module, error) {
 	if err != nil {
 		return nil, err
 	}
-	img, info, err := d.rt.compile(src.File, text, d.info.Arch, false)
+	img, info, err := d.rt.compile(key, text, d.info.Arch, false, v.Defines...)
 	if err != nil {
 		return nil, err
 	}
@@ -50,7 +70,7 @@ func (d *Device) Load(src kernels.Source) (*Module, error) {
 	if err != nil && info.CacheHit {
 		// A cached cubin the driver rejects (a damaged file, say): compile
 		// afresh, which also rewrites the cache entry.
-		img, info, err = d.rt.compile(src.File, text, d.info.Arch, true)
+		img, info, err = d.rt.compile(key, text, d.info.Arch, true, v.Defines...)
 		if err != nil {
 			return nil, err
 		}
@@ -58,16 +78,16 @@ func (d *Device) Load(src kernels.Source) (*Module, error) {
 		err = d.Do(func() error { return d.loadModule(m, img) })
 	}
 	if err != nil {
-		return nil, fmt.Errorf("cuda: loading %s: %w", src.File, err)
+		return nil, fmt.Errorf("cuda: loading %s: %w", key, err)
 	}
 	d.modMu.Lock()
 	defer d.modMu.Unlock()
-	if prev, ok := d.modules[src.File]; ok {
+	if prev, ok := d.modules[key]; ok {
 		// Another goroutine loaded it meanwhile; keep one.
 		d.Submit(func() error { return d.drv.ModuleUnload(m.mod) })
 		return prev, nil
 	}
-	d.modules[src.File] = m
+	d.modules[key] = m
 	return m, nil
 }
 

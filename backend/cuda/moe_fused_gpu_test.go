@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+	"github.com/mktrain/mktrain/kernels"
 )
 
 // fusedCase is one layer's worth of rows for one destination rank: ranks
@@ -236,6 +238,77 @@ func fusedCases() []fusedCase {
 		{"w4 one rank sends nothing", 4, 200, []int{250, 0, 400, 77}, []int{1, 127, 128, 471}, 512, 256},
 		{"w8 skewed: all to one group", 8, 64, []int{100, 90, 80, 70, 60, 50, 40, 30}, []int{0, 520, 0, 0}, 256, 384},
 		{"tails: D and F not multiples of 64", 2, 100, []int{150, 99}, []int{120, 129}, 200, 136},
+	}
+}
+
+// withGatherVariant runs b's two gathering kernels (moe_dispatch_swiglu
+// and moe_dispatch_dgrad) from the compile-time variant name of
+// grouped_gemm.cu (kernels.Source.Variants) until the returned restore is
+// called; the other kernels stay the default ones.
+func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
+	t.Helper()
+	src, err := kernels.Lookup("grouped_gemm.cu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.dev.LoadVariant(src, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gg := b.experts.bf16Out
+	var ks [2]*Kernel
+	for i, kn := range []string{"moe_dispatch_swiglu", "moe_dispatch_dgrad"} {
+		k, err := m.Kernel(kn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var local int
+		if err := b.dev.Do(func() error {
+			err := b.dev.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, gg.optInGather)
+			if err == nil {
+				local, err = b.dev.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
+			}
+			return err
+		}); err != nil {
+			t.Fatalf("%s of variant %s: %v", kn, name, err)
+		}
+		figure(t, fmt.Sprintf("%s_%s_local_bytes", kn, strings.ReplaceAll(name, "-", "_")), float64(local), "B")
+		ks[i] = k
+	}
+	swiglu, dgrad := gg.dispatchSwiGLU, gg.dispatchDgrad
+	gg.dispatchSwiGLU, gg.dispatchDgrad = ks[0], ks[1]
+	return func() { gg.dispatchSwiGLU, gg.dispatchDgrad = swiglu, dgrad }
+}
+
+// gatherVariants are grouped_gemm.cu's compile-time variants; exact ones
+// only when exact is set.
+func gatherVariants(t *testing.T, exact bool) []kernels.Variant {
+	src, err := kernels.Lookup("grouped_gemm.cu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var vs []kernels.Variant
+	for _, v := range src.Variants {
+		if v.Exact || !exact {
+			vs = append(vs, v)
+		}
+	}
+	return vs
+}
+
+// TestMoEFusedVariantsMatchUnfused runs the fused cases with each exact
+// variant of the gathering kernels (a variant that computes what the
+// kernels do, faster or slower).
+func TestMoEFusedVariantsMatchUnfused(t *testing.T) {
+	testGroupedGemm(t)
+	b := testBackend(t)
+	for _, v := range gatherVariants(t, true) {
+		t.Run(v.Name, func(t *testing.T) {
+			defer withGatherVariant(t, b, v.Name)()
+			for i, c := range fusedCases() {
+				t.Run(c.name, func(t *testing.T) { c.testAgainstUnfused(t, b, uint64(300+i)) })
+			}
+		})
 	}
 }
 
@@ -589,6 +662,18 @@ func TestMoEFusedFigures(t *testing.T) {
 				// gather unpaced, 256 its copy one step deep.
 				for _, mode := range []int{1, 16, 32, 64, 96, 128, 256} {
 					inMode(mode, "bwd_dgrad_fused", dgradFused)
+				}
+				// The compile-time variants of the gathering kernels
+				// (kernels.Source.Variants of grouped_gemm.cu), each its own
+				// compilation: its gate/up kernel with and without the
+				// gather (mode 1) and its dgrad kernel.
+				for _, v := range gatherVariants(t, false) {
+					restore := withGatherVariant(t, b, v.Name)
+					x := strings.ReplaceAll(v.Name, "-", "_")
+					timed("gateup_fused_"+x, gateUpFused)
+					inMode(1, "gateup_fused_"+x, gateUpFused)
+					timed("bwd_dgrad_fused_"+x, dgradFused)
+					restore()
 				}
 				figure(t, "moe_fused_"+tag+"_fused_over_gemm", ms["fused"]/ms["gemm_alone"], "x")
 				figure(t, "moe_fused_"+tag+"_unfused_over_fused", ms["unfused"]/ms["fused"], "x")
