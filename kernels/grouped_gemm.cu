@@ -613,6 +613,7 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
 #define GG_EX_GATHER_FIRST 8  // every warp but the TMA thread's gathers first
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
+#define GG_EX_BULK_STORES 32  // FUSE 1: rows stored through shared memory by the bulk copy engine
 
 // gg_gather_load issues the loads of step st of a chunk of nr rows: lane
 // i < nr holds row i's source address (src) in its float32 rows.
@@ -658,10 +659,21 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
 
 // gg_gather_store writes step st's rows, scaled (lane i: row i's scale),
 // to xRD as bf16. An odd chunk's last pair copies its last row twice.
+// BULK (GG_EX_BULK_STORES): the rows go to step st's slot of the stage
+// (two slots of two rows of 1024 columns, at shared address stage), and
+// lane 0 has the bulk copy engine write them out (one bulk group a step);
+// the slot is free again once that group has read it (gg_gather waits).
+template <bool BULK>
 __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K, int lane,
-                                                float scale, const float (&v)[2][4][8]) {
+                                                float scale, const float (&v)[2][4][8], unsigned stage) {
   if constexpr ((GG_EXPERIMENT & GG_EX_NO_STORES) != 0) return;
-  const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
+  const int i = (st / nJ) * 2, col0 = (st % nJ) * 1024, j0 = lane * 8 + col0;
+  if constexpr (BULK) {
+    // The slot's previous group (step st - 2) is done reading it: at most
+    // one group (step st - 1's) may still be reading.
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  }
 #pragma unroll
   for (int h = 0; h < 2; h++) {
     const int ii = gg_min(i + h, nr - 1);
@@ -674,10 +686,33 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
         float w[8];
 #pragma unroll
         for (int q = 0; q < 8; q++) w[q] = v[h][u][q] * sc;
-        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
-                     "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
+        if constexpr (BULK) {
+          const unsigned a = stage + ((st & 1) * 2 + h) * 2048u + (unsigned)(j - col0) * 2u;
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(gg_pack_bf16(w[0], w[1])),
+                       "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
+                       : "memory");
+        } else {
+          asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
+                       "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
+                       : "memory");
+        }
+      }
+    }
+  }
+  if constexpr (BULK) {
+    // The slot's generic writes before the async proxy reads them.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    if (lane == 0) {
+      const unsigned bytes = (unsigned)gg_min(1024, K - col0) * 2u;
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const unsigned short* dst = fz.xRD + (long long)(r0 + gg_min(i + h, nr - 1)) * K + col0;
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                     "r"(stage + ((st & 1) * 2 + h) * 2048u), "r"(bytes)
                      : "memory");
       }
+      gg_bulk_commit();
     }
   }
 }
@@ -686,7 +721,9 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
 // block's tiles: 5 waves of 132 tiles at moe-small's 22 column tiles a
 // row of tiles (FUSE 1), 2.5 at 11 (FUSE 3), either far longer than a
 // chunk's copy takes.
+#ifndef GG_GATHER_LEAD
 #define GG_GATHER_LEAD 32
+#endif
 // GG_FRONT_DONE is a finished block's front: past every m-tile, and far
 // enough from INT_MAX that adding the lead cannot overflow.
 #define GG_FRONT_DONE (1 << 30)
@@ -699,10 +736,18 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
 // are in flight (one stored while the next one's loads are out), and the
 // next chunk's row lookups (references, then token indices: two dependent
 // loads) are issued under the current chunk's copy and its fence.
+// BULK: the stores through shared memory (gg_gather_store; FUSE 1 under
+// GG_EX_BULK_STORES, one gather warp a block).
+template <bool BULK = false>
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
                                           const int* sEnd, const int* sCum, const volatile int* front) {
   const int total = sCum[E] * GG_CHUNKS, nJ = (K + 1023) / 1024;
   if (cw >= total) return;
+  unsigned stage = 0;
+  if constexpr (BULK) {
+    __shared__ __attribute__((aligned(128))) unsigned char ggGatherStage[2 * 2 * 2048];
+    stage = gg_smem_addr(ggGatherStage);
+  }
   // A source row's length in floats (GG_EX_BF16_SOURCES: K bf16).
   const int rowFloats = (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;
   // Lane i < nr: its row's source rank and send position (the references)
@@ -749,15 +794,15 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       // loads go out), the copy's depth before it was pipelined.
       for (int st = 0; st < steps; st++) {
         gg_gather_load(st, nJ, cur.nr, K, lane, src, va);
-        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+        gg_gather_store<BULK>(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va, stage);
       }
     } else {
       if (steps > 0) gg_gather_load(0, nJ, cur.nr, K, lane, src, va);
       for (int st = 0; st < steps; st += 2) {
         if (st + 1 < steps) gg_gather_load(st + 1, nJ, cur.nr, K, lane, src, vb);
-        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+        gg_gather_store<BULK>(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va, stage);
         if (st + 2 < steps) gg_gather_load(st + 2, nJ, cur.nr, K, lane, src, va);
-        if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
+        if (st + 1 < steps) gg_gather_store<BULK>(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb, stage);
       }
     }
     // The next chunk's sources, resolved while this chunk's stores drain.
@@ -769,6 +814,12 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     }
     // Every lane's rows are visible at GPU scope, and ordered before the
     // async proxy's (TMA's) reads, before lane 0 publishes the chunk.
+    if constexpr (BULK) {
+      // The chunk's bulk writes are complete, then ordered before the
+      // release like the generic ones.
+      if (lane == 0) gg_bulk_wait();
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    }
     if constexpr ((GG_EXPERIMENT & GG_EX_NO_FENCES) == 0) {
       asm volatile("fence.acq_rel.gpu;" ::: "memory");
       asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -1465,7 +1516,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       } else if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1)) {
         // The communication warps: 1-3 (FUSE 3), or 3 beside the act
         // helpers (FUSE 1).
-        if (FUSE == 1) gg_gather(fz, blockIdx.x, gridDim.x, lane, K, E, sBeg, sEnd, sCum, sFront);
+        if constexpr (FUSE == 1)
+          gg_gather<(GG_EXPERIMENT & GG_EX_BULK_STORES) != 0>(fz, blockIdx.x, gridDim.x, lane, K, E, sBeg, sEnd, sCum,
+                                                              sFront);
         else gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
       }
       return;

@@ -192,6 +192,12 @@ func Sources() []Source {
 				Purpose: "every warp but the TMA thread's gathers first, unpaced, then does its own work"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
+			{Name: "bulk-stores", Defines: []string{"GG_EXPERIMENT=32"}, Exact: true,
+				Purpose: "moe_dispatch_swiglu's gather stores its rows through shared memory with the bulk copy engine (cp.async.bulk), off the load/store path"},
+			{Name: "lead-4", Defines: []string{"GG_GATHER_LEAD=4"}, Exact: true,
+				Purpose: "the gather paced 4 m-tiles ahead of its block's loads (32 as used)"},
+			{Name: "lead-8", Defines: []string{"GG_GATHER_LEAD=8"}, Exact: true,
+				Purpose: "the gather paced 8 m-tiles ahead of its block's loads"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -262,9 +262,15 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// A variant may have static shared memory (bulk-stores' stage):
+		// the dynamic opt-in leaves room for it.
 		var local int
 		if err := b.dev.Do(func() error {
-			err := b.dev.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, gg.optInGather)
+			static, err := b.dev.drv.FuncAttribute(k.fn, driver.FuncSharedSizeBytes)
+			if err == nil {
+				err = b.dev.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt,
+					min(gg.optInGather, b.dev.info.MaxSharedOptIn-static))
+			}
 			if err == nil {
 				local, err = b.dev.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
 			}
