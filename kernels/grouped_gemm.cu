@@ -614,6 +614,7 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_GATHER_FIRST 8  // every warp but the TMA thread's gathers first
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
 #define GG_EX_BULK_STORES 32  // FUSE 1: rows stored through shared memory by the bulk copy engine
+#define GG_EX_REG_EPILOGUE 64 // FUSE 1: the register epilogue for every block, no staging, 4 stages
 
 // gg_gather_load issues the loads of step st of a chunk of nr rows: lane
 // i < nr holds row i's source address (src) in its float32 rows.
@@ -1424,8 +1425,11 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // FUSE 3 brings h1 and h3 in and sends dh1 and dh3 out through two
   // 16 KiB slots per consumer warpgroup (gg_epilogue_dswiglu_tma), with
   // one barrier per slot (XBARS).
+  // GG_EX_REG_EPILOGUE: FUSE 1 without the staging (and its act helpers),
+  // its room given to a fourth stage.
+  constexpr bool F1REG = FUSE == 1 && (GG_EXPERIMENT & GG_EX_REG_EPILOGUE) != 0;
   constexpr unsigned STG_BYTES =
-      STORE ? 2u * 32768u / (STORE ? STORE : 1) : ((FUSE == 1 || FUSE == 3) ? 2u * 32768u : 0u);
+      STORE ? 2u * 32768u / (STORE ? STORE : 1) : (((FUSE == 1 && !F1REG) || FUSE == 3) ? 2u * 32768u : 0u);
   constexpr int XBARS = (FUSE == 1 || FUSE == 3) ? 4 : 0;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
@@ -1504,13 +1508,14 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         // the gather (11 warps a block), then do their own work.
         if (!(fz.mode & 1))
           gg_gather(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
-        if (FUSE == 1 && (warp == 1 || warp == 2))
+        if (FUSE == 1 && !F1REG && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
                         ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
         return;
       }
       if (FUSE == 1 && (warp == 1 || warp == 2)) {
         // Warps 1 and 2: the act epilogue of consumer warpgroup warp - 1.
+        if constexpr (F1REG) return;
         gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
                       ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
       } else if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1)) {
@@ -1601,7 +1606,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // The TMA-store epilogues (STORE, FUSE 1 and 3) take the blocks
     // gg_block_tma allows; the others keep the register path.
     const int wr0 = tile.row0 + cw * 64;
-    const bool tmaBlock = gg_block_tma(wr0, tile.rowEnd, rows);
+    const bool tmaBlock = !F1REG && gg_block_tma(wr0, tile.rowEnd, rows);
     const bool dswTma = FUSE == 3 && tmaBlock && !(fz.mode & 16);
     // FUSE 3: the k-block after which the tile's first two h1/h3 boxes are
     // requested: late enough that the previous tile's stores have read
@@ -1800,7 +1805,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
   fz.ptrs = ptrs;
   fz.toks = toks;
   fz.flags = flags;
-  gg_body<256, 3, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+  // GG_EX_REG_EPILOGUE: 4 stages in the staging's room.
+  constexpr int stages = (GG_EXPERIMENT & GG_EX_REG_EPILOGUE) != 0 ? 4 : 3;
+  gg_body<256, stages, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
 // moe_dispatch_dgrad (FUSE 3, 3 stages, TMA loads and stores in the

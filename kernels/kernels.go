@@ -194,6 +194,8 @@ func Sources() []Source {
 				Purpose: "no fences before a chunk's flag is raised"},
 			{Name: "bulk-stores", Defines: []string{"GG_EXPERIMENT=32"}, Exact: true,
 				Purpose: "moe_dispatch_swiglu's gather stores its rows through shared memory with the bulk copy engine (cp.async.bulk), off the load/store path"},
+			{Name: "register-epilogue", Defines: []string{"GG_EXPERIMENT=64"}, Exact: true,
+				Purpose: "moe_dispatch_swiglu with the register epilogue for every block and a fourth stage in the staging's room"},
 			{Name: "lead-4", Defines: []string{"GG_GATHER_LEAD=4"}, Exact: true,
 				Purpose: "the gather paced 4 m-tiles ahead of its block's loads (32 as used)"},
 			{Name: "lead-8", Defines: []string{"GG_GATHER_LEAD=8"}, Exact: true,
