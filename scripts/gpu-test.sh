@@ -44,7 +44,7 @@
 # Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
 # GPU_TEST_PACKAGES (a regexp of package paths) runs only those packages;
-# GPU_TEST_TIMEOUT is each test binary's -test.timeout (default 240s);
+# GPU_TEST_TIMEOUT is each test binary's -test.timeout (default 360s);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs ../shared/peer/torch_kernels.py
@@ -143,7 +143,7 @@ while IFS='|' read -r pkg filter; do
   [[ -n "$filter" ]] && run_args=(-test.run "$filter")
   echo "== $pkg ${filter:+(-test.run $filter)}"
   start=$(date +%s%N)
-  (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout="${GPU_TEST_TIMEOUT:-240s}" -test.count=1 "${run_args[@]}" "${skip_args[@]}") >"$LOGS/$n.log" 2>&1
+  (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout="${GPU_TEST_TIMEOUT:-360s}" -test.count=1 "${run_args[@]}" "${skip_args[@]}") >"$LOGS/$n.log" 2>&1
   rc=$?
   secs=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.2f", (b - a) / 1e9 }')
   if [[ -x "$root/$BIN/test2json" ]]; then
