@@ -15,9 +15,11 @@
 //     the two on fresh random inputs.
 //   - Experiments on a kernel are compile-time variants of its source
 //     (Source.Variants: preprocessor defines the source defaults with
-//     #ifndef), loaded beside it (backend/cuda's Device.LoadVariant), never
+//     #ifndef), loaded beside it (backend/cuda's Device.LoadVariant), not
 //     run-time switches inside it: a switch changes the code and registers
-//     of the whole kernel, and so the figure it was meant to isolate.
+//     of the whole kernel, and so the figure it was meant to isolate. (The
+//     fused MoE kernels' older run-time switches, fz.mode, predate this
+//     rule; their figures are read only against the same build.)
 //
 // kernels_test.go compiles every source to sm_90a PTX with clang-19 when it
 // is installed (Debian/Ubuntu: apt-get install -y clang-19), a check that
@@ -60,10 +62,8 @@ type Source struct {
 
 // Variant is a source compiled with preprocessor definitions that change
 // some of its kernels for an experiment. Its kernels keep their names and
-// launch shapes. Being a compilation of its own, a variant leaves the
-// source's own kernels as they are, to the register: a run-time switch in
-// a kernel changes the whole kernel's code and registers, and so the
-// figure it was meant to isolate.
+// launch shapes. Being a compilation of its own, it leaves the source's
+// own kernels as they are, to the register.
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
