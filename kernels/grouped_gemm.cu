@@ -615,6 +615,12 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
 #define GG_EX_BULK_STORES 32  // FUSE 1: rows stored through shared memory by the bulk copy engine
 #define GG_EX_REG_EPILOGUE 64 // FUSE 1: the register epilogue for every block, no staging, 4 stages
+// The gather's float32 load (GG_EX_STREAMING: evicted first).
+#if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
+#define GG_GATHER_LD "ld.global.cs.v4.f32"
+#else
+#define GG_GATHER_LD "ld.global.v4.f32"
+#endif
 
 // gg_gather_load issues the loads of step st of a chunk of nr rows: lane
 // i < nr holds row i's source address (src) in its float32 rows.
@@ -639,18 +645,11 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
           v[h][u][2 * q] = gg_bf16_lo(w[q]);
           v[h][u][2 * q + 1] = gg_bf16_hi(w[q]);
         }
-      } else if constexpr ((GG_EXPERIMENT & GG_EX_STREAMING) != 0) {
-        asm volatile("ld.global.cs.v4.f32 {%0, %1, %2, %3}, [%4];"
-                     : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
-                     : "l"(p + j));
-        asm volatile("ld.global.cs.v4.f32 {%0, %1, %2, %3}, [%4];"
-                     : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
-                     : "l"(p + j + 4));
       } else {
-        asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+        asm volatile(GG_GATHER_LD " {%0, %1, %2, %3}, [%4];"
                      : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
                      : "l"(p + j));
-        asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+        asm volatile(GG_GATHER_LD " {%0, %1, %2, %3}, [%4];"
                      : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
                      : "l"(p + j + 4));
       }
