@@ -615,6 +615,10 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
 #define GG_EX_BULK_STORES 32  // FUSE 1: rows stored through shared memory by the bulk copy engine
 #define GG_EX_REG_EPILOGUE 64 // FUSE 1: the register epilogue for every block, no staging, 4 stages
+#define GG_EX_COMM_CTAS 128   // FUSE 1, 3: GG_COMM_CTAS blocks only gather, the others only compute
+#ifndef GG_COMM_CTAS
+#define GG_COMM_CTAS 8
+#endif
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
 #define GG_GATHER_LD "ld.global.cs.v4.f32"
@@ -773,7 +777,8 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     // m-tile or past it (or done: front GG_FRONT_DONE). Pacing only orders
     // work, so a wait past the tile waits' bound gives up on it rather
     // than risk a hang. Lane 0 decides for the warp.
-    if ((GG_EXPERIMENT & GG_EX_GATHER_FIRST) == 0 && !(fz.mode & 128) && cur.g > *front + GG_GATHER_LEAD) {
+    if ((GG_EXPERIMENT & (GG_EX_GATHER_FIRST | GG_EX_COMM_CTAS)) == 0 && !(fz.mode & 128) &&
+        cur.g > *front + GG_GATHER_LEAD) {
       const unsigned long long t0 = gg_globaltimer();
       while (gg_shfl_idx(cur.g > *front + GG_GATHER_LEAD && gg_globaltimer() - t0 < fz.timeoutNs, 0))
         asm volatile("nanosleep.u32 256;");
@@ -979,6 +984,12 @@ __device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned s
   c++;
 }
 
+// gg_first_tile and gg_tile_step walk a computing block's tiles: with nc
+// blocks that only gather (GG_EX_COMM_CTAS; 0 otherwise), the computing
+// blocks share the tiles among themselves.
+__device__ __forceinline__ int gg_first_tile(int nc) { return (int)blockIdx.x - nc; }
+__device__ __forceinline__ int gg_tile_step(int nc) { return (int)gridDim.x - nc; }
+
 // gg_act_helper is FUSE 1's act epilogue, run by one warp of the producer
 // warpgroup for consumer warpgroup cw (warps 1 and 2 for warpgroups 0 and
 // 1). It walks the same tiles as its consumers; for each block they stage
@@ -989,11 +1000,12 @@ __device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned s
 // unswizzling; it is computed from the bf16 h1 and h3 that the unfused
 // SwiGLU and the backward also see. Mode 2: no act store; mode 4: act
 // without silu (experiments).
+// Its block's tiles are gg_first_tile(nc), then every gg_tile_step(nc).
 __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
-                                              unsigned freed, int rows, int N, int total, int nTN, int GM, int E,
-                                              const int* sBeg, const int* sEnd, const int* sCum) {
+                                              unsigned freed, int rows, int N, int total, int nc, int nTN, int GM,
+                                              int E, const int* sBeg, const int* sEnd, const int* sCum) {
   unsigned k = 0;  // blocks handled
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  for (int t = gg_first_tile(nc); t < total; t += gg_tile_step(nc)) {
     const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     const int wr0 = tile.row0 + cw * 64;
     if (!gg_block_tma(wr0, tile.rowEnd, rows)) continue;
@@ -1495,6 +1507,17 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // FUSE 4 runs K's k-blocks twice: (A, W) then (A2, W3).
   const int nTN = (N + BNT - 1) / BNT, nK1 = (K + GG_BK - 1) / GG_BK, nK = FUSE == 4 ? 2 * nK1 : nK1;
   const int total = sCum[E] * nTN;
+  // GG_EX_COMM_CTAS: the first nc blocks only gather (every warp,
+  // unpaced); the others only compute (gg_first_tile, gg_tile_step).
+  // Otherwise nc is 0: every block computes, and gathers.
+  constexpr int NC = ((FUSE == 1 || FUSE == 3) && (GG_EXPERIMENT & GG_EX_COMM_CTAS) != 0) ? GG_COMM_CTAS : 0;
+  const int nc = NC > 0 ? gg_min(NC, (int)gridDim.x - 1) : 0;
+  if constexpr (NC > 0) {
+    if ((int)blockIdx.x < nc) {
+      if (!(fz.mode & 1)) gg_gather(fz, blockIdx.x * 12 + warp, nc * 12, lane, K, E, sBeg, sEnd, sCum, sFront);
+      return;
+    }
+  }
 
   if (warp < 4) {
     // Producer warpgroup: one thread issues every load. REG: the whole
@@ -1509,15 +1532,15 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
           gg_gather(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
         if (FUSE == 1 && !F1REG && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
-                        ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
+                        ebars + 8 * (warp + 1), rows, N, total, nc, nTN, GM, E, sBeg, sEnd, sCum);
         return;
       }
       if (FUSE == 1 && (warp == 1 || warp == 2)) {
         // Warps 1 and 2: the act epilogue of consumer warpgroup warp - 1.
         if constexpr (F1REG) return;
         gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
-                      ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
-      } else if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1)) {
+                      ebars + 8 * (warp + 1), rows, N, total, nc, nTN, GM, E, sBeg, sEnd, sCum);
+      } else if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1) && nc == 0) {
         // The communication warps: 1-3 (FUSE 3), or 3 beside the act
         // helpers (FUSE 1).
         if constexpr (FUSE == 1)
@@ -1540,7 +1563,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
     int s = 0;
     unsigned ph = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = gg_first_tile(nc); t < total; t += gg_tile_step(nc)) {
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
       if (FUSE == 1 || FUSE == 3) *sFront = tile.g;
       if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1) && !(FUSE == 1 && (fz.mode & 16)))
@@ -1600,7 +1623,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   unsigned ph = 0;
   unsigned stgc = 0;  // FUSE 1: blocks this warpgroup has staged; FUSE 3: boxes it has loaded
   const int wtid = tid - 128 * (cw + 1);
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  for (int t = gg_first_tile(nc); t < total; t += gg_tile_step(nc)) {
     const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     // The TMA-store epilogues (STORE, FUSE 1 and 3) take the blocks
     // gg_block_tma allows; the others keep the register path.
