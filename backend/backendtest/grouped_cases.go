@@ -136,9 +136,8 @@ func groupedCases() []Case {
 		if !k.outBF16 {
 			// The weight gradients of the same groups, accumulated into
 			// float32 (the shapes the CUDA backend's TN kernel takes):
-			// groups that end
-			// inside a 64-row k-block, an empty group, the rows past the
-			// groups, partial m and n tiles.
+			// groups that end inside a 64-row k-block, an empty group, the
+			// rows past the groups, partial m and n tiles.
 			cs = append(cs, Case{Name: "GroupedMatMulTN/bf16-kernel-" + k.name, Compare: func(e *Env) {
 				e.NormWise = groupedNormWise
 				a, bb := e.BF16Uniform("a", -1, 1, k.total, k.k), e.BF16Uniform("b", -1, 1, k.total, k.n)

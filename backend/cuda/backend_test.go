@@ -10,21 +10,13 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend/cuda/driver"
-	"github.com/mktrain/mktrain/kernels"
 )
 
 // TestRouterLimitsMatchKernel: the host-side limits are the kernel's
 // register layout (32 lanes x MK_ROUTER_SLOTS experts, MK_ROUTER_MAXK
 // selections).
 func TestRouterLimitsMatchKernel(t *testing.T) {
-	src, err := kernels.Lookup("router.cu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	text, err := src.Text()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, text := kernelSource(t, "router.cu")
 	define := func(name string) int {
 		m := regexp.MustCompile(`#define ` + name + ` (\d+)`).FindStringSubmatch(text)
 		if m == nil {

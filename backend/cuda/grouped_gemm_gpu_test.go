@@ -85,7 +85,7 @@ func TestGroupedGemmCompileProbe(t *testing.T) {
 	if gpu.rt == nil {
 		t.Fatalf("no CUDA runtime: %v %s", gpu.err, gpu.skip)
 	}
-	src, text := groupedGemmSource(t)
+	src, text := kernelSource(t, "grouped_gemm.cu")
 	_, info, err := gpu.rt.Compile(src.File, text, "sm_90a")
 	if err != nil {
 		t.Fatal(err)

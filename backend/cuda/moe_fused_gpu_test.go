@@ -247,10 +247,7 @@ func fusedCases() []fusedCase {
 // called; the other kernels stay the default ones.
 func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 	t.Helper()
-	src, err := kernels.Lookup("grouped_gemm.cu")
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, _ := kernelSource(t, "grouped_gemm.cu")
 	m, err := b.dev.LoadVariant(src, name)
 	if err != nil {
 		t.Fatal(err)
@@ -289,10 +286,7 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 // gatherVariants are grouped_gemm.cu's compile-time variants; exact ones
 // only when exact is set.
 func gatherVariants(t *testing.T, exact bool) []kernels.Variant {
-	src, err := kernels.Lookup("grouped_gemm.cu")
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, _ := kernelSource(t, "grouped_gemm.cu")
 	var vs []kernels.Variant
 	for _, v := range src.Variants {
 		if v.Exact || !exact {

@@ -25,10 +25,10 @@ func TestFusedFaultError(t *testing.T) {
 	}
 }
 
-// groupedGemmSource returns grouped_gemm.cu and its text.
-func groupedGemmSource(t *testing.T) (kernels.Source, string) {
+// kernelSource returns the kernels source file and its text.
+func kernelSource(t *testing.T, file string) (kernels.Source, string) {
 	t.Helper()
-	src, err := kernels.Lookup("grouped_gemm.cu")
+	src, err := kernels.Lookup(file)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -42,7 +42,7 @@ func groupedGemmSource(t *testing.T) (kernels.Source, string) {
 // TestGatherConstantsMatchKernel: the Go side's copies of the gather's
 // constants are the ones grouped_gemm.cu defines.
 func TestGatherConstantsMatchKernel(t *testing.T) {
-	_, text := groupedGemmSource(t)
+	_, text := kernelSource(t, "grouped_gemm.cu")
 	for _, want := range []string{
 		fmt.Sprintf("#define GG_CHUNKS %d\n", ggChunks),
 		fmt.Sprintf("#define GG_GATHER_LEAD %d\n", ggGatherLead),

@@ -7,20 +7,12 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/kernels"
 )
 
 // TestPeerTableMatchesKernel: the words per rank that peer.go uploads are
 // those peer_rows.cu reads.
 func TestPeerTableMatchesKernel(t *testing.T) {
-	src, err := kernels.Lookup("peer_rows.cu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	text, err := src.Text()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, text := kernelSource(t, "peer_rows.cu")
 	for name, want := range map[string]int{"PR_GATHER_WORDS": peerGatherWords, "PR_SCATTER_WORDS": peerScatterWords} {
 		m := regexp.MustCompile(`#define ` + name + ` (\d+)`).FindStringSubmatch(text)
 		if m == nil || m[1] != fmt.Sprint(want) {
