@@ -1527,8 +1527,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     if (tid != 0) {
       if constexpr ((FUSE == 1 || FUSE == 3) && (GG_EXPERIMENT & GG_EX_GATHER_FIRST) != 0) {
         // GG_EX_GATHER_FIRST: warps 1-3 here and the consumers' 8 share
-        // the gather (11 warps a block), then do their own work.
-        if (!(fz.mode & 1))
+        // the gather (11 warps a block), then do their own work; warp 0's
+        // other lanes have none.
+        if (warp > 0 && !(fz.mode & 1))
           gg_gather(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
         if (FUSE == 1 && !F1REG && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),

@@ -252,7 +252,11 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gg := b.experts.bf16Out
+	x, ok := b.expertKernels() // made on first use
+	if !ok {
+		t.Fatalf("grouped GEMM kernels: %v", x.err)
+	}
+	gg := x.bf16Out
 	var ks [2]*Kernel
 	for i, kn := range []string{"moe_dispatch_swiglu", "moe_dispatch_dgrad"} {
 		k, err := m.Kernel(kn)
