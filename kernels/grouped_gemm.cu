@@ -616,6 +616,7 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_BULK_STORES 32  // FUSE 1: rows stored through shared memory by the bulk copy engine
 #define GG_EX_REG_EPILOGUE 64 // FUSE 1: the register epilogue for every block, no staging, 4 stages
 #define GG_EX_COMM_CTAS 128   // FUSE 1, 3: GG_COMM_CTAS blocks only gather, the others only compute
+#define GG_EX_SHALLOW 256     // the gather's copy one step deep (half its registers)
 #ifndef GG_COMM_CTAS
 #define GG_COMM_CTAS 8
 #endif
@@ -794,7 +795,7 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     }
     const int steps = ((cur.nr + 1) / 2) * nJ;
     float va[2][4][8], vb[2][4][8];
-    if (fz.mode & 256) {
+    if ((GG_EXPERIMENT & GG_EX_SHALLOW) != 0 || (fz.mode & 256)) {
       // Experiment: one step in flight (each stored before the next one's
       // loads go out), the copy's depth before it was pipelined.
       for (int st = 0; st < steps; st++) {

@@ -190,6 +190,8 @@ func Sources() []Source {
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
 			{Name: "gather-first", Defines: []string{"GG_EXPERIMENT=8"}, Exact: true,
 				Purpose: "every warp but the TMA thread's gathers first, unpaced, then does its own work"},
+			{Name: "gather-first-shallow", Defines: []string{"GG_EXPERIMENT=264"}, Exact: true,
+				Purpose: "gather-first with the copy one step deep: fewer live registers where the consumers' code inlines the gather"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
 			{Name: "bulk-stores", Defines: []string{"GG_EXPERIMENT=32"}, Exact: true,

@@ -11,6 +11,8 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -287,14 +289,28 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 	return func() { gg.dispatchSwiGLU, gg.dispatchDgrad = swiglu, dgrad }
 }
 
-// gatherVariants are grouped_gemm.cu's compile-time variants; exact ones
-// only when exact is set.
+// gatherVariantsEnv names the variants a run takes (comma-separated;
+// unset: all). Each variant is an NVRTC compilation of ~10 s, so a run
+// about one or two of them names them.
+const gatherVariantsEnv = "MKTRAIN_GG_VARIANTS"
+
+// gatherVariants are grouped_gemm.cu's compile-time variants (those
+// gatherVariantsEnv names, when set); exact ones only when exact is set.
 func gatherVariants(t *testing.T, exact bool) []kernels.Variant {
 	src, _ := kernelSource(t, "grouped_gemm.cu")
+	var names []string
+	if list := os.Getenv(gatherVariantsEnv); list != "" {
+		names = strings.Split(list, ",")
+	}
 	var vs []kernels.Variant
 	for _, v := range src.Variants {
-		if v.Exact || !exact {
+		if (v.Exact || !exact) && (names == nil || slices.Contains(names, v.Name)) {
 			vs = append(vs, v)
+		}
+	}
+	for _, n := range names {
+		if !slices.ContainsFunc(src.Variants, func(v kernels.Variant) bool { return v.Name == n }) {
+			t.Fatalf("%s: grouped_gemm.cu has no variant %q", gatherVariantsEnv, n)
 		}
 	}
 	return vs
