@@ -45,6 +45,9 @@
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
 # GPU_TEST_PACKAGES (a regexp of package paths) runs only those packages;
 # GPU_TEST_TIMEOUT is each test binary's -test.timeout (default 360s);
+# MKTRAIN_GG_VARIANTS names the grouped GEMM's experiment variants the
+# backend/cuda tests take (default none: the kernels as trained with;
+# kernels/grouped_gemm.md);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs ../shared/peer/torch_kernels.py
@@ -53,6 +56,7 @@
 # else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export MKTRAIN_GG_VARIANTS="${MKTRAIN_GG_VARIANTS-}"
 
 # Package, and the -test.run filter for it ("" = all tests).
 PACKAGES=(
