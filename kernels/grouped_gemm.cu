@@ -456,21 +456,24 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int M, int GM, int 
 // FUSE 1 computes, for the expert-major rows of a rank's experts,
 //   xRD[r] = bf16(src_s[tok_s[p]]), (s, p) = refs[r]   (the dispatch)
 //   h1 = xRD.W1_e^T, h3 = xRD.W3_e^T, act = silu(h1) * h3 (bf16 out)
-// in one persistent grid. Of the producer warpgroup's three spare warps,
-// warps 1 and 2 finish the consumers' epilogues (SwiGLU and act's store,
-// gg_act_helper) and warp 3 is the communication warp (FUSE 3: all
-// three). It pulls each row from its source rank's token buffer (a plain
-// device pointer: a virtual rank's buffer, or a peer GPU's over NVLink),
-// converts it to bf16 into xRD, and publishes per m-tile ready
-// counts (release). The TMA thread waits for an m-tile's count (acquire)
-// before its first A load of that tile, so each tile is multiplied as soon
-// as its rows have landed while later tiles are still in flight. A tile of
-// 128 rows is gathered as GG_CHUNKS chunks, dealt round-robin over every
-// communication warp of the grid in m-tile order (the order the tiles are
-// consumed), so the first tiles land first. The B tile is the two halves
-// W1[n0:n0+128] and W3[n0:n0+128] (one 256-row wgmma operand), so every
-// thread holds h1 and h3 of the same columns and SwiGLU runs in the
-// epilogue, off the consumers' critical path.
+// in one persistent grid. Every warp of a block but the TMA thread's
+// first gathers (gg_gather): it pulls each row from its source rank's
+// token buffer (a plain device pointer: a virtual rank's buffer, or a peer
+// GPU's over NVLink), converts it to bf16 into xRD, and publishes per
+// m-tile ready counts (release); then the consumer warpgroups compute and
+// the producer warpgroup's warps 1 and 2 finish their epilogues (SwiGLU
+// and act's store, gg_act_helper). The TMA thread never gathers: it waits
+// for an m-tile's count (acquire) before its first A load of that tile,
+// so a tile is multiplied as soon as its rows have landed while later
+// tiles are still being copied. A tile of 128 rows is gathered as
+// GG_CHUNKS chunks, dealt round-robin over every gathering warp of the
+// grid in m-tile order (the order the tiles are consumed), so the first
+// tiles land first. (FUSE 3 gathers with three warps a block beside its
+// products instead, paced; kernels/grouped_gemm.md measures both ways.)
+// The B tile is the two halves W1[n0:n0+128] and W3[n0:n0+128] (one
+// 256-row wgmma operand), so every thread holds h1 and h3 of the same
+// columns and SwiGLU runs in the epilogue, off the consumers' critical
+// path.
 //
 // FUSE 2 is the plain NT product act.W2_e^T whose epilogue writes each
 // output row straight to its source: dst_s + p*N for (s, p) = refs[r]
@@ -532,7 +535,7 @@ struct gg_fuse {
   int* rowTiles;                       // FUSE 2, 4: [2 * m-tiles] column tiles stored per 64-row block (zeroed)
   int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu,
                                        // 16 the gather without the waits (timing only: rows may be stale);
-                                       // FUSE 1, 3 experiments: 128 the gather unpaced (no GG_GATHER_LEAD),
+                                       // FUSE 3 experiments: 128 the gather unpaced (no GG_GATHER_LEAD),
                                        // 256 its copy one step deep (not two);
                                        // FUSE 1, 3 test hook: 8 the last m-tile's chunk 0 is never published;
                                        // FUSE 3 experiments: 1 no gather/waits, 16 the register epilogue
@@ -611,15 +614,8 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_BF16_SOURCES 1  // sources read as bf16 rows (timing only)
 #define GG_EX_NO_STORES 2     // the rows loaded, none stored (timing only)
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
-#define GG_EX_GATHER_FIRST 8  // every warp but the TMA thread's gathers first
+#define GG_EX_GATHER_FIRST 8  // FUSE 3 gathers first too (as FUSE 1 does)
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
-#define GG_EX_BULK_STORES 32  // FUSE 1: rows stored through shared memory by the bulk copy engine
-#define GG_EX_REG_EPILOGUE 64 // FUSE 1: the register epilogue for every block, no staging, 4 stages
-#define GG_EX_COMM_CTAS 128   // FUSE 1, 3: GG_COMM_CTAS blocks only gather, the others only compute
-#define GG_EX_SHALLOW 256     // the gather's copy one step deep (half its registers)
-#ifndef GG_COMM_CTAS
-#define GG_COMM_CTAS 8
-#endif
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
 #define GG_GATHER_LD "ld.global.cs.v4.f32"
@@ -664,21 +660,10 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
 
 // gg_gather_store writes step st's rows, scaled (lane i: row i's scale),
 // to xRD as bf16. An odd chunk's last pair copies its last row twice.
-// BULK (GG_EX_BULK_STORES): the rows go to step st's slot of the stage
-// (two slots of two rows of 1024 columns, at shared address stage), and
-// lane 0 has the bulk copy engine write them out (one bulk group a step);
-// the slot is free again once that group has read it (gg_gather waits).
-template <bool BULK>
 __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K, int lane,
-                                                float scale, const float (&v)[2][4][8], unsigned stage) {
+                                                float scale, const float (&v)[2][4][8]) {
   if constexpr ((GG_EXPERIMENT & GG_EX_NO_STORES) != 0) return;
-  const int i = (st / nJ) * 2, col0 = (st % nJ) * 1024, j0 = lane * 8 + col0;
-  if constexpr (BULK) {
-    // The slot's previous group (step st - 2) is done reading it: at most
-    // one group (step st - 1's) may still be reading.
-    if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-  }
+  const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
 #pragma unroll
   for (int h = 0; h < 2; h++) {
     const int ii = gg_min(i + h, nr - 1);
@@ -691,68 +676,42 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
         float w[8];
 #pragma unroll
         for (int q = 0; q < 8; q++) w[q] = v[h][u][q] * sc;
-        if constexpr (BULK) {
-          const unsigned a = stage + ((st & 1) * 2 + h) * 2048u + (unsigned)(j - col0) * 2u;
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(gg_pack_bf16(w[0], w[1])),
-                       "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
-                       : "memory");
-        } else {
-          asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
-                       "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
-                       : "memory");
-        }
-      }
-    }
-  }
-  if constexpr (BULK) {
-    // The slot's generic writes before the async proxy reads them.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    if (lane == 0) {
-      const unsigned bytes = (unsigned)gg_min(1024, K - col0) * 2u;
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        const unsigned short* dst = fz.xRD + (long long)(r0 + gg_min(i + h, nr - 1)) * K + col0;
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-                     "r"(stage + ((st & 1) * 2 + h) * 2048u), "r"(bytes)
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
+                     "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                      : "memory");
       }
-      gg_bulk_commit();
     }
   }
 }
 
-// GG_GATHER_LEAD is how many m-tiles the gather may run ahead of its
-// block's tiles: 5 waves of 132 tiles at moe-small's 22 column tiles a
-// row of tiles (FUSE 1), 2.5 at 11 (FUSE 3), either far longer than a
-// chunk's copy takes.
-#ifndef GG_GATHER_LEAD
+// GG_GATHER_LEAD is how many m-tiles FUSE 3's paced gather may run ahead
+// of its block's tiles: 2.5 waves of 132 tiles at moe-small's 11 column
+// tiles a row of tiles, far longer than a chunk's copy takes.
 #define GG_GATHER_LEAD 32
-#endif
 // GG_FRONT_DONE is a finished block's front: past every m-tile, and far
 // enough from INT_MAX that adding the lead cannot overflow.
 #define GG_FRONT_DONE (1 << 30)
 
-// gg_gather is a communication warp's work (FUSE 1, 3): chunks u = cw,
+// gg_gather is a gathering warp's work (FUSE 1, 3): chunks u = cw,
 // cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major; each row is
 // read from its source as float32, scaled (FUSE 3: by its send-order
 // scale), and written to xRD as bf16 (K is a multiple of 8), then the
-// chunk is published. The copy is bound by load latency, so two steps
-// are in flight (one stored while the next one's loads are out), and the
-// next chunk's row lookups (references, then token indices: two dependent
-// loads) are issued under the current chunk's copy and its fence.
-// BULK: the stores through shared memory (gg_gather_store; FUSE 1 under
-// GG_EX_BULK_STORES, one gather warp a block).
-template <bool BULK = false>
+// chunk is published. The next chunk's row lookups (references, then
+// token indices: two dependent loads) are issued under the current
+// chunk's copy and its fence. Two ways to run it:
+// - FIRST (FUSE 1; FUSE 3 under GG_EX_GATHER_FIRST): every warp of the
+//   block but the TMA thread's gathers before its own work, unpaced; the
+//   copy is one step deep, since the consumers' code inlines it and a
+//   second step's registers cost their mainloop more than the depth
+//   gains with eleven warps a block copying (kernels/grouped_gemm.md).
+// - otherwise (FUSE 3): three warps a block gather beside the products,
+//   paced by the block's front; the copy is bound by load latency, so two
+//   steps are in flight (one stored while the next one's loads are out).
+template <bool FIRST>
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
                                           const int* sEnd, const int* sCum, const volatile int* front) {
   const int total = sCum[E] * GG_CHUNKS, nJ = (K + 1023) / 1024;
   if (cw >= total) return;
-  unsigned stage = 0;
-  if constexpr (BULK) {
-    __shared__ __attribute__((aligned(128))) unsigned char ggGatherStage[2 * 2 * 2048];
-    stage = gg_smem_addr(ggGatherStage);
-  }
   // A source row's length in floats (GG_EX_BF16_SOURCES: K bf16).
   const int rowFloats = (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;
   // Lane i < nr: its row's source rank and send position (the references)
@@ -778,8 +737,7 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     // m-tile or past it (or done: front GG_FRONT_DONE). Pacing only orders
     // work, so a wait past the tile waits' bound gives up on it rather
     // than risk a hang. Lane 0 decides for the warp.
-    if ((GG_EXPERIMENT & (GG_EX_GATHER_FIRST | GG_EX_COMM_CTAS)) == 0 && !(fz.mode & 128) &&
-        cur.g > *front + GG_GATHER_LEAD) {
+    if (!FIRST && !(fz.mode & 128) && cur.g > *front + GG_GATHER_LEAD) {
       const unsigned long long t0 = gg_globaltimer();
       while (gg_shfl_idx(cur.g > *front + GG_GATHER_LEAD && gg_globaltimer() - t0 < fz.timeoutNs, 0))
         asm volatile("nanosleep.u32 256;");
@@ -795,20 +753,20 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     }
     const int steps = ((cur.nr + 1) / 2) * nJ;
     float va[2][4][8], vb[2][4][8];
-    if ((GG_EXPERIMENT & GG_EX_SHALLOW) != 0 || (fz.mode & 256)) {
-      // Experiment: one step in flight (each stored before the next one's
-      // loads go out), the copy's depth before it was pipelined.
+    if (FIRST || (fz.mode & 256)) {
+      // One step in flight (each stored before the next one's loads go
+      // out): FIRST, or the experiment of mode 256.
       for (int st = 0; st < steps; st++) {
         gg_gather_load(st, nJ, cur.nr, K, lane, src, va);
-        gg_gather_store<BULK>(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va, stage);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
       }
     } else {
       if (steps > 0) gg_gather_load(0, nJ, cur.nr, K, lane, src, va);
       for (int st = 0; st < steps; st += 2) {
         if (st + 1 < steps) gg_gather_load(st + 1, nJ, cur.nr, K, lane, src, vb);
-        gg_gather_store<BULK>(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va, stage);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
         if (st + 2 < steps) gg_gather_load(st + 2, nJ, cur.nr, K, lane, src, va);
-        if (st + 1 < steps) gg_gather_store<BULK>(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb, stage);
+        if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
       }
     }
     // The next chunk's sources, resolved while this chunk's stores drain.
@@ -820,12 +778,6 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     }
     // Every lane's rows are visible at GPU scope, and ordered before the
     // async proxy's (TMA's) reads, before lane 0 publishes the chunk.
-    if constexpr (BULK) {
-      // The chunk's bulk writes are complete, then ordered before the
-      // release like the generic ones.
-      if (lane == 0) gg_bulk_wait();
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    }
     if constexpr ((GG_EXPERIMENT & GG_EX_NO_FENCES) == 0) {
       asm volatile("fence.acq_rel.gpu;" ::: "memory");
       asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -985,12 +937,6 @@ __device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned s
   c++;
 }
 
-// gg_first_tile and gg_tile_step walk a computing block's tiles: with nc
-// blocks that only gather (GG_EX_COMM_CTAS; 0 otherwise), the computing
-// blocks share the tiles among themselves.
-__device__ __forceinline__ int gg_first_tile(int nc) { return (int)blockIdx.x - nc; }
-__device__ __forceinline__ int gg_tile_step(int nc) { return (int)gridDim.x - nc; }
-
 // gg_act_helper is FUSE 1's act epilogue, run by one warp of the producer
 // warpgroup for consumer warpgroup cw (warps 1 and 2 for warpgroups 0 and
 // 1). It walks the same tiles as its consumers; for each block they stage
@@ -1001,12 +947,11 @@ __device__ __forceinline__ int gg_tile_step(int nc) { return (int)gridDim.x - nc
 // unswizzling; it is computed from the bf16 h1 and h3 that the unfused
 // SwiGLU and the backward also see. Mode 2: no act store; mode 4: act
 // without silu (experiments).
-// Its block's tiles are gg_first_tile(nc), then every gg_tile_step(nc).
 __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
-                                              unsigned freed, int rows, int N, int total, int nc, int nTN, int GM,
-                                              int E, const int* sBeg, const int* sEnd, const int* sCum) {
+                                              unsigned freed, int rows, int N, int total, int nTN, int GM, int E,
+                                              const int* sBeg, const int* sEnd, const int* sCum) {
   unsigned k = 0;  // blocks handled
-  for (int t = gg_first_tile(nc); t < total; t += gg_tile_step(nc)) {
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     const int wr0 = tile.row0 + cw * 64;
     if (!gg_block_tma(wr0, tile.rowEnd, rows)) continue;
@@ -1437,11 +1382,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // FUSE 3 brings h1 and h3 in and sends dh1 and dh3 out through two
   // 16 KiB slots per consumer warpgroup (gg_epilogue_dswiglu_tma), with
   // one barrier per slot (XBARS).
-  // GG_EX_REG_EPILOGUE: FUSE 1 without the staging (and its act helpers),
-  // its room given to a fourth stage.
-  constexpr bool F1REG = FUSE == 1 && (GG_EXPERIMENT & GG_EX_REG_EPILOGUE) != 0;
   constexpr unsigned STG_BYTES =
-      STORE ? 2u * 32768u / (STORE ? STORE : 1) : (((FUSE == 1 && !F1REG) || FUSE == 3) ? 2u * 32768u : 0u);
+      STORE ? 2u * 32768u / (STORE ? STORE : 1) : ((FUSE == 1 || FUSE == 3) ? 2u * 32768u : 0u);
   constexpr int XBARS = (FUSE == 1 || FUSE == 3) ? 4 : 0;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
@@ -1459,7 +1401,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   int* sEnd = sBeg + E;
   int* sCum = sEnd + E;  // E+1
   // FUSE 1, 3: the m-tile of the TMA thread's current tile
-  // (GG_FRONT_DONE once it has issued its last), which paces the gather.
+  // (GG_FRONT_DONE once it has issued its last), which paces FUSE 3's
+  // gather.
   volatile int* sFront = sCum + E + 1;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -1508,17 +1451,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // FUSE 4 runs K's k-blocks twice: (A, W) then (A2, W3).
   const int nTN = (N + BNT - 1) / BNT, nK1 = (K + GG_BK - 1) / GG_BK, nK = FUSE == 4 ? 2 * nK1 : nK1;
   const int total = sCum[E] * nTN;
-  // GG_EX_COMM_CTAS: the first nc blocks only gather (every warp,
-  // unpaced); the others only compute (gg_first_tile, gg_tile_step).
-  // Otherwise nc is 0: every block computes, and gathers.
-  constexpr int NC = ((FUSE == 1 || FUSE == 3) && (GG_EXPERIMENT & GG_EX_COMM_CTAS) != 0) ? GG_COMM_CTAS : 0;
-  const int nc = NC > 0 ? gg_min(NC, (int)gridDim.x - 1) : 0;
-  if constexpr (NC > 0) {
-    if ((int)blockIdx.x < nc) {
-      if (!(fz.mode & 1)) gg_gather(fz, blockIdx.x * 12 + warp, nc * 12, lane, K, E, sBeg, sEnd, sCum, sFront);
-      return;
-    }
-  }
+  // How the rows are gathered (gg_gather): first, by every warp but the
+  // TMA thread's (FUSE 1; FUSE 3 under GG_EX_GATHER_FIRST), or beside
+  // the products by the producer warpgroup's warps 1-3 (FUSE 3).
+  constexpr bool FIRST = FUSE == 1 || (FUSE == 3 && (GG_EXPERIMENT & GG_EX_GATHER_FIRST) != 0);
 
   if (warp < 4) {
     // Producer warpgroup: one thread issues every load. REG: the whole
@@ -1526,29 +1462,19 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // can take 232 each (128*40 + 256*232 <= 64K).
     if (REG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (tid != 0) {
-      if constexpr ((FUSE == 1 || FUSE == 3) && (GG_EXPERIMENT & GG_EX_GATHER_FIRST) != 0) {
-        // GG_EX_GATHER_FIRST: warps 1-3 here and the consumers' 8 share
-        // the gather (11 warps a block), then do their own work; warp 0's
-        // other lanes have none.
+      if constexpr (FIRST) {
+        // Warps 1-3 here and the consumers' 8 share the gather (11 warps a
+        // block), then do their own work: FUSE 1's warps 1 and 2 the act
+        // epilogue of consumer warpgroup warp - 1. Warp 0's other lanes
+        // have none.
         if (warp > 0 && !(fz.mode & 1))
-          gg_gather(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
-        if (FUSE == 1 && !F1REG && (warp == 1 || warp == 2))
+          gg_gather<true>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+        if (FUSE == 1 && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
-                        ebars + 8 * (warp + 1), rows, N, total, nc, nTN, GM, E, sBeg, sEnd, sCum);
-        return;
-      }
-      if (FUSE == 1 && (warp == 1 || warp == 2)) {
-        // Warps 1 and 2: the act epilogue of consumer warpgroup warp - 1.
-        if constexpr (F1REG) return;
-        gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
-                      ebars + 8 * (warp + 1), rows, N, total, nc, nTN, GM, E, sBeg, sEnd, sCum);
-      } else if ((FUSE == 1 || FUSE == 3) && warp > 0 && !(fz.mode & 1) && nc == 0) {
-        // The communication warps: 1-3 (FUSE 3), or 3 beside the act
-        // helpers (FUSE 1).
-        if constexpr (FUSE == 1)
-          gg_gather<(GG_EXPERIMENT & GG_EX_BULK_STORES) != 0>(fz, blockIdx.x, gridDim.x, lane, K, E, sBeg, sEnd, sCum,
-                                                              sFront);
-        else gg_gather(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
+                        ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
+      } else if (FUSE == 3 && warp > 0 && !(fz.mode & 1)) {
+        // The communication warps 1-3, beside the products.
+        gg_gather<false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
       }
       return;
     }
@@ -1565,7 +1491,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
     int s = 0;
     unsigned ph = 0;
-    for (int t = gg_first_tile(nc); t < total; t += gg_tile_step(nc)) {
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
       if (FUSE == 1 || FUSE == 3) *sFront = tile.g;
       if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1) && !(FUSE == 1 && (fz.mode & 16)))
@@ -1613,9 +1539,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
                                     beta);
     return;
   }
-  if constexpr ((FUSE == 1 || FUSE == 3) && (GG_EXPERIMENT & GG_EX_GATHER_FIRST) != 0) {
+  if constexpr (FIRST) {
     if (!(fz.mode & 1))
-      gg_gather(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+      gg_gather<true>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
   }
   // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile.
   float acc[R];
@@ -1625,12 +1551,12 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   unsigned ph = 0;
   unsigned stgc = 0;  // FUSE 1: blocks this warpgroup has staged; FUSE 3: boxes it has loaded
   const int wtid = tid - 128 * (cw + 1);
-  for (int t = gg_first_tile(nc); t < total; t += gg_tile_step(nc)) {
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     // The TMA-store epilogues (STORE, FUSE 1 and 3) take the blocks
     // gg_block_tma allows; the others keep the register path.
     const int wr0 = tile.row0 + cw * 64;
-    const bool tmaBlock = !F1REG && gg_block_tma(wr0, tile.rowEnd, rows);
+    const bool tmaBlock = gg_block_tma(wr0, tile.rowEnd, rows);
     const bool dswTma = FUSE == 3 && tmaBlock && !(fz.mode & 16);
     // FUSE 3: the k-block after which the tile's first two h1/h3 boxes are
     // requested: late enough that the previous tile's stores have read
@@ -1829,9 +1755,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
   fz.ptrs = ptrs;
   fz.toks = toks;
   fz.flags = flags;
-  // GG_EX_REG_EPILOGUE: 4 stages in the staging's room.
-  constexpr int stages = (GG_EXPERIMENT & GG_EX_REG_EPILOGUE) != 0 ? 4 : 3;
-  gg_body<256, stages, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+  gg_body<256, 3, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
 }
 
 // moe_dispatch_dgrad (FUSE 3, 3 stages, TMA loads and stores in the

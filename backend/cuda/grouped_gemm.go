@@ -29,7 +29,7 @@ const (
 	ggBM         = 128     // rows per tile
 	ggBK         = 64      // K per pipeline stage
 	ggChunks     = 8       // GG_CHUNKS: the fused gathers' row chunks per m-tile
-	ggGatherLead = 32      // GG_GATHER_LEAD: how many m-tiles a gather warp may run ahead of its block
+	ggGatherLead = 32      // GG_GATHER_LEAD: how many m-tiles the dgrad kernel's gather may run ahead of its block
 	ggFrontDone  = 1 << 30 // GG_FRONT_DONE: a block's pacing front once its TMA thread is done
 	ggThreads    = 384     // producer + two consumer warpgroups
 	ggMaxExperts = 1024    // GG_MAX_EXPERTS

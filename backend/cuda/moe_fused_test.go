@@ -54,7 +54,7 @@ func TestGatherConstantsMatchKernel(t *testing.T) {
 	}
 }
 
-// TestGatherPacingCompletes model-checks the fused gathers' pacing
+// TestGatherPacingCompletes model-checks the dgrad kernel's gather pacing
 // (gg_gather and the TMA thread in gg_body) on random shapes: blocks walk
 // their tiles (t = block, block + grid, ...; m-tile t / nTN, the fused
 // kernels' order), each publishing its front (0 at the start, then the
