@@ -538,7 +538,7 @@ func boxesMap(addr driver.DevicePtr, rows, n int) driver.TiledMap {
 }
 
 // runDispatchSwiGLU queues moe_dispatch_swiglu. Its grid must be resident
-// at once (TMA threads wait on other blocks' communication warps): one
+// at once (TMA threads wait on other blocks' gathering warps): one
 // block per SM at most, which its shared memory enforces.
 func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 	mapX := rowsMap(a.x, a.rows, a.k)

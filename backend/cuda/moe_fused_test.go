@@ -73,7 +73,7 @@ func TestGatherPacingCompletes(t *testing.T) {
 		}
 		nTN := 1 + rng.IntN(24)
 		grid := 1 + rng.IntN(140)
-		warps := []int{1, 3}[rng.IntN(2)] // FUSE 1: one gather warp a block; FUSE 3: three
+		warps := []int{1, 3}[rng.IntN(2)] // FUSE 3 paces three gather warps a block; one is the leaner case
 		if err := simulateGatherPacing(mTiles, nTN, grid, warps, ggGatherLead); err != nil {
 			t.Fatalf("m-tiles %d, column tiles %d, grid %d, %d gather warps a block: %v", mTiles, nTN, grid, warps, err)
 		}
