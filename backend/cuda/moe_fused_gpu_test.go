@@ -265,15 +265,10 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// A variant with static shared memory of its own keeps room for
-		// it under the dynamic opt-in.
+		// The same dynamic shared memory as the default kernels opted in to.
 		var local int
 		if err := b.dev.Do(func() error {
-			static, err := b.dev.drv.FuncAttribute(k.fn, driver.FuncSharedSizeBytes)
-			if err == nil {
-				err = b.dev.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt,
-					min(gg.optInGather, b.dev.info.MaxSharedOptIn-static))
-			}
+			err := b.dev.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, gg.optInGather)
 			if err == nil {
 				local, err = b.dev.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
 			}
