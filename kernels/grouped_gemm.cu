@@ -614,7 +614,6 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_BF16_SOURCES 1  // sources read as bf16 rows (timing only)
 #define GG_EX_NO_STORES 2     // the rows loaded, none stored (timing only)
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
-#define GG_EX_GATHER_FIRST 8  // FUSE 3 gathers first too (as FUSE 1 does)
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
@@ -699,7 +698,7 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
 // chunk is published. The next chunk's row lookups (references, then
 // token indices: two dependent loads) are issued under the current
 // chunk's copy and its fence. Two ways to run it:
-// - FIRST (FUSE 1; FUSE 3 under GG_EX_GATHER_FIRST): every warp of the
+// - FIRST (FUSE 1; FUSE 3 in moe_dispatch_dgrad_first): every warp of the
 //   block but the TMA thread's gathers before its own work, unpaced; the
 //   copy is one step deep, since the consumers' code inlines it and a
 //   second step's registers cost their mainloop more than the depth
@@ -1359,8 +1358,10 @@ __device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsign
 // FUSE (see "MoE fusion" above): 0 plain; 1 Dispatch+GEMM+SwiGLU (BN 256
 // holding W1's and W3's 128 columns, out is h1); 2 GEMM+Combine (out
 // unused: rows go to fz.ptrs); 3 Dispatch+dgrad+SwiGLU backward (out is
-// dh1); 4 GEMM+Combine over two K halves.
-template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG, int STORE, int FUSE = 0>
+// dh1); 4 GEMM+Combine over two K halves. GATHER_FIRST (FUSE 3 only;
+// FUSE 1 always does): the rows are gathered first, by every warp but the
+// TMA thread's, not by three warps beside the products.
+template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG, int STORE, int FUSE = 0, bool GATHER_FIRST = false>
 __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, const gg_tmap* mapO, void* out,
                                         const int* off, int rows, int N, int K, int E, int GM, float alpha,
                                         float beta, const gg_fuse& fz = gg_fuse{}) {
@@ -1452,9 +1453,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   const int nTN = (N + BNT - 1) / BNT, nK1 = (K + GG_BK - 1) / GG_BK, nK = FUSE == 4 ? 2 * nK1 : nK1;
   const int total = sCum[E] * nTN;
   // How the rows are gathered (gg_gather): first, by every warp but the
-  // TMA thread's (FUSE 1; FUSE 3 under GG_EX_GATHER_FIRST), or beside
-  // the products by the producer warpgroup's warps 1-3 (FUSE 3).
-  constexpr bool FIRST = FUSE == 1 || (FUSE == 3 && (GG_EXPERIMENT & GG_EX_GATHER_FIRST) != 0);
+  // TMA thread's (FUSE 1; FUSE 3 when GATHER_FIRST), or beside the
+  // products by the producer warpgroup's warps 1-3 (FUSE 3).
+  static_assert(!GATHER_FIRST || FUSE == 3, "GATHER_FIRST chooses FUSE 3's gather");
+  constexpr bool FIRST = FUSE == 1 || (FUSE == 3 && GATHER_FIRST);
 
   if (warp < 4) {
     // Producer warpgroup: one thread issues every load. REG: the whole
@@ -1766,13 +1768,30 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
 // scales per rank its float32 gates in send order; flags and fault as
 // moe_dispatch_swiglu's. Dynamic shared memory as moe_dispatch_swiglu's
 // plus 32 bytes (the slots' barriers).
-extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(
-    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapDh1,
-    const __grid_constant__ gg_tmap mapDh3, const __grid_constant__ gg_tmap mapH1,
-    const __grid_constant__ gg_tmap mapH3, unsigned short* dh1,
-    unsigned short* dh3, const unsigned short* h1, const unsigned short* h3, unsigned short* dy, const int* refs,
-    const unsigned long long* ptrs, const unsigned long long* toks, const unsigned long long* scales, int* flags,
-    int* fault, unsigned long long timeoutNs, const int* off, int rows, int N, int K, int E, int GM, int mode) {
+// moe_dispatch_dgrad_first is moe_dispatch_dgrad with the rows gathered
+// first, by every warp but the TMA thread's (as moe_dispatch_swiglu
+// gathers), instead of by three warps beside the products. Same arguments,
+// same results bit for bit; which is faster depends on the shape
+// (kernels/grouped_gemm.md), so backend/cuda times both and keeps the
+// faster per shape.
+#define GG_DGRAD_PARAMS                                                                                               \
+  const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapDh1, \
+      const __grid_constant__ gg_tmap mapDh3, const __grid_constant__ gg_tmap mapH1,                                  \
+      const __grid_constant__ gg_tmap mapH3, unsigned short *dh1, unsigned short *dh3, const unsigned short *h1,     \
+      const unsigned short *h3, unsigned short *dy, const int *refs, const unsigned long long *ptrs,                 \
+      const unsigned long long *toks, const unsigned long long *scales, int *flags, int *fault,                      \
+      unsigned long long timeoutNs, const int *off, int rows, int N, int K, int E, int GM, int mode
+#define GG_DGRAD_ARGS                                                                                          \
+  mapA, mapW, mapDh1, mapDh3, mapH1, mapH3, dh1, dh3, h1, h3, dy, refs, ptrs, toks, scales, flags, fault, timeoutNs, \
+      off, rows, N, K, E, GM, mode
+
+template <bool GATHER_FIRST>
+__device__ __forceinline__ void moe_dispatch_dgrad_body(
+    const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapDh1, const gg_tmap& mapDh3, const gg_tmap& mapH1,
+    const gg_tmap& mapH3, unsigned short* dh1, unsigned short* dh3, const unsigned short* h1, const unsigned short* h3,
+    unsigned short* dy, const int* refs, const unsigned long long* ptrs, const unsigned long long* toks,
+    const unsigned long long* scales, int* flags, int* fault, unsigned long long timeoutNs, const int* off, int rows,
+    int N, int K, int E, int GM, int mode) {
   gg_fuse fz = {};
   fz.mode = mode;
   fz.mapOut[0] = &mapDh1;
@@ -1790,7 +1809,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(
   fz.flags = flags;
   fz.fault = fault;
   fz.timeoutNs = timeoutNs;
-  gg_body<256, 3, true, false, false, 0, 3>(&mapA, &mapW, nullptr, dh1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+  gg_body<256, 3, true, false, false, 0, 3, GATHER_FIRST>(&mapA, &mapW, nullptr, dh1, off, rows, N, K, E, GM, 1.0f,
+                                                          0.0f, fz);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(GG_DGRAD_PARAMS) {
+  moe_dispatch_dgrad_body<false>(GG_DGRAD_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad_first(GG_DGRAD_PARAMS) {
+  moe_dispatch_dgrad_body<true>(GG_DGRAD_ARGS);
 }
 
 // moe_dgrad_combine (FUSE 4, 4 stages): dx = dh1.W1 + dh3.W3 per expert,

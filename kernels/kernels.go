@@ -177,6 +177,7 @@ func Sources() []Source {
 			{Name: "moe_dispatch_swiglu", Block: 384, Grid: groupedGrid + "; blocks must all be resident (the TMA threads wait on the communication warps of other blocks)"},
 			{Name: "moe_down_combine", Block: 384, Grid: groupedGrid},
 			{Name: "moe_dispatch_dgrad", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
+			{Name: "moe_dispatch_dgrad_first", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
 			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_tn", Block: 384, Grid: "persistent: min(SMs, E*ceil(M/128)*ceil(N/256)) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"},
 		}, Variants: []Variant{
@@ -188,8 +189,6 @@ func Sources() []Source {
 				Purpose: "the gather loads its rows and stores none"},
 			{Name: "streaming-loads", Defines: []string{"GG_EXPERIMENT=4"}, Exact: true,
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
-			{Name: "dgrad-gather-first", Defines: []string{"GG_EXPERIMENT=8"}, Exact: true,
-				Purpose: "moe_dispatch_dgrad gathers first with every warp but the TMA thread's, as moe_dispatch_swiglu does, instead of three warps beside its products"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
 		}},

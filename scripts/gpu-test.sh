@@ -38,9 +38,11 @@
 # brings them all back: summary.json (per-package counts, the "figure:"
 # lines the tests log, the two tokens/s figures), bench.json (mktrain's
 # result), peer.json (the peer's line), layouts.json, moe.json, hf_check.json and
-# logs.tgz (every raw log and test2json stream; each test binary's log
-# also as NAME.log.gz the moment it ends). It prints a short table
-# last and exits non-zero if any package or benchmark failed.
+# logs.tgz (every raw log and test2json stream, written again as each
+# test binary ends). Every step on one GPU writes 8 files, as many as a
+# device call brings back: a call that also keeps its own files (its
+# console, say) runs fewer steps. It prints a short table last and exits
+# non-zero if any package or benchmark failed.
 #
 # Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
@@ -165,10 +167,10 @@ while IFS='|' read -r pkg filter; do
   result=ok
   if [[ $rc -ne 0 ]]; then result="FAIL($rc)"; status=1; fi
   rows+=("$pkg|$result|$pass|$fail|$skip|$secs")
-  # Each package's counts and log as soon as it ends, so that a run cut
-  # short (by a device's time limit, say) still brings them back.
+  # Each package's counts and the logs so far as soon as it ends, so that
+  # a run cut short (by a device's time limit, say) still brings them back.
   echo "-- $pkg: $result, $pass passed, $fail failed, $skip skipped, $secs s"
-  gzip -c "$LOGS/$n.txt" >"$OUT/$n.log.gz"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
   pkg_json+=("{\"package\":\"$pkg\",\"exit\":$rc,\"passed\":$pass,\"failed\":$fail,\"skipped\":$skip,\"seconds\":${secs:-0}}")
   while IFS= read -r line; do
     figures+=("$line")

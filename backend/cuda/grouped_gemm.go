@@ -78,22 +78,25 @@ type GroupedGemm struct {
 	// (moe_fused.go), bn256 cooperative like ggCoop256.
 	dispatchSwiGLU, downCombine *Kernel
 	// dispatchDgrad and dgradCombine are their backward twins, which read
-	// the weights as stored (MN-major).
-	dispatchDgrad, dgradCombine *Kernel
+	// the weights as stored (MN-major); dispatchDgradFirst is
+	// dispatchDgrad's build that gathers first, chosen per shape by dgrad
+	// (dgrad_choice.go).
+	dispatchDgrad, dispatchDgradFirst, dgradCombine *Kernel
+	dgrad                                           *dgradChooser
 	// tn is the weight-gradient kernel (RunTN, grouped_gemm_tn).
 	tn *Kernel
-	// optInGather is dispatchSwiGLU's and dispatchDgrad's opted-in shared
-	// memory (one layout, fusedGatherSmem).
+	// optInGather is the gathering kernels' opted-in shared memory (one
+	// layout, fusedGatherSmem).
 	optInGather int
 	// fusedMode holds the fused kernels' experiment switches and test
 	// hooks (tests only; 0 in use); fusedTimeout, when set, replaces
 	// fusedTimeout (tests of the timeout report).
 	fusedMode    int
 	fusedTimeout time.Duration
-	// fusedLocal, downLocal, dgradLocal and dgradCombineLocal are the
-	// fused kernels' local memory (spilled registers) per thread, read at
-	// load time.
-	fusedLocal, downLocal, dgradLocal, dgradCombineLocal int
+	// fusedLocal, downLocal, dgradLocal, dgradFirstLocal and
+	// dgradCombineLocal are the fused kernels' local memory (spilled
+	// registers) per thread, read at load time.
+	fusedLocal, downLocal, dgradLocal, dgradFirstLocal, dgradCombineLocal int
 	// optIn is the dynamic shared memory each variant's kernels opted in
 	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
 	// (ggCoop256H needs more than that limit past 163 experts).
@@ -193,7 +196,7 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	if err != nil {
 		return nil, err
 	}
-	g := &GroupedGemm{d: d, enc: enc}
+	g := &GroupedGemm{d: d, enc: enc, dgrad: newDgradChooser()}
 	for i, v := range ggKernels() {
 		// Opt in once to the most any call can ask (E = ggMaxExperts).
 		g.optIn[i] = min(ggSmemBytes(i, ggMaxExperts), info.MaxSharedOptIn)
@@ -226,13 +229,14 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 		name string
 		k    **Kernel
 	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_down_combine", &g.downCombine},
-		{"moe_dispatch_dgrad", &g.dispatchDgrad}, {"moe_dgrad_combine", &g.dgradCombine}} {
+		{"moe_dispatch_dgrad", &g.dispatchDgrad}, {"moe_dispatch_dgrad_first", &g.dispatchDgradFirst},
+		{"moe_dgrad_combine", &g.dgradCombine}} {
 		k, err := m.Kernel(f.name)
 		if err != nil {
 			return nil, err
 		}
 		smem := g.optIn[ggCoop256]
-		if f.k == &g.dispatchSwiGLU || f.k == &g.dispatchDgrad {
+		if f.k == &g.dispatchSwiGLU || f.k == &g.dispatchDgrad || f.k == &g.dispatchDgradFirst {
 			smem = min(fusedGatherSmem(ggMaxExperts), info.MaxSharedOptIn)
 			g.optInGather = smem
 		}
@@ -255,6 +259,8 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 			g.downLocal = local
 		case &g.dispatchDgrad:
 			g.dgradLocal = local
+		case &g.dispatchDgradFirst:
+			g.dgradFirstLocal = local
 		case &g.dgradCombine:
 			g.dgradCombineLocal = local
 		}

@@ -569,6 +569,14 @@ func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
 // the 64-bit slots after them (each slot holds one argument, pointer or
 // 32-bit integer, little-endian).
 func (g *GroupedGemm) launchFused(k *Kernel, grid Grid, maps []driver.TiledMap, slots []uint64, optIn int) error {
+	return g.launchFusedChosen(k, grid, maps, slots, optIn, func(launch func(*Kernel) error) error { return launch(k) })
+}
+
+// launchFusedChosen is launchFused where choose, on the device thread,
+// picks the kernel (k or one with the same arguments and shared memory)
+// and calls launch with it; k names the call in errors.
+func (g *GroupedGemm) launchFusedChosen(k *Kernel, grid Grid, maps []driver.TiledMap, slots []uint64, optIn int,
+	choose func(launch func(*Kernel) error) error) error {
 	for i, m := range maps {
 		if err := m.Check(); err != nil {
 			return fmt.Errorf("cuda: %s: tensor map %d: %w", k.Desc.Name, i, err)
@@ -597,10 +605,12 @@ func (g *GroupedGemm) launchFused(k *Kernel, grid Grid, maps []driver.TiledMap, 
 			params = append(params, unsafe.Pointer(&slots[i]))
 		}
 		pin.Pin(&params[0])
-		if err := d.drv.LaunchKernel(k.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
-			return fmt.Errorf("%s: %w", k.Desc.Name, err)
-		}
-		return nil
+		return choose(func(k *Kernel) error {
+			if err := d.drv.LaunchKernel(k.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
+				return fmt.Errorf("%s: %w", k.Desc.Name, err)
+			}
+			return nil
+		})
 	})
 }
 
@@ -783,9 +793,9 @@ func expertsMNMap(addr driver.DevicePtr, experts, n, k int) driver.TiledMap {
 	}
 }
 
-// runDispatchDgrad queues moe_dispatch_dgrad. Its grid must be resident at
-// once, as runDispatchSwiGLU's: one block per SM, which its shared memory
-// enforces.
+// runDispatchDgrad queues moe_dispatch_dgrad or moe_dispatch_dgrad_first,
+// as g.dgrad chooses for the shape. Its grid must be resident at once, as
+// runDispatchSwiGLU's: one block per SM, which its shared memory enforces.
 func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
 	maps := []driver.TiledMap{rowsMap(a.dy, a.rows, a.k), expertsMNMap(a.w2, a.experts, a.n, a.k),
 		boxesMap(a.dh1, a.rows, a.n), boxesMap(a.dh3, a.rows, a.n), boxesMap(a.h1, a.rows, a.n),
@@ -796,7 +806,11 @@ func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
 		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1, uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = fusedGatherSmem(a.experts)
-	return g.launchFused(g.dispatchDgrad, grid, maps, slots, g.optInGather)
+	builds := [2]*Kernel{dgradBeside: g.dispatchDgrad, dgradFirst: g.dispatchDgradFirst}
+	shape := newDgradShape(a.rows, a.n, a.k, a.experts)
+	return g.launchFusedChosen(g.dispatchDgrad, grid, maps, slots, g.optInGather, func(launch func(*Kernel) error) error {
+		return g.dgrad.launch(g.d.drv, g.d.stream, shape, func(build int) error { return launch(builds[build]) })
+	})
 }
 
 // runDgradCombine queues moe_dgrad_combine.

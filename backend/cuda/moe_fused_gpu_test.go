@@ -243,8 +243,8 @@ func fusedCases() []fusedCase {
 	}
 }
 
-// withGatherVariant runs b's two gathering kernels (moe_dispatch_swiglu
-// and moe_dispatch_dgrad) from the compile-time variant name of
+// withGatherVariant runs b's gathering kernels (moe_dispatch_swiglu and
+// both builds of moe_dispatch_dgrad) from the compile-time variant name of
 // grouped_gemm.cu (kernels.Source.Variants) until the returned restore is
 // called; the other kernels stay the default ones.
 func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
@@ -259,8 +259,8 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		t.Fatalf("grouped GEMM kernels: %v", x.err)
 	}
 	gg := x.bf16Out
-	var ks [2]*Kernel
-	for i, kn := range []string{"moe_dispatch_swiglu", "moe_dispatch_dgrad"} {
+	var ks [3]*Kernel
+	for i, kn := range []string{"moe_dispatch_swiglu", "moe_dispatch_dgrad", "moe_dispatch_dgrad_first"} {
 		k, err := m.Kernel(kn)
 		if err != nil {
 			t.Fatal(err)
@@ -279,9 +279,9 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		figure(t, fmt.Sprintf("%s_%s_local_bytes", kn, strings.ReplaceAll(name, "-", "_")), float64(local), "B")
 		ks[i] = k
 	}
-	swiglu, dgrad := gg.dispatchSwiGLU, gg.dispatchDgrad
-	gg.dispatchSwiGLU, gg.dispatchDgrad = ks[0], ks[1]
-	return func() { gg.dispatchSwiGLU, gg.dispatchDgrad = swiglu, dgrad }
+	swiglu, dgrad, first := gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst
+	gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst = ks[0], ks[1], ks[2]
+	return func() { gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst = swiglu, dgrad, first }
 }
 
 // gatherVariantsEnv names the variants a run takes, comma-separated:
@@ -326,8 +326,12 @@ func TestMoEFusedVariantsMatchUnfused(t *testing.T) {
 	for _, v := range vs {
 		t.Run(v.Name, func(t *testing.T) {
 			defer withGatherVariant(t, b, v.Name)()
-			for i, c := range fusedCases() {
-				t.Run(c.name, func(t *testing.T) { c.testAgainstUnfused(t, b, uint64(300+i)) })
+			for _, build := range []int{dgradBeside, dgradFirst} {
+				restore := forceDgrad(t, b, build)
+				for i, c := range fusedCases() {
+					t.Run(fmt.Sprintf("%s/dgrad build %d", c.name, build), func(t *testing.T) { c.testAgainstUnfused(t, b, uint64(300+i)) })
+				}
+				restore()
 			}
 		})
 	}
@@ -437,6 +441,114 @@ func bf16Of(b *Backend, v []float32, rows, cols int) backend.Tensor {
 	return h
 }
 
+// forceDgrad makes every moe_dispatch_dgrad call of b run build
+// (dgradBeside or dgradFirst) until the returned restore is called.
+func forceDgrad(t *testing.T, b *Backend, build int) (restore func()) {
+	t.Helper()
+	x, ok := b.expertKernels()
+	if !ok {
+		t.Fatalf("grouped GEMM kernels: %v", x.err)
+	}
+	set := func(v int) {
+		if err := b.dev.Do(func() error { x.bf16Out.dgrad.force = v; return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	set(build)
+	return func() { set(-1) }
+}
+
+// TestMoEFusedDgradBuildsAgree runs the fused backward of every case with
+// each build of the dispatch+dgrad kernel: the gathered rows, dh1, dh3 and
+// the rows sent back must be the same bit for bit (the builds differ only
+// in which warps gather, and when).
+func TestMoEFusedDgradBuildsAgree(t *testing.T) {
+	testGroupedGemm(t)
+	b := testBackend(t)
+	for i, c := range fusedCases() {
+		t.Run(c.name, func(t *testing.T) {
+			in := c.inputs(b, uint64(500+i))
+			if in.rows == 0 {
+				t.Skip("no rows")
+			}
+			fw := c.run(b, in, false)
+			h1, h3 := bf16Of(b, fw.h1, in.rows, c.f), bf16Of(b, fw.h3, in.rows, c.f)
+			var got [2]fusedGrads
+			for _, build := range []int{dgradBeside, dgradFirst} {
+				restore := forceDgrad(t, b, build)
+				got[build] = c.runBackward(b, in, h1, h3, true)
+				err := b.Sync()
+				restore()
+				if err != nil {
+					t.Fatalf("dgrad build %d: %v", build, err)
+				}
+			}
+			for _, p := range []struct {
+				name        string
+				beside, fst []float32
+			}{{"dy", got[0].dy, got[1].dy}, {"dh1", got[0].dh1, got[1].dh1}, {"dh3", got[0].dh3, got[1].dh3}} {
+				if len(p.beside) != len(p.fst) {
+					t.Fatalf("%s: %d values against %d", p.name, len(p.beside), len(p.fst))
+				}
+				for j := range p.beside {
+					if math.Float32bits(p.beside[j]) != math.Float32bits(p.fst[j]) {
+						t.Fatalf("%s[%d]: %v gathering beside, %v gathering first", p.name, j, p.beside[j], p.fst[j])
+					}
+				}
+			}
+			for s := range got[0].outs {
+				for j := range got[0].outs[s] {
+					if math.Float32bits(got[0].outs[s][j]) != math.Float32bits(got[1].outs[s][j]) {
+						t.Fatalf("rank %d's dx[%d]: %v gathering beside, %v gathering first", s, j, got[0].outs[s][j], got[1].outs[s][j])
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestMoEFusedDgradChooses runs one shape's fused backward until the
+// chooser has timed both builds dgradTrialRuns times, and checks that it
+// then keeps the faster one; every result on the way matches the unfused
+// sequence (the builds alternate while they are timed).
+func TestMoEFusedDgradChooses(t *testing.T) {
+	testGroupedGemm(t)
+	b := testBackend(t)
+	c := fusedCases()[2]
+	in := c.inputs(b, 61)
+	fw := c.run(b, in, false)
+	h1, h3 := bf16Of(b, fw.h1, in.rows, c.f), bf16Of(b, fw.h3, in.rows, c.f)
+	want := c.runBackward(b, in, h1, h3, false)
+	gg := b.experts.bf16Out
+	shape := newDgradShape(in.rows, c.f, c.d, len(c.groups))
+	var trials dgradTrials
+	for call := 0; call <= 2*dgradTrialRuns+1; call++ {
+		got := c.runBackward(b, in, h1, h3, true)
+		if err := b.Sync(); err != nil {
+			t.Fatalf("call %d: %v", call, err)
+		}
+		if e := relL2(got.dh1, want.dh1); !(e < 1e-2) {
+			t.Fatalf("call %d: dh1 rel L2 %.3g against the unfused sequence", call, e)
+		}
+		if err := b.dev.Do(func() error {
+			if tr := gg.dgrad.shapes[shape]; tr != nil {
+				trials = *tr
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The last call read the timings of the ones before it.
+	if trials.choice < 0 || len(trials.ms[dgradBeside]) != dgradTrialRuns || len(trials.ms[dgradFirst]) != dgradTrialRuns {
+		t.Fatalf("after %d calls: choice %d, timings %v; want a choice from %d timings of each build", 2*dgradTrialRuns+2, trials.choice, trials.ms, dgradTrialRuns)
+	}
+	if faster := slices.Min(trials.ms[dgradFirst]) < slices.Min(trials.ms[dgradBeside]); faster != (trials.choice == dgradFirst) {
+		t.Errorf("chose build %d from timings %v", trials.choice, trials.ms)
+	}
+	t.Logf("build %d chosen; timings (ms) beside %v, first %v", trials.choice, trials.ms[dgradBeside], trials.ms[dgradFirst])
+}
+
 // TestMoEFusedReportsLostRows makes the gathers of both dispatch kernels
 // lose one chunk of rows (the test hook of fusedMode, as a peer that
 // never delivers): Sync must return an error naming the kernel, the
@@ -458,12 +570,16 @@ func TestMoEFusedReportsLostRows(t *testing.T) {
 	}
 	t.Logf("forward: %v", err)
 	h1, h3 := bf16Of(b, fw.h1, in.rows, c.f), bf16Of(b, fw.h3, in.rows, c.f)
-	c.runBackward(b, in, h1, h3, true)
-	err = b.Sync()
-	if err == nil || !strings.Contains(err.Error(), "moe_dispatch_dgrad") || !strings.Contains(err.Error(), "m-tile") {
-		t.Fatalf("backward with a lost chunk: Sync gave %v, want the dgrad kernel's report", err)
+	for _, build := range []int{dgradBeside, dgradFirst} {
+		restore := forceDgrad(t, b, build)
+		c.runBackward(b, in, h1, h3, true)
+		err = b.Sync()
+		restore()
+		if err == nil || !strings.Contains(err.Error(), "moe_dispatch_dgrad") || !strings.Contains(err.Error(), "m-tile") {
+			t.Fatalf("backward (dgrad build %d) with a lost chunk: Sync gave %v, want the dgrad kernel's report", build, err)
+		}
+		t.Logf("backward (dgrad build %d): %v", build, err)
 	}
-	t.Logf("backward: %v", err)
 	// Healthy again: the record was re-armed and the context lives.
 	gg.fusedMode = 0
 	c.testAgainstUnfused(t, b, 32)
@@ -683,6 +799,15 @@ func TestMoEFusedFigures(t *testing.T) {
 				for _, mode := range []int{1, 16, 32, 64, 96, 128, 256} {
 					inMode(mode, "bwd_dgrad_fused", dgradFused)
 				}
+				// Each build of the dgrad kernel alone (bwd_dgrad_fused
+				// above is the chooser's pick).
+				inBuild := func(build int, name string, run func() error) {
+					defer forceDgrad(t, b, build)()
+					timed(name, run)
+				}
+				inBuild(dgradBeside, "bwd_dgrad_fused_beside", dgradFused)
+				inBuild(dgradFirst, "bwd_dgrad_fused_first", dgradFused)
+				figure(t, "moe_dispatch_dgrad_first_local_bytes", float64(gg.dgradFirstLocal), "B")
 				// The compile-time variants of the gathering kernels
 				// (kernels.Source.Variants of grouped_gemm.cu), each its own
 				// compilation: its gate/up kernel with and without the
@@ -692,7 +817,8 @@ func TestMoEFusedFigures(t *testing.T) {
 					x := strings.ReplaceAll(v.Name, "-", "_")
 					timed("gateup_fused_"+x, gateUpFused)
 					inMode(1, "gateup_fused_"+x, gateUpFused)
-					timed("bwd_dgrad_fused_"+x, dgradFused)
+					inBuild(dgradBeside, "bwd_dgrad_fused_beside_"+x, dgradFused)
+					inBuild(dgradFirst, "bwd_dgrad_fused_first_"+x, dgradFused)
 					restore()
 				}
 				figure(t, "moe_fused_"+tag+"_fused_over_gemm", ms["fused"]/ms["gemm_alone"], "x")
