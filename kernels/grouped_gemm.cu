@@ -615,6 +615,7 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_NO_STORES 2     // the rows loaded, none stored (timing only)
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
+#define GG_EX_EVEN 32         // the first-gathers in even shares, counted per m-tile (gg_gather_even)
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
 #define GG_GATHER_LD "ld.global.cs.v4.f32"
@@ -793,23 +794,92 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
   }
 }
 
+// gg_gather_even is the first-gather (FIRST) of GG_EX_EVEN: the work is
+// cut into units of one step (a row pair's 1024-column block), 64 * nJ a
+// m-tile (the units of rows past a partial tile's end are empty), and
+// gathering warp cw of ncw takes the contiguous units [U cw / ncw,
+// U (cw + 1) / ncw): every warp copies the same number of steps, give or
+// take one, where the chunks dealt round-robin leave some warps two
+// chunks and most one. A warp adds the units it covered of an m-tile to
+// the tile's count (release) once they are stored, so a tile has landed
+// when its count reaches 64 * nJ (gg_wait_tile with EVEN). Rows are
+// resolved 32 at a time, one per lane.
+__device__ __forceinline__ void gg_gather_even(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E,
+                                               const int* sBeg, const int* sEnd, const int* sCum) {
+  const int M = sCum[E], nJ = (K + 1023) / 1024, perTile = 64 * nJ;
+  const int rowFloats = (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;  // as gg_gather
+  const long long U = (long long)M * perTile, ua = U * cw / ncw, ub = U * (cw + 1) / ncw;
+  for (long long u = ua; u < ub;) {
+    const int g = (int)(u / perTile);
+    const int qa = (int)(u - (long long)g * perTile);
+    const int qb = (int)(ub - (long long)g * perTile < perTile ? ub - (long long)g * perTile : perTile);
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (sCum[mid] <= g) lo = mid;
+      else hi = mid - 1;
+    }
+    const int row0 = sBeg[lo] + (g - sCum[lo]) * GG_BM, rowEnd = gg_min(row0 + GG_BM, sEnd[lo]);
+    const int livePairs = (rowEnd - row0 + 1) / 2;
+    for (int q = qa; q < qb && q / nJ < livePairs;) {
+      // A batch: up to 16 pairs (32 rows) from pair pa, one row a lane.
+      const int pa = q / nJ, r0 = row0 + 2 * pa, nr = gg_min(rowEnd - r0, 32);
+      const int qEnd = gg_min(qb, gg_min(pa + 16, livePairs) * nJ);
+      long long src = 0;
+      float scale = 1.0f;
+      if (lane < nr) {
+        const int refS = fz.refs[2 * (r0 + lane)], refP = fz.refs[2 * (r0 + lane) + 1];
+        src = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * rowFloats);
+        if (fz.scales) scale = ((const float*)fz.scales[refS])[refP];
+      }
+      for (; q < qEnd; q++) {
+        float v[2][4][8];
+        gg_gather_load(q - pa * nJ, nJ, nr, K, lane, src, v);
+        gg_gather_store(fz, q - pa * nJ, nJ, nr, r0, K, lane, scale, v);
+      }
+    }
+    // As gg_gather: the rows visible at GPU scope and to the async proxy
+    // before the count.
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    // Test hook (mode 8): the last m-tile's first units never counted.
+    const bool lost = (fz.mode & 8) && g == M - 1 && qa == 0;
+    if (lane == 0 && !lost)
+      asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(fz.flags + g), "r"(qb - qa) : "memory");
+    u = (long long)g * perTile + qb;
+  }
+}
+
 // gg_wait_tile returns once m-tile g's GG_CHUNKS chunks have landed (FUSE
 // 1 and 3's TMA thread, before the tile's first A load), or the wait timed
 // out (this one, recorded in fz.fault, or an earlier one of the launch).
 // Its rows are [row0, rowEnd).
 #define GG_ALL_CHUNKS ((1 << GG_CHUNKS) - 1)
-// kind (the kernel's FUSE, 1 or 3) is the record's first word.
-__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
+// kind (the kernel's FUSE, 1 or 3) is the record's first word. EVEN
+// (gg_gather_even's tiles): g's count must reach want; the record's kind
+// gets bit 16, its third word is the count and its fourth want.
+template <bool EVEN = false>
+__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind, int want = 0) {
   const int* f = fz.flags + g;
+  if (!EVEN) want = GG_ALL_CHUNKS;
   int got = gg_ld_acquire(f);
-  if (got != GG_ALL_CHUNKS) {
+  if (got != want) {
     const unsigned long long t0 = gg_globaltimer();
-    while ((got = gg_ld_acquire(f)) != GG_ALL_CHUNKS) {
+    while ((got = gg_ld_acquire(f)) != want) {
       if (*(volatile const int*)fz.fault != 0) break;  // an earlier wait failed
       if (gg_globaltimer() - t0 > fz.timeoutNs) {
         int was;
-        asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, %2;" : "=r"(was) : "l"(fz.fault), "r"(kind) : "memory");
-        if (was == 0) {
+        asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, %2;"
+                     : "=r"(was)
+                     : "l"(fz.fault), "r"(EVEN ? kind | 16 : kind)
+                     : "memory");
+        if (EVEN && was == 0) {
+          fz.fault[1] = g;
+          fz.fault[2] = got;
+          fz.fault[3] = want;
+          asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        } else if (was == 0) {
           int c = 0;
           while (c < GG_CHUNKS && (got >> c) & 1) c++;
           const int r = row0 + c * GG_CHUNK_ROWS;
@@ -1457,6 +1527,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // products by the producer warpgroup's warps 1-3 (FUSE 3).
   static_assert(!GATHER_FIRST || FUSE == 3, "GATHER_FIRST chooses FUSE 3's gather");
   constexpr bool FIRST = FUSE == 1 || (FUSE == 3 && GATHER_FIRST);
+  // The first-gather in even shares (GG_EX_EVEN), or in chunks.
+  constexpr bool EVEN = FIRST && (GG_EXPERIMENT & GG_EX_EVEN) != 0;
 
   if (warp < 4) {
     // Producer warpgroup: one thread issues every load. REG: the whole
@@ -1469,8 +1541,12 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         // block), then do their own work: FUSE 1's warps 1 and 2 the act
         // epilogue of consumer warpgroup warp - 1. Warp 0's other lanes
         // have none.
-        if (warp > 0 && !(fz.mode & 1))
-          gg_gather<true>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+        if (warp > 0 && !(fz.mode & 1)) {
+          if constexpr (EVEN)
+            gg_gather_even(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum);
+          else
+            gg_gather<true>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+        }
         if (FUSE == 1 && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
                         ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
@@ -1496,8 +1572,12 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
       if (FUSE == 1 || FUSE == 3) *sFront = tile.g;
-      if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1) && !(FUSE == 1 && (fz.mode & 16)))
-        gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
+      if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1) && !(FUSE == 1 && (fz.mode & 16))) {
+        if constexpr (EVEN)
+          gg_wait_tile<true>(fz, tile.g, tile.row0, tile.rowEnd, FUSE, 64 * ((K + 1023) / 1024));
+        else
+          gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
+      }
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
         // A fresh barrier counts its "previous" phase (parity 1) as
@@ -1542,8 +1622,12 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     return;
   }
   if constexpr (FIRST) {
-    if (!(fz.mode & 1))
-      gg_gather<true>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+    if (!(fz.mode & 1)) {
+      if constexpr (EVEN)
+        gg_gather_even(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum);
+      else
+        gg_gather<true>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+    }
   }
   // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile.
   float acc[R];

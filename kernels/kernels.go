@@ -191,6 +191,8 @@ func Sources() []Source {
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
+			{Name: "even-shares", Defines: []string{"GG_EXPERIMENT=32"}, Exact: true,
+				Purpose: "the gathers that run first (moe_dispatch_swiglu, moe_dispatch_dgrad_first) deal every warp an even, contiguous share of row-pair steps, counted per m-tile, instead of 16-row chunks round-robin"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -178,7 +178,12 @@ func (f *fusedTables) checkFault(d *Device) error {
 		return fmt.Errorf("cuda: combine_rows_f32: send row %d never arrived from rank %d within %v (its flag was %d); the results of this step are wrong",
 			w(1), w(2), f.combineWait, w(3))
 	}
-	kernel := map[int32]string{1: "moe_dispatch_swiglu", 3: "moe_dispatch_dgrad"}[w(0)]
+	kernel := map[int32]string{1: "moe_dispatch_swiglu", 3: "moe_dispatch_dgrad"}[w(0)&^16]
+	if w(0)&16 != 0 {
+		// A gather in even shares counts its units instead (GG_EX_EVEN).
+		return fmt.Errorf("cuda: %s: the rows of m-tile %d never all arrived within %v: %d of its %d row-pair blocks landed; the results of this step are wrong",
+			kernel, w(1), f.timeout, w(2), w(3))
+	}
 	return fusedFaultError(kernel, f.timeout, int(w(1)), uint32(w(2)), int(w(3)))
 }
 

@@ -143,3 +143,38 @@ func simulateGatherPacing(mTiles, nTN, grid, warpsPerBlock, lead int) error {
 	}
 	return nil
 }
+
+// TestEvenGatherSharesCover model-checks gg_gather_even's partition (the
+// even-shares variant of the first-gather) in the kernel's arithmetic:
+// over random m-tile counts, row widths and warp counts, the warps' shares
+// count every m-tile's 64 * nJ units exactly once, and no warp's share is
+// more than one unit longer than another's.
+func TestEvenGatherSharesCover(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 3))
+	for range 300 {
+		m, nJ, ncw := 1+rng.IntN(2000), 1+rng.IntN(8), 1+rng.IntN(1600)
+		perTile := int64(64 * nJ)
+		u := int64(m) * perTile
+		counts := make([]int64, m)
+		minShare, maxShare := u, int64(0)
+		for cw := range int64(ncw) {
+			ua, ub := u*cw/int64(ncw), u*(cw+1)/int64(ncw)
+			minShare, maxShare = min(minShare, ub-ua), max(maxShare, ub-ua)
+			for x := ua; x < ub; {
+				g := x / perTile
+				qa := x - g*perTile
+				qb := min(ub-g*perTile, perTile)
+				counts[g] += qb - qa
+				x = g*perTile + qb
+			}
+		}
+		for g, c := range counts {
+			if c != perTile {
+				t.Fatalf("%d m-tiles, nJ %d, %d warps: m-tile %d counted %d units, want %d", m, nJ, ncw, g, c, perTile)
+			}
+		}
+		if maxShare-minShare > 1 {
+			t.Fatalf("%d m-tiles, nJ %d, %d warps: shares from %d to %d units", m, nJ, ncw, minShare, maxShare)
+		}
+	}
+}
