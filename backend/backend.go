@@ -262,7 +262,9 @@ type Backend interface {
 	// GatherPeerRows: for row r with (s, p) = refsR2[r] and t = tokS[s][p],
 	//   outRD[r] = scaleS[s][p] * srcTD[s][t]
 	// scaleS may be nil (1). Sources and scales are of the float type; out
-	// is too, or BFloat16 (rounded).
+	// is too, or BFloat16 (rounded). The sources may instead all be
+	// BFloat16 (the operand type), with a BFloat16 out and no scales: each
+	// row is then copied exactly.
 	GatherPeerRows(outRD Tensor, srcTD, tokS, scaleS []Tensor, refsR2 Tensor)
 	// ScatterPeerRows: outSD[s][p] = inRD[r] for (s, p) = refsR2[r]; the
 	// references must be distinct. All of the float type.
@@ -284,7 +286,8 @@ type Backend interface {
 	CombineRows(outTD, inSD, rowsS, scaleS, doneS Tensor, sendCounts []int)
 	// DispatchSwiGLU is the experts' gate/up half fused with the dispatch
 	// (Dispatch+GEMM): the rows are gathered as by GatherPeerRows(xRD,
-	// srcTD, tokS, nil, refsR2), then, per group g of groupRows (as in
+	// srcTD, tokS, nil, refsR2) (srcTD of the float type, or BFloat16:
+	// half the bytes to move), then, per group g of groupRows (as in
 	// GroupedMatMul),
 	//   h1RF = xRD·W1_gᵀ, h3RF = xRD·W3_gᵀ, actRF = silu(h1RF) * h3RF
 	// with w1GFD and w3GFD stacking the G matrices [F, D] by rows. xRD,

@@ -611,7 +611,7 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #ifndef GG_EXPERIMENT
 #define GG_EXPERIMENT 0
 #endif
-#define GG_EX_BF16_SOURCES 1  // sources read as bf16 rows (timing only)
+#define GG_EX_BF16_SOURCES 1  // float32 sources read as bf16 rows (timing only)
 #define GG_EX_NO_STORES 2     // the rows loaded, none stored (timing only)
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
@@ -624,7 +624,9 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #endif
 
 // gg_gather_load issues the loads of step st of a chunk of nr rows: lane
-// i < nr holds row i's source address (src) in its float32 rows.
+// i < nr holds row i's source address (src) in its float32 rows (SRC_BF16:
+// bf16 rows, widened exactly).
+template <bool SRC_BF16>
 __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, int lane, long long src,
                                                float (&v)[2][4][8]) {
   const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
@@ -635,7 +637,7 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
     for (int u = 0; u < 4; u++) {
       const int j = j0 + 256 * u;
       if (j >= K) continue;
-      if constexpr ((GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0) {
+      if constexpr (SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0) {
         // The same columns as bf16: 16 bytes where float32 takes 32.
         unsigned w[4];
         asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
@@ -707,13 +709,13 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
 // - otherwise (FUSE 3): three warps a block gather beside the products,
 //   paced by the block's front; the copy is bound by load latency, so two
 //   steps are in flight (one stored while the next one's loads are out).
-template <bool FIRST>
+template <bool FIRST, bool SRC_BF16>
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
                                           const int* sEnd, const int* sCum, const volatile int* front) {
   const int total = sCum[E] * GG_CHUNKS, nJ = (K + 1023) / 1024;
   if (cw >= total) return;
-  // A source row's length in floats (GG_EX_BF16_SOURCES: K bf16).
-  const int rowFloats = (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;
+  // A source row's length in floats (K bf16 take K / 2).
+  const int rowFloats = SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;
   // Lane i < nr: its row's source rank and send position (the references)
   // and, resolved from them, its source address and scale.
   gg_gather_chunk cur = gg_gather_chunk_of(cw, E, sBeg, sEnd, sCum);
@@ -757,15 +759,15 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       // One step in flight (each stored before the next one's loads go
       // out): FIRST, or the experiment of mode 256.
       for (int st = 0; st < steps; st++) {
-        gg_gather_load(st, nJ, cur.nr, K, lane, src, va);
+        gg_gather_load<SRC_BF16>(st, nJ, cur.nr, K, lane, src, va);
         gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
       }
     } else {
-      if (steps > 0) gg_gather_load(0, nJ, cur.nr, K, lane, src, va);
+      if (steps > 0) gg_gather_load<SRC_BF16>(0, nJ, cur.nr, K, lane, src, va);
       for (int st = 0; st < steps; st += 2) {
-        if (st + 1 < steps) gg_gather_load(st + 1, nJ, cur.nr, K, lane, src, vb);
+        if (st + 1 < steps) gg_gather_load<SRC_BF16>(st + 1, nJ, cur.nr, K, lane, src, vb);
         gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
-        if (st + 2 < steps) gg_gather_load(st + 2, nJ, cur.nr, K, lane, src, va);
+        if (st + 2 < steps) gg_gather_load<SRC_BF16>(st + 2, nJ, cur.nr, K, lane, src, va);
         if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
       }
     }
@@ -804,10 +806,11 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
 // the tile's count (release) once they are stored, so a tile has landed
 // when its count reaches 64 * nJ (gg_wait_tile with EVEN). Rows are
 // resolved 32 at a time, one per lane.
+template <bool SRC_BF16>
 __device__ __forceinline__ void gg_gather_even(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E,
                                                const int* sBeg, const int* sEnd, const int* sCum) {
   const int M = sCum[E], nJ = (K + 1023) / 1024, perTile = 64 * nJ;
-  const int rowFloats = (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;  // as gg_gather
+  const int rowFloats = SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;  // as gg_gather
   const long long U = (long long)M * perTile, ua = U * cw / ncw, ub = U * (cw + 1) / ncw;
   for (long long u = ua; u < ub;) {
     const int g = (int)(u / perTile);
@@ -834,7 +837,7 @@ __device__ __forceinline__ void gg_gather_even(const gg_fuse& fz, int cw, int nc
       }
       for (; q < qEnd; q++) {
         float v[2][4][8];
-        gg_gather_load(q - pa * nJ, nJ, nr, K, lane, src, v);
+        gg_gather_load<SRC_BF16>(q - pa * nJ, nJ, nr, K, lane, src, v);
         gg_gather_store(fz, q - pa * nJ, nJ, nr, r0, K, lane, scale, v);
       }
     }
@@ -1430,8 +1433,10 @@ __device__ __forceinline__ void gg_consume_pp(int cw, int warp, int lane, unsign
 // unused: rows go to fz.ptrs); 3 Dispatch+dgrad+SwiGLU backward (out is
 // dh1); 4 GEMM+Combine over two K halves. GATHER_FIRST (FUSE 3 only;
 // FUSE 1 always does): the rows are gathered first, by every warp but the
-// TMA thread's, not by three warps beside the products.
-template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG, int STORE, int FUSE = 0, bool GATHER_FIRST = false>
+// TMA thread's, not by three warps beside the products. SRC_BF16 (FUSE 1
+// only): the gathered sources are bf16 rows, not float32.
+template <int BN, int STAGES, bool OUT_BF16, bool PP, bool REG, int STORE, int FUSE = 0, bool GATHER_FIRST = false,
+          bool SRC_BF16 = false>
 __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, const gg_tmap* mapO, void* out,
                                         const int* off, int rows, int N, int K, int E, int GM, float alpha,
                                         float beta, const gg_fuse& fz = gg_fuse{}) {
@@ -1526,6 +1531,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // TMA thread's (FUSE 1; FUSE 3 when GATHER_FIRST), or beside the
   // products by the producer warpgroup's warps 1-3 (FUSE 3).
   static_assert(!GATHER_FIRST || FUSE == 3, "GATHER_FIRST chooses FUSE 3's gather");
+  static_assert(!SRC_BF16 || FUSE == 1, "bf16 sources are FUSE 1's (FUSE 3 scales float32 rows)");
   constexpr bool FIRST = FUSE == 1 || (FUSE == 3 && GATHER_FIRST);
   // The first-gather in even shares (GG_EX_EVEN), or in chunks.
   constexpr bool EVEN = FIRST && (GG_EXPERIMENT & GG_EX_EVEN) != 0;
@@ -1543,16 +1549,16 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         // have none.
         if (warp > 0 && !(fz.mode & 1)) {
           if constexpr (EVEN)
-            gg_gather_even(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum);
+            gg_gather_even<SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum);
           else
-            gg_gather<true>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+            gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
         }
         if (FUSE == 1 && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
                         ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
       } else if (FUSE == 3 && warp > 0 && !(fz.mode & 1)) {
         // The communication warps 1-3, beside the products.
-        gg_gather<false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
+        gg_gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
       }
       return;
     }
@@ -1624,9 +1630,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   if constexpr (FIRST) {
     if (!(fz.mode & 1)) {
       if constexpr (EVEN)
-        gg_gather_even(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum);
+        gg_gather_even<SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum);
       else
-        gg_gather<true>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+        gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
     }
   }
   // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile.
@@ -1820,11 +1826,25 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256h_bf16
 // per rank its float32 [*, N] output rows (4 stages, register epilogue);
 // done per rank its int32 row flags (or null: no flags) and rowTiles two
 // zeroed ints per m-tile (at least 2 * (rows/128 + E); see gg_mark_rows).
-extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
-    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3,
-    const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3, const __grid_constant__ gg_tmap mapAct,
-    unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD, const int* refs,
-    const unsigned long long* ptrs, const unsigned long long* toks, int* flags, int* fault,
+// moe_dispatch_swiglu_bf16 is moe_dispatch_swiglu for bf16 sources (ptrs
+// per rank its bf16 rows [*, K]: the layer's operand-type copy of its
+// input): half the bytes to read, the same rows written to xRD.
+#define GG_SWIGLU_PARAMS                                                                                              \
+  const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3, \
+      const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3,                                  \
+      const __grid_constant__ gg_tmap mapAct, unsigned short *h1, unsigned short *h3, unsigned short *act,           \
+      unsigned short *xRD, const int *refs, const unsigned long long *ptrs, const unsigned long long *toks,          \
+      int *flags, int *fault, unsigned long long timeoutNs, const int *off, int rows, int N, int K, int E, int GM,   \
+      int mode
+#define GG_SWIGLU_ARGS                                                                                              \
+  mapA, mapW, mapW3, mapH1, mapH3, mapAct, h1, h3, act, xRD, refs, ptrs, toks, flags, fault, timeoutNs, off, rows, N, \
+      K, E, GM, mode
+
+template <bool SRC_BF16>
+__device__ __forceinline__ void moe_dispatch_swiglu_body(
+    const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapW3, const gg_tmap& mapH1, const gg_tmap& mapH3,
+    const gg_tmap& mapAct, unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD,
+    const int* refs, const unsigned long long* ptrs, const unsigned long long* toks, int* flags, int* fault,
     unsigned long long timeoutNs, const int* off, int rows, int N, int K, int E, int GM, int mode) {
   gg_fuse fz = {};
   fz.mode = mode;
@@ -1841,7 +1861,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(
   fz.ptrs = ptrs;
   fz.toks = toks;
   fz.flags = flags;
-  gg_body<256, 3, true, false, false, 0, 1>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f, 0.0f, fz);
+  gg_body<256, 3, true, false, false, 0, 1, false, SRC_BF16>(&mapA, &mapW, nullptr, h1, off, rows, N, K, E, GM, 1.0f,
+                                                             0.0f, fz);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(GG_SWIGLU_PARAMS) {
+  moe_dispatch_swiglu_body<false>(GG_SWIGLU_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu_bf16(GG_SWIGLU_PARAMS) {
+  moe_dispatch_swiglu_body<true>(GG_SWIGLU_ARGS);
 }
 
 // moe_dispatch_dgrad (FUSE 3, 3 stages, TMA loads and stores in the

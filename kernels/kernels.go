@@ -136,6 +136,7 @@ func Sources() []Source {
 		{File: "peer_rows.cu", Kernels: []Kernel{
 			{Name: "gather_peer_rows_f32", Block: 256, Grid: peerGrid},
 			{Name: "gather_peer_rows_f32_bf16", Block: 256, Grid: peerGrid},
+			{Name: "gather_peer_rows_bf16", Block: 256, Grid: peerGrid},
 			{Name: "scatter_peer_rows_f32", Block: 256, Grid: peerGrid},
 			{Name: "peer_row_refs", Block: 256, Grid: "grid-stride, one thread per row"},
 			{Name: "mark_peer_rows", Block: 256, Grid: "grid-stride, one thread per row"},
@@ -175,6 +176,7 @@ func Sources() []Source {
 			{Name: "grouped_gemm_nt_bn256s_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_nt_bn256h_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "moe_dispatch_swiglu", Block: 384, Grid: groupedGrid + "; blocks must all be resident (the TMA threads wait on the communication warps of other blocks)"},
+			{Name: "moe_dispatch_swiglu_bf16", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
 			{Name: "moe_down_combine", Block: 384, Grid: groupedGrid},
 			{Name: "moe_dispatch_dgrad", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
 			{Name: "moe_dispatch_dgrad_first", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},

@@ -36,16 +36,25 @@ __device__ __forceinline__ void pr_store4(mk_bf16* p, pr_f4 v) {
   *(pr_h4*)p = pr_h4{mk_f32_to_bf16(v.x), mk_f32_to_bf16(v.y), mk_f32_to_bf16(v.z), mk_f32_to_bf16(v.w)};
 }
 
+__device__ __forceinline__ float pr_load(const float* p) { return *p; }
+__device__ __forceinline__ float pr_load(const mk_bf16* p) { return mk_bf16_to_f32(*p); }
+__device__ __forceinline__ pr_f4 pr_load4(const float* p) { return *(const pr_f4*)p; }
+__device__ __forceinline__ pr_f4 pr_load4(const mk_bf16* p) {
+  const pr_h4 h = *(const pr_h4*)p;
+  return pr_f4{mk_bf16_to_f32(h.x), mk_bf16_to_f32(h.y), mk_bf16_to_f32(h.z), mk_bf16_to_f32(h.w)};
+}
+
 // pr_gather: out[r, :] = scale_s[p] * src_s[tok_s[p], :] for (s, p) =
-// refs[r]; scale 1 where rank s has no scale list.
-template <typename TO>
+// refs[r]; scale 1 where rank s has no scale list. Sources of type TS
+// (float, or bf16 widened exactly).
+template <typename TO, typename TS>
 __device__ __forceinline__ void pr_gather(TO* out, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
   const int lane = threadIdx.x & 31;
   const long long warps = mk_grid_stride() >> 5;
   for (long long r = mk_global_id() >> 5; r < R; r += warps) {
     TO* dst = out + r * D;
     const int s = refs[2 * r], p = refs[2 * r + 1];
-    const float* src = 0;
+    const TS* src = 0;
     float k = 1.0f;
     bool ok = false;
     if (s >= 0 && s < S) {
@@ -53,7 +62,7 @@ __device__ __forceinline__ void pr_gather(TO* out, const unsigned long long* ran
       if (p >= 0 && (unsigned long long)p < e[3]) {
         const int t = ((const int*)e[1])[p];
         if (t >= 0 && (unsigned long long)t < e[4]) {
-          src = (const float*)e[0] + (long long)t * D;
+          src = (const TS*)e[0] + (long long)t * D;
           if (e[2] != 0) k = ((const float*)e[2])[p];
           ok = true;
         }
@@ -64,27 +73,32 @@ __device__ __forceinline__ void pr_gather(TO* out, const unsigned long long* ran
       continue;
     }
     if (vec) {
-      const pr_f4* src4 = (const pr_f4*)src;
       for (int j = lane; j < D / 4; j += 32) {
-        const pr_f4 v = src4[j];
+        const pr_f4 v = pr_load4(src + 4 * j);
         pr_store4(dst + 4 * j, pr_f4{k * v.x, k * v.y, k * v.z, k * v.w});
       }
       continue;
     }
-    for (int j = lane; j < D; j += 32) pr_store(dst + j, k * src[j]);
+    for (int j = lane; j < D; j += 32) pr_store(dst + j, k * pr_load(src + j));
   }
 }
 
 // gather_peer_rows_f32: pr_gather into a float32 out. Grid: grid-stride,
 // one warp per row.
 extern "C" __global__ void gather_peer_rows_f32(float* out, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
-  pr_gather(out, ranks, refs, S, R, D, vec);
+  pr_gather<float, float>(out, ranks, refs, S, R, D, vec);
 }
 
 // gather_peer_rows_f32_bf16: pr_gather into a bf16 out, each value rounded
 // to nearest even (mk_f32_to_bf16, as every bf16 write of the backend).
 extern "C" __global__ void gather_peer_rows_f32_bf16(mk_bf16* out, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
-  pr_gather(out, ranks, refs, S, R, D, vec);
+  pr_gather<mk_bf16, float>(out, ranks, refs, S, R, D, vec);
+}
+
+// gather_peer_rows_bf16: pr_gather from bf16 sources into a bf16 out (a
+// row scaled by 1 is copied exactly).
+extern "C" __global__ void gather_peer_rows_bf16(mk_bf16* out, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
+  pr_gather<mk_bf16, mk_bf16>(out, ranks, refs, S, R, D, vec);
 }
 
 // scatter_peer_rows_f32: out_s[p, :] = in[r, :] for (s, p) = refs[r]. The

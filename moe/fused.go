@@ -48,7 +48,7 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
 	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
 	st.refsR2 = l.writeRefs(pl)
-	shared := []backend.Tensor{st.xTD, st.sendTokS, st.ySD}
+	shared := []backend.Tensor{st.xoTD, st.sendTokS, st.ySD}
 	if l.flagged() {
 		st.doneS = l.scratch.doneS.vec(b, S)
 		shared = append(shared, st.doneS)

@@ -57,8 +57,14 @@ type Layer struct {
 	refsIdentity                         int    // one expert rank: rows of refsR2 holding (0, i), written once
 	gateS, dgateS                        rowBuf // per sent row
 	xRD, ySD                             rowBuf // saved: expert inputs (expert-major, operand type), expert outputs (send order)
-	h1RF, h3RF, actRF                    rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)
-	scratch                              *Scratch
+	// xoTD is the input in the operand type where that is not the float
+	// type (bf16 on the GPU): the router's product reads it, and the fused
+	// dispatcher's gather (half the bytes of the float rows). Forward
+	// only; one per layer, since peers on other GPUs may read it after
+	// this rank has moved on to the next layer.
+	xoTD              rowBuf
+	h1RF, h3RF, actRF rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)
+	scratch           *Scratch
 
 	step *step // the last successful Forward, nil before
 
@@ -122,6 +128,7 @@ func WithScratch(s *Scratch) Option { return func(l *Layer) { l.scratch = s } }
 // step is what Forward leaves for Backward.
 type step struct {
 	xTD                 backend.Tensor
+	xoTD                backend.Tensor // the fused dispatcher's sources: xTD, or its operand-type copy (Layer.xoTD)
 	plan                *plan
 	zScale              float64
 	sendTokS, sendSlotS backend.Tensor
@@ -171,6 +178,7 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 	}
 	ot := b.OperandType()
 	l.xRD, l.ySD = rowBuf{dt: ot, cols: dim}, rowBuf{dt: ft, cols: dim}
+	l.xoTD = rowBuf{dt: ot, cols: dim}
 	l.h1RF, l.h3RF, l.actRF = rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}
 	for _, o := range opts {
 		o(l)
@@ -249,8 +257,17 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	b, E, K := l.b, l.cfg.Experts, l.cfg.TopK
 
 	l.phase(PhaseRoute)
+	// The input in the operand type (see Layer.xoTD), made once for the
+	// router's product (a MatMul operand, which a bf16 operand type means
+	// it multiplies in bf16 anyway: backend.Backend.OperandType) and the
+	// fused dispatcher's gather.
+	xoTD := xTD
+	if b.OperandType() != b.FloatType() {
+		xoTD = l.xoTD.view(b, l.tokens)
+		b.Copy(xoTD, xTD)
+	}
 	// Route: logits = x·Gateᵀ, then softmax, top-k and renormalised gates.
-	b.MatMul(l.logitsTE, xTD, p.GateED, false, true, 1, 0)
+	b.MatMul(l.logitsTE, xoTD, p.GateED, false, true, 1, 0)
 	b.RouterForward(l.probsTE, l.lseT, l.idxTK, l.gatesTK, l.logitsTE, biasE)
 
 	// The load statistics that only the reported losses need stay on the
@@ -284,7 +301,7 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		return Stats{}, err
 	}
 
-	st := &step{xTD: xTD, plan: pl, zScale: zScale, sendTokS: sendTokS, sendSlotS: sendSlotS}
+	st := &step{xTD: xTD, xoTD: xoTD, plan: pl, zScale: zScale, sendTokS: sendTokS, sendSlotS: sendSlotS}
 	dispatch := l.dispatchForward
 	if l.peers != nil {
 		dispatch = l.fusedForward

@@ -104,8 +104,13 @@ func peerRefs(rng *rand.Rand, send []int, r int, distinct bool) []int32 {
 // peerSources makes each rank's source [src[s], d] (values in [lo, hi))
 // and token list (send[s] rows of it, repeats allowed).
 func (e *Env) peerSources(send, src []int, d int, lo, hi float64) (srcs, toks []*Pair) {
+	return e.typedPeerSources(false, send, src, d, lo, hi)
+}
+
+// typedPeerSources is peerSources with bf16 source rows when bf16 is set.
+func (e *Env) typedPeerSources(bf16 bool, send, src []int, d int, lo, hi float64) (srcs, toks []*Pair) {
 	for s := range send {
-		srcs = append(srcs, e.Uniform(fmt.Sprintf("src%d", s), lo, hi, src[s], d))
+		srcs = append(srcs, e.typed(bf16, fmt.Sprintf("src%d", s), lo, hi, src[s], d))
 		toks = append(toks, e.Ints(fmt.Sprintf("tok%d", s), 0, src[s], send[s]))
 	}
 	return srcs, toks
@@ -302,7 +307,13 @@ func peerCases() []Case {
 			cs = append(cs, peerMoECases(s, ty)...)
 		}
 	}
-	return append(cs, peerMoECases(peerHopperShape(), "bf16")...)
+	cs = append(cs, peerMoECases(peerHopperShape(), "bf16")...)
+	// The gate/up half from bf16 sources (the layer's operand-type copy of
+	// its input), on every shape and the Hopper kernel's.
+	for _, s := range append(peerMoEShapes(), peerHopperShape()) {
+		cs = append(cs, Case{Name: "DispatchSwiGLU/bf16-sources/" + s.name, Compare: func(e *Env) { e.dispatchSwiGLUFrom(s, true, true) }})
+	}
+	return cs
 }
 
 // peerMoECases are the fused MoE ops' cases on s, ty "operand" or "bf16"
@@ -336,6 +347,15 @@ func peerViewCases() []Case {
 			})
 			e.againstRef(out, gatherRef([][]float64{src0.host, src1Parent.host[1:]}, toks, nil, refs.ints, d, false))
 		}},
+		{Name: "GatherPeerRows/views/bf16-sources", Compare: func(e *Env) {
+			srcs, toks := e.typedPeerSources(true, send, src, d, -3, 3)
+			refs := e.IntsOf("refs", peerRefs(e.Rng, send, r, false), r, 2)
+			out := e.OutBF16("out", r, d)
+			e.Run(func(b backend.Backend, p Pick) {
+				b.GatherPeerRows(p(out), picks(p, srcs), picks(p, toks), nil, p(refs))
+			})
+			e.againstRef(out, gatherRef(hosts(srcs), toks, nil, refs.ints, d, true))
+		}},
 		{Name: "GatherPeerRows/views/bf16-out", Compare: func(e *Env) {
 			srcs, toks := e.peerSources(send, src, d, -3, 3)
 			refs := e.IntsOf("refs", peerRefs(e.Rng, send, r, false), r, 2)
@@ -365,11 +385,15 @@ func peerViewCases() []Case {
 // dispatchSwiGLU runs DispatchSwiGLU on s with bf16 operands (or the
 // tested backend's operand type) and checks x, h1, h3 and act against the
 // gather, the grouped products and SwiGLU in float64.
-func (e *Env) dispatchSwiGLU(s peerMoEShape, bf16 bool) {
+func (e *Env) dispatchSwiGLU(s peerMoEShape, bf16 bool) { e.dispatchSwiGLUFrom(s, bf16, false) }
+
+// dispatchSwiGLUFrom is dispatchSwiGLU from bf16 source rows when srcBF16
+// is set (the operands are then bf16 too).
+func (e *Env) dispatchSwiGLUFrom(s peerMoEShape, bf16, srcBF16 bool) {
 	e.NormWise = groupedNormWise
-	bf16 = bf16 || e.B.OperandType() == backend.BFloat16
+	bf16 = bf16 || srcBF16 || e.B.OperandType() == backend.BFloat16
 	r, d, f, g := s.rows(), s.d, s.f, len(s.groupRows)
-	srcs, toks := e.peerSources(s.send, s.src, d, -1, 1)
+	srcs, toks := e.typedPeerSources(srcBF16, s.send, s.src, d, -1, 1)
 	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
 	// Weights of about 1/sqrt(d): h1 and h3 of order 1, where SwiGLU bends.
 	w1 := e.typed(bf16, "w1", -2/math.Sqrt(float64(d)), 2/math.Sqrt(float64(d)), g*f, d)

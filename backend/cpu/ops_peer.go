@@ -64,8 +64,14 @@ func (b *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []bac
 	sendLen := make([]int, len(srcTD))
 	toks := make([][]int32, len(srcTD))
 	for s, src := range srcTD {
-		t, _ := b.matrix(op, "source", src)
-		b.wantMatrix(op, "source", src, t, d)
+		t, _ := b.operandMatrix(op, "source", src)
+		b.wantOperandMatrix(op, "source", src, t, d)
+		if src.DType() != srcTD[0].DType() {
+			fail(op, "source %d is %v and source 0 %v; the sources must be of one dtype", s, src.DType(), srcTD[0].DType())
+		}
+		if src.DType() == backend.BFloat16 && (outRD.DType() != backend.BFloat16 || scaleS != nil) {
+			fail(op, "the sources are bfloat16, which needs a bfloat16 out and no scales (out %v, scales given: %v)", outRD.DType(), scaleS != nil)
+		}
 		if tokS[s] == nil {
 			fail(op, "token list of rank %d is nil", s)
 		}

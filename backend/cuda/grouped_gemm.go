@@ -75,8 +75,9 @@ type GroupedGemm struct {
 	// variant has no such kernel (the TMA-store ones are bf16 only).
 	kern [ggVariantCount][2]*Kernel
 	// dispatchSwiGLU and downCombine are the MoE fused kernels
-	// (moe_fused.go), bn256 cooperative like ggCoop256.
-	dispatchSwiGLU, downCombine *Kernel
+	// (moe_fused.go), bn256 cooperative like ggCoop256;
+	// dispatchSwiGLUBF16 is dispatchSwiGLU for bf16 sources.
+	dispatchSwiGLU, dispatchSwiGLUBF16, downCombine *Kernel
 	// dispatchDgrad and dgradCombine are their backward twins, which read
 	// the weights as stored (MN-major); dispatchDgradFirst is
 	// dispatchDgrad's build that gathers first, chosen per shape by dgrad
@@ -93,10 +94,10 @@ type GroupedGemm struct {
 	// fusedTimeout (tests of the timeout report).
 	fusedMode    int
 	fusedTimeout time.Duration
-	// fusedLocal, downLocal, dgradLocal, dgradFirstLocal and
+	// fusedLocal, fusedBF16Local, downLocal, dgradLocal, dgradFirstLocal and
 	// dgradCombineLocal are the fused kernels' local memory (spilled
 	// registers) per thread, read at load time.
-	fusedLocal, downLocal, dgradLocal, dgradFirstLocal, dgradCombineLocal int
+	fusedLocal, fusedBF16Local, downLocal, dgradLocal, dgradFirstLocal, dgradCombineLocal int
 	// optIn is the dynamic shared memory each variant's kernels opted in
 	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
 	// (ggCoop256H needs more than that limit past 163 experts).
@@ -228,7 +229,8 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	for _, f := range []struct {
 		name string
 		k    **Kernel
-	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_down_combine", &g.downCombine},
+	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_dispatch_swiglu_bf16", &g.dispatchSwiGLUBF16},
+		{"moe_down_combine", &g.downCombine},
 		{"moe_dispatch_dgrad", &g.dispatchDgrad}, {"moe_dispatch_dgrad_first", &g.dispatchDgradFirst},
 		{"moe_dgrad_combine", &g.dgradCombine}} {
 		k, err := m.Kernel(f.name)
@@ -236,7 +238,7 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 			return nil, err
 		}
 		smem := g.optIn[ggCoop256]
-		if f.k == &g.dispatchSwiGLU || f.k == &g.dispatchDgrad || f.k == &g.dispatchDgradFirst {
+		if f.k == &g.dispatchSwiGLU || f.k == &g.dispatchSwiGLUBF16 || f.k == &g.dispatchDgrad || f.k == &g.dispatchDgradFirst {
 			smem = min(fusedGatherSmem(ggMaxExperts), info.MaxSharedOptIn)
 			g.optInGather = smem
 		}
@@ -255,6 +257,8 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 		switch f.k {
 		case &g.dispatchSwiGLU:
 			g.fusedLocal = local
+		case &g.dispatchSwiGLUBF16:
+			g.fusedBF16Local = local
 		case &g.downCombine:
 			g.downLocal = local
 		case &g.dispatchDgrad:

@@ -393,7 +393,14 @@ func (b *Backend) runFused(a fusedArgs, groupRows []int, rows int, launch func(f
 func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
 	g := len(groupRows)
 	bf := []backend.Tensor{xRD, h1RF, h3RF, actRF, w1GFD, w3GFD}
-	a, ok := fusedPtrs(bf, srcTD, backend.Float32, tokS, refsR2, g)
+	// Sources of the float type or, half the bytes to gather, the operand
+	// type (moe_dispatch_swiglu_bf16).
+	srcBF16 := len(srcTD) > 0 && srcTD[0].DType() == backend.BFloat16
+	srcDT := backend.Float32
+	if srcBF16 {
+		srcDT = backend.BFloat16
+	}
+	a, ok := fusedPtrs(bf, srcTD, srcDT, tokS, refsR2, g)
 	if !ok {
 		return false
 	}
@@ -424,7 +431,7 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 		return gg.runDispatchSwiGLU(fusedDispatch{
 			x: ps[0], h1: ps[1], h3: ps[2], act: ps[3], w1: ps[4], w3: ps[5], refs: a.refs,
 			ptrs: tp + fusedPtrsOff, toks: tp + fusedToksOff, offsets: tp + fusedOffsOff, flags: flags,
-			fault: fault, rows: sum, n: n, k: k, experts: g,
+			fault: fault, rows: sum, n: n, k: k, experts: g, srcBF16: srcBF16,
 		})
 	})
 	runtime.KeepAlive(bf)
@@ -512,6 +519,7 @@ func sameShape(ts ...backend.Tensor) bool {
 type fusedDispatch struct {
 	x, h1, h3, act, w1, w3, refs, ptrs, toks, offsets, flags, fault driver.DevicePtr
 	rows, n, k, experts                                             int
+	srcBF16                                                         bool // the sources are bf16 rows (moe_dispatch_swiglu_bf16)
 }
 
 // fusedCombine is one moe_down_combine call (n = D, k = F).
@@ -556,7 +564,11 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
 	grid.Shared = fusedGatherSmem(a.experts)
-	return g.launchFused(g.dispatchSwiGLU, grid, maps, slots, g.optInGather)
+	k := g.dispatchSwiGLU
+	if a.srcBF16 {
+		k = g.dispatchSwiGLUBF16
+	}
+	return g.launchFused(k, grid, maps, slots, g.optInGather)
 }
 
 // runDownCombine queues moe_down_combine.

@@ -43,6 +43,18 @@ type fusedInputs struct {
 	rows               int
 }
 
+// withBF16Sources is in with bf16 copies of the source rows (the layer's
+// operand-type input): the gather of moe_dispatch_swiglu_bf16.
+func (in fusedInputs) withBF16Sources(b *Backend) fusedInputs {
+	out := in
+	out.srcTD = make([]backend.Tensor, len(in.srcTD))
+	for s, src := range in.srcTD {
+		out.srcTD[s] = b.New(backend.BFloat16, src.Shape()...)
+		b.Copy(out.srcTD[s], src)
+	}
+	return out
+}
+
 func (c fusedCase) inputs(b *Backend, seed uint64) fusedInputs {
 	rng := rand.New(rand.NewPCG(seed, 7))
 	in := fusedInputs{}
@@ -243,8 +255,8 @@ func fusedCases() []fusedCase {
 	}
 }
 
-// withGatherVariant runs b's gathering kernels (moe_dispatch_swiglu and
-// both builds of moe_dispatch_dgrad) from the compile-time variant name of
+// withGatherVariant runs b's gathering kernels (both builds of
+// moe_dispatch_swiglu and of moe_dispatch_dgrad) from the compile-time variant name of
 // grouped_gemm.cu (kernels.Source.Variants) until the returned restore is
 // called; the other kernels stay the default ones.
 func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
@@ -259,8 +271,8 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		t.Fatalf("grouped GEMM kernels: %v", x.err)
 	}
 	gg := x.bf16Out
-	var ks [3]*Kernel
-	for i, kn := range []string{"moe_dispatch_swiglu", "moe_dispatch_dgrad", "moe_dispatch_dgrad_first"} {
+	var ks [4]*Kernel
+	for i, kn := range []string{"moe_dispatch_swiglu", "moe_dispatch_dgrad", "moe_dispatch_dgrad_first", "moe_dispatch_swiglu_bf16"} {
 		k, err := m.Kernel(kn)
 		if err != nil {
 			t.Fatal(err)
@@ -279,9 +291,11 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		figure(t, fmt.Sprintf("%s_%s_local_bytes", kn, strings.ReplaceAll(name, "-", "_")), float64(local), "B")
 		ks[i] = k
 	}
-	swiglu, dgrad, first := gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst
-	gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst = ks[0], ks[1], ks[2]
-	return func() { gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst = swiglu, dgrad, first }
+	swiglu, dgrad, first, swigluBF16 := gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst, gg.dispatchSwiGLUBF16
+	gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst, gg.dispatchSwiGLUBF16 = ks[0], ks[1], ks[2], ks[3]
+	return func() {
+		gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst, gg.dispatchSwiGLUBF16 = swiglu, dgrad, first, swigluBF16
+	}
 }
 
 // gatherVariantsEnv names the variants a run takes, comma-separated:
@@ -376,6 +390,29 @@ func (c fusedCase) testAgainstUnfused(t *testing.T, b *Backend, seed uint64) {
 	checkCombine(t, "forward", got.outs, got.raised, got.combined, got.cleared, want.combined)
 	if t.Failed() || in.rows == 0 {
 		return
+	}
+	// From bf16 sources (moe_dispatch_swiglu_bf16, and the unfused gather
+	// of bf16 rows): the rows gathered are bf16(src) either way, so every
+	// output is the float sources' bit for bit.
+	inB := in.withBF16Sources(b)
+	for _, fused := range []bool{true, false} {
+		gotB, ref := c.run(b, inB, fused), got
+		if !fused {
+			ref = want
+		}
+		if err := b.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range []struct {
+			name      string
+			got, want []float32
+		}{{"x", gotB.x, ref.x}, {"h1", gotB.h1, ref.h1}, {"h3", gotB.h3, ref.h3}, {"act", gotB.act, ref.act}} {
+			for j := range p.want {
+				if math.Float32bits(p.got[j]) != math.Float32bits(p.want[j]) {
+					t.Fatalf("bf16 sources (fused %v): %s[%d] = %v, the float sources give %v", fused, p.name, j, p.got[j], p.want[j])
+				}
+			}
+		}
 	}
 	// The backward, on the forward's h1 and h3 (the unfused path's).
 	r := in.rows
@@ -695,6 +732,17 @@ func TestMoEFusedFigures(t *testing.T) {
 					b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
 					return nil
 				}
+				// From bf16 sources, as the layer runs it (moe.Layer's xoTD).
+				inB := in.withBF16Sources(b)
+				fusedBF16 := func() error {
+					b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, groups)
+					b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+					return nil
+				}
+				gateUpFusedBF16 := func() error {
+					b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, groups)
+					return nil
+				}
 				downFused := func() error { b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups); return nil }
 				downGemm := func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
 				flop := 2 * float64(rows) * float64(d) * float64(f) * 3
@@ -717,7 +765,8 @@ func TestMoEFusedFigures(t *testing.T) {
 					name string
 					run  func() error
 				}{{"fused", fused}, {"unfused", unfused}, {"gemm_alone", gemms}, {"gateup_fused", gateUpFused},
-					{"gateup_unfused", gateUpUnfused}, {"gateup_gemm", gateUpGemm}, {"down_fused", downFused}, {"down_gemm", downGemm}} {
+					{"gateup_unfused", gateUpUnfused}, {"gateup_gemm", gateUpGemm}, {"down_fused", downFused}, {"down_gemm", downGemm},
+					{"fused_bf16src", fusedBF16}, {"gateup_fused_bf16src", gateUpFusedBF16}} {
 					v := timed(p.name, p.run)
 					if p.name == "fused" || p.name == "unfused" || p.name == "gemm_alone" {
 						figure(t, fmt.Sprintf("moe_fused_%s_%s_tflops", tag, p.name), flop/v/1e9, "TFLOP/s")
@@ -822,6 +871,7 @@ func TestMoEFusedFigures(t *testing.T) {
 					restore()
 				}
 				figure(t, "moe_fused_"+tag+"_fused_over_gemm", ms["fused"]/ms["gemm_alone"], "x")
+				figure(t, "moe_fused_"+tag+"_fused_bf16src_over_gemm", ms["fused_bf16src"]/ms["gemm_alone"], "x")
 				figure(t, "moe_fused_"+tag+"_unfused_over_fused", ms["unfused"]/ms["fused"], "x")
 			})
 		}

@@ -34,7 +34,8 @@ type peerSources struct {
 	src, tok, scale []*Tensor // scale[s] nil without scales
 }
 
-// checkPeerSources checks the per-rank lists of a gather of rows d wide:
+// checkPeerSources checks the per-rank lists of a gather of rows d wide
+// (sources of one dtype, float32 or bfloat16):
 // one source [T_s, d], one int32 token list and (when scaleS is not nil)
 // one scale per token for each rank.
 func checkPeerSources(op string, srcTD, tokS, scaleS []backend.Tensor, d int) peerSources {
@@ -43,8 +44,12 @@ func checkPeerSources(op string, srcTD, tokS, scaleS []backend.Tensor, d int) pe
 	}
 	ps := peerSources{src: make([]*Tensor, len(srcTD)), tok: make([]*Tensor, len(srcTD)), scale: make([]*Tensor, len(srcTD))}
 	for s := range srcTD {
-		src, rows, _ := matrix(op, fmt.Sprintf("source %d", s), srcTD[s])
-		wantMatrix(op, fmt.Sprintf("source %d", s), srcTD[s], rows, d)
+		name := fmt.Sprintf("source %d", s)
+		src, rows, _ := operandMatrix(op, name, srcTD[s])
+		wantOperandMatrix(op, name, srcTD[s], rows, d)
+		if src0 := tensorOf(op, "source 0", srcTD[0]); src.dt != src0.dt {
+			fail(op, "%s is %v and source 0 %v; the sources must be of one dtype", name, src.dt, src0.dt)
+		}
 		if tokS[s] == nil {
 			fail(op, "token list of rank %d is nil", s)
 		}
@@ -114,12 +119,18 @@ func (b *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []bac
 	ps := checkPeerSources(op, srcTD, tokS, scaleS, d)
 	refs := checkPeerRefs(op, "out", refsR2, r, len(ps.src))
 	fitsInt32(op, r, d, len(ps.src))
+	name := "gather_peer_rows_f32"
+	switch {
+	case len(ps.src) > 0 && ps.src[0].dt == backend.BFloat16:
+		if out.dt != backend.BFloat16 || scaleS != nil {
+			fail(op, "the sources are bfloat16, which needs a bfloat16 out and no scales (out %v, scales given: %v)", out.dt, scaleS != nil)
+		}
+		name = "gather_peer_rows_bf16"
+	case out.dt == backend.BFloat16:
+		name = "gather_peer_rows_f32_bf16"
+	}
 	if r == 0 || d == 0 {
 		return
-	}
-	name := "gather_peer_rows_f32"
-	if out.dt == backend.BFloat16 {
-		name = "gather_peer_rows_f32_bf16"
 	}
 	// Four at a time when every row starts aligned: d a multiple of 4 and
 	// every base address aligned.

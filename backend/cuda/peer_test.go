@@ -38,8 +38,14 @@ func TestPeerOpsBadArguments(t *testing.T) {
 		{"lists", "cuda.GatherPeerRows: 2 sources, 1 token lists and 0 scale lists", func() { b.GatherPeerRows(f(1, 4), src, tok[:1], nil, i32(1, 2)) }},
 		{"nil tokens", "cuda.GatherPeerRows: token list of rank 1 is nil", func() { b.GatherPeerRows(f(1, 4), src, ts(tok[0], nil), nil, i32(1, 2)) }},
 		{"source width", "cuda.GatherPeerRows: source 1 has shape [2 5], want [2 4]", func() { b.GatherPeerRows(f(1, 4), ts(src[0], f(2, 5)), tok, nil, i32(1, 2)) }},
-		{"source dtype", "cuda.GatherPeerRows: source 0 is bfloat16", func() {
+		{"source dtypes", "cuda.GatherPeerRows: source 1 is float32 and source 0 bfloat16; the sources must be of one dtype", func() {
 			b.GatherPeerRows(f(1, 4), ts(tensor(backend.BFloat16, 3, 4), src[1]), tok, nil, i32(1, 2))
+		}},
+		{"bf16 sources into float32", "cuda.GatherPeerRows: the sources are bfloat16, which needs a bfloat16 out and no scales", func() {
+			b.GatherPeerRows(f(1, 4), ts(tensor(backend.BFloat16, 3, 4), tensor(backend.BFloat16, 2, 4)), tok, nil, i32(1, 2))
+		}},
+		{"source dtype", "cuda.GatherPeerRows: source 0 is int32", func() {
+			b.GatherPeerRows(f(1, 4), ts(tensor(backend.Int32, 3, 4), src[1]), tok, nil, i32(1, 2))
 		}},
 		{"token dtype", "cuda.GatherPeerRows: tokens 0 is float32, want int32", func() { b.GatherPeerRows(f(1, 4), src, ts(f(2), tok[1]), nil, i32(1, 2)) }},
 		{"scale length", "cuda.GatherPeerRows: scale 1 has shape [2] (2 elements), want 1 elements", func() { b.GatherPeerRows(f(1, 4), src, tok, ts(f(2), f(2)), i32(1, 2)) }},

@@ -339,7 +339,8 @@ func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []in
 		n := max(sent[src], 1)
 		tok, out, done := b.New(backend.Int32, n), b.New(b.FloatType(), n, D), b.New(backend.Int32, n)
 		backend.UploadSlice(b, tok, toks)
-		srcTD = append(srcTD, randTensor(b, rng, 1, T, D))
+		// The layer's sources: its input in the operand type (moe.Layer's xoTD).
+		srcTD = append(srcTD, operand(b, 1, T, D))
 		tokS = append(tokS, b.View(tok, 0, sent[src]))
 		outSD = append(outSD, b.View(out, 0, sent[src], D))
 		doneS = append(doneS, b.View(done, 0, sent[src]))
