@@ -865,6 +865,10 @@ func TestMoEFusedFigures(t *testing.T) {
 					restore := withGatherVariant(t, b, v.Name)
 					x := strings.ReplaceAll(v.Name, "-", "_")
 					timed("gateup_fused_"+x, gateUpFused)
+					// The products alone on the rows this variant gathered
+					// (a timing-only variant's rows are not the sources'
+					// values, and the products' speed depends on the data).
+					timed("gateup_gemm_after_"+x, gateUpGemm)
 					inMode(1, "gateup_fused_"+x, gateUpFused)
 					inBuild(dgradBeside, "bwd_dgrad_fused_beside_"+x, dgradFused)
 					inBuild(dgradFirst, "bwd_dgrad_fused_first_"+x, dgradFused)
