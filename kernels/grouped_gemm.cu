@@ -811,11 +811,13 @@ __device__ __forceinline__ void gg_gather_even(const gg_fuse& fz, int cw, int nc
                                                const int* sBeg, const int* sEnd, const int* sCum) {
   const int M = sCum[E], nJ = (K + 1023) / 1024, perTile = 64 * nJ;
   const int rowFloats = SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;  // as gg_gather
-  const long long U = (long long)M * perTile, ua = U * cw / ncw, ub = U * (cw + 1) / ncw;
-  for (long long u = ua; u < ub;) {
-    const int g = (int)(u / perTile);
-    const int qa = (int)(u - (long long)g * perTile);
-    const int qb = (int)(ub - (long long)g * perTile < perTile ? ub - (long long)g * perTile : perTile);
+  // 32-bit shares (U < 2^31 for any m-tile count a launch takes): the
+  // first U % ncw warps take one unit more.
+  const int U = M * perTile, share = U / ncw, rem = U - share * ncw;
+  const int ua = cw * share + gg_min(cw, rem), ub = ua + share + (cw < rem ? 1 : 0);
+  for (int u = ua; u < ub;) {
+    const int g = u / perTile;
+    const int qa = u - g * perTile, qb = gg_min(ub - g * perTile, perTile);
     int lo = 0, hi = E - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
@@ -850,7 +852,7 @@ __device__ __forceinline__ void gg_gather_even(const gg_fuse& fz, int cw, int nc
     const bool lost = (fz.mode & 8) && g == M - 1 && qa == 0;
     if (lane == 0 && !lost)
       asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(fz.flags + g), "r"(qb - qa) : "memory");
-    u = (long long)g * perTile + qb;
+    u = g * perTile + qb;
   }
 }
 

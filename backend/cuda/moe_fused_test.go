@@ -153,12 +153,17 @@ func TestEvenGatherSharesCover(t *testing.T) {
 	rng := rand.New(rand.NewPCG(7, 3))
 	for range 300 {
 		m, nJ, ncw := 1+rng.IntN(2000), 1+rng.IntN(8), 1+rng.IntN(1600)
-		perTile := int64(64 * nJ)
-		u := int64(m) * perTile
-		counts := make([]int64, m)
-		minShare, maxShare := u, int64(0)
-		for cw := range int64(ncw) {
-			ua, ub := u*cw/int64(ncw), u*(cw+1)/int64(ncw)
+		perTile := int32(64 * nJ)
+		u := int32(m) * perTile
+		share, rem := u/int32(ncw), u%int32(ncw)
+		counts := make([]int32, m)
+		minShare, maxShare := u, int32(0)
+		for cw := range int32(ncw) {
+			ua := cw*share + min(cw, rem)
+			ub := ua + share
+			if cw < rem {
+				ub++
+			}
 			minShare, maxShare = min(minShare, ub-ua), max(maxShare, ub-ua)
 			for x := ua; x < ub; {
 				g := x / perTile
