@@ -140,6 +140,17 @@ func (c *dgradChooser) launch(drv *driver.Driver, stream driver.Stream, shape dg
 	return nil
 }
 
+// close frees the events of launches whose timings were never read (the
+// stream is idle by then: Backend.Close syncs first).
+func (c *dgradChooser) close(drv *driver.Driver) error {
+	var errs []error
+	for _, p := range c.pending {
+		errs = append(errs, drv.EventDestroy(p.start), drv.EventDestroy(p.end))
+	}
+	c.pending = nil
+	return errors.Join(errs...)
+}
+
 // collect reads the timings of the launches that have finished and frees
 // their events; the others stay pending.
 func (c *dgradChooser) collect(drv *driver.Driver) error {

@@ -19,6 +19,7 @@ package cuda
 // the loop's rate; what it loses is the idle SMs of the last wave.
 
 import (
+	"errors"
 	"sync"
 
 	"github.com/mktrain/mktrain/backend"
@@ -179,10 +180,16 @@ func (x *expertGemm) stageOffsets(d *Device, groupRows []int) (bool, error) {
 func (x *expertGemm) close(d *Device) error {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	if x.offsets == nil {
-		return nil
+	var err error
+	for _, g := range []*GroupedGemm{x.bf16Out, x.floatOut} {
+		if g != nil {
+			err = errors.Join(err, d.Do(func() error { return g.dgrad.close(d.drv) }))
+		}
 	}
-	err := d.Free(x.offsets)
+	if x.offsets == nil {
+		return err
+	}
+	err = errors.Join(err, d.Free(x.offsets))
 	x.offsets = nil
 	return err
 }
