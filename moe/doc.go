@@ -79,7 +79,10 @@
 // the sources' tokens and write their outputs straight into the sources'
 // send-order buffers (DispatchSwiGLU: gather, W1 and W3 products and
 // SwiGLU; DownCombine: the W2 product scattered to the sources; on a GPU,
-// fused kernels). The references go to the backend as one block per
+// fused kernels). Where the backend's operand type is bf16 (the GPU), the
+// rows read are each source's input already in bf16, made once per
+// Forward for the router's product too, so the gather moves half the
+// bytes of the float rows. The references go to the backend as one block per
 // (local expert, source rank), which it expands on the device
 // (PeerRowRefs). DownCombine raises each row's completion flag in its
 // source's list once the whole row is written, and every rank combines
