@@ -799,10 +799,10 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
 // gg_gather_even is the first-gather (FIRST) of GG_EX_EVEN: the work is
 // cut into units of one step (a row pair's 1024-column block), 64 * nJ a
 // m-tile (the units of rows past a partial tile's end are empty), and
-// gathering warp cw of ncw takes the contiguous units [U cw / ncw,
-// U (cw + 1) / ncw): every warp copies the same number of steps, give or
-// take one, where the chunks dealt round-robin leave some warps two
-// chunks and most one. A warp adds the units it covered of an m-tile to
+// gathering warp cw of ncw takes a contiguous share of the U units, the
+// first U % ncw warps one unit more: every warp copies the same number
+// of steps, give or take one, where the chunks dealt round-robin leave
+// some warps two chunks and most one. A warp adds the units it covered of an m-tile to
 // the tile's count (release) once they are stored, so a tile has landed
 // when its count reaches 64 * nJ (gg_wait_tile with EVEN). Rows are
 // resolved 32 at a time, one per lane.
@@ -811,8 +811,7 @@ __device__ __forceinline__ void gg_gather_even(const gg_fuse& fz, int cw, int nc
                                                const int* sBeg, const int* sEnd, const int* sCum) {
   const int M = sCum[E], nJ = (K + 1023) / 1024, perTile = 64 * nJ;
   const int rowFloats = SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;  // as gg_gather
-  // 32-bit shares (U < 2^31 for any m-tile count a launch takes): the
-  // first U % ncw warps take one unit more.
+  // In 32 bits: U is about rows * nJ / 2, far below 2^31.
   const int U = M * perTile, share = U / ncw, rem = U - share * ncw;
   const int ua = cw * share + gg_min(cw, rem), ub = ua + share + (cw < rem ? 1 : 0);
   for (int u = ua; u < ub;) {
