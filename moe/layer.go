@@ -60,8 +60,9 @@ type Layer struct {
 	// xoTD is the input in the operand type where that is not the float
 	// type (bf16 on the GPU): the router's product reads it, and the fused
 	// dispatcher's gather (half the bytes of the float rows). Forward
-	// only; one per layer, since peers on other GPUs may read it after
-	// this rank has moved on to the next layer.
+	// only. The fused dispatcher keeps one per layer, since peers on other
+	// GPUs may read it after this rank has moved on to the next layer;
+	// the unfused one, whose peers never read it, the Scratch's.
 	xoTD              rowBuf
 	h1RF, h3RF, actRF rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)
 	scratch           *Scratch
@@ -92,13 +93,16 @@ type Scratch struct {
 	// row): raised by the peers as they write this rank's rows, cleared
 	// by its combine, so all zero between layers (fused.go).
 	doneS rowBuf
+	// xoTD is the unfused dispatcher's operand-type input (Layer.xoTD).
+	xoTD rowBuf
 }
 
 // NewScratch returns an empty Scratch for layers of width dim and expert
 // hidden size ffn; its buffers grow on first use.
 func NewScratch(b backend.Backend, dim, ffn int) *Scratch {
 	ft, ot := b.FloatType(), b.OperandType()
-	s := &Scratch{dyRD: rowBuf{dt: ot, cols: dim}, dActRF: rowBuf{dt: ft, cols: ffn}, doneS: rowBuf{dt: backend.Int32, cols: 1}}
+	s := &Scratch{dyRD: rowBuf{dt: ot, cols: dim}, dActRF: rowBuf{dt: ft, cols: ffn}, doneS: rowBuf{dt: backend.Int32, cols: 1},
+		xoTD: rowBuf{dt: ot, cols: dim}}
 	for _, r := range []*rowBuf{&s.rowsSD, &s.rowsR1D, &s.rowsR2D} {
 		*r = rowBuf{dt: ft, cols: dim}
 	}
@@ -128,7 +132,7 @@ func WithScratch(s *Scratch) Option { return func(l *Layer) { l.scratch = s } }
 // step is what Forward leaves for Backward.
 type step struct {
 	xTD                 backend.Tensor
-	xoTD                backend.Tensor // the fused dispatcher's sources: xTD, or its operand-type copy (Layer.xoTD)
+	xoTD                backend.Tensor // the fused dispatcher's sources: xTD, or its operand-type copy (Layer.xoTD); Forward only
 	plan                *plan
 	zScale              float64
 	sendTokS, sendSlotS backend.Tensor
@@ -263,7 +267,11 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	// fused dispatcher's gather.
 	xoTD := xTD
 	if b.OperandType() != b.FloatType() {
-		xoTD = l.xoTD.view(b, l.tokens)
+		buf := &l.scratch.xoTD
+		if l.peers != nil {
+			buf = &l.xoTD
+		}
+		xoTD = buf.view(b, l.tokens)
 		b.Copy(xoTD, xTD)
 	}
 	// Route: logits = x·Gateᵀ, then softmax, top-k and renormalised gates.
