@@ -616,6 +616,7 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
 #define GG_EX_EVEN 32         // the first-gathers in even shares, counted per m-tile (gg_gather_even)
+#define GG_EX_BF16_COPY 64    // bf16 sources copied as raw words (gg_gather_copy_step)
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
 #define GG_GATHER_LD "ld.global.cs.v4.f32"
@@ -682,6 +683,42 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
                      "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                      : "memory");
       }
+    }
+  }
+}
+
+// gg_gather_copy_step is one step of a chunk of bf16 source rows copied as
+// they are (GG_EX_BF16_COPY), not widened to float, scaled and rounded
+// back: FUSE 1 scales by 1, so the bits are the same, and the raw words
+// take half the registers of the floats (the consumers inline the
+// first-gather, so its registers are theirs).
+__device__ __forceinline__ void gg_gather_copy_step(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K,
+                                                    int lane, long long src) {
+  const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
+  unsigned w[2][4][4];
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const unsigned short* p = (const unsigned short*)gg_shfl_ptr(src, gg_min(i + h, nr - 1));
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int j = j0 + 256 * u;
+      if (j < K)
+        asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[h][u][0]), "=r"(w[h][u][1]), "=r"(w[h][u][2]), "=r"(w[h][u][3])
+                     : "l"(p + j));
+    }
+  }
+  if constexpr ((GG_EXPERIMENT & GG_EX_NO_STORES) != 0) return;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    unsigned short* dst = fz.xRD + (long long)(r0 + gg_min(i + h, nr - 1)) * K;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int j = j0 + 256 * u;
+      if (j < K)
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(w[h][u][0]), "r"(w[h][u][1]),
+                     "r"(w[h][u][2]), "r"(w[h][u][3])
+                     : "memory");
     }
   }
 }
@@ -759,8 +796,12 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       // One step in flight (each stored before the next one's loads go
       // out): FIRST, or the experiment of mode 256.
       for (int st = 0; st < steps; st++) {
-        gg_gather_load<SRC_BF16>(st, nJ, cur.nr, K, lane, src, va);
-        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+        if constexpr (SRC_BF16 && (GG_EXPERIMENT & GG_EX_BF16_COPY) != 0) {
+          gg_gather_copy_step(fz, st, nJ, cur.nr, cur.r0, K, lane, src);
+        } else {
+          gg_gather_load<SRC_BF16>(st, nJ, cur.nr, K, lane, src, va);
+          gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+        }
       }
     } else {
       if (steps > 0) gg_gather_load<SRC_BF16>(0, nJ, cur.nr, K, lane, src, va);
@@ -837,9 +878,13 @@ __device__ __forceinline__ void gg_gather_even(const gg_fuse& fz, int cw, int nc
         if (fz.scales) scale = ((const float*)fz.scales[refS])[refP];
       }
       for (; q < qEnd; q++) {
-        float v[2][4][8];
-        gg_gather_load<SRC_BF16>(q - pa * nJ, nJ, nr, K, lane, src, v);
-        gg_gather_store(fz, q - pa * nJ, nJ, nr, r0, K, lane, scale, v);
+        if constexpr (SRC_BF16 && (GG_EXPERIMENT & GG_EX_BF16_COPY) != 0) {
+          gg_gather_copy_step(fz, q - pa * nJ, nJ, nr, r0, K, lane, src);
+        } else {
+          float v[2][4][8];
+          gg_gather_load<SRC_BF16>(q - pa * nJ, nJ, nr, K, lane, src, v);
+          gg_gather_store(fz, q - pa * nJ, nJ, nr, r0, K, lane, scale, v);
+        }
       }
     }
     // As gg_gather: the rows visible at GPU scope and to the async proxy

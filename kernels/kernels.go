@@ -195,6 +195,10 @@ func Sources() []Source {
 				Purpose: "no fences before a chunk's flag is raised"},
 			{Name: "even-shares", Defines: []string{"GG_EXPERIMENT=32"}, Exact: true,
 				Purpose: "the gathers that run first (moe_dispatch_swiglu, moe_dispatch_dgrad_first) deal every warp an even, contiguous share of row-pair steps, counted per m-tile, instead of 16-row chunks round-robin"},
+			{Name: "bf16-copy", Defines: []string{"GG_EXPERIMENT=64"}, Exact: true,
+				Purpose: "moe_dispatch_swiglu_bf16 copies its bf16 source rows as raw words instead of widening, scaling by 1 and rounding back: half the gather's registers"},
+			{Name: "even-shares-bf16-copy", Defines: []string{"GG_EXPERIMENT=96"}, Exact: true,
+				Purpose: "even-shares and bf16-copy together"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -841,6 +841,7 @@ func TestMoEFusedFigures(t *testing.T) {
 				for _, mode := range []int{1, 2, 4, 7, 16} {
 					inMode(mode, "gateup_fused", gateUpFused)
 				}
+				inMode(1, "gateup_fused_bf16src", gateUpFusedBF16)
 				// The same for the dgrad kernel: 1 no gather or waits, 16 the
 				// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
 				// stores, 64 no h1/h3 loads past the first two boxes, 128 the
@@ -870,6 +871,9 @@ func TestMoEFusedFigures(t *testing.T) {
 					// values, and the products' speed depends on the data).
 					timed("gateup_gemm_after_"+x, gateUpGemm)
 					inMode(1, "gateup_fused_"+x, gateUpFused)
+					// From bf16 sources, as the layer runs it.
+					timed("gateup_fused_bf16src_"+x, gateUpFusedBF16)
+					inMode(1, "gateup_fused_bf16src_"+x, gateUpFusedBF16)
 					inBuild(dgradBeside, "bwd_dgrad_fused_beside_"+x, dgradFused)
 					inBuild(dgradFirst, "bwd_dgrad_fused_first_"+x, dgradFused)
 					restore()
