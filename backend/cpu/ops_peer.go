@@ -69,9 +69,6 @@ func (b *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []bac
 		if src.DType() != srcTD[0].DType() {
 			fail(op, "source %d is %v and source 0 %v; the sources must be of one dtype", s, src.DType(), srcTD[0].DType())
 		}
-		if src.DType() == backend.BFloat16 && (outRD.DType() != backend.BFloat16 || scaleS != nil) {
-			fail(op, "the sources are bfloat16, which needs a bfloat16 out and no scales (out %v, scales given: %v)", outRD.DType(), scaleS != nil)
-		}
 		if tokS[s] == nil {
 			fail(op, "token list of rank %d is nil", s)
 		}
@@ -80,6 +77,9 @@ func (b *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []bac
 		if scaleS != nil {
 			b.vector(op, "scale", scaleS[s], sendLen[s])
 		}
+	}
+	if len(srcTD) > 0 && srcTD[0].DType() == backend.BFloat16 && (outRD.DType() != backend.BFloat16 || scaleS != nil) {
+		fail(op, "the sources are bfloat16, which needs a bfloat16 out and no scales (out %v, scales given: %v)", outRD.DType(), scaleS != nil)
 	}
 	refs := peerRefs(op, refsR2, sendLen)
 	if len(refs) != n {

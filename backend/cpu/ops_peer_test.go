@@ -36,6 +36,12 @@ func TestPeerOpsBadArguments(t *testing.T) {
 		{"scale lists", "cpu.GatherPeerRows: 2 sources, 2 token lists and 1 scale lists", func() { b.GatherPeerRows(f(1, 4), src, tok, ts(f(2)), refs(0, 0)) }},
 		{"nil tokens", "cpu.GatherPeerRows: token list of rank 1 is nil", func() { b.GatherPeerRows(f(1, 4), src, ts(tok[0], nil), nil, refs(0, 0)) }},
 		{"source width", "cpu.GatherPeerRows: source has shape [2 5], want [2 4]", func() { b.GatherPeerRows(f(1, 4), ts(src[0], f(2, 5)), tok, nil, refs(0, 0)) }},
+		{"source dtypes", "cpu.GatherPeerRows: source 1 is float32 and source 0 bfloat16; the sources must be of one dtype", func() {
+			b.GatherPeerRows(f(1, 4), ts(b.New(backend.BFloat16, 3, 4), src[1]), tok, nil, refs(0, 0))
+		}},
+		{"bf16 sources into float32", "cpu.GatherPeerRows: the sources are bfloat16, which needs a bfloat16 out and no scales", func() {
+			b.GatherPeerRows(f(1, 4), ts(b.New(backend.BFloat16, 3, 4), b.New(backend.BFloat16, 2, 4)), tok, nil, refs(0, 0))
+		}},
 		{"token value", "cpu.GatherPeerRows: tokens[0] = 3 is outside [0, 3)", func() { b.GatherPeerRows(f(1, 4), src, ts(list(3, 0), tok[1]), nil, refs(0, 0)) }},
 		{"scale length", "cpu.GatherPeerRows: scale has shape [1] (1 elements), want 2 elements", func() { b.GatherPeerRows(f(1, 4), src, tok, ts(f(1), f(1)), refs(0, 0)) }},
 		{"out dtype", "cpu.GatherPeerRows: out is int32", func() { b.GatherPeerRows(list(1, 2, 3, 4), src, tok, nil, refs(0, 0)) }},

@@ -395,11 +395,11 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 	bf := []backend.Tensor{xRD, h1RF, h3RF, actRF, w1GFD, w3GFD}
 	// Sources of the float type or, half the bytes to gather, the operand
 	// type (moe_dispatch_swiglu_bf16).
-	srcBF16 := len(srcTD) > 0 && srcTD[0].DType() == backend.BFloat16
 	srcDT := backend.Float32
-	if srcBF16 {
-		srcDT = backend.BFloat16
+	if len(srcTD) > 0 {
+		srcDT = srcTD[0].DType() // fusedPtrs takes no other
 	}
+	srcBF16 := srcDT == backend.BFloat16
 	a, ok := fusedPtrs(bf, srcTD, srcDT, tokS, refsR2, g)
 	if !ok {
 		return false
