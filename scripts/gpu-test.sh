@@ -38,8 +38,8 @@
 # brings them all back: summary.json (per-package counts, the "figure:"
 # lines the tests log, the two tokens/s figures), bench.json (mktrain's
 # result), peer.json (the peer's line), layouts.json, moe.json, hf_check.json and
-# logs.tgz (every raw log and test2json stream, written again as each
-# test binary ends). Every step on one GPU writes 8 files, as many as a
+# logs.tgz (every raw log and test2json stream and clocks.csv, the SM
+# clock and power over the run; written again as each test binary ends). Every step on one GPU writes 8 files, as many as a
 # device call brings back: a call that also keeps its own files (its
 # console, say) runs fewer steps. It prints a short table last and exits
 # non-zero if any package or benchmark failed.
@@ -125,6 +125,16 @@ echo "== machine"
 uname -srm
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 echo
+# The SM clock and board power every 50 ms for the whole run (clocks.csv
+# in logs.tgz, UTC): the products run near the power limit, so a kernel's
+# time depends on the clock the device holds while it runs. Tests that
+# log "window:" lines can be read against it.
+smi_pid=
+if command -v nvidia-smi >/dev/null; then
+  TZ=UTC nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,nounits -lms 50 \
+    >"$LOGS/clocks.csv" 2>/dev/null &
+  smi_pid=$!
+fi
 
 rows=()
 figures=()
@@ -360,6 +370,8 @@ if [[ "${NO_HF:-}" != 1 && -x "$BIN/mktrain" ]]; then
   rm -rf "$HFD"
   echo
 fi
+
+[[ -n "$smi_pid" ]] && kill "$smi_pid" 2>/dev/null
 
 # summary.json, with plain shell quoting: names hold no quotes.
 {

@@ -831,7 +831,17 @@ func TestMoEFusedFigures(t *testing.T) {
 				figure(t, "moe_dispatch_dgrad_local_bytes", float64(gg.dgradLocal), "B")
 				figure(t, "moe_down_combine_local_bytes", float64(gg.downLocal), "B")
 				figure(t, "moe_dgrad_combine_local_bytes", float64(gg.dgradCombineLocal), "B")
+				// A mode without the gather (bit 1) multiplies whatever x
+				// holds, and the products' speed depends on the data (the
+				// backward above leaves gradients there, on which they ran
+				// 10-15% faster): one gathering call first puts the
+				// sources' rows back.
 				inMode := func(mode int, name string, run func() error) {
+					if mode&1 != 0 {
+						if err := run(); err != nil {
+							t.Fatal(err)
+						}
+					}
 					gg.fusedMode = mode
 					defer func() { gg.fusedMode = 0 }()
 					timed(fmt.Sprintf("%s_mode%d", name, mode), run)
@@ -842,6 +852,37 @@ func TestMoEFusedFigures(t *testing.T) {
 					inMode(mode, "gateup_fused", gateUpFused)
 				}
 				inMode(1, "gateup_fused_bf16src", gateUpFusedBF16)
+				inMode(7, "gateup_fused_bf16src", gateUpFusedBF16)
+				// The same kernels back to back for ~300 ms each, as a
+				// training step runs them (ggTime's launches each start
+				// from an idle device): the clock the device holds under
+				// sustained load is what the block's ratio meets. Each
+				// logs its host window, for the device's clock and power
+				// log (scripts/gpu-test.sh samples nvidia-smi).
+				for _, p := range []struct {
+					name string
+					mode int
+					run  func() error
+				}{
+					{"gateup_gemm", 0, gateUpGemm}, {"gateup_fused_bf16src", 0, gateUpFusedBF16},
+					{"gateup_fused_bf16src_mode1", 1, gateUpFusedBF16}, {"gateup_fused_bf16src_mode7", 7, gateUpFusedBF16},
+					{"gemm_alone", 0, gemms}, {"fused_bf16src", 0, fusedBF16},
+				} {
+					if err := p.run(); err != nil { // x holds the sources' rows
+						t.Fatal(err)
+					}
+					gg.fusedMode = p.mode
+					v, window, err := sustainedTime(b.dev, 300*time.Millisecond, ms[p.name], p.run)
+					gg.fusedMode = 0
+					if err != nil {
+						t.Fatal(err)
+					}
+					ms[p.name+"_sustained"] = v
+					figure(t, fmt.Sprintf("moe_fused_%s_%s_sustained_ms", tag, p.name), v, "ms")
+					t.Logf("window: moe_fused_%s_%s_sustained %s", tag, p.name, window)
+				}
+				figure(t, "moe_fused_"+tag+"_fused_bf16src_over_gemm_sustained",
+					ms["fused_bf16src_sustained"]/ms["gemm_alone_sustained"], "x")
 				// The same for the dgrad kernel: 1 no gather or waits, 16 the
 				// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
 				// stores, 64 no h1/h3 loads past the first two boxes, 128 the
@@ -884,4 +925,31 @@ func TestMoEFusedFigures(t *testing.T) {
 			})
 		}
 	}
+}
+
+// sustainedTime runs run back to back for about span (its first estimate
+// of one call: estMS), after three warm-up calls, and returns the mean
+// time of a call on the device and the host's window around the timed
+// calls (UTC, as nvidia-smi's timestamps read on the device machine).
+func sustainedTime(d *Device, span time.Duration, estMS float64, run func() error) (float64, string, error) {
+	n := 20
+	if estMS > 0 {
+		n = max(n, int(float64(span.Milliseconds())/estMS))
+	}
+	for range 3 {
+		if err := run(); err != nil {
+			return 0, "", err
+		}
+	}
+	if err := d.Sync(); err != nil {
+		return 0, "", err
+	}
+	const stamp = "2006/01/02 15:04:05.000"
+	from := time.Now().UTC()
+	ms, err := timeGPU(d, 0, n, run) // the mean of n calls; ends with a Sync
+	if err != nil {
+		return 0, "", err
+	}
+	window := fmt.Sprintf("%s .. %s (%d calls)", from.Format(stamp), time.Now().UTC().Format(stamp), n)
+	return ms, window, nil
 }
