@@ -617,6 +617,7 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
 #define GG_EX_EVEN 32         // the first-gathers in even shares, counted per m-tile (gg_gather_even)
 #define GG_EX_BF16_COPY 64    // bf16 sources copied as raw words (gg_gather_copy_step)
+#define GG_EX_ACT_SPLIT 128   // FUSE 1's act math shared by warp 3 (gg_act_share)
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
 #define GG_GATHER_LD "ld.global.cs.v4.f32"
@@ -1055,19 +1056,64 @@ __device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned s
   c++;
 }
 
+// gg_act_pieces writes act = silu(h1) * h3 over h1's staging buffer stg
+// (h3's is 16 KiB after it) for the 16-byte pieces lane + 32 * i, i in
+// [I0_FROM, I0_TO): 1024 pieces a 64 x 128 block, four pieces' loads in
+// flight before their math and stores. h1, h3 and act share one layout,
+// so act is computed element by element with no unswizzling, from the
+// bf16 h1 and h3 that the unfused SwiGLU and the backward also see. Mode
+// 4: act without silu (experiment).
+template <int I0_FROM, int I0_TO>
+__device__ __forceinline__ void gg_act_pieces(const gg_fuse& fz, unsigned stg, int lane) {
+  for (int i0 = I0_FROM; i0 < I0_TO; i0 += 4) {
+    unsigned v1[4][4], v3[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v1[u][0]), "=r"(v1[u][1]), "=r"(v1[u][2]), "=r"(v1[u][3])
+                   : "r"(a));
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v3[u][0]), "=r"(v3[u][1]), "=r"(v3[u][2]), "=r"(v3[u][3])
+                   : "r"(a + 16384u));
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+#pragma unroll
+      for (int w = 0; w < 4; w++) {
+        const float a0 = gg_bf16_lo(v1[u][w]), a1 = gg_bf16_hi(v1[u][w]);
+        const float b0 = gg_bf16_lo(v3[u][w]), b1 = gg_bf16_hi(v3[u][w]);
+        v1[u][w] = (fz.mode & 4) ? gg_pack_bf16(a0 * b0, a1 * b1)
+                                 : gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
+      }
+      const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v1[u][0]), "r"(v1[u][1]),
+                   "r"(v1[u][2]), "r"(v1[u][3])
+                   : "memory");
+    }
+  }
+}
+
+// GG_ACT_SPLIT_I0 is where, under GG_EX_ACT_SPLIT, a block's pieces pass
+// from its helper warp to warp 3 (gg_act_share): the helper takes
+// i0 < 20 (640 pieces), warp 3 the other 384 of each of the two
+// warpgroups' blocks, so the three warps' shares are about even (the
+// helper also queues the stores).
+#define GG_ACT_SPLIT_I0 20
+
 // gg_act_helper is FUSE 1's act epilogue, run by one warp of the producer
 // warpgroup for consumer warpgroup cw (warps 1 and 2 for warpgroups 0 and
 // 1). It walks the same tiles as its consumers; for each block they stage
 // (gg_stage_h13) it stores h1 and h3 by TMA, and once those stores have
-// read the buffers it writes act = silu(h1) * h3 over h1's buffer, stores
-// act by TMA and frees both buffers (freed). h1, h3 and act share one
-// layout, so act is computed element by element, 16 bytes a lane, with no
-// unswizzling; it is computed from the bf16 h1 and h3 that the unfused
-// SwiGLU and the backward also see. Mode 2: no act store; mode 4: act
-// without silu (experiments).
+// read the buffers it writes act over h1's buffer (gg_act_pieces), stores
+// act by TMA and frees both buffers (freed). Under GG_EX_ACT_SPLIT it
+// tells warp 3 that h1 has been read (h13read) and stores act once warp 3
+// has written its share too (actdone). Mode 2: no act store (experiment).
 __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
-                                              unsigned freed, int rows, int N, int total, int nTN, int GM, int E,
-                                              const int* sBeg, const int* sEnd, const int* sCum) {
+                                              unsigned freed, unsigned h13read, unsigned actdone, int rows, int N,
+                                              int total, int nTN, int GM, int E, const int* sBeg, const int* sEnd,
+                                              const int* sCum) {
+  constexpr bool SPLIT = (GG_EXPERIMENT & GG_EX_ACT_SPLIT) != 0;
   unsigned k = 0;  // blocks handled
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
@@ -1085,41 +1131,16 @@ __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lan
       }
       gg_bulk_commit();
       if (!(fz.mode & 2)) gg_bulk_wait_read();
+      if (SPLIT && !(fz.mode & 2)) gg_bar_arrive(h13read);
     }
     if (!(fz.mode & 2)) {
       asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      // 1024 pieces of 16 bytes, 32 a lane: four pieces' loads in flight
-      // before their math and stores.
-      for (int i0 = 0; i0 < 32; i0 += 4) {
-        unsigned v1[4][4], v3[4][4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-          const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
-          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(v1[u][0]), "=r"(v1[u][1]), "=r"(v1[u][2]), "=r"(v1[u][3])
-                       : "r"(a));
-          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(v3[u][0]), "=r"(v3[u][1]), "=r"(v3[u][2]), "=r"(v3[u][3])
-                       : "r"(a + 16384u));
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-#pragma unroll
-          for (int w = 0; w < 4; w++) {
-            const float a0 = gg_bf16_lo(v1[u][w]), a1 = gg_bf16_hi(v1[u][w]);
-            const float b0 = gg_bf16_lo(v3[u][w]), b1 = gg_bf16_hi(v3[u][w]);
-            v1[u][w] = (fz.mode & 4) ? gg_pack_bf16(a0 * b0, a1 * b1)
-                                     : gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
-          }
-          const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v1[u][0]), "r"(v1[u][1]),
-                       "r"(v1[u][2]), "r"(v1[u][3])
-                       : "memory");
-        }
-      }
+      gg_act_pieces<0, SPLIT ? GG_ACT_SPLIT_I0 : 32>(fz, stg, lane);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
       if (lane == 0) {
+        // Warp 3's share written and fenced (its arrival releases it).
+        if (SPLIT) gg_bar_wait(actdone, k & 1u);
 #pragma unroll
         for (int b = 0; b < 2; b++) {
           const int col = tile.n0 + 64 * b;
@@ -1136,6 +1157,33 @@ __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lan
   }
   // The staging buffers must outlive the stores reading them.
   if (lane == 0) gg_bulk_wait();
+}
+
+// gg_act_share is warp 3's part of FUSE 1's act epilogue under
+// GG_EX_ACT_SPLIT: for each block of either consumer warpgroup, in the
+// helpers' order, it waits until the block's h1 has been read by its TMA
+// store (h13read[cw]), writes act for the pieces from GG_ACT_SPLIT_I0 on,
+// fences them for the TMA store and tells the helper (actdone[cw]). A
+// helper runs at most one block ahead of it (it waits for actdone before
+// freeing the buffers the next block needs), so parity waits suffice.
+__device__ __forceinline__ void gg_act_share(const gg_fuse& fz, int lane, unsigned stgBase, unsigned stgHalf,
+                                             unsigned h13read, unsigned actdone, int rows, int total, int nTN,
+                                             int GM, int E, const int* sBeg, const int* sEnd, const int* sCum) {
+  if (fz.mode & 2) return;  // no act
+  unsigned k[2] = {0, 0};
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
+#pragma unroll
+    for (int cw = 0; cw < 2; cw++) {
+      if (!gg_block_tma(tile.row0 + cw * 64, tile.rowEnd, rows)) continue;
+      gg_bar_wait(h13read + 8 * cw, k[cw] & 1u);
+      gg_act_pieces<GG_ACT_SPLIT_I0, 32>(fz, stgBase + cw * stgHalf, lane);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      if (lane == 0) gg_bar_arrive(actdone + 8 * cw);
+      k[cw]++;
+    }
+  }
 }
 
 // gg_sigmoid is 1 / (1 + e^-x) with the approximate exp2 and reciprocal
@@ -1506,7 +1554,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // one barrier per slot (XBARS).
   constexpr unsigned STG_BYTES =
       STORE ? 2u * 32768u / (STORE ? STORE : 1) : ((FUSE == 1 || FUSE == 3) ? 2u * 32768u : 0u);
-  constexpr int XBARS = (FUSE == 1 || FUSE == 3) ? 4 : 0;
+  // GG_EX_ACT_SPLIT adds h13read[2] and actdone[2] (gg_act_share).
+  constexpr int XBARS =
+      (FUSE == 1 && (GG_EXPERIMENT & GG_EX_ACT_SPLIT) != 0) ? 8 : ((FUSE == 1 || FUSE == 3) ? 4 : 0);
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
@@ -1516,8 +1566,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // empty[STAGES], the ping-pong turn barriers [2] and XBARS more.
   const unsigned stgBase = base + STAGES * STAGE_BYTES;
   const unsigned bars = stgBase + STG_BYTES;
-  // FUSE 1: staged[2] then freed[2] (per consumer warpgroup); FUSE 3:
-  // [consumer warpgroup][slot].
+  // FUSE 1: staged[2] then freed[2] (per consumer warpgroup), and under
+  // GG_EX_ACT_SPLIT h13read[2] and actdone[2]; FUSE 3: [consumer
+  // warpgroup][slot].
   const unsigned ebars = bars + 8 * (2 * STAGES + 2);
   int* sBeg = (int*)(gg_smem + (bars - raw) + 16 * STAGES + 16 + 8 * XBARS);
   int* sEnd = sBeg + E;
@@ -1601,7 +1652,13 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         }
         if (FUSE == 1 && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
-                        ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
+                        ebars + 8 * (warp + 1), ebars + 8 * (warp + 3), ebars + 8 * (warp + 5), rows, N, total, nTN,
+                        GM, E, sBeg, sEnd, sCum);
+        if constexpr (FUSE == 1 && (GG_EXPERIMENT & GG_EX_ACT_SPLIT) != 0) {
+          if (warp == 3)
+            gg_act_share(fz, lane, stgBase, STG_BYTES / 2, ebars + 32, ebars + 48, rows, total, nTN, GM, E, sBeg,
+                         sEnd, sCum);
+        }
       } else if (FUSE == 3 && warp > 0 && !(fz.mode & 1)) {
         // The communication warps 1-3, beside the products.
         gg_gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);

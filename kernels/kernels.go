@@ -199,6 +199,8 @@ func Sources() []Source {
 				Purpose: "moe_dispatch_swiglu_bf16 copies its bf16 source rows as raw words instead of widening, scaling by 1 and rounding back: half the gather's registers"},
 			{Name: "even-shares-bf16-copy", Defines: []string{"GG_EXPERIMENT=96"}, Exact: true,
 				Purpose: "even-shares and bf16-copy together"},
+			{Name: "act-split", Defines: []string{"GG_EXPERIMENT=128"}, Exact: true,
+				Purpose: "moe_dispatch_swiglu's act math shared by warp 3 (idle once it has gathered) with the two helper warps: each block's act written by two warps, so its buffers are freed sooner"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

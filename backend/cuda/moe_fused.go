@@ -532,12 +532,13 @@ type fusedCombine struct {
 // kernels, moe_dispatch_swiglu and moe_dispatch_dgrad (one layout), for e
 // experts: as ggSmemBytes for 3 stages of the BN 256 tile plus two 16 KiB
 // staging buffers per consumer warpgroup (its TMA-store epilogue) and
-// four more barriers (FUSE 1: staged and freed per warpgroup; FUSE 3: one
-// per staging slot); the expert tables hold one more word (the gather's
+// eight more barriers (FUSE 1: staged and freed per warpgroup, and under
+// the act-split variant h13read and actdone; FUSE 3 uses four, one per
+// staging slot); the expert tables hold one more word (the gather's
 // pacing front).
 func fusedGatherSmem(e int) int {
 	const stages = 3
-	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*8 + 4*(3*e+2)
+	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 8*8 + 4*(3*e+2)
 }
 
 // boxesMap is the {n, rows} bf16 map of a [rows, n] operand that an

@@ -859,6 +859,20 @@ func TestMoEFusedFigures(t *testing.T) {
 				// sustained load is what the block's ratio meets. Each
 				// logs its host window, for the device's clock and power
 				// log (scripts/gpu-test.sh samples nvidia-smi).
+				sustained := func(name string, mode int, run func() error) {
+					if err := run(); err != nil { // x holds the sources' rows
+						t.Fatal(err)
+					}
+					gg.fusedMode = mode
+					v, window, err := sustainedTime(b.dev, 300*time.Millisecond, ms[name], run)
+					gg.fusedMode = 0
+					if err != nil {
+						t.Fatal(err)
+					}
+					ms[name+"_sustained"] = v
+					figure(t, fmt.Sprintf("moe_fused_%s_%s_sustained_ms", tag, name), v, "ms")
+					t.Logf("window: moe_fused_%s_%s_sustained %s", tag, name, window)
+				}
 				for _, p := range []struct {
 					name string
 					mode int
@@ -868,18 +882,7 @@ func TestMoEFusedFigures(t *testing.T) {
 					{"gateup_fused_bf16src_mode1", 1, gateUpFusedBF16}, {"gateup_fused_bf16src_mode7", 7, gateUpFusedBF16},
 					{"gemm_alone", 0, gemms}, {"fused_bf16src", 0, fusedBF16},
 				} {
-					if err := p.run(); err != nil { // x holds the sources' rows
-						t.Fatal(err)
-					}
-					gg.fusedMode = p.mode
-					v, window, err := sustainedTime(b.dev, 300*time.Millisecond, ms[p.name], p.run)
-					gg.fusedMode = 0
-					if err != nil {
-						t.Fatal(err)
-					}
-					ms[p.name+"_sustained"] = v
-					figure(t, fmt.Sprintf("moe_fused_%s_%s_sustained_ms", tag, p.name), v, "ms")
-					t.Logf("window: moe_fused_%s_%s_sustained %s", tag, p.name, window)
+					sustained(p.name, p.mode, p.run)
 				}
 				figure(t, "moe_fused_"+tag+"_fused_bf16src_over_gemm_sustained",
 					ms["fused_bf16src_sustained"]/ms["gemm_alone_sustained"], "x")
@@ -915,6 +918,9 @@ func TestMoEFusedFigures(t *testing.T) {
 					// From bf16 sources, as the layer runs it.
 					timed("gateup_fused_bf16src_"+x, gateUpFusedBF16)
 					inMode(1, "gateup_fused_bf16src_"+x, gateUpFusedBF16)
+					sustained("gateup_fused_bf16src_"+x, 0, gateUpFusedBF16)
+					timed("fused_bf16src_"+x, fusedBF16)
+					sustained("fused_bf16src_"+x, 0, fusedBF16)
 					inBuild(dgradBeside, "bwd_dgrad_fused_beside_"+x, dgradFused)
 					inBuild(dgradFirst, "bwd_dgrad_fused_first_"+x, dgradFused)
 					restore()
