@@ -183,3 +183,182 @@ func TestEvenGatherSharesCover(t *testing.T) {
 		}
 	}
 }
+
+// TestActSplitProtocol model-checks the barriers of the act-split variant
+// of moe_dispatch_swiglu (gg_stage_h13, gg_act_helper, gg_act_share in
+// grouped_gemm.cu) in one block, over random tile lists and random
+// interleavings. The actors: the two consumer warpgroups, which consume
+// each tile's k-blocks from a shared ring of 3 stages (neither more than
+// 3 k-blocks ahead of the other) and stage their block when it takes the
+// TMA-store epilogue, after the previous one's buffers are freed; a
+// helper warp per warpgroup; warp 3. Each barrier completes a phase per
+// arrival (count 1) and a wait on parity p passes when the completed
+// phases' count has the other parity, as mbarrier.try_wait.parity does, so
+// a waiter two phases behind would hang and one a phase early would pass:
+// every pass is checked against the phase the waiter means. Each
+// warpgroup's staging buffer is checked through its states (free, staged,
+// h1 read by the TMA store, act written, free again).
+func TestActSplitProtocol(t *testing.T) {
+	rng := rand.New(rand.NewPCG(11, 3))
+	for trial := range 300 {
+		tiles := 1 + rng.IntN(40)
+		nK := 1 + rng.IntN(5)
+		tma := make([][2]bool, tiles)
+		for i := range tma {
+			for cw := range 2 {
+				tma[i][cw] = rng.IntN(8) != 0 // the register path sometimes (blocks with the next expert's rows)
+			}
+		}
+		if err := simulateActSplit(tma, nK, rng); err != nil {
+			t.Fatalf("trial %d, %d tiles of %d k-blocks: %v", trial, tiles, nK, err)
+		}
+	}
+}
+
+// actBarrier is an mbarrier of one arrival a phase.
+type actBarrier struct{ completed int }
+
+// passes reports whether a wait on parity p passes now.
+func (b *actBarrier) passes(p int) bool { return b.completed&1 != p }
+
+// simulateActSplit runs the model of TestActSplitProtocol until every
+// actor is done or none can move.
+func simulateActSplit(tma [][2]bool, nK int, rng *rand.Rand) error {
+	const stages = 3
+	type bufState int
+	const (
+		bufFree bufState = iota
+		bufStaged
+		bufRead    // h1 and h3 read by their TMA store
+		bufActDone // both shares of act written
+	)
+	var staged, freed, h13read, actdone [2]actBarrier
+	var buf [2]bufState
+	var helperShare, warp3Share [2]bool // the current block's act shares written
+
+	// Each actor is a step function: it does one step and reports true,
+	// or reports false when it must wait (or is done).
+	var consumed [2]int // k-blocks consumed per warpgroup
+	var cTile, cStaged [2]int
+	consumer := func(cw int) (bool, error) {
+		if cTile[cw] == len(tma) {
+			return false, nil
+		}
+		if consumed[cw] < (cTile[cw]+1)*nK { // the next k-block: the ring holds 3 past the other's
+			if consumed[cw] >= consumed[1-cw]+stages {
+				return false, nil
+			}
+			consumed[cw]++
+			return true, nil
+		}
+		if tma[cTile[cw]][cw] {
+			c := cStaged[cw]
+			if c > 0 {
+				if !freed[cw].passes((c - 1) & 1) {
+					return false, nil
+				}
+				if freed[cw].completed < c {
+					return false, fmt.Errorf("warpgroup %d passed freed for block %d after %d frees", cw, c-1, freed[cw].completed)
+				}
+			}
+			if buf[cw] != bufFree {
+				return false, fmt.Errorf("warpgroup %d stages block %d over a buffer in state %d", cw, c, buf[cw])
+			}
+			buf[cw] = bufStaged
+			staged[cw].completed++
+			cStaged[cw]++
+		}
+		cTile[cw]++
+		return true, nil
+	}
+	// The helper's steps per block: 0 wait staged, store h1/h3 and wait
+	// for the read, arrive h13read; 1 its share; 2 wait actdone, store act,
+	// wait for the read, arrive freed.
+	var hTile, hBlock, hStep [2]int
+	helper := func(cw int) (bool, error) {
+		for hTile[cw] < len(tma) && !tma[hTile[cw]][cw] {
+			hTile[cw]++
+		}
+		if hTile[cw] == len(tma) {
+			return false, nil
+		}
+		k := hBlock[cw]
+		switch hStep[cw] {
+		case 0:
+			if !staged[cw].passes(k & 1) {
+				return false, nil
+			}
+			if staged[cw].completed < k+1 || buf[cw] != bufStaged {
+				return false, fmt.Errorf("helper %d passed staged for block %d (%d staged, buffer state %d)", cw, k, staged[cw].completed, buf[cw])
+			}
+			buf[cw] = bufRead
+			h13read[cw].completed++
+		case 1:
+			helperShare[cw] = true
+		case 2:
+			if !actdone[cw].passes(k & 1) {
+				return false, nil
+			}
+			if actdone[cw].completed < k+1 || !warp3Share[cw] || !helperShare[cw] {
+				return false, fmt.Errorf("helper %d stores block %d's act before both shares (%d actdone)", cw, k, actdone[cw].completed)
+			}
+			buf[cw] = bufFree
+			helperShare[cw], warp3Share[cw] = false, false
+			freed[cw].completed++
+			hBlock[cw]++
+			hTile[cw]++
+			hStep[cw] = 0
+			return true, nil
+		}
+		hStep[cw]++
+		return true, nil
+	}
+	var wTile, wCW int
+	var wBlock [2]int
+	warp3 := func() (bool, error) {
+		for wTile < len(tma) && !tma[wTile][wCW] {
+			if wCW++; wCW == 2 {
+				wCW, wTile = 0, wTile+1
+			}
+		}
+		if wTile == len(tma) {
+			return false, nil
+		}
+		cw, k := wCW, wBlock[wCW]
+		if !h13read[cw].passes(k & 1) {
+			return false, nil
+		}
+		if h13read[cw].completed < k+1 || buf[cw] != bufRead {
+			return false, fmt.Errorf("warp 3 writes block %d of warpgroup %d (%d h13read, buffer state %d)", k, cw, h13read[cw].completed, buf[cw])
+		}
+		warp3Share[cw] = true
+		actdone[cw].completed++
+		wBlock[cw]++
+		if wCW++; wCW == 2 {
+			wCW, wTile = 0, wTile+1
+		}
+		return true, nil
+	}
+	actors := []func() (bool, error){
+		func() (bool, error) { return consumer(0) }, func() (bool, error) { return consumer(1) },
+		func() (bool, error) { return helper(0) }, func() (bool, error) { return helper(1) }, warp3,
+	}
+	for {
+		moved := false
+		for _, i := range rng.Perm(len(actors)) {
+			ok, err := actors[i]()
+			if err != nil {
+				return err
+			}
+			moved = moved || ok
+		}
+		if !moved {
+			break
+		}
+	}
+	if cTile != [2]int{len(tma), len(tma)} || hTile != [2]int{len(tma), len(tma)} || wTile != len(tma) {
+		return fmt.Errorf("stuck: consumers at tiles %v (k-blocks %v), helpers at %v (step %v), warp 3 at tile %d (warpgroup %d)",
+			cTile, consumed, hTile, hStep, wTile, wCW)
+	}
+	return nil
+}
