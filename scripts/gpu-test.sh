@@ -125,13 +125,14 @@ echo "== machine"
 uname -srm
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 echo
-# The SM clock and board power every 50 ms for the whole run (clocks.csv
+# The SM clock, board power and clock event reasons (0x4: the software
+# power cap) every 50 ms for the whole run (clocks.csv
 # in logs.tgz, UTC): the products run near the power limit, so a kernel's
 # time depends on the clock the device holds while it runs. Tests that
 # log "window:" lines can be read against it.
 smi_pid=
 if command -v nvidia-smi >/dev/null; then
-  TZ=UTC nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,nounits -lms 50 \
+  TZ=UTC nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv,nounits -lms 50 \
     >"$LOGS/clocks.csv" 2>/dev/null &
   smi_pid=$!
 fi
