@@ -135,6 +135,9 @@ if command -v nvidia-smi >/dev/null; then
   TZ=UTC nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv,nounits -lms 50 \
     >"$LOGS/clocks.csv" 2>/dev/null &
   smi_pid=$!
+  # Stopped however the run ends (a timeout's TERM included).
+  trap 'kill "$smi_pid" 2>/dev/null' EXIT
+  trap 'exit 143' TERM INT
 fi
 
 rows=()
@@ -372,7 +375,7 @@ if [[ "${NO_HF:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo
 fi
 
-[[ -n "$smi_pid" ]] && kill "$smi_pid" 2>/dev/null
+[[ -n "$smi_pid" ]] && kill "$smi_pid" 2>/dev/null && smi_pid=
 
 # summary.json, with plain shell quoting: names hold no quotes.
 {
