@@ -1129,7 +1129,8 @@ __device__ __forceinline__ void gg_act_range(const gg_fuse& fz, unsigned stg, in
 // read the buffers it writes act over h1's buffer (gg_act_range), stores
 // act by TMA and frees both buffers (freed). Under GG_EX_ACT_SPLIT it
 // tells warp 3 that h1 has been read (h13read) and stores act once warp 3
-// has written its share too (actdone). Mode 2: no act store (experiment).
+// has written its share too (actdone); other builds have no such barriers
+// and never touch those two addresses. Mode 2: no act store (experiment).
 __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
                                               unsigned freed, unsigned h13read, unsigned actdone, int rows, int N,
                                               int total, int nTN, int GM, int E, const int* sBeg, const int* sEnd,

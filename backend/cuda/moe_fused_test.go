@@ -218,8 +218,18 @@ func TestActSplitProtocol(t *testing.T) {
 // actBarrier is an mbarrier of one arrival a phase.
 type actBarrier struct{ completed int }
 
-// passes reports whether a wait on parity p passes now.
-func (b *actBarrier) passes(p int) bool { return b.completed&1 != p }
+// wait reports whether a wait for phase k's completion (on parity k & 1,
+// as the kernel waits) passes now, and an error naming who if it passes
+// before phase k has completed: the parity aliased a phase still to come.
+func (b *actBarrier) wait(k int, who string) (bool, error) {
+	if b.completed&1 == k&1 {
+		return false, nil
+	}
+	if b.completed < k+1 {
+		return false, fmt.Errorf("%s passed its wait for phase %d after %d phases", who, k, b.completed)
+	}
+	return true, nil
+}
 
 // simulateActSplit runs the model of TestActSplitProtocol until every
 // actor is done or none can move.
@@ -254,11 +264,8 @@ func simulateActSplit(tma [][2]bool, nK int, rng *rand.Rand) error {
 		if tma[cTile[cw]][cw] {
 			c := cStaged[cw]
 			if c > 0 {
-				if !freed[cw].passes((c - 1) & 1) {
-					return false, nil
-				}
-				if freed[cw].completed < c {
-					return false, fmt.Errorf("warpgroup %d passed freed for block %d after %d frees", cw, c-1, freed[cw].completed)
+				if ok, err := freed[cw].wait(c-1, fmt.Sprintf("warpgroup %d (freed)", cw)); !ok {
+					return false, err
 				}
 			}
 			if buf[cw] != bufFree {
@@ -285,22 +292,22 @@ func simulateActSplit(tma [][2]bool, nK int, rng *rand.Rand) error {
 		k := hBlock[cw]
 		switch hStep[cw] {
 		case 0:
-			if !staged[cw].passes(k & 1) {
-				return false, nil
+			if ok, err := staged[cw].wait(k, fmt.Sprintf("helper %d (staged)", cw)); !ok {
+				return false, err
 			}
-			if staged[cw].completed < k+1 || buf[cw] != bufStaged {
-				return false, fmt.Errorf("helper %d passed staged for block %d (%d staged, buffer state %d)", cw, k, staged[cw].completed, buf[cw])
+			if buf[cw] != bufStaged {
+				return false, fmt.Errorf("helper %d stores block %d from a buffer in state %d", cw, k, buf[cw])
 			}
 			buf[cw] = bufRead
 			h13read[cw].completed++
 		case 1:
 			helperShare[cw] = true
 		case 2:
-			if !actdone[cw].passes(k & 1) {
-				return false, nil
+			if ok, err := actdone[cw].wait(k, fmt.Sprintf("helper %d (actdone)", cw)); !ok {
+				return false, err
 			}
-			if actdone[cw].completed < k+1 || !warp3Share[cw] || !helperShare[cw] {
-				return false, fmt.Errorf("helper %d stores block %d's act before both shares (%d actdone)", cw, k, actdone[cw].completed)
+			if !warp3Share[cw] || !helperShare[cw] {
+				return false, fmt.Errorf("helper %d stores block %d's act before both shares", cw, k)
 			}
 			buf[cw] = bufFree
 			helperShare[cw], warp3Share[cw] = false, false
@@ -325,11 +332,11 @@ func simulateActSplit(tma [][2]bool, nK int, rng *rand.Rand) error {
 			return false, nil
 		}
 		cw, k := wCW, wBlock[wCW]
-		if !h13read[cw].passes(k & 1) {
-			return false, nil
+		if ok, err := h13read[cw].wait(k, fmt.Sprintf("warp 3 for warpgroup %d (h13read)", cw)); !ok {
+			return false, err
 		}
-		if h13read[cw].completed < k+1 || buf[cw] != bufRead {
-			return false, fmt.Errorf("warp 3 writes block %d of warpgroup %d (%d h13read, buffer state %d)", k, cw, h13read[cw].completed, buf[cw])
+		if buf[cw] != bufRead {
+			return false, fmt.Errorf("warp 3 writes block %d of warpgroup %d over a buffer in state %d", k, cw, buf[cw])
 		}
 		warp3Share[cw] = true
 		actdone[cw].completed++
