@@ -618,7 +618,6 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_EVEN 32         // the first-gathers in even shares, counted per m-tile (gg_gather_even)
 #define GG_EX_BF16_COPY 64    // bf16 sources copied as raw words (gg_gather_copy_step)
 #define GG_EX_ACT_SPLIT 128   // FUSE 1's act math shared by warp 3 (gg_act_share)
-#define GG_EX_ACT_HOIST 256   // FUSE 1's act loop without the per-element mode 4 branch (gg_act_range)
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
 #define GG_GATHER_LD "ld.global.cs.v4.f32"
@@ -1063,10 +1062,9 @@ __device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned s
 // flight before their math and stores. h1, h3 and act share one layout,
 // so act is computed element by element with no unswizzling, from the
 // bf16 h1 and h3 that the unfused SwiGLU and the backward also see.
-// SILU 1 is act, 0 the product without silu (mode 4, an experiment), -1
-// either, chosen per element by fz.mode (gg_act_range).
-template <int I0_FROM, int I0_TO, int SILU>
-__device__ __forceinline__ void gg_act_pieces(const gg_fuse& fz, unsigned stg, int lane) {
+// SILU false writes the product without silu (mode 4, an experiment).
+template <int I0_FROM, int I0_TO, bool SILU>
+__device__ __forceinline__ void gg_act_pieces(unsigned stg, int lane) {
   for (int i0 = I0_FROM; i0 < I0_TO; i0 += 4) {
     unsigned v1[4][4], v3[4][4];
 #pragma unroll
@@ -1085,8 +1083,7 @@ __device__ __forceinline__ void gg_act_pieces(const gg_fuse& fz, unsigned stg, i
       for (int w = 0; w < 4; w++) {
         const float a0 = gg_bf16_lo(v1[u][w]), a1 = gg_bf16_hi(v1[u][w]);
         const float b0 = gg_bf16_lo(v3[u][w]), b1 = gg_bf16_hi(v3[u][w]);
-        const bool plain = SILU < 0 ? (fz.mode & 4) != 0 : SILU == 0;
-        v1[u][w] = plain ? gg_pack_bf16(a0 * b0, a1 * b1) : gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
+        v1[u][w] = SILU ? gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1) : gg_pack_bf16(a0 * b0, a1 * b1);
       }
       const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v1[u][0]), "r"(v1[u][1]),
@@ -1096,23 +1093,18 @@ __device__ __forceinline__ void gg_act_pieces(const gg_fuse& fz, unsigned stg, i
   }
 }
 
-// gg_act_range is gg_act_pieces over [I0_FROM, I0_TO) with mode 4 (no
-// silu) tested per element, as the kernels are trained with, or under
-// GG_EX_ACT_HOIST once, outside the loop. The per-element test is a
-// branch around every pair's silu, which keeps the compiler from
-// interleaving the pairs' dependent ex2, rcp and multiplies: the act
-// loop of one warp is bound by their latency (Nsight Compute,
-// kernels/grouped_gemm.md).
+// gg_act_range is gg_act_pieces over [I0_FROM, I0_TO), mode 4 (no silu)
+// tested once, outside the loop. Tested per element, it was a branch
+// around every pair's silu that kept the compiler from interleaving the
+// pairs' dependent ex2, rcp and multiplies: one warp's act loop was bound
+// by their latency, and the act epilogue cost the gate/up kernel 0.03-0.05
+// ms more at moe-small (kernels/grouped_gemm.md).
 template <int I0_FROM, int I0_TO>
 __device__ __forceinline__ void gg_act_range(const gg_fuse& fz, unsigned stg, int lane) {
-  if constexpr ((GG_EXPERIMENT & GG_EX_ACT_HOIST) != 0) {
-    if (fz.mode & 4)
-      gg_act_pieces<I0_FROM, I0_TO, 0>(fz, stg, lane);
-    else
-      gg_act_pieces<I0_FROM, I0_TO, 1>(fz, stg, lane);
-  } else {
-    gg_act_pieces<I0_FROM, I0_TO, -1>(fz, stg, lane);
-  }
+  if (fz.mode & 4)
+    gg_act_pieces<I0_FROM, I0_TO, false>(stg, lane);
+  else
+    gg_act_pieces<I0_FROM, I0_TO, true>(stg, lane);
 }
 
 // GG_ACT_SPLIT_I0 is where, under GG_EX_ACT_SPLIT, a block's pieces pass

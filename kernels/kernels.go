@@ -201,10 +201,6 @@ func Sources() []Source {
 				Purpose: "even-shares and bf16-copy together"},
 			{Name: "act-split", Defines: []string{"GG_EXPERIMENT=128"}, Exact: true,
 				Purpose: "moe_dispatch_swiglu's act math shared by warp 3 (idle once it has gathered) with the two helper warps: each block's act written by two warps, so its buffers are freed sooner"},
-			{Name: "act-hoist", Defines: []string{"GG_EXPERIMENT=256"}, Exact: true,
-				Purpose: "moe_dispatch_swiglu's act loop tests the no-silu experiment switch once, outside the loop, instead of branching around every pair's silu: the pairs' ex2, rcp and multiplies free to interleave"},
-			{Name: "act-split-hoist", Defines: []string{"GG_EXPERIMENT=384"}, Exact: true,
-				Purpose: "act-split and act-hoist together"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},
