@@ -544,17 +544,6 @@ struct gg_fuse {
                                        // FUSE 2, 4 test hook: 8 row 0's flag is never raised
 };
 
-// gg_silu is x * sigmoid(x) with the hardware's approximate exp2 and
-// reciprocal (relative error ~1e-7, far below bf16's rounding): the
-// accurate expf and IEEE division cost the epilogue ~0.2 ms on moe-small.
-// x very negative: exp2 gives inf, its reciprocal 0, and silu -0.
-__device__ __forceinline__ float gg_silu(float x) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-  return x * r;
-}
-
 __device__ __forceinline__ int gg_ld_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -618,6 +607,28 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_EVEN 32         // the first-gathers in even shares, counted per m-tile (gg_gather_even)
 #define GG_EX_BF16_COPY 64    // bf16 sources copied as raw words (gg_gather_copy_step)
 #define GG_EX_ACT_SPLIT 128   // FUSE 1's act math shared by warp 3 (gg_act_share)
+#define GG_EX_ACT_TANH 512    // silu with one MUFU op, tanh.approx (timing only)
+
+// gg_silu is x * sigmoid(x) with the hardware's approximate exp2 and
+// reciprocal (relative error ~1e-7, far below bf16's rounding): the
+// accurate expf and IEEE division cost the epilogue ~0.2 ms on moe-small.
+// x very negative: exp2 gives inf, its reciprocal 0, and silu -0.
+__device__ __forceinline__ float gg_silu(float x) {
+#if (GG_EXPERIMENT & GG_EX_ACT_TANH) != 0
+  // x/2 + x/2 tanh(x/2): one MUFU op in place of two (timing only: its
+  // error near sigmoid's tails is far above bf16's rounding).
+  float t;
+  const float h = 0.5f * x;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+  return h * t + h;
+#else
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return x * r;
+#endif
+}
+
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
 #define GG_GATHER_LD "ld.global.cs.v4.f32"
