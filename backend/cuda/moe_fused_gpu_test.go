@@ -937,14 +937,11 @@ func TestMoEFusedFigures(t *testing.T) {
 }
 
 // sustainedTime runs run back to back for about span (its first estimate
-// of one call: estMS), after three warm-up calls, and returns the mean
+// of one call: estMS; 0, and a burst of five calls measures it), after
+// three warm-up calls, and returns the mean
 // time of a call on the device and the host's window around the timed
 // calls (UTC, as nvidia-smi's timestamps read on the device machine).
 func sustainedTime(d *Device, span time.Duration, estMS float64, run func() error) (float64, string, error) {
-	n := 20
-	if estMS > 0 {
-		n = max(n, int(float64(span.Milliseconds())/estMS))
-	}
 	for range 3 {
 		if err := run(); err != nil {
 			return 0, "", err
@@ -953,6 +950,13 @@ func sustainedTime(d *Device, span time.Duration, estMS float64, run func() erro
 	if err := d.Sync(); err != nil {
 		return 0, "", err
 	}
+	if estMS <= 0 { // no single-call figure: a short burst sizes the window
+		var err error
+		if estMS, err = timeGPU(d, 0, 5, run); err != nil {
+			return 0, "", err
+		}
+	}
+	n := max(20, int(float64(span.Milliseconds())/estMS))
 	const stamp = "2006/01/02 15:04:05.000"
 	from := time.Now().UTC()
 	ms, err := timeGPU(d, 0, n, run) // the mean of n calls; ends with a Sync
