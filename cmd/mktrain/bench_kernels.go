@@ -414,30 +414,37 @@ func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []in
 		}
 		wg.Wait()
 	}
-	median := func(work func(rankWork)) (time.Duration, error) {
+	// The two are timed alternately, a step of each in turn, so a drift
+	// of the device's clock (it runs at its power cap under this load)
+	// meets both alike.
+	timeOne := func(work func(rankWork)) (time.Duration, error) {
+		start := time.Now()
+		runAll(work)
 		if err := syncAll(); err != nil {
 			return 0, err
 		}
-		times := make([]time.Duration, iters)
-		for i := -2; i < iters; i++ { // two warm-up runs
-			start := time.Now()
-			runAll(work)
-			if err := syncAll(); err != nil {
-				return 0, err
-			}
-			if i >= 0 {
-				times[i] = time.Since(start)
-			}
+		return time.Since(start), nil
+	}
+	if err := syncAll(); err != nil {
+		return 0, 0, err
+	}
+	gemmTimes, fusedTimes := make([]time.Duration, iters), make([]time.Duration, iters)
+	for i := -2; i < iters; i++ { // two warm-up steps of each
+		g, err := timeOne(gemms)
+		if err != nil {
+			return 0, 0, err
 		}
-		slices.Sort(times)
-		return times[len(times)/2], nil
+		f, err := timeOne(fused)
+		if err != nil {
+			return 0, 0, err
+		}
+		if i >= 0 {
+			gemmTimes[i], fusedTimes[i] = g, f
+		}
 	}
-	if gemm, err = median(gemms); err != nil {
-		return 0, 0, err
-	}
-	if kernels, err = median(fused); err != nil {
-		return 0, 0, err
-	}
+	slices.Sort(gemmTimes)
+	slices.Sort(fusedTimes)
+	gemm, kernels = gemmTimes[iters/2], fusedTimes[iters/2]
 	return gemm, kernels, nil
 }
 
