@@ -314,7 +314,7 @@ bench_kernels() {
   local name=$1 limit=$2
   shift 2
   mkdir -p "$LOGS/$name"
-  MKTRAIN_CACHE_DIR="$LOGS/$name" timeout "$limit" "$BIN/mktrain" bench kernels --shape moe-small,fine --iters 5 \
+  MKTRAIN_CACHE_DIR="$LOGS/$name" timeout "$limit" "$BIN/mktrain" bench kernels --shape moe-small,fine --iters 15 \
     --backend cuda --out "$LOGS/$name" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
   grep -v '^wrote ' "$LOGS/$name.log" | tail -n 24
