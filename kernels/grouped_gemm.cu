@@ -533,7 +533,7 @@ struct gg_fuse {
   unsigned long long timeoutNs;        // FUSE 1, 3: bound of a tile wait
   const unsigned long long* done;      // FUSE 2, 4: per rank, its int32 row flags in send order (0: none)
   int* rowTiles;                       // FUSE 2, 4: [2 * m-tiles] column tiles stored per 64-row block (zeroed)
-  int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act store, 4 no silu,
+  int mode;                            // FUSE 1 experiments: 1 no gather/waits, 2 no act (math or store), 4 no silu,
                                        // 16 the gather without the waits (timing only: rows may be stale);
                                        // FUSE 3 experiments: 128 the gather unpaced (no GG_GATHER_LEAD),
                                        // 256 its copy one step deep (not two);
@@ -1121,8 +1121,8 @@ __device__ __forceinline__ void gg_act_pieces(unsigned stg, int lane) {
 // tested once, outside the loop. Tested per element, it was a branch
 // around every pair's silu that kept the compiler from interleaving the
 // pairs' dependent ex2, rcp and multiplies: one warp's act loop was bound
-// by their latency, and the act epilogue cost the gate/up kernel 0.03-0.05
-// ms more at moe-small (kernels/grouped_gemm.md).
+// by their latency, and the fused pair took 0.06-0.10 ms longer at
+// moe-small (kernels/grouped_gemm.md).
 template <int I0_FROM, int I0_TO>
 __device__ __forceinline__ void gg_act_range(const gg_fuse& fz, unsigned stg, int lane) {
   if (fz.mode & 4)

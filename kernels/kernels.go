@@ -204,7 +204,7 @@ func Sources() []Source {
 			{Name: "act-tanh", Defines: []string{"GG_EXPERIMENT=512"},
 				Purpose: "silu as x/2 + x/2 tanh(x/2), one MUFU op where the kernels take two (ex2 and rcp): what the act epilogue's math costs"},
 			{Name: "act-newton", Defines: []string{"GG_EXPERIMENT=1024"}, Exact: true,
-				Purpose: "silu's reciprocal by three Newton steps from an integer seed (relative error ~1e-7, as rcp.approx): one MUFU op a element where the kernels take two"},
+				Purpose: "silu's reciprocal by three Newton steps from an integer seed (relative error ~1e-7, as rcp.approx): one MUFU op an element where the kernels take two"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

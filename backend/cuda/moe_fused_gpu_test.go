@@ -846,7 +846,7 @@ func TestMoEFusedFigures(t *testing.T) {
 					defer func() { gg.fusedMode = 0 }()
 					timed(fmt.Sprintf("%s_mode%d", name, mode), run)
 				}
-				// 1 no gather or waits, 2 no act store, 4 no silu, 16 the
+				// 1 no gather or waits, 2 no act (math or store), 4 no silu, 16 the
 				// gather without the waits (what the waits cost).
 				for _, mode := range []int{1, 2, 4, 7, 16} {
 					inMode(mode, "gateup_fused", gateUpFused)
@@ -879,8 +879,9 @@ func TestMoEFusedFigures(t *testing.T) {
 					run  func() error
 				}{
 					{"gateup_gemm", 0, gateUpGemm}, {"gateup_fused_bf16src", 0, gateUpFusedBF16},
-					// Without the gather: the act epilogue whole (1), without
-					// act's store (3), without silu (5), neither (7).
+					// Without the gather: the act epilogue whole (1), no act
+					// at all (3: mode 2 skips its math and its store), act
+					// without silu (5), and 7, which computes as 3 does.
 					{"gateup_fused_bf16src_mode1", 1, gateUpFusedBF16}, {"gateup_fused_bf16src_mode3", 3, gateUpFusedBF16},
 					{"gateup_fused_bf16src_mode5", 5, gateUpFusedBF16}, {"gateup_fused_bf16src_mode7", 7, gateUpFusedBF16},
 					{"gemm_alone", 0, gemms}, {"fused_bf16src", 0, fusedBF16},
@@ -936,11 +937,11 @@ func TestMoEFusedFigures(t *testing.T) {
 	}
 }
 
-// sustainedTime runs run back to back for about span (its first estimate
-// of one call: estMS; 0, and a burst of five calls measures it), after
-// three warm-up calls, and returns the mean
-// time of a call on the device and the host's window around the timed
-// calls (UTC, as nvidia-smi's timestamps read on the device machine).
+// sustainedTime runs run back to back for about span, after three
+// warm-up calls, and returns the mean time of a call on the device and
+// the host's window around the timed calls (UTC, as nvidia-smi's
+// timestamps read on the device machine). estMS, a first estimate of one
+// call, sizes the window; 0, and a burst of five calls measures it.
 func sustainedTime(d *Device, span time.Duration, estMS float64, run func() error) (float64, string, error) {
 	for range 3 {
 		if err := run(); err != nil {
