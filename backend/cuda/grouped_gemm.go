@@ -128,7 +128,8 @@ type GroupedGemm struct {
 	// beta != 0 and blocks that hold the next expert's rows take it inside
 	// the kernel.
 	Store int
-	// GroupM is the raster group, in m-tiles, of the tile order: the
+	// GroupM is the raster group, in m-tiles, of the tile order of every
+	// kernel this GroupedGemm launches, the fused ones included: the
 	// tiles of GroupM m-tiles run n-tile major, so the tiles in flight
 	// share their A and W tiles in L2 (see gg_tile in the kernel). 0 is
 	// ggDefaultGroupM; 1 is plain m-tile major order (version 1).
@@ -138,6 +139,18 @@ type GroupedGemm struct {
 // ggDefaultGroupM is GroupM's default: version 1's m-tile major order
 // until a GPU run shows the grouped order's gain (kernels/grouped_gemm.md).
 const ggDefaultGroupM = 1
+
+// rasterGroup is GroupM checked, its default resolved: the kernels'
+// argument GM.
+func (g *GroupedGemm) rasterGroup() (int, error) {
+	switch {
+	case g.GroupM < 0 || g.GroupM > ggMaxGroupM:
+		return 0, fmt.Errorf("cuda: GroupedGemm: GroupM %d, want 0 (default) or 1..%d", g.GroupM, ggMaxGroupM)
+	case g.GroupM == 0:
+		return ggDefaultGroupM, nil
+	}
+	return g.GroupM, nil
+}
 
 // ggMaxGroupM bounds GroupM (the kernel multiplies it by the n-tile count
 // in 32 bits).
@@ -417,12 +430,9 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 	case g.Store != 0 && (g.PingPong || g.BN == 128):
 		return fmt.Errorf("cuda: GroupedGemm: Store %d needs the cooperative BN 256 kernel (BN 0 or 256, PingPong off)", g.Store)
 	}
-	if g.GroupM < 0 || g.GroupM > ggMaxGroupM {
-		return fmt.Errorf("cuda: GroupedGemm: GroupM %d, want 0 (default) or 1..%d", g.GroupM, ggMaxGroupM)
-	}
-	gm := g.GroupM
-	if gm == 0 {
-		gm = ggDefaultGroupM
+	gm, err := g.rasterGroup()
+	if err != nil {
+		return err
 	}
 	if rows == 0 {
 		return nil // no rows, no expert owns anything

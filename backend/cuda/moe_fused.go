@@ -555,13 +555,17 @@ func boxesMap(addr driver.DevicePtr, rows, n int) driver.TiledMap {
 // at once (TMA threads wait on other blocks' gathering warps): one
 // block per SM at most, which its shared memory enforces.
 func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
+	gm, err := g.rasterGroup()
+	if err != nil {
+		return err
+	}
 	mapX := rowsMap(a.x, a.rows, a.k)
 	wMap := func(addr driver.DevicePtr) driver.TiledMap { return expertsMap(addr, a.experts, a.n, a.k, 128) }
 	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3), boxesMap(a.h1, a.rows, a.n), boxesMap(a.h3, a.rows, a.n),
 		boxesMap(a.act, a.rows, a.n)}
 	slots := []uint64{uint64(a.h1), uint64(a.h3), uint64(a.act), uint64(a.x), uint64(a.refs), uint64(a.ptrs),
 		uint64(a.toks), uint64(a.flags), uint64(a.fault), uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets),
-		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm),
 		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
 	grid.Shared = fusedGatherSmem(a.experts)
@@ -574,9 +578,13 @@ func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
 
 // runDownCombine queues moe_down_combine.
 func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
+	gm, err := g.rasterGroup()
+	if err != nil {
+		return err
+	}
 	mapA, mapW := rowsMap(a.act, a.rows, a.k), expertsMap(a.w2, a.experts, a.n, a.k, 256)
 	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.done), uint64(a.rowTiles), uint64(a.offsets),
-		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm),
 		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
@@ -815,13 +823,17 @@ func expertsMNMap(addr driver.DevicePtr, experts, n, k int) driver.TiledMap {
 // as g.dgrad chooses for the shape. Its grid must be resident at once, as
 // runDispatchSwiGLU's: one block per SM, which its shared memory enforces.
 func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
+	gm, err := g.rasterGroup()
+	if err != nil {
+		return err
+	}
 	maps := []driver.TiledMap{rowsMap(a.dy, a.rows, a.k), expertsMNMap(a.w2, a.experts, a.n, a.k),
 		boxesMap(a.dh1, a.rows, a.n), boxesMap(a.dh3, a.rows, a.n), boxesMap(a.h1, a.rows, a.n),
 		boxesMap(a.h3, a.rows, a.n)}
 	slots := []uint64{uint64(a.dh1), uint64(a.dh3), uint64(a.h1), uint64(a.h3), uint64(a.dy), uint64(a.refs),
 		uint64(a.ptrs), uint64(a.toks), uint64(a.scales), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.experts)), 1, uint64(uint32(g.fusedMode))}
+		uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm), uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = fusedGatherSmem(a.experts)
 	builds := [2]*Kernel{dgradBeside: g.dispatchDgrad, dgradFirst: g.dispatchDgradFirst}
@@ -833,10 +845,14 @@ func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
 
 // runDgradCombine queues moe_dgrad_combine.
 func (g *GroupedGemm) runDgradCombine(a fusedDgradCombine) error {
+	gm, err := g.rasterGroup()
+	if err != nil {
+		return err
+	}
 	maps := []driver.TiledMap{rowsMap(a.dh1, a.rows, a.k), rowsMap(a.dh3, a.rows, a.k),
 		expertsMNMap(a.w1, a.experts, a.n, a.k), expertsMNMap(a.w3, a.experts, a.n, a.k)}
 	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.done), uint64(a.rowTiles), uint64(a.offsets),
-		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), 1,
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm),
 		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = ggSmemBytes(ggCoop256, a.experts)

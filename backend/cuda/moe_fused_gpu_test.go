@@ -359,6 +359,25 @@ func TestMoEFusedMatchesUnfused(t *testing.T) {
 	}
 }
 
+// TestMoEFusedGroupMMatchesUnfused runs the fused cases with the grouped
+// tile order (GroupedGemm.GroupM 4 and 8): the fused kernels' gather,
+// helpers and flags must not depend on the order tiles are taken in.
+func TestMoEFusedGroupMMatchesUnfused(t *testing.T) {
+	testGroupedGemm(t)
+	b := testBackend(t)
+	x, ok := b.expertKernels()
+	if !ok {
+		t.Skip("the grouped GEMM does not run here")
+	}
+	defer func() { x.bf16Out.GroupM = 0 }()
+	for _, gm := range []int{4, 8} {
+		x.bf16Out.GroupM = gm
+		for i, c := range fusedCases() {
+			t.Run(fmt.Sprintf("g%d/%s", gm, c.name), func(t *testing.T) { c.testAgainstUnfused(t, b, uint64(500+i)) })
+		}
+	}
+}
+
 // testAgainstUnfused runs c on fresh inputs from seed both ways.
 func (c fusedCase) testAgainstUnfused(t *testing.T, b *Backend, seed uint64) {
 	in := c.inputs(b, seed)
@@ -890,6 +909,26 @@ func TestMoEFusedFigures(t *testing.T) {
 				}
 				figure(t, "moe_fused_"+tag+"_fused_bf16src_over_gemm_sustained",
 					ms["fused_bf16src_sustained"]/ms["gemm_alone_sustained"], "x")
+				// The raster group (GroupedGemm.GroupM) of the products and
+				// the fused kernels alike: GM m-tiles run n-tile major, so
+				// an expert's m-tiles share its weight tiles in L2 (the fine
+				// shape's products read ~510 MB from DRAM a call at GM 1).
+				defer func() { gg.GroupM = 0 }()
+				for _, gm := range []int{4, 8} {
+					gg.GroupM = gm
+					for _, p := range []struct {
+						name string
+						run  func() error
+					}{
+						{"gateup_gemm", gateUpGemm}, {"gateup_fused_bf16src", gateUpFusedBF16},
+						{"gemm_alone", gemms}, {"fused_bf16src", fusedBF16},
+					} {
+						sustained(fmt.Sprintf("%s_g%d", p.name, gm), 0, p.run)
+					}
+					gg.GroupM = 0
+					figure(t, fmt.Sprintf("moe_fused_%s_fused_bf16src_over_gemm_g%d_sustained", tag, gm),
+						ms[fmt.Sprintf("fused_bf16src_g%d_sustained", gm)]/ms[fmt.Sprintf("gemm_alone_g%d_sustained", gm)], "x")
+				}
 				// The same for the dgrad kernel: 1 no gather or waits, 16 the
 				// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
 				// stores, 64 no h1/h3 loads past the first two boxes, 128 the
