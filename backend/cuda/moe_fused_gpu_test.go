@@ -911,8 +911,7 @@ func TestMoEFusedFigures(t *testing.T) {
 					ms["fused_bf16src_sustained"]/ms["gemm_alone_sustained"], "x")
 				// The raster group (GroupedGemm.GroupM) of the products and
 				// the fused kernels alike: GM m-tiles run n-tile major, so
-				// an expert's m-tiles share its weight tiles in L2 (the fine
-				// shape's products read ~510 MB from DRAM a call at GM 1).
+				// an expert's m-tiles share its weight tiles in L2.
 				defer func() { gg.GroupM = 0 }()
 				for _, gm := range []int{4, 8} {
 					gg.GroupM = gm
