@@ -604,43 +604,20 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_NO_STORES 2     // the rows loaded, none stored (timing only)
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
-#define GG_EX_EVEN 32         // the first-gathers in even shares, counted per m-tile (gg_gather_even)
-#define GG_EX_BF16_COPY 64    // bf16 sources copied as raw words (gg_gather_copy_step)
-#define GG_EX_ACT_SPLIT 128   // FUSE 1's act math shared by warp 3 (gg_act_share)
-#define GG_EX_ACT_TANH 512    // silu with one MUFU op, tanh.approx (timing only)
-#define GG_EX_ACT_NEWTON 1024 // silu's reciprocal by Newton steps on the FMA pipe (gg_silu)
 
-// gg_silu is x * sigmoid(x) with the hardware's approximate exp2 and
+// gg_sigmoid is 1 / (1 + e^-x) with the hardware's approximate exp2 and
 // reciprocal (relative error ~1e-7, far below bf16's rounding): the
-// accurate expf and IEEE division cost the epilogue ~0.2 ms on moe-small.
-// x very negative: exp2 gives inf, its reciprocal 0, and silu -0.
-__device__ __forceinline__ float gg_silu(float x) {
-#if (GG_EXPERIMENT & GG_EX_ACT_TANH) != 0
-  // x/2 + x/2 tanh(x/2): one MUFU op in place of two (timing only: its
-  // error near sigmoid's tails is far above bf16's rounding).
-  float t;
-  const float h = 0.5f * x;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
-  return h * t + h;
-#elif (GG_EXPERIMENT & GG_EX_ACT_NEWTON) != 0
-  // 1/(1 + e) by three Newton steps from an integer seed (relative error
-  // ~1e-7, as rcp.approx): one MUFU op, its reciprocal on the FMA pipe.
-  // The exponent is capped at 126 so 1 + e stays finite for the seed.
-  float e;
-  const float z = x * -1.4426950408889634f;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z < 126.0f ? z : 126.0f));
-  const float d = 1.0f + e;
-  float r = gg_bits_float(0x7EF311C7u - __float_as_uint(d));
-#pragma unroll
-  for (int i = 0; i < 3; i++) r = r + r * (1.0f - d * r);
-  return x * r;
-#else
+// accurate expf and IEEE division cost the act epilogue ~0.2 ms on
+// moe-small. x very negative: exp2 gives inf and its reciprocal 0.
+__device__ __forceinline__ float gg_sigmoid(float x) {
   float e, r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-  return x * r;
-#endif
+  return r;
 }
+
+// gg_silu is x * sigmoid(x) (x very negative: -0).
+__device__ __forceinline__ float gg_silu(float x) { return x * gg_sigmoid(x); }
 
 // The gather's float32 load (GG_EX_STREAMING: evicted first).
 #if (GG_EXPERIMENT & GG_EX_STREAMING) != 0
@@ -708,42 +685,6 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
                      "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                      : "memory");
       }
-    }
-  }
-}
-
-// gg_gather_copy_step is one step of a chunk of bf16 source rows copied as
-// they are (GG_EX_BF16_COPY), not widened to float, scaled and rounded
-// back: FUSE 1 scales by 1, so the bits are the same, and the raw words
-// take half the registers of the floats (the consumers inline the
-// first-gather, so its registers are theirs).
-__device__ __forceinline__ void gg_gather_copy_step(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K,
-                                                    int lane, long long src) {
-  const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
-  unsigned w[2][4][4];
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const unsigned short* p = (const unsigned short*)gg_shfl_ptr(src, gg_min(i + h, nr - 1));
-#pragma unroll
-    for (int u = 0; u < 4; u++) {
-      const int j = j0 + 256 * u;
-      if (j < K)
-        asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(w[h][u][0]), "=r"(w[h][u][1]), "=r"(w[h][u][2]), "=r"(w[h][u][3])
-                     : "l"(p + j));
-    }
-  }
-  if constexpr ((GG_EXPERIMENT & GG_EX_NO_STORES) != 0) return;
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    unsigned short* dst = fz.xRD + (long long)(r0 + gg_min(i + h, nr - 1)) * K;
-#pragma unroll
-    for (int u = 0; u < 4; u++) {
-      const int j = j0 + 256 * u;
-      if (j < K)
-        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(w[h][u][0]), "r"(w[h][u][1]),
-                     "r"(w[h][u][2]), "r"(w[h][u][3])
-                     : "memory");
     }
   }
 }
@@ -821,12 +762,8 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       // One step in flight (each stored before the next one's loads go
       // out): FIRST, or the experiment of mode 256.
       for (int st = 0; st < steps; st++) {
-        if constexpr (SRC_BF16 && (GG_EXPERIMENT & GG_EX_BF16_COPY) != 0) {
-          gg_gather_copy_step(fz, st, nJ, cur.nr, cur.r0, K, lane, src);
-        } else {
-          gg_gather_load<SRC_BF16>(st, nJ, cur.nr, K, lane, src, va);
-          gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
-        }
+        gg_gather_load<SRC_BF16>(st, nJ, cur.nr, K, lane, src, va);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
       }
     } else {
       if (steps > 0) gg_gather_load<SRC_BF16>(0, nJ, cur.nr, K, lane, src, va);
@@ -862,98 +799,26 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
   }
 }
 
-// gg_gather_even is the first-gather (FIRST) of GG_EX_EVEN: the work is
-// cut into units of one step (a row pair's 1024-column block), 64 * nJ a
-// m-tile (the units of rows past a partial tile's end are empty), and
-// gathering warp cw of ncw takes a contiguous share of the U units, the
-// first U % ncw warps one unit more: every warp copies the same number
-// of steps, give or take one, where the chunks dealt round-robin leave
-// some warps two chunks and most one. A warp adds the units it covered of an m-tile to
-// the tile's count (release) once they are stored, so a tile has landed
-// when its count reaches 64 * nJ (gg_wait_tile with EVEN). Rows are
-// resolved 32 at a time, one per lane.
-template <bool SRC_BF16>
-__device__ __forceinline__ void gg_gather_even(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E,
-                                               const int* sBeg, const int* sEnd, const int* sCum) {
-  const int M = sCum[E], nJ = (K + 1023) / 1024, perTile = 64 * nJ;
-  const int rowFloats = SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;  // as gg_gather
-  // In 32 bits: U is about rows * nJ / 2, far below 2^31.
-  const int U = M * perTile, share = U / ncw, rem = U - share * ncw;
-  const int ua = cw * share + gg_min(cw, rem), ub = ua + share + (cw < rem ? 1 : 0);
-  for (int u = ua; u < ub;) {
-    const int g = u / perTile;
-    const int qa = u - g * perTile, qb = gg_min(ub - g * perTile, perTile);
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (sCum[mid] <= g) lo = mid;
-      else hi = mid - 1;
-    }
-    const int row0 = sBeg[lo] + (g - sCum[lo]) * GG_BM, rowEnd = gg_min(row0 + GG_BM, sEnd[lo]);
-    const int livePairs = (rowEnd - row0 + 1) / 2;
-    for (int q = qa; q < qb && q / nJ < livePairs;) {
-      // A batch: up to 16 pairs (32 rows) from pair pa, one row a lane.
-      const int pa = q / nJ, r0 = row0 + 2 * pa, nr = gg_min(rowEnd - r0, 32);
-      const int qEnd = gg_min(qb, gg_min(pa + 16, livePairs) * nJ);
-      long long src = 0;
-      float scale = 1.0f;
-      if (lane < nr) {
-        const int refS = fz.refs[2 * (r0 + lane)], refP = fz.refs[2 * (r0 + lane) + 1];
-        src = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * rowFloats);
-        if (fz.scales) scale = ((const float*)fz.scales[refS])[refP];
-      }
-      for (; q < qEnd; q++) {
-        if constexpr (SRC_BF16 && (GG_EXPERIMENT & GG_EX_BF16_COPY) != 0) {
-          gg_gather_copy_step(fz, q - pa * nJ, nJ, nr, r0, K, lane, src);
-        } else {
-          float v[2][4][8];
-          gg_gather_load<SRC_BF16>(q - pa * nJ, nJ, nr, K, lane, src, v);
-          gg_gather_store(fz, q - pa * nJ, nJ, nr, r0, K, lane, scale, v);
-        }
-      }
-    }
-    // As gg_gather: the rows visible at GPU scope and to the async proxy
-    // before the count.
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    // Test hook (mode 8): the last m-tile's first units never counted.
-    const bool lost = (fz.mode & 8) && g == M - 1 && qa == 0;
-    if (lane == 0 && !lost)
-      asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(fz.flags + g), "r"(qb - qa) : "memory");
-    u = g * perTile + qb;
-  }
-}
-
 // gg_wait_tile returns once m-tile g's GG_CHUNKS chunks have landed (FUSE
 // 1 and 3's TMA thread, before the tile's first A load), or the wait timed
 // out (this one, recorded in fz.fault, or an earlier one of the launch).
 // Its rows are [row0, rowEnd).
 #define GG_ALL_CHUNKS ((1 << GG_CHUNKS) - 1)
-// kind (the kernel's FUSE, 1 or 3) is the record's first word. EVEN
-// (gg_gather_even's tiles): g's count must reach want; the record's kind
-// gets bit 16, its third word is the count and its fourth want.
-template <bool EVEN = false>
-__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind, int want = 0) {
+// kind (the kernel's FUSE, 1 or 3) is the record's first word.
+__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
   const int* f = fz.flags + g;
-  if (!EVEN) want = GG_ALL_CHUNKS;
   int got = gg_ld_acquire(f);
-  if (got != want) {
+  if (got != GG_ALL_CHUNKS) {
     const unsigned long long t0 = gg_globaltimer();
-    while ((got = gg_ld_acquire(f)) != want) {
+    while ((got = gg_ld_acquire(f)) != GG_ALL_CHUNKS) {
       if (*(volatile const int*)fz.fault != 0) break;  // an earlier wait failed
       if (gg_globaltimer() - t0 > fz.timeoutNs) {
         int was;
         asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, %2;"
                      : "=r"(was)
-                     : "l"(fz.fault), "r"(EVEN ? kind | 16 : kind)
+                     : "l"(fz.fault), "r"(kind)
                      : "memory");
-        if (EVEN && was == 0) {
-          fz.fault[1] = g;
-          fz.fault[2] = got;
-          fz.fault[3] = want;
-          asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        } else if (was == 0) {
+        if (was == 0) {
           int c = 0;
           while (c < GG_CHUNKS && (got >> c) & 1) c++;
           const int r = row0 + c * GG_CHUNK_ROWS;
@@ -1081,15 +946,15 @@ __device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned s
 }
 
 // gg_act_pieces writes act = silu(h1) * h3 over h1's staging buffer stg
-// (h3's is 16 KiB after it) for the 16-byte pieces lane + 32 * i, i in
-// [I0_FROM, I0_TO): 1024 pieces a 64 x 128 block, four pieces' loads in
-// flight before their math and stores. h1, h3 and act share one layout,
+// (h3's is 16 KiB after it), 16-byte piece lane + 32 * i for i < 32:
+// 1024 pieces a 64 x 128 block, four pieces' loads in flight before
+// their math and stores. h1, h3 and act share one layout,
 // so act is computed element by element with no unswizzling, from the
 // bf16 h1 and h3 that the unfused SwiGLU and the backward also see.
 // SILU false writes the product without silu (mode 4, an experiment).
-template <int I0_FROM, int I0_TO, bool SILU>
+template <bool SILU>
 __device__ __forceinline__ void gg_act_pieces(unsigned stg, int lane) {
-  for (int i0 = I0_FROM; i0 < I0_TO; i0 += 4) {
+  for (int i0 = 0; i0 < 32; i0 += 4) {
     unsigned v1[4][4], v3[4][4];
 #pragma unroll
     for (int u = 0; u < 4; u++) {
@@ -1117,41 +982,29 @@ __device__ __forceinline__ void gg_act_pieces(unsigned stg, int lane) {
   }
 }
 
-// gg_act_range is gg_act_pieces over [I0_FROM, I0_TO), mode 4 (no silu)
-// tested once, outside the loop. Tested per element, it was a branch
+// gg_act_range is gg_act_pieces with mode 4 (no silu) tested once,
+// outside the loop. Tested per element, it was a branch
 // around every pair's silu that kept the compiler from interleaving the
 // pairs' dependent ex2, rcp and multiplies: one warp's act loop was bound
 // by their latency, and the fused pair took 0.06-0.10 ms longer at
 // moe-small (kernels/grouped_gemm.md).
-template <int I0_FROM, int I0_TO>
 __device__ __forceinline__ void gg_act_range(const gg_fuse& fz, unsigned stg, int lane) {
   if (fz.mode & 4)
-    gg_act_pieces<I0_FROM, I0_TO, false>(stg, lane);
+    gg_act_pieces<false>(stg, lane);
   else
-    gg_act_pieces<I0_FROM, I0_TO, true>(stg, lane);
+    gg_act_pieces<true>(stg, lane);
 }
-
-// GG_ACT_SPLIT_I0 is where, under GG_EX_ACT_SPLIT, a block's pieces pass
-// from its helper warp to warp 3 (gg_act_share): the helper takes
-// i0 < 20 (640 pieces), warp 3 the other 384 of each of the two
-// warpgroups' blocks, so the three warps' shares are about even (the
-// helper also queues the stores).
-#define GG_ACT_SPLIT_I0 20
 
 // gg_act_helper is FUSE 1's act epilogue, run by one warp of the producer
 // warpgroup for consumer warpgroup cw (warps 1 and 2 for warpgroups 0 and
 // 1). It walks the same tiles as its consumers; for each block they stage
 // (gg_stage_h13) it stores h1 and h3 by TMA, and once those stores have
 // read the buffers it writes act over h1's buffer (gg_act_range), stores
-// act by TMA and frees both buffers (freed). Under GG_EX_ACT_SPLIT it
-// tells warp 3 that h1 has been read (h13read) and stores act once warp 3
-// has written its share too (actdone); other builds have no such barriers
-// and never touch those two addresses. Mode 2: no act store (experiment).
+// act by TMA and frees both buffers (freed). Mode 2: no act
+// (experiment).
 __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
-                                              unsigned freed, unsigned h13read, unsigned actdone, int rows, int N,
-                                              int total, int nTN, int GM, int E, const int* sBeg, const int* sEnd,
-                                              const int* sCum) {
-  constexpr bool SPLIT = (GG_EXPERIMENT & GG_EX_ACT_SPLIT) != 0;
+                                              unsigned freed, int rows, int N, int total, int nTN, int GM, int E,
+                                              const int* sBeg, const int* sEnd, const int* sCum) {
   unsigned k = 0;  // blocks handled
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
@@ -1169,16 +1022,13 @@ __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lan
       }
       gg_bulk_commit();
       if (!(fz.mode & 2)) gg_bulk_wait_read();
-      if (SPLIT && !(fz.mode & 2)) gg_bar_arrive(h13read);
     }
     if (!(fz.mode & 2)) {
       asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_act_range<0, SPLIT ? GG_ACT_SPLIT_I0 : 32>(fz, stg, lane);
+      gg_act_range(fz, stg, lane);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
       if (lane == 0) {
-        // Warp 3's share written and fenced (its arrival releases it).
-        if (SPLIT) gg_bar_wait(actdone, k & 1u);
 #pragma unroll
         for (int b = 0; b < 2; b++) {
           const int col = tile.n0 + 64 * b;
@@ -1197,41 +1047,6 @@ __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lan
   if (lane == 0) gg_bulk_wait();
 }
 
-// gg_act_share is warp 3's part of FUSE 1's act epilogue under
-// GG_EX_ACT_SPLIT: for each block of either consumer warpgroup, in the
-// helpers' order, it waits until the block's h1 has been read by its TMA
-// store (h13read[cw]), writes act for the pieces from GG_ACT_SPLIT_I0 on,
-// fences them for the TMA store and tells the helper (actdone[cw]). A
-// helper runs at most one block ahead of it (it waits for actdone before
-// freeing the buffers the next block needs), so parity waits suffice.
-__device__ __forceinline__ void gg_act_share(const gg_fuse& fz, int lane, unsigned stgBase, unsigned stgHalf,
-                                             unsigned h13read, unsigned actdone, int rows, int total, int nTN,
-                                             int GM, int E, const int* sBeg, const int* sEnd, const int* sCum) {
-  if (fz.mode & 2) return;  // no act
-  unsigned k[2] = {0, 0};
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-#pragma unroll
-    for (int cw = 0; cw < 2; cw++) {
-      if (!gg_block_tma(tile.row0 + cw * 64, tile.rowEnd, rows)) continue;
-      gg_bar_wait(h13read + 8 * cw, k[cw] & 1u);
-      gg_act_range<GG_ACT_SPLIT_I0, 32>(fz, stgBase + cw * stgHalf, lane);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      if (lane == 0) gg_bar_arrive(actdone + 8 * cw);
-      k[cw]++;
-    }
-  }
-}
-
-// gg_sigmoid is 1 / (1 + e^-x) with the approximate exp2 and reciprocal
-// (as gg_silu).
-__device__ __forceinline__ float gg_sigmoid(float x) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-  return r;
-}
 
 // gg_quad_gather turns a quad's accumulator layout into column runs: lane
 // q (= lane & 3) has p[2j], p[2j+1] = columns 8j + 2q, +1 (j = 0..3) of one
@@ -1592,9 +1407,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // one barrier per slot (XBARS).
   constexpr unsigned STG_BYTES =
       STORE ? 2u * 32768u / (STORE ? STORE : 1) : ((FUSE == 1 || FUSE == 3) ? 2u * 32768u : 0u);
-  // GG_EX_ACT_SPLIT adds h13read[2] and actdone[2] (gg_act_share).
-  constexpr int XBARS =
-      (FUSE == 1 && (GG_EXPERIMENT & GG_EX_ACT_SPLIT) != 0) ? 8 : ((FUSE == 1 || FUSE == 3) ? 4 : 0);
+  constexpr int XBARS = (FUSE == 1 || FUSE == 3) ? 4 : 0;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
@@ -1604,9 +1417,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // empty[STAGES], the ping-pong turn barriers [2] and XBARS more.
   const unsigned stgBase = base + STAGES * STAGE_BYTES;
   const unsigned bars = stgBase + STG_BYTES;
-  // FUSE 1: staged[2] then freed[2] (per consumer warpgroup), and under
-  // GG_EX_ACT_SPLIT h13read[2] and actdone[2]; FUSE 3: [consumer
-  // warpgroup][slot].
+  // FUSE 1: staged[2] then freed[2] (per consumer warpgroup); FUSE 3:
+  // [consumer warpgroup][slot].
   const unsigned ebars = bars + 8 * (2 * STAGES + 2);
   int* sBeg = (int*)(gg_smem + (bars - raw) + 16 * STAGES + 16 + 8 * XBARS);
   int* sEnd = sBeg + E;
@@ -1668,8 +1480,6 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   static_assert(!GATHER_FIRST || FUSE == 3, "GATHER_FIRST chooses FUSE 3's gather");
   static_assert(!SRC_BF16 || FUSE == 1, "bf16 sources are FUSE 1's (FUSE 3 scales float32 rows)");
   constexpr bool FIRST = FUSE == 1 || (FUSE == 3 && GATHER_FIRST);
-  // The first-gather in even shares (GG_EX_EVEN), or in chunks.
-  constexpr bool EVEN = FIRST && (GG_EXPERIMENT & GG_EX_EVEN) != 0;
 
   if (warp < 4) {
     // Producer warpgroup: one thread issues every load. REG: the whole
@@ -1682,21 +1492,11 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         // block), then do their own work: FUSE 1's warps 1 and 2 the act
         // epilogue of consumer warpgroup warp - 1. Warp 0's other lanes
         // have none.
-        if (warp > 0 && !(fz.mode & 1)) {
-          if constexpr (EVEN)
-            gg_gather_even<SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum);
-          else
-            gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
-        }
+        if (warp > 0 && !(fz.mode & 1))
+          gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
         if (FUSE == 1 && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
-                        ebars + 8 * (warp + 1), ebars + 8 * (warp + 3), ebars + 8 * (warp + 5), rows, N, total, nTN,
-                        GM, E, sBeg, sEnd, sCum);
-        if constexpr (FUSE == 1 && (GG_EXPERIMENT & GG_EX_ACT_SPLIT) != 0) {
-          if (warp == 3)
-            gg_act_share(fz, lane, stgBase, STG_BYTES / 2, ebars + 32, ebars + 48, rows, total, nTN, GM, E, sBeg,
-                         sEnd, sCum);
-        }
+                        ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
       } else if (FUSE == 3 && warp > 0 && !(fz.mode & 1)) {
         // The communication warps 1-3, beside the products.
         gg_gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
@@ -1720,10 +1520,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
       if (FUSE == 1 || FUSE == 3) *sFront = tile.g;
       if ((FUSE == 1 || FUSE == 3) && !(fz.mode & 1) && !(FUSE == 1 && (fz.mode & 16))) {
-        if constexpr (EVEN)
-          gg_wait_tile<true>(fz, tile.g, tile.row0, tile.rowEnd, FUSE, 64 * ((K + 1023) / 1024));
-        else
-          gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
+        gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
       }
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
@@ -1769,12 +1566,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     return;
   }
   if constexpr (FIRST) {
-    if (!(fz.mode & 1)) {
-      if constexpr (EVEN)
-        gg_gather_even<SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum);
-      else
-        gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
-    }
+    if (!(fz.mode & 1))
+      gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
   }
   // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile.
   float acc[R];

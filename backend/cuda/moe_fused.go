@@ -178,12 +178,7 @@ func (f *fusedTables) checkFault(d *Device) error {
 		return fmt.Errorf("cuda: combine_rows_f32: send row %d never arrived from rank %d within %v (its flag was %d); the results of this step are wrong",
 			w(1), w(2), f.combineWait, w(3))
 	}
-	kernel := map[int32]string{1: "moe_dispatch_swiglu", 3: "moe_dispatch_dgrad"}[w(0)&^16]
-	if w(0)&16 != 0 {
-		// A gather in even shares counts its units instead (GG_EX_EVEN).
-		return fmt.Errorf("cuda: %s: the rows of m-tile %d never all arrived within %v: %d of its %d row-pair blocks landed; the results of this step are wrong",
-			kernel, w(1), f.timeout, w(2), w(3))
-	}
+	kernel := map[int32]string{1: "moe_dispatch_swiglu", 3: "moe_dispatch_dgrad"}[w(0)]
 	return fusedFaultError(kernel, f.timeout, int(w(1)), uint32(w(2)), int(w(3)))
 }
 
@@ -532,13 +527,12 @@ type fusedCombine struct {
 // kernels, moe_dispatch_swiglu and moe_dispatch_dgrad (one layout), for e
 // experts: as ggSmemBytes for 3 stages of the BN 256 tile plus two 16 KiB
 // staging buffers per consumer warpgroup (its TMA-store epilogue) and
-// eight more barriers (FUSE 1: staged and freed per warpgroup, and under
-// the act-split variant h13read and actdone; FUSE 3 uses four, one per
-// staging slot); the expert tables hold one more word (the gather's
+// four more barriers (FUSE 1: staged and freed per warpgroup; FUSE 3: one
+// per staging slot); the expert tables hold one more word (the gather's
 // pacing front).
 func fusedGatherSmem(e int) int {
 	const stages = 3
-	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 8*8 + 4*(3*e+2)
+	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*8 + 4*(3*e+2)
 }
 
 // boxesMap is the {n, rows} bf16 map of a [rows, n] operand that an
