@@ -836,81 +836,24 @@ __device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0,
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// gg_quad_store writes, for one row, the 32 columns colBase .. colBase+31
-// that a quad of lanes (q = lane & 3) holds as bf16 pairs: lane q has
-// p[j] = columns colBase + 8j + 2q, +1 (j = 0..3). Three rounds of
-// shuffles give lane q the 8 columns colBase + 8q .. +7, which it stores
-// as one 16-byte vector, so a warp writes whole 32-byte sectors instead of
-// 4-byte pieces. Every lane must call it (the shuffles); ok masks the
-// store.
-__device__ __forceinline__ void gg_quad_store(unsigned short* out, long long r, int N, int colBase, int lane,
-                                              const unsigned (&p)[4], bool ok) {
-  const int q = lane & 3;
-  unsigned o0 = 0, o1 = 0, o2 = 0, o3 = 0;
-#pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    // Round rr: lane q receives from quad lane (q + rr) & 3 its value for
-    // column group q, so that lane sends p[(its q - rr) & 3].
-    const int sj = (q - rr) & 3;
-    const unsigned v = sj == 0 ? p[0] : sj == 1 ? p[1] : sj == 2 ? p[2] : p[3];
-    const int src = (q + rr) & 3;
-    unsigned got;
-    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(got) : "r"(v), "r"((lane & ~3) | src));
-    o0 = src == 0 ? got : o0;
-    o1 = src == 1 ? got : o1;
-    o2 = src == 2 ? got : o2;
-    o3 = src == 3 ? got : o3;
-  }
-  const int col = colBase + 8 * q;
-  if (ok && col < N)
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(out + r * N + col), "r"(o0), "r"(o1), "r"(o2), "r"(o3)
-                 : "memory");
-}
-
-// gg_epilogue_swiglu stores one warpgroup's 64 rows of h1, h3 and
-// act = silu(h1) * h3 (bf16) from registers: the blocks gg_block_tma
-// refuses (rows of two experts). Accumulator groups i < 16 are h1's
-// columns c0 + 8i, groups i + 16 h3's same columns (c0 = n0 + 2 *
-// (lane & 3)). Every lane runs the whole loop (gg_quad_store's shuffles);
-// rows past rowEnd are masked at the store.
-__device__ __forceinline__ void gg_epilogue_swiglu(const float (&acc)[128], long long r0, int rowEnd, int n0, int N,
-                                                   int lane, unsigned short* h1, const gg_fuse& fz) {
-#pragma unroll
-  for (int half = 0; half < 2; half++) {
-    const long long r = r0 + 8 * half;
-    const bool ok = r < rowEnd;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      unsigned ph1[4], ph3[4], pact[4];
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        const int i = 4 * k + j;
-        const float a0 = acc[4 * i + 2 * half], a1 = acc[4 * i + 2 * half + 1];
-        const float b0 = acc[4 * (i + 16) + 2 * half], b1 = acc[4 * (i + 16) + 2 * half + 1];
-        ph1[j] = gg_pack_bf16(a0, a1);
-        ph3[j] = gg_pack_bf16(b0, b1);
-        // From the stored (bf16) h1 and h3, as gg_act_helper.
-        const float r0 = gg_bf16_lo(ph1[j]), r1 = gg_bf16_hi(ph1[j]);
-        pact[j] = gg_pack_bf16(gg_silu(r0) * gg_bf16_lo(ph3[j]), gg_silu(r1) * gg_bf16_hi(ph3[j]));
-      }
-      const int colBase = n0 + 32 * k;
-      gg_quad_store(h1, r, N, colBase, lane, ph1, ok);
-      gg_quad_store(fz.h3, r, N, colBase, lane, ph3, ok);
-      gg_quad_store(fz.act, r, N, colBase, lane, pact, ok);
-    }
-  }
-}
-
 // gg_block_tma reports whether a warpgroup's 64-row block from row wr0 of
 // a tile whose expert ends at rowEnd goes through a TMA-store epilogue:
 // every row of it that is inside the tensor (`rows`) is the expert's. A
 // full block qualifies, and so does the tensor's last block (TMA clips
 // past `rows`); other partial blocks, whose rows past rowEnd belong to
-// the next expert, keep the register path. Uniform per warpgroup, as the
-// named barriers need.
+// the next expert, keep the register path (FUSE 1: the helper's plain
+// stores, gg_act_rows). Uniform per warpgroup, as the named barriers
+// need.
 __device__ __forceinline__ bool gg_block_tma(int wr0, int rowEnd, int rows) {
   return wr0 < rowEnd && (wr0 + 64 <= rowEnd || rowEnd == rows);
 }
+
+// gg_block_staged reports whether FUSE 1's consumers stage a block for
+// their helper warp (gg_stage_h13): every block with a row of the
+// expert's. The helper stores the blocks gg_block_tma allows by TMA and
+// the others' rows by plain stores (gg_act_rows), so the consumers'
+// epilogue is the same short one for every block.
+__device__ __forceinline__ bool gg_block_staged(int wr0, int rowEnd) { return wr0 < rowEnd; }
 
 // gg_stage_h13 is the consumers' half of FUSE 1's epilogue: the
 // warpgroup writes its
@@ -919,8 +862,9 @@ __device__ __forceinline__ bool gg_block_tma(int wr0, int rowEnd, int rows) {
 // which stores them, computes act and frees the buffers (gg_act_helper).
 // Before block c (c counts the warpgroup's staged blocks) it waits until
 // block c - 1's buffers are free. So the consumers' epilogue is two
-// conflict-free shared-memory stores a pair of columns; SwiGLU and act's
-// store run under the next tile's mainloop.
+// conflict-free shared-memory stores a pair of columns, for every block
+// (gg_block_staged); the stores, SwiGLU and act's store run under the
+// next tile's mainloop.
 __device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned stg, unsigned staged, unsigned freed,
                                              int wtid, int warp, int lane, int id, unsigned& c) {
   if (c > 0) gg_bar_wait(freed, (c - 1) & 1u);
@@ -995,22 +939,81 @@ __device__ __forceinline__ void gg_act_range(const gg_fuse& fz, unsigned stg, in
     gg_act_pieces<true>(stg, lane);
 }
 
+// gg_act_rows is the act epilogue of a block that TMA cannot store
+// (gg_block_tma refuses it: its rows past rowEnd are the next expert's):
+// piece q = lane + 32 * i of the staged h1 and h3 (box q >> 9, row
+// (q >> 3) & 63, its 16-byte chunk (q & 7) swizzled by the row, as
+// gg_stage_h13 wrote it) goes to global memory with act = silu(h1) * h3
+// beside it, rows from rowEnd on masked. No act is written over the
+// staging buffers. Such a block is an expert's last (one in ~7 at the
+// fine-grained shape); on the consumers, with act computed in their
+// registers, it delayed their next tile, and the blocks of an expert's
+// m-tiles drifted apart and stopped sharing its weight tiles in L2
+// (kernels/grouped_gemm.md, "Partial blocks staged").
+template <bool SILU>
+__device__ __forceinline__ void gg_act_rows(const gg_fuse& fz, unsigned short* h1, unsigned stg, int lane, int wr0,
+                                            int rowEnd, int n0, int N) {
+#pragma unroll 4
+  for (int i = 0; i < 32; i++) {
+    const int q = lane + 32 * i, r = (q >> 3) & 63;
+    const long long row = (long long)wr0 + r;
+    const int col = n0 + 64 * (q >> 9) + 8 * ((q & 7) ^ (r & 7));
+    if (row >= rowEnd || col >= N) continue;
+    unsigned v1[4], v3[4];
+    const unsigned a = stg + 16u * q;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v1[0]), "=r"(v1[1]), "=r"(v1[2]), "=r"(v1[3]) : "r"(a));
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v3[0]), "=r"(v3[1]), "=r"(v3[2]), "=r"(v3[3])
+                 : "r"(a + 16384u));
+    const long long o = row * N + col;
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(h1 + o), "r"(v1[0]), "r"(v1[1]), "r"(v1[2]), "r"(v1[3])
+                 : "memory");
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(fz.h3 + o), "r"(v3[0]), "r"(v3[1]), "r"(v3[2]),
+                 "r"(v3[3])
+                 : "memory");
+    if (fz.mode & 2) continue;  // no act (experiment)
+    unsigned va[4];
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+      const float a0 = gg_bf16_lo(v1[w]), a1 = gg_bf16_hi(v1[w]);
+      const float b0 = gg_bf16_lo(v3[w]), b1 = gg_bf16_hi(v3[w]);
+      va[w] = SILU ? gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1) : gg_pack_bf16(a0 * b0, a1 * b1);
+    }
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(fz.act + o), "r"(va[0]), "r"(va[1]), "r"(va[2]),
+                 "r"(va[3])
+                 : "memory");
+  }
+}
+
 // gg_act_helper is FUSE 1's act epilogue, run by one warp of the producer
 // warpgroup for consumer warpgroup cw (warps 1 and 2 for warpgroups 0 and
 // 1). It walks the same tiles as its consumers; for each block they stage
 // (gg_stage_h13) it stores h1 and h3 by TMA, and once those stores have
 // read the buffers it writes act over h1's buffer (gg_act_range), stores
-// act by TMA and frees both buffers (freed). Mode 2: no act
-// (experiment).
+// act by TMA and frees both buffers (freed); a block TMA cannot store (an
+// expert's last, partial) goes out by plain stores (gg_act_rows). Mode
+// 2: no act (experiment).
 __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
-                                              unsigned freed, int rows, int N, int total, int nTN, int GM, int E,
-                                              const int* sBeg, const int* sEnd, const int* sCum) {
+                                              unsigned freed, unsigned short* h1, int rows, int N, int total, int nTN,
+                                              int GM, int E, const int* sBeg, const int* sEnd, const int* sCum) {
   unsigned k = 0;  // blocks handled
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<128>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
     const int wr0 = tile.row0 + cw * 64;
-    if (!gg_block_tma(wr0, tile.rowEnd, rows)) continue;
+    if (!gg_block_staged(wr0, tile.rowEnd)) continue;
     gg_bar_wait(staged, k & 1u);
+    if (!gg_block_tma(wr0, tile.rowEnd, rows)) {
+      // A partial block: its rows by plain stores. No TMA store reads
+      // these buffers (the last one to was waited for before they were
+      // freed), so they are free once the loads are done.
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      if (fz.mode & 4) gg_act_rows<false>(fz, h1, stg, lane, wr0, tile.rowEnd, tile.n0, N);
+      else gg_act_rows<true>(fz, h1, stg, lane, wr0, tile.rowEnd, tile.n0, N);
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      if (lane == 0) gg_bar_arrive(freed);
+      k++;
+      continue;
+    }
     if (lane == 0) {
 #pragma unroll
       for (int p = 0; p < 2; p++) {
@@ -1051,8 +1054,7 @@ __device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lan
 // gg_quad_gather turns a quad's accumulator layout into column runs: lane
 // q (= lane & 3) has p[2j], p[2j+1] = columns 8j + 2q, +1 (j = 0..3) of one
 // row's 32-column block; on return o[0..7] are columns 8q .. 8q+7. Four
-// rounds of two shuffles, as gg_quad_store's (which moves bf16 pairs).
-// Every lane must call it.
+// rounds of two shuffles. Every lane must call it.
 __device__ __forceinline__ void gg_quad_gather(const float (&p)[8], int lane, float (&o)[8]) {
   const int q = lane & 3;
 #pragma unroll
@@ -1496,7 +1498,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
           gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
         if (FUSE == 1 && (warp == 1 || warp == 2))
           gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
-                        ebars + 8 * (warp + 1), rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
+                        ebars + 8 * (warp + 1), (unsigned short*)out, rows, N, total, nTN, GM, E, sBeg, sEnd, sCum);
       } else if (FUSE == 3 && warp > 0 && !(fz.mode & 1)) {
         // The communication warps 1-3, beside the products.
         gg_gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
@@ -1579,8 +1581,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   const int wtid = tid - 128 * (cw + 1);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-    // The TMA-store epilogues (STORE, FUSE 1 and 3) take the blocks
-    // gg_block_tma allows; the others keep the register path.
+    // The TMA-store epilogues (STORE and FUSE 3) take the blocks
+    // gg_block_tma allows; the others keep the register path. FUSE 1
+    // stages every block with rows (gg_block_staged).
     const int wr0 = tile.row0 + cw * 64;
     const bool tmaBlock = gg_block_tma(wr0, tile.rowEnd, rows);
     const bool dswTma = FUSE == 3 && tmaBlock && !(fz.mode & 16);
@@ -1648,12 +1651,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // expert's rows and to N.
     const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
     if (FUSE == 1) {
-      if (tmaBlock) {
+      if (gg_block_staged(wr0, tile.rowEnd))
         gg_stage_h13(*(const float(*)[128])acc, stgBase + cw * (STG_BYTES / 2), ebars + 8 * cw, ebars + 8 * (2 + cw),
                      wtid, warp, lane, 1 + cw, stgc);
-        continue;
-      }
-      gg_epilogue_swiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
+      continue;
     } else if (FUSE == 3) {
       if (dswTma) {
         gg_epilogue_dswiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), ebars + 16 * cw, wtid,
