@@ -255,10 +255,11 @@ func fusedCases() []fusedCase {
 	}
 }
 
-// withGatherVariant runs b's gathering kernels (both builds of
-// moe_dispatch_swiglu and of moe_dispatch_dgrad) from the compile-time variant name of
-// grouped_gemm.cu (kernels.Source.Variants) until the returned restore is
-// called; the other kernels stay the default ones.
+// withGatherVariant runs b's MoE fused kernels (both builds of
+// moe_dispatch_swiglu and of moe_dispatch_dgrad, and the two combining
+// kernels) from the compile-time variant name of grouped_gemm.cu
+// (kernels.Source.Variants) until the returned restore is called; the
+// other kernels stay the default ones.
 func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 	t.Helper()
 	src, _ := kernelSource(t, "grouped_gemm.cu")
@@ -271,31 +272,54 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		t.Fatalf("grouped GEMM kernels: %v", x.err)
 	}
 	gg := x.bf16Out
-	var ks [4]*Kernel
-	for i, kn := range []string{"moe_dispatch_swiglu", "moe_dispatch_dgrad", "moe_dispatch_dgrad_first", "moe_dispatch_swiglu_bf16"} {
-		k, err := m.Kernel(kn)
+	type swap struct {
+		k    **Kernel
+		dflt *Kernel
+	}
+	var swaps []swap
+	restore = func() {
+		for _, sw := range swaps {
+			*sw.k = sw.dflt
+		}
+	}
+	done := false
+	defer func() {
+		if !done { // a Fatal below: the default kernels back
+			restore()
+		}
+	}()
+	for _, f := range []struct {
+		name  string
+		k     **Kernel
+		optIn int // the same dynamic shared memory as the default kernels opted in to
+	}{
+		{"moe_dispatch_swiglu", &gg.dispatchSwiGLU, gg.optInGather},
+		{"moe_dispatch_swiglu_bf16", &gg.dispatchSwiGLUBF16, gg.optInGather},
+		{"moe_dispatch_dgrad", &gg.dispatchDgrad, gg.optInGather},
+		{"moe_dispatch_dgrad_first", &gg.dispatchDgradFirst, gg.optInGather},
+		{"moe_down_combine", &gg.downCombine, gg.optInCombine},
+		{"moe_dgrad_combine", &gg.dgradCombine, gg.optInCombine},
+	} {
+		k, err := m.Kernel(f.name)
 		if err != nil {
 			t.Fatal(err)
 		}
-		// The same dynamic shared memory as the default kernels opted in to.
 		var local int
 		if err := b.dev.Do(func() error {
-			err := b.dev.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, gg.optInGather)
+			err := b.dev.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, f.optIn)
 			if err == nil {
 				local, err = b.dev.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
 			}
 			return err
 		}); err != nil {
-			t.Fatalf("%s of variant %s: %v", kn, name, err)
+			t.Fatalf("%s of variant %s: %v", f.name, name, err)
 		}
-		figure(t, fmt.Sprintf("%s_%s_local_bytes", kn, strings.ReplaceAll(name, "-", "_")), float64(local), "B")
-		ks[i] = k
+		figure(t, fmt.Sprintf("%s_%s_local_bytes", f.name, strings.ReplaceAll(name, "-", "_")), float64(local), "B")
+		swaps = append(swaps, swap{f.k, *f.k})
+		*f.k = k
 	}
-	swiglu, dgrad, first, swigluBF16 := gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst, gg.dispatchSwiGLUBF16
-	gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst, gg.dispatchSwiGLUBF16 = ks[0], ks[1], ks[2], ks[3]
-	return func() {
-		gg.dispatchSwiGLU, gg.dispatchDgrad, gg.dispatchDgradFirst, gg.dispatchSwiGLUBF16 = swiglu, dgrad, first, swigluBF16
-	}
+	done = true
+	return restore
 }
 
 // gatherVariantsEnv names the variants a run takes, comma-separated:
@@ -961,6 +985,7 @@ func TestMoEFusedFigures(t *testing.T) {
 					timed("gateup_fused_bf16src_"+x, gateUpFusedBF16)
 					inMode(1, "gateup_fused_bf16src_"+x, gateUpFusedBF16)
 					sustained("gateup_fused_bf16src_"+x, 0, gateUpFusedBF16)
+					timed("down_fused_"+x, downFused)
 					timed("fused_bf16src_"+x, fusedBF16)
 					sustained("fused_bf16src_"+x, 0, fusedBF16)
 					inBuild(dgradBeside, "bwd_dgrad_fused_beside_"+x, dgradFused)
