@@ -604,7 +604,6 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_NO_STORES 2     // the rows loaded, none stored (timing only)
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
-#define GG_EX_MARK_HELPER 64  // FUSE 2, 4: the row flags raised by a helper warp, off the consumers' path
 
 // gg_sigmoid is 1 / (1 + e^-x) with the hardware's approximate exp2 and
 // reciprocal (relative error ~1e-7, far below bf16's rounding): the
@@ -1291,61 +1290,6 @@ __device__ __forceinline__ void gg_mark_rows(const gg_fuse& fz, int g, int cw, i
   }
 }
 
-// gg_mark_handoff is the consumers' half of gg_mark_rows under
-// GG_EX_MARK_HELPER: once each warp's stores of the block are issued,
-// its lane 0 arrives on ready (release at CTA scope; four arrivals a
-// phase) and the warpgroup goes on to its next tile; the helper warp
-// (gg_mark_helper) counts the tile and raises the flags. Before block c
-// it waits until the helper has taken block c - 1 (taken), so ready
-// never runs a phase ahead of the helper's wait.
-__device__ __forceinline__ void gg_mark_handoff(unsigned ready, unsigned taken, int lane, unsigned& c) {
-  if (c > 0) gg_bar_wait(taken, (c - 1) & 1u);
-  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-  if (lane == 0) gg_bar_arrive(ready);
-  c++;
-}
-
-// gg_mark_helper is gg_mark_rows run by one warp of the producer
-// warpgroup for consumer warpgroup cw (GG_EX_MARK_HELPER): it walks the
-// same tiles; for each block with rows it waits for the warpgroup's
-// handoff (ready: every consumer warp's stores happen before it), counts
-// the tile at system scope (acq_rel: its release covers those stores, by
-// causality through the CTA-scope barrier) and, the block's last tile,
-// raises its rows' flags after a system-scope fence. The fence and the
-// atomic wait for the stores to drain; here they hold up no wgmma.
-__device__ __forceinline__ void gg_mark_helper(const gg_fuse& fz, int cw, int lane, unsigned ready, unsigned taken,
-                                               int total, int nTN, int GM, int E, const int* sBeg, const int* sEnd,
-                                               const int* sCum) {
-  unsigned k = 0;  // blocks taken
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const gg_tile_t tile = gg_tile<256>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
-    const int wr0 = tile.row0 + cw * 64;
-    if (wr0 >= tile.rowEnd) continue;
-    gg_bar_wait(ready, k & 1u);
-    int before = 0;
-    if (lane == 0)
-      asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], 1;"
-                   : "=r"(before)
-                   : "l"(fz.rowTiles + 2 * tile.g + cw)
-                   : "memory");
-    asm volatile("shfl.sync.idx.b32 %0, %0, 0, 0x1f, 0xffffffff;" : "+r"(before));
-    if (before == nTN - 1) {
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      asm volatile("fence.acq_rel.sys;" ::: "memory");
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        const int r = wr0 + 32 * h + lane;
-        if (r >= tile.rowEnd || ((fz.mode & 8) && r == 0)) continue;
-        const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
-        asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"((int*)fz.done[s] + p), "r"(1) : "memory");
-      }
-    }
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    if (lane == 0) gg_bar_arrive(taken);
-    k++;
-  }
-}
-
 extern __shared__ __attribute__((aligned(1024))) unsigned char gg_smem[];
 
 // gg_consume_pp is the ping-pong consumer (n tile 128): warpgroup cw takes
@@ -1465,9 +1409,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // one barrier per slot (XBARS).
   constexpr unsigned STG_BYTES =
       STORE ? 2u * 32768u / (STORE ? STORE : 1) : ((FUSE == 1 || FUSE == 3) ? 2u * 32768u : 0u);
-  // FUSE 2 and 4 under GG_EX_MARK_HELPER: ready[2] then taken[2].
-  constexpr bool MARK_HELPER = (FUSE == 2 || FUSE == 4) && (GG_EXPERIMENT & GG_EX_MARK_HELPER) != 0;
-  constexpr int XBARS = (FUSE == 1 || FUSE == 3 || MARK_HELPER) ? 4 : 0;
+  constexpr int XBARS = (FUSE == 1 || FUSE == 3) ? 4 : 0;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
@@ -1498,7 +1440,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     gg_bar_init(bars + 8 * (2 * STAGES + 1), 4);
     // FUSE 1: one consumer thread's or the helper's arrival; FUSE 3:
     // thread 0's expect_tx.
-    for (int i = 0; i < XBARS; i++) gg_bar_init(ebars + 8 * i, MARK_HELPER && i < 2 ? 4 : 1);
+    for (int i = 0; i < XBARS; i++) gg_bar_init(ebars + 8 * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
@@ -1560,9 +1502,6 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       } else if (FUSE == 3 && warp > 0 && !(fz.mode & 1)) {
         // The communication warps 1-3, beside the products.
         gg_gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
-      } else if (MARK_HELPER && (warp == 1 || warp == 2) && fz.done != 0) {
-        gg_mark_helper(fz, warp - 1, lane, ebars + 8 * (warp - 1), ebars + 8 * (warp + 1), total, nTN, GM, E, sBeg,
-                       sEnd, sCum);
       }
       return;
     }
@@ -1638,7 +1577,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   for (int i = 0; i < R; i++) acc[i] = 0.0f;
   int s = 0, prev = 0;
   unsigned ph = 0;
-  unsigned stgc = 0;  // FUSE 1: blocks this warpgroup has staged; FUSE 3: boxes it has loaded; FUSE 2, 4: blocks handed off
+  unsigned stgc = 0;  // FUSE 1: blocks this warpgroup has staged; FUSE 3: boxes it has loaded
   const int wtid = tid - 128 * (cw + 1);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const gg_tile_t tile = gg_tile<BNT>(t, nTN, sCum[E], GM, E, sBeg, sEnd, sCum);
@@ -1725,13 +1664,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       gg_epilogue_dswiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
     } else if (FUSE == 2 || FUSE == 4) {
       gg_epilogue_rows<R>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
-      if (fz.done != 0) {
-        if constexpr (MARK_HELPER) {
-          if (wr0 < tile.rowEnd) gg_mark_handoff(ebars + 8 * cw, ebars + 8 * (2 + cw), lane, stgc);
-        } else {
-          gg_mark_rows(fz, tile.g, cw, wr0, tile.rowEnd, nTN, warp, lane, 1 + cw);
-        }
-      }
+      if (fz.done != 0) gg_mark_rows(fz, tile.g, cw, wr0, tile.rowEnd, nTN, warp, lane, 1 + cw);
     } else {
       gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
     }

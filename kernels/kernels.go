@@ -183,8 +183,7 @@ func Sources() []Source {
 			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_tn", Block: 384, Grid: "persistent: min(SMs, E*ceil(M/128)*ceil(N/256)) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"},
 		}, Variants: []Variant{
-			// The MoE fused kernels: the gather of moe_dispatch_swiglu and
-			// moe_dispatch_dgrad, the combining kernels' flags
+			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad
 			// (GG_EXPERIMENT in the source; kernels/grouped_gemm.md).
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
 				Purpose: "the gather reads its float32 sources as bf16 rows: half the bytes loaded"},
@@ -194,8 +193,6 @@ func Sources() []Source {
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
-			{Name: "mark-helper", Defines: []string{"GG_EXPERIMENT=64"}, Exact: true,
-				Purpose: "the combining kernels' row flags counted and raised by a helper warp, off the consumers' path"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -89,8 +89,6 @@ type GroupedGemm struct {
 	// optInGather is the gathering kernels' opted-in shared memory (one
 	// layout, fusedGatherSmem).
 	optInGather int
-	// optInCombine is the combining kernels' (fusedCombineSmem).
-	optInCombine int
 	// fusedMode holds the fused kernels' experiment switches and test
 	// hooks (tests only; 0 in use); fusedTimeout, when set, replaces
 	// fusedTimeout (tests of the timeout report).
@@ -252,10 +250,7 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 		if err != nil {
 			return nil, err
 		}
-		smem := min(fusedCombineSmem(ggMaxExperts), info.MaxSharedOptIn)
-		if f.k == &g.downCombine || f.k == &g.dgradCombine {
-			g.optInCombine = smem
-		}
+		smem := g.optIn[ggCoop256]
 		if f.k == &g.dispatchSwiGLU || f.k == &g.dispatchSwiGLUBF16 || f.k == &g.dispatchDgrad || f.k == &g.dispatchDgradFirst {
 			smem = min(fusedGatherSmem(ggMaxExperts), info.MaxSharedOptIn)
 			g.optInGather = smem

@@ -535,13 +535,6 @@ func fusedGatherSmem(e int) int {
 	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*8 + 4*(3*e+2)
 }
 
-// fusedCombineSmem is the dynamic shared memory of the two combining
-// kernels, moe_down_combine and moe_dgrad_combine, for e experts: as
-// ggSmemBytes for ggCoop256 plus room for four more barriers (the
-// variant mark-helper's handoff of the row flags, kernels/kernels.go),
-// so one launch fits every build of the source.
-func fusedCombineSmem(e int) int { return ggSmemBytes(ggCoop256, e) + 4*8 }
-
 // boxesMap is the {n, rows} bf16 map of a [rows, n] operand that an
 // epilogue moves through shared memory: 64x64 boxes, 128-byte swizzle.
 func boxesMap(addr driver.DevicePtr, rows, n int) driver.TiledMap {
@@ -588,8 +581,8 @@ func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
 		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm),
 		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
-	grid.Shared = fusedCombineSmem(a.experts)
-	return g.launchFused(g.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots, g.optInCombine)
+	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
+	return g.launchFused(g.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots, g.optIn[ggCoop256])
 }
 
 // launchFused encodes maps (passed first, by value) and launches k with
@@ -856,6 +849,6 @@ func (g *GroupedGemm) runDgradCombine(a fusedDgradCombine) error {
 		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm),
 		uint64(uint32(g.fusedMode))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
-	grid.Shared = fusedCombineSmem(a.experts)
-	return g.launchFused(g.dgradCombine, grid, maps, slots, g.optInCombine)
+	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
+	return g.launchFused(g.dgradCombine, grid, maps, slots, g.optIn[ggCoop256])
 }

@@ -297,8 +297,8 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		{"moe_dispatch_swiglu_bf16", &gg.dispatchSwiGLUBF16, gg.optInGather},
 		{"moe_dispatch_dgrad", &gg.dispatchDgrad, gg.optInGather},
 		{"moe_dispatch_dgrad_first", &gg.dispatchDgradFirst, gg.optInGather},
-		{"moe_down_combine", &gg.downCombine, gg.optInCombine},
-		{"moe_dgrad_combine", &gg.dgradCombine, gg.optInCombine},
+		{"moe_down_combine", &gg.downCombine, gg.optIn[ggCoop256]},
+		{"moe_dgrad_combine", &gg.dgradCombine, gg.optIn[ggCoop256]},
 	} {
 		k, err := m.Kernel(f.name)
 		if err != nil {
