@@ -30,7 +30,8 @@ outputs straight back; unfused: gather, all-to-all, permute) on W virtual
 expert-parallel ranks of one device, the experts' three forward products
 alone (GroupedMatMul on the rows the layer routed), and the fused
 forward's two kernels alone on those rows (without the layer's host work
-around them). Shapes:
+around them), each step timed by itself and, as a training step queues
+its layers, with a kind's steps queued back to back (k/g b2b). Shapes:
   moe-small  dim 1024, 8 experts, top-2, ffn 2816, 16384 tokens per rank
   fine       dim 2048, 64 experts, top-6, ffn 1408, 4096 tokens per rank
   tiny       dim 32, 4 experts, top-2, ffn 48, 64 tokens per rank (tests)
@@ -84,13 +85,17 @@ type kernelBenchRow struct {
 	TokensRank int    `json:"tokens_per_rank"`
 	Rows       int    `json:"routed_rows"` // expert rows over all ranks
 
-	GEMMMS           float64 `json:"gemm_forward_ms"`
-	FusedKernelsMS   float64 `json:"fused_kernels_ms"` // the fused forward's two kernels alone on the same rows
-	FusedBlockMS     float64 `json:"fused_expert_block_ms"`
-	FusedForwardMS   float64 `json:"fused_forward_ms"`
-	UnfusedForwardMS float64 `json:"unfused_forward_ms"`
-	FusedStepMS      float64 `json:"fused_forward_backward_ms"`
-	UnfusedStepMS    float64 `json:"unfused_forward_backward_ms"`
+	GEMMMS         float64 `json:"gemm_forward_ms"`
+	FusedKernelsMS float64 `json:"fused_kernels_ms"` // the fused forward's two kernels alone on the same rows
+	// The same two, each kind's steps queued back to back with one sync
+	// at the end, as a training step queues its layers.
+	GEMMBackToBackMS         float64 `json:"gemm_forward_back_to_back_ms"`
+	FusedKernelsBackToBackMS float64 `json:"fused_kernels_back_to_back_ms"`
+	FusedBlockMS             float64 `json:"fused_expert_block_ms"`
+	FusedForwardMS           float64 `json:"fused_forward_ms"`
+	UnfusedForwardMS         float64 `json:"unfused_forward_ms"`
+	FusedStepMS              float64 `json:"fused_forward_backward_ms"`
+	UnfusedStepMS            float64 `json:"unfused_forward_backward_ms"`
 
 	GEMMTF           float64 `json:"gemm_forward_tflops"`
 	FusedForwardTF   float64 `json:"fused_forward_tflops"`
@@ -100,6 +105,7 @@ type kernelBenchRow struct {
 
 	FusedBlockOverGEMM      float64 `json:"fused_expert_block_over_gemm"`
 	FusedKernelsOverGEMM    float64 `json:"fused_kernels_over_gemm"`
+	FusedKernelsOverGEMMB2B float64 `json:"fused_kernels_over_gemm_back_to_back"`
 	FusedOverGEMM           float64 `json:"fused_forward_over_gemm"`
 	FusedOverUnfusedForward float64 `json:"fused_over_unfused_forward"`
 	FusedOverUnfused        float64 `json:"fused_over_unfused_forward_backward"`
@@ -180,12 +186,12 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 				return fmt.Errorf("bench kernels: %s at world %d: %w", s.Name, w, err)
 			}
 			runtime.GC() // the layers' device memory back to the backend
-			gemm, kern, err := benchExpertsAlone(bs, s, tm.RowsPerExpert, *iters)
+			alone, err := benchExpertsAlone(bs, s, tm.RowsPerExpert, *iters)
 			if err != nil {
 				return fmt.Errorf("bench kernels: %s at world %d: GEMMs and fused kernels alone: %w", s.Name, w, err)
 			}
 			runtime.GC()
-			rows = append(rows, kernelRow(s, w, tm, gemm, kern))
+			rows = append(rows, kernelRow(s, w, tm, alone))
 			if cacheErr == nil {
 				_, cacheErr = cache.Store(moe.NewDispatchKey(b, cfg, s.Dim, s.Tokens, w), tm)
 			}
@@ -260,7 +266,8 @@ func gpuRanks(b backend.Backend, most int) (place rankPlacer, closeGPUs func() e
 
 // kernelRow derives a row's rates, ratios and bars from the measured
 // times.
-func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm, kern time.Duration) kernelBenchRow {
+func kernelRow(s moeBenchShape, world int, tm moe.Timing, alone expertsAlone) kernelBenchRow {
+	gemm, kern := alone.gemm, alone.kernels
 	rows := 0
 	for _, n := range tm.RowsPerExpert {
 		rows += n
@@ -271,12 +278,15 @@ func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm, kern time.Durati
 	tf := func(flops float64, d time.Duration) float64 { return flops / d.Seconds() / 1e12 }
 	r := kernelBenchRow{
 		Shape: s.Name, World: world, TokensRank: s.Tokens, Rows: rows,
-		GEMMMS: ms(gemm), FusedKernelsMS: ms(kern), FusedBlockMS: ms(tm.FusedExperts), FusedForwardMS: ms(tm.FusedForward), UnfusedForwardMS: ms(tm.UnfusedForward),
+		GEMMMS: ms(gemm), FusedKernelsMS: ms(kern),
+		GEMMBackToBackMS: ms(alone.gemmB2B), FusedKernelsBackToBackMS: ms(alone.kernelsB2B),
+		FusedBlockMS: ms(tm.FusedExperts), FusedForwardMS: ms(tm.FusedForward), UnfusedForwardMS: ms(tm.UnfusedForward),
 		FusedStepMS: ms(tm.FusedStep), UnfusedStepMS: ms(tm.UnfusedStep),
 		GEMMTF: tf(fwdFLOPs, gemm), FusedForwardTF: tf(fwdFLOPs, tm.FusedForward), UnfusedForwardTF: tf(fwdFLOPs, tm.UnfusedForward),
 		FusedStepTF: tf(3*fwdFLOPs, tm.FusedStep), UnfusedStepTF: tf(3*fwdFLOPs, tm.UnfusedStep),
 		FusedBlockOverGEMM:      tm.FusedExperts.Seconds() / gemm.Seconds(),
 		FusedKernelsOverGEMM:    kern.Seconds() / gemm.Seconds(),
+		FusedKernelsOverGEMMB2B: alone.kernelsB2B.Seconds() / alone.gemmB2B.Seconds(),
 		FusedOverGEMM:           tm.FusedForward.Seconds() / gemm.Seconds(),
 		FusedOverUnfusedForward: tm.FusedForward.Seconds() / tm.UnfusedForward.Seconds(),
 		FusedOverUnfused:        tm.FusedStep.Seconds() / tm.UnfusedStep.Seconds(),
@@ -297,12 +307,11 @@ func kernelRow(s moeBenchShape, world int, tm moe.Timing, gemm, kern time.Durati
 // without the layer's host work around them. Rank r computes on bs[r] and
 // keeps its source rows and outputs there: the virtual ranks of one
 // device queue their work on it one after another; ranks on devices of
-// their own run at once, each from its goroutine. It returns the medians
-// over iters of the time until every device is done.
-func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []int, iters int) (gemm, kernels time.Duration, err error) {
+// their own run at once, each from its goroutine.
+func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []int, iters int) (expertsAlone, error) {
 	world := len(bs)
 	if len(rowsPerExpert) != s.Experts {
-		return 0, 0, fmt.Errorf("%d expert row counts for %d experts", len(rowsPerExpert), s.Experts)
+		return expertsAlone{}, fmt.Errorf("%d expert row counts for %d experts", len(rowsPerExpert), s.Experts)
 	}
 	D, F, T, local := s.Dim, s.FFN, s.Tokens, s.Experts/world
 	rng := rand.New(rand.NewPCG(uint64(world), uint64(D)))
@@ -426,17 +435,18 @@ func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []in
 		return time.Since(start), nil
 	}
 	if err := syncAll(); err != nil {
-		return 0, 0, err
+		return expertsAlone{}, err
 	}
+	var a expertsAlone
 	gemmTimes, fusedTimes := make([]time.Duration, iters), make([]time.Duration, iters)
 	for i := -2; i < iters; i++ { // two warm-up steps of each
 		g, err := timeOne(gemms)
 		if err != nil {
-			return 0, 0, err
+			return a, err
 		}
 		f, err := timeOne(fused)
 		if err != nil {
-			return 0, 0, err
+			return a, err
 		}
 		if i >= 0 {
 			gemmTimes[i], fusedTimes[i] = g, f
@@ -444,8 +454,44 @@ func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []in
 	}
 	slices.Sort(gemmTimes)
 	slices.Sort(fusedTimes)
-	gemm, kernels = gemmTimes[iters/2], fusedTimes[iters/2]
-	return gemm, kernels, nil
+	a.gemm, a.kernels = gemmTimes[iters/2], fusedTimes[iters/2]
+	// Back to back: iters steps of one kind queued with no sync between
+	// them (the device never idles for the host, and runs at the clock it
+	// holds under sustained load), their mean a step; three such blocks of
+	// each kind, alternately, and the median block.
+	backToBack := func(work func(rankWork)) (time.Duration, error) {
+		start := time.Now()
+		for range iters {
+			runAll(work)
+		}
+		if err := syncAll(); err != nil {
+			return 0, err
+		}
+		return time.Since(start) / time.Duration(iters), nil
+	}
+	var gemmBlocks, fusedBlocks [3]time.Duration
+	for i := range gemmBlocks {
+		var err error
+		if gemmBlocks[i], err = backToBack(gemms); err != nil {
+			return a, err
+		}
+		if fusedBlocks[i], err = backToBack(fused); err != nil {
+			return a, err
+		}
+	}
+	slices.Sort(gemmBlocks[:])
+	slices.Sort(fusedBlocks[:])
+	a.gemmB2B, a.kernelsB2B = gemmBlocks[1], fusedBlocks[1]
+	return a, nil
+}
+
+// expertsAlone is what benchExpertsAlone measured: the medians over its
+// steps of the time until every device is done, the expert products
+// alone and the fused forward kernels alone, each step timed by itself
+// (the two kinds alternately); and the same two queued back to back.
+type expertsAlone struct {
+	gemm, kernels       time.Duration
+	gemmB2B, kernelsB2B time.Duration
 }
 
 // distinctBackends lists bs without repeats, in order.
@@ -460,9 +506,9 @@ func distinctBackends(bs []backend.Backend) []backend.Backend {
 }
 
 func printKernelBench(w io.Writer, rows []kernelBenchRow) {
-	fmt.Fprintf(w, "%-10s %5s %8s | %9s %9s %9s %9s %9s | %9s %9s | %8s %8s %8s | %7s %7s %7s %7s %7s | %-9s %-9s\n",
+	fmt.Fprintf(w, "%-10s %5s %8s | %9s %9s %9s %9s %9s | %9s %9s | %8s %8s %8s | %7s %7s %7s %7s %7s %7s | %-9s %-9s\n",
 		"shape", "world", "rows", "gemm ms", "kern ms", "block ms", "fused ms", "unfus ms", "fused f+b", "unfus f+b",
-		"gemm TF", "fused TF", "f+b TF", "krn/gem", "blk/gem", "f/gemm", "f/unf", "f+b f/u", "gemm bar", "unf bar")
+		"gemm TF", "fused TF", "f+b TF", "krn/gem", "k/g b2b", "blk/gem", "f/gemm", "f/unf", "f+b f/u", "gemm bar", "unf bar")
 	held := func(ok bool) string {
 		if ok {
 			return "held"
@@ -470,11 +516,12 @@ func printKernelBench(w io.Writer, rows []kernelBenchRow) {
 		return "not held"
 	}
 	for _, r := range rows {
-		fmt.Fprintf(w, "%-10s %5d %8d | %9.3f %9.3f %9.3f %9.3f %9.3f | %9.3f %9.3f | %8.3g %8.3g %8.3g | %7.2f %7.2f %7.2f %7.2f %7.2f | %-9s %-9s\n",
+		fmt.Fprintf(w, "%-10s %5d %8d | %9.3f %9.3f %9.3f %9.3f %9.3f | %9.3f %9.3f | %8.3g %8.3g %8.3g | %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f | %-9s %-9s\n",
 			r.Shape, r.World, r.Rows, r.GEMMMS, r.FusedKernelsMS, r.FusedBlockMS, r.FusedForwardMS, r.UnfusedForwardMS, r.FusedStepMS,
-			r.UnfusedStepMS, r.GEMMTF, r.FusedForwardTF, r.FusedStepTF, r.FusedKernelsOverGEMM, r.FusedBlockOverGEMM, r.FusedOverGEMM,
+			r.UnfusedStepMS, r.GEMMTF, r.FusedForwardTF, r.FusedStepTF, r.FusedKernelsOverGEMM, r.FusedKernelsOverGEMMB2B,
+			r.FusedBlockOverGEMM, r.FusedOverGEMM,
 			r.FusedOverUnfusedForward, r.FusedOverUnfused, held(r.GEMMBarHeld), held(r.UnfusedBarHeld))
 	}
-	fmt.Fprintf(w, "(ms: medians per step of all ranks, forward unless f+b; kern: the fused forward's two kernels alone on the layer's rows; block: the fused forward's expert block inside the layer; TF: TFLOP/s of the expert products; bars: gemm: %s (blk/gem <= %.2f); unf: %s)\n",
+	fmt.Fprintf(w, "(ms: medians per step of all ranks, forward unless f+b; kern: the fused forward's two kernels alone on the layer's rows; k/g b2b: kern over gemm with each kind's steps queued back to back; block: the fused forward's expert block inside the layer; TF: TFLOP/s of the expert products; bars: gemm: %s (blk/gem <= %.2f); unf: %s)\n",
 		gemmBar, gemmBarRatio, unfusedBar)
 }

@@ -116,15 +116,15 @@ func TestBenchExpertsAloneOnOwnBackends(t *testing.T) {
 		{one, one},
 		{cpu.New(backend.Float32), cpu.New(backend.Float32)},
 	} {
-		gemm, kern, err := benchExpertsAlone(bs, tiny, rows, 2)
+		a, err := benchExpertsAlone(bs, tiny, rows, 2)
 		if err != nil {
 			t.Fatalf("%d distinct backends: %v", len(distinctBackends(bs)), err)
 		}
-		if gemm <= 0 || kern <= 0 {
-			t.Errorf("%d distinct backends: gemm %v, kernels %v", len(distinctBackends(bs)), gemm, kern)
+		if a.gemm <= 0 || a.kernels <= 0 || a.gemmB2B <= 0 || a.kernelsB2B <= 0 {
+			t.Errorf("%d distinct backends: %+v, want every time > 0", len(distinctBackends(bs)), a)
 		}
 	}
-	if _, _, err := benchExpertsAlone([]backend.Backend{one}, tiny, rows[:3], 1); err == nil || !strings.Contains(err.Error(), "3 expert row counts for 4 experts") {
+	if _, err := benchExpertsAlone([]backend.Backend{one}, tiny, rows[:3], 1); err == nil || !strings.Contains(err.Error(), "3 expert row counts for 4 experts") {
 		t.Errorf("short row counts: %v", err)
 	}
 }
