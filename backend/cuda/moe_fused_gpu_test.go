@@ -272,22 +272,14 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		t.Fatalf("grouped GEMM kernels: %v", x.err)
 	}
 	gg := x.bf16Out
+	// Every kernel is loaded and opted in first, so a Fatal leaves the
+	// default ones in place.
 	type swap struct {
-		k    **Kernel
-		dflt *Kernel
+		k        **Kernel
+		variant  *Kernel
+		defaults *Kernel
 	}
 	var swaps []swap
-	restore = func() {
-		for _, sw := range swaps {
-			*sw.k = sw.dflt
-		}
-	}
-	done := false
-	defer func() {
-		if !done { // a Fatal below: the default kernels back
-			restore()
-		}
-	}()
 	for _, f := range []struct {
 		name  string
 		k     **Kernel
@@ -315,11 +307,16 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 			t.Fatalf("%s of variant %s: %v", f.name, name, err)
 		}
 		figure(t, fmt.Sprintf("%s_%s_local_bytes", f.name, strings.ReplaceAll(name, "-", "_")), float64(local), "B")
-		swaps = append(swaps, swap{f.k, *f.k})
-		*f.k = k
+		swaps = append(swaps, swap{f.k, k, *f.k})
 	}
-	done = true
-	return restore
+	for _, sw := range swaps {
+		*sw.k = sw.variant
+	}
+	return func() {
+		for _, sw := range swaps {
+			*sw.k = sw.defaults
+		}
+	}
 }
 
 // gatherVariantsEnv names the variants a run takes, comma-separated:

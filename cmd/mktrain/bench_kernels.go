@@ -423,28 +423,32 @@ func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []in
 		}
 		wg.Wait()
 	}
-	// The two are timed alternately, a step of each in turn, so a drift
-	// of the device's clock (it runs at its power cap under this load)
-	// meets both alike.
-	timeOne := func(work func(rankWork)) (time.Duration, error) {
+	// timeSteps queues n steps of work with no sync between them and
+	// returns their mean, timed until every device is done.
+	timeSteps := func(work func(rankWork), n int) (time.Duration, error) {
 		start := time.Now()
-		runAll(work)
+		for range n {
+			runAll(work)
+		}
 		if err := syncAll(); err != nil {
 			return 0, err
 		}
-		return time.Since(start), nil
+		return time.Since(start) / time.Duration(n), nil
 	}
 	if err := syncAll(); err != nil {
 		return expertsAlone{}, err
 	}
 	var a expertsAlone
+	// Each step by itself, the two kinds alternately, so a drift of the
+	// device's clock (it runs at its power cap under this load) meets
+	// both alike; the medians.
 	gemmTimes, fusedTimes := make([]time.Duration, iters), make([]time.Duration, iters)
 	for i := -2; i < iters; i++ { // two warm-up steps of each
-		g, err := timeOne(gemms)
+		g, err := timeSteps(gemms, 1)
 		if err != nil {
 			return a, err
 		}
-		f, err := timeOne(fused)
+		f, err := timeSteps(fused, 1)
 		if err != nil {
 			return a, err
 		}
@@ -455,27 +459,17 @@ func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []in
 	slices.Sort(gemmTimes)
 	slices.Sort(fusedTimes)
 	a.gemm, a.kernels = gemmTimes[iters/2], fusedTimes[iters/2]
-	// Back to back: iters steps of one kind queued with no sync between
-	// them (the device never idles for the host, and runs at the clock it
-	// holds under sustained load), their mean a step; three such blocks of
-	// each kind, alternately, and the median block.
-	backToBack := func(work func(rankWork)) (time.Duration, error) {
-		start := time.Now()
-		for range iters {
-			runAll(work)
-		}
-		if err := syncAll(); err != nil {
-			return 0, err
-		}
-		return time.Since(start) / time.Duration(iters), nil
-	}
+	// Back to back: blocks of iters steps of one kind queued with no sync
+	// between them (the device never idles for the host, and runs at the
+	// clock it holds under sustained load); three blocks of each kind,
+	// alternately, and the median block.
 	var gemmBlocks, fusedBlocks [3]time.Duration
 	for i := range gemmBlocks {
 		var err error
-		if gemmBlocks[i], err = backToBack(gemms); err != nil {
+		if gemmBlocks[i], err = timeSteps(gemms, iters); err != nil {
 			return a, err
 		}
-		if fusedBlocks[i], err = backToBack(fused); err != nil {
+		if fusedBlocks[i], err = timeSteps(fused, iters); err != nil {
 			return a, err
 		}
 	}
