@@ -604,7 +604,6 @@ __device__ __forceinline__ long long gg_shfl_ptr(long long v, int src) {
 #define GG_EX_NO_STORES 2     // the rows loaded, none stored (timing only)
 #define GG_EX_STREAMING 4     // loads cache-streaming (ld.global.cs)
 #define GG_EX_NO_FENCES 16    // no fences before a chunk's flag (timing only)
-#define GG_EX_DGRAD_STAGED 32 // FUSE 3: partial blocks through the staging slots, stored by plain stores
 
 // gg_sigmoid is 1 / (1 + e^-x) with the hardware's approximate exp2 and
 // reciprocal (relative error ~1e-7, far below bf16's rounding): the
@@ -1162,31 +1161,6 @@ __device__ __forceinline__ void gg_dswiglu_load(const gg_fuse& fz, unsigned slot
   gg_tma_2d(slot + 8192u, fz.mapOut[3], n0 + 64 * b, row0, bar);
 }
 
-// gg_slot_rows stores a staging slot's two 64x64 boxes (a at +0, b at
-// +8 KiB, swizzled as TMA wrote them) to outA and outB, [*, N] bf16, rows
-// row0 .. rowEnd - 1 and columns col0 .. N - 1 only: the 1024 16-byte
-// pieces shared by a warpgroup's 128 threads (wtid), piece q at box
-// q >> 9, row (q >> 3) & 63, chunk (q & 7) ^ (row & 7) (GG_EX_DGRAD_STAGED).
-__device__ __forceinline__ void gg_slot_rows(unsigned short* outA, unsigned short* outB, unsigned slot, int wtid,
-                                             int row0, int rowEnd, int col0, int N) {
-#pragma unroll
-  for (int i = 0; i < 8; i++) {
-    const int q = wtid + 128 * i, r = (q >> 3) & 63;
-    const long long row = (long long)row0 + r;
-    const int col = col0 + 8 * ((q & 7) ^ (r & 7));
-    if (row >= rowEnd || col >= N) continue;
-    unsigned v[4];
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                 : "r"(slot + 16u * q)
-                 : "memory");
-    unsigned short* out = (q >> 9) ? outB : outA;
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(out + row * N + col), "r"(v[0]), "r"(v[1]), "r"(v[2]),
-                 "r"(v[3])
-                 : "memory");
-  }
-}
-
 // gg_epilogue_dswiglu_tma is FUSE 3's epilogue through shared memory: the
 // warpgroup's 64 x 256 block of dAct in four boxes of 64 columns. Box b
 // sits in slot b & 1 of the warpgroup's two 16 KiB slots (h1 and h3 boxes,
@@ -1198,14 +1172,10 @@ __device__ __forceinline__ void gg_slot_rows(unsigned short* outA, unsigned shor
 // written by one thread, so no barrier separates the reads from the
 // writes. c counts the warpgroup's boxes (a multiple of 4 on entry):
 // slot b & 1's barrier completes its ((c + b) >> 1)-th phase for box b.
-// The rows are those gg_block_tma allows; under GG_EX_DGRAD_STAGED also
-// a partial block (partial: rows from rowEnd on are the next expert's),
-// whose two boxes every thread then stores by plain 16-byte stores of the
-// rows before rowEnd (gg_slot_rows) instead of thread 0's TMA stores.
+// The rows are those gg_block_tma allows.
 __device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128], const gg_fuse& fz, unsigned stg,
                                                         unsigned ebar, int wtid, int warp, int lane, int row0, int n0,
-                                                        int N, int id, unsigned& c, unsigned short* dh1, int rowEnd,
-                                                        bool partial) {
+                                                        int N, int id, unsigned& c) {
   const int rl = (warp & 3) * 16 + (lane >> 2);
   const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
 #pragma unroll
@@ -1250,20 +1220,6 @@ __device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128],
     // Generic-proxy writes, async-proxy reader (as gg_epilogue_tma).
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     gg_named_sync(id, 128);
-    if constexpr ((GG_EXPERIMENT & GG_EX_DGRAD_STAGED) != 0) {
-      if (partial) {
-        if (!(fz.mode & 32)) gg_slot_rows(dh1, fz.h3, slot, wtid, row0, rowEnd, n0 + 64 * b, N);
-        // Every thread has read the slot (generic proxy) before TMA loads
-        // box b + 2 into it (async proxy).
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        gg_named_sync(id, 128);
-        if (wtid == 0 && b + 2 < 4) {
-          if (fz.mode & 64) gg_bar_arrive(bar);
-          else gg_dswiglu_load(fz, slot, bar, row0, n0, b + 2);
-        }
-        continue;
-      }
-    }
     if (wtid == 0) {
       const int col = n0 + 64 * b;
       if (col < N && !(fz.mode & 32)) {
@@ -1630,10 +1586,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     // stages every block with rows (gg_block_staged).
     const int wr0 = tile.row0 + cw * 64;
     const bool tmaBlock = gg_block_tma(wr0, tile.rowEnd, rows);
-    // FUSE 3 under GG_EX_DGRAD_STAGED: every block with rows goes through
-    // the slots (partial ones leave by plain stores).
-    const bool dswTma = FUSE == 3 && ((GG_EXPERIMENT & GG_EX_DGRAD_STAGED) != 0 ? wr0 < tile.rowEnd : tmaBlock) &&
-                        !(fz.mode & 16);
+    const bool dswTma = FUSE == 3 && tmaBlock && !(fz.mode & 16);
     // FUSE 3: the k-block after which the tile's first two h1/h3 boxes are
     // requested: late enough that the previous tile's stores have read
     // their slots, early enough that they land before the epilogue.
@@ -1705,10 +1658,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     } else if (FUSE == 3) {
       if (dswTma) {
         gg_epilogue_dswiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), ebars + 16 * cw, wtid,
-                                warp, lane, wr0, tile.n0, N, 1 + cw, stgc, (unsigned short*)out, tile.rowEnd, !tmaBlock);
+                                warp, lane, wr0, tile.n0, N, 1 + cw, stgc);
         continue;
       }
-      if ((GG_EXPERIMENT & GG_EX_DGRAD_STAGED) != 0 && !(fz.mode & 16)) continue;  // no row of the expert's
       gg_epilogue_dswiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
     } else if (FUSE == 2 || FUSE == 4) {
       gg_epilogue_rows<R>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);

@@ -193,8 +193,6 @@ func Sources() []Source {
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
-			{Name: "dgrad-staged-partial", Defines: []string{"GG_EXPERIMENT=32"}, Exact: true,
-				Purpose: "moe_dispatch_dgrad's partial blocks through the staging slots, their rows stored by plain stores"},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},
