@@ -185,6 +185,9 @@ type Result struct {
 	ValLoss   float64       // last validation loss (NaN when none ran)
 	Tokens    int64         // tokens trained on, those before StartStep included
 	Elapsed   time.Duration // wall time of the training loop
+	// Dispatcher is the MoE dispatcher the ranks trained with:
+	// model.moe.dispatcher with auto settled ("fused" or "unfused").
+	Dispatcher string
 }
 
 // Run trains until the configured number of steps or until ctx is

@@ -90,7 +90,9 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).
 		Int("params", ParamCount(cfg.Model)).Int("steps", cfg.Train.Steps).Msg("training starts")
 	e.logOptimizerMemory(ranks)
-	return s.run(ctx)
+	res, err := s.run(ctx)
+	res.Dispatcher = cfg.Model.MoE.Dispatcher
+	return res, err
 }
 
 func (s *session) run(ctx context.Context) (Result, error) {

@@ -156,7 +156,8 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	defer eng.Close()
 	fmt.Fprintf(stderr, "bench: %s on %s, %d warmup + %d measured steps\n", recipe, eng.BackendName(), *warmup, *steps)
-	if _, err := eng.Run(ctx); err != nil {
+	run, err := eng.Run(ctx)
+	if err != nil {
 		return err
 	}
 	if profErr != nil {
@@ -181,6 +182,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		"flops_per_token": flopsPerToken,
 		"model_tflops":    flopsPerToken * tokens / median / 1e12,
 		"mfu":             nil, // null on the CPU
+		"moe_dispatcher":  run.Dispatcher,
 	}
 	mem := peakMemory(inner)
 	figures["peak_memory_bytes"], figures["peak_memory_source"] = mem.bytes, mem.source
@@ -189,8 +191,8 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		mfu = flopsPerToken * tokens / median / gpuPeakFLOPs
 		figures["mfu"], figures["mfu_peak_flops"] = mfu, gpuPeakFLOPs
 	}
-	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s %8s %12s\n", "benchmark", "recipe", "tokens/s", "step ms", "MFU", "peak memory")
-	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f %8s %12s\n", "train", recipe, tokens/median, median*1e3, formatMFU(mfu), formatBytes(mem.bytes))
+	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s %8s %12s  %s\n", "benchmark", "recipe", "tokens/s", "step ms", "MFU", "peak memory", "MoE dispatcher")
+	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f %8s %12s  %s\n", "train", recipe, tokens/median, median*1e3, formatMFU(mfu), formatBytes(mem.bytes), run.Dispatcher)
 	if prof != nil {
 		rep = rep.WithWall(profWall)
 		figures["profiled_step_ms"] = profWall.Seconds() * 1e3

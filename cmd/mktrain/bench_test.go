@@ -54,6 +54,10 @@ func TestBenchTrainProfile(t *testing.T) {
 	if v, ok := fig["mfu"]; !ok || v != nil {
 		t.Errorf("mfu on the CPU is %v (present %v), want null", v, ok)
 	}
+	// auto settles to unfused on the CPU, where both run the same ops.
+	if fig["moe_dispatcher"] != "unfused" || !strings.Contains(stdout, "unfused") {
+		t.Errorf("moe_dispatcher %v, want unfused in the figures and the table:\n%s", fig["moe_dispatcher"], stdout)
+	}
 	if v, _ := fig["peak_memory_bytes"].(float64); v <= 0 {
 		t.Errorf("peak_memory_bytes %v", fig["peak_memory_bytes"])
 	}
@@ -103,7 +107,10 @@ func TestBenchTrainProfile(t *testing.T) {
 }
 
 func TestBenchTrainWithoutProfile(t *testing.T) {
-	stdout, fig := readBench(t, "--profile=false")
+	stdout, fig := readBench(t, "--profile=false", "--set", "model.moe.dispatcher=fused")
+	if fig["moe_dispatcher"] != "fused" {
+		t.Errorf("moe_dispatcher %v, want fused as the recipe says", fig["moe_dispatcher"])
+	}
 	if _, ok := fig["breakdown"]; ok || strings.Contains(stdout, "where the time goes") {
 		t.Errorf("--profile=false still profiled:\n%s", stdout)
 	}
