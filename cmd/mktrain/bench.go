@@ -35,13 +35,16 @@ and a table shows where that step's time goes: attention, expert GEMMs,
 other GEMMs, dispatch, router, norms and elementwise, loss, optimizer, host
 transfers, communication (the NCCL collectives, with one rank per GPU) and
 host gaps (time no op covers); with several GPUs it is rank 0's step. A
-last, untimed step follows (it runs the final evaluation). Writes DIR/train-<recipe>-<time>.json with
-the commit, the machine, the command and the figures.
+last, untimed step follows (it runs the final evaluation). Writes
+train-<recipe>.json, with the commit, the machine, the command and the
+figures, into bench/results/<machine>/ (cpu, h200, ...: the latest result
+of each benchmark per machine, overwritten by the next run) or into the
+folder --out names.
 
 Flags:
 `
 
-// benchResult is the JSON a benchmark leaves in bench/results/.
+// benchResult is the JSON a benchmark leaves in bench/results/<machine>/.
 type benchResult struct {
 	Benchmark string         `json:"benchmark"`
 	Commit    string         `json:"commit"`
@@ -60,6 +63,7 @@ type machineInfo struct {
 	CPUs    int    `json:"cpus"`
 	CPU     string `json:"cpu"`
 	Backend string `json:"backend,omitempty"`
+	Device  string `json:"device,omitempty"` // the GPU's name, where the backend names its device
 }
 
 func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -82,7 +86,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	steps := fs.Int("steps", 20, "measured steps")
 	warmup := fs.Int("warmup", 3, "steps run before measuring")
 	doProfile := fs.Bool("profile", true, "time one extra step op by op and print where its time goes")
-	out := fs.String("out", filepath.Join("bench", "results"), "directory for the JSON result")
+	out := fs.String("out", "", "directory for the JSON result (default bench/results/<machine>)")
 	pos, err := parseInterspersed(fs, args[1:])
 	if err != nil {
 		return err
@@ -210,7 +214,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		Config:    cfg,
 		Figures:   figures,
 	}
-	return writeResult(stdout, *out, res)
+	return writeResult(stdout, *out, inner, res)
 }
 
 // gpuPeakFLOPs is the dense bf16 peak of an H100 or H200 (SXM), the
@@ -313,21 +317,33 @@ func formatBytes(n int64) string {
 	return fmt.Sprintf("%.1f %s", v, units[i])
 }
 
-// writeBenchResult records a benchmark's figures with the commit, machine
-// and command.
-func writeBenchResult(stdout io.Writer, dir, benchmark, recipe, backendName string, cfg engine.Config, command string, figures map[string]any) error {
-	return writeResult(stdout, dir, benchResult{
+// writeBenchResult records a benchmark that runs on no backend (bench
+// checkpoint) with the commit, machine and command.
+func writeBenchResult(stdout io.Writer, out, benchmark, recipe, backendName string, cfg engine.Config, command string, figures map[string]any) error {
+	return writeResult(stdout, out, nil, benchResult{
 		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: command, Machine: machine(backendName), Recipe: recipe, Config: cfg, Figures: figures,
 	})
 }
 
-func writeResult(stdout io.Writer, dir string, res benchResult) error {
+// writeResult writes res as <benchmark>-<recipe>.json into the folder out
+// names, or, when out is "", into bench/results/<machine kind of b>/:
+// that folder keeps the latest result of each benchmark per machine (a
+// run overwrites the one before; the history is in git). b is the
+// backend the figures were measured on (nil: none, as for bench
+// checkpoint); its device's name goes into the machine record too.
+func writeResult(stdout io.Writer, out string, b backend.Backend, res benchResult) error {
+	dir := out
+	if dir == "" {
+		dir = filepath.Join("bench", "results", machineKind(b))
+	}
+	if res.Machine.Device == "" {
+		res.Machine.Device = deviceName(b)
+	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("bench results: %w", err)
 	}
-	name := fmt.Sprintf("%s-%s-%s.json", res.Benchmark, strings.TrimSuffix(filepath.Base(res.Recipe), ".yaml"), time.Now().UTC().Format("20060102T150405Z"))
-	path := filepath.Join(dir, name)
+	path := filepath.Join(dir, resultFileName(res))
 	buf, err := json.MarshalIndent(res, "", "  ")
 	if err != nil {
 		return err
@@ -337,6 +353,66 @@ func writeResult(stdout io.Writer, dir string, res benchResult) error {
 	}
 	fmt.Fprintf(stdout, "wrote %s\n", path)
 	return nil
+}
+
+// resultFileName is <benchmark>-<recipe>.json, the recipe named without
+// its folder and .yaml, so the same benchmark of the same recipe on the
+// same machine always lands in the same file.
+func resultFileName(res benchResult) string {
+	return fmt.Sprintf("%s-%s.json", res.Benchmark, strings.TrimSuffix(filepath.Base(res.Recipe), ".yaml"))
+}
+
+// machineKind names the kind of machine a result was measured on, the
+// folder of bench/results it goes to: the GPU's model where the backend
+// names its device ("h200" for "NVIDIA H200", "h100-80gb-hbm3" for
+// "NVIDIA H100 80GB HBM3"), else the backend's name; "cpu" without a
+// backend.
+func machineKind(b backend.Backend) string {
+	name := deviceName(b)
+	if name == "" {
+		if b == nil {
+			return "cpu"
+		}
+		return b.Name()
+	}
+	name = strings.TrimPrefix(strings.ToLower(strings.TrimSpace(name)), "nvidia ")
+	var kind strings.Builder
+	dash := false
+	for _, r := range name {
+		if ('a' <= r && r <= 'z') || ('0' <= r && r <= '9') {
+			if dash && kind.Len() > 0 {
+				kind.WriteByte('-')
+			}
+			kind.WriteRune(r)
+			dash = false
+		} else {
+			dash = true
+		}
+	}
+	if kind.Len() == 0 {
+		return b.Name()
+	}
+	return kind.String()
+}
+
+// deviceName is the name of the device b computes on, where b, or a
+// backend it wraps (a method Inner, as the profiler has), tells it
+// through a method DeviceName() string (the CUDA backend: "NVIDIA H200");
+// "" otherwise.
+func deviceName(b backend.Backend) string {
+	for b != nil {
+		if d, ok := b.(interface{ DeviceName() string }); ok {
+			if name := d.DeviceName(); name != "" {
+				return name
+			}
+		}
+		w, ok := b.(interface{ Inner() backend.Backend })
+		if !ok {
+			return ""
+		}
+		b = w.Inner()
+	}
+	return ""
 }
 
 // commit is the source revision, from the build info (with "+dirty" when

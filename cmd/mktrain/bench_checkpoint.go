@@ -24,7 +24,9 @@ model (default moe-small): fp32 weights and both AdamW moments, as one rank
 writes them, once with the moments uncompressed and once with zstd. Save
 time includes fsync and the atomic rename; load time reads every tensor
 back (from the page cache when the machine has the memory). Writes
-DIR/checkpoint-<recipe>-<time>.json.
+checkpoint-<recipe>.json into bench/results/cpu/ (it uses no backend; the
+latest result, overwritten by the next run) or into the folder --out
+names.
 
 Flags:
 `
@@ -34,7 +36,7 @@ func cmdBenchCheckpoint(ctx context.Context, args []string, stdout, stderr io.Wr
 	var sets setFlags
 	fs.Var(&sets, "set", "override a recipe field (repeatable), e.g. --set model.layers=2")
 	scratch := fs.String("dir", "", "where the checkpoints are written (default a temporary directory)")
-	out := fs.String("out", filepath.Join("bench", "results"), "directory for the JSON result")
+	out := fs.String("out", "", "directory for the JSON result (default bench/results/cpu)")
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err

@@ -42,11 +42,12 @@ SwiGLU and scatter back to the sources: the data movement the fused
 kernels hide) within 10% of the GEMMs alone, and the fused
 forward+backward faster than the unfused one. The whole forward also
 routes and combines, so it is shown beside the block but not held to the
-first bar. Writes
-DIR/kernels-<shapes>-<time>.json, and stores each shape's faster
-dispatcher in the dispatch table that model.moe.dispatcher: auto reads
-(dispatch.json in $MKTRAIN_CACHE_DIR, else in the user cache directory's
-mktrain folder).
+first bar. Writes kernels-<shapes>.json (kernels-gpus-<shapes>.json with
+--gpus) into bench/results/<machine>/ (the latest result per machine,
+overwritten by the next run) or into the folder --out names, and stores
+each shape's faster dispatcher in the dispatch table that
+model.moe.dispatcher: auto reads (dispatch.json in $MKTRAIN_CACHE_DIR,
+else in the user cache directory's mktrain folder).
 
 With --gpus, world W is W ranks on GPUs 0..W-1, one each, their expert
 group an NCCL communicator with peer access between the GPUs: the fused
@@ -121,7 +122,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	iters := fs.Int("iters", 10, "measured steps of each kind")
 	backendName := fs.String("backend", "auto", "auto, cpu or cuda")
 	onGPUs := fs.Bool("gpus", false, "one rank per GPU (world W on GPUs 0..W-1, NCCL with peer access) instead of W virtual ranks of one device")
-	out := fs.String("out", "bench/results", "directory for the JSON result")
+	out := fs.String("out", "", "directory for the JSON result (default bench/results/<machine>)")
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err
@@ -207,8 +208,12 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	for i, s := range shapes {
 		names[i] = s.Name
 	}
-	return writeResult(stdout, *out, benchResult{
-		Benchmark: "kernels", Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
+	benchmark := "kernels"
+	if *onGPUs { // its own file: one rank per GPU is not the virtual ranks' benchmark
+		benchmark = "kernels-gpus"
+	}
+	return writeResult(stdout, *out, b, benchResult{
+		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: "mktrain bench kernels " + strings.Join(args, " "), Machine: machine(moe.MachineName(b)),
 		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters, "gpus": *onGPUs},
 		Figures: map[string]any{"rows": rows, "bars": []string{gemmBar, unfusedBar}, "dispatch_table": table},

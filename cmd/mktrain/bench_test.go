@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/recipes"
 )
@@ -25,17 +27,20 @@ func readBench(t *testing.T, extra ...string) (string, map[string]any) {
 	var res struct {
 		Figures map[string]any `json:"figures"`
 	}
-	readResult(t, dir, "train-tiny-*.json", &res)
+	readResult(t, dir, "train-tiny.json", &res)
 	return stdout, res.Figures
 }
 
 // readResult decodes the one benchmark result in dir whose name matches
-// pattern into v.
+// pattern into v, and fails if the folder holds any other file.
 func readResult(t *testing.T, dir, pattern string, v any) {
 	t.Helper()
 	files, err := filepath.Glob(filepath.Join(dir, pattern))
 	if err != nil || len(files) != 1 {
 		t.Fatalf("result files %v (%v)", files, err)
+	}
+	if all, err := os.ReadDir(dir); err != nil || len(all) != 1 {
+		t.Fatalf("%s holds %d entries (%v), want only %s", dir, len(all), err, pattern)
 	}
 	buf, err := os.ReadFile(files[0])
 	if err != nil {
@@ -130,5 +135,79 @@ func TestModelFLOPsPerToken(t *testing.T) {
 	}
 	if got, want := modelFLOPsPerToken(cfg.Model, 16), 6.0*140096+6*2*64*16; got != want {
 		t.Errorf("modelFLOPsPerToken = %v, want %v", got, want)
+	}
+}
+
+// TestBenchDefaultOutput runs bench train twice without --out from a
+// fresh folder: both runs write bench/results/cpu/train-tiny.json, the
+// second over the first, and nothing else.
+func TestBenchDefaultOutput(t *testing.T) {
+	t.Chdir(t.TempDir())
+	for _, steps := range []string{"2", "1"} {
+		args := append([]string{"bench", "train", "tiny", "--steps", steps, "--warmup", "0", "--profile=false"}, quick...)
+		code, stdout, stderr := runCLI(t, args...)
+		if code != exitOK {
+			t.Fatalf("exit %d\n%s", code, stderr)
+		}
+		want := filepath.Join("bench", "results", "cpu", "train-tiny.json")
+		if !strings.Contains(stdout, "wrote "+want+"\n") {
+			t.Errorf("stdout does not name %s:\n%s", want, stdout)
+		}
+	}
+	var res struct {
+		Benchmark string `json:"benchmark"`
+		Commit    string `json:"commit"`
+		Command   string `json:"command"`
+		Machine   struct {
+			Backend string `json:"backend"`
+			Device  string `json:"device"`
+		} `json:"machine"`
+		Figures map[string]any `json:"figures"`
+	}
+	readResult(t, filepath.Join("bench", "results", "cpu"), "train-tiny.json", &res)
+	if res.Figures["measured_steps"] != 1.0 || !strings.Contains(res.Command, "--steps 1") {
+		t.Errorf("the file is not the second run's: measured_steps %v, command %q", res.Figures["measured_steps"], res.Command)
+	}
+	if res.Benchmark != "train" || res.Commit == "" || res.Machine.Backend != "cpu" || res.Machine.Device != "" {
+		t.Errorf("benchmark %q, commit %q, machine %+v", res.Benchmark, res.Commit, res.Machine)
+	}
+	if entries, err := os.ReadDir(filepath.Join("bench", "results")); err != nil || len(entries) != 1 {
+		t.Errorf("bench/results holds %d entries (%v), want only cpu/", len(entries), err)
+	}
+}
+
+// deviceBackend is a backend that names its device, as the CUDA backend
+// does.
+type deviceBackend struct {
+	backend.Backend
+	device string
+}
+
+func (d deviceBackend) Name() string       { return "cuda" }
+func (d deviceBackend) DeviceName() string { return d.device }
+
+func TestMachineKind(t *testing.T) {
+	cpuB := cpu.New(backend.Float32)
+	for _, c := range []struct {
+		b          backend.Backend
+		kind, name string
+	}{
+		{nil, "cpu", ""},
+		{cpuB, "cpu", ""},
+		{deviceBackend{cpuB, "NVIDIA H200"}, "h200", "NVIDIA H200"},
+		{deviceBackend{cpuB, "NVIDIA H100 80GB HBM3"}, "h100-80gb-hbm3", "NVIDIA H100 80GB HBM3"},
+		{deviceBackend{cpuB, "  NVIDIA GeForce RTX 4090 "}, "geforce-rtx-4090", "  NVIDIA GeForce RTX 4090 "},
+		{deviceBackend{cpuB, "???"}, "cuda", "???"},
+		{deviceBackend{cpuB, ""}, "cuda", ""},
+		// The profiler wraps the engine's backend: the device is looked
+		// for through Inner.
+		{profile.New(deviceBackend{cpuB, "NVIDIA H200"}, profile.WallClock()).Backend(), "h200", "NVIDIA H200"},
+	} {
+		if got := machineKind(c.b); got != c.kind {
+			t.Errorf("machineKind(%v) = %q, want %q", c.b, got, c.kind)
+		}
+		if got := deviceName(c.b); got != c.name {
+			t.Errorf("deviceName(%v) = %q, want %q", c.b, got, c.name)
+		}
 	}
 }

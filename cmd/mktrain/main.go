@@ -59,7 +59,7 @@ Usage:
   mktrain ckpt inspect DIR
                          show a checkpoint's state, tensors and recipe
   mktrain bench train [RECIPE] [--steps N]
-                         measure training tokens/s; writes bench/results/*.json
+                         measure training tokens/s; writes bench/results/<machine>/
   mktrain version        print the version
 
 Run 'mktrain COMMAND --help' for a command's flags.
