@@ -214,7 +214,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		Config:    cfg,
 		Figures:   figures,
 	}
-	return writeResult(stdout, *out, inner, res)
+	return writeResult(stdout, *out, "train-"+recipeName(recipe), inner, res)
 }
 
 // gpuPeakFLOPs is the dense bf16 peak of an H100 or H200 (SXM), the
@@ -318,21 +318,24 @@ func formatBytes(n int64) string {
 }
 
 // writeBenchResult records a benchmark that runs on no backend (bench
-// checkpoint) with the commit, machine and command.
+// checkpoint) with the commit, machine and command, as
+// <benchmark>-<recipe>.json.
 func writeBenchResult(stdout io.Writer, out, benchmark, recipe, backendName string, cfg engine.Config, command string, figures map[string]any) error {
-	return writeResult(stdout, out, nil, benchResult{
+	return writeResult(stdout, out, benchmark+"-"+recipeName(recipe), nil, benchResult{
 		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: command, Machine: machine(backendName), Recipe: recipe, Config: cfg, Figures: figures,
 	})
 }
 
-// writeResult writes res as <benchmark>-<recipe>.json into the folder out
-// names, or, when out is "", into bench/results/<machine kind of b>/:
-// that folder keeps the latest result of each benchmark per machine (a
-// run overwrites the one before; the history is in git). b is the
-// backend the figures were measured on (nil: none, as for bench
-// checkpoint); its device's name goes into the machine record too.
-func writeResult(stdout io.Writer, out string, b backend.Backend, res benchResult) error {
+// writeResult writes res as name.json into the folder out names, or,
+// when out is "", into bench/results/<machine kind of b>/: that folder
+// keeps the latest result of each benchmark per machine (a run overwrites
+// the one before; the history is in git). A benchmark of a recipe names
+// its file <benchmark>-<recipe> (train-moe-small), one of its own shapes
+// <benchmark> (moe, kernels). b is the backend the figures were measured
+// on (nil: none, as for bench checkpoint); its device's name goes into
+// the machine record too.
+func writeResult(stdout io.Writer, out, name string, b backend.Backend, res benchResult) error {
 	dir := out
 	if dir == "" {
 		dir = filepath.Join("bench", "results", machineKind(b))
@@ -343,7 +346,7 @@ func writeResult(stdout io.Writer, out string, b backend.Backend, res benchResul
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("bench results: %w", err)
 	}
-	path := filepath.Join(dir, resultFileName(res))
+	path := filepath.Join(dir, name+".json")
 	buf, err := json.MarshalIndent(res, "", "  ")
 	if err != nil {
 		return err
@@ -355,11 +358,10 @@ func writeResult(stdout io.Writer, out string, b backend.Backend, res benchResul
 	return nil
 }
 
-// resultFileName is <benchmark>-<recipe>.json, the recipe named without
-// its folder and .yaml, so the same benchmark of the same recipe on the
-// same machine always lands in the same file.
-func resultFileName(res benchResult) string {
-	return fmt.Sprintf("%s-%s.json", res.Benchmark, strings.TrimSuffix(filepath.Base(res.Recipe), ".yaml"))
+// recipeName is a recipe as a result's file names it: without its
+// folder and .yaml (recipes/moe-small.yaml is moe-small).
+func recipeName(recipe string) string {
+	return strings.TrimSuffix(filepath.Base(recipe), ".yaml")
 }
 
 // machineKind names the kind of machine a result was measured on, the

@@ -42,12 +42,12 @@ SwiGLU and scatter back to the sources: the data movement the fused
 kernels hide) within 10% of the GEMMs alone, and the fused
 forward+backward faster than the unfused one. The whole forward also
 routes and combines, so it is shown beside the block but not held to the
-first bar. Writes kernels-<shapes>.json (kernels-gpus-<shapes>.json with
---gpus) into bench/results/<machine>/ (the latest result per machine,
-overwritten by the next run) or into the folder --out names, and stores
-each shape's faster dispatcher in the dispatch table that
-model.moe.dispatcher: auto reads (dispatch.json in $MKTRAIN_CACHE_DIR,
-else in the user cache directory's mktrain folder).
+first bar. Writes kernels.json (kernels-gpus.json with --gpus) into
+bench/results/<machine>/ (the latest result per machine, overwritten by
+the next run) or into the folder --out names, and stores each shape's
+faster dispatcher in the dispatch table that model.moe.dispatcher: auto
+reads (dispatch.json in $MKTRAIN_CACHE_DIR, else in the user cache
+directory's mktrain folder).
 
 With --gpus, world W is W ranks on GPUs 0..W-1, one each, their expert
 group an NCCL communicator with peer access between the GPUs: the fused
@@ -212,7 +212,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	if *onGPUs { // its own file: one rank per GPU is not the virtual ranks' benchmark
 		benchmark = "kernels-gpus"
 	}
-	return writeResult(stdout, *out, b, benchResult{
+	return writeResult(stdout, *out, benchmark, b, benchResult{
 		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: "mktrain bench kernels " + strings.Join(args, " "), Machine: machine(moe.MachineName(b)),
 		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters, "gpus": *onGPUs},

@@ -39,7 +39,7 @@ func TestBenchKernels(t *testing.T) {
 			Table string           `json:"dispatch_table"`
 		} `json:"figures"`
 	}
-	readResult(t, dir, "kernels-tiny.json", &res)
+	readResult(t, dir, "kernels.json", &res)
 	if res.Commit == "" || !strings.HasPrefix(res.Command, "mktrain bench kernels ") {
 		t.Errorf("commit %q, command %q", res.Commit, res.Command)
 	}

@@ -36,9 +36,9 @@ For each shape and W it prints the median step times, the expert GEMMs'
 rate (their FLOPs over the forward+backward time) and the time of each
 phase. Phases are timed in separate steps that wait for the device and
 for every rank at each phase boundary, so they add up to more than the
-overlapped step. Writes moe-<shapes>.json (shapes joined by +) into
-bench/results/<machine>/ (the latest result per machine, overwritten by
-the next run) or into the folder --out names.
+overlapped step. Writes moe.json into bench/results/<machine>/ (the
+latest result per machine, overwritten by the next run) or into the
+folder --out names.
 
 Flags:
 `
@@ -131,7 +131,7 @@ func cmdBenchMoE(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	for i, s := range shapes {
 		names[i] = s.Name
 	}
-	return writeResult(stdout, *out, b, benchResult{
+	return writeResult(stdout, *out, "moe", b, benchResult{
 		Benchmark: "moe", Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: "mktrain bench moe " + strings.Join(args, " "), Machine: machine(b.Name()),
 		Recipe: strings.Join(names, "+"), Config: shapes,

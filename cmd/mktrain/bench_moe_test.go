@@ -28,7 +28,7 @@ func TestBenchMoE(t *testing.T) {
 			Phases []string      `json:"phases"`
 		} `json:"figures"`
 	}
-	readResult(t, dir, "moe-tiny.json", &res)
+	readResult(t, dir, "moe.json", &res)
 	if res.Commit == "" {
 		t.Error("no commit in the result")
 	}
