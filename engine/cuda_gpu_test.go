@@ -44,7 +44,7 @@ func runSteps(t *testing.T, cfg Config, b backend.Backend, steps int) (losses []
 	defer cancel()
 	var rates []float64
 	name := "its own " + cfg.Train.Backend + " backend"
-	opts := []Option{}
+	opts := []Option{withCUDA()}
 	if b != nil {
 		name = b.Name()
 		opts = append(opts, WithBackend(b))

@@ -26,11 +26,12 @@ package engine
 //     rendezvous. A snapshot share travels as Int32 words, so one rank's
 //     share is limited to 8 GiB.
 //
-// On the CUDA backend the groups are NCCL communicators that span the
-// processes instead (runNCCL; placeOnNodeGPUs in placement.go), one rank
-// per GPU: node 0 puts the NCCL world's unique id in the rendezvous blob
-// (RendezvousBlob), and every node hosts its block of world ranks on as
-// many GPUs. The rendezvous then watches the nodes alone: a failure it
+// On a backend whose driver spans processes itself (registry.MultiProcess:
+// the CUDA backend) the groups are the driver's communicators (NCCL) that
+// span the processes instead (runMultiProcess; placeOnNodeDevices in
+// placement.go), one rank per GPU: node 0 puts the world's id (NCCL's
+// unique id) in the rendezvous blob (RendezvousBlob), and every node hosts
+// its block of world ranks on as many GPUs. The rendezvous then watches the nodes alone: a failure it
 // reports aborts every NCCL group of this process, which returns the ranks
 // waiting in a collective at once (ncclCommAbort also stops the GPU work
 // that waits for the lost node), and a local failure is passed on to it.
@@ -49,7 +50,7 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cuda"
+	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/data"
@@ -73,32 +74,55 @@ type Distributed struct {
 
 // RendezvousBlob is the blob this node offers the rendezvous
 // (comm.RendezvousConfig.Blob; node 0's reaches every node): a fresh run id
-// (comm.NewRunBlob) and, on node 0 of a run on the CUDA backend, the unique
-// id of the NCCL world that RunDistributed makes (cuda.PutNCCLID). Making
-// the id starts NCCL's bootstrap listener on node 0, which the other nodes
-// reach on the interface NCCL picks (NCCL_SOCKET_IFNAME chooses).
+// (comm.NewRunBlob) and, on node 0 of a run on a backend whose driver
+// spans processes (registry.MultiProcess: CUDA), the id of the world that
+// RunDistributed makes (the NCCL unique id). Making the id starts NCCL's
+// bootstrap listener on node 0, which the other nodes reach on the
+// interface NCCL picks (NCCL_SOCKET_IFNAME chooses).
 func (e *Engine) RendezvousBlob(nodeRank int) ([comm.BlobSize]byte, error) {
 	blob := comm.NewRunBlob()
-	if nodeRank != 0 || e.backend.Name() != "cuda" {
+	mp, ok := e.multiProcess()
+	if nodeRank != 0 || !ok {
 		return blob, nil
 	}
-	id, err := cuda.NCCLUniqueID()
-	if err != nil {
-		return blob, fmt.Errorf("node 0: making the NCCL unique id: %w", err)
+	id, err := mp.NewWorldID()
+	if err == nil {
+		err = mp.PutWorldID(blob[:], id)
 	}
-	cuda.PutNCCLID(&blob, id)
+	if err != nil {
+		return blob, fmt.Errorf("node 0: %w", err)
+	}
 	return blob, nil
+}
+
+// multiProcess is the driver of the engine's backend when that driver
+// spans processes itself (registry.MultiProcess): the driver the engine
+// opened its backend with or, for a backend given by WithBackend, the
+// driver of WithDrivers that has its name.
+func (e *Engine) multiProcess() (registry.MultiProcess, bool) {
+	d := e.driver
+	if d == nil {
+		for _, c := range e.drivers {
+			if c.Name() == e.backend.Name() {
+				d = c
+				break
+			}
+		}
+	}
+	mp, ok := d.(registry.MultiProcess)
+	return mp, ok
 }
 
 // RunDistributed is Run for a run spread over several processes: it
 // connects to the other processes (d.TCP on the CPU backend, NCCL between
-// the GPUs on the CUDA backend), trains the ranks this process hosts until
-// the configured number of steps or until ctx is cancelled (then
-// ErrStopped, as Run), and leaves the run. An error of any process fails
+// the GPUs on the CUDA backend, whose driver is a registry.MultiProcess),
+// trains the ranks this process hosts until the configured number of
+// steps or until ctx is cancelled (then ErrStopped, as Run), and leaves
+// the run. An error of any process fails
 // the run on every process.
 func (e *Engine) RunDistributed(ctx context.Context, d Distributed) (Result, error) {
-	if e.backend.Name() == "cuda" {
-		return e.runNCCL(ctx, d)
+	if mp, ok := e.multiProcess(); ok {
+		return e.runMultiProcess(ctx, d, mp)
 	}
 	world, closeWorld, err := e.openDistributed(ctx, d)
 	if err != nil {
@@ -180,16 +204,18 @@ func (e *Engine) openDistributed(ctx context.Context, d Distributed) (ranks []*c
 	}, nil
 }
 
-// runNCCL is RunDistributed on the CUDA backend: this node's ranks on its
-// GPUs, NCCL communicators between every rank of every node, and the
+// runMultiProcess is RunDistributed on a backend whose driver spans
+// processes (CUDA): this node's ranks on its GPUs, the driver's
+// communicators (NCCL) between every rank of every node, and the
 // rendezvous watching the nodes (see the file comment).
-func (e *Engine) runNCCL(ctx context.Context, d Distributed) (Result, error) {
+func (e *Engine) runMultiProcess(ctx context.Context, d Distributed, mp registry.MultiProcess) (Result, error) {
 	if d.TCP.Listener != nil {
 		d.TCP.Listener.Close() // NCCL needs no data port of ours
 	}
+	caps, name := mp.Capabilities(), mp.Name()
 	rdv := d.Rendezvous
 	if rdv == nil {
-		return Result{}, errors.New("a run over several processes on the cuda backend needs the rendezvous (Distributed.Rendezvous): node 0's blob holds the NCCL unique id, and the rendezvous watches the nodes")
+		return Result{}, fmt.Errorf("a run over several processes on the %s backend needs the rendezvous (Distributed.Rendezvous): node 0's blob holds the %s unique id, and the rendezvous watches the nodes", name, caps.Collectives)
 	}
 	nnodes, node := len(rdv.Nodes()), d.TCP.NodeRank
 	// Until the NCCL world is made the other nodes may wait for this one
@@ -198,14 +224,15 @@ func (e *Engine) runNCCL(ctx context.Context, d Distributed) (Result, error) {
 		rdv.Abort(err)
 		return Result{}, err
 	}
-	gpu0, ok := e.closer.(*cuda.Backend)
-	if !ok {
-		return fail(fmt.Errorf("node %d: a run over %d processes on the cuda backend trains one rank per GPU, with NCCL between them, on GPUs the engine opens itself (train.backend: cuda or auto), not on a backend given with WithBackend", node, nnodes))
+	if e.device == nil || e.driver == nil || e.driver.Name() != name {
+		return fail(fmt.Errorf("node %d: a run over %d processes on the %s backend trains one rank per %s, with %s between them, on %ss the engine opens itself (train.backend: %s or auto), not on a backend given with WithBackend",
+			node, nnodes, name, caps.Device, caps.Collectives, caps.Device, name))
 	}
 	if n := len(d.TCP.Addrs); n != 0 && n != nnodes {
 		return fail(fmt.Errorf("node %d: %d data addresses for the %d nodes of the rendezvous", node, n, nnodes))
 	}
-	id, err := cuda.NCCLIDFromBlob(rdv.Blob())
+	blob := rdv.Blob()
+	id, err := mp.WorldIDFromBlob(blob[:])
 	if err != nil {
 		return fail(fmt.Errorf("node %d: %w", node, err))
 	}
@@ -217,7 +244,7 @@ func (e *Engine) runNCCL(ctx context.Context, d Distributed) (Result, error) {
 			stopSetup(err)
 		}
 	}()
-	world, backends, release, err := e.placeOnNodeGPUs(setupCtx, gpu0, node, nnodes, id)
+	world, backends, release, err := e.placeOnNodeDevices(setupCtx, mp, node, nnodes, id)
 	stopSetup(nil)
 	if err != nil {
 		return fail(err)

@@ -187,7 +187,7 @@ func (cudaNamed) Name() string { return "cuda" }
 func TestDistributedCUDANeedsNCCLID(t *testing.T) {
 	cfg := equivalenceConfig()
 	cfg.Parallel.DP, cfg.Train.MicroBatch = 2, 4
-	eng, err := New(cfg, WithBackend(cudaNamed{cpu.New(backend.Float32)}))
+	eng, err := New(cfg, WithBackend(cudaNamed{cpu.New(backend.Float32)}), withCUDA())
 	if err != nil {
 		t.Fatal(err)
 	}

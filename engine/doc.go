@@ -4,6 +4,7 @@
 //
 //	cfg := engine.DefaultConfig()            // or recipes.Load("recipes/tiny.yaml", nil)
 //	eng, err := engine.New(cfg,
+//		engine.WithDrivers(all.Drivers()...),  // package backend/all: the GPU, if any
 //		engine.WithLogger(logger),
 //		engine.WithHook(func(ev engine.StepEvent) { ... }))
 //	res, err := eng.Run(ctx)                 // cancel ctx to stop between two steps
@@ -16,10 +17,13 @@
 // # Where things are
 //
 //   - config.go, validate.go: Config, the typed recipe, and its checks.
-//   - engine.go: New, options, backend and data selection, Run. With
-//     train.backend auto the GPU is used when there is one and the model
-//     fits the CUDA kernels' limits; otherwise the CPU, with the reason
-//     logged.
+//   - engine.go: New, options, backend and data selection, Run. Backends
+//     other than the CPU come as drivers (WithDrivers; package
+//     backend/registry), which the engine never imports: train.backend
+//     names one, and auto takes the GPU when there is one and the model
+//     fits its kernels' limits; otherwise the CPU, with the reason logged.
+//   - placement.go: where the ranks train: virtual ranks of one backend,
+//     or one per GPU (registry.RankPerDevice).
 //   - train.go: the training loop, read top to bottom.
 //   - rank.go: one rank's step: micro-batches, gradient reduction, clipping,
 //     AdamW, expert-bias updates; evaluation.
@@ -73,12 +77,14 @@
 // allocations and the collectives move data with device copies and kernels
 // (comm.NewLocal). On the CUDA backend, when the machine shows at least as
 // many GPUs as the layout has ranks, each rank takes a GPU of its own and
-// the groups are NCCL communicators (cuda.NCCLRanks) instead.
+// the groups are NCCL communicators (its driver's
+// registry.RankPerDevice.MeshRanks) instead.
 // Engine.RunDistributed spreads the ranks over several
 // processes (nodes) instead, each training its own ranks: on the CPU with
 // the collectives over TCP (comm.NewTCPRanks), where the losses are bitwise
 // those of the same layout in one process; on CUDA one GPU per rank, the
-// groups cut from one NCCL world across the nodes (cuda.NCCLNodeRanks).
+// groups cut from one NCCL world across the nodes (its driver's
+// registry.MultiProcess.NodeRanks).
 // Node 0 writes the metrics and the checkpoints (see distributed.go).
 //
 // # Storage and precision

@@ -11,8 +11,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cpu"
-	"github.com/mktrain/mktrain/backend/cuda"
+	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/data"
 )
@@ -25,7 +24,13 @@ type Engine struct {
 	hooks   []func(StepEvent)
 	metrics io.Writer
 	backend backend.Backend
-	closer  io.Closer // the backend, when the engine opened it
+	// drivers are the accelerator backends train.backend may name
+	// (WithDrivers); driver and device are the one the engine opened its
+	// backend with and that backend, unwrapped (nil on the CPU and for a
+	// backend given by WithBackend).
+	drivers []registry.Driver
+	driver  registry.Driver
+	device  registry.Device
 	wrap    func(backend.Backend) backend.Backend
 	runDir  string
 	// The recipe as the user wrote it, kept in checkpoints.
@@ -52,6 +57,16 @@ func WithMetrics(w io.Writer) Option { return func(e *Engine) { e.metrics = w } 
 // WithBackend runs on b instead of the backend the config names (for
 // example cpu.New(backend.Float64) for gradient checks).
 func WithBackend(b backend.Backend) Option { return func(e *Engine) { e.backend = b } }
+
+// WithDrivers makes the accelerator backends of drivers available to
+// train.backend, auto trying them in the order given (package backend/all
+// has every driver: engine.WithDrivers(all.Drivers()...)). Without it the
+// engine trains only on the CPU, which it always has: the engine imports
+// no accelerator backend itself, so a program that needs none does not
+// link one.
+func WithDrivers(drivers ...registry.Driver) Option {
+	return func(e *Engine) { e.drivers = append(e.drivers, drivers...) }
+}
 
 // WithBackendWrapper runs the engine on wrap(b), where b is the backend
 // New picked (or the one WithBackend gave): for example a profiler
@@ -103,59 +118,47 @@ func (e *Engine) Config() Config { return e.cfg }
 // "cuda"), once New has resolved train.backend: auto.
 func (e *Engine) BackendName() string { return e.backend.Name() }
 
-// pickBackend opens the backend train.backend names: "cpu"; "cuda", which
-// fails with the reason when the GPU cannot be used; or "auto": CUDA when a
-// GPU is there and the model fits the CUDA kernels' limits, else the CPU
-// with the reason logged.
+// pickBackend opens the backend train.backend names: "cpu"; a driver's
+// ("cuda"), which fails with the reason when its device cannot be used or
+// the model exceeds its kernels' limits; or "auto": the first driver (of
+// WithDrivers) whose device is there and whose limits the model fits, else
+// the CPU with the reason logged.
 func (e *Engine) pickBackend() (backend.Backend, error) {
-	c := e.cfg
-	switch c.Train.Backend {
-	case "cpu":
-		return cpu.New(backend.Float32), nil
-	case "cuda":
-		if err := cudaUnsupported(c); err != nil {
-			return nil, fmt.Errorf("train.backend: cuda: %w", err)
-		}
-		b, err := cuda.OpenBackend(cuda.Options{})
-		if err != nil {
-			return nil, fmt.Errorf("train.backend: cuda: %w", err)
-		}
-		e.closer = b
-		e.log.Info().Msgf("backend cuda: using %s (GPU %d)", b.Device().Info().Name, b.Device().Info().Ordinal)
-		return b, nil
+	name := e.cfg.Train.Backend
+	set, err := registry.NewSet(e.drivers...)
+	if err != nil {
+		return nil, fmt.Errorf("engine.WithDrivers: %w", err)
 	}
-	// auto
-	if err := cudaUnsupported(c); err != nil {
-		e.log.Info().Msgf("backend auto: training on the CPU, since %v", err)
-		return cpu.New(backend.Float32), nil
-	}
-	b, err := cuda.OpenBackend(cuda.Options{})
+	opened, err := set.Open(name, func(d registry.Driver) error { return unsupported(d, e.cfg) })
+	var notLinked *registry.NotLinkedError
 	switch {
-	case err == nil:
-		e.closer = b
-		e.log.Info().Msgf("backend auto: using %s (GPU %d)", b.Device().Info().Name, b.Device().Info().Ordinal)
-		return b, nil
-	case cuda.NoGPU(err):
-		// The reason's first line: the full list of folders searched is
-		// for train.backend: cuda to print.
-		reason, _, _ := strings.Cut(err.Error(), "\n")
-		e.log.Info().Msgf("backend auto: no GPU (%s), training on the CPU", strings.TrimSuffix(reason, "; looked in:"))
-	default:
-		e.log.Warn().Msgf("backend auto: the GPU cannot be used (%v), training on the CPU; set train.backend: cuda to make this an error", err)
+	case errors.As(err, &notLinked):
+		return nil, fmt.Errorf("train.backend: %s: %w: give engine.New its driver with engine.WithDrivers (package backend/all has every driver; the mktrain command links them all)", name, err)
+	case err != nil:
+		return nil, fmt.Errorf("train.backend: %s: %w", name, err)
 	}
-	return cpu.New(backend.Float32), nil
+	for _, n := range opened.Notes {
+		if n.Warning {
+			e.log.Warn().Msg(n.Text)
+		} else {
+			e.log.Info().Msg(n.Text)
+		}
+	}
+	e.driver, e.device = opened.Driver, opened.Device
+	return opened.Backend, nil
 }
 
-// cudaUnsupported says why cfg cannot train on the CUDA backend, or returns
-// nil: the router and attention kernels have size limits. Layouts of
-// several ranks run there as virtual ranks on the one GPU.
-func cudaUnsupported(c Config) error {
-	if m := c.Model.MoE; m.Experts > cuda.RouterMaxExperts || m.TopK > cuda.RouterMaxTopK {
-		return fmt.Errorf("model.moe.experts is %d and model.moe.top_k %d: the CUDA router handles at most %d experts and top-%d",
-			m.Experts, m.TopK, cuda.RouterMaxExperts, cuda.RouterMaxTopK)
+// unsupported says why c cannot train on d's backend, or returns nil: the
+// router and attention kernels have size limits (Capabilities.Limits).
+// Layouts of several ranks run there as virtual ranks on the one device.
+func unsupported(d registry.Driver, c Config) error {
+	lim, kind := d.Capabilities().Limits, strings.ToUpper(d.Name())
+	if m := c.Model.MoE; (lim.RouterMaxExperts > 0 && m.Experts > lim.RouterMaxExperts) || (lim.RouterMaxTopK > 0 && m.TopK > lim.RouterMaxTopK) {
+		return fmt.Errorf("model.moe.experts is %d and model.moe.top_k %d: the %s router handles at most %d experts and top-%d",
+			m.Experts, m.TopK, kind, lim.RouterMaxExperts, lim.RouterMaxTopK)
 	}
-	if dh := c.Model.HeadDim(); dh > cuda.MaxAttnHeadDim {
-		return fmt.Errorf("the head dim (model.dim / model.heads) is %d: the CUDA attention kernels take at most %d", dh, cuda.MaxAttnHeadDim)
+	if dh := c.Model.HeadDim(); lim.AttnMaxHeadDim > 0 && dh > lim.AttnMaxHeadDim {
+		return fmt.Errorf("the head dim (model.dim / model.heads) is %d: the %s attention kernels take at most %d", dh, kind, lim.AttnMaxHeadDim)
 	}
 	return nil
 }
@@ -165,15 +168,15 @@ func (c Config) mesh() comm.Mesh {
 	return comm.Mesh{DP: c.Parallel.DP, EP: c.Parallel.EP, CP: c.Parallel.CP, TP: c.Parallel.TP}
 }
 
-// Close releases the backend the engine opened itself (the GPU of
-// train.backend: cuda or auto); a backend given by WithBackend stays open.
-// The engine must not be used afterwards.
+// Close releases the backend the engine opened itself (the device of
+// train.backend: cuda, or of auto); a backend given by WithBackend stays
+// open. The engine must not be used afterwards.
 func (e *Engine) Close() error {
-	if e.closer == nil {
+	if e.device == nil {
 		return nil
 	}
-	err := e.closer.Close()
-	e.closer = nil
+	err := e.device.Close()
+	e.device = nil
 	return err
 }
 
@@ -192,9 +195,10 @@ type Result struct {
 
 // Run trains until the configured number of steps or until ctx is
 // cancelled, in which case it returns the result so far and ErrStopped.
-// On the CUDA backend a layout of W ranks trains on W GPUs, one rank each
-// with NCCL between them, when W GPUs are visible, and as virtual ranks on
-// GPU 0 otherwise (placement.go).
+// On a backend whose driver places one rank per device (the CUDA backend:
+// registry.RankPerDevice) a layout of W ranks trains on W GPUs, one rank
+// each with NCCL between them, when W GPUs are visible, and as virtual
+// ranks on GPU 0 otherwise (placement.go).
 func (e *Engine) Run(ctx context.Context) (Result, error) {
 	world, backends, release, err := e.placeRanks()
 	if err != nil {

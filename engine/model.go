@@ -139,7 +139,7 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 // rank must use the same dispatcher. The fused dispatcher needs the expert
 // groups to offer peer access (comm.PeerAccess): virtual ranks do, and so
 // do ranks on the GPUs of one process under an explicit fused (see
-// placeOnGPUs); ranks in separate processes (NCCL across nodes, TCP) do
+// placeOnDevices); ranks in separate processes (NCCL across nodes, TCP) do
 // not yet.
 func (e *Engine) resolveDispatcher(cfg Config, world []*comm.Ranks) (Config, error) {
 	canPeer := true

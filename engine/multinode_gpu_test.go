@@ -59,7 +59,7 @@ func (s nodeSpec) config() Config {
 // GPUs: node 0's blob, the rendezvous, RunDistributed. onStep gets node 0's
 // steps.
 func runNode(ctx context.Context, spec nodeSpec, onStep func(StepEvent)) (Result, error) {
-	eng, err := New(spec.config(), WithHook(onStep))
+	eng, err := New(spec.config(), withCUDA(), WithHook(onStep))
 	if err != nil {
 		return Result{}, err
 	}
@@ -110,7 +110,7 @@ func TestNCCLNodeHelperProcess(t *testing.T) {
 func oneProcessLosses(t *testing.T, cfg Config) []float64 {
 	t.Helper()
 	var losses []float64
-	eng, err := New(cfg, WithHook(func(ev StepEvent) { losses = append(losses, ev.Loss) }))
+	eng, err := New(cfg, withCUDA(), WithHook(func(ev StepEvent) { losses = append(losses, ev.Loss) }))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -41,7 +41,7 @@ func TestRendezvousBlob(t *testing.T) {
 		t.Error("the CPU backend's blob holds an NCCL id")
 	}
 
-	onCUDA, err := New(cfg, WithBackend(cudaNamed{cpu.New(backend.Float32)}))
+	onCUDA, err := New(cfg, WithBackend(cudaNamed{cpu.New(backend.Float32)}), withCUDA())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +72,7 @@ func TestCheckNodeGPUs(t *testing.T) {
 		cudaVisible, want                string
 	}{
 		{1, 4, 4, 8, 2, "", "node 1 hosts world ranks 4-7 of 8 and needs 4 GPUs, one per rank, but sees 2: "},
-		{0, 0, 2, 4, 1, "3", "node 0 hosts world ranks 0-1 of 4 and needs 2 GPUs, one per rank, but sees 1 (CUDA_VISIBLE_DEVICES=3): "},
+		{0, 0, 2, 4, 1, "CUDA_VISIBLE_DEVICES=3", "node 0 hosts world ranks 0-1 of 4 and needs 2 GPUs, one per rank, but sees 1 (CUDA_VISIBLE_DEVICES=3): "},
 		{3, 3, 1, 4, 0, "", "node 3 hosts world rank 3 of 4 and needs 1 GPU, but sees 0: "},
 	} {
 		err := checkNodeGPUs(c.node, c.first, c.per, c.world, c.visible, c.cudaVisible)
@@ -120,7 +120,7 @@ func joinLoopback(t *testing.T, nnodes int) []*comm.Rendezvous {
 func TestDistributedCUDARefusals(t *testing.T) {
 	cfg := equivalenceConfig()
 	cfg.Parallel.DP, cfg.Train.MicroBatch = 2, 4
-	eng, err := New(cfg, WithBackend(cudaNamed{cpu.New(backend.Float32)}))
+	eng, err := New(cfg, WithBackend(cudaNamed{cpu.New(backend.Float32)}), withCUDA())
 	if err != nil {
 		t.Fatal(err)
 	}

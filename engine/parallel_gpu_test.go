@@ -41,7 +41,7 @@ func trainOn(t *testing.T, cfg Config, b backend.Backend, layout string) layoutR
 	t.Helper()
 	var run layoutRun
 	var rates []float64
-	opts := []Option{WithHook(func(ev StepEvent) {
+	opts := []Option{withCUDA(), WithHook(func(ev StepEvent) {
 		run.losses = append(run.losses, ev.Loss)
 		if ev.Step > 2 {
 			rates = append(rates, ev.TokensPerSec)
@@ -84,7 +84,7 @@ func trainOn(t *testing.T, cfg Config, b backend.Backend, layout string) layoutR
 func TestVirtualRanksCUDA(t *testing.T) {
 	gpu := openGPU(t)
 	base := equivalenceConfig()
-	if err := cudaUnsupported(base); err != nil {
+	if err := unsupported(cuda.NewDriver(cuda.Options{}), base); err != nil {
 		t.Fatalf("the equivalence model does not fit the CUDA kernels: %v", err)
 	}
 	layoutsMatchOneRank(t, gpu, "CUDA", 4)

@@ -7,34 +7,36 @@ import (
 	"os"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cuda"
+	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 )
 
 // placeRanks decides where the ranks of one process train and builds their
-// groups. On the CUDA backend that the engine opened itself, a layout of W
-// > 1 ranks takes one GPU per rank when at least W GPUs are visible
-// (CUDA_VISIBLE_DEVICES applies): rank r on GPU r, its groups NCCL
-// communicators (cuda.NCCLRanks). Otherwise every rank is a virtual rank
-// on the engine's one backend, with in-process groups (comm.NewLocal). The
+// groups. On a backend the engine opened itself from a driver that places
+// one rank per device (registry.RankPerDevice: the CUDA backend), a layout
+// of W > 1 ranks takes one device per rank when at least W are visible
+// (CUDA_VISIBLE_DEVICES applies): rank r on GPU r, its groups the driver's
+// (NCCL communicators). Otherwise every rank is a virtual rank on the
+// engine's one backend, with in-process groups (comm.NewLocal). The
 // returned backends are the ranks' (nil for virtual ranks), and release
 // closes what placeRanks opened. A run spread over several processes
-// places its ranks with placeOnNodeGPUs (CUDA) or comm.NewTCPRanks
-// (distributed.go).
+// places its ranks with placeOnNodeDevices (a registry.MultiProcess
+// driver) or comm.NewTCPRanks (distributed.go).
 func (e *Engine) placeRanks() (world []*comm.Ranks, backends []backend.Backend, release func() error, err error) {
 	mesh := e.cfg.mesh()
 	none := func() error { return nil }
-	gpu0, ok := e.closer.(*cuda.Backend)
-	if n := mesh.World(); ok && n > 1 {
-		visible, err := cuda.VisibleGPUs(cuda.Options{})
+	placer, ok := e.driver.(registry.RankPerDevice)
+	if n := mesh.World(); ok && e.device != nil && n > 1 {
+		dev := placer.Capabilities().Device
+		visible, err := placer.Devices()
 		if err != nil {
-			return nil, nil, nil, fmt.Errorf("counting the GPUs: %w", err)
+			return nil, nil, nil, fmt.Errorf("counting the %ss: %w", dev, err)
 		}
 		if visible >= n {
-			return e.placeOnGPUs(mesh, gpu0)
+			return e.placeOnDevices(mesh, placer)
 		}
-		e.log.Info().Msgf("parallel: %d ranks as virtual ranks on GPU 0 (%d GPUs visible; one rank per GPU needs %d)", n, visible, n)
+		e.log.Info().Msgf("parallel: %d ranks as virtual ranks on %s 0 (%d %ss visible; one rank per %s needs %d)", n, dev, visible, dev, dev, n)
 	}
 	// Every rank allocates its own tensors on the one backend; the
 	// in-process communicator moves data between them with backend ops.
@@ -42,84 +44,94 @@ func (e *Engine) placeRanks() (world []*comm.Ranks, backends []backend.Backend, 
 	return world, nil, none, err
 }
 
-// placeOnGPUs opens GPUs 1..W-1 beside gpu0 (GPU 0, the engine's), one
-// rank each, and cuts the mesh's groups as NCCL communicators over them.
-// Under model.moe.dispatcher fused the groups also offer peer access
-// (cuda.NCCLOptions.PeerAccess): the fused MoE kernels then read and write
-// the peers' rows over NVLink. auto does not ask for it: its measured
-// table is of virtual ranks on one GPU, which says nothing about the
-// links between GPUs, so auto stays unfused there.
-func (e *Engine) placeOnGPUs(mesh comm.Mesh, gpu0 *cuda.Backend) ([]*comm.Ranks, []backend.Backend, func() error, error) {
+// placeOnDevices opens devices 1..W-1 beside the engine's (device 0), one
+// rank each, and cuts the mesh's groups over them with the driver's
+// collectives (NCCL). Under model.moe.dispatcher fused the groups also
+// offer peer access (registry.MeshOptions.PeerAccess), where the driver
+// has it: the fused MoE kernels then read and write the peers' rows over
+// NVLink. auto does not ask for it: its measured table is of virtual ranks
+// on one GPU, which says nothing about the links between GPUs, so auto
+// stays unfused there.
+func (e *Engine) placeOnDevices(mesh comm.Mesh, placer registry.RankPerDevice) ([]*comm.Ranks, []backend.Backend, func() error, error) {
 	n := mesh.World()
-	gpus, backends, closeGPUs, err := e.openGPUs(n, gpu0)
+	caps := placer.Capabilities()
+	devices, backends, closeDevices, err := e.openDevices(placer, n)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	opts := cuda.NCCLOptions{PeerAccess: e.cfg.Model.MoE.Dispatcher == moe.DispatcherFused}
-	world, closeGroups, err := cuda.NCCLRanks(mesh, gpus, opts)
+	opts := registry.MeshOptions{PeerAccess: caps.PeerAccess && e.cfg.Model.MoE.Dispatcher == moe.DispatcherFused}
+	world, closeGroups, err := placer.MeshRanks(mesh, devices, opts)
 	if err != nil {
-		err = fmt.Errorf("parallel: NCCL groups over %d GPUs: %w", n, err)
+		err = fmt.Errorf("parallel: %s groups over %d %ss: %w", caps.Collectives, n, caps.Device, err)
 		if opts.PeerAccess {
-			err = fmt.Errorf("%w (model.moe.dispatcher: fused needs peer access between the GPUs; unfused does not)", err)
+			err = fmt.Errorf("%w (model.moe.dispatcher: fused needs peer access between the %ss; unfused does not)", err, caps.Device)
 		}
-		return nil, nil, nil, errors.Join(err, closeGPUs())
+		return nil, nil, nil, errors.Join(err, closeDevices())
 	}
-	e.log.Info().Msgf("parallel: %d ranks on %d GPUs, one each, NCCL between them (peer access: %v)", n, n, opts.PeerAccess)
+	e.log.Info().Msgf("parallel: %d ranks on %d %ss, one each, %s between them (peer access: %v)", n, n, caps.Device, caps.Collectives, opts.PeerAccess)
 	timeNCCL(world, backends)
-	return world, backends, func() error { return errors.Join(closeGroups(), closeGPUs()) }, nil
+	return world, backends, func() error { return errors.Join(closeGroups(), closeDevices()) }, nil
 }
 
-// openGPUs opens GPUs 1..n-1 beside gpu0 (GPU 0, the engine's), for the n
-// ranks this process trains, one each. backends are the ranks' backends as
-// the engine wraps them; closeGPUs closes what openGPUs opened.
-func (e *Engine) openGPUs(n int, gpu0 *cuda.Backend) (gpus []*cuda.Backend, backends []backend.Backend, closeGPUs func() error, err error) {
-	if gpus, closeGPUs, err = cuda.OpenBackendsBeside(cuda.Options{}, gpu0, n); err != nil {
-		return nil, nil, nil, fmt.Errorf("parallel: one rank per GPU: %w", err)
+// openDevices opens devices 1..n-1 beside the engine's (device 0), for the
+// n ranks this process trains, one each. backends are the ranks' backends
+// as the engine wraps them; closeDevices closes what openDevices opened.
+func (e *Engine) openDevices(placer registry.RankPerDevice, n int) (devices []registry.Device, backends []backend.Backend, closeDevices func() error, err error) {
+	if devices, closeDevices, err = placer.OpenBeside(e.device, n); err != nil {
+		return nil, nil, nil, fmt.Errorf("parallel: one rank per %s: %w", placer.Capabilities().Device, err)
 	}
 	backends = make([]backend.Backend, n)
-	backends[0] = e.backend // GPU 0, as the engine wrapped it
+	backends[0] = e.backend // device 0, as the engine wrapped it
 	for r := 1; r < n; r++ {
-		backends[r] = gpus[r]
+		backends[r] = devices[r]
 		if e.wrap != nil {
-			backends[r] = e.wrap(gpus[r])
+			backends[r] = e.wrap(devices[r])
 		}
 	}
-	return gpus, backends, closeGPUs, nil
+	return devices, backends, closeDevices, nil
 }
 
-// placeOnNodeGPUs places this node's share of a CUDA run spread over
-// nnodes processes: the node hosts the block of world ranks first ..
-// first+R-1 (cuda.NodeBlock), local rank i on GPU i, which takes R visible
-// GPUs; virtual ranks cannot share an NCCL world with other processes. Its
-// groups are NCCL communicators that span the nodes, made from the world's
-// unique id (cuda.NCCLNodeRanks; ctx ending abandons the making).
-func (e *Engine) placeOnNodeGPUs(ctx context.Context, gpu0 *cuda.Backend, node, nnodes int, id [cuda.NCCLUniqueIDBytes]byte) (world []*comm.Ranks, backends []backend.Backend, release func() error, err error) {
+// placeOnNodeDevices places this node's share of a run spread over nnodes
+// processes on a registry.MultiProcess driver (CUDA): the node hosts the
+// block of world ranks first .. first+R-1 (NodeBlock), local rank i on
+// GPU i, which takes R visible GPUs; virtual ranks cannot share an NCCL
+// world with other processes. Its groups are the driver's (NCCL
+// communicators) that span the nodes, made from the world's id (NodeRanks;
+// ctx ending abandons the making).
+func (e *Engine) placeOnNodeDevices(ctx context.Context, mp registry.MultiProcess, node, nnodes int, id registry.WorldID) (world []*comm.Ranks, backends []backend.Backend, release func() error, err error) {
 	mesh := e.cfg.mesh()
-	first, per, err := cuda.NodeBlock(mesh, nnodes, node)
+	caps := mp.Capabilities()
+	first, per, err := mp.NodeBlock(mesh, nnodes, node)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("node %d: %w", node, err)
 	}
-	visible, err := cuda.VisibleGPUs(cuda.Options{})
+	visible, err := mp.Devices()
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("node %d: counting the GPUs: %w", node, err)
+		return nil, nil, nil, fmt.Errorf("node %d: counting the %ss: %w", node, caps.Device, err)
 	}
-	if err := checkNodeGPUs(node, first, per, mesh.World(), visible, os.Getenv("CUDA_VISIBLE_DEVICES")); err != nil {
+	visibility := ""
+	if caps.VisibleEnv != "" {
+		if v := os.Getenv(caps.VisibleEnv); v != "" {
+			visibility = caps.VisibleEnv + "=" + v
+		}
+	}
+	if err := checkNodeGPUs(node, first, per, mesh.World(), visible, visibility); err != nil {
 		return nil, nil, nil, err
 	}
-	gpus, backends, closeGPUs, err := e.openGPUs(per, gpu0)
+	devices, backends, closeDevices, err := e.openDevices(mp, per)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("node %d: %w", node, err)
 	}
-	world, closeGroups, err := cuda.NCCLNodeRanks(ctx, cuda.NCCLNode{
-		Mesh: mesh, NodeRank: node, NNodes: nnodes, Backends: gpus, ID: id,
+	world, closeGroups, err := mp.NodeRanks(ctx, registry.Node{
+		Mesh: mesh, NodeRank: node, NNodes: nnodes, Devices: devices, World: id,
 	})
 	if err != nil {
-		return nil, nil, nil, errors.Join(err, closeGPUs())
+		return nil, nil, nil, errors.Join(err, closeDevices())
 	}
-	e.log.Info().Msgf("parallel: node %d of %d trains %s of %d on %d GPUs, one each, NCCL between every rank",
-		node, nnodes, worldRanks(first, per), mesh.World(), per)
+	e.log.Info().Msgf("parallel: node %d of %d trains %s of %d on %d %ss, one each, %s between every rank",
+		node, nnodes, worldRanks(first, per), mesh.World(), per, caps.Device, caps.Collectives)
 	timeNCCL(world, backends)
-	return world, backends, func() error { return errors.Join(closeGroups(), closeGPUs()) }, nil
+	return world, backends, func() error { return errors.Join(closeGroups(), closeDevices()) }, nil
 }
 
 // timeNCCL has the profiler of each rank's backend, where
@@ -134,14 +146,15 @@ func timeNCCL(world []*comm.Ranks, backends []backend.Backend) {
 }
 
 // checkNodeGPUs is the error when a node sees fewer GPUs than it hosts
-// ranks.
-func checkNodeGPUs(node, first, per, worldSize, visible int, cudaVisible string) error {
+// ranks; visibility is the setting that limits what it sees
+// ("CUDA_VISIBLE_DEVICES=3"), or "".
+func checkNodeGPUs(node, first, per, worldSize, visible int, visibility string) error {
 	if visible >= per {
 		return nil
 	}
 	sees := fmt.Sprintf("sees %d", visible)
-	if cudaVisible != "" {
-		sees += fmt.Sprintf(" (CUDA_VISIBLE_DEVICES=%s)", cudaVisible)
+	if visibility != "" {
+		sees += fmt.Sprintf(" (%s)", visibility)
 	}
 	needs := fmt.Sprintf("%d GPUs, one per rank", per)
 	if per == 1 {

@@ -10,6 +10,10 @@ import (
 	"github.com/mktrain/mktrain/backend/cuda"
 )
 
+// withCUDA makes the CUDA backend available to train.backend, as the
+// mktrain command does (package backend/all).
+func withCUDA() Option { return WithDrivers(cuda.NewDriver(cuda.Options{})) }
+
 // otherBackend is the CPU backend under another type and name, so nothing
 // in the engine can treat it as the CPU backend.
 type otherBackend struct{ *cpu.Backend }
@@ -50,11 +54,11 @@ func TestVirtualRanksOnAnyBackend(t *testing.T) {
 func TestCUDATakesLayouts(t *testing.T) {
 	cfg := equivalenceConfig()
 	cfg.Parallel.DP, cfg.Parallel.EP, cfg.Train.MicroBatch = 2, 2, 2
-	if err := cudaUnsupported(cfg); err != nil {
+	if err := unsupported(cuda.NewDriver(cuda.Options{}), cfg); err != nil {
 		t.Errorf("dp=2 x ep=2: %v", err)
 	}
 	cfg.Train.Backend = "cuda"
-	eng, err := New(cfg)
+	eng, err := New(cfg, withCUDA())
 	switch {
 	case err == nil:
 		defer eng.Close()
@@ -66,7 +70,7 @@ func TestCUDATakesLayouts(t *testing.T) {
 	}
 	big := equivalenceConfig()
 	big.Model.MoE.Experts, big.Model.MoE.TopK = cuda.RouterMaxExperts+4, 2
-	if err := cudaUnsupported(big); err == nil || !strings.Contains(err.Error(), "model.moe.experts") {
+	if err := unsupported(cuda.NewDriver(cuda.Options{}), big); err == nil || !strings.Contains(err.Error(), "model.moe.experts") {
 		t.Errorf("%d experts: %v", big.Model.MoE.Experts, err)
 	}
 }

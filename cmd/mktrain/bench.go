@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/recipes"
@@ -154,7 +155,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			rep, profErr = prof.Report()
 		}
 	}
-	eng, err := engine.New(cfg, engine.WithHook(hook), engine.WithBackendWrapper(wrap))
+	eng, err := engine.New(cfg, engine.WithDrivers(all.Drivers()...), engine.WithHook(hook), engine.WithBackendWrapper(wrap))
 	if err != nil {
 		return err
 	}

@@ -17,7 +17,8 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cuda"
+	"github.com/mktrain/mktrain/backend/all"
+	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 )
@@ -241,22 +242,29 @@ func virtualRanks(b backend.Backend) rankPlacer {
 }
 
 // gpuRanks places world w on GPUs 0..w-1, one rank each, for w up to
-// most: b is GPU 0 (a CUDA backend), and gpuRanks opens GPUs 1..most-1
-// (closeGPUs closes them). Each world's expert group is an NCCL
-// communicator with peer access between its GPUs, closed by its release.
+// most: b is GPU 0 (a CUDA backend, whose driver places one rank per
+// device), and gpuRanks opens GPUs 1..most-1 (closeGPUs closes them). Each
+// world's expert group is an NCCL communicator with peer access between
+// its GPUs, closed by its release.
 func gpuRanks(b backend.Backend, most int) (place rankPlacer, closeGPUs func() error, err error) {
-	gpu0, ok := b.(*cuda.Backend)
-	if !ok {
+	drivers, err := registry.NewSet(all.Drivers()...)
+	if err != nil {
+		return nil, nil, err
+	}
+	d, _ := drivers.Lookup(b.Name())
+	placer, isPlacer := d.(registry.RankPerDevice)
+	gpu0, isDevice := b.(registry.Device)
+	if !isPlacer || !isDevice {
 		return nil, nil, usageError{fmt.Sprintf("--gpus needs the cuda backend; this one is %s", b.Name())}
 	}
-	gpus, closeGPUs, err := cuda.OpenBackendsBeside(cuda.Options{}, gpu0, most)
+	gpus, closeGPUs, err := placer.OpenBeside(gpu0, most)
 	if err != nil {
 		// A missing GPU reads "opening GPU 4: cuda: GPU 4 asked for, but
 		// 2 are visible".
 		return nil, nil, fmt.Errorf("--gpus: world %d: %w", most, err)
 	}
 	place = func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
-		world, closeGroups, err := cuda.NCCLRanks(comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1}, gpus[:w], cuda.NCCLOptions{PeerAccess: true})
+		world, closeGroups, err := placer.MeshRanks(comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1}, gpus[:w], registry.MeshOptions{PeerAccess: true})
 		if err != nil {
 			return nil, nil, nil, err
 		}

@@ -18,8 +18,9 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/backend/cpu"
-	"github.com/mktrain/mktrain/backend/cuda"
+	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 )
@@ -168,21 +169,36 @@ func parseWorlds(list string) ([]int, error) {
 	return out, nil
 }
 
-// openBenchBackend opens the backend --backend names; auto takes the GPU
-// when there is one.
+// openBenchBackend opens the backend --backend names (package
+// backend/all's drivers); auto takes the first device there is, and, unlike
+// train.backend: auto, fails on a device that is there but fails: a
+// benchmark should not quietly measure the CPU.
 func openBenchBackend(name string) (backend.Backend, func(), error) {
+	drivers, err := registry.NewSet(all.Drivers()...)
+	if err != nil {
+		return nil, nil, err
+	}
 	switch name {
 	case "cpu":
 		return cpu.New(backend.Float32), func() {}, nil
-	case "cuda", "auto":
-		b, err := cuda.OpenBackend(cuda.Options{})
-		if err == nil {
-			return b, func() { b.Close() }, nil
+	case "cuda":
+		opened, err := drivers.Open(name, nil)
+		if err != nil {
+			return nil, nil, fmt.Errorf("--backend %s: %w", name, err)
 		}
-		if name == "auto" && cuda.NoGPU(err) {
-			return cpu.New(backend.Float32), func() {}, nil
+		return opened.Backend, func() { opened.Close() }, nil
+	case "auto":
+		for _, d := range drivers.Drivers() {
+			dev, err := d.Open()
+			var none *registry.NoDeviceError
+			switch {
+			case err == nil:
+				return dev, func() { dev.Close() }, nil
+			case !errors.As(err, &none):
+				return nil, nil, fmt.Errorf("--backend %s: %w", name, err)
+			}
 		}
-		return nil, nil, fmt.Errorf("--backend %s: %w", name, err)
+		return cpu.New(backend.Float32), func() {}, nil
 	}
 	return nil, nil, usageError{fmt.Sprintf("--backend: %q is not auto, cpu or cuda", name)}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/engine"
 )
 
@@ -63,7 +64,7 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if *batches < 0 {
 		return usageError{fmt.Sprintf("--batches must be 0 (a full pass) or positive, got %d", *batches)}
 	}
-	m, err := engine.LoadModel(*dir, engine.WithLogger(warnLogger(stderr)))
+	m, err := engine.LoadModel(*dir, engine.WithDrivers(all.Drivers()...), engine.WithLogger(warnLogger(stderr)))
 	if err != nil {
 		return err
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/schollz/progressbar/v3"
 	"golang.org/x/term"
 
+	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/recipes"
@@ -161,7 +162,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	))).With().Timestamp().Logger()
 	logger.Info().Str("recipe", pos[0]).Str("run_dir", *runDir).Str("version", versionString()).Str("launch", launch.String()).Msg("mktrain run")
 
-	opts := []engine.Option{engine.WithLogger(logger), engine.WithMetrics(metricsFile), engine.WithRunDir(*runDir),
+	opts := []engine.Option{engine.WithDrivers(all.Drivers()...), engine.WithLogger(logger), engine.WithMetrics(metricsFile), engine.WithRunDir(*runDir),
 		engine.WithRecipe(snapshot, recipes.Hash(cfg))}
 	if bar != nil {
 		opts = append(opts, engine.WithHook(func(ev engine.StepEvent) {

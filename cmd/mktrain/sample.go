@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 
+	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/data"
 	"github.com/mktrain/mktrain/engine"
 )
@@ -54,7 +55,7 @@ func cmdSample(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	case *topK < 0:
 		return usageError{fmt.Sprintf("--top-k must be 0 or positive, got %d", *topK)}
 	}
-	m, err := engine.LoadModel(*dir, engine.WithLogger(warnLogger(stderr)))
+	m, err := engine.LoadModel(*dir, engine.WithDrivers(all.Drivers()...), engine.WithLogger(warnLogger(stderr)))
 	if err != nil {
 		return err
 	}
