@@ -29,14 +29,16 @@ fuzz:
 	$(GO) test ./data -run '^$$' -fuzz FuzzShardHeader -fuzztime $(FUZZTIME)
 	$(GO) test ./checkpoint -run '^$$' -fuzz FuzzSafetensorsHeader -fuzztime $(FUZZTIME)
 
-# CPU training throughput of the tiny recipe; writes bench/results/*.json.
+# CPU training throughput of the tiny recipe; writes
+# bench/results/cpu/train-tiny.json (docs/performance.md).
 bench: build
 	$(BIN) bench train tiny --steps 20
 
-# Builds the GPU test binaries, mktrain and the peer into .gpu/bundle.tgz on
-# any machine (no CUDA needed); on the GPU machine `bash scripts/gpu-test.sh`
-# runs the tests, the moe-small benchmark, the PyTorch peer and the Hugging
-# Face check, and prints a table.
+# Builds the GPU test binaries, mktrain and the PyTorch peers (scripts/peer)
+# into .gpu/bundle.tgz on any machine (no CUDA needed); on the GPU machine
+# `bash scripts/gpu-test.sh` runs the tests, the benchmarks beside their
+# PyTorch peers and the Hugging Face check, writes their JSON under $OUT
+# (else .gpu/out) and prints a table (docs/performance.md).
 gpu-test:
 	bash scripts/gpu-test.sh build
 

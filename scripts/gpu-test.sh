@@ -9,11 +9,11 @@
 # dlopen the NVIDIA libraries at run time, so the build machine needs no
 # CUDA) and without symbol tables (-s -w; panics still print file:line):
 # each package's test binary, Go's test2json and mktrain itself; copies the
-# PyTorch peer (../shared/peer/torch_moe_train.py, which does not travel
-# with the repository) to .gpu/peer/; and packs all of it into
-# .gpu/bundle.tgz (about 20 MB), the one file to take to the GPU machine
-# (the device tool: carry [".gpu/bundle.tgz"]). The run step unpacks the
-# bundle when it finds one.
+# PyTorch peers (scripts/peer/*.py) to .gpu/peer/ and the commit to
+# .gpu/commit.txt; and packs all of it into .gpu/bundle.tgz (about 20 MB),
+# the one file to take to the GPU machine beside the repository (the
+# device tool: carry [".gpu/bundle.tgz"]). The run step unpacks the bundle
+# when it finds one. .gpu/ is ignored by git.
 #
 # The run step, on the GPU machine:
 #   1. runs each test binary with -test.v from its package folder (engine:
@@ -21,7 +21,8 @@
 #   2. runs `mktrain bench train moe-small --steps 10 --warmup 3` on CUDA,
 #      on the embedded corpus (the recipe's data shards are not there),
 #      with its breakdown of the step;
-#   3. runs the PyTorch peer on the same model and batch, same step counts;
+#   3. runs the PyTorch peer (scripts/peer/torch_moe_train.py) on the same
+#      model and batch, same step counts;
 #   4. runs the benchmark for the parallel layouts of world 2 and 4
 #      (moe-small's per-rank shape; one rank per GPU where the machine
 #      has enough GPUs, with the ep layouts under both dispatchers, else
@@ -32,17 +33,23 @@
 #      `mktrain bench kernels`: the fused MoE layer against the unfused
 #      one and the grouped products alone (kernels.json), and on a
 #      machine with several GPUs the same with one rank per GPU
-#      (kernels_gpus.json);
+#      (kernels-gpus.json);
 #   6. the Hugging Face check (scripts/hf_check.py).
-# It writes under $OUT (or .gpu/out) a few files, so that a device call
-# brings them all back: summary.json (per-package counts, the "figure:"
-# lines the tests log, the two tokens/s figures), bench.json (mktrain's
-# result), peer.json (the peer's line), layouts.json, moe.json, hf_check.json and
-# logs.tgz (every raw log and test2json stream and clocks.csv, the SM
-# clock and power over the run; written again as each test binary ends). Every step on one GPU writes 8 files, as many as a
-# device call brings back: a call that also keeps its own files (its
-# console, say) runs fewer steps. It prints a short table last and exits
-# non-zero if any package or benchmark failed.
+# It writes under $OUT (or .gpu/out), so that a device call brings them
+# back, the files bench/results/<machine>/ keeps (bench/results/README.md;
+# copy them there to publish a run, and update docs/performance.md):
+# summary.json (the commit, machine and library versions, per-package
+# counts, the "figure:" lines the tests log, the two tokens/s figures),
+# train-moe-small.json (mktrain's result), peer-moe-small.json (the
+# peer's), layouts.json, moe.json, kernels.json, kernels-gpus.json,
+# peer-kernels.json and hf-check.json, each with the commit, date,
+# command and machine; and logs.tgz (every raw log and test2json stream
+# and clocks.csv, the SM clock and power over the run; written again as
+# each test binary ends), which stays out of git. Every step on one GPU
+# writes 8 files, as many as a device call brings back: a call that also
+# keeps its own files (its console, say), or adds PEER_KERNELS=1, runs
+# fewer steps. It prints a short table last and exits non-zero if any
+# package or benchmark failed.
 #
 # Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
@@ -53,8 +60,8 @@
 # kernels/grouped_gemm.md);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels,
-# NO_HF=1 step 6; PEER_KERNELS=1 also runs ../shared/peer/torch_kernels.py
-# (peer_kernels.json);
+# NO_HF=1 step 6; PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
+# (peer-kernels.json);
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
 # else python3).
 set -uo pipefail
@@ -69,7 +76,7 @@ PACKAGES=(
   "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled)$"
 )
 BIN=.gpu
-PEER_SRC=../shared/peer/torch_moe_train.py
+PEER_SRC=scripts/peer
 BENCH_ARGS=(bench train moe-small --steps 10 --warmup 3 --set data.train= --set data.val= --set train.backend=cuda)
 PEER_ARGS=(--steps 10 --warmup 3)
 
@@ -93,17 +100,12 @@ if [[ "${1:-}" == "build" ]]; then
   rev=$(git rev-parse HEAD)
   git diff --quiet HEAD -- . ':!.gpu' || rev+="+dirty"
   CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -ldflags="-s -w -X main.buildCommit=$rev" -o "$BIN/mktrain" ./cmd/mktrain
-  files+=(test2json mktrain packages.txt)
-  if [[ -f "$PEER_SRC" ]]; then
-    cp -f "$PEER_SRC" "$BIN/peer/"
-    files+=(peer/torch_moe_train.py)
-    if [[ -f "$(dirname "$PEER_SRC")/torch_kernels.py" ]]; then
-      cp -f "$(dirname "$PEER_SRC")/torch_kernels.py" "$BIN/peer/"
-      files+=(peer/torch_kernels.py)
-    fi
-  else
-    echo "note: $PEER_SRC not found; the run step will skip the peer"
-  fi
+  echo "$rev" >"$BIN/commit.txt"
+  files+=(test2json mktrain packages.txt commit.txt)
+  for peer in torch_moe_train.py torch_kernels.py; do
+    cp -f "$PEER_SRC/$peer" "$BIN/peer/"
+    files+=("peer/$peer")
+  done
   tar czf "$BIN/bundle.tgz" -C "$BIN" "${files[@]}"
   ls -l "$BIN/bundle.tgz"
   exit 0
@@ -125,6 +127,58 @@ echo "== machine"
 uname -srm
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 echo
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+GPU_DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+COMMIT=$(cat "$BIN/commit.txt" 2>/dev/null || echo unknown)
+RUN_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+PY="${PYTHON:-/opt/torch/.venv/bin/python}"
+[[ -x "$PY" ]] || PY=python3
+# The peers from the bundle (built with the binaries), else from the
+# repository.
+PEER_DIR="$BIN/peer"
+[[ -f "$PEER_DIR/torch_moe_train.py" ]] || PEER_DIR=scripts/peer
+
+# json_str S: S as a JSON string, or null when empty.
+json_str() {
+  if [[ -z "$1" ]]; then printf null; return; fi
+  local v=${1//\\/\\\\}
+  printf '"%s"' "${v//\"/\\\"}"
+}
+
+# The machine, as the results record it.
+machine_json() {
+  local cpu
+  cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -n 1)
+  printf '{"host":%s,"os":"linux","arch":"amd64","cpus":%s,"cpu":%s,"device":%s,"driver":%s,"gpus":%s,"kernel":%s}' \
+    "$(json_str "$(hostname)")" "$(nproc)" "$(json_str "$cpu")" "$(json_str "$GPU_NAME")" \
+    "$(json_str "$GPU_DRIVER")" "${NGPU:-0}" "$(json_str "$(uname -sr)")"
+}
+
+# wrap_result NAME BENCHMARK COMMAND RAW: $OUT/NAME.json, the JSON a
+# script printed (RAW: its output, whole or its last line that is an
+# object) as the figures of a result with the commit, date, command and
+# machine, as mktrain's own results carry them. Nothing is written if
+# RAW holds no JSON.
+wrap_result() {
+  "$PY" - "$@" "$COMMIT" "$RUN_DATE" "$(machine_json)" "$OUT/$1.json" <<'PYEOF'
+import json, sys
+name, benchmark, command, raw, commit, date, machine, out = sys.argv[1:9]
+text = open(raw).read()
+try:
+    figures = json.loads(text)
+except ValueError:
+    lines = [l for l in text.splitlines() if l.startswith("{")]
+    if not lines:
+        sys.exit("%s: no JSON in %s" % (name, raw))
+    figures = json.loads(lines[-1])
+result = {"benchmark": benchmark, "commit": commit, "date": date, "command": command,
+          "machine": json.loads(machine), "figures": figures}
+with open(out, "w") as f:
+    json.dump(result, f, indent=1)
+    f.write("\n")
+PYEOF
+}
 # The SM clock, board power and clock event reasons (0x4: the software
 # power cap) every 50 ms for the whole run (clocks.csv
 # in logs.tgz, UTC): the products run near the power limit, so a kernel's
@@ -205,7 +259,7 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
     bench_rc=$?
     tail -n 15 "$LOGS/bench.log"
     if f=$(ls "$LOGS"/bench/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
-      cp "$f" "$OUT/bench.json"
+      cp "$f" "$OUT/train-moe-small.json"
       bench_tps=$(sed -n 's/.*"tokens_per_s": \([0-9.e+]*\).*/\1/p' "$f" | head -n 1)
       bench_tps=${bench_tps:-null}
     fi
@@ -216,18 +270,16 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
     status=1
   fi
   echo
-  PY="${PYTHON:-/opt/torch/.venv/bin/python}"
-  [[ -x "$PY" ]] || PY=python3
-  echo "== peer: $PY $BIN/peer/torch_moe_train.py ${PEER_ARGS[*]}"
-  if [[ -f "$BIN/peer/torch_moe_train.py" ]]; then
-    PYTHONUNBUFFERED=1 timeout 100 "$PY" "$BIN/peer/torch_moe_train.py" "${PEER_ARGS[@]}" >"$LOGS/peer.log" 2>&1
+  echo "== peer: $PY $PEER_DIR/torch_moe_train.py ${PEER_ARGS[*]}"
+  if [[ -f "$PEER_DIR/torch_moe_train.py" ]]; then
+    PYTHONUNBUFFERED=1 timeout 100 "$PY" "$PEER_DIR/torch_moe_train.py" "${PEER_ARGS[@]}" >"$LOGS/peer.log" 2>&1
     peer_rc=$?
     tail -n 5 "$LOGS/peer.log"
-    grep '^{' "$LOGS/peer.log" | tail -n 1 >"$OUT/peer.json"
-    peer_tps=$(sed -n 's/.*"tokens_per_s": \([0-9.e+]*\).*/\1/p' "$OUT/peer.json" | head -n 1)
+    peer_tps=$(grep '^{' "$LOGS/peer.log" | tail -n 1 | sed -n 's/.*"tokens_per_s": \([0-9.e+]*\).*/\1/p')
     peer_tps=${peer_tps:-null}
+    wrap_result peer-moe-small peer-train "$PY $PEER_DIR/torch_moe_train.py ${PEER_ARGS[*]}" "$LOGS/peer.log"
   else
-    echo "peer script missing (it is copied from $PEER_SRC by the build step)"
+    echo "peer script missing: $PEER_DIR/torch_moe_train.py"
     peer_rc=missing
   fi
   echo
@@ -240,7 +292,6 @@ fi
 # gives each rank a GPU of its own where the machine has enough, else runs
 # virtual ranks of the one GPU; with several GPUs the ep layouts also run
 # under the fused dispatcher (auto keeps them unfused there).
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [[ "${NO_BENCH:-}" != 1 && "${NO_LAYOUTS:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo "== parallel layouts (${NGPU:-0} GPUs: one rank per GPU where they suffice, else virtual ranks)"
   mkdir -p "$LOGS/layouts"
@@ -259,11 +310,9 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_LAYOUTS:-}" != 1 && -x "$BIN/mktrain" ]]; th
     echo "  $name (${dims}): exit $rc"
     [[ $rc -ne 0 ]] && { tail -n 5 "$LOGS/layouts/$name.log"; status=1; }
   done
-  PY="${PYTHON:-/opt/torch/.venv/bin/python}"
-  [[ -x "$PY" ]] || PY=python3
-  "$PY" - "$LOGS/layouts" "$OUT/bench.json" >"$OUT/layouts.json" <<'PYEOF'
+  "$PY" - "$LOGS/layouts" "$OUT/train-moe-small.json" "$COMMIT" "$RUN_DATE" "$(machine_json)" >"$OUT/layouts.json" <<'PYEOF'
 import glob, json, os, sys
-root, main = sys.argv[1], sys.argv[2]
+root, main, commit, date, machine = sys.argv[1:6]
 runs = [("w1", main)] + [(os.path.basename(d), f) for d in sorted(glob.glob(root + "/*")) if os.path.isdir(d)
                          for f in glob.glob(d + "/train-*.json")[:1]]
 out = []
@@ -278,7 +327,9 @@ for name, f in runs:
                 "tokens_per_step": fig["tokens_per_step"], "step_ms": fig["step_ms_median"],
                 "tokens_per_s": fig["tokens_per_s"], "peak_memory_bytes": fig.get("peak_memory_bytes"),
                 "breakdown": fig.get("breakdown"), "commit": r["commit"], "command": r["command"]})
-json.dump({"layouts": out}, sys.stdout, indent=1)
+json.dump({"benchmark": "layouts", "commit": commit, "date": date,
+           "command": "mktrain bench train moe-small --steps 4 --warmup 2 per layout (scripts/gpu-test.sh)",
+           "machine": json.loads(machine), "layouts": out}, sys.stdout, indent=1)
 PYEOF
   "$PY" - "$OUT/layouts.json" <<'PYEOF'
 import json, sys
@@ -302,8 +353,7 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_MOE:-}" != 1 && -x "$BIN/mktrain" ]]; then
   rc=$?
   grep -v '^wrote ' "$LOGS/moe.log" | tail -n 14
   [[ $rc -ne 0 ]] && { echo "  bench moe: exit $rc"; status=1; }
-  f=$(ls "$LOGS"/moe/moe-*.json 2>/dev/null | head -n 1)
-  [[ -n "$f" ]] && cp "$f" "$OUT/moe.json"
+  [[ -f "$LOGS/moe/moe.json" ]] && cp "$LOGS/moe/moe.json" "$OUT/moe.json"
   echo
 fi
 
@@ -320,7 +370,7 @@ bench_kernels() {
   grep -v '^wrote ' "$LOGS/$name.log" | tail -n 24
   [[ $rc -ne 0 ]] && { echo "  bench kernels $*: exit $rc"; status=1; }
   local f
-  f=$(ls "$LOGS/$name"/kernels-*.json 2>/dev/null | head -n 1)
+  f=$(ls "$LOGS/$name"/kernels*.json 2>/dev/null | head -n 1)
   [[ -n "$f" ]] && cp "$f" "$OUT/$name.json"
   echo
 }
@@ -328,7 +378,7 @@ bench_kernels() {
 # W = 1, 2, 4, 8 virtual ranks of the one GPU: kernels.json; and, where the
 # machine has several GPUs, one rank per GPU (--gpus: NCCL groups with peer
 # access, the fused kernels reaching the peers' rows over NVLink):
-# kernels_gpus.json.
+# kernels-gpus.json.
 if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo "== mktrain bench kernels (fused vs unfused MoE layer)"
   bench_kernels kernels 300 --world 1,2,4,8
@@ -336,19 +386,18 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" ]]; th
     worlds=1
     for w in 2 4 8; do [[ $w -le $NGPU ]] && worlds+=",$w"; done
     echo "== mktrain bench kernels --gpus (world $worlds, one rank per GPU)"
-    bench_kernels kernels_gpus 400 --gpus --world "$worlds"
+    bench_kernels kernels-gpus 400 --gpus --world "$worlds"
   fi
 fi
 
 # The PyTorch kernel peer (dense GEMM, torch._grouped_mm, SDPA), for the
-# kernel figures the tests log: peer_kernels.json. Only with PEER_KERNELS=1.
-if [[ "${PEER_KERNELS:-}" == 1 && -f "$BIN/peer/torch_kernels.py" ]]; then
-  echo "== peer kernels: torch_kernels.py"
-  PY="${PYTHON:-/opt/torch/.venv/bin/python}"
-  [[ -x "$PY" ]] || PY=python3
-  timeout 180 "$PY" "$BIN/peer/torch_kernels.py" >"$OUT/peer_kernels.json" 2>"$LOGS/peer_kernels.log"
+# kernel figures the tests log: peer-kernels.json. Only with PEER_KERNELS=1.
+if [[ "${PEER_KERNELS:-}" == 1 && -f "$PEER_DIR/torch_kernels.py" ]]; then
+  echo "== peer kernels: $PEER_DIR/torch_kernels.py"
+  timeout 180 "$PY" "$PEER_DIR/torch_kernels.py" >"$LOGS/peer_kernels.out" 2>"$LOGS/peer_kernels.log"
   echo "  exit $?"
-  grep -o '"grouped_mm[^,]*' "$OUT/peer_kernels.json" | sed 's/^/  /'
+  wrap_result peer-kernels peer-kernels "$PY $PEER_DIR/torch_kernels.py" "$LOGS/peer_kernels.out"
+  grep -o '"grouped_mm[^,]*' "$LOGS/peer_kernels.out" | sed 's/^/  /'
   echo
 fi
 
@@ -357,19 +406,19 @@ fi
 hf_rc=-
 if [[ "${NO_HF:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo "== Hugging Face check (scripts/hf_check.py)"
-  PY="${PYTHON:-/opt/torch/.venv/bin/python}"
-  [[ -x "$PY" ]] || PY=python3
   HFD=$(mktemp -d)
   {
     "$BIN/mktrain" run tiny --run-dir "$HFD/run" --set train.steps=60 --set train.backend=cpu --set log.progress=off &&
     "$BIN/mktrain" data prepare --out "$HFD/data" --val-fraction 0.5 'engine/*.go' &&
     "$BIN/mktrain" export --format hf --dtype fp32 "$HFD/run" "$HFD/hf" &&
     "$BIN/mktrain" eval --checkpoint "$HFD/run" --data "$HFD/data/val_*.bin" --batches 4 --json >"$HFD/eval.json" &&
-    "$PY" scripts/hf_check.py "$HFD/hf" --mktrain-json "$HFD/eval.json" >"$OUT/hf_check.json"
+    "$PY" scripts/hf_check.py "$HFD/hf" --mktrain-json "$HFD/eval.json" >"$HFD/hf_check.json"
   } >"$LOGS/hf.log" 2>&1
   hf_rc=$?
   tail -n 3 "$LOGS/hf.log"
-  cat "$HFD/eval.json" "$OUT/hf_check.json" 2>/dev/null
+  cat "$HFD/eval.json" "$HFD/hf_check.json" 2>/dev/null
+  [[ -s "$HFD/hf_check.json" ]] && wrap_result hf-check hf-check \
+    "scripts/hf_check.py on a 60-step CPU run of tiny, exported in fp32 (scripts/gpu-test.sh)" "$HFD/hf_check.json"
   [[ $hf_rc -ne 0 ]] && status=1
   rm -rf "$HFD"
   echo
@@ -377,9 +426,30 @@ fi
 
 [[ -n "$smi_pid" ]] && kill "$smi_pid" 2>/dev/null && smi_pid=
 
+# The libraries' versions, as the tests log them (the GPU's description,
+# the cuBLASLt cache and NCCL lines), and torch's.
+first_match() { grep -rhoE "$1" "$LOGS" --include='*.txt' 2>/dev/null | head -n 1; }
+sw_cuda=$(first_match 'driver (API )?[0-9]+\.[0-9]+, NVRTC' | grep -oE '[0-9]+\.[0-9]+')
+sw_nvrtc=$(first_match 'NVRTC [0-9]+\.[0-9]+' | cut -d' ' -f2)
+# version_code N: a library's version code (cuBLASLt's 130100, NCCL's
+# 22803) as major.minor.patch, the code beside it.
+version_code() { [[ -n "$1" ]] && echo "$(($1 / 10000)).$(($1 / 100 % 100)).$(($1 % 100)) ($1)"; }
+sw_cublaslt=$(version_code "$(first_match 'cuBLASLt [0-9]{6}' | cut -d' ' -f2)")
+sw_nccl=$(version_code "$(first_match 'NCCL version code [0-9]+' | cut -d' ' -f4)")
+sw_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
+# The command, with the variables that shaped the run.
+run_cmd="bash scripts/gpu-test.sh"
+for v in NO_BENCH NO_TRAIN NO_LAYOUTS NO_MOE NO_KERNELS NO_HF PEER_KERNELS MKTRAIN_GG_VARIANTS \
+         GPU_TEST_PACKAGES GPU_TEST_RUN GPU_TEST_SKIP GPU_TEST_TIMEOUT; do
+  [[ -n "${!v:-}" ]] && run_cmd="$v='${!v}' $run_cmd"
+done
+
 # summary.json, with plain shell quoting: names hold no quotes.
 {
-  echo "{\"packages\":["
+  printf '{"commit":%s,"date":"%s","command":%s,"machine":%s,' "$(json_str "$COMMIT")" "$RUN_DATE" "$(json_str "$run_cmd")" "$(machine_json)"
+  printf '"software":{"cuda_driver_api":%s,"nvrtc":%s,"cublaslt":%s,"nccl":%s,"torch":%s},\n' \
+    "$(json_str "$sw_cuda")" "$(json_str "$sw_nvrtc")" "$(json_str "$sw_cublaslt")" "$(json_str "$sw_nccl")" "$(json_str "$sw_torch")"
+  echo "\"packages\":["
   (IFS=,; echo "${pkg_json[*]:-}")
   echo "],\"figures\":["
   first=1

@@ -6,7 +6,7 @@ package cuda
 // device. It serves GroupedMatMul's NT case (out = a·W_gᵀ, the forward of
 // w1, w3 and w2) with bf16 operands, beta 0, and sizes and addresses the
 // kernel takes. bf16 outputs use the TMA-store epilogue (bn256s), the
-// fastest variant measured (bench/results/h200-20261202-fa2ca3b/).
+// fastest variant measured (kernels/grouped_gemm.md).
 //
 // The weight gradients (GroupedMatMulTN, float32 out accumulated with beta
 // 1) run on the TN kernel (GroupedGemm.RunTN) when its tiles fill their
