@@ -20,6 +20,7 @@ import (
 	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tune"
 )
 
 // dispatchLayouts are the virtual-rank layouts the fused dispatcher is
@@ -124,8 +125,8 @@ func TestAutoDispatcher(t *testing.T) {
 	if err != nil || !strings.Contains(log, "measured") || !strings.Contains(log, table) {
 		t.Fatalf("auto on another backend: %q, %v; log:\n%s", measured, err, log)
 	}
-	key := moe.NewDispatchKey(otherBackend{}, cfg.Model.MoE, cfg.Model.Dim, cfg.Train.MicroBatch*cfg.Train.Seq, 2)
-	e, ok, err := moe.DispatchCache{Path: table}.Lookup(key)
+	key := tune.NewDispatchKey(otherBackend{}, cfg.Model.MoE, cfg.Model.Dim, cfg.Train.MicroBatch*cfg.Train.Seq, 2)
+	e, ok, err := tune.DispatchCache{Path: table}.Lookup(key)
 	if err != nil || !ok || e.Choice != measured {
 		t.Fatalf("table entry for %v: %+v, %v, %v; want the choice %q", key, e, ok, err, measured)
 	}

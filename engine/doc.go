@@ -61,7 +61,7 @@
 // the other ranks of its expert group: by all-to-all (the unfused
 // dispatcher) or by reading and writing the peers' rows directly in the
 // fused kernels (model.moe.dispatcher; auto is resolved once per run,
-// before the ranks start, from the measured table of moe.ResolveDispatcher,
+// before the ranks start, from the measured table of tune.ResolveDispatcher,
 // so every rank uses the same). Each of the dp*ep data ranks reads a
 // disjoint part of the data; under context parallelism the parallel.cp
 // ranks of one data rank read the same sequences and each keeps its zigzag

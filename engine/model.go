@@ -8,6 +8,7 @@ import (
 	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tune"
 )
 
 // model is one rank's replica of the decoder with the activations of one
@@ -133,7 +134,7 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 }
 
 // resolveDispatcher settles model.moe.dispatcher for the ranks of world
-// (moe.ResolveDispatcher: auto is the faster dispatcher for this machine
+// (tune.ResolveDispatcher: auto is the faster dispatcher for this machine
 // and layer shape, from a measured table) and returns cfg with the value.
 // It runs once per run, before any rank builds its layers, since every
 // rank must use the same dispatcher. The fused dispatcher needs the expert
@@ -150,7 +151,7 @@ func (e *Engine) resolveDispatcher(cfg Config, world []*comm.Ranks) (Config, err
 	}
 	// The layer's shape on one rank: its local tokens per micro-batch.
 	tokens := cfg.Train.MicroBatch * cfg.Train.Seq / cfg.Parallel.CP
-	d, err := moe.ResolveDispatcher(e.backend, cfg.Model.MoE, cfg.Model.Dim, tokens, cfg.Parallel.EP, canPeer,
+	d, err := tune.ResolveDispatcher(e.backend, cfg.Model.MoE, cfg.Model.Dim, tokens, cfg.Parallel.EP, canPeer,
 		func(msg string) { e.log.Info().Msg(msg) })
 	if err != nil {
 		return cfg, err

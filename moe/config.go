@@ -16,7 +16,7 @@ type Config struct {
 	// experts read their rows from the source ranks' tensors and write
 	// their outputs straight back: the expert group must offer
 	// comm.PeerAccess) or "auto" ("" means "auto": the engine picks one
-	// from a measured table, ResolveDispatcher; New takes only a resolved
+	// from a measured table, tune.ResolveDispatcher; New takes only a resolved
 	// value).
 	Dispatcher string `yaml:"dispatcher"`
 }

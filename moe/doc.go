@@ -96,7 +96,7 @@
 // one stream a barrier still sits before each combine (fused.go says
 // why). The two dispatchers compute the same rows
 // in the same order, so they agree to the bit on the CPU. "auto" picks one
-// from a measured table (ResolveDispatcher); New takes only a resolved
+// from a measured table (tune.ResolveDispatcher); New takes only a resolved
 // value.
 //
 // Backward mirrors it: dgate[t,k] = dout[t]·y[t,k] (RowDots), dy = gate·dout

@@ -230,7 +230,7 @@ func validate(cfg Config, dim, tokens int, g Groups) error {
 				DispatcherFused, g.Expert, g.Expert.Size(), DispatcherUnfused)
 		}
 	case DispatcherAuto, "":
-		return fmt.Errorf("moe: model.moe.dispatcher is %q; resolve it to %q or %q before building the layer (ResolveDispatcher)",
+		return fmt.Errorf("moe: model.moe.dispatcher is %q; resolve it to %q or %q before building the layer (tune.ResolveDispatcher)",
 			cfg.Dispatcher, DispatcherFused, DispatcherUnfused)
 	default:
 		return fmt.Errorf("moe: model.moe.dispatcher is %q; want %q, %q or %q", cfg.Dispatcher, DispatcherAuto, DispatcherFused, DispatcherUnfused)

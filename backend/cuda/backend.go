@@ -167,12 +167,12 @@ func (b *Backend) Name() string { return "cuda" }
 
 func (b *Backend) FloatType() backend.DType { return backend.Float32 }
 
-// DeviceName is the GPU's name ("NVIDIA H200"): moe.ResolveDispatcher keys
+// DeviceName is the GPU's name ("NVIDIA H200"): tune.ResolveDispatcher keys
 // its measured table by it.
 func (b *Backend) DeviceName() string { return b.dev.Info().Name }
 
 // SoftwareVersions names the driver and NVRTC under the kernels ("driver
-// 13.0, NVRTC 13.0"): moe.ResolveDispatcher's table measures again when
+// 13.0, NVRTC 13.0"): tune.ResolveDispatcher's table measures again when
 // they change.
 func (b *Backend) SoftwareVersions() string { return b.dev.Info().Software() }
 

@@ -21,6 +21,7 @@ import (
 	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tune"
 )
 
 const benchKernelsUsage = `Usage: mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend auto|cpu|cuda] [--gpus] [--out DIR]
@@ -159,13 +160,13 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 			}
 		}()
 	}
-	cache, cacheErr := moe.DefaultDispatchCache()
+	cache, cacheErr := tune.DefaultDispatchCache()
 	table := cache.Path
 	if *onGPUs {
 		cacheErr = errors.New("--gpus measures the links between GPUs; the table is keyed by one device")
 		table = ""
 	}
-	fmt.Fprintf(stderr, "bench kernels: on %s (%s), %d measured steps of each kind\n", b.Name(), moe.MachineName(b), *iters)
+	fmt.Fprintf(stderr, "bench kernels: on %s (%s), %d measured steps of each kind\n", b.Name(), tune.MachineName(b), *iters)
 
 	var rows []kernelBenchRow
 	for _, s := range shapes {
@@ -195,7 +196,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 			runtime.GC()
 			rows = append(rows, kernelRow(s, w, tm, alone))
 			if cacheErr == nil {
-				_, cacheErr = cache.Store(moe.NewDispatchKey(b, cfg, s.Dim, s.Tokens, w), tm)
+				_, cacheErr = cache.Store(tune.NewDispatchKey(b, cfg, s.Dim, s.Tokens, w), tm)
 			}
 		}
 	}
@@ -215,7 +216,7 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	}
 	return writeResult(stdout, *out, benchmark, b, benchResult{
 		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
-		Command: "mktrain bench kernels " + strings.Join(args, " "), Machine: machine(moe.MachineName(b)),
+		Command: "mktrain bench kernels " + strings.Join(args, " "), Machine: machine(tune.MachineName(b)),
 		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters, "gpus": *onGPUs},
 		Figures: map[string]any{"rows": rows, "bars": []string{gemmBar, unfusedBar}, "dispatch_table": table},
 	})

@@ -8,6 +8,7 @@ import (
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tune"
 )
 
 // TestBenchKernels runs bench kernels on the CPU with the tiny shape at
@@ -72,8 +73,8 @@ func TestBenchKernels(t *testing.T) {
 			!near(r.FusedBlockOverGEMM, r.FusedBlockMS/r.GEMMMS) || !near(r.FusedKernelsOverGEMM, r.FusedKernelsMS/r.GEMMMS) || r.GEMMBarHeld != (r.FusedBlockOverGEMM <= gemmBarRatio) || r.UnfusedBarHeld != (r.FusedStepMS < r.UnfusedStepMS) {
 			t.Errorf("world %d: ratios and bars %+v", r.World, r)
 		}
-		key := moe.NewDispatchKey(b, moe.Config{Experts: 4, TopK: 2, FFN: 48}, 32, 64, r.World)
-		e, ok, err := moe.DispatchCache{Path: table}.Lookup(key)
+		key := tune.NewDispatchKey(b, moe.Config{Experts: 4, TopK: 2, FFN: 48}, 32, 64, r.World)
+		e, ok, err := tune.DispatchCache{Path: table}.Lookup(key)
 		if err != nil || !ok || e.Choice != r.Choice || !near(e.FusedMS, r.FusedStepMS) {
 			t.Errorf("world %d: table entry %+v, %v, %v; row %+v", r.World, e, ok, err, r)
 		}

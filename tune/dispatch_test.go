@@ -1,4 +1,4 @@
-package moe_test
+package tune_test
 
 import (
 	"encoding/json"
@@ -10,8 +10,8 @@ import (
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
-	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tune"
 )
 
 // elsewhere is the CPU backend under another name, so that auto treats it
@@ -39,99 +39,6 @@ func selectConfig() moe.Config {
 	return moe.Config{Experts: 4, TopK: 2, FFN: 24, Dispatcher: moe.DispatcherAuto}
 }
 
-// TestMeasureDispatch measures a small layer on 1 and 2 virtual ranks of
-// the CPU: every time is positive (the expert block's too), and the routed rows are every token's
-// top_k assignments.
-func TestMeasureDispatch(t *testing.T) {
-	b := cpu.New(backend.Float32)
-	cfg := selectConfig()
-	const dim, tokens = 16, 40
-	for _, ep := range []int{1, 2} {
-		tm, err := moe.MeasureDispatch(b, cfg, dim, tokens, ep, 3)
-		if err != nil {
-			t.Fatalf("ep %d: %v", ep, err)
-		}
-		if tm.Iters != 3 || tm.FusedForward <= 0 || tm.FusedStep <= 0 || tm.UnfusedForward <= 0 || tm.UnfusedStep <= 0 || tm.FusedExperts <= 0 {
-			t.Errorf("ep %d: %+v", ep, tm)
-		}
-		sum := 0
-		for _, n := range tm.RowsPerExpert {
-			sum += n
-		}
-		if len(tm.RowsPerExpert) != cfg.Experts || sum != tokens*cfg.TopK*ep {
-			t.Errorf("ep %d: rows per expert %v, want %d experts and %d rows", ep, tm.RowsPerExpert, cfg.Experts, tokens*cfg.TopK*ep)
-		}
-		if f := tm.Faster(); f != moe.DispatcherFused && f != moe.DispatcherUnfused {
-			t.Errorf("ep %d: Faster %q", ep, f)
-		}
-	}
-	for _, c := range []struct {
-		ep, iters int
-		cfg       moe.Config
-		want      string
-	}{
-		{0, 3, cfg, "at least 1"},
-		{2, 0, cfg, "at least 1"},
-		{3, 1, cfg, "do not divide"},
-		{1, 1, moe.Config{Experts: 4, TopK: 5, FFN: 8}, "top_k"},
-	} {
-		if _, err := moe.MeasureDispatch(b, c.cfg, dim, tokens, c.ep, c.iters); err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("ep %d, %d steps, %+v: %v, want an error containing %q", c.ep, c.iters, c.cfg, err, c.want)
-		}
-	}
-}
-
-// TestMeasureDispatchOn measures on ranks that compute on backends of
-// their own (as one rank per GPU does), each allocating its layer on its
-// own, and refuses worlds it cannot measure.
-func TestMeasureDispatchOn(t *testing.T) {
-	cfg := selectConfig()
-	const dim, tokens, ep = 16, 40, 2
-	bs := []backend.Backend{cpu.New(backend.Float32), cpu.New(backend.Float32)}
-	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: ep, CP: 1, TP: 1}, bs[0])
-	if err != nil {
-		t.Fatal(err)
-	}
-	tm, err := moe.MeasureDispatchOn(world, bs, cfg, dim, tokens, 2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if tm.FusedStep <= 0 || tm.UnfusedStep <= 0 || tm.FusedExperts <= 0 || len(tm.RowsPerExpert) != cfg.Experts {
-		t.Errorf("%+v", tm)
-	}
-	dp2, err := comm.NewLocal(comm.Mesh{DP: 2, EP: 1, CP: 1, TP: 1}, bs[0])
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, c := range []struct {
-		world []*comm.Ranks
-		bs    []backend.Backend
-		want  string
-	}{
-		{world, bs[:1], "1 backends for 2 ranks"},
-		{world, []backend.Backend{bs[0], nil}, "rank 1: want a backend"},
-		{dp2, bs, "rank 0: want a backend and an expert group of all 2 ranks"},
-	} {
-		if _, err := moe.MeasureDispatchOn(c.world, c.bs, cfg, dim, tokens, 1); err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%v, want an error containing %q", err, c.want)
-		}
-	}
-}
-
-func TestTimingFaster(t *testing.T) {
-	ms := time.Millisecond
-	for _, c := range []struct {
-		fused, unfused time.Duration
-		want           string
-	}{{ms, 2 * ms, moe.DispatcherFused}, {2 * ms, ms, moe.DispatcherUnfused}, {ms, ms, moe.DispatcherUnfused}} {
-		// The forward times do not decide.
-		tm := moe.Timing{FusedStep: c.fused, UnfusedStep: c.unfused, FusedForward: 9 * ms, UnfusedForward: ms}
-		if got := tm.Faster(); got != c.want {
-			t.Errorf("%v fused, %v unfused: %q, want %q", c.fused, c.unfused, got, c.want)
-		}
-	}
-}
-
 func TestMachineName(t *testing.T) {
 	c := cpu.New(backend.Float32)
 	for _, tc := range []struct {
@@ -140,7 +47,7 @@ func TestMachineName(t *testing.T) {
 	}{
 		{c, "cpu"}, {wrapped{c}, "cpu"}, {named{c}, "cpu/Device 9"}, {wrapped{named{c}}, "cpu/Device 9"}, {elsewhere{c}, "elsewhere"},
 	} {
-		if got := moe.MachineName(tc.b); got != tc.want {
+		if got := tune.MachineName(tc.b); got != tc.want {
 			t.Errorf("%T: %q, want %q", tc.b, got, tc.want)
 		}
 	}
@@ -148,11 +55,11 @@ func TestMachineName(t *testing.T) {
 		b    backend.Backend
 		want string
 	}{{c, ""}, {named{c}, ""}, {versioned{c}, "driver 13.0"}, {wrapped{versioned{c}}, "driver 13.0"}} {
-		if got := moe.SoftwareName(tc.b); got != tc.want {
+		if got := tune.SoftwareName(tc.b); got != tc.want {
 			t.Errorf("SoftwareName(%T): %q, want %q", tc.b, got, tc.want)
 		}
 	}
-	if k := moe.NewDispatchKey(versioned{c}, selectConfig(), 16, 40, 2); k.Software != "driver 13.0" ||
+	if k := tune.NewDispatchKey(versioned{c}, selectConfig(), 16, 40, 2); k.Software != "driver 13.0" ||
 		!strings.Contains(k.String(), "driver 13.0") {
 		t.Errorf("key %+v: %s", k, k)
 	}
@@ -163,8 +70,8 @@ func TestMachineName(t *testing.T) {
 // damaged or foreign file does not stop a Store.
 func TestDispatchCache(t *testing.T) {
 	dir := t.TempDir()
-	c := moe.DispatchCache{Path: filepath.Join(dir, "sub", "dispatch.json")}
-	k1 := moe.DispatchKey{Machine: "cuda/X", Kernels: "0123456789ab", Dim: 1024, FFN: 2816, Experts: 8, TopK: 2, Tokens: 16384, EP: 8}
+	c := tune.DispatchCache{Path: filepath.Join(dir, "sub", "dispatch.json")}
+	k1 := tune.DispatchKey{Machine: "cuda/X", Kernels: "0123456789ab", Dim: 1024, FFN: 2816, Experts: 8, TopK: 2, Tokens: 16384, EP: 8}
 	k2 := k1
 	k2.EP = 4
 	// Other kernels, or another driver: not k1's measurement.
@@ -185,7 +92,7 @@ func TestDispatchCache(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, w := range []struct {
-		k    moe.DispatchKey
+		k    tune.DispatchKey
 		want string
 	}{{k1, moe.DispatcherFused}, {k2, moe.DispatcherUnfused}} {
 		e, ok, err := c.Lookup(w.k)
@@ -251,7 +158,7 @@ func TestDispatchCache(t *testing.T) {
 func TestDefaultDispatchCache(t *testing.T) {
 	dir := t.TempDir()
 	t.Setenv("MKTRAIN_CACHE_DIR", dir)
-	c, err := moe.DefaultDispatchCache()
+	c, err := tune.DefaultDispatchCache()
 	if err != nil || c.Path != filepath.Join(dir, "dispatch.json") {
 		t.Errorf("MKTRAIN_CACHE_DIR: %q, %v", c.Path, err)
 	}
@@ -260,7 +167,7 @@ func TestDefaultDispatchCache(t *testing.T) {
 	if err != nil {
 		t.Skip("no user cache directory: ", err)
 	}
-	c, err = moe.DefaultDispatchCache()
+	c, err = tune.DefaultDispatchCache()
 	if err != nil || c.Path != filepath.Join(base, "mktrain", "dispatch.json") {
 		t.Errorf("default: %q, %v", c.Path, err)
 	}
@@ -273,7 +180,7 @@ func resolve(t *testing.T, b backend.Backend, dispatcher string, canPeer bool) (
 	cfg := selectConfig()
 	cfg.Dispatcher = dispatcher
 	var log []string
-	got, err := moe.ResolveDispatcher(b, cfg, 16, 40, 2, canPeer, func(s string) { log = append(log, s) })
+	got, err := tune.ResolveDispatcher(b, cfg, 16, 40, 2, canPeer, func(s string) { log = append(log, s) })
 	return got, strings.Join(log, "\n"), err
 }
 
@@ -323,9 +230,9 @@ func TestResolveDispatcher(t *testing.T) {
 		t.Errorf("second auto: %q (measured %q), %v, log:\n%s", got, measured, err, log)
 	}
 	// What the table says goes, whichever it is.
-	key := moe.NewDispatchKey(other, selectConfig(), 16, 40, 2)
+	key := tune.NewDispatchKey(other, selectConfig(), 16, 40, 2)
 	for _, tm := range []moe.Timing{{FusedStep: 1, UnfusedStep: 2}, {FusedStep: 2, UnfusedStep: 1}} {
-		if _, err := (moe.DispatchCache{Path: table}).Store(key, tm); err != nil {
+		if _, err := (tune.DispatchCache{Path: table}).Store(key, tm); err != nil {
 			t.Fatal(err)
 		}
 		if got, _, err := resolve(t, other, moe.DispatcherAuto, true); got != tm.Faster() || err != nil {
@@ -336,7 +243,7 @@ func TestResolveDispatcher(t *testing.T) {
 	cfg := selectConfig()
 	cfg.TopK = 1
 	var logs []string
-	if _, err := moe.ResolveDispatcher(other, cfg, 16, 40, 2, true, func(s string) { logs = append(logs, s) }); err != nil ||
+	if _, err := tune.ResolveDispatcher(other, cfg, 16, 40, 2, true, func(s string) { logs = append(logs, s) }); err != nil ||
 		!strings.Contains(strings.Join(logs, "\n"), "measuring") {
 		t.Errorf("top-1: %v, log %q", err, logs)
 	}

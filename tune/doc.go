@@ -1,0 +1,28 @@
+// Package tune settles, by measurement on the machine at hand, the choices
+// that no rule of thumb gets right everywhere, and remembers the answers
+// on disk so that each machine measures each case once. Today that is the
+// MoE dispatcher of model.moe.dispatcher: auto.
+//
+// The engine calls ResolveDispatcher once per run, before the ranks build
+// their layers:
+//
+//	d, err := tune.ResolveDispatcher(b, cfg.Model.MoE, dim, tokens, ep, canPeer, logLine)
+//	// d is "fused" or "unfused"; cfg.Model.MoE.Dispatcher = d
+//
+// An explicit "fused" or "unfused" passes through; auto is the table's
+// answer for this machine and layer shape (DispatchKey), or, when the
+// table has none, the faster dispatcher in a measurement of the layer
+// (moe.MeasureDispatch), which is then stored. `mktrain bench kernels`
+// measures a list of shapes and stores its answers in the same table.
+//
+// The table is dispatch.json in $MKTRAIN_CACHE_DIR when that is set, else
+// in os.UserCacheDir()/mktrain (DefaultDispatchCache). A key names the
+// machine and its device (MachineName), the driver and compiler under the
+// kernels (SoftwareName) and the build's kernels (kernels.Digest), so new
+// hardware, a driver upgrade or new kernels are measured again. Deleting
+// the file makes the next run measure again; a file that cannot be read
+// or written costs a measurement, never the run.
+//
+// The measurement itself is the model's business and stays in package moe;
+// this package holds what is about one machine's disk.
+package tune
