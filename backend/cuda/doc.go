@@ -66,6 +66,11 @@
 //	b.RMSNormForward(out, rstd, x, w, 1e-5)     // queued on the stream
 //	err = b.Sync()                              // the first failure since the last Sync
 //
+// The engine does not import this package: programs hand it Driver
+// (NewDriver, usually through package backend/all), a registry.Driver that
+// declares the kernels' limits and places one rank per GPU with NCCL
+// between them, in one process or over several (driver_registry.go).
+//
 // Tensors are float32, int32 or bfloat16 (float64 panics: the CPU backend
 // serves gradient checks); a Tensor is a window on a storage that views
 // share. Storage returns to the caching allocator when the garbage
