@@ -123,11 +123,12 @@ type Model struct {
 // a step directory, or a run directory or checkpoints root, whose newest
 // verified checkpoint is taken) after verifying its checksums. The
 // configuration is the one saved with the checkpoint, its parallel section
-// reset to one rank. The model runs on the first GPU when there is one and
-// on the float32 CPU backend otherwise (whatever backend trained it), unless
-// WithBackend names one; WithLogger receives warnings about skipped corrupt
-// checkpoints and the backend chosen; other options are ignored. Close
-// releases a GPU the model opened.
+// reset to one rank. The model runs on the first GPU when there is one (and
+// WithDrivers links its driver) and on the float32 CPU backend otherwise
+// (whatever backend trained it), unless WithBackend names one; WithLogger
+// receives warnings about skipped corrupt checkpoints and the backend
+// chosen; other options are ignored. Close releases a GPU the model
+// opened.
 func LoadModel(dir string, opts ...Option) (_ *Model, err error) {
 	e := &Engine{log: zerolog.Nop()}
 	for _, o := range opts {
