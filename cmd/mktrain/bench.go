@@ -223,7 +223,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 const gpuPeakFLOPs = 989e12
 
 // modelFLOPsPerToken counts a training step's FLOPs per token as the
-// PyTorch peer benchmark does (shared/peer/torch_moe_train.py): 6 per active
+// PyTorch peer benchmark does (scripts/peer/torch_moe_train.py): 6 per active
 // parameter (forward and backward of every matrix multiply) plus 6*L*D*S
 // for causal attention (half of 12*L*D*S). Active parameters are all
 // parameters less the experts a token does not visit (E-K of each layer's

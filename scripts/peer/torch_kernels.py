@@ -26,7 +26,7 @@ after 3 untimed ones). A backend that refuses a shape leaves a key ending in
 _error instead. Prints one JSON object (indented), with the device's name and
 torch's version.
 
-    /opt/torch/.venv/bin/python scripts/peer/torch_kernels.py >peer_kernels.json
+    /opt/torch/.venv/bin/python scripts/peer/torch_kernels.py >torch_kernels.json
 """
 import json
 
