@@ -3,23 +3,33 @@
 // NVRTC for the GPU at hand (package backend/cuda), so building mktrain
 // needs no CUDA toolkit.
 //
+// The files:
+//   - prelude.cuh: reductions, warp shuffles, bf16 conversion; Source.Text
+//     prepends it to every source.
+//   - one .cu a family of kernels (elementwise.cu, rmsnorm.cu, ...), each
+//     compiled by itself into one module; Sources lists them.
+//   - the grouped GEMM family of the MoE experts (sm_90a only):
+//     hopper.cuh (wgmma, TMA and mbarrier wrappers), grouped_gemm.cuh (the
+//     pipeline every grouped kernel runs), grouped_gemm.cu (the experts'
+//     products) and moe_fused.cu (the products fused with the dispatch,
+//     SwiGLU and the combine). grouped_gemm.md holds their design notes
+//     and measurements.
+//
 // Rules every source follows:
-//   - No #include: NVRTC has no default include path, and a user may have
-//     only the driver and a pip-installed NVRTC. What the kernels share
-//     (reductions, warp shuffles, bf16 conversion) is in prelude.cuh, which
-//     Source.Text prepends to every file.
+//   - It includes only this package's headers (#include "name.cuh"), which
+//     Source.Text pastes in: NVRTC is given no include path, and a user may
+//     have only the driver and a pip-installed NVRTC.
 //   - Every kernel is extern "C", so its name in the cubin is its source
 //     name, and is listed in Sources with its launch shape.
 //   - Sizes are run-time arguments; element counts and offsets are 64-bit.
 //   - Each kernel has a CPU twin in backend/cpu; backend/cuda's tests compare
 //     the two on fresh random inputs.
-//   - Experiments on a kernel are compile-time variants of its source
-//     (Source.Variants: preprocessor defines the source defaults with
-//     #ifndef), loaded beside it (backend/cuda's Device.LoadVariant), not
-//     run-time switches inside it: a switch changes the code and registers
-//     of the whole kernel, and so the figure it was meant to isolate. (The
-//     fused MoE kernels' older run-time switches, fz.mode, predate this
-//     rule; their figures are read only against the same build.)
+//   - It holds only what training runs: no experiment switches, run-time
+//     or compile-time. Experiments are copies with their switches in
+//     kernels/dev, measured against these sources and never loaded by the
+//     backend. The one preprocessor switch, MOE_TEST_LOST_ROWS in
+//     moe_fused.cu, is defined only by backend/cuda's tests (a fault
+//     injection, off in every build the backend makes).
 //
 // kernels_test.go compiles every source to sm_90a PTX with clang-19 when it
 // is installed (Debian/Ubuntu: apt-get install -y clang-19), a check that
@@ -31,10 +41,11 @@ import (
 	"embed"
 	"encoding/hex"
 	"fmt"
+	"regexp"
 	"strings"
 )
 
-//go:embed prelude.cuh *.cu
+//go:embed *.cuh *.cu
 var files embed.FS
 
 // PreludeFile is the file prepended to every source.
@@ -55,22 +66,6 @@ type Kernel struct {
 type Source struct {
 	File    string
 	Kernels []Kernel
-	// Variants are compile-time experiments on the source, measured
-	// against it (none is used in training).
-	Variants []Variant
-}
-
-// Variant is a source compiled with preprocessor definitions that change
-// some of its kernels for an experiment. Its kernels keep their names and
-// launch shapes. Being a compilation of its own, it leaves the source's
-// own kernels as they are, to the register.
-type Variant struct {
-	Name    string
-	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
-	// Exact is set when the variant computes what the source does (only
-	// faster or slower); otherwise its results are for timing only.
-	Exact   bool
-	Purpose string
 }
 
 // Sources lists every source and kernel. A test checks that it matches the
@@ -81,6 +76,7 @@ func Sources() []Source {
 	const attnKeyGrid = "(B*KV, ceil(KVSeq/64)) blocks: one per kv head and 64 keys"
 	const peerGrid = "any; grid-stride over R rows, one warp per row (8 blocks per SM for large R)"
 	const groupedGrid = "persistent: min(SMs, most tiles) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"
+	const gatherGrid = groupedGrid + "; blocks must all be resident (the TMA threads wait on the gathering warps of other blocks)"
 	return []Source{
 		{File: "elementwise.cu", Kernels: []Kernel{
 			{Name: "fill_f32", Block: 256, Grid: gridStride},
@@ -166,33 +162,17 @@ func Sources() []Source {
 		}},
 		{File: "grouped_gemm.cu", Kernels: []Kernel{
 			{Name: "grouped_gemm_nt_bn128_f32", Block: 384, Grid: groupedGrid},
-			{Name: "grouped_gemm_nt_bn128_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_nt_bn256_f32", Block: 384, Grid: groupedGrid},
-			{Name: "grouped_gemm_nt_bn256_bf16", Block: 384, Grid: groupedGrid},
-			{Name: "grouped_gemm_nt_bn256r_f32", Block: 384, Grid: groupedGrid},
-			{Name: "grouped_gemm_nt_bn256r_bf16", Block: 384, Grid: groupedGrid},
-			{Name: "grouped_gemm_nt_pp128r_f32", Block: 384, Grid: groupedGrid},
-			{Name: "grouped_gemm_nt_pp128r_bf16", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_nt_bn256s_bf16", Block: 384, Grid: groupedGrid},
-			{Name: "grouped_gemm_nt_bn256h_bf16", Block: 384, Grid: groupedGrid},
-			{Name: "moe_dispatch_swiglu", Block: 384, Grid: groupedGrid + "; blocks must all be resident (the TMA threads wait on the communication warps of other blocks)"},
-			{Name: "moe_dispatch_swiglu_bf16", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
-			{Name: "moe_down_combine", Block: 384, Grid: groupedGrid},
-			{Name: "moe_dispatch_dgrad", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
-			{Name: "moe_dispatch_dgrad_first", Block: 384, Grid: groupedGrid + "; blocks must all be resident (as moe_dispatch_swiglu)"},
-			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
 			{Name: "grouped_gemm_tn", Block: 384, Grid: "persistent: min(SMs, E*ceil(M/128)*ceil(N/256)) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"},
-		}, Variants: []Variant{
-			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad
-			// (GG_EXPERIMENT in the source; kernels/grouped_gemm.md).
-			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
-				Purpose: "the gather reads its float32 sources as bf16 rows: half the bytes loaded"},
-			{Name: "no-gather-stores", Defines: []string{"GG_EXPERIMENT=2"},
-				Purpose: "the gather loads its rows and stores none"},
-			{Name: "streaming-loads", Defines: []string{"GG_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
-			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
-				Purpose: "no fences before a chunk's flag is raised"},
+		}},
+		{File: "moe_fused.cu", Kernels: []Kernel{
+			{Name: "moe_dispatch_swiglu", Block: 384, Grid: gatherGrid},
+			{Name: "moe_dispatch_swiglu_bf16", Block: 384, Grid: gatherGrid},
+			{Name: "moe_down_combine", Block: 384, Grid: groupedGrid},
+			{Name: "moe_dispatch_dgrad", Block: 384, Grid: gatherGrid},
+			{Name: "moe_dispatch_dgrad_first", Block: 384, Grid: gatherGrid},
+			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},
@@ -211,18 +191,86 @@ func Lookup(file string) (Source, error) {
 	return Source{}, fmt.Errorf("kernels: no source %q", file)
 }
 
-// Text is the compilable source: the prelude, then the file, with a #line
-// directive so compiler messages name the file and its own line numbers.
+// Text is the compilable source: the prelude, then the file with its
+// headers pasted in (Assemble).
 func (s Source) Text() (string, error) {
+	return Assemble(s.File, files.ReadFile)
+}
+
+// Header returns one of this package's headers (a .cuh file), for sources
+// kept elsewhere (kernels/dev) that include it.
+func Header(name string) ([]byte, error) {
+	if !strings.HasSuffix(name, ".cuh") || name == PreludeFile {
+		return nil, fmt.Errorf("kernels: %q is not a header a source includes", name)
+	}
+	b, err := files.ReadFile(name)
+	if err != nil {
+		return nil, fmt.Errorf("kernels: %w", err)
+	}
+	return b, nil
+}
+
+// includeLine matches a line that includes a header: #include "name";
+// anyInclude any #include line.
+var (
+	includeLine = regexp.MustCompile(`^\s*#\s*include\s*"([^"]+)"\s*$`)
+	anyInclude  = regexp.MustCompile(`^\s*#\s*include\b`)
+)
+
+// Assemble is the compilable text of file: this package's prelude, then
+// the file, whose #include "name.cuh" lines are replaced by the headers
+// (each once: a second include of the same header is left out; headers
+// may include headers), with #line directives so compiler messages name
+// the file and line they come from. read returns a file by name: the
+// source's, and the headers' it includes. A file with no include comes
+// out as the prelude, a #line directive and the file itself.
+func Assemble(file string, read func(name string) ([]byte, error)) (string, error) {
 	prelude, err := files.ReadFile(PreludeFile)
 	if err != nil {
 		return "", fmt.Errorf("kernels: %w", err)
 	}
-	body, err := files.ReadFile(s.File)
+	body, err := read(file)
 	if err != nil {
 		return "", fmt.Errorf("kernels: %w", err)
 	}
-	return fmt.Sprintf("%s\n#line 1 %q\n%s", prelude, s.File, body), nil
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s\n#line 1 %q\n", prelude, file)
+	if err := paste(&b, file, body, read, map[string]bool{}); err != nil {
+		return "", err
+	}
+	return b.String(), nil
+}
+
+// paste writes body, the text of file, to b with its includes expanded;
+// seen holds the headers already pasted.
+func paste(b *strings.Builder, file string, body []byte, read func(string) ([]byte, error), seen map[string]bool) error {
+	for i, line := range strings.SplitAfter(string(body), "\n") {
+		if !anyInclude.MatchString(line) {
+			b.WriteString(line)
+			continue
+		}
+		m := includeLine.FindStringSubmatch(strings.TrimRight(line, "\r\n"))
+		if m == nil || !strings.HasSuffix(m[1], ".cuh") || m[1] == PreludeFile {
+			return fmt.Errorf("kernels: %s:%d: %s: a source includes only headers of kernels (#include \"name.cuh\")",
+				file, i+1, strings.TrimSpace(line))
+		}
+		if header := m[1]; !seen[header] {
+			seen[header] = true
+			text, err := read(header)
+			if err != nil {
+				return fmt.Errorf("kernels: %s:%d: %w", file, i+1, err)
+			}
+			fmt.Fprintf(b, "#line 1 %q\n", header)
+			if err := paste(b, header, text, read, seen); err != nil {
+				return err
+			}
+			if !strings.HasSuffix(string(text), "\n") {
+				b.WriteString("\n")
+			}
+		}
+		fmt.Fprintf(b, "#line %d %q\n", i+2, file)
+	}
+	return nil
 }
 
 // Kernel returns the description of the kernel called name.

@@ -55,9 +55,9 @@
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
 # GPU_TEST_PACKAGES (a regexp of package paths) runs only those packages;
 # GPU_TEST_TIMEOUT is each test binary's -test.timeout (default 360s);
-# MKTRAIN_GG_VARIANTS names the grouped GEMM's experiment variants the
-# backend/cuda tests take (default none: the kernels as trained with;
-# kernels/grouped_gemm.md);
+# MKTRAIN_GG_VARIANTS names the experiment variants of kernels/dev the
+# backend/cuda tests take, comma-separated, or all (default none: the
+# kernels as trained with; kernels/dev/README.md);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py

@@ -18,8 +18,8 @@ import (
 )
 
 // compileOptions are NVRTC's options besides the target, then one -D for
-// each of defines (a kernels.Variant's). -lineinfo costs nothing at run
-// time and lets profilers map time to source lines.
+// each of defines (a test build's: Device.load). -lineinfo costs nothing
+// at run time and lets profilers map time to source lines.
 func compileOptions(arch string, defines ...string) []string {
 	opts := []string{"--gpu-architecture=" + arch, "--std=c++17", "-lineinfo"}
 	for _, d := range defines {

@@ -24,7 +24,7 @@ func TestCacheKey(t *testing.T) {
 		"arch":    cacheKey("src", "sm_90", compileOptions("sm_90"), 13, 0),
 		"options": cacheKey("src", "sm_90a", append(opts[:len(opts):len(opts)], "-G"), 13, 0),
 		"nvrtc":   cacheKey("src", "sm_90a", opts, 13, 1),
-		"defines": cacheKey("src", "sm_90a", compileOptions("sm_90a", "GG_EXPERIMENT=1"), 13, 0),
+		"defines": cacheKey("src", "sm_90a", compileOptions("sm_90a", "MOE_TEST_LOST_ROWS=1"), 13, 0),
 		// Field boundaries matter: moving text between fields changes the key.
 		"boundary": cacheKey("srcsm_90a", "", opts, 13, 0),
 	} {

@@ -79,7 +79,7 @@ type Device struct {
 	mem *allocator
 
 	modMu   sync.Mutex
-	modules map[string]*Module // by file, and file+variant (LoadVariant)
+	modules map[string]*Module // by file, and by the name of a test's build (Device.load)
 }
 
 // queueDepth bounds how far asynchronous work runs ahead of the device

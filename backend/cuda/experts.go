@@ -29,7 +29,7 @@ import (
 // expertGemm is the Backend's grouped GEMM state, made on first use.
 type expertGemm struct {
 	once     sync.Once
-	bf16Out  *GroupedGemm // Store: bn256s
+	bf16Out  *GroupedGemm // bf16 outputs (bn256s) and the fused kernels
 	floatOut *GroupedGemm // the register epilogue (float32 out)
 	err      error        // why the kernel is not used (not Hopper, ...)
 	// tnMinFill is the least last-wave fill (ggTNFill) at which the
@@ -48,7 +48,6 @@ func (b *Backend) expertKernels() (*expertGemm, bool) {
 	x.once.Do(func() {
 		x.bf16Out, x.err = NewGroupedGemm(b.dev)
 		if x.err == nil {
-			x.bf16Out.Store = 1
 			x.floatOut, x.err = NewGroupedGemm(b.dev)
 		}
 		x.tnMinFill = ggTNMinFill

@@ -1,8 +1,9 @@
 package cuda
 
 // Grouped GEMM for MoE experts: the launch side of kernels/grouped_gemm.cu
-// (wgmma + TMA + mbarrier pipeline, sm_90a only; its header describes the
-// tiling). For each expert e with rows [off[e], off[e+1]) of A:
+// (wgmma + TMA + mbarrier pipeline, sm_90a only; kernels/grouped_gemm.cuh
+// describes the tiling). For each expert e with rows [off[e], off[e+1]) of
+// A:
 //
 //	outRN[r, :] = alpha * aRK[r, :] . wENK[e]^T + beta * outRN[r, :]
 //
@@ -12,6 +13,9 @@ package cuda
 // tile schedule, so a caller never synchronizes to learn the counts. Rows
 // no expert owns (before off[0], from off[E] on) are not written; beta 0
 // never reads outRN.
+//
+// A GroupedGemm also launches the fused MoE kernels (moe_fused.go) and the
+// weight gradients' TN product (RunTN, below).
 
 import (
 	"fmt"
@@ -24,7 +28,7 @@ import (
 	"github.com/mktrain/mktrain/kernels"
 )
 
-// Kernel constants, as in grouped_gemm.cu.
+// Kernel constants, as in grouped_gemm.cuh and moe_fused.cu.
 const (
 	ggBM         = 128     // rows per tile
 	ggBK         = 64      // K per pipeline stage
@@ -35,35 +39,43 @@ const (
 	ggMaxExperts = 1024    // GG_MAX_EXPERTS
 )
 
-// ggStages is the pipeline depth of a variant's kernel.
-func ggStages(variant int) int {
-	switch variant {
-	case ggCoop256S:
-		return 3
-	case ggCoop256, ggCoop256R, ggCoop256H:
-		return 4
-	}
-	return 6
+// The NT product's kernels, the index of GroupedGemm.nt.
+const (
+	ggNT128     = iota // grouped_gemm_nt_bn128_f32
+	ggNT256            // grouped_gemm_nt_bn256_f32
+	ggNT256S           // grouped_gemm_nt_bn256s_bf16
+	ggNTKernels        // how many
+)
+
+// ggKernel describes one NT kernel: its name, n tile, pipeline depth, the
+// shared memory its TMA-store epilogue stages results in (0: the register
+// epilogue), and its output type. A TMA-store kernel also takes the
+// output's tensor map.
+type ggKernel struct {
+	name         string
+	bn, stages   int
+	stagingBytes int
+	outBF16      bool
 }
 
-// ggStagingBytes is the shared memory a variant's TMA-store epilogue
-// stages results in: the whole 128x256 bf16 tile, half of it, or none.
-func ggStagingBytes(variant int) int {
-	switch variant {
-	case ggCoop256S:
-		return 128 * 256 * 2
-	case ggCoop256H:
-		return 128 * 256
+// ggNTKernelList lists the NT kernels, indexed like GroupedGemm.nt:
+// float32 outputs take bn128 or bn256 (ggPickBN); bf16 outputs take
+// bn256s, whose setmaxnreg and TMA-store epilogue (the whole 128x256 bf16
+// tile staged) measured fastest (kernels/grouped_gemm.md).
+func ggNTKernelList() [ggNTKernels]ggKernel {
+	return [ggNTKernels]ggKernel{
+		ggNT128:  {name: "grouped_gemm_nt_bn128_f32", bn: 128, stages: 6},
+		ggNT256:  {name: "grouped_gemm_nt_bn256_f32", bn: 256, stages: 4},
+		ggNT256S: {name: "grouped_gemm_nt_bn256s_bf16", bn: 256, stages: 3, stagingBytes: 128 * 256 * 2, outBF16: true},
 	}
-	return 0
 }
 
-// ggSmemBytes is the dynamic shared memory of a variant's kernel for e
+// ggSmemBytes is the dynamic shared memory of NT kernel kern for e
 // experts: alignment slack, the stage ring, the staging buffer, the
-// mbarriers and the schedule.
-func ggSmemBytes(variant, e int) int {
-	st, bn := ggStages(variant), ggKernels()[variant].bn
-	return 1024 + st*(ggBM*ggBK*2+bn*ggBK*2) + ggStagingBytes(variant) + 16*st + 16 + 4*(3*e+1)
+// mbarriers and the schedule (gg_body's layout).
+func ggSmemBytes(kern, e int) int {
+	k := ggNTKernelList()[kern]
+	return 1024 + k.stages*(ggBM*ggBK*2+k.bn*ggBK*2) + k.stagingBytes + 16*k.stages + 4*(3*e+1)
 }
 
 // GroupedGemm runs the grouped GEMM on one Device. It is safe for
@@ -71,114 +83,23 @@ func ggSmemBytes(variant, e int) int {
 type GroupedGemm struct {
 	d   *Device
 	enc *driver.TensorMapEncoder
-	// kern[variant][bf16], variant ggCoop128 .. ggCoop256H; nil where a
-	// variant has no such kernel (the TMA-store ones are bf16 only).
-	kern [ggVariantCount][2]*Kernel
-	// dispatchSwiGLU and downCombine are the MoE fused kernels
-	// (moe_fused.go), bn256 cooperative like ggCoop256;
-	// dispatchSwiGLUBF16 is dispatchSwiGLU for bf16 sources.
-	dispatchSwiGLU, dispatchSwiGLUBF16, downCombine *Kernel
-	// dispatchDgrad and dgradCombine are their backward twins, which read
-	// the weights as stored (MN-major); dispatchDgradFirst is
-	// dispatchDgrad's build that gathers first, chosen per shape by dgrad
-	// (dgrad_choice.go).
-	dispatchDgrad, dispatchDgradFirst, dgradCombine *Kernel
-	dgrad                                           *dgradChooser
+	// nt are the NT product's kernels (ggNT128 ...), opted in to the
+	// shared memory of ggMaxExperts.
+	nt [ggNTKernels]*Kernel
+	// spills256 is set when the compiler spilled bn256's accumulators to
+	// local memory (they hold 128 floats a thread under a 168-register
+	// cap); float32 outputs then take bn128.
+	spills256 bool
 	// tn is the weight-gradient kernel (RunTN, grouped_gemm_tn).
 	tn *Kernel
-	// optInGather is the gathering kernels' opted-in shared memory (one
-	// layout, fusedGatherSmem).
-	optInGather int
-	// fusedMode holds the fused kernels' experiment switches and test
-	// hooks (tests only; 0 in use); fusedTimeout, when set, replaces
-	// fusedTimeout (tests of the timeout report).
-	fusedMode    int
+	// moe are the fused MoE kernels (moe_fused.go).
+	moe moeKernels
+	// dgrad chooses between moe_dispatch_dgrad's two builds per shape
+	// (dgrad_choice.go).
+	dgrad *dgradChooser
+	// fusedTimeout, when set, replaces fusedTimeout as the bound of the
+	// fused kernels' tile waits (tests of the timeout report).
 	fusedTimeout time.Duration
-	// fusedLocal, fusedBF16Local, downLocal, dgradLocal, dgradFirstLocal and
-	// dgradCombineLocal are the fused kernels' local memory (spilled
-	// registers) per thread, read at load time.
-	fusedLocal, fusedBF16Local, downLocal, dgradLocal, dgradFirstLocal, dgradCombineLocal int
-	// optIn is the dynamic shared memory each variant's kernels opted in
-	// to: ggSmemBytes at ggMaxExperts, capped by the device's limit
-	// (ggCoop256H needs more than that limit past 163 experts).
-	optIn [ggVariantCount]int
-	// spills256 is set when the compiler spilled the BN 256 kernels'
-	// accumulators to local memory (they hold 128 floats a thread under
-	// a 168-register cap); auto then takes BN 128.
-	spills256 bool
-	// BN forces the n tile, 128 or 256; 0 picks per N (ggPickBN).
-	BN int
-	// PingPong runs the ping-pong kernel pp128r (n tile 128: each
-	// consumer warpgroup owns whole tiles and takes turns on the tensor
-	// cores, so one's epilogue hides under the other's mainloop; always
-	// with setmaxnreg) instead of the cooperative ones; BN must be 0 or
-	// 128.
-	PingPong bool
-	// Regs runs the cooperative BN 256 tile as bn256r, with setmaxnreg
-	// (producer 40 registers a thread, consumers 232). BN 128 cooperative
-	// has no such kernel (it needs no more registers) and ignores Regs.
-	Regs bool
-	// Store picks the TMA-store epilogue of the cooperative BN 256 kernel
-	// (bn256r's mainloop; BN must be 0 or 256, PingPong off): full result
-	// blocks go through shared memory and TMA stores that overlap the next
-	// tile's mainloop. 1 is bn256s (3 stages, the whole tile staged), 2 is
-	// bn256h (4 stages, half a tile staged; more than 163 experts fall
-	// back to bn256s, whose shared memory fits). 0 is the register
-	// epilogue. float32 outputs always take the register epilogue (bn256r);
-	// beta != 0 and blocks that hold the next expert's rows take it inside
-	// the kernel.
-	Store int
-	// GroupM is the raster group, in m-tiles, of the tile order of every
-	// kernel this GroupedGemm launches, the fused ones included: the
-	// tiles of GroupM m-tiles run n-tile major, so the tiles in flight
-	// share their A and W tiles in L2 (see gg_tile in the kernel). 0 is
-	// ggDefaultGroupM; 1 is plain m-tile major order (version 1).
-	GroupM int
-}
-
-// ggDefaultGroupM is GroupM's default: version 1's m-tile major order
-// until a GPU run shows the grouped order's gain (kernels/grouped_gemm.md).
-const ggDefaultGroupM = 1
-
-// rasterGroup is GroupM checked, its default resolved: the kernels'
-// argument GM.
-func (g *GroupedGemm) rasterGroup() (int, error) {
-	switch {
-	case g.GroupM < 0 || g.GroupM > ggMaxGroupM:
-		return 0, fmt.Errorf("cuda: GroupedGemm: GroupM %d, want 0 (default) or 1..%d", g.GroupM, ggMaxGroupM)
-	case g.GroupM == 0:
-		return ggDefaultGroupM, nil
-	}
-	return g.GroupM, nil
-}
-
-// ggMaxGroupM bounds GroupM (the kernel multiplies it by the n-tile count
-// in 32 bits).
-const ggMaxGroupM = 256
-
-// Kernel variants, the first index of GroupedGemm.kern.
-const (
-	ggCoop128 = iota
-	ggCoop256
-	ggCoop256R     // ggCoop256 with setmaxnreg
-	ggPingPong128R // ping-pong, n tile 128, with setmaxnreg
-	ggCoop256S     // ggCoop256R with the TMA-store epilogue, whole tile staged
-	ggCoop256H     // ggCoop256R with the TMA-store epilogue, half tile staged
-	ggVariantCount
-)
-
-// ggKernel is a variant's kernel name stem, n tile, and whether it has a
-// float32-out kernel and takes the output's tensor map.
-type ggKernel struct {
-	name     string
-	bn       int
-	bf16Only bool // TMA-store epilogue: bf16 out only, a third tensor map
-}
-
-// ggKernels lists the variants' kernels, indexed like GroupedGemm.kern.
-func ggKernels() [ggVariantCount]ggKernel {
-	return [ggVariantCount]ggKernel{{"bn128", 128, false}, {"bn256", 256, false}, {"bn256r", 256, false},
-		{"pp128r", 128, false}, {"bn256s", 256, true}, {"bn256h", 256, true}}
 }
 
 // NewGroupedGemm loads the kernels on d. It fails on GPUs other than
@@ -189,11 +110,9 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	if info.Arch != "sm_90a" {
 		return nil, fmt.Errorf("cuda: GroupedGemm needs a Hopper GPU (sm_90a), not %s (%s)", info.Arch, info.Name)
 	}
-	need := 0
-	for v := range ggVariantCount {
-		if v != ggCoop256H { // it falls back to ggCoop256S past 163 experts
-			need = max(need, ggSmemBytes(v, ggMaxExperts))
-		}
+	need := max(fusedGatherSmem(ggMaxExperts), ggTNSmemBytes)
+	for kern := range ggNTKernels {
+		need = max(need, ggSmemBytes(kern, ggMaxExperts))
 	}
 	if info.MaxSharedOptIn < need {
 		return nil, fmt.Errorf("cuda: GroupedGemm needs %d bytes of shared memory per block, %s offers %d", need, info.Name, info.MaxSharedOptIn)
@@ -202,6 +121,7 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cuda: GroupedGemm: %w", err)
 	}
+	g := &GroupedGemm{d: d, enc: enc, dgrad: newDgradChooser()}
 	src, err := kernels.Lookup("grouped_gemm.cu")
 	if err != nil {
 		return nil, err
@@ -210,88 +130,44 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	if err != nil {
 		return nil, err
 	}
-	g := &GroupedGemm{d: d, enc: enc, dgrad: newDgradChooser()}
-	for i, v := range ggKernels() {
-		// Opt in once to the most any call can ask (E = ggMaxExperts).
-		g.optIn[i] = min(ggSmemBytes(i, ggMaxExperts), info.MaxSharedOptIn)
-		for j, ty := range []string{"f32", "bf16"} {
-			if j == 0 && v.bf16Only {
-				continue
-			}
-			k, err := m.Kernel(fmt.Sprintf("grouped_gemm_nt_%s_%s", v.name, ty))
-			if err != nil {
-				return nil, err
-			}
-			smem := g.optIn[i]
-			var local int
-			err = d.Do(func() error {
-				if err := d.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, smem); err != nil {
-					return err
-				}
-				var err error
-				local, err = d.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
-				return err
-			})
-			if err != nil {
-				return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", k.Desc.Name, err)
-			}
-			g.spills256 = g.spills256 || (i == ggCoop256 && local > 0)
-			g.kern[i][j] = k
-		}
-	}
-	for _, f := range []struct {
-		name string
-		k    **Kernel
-	}{{"moe_dispatch_swiglu", &g.dispatchSwiGLU}, {"moe_dispatch_swiglu_bf16", &g.dispatchSwiGLUBF16},
-		{"moe_down_combine", &g.downCombine},
-		{"moe_dispatch_dgrad", &g.dispatchDgrad}, {"moe_dispatch_dgrad_first", &g.dispatchDgradFirst},
-		{"moe_dgrad_combine", &g.dgradCombine}} {
-		k, err := m.Kernel(f.name)
-		if err != nil {
+	// Every kernel opts in once to the most any call can ask (E =
+	// ggMaxExperts).
+	for kern, desc := range ggNTKernelList() {
+		if g.nt[kern], err = g.optIn(m, desc.name, ggSmemBytes(kern, ggMaxExperts)); err != nil {
 			return nil, err
 		}
-		smem := g.optIn[ggCoop256]
-		if f.k == &g.dispatchSwiGLU || f.k == &g.dispatchSwiGLUBF16 || f.k == &g.dispatchDgrad || f.k == &g.dispatchDgradFirst {
-			smem = min(fusedGatherSmem(ggMaxExperts), info.MaxSharedOptIn)
-			g.optInGather = smem
-		}
-		var local int
-		err = d.Do(func() error {
-			if err := d.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, smem); err != nil {
-				return err
-			}
-			var err error
-			local, err = d.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
-			return err
-		})
-		if err != nil {
-			return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", f.name, err)
-		}
-		switch f.k {
-		case &g.dispatchSwiGLU:
-			g.fusedLocal = local
-		case &g.dispatchSwiGLUBF16:
-			g.fusedBF16Local = local
-		case &g.downCombine:
-			g.downLocal = local
-		case &g.dispatchDgrad:
-			g.dgradLocal = local
-		case &g.dispatchDgradFirst:
-			g.dgradFirstLocal = local
-		case &g.dgradCombine:
-			g.dgradCombineLocal = local
-		}
-		*f.k = k
 	}
-	if g.tn, err = m.Kernel("grouped_gemm_tn"); err != nil {
+	g.spills256 = g.nt[ggNT256].LocalBytes > 0
+	if g.tn, err = g.optIn(m, "grouped_gemm_tn", ggTNSmemBytes); err != nil {
 		return nil, err
 	}
-	if err := d.Do(func() error {
-		return d.drv.FuncSetAttribute(g.tn.fn, driver.FuncMaxDynamicSharedSizeOpt, ggTNSmemBytes)
-	}); err != nil {
-		return nil, fmt.Errorf("cuda: GroupedGemm: grouped_gemm_tn: %w", err)
+	moe, err := kernels.Lookup("moe_fused.cu")
+	if err != nil {
+		return nil, err
+	}
+	m, err = d.Load(moe)
+	if err != nil {
+		return nil, err
+	}
+	if g.moe, err = g.loadMoEKernels(m); err != nil {
+		return nil, err
 	}
 	return g, nil
+}
+
+// optIn returns m's kernel name, allowed smem bytes of dynamic shared
+// memory (more than the default 48 KiB needs the opt-in).
+func (g *GroupedGemm) optIn(m *Module, name string, smem int) (*Kernel, error) {
+	k, err := m.Kernel(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := g.d.Do(func() error {
+		return g.d.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, smem)
+	}); err != nil {
+		return nil, fmt.Errorf("cuda: GroupedGemm: %s: %w", name, err)
+	}
+	return k, nil
 }
 
 // checkGroupedGemm validates a call's sizes and pointers. The limits come
@@ -386,18 +262,11 @@ func ggSchedule(offsets []int32, rows int) (beg, end, cum []int) {
 	return beg, end, cum
 }
 
-// ggTileOf is the Go twin of gg_tile: the cum[E] m-tiles are cut into
-// raster groups of gm (the last may be short); tile t is in group
-// t/(gm*nTN), where it is m-tile rem%gs and n-tile rem/gs of the group's
-// gs m-tiles; its expert is the largest e with cum[e] <= m-tile.
-func ggTileOf(t, nTN, gm, bn int, beg, end, cum []int) ggTile {
-	span := gm * nTN
-	grp := t / span
-	gbase := grp * gm
-	gs := min(gm, cum[len(cum)-1]-gbase)
-	rem := t - grp*span
-	nt := rem / gs
-	g := gbase + rem - nt*gs
+// ggTileOf is the Go twin of gg_tile: tile t is global m-tile t/nTN and
+// n-tile t%nTN (m-tile major); its expert is the largest e with cum[e] <=
+// m-tile.
+func ggTileOf(t, nTN, bn int, beg, end, cum []int) ggTile {
+	g, nt := t/nTN, t%nTN
 	lo, hi := 0, len(beg)-1
 	for lo < hi {
 		mid := (lo + hi + 1) >> 1
@@ -418,43 +287,35 @@ func ggTileOf(t, nTN, gm, bn int, beg, end, cum []int) ggTile {
 // writes nothing. Sizes and pointers are checked at once (an error names
 // the argument); launch and kernel errors come from the next Sync.
 func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n, k, experts int, outBF16 bool, alpha, beta float32) error {
-	if err := checkGroupedGemm(outRN, aRK, wENK, offsetsE1, rows, n, k, experts, g.BN); err != nil {
-		return err
-	}
-	if g.PingPong && g.BN == 256 {
-		return fmt.Errorf("cuda: GroupedGemm: PingPong takes BN 0 or 128, not 256")
-	}
+	return g.runNT(g.ntKernelFor(n, outBF16), outRN, aRK, wENK, offsetsE1, rows, n, k, experts, alpha, beta)
+}
+
+// ntKernelFor is the NT kernel Run takes for n columns: bn256s for bf16
+// outputs (beta != 0, and blocks that hold the next expert's rows, take
+// its register epilogue inside the kernel), else the n tile that pads n
+// less (bn128 when bn256 spilled).
+func (g *GroupedGemm) ntKernelFor(n int, outBF16 bool) int {
 	switch {
-	case g.Store < 0 || g.Store > 2:
-		return fmt.Errorf("cuda: GroupedGemm: Store %d, want 0 (register epilogue), 1 (bn256s) or 2 (bn256h)", g.Store)
-	case g.Store != 0 && (g.PingPong || g.BN == 128):
-		return fmt.Errorf("cuda: GroupedGemm: Store %d needs the cooperative BN 256 kernel (BN 0 or 256, PingPong off)", g.Store)
+	case outBF16:
+		return ggNT256S
+	case ggPickBN(n) == 128 || g.spills256:
+		return ggNT128
 	}
-	gm, err := g.rasterGroup()
-	if err != nil {
+	return ggNT256
+}
+
+// runNT is Run on NT kernel kern (ggNT128 ...), whose output type is the
+// output's.
+func (g *GroupedGemm) runNT(kern int, outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n, k, experts int, alpha, beta float32) error {
+	desc := ggNTKernelList()[kern]
+	if err := checkGroupedGemm(outRN, aRK, wENK, offsetsE1, rows, n, k, experts, desc.bn); err != nil {
 		return err
 	}
 	if rows == 0 {
 		return nil // no rows, no expert owns anything
 	}
-	bn := g.BN
-	switch {
-	case g.Store != 0:
-		bn = 256
-	case bn == 0:
-		bn = ggPickBN(n)
-		if g.spills256 {
-			bn = 128
-		}
-	}
-	variant := ggPickVariant(bn, g.PingPong, g.Regs, g.Store, outBF16)
-	if variant == ggCoop256H && ggSmemBytes(ggCoop256H, experts) > g.optIn[ggCoop256H] {
-		variant = ggCoop256S // too many experts for half a tile of staging beside 4 stages
-	}
-	bn = ggKernels()[variant].bn
-	kern := g.kern[variant][b2i(outBF16)]
-	grid := Grid1D(ggGrid(g.d.info.SMs, rows, n, experts, bn), ggThreads)
-	grid.Shared = ggSmemBytes(variant, experts)
+	grid := Grid1D(ggGrid(g.d.info.SMs, rows, n, experts, desc.bn), ggThreads)
+	grid.Shared = ggSmemBytes(kern, experts)
 	mapA := driver.TiledMap{
 		Type: driver.TensorMapBfloat16, Addr: aRK,
 		Dims: []uint64{uint64(k), uint64(rows)}, Strides: []uint64{2 * uint64(k)},
@@ -464,16 +325,11 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 		Type: driver.TensorMapBfloat16, Addr: wENK,
 		Dims:    []uint64{uint64(k), uint64(n), uint64(experts)},
 		Strides: []uint64{2 * uint64(k), 2 * uint64(k) * uint64(n)},
-		Box:     []uint32{ggBK, uint32(bn), 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+		Box:     []uint32{ggBK, uint32(desc.bn), 1}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
 	}
-	// The TMA-store kernels' output map: {N, rows} bf16 in boxes of 64
+	// The TMA-store kernel's output map: {N, rows} bf16 in boxes of 64
 	// columns x 64 rows (one consumer warpgroup's block is four of them).
-	store := ggKernels()[variant].bf16Only
-	mapO := driver.TiledMap{
-		Type: driver.TensorMapBfloat16, Addr: outRN,
-		Dims: []uint64{uint64(n), uint64(rows)}, Strides: []uint64{2 * uint64(n)},
-		Box: []uint32{64, 64}, Swizzle: driver.Swizzle128B, L2: driver.L2PromotionNone,
-	}
+	store := desc.stagingBytes > 0
 	maps := []struct {
 		name string
 		m    driver.TiledMap
@@ -482,75 +338,43 @@ func (g *GroupedGemm) Run(outRN, aRK, wENK, offsetsE1 driver.DevicePtr, rows, n,
 		maps = append(maps, struct {
 			name string
 			m    driver.TiledMap
-		}{"outRN", mapO})
+		}{"outRN", boxesMap(outRN, rows, n)})
 	}
 	for _, m := range maps {
 		if err := m.m.Check(); err != nil {
 			return fmt.Errorf("cuda: GroupedGemm: %s: %w", m.name, err)
 		}
 	}
+	kernel := g.nt[kern]
 	slots := []uint64{uint64(outRN), uint64(offsetsE1), uint64(uint32(rows)), uint64(uint32(n)), uint64(uint32(k)),
-		uint64(uint32(experts)), uint64(uint32(gm)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}
+		uint64(uint32(experts)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}
 	d := g.d
 	return d.Submit(func() error {
 		// Encoding on the device thread keeps Run free of round trips;
 		// the maps were checked above, so failures here are the driver's.
-		var ta, tw, to driver.TensorMap
-		if err := g.enc.EncodeTiled(&ta, mapA); err != nil {
-			return fmt.Errorf("cuda: GroupedGemm: aRK tensor map: %w", err)
-		}
-		if err := g.enc.EncodeTiled(&tw, mapW); err != nil {
-			return fmt.Errorf("cuda: GroupedGemm: wENK tensor map: %w", err)
+		tms := make([]driver.TensorMap, len(maps))
+		for i, m := range maps {
+			if err := g.enc.EncodeTiled(&tms[i], m.m); err != nil {
+				return fmt.Errorf("cuda: GroupedGemm: %s tensor map: %w", m.name, err)
+			}
 		}
 		var pin runtime.Pinner
 		defer pin.Unpin()
-		params := make([]unsafe.Pointer, 0, 3+len(slots))
-		pin.Pin(&ta)
-		pin.Pin(&tw)
+		pin.Pin(&tms[0])
 		pin.Pin(&slots[0])
-		params = append(params, unsafe.Pointer(&ta), unsafe.Pointer(&tw))
-		if store {
-			if err := g.enc.EncodeTiled(&to, mapO); err != nil {
-				return fmt.Errorf("cuda: GroupedGemm: outRN tensor map: %w", err)
-			}
-			pin.Pin(&to)
-			params = append(params, unsafe.Pointer(&to))
+		params := make([]unsafe.Pointer, 0, len(tms)+len(slots))
+		for i := range tms {
+			params = append(params, unsafe.Pointer(&tms[i]))
 		}
 		for i := range slots {
 			params = append(params, unsafe.Pointer(&slots[i]))
 		}
 		pin.Pin(&params[0])
-		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
-			return fmt.Errorf("%s: %w", kern.Desc.Name, err)
+		if err := d.drv.LaunchKernel(kernel.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
+			return fmt.Errorf("%s: %w", kernel.Desc.Name, err)
 		}
 		return nil
 	})
-}
-
-// ggPickVariant maps the knobs (bn already resolved to 128 or 256) to a
-// kernel variant: PingPong wins, then Store for BN 256 with bf16 out
-// (float32 out has no TMA-store kernel and runs bn256r), then Regs.
-func ggPickVariant(bn int, pingPong, regs bool, store int, outBF16 bool) int {
-	switch {
-	case pingPong:
-		return ggPingPong128R
-	case bn != 256:
-		return ggCoop128
-	case store == 1 && outBF16:
-		return ggCoop256S
-	case store == 2 && outBF16:
-		return ggCoop256H
-	case store != 0 || regs:
-		return ggCoop256R
-	}
-	return ggCoop256
-}
-
-func b2i(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
 }
 
 // The weight-gradient product (grouped_gemm_tn; its header describes the

@@ -76,8 +76,8 @@ func testGroupedGemm(t *testing.T) *GroupedGemm {
 	return g
 }
 
-// TestGroupedGemmCompileProbe compiles grouped_gemm.cu with NVRTC; it
-// runs only in testGroupedGemm's child process, first.
+// TestGroupedGemmCompileProbe compiles grouped_gemm.cu and moe_fused.cu
+// with NVRTC; it runs only in testGroupedGemm's child process, first.
 func TestGroupedGemmCompileProbe(t *testing.T) {
 	if os.Getenv("MKTRAIN_GG_PROBE") != "1" {
 		t.Skip("runs as the child process of the grouped GEMM tests")
@@ -85,12 +85,14 @@ func TestGroupedGemmCompileProbe(t *testing.T) {
 	if gpu.rt == nil {
 		t.Fatalf("no CUDA runtime: %v %s", gpu.err, gpu.skip)
 	}
-	src, text := kernelSource(t, "grouped_gemm.cu")
-	_, info, err := gpu.rt.Compile(src.File, text, "sm_90a")
-	if err != nil {
-		t.Fatal(err)
+	for _, file := range []string{"grouped_gemm.cu", "moe_fused.cu"} {
+		src, text := kernelSource(t, file)
+		_, info, err := gpu.rt.Compile(src.File, text, "sm_90a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%s compiled in %v; NVRTC log: %q", file, info.Elapsed, info.Log)
 	}
-	t.Logf("compiled in %v; NVRTC log: %q", info.Elapsed, info.Log)
 }
 
 // ggRandBF16 is n bf16 values uniform in [-1, 1), drawn in parallel
@@ -137,11 +139,10 @@ type ggCase struct {
 	off           []int32 // nil: ggRandOffsets
 	outBF16       bool
 	alpha, beta   float32
-	bn            int  // 0: auto
-	pp            bool // the ping-pong kernel
-	reg           bool // the setmaxnreg kernel (bn256r; ping-pong always)
-	gm            int  // GroupedGemm.GroupM (0: default)
-	store         int  // GroupedGemm.Store: the TMA-store epilogue (bn256s, bn256h)
+	// kernel is the NT kernel the case runs (ggNTKernelList's name less
+	// its grouped_gemm_nt_ prefix and type: bn128, bn256, bn256s), whose
+	// output type must be outBF16's; "" runs Run's choice.
+	kernel string
 	// shared, when set, keeps the problem (and its memoized reference)
 	// across runs of the same inputs with other kernels.
 	shared *ggShared
@@ -238,9 +239,7 @@ func (c ggCase) run(t *testing.T, g *GroupedGemm, seed uint64, rowsToCheck []int
 	defer d.Free(aBuf)
 	defer d.Free(wBuf)
 	defer d.Free(offBuf)
-	gg := *g
-	c.variant().apply(&gg)
-	if err := gg.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), c.rows, c.n, c.k, c.e, c.outBF16, c.alpha, c.beta); err != nil {
+	if err := c.launch(g, out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), c.alpha, c.beta); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.Sync(); err != nil {
@@ -268,73 +267,63 @@ func (c ggCase) run(t *testing.T, g *GroupedGemm, seed uint64, rowsToCheck []int
 	res := p.check(got, poisoned, rowsToCheck)
 	if res.bad > 0 || !(res.relL2 < 1e-2) {
 		t.Errorf("%s (rows %d n %d k %d E %d bf16out %v alpha %g beta %g kernel %s, offsets %v): %d of %d elements bad, rel L2 %.3g; e.g. %v",
-			c.name, c.rows, c.n, c.k, c.e, c.outBF16, c.alpha, c.beta, c.variant(), ggShort(off), res.bad, res.checkedEl, res.relL2, res.examples)
+			c.name, c.rows, c.n, c.k, c.e, c.outBF16, c.alpha, c.beta, c.kernelName(), ggShort(off), res.bad, res.checkedEl, res.relL2, res.examples)
 	} else {
-		t.Logf("%s: kernel %s bf16out %v beta %g: rel L2 %.3g over %d elements", c.name, c.variant(), c.outBF16, c.beta, res.relL2, res.checkedEl)
+		t.Logf("%s: kernel %s bf16out %v beta %g: rel L2 %.3g over %d elements", c.name, c.kernelName(), c.outBF16, c.beta, res.relL2, res.checkedEl)
 	}
 	return res
 }
 
-// ggVar is a kernel choice: the n tile (0 auto), ping-pong, setmaxnreg,
-// the raster group (0 default) and the TMA-store epilogue.
-type ggVar struct {
-	bn      int
-	pp, reg bool
-	gm      int
-	store   int
-}
-
-// ggVariants are the kernels the correctness tests run: the default
-// cooperative bn256, the ping-pong pp128r, the TMA-store epilogues bn256s
-// and bn256h (the latter in groups of 8 m-tiles, so the grouped tile order
-// runs too), and bn128, which auto takes where 256 pads N more (N 1408).
-var ggVariants = []ggVar{{bn: 256}, {bn: 128, pp: true}, {bn: 256, store: 1}, {bn: 256, store: 2, gm: 8}, {bn: 128}}
-
-// ggShapeVariants are the ones TestGroupedGemmShapes runs on the full
-// model shapes (bn128 is covered on the small cases).
-var ggShapeVariants = ggVariants[:4]
-
-// variant is c's kernel choice.
-func (c ggCase) variant() ggVar {
-	return ggVar{bn: c.bn, pp: c.pp, reg: c.reg, gm: c.gm, store: c.store}
-}
-
-// with sets c's kernel choice to v.
-func (c ggCase) with(v ggVar) ggCase {
-	c.bn, c.pp, c.reg, c.gm, c.store = v.bn, v.pp, v.reg, v.gm, v.store
-	return c
-}
-
-// apply sets g's knobs to v.
-func (v ggVar) apply(g *GroupedGemm) {
-	g.BN, g.PingPong, g.Regs, g.GroupM, g.Store = v.bn, v.pp, v.reg, v.gm, v.store
-}
-
-// String names a kernel choice as the figures do: bn128, bn256, pp128r,
-// bn256r, bn256s, bn256h, auto, plus "_g<GroupM>" when GroupM is set.
-// (bn256s/bn256h with float32 out run bn256r.)
-func (v ggVar) String() string {
-	var s string
-	switch {
-	case v.pp:
-		s = "pp128r"
-	case v.store == 1:
-		s = "bn256s"
-	case v.store == 2:
-		s = "bn256h"
-	case v.bn == 0:
-		s = "auto"
-	default:
-		s = fmt.Sprintf("bn%d", v.bn)
+// launch queues c on g: its kernel (runNT), or Run's choice.
+func (c ggCase) launch(g *GroupedGemm, out, a, w, off driver.DevicePtr, alpha, beta float32) error {
+	if c.kernel == "" {
+		return g.Run(out, a, w, off, c.rows, c.n, c.k, c.e, c.outBF16, alpha, beta)
 	}
-	if v.reg && !v.pp && v.store == 0 && v.bn == 256 {
-		s += "r"
+	kern := ggKernelNamed(c.kernel)
+	if kern < 0 || ggNTKernelList()[kern].outBF16 != c.outBF16 {
+		return fmt.Errorf("case %q: kernel %q with bf16 out %v: no such kernel", c.name, c.kernel, c.outBF16)
 	}
-	if v.gm != 0 {
-		s += fmt.Sprintf("_g%d", v.gm)
-	}
-	return s
+	return g.runNT(kern, out, a, w, off, c.rows, c.n, c.k, c.e, alpha, beta)
 }
+
+// kernelName names c's kernel as the figures do: bn128, bn256, bn256s,
+// or auto (Run's choice).
+func (c ggCase) kernelName() string {
+	if c.kernel == "" {
+		return "auto"
+	}
+	return c.kernel
+}
+
+// ggKernelNamed is the NT kernel called name (bn128, bn256, bn256s), or -1.
+func ggKernelNamed(name string) int {
+	for kern, k := range ggNTKernelList() {
+		if strings.TrimSuffix(strings.TrimSuffix(strings.TrimPrefix(k.name, "grouped_gemm_nt_"), "_f32"), "_bf16") == name {
+			return kern
+		}
+	}
+	return -1
+}
+
+// onEveryKernel is c on every NT kernel of its output type: the kernels
+// Run picks among.
+func (c ggCase) onEveryKernel() []ggCase {
+	var cs []ggCase
+	for _, name := range []string{"bn256", "bn128", "bn256s"} {
+		if ggNTKernelList()[ggKernelNamed(name)].outBF16 == c.outBF16 {
+			c.kernel = name
+			cs = append(cs, c)
+		}
+	}
+	return cs
+}
+
+// ggTestKernels are the kernels the correctness tests run, each with its
+// output type: every NT kernel training runs.
+var ggTestKernels = []struct {
+	name    string
+	outBF16 bool
+}{{"bn256", false}, {"bn128", false}, {"bn256s", true}}
 
 // ggShort prints long offset lists by their ends.
 func ggShort(off []int32) string {
@@ -351,58 +340,37 @@ func TestGroupedGemmDebug(t *testing.T) {
 	g := testGroupedGemm(t)
 	// Registers and local memory (spills) per kernel, and NVRTC's log:
 	// the consumers hold BN/2 accumulators under a 168-register cap.
-	for i, kv := range ggKernels() {
-		v := kv.name
-		for j, ty := range []string{"f32", "bf16"} {
-			k := g.kern[i][j]
-			if k == nil {
-				continue // the TMA-store kernels are bf16 only
-			}
-			var local int
-			err := g.d.Do(func() error {
-				var err error
-				local, err = g.d.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
-				return err
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Logf("%s %s: %s: %d registers, %d bytes of local memory", v, ty, k.Desc.Name, k.Registers, local)
-		}
+	for _, k := range append(g.nt[:], g.tn) {
+		t.Logf("%s: %d registers, %d bytes of local memory", k.Desc.Name, k.Registers, k.LocalBytes)
 	}
-	if src, err := kernels.Lookup("grouped_gemm.cu"); err == nil {
-		if m, err := g.d.Load(src); err == nil && m.Info.Log != "" {
-			t.Logf("NVRTC log:\n%s", m.Info.Log)
+	for _, file := range []string{"grouped_gemm.cu", "moe_fused.cu"} {
+		if src, err := kernels.Lookup(file); err == nil {
+			if m, err := g.d.Load(src); err == nil && m.Info.Log != "" {
+				t.Logf("%s: NVRTC log:\n%s", file, m.Info.Log)
+			}
 		}
 	}
 	for _, c := range []ggCase{
-		{name: "one tile 128x128x64", rows: 128, n: 128, k: 64, e: 1, off: ggOffsets(0, 128), alpha: 1, bn: 128},
-		{name: "one tile 128x256x64", rows: 128, n: 256, k: 64, e: 1, off: ggOffsets(0, 128), alpha: 1, bn: 256},
-		{name: "one tile, k 16 (one k-step, TMA zero fill past it)", rows: 128, n: 128, k: 16, e: 1, off: ggOffsets(0, 128), alpha: 1, bn: 128},
-		{name: "one tile, 9 k-blocks (ring wraps)", rows: 128, n: 128, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, bn: 128},
-		{name: "one tile 128x256, 9 k-blocks", rows: 128, n: 256, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, bn: 256},
-		{name: "two experts, one tile each", rows: 256, n: 128, k: 128, e: 2, off: ggOffsets(0, 128, 128), alpha: 1, bn: 128},
-		{name: "ping-pong, one tile", rows: 128, n: 128, k: 64, e: 1, off: ggOffsets(0, 128), alpha: 1, pp: true},
-		{name: "ping-pong, one tile, 9 k-blocks", rows: 128, n: 128, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, pp: true},
-		// Over 4 tiles per CTA on 132 SMs: both warpgroups work, and the
-		// ring wraps within and across tiles (9 k-blocks, 6 stages).
-		{name: "ping-pong, 600 tiles", rows: 128 * 600, n: 128, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, pp: true},
-		{name: "cooperative, 600 tiles", rows: 128 * 600, n: 128, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, bn: 128},
-		// The setmaxnreg kernels, then the grouped tile order.
-		{name: "setmaxnreg 128x256, 9 k-blocks", rows: 128, n: 256, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, bn: 256, reg: true},
-		{name: "setmaxnreg ping-pong, 9 k-blocks", rows: 128, n: 128, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, pp: true, reg: true},
-		{name: "setmaxnreg ping-pong, 600 tiles", rows: 128 * 600, n: 128, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, pp: true, reg: true},
-		{name: "group 8, 60x5 tiles", rows: 128 * 60, n: 640, k: 192, e: 1, off: ggOffsets(0, 128*60), alpha: 1, bn: 128, gm: 8},
-		// The TMA-store epilogues (bf16 out): one full tile, the ring
-		// wrapping, then 600 tiles (the staging buffers reused while
-		// earlier stores drain), an N tail inside a box and a box past N,
-		// and a last expert ending at the tensor's end (TMA clips rows).
-		{name: "TMA store, one tile 128x256x64", rows: 128, n: 256, k: 64, e: 1, off: ggOffsets(0, 128), alpha: 1, outBF16: true, store: 1},
-		{name: "TMA store half, one tile, 9 k-blocks", rows: 128, n: 256, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, outBF16: true, store: 2},
-		{name: "TMA store, 600 tiles", rows: 128 * 600, n: 256, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, outBF16: true, store: 1},
-		{name: "TMA store half, 600 tiles", rows: 128 * 600, n: 256, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, outBF16: true, store: 2},
-		{name: "TMA store, n 328 (tail box, box past N), rows 200 of one expert", rows: 200, n: 328, k: 128, e: 1, off: ggOffsets(0, 200), alpha: 0.5, outBF16: true, store: 1},
-		{name: "TMA store half, two experts 70 + 130", rows: 200, n: 256, k: 128, e: 2, off: ggOffsets(0, 70, 130), alpha: 1, outBF16: true, store: 2},
+		{name: "one tile 128x128x64", rows: 128, n: 128, k: 64, e: 1, off: ggOffsets(0, 128), alpha: 1, kernel: "bn128"},
+		{name: "one tile 128x256x64", rows: 128, n: 256, k: 64, e: 1, off: ggOffsets(0, 128), alpha: 1, kernel: "bn256"},
+		{name: "one tile, k 16 (one k-step, TMA zero fill past it)", rows: 128, n: 128, k: 16, e: 1, off: ggOffsets(0, 128), alpha: 1, kernel: "bn128"},
+		{name: "one tile, 9 k-blocks (ring wraps)", rows: 128, n: 128, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, kernel: "bn128"},
+		{name: "one tile 128x256, 9 k-blocks", rows: 128, n: 256, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, kernel: "bn256"},
+		{name: "two experts, one tile each", rows: 256, n: 128, k: 128, e: 2, off: ggOffsets(0, 128, 128), alpha: 1, kernel: "bn128"},
+		// Over 4 tiles per CTA on 132 SMs: the ring wraps within and
+		// across tiles (9 k-blocks, 6 stages).
+		{name: "cooperative, 600 tiles", rows: 128 * 600, n: 128, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, kernel: "bn128"},
+		// The setmaxnreg kernel with the TMA-store epilogue (bf16 out): one
+		// full tile, the ring wrapping, then 600 tiles (the staging buffers
+		// reused while earlier stores drain), an N tail inside a box and a
+		// box past N, a last expert ending at the tensor's end (TMA clips
+		// rows), and a block holding the next expert's rows (the register
+		// path inside the kernel).
+		{name: "TMA store, one tile 128x256x64", rows: 128, n: 256, k: 64, e: 1, off: ggOffsets(0, 128), alpha: 1, outBF16: true, kernel: "bn256s"},
+		{name: "setmaxnreg and TMA store, one tile, 9 k-blocks", rows: 128, n: 256, k: 576, e: 1, off: ggOffsets(0, 128), alpha: 1, outBF16: true, kernel: "bn256s"},
+		{name: "TMA store, 600 tiles", rows: 128 * 600, n: 256, k: 576, e: 1, off: ggOffsets(0, 128*600), alpha: 1, outBF16: true, kernel: "bn256s"},
+		{name: "TMA store, n 328 (tail box, box past N), rows 200 of one expert", rows: 200, n: 328, k: 128, e: 1, off: ggOffsets(0, 200), alpha: 0.5, outBF16: true, kernel: "bn256s"},
+		{name: "TMA store, two experts 70 + 130", rows: 200, n: 256, k: 128, e: 2, off: ggOffsets(0, 70, 130), alpha: 1, outBF16: true, kernel: "bn256s"},
 	} {
 		c.run(t, g, 7, nil)
 	}
@@ -435,11 +403,10 @@ func TestGroupedGemmDebugPatterns(t *testing.T) {
 				w[c*k+kk] = pat.w(c, kk)
 			}
 		}
-		for _, v := range ggVariants {
-			// bf16 out for the TMA-store kernels (the values are small
-			// integers, exact in bf16).
+		for _, v := range ggTestKernels {
+			// The values are small integers, exact in bf16.
 			c := ggCase{name: pat.name, rows: rows, n: n, k: k, e: 1, off: ggOffsets(0, rows), alpha: 1, a: a, w: w,
-				outBF16: v.store != 0}.with(v)
+				outBF16: v.outBF16, kernel: v.name}
 			if res := c.run(t, g, 1, nil); res.bad == 0 {
 				continue
 			}
@@ -455,7 +422,7 @@ func TestGroupedGemmDebugPatterns(t *testing.T) {
 				}
 				if len(line) > 0 {
 					shown++
-					t.Logf("%s row %d (want %g at c0): %d wrong: %v", v, r, pat.want(r, 0), len(line), line[:min(len(line), 12)])
+					t.Logf("%s row %d (want %g at c0): %d wrong: %v", v.name, r, pat.want(r, 0), len(line), line[:min(len(line), 12)])
 				}
 			}
 		}
@@ -483,9 +450,7 @@ func ggRunRaw(t *testing.T, g *GroupedGemm, c ggCase) []float32 {
 	if err := d.Memset32(out, 0, int64(c.rows*c.n), poison); err != nil {
 		t.Fatal(err)
 	}
-	gg := *g
-	c.variant().apply(&gg)
-	if err := gg.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), c.rows, c.n, c.k, c.e, c.outBF16, 1, 0); err != nil {
+	if err := c.launch(g, out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), 1, 0); err != nil {
 		t.Fatal(err)
 	}
 	got := make([]float32, c.rows*c.n)
@@ -509,7 +474,8 @@ func ggRunRaw(t *testing.T, g *GroupedGemm, c ggCase) []float32 {
 }
 
 // TestGroupedGemmCases covers the schedule and the edges on small shapes,
-// each for both n tiles, float32 and bf16 outputs, beta 0 and 1.
+// each on every NT kernel (both n tiles with float32 out, bn256s with
+// bf16), beta 0 and 1.
 func TestGroupedGemmCases(t *testing.T) {
 	g := testGroupedGemm(t)
 	cases := []ggCase{
@@ -522,33 +488,29 @@ func TestGroupedGemmCases(t *testing.T) {
 		{name: "all experts empty", rows: 256, n: 128, k: 64, e: 4, off: ggOffsets(0, 0, 0, 0, 0)},
 		{name: "tiny n and k", rows: 130, n: 8, k: 8, e: 2, off: ggOffsets(0, 65, 65)},
 		// Several tiles per CTA (132 SMs): the persistent loop, ring
-		// phases across tiles, both ping-pong warpgroups.
+		// phases across tiles.
 		{name: "many tiles, k 320", rows: 20000, n: 512, k: 320, e: 8, off: ggOffsets(0, 3000, 1, 0, 7000, 2500, 127, 4372, 2999)},
 		{name: "many tiles, k 1000", rows: 9000, n: 520, k: 1000, e: 3, off: ggOffsets(10, 4000, 0, 4900)},
 	}
 	seed := uint64(100)
 	for _, c := range cases {
-		for _, v := range ggVariants {
-			for _, bf := range []bool{false, true} {
-				for _, beta := range []float32{0, 1} {
-					c = c.with(v)
-					c.outBF16, c.beta, c.alpha = bf, beta, 1
-					if beta != 0 {
-						c.alpha = 0.5
-					}
-					seed++
-					c.run(t, g, seed, nil)
+		for _, v := range ggTestKernels {
+			for _, beta := range []float32{0, 1} {
+				c.kernel, c.outBF16, c.beta, c.alpha = v.name, v.outBF16, beta, 1
+				if beta != 0 {
+					c.alpha = 0.5
 				}
+				seed++
+				c.run(t, g, seed, nil)
 			}
 		}
 	}
-	// Random offsets (random, skewed or half empty; unowned ends) and sizes.
+	// Random offsets (random, skewed or half empty; unowned ends) and
+	// sizes, on Run's choice of kernel.
 	rng := rand.New(rand.NewPCG(5, 6))
 	for i := range 12 {
 		c := ggCase{name: fmt.Sprintf("random %d", i), rows: rng.IntN(1500), n: 8 * (1 + rng.IntN(64)),
 			k: 8 * (1 + rng.IntN(40)), e: 1 + rng.IntN(20), outBF16: rng.IntN(2) == 0, alpha: 1}
-		v := ggVariants[rng.IntN(len(ggVariants))]
-		c = c.with(v)
 		if rng.IntN(2) == 0 {
 			c.beta = 1
 		}
@@ -565,16 +527,15 @@ func TestGroupedGemmRepeatable(t *testing.T) {
 	g := testGroupedGemm(t)
 	_, a := ggRandBF16(41, 20000*512)
 	_, w := ggRandBF16(42, 8*512*512)
-	for _, v := range ggVariants {
-		// bf16 out for the TMA-store kernels (float32 out runs bn256r).
+	for _, v := range ggTestKernels {
 		c := ggCase{rows: 20000, n: 512, k: 512, e: 8, off: ggOffsets(0, 5000, 0, 381, 10000, 7, 600, 12, 4000), a: a, w: w,
-			outBF16: v.store != 0}.with(v)
+			outBF16: v.outBF16, kernel: v.name}
 		first := ggRunRaw(t, g, c)
 		for i := range 4 {
 			again := ggRunRaw(t, g, c)
 			for j := range first {
 				if math.Float32bits(first[j]) != math.Float32bits(again[j]) {
-					t.Fatalf("%s: run %d differs from the first at row %d col %d: %g vs %g", v, i+2, j/c.n, j%c.n, again[j], first[j])
+					t.Fatalf("%s: run %d differs from the first at row %d col %d: %g vs %g", v.name, i+2, j/c.n, j%c.n, again[j], first[j])
 				}
 			}
 		}
@@ -607,20 +568,21 @@ func TestGroupedGemmShapes(t *testing.T) {
 			c.off[j] = int32(cuts[j-1])
 		}
 		c.off[c.e] = int32(c.rows)
-		// One problem for all kernels: the float64 reference (the slow
-		// part) is computed on the first run and memoized.
+		// One problem for all kernels of the output type: the float64
+		// reference (the slow part) is computed on the first run and
+		// memoized.
 		c.shared = &ggShared{}
-		for _, v := range ggShapeVariants {
-			c.with(v).run(t, g, uint64(500+i), nil)
+		for _, ck := range c.onEveryKernel() {
+			ck.run(t, g, uint64(500+i), nil)
 		}
 	}
 }
 
 // TestGroupedGemmFigures times the grouped GEMM on the shapes of
 // torch_kernels.py's grouped_mm entries (equal counts per expert, as
-// there; bf16 out) for both n tiles, logging
-// "figure: grouped_gemm T.._D.._E.._K.._N.. bnB = ms ms (TFLOP/s)". Each
-// timed configuration is also checked on sampled rows (every column).
+// there; bf16 out, so bn256s), logging
+// "figure: grouped_gemm T.._D.._E.._K.._N.. bn256s = ms ms (TFLOP/s)".
+// Each timed run is also checked on sampled rows (every column).
 func TestGroupedGemmFigures(t *testing.T) {
 	g := testGroupedGemm(t)
 	if testing.Short() {
@@ -659,60 +621,44 @@ func TestGroupedGemmFigures(t *testing.T) {
 		for range 32 {
 			sample = append(sample, rng.IntN(rows))
 		}
-		// Only the sampled rows come back: full copies of the largest
-		// output (1.9 GB) per variant cost more than the timing.
+		// Only the sampled rows come back: a full copy of the largest
+		// output (1.9 GB) costs more than the timing.
 		bits := make([]uint16, rows*n)
 		got := make([]float32, rows*n)
-		vars := ggFigureVariants
-		if s.D == 4096 {
-			vars = append(slices.Clip(vars), ggFigureVariantsWide...)
+		if v := ggNTKernelList()[g.ntKernelFor(n, true)].name; v != "grouped_gemm_nt_bn256s_bf16" {
+			t.Fatalf("bf16 out runs %s, not bn256s", v)
 		}
-		for _, v := range vars {
-			gg := *g
-			v.apply(&gg)
-			run := func() error {
-				return gg.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), rows, n, k, s.E, true, 1, 0)
-			}
-			if err := d.Memset32(out, 0, int64(rows*n/2), 0x7fc07fc0); err != nil {
+		run := func() error {
+			return g.Run(out.Ptr(), aBuf.Ptr(), wBuf.Ptr(), offBuf.Ptr(), rows, n, k, s.E, true, 1, 0)
+		}
+		if err := d.Memset32(out, 0, int64(rows*n/2), 0x7fc07fc0); err != nil {
+			t.Fatal(err)
+		}
+		ms, err := ggTime(d, run)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range sample {
+			row := bits[r*n : (r+1)*n]
+			if err := d.CopyFromDevice(Bytes(row), out, int64(2*r*n)); err != nil {
 				t.Fatal(err)
 			}
-			ms, err := ggTime(d, run)
-			if err != nil {
-				t.Fatal(err)
+			for c, h := range row {
+				got[r*n+c] = bf16Value(h)
 			}
-			for _, r := range sample {
-				row := bits[r*n : (r+1)*n]
-				if err := d.CopyFromDevice(Bytes(row), out, int64(2*r*n)); err != nil {
-					t.Fatal(err)
-				}
-				for c, h := range row {
-					got[r*n+c] = bf16Value(h)
-				}
-			}
-			res := p.check(got, func(i int) bool { return bits[i] == 0x7fc0 }, sample)
-			if res.bad > 0 || !(res.relL2 < 1e-2) {
-				t.Errorf("%s %s: %d of %d sampled elements bad, rel L2 %.3g; e.g. %v", shape, v, res.bad, res.checkedEl, res.relL2, res.examples)
-				continue
-			}
+		}
+		res := p.check(got, func(i int) bool { return bits[i] == 0x7fc0 }, sample)
+		if res.bad > 0 || !(res.relL2 < 1e-2) {
+			t.Errorf("%s bn256s: %d of %d sampled elements bad, rel L2 %.3g; e.g. %v", shape, res.bad, res.checkedEl, res.relL2, res.examples)
+		} else {
 			flop := 2 * float64(rows) * float64(n) * float64(k)
-			figure(t, fmt.Sprintf("grouped_gemm %s %s", shape, v), ms, fmt.Sprintf("ms (%.1f TFLOP/s)", flop/ms/1e9))
+			figure(t, fmt.Sprintf("grouped_gemm %s bn256s", shape), ms, fmt.Sprintf("ms (%.1f TFLOP/s)", flop/ms/1e9))
 		}
 		for _, b := range []*Buffer{aBuf, wBuf, offBuf, out} {
 			d.Free(b)
 		}
 	}
 }
-
-// ggFigureVariants are the kernel choices TestGroupedGemmFigures times
-// side by side on every shape (m-tile major order): the default bn256,
-// the ping-pong pp128r, and the TMA-store epilogues bn256s and bn256h.
-// Version 2's bn128, pp128, bn256r and the g8 timings are gone (results
-// in kernels/grouped_gemm.md).
-var ggFigureVariants = []ggVar{{bn: 256}, {bn: 128, pp: true}, {bn: 256, store: 1}, {bn: 256, store: 2}}
-
-// ggFigureVariantsWide adds the grouped tile order on the shape where W
-// re-reads from DRAM bound the time (D 4096, N 28672).
-var ggFigureVariantsWide = []ggVar{{bn: 256, gm: 16}}
 
 // ggTime is the median of 20 timed runs (timeGPU, one run each) after 3
 // warm-up runs, in milliseconds.

@@ -61,51 +61,33 @@ func TestGroupedGemmCheck(t *testing.T) {
 func TestGroupedGemmRunChecks(t *testing.T) {
 	// Run validates before it touches the device (nil here).
 	const p = driver.DevicePtr(1 << 20)
-	g := &GroupedGemm{PingPong: true, BN: 256}
-	if err := g.Run(p, p, p, p, 100, 64, 64, 2, false, 1, 0); err == nil || !strings.Contains(err.Error(), "PingPong") {
-		t.Errorf("PingPong with BN 256: %v", err)
-	}
-	g = &GroupedGemm{}
+	g := &GroupedGemm{}
 	if err := g.Run(p, p+4, p, p, 100, 64, 64, 2, false, 1, 0); err == nil || !strings.Contains(err.Error(), "aRK") {
 		t.Errorf("misaligned A: %v", err)
 	}
 	if err := g.Run(p, p, p, p, 0, 64, 64, 2, false, 1, 0); err != nil {
 		t.Errorf("rows 0 is a no-op, got %v", err)
 	}
-	for _, bad := range []GroupedGemm{{Store: 3}, {Store: -1}, {Store: 1, PingPong: true}, {Store: 2, BN: 128}} {
-		if err := bad.Run(p, p, p, p, 100, 64, 64, 2, true, 1, 0); err == nil || !strings.Contains(err.Error(), "Store") {
-			t.Errorf("%+v: %v", bad, err)
-		}
-	}
-	for _, gm := range []int{-1, ggMaxGroupM + 1} {
-		g = &GroupedGemm{GroupM: gm}
-		if err := g.Run(p, p, p, p, 100, 64, 64, 2, false, 1, 0); err == nil || !strings.Contains(err.Error(), "GroupM") {
-			t.Errorf("GroupM %d: %v", gm, err)
+	for kern := range ggNTKernels {
+		if err := g.runNT(kern, p, p, p+2, p, 100, 64, 64, 2, 1, 0); err == nil || !strings.Contains(err.Error(), "wENK") {
+			t.Errorf("%s, misaligned W: %v", ggNTKernelList()[kern].name, err)
 		}
 	}
 }
 
-// TestGroupedGemmRasterOrder pins the grouped tile order on a small case:
-// 5 m-tiles (one expert), 3 n-tiles, groups of 2: (m0 n0) (m1 n0) (m0 n1)
-// (m1 n1) (m0 n2) (m1 n2) (m2 n0) ..., and the short last group (m4 n0)
-// (m4 n1) (m4 n2). Group 1 is plain m-tile major order.
-func TestGroupedGemmRasterOrder(t *testing.T) {
+// TestGroupedGemmTileOrder pins the tile order on a small case: 5
+// m-tiles (one expert), 3 n-tiles, m-tile major.
+func TestGroupedGemmTileOrder(t *testing.T) {
 	beg, end, cum := ggSchedule([]int32{0, 5 * ggBM}, 5*ggBM)
 	type mn struct{ m, n int }
-	var got2, got1 []mn
+	var got []mn
 	for tile := range 15 {
-		tl := ggTileOf(tile, 3, 2, 128, beg, end, cum)
-		got2 = append(got2, mn{tl.Row0 / ggBM, tl.N0 / 128})
-		tl = ggTileOf(tile, 3, 1, 128, beg, end, cum)
-		got1 = append(got1, mn{tl.Row0 / ggBM, tl.N0 / 128})
+		tl := ggTileOf(tile, 3, 128, beg, end, cum)
+		got = append(got, mn{tl.Row0 / ggBM, tl.N0 / 128})
 	}
-	want2 := []mn{{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2}, {2, 0}, {3, 0}, {2, 1}, {3, 1}, {2, 2}, {3, 2}, {4, 0}, {4, 1}, {4, 2}}
-	want1 := []mn{{0, 0}, {0, 1}, {0, 2}, {1, 0}, {1, 1}, {1, 2}, {2, 0}, {2, 1}, {2, 2}, {3, 0}, {3, 1}, {3, 2}, {4, 0}, {4, 1}, {4, 2}}
-	if !slices.Equal(got2, want2) {
-		t.Errorf("group 2: got %v, want %v", got2, want2)
-	}
-	if !slices.Equal(got1, want1) {
-		t.Errorf("group 1: got %v, want %v", got1, want1)
+	want := []mn{{0, 0}, {0, 1}, {0, 2}, {1, 0}, {1, 1}, {1, 2}, {2, 0}, {2, 1}, {2, 2}, {3, 0}, {3, 1}, {3, 2}, {4, 0}, {4, 1}, {4, 2}}
+	if !slices.Equal(got, want) {
+		t.Errorf("got %v, want %v", got, want)
 	}
 }
 
@@ -150,48 +132,49 @@ func TestGroupedGemmPickBN(t *testing.T) {
 		}
 	}
 	// The largest schedule fits the shared memory Hopper lets a block opt
-	// in to (227 KiB), except bn256h's (4 stages and half a tile of
-	// staging), which fits up to 163 experts: Run then takes bn256s.
+	// in to (227 KiB), for every kernel a GroupedGemm launches.
 	const hopper = 227 * 1024
-	for v, kv := range ggKernels() {
-		b := ggSmemBytes(v, ggMaxExperts)
-		if v == ggCoop256H {
-			if ggSmemBytes(v, 163) > hopper || ggSmemBytes(v, 164) <= hopper {
-				t.Errorf("%s: %d bytes at 163 experts, %d at 164; want the limit at 163", kv.name, ggSmemBytes(v, 163), ggSmemBytes(v, 164))
-			}
-			continue
-		}
-		if b > hopper {
-			t.Errorf("%s: %d bytes of shared memory", kv.name, b)
+	for kern, k := range ggNTKernelList() {
+		if b := ggSmemBytes(kern, ggMaxExperts); b > hopper {
+			t.Errorf("%s: %d bytes of shared memory", k.name, b)
 		}
 	}
-	// The staging buffer (1024-byte aligned, right after the ring)
-	// holds two warpgroups' 64x256 bf16 blocks, in 1 or 2 passes.
-	if ggStagingBytes(ggCoop256S) != 2*64*256*2 || ggStagingBytes(ggCoop256H) != 64*256*2 {
-		t.Errorf("staging: s %d, h %d bytes", ggStagingBytes(ggCoop256S), ggStagingBytes(ggCoop256H))
+	for name, b := range map[string]int{"gathering kernels": fusedGatherSmem(ggMaxExperts),
+		"combining kernels": fusedCombineSmem(ggMaxExperts), "grouped_gemm_tn": ggTNSmemBytes} {
+		if b > hopper {
+			t.Errorf("%s: %d bytes of shared memory", name, b)
+		}
+	}
+	// The staging buffer (1024-byte aligned, right after the ring) holds
+	// two warpgroups' 64x256 bf16 blocks.
+	if b := ggNTKernelList()[ggNT256S].stagingBytes; b != 2*64*256*2 {
+		t.Errorf("bn256s staging: %d bytes", b)
 	}
 }
 
-func TestGroupedGemmPickVariant(t *testing.T) {
+// TestGroupedGemmKernelFor: bf16 outputs take bn256s, float32 ones the n
+// tile that pads less, bn128 when bn256 spilled.
+func TestGroupedGemmKernelFor(t *testing.T) {
 	for _, c := range []struct {
-		bn       int
-		pp, regs bool
-		store    int
-		bf16     bool
-		want     int
+		n             int
+		bf16, spilled bool
+		want          int
 	}{
-		{bn: 256, want: ggCoop256},
-		{bn: 128, want: ggCoop128},
-		{bn: 256, regs: true, want: ggCoop256R},
-		{bn: 128, pp: true, want: ggPingPong128R},
-		{bn: 128, pp: true, regs: true, want: ggPingPong128R},
-		{bn: 256, store: 1, bf16: true, want: ggCoop256S},
-		{bn: 256, store: 2, bf16: true, want: ggCoop256H},
-		{bn: 256, store: 1, want: ggCoop256R}, // float32 out: no TMA-store kernel
-		{bn: 256, store: 2, want: ggCoop256R},
+		{n: 2816, want: ggNT256},
+		{n: 1408, want: ggNT128},
+		{n: 2816, spilled: true, want: ggNT128},
+		{n: 2816, bf16: true, want: ggNT256S},
+		{n: 1408, bf16: true, want: ggNT256S},
+		{n: 2816, bf16: true, spilled: true, want: ggNT256S},
 	} {
-		if got := ggPickVariant(c.bn, c.pp, c.regs, c.store, c.bf16); got != c.want {
-			t.Errorf("%+v: variant %d, want %d", c, got, c.want)
+		g := &GroupedGemm{spills256: c.spilled}
+		if got := g.ntKernelFor(c.n, c.bf16); got != c.want {
+			t.Errorf("%+v: kernel %d, want %d", c, got, c.want)
+		}
+	}
+	for kern, k := range ggNTKernelList() {
+		if want := kern == ggNT256S; k.outBF16 != want || (k.stagingBytes > 0) != want {
+			t.Errorf("%s: outBF16 %v, staging %d", k.name, k.outBF16, k.stagingBytes)
 		}
 	}
 }
@@ -249,7 +232,6 @@ func TestGroupedGemmSchedule(t *testing.T) {
 		rows := rng.IntN(2000)
 		n := 8 * (1 + rng.IntN(80))
 		bn := []int{128, 256}[rng.IntN(2)]
-		gm := []int{1, 1, 2, 3, 8, 16, 64}[rng.IntN(7)]
 		off := ggRandOffsets(rng, e, rows)
 		beg, end, cum := ggSchedule(off, rows)
 		nTN := (n + bn - 1) / bn
@@ -265,7 +247,7 @@ func TestGroupedGemmSchedule(t *testing.T) {
 		}
 		hits := make([]int, rows*n)
 		for tile := range cum[e] * nTN {
-			tl := ggTileOf(tile, nTN, gm, bn, beg, end, cum)
+			tl := ggTileOf(tile, nTN, bn, beg, end, cum)
 			if tl.Row0 >= tl.RowEnd {
 				t.Fatalf("case %d: tile %d (%+v) has no row", it, tile, tl)
 			}
@@ -285,8 +267,8 @@ func TestGroupedGemmSchedule(t *testing.T) {
 			}
 			for c := range n {
 				if hits[r*n+c] != want {
-					t.Fatalf("case %d (E %d rows %d n %d bn %d group %d offsets %v): element (%d, %d) written %d times, want %d",
-						it, e, rows, n, bn, gm, off, r, c, hits[r*n+c], want)
+					t.Fatalf("case %d (E %d rows %d n %d bn %d offsets %v): element (%d, %d) written %d times, want %d",
+						it, e, rows, n, bn, off, r, c, hits[r*n+c], want)
 				}
 			}
 		}

@@ -24,6 +24,9 @@ type Kernel struct {
 	fn   driver.Function
 	// Registers per thread, from the cubin.
 	Registers int
+	// LocalBytes is the local memory per thread (registers the compiler
+	// spilled, and stack), from the cubin.
+	LocalBytes int
 }
 
 // Load compiles (or reads from the cache) and loads a kernels source, and
@@ -31,37 +34,26 @@ type Kernel struct {
 // Compiling runs on the calling goroutine, so sources may be loaded in
 // parallel; only loading the cubin runs on the device thread.
 func (d *Device) Load(src kernels.Source) (*Module, error) {
-	return d.load(src, kernels.Variant{})
+	return d.load(src, src.File, src.Text)
 }
 
-// LoadVariant is Load for a compile-time variant of src (one of
-// src.Variants: the source compiled with its defines), a Module of its
-// own beside src's, for experiments on the kernels.
-func (d *Device) LoadVariant(src kernels.Source, name string) (*Module, error) {
-	for _, v := range src.Variants {
-		if v.Name == name {
-			return d.load(src, v)
-		}
-	}
-	return nil, fmt.Errorf("cuda: %s has no variant %q", src.File, name)
-}
-
-func (d *Device) load(src kernels.Source, v kernels.Variant) (*Module, error) {
-	key := src.File
-	if v.Name != "" {
-		key += "+" + v.Name
-	}
+// load returns the module called key, compiled on first use from text
+// (with a -D option for each of defines) and holding src's kernels: a
+// source as Load takes it (key src.File), or a build of the tests' own (a
+// fault-injection build, an experiment of kernels/dev) under a key of its
+// own.
+func (d *Device) load(src kernels.Source, key string, text func() (string, error), defines ...string) (*Module, error) {
 	d.modMu.Lock()
 	m, ok := d.modules[key]
 	d.modMu.Unlock()
 	if ok {
 		return m, nil
 	}
-	text, err := src.Text()
+	source, err := text()
 	if err != nil {
 		return nil, err
 	}
-	img, info, err := d.rt.compile(key, text, d.info.Arch, false, v.Defines...)
+	img, info, err := d.rt.compile(key, source, d.info.Arch, false, defines...)
 	if err != nil {
 		return nil, err
 	}
@@ -70,7 +62,7 @@ func (d *Device) load(src kernels.Source, v kernels.Variant) (*Module, error) {
 	if err != nil && info.CacheHit {
 		// A cached cubin the driver rejects (a damaged file, say): compile
 		// afresh, which also rewrites the cache entry.
-		img, info, err = d.rt.compile(key, text, d.info.Arch, true, v.Defines...)
+		img, info, err = d.rt.compile(key, source, d.info.Arch, true, defines...)
 		if err != nil {
 			return nil, err
 		}
@@ -108,7 +100,12 @@ func (d *Device) loadModule(m *Module, img []byte) error {
 			d.drv.ModuleUnload(mod)
 			return err
 		}
-		m.kernels[k.Name] = &Kernel{Desc: k, fn: fn, Registers: regs}
+		local, err := d.drv.FuncAttribute(fn, driver.FuncLocalSizeBytes)
+		if err != nil {
+			d.drv.ModuleUnload(mod)
+			return err
+		}
+		m.kernels[k.Name] = &Kernel{Desc: k, fn: fn, Registers: regs, LocalBytes: local}
 	}
 	m.mod = mod
 	return nil

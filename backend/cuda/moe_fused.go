@@ -1,6 +1,6 @@
 package cuda
 
-// The MoE experts' fused kernels (kernels/grouped_gemm.cu, "MoE fusion"):
+// The MoE experts' fused kernels (kernels/moe_fused.cu):
 // DispatchSwiGLU and DownCombine of backend.Backend on the Hopper grouped
 // GEMM's mainloop.
 //
@@ -523,17 +523,64 @@ type fusedCombine struct {
 	rows, n, k, experts                          int
 }
 
+// moeKernels are the fused kernels of one build of moe_fused.cu, opted in
+// to the shared memory of ggMaxExperts: the training build
+// (GroupedGemm.moe), or a build of the tests' own swapped in for a test.
+type moeKernels struct {
+	// dispatchSwiGLU and downCombine, bn256 cooperative like bn256;
+	// dispatchSwiGLUBF16 is dispatchSwiGLU for bf16 sources.
+	dispatchSwiGLU, dispatchSwiGLUBF16, downCombine *Kernel
+	// dispatchDgrad and dgradCombine are their backward twins, which read
+	// the weights as stored (MN-major); dispatchDgradFirst is
+	// dispatchDgrad's build that gathers first, chosen per shape by
+	// GroupedGemm.dgrad (dgrad_choice.go).
+	dispatchDgrad, dispatchDgradFirst, dgradCombine *Kernel
+	// optInGather and optInCombine are the dynamic shared memory the
+	// gathering kernels (fusedGatherSmem) and the combines
+	// (fusedCombineSmem) opted in to.
+	optInGather, optInCombine int
+}
+
+// loadMoEKernels resolves m's fused kernels (m is a build of
+// moe_fused.cu) and opts them in to their shared memory.
+func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
+	x := moeKernels{optInGather: fusedGatherSmem(ggMaxExperts), optInCombine: fusedCombineSmem(ggMaxExperts)}
+	for _, f := range []struct {
+		name  string
+		k     **Kernel
+		optIn int
+	}{
+		{"moe_dispatch_swiglu", &x.dispatchSwiGLU, x.optInGather},
+		{"moe_dispatch_swiglu_bf16", &x.dispatchSwiGLUBF16, x.optInGather},
+		{"moe_down_combine", &x.downCombine, x.optInCombine},
+		{"moe_dispatch_dgrad", &x.dispatchDgrad, x.optInGather},
+		{"moe_dispatch_dgrad_first", &x.dispatchDgradFirst, x.optInGather},
+		{"moe_dgrad_combine", &x.dgradCombine, x.optInCombine},
+	} {
+		var err error
+		if *f.k, err = g.optIn(m, f.name, f.optIn); err != nil {
+			return moeKernels{}, err
+		}
+	}
+	return x, nil
+}
+
 // fusedGatherSmem is the dynamic shared memory of the two gathering
 // kernels, moe_dispatch_swiglu and moe_dispatch_dgrad (one layout), for e
 // experts: as ggSmemBytes for 3 stages of the BN 256 tile plus two 16 KiB
 // staging buffers per consumer warpgroup (its TMA-store epilogue) and
-// four more barriers (FUSE 1: staged and freed per warpgroup; FUSE 3: one
-// per staging slot); the expert tables hold one more word (the gather's
-// pacing front).
+// four more barriers (GG_DISPATCH_SWIGLU: staged and freed per
+// warpgroup; GG_DISPATCH_DGRAD: one per staging slot); the expert tables
+// hold one more word (the gather's pacing front).
 func fusedGatherSmem(e int) int {
 	const stages = 3
-	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 16 + 4*8 + 4*(3*e+2)
+	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 4*16384 + 16*stages + 4*8 + 4*(3*e+2)
 }
+
+// fusedCombineSmem is the dynamic shared memory of the two combining
+// kernels, moe_down_combine and moe_dgrad_combine, for e experts: bn256's
+// layout (4 stages of the BN 256 tile, the register epilogue).
+func fusedCombineSmem(e int) int { return ggSmemBytes(ggNT256, e) }
 
 // boxesMap is the {n, rows} bf16 map of a [rows, n] operand that an
 // epilogue moves through shared memory: 64x64 boxes, 128-byte swizzle.
@@ -549,40 +596,30 @@ func boxesMap(addr driver.DevicePtr, rows, n int) driver.TiledMap {
 // at once (TMA threads wait on other blocks' gathering warps): one
 // block per SM at most, which its shared memory enforces.
 func (g *GroupedGemm) runDispatchSwiGLU(a fusedDispatch) error {
-	gm, err := g.rasterGroup()
-	if err != nil {
-		return err
-	}
 	mapX := rowsMap(a.x, a.rows, a.k)
 	wMap := func(addr driver.DevicePtr) driver.TiledMap { return expertsMap(addr, a.experts, a.n, a.k, 128) }
 	maps := []driver.TiledMap{mapX, wMap(a.w1), wMap(a.w3), boxesMap(a.h1, a.rows, a.n), boxesMap(a.h3, a.rows, a.n),
 		boxesMap(a.act, a.rows, a.n)}
 	slots := []uint64{uint64(a.h1), uint64(a.h3), uint64(a.act), uint64(a.x), uint64(a.refs), uint64(a.ptrs),
 		uint64(a.toks), uint64(a.flags), uint64(a.fault), uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets),
-		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm),
-		uint64(uint32(g.fusedMode))}
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 128), ggThreads)
 	grid.Shared = fusedGatherSmem(a.experts)
-	k := g.dispatchSwiGLU
+	k := g.moe.dispatchSwiGLU
 	if a.srcBF16 {
-		k = g.dispatchSwiGLUBF16
+		k = g.moe.dispatchSwiGLUBF16
 	}
-	return g.launchFused(k, grid, maps, slots, g.optInGather)
+	return g.launchFused(k, grid, maps, slots, g.moe.optInGather)
 }
 
 // runDownCombine queues moe_down_combine.
 func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
-	gm, err := g.rasterGroup()
-	if err != nil {
-		return err
-	}
 	mapA, mapW := rowsMap(a.act, a.rows, a.k), expertsMap(a.w2, a.experts, a.n, a.k, 256)
 	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.done), uint64(a.rowTiles), uint64(a.offsets),
-		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm),
-		uint64(uint32(g.fusedMode))}
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
-	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
-	return g.launchFused(g.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots, g.optIn[ggCoop256])
+	grid.Shared = fusedCombineSmem(a.experts)
+	return g.launchFused(g.moe.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots, g.moe.optInCombine)
 }
 
 // launchFused encodes maps (passed first, by value) and launches k with
@@ -817,38 +854,29 @@ func expertsMNMap(addr driver.DevicePtr, experts, n, k int) driver.TiledMap {
 // as g.dgrad chooses for the shape. Its grid must be resident at once, as
 // runDispatchSwiGLU's: one block per SM, which its shared memory enforces.
 func (g *GroupedGemm) runDispatchDgrad(a fusedDgrad) error {
-	gm, err := g.rasterGroup()
-	if err != nil {
-		return err
-	}
 	maps := []driver.TiledMap{rowsMap(a.dy, a.rows, a.k), expertsMNMap(a.w2, a.experts, a.n, a.k),
 		boxesMap(a.dh1, a.rows, a.n), boxesMap(a.dh3, a.rows, a.n), boxesMap(a.h1, a.rows, a.n),
 		boxesMap(a.h3, a.rows, a.n)}
 	slots := []uint64{uint64(a.dh1), uint64(a.dh3), uint64(a.h1), uint64(a.h3), uint64(a.dy), uint64(a.refs),
 		uint64(a.ptrs), uint64(a.toks), uint64(a.scales), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm), uint64(uint32(g.fusedMode))}
+		uint64(uint32(a.k)), uint64(uint32(a.experts))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = fusedGatherSmem(a.experts)
-	builds := [2]*Kernel{dgradBeside: g.dispatchDgrad, dgradFirst: g.dispatchDgradFirst}
+	builds := [2]*Kernel{dgradBeside: g.moe.dispatchDgrad, dgradFirst: g.moe.dispatchDgradFirst}
 	shape := newDgradShape(a.rows, a.n, a.k, a.experts)
-	return g.launchFusedChosen(g.dispatchDgrad, grid, maps, slots, g.optInGather, func(launch func(*Kernel) error) error {
+	return g.launchFusedChosen(builds[dgradBeside], grid, maps, slots, g.moe.optInGather, func(launch func(*Kernel) error) error {
 		return g.dgrad.launch(g.d.drv, g.d.stream, shape, func(build int) error { return launch(builds[build]) })
 	})
 }
 
 // runDgradCombine queues moe_dgrad_combine.
 func (g *GroupedGemm) runDgradCombine(a fusedDgradCombine) error {
-	gm, err := g.rasterGroup()
-	if err != nil {
-		return err
-	}
 	maps := []driver.TiledMap{rowsMap(a.dh1, a.rows, a.k), rowsMap(a.dh3, a.rows, a.k),
 		expertsMNMap(a.w1, a.experts, a.n, a.k), expertsMNMap(a.w3, a.experts, a.n, a.k)}
 	slots := []uint64{uint64(a.refs), uint64(a.ptrs), uint64(a.done), uint64(a.rowTiles), uint64(a.offsets),
-		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts)), uint64(gm),
-		uint64(uint32(g.fusedMode))}
+		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
-	grid.Shared = ggSmemBytes(ggCoop256, a.experts)
-	return g.launchFused(g.dgradCombine, grid, maps, slots, g.optIn[ggCoop256])
+	grid.Shared = fusedCombineSmem(a.experts)
+	return g.launchFused(g.moe.dgradCombine, grid, maps, slots, g.moe.optInCombine)
 }

@@ -11,15 +11,12 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"os"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cuda/driver"
-	"github.com/mktrain/mktrain/kernels"
 )
 
 // fusedCase is one layer's worth of rows for one destination rank: ranks
@@ -255,15 +252,17 @@ func fusedCases() []fusedCase {
 	}
 }
 
-// withGatherVariant runs b's MoE fused kernels (both builds of
-// moe_dispatch_swiglu and of moe_dispatch_dgrad, and the two combining
-// kernels) from the compile-time variant name of grouped_gemm.cu
-// (kernels.Source.Variants) until the returned restore is called; the
-// other kernels stay the default ones.
-func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
+// withMoEKernels runs b's fused MoE kernels from a build of the tests'
+// own (key names it in the device's module table; text and defines make
+// it, a build of moe_fused.cu's kernels) until the returned restore is
+// called; use, when not nil, picks which of its kernels replace the
+// production ones (prod, changed in place), else all do. Every kernel is
+// loaded and opted in before any is swapped, so a Fatal leaves the
+// production ones in place.
+func withMoEKernels(t *testing.T, b *Backend, key string, text func() (string, error), use func(prod *moeKernels, build moeKernels), defines ...string) (restore func()) {
 	t.Helper()
-	src, _ := kernelSource(t, "grouped_gemm.cu")
-	m, err := b.dev.LoadVariant(src, name)
+	src, _ := kernelSource(t, "moe_fused.cu")
+	m, err := b.dev.load(src, key, text, defines...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,104 +271,27 @@ func withGatherVariant(t *testing.T, b *Backend, name string) (restore func()) {
 		t.Fatalf("grouped GEMM kernels: %v", x.err)
 	}
 	gg := x.bf16Out
-	// Every kernel is loaded and opted in first, so a Fatal leaves the
-	// default ones in place.
-	type swap struct {
-		k        **Kernel
-		variant  *Kernel
-		defaults *Kernel
+	build, err := gg.loadMoEKernels(m)
+	if err != nil {
+		t.Fatalf("%s: %v", key, err)
 	}
-	var swaps []swap
-	for _, f := range []struct {
-		name  string
-		k     **Kernel
-		optIn int // the same dynamic shared memory as the default kernels opted in to
-	}{
-		{"moe_dispatch_swiglu", &gg.dispatchSwiGLU, gg.optInGather},
-		{"moe_dispatch_swiglu_bf16", &gg.dispatchSwiGLUBF16, gg.optInGather},
-		{"moe_dispatch_dgrad", &gg.dispatchDgrad, gg.optInGather},
-		{"moe_dispatch_dgrad_first", &gg.dispatchDgradFirst, gg.optInGather},
-		{"moe_down_combine", &gg.downCombine, gg.optIn[ggCoop256]},
-		{"moe_dgrad_combine", &gg.dgradCombine, gg.optIn[ggCoop256]},
-	} {
-		k, err := m.Kernel(f.name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var local int
-		if err := b.dev.Do(func() error {
-			err := b.dev.drv.FuncSetAttribute(k.fn, driver.FuncMaxDynamicSharedSizeOpt, f.optIn)
-			if err == nil {
-				local, err = b.dev.drv.FuncAttribute(k.fn, driver.FuncLocalSizeBytes)
-			}
-			return err
-		}); err != nil {
-			t.Fatalf("%s of variant %s: %v", f.name, name, err)
-		}
-		figure(t, fmt.Sprintf("%s_%s_local_bytes", f.name, strings.ReplaceAll(name, "-", "_")), float64(local), "B")
-		swaps = append(swaps, swap{f.k, k, *f.k})
+	prod := gg.moe
+	if use == nil {
+		gg.moe = build
+	} else {
+		use(&gg.moe, build)
 	}
-	for _, sw := range swaps {
-		*sw.k = sw.variant
-	}
-	return func() {
-		for _, sw := range swaps {
-			*sw.k = sw.defaults
-		}
-	}
+	return func() { gg.moe = prod }
 }
 
-// gatherVariantsEnv names the variants a run takes, comma-separated:
-// unset, all of them; set and empty, none (scripts/gpu-test.sh's default:
-// the whole suite tests the kernels as trained with). Each variant is an
-// NVRTC compilation of ~10 s, so a run about one or two names them.
-const gatherVariantsEnv = "MKTRAIN_GG_VARIANTS"
-
-// gatherVariants are grouped_gemm.cu's compile-time variants (those
-// gatherVariantsEnv names, when set); exact ones only when exact is set.
-func gatherVariants(t *testing.T, exact bool) []kernels.Variant {
-	src, _ := kernelSource(t, "grouped_gemm.cu")
-	list, set := os.LookupEnv(gatherVariantsEnv)
-	var names []string
-	if list != "" {
-		names = strings.Split(list, ",")
-	}
-	var vs []kernels.Variant
-	for _, v := range src.Variants {
-		if (v.Exact || !exact) && (!set || slices.Contains(names, v.Name)) {
-			vs = append(vs, v)
-		}
-	}
-	for _, n := range names {
-		if !slices.ContainsFunc(src.Variants, func(v kernels.Variant) bool { return v.Name == n }) {
-			t.Fatalf("%s: grouped_gemm.cu has no variant %q", gatherVariantsEnv, n)
-		}
-	}
-	return vs
-}
-
-// TestMoEFusedVariantsMatchUnfused runs the fused cases with each exact
-// variant of the gathering kernels (a variant that computes what the
-// kernels do, faster or slower).
-func TestMoEFusedVariantsMatchUnfused(t *testing.T) {
-	testGroupedGemm(t)
-	vs := gatherVariants(t, true)
-	if len(vs) == 0 {
-		t.Skipf("%s names no exact variant", gatherVariantsEnv)
-	}
-	b := testBackend(t)
-	for _, v := range vs {
-		t.Run(v.Name, func(t *testing.T) {
-			defer withGatherVariant(t, b, v.Name)()
-			for _, build := range []int{dgradBeside, dgradFirst} {
-				restore := forceDgrad(t, b, build)
-				for i, c := range fusedCases() {
-					t.Run(fmt.Sprintf("%s/dgrad build %d", c.name, build), func(t *testing.T) { c.testAgainstUnfused(t, b, uint64(300+i)) })
-				}
-				restore()
-			}
-		})
-	}
+// withLostRows runs b's fused MoE kernels (those use picks, as
+// withMoEKernels) from moe_fused.cu built with MOE_TEST_LOST_ROWS: the
+// gathers never publish the last m-tile's first chunk, the combines never
+// raise expert-major row 0's flag.
+func withLostRows(t *testing.T, b *Backend, use func(prod *moeKernels, build moeKernels)) (restore func()) {
+	t.Helper()
+	src, _ := kernelSource(t, "moe_fused.cu")
+	return withMoEKernels(t, b, "moe_fused.cu+lost-rows", src.Text, use, "MOE_TEST_LOST_ROWS=1")
 }
 
 func TestMoEFusedMatchesUnfused(t *testing.T) {
@@ -377,25 +299,6 @@ func TestMoEFusedMatchesUnfused(t *testing.T) {
 	b := testBackend(t)
 	for i, c := range fusedCases() {
 		t.Run(c.name, func(t *testing.T) { c.testAgainstUnfused(t, b, uint64(100+i)) })
-	}
-}
-
-// TestMoEFusedGroupMMatchesUnfused runs the fused cases with the grouped
-// tile order (GroupedGemm.GroupM 4 and 8): the fused kernels' gather,
-// helpers and flags must not depend on the order tiles are taken in.
-func TestMoEFusedGroupMMatchesUnfused(t *testing.T) {
-	testGroupedGemm(t)
-	b := testBackend(t)
-	x, ok := b.expertKernels()
-	if !ok {
-		t.Skip("the grouped GEMM does not run here")
-	}
-	defer func() { x.bf16Out.GroupM = 0 }()
-	for _, gm := range []int{4, 8} {
-		x.bf16Out.GroupM = gm
-		for i, c := range fusedCases() {
-			t.Run(fmt.Sprintf("g%d/%s", gm, c.name), func(t *testing.T) { c.testAgainstUnfused(t, b, uint64(500+i)) })
-		}
 	}
 }
 
@@ -627,7 +530,7 @@ func TestMoEFusedDgradChooses(t *testing.T) {
 }
 
 // TestMoEFusedReportsLostRows makes the gathers of both dispatch kernels
-// lose one chunk of rows (the test hook of fusedMode, as a peer that
+// lose one chunk of rows (the MOE_TEST_LOST_ROWS build, as a peer that
 // never delivers): Sync must return an error naming the kernel, the
 // m-tile and the rank, within the (shortened) bound, and the device must
 // work afterwards.
@@ -637,8 +540,10 @@ func TestMoEFusedReportsLostRows(t *testing.T) {
 	c := fusedCases()[2] // 4 ranks, 727 rows: m-tiles 0..6 over the groups
 	in := c.inputs(b, 31)
 	gg := b.experts.bf16Out
-	gg.fusedMode, gg.fusedTimeout = 8, 200*time.Millisecond
-	defer func() { gg.fusedMode, gg.fusedTimeout = 0, 0 }()
+	restore := withLostRows(t, b, nil)
+	defer restore()
+	gg.fusedTimeout = 200 * time.Millisecond
+	defer func() { gg.fusedTimeout = 0 }()
 	fw := c.run(b, in, true)
 	err := b.Sync()
 	if err == nil || !strings.Contains(err.Error(), "moe_dispatch_swiglu") || !strings.Contains(err.Error(), "m-tile") ||
@@ -658,13 +563,13 @@ func TestMoEFusedReportsLostRows(t *testing.T) {
 		t.Logf("backward (dgrad build %d): %v", build, err)
 	}
 	// Healthy again: the record was re-armed and the context lives.
-	gg.fusedMode = 0
+	restore()
 	c.testAgainstUnfused(t, b, 32)
 }
 
 // TestMoEFusedReportsLostCombineRow makes the down product never raise
-// the flag of expert-major row 0 (fusedMode's hook for the combine
-// kernels): the source's CombineRows must give up on that row within the
+// the flag of expert-major row 0 (the MOE_TEST_LOST_ROWS build of the
+// combining kernels): the source's CombineRows must give up on that row within the
 // (shortened) bound, Sync must name the kernel, the send row and the rank
 // that owed it, and the device must work afterwards.
 func TestMoEFusedReportsLostCombineRow(t *testing.T) {
@@ -672,13 +577,14 @@ func TestMoEFusedReportsLostCombineRow(t *testing.T) {
 	b := testBackend(t)
 	c := fusedCases()[1] // 2 ranks sending 333 and 190 rows
 	in := c.inputs(b, 41)
-	gg := b.experts.bf16Out
 	x, h1, h3, act := b.New(backend.BFloat16, in.rows, c.d), b.New(backend.BFloat16, in.rows, c.f), b.New(backend.BFloat16, in.rows, c.f), b.New(backend.BFloat16, in.rows, c.f)
 	b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
-	gg.fusedMode, b.fused.combineTimeout = 8, 200*time.Millisecond
-	defer func() { gg.fusedMode, b.fused.combineTimeout = 0, 0 }()
+	restore := withLostRows(t, b, func(prod *moeKernels, lost moeKernels) { prod.downCombine = lost.downCombine })
+	defer restore()
+	b.fused.combineTimeout = 200 * time.Millisecond
+	defer func() { b.fused.combineTimeout = 0 }()
 	b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, c.groups)
-	gg.fusedMode = 0
+	restore()
 	refs := backend.DownloadInt32(b, in.refsR2)
 	start := time.Now()
 	_, _, cleared := c.combineRanks(b, in, in.scaleS)
@@ -698,300 +604,248 @@ func TestMoEFusedReportsLostCombineRow(t *testing.T) {
 	c.testAgainstUnfused(t, b, 42)
 }
 
-// TestMoEFusedFigures times one rank's expert block of moe-small at W = 1,
-// 4 and 8 expert-parallel ranks (16384 tokens a rank, top-2: each rank's
-// 8/W experts get 32768 rows on average, a W-th from every rank), and of
-// the fine-grained shape at W = 1 and 4 (D 2048, F 1408, 64 experts, top-6
-// of 4096 tokens a rank: 24576 rows): the fused pair, the unfused
-// sequence, and the grouped products alone on the same rows.
+// moeFigureShape is a shape the MoE figures time: one rank's expert block
+// at each of worlds expert-parallel ranks.
+type moeFigureShape struct {
+	prefix                   string // of the subtest and figure names
+	d, f, experts, k, tokens int
+	worlds                   []int
+}
+
+// moeFigureShapes are moe-small at W = 1, 4 and 8 (16384 tokens a rank,
+// top-2: each rank's 8/W experts get 32768 rows on average, a W-th from
+// every rank) and the fine-grained shape at W = 1 and 4 (D 2048, F 1408,
+// 64 experts, top-6 of 4096 tokens a rank: 24576 rows).
+func moeFigureShapes() []moeFigureShape {
+	return []moeFigureShape{
+		{"", 1024, 2816, 8, 2, 16384, []int{1, 4, 8}},
+		{"fine_", 2048, 1408, 64, 6, 4096, []int{1, 4}},
+	}
+}
+
+// moeBench is one rank's expert block of a figure shape at W ranks on b:
+// its inputs and outputs, the calls the figures time, and the figures
+// taken so far (ms, by name).
+type moeBench struct {
+	t   *testing.T
+	b   *Backend
+	tag string // the subtest's name, in every figure's
+	ms  map[string]float64
+	// The pair fused, unfused and as its products alone, and the halves:
+	// gate/up (with the gather) and down (with the scatter), each fused,
+	// unfused and as its products alone; the fused ones also from bf16
+	// sources, as the layer runs them (moe.Layer's xoTD).
+	fused, unfused, gemms                           func() error
+	gateUpFused, gateUpUnfused, gateUpGemm          func() error
+	fusedBF16, gateUpFusedBF16, downFused, downGemm func() error
+	dgradFused                                      func() error // the backward's dispatch+dgrad, fused
+	bwd                                             []moeRun     // the backward's calls
+	flop                                            float64      // the pair's products
+}
+
+// moeRun is a named call the figures time.
+type moeRun struct {
+	name string
+	run  func() error
+}
+
+// newMoEBench makes sh's block at w ranks on b.
+func newMoEBench(t *testing.T, b *Backend, sh moeFigureShape, w int) *moeBench {
+	d, f, experts, k, tokens := sh.d, sh.f, sh.experts, sh.k, sh.tokens
+	g := experts / w
+	send := make([]int, w)
+	for s := range send {
+		send[s] = tokens * k / w
+	}
+	rows := 0
+	for _, n := range send {
+		rows += n
+	}
+	groups := make([]int, g)
+	rng := rand.New(rand.NewPCG(9, uint64(w)))
+	left := rows
+	for e := range groups[:g-1] {
+		groups[e] = rows/g + rng.IntN(rows/(4*g)) - rows/(8*g)
+		left -= groups[e]
+	}
+	groups[g-1] = left
+	tag := fmt.Sprintf("%sW%d", sh.prefix, w)
+	c := fusedCase{tag, w, tokens, send, groups, d, f}
+	in := c.inputs(b, 5)
+	inB := in.withBF16Sources(b)
+	x, h1, h3, act := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
+	y := b.New(backend.Float32, rows, d)
+	m := &moeBench{t: t, b: b, tag: tag, ms: map[string]float64{}, flop: 2 * float64(rows) * float64(d) * float64(f) * 3}
+	m.fused = func() error {
+		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+		return nil
+	}
+	m.unfused = func() error {
+		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+		backend.DownCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+		return nil
+	}
+	m.gemms = func() error {
+		b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
+		b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
+		b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0)
+		return nil
+	}
+	m.gateUpFused = func() error {
+		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+		return nil
+	}
+	m.gateUpUnfused = func() error {
+		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+		return nil
+	}
+	m.gateUpGemm = func() error {
+		b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
+		b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
+		return nil
+	}
+	m.fusedBF16 = func() error {
+		b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, groups)
+		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+		return nil
+	}
+	m.gateUpFusedBF16 = func() error {
+		b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, groups)
+		return nil
+	}
+	m.downFused = func() error { b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups); return nil }
+	m.downGemm = func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
+	// The backward: the fused pair, its unfused sequence (cuBLASLt NN
+	// products per group), and its three products alone as plain NT
+	// grouped GEMMs on K-major weights of the same shapes (zeros: the
+	// timing does not depend on the values; the fused kernels read the
+	// weights as stored, MN-major).
+	dy, dh1, dh3 := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
+	dAct := b.New(backend.Float32, rows, f)
+	w2T, w1T, w3T := b.New(backend.BFloat16, g*f, d), b.New(backend.BFloat16, g*d, f), b.New(backend.BFloat16, g*d, f)
+	m.dgradFused = func() error {
+		b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+		return nil
+	}
+	m.bwd = []moeRun{
+		{"bwd_fused", func() error {
+			b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+			b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+			return nil
+		}},
+		{"bwd_unfused", func() error {
+			backend.DispatchDgradSwiGLUBySteps(b, dAct, dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+			backend.DgradCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+			return nil
+		}},
+		{"bwd_gemm_nt", func() error {
+			b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0)
+			b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
+			b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
+			return nil
+		}},
+		// The halves: dispatch+dgrad (with the gather and SwiGLU's
+		// backward) and dgrad+combine, each fused and as its products
+		// alone.
+		{"bwd_dgrad_fused", m.dgradFused},
+		{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0); return nil }},
+		{"bwd_combine_fused", func() error {
+			b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+			return nil
+		}},
+		{"bwd_combine_gemm", func() error {
+			b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
+			b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
+			return nil
+		}},
+	}
+	return m
+}
+
+// timed times run (ggTime), logs it as figure moe_fused_<tag>_<name>_ms
+// and keeps it in m.ms.
+func (m *moeBench) timed(name string, run func() error) float64 {
+	v, err := ggTime(m.b.dev, run)
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	if err := m.b.Sync(); err != nil {
+		m.t.Fatal(err)
+	}
+	m.ms[name] = v
+	figure(m.t, fmt.Sprintf("moe_fused_%s_%s_ms", m.tag, name), v, "ms")
+	return v
+}
+
+// sustained times run back to back for ~300 ms, as a training step runs
+// it (ggTime's launches each start from an idle device): the clock the
+// device holds under sustained load is what the block's ratio meets. It
+// logs the figure moe_fused_<tag>_<name>_sustained_ms and its host
+// window, for the device's clock and power log (scripts/gpu-test.sh
+// samples nvidia-smi).
+func (m *moeBench) sustained(name string, run func() error) {
+	if err := run(); err != nil { // x holds the sources' rows
+		m.t.Fatal(err)
+	}
+	v, window, err := sustainedTime(m.b.dev, 300*time.Millisecond, m.ms[name], run)
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	m.ms[name+"_sustained"] = v
+	figure(m.t, fmt.Sprintf("moe_fused_%s_%s_sustained_ms", m.tag, name), v, "ms")
+	m.t.Logf("window: moe_fused_%s_%s_sustained %s", m.tag, name, window)
+}
+
+// TestMoEFusedFigures times the figure shapes' blocks: the fused pair,
+// the unfused sequence, and the grouped products alone on the same rows,
+// forward and backward, single and back to back. The experiments on the
+// fused kernels (kernels/dev) are timed by TestMoELabFigures.
 func TestMoEFusedFigures(t *testing.T) {
 	testGroupedGemm(t)
 	b := testBackend(t)
-	type shape struct {
-		prefix                   string // of the subtest and figure names
-		d, f, experts, k, tokens int
-		worlds                   []int
-	}
-	for _, sh := range []shape{
-		{"", 1024, 2816, 8, 2, 16384, []int{1, 4, 8}},
-		{"fine_", 2048, 1408, 64, 6, 4096, []int{1, 4}},
-	} {
-		d, f, experts, k, tokens := sh.d, sh.f, sh.experts, sh.k, sh.tokens
+	for _, sh := range moeFigureShapes() {
 		for _, w := range sh.worlds {
-			tag := fmt.Sprintf("%sW%d", sh.prefix, w)
-			t.Run(tag, func(t *testing.T) {
-				g := experts / w
-				send := make([]int, w)
-				for s := range send {
-					send[s] = tokens * k / w
-				}
-				rows := 0
-				for _, n := range send {
-					rows += n
-				}
-				groups := make([]int, g)
-				rng := rand.New(rand.NewPCG(9, uint64(w)))
-				left := rows
-				for e := range groups[:g-1] {
-					groups[e] = rows/g + rng.IntN(rows/(4*g)) - rows/(8*g)
-					left -= groups[e]
-				}
-				groups[g-1] = left
-				c := fusedCase{tag, w, tokens, send, groups, d, f}
-				in := c.inputs(b, 5)
-				x, h1, h3, act := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
-				y := b.New(backend.Float32, rows, d)
-				fused := func() error {
-					b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-					b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
-					return nil
-				}
-				unfused := func() error {
-					backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-					backend.DownCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
-					return nil
-				}
-				gemms := func() error {
-					b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
-					b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
-					b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0)
-					return nil
-				}
-				// The halves: gate/up (with the gather) and down (with the
-				// scatter), each fused, unfused and as its products alone.
-				gateUpFused := func() error {
-					b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-					return nil
-				}
-				gateUpUnfused := func() error {
-					backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-					return nil
-				}
-				gateUpGemm := func() error {
-					b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
-					b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
-					return nil
-				}
-				// From bf16 sources, as the layer runs it (moe.Layer's xoTD).
-				inB := in.withBF16Sources(b)
-				fusedBF16 := func() error {
-					b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, groups)
-					b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
-					return nil
-				}
-				gateUpFusedBF16 := func() error {
-					b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, groups)
-					return nil
-				}
-				downFused := func() error { b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups); return nil }
-				downGemm := func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
-				flop := 2 * float64(rows) * float64(d) * float64(f) * 3
-				// timed times run, logs it as figure moe_fused_<tag>_<name>_ms
-				// and keeps it in ms.
-				ms := map[string]float64{}
-				timed := func(name string, run func() error) float64 {
-					v, err := ggTime(b.dev, run)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if err := b.Sync(); err != nil {
-						t.Fatal(err)
-					}
-					ms[name] = v
-					figure(t, fmt.Sprintf("moe_fused_%s_%s_ms", tag, name), v, "ms")
-					return v
-				}
-				for _, p := range []struct {
-					name string
-					run  func() error
-				}{{"fused", fused}, {"unfused", unfused}, {"gemm_alone", gemms}, {"gateup_fused", gateUpFused},
-					{"gateup_unfused", gateUpUnfused}, {"gateup_gemm", gateUpGemm}, {"down_fused", downFused}, {"down_gemm", downGemm},
-					{"fused_bf16src", fusedBF16}, {"gateup_fused_bf16src", gateUpFusedBF16}} {
-					v := timed(p.name, p.run)
+			t.Run(fmt.Sprintf("%sW%d", sh.prefix, w), func(t *testing.T) {
+				m := newMoEBench(t, b, sh, w)
+				for _, p := range []moeRun{{"fused", m.fused}, {"unfused", m.unfused}, {"gemm_alone", m.gemms},
+					{"gateup_fused", m.gateUpFused}, {"gateup_unfused", m.gateUpUnfused}, {"gateup_gemm", m.gateUpGemm},
+					{"down_fused", m.downFused}, {"down_gemm", m.downGemm},
+					{"fused_bf16src", m.fusedBF16}, {"gateup_fused_bf16src", m.gateUpFusedBF16}} {
+					v := m.timed(p.name, p.run)
 					if p.name == "fused" || p.name == "unfused" || p.name == "gemm_alone" {
-						figure(t, fmt.Sprintf("moe_fused_%s_%s_tflops", tag, p.name), flop/v/1e9, "TFLOP/s")
+						figure(t, fmt.Sprintf("moe_fused_%s_%s_tflops", m.tag, p.name), m.flop/v/1e9, "TFLOP/s")
 					}
 				}
-				// The backward: the fused pair, its unfused sequence (cuBLASLt
-				// NN products per group), and its three products alone as
-				// plain NT grouped GEMMs on K-major weights of the same
-				// shapes (zeros: the timing does not depend on the values;
-				// the fused kernels read the weights as stored, MN-major).
-				dy, dh1, dh3 := b.New(backend.BFloat16, rows, d), b.New(backend.BFloat16, rows, f), b.New(backend.BFloat16, rows, f)
-				dAct := b.New(backend.Float32, rows, f)
-				w2T, w1T, w3T := b.New(backend.BFloat16, g*f, d), b.New(backend.BFloat16, g*d, f), b.New(backend.BFloat16, g*d, f)
+				for _, p := range m.bwd {
+					m.timed(p.name, p.run)
+				}
+				figure(t, "moe_fused_"+m.tag+"_bwd_unfused_over_fused", m.ms["bwd_unfused"]/m.ms["bwd_fused"], "x")
+				figure(t, "moe_fused_"+m.tag+"_bwd_fused_over_parts", m.ms["bwd_fused"]/m.ms["bwd_gemm_nt"], "x")
 				gg := b.experts.bf16Out
-				dgradFused := func() error {
-					b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-					return nil
+				for _, k := range []*Kernel{gg.moe.dispatchSwiGLU, gg.moe.dispatchDgrad, gg.moe.downCombine, gg.moe.dgradCombine} {
+					figure(t, k.Desc.Name+"_local_bytes", float64(k.LocalBytes), "B")
 				}
-				bwd := []struct {
-					name string
-					run  func() error
-				}{
-					{"bwd_fused", func() error {
-						b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-						b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
-						return nil
-					}},
-					{"bwd_unfused", func() error {
-						backend.DispatchDgradSwiGLUBySteps(b, dAct, dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-						backend.DgradCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
-						return nil
-					}},
-					{"bwd_gemm_nt", func() error {
-						b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0)
-						b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
-						b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
-						return nil
-					}},
-					// The halves: dispatch+dgrad (with the gather and SwiGLU's
-					// backward) and dgrad+combine, each fused and as its
-					// products alone.
-					{"bwd_dgrad_fused", dgradFused},
-					{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0); return nil }},
-					{"bwd_combine_fused", func() error {
-						b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
-						return nil
-					}},
-					{"bwd_combine_gemm", func() error {
-						b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
-						b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
-						return nil
-					}},
+				for _, p := range []moeRun{{"gateup_gemm", m.gateUpGemm}, {"gateup_fused_bf16src", m.gateUpFusedBF16},
+					{"gemm_alone", m.gemms}, {"fused_bf16src", m.fusedBF16}} {
+					m.sustained(p.name, p.run)
 				}
-				for _, p := range bwd {
-					timed(p.name, p.run)
-				}
-				figure(t, "moe_fused_"+tag+"_bwd_unfused_over_fused", ms["bwd_unfused"]/ms["bwd_fused"], "x")
-				figure(t, "moe_fused_"+tag+"_bwd_fused_over_parts", ms["bwd_fused"]/ms["bwd_gemm_nt"], "x")
-				// Experiments on the gate/up kernel (fusedMode): which part
-				// costs the time over its products.
-				figure(t, "moe_dispatch_swiglu_local_bytes", float64(gg.fusedLocal), "B")
-				figure(t, "moe_dispatch_dgrad_local_bytes", float64(gg.dgradLocal), "B")
-				figure(t, "moe_down_combine_local_bytes", float64(gg.downLocal), "B")
-				figure(t, "moe_dgrad_combine_local_bytes", float64(gg.dgradCombineLocal), "B")
-				// A mode without the gather (bit 1) multiplies whatever x
-				// holds, and the products' speed depends on the data (the
-				// backward above leaves gradients there, on which they ran
-				// 10-15% faster): one gathering call first puts the
-				// sources' rows back.
-				inMode := func(mode int, name string, run func() error) {
-					if mode&1 != 0 {
-						if err := run(); err != nil {
-							t.Fatal(err)
-						}
-					}
-					gg.fusedMode = mode
-					defer func() { gg.fusedMode = 0 }()
-					timed(fmt.Sprintf("%s_mode%d", name, mode), run)
-				}
-				// 1 no gather or waits, 2 no act (math or store), 4 no silu, 16 the
-				// gather without the waits (what the waits cost).
-				for _, mode := range []int{1, 2, 4, 7, 16} {
-					inMode(mode, "gateup_fused", gateUpFused)
-				}
-				inMode(1, "gateup_fused_bf16src", gateUpFusedBF16)
-				inMode(7, "gateup_fused_bf16src", gateUpFusedBF16)
-				// The same kernels back to back for ~300 ms each, as a
-				// training step runs them (ggTime's launches each start
-				// from an idle device): the clock the device holds under
-				// sustained load is what the block's ratio meets. Each
-				// logs its host window, for the device's clock and power
-				// log (scripts/gpu-test.sh samples nvidia-smi).
-				sustained := func(name string, mode int, run func() error) {
-					if err := run(); err != nil { // x holds the sources' rows
-						t.Fatal(err)
-					}
-					gg.fusedMode = mode
-					v, window, err := sustainedTime(b.dev, 300*time.Millisecond, ms[name], run)
-					gg.fusedMode = 0
-					if err != nil {
-						t.Fatal(err)
-					}
-					ms[name+"_sustained"] = v
-					figure(t, fmt.Sprintf("moe_fused_%s_%s_sustained_ms", tag, name), v, "ms")
-					t.Logf("window: moe_fused_%s_%s_sustained %s", tag, name, window)
-				}
-				for _, p := range []struct {
-					name string
-					mode int
-					run  func() error
-				}{
-					{"gateup_gemm", 0, gateUpGemm}, {"gateup_fused_bf16src", 0, gateUpFusedBF16},
-					// Without the gather: the act epilogue whole (1), no act
-					// at all (3: mode 2 skips its math and its store), act
-					// without silu (5), and 7, which computes as 3 does.
-					{"gateup_fused_bf16src_mode1", 1, gateUpFusedBF16}, {"gateup_fused_bf16src_mode3", 3, gateUpFusedBF16},
-					{"gateup_fused_bf16src_mode5", 5, gateUpFusedBF16}, {"gateup_fused_bf16src_mode7", 7, gateUpFusedBF16},
-					{"gemm_alone", 0, gemms}, {"fused_bf16src", 0, fusedBF16},
-				} {
-					sustained(p.name, p.mode, p.run)
-				}
-				figure(t, "moe_fused_"+tag+"_fused_bf16src_over_gemm_sustained",
-					ms["fused_bf16src_sustained"]/ms["gemm_alone_sustained"], "x")
-				// The raster group (GroupedGemm.GroupM) of the products and
-				// the fused kernels alike: GM m-tiles run n-tile major, so
-				// an expert's m-tiles share its weight tiles in L2.
-				defer func() { gg.GroupM = 0 }()
-				for _, gm := range []int{4, 8} {
-					gg.GroupM = gm
-					for _, p := range []struct {
-						name string
-						run  func() error
-					}{
-						{"gateup_gemm", gateUpGemm}, {"gateup_fused_bf16src", gateUpFusedBF16},
-						{"gemm_alone", gemms}, {"fused_bf16src", fusedBF16},
-					} {
-						sustained(fmt.Sprintf("%s_g%d", p.name, gm), 0, p.run)
-					}
-					gg.GroupM = 0
-					figure(t, fmt.Sprintf("moe_fused_%s_fused_bf16src_over_gemm_g%d_sustained", tag, gm),
-						ms[fmt.Sprintf("fused_bf16src_g%d_sustained", gm)]/ms[fmt.Sprintf("gemm_alone_g%d_sustained", gm)], "x")
-				}
-				// The same for the dgrad kernel: 1 no gather or waits, 16 the
-				// register epilogue (v2) instead of the TMA one, 32 no dh1/dh3
-				// stores, 64 no h1/h3 loads past the first two boxes, 128 the
-				// gather unpaced, 256 its copy one step deep.
-				for _, mode := range []int{1, 16, 32, 64, 96, 128, 256} {
-					inMode(mode, "bwd_dgrad_fused", dgradFused)
-				}
+				figure(t, "moe_fused_"+m.tag+"_fused_bf16src_over_gemm_sustained",
+					m.ms["fused_bf16src_sustained"]/m.ms["gemm_alone_sustained"], "x")
 				// Each build of the dgrad kernel alone (bwd_dgrad_fused
 				// above is the chooser's pick).
-				inBuild := func(build int, name string, run func() error) {
-					defer forceDgrad(t, b, build)()
-					timed(name, run)
-				}
-				inBuild(dgradBeside, "bwd_dgrad_fused_beside", dgradFused)
-				inBuild(dgradFirst, "bwd_dgrad_fused_first", dgradFused)
-				figure(t, "moe_dispatch_dgrad_first_local_bytes", float64(gg.dgradFirstLocal), "B")
-				// The compile-time variants of the gathering kernels
-				// (kernels.Source.Variants of grouped_gemm.cu), each its own
-				// compilation: its gate/up kernel with and without the
-				// gather (mode 1) and its dgrad kernel.
-				for _, v := range gatherVariants(t, false) {
-					restore := withGatherVariant(t, b, v.Name)
-					x := strings.ReplaceAll(v.Name, "-", "_")
-					timed("gateup_fused_"+x, gateUpFused)
-					// The products alone on the rows this variant gathered
-					// (a timing-only variant's rows are not the sources'
-					// values, and the products' speed depends on the data).
-					timed("gateup_gemm_after_"+x, gateUpGemm)
-					inMode(1, "gateup_fused_"+x, gateUpFused)
-					// From bf16 sources, as the layer runs it.
-					timed("gateup_fused_bf16src_"+x, gateUpFusedBF16)
-					inMode(1, "gateup_fused_bf16src_"+x, gateUpFusedBF16)
-					sustained("gateup_fused_bf16src_"+x, 0, gateUpFusedBF16)
-					timed("down_fused_"+x, downFused)
-					timed("fused_bf16src_"+x, fusedBF16)
-					sustained("fused_bf16src_"+x, 0, fusedBF16)
-					inBuild(dgradBeside, "bwd_dgrad_fused_beside_"+x, dgradFused)
-					inBuild(dgradFirst, "bwd_dgrad_fused_first_"+x, dgradFused)
+				for _, build := range []struct {
+					name  string
+					build int
+				}{{"bwd_dgrad_fused_beside", dgradBeside}, {"bwd_dgrad_fused_first", dgradFirst}} {
+					restore := forceDgrad(t, b, build.build)
+					m.timed(build.name, m.dgradFused)
 					restore()
 				}
-				figure(t, "moe_fused_"+tag+"_fused_over_gemm", ms["fused"]/ms["gemm_alone"], "x")
-				figure(t, "moe_fused_"+tag+"_fused_bf16src_over_gemm", ms["fused_bf16src"]/ms["gemm_alone"], "x")
-				figure(t, "moe_fused_"+tag+"_unfused_over_fused", ms["unfused"]/ms["fused"], "x")
+				figure(t, "moe_dispatch_dgrad_first_local_bytes", float64(gg.moe.dispatchDgradFirst.LocalBytes), "B")
+				figure(t, "moe_fused_"+m.tag+"_fused_over_gemm", m.ms["fused"]/m.ms["gemm_alone"], "x")
+				figure(t, "moe_fused_"+m.tag+"_fused_bf16src_over_gemm", m.ms["fused_bf16src"]/m.ms["gemm_alone"], "x")
+				figure(t, "moe_fused_"+m.tag+"_unfused_over_fused", m.ms["unfused"]/m.ms["fused"], "x")
 			})
 		}
 	}

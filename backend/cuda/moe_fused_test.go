@@ -40,16 +40,17 @@ func kernelSource(t *testing.T, file string) (kernels.Source, string) {
 }
 
 // TestGatherConstantsMatchKernel: the Go side's copies of the gather's
-// constants are the ones grouped_gemm.cu defines.
+// constants are the ones moe_fused.cu (and the grouped_gemm.cuh it
+// includes) defines.
 func TestGatherConstantsMatchKernel(t *testing.T) {
-	_, text := kernelSource(t, "grouped_gemm.cu")
+	_, text := kernelSource(t, "moe_fused.cu")
 	for _, want := range []string{
 		fmt.Sprintf("#define GG_CHUNKS %d\n", ggChunks),
 		fmt.Sprintf("#define GG_GATHER_LEAD %d\n", ggGatherLead),
 		fmt.Sprintf("#define GG_FRONT_DONE (1 << %d)\n", bits.Len(ggFrontDone)-1),
 	} {
 		if !strings.Contains(text, want) {
-			t.Errorf("grouped_gemm.cu lacks %q", strings.TrimSpace(want))
+			t.Errorf("moe_fused.cu lacks %q", strings.TrimSpace(want))
 		}
 	}
 }

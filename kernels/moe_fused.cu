@@ -1,0 +1,898 @@
+// The MoE experts' fused kernels on Hopper (sm_90a): the grouped GEMM
+// pipeline of grouped_gemm.cuh with the dispatch, SwiGLU and combine
+// around it, one kernel for each gg_fusion kind but GG_PLAIN. Launched by
+// backend/cuda/moe_fused.go.
+//
+// GG_DISPATCH_SWIGLU (moe_dispatch_swiglu) computes, for the expert-major
+// rows of a rank's experts,
+//   xRD[r] = bf16(src_s[tok_s[p]]), (s, p) = refs[r]   (the dispatch)
+//   h1 = xRD.W1_e^T, h3 = xRD.W3_e^T, act = silu(h1) * h3 (bf16 out)
+// in one persistent grid. Every warp of a block but the TMA thread's
+// first gathers (gg_gather): it pulls each row from its source rank's
+// token buffer (a plain device pointer: a virtual rank's buffer, or a peer
+// GPU's over NVLink), converts it to bf16 into xRD, and publishes per
+// m-tile ready counts (release); then the consumer warpgroups compute and
+// the producer warpgroup's warps 1 and 2 finish their epilogues (SwiGLU
+// and act's store, gg_act_helper). The TMA thread never gathers: it waits
+// for an m-tile's count (acquire) before its first A load of that tile,
+// so a tile is multiplied as soon as its rows have landed while later
+// tiles are still being copied. A tile of 128 rows is gathered as
+// GG_CHUNKS chunks, dealt round-robin over every gathering warp of the
+// grid in m-tile order (the order the tiles are consumed), so the first
+// tiles land first. (GG_DISPATCH_DGRAD gathers with three warps a block
+// beside its products instead, paced; kernels/grouped_gemm.md measures
+// both ways.) The B tile is the two halves W1[n0:n0+128] and
+// W3[n0:n0+128] (one 256-row wgmma operand), so every thread holds h1 and
+// h3 of the same columns and SwiGLU runs in the epilogue, off the
+// consumers' critical path.
+//
+// GG_DOWN_COMBINE (moe_down_combine) is the plain NT product act.W2_e^T
+// whose epilogue writes each output row straight to its source: dst_s +
+// p*N for (s, p) = refs[r] (float32).
+//
+// GG_DISPATCH_DGRAD (moe_dispatch_dgrad) is GG_DISPATCH_SWIGLU's flow for
+// the backward: the gathered rows are the output gradients scaled by
+// their gates (dy), the product is the dgrad dAct = dy.W2_e (W2_e [K, N]
+// as stored: the B operand MN-major, four boxes of 64 columns x 64 rows of
+// K per stage, read with the transpose bit and gg_desc_mn as
+// grouped_gemm_tn's operands), and the epilogue turns dAct, with the
+// forward's h1 and h3, into dh1 and dh3 (SwiGLU's backward); dAct never
+// leaves the registers. h1 and h3 come in by TMA, box by box, into the
+// staging buffers (the first two boxes of a tile are requested early in
+// its mainloop), dh1 and dh3 are written over them and leave by TMA
+// stores (gg_epilogue_dswiglu_tma).
+//
+// GG_DGRAD_COMBINE (moe_dgrad_combine) is GG_DOWN_COMBINE over two K
+// halves: dx = dh1.W1_e + dh3.W3_e, the k-blocks of (dh1, W1) then those
+// of (dh3, W3) in one accumulator (the weights as stored, MN-major, as
+// GG_DISPATCH_DGRAD's W2), the rows written to their source ranks.
+//
+// The combines raise per-row completion flags when given them (fz.done,
+// per rank its int32 list in send order): a warpgroup's 64-row block of
+// an m-tile is written by nTN column tiles, so each warpgroup, once its
+// block of a tile is stored, counts the tile in rowTiles[2g + half]
+// (zeroed by the host), and the count's last tile sets done_s[p] = 1 for
+// the block's rows, released at system scope (gg_mark_rows). The source
+// rank's combine acquires the flag, reads the row and sets it back to 0
+// (combine_rows, kernels/peer_rows.cu), so no host barrier has to order a
+// peer's writes before the combine.
+//
+// The per-tile chunk sets (flags, one int per m-tile, bit c for chunk c)
+// are zeroed by the host before each launch. The wait is bounded: past
+// fz.timeoutNs the TMA thread records the m-tile, the chunks that landed
+// and the source rank of the first missing chunk's first row in fz.fault
+// (the first such wait of the launch only), and every later wait of the
+// launch returns at once: the kernel finishes, with wrong rows, and the
+// host reports the record at its next Sync instead of hanging.
+//
+// Experiments on these kernels live in kernels/dev (a copy of this file
+// with compile-time switches), never here: this file is what trains.
+
+#include "grouped_gemm.cuh"
+
+// MOE_TEST_LOST_ROWS, defined to 1 by backend/cuda's tests only (a build
+// of their own), makes the kernels lose rows as a peer that never
+// delivers would: the gathers never publish the last m-tile's chunk 0,
+// and the combines never raise row 0's flag. The tests check that the
+// bounded waits report it.
+#ifndef MOE_TEST_LOST_ROWS
+#define MOE_TEST_LOST_ROWS 0
+#endif
+
+#define GG_CHUNKS 8
+#define GG_CHUNK_ROWS (GG_BM / GG_CHUNKS)
+
+// ---- the gather ----
+
+// The gather's unit is a chunk of up to GG_CHUNK_ROWS rows of one m-tile;
+// a step copies two of its rows' 1024-column block jb (a lane: four
+// 8-column pieces of each row, 64 floats in flight).
+struct gg_gather_chunk {
+  int g, c, r0, nr;  // m-tile, chunk in it, first row, rows (0..GG_CHUNK_ROWS)
+};
+
+__device__ __forceinline__ gg_gather_chunk gg_gather_chunk_of(int u, int E, const int* sBeg, const int* sEnd,
+                                                              const int* sCum) {
+  gg_gather_chunk k;
+  k.g = u / GG_CHUNKS;
+  k.c = u - k.g * GG_CHUNKS;
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (sCum[mid] <= k.g) lo = mid;
+    else hi = mid - 1;
+  }
+  k.r0 = sBeg[lo] + (k.g - sCum[lo]) * GG_BM + k.c * GG_CHUNK_ROWS;
+  k.nr = gg_max(gg_min(k.r0 + GG_CHUNK_ROWS, sEnd[lo]) - k.r0, 0);
+  return k;
+}
+
+// gg_sigmoid is 1 / (1 + e^-x) with the hardware's approximate exp2 and
+// reciprocal (relative error ~1e-7, far below bf16's rounding): the
+// accurate expf and IEEE division cost the act epilogue ~0.2 ms on
+// moe-small. x very negative: exp2 gives inf and its reciprocal 0.
+__device__ __forceinline__ float gg_sigmoid(float x) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
+}
+
+// gg_silu is x * sigmoid(x) (x very negative: -0).
+__device__ __forceinline__ float gg_silu(float x) { return x * gg_sigmoid(x); }
+
+// gg_gather_load issues the loads of step st of a chunk of nr rows: lane
+// i < nr holds row i's source address (src) in its float32 rows (SRC_BF16:
+// bf16 rows, widened exactly).
+template <bool SRC_BF16>
+__device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, int lane, long long src,
+                                               float (&v)[2][4][8]) {
+  const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const float* p = (const float*)gg_shfl_ptr(src, gg_min(i + h, nr - 1));
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int j = j0 + 256 * u;
+      if (j >= K) continue;
+      if constexpr (SRC_BF16) {
+        // The same columns as bf16: 16 bytes where float32 takes 32.
+        unsigned w[4];
+        asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                     : "l"((const unsigned short*)p + j));
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          v[h][u][2 * q] = gg_bf16_lo(w[q]);
+          v[h][u][2 * q + 1] = gg_bf16_hi(w[q]);
+        }
+      } else {
+        asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
+                     : "l"(p + j));
+        asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
+                     : "l"(p + j + 4));
+      }
+    }
+  }
+}
+
+// gg_gather_store writes step st's rows, scaled (lane i: row i's scale),
+// to xRD as bf16. An odd chunk's last pair copies its last row twice.
+__device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K, int lane,
+                                                float scale, const float (&v)[2][4][8]) {
+  const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int ii = gg_min(i + h, nr - 1);
+    unsigned short* dst = fz.xRD + (long long)(r0 + ii) * K;
+    const float sc = gg_bits_float((unsigned)gg_shfl_idx((int)gg_float_bits(scale), ii));
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int j = j0 + 256 * u;
+      if (j < K) {
+        float w[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++) w[q] = v[h][u][q] * sc;
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
+                     "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
+                     : "memory");
+      }
+    }
+  }
+}
+
+// GG_GATHER_LEAD is how many m-tiles GG_DISPATCH_DGRAD's paced gather may
+// run ahead of its block's tiles: 2.5 waves of 132 tiles at moe-small's 11
+// column tiles a row of tiles, far longer than a chunk's copy takes.
+#define GG_GATHER_LEAD 32
+
+// gg_gather is a gathering warp's work (the dispatches): chunks u = cw,
+// cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major; each row is
+// read from its source as float32, scaled (GG_DISPATCH_DGRAD: by its
+// send-order scale), and written to xRD as bf16 (K is a multiple of 8), then the
+// chunk is published. The next chunk's row lookups (references, then
+// token indices: two dependent loads) are issued under the current
+// chunk's copy and its fence. Two ways to run it:
+// - FIRST (GG_DISPATCH_SWIGLU; GG_DISPATCH_DGRAD in moe_dispatch_dgrad_first): every warp of the
+//   block but the TMA thread's gathers before its own work, unpaced; the
+//   copy is one step deep, since the consumers' code inlines it and a
+//   second step's registers cost their mainloop more than the depth
+//   gains with eleven warps a block copying (kernels/grouped_gemm.md).
+// - otherwise (GG_DISPATCH_DGRAD): three warps a block gather beside the products,
+//   paced by the block's front; the copy is bound by load latency, so two
+//   steps are in flight (one stored while the next one's loads are out).
+template <bool FIRST, bool SRC_BF16>
+__device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
+                                          const int* sEnd, const int* sCum, const volatile int* front) {
+  const int total = sCum[E] * GG_CHUNKS, nJ = (K + 1023) / 1024;
+  if (cw >= total) return;
+  // A source row's length in floats (K bf16 take K / 2).
+  const int rowFloats = SRC_BF16 ? K / 2 : K;
+  // Lane i < nr: its row's source rank and send position (the references)
+  // and, resolved from them, its source address and scale.
+  gg_gather_chunk cur = gg_gather_chunk_of(cw, E, sBeg, sEnd, sCum);
+  int refS = 0, refP = 0;
+  if (lane < cur.nr) {
+    refS = fz.refs[2 * (cur.r0 + lane)];
+    refP = fz.refs[2 * (cur.r0 + lane) + 1];
+  }
+  long long src = 0;
+  float scale = 1.0f;
+  if (lane < cur.nr) {
+    src = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * rowFloats);
+    if (fz.scales) scale = ((const float*)fz.scales[refS])[refP];
+  }
+  for (int u = cw; u < total; u += ncw) {
+    // Paced: at most GG_GATHER_LEAD m-tiles ahead of this block's TMA
+    // thread (front), so the rows stream in over the whole product rather
+    // than in one burst that takes L2 and DRAM bandwidth from its first
+    // tiles. No wait can close a cycle: the lowest unpublished chunk's
+    // warp is never held, since its block's TMA thread is at that chunk's
+    // m-tile or past it (or done: front GG_FRONT_DONE). Pacing only orders
+    // work, so a wait past the tile waits' bound gives up on it rather
+    // than risk a hang. Lane 0 decides for the warp.
+    if (!FIRST && cur.g > *front + GG_GATHER_LEAD) {
+      const unsigned long long t0 = gg_globaltimer();
+      while (gg_shfl_idx(cur.g > *front + GG_GATHER_LEAD && gg_globaltimer() - t0 < fz.timeoutNs, 0))
+        asm volatile("nanosleep.u32 256;");
+    }
+    const bool more = u + ncw < total;
+    gg_gather_chunk next = cur;
+    if (more) {
+      next = gg_gather_chunk_of(u + ncw, E, sBeg, sEnd, sCum);
+      if (lane < next.nr) {
+        refS = fz.refs[2 * (next.r0 + lane)];
+        refP = fz.refs[2 * (next.r0 + lane) + 1];
+      }
+    }
+    const int steps = ((cur.nr + 1) / 2) * nJ;
+    float va[2][4][8], vb[2][4][8];
+    if (FIRST) {
+      // One step in flight (each stored before the next one's loads go
+      // out).
+      for (int st = 0; st < steps; st++) {
+        gg_gather_load<SRC_BF16>(st, nJ, cur.nr, K, lane, src, va);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+      }
+    } else {
+      if (steps > 0) gg_gather_load<SRC_BF16>(0, nJ, cur.nr, K, lane, src, va);
+      for (int st = 0; st < steps; st += 2) {
+        if (st + 1 < steps) gg_gather_load<SRC_BF16>(st + 1, nJ, cur.nr, K, lane, src, vb);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+        if (st + 2 < steps) gg_gather_load<SRC_BF16>(st + 2, nJ, cur.nr, K, lane, src, va);
+        if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
+      }
+    }
+    // The next chunk's sources, resolved while this chunk's stores drain.
+    long long nsrc = 0;
+    float nscale = 1.0f;
+    if (more && lane < next.nr) {
+      nsrc = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * rowFloats);
+      if (fz.scales) nscale = ((const float*)fz.scales[refS])[refP];
+    }
+    // Every lane's rows are visible at GPU scope, and ordered before the
+    // async proxy's (TMA's) reads, before lane 0 publishes the chunk.
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    // MOE_TEST_LOST_ROWS: a chunk that is never published.
+    const bool lost = MOE_TEST_LOST_ROWS && cur.g == sCum[E] - 1 && cur.c == 0;
+    if (lane == 0 && !lost)
+      asm volatile("red.release.gpu.global.or.b32 [%0], %1;" ::"l"(fz.flags + cur.g), "r"(1u << cur.c) : "memory");
+    cur = next;
+    src = nsrc;
+    scale = nscale;
+  }
+}
+
+// gg_wait_tile returns once m-tile g's GG_CHUNKS chunks have landed (the
+// dispatches' TMA thread, before the tile's first A load), or the wait
+// timed out (this one, recorded in fz.fault, or an earlier one of the
+// launch). Its rows are [row0, rowEnd).
+#define GG_ALL_CHUNKS ((1 << GG_CHUNKS) - 1)
+// kind (the kernel's gg_fusion, GG_DISPATCH_SWIGLU or GG_DISPATCH_DGRAD)
+// is the record's first word.
+__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
+  const int* f = fz.flags + g;
+  int got = gg_ld_acquire(f);
+  if (got != GG_ALL_CHUNKS) {
+    const unsigned long long t0 = gg_globaltimer();
+    while ((got = gg_ld_acquire(f)) != GG_ALL_CHUNKS) {
+      if (*(volatile const int*)fz.fault != 0) break;  // an earlier wait failed
+      if (gg_globaltimer() - t0 > fz.timeoutNs) {
+        int was;
+        asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, %2;"
+                     : "=r"(was)
+                     : "l"(fz.fault), "r"(kind)
+                     : "memory");
+        if (was == 0) {
+          int c = 0;
+          while (c < GG_CHUNKS && (got >> c) & 1) c++;
+          const int r = row0 + c * GG_CHUNK_ROWS;
+          fz.fault[1] = g;
+          fz.fault[2] = got;
+          fz.fault[3] = r < rowEnd ? fz.refs[2 * r] : -1;
+          asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
+        break;
+      }
+    }
+  }
+  // The rows were written through the generic proxy; TMA reads them
+  // through the async proxy.
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+
+// ---- GG_DISPATCH_SWIGLU's epilogue ----
+
+// gg_stage_h13 is the consumers' half of GG_DISPATCH_SWIGLU's epilogue:
+// the warpgroup writes its 64 x 128 blocks of h1 and h3 (bf16) to its two
+// 16 KiB staging buffers,
+// each as two 64x64 swizzled boxes, and tells its helper warp (staged),
+// which stores them, computes act and frees the buffers (gg_act_helper).
+// Before block c (c counts the warpgroup's staged blocks) it waits until
+// block c - 1's buffers are free. So the consumers' epilogue is two
+// conflict-free shared-memory stores a pair of columns, for every block
+// (gg_block_staged); the stores, SwiGLU and act's store run under the
+// next tile's mainloop.
+__device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned stg, unsigned staged, unsigned freed,
+                                             int wtid, int warp, int lane, int id, unsigned& c) {
+  if (c > 0) gg_bar_wait(freed, (c - 1) & 1u);
+  const int rl = (warp & 3) * 16 + (lane >> 2);
+  const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
+  const unsigned rowA = stg + rl * 128, rowB = rowA + 8 * 128;
+#pragma unroll
+  for (int p = 0; p < 2; p++) {
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+      const unsigned o = p * 16384u + (i >> 3) * 8192 + ((((i & 7) ^ sw) << 4) | ((lane & 3) << 2));
+      const int a = 4 * (i + 16 * p);  // h1: groups 0..15, h3: 16..31
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowA + o), "r"(gg_pack_bf16(acc[a], acc[a + 1])) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(rowB + o), "r"(gg_pack_bf16(acc[a + 2], acc[a + 3])) : "memory");
+    }
+  }
+  // Generic-proxy writes, async-proxy (TMA) reader; the named barrier
+  // orders every thread's writes before the one arrival.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  gg_named_sync(id, 128);
+  if (wtid == 0) gg_bar_arrive(staged);
+  c++;
+}
+
+// gg_act_pieces writes act = silu(h1) * h3 over h1's staging buffer stg
+// (h3's is 16 KiB after it), 16-byte piece lane + 32 * i for i < 32:
+// 1024 pieces a 64 x 128 block, four pieces' loads in flight before
+// their math and stores. h1, h3 and act share one layout,
+// so act is computed element by element with no unswizzling, from the
+// bf16 h1 and h3 that the unfused SwiGLU and the backward also see.
+__device__ __forceinline__ void gg_act_pieces(unsigned stg, int lane) {
+  for (int i0 = 0; i0 < 32; i0 += 4) {
+    unsigned v1[4][4], v3[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v1[u][0]), "=r"(v1[u][1]), "=r"(v1[u][2]), "=r"(v1[u][3])
+                   : "r"(a));
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v3[u][0]), "=r"(v3[u][1]), "=r"(v3[u][2]), "=r"(v3[u][3])
+                   : "r"(a + 16384u));
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+#pragma unroll
+      for (int w = 0; w < 4; w++) {
+        const float a0 = gg_bf16_lo(v1[u][w]), a1 = gg_bf16_hi(v1[u][w]);
+        const float b0 = gg_bf16_lo(v3[u][w]), b1 = gg_bf16_hi(v3[u][w]);
+        v1[u][w] = gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
+      }
+      const unsigned a = stg + 16u * (lane + 32 * (i0 + u));
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v1[u][0]), "r"(v1[u][1]),
+                   "r"(v1[u][2]), "r"(v1[u][3])
+                   : "memory");
+    }
+  }
+}
+
+// gg_act_rows is the act epilogue of a block that TMA cannot store
+// (gg_block_tma refuses it: its rows past rowEnd are the next expert's):
+// piece q = lane + 32 * i of the staged h1 and h3 (box q >> 9, row
+// (q >> 3) & 63, its 16-byte chunk (q & 7) swizzled by the row, as
+// gg_stage_h13 wrote it) goes to global memory with act = silu(h1) * h3
+// beside it, rows from rowEnd on masked. No act is written over the
+// staging buffers. Such a block is an expert's last (one in ~7 at the
+// fine-grained shape); on the consumers, with act computed in their
+// registers, it delayed their next tile, and the blocks of an expert's
+// m-tiles drifted apart and stopped sharing its weight tiles in L2
+// (kernels/grouped_gemm.md, "Partial blocks staged").
+__device__ __forceinline__ void gg_act_rows(const gg_fuse& fz, unsigned short* h1, unsigned stg, int lane, int wr0,
+                                            int rowEnd, int n0, int N) {
+#pragma unroll 4
+  for (int i = 0; i < 32; i++) {
+    const int q = lane + 32 * i, r = (q >> 3) & 63;
+    const long long row = (long long)wr0 + r;
+    const int col = n0 + 64 * (q >> 9) + 8 * ((q & 7) ^ (r & 7));
+    if (row >= rowEnd || col >= N) continue;
+    unsigned v1[4], v3[4];
+    const unsigned a = stg + 16u * q;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v1[0]), "=r"(v1[1]), "=r"(v1[2]), "=r"(v1[3]) : "r"(a));
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v3[0]), "=r"(v3[1]), "=r"(v3[2]), "=r"(v3[3])
+                 : "r"(a + 16384u));
+    const long long o = row * N + col;
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(h1 + o), "r"(v1[0]), "r"(v1[1]), "r"(v1[2]), "r"(v1[3])
+                 : "memory");
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(fz.h3 + o), "r"(v3[0]), "r"(v3[1]), "r"(v3[2]),
+                 "r"(v3[3])
+                 : "memory");
+    unsigned va[4];
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+      const float a0 = gg_bf16_lo(v1[w]), a1 = gg_bf16_hi(v1[w]);
+      const float b0 = gg_bf16_lo(v3[w]), b1 = gg_bf16_hi(v3[w]);
+      va[w] = gg_pack_bf16(gg_silu(a0) * b0, gg_silu(a1) * b1);
+    }
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(fz.act + o), "r"(va[0]), "r"(va[1]), "r"(va[2]),
+                 "r"(va[3])
+                 : "memory");
+  }
+}
+
+// gg_act_helper is GG_DISPATCH_SWIGLU's act epilogue, run by one warp of the producer
+// warpgroup for consumer warpgroup cw (warps 1 and 2 for warpgroups 0 and
+// 1). It walks the same tiles as its consumers; for each block they stage
+// (gg_stage_h13) it stores h1 and h3 by TMA, and once those stores have
+// read the buffers it writes act over h1's buffer (gg_act_pieces), stores
+// act by TMA and frees both buffers (freed); a block TMA cannot store (an
+// expert's last, partial) goes out by plain stores (gg_act_rows).
+__device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
+                                              unsigned freed, unsigned short* h1, int rows, int N, int total, int nTN,
+                                              int E, const int* sBeg, const int* sEnd, const int* sCum) {
+  unsigned k = 0;  // blocks handled
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const gg_tile_t tile = gg_tile<128>(t, nTN, E, sBeg, sEnd, sCum);
+    const int wr0 = tile.row0 + cw * 64;
+    if (!gg_block_staged(wr0, tile.rowEnd)) continue;
+    gg_bar_wait(staged, k & 1u);
+    if (!gg_block_tma(wr0, tile.rowEnd, rows)) {
+      // A partial block: its rows by plain stores. No TMA store reads
+      // these buffers (the last one to was waited for before they were
+      // freed), so they are free once the loads are done.
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_act_rows(fz, h1, stg, lane, wr0, tile.rowEnd, tile.n0, N);
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      if (lane == 0) gg_bar_arrive(freed);
+      k++;
+      continue;
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int p = 0; p < 2; p++) {
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+          const int col = tile.n0 + 64 * b;
+          if (col < N) gg_tma_store_2d(fz.mapOut[p], col, wr0, stg + p * 16384u + b * 8192u);
+        }
+      }
+      gg_bulk_commit();
+      gg_bulk_wait_read();
+    }
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_act_pieces(stg, lane);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    if (lane == 0) {
+#pragma unroll
+      for (int b = 0; b < 2; b++) {
+        const int col = tile.n0 + 64 * b;
+        if (col < N) gg_tma_store_2d(fz.mapOut[2], col, wr0, stg + b * 8192u);
+      }
+      gg_bulk_commit();
+    }
+    if (lane == 0) {
+      gg_bulk_wait_read();
+      gg_bar_arrive(freed);
+    }
+    k++;
+  }
+  // The staging buffers must outlive the stores reading them.
+  if (lane == 0) gg_bulk_wait();
+}
+
+
+// gg_quad_gather turns a quad's accumulator layout into column runs: lane
+// q (= lane & 3) has p[2j], p[2j+1] = columns 8j + 2q, +1 (j = 0..3) of one
+// row's 32-column block; on return o[0..7] are columns 8q .. 8q+7. Four
+// rounds of two shuffles. Every lane must call it.
+__device__ __forceinline__ void gg_quad_gather(const float (&p)[8], int lane, float (&o)[8]) {
+  const int q = lane & 3;
+#pragma unroll
+  for (int rr = 0; rr < 4; rr++) {
+    // Round rr: lane q receives from quad lane (q + rr) & 3 its pair of
+    // column group q, so that lane sends its pair (q - rr) & 3.
+    const int sj = (q - rr) & 3;
+    const float lo = sj == 0 ? p[0] : sj == 1 ? p[2] : sj == 2 ? p[4] : p[6];
+    const float hi = sj == 0 ? p[1] : sj == 1 ? p[3] : sj == 2 ? p[5] : p[7];
+    const int src = (lane & ~3) | ((q + rr) & 3);
+    float glo, ghi;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(glo) : "f"(lo), "r"(src));
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(ghi) : "f"(hi), "r"(src));
+    // The pair came from quad lane (q + rr) & 3: columns 2 * that, +1.
+    const int at = 2 * ((q + rr) & 3);
+#pragma unroll
+    for (int c = 0; c < 8; c += 2) {
+      if (c == at) {
+        o[c] = glo;
+        o[c + 1] = ghi;
+      }
+    }
+  }
+}
+
+// gg_epilogue_dswiglu is GG_DISPATCH_DGRAD's epilogue: one warpgroup's 64 rows of
+// dAct (accumulator groups i: columns n0 + 8i + 2(lane & 3), +1) become
+//   dh1 = dAct * h3 * s(h1) * (1 + h1 * (1 - s(h1))),  dh3 = dAct * h1 * s(h1)
+// with h1 and h3 read from the forward's rows. Each 32-column block of a
+// row is first regrouped so that each lane of a quad holds 8 adjacent
+// columns (gg_quad_gather): its h1 and h3 then come as one 16-byte load
+// each and dh1, dh3 go out as one 16-byte store each, whole sectors per
+// warp. The loads of a block are issued for both row halves before any
+// math. Every lane runs the whole loop; rows past rowEnd are masked.
+// It takes the blocks gg_epilogue_dswiglu_tma cannot (rows of two
+// experts).
+__device__ __forceinline__ void gg_epilogue_dswiglu(const float (&acc)[128], long long r0, int rowEnd, int n0, int N,
+                                                    int lane, unsigned short* dh1, const gg_fuse& fz) {
+  const int q = lane & 3;
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    const int col = n0 + 32 * k + 8 * q;
+    unsigned v1[2][4], v3[2][4];  // bf16 pairs of h1 and h3: columns col .. col+7
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const long long r = r0 + 8 * half;
+#pragma unroll
+      for (int w = 0; w < 4; w++) v1[half][w] = v3[half][w] = 0x3f803f80u;  // 1.0, 1.0
+      if (r < rowEnd && col < N) {
+        asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v1[half][0]), "=r"(v1[half][1]), "=r"(v1[half][2]), "=r"(v1[half][3])
+                     : "l"(fz.h1In + r * N + col));
+        asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v3[half][0]), "=r"(v3[half][1]), "=r"(v3[half][2]), "=r"(v3[half][3])
+                     : "l"(fz.h3In + r * N + col));
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const long long r = r0 + 8 * half;
+      float p[8], d[8];
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        p[2 * j] = acc[4 * (4 * k + j) + 2 * half];
+        p[2 * j + 1] = acc[4 * (4 * k + j) + 2 * half + 1];
+      }
+      gg_quad_gather(p, lane, d);
+      unsigned o1[4], o3[4];
+#pragma unroll
+      for (int w = 0; w < 4; w++) {
+        float d1[2], d3[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float h1 = e ? gg_bf16_hi(v1[half][w]) : gg_bf16_lo(v1[half][w]);
+          const float h3 = e ? gg_bf16_hi(v3[half][w]) : gg_bf16_lo(v3[half][w]);
+          const float g = d[2 * w + e], sg = gg_sigmoid(h1);
+          d3[e] = g * h1 * sg;
+          d1[e] = g * h3 * sg * (1.0f + h1 * (1.0f - sg));
+        }
+        o1[w] = gg_pack_bf16(d1[0], d1[1]);
+        o3[w] = gg_pack_bf16(d3[0], d3[1]);
+      }
+      if (r < rowEnd && col < N) {
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dh1 + r * N + col), "r"(o1[0]), "r"(o1[1]),
+                     "r"(o1[2]), "r"(o1[3])
+                     : "memory");
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(fz.h3 + r * N + col), "r"(o3[0]), "r"(o3[1]),
+                     "r"(o3[2]), "r"(o3[3])
+                     : "memory");
+      }
+    }
+  }
+}
+
+// gg_dswiglu_load requests box b (64 columns from n0 + 64b, the
+// warpgroup's 64 rows from row0) of the forward's h1 and h3 into staging
+// slot `slot` (h1 at +0, h3 at +8 KiB, the layout of the TMA-store boxes),
+// completing on that slot's barrier. Boxes past N are zero-filled by TMA.
+// The caller has waited for the slot's last store to finish reading it.
+__device__ __forceinline__ void gg_dswiglu_load(const gg_fuse& fz, unsigned slot, unsigned bar, int row0, int n0,
+                                                int b) {
+  gg_bar_expect_tx(bar, 16384u);
+  gg_tma_2d(slot, fz.mapOut[2], n0 + 64 * b, row0, bar);
+  gg_tma_2d(slot + 8192u, fz.mapOut[3], n0 + 64 * b, row0, bar);
+}
+
+// gg_epilogue_dswiglu_tma is GG_DISPATCH_DGRAD's epilogue through shared memory: the
+// warpgroup's 64 x 256 block of dAct in four boxes of 64 columns. Box b
+// sits in slot b & 1 of the warpgroup's two 16 KiB slots (h1 and h3 boxes,
+// brought in by gg_dswiglu_load: boxes 0 and 1 during the tile's
+// mainloop, box b + 2 as soon as box b's stores have read its slot). Each
+// thread reads the h1 and h3 of its accumulator's elements at their
+// swizzled places, writes dh1 and dh3 over them, and thread 0 stores the
+// two boxes by TMA while the warpgroup goes on. Every element is read and
+// written by one thread, so no barrier separates the reads from the
+// writes. c counts the warpgroup's boxes (a multiple of 4 on entry):
+// slot b & 1's barrier completes its ((c + b) >> 1)-th phase for box b.
+// The rows are those gg_block_tma allows.
+__device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128], const gg_fuse& fz, unsigned stg,
+                                                        unsigned ebar, int wtid, int warp, int lane, int row0, int n0,
+                                                        int N, int id, unsigned& c) {
+  const int rl = (warp & 3) * 16 + (lane >> 2);
+  const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
+#pragma unroll
+  for (int b = 0; b < 4; b++) {
+    const unsigned slot = stg + (b & 1) * 16384u, bar = ebar + 8 * (b & 1);
+    gg_bar_wait(bar, ((c + b) >> 1) & 1u);
+    // A row half at a time: its 16 loads issue back to back, then 8
+    // independent chains of math, then the 16 stores (a load-use chain per
+    // element left the epilogue latency-bound: 8 warps an SM hide little).
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const unsigned row = slot + (rl + 8 * half) * 128;
+      unsigned v1[8], v3[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const unsigned a = row + (((i ^ sw) << 4) | ((lane & 3) << 2));
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v1[i]) : "r"(a) : "memory");
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v3[i]) : "r"(a + 8192u) : "memory");
+      }
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const int gi = 8 * b + i;  // the accumulator's 8-column group
+        float d1[2], d3[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float h1 = e ? gg_bf16_hi(v1[i]) : gg_bf16_lo(v1[i]);
+          const float h3 = e ? gg_bf16_hi(v3[i]) : gg_bf16_lo(v3[i]);
+          const float g = acc[4 * gi + 2 * half + e], sg = gg_sigmoid(h1);
+          d3[e] = g * h1 * sg;
+          d1[e] = g * h3 * sg * (1.0f + h1 * (1.0f - sg));
+        }
+        v1[i] = gg_pack_bf16(d1[0], d1[1]);
+        v3[i] = gg_pack_bf16(d3[0], d3[1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const unsigned a = row + (((i ^ sw) << 4) | ((lane & 3) << 2));
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(v1[i]) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a + 8192u), "r"(v3[i]) : "memory");
+      }
+    }
+    // Generic-proxy writes, async-proxy reader (as gg_epilogue_tma).
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_named_sync(id, 128);
+    if (wtid == 0) {
+      const int col = n0 + 64 * b;
+      if (col < N) {
+        gg_tma_store_2d(fz.mapOut[0], col, row0, slot);
+        gg_tma_store_2d(fz.mapOut[1], col, row0, slot + 8192u);
+      }
+      gg_bulk_commit();
+      if (b + 2 < 4) {
+        gg_bulk_wait_read();
+        gg_dswiglu_load(fz, slot, bar, row0, n0, b + 2);
+      }
+    }
+  }
+  c += 4;
+}
+
+// ---- the combines' epilogue ----
+
+// gg_epilogue_rows stores one warpgroup's 64x256 block (float32) with each
+// row sent to its source rank's buffer.
+__device__ __forceinline__ void gg_epilogue_rows(const float (&acc)[128], long long r0, int rowEnd, int c0, int N,
+                                                 const gg_fuse& fz) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const long long r = r0 + 8 * half;
+    if (r >= rowEnd) continue;
+    const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
+    float* dst = (float*)fz.ptrs[s] + (long long)p * N;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+      const int col = c0 + 8 * i;
+      if (col < N)
+        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst + col), "f"(acc[4 * i + 2 * half]),
+                     "f"(acc[4 * i + 2 * half + 1])
+                     : "memory");
+    }
+  }
+}
+
+// gg_mark_rows counts one stored tile of a warpgroup's block: rows
+// [wr0, wr0 + 64) below rowEnd of m-tile g, half cw (the combines, with
+// flags). After the named barrier every thread's stores of the block are
+// done, so one thread adds the tile to the block's count,
+// rowTiles[2g + cw], with acq_rel at system scope: the release covers the
+// warpgroup's stores, the acquire the other column tiles' (their CTAs
+// counted before). The block's last tile (the count reaching nTN) raises
+// its rows' flags: its first warp syncs (ordering the lanes after the
+// acquire), fences (acq_rel, system scope: once per lane, one instruction
+// for the warp) and stores the flags, two rows a lane, so a reader that
+// acquires a flag, on any GPU, sees the whole row.
+__device__ __forceinline__ void gg_mark_rows(const gg_fuse& fz, int g, int cw, int wr0, int rowEnd, int nTN, int warp,
+                                             int lane, int barId) {
+  gg_named_sync(barId, 128);
+  if ((warp & 3) != 0 || wr0 >= rowEnd) return;
+  int before = 0;
+  if (lane == 0)
+    asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(fz.rowTiles + 2 * g + cw) : "memory");
+  asm volatile("shfl.sync.idx.b32 %0, %0, 0, 0x1f, 0xffffffff;" : "+r"(before));
+  if (before != nTN - 1) return;
+  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int r = wr0 + 32 * h + lane;
+    if (r >= rowEnd || (MOE_TEST_LOST_ROWS && r == 0)) continue;
+    const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
+    asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"((int*)fz.done[s] + p), "r"(1) : "memory");
+  }
+}
+
+// ---- The kernels ----
+//
+// gg_body with a fusion kind; bn256 cooperative.
+// moe_dispatch_swiglu (GG_DISPATCH_SWIGLU, 3 stages, the act helper's
+// TMA-store epilogue): mapA is xRD's
+// {K, rows} map (written by the kernel itself before it is read), mapW and
+// mapW3 are W1's and W3's {K, N, E} maps with boxes of 128 rows; mapH1,
+// mapH3 and mapAct the outputs' {N, rows} maps (64x64 boxes); h1, h3, act
+// are bf16 [rows, N]; refs [rows, 2]; ptrs/toks per rank; flags one int
+// per m-tile (at least rows/128 + E), zeroed; fault [4] zeroed, written
+// by a tile wait that passed timeoutNs (see gg_wait_tile).
+// moe_down_combine (GG_DOWN_COMBINE): mapA is act's map, mapW W2's (boxes of 256 rows); ptrs
+// per rank its float32 [*, N] output rows (4 stages, register epilogue);
+// done per rank its int32 row flags (or null: no flags) and rowTiles two
+// zeroed ints per m-tile (at least 2 * (rows/128 + E); see gg_mark_rows).
+// moe_dispatch_swiglu_bf16 is moe_dispatch_swiglu for bf16 sources (ptrs
+// per rank its bf16 rows [*, K]: the layer's operand-type copy of its
+// input): half the bytes to read, the same rows written to xRD.
+#define GG_SWIGLU_PARAMS                                                                                              \
+  const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapW3, \
+      const __grid_constant__ gg_tmap mapH1, const __grid_constant__ gg_tmap mapH3,                                  \
+      const __grid_constant__ gg_tmap mapAct, unsigned short *h1, unsigned short *h3, unsigned short *act,           \
+      unsigned short *xRD, const int *refs, const unsigned long long *ptrs, const unsigned long long *toks,          \
+      int *flags, int *fault, unsigned long long timeoutNs, const int *off, int rows, int N, int K, int E
+#define GG_SWIGLU_ARGS                                                                                              \
+  mapA, mapW, mapW3, mapH1, mapH3, mapAct, h1, h3, act, xRD, refs, ptrs, toks, flags, fault, timeoutNs, off, rows, N, \
+      K, E
+
+template <bool SRC_BF16>
+__device__ __forceinline__ void moe_dispatch_swiglu_body(
+    const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapW3, const gg_tmap& mapH1, const gg_tmap& mapH3,
+    const gg_tmap& mapAct, unsigned short* h1, unsigned short* h3, unsigned short* act, unsigned short* xRD,
+    const int* refs, const unsigned long long* ptrs, const unsigned long long* toks, int* flags, int* fault,
+    unsigned long long timeoutNs, const int* off, int rows, int N, int K, int E) {
+  gg_fuse fz = {};
+  fz.fault = fault;
+  fz.timeoutNs = timeoutNs;
+  fz.mapW3 = &mapW3;
+  fz.mapOut[0] = &mapH1;
+  fz.mapOut[1] = &mapH3;
+  fz.mapOut[2] = &mapAct;
+  fz.h3 = h3;
+  fz.act = act;
+  fz.xRD = xRD;
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  fz.toks = toks;
+  fz.flags = flags;
+  gg_body<256, 3, true, false, false, GG_DISPATCH_SWIGLU, false, SRC_BF16>(&mapA, &mapW, nullptr, h1, off, rows, N, K,
+                                                                           E, 1.0f, 0.0f, fz);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu(GG_SWIGLU_PARAMS) {
+  moe_dispatch_swiglu_body<false>(GG_SWIGLU_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_swiglu_bf16(GG_SWIGLU_PARAMS) {
+  moe_dispatch_swiglu_body<true>(GG_SWIGLU_ARGS);
+}
+
+// moe_dispatch_dgrad (GG_DISPATCH_DGRAD, 3 stages, TMA loads and stores in the
+// epilogue): mapA is dy's {K, rows} map (written by the kernel itself
+// before it is read; K = D), mapW W2's {N, K, E} map (W2 as stored,
+// [E, D, F]; boxes of 64 columns x 64 rows; N = F); dh1, dh3 out and h1, h3 in are bf16 [rows, N], each also given
+// as a {N, rows} map with 64x64 boxes (mapDh1, mapDh3, mapH1, mapH3);
+// scales per rank its float32 gates in send order; flags and fault as
+// moe_dispatch_swiglu's. Dynamic shared memory as moe_dispatch_swiglu's
+// plus 32 bytes (the slots' barriers).
+// moe_dispatch_dgrad_first is moe_dispatch_dgrad with the rows gathered
+// first, by every warp but the TMA thread's (as moe_dispatch_swiglu
+// gathers), instead of by three warps beside the products. Same arguments,
+// same results bit for bit; which is faster depends on the shape
+// (kernels/grouped_gemm.md), so backend/cuda times both and keeps the
+// faster per shape.
+#define GG_DGRAD_PARAMS                                                                                               \
+  const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapDh1, \
+      const __grid_constant__ gg_tmap mapDh3, const __grid_constant__ gg_tmap mapH1,                                  \
+      const __grid_constant__ gg_tmap mapH3, unsigned short *dh1, unsigned short *dh3, const unsigned short *h1,     \
+      const unsigned short *h3, unsigned short *dy, const int *refs, const unsigned long long *ptrs,                 \
+      const unsigned long long *toks, const unsigned long long *scales, int *flags, int *fault,                      \
+      unsigned long long timeoutNs, const int *off, int rows, int N, int K, int E
+#define GG_DGRAD_ARGS                                                                                          \
+  mapA, mapW, mapDh1, mapDh3, mapH1, mapH3, dh1, dh3, h1, h3, dy, refs, ptrs, toks, scales, flags, fault, timeoutNs, \
+      off, rows, N, K, E
+
+template <bool GATHER_FIRST>
+__device__ __forceinline__ void moe_dispatch_dgrad_body(
+    const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapDh1, const gg_tmap& mapDh3, const gg_tmap& mapH1,
+    const gg_tmap& mapH3, unsigned short* dh1, unsigned short* dh3, const unsigned short* h1, const unsigned short* h3,
+    unsigned short* dy, const int* refs, const unsigned long long* ptrs, const unsigned long long* toks,
+    const unsigned long long* scales, int* flags, int* fault, unsigned long long timeoutNs, const int* off, int rows,
+    int N, int K, int E) {
+  gg_fuse fz = {};
+  fz.mapOut[0] = &mapDh1;
+  fz.mapOut[1] = &mapDh3;
+  fz.mapOut[2] = &mapH1;
+  fz.mapOut[3] = &mapH3;
+  fz.h3 = dh3;
+  fz.h1In = h1;
+  fz.h3In = h3;
+  fz.xRD = dy;
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  fz.toks = toks;
+  fz.scales = scales;
+  fz.flags = flags;
+  fz.fault = fault;
+  fz.timeoutNs = timeoutNs;
+  gg_body<256, 3, true, false, false, GG_DISPATCH_DGRAD, GATHER_FIRST>(&mapA, &mapW, nullptr, dh1, off, rows, N, K, E,
+                                                                       1.0f, 0.0f, fz);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad(GG_DGRAD_PARAMS) {
+  moe_dispatch_dgrad_body<false>(GG_DGRAD_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dispatch_dgrad_first(GG_DGRAD_PARAMS) {
+  moe_dispatch_dgrad_body<true>(GG_DGRAD_ARGS);
+}
+
+// moe_dgrad_combine (GG_DGRAD_COMBINE, 4 stages): dx = dh1.W1 + dh3.W3 per expert,
+// rows to their source ranks as moe_down_combine; mapA and mapA2 are dh1's
+// and dh3's {K, rows} maps (K = F), mapW and mapW3 W1's and W3's
+// {N, K, E} maps (as stored, [E, F, D]; boxes of 64 columns x 64 rows;
+// N = D); done and rowTiles as
+// moe_down_combine's.
+extern "C" __global__ void __launch_bounds__(384, 1) moe_dgrad_combine(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapA2, const __grid_constant__ gg_tmap mapW,
+    const __grid_constant__ gg_tmap mapW3, const int* refs, const unsigned long long* ptrs,
+    const unsigned long long* done, int* rowTiles, const int* off, int rows, int N, int K, int E) {
+  gg_fuse fz = {};
+  fz.mapA2 = &mapA2;
+  fz.mapW3 = &mapW3;
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  fz.done = done;
+  fz.rowTiles = rowTiles;
+  gg_body<256, 4, false, false, false, GG_DGRAD_COMBINE>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, 1.0f, 0.0f,
+                                                         fz);
+}
+
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const int* refs,
+    const unsigned long long* ptrs, const unsigned long long* done, int* rowTiles, const int* off, int rows, int N,
+    int K, int E) {
+  gg_fuse fz = {};
+  fz.refs = refs;
+  fz.ptrs = ptrs;
+  fz.done = done;
+  fz.rowTiles = rowTiles;
+  gg_body<256, 4, false, false, false, GG_DOWN_COMBINE>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, 1.0f, 0.0f,
+                                                        fz);
+}
