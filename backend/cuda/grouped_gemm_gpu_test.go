@@ -5,7 +5,7 @@ package cuda
 // poisoned with NaN before each run; every element is checked (owned
 // rows within tolerance, unowned rows still poisoned), plus the relative
 // L2 error. TestGroupedGemmDebug isolates the mainloop on one tile;
-// TestGroupedGemmFigures times the shapes of ../shared/peer/torch_kernels.py.
+// TestGroupedGemmFigures times the shapes of scripts/peer/torch_kernels.py.
 
 import (
 	"context"
