@@ -9,6 +9,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/mktrain/mktrain/internal/atomicfile"
 )
 
 // FormatVersion is the version of the on-disk format this package writes.
@@ -23,7 +25,7 @@ const (
 	manifestName = "MANIFEST.json"
 	stateName    = "state.json"
 	latestName   = "latest"
-	tmpPrefix    = ".tmp-"
+	tmpPrefix    = atomicfile.TempPrefix // also what the latest pointer's temporary file starts with
 	stepPrefix   = "step_"
 	modelPrefix  = "model-"
 	optimPrefix  = "optim-"

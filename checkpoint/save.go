@@ -1,7 +1,6 @@
 package checkpoint
 
 import (
-	"bufio"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
@@ -16,12 +15,12 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"unicode/utf8"
 
 	"github.com/klauspost/compress/zstd"
 
 	"github.com/mktrain/mktrain/checkpoint/safetensors"
+	"github.com/mktrain/mktrain/internal/atomicfile"
 )
 
 // NamedTensor is one tensor handed to Save.WriteTensors. Name must not
@@ -321,39 +320,28 @@ func (c *countingWriter) Write(p []byte) (int, error) {
 // writeSynced writes a new file at path and fsyncs it, returning its size
 // and SHA-256 (of the bytes on disk, compressed or not).
 func writeSynced(path string, compress bool, write func(io.Writer) error) (FileEntry, error) {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o666)
-	if err != nil {
-		return FileEntry{}, err
-	}
-	defer f.Close() // after the explicit Close below, a harmless no-op
 	h := sha256.New()
-	cw := &countingWriter{w: io.MultiWriter(f, h)}
-	bw := bufio.NewWriterSize(cw, 1<<20)
-	if compress {
-		enc, err := zstd.NewWriter(bw, zstd.WithEncoderLevel(zstd.SpeedDefault))
+	var size int64
+	err := atomicfile.WriteSynced(path, func(w io.Writer) error {
+		cw := &countingWriter{w: io.MultiWriter(w, h)}
+		defer func() { size = cw.n }()
+		if !compress {
+			return write(cw)
+		}
+		enc, err := zstd.NewWriter(cw, zstd.WithEncoderLevel(zstd.SpeedDefault))
 		if err != nil {
-			return FileEntry{}, err
+			return err
 		}
 		if err := write(enc); err != nil {
 			enc.Close()
-			return FileEntry{}, err
+			return err
 		}
-		if err := enc.Close(); err != nil {
-			return FileEntry{}, err
-		}
-	} else if err := write(bw); err != nil {
+		return enc.Close()
+	})
+	if err != nil {
 		return FileEntry{}, err
 	}
-	if err := bw.Flush(); err != nil {
-		return FileEntry{}, err
-	}
-	if err := f.Sync(); err != nil {
-		return FileEntry{}, err
-	}
-	if err := f.Close(); err != nil {
-		return FileEntry{}, err
-	}
-	return FileEntry{Size: cw.n, SHA256: hex.EncodeToString(h.Sum(nil))}, nil
+	return FileEntry{Size: size, SHA256: hex.EncodeToString(h.Sum(nil))}, nil
 }
 
 // Commit makes the checkpoint durable and visible, in an order that leaves
@@ -486,33 +474,24 @@ func SetLatest(root, dir string) error {
 	return writePointer(root, filepath.Base(dir))
 }
 
-// writePointer atomically replaces root/latest with name.
+// writePointer atomically replaces root/latest with name. A temporary
+// file a crash leaves behind starts with tmpPrefix, which Prune removes.
 func writePointer(root, name string) error {
-	var rnd [8]byte
-	_, _ = rand.Read(rnd[:])
-	tmp := filepath.Join(root, tmpPrefix+latestName+"-"+hex.EncodeToString(rnd[:]))
-	if _, err := writeSynced(tmp, false, func(w io.Writer) error {
+	path := filepath.Join(root, latestName)
+	if err := atomicfile.WriteFile(path, func(w io.Writer) error {
 		_, err := io.WriteString(w, name+"\n")
 		return err
 	}); err != nil {
-		return fmt.Errorf("checkpoint %s: %w", tmp, err)
+		return fmt.Errorf("checkpoint: updating %s: %w", path, err)
 	}
-	if err := os.Rename(tmp, filepath.Join(root, latestName)); err != nil {
-		return fmt.Errorf("checkpoint: updating %s: %w", filepath.Join(root, latestName), err)
-	}
-	return syncDir(root)
+	return nil
 }
 
 // syncDir fsyncs a directory so that the entries created or renamed in it
-// survive a crash. File systems that cannot sync directories are tolerated.
+// survive a crash.
 func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
+	if err := atomicfile.SyncDir(dir); err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOTSUP) {
-		return fmt.Errorf("checkpoint: fsync %s: %w", dir, err)
 	}
 	return nil
 }

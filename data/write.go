@@ -1,16 +1,16 @@
 package data
 
 // This file writes llm.c token shards. A shard appears under its final name
-// only when it is complete: it is written to a temporary file in the same
-// directory, fsynced, and renamed.
+// only when it is complete (internal/atomicfile: a temporary file in the
+// same directory, fsynced, renamed, the directory fsynced).
 
 import (
 	"bufio"
 	"encoding/binary"
 	"fmt"
 	"math"
-	"os"
-	"path/filepath"
+
+	"github.com/mktrain/mktrain/internal/atomicfile"
 )
 
 // WriteShard writes tokens to path as an llm.c shard: uint16 tokens (magic
@@ -50,18 +50,18 @@ func headerForVocab(vocab int) ShardHeader {
 type shardWriter struct {
 	path    string
 	header  ShardHeader
-	tmp     *os.File
+	file    *atomicfile.File
 	bw      *bufio.Writer
 	scratch []byte
 	err     error
 }
 
 func createShard(path string, h ShardHeader) (*shardWriter, error) {
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
+	file, err := atomicfile.Create(path)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	w := &shardWriter{path: path, header: h, tmp: tmp, bw: bufio.NewWriterSize(tmp, 1<<20)}
+	w := &shardWriter{path: path, header: h, file: file, bw: bufio.NewWriterSize(file, 1<<20)}
 	// A zero header holds the place; commit writes the real one.
 	_, w.err = w.bw.Write(make([]byte, HeaderBytes))
 	return w, nil
@@ -122,41 +122,18 @@ func (w *shardWriter) commit() error {
 		err = w.bw.Flush()
 	}
 	if err == nil {
-		_, err = w.tmp.WriteAt(w.header.encode(), 0)
-	}
-	if err == nil {
-		err = w.tmp.Chmod(0o644) // CreateTemp makes 0600 files
-	}
-	if err == nil {
-		err = w.tmp.Sync()
-	}
-	if cerr := w.tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(w.tmp.Name(), w.path)
+		_, err = w.file.WriteAt(w.header.encode(), 0)
 	}
 	if err != nil {
-		os.Remove(w.tmp.Name())
+		w.file.Abort()
+	} else {
+		err = w.file.Commit()
+	}
+	if err != nil {
 		return fmt.Errorf("%s: writing shard: %w", w.path, err)
 	}
-	syncDir(filepath.Dir(w.path))
 	return nil
 }
 
 // abort drops the shard.
-func (w *shardWriter) abort() {
-	w.tmp.Close()
-	os.Remove(w.tmp.Name())
-}
-
-// syncDir makes a rename in dir durable. It is best effort: some systems
-// cannot fsync a directory, and the data itself is already synced.
-func syncDir(dir string) {
-	d, err := os.Open(dir)
-	if err != nil {
-		return
-	}
-	d.Sync()
-	d.Close()
-}
+func (w *shardWriter) abort() { w.file.Abort() }

@@ -173,8 +173,11 @@ func TestWriteDir(t *testing.T) {
 		t.Fatalf("content %q", got)
 	}
 	st, err := os.Stat(out)
-	if err != nil || st.Mode().Perm() != 0o755 {
-		t.Fatalf("directory mode %v (%v), want 0755", st.Mode().Perm(), err)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Mode().Perm() != 0o755 {
+		t.Fatalf("directory mode %v, want 0755", st.Mode().Perm())
 	}
 
 	// A non-empty directory is refused and left alone.
