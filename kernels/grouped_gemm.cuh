@@ -286,29 +286,15 @@ struct gg_fuse {
 // the gather's lead cannot overflow.
 #define GG_FRONT_DONE (1 << 30)
 
-// The fused kernels' steps, defined in moe_fused.cu. gg_body calls them
-// only in branches that the plain products' instantiations discard (if
-// constexpr), so grouped_gemm.cu compiles without them.
-template <bool FIRST, bool SRC_BF16>
-__device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
-                                          const int* sEnd, const int* sCum, const volatile int* front);
-__device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind);
-__device__ __forceinline__ void gg_act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg, unsigned staged,
-                                              unsigned freed, unsigned short* h1, int rows, int N, int total, int nTN,
-                                              int E, const int* sBeg, const int* sEnd, const int* sCum);
-__device__ __forceinline__ void gg_stage_h13(const float (&acc)[128], unsigned stg, unsigned staged, unsigned freed,
-                                             int wtid, int warp, int lane, int id, unsigned& c);
-__device__ __forceinline__ void gg_dswiglu_load(const gg_fuse& fz, unsigned slot, unsigned bar, int row0, int n0,
-                                                int b);
-__device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128], const gg_fuse& fz, unsigned stg,
-                                                        unsigned ebar, int wtid, int warp, int lane, int row0, int n0,
-                                                        int N, int id, unsigned& c);
-__device__ __forceinline__ void gg_epilogue_dswiglu(const float (&acc)[128], long long r0, int rowEnd, int n0, int N,
-                                                    int lane, unsigned short* dh1, const gg_fuse& fz);
-__device__ __forceinline__ void gg_epilogue_rows(const float (&acc)[128], long long r0, int rowEnd, int c0, int N,
-                                                 const gg_fuse& fz);
-__device__ __forceinline__ void gg_mark_rows(const gg_fuse& fz, int g, int cw, int wr0, int rowEnd, int nTN, int warp,
-                                             int lane, int barId);
+// The fused kernels' steps are the static members of gg_fused_steps<FUSE>,
+// which moe_fused.cu defines. gg_body calls them only in branches that the
+// plain products' instantiations discard (if constexpr), and through the
+// template parameter, so that they are looked up only where a fused kernel
+// instantiates gg_body: grouped_gemm.cu compiles without them. (NVRTC
+// refuses inline functions that are declared, referenced in a discarded
+// branch and never defined; clang takes them.)
+template <gg_fusion FUSE>
+struct gg_fused_steps;
 
 // ---- the kernel body ----
 
@@ -333,6 +319,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   constexpr unsigned B_BYTES = BN * GG_BK * 2;     // 16 or 32 KiB
   constexpr unsigned STAGE_BYTES = A_BYTES + B_BYTES;
   constexpr int R = BN / 2;  // accumulator floats per consumer thread
+  using steps = gg_fused_steps<FUSE>;  // the fused kernels' steps (moe_fused.cu)
   static_assert(!TMA_STORE || (BN == 256 && OUT_BF16), "the TMA-store epilogue is for bn256 with bf16 out");
   static_assert(FUSE == GG_PLAIN || (BN == 256 && !REG && !TMA_STORE), "the fused kernels are bn256 cooperative");
   // The dispatches gather their rows and wait for them; GG_DISPATCH_DGRAD
@@ -436,14 +423,14 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         // and 2 the act epilogue of consumer warpgroup warp - 1. Warp 0's
         // other lanes have none.
         if (warp > 0)
-          gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+          steps::template gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
         if (FUSE == GG_DISPATCH_SWIGLU && (warp == 1 || warp == 2))
-          gg_act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
+          steps::act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
                         ebars + 8 * (warp + 1), (unsigned short*)out, rows, N, total, nTN, E, sBeg, sEnd, sCum);
       } else if constexpr (FUSE == GG_DISPATCH_DGRAD) {
         // The communication warps 1-3, beside the products.
         if (warp > 0)
-          gg_gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
+          steps::template gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
       }
       return;
     }
@@ -464,7 +451,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       const gg_tile_t tile = gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
       if constexpr (DISPATCH) {
         *sFront = tile.g;
-        gg_wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
+        steps::wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
       }
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
@@ -505,7 +492,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   if (REG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
   const int cw = (warp >> 2) - 1;
   if constexpr (FIRST) {
-    gg_gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
+    steps::template gather<true, SRC_BF16>(fz, blockIdx.x * 11 + warp - 1, gridDim.x * 11, lane, K, E, sBeg, sEnd, sCum, sFront);
   }
   // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile.
   float acc[R];
@@ -566,8 +553,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
           // The last two boxes are warmed in L2 for the epilogue's loads.
           gg_bulk_wait_read();
           const unsigned slots = stgBase + cw * (STG_BYTES / 2), eb = ebars + 16 * cw;
-          gg_dswiglu_load(fz, slots, eb, wr0, tile.n0, 0);
-          gg_dswiglu_load(fz, slots + 16384u, eb + 8, wr0, tile.n0, 1);
+          steps::dswiglu_load(fz, slots, eb, wr0, tile.n0, 0);
+          steps::dswiglu_load(fz, slots + 16384u, eb + 8, wr0, tile.n0, 1);
           for (int b = 2; b < 4; b++) {
             gg_tma_prefetch_l2(fz.mapOut[2], tile.n0 + 64 * b, wr0);
             gg_tma_prefetch_l2(fz.mapOut[3], tile.n0 + 64 * b, wr0);
@@ -593,19 +580,19 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
     if constexpr (FUSE == GG_DISPATCH_SWIGLU) {
       if (gg_block_staged(wr0, tile.rowEnd))
-        gg_stage_h13(*(const float(*)[128])acc, stgBase + cw * (STG_BYTES / 2), ebars + 8 * cw, ebars + 8 * (2 + cw),
+        steps::stage_h13(*(const float(*)[128])acc, stgBase + cw * (STG_BYTES / 2), ebars + 8 * cw, ebars + 8 * (2 + cw),
                      wtid, warp, lane, 1 + cw, stgc);
       continue;
     } else if constexpr (FUSE == GG_DISPATCH_DGRAD) {
       if (dswTma) {
-        gg_epilogue_dswiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), ebars + 16 * cw, wtid,
+        steps::epilogue_dswiglu_tma(*(const float(*)[128])acc, fz, stgBase + cw * (STG_BYTES / 2), ebars + 16 * cw, wtid,
                                 warp, lane, wr0, tile.n0, N, 1 + cw, stgc);
         continue;
       }
-      gg_epilogue_dswiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
+      steps::epilogue_dswiglu(*(const float(*)[128])acc, r0, tile.rowEnd, tile.n0, N, lane, (unsigned short*)out, fz);
     } else if constexpr (FUSE == GG_DOWN_COMBINE || FUSE == GG_DGRAD_COMBINE) {
-      gg_epilogue_rows(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
-      if (fz.done != 0) gg_mark_rows(fz, tile.g, cw, wr0, tile.rowEnd, nTN, warp, lane, 1 + cw);
+      steps::epilogue_rows(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
+      if (fz.done != 0) steps::mark_rows(fz, tile.g, cw, wr0, tile.rowEnd, nTN, warp, lane, 1 + cw);
     } else {
       gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
     }

@@ -731,6 +731,52 @@ __device__ __forceinline__ void gg_mark_rows(const gg_fuse& fz, int g, int cw, i
   }
 }
 
+// gg_body reaches the steps above through gg_fused_steps (grouped_gemm.cuh
+// says why): each member forwards to its step, inlined.
+template <gg_fusion FUSE>
+struct gg_fused_steps {
+  template <bool FIRST, bool SRC_BF16>
+  static __device__ __forceinline__ void gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E,
+                                                const int* sBeg, const int* sEnd, const int* sCum,
+                                                const volatile int* front) {
+    gg_gather<FIRST, SRC_BF16>(fz, cw, ncw, lane, K, E, sBeg, sEnd, sCum, front);
+  }
+  static __device__ __forceinline__ void wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
+    gg_wait_tile(fz, g, row0, rowEnd, kind);
+  }
+  static __device__ __forceinline__ void act_helper(const gg_fuse& fz, int cw, int lane, unsigned stg,
+                                                    unsigned staged, unsigned freed, unsigned short* h1, int rows,
+                                                    int N, int total, int nTN, int E, const int* sBeg,
+                                                    const int* sEnd, const int* sCum) {
+    gg_act_helper(fz, cw, lane, stg, staged, freed, h1, rows, N, total, nTN, E, sBeg, sEnd, sCum);
+  }
+  static __device__ __forceinline__ void stage_h13(const float (&acc)[128], unsigned stg, unsigned staged,
+                                                   unsigned freed, int wtid, int warp, int lane, int id, unsigned& c) {
+    gg_stage_h13(acc, stg, staged, freed, wtid, warp, lane, id, c);
+  }
+  static __device__ __forceinline__ void dswiglu_load(const gg_fuse& fz, unsigned slot, unsigned bar, int row0,
+                                                      int n0, int b) {
+    gg_dswiglu_load(fz, slot, bar, row0, n0, b);
+  }
+  static __device__ __forceinline__ void epilogue_dswiglu_tma(const float (&acc)[128], const gg_fuse& fz,
+                                                              unsigned stg, unsigned ebar, int wtid, int warp,
+                                                              int lane, int row0, int n0, int N, int id, unsigned& c) {
+    gg_epilogue_dswiglu_tma(acc, fz, stg, ebar, wtid, warp, lane, row0, n0, N, id, c);
+  }
+  static __device__ __forceinline__ void epilogue_dswiglu(const float (&acc)[128], long long r0, int rowEnd, int n0,
+                                                          int N, int lane, unsigned short* dh1, const gg_fuse& fz) {
+    gg_epilogue_dswiglu(acc, r0, rowEnd, n0, N, lane, dh1, fz);
+  }
+  static __device__ __forceinline__ void epilogue_rows(const float (&acc)[128], long long r0, int rowEnd, int c0,
+                                                       int N, const gg_fuse& fz) {
+    gg_epilogue_rows(acc, r0, rowEnd, c0, N, fz);
+  }
+  static __device__ __forceinline__ void mark_rows(const gg_fuse& fz, int g, int cw, int wr0, int rowEnd, int nTN,
+                                                   int warp, int lane, int barId) {
+    gg_mark_rows(fz, g, cw, wr0, rowEnd, nTN, warp, lane, barId);
+  }
+};
+
 // ---- The kernels ----
 //
 // gg_body with a fusion kind; bn256 cooperative.
