@@ -8,11 +8,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
 	"time"
 
+	"github.com/mktrain/mktrain/internal/atomicfile"
 	"github.com/mktrain/mktrain/moe"
 )
 
@@ -91,8 +93,9 @@ func (c DispatchCache) Lookup(k DispatchKey) (DispatchEntry, bool, error) {
 }
 
 // Store records t's choice for k, replacing any entry for k, and returns
-// the entry. The file is replaced whole (a temporary file renamed over
-// it), so a reader never sees half of it; of two processes storing at
+// the entry. The file is replaced whole (internal/atomicfile: a temporary
+// file renamed over it), its directory made when missing, so a reader
+// never sees half of it; of two processes storing at
 // once, the last one's table wins. A file that cannot be parsed is
 // replaced.
 func (c DispatchCache) Store(k DispatchKey, t moe.Timing) (DispatchEntry, error) {
@@ -111,37 +114,16 @@ func (c DispatchCache) Store(k DispatchKey, t moe.Timing) (DispatchEntry, error)
 	if err != nil {
 		return e, err
 	}
-	if err := writeAtomic(c.Path, append(buf, '\n')); err != nil {
+	buf = append(buf, '\n')
+	err = os.MkdirAll(filepath.Dir(c.Path), 0o755)
+	if err == nil {
+		err = atomicfile.WriteFile(c.Path, func(w io.Writer) error {
+			_, err := w.Write(buf)
+			return err
+		})
+	}
+	if err != nil {
 		return e, fmt.Errorf("moe: dispatch table: %w", err)
 	}
 	return e, nil
-}
-
-// writeAtomic writes data to path through a temporary file in the same
-// directory, renamed over path once complete.
-func writeAtomic(path string, data []byte) (err error) {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	f, err := os.CreateTemp(dir, ".dispatch-*.tmp")
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(f.Name())
-		}
-	}()
-	if _, err = f.Write(data); err != nil {
-		return err
-	}
-	if err = f.Sync(); err != nil {
-		return err
-	}
-	if err = f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(f.Name(), path)
 }
