@@ -219,6 +219,10 @@ func (s *splitWriter) flush() error {
 	w := s.cur
 	s.cur = nil
 	if err := w.commit(); err != nil {
+		// The shard may be in place with only its directory's fsync failed;
+		// Prepare started with no shards here, so whatever is at the path is
+		// ours for abort to remove.
+		s.written = append(s.written, w.path)
 		return fmt.Errorf("prepare: %w", err)
 	}
 	s.written = append(s.written, w.path)

@@ -112,7 +112,8 @@ func (w *shardWriter) writeBytes(p []byte) {
 }
 
 // commit finishes the shard and moves it to its path; on failure the
-// temporary file is removed.
+// temporary file is removed. A failed fsync of the directory is an error
+// too, though the complete shard is then already at its path.
 func (w *shardWriter) commit() error {
 	err := w.err
 	if err == nil && w.header.Tokens > math.MaxInt32 {

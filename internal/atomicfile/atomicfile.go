@@ -1,23 +1,3 @@
-// Package atomicfile writes files and directories so that a reader, or a
-// process started after a crash, sees either the complete new content or
-// what was there before, never a part.
-//
-// Use WriteFile for a small file written in one go, Create for a file
-// streamed in pieces (and patched in place with WriteAt before Commit),
-// WriteDir for a directory that must appear whole, and WriteSynced for the
-// files inside such a directory:
-//
-//	err := atomicfile.WriteFile("runs/x/latest", func(w io.Writer) error {
-//		_, err := io.WriteString(w, "step_00000100\n")
-//		return err
-//	})
-//
-// Every temporary name begins with TempPrefix and sits in the directory of
-// its final path, so that a rename is atomic and a leftover from a crash is
-// easy to find and remove. Data is fsynced before the rename and the
-// directory after it; a file system that cannot fsync a directory (some
-// network and FUSE mounts answer EINVAL or ENOTSUP) is tolerated, any other
-// error is returned.
 package atomicfile
 
 import (
@@ -61,19 +41,22 @@ func SyncDir(dir string) error {
 // Writes go straight to the file: wrap it in a bufio.Writer for small ones
 // and flush before Commit.
 type File struct {
-	path string
-	tmp  *os.File
-	done bool
+	path    string
+	tmp     *os.File
+	done    bool
+	syncDir func(dir string) error // SyncDir; tests observe or fail it
 }
 
 // Create starts the file that Commit will place at path. path's directory
 // must exist.
-func Create(path string) (*File, error) {
+func Create(path string) (*File, error) { return create(path, SyncDir) }
+
+func create(path string, syncDir func(string) error) (*File, error) {
 	tmp, err := os.CreateTemp(filepath.Dir(path), TempPrefix+filepath.Base(path)+"-*")
 	if err != nil {
 		return nil, err
 	}
-	return &File{path: path, tmp: tmp}, nil
+	return &File{path: path, tmp: tmp, syncDir: syncDir}, nil
 }
 
 // Write appends p.
@@ -84,9 +67,10 @@ func (f *File) Write(p []byte) (int, error) { return f.tmp.Write(p) }
 func (f *File) WriteAt(p []byte, off int64) (int, error) { return f.tmp.WriteAt(p, off) }
 
 // Commit fsyncs the file, renames it over path and fsyncs the directory.
-// On an error the temporary file is removed and path is as it was (unless
-// only the directory's fsync failed: then path holds the new content, but
-// a crash may still lose the rename).
+// On an error the temporary file is removed and path is as it was, except
+// when only the directory's fsync failed: then path holds the new content,
+// but a crash may still undo the rename. A second Commit, or a Commit
+// after Abort, is an error.
 func (f *File) Commit() error {
 	if f.done {
 		return fmt.Errorf("%s: Commit after Commit or Abort", f.path)
@@ -106,7 +90,7 @@ func (f *File) Commit() error {
 		os.Remove(f.tmp.Name())
 		return err
 	}
-	return SyncDir(filepath.Dir(f.path))
+	return f.syncDir(filepath.Dir(f.path))
 }
 
 // Abort drops the file; path is untouched. After Commit it does nothing,
@@ -124,7 +108,11 @@ func (f *File) Abort() error {
 // leaves it as it was when write or any step fails. path's directory must
 // exist.
 func WriteFile(path string, write func(w io.Writer) error) error {
-	f, err := Create(path)
+	return writeFile(path, write, SyncDir)
+}
+
+func writeFile(path string, write func(w io.Writer) error, syncDir func(string) error) error {
+	f, err := create(path, syncDir)
 	if err != nil {
 		return err
 	}
@@ -168,9 +156,14 @@ func WriteSynced(path string, write func(w io.Writer) error) error {
 // directory's content into tmp, a new directory beside dir, which is then
 // fsynced and renamed to dir, and dir's parent fsynced. dir may exist only
 // as an empty directory (it is replaced); the parent is created when
-// missing. On an error tmp is removed. fill should write its files with
-// WriteSynced, so that their data is on disk before the rename.
-func WriteDir(dir string, fill func(tmp string) error) (err error) {
+// missing. On an error tmp is removed, and dir is as it was unless only
+// the parent's fsync failed. fill should write its files with WriteSynced,
+// so that their data is on disk before the rename.
+func WriteDir(dir string, fill func(tmp string) error) error {
+	return writeDir(dir, fill, SyncDir)
+}
+
+func writeDir(dir string, fill func(tmp string) error, syncDir func(string) error) (err error) {
 	dir = filepath.Clean(dir)
 	replaceEmpty := false
 	switch st, statErr := os.Stat(dir); {
@@ -207,7 +200,7 @@ func WriteDir(dir string, fill func(tmp string) error) (err error) {
 	if err := os.Chmod(tmp, 0o755); err != nil { // MkdirTemp makes 0700 directories
 		return err
 	}
-	if err := SyncDir(tmp); err != nil {
+	if err := syncDir(tmp); err != nil {
 		return err
 	}
 	if replaceEmpty {
@@ -218,5 +211,5 @@ func WriteDir(dir string, fill func(tmp string) error) (err error) {
 	if err := os.Rename(tmp, dir); err != nil {
 		return err
 	}
-	return SyncDir(parent)
+	return syncDir(parent)
 }

@@ -226,3 +226,105 @@ func TestSyncDir(t *testing.T) {
 		t.Fatal("syncing a missing directory succeeded")
 	}
 }
+
+// syncRecorder stands in for SyncDir: it records the directories fsynced
+// and fails those listed in fail.
+type syncRecorder struct {
+	synced []string
+	fail   map[string]bool
+}
+
+var errSync = errors.New("fsync refused")
+
+func (r *syncRecorder) sync(dir string) error {
+	r.synced = append(r.synced, dir)
+	if r.fail[dir] {
+		return errSync
+	}
+	return SyncDir(dir)
+}
+
+func TestCommitSyncsTheDirectory(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "latest")
+	rec := &syncRecorder{}
+	if err := writeFile(path, func(w io.Writer) error {
+		_, err := io.WriteString(w, "new")
+		return err
+	}, rec.sync); err != nil {
+		t.Fatal(err)
+	}
+	if len(rec.synced) != 1 || rec.synced[0] != dir {
+		t.Fatalf("directories fsynced %v, want [%s]", rec.synced, dir)
+	}
+}
+
+// A directory fsync that fails after the rename is an error, though the
+// new content is in place: the caller must not believe it durable.
+func TestCommitReportsFailedDirectorySync(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "train_000000.bin")
+	rec := &syncRecorder{fail: map[string]bool{dir: true}}
+	f, err := create(path, rec.sync)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Write([]byte("shard"))
+	if err := f.Commit(); !errors.Is(err, errSync) {
+		t.Fatalf("Commit with a failing directory fsync: %v, want %v", err, errSync)
+	}
+	if got := readFile(t, path); got != "shard" {
+		t.Fatalf("content %q after the rename", got)
+	}
+	if tmp := leftovers(t, dir); len(tmp) != 0 {
+		t.Errorf("temporary files left: %v", tmp)
+	}
+}
+
+func TestWriteDirSyncs(t *testing.T) {
+	parent := t.TempDir()
+	out := filepath.Join(parent, "export")
+	var tmpDir string
+	fill := func(tmp string) error {
+		tmpDir = tmp
+		return WriteSynced(filepath.Join(tmp, "a"), func(w io.Writer) error {
+			_, err := io.WriteString(w, "A")
+			return err
+		})
+	}
+	rec := &syncRecorder{}
+	if err := writeDir(out, fill, rec.sync); err != nil {
+		t.Fatal(err)
+	}
+	// The new directory before the rename (its entries), the parent after.
+	if want := []string{tmpDir, parent}; len(rec.synced) != 2 || rec.synced[0] != want[0] || rec.synced[1] != want[1] {
+		t.Fatalf("directories fsynced %v, want %v", rec.synced, want)
+	}
+
+	// A failing fsync of the new directory stops before the rename.
+	failed := filepath.Join(parent, "failed")
+	rec = &syncRecorder{fail: map[string]bool{}}
+	err := writeDir(failed, func(tmp string) error {
+		rec.fail[tmp] = true
+		return fill(tmp)
+	}, rec.sync)
+	if !errors.Is(err, errSync) {
+		t.Fatalf("WriteDir with a failing fsync: %v, want %v", err, errSync)
+	}
+	if _, err := os.Stat(failed); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("an unsynced directory was renamed into place (%v)", err)
+	}
+	if tmp := leftovers(t, parent); len(tmp) != 0 {
+		t.Errorf("temporary directories left: %v", tmp)
+	}
+
+	// A failing fsync of the parent is reported after the rename.
+	late := filepath.Join(parent, "late")
+	rec = &syncRecorder{fail: map[string]bool{parent: true}}
+	if err := writeDir(late, fill, rec.sync); !errors.Is(err, errSync) {
+		t.Fatalf("WriteDir with a failing parent fsync: %v, want %v", err, errSync)
+	}
+	if got := readFile(t, filepath.Join(late, "a")); got != "A" {
+		t.Fatalf("content %q", got)
+	}
+}
