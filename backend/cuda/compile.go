@@ -10,11 +10,13 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"time"
 
 	"github.com/mktrain/mktrain/backend/cuda/driver"
+	"github.com/mktrain/mktrain/internal/atomicfile"
 )
 
 // compileOptions are NVRTC's options besides the target, then one -D for
@@ -83,31 +85,17 @@ func cachedCompile(dir, key string, skipRead bool, compile func() ([]byte, strin
 	return img, info, nil
 }
 
-// writeAtomic writes data to path through a temporary file in the same
-// folder and a rename.
+// writeAtomic writes data to path through internal/atomicfile, so that a
+// concurrent or later reader sees the whole image or none.
 func writeAtomic(path string, data []byte) error {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return fmt.Errorf("kernel cache: %w", err)
 	}
-	f, err := os.CreateTemp(dir, filepath.Base(path)+".tmp*")
-	if err != nil {
-		return fmt.Errorf("kernel cache: %w", err)
-	}
-	tmp := f.Name()
-	_, werr := f.Write(data)
-	if werr == nil {
-		werr = f.Sync()
-	}
-	if cerr := f.Close(); werr == nil {
-		werr = cerr
-	}
-	if werr == nil {
-		werr = os.Rename(tmp, path)
-	}
-	if werr != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("kernel cache: writing %s: %w", path, werr)
+	if err := atomicfile.WriteFile(path, func(w io.Writer) error {
+		_, err := w.Write(data)
+		return err
+	}); err != nil {
+		return fmt.Errorf("kernel cache: writing %s: %w", path, err)
 	}
 	return nil
 }
