@@ -23,7 +23,9 @@ const filePerm fs.FileMode = 0o644
 const bufferBytes = 1 << 20
 
 // SyncDir fsyncs the directory dir, so that the entries created, renamed
-// or removed in it survive a crash.
+// or removed in it survive a crash. It returns every error except the
+// answer of a file system that cannot fsync directories at all (EINVAL,
+// ENOTSUP), where there is nothing more to do.
 func SyncDir(dir string) error {
 	d, err := os.Open(dir)
 	if err != nil {
