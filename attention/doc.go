@@ -1,12 +1,44 @@
 // Package attention is the self-attention block of a Mixtral decoder layer:
 // grouped-query attention with rotary position embeddings, forward and
-// backward, written against backend.Backend. The RMSNorm in front of it and
-// the residual add after it belong to the engine.
+// backward, written against backend.Backend so that it runs on every
+// backend. The RMSNorm in front of it and the residual add after it belong
+// to the engine.
+//
+// # Use
+//
+// A Layer serves one decoder layer and keeps the activations of one
+// micro-batch of batch sequences of seq tokens (T = batch*seq rows) between
+// Forward and Backward:
+//
+//	s := attention.Shape{Dim: 64, Heads: 4, KVHeads: 2, RopeTheta: 1e6}
+//	w, g := attention.NewParams(b, s), attention.NewParams(b, s) // weights, gradients
+//	l := attention.New(b, s, batch, seq)
+//	err := l.Forward(outTD, xTD, posT, w)   // out [T, D]; posT [T] int32 positions
+//	...
+//	err = l.Backward(dxTD, doutTD, w, g)    // writes dx, adds into g
+//
+// Forward keeps xTD and posT by reference: they must hold the same values
+// when Backward runs (the engine reuses xTD's memory in between and
+// recomputes it). Backward overwrites dxTD and adds the weight gradients
+// into g, so micro-batches accumulate; the caller zeroes g per step. Both
+// return an error, and write nothing useful, for tensors of the wrong shape
+// or a failed collective; Backward needs a successful Forward first. A
+// Layer is not safe for concurrent use.
+//
+// Options: WithScratch(s) shares one Scratch (the backward's working memory,
+// from NewScratch) among the layers of a rank, which run one after another;
+// AddToOutput makes Forward add into outTD (the residual stream) instead of
+// overwriting it. The engine uses both.
+//
+// NewContextParallel builds a Layer whose sequences are split over the
+// ranks of a comm.Group (comm.Ranks.Context); each rank passes its own
+// batch*seq/W tokens with their global positions from ZigzagPositions, and
+// all ranks call Forward and Backward together.
 //
 // # What it computes
 //
-// Exactly what Hugging Face's MixtralAttention computes (no biases, no
-// dropout, no sliding window), for x the normalised input of T = B*S tokens:
+// Exactly Hugging Face's MixtralAttention (no biases, dropout or sliding
+// window), for x the normalised input:
 //
 //	q = x · Wqᵀ                 [T, H*Dh]    q_proj.weight  Wq [H*Dh, D]
 //	k = x · Wkᵀ                 [T, KV*Dh]   k_proj.weight  Wk [KV*Dh, D]
@@ -15,60 +47,24 @@
 //	a = softmax(q·kᵀ/sqrt(Dh) + causal mask) · v    per sequence and head
 //	out = a · Woᵀ               [T, D]       o_proj.weight  Wo [D, H*Dh]
 //
-// Head dim Dh = Dim/Heads. Query head h attends with key/value head
-// h/(Heads/KVHeads): the first Heads/KVHeads query heads share kv head 0, as
+// Dh = Dim/Heads. Query head h uses key/value head h/(Heads/KVHeads), as
 // repeat_kv orders them. RoPE rotates each head's pair (x[i], x[i+Dh/2]) by
-// the angle pos * RopeTheta^(-2i/Dh), as apply_rotary_pos_emb does with
-// rotate_half. The causal mask is by position within the sequence (row i of
-// a sequence sees rows 0..i of the same sequence); the rotation uses the
-// positions in posT, which are 0..S-1 per sequence in a plain run and other
-// values when a sequence is split across ranks.
+// pos * RopeTheta^(-2i/Dh). The causal mask is by row within the sequence;
+// the rotation uses posT, so a sequence split across ranks rotates at its
+// global positions. Weights keep Hugging Face's Linear layout [out, in]
+// (Params), so export needs no transposes.
 //
-// Weights keep Hugging Face's Linear layout [out, in], so a checkpoint is
-// exported without transposes; the projections are MatMuls with transB.
+// # Design notes
 //
-// # Forward and backward
+// There is no autograd. Forward saves the rotated q and k, v, the output a
+// before o_proj and the per-row log-sum-exp of the scores (lse, [B, H, S]):
+// all a flash-style backward needs to recompute the probabilities.
 //
-// A Layer belongs to one decoder layer and holds the activations of one
-// micro-batch between Forward and Backward:
-//
-//	l := attention.New(b, shape, batch, seq)       // buffers for batch*seq tokens
-//	err := l.Forward(outTD, xTD, posT, params)     // saves q, k (rotated), v, a, lse
-//	...
-//	err = l.Backward(dxTD, doutTD, params, grads)  // writes dx, adds into grads
-//
-// Forward saves the rotated q and k, v, the attention output a (before
-// o_proj) and the per-row log-sum-exp of the scores (lse, [B, H, S]), which
-// is all the flash-style attention backward needs to recompute the
-// probabilities. It keeps xTD and posT by reference: the caller must keep
-// both alive, holding the same values when Backward runs (it may use the
-// memory in between and recompute them, as the engine does with xTD). Backward overwrites dxTD and
-// accumulates (adds) the weight gradients into grads, so gradients of several
-// micro-batches sum without extra copies; the caller zeroes them per step.
-//
-// Both return an error, and write nothing useful, for tensors of the wrong
-// shape and, on a context-parallel Layer, when a collective fails (a peer
-// aborted the group); a Backward needs a successful Forward before it.
-//
-// The backward scratch (the gradients of a, q, k and v, and the keys and
-// values in transit under context parallelism) lives in a Scratch. Each
-// Layer has its own unless built WithScratch(s): the layers of one rank run
-// one after another, so they can share one and keep only their saved
-// activations each. A Layer is not safe for concurrent use, and serves one
-// micro-batch at a time.
-//
-// # Context parallelism
-//
-// NewContextParallel builds a Layer whose sequences are split over the W
-// ranks of a comm.Group (comm.Ranks.Context) in zigzag order: the sequence
-// is cut into 2W chunks and rank r holds chunks r and 2W-1-r, which evens
-// out the causal work. Each rank calls the same Forward and Backward on its
-// own B*S/W tokens, per sequence the rows of chunk r and then those of
-// chunk 2W-1-r, with posT holding their global positions
-// (ZigzagPositions). Keys and values are all-gathered over the group for
-// the attention and their gradients reduce-scattered back (context.go has
-// the details). Outputs and dx are exactly the rows of a one-rank run;
-// weight gradients are this rank's share, to be summed over the group (and
-// over data parallelism) like any replicated weight's. With W = 1 it is
+// Context parallelism cuts each sequence into 2W chunks and gives rank r
+// chunks r and 2W-1-r (zigzag), which evens out the causal work. Keys and
+// values are all-gathered over the group and their gradients
+// reduce-scattered back (context.go). Outputs and dx are exactly the rows
+// of a one-rank run; weight gradients are this rank's share, summed over
+// the group by the engine like any replicated weight's. With W = 1 it is
 // the Layer of New.
 package attention
