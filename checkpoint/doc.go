@@ -1,10 +1,38 @@
-// Package checkpoint is mktrain's on-disk checkpoint format: how a training
-// run's model, optimizer and loop state are written, found again, checked
-// and read back, possibly by a different parallel layout. It knows nothing
-// of GPUs or of the engine; the engine hands it host-memory []float32
-// tensors and an opaque JSON state.
+// Package checkpoint writes, finds, checks and reads mktrain's training
+// checkpoints: a run's model weights, optimizer moments and loop state, as
+// a directory of safetensors files that any parallel layout can read back.
+// It knows nothing of GPUs or of the engine; the engine hands it host-memory
+// []float32 tensors and an opaque JSON state. `mktrain ckpt verify` and
+// `mktrain ckpt inspect` are its command-line face.
 //
-// # Layout
+// # Use
+//
+// Saving: BeginSave opens a temporary directory; every rank writes its own
+// files with WriteTensors (ModelFile(rank), OptimFile(rank)), tensors named
+// independently of the layout; WriteState stores the engine's state; Commit
+// makes the checkpoint durable and visible at once, and a deferred Abort
+// removes it if anything failed first:
+//
+//	s, err := checkpoint.BeginSave(root, step)
+//	defer s.Abort()
+//	err = s.WriteTensors(checkpoint.ModelFile(rank), tensors, checkpoint.TensorOptions{})
+//	err = s.WriteState(payload)
+//	err = s.Commit()
+//
+// Reading: FindResumable(root, warn) returns the newest checkpoint that
+// verifies (List gives all complete ones, newest first; Latest follows the
+// `latest` pointer without hashing). Open reads its manifest and headers;
+// Checkpoint.Model and Checkpoint.Optim are TensorSets that find a tensor by
+// name whatever file or files hold it (Tensor, ReadInto), and ReadState
+// decodes the payload. Verify rehashes every file; Prune keeps the newest
+// few. The package example runs a save and a read end to end.
+//
+// A Save's methods may be called from many goroutines at once and a Save
+// may run in the background while training continues: it reads tensor data
+// only inside WriteTensors, so the caller snapshots device tensors into host
+// memory that stays untouched until WriteTensors returns.
+//
+// # On-disk format
 //
 // A run's checkpoints live under one root directory:
 //
@@ -20,80 +48,54 @@
 //	    optim-rank00001.safetensors.zst
 //	  .tmp-step_00000300-1f2e…/   a save in progress (or abandoned by a crash)
 //
-// Directory names are "step_" and the step zero-padded to 8 digits.
-// Anything starting with ".tmp-" is not a checkpoint; Prune deletes it.
-//
-// # Tensor files
+// Directory names are "step_" and the step zero-padded to 8 digits
+// (StepDirName). Anything starting with ".tmp-" is not a checkpoint; Prune
+// deletes it.
 //
 // model-*.safetensors hold the fp32 master weights and optim-*.safetensors
-// the optimizer moments, in the safetensors format (see package
-// checkpoint/safetensors for the byte layout): F32 or BF16 little-endian,
-// row-major. Each rank writes only the tensors it owns, to files named
-// after its rank (ModelFile, OptimFile), and tensor names do not depend on
-// the layout: "layers.3.moe.experts.5.w1" is the same tensor whichever
-// expert-parallel rank held it. A reader looks tensors up by name across
-// all the files, so a checkpoint written with EP=4 loads with EP=2.
+// the optimizer moments, in the safetensors format (package
+// checkpoint/safetensors): F32 or BF16 little-endian, row-major. Each rank
+// writes only the tensors it owns, to files named after its rank, and
+// tensor names do not depend on the layout: "layers.3.moe.experts.5.w1" is
+// the same tensor whichever expert-parallel rank held it, so a checkpoint
+// written with EP=4 loads with EP=2.
 //
-// A tensor split between ranks (tensor parallelism, a sharded optimizer)
-// is written by each rank as a block of the same name, with a metadata
-// entry in its file's "__metadata__":
+// A tensor split between ranks (a sharded optimizer, say) is written by
+// each rank as a block of the same name, with an entry in its file's
+// "__metadata__":
 //
 //	"mktrain.slice.layers.0.attn.wq": "{\"offset\":[0,32],\"global_shape\":[64,64]}"
 //
 // meaning: this file's tensor "layers.0.attn.wq" is the block at [0:64,
 // 32:64] of a 64x64 tensor. The blocks of one name must tile its global
 // shape exactly; Open checks that. A name without that entry is a whole
-// tensor and must appear in only one file.
+// tensor and must appear in only one file. Every file's metadata also holds
+// "format": "pt" (which Hugging Face tools expect), "mktrain.format_version"
+// and "mktrain.step". A file compressed with zstd (TensorOptions.Compress,
+// usually for the moments) is the same safetensors file as one zstd frame,
+// with ".zst" appended to its name.
 //
-// Every file's metadata also holds "format": "pt" (which Hugging Face tools
-// expect), "mktrain.format_version" and "mktrain.step".
-//
-// A file compressed with zstd (optimizer moments, usually) is the same
-// safetensors file as one zstd frame, with ".zst" appended to its name.
-//
-// # MANIFEST.json and state.json
+// MANIFEST.json lists every file but itself, with the size and hash of the
+// bytes on disk (compressed ones for .zst); state.json holds the engine's
+// payload. Other *.json files may be added with Save.WriteJSON.
 //
 //	{"format": "mktrain-checkpoint", "format_version": 1, "step": 200,
 //	 "files": [{"name": "model-rank00000.safetensors", "size": 1234,
 //	            "sha256": "9f86d0…"}, …]}
 //
-// Sizes and hashes are of the bytes on disk (compressed ones for .zst).
-// The manifest lists every file but itself; Verify recomputes them.
-//
 //	{"format": "mktrain-checkpoint", "format_version": 1, "step": 200,
-//	 "payload": {…the engine's state: tokens seen, data cursor, RNG states,
-//	             schedule, recipe and its hash, mesh…}}
-//
-// Other *.json files may be added with Save.WriteJSON.
+//	 "payload": {…tokens seen, data cursor, RNG states, recipe and its hash…}}
 //
 // # Atomicity
 //
-// BeginSave creates <root>/.tmp-step_%08d-<random>; the ranks write their
-// files into it (each fsynced as it is closed); Commit writes and fsyncs
-// MANIFEST.json, fsyncs the directory, renames it to step_%08d, fsyncs the
-// root, and last replaces `latest` by writing a temporary file, fsyncing
-// it and renaming it over the old one. A crash at any point leaves the
-// previous checkpoints and pointer intact, plus at worst a .tmp- directory.
-// A step directory therefore always holds a complete checkpoint, and
-// MANIFEST.json is what marks it so.
-//
-// Saving the same step twice (a run resumed from an older checkpoint
-// reaching a step it had saved before) replaces the old directory.
-//
-// # Finding and checking
-//
-// List gives the complete checkpoints, newest first. Latest follows the
-// `latest` pointer, falling back to the newest directory. Verify rehashes
-// every file and names each missing, truncated or corrupt one.
-// FindResumable returns the newest checkpoint that verifies, warning about
-// each newer one it skips. Prune keeps the newest few.
-//
-// # Asynchronous saves
-//
-// A Save may run in a background goroutine and its methods may be called
-// from many goroutines at once. It reads tensor data only inside
-// WriteTensors, so the caller must first snapshot device tensors into host
-// memory that training will not overwrite until WriteTensors returns.
+// BeginSave creates <root>/.tmp-step_%08d-<random>; each file is fsynced as
+// it is closed; Commit writes and fsyncs MANIFEST.json, fsyncs the
+// directory, renames it to step_%08d, fsyncs the root, and last replaces
+// `latest` through a temporary file, fsync and rename. A crash at any point
+// leaves the previous checkpoints and pointer intact, plus at worst a .tmp-
+// directory, so a step directory always holds a complete checkpoint, and
+// MANIFEST.json is what marks it so. Saving a step again (a run resumed
+// from an older checkpoint) replaces the old directory.
 //
 // # Reading a checkpoint from Python
 //
@@ -104,10 +106,9 @@
 //	import glob, json
 //	import zstandard                                    # only for .zst files
 //	from safetensors.torch import load                  # or safetensors.numpy (no BF16)
-//	from safetensors import safe_open
 //	import torch
 //
-//	ckpt = "runs/x/step_00000200"                       # or: the name in runs/x/latest
+//	ckpt = "runs/x/checkpoints/step_00000200"           # or: the name in its latest
 //	state = json.load(open(f"{ckpt}/state.json"))["payload"]
 //
 //	def read(path):
@@ -133,7 +134,4 @@
 //	    return out
 //
 //	model = tensors("model-")                           # {"layers.0.attn.wq": tensor, ...}
-//
-// For a file without .zst, safe_open(path, framework="pt") reads single
-// tensors lazily.
 package checkpoint
