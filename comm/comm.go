@@ -17,17 +17,18 @@
 // the backend's own ops, and every rank reduces in rank order, so all ranks
 // get bitwise identical results and replicated weights never drift. The
 // NCCL implementation of the same interface is cuda.NCCLGroup (package
-// backend/cuda, since it needs device pointers); launch.go and
-// rendezvous.go hold the multi-node launch configuration and the TCP
-// rendezvous (Join) that hands out its unique id (Rendezvous.Blob).
+// backend/cuda, since it needs device pointers); package launch holds the
+// multi-node launch configuration and the TCP rendezvous (launch.Join) that
+// hands out its unique id (launch.Rendezvous.Blob).
 //
 // The TCP implementation (NewTCPRanks, tcp.go) spreads the ranks over
 // several processes, one per node, each hosting an equal block of world
 // ranks; the groups move host copies of the tensors over TCP and reduce in
 // rank order at each group's rank 0, so a layout gives bitwise the same
 // results across processes as in one. The nodes publish their data ports
-// through the rendezvous (RendezvousConfig.DataPort, DataAddrs), which
-// also gives the run id that tags the connections (RunIDFromBlob). A node
+// through the rendezvous (launch.RendezvousConfig.DataPort,
+// launch.DataAddrs), which also gives the run id that tags the connections
+// (RunIDFromBlob). A node
 // that dies or goes silent fails every pending operation on every node
 // with an error naming it and its ranks. The engine trains a multi-process
 // run on the CPU backend through it (engine.RunDistributed, mktrain run

@@ -78,7 +78,6 @@ package comm
 import (
 	"bufio"
 	"context"
-	"crypto/rand"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -94,16 +93,18 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/internal/peernet"
 )
 
 // TCP defaults.
 const (
 	DefaultTCPDialTimeout = 2 * time.Minute
 	DefaultTCPOpTimeout   = 30 * time.Minute
+	// A node sends a heartbeat every DefaultHeartbeat and counts a peer
+	// silent for DefaultHeartbeatTimeout as lost.
+	DefaultHeartbeat        = time.Second
+	DefaultHeartbeatTimeout = 15 * time.Second
 )
-
-// RunIDSize is the length of a run's id, which tags its TCP connections.
-const RunIDSize = 16
 
 // TCPConfig is one node's part of a TCP world.
 type TCPConfig struct {
@@ -125,29 +126,14 @@ type TCPConfig struct {
 	// DialTimeout bounds the wait for every node to connect; 0 is
 	// DefaultTCPDialTimeout.
 	DialTimeout time.Duration
-	// Heartbeat and HeartbeatTimeout: as in RendezvousConfig; 0 is
+	// Heartbeat is the interval between heartbeats, HeartbeatTimeout how
+	// long a silent peer counts as alive (at least twice Heartbeat); 0 is
 	// DefaultHeartbeat and DefaultHeartbeatTimeout.
 	Heartbeat, HeartbeatTimeout time.Duration
 	// OpTimeout bounds one wait for one peer's message; 0 is
 	// DefaultTCPOpTimeout. It must exceed the longest time one rank may
 	// compute between two collectives while a peer waits.
 	OpTimeout time.Duration
-}
-
-// RunIDFromBlob is the run id carried by a rendezvous blob: its first
-// RunIDSize bytes (node 0 fills them with random bytes; NewRunBlob).
-func RunIDFromBlob(blob [BlobSize]byte) [RunIDSize]byte {
-	var id [RunIDSize]byte
-	copy(id[:], blob[:RunIDSize])
-	return id
-}
-
-// NewRunBlob is a rendezvous blob whose first RunIDSize bytes are a fresh
-// random run id (the rest is zero until NCCL's unique id goes there).
-func NewRunBlob() [BlobSize]byte {
-	var b [BlobSize]byte
-	_, _ = rand.Read(b[:RunIDSize]) // crypto/rand.Read never fails
-	return b
 }
 
 // TCPWorld is one node's membership in a TCP world: the ranks it hosts and
@@ -564,9 +550,9 @@ func (w *TCPWorld) connectErr(ctx context.Context, timeout time.Duration, notes 
 			missing = append(missing, j)
 		}
 	}
-	msg := fmt.Sprintf("comm: tcp: node %d: %s did not connect within %s", w.cfg.NodeRank, rankList("node", missing), fmtDuration(timeout))
+	msg := fmt.Sprintf("comm: tcp: node %d: %s did not connect within %s", w.cfg.NodeRank, peernet.RankList("node", missing), peernet.Duration(timeout))
 	if err := context.Cause(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
-		msg = fmt.Sprintf("comm: tcp: node %d: stopped waiting for %s: %v", w.cfg.NodeRank, rankList("node", missing), err)
+		msg = fmt.Sprintf("comm: tcp: node %d: stopped waiting for %s: %v", w.cfg.NodeRank, peernet.RankList("node", missing), err)
 	}
 	if len(notes) > 0 {
 		msg += " (" + strings.Join(notes, "; ") + ")"
@@ -577,7 +563,7 @@ func (w *TCPWorld) connectErr(ctx context.Context, timeout time.Duration, notes 
 // dial connects to node j, retrying until ctx ends, and exchanges hellos.
 func (w *TCPWorld) dial(ctx context.Context, j int) (net.Conn, error) {
 	addr := w.cfg.Addrs[j]
-	c, err := dialRetry(ctx, addr)
+	c, err := peernet.DialRetry(ctx, addr)
 	if err != nil {
 		return nil, fmt.Errorf("node %d at %s did not answer (last attempt: %v)", j, addr, err)
 	}
@@ -677,7 +663,7 @@ func (w *TCPWorld) lost(c *tcpConn, err error) {
 		c.markGone(fmt.Errorf("node %d (%s) has left the run", c.node, w.ranksOf(c.node)))
 		return
 	}
-	lostErr := fmt.Errorf("lost node %d (%s): %s", c.node, w.ranksOf(c.node), describeDrop(err, w.silence))
+	lostErr := fmt.Errorf("lost node %d (%s): %s", c.node, w.ranksOf(c.node), peernet.DescribeDrop(err, w.silence))
 	c.markGone(lostErr)
 	w.fail(lostErr, true)
 }
@@ -804,7 +790,7 @@ func (w *TCPWorld) recv(k tcpKey) ([]byte, error) {
 			return nil, src.whyGone()
 		case <-timeout:
 			err := fmt.Errorf("rank %d waited %s for a message from rank %d (node %d), which is alive but did not send it: do all ranks call the same collectives in the same order?",
-				k.dst, fmtDuration(w.opTimeout), k.src, w.NodeOf(int(k.src)))
+				k.dst, peernet.Duration(w.opTimeout), k.src, w.NodeOf(int(k.src)))
 			w.fail(err, true)
 			return nil, err
 		}
@@ -1487,18 +1473,4 @@ func bytesFloat64(p []byte) []float64 {
 		out[i] = math.Float64frombits(binary.LittleEndian.Uint64(p[8*i:]))
 	}
 	return out
-}
-
-// DataAddrs is every node's data address (host:port) from a rendezvous
-// node table: the host as node 0 saw it (node 0's own: the master address)
-// and the port the node published (RendezvousConfig.DataPort).
-func DataAddrs(nodes []NodeInfo) ([]string, error) {
-	out := make([]string, len(nodes))
-	for i, nd := range nodes {
-		if nd.DataPort <= 0 || nd.Addr == "" {
-			return nil, fmt.Errorf("comm: tcp: %s published no data address (host %q, port %d); every node must run an mktrain that opens one", nd, nd.Addr, nd.DataPort)
-		}
-		out[i] = net.JoinHostPort(nd.Addr, fmt.Sprint(nd.DataPort))
-	}
-	return out, nil
 }

@@ -54,6 +54,7 @@ import (
 	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/data"
+	"github.com/mktrain/mktrain/launch"
 )
 
 // Distributed is this process's part of a run spread over several
@@ -64,16 +65,16 @@ type Distributed struct {
 	// On the CUDA backend only NodeRank is used (and Addrs' length, when
 	// given, must be the node count); the Listener is closed unused.
 	TCP comm.TCPConfig
-	// Rendezvous, when not nil, is the run's rendezvous (comm.Join): a
+	// Rendezvous, when not nil, is the run's rendezvous (launch.Join): a
 	// failure it reports stops the training, and a failure of the training
 	// is reported through it. The caller closes it. The CUDA backend needs
 	// it: node 0's blob holds the NCCL unique id (RendezvousBlob), and the
 	// node count is its table's length.
-	Rendezvous *comm.Rendezvous
+	Rendezvous *launch.Rendezvous
 }
 
 // RendezvousBlob is the blob this node offers the rendezvous
-// (comm.RendezvousConfig.Blob; node 0's reaches every node): a fresh run id
+// (launch.RendezvousConfig.Blob; node 0's reaches every node): a fresh run id
 // (comm.NewRunBlob) and, on node 0 of a run on a backend whose driver
 // spans processes (registry.MultiProcess: CUDA), the id of the world that
 // RunDistributed makes (the NCCL unique id). Making the id starts NCCL's

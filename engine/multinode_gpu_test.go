@@ -4,7 +4,7 @@ package engine
 // processes), against the same layout trained by one process:
 //
 //   - one node on one GPU, in this process, through a real rendezvous of
-//     one node (RendezvousBlob, comm.Join, ncclCommInitRank and the cut
+//     one node (RendezvousBlob, launch.Join, ncclCommInitRank and the cut
 //     groups), needs one GPU;
 //   - two nodes as two child processes (this test binary re-executed as
 //     TestNCCLNodeHelperProcess), each seeing one GPU of its own through
@@ -34,6 +34,7 @@ import (
 
 	"github.com/mktrain/mktrain/backend/cuda"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/launch"
 )
 
 // ncclNodeEnv holds a child node's nodeSpec, as JSON.
@@ -68,8 +69,8 @@ func runNode(ctx context.Context, spec nodeSpec, onStep func(StepEvent)) (Result
 	if err != nil {
 		return Result{}, err
 	}
-	rdv, err := comm.Join(ctx, comm.RendezvousConfig{
-		Launch:     comm.Launch{NNodes: spec.NNodes, NodeRank: spec.Node, MasterAddr: "127.0.0.1", MasterPort: spec.Port},
+	rdv, err := launch.Join(ctx, launch.RendezvousConfig{
+		Launch:     launch.Launch{NNodes: spec.NNodes, NodeRank: spec.Node, MasterAddr: "127.0.0.1", MasterPort: spec.Port},
 		RecipeHash: "tiny-test", Version: "test", Blob: blob,
 		Timeout:   time.Duration(spec.TimeoutSec) * time.Second,
 		Heartbeat: time.Duration(spec.HeartbeatMS) * time.Millisecond, HeartbeatTimeout: 20 * time.Duration(spec.HeartbeatMS) * time.Millisecond,

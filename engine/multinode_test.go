@@ -18,6 +18,7 @@ import (
 	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/backend/cuda"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/launch"
 )
 
 // TestRendezvousBlob: every call has a fresh run id; the CPU backend's
@@ -83,7 +84,7 @@ func TestCheckNodeGPUs(t *testing.T) {
 }
 
 // joinLoopback runs a rendezvous of nnodes in this process.
-func joinLoopback(t *testing.T, nnodes int) []*comm.Rendezvous {
+func joinLoopback(t *testing.T, nnodes int) []*launch.Rendezvous {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -91,13 +92,13 @@ func joinLoopback(t *testing.T, nnodes int) []*comm.Rendezvous {
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
-	rdvs := make([]*comm.Rendezvous, nnodes)
+	rdvs := make([]*launch.Rendezvous, nnodes)
 	errs := make([]error, nnodes)
 	var wg sync.WaitGroup
 	for node := range nnodes {
 		wg.Go(func() {
-			rdvs[node], errs[node] = comm.Join(context.Background(), comm.RendezvousConfig{
-				Launch:     comm.Launch{NNodes: nnodes, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
+			rdvs[node], errs[node] = launch.Join(context.Background(), launch.RendezvousConfig{
+				Launch:     launch.Launch{NNodes: nnodes, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
 				RecipeHash: "h", Version: "v", Hostname: string(rune('a' + node)), Blob: comm.NewRunBlob(),
 				Timeout: 5 * time.Second, Heartbeat: 50 * time.Millisecond, HeartbeatTimeout: time.Second,
 			})

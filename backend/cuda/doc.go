@@ -113,7 +113,7 @@
 // NCCLGroup (nccl.go, nccl_group.go) is a comm.Group over NCCL on one
 // Backend's stream: NewNCCLGroups for one process driving several GPUs,
 // NewNCCLGroup for one rank per process with the unique id handed out by
-// the rendezvous (comm.Rendezvous). Tensor collectives queue on the stream;
+// the rendezvous (launch.Rendezvous). Tensor collectives queue on the stream;
 // the calls that return host values wait with a watchdog that turns a
 // peer's failure or a timeout into an error instead of a hang. The engine
 // uses it through NCCLRanks (one process, one GPU per rank) and

@@ -54,7 +54,7 @@ package cuda
 // releases the stuck call. The groups NewNCCLGroups makes for one process
 // share their abort: Abort on one aborts them all, as comm.NewLocal's do.
 // Across processes each rank aborts its own communicator; peers see NCCL's
-// remote error or the timeout, and the rendezvous (comm.Rendezvous) tells
+// remote error or the timeout, and the rendezvous (launch.Rendezvous) tells
 // every node of a failure.
 
 import (
@@ -275,7 +275,7 @@ func checkNCCLBackends(backends []*Backend) ([]int32, error) {
 
 // NewNCCLGroup joins, as rank of size, the communicator named by id (from
 // NCCLUniqueID on one rank, handed to the others by the rendezvous:
-// comm.Rendezvous.Blob), for one rank per process. It returns once every
+// launch.Rendezvous.Blob), for one rank per process. It returns once every
 // rank has joined; NCCL's own bootstrap bounds that wait only by its
 // network timeouts, so call it after the rendezvous has seen every node.
 func NewNCCLGroup(b *Backend, id [NCCLUniqueIDBytes]byte, rank, size int, opts NCCLOptions) (*NCCLGroup, error) {

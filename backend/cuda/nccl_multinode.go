@@ -11,7 +11,7 @@ package cuda
 //
 // Node 0 makes the world communicator's unique id (ncclGetUniqueId) before
 // the rendezvous and puts it in the rendezvous blob (PutNCCLID); the
-// rendezvous hands node 0's blob to every node (comm.Rendezvous.Blob), which
+// rendezvous hands node 0's blob to every node (launch.Rendezvous.Blob), which
 // reads the id back (NCCLIDFromBlob). Then every local rank of every node,
 // on a thread of its own with its GPU's context current:
 //

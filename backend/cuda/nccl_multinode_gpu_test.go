@@ -24,6 +24,7 @@ import (
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda/driver"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/launch"
 )
 
 // openGPUs opens GPUs 0..n-1 afresh, a Backend on each (see ncclWorld),
@@ -61,10 +62,10 @@ func openGPUs(t *testing.T, n int) []*Backend {
 
 // joinNodes runs a rendezvous of nnodes on loopback, node 0 offering blob,
 // and returns every node's membership (closed when the test ends).
-func joinNodes(t *testing.T, nnodes int, blob [comm.BlobSize]byte) []*comm.Rendezvous {
+func joinNodes(t *testing.T, nnodes int, blob [comm.BlobSize]byte) []*launch.Rendezvous {
 	t.Helper()
 	port := freeTestPort(t)
-	rdvs := make([]*comm.Rendezvous, nnodes)
+	rdvs := make([]*launch.Rendezvous, nnodes)
 	errs := make([]error, nnodes)
 	var wg sync.WaitGroup
 	for node := range nnodes {
@@ -73,8 +74,8 @@ func joinNodes(t *testing.T, nnodes int, blob [comm.BlobSize]byte) []*comm.Rende
 			b = blob
 		}
 		wg.Go(func() {
-			rdvs[node], errs[node] = comm.Join(context.Background(), comm.RendezvousConfig{
-				Launch:     comm.Launch{NNodes: nnodes, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
+			rdvs[node], errs[node] = launch.Join(context.Background(), launch.RendezvousConfig{
+				Launch:     launch.Launch{NNodes: nnodes, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
 				RecipeHash: "h", Version: "v", Blob: b, Timeout: 10 * time.Second,
 				Heartbeat: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second,
 			})

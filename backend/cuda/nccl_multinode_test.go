@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/launch"
 )
 
 // testMeshes cover every axis, alone and together, and a world of one.
@@ -114,18 +115,18 @@ func TestNCCLBlob(t *testing.T) {
 	}
 
 	port := freeTestPort(t)
-	cfg := func(node int, b [comm.BlobSize]byte) comm.RendezvousConfig {
-		return comm.RendezvousConfig{
-			Launch:     comm.Launch{NNodes: 2, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
+	cfg := func(node int, b [comm.BlobSize]byte) launch.RendezvousConfig {
+		return launch.RendezvousConfig{
+			Launch:     launch.Launch{NNodes: 2, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
 			RecipeHash: "h", Version: "v", Blob: b, Timeout: 5 * time.Second,
 			Heartbeat: 50 * time.Millisecond, HeartbeatTimeout: time.Second,
 		}
 	}
-	rdvs := make([]*comm.Rendezvous, 2)
+	rdvs := make([]*launch.Rendezvous, 2)
 	errs := make([]error, 2)
 	var wg sync.WaitGroup
 	for node, b := range [][comm.BlobSize]byte{blob, comm.NewRunBlob()} { // node 1's blob is ignored
-		wg.Go(func() { rdvs[node], errs[node] = comm.Join(context.Background(), cfg(node, b)) })
+		wg.Go(func() { rdvs[node], errs[node] = launch.Join(context.Background(), cfg(node, b)) })
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {

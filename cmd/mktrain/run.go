@@ -20,6 +20,7 @@ import (
 	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/launch"
 	"github.com/mktrain/mktrain/recipes"
 )
 
@@ -87,9 +88,9 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	var sets setFlags
 	fs.Var(&sets, "set", "override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
 	runDir := fs.String("run-dir", "", "run directory (default runs/<recipe name>)")
-	var launchFlags comm.LaunchFlags
+	var launchFlags launch.Flags
 	launchFlags.Register(fs)
-	rdvTimeout := fs.Duration("rendezvous-timeout", comm.DefaultRendezvousTimeout, "multi-node: how long the nodes wait for each other to start")
+	rdvTimeout := fs.Duration("rendezvous-timeout", launch.DefaultRendezvousTimeout, "multi-node: how long the nodes wait for each other to start")
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err
@@ -102,7 +103,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err != nil {
 		return err
 	}
-	launch, err := comm.LaunchFromEnv(os.Getenv, launchFlags)
+	launch, err := launch.FromEnv(os.Getenv, launchFlags)
 	if err != nil {
 		return err
 	}
@@ -218,21 +219,21 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 // all run the same recipe and version, and publishes every node's data
 // port), then trains: over TCP between the nodes on the CPU, over NCCL on
 // CUDA.
-func runMultiNode(ctx context.Context, eng *engine.Engine, launch comm.Launch, recipeHash string, timeout time.Duration, logger zerolog.Logger) (engine.Result, error) {
+func runMultiNode(ctx context.Context, eng *engine.Engine, node launch.Launch, recipeHash string, timeout time.Duration, logger zerolog.Logger) (engine.Result, error) {
 	// Node 0 of a CUDA run puts the NCCL unique id in the blob.
-	blob, err := eng.RendezvousBlob(launch.NodeRank)
+	blob, err := eng.RendezvousBlob(node.NodeRank)
 	if err != nil {
-		return engine.Result{}, fmt.Errorf("node %d: %w", launch.NodeRank, err)
+		return engine.Result{}, fmt.Errorf("node %d: %w", node.NodeRank, err)
 	}
 	// Every interface: the other nodes reach this one at the address the
 	// rendezvous saw it connect from.
 	ln, err := net.Listen("tcp", ":0")
 	if err != nil {
-		return engine.Result{}, fmt.Errorf("node %d: cannot open a port for the other nodes' data connections: %w", launch.NodeRank, err)
+		return engine.Result{}, fmt.Errorf("node %d: cannot open a port for the other nodes' data connections: %w", node.NodeRank, err)
 	}
-	logger.Info().Str("launch", launch.String()).Msg("waiting for the other nodes")
-	rdv, err := comm.Join(ctx, comm.RendezvousConfig{
-		Launch: launch, RecipeHash: recipeHash, Version: versionString(),
+	logger.Info().Str("launch", node.String()).Msg("waiting for the other nodes")
+	rdv, err := launch.Join(ctx, launch.RendezvousConfig{
+		Launch: node, RecipeHash: recipeHash, Version: versionString(),
 		Blob: blob, DataPort: ln.Addr().(*net.TCPAddr).Port, Timeout: timeout,
 	})
 	if err != nil {
@@ -240,7 +241,7 @@ func runMultiNode(ctx context.Context, eng *engine.Engine, launch comm.Launch, r
 		return engine.Result{}, err
 	}
 	defer rdv.Close()
-	addrs, err := comm.DataAddrs(rdv.Nodes())
+	addrs, err := launch.DataAddrs(rdv.Nodes())
 	if err != nil {
 		ln.Close()
 		rdv.Abort(err)
@@ -248,7 +249,7 @@ func runMultiNode(ctx context.Context, eng *engine.Engine, launch comm.Launch, r
 	}
 	return eng.RunDistributed(ctx, engine.Distributed{
 		TCP: comm.TCPConfig{
-			NodeRank: launch.NodeRank, Addrs: addrs, Listener: ln,
+			NodeRank: node.NodeRank, Addrs: addrs, Listener: ln,
 			RunID: comm.RunIDFromBlob(rdv.Blob()), DialTimeout: timeout,
 		},
 		Rendezvous: rdv,
@@ -296,6 +297,6 @@ func (l levelWriter) WriteLevel(level zerolog.Level, p []byte) (int, error) {
 
 // nodesOrigin names the node count for an error: "2 nodes (node count
 // from flags)".
-func nodesOrigin(l comm.Launch) string {
+func nodesOrigin(l launch.Launch) string {
 	return fmt.Sprintf("%d nodes (node count from %s)", l.NNodes, l.Source)
 }

@@ -1,4 +1,4 @@
-package comm
+package launch
 
 // Launch configuration: how many nodes a run spans, which one this process
 // is, and where node 0 waits for the others. mktrain runs one process per
@@ -63,10 +63,10 @@ const (
 	SourceSingleNode = "single node"
 )
 
-// LaunchFlags are the launch settings given on the command line. A zero
+// Flags are the launch settings given on the command line. A zero
 // field was not given, except NodeRank, where 0 is a real rank:
 // NodeRankSet says whether it was given.
-type LaunchFlags struct {
+type Flags struct {
 	NNodes      int    // --nnodes
 	NodeRank    int    // --node-rank
 	NodeRankSet bool   // whether --node-rank was given
@@ -77,7 +77,7 @@ type LaunchFlags struct {
 
 // Register adds --nnodes, --node-rank, --master-addr and --master-port to fs,
 // storing into f.
-func (f *LaunchFlags) Register(fs *flag.FlagSet) {
+func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.IntVar(&f.NNodes, "nnodes", 0, "nodes in a multi-node run (default: from NNODES, SLURM, or 1)")
 	fs.Func("node-rank", "this node's rank, 0..nnodes-1 (default: from NODE_RANK, SLURM, or 0)", func(s string) error {
 		v, err := strconv.Atoi(strings.TrimSpace(s))
@@ -114,7 +114,7 @@ func (l Launch) String() string {
 }
 
 // Validate checks a Launch, naming the flag or variable behind a bad field
-// when the Launch came from LaunchFromEnv.
+// when the Launch came from FromEnv.
 func (l Launch) Validate() error {
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf("launch: "+format, args...)) }
@@ -154,11 +154,11 @@ func origin(from, what string, v any) string {
 	return fmt.Sprintf("%s %v", what, v)
 }
 
-// LaunchFromEnv works out the launch from the command-line flags and the
+// FromEnv works out the launch from the command-line flags and the
 // environment (getenv is os.Getenv outside tests), in the precedence order
 // described at the top of this file. Every problem found is returned at once,
 // each naming the flag or variable.
-func LaunchFromEnv(getenv func(string) string, flags LaunchFlags) (Launch, error) {
+func FromEnv(getenv func(string) string, flags Flags) (Launch, error) {
 	e := envReader{getenv: getenv}
 	l := Launch{MasterPort: DefaultMasterPort, LocalRanks: flags.LocalRanks}
 

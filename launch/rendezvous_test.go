@@ -1,4 +1,4 @@
-package comm
+package launch
 
 // Tests of the rendezvous. The in-process tests run the nodes as goroutines
 // (and speak the wire format directly to fake a silent or stray peer); each
@@ -22,6 +22,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/internal/peernet"
 )
 
 // Short timings keep the package's tests fast; the heartbeat timeout still
@@ -53,9 +56,9 @@ func freePorts(t *testing.T, n int) []int {
 	return ports
 }
 
-func testBlob(seed uint64) [BlobSize]byte {
+func testBlob(seed uint64) [comm.BlobSize]byte {
 	rng := rand.New(rand.NewPCG(seed, 7))
-	var b [BlobSize]byte
+	var b [comm.BlobSize]byte
 	for i := range b {
 		b[i] = byte(rng.Uint32())
 	}
@@ -103,7 +106,7 @@ func checkNoLeaks(t *testing.T) {
 		buf := make([]byte, 1<<20)
 		var leaked []string
 		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
-			if strings.Contains(g, "comm.(*Rendezvous)") || strings.Contains(g, "comm.dialRetry") {
+			if strings.Contains(g, "launch.(*Rendezvous)") || strings.Contains(g, "peernet.DialRetry") {
 				leaked = append(leaked, g)
 			}
 		}
@@ -389,7 +392,7 @@ func (n *rawNode) recv() message {
 
 func dialRaw(t *testing.T, port int) *rawNode {
 	t.Helper()
-	conn, err := dialRetry(context.Background(), fmt.Sprintf("127.0.0.1:%d", port))
+	conn, err := peernet.DialRetry(context.Background(), fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -412,7 +415,7 @@ func TestRendezvousSilentNode(t *testing.T) {
 		n1 := dialRaw(t, port)
 		hello := testConfig(2, 1, port)
 		n1.send(message{Kind: kindHello, Node: &NodeInfo{NodeRank: 1, NNodes: 2, Hostname: "x", RecipeHash: hello.RecipeHash, Version: hello.Version}})
-		if m := n1.recv(); m.Kind != kindWelcome || len(m.Blob) != BlobSize || !bytes.Equal(m.Blob, cfg.Blob[:]) || len(m.Nodes) != 2 {
+		if m := n1.recv(); m.Kind != kindWelcome || len(m.Blob) != comm.BlobSize || !bytes.Equal(m.Blob, cfg.Blob[:]) || len(m.Nodes) != 2 {
 			t.Fatalf("node 0 answered %+v", m)
 		}
 		res := <-joined
@@ -586,17 +589,6 @@ func TestFrames(t *testing.T) {
 	}
 	if _, err := readFrame(bytes.NewReader([]byte{0, 0, 0, 2, '{'})); err == nil {
 		t.Error("a truncated frame read without error")
-	}
-}
-
-func TestFmtDuration(t *testing.T) {
-	for d, want := range map[time.Duration]string{
-		30 * time.Second: "30s", 1500 * time.Millisecond: "1.5s", 10 * time.Minute: "10m",
-		90 * time.Second: "1m30s", 200 * time.Millisecond: "200ms", time.Hour: "1h",
-	} {
-		if got := fmtDuration(d); got != want {
-			t.Errorf("fmtDuration(%v) = %q, want %q", d, got, want)
-		}
 	}
 }
 

@@ -1,4 +1,4 @@
-package comm
+package launch
 
 // The rendezvous: how the nodes of a multi-node run find each other, agree
 // that they run the same thing, and learn when one of them dies.
@@ -9,7 +9,7 @@ package comm
 // node 0 checks them (same node count, mktrain version and recipe hash;
 // distinct node ranks in range) and answers every node with the same
 // message: a welcome holding node 0's blob (the run id and the NCCL unique
-// id: BlobSize) and the table of nodes, or a refusal holding the error
+// id: comm.BlobSize) and the table of nodes, or a refusal holding the error
 // every node returns.
 // Node 0 gives up at the deadline with an error naming the missing ranks and
 // sends it to the nodes that came.
@@ -50,22 +50,18 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
+
+	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/internal/peernet"
 )
 
-// BlobSize is the size of the blob node 0 hands to every node: the run id
-// in its first RunIDSize bytes (RunIDFromBlob), then, for a run on the
-// CUDA backend, the NCCL world's unique id behind a short header
-// (cuda.PutNCCLID; 136 bytes), and room to spare. Every node runs the same
-// mktrain version (the rendezvous checks it), so they agree on the layout.
-const BlobSize = 256
-
-// Rendezvous defaults.
+// Rendezvous defaults. The heartbeats are the TCP transport's (package
+// comm), so that a node's two kinds of connection judge silence alike.
 const (
 	DefaultRendezvousTimeout = 10 * time.Minute
-	DefaultHeartbeat         = time.Second
-	DefaultHeartbeatTimeout  = 15 * time.Second
+	DefaultHeartbeat         = comm.DefaultHeartbeat
+	DefaultHeartbeatTimeout  = comm.DefaultHeartbeatTimeout
 )
 
 // RendezvousConfig is one node's side of a rendezvous.
@@ -76,7 +72,7 @@ type RendezvousConfig struct {
 	Hostname   string // this host's name in the node table and in errors; "" is os.Hostname
 	// Blob is what node 0 hands to every node (the run id and, on the
 	// CUDA backend, the NCCL unique id); the other nodes' Blob is ignored.
-	Blob [BlobSize]byte
+	Blob [comm.BlobSize]byte
 	// DataPort is the port this node's data connections listen on (the TCP
 	// communicator's, NewTCPRanks), published in the node table; 0 when
 	// the node has none.
@@ -119,7 +115,7 @@ type Rendezvous struct {
 	cfg   RendezvousConfig
 	addr  string // MasterAddr:MasterPort, for messages
 	self  NodeInfo
-	blob  [BlobSize]byte
+	blob  [comm.BlobSize]byte
 	nodes []NodeInfo
 
 	events    chan event    // readers and the accept loop -> hub
@@ -211,10 +207,25 @@ func (c RendezvousConfig) withDefaults() (RendezvousConfig, error) {
 }
 
 // Blob is the blob node 0 handed to every node.
-func (r *Rendezvous) Blob() [BlobSize]byte { return r.blob }
+func (r *Rendezvous) Blob() [comm.BlobSize]byte { return r.blob }
 
 // Nodes is the node table, indexed by node rank.
 func (r *Rendezvous) Nodes() []NodeInfo { return slices.Clone(r.nodes) }
+
+// DataAddrs is every node's data address (host:port) from a rendezvous
+// node table: the host as node 0 saw it (node 0's own: the master address)
+// and the port the node published (RendezvousConfig.DataPort):
+// the addresses comm.TCPConfig.Addrs takes.
+func DataAddrs(nodes []NodeInfo) ([]string, error) {
+	out := make([]string, len(nodes))
+	for i, nd := range nodes {
+		if nd.DataPort <= 0 || nd.Addr == "" {
+			return nil, fmt.Errorf("launch: %s published no data address (host %q, port %d); every node must run an mktrain that opens one", nd, nd.Addr, nd.DataPort)
+		}
+		out[i] = net.JoinHostPort(nd.Addr, fmt.Sprint(nd.DataPort))
+	}
+	return out, nil
+}
 
 // Watch returns a channel that receives the run's failure, the same on
 // every node ("node 3 (host d) left the run ..."), and is then closed. It
@@ -467,9 +478,9 @@ func (s *server) lost(p *peer, err error) (done bool) {
 	switch {
 	case p.node == nil || p.left:
 	case s.listening: // it may still come back before the deadline
-		s.dropped[p.node.NodeRank] = fmt.Sprintf("%s came, then left (%s)", p.node, describeDrop(err, s.r.cfg.HeartbeatTimeout))
+		s.dropped[p.node.NodeRank] = fmt.Sprintf("%s came, then left (%s)", p.node, peernet.DescribeDrop(err, s.r.cfg.HeartbeatTimeout))
 	default:
-		err := fmt.Errorf("%s left the run (%s)", p.node, describeDrop(err, s.r.cfg.HeartbeatTimeout))
+		err := fmt.Errorf("%s left the run (%s)", p.node, peernet.DescribeDrop(err, s.r.cfg.HeartbeatTimeout))
 		s.abort(err, err.Error(), p)
 		return true
 	}
@@ -599,7 +610,7 @@ func (r *Rendezvous) check(arrived []*peer, unclaimed bool) []string {
 		}
 	}
 	if unclaimed && len(free) > 0 && len(problems) > 0 {
-		problems = append(problems, fmt.Sprintf("no node claimed %s", rankList("rank", free)))
+		problems = append(problems, fmt.Sprintf("no node claimed %s", peernet.RankList("rank", free)))
 	}
 	return problems
 }
@@ -617,7 +628,7 @@ func (r *Rendezvous) missing(arrived []*peer, dropped map[int]string) error {
 			absent = append(absent, rank)
 		}
 	}
-	msg := fmt.Sprintf("rendezvous at %s: %s of %d did not arrive within %s", r.addr, rankList("node", absent), r.self.NNodes, fmtDuration(r.cfg.Timeout))
+	msg := fmt.Sprintf("rendezvous at %s: %s of %d did not arrive within %s", r.addr, peernet.RankList("node", absent), r.self.NNodes, peernet.Duration(r.cfg.Timeout))
 	for _, rank := range absent {
 		if why, ok := dropped[rank]; ok {
 			msg += "; " + why
@@ -645,13 +656,13 @@ func (r *Rendezvous) table(arrived []*peer) []NodeInfo {
 // wait for the verdict.
 func (r *Rendezvous) follow(ctx context.Context) error {
 	dialCtx, cancel := context.WithTimeout(ctx, r.cfg.Timeout)
-	conn, err := dialRetry(dialCtx, r.addr)
+	conn, err := peernet.DialRetry(dialCtx, r.addr)
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
 			return fmt.Errorf("rendezvous at %s: stopped waiting for node 0: %w", r.addr, context.Cause(ctx))
 		}
-		return fmt.Errorf("rendezvous at %s: node 0 did not answer within %s (last attempt: %v)", r.addr, fmtDuration(r.cfg.Timeout), err)
+		return fmt.Errorf("rendezvous at %s: node 0 did not answer within %s (last attempt: %v)", r.addr, peernet.Duration(r.cfg.Timeout), err)
 	}
 	p := newPeer(conn)
 	hello := r.self
@@ -661,27 +672,6 @@ func (r *Rendezvous) follow(ctx context.Context) error {
 	r.startPeer(p)
 	go r.hubK(ctx, p, joined)
 	return <-joined
-}
-
-// dialRetry dials addr until it answers or ctx ends, backing off from 20ms
-// to 1s between attempts. The error is the last attempt's.
-func dialRetry(ctx context.Context, addr string) (net.Conn, error) {
-	var d net.Dialer
-	wait := 20 * time.Millisecond
-	for {
-		conn, err := d.DialContext(ctx, "tcp", addr)
-		if err == nil {
-			return conn, nil
-		}
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil, err
-		case <-t.C:
-		}
-		wait = min(2*wait, time.Second)
-	}
 }
 
 // hubK is the hub of a node other than 0: it waits for node 0's verdict,
@@ -708,11 +698,11 @@ func (r *Rendezvous) hubK(ctx context.Context, p *peer, joined chan<- error) {
 		case ev := <-r.events:
 			switch {
 			case ev.err != nil && joining:
-				failJoin(fmt.Errorf("rendezvous at %s: the connection to node 0 ended before the rendezvous completed (%s)", r.addr, describeDrop(ev.err, r.cfg.HeartbeatTimeout)))
+				failJoin(fmt.Errorf("rendezvous at %s: the connection to node 0 ended before the rendezvous completed (%s)", r.addr, peernet.DescribeDrop(ev.err, r.cfg.HeartbeatTimeout)))
 				return
 			case ev.err != nil:
 				if !p.left {
-					r.fail(fmt.Errorf("%s left the run (%s)", node0, describeDrop(ev.err, r.cfg.HeartbeatTimeout)))
+					r.fail(fmt.Errorf("%s left the run (%s)", node0, peernet.DescribeDrop(ev.err, r.cfg.HeartbeatTimeout)))
 				}
 				return
 			case ev.msg.Kind == kindWelcome && joining:
@@ -743,7 +733,7 @@ func (r *Rendezvous) hubK(ctx context.Context, p *peer, joined chan<- error) {
 			}
 
 		case <-verdictC:
-			failJoin(fmt.Errorf("rendezvous at %s: node 0 accepted the connection but gave no verdict within %s", r.addr, fmtDuration(r.cfg.Timeout+r.cfg.HeartbeatTimeout)))
+			failJoin(fmt.Errorf("rendezvous at %s: node 0 accepted the connection but gave no verdict within %s", r.addr, peernet.Duration(r.cfg.Timeout+r.cfg.HeartbeatTimeout)))
 			return
 
 		case <-ctxDone:
@@ -765,8 +755,8 @@ func (r *Rendezvous) hubK(ctx context.Context, p *peer, joined chan<- error) {
 // acceptWelcome checks node 0's welcome and keeps its blob and table.
 func (r *Rendezvous) acceptWelcome(m message) error {
 	n := r.cfg.Launch.NNodes
-	if len(m.Blob) != BlobSize || len(m.Nodes) != n {
-		return fmt.Errorf("rendezvous at %s: node 0's answer holds a %d-byte blob and %d nodes, want %d bytes and %d nodes", r.addr, len(m.Blob), len(m.Nodes), BlobSize, n)
+	if len(m.Blob) != comm.BlobSize || len(m.Nodes) != n {
+		return fmt.Errorf("rendezvous at %s: node 0's answer holds a %d-byte blob and %d nodes, want %d bytes and %d nodes", r.addr, len(m.Blob), len(m.Nodes), comm.BlobSize, n)
 	}
 	for i, nd := range m.Nodes {
 		if nd.NodeRank != i {
@@ -943,53 +933,10 @@ func readFrame(r io.Reader) (message, error) {
 	return m, nil
 }
 
-// describeDrop says why a connection ended, for "node 3 (host d) left the
-// run (...)".
-func describeDrop(err error, silence time.Duration) string {
-	var ne net.Error
-	switch {
-	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return "connection closed"
-	case errors.Is(err, syscall.ECONNRESET):
-		return "connection reset"
-	case errors.As(err, &ne) && ne.Timeout():
-		return fmt.Sprintf("silent for %s: its host or the network may be down", fmtDuration(silence))
-	default:
-		return "connection broken: " + err.Error()
-	}
-}
-
 func remoteIP(c net.Conn) string {
 	host, _, err := net.SplitHostPort(c.RemoteAddr().String())
 	if err != nil {
 		return c.RemoteAddr().String()
 	}
 	return host
-}
-
-// rankList is "node 2" or "nodes 2, 3".
-func rankList(what string, ranks []int) string {
-	s := make([]string, len(ranks))
-	for i, r := range ranks {
-		s[i] = strconv.Itoa(r)
-	}
-	if len(ranks) == 1 {
-		return what + " " + s[0]
-	}
-	return what + "s " + strings.Join(s, ", ")
-}
-
-// fmtDuration prints a duration for people: "30s", "1.5s", "10m", "200ms".
-func fmtDuration(d time.Duration) string {
-	if d >= time.Second {
-		d = d.Round(100 * time.Millisecond)
-	}
-	s := d.String()
-	if strings.HasSuffix(s, "m0s") {
-		s = strings.TrimSuffix(s, "0s")
-	}
-	if strings.HasSuffix(s, "h0m") {
-		s = strings.TrimSuffix(s, "0m")
-	}
-	return s
 }
