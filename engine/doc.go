@@ -12,7 +12,8 @@
 // Run returns errors, never panics or exits; a cancelled context returns the
 // result so far and ErrStopped. With WithRunDir, Run saves checkpoints under
 // DIR/checkpoints (every checkpoint.every steps, on stop and at the end)
-// and resumes from the newest valid one when started again.
+// and resumes from the newest valid one when started again. A trained
+// checkpoint is evaluated, sampled and exported by package infer.
 //
 // # Where things are
 //
@@ -39,9 +40,15 @@
 //   - events.go: StepEvent and the metrics.jsonl line.
 //   - checkpointing.go: what a rank saves, resume (with resharding by tensor
 //     name), the recipe-change check.
-//   - inference.go: LoadModel, Evaluate and Sample on a trained checkpoint.
-//   - hf.go: Hugging Face Mixtral export (ExportHF) and import
-//     (checkpoint.init_from).
+//   - init_from.go: checkpoint.init_from, a fresh run starting from a
+//     Hugging Face Mixtral directory (read by package hf); HFModel, the
+//     recipe's model as Mixtral's config.json describes it.
+//   - checkpoint_info.go: finding a run's newest verified checkpoint
+//     (ResolveCheckpoint) and reading what one records (ReadCheckpointInfo).
+//   - replica.go: a trained checkpoint's model on one rank (LoadReplica)
+//     and its forward pass without training (Forward: losses, logits).
+//     Evaluation, sampling and the Hugging Face export built on it are
+//     package infer's.
 //
 // # The model
 //

@@ -12,6 +12,7 @@ import (
 
 	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/infer"
 )
 
 const evalUsage = `Usage: mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
@@ -64,7 +65,7 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if *batches < 0 {
 		return usageError{fmt.Sprintf("--batches must be 0 (a full pass) or positive, got %d", *batches)}
 	}
-	m, err := engine.LoadModel(*dir, engine.WithDrivers(all.Drivers()...), engine.WithLogger(warnLogger(stderr)))
+	m, err := infer.Load(*dir, engine.WithDrivers(all.Drivers()...), engine.WithLogger(warnLogger(stderr)))
 	if err != nil {
 		return err
 	}

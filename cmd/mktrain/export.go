@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/infer"
 )
 
 const exportUsage = `Usage: mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
@@ -53,7 +54,7 @@ func cmdExport(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if err := engine.ExportHF(ckDir, pos[1], *dtype); err != nil {
+	if err := infer.ExportHF(ckDir, pos[1], *dtype); err != nil {
 		return err
 	}
 	if cf := info.Config.Model.MoE.CapacityFactor; cf > 0 {

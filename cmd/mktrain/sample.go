@@ -10,6 +10,7 @@ import (
 	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/data"
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/infer"
 )
 
 const sampleUsage = `Usage: mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
@@ -55,7 +56,7 @@ func cmdSample(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	case *topK < 0:
 		return usageError{fmt.Sprintf("--top-k must be 0 or positive, got %d", *topK)}
 	}
-	m, err := engine.LoadModel(*dir, engine.WithDrivers(all.Drivers()...), engine.WithLogger(warnLogger(stderr)))
+	m, err := infer.Load(*dir, engine.WithDrivers(all.Drivers()...), engine.WithLogger(warnLogger(stderr)))
 	if err != nil {
 		return err
 	}

@@ -1,24 +1,35 @@
-package engine
+package infer
 
 import (
 	"context"
 	"math"
 	"math/rand/v2"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
-	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/data"
+	"github.com/mktrain/mktrain/engine"
 )
 
+// testConfig is a small model on the embedded corpus whose global batch (8
+// sequences) trains in 3 steps (engine's inferenceConfig).
+func testConfig() engine.Config {
+	cfg := engine.DefaultConfig()
+	cfg.Model.Dim, cfg.Model.Layers, cfg.Model.Heads, cfg.Model.KVHeads = 32, 2, 4, 2
+	cfg.Model.MoE.Experts, cfg.Model.MoE.TopK, cfg.Model.MoE.FFN = 4, 2, 32
+	cfg.Model.MoE.ZLossCoef = 0.001
+	cfg.Train.Seq, cfg.Train.GlobalBatch, cfg.Train.Steps = 16, 8, 3
+	cfg.Train.LR, cfg.Train.WarmupSteps, cfg.Train.EvalEvery, cfg.Train.EvalBatches = 3e-3, 2, 0, 2
+	cfg.Train.Backend = "cpu"
+	return cfg
+}
+
 // trainRun trains cfg to the end in runDir and returns the result.
-func trainRun(t *testing.T, cfg Config, runDir string) Result {
+func trainRun(t *testing.T, cfg engine.Config, runDir string) engine.Result {
 	t.Helper()
-	eng, err := New(cfg, WithRunDir(runDir))
+	eng, err := engine.New(cfg, engine.WithRunDir(runDir))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,12 +38,6 @@ func trainRun(t *testing.T, cfg Config, runDir string) Result {
 		t.Fatal(err)
 	}
 	return res
-}
-
-func inferenceConfig() Config {
-	cfg := equivalenceConfig()
-	cfg.Train.Steps, cfg.Train.EvalBatches = 3, 2
-	return cfg
 }
 
 // valShard writes the first windows*seq+1 tokens of the embedded corpus's
@@ -55,15 +60,15 @@ func valShard(t *testing.T, seq, windows int) string {
 // one pass over the shard.
 func TestEvaluateMatchesTrainingValidation(t *testing.T) {
 	ctx := context.Background()
-	cfg := inferenceConfig()
+	cfg := testConfig()
 	dir := t.TempDir()
 	res := trainRun(t, cfg, dir)
 
-	m, err := LoadModel(dir)
+	m, err := Load(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m.Step() != cfg.Train.Steps || m.Config().Parallel != (ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1}) || m.Config().Model != cfg.Model {
+	if m.Step() != cfg.Train.Steps || m.Config().Parallel != (engine.ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1}) || m.Config().Model != cfg.Model {
 		t.Fatalf("step %d, config %+v", m.Step(), m.Config())
 	}
 	got, err := m.Evaluate(ctx, "", cfg.Train.EvalBatches)
@@ -100,7 +105,7 @@ func TestEvaluateMatchesTrainingValidation(t *testing.T) {
 	sharded.Parallel.EP, sharded.Train.MicroBatch = 4, 2
 	dir4 := t.TempDir()
 	res4 := trainRun(t, sharded, dir4)
-	m4, err := LoadModel(filepath.Join(dir4, "checkpoints"))
+	m4, err := Load(filepath.Join(dir4, "checkpoints"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,44 +116,10 @@ func TestEvaluateMatchesTrainingValidation(t *testing.T) {
 	if math.Abs(got4.Loss-res4.ValLoss) > 1e-5*res4.ValLoss {
 		t.Errorf("ep=4 checkpoint on one rank: loss %v, the run's %v", got4.Loss, res4.ValLoss)
 	}
-}
 
-// TestRowLogitsMatchLoss: the logits Sample reads agree with the loss
-// the forward computed from its own logits: loss[t] = logsumexp(z) - z[y].
-func TestRowLogitsMatchLoss(t *testing.T) {
-	cfg := inferenceConfig()
-	dir := t.TempDir()
-	trainRun(t, cfg, dir)
-	m, err := LoadModel(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rng := rand.New(rand.NewPCG(3, 4))
-	mod := m.r.model
-	T := mod.batch * mod.seq
-	ids, targets := make([]int32, T), make([]int32, T)
-	for i := range ids {
-		ids[i], targets[i] = int32(rng.IntN(cfg.Model.Vocab)), int32(rng.IntN(cfg.Model.Vocab))
-	}
-	mod.setBatch(ids, targets)
-	if _, err := mod.forward(false, 0, 0, m.r.biasE); err != nil {
-		t.Fatal(err)
-	}
-	losses := backend.DownloadFloat32(m.b, mod.lossT)
-	for _, row := range []int{0, 5, T - 1} {
-		z := mod.rowLogits(row)
-		top := math.Inf(-1)
-		for _, v := range z {
-			top = math.Max(top, float64(v))
-		}
-		sum := 0.0
-		for _, v := range z {
-			sum += math.Exp(float64(v) - top)
-		}
-		want := top + math.Log(sum) - float64(z[targets[row]])
-		if math.Abs(want-float64(losses[row])) > 1e-5 {
-			t.Errorf("row %d: loss from logits %v, forward's %v", row, want, losses[row])
-		}
+	// Load's errors are engine.LoadReplica's.
+	if _, err := Load(filepath.Join(t.TempDir(), "nope")); err == nil || !strings.Contains(err.Error(), "nope") {
+		t.Errorf("missing directory: %v", err)
 	}
 }
 
@@ -168,10 +139,10 @@ func argmax(z []float32) int32 {
 // a seed reproduces a sample.
 func TestSampleGreedy(t *testing.T) {
 	ctx := context.Background()
-	cfg := inferenceConfig()
+	cfg := testConfig()
 	dir := t.TempDir()
 	trainRun(t, cfg, dir)
-	m, err := LoadModel(dir)
+	m, err := Load(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,17 +160,23 @@ func TestSampleGreedy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mod := m.r.model
+	mod, err := m.rep.Forward(cfg.Train.MicroBatch)
+	if err != nil {
+		t.Fatal(err)
+	}
 	tokens := slices.Clone(prompt)
 	for i, tok := range got {
 		window := tokens[max(0, len(tokens)-seq):]
-		ids := random(mod.batch * seq)
+		ids := random(mod.Batch() * seq)
 		copy(ids[3*seq:], window)
-		mod.setBatch(ids, make([]int32, len(ids)))
-		if _, err := mod.forward(false, 0, 0, m.r.biasE); err != nil {
+		if _, err := mod.Run(ids, make([]int32, len(ids))); err != nil {
 			t.Fatal(err)
 		}
-		if want := argmax(mod.rowLogits(3*seq + len(window) - 1)); tok != want {
+		logits, err := mod.Logits(3*seq + len(window) - 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := argmax(logits); tok != want {
 			t.Fatalf("token %d: sampled %d, argmax %d", i, tok, want)
 		}
 		tokens = append(tokens, tok)
@@ -280,39 +257,6 @@ func TestSampleTokenDistribution(t *testing.T) {
 			if math.Abs(float64(counts[i])-draws*p) > 5*sd+1e-9 {
 				t.Errorf("temperature %v top-k %d: token %d drawn %d times, expected %.0f ± %.0f", c.temp, c.topK, i, counts[i], draws*p, sd)
 			}
-		}
-	}
-}
-
-// TestLoadModelErrors: a missing directory, an empty one and a corrupt
-// checkpoint are errors that name the path or the bad file.
-func TestLoadModelErrors(t *testing.T) {
-	missing := filepath.Join(t.TempDir(), "nope")
-	if _, err := LoadModel(missing); err == nil || !strings.Contains(err.Error(), "nope") {
-		t.Errorf("missing directory: %v", err)
-	}
-	empty := t.TempDir()
-	if _, err := LoadModel(empty); err == nil || !strings.Contains(err.Error(), "no checkpoint") {
-		t.Errorf("empty directory: %v", err)
-	}
-	dir := t.TempDir()
-	trainRun(t, inferenceConfig(), dir)
-	ckDir, err := checkpoint.Latest(filepath.Join(dir, "checkpoints"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	victim := filepath.Join(ckDir, checkpoint.ModelFile(0))
-	raw, err := os.ReadFile(victim)
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw[len(raw)-3] ^= 1
-	if err := os.WriteFile(victim, raw, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	for _, d := range []string{ckDir, dir} {
-		if _, err := LoadModel(d); err == nil || !strings.Contains(err.Error(), "model-rank00000.safetensors") {
-			t.Errorf("LoadModel(%s) with a corrupt model file: %v", d, err)
 		}
 	}
 }

@@ -1,0 +1,28 @@
+// Package infer uses a trained mktrain checkpoint outside training: it
+// scores a model's loss on token data, samples continuations from it, and
+// exports it as a Hugging Face Mixtral directory. The mktrain commands
+// eval, sample and export are thin shells over it.
+//
+// Load a checkpoint (a step_* directory, or a run directory or checkpoints
+// root: its newest checkpoint that verifies) and use it:
+//
+//	m, err := infer.Load("runs/tiny",
+//		engine.WithDrivers(all.Drivers()...)) // the GPU, if any; else the CPU
+//	defer m.Close()
+//	res, err := m.Evaluate(ctx, "", 0)        // the run's own validation data, one pass
+//	fmt.Println(res.Loss, res.Perplexity)
+//	next, err := m.Sample(ctx, prompt, 100, 0.8, 0, 1) // 100 tokens at temperature 0.8, seed 1
+//
+// Export for transformers' MixtralForCausalLM.from_pretrained:
+//
+//	err := infer.ExportHF("runs/tiny", "out/hf", "bf16") // or "fp32" to compare losses exactly
+//
+// Evaluate reads windows exactly as training's validation does, so on the
+// run's own validation data it reproduces the run's validation loss. Sample
+// draws from a seeded PCG generator: a seed reproduces a sample.
+//
+// The model runs on one rank whatever parallel layout trained it: package
+// engine loads it (engine.LoadReplica) and runs its forward pass
+// (engine.Forward); this package decides what to feed it and what to do
+// with the losses and logits. The Hugging Face format is package hf's.
+package infer
