@@ -1,17 +1,34 @@
-// Command mktrain trains mixture-of-experts transformers.
+// Command mktrain trains Mixtral-style mixture-of-experts transformers from
+// a recipe, on the CPU or on NVIDIA GPUs, on one node or several, and
+// prepares data for them, evaluates, samples, exports and checks their
+// checkpoints, and measures their speed.
 //
 //	mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
-//	mktrain data prepare [--out DIR] [--val-fraction F] FILE|GLOB...
+//	            [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D]
+//	mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
 //	mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
 //	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
 //	mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
-//	mktrain ckpt verify|inspect DIR
-//	mktrain bench train [RECIPE] [--steps N]
+//	mktrain ckpt verify DIR
+//	mktrain ckpt inspect DIR
+//	mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--set k=v]... [--out DIR]
+//	mktrain bench checkpoint [RECIPE] [--set k=v]... [--dir DIR] [--out DIR]
+//	mktrain bench moe [--shape moe-small,fine] [--world 1,2,4,8] [--steps N] [--warmup N] [--backend B] [--out DIR]
+//	mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend B] [--gpus] [--out DIR]
 //	mktrain version
 //
-// Every subcommand takes --help. Exit status: 0 on success, 2 on bad input
-// or a failed run (the message names the file, field or step), 130 when
-// interrupted (the run stops cleanly between two steps).
+// A recipe is a YAML file or a shipped name (tiny, moe-small); its fields
+// are documented in docs/recipes.md. Every command takes --help. Exit
+// status: 0 on success, 2 on bad input or a failed run (the message names
+// the file, field or step), 130 when interrupted (a run stops cleanly
+// between two steps). README.md's Commands section describes each command.
+//
+// Each command is one file here, which parses its flags and calls the
+// packages that do the work: run.go (recipes, launch, engine), data.go
+// (data.Prepare), eval.go, sample.go and export.go (infer), ckpt.go
+// (checkpoint), bench.go (bench train, through engine and backend/profile),
+// bench_checkpoint.go, bench_moe.go, bench_kernels.go, and version.go. The
+// programs pick their backends from backend/all.
 package main
 
 import (
@@ -45,8 +62,9 @@ const topUsage = `mktrain trains mixture-of-experts transformers.
 
 Usage:
   mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
+              [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D]
                          train from a recipe (a file, or a shipped name: tiny, moe-small)
-  mktrain data prepare [--out DIR] [--val-fraction F] FILE|GLOB...
+  mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
                          turn text files into byte-level token shards
   mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
                          a checkpoint's validation loss and perplexity
@@ -58,10 +76,17 @@ Usage:
                          check the checksums of a checkpoint, or of all under a run
   mktrain ckpt inspect DIR
                          show a checkpoint's state, tensors and recipe
-  mktrain bench train [RECIPE] [--steps N]
-                         measure training tokens/s; writes bench/results/<machine>/
+  mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--set k=v]... [--out DIR]
+                         measure training tokens/s and where a step's time goes
+  mktrain bench checkpoint [RECIPE] [--set k=v]... [--dir DIR] [--out DIR]
+                         measure saving and loading a model's training state
+  mktrain bench moe [--shape moe-small,fine] [--world 1,2,4,8] [--steps N] [--warmup N] [--backend B] [--out DIR]
+                         time one MoE layer and each phase of its dispatch
+  mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend B] [--gpus] [--out DIR]
+                         time the fused and unfused dispatchers; store the faster for model.moe.dispatcher: auto
   mktrain version        print the version
 
+The bench commands write their results into bench/results/<machine>/.
 Run 'mktrain COMMAND --help' for a command's flags.
 `
 

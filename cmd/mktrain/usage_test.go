@@ -1,0 +1,77 @@
+package main
+
+import (
+	"go/parser"
+	"go/token"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// commands are mktrain's commands, as the top-level usage lists them.
+var commands = [][]string{
+	{"run"}, {"data", "prepare"}, {"eval"}, {"sample"}, {"export"}, {"ckpt", "verify"}, {"ckpt", "inspect"},
+	{"bench", "train"}, {"bench", "checkpoint"}, {"bench", "moe"}, {"bench", "kernels"}, {"version"},
+}
+
+var (
+	flagDefault = regexp.MustCompile(`(?m)^  -([a-z][a-z0-9-]*)`)               // a flag as FlagSet.PrintDefaults lists it
+	flagMention = regexp.MustCompile(`--([a-z][a-z0-9-]*)`)                     // a flag as the usage text names it
+	commandLine = regexp.MustCompile(`(?m)^[ \t]+mktrain ([a-z]+(?: [a-z]+)?)`) // a synopsis line
+)
+
+// packageDoc is main.go's package comment.
+func packageDoc(t *testing.T) string {
+	t.Helper()
+	f, err := parser.ParseFile(token.NewFileSet(), "main.go", nil, parser.ParseComments|parser.PackageClauseOnly)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f.Doc.Text()
+}
+
+// TestUsageNamesEveryCommandAndFlag keeps topUsage and the package doc in
+// step with the commands: each names every command and every flag a
+// command's --help lists, and no command or flag that does not exist.
+func TestUsageNamesEveryCommandAndFlag(t *testing.T) {
+	texts := map[string]string{"topUsage": topUsage, "package doc": packageDoc(t)}
+	real := map[string]bool{"help": true}
+	for _, cmd := range commands {
+		code, stdout, stderr := runCLI(t, append(slices.Clone(cmd), "--help")...)
+		if code != exitOK {
+			t.Errorf("mktrain %s --help: exit %d\n%s", strings.Join(cmd, " "), code, stderr)
+		}
+		for what, text := range texts {
+			if !strings.Contains(text, "mktrain "+strings.Join(cmd, " ")) {
+				t.Errorf("%s does not name the command mktrain %s", what, strings.Join(cmd, " "))
+			}
+		}
+		for _, m := range flagDefault.FindAllStringSubmatch(stdout+stderr, -1) {
+			real[m[1]] = true
+			for what, text := range texts {
+				if !strings.Contains(text, "--"+m[1]) {
+					t.Errorf("%s does not name mktrain %s --%s", what, strings.Join(cmd, " "), m[1])
+				}
+			}
+		}
+	}
+	if len(real) < 20 {
+		t.Fatalf("found only %d flags in the commands' --help; is the PrintDefaults format parsed?", len(real))
+	}
+	for what, text := range texts {
+		for _, m := range flagMention.FindAllStringSubmatch(text, -1) {
+			if !real[m[1]] {
+				t.Errorf("%s names --%s, which no command has", what, m[1])
+			}
+		}
+		for _, m := range commandLine.FindAllStringSubmatch(text, -1) {
+			words := strings.Fields(m[1]) // "bench train", or "version print": a command and the next word
+			if !slices.ContainsFunc(commands, func(c []string) bool {
+				return slices.Equal(c, words) || len(c) == 1 && c[0] == words[0]
+			}) {
+				t.Errorf("%s names the command mktrain %s, which does not exist", what, m[1])
+			}
+		}
+	}
+}
