@@ -21,7 +21,8 @@
 // multi-node launch configuration and the TCP rendezvous (launch.Join) that
 // hands out its unique id (launch.Rendezvous.Blob).
 //
-// The TCP implementation (NewTCPRanks, tcp.go) spreads the ranks over
+// The TCP implementation (NewTCPRanks; world.go, remote_group.go,
+// tcp_transport.go) spreads the ranks over
 // several processes, one per node, each hosting an equal block of world
 // ranks; the groups move host copies of the tensors over TCP and reduce in
 // rank order at each group's rank 0, so a layout gives bitwise the same

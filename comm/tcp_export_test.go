@@ -1,13 +1,13 @@
 package comm
 
-// Cut drops every connection of w without a goodbye and without telling
-// anyone, as the death of its process would.
+// Cut drops every link of w without a goodbye and without telling anyone,
+// as the death of its process would.
 func (w *TCPWorld) Cut() {
 	w.closeOnce.Do(func() {
 		close(w.closing) // the node's own readers must not report the loss
-		for _, c := range w.conns {
-			if c != nil {
-				c.conn.Close()
+		for _, p := range w.peers {
+			if p != nil {
+				p.link.Close()
 			}
 		}
 	})
