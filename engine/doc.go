@@ -12,8 +12,9 @@
 // Run returns errors, never panics or exits; a cancelled context returns the
 // result so far and ErrStopped. With WithRunDir, Run saves checkpoints under
 // DIR/checkpoints (every checkpoint.every steps, on stop and at the end)
-// and resumes from the newest valid one when started again. A trained
-// checkpoint is evaluated, sampled and exported by package infer.
+// and resumes from the newest valid one when started again. RunDistributed
+// trains one node's share of a multi-node run. A trained checkpoint is
+// evaluated, sampled and exported by package infer, on LoadReplica.
 //
 // # Where things are
 //
@@ -25,11 +26,15 @@
 //     fits its kernels' limits; otherwise the CPU, with the reason logged.
 //   - placement.go: where the ranks train: virtual ranks of one backend,
 //     or one per GPU (registry.RankPerDevice).
+//   - distributed.go: RunDistributed and RendezvousBlob, a run over several
+//     processes (nodes), each training the ranks it hosts.
 //   - train.go: the training loop, read top to bottom.
 //   - rank.go: one rank's step: micro-batches, gradient reduction, clipping,
 //     AdamW, expert-bias updates; evaluation.
 //   - grad_overlap.go: the gradients' cross-rank sums, in buckets started
 //     during the step's last backward as they become final.
+//   - zero.go: ZeRO-1 (parallel.zero: 1), the AdamW moments of the
+//     replicated weights sharded over the ranks that share them.
 //   - model.go: the decoder's forward and backward over a micro-batch:
 //     embedding, per layer RMSNorm, attention (package attention), residual,
 //     RMSNorm, sparse MoE (package moe), residual; final RMSNorm; the LM head
@@ -38,6 +43,8 @@
 //     their storage (below).
 //   - schedule.go: the learning-rate schedules.
 //   - events.go: StepEvent and the metrics.jsonl line.
+//   - comm_timing.go: the NCCL collectives timed in a profiled step (kind
+//     communication of package backend/profile).
 //   - checkpointing.go: what a rank saves, resume (with resharding by tensor
 //     name), the recipe-change check.
 //   - init_from.go: checkpoint.init_from, a fresh run starting from a
@@ -46,9 +53,8 @@
 //   - checkpoint_info.go: finding a run's newest verified checkpoint
 //     (ResolveCheckpoint) and reading what one records (ReadCheckpointInfo).
 //   - replica.go: a trained checkpoint's model on one rank (LoadReplica)
-//     and its forward pass without training (Forward: losses, logits).
-//     Evaluation, sampling and the Hugging Face export built on it are
-//     package infer's.
+//     and its forward pass without training (Replica.Forward).
+//   - version.go: Version, the release that checkpoints record.
 //
 // # The model
 //
@@ -56,60 +62,44 @@
 // embedding; per layer x += attn(rmsnorm(x)), x += moe(rmsnorm(x)); final
 // RMSNorm; untied LM head; next-token cross-entropy averaged over the global
 // batch. The objective adds, per MoE layer, aux_loss_coef times the Switch
-// load-balancing loss and z_loss_coef times the router z-loss (both computed
-// over the global batch of each micro-step); StepEvent reports the
-// cross-entropy and the two auxiliary losses separately.
+// load-balancing loss and z_loss_coef times the router z-loss (both over
+// the global batch of each micro-step); StepEvent reports the cross-entropy
+// and the two auxiliary losses separately.
 //
 // # Ranks
 //
-// The recipe's parallel section becomes a mesh of ranks (package comm). Each
-// rank owns a model replica with all non-expert weights and its share of the
-// experts (model.moe.experts / parallel.ep), and exchanges routed tokens with
-// the other ranks of its expert group: by all-to-all (the unfused
-// dispatcher) or by reading and writing the peers' rows directly in the
-// fused kernels (model.moe.dispatcher; auto is resolved once per run,
-// before the ranks start, from the measured table of tune.ResolveDispatcher,
-// so every rank uses the same). Each of the dp*ep data ranks reads a
-// disjoint part of the data; under context parallelism the parallel.cp
-// ranks of one data rank read the same sequences and each keeps its zigzag
-// share of every sequence (attention.ZigzagPositions): attention gathers the
-// keys and values of whole sequences over the context group, and everything
-// else runs per token. The loss and the MoE load statistics are summed over
-// every rank with distinct tokens (data x context), gradients of replicated
-// weights likewise, those of experts over the ranks holding the same
+// The recipe's parallel section becomes a mesh of ranks (package comm).
+// Each rank holds all non-expert weights and its share of the experts
+// (model.moe.experts / parallel.ep), and exchanges routed tokens with its
+// expert group through the dispatcher model.moe.dispatcher names ("auto"
+// resolved once per run, before the ranks start, by tune.ResolveDispatcher).
+// Each of the dp*ep data ranks reads a disjoint part of the data; the
+// parallel.cp ranks of one data rank share its sequences, each keeping its
+// zigzag share (attention.ZigzagPositions). The loss, the MoE statistics
+// and the gradients of replicated weights are summed over every rank with
+// distinct tokens, those of experts over the ranks holding the same
 // experts, so every layout trains the same model as one rank would, up to
 // floating-point summation order.
-// The ranks are goroutines of one process (virtual ranks) sharing the one
-// backend: the CPU, or one GPU, where each rank's tensors are separate
-// allocations and the collectives move data with device copies and kernels
-// (comm.NewLocal). On the CUDA backend, when the machine shows at least as
-// many GPUs as the layout has ranks, each rank takes a GPU of its own and
-// the groups are NCCL communicators (its driver's
-// registry.RankPerDevice.MeshRanks) instead.
-// Engine.RunDistributed spreads the ranks over several
-// processes (nodes) instead, each training its own ranks: on the CPU with
-// the collectives over TCP (comm.NewTCPRanks), where the losses are bitwise
-// those of the same layout in one process; on CUDA one GPU per rank, the
-// groups cut from one NCCL world across the nodes (its driver's
-// registry.MultiProcess.NodeRanks).
-// Node 0 writes the metrics and the checkpoints (see distributed.go).
+//
+// Ranks are goroutines of one process sharing one backend (virtual ranks,
+// comm.NewLocal); or, on the CUDA backend with at least as many GPUs as
+// ranks, one GPU each with NCCL groups (the driver's
+// registry.RankPerDevice). RunDistributed spreads them over processes: on
+// the CPU with TCP collectives (comm.NewTCPRanks), bitwise the losses of
+// the same layout in one process; on CUDA with one NCCL world across the
+// nodes (registry.MultiProcess). Node 0 writes the metrics and checkpoints.
 //
 // # Storage and precision
 //
 // A rank's weights, gradients and AdamW moments are each one flat tensor
 // (flatLayout): norms first, then the other replicated matrices, then the
-// rank's experts, every parameter a view into it. Zeroing the gradients,
-// their norm, the cross-rank reductions (in buckets) and AdamW (with the
-// clipping factor folded in) are a few calls over long ranges.
-//
-// The model reads the weights through an operandStore: on a backend whose
-// operand type differs from its float type (the GPU: bf16 products with
-// float32 accumulation), a bf16 copy of the matrices rounded from the
-// float32 masters at the start of every step and evaluation; on the CPU,
-// the masters themselves. The blocks add their outputs onto the residual
-// stream (attention.AddToOutput, moe.AddToOutput). What the host needs to
-// read from a forward (the summed token losses, the MoE auxiliary losses)
-// is read once per micro-batch after its backward is queued
-// (model.finishStep), so the GPU never waits for the host in mid-step
-// except for the MoE layers' per-expert row counts.
+// rank's experts, every parameter a view into it, so zeroing, norms,
+// reductions and AdamW are a few calls over long ranges. The model reads
+// the weights through an operandStore: where the backend's operand type is
+// not its float type (the GPU: bf16 products, float32 accumulation), a bf16
+// copy rounded from the float32 masters at the start of every step; on the
+// CPU, the masters themselves. What the host reads from a forward (token
+// losses, MoE auxiliary losses) is read once per micro-batch after its
+// backward is queued (model.finishStep), so the GPU waits for the host in
+// mid-step only for the MoE layers' per-expert row counts.
 package engine
