@@ -1,48 +1,86 @@
 // Package comm holds the ranks of a training run and the collectives between
-// them.
+// them: every rank gets a Ranks, whose Groups (World, Data, Expert,
+// ExpertReplica, Context, DataContext) sum gradients, exchange tokens and
+// meet, whether the ranks are goroutines of one process, processes on
+// several nodes, or NCCL communicators.
 //
-// A run's world is a mesh dp x ep x cp x tp (Mesh). Each rank belongs to
-// several Groups cut from the mesh: the data group (every rank that holds a
-// distinct part of the batch, used for non-expert gradients and for global
-// load-balancing statistics), the expert group (the ranks that shard the
-// experts between them, used for the token all-to-all) and the expert-replica
-// group (the ranks that hold the same experts, used for expert gradients);
-// with context parallelism, the context group (the ranks that split each
-// sequence between them) and the data-context group (every rank with
-// distinct tokens: losses and load statistics).
+// # Use
 //
-// The in-process implementation (NewLocal) runs virtual ranks as goroutines
-// of one process sharing one backend (the CPU, or one GPU whose ranks read
-// each other's buffers through plain device pointers); it moves data with
-// the backend's own ops, and every rank reduces in rank order, so all ranks
-// get bitwise identical results and replicated weights never drift. The
-// NCCL implementation of the same interface is cuda.NCCLGroup (package
-// backend/cuda, since it needs device pointers); package launch holds the
-// multi-node launch configuration and the TCP rendezvous (launch.Join) that
-// hands out its unique id (launch.Rendezvous.Blob).
+// A run's layout is a Mesh, dp x ep x cp x tp; its product is the world
+// size. In one process, every rank is a goroutine:
 //
-// The TCP implementation (NewTCPRanks; world.go, remote_group.go,
-// tcp_transport.go) spreads the ranks over
-// several processes, one per node, each hosting an equal block of world
-// ranks; the groups move host copies of the tensors over TCP and reduce in
-// rank order at each group's rank 0, so a layout gives bitwise the same
-// results across processes as in one. The nodes publish their data ports
-// through the rendezvous (launch.RendezvousConfig.DataPort,
-// launch.DataAddrs), which also gives the run id that tags the connections
-// (RunIDFromBlob). A node
-// that dies or goes silent fails every pending operation on every node
-// with an error naming it and its ranks. The engine trains a multi-process
-// run on the CPU backend through it (engine.RunDistributed, mktrain run
-// --nnodes); on the CUDA backend the processes' ranks are NCCL
-// communicators instead (cuda.NCCLNodeRanks), with the rendezvous handing
-// out the NCCL unique id.
+//	ranks, err := comm.NewLocal(comm.Mesh{DP: 2, EP: 2, CP: 1, TP: 1}, b)
+//	for _, r := range ranks {
+//		go func() {
+//			err := r.Data.AllReduceSum(grad) // every rank calls it, in the same order
+//			if err != nil {
+//				r.Abort(err) // so that the other ranks stop waiting for this one
+//			}
+//		}()
+//	}
 //
-// The in-process groups offer PeerAccess (peers.go): a rank gets its
-// peers' tensors and addresses them with the backend's ops, which the MoE
-// layer's fused dispatcher needs. So do the NCCL groups of one process
-// when asked (cuda.NCCLOptions.PeerAccess; their tensors meet in an
-// Exchange). Groups across processes (NCCL across nodes, TCP) do not offer
-// it yet.
+// Across processes (mktrain run --nnodes, engine.RunDistributed), each node
+// first meets the others through package launch (launch.Join), which hands
+// out a run id and every node's data address, then connects to them:
+//
+//	ln, _ := net.Listen("tcp", ":0") // its port goes to launch.RendezvousConfig.DataPort
+//	w, err := comm.NewTCPRanks(ctx, comm.TCPConfig{
+//		Mesh: mesh, Backend: b, NodeRank: node,
+//		Addrs: addrs, Listener: ln, // addrs: launch.DataAddrs(rdv.Nodes())
+//		RunID: comm.RunIDFromBlob(rdv.Blob()),
+//	})
+//	defer w.Close()
+//	ranks := w.Ranks() // this node's block of world ranks
+//
+// A node that dies or goes silent, a peer that never reaches a collective
+// (TCPConfig.OpTimeout) and an Abort on any node fail every pending and
+// later operation on every node with an error naming the cause; w.Failed()
+// and w.Err() report it. On the CUDA backend the same []*Ranks come from
+// NCCL communicators instead (cuda.NCCLGroup, cuda.NCCLNodeRanks; package
+// backend/cuda, since they need device pointers), with the rendezvous
+// handing out NCCL's unique id (BlobSize, NewRunBlob).
+//
+// Optional capabilities are discovered by type assertion on a Group:
+// AsyncReducer (start a reduction, wait later: gradient buckets overlap the
+// backward) and PeerAccess (every rank's tensors, for the MoE layer's fused
+// dispatcher: the in-process groups, and the NCCL groups of one process
+// when asked, cuda.NCCLOptions.PeerAccess, their tensors meeting in an
+// Exchange). Groups across processes do not offer PeerAccess.
+//
+// # Design
+//
+// The groups (groups.go, mesh.go): the data group holds every rank with a
+// distinct part of the batch (non-expert gradients, global load-balancing
+// statistics); the expert group the ranks that shard the experts between
+// them (the token all-to-all); the expert-replica group the ranks that
+// hold the same experts (expert gradients); with context parallelism, the
+// context group splits each sequence and the data-context group holds
+// every rank with distinct tokens (losses and load statistics).
+//
+// The in-process and multi-process implementations reduce in rank order,
+// so all ranks get bitwise identical results, replicated weights never
+// drift, and a layout split over processes gives bitwise the results it
+// gives as virtual ranks of one process.
+//
+// The in-process implementation (local.go) moves data with the backend's
+// own ops: the ranks share one backend (the CPU, or one GPU whose ranks
+// read each other's buffers through plain device pointers).
+//
+// The multi-process implementation is a protocol on top of a transport:
+//
+//   - transport.go: a Link per pair of nodes carries whole frames in order;
+//     the protocol reads time from a clock. tcp_transport.go is the TCP
+//     transport: a full mesh of connections, the hello that checks the run
+//     id, the framing.
+//   - world.go: a node over its links: heartbeats and the silence that
+//     makes a peer lost, inboxes per message key, failures, Abort, goodbye.
+//   - remote_group.go: the collectives, met at each group's rank 0, which
+//     checks every rank's arguments and reduces in rank order.
+//
+// The protocol sees only Links and the clock, so its tests run it over
+// in-memory links on a logical clock (memlink_test.go, world_test.go):
+// heartbeat timeouts and dead peers without sockets or sleeps. The
+// loopback tests (tcp_test.go) check the TCP transport under it.
 package comm
 
 import "github.com/mktrain/mktrain/backend"
