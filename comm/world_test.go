@@ -21,7 +21,9 @@ import (
 )
 
 // Logical timings: a beat a second, a peer silent for three is lost.
-var memTimings = comm.MemConfig{Heartbeat: time.Second, HeartbeatTimeout: 3 * time.Second, OpTimeout: time.Hour}
+func memTimings() comm.MemConfig {
+	return comm.MemConfig{Heartbeat: time.Second, HeartbeatTimeout: 3 * time.Second, OpTimeout: time.Hour}
+}
 
 // memWorlds starts a world of nodes over in-memory links and closes it
 // when the test ends.
@@ -82,7 +84,7 @@ func TestMemWorldMatchesLocal(t *testing.T) {
 	} {
 		t.Run(fmt.Sprintf("dp%d_ep%d_cp%d_nodes%d", tc.m.DP, tc.m.EP, tc.m.CP, tc.nodes), func(t *testing.T) {
 			local := newLocal(t, tc.m, b)
-			worlds, _, _ := memWorlds(t, tc.m, tc.nodes, b, memTimings)
+			worlds, _, _ := memWorlds(t, tc.m, tc.nodes, b, memTimings())
 			remote := allRanks(worlds)
 			want := make([][]uint64, len(local))
 			got := make([][]uint64, len(remote))
@@ -109,7 +111,7 @@ func TestMemWorldMatchesLocal(t *testing.T) {
 // different nodes.
 func TestMemWorldAllToAllRows(t *testing.T) {
 	b := cpu.New(backend.Float64)
-	worlds, _, _ := memWorlds(t, comm.Mesh{DP: 1, EP: 6, CP: 1, TP: 1}, 3, b, memTimings)
+	worlds, _, _ := memWorlds(t, comm.Mesh{DP: 1, EP: 6, CP: 1, TP: 1}, 3, b, memTimings())
 	testAllToAllRows(t, rand.New(rand.NewPCG(6, 6)), b, allRanks(worlds), 2)
 }
 
@@ -117,7 +119,7 @@ func TestMemWorldAllToAllRows(t *testing.T) {
 // wait: a world idle for many heartbeat timeouts does not fail.
 func TestMemWorldHeartbeatsKeepPeersAlive(t *testing.T) {
 	b := cpu.New(backend.Float32)
-	worlds, clk, mn := memWorlds(t, comm.Mesh{DP: 3, EP: 1, CP: 1, TP: 1}, 3, b, memTimings)
+	worlds, clk, mn := memWorlds(t, comm.Mesh{DP: 3, EP: 1, CP: 1, TP: 1}, 3, b, memTimings())
 	for range 20 {
 		step(t, clk, mn, time.Second, 6)
 	}
@@ -135,7 +137,7 @@ func TestMemWorldHeartbeatsKeepPeersAlive(t *testing.T) {
 // with an error naming it and its ranks.
 func TestMemWorldSilentPeerIsLost(t *testing.T) {
 	b := cpu.New(backend.Float32)
-	worlds, clk, mn := memWorlds(t, comm.Mesh{DP: 3, EP: 1, CP: 1, TP: 1}, 3, b, memTimings)
+	worlds, clk, mn := memWorlds(t, comm.Mesh{DP: 3, EP: 1, CP: 1, TP: 1}, 3, b, memTimings())
 	step(t, clk, mn, time.Second, 6) // a beat heard from everyone at t=1
 
 	// Ranks 0 and 2 wait in the world group for rank 1: two more timers
@@ -183,7 +185,7 @@ func TestMemWorldSilentPeerIsLost(t *testing.T) {
 // for it at once, without any time passing.
 func TestMemWorldDeadPeerIsNamed(t *testing.T) {
 	b := cpu.New(backend.Float32)
-	worlds, clk, _ := memWorlds(t, comm.Mesh{DP: 3, EP: 2, CP: 1, TP: 1}, 3, b, memTimings)
+	worlds, clk, _ := memWorlds(t, comm.Mesh{DP: 3, EP: 2, CP: 1, TP: 1}, 3, b, memTimings())
 	var wg sync.WaitGroup
 	waitErrs := make([]error, 4)
 	for n := range 2 {
@@ -209,7 +211,7 @@ func TestMemWorldDeadPeerIsNamed(t *testing.T) {
 // after OpTimeout exactly, naming it, and the other node hears of it.
 func TestMemWorldOpTimeout(t *testing.T) {
 	b := cpu.New(backend.Float32)
-	c := memTimings
+	c := memTimings()
 	c.OpTimeout = 10 * time.Second
 	worlds, clk, mn := memWorlds(t, comm.Mesh{DP: 2, EP: 1, CP: 1, TP: 1}, 2, b, c)
 	done := make(chan error, 1)
@@ -245,7 +247,7 @@ func TestMemWorldOpTimeout(t *testing.T) {
 // group, with the abort's reason; later collectives fail too.
 func TestMemWorldAbortPropagates(t *testing.T) {
 	b := cpu.New(backend.Float32)
-	worlds, clk, _ := memWorlds(t, comm.Mesh{DP: 2, EP: 2, CP: 1, TP: 1}, 2, b, memTimings)
+	worlds, clk, _ := memWorlds(t, comm.Mesh{DP: 2, EP: 2, CP: 1, TP: 1}, 2, b, memTimings())
 	ranks := allRanks(worlds)
 	errs := make([]error, 3)
 	var wg sync.WaitGroup
@@ -271,7 +273,7 @@ func TestMemWorldAbortPropagates(t *testing.T) {
 // waits for it is told it left.
 func TestMemWorldGoodbye(t *testing.T) {
 	b := cpu.New(backend.Float32)
-	worlds, _, _ := memWorlds(t, comm.Mesh{DP: 2, EP: 1, CP: 1, TP: 1}, 2, b, memTimings)
+	worlds, _, _ := memWorlds(t, comm.Mesh{DP: 2, EP: 1, CP: 1, TP: 1}, 2, b, memTimings())
 	runRanks(t, allRanks(worlds), func(r *comm.Ranks) error { return r.World.Barrier() })
 	closed := make(chan struct{})
 	go func() { worlds[1].Close(); close(closed) }() // lingers until node 0 closes too
