@@ -8,7 +8,7 @@ package comm
 //
 // Which groups overlap:
 //
-//   - TCP groups (tcp.go): the reductions run on a background goroutine of
+//   - TCP groups (remote_group.go): the reductions run on a background goroutine of
 //     the group, one after another in start order, while the rank's own
 //     goroutine computes.
 //   - cuda.NCCLGroup: the all-reduce is queued on a communication stream of
