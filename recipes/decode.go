@@ -24,6 +24,11 @@ import (
 	"github.com/mktrain/mktrain/engine"
 )
 
+// emptyRecipe is the problem with a recipe that sets nothing: it would
+// train the built-in defaults, which is never what a user meant.
+const emptyRecipe = "the recipe is empty (or only comments): start from a shipped one, " +
+	"`mktrain run tiny` or a copy of recipes/tiny.yaml, and change what you need"
+
 // decoder fills a Config from one recipe file and collects every problem.
 type decoder struct {
 	file  string
@@ -40,7 +45,9 @@ func (d *decoder) document(data []byte, cfg *engine.Config) {
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var doc yaml.Node
 	if err := dec.Decode(&doc); err != nil {
-		if err != io.EOF { // io.EOF: an empty file, or only comments; the defaults stand
+		if err == io.EOF { // an empty file, or only comments
+			d.fail(0, "%s", emptyRecipe)
+		} else {
 			d.errs = append(d.errs, d.syntaxError(err))
 		}
 		return
@@ -56,6 +63,7 @@ func (d *decoder) document(data []byte, cfg *engine.Config) {
 	}
 	root := resolveAlias(doc.Content[0])
 	if isNull(root) {
+		d.fail(0, "%s", emptyRecipe)
 		return
 	}
 	if root.Kind != yaml.MappingNode {

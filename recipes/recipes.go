@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path"
@@ -58,7 +59,7 @@ func (e *Error) Unwrap() error { return e.Err }
 // the shipped one is used. It returns the configuration and its snapshot:
 // the effective recipe as YAML, for the run directory.
 func Load(file string, overrides []string) (engine.Config, []byte, error) {
-	data, err := os.ReadFile(file)
+	data, err := readRecipe(file)
 	if errors.Is(err, fs.ErrNotExist) {
 		if name, ok := shippedName(file); ok {
 			data, err = shipped.ReadFile(name + ".yaml")
@@ -76,6 +77,42 @@ func Load(file string, overrides []string) (engine.Config, []byte, error) {
 	return Parse(file, data, overrides)
 }
 
+// MaxRecipeBytes bounds the recipe file Load reads: recipes are a few
+// hundred bytes, and a bound keeps a wrong path (/dev/zero, a data shard)
+// from being read into memory.
+const MaxRecipeBytes = 1 << 20
+
+// maxProblems bounds the problems Parse reports; a count of the rest
+// follows them.
+const maxProblems = 20
+
+// readRecipe reads file, refusing one larger than MaxRecipeBytes.
+func readRecipe(file string) ([]byte, error) {
+	f, err := os.Open(file)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, MaxRecipeBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(data) > MaxRecipeBytes {
+		return nil, fmt.Errorf("larger than %d bytes; a recipe is a short YAML file (is this the right path?)", MaxRecipeBytes)
+	}
+	return data, nil
+}
+
+// firstProblems keeps the first maxProblems of errs and says how many
+// more there were.
+func firstProblems(file string, errs []error) []error {
+	if len(errs) <= maxProblems {
+		return errs
+	}
+	rest := len(errs) - maxProblems
+	return append(errs[:maxProblems:maxProblems], &Error{File: file, Err: fmt.Errorf("and %d more problems", rest)})
+}
+
 // Parse is Load for a recipe held in memory; name is what its errors call it.
 func Parse(name string, data []byte, overrides []string) (engine.Config, []byte, error) {
 	cfg := engine.DefaultConfig()
@@ -83,7 +120,7 @@ func Parse(name string, data []byte, overrides []string) (engine.Config, []byte,
 	d.document(data, &cfg)
 	set := d.override(&cfg, overrides)
 	if len(d.errs) > 0 {
-		return engine.Config{}, nil, errors.Join(d.errs...)
+		return engine.Config{}, nil, errors.Join(firstProblems(d.file, d.errs)...)
 	}
 	if err := cfg.Validate(); err != nil {
 		return engine.Config{}, nil, d.place(err, set)

@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -157,6 +158,9 @@ func TestDecodeErrors(t *testing.T) {
 		{"null number", "train:\n  lr:\n", []string{"r.yaml:2: train.lr has no value; write a number or remove the line to keep the default"}},
 		{"list for leaf", "train:\n  lr: [1, 2]\n", []string{"r.yaml:2: train.lr must be a number, not a list"}},
 		{"scalar section", "model: big\n", []string{`r.yaml:1: section model must be a mapping of its fields (vocab, dim, layers, heads, kv_heads, rope_theta, norm_eps, init_std, moe), not the value "big"`}},
+		{"empty file", "", []string{"r.yaml: the recipe is empty (or only comments): start from a shipped one, `mktrain run tiny` or a copy of recipes/tiny.yaml, and change what you need"}},
+		{"only comments", "# nothing\n", []string{"r.yaml: the recipe is empty (or only comments): start from a shipped one, `mktrain run tiny` or a copy of recipes/tiny.yaml, and change what you need"}},
+		{"empty document", "---\n", []string{"r.yaml: the recipe is empty (or only comments): start from a shipped one, `mktrain run tiny` or a copy of recipes/tiny.yaml, and change what you need"}},
 		{"list recipe", "- model\n", []string{"r.yaml:1: a recipe must be a mapping of sections (model, data, train, parallel, checkpoint, log), not a list"}},
 		{"complex key", "train:\n  ? [a]\n  : 1\n", []string{"r.yaml:2: a key must be a plain name, not a list"}},
 		{"two documents", "train:\n  lr: 1e-3\n---\ntrain:\n  lr: 2e-3\n", []string{"r.yaml:3: a recipe is one YAML document, but a second one starts here"}},
@@ -200,9 +204,6 @@ func TestDecodeAccepts(t *testing.T) {
 		name, yaml string
 		want       func(c *engine.Config)
 	}{
-		{"empty file", "", func(c *engine.Config) {}},
-		{"only comments", "# nothing\n", func(c *engine.Config) {}},
-		{"empty document", "---\n", func(c *engine.Config) {}},
 		{"empty section", "model:\ntrain:\n  steps: 90\n", func(c *engine.Config) { c.Train.Steps = 90 }},
 		{"exponent int", "train:\n  steps: 1e3\n", func(c *engine.Config) { c.Train.Steps = 1000 }},
 		{"flow style", "model: {dim: 128, heads: 8}\n", func(c *engine.Config) { c.Model.Dim, c.Model.Heads = 128, 8 }},
@@ -389,4 +390,45 @@ func errorLines(t *testing.T, err error, file string) []string {
 		out = append(out, e.Error())
 	}
 	return out
+}
+
+// TestProblemsCapped: a recipe of many problems reports the first
+// maxProblems and counts the rest, rather than printing every one.
+func TestProblemsCapped(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("train:\n")
+	for i := range maxProblems + 5 {
+		fmt.Fprintf(&b, "  unknown_%d: 1\n", i)
+	}
+	_, _, err := Parse("r.yaml", []byte(b.String()), nil)
+	if err == nil {
+		t.Fatal("a recipe of unknown fields was accepted")
+	}
+	lines := strings.Split(err.Error(), "\n")
+	if len(lines) != maxProblems+1 {
+		t.Fatalf("%d lines of problems, want %d:\n%s", len(lines), maxProblems+1, err)
+	}
+	if last := lines[len(lines)-1]; last != "r.yaml: and 5 more problems" {
+		t.Errorf("last line %q, want the count of the rest", last)
+	}
+}
+
+// TestLoadRefusesHugeFiles: Load reads at most MaxRecipeBytes, so a wrong
+// path (an endless device, a data file) is an error, not an exhausted
+// memory.
+func TestLoadRefusesHugeFiles(t *testing.T) {
+	big := filepath.Join(t.TempDir(), "big.yaml")
+	if err := os.WriteFile(big, []byte("# "+strings.Repeat("x", MaxRecipeBytes)+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	paths := []string{big}
+	if _, err := os.Stat("/dev/zero"); err == nil {
+		paths = append(paths, "/dev/zero")
+	}
+	for _, p := range paths {
+		_, _, err := Load(p, nil)
+		if err == nil || !strings.Contains(err.Error(), "larger than") || !strings.Contains(err.Error(), p) {
+			t.Errorf("Load(%s): %v, want a refusal naming the file and its size", p, err)
+		}
+	}
 }
