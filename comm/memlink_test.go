@@ -31,7 +31,7 @@ func MemWorlds(m Mesh, nodes int, b backend.Backend, c MemConfig) ([]*TCPWorld, 
 	cfgs := make([]TCPConfig, nodes)
 	for i := range cfgs {
 		cfgs[i] = TCPConfig{
-			Mesh: m, Backend: b, NodeRank: i, Addrs: addrs, Listener: noListener{},
+			Mesh: m, Backend: b, NodeRank: i, Addrs: addrs, Listener: noListener{}, Secret: []byte("in-memory links"),
 			Heartbeat: c.Heartbeat, HeartbeatTimeout: c.HeartbeatTimeout, OpTimeout: c.OpTimeout,
 		}
 		if err := cfgs[i].check(); err != nil {

@@ -26,6 +26,10 @@ type tcpOpts struct {
 // startTCP starts the nodes of a TCP world in this process, each with its
 // own loopback listener, and returns each node's world (nil for the nodes
 // in skip, which never start) and the errors of NewTCPRanks.
+
+// testSecret is the tests' run secret.
+var testSecret = []byte("the tests' shared secret")
+
 func startTCP(t *testing.T, m comm.Mesh, nodes int, b backend.Backend, o tcpOpts, skip ...int) ([]*comm.TCPWorld, []error) {
 	t.Helper()
 	lns := make([]net.Listener, nodes)
@@ -52,7 +56,7 @@ func startTCP(t *testing.T, m comm.Mesh, nodes int, b backend.Backend, o tcpOpts
 		}
 		wg.Go(func() {
 			worlds[i], errs[i] = comm.NewTCPRanks(context.Background(), comm.TCPConfig{
-				Mesh: m, Backend: b, NodeRank: i, Addrs: addrs, Listener: lns[i], RunID: id,
+				Mesh: m, Backend: b, NodeRank: i, Addrs: addrs, Listener: lns[i], RunID: id, Secret: testSecret,
 				DialTimeout: o.dial, Heartbeat: 50 * time.Millisecond, HeartbeatTimeout: time.Second, OpTimeout: o.opTimeout,
 			})
 		})
@@ -387,7 +391,7 @@ func TestTCPRefusesAnotherRun(t *testing.T) {
 			var w *comm.TCPWorld
 			w, errs[i] = comm.NewTCPRanks(context.Background(), comm.TCPConfig{
 				Mesh: m, Backend: b, NodeRank: i, Addrs: addrs, Listener: ln,
-				RunID: comm.RunIDFromBlob(comm.NewRunBlob()), DialTimeout: 500 * time.Millisecond,
+				RunID: comm.RunIDFromBlob(comm.NewRunBlob()), Secret: testSecret, DialTimeout: 500 * time.Millisecond,
 			})
 			if w != nil {
 				w.Close()

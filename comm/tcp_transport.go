@@ -5,13 +5,20 @@ package comm
 //
 // Every node listens on a port of its own (the data port, announced to the
 // others through the rendezvous: launch.NodeInfo.DataPort); node i dials
-// every node j < i and accepts the nodes above it. Both sides of a new
-// connection first send a hello frame holding the run's id (so a stray or
-// stale process is refused) and their node rank.
+// every node j < i and accepts the nodes above it. A new connection first
+// runs the handshake over the run's secret (internal/peernet.Authenticate):
+// a connection that cannot prove it knows the secret is closed before any
+// frame of it is read, without a word and without the run hearing of it.
+// Then both sides send a hello frame holding the run's id (so a stale
+// process of another run with the same secret is refused) and their node
+// rank. At most peernet.MaxHandshakes handshakes run at once, each within
+// the heartbeat timeout, and a failed Accept is retried with backoff.
 //
 // Wire format: a frame is a 22-byte header (kind: 1 byte; group, source
 // and destination world ranks: 4 bytes each, big-endian; class: 1 byte;
-// payload length: 8 bytes, big-endian) and the payload.
+// payload length: 8 bytes, big-endian) and the payload, whose length is
+// capped by the kind (maxPayload) and which is read as it arrives, so a
+// header alone allocates at most payloadStep bytes.
 
 import (
 	"bufio"
@@ -21,6 +28,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -31,8 +39,34 @@ import (
 // frameHeader: kind, group, src, dst, class, payload length.
 const frameHeader = 1 + 4 + 4 + 4 + 1 + 8
 
-// maxTCPFrame bounds a frame's payload (a gradient bucket is 64 MiB).
+// maxTCPFrame bounds a data frame's payload (a gradient bucket is 64
+// MiB; a whole tensor of a large model may be more).
 const maxTCPFrame = 1 << 32
+
+// maxAbortText bounds an abort frame's text.
+const maxAbortText = 1 << 20
+
+// payloadStep is the most a frame's payload buffer grows by before the
+// bytes to fill it have come.
+const payloadStep = 64 << 20
+
+// authData is the data connections' purpose in the handshake.
+const authData = "data"
+
+// maxPayload is what each kind of frame needs.
+func maxPayload(kind byte) (uint64, bool) {
+	switch kind {
+	case frameHello:
+		return RunIDSize + 4, true
+	case frameData:
+		return maxTCPFrame, true
+	case frameHeartbeat, frameBye:
+		return 0, true
+	case frameAbort:
+		return maxAbortText, true
+	}
+	return 0, false
+}
 
 // writeChunk is the most bytes one write deadline covers.
 const writeChunk = 1 << 20
@@ -122,12 +156,33 @@ func readTCPFrame(r io.Reader) (Frame, error) {
 		dst: binary.BigEndian.Uint32(hdr[9:]), class: hdr[13],
 	}}
 	n := binary.BigEndian.Uint64(hdr[14:])
-	if n > maxTCPFrame {
-		return Frame{}, fmt.Errorf("frame of %d bytes exceeds the %d-byte limit (not an mktrain node?)", n, uint64(maxTCPFrame))
+	limit, ok := maxPayload(f.Kind)
+	if !ok {
+		return Frame{}, fmt.Errorf("frame of unknown kind %d (not an mktrain node?)", f.Kind)
 	}
-	f.Payload = make([]byte, n)
-	_, err := io.ReadFull(r, f.Payload)
+	if n > limit {
+		return Frame{}, fmt.Errorf("frame of kind %d with %d bytes exceeds its %d-byte limit (not an mktrain node?)", f.Kind, n, limit)
+	}
+	var err error
+	f.Payload, err = readPayload(r, int(n))
 	return f, err
+}
+
+// readPayload reads n bytes, growing the buffer by at most payloadStep
+// ahead of the bytes that came.
+func readPayload(r io.Reader, n int) ([]byte, error) {
+	buf := make([]byte, min(n, payloadStep))
+	if _, err := io.ReadFull(r, buf); err != nil {
+		return nil, err
+	}
+	for len(buf) < n {
+		have := len(buf)
+		buf = slices.Grow(buf, min(n-have, payloadStep))[:min(n, have+payloadStep)]
+		if _, err := io.ReadFull(r, buf[have:]); err != nil {
+			return nil, err
+		}
+	}
+	return buf, nil
 }
 
 // tcpMesh is what connecting needs: this node, every node's address, the
@@ -137,7 +192,8 @@ type tcpMesh struct {
 	addrs   []string
 	ln      net.Listener
 	runID   [RunIDSize]byte
-	silence time.Duration // bounds the hello exchange
+	secret  []byte
+	silence time.Duration // bounds the handshake and the hello exchange
 }
 
 // helloPayload is what each side of a new connection sends first: the run
@@ -255,7 +311,10 @@ func (m tcpMesh) connectErr(ctx context.Context, conns []net.Conn, timeout time.
 // dial connects to node j, retrying until ctx ends, and exchanges hellos.
 func (m tcpMesh) dial(ctx context.Context, j int) (net.Conn, error) {
 	addr := m.addrs[j]
-	c, err := peernet.DialRetry(ctx, addr)
+	c, err := peernet.DialAuth(ctx, addr, m.secret, authData, m.silence)
+	if errors.Is(err, peernet.ErrSecretRefused) {
+		return nil, fmt.Errorf("node %d at %s refused this node's secret (every node must be given the same)", j, addr)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("node %d at %s did not answer (last attempt: %v)", j, addr, err)
 	}
@@ -293,16 +352,36 @@ func (m tcpMesh) handshake(c net.Conn, want int) (int, error) {
 }
 
 // acceptLoop takes the connections of the nodes above this one until the
-// listener closes. A stray connection is reported and dropped.
+// listener closes. A connection without the secret is dropped unheard; one
+// with it but of another run (or a bad hello) is reported and dropped.
 func (m tcpMesh) acceptLoop(ctx context.Context, results chan<- connResult) {
 	var hs sync.WaitGroup
 	defer hs.Wait()
+	gate := peernet.NewGate(peernet.MaxHandshakes)
+	var wait time.Duration
 	for {
 		c, err := m.ln.Accept()
-		if err != nil {
+		if errors.Is(err, net.ErrClosed) {
 			return // connect closed the listener
 		}
+		if err != nil { // say, out of file descriptors: try again
+			var ok bool
+			if wait, ok = peernet.AcceptBackoff(ctx.Done(), wait); !ok {
+				return
+			}
+			continue
+		}
+		wait = 0
+		if !gate.Enter() {
+			c.Close()
+			continue
+		}
 		hs.Go(func() {
+			defer gate.Leave()
+			if err := peernet.Authenticate(c, m.secret, authData, false, m.silence); err != nil {
+				c.Close()
+				return
+			}
 			node, err := m.handshake(c, -1)
 			if err != nil {
 				from := c.RemoteAddr()

@@ -90,6 +90,9 @@ type TCPConfig struct {
 	// RunID tags the connections: every node must give the same (the
 	// rendezvous blob's first bytes: RunIDFromBlob).
 	RunID [RunIDSize]byte
+	// Secret is the run's shared secret (launch.Launch.Secret): every
+	// connection proves it knows it before anything else is read.
+	Secret []byte
 
 	// DialTimeout bounds the wait for every node to connect; 0 is
 	// DefaultTCPDialTimeout.
@@ -125,6 +128,9 @@ func (c TCPConfig) check() error {
 	}
 	if c.Listener == nil {
 		bad("no listener for the other nodes' connections")
+	}
+	if len(c.Secret) == 0 {
+		bad("no secret for the connections between the nodes (Secret is empty)")
 	}
 	for _, d := range []struct {
 		name string
@@ -183,7 +189,7 @@ func NewTCPRanks(ctx context.Context, cfg TCPConfig) (*TCPWorld, error) {
 		return nil, err
 	}
 	mesh := tcpMesh{
-		node: cfg.NodeRank, addrs: cfg.Addrs, ln: cfg.Listener, runID: cfg.RunID,
+		node: cfg.NodeRank, addrs: cfg.Addrs, ln: cfg.Listener, runID: cfg.RunID, secret: cfg.Secret,
 		silence: orDefault(cfg.HeartbeatTimeout, DefaultHeartbeatTimeout),
 	}
 	links, err := mesh.connect(ctx, orDefault(cfg.DialTimeout, DefaultTCPDialTimeout))

@@ -59,7 +59,7 @@ func runNodes(t *testing.T, cfg Config, runDirs []string, opts ...func(node int)
 		}
 		wg.Go(func() {
 			out[i].res, out[i].err = eng.RunDistributed(context.Background(), Distributed{TCP: comm.TCPConfig{
-				NodeRank: i, Addrs: addrs, Listener: lns[i], RunID: id,
+				NodeRank: i, Addrs: addrs, Listener: lns[i], RunID: id, Secret: []byte("the tests' shared secret"),
 				DialTimeout: 10 * time.Second, Heartbeat: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second,
 			}})
 		})

@@ -167,7 +167,7 @@ func tcpWorld(t *testing.T, m comm.Mesh, nodes int, b backend.Backend) []*comm.R
 	for i := range nodes {
 		wg.Go(func() {
 			worlds[i], errs[i] = comm.NewTCPRanks(context.Background(), comm.TCPConfig{
-				Mesh: m, Backend: b, NodeRank: i, Addrs: addrs, Listener: lns[i], RunID: id,
+				Mesh: m, Backend: b, NodeRank: i, Addrs: addrs, Listener: lns[i], RunID: id, Secret: []byte("the tests' shared secret"),
 				DialTimeout: 10 * time.Second, Heartbeat: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second,
 			})
 		})

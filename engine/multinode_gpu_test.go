@@ -70,7 +70,7 @@ func runNode(ctx context.Context, spec nodeSpec, onStep func(StepEvent)) (Result
 		return Result{}, err
 	}
 	rdv, err := launch.Join(ctx, launch.RendezvousConfig{
-		Launch:     launch.Launch{NNodes: spec.NNodes, NodeRank: spec.Node, MasterAddr: "127.0.0.1", MasterPort: spec.Port},
+		Launch:     launch.Launch{NNodes: spec.NNodes, NodeRank: spec.Node, MasterAddr: "127.0.0.1", MasterPort: spec.Port, Secret: []byte("the tests' shared secret")},
 		RecipeHash: "tiny-test", Version: "test", Blob: blob,
 		Timeout:   time.Duration(spec.TimeoutSec) * time.Second,
 		Heartbeat: time.Duration(spec.HeartbeatMS) * time.Millisecond, HeartbeatTimeout: 20 * time.Duration(spec.HeartbeatMS) * time.Millisecond,

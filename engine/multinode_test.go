@@ -98,7 +98,7 @@ func joinLoopback(t *testing.T, nnodes int) []*launch.Rendezvous {
 	for node := range nnodes {
 		wg.Go(func() {
 			rdvs[node], errs[node] = launch.Join(context.Background(), launch.RendezvousConfig{
-				Launch:     launch.Launch{NNodes: nnodes, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
+				Launch:     launch.Launch{NNodes: nnodes, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port, Secret: []byte("the tests' shared secret")},
 				RecipeHash: "h", Version: "v", Hostname: string(rune('a' + node)), Blob: comm.NewRunBlob(),
 				Timeout: 5 * time.Second, Heartbeat: 50 * time.Millisecond, HeartbeatTimeout: time.Second,
 			})

@@ -44,6 +44,18 @@ type Launch struct {
 	MasterPort int    // node 0's rendezvous port
 	LocalRanks int    // ranks this process drives on its node (its GPUs); 0 until the caller decides
 	Source     string // where the node count came from: "flags", "torchrun env", "SLURM" or "single node"
+	// Bind is the address this node's ports listen on ("" is every
+	// interface); FromEnv makes it the master address on node 0 when
+	// --bind is not given.
+	Bind string
+	// Secret is the run's shared secret (WithSecret reads it): every
+	// connection between the nodes proves it knows it before anything
+	// else is read (trust.go).
+	Secret []byte
+	// SecretFrom names where Secret came from ("MKTRAIN_SECRET",
+	// "--secret-file=PATH", ...); "generated" when node 0 made one up,
+	// which the caller prints for the other nodes (SecretHint).
+	SecretFrom string
 
 	// from names the flag or variable behind each field, as NAME=VALUE,
 	// so that errors point at what the user set; empty for a Launch built
@@ -72,11 +84,13 @@ type Flags struct {
 	NodeRankSet bool   // whether --node-rank was given
 	MasterAddr  string // --master-addr
 	MasterPort  int    // --master-port
+	SecretFile  string // --secret-file
+	Bind        string // --bind
 	LocalRanks  int    // ranks this process drives (set by the caller, e.g. its GPU count); no flag
 }
 
-// Register adds --nnodes, --node-rank, --master-addr and --master-port to fs,
-// storing into f.
+// Register adds --nnodes, --node-rank, --master-addr, --master-port,
+// --secret-file and --bind to fs, storing into f.
 func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.IntVar(&f.NNodes, "nnodes", 0, "nodes in a multi-node run (default: from NNODES, SLURM, or 1)")
 	fs.Func("node-rank", "this node's rank, 0..nnodes-1 (default: from NODE_RANK, SLURM, or 0)", func(s string) error {
@@ -89,6 +103,8 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	})
 	fs.StringVar(&f.MasterAddr, "master-addr", "", "node 0's host name or IP (default: from MASTER_ADDR or the first SLURM host)")
 	fs.IntVar(&f.MasterPort, "master-port", 0, fmt.Sprintf("node 0's rendezvous port (default: from MASTER_PORT, or %d)", DefaultMasterPort))
+	fs.StringVar(&f.SecretFile, "secret-file", "", "multi-node: file holding the run's shared secret (default: MKTRAIN_SECRET, MKTRAIN_SECRET_FILE, or one node 0 generates and prints)")
+	fs.StringVar(&f.Bind, "bind", "", "multi-node: address this node's ports listen on (default: the master address on node 0, every interface on the others)")
 }
 
 // MultiNode reports whether the run spans more than one node (and so needs
@@ -239,6 +255,11 @@ func FromEnv(getenv func(string) string, flags Flags) (Launch, error) {
 			p = DefaultMasterPort // reported; keep Validate from saying it again
 		}
 		l.MasterPort = p
+	}
+
+	l.Bind = flags.Bind
+	if l.Bind == "" && l.NNodes > 1 && l.NodeRank == 0 {
+		l.Bind = l.MasterAddr
 	}
 
 	if err := l.Validate(); err != nil {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -260,6 +262,92 @@ func TestParseHostlistRandom(t *testing.T) {
 		got, err := launch.ParseHostlist(in)
 		if err != nil || !slices.Equal(got, want) {
 			t.Fatalf("ParseHostlist(%q) = %q, %v; want %q", in, got, err, want)
+		}
+	}
+}
+
+// The run's secret: from --secret-file, MKTRAIN_SECRET or
+// MKTRAIN_SECRET_FILE; generated on node 0 when none is given (with a hint
+// for the other nodes); required on the others; never echoed in errors.
+func TestLaunchWithSecret(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "secret")
+	if err := os.WriteFile(file, []byte("from-a-file-0123456789\nignored\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	short := filepath.Join(dir, "short")
+	os.WriteFile(short, []byte("tiny\n"), 0o600)
+	node := func(rank int) launch.Launch {
+		return launch.Launch{NNodes: 2, NodeRank: rank, MasterAddr: "h", MasterPort: 1}
+	}
+	for _, c := range []struct {
+		name     string
+		rank     int
+		env      func(string) string
+		file     string
+		secret   string // "" for a generated one
+		from     string
+		errorHas string
+	}{
+		{"the variable", 1, env("MKTRAIN_SECRET", " env-secret-0123456789 "), "", "env-secret-0123456789", "MKTRAIN_SECRET", ""},
+		{"the flag wins", 1, env("MKTRAIN_SECRET", "env-secret-0123456789"), file, "from-a-file-0123456789", "--secret-file=" + file, ""},
+		{"the file variable", 1, env("MKTRAIN_SECRET_FILE", file), "", "from-a-file-0123456789", "MKTRAIN_SECRET_FILE=" + file, ""},
+		{"generated on node 0", 0, env(), "", "", launch.SecretGenerated, ""},
+		{"none on node 1", 1, env(), "", "", "", "launch: node 1 has no secret for the run: give every node the same one with MKTRAIN_SECRET"},
+		{"too short", 1, env("MKTRAIN_SECRET", "tinytiny"), "", "", "", "launch: MKTRAIN_SECRET holds a secret of 8 characters; use at least 16"},
+		{"a short file", 0, env(), short, "", "", "launch: --secret-file=" + short + " holds a secret of 4 characters"},
+		{"a missing file", 0, env("MKTRAIN_SECRET_FILE", filepath.Join(dir, "none")), "", "", "", "launch: MKTRAIN_SECRET_FILE=" + filepath.Join(dir, "none") + ": open "},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			l, err := node(c.rank).WithSecret(c.env, c.file)
+			if c.errorHas != "" {
+				if err == nil || !strings.HasPrefix(err.Error(), c.errorHas) {
+					t.Fatalf("error %v, want %q...", err, c.errorHas)
+				}
+				if strings.Contains(err.Error(), "tinytiny") || strings.Contains(err.Error(), "tiny\n") {
+					t.Errorf("the error shows the secret: %v", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if l.SecretFrom != c.from {
+				t.Errorf("SecretFrom %q, want %q", l.SecretFrom, c.from)
+			}
+			if c.secret != "" {
+				if string(l.Secret) != c.secret || l.SecretHint() != "" {
+					t.Errorf("secret %q (hint %q), want %q", l.Secret, l.SecretHint(), c.secret)
+				}
+				return
+			}
+			again, _ := node(0).WithSecret(env(), "")
+			if len(l.Secret) < 32 || string(again.Secret) == string(l.Secret) {
+				t.Errorf("generated %q, then %q: want two fresh long ones", l.Secret, again.Secret)
+			}
+			if h := l.SecretHint(); !strings.Contains(h, "MKTRAIN_SECRET="+string(l.Secret)) {
+				t.Errorf("hint %q does not say how to pass the secret", h)
+			}
+		})
+	}
+	if l, err := (launch.Launch{NNodes: 1}).WithSecret(env(), ""); err != nil || l.Secret != nil {
+		t.Errorf("a single node: %q, %v; it needs no secret", l.Secret, err)
+	}
+}
+
+// --bind defaults to the master address on node 0 only.
+func TestLaunchBind(t *testing.T) {
+	for _, c := range []struct {
+		rank int
+		bind string
+		want string
+	}{{0, "", "10.0.0.1"}, {1, "", ""}, {0, "0.0.0.0", "0.0.0.0"}, {1, "10.0.0.2", "10.0.0.2"}} {
+		l, err := launch.FromEnv(env("NNODES", "2", "MASTER_ADDR", "10.0.0.1"), launch.Flags{NodeRank: c.rank, NodeRankSet: true, Bind: c.bind})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Bind != c.want {
+			t.Errorf("node %d --bind=%q: Bind %q, want %q", c.rank, c.bind, l.Bind, c.want)
 		}
 	}
 }

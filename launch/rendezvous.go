@@ -3,9 +3,12 @@ package launch
 // The rendezvous: how the nodes of a multi-node run find each other, agree
 // that they run the same thing, and learn when one of them dies.
 //
-// Node 0 listens on MasterPort (on every interface); every other node dials
-// MasterAddr:MasterPort, retrying with backoff until the deadline, and sends
-// a hello (its NodeInfo). When the expected number of hellos has arrived,
+// Node 0 listens on MasterPort (on Launch.Bind: the master address unless
+// --bind says otherwise); every other node dials MasterAddr:MasterPort,
+// retrying with backoff until the deadline, proves it knows the run's
+// secret (trust.go; a connection that does not is closed before anything
+// it sends is read, and the hub never hears of it) and sends a hello (its
+// NodeInfo). When the expected number of hellos has arrived,
 // node 0 checks them (same node count, mktrain version and recipe hash;
 // distinct node ranks in range) and answers every node with the same
 // message: a welcome holding node 0's blob (the run id and the NCCL unique
@@ -23,8 +26,10 @@ package launch
 // node's own error the same way; Close says goodbye, which ends the run for
 // that node without failing it.
 //
-// Wire format: each message is a 4-byte big-endian length and a JSON object
-// (message below). The kinds are hello (node k to node 0), welcome and
+// Wire format: after the handshake, each message is a 4-byte big-endian
+// length and a JSON object (message below), at most maxToNode0 bytes from
+// a node to node 0 and maxFromNode0 from node 0 (which grows with the node
+// table). The kinds are hello (node k to node 0), welcome and
 // refuse (node 0 to node k), heartbeat and bye (both ways), and abort: from
 // node k it carries the node's own error text, from node 0 the run's final
 // error text, which the node returns as is.
@@ -200,6 +205,9 @@ func (c RendezvousConfig) withDefaults() (RendezvousConfig, error) {
 			*d.v = d.def
 		}
 	}
+	if c.Launch.MultiNode() && len(c.Launch.Secret) == 0 {
+		errs = append(errs, errors.New("rendezvous: Launch.Secret is empty; every node must be given the run's secret (launch.FromEnv reads it)"))
+	}
 	if c.HeartbeatTimeout < 2*c.Heartbeat {
 		errs = append(errs, fmt.Errorf("rendezvous: HeartbeatTimeout %v is less than twice Heartbeat %v; one late heartbeat would end the run", c.HeartbeatTimeout, c.Heartbeat))
 	}
@@ -327,9 +335,10 @@ type event struct {
 func (r *Rendezvous) serve(ctx context.Context) error {
 	port := r.cfg.Launch.MasterPort
 	var lc net.ListenConfig
-	ln, err := lc.Listen(ctx, "tcp", net.JoinHostPort("", strconv.Itoa(port)))
+	bind := r.cfg.Launch.Bind
+	ln, err := lc.Listen(ctx, "tcp", net.JoinHostPort(bind, strconv.Itoa(port)))
 	if err != nil {
-		return fmt.Errorf("rendezvous at %s: node 0 cannot listen on port %d: %w (is another run or program using the port? choose another with --master-port or MASTER_PORT)", r.addr, port, err)
+		return fmt.Errorf("rendezvous at %s: node 0 cannot listen on port %d: %w (is another run or program using the port? choose another with --master-port or MASTER_PORT, or another address with --bind)", r.addr, port, err)
 	}
 	joined := make(chan error, 1)
 	r.wg.Add(2)
@@ -338,19 +347,49 @@ func (r *Rendezvous) serve(ctx context.Context) error {
 	return <-joined
 }
 
+// acceptLoop takes connections until the hub closes the listener; each
+// runs the handshake in its own goroutine (a bounded number at a time,
+// within HeartbeatTimeout) and reaches the hub only once it has proved it
+// knows the secret. A failed Accept (say, out of file descriptors) is
+// retried with backoff.
 func (r *Rendezvous) acceptLoop(ln net.Listener) {
 	defer r.wg.Done()
+	gate := peernet.NewGate(peernet.MaxHandshakes)
+	var wait time.Duration
 	for {
 		conn, err := ln.Accept()
-		if err != nil {
+		if errors.Is(err, net.ErrClosed) {
 			return // the hub closed the listener
 		}
-		if !r.post(event{conn: conn}) {
-			conn.Close()
-			return
+		if err != nil {
+			var ok bool
+			if wait, ok = peernet.AcceptBackoff(r.stopped, wait); !ok {
+				return
+			}
+			continue
 		}
+		wait = 0
+		if !gate.Enter() {
+			conn.Close()
+			continue
+		}
+		r.wg.Add(1)
+		go func() {
+			defer r.wg.Done()
+			defer gate.Leave()
+			if err := peernet.Authenticate(conn, r.cfg.Launch.Secret, authRendezvous, false, r.cfg.HeartbeatTimeout); err != nil {
+				conn.Close() // a stranger: not a word, and the run never hears of it
+				return
+			}
+			if !r.post(event{conn: conn}) {
+				conn.Close()
+			}
+		}()
 	}
 }
+
+// authRendezvous is the rendezvous's purpose in the handshake.
+const authRendezvous = "rendezvous"
 
 // server is node 0's hub state. Only the hub goroutine touches it.
 type server struct {
@@ -656,8 +695,11 @@ func (r *Rendezvous) table(arrived []*peer) []NodeInfo {
 // wait for the verdict.
 func (r *Rendezvous) follow(ctx context.Context) error {
 	dialCtx, cancel := context.WithTimeout(ctx, r.cfg.Timeout)
-	conn, err := peernet.DialRetry(dialCtx, r.addr)
+	conn, err := peernet.DialAuth(dialCtx, r.addr, r.cfg.Launch.Secret, authRendezvous, r.cfg.HeartbeatTimeout)
 	cancel()
+	if errors.Is(err, peernet.ErrSecretRefused) {
+		return fmt.Errorf("rendezvous at %s: node 0 refused this node's secret: every node must be given the same one (%s, %s or --secret-file; this node's came from %s)", r.addr, SecretEnv, SecretFileEnv, r.cfg.Launch.SecretFrom)
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return fmt.Errorf("rendezvous at %s: stopped waiting for node 0: %w", r.addr, context.Cause(ctx))
@@ -823,9 +865,13 @@ func (r *Rendezvous) readLoop(p *peer) {
 	defer r.wg.Done()
 	defer close(p.readerDone)
 	br := bufio.NewReader(p.conn)
+	limit := maxToNode0
+	if r.self.NodeRank != 0 {
+		limit = maxFromNode0(r.cfg.Launch.NNodes)
+	}
 	for {
 		p.conn.SetReadDeadline(time.Now().Add(r.cfg.HeartbeatTimeout))
-		m, err := readFrame(br)
+		m, err := readFrame(br, limit)
 		if err != nil {
 			r.post(event{p: p, err: err})
 			return
@@ -898,11 +944,22 @@ type message struct {
 	Error string     `json:"error,omitempty"` // refuse, abort
 }
 
-// maxFrame bounds a frame, so that a stray client (say, an HTTP request to
-// the port) is dropped instead of making node 0 allocate gigabytes.
-const maxFrame = 1 << 20
+// Frame limits: what the protocol needs. A node sends node 0 a hello
+// (a NodeInfo: a host name, a hash, a version), heartbeats, a bye, or an
+// abort whose text is cut to maxErrorText; node 0 sends a welcome (the
+// blob and a NodeInfo per node) or an error text.
+const (
+	maxErrorText   = 16 << 10
+	maxToNode0     = maxErrorText + 4<<10
+	maxNodeInfoLen = 1 << 10
+)
+
+func maxFromNode0(nnodes int) int { return maxToNode0 + nnodes*maxNodeInfoLen }
 
 func writeFrame(w io.Writer, m message) error {
+	if len(m.Error) > maxErrorText {
+		m.Error = m.Error[:maxErrorText-len(" (cut)")] + " (cut)"
+	}
 	body, err := json.Marshal(m)
 	if err != nil {
 		return err
@@ -913,18 +970,23 @@ func writeFrame(w io.Writer, m message) error {
 	return err
 }
 
-func readFrame(r io.Reader) (message, error) {
+// readFrame reads one message of at most limit bytes. The body is read as
+// it comes, so a length that no bytes follow allocates nothing.
+func readFrame(r io.Reader, limit int) (message, error) {
 	var hdr [4]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
 		return message{}, err
 	}
 	n := binary.BigEndian.Uint32(hdr[:])
-	if n > maxFrame {
-		return message{}, fmt.Errorf("frame of %d bytes exceeds the %d-byte limit (not an mktrain node?)", n, maxFrame)
+	if uint64(n) > uint64(limit) {
+		return message{}, fmt.Errorf("frame of %d bytes exceeds the %d-byte limit (not an mktrain node?)", n, limit)
 	}
-	body := make([]byte, n)
-	if _, err := io.ReadFull(r, body); err != nil {
+	body, err := io.ReadAll(io.LimitReader(r, int64(n)))
+	if err != nil {
 		return message{}, err
+	}
+	if len(body) < int(n) {
+		return message{}, io.ErrUnexpectedEOF
 	}
 	var m message
 	if err := json.Unmarshal(body, &m); err != nil {

@@ -67,10 +67,13 @@ func testBlob(seed uint64) [comm.BlobSize]byte {
 
 var hostNames = []string{"a", "b", "c", "d", "e"}
 
+// testSecret is the tests' run secret.
+var testSecret = []byte("the tests' shared secret")
+
 // testConfig is node rank's config in a run of nnodes on port.
 func testConfig(nnodes, rank, port int) RendezvousConfig {
 	return RendezvousConfig{
-		Launch:     Launch{NNodes: nnodes, NodeRank: rank, MasterAddr: "127.0.0.1", MasterPort: port, LocalRanks: 2 + rank},
+		Launch:     Launch{NNodes: nnodes, NodeRank: rank, MasterAddr: "127.0.0.1", MasterPort: port, LocalRanks: 2 + rank, Secret: testSecret},
 		RecipeHash: "0123456789abcdef", Version: "0.1.0", Hostname: hostNames[rank],
 		Blob:    testBlob(uint64(rank + 1)),
 		Timeout: 3 * time.Second, Heartbeat: testHeartbeat, HeartbeatTimeout: testHeartbeatTimeout,
@@ -380,7 +383,7 @@ func (n *rawNode) recv() message {
 	n.t.Helper()
 	for {
 		n.conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-		m, err := readFrame(n.br)
+		m, err := readFrame(n.br, maxFromNode0(8))
 		if err != nil {
 			n.t.Fatal(err)
 		}
@@ -390,7 +393,19 @@ func (n *rawNode) recv() message {
 	}
 }
 
+// dialRaw connects as a node that knows the secret.
 func dialRaw(t *testing.T, port int) *rawNode {
+	t.Helper()
+	conn, err := peernet.DialAuth(context.Background(), fmt.Sprintf("127.0.0.1:%d", port), testSecret, authRendezvous, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return &rawNode{t: t, conn: conn, br: bufio.NewReader(conn)}
+}
+
+// dialStranger connects without the handshake.
+func dialStranger(t *testing.T, port int) *rawNode {
 	t.Helper()
 	conn, err := peernet.DialRetry(context.Background(), fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
@@ -453,6 +468,9 @@ func TestRendezvousSilentNode(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer conn.Close()
+		if err := peernet.Authenticate(conn, testSecret, authRendezvous, false, 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
 		n0 := &rawNode{t: t, conn: conn, br: bufio.NewReader(conn)}
 		if m := n0.recv(); m.Kind != kindHello || m.Node == nil || m.Node.NodeRank != 1 || m.Node.Hostname != "b" || m.Node.LocalRanks != 3 {
 			t.Fatalf("node 1 said %+v", m)
@@ -485,9 +503,9 @@ func TestRendezvousStrayClients(t *testing.T) {
 		r, err := Join(context.Background(), testConfig(3, 0, port))
 		joined <- joinResult{r, err}
 	}()
-	http := dialRaw(t, port)
+	http := dialStranger(t, port)
 	fmt.Fprintf(http.conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-	garbage := dialRaw(t, port)
+	garbage := dialStranger(t, port)
 	garbage.conn.Write([]byte{0, 0, 0, 3, '{', '{', '{'})
 	// Node 2 comes and goes, then comes back.
 	early := dialRaw(t, port)
@@ -580,14 +598,14 @@ func TestFrames(t *testing.T) {
 	if err := writeFrame(&buf, in); err != nil {
 		t.Fatal(err)
 	}
-	out, err := readFrame(&buf)
+	out, err := readFrame(&buf, maxFromNode0(1))
 	if err != nil || out.Kind != in.Kind || !bytes.Equal(out.Blob, in.Blob) || len(out.Nodes) != 1 || out.Nodes[0] != in.Nodes[0] {
 		t.Errorf("round trip: %+v, %v", out, err)
 	}
-	if _, err := readFrame(strings.NewReader("GET / HTTP/1.1\r\n")); err == nil || !strings.Contains(err.Error(), "exceeds the 1048576-byte limit") {
+	if _, err := readFrame(strings.NewReader("GET / HTTP/1.1\r\n"), maxToNode0); err == nil || !strings.Contains(err.Error(), "exceeds the 20480-byte limit") {
 		t.Errorf("an HTTP request read as a frame: %v", err)
 	}
-	if _, err := readFrame(bytes.NewReader([]byte{0, 0, 0, 2, '{'})); err == nil {
+	if _, err := readFrame(bytes.NewReader([]byte{0, 0, 0, 2, '{'}), maxToNode0); err == nil {
 		t.Error("a truncated frame read without error")
 	}
 }

@@ -75,7 +75,7 @@ func joinNodes(t *testing.T, nnodes int, blob [comm.BlobSize]byte) []*launch.Ren
 		}
 		wg.Go(func() {
 			rdvs[node], errs[node] = launch.Join(context.Background(), launch.RendezvousConfig{
-				Launch:     launch.Launch{NNodes: nnodes, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
+				Launch:     launch.Launch{NNodes: nnodes, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port, Secret: []byte("the tests' shared secret")},
 				RecipeHash: "h", Version: "v", Blob: b, Timeout: 10 * time.Second,
 				Heartbeat: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second,
 			})

@@ -117,7 +117,7 @@ func TestNCCLBlob(t *testing.T) {
 	port := freeTestPort(t)
 	cfg := func(node int, b [comm.BlobSize]byte) launch.RendezvousConfig {
 		return launch.RendezvousConfig{
-			Launch:     launch.Launch{NNodes: 2, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port},
+			Launch:     launch.Launch{NNodes: 2, NodeRank: node, MasterAddr: "127.0.0.1", MasterPort: port, Secret: []byte("the tests' shared secret")},
 			RecipeHash: "h", Version: "v", Blob: b, Timeout: 5 * time.Second,
 			Heartbeat: 50 * time.Millisecond, HeartbeatTimeout: time.Second,
 		}

@@ -4,7 +4,7 @@
 // checkpoints, and measures their speed.
 //
 //	mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
-//	            [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D]
+//	            [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
 //	mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
 //	mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
 //	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
@@ -62,7 +62,7 @@ const topUsage = `mktrain trains mixture-of-experts transformers.
 
 Usage:
   mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
-              [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D]
+              [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
                          train from a recipe (a file, or a shipped name: tiny, moe-small)
   mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
                          turn text files into byte-level token shards

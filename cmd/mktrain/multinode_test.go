@@ -42,12 +42,29 @@ type node struct {
 	runDir string
 }
 
+// testSecret is the run secret the test nodes are given (MKTRAIN_SECRET).
+const testSecret = "the tests' shared secret"
+
+// startNode starts a node given the tests' secret.
 func startNode(t *testing.T, args ...string) *node {
+	t.Helper()
+	return startNodeEnv(t, []string{"MKTRAIN_SECRET=" + testSecret}, args...)
+}
+
+// startNodeEnv starts a node with env added to the environment (and no
+// secret of the tests' own).
+func startNodeEnv(t *testing.T, env []string, args ...string) *node {
 	t.Helper()
 	spec, _ := json.Marshal(args)
 	n := &node{done: make(chan struct{})}
 	n.cmd = exec.Command(os.Args[0], "-test.run=^TestMultiNodeHelperProcess$")
-	n.cmd.Env = append(os.Environ(), multiNodeEnv+"="+string(spec))
+	var base []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "MKTRAIN_SECRET") {
+			base = append(base, kv)
+		}
+	}
+	n.cmd.Env = append(append(base, env...), multiNodeEnv+"="+string(spec))
 	n.cmd.Stdout, n.cmd.Stderr = &n.out, &n.out
 	if err := n.cmd.Start(); err != nil {
 		t.Fatal(err)

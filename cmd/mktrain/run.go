@@ -67,6 +67,7 @@ func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
 
 const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
                   [--nnodes N --node-rank K --master-addr HOST [--master-port P]]
+                  [--secret-file F] [--bind ADDR]
 
 Trains the model a recipe describes. RECIPE is a YAML file or the name of a
 shipped recipe (tiny, moe-small). The run directory receives recipe.yaml (the
@@ -78,7 +79,10 @@ MASTER_PORT, or SLURM's variables). Node 0 holds the rendezvous; each node
 trains parallel.dp*ep*cp*tp / nnodes ranks: on the CPU backend over TCP,
 on the CUDA backend one GPU per rank with NCCL between the nodes. Node 0 writes metrics.jsonl and the
 checkpoints; node K > 0 logs to train.node<K>.log. To resume, every node
-must see node 0's checkpoints (a shared run directory).
+must see node 0's checkpoints (a shared run directory). Every node must be
+given the same secret (MKTRAIN_SECRET, MKTRAIN_SECRET_FILE or --secret-file;
+without one node 0 generates one and prints it): a connection that does not
+prove it knows it is dropped. See docs/launch.md.
 
 Flags:
 `
@@ -109,6 +113,12 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	}
 	if launch.MultiNode() {
 		p := cfg.Parallel
+	if launch, err = launch.WithSecret(os.Getenv, launchFlags.SecretFile); err != nil {
+		return err
+	}
+	if hint := launch.SecretHint(); hint != "" {
+		fmt.Fprintln(stderr, "mktrain: "+hint)
+	}
 		if world := p.DP * p.EP * p.CP * p.TP; world%launch.NNodes != 0 {
 			return fmt.Errorf("parallel: dp %d x ep %d x cp %d x tp %d = %d ranks do not split evenly over %s; choose a layout whose rank count is a multiple of the node count",
 				p.DP, p.EP, p.CP, p.TP, world, nodesOrigin(launch))
@@ -225,9 +235,10 @@ func runMultiNode(ctx context.Context, eng *engine.Engine, node launch.Launch, r
 	if err != nil {
 		return engine.Result{}, fmt.Errorf("node %d: %w", node.NodeRank, err)
 	}
-	// Every interface: the other nodes reach this one at the address the
-	// rendezvous saw it connect from.
-	ln, err := net.Listen("tcp", ":0")
+	// On --bind (node 0: the master address), else every interface: the
+	// other nodes reach this one at the address the rendezvous saw it
+	// connect from.
+	ln, err := net.Listen("tcp", net.JoinHostPort(node.Bind, "0"))
 	if err != nil {
 		return engine.Result{}, fmt.Errorf("node %d: cannot open a port for the other nodes' data connections: %w", node.NodeRank, err)
 	}
@@ -250,7 +261,7 @@ func runMultiNode(ctx context.Context, eng *engine.Engine, node launch.Launch, r
 	return eng.RunDistributed(ctx, engine.Distributed{
 		TCP: comm.TCPConfig{
 			NodeRank: node.NodeRank, Addrs: addrs, Listener: ln,
-			RunID: comm.RunIDFromBlob(rdv.Blob()), DialTimeout: timeout,
+			RunID: comm.RunIDFromBlob(rdv.Blob()), Secret: node.Secret, DialTimeout: timeout,
 		},
 		Rendezvous: rdv,
 	})
