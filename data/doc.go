@@ -48,8 +48,9 @@
 // permutation drawn from (seed, epoch) by a keyed Feistel network with cycle
 // walking (rng.go): no table however large the data, and the same batches
 // on every platform and Go release. Token ids are checked against the
-// vocabulary as windows are read (opening would read every shard in full);
-// the error names the source and the position.
+// vocabulary as windows are read (opening would read every shard in full:
+// that is Verify's job, below); the error names the source and the
+// position.
 //
 // rank and ranks are the loader's place among the ranks that read different
 // data (data parallelism); ranks that share a batch (context parallelism)
@@ -63,6 +64,17 @@
 // lock step share one cursor, so a checkpoint stores one, and it stays valid
 // under another number of ranks. EvalLoader reads windows in file order
 // without shuffling and wraps at the end.
+//
+// # Checking shards up front
+//
+// Verify (the command `mktrain data verify`; the engine calls it on a
+// run's data.train and data.val before step 1) reads shards in full: each
+// header, each file's size, and, given a vocabulary, every token id. It
+// reads chunks of 4 MiB on one worker per core, so its memory is bounded
+// whatever the data's size, and it returns a Summary (shards, tokens,
+// bytes, largest id) or the first problem in path order, then position
+// order: a bad id is a *TokenError with the file, position and byte
+// offset. Glob gives a glob's files in the loaders' order.
 //
 // # Preparing text and the default corpus
 //

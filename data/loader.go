@@ -8,8 +8,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"path/filepath"
-	"slices"
 	"sort"
 )
 
@@ -117,14 +115,10 @@ func openLoader(glob string, seqLen, vocab int, seed uint64, rank, ranks int, sh
 	if err := checkLoaderArgs(glob, seqLen, vocab, rank, ranks); err != nil {
 		return nil, err
 	}
-	paths, err := filepath.Glob(glob)
+	paths, err := Glob(glob)
 	if err != nil {
-		return nil, fmt.Errorf("data glob %q: %w", glob, err)
+		return nil, err
 	}
-	if len(paths) == 0 {
-		return nil, fmt.Errorf("data glob %q matches no files", glob)
-	}
-	slices.Sort(paths)
 	sources := make([]TokenSource, 0, len(paths))
 	closers := make([]io.Closer, 0, len(paths))
 	for _, p := range paths {
