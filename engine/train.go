@@ -17,6 +17,7 @@ import (
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/data"
 )
 
 // session is one Run's shared state across the ranks this process trains
@@ -41,6 +42,9 @@ type session struct {
 // puts every rank on e.backend (virtual ranks, or a process's ranks of a
 // distributed run).
 func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []backend.Backend, distributed bool) (Result, error) {
+	if err := e.verifyData(ctx); err != nil {
+		return Result{}, err
+	}
 	// Every rank builds its layers with the one dispatcher settled here
 	// (e.cfg, which checkpoints keep, stays as the recipe says).
 	cfg, err := e.resolveDispatcher(e.cfg, world)
@@ -93,6 +97,37 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	res, err := s.run(ctx)
 	res.Dispatcher = cfg.Model.MoE.Dispatcher
 	return res, err
+}
+
+// verifyData reads the recipe's shards in full before anything is built,
+// so that a bad token id, header or size fails the run before step 1,
+// naming the file and position, not at the step that reads it (after the
+// steps before it were spent, and again on every resume).
+func (e *Engine) verifyData(ctx context.Context) error {
+	c := e.cfg
+	for _, d := range []struct{ field, glob string }{{"data.train", c.Data.Train}, {"data.val", c.Data.Val}} {
+		if d.glob == "" {
+			continue // the embedded corpus, or openData's error
+		}
+		start := time.Now()
+		paths, err := data.Glob(d.glob)
+		if err != nil {
+			return fmt.Errorf("%s: %w", d.field, err)
+		}
+		sum, err := data.Verify(ctx, paths, c.Model.Vocab)
+		if ctx.Err() != nil {
+			return ErrStopped
+		}
+		if bad := (*data.TokenError)(nil); errors.As(err, &bad) {
+			return fmt.Errorf("%s: %w (model.vocab)", d.field, err)
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", d.field, err)
+		}
+		e.log.Info().Str("data", d.field).Int("shards", len(sum.Shards)).Int64("tokens", sum.Tokens).
+			Dur("took", time.Since(start)).Msg("data verified")
+	}
+	return nil
 }
 
 func (s *session) run(ctx context.Context) (Result, error) {
