@@ -93,6 +93,45 @@ func List(root string) ([]Info, error) {
 	return infos, nil
 }
 
+// ListIncomplete returns the step directories under root that lack
+// MANIFEST.json, newest first. A save never leaves one (Commit renames a
+// directory that already holds its manifest), so each is damage: a manifest
+// deleted, or a copy cut short. List leaves them out; FindResumable and
+// mktrain ckpt verify report them. A missing root holds none.
+func ListIncomplete(root string) ([]Info, error) {
+	entries, err := os.ReadDir(root)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint: listing %s: %w", root, err)
+	}
+	var infos []Info
+	for _, e := range entries {
+		step, ok := parseStepDirName(e.Name())
+		if !ok || !e.IsDir() {
+			continue
+		}
+		dir := filepath.Join(root, e.Name())
+		if !isComplete(dir) {
+			infos = append(infos, Info{Step: step, Dir: dir})
+		}
+	}
+	sort.Slice(infos, func(i, j int) bool { return infos[i].Step > infos[j].Step })
+	return infos, nil
+}
+
+// IsStepDir reports whether dir's name is a step directory's
+// (StepDirName): one checkpoint, whether or not it is complete.
+func IsStepDir(dir string) bool {
+	_, ok := parseStepDirName(filepath.Base(filepath.Clean(dir)))
+	return ok
+}
+
+// ErrNoManifest is returned (wrapped) for a step directory without
+// MANIFEST.json.
+var ErrNoManifest = errors.New("no " + manifestName + ": the checkpoint is incomplete or damaged (a save writes the manifest before the step directory appears)")
+
 func isComplete(dir string) bool {
 	st, err := os.Stat(filepath.Join(dir, manifestName))
 	return err == nil && st.Mode().IsRegular()
@@ -140,6 +179,16 @@ func FindResumable(root string, warn func(string)) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	// A step directory without a manifest is a damaged checkpoint, not
+	// an absent one: it is skipped with a warning like a corrupt one, and
+	// a root that holds only such directories is an error, not a fresh
+	// start.
+	incomplete, err := ListIncomplete(root)
+	if err != nil {
+		return "", err
+	}
+	infos = append(infos, incomplete...)
+	sort.SliceStable(infos, func(i, j int) bool { return infos[i].Step > infos[j].Step })
 	if len(infos) == 0 {
 		return "", fmt.Errorf("checkpoint: %s: %w", root, ErrNoCheckpoint)
 	}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -33,6 +34,9 @@ type FileEntry struct {
 func ReadManifest(dir string) (*Manifest, error) {
 	path := filepath.Join(dir, manifestName)
 	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("checkpoint %s: %w", dir, ErrNoManifest)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint %s: %w (incomplete or not a checkpoint)", path, err)
 	}

@@ -26,10 +26,18 @@ func CheckpointsRoot(dir string) string {
 }
 
 // IsCheckpointDir reports whether dir is one checkpoint (a step directory:
-// it holds MANIFEST.json) rather than a run directory or a checkpoints root.
+// it holds MANIFEST.json, or is named step_%08d) rather than a run
+// directory or a checkpoints root. A step directory without its manifest
+// counts as one, so that the missing manifest is reported (by
+// checkpoint.Verify or checkpoint.Open) instead of the directory being
+// searched for checkpoints.
 func IsCheckpointDir(dir string) bool {
 	st, err := os.Stat(filepath.Join(dir, "MANIFEST.json"))
-	return err == nil && st.Mode().IsRegular()
+	if err == nil && st.Mode().IsRegular() {
+		return true
+	}
+	st, err = os.Stat(dir)
+	return err == nil && st.IsDir() && checkpoint.IsStepDir(dir)
 }
 
 // ResolveCheckpoint names the verified checkpoint dir stands for: dir itself

@@ -279,10 +279,13 @@ func (e *Engine) resumePoint(root string) (string, *trainState, error) {
 		}
 		dir = d
 	default:
-		if err := checkpoint.Verify(mode); err != nil {
+		// A checkpoint, or a run directory or checkpoints root standing
+		// for its newest checkpoint that verifies.
+		d, err := ResolveCheckpoint(mode, func(msg string) { e.log.Warn().Msg(msg) })
+		if err != nil {
 			return "", nil, fmt.Errorf("checkpoint.resume: %w", err)
 		}
-		dir = mode
+		dir = d
 	}
 	ck, err := checkpoint.Open(dir)
 	if err != nil {

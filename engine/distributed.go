@@ -122,6 +122,14 @@ func (e *Engine) multiProcess() (registry.MultiProcess, bool) {
 // the run. An error of any process fails
 // the run on every process.
 func (e *Engine) RunDistributed(ctx context.Context, d Distributed) (Result, error) {
+	unlock, err := e.holdRunDir(d.TCP.NodeRank)
+	if err != nil {
+		if d.Rendezvous != nil {
+			d.Rendezvous.Abort(err) // the other nodes need not wait for this one
+		}
+		return Result{}, err
+	}
+	defer unlock()
 	if mp, ok := e.multiProcess(); ok {
 		return e.runMultiProcess(ctx, d, mp)
 	}

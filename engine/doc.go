@@ -43,6 +43,10 @@
 //     their storage (below).
 //   - schedule.go: the learning-rate schedules.
 //   - events.go: StepEvent and the metrics.jsonl line.
+//   - metrics_file.go: metrics.jsonl in a run directory (WithMetricsFile),
+//     cut back to the step a run starts from.
+//   - rundir_lock.go, rundir_lock_unix.go, rundir_lock_other.go: the run
+//     directory's lock (LockRunDir), one run per directory.
 //   - comm_timing.go: the NCCL collectives timed in a profiled step (kind
 //     communication of package backend/profile).
 //   - checkpointing.go: what a rank saves, resume (with resharding by tensor

@@ -33,6 +33,11 @@ type Engine struct {
 	device  registry.Device
 	wrap    func(backend.Backend) backend.Backend
 	runDir  string
+	// runDirLock is the run directory's lock when the caller took it
+	// (WithRunDirLock); nil: Run takes it itself (rundir_lock.go).
+	runDirLock *RunDirLock
+	// metricsPath is the metrics.jsonl a run appends to (WithMetricsFile).
+	metricsPath string
 	// The recipe as the user wrote it, kept in checkpoints.
 	recipe     []byte
 	recipeHash string
@@ -77,8 +82,24 @@ func WithBackendWrapper(wrap func(backend.Backend) backend.Backend) Option {
 	return func(e *Engine) { e.wrap = wrap }
 }
 
-// WithRunDir names the run directory, where checkpoints are kept.
+// WithRunDir names the run directory, where checkpoints are kept. Run
+// locks it for the run's life (LockRunDir): a second run on it, in this
+// process or another, fails at once.
 func WithRunDir(dir string) Option { return func(e *Engine) { e.runDir = dir } }
+
+// WithRunDirLock is WithRunDir(l.Dir()) for a caller that locked the run
+// directory itself (LockRunDir) before writing its own files there; the
+// caller unlocks it after Run.
+func WithRunDirLock(l *RunDirLock) Option {
+	return func(e *Engine) { e.runDir, e.runDirLock = l.Dir(), l }
+}
+
+// WithMetricsFile appends one JSON object per logged step to the file at
+// path (a run directory's metrics.jsonl), as WithMetrics does to a writer.
+// Before the first step, Run drops the file's lines of steps after the one
+// it starts from (the checkpoint resumed from, or 0), so that a run
+// resumed after a crash logs each step once.
+func WithMetricsFile(path string) Option { return func(e *Engine) { e.metricsPath = path } }
 
 // WithRecipe records the recipe's YAML snapshot and hash in checkpoints.
 func WithRecipe(snapshot []byte, hash string) Option {
@@ -200,6 +221,11 @@ type Result struct {
 // each with NCCL between them, when W GPUs are visible, and as virtual
 // ranks on GPU 0 otherwise (placement.go).
 func (e *Engine) Run(ctx context.Context) (Result, error) {
+	unlock, err := e.holdRunDir(0)
+	if err != nil {
+		return Result{}, err
+	}
+	defer unlock()
 	world, backends, release, err := e.placeRanks()
 	if err != nil {
 		return Result{}, err

@@ -86,6 +86,15 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 			e.log.Info().Str("checkpoint", dir).Int("step", st.Step).Msg("resuming")
 		}
 	}
+	startStep := 0
+	if s.resume != nil {
+		startStep = s.resume.Step
+	}
+	closeMetrics, err := e.openMetricsFile(world, startStep)
+	if err != nil {
+		return Result{}, err
+	}
+	defer closeMetrics()
 	if s.resume == nil && cfg.Checkpoint.InitFrom != "" {
 		if err := e.loadHF(cfg.Checkpoint.InitFrom, ranks); err != nil {
 			return Result{}, err

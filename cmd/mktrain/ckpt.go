@@ -24,7 +24,8 @@ const ckptUsage = `Usage: mktrain ckpt verify DIR
 verify rehashes every file of a checkpoint and compares it with the size and
 SHA-256 in its MANIFEST.json. DIR is one checkpoint (a step_* directory), or
 a run directory or checkpoints root, whose checkpoints are all verified. It
-prints OK or FAIL per checkpoint and fails naming each bad file.
+prints OK or FAIL per checkpoint and fails naming each bad file, and each
+step directory without MANIFEST.json (damage: a save never leaves one).
 
 inspect prints what a checkpoint holds: its step, tokens, the mktrain version
 and mesh that wrote it, the recipe hash, every tensor with its dtype, shape
@@ -64,7 +65,8 @@ func cmdCkpt(args []string, stdout, stderr io.Writer) error {
 }
 
 // checkpointDirs lists the checkpoints DIR stands for: itself when it is
-// one, else every checkpoint under it, oldest first.
+// one, else every checkpoint under it, oldest first. Step directories
+// without MANIFEST.json are listed too, for verify to fail on.
 func checkpointDirs(dir string) ([]string, error) {
 	if engine.IsCheckpointDir(dir) {
 		return []string{dir}, nil
@@ -72,10 +74,17 @@ func checkpointDirs(dir string) ([]string, error) {
 	if err := checkExists(dir); err != nil {
 		return nil, err
 	}
-	infos, err := checkpoint.List(engine.CheckpointsRoot(dir))
+	root := engine.CheckpointsRoot(dir)
+	infos, err := checkpoint.List(root)
 	if err != nil {
 		return nil, err
 	}
+	incomplete, err := checkpoint.ListIncomplete(root)
+	if err != nil {
+		return nil, err
+	}
+	infos = append(infos, incomplete...)
+	slices.SortStableFunc(infos, func(a, b checkpoint.Info) int { return b.Step - a.Step })
 	if len(infos) == 0 {
 		return nil, fmt.Errorf("%s holds no checkpoint: it is not a step directory (no MANIFEST.json), and neither it nor %s has step_* directories",
 			dir, filepath.Join(dir, "checkpoints"))

@@ -40,7 +40,8 @@ func crashArgs(runDir string) []string {
 }
 
 // metricLosses reads every (step, loss) line of a run's metrics.jsonl; a
-// step that ran twice (before a crash and after the resume) appears twice.
+// step logged twice (a resume that kept the metrics of the steps it
+// trained again) appears twice.
 func metricLosses(t *testing.T, runDir string) map[int][]float64 {
 	t.Helper()
 	f, err := os.Open(filepath.Join(runDir, "metrics.jsonl"))
@@ -130,6 +131,9 @@ func TestSIGKILLResumesFromLastCompleteCheckpoint(t *testing.T) {
 			if l != losses[0] {
 				t.Errorf("step %d: loss %v after crashes, %v uninterrupted", step, l, losses[0])
 			}
+		}
+		if len(got[step]) > 1 {
+			t.Errorf("step %d logged %d times: a resumed run must drop the metrics of the steps it trains again", step, len(got[step]))
 		}
 	}
 	root := filepath.Join(crashed, "checkpoints")

@@ -131,6 +131,13 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err := os.MkdirAll(*runDir, 0o755); err != nil {
 		return fmt.Errorf("run directory: %w", err)
 	}
+	// Before writing there: a second run on the directory is refused at
+	// once, naming the holder (each node locks its own file).
+	runDirLock, err := engine.LockRunDir(*runDir, launch.NodeRank)
+	if err != nil {
+		return err
+	}
+	defer runDirLock.Unlock()
 	// Node 0 owns the run directory's shared files; the other nodes keep
 	// their own log beside them (the directory may be shared).
 	logName := "train.log"
@@ -144,15 +151,6 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return fmt.Errorf("run directory: %w", err)
 	}
 	defer logFile.Close()
-	metricsFile := io.Writer(io.Discard) // only world rank 0 reports steps
-	if launch.NodeRank == 0 {
-		f, err := os.OpenFile(filepath.Join(*runDir, "metrics.jsonl"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-		if err != nil {
-			return fmt.Errorf("run directory: %w", err)
-		}
-		defer f.Close()
-		metricsFile = f
-	}
 
 	level, err := zerolog.ParseLevel(cfg.Log.Level)
 	if err != nil {
@@ -173,8 +171,11 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	))).With().Timestamp().Logger()
 	logger.Info().Str("recipe", pos[0]).Str("run_dir", *runDir).Str("version", versionString()).Str("launch", launch.String()).Msg("mktrain run")
 
-	opts := []engine.Option{engine.WithDrivers(all.Drivers()...), engine.WithLogger(logger), engine.WithMetrics(metricsFile), engine.WithRunDir(*runDir),
+	opts := []engine.Option{engine.WithDrivers(all.Drivers()...), engine.WithLogger(logger), engine.WithRunDirLock(runDirLock),
 		engine.WithRecipe(snapshot, recipes.Hash(cfg))}
+	if launch.NodeRank == 0 { // only world rank 0 reports steps
+		opts = append(opts, engine.WithMetricsFile(filepath.Join(*runDir, "metrics.jsonl")))
+	}
 	if bar != nil {
 		opts = append(opts, engine.WithHook(func(ev engine.StepEvent) {
 			desc := fmt.Sprintf("loss %.4f  %.0f tok/s", ev.Loss, ev.TokensPerSec)
