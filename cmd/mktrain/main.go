@@ -6,6 +6,7 @@
 //	mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
 //	            [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
 //	mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
+//	mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
 //	mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
 //	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
 //	mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
@@ -25,7 +26,7 @@
 //
 // Each command is one file here, which parses its flags and calls the
 // packages that do the work: run.go (recipes, launch, engine), data.go
-// (data.Prepare), eval.go, sample.go and export.go (infer), ckpt.go
+// (data.Prepare, data.Verify), eval.go, sample.go and export.go (infer), ckpt.go
 // (checkpoint), bench.go (bench train, through engine and backend/profile),
 // bench_checkpoint.go, bench_moe.go, bench_kernels.go, and version.go. The
 // programs pick their backends from backend/all.
@@ -66,6 +67,8 @@ Usage:
                          train from a recipe (a file, or a shipped name: tiny, moe-small)
   mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
                          turn text files into byte-level token shards
+  mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
+                         check token shards' headers, sizes and ids (< N, or the recipe's model.vocab)
   mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
                          a checkpoint's validation loss and perplexity
   mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
@@ -102,7 +105,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "run":
 		err = cmdRun(ctx, args[1:], stdout, stderr)
 	case "data":
-		err = cmdData(args[1:], stdout, stderr)
+		err = cmdData(ctx, args[1:], stdout, stderr)
 	case "bench":
 		err = cmdBench(ctx, args[1:], stdout, stderr)
 	case "eval":
