@@ -1,6 +1,7 @@
 package checkpoint
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -77,7 +78,11 @@ func checkPlainName(name string) error {
 // The error names each bad file, e.g.
 //
 //	checkpoint runs/x/step_00000100/model-rank00000.safetensors: checksum mismatch (manifest sha256 ab12..., file cd34...)
-func Verify(dir string) error {
+func Verify(dir string) error { return VerifyContext(context.Background(), dir) }
+
+// VerifyContext is Verify that stops hashing when ctx ends (between two
+// blocks of a file) and then returns an error wrapping ctx's cause.
+func VerifyContext(ctx context.Context, dir string) error {
 	m, err := ReadManifest(dir)
 	if err != nil {
 		return err
@@ -88,7 +93,7 @@ func Verify(dir string) error {
 	for range min(runtime.GOMAXPROCS(0), len(m.Files)) {
 		wg.Go(func() {
 			for i := range work {
-				errs[i] = verifyFile(dir, m.Files[i])
+				errs[i] = verifyFile(ctx, dir, m.Files[i])
 			}
 		})
 	}
@@ -97,10 +102,13 @@ func Verify(dir string) error {
 	}
 	close(work)
 	wg.Wait()
+	if ctx.Err() != nil {
+		return fmt.Errorf("checkpoint %s: verification stopped: %w", dir, context.Cause(ctx))
+	}
 	return errors.Join(errs...)
 }
 
-func verifyFile(dir string, e FileEntry) error {
+func verifyFile(ctx context.Context, dir string, e FileEntry) error {
 	path := filepath.Join(dir, e.Name)
 	if err := checkSize(path, e); err != nil {
 		return err
@@ -111,7 +119,7 @@ func verifyFile(dir string, e FileEntry) error {
 	}
 	defer f.Close()
 	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
+	if _, err := io.Copy(h, contextReader{ctx, f}); err != nil {
 		return fmt.Errorf("checkpoint %s: %w", path, err)
 	}
 	if got := hex.EncodeToString(h.Sum(nil)); got != e.SHA256 {
@@ -119,6 +127,19 @@ func verifyFile(dir string, e FileEntry) error {
 			path, e.SHA256[:16], got[:16])
 	}
 	return nil
+}
+
+// contextReader reads r until ctx ends.
+type contextReader struct {
+	ctx context.Context
+	r   io.Reader
+}
+
+func (c contextReader) Read(p []byte) (int, error) {
+	if c.ctx.Err() != nil {
+		return 0, context.Cause(c.ctx)
+	}
+	return c.r.Read(p)
 }
 
 // checkSize is the cheap part of Verify: the file exists with its size.

@@ -4,6 +4,7 @@ package data
 // prepare`).
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -33,8 +34,10 @@ type PrepareStats struct {
 // valFraction is in [0, 1); 0 writes no val shards. progress, if not nil, is
 // called with bytes read so far and in all. outDir must not already hold
 // shards, since a stale train_000009.bin would otherwise join the new
-// dataset. On error the shards written so far are removed.
-func Prepare(inputs []string, outDir string, valFraction float64, shardTokens int, progress func(done, total int64)) (PrepareStats, error) {
+// dataset. On error, or when ctx ends (checked every MiB read), the shards
+// written so far are removed, and outDir too when Prepare created it; the
+// error then wraps ctx's cause.
+func Prepare(ctx context.Context, inputs []string, outDir string, valFraction float64, shardTokens int, progress func(done, total int64)) (PrepareStats, error) {
 	var st PrepareStats
 	switch {
 	case len(inputs) == 0:
@@ -52,6 +55,8 @@ func Prepare(inputs []string, outDir string, valFraction float64, shardTokens in
 	for _, n := range sizes {
 		total += n
 	}
+	_, statErr := os.Stat(outDir)
+	createdOut := errors.Is(statErr, os.ErrNotExist)
 	if err := os.MkdirAll(outDir, 0o755); err != nil {
 		return st, fmt.Errorf("prepare: %w", err)
 	}
@@ -69,13 +74,16 @@ func Prepare(inputs []string, outDir string, valFraction float64, shardTokens in
 		if !ok {
 			train.abort()
 			val.abort()
+			if createdOut {
+				os.Remove(outDir) // only when empty: never what another wrote there
+			}
 		}
 	}()
 	var done int64
 	buf := make([]byte, 1<<20)
 	for i, path := range files {
 		valBytes := int64(math.Ceil(float64(sizes[i]) * valFraction))
-		if err := copyFile(path, sizes[i], sizes[i]-valBytes, train, val, buf, func(n int64) {
+		if err := copyFile(ctx, path, sizes[i], sizes[i]-valBytes, train, val, buf, func(n int64) {
 			done += n
 			if progress != nil {
 				progress(done, total)
@@ -145,7 +153,7 @@ func hasGlobMeta(p string) bool {
 
 // copyFile sends the first trainBytes of the size bytes of path to train
 // and the rest to val.
-func copyFile(path string, size, trainBytes int64, train, val *splitWriter, buf []byte, read func(int64)) error {
+func copyFile(ctx context.Context, path string, size, trainBytes int64, train, val *splitWriter, buf []byte, read func(int64)) error {
 	f, err := os.Open(path)
 	if err != nil {
 		return fmt.Errorf("prepare: %w", err)
@@ -154,6 +162,9 @@ func copyFile(path string, size, trainBytes int64, train, val *splitWriter, buf 
 	r := io.LimitReader(f, size)
 	var pos int64
 	for pos < size {
+		if ctx.Err() != nil {
+			return fmt.Errorf("prepare: stopped at byte %d of %s: %w", pos, path, context.Cause(ctx))
+		}
 		n, err := r.Read(buf)
 		if n > 0 {
 			chunk := buf[:n]

@@ -2,6 +2,8 @@ package data
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -65,7 +67,7 @@ func TestPrepareRoundTrip(t *testing.T) {
 
 	const valFraction, shardTokens = 0.1, 300
 	var calls []int64
-	st, err := Prepare(inputs, out, valFraction, shardTokens, func(done, total int64) {
+	st, err := Prepare(context.Background(), inputs, out, valFraction, shardTokens, func(done, total int64) {
 		if total != 3353 {
 			t.Errorf("progress total %d, want 3353", total)
 		}
@@ -112,7 +114,7 @@ func TestPrepareRoundTrip(t *testing.T) {
 	l.Close()
 
 	// A second run into the same directory refuses to mix datasets.
-	if _, err := Prepare(inputs, out, valFraction, shardTokens, nil); err == nil || !strings.Contains(err.Error(), "already holds shards") {
+	if _, err := Prepare(context.Background(), inputs, out, valFraction, shardTokens, nil); err == nil || !strings.Contains(err.Error(), "already holds shards") {
 		t.Fatalf("second Prepare into %s: error %v", out, err)
 	}
 }
@@ -122,7 +124,7 @@ func TestPrepareValSplit(t *testing.T) {
 	small := filepath.Join(in, "small.txt")
 	writeFile(t, small, []byte("abc"))
 	// A tiny val fraction still gives a val shard.
-	st, err := Prepare([]string{small}, filepath.Join(t.TempDir(), "a"), 0.01, 100, nil)
+	st, err := Prepare(context.Background(), []string{small}, filepath.Join(t.TempDir(), "a"), 0.01, 100, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,7 +132,7 @@ func TestPrepareValSplit(t *testing.T) {
 		t.Fatalf("valFraction 0.01 of 3 bytes: %+v", st)
 	}
 	// Zero writes none.
-	st, err = Prepare([]string{small}, filepath.Join(t.TempDir(), "b"), 0, 100, nil)
+	st, err = Prepare(context.Background(), []string{small}, filepath.Join(t.TempDir(), "b"), 0, 100, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -159,13 +161,39 @@ func TestPrepareErrors(t *testing.T) {
 		{nil, 0.1, 100, "no input files"},
 	} {
 		out := filepath.Join(t.TempDir(), "out")
-		_, err := Prepare(tc.inputs, out, tc.valFraction, tc.shardTokens, nil)
+		_, err := Prepare(context.Background(), tc.inputs, out, tc.valFraction, tc.shardTokens, nil)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("Prepare(%v, %v, %d): error %v, want one containing %q", tc.inputs, tc.valFraction, tc.shardTokens, err, tc.want)
 		}
 		if entries, _ := os.ReadDir(out); len(entries) != 0 {
 			t.Errorf("Prepare(%v) failed but left %d files", tc.inputs, len(entries))
 		}
+	}
+}
+
+// TestPrepareStopsWhenCancelled cancels Prepare from its progress callback
+// after the first MiB: it must stop there, return the cancel cause and
+// leave no shard and no output directory behind.
+func TestPrepareStopsWhenCancelled(t *testing.T) {
+	in := filepath.Join(t.TempDir(), "big.txt")
+	writeFile(t, in, bytes.Repeat([]byte("0123456789abcdef"), 1<<18)) // 4 MiB
+	out := filepath.Join(t.TempDir(), "out")
+	stopCause := errors.New("stop requested")
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	var seen int64
+	_, err := Prepare(ctx, []string{in}, out, 0.1, 1<<16, func(done, total int64) {
+		seen = done
+		cancel(stopCause)
+	})
+	if !errors.Is(err, stopCause) {
+		t.Fatalf("Prepare after cancel: error %v, want one wrapping %v", err, stopCause)
+	}
+	if seen != 1<<20 {
+		t.Errorf("read %d bytes before stopping, want one block of %d", seen, 1<<20)
+	}
+	if _, statErr := os.Stat(out); !errors.Is(statErr, os.ErrNotExist) {
+		t.Errorf("the output directory %s is left after the stop: %v", out, statErr)
 	}
 }
 

@@ -107,7 +107,9 @@ func WithRecipe(snapshot []byte, hash string) Option {
 }
 
 // ErrStopped is returned by Run when its context was cancelled; the run
-// stopped cleanly between two steps.
+// stopped cleanly between two steps (after saving a checkpoint, with a run
+// directory), or before the first while the model was initialised (between
+// two tensors or layers; then Result.Elapsed is 0).
 var ErrStopped = errors.New("training stopped")
 
 // New validates cfg and prepares an engine; no work starts before Run.

@@ -134,7 +134,7 @@ func stepResults(t *testing.T, cfg Config, b backend.Backend, world []*comm.Rank
 		if err != nil {
 			t.Fatal(err)
 		}
-		if ranks[i], err = newRank(cfg, b, g, train, val); err != nil {
+		if ranks[i], err = newRank(context.Background(), cfg, b, g, train, val); err != nil {
 			t.Fatal(err)
 		}
 		ranks[i].syncGrads = syncGrads

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -46,7 +47,7 @@ func TestModelGradient(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := newRank(cfg, b, world[0], nil, nil)
+	r, err := newRank(context.Background(), cfg, b, world[0], nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +110,7 @@ func TestParamShapesMatchTensors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := newRank(cfg, b, world[0], nil, nil)
+	r, err := newRank(context.Background(), cfg, b, world[0], nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

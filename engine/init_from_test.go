@@ -2,6 +2,7 @@ package engine
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"math"
@@ -89,7 +90,7 @@ func importedRanks(t *testing.T, cfg Config, hfDir string, ep int) (map[string][
 	}
 	ranks := make([]*rank, ep)
 	for i := range ranks {
-		if ranks[i], err = newRank(cfg, b, world[i], nil, nil); err != nil {
+		if ranks[i], err = newRank(context.Background(), cfg, b, world[i], nil, nil); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/mktrain/mktrain/attention"
@@ -65,7 +66,7 @@ const lmHeadChunkRows = 2048
 // groups are the MoE layers' (Data: every rank with distinct
 // tokens); context is the context-parallel group the sequences are split
 // over, nil for none.
-func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group) (*model, error) {
+func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group) (*model, error) {
 	cp, cpRank := 1, 0
 	if context != nil {
 		cp, cpRank = context.Size(), context.Rank()
@@ -103,6 +104,9 @@ func newModel(b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq 
 		m.h1L, m.h2L = append(m.h1L, b.New(ft, T, D)), append(m.h2L, b.New(ft, T, D))
 	}
 	for l := 0; l < L; l++ {
+		if ctx.Err() != nil {
+			return nil, ErrStopped // a cancelled run stops between two layers
+		}
 		m.midL = append(m.midL, b.New(ft, T, D))
 		m.rstd1L = append(m.rstd1L, b.New(ft, T))
 		m.rstd2L = append(m.rstd2L, b.New(ft, T))

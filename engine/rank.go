@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"fmt"
 	"math"
 
@@ -62,13 +63,14 @@ type rank struct {
 
 // newRank builds a rank with initialised weights. A rank without training
 // data (evaluation, sampling, gradient checks) gets no AdamW moments.
-func newRank(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource) (*rank, error) {
-	return newRankRounds(cfg, b, groups, train, val, gradBucket)
+// When ctx ends while the weights are initialised it returns ErrStopped.
+func newRank(ctx context.Context, cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource) (*rank, error) {
+	return newRankRounds(ctx, cfg, b, groups, train, val, gradBucket)
 }
 
 // newRankRounds is newRank with ZeRO-1's rounds of at most about
 // roundElems elements (gradBucket; less in tests, for several rounds).
-func newRankRounds(cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource, roundElems int) (*rank, error) {
+func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource, roundElems int) (*rank, error) {
 	m := cfg.Model
 	localExperts := m.MoE.Experts / cfg.Parallel.EP
 	firstExpert := groups.Expert.Rank() * localExperts
@@ -85,12 +87,20 @@ func newRankRounds(cfg Config, b backend.Backend, groups *comm.Ranks, train batc
 	}
 	r.wStore, r.gStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
 	r.w, r.g = r.wStore.p, r.gStore.p
+	if ctx.Err() != nil {
+		return nil, ErrStopped // between the large allocations too
+	}
 	r.op = newOperandStore(b, m, r.layout, r.wStore)
 	var mp, vp *modelParams
 	if train != nil {
 		mp, vp = r.newMoments()
 	}
 	for _, s := range r.layout.slots {
+		// A large model takes a while to initialise: a cancelled run stops
+		// between two tensors.
+		if ctx.Err() != nil {
+			return nil, ErrStopped
+		}
 		p := param{slot: s, w: *s.pick(r.w), g: *s.pick(r.g), firstExpert: firstExpert}
 		if mp != nil {
 			p.m, p.v = *s.pick(mp), *s.pick(vp)
@@ -106,7 +116,7 @@ func newRankRounds(cfg Config, b backend.Backend, groups *comm.Ranks, train batc
 	var err error
 	// The MoE load statistics are summed over every rank with distinct
 	// tokens: data and context parallel.
-	r.model, err = newModel(b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
+	r.model, err = newModel(ctx, b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
 		moe.Groups{Expert: groups.Expert, Data: groups.DataContext}, groups.Context)
 	if err != nil {
 		return nil, err

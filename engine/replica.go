@@ -7,6 +7,7 @@ package engine
 // with train=false.
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/rs/zerolog"
@@ -80,7 +81,7 @@ func LoadReplica(dir string, opts ...Option) (_ *Replica, err error) {
 	if err != nil {
 		return nil, err
 	}
-	r, err := newRank(servingConfig(cfg), b, world[0], nil, nil)
+	r, err := newRank(context.Background(), servingConfig(cfg), b, world[0], nil, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -118,7 +119,7 @@ func (p *Replica) Forward(batch int) (*Forward, error) {
 		return nil, fmt.Errorf("forward: batch %d; want a positive number of sequences", batch)
 	}
 	r := p.r
-	m, err := newModel(r.b, r.cfg.Model, r.op.p, r.g, batch, p.cfg.Train.Seq,
+	m, err := newModel(context.Background(), r.b, r.cfg.Model, r.op.p, r.g, batch, p.cfg.Train.Seq,
 		moe.Groups{Expert: r.groups.Expert, Data: r.groups.Data}, nil)
 	if err != nil {
 		return nil, err

@@ -66,7 +66,9 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 		if backends != nil {
 			b = backends[i]
 		}
-		if ranks[i], err = newRank(cfg, b, g, train, val); err != nil {
+		if ranks[i], err = newRank(ctx, cfg, b, g, train, val); errors.Is(err, ErrStopped) {
+			return Result{}, ErrStopped
+		} else if err != nil {
 			return Result{}, fmt.Errorf("rank %d: %w", g.Rank, err)
 		}
 	}

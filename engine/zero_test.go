@@ -2,6 +2,7 @@ package engine
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"math"
 	"os"
@@ -128,7 +129,7 @@ func zeroSteps(t *testing.T, cfg Config, b backend.Backend, world []*comm.Ranks,
 		if err != nil {
 			t.Fatal(err)
 		}
-		if ranks[g.Rank], err = newRankRounds(cfg, b, g, train, val, roundElems); err != nil {
+		if ranks[g.Rank], err = newRankRounds(context.Background(), cfg, b, g, train, val, roundElems); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -222,7 +223,7 @@ func TestZeroLogsMemory(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		r, err := newRank(cfg, b, world[0], train, val)
+		r, err := newRank(context.Background(), cfg, b, world[0], train, val)
 		if err != nil {
 			t.Fatal(err)
 		}

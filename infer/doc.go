@@ -15,7 +15,7 @@
 //
 // Export for transformers' MixtralForCausalLM.from_pretrained:
 //
-//	err := infer.ExportHF("runs/tiny", "out/hf", "bf16") // or "fp32" to compare losses exactly
+//	err := infer.ExportHF(ctx, "runs/tiny", "out/hf", "bf16") // or "fp32" to compare losses exactly
 //
 // Evaluate reads windows exactly as training's validation does, so on the
 // run's own validation data it reproduces the run's validation loss. Sample

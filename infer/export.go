@@ -1,6 +1,7 @@
 package infer
 
 import (
+	"context"
 	"fmt"
 	"slices"
 
@@ -22,13 +23,20 @@ import (
 // routes without a capacity: its outputs differ wherever tokens were dropped.
 //
 // The directory appears whole or not at all (see hf.Write): outDir must
-// not exist, or be an empty directory.
-func ExportHF(ckptDir, outDir, dtype string) error {
+// not exist, or be an empty directory. When ctx ends (checked while a step
+// directory's checksums are verified and before each tensor is written)
+// nothing is left at outDir and the error wraps ctx's cause.
+func ExportHF(ctx context.Context, ckptDir, outDir, dtype string) error {
 	dt, err := hf.ParseDType(dtype)
 	if err != nil {
 		return fmt.Errorf("export: %w", err)
 	}
-	dir, err := engine.ResolveCheckpoint(ckptDir, nil)
+	dir := ckptDir
+	if engine.IsCheckpointDir(dir) {
+		err = checkpoint.VerifyContext(ctx, dir)
+	} else {
+		dir, err = engine.ResolveCheckpoint(ckptDir, nil)
+	}
 	if err != nil {
 		return err
 	}
@@ -45,7 +53,12 @@ func ExportHF(ckptDir, outDir, dtype string) error {
 	if err := checkExportable(ck, info.Config.Model, m); err != nil {
 		return fmt.Errorf("export of %s: %w", dir, err)
 	}
-	return hf.Write(outDir, m, dt, ck.Model().ReadInto)
+	return hf.Write(outDir, m, dt, func(name string, dst []float32) error {
+		if ctx.Err() != nil {
+			return fmt.Errorf("export stopped: %w", context.Cause(ctx))
+		}
+		return ck.Model().ReadInto(name, dst)
+	})
 }
 
 // checkExportable refuses what Mixtral cannot represent, and a checkpoint

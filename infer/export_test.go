@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"math"
 	"os"
 	"path/filepath"
@@ -86,7 +87,7 @@ func TestExportHF(t *testing.T) {
 	for _, dtype := range []string{"fp32", "bf16"} {
 		t.Run(dtype, func(t *testing.T) {
 			out := filepath.Join(t.TempDir(), "hf")
-			if err := ExportHF(run, out, dtype); err != nil {
+			if err := ExportHF(context.Background(), run, out, dtype); err != nil {
 				t.Fatal(err)
 			}
 			got, dtypes, meta := readSafetensors(t, filepath.Join(out, "model.safetensors"))
@@ -162,7 +163,7 @@ func TestInitFromStartsFromExportedWeights(t *testing.T) {
 	runA := t.TempDir()
 	trainRun(t, cfg, runA)
 	out := filepath.Join(t.TempDir(), "hf")
-	if err := ExportHF(runA, out, "fp32"); err != nil {
+	if err := ExportHF(context.Background(), runA, out, "fp32"); err != nil {
 		t.Fatal(err)
 	}
 	m, err := Load(runA)
@@ -211,13 +212,13 @@ func TestExportHFErrors(t *testing.T) {
 	run := t.TempDir()
 	trainRun(t, cfg, run)
 	out := filepath.Join(t.TempDir(), "hf")
-	if err := ExportHF(run, out, "fp32"); err != nil {
+	if err := ExportHF(context.Background(), run, out, "fp32"); err != nil {
 		t.Fatal(err)
 	}
-	if err := ExportHF(run, out, "fp32"); err == nil || !strings.Contains(err.Error(), "not empty") {
+	if err := ExportHF(context.Background(), run, out, "fp32"); err == nil || !strings.Contains(err.Error(), "not empty") {
 		t.Errorf("export into a full directory: %v", err)
 	}
-	if err := ExportHF(run, filepath.Join(t.TempDir(), "x"), "fp16"); err == nil || !strings.Contains(err.Error(), "fp16") {
+	if err := ExportHF(context.Background(), run, filepath.Join(t.TempDir(), "x"), "fp16"); err == nil || !strings.Contains(err.Error(), "fp16") {
 		t.Errorf("export as fp16: %v", err)
 	}
 
@@ -227,14 +228,39 @@ func TestExportHFErrors(t *testing.T) {
 	shared.Train.Steps, shared.Train.WarmupSteps = 1, 0
 	sharedRun := t.TempDir()
 	trainRun(t, shared, sharedRun)
-	if err := ExportHF(sharedRun, filepath.Join(t.TempDir(), "x"), "bf16"); err == nil || !strings.Contains(err.Error(), "shared_experts") {
+	if err := ExportHF(context.Background(), sharedRun, filepath.Join(t.TempDir(), "x"), "bf16"); err == nil || !strings.Contains(err.Error(), "shared_experts") {
 		t.Errorf("shared experts: %v", err)
 	}
 	biased := cfg
 	biased.Model.MoE.BiasUpdateRate = 1e-3
 	biasedRun := t.TempDir()
 	trainRun(t, biased, biasedRun)
-	if err := ExportHF(biasedRun, filepath.Join(t.TempDir(), "x"), "bf16"); err == nil || !strings.Contains(err.Error(), "expert_bias") {
+	if err := ExportHF(context.Background(), biasedRun, filepath.Join(t.TempDir(), "x"), "bf16"); err == nil || !strings.Contains(err.Error(), "expert_bias") {
 		t.Errorf("expert bias: %v", err)
+	}
+}
+
+// TestExportHFStopsWhenCancelled: an export whose context has ended fails
+// with the cause, whether it stops while verifying a step directory or
+// before writing the first tensor (a run directory), and leaves nothing at
+// the output path.
+func TestExportHFStopsWhenCancelled(t *testing.T) {
+	run := t.TempDir()
+	trainRun(t, testConfig(), run)
+	step, err := engine.ResolveCheckpoint(run, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cause := errors.New("stop requested")
+	ctx, cancel := context.WithCancelCause(context.Background())
+	cancel(cause)
+	for _, src := range []string{step, run} {
+		out := filepath.Join(t.TempDir(), "hf")
+		if err := ExportHF(ctx, src, out, "bf16"); !errors.Is(err, cause) {
+			t.Errorf("export of %s after cancel: error %v, want one wrapping %v", src, err, cause)
+		}
+		if _, err := os.Stat(out); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("export of %s after cancel left %s: %v", src, out, err)
+		}
 	}
 }

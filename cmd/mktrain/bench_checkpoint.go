@@ -66,7 +66,7 @@ func cmdBenchCheckpoint(ctx context.Context, args []string, stdout, stderr io.Wr
 	variants := []string{"none", "zstd"}
 	for vi, compress := range variants {
 		if err := ctx.Err(); err != nil {
-			return errInterrupted
+			return stoppedError(ctx, "bench checkpoint stopped")
 		}
 		root := filepath.Join(*scratch, compress)
 		t0 := time.Now()

@@ -171,8 +171,8 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	var rows []kernelBenchRow
 	for _, s := range shapes {
 		for _, w := range worlds {
-			if err := ctx.Err(); err != nil {
-				return err
+			if ctx.Err() != nil {
+				return stoppedError(ctx, "bench kernels stopped")
 			}
 			if s.Experts%w != 0 {
 				fmt.Fprintf(stderr, "bench kernels: %s: skipping world %d, which does not divide its %d experts\n", s.Name, w, s.Experts)

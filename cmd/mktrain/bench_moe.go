@@ -113,8 +113,8 @@ func cmdBenchMoE(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	var rows []moeBenchRow
 	for _, s := range shapes {
 		for _, w := range worlds {
-			if err := ctx.Err(); err != nil {
-				return err
+			if ctx.Err() != nil {
+				return stoppedError(ctx, "bench moe stopped")
 			}
 			if s.Experts%w != 0 {
 				fmt.Fprintf(stderr, "bench moe: %s: skipping world %d, which does not divide its %d experts\n", s.Name, w, s.Experts)

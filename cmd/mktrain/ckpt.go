@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -34,7 +35,7 @@ checkpoint, or a run directory or checkpoints root (its latest checkpoint).
 
 `
 
-func cmdCkpt(args []string, stdout, stderr io.Writer) error {
+func cmdCkpt(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, ckptUsage)
 		return usageError{"ckpt takes the subcommand verify or inspect"}
@@ -59,7 +60,7 @@ func cmdCkpt(args []string, stdout, stderr io.Writer) error {
 		return usageError{fmt.Sprintf("ckpt %s takes exactly one directory", args[0])}
 	}
 	if args[0] == "verify" {
-		return ckptVerify(pos[0], stdout)
+		return ckptVerify(ctx, pos[0], stdout)
 	}
 	return ckptInspect(pos[0], stdout)
 }
@@ -96,14 +97,17 @@ func checkpointDirs(dir string) ([]string, error) {
 	return dirs, nil
 }
 
-func ckptVerify(dir string, stdout io.Writer) error {
+func ckptVerify(ctx context.Context, dir string, stdout io.Writer) error {
 	dirs, err := checkpointDirs(dir)
 	if err != nil {
 		return err
 	}
 	var bad []error
 	for _, d := range dirs {
-		if err := checkpoint.Verify(d); err != nil {
+		if err := checkpoint.VerifyContext(ctx, d); err != nil {
+			if ctx.Err() != nil {
+				return stoppedError(ctx, fmt.Sprintf("verification of %s stopped", d))
+			}
 			fmt.Fprintf(stdout, "FAIL %s\n", d)
 			bad = append(bad, err)
 			continue

@@ -73,7 +73,7 @@ func cmdData(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError{fmt.Sprintf("--shard-tokens must be positive, got %d", *shardTokens)}
 	}
 	var bar *progressbar.ProgressBar
-	stats, err := data.Prepare(inputs, *out, *valFraction, *shardTokens, func(done, total int64) {
+	stats, err := data.Prepare(ctx, inputs, *out, *valFraction, *shardTokens, func(done, total int64) {
 		if bar == nil {
 			bar = progressbar.NewOptions64(total, progressbar.OptionSetWriter(stderr),
 				progressbar.OptionShowBytes(true), progressbar.OptionSetDescription("preparing"))

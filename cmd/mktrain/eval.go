@@ -72,7 +72,7 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	defer m.Close()
 	res, err := m.Evaluate(ctx, *glob, *batches)
 	if errors.Is(err, context.Canceled) {
-		return fmt.Errorf("%w: evaluation stopped", errInterrupted)
+		return stoppedError(ctx, "evaluation stopped")
 	}
 	if err != nil {
 		return err

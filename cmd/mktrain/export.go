@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"path/filepath"
@@ -25,7 +26,7 @@ fp32 to compare losses with transformers exactly (scripts/hf_check.py).
 Flags:
 `
 
-func cmdExport(args []string, stdout, stderr io.Writer) error {
+func cmdExport(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("export", exportUsage, stderr)
 	format := fs.String("format", "hf", "output format: hf (Hugging Face Mixtral)")
 	dtype := fs.String("dtype", "bf16", "tensor dtype: bf16 or fp32")
@@ -50,11 +51,14 @@ func cmdExport(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
+	if ctx.Err() != nil {
+		return stoppedError(ctx, "export stopped before writing "+pos[1])
+	}
 	info, err := engine.ReadCheckpointInfo(ckDir)
 	if err != nil {
 		return err
 	}
-	if err := infer.ExportHF(ckDir, pos[1], *dtype); err != nil {
+	if err := infer.ExportHF(ctx, ckDir, pos[1], *dtype); err != nil {
 		return err
 	}
 	if cf := info.Config.Model.MoE.CapacityFactor; cf > 0 {

@@ -21,8 +21,10 @@
 // A recipe is a YAML file or a shipped name (tiny, moe-small); its fields
 // are documented in docs/recipes.md. Every command takes --help. Exit
 // status: 0 on success, 2 on bad input or a failed run (the message names
-// the file, field or step), 130 when interrupted (a run stops cleanly
-// between two steps). README.md's Commands section describes each command.
+// the file, field or step), 130 after Ctrl-C (SIGINT) and 143 after
+// SIGTERM in every command and phase: the first signal stops cleanly (a run
+// saves after its current step, partial output is removed), a second exits
+// at once (signals.go). README.md's Commands section describes each command.
 //
 // Each command is one file here, which parses its flags and calls the
 // packages that do the work: run.go (recipes, launch, engine), data.go
@@ -38,15 +40,14 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
-	"syscall"
 )
 
 // Exit statuses.
 const (
 	exitOK          = 0
 	exitFailure     = 2
-	exitInterrupted = 130
+	exitInterrupted = 130 // SIGINT (Ctrl-C): 128 + 2
+	exitTerminated  = 143 // SIGTERM: 128 + 15
 )
 
 func main() {
@@ -98,7 +99,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprint(stderr, topUsage)
 		return exitFailure
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, stop := notifySignals(stderr, os.Exit)
 	defer stop()
 	var err error
 	switch args[0] {
@@ -113,9 +114,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "sample":
 		err = cmdSample(ctx, args[1:], stdout, stderr)
 	case "export":
-		err = cmdExport(args[1:], stdout, stderr)
+		err = cmdExport(ctx, args[1:], stdout, stderr)
 	case "ckpt":
-		err = cmdCkpt(args[1:], stdout, stderr)
+		err = cmdCkpt(ctx, args[1:], stdout, stderr)
 	case "version", "--version":
 		fmt.Fprintln(stdout, versionString())
 		return exitOK
@@ -125,6 +126,21 @@ func run(args []string, stdout, stderr io.Writer) int {
 	default:
 		fmt.Fprintf(stderr, "mktrain: unknown command %q\n\n%s", args[0], topUsage)
 		return exitFailure
+	}
+	return exitStatus(ctx, err, stderr)
+}
+
+// exitStatus reports err on stderr and returns the command's exit status:
+// after a signal, 128 + its number whatever the error (a command that
+// finished its work before it noticed the signal exits 0).
+func exitStatus(ctx context.Context, err error, stderr io.Writer) int {
+	if cause, ok := interruption(ctx); ok && err != nil && !errors.Is(err, errHelp) {
+		if errors.Is(err, cause) {
+			fmt.Fprintln(stderr, "mktrain:", err)
+		} else {
+			fmt.Fprintf(stderr, "mktrain: %s: %v\n", cause, err)
+		}
+		return cause.exitCode()
 	}
 	switch {
 	case err == nil:

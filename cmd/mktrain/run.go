@@ -71,7 +71,9 @@ const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir
 
 Trains the model a recipe describes. RECIPE is a YAML file or the name of a
 shipped recipe (tiny, moe-small). The run directory receives recipe.yaml (the
-effective recipe), train.log and metrics.jsonl. Ctrl-C stops between two steps.
+effective recipe), train.log and metrics.jsonl. Ctrl-C (or SIGTERM) stops
+after the current step and saves a checkpoint (exit 130, or 143); a second
+Ctrl-C exits at once.
 
 Several nodes: start one process per node with the same recipe, the node
 count and each its node rank (flags, torchrun's NNODES/NODE_RANK/MASTER_ADDR/
@@ -213,10 +215,14 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 			*runDir, res.StartStep)
 	}
 	switch {
+	case errors.Is(err, engine.ErrStopped) && res.Elapsed == 0:
+		// Stopped while the model was built, before the first step.
+		logger.Warn().Msg("stopped before training started")
+		return stoppedError(ctx, "stopped before training started")
 	case errors.Is(err, engine.ErrStopped):
 		logger.Warn().Int("step", res.Steps).Msg("stopped")
 		fmt.Fprintln(stdout, summary)
-		return fmt.Errorf("%w: stopped after step %d", errInterrupted, res.Steps)
+		return stoppedError(ctx, fmt.Sprintf("stopped after step %d", res.Steps))
 	case err != nil:
 		logger.Error().Err(err).Msg("run failed")
 		return err

@@ -68,7 +68,7 @@ func cmdSample(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	out, err := m.Sample(ctx, ids, *n, *temperature, *topK, *seed)
 	if errors.Is(err, context.Canceled) {
-		return fmt.Errorf("%w: sampling stopped", errInterrupted)
+		return stoppedError(ctx, "sampling stopped")
 	}
 	if err != nil {
 		return err

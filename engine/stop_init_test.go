@@ -1,0 +1,70 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// allocCounter counts the tensors a backend allocates and cancels a
+// context once it has allocated cancelAt of them.
+type allocCounter struct {
+	backend.Backend
+	n        atomic.Int64
+	cancelAt int64
+	cancel   context.CancelFunc
+}
+
+func (a *allocCounter) New(dt backend.DType, shape ...int) backend.Tensor {
+	if a.n.Add(1) == a.cancelAt && a.cancel != nil {
+		a.cancel()
+	}
+	return a.Backend.New(dt, shape...)
+}
+
+// TestRunStopsDuringInitialisation cancels a run while its model is being
+// built: Run must return ErrStopped before training (Elapsed 0), within a
+// layer's worth of allocations of the cancel, not after building the
+// whole model.
+func TestRunStopsDuringInitialisation(t *testing.T) {
+	cfg := equivalenceConfig()
+	cfg.Model.Layers = 40
+	cfg.Train.Steps, cfg.Train.WarmupSteps = 1, 0
+	allocs := func(ctx context.Context, cancel context.CancelFunc, cancelAt int64) (int64, Result, error) {
+		counter := &allocCounter{cancelAt: cancelAt, cancel: cancel}
+		eng, err := New(cfg, WithBackendWrapper(func(b backend.Backend) backend.Backend {
+			counter.Backend = b
+			return counter
+		}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer eng.Close()
+		res, err := eng.Run(ctx)
+		return counter.n.Load(), res, err
+	}
+	// The tensors a whole run of one step allocates, the model's included.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	full, _, err := allocs(ctx, cancel, 1<<40) // never cancels
+	if err != nil {
+		t.Fatal(err)
+	}
+	cancelAt := full / 4
+	ctx, cancel = context.WithCancel(context.Background())
+	defer cancel()
+	n, res, err := allocs(ctx, cancel, cancelAt)
+	if !errors.Is(err, ErrStopped) {
+		t.Fatalf("run cancelled during initialisation: %v, want ErrStopped", err)
+	}
+	if res.Elapsed != 0 || res.Steps != 0 {
+		t.Errorf("run cancelled during initialisation trained: %+v", res)
+	}
+	perLayer := full / int64(cfg.Model.Layers)
+	if n > cancelAt+perLayer {
+		t.Errorf("cancelled after %d of %d allocations, the run went on to %d (a layer is about %d)", cancelAt, full, n, perLayer)
+	}
+}
