@@ -23,12 +23,12 @@ type tcpOpts struct {
 	dial      time.Duration
 }
 
+// testSecret is the tests' run secret.
+var testSecret = []byte("the tests' shared secret")
+
 // startTCP starts the nodes of a TCP world in this process, each with its
 // own loopback listener, and returns each node's world (nil for the nodes
 // in skip, which never start) and the errors of NewTCPRanks.
-
-// testSecret is the tests' run secret.
-var testSecret = []byte("the tests' shared secret")
 
 func startTCP(t *testing.T, m comm.Mesh, nodes int, b backend.Backend, o tcpOpts, skip ...int) ([]*comm.TCPWorld, []error) {
 	t.Helper()
