@@ -358,11 +358,18 @@ func (m tcpMesh) acceptLoop(ctx context.Context, results chan<- connResult) {
 	var hs sync.WaitGroup
 	defer hs.Wait()
 	gate := peernet.NewGate(peernet.MaxHandshakes)
+	var mu sync.Mutex
+	shaking := map[net.Conn]bool{} // cut short when the listener closes
 	var wait time.Duration
 	for {
 		c, err := m.ln.Accept()
-		if errors.Is(err, net.ErrClosed) {
-			return // connect closed the listener
+		if errors.Is(err, net.ErrClosed) { // connect closed the listener
+			mu.Lock()
+			for c := range shaking {
+				c.Close()
+			}
+			mu.Unlock()
+			return
 		}
 		if err != nil { // say, out of file descriptors: try again
 			var ok bool
@@ -376,9 +383,16 @@ func (m tcpMesh) acceptLoop(ctx context.Context, results chan<- connResult) {
 			c.Close()
 			continue
 		}
+		mu.Lock()
+		shaking[c] = true
+		mu.Unlock()
 		hs.Go(func() {
 			defer gate.Leave()
-			if err := peernet.Authenticate(c, m.secret, authData, false, m.silence); err != nil {
+			err := peernet.Authenticate(c, m.secret, authData, false, m.silence)
+			mu.Lock()
+			delete(shaking, c)
+			mu.Unlock()
+			if err != nil {
 				c.Close()
 				return
 			}

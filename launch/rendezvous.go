@@ -350,16 +350,24 @@ func (r *Rendezvous) serve(ctx context.Context) error {
 // acceptLoop takes connections until the hub closes the listener; each
 // runs the handshake in its own goroutine (a bounded number at a time,
 // within HeartbeatTimeout) and reaches the hub only once it has proved it
-// knows the secret. A failed Accept (say, out of file descriptors) is
-// retried with backoff.
+// knows the secret; the handshakes still running when the listener closes
+// are cut short. A failed Accept (say, out of file descriptors) is retried
+// with backoff.
 func (r *Rendezvous) acceptLoop(ln net.Listener) {
 	defer r.wg.Done()
 	gate := peernet.NewGate(peernet.MaxHandshakes)
+	var mu sync.Mutex
+	shaking := map[net.Conn]bool{}
 	var wait time.Duration
 	for {
 		conn, err := ln.Accept()
-		if errors.Is(err, net.ErrClosed) {
-			return // the hub closed the listener
+		if errors.Is(err, net.ErrClosed) { // the hub closed the listener
+			mu.Lock()
+			for c := range shaking {
+				c.Close()
+			}
+			mu.Unlock()
+			return
 		}
 		if err != nil {
 			var ok bool
@@ -373,11 +381,18 @@ func (r *Rendezvous) acceptLoop(ln net.Listener) {
 			conn.Close()
 			continue
 		}
+		mu.Lock()
+		shaking[conn] = true
+		mu.Unlock()
 		r.wg.Add(1)
 		go func() {
 			defer r.wg.Done()
 			defer gate.Leave()
-			if err := peernet.Authenticate(conn, r.cfg.Launch.Secret, authRendezvous, false, r.cfg.HeartbeatTimeout); err != nil {
+			err := peernet.Authenticate(conn, r.cfg.Launch.Secret, authRendezvous, false, r.cfg.HeartbeatTimeout)
+			mu.Lock()
+			delete(shaking, conn)
+			mu.Unlock()
+			if err != nil {
 				conn.Close() // a stranger: not a word, and the run never hears of it
 				return
 			}

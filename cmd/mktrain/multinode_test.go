@@ -256,3 +256,54 @@ func TestMultiNodeLayoutMustSplit(t *testing.T) {
 		t.Fatalf("status %d:\n%s", code, out.String())
 	}
 }
+
+// Without a secret node 0 generates one and prints how to pass it; a node
+// given another secret is refused, saying so.
+func TestMultiNodeSecret(t *testing.T) {
+	port := freePort(t)
+	base := tinyArgs(t.TempDir(), 3, "parallel.dp=2")
+	n0 := startNodeEnv(t, nil, nodeArgs(base, 0, port, "2s")...)
+	n1 := startNodeEnv(t, []string{"MKTRAIN_SECRET=not-the-secret-node-0-made"}, nodeArgs(tinyArgs(t.TempDir(), 3, "parallel.dp=2"), 1, port, "5s")...)
+	if code := n1.wait(t, 15*time.Second); code == 0 || !strings.Contains(n1.out.String(), "node 0 refused this node's secret") {
+		t.Errorf("node 1 with another secret: status %d\n%s", code, n1.out.String())
+	}
+	n0.wait(t, 15*time.Second)
+	if msg := n0.out.String(); !strings.Contains(msg, "node 0 generated one: start the other nodes with MKTRAIN_SECRET=") {
+		t.Errorf("node 0 did not print the secret it generated:\n%s", msg)
+	}
+	// Node 1 without a secret refuses to start.
+	var out bytes.Buffer
+	t.Setenv("MKTRAIN_SECRET", "")
+	t.Setenv("MKTRAIN_SECRET_FILE", "")
+	if code := run(nodeArgs(tinyArgs(t.TempDir(), 3, "parallel.dp=2"), 1, freePort(t), "1s"), &out, &out); code != 2 || !strings.Contains(out.String(), "node 1 has no secret for the run") {
+		t.Errorf("node 1 without a secret: status %d\n%s", code, out.String())
+	}
+}
+
+// Strangers at node 0's rendezvous port (garbage and idle connections)
+// while it waits do not stop the real nodes from training.
+func TestMultiNodeStrangers(t *testing.T) {
+	port := freePort(t)
+	dir := t.TempDir()
+	n0 := startNode(t, nodeArgs(tinyArgs(filepath.Join(dir, "0"), 3, "parallel.dp=2"), 0, port, "20s")...)
+	var conns []net.Conn
+	deadline := time.Now().Add(10 * time.Second)
+	for len(conns) < 20 && time.Now().Before(deadline) {
+		c, err := net.Dial("tcp", "127.0.0.1:"+port)
+		if err != nil {
+			time.Sleep(20 * time.Millisecond) // node 0 is starting
+			continue
+		}
+		defer c.Close()
+		if len(conns)%2 == 0 {
+			c.Write([]byte("GET / HTTP/1.1\r\n\r\n\xff\xff\xff\xff"))
+		}
+		conns = append(conns, c)
+	}
+	n1 := startNode(t, nodeArgs(tinyArgs(filepath.Join(dir, "1"), 3, "parallel.dp=2"), 1, port, "20s")...)
+	for rank, n := range []*node{n0, n1} {
+		if code := n.wait(t, 60*time.Second); code != 0 {
+			t.Fatalf("node %d: status %d\n%s", rank, code, n.out.String())
+		}
+	}
+}
