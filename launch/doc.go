@@ -9,9 +9,10 @@
 // Use:
 //
 //	var flags launch.Flags
-//	flags.Register(fs) // --nnodes, --node-rank, --master-addr, --master-port
+//	flags.Register(fs) // --nnodes, --node-rank, --master-addr, --master-port, --secret-file, --bind
 //	...
 //	l, err := launch.FromEnv(os.Getenv, flags)
+//	l, err = l.WithSecret(os.Getenv, flags.SecretFile) // print l.SecretHint() if not ""
 //	l.LocalRanks = ranksHere
 //	rdv, err := launch.Join(ctx, launch.RendezvousConfig{
 //		Launch: l, RecipeHash: hash, Version: version,
@@ -32,8 +33,14 @@
 // per node, which drives all the node's GPUs, so launchers that start a
 // process per GPU are refused.
 //
-// rendezvous.go is the meeting: node 0 listens on the master port, the
-// others dial it with backoff, say hello (NodeInfo) and wait for a welcome
+// trust.go is the run's shared secret: every connection between the nodes
+// (here and in comm's TCP transport) opens with a mutual HMAC
+// challenge-response over it (internal/peernet.Authenticate) before
+// anything else is read; docs/launch.md gives the trust model.
+//
+// rendezvous.go is the meeting: node 0 listens on the master port (at
+// Launch.Bind), the others dial it with backoff, prove they know the
+// secret, say hello (NodeInfo) and wait for a welcome
 // or a refusal that every node returns alike. The connections stay open as
 // a star around node 0, with heartbeats both ways, so that a lost node
 // (closed connection, or silence past HeartbeatTimeout) ends the run on
