@@ -8,9 +8,10 @@ package engine
 //   - Data: a rank's part of the data is chosen by its data-group rank and
 //     size (runWorld), which do not depend on where the rank runs, so the
 //     processes read disjoint parts, the same parts as virtual ranks.
-//   - Stopping: world rank 0 reads the context and every rank of every
-//     process stops at the same step (the loop's stop vote); a stop is not
-//     a failure, so it aborts nothing.
+//   - Stopping: every rank reads its process's context and every rank of
+//     every process stops at the same step (the loop's stop vote: a
+//     cancel on any process stops them all); a stop is not a failure, so
+//     it aborts nothing.
 //   - Reports: only the process of world rank 0 calls the hooks and writes
 //     metrics (the loop's lead); the others log their own lines.
 //   - Checkpoints: every rank snapshots its share, and the ranks of the

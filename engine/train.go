@@ -219,10 +219,11 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 	}
 	tokensPerStep := int64(cfg.Train.GlobalBatch * cfg.Train.Seq)
 	for step := firstStep; step <= cfg.Train.Steps; step++ {
-		// Every rank stops at the same step: rank 0 reads the context and
-		// the others learn its decision through the world group.
+		// Every rank stops at the same step: each reads its context (in a
+		// distributed run, its process's: Ctrl-C on any node stops them
+		// all) and the world group sums the votes.
 		stop := []float64{0}
-		if lead && ctx.Err() != nil {
+		if ctx.Err() != nil {
 			stop[0] = 1
 		}
 		if err := r.groups.World.AllReduceFloat64(stop); err != nil {

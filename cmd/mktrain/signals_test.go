@@ -283,3 +283,58 @@ func writeCheckpoint(t *testing.T, dir string, size int64) {
 		t.Fatal(err)
 	}
 }
+
+// TestMultiNodeInterruptAnyNode: Ctrl-C on node 1 (not node 0, whose rank
+// 0 writes the checkpoints) stops both nodes at the same step, saved by
+// node 0; node 1 exits 130 and node 0 exits 130 too.
+func TestMultiNodeInterruptAnyNode(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts two processes; skipped with -short")
+	}
+	dir := t.TempDir()
+	port := freePort(t)
+	var nodes []*node
+	for rank := range 2 {
+		runDir := filepath.Join(dir, fmt.Sprintf("node%d", rank))
+		nodes = append(nodes, startNode(t, nodeArgs(tinyArgs(runDir, 100000, "parallel.dp=2"), rank, port, "20s")...))
+		nodes[rank].runDir = runDir
+	}
+	deadline := time.Now().Add(time.Minute)
+	for {
+		if b, _ := os.ReadFile(filepath.Join(nodes[0].runDir, "metrics.jsonl")); bytes.Count(b, []byte("\n")) >= 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node 0 logged no step within a minute:\n%s", nodes[0].out.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := nodes[1].cmd.Process.Signal(os.Interrupt); err != nil {
+		t.Fatal(err)
+	}
+	for rank, n := range nodes {
+		if code := n.wait(t, 30*time.Second); code != exitInterrupted {
+			t.Errorf("node %d: exit %d after Ctrl-C on node 1, want %d:\n%s", rank, code, exitInterrupted, n.out.String())
+		}
+	}
+	dirs := stepDirs(t, nodes[0].runDir)
+	if len(dirs) != 1 {
+		t.Fatalf("node 0 saved %v, want the one checkpoint of the stop", dirs)
+	}
+	// Both nodes name the step the checkpoint holds.
+	want := fmt.Sprintf("stopped after step %d", metricSteps(t, nodes[0].runDir))
+	for rank, n := range nodes {
+		if !strings.Contains(n.out.String(), want) {
+			t.Errorf("node %d does not say %q:\n%s", rank, want, n.out.String())
+		}
+	}
+	if !strings.Contains(nodes[1].out.String(), "interrupted by SIGINT") {
+		t.Errorf("node 1 does not say it was interrupted:\n%s", nodes[1].out.String())
+	}
+}
+
+// metricSteps is the number of distinct steps in a run's metrics.jsonl.
+func metricSteps(t *testing.T, runDir string) int {
+	t.Helper()
+	return len(metricLosses(t, runDir))
+}
