@@ -113,14 +113,14 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err != nil {
 		return err
 	}
-	if launch.MultiNode() {
-		p := cfg.Parallel
 	if launch, err = launch.WithSecret(os.Getenv, launchFlags.SecretFile); err != nil {
 		return err
 	}
 	if hint := launch.SecretHint(); hint != "" {
 		fmt.Fprintln(stderr, "mktrain: "+hint)
 	}
+	if launch.MultiNode() {
+		p := cfg.Parallel
 		if world := p.DP * p.EP * p.CP * p.TP; world%launch.NNodes != 0 {
 			return fmt.Errorf("parallel: dp %d x ep %d x cp %d x tp %d = %d ranks do not split evenly over %s; choose a layout whose rank count is a multiple of the node count",
 				p.DP, p.EP, p.CP, p.TP, world, nodesOrigin(launch))
