@@ -70,35 +70,18 @@ type Info struct {
 // A step directory is complete once it holds MANIFEST.json, which Commit
 // writes before the rename that makes the directory appear. A missing root
 // holds no checkpoints. List does not read the files; see Verify.
-func List(root string) ([]Info, error) {
-	entries, err := os.ReadDir(root)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("checkpoint: listing %s: %w", root, err)
-	}
-	var infos []Info
-	for _, e := range entries {
-		step, ok := parseStepDirName(e.Name())
-		if !ok || !e.IsDir() {
-			continue
-		}
-		dir := filepath.Join(root, e.Name())
-		if isComplete(dir) {
-			infos = append(infos, Info{Step: step, Dir: dir})
-		}
-	}
-	sort.Slice(infos, func(i, j int) bool { return infos[i].Step > infos[j].Step })
-	return infos, nil
-}
+func List(root string) ([]Info, error) { return listSteps(root, true) }
 
 // ListIncomplete returns the step directories under root that lack
 // MANIFEST.json, newest first. A save never leaves one (Commit renames a
 // directory that already holds its manifest), so each is damage: a manifest
 // deleted, or a copy cut short. List leaves them out; FindResumable and
 // mktrain ckpt verify report them. A missing root holds none.
-func ListIncomplete(root string) ([]Info, error) {
+func ListIncomplete(root string) ([]Info, error) { return listSteps(root, false) }
+
+// listSteps returns root's step directories whose completeness (a
+// MANIFEST.json in it) is complete, newest first.
+func listSteps(root string, complete bool) ([]Info, error) {
 	entries, err := os.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
@@ -113,7 +96,7 @@ func ListIncomplete(root string) ([]Info, error) {
 			continue
 		}
 		dir := filepath.Join(root, e.Name())
-		if !isComplete(dir) {
+		if isComplete(dir) == complete {
 			infos = append(infos, Info{Step: step, Dir: dir})
 		}
 	}
