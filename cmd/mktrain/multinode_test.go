@@ -195,23 +195,7 @@ func TestMultiNodeMissingNode(t *testing.T) {
 func TestMultiNodeKilledNode(t *testing.T) {
 	dir := t.TempDir()
 	port := freePort(t)
-	var nodes []*node
-	for rank := range 2 {
-		runDir := filepath.Join(dir, fmt.Sprintf("node%d", rank))
-		nodes = append(nodes, startNode(t, nodeArgs(tinyArgs(runDir, 100000, "parallel.dp=2"), rank, port, "20s")...))
-		nodes[rank].runDir = runDir
-	}
-	// Wait until node 0 has logged a step: both train.
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		if b, _ := os.ReadFile(filepath.Join(nodes[0].runDir, "metrics.jsonl")); bytes.Count(b, []byte("\n")) >= 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("node 0 logged no step within 20s:\n%s", nodes[0].out.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	nodes := startTrainingNodes(t, dir, port, 20*time.Second)
 	if err := nodes[1].cmd.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
@@ -305,5 +289,28 @@ func TestMultiNodeStrangers(t *testing.T) {
 		if code := n.wait(t, 60*time.Second); code != 0 {
 			t.Fatalf("node %d: status %d\n%s", rank, code, n.out.String())
 		}
+	}
+}
+
+// startTrainingNodes starts two nodes of a long dp=2 tiny run, each with its
+// own run directory under dir, and waits (up to within) until node 0 has
+// logged a step: both train.
+func startTrainingNodes(t *testing.T, dir, port string, within time.Duration) []*node {
+	t.Helper()
+	var nodes []*node
+	for rank := range 2 {
+		runDir := filepath.Join(dir, fmt.Sprintf("node%d", rank))
+		nodes = append(nodes, startNode(t, nodeArgs(tinyArgs(runDir, 100000, "parallel.dp=2"), rank, port, "20s")...))
+		nodes[rank].runDir = runDir
+	}
+	deadline := time.Now().Add(within)
+	for {
+		if b, _ := os.ReadFile(filepath.Join(nodes[0].runDir, "metrics.jsonl")); bytes.Count(b, []byte("\n")) >= 2 {
+			return nodes
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node 0 logged no step within %v:\n%s", within, nodes[0].out.String())
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -293,22 +293,7 @@ func TestMultiNodeInterruptAnyNode(t *testing.T) {
 	}
 	dir := t.TempDir()
 	port := freePort(t)
-	var nodes []*node
-	for rank := range 2 {
-		runDir := filepath.Join(dir, fmt.Sprintf("node%d", rank))
-		nodes = append(nodes, startNode(t, nodeArgs(tinyArgs(runDir, 100000, "parallel.dp=2"), rank, port, "20s")...))
-		nodes[rank].runDir = runDir
-	}
-	deadline := time.Now().Add(time.Minute)
-	for {
-		if b, _ := os.ReadFile(filepath.Join(nodes[0].runDir, "metrics.jsonl")); bytes.Count(b, []byte("\n")) >= 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("node 0 logged no step within a minute:\n%s", nodes[0].out.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	nodes := startTrainingNodes(t, dir, port, time.Minute)
 	if err := nodes[1].cmd.Process.Signal(os.Interrupt); err != nil {
 		t.Fatal(err)
 	}
