@@ -325,6 +325,16 @@ type Backend interface {
 	AdamWUpdate(param, grad, m, v Tensor, h AdamW)
 }
 
+// Deterministic is an optional capability of a backend some of whose ops
+// add with float atomics, in an order that varies from run to run, and
+// that can add in a fixed order instead, at some cost: after
+// SetDeterministic(true) the same ops on the same inputs give the same bits
+// on every run (train.deterministic). A backend without it adds in a fixed
+// order already (the CPU backend).
+type Deterministic interface {
+	SetDeterministic(on bool)
+}
+
 // Precision is an optional capability: a Backend that computes some ops
 // below the precision of its FloatType (the CUDA backend stores float32 but
 // multiplies matrices in bf16) reports the relative tolerance it meets

@@ -54,6 +54,10 @@ type TrainConfig struct {
 	Seed        uint64  `yaml:"seed"`         // drives init and data sampling
 	EvalEvery   int     `yaml:"eval_every"`   // steps between validation runs (0 = only at the end)
 	EvalBatches int     `yaml:"eval_batches"` // micro-batches per validation run
+	// Deterministic makes a GPU add in a fixed order where it would use
+	// float atomics (backend.Deterministic), so the same command gives the
+	// same losses bit for bit on the same GPU; the CPU always does.
+	Deterministic bool `yaml:"deterministic"`
 }
 
 // ParallelConfig is the mesh; dp*ep*cp*tp ranks.

@@ -128,10 +128,20 @@ func New(cfg Config, opts ...Option) (*Engine, error) {
 		}
 		e.backend = b
 	}
+	e.setDeterministic(e.backend)
 	if e.wrap != nil {
 		e.backend = e.wrap(e.backend)
 	}
 	return e, nil
+}
+
+// setDeterministic selects b's fixed-order ops when train.deterministic
+// asks for them; a backend without the capability adds in a fixed order
+// already (backend.Deterministic).
+func (e *Engine) setDeterministic(b backend.Backend) {
+	if d, ok := b.(backend.Deterministic); ok {
+		d.SetDeterministic(e.cfg.Train.Deterministic)
+	}
 }
 
 // Config returns the engine's configuration.

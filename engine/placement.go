@@ -84,6 +84,7 @@ func (e *Engine) openDevices(placer registry.RankPerDevice, n int) (devices []re
 	backends[0] = e.backend // device 0, as the engine wrapped it
 	for r := 1; r < n; r++ {
 		backends[r] = devices[r]
+		e.setDeterministic(devices[r])
 		if e.wrap != nil {
 			backends[r] = e.wrap(devices[r])
 		}

@@ -99,6 +99,7 @@ func Sources() []Source {
 			{Name: "rmsnorm_forward_f32", Block: 256, Grid: "T blocks"},
 			{Name: "rmsnorm_backward_dx_f32", Block: 256, Grid: "T blocks"},
 			{Name: "rmsnorm_backward_dw_f32", Block: 256, Grid: "(ceil(D/32), ceil(T/rows_per_block)) blocks of 32x8"},
+			{Name: "rmsnorm_dw_reduce_f32", Block: 256, Grid: gridStride},
 		}},
 		{File: "swiglu.cu", Kernels: []Kernel{
 			{Name: "swiglu_forward_f32", Block: 256, Grid: gridStride},
@@ -128,6 +129,8 @@ func Sources() []Source {
 			{Name: "gather_rows_f32_bf16", Block: 256, Grid: "N blocks"},
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
+			{Name: "stable_order_i32", Block: 256, Grid: "ceil(N/256) blocks"},
+			{Name: "scatter_add_rows_ordered_f32", Block: 256, Grid: "N blocks"},
 		}},
 		{File: "peer_rows.cu", Kernels: []Kernel{
 			{Name: "gather_peer_rows_f32", Block: 256, Grid: peerGrid},

@@ -171,10 +171,13 @@ extern "C" __global__ void mark_peer_rows(const int* refs, const unsigned long l
 // rank the row was sent to, the flag seen} (rankEnd: the running totals of
 // the rows sent to each of the `ranks` ranks) and is skipped, and the
 // launch's later waits give up at once, so the kernel ends and the host
-// reports the record. Rows hit more than once add through atomics.
+// reports the record. Rows hit more than once add through atomics. With
+// add 0 it only waits for the rows and clears their flags, for
+// train.deterministic, whose adds follow in a fixed order
+// (scatter_add_rows_ordered_f32).
 extern "C" __global__ void combine_rows_f32(float* out, const unsigned long long* rankEnd, const float* in,
                                             const int* rows, const float* scale, int* done, int ranks, int* fault,
-                                            unsigned long long timeoutNs, int N, int D) {
+                                            unsigned long long timeoutNs, int N, int D, int add) {
   __shared__ int arrived;
   const int i = blockIdx.x;
   if (i >= N) return;
@@ -214,7 +217,7 @@ extern "C" __global__ void combine_rows_f32(float* out, const unsigned long long
     if (arrived) done[i] = 0;
   }
   __syncthreads();
-  if (!arrived) return;
+  if (!arrived || !add) return;
   const float s = scale != 0 ? scale[i] : 1.0f;
   const float* src = in + (long long)i * D;
   float* dst = out + (long long)rows[i] * D;

@@ -32,11 +32,12 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dx_f32(float*
   for (int d = threadIdx.x; d < D; d += blockDim.x) dx[off + d] = r * (w[d] * dout[off + d] - x[off + d] * c);
 }
 
-// rmsnorm_backward_dw_f32: dw[d] += sum over t of dout[t,d] * x[t,d] *
-// rstd[t]. Blocks of 32x8 threads; grid (ceil(D/32), ceil(T/rows_per_block)).
-// Each block sums rows_per_block rows of 32 columns and adds its column sums
-// to dw atomically.
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dw_f32(float* dw, const float* dout, const float* x, const float* rstd, int T, int D, int rows_per_block) {
+// rmsnorm_backward_dw_f32: partial[y, d] = sum over the rows t of block
+// row y of dout[t,d] * x[t,d] * rstd[t]. Blocks of 32x8 threads; grid
+// (ceil(D/32), ceil(T/rows_per_block)). Each block sums rows_per_block rows
+// of 32 columns; rmsnorm_dw_reduce_f32 then adds the partial sums to dw in
+// block-row order, so dw gets the same bits on every run (no atomics).
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dw_f32(float* partial, const float* dout, const float* x, const float* rstd, int T, int D, int rows_per_block) {
   __shared__ float s[8][33];
   const int d = blockIdx.x * 32 + threadIdx.x;
   const int t0 = blockIdx.y * rows_per_block;
@@ -53,6 +54,16 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dw_f32(float*
   if (threadIdx.y == 0 && d < D) {
     float sum = 0.0f;
     for (int k = 0; k < 8; k++) sum += s[k][threadIdx.x];
-    atomicAdd(&dw[d], sum);
+    partial[(long long)blockIdx.y * D + d] = sum;
+  }
+}
+
+// rmsnorm_dw_reduce_f32: dw[d] += the sum over y < Y of partial[y, d], in
+// increasing y. Grid-stride over D.
+extern "C" __global__ void rmsnorm_dw_reduce_f32(float* dw, const float* partial, int Y, int D) {
+  for (long long d = mk_global_id(); d < D; d += mk_grid_stride()) {
+    float sum = 0.0f;
+    for (int y = 0; y < Y; y++) sum += partial[(long long)y * D + d];
+    dw[d] += sum;
   }
 }

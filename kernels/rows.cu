@@ -63,3 +63,62 @@ extern "C" __global__ void gather_rows_f32_bf16(mk_bf16* out, const float* in, c
   }
   for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = mk_f32_to_bf16(s * src[d]);
 }
+
+// The ordered scatter-add below is train.deterministic's form of
+// scatter_add_rows_f32 and embedding_backward_f32: the same sums, each
+// output row added to by one block in increasing i, so the result is the
+// same bits on every run (and the CPU backend's, which adds in that order
+// too). It takes two launches: stable_order_i32 sorts the row indices, then
+// scatter_add_rows_ordered_f32 adds each run of equal rows.
+
+// stable_order_i32: order[rank(i)] = i, where rank(i) counts the j with
+// keys[j] < keys[i], or keys[j] == keys[i] and j < i: a stable sort of the
+// N keys by counting, O(N^2) comparisons through shared-memory tiles (every
+// thread reads the same key at a time, a broadcast) and no atomics. Grid:
+// ceil(N/256) blocks of 256.
+extern "C" __global__ void __launch_bounds__(256) stable_order_i32(int* order, const int* keys, int N) {
+  __shared__ int tile[1024];
+  const int i = blockIdx.x * 256 + threadIdx.x;
+  const int key = i < N ? keys[i] : 0;
+  int rank = 0;
+  for (int j0 = 0; j0 < N; j0 += 1024) {
+    __syncthreads();
+    for (int j = threadIdx.x; j < 1024; j += 256) tile[j] = j0 + j < N ? keys[j0 + j] : 0;
+    __syncthreads();
+    const int jn = N - j0 < 1024 ? N - j0 : 1024;
+    const int before = i - j0;  // tile entries j < before come before i
+    for (int j = 0; j < jn; j++) {
+      const int kj = tile[j];
+      rank += (kj < key) | ((kj == key) & (j < before));
+    }
+  }
+  if (i < N) order[rank] = i;
+}
+
+// scatter_add_rows_ordered_f32: out[rows[i], :] += scale[i] * in[i, :] for
+// every i, rows in [0, T) only (others are skipped, as the embedding's ids
+// outside the table). order is stable_order_i32 of rows. Block p starts the
+// run of equal rows at order[p] (other blocks return): it reads the output
+// row once, adds the run's rows in increasing i with products and sums
+// rounded one at a time (mul.rn, add.rn: never fused), and writes it back.
+// Grid: N blocks.
+extern "C" __global__ void scatter_add_rows_ordered_f32(float* out, const float* in, const int* rows, const float* scale,
+                                                        const int* order, int N, int D, int T) {
+  const int p = blockIdx.x;
+  if (p >= N) return;
+  const int row = rows[order[p]];
+  if ((p > 0 && rows[order[p - 1]] == row) || row < 0 || row >= T) return;
+  int end = p + 1;
+  while (end < N && rows[order[end]] == row) end++;
+  float* dst = out + (long long)row * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = dst[d];
+    for (int q = p; q < end; q++) {
+      const int i = order[q];
+      float v = in[(long long)i * D + d];
+      if (scale != 0) asm("mul.rn.f32 %0, %0, %1;" : "+f"(v) : "f"(scale[i]));
+      asm("add.rn.f32 %0, %0, %1;" : "+f"(acc) : "f"(v));
+    }
+    dst[d] = acc;
+  }
+}

@@ -21,6 +21,8 @@
 #   2. runs `mktrain bench train moe-small --steps 10 --warmup 3` on CUDA,
 #      on the embedded corpus (the recipe's data shards are not there),
 #      with its breakdown of the step;
+#      then the same with --set train.deterministic=true (its tokens/s
+#      in summary.json: the cost of the fixed-order adds);
 #   3. runs the PyTorch peer (scripts/peer/torch_moe_train.py) on the same
 #      model and batch, same step counts;
 #   4. runs the benchmark for the parallel layouts of world 2 and 4
@@ -73,7 +75,7 @@ PACKAGES=(
   "backend/cuda/driver|"
   "backend/cuda|"
   "kernels|"
-  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled)$"
+  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled|TestDeterministicGPURunsRepeat)$"
 )
 BIN=.gpu
 PEER_SRC=scripts/peer
@@ -250,6 +252,8 @@ done <"$BIN/packages.txt"
 # same machine, so their ratio means something.
 bench_tps=null
 peer_tps=null
+det_tps=null
+det_rc=-
 bench_rc=-
 peer_rc=-
 if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
@@ -264,6 +268,15 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
       bench_tps=${bench_tps:-null}
     fi
     [[ $bench_rc -ne 0 ]] && status=1
+    echo "== mktrain ${BENCH_ARGS[*]} --set train.deterministic=true"
+    timeout 150 "$BIN/mktrain" "${BENCH_ARGS[@]}" --set train.deterministic=true --out "$LOGS/bench-det" >"$LOGS/bench-det.log" 2>&1
+    det_rc=$?
+    tail -n 4 "$LOGS/bench-det.log"
+    if f=$(ls "$LOGS"/bench-det/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
+      det_tps=$(sed -n 's/.*"tokens_per_s": \([0-9.e+]*\).*/\1/p' "$f" | head -n 1)
+      det_tps=${det_tps:-null}
+    fi
+    [[ $det_rc -ne 0 ]] && status=1
   else
     echo "$BIN/mktrain missing (run scripts/gpu-test.sh build first)"
     bench_rc=missing
@@ -460,7 +473,7 @@ done
     printf '{"name":"%s","value":%s,"unit":"%s"}' "$fname" "$fval" "$funit"
     first=0
   done
-  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps},\"hf_check_exit\":\"$hf_rc\"}"
+  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps,\"deterministic_exit\":\"$det_rc\",\"deterministic_tokens_per_s\":$det_tps},\"hf_check_exit\":\"$hf_rc\"}"
 } >"$OUT/summary.json"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 rm -rf "$LOGS"
@@ -482,6 +495,7 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   echo
   echo "== moe-small training, tokens/s (same machine, same command)"
   printf '  %-28s %12s  exit %s\n' "mktrain (CUDA backend)" "$bench_tps" "$bench_rc"
+  printf '  %-28s %12s  exit %s\n' "mktrain, deterministic" "$det_tps" "$det_rc"
   printf '  %-28s %12s  exit %s\n' "PyTorch peer (eager)" "$peer_tps" "$peer_rc"
   if [[ "$bench_tps" != null && "$peer_tps" != null ]]; then
     awk -v a="$bench_tps" -v b="$peer_tps" 'BEGIN { printf "  %-28s %12.3f\n", "mktrain / peer", a / b }'

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda/driver"
@@ -42,14 +43,28 @@ type Backend struct {
 	// fused holds the MoE fused kernels' tables (moe_fused.go).
 	fused fusedTables
 
+	// deterministic selects the ops' fixed-order forms (SetDeterministic).
+	deterministic atomic.Bool
+
 	mu  sync.Mutex
 	err error // the first error since the last Sync
 }
 
 var (
-	_ backend.Backend   = (*Backend)(nil)
-	_ backend.Precision = (*Backend)(nil)
+	_ backend.Backend       = (*Backend)(nil)
+	_ backend.Precision     = (*Backend)(nil)
+	_ backend.Deterministic = (*Backend)(nil)
 )
+
+// SetDeterministic selects, for on, the fixed-order forms of the ops that
+// otherwise add with float atomics in the order the GPU happens to run
+// them: ScatterAddRows, EmbeddingBackward and CombineRows sort their rows
+// and sum each output row in one block (scatterOrdered). Every other op
+// already adds in a fixed order (the RMSNorm weight gradient through
+// per-block partial sums, attention's dq in its own pass, the matrix
+// products by cuBLASLt's deterministic algorithms), so with it the same
+// ops on the same inputs give the same bits on every run on one GPU.
+func (b *Backend) SetDeterministic(on bool) { b.deterministic.Store(on) }
 
 // NewBackend makes a Backend on d. It compiles (or reads from the kernel
 // cache) every kernel the ops use, so a broken kernel or compiler shows up

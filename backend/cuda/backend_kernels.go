@@ -18,7 +18,7 @@ type kernelSet struct {
 
 	embedFwd, embedBwd *Kernel
 
-	rmsFwd, rmsBwdDx, rmsBwdDw *Kernel
+	rmsFwd, rmsBwdDx, rmsBwdDw, rmsDwReduce *Kernel
 
 	swigluFwd, swigluBwd     *Kernel
 	swigluFwdX4, swigluBwdX4 *Kernel // 16-byte accesses, for aligned tensors
@@ -29,7 +29,10 @@ type kernelSet struct {
 	crossEntropy, crossEntropyReg *Kernel
 
 	gatherRows, scatterAddRows, rowDots *Kernel
-	gatherRowsBF16                      *Kernel // into a bf16 out
+	// train.deterministic's scatter-add: a stable sort of the rows, then
+	// each run of equal rows added by one block (Backend.scatterOrdered).
+	stableOrder, scatterAddRowsOrdered *Kernel
+	gatherRowsBF16                     *Kernel // into a bf16 out
 
 	routerFwd, routerBwd *Kernel
 	route                *Kernel
@@ -47,7 +50,8 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 	}{
 		{"elementwise.cu", map[string]**Kernel{"fill_f32": &ks.fill, "axpy_f32": &ks.axpy, "scale_f32": &ks.scale, "sum_partial_f32": &ks.sumPartial}},
 		{"embedding.cu", map[string]**Kernel{"embedding_forward_f32": &ks.embedFwd, "embedding_backward_f32": &ks.embedBwd}},
-		{"rmsnorm.cu", map[string]**Kernel{"rmsnorm_forward_f32": &ks.rmsFwd, "rmsnorm_backward_dx_f32": &ks.rmsBwdDx, "rmsnorm_backward_dw_f32": &ks.rmsBwdDw}},
+		{"rmsnorm.cu", map[string]**Kernel{"rmsnorm_forward_f32": &ks.rmsFwd, "rmsnorm_backward_dx_f32": &ks.rmsBwdDx, "rmsnorm_backward_dw_f32": &ks.rmsBwdDw,
+			"rmsnorm_dw_reduce_f32": &ks.rmsDwReduce}},
 		{"swiglu.cu", map[string]**Kernel{"swiglu_forward_f32": &ks.swigluFwd, "swiglu_backward_f32": &ks.swigluBwd,
 			"swiglu_forward_f32_x4": &ks.swigluFwdX4, "swiglu_backward_f32_x4": &ks.swigluBwdX4,
 			"swiglu_forward_bf16_f32": &ks.swigluFwdBF16[1][0], "swiglu_forward_f32_bf16": &ks.swigluFwdBF16[0][1],
@@ -55,7 +59,8 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 			"swiglu_backward_f32_bf16": &ks.swigluBwdBF16[0][1], "swiglu_backward_bf16_bf16": &ks.swigluBwdBF16[1][1]}},
 		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy, "cross_entropy_f32_reg": &ks.crossEntropyReg}},
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "gather_rows_f32_bf16": &ks.gatherRowsBF16,
-			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots}},
+			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots,
+			"stable_order_i32": &ks.stableOrder, "scatter_add_rows_ordered_f32": &ks.scatterAddRowsOrdered}},
 		{"route.cu", map[string]**Kernel{"route_by_expert": &ks.route}},
 		{"router.cu", map[string]**Kernel{"router_forward_f32": &ks.routerFwd, "router_backward_f32": &ks.routerBwd}},
 		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw, "adamw_f32_x4": &ks.adamwX4}},

@@ -163,7 +163,11 @@ func (b *Backend) EmbeddingBackward(dTableVD, dOutTD, idsT backend.Tensor) {
 	wantMatrix(op, "dOut", dOutTD, t, d)
 	ids := indices(op, "ids", idsT, t)
 	fitsInt32(op, t, d, v)
-	if t > 0 && d > 0 {
+	switch {
+	case t == 0 || d == 0:
+	case b.deterministic.Load():
+		b.scatterOrdered(dTable, dOut, ids, nil, t, d, v)
+	default:
 		b.launch(b.k.embedBwd, Grid1D(t, 256), dTable, dOut, ids, int32(t), int32(d), int32(v))
 	}
 }
@@ -181,9 +185,10 @@ func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float
 	}
 }
 
-// rmsRowsPerBlock is how many rows one block of the dw kernel sums before
-// its atomic add: enough to keep the atomics few, few enough to fill the
-// GPU for a few thousand rows.
+// rmsRowsPerBlock is how many rows one block of the dw kernel sums into
+// its partial sums: enough to keep the partial sums (and the reduce
+// kernel's reads of them) small, few enough to fill the GPU for a few
+// thousand rows.
 const rmsRowsPerBlock = 32
 
 // RMSNormBackward writes dxTD and accumulates into dwD.
@@ -200,10 +205,20 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 		return
 	}
 	b.launch(b.k.rmsBwdDx, Grid1D(t, 256), dx, dout, x, w, rstd, int32(t), int32(d))
-	// The grid's y extent is at most 65535 blocks.
+	// The grid's y extent is at most 65535 blocks. Each block row writes
+	// its column sums to partial, which the reduce kernel adds to dw in
+	// block-row order: the same bits on every run, unlike atomics.
 	rows := max(rmsRowsPerBlock, (t+65534)/65535)
-	g := Grid{Grid: driver.Dim3{X: (d + 31) / 32, Y: (t + rows - 1) / rows, Z: 1}, Block: driver.Dim3{X: 32, Y: 8, Z: 1}}
-	b.launch(b.k.rmsBwdDw, g, dw, dout, x, rstd, int32(t), int32(d), int32(rows))
+	blockRows := (t + rows - 1) / rows
+	partial, err := b.dev.Alloc(int64(4 * blockRows * d))
+	if err != nil {
+		b.fail(err)
+		return
+	}
+	defer func() { b.fail(b.dev.Free(partial)) }() // stream-ordered: after the kernels below
+	g := Grid{Grid: driver.Dim3{X: (d + 31) / 32, Y: blockRows, Z: 1}, Block: driver.Dim3{X: 32, Y: 8, Z: 1}}
+	b.launch(b.k.rmsBwdDw, g, partial, dout, x, rstd, int32(t), int32(d), int32(rows))
+	b.launch(b.k.rmsDwReduce, b.strideGrid(d), dw, partial, int32(blockRows), int32(d))
 }
 
 // SwiGLUForward: out = silu(a) * b, elementwise over [N, F]. a and b are
@@ -347,9 +362,30 @@ func (b *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
 	rows := indices(op, "rows", rowsN, n)
 	scale := optFloat(op, "scale", scaleN, n)
 	fitsInt32(op, t, n, d)
-	if n > 0 && d > 0 {
+	switch {
+	case n == 0 || d == 0:
+	case b.deterministic.Load():
+		b.scatterOrdered(out, in, rows, scale, n, d, t)
+	default:
 		b.launch(b.k.scatterAddRows, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d))
 	}
+}
+
+// scatterOrdered is ScatterAddRows (and EmbeddingBackward) under
+// SetDeterministic: out[rows[i]] += scale[i] * in[i] for rows[i] in
+// [0, t), each output row summed by one block in increasing i
+// (kernels/rows.cu). The sort costs O(n^2) comparisons: about 0.1 ms
+// for n = 32768 rows on an H200 (docs/performance.md has the cost on a
+// step). in and rows have n rows; scale may be nil.
+func (b *Backend) scatterOrdered(out, in, rows, scale *Tensor, n, d, t int) {
+	order, err := b.dev.Alloc(int64(4 * n))
+	if err != nil {
+		b.fail(err)
+		return
+	}
+	defer func() { b.fail(b.dev.Free(order)) }() // stream-ordered: after the kernels below
+	b.launch(b.k.stableOrder, Grid1D((n+255)/256, 256), order, rows, int32(n))
+	b.launch(b.k.scatterAddRowsOrdered, Grid1D(n, 256), out, in, rows, scale, order, int32(n), int32(d), int32(t))
 }
 
 // RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]).

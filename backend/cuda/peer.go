@@ -258,8 +258,15 @@ func (b *Backend) CombineRows(outTD, inSD, rowsS, scaleS, doneS backend.Tensor, 
 		b.fail(err)
 		return
 	}
+	// Under SetDeterministic the kernel only waits for the rows (the adds
+	// as rows land would follow their arrival order); the ordered
+	// scatter-add then sums them in send order.
+	det := b.deterministic.Load()
 	b.launchTable("combine_rows_f32", table, Grid1D(n, 256), out, in, rows, scale, done, int32(len(sendCounts)),
-		fault, uint64(timeout.Nanoseconds()), int32(n), int32(d))
+		fault, uint64(timeout.Nanoseconds()), int32(n), int32(d), int32(bit(!det)))
+	if det {
+		b.scatterOrdered(out, in, rows, scale, n, d, t)
+	}
 }
 
 // launchPeer uploads table and launches kernel name of peer_rows.cu over

@@ -1,0 +1,177 @@
+package cuda
+
+// SetDeterministic's ordered scatter-add against the CPU backend, bit for
+// bit: both add each output row's contributions in increasing index with
+// every product and sum rounded on its own.
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
+)
+
+// deterministicBackend is a Backend of its own on the shared device, so
+// its setting does not reach the other tests.
+func deterministicBackend(t *testing.T) *Backend {
+	t.Helper()
+	b, err := NewBackend(testDevice(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.SetDeterministic(true)
+	return b
+}
+
+func randomFloats(rng *rand.Rand, n int) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = float32(rng.NormFloat64())
+	}
+	return v
+}
+
+// sameBits reports the first element where got and want differ in any bit.
+func sameBits(t *testing.T, what string, got, want []float32) {
+	t.Helper()
+	for i := range want {
+		if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+			t.Errorf("%s: element %d is %v, the CPU's %v (not the same bits)", what, i, got[i], want[i])
+			return
+		}
+	}
+}
+
+func TestDeterministicScatterMatchesCPUBits(t *testing.T) {
+	g := deterministicBackend(t)
+	c := cpu.New(backend.Float32)
+	rng := rand.New(rand.NewPCG(7, 11))
+	for _, tc := range []struct{ t, n, d int }{{1, 1, 1}, {7, 300, 33}, {64, 5000, 256}, {1000, 40000, 96}, {3, 2000, 512}} {
+		rows := make([]int32, tc.n)
+		for i := range rows {
+			rows[i] = int32(rng.IntN(tc.t))
+		}
+		out0, in, scale := randomFloats(rng, tc.t*tc.d), randomFloats(rng, tc.n*tc.d), randomFloats(rng, tc.n)
+		for _, scaled := range []bool{false, true} {
+			name := fmt.Sprintf("ScatterAddRows t=%d n=%d d=%d scaled=%v", tc.t, tc.n, tc.d, scaled)
+			var want, got []float32
+			for _, b := range []backend.Backend{c, g} {
+				out, inT, rowsT := b.New(backend.Float32, tc.t, tc.d), b.New(backend.Float32, tc.n, tc.d), b.New(backend.Int32, tc.n)
+				backend.UploadSlice(b, out, out0)
+				backend.UploadSlice(b, inT, in)
+				backend.UploadSlice(b, rowsT, rows)
+				var s backend.Tensor
+				if scaled {
+					s = b.New(backend.Float32, tc.n)
+					backend.UploadSlice(b, s, scale)
+				}
+				b.ScatterAddRows(out, inT, rowsT, s)
+				res := backend.DownloadFloat32(b, out)
+				if b == backend.Backend(c) {
+					want = res
+				} else {
+					got = res
+				}
+			}
+			sameBits(t, name, got, want)
+			// The embedding's gradient is the same sum, unscaled.
+			if !scaled {
+				var wantE, gotE []float32
+				for _, b := range []backend.Backend{c, g} {
+					table, dOut, ids := b.New(backend.Float32, tc.t, tc.d), b.New(backend.Float32, tc.n, tc.d), b.New(backend.Int32, tc.n)
+					backend.UploadSlice(b, table, out0)
+					backend.UploadSlice(b, dOut, in)
+					backend.UploadSlice(b, ids, rows)
+					b.EmbeddingBackward(table, dOut, ids)
+					if res := backend.DownloadFloat32(b, table); b == backend.Backend(c) {
+						wantE = res
+					} else {
+						gotE = res
+					}
+				}
+				sameBits(t, fmt.Sprintf("EmbeddingBackward v=%d t=%d d=%d", tc.t, tc.n, tc.d), gotE, wantE)
+			}
+		}
+	}
+	if err := g.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDeterministicCombineRowsMatchesCPUBits: CombineRows with every row
+// flagged is ScatterAddRows, in the same bits as the CPU's, and clears the
+// flags.
+func TestDeterministicCombineRowsMatchesCPUBits(t *testing.T) {
+	g := deterministicBackend(t)
+	c := cpu.New(backend.Float32)
+	rng := rand.New(rand.NewPCG(3, 5))
+	const tokens, n, d = 512, 1024, 128
+	rows := make([]int32, n)
+	for i := range rows {
+		rows[i] = int32(rng.IntN(tokens))
+	}
+	in, scale := randomFloats(rng, n*d), randomFloats(rng, n)
+	var want []float32
+	{
+		out, inT, rowsT, s := c.New(backend.Float32, tokens, d), c.New(backend.Float32, n, d), c.New(backend.Int32, n), c.New(backend.Float32, n)
+		backend.UploadSlice(c, inT, in)
+		backend.UploadSlice(c, rowsT, rows)
+		backend.UploadSlice(c, s, scale)
+		c.ScatterAddRows(out, inT, rowsT, s)
+		want = backend.DownloadFloat32(c, out)
+	}
+	out, inT, rowsT, s, done := g.New(backend.Float32, tokens, d), g.New(backend.Float32, n, d), g.New(backend.Int32, n), g.New(backend.Float32, n), g.New(backend.Int32, n)
+	backend.UploadSlice(g, inT, in)
+	backend.UploadSlice(g, rowsT, rows)
+	backend.UploadSlice(g, s, scale)
+	flags := make([]int32, n)
+	for i := range flags {
+		flags[i] = 1
+	}
+	backend.UploadSlice(g, done, flags)
+	g.CombineRows(out, inT, rowsT, s, done, []int{n})
+	sameBits(t, "CombineRows", backend.DownloadFloat32(g, out), want)
+	for i, f := range backend.DownloadInt32(g, done) {
+		if f != 0 {
+			t.Fatalf("CombineRows left send row %d's flag at %d, want 0", i, f)
+		}
+	}
+	if err := g.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRMSNormWeightGradRepeats: the weight gradient (partial sums per
+// block row, then an ordered reduce) has the same bits on every call.
+func TestRMSNormWeightGradRepeats(t *testing.T) {
+	b := testBackend(t)
+	rng := rand.New(rand.NewPCG(1, 2))
+	const tokens, d = 8192, 1024
+	x, dout, w := b.New(backend.Float32, tokens, d), b.New(backend.Float32, tokens, d), b.New(backend.Float32, d)
+	backend.UploadSlice(b, x, randomFloats(rng, tokens*d))
+	backend.UploadSlice(b, dout, randomFloats(rng, tokens*d))
+	backend.UploadSlice(b, w, randomFloats(rng, d))
+	out, rstd, dx := b.New(backend.Float32, tokens, d), b.New(backend.Float32, tokens), b.New(backend.Float32, tokens, d)
+	b.RMSNormForward(out, rstd, x, w, 1e-5)
+	var first []float32
+	for range 5 {
+		dw := b.New(backend.Float32, d)
+		b.RMSNormBackward(dx, dw, dout, x, w, rstd)
+		got := backend.DownloadFloat32(b, dw)
+		if first == nil {
+			first = got
+			continue
+		}
+		for i := range first {
+			if math.Float32bits(got[i]) != math.Float32bits(first[i]) {
+				t.Fatalf("dw[%d] is %v, %v on the first call", i, got[i], first[i])
+			}
+		}
+	}
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}
