@@ -175,6 +175,10 @@ type saver struct {
 	root    string
 	pending chan error // result of the save in flight; nil when none
 	last    int        // step of the newest save started
+	// lastDir is the newest checkpoint: the one resumed from, then each
+	// one committed (read after wait, which orders it after an
+	// asynchronous write).
+	lastDir string
 }
 
 // save writes the snapshots of every rank as the checkpoint of step.
@@ -237,6 +241,7 @@ func (s *saver) write(snaps []rankSnapshot, st trainState) error {
 	if err := sv.Commit(); err != nil {
 		return err
 	}
+	s.lastDir = sv.Dir()
 	if err := checkpoint.Prune(s.root, cfg.KeepLast); err != nil {
 		s.e.log.Warn().Err(err).Msg("cannot prune old checkpoints")
 	}

@@ -9,10 +9,12 @@
 //		engine.WithHook(func(ev engine.StepEvent) { ... }))
 //	res, err := eng.Run(ctx)                 // cancel ctx to stop between two steps
 //
-// Run returns errors, never panics or exits; a cancelled context returns the
-// result so far and ErrStopped. With WithRunDir, Run saves checkpoints under
-// DIR/checkpoints (every checkpoint.every steps, on stop and at the end)
-// and resumes from the newest valid one when started again. RunDistributed
+// Run returns errors, never panics or exits (a hook's panic comes back as a
+// *HookPanicError); a cancelled context returns the result so far and
+// ErrStopped. With WithRunDir, Run saves checkpoints under DIR/checkpoints
+// (every checkpoint.every steps, on stop and at the end) and resumes from
+// the newest valid one when started again; without it nothing is saved,
+// which Run logs as a warning and Result.Unsaved records. RunDistributed
 // trains one node's share of a multi-node run. A trained checkpoint is
 // evaluated, sampled and exported by package infer, on LoadReplica.
 //
@@ -42,7 +44,7 @@
 //   - params.go: parameters, their Hugging Face names, initialisation, and
 //     their storage (below).
 //   - schedule.go: the learning-rate schedules.
-//   - events.go: StepEvent and the metrics.jsonl line.
+//   - events.go: StepEvent, HookPanicError and the metrics.jsonl line.
 //   - metrics_file.go: metrics.jsonl in a run directory (WithMetricsFile),
 //     cut back to the step a run starts from.
 //   - rundir_lock.go, rundir_lock_unix.go, rundir_lock_other.go: the run

@@ -53,7 +53,9 @@ type Option func(*Engine)
 func WithLogger(l zerolog.Logger) Option { return func(e *Engine) { e.log = l } }
 
 // WithHook calls h after every optimizer step, from the training goroutine:
-// keep it quick, or hand the event to another goroutine.
+// keep it quick, or hand the event to another goroutine. A hook that
+// panics fails the run: Run recovers the panic and returns it as a
+// *HookPanicError (the steps since the last checkpoint are not saved).
 func WithHook(h func(StepEvent)) Option { return func(e *Engine) { e.hooks = append(e.hooks, h) } }
 
 // WithMetrics writes one JSON object per logged step to w (metrics.jsonl).
@@ -84,7 +86,8 @@ func WithBackendWrapper(wrap func(backend.Backend) backend.Backend) Option {
 
 // WithRunDir names the run directory, where checkpoints are kept. Run
 // locks it for the run's life (LockRunDir): a second run on it, in this
-// process or another, fails at once.
+// process or another, fails at once. Without it nothing is saved: Run
+// logs a warning and sets Result.Unsaved.
 func WithRunDir(dir string) Option { return func(e *Engine) { e.runDir = dir } }
 
 // WithRunDirLock is WithRunDir(l.Dir()) for a caller that locked the run
@@ -224,6 +227,15 @@ type Result struct {
 	// Dispatcher is the MoE dispatcher the ranks trained with:
 	// model.moe.dispatcher with auto settled ("fused" or "unfused").
 	Dispatcher string
+	// Checkpoint is the run directory's newest checkpoint when Run
+	// returned (on node 0 of a distributed run): the last one this run
+	// saved, or else the one it resumed from; "" when there is none.
+	Checkpoint string
+	// Unsaved is true when the run had no run directory (WithRunDir): it
+	// saved no checkpoint, so what it trained is lost when the process
+	// ends and a stopped run cannot be resumed. Run logs a warning
+	// saying so before it builds the model.
+	Unsaved bool
 }
 
 // Run trains until the configured number of steps or until ctx is

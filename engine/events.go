@@ -2,6 +2,7 @@ package engine
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"math"
 	"time"
@@ -21,6 +22,19 @@ type StepEvent struct {
 	Elapsed      time.Duration
 	ValLoss      float64 // NaN unless validation ran after this step
 	Experts      []ExpertLoad
+}
+
+// HookPanicError is Run's error when a hook (WithHook) panicked: the run
+// stopped at that step, and the panic did not reach the host.
+type HookPanicError struct {
+	Hook  int    // the hook's position among the WithHook options, from 0
+	Step  int    // the step whose event it was handling
+	Value any    // what it panicked with
+	Stack []byte // the hook's goroutine stack at the panic
+}
+
+func (e *HookPanicError) Error() string {
+	return fmt.Sprintf("hook %d (engine.WithHook) panicked at step %d: %v", e.Hook, e.Step, e.Value)
 }
 
 // ExpertLoad is one MoE layer's routing in a step.

@@ -41,7 +41,13 @@ type session struct {
 // backends[i] is world[i]'s backend (one GPU each, with NCCL groups); nil
 // puts every rank on e.backend (virtual ranks, or a process's ranks of a
 // distributed run).
-func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []backend.Backend, distributed bool) (Result, error) {
+func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []backend.Backend, distributed bool) (res Result, err error) {
+	if e.runDir == "" {
+		// Embedders forget WithRunDir more easily than a command-line user
+		// forgets --run-dir: say it before hours of training, not after.
+		e.log.Warn().Msg("no run directory (engine.WithRunDir): no checkpoint will be saved, and a stopped run cannot be resumed")
+		defer func() { res.Unsaved = true }()
+	}
 	if err := e.verifyData(ctx); err != nil {
 		return Result{}, err
 	}
@@ -84,7 +90,7 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 			if err := restoreAll(dir, st, ranks); err != nil {
 				return Result{}, fmt.Errorf("resuming from %s: %w", dir, err)
 			}
-			s.resume = st
+			s.resume, s.saver.lastDir = st, dir
 			e.log.Info().Str("checkpoint", dir).Int("step", st.Step).Msg("resuming")
 		}
 	}
@@ -105,7 +111,7 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).
 		Int("params", ParamCount(cfg.Model)).Int("steps", cfg.Train.Steps).Msg("training starts")
 	e.logOptimizerMemory(ranks)
-	res, err := s.run(ctx)
+	res, err = s.run(ctx)
 	res.Dispatcher = cfg.Model.MoE.Dispatcher
 	return res, err
 }
@@ -195,6 +201,7 @@ func (s *session) run(ctx context.Context) (Result, error) {
 		if err := s.saver.wait(); err != nil && (first == nil || errors.Is(first, ErrStopped)) {
 			first = err
 		}
+		result.Checkpoint = s.saver.lastDir
 	}
 	result.Elapsed = time.Since(s.start)
 	// The first error is the cause; ranks woken by the abort report later
@@ -262,7 +269,9 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 			res.ValLoss, ev.ValLoss = v, v
 		}
 		if lead {
-			s.e.report(ev)
+			if err := s.e.report(ev); err != nil {
+				return res, err
+			}
 		}
 		if every := cfg.Checkpoint.Every; (every > 0 && step%every == 0) || step == cfg.Train.Steps {
 			if err := s.checkpoint(r, worldRank, res); err != nil {
@@ -307,15 +316,18 @@ func (s *session) checkpoint(r *rank, worldRank int, res Result) error {
 	return r.groups.World.Barrier()
 }
 
-// report hands a step to the hooks, the metrics file and the log.
-func (e *Engine) report(ev StepEvent) {
-	for _, h := range e.hooks {
-		h(ev)
+// report hands a step to the hooks, the metrics file and the log. Its
+// error is a hook's panic (a *HookPanicError).
+func (e *Engine) report(ev StepEvent) error {
+	for i, h := range e.hooks {
+		if err := callHook(i, h, ev); err != nil {
+			return err
+		}
 	}
 	every := e.cfg.Log.Every
 	logged := ev.Step == 1 || ev.Step == ev.Steps || (every > 0 && ev.Step%every == 0) || !math.IsNaN(ev.ValLoss)
 	if !logged {
-		return
+		return nil
 	}
 	if e.metrics != nil {
 		if err := writeMetrics(e.metrics, ev); err != nil {
@@ -328,6 +340,20 @@ func (e *Engine) report(ev StepEvent) {
 		l = l.Float64("val_loss", round4(ev.ValLoss))
 	}
 	l.Msg("step")
+	return nil
+}
+
+// callHook calls the index-th hook with ev, turning a panic into a
+// *HookPanicError: the hook is the embedding program's code, and its bug
+// must reach that program as Run's error, not as an engine failure.
+func callHook(index int, h func(StepEvent), ev StepEvent) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = &HookPanicError{Hook: index, Step: ev.Step, Value: p, Stack: debug.Stack()}
+		}
+	}()
+	h(ev)
+	return nil
 }
 
 func round4(x float64) float64 { return math.Round(x*1e4) / 1e4 }

@@ -19,7 +19,9 @@
 //
 // Evaluate reads windows exactly as training's validation does, so on the
 // run's own validation data it reproduces the run's validation loss. Sample
-// draws from a seeded PCG generator: a seed reproduces a sample.
+// draws from a seeded PCG generator: a seed reproduces a sample. A Model
+// serves several goroutines at once (a service's requests): their forward
+// passes take turns.
 //
 // The model runs on one rank whatever parallel layout trained it: package
 // engine loads it (engine.LoadReplica) and runs its forward pass

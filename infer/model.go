@@ -6,15 +6,24 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"sync"
 
 	"github.com/mktrain/mktrain/data"
 	"github.com/mktrain/mktrain/engine"
 )
 
 // Model is a trained model loaded from a checkpoint onto one rank, for
-// evaluation and sampling. It is not safe for concurrent use.
+// evaluation and sampling. It is safe for concurrent use: Evaluate and
+// Sample may be called from several goroutines (a service's requests), and
+// take turns one forward pass at a time (a micro-batch, or a sampled
+// token), since they share the model's buffers; each call keeps its own
+// tokens and random generator, so a seed reproduces a sample whatever
+// runs beside it. Close must come after every call has returned.
 type Model struct {
 	rep *engine.Replica
+	// mu guards rep: its forward passes share buffers (engine.Replica is
+	// not safe for concurrent use), and Forward fills a map on first use.
+	mu sync.Mutex
 }
 
 // Load loads the checkpoint dir stands for (a step directory, or a run
@@ -72,10 +81,6 @@ func (m *Model) Evaluate(ctx context.Context, glob string, batches int) (EvalRes
 				name, val.Windows(), seq+1, micro)
 		}
 	}
-	f, err := m.rep.Forward(micro)
-	if err != nil {
-		return EvalResult{}, err
-	}
 	sum := 0.0
 	for i := 0; i < batches; i++ {
 		if err := ctx.Err(); err != nil {
@@ -85,7 +90,7 @@ func (m *Model) Evaluate(ctx context.Context, glob string, batches int) (EvalRes
 		if err != nil {
 			return EvalResult{}, err
 		}
-		lossSum, err := f.Run(ids, targets)
+		lossSum, _, err := m.forward(micro, ids, targets, -1)
 		if err != nil {
 			return EvalResult{}, err
 		}
@@ -118,6 +123,23 @@ func (m *Model) openVal(glob string) (*data.EvalLoader, string, error) {
 	return val, "default-corpus/val", nil
 }
 
+// forward runs one micro-batch of batch sequences through the model, as
+// the only user of its buffers while it runs, and returns the summed loss
+// and, when row >= 0, that row's logits.
+func (m *Model) forward(batch int, ids, targets []int32, row int) (lossSum float64, logits []float32, err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	f, err := m.rep.Forward(batch)
+	if err != nil {
+		return 0, nil, err
+	}
+	if lossSum, err = f.Run(ids, targets); err != nil || row < 0 {
+		return lossSum, nil, err
+	}
+	logits, err = f.Logits(row)
+	return lossSum, logits, err
+}
+
 // samplePCGStream is the second word of Sample's PCG state, so that a seed
 // alone picks the stream.
 const samplePCGStream = 0x6d6b747261696e // "mktrain"
@@ -148,10 +170,6 @@ func (m *Model) Sample(ctx context.Context, prompt []int32, n int, temperature f
 			return nil, fmt.Errorf("sample: prompt token %d at position %d is outside the vocabulary [0, %d)", t, i, V)
 		}
 	}
-	one, err := m.rep.Forward(1) // one sequence: the context window
-	if err != nil {
-		return nil, err
-	}
 	rng := rand.New(rand.NewPCG(seed, samplePCGStream))
 	tokens := slices.Clone(prompt)
 	ids, targets := make([]int32, seq), make([]int32, seq)
@@ -168,10 +186,8 @@ func (m *Model) Sample(ctx context.Context, prompt []int32, n int, temperature f
 		window := tokens[max(0, len(tokens)-seq):]
 		copy(ids, window)
 		clear(ids[len(window):])
-		if _, err := one.Run(ids, targets); err != nil {
-			return out, err
-		}
-		logits, err := one.Logits(len(window) - 1)
+		// One sequence: the context window.
+		_, logits, err := m.forward(1, ids, targets, len(window)-1)
 		if err != nil {
 			return out, err
 		}
