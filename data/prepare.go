@@ -14,16 +14,6 @@ import (
 	"slices"
 )
 
-// PrepareStats reports what Prepare read and wrote.
-type PrepareStats struct {
-	Files       int      // text files read
-	Bytes       int64    // bytes read; each became one token
-	TrainTokens int64    // tokens in the train shards
-	ValTokens   int64    // tokens in the val shards
-	TrainShards []string // paths of the train shards, in order
-	ValShards   []string // paths of the val shards, in order
-}
-
 // Prepare byte-tokenizes text files into shards in outDir:
 // train_000000.bin, train_000001.bin, ... and val_000000.bin, ..., each
 // holding up to shardTokens uint16 tokens. inputs are file paths or globs;
@@ -67,8 +57,9 @@ func Prepare(ctx context.Context, inputs []string, outDir string, valFraction fl
 		}
 	}
 
-	train := &splitWriter{dir: outDir, prefix: "train", shardTokens: shardTokens}
-	val := &splitWriter{dir: outDir, prefix: "val", shardTokens: shardTokens}
+	header := headerForVocab(ByteVocab)
+	train := &splitWriter{dir: outDir, prefix: "train", shardTokens: shardTokens, header: header}
+	val := &splitWriter{dir: outDir, prefix: "val", shardTokens: shardTokens, header: header}
 	ok := false
 	defer func() {
 		if !ok {
@@ -193,30 +184,45 @@ func copyFile(ctx context.Context, path string, size, trainBytes int64, train, v
 	return nil
 }
 
-// splitWriter writes a stream of bytes as tokens into numbered shards of
-// shardTokens each.
+// splitWriter writes a stream of tokens into numbered shards of
+// shardTokens each, in header's format.
 type splitWriter struct {
 	dir, prefix string
 	shardTokens int
+	header      ShardHeader // Magic and Version of every shard
 	cur         *shardWriter
 	written     []string
 	tokens      int64
 }
 
+// write writes each byte of p as one token (the byte-level tokenizer).
 func (s *splitWriter) write(p []byte) error {
-	for len(p) > 0 {
+	return s.put(len(p), func(w *shardWriter, from, to int) { w.writeBytes(p[from:to]) })
+}
+
+// writeEncoded writes tokens already encoded in the shards' width
+// (header.TokenBytes() little-endian bytes each).
+func (s *splitWriter) writeEncoded(raw []byte) error {
+	tb := s.header.TokenBytes()
+	return s.put(len(raw)/tb, func(w *shardWriter, from, to int) { w.writeEncoded(raw[from*tb : to*tb]) })
+}
+
+// put writes n tokens, those [from, to) at a time with write, starting a
+// new shard whenever one fills.
+func (s *splitWriter) put(n int, write func(w *shardWriter, from, to int)) error {
+	for done := 0; done < n; {
 		if s.cur == nil {
 			path := filepath.Join(s.dir, fmt.Sprintf("%s_%06d.bin", s.prefix, len(s.written)))
-			w, err := createShard(path, headerForVocab(ByteVocab))
+			w, err := createShard(path, s.header)
 			if err != nil {
 				return fmt.Errorf("prepare: %w", err)
 			}
 			s.cur = w
 		}
-		n := min(len(p), s.shardTokens-int(s.cur.tokens()))
-		s.cur.writeBytes(p[:n])
-		s.tokens += int64(n)
-		p = p[n:]
+		k := min(n-done, s.shardTokens-int(s.cur.tokens()))
+		write(s.cur, done, done+k)
+		s.tokens += int64(k)
+		done += k
 		if s.cur.tokens() == int64(s.shardTokens) {
 			if err := s.flush(); err != nil {
 				return err

@@ -111,6 +111,15 @@ func (w *shardWriter) writeBytes(p []byte) {
 	}
 }
 
+// writeEncoded writes tokens already in the shard's width.
+func (w *shardWriter) writeEncoded(raw []byte) {
+	if w.err != nil {
+		return
+	}
+	_, w.err = w.bw.Write(raw)
+	w.header.Tokens += int64(len(raw) / w.header.TokenBytes())
+}
+
 // commit finishes the shard and moves it to its path; on failure the
 // temporary file is removed. A failed fsync of the directory is an error
 // too, though the complete shard is then already at its path.
