@@ -251,9 +251,10 @@ func (s *saver) write(snaps []rankSnapshot, st trainState) error {
 			bytes += f.Size
 		}
 	}
+	took := time.Since(start)
 	s.e.log.Info().Int("step", st.Step).Str("dir", sv.Dir()).Int64("bytes", bytes).
-		Str("took", time.Since(start).Round(time.Millisecond).String()).Msg("checkpoint saved")
-	return nil
+		Str("took", took.Round(time.Millisecond).String()).Msg("checkpoint saved")
+	return s.e.reportSave(SaveEvent{Step: st.Step, Dir: sv.Dir(), Bytes: bytes, Duration: took, Async: cfg.Async})
 }
 
 // resumePoint finds the checkpoint a run continues from: none for a fresh

@@ -86,6 +86,9 @@ type LogConfig struct {
 	Every    int    `yaml:"every"`    // steps between metrics lines
 	Level    string `yaml:"level"`    // debug | info | warn | error
 	Progress string `yaml:"progress"` // auto | on | off: progress bar on a terminal
+	// TensorBoard writes TensorBoard event files into the run directory
+	// (engine/tensorboard.go).
+	TensorBoard bool `yaml:"tensorboard"`
 }
 
 // DefaultConfig is the configuration a recipe starts from: the tiny model

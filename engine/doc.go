@@ -47,6 +47,12 @@
 //   - events.go: StepEvent, HookPanicError and the metrics.jsonl line.
 //   - metrics_file.go: metrics.jsonl in a run directory (WithMetricsFile),
 //     cut back to the step a run starts from.
+//   - observers.go: StartEvent and SaveEvent (WithStartHook, WithSaveHook),
+//     and a step's log line ("step 10/300", loss first, ETA last).
+//   - perf.go: a step's MFU (ModelFLOPsPerToken, PeakFLOPs), peak memory
+//     and time left.
+//   - tensorboard.go: log.tensorboard, the run's figures as TensorBoard
+//     event files (package observe/tensorboard).
 //   - rundir_lock.go, rundir_lock_unix.go, rundir_lock_other.go: the run
 //     directory's lock (LockRunDir), one run per directory.
 //   - comm_timing.go: the NCCL collectives timed in a profiled step (kind

@@ -41,6 +41,12 @@ type Engine struct {
 	// The recipe as the user wrote it, kept in checkpoints.
 	recipe     []byte
 	recipeHash string
+	// startHooks and saveHooks take the run's other events (observers.go).
+	startHooks []func(StartEvent)
+	saveHooks  []func(SaveEvent)
+	// tensorboard writes log.tensorboard's event files while a run
+	// trains (tensorboard.go); nil otherwise.
+	tensorboard *tensorboardRun
 }
 
 // Option configures an Engine.

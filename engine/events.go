@@ -21,20 +21,41 @@ type StepEvent struct {
 	TokensPerSec float64 // this step's throughput
 	Elapsed      time.Duration
 	ValLoss      float64 // NaN unless validation ran after this step
-	Experts      []ExpertLoad
+	// ValBatches is how many micro-batches (of train.micro_batch
+	// sequences, over all data ranks) ValLoss averages: train.eval_batches
+	// per data rank, not `mktrain eval`'s full pass. 0 without ValLoss.
+	ValBatches int
+	Experts    []ExpertLoad
+	// MFU is the model FLOPs utilisation of this step (ModelFLOPsPerToken
+	// times TokensPerSec over the devices' PeakFLOPs); 0 on the CPU and on
+	// GPUs whose peak is not known.
+	MFU float64
+	// PeakMemory is the most memory seen so far, in bytes; MemorySource
+	// says what it measures (MemoryDevicePeak or MemoryProcess).
+	PeakMemory   int64
+	MemorySource string
+	// ETA is the time left to the last step, at this run's mean step time.
+	ETA time.Duration
 }
 
 // HookPanicError is Run's error when a hook (WithHook) panicked: the run
 // stopped at that step, and the panic did not reach the host.
 type HookPanicError struct {
-	Hook  int    // the hook's position among the WithHook options, from 0
-	Step  int    // the step whose event it was handling
-	Value any    // what it panicked with
-	Stack []byte // the hook's goroutine stack at the panic
+	// Option names the kind of hook: "engine.WithStartHook" or
+	// "engine.WithSaveHook" (observers.go); "" for engine.WithHook.
+	Option string
+	Hook   int    // the hook's position among the options of its kind, from 0
+	Step   int    // the step whose event it was handling
+	Value  any    // what it panicked with
+	Stack  []byte // the hook's goroutine stack at the panic
 }
 
 func (e *HookPanicError) Error() string {
-	return fmt.Sprintf("hook %d (engine.WithHook) panicked at step %d: %v", e.Hook, e.Step, e.Value)
+	option := e.Option
+	if option == "" {
+		option = "engine.WithHook"
+	}
+	return fmt.Sprintf("hook %d (%s) panicked at step %d: %v", e.Hook, option, e.Step, e.Value)
 }
 
 // ExpertLoad is one MoE layer's routing in a step.
@@ -78,6 +99,9 @@ type metricsLine struct {
 	TokensPerSec float64      `json:"tokens_per_s"`
 	ElapsedS     float64      `json:"elapsed_s"`
 	ValLoss      *float64     `json:"val_loss,omitempty"`
+	ValBatches   int          `json:"val_batches,omitempty"` // micro-batches behind val_loss
+	MFU          *float64     `json:"mfu"`                   // null where no peak is known (the CPU)
+	PeakMemory   int64        `json:"peak_memory_bytes"`
 	Experts      []ExpertLoad `json:"experts"`
 }
 
@@ -85,11 +109,15 @@ func writeMetrics(w io.Writer, ev StepEvent) error {
 	line := metricsLine{
 		Step: ev.Step, Loss: ev.Loss, AuxLoss: ev.AuxLoss, ZLoss: ev.ZLoss, LR: ev.LR,
 		GradNorm: ev.GradNorm, Tokens: ev.Tokens, TokensPerSec: math.Round(ev.TokensPerSec),
-		ElapsedS: ev.Elapsed.Seconds(), Experts: ev.Experts,
+		ElapsedS: ev.Elapsed.Seconds(), Experts: ev.Experts, PeakMemory: ev.PeakMemory,
 	}
 	if !math.IsNaN(ev.ValLoss) {
 		v := ev.ValLoss
-		line.ValLoss = &v
+		line.ValLoss, line.ValBatches = &v, ev.ValBatches
+	}
+	if ev.MFU > 0 {
+		mfu := math.Round(ev.MFU*1e6) / 1e6 // small models on big GPUs are far below 1e-4
+		line.MFU = &mfu
 	}
 	b, err := json.Marshal(line)
 	if err != nil {

@@ -33,6 +33,8 @@ type session struct {
 	// distributed: other processes train the ranks not in world (see
 	// distributed.go).
 	distributed bool
+	// pace fills in the machine's figures of each step (perf.go).
+	pace *pace
 }
 
 // runWorld trains the ranks of world, which this process hosts: every rank
@@ -111,6 +113,11 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).
 		Int("params", ParamCount(cfg.Model)).Int("steps", cfg.Train.Steps).Msg("training starts")
 	e.logOptimizerMemory(ranks)
+	finish, err := s.begin(backends, startStep)
+	if err != nil {
+		return Result{}, err
+	}
+	defer finish()
 	res, err = s.run(ctx)
 	res.Dispatcher = cfg.Model.MoE.Dispatcher
 	return res, err
@@ -267,8 +274,10 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 				return res, err
 			}
 			res.ValLoss, ev.ValLoss = v, v
+			ev.ValBatches = cfg.Train.EvalBatches * r.groups.Data.Size()
 		}
 		if lead {
+			s.pace.fill(&ev)
 			if err := s.e.report(ev); err != nil {
 				return res, err
 			}
@@ -326,6 +335,7 @@ func (e *Engine) report(ev StepEvent) error {
 	}
 	every := e.cfg.Log.Every
 	logged := ev.Step == 1 || ev.Step == ev.Steps || (every > 0 && ev.Step%every == 0) || !math.IsNaN(ev.ValLoss)
+	e.tensorboard.write(ev, logged)
 	if !logged {
 		return nil
 	}
@@ -334,12 +344,7 @@ func (e *Engine) report(ev StepEvent) error {
 			e.log.Warn().Err(err).Msg("cannot write metrics")
 		}
 	}
-	l := e.log.Info().Int("step", ev.Step).Float64("loss", round4(ev.Loss)).Str("lr", fmt.Sprintf("%.3g", ev.LR)).
-		Float64("grad_norm", round4(ev.GradNorm)).Float64("tokens_per_s", math.Round(ev.TokensPerSec))
-	if !math.IsNaN(ev.ValLoss) {
-		l = l.Float64("val_loss", round4(ev.ValLoss))
-	}
-	l.Msg("step")
+	e.logStep(ev)
 	return nil
 }
 
