@@ -44,7 +44,8 @@
 //   - params.go: parameters, their Hugging Face names, initialisation, and
 //     their storage (below).
 //   - schedule.go: the learning-rate schedules.
-//   - events.go: StepEvent, HookPanicError and the metrics.jsonl line.
+//   - events.go: StepEvent, HookPanicError and the metrics.jsonl line
+//     (StepEvent.MarshalJSON).
 //   - metrics_file.go: metrics.jsonl in a run directory (WithMetricsFile),
 //     cut back to the step a run starts from.
 //   - observers.go: StartEvent and SaveEvent (WithStartHook, WithSaveHook),

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -125,4 +126,15 @@ func writeMetrics(w io.Writer, ev StepEvent) error {
 	}
 	_, err = w.Write(append(b, '\n'))
 	return err
+}
+
+// MarshalJSON encodes the step as its metrics.jsonl line (without the
+// newline), for a program that streams or stores steps: a plain encoding
+// would fail on ValLoss, NaN when no validation ran.
+func (ev StepEvent) MarshalJSON() ([]byte, error) {
+	var b bytes.Buffer
+	if err := writeMetrics(&b, ev); err != nil {
+		return nil, err
+	}
+	return bytes.TrimSuffix(b.Bytes(), []byte("\n")), nil
 }

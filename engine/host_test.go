@@ -3,7 +3,9 @@ package engine
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"math"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -118,5 +120,31 @@ func TestRunWithoutRunDirSaysUnsaved(t *testing.T) {
 	res, err = eng.Run(ctx)
 	if !errors.Is(err, ErrStopped) || !res.Unsaved {
 		t.Errorf("stopped run without a run directory: %v, Unsaved %v; want ErrStopped and true", err, res.Unsaved)
+	}
+}
+
+// TestStepEventJSONIsMetricsLine: a StepEvent encodes as its metrics.jsonl
+// line, with or without a validation loss (NaN, which plain encoding
+// refuses).
+func TestStepEventJSONIsMetricsLine(t *testing.T) {
+	for _, ev := range []StepEvent{
+		{Step: 3, Steps: 10, Loss: 2.5, LR: 1e-3, Tokens: 96, TokensPerSec: 1234.4, ValLoss: math.NaN(),
+			Experts: []ExpertLoad{{Layer: 0, Fraction: []float64{0.25, 0.75}, MaxOverMean: 1.5}}},
+		{Step: 10, Steps: 10, Loss: 2.1, ValLoss: 2.2, ValBatches: 4, MFU: 0.41, PeakMemory: 1 << 20},
+	} {
+		got, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatalf("step %d: %v", ev.Step, err)
+		}
+		var line bytes.Buffer
+		if err := writeMetrics(&line, ev); err != nil {
+			t.Fatal(err)
+		}
+		if want := strings.TrimSuffix(line.String(), "\n"); string(got) != want {
+			t.Errorf("step %d encodes as\n%s\nwant its metrics.jsonl line\n%s", ev.Step, got, want)
+		}
+		if hasVal := strings.Contains(string(got), `"val_loss":`); hasVal != !math.IsNaN(ev.ValLoss) {
+			t.Errorf("step %d: val_loss present %v; want %v: %s", ev.Step, hasVal, !math.IsNaN(ev.ValLoss), got)
+		}
 	}
 }
