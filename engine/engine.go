@@ -47,6 +47,8 @@ type Engine struct {
 	// tensorboard writes log.tensorboard's event files while a run
 	// trains (tensorboard.go); nil otherwise.
 	tensorboard *tensorboardRun
+	// backendNotes say how New chose the backend (StartEvent).
+	backendNotes []string
 }
 
 // Option configures an Engine.
@@ -180,6 +182,7 @@ func (e *Engine) pickBackend() (backend.Backend, error) {
 		return nil, fmt.Errorf("train.backend: %s: %w", name, err)
 	}
 	for _, n := range opened.Notes {
+		e.backendNotes = append(e.backendNotes, n.Text)
 		if n.Warning {
 			e.log.Warn().Msg(n.Text)
 		} else {

@@ -23,9 +23,12 @@ type StartEvent struct {
 	// the CPU, its core count ("CPU, 16 cores").
 	Device  string
 	Devices int // devices the ranks use: GPUs with one rank each, else 1
-	Ranks   int // ranks of the whole mesh (parallel.dp*ep*cp*tp)
-	Params  int // model parameters, every expert counted
-	Steps   int // train.steps
+	// BackendNotes say how train.backend was settled ("backend auto: no
+	// GPU (...), training on the CPU"), as logged when the engine was made.
+	BackendNotes []string
+	Ranks        int // ranks of the whole mesh (parallel.dp*ep*cp*tp)
+	Params       int // model parameters, every expert counted
+	Steps        int // train.steps
 	// StartStep is the step of the checkpoint the run resumes from (0 for
 	// a fresh start); Checkpoint is that checkpoint's directory.
 	StartStep  int
@@ -107,7 +110,7 @@ func (s *session) begin(backends []backend.Backend, startStep int) (finish func(
 	ev := StartEvent{
 		Backend: e.backend.Name(), Device: deviceDescription(DeviceName(r.b), devices), Devices: devices,
 		Ranks: e.cfg.mesh().World(), Params: ParamCount(e.cfg.Model), Steps: e.cfg.Train.Steps,
-		StartStep: startStep, RunDir: e.runDir, Dispatcher: r.cfg.Model.MoE.Dispatcher,
+		StartStep: startStep, RunDir: e.runDir, Dispatcher: r.cfg.Model.MoE.Dispatcher, BackendNotes: e.backendNotes,
 	}
 	if s.resume != nil && s.saver != nil {
 		ev.Checkpoint = s.saver.lastDir

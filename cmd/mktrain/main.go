@@ -3,7 +3,7 @@
 // prepares data for them, evaluates, samples, exports and checks their
 // checkpoints, and measures their speed.
 //
-//	mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
+//	mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]
 //	            [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
 //	mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
 //	mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
@@ -63,7 +63,7 @@ func (e usageError) Error() string { return e.msg }
 const topUsage = `mktrain trains mixture-of-experts transformers.
 
 Usage:
-  mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
+  mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]
               [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
                          train from a recipe (a file, or a shipped name: tiny, moe-small)
   mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...

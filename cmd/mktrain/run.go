@@ -14,13 +14,12 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
-	"github.com/schollz/progressbar/v3"
-	"golang.org/x/term"
 
 	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/launch"
+	"github.com/mktrain/mktrain/observe/prom"
 	"github.com/mktrain/mktrain/recipes"
 )
 
@@ -65,15 +64,20 @@ func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
 	return fs
 }
 
-const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir DIR]
+const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]
                   [--nnodes N --node-rank K --master-addr HOST [--master-port P]]
                   [--secret-file F] [--bind ADDR]
 
 Trains the model a recipe describes. RECIPE is a YAML file or the name of a
 shipped recipe (tiny, moe-small). The run directory receives recipe.yaml (the
-effective recipe), train.log and metrics.jsonl. Ctrl-C (or SIGTERM) stops
-after the current step and saves a checkpoint (exit 130, or 143); a second
-Ctrl-C exits at once.
+effective recipe), train.log and metrics.jsonl (and TensorBoard event files
+with log.tensorboard: true). On a terminal a banner describes the run and a
+progress bar follows it, with warnings printed above the bar; otherwise each
+logged step is a line: step n/N, loss, lr, tokens/s, MFU, memory, ETA.
+--metrics-addr serves Prometheus metrics at /metrics and Go's profiler at
+/debug/pprof/ while the run lasts (port 0 picks a free port; the address is
+printed). Ctrl-C (or SIGTERM) stops after the current step and saves a
+checkpoint (exit 130, or 143); a second Ctrl-C exits at once.
 
 Several nodes: start one process per node with the same recipe, the node
 count and each its node rank (flags, torchrun's NNODES/NODE_RANK/MASTER_ADDR/
@@ -94,6 +98,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	var sets setFlags
 	fs.Var(&sets, "set", "override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
 	runDir := fs.String("run-dir", "", "run directory (default runs/<recipe name>)")
+	metricsAddr := fs.String("metrics-addr", "", "serve Prometheus metrics (/metrics) and pprof (/debug/pprof/) on HOST:PORT while the run lasts")
 	var launchFlags launch.Flags
 	launchFlags.Register(fs)
 	rdvTimeout := fs.Duration("rendezvous-timeout", launch.DefaultRendezvousTimeout, "multi-node: how long the nodes wait for each other to start")
@@ -158,11 +163,13 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err != nil {
 		return fmt.Errorf("log.level: %w", err)
 	}
-	bar := progressBar(cfg, stderr)
-	console := io.Writer(zerolog.ConsoleWriter{Out: stderr, NoColor: bar == nil, TimeFormat: time.TimeOnly})
+	screen := newRunConsole(cfg, stderr, pos[0])
+	console := io.Writer(zerolog.ConsoleWriter{Out: screen, NoColor: !screen.useBar, TimeFormat: time.TimeOnly,
+		FieldsOrder: engine.StepLogFields()})
 	consoleLevel := level
-	if bar != nil {
-		// The bar owns the terminal; only warnings and errors interrupt it.
+	if screen.useBar {
+		// The banner and the bar tell what the info lines would; warnings
+		// and errors are printed above the bar.
 		consoleLevel = max(level, zerolog.WarnLevel)
 	}
 	// The engine logs from its training goroutine and from a background
@@ -176,18 +183,25 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	opts := []engine.Option{engine.WithDrivers(all.Drivers()...), engine.WithLogger(logger), engine.WithRunDirLock(runDirLock),
 		engine.WithRecipe(snapshot, recipes.Hash(cfg))}
 	if launch.NodeRank == 0 { // only world rank 0 reports steps
-		opts = append(opts, engine.WithMetricsFile(filepath.Join(*runDir, "metrics.jsonl")))
+		metricsFile := filepath.Join(*runDir, "metrics.jsonl")
+		opts = append(opts, engine.WithMetricsFile(metricsFile))
+		screen.addSink("metrics.jsonl: " + metricsFile)
+		if cfg.Log.TensorBoard {
+			screen.addSink("TensorBoard: tensorboard --logdir " + *runDir)
+		}
 	}
-	if bar != nil {
-		opts = append(opts, engine.WithHook(func(ev engine.StepEvent) {
-			desc := fmt.Sprintf("loss %.4f  %.0f tok/s", ev.Loss, ev.TokensPerSec)
-			if !math.IsNaN(ev.ValLoss) {
-				desc += fmt.Sprintf("  val %.4f", ev.ValLoss)
-			}
-			bar.Describe(desc)
-			_ = bar.Set(ev.Step)
-		}))
+	if *metricsAddr != "" {
+		collector := prom.NewCollector()
+		server, err := serveMetrics(*metricsAddr, collector, logger)
+		if err != nil {
+			return err
+		}
+		defer server.stop()
+		fmt.Fprintf(stderr, "mktrain: metrics at %s, profiles at %s\n", server.url("/metrics"), server.url("/debug/pprof/"))
+		screen.addSink("Prometheus: " + server.url("/metrics"))
+		opts = append(opts, collector.Options()...)
 	}
+	opts = append(opts, screen.options()...)
 	eng, err := engine.New(cfg, opts...)
 	if err != nil {
 		return err
@@ -199,10 +213,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	} else {
 		res, err = eng.Run(ctx)
 	}
-	if bar != nil {
-		_ = bar.Finish()
-		fmt.Fprintln(stderr)
-	}
+	screen.finish()
 	trained := res.Steps - res.StartStep
 	summary := fmt.Sprintf("%d steps, %d tokens in %s (%.0f tokens/s); loss %.4f",
 		res.Steps, res.Tokens, res.Elapsed.Round(time.Millisecond),
@@ -272,30 +283,6 @@ func runMultiNode(ctx context.Context, eng *engine.Engine, node launch.Launch, r
 		},
 		Rendezvous: rdv,
 	})
-}
-
-// progressBar returns a bar on a terminal (or when log.progress is on), nil
-// otherwise.
-func progressBar(cfg engine.Config, stderr io.Writer) *progressbar.ProgressBar {
-	show := false
-	switch cfg.Log.Progress {
-	case "on":
-		show = true
-	case "auto":
-		f, ok := stderr.(*os.File)
-		show = ok && term.IsTerminal(int(f.Fd()))
-	}
-	if !show {
-		return nil
-	}
-	return progressbar.NewOptions(cfg.Train.Steps,
-		progressbar.OptionSetWriter(stderr),
-		progressbar.OptionSetDescription("starting"),
-		progressbar.OptionShowCount(),
-		progressbar.OptionSetPredictTime(true),
-		progressbar.OptionSetWidth(30),
-		progressbar.OptionThrottle(100*time.Millisecond),
-	)
 }
 
 // levelWriter filters one output of a multi-writer logger by level.
