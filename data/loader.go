@@ -122,13 +122,13 @@ func openLoader(glob string, seqLen, vocab int, seed uint64, rank, ranks int, sh
 	sources := make([]TokenSource, 0, len(paths))
 	closers := make([]io.Closer, 0, len(paths))
 	for _, p := range paths {
-		s, err := OpenShard(p)
+		s, c, err := openSource(p)
 		if err != nil {
 			closeAll(closers)
 			return nil, err
 		}
 		sources = append(sources, s)
-		closers = append(closers, s)
+		closers = append(closers, c)
 	}
 	l, err := newLoader(glob, sources, closers, seqLen, vocab, seed, rank, ranks, shuffle)
 	if err != nil {

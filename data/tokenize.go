@@ -130,7 +130,8 @@ func (s PrepareStats) TokenizeMBPerSecond() float64 {
 // A text file is one document; a JSON Lines file has one per non-blank
 // line, a Parquet file one per row (InputKind tells them apart by name; gzip
 // and zstd compression too). Each document becomes the tokenizer's Encode
-// of its text, then o.EOS; a document with no text is skipped. The
+// of its text, then o.EOS (unless the encoding already ends with it, as
+// when a post-processor appends it); a document with no text is skipped. The
 // documents are shuffled by a permutation drawn from o.Seed, and the
 // shuffled token stream is cut once: its last ceil(ValFraction * tokens)
 // tokens go to val (so one document, at the cut, may be split between the
@@ -273,6 +274,7 @@ type encodedBatch struct {
 	docTokens []int64
 	textBytes int64
 	empty     int64
+	eos       int64 // end-of-document tokens among tokens
 	err       error
 }
 
@@ -329,6 +331,7 @@ func tokenizePass(ctx context.Context, o PrepareOptions, files []string, sizes [
 		st.Documents += int64(len(r.docTokens))
 		st.EmptyDocuments += r.empty
 		st.TextBytes += r.textBytes
+		st.EOSTokens += r.eos
 		return nil
 	})
 	if err != nil {
@@ -344,9 +347,6 @@ func tokenizePass(ctx context.Context, o PrepareOptions, files []string, sizes [
 	}
 	if starts[len(starts)-1] == 0 {
 		return nil, fmt.Errorf("prepare: the inputs hold no text (%d files, %d empty documents)", len(files), st.EmptyDocuments)
-	}
-	if o.EOS != NoEOS {
-		st.EOSTokens = st.Documents
 	}
 	return starts, nil
 }
@@ -463,9 +463,13 @@ func encodeBatch(ctx context.Context, b docBatch, files []string, o PrepareOptio
 			}
 			out.tokens = appendToken(out.tokens, uint32(id), tb)
 		}
-		if o.EOS != NoEOS {
+		// A post-processor may already end the document with the token.
+		if o.EOS != NoEOS && (len(ids) == 0 || ids[len(ids)-1] != o.EOS) {
 			out.tokens = appendToken(out.tokens, uint32(o.EOS), tb)
 			n++
+		}
+		if o.EOS != NoEOS {
+			out.eos++
 		}
 		out.docTokens = append(out.docTokens, n)
 		out.textBytes += int64(len(text))

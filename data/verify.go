@@ -9,11 +9,13 @@ package data
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 )
@@ -23,12 +25,21 @@ import (
 // size.
 const verifyChunkBytes = 4 << 20
 
-// ShardSummary describes one shard Verify checked.
+// ShardSummary describes one data file Verify checked: an llm.c shard or
+// a Megatron indexed dataset.
 type ShardSummary struct {
-	Path     string
-	Header   ShardHeader
-	Bytes    int64  // file size: HeaderBytes + Tokens*TokenBytes
-	MaxToken uint32 // the largest token id (0 when the shard has no tokens)
+	Path      string
+	Format    string      // "llm.c" or "megatron"
+	Header    ShardHeader // an llm.c shard's header (zero for a Megatron dataset)
+	TokenType string      // the tokens' type on disk: "uint16", "uint32", or a Megatron dtype ("int32", ...)
+	Tokens    int64
+	Documents int64  // a Megatron dataset's documents (0 for an llm.c shard, which does not mark them)
+	Bytes     int64  // the files' size: an llm.c shard's, or a Megatron .bin's and .idx's together
+	MaxToken  uint32 // the largest token id (0 when there are no tokens)
+
+	dtype      tokenType
+	dataPath   string // the file holding the tokens
+	dataOffset int64  // where they start in it
 }
 
 // Summary is what Verify found in shards that passed.
@@ -54,15 +65,42 @@ func (e *TokenError) Error() string {
 		e.Path, e.ID, e.Position, e.ByteOffset, e.Vocab)
 }
 
-// Glob is the sorted list of files matching pattern; matching nothing is an
-// error. The loaders read their shards in this order.
+// Glob is the sorted list of data files that pattern names, as the
+// loaders and Verify take them: llm.c shards, and Megatron indexed datasets
+// by their .bin (see IndexedPaths). pattern is a glob, or a plain path; a
+// match that is a Megatron .idx stands for its dataset's .bin, and a plain
+// path may be a Megatron dataset's prefix ("corpus_text_document" for
+// corpus_text_document.bin and .idx). Matching nothing is an error.
 func Glob(pattern string) ([]string, error) {
-	paths, err := filepath.Glob(pattern)
+	if !hasGlobMeta(pattern) {
+		if _, err := os.Stat(pattern); err != nil {
+			if bin, _, ok := IndexedPaths(pattern); ok {
+				return []string{bin}, nil
+			}
+			return nil, err // *PathError names the file
+		}
+	}
+	matches, err := filepath.Glob(pattern)
 	if err != nil {
 		return nil, fmt.Errorf("data glob %q: %w", pattern, err)
 	}
-	if len(paths) == 0 {
+	if len(matches) == 0 {
 		return nil, fmt.Errorf("data glob %q matches no files", pattern)
+	}
+	seen := map[string]bool{}
+	var paths []string
+	for _, m := range matches {
+		if strings.HasSuffix(m, ".idx") {
+			bin, _, ok := IndexedPaths(m)
+			if !ok {
+				return nil, fmt.Errorf("data glob %q matches %s, which is not the index of a Megatron dataset (a .bin beside it, and the magic %q)", pattern, m, strings.TrimRight(indexedMagic, "\x00"))
+			}
+			m = bin
+		}
+		if !seen[m] {
+			seen[m] = true
+			paths = append(paths, m)
+		}
 	}
 	slices.Sort(paths)
 	return paths, nil
@@ -80,13 +118,13 @@ func Glob(pattern string) ([]string, error) {
 func Verify(ctx context.Context, paths []string, vocab int) (Summary, error) {
 	sum := Summary{Shards: make([]ShardSummary, len(paths))}
 	for i, p := range paths {
-		h, size, err := statShard(p)
+		s, err := statSource(p)
 		if err != nil {
 			return Summary{}, err
 		}
-		sum.Shards[i] = ShardSummary{Path: p, Header: h, Bytes: size}
-		sum.Tokens += h.Tokens
-		sum.Bytes += size
+		sum.Shards[i] = s
+		sum.Tokens += s.Tokens
+		sum.Bytes += s.Bytes
 	}
 	chunks := verifyChunks(sum.Shards)
 	maxTokens, err := scanChunks(ctx, sum.Shards, chunks, vocab)
@@ -100,27 +138,40 @@ func Verify(ctx context.Context, paths []string, vocab int) (Summary, error) {
 	return sum, nil
 }
 
-// statShard reads and checks the header of the shard at path and that the
-// file's size matches it, with OpenShard's errors.
-func statShard(path string) (ShardHeader, int64, error) {
+// statSource checks what can be checked of the data file at path without
+// reading its tokens: a Megatron dataset's index and .bin size (as
+// OpenIndexed does), or an llm.c shard's header and size (with OpenShard's
+// errors).
+func statSource(path string) (ShardSummary, error) {
+	if _, _, ok := IndexedPaths(path); ok {
+		d, err := OpenIndexed(path)
+		if err != nil {
+			return ShardSummary{}, err
+		}
+		d.Close()
+		return ShardSummary{Path: d.binPath, Format: "megatron", TokenType: d.dtype.name, Tokens: d.tokens,
+			Documents: d.documents, Bytes: d.binBytes + d.idxBytes, dtype: d.dtype, dataPath: d.binPath}, nil
+	}
 	f, err := os.Open(path)
 	if err != nil {
-		return ShardHeader{}, 0, err // *PathError names the file
+		return ShardSummary{}, err // *PathError names the file
 	}
 	defer f.Close()
 	st, err := f.Stat()
 	if err != nil {
-		return ShardHeader{}, 0, err
+		return ShardSummary{}, err
 	}
 	if st.IsDir() {
-		return ShardHeader{}, 0, fmt.Errorf("%s: is a directory, not a token shard", path)
+		return ShardSummary{}, fmt.Errorf("%s: is a directory, not a token shard", path)
 	}
 	// A memory limit of -1 checks the header and size and reads no tokens.
 	s, err := newShard(path, f, st.Size(), -1)
 	if err != nil {
-		return ShardHeader{}, 0, err
+		return ShardSummary{}, err
 	}
-	return s.header, st.Size(), nil
+	tb := s.header.TokenBytes()
+	return ShardSummary{Path: path, Format: "llm.c", Header: s.header, TokenType: fmt.Sprintf("uint%d", 8*tb), Tokens: s.header.Tokens,
+		Bytes: st.Size(), dtype: tokenType{name: fmt.Sprintf("uint%d", 8*tb), size: tb}, dataPath: path, dataOffset: HeaderBytes}, nil
 }
 
 // verifyChunk is a run of tokens of one shard that one worker checks.
@@ -134,9 +185,9 @@ type verifyChunk struct {
 func verifyChunks(shards []ShardSummary) []verifyChunk {
 	var chunks []verifyChunk
 	for i, s := range shards {
-		step := int64(verifyChunkBytes / s.Header.TokenBytes())
-		for start := int64(0); start < s.Header.Tokens; start += step {
-			chunks = append(chunks, verifyChunk{shard: i, start: start, end: min(start+step, s.Header.Tokens)})
+		step := int64(verifyChunkBytes / s.dtype.size)
+		for start := int64(0); start < s.Tokens; start += step {
+			chunks = append(chunks, verifyChunk{shard: i, start: start, end: min(start+step, s.Tokens)})
 		}
 	}
 	return chunks
@@ -206,24 +257,57 @@ func scanChunks(ctx context.Context, shards []ShardSummary, chunks []verifyChunk
 }
 
 // scanChunk reads chunk c of shard s into buf and returns its largest
-// token id, or an error naming the first id >= vocab (when vocab > 0).
+// token id, or an error naming the first id >= vocab (when vocab > 0), or
+// the first value that is no id at all (a negative one, in a Megatron
+// dataset of signed tokens).
 func scanChunk(s ShardSummary, c verifyChunk, buf []byte, vocab int) (uint32, error) {
-	tb := int64(s.Header.TokenBytes())
+	tb := int64(s.dtype.size)
 	raw := buf[:(c.end-c.start)*tb]
-	f, err := os.Open(s.Path)
+	f, err := os.Open(s.dataPath)
 	if err != nil {
 		return 0, err
 	}
 	defer f.Close()
-	off := HeaderBytes + c.start*tb
+	off := s.dataOffset + c.start*tb
 	if err := readFullAt(f, raw, off); err != nil {
 		return 0, fmt.Errorf("%s: reading tokens [%d, %d): %w", s.Path, c.start, c.end, err)
 	}
-	m := maxToken(raw, int(tb))
+	if !s.dtype.signed && (tb == 2 || tb == 4) {
+		return checkIDs(s, c, raw, int(tb), vocab)
+	}
+	// Other types are widened to uint32 first; a value that is no id at
+	// all stops the widening, and is the chunk's problem unless an id
+	// before it is already too large.
+	ids := make([]uint32, c.end-c.start)
+	bad, v := s.dtype.decode(ids, raw)
+	if bad >= 0 {
+		ids = ids[:bad]
+	}
+	wide := make([]byte, 4*len(ids))
+	for i, id := range ids {
+		binary.LittleEndian.PutUint32(wide[4*i:], id)
+	}
+	m, err := checkIDs(s, c, wide, 4, vocab)
+	if te := (*TokenError)(nil); errors.As(err, &te) {
+		te.ByteOffset = s.dataOffset + te.Position*tb
+		return 0, err
+	}
+	if bad >= 0 {
+		pos := c.start + int64(bad)
+		return 0, fmt.Errorf("%s: token %d at position %d (byte offset %d) is not a token id", s.Path, v, pos, s.dataOffset+pos*tb)
+	}
+	return m, err
+}
+
+// checkIDs is the largest of the tokens of tokenBytes each in raw (chunk c
+// of s), or a *TokenError for the first >= vocab when vocab > 0.
+func checkIDs(s ShardSummary, c verifyChunk, raw []byte, tokenBytes, vocab int) (uint32, error) {
+	m := maxToken(raw, tokenBytes)
 	if vocab > 0 && int64(m) >= int64(vocab) {
-		i := firstAtLeast(raw, int(tb), uint32(min(int64(vocab), int64(^uint32(0)))))
+		i := firstAtLeast(raw, tokenBytes, uint32(min(int64(vocab), int64(^uint32(0)))))
 		pos := c.start + int64(i)
-		return 0, &TokenError{Path: s.Path, Position: pos, ByteOffset: HeaderBytes + pos*tb, ID: tokenAt(raw, int(tb), i), Vocab: vocab}
+		return 0, &TokenError{Path: s.Path, Position: pos, ByteOffset: s.dataOffset + pos*int64(tokenBytes),
+			ID: tokenAt(raw, tokenBytes, i), Vocab: vocab}
 	}
 	return m, nil
 }
