@@ -24,7 +24,7 @@ func deterministicConfig() Config {
 }
 
 func TestDeterministicGPURunsRepeat(t *testing.T) {
-	openGPU(t).Close() // skips without a GPU
+	openGPU(t) // skips without a GPU
 	const steps = 12
 	cfg := deterministicConfig()
 	cfg.Train.Deterministic = true

@@ -66,59 +66,100 @@ extern "C" __global__ void gather_rows_f32_bf16(mk_bf16* out, const float* in, c
 
 // The ordered scatter-add below is train.deterministic's form of
 // scatter_add_rows_f32 and embedding_backward_f32: the same sums, each
-// output row added to by one block in increasing i, so the result is the
-// same bits on every run (and the CPU backend's, which adds in that order
-// too). It takes two launches: stable_order_i32 sorts the row indices, then
-// scatter_add_rows_ordered_f32 adds each run of equal rows.
+// output element added to by one thread in increasing i, so the result is
+// the same bits on every run (and the CPU backend's, which adds in that
+// order too). It takes two launches: stable_order_i32 sorts the row
+// indices, then scatter_add_rows_ordered_f32 adds each run of equal rows.
 
 // stable_order_i32: order[rank(i)] = i, where rank(i) counts the j with
-// keys[j] < keys[i], or keys[j] == keys[i] and j < i: a stable sort of the
-// N keys by counting, O(N^2) comparisons through shared-memory tiles (every
-// thread reads the same key at a time, a broadcast) and no atomics. Grid:
-// ceil(N/256) blocks of 256.
+// (keys[j], j) < (keys[i], i): a stable sort of the N keys by counting,
+// O(N^2) comparisons of 64-bit (key, index) pairs and no atomics. Each
+// thread ranks 4 items; the pairs pass through shared memory 1024 at a
+// time, every thread reading the same one at a time (a broadcast). Grid:
+// ceil(N/1024) blocks of 256.
 extern "C" __global__ void __launch_bounds__(256) stable_order_i32(int* order, const int* keys, int N) {
-  __shared__ int tile[1024];
-  const int i = blockIdx.x * 256 + threadIdx.x;
-  const int key = i < N ? keys[i] : 0;
-  int rank = 0;
+  __shared__ long long tile[1024];
+  long long mine[4];
+  int rank[4];
+#pragma unroll
+  for (int c = 0; c < 4; c++) {
+    const int i = blockIdx.x * 1024 + c * 256 + threadIdx.x;
+    mine[c] = i < N ? ((long long)keys[i] << 32) | (unsigned)i : 0;
+    rank[c] = 0;
+  }
   for (int j0 = 0; j0 < N; j0 += 1024) {
     __syncthreads();
-    for (int j = threadIdx.x; j < 1024; j += 256) tile[j] = j0 + j < N ? keys[j0 + j] : 0;
+    for (int j = threadIdx.x; j < 1024; j += 256)
+      tile[j] = j0 + j < N ? ((long long)keys[j0 + j] << 32) | (unsigned)(j0 + j) : 0x7fffffffffffffffLL;
     __syncthreads();
-    const int jn = N - j0 < 1024 ? N - j0 : 1024;
-    const int before = i - j0;  // tile entries j < before come before i
-    for (int j = 0; j < jn; j++) {
-      const int kj = tile[j];
-      rank += (kj < key) | ((kj == key) & (j < before));
+#pragma unroll 4
+    for (int j = 0; j < 1024; j++) {
+      const long long t = tile[j];
+#pragma unroll
+      for (int c = 0; c < 4; c++) rank[c] += t < mine[c];
     }
   }
-  if (i < N) order[rank] = i;
+#pragma unroll
+  for (int c = 0; c < 4; c++) {
+    const int i = blockIdx.x * 1024 + c * 256 + threadIdx.x;
+    if (i < N) order[rank[c]] = i;
+  }
 }
 
 // scatter_add_rows_ordered_f32: out[rows[i], :] += scale[i] * in[i, :] for
 // every i, rows in [0, T) only (others are skipped, as the embedding's ids
-// outside the table). order is stable_order_i32 of rows. Block p starts the
-// run of equal rows at order[p] (other blocks return): it reads the output
-// row once, adds the run's rows in increasing i with products and sums
-// rounded one at a time (mul.rn, add.rn: never fused), and writes it back.
-// Grid: N blocks.
-extern "C" __global__ void scatter_add_rows_ordered_f32(float* out, const float* in, const int* rows, const float* scale,
-                                                        const int* order, int N, int D, int T) {
+// outside the table). order is stable_order_i32 of rows. Block (p, y)
+// starts the run of equal rows at order[p] (other blocks return) and owns
+// columns [256y, 256y + 256), one a thread: it stages the run's indices
+// 256 at a time in shared memory and adds their rows in increasing i, with
+// products and sums rounded one at a time (mul.rn, add.rn: never fused),
+// eight rows' loads in flight. Grid: (N, ceil(D/256)) blocks of 256.
+extern "C" __global__ void __launch_bounds__(256) scatter_add_rows_ordered_f32(
+    float* out, const float* in, const int* rows, const float* scale, const int* order, int N, int D, int T) {
+  __shared__ int sIdx[256];
+  __shared__ float sScale[256];
+  __shared__ int sWarpCount[8];
   const int p = blockIdx.x;
   if (p >= N) return;
   const int row = rows[order[p]];
   if ((p > 0 && rows[order[p - 1]] == row) || row < 0 || row >= T) return;
-  int end = p + 1;
-  while (end < N && rows[order[end]] == row) end++;
-  float* dst = out + (long long)row * D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = dst[d];
-    for (int q = p; q < end; q++) {
+  const int d = blockIdx.y * 256 + threadIdx.x;
+  float acc = d < D ? out[(long long)row * D + d] : 0.0f;
+  for (int q0 = p; q0 < N; q0 += 256) {
+    // Stage the next 256 positions; the run's are a prefix of them.
+    const int q = q0 + threadIdx.x;
+    int idx = -1;
+    if (q < N) {
       const int i = order[q];
-      float v = in[(long long)i * D + d];
-      if (scale != 0) asm("mul.rn.f32 %0, %0, %1;" : "+f"(v) : "f"(scale[i]));
-      asm("add.rn.f32 %0, %0, %1;" : "+f"(acc) : "f"(v));
+      if (rows[i] == row) idx = i;
     }
-    dst[d] = acc;
+    __syncthreads();  // the previous chunk's reads are done
+    sIdx[threadIdx.x] = idx;
+    sScale[threadIdx.x] = idx >= 0 && scale != 0 ? scale[idx] : 1.0f;
+    unsigned ballot, count;
+    asm volatile("{ .reg .pred staged; setp.ge.s32 staged, %1, 0; vote.sync.ballot.b32 %0, staged, 0xffffffff; }"
+                 : "=r"(ballot) : "r"(idx));
+    asm("popc.b32 %0, %1;" : "=r"(count) : "r"(ballot));
+    if ((threadIdx.x & 31) == 0) sWarpCount[threadIdx.x >> 5] = (int)count;
+    __syncthreads();
+    int n = 0;
+#pragma unroll
+    for (int w = 0; w < 8; w++) n += sWarpCount[w];
+    if (d < D) {
+      // Eight rows' loads issued together, then added in order.
+      for (int j0 = 0; j0 < n; j0 += 8) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = j0 + u < n ? in[(long long)sIdx[j0 + u] * D + d] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+          if (j0 + u >= n) break;
+          if (scale != 0) asm("mul.rn.f32 %0, %0, %1;" : "+f"(v[u]) : "f"(sScale[j0 + u]));
+          asm("add.rn.f32 %0, %0, %1;" : "+f"(acc) : "f"(v[u]));
+        }
+      }
+    }
+    if (n < 256) break;
   }
+  if (d < D) out[(long long)row * D + d] = acc;
 }

@@ -384,8 +384,9 @@ func (b *Backend) scatterOrdered(out, in, rows, scale *Tensor, n, d, t int) {
 		return
 	}
 	defer func() { b.fail(b.dev.Free(order)) }() // stream-ordered: after the kernels below
-	b.launch(b.k.stableOrder, Grid1D((n+255)/256, 256), order, rows, int32(n))
-	b.launch(b.k.scatterAddRowsOrdered, Grid1D(n, 256), out, in, rows, scale, order, int32(n), int32(d), int32(t))
+	b.launch(b.k.stableOrder, Grid1D((n+1023)/1024, 256), order, rows, int32(n))
+	g := Grid{Grid: driver.Dim3{X: n, Y: (d + 255) / 256, Z: 1}, Block: driver.Dim3{X: 256, Y: 1, Z: 1}}
+	b.launch(b.k.scatterAddRowsOrdered, g, out, in, rows, scale, order, int32(n), int32(d), int32(t))
 }
 
 // RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]).

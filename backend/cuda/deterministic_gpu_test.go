@@ -9,6 +9,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"testing"
+	"time"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
@@ -173,5 +174,51 @@ func TestRMSNormWeightGradRepeats(t *testing.T) {
 	}
 	if err := b.Sync(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestDeterministicScatterCost logs what the ordered scatter-add costs
+// against the atomic one at moe-small's shapes: the combine (32768 send
+// rows into 16384 tokens of width 1024) and the embedding's gradient
+// (16384 tokens into 32768 rows, byte-level ids, so long runs of one id).
+func TestDeterministicScatterCost(t *testing.T) {
+	det, atomic := deterministicBackend(t), testBackend(t)
+	rng := rand.New(rand.NewPCG(9, 9))
+	const d = 1024
+	for _, c := range []struct {
+		name    string
+		n, rows int
+		key     func() int32
+	}{
+		{"combine", 32768, 16384, func() int32 { return int32(rng.IntN(16384)) }},
+		{"embedding", 16384, 32768, func() int32 { return int32(min(rng.ExpFloat64()*20, 255)) }},
+	} {
+		keys := make([]int32, c.n)
+		for i := range keys {
+			keys[i] = c.key()
+		}
+		var ms [2]float64
+		for k, b := range []*Backend{atomic, det} {
+			out, in, rows := b.New(backend.Float32, c.rows, d), b.New(backend.Float32, c.n, d), b.New(backend.Int32, c.n)
+			backend.UploadSlice(b, in, randomFloats(rng, c.n*d))
+			backend.UploadSlice(b, rows, keys)
+			const warmup, iters = 3, 20
+			for range warmup {
+				b.ScatterAddRows(out, in, rows, nil)
+			}
+			if err := b.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			for range iters {
+				b.ScatterAddRows(out, in, rows, nil)
+			}
+			if err := b.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			ms[k] = float64(time.Since(start).Microseconds()) / 1000 / iters
+		}
+		t.Logf("figure: ScatterAddRows %s n=%d d=%d atomic = %.4g ms", c.name, c.n, d, ms[0])
+		t.Logf("figure: ScatterAddRows %s n=%d d=%d deterministic = %.4g ms", c.name, c.n, d, ms[1])
 	}
 }

@@ -322,9 +322,13 @@ func TestKernelRMSNorm(t *testing.T) {
 	ddx := k.poisoned(T * D)
 	// The backward takes the GPU's rstd; the reference gets the same values.
 	k.launch("rmsnorm.cu", "rmsnorm_backward_dx_f32", Grid1D(T, 256), ddx, dg, dx, dw, rstd, int32(T), int32(D))
+	// dw: column sums per block row into partial, then their ordered sum.
 	const rowsPerBlock = 16
-	dwGrid := Grid{Grid: dim3((D+31)/32, (T+rowsPerBlock-1)/rowsPerBlock), Block: dim3(32, 8)}
-	k.launch("rmsnorm.cu", "rmsnorm_backward_dw_f32", dwGrid, ddw, dg, dx, rstd, int32(T), int32(D), int32(rowsPerBlock))
+	blockRows := (T + rowsPerBlock - 1) / rowsPerBlock
+	partial := k.poisoned(blockRows * D)
+	dwGrid := Grid{Grid: dim3((D+31)/32, blockRows), Block: dim3(32, 8)}
+	k.launch("rmsnorm.cu", "rmsnorm_backward_dw_f32", dwGrid, partial, dg, dx, rstd, int32(T), int32(D), int32(rowsPerBlock))
+	k.launch("rmsnorm.cu", "rmsnorm_dw_reduce_f32", Grid1D(4, 256), ddw, partial, int32(blockRows), int32(D))
 	rdx, rdw := k.ref.New(backend.Float64, T, D), k.cpuF(dw0, D)
 	k.ref.RMSNormBackward(rdx, rdw, k.cpuF(g, T, D), rx, rw, k.cpuF(gotRstd, T))
 	k.check("rmsnorm dx", k.download(ddx, T*D), k.get(rdx), fp32Tol)
