@@ -290,8 +290,7 @@ let llama3Model
     name: 'mistral', json: tokenizerJSON(spModel, {
       added_tokens: specials.concat(inst),
       pre_tokenizer: { type: 'Metaspace', replacement: '▁', prepend_scheme: 'first', split: false },
-      post_processor: bosTemplate,
-      decoder: { type: 'Metaspace', replacement: '▁', prepend_scheme: 'first', split: false },
+      post_processor: bosTemplate, decoder: legacyDecoder,
     }),
   })
   // Metaspace that splits words, always prepends, and a ByteFallback-then-Metaspace decoder.
