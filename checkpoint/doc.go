@@ -46,6 +46,8 @@
 //	    model-rank00001.safetensors
 //	    optim-rank00000.safetensors.zst
 //	    optim-rank00001.safetensors.zst
+//	    tokenizer.json            the run's tokenizer, when it has one
+//	    tokenizer_config.json     (its special tokens, for Hugging Face)
 //	  .tmp-step_00000300-1f2e…/   a save in progress (or abandoned by a crash)
 //
 // Directory names are "step_" and the step zero-padded to 8 digits
@@ -77,7 +79,10 @@
 //
 // MANIFEST.json lists every file but itself, with the size and hash of the
 // bytes on disk (compressed ones for .zst); state.json holds the engine's
-// payload. Other *.json files may be added with Save.WriteJSON.
+// payload. Other *.json files may be added with Save.WriteJSON, and any
+// other file byte for byte with Save.WriteFile (Checkpoint.ReadFile reads
+// it): the engine stores the run's tokenizer.json and tokenizer_config.json
+// so, hashed in the manifest like the rest.
 //
 //	{"format": "mktrain-checkpoint", "format_version": 1, "step": 200,
 //	 "files": [{"name": "model-rank00000.safetensors", "size": 1234,

@@ -123,6 +123,28 @@ func (c *Checkpoint) ReadJSON(name string, v any) error {
 	return nil
 }
 
+// ReadFile returns the extra file name (written by Save.WriteFile), which
+// must be listed in the manifest; ok is false when the checkpoint has no
+// such file. It checks the size, not the checksum (see Verify).
+func (c *Checkpoint) ReadFile(name string) (data []byte, ok bool, err error) {
+	if err := checkPlainName(name); err != nil {
+		return nil, false, fmt.Errorf("checkpoint %s: ReadFile: %w", c.dir, err)
+	}
+	i := slices.IndexFunc(c.manifest.Files, func(e FileEntry) bool { return e.Name == name })
+	if i < 0 {
+		return nil, false, nil
+	}
+	path := filepath.Join(c.dir, name)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, false, fmt.Errorf("checkpoint %s: %w", path, err)
+	}
+	if int64(len(b)) != c.manifest.Files[i].Size {
+		return nil, false, fmt.Errorf("checkpoint %s: size mismatch (manifest %d bytes, file %d bytes)", path, c.manifest.Files[i].Size, len(b))
+	}
+	return b, true, nil
+}
+
 // Close releases open files and decompressed data. Reads fail afterwards.
 func (c *Checkpoint) Close() error {
 	var errs []error

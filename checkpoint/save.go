@@ -267,6 +267,19 @@ func (s *Save) WriteJSON(name string, v any) error {
 	return s.writeBytes(name, append(b, '\n'))
 }
 
+// WriteFile writes data as the extra file name, byte for byte (a
+// tokenizer.json, say), listed and hashed in the manifest like every other
+// file; Checkpoint.ReadFile reads it back. name must be a plain file name
+// that is not state.json, MANIFEST.json or a tensor file's.
+func (s *Save) WriteFile(name string, data []byte) error {
+	if err := checkPlainName(name); err != nil || name == stateName || name == manifestName ||
+		strings.HasPrefix(name, modelPrefix) || strings.HasPrefix(name, optimPrefix) || strings.HasPrefix(name, tmpPrefix) {
+		return fmt.Errorf("checkpoint: WriteFile: bad file name %q (not %s, %s, %s*, %s* or %s*)",
+			name, stateName, manifestName, modelPrefix, optimPrefix, tmpPrefix)
+	}
+	return s.writeBytes(name, data)
+}
+
 func (s *Save) writeBytes(name string, b []byte) error {
 	return s.writeFile(name, name, false, func(w io.Writer) error {
 		_, err := w.Write(b)
