@@ -95,7 +95,7 @@ func (f jsonFloat) MarshalJSON() ([]byte, error) {
 }
 
 func configFor(m Model, torchDType string) config {
-	return config{
+	c := config{
 		Architectures: []string{"MixtralForCausalLM"}, ModelType: "mixtral",
 		VocabSize: m.Vocab, HiddenSize: m.Dim, IntermediateSize: m.FFN, NumHiddenLayers: m.Layers,
 		NumAttentionHeads: m.Heads, NumKeyValueHeads: m.KVHeads, HeadDim: m.HeadDim,
@@ -104,6 +104,17 @@ func configFor(m Model, torchDType string) config {
 		HiddenAct: "silu", RouterAuxLossCoef: jsonFloat(m.AuxLossCoef), InitializerRange: jsonFloat(m.InitStd),
 		TorchDType: torchDType, UseCache: true,
 	}
+	// generate() stops at eos_token_id; without a tokenizer (byte-level)
+	// there is none.
+	if t := m.Tokenizer; t != nil {
+		if t.BOS != "" {
+			c.BOSTokenID = &t.BOSID
+		}
+		if t.EOS != "" {
+			c.EOSTokenID = &t.EOSID
+		}
+	}
+	return c
 }
 
 // checkConfig compares the config.json at path with want and names every

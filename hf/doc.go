@@ -21,9 +21,15 @@
 //
 // A written directory:
 //
-//	config.json         model_type mixtral, the shape, rope_theta, rms_norm_eps, torch_dtype
-//	model.safetensors   every tensor of Tensors(m) in F32 or BF16, metadata {"format": "pt"}
+//	config.json            model_type mixtral, the shape, rope_theta, rms_norm_eps, torch_dtype,
+//	                       bos_token_id and eos_token_id (null without a tokenizer)
+//	model.safetensors      every tensor of Tensors(m) in F32 or BF16, metadata {"format": "pt"}
+//	tokenizer.json         with Model.Tokenizer: the tokenizer, byte for byte
+//	tokenizer_config.json  with it: tokenizer_class PreTrainedTokenizerFast, bos, eos and
+//	                       unk tokens, model_max_length (TokenizerConfig)
 //
+// so that AutoTokenizer.from_pretrained loads the tokenizer beside the
+// model (TokenizerFor describes a package tokenizer Tokenizer for it).
 // A directory read may instead be sharded: model-0000i-of-0000n.safetensors
 // files listed by model.safetensors.index.json's weight_map; tensors may be
 // F32, BF16, F16 or F64, and a config with tie_word_embeddings may omit

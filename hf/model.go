@@ -38,6 +38,11 @@ type Model struct {
 	MaxPositions int     // max_position_embeddings: the training sequence length
 	AuxLossCoef  float64 // router_aux_loss_coef
 	InitStd      float64 // initializer_range
+
+	// Tokenizer, when not nil, is written beside the weights
+	// (tokenizer.json, tokenizer_config.json), and config.json records its
+	// bos_token_id and eos_token_id. Open ignores it.
+	Tokenizer *Tokenizer
 }
 
 // Tensor is one tensor of a model directory.

@@ -12,7 +12,9 @@ import (
 
 // Write writes a Mixtral directory at dir that transformers'
 // MixtralForCausalLM.from_pretrained loads: config.json describing m, and
-// model.safetensors holding every tensor of Tensors(m) in dtype. read
+// model.safetensors holding every tensor of Tensors(m) in dtype; with
+// m.Tokenizer, also tokenizer.json and tokenizer_config.json, which
+// AutoTokenizer.from_pretrained loads. read
 // fills each tensor's float32 values, in the order of Tensors(m); dst has
 // the tensor's element count and is reused between calls.
 //
@@ -35,12 +37,22 @@ func Write(dir string, m Model, dtype DType, read func(name string, dst []float3
 	if err != nil {
 		return err
 	}
+	files := map[string][]byte{ConfigFile: append(cfg, '\n')}
+	if m.Tokenizer != nil {
+		tc, err := TokenizerConfig(m.Tokenizer, m.MaxPositions)
+		if err != nil {
+			return fmt.Errorf("export: %w", err)
+		}
+		files[TokenizerFile], files[TokenizerConfigFile] = m.Tokenizer.JSON, tc
+	}
 	err = atomicfile.WriteDir(dir, func(tmp string) error {
-		if err := writeFile(filepath.Join(tmp, ConfigFile), func(w io.Writer) error {
-			_, err := w.Write(append(cfg, '\n'))
-			return err
-		}); err != nil {
-			return err
+		for name, b := range files {
+			if err := writeFile(filepath.Join(tmp, name), func(w io.Writer) error {
+				_, err := w.Write(b)
+				return err
+			}); err != nil {
+				return err
+			}
 		}
 		buf := make([]float32, largest)
 		return writeFile(filepath.Join(tmp, WeightsFile), func(w io.Writer) error {
