@@ -5,7 +5,7 @@
 //
 //	mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]
 //	            [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
-//	mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
+//	mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] [--tokenizer FILE [--text-key K] [--eos TOKEN] [--seed S]] FILE|GLOB...
 //	mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
 //	mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
 //	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
@@ -66,8 +66,8 @@ Usage:
   mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]
               [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
                          train from a recipe (a file, or a shipped name: tiny, moe-small)
-  mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] FILE|GLOB...
-                         turn text files into byte-level token shards
+  mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] [--tokenizer FILE [--text-key K] [--eos TOKEN] [--seed S]] FILE|GLOB...
+                         turn text, JSON Lines or Parquet into token shards (byte-level without --tokenizer)
   mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
                          check token shards' headers, sizes and ids (< N, or the recipe's model.vocab)
   mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
