@@ -18,7 +18,7 @@ type fixtureCase struct {
 	Decoded    string `json:"decoded"`
 }
 
-func readJSON(t *testing.T, path string, v any) {
+func readJSON(t testing.TB, path string, v any) {
 	t.Helper()
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -29,13 +29,13 @@ func readJSON(t *testing.T, path string, v any) {
 	}
 }
 
-func fixtureTexts(t *testing.T) []string {
+func fixtureTexts(t testing.TB) []string {
 	var texts []string
 	readJSON(t, filepath.Join("testdata", "texts.json"), &texts)
 	return texts
 }
 
-func loadFixture(t *testing.T, name string) (*Tokenizer, []fixtureCase) {
+func loadFixture(t testing.TB, name string) (*Tokenizer, []fixtureCase) {
 	t.Helper()
 	file := filepath.Join("testdata", name+".json")
 	if filepath.Ext(name) == ".tiktoken" {

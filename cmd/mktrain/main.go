@@ -9,6 +9,7 @@
 //	mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
 //	mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
 //	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
+//	mktrain tokenize --tokenizer FILE [--json] [--decode] [--special] [TEXT]
 //	mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
 //	mktrain ckpt verify DIR
 //	mktrain ckpt inspect DIR
@@ -28,7 +29,8 @@
 //
 // Each command is one file here, which parses its flags and calls the
 // packages that do the work: run.go (recipes, launch, engine), data.go
-// (data.Prepare, data.Verify), eval.go, sample.go and export.go (infer), ckpt.go
+// (data.Prepare, data.Verify), eval.go, sample.go and export.go (infer),
+// tokenize.go (tokenizer), ckpt.go
 // (checkpoint), bench.go (bench train, through engine and backend/profile),
 // bench_checkpoint.go, bench_moe.go, bench_kernels.go, and version.go. The
 // programs pick their backends from backend/all.
@@ -74,6 +76,8 @@ Usage:
                          a checkpoint's validation loss and perplexity
   mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
                          continue a text with a checkpoint's model (byte-level)
+  mktrain tokenize --tokenizer FILE [--json] [--decode] [--special] [TEXT]
+                         print the token ids of TEXT (or stdin); --decode: the text of ids
   mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
                          write a checkpoint as a Hugging Face Mixtral directory
   mktrain ckpt verify DIR
@@ -115,8 +119,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = cmdSample(ctx, args[1:], stdout, stderr)
 	case "export":
 		err = cmdExport(ctx, args[1:], stdout, stderr)
+	case "tokenize":
+		err = cmdTokenize(ctx, args[1:], os.Stdin, stdout, stderr)
 	case "ckpt":
 		err = cmdCkpt(ctx, args[1:], stdout, stderr)
+	case "report":
+		err = cmdReport(ctx, args[1:], stdout, stderr)
 	case "version", "--version":
 		fmt.Fprintln(stdout, versionString())
 		return exitOK
