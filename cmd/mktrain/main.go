@@ -123,8 +123,6 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = cmdTokenize(ctx, args[1:], os.Stdin, stdout, stderr)
 	case "ckpt":
 		err = cmdCkpt(ctx, args[1:], stdout, stderr)
-	case "report":
-		err = cmdReport(ctx, args[1:], stdout, stderr)
 	case "version", "--version":
 		fmt.Fprintln(stdout, versionString())
 		return exitOK
