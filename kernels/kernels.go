@@ -129,8 +129,9 @@ func Sources() []Source {
 			{Name: "gather_rows_f32_bf16", Block: 256, Grid: "N blocks"},
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
-			{Name: "stable_order_i32", Block: 256, Grid: "ceil(N/1024) blocks"},
-			{Name: "scatter_add_rows_ordered_f32", Block: 256, Grid: "(N, ceil(D/256)) blocks"},
+			{Name: "stable_rank_i32", Block: 256, Grid: "(ceil(N/1024), ceil(N/4096)) blocks"},
+			{Name: "stable_place_i32", Block: 256, Grid: gridStride},
+			{Name: "scatter_add_rows_ordered_f32", Block: 256, Grid: "N blocks"},
 		}},
 		{File: "peer_rows.cu", Kernels: []Kernel{
 			{Name: "gather_peer_rows_f32", Block: 256, Grid: peerGrid},

@@ -68,98 +68,123 @@ extern "C" __global__ void gather_rows_f32_bf16(mk_bf16* out, const float* in, c
 // scatter_add_rows_f32 and embedding_backward_f32: the same sums, each
 // output element added to by one thread in increasing i, so the result is
 // the same bits on every run (and the CPU backend's, which adds in that
-// order too). It takes two launches: stable_order_i32 sorts the row
-// indices, then scatter_add_rows_ordered_f32 adds each run of equal rows.
+// order too). Three launches: stable_rank_i32 and stable_place_i32 sort the
+// row indices stably, then scatter_add_rows_ordered_f32 adds each run of
+// equal rows.
 
-// stable_order_i32: order[rank(i)] = i, where rank(i) counts the j with
-// (keys[j], j) < (keys[i], i): a stable sort of the N keys by counting,
-// O(N^2) comparisons of 64-bit (key, index) pairs and no atomics. Each
-// thread ranks 4 items; the pairs pass through shared memory 1024 at a
-// time, every thread reading the same one at a time (a broadcast). Grid:
-// ceil(N/1024) blocks of 256.
-extern "C" __global__ void __launch_bounds__(256) stable_order_i32(int* order, const int* keys, int N) {
+// stable_rank_i32: rank[i] += the number of j in this block's key range
+// with (keys[j], j) < (keys[i], i), so that over the whole grid rank[i] is
+// i's place in a stable sort of the N keys (rank zeroed before). O(N^2)
+// comparisons of 64-bit (key, index) pairs: each thread ranks 4 items
+// against the 4096 keys of its block's range, which pass through shared
+// memory 1024 at a time, every thread reading the same one at a time (a
+// broadcast). The partial counts meet in integer atomics, whose sum does
+// not depend on their order. Grid: (ceil(N/1024), ceil(N/4096)) blocks of
+// 256.
+extern "C" __global__ void __launch_bounds__(256) stable_rank_i32(int* rank, const int* keys, int N) {
   __shared__ long long tile[1024];
   long long mine[4];
-  int rank[4];
+  int count[4];
 #pragma unroll
   for (int c = 0; c < 4; c++) {
     const int i = blockIdx.x * 1024 + c * 256 + threadIdx.x;
     mine[c] = i < N ? ((long long)keys[i] << 32) | (unsigned)i : 0;
-    rank[c] = 0;
+    count[c] = 0;
   }
-  for (int j0 = 0; j0 < N; j0 += 1024) {
+  const int jEnd = (blockIdx.y + 1) * 4096 < N ? (blockIdx.y + 1) * 4096 : N;
+  for (int j0 = blockIdx.y * 4096; j0 < jEnd; j0 += 1024) {
     __syncthreads();
     for (int j = threadIdx.x; j < 1024; j += 256)
-      tile[j] = j0 + j < N ? ((long long)keys[j0 + j] << 32) | (unsigned)(j0 + j) : 0x7fffffffffffffffLL;
+      tile[j] = j0 + j < jEnd ? ((long long)keys[j0 + j] << 32) | (unsigned)(j0 + j) : 0x7fffffffffffffffLL;
     __syncthreads();
 #pragma unroll 4
     for (int j = 0; j < 1024; j++) {
       const long long t = tile[j];
 #pragma unroll
-      for (int c = 0; c < 4; c++) rank[c] += t < mine[c];
+      for (int c = 0; c < 4; c++) count[c] += t < mine[c];
     }
   }
 #pragma unroll
   for (int c = 0; c < 4; c++) {
     const int i = blockIdx.x * 1024 + c * 256 + threadIdx.x;
-    if (i < N) order[rank[c]] = i;
+    if (i < N && count[c] != 0) asm volatile("red.global.add.s32 [%0], %1;" ::"l"(rank + i), "r"(count[c]) : "memory");
+  }
+}
+
+// stable_place_i32: order[rank[i]] = i and sorted[rank[i]] = keys[i].
+// Grid-stride over N.
+extern "C" __global__ void stable_place_i32(int* order, int* sorted, const int* rank, const int* keys, int N) {
+  for (long long i = mk_global_id(); i < N; i += mk_grid_stride()) {
+    order[rank[i]] = (int)i;
+    sorted[rank[i]] = keys[i];
   }
 }
 
 // scatter_add_rows_ordered_f32: out[rows[i], :] += scale[i] * in[i, :] for
 // every i, rows in [0, T) only (others are skipped, as the embedding's ids
-// outside the table). order is stable_order_i32 of rows. Block (p, y)
-// starts the run of equal rows at order[p] (other blocks return) and owns
-// columns [256y, 256y + 256), one a thread: it stages the run's indices
-// 256 at a time in shared memory and adds their rows in increasing i, with
-// products and sums rounded one at a time (mul.rn, add.rn: never fused),
-// eight rows' loads in flight. Grid: (N, ceil(D/256)) blocks of 256.
+// outside the table), given the stable sort of rows: order and sorted (the
+// rows in that order). Block p starts the run of equal rows at position p
+// (other blocks return at once): it stages the run's indices 256 at a time
+// in shared memory and adds their rows in increasing i, each thread owning
+// columns threadIdx.x + 256c, with products and sums rounded one at a time
+// (mul.rn, add.rn: never fused), eight rows' loads in flight. Columns go
+// 2048 at a time (eight accumulators a thread). Grid: N blocks of 256.
 extern "C" __global__ void __launch_bounds__(256) scatter_add_rows_ordered_f32(
-    float* out, const float* in, const int* rows, const float* scale, const int* order, int N, int D, int T) {
+    float* out, const float* in, const int* sorted, const float* scale, const int* order, int N, int D, int T) {
   __shared__ int sIdx[256];
   __shared__ float sScale[256];
   __shared__ int sWarpCount[8];
   const int p = blockIdx.x;
   if (p >= N) return;
-  const int row = rows[order[p]];
-  if ((p > 0 && rows[order[p - 1]] == row) || row < 0 || row >= T) return;
-  const int d = blockIdx.y * 256 + threadIdx.x;
-  float acc = d < D ? out[(long long)row * D + d] : 0.0f;
-  for (int q0 = p; q0 < N; q0 += 256) {
-    // Stage the next 256 positions; the run's are a prefix of them.
-    const int q = q0 + threadIdx.x;
-    int idx = -1;
-    if (q < N) {
-      const int i = order[q];
-      if (rows[i] == row) idx = i;
+  const int row = sorted[p];
+  if ((p > 0 && sorted[p - 1] == row) || row < 0 || row >= T) return;
+  float* dst = out + (long long)row * D;
+  for (int d0 = 0; d0 < D; d0 += 2048) {
+    float acc[8];
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+      const int d = d0 + c * 256 + threadIdx.x;
+      acc[c] = d < D ? dst[d] : 0.0f;
     }
-    __syncthreads();  // the previous chunk's reads are done
-    sIdx[threadIdx.x] = idx;
-    sScale[threadIdx.x] = idx >= 0 && scale != 0 ? scale[idx] : 1.0f;
-    unsigned ballot, count;
-    asm volatile("{ .reg .pred staged; setp.ge.s32 staged, %1, 0; vote.sync.ballot.b32 %0, staged, 0xffffffff; }"
-                 : "=r"(ballot) : "r"(idx));
-    asm("popc.b32 %0, %1;" : "=r"(count) : "r"(ballot));
-    if ((threadIdx.x & 31) == 0) sWarpCount[threadIdx.x >> 5] = (int)count;
-    __syncthreads();
-    int n = 0;
+    for (int q0 = p; q0 < N; q0 += 256) {
+      // Stage the next 256 positions; the run's are a prefix of them.
+      const int q = q0 + threadIdx.x;
+      const int idx = q < N && sorted[q] == row ? order[q] : -1;
+      __syncthreads();  // the previous chunk's reads are done
+      sIdx[threadIdx.x] = idx;
+      sScale[threadIdx.x] = idx >= 0 && scale != 0 ? scale[idx] : 1.0f;
+      unsigned ballot, count;
+      asm volatile("{ .reg .pred staged; setp.ge.s32 staged, %1, 0; vote.sync.ballot.b32 %0, staged, 0xffffffff; }"
+                   : "=r"(ballot) : "r"(idx));
+      asm("popc.b32 %0, %1;" : "=r"(count) : "r"(ballot));
+      if ((threadIdx.x & 31) == 0) sWarpCount[threadIdx.x >> 5] = (int)count;
+      __syncthreads();
+      int n = 0;
 #pragma unroll
-    for (int w = 0; w < 8; w++) n += sWarpCount[w];
-    if (d < D) {
-      // Eight rows' loads issued together, then added in order.
-      for (int j0 = 0; j0 < n; j0 += 8) {
-        float v[8];
+      for (int w = 0; w < 8; w++) n += sWarpCount[w];
 #pragma unroll
-        for (int u = 0; u < 8; u++) v[u] = j0 + u < n ? in[(long long)sIdx[j0 + u] * D + d] : 0.0f;
+      for (int c = 0; c < 8; c++) {
+        const int d = d0 + c * 256 + threadIdx.x;
+        if (d >= D) break;
+        // Eight rows' loads issued together, then added in order.
+        for (int j0 = 0; j0 < n; j0 += 8) {
+          float v[8];
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
-          if (j0 + u >= n) break;
-          if (scale != 0) asm("mul.rn.f32 %0, %0, %1;" : "+f"(v[u]) : "f"(sScale[j0 + u]));
-          asm("add.rn.f32 %0, %0, %1;" : "+f"(acc) : "f"(v[u]));
+          for (int u = 0; u < 8; u++) v[u] = j0 + u < n ? in[(long long)sIdx[j0 + u] * D + d] : 0.0f;
+#pragma unroll
+          for (int u = 0; u < 8; u++) {
+            if (j0 + u >= n) break;
+            if (scale != 0) asm("mul.rn.f32 %0, %0, %1;" : "+f"(v[u]) : "f"(sScale[j0 + u]));
+            asm("add.rn.f32 %0, %0, %1;" : "+f"(acc[c]) : "f"(v[u]));
+          }
         }
       }
+      if (n < 256) break;
     }
-    if (n < 256) break;
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+      const int d = d0 + c * 256 + threadIdx.x;
+      if (d < D) dst[d] = acc[c];
+    }
   }
-  if (d < D) out[(long long)row * D + d] = acc;
 }

@@ -31,7 +31,7 @@ type kernelSet struct {
 	gatherRows, scatterAddRows, rowDots *Kernel
 	// train.deterministic's scatter-add: a stable sort of the rows, then
 	// each run of equal rows added by one block (Backend.scatterOrdered).
-	stableOrder, scatterAddRowsOrdered *Kernel
+	stableRank, stablePlace, scatterAddRowsOrdered *Kernel
 	gatherRowsBF16                     *Kernel // into a bf16 out
 
 	routerFwd, routerBwd *Kernel
@@ -60,7 +60,8 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy, "cross_entropy_f32_reg": &ks.crossEntropyReg}},
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "gather_rows_f32_bf16": &ks.gatherRowsBF16,
 			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots,
-			"stable_order_i32": &ks.stableOrder, "scatter_add_rows_ordered_f32": &ks.scatterAddRowsOrdered}},
+			"stable_rank_i32": &ks.stableRank, "stable_place_i32": &ks.stablePlace,
+			"scatter_add_rows_ordered_f32": &ks.scatterAddRowsOrdered}},
 		{"route.cu", map[string]**Kernel{"route_by_expert": &ks.route}},
 		{"router.cu", map[string]**Kernel{"router_forward_f32": &ks.routerFwd, "router_backward_f32": &ks.routerBwd}},
 		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw, "adamw_f32_x4": &ks.adamwX4}},

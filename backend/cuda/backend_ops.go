@@ -373,20 +373,27 @@ func (b *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
 
 // scatterOrdered is ScatterAddRows (and EmbeddingBackward) under
 // SetDeterministic: out[rows[i]] += scale[i] * in[i] for rows[i] in
-// [0, t), each output row summed by one block in increasing i
-// (kernels/rows.cu). The sort costs O(n^2) comparisons: about 0.1 ms
-// for n = 32768 rows on an H200 (docs/performance.md has the cost on a
-// step). in and rows have n rows; scale may be nil.
+// [0, t), each output element summed by one thread in increasing i
+// (kernels/rows.cu). The stable sort of the rows costs O(n^2) comparisons,
+// spread over (n/1024) x (n/4096) blocks. in and rows have n rows; scale
+// may be nil. docs/performance.md has its cost.
 func (b *Backend) scatterOrdered(out, in, rows, scale *Tensor, n, d, t int) {
-	order, err := b.dev.Alloc(int64(4 * n))
+	// One scratch buffer: rank, then order, then the sorted rows.
+	scratch, err := b.dev.Alloc(int64(3 * 4 * n))
 	if err != nil {
 		b.fail(err)
 		return
 	}
-	defer func() { b.fail(b.dev.Free(order)) }() // stream-ordered: after the kernels below
-	b.launch(b.k.stableOrder, Grid1D((n+1023)/1024, 256), order, rows, int32(n))
-	g := Grid{Grid: driver.Dim3{X: n, Y: (d + 255) / 256, Z: 1}, Block: driver.Dim3{X: 256, Y: 1, Z: 1}}
-	b.launch(b.k.scatterAddRowsOrdered, g, out, in, rows, scale, order, int32(n), int32(d), int32(t))
+	defer func() { b.fail(b.dev.Free(scratch)) }() // stream-ordered: after the kernels below
+	if err := b.dev.Memset32(scratch, 0, int64(n), 0); err != nil {
+		b.fail(err)
+		return
+	}
+	rank, order, sorted := scratch.ptr, scratch.ptr+driver.DevicePtr(4*n), scratch.ptr+driver.DevicePtr(8*n)
+	rankGrid := Grid{Grid: driver.Dim3{X: (n + 1023) / 1024, Y: (n + 4095) / 4096, Z: 1}, Block: driver.Dim3{X: 256, Y: 1, Z: 1}}
+	b.launch(b.k.stableRank, rankGrid, rank, rows, int32(n))
+	b.launch(b.k.stablePlace, b.strideGrid(n), order, sorted, rank, rows, int32(n))
+	b.launch(b.k.scatterAddRowsOrdered, Grid1D(n, 256), out, in, sorted, scale, order, int32(n), int32(d), int32(t))
 }
 
 // RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]).
