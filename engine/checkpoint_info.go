@@ -79,7 +79,10 @@ type CheckpointInfo struct {
 	Config     Config  // the run's whole configuration
 	Recipe     string  // the recipe's YAML snapshot ("" when the run had none)
 	RecipeHash string
-	Mesh       comm.Mesh
+	// TokenizerSHA256 is the SHA-256 of the checkpoint's tokenizer.json;
+	// "" when the run was byte-level.
+	TokenizerSHA256 string
+	Mesh            comm.Mesh
 	Backend    string
 	Version    string // mktrain release that wrote it
 	SavedAt    time.Time
@@ -99,7 +102,7 @@ func ReadCheckpointInfo(dir string) (CheckpointInfo, error) {
 	}
 	return CheckpointInfo{
 		Dir: dir, Step: st.Step, Tokens: st.Tokens, LR: st.LR, Config: st.Config, Recipe: st.Recipe,
-		RecipeHash: st.RecipeHash, Mesh: st.Mesh, Backend: st.Backend, Version: st.Version, SavedAt: st.SavedAt,
+		RecipeHash: st.RecipeHash, TokenizerSHA256: st.Tokenizer, Mesh: st.Mesh, Backend: st.Backend, Version: st.Version, SavedAt: st.SavedAt,
 	}, nil
 }
 

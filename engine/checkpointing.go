@@ -42,6 +42,9 @@ type trainState struct {
 	Config      Config        `json:"config"`
 	Recipe      string        `json:"recipe,omitempty"` // the recipe's YAML snapshot
 	RecipeHash  string        `json:"recipe_hash,omitempty"`
+	// Tokenizer is the SHA-256 of the run's tokenizer.json, which the
+	// checkpoint holds; "" for byte-level (tokenizer.go).
+	Tokenizer string `json:"tokenizer_sha256,omitempty"`
 	Mesh        comm.Mesh     `json:"mesh"`
 	Backend     string        `json:"backend"`
 	Version     string        `json:"mktrain_version"`
@@ -234,6 +237,12 @@ func (s *saver) write(snaps []rankSnapshot, st trainState) error {
 			}
 		}
 	}
+	if tok := s.e.tokenizer; tok != nil {
+		if err := tok.writeCheckpoint(sv); err != nil {
+			return err
+		}
+	}
+	st.Tokenizer = s.e.tokenizer.hash()
 	st.SavedAt = time.Now().UTC()
 	if err := sv.WriteState(st); err != nil {
 		return err
@@ -319,6 +328,12 @@ func (e *Engine) resumePoint(root string) (string, *trainState, error) {
 	if len(refused) > 0 {
 		return "", nil, fmt.Errorf("cannot resume from %s: the model changed (%s); a checkpoint only resumes the model it was trained with; start a new --run-dir or set checkpoint.resume: never",
 			dir, strings.Join(refused, "; "))
+	}
+	// Token ids mean what the tokenizer says: another one would train the
+	// same embeddings on other meanings.
+	if now := e.tokenizer.hash(); st.Tokenizer != now {
+		return "", nil, fmt.Errorf("cannot resume from %s: it was trained with %s, and this run has %s; resume with the tokenizer it was trained with (its copy is in the checkpoint), or start a new --run-dir",
+			dir, describeTokenizer(st.Tokenizer), describeTokenizer(now))
 	}
 	return dir, &st, nil
 }

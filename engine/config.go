@@ -28,10 +28,14 @@ type ModelConfig struct {
 	MoE       moe.Config `yaml:"moe"`        // the sparse MoE block
 }
 
-// DataConfig names the token shards. Empty globs select the embedded corpus.
+// DataConfig names the token shards and their tokenizer. Empty globs
+// select the embedded corpus.
 type DataConfig struct {
-	Train string `yaml:"train"` // glob of llm.c .bin shards for training
+	Train string `yaml:"train"` // glob of llm.c .bin shards (or Megatron .bin/.idx datasets) for training
 	Val   string `yaml:"val"`   // glob of shards for validation
+	// Tokenizer is the tokenizer the shards were made with (a Hugging Face
+	// tokenizer.json or a tiktoken file); "" for byte-level (tokenizer.go).
+	Tokenizer string `yaml:"tokenizer"`
 }
 
 // TrainConfig is the optimisation.

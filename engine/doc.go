@@ -63,6 +63,10 @@
 //   - init_from.go: checkpoint.init_from, a fresh run starting from a
 //     Hugging Face Mixtral directory (read by package hf); HFModel, the
 //     recipe's model as Mixtral's config.json describes it.
+//   - tokenizer.go: the run's tokenizer (data.tokenizer, or
+//     checkpoint.init_from's tokenizer.json): checked against model.vocab,
+//     copied into the run directory and every checkpoint, its SHA-256 in
+//     state.json and checked on resume.
 //   - checkpoint_info.go: finding a run's newest verified checkpoint
 //     (ResolveCheckpoint) and reading what one records (ReadCheckpointInfo).
 //   - replica.go: a trained checkpoint's model on one rank (LoadReplica)

@@ -41,6 +41,8 @@ type Engine struct {
 	// The recipe as the user wrote it, kept in checkpoints.
 	recipe     []byte
 	recipeHash string
+	// tokenizer is the run's tokenizer (tokenizer.go); nil: byte-level.
+	tokenizer *runTokenizer
 	// startHooks and saveHooks take the run's other events (observers.go).
 	startHooks []func(StartEvent)
 	saveHooks  []func(SaveEvent)
@@ -128,7 +130,11 @@ func New(cfg Config, opts ...Option) (*Engine, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	e := &Engine{cfg: cfg, log: zerolog.Nop()}
+	tok, err := loadTokenizer(cfg)
+	if err != nil {
+		return nil, err
+	}
+	e := &Engine{cfg: cfg, log: zerolog.Nop(), tokenizer: tok}
 	for _, o := range opts {
 		o(e)
 	}

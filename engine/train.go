@@ -53,6 +53,9 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	if err := e.verifyData(ctx); err != nil {
 		return Result{}, err
 	}
+	if err := e.copyTokenizer(world); err != nil {
+		return Result{}, err
+	}
 	// Every rank builds its layers with the one dispatcher settled here
 	// (e.cfg, which checkpoints keep, stays as the recipe says).
 	cfg, err := e.resolveDispatcher(e.cfg, world)

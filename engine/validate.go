@@ -195,6 +195,10 @@ func (v *validator) data(d DataConfig) {
 	// Shards are for both or neither: the embedded corpus has its own
 	// held-out part, and shards from elsewhere would not be held out from it.
 	switch {
+	case d.Tokenizer != "" && d.Train == "":
+		v.fail("data.tokenizer", "data.tokenizer is set but data.train is empty: the embedded corpus is byte-level; name the shards made with the tokenizer (data.train, data.val), or leave data.tokenizer empty")
+	}
+	switch {
 	case d.Train == "" && d.Val != "":
 		v.fail("data.val", "data.val is set but data.train is empty; set both (shards) or neither (the embedded corpus)")
 	case d.Train != "" && d.Val == "":
