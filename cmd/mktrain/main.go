@@ -13,6 +13,7 @@
 //	mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
 //	mktrain ckpt verify DIR
 //	mktrain ckpt inspect DIR
+//	mktrain report RUN_DIR [--out FILE.html] [--bench FILE]
 //	mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--set k=v]... [--out DIR]
 //	mktrain bench checkpoint [RECIPE] [--set k=v]... [--dir DIR] [--out DIR]
 //	mktrain bench moe [--shape moe-small,fine] [--world 1,2,4,8] [--steps N] [--warmup N] [--backend B] [--out DIR]
@@ -31,7 +32,7 @@
 // packages that do the work: run.go (recipes, launch, engine), data.go
 // (data.Prepare, data.Verify), eval.go, sample.go and export.go (infer),
 // tokenize.go (tokenizer), ckpt.go
-// (checkpoint), bench.go (bench train, through engine and backend/profile),
+// (checkpoint), report.go (observe/report), bench.go (bench train, through engine and backend/profile),
 // bench_checkpoint.go, bench_moe.go, bench_kernels.go, and version.go. The
 // programs pick their backends from backend/all.
 package main
@@ -84,6 +85,8 @@ Usage:
                          check the checksums of a checkpoint, or of all under a run
   mktrain ckpt inspect DIR
                          show a checkpoint's state, tensors and recipe
+  mktrain report RUN_DIR [--out FILE.html] [--bench FILE]
+                         one HTML file of a run's curves and expert-load heat maps
   mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--set k=v]... [--out DIR]
                          measure training tokens/s and where a step's time goes
   mktrain bench checkpoint [RECIPE] [--set k=v]... [--dir DIR] [--out DIR]
@@ -123,6 +126,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = cmdTokenize(ctx, args[1:], os.Stdin, stdout, stderr)
 	case "ckpt":
 		err = cmdCkpt(ctx, args[1:], stdout, stderr)
+	case "report":
+		err = cmdReport(ctx, args[1:], stdout, stderr)
 	case "version", "--version":
 		fmt.Fprintln(stdout, versionString())
 		return exitOK
