@@ -100,8 +100,10 @@ const texts = [
 for (const line of prose.concat(code)) texts.push(line)
 // Random strings over an alphabet of the characters that matter to the split rules.
 const alphabet = ["a", "b", "Z", "é", "ß", "Ǆ", "ǅ", "я", "中", "ー", "ｱ", "0", "7", "٣", "½", " ", " ", "  ", "\t", "\n", "\r",
-  "\u00a0", "\u3000", "'", "'s", "'T", "'re", ".", ",", "!", "/", "-", "_", "😀", "\u0301", "\u200d", "<", ">", "|", "\\", "\"", "<|endoftext|>", "<s>"]
-for (let i = 0; i < 120; i++) {
+  "\u00a0", "\u3000", "'", "'s", "'T", "'re", ".", ",", "!", "/", "-", "_", "😀", "\u0301", "\u200d", "<", ">", "|", "\\", "\"", "<|endoftext|>", "<s>",
+  "\v", "\f", "\u0085", "\u2003", "\u2028", "'S", "'ſ", "'VE", "'ll", "ʰ", "Ж", "\u0308", "</s>", "[INST]", "[/INST]", "<|sep|>", "<tool>",
+  "<|eot_id|>", "▁", "<0x41>", "ꙮ", "𝔘", "the", "ing", " the"]
+for (let i = 0; i < 400; i++) {
   const n = 1 + Math.floor(rand() * 14)
   let s = ''
   for (let k = 0; k < n; k++) s += pick(alphabet)
@@ -312,6 +314,15 @@ function unicodeOf(s) { // byte-alphabet token -> raw bytes
 async function main() {
   fs.mkdirSync(outDir, { recursive: true })
   fs.writeFileSync(path.join(outDir, 'texts.json'), JSON.stringify(texts, null, 1) + '\n')
+  // The pre-tokenizers' own cuts (Oniguruma's regex matches for the
+  // byte-level ones), which the ids alone can hide when no merge crosses a cut.
+  const pretokenized = {}
+  for (const f of fixtures) {
+    if (!['gpt2', 'llama3', 'metaspace-split', 'mistral'].includes(f.name)) continue
+    const pt = Tokenizer.fromString(JSON.stringify(f.json)).getPreTokenizer()
+    pretokenized[f.name] = texts.map((t) => (t === '' ? [] : pt.preTokenizeString(t).map(([w]) => w)))
+  }
+  fs.writeFileSync(path.join(outDir, 'pretokenized.json'), JSON.stringify(pretokenized) + '\n')
   for (const f of fixtures) {
     const file = path.join(outDir, f.name + '.json')
     Tokenizer.fromString(JSON.stringify(f.json)).save(file, true) // the library's own serialization

@@ -110,3 +110,29 @@ func TestTiktokenFixture(t *testing.T) {
 		t.Errorf("EOS() = %d, %v; want <|endoftext|> after the last rank, %d", id, ok, tok.VocabSize()-1)
 	}
 }
+
+// TestPreTokenizersMatchHF: the pre-tokenizers cut each text where the
+// library's do (Oniguruma's matches for the regexes).
+func TestPreTokenizersMatchHF(t *testing.T) {
+	texts := fixtureTexts(t)
+	var want map[string][][]string
+	readJSON(t, filepath.Join("testdata", "pretokenized.json"), &want)
+	for name, cuts := range want {
+		tok, _ := loadFixture(t, name)
+		for i, text := range texts {
+			var got []string
+			if text != "" {
+				for _, p := range tok.preTokenizer.split(&encodeState{}, nil, piece{text, true}) {
+					s := p.s
+					if tok.model.byteLevel {
+						s = toByteAlphabet(s)
+					}
+					got = append(got, s)
+				}
+			}
+			if !slices.Equal(got, cuts[i]) && !(len(got) == 0 && len(cuts[i]) == 0) {
+				t.Errorf("%s: %q cut as %q, want %q", name, text, got, cuts[i])
+			}
+		}
+	}
+}

@@ -234,8 +234,12 @@ func (gpt2Pattern) next(s string, i int) int {
 }
 
 // contraction matches s|t|re|ve|m|ll|d at i (after an apostrophe), case
-// folded when fold; it returns the length matched or 0.
+// folded when fold (as Oniguruma's (?i), where ſ, U+017F, is an s); it
+// returns the length matched or 0.
 func contraction(s string, i int, fold bool) int {
+	if fold && strings.HasPrefix(s[i:], "ſ") {
+		return len("ſ")
+	}
 	at := func(k int) byte {
 		if i+k >= len(s) {
 			return 0
