@@ -222,6 +222,35 @@ const fixtures = []
   }
   fixtures.push({ name: 'gpt2', json: tokenizerJSON(m, base), model: m })
   fixtures.push({ name: 'gpt2-prefix-space', json: tokenizerJSON(m, Object.assign({}, base, { pre_tokenizer: Object.assign({}, gpt2PreTokenizer, { add_prefix_space: true }) })) })
+  // The same model behind the other normalizers and Split behaviours, with
+  // regexes that no hand-written matcher knows.
+  const noRegexByteLevel = { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: false }
+  fixtures.push({
+    name: 'custom-a', json: tokenizerJSON(m, Object.assign({}, base, {
+      normalizer: { type: 'Sequence', normalizers: [{ type: 'NFKC' }, { type: 'Replace', pattern: { Regex: '\\s{3,}' }, content: '  ' }] },
+      pre_tokenizer: {
+        type: 'Sequence', pretokenizers: [
+          { type: 'Split', pattern: { Regex: '\\p{P}+' }, behavior: 'MergedWithPrevious', invert: false },
+          { type: 'Digits', individual_digits: true },
+          { type: 'Split', pattern: { String: ' ' }, behavior: 'MergedWithNext', invert: false },
+          noRegexByteLevel,
+        ],
+      },
+    })),
+  })
+  fixtures.push({
+    name: 'custom-b', json: tokenizerJSON(m, Object.assign({}, base, {
+      normalizer: { type: 'Sequence', normalizers: [{ type: 'NFD' }, { type: 'Lowercase' }, { type: 'Strip', strip_left: true, strip_right: false }] },
+      pre_tokenizer: {
+        type: 'Sequence', pretokenizers: [
+          { type: 'Split', pattern: { Regex: '[a-z]+(?=[0-9])|\\s+' }, behavior: 'Removed', invert: false },
+          { type: 'Digits', individual_digits: false },
+          { type: 'Split', pattern: { Regex: '[^\\p{L}]' }, behavior: 'Contiguous', invert: true },
+          { type: 'ByteLevel', add_prefix_space: true, trim_offsets: true, use_regex: true },
+        ],
+      },
+    })),
+  })
 }
 
 let llama3Model

@@ -55,7 +55,7 @@ func loadFixture(t testing.TB, name string) (*Tokenizer, []fixtureCase) {
 // the Hugging Face library's for every text and every tokenizer.
 func TestFixturesMatchHF(t *testing.T) {
 	texts := fixtureTexts(t)
-	for _, name := range []string{"gpt2", "gpt2-prefix-space", "llama3", "llama2", "mistral", "metaspace-split"} {
+	for _, name := range []string{"gpt2", "gpt2-prefix-space", "custom-a", "custom-b", "llama3", "llama2", "mistral", "metaspace-split"} {
 		t.Run(name, func(t *testing.T) {
 			tok, cases := loadFixture(t, name)
 			if len(cases) != len(texts) {
