@@ -170,6 +170,7 @@ const byteLevelAlphabet = (() => {
 
 const gpt2PreTokenizer = { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: true }
 const llama3Regex = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+const o200kRegex = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 const llama3PreTokenizer = {
   type: 'Sequence', pretokenizers: [
     { type: 'Split', pattern: { Regex: llama3Regex }, behavior: 'Isolated', invert: false },
@@ -351,6 +352,10 @@ async function main() {
     const pt = Tokenizer.fromString(JSON.stringify(f.json)).getPreTokenizer()
     pretokenized[f.name] = texts.map((t) => (t === '' ? [] : pt.preTokenizeString(t).map(([w]) => w)))
   }
+  { // o200k's regex, which no fixture tokenizer.json carries: through a skeleton one.
+    const pt = preTokenizerOf({ type: 'Sequence', pretokenizers: [{ type: 'Split', pattern: { Regex: o200kRegex }, behavior: 'Isolated', invert: false }, { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: false }] })
+    pretokenized.o200k = texts.map((t) => (t === '' ? [] : pt(t).map((w) => w.join(''))))
+  }
   fs.writeFileSync(path.join(outDir, 'pretokenized.json'), JSON.stringify(pretokenized) + '\n')
   for (const f of fixtures) {
     const file = path.join(outDir, f.name + '.json')
@@ -380,6 +385,11 @@ async function main() {
   }
   enc.free()
   fs.writeFileSync(path.join(outDir, 'tiny_cl100k.expected.json'), JSON.stringify(cases) + '\n')
+  // The same ranks with o200k's pattern.
+  const enc2 = new Tiktoken(rankFile, { '<|endoftext|>': eot }, o200kRegex)
+  const cases2 = texts.map((text) => ({ ids: Array.from(enc2.encode(text, 'all')) }))
+  enc2.free()
+  fs.writeFileSync(path.join(outDir, 'tiny_o200k.expected.json'), JSON.stringify(cases2) + '\n')
   console.log(`tiny_cl100k.tiktoken: ${lines.length} ranks, <|endoftext|> = ${eot}`)
 }
 

@@ -118,7 +118,12 @@ func TestPreTokenizersMatchHF(t *testing.T) {
 	var want map[string][][]string
 	readJSON(t, filepath.Join("testdata", "pretokenized.json"), &want)
 	for name, cuts := range want {
-		tok, _ := loadFixture(t, name)
+		var tok *Tokenizer
+		if name == "o200k" {
+			tok = loadO200k(t)
+		} else {
+			tok, _ = loadFixture(t, name)
+		}
 		for i, text := range texts {
 			var got []string
 			if text != "" {
@@ -133,6 +138,32 @@ func TestPreTokenizersMatchHF(t *testing.T) {
 			if !slices.Equal(got, cuts[i]) && !(len(got) == 0 && len(cuts[i]) == 0) {
 				t.Errorf("%s: %q cut as %q, want %q", name, text, got, cuts[i])
 			}
+		}
+	}
+}
+
+// loadO200k is the fixture rank file read with o200k's pattern.
+func loadO200k(t testing.TB) *Tokenizer {
+	data, err := os.ReadFile(filepath.Join("testdata", "tiny_cl100k.tiktoken"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, err := ParseTiktoken(data, "tiny.tiktoken", TiktokenOptions{Pattern: "o200k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
+// TestTiktokenO200kFixture: with o200k's pattern, tiktoken's ids.
+func TestTiktokenO200kFixture(t *testing.T) {
+	texts := fixtureTexts(t)
+	tok := loadO200k(t)
+	var cases []fixtureCase
+	readJSON(t, filepath.Join("testdata", "tiny_o200k.expected.json"), &cases)
+	for i, text := range texts {
+		if got := tok.Encode(text); !slices.Equal(got, cases[i].IDs) {
+			t.Errorf("Encode(%q)\n got %v\nwant %v", text, got, cases[i].IDs)
 		}
 	}
 }
