@@ -86,4 +86,10 @@
 // through the rendezvous (launch.Rendezvous), its groups cut with
 // ncclCommSplit. Layouts with more ranks than GPUs run as
 // virtual ranks on one GPU (comm.NewLocal).
+//
+// Profiling. ProfileClock times ops with CUDA events for package
+// backend/profile (profile_clock.go); StartProfiler and StopProfiler call
+// the CUDA profiler API (profiler_api.go), so that an attached
+// `nsys profile --capture-range=cudaProfilerApi` records only the stretch
+// between them.
 package cuda

@@ -14,6 +14,7 @@
 //	p.SetEnabled(false)
 //	rep, err := p.Report()       // per kind (Kinds) and per op (Ops), longest first
 //	rep = rep.WithWall(stepWall) // adds "host gaps": wall time no op covers
+//	err = profile.WriteTrace(f, rep, profile.TraceInfo{...}) // rep.Spans as a Chrome/Perfetto trace
 //
 // The model code names what it is doing with Scope(b, ScopeAttention),
 // ScopeMoE, ScopeHead, ScopeOptimizer or "" (anything else); Scope does
@@ -27,7 +28,9 @@
 //
 // A *Backend forwards every op of backend.Backend to the backend it wraps.
 // While enabled it brackets each op with two marks of its Clock and records
-// (scope, op, start mark, end mark); Report turns the marks into durations.
+// (scope, op, start mark, end mark); Report turns the marks into durations,
+// and into a timeline (Report.Spans: each op's start from the first op's
+// start) that WriteTrace writes in the trace event format (trace.go).
 // On the CPU ops run synchronously and WallClock's marks are the time of
 // day. On the GPU ops only queue work, so the CUDA backend is a ClockSource
 // whose clock records events on the stream: a mark is when the GPU reaches

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -159,7 +160,8 @@ func (p *Backend) fail(err error) {
 
 // Report waits for the wrapped backend's queued work (Sync), reads the
 // durations of the ops recorded since the last Report, sums them by
-// (scope, op) and by kind, and forgets them. Call it when no op is in
+// (scope, op) and by kind, lists them in order on a timeline (Spans), and
+// forgets them. Call it when no op is in
 // flight, for example between two steps. It returns the Sync's error, or
 // the first Clock error, with what could be read.
 func (p *Backend) Report() (Report, error) {
@@ -173,14 +175,24 @@ func (p *Backend) Report() (Report, error) {
 	byOp := map[key]*OpTime{}
 	var order []key
 	var errs []error
-	for _, r := range recs {
+	spans := make([]Span, 0, len(recs))
+	// Each op's start is read against the first op's start, the origin
+	// of the timeline, which is released last.
+	for i, r := range recs {
 		d, err := p.clock.Elapsed(r.start, r.end)
-		p.clock.Release(r.start)
+		var at time.Duration
+		if err == nil && i > 0 {
+			at, err = p.clock.Elapsed(recs[0].start, r.start)
+		}
+		if i > 0 {
+			p.clock.Release(r.start)
+		}
 		p.clock.Release(r.end)
 		if err != nil {
 			errs = append(errs, err)
 			continue
 		}
+		spans = append(spans, Span{Scope: r.scope, Op: r.op, Kind: KindOf(r.scope, r.op), Start: at, Time: d})
 		k := key{r.scope, r.op}
 		o := byOp[k]
 		if o == nil {
@@ -191,11 +203,15 @@ func (p *Backend) Report() (Report, error) {
 		o.Time += d
 		o.Calls++
 	}
+	if len(recs) > 0 {
+		p.clock.Release(recs[0].start)
+	}
 	ops := make([]OpTime, 0, len(order))
 	for _, k := range order {
 		ops = append(ops, *byOp[k])
 	}
 	rep := newReport(ops)
+	rep.Spans = spans
 	if len(errs) > 0 {
 		// Errors of one cause repeat for every record: keep the first.
 		clockErr = errors.Join(clockErr, fmt.Errorf("profile: reading %d of %d op times: %w", len(errs), len(recs), errs[0]))

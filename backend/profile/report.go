@@ -12,6 +12,16 @@ type Report struct {
 	Kinds []KindTime
 	// Ops holds one entry per (scope, op), longest first, for a closer look.
 	Ops []OpTime
+	// Spans holds every op in the order it ran, each with its start from
+	// the first op's start: the window's timeline (WriteTrace).
+	Spans []Span
+}
+
+// Span is one op on the profiled window's timeline.
+type Span struct {
+	Scope, Op, Kind string
+	Start           time.Duration // from the start of the window's first op
+	Time            time.Duration
 }
 
 // KindTime is the summed time of one kind of work.
@@ -67,7 +77,7 @@ func (r Report) OpTime() time.Duration {
 // and with shares of max(wall, op time), so that they add up to 1.
 func (r Report) WithWall(wall time.Duration) Report {
 	ops := r.OpTime()
-	out := Report{Ops: r.Ops}
+	out := Report{Ops: r.Ops, Spans: r.Spans}
 	for _, k := range r.Kinds {
 		if k.Kind != KindHostGaps {
 			out.Kinds = append(out.Kinds, k)

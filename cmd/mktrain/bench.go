@@ -20,13 +20,15 @@ import (
 	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/internal/atomicfile"
 	"github.com/mktrain/mktrain/recipes"
 )
 
-const benchUsage = `Usage: mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--set k=v]... [--out DIR]
+const benchUsage = `Usage: mktrain bench train [RECIPE] [--steps N] [--warmup N] [--profile=false] [--trace FILE.json] [--set k=v]... [--out DIR]
        mktrain bench checkpoint [RECIPE] [--set k=v]... (see mktrain bench checkpoint --help)
        mktrain bench moe [--shape S,...] [--world W,...] (see mktrain bench moe --help)
        mktrain bench kernels [--shape S,...] [--world W,...] (see mktrain bench kernels --help)
+       mktrain bench prepare --tokenizer FILE FILE... (see mktrain bench prepare --help)
 
 Measures training throughput: runs RECIPE (default tiny) for warmup+steps
 optimizer steps, ignores the warmup steps, and prints the median tokens/s and
@@ -35,7 +37,12 @@ With --profile (the default) one more step runs with every backend op timed,
 and a table shows where that step's time goes: attention, expert GEMMs,
 other GEMMs, dispatch, router, norms and elementwise, loss, optimizer, host
 transfers, communication (the NCCL collectives, with one rank per GPU) and
-host gaps (time no op covers); with several GPUs it is rank 0's step. A
+host gaps (time no op covers); with several GPUs it is rank 0's step.
+--trace FILE.json writes that step as a Chrome trace (open it in
+ui.perfetto.dev or chrome://tracing): its ops in order on the profiler's
+clock (the GPU's on CUDA), their scopes, the step. On CUDA the measured steps
+are bracketed by cuProfilerStart/cuProfilerStop, so that
+nsys profile --capture-range=cudaProfilerApi records only them. A
 last, untimed step follows (it runs the final evaluation). Writes
 train-<recipe>.json, with the commit, the machine, the command and the
 figures, into bench/results/<machine>/ (cpu, h200, ...: the latest result
@@ -77,9 +84,12 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if len(args) > 0 && args[0] == "kernels" {
 		return cmdBenchKernels(ctx, args[1:], stdout, stderr)
 	}
+	if len(args) > 0 && args[0] == "prepare" {
+		return cmdBenchPrepare(ctx, args[1:], stdout, stderr)
+	}
 	if len(args) == 0 || args[0] != "train" {
 		fmt.Fprint(stderr, benchUsage)
-		return usageError{"bench takes the subcommand train, checkpoint, moe or kernels"}
+		return usageError{"bench takes the subcommand train, checkpoint, moe, kernels or prepare"}
 	}
 	fs := newFlagSet("bench train", benchUsage, stderr)
 	var sets setFlags
@@ -87,6 +97,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	steps := fs.Int("steps", 20, "measured steps")
 	warmup := fs.Int("warmup", 3, "steps run before measuring")
 	doProfile := fs.Bool("profile", true, "time one extra step op by op and print where its time goes")
+	tracePath := fs.String("trace", "", "write the profiled step as a Chrome/Perfetto trace (JSON) to this file")
 	out := fs.String("out", "", "directory for the JSON result (default bench/results/<machine>)")
 	pos, err := parseInterspersed(fs, args[1:])
 	if err != nil {
@@ -100,6 +111,9 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if *steps < 1 || *warmup < 0 {
 		return usageError{"--steps must be positive and --warmup not negative"}
+	}
+	if *tracePath != "" && !*doProfile {
+		return usageError{"--trace needs the profiled step: drop --profile=false"}
 	}
 	measuredEnd := *warmup + *steps
 	total := measuredEnd
@@ -116,6 +130,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	tokens := float64(cfg.Train.GlobalBatch * cfg.Train.Seq)
 	var (
 		inner       backend.Backend // the engine's backend, under the profiler
+		devices     []backend.Backend
 		prof        *profile.Backend
 		stepSeconds []float64
 		profWall    time.Duration
@@ -127,6 +142,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	// collectives too, as kind communication) and whose memory is
 	// reported.
 	wrap := func(b backend.Backend) backend.Backend {
+		devices = append(devices, b)
 		if inner != nil {
 			return b
 		}
@@ -142,6 +158,12 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	hook := func(ev engine.StepEvent) {
 		if ev.Step > *warmup && ev.Step <= measuredEnd {
 			stepSeconds = append(stepSeconds, tokens/ev.TokensPerSec)
+		}
+		switch ev.Step {
+		case *warmup:
+			profilerRange(devices, true, stderr)
+		case measuredEnd:
+			profilerRange(devices, false, stderr)
 		}
 		if prof == nil {
 			return
@@ -161,6 +183,9 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	defer eng.Close()
 	fmt.Fprintf(stderr, "bench: %s on %s, %d warmup + %d measured steps\n", recipe, eng.BackendName(), *warmup, *steps)
+	if *warmup == 0 {
+		profilerRange(devices, true, stderr)
+	}
 	run, err := eng.Run(ctx)
 	if err != nil {
 		return err
@@ -174,7 +199,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	slices.Sort(stepSeconds)
 	median := stepSeconds[len(stepSeconds)/2]
-	flopsPerToken := modelFLOPsPerToken(cfg.Model, cfg.Train.Seq)
+	flopsPerToken := engine.ModelFLOPsPerToken(cfg.Model, cfg.Train.Seq)
 	figures := map[string]any{
 		"tokens_per_step": tokens,
 		"step_ms_median":  median * 1e3,
@@ -192,9 +217,9 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	mem := peakMemory(inner)
 	figures["peak_memory_bytes"], figures["peak_memory_source"] = mem.bytes, mem.source
 	mfu := math.NaN()
-	if inner.Name() == "cuda" {
-		mfu = flopsPerToken * tokens / median / gpuPeakFLOPs
-		figures["mfu"], figures["mfu_peak_flops"] = mfu, gpuPeakFLOPs
+	if peak := engine.PeakFLOPs(deviceName(inner)); peak > 0 {
+		mfu = flopsPerToken * tokens / median / peak
+		figures["mfu"], figures["mfu_peak_flops"] = mfu, peak
 	}
 	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s %8s %12s  %s\n", "benchmark", "recipe", "tokens/s", "step ms", "MFU", "peak memory", "MoE dispatcher")
 	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f %8s %12s  %s\n", "train", recipe, tokens/median, median*1e3, formatMFU(mfu), formatBytes(mem.bytes), run.Dispatcher)
@@ -204,6 +229,15 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		figures["breakdown"] = breakdownRows(rep)
 		figures["breakdown_ops"] = opRows(rep)
 		printBreakdown(stdout, rep, profWall, median)
+		if *tracePath != "" {
+			info := profile.TraceInfo{Process: fmt.Sprintf("mktrain bench train %s (%s)", recipeName(recipe), machineKind(inner)),
+				Window: fmt.Sprintf("step %d", measuredEnd+1), Wall: profWall}
+			err := atomicfile.WriteFile(*tracePath, func(w io.Writer) error { return profile.WriteTrace(w, rep, info) })
+			if err != nil {
+				return fmt.Errorf("bench: --trace: %w", err)
+			}
+			fmt.Fprintf(stdout, "wrote %s (%d ops; open it in ui.perfetto.dev)\n", *tracePath, len(rep.Spans))
+		}
 	}
 	res := benchResult{
 		Benchmark: "train",
@@ -218,21 +252,27 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return writeResult(stdout, *out, "train-"+recipeName(recipe), inner, res)
 }
 
-// gpuPeakFLOPs is the dense bf16 peak of an H100 or H200 (SXM), the
-// denominator of MFU on the CUDA backend, as in the PyTorch peer benchmark.
-const gpuPeakFLOPs = 989e12
-
-// modelFLOPsPerToken counts a training step's FLOPs per token as the
-// PyTorch peer benchmark does (scripts/peer/torch_moe_train.py): 6 per active
-// parameter (forward and backward of every matrix multiply) plus 6*L*D*S
-// for causal attention (half of 12*L*D*S). Active parameters are all
-// parameters less the experts a token does not visit (E-K of each layer's
-// E) and less the embedding table, which is a lookup, not a matmul.
-func modelFLOPsPerToken(m engine.ModelConfig, seq int) float64 {
-	L, D, V := float64(m.Layers), float64(m.Dim), float64(m.Vocab)
-	E, K, F := float64(m.MoE.Experts), float64(m.MoE.TopK), float64(m.MoE.FFN)
-	active := float64(engine.ParamCount(m)) - L*E*3*D*F + L*K*3*D*F - V*D
-	return 6*active + 6*L*D*float64(seq)
+// profilerRange starts (or stops) the CUDA profiler API's capture range
+// on every device the ranks train on that has one (cuProfilerStart/Stop);
+// a failure is a warning: the benchmark stands without it.
+func profilerRange(devices []backend.Backend, start bool, stderr io.Writer) {
+	type profilerAPI interface {
+		StartProfiler() error
+		StopProfiler() error
+	}
+	for _, b := range devices {
+		p, ok := b.(profilerAPI)
+		if !ok {
+			continue
+		}
+		call, name := p.StopProfiler, "cuProfilerStop"
+		if start {
+			call, name = p.StartProfiler, "cuProfilerStart"
+		}
+		if err := call(); err != nil {
+			fmt.Fprintf(stderr, "bench: warning: %s: %v\n", name, err)
+		}
+	}
 }
 
 // memoryFigure is the peak memory and what it measures.

@@ -11,6 +11,7 @@ import (
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/backend/profile"
+	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/recipes"
 )
 
@@ -124,6 +125,55 @@ func TestBenchTrainWithoutProfile(t *testing.T) {
 	}
 }
 
+// TestBenchTrainTrace: --trace writes the profiled step as a Chrome trace
+// whose op events are the step's ops, in order and not overlapping; and
+// --trace without the profiled step is refused.
+func TestBenchTrainTrace(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "step.json")
+	stdout, _ := readBench(t, "--trace", path)
+	if !strings.Contains(stdout, "wrote "+path) {
+		t.Errorf("stdout does not name the trace:\n%s", stdout)
+	}
+	buf, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var trace struct {
+		TraceEvents []struct {
+			Name, Cat, Ph string
+			Ts, Dur       float64
+			Tid           int
+		}
+	}
+	if err := json.Unmarshal(buf, &trace); err != nil {
+		t.Fatal(err)
+	}
+	ops, end, seen := 0, 0.0, map[string]bool{}
+	for _, e := range trace.TraceEvents {
+		if e.Ph != "X" || e.Tid != 3 { // the ops track
+			continue
+		}
+		if e.Ts < end-1e-3 || e.Dur < 0 {
+			t.Fatalf("op %s at %.3f us (%.3f us) overlaps the one before, ending at %.3f", e.Name, e.Ts, e.Dur, end)
+		}
+		end = e.Ts + e.Dur
+		ops++
+		seen[e.Name], seen[e.Cat] = true, true
+	}
+	for _, want := range []string{"MatMul", "AttentionForward", "AdamWUpdate", profile.KindExpertGEMM, profile.KindAttention} {
+		if !seen[want] {
+			t.Errorf("the trace has no %s", want)
+		}
+	}
+	if ops < 50 {
+		t.Errorf("%d ops in the trace of a step", ops)
+	}
+	args := append([]string{"bench", "train", "tiny", "--profile=false", "--trace", path, "--out", t.TempDir()}, quick...)
+	if code, _, stderr := runCLI(t, args...); code != exitFailure || !strings.Contains(stderr, "--trace needs the profiled step") {
+		t.Errorf("--trace with --profile=false: exit %d\n%s", code, stderr)
+	}
+}
+
 // TestModelFLOPsPerToken checks the count on the tiny recipe, worked out
 // by hand: 254784 parameters, of which 140096 active (less 2 layers x 2
 // unvisited experts x 3*64*128, less the 256 x 64 embedding), so
@@ -133,8 +183,8 @@ func TestModelFLOPsPerToken(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, want := modelFLOPsPerToken(cfg.Model, 16), 6.0*140096+6*2*64*16; got != want {
-		t.Errorf("modelFLOPsPerToken = %v, want %v", got, want)
+	if got, want := engine.ModelFLOPsPerToken(cfg.Model, 16), 6.0*140096+6*2*64*16; got != want {
+		t.Errorf("engine.ModelFLOPsPerToken = %v, want %v", got, want)
 	}
 }
 

@@ -1,7 +1,7 @@
 // Package tensorboard writes TensorBoard event files: the scalars and
 // histograms of a training run, readable by TensorBoard
 // (`tensorboard --logdir runs`) and importable by tools that read its
-// files (W&B's `wandb sync --sync-tensorboard`). It needs neither
+// files (W&B's `wandb sync RUN_DIR`). It needs neither
 // TensorFlow nor generated protobuf code: the few messages it writes are
 // encoded field by field.
 //
