@@ -297,6 +297,8 @@ let llama3Model
   const specials = [added(0, '<unk>'), added(1, '<s>'), added(2, '</s>')]
   const n = Object.keys(m.vocab).length
   const inst = [added(n, '[INST]'), added(n + 1, '[/INST]', { rstrip: true })]
+  // A normalized, non-special token: matched (and decoded) in its normalized form.
+  const tool = [added(n + 2, '<tool>', { special: false, normalized: true })]
   const bosTemplate = {
     type: 'TemplateProcessing',
     single: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } }],
@@ -312,7 +314,7 @@ let llama3Model
   // Llama 2 (and Mistral's first tokenizer.json): a Prepend and Replace normalizer, no pre-tokenizer.
   fixtures.push({
     name: 'llama2', json: tokenizerJSON(spModel, {
-      added_tokens: specials.concat(inst),
+      added_tokens: specials.concat(inst, tool),
       normalizer: { type: 'Sequence', normalizers: [{ type: 'Prepend', prepend: '▁' }, { type: 'Replace', pattern: { String: ' ' }, content: '▁' }] },
       post_processor: bosTemplate, decoder: legacyDecoder,
     }),

@@ -27,6 +27,7 @@ type Tokenizer struct {
 	specialSuffix []int // ... and after it
 
 	tokens    []string       // id -> token string; "" where no token has the id
+	decodeAs  map[int]string // added tokens with normalized=true whose normalized form differs: HF decodes that form
 	hasToken  []bool         // id -> whether it names a token
 	ids       map[string]int // token string -> id, added tokens included
 	vocabSize int            // largest id + 1
@@ -142,6 +143,9 @@ func (t *Tokenizer) Decode(ids []int) (string, error) {
 		if !ok {
 			return "", fmt.Errorf("tokenizer %s: id %d (position %d) is not in the vocabulary of %d ids", t.name, id, i, t.vocabSize)
 		}
+		if n, ok := t.decodeAs[id]; ok {
+			s = n
+		}
 		toks[i] = s
 	}
 	if t.decoder == nil {
@@ -171,6 +175,14 @@ func (t *Tokenizer) finish() {
 	}
 	for _, a := range t.added.tokens {
 		t.tokens[a.id], t.hasToken[a.id] = a.content, true
+		if a.normalized && t.normalizer != nil {
+			if n := t.normalizer.normalize(a.content); n != a.content {
+				if t.decodeAs == nil {
+					t.decodeAs = map[int]string{}
+				}
+				t.decodeAs[a.id] = n
+			}
+		}
 	}
 	t.eos = t.firstPresent("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 	t.bos = -1
