@@ -23,6 +23,18 @@
 // serves several goroutines at once (a service's requests): their forward
 // passes take turns.
 //
+// Text goes in and out through the tokenizer the checkpoint holds (the
+// run's data.tokenizer, which package engine copies into every checkpoint
+// and whose SHA-256 state.json records; Load checks the copy against it),
+// or byte by byte when the run had none (text.go): Encode and Decode,
+// SampleText (which stops after the tokenizer's end-of-document token, as
+// transformers' generate stops at eos_token_id) and EvaluateText (a text
+// encoded as data prepare encodes a document). ExportHF writes the
+// tokenizer beside the weights, so AutoTokenizer loads the export:
+//
+//	text, ids, err := m.SampleText(ctx, "Once upon a time", 100, 0, 0, 1) // greedy, up to 100 tokens
+//	res, err := m.EvaluateText(ctx, "book.txt", book, 0)
+//
 // The model runs on one rank whatever parallel layout trained it: package
 // engine loads it (engine.LoadReplica) and runs its forward pass
 // (engine.Forward); this package decides what to feed it and what to do

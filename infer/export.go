@@ -13,7 +13,10 @@ import (
 // ExportHF writes the model of a checkpoint as a Hugging Face Mixtral
 // directory that transformers' MixtralForCausalLM.from_pretrained loads:
 // outDir/config.json and outDir/model.safetensors, its tensors in dtype
-// "fp32" or "bf16" (rounded to nearest even). ckptDir is a checkpoint, or a
+// "fp32" or "bf16" (rounded to nearest even); when the run had a tokenizer
+// (data.tokenizer), also outDir/tokenizer.json and tokenizer_config.json,
+// which transformers' AutoTokenizer.from_pretrained loads, and
+// config.json's bos_token_id and eos_token_id. ckptDir is a checkpoint, or a
 // run directory or checkpoints root whose newest verified checkpoint is
 // taken (see engine.ResolveCheckpoint); its checksums are verified first.
 //
@@ -52,6 +55,13 @@ func ExportHF(ctx context.Context, ckptDir, outDir, dtype string) error {
 	m := engine.HFModel(info.Config)
 	if err := checkExportable(ck, info.Config.Model, m); err != nil {
 		return fmt.Errorf("export of %s: %w", dir, err)
+	}
+	tok, err := checkpointTokenizer(dir, info.Config.Model.Vocab)
+	if err != nil {
+		return fmt.Errorf("export of %s: %w", dir, err)
+	}
+	if tok != nil {
+		m.Tokenizer = hf.TokenizerFor(tok)
 	}
 	return hf.Write(outDir, m, dt, func(name string, dst []float32) error {
 		if ctx.Err() != nil {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/mktrain/mktrain/data"
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/tokenizer"
 )
 
 // Model is a trained model loaded from a checkpoint onto one rank, for
@@ -24,6 +25,8 @@ type Model struct {
 	// mu guards rep: its forward passes share buffers (engine.Replica is
 	// not safe for concurrent use), and Forward fills a map on first use.
 	mu sync.Mutex
+	// tok is the checkpoint's tokenizer (text.go); nil: byte-level.
+	tok *tokenizer.Tokenizer
 }
 
 // Load loads the checkpoint dir stands for (a step directory, or a run
@@ -36,7 +39,12 @@ func Load(dir string, opts ...engine.Option) (*Model, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Model{rep: rep}, nil
+	tok, err := checkpointTokenizer(rep.Dir(), rep.Config().Model.Vocab)
+	if err != nil {
+		rep.Close()
+		return nil, err
+	}
+	return &Model{rep: rep, tok: tok}, nil
 }
 
 // Close releases the GPU Load opened, if any; the model must not be used
@@ -57,7 +65,8 @@ type EvalResult struct {
 	Loss       float64 // mean cross-entropy, nats per token
 	Perplexity float64 // exp(Loss)
 	Tokens     int64   // tokens scored
-	Batches    int     // micro-batches of train.micro_batch sequences of train.seq tokens
+	Batches    int     // micro-batches of BatchSize sequences of train.seq tokens
+	BatchSize  int     // sequences per micro-batch: train.micro_batch (fewer for a short text)
 }
 
 // Evaluate computes the mean next-token loss over batches micro-batches of
@@ -72,8 +81,13 @@ func (m *Model) Evaluate(ctx context.Context, glob string, batches int) (EvalRes
 		return EvalResult{}, err
 	}
 	defer val.Close()
-	cfg := m.rep.Config()
-	micro, seq := cfg.Train.MicroBatch, cfg.Train.Seq
+	return m.evaluate(ctx, val, name, batches, m.rep.Config().Train.MicroBatch)
+}
+
+// evaluate is Evaluate over val (named name in errors), micro sequences
+// per micro-batch.
+func (m *Model) evaluate(ctx context.Context, val *data.EvalLoader, name string, batches, micro int) (EvalResult, error) {
+	seq := m.rep.Config().Train.Seq
 	if batches <= 0 {
 		batches = int(val.EpochBatches(micro))
 		if batches == 0 {
@@ -98,7 +112,7 @@ func (m *Model) Evaluate(ctx context.Context, glob string, batches int) (EvalRes
 	}
 	tokens := batches * micro * seq
 	loss := sum / float64(tokens)
-	return EvalResult{Loss: loss, Perplexity: math.Exp(loss), Tokens: int64(tokens), Batches: batches}, nil
+	return EvalResult{Loss: loss, Perplexity: math.Exp(loss), Tokens: int64(tokens), Batches: batches, BatchSize: micro}, nil
 }
 
 // openVal opens the validation windows Evaluate reads, and a name for them.
@@ -153,6 +167,11 @@ const samplePCGStream = 0x6d6b747261696e // "mktrain"
 // reproduces a sample. It returns the n new tokens. Cancelling ctx stops
 // between two tokens.
 func (m *Model) Sample(ctx context.Context, prompt []int32, n int, temperature float64, topK int, seed uint64) ([]int32, error) {
+	return m.sample(ctx, prompt, n, temperature, topK, seed, -1)
+}
+
+// sample is Sample that also stops after the token stop (-1: none).
+func (m *Model) sample(ctx context.Context, prompt []int32, n int, temperature float64, topK int, seed uint64, stop int32) ([]int32, error) {
 	cfg := m.rep.Config()
 	V, seq := cfg.Model.Vocab, cfg.Train.Seq
 	switch {
@@ -194,6 +213,9 @@ func (m *Model) Sample(ctx context.Context, prompt []int32, n int, temperature f
 		next := sampleToken(logits, temperature, topK, rng)
 		tokens = append(tokens, next)
 		out = append(out, next)
+		if next == stop {
+			break
+		}
 	}
 	return out, nil
 }

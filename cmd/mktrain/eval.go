@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -15,12 +16,15 @@ import (
 	"github.com/mktrain/mktrain/infer"
 )
 
-const evalUsage = `Usage: mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
+const evalUsage = `Usage: mktrain eval --checkpoint DIR [--data GLOB | --text FILE] [--batches N] [--json]
 
 Computes a checkpoint's mean next-token loss (nats per token) and perplexity
-on validation data: the token shards GLOB matches, or by default the run's
-own validation data (the recipe's data.val, or the embedded corpus's held-out
-part). As in training's validation, windows of train.seq+1 tokens are read in
+on validation data: the token shards GLOB matches, the text of FILE
+(encoded with the checkpoint's tokenizer as data prepare encodes a
+document, or byte by byte for a byte-level run; scored in micro-batches of
+train.micro_batch windows, or all its windows in one when there are fewer),
+or by default the run's own validation data (the recipe's data.val, or the
+embedded corpus's held-out part). As in training's validation, windows of train.seq+1 tokens are read in
 file order from the first, train.micro_batch windows per batch. DIR is a
 checkpoint (a step_* directory), or a run directory or checkpoints root (its
 newest checkpoint that verifies).
@@ -49,6 +53,7 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs := newFlagSet("eval", evalUsage, stderr)
 	dir := fs.String("checkpoint", "", "checkpoint, run directory or checkpoints root")
 	glob := fs.String("data", "", "glob of token shards (default: the run's validation data)")
+	textFile := fs.String("text", "", "a text file to score, encoded with the checkpoint's tokenizer")
 	batches := fs.Int("batches", 0, "micro-batches to score (0: one full pass over the data)")
 	asJSON := fs.Bool("json", false, "print the result as one JSON object")
 	pos, err := parseInterspersed(fs, args)
@@ -65,12 +70,26 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if *batches < 0 {
 		return usageError{fmt.Sprintf("--batches must be 0 (a full pass) or positive, got %d", *batches)}
 	}
+	if *glob != "" && *textFile != "" {
+		return usageError{"give --data or --text, not both"}
+	}
+	var text []byte
+	if *textFile != "" {
+		if text, err = os.ReadFile(*textFile); err != nil {
+			return err
+		}
+	}
 	m, err := infer.Load(*dir, engine.WithDrivers(all.Drivers()...), engine.WithLogger(warnLogger(stderr)))
 	if err != nil {
 		return err
 	}
 	defer m.Close()
-	res, err := m.Evaluate(ctx, *glob, *batches)
+	var res infer.EvalResult
+	if *textFile != "" {
+		res, err = m.EvaluateText(ctx, *textFile, string(text), *batches)
+	} else {
+		res, err = m.Evaluate(ctx, *glob, *batches)
+	}
 	if errors.Is(err, context.Canceled) {
 		return stoppedError(ctx, "evaluation stopped")
 	}
@@ -79,6 +98,9 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	cfg := m.Config()
 	data := *glob
+	if *textFile != "" {
+		data = *textFile
+	}
 	if data == "" {
 		data = cfg.Data.Val
 	}
@@ -88,7 +110,7 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if *asJSON {
 		out, err := json.Marshal(evalJSON{
 			Checkpoint: m.Dir(), Step: m.Step(), Data: data, Loss: res.Loss, Perplexity: res.Perplexity,
-			Tokens: res.Tokens, Batches: res.Batches, Seq: cfg.Train.Seq, Windows: res.Batches * cfg.Train.MicroBatch,
+			Tokens: res.Tokens, Batches: res.Batches, Seq: cfg.Train.Seq, Windows: res.Batches * res.BatchSize,
 		})
 		if err != nil {
 			return err
@@ -97,7 +119,7 @@ func cmdEval(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return nil
 	}
 	fmt.Fprintf(stdout, "step %d (%s) on %s: loss %.4f, perplexity %.4f over %d tokens (%d batches of %d x %d)\n",
-		m.Step(), m.Dir(), data, res.Loss, res.Perplexity, res.Tokens, res.Batches, cfg.Train.MicroBatch, cfg.Train.Seq)
+		m.Step(), m.Dir(), data, res.Loss, res.Perplexity, res.Tokens, res.Batches, res.BatchSize, cfg.Train.Seq)
 	return nil
 }
 

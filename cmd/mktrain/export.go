@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
+	"strings"
 
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/hf"
 	"github.com/mktrain/mktrain/infer"
 )
 
@@ -14,7 +16,9 @@ const exportUsage = `Usage: mktrain export [--format hf] [--dtype bf16|fp32] CKP
 
 Writes a checkpoint's model as a Hugging Face Mixtral directory,
 OUT/config.json and OUT/model.safetensors, which transformers loads with
-MixtralForCausalLM.from_pretrained(OUT). CKPT is a checkpoint (a step_*
+MixtralForCausalLM.from_pretrained(OUT). When the run had a tokenizer
+(data.tokenizer), OUT/tokenizer.json and OUT/tokenizer_config.json hold it,
+and AutoTokenizer.from_pretrained(OUT) loads it. CKPT is a checkpoint (a step_*
 directory), or a run directory or checkpoints root (its newest checkpoint
 that verifies); its checksums are verified first. OUT must not exist, or be
 empty; it appears complete or not at all.
@@ -64,7 +68,10 @@ func cmdExport(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if cf := info.Config.Model.MoE.CapacityFactor; cf > 0 {
 		fmt.Fprintf(stderr, "mktrain: note: the model was trained with model.moe.capacity_factor %g; transformers routes without a capacity, so its outputs differ wherever tokens were dropped\n", cf)
 	}
-	fmt.Fprintf(stdout, "exported step %d of %s to %s (%s): %s, %s\n", info.Step, ckDir, pos[1], *dtype,
-		filepath.Join(pos[1], "config.json"), filepath.Join(pos[1], "model.safetensors"))
+	files := []string{filepath.Join(pos[1], hf.ConfigFile), filepath.Join(pos[1], hf.WeightsFile)}
+	if info.TokenizerSHA256 != "" {
+		files = append(files, filepath.Join(pos[1], hf.TokenizerFile), filepath.Join(pos[1], hf.TokenizerConfigFile))
+	}
+	fmt.Fprintf(stdout, "exported step %d of %s to %s (%s): %s\n", info.Step, ckDir, pos[1], *dtype, strings.Join(files, ", "))
 	return nil
 }

@@ -7,7 +7,7 @@
 //	            [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
 //	mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] [--tokenizer FILE [--text-key K] [--eos TOKEN] [--seed S]] FILE|GLOB...
 //	mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
-//	mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
+//	mktrain eval --checkpoint DIR [--data GLOB | --text FILE] [--batches N] [--json]
 //	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
 //	mktrain tokenize --tokenizer FILE [--json] [--decode] [--special] [TEXT]
 //	mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
@@ -18,6 +18,7 @@
 //	mktrain bench checkpoint [RECIPE] [--set k=v]... [--dir DIR] [--out DIR]
 //	mktrain bench moe [--shape moe-small,fine] [--world 1,2,4,8] [--steps N] [--warmup N] [--backend B] [--out DIR]
 //	mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend B] [--gpus] [--out DIR]
+//	mktrain bench prepare --tokenizer FILE [--text-key K] [--cores N] [--repeat R] [--peer-json FILE] [--out DIR] FILE|GLOB...
 //	mktrain version
 //
 // A recipe is a YAML file or a shipped name (tiny, moe-small); its fields
@@ -33,7 +34,7 @@
 // (data.Prepare, data.Verify), eval.go, sample.go and export.go (infer),
 // tokenize.go (tokenizer), ckpt.go
 // (checkpoint), report.go (observe/report), bench.go (bench train, through engine and backend/profile),
-// bench_checkpoint.go, bench_moe.go, bench_kernels.go, and version.go. The
+// bench_checkpoint.go, bench_moe.go, bench_kernels.go, bench_prepare.go, and version.go. The
 // programs pick their backends from backend/all.
 package main
 
@@ -73,10 +74,10 @@ Usage:
                          turn text, JSON Lines or Parquet into token shards (byte-level without --tokenizer)
   mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
                          check token shards' headers, sizes and ids (< N, or the recipe's model.vocab)
-  mktrain eval --checkpoint DIR [--data GLOB] [--batches N] [--json]
-                         a checkpoint's validation loss and perplexity
+  mktrain eval --checkpoint DIR [--data GLOB | --text FILE] [--batches N] [--json]
+                         a checkpoint's validation loss and perplexity (on shards, or on a text)
   mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
-                         continue a text with a checkpoint's model (byte-level)
+                         continue a text with a checkpoint's model and tokenizer (byte-level without one)
   mktrain tokenize --tokenizer FILE [--json] [--decode] [--special] [TEXT]
                          print the token ids of TEXT (or stdin); --decode: the text of ids
   mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
@@ -95,6 +96,8 @@ Usage:
                          time one MoE layer and each phase of its dispatch
   mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend B] [--gpus] [--out DIR]
                          time the fused and unfused dispatchers; store the faster for model.moe.dispatcher: auto
+  mktrain bench prepare --tokenizer FILE [--text-key K] [--cores N] [--repeat R] [--peer-json FILE] [--out DIR] FILE|GLOB...
+                         measure data prepare's MB of text per second per core (beside the Rust tokenizers peer)
   mktrain version        print the version
 
 The bench commands write their results into bench/results/<machine>/.

@@ -8,20 +8,24 @@ import (
 	"math"
 
 	"github.com/mktrain/mktrain/backend/all"
-	"github.com/mktrain/mktrain/data"
 	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/infer"
 )
 
 const sampleUsage = `Usage: mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
 
-Continues TEXT with N tokens from a checkpoint's model and prints the prompt
-and its continuation. The tokenizer is byte-level: each byte of TEXT is one
-token and each token one byte. Each new token sees the last train.seq tokens.
---temperature 0 takes the most likely byte every time; higher temperatures
-sample more freely; --top-k K samples among the K most likely bytes only.
-The same seed gives the same text. DIR is a checkpoint (a step_* directory),
-or a run directory or checkpoints root (its newest checkpoint that verifies).
+Continues TEXT with up to N tokens from a checkpoint's model and prints the
+prompt and its continuation. The text is encoded and decoded with the
+tokenizer the checkpoint holds (the run's data.tokenizer; the prompt gets
+the special tokens its post-processor adds, as Hugging Face's tokenizer(TEXT)
+does), and the continuation stops after its end-of-document token, as
+transformers' generate stops at eos_token_id; a run without a tokenizer is
+byte-level: each byte of TEXT is one token and each token one byte. Each
+new token sees the last train.seq tokens. --temperature 0 takes the most
+likely token every time; higher temperatures sample more freely; --top-k K
+samples among the K most likely tokens only. The same seed gives the same
+text. DIR is a checkpoint (a step_* directory), or a run directory or
+checkpoints root (its newest checkpoint that verifies).
 
 Flags:
 `
@@ -30,7 +34,7 @@ func cmdSample(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs := newFlagSet("sample", sampleUsage, stderr)
 	dir := fs.String("checkpoint", "", "checkpoint, run directory or checkpoints root")
 	prompt := fs.String("prompt", "", "text to continue")
-	n := fs.Int("tokens", 200, "tokens (bytes) to generate")
+	n := fs.Int("tokens", 200, "tokens to generate (at most: the end-of-document token stops it)")
 	temperature := fs.Float64("temperature", 0.8, "sampling temperature (0: greedy)")
 	topK := fs.Int("top-k", 0, "sample among the K most likely tokens only (0: all)")
 	seed := fs.Uint64("seed", 1, "random seed")
@@ -61,26 +65,13 @@ func cmdSample(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	defer m.Close()
-	encoded := data.EncodeBytes([]byte(*prompt))
-	ids := make([]int32, len(encoded))
-	for i, t := range encoded {
-		ids[i] = int32(t)
-	}
-	out, err := m.Sample(ctx, ids, *n, *temperature, *topK, *seed)
+	text, _, err := m.SampleText(ctx, *prompt, *n, *temperature, *topK, *seed)
 	if errors.Is(err, context.Canceled) {
 		return stoppedError(ctx, "sampling stopped")
 	}
 	if err != nil {
 		return err
 	}
-	tokens := make([]uint32, len(out))
-	for i, t := range out {
-		tokens[i] = uint32(t)
-	}
-	text, err := data.DecodeBytes(tokens)
-	if err != nil {
-		return fmt.Errorf("the model's output is not byte-level (model.vocab %d): %w", m.Config().Model.Vocab, err)
-	}
-	_, err = fmt.Fprintf(stdout, "%s%s\n", *prompt, text)
+	_, err = fmt.Fprintf(stdout, "%s\n", text)
 	return err
 }
