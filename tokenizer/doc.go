@@ -118,18 +118,19 @@
 // documents; scripts/tokenizer_bench.js times the Rust tokenizers library
 // through its Node binding on the same text, one document per call,
 // single-threaded), measured on the 2-core development machine while other
-// work ran on it (load average 5 to 6):
+// work ran on it (load average 5 to 8, hence the ranges):
 //
 //	fixture          this package   HF tokenizers (Rust)
-//	gpt2             45-50          1.5-2.2
-//	llama3           37-40          1.6
+//	gpt2             30-50          1.0-2.2
+//	llama3           32-40          0.7-1.6
 //	tiny_cl100k      36-42          -
-//	llama2, mistral  9-10           2.1-2.4
+//	llama2, mistral  13-15          1.6-2.4
 //
 // The SentencePiece-style ones are slower because, as in HF, a piece
 // without a splitting pre-tokenizer is one word: BPE runs over whole
-// documents and the word cache does not help. Decoding runs at about 20
-// MB/s.
+// documents and the word cache does not help. Decoding runs at 10 to 20
+// MB/s. Merge lookups go through an open-addressing table (pairTable), the
+// hottest path.
 //
 //	go test ./tokenizer -run XXX -bench Encode -cpu 1
 //	go test ./tokenizer -run TestBenchText -benchtext /tmp/bench.txt

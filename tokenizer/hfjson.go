@@ -499,7 +499,7 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 	if err := json.Unmarshal(hm.Merges, &merges); err != nil {
 		return nil, fmt.Errorf("merges: %v", err)
 	}
-	m.merges = make(map[uint64]uint64, len(merges))
+	m.merges = newPairTable(len(merges))
 	for rank, r := range merges {
 		var a, b string
 		var pair []string
@@ -526,7 +526,7 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 		case !okm:
 			return nil, fmt.Errorf("merges[%d]: the merged %q is not in the vocab", rank, merged)
 		}
-		m.merges[pairKey(ida, idb)] = uint64(rank)<<32 | uint64(uint32(idm))
+		m.merges.set(pairKey(ida, idb), uint64(rank)<<32|uint64(uint32(idm)))
 	}
 	m.index()
 	return m, nil

@@ -115,7 +115,7 @@ func ParseTiktoken(data []byte, name string, opt TiktokenOptions) (*Tokenizer, e
 		}
 	}
 
-	m := &bpeModel{byteLevel: true, ignoreMerges: true, unk: -1, vocab: make(map[string]int32, len(ranks)), merges: map[uint64]uint64{}}
+	m := &bpeModel{byteLevel: true, ignoreMerges: true, unk: -1, vocab: make(map[string]int32, len(ranks)), merges: newPairTable(len(ranks))}
 	for raw, rank := range ranks {
 		m.vocab[toByteAlphabet(raw)] = rank
 	}
@@ -125,7 +125,7 @@ func ParseTiktoken(data []byte, name string, opt TiktokenOptions) (*Tokenizer, e
 			l, okl := ranks[raw[:k]]
 			r, okr := ranks[raw[k:]]
 			if okl && okr {
-				m.merges[pairKey(l, r)] = uint64(rank)<<32 | uint64(rank)
+				m.merges.set(pairKey(l, r), uint64(rank)<<32|uint64(rank))
 				merges = append(merges, tiktokenMerge{l, r, rank})
 			}
 		}
