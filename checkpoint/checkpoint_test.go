@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -678,5 +679,24 @@ func TestSetLatest(t *testing.T) {
 		if err := SetLatest(root, bad); err == nil {
 			t.Errorf("SetLatest(%s) succeeded", bad)
 		}
+	}
+}
+
+// TestFindResumableContextStops: a cancelled context stops the search with
+// an error wrapping its cause, not a warning that skips the checkpoint as
+// corrupt nor a fall back to an older one.
+func TestFindResumableContextStops(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(4, 2))
+	root := t.TempDir()
+	for _, step := range []int{100, 200} {
+		save(t, root, step, rankTensors(rng, ""), rankTensors(rng, "m."), TensorOptions{})
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var warnings []string
+	dir, err := FindResumableContext(ctx, root, func(w string) { warnings = append(warnings, w) })
+	if !errors.Is(err, context.Canceled) || dir != "" || len(warnings) != 0 {
+		t.Fatalf("FindResumableContext after cancel = %q, %v (warnings %q); want an error wrapping context.Canceled and no warning", dir, err, warnings)
 	}
 }

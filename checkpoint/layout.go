@@ -1,6 +1,7 @@
 package checkpoint
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -158,6 +159,13 @@ func readPointer(root string) (string, bool) {
 // checkpoint, and a different error when it has some but none verifies:
 // a run should not silently start over from scratch then.
 func FindResumable(root string, warn func(string)) (string, error) {
+	return FindResumableContext(context.Background(), root, warn)
+}
+
+// FindResumableContext is FindResumable that stops hashing when ctx ends
+// (VerifyContext), returning an error wrapping ctx's cause: rehashing a large checkpoint
+// takes seconds, and a Ctrl-C then must not wait for it.
+func FindResumableContext(ctx context.Context, root string, warn func(string)) (string, error) {
 	infos, err := List(root)
 	if err != nil {
 		return "", err
@@ -177,9 +185,12 @@ func FindResumable(root string, warn func(string)) (string, error) {
 	}
 	var errs []error
 	for _, info := range infos {
-		err := Verify(info.Dir)
+		err := VerifyContext(ctx, info.Dir)
 		if err == nil {
 			return info.Dir, nil
+		}
+		if ctx.Err() != nil {
+			return "", err // verification stopped: not a verdict on the checkpoint
 		}
 		errs = append(errs, err)
 		if warn != nil {
