@@ -83,9 +83,9 @@ type CheckpointInfo struct {
 	// "" when the run was byte-level.
 	TokenizerSHA256 string
 	Mesh            comm.Mesh
-	Backend    string
-	Version    string // mktrain release that wrote it
-	SavedAt    time.Time
+	Backend         string
+	Version         string // mktrain release that wrote it
+	SavedAt         time.Time
 }
 
 // ReadCheckpointInfo reads the state of the checkpoint in step directory

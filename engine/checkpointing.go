@@ -44,11 +44,11 @@ type trainState struct {
 	RecipeHash  string        `json:"recipe_hash,omitempty"`
 	// Tokenizer is the SHA-256 of the run's tokenizer.json, which the
 	// checkpoint holds; "" for byte-level (tokenizer.go).
-	Tokenizer string `json:"tokenizer_sha256,omitempty"`
-	Mesh        comm.Mesh     `json:"mesh"`
-	Backend     string        `json:"backend"`
-	Version     string        `json:"mktrain_version"`
-	SavedAt     time.Time     `json:"saved_at"`
+	Tokenizer string    `json:"tokenizer_sha256,omitempty"`
+	Mesh      comm.Mesh `json:"mesh"`
+	Backend   string    `json:"backend"`
+	Version   string    `json:"mktrain_version"`
+	SavedAt   time.Time `json:"saved_at"`
 }
 
 func biasName(l int) string { return layerName(l, "block_sparse_moe.expert_bias") }

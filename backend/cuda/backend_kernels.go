@@ -32,7 +32,7 @@ type kernelSet struct {
 	// train.deterministic's scatter-add: a stable sort of the rows, then
 	// each run of equal rows added by one block (Backend.scatterOrdered).
 	stableRank, stablePlace, scatterAddRowsOrdered *Kernel
-	gatherRowsBF16                     *Kernel // into a bf16 out
+	gatherRowsBF16                                 *Kernel // into a bf16 out
 
 	routerFwd, routerBwd *Kernel
 	route                *Kernel
