@@ -28,6 +28,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"time"
 	"unicode/utf8"
 )
@@ -96,7 +97,7 @@ type PrepareStats struct {
 	Documents      int64         // documents tokenized
 	EmptyDocuments int64         // documents with no text, skipped
 	TextBytes      int64         // bytes of text tokenized (UTF-8, uncompressed)
-	EOSTokens      int64         // end-of-document tokens among the tokens
+	EOSTokens      int64         // end-of-document tokens PrepareTokenized added (not those the encoding gave)
 	Vocab          int           // the tokenizer's vocabulary
 	TokenBytes     int           // 2 (uint16 shards) or 4 (uint32)
 	TokenizeTime   time.Duration // pass 1: reading, parsing, tokenizing
@@ -456,6 +457,7 @@ func encodeBatch(ctx context.Context, b docBatch, files []string, o PrepareOptio
 		}
 		ids := o.Tokenizer.Encode(text)
 		n := int64(len(ids))
+		out.tokens = slices.Grow(out.tokens, (len(ids)+1)*tb)
 		for _, id := range ids {
 			if id < 0 || id >= vocab {
 				out.err = fmt.Errorf("prepare: %s: the tokenizer gave id %d, outside its vocabulary of %d", where(d, files[d.file]), id, vocab)
@@ -463,12 +465,11 @@ func encodeBatch(ctx context.Context, b docBatch, files []string, o PrepareOptio
 			}
 			out.tokens = appendToken(out.tokens, uint32(id), tb)
 		}
-		// A post-processor may already end the document with the token.
+		// A post-processor may already end the document with the token
+		// (or the text, with the token written out).
 		if o.EOS != NoEOS && (len(ids) == 0 || ids[len(ids)-1] != o.EOS) {
 			out.tokens = appendToken(out.tokens, uint32(o.EOS), tb)
 			n++
-		}
-		if o.EOS != NoEOS {
 			out.eos++
 		}
 		out.docTokens = append(out.docTokens, n)
