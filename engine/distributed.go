@@ -123,6 +123,12 @@ func (e *Engine) multiProcess() (registry.MultiProcess, bool) {
 // the run. An error of any process fails
 // the run on every process.
 func (e *Engine) RunDistributed(ctx context.Context, d Distributed) (Result, error) {
+	if err := e.checkDistributedPlan(d); err != nil {
+		if d.Rendezvous != nil {
+			d.Rendezvous.Abort(err) // the other nodes need not wait for this one
+		}
+		return Result{}, err
+	}
 	unlock, err := e.holdRunDir(d.TCP.NodeRank)
 	if err != nil {
 		if d.Rendezvous != nil {

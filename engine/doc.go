@@ -26,6 +26,11 @@
 //     backend/registry), which the engine never imports: train.backend
 //     names one, and auto takes the GPU when there is one and the model
 //     fits its kernels' limits; otherwise the CPU, with the reason logged.
+//   - plan.go: the memory plan of a run (package plan: PlanConfig,
+//     Engine.Plan), checked by Run and RunDistributed before anything large
+//     is allocated; a run that cannot fit is refused.
+//   - input_error.go: InputError, bad input (the recipe, its data, the run
+//     directory, the plan) as opposed to a run that failed while it ran.
 //   - placement.go: where the ranks train: virtual ranks of one backend,
 //     or one per GPU (registry.RankPerDevice).
 //   - distributed.go: RunDistributed and RendezvousBlob, a run over several

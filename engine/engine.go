@@ -141,7 +141,7 @@ func New(cfg Config, opts ...Option) (*Engine, error) {
 	if e.backend == nil {
 		b, err := e.pickBackend()
 		if err != nil {
-			return nil, err
+			return nil, backendInputError(err)
 		}
 		e.backend = b
 	}
@@ -205,11 +205,11 @@ func (e *Engine) pickBackend() (backend.Backend, error) {
 func unsupported(d registry.Driver, c Config) error {
 	lim, kind := d.Capabilities().Limits, strings.ToUpper(d.Name())
 	if m := c.Model.MoE; (lim.RouterMaxExperts > 0 && m.Experts > lim.RouterMaxExperts) || (lim.RouterMaxTopK > 0 && m.TopK > lim.RouterMaxTopK) {
-		return fmt.Errorf("model.moe.experts is %d and model.moe.top_k %d: the %s router handles at most %d experts and top-%d",
-			m.Experts, m.TopK, kind, lim.RouterMaxExperts, lim.RouterMaxTopK)
+		return &limitError{fmt.Sprintf("model.moe.experts is %d and model.moe.top_k %d: the %s router handles at most %d experts and top-%d",
+			m.Experts, m.TopK, kind, lim.RouterMaxExperts, lim.RouterMaxTopK)}
 	}
 	if dh := c.Model.HeadDim(); lim.AttnMaxHeadDim > 0 && dh > lim.AttnMaxHeadDim {
-		return fmt.Errorf("the head dim (model.dim / model.heads) is %d: the %s attention kernels take at most %d", dh, kind, lim.AttnMaxHeadDim)
+		return &limitError{fmt.Sprintf("the head dim (model.dim / model.heads) is %d: the %s attention kernels take at most %d", dh, kind, lim.AttnMaxHeadDim)}
 	}
 	return nil
 }
@@ -260,6 +260,14 @@ type Result struct {
 // each with NCCL between them, when W GPUs are visible, and as virtual
 // ranks on GPU 0 otherwise (placement.go).
 func (e *Engine) Run(ctx context.Context) (Result, error) {
+	// The memory plan before anything large is allocated (plan.go).
+	deviceRanks, err := e.ranksPerDevice()
+	if err != nil {
+		return Result{}, err
+	}
+	if err := e.checkPlan(e.cfg.mesh().World(), deviceRanks); err != nil {
+		return Result{}, err
+	}
 	unlock, err := e.holdRunDir(0)
 	if err != nil {
 		return Result{}, err

@@ -117,7 +117,7 @@ func (e *Engine) placeOnNodeDevices(ctx context.Context, mp registry.MultiProces
 		}
 	}
 	if err := checkNodeGPUs(node, first, per, mesh.World(), visible, visibility); err != nil {
-		return nil, nil, nil, err
+		return nil, nil, nil, inputError(err) // the launch asks for more GPUs than the node has
 	}
 	devices, backends, closeDevices, err := e.openDevices(mp, per)
 	if err != nil {

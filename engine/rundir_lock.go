@@ -126,7 +126,7 @@ func (e *Engine) holdRunDir(nodeRank int) (release func(), err error) {
 	}
 	l, err := LockRunDir(e.runDir, nodeRank)
 	if err != nil {
-		return nil, err
+		return nil, inputError(err) // another run holds it, or it cannot be made
 	}
 	return func() {
 		if err := l.Unlock(); err != nil {

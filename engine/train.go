@@ -51,7 +51,7 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 		defer func() { res.Unsaved = true }()
 	}
 	if err := e.verifyData(ctx); err != nil {
-		return Result{}, err
+		return Result{}, inputError(err)
 	}
 	if err := e.copyTokenizer(world); err != nil {
 		return Result{}, err
@@ -71,7 +71,7 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 		// not on the process that trains it.
 		train, val, err := e.openData(g.Data.Rank(), g.Data.Size())
 		if err != nil {
-			return Result{}, err
+			return Result{}, inputError(err)
 		}
 		b := e.backend
 		if backends != nil {
@@ -89,11 +89,11 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 		s.saver = &saver{e: e, root: root}
 		dir, st, err := e.resumePoint(root)
 		if err != nil {
-			return Result{}, err
+			return Result{}, inputError(err)
 		}
 		if dir != "" {
 			if err := restoreAll(dir, st, ranks); err != nil {
-				return Result{}, fmt.Errorf("resuming from %s: %w", dir, err)
+				return Result{}, inputError(fmt.Errorf("resuming from %s: %w", dir, err))
 			}
 			s.resume, s.saver.lastDir = st, dir
 			e.log.Info().Str("checkpoint", dir).Int("step", st.Step).Msg("resuming")
@@ -110,7 +110,7 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	defer closeMetrics()
 	if s.resume == nil && cfg.Checkpoint.InitFrom != "" {
 		if err := e.loadHF(cfg.Checkpoint.InitFrom, ranks); err != nil {
-			return Result{}, err
+			return Result{}, inputError(err)
 		}
 	}
 	e.log.Info().Int("ranks", len(ranks)).Str("backend", e.backend.Name()).

@@ -1,0 +1,136 @@
+package plan
+
+import (
+	"errors"
+	"math"
+	"strings"
+	"testing"
+)
+
+func TestArithmeticSaturates(t *testing.T) {
+	if got := mul(1<<40, 1<<30); got != Saturated {
+		t.Errorf("mul(2^40, 2^30) = %d, want Saturated", got)
+	}
+	if got := mul(3, 5, 7); got != 105 {
+		t.Errorf("mul(3, 5, 7) = %d", got)
+	}
+	if got := add(math.MaxInt64-1, 2); got != Saturated {
+		t.Errorf("add overflowing = %d, want Saturated", got)
+	}
+	if got := roundUp(Saturated-3, 64); got != Saturated {
+		t.Errorf("roundUp near the top = %d, want Saturated", got)
+	}
+	if FormatBytes(Saturated) != "more than 8 EiB" || FormatBytes(1536) != "1.5 KiB" || FormatBytes(100) != "100 B" {
+		t.Errorf("FormatBytes: %q %q %q", FormatBytes(Saturated), FormatBytes(1536), FormatBytes(100))
+	}
+}
+
+// TestCUDASizeClass checks the mirror of backend/cuda/memory.go's
+// sizeClass on the rule it states: at least 512 bytes, else n rounded up
+// to a multiple of an eighth of the next power of two.
+func TestCUDASizeClass(t *testing.T) {
+	for n, want := range map[int64]int64{
+		1: 512, 512: 512, 513: 640, 1000: 1024, 1025: 1280,
+		2684354560:  2684354560,  // moe-small's flat stores: 5 x 2^29 exactly
+		2567245824:  2684354560,  // 641.8M fp32 parameters round up to it
+		18593488896: 21474836480, // moe-fine's 4.65B fp32 parameters: 20 GiB
+		1 << 40:     1 << 40, Saturated: Saturated,
+	} {
+		if got := cudaSizeClass(n); got != want {
+			t.Errorf("cudaSizeClass(%d) = %d, want %d", n, got, want)
+		}
+	}
+}
+
+func TestParseBytes(t *testing.T) {
+	for s, want := range map[string]int64{
+		"141GiB": 141 << 30, "80 GB": 80e9, "512MiB": 512 << 20, "1.5TiB": 3 << 39, "4096": 4096, "141G": 141 << 30,
+	} {
+		if got, err := ParseBytes(s); err != nil || got != want {
+			t.Errorf("ParseBytes(%q) = %d, %v; want %d", s, got, err, want)
+		}
+	}
+	for _, s := range []string{"", "lots", "12 parsecs", "-1GiB", "0", "1e30TB"} {
+		if _, err := ParseBytes(s); err == nil {
+			t.Errorf("ParseBytes(%q) succeeded", s)
+		}
+	}
+}
+
+func TestParseMeminfo(t *testing.T) {
+	total, avail, err := parseMeminfo([]byte("MemTotal:       24683748 kB\nMemFree: 1 kB\nMemAvailable:   24167492 kB\n"))
+	if err != nil || total != 24683748*1024 || avail != 24167492*1024 {
+		t.Errorf("parseMeminfo: %d %d %v", total, avail, err)
+	}
+	if _, _, err := parseMeminfo([]byte("nothing\n")); err == nil {
+		t.Error("parseMeminfo without MemTotal succeeded")
+	}
+}
+
+// small is a model in the engine's defaults, as a validated recipe.
+func small() Config {
+	return Config{Vocab: 256, Dim: 64, Layers: 2, Heads: 4, KVHeads: 2, Experts: 4, TopK: 2, FFN: 128,
+		GlobalBatch: 8, MicroBatch: 8, Seq: 64, DP: 1, EP: 1, CP: 1, TP: 1}
+}
+
+func TestCheck(t *testing.T) {
+	gpu := CUDADevice("test GPU", 1<<30, 0)
+	p, err := New(small(), gpu)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Check(); err != nil {
+		t.Errorf("the small model on 1 GiB: %v", err)
+	}
+	big := small()
+	big.GlobalBatch, big.MicroBatch = 8192, 8192
+	p, _ = New(big, gpu)
+	var r *Refusal
+	if err := p.Check(); !errors.As(err, &r) || r.Fields[0] != "train.micro_batch" || !strings.Contains(r.Msg, "lower train.micro_batch (8192) to ") {
+		t.Errorf("micro-batch 8192 on 1 GiB: %v", err)
+	}
+	many := small()
+	many.GlobalBatch, many.MicroBatch = 8<<20, 1
+	p, _ = New(many, gpu)
+	if err := p.Check(); !errors.As(err, &r) || !strings.Contains(r.Msg, "8388608 micro-batches") {
+		t.Errorf("8M micro-batches per step: %v", err)
+	}
+	huge := small()
+	huge.Vocab = 2_000_000_000
+	p, _ = New(huge, gpu)
+	if err := p.Check(); !errors.As(err, &r) || !strings.Contains(r.Msg, "model.vocab (2000000000)") {
+		t.Errorf("vocab 2e9 on 1 GiB: %v", err)
+	}
+	unknown := gpu
+	unknown.Memory = 0
+	p, _ = New(huge, unknown)
+	if err := p.Check(); err != nil {
+		t.Errorf("a device of unknown memory gives no verdict on fitting: %v", err)
+	}
+}
+
+// TestRoutingBound: with several expert ranks the routed rows' bound is
+// above the balanced figure, by at most the whole group's rows (with the
+// buffers' growth); with one expert rank the two are the same.
+func TestRoutingBound(t *testing.T) {
+	c := small()
+	p, _ := New(c, CUDADevice("gpu", 0, 0))
+	if p.Peak != p.Worst {
+		t.Errorf("one expert rank: peak %d, bound %d", p.Peak, p.Worst)
+	}
+	c.EP, c.GlobalBatch = 2, 16
+	p, _ = New(c, CUDADevice("gpu", 0, 0))
+	if p.Worst <= p.Peak || p.Worst > 4*p.Peak {
+		t.Errorf("two expert ranks: peak %d, bound %d", p.Peak, p.Worst)
+	}
+}
+
+func TestNamedDevices(t *testing.T) {
+	d, err := NamedDevice("H200")
+	if err != nil || d.Backend != BackendCUDA || d.Memory != 143771<<20-CUDAContextReserve || d.OperandBytes != 2 {
+		t.Errorf("h200: %+v, %v", d, err)
+	}
+	if _, err := NamedDevice("tpu"); err == nil || !strings.Contains(err.Error(), "h200") {
+		t.Errorf("an unknown device: %v", err)
+	}
+}

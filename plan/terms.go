@@ -1,0 +1,348 @@
+package plan
+
+// The terms of one rank's device memory, each the allocations of the code
+// it names, and what the ranks of one device share. Every b.New of the
+// engine, moe and attention packages that lives through a step has its
+// line here; the tests build the model on a counting backend and compare
+// (plan_test.go), so a new buffer there that is missing here fails them.
+
+// ledger collects allocations into terms.
+type ledger struct {
+	cuda  bool // each allocation reserves its size class (backend/cuda/memory.go)
+	terms []Term
+}
+
+// alloc records n allocations of elems elements of size bytes each as the
+// term (kind, what); worstElems is an allocation's elements under the
+// routing bound (elems where routing does not matter). Each allocation is
+// one b.New: on the GPU its size class is what the allocator reserves.
+func (l *ledger) alloc(kind Kind, what string, n, elems, worstElems, size int64) {
+	bytes, worst := mul(max(elems, 1), size), mul(max(worstElems, 1), size)
+	if l.cuda {
+		bytes, worst = cudaSizeClass(bytes), cudaSizeClass(worst)
+	}
+	bytes, worst = mul(n, bytes), mul(n, worst)
+	for i := range l.terms {
+		if t := &l.terms[i]; t.Kind == kind && t.What == what {
+			t.Bytes, t.Worst = add(t.Bytes, bytes), add(t.Worst, worst)
+			return
+		}
+	}
+	l.terms = append(l.terms, Term{Kind: kind, What: what, Bytes: bytes, Worst: worst})
+}
+
+// fixed is alloc for an allocation that routing does not change.
+func (l *ledger) fixed(kind Kind, what string, n, elems, size int64) {
+	l.alloc(kind, what, n, elems, elems, size)
+}
+
+const int32Bytes = 4
+
+// rankTerms is one rank's device memory under dispatcher ("fused" or
+// "unfused").
+func rankTerms(s shape, dispatcher string) []Term {
+	l := &ledger{cuda: s.cuda}
+	stores(l, s)
+	modelActivations(l, s)
+	attentionActivations(l, s)
+	moeActivations(l, s, dispatcher == DispatcherFused)
+	collectiveScratch(l, s)
+	return l.terms
+}
+
+// stores mirrors engine/rank.go's newRankRounds and zero.go's newMoments:
+// the weights and gradients are one flat store each (newParamStore), the
+// products read a bf16 copy of the weights where the operand type is not
+// the float type (newOperandStore: the GPU), and AdamW's m and v are
+// flat stores of the weights' layout, or under ZeRO-1 the rank's pieces
+// of the replicated range and its experts. The aux-loss-free bias is one
+// [E] vector per layer (newRankRounds).
+func stores(l *ledger, s shape) {
+	l.fixed(Weights, "fp32 master weights", 1, s.flatTotal, s.ft)
+	if s.ot != s.ft {
+		l.fixed(Weights, "bf16 copy for the products", 1, s.flatTotal, s.ot)
+	}
+	l.fixed(Gradients, "gradients", 1, s.flatTotal, s.ft)
+	what := "AdamW m and v"
+	if s.zero {
+		what = "AdamW m and v (ZeRO-1: a 1/N share of the replicated)"
+	}
+	l.fixed(Optimizer, what, 2, s.momentElems, s.ft)
+	if s.c.BiasBalancing {
+		l.fixed(Optimizer, "aux-loss-free routing bias", s.L, s.E, s.ft)
+	}
+}
+
+// modelActivations mirrors engine/model.go's newModel: the micro-batch's
+// token ids, targets and positions; per layer the residual stream
+// entering it (residL, one more for the output), after attention (midL),
+// the two normalised inputs (h1L, h2L) and their inverse RMS (rstd1L,
+// rstd2L); the final norm's output and inverse RMS; every MoE layer's
+// statistics; the backward's four [T, D] gradient streams; the LM head's
+// chunk of at most lmHeadChunkRows rows of logits (float, and its bf16
+// copy for the head's backward products on the GPU) and per-token losses.
+func modelActivations(l *ledger, s shape) {
+	T, D, L := s.T, s.D, s.L
+	l.fixed(Activations, "embedding: token ids, targets, positions", 3, T, int32Bytes)
+	l.fixed(Activations, "residual stream", add(L, 1), mul(T, D), s.ft) // residL
+	l.fixed(Activations, "residual stream", L, mul(T, D), s.ft)         // midL
+	l.fixed(Activations, "norms", mul(2, L), mul(T, D), s.ft)           // h1L, h2L
+	l.fixed(Activations, "norms", mul(2, L), T, s.ft)                   // rstd1L, rstd2L
+	l.fixed(Activations, "norms", 1, mul(T, D), s.ft)                   // finalTD
+	l.fixed(Activations, "norms", 1, T, s.ft)                           // rstdFinalT
+	l.fixed(Activations, "moe router", 1, mul(L, s.E+1), s.ft)          // moeStats
+	l.fixed(Workspace, "backward gradient streams", 4, mul(T, D), s.ft) // dResidTD, dBlockTD, dTmpTD, dFinalTD
+	chunk := min(T, lmHeadChunkRows)
+	l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.V), s.ft) // logitsCV
+	l.fixed(Activations, "lm head logits and loss", 1, T, s.ft)               // lossT
+	if s.ot != s.ft {
+		l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.V), s.ot) // dlogitsCV
+	}
+}
+
+// lmHeadChunkRows mirrors engine/model.go's: the LM head and loss run in
+// chunks of this many rows, so [T, V] logits never exist whole.
+const lmHeadChunkRows = 2048
+
+// attentionActivations mirrors attention/layer.go's newLayer and
+// Scratch.fit, and attention/context.go under context parallelism: per
+// layer q and the attention output a [T, H*Dh], k and v [T, KV*Dh] (after
+// RoPE, kept for the backward) and the softmax's log-sum-exp [B, H, S/cp];
+// once per rank the backward's gradients of a, q, k, v and, where the
+// operand type is not the float type, their bf16 copies and those of x and
+// dout. With cp > 1 each layer also keeps k and v of the whole sequences
+// in natural order and the two row maps, and the rank shares the
+// all-gathered k, v (then dk, dv) and their per-call gradients.
+func attentionActivations(l *ledger, s shape) {
+	T, Q, KD, L := s.T, s.Q, s.KD, s.L
+	l.fixed(Activations, "attention", mul(2, L), mul(T, Q), s.ft)  // qTQ, aTQ
+	l.fixed(Activations, "attention", mul(2, L), mul(T, KD), s.ft) // kTK, vTK
+	l.fixed(Activations, "attention", L, mul(s.B, s.H, s.Sl), s.ft)
+	l.fixed(Workspace, "attention backward", 2, mul(T, Q), s.ft)  // daTQ, dqTQ
+	l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ft) // dkTK, dvTK
+	if s.ot != s.ft {
+		l.fixed(Workspace, "attention backward", 3, mul(T, Q), s.ot)  // operands xTD, doutTD, dqTQ
+		l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ot) // operands dkTK, dvTK
+	}
+	if s.CP > 1 {
+		rows := mul(s.B, s.S)                                             // natural-order rows of the full sequences
+		l.fixed(Activations, "attention", mul(2, L), rows, int32Bytes)    // allOfNat, natOfAll
+		l.fixed(Activations, "attention", mul(2, L), mul(rows, KD), s.ft) // kNatTK, vNatTK
+		l.fixed(Workspace, "attention backward", 4, mul(rows, KD), s.ft)  // kAllTK, vAllTK, dkNatTK, dvNatTK
+		l.fixed(Workspace, "attention backward", 2, mul(s.S, KD), s.ft)   // dkOneTK, dvOneTK
+	}
+}
+
+// moeActivations mirrors moe/layer.go's New and Forward, moe/fused.go and
+// moe/buffers.go. Per layer the router's [T, E] logits, probabilities
+// and logits' gradient, [T, K] choices, gates and gates' gradient, [T]
+// log-sum-exp and ones, and a few [E] vectors; the shared experts' six
+// [T, Fs] activations and gradients; the routed rows, grown on demand
+// (rowBuf) and kept through the backward: send indices, gates and their
+// gradients per sent row, the expert inputs x [R, D] and hidden h1, h3,
+// silu(h1)*h3 [R, F] in the operand type, the outputs y [S, D]; the
+// unfused dispatcher's permutations (several expert ranks) or the fused
+// one's row references and its bf16 input per layer. Once per rank the
+// Scratch: the rows in transit and the experts' activation gradients.
+func moeActivations(l *ledger, s shape, fused bool) {
+	T, D, E, K, F, L := s.T, s.D, s.E, s.K, s.F, s.L
+	S, Sw, R, Rw := s.sent, s.sentWorst, s.recv, s.recvWorst
+	l.fixed(Activations, "moe router", mul(3, L), mul(T, E), s.ft) // logitsTE, probsTE, dlogitsTE
+	l.fixed(Activations, "moe router", mul(2, L), T, s.ft)         // lseT, onesT
+	l.fixed(Activations, "moe router", L, mul(T, K), int32Bytes)   // idxTK
+	l.fixed(Activations, "moe router", mul(2, L), mul(T, K), s.ft) // gatesTK, dgatesTK
+	l.fixed(Activations, "moe router", L, E, s.ft)                 // auxDProbE
+	l.fixed(Activations, "moe router", L, 1, int32Bytes)           // zeroRow
+	l.fixed(Activations, "moe router", L, E, int32Bytes)           // countsE
+	if s.Fs > 0 {
+		l.fixed(Activations, "shared experts", mul(6, L), mul(T, s.Fs), s.ft) // sharedH1, H3, Act and their gradients
+	}
+	// Routed rows, per layer. Dropless, the send index vectors are sized
+	// T*K every step (RouteByExpert's vectors); with a capacity, the kept
+	// rows.
+	l.alloc(Activations, "moe experts", mul(2, L), s.sendIdx, s.sendIdxWorst, int32Bytes) // sendTokS, sendSlotS
+	l.alloc(Activations, "moe experts", mul(2, L), S, Sw, s.ft)                           // gateS, dgateS
+	l.alloc(Activations, "moe experts", L, mul(R, D), mul(Rw, D), s.ot)                   // xRD
+	l.alloc(Activations, "moe experts", L, mul(S, D), mul(Sw, D), s.ft)                   // ySD
+	l.alloc(Activations, "moe experts", mul(3, L), mul(R, F), mul(Rw, F), s.ot)
+	switch {
+	case fused:
+		l.alloc(Activations, "moe experts", L, mul(R, 2), mul(Rw, 2), int32Bytes) // refsR2
+		if s.ot != s.ft {
+			l.fixed(Activations, "moe experts", L, mul(T, D), s.ot) // Layer.xoTD: peers read it after this rank moves on
+		}
+	case s.EP > 1:
+		l.alloc(Activations, "moe experts", mul(2, L), R, Rw, int32Bytes) // permR, invPermR
+	}
+	// The Scratch, shared by the rank's layers.
+	switch {
+	case fused: // fusedBackward: dy and the hidden gradients expert-major, dx rows in send order
+		l.alloc(Workspace, "moe dispatch", 1, mul(R, D), mul(Rw, D), s.ot) // dyRD
+		l.fixed(Workspace, "moe dispatch", 1, mul(S, D), s.ft)             // rowsSD
+		l.alloc(Workspace, "moe dispatch", 2, mul(R, F), mul(Rw, F), s.ot) // dh1RF, dh3RF
+		if s.EP > 1 {
+			l.fixed(Workspace, "moe dispatch", 1, S, int32Bytes) // doneS
+		}
+		if !s.cuda {
+			// The CPU's fused ops are the unfused sequence through a
+			// float [R, max(D, F)] temporary per call
+			// (backend/cpu/ops_peer.go): garbage for the collector.
+			l.alloc(Workspace, "moe dispatch (transient)", 1, mul(R, max(D, F)), mul(Rw, max(D, F)), s.ft)
+		}
+	case s.EP == 1: // dispatchBackward, one rank: dy gathered into dyRD, dx rows in rowsR1D
+		l.fixed(Workspace, "moe dispatch", 1, mul(S, D), s.ot) // dyRD
+		l.fixed(Workspace, "moe dispatch", 1, mul(S, D), s.ft) // rowsR1D
+	default: // dispatchForward/Backward over the expert group
+		l.fixed(Workspace, "moe dispatch", 1, mul(S, D), s.ft)             // rowsSD
+		l.alloc(Workspace, "moe dispatch", 2, mul(R, D), mul(Rw, D), s.ft) // rowsR1D, rowsR2D
+	}
+	if !fused {
+		l.alloc(Workspace, "moe dispatch", 1, mul(R, F), mul(Rw, F), s.ft) // dActRF
+		l.alloc(Workspace, "moe dispatch", 2, mul(R, F), mul(Rw, F), s.ot) // dh1RF, dh3RF
+		if s.ot != s.ft {
+			l.fixed(Workspace, "moe dispatch", 1, mul(T, D), s.ot) // Scratch.xoTD
+		}
+	}
+}
+
+// collectiveScratch mirrors comm/local.go's scratchView for the virtual
+// ranks of one process: each of a rank's groups keeps one scratch tensor,
+// grown to the largest block it reduced. AllReduceSum reduces a 1/N chunk
+// of each gradient bucket (grad_overlap.go's cutBuckets: the norms
+// together, the embedding, each layer's matrices, the LM head, and each
+// layer's experts, each at most gradBucket elements); ReduceScatterSum
+// reduces the block it receives: a ZeRO-1 round's piece (zero.go), and
+// under context parallelism attention's dk and dv [T, KV*Dh]. With one
+// rank per device (NCCL) the scratch is a few descriptors
+// (backend/cuda/nccl_group.go's growScratch) and NCCL's own buffers are
+// outside the allocator.
+func collectiveScratch(l *ledger, s shape) {
+	if s.c.DeviceRanks == 1 && s.cuda {
+		return
+	}
+	scratch := func(n, elems int64) {
+		if n > 1 {
+			l.fixed(Workspace, "collectives", 1, elems, s.ft)
+		}
+	}
+	replicated := ceilDiv(s.replicatedBucket(), s.dataContext)
+	if s.zero {
+		replicated = s.zeroPiece
+	}
+	scratch(s.dataContext, replicated)                                  // replicated gradients
+	scratch(s.DP, ceilDiv(s.expertBucket(), s.DP))                      // experts over their replicas
+	scratch(s.CP, max(ceilDiv(s.expertBucket(), s.CP), mul(s.T, s.KD))) // experts, and attention's dk, dv
+}
+
+// replicatedBucket is the largest gradient bucket of the replicated
+// range (grad_overlap.go's cutBuckets): the norms, the embedding, one
+// layer's matrices or the LM head, at most gradBucket elements.
+func (s shape) replicatedBucket() int64 {
+	return min(gradBucket, max(s.flatNorms, align(mul(s.V, s.D)), s.layerMatrices))
+}
+
+// expertBucket is the largest gradient bucket of the experts: one
+// layer's, at most gradBucket elements.
+func (s shape) expertBucket() int64 {
+	return min(gradBucket, mul(3, align(mul(s.El, s.F, s.D))))
+}
+
+// sharedTerms is what the ranks of one device share: on the GPU the
+// backend's own buffers (backend/cuda), on the CPU nothing (the CPU's
+// products need no workspace). The transient line is the largest buffer
+// an op allocates and frees within itself.
+func sharedTerms(s shape) []Term {
+	if !s.cuda {
+		return nil
+	}
+	l := &ledger{cuda: true}
+	// matmul.go's NewGemm: cuBLASLt's workspace (DefaultGemmWorkspace).
+	l.fixed(Workspace, "cuBLASLt workspace and operand scratch", 1, cublasWorkspace, 1)
+	// matmul.go's convertInto: a float32 operand of a bf16 product is
+	// rounded into scratchA or scratchB, each grown to the largest seen.
+	a, b := gemmScratch(s)
+	l.fixed(Workspace, "cuBLASLt workspace and operand scratch", 1, a, 2)
+	l.fixed(Workspace, "cuBLASLt workspace and operand scratch", 1, b, 2)
+	// matmul.go's run: an autotuned product's trial runs write into
+	// tuneOut, grown to the largest such output.
+	if n := tuneOut(s); n > 0 {
+		l.fixed(Workspace, "cuBLASLt autotuning output", 1, n, 4)
+	}
+	// experts.go's offsets, moe_fused.go's tables, flags and fault word.
+	l.fixed(Workspace, "kernel tables", 1, ggMaxExperts+1, int32Bytes)
+	l.fixed(Workspace, "kernel tables", 1, fusedTablesBytes, 1)
+	l.fixed(Workspace, "kernel tables", 1, 16, 1)
+	l.fixed(Workspace, "kernel tables", 1, max(1024, 2*(ceilDiv(s.recvWorst, 128)+s.El)), int32Bytes)
+	// The largest buffer an op takes and frees: attention.go's backward
+	// delta [B, H, S/cp], backend_ops.go's RMSNorm weight-gradient
+	// partial sums (one row of D per 32 rows of x).
+	delta := mul(s.B, s.H, s.Sl)
+	partial := mul(ceilDiv(s.T, max(rmsRowsPerBlock, ceilDiv(s.T, 65535))), s.D)
+	l.fixed(Workspace, "kernel scratch (transient)", 1, max(delta, partial), 4)
+	return l.terms
+}
+
+// Constants of backend/cuda mirrored here (the plan does not link the
+// CUDA backend): matmul.go's DefaultGemmWorkspace, grouped_gemm.go's
+// ggMaxExperts, moe_fused.go's fusedTablesB (32*fusedMaxRanks +
+// 4*(ggMaxExperts+1)), backend_ops.go's rmsRowsPerBlock, and matmul.go's
+// autotuning rule.
+const (
+	cublasWorkspace  = 32 << 20
+	ggMaxExperts     = 1024
+	fusedTablesBytes = 32*256 + 4*(ggMaxExperts+1)
+	rmsRowsPerBlock  = 32
+	autotuneMultiple = 128
+	autotuneMinFLOPs = 1 << 31
+)
+
+// gemmScratch is the elements of the largest float32 operand the model's
+// bf16 products round into scratchA (a) and scratchB (b), mirroring each
+// MatMul whose operand is float32 while the other is bf16 (or both are
+// float32): attention's o_proj reads a [T, Q] (forward: a; backward's
+// weight gradient: b); the LM head reads the final hidden rows [chunk, D]
+// (forward: a; weight gradient: b); the router's statistics read ones
+// [1, T] and probs [T, E]; its backward dlogits [T, E] (a, twice) and x
+// [T, D] (b); the shared experts' products read x, dout [T, D] and their
+// hidden [T, Fs] in float32.
+func gemmScratch(s shape) (a, b int64) {
+	T, chunk := s.T, min(s.T, lmHeadChunkRows)
+	a = max(mul(T, s.Q), mul(chunk, s.D), T, mul(T, s.E))
+	b = max(mul(T, s.Q), mul(chunk, s.D), mul(T, s.E), mul(T, s.D))
+	if s.Fs > 0 {
+		a = max(a, mul(T, s.D), mul(T, s.Fs))
+		b = max(b, mul(T, s.Fs))
+	}
+	return a, b
+}
+
+// tuneOut is the elements of the largest output of an autotuned product
+// (matmul.go's autotunes: not ragged, m, n and k multiples of 128, at
+// least 2^31 FLOPs), over the model's dense products [m, n] = [m, k]·[k, n]:
+// attention's projections and their backward, the LM head's three
+// products per chunk, the router's, the shared experts'.
+func tuneOut(s shape) int64 {
+	T, D, Q, KD, V, E, Fs := s.T, s.D, s.Q, s.KD, s.V, s.E, s.Fs
+	chunk := min(T, lmHeadChunkRows)
+	products := [][3]int64{
+		{T, Q, D}, {T, KD, D}, {T, D, Q}, // q, k, v, o forward
+		{D, Q, T}, {Q, D, T}, {KD, D, T}, {T, D, KD}, // backward: weight gradients, dx
+		{chunk, V, D}, {chunk, D, V}, {V, D, chunk}, // LM head, per chunk
+		{T, E, D}, {1, E, T}, {T, D, E}, {E, D, T}, // router, statistics, backward
+	}
+	if last := T % chunk; last > 0 {
+		products = append(products, [3]int64{last, V, D}, [3]int64{last, D, V}, [3]int64{V, D, last})
+	}
+	if Fs > 0 {
+		products = append(products, [3]int64{T, Fs, D}, [3]int64{T, D, Fs}, [3]int64{D, Fs, T}, [3]int64{Fs, D, T})
+	}
+	best := int64(0)
+	for _, p := range products {
+		m, n, k := p[0], p[1], p[2]
+		if m%autotuneMultiple == 0 && n%autotuneMultiple == 0 && k%autotuneMultiple == 0 &&
+			2*float64(m)*float64(n)*float64(k) >= autotuneMinFLOPs {
+			best = max(best, mul(m, n))
+		}
+	}
+	return best
+}
