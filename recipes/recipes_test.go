@@ -17,7 +17,7 @@ import (
 )
 
 func TestShippedRecipesLoad(t *testing.T) {
-	if got, want := Shipped(), []string{"moe-small", "tiny"}; !slices.Equal(got, want) {
+	if got, want := Shipped(), []string{"moe-fine", "moe-small", "tiny"}; !slices.Equal(got, want) {
 		t.Fatalf("Shipped() = %v, want %v", got, want)
 	}
 	for _, name := range Shipped() {
@@ -80,6 +80,28 @@ func TestShippedRecipeValues(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("moe-small differs from the peer:\n got %v\nwant %v", got, want)
 	}
+	// moe-fine is the peer run with --dim 2048 --experts 64 --topk 6
+	// --ffn 1408 --batch 4, and moe-small in every other field.
+	fine, _, err := Load("moe-fine", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, tr = fine.Model, fine.Train
+	got = []any{m.Vocab, m.Dim, m.Layers, m.Heads, m.KVHeads, m.MoE.Experts, m.MoE.TopK, m.MoE.FFN,
+		tr.Seq, tr.GlobalBatch, tr.MicroBatch, m.RopeTheta, m.NormEps, m.MoE.AuxLossCoef, tr.LR, tr.Backend}
+	want = []any{32768, 2048, 8, 16, 4, 64, 6, 1408, 2048, 4, 4, 1e6, 1e-5, 0.01, 3e-4, "cuda"}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("moe-fine differs from the peer's fine-grained run:\n got %v\nwant %v", got, want)
+	}
+	asSmall := fine
+	asSmall.Model.Dim, asSmall.Model.MoE.Experts, asSmall.Model.MoE.TopK, asSmall.Model.MoE.FFN = 1024, 8, 2, 2816
+	asSmall.Train.GlobalBatch, asSmall.Train.MicroBatch = 8, 8
+	if !reflect.DeepEqual(asSmall, small) {
+		t.Errorf("moe-fine differs from moe-small beyond the peer's five flags:\n%+v\n%+v", asSmall, small)
+	}
+	if n := engine.ParamCount(fine.Model); n != 4648372224 {
+		t.Errorf("moe-fine has %d parameters, want 4648372224 (4.65B)", n)
+	}
 }
 
 // TestLoadByName runs where no recipes/ directory is, so the shipped recipes
@@ -109,7 +131,7 @@ func TestLoadByName(t *testing.T) {
 	}
 	for _, path := range []string{"nosuch", "other/tiny.yaml", "/abs/recipes/tiny.yaml"} {
 		_, _, err := Load(path, nil)
-		want := "recipe " + path + ": no such file, and not a shipped recipe (moe-small, tiny)"
+		want := "recipe " + path + ": no such file, and not a shipped recipe (moe-fine, moe-small, tiny)"
 		if err == nil || err.Error() != want {
 			t.Errorf("Load(%q) = %v, want %q", path, err, want)
 		}
