@@ -188,7 +188,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	run, err := eng.Run(ctx)
 	if err != nil {
-		return err
+		return failedRun(err)
 	}
 	if profErr != nil {
 		return fmt.Errorf("bench: profiling step %d: %w", measuredEnd+1, profErr)
@@ -223,6 +223,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s %8s %12s  %s\n", "benchmark", "recipe", "tokens/s", "step ms", "MFU", "peak memory", "MoE dispatcher")
 	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f %8s %12s  %s\n", "train", recipe, tokens/median, median*1e3, formatMFU(mfu), formatBytes(mem.bytes), run.Dispatcher)
+	fmt.Fprintln(stdout, addPlanFigures(figures, eng, run.Dispatcher, mem.bytes)) // the plan's peak beside the measured one
 	if prof != nil {
 		rep = rep.WithWall(profWall)
 		figures["profiled_step_ms"] = profWall.Seconds() * 1e3

@@ -11,6 +11,7 @@
 //	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
 //	mktrain tokenize --tokenizer FILE [--json] [--decode] [--special] [TEXT]
 //	mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
+//	mktrain plan RECIPE [--set key.path=value]... [--device NAME] [--memory SIZE] [--json]
 //	mktrain ckpt verify DIR
 //	mktrain ckpt inspect DIR
 //	mktrain report RUN_DIR [--out FILE.html] [--bench FILE]
@@ -21,19 +22,23 @@
 //	mktrain bench prepare --tokenizer FILE [--text-key K] [--cores N] [--repeat R] [--peer-json FILE] [--out DIR] FILE|GLOB...
 //	mktrain version
 //
-// A recipe is a YAML file or a shipped name (tiny, moe-small); its fields
+// A recipe is a YAML file or a shipped name (tiny, moe-small, moe-fine); its fields
 // are documented in docs/recipes.md. Every command takes --help. Exit
-// status: 0 on success, 2 on bad input or a failed run (the message names
-// the file, field or step), 130 after Ctrl-C (SIGINT) and 143 after
-// SIGTERM in every command and phase: the first signal stops cleanly (a run
-// saves after its current step, partial output is removed), a second exits
-// at once (signals.go). README.md's Commands section describes each command.
+// status: 0 on success; 2 on bad input, found before anything runs (a
+// usage error, a recipe, a missing file, bad data, a memory plan that does
+// not fit: the message names the file or field); 1 when a run fails after
+// it started (a step's error, a NaN loss, a device, a lost peer: the
+// message names the rank or step; exit.go); 130 after Ctrl-C (SIGINT) and
+// 143 after SIGTERM in every command and phase: the first signal stops
+// cleanly (a run saves after its current step, partial output is removed),
+// a second exits at once (signals.go). README.md's Commands section
+// describes each command.
 //
 // Each command is one file here, which parses its flags and calls the
 // packages that do the work: run.go (recipes, launch, engine), data.go
 // (data.Prepare, data.Verify), eval.go, sample.go and export.go (infer),
 // tokenize.go (tokenizer), ckpt.go
-// (checkpoint), report.go (observe/report), bench.go (bench train, through engine and backend/profile),
+// (checkpoint), plan.go (plan, through engine), report.go (observe/report), bench.go (bench train, through engine and backend/profile),
 // bench_checkpoint.go, bench_moe.go, bench_kernels.go, bench_prepare.go, and version.go. The
 // programs pick their backends from backend/all.
 package main
@@ -46,10 +51,11 @@ import (
 	"os"
 )
 
-// Exit statuses.
+// Exit statuses (exit.go says which failure is which).
 const (
 	exitOK          = 0
-	exitFailure     = 2
+	exitRunFailed   = 1   // a run that failed after it started
+	exitFailure     = 2   // bad input
 	exitInterrupted = 130 // SIGINT (Ctrl-C): 128 + 2
 	exitTerminated  = 143 // SIGTERM: 128 + 15
 )
@@ -69,7 +75,7 @@ const topUsage = `mktrain trains mixture-of-experts transformers.
 Usage:
   mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]
               [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
-                         train from a recipe (a file, or a shipped name: tiny, moe-small)
+                         train from a recipe (a file, or a shipped name: tiny, moe-small, moe-fine)
   mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] [--tokenizer FILE [--text-key K] [--eos TOKEN] [--seed S]] FILE|GLOB...
                          turn text, JSON Lines or Parquet into token shards (byte-level without --tokenizer)
   mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]
@@ -82,6 +88,8 @@ Usage:
                          print the token ids of TEXT (or stdin); --decode: the text of ids
   mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
                          write a checkpoint as a Hugging Face Mixtral directory
+  mktrain plan RECIPE [--set key.path=value]... [--device NAME] [--memory SIZE] [--json]
+                         the memory and FLOPs a recipe needs per rank, against the device's memory
   mktrain ckpt verify DIR
                          check the checksums of a checkpoint, or of all under a run
   mktrain ckpt inspect DIR
@@ -129,6 +137,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = cmdTokenize(ctx, args[1:], os.Stdin, stdout, stderr)
 	case "ckpt":
 		err = cmdCkpt(ctx, args[1:], stdout, stderr)
+	case "plan":
+		err = cmdPlan(ctx, args[1:], stdout, stderr)
 	case "report":
 		err = cmdReport(ctx, args[1:], stdout, stderr)
 	case "version", "--version":
@@ -164,6 +174,9 @@ func exitStatus(ctx context.Context, err error, stderr io.Writer) int {
 	case errors.Is(err, errInterrupted):
 		fmt.Fprintln(stderr, "mktrain:", err)
 		return exitInterrupted
+	case isRunFailure(err):
+		fmt.Fprintln(stderr, "mktrain:", err)
+		return exitRunFailed
 	default:
 		fmt.Fprintln(stderr, "mktrain:", err)
 		return exitFailure

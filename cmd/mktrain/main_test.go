@@ -96,19 +96,21 @@ func TestBadInputExitsWithClearError(t *testing.T) {
 		name string
 		args []string
 		want []string
+		code int // exitFailure (bad input) unless set
 	}{
-		{"missing recipe", []string{"run", filepath.Join(dir, "nope.yaml")}, []string{"nope.yaml"}},
-		{"no recipe", []string{"run"}, []string{"exactly one recipe"}},
-		{"malformed recipe", []string{"run", writeFile(t, filepath.Join(dir, "bad.yaml"), "model:\n  dim: [1, 2\n")}, []string{"bad.yaml"}},
-		{"unknown key", []string{"run", writeFile(t, filepath.Join(dir, "unk.yaml"), "train:\n  lr_max: 1\n")}, []string{"unk.yaml:2", "lr_max"}},
-		{"invalid values", []string{"run", writeFile(t, filepath.Join(dir, "inv.yaml"), "model:\n  heads: 5\ntrain:\n  lr: -1\n")}, []string{"model.heads", "train.lr"}},
-		{"bad override", []string{"run", "tiny", "--set", "train.nope=1"}, []string{"train.nope"}},
-		{"missing data", []string{"run", "tiny", "--set", "data.train=" + filepath.Join(dir, "none_*.bin"), "--set", "data.val=" + val}, []string{"none_*.bin"}},
-		{"bad magic", []string{"run", "tiny", "--set", "data.train=" + badMagic, "--set", "data.val=" + val}, []string{"badmagic.bin", "magic"}},
-		{"truncated shard", []string{"run", "tiny", "--set", "data.train=" + truncated, "--set", "data.val=" + val}, []string{"truncated.bin"}},
-		{"token beyond vocab", []string{"run", "tiny", "--set", "data.train=" + big, "--set", "data.val=" + val}, []string{"big_000000.bin", "model.vocab"}},
-		{"nan loss", []string{"run", "tiny", "--set", "train.lr=1e30", "--set", "train.min_lr=0", "--set", "train.grad_clip=0", "--set", "train.steps=6"}, []string{"step", "loss", "train.lr"}},
-		{"unknown command", []string{"frobnicate"}, []string{"unknown command"}},
+		{"missing recipe", []string{"run", filepath.Join(dir, "nope.yaml")}, []string{"nope.yaml"}, 0},
+		{"no recipe", []string{"run"}, []string{"exactly one recipe"}, 0},
+		{"malformed recipe", []string{"run", writeFile(t, filepath.Join(dir, "bad.yaml"), "model:\n  dim: [1, 2\n")}, []string{"bad.yaml"}, 0},
+		{"unknown key", []string{"run", writeFile(t, filepath.Join(dir, "unk.yaml"), "train:\n  lr_max: 1\n")}, []string{"unk.yaml:2", "lr_max"}, 0},
+		{"invalid values", []string{"run", writeFile(t, filepath.Join(dir, "inv.yaml"), "model:\n  heads: 5\ntrain:\n  lr: -1\n")}, []string{"model.heads", "train.lr"}, 0},
+		{"bad override", []string{"run", "tiny", "--set", "train.nope=1"}, []string{"train.nope"}, 0},
+		{"missing data", []string{"run", "tiny", "--set", "data.train=" + filepath.Join(dir, "none_*.bin"), "--set", "data.val=" + val}, []string{"none_*.bin"}, 0},
+		{"bad magic", []string{"run", "tiny", "--set", "data.train=" + badMagic, "--set", "data.val=" + val}, []string{"badmagic.bin", "magic"}, 0},
+		{"truncated shard", []string{"run", "tiny", "--set", "data.train=" + truncated, "--set", "data.val=" + val}, []string{"truncated.bin"}, 0},
+		{"token beyond vocab", []string{"run", "tiny", "--set", "data.train=" + big, "--set", "data.val=" + val}, []string{"big_000000.bin", "model.vocab"}, 0},
+		// A NaN loss stops a run that had started: a failed run, exit 1.
+		{"nan loss", []string{"run", "tiny", "--set", "train.lr=1e30", "--set", "train.min_lr=0", "--set", "train.grad_clip=0", "--set", "train.steps=6"}, []string{"step", "loss", "train.lr"}, exitRunFailed},
+		{"unknown command", []string{"frobnicate"}, []string{"unknown command"}, 0},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -119,8 +121,12 @@ func TestBadInputExitsWithClearError(t *testing.T) {
 				args = append(args, c.args[2:]...)
 			}
 			code, _, stderr := runCLI(t, args...)
-			if code != exitFailure {
-				t.Fatalf("exit %d, want %d\n%s", code, exitFailure, stderr)
+			want := exitFailure
+			if c.code != 0 {
+				want = c.code
+			}
+			if code != want {
+				t.Fatalf("exit %d, want %d\n%s", code, want, stderr)
 			}
 			for _, w := range c.want {
 				if !strings.Contains(stderr, w) {

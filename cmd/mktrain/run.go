@@ -69,7 +69,7 @@ const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir
                   [--secret-file F] [--bind ADDR]
 
 Trains the model a recipe describes. RECIPE is a YAML file or the name of a
-shipped recipe (tiny, moe-small). The run directory receives recipe.yaml (the
+shipped recipe (tiny, moe-small, moe-fine). The run directory receives recipe.yaml (the
 effective recipe), train.log and metrics.jsonl (and TensorBoard event files
 with log.tensorboard: true). On a terminal a banner describes the run and a
 progress bar follows it, with warnings printed above the bar; otherwise each
@@ -236,7 +236,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return stoppedError(ctx, fmt.Sprintf("stopped after step %d", res.Steps))
 	case err != nil:
 		logger.Error().Err(err).Msg("run failed")
-		return err
+		return failedRun(err) // exit 1, unless the engine found bad input first (exit 2)
 	}
 	fmt.Fprintln(stdout, summary)
 	return nil

@@ -11,7 +11,7 @@ import (
 
 // commands are mktrain's commands, as the top-level usage lists them.
 var commands = [][]string{
-	{"run"}, {"data", "prepare"}, {"data", "verify"}, {"eval"}, {"sample"}, {"tokenize"}, {"export"}, {"ckpt", "verify"}, {"ckpt", "inspect"}, {"report"},
+	{"run"}, {"data", "prepare"}, {"data", "verify"}, {"eval"}, {"sample"}, {"tokenize"}, {"export"}, {"ckpt", "verify"}, {"ckpt", "inspect"}, {"plan"}, {"report"},
 	{"bench", "train"}, {"bench", "checkpoint"}, {"bench", "moe"}, {"bench", "kernels"}, {"bench", "prepare"}, {"version"},
 }
 

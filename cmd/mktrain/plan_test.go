@@ -1,0 +1,137 @@
+package main
+
+import (
+	"encoding/json"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/plan"
+)
+
+// TestRunRefusesWhatCannotFit is issue 32's item 2: values that pass
+// validation but cannot run on the CPU (they used to end in Go's
+// out-of-memory crash, or a first step that never ends) are refused
+// before anything large is allocated: exit 2 at once, one sentence that
+// names the field, no stack trace.
+func TestRunRefusesWhatCannotFit(t *testing.T) {
+	cases := []struct {
+		set  string
+		want []string
+	}{
+		{"model.vocab=2000000000", []string{"host memory", "model.vocab (2000000000)"}},
+		{"model.dim=1000000", []string{"host memory", "model.dim (1000000)"}},
+		{"train.global_batch=1000000000", []string{"train.global_batch (1000000000)", "train.micro_batch"}},
+		{"model.layers=100000000", []string{"host memory", "model.layers (100000000)"}},
+	}
+	for _, c := range cases {
+		t.Run(c.set, func(t *testing.T) {
+			start := time.Now()
+			code, _, stderr := runCLI(t, "run", "tiny", "--run-dir", t.TempDir(), "--set", "train.backend=cpu", "--set", c.set)
+			if took := time.Since(start); took > 3*time.Second {
+				t.Errorf("the refusal took %v", took)
+			}
+			if code != exitFailure {
+				t.Fatalf("exit %d, want %d\n%s", code, exitFailure, stderr)
+			}
+			for _, w := range append(c.want, "mktrain: ") {
+				if !strings.Contains(stderr, w) {
+					t.Errorf("stderr does not say %q:\n%s", w, stderr)
+				}
+			}
+			if strings.Contains(stderr, "goroutine ") || strings.Contains(stderr, "fatal error") {
+				t.Errorf("a stack trace:\n%s", stderr)
+			}
+		})
+	}
+}
+
+// TestPlanCommand runs mktrain plan: the tiny recipe fits this machine's
+// host; moe-small on a named H200 gives its terms as JSON; a batch too
+// large for the H200 is refused with exit 2 naming the micro-batch; bad
+// flags are usage errors.
+func TestPlanCommand(t *testing.T) {
+	code, stdout, stderr := runCLI(t, "plan", "tiny")
+	if code != exitOK || !strings.Contains(stdout, "parameters") || !strings.Contains(stdout, "verdict") || !strings.Contains(stdout, "fits") {
+		t.Errorf("plan tiny: exit %d\n%s%s", code, stdout, stderr)
+	}
+
+	code, stdout, stderr = runCLI(t, "plan", "moe-small", "--device", "h200", "--json")
+	if code != exitOK {
+		t.Fatalf("plan moe-small --device h200: exit %d\n%s", code, stderr)
+	}
+	var rep planReport
+	if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
+		t.Fatalf("--json: %v\n%s", err, stdout)
+	}
+	if !rep.Fits || rep.Plan.Params.Total != 641811456 || rep.Plan.Device.Name != "NVIDIA H200" || rep.Plan.Peak <= 0 {
+		t.Errorf("moe-small on an H200: fits %v, %d parameters, device %q, peak %d", rep.Fits, rep.Plan.Params.Total, rep.Plan.Device.Name, rep.Plan.Peak)
+	}
+
+	code, stdout, stderr = runCLI(t, "plan", "moe-small", "--device", "h200", "--set", "train.micro_batch=128", "--set", "train.global_batch=128")
+	if code != exitFailure || !strings.Contains(stderr, "train.micro_batch (128)") || !strings.Contains(stdout, "does not fit") {
+		t.Errorf("micro_batch 128 on an H200: exit %d, want %d naming train.micro_batch\n%s%s", code, exitFailure, stdout, stderr)
+	}
+	for _, args := range [][]string{
+		{"plan", "tiny", "--memory", "lots"},
+		{"plan", "tiny", "--device", "tpu"},
+		{"plan"},
+	} {
+		if code, _, stderr := runCLI(t, args...); code != exitFailure {
+			t.Errorf("%v: exit %d, want %d\n%s", args, code, exitFailure, stderr)
+		}
+	}
+	code, stdout, _ = runCLI(t, "plan", "tiny", "--memory", "1MiB")
+	if code != exitFailure || !strings.Contains(stdout, "does not fit") {
+		t.Errorf("tiny in 1 MiB: exit %d, want %d\n%s", code, exitFailure, stdout)
+	}
+}
+
+// TestPlanAgainstMeasuredPeaks holds the plan to the peaks bench train
+// measured on the H200 (bench/results/h200/train-*.json, each with its
+// recipe and the dispatcher it settled on): within 10%, the bar of issue
+// 28. The plan mirrors the allocations, so a miss here is a buffer added
+// to (or removed from) the CUDA path without its line in package plan.
+func TestPlanAgainstMeasuredPeaks(t *testing.T) {
+	paths, _ := filepath.Glob(filepath.Join("..", "..", "bench", "results", "h200", "train-*.json"))
+	if len(paths) == 0 {
+		t.Fatal("no bench/results/h200/train-*.json to compare with")
+	}
+	h200, err := plan.NamedDevice("h200")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range paths {
+		raw, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var res struct {
+			Commit  string        `json:"commit"`
+			Config  engine.Config `json:"config"`
+			Figures struct {
+				Peak       int64  `json:"peak_memory_bytes"`
+				Dispatcher string `json:"moe_dispatcher"`
+			} `json:"figures"`
+		}
+		if err := json.Unmarshal(raw, &res); err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		cfg := res.Config
+		cfg.Model.MoE.Dispatcher = res.Figures.Dispatcher
+		p, err := plan.New(engine.PlanConfig(cfg, 0, 1, false), h200)
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		off := float64(p.Peak)/float64(res.Figures.Peak) - 1
+		t.Logf("%s (%.8s): plan %s, measured %s (%+.2f%%)", filepath.Base(path), res.Commit,
+			plan.FormatBytes(p.Peak), plan.FormatBytes(res.Figures.Peak), 100*off)
+		if math.Abs(off) > 0.10 {
+			t.Errorf("%s: the plan's peak %d is %+.1f%% off the measured %d", path, p.Peak, 100*off, res.Figures.Peak)
+		}
+	}
+}
