@@ -36,7 +36,13 @@
 #      one and the grouped products alone (kernels.json), and on a
 #      machine with several GPUs the same with one rank per GPU
 #      (kernels-gpus.json);
-#   6. the Hugging Face check (scripts/hf_check.py).
+#   6. the Hugging Face check (scripts/hf_check.py);
+#   7. with PREPARE_BENCH=1, `mktrain bench prepare` on every CPU core
+#      beside the Rust tokenizers library (scripts/peer/tokenize_peer.py,
+#      one process per core) on the same corpus (the repository's Go and
+#      Markdown files as JSON Lines) and tokenizers (the GPT-2 and Llama 2
+#      style fixtures of tokenizer/testdata): prepare-gpt2.json and
+#      prepare-llama2.json, the peer's figures and the ratio inside.
 # It writes under $OUT (or .gpu/out), so that a device call brings them
 # back, the files bench/results/<machine>/ keeps (bench/results/README.md;
 # copy them there to publish a run, and update docs/performance.md):
@@ -63,7 +69,7 @@
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
-# (peer-kernels.json);
+# (peer-kernels.json); PREPARE_BENCH=1 runs step 7;
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
 # else python3).
 set -uo pipefail
@@ -104,7 +110,7 @@ if [[ "${1:-}" == "build" ]]; then
   CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -ldflags="-s -w -X main.buildCommit=$rev" -o "$BIN/mktrain" ./cmd/mktrain
   echo "$rev" >"$BIN/commit.txt"
   files+=(test2json mktrain packages.txt commit.txt)
-  for peer in torch_moe_train.py torch_kernels.py; do
+  for peer in torch_moe_train.py torch_kernels.py tokenize_peer.py; do
     cp -f "$PEER_SRC/$peer" "$BIN/peer/"
     files+=("peer/$peer")
   done
@@ -437,6 +443,32 @@ if [[ "${NO_HF:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo
 fi
 
+# data prepare's speed in MB of text per second per core beside the Rust
+# tokenizers library's, both on every core of this machine. Only with
+# PREPARE_BENCH=1.
+if [[ "${PREPARE_BENCH:-}" == 1 && -x "$BIN/mktrain" ]]; then
+  echo "== mktrain bench prepare beside scripts/peer/tokenize_peer.py"
+  PD=$(mktemp -d)
+  "$PY" - "$PD/corpus.jsonl" <<'PYEOF'
+import glob, json, sys
+with open(sys.argv[1], "w") as f:
+    for p in sorted(glob.glob("**/*.go", recursive=True) + glob.glob("**/*.md", recursive=True)):
+        f.write(json.dumps({"text": open(p, encoding="utf-8", errors="replace").read()}) + "\n")
+PYEOF
+  for tok in gpt2 llama2; do
+    timeout 600 "$PY" "$PEER_DIR/tokenize_peer.py" --tokenizer "tokenizer/testdata/$tok.json" --processes "$(nproc)" \
+      "$PD/corpus.jsonl" >"$PD/peer-$tok.json" 2>"$LOGS/tokenize_peer_$tok.log"
+    echo "  peer ($tok): exit $?"
+    peer_flag=()
+    [[ -s "$PD/peer-$tok.json" ]] && peer_flag=(--peer-json "$PD/peer-$tok.json")
+    timeout 600 "$BIN/mktrain" bench prepare --tokenizer "tokenizer/testdata/$tok.json" --cores "$(nproc)" \
+      "${peer_flag[@]}" --out "$OUT" "$PD/corpus.jsonl" 2>&1 | tee "$LOGS/bench_prepare_$tok.log" | tail -n 4
+    [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
+  done
+  rm -rf "$PD"
+  echo
+fi
+
 [[ -n "$smi_pid" ]] && kill "$smi_pid" 2>/dev/null && smi_pid=
 
 # The libraries' versions, as the tests log them (the GPU's description,
@@ -452,7 +484,7 @@ sw_nccl=$(version_code "$(first_match 'NCCL version code [0-9]+' | cut -d' ' -f4
 sw_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
 # The command, with the variables that shaped the run.
 run_cmd="bash scripts/gpu-test.sh"
-for v in NO_BENCH NO_TRAIN NO_LAYOUTS NO_MOE NO_KERNELS NO_HF PEER_KERNELS MKTRAIN_GG_VARIANTS \
+for v in NO_BENCH NO_TRAIN NO_LAYOUTS NO_MOE NO_KERNELS NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
          GPU_TEST_PACKAGES GPU_TEST_RUN GPU_TEST_SKIP GPU_TEST_TIMEOUT; do
   [[ -n "${!v:-}" ]] && run_cmd="$v='${!v}' $run_cmd"
 done
