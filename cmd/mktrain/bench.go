@@ -87,8 +87,12 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if len(args) > 0 && args[0] == "prepare" {
 		return cmdBenchPrepare(ctx, args[1:], stdout, stderr)
 	}
+	if len(args) > 0 && (isHelpFlag(args[0]) || args[0] == "help") {
+		fmt.Fprint(stdout, groupUsage("bench"))
+		return errHelp
+	}
 	if len(args) == 0 || args[0] != "train" {
-		fmt.Fprint(stderr, benchUsage)
+		fmt.Fprint(stderr, groupUsage("bench"))
 		return usageError{"bench takes the subcommand train, checkpoint, moe, kernels or prepare"}
 	}
 	fs := newFlagSet("bench train", benchUsage, stderr)

@@ -41,7 +41,7 @@ func cmdCkpt(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError{"ckpt takes the subcommand verify or inspect"}
 	}
 	switch args[0] {
-	case "-h", "--help", "help":
+	case "-h", "--h", "-help", "--help", "help":
 		fmt.Fprint(stdout, ckptUsage)
 		return errHelp
 	case "verify", "inspect":
@@ -50,7 +50,7 @@ func cmdCkpt(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError{fmt.Sprintf("ckpt: unknown subcommand %q; want verify or inspect", args[0])}
 	}
 	fs := newFlagSet("ckpt "+args[0], ckptUsage, stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, ckptUsage) }
+	fs.Usage = func() { fmt.Fprint(fs.Output(), ckptUsage) }
 	pos, err := parseInterspersed(fs, args[1:])
 	if err != nil {
 		return err

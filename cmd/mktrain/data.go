@@ -79,7 +79,7 @@ func cmdData(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return cmdDataVerify(ctx, args[1:], stdout, stderr)
 	}
 	if len(args) == 0 || args[0] != "prepare" {
-		if len(args) > 0 && (args[0] == "--help" || args[0] == "-h") {
+		if len(args) > 0 && (isHelpFlag(args[0]) || args[0] == "help") {
 			fmt.Fprint(stdout, dataCommandsUsage)
 			return errHelp
 		}

@@ -21,9 +21,12 @@
 //	mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend B] [--gpus] [--out DIR]
 //	mktrain bench prepare --tokenizer FILE [--text-key K] [--cores N] [--repeat R] [--peer-json FILE] [--out DIR] FILE|GLOB...
 //	mktrain version
+//	mktrain help [COMMAND [SUBCOMMAND]]
 //
 // A recipe is a YAML file or a shipped name (tiny, moe-small, moe-fine); its fields
-// are documented in docs/recipes.md. Every command takes --help. Exit
+// are documented in docs/recipes.md. Every command and subcommand takes
+// --help (or -h), and `mktrain help COMMAND [SUBCOMMAND]` prints the same:
+// its usage and every flag, on stdout. Exit
 // status: 0 on success; 2 on bad input, found before anything runs (a
 // usage error, a recipe, a missing file, bad data, a memory plan that does
 // not fit: the message names the file or field); 1 when a run fails after
@@ -39,7 +42,8 @@
 // (data.Prepare, data.Verify), eval.go, sample.go and export.go (infer),
 // tokenize.go (tokenizer), ckpt.go
 // (checkpoint), plan.go (plan, through engine), report.go (observe/report), bench.go (bench train, through engine and backend/profile),
-// bench_checkpoint.go, bench_moe.go, bench_kernels.go, bench_prepare.go, and version.go. The
+// bench_checkpoint.go, bench_moe.go, bench_kernels.go, bench_prepare.go, and version.go;
+// main.go dispatches them (runCommand) and answers help. The
 // programs pick their backends from backend/all.
 package main
 
@@ -49,6 +53,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
+	"strings"
 )
 
 // Exit statuses (exit.go says which failure is which).
@@ -107,9 +113,11 @@ Usage:
   mktrain bench prepare --tokenizer FILE [--text-key K] [--cores N] [--repeat R] [--peer-json FILE] [--out DIR] FILE|GLOB...
                          measure data prepare's MB of text per second per core (beside the Rust tokenizers peer)
   mktrain version        print the version
+  mktrain help [COMMAND [SUBCOMMAND]]
+                         a command's usage and flags (as mktrain COMMAND [SUBCOMMAND] --help)
 
 The bench commands write their results into bench/results/<machine>/.
-Run 'mktrain COMMAND --help' for a command's flags.
+Run 'mktrain help COMMAND' or 'mktrain COMMAND --help' for a command's flags.
 `
 
 func run(args []string, stdout, stderr io.Writer) int {
@@ -119,6 +127,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	ctx, stop := notifySignals(stderr, os.Exit)
 	defer stop()
+	return exitStatus(ctx, runCommand(ctx, args, stdout, stderr), stdout, stderr)
+}
+
+// runCommand runs the command args[0] names with the rest of args. Every
+// command is a case here and a line of topUsage (help_test.go checks
+// that they agree).
+func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var err error
 	switch args[0] {
 	case "run":
@@ -142,22 +157,77 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "report":
 		err = cmdReport(ctx, args[1:], stdout, stderr)
 	case "version", "--version":
-		fmt.Fprintln(stdout, versionString())
-		return exitOK
-	case "help", "-h", "--help":
-		fmt.Fprint(stdout, topUsage)
-		return exitOK
+		err = cmdVersion(args[1:], stdout)
+	case "help", "-h", "-help", "--help":
+		err = cmdHelp(ctx, args[1:], stdout, stderr)
 	default:
-		fmt.Fprintf(stderr, "mktrain: unknown command %q\n\n%s", args[0], topUsage)
-		return exitFailure
+		fmt.Fprint(stderr, topUsage)
+		err = usageError{fmt.Sprintf("unknown command %q", args[0])}
 	}
-	return exitStatus(ctx, err, stderr)
+	return err
+}
+
+// cmdHelp is `mktrain help [COMMAND [SUBCOMMAND]]`: the list of commands,
+// or what `mktrain COMMAND [SUBCOMMAND] --help` prints.
+func cmdHelp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	switch {
+	case len(args) == 0 || isHelpFlag(args[0]) || args[0] == "help":
+		fmt.Fprint(stdout, topUsage)
+		return errHelp
+	case len(args) > 2:
+		fmt.Fprint(stderr, topUsage)
+		return usageError{fmt.Sprintf("help takes a command and at most a subcommand, got %q", strings.Join(args, " "))}
+	}
+	return runCommand(ctx, append(slices.Clone(args), "--help"), stdout, stderr)
+}
+
+// groupUsage lists a group's subcommands (bench train, bench moe, ...) as
+// topUsage gives them, for `mktrain GROUP --help`.
+func groupUsage(group string) string {
+	var b strings.Builder
+	b.WriteString("Usage:\n")
+	for _, line := range strings.Split(topUsage, "\n") {
+		if strings.HasPrefix(line, "  mktrain "+group+" ") {
+			b.WriteString(line + "\n")
+		}
+	}
+	fmt.Fprintf(&b, "Run 'mktrain help %s SUBCOMMAND' for a subcommand's flags.\n", group)
+	return b.String()
+}
+
+// isHelpFlag says whether arg asks for help as package flag takes it.
+func isHelpFlag(arg string) bool {
+	switch arg {
+	case "-h", "--h", "-help", "--help":
+		return true
+	}
+	return false
+}
+
+const versionUsage = `Usage: mktrain version
+
+Prints the release, the source revision it was built from (when known) and
+the Go version.
+`
+
+// cmdVersion is `mktrain version`.
+func cmdVersion(args []string, stdout io.Writer) error {
+	switch {
+	case len(args) == 0:
+		fmt.Fprintln(stdout, versionString())
+		return nil
+	case isHelpFlag(args[0]):
+		fmt.Fprint(stdout, versionUsage)
+		return errHelp
+	}
+	return usageError{fmt.Sprintf("version takes no arguments, got %q", strings.Join(args, " "))}
 }
 
 // exitStatus reports err on stderr and returns the command's exit status:
 // after a signal, 128 + its number whatever the error (a command that
-// finished its work before it noticed the signal exits 0).
-func exitStatus(ctx context.Context, err error, stderr io.Writer) int {
+// finished its work before it noticed the signal exits 0). A help request
+// (-h, --help) prints the command's usage on stdout and exits 0.
+func exitStatus(ctx context.Context, err error, stdout, stderr io.Writer) int {
 	if cause, ok := interruption(ctx); ok && err != nil && !errors.Is(err, errHelp) {
 		if errors.Is(err, cause) {
 			fmt.Fprintln(stderr, "mktrain:", err)
@@ -170,6 +240,9 @@ func exitStatus(ctx context.Context, err error, stderr io.Writer) int {
 	case err == nil:
 		return exitOK
 	case errors.Is(err, errHelp):
+		if help := (*helpRequest)(nil); errors.As(err, &help) {
+			help.print(stdout)
+		}
 		return exitOK
 	case errors.Is(err, errInterrupted):
 		fmt.Fprintln(stderr, "mktrain:", err)

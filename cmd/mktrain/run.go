@@ -35,14 +35,22 @@ func (s *setFlags) String() string     { return strings.Join(*s, ",") }
 func (s *setFlags) Set(v string) error { *s = append(*s, v); return nil }
 
 // parseInterspersed parses flags that may come before or after positional
-// arguments (mktrain run RECIPE --set a=b).
+// arguments (mktrain run RECIPE --set a=b). On -h or --help it returns a
+// *helpRequest, whose usage run prints on stdout; a bad flag's error and
+// the usage go to the FlagSet's output (stderr).
 func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
+	out := fs.Output()
+	fs.SetOutput(io.Discard) // the flag package would print the usage of -h there too
+	defer fs.SetOutput(out)
 	var positional []string
 	for {
 		if err := fs.Parse(args); err != nil {
+			fs.SetOutput(out)
 			if errors.Is(err, flag.ErrHelp) {
-				return nil, errHelp
+				return nil, &helpRequest{fs}
 			}
+			fmt.Fprintln(out, err) // as the flag package does
+			fs.Usage()
 			return nil, usageError{err.Error()}
 		}
 		args = fs.Args()
@@ -54,14 +62,32 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
+// newFlagSet is a command's flags: its Usage prints usage and every flag
+// to the FlagSet's output, stderr (stdout for -h: helpRequest).
 func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprint(stderr, usage)
+		fmt.Fprint(fs.Output(), usage)
 		fs.PrintDefaults()
 	}
 	return fs
+}
+
+// helpRequest is parseInterspersed's answer to -h or --help: it is
+// errHelp, and carries the command's flags for exitStatus to print its
+// usage on stdout.
+type helpRequest struct{ fs *flag.FlagSet }
+
+func (h *helpRequest) Error() string        { return errHelp.Error() }
+func (h *helpRequest) Is(target error) bool { return target == errHelp }
+
+// print writes the command's usage and flags to w.
+func (h *helpRequest) print(w io.Writer) {
+	out := h.fs.Output()
+	h.fs.SetOutput(w)
+	h.fs.Usage()
+	h.fs.SetOutput(out)
 }
 
 const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]

@@ -9,12 +9,6 @@ import (
 	"testing"
 )
 
-// commands are mktrain's commands, as the top-level usage lists them.
-var commands = [][]string{
-	{"run"}, {"data", "prepare"}, {"data", "verify"}, {"eval"}, {"sample"}, {"tokenize"}, {"export"}, {"ckpt", "verify"}, {"ckpt", "inspect"}, {"plan"}, {"report"},
-	{"bench", "train"}, {"bench", "checkpoint"}, {"bench", "moe"}, {"bench", "kernels"}, {"bench", "prepare"}, {"version"},
-}
-
 var (
 	flagDefault = regexp.MustCompile(`(?m)^  -([a-z][a-z0-9-]*)`)               // a flag as FlagSet.PrintDefaults lists it
 	flagMention = regexp.MustCompile(`--([a-z][a-z0-9-]*)`)                     // a flag as the usage text names it
@@ -37,6 +31,7 @@ func packageDoc(t *testing.T) string {
 func TestUsageNamesEveryCommandAndFlag(t *testing.T) {
 	texts := map[string]string{"topUsage": topUsage, "package doc": packageDoc(t)}
 	real := map[string]bool{"help": true}
+	commands := usageCommands(t) // topUsage's, which runCommand's switch must match (help_test.go)
 	for _, cmd := range commands {
 		code, stdout, stderr := runCLI(t, append(slices.Clone(cmd), "--help")...)
 		if code != exitOK {
