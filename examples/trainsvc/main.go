@@ -61,12 +61,14 @@
 // already ended answers its final status.
 //
 // POST /runs/{name}/sample takes {"prompt": TEXT, "tokens": N,
-// "temperature": T, "top_k": K, "seed": S} (prompt_tokens, a list of token
-// ids, instead of prompt for a model that is not byte-level; defaults 64
-// tokens, temperature 0.8, all tokens, seed 1) and answers {"checkpoint",
-// "step", "tokens", "text"} from the newest checkpoint of the run's
-// directory, while it trains or after (a directory under --root that no
-// run of this service started works too). The model is loaded once per
+// "temperature": T, "top_k": K, "seed": S} (or prompt_tokens, a list of
+// token ids, instead of prompt; defaults 64 tokens, temperature 0.8, all
+// tokens, seed 1) and answers {"checkpoint", "step", "tokens", "text"}
+// from the newest checkpoint of the run's directory, while it trains or
+// after (a directory under --root that no run of this service started
+// works too). The prompt is encoded with the checkpoint's tokenizer (byte
+// by byte for a byte-level run), sampling stops after its end-of-document
+// token, and text is the prompt and its continuation. The model is loaded once per
 // checkpoint and shared by concurrent requests (infer.Model is safe for
 // concurrent use).
 //

@@ -142,8 +142,9 @@ func TestService(t *testing.T) {
 	if code := call(t, "POST", base+"/runs/svc/sample", "application/json", req, &sample); code != http.StatusOK {
 		t.Fatalf("sample: %d", code)
 	}
-	if sample.Checkpoint != wantCkpt || sample.Step != stoppedAt+2 || len(sample.Tokens) != 8 || sample.Text == nil || len(*sample.Text) != 8 {
-		t.Fatalf("sample: %+v; want 8 tokens and their text from %s", sample, wantCkpt)
+	if sample.Checkpoint != wantCkpt || sample.Step != stoppedAt+2 || len(sample.Tokens) != 8 || sample.Text == nil ||
+		len(*sample.Text) != 4+8 || !strings.HasPrefix(*sample.Text, "The ") {
+		t.Fatalf("sample: %+v; want 8 tokens from %s, and the prompt with its 8 bytes more as text", sample, wantCkpt)
 	}
 	call(t, "POST", base+"/runs/svc/sample", "application/json", req, &again)
 	if fmt.Sprint(again.Tokens) != fmt.Sprint(sample.Tokens) {

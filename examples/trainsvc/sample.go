@@ -21,7 +21,7 @@ import (
 
 // sampleRequest is POST /runs/{name}/sample's body.
 type sampleRequest struct {
-	Prompt       string   `json:"prompt"`        // text, one token per byte (byte-level models)
+	Prompt       string   `json:"prompt"`        // text, encoded with the checkpoint's tokenizer (or byte by byte)
 	PromptTokens []int32  `json:"prompt_tokens"` // or token ids
 	Tokens       *int     `json:"tokens"`        // tokens to generate; default 64
 	Temperature  *float64 `json:"temperature"`   // 0: greedy; default 0.8
@@ -33,15 +33,14 @@ type sampleRequest struct {
 type sampleAnswer struct {
 	Checkpoint string  `json:"checkpoint"` // the checkpoint sampled from
 	Step       int     `json:"step"`       // its training step
-	Tokens     []int32 `json:"tokens"`     // the generated token ids
-	Text       *string `json:"text,omitempty"`
+	Tokens     []int32 `json:"tokens"`     // the generated token ids (an EOS, when one ended it, included)
+	// Text is the prompt and its continuation as text (from prompt), or
+	// the continuation's (from prompt_tokens, when the ids decode).
+	Text *string `json:"text,omitempty"`
 }
 
 // maxSampleTokens bounds one request's work.
 const maxSampleTokens = 4096
-
-// byteVocab is a byte-level model's vocabulary: token t is byte t.
-const byteVocab = 256
 
 func (s *service) handleSample(w http.ResponseWriter, req *http.Request) {
 	name := req.PathValue("name")
@@ -80,20 +79,22 @@ func (s *service) handleSample(w http.ResponseWriter, req *http.Request) {
 		return
 	}
 	defer release()
-	vocab := m.Config().Model.Vocab
-	prompt := sr.PromptTokens
+	// Sampling checks the prompt's ids, the temperature and top_k, and
+	// stops between two tokens when the client leaves. From text it
+	// stops after the tokenizer's end-of-document token, as
+	// transformers' generate does.
+	var (
+		out  []int32
+		text string
+	)
 	if sr.Prompt != "" {
-		if vocab != byteVocab {
-			writeError(w, &badRequest{fmt.Errorf("prompt: the model's vocabulary has %d tokens, not the %d bytes of a byte-level one; give prompt_tokens", vocab, byteVocab)})
-			return
-		}
-		for _, b := range []byte(sr.Prompt) {
-			prompt = append(prompt, int32(b))
+		text, out, err = m.SampleText(req.Context(), sr.Prompt, n, temperature, sr.TopK, seed)
+	} else if out, err = m.Sample(req.Context(), sr.PromptTokens, n, temperature, sr.TopK, seed); err == nil {
+		var derr error
+		if text, derr = m.Decode(out); derr != nil {
+			text = "" // ids beyond the tokenizer's vocabulary: the ids alone
 		}
 	}
-	// Sample checks the prompt's ids, the temperature and top_k, and stops
-	// between two tokens when the client leaves.
-	out, err := m.Sample(req.Context(), prompt, n, temperature, sr.TopK, seed)
 	if err != nil {
 		if req.Context().Err() != nil {
 			return // the client left
@@ -102,13 +103,8 @@ func (s *service) handleSample(w http.ResponseWriter, req *http.Request) {
 		return
 	}
 	answer := sampleAnswer{Checkpoint: m.Dir(), Step: m.Step(), Tokens: out}
-	if vocab == byteVocab {
-		text := make([]byte, len(out))
-		for i, t := range out {
-			text[i] = byte(t)
-		}
-		s := string(text)
-		answer.Text = &s
+	if text != "" {
+		answer.Text = &text
 	}
 	writeJSON(w, http.StatusOK, answer)
 }
