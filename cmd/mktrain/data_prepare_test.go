@@ -118,3 +118,21 @@ func TestDataPrepareWithTokenizerErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestDataVerifyMegatron: data verify takes a Megatron dataset by its
+// prefix and says what it is.
+func TestDataVerifyMegatron(t *testing.T) {
+	dir := t.TempDir()
+	prefix := filepath.Join(dir, "corpus_text_document")
+	if err := data.WriteIndexed(prefix, [][]uint32{{1, 2, 3, 0}, {4, 5, 0}}, 1000); err != nil {
+		t.Fatal(err)
+	}
+	code, stdout, stderr := runCLI(t, "data", "verify", "--vocab", "1000", prefix)
+	if code != exitOK || !strings.Contains(stdout, prefix+".bin: Megatron dataset of uint16, 2 documents, 7 tokens") {
+		t.Fatalf("exit %d\n%s%s", code, stdout, stderr)
+	}
+	code, _, stderr = runCLI(t, "data", "verify", "--vocab", "5", prefix+".idx")
+	if code != exitFailure || !strings.Contains(stderr, prefix+".bin: token id 5 at position 5 (byte offset 10) is >= vocab 5") {
+		t.Fatalf("an id >= vocab: exit %d, %s", code, stderr)
+	}
+}
