@@ -36,7 +36,11 @@
 #      one and the grouped products alone (kernels.json), and on a
 #      machine with several GPUs the same with one rank per GPU
 #      (kernels-gpus.json);
-#   6. the Hugging Face check (scripts/hf_check.py);
+#   6. the Hugging Face checks: scripts/hf_check.py (transformers' loss on
+#      an fp32 export against mktrain eval's) and
+#      scripts/hf_tokenizer_check.py (an export made with a tokenizer loads
+#      with AutoTokenizer, and transformers' greedy continuation equals
+#      mktrain sample --temperature 0);
 #   7. with PREPARE_BENCH=1, `mktrain bench prepare` on every CPU core
 #      beside the Rust tokenizers library (scripts/peer/tokenize_peer.py,
 #      one process per core) on the same corpus (the repository's Go and
@@ -423,6 +427,7 @@ fi
 # The Hugging Face check: a short CPU run of the tiny recipe, exported in
 # fp32, must give transformers' MixtralForCausalLM the loss mktrain computes.
 hf_rc=-
+hf_tok_rc=-
 if [[ "${NO_HF:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo "== Hugging Face check (scripts/hf_check.py)"
   HFD=$(mktemp -d)
@@ -439,6 +444,30 @@ if [[ "${NO_HF:-}" != 1 && -x "$BIN/mktrain" ]]; then
   [[ -s "$HFD/hf_check.json" ]] && wrap_result hf-check hf-check \
     "scripts/hf_check.py on a 60-step CPU run of tiny, exported in fp32 (scripts/gpu-test.sh)" "$HFD/hf_check.json"
   [[ $hf_rc -ne 0 ]] && status=1
+  rm -rf "$HFD"
+  echo
+  # With a tokenizer: a CPU run of tiny on shards made with the Llama 2
+  # style fixture, exported; transformers loads the export with
+  # AutoTokenizer and its greedy continuation must equal mktrain sample's.
+  echo "== Hugging Face tokenizer check (scripts/hf_tokenizer_check.py)"
+  HFD=$(mktemp -d)
+  TOK=tokenizer/testdata/llama2.json
+  PROMPT="The run directory"
+  {
+    "$BIN/mktrain" data prepare --tokenizer "$TOK" --out "$HFD/data" --val-fraction 0.1 README.md 'docs/*.md' 'engine/*.go' &&
+    "$BIN/mktrain" run tiny --run-dir "$HFD/run" --set train.steps=80 --set train.backend=cpu --set log.progress=off \
+      --set model.vocab=4096 --set data.tokenizer="$TOK" --set "data.train=$HFD/data/train_*.bin" --set "data.val=$HFD/data/val_*.bin" &&
+    "$BIN/mktrain" export --format hf --dtype fp32 "$HFD/run" "$HFD/hf" &&
+    "$BIN/mktrain" sample --checkpoint "$HFD/run" --prompt "$PROMPT" --tokens 24 --temperature 0 >"$HFD/sample.txt" &&
+    "$PY" scripts/hf_tokenizer_check.py "$HFD/hf" --prompt "$PROMPT" --tokens 24 --mktrain-sample "$HFD/sample.txt" \
+      --texts tokenizer/testdata/texts.json >"$HFD/hf_tokenizer_check.json"
+  } >"$LOGS/hf_tokenizer.log" 2>&1
+  hf_tok_rc=$?
+  tail -n 3 "$LOGS/hf_tokenizer.log"
+  cat "$HFD/hf_tokenizer_check.json" 2>/dev/null
+  [[ -s "$HFD/hf_tokenizer_check.json" ]] && wrap_result hf-tokenizer-check hf-tokenizer-check \
+    "scripts/hf_tokenizer_check.py on an 80-step CPU run of tiny with tokenizer/testdata/llama2.json, exported in fp32 (scripts/gpu-test.sh)" "$HFD/hf_tokenizer_check.json"
+  [[ $hf_tok_rc -ne 0 ]] && status=1
   rm -rf "$HFD"
   echo
 fi
@@ -505,7 +534,7 @@ done
     printf '{"name":"%s","value":%s,"unit":"%s"}' "$fname" "$fval" "$funit"
     first=0
   done
-  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps,\"deterministic_exit\":\"$det_rc\",\"deterministic_tokens_per_s\":$det_tps},\"hf_check_exit\":\"$hf_rc\"}"
+  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps,\"deterministic_exit\":\"$det_rc\",\"deterministic_tokens_per_s\":$det_tps},\"hf_check_exit\":\"$hf_rc\",\"hf_tokenizer_check_exit\":\"$hf_tok_rc\"}"
 } >"$OUT/summary.json"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 rm -rf "$LOGS"
