@@ -11,7 +11,11 @@
 //
 // Run returns errors, never panics or exits (a hook's panic comes back as a
 // *HookPanicError); a cancelled context returns the result so far and
-// ErrStopped. With WithRunDir, Run saves checkpoints under DIR/checkpoints
+// ErrStopped. Before it allocates anything Run checks the run's memory plan
+// (package plan; Engine.Plan) and refuses a run that cannot fit its device
+// with a *plan.Refusal; that and every other error in what it was given
+// (the recipe, its data, the run directory, the checkpoint to resume) is an
+// InputError, while any other error is the run failing as it ran. With WithRunDir, Run saves checkpoints under DIR/checkpoints
 // (every checkpoint.every steps, on stop and at the end) and resumes from
 // the newest valid one when started again; without it nothing is saved,
 // which Run logs as a warning and Result.Unsaved records. RunDistributed
