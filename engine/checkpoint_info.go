@@ -4,6 +4,7 @@ package engine
 // the programs that use a trained model (package infer, mktrain ckpt).
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -46,8 +47,14 @@ func IsCheckpointDir(dir string) bool {
 // each newer checkpoint skipped as corrupt. The error of a corrupt step
 // directory names the bad file.
 func ResolveCheckpoint(dir string, warn func(string)) (string, error) {
+	return ResolveCheckpointContext(context.Background(), dir, warn)
+}
+
+// ResolveCheckpointContext is ResolveCheckpoint that stops rehashing when
+// ctx ends, with an error wrapping its cause.
+func ResolveCheckpointContext(ctx context.Context, dir string, warn func(string)) (string, error) {
 	if IsCheckpointDir(dir) {
-		if err := checkpoint.Verify(dir); err != nil {
+		if err := checkpoint.VerifyContext(ctx, dir); err != nil {
 			return "", err
 		}
 		return dir, nil
@@ -62,7 +69,7 @@ func ResolveCheckpoint(dir string, warn func(string)) (string, error) {
 	if !st.IsDir() {
 		return "", fmt.Errorf("%s is not a directory: name a checkpoint (step_* directory), a run directory or a checkpoints root", dir)
 	}
-	found, err := checkpoint.FindResumable(CheckpointsRoot(dir), warn)
+	found, err := checkpoint.FindResumableContext(ctx, CheckpointsRoot(dir), warn)
 	if errors.Is(err, checkpoint.ErrNoCheckpoint) {
 		return "", fmt.Errorf("%s holds no checkpoint: it is not a step directory (no MANIFEST.json), and neither it nor %s has step_* directories",
 			dir, filepath.Join(dir, "checkpoints"))

@@ -19,6 +19,7 @@ package engine
 // (zero.go).
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -131,13 +132,19 @@ type cursorSource interface {
 
 // restore loads this rank's tensors from ck by name. withOptimizer is false
 // when initialising from weights alone.
-func (r *rank) restore(ck *checkpoint.Checkpoint, withOptimizer bool) error {
+func (r *rank) restore(ctx context.Context, ck *checkpoint.Checkpoint, withOptimizer bool) error {
 	type source struct {
 		set    *checkpoint.TensorSet
 		t      backend.Tensor
 		suffix string
 	}
 	for i := range r.params {
+		// A large model takes seconds to read: a stop between two
+		// tensors leaves the rank half restored, which is fine, as the
+		// run ends without training.
+		if ctx.Err() != nil {
+			return ErrStopped
+		}
 		p := &r.params[i]
 		targets := []source{{ck.Model(), p.w, ""}}
 		if withOptimizer && p.m != nil { // nil: a replicated tensor under ZeRO-1, read below
@@ -269,7 +276,7 @@ func (s *saver) write(snaps []rankSnapshot, st trainState) error {
 // resumePoint finds the checkpoint a run continues from: none for a fresh
 // run, else the directory and its state. The recipe may change fields that
 // do not touch the model's shape; those changes are logged.
-func (e *Engine) resumePoint(root string) (string, *trainState, error) {
+func (e *Engine) resumePoint(ctx context.Context, root string) (string, *trainState, error) {
 	mode := e.cfg.Checkpoint.Resume
 	var dir string
 	switch mode {
@@ -279,7 +286,7 @@ func (e *Engine) resumePoint(root string) (string, *trainState, error) {
 		}
 		return "", nil, nil
 	case "auto":
-		d, err := checkpoint.FindResumable(root, func(msg string) { e.log.Warn().Msg(msg) })
+		d, err := checkpoint.FindResumableContext(ctx, root, func(msg string) { e.log.Warn().Msg(msg) })
 		if errors.Is(err, checkpoint.ErrNoCheckpoint) || errors.Is(err, os.ErrNotExist) {
 			return "", nil, nil
 		}
@@ -296,7 +303,7 @@ func (e *Engine) resumePoint(root string) (string, *trainState, error) {
 	default:
 		// A checkpoint, or a run directory or checkpoints root standing
 		// for its newest checkpoint that verifies.
-		d, err := ResolveCheckpoint(mode, func(msg string) { e.log.Warn().Msg(msg) })
+		d, err := ResolveCheckpointContext(ctx, mode, func(msg string) { e.log.Warn().Msg(msg) })
 		if err != nil {
 			return "", nil, fmt.Errorf("checkpoint.resume: %w", err)
 		}
@@ -361,14 +368,16 @@ func diffFields(a, b reflect.Value, prefix string) []string {
 
 // restoreAll loads the checkpoint at dir into every rank and positions the
 // data loaders.
-func restoreAll(dir string, st *trainState, ranks []*rank) error {
+func restoreAll(ctx context.Context, dir string, st *trainState, ranks []*rank) error {
 	ck, err := checkpoint.Open(dir)
 	if err != nil {
 		return err
 	}
 	defer ck.Close()
 	for i, r := range ranks {
-		if err := r.restore(ck, true); err != nil {
+		if err := r.restore(ctx, ck, true); errors.Is(err, ErrStopped) {
+			return err
+		} else if err != nil {
 			return fmt.Errorf("rank %d: %w", i, err)
 		}
 		src, ok := r.train.(cursorSource)

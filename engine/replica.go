@@ -85,7 +85,7 @@ func LoadReplica(dir string, opts ...Option) (_ *Replica, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := r.restore(ck, false); err != nil {
+	if err := r.restore(context.Background(), ck, false); err != nil {
 		return nil, fmt.Errorf("checkpoint %s: %w", ckDir, err)
 	}
 	r.op.refresh(b) // the weights never change after this

@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"path/filepath"
 	"sync/atomic"
 	"testing"
 
@@ -66,5 +67,37 @@ func TestRunStopsDuringInitialisation(t *testing.T) {
 	perLayer := full / int64(cfg.Model.Layers)
 	if n > cancelAt+perLayer {
 		t.Errorf("cancelled after %d of %d allocations, the run went on to %d (a layer is about %d)", cancelAt, full, n, perLayer)
+	}
+}
+
+// TestResumeStopsWhileVerifying: a stop while the checkpoints are rehashed
+// before a resume ends the search with the context's error, which Run
+// turns into ErrStopped, instead of skipping the checkpoint as corrupt.
+func TestResumeStopsWhileVerifying(t *testing.T) {
+	cfg := equivalenceConfig()
+	cfg.Train.Steps, cfg.Train.WarmupSteps = 2, 0
+	dir := t.TempDir()
+	first, err := New(cfg, WithRunDir(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.Run(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	first.Close()
+	second, err := New(cfg, WithRunDir(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if ckpt, _, err := second.resumePoint(ctx, filepath.Join(dir, "checkpoints")); !errors.Is(err, context.Canceled) || ckpt != "" {
+		t.Fatalf("resumePoint after a stop = %q, %v; want no checkpoint and an error wrapping context.Canceled", ckpt, err)
+	}
+	// Verified, the run resumes from its step 2.
+	ckpt, st, err := second.resumePoint(context.Background(), filepath.Join(dir, "checkpoints"))
+	if err != nil || ckpt == "" || st.Step != 2 {
+		t.Fatalf("resumePoint = %q, %+v, %v; want the step-2 checkpoint", ckpt, st, err)
 	}
 }

@@ -87,12 +87,17 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	if e.runDir != "" {
 		root := filepath.Join(e.runDir, "checkpoints")
 		s.saver = &saver{e: e, root: root}
-		dir, st, err := e.resumePoint(root)
+		dir, st, err := e.resumePoint(ctx, root)
+		if err != nil && ctx.Err() != nil {
+			return Result{}, ErrStopped // while verifying the checkpoints
+		}
 		if err != nil {
 			return Result{}, inputError(err)
 		}
 		if dir != "" {
-			if err := restoreAll(dir, st, ranks); err != nil {
+			if err := restoreAll(ctx, dir, st, ranks); errors.Is(err, ErrStopped) {
+				return Result{}, ErrStopped
+			} else if err != nil {
 				return Result{}, inputError(fmt.Errorf("resuming from %s: %w", dir, err))
 			}
 			s.resume, s.saver.lastDir = st, dir

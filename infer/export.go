@@ -38,7 +38,7 @@ func ExportHF(ctx context.Context, ckptDir, outDir, dtype string) error {
 	if engine.IsCheckpointDir(dir) {
 		err = checkpoint.VerifyContext(ctx, dir)
 	} else {
-		dir, err = engine.ResolveCheckpoint(ckptDir, nil)
+		dir, err = engine.ResolveCheckpointContext(ctx, ckptDir, nil)
 	}
 	if err != nil {
 		return err

@@ -50,7 +50,7 @@ func cmdExport(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	ckDir := pos[0]
 	if !engine.IsCheckpointDir(ckDir) {
-		ckDir, err = engine.ResolveCheckpoint(ckDir, func(msg string) { fmt.Fprintln(stderr, "mktrain: warning:", msg) })
+		ckDir, err = engine.ResolveCheckpointContext(ctx, ckDir, func(msg string) { fmt.Fprintln(stderr, "mktrain: warning:", msg) })
 		if err != nil {
 			return err
 		}
