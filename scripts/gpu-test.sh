@@ -269,8 +269,9 @@ peer_rc=-
 if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   echo "== mktrain ${BENCH_ARGS[*]}"
   if [[ -x "$BIN/mktrain" ]]; then
-    timeout 150 "$BIN/mktrain" "${BENCH_ARGS[@]}" --out "$LOGS/bench" >"$LOGS/bench.log" 2>&1
+    timeout 150 "$BIN/mktrain" "${BENCH_ARGS[@]}" --trace "$LOGS/trace.json" --out "$LOGS/bench" >"$LOGS/bench.log" 2>&1
     bench_rc=$?
+    "$PY" -c 'import json,sys; e=json.load(open(sys.argv[1])); e=e.get("traceEvents", e); print("  trace: %d events" % len(e))' "$LOGS/trace.json" 2>&1 | tail -n 1
     tail -n 15 "$LOGS/bench.log"
     if f=$(ls "$LOGS"/bench/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
       cp "$f" "$OUT/train-moe-small.json"
@@ -305,6 +306,25 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
     echo "peer script missing: $PEER_DIR/torch_moe_train.py"
     peer_rc=missing
   fi
+  echo
+fi
+
+# A recipe too big for the GPU is refused by the memory plan before
+# anything is allocated: exit 2 with a sentence, within seconds.
+refuse_rc=-
+if [[ "${NO_BENCH:-}" != 1 && -x "$BIN/mktrain" ]]; then
+  echo "== mktrain run moe-small with 512 sequences a micro-batch (must be refused)"
+  RD=$(mktemp -d)
+  start=$(date +%s.%N)
+  timeout 120 "$BIN/mktrain" run moe-small --run-dir "$RD" --set train.backend=cuda --set train.global_batch=512 \
+    --set train.micro_batch=512 --set data.train= --set data.val= --set log.progress=off >"$LOGS/refuse.log" 2>&1
+  refuse_rc=$?
+  secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.1f", e - s }')
+  tail -n 2 "$LOGS/refuse.log"
+  echo "  exit $refuse_rc after $secs s"
+  [[ $refuse_rc -ne 2 ]] && status=1
+  "$BIN/mktrain" plan moe-fine --set train.backend=cuda 2>&1 | tail -n 6
+  rm -rf "$RD"
   echo
 fi
 
@@ -534,7 +554,7 @@ done
     printf '{"name":"%s","value":%s,"unit":"%s"}' "$fname" "$fval" "$funit"
     first=0
   done
-  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps,\"deterministic_exit\":\"$det_rc\",\"deterministic_tokens_per_s\":$det_tps},\"hf_check_exit\":\"$hf_rc\",\"hf_tokenizer_check_exit\":\"$hf_tok_rc\"}"
+  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps,\"deterministic_exit\":\"$det_rc\",\"deterministic_tokens_per_s\":$det_tps},\"hf_check_exit\":\"$hf_rc\",\"hf_tokenizer_check_exit\":\"$hf_tok_rc\",\"too_big_refused_exit\":\"$refuse_rc\"}"
 } >"$OUT/summary.json"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 rm -rf "$LOGS"
