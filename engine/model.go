@@ -153,6 +153,13 @@ func (e *Engine) resolveDispatcher(cfg Config, world []*comm.Ranks) (Config, err
 			canPeer = false
 		}
 	}
+	// auto picks by timing, which can differ from run to run: a run that
+	// must repeat bit for bit takes the unfused dispatcher.
+	if m := cfg.Model.MoE.Dispatcher; cfg.Train.Deterministic && (m == moe.DispatcherAuto || m == "") {
+		e.log.Info().Msg("model.moe.dispatcher auto: unfused, unmeasured, as train.deterministic asks")
+		cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused
+		return cfg, nil
+	}
 	// The layer's shape on one rank: its local tokens per micro-batch.
 	tokens := cfg.Train.MicroBatch * cfg.Train.Seq / cfg.Parallel.CP
 	d, err := tune.ResolveDispatcher(e.backend, cfg.Model.MoE, cfg.Model.Dim, tokens, cfg.Parallel.EP, canPeer,

@@ -59,12 +59,16 @@ var (
 // SetDeterministic selects, for on, the fixed-order forms of the ops that
 // otherwise add with float atomics in the order the GPU happens to run
 // them: ScatterAddRows, EmbeddingBackward and CombineRows sort their rows
-// and sum each output row in one block (scatterOrdered). Every other op
-// already adds in a fixed order (the RMSNorm weight gradient through
-// per-block partial sums, attention's dq in its own pass, the matrix
-// products by cuBLASLt's deterministic algorithms), so with it the same
-// ops on the same inputs give the same bits on every run on one GPU.
-func (b *Backend) SetDeterministic(on bool) { b.deterministic.Store(on) }
+// and sum each output row in one block (scatterOrdered). It also turns off
+// the autotuning of matrix products (GemmOptions.NoAutotune), whose choice
+// by timing can differ from run to run and round differently. Every other
+// op already adds in a fixed order (the RMSNorm weight gradient through
+// per-block partial sums, attention's dq in its own pass), so with it the
+// same ops on the same inputs give the same bits on every run on one GPU.
+func (b *Backend) SetDeterministic(on bool) {
+	b.deterministic.Store(on)
+	b.gemm.noTune.Store(on)
+}
 
 // NewBackend makes a Backend on d. It compiles (or reads from the kernel
 // cache) every kernel the ops use, so a broken kernel or compiler shows up

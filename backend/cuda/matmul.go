@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"math/bits"
 	"sync"
+	"sync/atomic"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda/driver"
@@ -113,6 +114,9 @@ type Gemm struct {
 	scratchA, scratchB *Buffer
 	tuneOut            *Buffer // where autotuning's trial products write
 	algos              algoCache
+	// noTune turns autotuning off after construction, as
+	// GemmOptions.NoAutotune does (Backend.SetDeterministic).
+	noTune atomic.Bool
 
 	// cuBLASLt objects, touched only on the device thread. The layouts and
 	// the operation descriptor are set afresh for every call.
@@ -605,7 +609,7 @@ func (g *Gemm) heuristic(c gemmCall, p ltPlan) (chosenAlgo, error) {
 // happens to be a multiple of 128 cost a stalled step now and then, with
 // candidates that ran for milliseconds, for a shape that may never recur.
 func (g *Gemm) autotunes(c gemmCall) bool {
-	return !g.opts.NoAutotune && !c.ragged && 2*float64(c.m)*float64(c.n)*float64(c.k) >= autotuneMinFLOPs &&
+	return !g.opts.NoAutotune && !g.noTune.Load() && !c.ragged && 2*float64(c.m)*float64(c.n)*float64(c.k) >= autotuneMinFLOPs &&
 		c.m%autotuneMultiple == 0 && c.n%autotuneMultiple == 0 && c.k%autotuneMultiple == 0
 }
 
