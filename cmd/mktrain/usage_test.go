@@ -3,6 +3,7 @@ package main
 import (
 	"go/parser"
 	"go/token"
+	"os"
 	"regexp"
 	"slices"
 	"strings"
@@ -25,11 +26,32 @@ func packageDoc(t *testing.T) string {
 	return f.Doc.Text()
 }
 
-// TestUsageNamesEveryCommandAndFlag keeps topUsage and the package doc in
-// step with the commands: each names every command and every flag a
+// readmeCommands is the synopsis block of README.md's Commands section.
+func readmeCommands(t *testing.T) string {
+	t.Helper()
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(readme), "\n## Commands\n")
+	if !ok {
+		t.Fatal("README.md has no Commands section")
+	}
+	_, block, ok := strings.Cut(section, "```\n")
+	if ok {
+		block, _, ok = strings.Cut(block, "```")
+	}
+	if !ok {
+		t.Fatal("README.md's Commands section has no ``` block")
+	}
+	return block
+}
+
+// TestUsageNamesEveryCommandAndFlag keeps topUsage, the package doc and
+// README's Commands block in step with the commands: each names every command and every flag a
 // command's --help lists, and no command or flag that does not exist.
 func TestUsageNamesEveryCommandAndFlag(t *testing.T) {
-	texts := map[string]string{"topUsage": topUsage, "package doc": packageDoc(t)}
+	texts := map[string]string{"topUsage": topUsage, "package doc": packageDoc(t), "README's Commands": readmeCommands(t)}
 	real := map[string]bool{"help": true}
 	commands := usageCommands(t) // topUsage's, which runCommand's switch must match (help_test.go)
 	for _, cmd := range commands {
