@@ -157,6 +157,11 @@ func ckptInspect(dir string, stdout io.Writer) error {
 	fmt.Fprintf(w, "saved\t%s by mktrain %s on %s\n", info.SavedAt.Format("2006-01-02 15:04:05 MST"), info.Version, info.Backend)
 	fmt.Fprintf(w, "mesh\tdp=%d ep=%d cp=%d tp=%d\n", info.Mesh.DP, info.Mesh.EP, info.Mesh.CP, info.Mesh.TP)
 	fmt.Fprintf(w, "recipe hash\t%s\n", orNone(info.RecipeHash))
+	tokenizer := "byte-level (none)"
+	if info.TokenizerSHA256 != "" {
+		tokenizer = "tokenizer.json, sha256 " + info.TokenizerSHA256
+	}
+	fmt.Fprintf(w, "tokenizer\t%s\n", tokenizer)
 	fmt.Fprintf(w, "model\t%d parameters: vocab %d, dim %d, %d layers, %d heads (%d kv), %d experts top-%d, ffn %d\n",
 		engine.ParamCount(m), m.Vocab, m.Dim, m.Layers, m.Heads, m.KVHeads, m.MoE.Experts, m.MoE.TopK, m.MoE.FFN)
 	var total int64

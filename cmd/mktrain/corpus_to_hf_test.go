@@ -42,7 +42,11 @@ func TestCorpusToHuggingFace(t *testing.T) {
 		t.Fatalf("the run directory lacks the tokenizer (%v)", err)
 	}
 
-	code, stdout, stderr := runCLI(t, "sample", "--checkpoint", runDir, "--prompt", "The quick fox", "--tokens", "5", "--temperature", "0")
+	code, stdout, stderr := runCLI(t, "ckpt", "inspect", runDir)
+	if want := "tokenizer      tokenizer.json, sha256 " + tok.Hash(); code != exitOK || !strings.Contains(stdout, want) {
+		t.Fatalf("ckpt inspect: exit %d, output lacks %q:\n%s%s", code, want, stdout, stderr)
+	}
+	code, stdout, stderr = runCLI(t, "sample", "--checkpoint", runDir, "--prompt", "The quick fox", "--tokens", "5", "--temperature", "0")
 	if code != exitOK || !strings.HasPrefix(stdout, "The quick fox") {
 		t.Fatalf("sample: exit %d, %q\n%s", code, stdout, stderr)
 	}

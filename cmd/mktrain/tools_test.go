@@ -65,7 +65,7 @@ func TestTools(t *testing.T) {
 		for _, want := range []string{"step           2", "tokens         64", "mktrain 0.1.0", "dp=1 ep=1 cp=1 tp=1", "recipe hash",
 			"model.embed_tokens.weight", "F32", "[256 64]", "model-rank00000.safetensors",
 			"model.layers.1.block_sparse_moe.experts.3.w2.weight.exp_avg_sq", "[64 128]", "optim-rank00000.safetensors",
-			"bytes", "recipe\n", "  model:\n", "steps: 2"} {
+			"bytes", "recipe\n", "  model:\n", "steps: 2", "tokenizer      byte-level (none)"} {
 			if !strings.Contains(stdout, want) {
 				t.Errorf("inspect output lacks %q:\n%s", want, stdout)
 			}
