@@ -221,12 +221,12 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	mem := peakMemory(inner)
 	figures["peak_memory_bytes"], figures["peak_memory_source"] = mem.bytes, mem.source
 	mfu := math.NaN()
-	if peak := engine.PeakFLOPs(deviceName(inner)); peak > 0 {
+	if peak := engine.PeakFLOPs(engine.DeviceName(inner)); peak > 0 {
 		mfu = flopsPerToken * tokens / median / peak
 		figures["mfu"], figures["mfu_peak_flops"] = mfu, peak
 	}
 	fmt.Fprintf(stdout, "%-12s %-10s %12s %12s %8s %12s  %s\n", "benchmark", "recipe", "tokens/s", "step ms", "MFU", "peak memory", "MoE dispatcher")
-	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f %8s %12s  %s\n", "train", recipe, tokens/median, median*1e3, formatMFU(mfu), formatBytes(mem.bytes), run.Dispatcher)
+	fmt.Fprintf(stdout, "%-12s %-10s %12.0f %12.1f %8s %12s  %s\n", "train", recipe, tokens/median, median*1e3, formatMFU(mfu), engine.FormatBytes(mem.bytes), run.Dispatcher)
 	fmt.Fprintln(stdout, addPlanFigures(figures, eng, run.Dispatcher, mem.bytes)) // the plan's peak beside the measured one
 	if prof != nil {
 		rep = rep.WithWall(profWall)
@@ -349,20 +349,6 @@ func formatMFU(mfu float64) string {
 	return fmt.Sprintf("%.1f%%", 100*mfu)
 }
 
-// formatBytes writes n in binary units.
-func formatBytes(n int64) string {
-	v, units := float64(n), []string{"B", "KiB", "MiB", "GiB", "TiB"}
-	i := 0
-	for v >= 1024 && i < len(units)-1 {
-		v /= 1024
-		i++
-	}
-	if i == 0 {
-		return fmt.Sprintf("%d B", n)
-	}
-	return fmt.Sprintf("%.1f %s", v, units[i])
-}
-
 // writeBenchResult records a benchmark that runs on no backend (bench
 // checkpoint) with the commit, machine and command, as
 // <benchmark>-<recipe>.json.
@@ -387,7 +373,7 @@ func writeResult(stdout io.Writer, out, name string, b backend.Backend, res benc
 		dir = filepath.Join("bench", "results", machineKind(b))
 	}
 	if res.Machine.Device == "" {
-		res.Machine.Device = deviceName(b)
+		res.Machine.Device = engine.DeviceName(b)
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("bench results: %w", err)
@@ -416,7 +402,7 @@ func recipeName(recipe string) string {
 // "NVIDIA H100 80GB HBM3"), else the backend's name; "cpu" without a
 // backend.
 func machineKind(b backend.Backend) string {
-	name := deviceName(b)
+	name := engine.DeviceName(b)
 	if name == "" {
 		if b == nil {
 			return "cpu"
@@ -441,26 +427,6 @@ func machineKind(b backend.Backend) string {
 		return b.Name()
 	}
 	return kind.String()
-}
-
-// deviceName is the name of the device b computes on, where b, or a
-// backend it wraps (a method Inner, as the profiler has), tells it
-// through a method DeviceName() string (the CUDA backend: "NVIDIA H200");
-// "" otherwise.
-func deviceName(b backend.Backend) string {
-	for b != nil {
-		if d, ok := b.(interface{ DeviceName() string }); ok {
-			if name := d.DeviceName(); name != "" {
-				return name
-			}
-		}
-		w, ok := b.(interface{ Inner() backend.Backend })
-		if !ok {
-			return ""
-		}
-		b = w.Inner()
-	}
-	return ""
 }
 
 // commit is the source revision, from the build info (with "+dirty" when

@@ -256,8 +256,8 @@ func TestMachineKind(t *testing.T) {
 		if got := machineKind(c.b); got != c.kind {
 			t.Errorf("machineKind(%v) = %q, want %q", c.b, got, c.kind)
 		}
-		if got := deviceName(c.b); got != c.name {
-			t.Errorf("deviceName(%v) = %q, want %q", c.b, got, c.name)
+		if got := engine.DeviceName(c.b); got != c.name {
+			t.Errorf("engine.DeviceName(%v) = %q, want %q", c.b, got, c.name)
 		}
 	}
 }

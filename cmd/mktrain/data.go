@@ -15,6 +15,7 @@ import (
 	"golang.org/x/term"
 
 	"github.com/mktrain/mktrain/data"
+	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/recipes"
 	"github.com/mktrain/mktrain/tokenizer"
 )
@@ -247,11 +248,11 @@ func printPrepareSummary(w io.Writer, st data.PrepareStats, tok *tokenizer.Token
 		name, _ := tok.Token(eos)
 		sep = fmt.Sprintf("%q (id %d)", name, eos)
 	}
-	fmt.Fprintf(w, "prepared %d files, %s: %d documents", st.Files, formatBytes(st.Bytes), st.Documents)
+	fmt.Fprintf(w, "prepared %d files, %s: %d documents", st.Files, engine.FormatBytes(st.Bytes), st.Documents)
 	if st.EmptyDocuments > 0 {
 		fmt.Fprintf(w, " (and %d empty ones, skipped)", st.EmptyDocuments)
 	}
-	fmt.Fprintf(w, ", %s of text\n", formatBytes(st.TextBytes))
+	fmt.Fprintf(w, ", %s of text\n", engine.FormatBytes(st.TextBytes))
 	fmt.Fprintf(w, "tokens: %d (uint%d, vocabulary %d, end-of-document %s), %.2f bytes of text per token\n",
 		st.TrainTokens+st.ValTokens, 8*st.TokenBytes, st.Vocab, sep, st.BytesPerToken())
 	fmt.Fprintf(w, "train: %d tokens in %d shards; val: %d tokens in %d shards; in %s\n",
