@@ -299,13 +299,26 @@ func (r *rank) gradNorm(replicated float64) (float64, error) {
 }
 
 // evaluate returns the mean validation loss over eval_batches micro-batches
-// of every data rank (each split over its context-parallel ranks).
-func (r *rank) evaluate() (float64, error) {
+// of every data rank (each split over its context-parallel ranks). Before
+// each batch the ranks vote on ctx as the training loop does, so a stop
+// ends a long validation between two batches with ErrStopped, on every
+// rank at the same batch.
+func (r *rank) evaluate(ctx context.Context) (float64, error) {
 	cfg := r.cfg
 	r.op.refresh(r.b)
 	r.val.Reset()
 	sum := 0.0
 	for i := 0; i < cfg.Train.EvalBatches; i++ {
+		stop := []float64{0}
+		if ctx.Err() != nil {
+			stop[0] = 1
+		}
+		if err := r.groups.World.AllReduceFloat64(stop); err != nil {
+			return 0, err
+		}
+		if stop[0] > 0 {
+			return 0, ErrStopped
+		}
 		ids, targets, err := r.val.Next(cfg.Train.MicroBatch)
 		if err != nil {
 			return 0, fmt.Errorf("validation data: %w", err)

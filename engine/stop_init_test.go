@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -99,5 +101,34 @@ func TestResumeStopsWhileVerifying(t *testing.T) {
 	ckpt, st, err := second.resumePoint(context.Background(), filepath.Join(dir, "checkpoints"))
 	if err != nil || ckpt == "" || st.Step != 2 {
 		t.Fatalf("resumePoint = %q, %+v, %v; want the step-2 checkpoint", ckpt, st, err)
+	}
+}
+
+// TestRunStopsDuringValidation: a stop while a long validation runs ends
+// it between two batches; the step it followed is saved, and Run returns
+// ErrStopped within moments, not after the validation.
+func TestRunStopsDuringValidation(t *testing.T) {
+	cfg := equivalenceConfig()
+	cfg.Train.Steps, cfg.Train.WarmupSteps, cfg.Train.EvalEvery, cfg.Train.EvalBatches = 5, 0, 1, 1_000_000
+	dir := t.TempDir()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	eng, err := New(cfg, WithRunDir(dir), WithStartHook(func(StartEvent) {
+		time.AfterFunc(300*time.Millisecond, cancel) // step 1 is quick; its validation is not
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	start := time.Now()
+	res, err := eng.Run(ctx)
+	if !errors.Is(err, ErrStopped) || res.Steps != 1 {
+		t.Fatalf("Run = %d steps, %v; want ErrStopped after step 1", res.Steps, err)
+	}
+	if took := time.Since(start); took > 20*time.Second {
+		t.Fatalf("the stop took %v", took)
+	}
+	if res.Checkpoint == "" || !strings.HasSuffix(res.Checkpoint, "step_00000001") {
+		t.Fatalf("Result.Checkpoint = %q, want step 1's", res.Checkpoint)
 	}
 }

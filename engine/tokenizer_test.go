@@ -120,6 +120,10 @@ func TestTokenizerTravels(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "cannot resume from") || !strings.Contains(err.Error(), "trained with the tokenizer of sha256 "+tok.Hash()[:16]) {
 		t.Fatalf("resuming with another tokenizer: %v", err)
 	}
+	// The refused run left the run directory's tokenizer as it was.
+	if b, err := os.ReadFile(filepath.Join(runDir, "tokenizer.json")); err != nil || !bytes.Equal(b, tok.JSON()) {
+		t.Fatalf("after the refused resume the run directory's tokenizer.json is not the run's (%v)", err)
+	}
 	none := more
 	none.Data.Tokenizer = ""
 	err = runIn(t, none, runDir)

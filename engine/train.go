@@ -53,9 +53,6 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	if err := e.verifyData(ctx); err != nil {
 		return Result{}, inputError(err)
 	}
-	if err := e.copyTokenizer(world); err != nil {
-		return Result{}, err
-	}
 	// Every rank builds its layers with the one dispatcher settled here
 	// (e.cfg, which checkpoints keep, stays as the recipe says).
 	cfg, err := e.resolveDispatcher(e.cfg, world)
@@ -103,6 +100,11 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 			s.resume, s.saver.lastDir = st, dir
 			e.log.Info().Str("checkpoint", dir).Int("step", st.Step).Msg("resuming")
 		}
+	}
+	// After the resume check, which refuses a run under another
+	// tokenizer: a refused run leaves the directory's tokenizer as it was.
+	if err := e.copyTokenizer(world); err != nil {
+		return Result{}, err
 	}
 	startStep := 0
 	if s.resume != nil {
@@ -276,19 +278,30 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 			Elapsed:      time.Since(s.start), ValLoss: math.NaN(),
 			Experts: expertLoads(sr),
 		}
+		stopped := false // during the validation: the step is logged and saved without it
 		if (cfg.Train.EvalEvery > 0 && step%cfg.Train.EvalEvery == 0) || step == cfg.Train.Steps {
-			v, err := r.evaluate()
-			if err != nil {
+			v, err := r.evaluate(ctx)
+			switch {
+			case errors.Is(err, ErrStopped):
+				stopped = true
+			case err != nil:
 				return res, err
+			default:
+				res.ValLoss, ev.ValLoss = v, v
+				ev.ValBatches = cfg.Train.EvalBatches * r.groups.Data.Size()
 			}
-			res.ValLoss, ev.ValLoss = v, v
-			ev.ValBatches = cfg.Train.EvalBatches * r.groups.Data.Size()
 		}
 		if lead {
 			s.pace.fill(&ev)
 			if err := s.e.report(ev); err != nil {
 				return res, err
 			}
+		}
+		if stopped {
+			if err := s.checkpoint(r, worldRank, res); err != nil {
+				return res, err
+			}
+			return res, ErrStopped
 		}
 		if every := cfg.Checkpoint.Every; (every > 0 && step%every == 0) || step == cfg.Train.Steps {
 			if err := s.checkpoint(r, worldRank, res); err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"math"
 	"os"
@@ -30,8 +31,15 @@ func TestRunRefusesWhatCannotFit(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.set, func(t *testing.T) {
+			// A run directory of an earlier run: the refused recipe must not
+			// replace its recipe.yaml.
+			runDir := t.TempDir()
+			earlier := []byte("# the recipe of the run this directory holds\n")
+			if err := os.WriteFile(filepath.Join(runDir, "recipe.yaml"), earlier, 0o644); err != nil {
+				t.Fatal(err)
+			}
 			start := time.Now()
-			code, _, stderr := runCLI(t, "run", "tiny", "--run-dir", t.TempDir(), "--set", "train.backend=cpu", "--set", c.set)
+			code, _, stderr := runCLI(t, "run", "tiny", "--run-dir", runDir, "--set", "train.backend=cpu", "--set", c.set)
 			if took := time.Since(start); took > 3*time.Second {
 				t.Errorf("the refusal took %v", took)
 			}
@@ -45,6 +53,9 @@ func TestRunRefusesWhatCannotFit(t *testing.T) {
 			}
 			if strings.Contains(stderr, "goroutine ") || strings.Contains(stderr, "fatal error") {
 				t.Errorf("a stack trace:\n%s", stderr)
+			}
+			if b, err := os.ReadFile(filepath.Join(runDir, "recipe.yaml")); err != nil || !bytes.Equal(b, earlier) {
+				t.Errorf("the refused run replaced the run directory's recipe.yaml (%v):\n%s", err, b)
 			}
 		})
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/internal/atomicfile"
 	"github.com/mktrain/mktrain/launch"
 	"github.com/mktrain/mktrain/observe/prom"
 	"github.com/mktrain/mktrain/recipes"
@@ -176,8 +177,6 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	logName := "train.log"
 	if launch.NodeRank > 0 {
 		logName = fmt.Sprintf("train.node%d.log", launch.NodeRank)
-	} else if err := os.WriteFile(filepath.Join(*runDir, "recipe.yaml"), snapshot, 0o644); err != nil {
-		return fmt.Errorf("run directory: %w", err)
 	}
 	logFile, err := os.OpenFile(filepath.Join(*runDir, logName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
@@ -226,6 +225,17 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		fmt.Fprintf(stderr, "mktrain: metrics at %s, profiles at %s\n", server.url("/metrics"), server.url("/debug/pprof/"))
 		screen.addSink("Prometheus: " + server.url("/metrics"))
 		opts = append(opts, collector.Options()...)
+	}
+	if launch.NodeRank == 0 {
+		// recipe.yaml is the recipe of the run in the directory: written
+		// once the engine has accepted it (memory plan, resume, data), so
+		// a refused recipe leaves the directory's as it was.
+		recipePath := filepath.Join(*runDir, "recipe.yaml")
+		opts = append(opts, engine.WithStartHook(func(engine.StartEvent) {
+			if err := atomicfile.WriteFile(recipePath, func(w io.Writer) error { _, err := w.Write(snapshot); return err }); err != nil {
+				logger.Warn().Err(err).Msg("could not write the recipe into the run directory")
+			}
+		}))
 	}
 	opts = append(opts, screen.options()...)
 	eng, err := engine.New(cfg, opts...)
