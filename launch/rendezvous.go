@@ -713,7 +713,7 @@ func (r *Rendezvous) follow(ctx context.Context) error {
 	conn, err := peernet.DialAuth(dialCtx, r.addr, r.cfg.Launch.Secret, authRendezvous, r.cfg.HeartbeatTimeout)
 	cancel()
 	if errors.Is(err, peernet.ErrSecretRefused) {
-		return fmt.Errorf("rendezvous at %s: node 0 refused this node's secret: every node must be given the same one (%s, %s or --secret-file; this node's came from %s)", r.addr, SecretEnv, SecretFileEnv, r.cfg.Launch.SecretFrom)
+		return refusedSecret(fmt.Sprintf("rendezvous at %s: node 0 refused this node's secret: every node must be given the same one (%s, %s or --secret-file; this node's came from %s)", r.addr, SecretEnv, SecretFileEnv, r.cfg.Launch.SecretFrom))
 	}
 	if err != nil {
 		if ctx.Err() != nil {

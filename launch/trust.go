@@ -19,7 +19,20 @@ import (
 	"io"
 	"os"
 	"strings"
+
+	"github.com/mktrain/mktrain/internal/peernet"
 )
+
+// ErrSecretRefused is wrapped by the error of a node whose secret another
+// node refused: the nodes were given different secrets, a configuration
+// error (mktrain run exits 2), not a failure of the run.
+var ErrSecretRefused = peernet.ErrSecretRefused
+
+// refusedSecret is an error saying msg that wraps ErrSecretRefused.
+type refusedSecret string
+
+func (e refusedSecret) Error() string { return string(e) }
+func (e refusedSecret) Unwrap() error { return ErrSecretRefused }
 
 // Secret sources and limits.
 const (

@@ -9,6 +9,7 @@ import (
 	"errors"
 
 	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/launch"
 )
 
 // runFailure is an error of a run that failed after it started.
@@ -21,10 +22,11 @@ func (f *runFailure) Unwrap() error { return f.err }
 // (with what leads up to it: the rendezvous): what the engine found wrong
 // with its input before training (engine.IsInputError: the memory plan,
 // the data, the checkpoint to resume from, the run directory's lock)
-// stays bad input, and so does a stop (engine.ErrStopped); any other
+// stays bad input, and so do a secret another node refused
+// (launch.ErrSecretRefused) and a stop (engine.ErrStopped); any other
 // error is the run failing.
 func failedRun(err error) error {
-	if err == nil || engine.IsInputError(err) || errors.Is(err, engine.ErrStopped) {
+	if err == nil || engine.IsInputError(err) || errors.Is(err, engine.ErrStopped) || errors.Is(err, launch.ErrSecretRefused) {
 		return err
 	}
 	return &runFailure{err: err}

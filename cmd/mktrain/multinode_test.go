@@ -242,13 +242,13 @@ func TestMultiNodeLayoutMustSplit(t *testing.T) {
 }
 
 // Without a secret node 0 generates one and prints how to pass it; a node
-// given another secret is refused, saying so.
+// given another secret is refused, saying so, as bad input (exit 2).
 func TestMultiNodeSecret(t *testing.T) {
 	port := freePort(t)
 	base := tinyArgs(t.TempDir(), 3, "parallel.dp=2")
 	n0 := startNodeEnv(t, nil, nodeArgs(base, 0, port, "2s")...)
 	n1 := startNodeEnv(t, []string{"MKTRAIN_SECRET=not-the-secret-node-0-made"}, nodeArgs(tinyArgs(t.TempDir(), 3, "parallel.dp=2"), 1, port, "5s")...)
-	if code := n1.wait(t, 15*time.Second); code == 0 || !strings.Contains(n1.out.String(), "node 0 refused this node's secret") {
+	if code := n1.wait(t, 15*time.Second); code != exitFailure || !strings.Contains(n1.out.String(), "node 0 refused this node's secret") {
 		t.Errorf("node 1 with another secret: status %d\n%s", code, n1.out.String())
 	}
 	n0.wait(t, 15*time.Second)
