@@ -93,7 +93,7 @@ func (h *helpRequest) print(w io.Writer) {
 
 const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]
                   [--nnodes N --node-rank K --master-addr HOST [--master-port P]]
-                  [--secret-file F] [--bind ADDR]
+                  [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
 
 Trains the model a recipe describes. RECIPE is a YAML file or the name of a
 shipped recipe (tiny, moe-small, moe-fine). The run directory receives recipe.yaml (the
