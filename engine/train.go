@@ -159,7 +159,7 @@ func (e *Engine) verifyData(ctx context.Context) error {
 			return fmt.Errorf("%s: %w", d.field, err)
 		}
 		e.log.Info().Str("data", d.field).Int("shards", len(sum.Shards)).Int64("tokens", sum.Tokens).
-			Dur("took", time.Since(start)).Msg("data verified")
+			Str("took", time.Since(start).Round(time.Millisecond).String()).Msg("data verified")
 	}
 	return nil
 }

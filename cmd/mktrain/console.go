@@ -161,6 +161,8 @@ func (c *runConsole) finish() {
 func humanCount(n int) string {
 	v := float64(n)
 	switch {
+	case v >= 1e12:
+		return fmt.Sprintf("%.2fT", v/1e12)
 	case v >= 1e9:
 		return fmt.Sprintf("%.2fB", v/1e9)
 	case v >= 1e6:

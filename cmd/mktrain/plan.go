@@ -242,12 +242,14 @@ func printPlan(w io.Writer, recipe string, p plan.Plan, verdict error, host int6
 	}
 }
 
-// count writes a parameter count in millions or billions: "641.8M",
-// "4.65B".
+// count writes a parameter count in millions, billions or trillions:
+// "641.8M", "4.65B".
 func count(n int64) string {
 	switch {
 	case n == plan.Saturated:
 		return "more than 9.2e18"
+	case n >= 1e12:
+		return fmt.Sprintf("%.2fT", float64(n)/1e12)
 	case n >= 1e9:
 		return fmt.Sprintf("%.2fB", float64(n)/1e9)
 	case n >= 1e6:
