@@ -466,27 +466,34 @@ if [[ "${NO_HF:-}" != 1 && -x "$BIN/mktrain" ]]; then
   [[ $hf_rc -ne 0 ]] && status=1
   rm -rf "$HFD"
   echo
-  # With a tokenizer: a CPU run of tiny on shards made with the Llama 2
-  # style fixture, exported; transformers loads the export with
-  # AutoTokenizer and its greedy continuation must equal mktrain sample's.
+  # With a tokenizer: a CPU run of tiny (its 300 steps) on shards made
+  # with the Llama 2 style fixture, exported; transformers loads the
+  # export with AutoTokenizer and its greedy continuations of three
+  # prompts must equal mktrain sample's.
   echo "== Hugging Face tokenizer check (scripts/hf_tokenizer_check.py)"
   HFD=$(mktemp -d)
   TOK=tokenizer/testdata/llama2.json
-  PROMPT="The run directory"
+  PROMPTS=("The run directory" "func (e *Engine) Run(ctx" "Checkpoints are")
   {
     "$BIN/mktrain" data prepare --tokenizer "$TOK" --out "$HFD/data" --val-fraction 0.1 README.md 'docs/*.md' 'engine/*.go' &&
-    "$BIN/mktrain" run tiny --run-dir "$HFD/run" --set train.steps=80 --set train.backend=cpu --set log.progress=off \
+    "$BIN/mktrain" run tiny --run-dir "$HFD/run" --set train.backend=cpu --set log.progress=off \
       --set model.vocab=4096 --set data.tokenizer="$TOK" --set "data.train=$HFD/data/train_*.bin" --set "data.val=$HFD/data/val_*.bin" &&
-    "$BIN/mktrain" export --format hf --dtype fp32 "$HFD/run" "$HFD/hf" &&
-    "$BIN/mktrain" sample --checkpoint "$HFD/run" --prompt "$PROMPT" --tokens 24 --temperature 0 >"$HFD/sample.txt" &&
-    "$PY" scripts/hf_tokenizer_check.py "$HFD/hf" --prompt "$PROMPT" --tokens 24 --mktrain-sample "$HFD/sample.txt" \
-      --texts tokenizer/testdata/texts.json >"$HFD/hf_tokenizer_check.json"
+    "$BIN/mktrain" export --format hf --dtype fp32 "$HFD/run" "$HFD/hf" && {
+      check_args=()
+      sampled=1
+      for i in "${!PROMPTS[@]}"; do
+        "$BIN/mktrain" sample --checkpoint "$HFD/run" --prompt "${PROMPTS[$i]}" --tokens 24 --temperature 0 >"$HFD/sample$i.txt" || sampled=0
+        check_args+=(--prompt "${PROMPTS[$i]}" --mktrain-sample "$HFD/sample$i.txt")
+      done
+      [[ $sampled == 1 ]] && "$PY" scripts/hf_tokenizer_check.py "$HFD/hf" "${check_args[@]}" --tokens 24 \
+        --texts tokenizer/testdata/texts.json >"$HFD/hf_tokenizer_check.json"
+    }
   } >"$LOGS/hf_tokenizer.log" 2>&1
   hf_tok_rc=$?
   tail -n 3 "$LOGS/hf_tokenizer.log"
   cat "$HFD/hf_tokenizer_check.json" 2>/dev/null
   [[ -s "$HFD/hf_tokenizer_check.json" ]] && wrap_result hf-tokenizer-check hf-tokenizer-check \
-    "scripts/hf_tokenizer_check.py on an 80-step CPU run of tiny with tokenizer/testdata/llama2.json, exported in fp32 (scripts/gpu-test.sh)" "$HFD/hf_tokenizer_check.json"
+    "scripts/hf_tokenizer_check.py on a 300-step CPU run of tiny with tokenizer/testdata/llama2.json, exported in fp32, three prompts (scripts/gpu-test.sh)" "$HFD/hf_tokenizer_check.json"
   [[ $hf_tok_rc -ne 0 ]] && status=1
   rm -rf "$HFD"
   echo
