@@ -189,6 +189,12 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return fmt.Errorf("log.level: %w", err)
 	}
 	screen := newRunConsole(cfg, stderr, pos[0])
+	if launch.NodeRank > 0 {
+		// Only node 0 hears the steps (world rank 0 reports them): the
+		// other nodes print their log lines instead of a bar that would
+		// never move.
+		screen.useBar = false
+	}
 	console := io.Writer(zerolog.ConsoleWriter{Out: screen, NoColor: !screen.useBar, TimeFormat: time.TimeOnly,
 		FieldsOrder: engine.StepLogFields()})
 	consoleLevel := level
