@@ -81,6 +81,12 @@ extern "C" __global__ void gather_rows_f32_bf16(mk_bf16* out, const float* in, c
 // broadcast). The partial counts meet in integer atomics, whose sum does
 // not depend on their order. Grid: (ceil(N/1024), ceil(N/4096)) blocks of
 // 256.
+__device__ __forceinline__ long long mk_key_index(int key, int i) {
+  // key * 2^32 + i: ordered by key, then by index; a multiplication, as a
+  // left shift of a negative key (an id outside the table) is undefined.
+  return (long long)key * 4294967296LL + (unsigned)i;
+}
+
 extern "C" __global__ void __launch_bounds__(256) stable_rank_i32(int* rank, const int* keys, int N) {
   __shared__ long long tile[1024];
   long long mine[4];
@@ -88,14 +94,14 @@ extern "C" __global__ void __launch_bounds__(256) stable_rank_i32(int* rank, con
 #pragma unroll
   for (int c = 0; c < 4; c++) {
     const int i = blockIdx.x * 1024 + c * 256 + threadIdx.x;
-    mine[c] = i < N ? ((long long)keys[i] << 32) | (unsigned)i : 0;
+    mine[c] = i < N ? mk_key_index(keys[i], i) : 0;
     count[c] = 0;
   }
   const int jEnd = (blockIdx.y + 1) * 4096 < N ? (blockIdx.y + 1) * 4096 : N;
   for (int j0 = blockIdx.y * 4096; j0 < jEnd; j0 += 1024) {
     __syncthreads();
     for (int j = threadIdx.x; j < 1024; j += 256)
-      tile[j] = j0 + j < jEnd ? ((long long)keys[j0 + j] << 32) | (unsigned)(j0 + j) : 0x7fffffffffffffffLL;
+      tile[j] = j0 + j < jEnd ? mk_key_index(keys[j0 + j], j0 + j) : 0x7fffffffffffffffLL;
     __syncthreads();
 #pragma unroll 4
     for (int j = 0; j < 1024; j++) {

@@ -102,6 +102,50 @@ func TestDeterministicScatterMatchesCPUBits(t *testing.T) {
 	}
 }
 
+// TestDeterministicEmbeddingSkipsBadIDs: ids outside the table (negative,
+// or V and above) add nothing, as in the atomic kernel; the rest add as
+// the CPU does, bit for bit.
+func TestDeterministicEmbeddingSkipsBadIDs(t *testing.T) {
+	g := deterministicBackend(t)
+	c := cpu.New(backend.Float32)
+	rng := rand.New(rand.NewPCG(5, 8))
+	const v, n, d = 50, 3000, 64
+	ids := make([]int32, n)
+	var goodIDs []int32
+	dOut := randomFloats(rng, n*d)
+	var goodRows []float32
+	for i := range ids {
+		switch rng.IntN(10) {
+		case 0:
+			ids[i] = -1 - int32(rng.IntN(1000))
+		case 1:
+			ids[i] = v + int32(rng.IntN(1000))
+		default:
+			ids[i] = int32(rng.IntN(v))
+			goodIDs = append(goodIDs, ids[i])
+			goodRows = append(goodRows, dOut[i*d:(i+1)*d]...)
+		}
+	}
+	table0 := randomFloats(rng, v*d)
+	want := func() []float32 {
+		table, rows, idsT := c.New(backend.Float32, v, d), c.New(backend.Float32, len(goodIDs), d), c.New(backend.Int32, len(goodIDs))
+		backend.UploadSlice(c, table, table0)
+		backend.UploadSlice(c, rows, goodRows)
+		backend.UploadSlice(c, idsT, goodIDs)
+		c.EmbeddingBackward(table, rows, idsT)
+		return backend.DownloadFloat32(c, table)
+	}()
+	table, rows, idsT := g.New(backend.Float32, v, d), g.New(backend.Float32, n, d), g.New(backend.Int32, n)
+	backend.UploadSlice(g, table, table0)
+	backend.UploadSlice(g, rows, dOut)
+	backend.UploadSlice(g, idsT, ids)
+	g.EmbeddingBackward(table, rows, idsT)
+	sameBits(t, "EmbeddingBackward with ids outside the table", backend.DownloadFloat32(g, table), want)
+	if err := g.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestDeterministicCombineRowsMatchesCPUBits: CombineRows with every row
 // flagged is ScatterAddRows, in the same bits as the CPU's, and clears the
 // flags.
