@@ -210,6 +210,10 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		levelWriter{console, consoleLevel},
 	))).With().Timestamp().Logger()
 	logger.Info().Str("recipe", pos[0]).Str("run_dir", *runDir).Str("version", versionString()).Str("launch", launch.String()).Msg("mktrain run")
+	// The run's error goes to train.log only: the command prints it on
+	// stderr itself as it exits (after the engine's goroutines are done, so
+	// nothing else writes to the file then).
+	fileLog := zerolog.New(levelWriter{logFile, level}).With().Timestamp().Logger()
 
 	opts := []engine.Option{engine.WithDrivers(all.Drivers()...), engine.WithLogger(logger), engine.WithRunDirLock(runDirLock),
 		engine.WithRecipe(snapshot, recipes.Hash(cfg))}
@@ -277,7 +281,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		fmt.Fprintln(stdout, summary)
 		return stoppedError(ctx, fmt.Sprintf("stopped after step %d", res.Steps))
 	case err != nil:
-		logger.Error().Err(err).Msg("run failed")
+		fileLog.Error().Err(err).Msg("run failed")
 		return failedRun(err) // exit 1, unless the engine found bad input first (exit 2)
 	}
 	fmt.Fprintln(stdout, summary)
