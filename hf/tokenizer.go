@@ -7,7 +7,6 @@ package hf
 
 import (
 	"encoding/json"
-	"fmt"
 
 	"github.com/mktrain/mktrain/tokenizer"
 )
@@ -25,6 +24,8 @@ type Tokenizer struct {
 	// tokenizer has none; BOSID and EOSID their ids.
 	BOS, EOS     string
 	BOSID, EOSID int
+	// UNK is the model's unk_token, "" when it has none.
+	UNK string
 }
 
 // TokenizerFor describes tok for a model directory.
@@ -37,6 +38,9 @@ func TokenizerFor(tok *tokenizer.Tokenizer) *Tokenizer {
 	if id, ok := tok.EOS(); ok {
 		t.EOS, _ = tok.Token(id)
 		t.EOSID = id
+	}
+	if id, ok := tok.UNK(); ok {
+		t.UNK, _ = tok.Token(id)
 	}
 	return t
 }
@@ -60,14 +64,6 @@ type tokenizerConfig struct {
 // tokenizer.json, post-processor and all), the bos, eos and unk tokens
 // (null where there is none), no pad token, and model_max_length.
 func TokenizerConfig(t *Tokenizer, maxLength int) ([]byte, error) {
-	var model struct {
-		Model struct {
-			UNK *string `json:"unk_token"`
-		} `json:"model"`
-	}
-	if err := json.Unmarshal(t.JSON, &model); err != nil {
-		return nil, fmt.Errorf("%s: %w", TokenizerFile, err)
-	}
 	orNull := func(s string) *string {
 		if s == "" {
 			return nil
@@ -76,7 +72,7 @@ func TokenizerConfig(t *Tokenizer, maxLength int) ([]byte, error) {
 	}
 	b, err := json.MarshalIndent(tokenizerConfig{
 		TokenizerClass: "PreTrainedTokenizerFast",
-		BOSToken:       orNull(t.BOS), EOSToken: orNull(t.EOS), UNKToken: model.Model.UNK,
+		BOSToken:       orNull(t.BOS), EOSToken: orNull(t.EOS), UNKToken: orNull(t.UNK),
 		ModelMaxLength: maxLength,
 	}, "", "  ")
 	if err != nil {

@@ -107,6 +107,11 @@ func (t *Tokenizer) EOS() (id int, ok bool) { return t.eos, t.eos >= 0 }
 // <|begin_of_text|>, <bos>, <|startoftext|>.
 func (t *Tokenizer) BOS() (id int, ok bool) { return t.bos, t.bos >= 0 }
 
+// UNK is the id of the model's unk_token, which stands for text the
+// vocabulary cannot spell; ok is false when it has none (byte-level and
+// byte-fallback tokenizers usually do not).
+func (t *Tokenizer) UNK() (id int, ok bool) { return int(t.model.unk), t.model.unk >= 0 }
+
 // TokenID is the id of the token s (a vocabulary entry in its stored form,
 // e.g. "Ġthe" for a byte-level tokenizer, or an added token).
 func (t *Tokenizer) TokenID(s string) (int, bool) {
