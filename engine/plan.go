@@ -58,9 +58,9 @@ func (e *Engine) plan(processRanks, deviceRanks int) (plan.Plan, error) {
 
 // planDispatcher is the dispatcher the run will settle on where it can be
 // known without measuring (resolveDispatcher, tune.ResolveDispatcher):
-// the recipe's, or for auto unfused on the CPU and where the expert
-// groups have no peer access (one rank per GPU without an explicit
-// fused, several processes), else the table's choice when it has this
+// the recipe's, or for auto unfused on the CPU, under train.deterministic
+// and where the expert groups have no peer access (one rank per GPU
+// without an explicit fused, several processes), else the table's choice when it has this
 // machine and shape; "" (the plan takes the larger of the two) when only
 // a measurement would say.
 func (e *Engine) planDispatcher(processRanks, deviceRanks int) string {
@@ -69,7 +69,7 @@ func (e *Engine) planDispatcher(processRanks, deviceRanks int) string {
 	switch {
 	case m.Dispatcher == moe.DispatcherFused || m.Dispatcher == moe.DispatcherUnfused:
 		return m.Dispatcher
-	case e.backend.Name() == "cpu", processRanks < world, deviceRanks == 1 && world > 1:
+	case e.backend.Name() == "cpu", processRanks < world, deviceRanks == 1 && world > 1, e.cfg.Train.Deterministic:
 		return moe.DispatcherUnfused
 	}
 	tokens := e.cfg.Train.MicroBatch * e.cfg.Train.Seq / e.cfg.Parallel.CP
