@@ -134,12 +134,8 @@ func AcceptBackoff(done <-chan struct{}, wait time.Duration) (time.Duration, boo
 	if wait == 0 {
 		wait = 5 * time.Millisecond
 	}
-	t := time.NewTimer(wait)
-	defer t.Stop()
-	select {
-	case <-done:
+	if !pause(done, wait) {
 		return 0, false
-	case <-t.C:
 	}
 	return min(2*wait, time.Second), true
 }
@@ -161,15 +157,8 @@ func DialAuth(ctx context.Context, addr string, secret []byte, purpose string, t
 			return c, nil
 		}
 		c.Close()
-		if errors.Is(err, ErrSecretRefused) {
+		if errors.Is(err, ErrSecretRefused) || !pause(ctx.Done(), wait) {
 			return nil, err
-		}
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil, err
-		case <-t.C:
 		}
 		wait = min(2*wait, time.Second)
 	}

@@ -28,14 +28,22 @@ func DialRetry(ctx context.Context, addr string) (net.Conn, error) {
 		if err == nil {
 			return conn, nil
 		}
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !pause(ctx.Done(), wait) {
 			return nil, err
-		case <-t.C:
 		}
 		wait = min(2*wait, time.Second)
+	}
+}
+
+// pause waits for wait, or until done closes first (then false).
+func pause(done <-chan struct{}, wait time.Duration) bool {
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-done:
+		return false
+	case <-t.C:
+		return true
 	}
 }
 
