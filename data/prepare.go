@@ -45,31 +45,17 @@ func Prepare(ctx context.Context, inputs []string, outDir string, valFraction fl
 	for _, n := range sizes {
 		total += n
 	}
-	_, statErr := os.Stat(outDir)
-	createdOut := errors.Is(statErr, os.ErrNotExist)
-	if err := os.MkdirAll(outDir, 0o755); err != nil {
-		return st, fmt.Errorf("prepare: %w", err)
+	out, err := openShardOutput(outDir, shardTokens, headerForVocab(ByteVocab))
+	if err != nil {
+		return st, err
 	}
-	for _, prefix := range []string{"train", "val"} {
-		old, _ := filepath.Glob(filepath.Join(outDir, prefix+"_*.bin"))
-		if len(old) > 0 {
-			return st, fmt.Errorf("prepare: %s already holds shards (%s); remove them or choose another output directory", outDir, old[0])
-		}
-	}
-
-	header := headerForVocab(ByteVocab)
-	train := &splitWriter{dir: outDir, prefix: "train", shardTokens: shardTokens, header: header}
-	val := &splitWriter{dir: outDir, prefix: "val", shardTokens: shardTokens, header: header}
 	ok := false
 	defer func() {
 		if !ok {
-			train.abort()
-			val.abort()
-			if createdOut {
-				os.Remove(outDir) // only when empty: never what another wrote there
-			}
+			out.abort()
 		}
 	}()
+	train, val := out.train, out.val
 	var done int64
 	buf := make([]byte, 1<<20)
 	for i, path := range files {
@@ -182,6 +168,42 @@ func copyFile(ctx context.Context, path string, size, trainBytes int64, train, v
 		return fmt.Errorf("prepare: %s: file shrank while being read (%d bytes, was %d)", path, pos, size)
 	}
 	return nil
+}
+
+// shardOutput is a prepare's output folder and its train and val writers.
+type shardOutput struct {
+	dir        string
+	created    bool // the folder did not exist before
+	train, val *splitWriter
+}
+
+// openShardOutput makes dir (when missing) for train_*.bin and val_*.bin
+// shards of shardTokens tokens in header's format, and refuses a folder
+// that holds such shards already.
+func openShardOutput(dir string, shardTokens int, header ShardHeader) (*shardOutput, error) {
+	_, statErr := os.Stat(dir)
+	o := &shardOutput{dir: dir, created: errors.Is(statErr, os.ErrNotExist)}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("prepare: %w", err)
+	}
+	for _, prefix := range []string{"train", "val"} {
+		if old, _ := filepath.Glob(filepath.Join(dir, prefix+"_*.bin")); len(old) > 0 {
+			return nil, fmt.Errorf("prepare: %s already holds shards (%s); remove them or choose another output directory", dir, old[0])
+		}
+	}
+	o.train = &splitWriter{dir: dir, prefix: "train", shardTokens: shardTokens, header: header}
+	o.val = &splitWriter{dir: dir, prefix: "val", shardTokens: shardTokens, header: header}
+	return o, nil
+}
+
+// abort removes the shards written so far, and the folder when this
+// prepare made it.
+func (o *shardOutput) abort() {
+	o.train.abort()
+	o.val.abort()
+	if o.created {
+		os.Remove(o.dir) // only when empty: never what another wrote there
+	}
 }
 
 // splitWriter writes a stream of tokens into numbered shards of

@@ -168,28 +168,17 @@ func PrepareTokenized(ctx context.Context, o PrepareOptions) (PrepareStats, erro
 	header := headerForVocab(vocab)
 	st.TokenBytes = header.TokenBytes()
 
-	_, statErr := os.Stat(o.OutDir)
-	createdOut := errors.Is(statErr, os.ErrNotExist)
-	if err := os.MkdirAll(o.OutDir, 0o755); err != nil {
-		return st, fmt.Errorf("prepare: %w", err)
+	out, err := openShardOutput(o.OutDir, o.ShardTokens, header)
+	if err != nil {
+		return st, err
 	}
-	train := &splitWriter{dir: o.OutDir, prefix: "train", shardTokens: o.ShardTokens, header: header}
-	val := &splitWriter{dir: o.OutDir, prefix: "val", shardTokens: o.ShardTokens, header: header}
 	ok := false
 	defer func() {
 		if !ok {
-			train.abort()
-			val.abort()
-			if createdOut {
-				os.Remove(o.OutDir) // only when empty: never what another wrote there
-			}
+			out.abort()
 		}
 	}()
-	for _, prefix := range []string{"train", "val"} {
-		if old, _ := filepath.Glob(filepath.Join(o.OutDir, prefix+"_*.bin")); len(old) > 0 {
-			return st, fmt.Errorf("prepare: %s already holds shards (%s); remove them or choose another output directory", o.OutDir, old[0])
-		}
-	}
+	train, val := out.train, out.val
 
 	spill, err := createSpill(o.OutDir)
 	if err != nil {
