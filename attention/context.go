@@ -1,9 +1,9 @@
 package attention
 
-// Context parallelism, unfused: the sequence is split over the W ranks of a
-// comm.Group in zigzag order, keys and values are all-gathered before the
-// attention and their gradients reduce-scattered after it. The fused ring
-// kernel will replace the two collectives; this file is its reference.
+// Context parallelism, the all-gather mode (CPAllGather): the sequence is
+// split over the W ranks of a comm.Group in zigzag order, keys and values
+// are all-gathered before the attention and their gradients
+// reduce-scattered after it. It is the reference of the ring (ring.go).
 //
 // Zigzag order. A sequence of S positions is cut into 2W chunks of
 // C = S/(2W); rank r holds chunks r and 2W-1-r. Causal attention costs a
@@ -75,7 +75,9 @@ func ZigzagPositions(seq, ranks, rank int) ([]int32, error) {
 // order: each rank passes Forward and Backward its batch*seq/W local tokens
 // (see ZigzagPositions for their order and positions). All ranks of group
 // must call Forward and Backward together, as they run collectives. A group
-// of one rank gives exactly the Layer of New.
+// of one rank gives exactly the Layer of New. The attention between the
+// ranks runs in the mode of WithContextMode (CPAllGather by default) on a
+// ContextCore.
 //
 // A collective that fails (a peer aborted the group) makes Forward or
 // Backward return its error; the rank should then abort its groups
@@ -102,19 +104,22 @@ func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.G
 	if err != nil {
 		return nil, err
 	}
-	if err := l.sc.fitCP(b, batch*seq, seq, s.KVHeads*s.HeadDim()); err != nil {
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
+	mode := o.cpMode
+	if mode == "" {
+		mode = CPAllGather
+	}
+	if l.cp, err = newContextCore(b, s, batch, seq, group, mode, l.sc); err != nil {
 		return nil, err
 	}
-	l.cp = newContextParallel(b, s, batch, seq, group, l.sc.cp)
 	return l, nil
 }
 
-// contextParallel is a Layer's state for W > 1 ranks.
-type contextParallel struct {
-	g                 comm.Group
-	w, rank           int
-	batch, seq, chunk int // B, the full S, and C = S/(2W)
-
+// allGather is a ContextCore's state in mode allgather.
+type allGather struct {
 	// allOfNat[n] is the rank-order row (of the all-gathered [W*B*2C]) that
 	// holds natural row n = b*S + p; natOfAll is its inverse. Int32 [B*S].
 	allOfNat, natOfAll backend.Tensor
@@ -123,15 +128,15 @@ type contextParallel struct {
 	*cpScratch                    // shared with the other layers of the rank
 }
 
-// cpScratch is the part of a Scratch only context-parallel Layers use.
+// cpScratch is the part of a Scratch only all-gather cores use.
 type cpScratch struct {
 	kAllTK, vAllTK   backend.Tensor // [W*B*2C, KD] gathered k, v; dk, dv before the reduce-scatter
 	dkNatTK, dvNatTK backend.Tensor // [B*S, KD] dk, dv summed over the local chunks
 	dkOneTK, dvOneTK backend.Tensor // [S, KD] one attention call's dk, dv
 }
 
-// fitCP allocates the context-parallel scratch for rows = B*S natural rows
-// of sequences of seq positions, kd columns, or checks that it has that size.
+// fitCP allocates the all-gather scratch for rows = B*S natural rows of
+// sequences of seq positions, kd columns, or checks that it has that size.
 func (sc *Scratch) fitCP(b backend.Backend, rows, seq, kd int) error {
 	ft := b.FloatType()
 	if sc.cp == nil {
@@ -150,118 +155,76 @@ func (sc *Scratch) fitCP(b backend.Backend, rows, seq, kd int) error {
 	return nil
 }
 
-func newContextParallel(b backend.Backend, s Shape, batch, seq int, g comm.Group, sc *cpScratch) *contextParallel {
+func newAllGather(b backend.Backend, s Shape, batch, seq int, g comm.Group, sc *cpScratch) *allGather {
 	w, ft, kd := g.Size(), b.FloatType(), s.KVHeads*s.HeadDim()
-	cp := &contextParallel{g: g, w: w, rank: g.Rank(), batch: batch, seq: seq, chunk: seq / (2 * w), cpScratch: sc}
-	local := batch * 2 * cp.chunk
+	chunk := seq / (2 * w)
+	ag := &allGather{cpScratch: sc}
+	local := batch * 2 * chunk
 	allOfNat, natOfAll := make([]int32, batch*seq), make([]int32, batch*seq)
 	for r := range w {
 		pos, _ := ZigzagPositions(seq, w, r) // checked by the caller
 		for bi := range batch {
 			for l, p := range pos {
-				all, nat := r*local+bi*2*cp.chunk+l, bi*seq+int(p)
+				all, nat := r*local+bi*2*chunk+l, bi*seq+int(p)
 				allOfNat[nat], natOfAll[all] = int32(all), int32(nat)
 			}
 		}
 	}
-	cp.allOfNat, cp.natOfAll = b.New(backend.Int32, batch*seq), b.New(backend.Int32, batch*seq)
-	backend.UploadSlice(b, cp.allOfNat, allOfNat)
-	backend.UploadSlice(b, cp.natOfAll, natOfAll)
-	cp.kNatTK, cp.vNatTK = b.New(ft, batch*seq, kd), b.New(ft, batch*seq, kd)
-	return cp
-}
-
-// chunkCall is one local chunk of one sequence: its query rows' offset
-// among the local rows, and the attention shape of its call.
-type chunkCall struct {
-	bi, row0 int // the sequence, and its first local row
-	s        backend.AttnShape
-}
-
-// calls lists the 2B attention calls of a micro-batch, in the order their
-// lse rows are laid out ([B, 2, H, C]).
-func (cp *contextParallel) calls(s Shape) []chunkCall {
-	var cs []chunkCall
-	for bi := range cp.batch {
-		for n, chunk := range []int{cp.rank, 2*cp.w - 1 - cp.rank} {
-			off := chunk * cp.chunk
-			cs = append(cs, chunkCall{bi: bi, row0: (bi*2 + n) * cp.chunk, s: backend.AttnShape{
-				Batch: 1, Seq: cp.chunk, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim(),
-				KVSeq: off + cp.chunk, QOffset: off,
-			}})
-		}
-	}
-	return cs
+	ag.allOfNat, ag.natOfAll = b.New(backend.Int32, batch*seq), b.New(backend.Int32, batch*seq)
+	backend.UploadSlice(b, ag.allOfNat, allOfNat)
+	backend.UploadSlice(b, ag.natOfAll, natOfAll)
+	ag.kNatTK, ag.vNatTK = b.New(ft, batch*seq, kd), b.New(ft, batch*seq, kd)
+	return ag
 }
 
 // forward writes aTQ and lseBHS from the local, rotated q, k and v.
-func (cp *contextParallel) forward(l *Layer) error {
-	b := l.b
-	if err := cp.g.AllGather(cp.kAllTK, l.kTK); err != nil {
-		return cp.fail("all-gather k", err)
+func (ag *allGather) forward(c *ContextCore, aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error {
+	b := c.b
+	if err := c.g.AllGather(ag.kAllTK, kTK); err != nil {
+		return c.fail("all-gather k", err)
 	}
-	if err := cp.g.AllGather(cp.vAllTK, l.vTK); err != nil {
-		return cp.fail("all-gather v", err)
+	if err := c.g.AllGather(ag.vAllTK, vTK); err != nil {
+		return c.fail("all-gather v", err)
 	}
-	b.GatherRows(cp.kNatTK, cp.kAllTK, cp.allOfNat, nil)
-	b.GatherRows(cp.vNatTK, cp.vAllTK, cp.allOfNat, nil)
-	for n, c := range cp.calls(l.s) {
-		q, a, lse := l.qRows(c), l.aRows(c), l.lseRows(n, c)
-		k, v := cp.keys(l, cp.kNatTK, c), cp.keys(l, cp.vNatTK, c)
-		b.AttentionForward(a, lse, q, k, v, c.s)
+	b.GatherRows(ag.kNatTK, ag.kAllTK, ag.allOfNat, nil)
+	b.GatherRows(ag.vNatTK, ag.vAllTK, ag.allOfNat, nil)
+	for _, cc := range c.queryChunks() {
+		q, a, lse := c.qRows(qTQ, cc), c.qRows(aTQ, cc), c.lseRows(lseBHS, cc)
+		k, v := ag.keys(c, ag.kNatTK, cc), ag.keys(c, ag.vNatTK, cc)
+		b.AttentionForward(a, lse, q, k, v, cc.s)
 	}
 	return nil
 }
 
-// backward writes l.dqTQ, l.dkTK and l.dvTK (this rank's rows) from l.daTQ.
-func (cp *contextParallel) backward(l *Layer) error {
-	b := l.b
-	b.Zero(cp.dkNatTK)
-	b.Zero(cp.dvNatTK)
-	for n, c := range cp.calls(l.s) {
-		q, a, lse := l.qRows(c), l.aRows(c), l.lseRows(n, c)
-		k, v := cp.keys(l, cp.kNatTK, c), cp.keys(l, cp.vNatTK, c)
-		dq, da := b.View(l.dqTQ, c.row0*l.qWidth(), c.s.Seq, l.qWidth()), b.View(l.daTQ, c.row0*l.qWidth(), c.s.Seq, l.qWidth())
-		dk, dv := b.View(cp.dkOneTK, 0, c.s.KVSeq, l.kdWidth()), b.View(cp.dvOneTK, 0, c.s.KVSeq, l.kdWidth())
-		b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, c.s)
-		b.Axpy(cp.keys(l, cp.dkNatTK, c), 1, dk)
-		b.Axpy(cp.keys(l, cp.dvNatTK, c), 1, dv)
+// backward writes dqTQ, dkTK and dvTK (this rank's rows) from daTQ.
+func (ag *allGather) backward(c *ContextCore, dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
+	b, kd := c.b, c.s.KVHeads*c.s.HeadDim()
+	b.Zero(ag.dkNatTK)
+	b.Zero(ag.dvNatTK)
+	for _, cc := range c.queryChunks() {
+		q, a, lse := c.qRows(c.qTQ, cc), c.qRows(c.aTQ, cc), c.lseRows(c.lseBHS, cc)
+		k, v := ag.keys(c, ag.kNatTK, cc), ag.keys(c, ag.vNatTK, cc)
+		dq, da := c.qRows(dqTQ, cc), c.qRows(daTQ, cc)
+		dk, dv := b.View(ag.dkOneTK, 0, cc.s.KVSeq, kd), b.View(ag.dvOneTK, 0, cc.s.KVSeq, kd)
+		b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, cc.s)
+		b.Axpy(ag.keys(c, ag.dkNatTK, cc), 1, dk)
+		b.Axpy(ag.keys(c, ag.dvNatTK, cc), 1, dv)
 	}
 	// Rank order, then each rank keeps the sum of its own block.
-	b.GatherRows(cp.kAllTK, cp.dkNatTK, cp.natOfAll, nil)
-	b.GatherRows(cp.vAllTK, cp.dvNatTK, cp.natOfAll, nil)
-	if err := cp.g.ReduceScatterSum(l.dkTK, cp.kAllTK); err != nil {
-		return cp.fail("reduce-scatter dk", err)
+	b.GatherRows(ag.kAllTK, ag.dkNatTK, ag.natOfAll, nil)
+	b.GatherRows(ag.vAllTK, ag.dvNatTK, ag.natOfAll, nil)
+	if err := c.g.ReduceScatterSum(dkTK, ag.kAllTK); err != nil {
+		return c.fail("reduce-scatter dk", err)
 	}
-	if err := cp.g.ReduceScatterSum(l.dvTK, cp.vAllTK); err != nil {
-		return cp.fail("reduce-scatter dv", err)
+	if err := c.g.ReduceScatterSum(dvTK, ag.vAllTK); err != nil {
+		return c.fail("reduce-scatter dv", err)
 	}
 	return nil
 }
 
-// keys is the view of the first c.s.KVSeq natural-order rows of sequence
-// c.bi in t ([B*S, KD]).
-func (cp *contextParallel) keys(l *Layer, t backend.Tensor, c chunkCall) backend.Tensor {
-	return l.b.View(t, c.bi*cp.seq*l.kdWidth(), c.s.KVSeq, l.kdWidth())
+// keys is the view of the first cc.s.KVSeq natural-order rows of sequence
+// cc.bi in t ([B*S, KD]).
+func (ag *allGather) keys(c *ContextCore, t backend.Tensor, cc chunkCall) backend.Tensor {
+	kd := c.s.KVHeads * c.s.HeadDim()
+	return c.b.View(t, cc.bi*c.seq*kd, cc.s.KVSeq, kd)
 }
-
-func (cp *contextParallel) fail(what string, err error) error {
-	return fmt.Errorf("attention: context-parallel %s (rank %d of %d): %w", what, cp.rank, cp.w, err)
-}
-
-// qRows, aRows and lseRows are a chunk call's views of q, a and the lse
-// (laid out [B, 2, H, C] on a context-parallel Layer).
-func (l *Layer) qRows(c chunkCall) backend.Tensor {
-	return l.b.View(l.qTQ, c.row0*l.qWidth(), c.s.Seq, l.qWidth())
-}
-
-func (l *Layer) aRows(c chunkCall) backend.Tensor {
-	return l.b.View(l.aTQ, c.row0*l.qWidth(), c.s.Seq, l.qWidth())
-}
-
-func (l *Layer) lseRows(n int, c chunkCall) backend.Tensor {
-	return l.b.View(l.lseBHS, n*c.s.Heads*c.s.Seq, 1, c.s.Heads, c.s.Seq)
-}
-
-func (l *Layer) qWidth() int  { return l.s.Heads * l.s.HeadDim() }
-func (l *Layer) kdWidth() int { return l.s.KVHeads * l.s.HeadDim() }

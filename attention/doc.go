@@ -33,7 +33,11 @@
 // NewContextParallel builds a Layer whose sequences are split over the
 // ranks of a comm.Group (comm.Ranks.Context); each rank passes its own
 // batch*seq/W tokens with their global positions from ZigzagPositions, and
-// all ranks call Forward and Backward together.
+// all ranks call Forward and Backward together. The attention between
+// the ranks runs on a ContextCore (NewContextCore), which can also be run
+// alone on explicit q, k, v tensors (benchmarks); its mode (CPMode,
+// WithContextMode) says how keys and values reach the other ranks'
+// queries.
 //
 // # What it computes
 //
@@ -61,9 +65,9 @@
 // all a flash-style backward needs to recompute the probabilities.
 //
 // Context parallelism cuts each sequence into 2W chunks and gives rank r
-// chunks r and 2W-1-r (zigzag), which evens out the causal work. Keys and
-// values are all-gathered over the group and their gradients
-// reduce-scattered back (context.go). Outputs and dx are exactly the rows
+// chunks r and 2W-1-r (zigzag), which evens out the causal work. In mode
+// allgather keys and values are all-gathered over the group and their
+// gradients reduce-scattered back (context.go). Outputs and dx are exactly the rows
 // of a one-rank run; weight gradients are this rank's share, summed over
 // the group by the engine like any replicated weight's. With W = 1 it is
 // the Layer of New.

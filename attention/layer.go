@@ -82,7 +82,7 @@ type Layer struct {
 
 	// cp is set on a Layer of a context-parallel group of more than one
 	// rank (NewContextParallel); lseBHS is then laid out [B, 2, H, C].
-	cp *contextParallel
+	cp *ContextCore
 }
 
 // Scratch is the working memory a Layer uses only inside one call: the
@@ -94,7 +94,7 @@ type Layer struct {
 // the same shape and micro-batch, on the same backend.
 type Scratch struct {
 	daTQ, dqTQ, dkTK, dvTK backend.Tensor // [T, H*Dh] and [T, KV*Dh]; nil until sized
-	cp                     *cpScratch     // sized by the first context-parallel Layer
+	cp                     *cpScratch     // sized by the first all-gather context core
 	ops                    *operands      // nil where the operand type is the float type
 }
 
@@ -125,6 +125,7 @@ type Option func(*options)
 type options struct {
 	scratch  *Scratch
 	addToOut bool
+	cpMode   CPMode
 }
 
 func outBeta(add bool) float64 {
@@ -138,6 +139,10 @@ func outBeta(add bool) float64 {
 // instead of overwriting it: the output projection accumulates, and the
 // caller needs no separate addition.
 func AddToOutput() Option { return func(o *options) { o.addToOut = true } }
+
+// WithContextMode makes a context-parallel Layer (NewContextParallel) bring
+// keys and values to its queries in mode m instead of CPAllGather.
+func WithContextMode(m CPMode) Option { return func(o *options) { o.cpMode = m } }
 
 // WithScratch makes the Layer use s, shared with the other layers of its
 // rank, instead of a Scratch of its own.
@@ -244,7 +249,7 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 	b.RoPE(l.qTQ, posT, dh, theta, false)
 	b.RoPE(l.kTK, posT, dh, theta, false)
 	if l.cp != nil {
-		if err := l.cp.forward(l); err != nil {
+		if err := l.cp.Forward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK); err != nil {
 			return err
 		}
 	} else {
@@ -285,7 +290,7 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	b.MatMul(g.WoDQ, dout, l.aTQ, true, false, 1, 1)
 
 	if l.cp != nil {
-		if err := l.cp.backward(l); err != nil {
+		if err := l.cp.Backward(l.dqTQ, l.dkTK, l.dvTK, l.daTQ); err != nil {
 			return err
 		}
 	} else {
