@@ -1,0 +1,1022 @@
+package main
+
+// mktrain bench attention: the attention core (backend.AttentionForward and
+// AttentionBackward) against PyTorch SDPA's cuDNN and flash backends, run
+// in the same command (scripts/peer/attention_peer.py), with the bar the
+// core is held to.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/mktrain/mktrain/attention"
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/profile"
+	"github.com/mktrain/mktrain/comm"
+)
+
+const benchAttentionUsage = `Usage: mktrain bench attention [--shapes moe-small,s8k,s32k] [--ring-world 2,4,8] [--ring-seq 4096,8192] [--iters N] [--backend auto|cpu|cuda] [--peer PYTHON] [--peer-script FILE] [--out DIR]
+
+Times the attention core (the backend's AttentionForward and
+AttentionBackward: causal, grouped-query; float32 in and out today) on
+fresh random inputs, after two warm-up calls, as the median of --iters
+calls, each timed on the device's clock (CUDA events on the GPU), with
+TFLOP/s from the causal FLOP count (forward 2*2*B*H*S*S*Dh/2, backward
+2.5x the forward). Shapes (B batch, S sequence, H query heads, KV
+key/value heads, Dh head dim):
+  moe-small  B8 S2048 H16 KV4 Dh64     (moe-small's attention)
+  s8k        B2 S8192 H16 KV16 Dh128
+  s32k       B1 S32768 H32 KV8 Dh128
+  tiny       B2 S64 H4 KV2 Dh16        (tests)
+With --peer PYTHON (e.g. /opt/torch/.venv/bin/python3) it first runs
+--peer-script (default scripts/peer/attention_peer.py) under that Python
+on the same shapes: PyTorch SDPA, causal, bf16, with the cuDNN and the
+flash backends, timed with CUDA events; it prints the ratios core / cuDNN
+and core / flash (TFLOP/s over TFLOP/s: above 1 the core is faster) and
+whether the bar holds: the core at least 1.0x cuDNN SDPA, forward and
+backward, on every shape. Without --peer the PyTorch columns are absent
+and the bar is not measured. A peer that fails is reported (its message,
+in the table and the JSON) and the command exits 1 after writing the
+core's figures.
+
+Then the ring: context-parallel attention (attention.ContextCore) on W
+virtual ranks of the one device for each W of --ring-world (goroutines
+over in-process groups: comm.NewLocal with cp = W), each rank holding its
+zigzag rows (attention.ZigzagPositions) of one sequence of S = W * S/W
+tokens, for each S/W of --ring-seq, at B1 H16 KV4 Dh128 (GQA 4:1). It
+times forward and forward+backward in each mode (allgather: k and v
+all-gathered, their gradients reduce-scattered; ring: k and v chunks
+passed around the ranks) from before the first rank starts to after the
+last ends, and the core on the whole sequence on one rank (the same
+work): ring efficiency = core time / ring time, and ring / allgather =
+allgather time / ring time (above 1 the ring is faster). Bars: efficiency
+at least 0.95 forward and forward+backward at S/W >= 4096, and the ring
+faster than allgather at every W. The W virtual ranks share one GPU's
+memory and SMs, so the figures show the cost of splitting the work, not
+of links between GPUs (NVLink figures come from the multi-GPU issue,
+#33). At S/W 8192 and W 8 the sequence is 65,536 tokens: about 10 GB of
+float32 tensors over all ranks in allgather mode, well within an H200's
+141 GB. --ring-world none leaves the ring out. A mode the build does not
+offer yet (NewContextCore refuses it) is reported and its bars are not
+measured.
+
+Writes attention.json into bench/results/<machine>/ (the latest result
+per machine, overwritten by the next run) or into the folder --out
+names, with the commit, machine, command, every figure and each bar's
+verdict, and prints a short table of the bars last.
+
+Flags:
+`
+
+// attnBenchShape is one attention shape of the benchmark.
+type attnBenchShape struct {
+	Name    string `json:"name"`
+	Batch   int    `json:"batch"`
+	Seq     int    `json:"seq"`
+	Heads   int    `json:"heads"`
+	KVHeads int    `json:"kv_heads"`
+	HeadDim int    `json:"head_dim"`
+}
+
+func attnBenchShapes() []attnBenchShape {
+	return []attnBenchShape{
+		{"moe-small", 8, 2048, 16, 4, 64},
+		{"s8k", 2, 8192, 16, 16, 128},
+		{"s32k", 1, 32768, 32, 8, 128},
+		{"tiny", 2, 64, 4, 2, 16},
+	}
+}
+
+func (s attnBenchShape) attn() backend.AttnShape {
+	return backend.AttnShape{Batch: s.Batch, Seq: s.Seq, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim}
+}
+
+func (s attnBenchShape) String() string {
+	return fmt.Sprintf("B%d S%d H%d KV%d Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim)
+}
+
+// attnForwardFLOPs is causal attention's forward work: two products of
+// B*H*S*S*Dh multiply-adds, half of them masked. The backward counts 2.5
+// times this (five products instead of two), for the core and the peer
+// alike.
+func attnForwardFLOPs(batch, seq, heads, headDim int) float64 {
+	return 2 * 2 * float64(batch) * float64(heads) * float64(seq) * float64(seq) * float64(headDim) / 2
+}
+
+const attnBackwardFactor = 2.5
+
+// tflops is the rate of flops done in ms milliseconds.
+func tflops(flops, ms float64) float64 { return flops / (ms / 1e3) / 1e12 }
+
+// The bars, as the tables and the JSON name them.
+const (
+	coreBar  = "core >= 1.0x cuDNN SDPA forward and backward on every shape"
+	coreGoal = 1.0
+)
+
+// Verdicts of a bar.
+const (
+	verdictHeld        = "held"
+	verdictNotHeld     = "not held"
+	verdictNotMeasured = "not measured"
+)
+
+// barVerdict is a bar and whether this run held it; Why says what decided
+// it (the rows that missed, or why it was not measured).
+type barVerdict struct {
+	Bar     string `json:"bar"`
+	Verdict string `json:"verdict"`
+	Why     string `json:"why,omitempty"`
+}
+
+// attnPeerRow is one (shape, backend) of the peer's output.
+type attnPeerRow struct {
+	Batch     int     `json:"batch"`
+	Seq       int     `json:"seq"`
+	Heads     int     `json:"heads"`
+	KVHeads   int     `json:"kv_heads"`
+	HeadDim   int     `json:"head_dim"`
+	Backend   string  `json:"backend"`
+	GQA       string  `json:"gqa"` // none, enable_gqa, or repeated_kv (k and v copied to every query head)
+	InputSets int     `json:"input_sets"`
+	FwdMS     float64 `json:"fwd_ms"`
+	BwdMS     float64 `json:"bwd_ms"`
+	FwdTF     float64 `json:"fwd_tflops"`
+	BwdTF     float64 `json:"bwd_tflops"`
+}
+
+// attnPeerResult is what the peer script prints.
+type attnPeerResult struct {
+	Peer   string        `json:"peer"`
+	Torch  string        `json:"torch"`
+	CUDA   string        `json:"cuda"`
+	CuDNN  any           `json:"cudnn"`
+	Device string        `json:"device"`
+	Rows   []attnPeerRow `json:"rows"`
+}
+
+// attnPeerBackends are the SDPA backends the peer times, in its column
+// order.
+func attnPeerBackends() []string { return []string{"cudnn", "flash"} }
+
+// attnCoreRow is one shape: the core's figures and, with a peer, the
+// peer's and the ratios (TFLOP/s over TFLOP/s; null without a peer).
+type attnCoreRow struct {
+	attnBenchShape
+	FwdMS float64 `json:"fwd_ms"`
+	BwdMS float64 `json:"bwd_ms"`
+	FwdTF float64 `json:"fwd_tflops"`
+	BwdTF float64 `json:"bwd_tflops"`
+
+	CuDNN        *attnPeerRow `json:"cudnn"`
+	Flash        *attnPeerRow `json:"flash"`
+	OverCuDNNFwd *float64     `json:"core_over_cudnn_fwd"`
+	OverCuDNNBwd *float64     `json:"core_over_cudnn_bwd"`
+	OverFlashFwd *float64     `json:"core_over_flash_fwd"`
+	OverFlashBwd *float64     `json:"core_over_flash_bwd"`
+}
+
+func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("bench attention", benchAttentionUsage, stderr)
+	shapesFlag := fs.String("shapes", "moe-small,s8k,s32k", "comma-separated core shapes")
+	iters := fs.Int("iters", 10, "timed calls of each kind (the median is kept)")
+	backendName := fs.String("backend", "auto", "auto, cpu or cuda")
+	peer := fs.String("peer", "", "the Python that runs the PyTorch peer (none: no peer columns)")
+	peerScript := fs.String("peer-script", "scripts/peer/attention_peer.py", "the peer script --peer runs")
+	ringWorldFlag := fs.String("ring-world", "2,4,8", "comma-separated numbers of virtual context-parallel ranks (2 or more), or none")
+	ringSeqFlag := fs.String("ring-seq", "4096,8192", "comma-separated tokens per rank (S/W, even) of the ring rows")
+	out := fs.String("out", "", "directory for the JSON result (default bench/results/<machine>)")
+	pos, err := parseInterspersed(fs, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return usageError{"bench attention takes no positional arguments"}
+	}
+	if *iters < 1 {
+		return usageError{"--iters must be positive"}
+	}
+	shapes, err := pickAttnShapes(*shapesFlag)
+	if err != nil {
+		return err
+	}
+	ringWorlds, ringSeqs, err := parseRingFlags(*ringWorldFlag, *ringSeqFlag)
+	if err != nil {
+		return err
+	}
+	if *peer != "" {
+		if _, err := os.Stat(*peerScript); err != nil {
+			return usageError{fmt.Sprintf("--peer-script: %v", err)}
+		}
+	}
+
+	// The peer first, while this process holds no GPU memory.
+	var (
+		peerRes *attnPeerResult
+		peerErr error
+	)
+	if *peer != "" {
+		fmt.Fprintf(stderr, "bench attention: peer: %s %s\n", *peer, *peerScript)
+		peerRes, peerErr = runAttnPeer(ctx, *peer, *peerScript, shapes, *iters, stderr)
+		if ctx.Err() != nil {
+			return stoppedError(ctx, "bench attention stopped")
+		}
+		if peerErr != nil {
+			fmt.Fprintf(stderr, "bench attention: the peer failed: %v\n", peerErr)
+		}
+	}
+
+	b, closeB, err := openBenchBackend(*backendName)
+	if err != nil {
+		return err
+	}
+	defer closeB()
+	fmt.Fprintf(stderr, "bench attention: on %s, 2 warm-up + %d timed calls of each kind\n", b.Name(), *iters)
+	clock := profile.ClockFor(b)
+	rng := rand.New(rand.NewPCG(1, 2))
+	var rows []attnCoreRow
+	for _, s := range shapes {
+		if ctx.Err() != nil {
+			return stoppedError(ctx, "bench attention stopped")
+		}
+		fwd, bwd, err := timeAttnCore(b, clock, rng, s, *iters)
+		if err != nil {
+			return failedRun(fmt.Errorf("bench attention: core at %s (%s): %w", s.Name, s, err))
+		}
+		runtime.GC() // the shape's device memory back to the backend
+		rows = append(rows, coreRow(s, fwd, bwd, peerRes))
+	}
+
+	printAttnCore(stdout, rows, *peer, peerRes, peerErr)
+	bars := []barVerdict{coreBarVerdict(rows, *peer != "", peerErr)}
+
+	var ring *attnRingResult
+	if len(ringWorlds) > 0 {
+		ring = &attnRingResult{Geometry: fmt.Sprintf("B1 H%d KV%d Dh%d", ringHeads, ringKV, ringHeadDim), Note: ringNote}
+		for _, w := range ringWorlds {
+			for _, perRank := range ringSeqs {
+				if ctx.Err() != nil {
+					return stoppedError(ctx, "bench attention stopped")
+				}
+				fmt.Fprintf(stderr, "bench attention: ring at W %d, S/W %d (S %d)\n", w, perRank, w*perRank)
+				row, err := benchRingRow(b, clock, rng, w, perRank, *iters)
+				if err != nil {
+					return failedRun(fmt.Errorf("bench attention: ring at W %d, S/W %d: %w", w, perRank, err))
+				}
+				runtime.GC()
+				ring.Rows = append(ring.Rows, row)
+			}
+		}
+		printAttnRing(stdout, ring)
+		bars = append(bars, ringEfficiencyVerdict(ring.Rows), ringFasterVerdict(ring.Rows))
+	}
+
+	names := make([]string, len(shapes))
+	for i, s := range shapes {
+		names[i] = s.Name
+	}
+	figures := map[string]any{
+		"core":  rows,
+		"bars":  bars,
+		"flops": "forward 2*2*B*H*S*S*Dh/2 (causal), backward 2.5x the forward, for the core and the peer",
+		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32 q, k, v, out and gradients",
+			*iters, clockName(b)),
+	}
+	peerFig := map[string]any{"command": nil}
+	if *peer != "" {
+		peerFig["command"] = *peer + " " + *peerScript + " " + strings.Join(attnPeerArgs(shapes, *iters), " ")
+		if peerRes != nil {
+			peerFig["torch"], peerFig["cuda"], peerFig["cudnn"], peerFig["device"] = peerRes.Torch, peerRes.CUDA, peerRes.CuDNN, peerRes.Device
+		}
+		if peerErr != nil {
+			peerFig["error"] = peerErr.Error()
+		}
+	}
+	figures["peer"] = peerFig
+	figures["ring"] = ring // null with --ring-world none
+	err = writeResult(stdout, *out, "attention", b, benchResult{
+		Benchmark: "attention", Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
+		Command: "mktrain bench attention " + strings.Join(args, " "), Machine: machine(b.Name()),
+		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "ring_worlds": ringWorlds, "ring_seq_per_rank": ringSeqs, "iters": *iters, "peer": *peer},
+		Figures: figures,
+	})
+	if err != nil {
+		return err
+	}
+	printBars(stdout, bars)
+	if peerErr != nil {
+		return failedRun(fmt.Errorf("bench attention: the peer failed (the core's figures are written): %w", peerErr))
+	}
+	return nil
+}
+
+// pickAttnShapes returns the shapes list names (comma-separated).
+func pickAttnShapes(list string) ([]attnBenchShape, error) {
+	known := attnBenchShapes()
+	names := make([]string, len(known))
+	for i, s := range known {
+		names[i] = s.Name
+	}
+	var out []attnBenchShape
+	for _, name := range strings.Split(list, ",") {
+		i := slices.IndexFunc(known, func(s attnBenchShape) bool { return s.Name == strings.TrimSpace(name) })
+		if i < 0 {
+			return nil, usageError{fmt.Sprintf("--shapes: unknown shape %q (known: %s)", name, strings.Join(names, ", "))}
+		}
+		out = append(out, known[i])
+	}
+	return out, nil
+}
+
+// clockName says which clock timed the core.
+func clockName(b backend.Backend) string {
+	if _, ok := b.(profile.ClockSource); ok {
+		return "the device's stream (events)"
+	}
+	return "the host's monotonic clock; the backend's ops are done when they return"
+}
+
+// timeAttnCore times the core's forward and backward at s on fresh random
+// inputs: the backward on the forward's output and log-sum-exp with a
+// random output gradient.
+func timeAttnCore(b backend.Backend, clock profile.Clock, rng *rand.Rand, s attnBenchShape, iters int) (fwd, bwd time.Duration, err error) {
+	T, q, kd := s.Batch*s.Seq, s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+	ft := b.FloatType()
+	qTQ, kTK, vTK := randFill(b, rng, T, q), randFill(b, rng, T, kd), randFill(b, rng, T, kd)
+	daTQ := randFill(b, rng, T, q)
+	aTQ, lseBHS := b.New(ft, T, q), b.New(ft, s.Batch, s.Heads, s.Seq)
+	dqTQ, dkTK, dvTK := b.New(ft, T, q), b.New(ft, T, kd), b.New(ft, T, kd)
+	as := s.attn()
+	fwd, err = medianOnClock(b, clock, iters, func() {
+		b.AttentionForward(aTQ, lseBHS, qTQ, kTK, vTK, as)
+	})
+	if err != nil {
+		return 0, 0, fmt.Errorf("forward: %w", err)
+	}
+	bwd, err = medianOnClock(b, clock, iters, func() {
+		b.AttentionBackward(dqTQ, dkTK, dvTK, daTQ, qTQ, kTK, vTK, aTQ, lseBHS, as)
+	})
+	if err != nil {
+		return 0, 0, fmt.Errorf("backward: %w", err)
+	}
+	return fwd, bwd, nil
+}
+
+// medianOnClock runs work twice untimed, then iters times, each between
+// two marks of clock, and returns the median; a device failure (sticky,
+// reported by Sync) is the error.
+func medianOnClock(b backend.Backend, clock profile.Clock, iters int, work func()) (time.Duration, error) {
+	for range 2 {
+		work()
+	}
+	if err := b.Sync(); err != nil {
+		return 0, err
+	}
+	times := make([]time.Duration, iters)
+	for i := range times {
+		start, err := clock.Mark()
+		if err != nil {
+			return 0, err
+		}
+		work()
+		end, err := clock.Mark()
+		if err != nil {
+			clock.Release(start)
+			return 0, err
+		}
+		times[i], err = clock.Elapsed(start, end)
+		clock.Release(start)
+		clock.Release(end)
+		if err != nil {
+			return 0, err
+		}
+	}
+	if err := b.Sync(); err != nil {
+		return 0, err
+	}
+	slices.Sort(times)
+	return times[iters/2], nil
+}
+
+// randFill is a new float tensor of the given shape with uniform values in
+// [-1, 1).
+func randFill(b backend.Backend, rng *rand.Rand, shape ...int) backend.Tensor {
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
+	t := b.New(b.FloatType(), shape...)
+	backend.UploadSlice(b, t, randValues(rng, n))
+	return t
+}
+
+// randValues is n uniform values in [-1, 1), two per draw of rng (the
+// largest shapes hold 10^8 values).
+func randValues(rng *rand.Rand, n int) []float32 {
+	vals := make([]float32, n)
+	const scale = 1.0 / (1 << 31)
+	for i := 0; i < n; i += 2 {
+		u := rng.Uint64()
+		vals[i] = float32(float64(int32(u)) * scale)
+		if i+1 < n {
+			vals[i+1] = float32(float64(int32(u>>32)) * scale)
+		}
+	}
+	return vals
+}
+
+// attnPeerArgs are the peer script's arguments for shapes.
+func attnPeerArgs(shapes []attnBenchShape, iters int) []string {
+	var args []string
+	for _, s := range shapes {
+		args = append(args, "--shape", fmt.Sprintf("%d,%d,%d,%d,%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim))
+	}
+	return append(args, "--iters", strconv.Itoa(iters), "--backends", strings.Join(attnPeerBackends(), ","))
+}
+
+// runAttnPeer runs the peer script under python on shapes and returns what
+// it printed, checked: a row for every shape and backend. Its stderr (its
+// progress) goes to ours; a failure's error ends with its last lines.
+func runAttnPeer(ctx context.Context, python, script string, shapes []attnBenchShape, iters int, stderr io.Writer) (*attnPeerResult, error) {
+	cmd := exec.CommandContext(ctx, python, append([]string{script}, attnPeerArgs(shapes, iters)...)...)
+	var outBuf bytes.Buffer
+	tail := &tailWriter{max: 2048}
+	cmd.Stdout = &outBuf
+	cmd.Stderr = io.MultiWriter(stderr, tail)
+	if err := cmd.Run(); err != nil {
+		if msg := strings.TrimSpace(tail.String()); msg != "" {
+			return nil, fmt.Errorf("%s %s: %w: %s", python, script, err, lastLines(msg, 3))
+		}
+		return nil, fmt.Errorf("%s %s: %w", python, script, err)
+	}
+	var res attnPeerResult
+	if err := json.Unmarshal(outBuf.Bytes(), &res); err != nil {
+		return nil, fmt.Errorf("%s printed no JSON object: %w", script, err)
+	}
+	for _, s := range shapes {
+		for _, be := range attnPeerBackends() {
+			r := res.row(s, be)
+			if r == nil {
+				return nil, fmt.Errorf("%s printed no %s row for %s", script, be, s)
+			}
+			if !(r.FwdMS > 0) || !(r.BwdMS > 0) {
+				return nil, fmt.Errorf("%s: %s at %s: times %v and %v ms are not positive", script, be, s, r.FwdMS, r.BwdMS)
+			}
+		}
+	}
+	return &res, nil
+}
+
+// row is the peer's row for shape s and backend be, or nil.
+func (p *attnPeerResult) row(s attnBenchShape, be string) *attnPeerRow {
+	if p == nil {
+		return nil
+	}
+	for i, r := range p.Rows {
+		if r.Backend == be && r.Batch == s.Batch && r.Seq == s.Seq && r.Heads == s.Heads && r.KVHeads == s.KVHeads && r.HeadDim == s.HeadDim {
+			return &p.Rows[i]
+		}
+	}
+	return nil
+}
+
+// tailWriter keeps the last max bytes written to it.
+type tailWriter struct {
+	max int
+	buf []byte
+}
+
+func (w *tailWriter) Write(p []byte) (int, error) {
+	w.buf = append(w.buf, p...)
+	if len(w.buf) > w.max {
+		w.buf = w.buf[len(w.buf)-w.max:]
+	}
+	return len(p), nil
+}
+
+func (w *tailWriter) String() string { return string(w.buf) }
+
+// lastLines is the last n lines of s, joined by " | ".
+func lastLines(s string, n int) string {
+	lines := strings.Split(s, "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, " | ")
+}
+
+// coreRow derives a shape's rates and, with the peer's figures, its
+// ratios.
+func coreRow(s attnBenchShape, fwd, bwd time.Duration, peer *attnPeerResult) attnCoreRow {
+	flops := attnForwardFLOPs(s.Batch, s.Seq, s.Heads, s.HeadDim)
+	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+	r := attnCoreRow{attnBenchShape: s, FwdMS: ms(fwd), BwdMS: ms(bwd)}
+	r.FwdTF, r.BwdTF = tflops(flops, r.FwdMS), tflops(attnBackwardFactor*flops, r.BwdMS)
+	ratio := func(core, peer float64) *float64 { v := core / peer; return &v }
+	if c := peer.row(s, "cudnn"); c != nil {
+		r.CuDNN, r.OverCuDNNFwd, r.OverCuDNNBwd = c, ratio(r.FwdTF, c.FwdTF), ratio(r.BwdTF, c.BwdTF)
+	}
+	if f := peer.row(s, "flash"); f != nil {
+		r.Flash, r.OverFlashFwd, r.OverFlashBwd = f, ratio(r.FwdTF, f.FwdTF), ratio(r.BwdTF, f.BwdTF)
+	}
+	return r
+}
+
+// coreBarVerdict: held when every shape's core is at least coreGoal times
+// cuDNN's rate, forward and backward.
+func coreBarVerdict(rows []attnCoreRow, askedPeer bool, peerErr error) barVerdict {
+	v := barVerdict{Bar: coreBar}
+	switch {
+	case !askedPeer:
+		v.Verdict, v.Why = verdictNotMeasured, "no --peer: PyTorch was not run"
+		return v
+	case peerErr != nil:
+		v.Verdict, v.Why = verdictNotMeasured, "the peer failed: "+peerErr.Error()
+		return v
+	}
+	var missed []string
+	for _, r := range rows {
+		if r.OverCuDNNFwd == nil || r.OverCuDNNBwd == nil {
+			v.Verdict, v.Why = verdictNotMeasured, "no cuDNN figure for "+r.Name
+			return v
+		}
+		if *r.OverCuDNNFwd < coreGoal {
+			missed = append(missed, fmt.Sprintf("%s forward %.2fx", r.Name, *r.OverCuDNNFwd))
+		}
+		if *r.OverCuDNNBwd < coreGoal {
+			missed = append(missed, fmt.Sprintf("%s backward %.2fx", r.Name, *r.OverCuDNNBwd))
+		}
+	}
+	if len(missed) > 0 {
+		v.Verdict, v.Why = verdictNotHeld, strings.Join(missed, ", ")
+		return v
+	}
+	v.Verdict = verdictHeld
+	return v
+}
+
+func printAttnCore(w io.Writer, rows []attnCoreRow, peer string, peerRes *attnPeerResult, peerErr error) {
+	fmt.Fprintln(w, "attention core: the backend's AttentionForward/AttentionBackward (float32 in and out), causal; TFLOP/s with forward 2*2*B*H*S*S*Dh/2, backward 2.5x")
+	withPeer := peerRes != nil
+	fmt.Fprintf(w, "%-10s %-24s | %9s %9s %8s %8s", "shape", "B S H KV Dh", "fwd ms", "bwd ms", "fwd TF", "bwd TF")
+	if withPeer {
+		fmt.Fprintf(w, " | %9s %8s | %9s %8s | %10s %9s | %10s %9s", "cuDNN fwd", "bwd", "flash fwd", "bwd", "/cuDNN fwd", "bwd", "/flash fwd", "bwd")
+	}
+	fmt.Fprintln(w)
+	for _, r := range rows {
+		fmt.Fprintf(w, "%-10s %-24s | %9.3f %9.3f %8.4g %8.4g", r.Name, r.attnBenchShape.String(), r.FwdMS, r.BwdMS, r.FwdTF, r.BwdTF)
+		if withPeer {
+			fmt.Fprintf(w, " | %9.4g %8.4g | %9.4g %8.4g | %10.3g %9.3g | %10.3g %9.3g", r.CuDNN.FwdTF, r.CuDNN.BwdTF, r.Flash.FwdTF, r.Flash.BwdTF,
+				*r.OverCuDNNFwd, *r.OverCuDNNBwd, *r.OverFlashFwd, *r.OverFlashBwd)
+		}
+		fmt.Fprintln(w)
+	}
+	switch {
+	case peer == "":
+		fmt.Fprintln(w, "(no --peer: the PyTorch SDPA columns are absent and the bar against cuDNN is not measured)")
+	case peerErr != nil:
+		fmt.Fprintf(w, "(the peer failed, so the PyTorch SDPA columns are absent: %v)\n", peerErr)
+	default:
+		var gqa []string
+		for _, r := range peerRes.Rows {
+			if r.GQA == "repeated_kv" {
+				gqa = append(gqa, fmt.Sprintf("%s at B%d S%d H%d KV%d Dh%d", r.Backend, r.Batch, r.Seq, r.Heads, r.KVHeads, r.HeadDim))
+			}
+		}
+		note := "GQA through enable_gqa where KV < H"
+		if len(gqa) > 0 {
+			note = "k and v repeated to every query head (the backend refused enable_gqa) for " + strings.Join(gqa, ", ")
+		}
+		fmt.Fprintf(w, "(peer: PyTorch %s SDPA on %s, bf16, CUDA events; %s; /cuDNN and /flash: the core's TFLOP/s over the peer's)\n", peerRes.Torch, peerRes.Device, note)
+	}
+}
+
+// printBars is the short table the command ends with.
+func printBars(w io.Writer, bars []barVerdict) {
+	fmt.Fprintln(w, "bars:")
+	for _, v := range bars {
+		line := fmt.Sprintf("  %-13s %s", v.Verdict, v.Bar)
+		if v.Why != "" {
+			line += " (" + v.Why + ")"
+		}
+		fmt.Fprintln(w, line)
+	}
+}
+
+// The ring rows: context-parallel attention on virtual ranks of one device.
+
+// ringNote is what the ring table and its JSON say about the setting.
+const ringNote = "W virtual ranks share one GPU's memory and SMs (goroutines over in-process groups): the figures show the cost of splitting the work, not links between GPUs; NVLink figures come from the multi-GPU issue (#33)"
+
+// The ring's bars.
+const (
+	ringEfficiency        = 0.95
+	ringEfficiencyMinSeq  = 4096 // S/W from which the efficiency bar applies
+	ringEfficiencyBar     = "ring efficiency (core time / ring time) >= 0.95 forward and forward+backward at S/W >= 4096"
+	ringFasterBar         = "ring faster than allgather, forward and forward+backward, at every W"
+	ringModeAllGather     = attention.CPAllGather
+	ringModeRing          = attention.CPRing
+	ringHeads, ringKV     = 16, 4
+	ringHeadDim, ringRope = 128, 1e6
+)
+
+// ringGeometry is the ring rows' shape for one sequence of seq tokens:
+// B1 H16 KV4 Dh128.
+func ringGeometry(seq int) attnBenchShape {
+	return attnBenchShape{Name: "ring", Batch: 1, Seq: seq, Heads: ringHeads, KVHeads: ringKV, HeadDim: ringHeadDim}
+}
+
+// attnRingResult is the ring part of attention.json.
+type attnRingResult struct {
+	Geometry string        `json:"geometry"` // B, H, KV, Dh (S per row)
+	Note     string        `json:"note"`
+	Rows     []attnRingRow `json:"rows"`
+}
+
+// attnRingMode is one mode's figures at one row: medians of the time from
+// before the first rank starts to after the last one ends; null when the
+// mode could not be built (Error says why).
+type attnRingMode struct {
+	FwdMS  *float64 `json:"fwd_ms"`
+	StepMS *float64 `json:"fwd_bwd_ms"`
+	FwdTF  *float64 `json:"fwd_tflops"`
+	StepTF *float64 `json:"fwd_bwd_tflops"` // 3.5x the forward's FLOPs
+	Error  string   `json:"error,omitempty"`
+}
+
+// attnRingRow is one W and S/W: the core on the whole sequence (one
+// rank), both modes on W ranks, and the ratios (null where a mode is
+// missing).
+type attnRingRow struct {
+	World      int `json:"world"`
+	SeqPerRank int `json:"seq_per_rank"`
+	Seq        int `json:"seq"`
+
+	CoreFwdMS  float64 `json:"core_fwd_ms"`
+	CoreStepMS float64 `json:"core_fwd_bwd_ms"`
+	CoreFwdTF  float64 `json:"core_fwd_tflops"`
+	CoreStepTF float64 `json:"core_fwd_bwd_tflops"`
+
+	AllGather attnRingMode `json:"allgather"`
+	Ring      attnRingMode `json:"ring"`
+
+	EfficiencyFwd      *float64 `json:"ring_efficiency_fwd"`     // core time / ring time
+	EfficiencyStep     *float64 `json:"ring_efficiency_fwd_bwd"` // the same, forward+backward
+	OverAllGatherFwd   *float64 `json:"ring_over_allgather_fwd"` // allgather time / ring time
+	OverAllGatherStep  *float64 `json:"ring_over_allgather_fwd_bwd"`
+	AllGatherEffFwd    *float64 `json:"allgather_efficiency_fwd"` // core time / allgather time
+	AllGatherEffStep   *float64 `json:"allgather_efficiency_fwd_bwd"`
+	EfficiencyBarApply bool     `json:"efficiency_bar_applies"` // S/W >= 4096
+}
+
+// parseRingFlags reads --ring-world (numbers of ranks, 2 or more, or none)
+// and --ring-seq (tokens per rank, positive and even: each rank holds two
+// zigzag chunks of S/(2W)).
+func parseRingFlags(worlds, seqs string) ([]int, []int, error) {
+	if strings.TrimSpace(worlds) == "none" {
+		return nil, nil, nil
+	}
+	var ws, ss []int
+	for _, f := range strings.Split(worlds, ",") {
+		w, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || w < 2 {
+			return nil, nil, usageError{fmt.Sprintf("--ring-world: %q is not a number of ranks of 2 or more (or none)", f)}
+		}
+		ws = append(ws, w)
+	}
+	for _, f := range strings.Split(seqs, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 2 || n%2 != 0 {
+			return nil, nil, usageError{fmt.Sprintf("--ring-seq: %q is not a positive even number of tokens per rank (two zigzag chunks each)", f)}
+		}
+		ss = append(ss, n)
+	}
+	return ws, ss, nil
+}
+
+// benchRingRow measures one row: W ranks of perRank tokens each, one
+// sequence of S = W*perRank. The inputs are drawn once for the whole
+// sequence; each rank gets its zigzag rows of them.
+func benchRingRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, w, perRank, iters int) (attnRingRow, error) {
+	seq := w * perRank
+	g := ringGeometry(seq)
+	qw, kd := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim
+	in := ringInputs{q: randValues(rng, seq*qw), k: randValues(rng, seq*kd), v: randValues(rng, seq*kd), da: randValues(rng, seq*qw)}
+	row := attnRingRow{World: w, SeqPerRank: perRank, Seq: seq, EfficiencyBarApply: perRank >= ringEfficiencyMinSeq}
+
+	coreFwd, coreStep, err := timeRingCore(b, clock, g, in, iters)
+	if err != nil {
+		return row, fmt.Errorf("core on the whole sequence: %w", err)
+	}
+	runtime.GC()
+	flops := attnForwardFLOPs(1, seq, g.Heads, g.HeadDim)
+	stepFLOPs := (1 + attnBackwardFactor) * flops
+	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+	row.CoreFwdMS, row.CoreStepMS = ms(coreFwd), ms(coreStep)
+	row.CoreFwdTF, row.CoreStepTF = tflops(flops, row.CoreFwdMS), tflops(stepFLOPs, row.CoreStepMS)
+
+	for _, m := range []struct {
+		mode attention.CPMode
+		fig  *attnRingMode
+	}{{ringModeAllGather, &row.AllGather}, {ringModeRing, &row.Ring}} {
+		fwd, step, buildErr, err := timeContextCore(b, clock, g, in, w, m.mode, iters)
+		runtime.GC()
+		switch {
+		case err != nil:
+			return row, fmt.Errorf("mode %s: %w", m.mode, err)
+		case buildErr != nil:
+			m.fig.Error = buildErr.Error()
+			continue
+		}
+		f, s := ms(fwd), ms(step)
+		ftf, stf := tflops(flops, f), tflops(stepFLOPs, s)
+		m.fig.FwdMS, m.fig.StepMS, m.fig.FwdTF, m.fig.StepTF = &f, &s, &ftf, &stf
+	}
+	ratio := func(num float64, den *float64) *float64 {
+		if den == nil {
+			return nil
+		}
+		v := num / *den
+		return &v
+	}
+	row.AllGatherEffFwd, row.AllGatherEffStep = ratio(row.CoreFwdMS, row.AllGather.FwdMS), ratio(row.CoreStepMS, row.AllGather.StepMS)
+	row.EfficiencyFwd, row.EfficiencyStep = ratio(row.CoreFwdMS, row.Ring.FwdMS), ratio(row.CoreStepMS, row.Ring.StepMS)
+	if row.AllGather.FwdMS != nil {
+		row.OverAllGatherFwd, row.OverAllGatherStep = ratio(*row.AllGather.FwdMS, row.Ring.FwdMS), ratio(*row.AllGather.StepMS, row.Ring.StepMS)
+	}
+	return row, nil
+}
+
+// ringInputs are one sequence's q, k, v and output gradient, on the host:
+// [S, H*Dh], [S, KV*Dh], [S, KV*Dh], [S, H*Dh].
+type ringInputs struct{ q, k, v, da []float32 }
+
+// upload is the rows at positions pos (all rows when pos is nil) of each
+// input, as new tensors on b.
+func (in ringInputs) upload(b backend.Backend, qw, kd int, pos []int32) (q, k, v, da backend.Tensor) {
+	rows := func(src []float32, width int) backend.Tensor {
+		vals := src
+		if pos != nil {
+			vals = make([]float32, 0, len(pos)*width)
+			for _, p := range pos {
+				vals = append(vals, src[int(p)*width:(int(p)+1)*width]...)
+			}
+		}
+		t := b.New(b.FloatType(), len(vals)/width, width)
+		backend.UploadSlice(b, t, vals)
+		return t
+	}
+	return rows(in.q, qw), rows(in.k, kd), rows(in.v, kd), rows(in.da, qw)
+}
+
+// timeRingCore times the core (the backend's attention ops) on the whole
+// sequence, forward and forward+backward, as the ranks' steps are timed.
+func timeRingCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, iters int) (fwd, step time.Duration, err error) {
+	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
+	q, k, v, da := in.upload(b, qw, kd, nil)
+	a, lse := b.New(ft, g.Seq, qw), b.New(ft, 1, g.Heads, g.Seq)
+	dq, dk, dv := b.New(ft, g.Seq, qw), b.New(ft, g.Seq, kd), b.New(ft, g.Seq, kd)
+	as := g.attn()
+	forward := func() { b.AttentionForward(a, lse, q, k, v, as) }
+	if fwd, err = medianOnClock(b, clock, iters, forward); err != nil {
+		return 0, 0, err
+	}
+	step, err = medianOnClock(b, clock, iters, func() {
+		forward()
+		b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, as)
+	})
+	return fwd, step, err
+}
+
+// ringRank is one virtual rank's core and tensors.
+type ringRank struct {
+	core        *attention.ContextCore
+	ranks       *comm.Ranks
+	q, k, v, da backend.Tensor // this rank's zigzag rows of the inputs
+	a, lse      backend.Tensor
+	dq, dk, dv  backend.Tensor
+}
+
+// timeContextCore times mode on w virtual ranks of b: forward, then
+// forward+backward, each the median of iters steps after two warm-up
+// steps. A step's time is taken on rank 0 between a mark before any rank
+// starts (all ranks wait at a barrier until it is taken) and one after
+// every rank has returned (a barrier first); on a device whose ranks share
+// one stream, as here, that is the device's time from the first rank's
+// first op to the last rank's last one. buildErr is NewContextCore's
+// refusal of the mode (nothing was timed); err a failure while timing.
+func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, iters int) (fwd, step time.Duration, buildErr, err error) {
+	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: w, TP: 1}, b)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
+	shape := attention.Shape{Dim: qw, Heads: g.Heads, KVHeads: g.KVHeads, RopeTheta: ringRope}
+	ranks := make([]*ringRank, w)
+	for r := range ranks {
+		group := world[r].Context
+		core, err := attention.NewContextCore(b, shape, 1, g.Seq, group, mode)
+		if err != nil {
+			return 0, 0, err, nil
+		}
+		pos, err := attention.ZigzagPositions(g.Seq, w, group.Rank())
+		if err != nil {
+			return 0, 0, nil, err
+		}
+		rk := &ringRank{core: core, ranks: world[r]}
+		rk.q, rk.k, rk.v, rk.da = in.upload(b, qw, kd, pos)
+		local := len(pos)
+		rk.a, rk.lse = b.New(ft, local, qw), b.New(ft, 1, 2, g.Heads, local/2)
+		rk.dq, rk.dk, rk.dv = b.New(ft, local, qw), b.New(ft, local, kd), b.New(ft, local, kd)
+		ranks[r] = rk
+	}
+	if fwd, err = runRingSteps(b, clock, ranks, iters, false); err != nil {
+		return 0, 0, nil, fmt.Errorf("forward: %w", err)
+	}
+	if step, err = runRingSteps(b, clock, ranks, iters, true); err != nil {
+		return 0, 0, nil, fmt.Errorf("forward+backward: %w", err)
+	}
+	return fwd, step, nil, nil
+}
+
+// runRingSteps runs 2 warm-up and iters timed steps on every rank, each
+// from its goroutine, and returns the median of rank 0's step times. A
+// rank that fails aborts its groups, so the others stop too.
+func runRingSteps(b backend.Backend, clock profile.Clock, ranks []*ringRank, iters int, backward bool) (time.Duration, error) {
+	times := make([]time.Duration, 0, iters)
+	errs := make([]error, len(ranks))
+	done := make(chan struct{})
+	for r, rk := range ranks {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			if err := rk.steps(clock, r == 0, iters, backward, &times); err != nil {
+				errs[r] = fmt.Errorf("rank %d: %w", r, err)
+				rk.ranks.Abort(errs[r])
+			}
+		}()
+	}
+	for range ranks {
+		<-done
+	}
+	if err := errors.Join(errs...); err != nil {
+		return 0, err
+	}
+	if err := b.Sync(); err != nil {
+		return 0, err
+	}
+	slices.Sort(times)
+	return times[len(times)/2], nil
+}
+
+// steps is one rank's loop of runRingSteps; the first rank takes the
+// marks and appends the timed steps' durations to times.
+func (rk *ringRank) steps(clock profile.Clock, first bool, iters int, backward bool, times *[]time.Duration) error {
+	barrier := rk.ranks.Context.Barrier
+	for i := -2; i < iters; i++ {
+		var start profile.Mark
+		if err := barrier(); err != nil {
+			return err
+		}
+		if first {
+			m, err := clock.Mark()
+			if err != nil {
+				return err
+			}
+			start = m
+		}
+		if err := barrier(); err != nil {
+			return err
+		}
+		if err := rk.core.Forward(rk.a, rk.lse, rk.q, rk.k, rk.v); err != nil {
+			return err
+		}
+		if backward {
+			if err := rk.core.Backward(rk.dq, rk.dk, rk.dv, rk.da); err != nil {
+				return err
+			}
+		}
+		if err := barrier(); err != nil {
+			return err
+		}
+		if !first {
+			continue
+		}
+		end, err := clock.Mark()
+		if err != nil {
+			clock.Release(start)
+			return err
+		}
+		d, err := clock.Elapsed(start, end)
+		clock.Release(start)
+		clock.Release(end)
+		if err != nil {
+			return err
+		}
+		if i >= 0 {
+			*times = append(*times, d)
+		}
+	}
+	return nil
+}
+
+// ringEfficiencyVerdict: held when every row at S/W >= 4096 has the ring's
+// efficiency at least 0.95, forward and forward+backward.
+func ringEfficiencyVerdict(rows []attnRingRow) barVerdict {
+	v := barVerdict{Bar: ringEfficiencyBar}
+	var missed []string
+	applied := 0
+	for _, r := range rows {
+		if !r.EfficiencyBarApply {
+			continue
+		}
+		if r.EfficiencyFwd == nil || r.EfficiencyStep == nil {
+			v.Verdict, v.Why = verdictNotMeasured, fmt.Sprintf("mode ring at W %d: %s", r.World, r.Ring.Error)
+			return v
+		}
+		applied++
+		if *r.EfficiencyFwd < ringEfficiency {
+			missed = append(missed, fmt.Sprintf("W %d S/W %d forward %.2f", r.World, r.SeqPerRank, *r.EfficiencyFwd))
+		}
+		if *r.EfficiencyStep < ringEfficiency {
+			missed = append(missed, fmt.Sprintf("W %d S/W %d forward+backward %.2f", r.World, r.SeqPerRank, *r.EfficiencyStep))
+		}
+	}
+	switch {
+	case applied == 0:
+		v.Verdict, v.Why = verdictNotMeasured, fmt.Sprintf("no row at S/W >= %d", ringEfficiencyMinSeq)
+	case len(missed) > 0:
+		v.Verdict, v.Why = verdictNotHeld, strings.Join(missed, ", ")
+	default:
+		v.Verdict = verdictHeld
+	}
+	return v
+}
+
+// ringFasterVerdict: held when the ring is faster than allgather at every
+// row, forward and forward+backward.
+func ringFasterVerdict(rows []attnRingRow) barVerdict {
+	v := barVerdict{Bar: ringFasterBar}
+	var missed []string
+	for _, r := range rows {
+		if r.OverAllGatherFwd == nil || r.OverAllGatherStep == nil {
+			why := r.Ring.Error
+			if why == "" {
+				why = r.AllGather.Error
+			}
+			v.Verdict, v.Why = verdictNotMeasured, fmt.Sprintf("at W %d: %s", r.World, why)
+			return v
+		}
+		if *r.OverAllGatherFwd <= 1 {
+			missed = append(missed, fmt.Sprintf("W %d S/W %d forward %.2fx", r.World, r.SeqPerRank, *r.OverAllGatherFwd))
+		}
+		if *r.OverAllGatherStep <= 1 {
+			missed = append(missed, fmt.Sprintf("W %d S/W %d forward+backward %.2fx", r.World, r.SeqPerRank, *r.OverAllGatherStep))
+		}
+	}
+	if len(missed) > 0 {
+		v.Verdict, v.Why = verdictNotHeld, strings.Join(missed, ", ")
+		return v
+	}
+	v.Verdict = verdictHeld
+	return v
+}
+
+func printAttnRing(w io.Writer, ring *attnRingResult) {
+	fmt.Fprintf(w, "\nring: context-parallel attention on W virtual ranks, %s, one sequence of S = W * S/W tokens; ms from the first rank's start to the last rank's end\n", ring.Geometry)
+	fmt.Fprintf(w, "%3s %6s %6s | %9s %9s | %9s %9s | %9s %9s | %8s %8s | %8s %8s\n",
+		"W", "S/W", "S", "core fwd", "f+b", "allg fwd", "f+b", "ring fwd", "f+b", "eff fwd", "f+b", "r/ag fwd", "f+b")
+	opt := func(p *float64, format string) string {
+		if p == nil {
+			return "-"
+		}
+		return fmt.Sprintf(format, *p)
+	}
+	var errs []string
+	for _, r := range ring.Rows {
+		fmt.Fprintf(w, "%3d %6d %6d | %9.3f %9.3f | %9s %9s | %9s %9s | %8s %8s | %8s %8s\n",
+			r.World, r.SeqPerRank, r.Seq, r.CoreFwdMS, r.CoreStepMS,
+			opt(r.AllGather.FwdMS, "%.3f"), opt(r.AllGather.StepMS, "%.3f"), opt(r.Ring.FwdMS, "%.3f"), opt(r.Ring.StepMS, "%.3f"),
+			opt(r.EfficiencyFwd, "%.2f"), opt(r.EfficiencyStep, "%.2f"), opt(r.OverAllGatherFwd, "%.2f"), opt(r.OverAllGatherStep, "%.2f"))
+		for _, m := range []attnRingMode{r.AllGather, r.Ring} {
+			if m.Error != "" && !slices.Contains(errs, m.Error) {
+				errs = append(errs, m.Error)
+			}
+		}
+	}
+	fmt.Fprintf(w, "(core: one rank on the whole sequence, the same work; eff: core time / ring time; r/ag: allgather time / ring time, above 1 the ring is faster; %s)\n", ringNote)
+	for _, e := range errs {
+		fmt.Fprintf(w, "(not measured: %s)\n", e)
+	}
+}
