@@ -67,7 +67,8 @@ type Tensor interface {
 // AttnShape describes one attention call: Batch sequences of Seq query
 // positions, Heads query heads sharing KVHeads key/value heads (GQA),
 // HeadDim per head. Scores are scaled by 1/sqrt(HeadDim) and masked
-// causally: key j is visible to query i iff j <= QOffset + i.
+// causally: key j is visible to query i iff j <= QOffset + i; with Full,
+// every key is visible to every query.
 //
 // KVSeq and QOffset let the queries be a contiguous slice of a longer
 // sequence of keys, as on a context-parallel rank: q and out are
@@ -83,6 +84,10 @@ type AttnShape struct {
 	KVSeq int
 	// QOffset is the position of query 0 counted in key positions.
 	QOffset int
+	// Full drops the mask: every query sees all Keys() keys of its
+	// sequence (QOffset must be 0). A context-parallel ring uses it for
+	// the blocks of keys that lie wholly before their queries.
+	Full bool
 }
 
 // Keys is the number of key/value positions per sequence: KVSeq, or Seq
@@ -198,6 +203,15 @@ type Backend interface {
 	AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK Tensor, s AttnShape)
 	// AttentionBackward writes dq, dk, dv.
 	AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS Tensor, s AttnShape)
+	// AttentionMerge folds the attention of a query row over a second
+	// set of keys into its attention over the first: for every row and
+	// head (out and part [Batch*Seq, H*Dh], lse and partLse [Batch, H,
+	// Seq], as AttentionForward writes them for s),
+	//   lse' = log(exp(lse) + exp(partLse))
+	//   out' = out*exp(lse-lse') + part*exp(partLse-lse')
+	// in place in outTQ and lseBHS. A row whose lse is -inf saw no keys
+	// and weighs nothing; where both are -inf, out' is 0 and lse' -inf.
+	AttentionMerge(outTQ, lseBHS, partTQ, partLseBHS Tensor, s AttnShape)
 
 	// SwiGLUForward: out = silu(a) * b, elementwise over [N, F]. a and b
 	// are both of the float type or both BFloat16; out is either (a

@@ -9,7 +9,8 @@
 // row-major; query head h reads kv head h / (H/KV) (Hugging Face repeat_kv
 // order); lse is [B, H, S], natural log. Scores are scaled by 1/sqrt(Dh)
 // and masked causally with the query offset off (QOffset): query i sees
-// keys 0..off+i. So key tiles run up to the block's last visible key, and
+// keys 0..min(off+i, KS-1); an unmasked call (AttnShape.Full) passes
+// off = KS-1. So key tiles run up to the block's last visible key, and
 // the dk/dv kernel's query tiles start at the first query that sees its
 // first key (max(0, j0-off)); a key block no query sees writes zeros.
 //
@@ -157,7 +158,7 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
   const long long qstride = (long long)H * Dh, kstride = (long long)KV * Dh;
   const long long qrow = ((long long)b * S + i) * qstride + (long long)h * Dh;
   const long long kbase = (long long)b * KS * kstride + (long long)kvh * Dh;
-  const int kend = off + attn_min(S, q0 + ATTN_ROWS), ntiles = (kend + TILE - 1) / TILE;
+  const int kend = attn_min(KS, off + attn_min(S, q0 + ATTN_ROWS)), ntiles = (kend + TILE - 1) / TILE;
 
   attn_issue_tile<DP, NT, TILE>(ks[0], k, kbase, kstride, 0, KS, Dh);
   attn_issue_tile<DP, NT, TILE>(vs[0], v, kbase, kstride, 0, KS, Dh);
@@ -196,7 +197,7 @@ __device__ __forceinline__ void attn_forward(float* out, float* lse, const float
 #pragma unroll
       for (int c = 0; c < CH; c++) {
         s[c] = attn_group_sum<G>(s[c]);
-        if (k0 + c0 + c > off + i) s[c] = -MK_INF;
+        if (k0 + c0 + c > off + i || k0 + c0 + c >= KS) s[c] = -MK_INF;
         mx = fmaxf(mx, s[c]);
       }
       // Key 0 is in every row's first chunk, so mx is finite after it; the
@@ -241,7 +242,7 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
   const long long qrow = ((long long)b * S + i) * qstride + (long long)h * Dh;
   const long long kbase = (long long)b * KS * kstride + (long long)kvh * Dh;
   const long long lrow = ((long long)b * H + h) * S + i;
-  const int kend = off + attn_min(S, q0 + ATTN_ROWS), ntiles = (kend + TILE - 1) / TILE;
+  const int kend = attn_min(KS, off + attn_min(S, q0 + ATTN_ROWS)), ntiles = (kend + TILE - 1) / TILE;
 
   attn_issue_tile<DP, NT, TILE>(ks[0], k, kbase, kstride, 0, KS, Dh);
   attn_issue_tile<DP, NT, TILE>(vs[0], v, kbase, kstride, 0, KS, Dh);
@@ -292,7 +293,7 @@ __device__ __forceinline__ void attn_backward_dq(float* dq, float* delta, const 
       for (int c = 0; c < CH; c++) {
         // Every lane shuffles (shfl.sync with a full mask), masked or not.
         const float sc = attn_group_sum<G>(s[c]), dpc = attn_group_sum<G>(dp[c]);
-        const float p = k0 + c0 + c > off + i ? 0.0f : exp2f(sc - lse2);
+        const float p = k0 + c0 + c > off + i || k0 + c0 + c >= KS ? 0.0f : exp2f(sc - lse2);
         s[c] = p * (dpc - di);  // now ds
       }
       attn_reread();

@@ -153,6 +153,9 @@ func Sources() []Source {
 			{Name: "attn_backward_dkdv_d64_f32", Block: 128, Grid: attnKeyGrid},
 			{Name: "attn_backward_dkdv_d128_f32", Block: 256, Grid: attnKeyGrid},
 		}},
+		{File: "attention_merge.cu", Kernels: []Kernel{
+			{Name: "attn_merge_f32", Block: 256, Grid: "grid-stride over rows*H (row, head) pairs, one warp per pair"},
+		}},
 		{File: "attention_tc.cu", Kernels: []Kernel{
 			{Name: "attn_tc_forward_d64", Block: 128, Grid: attnQueryGrid},
 			{Name: "attn_tc_forward_d128", Block: 128, Grid: attnQueryGrid},

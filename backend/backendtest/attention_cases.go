@@ -19,6 +19,11 @@ var attnCompareShapes = []backend.AttnShape{
 	// 133 keys, so both the first and the last key tile are partly masked
 	// and a tail of keys is seen by no query.
 	{Batch: 2, Seq: 30, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 133, QOffset: 70},
+	// A context-parallel ring's off-diagonal blocks: every query sees
+	// every key (Full), as many keys as queries and twice as many.
+	{Batch: 1, Seq: 70, Heads: 4, KVHeads: 2, HeadDim: 64, Full: true},
+	{Batch: 2, Seq: 33, Heads: 4, KVHeads: 1, HeadDim: 128, KVSeq: 66, Full: true},
+	{Batch: 1, Seq: 40, Heads: 2, KVHeads: 2, HeadDim: 24, KVSeq: 80, Full: true},
 }
 
 // attnCheckShapes are small enough for a finite-difference check of every
@@ -35,6 +40,10 @@ var attnCheckShapes = []backend.AttnShape{
 	{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 4, KVSeq: 9, QOffset: 4},
 	{Batch: 2, Seq: 5, Heads: 2, KVHeads: 1, HeadDim: 3, KVSeq: 9},
 	{Batch: 1, Seq: 3, Heads: 2, KVHeads: 2, HeadDim: 4, KVSeq: 8, QOffset: 2},
+	// Unmasked (Full): every query sees every key, with as many keys as
+	// queries and with more.
+	{Batch: 2, Seq: 4, Heads: 4, KVHeads: 2, HeadDim: 4, Full: true},
+	{Batch: 1, Seq: 3, Heads: 3, KVHeads: 1, HeadDim: 3, KVSeq: 7, Full: true},
 	// One position: p = 1, so dq = dk = 0 exactly. Only checked here: a
 	// float32 backend's rounding residue, compared with the oracle's exact
 	// zeros, has no scale to be measured against.
@@ -55,13 +64,59 @@ func attentionCases() []Case {
 	for _, s := range attnCompareShapes {
 		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s)})
 	}
+	for _, s := range attnMergeShapes {
+		cs = append(cs, Case{Name: fmt.Sprintf("AttentionMerge/B%d_S%d_H%d_Dh%d", s.Batch, s.Seq, s.Heads, s.HeadDim), Compare: attnMergeCompare(s)})
+	}
 	return cs
+}
+
+// attnMergeShapes are AttentionMerge's cases: a wide head dim over more
+// than one warp's worth of lanes, and an odd one.
+var attnMergeShapes = []backend.AttnShape{
+	{Batch: 2, Seq: 33, Heads: 4, KVHeads: 4, HeadDim: 64},
+	{Batch: 1, Seq: 7, Heads: 3, KVHeads: 3, HeadDim: 37},
+}
+
+// attnMergeCompare merges a random partial attention into a random
+// running one. The lse values spread over [-4, 4] (weights from 1 to
+// e^8), and a few rows of each side are -inf (no keys yet, or none in the
+// part): the merge must then keep the other side exactly. Rows where both
+// are -inf stay -inf, which the comparison cannot take; backend/cpu's
+// tests check them.
+func attnMergeCompare(s backend.AttnShape) func(e *Env) {
+	return func(e *Env) {
+		T, Q, L := s.Batch*s.Seq, s.Heads*s.HeadDim, s.Batch*s.Heads*s.Seq
+		lse, plse := RandFloats(e.Rng, L, -4, 4), RandFloats(e.Rng, L, -4, 4)
+		for i := 0; i < L; i += 5 {
+			lse[i] = math.Inf(-1)
+		}
+		for i := 2; i < L; i += 7 {
+			if !math.IsInf(lse[i], -1) {
+				plse[i] = math.Inf(-1)
+			}
+		}
+		out, part := e.InOut(e.Rand("out", T, Q)), e.Rand("part", T, Q)
+		// The -inf values are uploaded inside the run: the suite's checks
+		// of inputs take only finite values. The part's lse is not
+		// checked (the op reads it only); the merged lse is finite.
+		lseT := e.InOut(e.Out("lse", s.Batch, s.Heads, s.Seq))
+		lse, plse = RoundTo(e.grid(), lse), RoundTo(e.grid(), plse)
+		e.Run(func(b backend.Backend, x Pick) {
+			backend.UploadSlice(b, x(lseT), lse)
+			plseT := b.New(b.FloatType(), s.Batch, s.Heads, s.Seq)
+			backend.UploadSlice(b, plseT, plse)
+			b.AttentionMerge(x(out), x(lseT), x(part), plseT, s)
+		})
+	}
 }
 
 func attnName(s backend.AttnShape) string {
 	name := fmt.Sprintf("Attention/B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim)
 	if s.KVSeq != 0 || s.QOffset != 0 {
 		name += fmt.Sprintf("_KVS%d_Off%d", s.Keys(), s.QOffset)
+	}
+	if s.Full {
+		name += "_Full"
 	}
 	return name
 }
@@ -137,7 +192,8 @@ func attnNaNs(n int) []float64 {
 
 // naiveAttention is the textbook computation in float64: repeat_kv (query
 // head h reads kv head h/(H/KV)), the full S x Keys score matrix with a
-// -Inf causal mask (key j hidden from query i when j > QOffset+i), softmax,
+// -Inf causal mask (key j hidden from query i when j > QOffset+i; none
+// with Full), softmax,
 // times V. It returns out [T, H*Dh] and lse [B, H, S].
 func naiveAttention(s backend.AttnShape, q, k, v []float64) (outTQ, lseBHS []float64) {
 	B, S, KS, H, KV, Dh := s.Batch, s.Seq, s.Keys(), s.Heads, s.KVHeads, s.HeadDim
@@ -156,7 +212,7 @@ func naiveAttention(s backend.AttnShape, q, k, v []float64) (outTQ, lseBHS []flo
 			for i := range S {
 				for j := range KS {
 					scores[i*KS+j] = math.Inf(-1)
-					if j <= s.QOffset+i {
+					if s.Full || j <= s.QOffset+i {
 						qi, kj := ((b*S+i)*H+h)*Dh, ((b*KS+j)*H+h)*Dh
 						scores[i*KS+j] = Dot(q[qi:qi+Dh], kRep[kj:kj+Dh]) / math.Sqrt(float64(Dh))
 					}

@@ -60,6 +60,9 @@ func checkAttn(s backend.AttnShape, lseBHS backend.Tensor, args ...attnArg) {
 	if s.KVSeq < 0 || s.QOffset < 0 || s.QOffset+s.Seq > s.Keys() {
 		panic(fmt.Sprintf("cpu: attention shape %+v: need 0 <= QOffset and QOffset+Seq <= KVSeq", s))
 	}
+	if s.Full && s.QOffset != 0 {
+		panic(fmt.Sprintf("cpu: attention shape %+v: a Full call has no QOffset", s))
+	}
 	for _, a := range args {
 		rows := s.Batch * s.Seq
 		if a.keys {
@@ -89,10 +92,19 @@ func attnAxpy[T Float](y []T, alpha T, x []T) {
 	}
 }
 
+// lastKey is the last key query i sees: QOffset+i, or the last of all with
+// Full.
+func lastKey(s backend.AttnShape, i int) int {
+	if s.Full {
+		return s.Keys() - 1
+	}
+	return s.QOffset + i
+}
+
 // attnForward runs one (batch, head) pair per work item.
 func attnForward[T Float](b *Backend, outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
 	out, lse, q, k, v := floats[T](outTQ), floats[T](lseBHS), floats[T](qTQ), floats[T](kTK), floats[T](vTK)
-	S, KS, off, H, Dh := s.Seq, s.Keys(), s.QOffset, s.Heads, s.HeadDim
+	S, KS, H, Dh := s.Seq, s.Keys(), s.Heads, s.HeadDim
 	group := H / s.KVHeads
 	qStride, kStride := H*Dh, s.KVHeads*Dh
 	scale := 1 / math.Sqrt(float64(Dh))
@@ -106,7 +118,7 @@ func attnForward[T Float](b *Backend, outTQ, lseBHS, qTQ, kTK, vTK backend.Tenso
 				ti := bi*S + i
 				qi := q[ti*qStride+qOff : ti*qStride+qOff+Dh]
 				// Scaled scores of keys 0..last; later keys are masked out.
-				last := off + i
+				last := lastKey(s, i)
 				m := math.Inf(-1)
 				for j := 0; j <= last; j++ {
 					tj := bi*KS + j
@@ -145,7 +157,7 @@ func attnForward[T Float](b *Backend, outTQ, lseBHS, qTQ, kTK, vTK backend.Tenso
 func attnBackward[T Float](b *Backend, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
 	dq, dk, dv := floats[T](dqTQ), floats[T](dkTK), floats[T](dvTK)
 	dout, q, k, v, out, lse := floats[T](doutTQ), floats[T](qTQ), floats[T](kTK), floats[T](vTK), floats[T](outTQ), floats[T](lseBHS)
-	S, KS, off, H, KV, Dh := s.Seq, s.Keys(), s.QOffset, s.Heads, s.KVHeads, s.HeadDim
+	S, KS, H, KV, Dh := s.Seq, s.Keys(), s.Heads, s.KVHeads, s.HeadDim
 	group := H / KV
 	qStride, kStride := H*Dh, KV*Dh
 	scale := 1 / math.Sqrt(float64(Dh))
@@ -170,7 +182,7 @@ func attnBackward[T Float](b *Backend, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, 
 					di := attnDot(doi, out[row:row+Dh])
 					lseI := float64(lse[(bi*H+h)*S+i])
 					clear(dqi)
-					for j := 0; j <= off+i; j++ {
+					for j := 0; j <= lastKey(s, i); j++ {
 						col := (bi*KS+j)*kStride + kOff
 						kj, vj := k[col:col+Dh], v[col:col+Dh]
 						p := T(math.Exp(float64(attnDot(qi, kj))*scale - lseI))
@@ -180,6 +192,47 @@ func attnBackward[T Float](b *Backend, dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, 
 						attnAxpy(dk[col:col+Dh], ds, qi)
 					}
 				}
+			}
+		}
+	})
+}
+
+func (b *Backend) AttentionMerge(outTQ, lseBHS, partTQ, partLseBHS backend.Tensor, s backend.AttnShape) {
+	checkAttn(backend.AttnShape{Batch: s.Batch, Seq: s.Seq, Heads: s.Heads, KVHeads: s.Heads, HeadDim: s.HeadDim}, lseBHS,
+		attnArg{"out", outTQ, s.Heads, false}, attnArg{"part", partTQ, s.Heads, false})
+	if want := s.Batch * s.Heads * s.Seq; partLseBHS.Len() != want {
+		panic(fmt.Sprintf("cpu: attention merge partLse has %d elements, want %d for %+v", partLseBHS.Len(), want, s))
+	}
+	if b.dt == backend.Float32 {
+		attnMerge[float32](b, outTQ, lseBHS, partTQ, partLseBHS, s)
+	} else {
+		attnMerge[float64](b, outTQ, lseBHS, partTQ, partLseBHS, s)
+	}
+}
+
+// attnMerge runs one (batch, head) pair per work item, in float64.
+func attnMerge[T Float](b *Backend, outTQ, lseBHS, partTQ, partLseBHS backend.Tensor, s backend.AttnShape) {
+	out, lse, part, plse := floats[T](outTQ), floats[T](lseBHS), floats[T](partTQ), floats[T](partLseBHS)
+	S, H, Dh := s.Seq, s.Heads, s.HeadDim
+	b.parallelFor(s.Batch*H, 1, func(lo, hi int) {
+		for bh := lo; bh < hi; bh++ {
+			bi, h := bh/H, bh%H
+			for i := range S {
+				l, lp := float64(lse[bh*S+i]), float64(plse[bh*S+i])
+				row := (bi*S+i)*H*Dh + h*Dh
+				o, p := out[row:row+Dh], part[row:row+Dh]
+				m := max(l, lp)
+				if math.IsInf(m, -1) {
+					clear(o)
+					continue
+				}
+				wo, wp := math.Exp(l-m), math.Exp(lp-m)
+				sum := wo + wp
+				wo, wp = wo/sum, wp/sum
+				for d := range o {
+					o[d] = T(wo*float64(o[d]) + wp*float64(p[d]))
+				}
+				lse[bh*S+i] = T(m + math.Log(sum))
 			}
 		}
 	})

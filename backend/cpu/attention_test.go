@@ -6,6 +6,7 @@ package cpu
 // particular to this backend: the split over workers and the shape checks.
 
 import (
+	"math"
 	"math/rand/v2"
 	"testing"
 
@@ -124,5 +125,31 @@ func TestAttentionRejectsBadShapes(t *testing.T) {
 			}()
 			call()
 		}()
+	}
+}
+
+// TestAttentionMergeEmptyRows: rows where neither side saw a key (both
+// lse -inf) come out as zeros with lse -inf; a row where one side is -inf
+// keeps the other side exactly.
+func TestAttentionMergeEmptyRows(t *testing.T) {
+	b := New(backend.Float64)
+	s := backend.AttnShape{Batch: 1, Seq: 3, Heads: 1, KVHeads: 1, HeadDim: 2}
+	inf := math.Inf(-1)
+	out, part := attnUpload(b, []float64{1, 2, 3, 4, 5, 6}, 3, 2), attnUpload(b, []float64{7, 8, 9, 10, 11, 12}, 3, 2)
+	lse, plse := attnUpload(b, []float64{inf, inf, 0.5}, 1, 1, 3), attnUpload(b, []float64{inf, 0.25, inf}, 1, 1, 3)
+	b.AttentionMerge(out, lse, part, plse, s)
+	gotOut, gotLse := backend.DownloadFloat64(b, out), backend.DownloadFloat64(b, lse)
+	wantOut, wantLse := []float64{0, 0, 9, 10, 5, 6}, []float64{inf, 0.25, 0.5}
+	for i := range wantOut {
+		if gotOut[i] != wantOut[i] {
+			t.Errorf("out = %v, want %v", gotOut, wantOut)
+			break
+		}
+	}
+	for i := range wantLse {
+		if gotLse[i] != wantLse[i] {
+			t.Errorf("lse = %v, want %v", gotLse, wantLse)
+			break
+		}
 	}
 }

@@ -7,12 +7,16 @@ package cuda
 // backend/cpu's (the oracle): query token b*Seq + i, key token
 // b*Keys() + j, query head h reads kv head h/(Heads/KVHeads), scores
 // scaled by 1/sqrt(HeadDim) and masked causally with the query offset (key
-// j visible to query i iff j <= QOffset + i), lse in natural log.
+// j visible to query i iff j <= QOffset + i; every key with Full), lse in
+// natural log.
 //
 // Which kernels run: the tensor-core ones (bf16 operands, float32
 // accumulation and softmax statistics) for head dims 64 and 128 when every
 // tensor but lse is 16-byte aligned, as tensors from the allocator are; the
-// float32 ones (error ~1e-6) for every other case. The tensor-core kernels
+// float32 ones (error ~1e-6) for every other case, and for unmasked calls
+// (AttnShape.Full, the off-diagonal blocks of a context-parallel ring),
+// which they run with the offset KVSeq-1 (query i then sees keys
+// 0..KVSeq-1); the tensor-core kernels have no unmasked mode. The tensor-core kernels
 // are 6.7x (forward) and 9.9x (backward) faster at moe-small's shape on an
 // H200, with relative (L2) errors of 4e-3 on out and up to 8e-3 on the
 // gradients against float64. The conformance suite compares attention as
@@ -102,7 +106,7 @@ func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 		return err
 	}
 	_, scaleLog2 := attnScales(s.HeadDim)
-	S, KS, off, H, KV := int32(s.Seq), int32(s.Keys()), int32(s.QOffset), int32(s.Heads), int32(s.KVHeads)
+	S, KS, off, H, KV := int32(s.Seq), int32(s.Keys()), attnOffset(s), int32(s.Heads), int32(s.KVHeads)
 	if impl == attnTC {
 		kern, err := sourceKernel(d, "attention_tc.cu", fmt.Sprintf("attn_tc_forward_d%d", s.HeadDim))
 		if err != nil {
@@ -149,7 +153,7 @@ func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 	// Free is stream-ordered: the kernels queued before it still see delta.
 	defer d.Free(delta)
 	scale, scaleLog2 := attnScales(s.HeadDim)
-	S, KS, off := int32(s.Seq), int32(s.Keys()), int32(s.QOffset)
+	S, KS, off := int32(s.Seq), int32(s.Keys()), attnOffset(s)
 	H, KV, Dh := int32(s.Heads), int32(s.KVHeads), int32(s.HeadDim)
 	if impl == attnTC {
 		if err := d.Launch(dqKern, qGrid, dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, scaleLog2, scale); err != nil {
@@ -170,6 +174,13 @@ func chooseAttn(op string, impl attnImpl, s backend.AttnShape, ptrs ...driver.De
 	aligned := true
 	for _, p := range ptrs {
 		aligned = aligned && p%16 == 0
+	}
+	if s.Full {
+		// Only the float32 kernels clip the mask at the last key.
+		if impl == attnTC {
+			return 0, fmt.Errorf("cuda: %s: the tensor-core kernels have no unmasked (Full) mode", op)
+		}
+		return attnFP32, nil
 	}
 	switch impl {
 	case attnAuto:
@@ -200,6 +211,9 @@ func checkAttnShape(op string, s backend.AttnShape) (int, error) {
 	if s.KVSeq < 0 || s.QOffset < 0 || s.QOffset+s.Seq > s.Keys() {
 		return 0, fmt.Errorf("cuda: %s: attention shape %+v: need 0 <= QOffset and QOffset+Seq <= KVSeq", op, s)
 	}
+	if s.Full && s.QOffset != 0 {
+		return 0, fmt.Errorf("cuda: %s: attention shape %+v: a Full call has no QOffset", op, s)
+	}
 	if s.HeadDim > MaxAttnHeadDim {
 		return 0, fmt.Errorf("cuda: %s: head dim %d is over the kernels' limit of %d", op, s.HeadDim, MaxAttnHeadDim)
 	}
@@ -217,6 +231,15 @@ func checkAttnShape(op string, s backend.AttnShape) (int, error) {
 		return 64, nil
 	}
 	return 128, nil
+}
+
+// attnOffset is the query offset the kernels get: QOffset, or KVSeq-1 for
+// an unmasked call (the float32 kernels clip the mask at the last key).
+func attnOffset(s backend.AttnShape) int32 {
+	if s.Full {
+		return int32(s.Keys() - 1)
+	}
+	return int32(s.QOffset)
 }
 
 // attnScales returns 1/sqrt(Dh) and log2(e)/sqrt(Dh): the kernels keep

@@ -14,7 +14,7 @@ const (
 
 // Kinds of work a Report sums time into.
 const (
-	KindAttention   = "attention"             // AttentionForward/Backward
+	KindAttention   = "attention"             // AttentionForward/Backward/Merge
 	KindExpertGEMM  = "expert GEMM"           // grouped products, and MatMul in MoE layers (the router gate)
 	KindDenseGEMM   = "dense GEMM"            // other MatMul: attention projections, LM head
 	KindDispatch    = "dispatch/permute"      // moving routed rows to and from experts
@@ -38,7 +38,8 @@ const (
 //	head        Sum                                         loss
 //	any         Upload, Download, Sync                      host transfers
 //	any         GroupedMatMul, GroupedMatMulTN              expert GEMM
-//	any         AttentionForward, AttentionBackward         attention
+//	any         AttentionForward, AttentionBackward,        attention
+//	            AttentionMerge
 //	any         MatMul                                      dense GEMM
 //	any         GatherRows, ScatterAddRows, RowDots,        dispatch/permute
 //	            the peer-row ops (GatherPeerRows ... CombineRows)
@@ -74,7 +75,7 @@ func KindOf(scope, op string) string {
 		return KindTransfers
 	case opGroupedMatMul, opGroupedMatMulTN, opDispatchSwiGLU, opDownCombine, opDispatchDgrad, opDgradCombine:
 		return KindExpertGEMM
-	case opAttentionForward, opAttentionBackward:
+	case opAttentionForward, opAttentionBackward, opAttentionMerge:
 		return KindAttention
 	case opMatMul:
 		return KindDenseGEMM

@@ -30,6 +30,7 @@ const (
 	opRoPE              = "RoPE"
 	opAttentionForward  = "AttentionForward"
 	opAttentionBackward = "AttentionBackward"
+	opAttentionMerge    = "AttentionMerge"
 	opSwiGLUForward     = "SwiGLUForward"
 	opSwiGLUBackward    = "SwiGLUBackward"
 	opCrossEntropy      = "CrossEntropy"
@@ -160,6 +161,11 @@ func (p *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, 
 func (p *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
 	defer p.end(p.begin(), opAttentionBackward)
 	p.inner.AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS, s)
+}
+
+func (p *Backend) AttentionMerge(outTQ, lseBHS, partTQ, partLseBHS backend.Tensor, s backend.AttnShape) {
+	defer p.end(p.begin(), opAttentionMerge)
+	p.inner.AttentionMerge(outTQ, lseBHS, partTQ, partLseBHS, s)
 }
 
 func (p *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {
