@@ -36,6 +36,13 @@
 #      one and the grouped products alone (kernels.json), and on a
 #      machine with several GPUs the same with one rank per GPU
 #      (kernels-gpus.json);
+#   5b. `mktrain bench attention --peer $PY`: the attention core against
+#      PyTorch SDPA's cuDNN and flash backends (scripts/peer/attention_peer.py,
+#      run by mktrain in the same command) at B8 S2048 H16 KV4 Dh64, B2
+#      S8192 H16 KV16 Dh128 and B1 S32768 H32 KV8 Dh128, and context-parallel
+#      attention (allgather and ring) on W = 2, 4, 8 virtual ranks against
+#      the core on the whole sequence, with the bars of issue 27
+#      (attention.json);
 #   6. the Hugging Face checks: scripts/hf_check.py (transformers' loss on
 #      an fp32 export against mktrain eval's) and
 #      scripts/hf_tokenizer_check.py (an export made with a tokenizer loads
@@ -54,14 +61,17 @@
 # counts, the "figure:" lines the tests log, the two tokens/s figures),
 # train-moe-small.json (mktrain's result), peer-moe-small.json (the
 # peer's), layouts.json, moe.json, kernels.json, kernels-gpus.json,
-# peer-kernels.json and hf-check.json, each with the commit, date,
-# command and machine; and logs.tgz (every raw log and test2json stream
-# and clocks.csv, the SM clock and power over the run; written again as
-# each test binary ends), which stays out of git. Every step on one GPU
-# writes 8 files, as many as a device call brings back: a call that also
-# keeps its own files (its console, say), or adds PEER_KERNELS=1, runs
-# fewer steps. It prints a short table last and exits non-zero if any
-# package or benchmark failed.
+# attention.json, peer-kernels.json, hf-check.json and
+# hf-tokenizer-check.json, each with the commit, date, command and
+# machine; and logs.tgz (every raw log and test2json stream, each
+# benchmark's JSON again, and clocks.csv, the SM clock and power over the
+# run; written again as each test binary ends), which stays out of git.
+# Every step on one GPU writes 10 files, more than the 8 a device call
+# brings back: a call runs fewer steps (NO_HF=1 saves two files,
+# NO_ATTENTION=1 or NO_LAYOUTS=1 one each), or, when it also keeps its own
+# files (its console, say) or adds PEER_KERNELS=1, fewer still. It prints
+# a short table last and exits non-zero if any package or benchmark
+# failed.
 #
 # Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
@@ -71,7 +81,7 @@
 # backend/cuda tests take, comma-separated, or all (default none: the
 # kernels as trained with; kernels/dev/README.md);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
-# NO_MOE=1 step 5, NO_KERNELS=1 bench kernels,
+# NO_MOE=1 step 5, NO_KERNELS=1 bench kernels, NO_ATTENTION=1 step 5b,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
 # (peer-kernels.json); PREPARE_BENCH=1 runs step 7;
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
@@ -114,7 +124,7 @@ if [[ "${1:-}" == "build" ]]; then
   CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -ldflags="-s -w -X main.buildCommit=$rev" -o "$BIN/mktrain" ./cmd/mktrain
   echo "$rev" >"$BIN/commit.txt"
   files+=(test2json mktrain packages.txt commit.txt)
-  for peer in torch_moe_train.py torch_kernels.py tokenize_peer.py; do
+  for peer in torch_moe_train.py torch_kernels.py tokenize_peer.py attention_peer.py; do
     cp -f "$PEER_SRC/$peer" "$BIN/peer/"
     files+=("peer/$peer")
   done
@@ -433,6 +443,23 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" ]]; th
   fi
 fi
 
+# The attention core against PyTorch SDPA (cuDNN and flash, run by mktrain
+# as a child process in the same command) and context-parallel attention
+# on W = 2, 4, 8 virtual ranks against the core on the whole sequence:
+# attention.json, its headline ratios in the table at the end.
+attn_rc=-
+if [[ "${NO_BENCH:-}" != 1 && "${NO_ATTENTION:-}" != 1 && -x "$BIN/mktrain" ]]; then
+  echo "== mktrain bench attention --peer $PY (core vs SDPA; ring on virtual ranks)"
+  mkdir -p "$LOGS/attention"
+  timeout 420 "$BIN/mktrain" bench attention --backend cuda --peer "$PY" --peer-script "$PEER_DIR/attention_peer.py" \
+    --out "$LOGS/attention" >"$LOGS/attention.log" 2>&1
+  attn_rc=$?
+  grep -v '^wrote \|^attention_peer: \|^bench attention: ' "$LOGS/attention.log" | tail -n 24
+  [[ $attn_rc -ne 0 ]] && { echo "  bench attention: exit $attn_rc"; grep '^attention_peer: error\|^mktrain:' "$LOGS/attention.log" | tail -n 3; status=1; }
+  [[ -f "$LOGS/attention/attention.json" ]] && cp "$LOGS/attention/attention.json" "$OUT/attention.json"
+  echo
+fi
+
 # The PyTorch kernel peer (dense GEMM, torch._grouped_mm, SDPA), for the
 # kernel figures the tests log: peer-kernels.json. Only with PEER_KERNELS=1.
 if [[ "${PEER_KERNELS:-}" == 1 && -f "$PEER_DIR/torch_kernels.py" ]]; then
@@ -540,7 +567,7 @@ sw_nccl=$(version_code "$(first_match 'NCCL version code [0-9]+' | cut -d' ' -f4
 sw_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
 # The command, with the variables that shaped the run.
 run_cmd="bash scripts/gpu-test.sh"
-for v in NO_BENCH NO_TRAIN NO_LAYOUTS NO_MOE NO_KERNELS NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
+for v in NO_BENCH NO_TRAIN NO_LAYOUTS NO_MOE NO_KERNELS NO_ATTENTION NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
          GPU_TEST_PACKAGES GPU_TEST_RUN GPU_TEST_SKIP GPU_TEST_TIMEOUT; do
   [[ -n "${!v:-}" ]] && run_cmd="$v='${!v}' $run_cmd"
 done
@@ -561,7 +588,7 @@ done
     printf '{"name":"%s","value":%s,"unit":"%s"}' "$fname" "$fval" "$funit"
     first=0
   done
-  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps,\"deterministic_exit\":\"$det_rc\",\"deterministic_tokens_per_s\":$det_tps},\"hf_check_exit\":\"$hf_rc\",\"hf_tokenizer_check_exit\":\"$hf_tok_rc\",\"too_big_refused_exit\":\"$refuse_rc\"}"
+  echo "],\"bench\":{\"exit\":\"$bench_rc\",\"mktrain_tokens_per_s\":$bench_tps,\"peer_exit\":\"$peer_rc\",\"peer_tokens_per_s\":$peer_tps,\"deterministic_exit\":\"$det_rc\",\"deterministic_tokens_per_s\":$det_tps},\"attention_exit\":\"$attn_rc\",\"hf_check_exit\":\"$hf_rc\",\"hf_tokenizer_check_exit\":\"$hf_tok_rc\",\"too_big_refused_exit\":\"$refuse_rc\"}"
 } >"$OUT/summary.json"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 rm -rf "$LOGS"
@@ -587,6 +614,36 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   printf '  %-28s %12s  exit %s\n' "PyTorch peer (eager)" "$peer_tps" "$peer_rc"
   if [[ "$bench_tps" != null && "$peer_tps" != null ]]; then
     awk -v a="$bench_tps" -v b="$peer_tps" 'BEGIN { printf "  %-28s %12.3f\n", "mktrain / peer", a / b }'
+  fi
+fi
+if [[ "$attn_rc" != - ]]; then
+  echo
+  echo "== attention (bench attention, exit $attn_rc): the core / cuDNN and / flash SDPA (TFLOP/s ratios); the ring on virtual ranks"
+  if [[ -f "$OUT/attention.json" ]]; then
+    "$PY" - "$OUT/attention.json" <<'PYEOF'
+import json, sys
+fig = json.load(open(sys.argv[1]))["figures"]
+f = lambda v: "-" if v is None else "%.2f" % v
+t = lambda v: "-" if v is None else "%.1f" % v
+print("  %-10s %-24s %15s %15s %15s %15s" % ("shape", "", "core TF f/b", "cuDNN TF f/b", "core/cuDNN f/b", "core/flash f/b"))
+for r in fig["core"]:
+    c = r.get("cudnn") or {}
+    shape = "B%d S%d H%d KV%d Dh%d" % (r["batch"], r["seq"], r["heads"], r["kv_heads"], r["head_dim"])
+    print("  %-10s %-24s %15s %15s %15s %15s" % (r["name"], shape, t(r["fwd_tflops"]) + "/" + t(r["bwd_tflops"]),
+          t(c.get("fwd_tflops")) + "/" + t(c.get("bwd_tflops")), f(r["core_over_cudnn_fwd"]) + "/" + f(r["core_over_cudnn_bwd"]),
+          f(r["core_over_flash_fwd"]) + "/" + f(r["core_over_flash_bwd"])))
+ring = fig.get("ring")
+if ring:
+    print("  ring (%s; virtual ranks share one GPU): W, S/W, efficiency f/f+b (core/ring), ring/allgather f/f+b" % ring["geometry"])
+    for r in ring["rows"]:
+        print("    W %d  S/W %5d  eff %s/%s  r/ag %s/%s%s" % (r["world"], r["seq_per_rank"], f(r["ring_efficiency_fwd"]),
+              f(r["ring_efficiency_fwd_bwd"]), f(r["ring_over_allgather_fwd"]), f(r["ring_over_allgather_fwd_bwd"]),
+              "  (ring: %s)" % r["ring"]["error"] if r["ring"].get("error") else ""))
+for b in fig["bars"]:
+    print("  %-13s %s%s" % (b["verdict"], b["bar"], " (%s)" % b["why"] if b.get("why") else ""))
+PYEOF
+  else
+    echo "  no attention.json"
   fi
 fi
 exit $status
