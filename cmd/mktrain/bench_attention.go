@@ -66,7 +66,7 @@ at least 0.95 forward and forward+backward at S/W >= 4096, and the ring
 faster than allgather at every W. The W virtual ranks share one GPU's
 memory and SMs, so the figures show the cost of splitting the work, not
 of links between GPUs (NVLink figures come from the multi-GPU issue,
-#33). At S/W 8192 and W 8 the sequence is 65,536 tokens: about 10 GB of
+#33). At S/W 8192 and W 8 the sequence is 65,536 tokens: about 11 GB of
 float32 tensors over all ranks in allgather mode, well within an H200's
 141 GB. --ring-world none leaves the ring out. A mode the build does not
 offer yet (NewContextCore refuses it) is reported and its bars are not
