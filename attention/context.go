@@ -120,6 +120,8 @@ func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.G
 
 // allGather is a ContextCore's state in mode allgather.
 type allGather struct {
+	c *ContextCore
+
 	// allOfNat[n] is the rank-order row (of the all-gathered [W*B*2C]) that
 	// holds natural row n = b*S + p; natOfAll is its inverse. Int32 [B*S].
 	allOfNat, natOfAll backend.Tensor
@@ -155,10 +157,10 @@ func (sc *Scratch) fitCP(b backend.Backend, rows, seq, kd int) error {
 	return nil
 }
 
-func newAllGather(b backend.Backend, s Shape, batch, seq int, g comm.Group, sc *cpScratch) *allGather {
-	w, ft, kd := g.Size(), b.FloatType(), s.KVHeads*s.HeadDim()
-	chunk := seq / (2 * w)
-	ag := &allGather{cpScratch: sc}
+func newAllGather(c *ContextCore, sc *cpScratch) *allGather {
+	b, batch, seq, chunk := c.b, c.batch, c.seq, c.chunk
+	w, ft, kd := c.w, b.FloatType(), c.s.KVHeads*c.s.HeadDim()
+	ag := &allGather{c: c, cpScratch: sc}
 	local := batch * 2 * chunk
 	allOfNat, natOfAll := make([]int32, batch*seq), make([]int32, batch*seq)
 	for r := range w {
@@ -178,8 +180,8 @@ func newAllGather(b backend.Backend, s Shape, batch, seq int, g comm.Group, sc *
 }
 
 // forward writes aTQ and lseBHS from the local, rotated q, k and v.
-func (ag *allGather) forward(c *ContextCore, aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error {
-	b := c.b
+func (ag *allGather) forward(aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error {
+	c, b := ag.c, ag.c.b
 	if err := c.g.AllGather(ag.kAllTK, kTK); err != nil {
 		return c.fail("all-gather k", err)
 	}
@@ -190,25 +192,25 @@ func (ag *allGather) forward(c *ContextCore, aTQ, lseBHS, qTQ, kTK, vTK backend.
 	b.GatherRows(ag.vNatTK, ag.vAllTK, ag.allOfNat, nil)
 	for _, cc := range c.queryChunks() {
 		q, a, lse := c.qRows(qTQ, cc), c.qRows(aTQ, cc), c.lseRows(lseBHS, cc)
-		k, v := ag.keys(c, ag.kNatTK, cc), ag.keys(c, ag.vNatTK, cc)
+		k, v := ag.keys(ag.kNatTK, cc), ag.keys(ag.vNatTK, cc)
 		b.AttentionForward(a, lse, q, k, v, cc.s)
 	}
 	return nil
 }
 
 // backward writes dqTQ, dkTK and dvTK (this rank's rows) from daTQ.
-func (ag *allGather) backward(c *ContextCore, dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
-	b, kd := c.b, c.s.KVHeads*c.s.HeadDim()
+func (ag *allGather) backward(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
+	c, b, kd := ag.c, ag.c.b, ag.c.s.KVHeads*ag.c.s.HeadDim()
 	b.Zero(ag.dkNatTK)
 	b.Zero(ag.dvNatTK)
 	for _, cc := range c.queryChunks() {
 		q, a, lse := c.qRows(c.qTQ, cc), c.qRows(c.aTQ, cc), c.lseRows(c.lseBHS, cc)
-		k, v := ag.keys(c, ag.kNatTK, cc), ag.keys(c, ag.vNatTK, cc)
+		k, v := ag.keys(ag.kNatTK, cc), ag.keys(ag.vNatTK, cc)
 		dq, da := c.qRows(dqTQ, cc), c.qRows(daTQ, cc)
 		dk, dv := b.View(ag.dkOneTK, 0, cc.s.KVSeq, kd), b.View(ag.dvOneTK, 0, cc.s.KVSeq, kd)
 		b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, cc.s)
-		b.Axpy(ag.keys(c, ag.dkNatTK, cc), 1, dk)
-		b.Axpy(ag.keys(c, ag.dvNatTK, cc), 1, dv)
+		b.Axpy(ag.keys(ag.dkNatTK, cc), 1, dk)
+		b.Axpy(ag.keys(ag.dvNatTK, cc), 1, dv)
 	}
 	// Rank order, then each rank keeps the sum of its own block.
 	b.GatherRows(ag.kAllTK, ag.dkNatTK, ag.natOfAll, nil)
@@ -224,7 +226,7 @@ func (ag *allGather) backward(c *ContextCore, dqTQ, dkTK, dvTK, daTQ backend.Ten
 
 // keys is the view of the first cc.s.KVSeq natural-order rows of sequence
 // cc.bi in t ([B*S, KD]).
-func (ag *allGather) keys(c *ContextCore, t backend.Tensor, cc chunkCall) backend.Tensor {
-	kd := c.s.KVHeads * c.s.HeadDim()
+func (ag *allGather) keys(t backend.Tensor, cc chunkCall) backend.Tensor {
+	c, kd := ag.c, ag.c.s.KVHeads*ag.c.s.HeadDim()
 	return c.b.View(t, cc.bi*c.seq*kd, cc.s.KVSeq, kd)
 }

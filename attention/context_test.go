@@ -50,13 +50,18 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 	s := attention.Shape{Dim: 16, Heads: 4, KVHeads: 2, RopeTheta: 10000}
 	for _, c := range []struct {
 		dp, cp, batch, chunk int // batch per data replica, chunk length C
+		mode                 attention.CPMode
 	}{
-		{1, 1, 2, 3},
-		{1, 2, 2, 3},
-		{1, 4, 2, 2},
-		{2, 2, 1, 3},
+		{1, 1, 2, 3, attention.CPAllGather},
+		{1, 2, 2, 3, attention.CPAllGather},
+		{1, 4, 2, 2, attention.CPAllGather},
+		{2, 2, 1, 3, attention.CPAllGather},
+		{1, 2, 2, 3, attention.CPRing},
+		{1, 3, 2, 2, attention.CPRing},
+		{1, 4, 2, 2, attention.CPRing},
+		{2, 2, 1, 3, attention.CPRing},
 	} {
-		t.Run(fmt.Sprintf("dp%d_cp%d", c.dp, c.cp), func(t *testing.T) {
+		t.Run(fmt.Sprintf("dp%d_cp%d_%s", c.dp, c.cp, c.mode), func(t *testing.T) {
 			b := cpu.New(backend.Float64)
 			rng := rand.New(rand.NewPCG(uint64(c.cp), uint64(c.dp)))
 			B, S := c.dp*c.batch, 2*c.cp*c.chunk
@@ -101,7 +106,7 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 						ldout = append(ldout, dout[row*s.Dim:(row+1)*s.Dim]...)
 					}
 				}
-				l, err := attention.NewContextParallel(b, s, c.batch, S, rk.Context)
+				l, err := attention.NewContextParallel(b, s, c.batch, S, rk.Context, attention.WithContextMode(c.mode))
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -50,7 +50,9 @@ type ContextCore struct {
 	// aTQ is nil before a Forward succeeds.
 	qTQ, kTK, vTK, aTQ, lseBHS backend.Tensor
 
-	gather *allGather // mode allgather, W > 1
+	// impl runs the mode when W > 1: allGather (context.go) or the
+	// portable ring (ring.go), chosen by newContextCore.
+	impl contextImpl
 }
 
 // NewContextCore allocates a core for micro-batches of batch sequences of
@@ -84,25 +86,37 @@ func newContextCore(b backend.Backend, s Shape, batch, seq int, group comm.Group
 		return c, nil
 	}
 	c.chunk = seq / (2 * w)
-	switch c.modeImpl() {
+	var err error
+	switch mode {
 	case CPAllGather:
 		if err := sc.fitCP(b, batch*seq, seq, s.KVHeads*s.HeadDim()); err != nil {
 			return nil, err
 		}
-		c.gather = newAllGather(b, s, batch, seq, group, sc.cp)
+		c.impl = newAllGather(c, sc.cp)
 	case CPRing:
-		return nil, fmt.Errorf("attention: context-parallel mode %q is not built yet; use %q", CPRing, CPAllGather)
+		c.impl, err = c.ringImpl(sc)
+	}
+	if err != nil {
+		return nil, err
 	}
 	return c, nil
 }
 
-// modeImpl is the implementation mode runs on. Mode ring is where a fused
-// ring (kernels that read the peers' k and v through comm.PeerAccess)
-// will be chosen when the group offers peer access and the backend the
-// fused ops; until then the portable ring over Send and Recv serves it
-// everywhere.
-func (c *ContextCore) modeImpl() CPMode {
-	return c.mode
+// contextImpl is one way of running a core of W > 1 ranks: Forward and
+// Backward check the tensors, then call it.
+type contextImpl interface {
+	forward(aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error
+	backward(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error
+}
+
+// ringImpl picks how mode ring runs. This is the one place where a fused
+// ring (kernels that read the peers' k and v through comm.PeerAccess's
+// PeerTensors, attention/ring_fused.go) is to be chosen, when the group
+// offers peer access and the backend the fused ops; the portable ring
+// over the group's Send and Recv (ring.go) serves every other case, and
+// today every case.
+func (c *ContextCore) ringImpl(sc *Scratch) (contextImpl, error) {
+	return newRing(c, sc)
 }
 
 // Mode is the mode the core runs in.
@@ -126,11 +140,10 @@ func (c *ContextCore) Forward(aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error {
 		}
 	}
 	var err error
-	switch {
-	case c.w == 1:
+	if c.w == 1 {
 		c.b.AttentionForward(aTQ, lseBHS, qTQ, kTK, vTK, c.attnShape())
-	default:
-		err = c.gather.forward(c, aTQ, lseBHS, qTQ, kTK, vTK)
+	} else {
+		err = c.impl.forward(aTQ, lseBHS, qTQ, kTK, vTK)
 	}
 	if err != nil {
 		return err
@@ -157,12 +170,11 @@ func (c *ContextCore) Backward(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
 			return fmt.Errorf("attention: context core Backward: %s has %s, want %d elements", a.name, describe(a.t), a.n)
 		}
 	}
-	switch {
-	case c.w == 1:
+	if c.w == 1 {
 		c.b.AttentionBackward(dqTQ, dkTK, dvTK, daTQ, c.qTQ, c.kTK, c.vTK, c.aTQ, c.lseBHS, c.attnShape())
 		return nil
 	}
-	return c.gather.backward(c, dqTQ, dkTK, dvTK, daTQ)
+	return c.impl.backward(dqTQ, dkTK, dvTK, daTQ)
 }
 
 // localRows is the number of this rank's rows, B*S/W.

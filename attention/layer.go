@@ -95,6 +95,7 @@ type Layer struct {
 type Scratch struct {
 	daTQ, dqTQ, dkTK, dvTK backend.Tensor // [T, H*Dh] and [T, KV*Dh]; nil until sized
 	cp                     *cpScratch     // sized by the first all-gather context core
+	ring                   *ringScratch   // sized by the first ring context core
 	ops                    *operands      // nil where the operand type is the float type
 }
 

@@ -50,7 +50,11 @@ func twoLayers(b backend.Backend, ls [2]*attention.Layer, s attention.Shape, ps 
 func TestSharedScratch(t *testing.T) {
 	s := attention.Shape{Dim: 16, Heads: 4, KVHeads: 2, RopeTheta: 10000}
 	const batch, seq = 2, 8
-	for _, cp := range []int{1, 2} {
+	for _, c := range []struct {
+		cp   int
+		mode attention.CPMode
+	}{{1, attention.CPAllGather}, {2, attention.CPAllGather}, {2, attention.CPRing}} {
+		cp, mode := c.cp, c.mode
 		b := cpu.New(backend.Float64)
 		rng := rand.New(rand.NewPCG(21, uint64(cp)))
 		randParams := func() *attention.Params {
@@ -82,7 +86,7 @@ func TestSharedScratch(t *testing.T) {
 			errs := make([]error, cp)
 			var wg sync.WaitGroup
 			for r, rk := range ranks {
-				var opts []attention.Option
+				opts := []attention.Option{attention.WithContextMode(mode)}
 				if shared {
 					opts = append(opts, attention.WithScratch(attention.NewScratch()))
 				}
@@ -110,7 +114,7 @@ func TestSharedScratch(t *testing.T) {
 		for r := range cp {
 			for i := range own[r] {
 				if !slices.Equal(own[r][i], shared[r][i]) {
-					t.Errorf("cp=%d rank %d: result %d differs with a shared scratch", cp, r, i)
+					t.Errorf("cp=%d %s rank %d: result %d differs with a shared scratch", cp, mode, r, i)
 				}
 			}
 		}
@@ -142,6 +146,18 @@ func TestSharedScratchMismatch(t *testing.T) {
 // Forward and Backward as an error naming it, and a Backward after a
 // failed Forward is refused.
 func TestContextParallelCollectiveFailure(t *testing.T) {
+	for _, c := range []struct {
+		mode              attention.CPMode
+		forward, backward string
+	}{
+		{attention.CPAllGather, "all-gather k", "reduce-scatter dk"},
+		{attention.CPRing, "ring step 0: passing k and v", "ring step 0: passing k, v and their gradients"},
+	} {
+		t.Run(string(c.mode), func(t *testing.T) { collectiveFailure(t, c.mode, c.forward, c.backward) })
+	}
+}
+
+func collectiveFailure(t *testing.T, mode attention.CPMode, forwardErr, backwardErr string) {
 	b := cpu.New(backend.Float32)
 	s := attention.Shape{Dim: 8, Heads: 2, KVHeads: 1, RopeTheta: 100}
 	const batch, seq = 1, 8
@@ -157,7 +173,7 @@ func TestContextParallelCollectiveFailure(t *testing.T) {
 	st := make([]rankState, 2)
 	p, g := attention.NewParams(b, s), attention.NewParams(b, s)
 	for r := range st {
-		l, err := attention.NewContextParallel(b, s, batch, seq, ranks[r].Context)
+		l, err := attention.NewContextParallel(b, s, batch, seq, ranks[r].Context, attention.WithContextMode(mode))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -183,11 +199,11 @@ func TestContextParallelCollectiveFailure(t *testing.T) {
 	cause := errors.New("rank 1 ran out of memory")
 	ranks[1].Abort(cause)
 	err = st[0].l.Backward(st[0].out, st[0].dout, p, g)
-	if !errors.Is(err, cause) || !strings.Contains(err.Error(), "reduce-scatter dk") {
+	if !errors.Is(err, cause) || !strings.Contains(err.Error(), backwardErr) {
 		t.Errorf("Backward after a peer's abort: %v", err)
 	}
 	err = st[0].l.Forward(st[0].out, st[0].x, st[0].pos, p)
-	if !errors.Is(err, cause) || !strings.Contains(err.Error(), "all-gather k") {
+	if !errors.Is(err, cause) || !strings.Contains(err.Error(), forwardErr) {
 		t.Errorf("Forward after a peer's abort: %v", err)
 	}
 	if err := st[0].l.Backward(st[0].out, st[0].dout, p, g); err == nil || !strings.Contains(err.Error(), "without a successful Forward") {
