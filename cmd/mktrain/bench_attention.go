@@ -32,7 +32,8 @@ const benchAttentionUsage = `Usage: mktrain bench attention [--shapes moe-small,
 Times the attention core (the backend's AttentionForward and
 AttentionBackward: causal, grouped-query; float32 in and out today) on
 fresh random inputs, after two warm-up calls, as the median of --iters
-calls, each timed on the device's clock (CUDA events on the GPU), with
+calls queued back to back, each between two marks of the device's clock
+(CUDA events on the GPU), as the peer times PyTorch, with
 TFLOP/s from the causal FLOP count (forward 2*2*B*H*S*S*Dh/2, backward
 2.5x the forward). Shapes (B batch, S sequence, H query heads, KV
 key/value heads, Dh head dim):
@@ -291,7 +292,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		"core":  rows,
 		"bars":  bars,
 		"flops": "forward 2*2*B*H*S*S*Dh/2 (causal), backward 2.5x the forward, for the core and the peer",
-		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32 q, k, v, out and gradients",
+		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32 q, k, v, out and gradients; the ring rows' core: each step waited for before the next, as the ranks' steps",
 			*iters, clockName(b)),
 	}
 	peerFig := map[string]any{"command": nil}
@@ -359,13 +360,13 @@ func timeAttnCore(b backend.Backend, clock profile.Clock, rng *rand.Rand, s attn
 	aTQ, lseBHS := b.New(ft, T, q), b.New(ft, s.Batch, s.Heads, s.Seq)
 	dqTQ, dkTK, dvTK := b.New(ft, T, q), b.New(ft, T, kd), b.New(ft, T, kd)
 	as := s.attn()
-	fwd, err = medianOnClock(b, clock, iters, func() {
+	fwd, err = medianOnClock(b, clock, iters, true, func() {
 		b.AttentionForward(aTQ, lseBHS, qTQ, kTK, vTK, as)
 	})
 	if err != nil {
 		return 0, 0, fmt.Errorf("forward: %w", err)
 	}
-	bwd, err = medianOnClock(b, clock, iters, func() {
+	bwd, err = medianOnClock(b, clock, iters, true, func() {
 		b.AttentionBackward(dqTQ, dkTK, dvTK, daTQ, qTQ, kTK, vTK, aTQ, lseBHS, as)
 	})
 	if err != nil {
@@ -376,32 +377,61 @@ func timeAttnCore(b backend.Backend, clock profile.Clock, rng *rand.Rand, s attn
 
 // medianOnClock runs work twice untimed, then iters times, each between
 // two marks of clock, and returns the median; a device failure (sticky,
-// reported by Sync) is the error.
-func medianOnClock(b backend.Backend, clock profile.Clock, iters int, work func()) (time.Duration, error) {
+// reported by Sync) is the error. Queued, the calls and marks are queued
+// back to back and read at the end, as the peer times PyTorch (the device
+// never waits for the host between calls); else each call's end is
+// waited for before the next starts, as the ring's steps are timed.
+func medianOnClock(b backend.Backend, clock profile.Clock, iters int, queued bool, work func()) (time.Duration, error) {
 	for range 2 {
 		work()
 	}
 	if err := b.Sync(); err != nil {
 		return 0, err
 	}
-	times := make([]time.Duration, iters)
-	for i := range times {
-		start, err := clock.Mark()
-		if err != nil {
-			return 0, err
+	times := make([]time.Duration, 0, iters)
+	var marks []profile.Mark
+	defer func() {
+		for _, m := range marks {
+			clock.Release(m)
 		}
+	}()
+	// read turns the marks so far into times: one per consecutive pair
+	// (each pair brackets one call), keeping the last mark as the next
+	// call's start.
+	read := func() error {
+		for i := 1; i < len(marks); i++ {
+			d, err := clock.Elapsed(marks[i-1], marks[i])
+			if err != nil {
+				return err
+			}
+			times = append(times, d)
+		}
+		for _, m := range marks[:len(marks)-1] {
+			clock.Release(m)
+		}
+		marks = marks[len(marks)-1:]
+		return nil
+	}
+	m, err := clock.Mark()
+	if err != nil {
+		return 0, err
+	}
+	marks = append(marks, m)
+	for range iters {
 		work()
-		end, err := clock.Mark()
-		if err != nil {
-			clock.Release(start)
-			return 0, err
-		}
-		times[i], err = clock.Elapsed(start, end)
-		clock.Release(start)
-		clock.Release(end)
+		m, err := clock.Mark()
 		if err != nil {
 			return 0, err
 		}
+		marks = append(marks, m)
+		if !queued {
+			if err := read(); err != nil {
+				return 0, err
+			}
+		}
+	}
+	if err := read(); err != nil {
+		return 0, err
 	}
 	if err := b.Sync(); err != nil {
 		return 0, err
@@ -790,10 +820,10 @@ func timeRingCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in r
 	dq, dk, dv := b.New(ft, g.Seq, qw), b.New(ft, g.Seq, kd), b.New(ft, g.Seq, kd)
 	as := g.attn()
 	forward := func() { b.AttentionForward(a, lse, q, k, v, as) }
-	if fwd, err = medianOnClock(b, clock, iters, forward); err != nil {
+	if fwd, err = medianOnClock(b, clock, iters, false, forward); err != nil {
 		return 0, 0, err
 	}
-	step, err = medianOnClock(b, clock, iters, func() {
+	step, err = medianOnClock(b, clock, iters, false, func() {
 		forward()
 		b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, as)
 	})

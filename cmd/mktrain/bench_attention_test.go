@@ -6,6 +6,11 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
+	"github.com/mktrain/mktrain/backend/profile"
 )
 
 // attnResult is the part of attention.json the tests read.
@@ -273,3 +278,58 @@ func TestBenchAttentionErrors(t *testing.T) {
 
 // near says whether a and b are positive and equal to 1e-9 relative.
 func near(a, b float64) bool { return a > 0 && b > 0 && (a-b)/b < 1e-9 && (b-a)/b < 1e-9 }
+
+// countingClock is a profile.Clock whose time is what the timed calls
+// add; it counts marks taken and released.
+type countingClock struct {
+	now               time.Duration
+	taken, released   int
+	releasedTwice     bool
+	live              map[profile.Mark]bool
+	next              profile.Mark
+	marksAt           map[profile.Mark]time.Duration
+	outstandingAtRead []int
+}
+
+func (c *countingClock) Mark() (profile.Mark, error) {
+	c.next++
+	c.taken++
+	c.live[c.next], c.marksAt[c.next] = true, c.now
+	return c.next, nil
+}
+
+func (c *countingClock) Elapsed(a, b profile.Mark) (time.Duration, error) {
+	c.outstandingAtRead = append(c.outstandingAtRead, len(c.live))
+	return c.marksAt[b] - c.marksAt[a], nil
+}
+
+func (c *countingClock) Release(m profile.Mark) {
+	if !c.live[m] {
+		c.releasedTwice = true
+	}
+	delete(c.live, m)
+	c.released++
+}
+
+// medianOnClock brackets each timed call by two marks (queued or
+// waited for), takes the median of the calls after the two warm-up
+// ones, and releases every mark once; queued, it reads the marks only
+// after the last call.
+func TestMedianOnClock(t *testing.T) {
+	b := cpu.New(backend.Float32)
+	for _, queued := range []bool{true, false} {
+		c := &countingClock{live: map[profile.Mark]bool{}, marksAt: map[profile.Mark]time.Duration{}}
+		durations := []time.Duration{100, 100, 7, 3, 9, 1, 5} // two warm-up calls first
+		call := 0
+		got, err := medianOnClock(b, c, 5, queued, func() { c.now += durations[call]; call++ })
+		if err != nil || got != 5 || call != 7 {
+			t.Errorf("queued %v: median %v after %d calls (%v), want 5 after 7", queued, got, call, err)
+		}
+		if c.taken != 6 || c.released != 6 || c.releasedTwice || len(c.live) != 0 {
+			t.Errorf("queued %v: %d marks taken, %d released (twice: %v), %d live", queued, c.taken, c.released, c.releasedTwice, len(c.live))
+		}
+		if queued && c.outstandingAtRead[0] != 6 || !queued && c.outstandingAtRead[0] != 2 {
+			t.Errorf("queued %v: %d marks were out at the first read", queued, c.outstandingAtRead[0])
+		}
+	}
+}
