@@ -1,6 +1,9 @@
 package engine
 
-import "github.com/mktrain/mktrain/moe"
+import (
+	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tune"
+)
 
 // Config is a whole run's configuration: the typed form of a recipe. Each
 // section is owned here and validated in sentences by Validate; the recipes
@@ -73,6 +76,13 @@ type ParallelConfig struct {
 	// Zero is the ZeRO stage: 0, or 1 to shard the AdamW moments of the
 	// replicated weights over the data-context ranks (zero.go).
 	Zero int `yaml:"zero"`
+	// CPAttention is how attention reaches the keys and values of the
+	// other context-parallel ranks (attention.CPMode): ring (they travel
+	// the ring of ranks, only the chunks in flight held), allgather (all
+	// gathered, the reference) or auto (the faster on this machine and
+	// shape, settled once per run; see resolveCPAttention). Default auto;
+	// "" is auto too (configurations saved before the field existed).
+	CPAttention string `yaml:"cp_attention"`
 }
 
 // CheckpointConfig controls saving and resuming.
@@ -110,7 +120,7 @@ func DefaultConfig() Config {
 			WeightDecay: 0.1, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, GradClip: 1.0,
 			Seed: 1, EvalEvery: 50, EvalBatches: 4,
 		},
-		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1},
+		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1, CPAttention: tune.CPAttentionAuto},
 		Checkpoint: CheckpointConfig{Every: 0, KeepLast: 3, Resume: "auto", Compress: "none"},
 		Log:        LogConfig{Every: 10, Level: "info", Progress: "auto"},
 	}

@@ -101,7 +101,10 @@
 // resolved once per run, before the ranks start, by tune.ResolveDispatcher).
 // Each of the dp*ep data ranks reads a disjoint part of the data; the
 // parallel.cp ranks of one data rank share its sequences, each keeping its
-// zigzag share (attention.ZigzagPositions). The loss, the MoE statistics
+// zigzag share (attention.ZigzagPositions), and their attention reaches
+// the other ranks' keys and values in the mode parallel.cp_attention names
+// (ring or allgather; "auto" resolved once per run by
+// tune.ResolveCPAttention). The loss, the MoE statistics
 // and the gradients of replicated weights are summed over every rank with
 // distinct tokens, those of experts over the ranks holding the same
 // experts, so every layout trains the same model as one rank would, up to

@@ -65,8 +65,9 @@ const lmHeadChunkRows = 2048
 // copies of the matrices on the GPU), g the gradients it accumulates into.
 // groups are the MoE layers' (Data: every rank with distinct
 // tokens); context is the context-parallel group the sequences are split
-// over, nil for none.
-func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group) (*model, error) {
+// over, nil for none, and cpMode how its attention reaches the other
+// ranks' keys and values (parallel.cp_attention, settled).
+func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode) (*model, error) {
 	cp, cpRank := 1, 0
 	if context != nil {
 		cp, cpRank = context.Size(), context.Rank()
@@ -112,7 +113,8 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 		m.rstd2L = append(m.rstd2L, b.New(ft, T))
 		var attn *attention.Layer
 		if cp > 1 {
-			attn, err = attention.NewContextParallel(b, attentionShape(cfg), batch, seq, context, attention.WithScratch(attnScratch), attention.AddToOutput())
+			attn, err = attention.NewContextParallel(b, attentionShape(cfg), batch, seq, context, attention.WithScratch(attnScratch), attention.AddToOutput(),
+				attention.WithContextMode(cpMode))
 			if err != nil {
 				return nil, fmt.Errorf("layer %d: %w", l, err)
 			}
@@ -168,6 +170,26 @@ func (e *Engine) resolveDispatcher(cfg Config, world []*comm.Ranks) (Config, err
 		return cfg, err
 	}
 	cfg.Model.MoE.Dispatcher = d
+	return cfg, nil
+}
+
+// resolveCPAttention settles parallel.cp_attention for the run
+// (tune.ResolveCPAttention: auto is the faster mode for this machine and
+// shape, measured on virtual ranks and kept in a table, or allgather by
+// rule on the CPU, with a rank per GPU or node and under
+// train.deterministic) and returns cfg with the value. Like the dispatcher
+// it runs once per run, before any rank builds its layers; oneDevice says
+// the ranks are virtual ranks of the engine's one device.
+func (e *Engine) resolveCPAttention(cfg Config, oneDevice bool) (Config, error) {
+	mode, err := tune.ResolveCPAttention(e.backend, tune.CPAttentionCase{
+		Mode: cfg.Parallel.CPAttention, Shape: attentionShape(cfg.Model),
+		Batch: cfg.Train.MicroBatch, Seq: cfg.Train.Seq, CP: cfg.Parallel.CP,
+		OneDevice: oneDevice, Deterministic: cfg.Train.Deterministic,
+	}, func(msg string) { e.log.Info().Msg(msg) })
+	if err != nil {
+		return cfg, err
+	}
+	cfg.Parallel.CPAttention = mode
 	return cfg, nil
 }
 

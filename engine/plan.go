@@ -26,7 +26,7 @@ func PlanConfig(c Config, processRanks, deviceRanks int, checkpoints bool) plan.
 		Experts: m.MoE.Experts, TopK: m.MoE.TopK, FFN: m.MoE.FFN, SharedExperts: m.MoE.SharedExperts,
 		CapacityFactor: m.MoE.CapacityFactor, BiasBalancing: m.MoE.BiasUpdateRate > 0, Dispatcher: m.MoE.Dispatcher,
 		GlobalBatch: t.GlobalBatch, MicroBatch: t.MicroBatch, Seq: t.Seq,
-		DP: p.DP, EP: p.EP, CP: p.CP, TP: p.TP, Zero: p.Zero,
+		DP: p.DP, EP: p.EP, CP: p.CP, TP: p.TP, Zero: p.Zero, CPAttention: p.CPAttention,
 		Checkpoints: checkpoints, ProcessRanks: processRanks, DeviceRanks: deviceRanks,
 	}
 }
@@ -53,7 +53,34 @@ func (e *Engine) plan(processRanks, deviceRanks int) (plan.Plan, error) {
 	}
 	c := PlanConfig(e.cfg, processRanks, deviceRanks, e.runDir != "")
 	c.Dispatcher = e.planDispatcher(processRanks, deviceRanks)
+	c.CPAttention = e.planCPAttention(processRanks, deviceRanks)
 	return plan.New(c, dev)
+}
+
+// planCPAttention is the parallel.cp_attention mode the run will settle
+// on where it can be known without measuring (resolveCPAttention,
+// tune.ResolveCPAttention): the recipe's, or for auto allgather with one
+// context rank, on the CPU, under train.deterministic and where the ranks
+// are not virtual ranks of one device, else the table's choice when it
+// has this machine and shape; "" (the plan takes the larger of the two)
+// when only a measurement would say.
+func (e *Engine) planCPAttention(processRanks, deviceRanks int) string {
+	p, world := e.cfg.Parallel, e.cfg.mesh().World()
+	switch {
+	case p.CPAttention == plan.CPRing || p.CPAttention == plan.CPAllGather:
+		return p.CPAttention
+	case p.CP == 1, e.backend.Name() == "cpu", e.cfg.Train.Deterministic, processRanks < world, deviceRanks < processRanks:
+		return plan.CPAllGather
+	}
+	cache, err := tune.DefaultCPAttentionCache()
+	if err != nil {
+		return ""
+	}
+	key := tune.NewCPAttentionKey(e.backend, tune.CPAttentionCase{Shape: attentionShape(e.cfg.Model), Batch: e.cfg.Train.MicroBatch, Seq: e.cfg.Train.Seq, CP: p.CP})
+	if entry, ok, err := cache.Lookup(key); err == nil && ok {
+		return entry.Choice
+	}
+	return ""
 }
 
 // planDispatcher is the dispatcher the run will settle on where it can be

@@ -119,6 +119,11 @@ func TestPlanCountsEveryTensor(t *testing.T) {
 		}, true},
 		{"dp 2, zero 1", func(c *Config) { c.Parallel.DP, c.Parallel.Zero = 2, 1; c.Train.MicroBatch = 1 }, true},
 		{"cp 2", func(c *Config) { c.Parallel.CP = 2 }, true},
+		{"cp 2 ring", func(c *Config) { c.Parallel.CP, c.Parallel.CPAttention = 2, "ring" }, true},
+		{"cp 4 ring, dp 2", func(c *Config) {
+			c.Parallel.CP, c.Parallel.DP, c.Parallel.CPAttention = 4, 2, "ring"
+			c.Train.MicroBatch = 1
+		}, true},
 		{"ep 2", func(c *Config) { c.Parallel.EP = 2; c.Train.MicroBatch = 1 }, false},
 		{"ep 2 fused", func(c *Config) { c.Parallel.EP = 2; c.Train.MicroBatch = 1; c.Model.MoE.Dispatcher = "fused" }, false},
 	}

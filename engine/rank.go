@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 
+	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/comm"
@@ -117,7 +118,7 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	// The MoE load statistics are summed over every rank with distinct
 	// tokens: data and context parallel.
 	r.model, err = newModel(ctx, b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
-		moe.Groups{Expert: groups.Expert, Data: groups.DataContext}, groups.Context)
+		moe.Groups{Expert: groups.Expert, Data: groups.DataContext}, groups.Context, attention.CPMode(cfg.Parallel.CPAttention))
 	if err != nil {
 		return nil, err
 	}

@@ -59,6 +59,9 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	if err != nil {
 		return Result{}, err
 	}
+	if cfg, err = e.resolveCPAttention(cfg, !distributed && backends == nil); err != nil {
+		return Result{}, err
+	}
 	ranks := make([]*rank, len(world))
 	for i, g := range world {
 		// A rank's data part is its data group's: the data group holds one

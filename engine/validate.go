@@ -11,7 +11,9 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tune"
 )
 
 // MaxVocab is the largest vocabulary a model may have: token ids are int32.
@@ -268,6 +270,9 @@ func (v *validator) parallel(p ParallelConfig, experts int) {
 		v.fail("parallel.ep", "model.moe.experts (%d) must be divisible by parallel.ep (%d)", experts, p.EP)
 	}
 	v.atLeast("parallel.cp", p.CP, 1)
+	if p.CPAttention != "" { // "" is auto (configurations saved before the field existed)
+		v.oneOf("parallel.cp_attention", p.CPAttention, tune.CPAttentionAuto, string(attention.CPRing), string(attention.CPAllGather))
+	}
 	if v.atLeast("parallel.tp", p.TP, 1) && p.TP > 1 {
 		v.fail("parallel.tp", "parallel.tp = %d: tensor parallelism is not available yet; set parallel.tp: 1", p.TP)
 	}

@@ -121,6 +121,8 @@ func TestValidateRules(t *testing.T) {
 		{"seq by cp", func(c *Config) { c.Parallel.CP = 3 }, "train.seq",
 			"train.seq (64) must be a multiple of 2 x parallel.cp (2*3 = 6): context parallelism cuts each sequence into 2*cp equal chunks"},
 		{"cp zero", func(c *Config) { c.Parallel.CP = 0 }, "parallel.cp", "parallel.cp must be at least 1, got 0"},
+		{"cp attention", func(c *Config) { c.Parallel.CPAttention = "star" }, "parallel.cp_attention",
+			`parallel.cp_attention must be one of auto, ring, allgather; got "star"`},
 		{"tp", func(c *Config) { c.Parallel.TP = 4 }, "parallel.tp",
 			"parallel.tp = 4: tensor parallelism is not available yet; set parallel.tp: 1"},
 		{"zero", func(c *Config) { c.Parallel.Zero = 2 }, "parallel.zero",

@@ -21,6 +21,10 @@ type Config struct {
 	// Dispatcher is model.moe.dispatcher: "fused", "unfused", or "auto"
 	// (or ""), for which the plan takes the larger of the two.
 	Dispatcher string
+	// CPAttention is parallel.cp_attention: "ring", "allgather", or
+	// "auto" (or ""), for which the plan takes the larger of the two when
+	// cp > 1.
+	CPAttention string
 
 	GlobalBatch, MicroBatch, Seq int
 	DP, EP, CP, TP               int
@@ -137,14 +141,21 @@ func New(c Config, d Device) (Plan, error) {
 	p.MicroBatches = int64(c.GlobalBatch) / max(1, mul(int64(c.MicroBatch), int64(c.DP), int64(c.EP)))
 
 	s := newShape(c, d)
-	switch c.Dispatcher {
-	case DispatcherFused, DispatcherUnfused:
-		p.Rank = rankTerms(s, c.Dispatcher)
-	default: // auto settles on either at run time: plan for the larger
-		fused, unfused := rankTerms(s, DispatcherFused), rankTerms(s, DispatcherUnfused)
-		p.Rank = unfused
-		if total(fused, false) > total(unfused, false) {
-			p.Rank = fused
+	// auto settles on either at run time: plan for the larger.
+	dispatchers := []string{DispatcherUnfused, DispatcherFused}
+	if c.Dispatcher == DispatcherFused || c.Dispatcher == DispatcherUnfused {
+		dispatchers = []string{c.Dispatcher}
+	}
+	cpModes := []string{CPAllGather, CPRing}
+	if c.CPAttention == CPAllGather || c.CPAttention == CPRing {
+		cpModes = []string{c.CPAttention}
+	}
+	for i, dispatcher := range dispatchers {
+		for j, cpMode := range cpModes {
+			terms := rankTerms(s, dispatcher, cpMode)
+			if i+j == 0 || total(terms, false) > total(p.Rank, false) {
+				p.Rank = terms
+			}
 		}
 	}
 	p.Shared = sharedTerms(s)
@@ -167,6 +178,8 @@ const (
 
 	DispatcherFused   = "fused"
 	DispatcherUnfused = "unfused"
+	CPAllGather       = "allgather" // parallel.cp_attention's modes (attention.CPMode)
+	CPRing            = "ring"
 )
 
 func (c Config) check() error {

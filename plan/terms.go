@@ -39,14 +39,14 @@ func (l *ledger) fixed(kind Kind, what string, n, elems, size int64) {
 const int32Bytes = 4
 
 // rankTerms is one rank's device memory under dispatcher ("fused" or
-// "unfused").
-func rankTerms(s shape, dispatcher string) []Term {
+// "unfused") and cpMode ("allgather" or "ring").
+func rankTerms(s shape, dispatcher, cpMode string) []Term {
 	l := &ledger{cuda: s.cuda}
 	stores(l, s)
 	modelActivations(l, s)
-	attentionActivations(l, s)
+	attentionActivations(l, s, cpMode == CPRing)
 	moeActivations(l, s, dispatcher == DispatcherFused)
-	collectiveScratch(l, s)
+	collectiveScratch(l, s, cpMode == CPRing)
 	return l.terms
 }
 
@@ -110,10 +110,14 @@ const lmHeadChunkRows = 2048
 // RoPE, kept for the backward) and the softmax's log-sum-exp [B, H, S/cp];
 // once per rank the backward's gradients of a, q, k, v and, where the
 // operand type is not the float type, their bf16 copies and those of x and
-// dout. With cp > 1 each layer also keeps k and v of the whole sequences
-// in natural order and the two row maps, and the rank shares the
-// all-gathered k, v (then dk, dv) and their per-call gradients.
-func attentionActivations(l *ledger, s shape) {
+// dout. With cp > 1, in mode allgather (attention/context.go), each layer
+// also keeps k and v of the whole sequences in natural order and the two
+// row maps, and the rank shares the all-gathered k, v (then dk, dv) and
+// their per-call gradients; in mode ring (attention/ring.go) the rank
+// shares only the chunks in flight: two k, v pairs and three dk, dv sums
+// of its own size [T, KV*Dh], one block's output [C, H*Dh] and lse [H, C]
+// and one block's dk, dv [2C, KV*Dh], C = S/(2cp).
+func attentionActivations(l *ledger, s shape, ring bool) {
 	T, Q, KD, L := s.T, s.Q, s.KD, s.L
 	l.fixed(Activations, "attention", mul(2, L), mul(T, Q), s.ft)  // qTQ, aTQ
 	l.fixed(Activations, "attention", mul(2, L), mul(T, KD), s.ft) // kTK, vTK
@@ -124,7 +128,14 @@ func attentionActivations(l *ledger, s shape) {
 		l.fixed(Workspace, "attention backward", 3, mul(T, Q), s.ot)  // operands xTD, doutTD, dqTQ
 		l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ot) // operands dkTK, dvTK
 	}
-	if s.CP > 1 {
+	if s.CP > 1 && ring {
+		C := s.Sl / 2
+		l.fixed(Workspace, "attention ring", 10, mul(T, KD), s.ft)   // kv[2], sumOut, sumIn, sumStep: k and v each
+		l.fixed(Workspace, "attention ring", 1, mul(C, Q), s.ft)     // partTQ
+		l.fixed(Workspace, "attention ring", 1, mul(s.H, C), s.ft)   // partLseHS
+		l.fixed(Workspace, "attention ring", 2, mul(2, C, KD), s.ft) // dkOneTK, dvOneTK
+	}
+	if s.CP > 1 && !ring {
 		rows := mul(s.B, s.S)                                             // natural-order rows of the full sequences
 		l.fixed(Activations, "attention", mul(2, L), rows, int32Bytes)    // allOfNat, natOfAll
 		l.fixed(Activations, "attention", mul(2, L), mul(rows, KD), s.ft) // kNatTK, vNatTK
@@ -212,11 +223,12 @@ func moeActivations(l *ledger, s shape, fused bool) {
 // together, the embedding, each layer's matrices, the LM head, and each
 // layer's experts, each at most gradBucket elements); ReduceScatterSum
 // reduces the block it receives: a ZeRO-1 round's piece (zero.go), and
-// under context parallelism attention's dk and dv [T, KV*Dh]. With one
+// under context parallelism attention's dk and dv [T, KV*Dh] (mode
+// allgather; the ring's Send and Recv need no scratch). With one
 // rank per device (NCCL) the scratch is a few descriptors
 // (backend/cuda/nccl_group.go's growScratch) and NCCL's own buffers are
 // outside the allocator.
-func collectiveScratch(l *ledger, s shape) {
+func collectiveScratch(l *ledger, s shape, ring bool) {
 	if s.c.DeviceRanks == 1 && s.cuda {
 		return
 	}
@@ -229,9 +241,13 @@ func collectiveScratch(l *ledger, s shape) {
 	if s.zero {
 		replicated = s.zeroPiece
 	}
-	scratch(s.dataContext, replicated)                                  // replicated gradients
-	scratch(s.DP, ceilDiv(s.expertBucket(), s.DP))                      // experts over their replicas
-	scratch(s.CP, max(ceilDiv(s.expertBucket(), s.CP), mul(s.T, s.KD))) // experts, and attention's dk, dv
+	scratch(s.dataContext, replicated)             // replicated gradients
+	scratch(s.DP, ceilDiv(s.expertBucket(), s.DP)) // experts over their replicas
+	attnDKV := mul(s.T, s.KD)                      // the all-gather path's reduce-scatter of dk, dv
+	if ring {
+		attnDKV = 0
+	}
+	scratch(s.CP, max(ceilDiv(s.expertBucket(), s.CP), attnDKV)) // experts, and attention's dk, dv
 }
 
 // replicatedBucket is the largest gradient bucket of the replicated

@@ -1,7 +1,12 @@
 // Package tune settles, by measurement on the machine at hand, the choices
 // that no rule of thumb gets right everywhere, and remembers the answers
 // on disk so that each machine measures each case once. Today that is the
-// MoE dispatcher of model.moe.dispatcher: auto.
+// MoE dispatcher of model.moe.dispatcher: auto, and the context-parallel
+// attention of parallel.cp_attention: auto (ResolveCPAttention: ring or
+// allgather, measured by attention.MeasureContext on virtual ranks and kept
+// in cp_attention.json beside the dispatch table, under a CPAttentionKey
+// of the same machine, software and kernels; by rule on the CPU, across
+// processes and under train.deterministic).
 //
 // The engine calls ResolveDispatcher once per run, before the ranks build
 // their layers:

@@ -1,0 +1,135 @@
+package attention
+
+// Timing the context-parallel modes on the machine at hand, for
+// parallel.cp_attention: auto (package tune keeps the answers on disk).
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/comm"
+)
+
+// ContextTiming is a measurement of the two modes: the median over Iters
+// passes of one ContextCore's Forward and Backward on rank 0, the ranks
+// meeting before and after each pass.
+type ContextTiming struct {
+	AllGather, Ring time.Duration
+	Iters           int
+}
+
+// Faster is the mode of the shorter median; a tie goes to the all-gather
+// path, the reference.
+func (t ContextTiming) Faster() CPMode {
+	if t.Ring < t.AllGather {
+		return CPRing
+	}
+	return CPAllGather
+}
+
+// measureWarmup passes of each mode run before the timed ones (kernel
+// loading, the allocator's first sizes).
+const measureWarmup = 1
+
+// MeasureContext times the cores of both modes for micro-batches of batch
+// sequences of seq positions split over w virtual ranks of b (comm.NewLocal:
+// goroutines of this process sharing b), iters passes each, the modes
+// alternating. The inputs are random; the tensors are garbage once it
+// returns.
+func MeasureContext(b backend.Backend, s Shape, batch, seq, w, iters int) (ContextTiming, error) {
+	if w < 2 || iters < 1 {
+		return ContextTiming{}, fmt.Errorf("attention: MeasureContext: %d ranks and %d passes; want at least 2 and 1", w, iters)
+	}
+	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: w, TP: 1}, b)
+	if err != nil {
+		return ContextTiming{}, err
+	}
+	modes := []CPMode{CPAllGather, CPRing}
+	type rankState struct {
+		cores                           []*ContextCore
+		q, k, v, a, lse, da, dq, dk, dv backend.Tensor
+	}
+	rows, qw, kd := batch*seq/w, s.Heads*s.HeadDim(), s.KVHeads*s.HeadDim()
+	rng := rand.New(rand.NewPCG(uint64(w), uint64(seq)))
+	random := func(n ...int) backend.Tensor {
+		t := b.New(b.FloatType(), n...)
+		host := make([]float32, t.Len())
+		for i := range host {
+			host[i] = float32(rng.NormFloat64())
+		}
+		backend.UploadSlice(b, t, host)
+		return t
+	}
+	states := make([]rankState, w)
+	for r, rk := range world {
+		st := &states[r]
+		for _, m := range modes {
+			c, err := NewContextCore(b, s, batch, seq, rk.Context, m)
+			if err != nil {
+				return ContextTiming{}, err
+			}
+			st.cores = append(st.cores, c)
+		}
+		st.q, st.k, st.v, st.da = random(rows, qw), random(rows, kd), random(rows, kd), random(rows, qw)
+		st.a, st.dq = b.New(b.FloatType(), rows, qw), b.New(b.FloatType(), rows, qw)
+		st.dk, st.dv = b.New(b.FloatType(), rows, kd), b.New(b.FloatType(), rows, kd)
+		st.lse = b.New(b.FloatType(), batch*s.Heads*seq/w)
+	}
+	passes := (measureWarmup + iters) * len(modes)
+	times := make([]time.Duration, passes)
+	errs := make([]error, w)
+	var wg sync.WaitGroup
+	for r, rk := range world {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			st := &states[r]
+			for p := range passes {
+				c := st.cores[p%len(modes)]
+				if err := rk.Context.Barrier(); err != nil {
+					errs[r] = err
+					return
+				}
+				start := time.Now()
+				err := c.Forward(st.a, st.lse, st.q, st.k, st.v)
+				if err == nil {
+					err = c.Backward(st.dq, st.dk, st.dv, st.da)
+				}
+				if err == nil {
+					err = b.Sync()
+				}
+				if err == nil {
+					err = rk.Context.Barrier()
+				}
+				if err != nil {
+					errs[r] = err
+					rk.Abort(err)
+					return
+				}
+				if r == 0 {
+					times[p] = time.Since(start)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return ContextTiming{}, fmt.Errorf("attention: MeasureContext: %w", err)
+	}
+	median := func(mode int) time.Duration {
+		var ts []time.Duration
+		for p := measureWarmup * len(modes); p < passes; p++ {
+			if p%len(modes) == mode {
+				ts = append(ts, times[p])
+			}
+		}
+		slices.Sort(ts)
+		return ts[len(ts)/2]
+	}
+	return ContextTiming{AllGather: median(0), Ring: median(1), Iters: iters}, nil
+}
