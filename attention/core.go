@@ -75,7 +75,8 @@ func newContextCore(b backend.Backend, s Shape, batch, seq int, group comm.Group
 		return nil, fmt.Errorf("attention: batch %d must be positive", batch)
 	}
 	if mode != CPAllGather && mode != CPRing {
-		return nil, fmt.Errorf("attention: context-parallel mode %q; want %q or %q", mode, CPAllGather, CPRing)
+		return nil, fmt.Errorf("attention: context-parallel mode %q; want %q or %q (parallel.cp_attention auto is settled before the layers are built: tune.ResolveCPAttention)",
+			mode, CPAllGather, CPRing)
 	}
 	w := group.Size()
 	if _, err := ZigzagPositions(seq, w, group.Rank()); err != nil {

@@ -94,6 +94,7 @@ func TestGradOverlapMatchesSyncReduction(t *testing.T) {
 			cfg.Train.Steps = 3
 			// The ranks are built here, not by Run, which settles "auto".
 			cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused
+			cfg.Parallel.CPAttention = "allgather"
 			b := cpu.New(backend.Float32)
 			local := func() []*comm.Ranks {
 				w, err := comm.NewLocal(cfg.mesh(), b)
