@@ -1,0 +1,47 @@
+package recipes
+
+import (
+	"testing"
+
+	"github.com/mktrain/mktrain/engine"
+	"github.com/mktrain/mktrain/plan"
+)
+
+// TestLongContextFitsOneH200: long-context trains its 4 context-parallel
+// ranks as virtual ranks of one H200, with room to spare, whichever
+// parallel.cp_attention mode auto settles on (the plan takes the larger),
+// and under either explicit mode. The peak must stay under 85% of the
+// memory the run has (the H200's less the CUDA context): the plan counts
+// every tensor, and the margin is for a later model change that adds one.
+func TestLongContextFitsOneH200(t *testing.T) {
+	cfg, _, err := Load("long-context.yaml", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Train.Seq < 65536 || cfg.Model.HeadDim() != 128 || cfg.Model.KVHeads >= cfg.Model.Heads || cfg.Parallel.CP != 4 {
+		t.Fatalf("long-context is seq %d, head dim %d, %d heads over %d kv heads, cp %d; want seq >= 65536, head dim 128, GQA, cp 4",
+			cfg.Train.Seq, cfg.Model.HeadDim(), cfg.Model.Heads, cfg.Model.KVHeads, cfg.Parallel.CP)
+	}
+	dev, err := plan.NamedDevice("h200")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mode := range []string{cfg.Parallel.CPAttention, "ring", "allgather"} {
+		c := cfg
+		c.Parallel.CPAttention = mode
+		p, err := plan.New(engine.PlanConfig(c, 0, 0, true), dev) // every rank on the one device
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.DeviceRanks != 4 {
+			t.Fatalf("%d ranks on the device, want 4", p.DeviceRanks)
+		}
+		if err := p.Check(); err != nil {
+			t.Errorf("cp_attention %s: %v", mode, err)
+		}
+		if limit := dev.Memory / 100 * 85; p.Peak > limit {
+			t.Errorf("cp_attention %s: the peak is %s of %s, more than 85%%", mode, plan.FormatBytes(p.Peak), plan.FormatBytes(dev.Memory))
+		}
+		t.Logf("cp_attention %s: peak %s of %s (%.0f%%)", mode, plan.FormatBytes(p.Peak), plan.FormatBytes(dev.Memory), 100*float64(p.Peak)/float64(dev.Memory))
+	}
+}
