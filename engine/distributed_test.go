@@ -80,10 +80,12 @@ func runNodes(t *testing.T, cfg Config, runDirs []string, opts ...func(node int)
 func TestDistributedMatchesVirtualRanks(t *testing.T) {
 	for _, l := range []struct {
 		dp, ep, cp, micro int
-	}{{2, 2, 1, 2}, {1, 1, 2, 8}, {2, 1, 1, 4}} {
-		t.Run(fmt.Sprintf("dp%d_ep%d_cp%d", l.dp, l.ep, l.cp), func(t *testing.T) {
+		cpAttention       string // the ring over the TCP group's Send and Recv, or auto (allgather across nodes)
+	}{{2, 2, 1, 2, "auto"}, {1, 1, 2, 8, "auto"}, {2, 1, 1, 4, "auto"}, {1, 1, 2, 8, "ring"}} {
+		t.Run(fmt.Sprintf("dp%d_ep%d_cp%d_%s", l.dp, l.ep, l.cp, l.cpAttention), func(t *testing.T) {
 			cfg := equivalenceConfig()
 			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP, cfg.Train.MicroBatch = l.dp, l.ep, l.cp, l.micro
+			cfg.Parallel.CPAttention = l.cpAttention
 			cfg.Train.Steps = 3
 			want := trainLosses(t, cfg)
 			runs := runNodes(t, cfg, []string{"", ""})
