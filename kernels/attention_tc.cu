@@ -802,30 +802,29 @@ __device__ __forceinline__ atc_ktile atc_plain_ktile(int KS, int KV) {
   return atc_ktile{b, kvh, (int)blockIdx.y * ATC_ROWS, KS, 0, (long long)b * KS * KV * DH + (long long)kvh * DH};
 }
 
-#define ATC_PLAIN(DH, BN, BM)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(128)                                                                  \
-      attn_tc_forward_d##DH(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS,   \
-                            int off, int H, int KV, float scale_log2) {                                              \
-    atc_forward<DH, BN>(out, lse, q, atc_keys_one{k, v, KS, KV, DH}, atc_plain_qtile<DH>(S, off, H), H, KV,          \
-                        scale_log2);                                                                                 \
-  }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128)                                                                  \
-      attn_tc_backward_dq_d##DH(float* dq, float* delta, const float* dout, const float* q, const float* k,          \
-                                const float* v, const float* out, const float* lse, int S, int KS, int off, int H,   \
-                                int KV, float scale_log2, float scale) {                                             \
-    atc_backward_dq<DH, BN / 2>(dq, delta, dout, q, atc_keys_one{k, v, KS, KV, DH}, out, lse,                       \
-                                atc_plain_qtile<DH>(S, off, H), H, KV, scale_log2, scale);                           \
-  }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128)                                                                  \
-      attn_tc_backward_dkdv_d##DH(float* dk, float* dv, const float* dout, const float* q, const float* k,           \
-                                  const float* v, const float* lse, const float* delta, int S, int KS, int off,      \
-                                  int H, int KV, float scale_log2, float scale) {                                    \
-    atc_backward_dkdv<DH, BM>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, DH},                          \
-                              atc_plain_ktile<DH>(KS, KV), S, off, H, KV, scale_log2, scale);                        \
-  }
+extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d64(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
+  atc_forward<64, 64>(out, lse, q, atc_keys_one{k, v, KS, KV, 64}, atc_plain_qtile<64>(S, off, H), H, KV, scale_log2);
+}
 
-ATC_PLAIN(64, 64, 32)
-ATC_PLAIN(128, 32, 16)
+extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d128(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
+  atc_forward<128, 32>(out, lse, q, atc_keys_one{k, v, KS, KV, 128}, atc_plain_qtile<128>(S, off, H), H, KV, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<64, 32>(dq, delta, dout, q, atc_keys_one{k, v, KS, KV, 64}, out, lse, atc_plain_qtile<64>(S, off, H), H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<128, 16>(dq, delta, dout, q, atc_keys_one{k, v, KS, KV, 128}, out, lse, atc_plain_qtile<128>(S, off, H), H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d64(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dkdv<64, 32>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, 64}, atc_plain_ktile<64>(KS, KV), S, off, H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d128(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dkdv<128, 16>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, 128}, atc_plain_ktile<128>(KS, KV), S, off, H, KV, scale_log2, scale);
+}
 
 // The zigzag kernels serve one context-parallel rank r of W
 // (backend.ZigzagShape): its 2C local rows of each of B sequences, their
@@ -854,27 +853,26 @@ __device__ __forceinline__ atc_ktile atc_zz_ktile(int r, int W, int C, int KV, i
   return atc_ktile{b, kvh, t * ATC_ROWS, 2 * C, (chunk - n) * C, (long long)b * 2 * C * KV * dh + (long long)kvh * dh};
 }
 
-#define ATC_ZIGZAG(DH, BN, BM)                                                                                       \
-  extern "C" __global__ void __launch_bounds__(128)                                                                  \
-      attn_zz_forward_d##DH(float* out, float* lse, const float* q, const float* const* ks, const float* const* vs,  \
-                            int r, int W, int C, int H, int KV, float scale_log2) {                                  \
-    atc_forward<DH, BN>(out, lse, q, atc_keys_zz{ks, vs, W, C, KV, DH}, atc_zz_qtile(r, W, C, H, DH), H, KV,        \
-                        scale_log2);                                                                                 \
-  }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128)                                                                  \
-      attn_zz_backward_dq_d##DH(float* dq, float* delta, const float* dout, const float* q, const float* out,        \
-                                const float* lse, const float* const* ks, const float* const* vs, int r, int W,      \
-                                int C, int H, int KV, float scale_log2, float scale) {                               \
-    atc_backward_dq<DH, BN / 2>(dq, delta, dout, q, atc_keys_zz{ks, vs, W, C, KV, DH}, out, lse,                    \
-                                atc_zz_qtile(r, W, C, H, DH), H, KV, scale_log2, scale);                             \
-  }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128)                                                                  \
-      attn_zz_backward_dkdv_d##DH(float* dk, float* dv, const float* k, const float* v, const float* const* qs,      \
-                                  const float* const* douts, const float* const* lses, const float* const* deltas,   \
-                                  int r, int W, int C, int H, int KV, float scale_log2, float scale) {               \
-    atc_backward_dkdv<DH, BM>(dk, dv, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, DH},                    \
-                              atc_zz_ktile(r, W, C, KV, DH), 2 * W * C, 0, H, KV, scale_log2, scale);                \
-  }
+extern "C" __global__ void __launch_bounds__(128) attn_zz_forward_d64(float* out, float* lse, const float* q, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2) {
+  atc_forward<64, 64>(out, lse, q, atc_keys_zz{ks, vs, W, C, KV, 64}, atc_zz_qtile(r, W, C, H, 64), H, KV, scale_log2);
+}
 
-ATC_ZIGZAG(64, 64, 32)
-ATC_ZIGZAG(128, 32, 16)
+extern "C" __global__ void __launch_bounds__(128) attn_zz_forward_d128(float* out, float* lse, const float* q, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2) {
+  atc_forward<128, 32>(out, lse, q, atc_keys_zz{ks, vs, W, C, KV, 128}, atc_zz_qtile(r, W, C, H, 128), H, KV, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* out, const float* lse, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<64, 32>(dq, delta, dout, q, atc_keys_zz{ks, vs, W, C, KV, 64}, out, lse, atc_zz_qtile(r, W, C, H, 64), H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* out, const float* lse, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<128, 16>(dq, delta, dout, q, atc_keys_zz{ks, vs, W, C, KV, 128}, out, lse, atc_zz_qtile(r, W, C, H, 128), H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dkdv_d64(float* dk, float* dv, const float* k, const float* v, const float* const* qs, const float* const* douts, const float* const* lses, const float* const* deltas, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dkdv<64, 32>(dk, dv, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, 64}, atc_zz_ktile(r, W, C, KV, 64), 2 * W * C, 0, H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dkdv_d128(float* dk, float* dv, const float* k, const float* v, const float* const* qs, const float* const* douts, const float* const* lses, const float* const* deltas, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dkdv<128, 16>(dk, dv, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, 128}, atc_zz_ktile(r, W, C, KV, 128), 2 * W * C, 0, H, KV, scale_log2, scale);
+}
