@@ -237,10 +237,11 @@ struct atc_qtile {
 };
 
 // atc_ktile is a dk/dv block: rows j0..j0+63 of kv head kvh of sequence b,
-// of KS rows, at k + kbase + j*KV*DH (v, dk and dv alike). Row j is at key
-// position j + koff; a query at position p sees it iff p >= j + koff.
+// of KS rows, at k + kbase + j*KV*DH (v, dk and dv alike), over the queries
+// of the nh query heads from h0 on. Row j is at key position j + koff; a
+// query at position p sees it iff p >= j + koff.
 struct atc_ktile {
-  int b, kvh, j0, KS, koff;
+  int b, kvh, j0, KS, koff, h0, nh;
   long long kbase;
 };
 
@@ -646,13 +647,13 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
   const atc_saddr sbase = atc_smem_addr(smem);
   const atc_lanes L = atc_lane_roles();
   const int w = (int)threadIdx.x >> 5;
-  const int b = K.b, kvh = K.kvh, group = H / KV, j0 = K.j0, KS = K.KS;
+  const int b = K.b, j0 = K.j0, KS = K.KS;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
   const long long kbase = K.kbase;
   // Queries are indexed by i with position off + i; key row j is at
   // position j + koff, seen by the queries from i1 on.
   const int i1 = j0 + K.koff > off ? j0 + K.koff - off : 0;
-  const int per_head = i1 < S ? (S - i1 + BM - 1) / BM : 0, ntiles = group * per_head;
+  const int per_head = i1 < S ? (S - i1 + BM - 1) / BM : 0, ntiles = K.nh * per_head;
   const int wkey = j0 + 16 * w;  // the warp's first key row
   const int wpos = wkey + K.koff - off;  // its position, counted as a query index
 
@@ -670,7 +671,7 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
   atc_f4 qr[NL], dr[NL];
   float lsen[BM / 8][2], deln[BM / 8][2];
   auto issue = [&](int t) {
-    const int h = kvh * group + t / per_head, i0 = i1 + (t % per_head) * BM;
+    const int h = K.h0 + t / per_head, i0 = i1 + (t % per_head) * BM;
     const atc_at a = qs.at(b, h, i0);
     atc_load<DH, BM>(qr, a.a, qstride, a.n);
     atc_load<DH, BM>(dr, a.b, qstride, a.n);
@@ -797,9 +798,10 @@ __device__ __forceinline__ atc_qtile atc_plain_qtile(int S, int off, int H) {
 }
 
 template <int DH>
-__device__ __forceinline__ atc_ktile atc_plain_ktile(int KS, int KV) {
-  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV;
-  return atc_ktile{b, kvh, (int)blockIdx.y * ATC_ROWS, KS, 0, (long long)b * KS * KV * DH + (long long)kvh * DH};
+__device__ __forceinline__ atc_ktile atc_plain_ktile(int KS, int H, int KV) {
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, group = H / KV;
+  return atc_ktile{b, kvh, (int)blockIdx.y * ATC_ROWS, KS, 0, kvh * group, group,
+                   (long long)b * KS * KV * DH + (long long)kvh * DH};
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d64(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
@@ -819,11 +821,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d128(float
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d64(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dkdv<64, 32>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, 64}, atc_plain_ktile<64>(KS, KV), S, off, H, KV, scale_log2, scale);
+  atc_backward_dkdv<64, 32>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, 64}, atc_plain_ktile<64>(KS, H, KV), S, off, H, KV, scale_log2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d128(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dkdv<128, 16>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, 128}, atc_plain_ktile<128>(KS, KV), S, off, H, KV, scale_log2, scale);
+  atc_backward_dkdv<128, 16>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, 128}, atc_plain_ktile<128>(KS, H, KV), S, off, H, KV, scale_log2, scale);
 }
 
 // The zigzag kernels serve one context-parallel rank r of W
@@ -834,7 +836,12 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d128(flo
 // chunk's last rows first (the longest rows); the block's keys are the
 // positions 0.. its last row, in descending order (atc_keys_zz). The dk/dv
 // blocks take a 64-row tile of keys, the earlier chunk first, and every
-// query of the sequence from the tile's first position on. C must be a
+// query of the sequence from the tile's first position on, one query head
+// per block: a rank holds 1/W of the keys, and with the heads of a GQA
+// group in one block (as the plain kernel has them) its first key tile,
+// which every query sees, would be one block's work as long as the whole
+// rank's share spread over the GPU. Each head's block writes its own
+// partial dk, dv, which attn_zz_sum_heads adds in head order. C must be a
 // multiple of 64, so no tile straddles two chunks.
 
 __device__ __forceinline__ atc_qtile atc_zz_qtile(int r, int W, int C, int H, int dh) {
@@ -846,11 +853,20 @@ __device__ __forceinline__ atc_qtile atc_zz_qtile(int r, int W, int C, int H, in
                    ((long long)(b * 2 + n) * H + h) * C - (long long)n * C};
 }
 
-__device__ __forceinline__ atc_ktile atc_zz_ktile(int r, int W, int C, int KV, int dh) {
-  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, per = C / ATC_ROWS, t = blockIdx.y;
+__device__ __forceinline__ atc_ktile atc_zz_ktile(int r, int W, int C, int H, int KV, int dh) {
+  const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV), per = C / ATC_ROWS, t = blockIdx.y;
   const int n = t < per ? 0 : 1;
   const int chunk = n == 0 ? r : 2 * W - 1 - r;
-  return atc_ktile{b, kvh, t * ATC_ROWS, 2 * C, (chunk - n) * C, (long long)b * 2 * C * KV * dh + (long long)kvh * dh};
+  return atc_ktile{b, kvh, t * ATC_ROWS, 2 * C, (chunk - n) * C, h, 1,
+                   (long long)b * 2 * C * KV * dh + (long long)kvh * dh};
+}
+
+// atc_zz_part is the slice of the dk/dv partial sums [H/KV][B*2C, KV*DH]
+// that a zigzag dk/dv block of query head h writes: one per head of the
+// GQA group (attn_zz_sum_heads adds them up).
+__device__ __forceinline__ long long atc_zz_part(int C, int H, int KV, int dh) {
+  const int B = gridDim.x / H, h = blockIdx.x % H;
+  return (long long)(h % (H / KV)) * B * 2 * C * KV * dh;
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_zz_forward_d64(float* out, float* lse, const float* q, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2) {
@@ -870,9 +886,28 @@ extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dq_d128(float
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dkdv_d64(float* dk, float* dv, const float* k, const float* v, const float* const* qs, const float* const* douts, const float* const* lses, const float* const* deltas, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dkdv<64, 32>(dk, dv, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, 64}, atc_zz_ktile(r, W, C, KV, 64), 2 * W * C, 0, H, KV, scale_log2, scale);
+  const long long part = atc_zz_part(C, H, KV, 64);
+  atc_backward_dkdv<64, 32>(dk + part, dv + part, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, 64}, atc_zz_ktile(r, W, C, H, KV, 64), 2 * W * C, 0, H, KV, scale_log2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dkdv_d128(float* dk, float* dv, const float* k, const float* v, const float* const* qs, const float* const* douts, const float* const* lses, const float* const* deltas, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dkdv<128, 16>(dk, dv, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, 128}, atc_zz_ktile(r, W, C, KV, 128), 2 * W * C, 0, H, KV, scale_log2, scale);
+  const long long part = atc_zz_part(C, H, KV, 128);
+  atc_backward_dkdv<128, 16>(dk + part, dv + part, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, 128}, atc_zz_ktile(r, W, C, H, KV, 128), 2 * W * C, 0, H, KV, scale_log2, scale);
+}
+
+
+// attn_zz_sum_heads: dk = sum over g < group of pk[g*n ..], dv likewise from
+// pv, n a multiple of 4; grid-stride over float4s, heads in order.
+extern "C" __global__ void __launch_bounds__(256) attn_zz_sum_heads(float* dk, float* dv, const float* pk, const float* pv, long long n, int group) {
+  const long long n4 = n / 4;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+    atc_f4 a = atc_ldg4(pk + 4 * i), c = atc_ldg4(pv + 4 * i);
+    for (int g = 1; g < group; g++) {
+      const atc_f4 x = atc_ldg4(pk + (long long)g * n + 4 * i), y = atc_ldg4(pv + (long long)g * n + 4 * i);
+      a.x += x.x, a.y += x.y, a.z += x.z, a.w += x.w;
+      c.x += y.x, c.y += y.y, c.z += y.z, c.w += y.w;
+    }
+    *(atc_f4*)(dk + 4 * i) = a;
+    *(atc_f4*)(dv + 4 * i) = c;
+  }
 }

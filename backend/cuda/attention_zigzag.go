@@ -187,7 +187,10 @@ func (b *Backend) ZigzagAttentionBackwardDQ(dqTQ, deltaBHS, doutTQ, qTQ, outTQ, 
 }
 
 // ZigzagAttentionBackwardDKDV runs attn_zz_backward_dkdv (see
-// backend.Backend).
+// backend.Backend): one block per query head and 64 keys. With GQA each
+// head of a group writes its own partial dk, dv into a scratch of H/KV
+// slices, which attn_zz_sum_heads adds up in head order into dk and dv
+// (deterministic; the scratch is freed in stream order).
 func (b *Backend) ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionBackwardDKDV"
 	ps, lists := b.zigzagCall(op, s,
@@ -195,10 +198,32 @@ func (b *Backend) ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK backend.Tenso
 		[][]backend.Tensor{qTQ, doutTQ, lseBHS, deltaBHS}, []int{s.Heads, s.Heads, 0, 0})
 	scale, scaleLog2 := attnScales(s.HeadDim)
 	r, W, C, H, KV := int32(s.Rank), int32(s.Ranks), int32(s.Chunk), int32(s.Heads), int32(s.KVHeads)
-	b.zigzagLaunch(fmt.Sprintf("attn_zz_backward_dkdv_d%d", s.HeadDim), tcGrid(s.Batch*s.KVHeads, 2*s.Chunk), lists,
+	group := s.Heads / s.KVHeads
+	n := int64(s.Batch) * 2 * int64(s.Chunk) * int64(s.KVHeads) * int64(s.HeadDim)
+	dk, dv := ps[0], ps[1]
+	var part *Buffer
+	if group > 1 {
+		var err error
+		if part, err = b.dev.Alloc(2 * 4 * int64(group) * n); err != nil {
+			b.fail(err)
+			return
+		}
+		dk, dv = part.Ptr(), part.Ptr()+driver.DevicePtr(4*int64(group)*n)
+	}
+	b.zigzagLaunch(fmt.Sprintf("attn_zz_backward_dkdv_d%d", s.HeadDim), tcGrid(s.Batch*s.Heads, 2*s.Chunk), lists,
 		func(t []driver.DevicePtr) []any {
-			return []any{ps[0], ps[1], ps[2], ps[3], t[0], t[1], t[2], t[3], r, W, C, H, KV, scaleLog2, scale}
+			return []any{dk, dv, ps[2], ps[3], t[0], t[1], t[2], t[3], r, W, C, H, KV, scaleLog2, scale}
 		})
+	if part != nil {
+		if kern, err := sourceKernel(b.dev, "attention_tc.cu", "attn_zz_sum_heads"); err != nil {
+			b.fail(err)
+		} else {
+			g := Grid{Grid: driver.Dim3{X: int(min((n/4+255)/256, 4096)), Y: 1, Z: 1}, Block: driver.Dim3{X: 256, Y: 1, Z: 1}}
+			b.fail(b.dev.Launch(kern, g, ps[0], ps[1], dk, dv, n, int32(group)))
+		}
+		// Free is stream-ordered: the kernels queued before it still see part.
+		b.fail(b.dev.Free(part))
+	}
 	runtime.KeepAlive(qTQ)
 	runtime.KeepAlive(doutTQ)
 	runtime.KeepAlive(lseBHS)
