@@ -293,18 +293,41 @@ __device__ __forceinline__ void atc_zz_locate(int p, int W, int C, int& rank, in
 // diagonal back to position 0: each rank starts on its own chunk and then
 // reads its ring neighbours' in turn, so the ranks' reads spread over the
 // links.
+// k and v point at the block's own table in shared memory (atc_zz_keys):
+// each rank's address of row 0 of the block's sequence and kv head, so a
+// tile's address costs no global load and few registers.
 struct atc_keys_zz {
   static constexpr bool desc = true;
   const float* const* k;
   const float* const* v;
-  int W, C, KV, dh;
-  __device__ __forceinline__ atc_at at(int b, int kvh, int j) const {
+  int W, C;
+  long long kstride;
+  __device__ __forceinline__ atc_at at(int, int, int j) const {
     int rank, row, n;
     atc_zz_locate(j, W, C, rank, row, n);
-    const long long o = ((long long)b * 2 * C + row) * KV * dh + (long long)kvh * dh;
-    return atc_at{k[rank] + o, v[rank] + o, nullptr, nullptr, C - (j % C)};
+    const long long o = (long long)row * kstride;
+    return atc_at{k[rank] + o, v[rank] + o, nullptr, nullptr, C - (row - n * C)};
   }
 };
+
+// ATC_ZZ_MAX_RANKS bounds W (backend/cuda's zigzagMaxRanks).
+#define ATC_ZZ_MAX_RANKS 64
+
+// atc_zz_keys fills the block's key table from every rank's k and v (ks,
+// vs: W device pointers) for the forward and dq blocks of grid (B*H, ..).
+template <int DH>
+__device__ __forceinline__ atc_keys_zz atc_zz_keys(const float* const* ks, const float* const* vs, int W, int C, int H,
+                                                   int KV) {
+  __shared__ const float* tab[2 * ATC_ZZ_MAX_RANKS];
+  const int b = blockIdx.x / H, kvh = (blockIdx.x % H) / (H / KV);
+  const long long o = (long long)b * 2 * C * KV * DH + (long long)kvh * DH;
+  for (int i = threadIdx.x; i < W; i += ATC_THREADS) {
+    tab[i] = ks[i] + o;
+    tab[ATC_ZZ_MAX_RANKS + i] = vs[i] + o;
+  }
+  __syncthreads();
+  return atc_keys_zz{tab, tab + ATC_ZZ_MAX_RANKS, W, C, (long long)KV * DH};
+}
 
 // atc_queries_zz: every rank's q, dout ([B*2C, H*DH]) and lse, delta
 // ([B, 2, H, C]); a query index is its position in the sequence.
@@ -784,7 +807,9 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
 
 // The entry points. Tile sizes per head dim keep registers under ~200 and
 // static shared memory within 48 KiB: forward BN = 64 / 32 keys, dq
-// BN = 32 / 16 keys, dk/dv BM = 32 / 16 queries for Dh = 64 / 128.
+// BN = 32 / 16 keys, dk/dv BM = 32 / 16 queries for Dh = 64 / 128. The dq
+// kernels of Dh = 64 are held to 170 registers, three blocks per SM (at
+// 176 they ran two, 12% slower end to end on an H200).
 //
 // The plain kernels serve one call (backend.AttnShape): grid (B*H or
 // B*KV, ceil(rows/64)), the longest rows first (the last queries in the
@@ -812,7 +837,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d128(float* ou
   atc_forward<128, 32>(out, lse, q, atc_keys_one{k, v, KS, KV, 128}, atc_plain_qtile<128>(S, off, H), H, KV, scale_log2);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+extern "C" __global__ void __launch_bounds__(128, 3) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
   atc_backward_dq<64, 32>(dq, delta, dout, q, atc_keys_one{k, v, KS, KV, 64}, out, lse, atc_plain_qtile<64>(S, off, H), H, KV, scale_log2, scale);
 }
 
@@ -870,19 +895,19 @@ __device__ __forceinline__ long long atc_zz_part(int C, int H, int KV, int dh) {
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_zz_forward_d64(float* out, float* lse, const float* q, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2) {
-  atc_forward<64, 64>(out, lse, q, atc_keys_zz{ks, vs, W, C, KV, 64}, atc_zz_qtile(r, W, C, H, 64), H, KV, scale_log2);
+  atc_forward<64, 64>(out, lse, q, atc_zz_keys<64>(ks, vs, W, C, H, KV), atc_zz_qtile(r, W, C, H, 64), H, KV, scale_log2);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_zz_forward_d128(float* out, float* lse, const float* q, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2) {
-  atc_forward<128, 32>(out, lse, q, atc_keys_zz{ks, vs, W, C, KV, 128}, atc_zz_qtile(r, W, C, H, 128), H, KV, scale_log2);
+  atc_forward<128, 32>(out, lse, q, atc_zz_keys<128>(ks, vs, W, C, H, KV), atc_zz_qtile(r, W, C, H, 128), H, KV, scale_log2);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* out, const float* lse, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dq<64, 32>(dq, delta, dout, q, atc_keys_zz{ks, vs, W, C, KV, 64}, out, lse, atc_zz_qtile(r, W, C, H, 64), H, KV, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(128, 3) attn_zz_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* out, const float* lse, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<64, 32>(dq, delta, dout, q, atc_zz_keys<64>(ks, vs, W, C, H, KV), out, lse, atc_zz_qtile(r, W, C, H, 64), H, KV, scale_log2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* out, const float* lse, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dq<128, 16>(dq, delta, dout, q, atc_keys_zz{ks, vs, W, C, KV, 128}, out, lse, atc_zz_qtile(r, W, C, H, 128), H, KV, scale_log2, scale);
+  atc_backward_dq<128, 16>(dq, delta, dout, q, atc_zz_keys<128>(ks, vs, W, C, H, KV), out, lse, atc_zz_qtile(r, W, C, H, 128), H, KV, scale_log2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dkdv_d64(float* dk, float* dv, const float* k, const float* v, const float* const* qs, const float* const* douts, const float* const* lses, const float* const* deltas, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
