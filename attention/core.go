@@ -110,14 +110,30 @@ type contextImpl interface {
 	backward(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error
 }
 
-// ringImpl picks how mode ring runs. This is the one place where a fused
-// ring (kernels that read the peers' k and v through comm.PeerAccess's
-// PeerTensors, attention/ring_fused.go) is to be chosen, when the group
-// offers peer access and the backend the fused ops; the portable ring
-// over the group's Send and Recv (ring.go) serves every other case, and
-// today every case.
+// ringImpl picks how mode ring runs: the fused ring (ring_fused.go:
+// kernels that read the peers' k and v through comm.PeerAccess's
+// PeerTensors) when the group offers peer access and the backend's zigzag
+// ops take the shape; else the portable ring over the group's Send and
+// Recv (ring.go), which serves every group.
 func (c *ContextCore) ringImpl(sc *Scratch) (contextImpl, error) {
+	if f := newFusedRing(c); f != nil {
+		return f, nil
+	}
 	return newRing(c, sc)
+}
+
+// Path names what runs the core: "attention" (one rank), "allgather",
+// "fused ring" or "portable ring".
+func (c *ContextCore) Path() string {
+	switch c.impl.(type) {
+	case nil:
+		return "attention"
+	case *fusedRing:
+		return "fused ring"
+	case *ring:
+		return "portable ring"
+	}
+	return string(CPAllGather)
 }
 
 // Mode is the mode the core runs in.

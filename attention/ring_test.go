@@ -23,7 +23,11 @@ type coreRun struct{ a, lse, dq, dk, dv []float64 }
 
 // runCores runs Forward and Backward of a ContextCore in mode on every rank
 // of a cp group of len(in) virtual ranks, all at once.
-func runCores(t *testing.T, b backend.Backend, s attention.Shape, mode attention.CPMode, batch, seq int, in []coreInputs) []coreRun {
+//
+// With portable set, the cores' groups hide their peer access, so mode ring
+// runs the portable ring; else it runs the fused ring (ring_fused.go),
+// which the CPU backend takes at every shape.
+func runCores(t *testing.T, b backend.Backend, s attention.Shape, mode attention.CPMode, portable bool, batch, seq int, in []coreInputs) []coreRun {
 	t.Helper()
 	w := len(in)
 	ranks, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: w, TP: 1}, b)
@@ -35,9 +39,25 @@ func runCores(t *testing.T, b backend.Backend, s attention.Shape, mode attention
 	errs := make([]error, w)
 	var wg sync.WaitGroup
 	for r, rk := range ranks {
-		core, err := attention.NewContextCore(b, s, batch, seq, rk.Context, mode)
+		g := rk.Context
+		if portable {
+			g = withoutPeerAccess(g)
+		}
+		core, err := attention.NewContextCore(b, s, batch, seq, g, mode)
 		if err != nil {
 			t.Fatal(err)
+		}
+		want := string(mode)
+		switch {
+		case w == 1:
+			want = "attention"
+		case mode == attention.CPRing && portable:
+			want = "portable ring"
+		case mode == attention.CPRing:
+			want = "fused ring"
+		}
+		if core.Path() != want {
+			t.Fatalf("a core in mode %s runs the %s, want the %s", mode, core.Path(), want)
 		}
 		up := func(data []float64, shape ...int) backend.Tensor {
 			x := b.New(b.FloatType(), shape...)
@@ -83,7 +103,8 @@ func maxRelDiff(a, b []float64) float64 {
 
 // TestRingMatchesAllGather: the portable ring's output, lse and q, k, v
 // gradients equal the all-gather path's, on every rank, for W = 2, 3, 4,
-// GQA and more than one sequence per micro-batch.
+// GQA and more than one sequence per micro-batch; the fused ring's equal
+// them bit for bit.
 //
 // In float32 they are not bitwise equal: the all-gather path runs one
 // softmax pass over a query chunk's keys, the ring merges one partial
@@ -116,8 +137,19 @@ func TestRingMatchesAllGather(t *testing.T) {
 			for r := range in {
 				in[r] = coreInputs{q: randn(rng, rows*q, 1.5), k: randn(rng, rows*kd, 1.5), v: randn(rng, rows*kd, 1), da: randn(rng, rows*q, 1)}
 			}
-			want := runCores(t, b, c.s, attention.CPAllGather, c.batch, seq, in)
-			got := runCores(t, b, c.s, attention.CPRing, c.batch, seq, in)
+			want := runCores(t, b, c.s, attention.CPAllGather, false, c.batch, seq, in)
+			// The fused ring's CPU ops compute in the all-gather path's
+			// order: the same bits.
+			fused := runCores(t, b, c.s, attention.CPRing, false, c.batch, seq, in)
+			for r := range in {
+				for _, x := range [][2][]float64{{fused[r].a, want[r].a}, {fused[r].lse, want[r].lse}, {fused[r].dq, want[r].dq},
+					{fused[r].dk, want[r].dk}, {fused[r].dv, want[r].dv}} {
+					if d := maxAbsDiff(x[0], x[1]); d != 0 {
+						t.Errorf("rank %d: the fused ring differs from the all-gather path by %g (want the same bits)", r, d)
+					}
+				}
+			}
+			got := runCores(t, b, c.s, attention.CPRing, true, c.batch, seq, in)
 			var worst float64
 			for r := range in {
 				for _, x := range []struct {
@@ -162,7 +194,7 @@ func TestContextCoreOneRank(t *testing.T) {
 	dl := func(x backend.Tensor) []float64 { return backend.DownloadFloat64(b, x) }
 	want := coreRun{dl(aT), dl(lseT), dl(dqT), dl(dkT), dl(dvT)}
 	for _, mode := range []attention.CPMode{attention.CPAllGather, attention.CPRing} {
-		got := runCores(t, b, s, mode, batch, seq, in)[0]
+		got := runCores(t, b, s, mode, false, batch, seq, in)[0]
 		for name, pair := range map[string][2][]float64{"out": {got.a, want.a}, "lse": {got.lse, want.lse}, "dq": {got.dq, want.dq}, "dk": {got.dk, want.dk}, "dv": {got.dv, want.dv}} {
 			if e := maxAbsDiff(pair[0], pair[1]); e != 0 {
 				t.Errorf("mode %s: %s differs from one attention call's by %.3g", mode, name, e)

@@ -147,17 +147,24 @@ func TestSharedScratchMismatch(t *testing.T) {
 // failed Forward is refused.
 func TestContextParallelCollectiveFailure(t *testing.T) {
 	for _, c := range []struct {
+		name              string
 		mode              attention.CPMode
+		portable          bool
 		forward, backward string
 	}{
-		{attention.CPAllGather, "all-gather k", "reduce-scatter dk"},
-		{attention.CPRing, "ring step 0: passing k and v", "ring step 0: passing k, v and their gradients"},
+		{"allgather", attention.CPAllGather, false, "all-gather k", "reduce-scatter dk"},
+		{"fused-ring", attention.CPRing, false, "fused ring: exchange of k and v", "fused ring: exchange of the backward's inputs"},
+		{"portable-ring", attention.CPRing, true, "ring step 0: passing k and v", "ring step 0: passing k, v and their gradients"},
 	} {
-		t.Run(string(c.mode), func(t *testing.T) { collectiveFailure(t, c.mode, c.forward, c.backward) })
+		t.Run(c.name, func(t *testing.T) { collectiveFailure(t, c.mode, c.portable, c.forward, c.backward) })
 	}
 }
 
-func collectiveFailure(t *testing.T, mode attention.CPMode, forwardErr, backwardErr string) {
+// withoutPeerAccess hides a group's comm.PeerAccess, as a group across
+// processes lacks it: mode ring then runs the portable ring.
+func withoutPeerAccess(g comm.Group) comm.Group { return struct{ comm.Group }{g} }
+
+func collectiveFailure(t *testing.T, mode attention.CPMode, portable bool, forwardErr, backwardErr string) {
 	b := cpu.New(backend.Float32)
 	s := attention.Shape{Dim: 8, Heads: 2, KVHeads: 1, RopeTheta: 100}
 	const batch, seq = 1, 8
@@ -173,7 +180,11 @@ func collectiveFailure(t *testing.T, mode attention.CPMode, forwardErr, backward
 	st := make([]rankState, 2)
 	p, g := attention.NewParams(b, s), attention.NewParams(b, s)
 	for r := range st {
-		l, err := attention.NewContextParallel(b, s, batch, seq, ranks[r].Context, attention.WithContextMode(mode))
+		g := ranks[r].Context
+		if portable {
+			g = withoutPeerAccess(g)
+		}
+		l, err := attention.NewContextParallel(b, s, batch, seq, g, attention.WithContextMode(mode))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -90,6 +90,55 @@ type AttnShape struct {
 	Full bool
 }
 
+// ZigzagShape is one rank's part of causal attention over sequences split
+// in zigzag order across Ranks ranks (context parallelism): each sequence
+// of S = 2*Ranks*Chunk positions is cut into 2*Ranks chunks of Chunk, and
+// rank r holds chunks r and 2*Ranks-1-r. Every rank's tensors are laid
+// out alike: per sequence b of Batch, its 2*Chunk local rows are chunk r's
+// Chunk rows, then chunk 2*Ranks-1-r's; q, out, dout and dq are
+// [Batch*2*Chunk, Heads*HeadDim], k, v, dk and dv [Batch*2*Chunk,
+// KVHeads*HeadDim], lse and delta [Batch, 2, Heads, Chunk]. A query at
+// position p sees the keys at positions 0..p of its sequence, whichever
+// rank holds them. Scores are scaled by 1/sqrt(HeadDim), as AttnShape's.
+type ZigzagShape struct {
+	Ranks, Rank             int // W, and the rank whose rows an op computes
+	Batch, Chunk            int // B sequences, C positions per chunk
+	Heads, KVHeads, HeadDim int
+}
+
+// Seq is the whole sequence length, 2*Ranks*Chunk.
+func (s ZigzagShape) Seq() int { return 2 * s.Ranks * s.Chunk }
+
+// Check says in a sentence what is wrong with s, or returns nil.
+func (s ZigzagShape) Check() error {
+	switch {
+	case s.Ranks < 1 || s.Rank < 0 || s.Rank >= s.Ranks:
+		return fmt.Errorf("zigzag attention: rank %d of %d is out of range", s.Rank, s.Ranks)
+	case s.Batch < 1 || s.Chunk < 1 || s.Heads < 1 || s.KVHeads < 1 || s.HeadDim < 1:
+		return fmt.Errorf("zigzag attention: shape %+v: all sizes must be positive", s)
+	case s.Heads%s.KVHeads != 0:
+		return fmt.Errorf("zigzag attention: heads %d is not a multiple of kv heads %d", s.Heads, s.KVHeads)
+	}
+	return nil
+}
+
+// Owner returns the rank that holds chunk c (0 <= c < 2*Ranks) and the
+// first local row of the chunk on that rank (0 or Chunk).
+func (s ZigzagShape) Owner(c int) (rank, row int) {
+	if c < s.Ranks {
+		return c, 0
+	}
+	return 2*s.Ranks - 1 - c, s.Chunk
+}
+
+// LocalChunk returns the chunk that local chunk n (0 or 1) of rank rank is.
+func (s ZigzagShape) LocalChunk(rank, n int) int {
+	if n == 0 {
+		return rank
+	}
+	return 2*s.Ranks - 1 - rank
+}
+
 // Keys is the number of key/value positions per sequence: KVSeq, or Seq
 // when KVSeq is 0.
 func (s AttnShape) Keys() int {
@@ -334,6 +383,31 @@ type Backend interface {
 	// (when not nil) as DownCombine flags them. outSD are of the float
 	// type.
 	DgradCombine(outSD, doneS []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int)
+
+	// The zigzag context-parallel attention of one rank that reads its
+	// peers' tensors directly (the fused ring; see ZigzagShape for the
+	// layout). kTK, vTK and the other per-rank lists hold every rank's
+	// tensor, indexed by rank, this rank's own included.
+	//
+	// ZigzagAttentionForward writes this rank's out [B*2C, H*Dh] and lse
+	// [B, 2, H, C] for its queries qTQ, over the keys of every rank that
+	// they see: exactly the attention of the whole sequence, restricted to
+	// this rank's rows.
+	ZigzagAttentionForward(outTQ, lseBHS, qTQ Tensor, kTK, vTK []Tensor, s ZigzagShape)
+	// ZigzagAttentionSupports says why the three zigzag ops do not take s,
+	// or returns nil when they do (the CPU takes every valid shape; the
+	// CUDA kernels have limits on head dim and chunk length). Callers use
+	// another context-parallel path where they do not.
+	ZigzagAttentionSupports(s ZigzagShape) error
+	// ZigzagAttentionBackwardDQ writes this rank's dq and deltaBHS
+	// ([B, 2, H, C], D_i = rowsum(dout_i * out_i), for the peers' dk/dv)
+	// from its dout, q, out and lse and every rank's k and v.
+	ZigzagAttentionBackwardDQ(dqTQ, deltaBHS, doutTQ, qTQ, outTQ, lseBHS Tensor, kTK, vTK []Tensor, s ZigzagShape)
+	// ZigzagAttentionBackwardDKDV writes this rank's dk and dv (overwrites)
+	// for its keys kTK and values vTK from every query that sees them:
+	// every rank's q, dout, lse and delta (as ZigzagAttentionBackwardDQ
+	// left it). The peers' deltas must be complete before the call.
+	ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK Tensor, qTQ, doutTQ, lseBHS, deltaBHS []Tensor, s ZigzagShape)
 
 	// AdamWUpdate updates param in place from grad with moments m and v.
 	AdamWUpdate(param, grad, m, v Tensor, h AdamW)

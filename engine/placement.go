@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 
+	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/comm"
@@ -51,7 +52,10 @@ func (e *Engine) placeRanks() (world []*comm.Ranks, backends []backend.Backend, 
 // has it: the fused MoE kernels then read and write the peers' rows over
 // NVLink. auto does not ask for it: its measured table is of virtual ranks
 // on one GPU, which says nothing about the links between GPUs, so auto
-// stays unfused there.
+// stays unfused there. parallel.cp_attention: ring asks for it too, for
+// the fused ring attention (attention/ring_fused.go), which reads the
+// peers' keys and queries over NVLink; the portable ring serves where the
+// driver has no peer access.
 func (e *Engine) placeOnDevices(mesh comm.Mesh, placer registry.RankPerDevice) ([]*comm.Ranks, []backend.Backend, func() error, error) {
 	n := mesh.World()
 	caps := placer.Capabilities()
@@ -59,12 +63,13 @@ func (e *Engine) placeOnDevices(mesh comm.Mesh, placer registry.RankPerDevice) (
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	opts := registry.MeshOptions{PeerAccess: caps.PeerAccess && e.cfg.Model.MoE.Dispatcher == moe.DispatcherFused}
+	ring := e.cfg.Parallel.CP > 1 && e.cfg.Parallel.CPAttention == string(attention.CPRing)
+	opts := registry.MeshOptions{PeerAccess: caps.PeerAccess && (e.cfg.Model.MoE.Dispatcher == moe.DispatcherFused || ring)}
 	world, closeGroups, err := placer.MeshRanks(mesh, devices, opts)
 	if err != nil {
 		err = fmt.Errorf("parallel: %s groups over %d %ss: %w", caps.Collectives, n, caps.Device, err)
 		if opts.PeerAccess {
-			err = fmt.Errorf("%w (model.moe.dispatcher: fused needs peer access between the %ss; unfused does not)", err, caps.Device)
+			err = fmt.Errorf("%w (model.moe.dispatcher: fused and parallel.cp_attention: ring ask for peer access between the %ss; unfused and allgather do not)", err, caps.Device)
 		}
 		return nil, nil, nil, errors.Join(err, closeDevices())
 	}

@@ -54,7 +54,26 @@ func (e *Engine) plan(processRanks, deviceRanks int) (plan.Plan, error) {
 	c := PlanConfig(e.cfg, processRanks, deviceRanks, e.runDir != "")
 	c.Dispatcher = e.planDispatcher(processRanks, deviceRanks)
 	c.CPAttention = e.planCPAttention(processRanks, deviceRanks)
+	c.CPRingFused = e.cpRingFused(processRanks, deviceRanks)
 	return plan.New(c, dev)
+}
+
+// cpRingFused says whether mode ring would run the fused ring
+// (attention/ring_fused.go) for processRanks ranks in this process,
+// deviceRanks of them on each device: the context groups offer peer
+// access (every rank in this process, as virtual ranks of one device, or
+// one per GPU where placeOnDevices asks for peer access) and the
+// backend's zigzag ops take the layer's shape.
+func (e *Engine) cpRingFused(processRanks, deviceRanks int) bool {
+	p, world := e.cfg.Parallel, e.cfg.mesh().World()
+	if p.CP < 2 || processRanks < world || (deviceRanks < processRanks && p.CPAttention != plan.CPRing) {
+		return false
+	}
+	s := attentionShape(e.cfg.Model)
+	return e.backend.ZigzagAttentionSupports(backend.ZigzagShape{
+		Ranks: p.CP, Batch: e.cfg.Train.MicroBatch, Chunk: e.cfg.Train.Seq / (2 * p.CP),
+		Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim(),
+	}) == nil
 }
 
 // planCPAttention is the parallel.cp_attention mode the run will settle

@@ -146,22 +146,21 @@ __device__ __forceinline__ int atc_off(int r, int c) {
 }
 
 // atc_load issues this thread's share of the float32 loads of a ROWS x DH
-// tile: rows row0.. of a head whose position 0 is at src + base, rows
-// stride floats apart. Rows at or past S read as zeros. Thread tid takes
-// the float4s tid, tid + 128, ... of the tile in row-major order, so a
-// warp reads whole rows.
+// tile whose first row starts at src, rows stride floats apart; rows at or
+// past n read as zeros. Thread tid takes the float4s tid, tid + 128, ... of
+// the tile in row-major order, so a warp reads whole rows.
 template <int DH, int ROWS>
-__device__ __forceinline__ void atc_load(atc_f4 (&r)[ROWS * DH / (4 * ATC_THREADS)], const float* src, long long base,
-                                         long long stride, int row0, int S) {
+__device__ __forceinline__ void atc_load(atc_f4 (&r)[ROWS * DH / (4 * ATC_THREADS)], const float* src,
+                                         long long stride, int n) {
   constexpr int C4 = DH / 4;
   static_assert(ROWS * DH % (4 * ATC_THREADS) == 0, "tile shape");
 #pragma unroll
-  for (int n = 0; n < ROWS * DH / (4 * ATC_THREADS); n++) {
-    const int idx = (int)threadIdx.x + n * ATC_THREADS, row = row0 + idx / C4, c4 = idx % C4;
-    if (row < S) {
-      r[n] = atc_ldg4(src + base + (long long)row * stride + 4 * c4);
+  for (int i = 0; i < ROWS * DH / (4 * ATC_THREADS); i++) {
+    const int idx = (int)threadIdx.x + i * ATC_THREADS, row = idx / C4, c4 = idx % C4;
+    if (row < n) {
+      r[i] = atc_ldg4(src + (long long)row * stride + 4 * c4);
     } else {
-      r[n] = atc_f4{0.0f, 0.0f, 0.0f, 0.0f};
+      r[i] = atc_f4{0.0f, 0.0f, 0.0f, 0.0f};
     }
   }
 }
@@ -223,12 +222,136 @@ __device__ __forceinline__ atc_lanes atc_lane_roles() {
   return r;
 }
 
+// Where a block's rows are and what they see. The plain kernels (one
+// call's q, k and v) and the zigzag ones (a context-parallel rank that
+// reads its peers' keys or queries through device pointers) run the same
+// tile loops below and differ only in these descriptions.
+
+// atc_qtile is a forward or dq block: rows q0..q0+63 of query head h of
+// sequence b, of S rows. Row i sits at q + qbase + i*H*DH (out, dout and dq
+// alike), its lse and delta at [lbase + i]; it sees the keys at positions
+// 0..off+i.
+struct atc_qtile {
+  int b, h, q0, S, off;
+  long long qbase, lbase;
+};
+
+// atc_ktile is a dk/dv block: rows j0..j0+63 of kv head kvh of sequence b,
+// of KS rows, at k + kbase + j*KV*DH (v, dk and dv alike), over the queries
+// of the nh query heads from h0 on. Row j is at key position j + koff; a
+// query at position p sees it iff p >= j + koff.
+struct atc_ktile {
+  int b, kvh, j0, KS, koff, h0, nh;
+  long long kbase;
+};
+
+// atc_at is where a tile of rows starts in the tensors of a source (k and
+// v; or q, dout, lse and delta) and how many rows exist from there.
+struct atc_at {
+  const float *a, *b, *lse, *delta;
+  int n;
+};
+
+// atc_keys_one: one call's keys, [B*KS, KV*DH]; position j of sequence b
+// is row b*KS + j. Tiles go in position order.
+struct atc_keys_one {
+  static constexpr bool desc = false;
+  const float *k, *v;
+  int KS, KV, dh;
+  __device__ __forceinline__ atc_at at(int b, int kvh, int j) const {
+    const long long o = ((long long)b * KS + j) * KV * dh + (long long)kvh * dh;
+    return atc_at{k + o, v + o, nullptr, nullptr, KS - j};
+  }
+};
+
+// atc_queries_one: one call's queries [B*S, H*DH] (q, dout) and their lse
+// and delta [B, H, S]; position i of sequence b is row b*S + i.
+struct atc_queries_one {
+  const float *q, *dout, *lse, *delta;
+  int S, H, dh;
+  __device__ __forceinline__ atc_at at(int b, int h, int i) const {
+    const long long o = ((long long)b * S + i) * H * dh + (long long)h * dh;
+    const long long l = ((long long)b * H + h) * S + i;
+    return atc_at{q + o, dout + o, lse + l, delta + l, S - i};
+  }
+};
+
+// Zigzag context parallelism (backend.ZigzagShape): a sequence of 2WC
+// positions in 2W chunks of C, rank r holding chunks r and 2W-1-r as its
+// local rows [0, C) and [C, 2C) of each sequence. Position p is in chunk
+// c = p / C, owned by rank c (c < W) or 2W-1-c, at its local row
+// (c < W ? 0 : C) + p % C. Tiles never straddle chunks (C is a multiple
+// of 64). Every rank's tensors come as a table of W device pointers.
+__device__ __forceinline__ void atc_zz_locate(int p, int W, int C, int& rank, int& row, int& n) {
+  const int c = p / C;
+  n = c < W ? 0 : 1;
+  rank = n == 0 ? c : 2 * W - 1 - c;
+  row = n * C + (p - c * C);
+}
+
+// atc_keys_zz: every rank's k and v. Tiles go from the block's own
+// diagonal back to position 0: each rank starts on its own chunk and then
+// reads its ring neighbours' in turn, so the ranks' reads spread over the
+// links.
+// k and v point at the block's own table in shared memory (atc_zz_keys):
+// each rank's address of row 0 of the block's sequence and kv head, so a
+// tile's address costs no global load and few registers.
+struct atc_keys_zz {
+  static constexpr bool desc = true;
+  const float* const* k;
+  const float* const* v;
+  int W, C;
+  long long kstride;
+  __device__ __forceinline__ atc_at at(int, int, int j) const {
+    int rank, row, n;
+    atc_zz_locate(j, W, C, rank, row, n);
+    const long long o = (long long)row * kstride;
+    return atc_at{k[rank] + o, v[rank] + o, nullptr, nullptr, C - (row - n * C)};
+  }
+};
+
+// ATC_ZZ_MAX_RANKS bounds W (backend/cuda's zigzagMaxRanks).
+#define ATC_ZZ_MAX_RANKS 64
+
+// atc_zz_keys fills the block's key table from every rank's k and v (ks,
+// vs: W device pointers) for the forward and dq blocks of grid (B*H, ..).
+template <int DH>
+__device__ __forceinline__ atc_keys_zz atc_zz_keys(const float* const* ks, const float* const* vs, int W, int C, int H,
+                                                   int KV) {
+  __shared__ const float* tab[2 * ATC_ZZ_MAX_RANKS];
+  const int b = blockIdx.x / H, kvh = (blockIdx.x % H) / (H / KV);
+  const long long o = (long long)b * 2 * C * KV * DH + (long long)kvh * DH;
+  for (int i = threadIdx.x; i < W; i += ATC_THREADS) {
+    tab[i] = ks[i] + o;
+    tab[ATC_ZZ_MAX_RANKS + i] = vs[i] + o;
+  }
+  __syncthreads();
+  return atc_keys_zz{tab, tab + ATC_ZZ_MAX_RANKS, W, C, (long long)KV * DH};
+}
+
+// atc_queries_zz: every rank's q, dout ([B*2C, H*DH]) and lse, delta
+// ([B, 2, H, C]); a query index is its position in the sequence.
+struct atc_queries_zz {
+  const float* const* q;
+  const float* const* dout;
+  const float* const* lse;
+  const float* const* delta;
+  int W, C, H, dh;
+  __device__ __forceinline__ atc_at at(int b, int h, int i) const {
+    int rank, row, n;
+    atc_zz_locate(i, W, C, rank, row, n);
+    const long long o = ((long long)b * 2 * C + row) * H * dh + (long long)h * dh;
+    const long long l = ((long long)(b * 2 + n) * H + h) * C + (i % C);
+    return atc_at{q[rank] + o, dout[rank] + o, lse[rank] + l, delta[rank] + l, C - (i % C)};
+  }
+};
+
 // atc_forward: grid (B*H, ceil(S/64)), 128 threads. Writes out and lse for
 // queries q0..q0+63 of head h; the longest rows go first. K and V stream
 // in tiles of BN keys.
-template <int DH, int BN>
-__device__ __forceinline__ void atc_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                                            int S, int KS, int off, int H, int KV, float scale_log2) {
+template <int DH, int BN, class Keys>
+__device__ __forceinline__ void atc_forward(float* out, float* lse, const float* q, const Keys& keys,
+                                            const atc_qtile& Q, int H, int KV, float scale_log2) {
   constexpr int TILE = BN * DH * 2, QTILE = ATC_ROWS * DH * 2;
   constexpr int SMEM = QTILE > 4 * TILE ? QTILE : 4 * TILE;
   constexpr int NL = BN * DH / (4 * ATC_THREADS);
@@ -238,18 +361,18 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   const atc_saddr sbase = atc_smem_addr(smem);
   const atc_lanes L = atc_lane_roles();
   const int w = (int)threadIdx.x >> 5;
-  const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV);
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * ATC_ROWS;
+  const int b = Q.b, kvh = Q.h / (H / KV), q0 = Q.q0, S = Q.S;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
-  const long long qbase = (long long)b * S * qstride + (long long)h * DH;
-  const long long kbase = (long long)b * KS * kstride + (long long)kvh * DH;
-  const int ntiles = (off + atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
-  const int wrow = q0 + 16 * w;  // the warp's first query row
-  const int wkey = off + wrow;   // the last key the warp's first row sees
+  const long long qbase = Q.qbase;
+  const int ntiles = (Q.off + atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
+  const int wrow = q0 + 16 * w;   // the warp's first query row
+  const int wkey = Q.off + wrow;  // the last key the warp's first row sees
+  // The key tile processed t-th.
+  auto tile_k0 = [&](int t) { return (Keys::desc ? ntiles - 1 - t : t) * BN; };
 
   {
     atc_f4 qr[ATC_ROWS * DH / (4 * ATC_THREADS)];
-    atc_load<DH, ATC_ROWS>(qr, q, qbase, qstride, q0, S);
+    atc_load<DH, ATC_ROWS>(qr, q + qbase + (long long)q0 * qstride, qstride, S - q0);
     atc_store<DH, ATC_ROWS>(smem, qr);
   }
   __syncthreads();
@@ -259,8 +382,11 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   __syncthreads();  // Q is in registers; its space takes K and V now
 
   atc_f4 kr[NL], vr[NL];
-  atc_load<DH, BN>(kr, k, kbase, kstride, 0, KS);
-  atc_load<DH, BN>(vr, v, kbase, kstride, 0, KS);
+  {
+    const atc_at a = keys.at(b, kvh, tile_k0(0));
+    atc_load<DH, BN>(kr, a.a, kstride, a.n);
+    atc_load<DH, BN>(vr, a.b, kstride, a.n);
+  }
   atc_store<DH, BN>(smem, kr);
   atc_store<DH, BN>(smem + TILE, vr);
   __syncthreads();
@@ -273,14 +399,15 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   float m[2] = {-MK_INF, -MK_INF}, l[2] = {0.0f, 0.0f};
 
   for (int t = 0; t < ntiles; t++) {
-    const int k0 = t * BN;
+    const int k0 = tile_k0(t);
     if (t + 1 < ntiles) {
-      atc_load<DH, BN>(kr, k, kbase, kstride, k0 + BN, KS);
-      atc_load<DH, BN>(vr, v, kbase, kstride, k0 + BN, KS);
+      const atc_at a = keys.at(b, kvh, tile_k0(t + 1));
+      atc_load<DH, BN>(kr, a.a, kstride, a.n);
+      atc_load<DH, BN>(vr, a.b, kstride, a.n);
     }
     const atc_saddr ks = sbase + (t & 1) * 2 * TILE, vs = ks + TILE;
     // Warp-uniform: a tile of keys past every row of this warp is all
-    // masked (and so is every later one).
+    // masked.
     if (k0 <= wkey + 15) {
       float s[BN / 8][4];
 #pragma unroll
@@ -308,10 +435,10 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
 #pragma unroll
         for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         const float mn = fmaxf(m[r], atc_quad_max(mx) * scale_log2);
-        // Key 0 is in every row's first tile, so mn is finite from then
-        // on; the guard keeps a row that sees no key of a tile (a query
-        // offset that is not a multiple of 16 leaves such rows in active
-        // warps) from turning into NaNs.
+        // The guard keeps a row that has seen no key yet (a query offset
+        // that is not a multiple of 16 leaves rows that see none of a tile
+        // in active warps; tiles in descending order meet them first) from
+        // turning into NaNs.
         mref[r] = mn == -MK_INF ? 0.0f : mn;
         const float corr = atc_ex2(m[r] - mref[r]);
         m[r] = mn;
@@ -361,7 +488,7 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
       float* row = out + qbase + (long long)i * qstride + 2 * L.t4;
 #pragma unroll
       for (int n = 0; n < DH / 8; n++) *(atc_f2*)(row + 8 * n) = atc_f2{o[n][2 * r] * inv, o[n][2 * r + 1] * inv};
-      if (L.t4 == 0) lse[((long long)b * H + h) * S + i] = m[r] * ATC_LN2 + logf(lr);
+      if (L.t4 == 0) lse[Q.lbase + i] = m[r] * ATC_LN2 + logf(lr);
     }
   }
 }
@@ -370,10 +497,10 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
 // delta (D_i = dout_i . out_i) for queries q0..q0+63 of head h. K and V
 // stream in tiles of BN keys; per tile, with P = exp(S - lse) and
 // dS = P * (dout V^T - D): dq += dS K (times the scale at the end).
-template <int DH, int BN>
+template <int DH, int BN, class Keys>
 __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const float* dout, const float* q,
-                                                const float* k, const float* v, const float* out, const float* lse,
-                                                int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+                                                const Keys& keys, const float* out, const float* lse,
+                                                const atc_qtile& Q, int H, int KV, float scale_log2, float scale) {
   constexpr int TILE = BN * DH * 2, QTILE = ATC_ROWS * DH * 2;
   constexpr int SMEM = 2 * QTILE > 4 * TILE ? 2 * QTILE : 4 * TILE;
   constexpr int NL = BN * DH / (4 * ATC_THREADS), NQ = ATC_ROWS * DH / (4 * ATC_THREADS), C4 = DH / 4;
@@ -384,15 +511,14 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   const atc_saddr sbase = atc_smem_addr(smem);
   const atc_lanes L = atc_lane_roles();
   const int tid = threadIdx.x, w = tid >> 5;
-  const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV);
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * ATC_ROWS;
+  const int b = Q.b, kvh = Q.h / (H / KV), q0 = Q.q0, S = Q.S;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
-  const long long qbase = (long long)b * S * qstride + (long long)h * DH;
-  const long long kbase = (long long)b * KS * kstride + (long long)kvh * DH;
-  const long long lbase = ((long long)b * H + h) * S;
-  const int ntiles = (off + atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
+  const long long qbase = Q.qbase, lbase = Q.lbase;
+  const int ntiles = (Q.off + atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
   const int wrow = q0 + 16 * w;
-  const int wkey = off + wrow;  // the last key the warp's first row sees
+  const int wkey = Q.off + wrow;  // the last key the warp's first row sees
+  auto tile_k0 = [&](int t) { return (Keys::desc ? ntiles - 1 - t : t) * BN; };
+  const float* qrow0 = q + qbase + (long long)q0 * qstride;
 
   {
     // D_i, summed in float32 while dout is staged: the C4 lanes of a row
@@ -402,8 +528,8 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
     // gets dS = 0 exactly, as in exact arithmetic) rather than off by
     // dout's rounding error, which dq and dk would otherwise carry.
     atc_f4 dr[NQ], orr[NQ];
-    atc_load<DH, ATC_ROWS>(dr, dout, qbase, qstride, q0, S);
-    atc_load<DH, ATC_ROWS>(orr, out, qbase, qstride, q0, S);
+    atc_load<DH, ATC_ROWS>(dr, dout + (qrow0 - q), qstride, S - q0);
+    atc_load<DH, ATC_ROWS>(orr, out + (qrow0 - q), qstride, S - q0);
     atc_store<DH, ATC_ROWS>(smem + QTILE, dr);
 #pragma unroll
     for (int n = 0; n < NQ; n++) {
@@ -422,7 +548,7 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   }
   {
     atc_f4 qr[NQ];
-    atc_load<DH, ATC_ROWS>(qr, q, qbase, qstride, q0, S);
+    atc_load<DH, ATC_ROWS>(qr, qrow0, qstride, S - q0);
     atc_store<DH, ATC_ROWS>(smem, qr);
   }
   __syncthreads();
@@ -442,8 +568,11 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   __syncthreads();  // Q and dout are in registers; their space takes K and V
 
   atc_f4 kr[NL], vr[NL];
-  atc_load<DH, BN>(kr, k, kbase, kstride, 0, KS);
-  atc_load<DH, BN>(vr, v, kbase, kstride, 0, KS);
+  {
+    const atc_at a = keys.at(b, kvh, tile_k0(0));
+    atc_load<DH, BN>(kr, a.a, kstride, a.n);
+    atc_load<DH, BN>(vr, a.b, kstride, a.n);
+  }
   atc_store<DH, BN>(smem, kr);
   atc_store<DH, BN>(smem + TILE, vr);
   __syncthreads();
@@ -453,10 +582,11 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   for (int n = 0; n < DH / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
   for (int t = 0; t < ntiles; t++) {
-    const int k0 = t * BN;
+    const int k0 = tile_k0(t);
     if (t + 1 < ntiles) {
-      atc_load<DH, BN>(kr, k, kbase, kstride, k0 + BN, KS);
-      atc_load<DH, BN>(vr, v, kbase, kstride, k0 + BN, KS);
+      const atc_at a = keys.at(b, kvh, tile_k0(t + 1));
+      atc_load<DH, BN>(kr, a.a, kstride, a.n);
+      atc_load<DH, BN>(vr, a.b, kstride, a.n);
     }
     const atc_saddr ks = sbase + (t & 1) * 2 * TILE, vs = ks + TILE;
     if (k0 <= wkey + 15) {
@@ -528,11 +658,10 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
 // (keys are the rows here): P^T = exp(K Q^T - lse), dS^T = P^T * (V dout^T
 // - D); dv += P^T dout, dk += dS^T Q (times the scale at the end). K and V
 // stay in shared memory for the block's lifetime.
-template <int DH, int BM>
-__device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const float* dout, const float* q,
-                                                  const float* k, const float* v, const float* lse,
-                                                  const float* delta, int S, int KS, int off, int H, int KV,
-                                                  float scale_log2, float scale) {
+template <int DH, int BM, class Queries>
+__device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const float* k, const float* v,
+                                                  const Queries& qs, const atc_ktile& K, int S, int off, int H,
+                                                  int KV, float scale_log2, float scale) {
   constexpr int KTILE = ATC_ROWS * DH * 2, TILE = BM * DH * 2;
   constexpr int NL = BM * DH / (4 * ATC_THREADS), NK = ATC_ROWS * DH / (4 * ATC_THREADS);
   // K, V, then two buffers of (Q, dout).
@@ -541,19 +670,21 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
   const atc_saddr sbase = atc_smem_addr(smem);
   const atc_lanes L = atc_lane_roles();
   const int w = (int)threadIdx.x >> 5;
-  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, group = H / KV;
-  const int j0 = blockIdx.y * ATC_ROWS;
+  const int b = K.b, j0 = K.j0, KS = K.KS;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
-  const long long kbase = (long long)b * KS * kstride + (long long)kvh * DH;
-  const int i1 = j0 > off ? j0 - off : 0;
-  const int per_head = i1 < S ? (S - i1 + BM - 1) / BM : 0, ntiles = group * per_head;
+  const long long kbase = K.kbase;
+  // Queries are indexed by i with position off + i; key row j is at
+  // position j + koff, seen by the queries from i1 on.
+  const int i1 = j0 + K.koff > off ? j0 + K.koff - off : 0;
+  const int per_head = i1 < S ? (S - i1 + BM - 1) / BM : 0, ntiles = K.nh * per_head;
   const int wkey = j0 + 16 * w;  // the warp's first key row
+  const int wpos = wkey + K.koff - off;  // its position, counted as a query index
 
   {
     atc_f4 r[NK];
-    atc_load<DH, ATC_ROWS>(r, k, kbase, kstride, j0, KS);
+    atc_load<DH, ATC_ROWS>(r, k + kbase + (long long)j0 * kstride, kstride, KS - j0);
     atc_store<DH, ATC_ROWS>(smem, r);
-    atc_load<DH, ATC_ROWS>(r, v, kbase, kstride, j0, KS);
+    atc_load<DH, ATC_ROWS>(r, v + kbase + (long long)j0 * kstride, kstride, KS - j0);
     atc_store<DH, ATC_ROWS>(smem + KTILE, r);
   }
 
@@ -563,18 +694,17 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
   atc_f4 qr[NL], dr[NL];
   float lsen[BM / 8][2], deln[BM / 8][2];
   auto issue = [&](int t) {
-    const int h = kvh * group + t / per_head, i0 = i1 + (t % per_head) * BM;
-    const long long qbase = (long long)b * S * qstride + (long long)h * DH;
-    const long long lbase = ((long long)b * H + h) * S;
-    atc_load<DH, BM>(qr, q, qbase, qstride, i0, S);
-    atc_load<DH, BM>(dr, dout, qbase, qstride, i0, S);
+    const int h = K.h0 + t / per_head, i0 = i1 + (t % per_head) * BM;
+    const atc_at a = qs.at(b, h, i0);
+    atc_load<DH, BM>(qr, a.a, qstride, a.n);
+    atc_load<DH, BM>(dr, a.b, qstride, a.n);
 #pragma unroll
     for (int n = 0; n < BM / 8; n++)
 #pragma unroll
       for (int c = 0; c < 2; c++) {
-        const int i = i0 + 8 * n + 2 * L.t4 + c;
-        lsen[n][c] = i < S ? atc_ldg1(lse + lbase + i) : 0.0f;
-        deln[n][c] = i < S ? atc_ldg1(delta + lbase + i) : 0.0f;
+        const int i = 8 * n + 2 * L.t4 + c;
+        lsen[n][c] = i < a.n ? atc_ldg1(a.lse + i) : 0.0f;
+        deln[n][c] = i < a.n ? atc_ldg1(a.delta + i) : 0.0f;
       }
   };
   float lsec[BM / 8][2], delc[BM / 8][2];
@@ -607,7 +737,7 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
     if (t + 1 < ntiles) issue(t + 1);
     const atc_saddr qs = sbase + 2 * KTILE + (t & 1) * 2 * TILE, ds = qs + TILE;
     // Warp-uniform: queries before every key of this warp see none of them.
-    if (off + i0 + BM - 1 >= wkey) {
+    if (i0 + BM - 1 >= wpos) {
       float s[BM / 8][4], dp[BM / 8][4];
 #pragma unroll
       for (int n = 0; n < BM / 8; n++)
@@ -630,13 +760,13 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
         }
       }
       // s becomes P^T, dp becomes dS^T; a query that does not see the key
-      // (off + i < j), or past S, gives 0.
+      // (i < j's position), or past S, gives 0.
 #pragma unroll
       for (int n = 0; n < BM / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          const int i = i0 + 8 * n + 2 * L.t4 + (e & 1), j = wkey + L.g + 8 * (e >> 1);
-          const float p = off + i < j || i >= S ? 0.0f : atc_ex2(s[n][e] * scale_log2 - lsec[n][e & 1]);
+          const int i = i0 + 8 * n + 2 * L.t4 + (e & 1), j = wpos + L.g + 8 * (e >> 1);
+          const float p = i < j || i >= S ? 0.0f : atc_ex2(s[n][e] * scale_log2 - lsec[n][e & 1]);
           dp[n][e] = p * (dp[n][e] - delc[n][e & 1]);
           s[n][e] = p;
         }
@@ -677,25 +807,132 @@ __device__ __forceinline__ void atc_backward_dkdv(float* dk, float* dv, const fl
 
 // The entry points. Tile sizes per head dim keep registers under ~200 and
 // static shared memory within 48 KiB: forward BN = 64 / 32 keys, dq
-// BN = 32 / 16 keys, dk/dv BM = 32 / 16 queries for Dh = 64 / 128.
+// BN = 32 / 16 keys, dk/dv BM = 32 / 16 queries for Dh = 64 / 128. The dq
+// kernels of Dh = 64 are held to 170 registers, three blocks per SM (at
+// 176 they ran two, 12% slower end to end on an H200).
+//
+// The plain kernels serve one call (backend.AttnShape): grid (B*H or
+// B*KV, ceil(rows/64)), the longest rows first (the last queries in the
+// forward and dq, the first keys in dk/dv).
+
+template <int DH>
+__device__ __forceinline__ atc_qtile atc_plain_qtile(int S, int off, int H) {
+  const int b = blockIdx.x / H, h = blockIdx.x % H;
+  return atc_qtile{b, h, (int)(gridDim.y - 1 - blockIdx.y) * ATC_ROWS, S, off,
+                   (long long)b * S * H * DH + (long long)h * DH, ((long long)b * H + h) * S};
+}
+
+template <int DH>
+__device__ __forceinline__ atc_ktile atc_plain_ktile(int KS, int H, int KV) {
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, group = H / KV;
+  return atc_ktile{b, kvh, (int)blockIdx.y * ATC_ROWS, KS, 0, kvh * group, group,
+                   (long long)b * KS * KV * DH + (long long)kvh * DH};
+}
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d64(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
-  atc_forward<64, 64>(out, lse, q, k, v, S, KS, off, H, KV, scale_log2);
-}
-extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d128(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
-  atc_forward<128, 32>(out, lse, q, k, v, S, KS, off, H, KV, scale_log2);
+  atc_forward<64, 64>(out, lse, q, atc_keys_one{k, v, KS, KV, 64}, atc_plain_qtile<64>(S, off, H), H, KV, scale_log2);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dq<64, 32>(dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, scale_log2, scale);
+extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d128(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
+  atc_forward<128, 32>(out, lse, q, atc_keys_one{k, v, KS, KV, 128}, atc_plain_qtile<128>(S, off, H), H, KV, scale_log2);
 }
+
+extern "C" __global__ void __launch_bounds__(128, 3) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<64, 32>(dq, delta, dout, q, atc_keys_one{k, v, KS, KV, 64}, out, lse, atc_plain_qtile<64>(S, off, H), H, KV, scale_log2, scale);
+}
+
 extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dq<128, 16>(dq, delta, dout, q, k, v, out, lse, S, KS, off, H, KV, scale_log2, scale);
+  atc_backward_dq<128, 16>(dq, delta, dout, q, atc_keys_one{k, v, KS, KV, 128}, out, lse, atc_plain_qtile<128>(S, off, H), H, KV, scale_log2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d64(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dkdv<64, 32>(dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, scale_log2, scale);
+  atc_backward_dkdv<64, 32>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, 64}, atc_plain_ktile<64>(KS, H, KV), S, off, H, KV, scale_log2, scale);
 }
+
 extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d128(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dkdv<128, 16>(dk, dv, dout, q, k, v, lse, delta, S, KS, off, H, KV, scale_log2, scale);
+  atc_backward_dkdv<128, 16>(dk, dv, k, v, atc_queries_one{q, dout, lse, delta, S, H, 128}, atc_plain_ktile<128>(KS, H, KV), S, off, H, KV, scale_log2, scale);
+}
+
+// The zigzag kernels serve one context-parallel rank r of W
+// (backend.ZigzagShape): its 2C local rows of each of B sequences, their
+// keys (or, for dk/dv, their queries) read from every rank's tensors
+// through tables of W device pointers. The forward and dq blocks take a
+// 64-row tile of one local chunk, the later chunk's tiles first and each
+// chunk's last rows first (the longest rows); the block's keys are the
+// positions 0.. its last row, in descending order (atc_keys_zz). The dk/dv
+// blocks take a 64-row tile of keys, the earlier chunk first, and every
+// query of the sequence from the tile's first position on, one query head
+// per block: a rank holds 1/W of the keys, and with the heads of a GQA
+// group in one block (as the plain kernel has them) its first key tile,
+// which every query sees, would be one block's work as long as the whole
+// rank's share spread over the GPU. Each head's block writes its own
+// partial dk, dv, which attn_zz_sum_heads adds in head order. C must be a
+// multiple of 64, so no tile straddles two chunks.
+
+__device__ __forceinline__ atc_qtile atc_zz_qtile(int r, int W, int C, int H, int dh) {
+  const int b = blockIdx.x / H, h = blockIdx.x % H, per = C / ATC_ROWS, t = blockIdx.y;
+  const int n = t < per ? 1 : 0;                          // the local chunk
+  const int q0 = n * C + (per - 1 - (t - (1 - n) * per)) * ATC_ROWS;
+  const int chunk = n == 0 ? r : 2 * W - 1 - r;
+  return atc_qtile{b, h, q0, 2 * C, (chunk - n) * C, (long long)b * 2 * C * H * dh + (long long)h * dh,
+                   ((long long)(b * 2 + n) * H + h) * C - (long long)n * C};
+}
+
+__device__ __forceinline__ atc_ktile atc_zz_ktile(int r, int W, int C, int H, int KV, int dh) {
+  const int b = blockIdx.x / H, h = blockIdx.x % H, kvh = h / (H / KV), per = C / ATC_ROWS, t = blockIdx.y;
+  const int n = t < per ? 0 : 1;
+  const int chunk = n == 0 ? r : 2 * W - 1 - r;
+  return atc_ktile{b, kvh, t * ATC_ROWS, 2 * C, (chunk - n) * C, h, 1,
+                   (long long)b * 2 * C * KV * dh + (long long)kvh * dh};
+}
+
+// atc_zz_part is the slice of the dk/dv partial sums [H/KV][B*2C, KV*DH]
+// that a zigzag dk/dv block of query head h writes: one per head of the
+// GQA group (attn_zz_sum_heads adds them up).
+__device__ __forceinline__ long long atc_zz_part(int C, int H, int KV, int dh) {
+  const int B = gridDim.x / H, h = blockIdx.x % H;
+  return (long long)(h % (H / KV)) * B * 2 * C * KV * dh;
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_forward_d64(float* out, float* lse, const float* q, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2) {
+  atc_forward<64, 64>(out, lse, q, atc_zz_keys<64>(ks, vs, W, C, H, KV), atc_zz_qtile(r, W, C, H, 64), H, KV, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_forward_d128(float* out, float* lse, const float* q, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2) {
+  atc_forward<128, 32>(out, lse, q, atc_zz_keys<128>(ks, vs, W, C, H, KV), atc_zz_qtile(r, W, C, H, 128), H, KV, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 3) attn_zz_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* out, const float* lse, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<64, 32>(dq, delta, dout, q, atc_zz_keys<64>(ks, vs, W, C, H, KV), out, lse, atc_zz_qtile(r, W, C, H, 64), H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* out, const float* lse, const float* const* ks, const float* const* vs, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  atc_backward_dq<128, 16>(dq, delta, dout, q, atc_zz_keys<128>(ks, vs, W, C, H, KV), out, lse, atc_zz_qtile(r, W, C, H, 128), H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dkdv_d64(float* dk, float* dv, const float* k, const float* v, const float* const* qs, const float* const* douts, const float* const* lses, const float* const* deltas, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  const long long part = atc_zz_part(C, H, KV, 64);
+  atc_backward_dkdv<64, 32>(dk + part, dv + part, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, 64}, atc_zz_ktile(r, W, C, H, KV, 64), 2 * W * C, 0, H, KV, scale_log2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_zz_backward_dkdv_d128(float* dk, float* dv, const float* k, const float* v, const float* const* qs, const float* const* douts, const float* const* lses, const float* const* deltas, int r, int W, int C, int H, int KV, float scale_log2, float scale) {
+  const long long part = atc_zz_part(C, H, KV, 128);
+  atc_backward_dkdv<128, 16>(dk + part, dv + part, k, v, atc_queries_zz{qs, douts, lses, deltas, W, C, H, 128}, atc_zz_ktile(r, W, C, H, KV, 128), 2 * W * C, 0, H, KV, scale_log2, scale);
+}
+
+
+// attn_zz_sum_heads: dk = sum over g < group of pk[g*n ..], dv likewise from
+// pv, n a multiple of 4; grid-stride over float4s, heads in order.
+extern "C" __global__ void __launch_bounds__(256) attn_zz_sum_heads(float* dk, float* dv, const float* pk, const float* pv, long long n, int group) {
+  const long long n4 = n / 4;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+    atc_f4 a = atc_ldg4(pk + 4 * i), c = atc_ldg4(pv + 4 * i);
+    for (int g = 1; g < group; g++) {
+      const atc_f4 x = atc_ldg4(pk + (long long)g * n + 4 * i), y = atc_ldg4(pv + (long long)g * n + 4 * i);
+      a.x += x.x, a.y += x.y, a.z += x.z, a.w += x.w;
+      c.x += y.x, c.y += y.y, c.z += y.z, c.w += y.w;
+    }
+    *(atc_f4*)(dk + 4 * i) = a;
+    *(atc_f4*)(dv + 4 * i) = c;
+  }
 }

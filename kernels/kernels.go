@@ -74,6 +74,8 @@ func Sources() []Source {
 	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
 	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
 	const attnKeyGrid = "(B*KV, ceil(KVSeq/64)) blocks: one per kv head and 64 keys"
+	const zigzagGrid = "(B*H, 2C/64) blocks: one per head and 64 of a rank's local queries (C a multiple of 64)"
+	const zigzagKeyGrid = "(B*H, 2C/64) blocks: one per query head and 64 of a rank's local keys"
 	const peerGrid = "any; grid-stride over R rows, one warp per row (8 blocks per SM for large R)"
 	const groupedGrid = "persistent: min(SMs, most tiles) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"
 	const gatherGrid = groupedGrid + "; blocks must all be resident (the TMA threads wait on the gathering warps of other blocks)"
@@ -163,6 +165,13 @@ func Sources() []Source {
 			{Name: "attn_tc_backward_dq_d128", Block: 128, Grid: attnQueryGrid},
 			{Name: "attn_tc_backward_dkdv_d64", Block: 128, Grid: attnKeyGrid},
 			{Name: "attn_tc_backward_dkdv_d128", Block: 128, Grid: attnKeyGrid},
+			{Name: "attn_zz_forward_d64", Block: 128, Grid: zigzagGrid},
+			{Name: "attn_zz_forward_d128", Block: 128, Grid: zigzagGrid},
+			{Name: "attn_zz_backward_dq_d64", Block: 128, Grid: zigzagGrid},
+			{Name: "attn_zz_backward_dq_d128", Block: 128, Grid: zigzagGrid},
+			{Name: "attn_zz_backward_dkdv_d64", Block: 128, Grid: zigzagKeyGrid},
+			{Name: "attn_zz_backward_dkdv_d128", Block: 128, Grid: zigzagKeyGrid},
+			{Name: "attn_zz_sum_heads", Block: 256, Grid: "grid-stride over float4s of dk"},
 		}},
 		{File: "rope.cu", Kernels: []Kernel{
 			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},

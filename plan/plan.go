@@ -25,6 +25,11 @@ type Config struct {
 	// "auto" (or ""), for which the plan takes the larger of the two when
 	// cp > 1.
 	CPAttention string
+	// CPRingFused says mode ring runs the fused ring
+	// (attention/ring_fused.go: the ranks share one process with peer
+	// access and the backend's zigzag ops take the shape), which holds no
+	// chunk in flight; else the portable ring's buffers are counted.
+	CPRingFused bool
 
 	GlobalBatch, MicroBatch, Seq int
 	DP, EP, CP, TP               int

@@ -44,7 +44,7 @@ func rankTerms(s shape, dispatcher, cpMode string) []Term {
 	l := &ledger{cuda: s.cuda}
 	stores(l, s)
 	modelActivations(l, s)
-	attentionActivations(l, s, cpMode == CPRing)
+	attentionActivations(l, s, cpMode == CPRing, s.c.CPRingFused)
 	moeActivations(l, s, dispatcher == DispatcherFused)
 	collectiveScratch(l, s, cpMode == CPRing)
 	return l.terms
@@ -116,8 +116,11 @@ const lmHeadChunkRows = 2048
 // their per-call gradients; in mode ring (attention/ring.go) the rank
 // shares only the chunks in flight: two k, v pairs and three dk, dv sums
 // of its own size [T, KV*Dh], one block's output [C, H*Dh] and lse [H, C]
-// and one block's dk, dv [2C, KV*Dh], C = S/(2cp).
-func attentionActivations(l *ledger, s shape, ring bool) {
+// and one block's dk, dv [2C, KV*Dh], C = S/(2cp); on the fused ring
+// (attention/ring_fused.go) a layer keeps its D_i [B, 2, H, C] for the
+// peers' dk/dv pass, and on CUDA with GQA the dk/dv pass writes one
+// partial dk, dv [T, KV*Dh] per query head of a group (freed after).
+func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	T, Q, KD, L := s.T, s.Q, s.KD, s.L
 	l.fixed(Activations, "attention", mul(2, L), mul(T, Q), s.ft)  // qTQ, aTQ
 	l.fixed(Activations, "attention", mul(2, L), mul(T, KD), s.ft) // kTK, vTK
@@ -128,7 +131,13 @@ func attentionActivations(l *ledger, s shape, ring bool) {
 		l.fixed(Workspace, "attention backward", 3, mul(T, Q), s.ot)  // operands xTD, doutTD, dqTQ
 		l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ot) // operands dkTK, dvTK
 	}
-	if s.CP > 1 && ring {
+	if s.CP > 1 && ring && fused {
+		l.fixed(Activations, "attention ring", s.L, mul(s.B, s.H, s.Sl), s.ft) // deltaBHS
+		if group := s.H / s.KV; s.cuda && group > 1 {
+			l.fixed(Workspace, "attention ring", 1, mul(2, group, s.T, s.KD), s.ft) // dk, dv partials
+		}
+	}
+	if s.CP > 1 && ring && !fused {
 		C := s.Sl / 2
 		l.fixed(Workspace, "attention ring", 10, mul(T, KD), s.ft)   // kv[2], sumOut, sumIn, sumStep: k and v each
 		l.fixed(Workspace, "attention ring", 1, mul(C, Q), s.ft)     // partTQ

@@ -35,6 +35,7 @@ func cases() []Case {
 	all = append(all, routeCases()...)
 	all = append(all, bf16Cases()...)
 	all = append(all, peerCases()...)
+	all = append(all, zigzagCases()...)
 	return all
 }
 

@@ -191,7 +191,8 @@ func TestAttentionFigures(t *testing.T) {
 		}
 	}
 	for _, dh := range []int{64, 128} {
-		for _, name := range []string{"attn_tc_forward_d%d", "attn_tc_backward_dq_d%d", "attn_tc_backward_dkdv_d%d"} {
+		for _, name := range []string{"attn_tc_forward_d%d", "attn_tc_backward_dq_d%d", "attn_tc_backward_dkdv_d%d",
+			"attn_zz_forward_d%d", "attn_zz_backward_dq_d%d", "attn_zz_backward_dkdv_d%d"} {
 			names = append(names, "attention_tc.cu:"+fmt.Sprintf(name, dh))
 		}
 	}

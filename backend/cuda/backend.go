@@ -42,6 +42,9 @@ type Backend struct {
 	experts expertGemm
 	// fused holds the MoE fused kernels' tables (moe_fused.go).
 	fused fusedTables
+	// zigzag holds the fused ring attention kernels' pointer tables
+	// (attention_zigzag.go).
+	zigzag zigzagTables
 
 	// deterministic selects the ops' fixed-order forms (SetDeterministic).
 	deterministic atomic.Bool

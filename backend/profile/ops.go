@@ -31,6 +31,9 @@ const (
 	opAttentionForward  = "AttentionForward"
 	opAttentionBackward = "AttentionBackward"
 	opAttentionMerge    = "AttentionMerge"
+	opZigzagForward     = "ZigzagAttentionForward"
+	opZigzagDQ          = "ZigzagAttentionBackwardDQ"
+	opZigzagDKDV        = "ZigzagAttentionBackwardDKDV"
 	opSwiGLUForward     = "SwiGLUForward"
 	opSwiGLUBackward    = "SwiGLUBackward"
 	opCrossEntropy      = "CrossEntropy"
@@ -166,6 +169,25 @@ func (p *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, out
 func (p *Backend) AttentionMerge(outTQ, lseBHS, partTQ, partLseBHS backend.Tensor, s backend.AttnShape) {
 	defer p.end(p.begin(), opAttentionMerge)
 	p.inner.AttentionMerge(outTQ, lseBHS, partTQ, partLseBHS, s)
+}
+
+func (p *Backend) ZigzagAttentionSupports(s backend.ZigzagShape) error {
+	return p.inner.ZigzagAttentionSupports(s)
+}
+
+func (p *Backend) ZigzagAttentionForward(outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape) {
+	defer p.end(p.begin(), opZigzagForward)
+	p.inner.ZigzagAttentionForward(outTQ, lseBHS, qTQ, kTK, vTK, s)
+}
+
+func (p *Backend) ZigzagAttentionBackwardDQ(dqTQ, deltaBHS, doutTQ, qTQ, outTQ, lseBHS backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape) {
+	defer p.end(p.begin(), opZigzagDQ)
+	p.inner.ZigzagAttentionBackwardDQ(dqTQ, deltaBHS, doutTQ, qTQ, outTQ, lseBHS, kTK, vTK, s)
+}
+
+func (p *Backend) ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
+	defer p.end(p.begin(), opZigzagDKDV)
+	p.inner.ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, s)
 }
 
 func (p *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {

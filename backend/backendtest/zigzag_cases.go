@@ -1,0 +1,203 @@
+package backendtest
+
+// Conformance cases of the zigzag context-parallel attention ops
+// (ZigzagAttentionForward, ZigzagAttentionBackwardDQ and
+// ZigzagAttentionBackwardDKDV: the fused ring). Compare runs every rank's
+// three ops, in the order a context-parallel layer does (every forward,
+// then every dq, then every dk/dv), on the backend and the oracle. Check
+// holds the ops, in float64, to their unfused definition: plain causal
+// attention over the whole sequence (AttentionForward and
+// AttentionBackward on the natural order), whose rows the ranks' outputs
+// must be.
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// zigzagCompareShapes have chunks of whole 64-row tiles (what the CUDA
+// kernels take), both head dims of the tensor-core kernels, GQA and plain
+// multi-head, and an odd number of ranks.
+var zigzagCompareShapes = []backend.ZigzagShape{
+	{Ranks: 2, Batch: 2, Chunk: 64, Heads: 4, KVHeads: 2, HeadDim: 64},
+	{Ranks: 4, Batch: 1, Chunk: 64, Heads: 4, KVHeads: 1, HeadDim: 128},
+	{Ranks: 3, Batch: 1, Chunk: 128, Heads: 2, KVHeads: 2, HeadDim: 64},
+}
+
+// zigzagCheckShapes are small: one rank (the plain attention), two and
+// three ranks, chunks of one and of several positions.
+var zigzagCheckShapes = []backend.ZigzagShape{
+	{Ranks: 1, Batch: 2, Chunk: 3, Heads: 2, KVHeads: 1, HeadDim: 4},
+	{Ranks: 2, Batch: 2, Chunk: 3, Heads: 4, KVHeads: 2, HeadDim: 4},
+	{Ranks: 3, Batch: 1, Chunk: 2, Heads: 3, KVHeads: 1, HeadDim: 5},
+	{Ranks: 2, Batch: 1, Chunk: 1, Heads: 2, KVHeads: 2, HeadDim: 3},
+}
+
+func zigzagCases() []Case {
+	var cs []Case
+	for _, s := range zigzagCheckShapes {
+		cs = append(cs, Case{Name: zigzagName(s), Compare: zigzagCompare(s), Check: zigzagCheck(s)})
+	}
+	for _, s := range zigzagCompareShapes {
+		cs = append(cs, Case{Name: zigzagName(s), Compare: zigzagCompare(s)})
+	}
+	return cs
+}
+
+func zigzagName(s backend.ZigzagShape) string {
+	return fmt.Sprintf("ZigzagAttention/W%d_B%d_C%d_H%d_KV%d_Dh%d", s.Ranks, s.Batch, s.Chunk, s.Heads, s.KVHeads, s.HeadDim)
+}
+
+// zigzagCompare runs the three ops of every rank on both backends, the
+// backward on the forward's own out and lse. A backend that does not take
+// the shape (ZigzagAttentionSupports) skips it with a line.
+func zigzagCompare(s backend.ZigzagShape) func(e *Env) {
+	return func(e *Env) {
+		if err := e.B.ZigzagAttentionSupports(s); err != nil {
+			e.T.Skipf("%s does not take %+v: %v", e.B.Name(), s, err)
+		}
+		W, rows := s.Ranks, s.Batch*2*s.Chunk
+		Q, K := s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		var q, k, v, dout, out, lse, dq, delta, dk, dv []*Pair
+		for r := range W {
+			n := func(x string) string { return fmt.Sprintf("%s%d", x, r) }
+			// As attnCompare: scaled scores of standard deviation about 1.3.
+			q = append(q, e.Uniform(n("q"), -2, 2, rows, Q))
+			k = append(k, e.Uniform(n("k"), -2, 2, rows, K))
+			v = append(v, e.Rand(n("v"), rows, K))
+			dout = append(dout, e.Rand(n("dout"), rows, Q))
+			out = append(out, e.Out(n("out"), rows, Q))
+			lse = append(lse, e.Out(n("lse"), s.Batch, 2, s.Heads, s.Chunk))
+			dq = append(dq, e.Out(n("dq"), rows, Q))
+			delta = append(delta, e.Out(n("delta"), s.Batch, 2, s.Heads, s.Chunk))
+			dk = append(dk, e.Out(n("dk"), rows, K))
+			dv = append(dv, e.Out(n("dv"), rows, K))
+		}
+		e.NormWise = true
+		e.Run(func(b backend.Backend, x Pick) {
+			all := func(ps []*Pair) []backend.Tensor {
+				ts := make([]backend.Tensor, len(ps))
+				for i, p := range ps {
+					ts[i] = x(p)
+				}
+				return ts
+			}
+			for r := range W {
+				sr := s
+				sr.Rank = r
+				b.ZigzagAttentionForward(x(out[r]), x(lse[r]), x(q[r]), all(k), all(v), sr)
+			}
+			for r := range W {
+				sr := s
+				sr.Rank = r
+				b.ZigzagAttentionBackwardDQ(x(dq[r]), x(delta[r]), x(dout[r]), x(q[r]), x(out[r]), x(lse[r]), all(k), all(v), sr)
+			}
+			for r := range W {
+				sr := s
+				sr.Rank = r
+				b.ZigzagAttentionBackwardDKDV(x(dk[r]), x(dv[r]), x(k[r]), x(v[r]), all(q), all(dout), all(lse), all(delta), sr)
+			}
+		})
+	}
+}
+
+// zigzagCheck draws a whole sequence, runs plain attention over it on b64
+// (forward, and backward from a random dout), deals the rows out to the
+// ranks in zigzag order, runs the zigzag ops and compares every rank's
+// out, lse, dq, dk, dv and delta with the whole sequence's rows.
+func zigzagCheck(s backend.ZigzagShape) func(t *testing.T, b64 backend.Backend) {
+	return func(t *testing.T, b64 backend.Backend) {
+		rng := NewRand(zigzagName(s) + "/check")
+		W, C, S, B := s.Ranks, s.Chunk, s.Seq(), s.Batch
+		Q, K := s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		whole := backend.AttnShape{Batch: B, Seq: S, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim}
+		host := map[string][]float64{
+			"q": RandFloats(rng, B*S*Q, -2, 2), "k": RandFloats(rng, B*S*K, -2, 2),
+			"v": RandFloats(rng, B*S*K, -1, 1), "dout": RandFloats(rng, B*S*Q, -1, 1),
+		}
+		up := func(name string, width int) backend.Tensor { return Upload(b64, host[name], B*S, width) }
+		q, k, v, dout := up("q", Q), up("k", K), up("v", K), up("dout", Q)
+		out, lse := b64.New(backend.Float64, B*S, Q), b64.New(backend.Float64, B, s.Heads, S)
+		dq, dk, dv := b64.New(backend.Float64, B*S, Q), b64.New(backend.Float64, B*S, K), b64.New(backend.Float64, B*S, K)
+		b64.AttentionForward(out, lse, q, k, v, whole)
+		b64.AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, whole)
+		want := map[string][]float64{
+			"out": Download(b64, out), "lse": Download(b64, lse), "dq": Download(b64, dq),
+			"dk": Download(b64, dk), "dv": Download(b64, dv),
+		}
+		// delta_i = dout_i . out_i, per (sequence, head, position).
+		want["delta"] = make([]float64, B*s.Heads*S)
+		for bi := range B {
+			for h := range s.Heads {
+				for p := range S {
+					row := (bi*S+p)*Q + h*s.HeadDim
+					var d float64
+					for x := range s.HeadDim {
+						d += host["dout"][row+x] * want["out"][row+x]
+					}
+					want["delta"][(bi*s.Heads+h)*S+p] = d
+				}
+			}
+		}
+
+		// local deals the rows of a [B*S, width] tensor, or the positions
+		// of a [B, H, S] one (width 0), to rank r's zigzag layout.
+		local := func(x []float64, width, r int) []float64 {
+			var o []float64
+			if width == 0 {
+				for bi := range B {
+					for n := range 2 {
+						c := s.LocalChunk(r, n)
+						for h := range s.Heads {
+							base := (bi*s.Heads+h)*S + c*C
+							o = append(o, x[base:base+C]...)
+						}
+					}
+				}
+				return o
+			}
+			for bi := range B {
+				for n := range 2 {
+					c := s.LocalChunk(r, n)
+					o = append(o, x[(bi*S+c*C)*width:(bi*S+c*C+C)*width]...)
+				}
+			}
+			return o
+		}
+		put := func(name string, width, r int) backend.Tensor {
+			return Upload(b64, local(host[name], width, r), B*2*C, width)
+		}
+		var lq, lk, lv, ldout, lout, llse, ldelta []backend.Tensor
+		for r := range W {
+			lq, lk, lv, ldout = append(lq, put("q", Q, r)), append(lk, put("k", K, r)), append(lv, put("v", K, r)), append(ldout, put("dout", Q, r))
+			lout = append(lout, Upload(b64, attnNaNs(B*2*C*Q), B*2*C, Q))
+			llse = append(llse, Upload(b64, attnNaNs(B*2*C*s.Heads), B, 2, s.Heads, C))
+			ldelta = append(ldelta, Upload(b64, attnNaNs(B*2*C*s.Heads), B, 2, s.Heads, C))
+		}
+		for r := range W {
+			sr := s
+			sr.Rank = r
+			b64.ZigzagAttentionForward(lout[r], llse[r], lq[r], lk, lv, sr)
+			CompareFloats(t, fmt.Sprintf("rank %d out", r), Download(b64, lout[r]), local(want["out"], Q, r), 1e-12)
+			CompareFloats(t, fmt.Sprintf("rank %d lse", r), Download(b64, llse[r]), local(want["lse"], 0, r), 1e-12)
+		}
+		for r := range W {
+			sr := s
+			sr.Rank = r
+			ldq := Upload(b64, attnNaNs(B*2*C*Q), B*2*C, Q)
+			b64.ZigzagAttentionBackwardDQ(ldq, ldelta[r], ldout[r], lq[r], lout[r], llse[r], lk, lv, sr)
+			CompareFloats(t, fmt.Sprintf("rank %d dq", r), Download(b64, ldq), local(want["dq"], Q, r), 1e-12)
+			CompareFloats(t, fmt.Sprintf("rank %d delta", r), Download(b64, ldelta[r]), local(want["delta"], 0, r), 1e-12)
+		}
+		for r := range W {
+			sr := s
+			sr.Rank = r
+			ldk, ldv := Upload(b64, attnNaNs(B*2*C*K), B*2*C, K), Upload(b64, attnNaNs(B*2*C*K), B*2*C, K)
+			b64.ZigzagAttentionBackwardDKDV(ldk, ldv, lk[r], lv[r], lq, ldout, llse, ldelta, sr)
+			CompareFloats(t, fmt.Sprintf("rank %d dk", r), Download(b64, ldk), local(want["dk"], K, r), 1e-12)
+			CompareFloats(t, fmt.Sprintf("rank %d dv", r), Download(b64, ldv), local(want["dv"], K, r), 1e-12)
+		}
+	}
+}
