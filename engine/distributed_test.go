@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -76,12 +77,18 @@ func runNodes(t *testing.T, cfg Config, runDirs []string, opts ...func(node int)
 
 // A layout trained by two nodes, each hosting some of its ranks, gives
 // bitwise the losses of the same layout as virtual ranks; only the node of
-// world rank 0 reports steps.
+// world rank 0 reports steps. The one exception is cp_attention ring: the
+// TCP groups run the portable ring (attention/ring.go), virtual ranks the
+// fused ring (their groups offer peer access), which gives the all-gather
+// path's bits; the portable ring merges its partial softmaxes in ring
+// order, so the two agree to rounding (measured 7e-10 relative after 3
+// steps), not bitwise.
 func TestDistributedMatchesVirtualRanks(t *testing.T) {
 	for _, l := range []struct {
 		dp, ep, cp, micro int
-		cpAttention       string // the ring over the TCP group's Send and Recv, or auto (allgather across nodes)
-	}{{2, 2, 1, 2, "auto"}, {1, 1, 2, 8, "auto"}, {2, 1, 1, 4, "auto"}, {1, 1, 2, 8, "ring"}} {
+		cpAttention       string  // the ring over the TCP group's Send and Recv, or auto (allgather across nodes)
+		tol               float64 // relative; 0: bitwise
+	}{{2, 2, 1, 2, "auto", 0}, {1, 1, 2, 8, "auto", 0}, {2, 1, 1, 4, "auto", 0}, {1, 1, 2, 8, "ring", 1e-7}} {
 		t.Run(fmt.Sprintf("dp%d_ep%d_cp%d_%s", l.dp, l.ep, l.cp, l.cpAttention), func(t *testing.T) {
 			cfg := equivalenceConfig()
 			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP, cfg.Train.MicroBatch = l.dp, l.ep, l.cp, l.micro
@@ -93,12 +100,12 @@ func TestDistributedMatchesVirtualRanks(t *testing.T) {
 				if r.err != nil {
 					t.Fatalf("node %d: %v", i, r.err)
 				}
-				if r.res.Steps != cfg.Train.Steps || r.res.Loss != want[len(want)-1] {
+				if r.res.Steps != cfg.Train.Steps || !lossesWithin([]float64{r.res.Loss}, want[len(want)-1:], l.tol) {
 					t.Errorf("node %d: result %+v, want %d steps and loss %v", i, r.res, cfg.Train.Steps, want[len(want)-1])
 				}
 			}
-			if !reflect.DeepEqual(runs[0].losses, want) {
-				t.Errorf("two nodes: losses %v, virtual ranks %v", runs[0].losses, want)
+			if !lossesWithin(runs[0].losses, want, l.tol) {
+				t.Errorf("two nodes: losses %v, virtual ranks %v (relative tolerance %g)", runs[0].losses, want, l.tol)
 			}
 			if len(runs[1].losses) != 0 {
 				t.Errorf("node 1 reported %d steps; only world rank 0 reports", len(runs[1].losses))
@@ -222,4 +229,21 @@ func TestSnapshotWire(t *testing.T) {
 	if err != nil || !reflect.DeepEqual(got, s) {
 		t.Fatalf("got %+v (%v), want %+v", got, err, s)
 	}
+}
+
+// lossesWithin says whether got and want have the same length and every
+// loss agrees within tol relative (tol 0: bitwise).
+func lossesWithin(got, want []float64, tol float64) bool {
+	if tol == 0 {
+		return reflect.DeepEqual(got, want)
+	}
+	if len(got) != len(want) {
+		return false
+	}
+	for i := range got {
+		if !(math.Abs(got[i]-want[i]) <= tol*math.Abs(want[i])) {
+			return false
+		}
+	}
+	return true
 }
