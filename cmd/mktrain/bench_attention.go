@@ -59,7 +59,8 @@ zigzag rows (attention.ZigzagPositions) of one sequence of S = W * S/W
 tokens, for each S/W of --ring-seq, at B1 H16 KV4 Dh128 (GQA 4:1). It
 times forward and forward+backward in each mode (allgather: k and v
 all-gathered, their gradients reduce-scattered; ring: k and v chunks
-passed around the ranks) from before the first rank starts to after the
+passed around the ranks: on virtual ranks the fused ring, whose kernels
+read the peers' k and v in place; the JSON names the path) from before the first rank starts to after the
 last ends, and the core on the whole sequence on one rank (the same
 work): ring efficiency = core time / ring time, and ring / allgather =
 allgather time / ring time (above 1 the ring is faster). Bars: efficiency
@@ -69,9 +70,8 @@ memory and SMs, so the figures show the cost of splitting the work, not
 of links between GPUs (NVLink figures come from the multi-GPU issue,
 #33). At S/W 8192 and W 8 the sequence is 65,536 tokens: about 11 GB of
 float32 tensors over all ranks in allgather mode, well within an H200's
-141 GB. --ring-world none leaves the ring out. A mode the build does not
-offer yet (NewContextCore refuses it) is reported and its bars are not
-measured.
+141 GB. --ring-world none leaves the ring out. A mode NewContextCore
+refuses is reported and its bars are not measured.
 
 Writes attention.json into bench/results/<machine>/ (the latest result
 per machine, overwritten by the next run) or into the folder --out
@@ -679,6 +679,9 @@ type attnRingResult struct {
 // before the first rank starts to after the last one ends; null when the
 // mode could not be built (Error says why).
 type attnRingMode struct {
+	// Path is what ran the mode (attention.ContextCore.Path): on virtual
+	// ranks mode ring is the fused ring.
+	Path   string   `json:"path,omitempty"`
 	FwdMS  *float64 `json:"fwd_ms"`
 	StepMS *float64 `json:"fwd_bwd_ms"`
 	FwdTF  *float64 `json:"fwd_tflops"`
@@ -761,7 +764,8 @@ func benchRingRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, w, per
 		mode attention.CPMode
 		fig  *attnRingMode
 	}{{ringModeAllGather, &row.AllGather}, {ringModeRing, &row.Ring}} {
-		fwd, step, buildErr, err := timeContextCore(b, clock, g, in, w, m.mode, iters)
+		fwd, step, path, buildErr, err := timeContextCore(b, clock, g, in, w, m.mode, iters)
+		m.fig.Path = path
 		runtime.GC()
 		switch {
 		case err != nil:
@@ -847,10 +851,10 @@ type ringRank struct {
 // one stream, as here, that is the device's time from the first rank's
 // first op to the last rank's last one. buildErr is NewContextCore's
 // refusal of the mode (nothing was timed); err a failure while timing.
-func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, iters int) (fwd, step time.Duration, buildErr, err error) {
+func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, iters int) (fwd, step time.Duration, path string, buildErr, err error) {
 	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: w, TP: 1}, b)
 	if err != nil {
-		return 0, 0, nil, err
+		return 0, 0, "", nil, err
 	}
 	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
 	shape := attention.Shape{Dim: qw, Heads: g.Heads, KVHeads: g.KVHeads, RopeTheta: ringRope}
@@ -859,11 +863,11 @@ func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 		group := world[r].Context
 		core, err := attention.NewContextCore(b, shape, 1, g.Seq, group, mode)
 		if err != nil {
-			return 0, 0, err, nil
+			return 0, 0, "", err, nil
 		}
 		pos, err := attention.ZigzagPositions(g.Seq, w, group.Rank())
 		if err != nil {
-			return 0, 0, nil, err
+			return 0, 0, "", nil, err
 		}
 		rk := &ringRank{core: core, ranks: world[r]}
 		rk.q, rk.k, rk.v, rk.da = in.upload(b, qw, kd, pos)
@@ -873,12 +877,12 @@ func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 		ranks[r] = rk
 	}
 	if fwd, err = runRingSteps(b, clock, ranks, iters, false); err != nil {
-		return 0, 0, nil, fmt.Errorf("forward: %w", err)
+		return 0, 0, "", nil, fmt.Errorf("forward: %w", err)
 	}
 	if step, err = runRingSteps(b, clock, ranks, iters, true); err != nil {
-		return 0, 0, nil, fmt.Errorf("forward+backward: %w", err)
+		return 0, 0, "", nil, fmt.Errorf("forward+backward: %w", err)
 	}
-	return fwd, step, nil, nil
+	return fwd, step, ranks[0].core.Path(), nil, nil
 }
 
 // runRingSteps runs 2 warm-up and iters timed steps on every rank, each
