@@ -253,13 +253,15 @@ struct atc_at {
 };
 
 // atc_keys_one: one call's keys, [B*KS, KV*DH]; position j of sequence b
-// is row b*KS + j. Tiles go in position order.
+// is row b*KS + j. k and v point at row 0 of the block's sequence and kv
+// head (atc_plain_keys). Tiles go in position order.
 struct atc_keys_one {
   static constexpr bool desc = false;
   const float *k, *v;
-  int KS, KV, dh;
-  __device__ __forceinline__ atc_at at(int b, int kvh, int j) const {
-    const long long o = ((long long)b * KS + j) * KV * dh + (long long)kvh * dh;
+  int KS;
+  long long kstride;
+  __device__ __forceinline__ atc_at at(int, int, int j) const {
+    const long long o = (long long)j * kstride;
     return atc_at{k + o, v + o, nullptr, nullptr, KS - j};
   }
 };
@@ -823,6 +825,13 @@ __device__ __forceinline__ atc_qtile atc_plain_qtile(int S, int off, int H) {
 }
 
 template <int DH>
+__device__ __forceinline__ atc_keys_one atc_plain_keys(const float* k, const float* v, int KS, int H, int KV) {
+  const int b = blockIdx.x / H, kvh = (blockIdx.x % H) / (H / KV);
+  const long long o = (long long)b * KS * KV * DH + (long long)kvh * DH;
+  return atc_keys_one{k + o, v + o, KS, (long long)KV * DH};
+}
+
+template <int DH>
 __device__ __forceinline__ atc_ktile atc_plain_ktile(int KS, int H, int KV) {
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, group = H / KV;
   return atc_ktile{b, kvh, (int)blockIdx.y * ATC_ROWS, KS, 0, kvh * group, group,
@@ -830,19 +839,19 @@ __device__ __forceinline__ atc_ktile atc_plain_ktile(int KS, int H, int KV) {
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d64(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
-  atc_forward<64, 64>(out, lse, q, atc_keys_one{k, v, KS, KV, 64}, atc_plain_qtile<64>(S, off, H), H, KV, scale_log2);
+  atc_forward<64, 64>(out, lse, q, atc_plain_keys<64>(k, v, KS, H, KV), atc_plain_qtile<64>(S, off, H), H, KV, scale_log2);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_forward_d128(float* out, float* lse, const float* q, const float* k, const float* v, int S, int KS, int off, int H, int KV, float scale_log2) {
-  atc_forward<128, 32>(out, lse, q, atc_keys_one{k, v, KS, KV, 128}, atc_plain_qtile<128>(S, off, H), H, KV, scale_log2);
+  atc_forward<128, 32>(out, lse, q, atc_plain_keys<128>(k, v, KS, H, KV), atc_plain_qtile<128>(S, off, H), H, KV, scale_log2);
 }
 
 extern "C" __global__ void __launch_bounds__(128, 3) attn_tc_backward_dq_d64(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dq<64, 32>(dq, delta, dout, q, atc_keys_one{k, v, KS, KV, 64}, out, lse, atc_plain_qtile<64>(S, off, H), H, KV, scale_log2, scale);
+  atc_backward_dq<64, 32>(dq, delta, dout, q, atc_plain_keys<64>(k, v, KS, H, KV), out, lse, atc_plain_qtile<64>(S, off, H), H, KV, scale_log2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dq_d128(float* dq, float* delta, const float* dout, const float* q, const float* k, const float* v, const float* out, const float* lse, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
-  atc_backward_dq<128, 16>(dq, delta, dout, q, atc_keys_one{k, v, KS, KV, 128}, out, lse, atc_plain_qtile<128>(S, off, H), H, KV, scale_log2, scale);
+  atc_backward_dq<128, 16>(dq, delta, dout, q, atc_plain_keys<128>(k, v, KS, H, KV), out, lse, atc_plain_qtile<128>(S, off, H), H, KV, scale_log2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d64(float* dk, float* dv, const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* delta, int S, int KS, int off, int H, int KV, float scale_log2, float scale) {
