@@ -67,14 +67,21 @@
 // Context parallelism cuts each sequence into 2W chunks and gives rank r
 // chunks r and 2W-1-r (zigzag), which evens out the causal work. In mode
 // allgather keys and values are all-gathered over the group and their
-// gradients reduce-scattered back (context.go). In mode ring each rank's
-// keys and values travel the ring of ranks over the group's Send and Recv
-// while every rank computes on the chunk it holds, partial results merged
-// by their log-sum-exp (backend AttentionMerge), and the key and value
-// gradients travel back with them (ring.go): only the chunks in flight
-// are held. The ring equals the all-gather path up to rounding (the
-// merges add in another order); core.go is where a fused ring will be
-// chosen over the portable one. Outputs and dx are exactly the rows
+// gradients reduce-scattered back (context.go). Mode ring holds no rank's
+// whole sequences. Where the group offers comm.PeerAccess (ranks of one
+// process) and the backend's zigzag ops take the shape, it is the fused
+// ring (ring_fused.go): each rank's kernels read the peers' keys and
+// values in place, in ring order, the online softmax in registers across
+// every chunk, and the backward reads the peers' queries and output
+// gradients, so nothing is copied or reduced across ranks; it gives the
+// all-gather path's results (on the CPU, its bits). Elsewhere it is the
+// portable ring (ring.go): each rank's keys and values travel the ring of
+// ranks over the group's Send and Recv while every rank computes on the
+// chunk it holds, partial results merged by their log-sum-exp (backend
+// AttentionMerge), and the key and value gradients travel back with them:
+// only the chunks in flight are held, and the results equal the
+// all-gather path's up to rounding (the merges add in another order).
+// core.go chooses (ContextCore.Path names the choice). Outputs and dx are exactly the rows
 // of a one-rank run; weight gradients are this rank's share, summed over
 // the group by the engine like any replicated weight's. With W = 1 it is
 // the Layer of New.

@@ -318,6 +318,16 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 
 // checkTD reports a t that is not [T, D] for the micro-batch the Layer was
 // built for.
+// ContextPath names what runs a context-parallel Layer's attention
+// (ContextCore.Path): "allgather", "fused ring" or "portable ring"; a Layer
+// of one rank says "attention".
+func (l *Layer) ContextPath() string {
+	if l.cp == nil {
+		return "attention"
+	}
+	return l.cp.Path()
+}
+
 func (l *Layer) checkTD(op, name string, t backend.Tensor) error {
 	if t.Len() != l.tokens*l.s.Dim {
 		return fmt.Errorf("attention: %s: %s has shape %v, want [%d, %d]", op, name, t.Shape(), l.tokens, l.s.Dim)

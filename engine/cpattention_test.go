@@ -50,11 +50,11 @@ func TestRingMatchesOneRank(t *testing.T) {
 
 // TestCPAttentionChoiceLogged: the engine settles parallel.cp_attention
 // once per run and says what it chose: auto on the CPU is allgather by
-// rule, an explicit ring is the ring.
+// rule, an explicit ring is the ring, the fused one on virtual ranks.
 func TestCPAttentionChoiceLogged(t *testing.T) {
-	for _, c := range []struct{ mode, says string }{
-		{"auto", "parallel.cp_attention auto: allgather, unmeasured: on the CPU"},
-		{"ring", "parallel.cp_attention: ring, as the recipe says"},
+	for _, c := range []struct{ mode, says, runs string }{
+		{"auto", "parallel.cp_attention auto: allgather, unmeasured: on the CPU", "context-parallel attention runs the allgather"},
+		{"ring", "parallel.cp_attention: ring, as the recipe says", "context-parallel attention runs the fused ring"},
 	} {
 		cfg := equivalenceConfig()
 		cfg.Train.Steps, cfg.Train.MicroBatch, cfg.Parallel.CP, cfg.Parallel.CPAttention = 3, 8, 2, c.mode
@@ -67,8 +67,10 @@ func TestCPAttentionChoiceLogged(t *testing.T) {
 			t.Fatal(err)
 		}
 		eng.Close()
-		if !strings.Contains(log.String(), c.says) {
-			t.Errorf("cp_attention %s: the log does not say %q:\n%s", c.mode, c.says, log.String())
+		for _, want := range []string{c.says, c.runs} {
+			if !strings.Contains(log.String(), want) {
+				t.Errorf("cp_attention %s: the log does not say %q:\n%s", c.mode, want, log.String())
+			}
 		}
 	}
 }

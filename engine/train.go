@@ -82,6 +82,9 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 		} else if err != nil {
 			return Result{}, fmt.Errorf("rank %d: %w", g.Rank, err)
 		}
+		if i == 0 && cfg.Parallel.CP > 1 && len(ranks[0].model.attn) > 0 {
+			e.log.Info().Msgf("parallel: context-parallel attention runs the %s", ranks[0].model.attn[0].ContextPath())
+		}
 	}
 	s := &session{e: e, ranks: ranks, world: world, snaps: make([]rankSnapshot, cfg.mesh().World()), distributed: distributed}
 	if e.runDir != "" {
