@@ -127,6 +127,7 @@ func TestPlanAgainstMeasuredPeaks(t *testing.T) {
 			Figures struct {
 				Peak       int64  `json:"peak_memory_bytes"`
 				Dispatcher string `json:"moe_dispatcher"`
+				Ranks      int    `json:"ranks"`
 			} `json:"figures"`
 		}
 		if err := json.Unmarshal(raw, &res); err != nil {
@@ -134,7 +135,13 @@ func TestPlanAgainstMeasuredPeaks(t *testing.T) {
 		}
 		cfg := res.Config
 		cfg.Model.MoE.Dispatcher = res.Figures.Dispatcher
-		p, err := plan.New(engine.PlanConfig(cfg, 0, 1, false), h200)
+		// bench train runs every rank on the one GPU, as virtual ranks;
+		// mode ring there is the fused ring (the measured recipes' head
+		// dims and chunks are ones its kernels take).
+		ranks := max(1, res.Figures.Ranks)
+		pc := engine.PlanConfig(cfg, ranks, ranks, false)
+		pc.CPRingFused = cfg.Parallel.CP > 1 && cfg.Parallel.CPAttention == plan.CPRing
+		p, err := plan.New(pc, h200)
 		if err != nil {
 			t.Fatalf("%s: %v", path, err)
 		}
