@@ -1,9 +1,13 @@
 package engine
 
 import (
+	"bytes"
 	"fmt"
 	"math"
+	"strings"
 	"testing"
+
+	"github.com/rs/zerolog"
 )
 
 // TestRingCUDA trains 20 steps of the equivalence model under
@@ -40,5 +44,60 @@ func TestRingCUDA(t *testing.T) {
 			}
 		}
 		t.Logf("%s ring: max relative loss difference %.2e from one rank, %.2e from allgather", layout, worstOne, worstGather)
+	}
+}
+
+// TestFusedRingCUDA is TestRingCUDA at a shape the fused ring's kernels
+// take (head dim 64, chunks of 64 positions: seq 256 at cp 2, 512 at cp
+// 4), so that mode ring runs the fused ring (attention/ring_fused.go),
+// which the log must say, and its losses over 20 steps must stay within
+// 2e-4 of one rank's and of the all-gather path's on the same layout
+// (issue 27's bar; the ring and the all-gather path run the same
+// tensor-core tiles, visited in another order).
+func TestFusedRingCUDA(t *testing.T) {
+	gpu := openGPU(t)
+	base := equivalenceConfig()
+	base.Model.Dim, base.Model.Heads, base.Model.KVHeads = 128, 2, 1
+	base.Train.Steps, base.Train.GlobalBatch = 20, 4
+	const tol = 2e-4
+	for _, l := range []struct{ dp, ep, cp, micro, seq int }{{1, 1, 2, 4, 256}, {1, 1, 4, 4, 512}, {2, 1, 2, 2, 256}, {1, 2, 2, 2, 256}} {
+		one := base
+		one.Train.Seq, one.Train.MicroBatch = l.seq, 4
+		want := trainOn(t, one, gpu, fmt.Sprintf("dp1 ep1 seq%d", l.seq)).losses
+		layout := fmt.Sprintf("dp%d ep%d cp%d seq%d", l.dp, l.ep, l.cp, l.seq)
+		runs := map[string][]float64{}
+		for _, mode := range []string{"ring", "allgather"} {
+			cfg := base
+			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP = l.dp, l.ep, l.cp
+			cfg.Train.MicroBatch, cfg.Train.Seq = l.micro, l.seq
+			cfg.Parallel.CPAttention = mode
+			runs[mode] = trainOn(t, cfg, gpu, layout+" "+mode).losses
+		}
+		var worstOne, worstGather float64
+		for i, w := range want {
+			ring := runs["ring"][i]
+			relOne, relGather := math.Abs(ring-w)/math.Abs(w), math.Abs(ring-runs["allgather"][i])/math.Abs(runs["allgather"][i])
+			worstOne, worstGather = max(worstOne, relOne), max(worstGather, relGather)
+			if !(relOne <= tol) || !(relGather <= tol) {
+				t.Errorf("%s fused ring: step %d: loss %.6f, one rank %.6f, allgather %.6f (relative %.3g, %.3g > %g)",
+					layout, i+1, ring, w, runs["allgather"][i], relOne, relGather, tol)
+			}
+		}
+		t.Logf("%s fused ring: max relative loss difference %.2e from one rank, %.2e from allgather", layout, worstOne, worstGather)
+	}
+	// The path the layers took, from the engine's log.
+	cfg := base
+	cfg.Parallel.CP, cfg.Train.MicroBatch, cfg.Train.Seq, cfg.Train.Steps, cfg.Parallel.CPAttention = 2, 4, 256, 1, "ring"
+	var log bytes.Buffer
+	eng, err := New(cfg, withCUDA(), WithBackend(gpu), WithLogger(zerolog.New(&log)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	if _, err := eng.Run(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(log.String(), "context-parallel attention runs the fused ring") {
+		t.Errorf("the log does not say the fused ring ran:\n%s", log.String())
 	}
 }
