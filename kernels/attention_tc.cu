@@ -10,7 +10,8 @@
 // row-major float32; query head h reads kv head h / (H/KV); lse is
 // [B, H, S], natural log. Scores are scaled by 1/sqrt(Dh) and masked
 // causally with the query offset off (QOffset): query i sees keys
-// 0..off+i. Key tiles run up to the block's last visible key; the dk/dv
+// 0..min(off+i, KS-1); an unmasked call (AttnShape.Full) passes off =
+// KS-1, which the forward and dq kernels clip at the last key. Key tiles run up to the block's last visible key; the dk/dv
 // kernel's query tiles start at the first query that sees its first key
 // (max(0, j0-off)), and a key block no query sees writes zeros.
 //
@@ -264,6 +265,7 @@ struct atc_keys_one {
     const long long o = (long long)j * kstride;
     return atc_at{k + o, v + o, nullptr, nullptr, KS - j};
   }
+  __device__ __forceinline__ int count() const { return KS; }
 };
 
 // atc_queries_one: one call's queries [B*S, H*DH] (q, dout) and their lse
@@ -310,6 +312,7 @@ struct atc_keys_zz {
     const long long o = (long long)row * kstride;
     return atc_at{k[rank] + o, v[rank] + o, nullptr, nullptr, C - (row - n * C)};
   }
+  __device__ __forceinline__ int count() const { return 2 * W * C; }
 };
 
 // ATC_ZZ_MAX_RANKS bounds W (backend/cuda's zigzagMaxRanks).
@@ -366,7 +369,10 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   const int b = Q.b, kvh = Q.h / (H / KV), q0 = Q.q0, S = Q.S;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
   const long long qbase = Q.qbase;
-  const int ntiles = (Q.off + atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
+  // Tiles up to the block's last visible key, and never past the last key
+  // (an unmasked call's offset sees them all).
+  const int kcount = keys.count();
+  const int ntiles = (atc_min(Q.off + atc_min(S, q0 + ATC_ROWS), kcount) + BN - 1) / BN;
   const int wrow = q0 + 16 * w;   // the warp's first query row
   const int wkey = Q.off + wrow;  // the last key the warp's first row sees
   // The key tile processed t-th.
@@ -423,12 +429,14 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
           atc_mma(s[2 * j], qf[kk], bf[0], bf[1]);
           atc_mma(s[2 * j + 1], qf[kk], bf[2], bf[3]);
         }
-      if (k0 + BN - 1 > wkey) {  // the tile crosses the diagonal
+      if (k0 + BN - 1 > wkey || k0 + BN > kcount) {  // the tile crosses the diagonal or the last key
 #pragma unroll
         for (int n = 0; n < BN / 8; n++)
 #pragma unroll
-          for (int e = 0; e < 4; e++)
-            if (k0 + 8 * n + 2 * L.t4 + (e & 1) > wkey + L.g + 8 * (e >> 1)) s[n][e] = -MK_INF;
+          for (int e = 0; e < 4; e++) {
+            const int key = k0 + 8 * n + 2 * L.t4 + (e & 1);
+            if (key > wkey + L.g + 8 * (e >> 1) || key >= kcount) s[n][e] = -MK_INF;
+          }
       }
       float mref[2];
 #pragma unroll
@@ -516,7 +524,10 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   const int b = Q.b, kvh = Q.h / (H / KV), q0 = Q.q0, S = Q.S;
   const long long qstride = (long long)H * DH, kstride = (long long)KV * DH;
   const long long qbase = Q.qbase, lbase = Q.lbase;
-  const int ntiles = (Q.off + atc_min(S, q0 + ATC_ROWS) + BN - 1) / BN;
+  // Tiles up to the block's last visible key, and never past the last key
+  // (an unmasked call's offset sees them all).
+  const int kcount = keys.count();
+  const int ntiles = (atc_min(Q.off + atc_min(S, q0 + ATC_ROWS), kcount) + BN - 1) / BN;
   const int wrow = q0 + 16 * w;
   const int wkey = Q.off + wrow;  // the last key the warp's first row sees
   auto tile_k0 = [&](int t) { return (Keys::desc ? ntiles - 1 - t : t) * BN; };
@@ -615,7 +626,8 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
       for (int n = 0; n < BN / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          const bool masked = k0 + 8 * n + 2 * L.t4 + (e & 1) > wkey + L.g + 8 * (e >> 1);
+          const int key = k0 + 8 * n + 2 * L.t4 + (e & 1);
+          const bool masked = key > wkey + L.g + 8 * (e >> 1) || key >= kcount;
           const float p = masked ? 0.0f : atc_ex2(s[n][e] * scale_log2 - lse2[e >> 1]);
           s[n][e] = p * (dp[n][e] - dd[e >> 1]);
         }

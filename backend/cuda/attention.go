@@ -13,10 +13,10 @@ package cuda
 // Which kernels run: the tensor-core ones (bf16 operands, float32
 // accumulation and softmax statistics) for head dims 64 and 128 when every
 // tensor but lse is 16-byte aligned, as tensors from the allocator are; the
-// float32 ones (error ~1e-6) for every other case, and for unmasked calls
-// (AttnShape.Full, the off-diagonal blocks of a context-parallel ring),
-// which they run with the offset KVSeq-1 (query i then sees keys
-// 0..KVSeq-1); the tensor-core kernels have no unmasked mode. The tensor-core kernels
+// float32 ones (error ~1e-6) for every other case. Unmasked calls
+// (AttnShape.Full, the off-diagonal blocks of the portable context-parallel
+// ring) run on either with the offset KVSeq-1: both clip a query's keys at
+// the last one, so query i then sees keys 0..KVSeq-1. The tensor-core kernels
 // are 6.7x (forward) and 9.9x (backward) faster at moe-small's shape on an
 // H200, with relative (L2) errors of 4e-3 on out and up to 8e-3 on the
 // gradients against float64. The conformance suite compares attention as
@@ -175,13 +175,6 @@ func chooseAttn(op string, impl attnImpl, s backend.AttnShape, ptrs ...driver.De
 	for _, p := range ptrs {
 		aligned = aligned && p%16 == 0
 	}
-	if s.Full {
-		// Only the float32 kernels clip the mask at the last key.
-		if impl == attnTC {
-			return 0, fmt.Errorf("cuda: %s: the tensor-core kernels have no unmasked (Full) mode", op)
-		}
-		return attnFP32, nil
-	}
 	switch impl {
 	case attnAuto:
 		if attnTensorCores && tcHeadDim(s.HeadDim) && aligned {
@@ -234,7 +227,7 @@ func checkAttnShape(op string, s backend.AttnShape) (int, error) {
 }
 
 // attnOffset is the query offset the kernels get: QOffset, or KVSeq-1 for
-// an unmasked call (the float32 kernels clip the mask at the last key).
+// an unmasked call (both kernel sets clip the mask at the last key).
 func attnOffset(s backend.AttnShape) int32 {
 	if s.Full {
 		return int32(s.Keys() - 1)
