@@ -22,9 +22,11 @@ const (
 	// their gradients (context.go): the reference, and on every rank
 	// [B*S, KV*Dh] gathered keys and values per layer.
 	CPAllGather CPMode = "allgather"
-	// CPRing passes each rank's k and v chunks around the ring of ranks
-	// while the rank computes on the chunk it holds (ring.go): only the
-	// chunks in flight are held.
+	// CPRing holds no rank's whole sequences: the fused ring reads the
+	// peers' k and v in place where the group offers peer access
+	// (ring_fused.go), the portable ring passes each rank's k and v chunks
+	// around the ring of ranks while the rank computes on the chunk it
+	// holds (ring.go).
 	CPRing CPMode = "ring"
 )
 
@@ -50,8 +52,9 @@ type ContextCore struct {
 	// aTQ is nil before a Forward succeeds.
 	qTQ, kTK, vTK, aTQ, lseBHS backend.Tensor
 
-	// impl runs the mode when W > 1: allGather (context.go) or the
-	// portable ring (ring.go), chosen by newContextCore.
+	// impl runs the mode when W > 1: allGather (context.go), the fused
+	// ring (ring_fused.go) or the portable ring (ring.go), chosen by
+	// newContextCore.
 	impl contextImpl
 }
 
