@@ -71,7 +71,7 @@
 // whole sequences. Where the group offers comm.PeerAccess (ranks of one
 // process) and the backend's zigzag ops take the shape, it is the fused
 // ring (ring_fused.go): each rank's kernels read the peers' keys and
-// values in place, in ring order, the online softmax in registers across
+// values in place, tile by tile, the online softmax in registers across
 // every chunk, and the backward reads the peers' queries and output
 // gradients, so nothing is copied or reduced across ranks; it gives the
 // all-gather path's results (on the CPU, its bits). Elsewhere it is the

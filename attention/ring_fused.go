@@ -4,10 +4,11 @@ package attention
 // comm.PeerAccess and the backend's zigzag ops take the shape): no k or v
 // chunk travels. Each rank's kernels read the peers' tensors in place,
 // through device pointers (the virtual ranks of one GPU, or peer GPUs of
-// one process over NVLink), tile by tile in ring order (from the rank's own
-// chunk back through its ring neighbours'), the online softmax of a query
-// tile staying in registers across every chunk it sees
+// one process over NVLink), tile by tile in position order, the online
+// softmax of a query tile staying in registers across every chunk it sees
 // (backend.ZigzagShape; the kernels are attn_zz_* in kernels/attention_tc.cu).
+// The tiles are the whole-sequence call's, visited in its order, so a
+// rank's outputs and dq round as that call's do.
 //
 // Who reads whose memory, per rank r:
 //

@@ -257,7 +257,6 @@ struct atc_at {
 // is row b*KS + j. k and v point at row 0 of the block's sequence and kv
 // head (atc_plain_keys). Tiles go in position order.
 struct atc_keys_one {
-  static constexpr bool desc = false;
   const float *k, *v;
   int KS;
   long long kstride;
@@ -293,15 +292,13 @@ __device__ __forceinline__ void atc_zz_locate(int p, int W, int C, int& rank, in
   row = n * C + (p - c * C);
 }
 
-// atc_keys_zz: every rank's k and v. Tiles go from the block's own
-// diagonal back to position 0: each rank starts on its own chunk and then
-// reads its ring neighbours' in turn, so the ranks' reads spread over the
-// links.
+// atc_keys_zz: every rank's k and v. Tiles go in position order, as the
+// plain kernels' do, so a rank's rows get the bits the whole sequence's
+// call gives them (the same tiles, in the same order, round alike).
 // k and v point at the block's own table in shared memory (atc_zz_keys):
 // each rank's address of row 0 of the block's sequence and kv head, so a
 // tile's address costs no global load and few registers.
 struct atc_keys_zz {
-  static constexpr bool desc = true;
   const float* const* k;
   const float* const* v;
   int W, C;
@@ -375,8 +372,6 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   const int ntiles = (atc_min(Q.off + atc_min(S, q0 + ATC_ROWS), kcount) + BN - 1) / BN;
   const int wrow = q0 + 16 * w;   // the warp's first query row
   const int wkey = Q.off + wrow;  // the last key the warp's first row sees
-  // The key tile processed t-th.
-  auto tile_k0 = [&](int t) { return (Keys::desc ? ntiles - 1 - t : t) * BN; };
 
   {
     atc_f4 qr[ATC_ROWS * DH / (4 * ATC_THREADS)];
@@ -391,7 +386,7 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
 
   atc_f4 kr[NL], vr[NL];
   {
-    const atc_at a = keys.at(b, kvh, tile_k0(0));
+    const atc_at a = keys.at(b, kvh, 0);
     atc_load<DH, BN>(kr, a.a, kstride, a.n);
     atc_load<DH, BN>(vr, a.b, kstride, a.n);
   }
@@ -407,9 +402,9 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
   float m[2] = {-MK_INF, -MK_INF}, l[2] = {0.0f, 0.0f};
 
   for (int t = 0; t < ntiles; t++) {
-    const int k0 = tile_k0(t);
+    const int k0 = t * BN;
     if (t + 1 < ntiles) {
-      const atc_at a = keys.at(b, kvh, tile_k0(t + 1));
+      const atc_at a = keys.at(b, kvh, k0 + BN);
       atc_load<DH, BN>(kr, a.a, kstride, a.n);
       atc_load<DH, BN>(vr, a.b, kstride, a.n);
     }
@@ -445,10 +440,10 @@ __device__ __forceinline__ void atc_forward(float* out, float* lse, const float*
 #pragma unroll
         for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         const float mn = fmaxf(m[r], atc_quad_max(mx) * scale_log2);
-        // The guard keeps a row that has seen no key yet (a query offset
-        // that is not a multiple of 16 leaves rows that see none of a tile
-        // in active warps; tiles in descending order meet them first) from
-        // turning into NaNs.
+        // Key 0 is in every row's first tile, so mn is finite from then
+        // on; the guard keeps a row that sees no key of a tile (a query
+        // offset that is not a multiple of 16 leaves such rows in active
+        // warps) from turning into NaNs.
         mref[r] = mn == -MK_INF ? 0.0f : mn;
         const float corr = atc_ex2(m[r] - mref[r]);
         m[r] = mn;
@@ -530,7 +525,6 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   const int ntiles = (atc_min(Q.off + atc_min(S, q0 + ATC_ROWS), kcount) + BN - 1) / BN;
   const int wrow = q0 + 16 * w;
   const int wkey = Q.off + wrow;  // the last key the warp's first row sees
-  auto tile_k0 = [&](int t) { return (Keys::desc ? ntiles - 1 - t : t) * BN; };
   const float* qrow0 = q + qbase + (long long)q0 * qstride;
 
   {
@@ -582,7 +576,7 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
 
   atc_f4 kr[NL], vr[NL];
   {
-    const atc_at a = keys.at(b, kvh, tile_k0(0));
+    const atc_at a = keys.at(b, kvh, 0);
     atc_load<DH, BN>(kr, a.a, kstride, a.n);
     atc_load<DH, BN>(vr, a.b, kstride, a.n);
   }
@@ -595,9 +589,9 @@ __device__ __forceinline__ void atc_backward_dq(float* dq, float* delta, const f
   for (int n = 0; n < DH / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
   for (int t = 0; t < ntiles; t++) {
-    const int k0 = tile_k0(t);
+    const int k0 = t * BN;
     if (t + 1 < ntiles) {
-      const atc_at a = keys.at(b, kvh, tile_k0(t + 1));
+      const atc_at a = keys.at(b, kvh, k0 + BN);
       atc_load<DH, BN>(kr, a.a, kstride, a.n);
       atc_load<DH, BN>(vr, a.b, kstride, a.n);
     }
@@ -880,7 +874,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_backward_dkdv_d128(flo
 // through tables of W device pointers. The forward and dq blocks take a
 // 64-row tile of one local chunk, the later chunk's tiles first and each
 // chunk's last rows first (the longest rows); the block's keys are the
-// positions 0.. its last row, in descending order (atc_keys_zz). The dk/dv
+// positions 0.. its last row, in position order (atc_keys_zz). The dk/dv
 // blocks take a 64-row tile of keys, the earlier chunk first, and every
 // query of the sequence from the tile's first position on, one query head
 // per block: a rank holds 1/W of the keys, and with the heads of a GQA
