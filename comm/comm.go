@@ -1,6 +1,6 @@
 // Package comm holds the ranks of a training run and the collectives between
 // them: every rank gets a Ranks, whose Groups (World, Data, Expert,
-// ExpertReplica, Context, DataContext) sum gradients, exchange tokens and
+// ExpertReplica, Context, DataContext, Tensor) sum gradients, exchange tokens and
 // meet, whether the ranks are goroutines of one process, processes on
 // several nodes, or NCCL communicators.
 //
@@ -55,7 +55,9 @@
 // them (the token all-to-all); the expert-replica group the ranks that
 // hold the same experts (expert gradients); with context parallelism, the
 // context group splits each sequence and the data-context group holds
-// every rank with distinct tokens (losses and load statistics).
+// every rank with distinct tokens (losses and load statistics); the tensor
+// group the ranks that split one set of tokens' projections (tensor
+// parallelism), over which the expert group is folded too.
 //
 // The in-process and multi-process implementations reduce in rank order,
 // so all ranks get bitwise identical results, replicated weights never

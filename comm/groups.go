@@ -13,11 +13,12 @@ const (
 	GroupExpertReplica
 	GroupContext
 	GroupDataContext
+	GroupTensor
 )
 
 // GroupKinds lists every kind, in the order of Ranks' fields.
 func GroupKinds() []GroupKind {
-	return []GroupKind{GroupWorld, GroupData, GroupExpert, GroupExpertReplica, GroupContext, GroupDataContext}
+	return []GroupKind{GroupWorld, GroupData, GroupExpert, GroupExpertReplica, GroupContext, GroupDataContext, GroupTensor}
 }
 
 func (k GroupKind) String() string {
@@ -34,6 +35,8 @@ func (k GroupKind) String() string {
 		return "context"
 	case GroupDataContext:
 		return "data-context"
+	case GroupTensor:
+		return "tensor"
 	}
 	return fmt.Sprintf("GroupKind(%d)", int(k))
 }
@@ -45,13 +48,16 @@ func (m Mesh) cut(k GroupKind) (key func(Coord) Coord, place func(Coord) int) {
 	case GroupData:
 		return func(c Coord) Coord { return Coord{CP: c.CP, TP: c.TP} }, func(c Coord) int { return c.DP*m.EP + c.EP }
 	case GroupExpert:
-		return func(c Coord) Coord { return Coord{DP: c.DP, CP: c.CP, TP: c.TP} }, func(c Coord) int { return c.EP }
+		// Experts are folded over tp: the expert group spans ep x tp.
+		return func(c Coord) Coord { return Coord{DP: c.DP, CP: c.CP} }, func(c Coord) int { return c.EP*m.TP + c.TP }
 	case GroupExpertReplica:
 		return func(c Coord) Coord { return Coord{EP: c.EP, CP: c.CP, TP: c.TP} }, func(c Coord) int { return c.DP }
 	case GroupContext:
 		return func(c Coord) Coord { return Coord{DP: c.DP, EP: c.EP, TP: c.TP} }, func(c Coord) int { return c.CP }
 	case GroupDataContext:
 		return func(c Coord) Coord { return Coord{TP: c.TP} }, func(c Coord) int { return (c.DP*m.EP+c.EP)*m.CP + c.CP }
+	case GroupTensor:
+		return func(c Coord) Coord { return Coord{DP: c.DP, EP: c.EP, CP: c.CP} }, func(c Coord) int { return c.TP }
 	}
 	return func(Coord) Coord { return Coord{} }, func(c Coord) int { return m.Rank(c) }
 }
@@ -110,6 +116,7 @@ func NewRanks(m Mesh, newGroup func(k GroupKind, members []int) ([]Group, error)
 			Mesh: m, Coord: m.Coord(r), Rank: r,
 			World: handles[GroupWorld][r], Data: handles[GroupData][r], Expert: handles[GroupExpert][r],
 			ExpertReplica: handles[GroupExpertReplica][r], Context: handles[GroupContext][r], DataContext: handles[GroupDataContext][r],
+			Tensor: handles[GroupTensor][r],
 		}
 	}
 	return ranks, nil

@@ -40,12 +40,13 @@ func TestNewRanksMatchesLayout(t *testing.T) {
 			want := [][2]int{ // rank within the group, size (mesh.go)
 				{r, m.World()},
 				{c.DP*m.EP + c.EP, m.DP * m.EP},
-				{c.EP, m.EP},
+				{c.EP*m.TP + c.TP, m.EP * m.TP},
 				{c.DP, m.DP},
 				{c.CP, m.CP},
 				{(c.DP*m.EP+c.EP)*m.CP + c.CP, m.DP * m.EP * m.CP},
+				{c.TP, m.TP},
 			}
-			for i, gr := range []Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext} {
+			for i, gr := range []Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext, rk.Tensor} {
 				g := gr.(*fakeGroup)
 				if g.kind != GroupKinds()[i] || g.Rank() != want[i][0] || g.Size() != want[i][1] || g.members[g.rank] != r {
 					t.Errorf("%+v rank %d %v: rank %d of %v, want rank %d of %d", m, r, GroupKinds()[i], g.rank, g.members, want[i][0], want[i][1])
@@ -56,8 +57,8 @@ func TestNewRanksMatchesLayout(t *testing.T) {
 			}
 		}
 		// One call per distinct group: World once, Data CP*TP times...
-		want := map[GroupKind]int{GroupWorld: 1, GroupData: m.CP * m.TP, GroupExpert: m.DP * m.CP * m.TP,
-			GroupExpertReplica: m.EP * m.CP * m.TP, GroupContext: m.DP * m.EP * m.TP, GroupDataContext: m.TP}
+		want := map[GroupKind]int{GroupWorld: 1, GroupData: m.CP * m.TP, GroupExpert: m.DP * m.CP,
+			GroupExpertReplica: m.EP * m.CP * m.TP, GroupContext: m.DP * m.EP * m.TP, GroupDataContext: m.TP, GroupTensor: m.DP * m.EP * m.CP}
 		for k, n := range want {
 			if calls[k] != n {
 				t.Errorf("%+v: %d %v groups made, want %d", m, calls[k], k, n)
@@ -88,7 +89,7 @@ func TestNewRanksErrors(t *testing.T) {
 	for _, k := range GroupKinds() {
 		names = append(names, k.String())
 	}
-	if got := strings.Join(names, ","); got != "world,data,expert,expert-replica,context,data-context" {
+	if got := strings.Join(names, ","); got != "world,data,expert,expert-replica,context,data-context,tensor" {
 		t.Errorf("kind names %v", got)
 	}
 }

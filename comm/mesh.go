@@ -12,10 +12,11 @@ import "fmt"
 //
 //	World          every rank                                  size DP*EP*CP*TP
 //	Data           same cp, tp     (rank dp*EP + ep)           size DP*EP
-//	Expert         same dp, cp, tp (rank ep)                   size EP
+//	Expert         same dp, cp     (rank ep*TP + tp)           size EP*TP
 //	ExpertReplica  same ep, cp, tp (rank dp)                   size DP
 //	Context        same dp, ep, tp (rank cp)                   size CP
 //	DataContext    same tp         (rank (dp*EP + ep)*CP + cp) size DP*EP*CP
+//	Tensor         same dp, ep, cp (rank tp)                   size TP
 //
 // The rank of a member within a group is its coordinate on the group's
 // axes, read the same way (so Data's group rank orders dp before ep).
@@ -23,6 +24,10 @@ import "fmt"
 // position; DataContext holds every rank with distinct tokens, which is
 // what sums of per-token quantities (the loss, the MoE load statistics,
 // the gradients of replicated weights) run over under context parallelism.
+// Tensor holds the ranks that split the same tokens' projections (tensor
+// parallelism). The experts are folded over it: the expert group spans
+// the ep x tp ranks of one data and context position, each holding
+// experts/(EP*TP) whole experts, so with TP = 1 it is the ep ranks alone.
 
 // Coord is one rank's position in the mesh; each index counts from 0.
 type Coord struct {
@@ -71,6 +76,10 @@ type Ranks struct {
 	// DataContext is Data and Context together: every rank that holds
 	// distinct tokens (with CP = 1 it has Data's members and ranks).
 	DataContext Group
+	// Tensor is the tensor-parallel group: the ranks that hold the same
+	// tokens and split the attention heads and the vocabulary between
+	// them (package tensorpar).
+	Tensor Group
 }
 
 // Abort aborts every group of this rank, so that a failing rank releases
@@ -78,7 +87,7 @@ type Ranks struct {
 // resulting error should call Abort too, which passes the failure on to the
 // groups it shares with ranks that never met the failed one.
 func (r *Ranks) Abort(err error) {
-	for _, g := range []Group{r.World, r.Data, r.Expert, r.ExpertReplica, r.Context, r.DataContext} {
+	for _, g := range []Group{r.World, r.Data, r.Expert, r.ExpertReplica, r.Context, r.DataContext, r.Tensor} {
 		g.Abort(err)
 	}
 }

@@ -77,13 +77,15 @@ func TestLocalGroupMembership(t *testing.T) {
 		{"data", func(r *comm.Ranks) comm.Group { return r.Data },
 			func(a, b comm.Coord) bool { return a.CP == b.CP && a.TP == b.TP }, func(c comm.Coord) int { return c.DP*m.EP + c.EP }, m.DP * m.EP},
 		{"expert", func(r *comm.Ranks) comm.Group { return r.Expert },
-			func(a, b comm.Coord) bool { return a.DP == b.DP && a.CP == b.CP && a.TP == b.TP }, func(c comm.Coord) int { return c.EP }, m.EP},
+			func(a, b comm.Coord) bool { return a.DP == b.DP && a.CP == b.CP }, func(c comm.Coord) int { return c.EP*m.TP + c.TP }, m.EP * m.TP},
 		{"expert-replica", func(r *comm.Ranks) comm.Group { return r.ExpertReplica },
 			func(a, b comm.Coord) bool { return a.EP == b.EP && a.CP == b.CP && a.TP == b.TP }, func(c comm.Coord) int { return c.DP }, m.DP},
 		{"context", func(r *comm.Ranks) comm.Group { return r.Context },
 			func(a, b comm.Coord) bool { return a.DP == b.DP && a.EP == b.EP && a.TP == b.TP }, func(c comm.Coord) int { return c.CP }, m.CP},
 		{"data-context", func(r *comm.Ranks) comm.Group { return r.DataContext },
 			func(a, b comm.Coord) bool { return a.TP == b.TP }, func(c comm.Coord) int { return (c.DP*m.EP+c.EP)*m.CP + c.CP }, m.DP * m.EP * m.CP},
+		{"tensor", func(r *comm.Ranks) comm.Group { return r.Tensor },
+			func(a, b comm.Coord) bool { return a.DP == b.DP && a.EP == b.EP && a.CP == b.CP }, func(c comm.Coord) int { return c.TP }, m.TP},
 	}
 	for _, c := range cases {
 		members := make([][]float64, W)

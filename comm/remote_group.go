@@ -64,6 +64,7 @@ func (w *TCPWorld) buildRanks() []*Ranks {
 			Mesh: m, Coord: m.Coord(r), Rank: r,
 			World: group(GroupWorld, r), Data: group(GroupData, r), Expert: group(GroupExpert, r),
 			ExpertReplica: group(GroupExpertReplica, r), Context: group(GroupContext, r), DataContext: group(GroupDataContext, r),
+			Tensor: group(GroupTensor, r),
 		}
 	}
 	return out

@@ -25,7 +25,7 @@ type collectiveTimer interface {
 // timeCollectives replaces every group of rk with one whose collectives t
 // times.
 func timeCollectives(rk *comm.Ranks, t collectiveTimer) {
-	for _, g := range []*comm.Group{&rk.World, &rk.Data, &rk.Expert, &rk.ExpertReplica, &rk.Context, &rk.DataContext} {
+	for _, g := range []*comm.Group{&rk.World, &rk.Data, &rk.Expert, &rk.ExpertReplica, &rk.Context, &rk.DataContext, &rk.Tensor} {
 		*g = timedGroup(*g, t)
 	}
 }

@@ -73,6 +73,12 @@ type ParallelConfig struct {
 	EP int `yaml:"ep"`
 	CP int `yaml:"cp"`
 	TP int `yaml:"tp"`
+	// SequenceParallel keeps the norms, the router and the residual stream
+	// of the tp ranks on shards of the rows (all-gather before the
+	// column-parallel products, reduce-scatter after the row-parallel
+	// ones); false replicates them and all-reduces after the row-parallel
+	// products. No effect with tp 1.
+	SequenceParallel bool `yaml:"sequence_parallel"`
 	// Zero is the ZeRO stage: 0, or 1 to shard the AdamW moments of the
 	// replicated weights over the data-context ranks (zero.go).
 	Zero int `yaml:"zero"`
@@ -120,7 +126,7 @@ func DefaultConfig() Config {
 			WeightDecay: 0.1, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, GradClip: 1.0,
 			Seed: 1, EvalEvery: 50, EvalBatches: 4,
 		},
-		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1, CPAttention: tune.CPAttentionAuto},
+		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1, CPAttention: tune.CPAttentionAuto, SequenceParallel: true},
 		Checkpoint: CheckpointConfig{Every: 0, KeepLast: 3, Resume: "auto", Compress: "none"},
 		Log:        LogConfig{Every: 10, Level: "info", Progress: "auto"},
 	}

@@ -38,6 +38,7 @@ func (c Config) Validate() error {
 	v.data(c.Data)
 	v.train(c.Train, c.Parallel)
 	v.parallel(c.Parallel, c.Model.MoE.Experts)
+	v.tensorParallel(c)
 	v.checkpoint(c.Checkpoint)
 	v.log(c.Log)
 	return errors.Join(v.errs...)
@@ -273,13 +274,47 @@ func (v *validator) parallel(p ParallelConfig, experts int) {
 	if p.CPAttention != "" { // "" is auto (configurations saved before the field existed)
 		v.oneOf("parallel.cp_attention", p.CPAttention, tune.CPAttentionAuto, string(attention.CPRing), string(attention.CPAllGather))
 	}
-	if v.atLeast("parallel.tp", p.TP, 1) && p.TP > 1 {
-		v.fail("parallel.tp", "parallel.tp = %d: tensor parallelism is not available yet; set parallel.tp: 1", p.TP)
-	}
 	if p.Zero != 0 && p.Zero != 1 {
 		v.fail("parallel.zero", "parallel.zero must be 0 (off) or 1 (AdamW moments of the replicated weights sharded over the data-parallel ranks), got %d", p.Zero)
 	}
 }
+
+// tensorParallel checks what parallel.tp splits: the query heads, the
+// key/value heads (split, or replicated when there are fewer than tp), the
+// vocabulary (the LM head), the experts (folded over ep x tp ranks) and
+// each rank's rows of a micro-batch (sequence parallelism, and the MoE
+// layers, which always take one tp rank's share of the rows).
+func (v *validator) tensorParallel(c Config) {
+	p, m := c.Parallel, c.Model
+	tp := p.TP
+	if !v.atLeast("parallel.tp", tp, 1) || tp == 1 {
+		return
+	}
+	if m.Heads > 0 && m.Heads%tp != 0 {
+		v.fail("parallel.tp", "model.heads (%d) must be divisible by parallel.tp (%d): tensor parallelism splits the query heads", m.Heads, tp)
+	}
+	if kv := m.KVHeads; kv > 0 && kv%tp != 0 && tp%kv != 0 {
+		v.fail("parallel.tp", "model.kv_heads (%d) must be divisible by parallel.tp (%d), or divide it (each kv head then replicated on tp/kv_heads ranks)", kv, tp)
+	}
+	if m.Vocab > 0 && m.Vocab%tp != 0 {
+		v.fail("parallel.tp", "model.vocab (%d) must be divisible by parallel.tp (%d): the LM head splits the vocabulary", m.Vocab, tp)
+	}
+	if e := m.MoE.Experts; e > 0 && p.EP >= 1 && e%p.EP == 0 && e%(p.EP*tp) != 0 {
+		v.fail("parallel.tp", "model.moe.experts (%d) must be divisible by parallel.ep x parallel.tp (%d*%d = %d): the experts are spread over the ep x tp ranks, whole",
+			e, p.EP, tp, p.EP*tp)
+	}
+	if seq, cp := c.Train.Seq, p.CP; seq >= 2 && cp >= 1 && seq%cp == 0 && (seq/cp)%tp != 0 {
+		v.fail("train.seq", "train.seq / parallel.cp (%d/%d = %d) must be a multiple of parallel.tp (%d): the tensor-parallel ranks split each rank's rows (sequence parallelism and the MoE layers)",
+			seq, cp, seq/cp, tp)
+	}
+	if tensorParallelRefused {
+		v.fail("parallel.tp", "parallel.tp = %d: tensor parallelism is not available yet; set parallel.tp: 1", tp)
+	}
+}
+
+// tensorParallelRefused keeps parallel.tp above 1 refused while the model's
+// tensor-parallel path is built.
+const tensorParallelRefused = true
 
 func (v *validator) checkpoint(c CheckpointConfig) {
 	v.nonNegativeInt("checkpoint.every", c.Every, "only on stop and at the end")

@@ -158,7 +158,7 @@ func runNodeWorld(t *testing.T, mesh comm.Mesh, nnodes int, noSplit bool) {
 	}()
 	rankErrs := runEach(t, mesh.World(), func(r int, err error) { all[r].Abort(err) }, func(r int) error {
 		rk, b := all[r], bs[r]
-		for j, g := range []comm.Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext} {
+		for j, g := range []comm.Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext, rk.Tensor} {
 			k := comm.GroupKinds()[j]
 			members, place := mesh.Members(k, r)
 			if _, ok := g.(*NCCLGroup); !ok || g.Rank() != place || g.Size() != len(members) {

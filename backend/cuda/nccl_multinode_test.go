@@ -256,7 +256,7 @@ func TestNodeRanksCut(t *testing.T) {
 		if rk.Rank != first+i || rk.Coord != m.Coord(first+i) {
 			t.Errorf("local rank %d: world rank %d at %+v, want %d", i, rk.Rank, rk.Coord, first+i)
 		}
-		for j, g := range []comm.Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext} {
+		for j, g := range []comm.Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext, rk.Tensor} {
 			k := comm.GroupKinds()[j]
 			members, place := m.Members(k, rk.Rank)
 			ng, ok := g.(*NCCLGroup)

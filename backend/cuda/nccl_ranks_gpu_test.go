@@ -32,7 +32,7 @@ func TestNCCLRanks(t *testing.T) {
 	for r, rk := range ranks {
 		go func() {
 			b := bs[r]
-			for i, g := range []comm.Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext} {
+			for i, g := range []comm.Group{rk.World, rk.Data, rk.Expert, rk.ExpertReplica, rk.Context, rk.DataContext, rk.Tensor} {
 				members, self := mesh.Members(comm.GroupKinds()[i], r)
 				if g.Rank() != self || g.Size() != len(members) {
 					errs <- fmt.Errorf("rank %d %v group: rank %d of %d, want %d of %d", r, comm.GroupKinds()[i], g.Rank(), g.Size(), self, len(members))
