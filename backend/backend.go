@@ -276,6 +276,20 @@ type Backend interface {
 	// gradScale. dlogitsTV may be logitsTV itself. A negative target is
 	// ignored (loss 0, gradient 0).
 	CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT Tensor, gradScale float64)
+	// CrossEntropyShard and CrossEntropyShardFinish are CrossEntropy for
+	// logits split by vocabulary over tensor-parallel ranks, each holding
+	// the logits [T, V_s] of the ids [vocabLo, vocabLo+V_s) (package
+	// tensorpar; the engine's LM head). CrossEntropyShard writes per row
+	// lseT, the log-sum-exp of the slice, and targetLogitT, the target's
+	// logit when the slice holds it and 0 otherwise (or for a negative
+	// target). The caller all-gathers lseT into lseRT [R, T] (rank order)
+	// and all-reduces targetLogitT; CrossEntropyShardFinish then writes
+	// lossT[t] = logsumexp_r(lseRT[r][t]) - targetLogitT[t] (the same on
+	// every rank) and dlogitsTV = (softmax over the whole row, this
+	// slice's part - onehot) * gradScale. dlogitsTV may be logitsTV. A
+	// negative target gives loss 0 and a zero gradient row.
+	CrossEntropyShard(lseT, targetLogitT, logitsTV, targetsT Tensor, vocabLo int)
+	CrossEntropyShardFinish(lossT, dlogitsTV, logitsTV, lseRT, targetLogitT, targetsT Tensor, vocabLo int, gradScale float64)
 
 	// RouterForward: probsTE = softmax(logitsTE); lseT = logsumexp of each
 	// logits row (for the z-loss); idxTK = the k experts with the largest

@@ -100,3 +100,62 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_f32_reg(float* 
     out[j] = ce_f4{p.x * grad_scale, p.y * grad_scale, p.z * grad_scale, p.w * grad_scale};
   }
 }
+
+// cross_entropy_shard_f32: one block of 256 threads per row t of logits
+// [T, V] holding the vocabulary ids [lo, lo+V) (tensor parallelism's
+// vocabulary-parallel LM head):
+//   lse[t] = logsumexp(logits[t])
+//   target_logit[t] = logits[t][targets[t]-lo] when the target lies in the
+//                     slice, else 0 (and for a negative target)
+// The LM head all-gathers lse and all-reduces target_logit before
+// cross_entropy_shard_finish_f32.
+extern "C" __global__ void __launch_bounds__(256) cross_entropy_shard_f32(float* lse, float* target_logit, const float* logits, const int* targets, int T, int V, int lo) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  if (t >= T) return;
+  const float* row = logits + (long long)t * V;
+  float mx = -MK_INF;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  mx = mk_block_max(mx, scratch);
+  float se = 0.0f;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) se += expf(row[j] - mx);
+  se = mk_block_sum(se, scratch);
+  if (threadIdx.x == 0) {
+    lse[t] = mx + logf(se);
+    const int tgt = targets[t], j = tgt - lo;
+    target_logit[t] = tgt >= 0 && j >= 0 && j < V ? row[j] : 0.0f;
+  }
+}
+
+// cross_entropy_shard_finish_f32: one block of 256 threads per row t; lse_r
+// [R, T] holds every slice's lse (all-gathered), target_logit the target's
+// logit summed over the slices:
+//   loss[t] = logsumexp_r(lse_r[r][t]) - target_logit[t]
+//   dlogits[t] = (exp(logits[t] - that) - onehot(targets[t]-lo)) * grad_scale
+// dlogits may be logits itself (each element read before the same thread
+// writes it). A negative target gives loss 0 and a zero gradient row.
+extern "C" __global__ void __launch_bounds__(256) cross_entropy_shard_finish_f32(float* loss, float* dlogits, const float* logits, const float* lse_r, const float* target_logit,
+                                                                                  const int* targets, int T, int V, int R, int lo, float grad_scale) {
+  const int t = blockIdx.x;
+  if (t >= T) return;
+  const long long off = (long long)t * V;
+  const int tgt = targets[t];
+  if (tgt < 0) {
+    for (int j = threadIdx.x; j < V; j += blockDim.x) dlogits[off + j] = 0.0f;
+    if (threadIdx.x == 0) loss[t] = 0.0f;
+    return;
+  }
+  // R (the tensor-parallel ranks) is small: every thread joins the slices.
+  float mx = -MK_INF;
+  for (int q = 0; q < R; q++) mx = fmaxf(mx, lse_r[(long long)q * T + t]);
+  float se = 0.0f;
+  for (int q = 0; q < R; q++) se += expf(lse_r[(long long)q * T + t] - mx);
+  const float lse = mx + logf(se);
+  if (threadIdx.x == 0) loss[t] = lse - target_logit[t];
+  const int jt = tgt - lo;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) {
+    float p = expf(logits[off + j] - lse);
+    if (j == jt) p -= 1.0f;
+    dlogits[off + j] = p * grad_scale;
+  }
+}

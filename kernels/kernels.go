@@ -122,6 +122,8 @@ func Sources() []Source {
 		{File: "crossentropy.cu", Kernels: []Kernel{
 			{Name: "cross_entropy_f32", Block: 256, Grid: "T blocks"},
 			{Name: "cross_entropy_f32_reg", Block: 1024, Grid: "T blocks"},
+			{Name: "cross_entropy_shard_f32", Block: 256, Grid: "T blocks"},
+			{Name: "cross_entropy_shard_finish_f32", Block: 256, Grid: "T blocks"},
 		}},
 		{File: "route.cu", Kernels: []Kernel{
 			{Name: "route_by_expert", Block: 1024, Grid: "E blocks"},

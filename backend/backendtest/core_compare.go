@@ -286,6 +286,26 @@ func swigluLossCases() []Case {
 		loss, dlogits := e.Out("loss", 4), e.Out("dlogits", 4, 9)
 		e.Run(func(b backend.Backend, p Pick) { b.CrossEntropy(p(loss), p(dlogits), p(logits), p(targets), 1) })
 	}})
+	// The sharded cross-entropy: the middle of three slices of a 3V
+	// vocabulary, targets in all three (and -1).
+	for _, s := range []struct{ t, v int }{{23, 50}, {150, 1000}} {
+		name := fmt.Sprintf("%dx%d", s.t, s.v)
+		cs = append(cs,
+			Case{Name: "CrossEntropyShard/" + name, Compare: func(e *Env) {
+				logits, targets := e.Uniform("logits", -6, 6, s.t, s.v), e.Ints("targets", -1, 3*s.v, s.t)
+				lse, target := e.Out("lse", s.t), e.Out("targetLogit", s.t)
+				e.Run(func(b backend.Backend, p Pick) { b.CrossEntropyShard(p(lse), p(target), p(logits), p(targets), s.v) })
+			}},
+			Case{Name: "CrossEntropyShardFinish/in-place/" + name, Compare: func(e *Env) {
+				logits := e.InOut(e.Uniform("logits", -6, 6, s.t, s.v))
+				targets, loss := e.Ints("targets", -1, 3*s.v, s.t), e.Out("loss", s.t)
+				lseR, target := e.Uniform("lseR", 5, 9, 3, s.t), e.Uniform("targetLogit", -6, 6, s.t)
+				e.Run(func(b backend.Backend, p Pick) {
+					b.CrossEntropyShardFinish(p(loss), p(logits), p(logits), p(lseR), p(target), p(targets), s.v, 0.37)
+				})
+			}},
+		)
+	}
 	return cs
 }
 

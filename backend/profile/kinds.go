@@ -83,7 +83,7 @@ func KindOf(scope, op string) string {
 		return KindDispatch
 	case opRouterForward, opRouterBackward, opRouteByExpert:
 		return KindRouter
-	case opCrossEntropy:
+	case opCrossEntropy, opCrossEntropyShard, opCrossEntropyJoin:
 		return KindLoss
 	case opAdamWUpdate:
 		return KindOptimizer

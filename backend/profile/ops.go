@@ -37,6 +37,8 @@ const (
 	opSwiGLUForward     = "SwiGLUForward"
 	opSwiGLUBackward    = "SwiGLUBackward"
 	opCrossEntropy      = "CrossEntropy"
+	opCrossEntropyShard = "CrossEntropyShard"
+	opCrossEntropyJoin  = "CrossEntropyShardFinish"
 	opRouterForward     = "RouterForward"
 	opRouterBackward    = "RouterBackward"
 	opGatherRows        = "GatherRows"
@@ -203,6 +205,16 @@ func (p *Backend) SwiGLUBackward(daNF, dbNF, doutNF, aNF, bNF backend.Tensor) {
 func (p *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tensor, gradScale float64) {
 	defer p.end(p.begin(), opCrossEntropy)
 	p.inner.CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT, gradScale)
+}
+
+func (p *Backend) CrossEntropyShard(lseT, targetLogitT, logitsTV, targetsT backend.Tensor, vocabLo int) {
+	defer p.end(p.begin(), opCrossEntropyShard)
+	p.inner.CrossEntropyShard(lseT, targetLogitT, logitsTV, targetsT, vocabLo)
+}
+
+func (p *Backend) CrossEntropyShardFinish(lossT, dlogitsTV, logitsTV, lseRT, targetLogitT, targetsT backend.Tensor, vocabLo int, gradScale float64) {
+	defer p.end(p.begin(), opCrossEntropyJoin)
+	p.inner.CrossEntropyShardFinish(lossT, dlogitsTV, logitsTV, lseRT, targetLogitT, targetsT, vocabLo, gradScale)
 }
 
 func (p *Backend) RouterForward(probsTE, lseT, idxTK, gatesTK, logitsTE, biasE backend.Tensor) {
