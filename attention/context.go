@@ -112,7 +112,8 @@ func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.G
 	if mode == "" {
 		mode = CPAllGather
 	}
-	if l.cp, err = newContextCore(b, s, batch, seq, group, mode, l.sc); err != nil {
+	// l.s: this rank's heads under tensor parallelism.
+	if l.cp, err = newContextCore(b, l.s, batch, seq, group, mode, l.sc); err != nil {
 		return nil, err
 	}
 	return l, nil

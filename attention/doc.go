@@ -39,6 +39,16 @@
 // WithContextMode) says how keys and values reach the other ranks'
 // queries.
 //
+// WithTensorParallel(p) makes a Layer one rank's share of a tensor-parallel
+// block (package tensorpar): its Params are its rows of q_proj (and of
+// k_proj and v_proj, or those whole when there are fewer kv heads than
+// ranks: TensorParallelShape) and its columns of o_proj; x and out are the
+// rank's rows of the micro-batch under sequence parallelism (gathered
+// before the projections, o_proj's partial sums reduce-scattered back), or
+// all of them (o_proj's sums all-reduced). NewTensorParallel builds one
+// with an error instead of a panic; NewContextParallel takes the option
+// too, each tp rank then running the ring over its own heads.
+//
 // # What it computes
 //
 // Exactly Hugging Face's MixtralAttention (no biases, dropout or sliding

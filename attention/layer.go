@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/tensorpar"
 )
 
 // Shape is the attention block's size. HeadDim is Dim/Heads.
@@ -59,10 +60,22 @@ func NewParams(b backend.Backend, s Shape) *Params {
 // Layer runs the block for micro-batches of a fixed batch x seq and keeps
 // what Backward needs from the last Forward. See the package doc.
 type Layer struct {
-	b      backend.Backend
+	b backend.Backend
+	// s is the shape of this rank's heads: the model's, or under tensor
+	// parallelism its share of them, with Dim their width (Heads*HeadDim),
+	// so HeadDim is the model's. dim is the model width D of x and out.
 	s      Shape
+	dim    int
 	attn   backend.AttnShape
-	tokens int
+	tokens int // rows of q, k, v: the micro-batch's (gathered over tp)
+	rows   int // rows of x and out: tokens, or tokens/tp under sequence parallelism
+
+	// tp is set on a tensor-parallel Layer (WithTensorParallel); kvRow is
+	// then the first row of k_proj and v_proj it multiplies by (nonzero
+	// where the ranks keep every kv head and use one, kvHeads < tp).
+	tp      *tensorpar.Parallel
+	kvRow   int
+	kvWhole bool // k_proj and v_proj are the model's whole matrices
 
 	// Saved by Forward. xTD and posT are the caller's tensors; xTD is nil
 	// before a Forward succeeds.
@@ -97,6 +110,16 @@ type Scratch struct {
 	cp                     *cpScratch     // sized by the first all-gather context core
 	ring                   *ringScratch   // sized by the first ring context core
 	ops                    *operands      // nil where the operand type is the float type
+	tp                     *tpScratch     // sized by the first tensor-parallel Layer
+}
+
+// tpScratch is a tensor-parallel Layer's working memory: the gathered
+// rows of x (and, in Backward, of dout before them), the partial sums of
+// a row-parallel product over its [T, D] rows, and one rank's rows of
+// o_proj's output before they join the residual stream.
+type tpScratch struct {
+	fullTD, partialTD backend.Tensor // [T, D]
+	outTD             backend.Tensor // [rows, D]
 }
 
 // operands are the layer's matrix-product inputs rounded once to the
@@ -127,6 +150,7 @@ type options struct {
 	scratch  *Scratch
 	addToOut bool
 	cpMode   CPMode
+	tp       *tensorpar.Parallel
 }
 
 func outBeta(add bool) float64 {
@@ -149,6 +173,32 @@ func WithContextMode(m CPMode) Option { return func(o *options) { o.cpMode = m }
 // rank, instead of a Scratch of its own.
 func WithScratch(s *Scratch) Option { return func(o *options) { o.scratch = s } }
 
+// WithTensorParallel makes the Layer one rank's share of a
+// tensor-parallel block (package tensorpar): its query heads are
+// Heads/tp of the model's, its key/value heads KVHeads/tp of them, or,
+// when KVHeads < tp, the one head its queries use; Params hold this
+// rank's rows of q_proj (and of k_proj and v_proj when they are split),
+// the whole k_proj and v_proj when they are not, and its columns of
+// o_proj (TensorParallelShape). Forward and Backward then take x and out
+// of p.Rows(T) rows: this rank's shard under sequence parallelism, all T
+// otherwise. A p that is not Enabled changes nothing.
+func WithTensorParallel(p *tensorpar.Parallel) Option { return func(o *options) { o.tp = p } }
+
+// TensorParallelShape is the part of the model's shape s that tensor
+// rank r of tp holds: its query heads, its key/value heads (1 when
+// KVHeads < tp), and the first row of k_proj and v_proj it multiplies by
+// (KVHeads < tp: the head its queries share, every rank holding the whole
+// matrices; otherwise 0, each rank holding its own rows). s.Heads must be
+// a multiple of tp, and KVHeads a multiple or a divisor of it.
+func TensorParallelShape(s Shape, tp, r int) (heads, kvHeads, kvRow int) {
+	heads = s.Heads / tp
+	if s.KVHeads%tp == 0 {
+		return heads, s.KVHeads / tp, 0
+	}
+	group := s.Heads / s.KVHeads // query heads per kv head
+	return heads, 1, (r * heads / group) * s.HeadDim()
+}
+
 // New allocates a Layer for micro-batches of batch sequences of seq tokens.
 // s must be valid (see Shape.Validate), batch and seq positive, and a
 // shared Scratch sized for the same shape and tokens; the engine validates
@@ -159,6 +209,13 @@ func New(b backend.Backend, s Shape, batch, seq int, opts ...Option) *Layer {
 		panic(err.Error())
 	}
 	return l
+}
+
+// NewTensorParallel is New for a Layer built with WithTensorParallel (or
+// any options), returning an error instead of panicking on a shape the
+// tensor-parallel group cannot split.
+func NewTensorParallel(b backend.Backend, s Shape, batch, seq int, opts ...Option) (*Layer, error) {
+	return newLayer(b, s, batch, seq, opts)
 }
 
 func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer, error) {
@@ -175,15 +232,38 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer
 	if o.scratch == nil {
 		o.scratch = NewScratch()
 	}
-	ft, T := b.FloatType(), batch*seq
+	ft, T, D, s0 := b.FloatType(), batch*seq, s.Dim, s
+	rows, kvRow := T, 0
+	if o.tp.Enabled() {
+		n := o.tp.Size()
+		if s.Heads%n != 0 || s.KVHeads%n != 0 && n%s.KVHeads != 0 {
+			return nil, fmt.Errorf("attention: heads (%d) must be a multiple of tp (%d), and kv_heads (%d) a multiple or a divisor of it", s.Heads, n, s.KVHeads)
+		}
+		if rows = o.tp.Rows(T); rows*n != T && o.tp.SequenceParallel() {
+			return nil, fmt.Errorf("attention: %d rows of a micro-batch do not split over %d tensor-parallel ranks", T, n)
+		}
+		var h, kv int
+		h, kv, kvRow = TensorParallelShape(s, n, o.tp.Rank())
+		s = Shape{Dim: h * s.HeadDim(), Heads: h, KVHeads: kv, RopeTheta: s.RopeTheta}
+	}
 	q, kd := s.Heads*s.HeadDim(), s.KVHeads*s.HeadDim()
-	if err := o.scratch.fit(b, T, q, kd); err != nil {
+	if err := o.scratch.fit(b, T, D, q, kd); err != nil {
 		return nil, err
+	}
+	if o.tp.Enabled() {
+		if err := o.scratch.fitTP(b, T, rows, D); err != nil {
+			return nil, err
+		}
 	}
 	sc := o.scratch
 	return &Layer{
 		b:       b,
 		s:       s,
+		dim:     D,
+		rows:    rows,
+		tp:      o.tp,
+		kvRow:   kvRow,
+		kvWhole: o.tp.Enabled() && s0.KVHeads%o.tp.Size() != 0,
 		attn:    backend.AttnShape{Batch: batch, Seq: seq, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim()},
 		tokens:  T,
 		qTQ:     b.New(ft, T, q),
@@ -200,16 +280,15 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer
 	}, nil
 }
 
-// fit allocates the scratch for T tokens of q and kd columns, or checks
-// that it has that size.
-func (sc *Scratch) fit(b backend.Backend, T, q, kd int) error {
+// fit allocates the scratch for T tokens of width D and of q and kd
+// columns, or checks that it has that size.
+func (sc *Scratch) fit(b backend.Backend, T, D, q, kd int) error {
 	ft := b.FloatType()
 	if sc.daTQ == nil {
 		sc.daTQ, sc.dqTQ = b.New(ft, T, q), b.New(ft, T, q)
 		sc.dkTK, sc.dvTK = b.New(ft, T, kd), b.New(ft, T, kd)
 		if ot := b.OperandType(); ot != ft {
-			// q = H*Dh is the model width D (Shape.HeadDim).
-			sc.ops = &operands{xTD: b.New(ot, T, q), doutTD: b.New(ot, T, q), dqTQ: b.New(ot, T, q),
+			sc.ops = &operands{xTD: b.New(ot, T, D), doutTD: b.New(ot, T, D), dqTQ: b.New(ot, T, q),
 				dkTK: b.New(ot, T, kd), dvTK: b.New(ot, T, kd)}
 		}
 		return nil
@@ -219,6 +298,30 @@ func (sc *Scratch) fit(b backend.Backend, T, q, kd int) error {
 			sc.daTQ.DType(), sc.daTQ.Shape()[0], sc.daTQ.Shape()[1], sc.dkTK.Shape()[0], sc.dkTK.Shape()[1], ft, T, q, T, kd)
 	}
 	return nil
+}
+
+// fitTP allocates the tensor-parallel scratch, or checks its size.
+func (sc *Scratch) fitTP(b backend.Backend, T, rows, D int) error {
+	if sc.tp == nil {
+		ft := b.FloatType()
+		sc.tp = &tpScratch{fullTD: b.New(ft, T, D), partialTD: b.New(ft, T, D), outTD: b.New(ft, rows, D)}
+		return nil
+	}
+	if sc.tp.fullTD.Len() != T*D || sc.tp.outTD.Len() != rows*D {
+		return fmt.Errorf("attention: the shared tensor-parallel scratch is for %v and %v; this layer needs [%d, %d] and [%d, %d]",
+			sc.tp.fullTD.Shape(), sc.tp.outTD.Shape(), T, D, rows, D)
+	}
+	return nil
+}
+
+// kv returns the rows of k_proj or v_proj (weights or gradients) this
+// Layer multiplies by: all of w, or under tensor parallelism with fewer
+// kv heads than ranks the one head its queries use.
+func (l *Layer) kv(w backend.Tensor) backend.Tensor {
+	if !l.kvWhole {
+		return w
+	}
+	return l.b.View(w, l.kvRow*l.dim, l.s.KVHeads*l.s.HeadDim(), l.dim)
 }
 
 // Forward writes outTD = o_proj(attention(rope(q_proj x), rope(k_proj x),
@@ -239,14 +342,25 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 		return fmt.Errorf("attention: Forward: pos is %v %v, want int32 [%d]", posT.DType(), posT.Shape(), l.tokens)
 	}
 	b, dh, theta := l.b, l.s.HeadDim(), l.s.RopeTheta
+	if err := l.checkWeights(p); err != nil {
+		return err
+	}
 	ops := l.sc.ops
 	x := xTD
-	if ops != nil {
-		x = l.operand(xTD, ops.xTD)
+	if l.tp.Enabled() {
+		var err error
+		outs, ws := []backend.Tensor{l.qTQ, l.kTK, l.vTK}, []backend.Tensor{p.WqQD, l.kv(p.WkKD), l.kv(p.WvKD)}
+		if x, err = l.tp.ColumnForward(l.sc.tp.fullTD, xTD, outs, ws, true); err != nil {
+			return err
+		}
+	} else {
+		if ops != nil {
+			x = l.operand(xTD, ops.xTD)
+		}
+		b.MatMul(l.qTQ, x, p.WqQD, false, true, 1, 0)
+		b.MatMul(l.kTK, x, p.WkKD, false, true, 1, 0)
+		b.MatMul(l.vTK, x, p.WvKD, false, true, 1, 0)
 	}
-	b.MatMul(l.qTQ, x, p.WqQD, false, true, 1, 0)
-	b.MatMul(l.kTK, x, p.WkKD, false, true, 1, 0)
-	b.MatMul(l.vTK, x, p.WvKD, false, true, 1, 0)
 	b.RoPE(l.qTQ, posT, dh, theta, false)
 	b.RoPE(l.kTK, posT, dh, theta, false)
 	if l.cp != nil {
@@ -256,8 +370,41 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 	} else {
 		b.AttentionForward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK, l.attn)
 	}
-	b.MatMul(outTD, l.aTQ, p.WoDQ, false, true, 1, l.outBeta)
+	if l.tp.Enabled() {
+		// o_proj is row-parallel: each rank's heads give a partial sum.
+		sum := l.sc.tp.outTD
+		if !l.tp.SequenceParallel() {
+			sum = l.sc.tp.partialTD
+		}
+		if err := l.tp.RowForward(sum, l.sc.tp.partialTD, []tensorpar.Term{{A: l.aTQ, W: p.WoDQ, TransW: true}}); err != nil {
+			return err
+		}
+		if l.outBeta != 0 {
+			b.Axpy(outTD, 1, sum)
+		} else {
+			b.Copy(outTD, sum)
+		}
+	} else {
+		b.MatMul(outTD, l.aTQ, p.WoDQ, false, true, 1, l.outBeta)
+	}
 	l.xTD, l.posT = xTD, posT
+	return nil
+}
+
+// checkWeights reports weights of the wrong size for this rank's heads.
+func (l *Layer) checkWeights(p *Params) error {
+	q, kd := l.s.Heads*l.s.HeadDim(), l.s.KVHeads*l.s.HeadDim()
+	kvLen := kd * l.dim
+	if l.kvWhole {
+		kvLen = p.WkKD.Len() // the model's whole matrix, which must hold the rows used
+		if kvLen < (l.kvRow+kd)*l.dim {
+			kvLen = -1
+		}
+	}
+	if p.WqQD.Len() != q*l.dim || p.WoDQ.Len() != q*l.dim || p.WkKD.Len() != kvLen || p.WvKD.Len() != kvLen {
+		return fmt.Errorf("attention: weights of shapes %v %v %v %v; this layer's heads need q_proj [%d, %d], k_proj and v_proj [%d, %d], o_proj [%d, %d]",
+			p.WqQD.Shape(), p.WkKD.Shape(), p.WvKD.Shape(), p.WoDQ.Shape(), q, l.dim, kd, l.dim, l.dim, q)
+	}
 	return nil
 }
 
@@ -286,6 +433,14 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 		dout = l.operand(doutTD, ops.doutTD)
 	}
 
+	if l.tp.Enabled() {
+		// o_proj is row-parallel: its output gradient, gathered, feeds
+		// this rank's columns.
+		var err error
+		if dout, err = l.tp.GatherRows(l.sc.tp.fullTD, doutTD); err != nil {
+			return err
+		}
+	}
 	// o_proj: out = a·Woᵀ.
 	b.MatMul(l.daTQ, dout, p.WoDQ, false, false, 1, 0)
 	b.MatMul(g.WoDQ, dout, l.aTQ, true, false, 1, 1)
@@ -302,6 +457,19 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	b.RoPE(l.dqTQ, l.posT, dh, theta, true)
 	b.RoPE(l.dkTK, l.posT, dh, theta, true)
 
+	if l.tp.Enabled() {
+		// The projections read x gathered again (Megatron's choice: one
+		// all-gather rather than a saved [T, D] per layer).
+		var err error
+		if x, err = l.tp.GatherRows(l.sc.tp.fullTD, l.xTD); err != nil {
+			return err
+		}
+		b.MatMul(g.WqQD, dq, x, true, false, 1, 1)
+		b.MatMul(l.kv(g.WkKD), dk, x, true, false, 1, 1)
+		b.MatMul(l.kv(g.WvKD), dv, x, true, false, 1, 1)
+		return l.tp.ColumnBackward(dxTD, l.sc.tp.partialTD, []tensorpar.Term{
+			{A: dq, W: p.WqQD}, {A: dk, W: l.kv(p.WkKD)}, {A: dv, W: l.kv(p.WvKD)}})
+	}
 	if ops != nil {
 		x = l.operand(l.xTD, ops.xTD)
 		dq, dk, dv = l.operand(l.dqTQ, ops.dqTQ), l.operand(l.dkTK, ops.dkTK), l.operand(l.dvTK, ops.dvTK)
@@ -329,8 +497,8 @@ func (l *Layer) ContextPath() string {
 }
 
 func (l *Layer) checkTD(op, name string, t backend.Tensor) error {
-	if t.Len() != l.tokens*l.s.Dim {
-		return fmt.Errorf("attention: %s: %s has shape %v, want [%d, %d]", op, name, t.Shape(), l.tokens, l.s.Dim)
+	if t.Len() != l.rows*l.dim {
+		return fmt.Errorf("attention: %s: %s has shape %v, want [%d, %d]", op, name, t.Shape(), l.rows, l.dim)
 	}
 	return nil
 }

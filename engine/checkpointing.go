@@ -13,6 +13,12 @@ package engine
 // the data cursors are kept by data rank. Optimizer moments are "<name>.exp_avg" and
 // "<name>.exp_avg_sq"; expert biases "model.layers.<l>.block_sparse_moe.expert_bias".
 //
+// Under tensor parallelism the tp ranks of world rank 0's tensor group
+// hand in their blocks of the split tensors (and moments) as flat pieces of
+// the whole tensors, which the saver joins (joinMoments) before writing,
+// and a rank reads a split tensor whole and keeps its block: the
+// checkpoint holds whole tensors under every tp.
+//
 // With ZeRO-1 (parallel.zero: 1) every rank holds a part of the replicated
 // moments; the saver joins the parts into the whole tensors world rank 0
 // writes without ZeRO, so the checkpoint does not depend on the setting
@@ -71,8 +77,14 @@ func (r *rank) snapshot(worldRank int) rankSnapshot {
 	}
 	writesReplicated := worldRank == 0
 	writesExperts := r.groups.ExpertReplica.Rank() == 0 && r.groups.Context.Rank() == 0
+	// The blocks of tensors split over tp come from the tensor group of
+	// world rank 0, to be joined into whole tensors (joinMoments).
+	writesBlocks := r.groups.Data.Rank() == 0 && r.groups.Context.Rank() == 0
 	for _, p := range r.params {
-		if p.slot.role == roleExpert && !writesExperts || p.slot.role != roleExpert && !writesReplicated {
+		switch {
+		case p.slot.role == roleExpert && !writesExperts,
+			p.slot.role != roleExpert && p.split.n > 1 && !writesBlocks,
+			p.slot.role != roleExpert && p.split.n == 1 && !writesReplicated:
 			continue
 		}
 		// p.m is nil for a replicated tensor under ZeRO-1: its moments
@@ -81,6 +93,14 @@ func (r *rank) snapshot(worldRank int) rankSnapshot {
 		var m, v []float32
 		if p.m != nil {
 			m, v = backend.DownloadFloat32(r.b, p.m), backend.DownloadFloat32(r.b, p.v)
+		}
+		if p.split.n > 1 {
+			s.model = append(s.model, p.blocks(p.slot.name, w, 0, len(w))...)
+			if m != nil {
+				s.optim = append(s.optim, p.blocks(p.slot.name+suffixAvg, m, 0, len(m))...)
+				s.optim = append(s.optim, p.blocks(p.slot.name+suffixAvgSq, v, 0, len(v))...)
+			}
+			continue
 		}
 		for _, piece := range p.pieces() {
 			at := func(x []float32) []float32 { return x[piece.offset : piece.offset+piece.size] }
@@ -124,6 +144,34 @@ func (p *param) pieces() []tensorPiece {
 	return out
 }
 
+// blocks returns the elements [lo, hi) of p's tp block, held in local
+// (their first at local[0]), as blocks of the flattened whole tensor named
+// name: one per run contiguous in it (tpSplit.segments).
+func (p *param) blocks(name string, local []float32, lo, hi int) []checkpoint.NamedTensor {
+	n := shapeLen(p.global)
+	var out []checkpoint.NamedTensor
+	for _, sg := range p.split.segments(p.global) {
+		a, b := max(lo, sg.local), min(hi, sg.local+sg.n)
+		if a >= b {
+			continue
+		}
+		out = append(out, checkpoint.NamedTensor{Name: name, Shape: []int{b - a}, Data: local[a-lo : b-lo],
+			Slice: &checkpoint.Slice{Offset: []int{sg.global + a - sg.local}, GlobalShape: []int{n}}})
+	}
+	return out
+}
+
+// readBlock reads the tensor name from set whole and keeps p's tp block
+// of it, into dst (of the block's length).
+func (p *param) readBlock(set *checkpoint.TensorSet, name string, dst []float32) error {
+	whole := make([]float32, shapeLen(p.global))
+	if err := set.ReadInto(name, whole); err != nil {
+		return err
+	}
+	copy(dst, p.split.block(whole, p.global))
+	return nil
+}
+
 // cursorSource is a batch source whose position a checkpoint can keep.
 type cursorSource interface {
 	Cursor() data.Cursor
@@ -152,6 +200,13 @@ func (r *rank) restore(ctx context.Context, ck *checkpoint.Checkpoint, withOptim
 		}
 		for _, tg := range targets {
 			host := make([]float32, tg.t.Len())
+			if p.split.n > 1 {
+				if err := p.readBlock(tg.set, p.slot.name+tg.suffix, host); err != nil {
+					return err
+				}
+				backend.UploadSlice(r.b, tg.t, host)
+				continue
+			}
 			for _, piece := range p.pieces() {
 				if err := tg.set.ReadInto(piece.name+tg.suffix, host[piece.offset:piece.offset+piece.size]); err != nil {
 					return err

@@ -96,15 +96,22 @@
 //
 // The recipe's parallel section becomes a mesh of ranks (package comm).
 // Each rank holds all non-expert weights and its share of the experts
-// (model.moe.experts / parallel.ep), and exchanges routed tokens with its
-// expert group through the dispatcher model.moe.dispatcher names ("auto"
+// (model.moe.experts / (parallel.ep * parallel.tp)), and exchanges routed
+// tokens with its expert group (the ep x tp ranks) through the dispatcher model.moe.dispatcher names ("auto"
 // resolved once per run, before the ranks start, by tune.ResolveDispatcher).
 // Each of the dp*ep data ranks reads a disjoint part of the data; the
 // parallel.cp ranks of one data rank share its sequences, each keeping its
 // zigzag share (attention.ZigzagPositions), and their attention reaches
 // the other ranks' keys and values in the mode parallel.cp_attention names
 // (ring or allgather; "auto" resolved once per run by
-// tune.ResolveCPAttention). The loss, the MoE statistics
+// tune.ResolveCPAttention). The parallel.tp ranks of one data and context
+// position share its tokens too and split the model (package tensorpar):
+// attention heads, the LM head's vocabulary, the rows of the residual
+// stream under parallel.sequence_parallel, and the rows the MoE layers
+// take; the weights they split are blocks of the whole tensors
+// (flatLayout's tpSharded range), those they hold whole but compute on
+// different rows have their gradients summed over the tensor group
+// (tpSummed). The loss, the MoE statistics
 // and the gradients of replicated weights are summed over every rank with
 // distinct tokens, those of experts over the ranks holding the same
 // experts, so every layout trains the same model as one rank would, up to

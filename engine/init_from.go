@@ -54,6 +54,16 @@ func (e *Engine) loadHF(dir string, ranks []*rank) error {
 func (r *rank) loadHF(w *hf.Weights) error {
 	for _, p := range r.params {
 		host := make([]float32, p.w.Len())
+		if p.split.n > 1 {
+			// Tensor parallelism: the whole tensor, of which the rank
+			// keeps its block.
+			whole := make([]float32, shapeLen(p.global))
+			if err := w.Read(p.slot.name, p.global, whole); err != nil {
+				return err
+			}
+			backend.UploadSlice(r.b, p.w, p.split.block(whole, p.global))
+			continue
+		}
 		for _, piece := range p.pieces() {
 			if err := w.Read(piece.name, piece.shape, host[piece.offset:piece.offset+piece.size]); err != nil {
 				return err

@@ -9,6 +9,7 @@ import (
 	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tensorpar"
 	"github.com/mktrain/mktrain/tune"
 )
 
@@ -55,6 +56,22 @@ type model struct {
 	// type.
 	dlogitsCV backend.Tensor
 	chunkRows int
+
+	// Tensor parallelism (tp Enabled; see the package doc of tensorpar):
+	// the residual stream holds rows of the T tokens: this rank's T/tp
+	// under sequence parallelism, all T otherwise (rows = T without tp).
+	// The MoE layers take this rank's share of the T rows either way;
+	// the LM head holds the vocabulary ids [vocabLo, vocabLo+V/tp).
+	tp      *tensorpar.Parallel
+	rows    int
+	vocabLo int
+	// finalFullTD and dFullTD are the final hidden states gathered over
+	// tp and their gradient's partial sums (sequence parallelism; the
+	// latter is dFinalTD itself without it); lseC, lseRC and targetC the
+	// sharded cross-entropy's per-slice log-sum-exps, all slices' and
+	// the target logits of one chunk.
+	finalFullTD, dFullTD backend.Tensor
+	lseC, lseRC, targetC backend.Tensor
 }
 
 // lmHeadChunkRows bounds the logits buffer of the fused LM head and loss.
@@ -67,7 +84,10 @@ const lmHeadChunkRows = 2048
 // tokens); context is the context-parallel group the sequences are split
 // over, nil for none, and cpMode how its attention reaches the other
 // ranks' keys and values (parallel.cp_attention, settled).
-func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode) (*model, error) {
+//
+// tp is the tensor-parallel group and mode (nil, or not Enabled, for
+// none): w and g then hold this rank's blocks of the split matrices.
+func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel) (*model, error) {
 	cp, cpRank := 1, 0
 	if context != nil {
 		cp, cpRank = context.Size(), context.Rank()
@@ -77,7 +97,17 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 		return nil, err
 	}
 	T, D, ft := batch*len(local), cfg.Dim, b.FloatType()
-	m := &model{cfg: cfg, b: b, batch: batch, seq: seq, tokens: T, w: w, g: g}
+	m := &model{cfg: cfg, b: b, batch: batch, seq: seq, tokens: T, w: w, g: g, tp: tp, rows: T}
+	moeTokens, V := T, cfg.Vocab
+	if tp.Enabled() {
+		n := tp.Size()
+		if T%n != 0 || cfg.Vocab%n != 0 {
+			return nil, fmt.Errorf("tensor parallelism over %d ranks: %d rows of a micro-batch and model.vocab %d must divide by it", n, T, cfg.Vocab)
+		}
+		m.rows, moeTokens = tp.Rows(T), T/n
+		V = cfg.Vocab / n
+		m.vocabLo = tp.Rank() * V
+	}
 	m.idsT, m.targetsT, m.posT = b.New(backend.Int32, T), b.New(backend.Int32, T), b.New(backend.Int32, T)
 	pos := make([]int32, 0, T)
 	for bi := range batch {
@@ -98,45 +128,88 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 	E1 := cfg.MoE.Experts + 1
 	m.moeStats = b.New(ft, cfg.Layers*E1)
 	attnScratch := attention.NewScratch()
+	R := m.rows
 	for l := 0; l <= L; l++ {
-		m.residL = append(m.residL, b.New(ft, T, D))
+		m.residL = append(m.residL, b.New(ft, R, D))
 	}
 	for range cfg.Layers {
-		m.h1L, m.h2L = append(m.h1L, b.New(ft, T, D)), append(m.h2L, b.New(ft, T, D))
+		m.h1L, m.h2L = append(m.h1L, b.New(ft, R, D)), append(m.h2L, b.New(ft, R, D))
 	}
+	attnOpts := []attention.Option{attention.WithScratch(attnScratch), attention.AddToOutput(), attention.WithTensorParallel(tp)}
 	for l := 0; l < L; l++ {
 		if ctx.Err() != nil {
 			return nil, ErrStopped // a cancelled run stops between two layers
 		}
-		m.midL = append(m.midL, b.New(ft, T, D))
-		m.rstd1L = append(m.rstd1L, b.New(ft, T))
-		m.rstd2L = append(m.rstd2L, b.New(ft, T))
+		m.midL = append(m.midL, b.New(ft, R, D))
+		m.rstd1L = append(m.rstd1L, b.New(ft, R))
+		m.rstd2L = append(m.rstd2L, b.New(ft, R))
 		var attn *attention.Layer
 		if cp > 1 {
-			attn, err = attention.NewContextParallel(b, attentionShape(cfg), batch, seq, context, attention.WithScratch(attnScratch), attention.AddToOutput(),
-				attention.WithContextMode(cpMode))
+			attn, err = attention.NewContextParallel(b, attentionShape(cfg), batch, seq, context, append(attnOpts, attention.WithContextMode(cpMode))...)
+			if err != nil {
+				return nil, fmt.Errorf("layer %d: %w", l, err)
+			}
+		} else if tp.Enabled() {
+			attn, err = attention.NewTensorParallel(b, attentionShape(cfg), batch, seq, attnOpts...)
 			if err != nil {
 				return nil, fmt.Errorf("layer %d: %w", l, err)
 			}
 		} else {
-			attn = attention.New(b, attentionShape(cfg), batch, seq, attention.WithScratch(attnScratch), attention.AddToOutput())
+			attn = attention.New(b, attentionShape(cfg), batch, seq, attnOpts...)
 		}
 		m.attn = append(m.attn, attn)
-		layer, err := moe.New(b, cfg.MoE, D, T, groups, moe.WithScratch(moeScratch), moe.WithStats(b.View(m.moeStats, l*E1, E1)), moe.AddToOutput())
+		layer, err := moe.New(b, cfg.MoE, D, moeTokens, groups, moe.WithScratch(moeScratch), moe.WithStats(b.View(m.moeStats, l*E1, E1)), moe.AddToOutput())
 		if err != nil {
 			return nil, fmt.Errorf("layer %d: %w", l, err)
 		}
 		m.moe = append(m.moe, layer)
 	}
-	m.finalTD, m.rstdFinalT = b.New(ft, T, D), b.New(ft, T)
-	m.dResidTD, m.dBlockTD, m.dTmpTD = b.New(ft, T, D), b.New(ft, T, D), b.New(ft, T, D)
-	m.dFinalTD = b.New(ft, T, D)
+	m.finalTD, m.rstdFinalT = b.New(ft, R, D), b.New(ft, R)
+	m.dResidTD, m.dBlockTD, m.dTmpTD = b.New(ft, R, D), b.New(ft, R, D), b.New(ft, R, D)
+	m.dFinalTD = b.New(ft, R, D)
 	m.chunkRows = min(T, lmHeadChunkRows)
-	m.logitsCV, m.lossT = b.New(ft, m.chunkRows, cfg.Vocab), b.New(ft, T)
+	m.logitsCV, m.lossT = b.New(ft, m.chunkRows, V), b.New(ft, T)
 	if ot := b.OperandType(); ot != ft {
-		m.dlogitsCV = b.New(ot, m.chunkRows, cfg.Vocab)
+		m.dlogitsCV = b.New(ot, m.chunkRows, V)
+	}
+	if tp.Enabled() {
+		m.dFullTD = m.dFinalTD
+		if tp.SequenceParallel() {
+			m.finalFullTD, m.dFullTD = b.New(ft, T, D), b.New(ft, T, D)
+		}
+		m.lseC, m.targetC = b.New(ft, m.chunkRows), b.New(ft, m.chunkRows)
+		m.lseRC = b.New(ft, tp.Size()*m.chunkRows)
 	}
 	return m, nil
+}
+
+// streamIDs is the token ids of the residual stream's rows: all of them,
+// or this rank's block under sequence parallelism.
+func (m *model) streamIDs() backend.Tensor {
+	if m.rows == m.tokens {
+		return m.idsT
+	}
+	return m.b.View(m.idsT, m.tp.Rank()*m.rows, m.rows)
+}
+
+// moeRows is the rows of a [rows, D] stream tensor the MoE layers take:
+// all of them, or without sequence parallelism this rank's share of the
+// replicated rows (gathered back after the layer, allGatherRows).
+func (m *model) moeRows(t backend.Tensor) backend.Tensor {
+	if !m.tp.Enabled() || m.tp.SequenceParallel() {
+		return t
+	}
+	D, n := m.cfg.Dim, m.tokens/m.tp.Size()
+	return m.b.View(t, m.tp.Rank()*n*D, n, D)
+}
+
+// allGatherRows hands every tp rank's share of t's rows (moeRows) to the
+// others, in place; nothing to do where the MoE took all of t.
+func (m *model) allGatherRows(t backend.Tensor) error {
+	if !m.tp.Enabled() || m.tp.SequenceParallel() {
+		return nil
+	}
+	return m.tp.Group().AllGather(t, m.moeRows(t))
 }
 
 // resolveDispatcher settles model.moe.dispatcher for the ranks of world
@@ -163,7 +236,7 @@ func (e *Engine) resolveDispatcher(cfg Config, world []*comm.Ranks) (Config, err
 		return cfg, nil
 	}
 	// The layer's shape on one rank: its local tokens per micro-batch.
-	tokens := cfg.Train.MicroBatch * cfg.Train.Seq / cfg.Parallel.CP
+	tokens := cfg.Train.MicroBatch * cfg.Train.Seq / cfg.Parallel.CP / cfg.Parallel.TP
 	d, err := tune.ResolveDispatcher(e.backend, cfg.Model.MoE, cfg.Model.Dim, tokens, cfg.Parallel.EP, canPeer,
 		func(msg string) { e.log.Info().Msg(msg) })
 	if err != nil {
@@ -240,7 +313,7 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 	// Scopes tell a profiler (package backend/profile) what the ops are
 	// part of; on any other backend profile.Scope does nothing.
 	profile.Scope(b, "")
-	b.EmbeddingForward(m.residL[0], w.embedVD, m.idsT)
+	b.EmbeddingForward(m.residL[0], w.embedVD, m.streamIDs())
 	for l := 0; l < m.cfg.Layers; l++ {
 		lw := &w.layers[l]
 		b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
@@ -262,7 +335,10 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 		}
 		b.Copy(m.residL[l+1], m.midL[l])
 		profile.Scope(b, profile.ScopeMoE)
-		s, err := m.moe[l].Forward(m.residL[l+1], m.h2L[l], lw.moe, bias, lossScale)
+		s, err := m.moe[l].Forward(m.moeRows(m.residL[l+1]), m.moeRows(m.h2L[l]), lw.moe, bias, lossScale)
+		if err == nil {
+			err = m.allGatherRows(m.residL[l+1])
+		}
 		profile.Scope(b, "")
 		if err != nil {
 			return st, fmt.Errorf("layer %d MoE: %w", l, err)
@@ -272,7 +348,9 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 	L := m.cfg.Layers
 	b.RMSNormForward(m.finalTD, m.rstdFinalT, m.residL[L], w.finalNormD, m.cfg.NormEps)
 	profile.Scope(b, profile.ScopeHead)
-	m.lmHeadLoss(train, gradScale)
+	if err := m.lmHeadLoss(train, gradScale); err != nil {
+		return st, fmt.Errorf("LM head: %w", err)
+	}
 	if !train {
 		if err := m.finishStep(&st); err != nil {
 			return st, err
@@ -284,7 +362,10 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 
 // lmHeadLoss computes logits, per-token losses and, when training, the
 // gradients of the final hidden states and the LM head, chunk by chunk.
-func (m *model) lmHeadLoss(train bool, gradScale float64) {
+func (m *model) lmHeadLoss(train bool, gradScale float64) error {
+	if m.tp.Enabled() {
+		return m.lmHeadLossTP(train, gradScale)
+	}
 	b := m.b
 	T, D, V := m.tokens, m.cfg.Dim, m.cfg.Vocab
 	if !train {
@@ -306,6 +387,57 @@ func (m *model) lmHeadLoss(train bool, gradScale float64) {
 			b.MatMul(m.g.lmHeadVD, dlogits, hCD, true, false, 1, 1)
 		}
 	}
+	return nil
+}
+
+// lmHeadLossTP is lmHeadLoss with the vocabulary split over the tp ranks:
+// each multiplies the final hidden states of all T rows (gathered under
+// sequence parallelism) by its block of the LM head, and the sharded
+// cross-entropy joins the slices' log-sum-exps (all-gathered) and the
+// target logits (all-reduced), chunk by chunk. Every rank ends with the
+// loss of every row; the hidden states' gradient, a partial sum per
+// rank, is reduce-scattered (or all-reduced) into dFinalTD.
+func (m *model) lmHeadLossTP(train bool, gradScale float64) error {
+	b, tp, g := m.b, m.tp, m.tp.Group()
+	T, D, V, n := m.tokens, m.cfg.Dim, m.cfg.Vocab/m.tp.Size(), m.tp.Size()
+	if !train {
+		gradScale = 0
+	}
+	h, err := tp.GatherRows(m.finalFullTD, m.finalTD)
+	if err != nil {
+		return err
+	}
+	for r0 := 0; r0 < T; r0 += m.chunkRows {
+		rows := min(m.chunkRows, T-r0)
+		logits := b.View(m.logitsCV, 0, rows, V)
+		hCD := b.View(h, r0*D, rows, D)
+		targets := b.View(m.targetsT, r0, rows)
+		lse, target, lseR := b.View(m.lseC, 0, rows), b.View(m.targetC, 0, rows), b.View(m.lseRC, 0, n, rows)
+		b.MatMul(logits, hCD, m.w.lmHeadVD, false, true, 1, 0)
+		b.CrossEntropyShard(lse, target, logits, targets, m.vocabLo)
+		if err := g.AllGather(lseR, lse); err != nil {
+			return err
+		}
+		if err := g.AllReduceSum(target); err != nil {
+			return err
+		}
+		b.CrossEntropyShardFinish(b.View(m.lossT, r0, rows), logits, logits, lseR, target, targets, m.vocabLo, gradScale)
+		if train {
+			dlogits := logits
+			if m.dlogitsCV != nil {
+				dlogits = b.View(m.dlogitsCV, 0, rows, V)
+				b.Copy(dlogits, logits)
+			}
+			b.MatMul(b.View(m.dFullTD, r0*D, rows, D), dlogits, m.w.lmHeadVD, false, false, 1, 0)
+			b.MatMul(m.g.lmHeadVD, dlogits, hCD, true, false, 1, 1)
+		}
+	}
+	if !train {
+		return nil
+	}
+	// The products are in; what is left of the column-parallel backward
+	// is its collective.
+	return tp.ColumnBackward(m.dFinalTD, m.dFullTD, nil)
 }
 
 // finishStep fills in what a forward left on the device: the summed token
@@ -347,7 +479,10 @@ func (m *model) backwardNotify(ready func(layer int) error) error {
 		// residL[l+1] = midL[l] + moe(norm(midL[l])): the stream's gradient
 		// flows straight through and through the MoE block.
 		profile.Scope(b, profile.ScopeMoE)
-		err := m.moe[l].Backward(m.dBlockTD, m.dResidTD, lw.moe, lg.moe)
+		err := m.moe[l].Backward(m.moeRows(m.dBlockTD), m.moeRows(m.dResidTD), lw.moe, lg.moe)
+		if err == nil {
+			err = m.allGatherRows(m.dBlockTD)
+		}
 		profile.Scope(b, "")
 		if err != nil {
 			return fmt.Errorf("layer %d MoE backward: %w", l, err)
@@ -367,6 +502,6 @@ func (m *model) backwardNotify(ready func(layer int) error) error {
 			return err
 		}
 	}
-	b.EmbeddingBackward(g.embedVD, m.dResidTD, m.idsT)
+	b.EmbeddingBackward(g.embedVD, m.dResidTD, m.streamIDs())
 	return notify(-1)
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math/rand/v2"
+	"slices"
 	"strings"
 
 	"github.com/mktrain/mktrain/attention"
@@ -128,13 +129,25 @@ func (r span) empty() bool { return r.hi <= r.lo }
 // weight decay, a prefix. The padding between tensors stays zero in every
 // store, and AdamW keeps zero weights with zero gradients at zero. Under
 // ZeRO-1 the replicated range ends in more such padding (padReplicated).
+//
+// Under tensor parallelism (tp above 1) the matrices are ordered further:
+// the embedding, then the matrices every tp rank holds whole and computes
+// gradients for on its own rows (the router, shared experts, k_proj and
+// v_proj when they are not split), then the matrices split over tp
+// (tpSplit), each rank's block; so the gradients summed over the tensor
+// group (tpSummed) and the split ones (tpSharded) are each one range.
 type flatLayout struct {
 	slots  []paramSlot // in slots() order
 	offset []int       // per slot, elements into the store
 	shape  [][]int     // per slot, the local tensor's shape
+	split  []tpSplit   // per slot, its cut over the tensor-parallel ranks
 	total  int
 
 	norms, replicated, experts span
+	// tpSummed is the range whose gradients are summed over the tensor
+	// group, tpSharded the range of the tp ranks' own blocks; both empty
+	// with tp 1.
+	tpSummed, tpSharded span
 }
 
 // flatAlign keeps every view 256-byte aligned (64 float32s), as the
@@ -142,39 +155,143 @@ type flatLayout struct {
 // fastest algorithms need it.
 const flatAlign = 64
 
+// tpRank is a rank's place in its tensor-parallel group and the mode.
+type tpRank struct {
+	n, r int
+	sp   bool // sequence parallelism
+}
+
+// noTP is a rank without tensor parallelism.
+var noTP = tpRank{n: 1}
+
 func newFlatLayout(m ModelConfig, localExperts int) *flatLayout {
+	return newFlatLayoutTP(m, localExperts, noTP)
+}
+
+// layoutClass orders the slots in the store (see flatLayout).
+func layoutClass(m ModelConfig, s paramSlot, tp tpRank) int {
+	switch {
+	case s.role == roleNorm:
+		return 0
+	case s.role == roleExpert:
+		return 4
+	case tp.n == 1:
+		return 3
+	case s.name == nameEmbed:
+		return 1
+	case slotSplit(m, s, tp).n > 1:
+		return 3
+	}
+	return 2
+}
+
+func newFlatLayoutTP(m ModelConfig, localExperts int, tp tpRank) *flatLayout {
 	ss := slots(m)
-	lay := &flatLayout{slots: ss, offset: make([]int, len(ss)), shape: make([][]int, len(ss))}
+	lay := &flatLayout{slots: ss, offset: make([]int, len(ss)), shape: make([][]int, len(ss)), split: make([]tpSplit, len(ss))}
 	for i, s := range ss {
-		lay.shape[i] = slotShape(m, s)
+		lay.split[i] = slotSplit(m, s, tp)
+		lay.shape[i] = lay.split[i].local(slotShape(m, s))
 		if s.role == roleExpert {
 			lay.shape[i] = append([]int{localExperts}, lay.shape[i]...)
 		}
 	}
 	off := 0
-	for _, role := range []tensorRole{roleNorm, roleMatrix, roleExpert} {
+	var classes [5]span
+	for class := range classes {
 		lo := off
 		for i, s := range ss {
-			if s.role != role {
+			if layoutClass(m, s, tp) != class {
 				continue
 			}
 			lay.offset[i] = off
-			n := 1
-			for _, d := range lay.shape[i] {
-				n *= d
-			}
-			off += (n + flatAlign - 1) / flatAlign * flatAlign
+			off += (shapeLen(lay.shape[i]) + flatAlign - 1) / flatAlign * flatAlign
 		}
-		switch role {
-		case roleNorm:
-			lay.norms = span{lo, off}
-		case roleExpert:
-			lay.experts = span{lo, off}
-		}
+		classes[class] = span{lo, off}
 	}
+	lay.norms, lay.experts = classes[0], classes[4]
 	lay.replicated = span{0, lay.experts.lo}
 	lay.total = off
+	if tp.n > 1 {
+		lay.tpSharded = classes[3]
+		lay.tpSummed = span{classes[2].lo, classes[2].hi}
+		if tp.sp {
+			// The norms and the embedding see this rank's rows only.
+			lay.tpSummed.lo = 0
+		}
+	}
 	return lay
+}
+
+// tpSplit is how tensor parallelism cuts one parameter: along dim (0: rows,
+// 1: columns) into n blocks, of which the rank holds block r; n is 1 for a
+// parameter every rank holds whole.
+type tpSplit struct{ dim, n, r int }
+
+// slotSplit is s's cut over tp: q_proj by rows (query heads), k_proj and
+// v_proj by rows when the kv heads divide over tp (else whole), o_proj by
+// columns, the LM head by rows (the vocabulary). Everything else is whole.
+func slotSplit(m ModelConfig, s paramSlot, tp tpRank) tpSplit {
+	whole := tpSplit{n: 1}
+	if tp.n == 1 || s.role != roleMatrix {
+		return whole
+	}
+	switch {
+	case s.name == nameLMHead, strings.HasSuffix(s.name, "q_proj.weight"):
+		return tpSplit{dim: 0, n: tp.n, r: tp.r}
+	case strings.HasSuffix(s.name, "k_proj.weight"), strings.HasSuffix(s.name, "v_proj.weight"):
+		if m.KVHeads%tp.n == 0 {
+			return tpSplit{dim: 0, n: tp.n, r: tp.r}
+		}
+	case strings.HasSuffix(s.name, "o_proj.weight"):
+		return tpSplit{dim: 1, n: tp.n, r: tp.r}
+	}
+	return whole
+}
+
+// local is the shape of the rank's block of a tensor of shape global.
+func (sp tpSplit) local(global []int) []int {
+	out := slices.Clone(global)
+	if sp.n > 1 {
+		out[sp.dim] /= sp.n
+	}
+	return out
+}
+
+// tpSegment is a run of a rank's block that is contiguous in the whole
+// tensor: n elements at local in the block and at global in the tensor
+// (both flat, row-major).
+type tpSegment struct{ local, global, n int }
+
+// segments lists the rank's block of a tensor of shape global as runs
+// contiguous in both: one for a row cut, one per row for a column cut.
+func (sp tpSplit) segments(global []int) []tpSegment {
+	n := shapeLen(global)
+	if sp.n == 1 {
+		return []tpSegment{{0, 0, n}}
+	}
+	rows, cols := global[0], n/global[0]
+	if sp.dim == 0 {
+		size := rows / sp.n * cols
+		return []tpSegment{{0, sp.r * size, size}}
+	}
+	bc := cols / sp.n
+	out := make([]tpSegment, rows)
+	for i := range out {
+		out[i] = tpSegment{i * bc, i*cols + sp.r*bc, bc}
+	}
+	return out
+}
+
+// block copies the rank's block out of whole, a tensor of shape global.
+func (sp tpSplit) block(whole []float32, global []int) []float32 {
+	if sp.n == 1 {
+		return whole
+	}
+	out := make([]float32, shapeLen(sp.local(global)))
+	for _, sg := range sp.segments(global) {
+		copy(out[sg.local:sg.local+sg.n], whole[sg.global:sg.global+sg.n])
+	}
+	return out
 }
 
 // padReplicated lengthens the replicated span to n elements (at least its
@@ -253,7 +370,9 @@ func slots(m ModelConfig) []paramSlot {
 type param struct {
 	slot        paramSlot
 	w, g, m, v  backend.Tensor
-	firstExpert int // roleExpert: global index of the first local expert
+	firstExpert int     // roleExpert: global index of the first local expert
+	split       tpSplit // the rank's block of the tensor under tensor parallelism
+	global      []int   // the whole tensor's shape (of one expert for experts)
 }
 
 // tensorRNG returns the random stream that initialises one named tensor. It
@@ -276,6 +395,16 @@ func initParam(b backend.Backend, p *param, seed uint64, std float64) {
 			host[i] = 1
 		}
 	case roleMatrix:
+		if p.split.n > 1 {
+			// The whole tensor's stream, kept where it falls in the
+			// block: every layout initialises the same model.
+			whole := make([]float64, shapeLen(p.global))
+			fillNormal(whole, tensorRNG(seed, p.slot.name), std)
+			for _, sg := range p.split.segments(p.global) {
+				copy(host[sg.local:sg.local+sg.n], whole[sg.global:sg.global+sg.n])
+			}
+			break
+		}
 		fillNormal(host, tensorRNG(seed, p.slot.name), std)
 	case roleExpert:
 		shape := p.w.Shape()

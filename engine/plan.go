@@ -26,7 +26,7 @@ func PlanConfig(c Config, processRanks, deviceRanks int, checkpoints bool) plan.
 		Experts: m.MoE.Experts, TopK: m.MoE.TopK, FFN: m.MoE.FFN, SharedExperts: m.MoE.SharedExperts,
 		CapacityFactor: m.MoE.CapacityFactor, BiasBalancing: m.MoE.BiasUpdateRate > 0, Dispatcher: m.MoE.Dispatcher,
 		GlobalBatch: t.GlobalBatch, MicroBatch: t.MicroBatch, Seq: t.Seq,
-		DP: p.DP, EP: p.EP, CP: p.CP, TP: p.TP, Zero: p.Zero, CPAttention: p.CPAttention,
+		DP: p.DP, EP: p.EP, CP: p.CP, TP: p.TP, Zero: p.Zero, CPAttention: p.CPAttention, SequenceParallel: p.SequenceParallel,
 		Checkpoints: checkpoints, ProcessRanks: processRanks, DeviceRanks: deviceRanks,
 	}
 }
@@ -118,7 +118,7 @@ func (e *Engine) planDispatcher(processRanks, deviceRanks int) string {
 	case e.backend.Name() == "cpu", processRanks < world, deviceRanks == 1 && world > 1, e.cfg.Train.Deterministic:
 		return moe.DispatcherUnfused
 	}
-	tokens := e.cfg.Train.MicroBatch * e.cfg.Train.Seq / e.cfg.Parallel.CP
+	tokens := e.cfg.Train.MicroBatch * e.cfg.Train.Seq / e.cfg.Parallel.CP / e.cfg.Parallel.TP
 	cache, err := tune.DefaultDispatchCache()
 	if err != nil {
 		return ""

@@ -126,6 +126,24 @@ func TestPlanCountsEveryTensor(t *testing.T) {
 		}, true},
 		{"ep 2", func(c *Config) { c.Parallel.EP = 2; c.Train.MicroBatch = 1 }, false},
 		{"ep 2 fused", func(c *Config) { c.Parallel.EP = 2; c.Train.MicroBatch = 1; c.Model.MoE.Dispatcher = "fused" }, false},
+		// Tensor parallelism folds the experts over ep x tp ranks, so the
+		// routed rows depend on routing as with ep 2, except where every
+		// token chooses every expert (top_k = experts): exact then.
+		{"tp 2", func(c *Config) { c.Parallel.TP, c.Parallel.SequenceParallel = 2, true }, false},
+		{"tp 2, every expert", func(c *Config) { c.Parallel.TP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 2, true, 4 }, true},
+		{"tp 2, sequence_parallel false, every expert", func(c *Config) {
+			c.Parallel.TP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 2, false, 4
+		}, true},
+		{"tp 4, kv heads whole, shared experts, every expert", func(c *Config) {
+			c.Parallel.TP, c.Parallel.SequenceParallel, c.Model.MoE.SharedExperts, c.Model.MoE.TopK = 4, true, 1, 4
+		}, true},
+		{"tp 2, dp 2, zero 1, every expert", func(c *Config) {
+			c.Parallel.TP, c.Parallel.DP, c.Parallel.Zero, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 2, 2, 1, true, 4
+			c.Train.MicroBatch = 1
+		}, true},
+		{"tp 2, cp 2, every expert", func(c *Config) {
+			c.Parallel.TP, c.Parallel.CP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 2, 2, false, 4
+		}, true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

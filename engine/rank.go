@@ -10,6 +10,7 @@ import (
 	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tensorpar"
 )
 
 // batchSource yields micro-batches of token ids and their next-token targets,
@@ -60,6 +61,10 @@ type rank struct {
 	// (reduceGradients: the tests compare the two).
 	grads     gradPlan
 	syncGrads bool
+	// tp is the rank's tensor-parallel group and mode (not Enabled with
+	// tp 1), tpRank its place in it.
+	tp     *tensorpar.Parallel
+	tpRank tpRank
 }
 
 // newRank builds a rank with initialised weights. A rank without training
@@ -73,10 +78,17 @@ func newRank(ctx context.Context, cfg Config, b backend.Backend, groups *comm.Ra
 // roundElems elements (gradBucket; less in tests, for several rounds).
 func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *comm.Ranks, train batchSource, val evalSource, roundElems int) (*rank, error) {
 	m := cfg.Model
-	localExperts := m.MoE.Experts / cfg.Parallel.EP
+	// The expert group spans ep x tp ranks (experts folded over tp).
+	localExperts := m.MoE.Experts / groups.Expert.Size()
 	firstExpert := groups.Expert.Rank() * localExperts
 	r := &rank{cfg: cfg, b: b, groups: groups, train: train, val: val}
-	r.layout = newFlatLayout(m, localExperts)
+	r.tp = tensorpar.New(b, groups.Tensor, cfg.Parallel.SequenceParallel)
+	if r.tp.Enabled() {
+		r.tpRank = tpRank{n: r.tp.Size(), r: r.tp.Rank(), sp: r.tp.SequenceParallel()}
+	} else {
+		r.tpRank = noTP
+	}
+	r.layout = newFlatLayoutTP(m, localExperts, r.tpRank)
 	r.shards = newShardPlan(groups.DataContext, r.layout.replicated, roundElems)
 	r.zero = cfg.Parallel.Zero == 1 && train != nil && groups.DataContext.Size() > 1
 	if r.zero {
@@ -85,6 +97,11 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	r.grads = newGradPlan(m, r.layout, groups)
 	if r.zero {
 		r.grads = r.grads.without(r.layout.replicated) // reduce-scattered after the backward
+	}
+	if g := groups.Tensor; g != nil && g.Size() > 1 && !r.layout.tpSummed.empty() {
+		// Replicated over tp but computed on different rows: summed over
+		// the tensor group after the backward, before anything reads them.
+		r.grads.after = append(r.grads.after, gradPart{g: g, buckets: cutBuckets(m, r.layout, r.layout.tpSummed, gradBucket)})
 	}
 	r.wStore, r.gStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
 	r.w, r.g = r.wStore.p, r.gStore.p
@@ -96,13 +113,14 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	if train != nil {
 		mp, vp = r.newMoments()
 	}
-	for _, s := range r.layout.slots {
+	for i, s := range r.layout.slots {
 		// A large model takes a while to initialise: a cancelled run stops
 		// between two tensors.
 		if ctx.Err() != nil {
 			return nil, ErrStopped
 		}
-		p := param{slot: s, w: *s.pick(r.w), g: *s.pick(r.g), firstExpert: firstExpert}
+		p := param{slot: s, w: *s.pick(r.w), g: *s.pick(r.g), firstExpert: firstExpert,
+			split: r.layout.split[i], global: slotShape(m, s)}
 		if mp != nil {
 			p.m, p.v = *s.pick(mp), *s.pick(vp)
 		}
@@ -116,9 +134,14 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	}
 	var err error
 	// The MoE load statistics are summed over every rank with distinct
-	// tokens: data and context parallel.
+	// tokens: data and context parallel, and tensor parallel too, since
+	// the MoE layers take one tp rank's share of the rows.
+	moeData := groups.DataContext
+	if r.tp.Enabled() {
+		moeData = groups.World
+	}
 	r.model, err = newModel(ctx, b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
-		moe.Groups{Expert: groups.Expert, Data: groups.DataContext}, groups.Context, attention.CPMode(cfg.Parallel.CPAttention))
+		moe.Groups{Expert: groups.Expert, Data: moeData}, groups.Context, attention.CPMode(cfg.Parallel.CPAttention), r.tp)
 	if err != nil {
 		return nil, err
 	}
@@ -191,7 +214,13 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		if err := r.reduceScatterGrads(); err != nil {
 			return res, err
 		}
-		sums = append(sums, r.shards.squares(b, r.gStore, r.shards.g.Rank()))
+		if r.tp.Enabled() {
+			q, lay := r.shards.g.Rank(), r.layout
+			sums = append(sums, r.shards.squaresWithin(b, r.gStore, q, span{0, lay.tpSharded.lo}),
+				r.shards.squaresWithin(b, r.gStore, q, lay.tpSharded))
+		} else {
+			sums = append(sums, r.shards.squares(b, r.gStore, r.shards.g.Rank()))
+		}
 	}
 	if err := r.groups.DataContext.AllReduceFloat64(sums); err != nil {
 		return res, err
@@ -207,9 +236,24 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	}
 	profile.Scope(r.b, profile.ScopeOptimizer)
 	var replicated float64 // the replicated gradients' squares, summed over the span
-	if r.zero {
+	switch {
+	case r.tp.Enabled():
+		// The tp ranks' blocks differ: their squares are summed over the
+		// tensor group, the rest (the same on every tp rank) counted once.
+		var rest, blocks []float64
+		if r.zero {
+			rest, blocks = sums[1:2], sums[2:3]
+		} else {
+			rest = []float64{r.shards.allSquaresWithin(b, r.gStore, span{0, r.layout.tpSharded.lo})}
+			blocks = []float64{r.shards.allSquaresWithin(b, r.gStore, r.layout.tpSharded)}
+		}
+		if err := r.groups.Tensor.AllReduceFloat64(blocks); err != nil {
+			return res, err
+		}
+		replicated = rest[0] + blocks[0]
+	case r.zero:
 		replicated = sums[1]
-	} else {
+	default:
 		replicated = r.shards.allSquares(b, r.gStore)
 	}
 	norm, err := r.gradNorm(replicated)
@@ -265,8 +309,9 @@ func (r *rank) reduceGradients() error {
 		{r.layout.replicated, r.groups.DataContext},
 		{r.layout.experts, r.groups.ExpertReplica},
 		{r.layout.experts, r.groups.Context},
+		{r.layout.tpSummed, r.groups.Tensor},
 	} {
-		if part.g.Size() == 1 || r.zero && part.r == r.layout.replicated {
+		if part.g == nil || part.g.Size() == 1 || part.r.empty() || r.zero && part.r == r.layout.replicated {
 			continue
 		}
 		for lo := part.r.lo; lo < part.r.hi; lo += gradBucket {

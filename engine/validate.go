@@ -307,14 +307,7 @@ func (v *validator) tensorParallel(c Config) {
 		v.fail("train.seq", "train.seq / parallel.cp (%d/%d = %d) must be a multiple of parallel.tp (%d): the tensor-parallel ranks split each rank's rows (sequence parallelism and the MoE layers)",
 			seq, cp, seq/cp, tp)
 	}
-	if tensorParallelRefused {
-		v.fail("parallel.tp", "parallel.tp = %d: tensor parallelism is not available yet; set parallel.tp: 1", tp)
-	}
 }
-
-// tensorParallelRefused keeps parallel.tp above 1 refused while the model's
-// tensor-parallel path is built.
-const tensorParallelRefused = true
 
 func (v *validator) checkpoint(c CheckpointConfig) {
 	v.nonNegativeInt("checkpoint.every", c.Every, "only on stop and at the end")

@@ -123,8 +123,17 @@ func TestValidateRules(t *testing.T) {
 		{"cp zero", func(c *Config) { c.Parallel.CP = 0 }, "parallel.cp", "parallel.cp must be at least 1, got 0"},
 		{"cp attention", func(c *Config) { c.Parallel.CPAttention = "star" }, "parallel.cp_attention",
 			`parallel.cp_attention must be one of auto, ring, allgather; got "star"`},
-		{"tp", func(c *Config) { c.Parallel.TP = 4 }, "parallel.tp",
-			"parallel.tp = 4: tensor parallelism is not available yet; set parallel.tp: 1"},
+		{"tp zero", func(c *Config) { c.Parallel.TP = 0 }, "parallel.tp", "parallel.tp must be at least 1, got 0"},
+		{"heads by tp", func(c *Config) { c.Model.Heads, c.Model.KVHeads, c.Model.MoE.Experts, c.Parallel.TP = 4, 4, 8, 8 }, "parallel.tp",
+			"model.heads (4) must be divisible by parallel.tp (8): tensor parallelism splits the query heads"},
+		{"kv heads by tp", func(c *Config) { c.Model.Dim, c.Model.Heads, c.Model.KVHeads, c.Parallel.TP = 96, 12, 3, 4 }, "parallel.tp",
+			"model.kv_heads (3) must be divisible by parallel.tp (4), or divide it (each kv head then replicated on tp/kv_heads ranks)"},
+		{"vocab by tp", func(c *Config) { c.Model.Vocab = 258; c.Parallel.TP = 4 }, "parallel.tp",
+			"model.vocab (258) must be divisible by parallel.tp (4): the LM head splits the vocabulary"},
+		{"experts by ep x tp", func(c *Config) { c.Parallel.EP, c.Parallel.TP = 2, 4; c.Train.GlobalBatch = 16 }, "parallel.tp",
+			"model.moe.experts (4) must be divisible by parallel.ep x parallel.tp (2*4 = 8): the experts are spread over the ep x tp ranks, whole"},
+		{"seq by cp x tp", func(c *Config) { c.Train.Seq, c.Parallel.CP, c.Parallel.TP = 20, 2, 4 }, "train.seq",
+			"train.seq / parallel.cp (20/2 = 10) must be a multiple of parallel.tp (4): the tensor-parallel ranks split each rank's rows (sequence parallelism and the MoE layers)"},
 		{"zero", func(c *Config) { c.Parallel.Zero = 2 }, "parallel.zero",
 			"parallel.zero must be 0 (off) or 1 (AdamW moments of the replicated weights sharded over the data-parallel ranks), got 2"},
 		{"zero negative", func(c *Config) { c.Parallel.Zero = -1 }, "parallel.zero",
@@ -204,6 +213,7 @@ func TestValidateReportsAll(t *testing.T) {
 	cfg.Train.LR = -1
 	cfg.Log.Level = "loud"
 	cfg.Parallel.TP = 2
+	cfg.Model.MoE.Experts = 5 // not divisible by ep x tp
 	var fields []string
 	for _, p := range fieldErrors(t, cfg.Validate()) {
 		fields = append(fields, p.Field)

@@ -66,7 +66,6 @@ import (
 	"cmp"
 	"fmt"
 	"slices"
-	"strings"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/checkpoint"
@@ -130,6 +129,26 @@ func (p shardPlan) squares(b backend.Backend, g paramStore, q int) float64 {
 		if c := intersect(p.own(k, q), p.tensors); !c.empty() {
 			s += b.SumSquares(g.view(b, c))
 		}
+	}
+	return s
+}
+
+// squaresWithin is squares restricted to the range within.
+func (p shardPlan) squaresWithin(b backend.Backend, g paramStore, q int, within span) float64 {
+	s := 0.0
+	for k := range p.rounds {
+		if c := intersect(intersect(p.own(k, q), p.tensors), within); !c.empty() {
+			s += b.SumSquares(g.view(b, c))
+		}
+	}
+	return s
+}
+
+// allSquaresWithin is allSquares restricted to the range within.
+func (p shardPlan) allSquaresWithin(b backend.Backend, g paramStore, within span) float64 {
+	s := 0.0
+	for q := range p.ranks {
+		s += p.squaresWithin(b, g, q, within)
 	}
 	return s
 }
@@ -251,7 +270,9 @@ func (r *rank) momentPieces() []checkpoint.NamedTensor {
 	hostV := backend.DownloadFloat32(r.b, r.b.View(r.v, 0, own))
 	var out []checkpoint.NamedTensor
 	for i, prm := range r.params {
-		if prm.slot.role == roleExpert {
+		// Under tensor parallelism every tp rank has a data-context group
+		// of its own: tensors the tp ranks hold whole come from tp rank 0's.
+		if prm.slot.role == roleExpert || prm.split.n == 1 && r.tp.Rank() != 0 {
 			continue
 		}
 		off, n := r.layout.offset[i], prm.w.Len()
@@ -262,6 +283,12 @@ func (r *rank) momentPieces() []checkpoint.NamedTensor {
 				continue
 			}
 			at, size := p.at(k)+c.lo-piece.lo, c.hi-c.lo
+			if prm.split.n > 1 {
+				// A tp block: its runs in the whole tensor.
+				out = append(out, prm.blocks(prm.slot.name+suffixAvg, hostM[at:at+size], c.lo-off, c.hi-off)...)
+				out = append(out, prm.blocks(prm.slot.name+suffixAvgSq, hostV[at:at+size], c.lo-off, c.hi-off)...)
+				continue
+			}
 			slice := &checkpoint.Slice{Offset: []int{c.lo - off}, GlobalShape: []int{n}}
 			out = append(out,
 				checkpoint.NamedTensor{Name: prm.slot.name + suffixAvg, Shape: []int{size}, Data: hostM[at : at+size], Slice: slice},
@@ -296,7 +323,7 @@ func (r *rank) restoreMomentPieces(ck *checkpoint.Checkpoint) error {
 				}
 				if whole == nil {
 					whole = make([]float32, n)
-					if err := ck.Optim().ReadInto(prm.slot.name+mo.suffix, whole); err != nil {
+					if err := prm.readBlock(ck.Optim(), prm.slot.name+mo.suffix, whole); err != nil {
 						return err
 					}
 				}
@@ -314,11 +341,34 @@ func (r *rank) restoreMomentPieces(ck *checkpoint.Checkpoint) error {
 // optimizer tensors; that list is then in checkpoint order (ParamShapes,
 // m before v), the order a run without ZeRO writes. Snapshots without
 // blocks come back as they are. The blocks of a tensor must cover it.
+// The blocks of model tensors split over tensor-parallel ranks
+// (rank.snapshot) are joined the same way into world rank 0's model
+// tensors, so a checkpoint holds whole tensors whatever the layout.
 func joinMoments(snaps []rankSnapshot, m ModelConfig) ([]rankSnapshot, error) {
+	snaps, err := joinBlocks(snaps, m, true)
+	if err != nil {
+		return nil, err
+	}
+	return joinBlocks(snaps, m, false)
+}
+
+// joinBlocks is joinMoments over the optimizer tensors (optim) or the
+// model's.
+func joinBlocks(snaps []rankSnapshot, m ModelConfig, optim bool) ([]rankSnapshot, error) {
+	what, kind := "optimizer moments", "a model tensor's moment"
+	list := func(s *rankSnapshot) *[]checkpoint.NamedTensor { return &s.optim }
+	if !optim {
+		what, kind = "model tensors", "a model tensor"
+		list = func(s *rankSnapshot) *[]checkpoint.NamedTensor { return &s.model }
+	}
 	shapes, order := map[string][]int{}, map[string]int{}
 	for i, ns := range ParamShapes(m) {
-		shapes[ns.Name] = ns.Shape
-		order[ns.Name+suffixAvg], order[ns.Name+suffixAvgSq] = 2*i, 2*i+1
+		if optim {
+			shapes[ns.Name+suffixAvg], shapes[ns.Name+suffixAvgSq] = ns.Shape, ns.Shape
+			order[ns.Name+suffixAvg], order[ns.Name+suffixAvgSq] = 2*i, 2*i+1
+		} else {
+			shapes[ns.Name], order[ns.Name] = ns.Shape, i
+		}
 	}
 	type whole struct {
 		shape  []int
@@ -333,25 +383,21 @@ func joinMoments(snaps []rankSnapshot, m ModelConfig) ([]rankSnapshot, error) {
 		if out[i].worldRank == 0 {
 			lead = i
 		}
-		if !slices.ContainsFunc(out[i].optim, func(t checkpoint.NamedTensor) bool { return t.Slice != nil }) {
+		if !slices.ContainsFunc(*list(&out[i]), func(t checkpoint.NamedTensor) bool { return t.Slice != nil }) {
 			continue
 		}
 		var keep []checkpoint.NamedTensor
-		for _, t := range out[i].optim {
+		for _, t := range *list(&out[i]) {
 			if t.Slice == nil {
 				keep = append(keep, t)
 				continue
 			}
-			base, ok := strings.CutSuffix(t.Name, suffixAvgSq)
-			if !ok {
-				base, _ = strings.CutSuffix(t.Name, suffixAvg)
-			}
-			shape, known := shapes[base]
+			shape, known := shapes[t.Name]
 			n := shapeLen(shape)
 			if !known || len(t.Slice.Offset) != 1 || !slices.Equal(t.Slice.GlobalShape, []int{n}) ||
 				t.Slice.Offset[0] < 0 || t.Slice.Offset[0]+len(t.Data) > n {
-				return nil, fmt.Errorf("rank %d's checkpoint share: the block of %q at %v of %v is no flat range of a model tensor's moment",
-					out[i].worldRank, t.Name, t.Slice.Offset, t.Slice.GlobalShape)
+				return nil, fmt.Errorf("rank %d's checkpoint share: the block of %q at %v of %v is no flat range of %s",
+					out[i].worldRank, t.Name, t.Slice.Offset, t.Slice.GlobalShape, kind)
 			}
 			w := wholes[t.Name]
 			if w == nil {
@@ -362,21 +408,21 @@ func joinMoments(snaps []rankSnapshot, m ModelConfig) ([]rankSnapshot, error) {
 			copy(w.data[t.Slice.Offset[0]:], t.Data)
 			w.filled += len(t.Data)
 		}
-		out[i].optim = keep
+		*list(&out[i]) = keep
 	}
 	if len(wholes) == 0 {
 		return snaps, nil
 	}
 	if lead < 0 {
-		return nil, fmt.Errorf("joining the optimizer moments: no checkpoint share of world rank 0")
+		return nil, fmt.Errorf("joining the %s: no checkpoint share of world rank 0", what)
 	}
-	optim := slices.Clone(out[lead].optim)
+	joined := slices.Clone(*list(&out[lead]))
 	for _, name := range names {
 		w := wholes[name]
 		if w.filled != len(w.data) {
-			return nil, fmt.Errorf("joining the optimizer moments: the ranks' blocks of %q hold %d of its %d elements", name, w.filled, len(w.data))
+			return nil, fmt.Errorf("joining the %s: the ranks' blocks of %q hold %d of its %d elements", what, name, w.filled, len(w.data))
 		}
-		optim = append(optim, checkpoint.NamedTensor{Name: name, Shape: w.shape, Data: w.data})
+		joined = append(joined, checkpoint.NamedTensor{Name: name, Shape: w.shape, Data: w.data})
 	}
 	rank := func(name string) int {
 		if i, ok := order[name]; ok {
@@ -384,8 +430,8 @@ func joinMoments(snaps []rankSnapshot, m ModelConfig) ([]rankSnapshot, error) {
 		}
 		return len(order) // unknown names last, in their order
 	}
-	slices.SortStableFunc(optim, func(a, b checkpoint.NamedTensor) int { return cmp.Compare(rank(a.Name), rank(b.Name)) })
-	out[lead].optim = optim
+	slices.SortStableFunc(joined, func(a, b checkpoint.NamedTensor) int { return cmp.Compare(rank(a.Name), rank(b.Name)) })
+	*list(&out[lead]) = joined
 	return out, nil
 }
 

@@ -11,10 +11,18 @@ type shape struct {
 	c Config
 	d Device
 
-	V, D, L, H, KV, Q, KD  int64 // vocab, dim, layers, heads, kv heads, H*Dh (= D), KV*Dh
-	E, K, F, Fs, El        int64 // experts, top-k, ffn, shared width SharedExperts*F, experts per rank
-	B, S, T, Sl            int64 // micro-batch, seq, local tokens B*S/cp, local positions per sequence S/cp
-	DP, EP, CP             int64
+	V, D, L, H, KV, Q, KD int64 // vocab, dim, layers, heads, kv heads, H*Dh (= D), KV*Dh
+	E, K, F, Fs, El       int64 // experts, top-k, ffn, shared width SharedExperts*F, experts per rank
+	B, S, T, Sl           int64 // micro-batch, seq, local tokens B*S/cp, local positions per sequence S/cp
+	DP, EP, CP            int64
+	// Tensor parallelism: TP ranks; R the residual stream's rows (T/TP
+	// under sequence parallelism, else T); Tm the MoE layers' tokens
+	// (T/TP); EG the expert group (EP*TP); Hl, Ql, KDl this rank's query
+	// heads and widths of q and of k, v (one head's when the kv heads are
+	// fewer than TP); KDw the rows of k_proj and v_proj it holds (then
+	// all KD); Vl its vocabulary slice.
+	TP, R, Tm, EG          int64
+	Hl, Ql, KDl, KDw, Vl   int64
 	ft, ot                 int64 // bytes of the float and operand types
 	cuda                   bool  // the CUDA allocator's size classes and bf16 copies apply
 	zero                   bool  // ZeRO-1 shards the replicated moments (parallel.zero 1 on several ranks)
@@ -46,10 +54,20 @@ func newShape(c Config, d Device) shape {
 	s.E, s.K, s.F = int64(c.Experts), int64(c.TopK), int64(c.FFN)
 	s.Fs = mul(int64(c.SharedExperts), s.F)
 	s.DP, s.EP, s.CP = int64(c.DP), int64(c.EP), int64(c.CP)
-	s.El = s.E / s.EP
+	s.TP = max(1, int64(c.TP))
+	s.EG = mul(s.EP, s.TP)
+	s.El = s.E / s.EG // the experts are folded over ep x tp
 	s.B, s.S = int64(c.MicroBatch), int64(c.Seq)
 	s.Sl = s.S / s.CP // attention.ZigzagPositions: 2*(S/(2cp)) positions, or S with one rank
 	s.T = mul(s.B, s.Sl)
+	s.R, s.Tm = s.T, s.T/s.TP
+	if s.TP > 1 && c.SequenceParallel {
+		s.R = s.T / s.TP
+	}
+	s.Hl, s.Ql, s.KDl, s.KDw, s.Vl = s.H/s.TP, s.Q/s.TP, dh, s.KD, s.V/s.TP
+	if s.KV%s.TP == 0 {
+		s.KDl, s.KDw = s.KD/s.TP, s.KD/s.TP
+	}
 	s.ft, s.ot = int64(d.FloatBytes), int64(d.OperandBytes)
 	s.cuda = d.Backend == BackendCUDA
 	s.dataContext = mul(s.DP, s.EP, s.CP)
@@ -72,7 +90,7 @@ func newShape(c Config, d Device) shape {
 // at least a quarter each time it grows, so it may end up to 5/4 of the
 // most rows a step needs: the bound's worst includes that.
 func (s *shape) routedRows(c Config) {
-	tk := mul(s.T, s.K)
+	tk := mul(s.Tm, s.K)
 	s.sent, s.sendIdx = tk, tk
 	if c.CapacityFactor > 0 {
 		s.capRows = tk // a capacity above every row the source has drops nothing
@@ -87,10 +105,10 @@ func (s *shape) routedRows(c Config) {
 		s.sentWorst, s.sendIdxWorst = grown(s.sent), grown(s.sendIdx)
 	}
 	s.recv, s.recvWorst = s.sent, s.sentWorst
-	if s.EP > 1 {
-		bound := mul(s.EP, s.T, min(s.K, s.El))
+	if s.EG > 1 {
+		bound := mul(s.EG, s.Tm, min(s.K, s.El))
 		if s.capRows > 0 {
-			bound = min(bound, mul(s.El, s.EP, s.capRows))
+			bound = min(bound, mul(s.El, s.EG, s.capRows))
 		}
 		s.recvWorst = grown(bound)
 	}
@@ -102,20 +120,22 @@ func grown(n int64) int64 { return add(n, n/4) }
 // align is n rounded up to flatAlign.
 func align(n int64) int64 { return roundUp(n, flatAlign) }
 
-// flatLayout mirrors engine/params.go's newFlatLayout (and zero.go's
+// flatLayout mirrors engine/params.go's newFlatLayoutTP (and zero.go's
 // padReplicated): norms first, then the replicated matrices, then this
 // rank's experts, every tensor padded to flatAlign elements; under ZeRO-1
-// the replicated range is padded to rounds*N*piece elements.
+// the replicated range is padded to rounds*N*piece elements. Under tensor
+// parallelism a rank holds its block of q_proj, o_proj, the LM head (and
+// of k_proj and v_proj when the kv heads divide over tp).
 func (s *shape) flatLayout() {
 	D, L := s.D, s.L
 	s.flatNorms = mul(2*L+1, align(D)) // per layer input_layernorm and post_attention_layernorm, and the final norm
-	perLayer := add(align(mul(s.Q, D)), mul(2, align(mul(s.KD, D))), align(mul(D, s.Q)), align(mul(s.E, D)))
+	perLayer := add(align(mul(s.Ql, D)), mul(2, align(mul(s.KDw, D))), align(mul(D, s.Ql)), align(mul(s.E, D)))
 	if s.Fs > 0 {
 		perLayer = add(perLayer, mul(3, align(mul(s.Fs, D)))) // shared w1, w3 [Fs, D] and w2 [D, Fs]
 	}
 	s.layerMatrices = perLayer
-	s.flatMatrix = add(mul(2, align(mul(s.V, D))), mul(L, perLayer)) // embedding and LM head, then the layers
-	s.flatExperts = mul(L, 3, align(mul(s.El, s.F, D)))              // w1, w3 [El, F, D] and w2 [El, D, F]
+	s.flatMatrix = add(align(mul(s.V, D)), align(mul(s.Vl, D)), mul(L, perLayer)) // embedding and LM head, then the layers
+	s.flatExperts = mul(L, 3, align(mul(s.El, s.F, D)))                           // w1, w3 [El, F, D] and w2 [El, D, F]
 	replicated := add(s.flatNorms, s.flatMatrix)
 	s.momentElems = add(replicated, s.flatExperts)
 	if s.zero {
@@ -129,6 +149,60 @@ func (s *shape) flatLayout() {
 		s.momentElems = add(mul(rounds, piece), s.flatExperts)
 	}
 	s.flatTotal = add(replicated, s.flatExperts)
+}
+
+// replicatedRuns is the replicated range as engine/params.go lays it out,
+// in the runs engine/grad_overlap.go's cutBuckets cuts into buckets (the
+// tensors final at the same point of the backward, the norms travelling
+// with layer 0): the norms; the embedding; with tp 1 each layer's
+// matrices (q, k, v, o, router, shared experts); with tp above 1 each
+// layer's matrices held whole (router, shared experts, and k, v when not
+// split: whole), then each layer's blocks (q, o, and k, v when split:
+// split); the LM head.
+type replicatedRuns struct {
+	norms, embed, whole, split, head int64
+}
+
+func (s shape) replicatedRuns() replicatedRuns {
+	D := s.D
+	r := replicatedRuns{norms: s.flatNorms, embed: align(mul(s.V, D)), head: align(mul(s.Vl, D))}
+	kv := mul(2, align(mul(s.KDw, D)))
+	r.whole = align(mul(s.E, D))
+	if s.Fs > 0 {
+		r.whole = add(r.whole, mul(3, align(mul(s.Fs, D))))
+	}
+	qo := mul(2, align(mul(s.Ql, D)))
+	switch {
+	case s.TP == 1:
+		r.whole, r.split = add(r.whole, qo, kv), 0 // one run per layer
+	case s.KV%s.TP == 0:
+		r.split = add(qo, kv)
+	default:
+		r.whole, r.split = add(r.whole, kv), qo
+	}
+	return r
+}
+
+// largest is the largest bucket of the whole replicated range: each run at
+// most gradBucket elements. With one layer and tp above 1 the layer's
+// whole run and its blocks are neighbours final at the same point: one run.
+func (r replicatedRuns) largest(layers int64) int64 {
+	layer := max(r.whole, r.split)
+	if layers == 1 && r.split > 0 {
+		layer = add(r.whole, r.split)
+	}
+	return min(gradBucket, max(r.norms, r.embed, layer, r.head))
+}
+
+// largestSummed is the largest bucket of the range summed over the tensor
+// group (engine/params.go's tpSummed): the whole matrices' runs, and under
+// sequence parallelism the norms and the embedding too.
+func (r replicatedRuns) largestSummed(sequenceParallel bool) int64 {
+	n := r.whole
+	if sequenceParallel {
+		n = max(n, r.norms, r.embed)
+	}
+	return min(gradBucket, n)
 }
 
 // countParams mirrors engine.ParamCount (total) and bench train's active
@@ -148,7 +222,15 @@ func countParams(c Config) Params {
 	if p.Total == Saturated {
 		p.Active = Saturated
 	}
-	p.Rank = p.Total - mul(L, expertsPerLayer) + mul(L, 3, E/int64(c.EP), F, D)
+	// A rank's share: its experts (folded over ep x tp) and, under tensor
+	// parallelism, its blocks of q_proj, o_proj, the LM head (and k_proj,
+	// v_proj when the kv heads divide over tp).
+	tp := max(1, int64(c.TP))
+	split := add(mul(L, 2, Q, D), mul(V, D))
+	if int64(c.KVHeads)%tp == 0 {
+		split = add(split, mul(L, 2, KD, D))
+	}
+	p.Rank = p.Total - mul(L, expertsPerLayer) + mul(L, 3, E/(int64(c.EP)*tp), F, D) - split + split/tp
 	if p.Total == Saturated {
 		p.Rank = Saturated
 	}

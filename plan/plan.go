@@ -34,6 +34,9 @@ type Config struct {
 	GlobalBatch, MicroBatch, Seq int
 	DP, EP, CP, TP               int
 	Zero                         int // parallel.zero
+	// SequenceParallel is parallel.sequence_parallel (with TP above 1:
+	// the residual stream on 1/TP of the rows).
+	SequenceParallel bool
 
 	// Checkpoints says the run saves checkpoints (it has a run
 	// directory): the host then holds a snapshot at each save.

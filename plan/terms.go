@@ -82,21 +82,31 @@ func stores(l *ledger, s shape) {
 // chunk of at most lmHeadChunkRows rows of logits (float, and its bf16
 // copy for the head's backward products on the GPU) and per-token losses.
 func modelActivations(l *ledger, s shape) {
-	T, D, L := s.T, s.D, s.L
+	T, R, D, L := s.T, s.R, s.D, s.L
 	l.fixed(Activations, "embedding: token ids, targets, positions", 3, T, int32Bytes)
-	l.fixed(Activations, "residual stream", add(L, 1), mul(T, D), s.ft) // residL
-	l.fixed(Activations, "residual stream", L, mul(T, D), s.ft)         // midL
-	l.fixed(Activations, "norms", mul(2, L), mul(T, D), s.ft)           // h1L, h2L
-	l.fixed(Activations, "norms", mul(2, L), T, s.ft)                   // rstd1L, rstd2L
-	l.fixed(Activations, "norms", 1, mul(T, D), s.ft)                   // finalTD
-	l.fixed(Activations, "norms", 1, T, s.ft)                           // rstdFinalT
+	l.fixed(Activations, "residual stream", add(L, 1), mul(R, D), s.ft) // residL
+	l.fixed(Activations, "residual stream", L, mul(R, D), s.ft)         // midL
+	l.fixed(Activations, "norms", mul(2, L), mul(R, D), s.ft)           // h1L, h2L
+	l.fixed(Activations, "norms", mul(2, L), R, s.ft)                   // rstd1L, rstd2L
+	l.fixed(Activations, "norms", 1, mul(R, D), s.ft)                   // finalTD
+	l.fixed(Activations, "norms", 1, R, s.ft)                           // rstdFinalT
 	l.fixed(Activations, "moe router", 1, mul(L, s.E+1), s.ft)          // moeStats
-	l.fixed(Workspace, "backward gradient streams", 4, mul(T, D), s.ft) // dResidTD, dBlockTD, dTmpTD, dFinalTD
+	l.fixed(Workspace, "backward gradient streams", 4, mul(R, D), s.ft) // dResidTD, dBlockTD, dTmpTD, dFinalTD
 	chunk := min(T, lmHeadChunkRows)
-	l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.V), s.ft) // logitsCV
-	l.fixed(Activations, "lm head logits and loss", 1, T, s.ft)               // lossT
+	l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.Vl), s.ft) // logitsCV
+	l.fixed(Activations, "lm head logits and loss", 1, T, s.ft)                // lossT
 	if s.ot != s.ft {
-		l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.V), s.ot) // dlogitsCV
+		l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.Vl), s.ot) // dlogitsCV
+	}
+	if s.TP > 1 {
+		// The vocabulary-parallel head: under sequence parallelism the
+		// gathered final rows and their gradient's partial sums; the
+		// sharded cross-entropy's per-chunk vectors.
+		if R != T {
+			l.fixed(Activations, "lm head logits and loss", 2, mul(T, D), s.ft) // finalFullTD, dFullTD
+		}
+		l.fixed(Activations, "lm head logits and loss", 2, chunk, s.ft)            // lseC, targetC
+		l.fixed(Activations, "lm head logits and loss", 1, mul(s.TP, chunk), s.ft) // lseRC
 	}
 }
 
@@ -121,28 +131,36 @@ const lmHeadChunkRows = 2048
 // peers' dk/dv pass, and on CUDA with GQA the dk/dv pass writes one
 // partial dk, dv [T, KV*Dh] per query head of a group (freed after).
 func attentionActivations(l *ledger, s shape, ring, fused bool) {
-	T, Q, KD, L := s.T, s.Q, s.KD, s.L
+	// This rank's heads under tensor parallelism.
+	T, D, Q, KD, L := s.T, s.D, s.Ql, s.KDl, s.L
 	l.fixed(Activations, "attention", mul(2, L), mul(T, Q), s.ft)  // qTQ, aTQ
 	l.fixed(Activations, "attention", mul(2, L), mul(T, KD), s.ft) // kTK, vTK
-	l.fixed(Activations, "attention", L, mul(s.B, s.H, s.Sl), s.ft)
+	l.fixed(Activations, "attention", L, mul(s.B, s.Hl, s.Sl), s.ft)
 	l.fixed(Workspace, "attention backward", 2, mul(T, Q), s.ft)  // daTQ, dqTQ
 	l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ft) // dkTK, dvTK
 	if s.ot != s.ft {
-		l.fixed(Workspace, "attention backward", 3, mul(T, Q), s.ot)  // operands xTD, doutTD, dqTQ
+		l.fixed(Workspace, "attention backward", 2, mul(T, D), s.ot)  // operands xTD, doutTD
+		l.fixed(Workspace, "attention backward", 1, mul(T, Q), s.ot)  // operand dqTQ
 		l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ot) // operands dkTK, dvTK
 	}
 	if s.CP > 1 && ring && fused {
-		l.fixed(Activations, "attention ring", s.L, mul(s.B, s.H, s.Sl), s.ft) // deltaBHS
-		if group := s.H / s.KV; s.cuda && group > 1 {
-			l.fixed(Workspace, "attention ring", 1, mul(2, group, s.T, s.KD), s.ft) // dk, dv partials
+		l.fixed(Activations, "attention ring", s.L, mul(s.B, s.Hl, s.Sl), s.ft) // deltaBHS
+		// A rank's query heads per kv head.
+		if group := Q / KD; s.cuda && group > 1 {
+			l.fixed(Workspace, "attention ring", 1, mul(2, group, s.T, KD), s.ft) // dk, dv partials
 		}
 	}
 	if s.CP > 1 && ring && !fused {
 		C := s.Sl / 2
 		l.fixed(Workspace, "attention ring", 10, mul(T, KD), s.ft)   // kv[2], sumOut, sumIn, sumStep: k and v each
 		l.fixed(Workspace, "attention ring", 1, mul(C, Q), s.ft)     // partTQ
-		l.fixed(Workspace, "attention ring", 1, mul(s.H, C), s.ft)   // partLseHS
+		l.fixed(Workspace, "attention ring", 1, mul(s.Hl, C), s.ft)  // partLseHS
 		l.fixed(Workspace, "attention ring", 2, mul(2, C, KD), s.ft) // dkOneTK, dvOneTK
+	}
+	if s.TP > 1 {
+		// tpScratch: the gathered rows, o_proj's partial sums, its rows.
+		l.fixed(Workspace, "attention backward", 2, mul(T, D), s.ft) // fullTD, partialTD
+		l.fixed(Workspace, "attention backward", 1, mul(s.R, D), s.ft)
 	}
 	if s.CP > 1 && !ring {
 		rows := mul(s.B, s.S)                                             // natural-order rows of the full sequences
@@ -165,7 +183,7 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 // one's row references and its bf16 input per layer. Once per rank the
 // Scratch: the rows in transit and the experts' activation gradients.
 func moeActivations(l *ledger, s shape, fused bool) {
-	T, D, E, K, F, L := s.T, s.D, s.E, s.K, s.F, s.L
+	T, D, E, K, F, L := s.Tm, s.D, s.E, s.K, s.F, s.L // the MoE layers' tokens: 1/tp of the rows
 	S, Sw, R, Rw := s.sent, s.sentWorst, s.recv, s.recvWorst
 	l.fixed(Activations, "moe router", mul(3, L), mul(T, E), s.ft) // logitsTE, probsTE, dlogitsTE
 	l.fixed(Activations, "moe router", mul(2, L), T, s.ft)         // lseT, onesT
@@ -191,7 +209,7 @@ func moeActivations(l *ledger, s shape, fused bool) {
 		if s.ot != s.ft {
 			l.fixed(Activations, "moe experts", L, mul(T, D), s.ot) // Layer.xoTD: peers read it after this rank moves on
 		}
-	case s.EP > 1:
+	case s.EG > 1:
 		l.alloc(Activations, "moe experts", mul(2, L), R, Rw, int32Bytes) // permR, invPermR
 	}
 	// The Scratch, shared by the rank's layers.
@@ -200,7 +218,7 @@ func moeActivations(l *ledger, s shape, fused bool) {
 		l.alloc(Workspace, "moe dispatch", 1, mul(R, D), mul(Rw, D), s.ot) // dyRD
 		l.fixed(Workspace, "moe dispatch", 1, mul(S, D), s.ft)             // rowsSD
 		l.alloc(Workspace, "moe dispatch", 2, mul(R, F), mul(Rw, F), s.ot) // dh1RF, dh3RF
-		if s.EP > 1 {
+		if s.EG > 1 {
 			l.fixed(Workspace, "moe dispatch", 1, S, int32Bytes) // doneS
 		}
 		if !s.cuda {
@@ -209,7 +227,7 @@ func moeActivations(l *ledger, s shape, fused bool) {
 			// (backend/cpu/ops_peer.go): garbage for the collector.
 			l.alloc(Workspace, "moe dispatch (transient)", 1, mul(R, max(D, F)), mul(Rw, max(D, F)), s.ft)
 		}
-	case s.EP == 1: // dispatchBackward, one rank: dy gathered into dyRD, dx rows in rowsR1D
+	case s.EG == 1: // dispatchBackward, one rank: dy gathered into dyRD, dx rows in rowsR1D
 		l.fixed(Workspace, "moe dispatch", 1, mul(S, D), s.ot) // dyRD
 		l.fixed(Workspace, "moe dispatch", 1, mul(S, D), s.ft) // rowsR1D
 	default: // dispatchForward/Backward over the expert group
@@ -252,18 +270,32 @@ func collectiveScratch(l *ledger, s shape, ring bool) {
 	}
 	scratch(s.dataContext, replicated)             // replicated gradients
 	scratch(s.DP, ceilDiv(s.expertBucket(), s.DP)) // experts over their replicas
-	attnDKV := mul(s.T, s.KD)                      // the all-gather path's reduce-scatter of dk, dv
+	attnDKV := mul(s.T, s.KDl)                     // the all-gather path's reduce-scatter of dk, dv
 	if ring {
 		attnDKV = 0
 	}
 	scratch(s.CP, max(ceilDiv(s.expertBucket(), s.CP), attnDKV)) // experts, and attention's dk, dv
+	if s.TP > 1 {
+		// The tensor group: the gradients held whole but computed on
+		// different rows (engine/rank.go's tpSummed), and the blocks of
+		// the row-parallel sums: o_proj's output and the projections'
+		// (and the LM head's) input gradient, reduce-scattered to R rows
+		// under sequence parallelism or all-reduced in 1/TP chunks, and
+		// the target logits of an LM head chunk.
+		summed := s.replicatedRuns().largestSummed(s.R != s.T)
+		rows := mul(s.R, s.D)
+		if s.R == s.T {
+			rows = ceilDiv(mul(s.T, s.D), s.TP)
+		}
+		scratch(s.TP, max(ceilDiv(summed, s.TP), rows, ceilDiv(min(s.T, lmHeadChunkRows), s.TP)))
+	}
 }
 
 // replicatedBucket is the largest gradient bucket of the replicated
 // range (grad_overlap.go's cutBuckets): the norms, the embedding, one
 // layer's matrices or the LM head, at most gradBucket elements.
 func (s shape) replicatedBucket() int64 {
-	return min(gradBucket, max(s.flatNorms, align(mul(s.V, s.D)), s.layerMatrices))
+	return s.replicatedRuns().largest(s.L)
 }
 
 // expertBucket is the largest gradient bucket of the experts: one
@@ -301,8 +333,8 @@ func sharedTerms(s shape) []Term {
 	// The largest buffer an op takes and frees: attention.go's backward
 	// delta [B, H, S/cp], backend_ops.go's RMSNorm weight-gradient
 	// partial sums (one row of D per 32 rows of x).
-	delta := mul(s.B, s.H, s.Sl)
-	partial := mul(ceilDiv(s.T, max(rmsRowsPerBlock, ceilDiv(s.T, 65535))), s.D)
+	delta := mul(s.B, s.Hl, s.Sl)
+	partial := mul(ceilDiv(s.R, max(rmsRowsPerBlock, ceilDiv(s.R, 65535))), s.D)
 	l.fixed(Workspace, "kernel scratch (transient)", 1, max(delta, partial), 4)
 	return l.terms
 }
@@ -332,8 +364,13 @@ const (
 // hidden [T, Fs] in float32.
 func gemmScratch(s shape) (a, b int64) {
 	T, chunk := s.T, min(s.T, lmHeadChunkRows)
-	a = max(mul(T, s.Q), mul(chunk, s.D), T, mul(T, s.E))
-	b = max(mul(T, s.Q), mul(chunk, s.D), mul(T, s.E), mul(T, s.D))
+	a = max(mul(T, s.Ql), mul(chunk, s.D), T, mul(T, s.E))
+	b = max(mul(T, s.Ql), mul(chunk, s.D), mul(T, s.E), mul(T, s.D))
+	if s.TP > 1 {
+		// The tensor-parallel products read the gathered rows and the
+		// gradients in float32.
+		a, b = max(a, mul(T, s.D), mul(T, s.Ql), mul(T, s.KDl)), max(b, mul(T, s.D))
+	}
 	if s.Fs > 0 {
 		a = max(a, mul(T, s.D), mul(T, s.Fs))
 		b = max(b, mul(T, s.Fs))
@@ -347,7 +384,7 @@ func gemmScratch(s shape) (a, b int64) {
 // attention's projections and their backward, the LM head's three
 // products per chunk, the router's, the shared experts'.
 func tuneOut(s shape) int64 {
-	T, D, Q, KD, V, E, Fs := s.T, s.D, s.Q, s.KD, s.V, s.E, s.Fs
+	T, D, Q, KD, V, E, Fs := s.T, s.D, s.Ql, s.KDl, s.Vl, s.E, s.Fs
 	chunk := min(T, lmHeadChunkRows)
 	products := [][3]int64{
 		{T, Q, D}, {T, KD, D}, {T, D, Q}, // q, k, v, o forward

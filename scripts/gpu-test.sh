@@ -95,7 +95,7 @@ PACKAGES=(
   "backend/cuda/driver|"
   "backend/cuda|"
   "kernels|"
-  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled|TestDeterministicGPURunsRepeat|TestRingCUDA|TestFusedRingCUDA)$"
+  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled|TestDeterministicGPURunsRepeat|TestRingCUDA|TestFusedRingCUDA|TestTensorParallelCUDA)$"
 )
 BIN=.gpu
 PEER_SRC=scripts/peer

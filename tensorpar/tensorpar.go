@@ -1,0 +1,160 @@
+package tensorpar
+
+import (
+	"fmt"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/comm"
+)
+
+// Term is one product A·op(W) of a sum; op transposes W when TransW.
+type Term struct {
+	A, W   backend.Tensor
+	TransW bool
+}
+
+// products writes out = Σ terms (out overwritten by the first).
+func products(b backend.Backend, out backend.Tensor, terms []Term) {
+	for i, t := range terms {
+		beta := 1.0
+		if i == 0 {
+			beta = 0
+		}
+		b.MatMul(out, t.A, t.W, false, t.TransW, 1, beta)
+	}
+}
+
+// AllGatherMatMul gathers every rank's rows shard into full (rank order:
+// full holds Size() shards one after another) and writes outs[i] =
+// full·op(ws[i]). full is left for the caller (the weight gradients read
+// it). shard may be this rank's block of full.
+func AllGatherMatMul(b backend.Backend, g comm.Group, full, shard backend.Tensor, outs, ws []backend.Tensor, transW bool) error {
+	if err := g.AllGather(full, shard); err != nil {
+		return fmt.Errorf("tensorpar: all-gather: %w", err)
+	}
+	for i := range outs {
+		b.MatMul(outs[i], full, ws[i], false, transW, 1, 0)
+	}
+	return nil
+}
+
+// MatMulReduceScatter writes partial = Σ terms, sums it over the group and
+// leaves this rank's block of rows of the sum in out (out has 1/Size() of
+// partial's rows).
+func MatMulReduceScatter(b backend.Backend, g comm.Group, out, partial backend.Tensor, terms []Term) error {
+	products(b, partial, terms)
+	if err := g.ReduceScatterSum(out, partial); err != nil {
+		return fmt.Errorf("tensorpar: reduce-scatter: %w", err)
+	}
+	return nil
+}
+
+// MatMulAllReduce writes out = Σ terms summed over the group.
+func MatMulAllReduce(b backend.Backend, g comm.Group, out backend.Tensor, terms []Term) error {
+	products(b, out, terms)
+	if err := g.AllReduceSum(out); err != nil {
+		return fmt.Errorf("tensorpar: all-reduce: %w", err)
+	}
+	return nil
+}
+
+// Parallel is one rank's tensor-parallel group and mode (see the package
+// doc). A nil *Parallel, or one of a group of one rank, is no tensor
+// parallelism: Enabled is false and the layers take their usual path.
+type Parallel struct {
+	b  backend.Backend
+	g  comm.Group
+	sp bool
+}
+
+// New returns rank's Parallel over g; sequenceParallel keeps activations
+// between blocks on row shards.
+func New(b backend.Backend, g comm.Group, sequenceParallel bool) *Parallel {
+	return &Parallel{b: b, g: g, sp: sequenceParallel}
+}
+
+// Enabled says whether p splits anything: a group of more than one rank.
+func (p *Parallel) Enabled() bool { return p != nil && p.g != nil && p.g.Size() > 1 }
+
+// Size and Rank are the group's; 1 and 0 when not Enabled.
+func (p *Parallel) Size() int {
+	if !p.Enabled() {
+		return 1
+	}
+	return p.g.Size()
+}
+
+func (p *Parallel) Rank() int {
+	if !p.Enabled() {
+		return 0
+	}
+	return p.g.Rank()
+}
+
+// Group is the tensor-parallel group (nil when not Enabled).
+func (p *Parallel) Group() comm.Group {
+	if !p.Enabled() {
+		return nil
+	}
+	return p.g
+}
+
+// SequenceParallel says whether activations between blocks are row shards.
+func (p *Parallel) SequenceParallel() bool { return p.Enabled() && p.sp }
+
+// Rows is how many of a block's t rows a rank holds between blocks: t/Size
+// under sequence parallelism, else t.
+func (p *Parallel) Rows(t int) int {
+	if p.SequenceParallel() {
+		return t / p.g.Size()
+	}
+	return t
+}
+
+// ColumnForward feeds x to column-parallel products: outs[i] =
+// xFull·op(ws[i]) where xFull is x gathered over the group under sequence
+// parallelism (written into full, which the caller keeps for the weight
+// gradients), or x itself. It returns the input the products read.
+func (p *Parallel) ColumnForward(full, x backend.Tensor, outs, ws []backend.Tensor, transW bool) (backend.Tensor, error) {
+	if p.SequenceParallel() {
+		return full, AllGatherMatMul(p.b, p.g, full, x, outs, ws, transW)
+	}
+	for i := range outs {
+		p.b.MatMul(outs[i], x, ws[i], false, transW, 1, 0)
+	}
+	return x, nil
+}
+
+// RowForward writes out = the sum over the group of a row-parallel
+// product's partial terms: this rank's rows of it under sequence
+// parallelism (MatMulReduceScatter through partial), or all of them
+// (MatMulAllReduce, partial unused and may be nil).
+func (p *Parallel) RowForward(out, partial backend.Tensor, terms []Term) error {
+	if p.SequenceParallel() {
+		return MatMulReduceScatter(p.b, p.g, out, partial, terms)
+	}
+	return MatMulAllReduce(p.b, p.g, out, terms)
+}
+
+// ColumnBackward writes dx, the input gradient of column-parallel
+// products, from their terms dY_i·W_i: reduce-scattered to this rank's
+// rows under sequence parallelism, all-reduced otherwise. It is RowForward
+// by another name, the backward of the all-gather being a reduce-scatter.
+func (p *Parallel) ColumnBackward(dx, partial backend.Tensor, terms []Term) error {
+	return p.RowForward(dx, partial, terms)
+}
+
+// GatherRows returns the whole rows of a replicated-or-sharded activation:
+// x gathered into full under sequence parallelism, else x itself (full
+// untouched). The backward of a row-parallel product gathers its output
+// gradient this way before the products (AllGatherMatMul's first half,
+// kept apart because its products are of two kinds).
+func (p *Parallel) GatherRows(full, x backend.Tensor) (backend.Tensor, error) {
+	if !p.SequenceParallel() {
+		return x, nil
+	}
+	if err := p.g.AllGather(full, x); err != nil {
+		return nil, fmt.Errorf("tensorpar: all-gather: %w", err)
+	}
+	return full, nil
+}
