@@ -255,7 +255,7 @@ func (e *Engine) resolveDispatcher(cfg Config, world []*comm.Ranks) (Config, err
 // the ranks are virtual ranks of the engine's one device.
 func (e *Engine) resolveCPAttention(cfg Config, oneDevice bool) (Config, error) {
 	mode, err := tune.ResolveCPAttention(e.backend, tune.CPAttentionCase{
-		Mode: cfg.Parallel.CPAttention, Shape: attentionShape(cfg.Model),
+		Mode: cfg.Parallel.CPAttention, Shape: rankAttentionShape(cfg),
 		Batch: cfg.Train.MicroBatch, Seq: cfg.Train.Seq, CP: cfg.Parallel.CP,
 		OneDevice: oneDevice, Deterministic: cfg.Train.Deterministic,
 	}, func(msg string) { e.log.Info().Msg(msg) })

@@ -317,6 +317,19 @@ func attentionShape(m ModelConfig) attention.Shape {
 	return attention.Shape{Dim: m.Dim, Heads: m.Heads, KVHeads: m.KVHeads, RopeTheta: m.RopeTheta}
 }
 
+// rankAttentionShape is the attention one rank computes: the model's, or
+// under tensor parallelism its share of the heads (as attention's
+// WithTensorParallel cuts them), which is what context parallelism's
+// attention runs on and so what its mode is measured and planned for.
+func rankAttentionShape(c Config) attention.Shape {
+	s := attentionShape(c.Model)
+	if tp := c.Parallel.TP; tp > 1 {
+		h, kv, _ := attention.TensorParallelShape(s, tp, 0)
+		s = attention.Shape{Dim: h * s.HeadDim(), Heads: h, KVHeads: kv, RopeTheta: s.RopeTheta}
+	}
+	return s
+}
+
 // tensorRole says how a parameter is initialised, decayed and reduced.
 type tensorRole int
 

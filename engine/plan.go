@@ -69,7 +69,7 @@ func (e *Engine) cpRingFused(processRanks, deviceRanks int) bool {
 	if p.CP < 2 || processRanks < world || (deviceRanks < processRanks && p.CPAttention != plan.CPRing) {
 		return false
 	}
-	s := attentionShape(e.cfg.Model)
+	s := rankAttentionShape(e.cfg)
 	return e.backend.ZigzagAttentionSupports(backend.ZigzagShape{
 		Ranks: p.CP, Batch: e.cfg.Train.MicroBatch, Chunk: e.cfg.Train.Seq / (2 * p.CP),
 		Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim(),
@@ -95,7 +95,7 @@ func (e *Engine) planCPAttention(processRanks, deviceRanks int) string {
 	if err != nil {
 		return ""
 	}
-	key := tune.NewCPAttentionKey(e.backend, tune.CPAttentionCase{Shape: attentionShape(e.cfg.Model), Batch: e.cfg.Train.MicroBatch, Seq: e.cfg.Train.Seq, CP: p.CP})
+	key := tune.NewCPAttentionKey(e.backend, tune.CPAttentionCase{Shape: rankAttentionShape(e.cfg), Batch: e.cfg.Train.MicroBatch, Seq: e.cfg.Train.Seq, CP: p.CP})
 	if entry, ok, err := cache.Lookup(key); err == nil && ok {
 		return entry.Choice
 	}
