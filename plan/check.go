@@ -185,15 +185,17 @@ func (p Plan) advice() ([]string, string) {
 	return fields, lead + strings.Join(texts, ", or ")
 }
 
-// fittingEP is the smallest parallel.ep above the recipe's, a divisor
-// of the experts, with which the run fits, each new rank on a device of
+// fittingEP is the smallest parallel.ep above the recipe's, with ep x tp
+// a divisor of the experts (they are folded over both), with which the
+// run fits, each new rank on a device of
 // its own where the ranks have one (else all on the one device, where
 // spreading the experts cannot help); 0 when none does.
 func (p Plan) fittingEP() int {
 	c := p.Config
 	tries := 0
-	for ep := c.EP + 1; ep <= c.Experts && tries < 64; ep++ {
-		if c.Experts%ep != 0 {
+	tp := max(1, c.TP)
+	for ep := c.EP + 1; ep*tp <= c.Experts && tries < 64; ep++ {
+		if c.Experts%(ep*tp) != 0 {
 			continue
 		}
 		tries++

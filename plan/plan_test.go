@@ -134,3 +134,45 @@ func TestNamedDevices(t *testing.T) {
 		t.Errorf("an unknown device: %v", err)
 	}
 }
+
+// TestTensorParallelPlan: under tp a rank holds its share of the split
+// matrices and of the experts, so its weights and its peak shrink; and
+// the experts, folded over ep x tp, make the suggested parallel.ep one
+// with ep x tp dividing them (12 experts at tp 2: ep 6, never ep 4).
+func TestTensorParallelPlan(t *testing.T) {
+	gpu := CUDADevice("gpu", 0, 0)
+	one, tp := small(), small()
+	tp.TP, tp.SequenceParallel = 2, true
+	one.DeviceRanks, tp.DeviceRanks = 1, 1 // a rank per device: the peak is a rank's
+	p1, _ := New(one, gpu)
+	p2, _ := New(tp, gpu)
+	if !(p2.Params.Rank < p1.Params.Rank) || !(p2.Peak < p1.Peak) {
+		t.Errorf("tp 2: %d parameters and peak %d on a rank; tp 1: %d and %d", p2.Params.Rank, p2.Peak, p1.Params.Rank, p1.Peak)
+	}
+
+	c := small()
+	c.Experts, c.FFN, c.TP, c.SequenceParallel, c.DeviceRanks = 12, 16384, 2, true, 1
+	c.GlobalBatch, c.MicroBatch = 12, 1
+	peak := func(ep int) int64 {
+		next := c
+		next.EP = ep
+		next.ProcessRanks, next.DeviceRanks = 0, 1
+		q, err := New(next, gpu)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return q.need()
+	}
+	if !(peak(6) < peak(3)) {
+		t.Fatalf("ep 6 needs %d, ep 3 %d", peak(6), peak(3))
+	}
+	dev := gpu
+	dev.Memory = (peak(6) + peak(3)) / 2
+	p, err := New(c, dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := p.fittingEP(); got != 6 {
+		t.Errorf("12 experts at tp 2: parallel.ep %d suggested, want 6", got)
+	}
+}
