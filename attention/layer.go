@@ -429,7 +429,9 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	ops := l.sc.ops
 	dout, x := doutTD, l.xTD
 	dq, dk, dv := l.dqTQ, l.dkTK, l.dvTK
-	if ops != nil {
+	if ops != nil && !l.tp.Enabled() {
+		// Under tensor parallelism the gathered rows below are the
+		// operand (doutTD may be this rank's shard of them).
 		dout = l.operand(doutTD, ops.doutTD)
 	}
 
