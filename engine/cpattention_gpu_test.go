@@ -93,7 +93,7 @@ func TestFusedRingCUDA(t *testing.T) {
 	}
 	// The path the layers took, from the engine's log.
 	cfg := base
-	cfg.Parallel.CP, cfg.Train.MicroBatch, cfg.Train.Seq, cfg.Train.Steps, cfg.Parallel.CPAttention = 2, 4, 256, 1, "ring"
+	cfg.Parallel.CP, cfg.Train.MicroBatch, cfg.Train.Seq, cfg.Train.Steps, cfg.Parallel.CPAttention = 2, 4, 256, 3, "ring"
 	var log bytes.Buffer
 	eng, err := New(cfg, withCUDA(), WithBackend(gpu), WithLogger(zerolog.New(&log)))
 	if err != nil {
