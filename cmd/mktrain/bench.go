@@ -29,6 +29,7 @@ const benchUsage = `Usage: mktrain bench train [RECIPE] [--steps N] [--warmup N]
        mktrain bench moe [--shape S,...] [--world W,...] (see mktrain bench moe --help)
        mktrain bench kernels [--shape S,...] [--world W,...] (see mktrain bench kernels --help)
        mktrain bench attention [--shapes S,...] [--peer PYTHON] (see mktrain bench attention --help)
+       mktrain bench tp [--shapes S,...] [--tp 2,4,8] (see mktrain bench tp --help)
        mktrain bench prepare --tokenizer FILE FILE... (see mktrain bench prepare --help)
 
 Measures training throughput: runs RECIPE (default tiny) for warmup+steps
@@ -88,6 +89,9 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if len(args) > 0 && args[0] == "attention" {
 		return cmdBenchAttention(ctx, args[1:], stdout, stderr)
 	}
+	if len(args) > 0 && args[0] == "tp" {
+		return cmdBenchTP(ctx, args[1:], stdout, stderr)
+	}
 	if len(args) > 0 && args[0] == "prepare" {
 		return cmdBenchPrepare(ctx, args[1:], stdout, stderr)
 	}
@@ -97,7 +101,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if len(args) == 0 || args[0] != "train" {
 		fmt.Fprint(stderr, groupUsage("bench"))
-		return usageError{"bench takes the subcommand train, checkpoint, moe, kernels, attention or prepare"}
+		return usageError{"bench takes the subcommand train, checkpoint, moe, kernels, attention, tp or prepare"}
 	}
 	fs := newFlagSet("bench train", benchUsage, stderr)
 	var sets setFlags

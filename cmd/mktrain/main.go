@@ -20,6 +20,7 @@
 //	mktrain bench moe [--shape moe-small,fine] [--world 1,2,4,8] [--steps N] [--warmup N] [--backend B] [--out DIR]
 //	mktrain bench kernels [--shape moe-small,fine] [--world 1,2,4,8] [--iters N] [--backend B] [--gpus] [--out DIR]
 //	mktrain bench attention [--shapes moe-small,s8k,s32k] [--ring-world 2,4,8] [--ring-seq 4096,8192] [--iters N] [--backend B] [--peer PYTHON] [--peer-script FILE] [--out DIR]
+//	mktrain bench tp [--shapes moe-small,llama70b] [--tp 2,4,8] [--iters N] [--backend B] [--out DIR]
 //	mktrain bench prepare --tokenizer FILE [--text-key K] [--cores N] [--repeat R] [--peer-json FILE] [--out DIR] FILE|GLOB...
 //	mktrain version
 //	mktrain help [COMMAND [SUBCOMMAND]]
@@ -43,7 +44,7 @@
 // (data.Prepare, data.Verify), eval.go, sample.go and export.go (infer),
 // tokenize.go (tokenizer), ckpt.go
 // (checkpoint), plan.go (plan, through engine), report.go (observe/report), bench.go (bench train, through engine and backend/profile),
-// bench_checkpoint.go, bench_moe.go, bench_kernels.go, bench_attention.go, bench_prepare.go, and version.go;
+// bench_checkpoint.go, bench_moe.go, bench_kernels.go, bench_attention.go, bench_tp.go, bench_prepare.go, and version.go;
 // main.go dispatches them (runCommand) and answers help. The
 // programs pick their backends from backend/all.
 package main
@@ -113,6 +114,8 @@ Usage:
                          time the fused and unfused dispatchers; store the faster for model.moe.dispatcher: auto
   mktrain bench attention [--shapes moe-small,s8k,s32k] [--ring-world 2,4,8] [--ring-seq 4096,8192] [--iters N] [--backend B] [--peer PYTHON] [--peer-script FILE] [--out DIR]
                          time the attention core against PyTorch SDPA and context-parallel attention on virtual ranks
+  mktrain bench tp [--shapes moe-small,llama70b] [--tp 2,4,8] [--iters N] [--backend B] [--out DIR]
+                         time tensor parallelism's three patterns (unfused) on virtual ranks of one device
   mktrain bench prepare --tokenizer FILE [--text-key K] [--cores N] [--repeat R] [--peer-json FILE] [--out DIR] FILE|GLOB...
                          measure data prepare's MB of text per second per core (beside the Rust tokenizers peer)
   mktrain version        print the version
