@@ -5,20 +5,14 @@ package tune
 // answers in cp_attention.json, beside the dispatch table.
 
 import (
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
-	"os"
 	"path/filepath"
 	"runtime"
-	"slices"
 	"strings"
 	"time"
 
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/internal/atomicfile"
 )
 
 // CPAttentionAuto is parallel.cp_attention's "measure and pick".
@@ -184,11 +178,6 @@ type CPAttentionEntry struct {
 	MeasuredAt  time.Time `json:"measured_at"`
 }
 
-type cpAttentionTable struct {
-	Version int                `json:"version"`
-	Entries []CPAttentionEntry `json:"entries"`
-}
-
 // cpAttentionTableVersion is the file format; a file of another version
 // is ignored (and replaced by the next Store).
 const cpAttentionTableVersion = 1
@@ -207,21 +196,7 @@ func DefaultCPAttentionCache() (CPAttentionCache, error) {
 }
 
 func (c CPAttentionCache) read() ([]CPAttentionEntry, error) {
-	buf, err := os.ReadFile(c.Path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("attention: cp_attention table: %w", err)
-	}
-	var t cpAttentionTable
-	if err := json.Unmarshal(buf, &t); err != nil {
-		return nil, fmt.Errorf("attention: cp_attention table %s: %w", c.Path, err)
-	}
-	if t.Version != cpAttentionTableVersion {
-		return nil, nil
-	}
-	return t.Entries, nil
+	return readTable[CPAttentionEntry](c.Path, "attention: cp_attention table", cpAttentionTableVersion)
 }
 
 // Lookup returns the entry for k, and whether there is one.
@@ -244,26 +219,13 @@ func (c CPAttentionCache) Store(k CPAttentionKey, t attention.ContextTiming) (CP
 	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
 	e := CPAttentionEntry{CPAttentionKey: k, Choice: string(t.Faster()), RingMS: ms(t.Ring), AllGatherMS: ms(t.AllGather),
 		Iters: t.Iters, MeasuredAt: time.Now().UTC().Truncate(time.Second)}
-	entries, _ := c.read() // an unreadable table is replaced
-	entries = slices.DeleteFunc(entries, func(o CPAttentionEntry) bool { return o.CPAttentionKey == k })
-	entries = append(entries, e)
-	slices.SortFunc(entries, func(a, b CPAttentionEntry) int {
-		return strings.Compare(a.CPAttentionKey.String(), b.CPAttentionKey.String())
-	})
-	buf, err := json.MarshalIndent(cpAttentionTable{Version: cpAttentionTableVersion, Entries: entries}, "", "  ")
+	err := storeEntry(c.Path, "attention: cp_attention table", cpAttentionTableVersion, e,
+		func(o CPAttentionEntry) bool { return o.CPAttentionKey == k },
+		func(a, b CPAttentionEntry) int {
+			return strings.Compare(a.CPAttentionKey.String(), b.CPAttentionKey.String())
+		})
 	if err != nil {
 		return e, err
-	}
-	buf = append(buf, '\n')
-	err = os.MkdirAll(filepath.Dir(c.Path), 0o755)
-	if err == nil {
-		err = atomicfile.WriteFile(c.Path, func(w io.Writer) error {
-			_, err := w.Write(buf)
-			return err
-		})
-	}
-	if err != nil {
-		return e, fmt.Errorf("attention: cp_attention table: %w", err)
 	}
 	return e, nil
 }

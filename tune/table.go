@@ -5,16 +5,11 @@ package tune
 // run measure again.
 
 import (
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
-	"slices"
 	"time"
 
-	"github.com/mktrain/mktrain/internal/atomicfile"
 	"github.com/mktrain/mktrain/moe"
 )
 
@@ -32,11 +27,6 @@ type DispatchEntry struct {
 }
 
 // dispatchTable is the file's content.
-type dispatchTable struct {
-	Version int             `json:"version"`
-	Entries []DispatchEntry `json:"entries"`
-}
-
 // dispatchTableVersion is the file format; a file of another version is
 // ignored (and replaced by the next Store).
 const dispatchTableVersion = 3
@@ -61,21 +51,7 @@ func DefaultDispatchCache() (DispatchCache, error) {
 // read returns the table's entries: none when the file does not exist or
 // is of another version.
 func (c DispatchCache) read() ([]DispatchEntry, error) {
-	buf, err := os.ReadFile(c.Path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("moe: dispatch table: %w", err)
-	}
-	var t dispatchTable
-	if err := json.Unmarshal(buf, &t); err != nil {
-		return nil, fmt.Errorf("moe: dispatch table %s: %w", c.Path, err)
-	}
-	if t.Version != dispatchTableVersion {
-		return nil, nil
-	}
-	return t.Entries, nil
+	return readTable[DispatchEntry](c.Path, "moe: dispatch table", dispatchTableVersion)
 }
 
 // Lookup returns the entry for k, and whether there is one.
@@ -106,24 +82,11 @@ func (c DispatchCache) Store(k DispatchKey, t moe.Timing) (DispatchEntry, error)
 		FusedForwardMS: ms(t.FusedForward), UnfusedForwardMS: ms(t.UnfusedForward),
 		Iters: t.Iters, MeasuredAt: time.Now().UTC().Truncate(time.Second),
 	}
-	entries, _ := c.read() // an unreadable table is replaced
-	entries = slices.DeleteFunc(entries, func(o DispatchEntry) bool { return o.DispatchKey == k })
-	entries = append(entries, e)
-	slices.SortFunc(entries, func(a, b DispatchEntry) int { return a.DispatchKey.compare(b.DispatchKey) })
-	buf, err := json.MarshalIndent(dispatchTable{Version: dispatchTableVersion, Entries: entries}, "", "  ")
+	err := storeEntry(c.Path, "moe: dispatch table", dispatchTableVersion, e,
+		func(o DispatchEntry) bool { return o.DispatchKey == k },
+		func(a, b DispatchEntry) int { return a.DispatchKey.compare(b.DispatchKey) })
 	if err != nil {
 		return e, err
-	}
-	buf = append(buf, '\n')
-	err = os.MkdirAll(filepath.Dir(c.Path), 0o755)
-	if err == nil {
-		err = atomicfile.WriteFile(c.Path, func(w io.Writer) error {
-			_, err := w.Write(buf)
-			return err
-		})
-	}
-	if err != nil {
-		return e, fmt.Errorf("moe: dispatch table: %w", err)
 	}
 	return e, nil
 }
