@@ -115,3 +115,30 @@ func TestRoPEChecks(t *testing.T) {
 		}
 	}
 }
+
+// TestZigzagAttentionSupports: the fused ring's kernels take head dims 64
+// and 128, chunks of whole 64-row tiles and at most zigzagMaxRanks ranks,
+// and say which limit a shape misses.
+func TestZigzagAttentionSupports(t *testing.T) {
+	var b *Backend // the check reads only the shape
+	ok := backend.ZigzagShape{Ranks: 4, Rank: 1, Batch: 2, Chunk: 128, Heads: 16, KVHeads: 4, HeadDim: 128}
+	if err := b.ZigzagAttentionSupports(ok); err != nil {
+		t.Errorf("%+v: %v", ok, err)
+	}
+	for _, c := range []struct {
+		edit func(*backend.ZigzagShape)
+		want string
+	}{
+		{func(s *backend.ZigzagShape) { s.HeadDim = 96 }, "head dims 64 and 128"},
+		{func(s *backend.ZigzagShape) { s.Chunk = 96 }, "multiple of 64"},
+		{func(s *backend.ZigzagShape) { s.Ranks, s.Rank = zigzagMaxRanks+1, 0 }, "at most 64 ranks"},
+		{func(s *backend.ZigzagShape) { s.Rank = 4 }, "out of range"},
+		{func(s *backend.ZigzagShape) { s.KVHeads = 3 }, "not a multiple"},
+	} {
+		s := ok
+		c.edit(&s)
+		if err := b.ZigzagAttentionSupports(s); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v: %v, want an error saying %q", s, err, c.want)
+		}
+	}
+}
