@@ -9,7 +9,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -885,84 +884,22 @@ func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 	return fwd, step, ranks[0].core.Path(), nil, nil
 }
 
-// runRingSteps runs 2 warm-up and iters timed steps on every rank, each
-// from its goroutine, and returns the median of rank 0's step times. A
-// rank that fails aborts its groups, so the others stop too.
+// runRingSteps times every rank's Forward (and Backward) with
+// medianRankStep, the steps bracketed by the context group's barriers.
 func runRingSteps(b backend.Backend, clock profile.Clock, ranks []*ringRank, iters int, backward bool) (time.Duration, error) {
-	times := make([]time.Duration, 0, iters)
-	errs := make([]error, len(ranks))
-	done := make(chan struct{})
+	steps := make([]rankStep, len(ranks))
 	for r, rk := range ranks {
-		go func() {
-			defer func() { done <- struct{}{} }()
-			if err := rk.steps(clock, r == 0, iters, backward, &times); err != nil {
-				errs[r] = fmt.Errorf("rank %d: %w", r, err)
-				rk.ranks.Abort(errs[r])
-			}
-		}()
-	}
-	for range ranks {
-		<-done
-	}
-	if err := errors.Join(errs...); err != nil {
-		return 0, err
-	}
-	if err := b.Sync(); err != nil {
-		return 0, err
-	}
-	slices.Sort(times)
-	return times[len(times)/2], nil
-}
-
-// steps is one rank's loop of runRingSteps; the first rank takes the
-// marks and appends the timed steps' durations to times.
-func (rk *ringRank) steps(clock profile.Clock, first bool, iters int, backward bool, times *[]time.Duration) error {
-	barrier := rk.ranks.Context.Barrier
-	for i := -2; i < iters; i++ {
-		var start profile.Mark
-		if err := barrier(); err != nil {
-			return err
-		}
-		if first {
-			m, err := clock.Mark()
-			if err != nil {
+		steps[r] = rankStep{group: rk.ranks.Context, ranks: rk.ranks, work: func() error {
+			if err := rk.core.Forward(rk.a, rk.lse, rk.q, rk.k, rk.v); err != nil {
 				return err
 			}
-			start = m
-		}
-		if err := barrier(); err != nil {
-			return err
-		}
-		if err := rk.core.Forward(rk.a, rk.lse, rk.q, rk.k, rk.v); err != nil {
-			return err
-		}
-		if backward {
-			if err := rk.core.Backward(rk.dq, rk.dk, rk.dv, rk.da); err != nil {
-				return err
+			if backward {
+				return rk.core.Backward(rk.dq, rk.dk, rk.dv, rk.da)
 			}
-		}
-		if err := barrier(); err != nil {
-			return err
-		}
-		if !first {
-			continue
-		}
-		end, err := clock.Mark()
-		if err != nil {
-			clock.Release(start)
-			return err
-		}
-		d, err := clock.Elapsed(start, end)
-		clock.Release(start)
-		clock.Release(end)
-		if err != nil {
-			return err
-		}
-		if i >= 0 {
-			*times = append(*times, d)
-		}
+			return nil
+		}}
 	}
-	return nil
+	return medianRankStep(b, clock, steps, iters)
 }
 
 // ringEfficiencyVerdict: held when every row at S/W >= 4096 has the ring's

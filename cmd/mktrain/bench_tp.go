@@ -6,7 +6,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -445,80 +444,14 @@ func fillFromChunk(b backend.Backend, t, chunk backend.Tensor) {
 	}
 }
 
-// runTPSteps runs 2 warm-up and iters timed steps of work on every rank,
-// each from its goroutine, and returns the median of the steps' times
-// taken on rank 0 from before any rank starts to after every rank has
-// returned. A rank that fails aborts its groups, so the others stop too.
+// runTPSteps times work on every rank with medianRankStep, the steps
+// bracketed by the tensor group's barriers.
 func runTPSteps(b backend.Backend, clock profile.Clock, ranks []*tpRank, work func(*tpRank) func() error, iters int) (time.Duration, error) {
-	times := make([]time.Duration, 0, iters)
-	errs := make([]error, len(ranks))
-	done := make(chan struct{})
+	steps := make([]rankStep, len(ranks))
 	for r, rk := range ranks {
-		go func() {
-			defer func() { done <- struct{}{} }()
-			if err := rk.steps(clock, r == 0, iters, work(rk), &times); err != nil {
-				errs[r] = fmt.Errorf("rank %d: %w", r, err)
-				rk.ranks.Abort(errs[r])
-			}
-		}()
+		steps[r] = rankStep{group: rk.ranks.Tensor, ranks: rk.ranks, work: work(rk)}
 	}
-	for range ranks {
-		<-done
-	}
-	if err := errors.Join(errs...); err != nil {
-		return 0, err
-	}
-	if err := b.Sync(); err != nil {
-		return 0, err
-	}
-	slices.Sort(times)
-	return times[len(times)/2], nil
-}
-
-// steps is one rank's loop of runTPSteps; the first rank takes the marks
-// and appends the timed steps' durations to times.
-func (rk *tpRank) steps(clock profile.Clock, first bool, iters int, work func() error, times *[]time.Duration) error {
-	barrier := rk.ranks.Tensor.Barrier
-	for i := -2; i < iters; i++ {
-		var start profile.Mark
-		if err := barrier(); err != nil {
-			return err
-		}
-		if first {
-			m, err := clock.Mark()
-			if err != nil {
-				return err
-			}
-			start = m
-		}
-		if err := barrier(); err != nil {
-			return err
-		}
-		if err := work(); err != nil {
-			return err
-		}
-		if err := barrier(); err != nil {
-			return err
-		}
-		if !first {
-			continue
-		}
-		end, err := clock.Mark()
-		if err != nil {
-			clock.Release(start)
-			return err
-		}
-		d, err := clock.Elapsed(start, end)
-		clock.Release(start)
-		clock.Release(end)
-		if err != nil {
-			return err
-		}
-		if i >= 0 {
-			*times = append(*times, d)
-		}
-	}
-	return nil
+	return medianRankStep(b, clock, steps, iters)
 }
 
 func printTP(w io.Writer, rows []tpBenchRow, iters int) {
