@@ -69,6 +69,9 @@ func (c *child) waitFor(what string, ready func() bool) {
 	for !ready() {
 		select {
 		case <-c.done:
+			if ready() { // written just before the exit
+				return
+			}
 			c.t.Fatalf("exited (%v) before %s\nstdout:\n%s\nstderr:\n%s", c.err, what, c.stdout, c.stderr)
 		case <-time.After(10 * time.Millisecond):
 		}
@@ -181,12 +184,29 @@ func TestSignals(t *testing.T) {
 	}
 
 	t.Run("a second Ctrl-C exits during a step", func(t *testing.T) {
-		dir := t.TempDir()
-		c := startChild(t, bin, slowStepArgs(dir)...)
-		c.waitForStderr("training starts")
-		c.signal(os.Interrupt)
-		c.waitForStderr("press Ctrl-C again to exit now")
-		c.signal(os.Interrupt)
+		// "training starts" is logged just before the first step: a
+		// signal that lands in between stops the run before the step,
+		// cleanly and at once, which leaves no step for a second Ctrl-C
+		// to cut short. So the first Ctrl-C comes a little later, inside
+		// the first step (which takes seconds), and a run that still
+		// stopped before its second Ctrl-C is tried again.
+		var c *child
+		var dir string
+		for attempt := 1; ; attempt++ {
+			dir = t.TempDir()
+			c = startChild(t, bin, slowStepArgs(dir)...)
+			c.waitForStderr("training starts")
+			time.Sleep(200 * time.Millisecond)
+			c.signal(os.Interrupt)
+			c.waitForStderr("press Ctrl-C again to exit now")
+			if c.cmd.Process.Signal(os.Interrupt) == nil {
+				break
+			}
+			<-c.done // it stopped cleanly before the second signal
+			if attempt == 3 {
+				t.Fatalf("three runs stopped before a second Ctrl-C could reach them\nstderr:\n%s", c.stderr)
+			}
+		}
 		c.exit(exitInterrupted, stopWithin)
 		if !strings.Contains(c.stderr.String(), "SIGINT again: exiting now") {
 			t.Errorf("stderr lacks the forced exit:\n%s", c.stderr)
