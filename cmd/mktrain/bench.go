@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -479,4 +480,38 @@ func machine(backendName string) machineInfo {
 		}
 	}
 	return m
+}
+
+// pickNamed returns the entries of known that list names (comma-separated,
+// in list's order), name giving an entry's name; an unknown name is a
+// usage error naming flag and the known names.
+func pickNamed[T any](flag, list string, known []T, name func(T) string) ([]T, error) {
+	names := make([]string, len(known))
+	for i, s := range known {
+		names[i] = name(s)
+	}
+	var out []T
+	for _, n := range strings.Split(list, ",") {
+		i := slices.Index(names, strings.TrimSpace(n))
+		if i < 0 {
+			return nil, usageError{fmt.Sprintf("%s: unknown shape %q (known: %s)", flag, n, strings.Join(names, ", "))}
+		}
+		out = append(out, known[i])
+	}
+	return out, nil
+}
+
+// parseCounts reads a comma-separated list of integers for flag, each of
+// which valid must accept; one it does not is a usage error saying it "is
+// not" what.
+func parseCounts(flag, list string, valid func(int) bool, what string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(list, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || !valid(n) {
+			return nil, usageError{fmt.Sprintf("%s: %q is not %s", flag, f, what)}
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }

@@ -208,7 +208,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 	if *iters < 1 {
 		return usageError{"--iters must be positive"}
 	}
-	shapes, err := pickAttnShapes(*shapesFlag)
+	shapes, err := pickNamed("--shapes", *shapesFlag, attnBenchShapes(), func(s attnBenchShape) string { return s.Name })
 	if err != nil {
 		return err
 	}
@@ -320,24 +320,6 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		return failedRun(fmt.Errorf("bench attention: the peer failed (the core's figures are written): %w", peerErr))
 	}
 	return nil
-}
-
-// pickAttnShapes returns the shapes list names (comma-separated).
-func pickAttnShapes(list string) ([]attnBenchShape, error) {
-	known := attnBenchShapes()
-	names := make([]string, len(known))
-	for i, s := range known {
-		names[i] = s.Name
-	}
-	var out []attnBenchShape
-	for _, name := range strings.Split(list, ",") {
-		i := slices.IndexFunc(known, func(s attnBenchShape) bool { return s.Name == strings.TrimSpace(name) })
-		if i < 0 {
-			return nil, usageError{fmt.Sprintf("--shapes: unknown shape %q (known: %s)", name, strings.Join(names, ", "))}
-		}
-		out = append(out, known[i])
-	}
-	return out, nil
 }
 
 // clockName says which clock timed the core.
@@ -720,20 +702,14 @@ func parseRingFlags(worlds, seqs string) ([]int, []int, error) {
 	if strings.TrimSpace(worlds) == "none" {
 		return nil, nil, nil
 	}
-	var ws, ss []int
-	for _, f := range strings.Split(worlds, ",") {
-		w, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || w < 2 {
-			return nil, nil, usageError{fmt.Sprintf("--ring-world: %q is not a number of ranks of 2 or more (or none)", f)}
-		}
-		ws = append(ws, w)
+	ws, err := parseCounts("--ring-world", worlds, func(n int) bool { return n >= 2 }, "a number of ranks of 2 or more (or none)")
+	if err != nil {
+		return nil, nil, err
 	}
-	for _, f := range strings.Split(seqs, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || n < 2 || n%2 != 0 {
-			return nil, nil, usageError{fmt.Sprintf("--ring-seq: %q is not a positive even number of tokens per rank (two zigzag chunks each)", f)}
-		}
-		ss = append(ss, n)
+	ss, err := parseCounts("--ring-seq", seqs, func(n int) bool { return n >= 2 && n%2 == 0 },
+		"a positive even number of tokens per rank (two zigzag chunks each)")
+	if err != nil {
+		return nil, nil, err
 	}
 	return ws, ss, nil
 }

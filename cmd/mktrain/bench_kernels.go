@@ -135,11 +135,11 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 	if *iters < 1 {
 		return usageError{"--iters must be positive"}
 	}
-	shapes, err := pickShapes(*shapesFlag, kernelBenchShapes())
+	shapes, err := pickNamed("--shape", *shapesFlag, kernelBenchShapes(), func(s moeBenchShape) string { return s.Name })
 	if err != nil {
 		return err
 	}
-	worlds, err := parseWorlds(*worldFlag)
+	worlds, err := parseCounts("--world", *worldFlag, func(n int) bool { return n >= 1 }, "a positive number of ranks")
 	if err != nil {
 		return err
 	}

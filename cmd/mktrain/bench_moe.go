@@ -12,7 +12,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -95,11 +94,11 @@ func cmdBenchMoE(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if *steps < 1 || *warmup < 0 {
 		return usageError{"--steps must be positive and --warmup not negative"}
 	}
-	shapes, err := pickShapes(*shapesFlag, moeBenchShapes())
+	shapes, err := pickNamed("--shape", *shapesFlag, moeBenchShapes(), func(s moeBenchShape) string { return s.Name })
 	if err != nil {
 		return err
 	}
-	worlds, err := parseWorlds(*worldFlag)
+	worlds, err := parseCounts("--world", *worldFlag, func(n int) bool { return n >= 1 }, "a positive number of ranks")
 	if err != nil {
 		return err
 	}
@@ -138,35 +137,6 @@ func cmdBenchMoE(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		Recipe: strings.Join(names, "+"), Config: shapes,
 		Figures: map[string]any{"rows": rows, "phases": moePhases()},
 	})
-}
-
-// pickShapes returns the shapes of known that list names (comma-separated).
-func pickShapes(list string, known []moeBenchShape) ([]moeBenchShape, error) {
-	var out []moeBenchShape
-	names := make([]string, len(known))
-	for i, s := range known {
-		names[i] = s.Name
-	}
-	for _, name := range strings.Split(list, ",") {
-		i := slices.IndexFunc(known, func(s moeBenchShape) bool { return s.Name == strings.TrimSpace(name) })
-		if i < 0 {
-			return nil, usageError{fmt.Sprintf("--shape: unknown shape %q (known: %s)", name, strings.Join(names, ", "))}
-		}
-		out = append(out, known[i])
-	}
-	return out, nil
-}
-
-func parseWorlds(list string) ([]int, error) {
-	var out []int
-	for _, f := range strings.Split(list, ",") {
-		w, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || w < 1 {
-			return nil, usageError{fmt.Sprintf("--world: %q is not a positive number of ranks", f)}
-		}
-		out = append(out, w)
-	}
-	return out, nil
 }
 
 // openBenchBackend opens the backend --backend names (package

@@ -11,7 +11,6 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -177,11 +176,11 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if *iters < 1 {
 		return usageError{"--iters must be positive"}
 	}
-	shapes, err := pickTPShapes(*shapesFlag)
+	shapes, err := pickNamed("--shapes", *shapesFlag, tpBenchShapes(), func(s tpBenchShape) string { return s.Name })
 	if err != nil {
 		return err
 	}
-	tps, err := parseTPList(*tpFlag)
+	tps, err := parseCounts("--tp", *tpFlag, func(n int) bool { return n >= 2 }, "a number of ranks of 2 or more")
 	if err != nil {
 		return err
 	}
@@ -251,37 +250,6 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	printBars(stdout, bars)
 	return nil
-}
-
-// pickTPShapes returns the shapes list names (comma-separated).
-func pickTPShapes(list string) ([]tpBenchShape, error) {
-	known := tpBenchShapes()
-	names := make([]string, len(known))
-	for i, s := range known {
-		names[i] = s.Name
-	}
-	var out []tpBenchShape
-	for _, name := range strings.Split(list, ",") {
-		i := slices.IndexFunc(known, func(s tpBenchShape) bool { return s.Name == strings.TrimSpace(name) })
-		if i < 0 {
-			return nil, usageError{fmt.Sprintf("--shapes: unknown shape %q (known: %s)", name, strings.Join(names, ", "))}
-		}
-		out = append(out, known[i])
-	}
-	return out, nil
-}
-
-// parseTPList reads --tp: numbers of ranks, 2 or more.
-func parseTPList(list string) ([]int, error) {
-	var tps []int
-	for _, f := range strings.Split(list, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || n < 2 {
-			return nil, usageError{fmt.Sprintf("--tp: %q is not a number of ranks of 2 or more", f)}
-		}
-		tps = append(tps, n)
-	}
-	return tps, nil
 }
 
 // tpTensors is one rank's tensors of one pattern, by shape; the first
