@@ -26,7 +26,6 @@ type DispatchEntry struct {
 	MeasuredAt       time.Time `json:"measured_at"`
 }
 
-// dispatchTable is the file's content.
 // dispatchTableVersion is the file format; a file of another version is
 // ignored (and replaced by the next Store).
 const dispatchTableVersion = 3
