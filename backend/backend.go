@@ -423,6 +423,19 @@ type Backend interface {
 	// left it). The peers' deltas must be complete before the call.
 	ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK Tensor, qTQ, doutTQ, lseBHS, deltaBHS []Tensor, s ZigzagShape)
 
+	// Tensor parallelism's fused products (see tensorpar.go): a product
+	// and the collective around it in one op that reads or writes the
+	// peers' tensors directly. The lists hold every rank's tensor, indexed
+	// by rank; rank is the caller's.
+	//
+	// AllGatherMatMul writes fullRK, the row blocks shardsBK stacked in
+	// rank order, and outs[i] = fullRK·op(ws[i]) (op transposes when
+	// transW).
+	AllGatherMatMul(fullRK Tensor, outs []Tensor, shardsBK []Tensor, ws []Tensor, transW bool, rank int)
+	// MatMulScatter computes p = a·op(w), [R, N], and lands row block s of
+	// p (R/len(dstsS) rows) in dstsS[s] from row row0, as landing says.
+	MatMulScatter(dstsS []Tensor, row0 int, a, w Tensor, transW bool, landing ScatterLanding, rank int)
+
 	// AdamWUpdate updates param in place from grad with moments m and v.
 	AdamWUpdate(param, grad, m, v Tensor, h AdamW)
 }

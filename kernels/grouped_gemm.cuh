@@ -248,6 +248,11 @@ __device__ __forceinline__ bool gg_block_staged(int wr0, int rowEnd) { return wr
 //                       backward to dh1 and dh3
 //   GG_DGRAD_COMBINE    dh1.W1 + dh3.W3 (two K halves), each row written
 //                       to its source rank
+//   GG_TP_GATHER        tensor parallelism's AllGather+GEMM: gather the
+//                       ranks' row blocks, x.op(W) with a plain epilogue
+//   GG_TP_SCATTER       tensor parallelism's GEMM+ReduceScatter: A.op(W),
+//                       each row block stored, added or atomically added
+//                       into its owner rank's buffer
 // The dispatches' numbers are also the first word of their fault record
 // (gg_wait_tile), which backend/cuda/moe_fused.go reads.
 enum gg_fusion {
@@ -256,6 +261,9 @@ enum gg_fusion {
   GG_DOWN_COMBINE = 2,
   GG_DISPATCH_DGRAD = 3,
   GG_DGRAD_COMBINE = 4,
+  // 5 is CombineRows' fault record (peer_rows.cu).
+  GG_TP_GATHER = 6,
+  GG_TP_SCATTER = 7,
 };
 
 // gg_fuse holds a fused kernel's operands besides the product's own.
@@ -279,7 +287,22 @@ struct gg_fuse {
   unsigned long long timeoutNs;        // the dispatches: bound of a tile wait
   const unsigned long long* done;      // the combines: per rank, its int32 row flags in send order (0: none)
   int* rowTiles;                       // the combines: [2 * m-tiles] column tiles stored per 64-row block (zeroed)
+  // The tensor-parallel kinds (refs null: a row's rank and position are
+  // arithmetic, row r is position r % blockRows of rank r / blockRows).
+  float* xFull;                        // TP_GATHER: the gathered rows as float32 too, [rows, K] (null: not kept)
+  int blockRows;                       // TP kinds: rows per rank's block
+  int slotRow0;                        // TP_SCATTER: the owners' buffers' row where this rank's block lands
+  int rotM;                            // TP kinds: the walk over m-tiles starts here (the rank's own block) and wraps
+  int scatterMode;                     // TP_SCATTER: GG_SCATTER_STORE, _ADD or _RED
 };
+
+// TP_SCATTER's ways to land a row in its owner's buffer: store it (the
+// buffer is this rank's slot), add it (read, add, write: the rows are
+// this rank's alone), or add it atomically (red.global.add: every rank
+// adds into the same rows).
+#define GG_SCATTER_STORE 0
+#define GG_SCATTER_ADD 1
+#define GG_SCATTER_RED 2
 
 // GG_FRONT_DONE is a finished block's pacing front (the dispatches'
 // sFront): past every m-tile, and far enough from INT_MAX that adding
@@ -296,6 +319,14 @@ struct gg_fuse {
 template <gg_fusion FUSE>
 struct gg_fused_steps;
 
+// gg_rotate is walk position t of n moved on by by (0 <= by < n, so one
+// subtraction wraps it): the tensor-parallel kinds start at their own
+// rank's block.
+__device__ __forceinline__ int gg_rotate(int t, int by, int n) {
+  t += by;
+  return t >= n ? t - n : t;
+}
+
 // ---- the kernel body ----
 
 // gg_body is the whole kernel, for each kernel of grouped_gemm.cu and
@@ -309,9 +340,11 @@ struct gg_fused_steps;
 // (GG_DISPATCH_DGRAD only; GG_DISPATCH_SWIGLU always does): the rows are
 // gathered first, by every warp but the TMA thread's, not by three warps
 // beside the products. SRC_BF16 (GG_DISPATCH_SWIGLU only): the gathered
-// sources are bf16 rows, not float32.
+// sources are bf16 rows, not float32. MNB (the tensor-parallel kinds
+// only): W is read as stored, [K, N] (MN-major), as GG_DISPATCH_DGRAD
+// reads W2, for the products x.W rather than x.W^T.
 template <int BN, int STAGES, bool OUT_BF16, bool REG, bool TMA_STORE, gg_fusion FUSE = GG_PLAIN,
-          bool GATHER_FIRST = false, bool SRC_BF16 = false>
+          bool GATHER_FIRST = false, bool SRC_BF16 = false, bool MNB = false>
 __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, const gg_tmap* mapO, void* out,
                                         const int* off, int rows, int N, int K, int E, float alpha, float beta,
                                         const gg_fuse& fz = gg_fuse{}) {
@@ -324,7 +357,12 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   static_assert(FUSE == GG_PLAIN || (BN == 256 && !REG && !TMA_STORE), "the fused kernels are bn256 cooperative");
   // The dispatches gather their rows and wait for them; GG_DISPATCH_DGRAD
   // reads W2 as stored and the combines' second K half too.
-  constexpr bool DISPATCH = FUSE == GG_DISPATCH_SWIGLU || FUSE == GG_DISPATCH_DGRAD;
+  constexpr bool TP = FUSE == GG_TP_GATHER || FUSE == GG_TP_SCATTER;
+  static_assert(!MNB || TP, "MNB is the tensor-parallel kinds'");
+  constexpr bool DISPATCH = FUSE == GG_DISPATCH_SWIGLU || FUSE == GG_DISPATCH_DGRAD || FUSE == GG_TP_GATHER;
+  // The kinds with staging buffers and their barriers (the MoE
+  // dispatches' epilogues).
+  constexpr bool STAGED = FUSE == GG_DISPATCH_SWIGLU || FUSE == GG_DISPATCH_DGRAD;
   // Columns of N per tile: GG_DISPATCH_SWIGLU's 256-row B tile is 128
   // columns of W1 and the same 128 of W3.
   constexpr int BNT = FUSE == GG_DISPATCH_SWIGLU ? 128 : BN;
@@ -337,8 +375,8 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // GG_DISPATCH_DGRAD brings h1 and h3 in and sends dh1 and dh3 out
   // through two 16 KiB slots per consumer warpgroup
   // (gg_epilogue_dswiglu_tma), with one barrier per slot (XBARS).
-  constexpr unsigned STG_BYTES = (TMA_STORE || DISPATCH) ? 2u * 32768u : 0u;
-  constexpr int XBARS = DISPATCH ? 4 : 0;
+  constexpr unsigned STG_BYTES = (TMA_STORE || STAGED) ? 2u * 32768u : 0u;
+  constexpr int XBARS = STAGED ? 4 : 0;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
   // bits); the host asks for 1 KiB of slack.
@@ -427,7 +465,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         if (FUSE == GG_DISPATCH_SWIGLU && (warp == 1 || warp == 2))
           steps::act_helper(fz, warp - 1, lane, stgBase + (warp - 1) * (STG_BYTES / 2), ebars + 8 * (warp - 1),
                         ebars + 8 * (warp + 1), (unsigned short*)out, rows, N, total, nTN, E, sBeg, sEnd, sCum);
-      } else if constexpr (FUSE == GG_DISPATCH_DGRAD) {
+      } else if constexpr (FUSE == GG_DISPATCH_DGRAD || FUSE == GG_TP_GATHER) {
         // The communication warps 1-3, beside the products.
         if (warp > 0)
           steps::template gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
@@ -448,9 +486,11 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     int s = 0;
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const gg_tile_t tile = gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
+      const gg_tile_t tile = gg_tile<BNT>(TP ? gg_rotate(t, fz.rotM * nTN, total) : t, nTN, E, sBeg, sEnd, sCum);
       if constexpr (DISPATCH) {
-        *sFront = tile.g;
+        // The walk's position (before the rotation): the gather paces
+        // on it.
+        *sFront = t / nTN;
         steps::wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
       }
       for (int kb = 0; kb < nK; kb++) {
@@ -472,8 +512,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
 #pragma unroll
           for (int j = 0; j < 4; j++)
             gg_tma_3d(a + A_BYTES + j * 8192u, second ? fz.mapW3 : mapW, tile.n0 + 64 * j, kc, tile.e, full);
-        } else if (FUSE == GG_DISPATCH_DGRAD) {
-          // W2 as it is stored, [E, K, N]: MN-major boxes of 64 columns.
+        } else if (FUSE == GG_DISPATCH_DGRAD || MNB) {
+          // W2 (or MNB's W) as it is stored, [E, K, N]: MN-major boxes of
+          // 64 columns.
 #pragma unroll
           for (int j = 0; j < 4; j++) gg_tma_3d(a + A_BYTES + j * 8192u, mapW, tile.n0 + 64 * j, kb * GG_BK, tile.e, full);
         } else {
@@ -505,7 +546,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   unsigned stgc = 0;
   const int wtid = tid - 128 * (cw + 1);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const gg_tile_t tile = gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
+    const gg_tile_t tile = gg_tile<BNT>(TP ? gg_rotate(t, fz.rotM * nTN, total) : t, nTN, E, sBeg, sEnd, sCum);
     // The TMA-store epilogues (TMA_STORE and GG_DISPATCH_DGRAD) take the
     // blocks gg_block_tma allows; the others keep the register path.
     // GG_DISPATCH_SWIGLU stages every block with rows (gg_block_staged).
@@ -524,7 +565,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       const unsigned a = base + s * STAGE_BYTES;
       // The backward kernels (GG_DISPATCH_DGRAD and GG_DGRAD_COMBINE)
       // read the weights as stored, MN-major; the rest K-major.
-      constexpr bool MN_B = FUSE == GG_DISPATCH_DGRAD || FUSE == GG_DGRAD_COMBINE;
+      constexpr bool MN_B = FUSE == GG_DISPATCH_DGRAD || FUSE == GG_DGRAD_COMBINE || MNB;
       const unsigned long long da = gg_desc(a + cw * 64 * 128),
                                db = MN_B ? gg_desc_mn(a + A_BYTES, 8192u) : gg_desc(a + A_BYTES);
       gg_wgmma_fence();
@@ -593,10 +634,12 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     } else if constexpr (FUSE == GG_DOWN_COMBINE || FUSE == GG_DGRAD_COMBINE) {
       steps::epilogue_rows(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
       if (fz.done != 0) steps::mark_rows(fz, tile.g, cw, wr0, tile.rowEnd, nTN, warp, lane, 1 + cw);
+    } else if constexpr (FUSE == GG_TP_SCATTER) {
+      steps::epilogue_scatter(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, fz);
     } else {
       gg_epilogue64<OUT_BF16>(acc, r0, tile.rowEnd, tile.n0 + 2 * (lane & 3), N, out, alpha, beta);
     }
   }
   // The staging buffers must outlive the stores reading them.
-  if ((TMA_STORE || DISPATCH) && wtid == 0) gg_bulk_wait();
+  if ((TMA_STORE || STAGED) && wtid == 0) gg_bulk_wait();
 }

@@ -12,8 +12,10 @@
 //     hopper.cuh (wgmma, TMA and mbarrier wrappers), grouped_gemm.cuh (the
 //     pipeline every grouped kernel runs), grouped_gemm.cu (the experts'
 //     products) and moe_fused.cu (the products fused with the dispatch,
-//     SwiGLU and the combine). grouped_gemm.md holds their design notes
-//     and measurements.
+//     SwiGLU and the combine, and tensor parallelism's products fused with
+//     the all-gather of their input or the reduce-scatter of their
+//     output: the same gather and row-sending epilogues). grouped_gemm.md
+//     holds their design notes and measurements.
 //
 // Rules every source follows:
 //   - It includes only this package's headers (#include "name.cuh"), which
@@ -191,6 +193,10 @@ func Sources() []Source {
 			{Name: "moe_dispatch_dgrad", Block: 384, Grid: gatherGrid},
 			{Name: "moe_dispatch_dgrad_first", Block: 384, Grid: gatherGrid},
 			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
+			{Name: "tp_gather_nt", Block: 384, Grid: gatherGrid},
+			{Name: "tp_gather_nn", Block: 384, Grid: gatherGrid},
+			{Name: "tp_scatter_nt", Block: 384, Grid: groupedGrid},
+			{Name: "tp_scatter_nn", Block: 384, Grid: groupedGrid},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

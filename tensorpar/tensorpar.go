@@ -58,6 +58,22 @@ func MatMulAllReduce(b backend.Backend, g comm.Group, out backend.Tensor, terms 
 	return nil
 }
 
+// Options are a Parallel's mode.
+type Options struct {
+	// SequenceParallel keeps activations between blocks on row shards.
+	SequenceParallel bool
+	// Fused runs the patterns as the backend's fused ops
+	// (AllGatherMatMul, MatMulScatter: fused.go) where the group offers
+	// comm.PeerAccess and the rows split evenly; else, and when false, the
+	// collectives around the products (parallel.tp_overlap).
+	Fused bool
+	// Deterministic makes the fused reduce-scatter land every rank's rows
+	// in a slot of its own and sum the slots in rank order, instead of
+	// adding atomically; a backend without float atomics
+	// (backend.Deterministic absent) always does.
+	Deterministic bool
+}
+
 // Parallel is one rank's tensor-parallel group and mode (see the package
 // doc). A nil *Parallel, or one of a group of one rank, is no tensor
 // parallelism: Enabled is false and the layers take their usual path.
@@ -65,13 +81,27 @@ type Parallel struct {
 	b  backend.Backend
 	g  comm.Group
 	sp bool
+	// fused is the fused patterns' state, nil when they are not used.
+	fused *fused
 }
 
 // New returns rank's Parallel over g; sequenceParallel keeps activations
-// between blocks on row shards.
+// between blocks on row shards. The patterns run unfused.
 func New(b backend.Backend, g comm.Group, sequenceParallel bool) *Parallel {
-	return &Parallel{b: b, g: g, sp: sequenceParallel}
+	return NewWith(b, g, Options{SequenceParallel: sequenceParallel})
 }
+
+// NewWith returns rank's Parallel over g in mode o.
+func NewWith(b backend.Backend, g comm.Group, o Options) *Parallel {
+	p := &Parallel{b: b, g: g, sp: o.SequenceParallel}
+	if o.Fused {
+		p.fused = newFused(b, g, o.Deterministic)
+	}
+	return p
+}
+
+// Fused says whether the patterns run as the backend's fused ops.
+func (p *Parallel) Fused() bool { return p.Enabled() && p.fused != nil }
 
 // Enabled says whether p splits anything: a group of more than one rank.
 func (p *Parallel) Enabled() bool { return p != nil && p.g != nil && p.g.Size() > 1 }
@@ -117,6 +147,9 @@ func (p *Parallel) Rows(t int) int {
 // gradients), or x itself. It returns the input the products read.
 func (p *Parallel) ColumnForward(full, x backend.Tensor, outs, ws []backend.Tensor, transW bool) (backend.Tensor, error) {
 	if p.SequenceParallel() {
+		if p.Fused() {
+			return full, p.fused.allGatherMatMul(full, x, outs, ws, transW)
+		}
 		return full, AllGatherMatMul(p.b, p.g, full, x, outs, ws, transW)
 	}
 	for i := range outs {
@@ -130,6 +163,12 @@ func (p *Parallel) ColumnForward(full, x backend.Tensor, outs, ws []backend.Tens
 // parallelism (MatMulReduceScatter through partial), or all of them
 // (MatMulAllReduce, partial unused and may be nil).
 func (p *Parallel) RowForward(out, partial backend.Tensor, terms []Term) error {
+	if p.Fused() && p.fused.takes(out, terms) {
+		if p.SequenceParallel() {
+			return p.fused.matMulReduceScatter(out, terms)
+		}
+		return p.fused.matMulAllReduce(out, terms)
+	}
 	if p.SequenceParallel() {
 		return MatMulReduceScatter(p.b, p.g, out, partial, terms)
 	}

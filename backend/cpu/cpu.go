@@ -58,6 +58,8 @@ type Backend struct {
 	workers int
 	mu      sync.Mutex
 	err     error // the first reported since the last Sync (report)
+	// scatterMu serialises MatMulScatter's atomic landings.
+	scatterMu sync.Mutex
 }
 
 // New returns a CPU backend computing in dt (backend.Float32 or

@@ -45,6 +45,8 @@ type Backend struct {
 	// zigzag holds the fused ring attention kernels' pointer tables
 	// (attention_zigzag.go).
 	zigzag zigzagTables
+	// tp holds the fused tensor-parallel ops' bf16 operands (tp_fused.go).
+	tp tpScratch
 
 	// deterministic selects the ops' fixed-order forms (SetDeterministic).
 	deterministic atomic.Bool

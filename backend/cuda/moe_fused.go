@@ -178,7 +178,7 @@ func (f *fusedTables) checkFault(d *Device) error {
 		return fmt.Errorf("cuda: combine_rows_f32: send row %d never arrived from rank %d within %v (its flag was %d); the results of this step are wrong",
 			w(1), w(2), f.combineWait, w(3))
 	}
-	kernel := map[int32]string{1: "moe_dispatch_swiglu", 3: "moe_dispatch_dgrad"}[w(0)]
+	kernel := map[int32]string{1: "moe_dispatch_swiglu", 3: "moe_dispatch_dgrad", 6: "tp_gather (AllGatherMatMul)"}[w(0)]
 	return fusedFaultError(kernel, f.timeout, int(w(1)), uint32(w(2)), int(w(3)))
 }
 
@@ -535,16 +535,22 @@ type moeKernels struct {
 	// dispatchDgrad's build that gathers first, chosen per shape by
 	// GroupedGemm.dgrad (dgrad_choice.go).
 	dispatchDgrad, dispatchDgradFirst, dgradCombine *Kernel
+	// tpGatherNT/NN and tpScatterNT/NN are tensor parallelism's
+	// AllGather+GEMM and GEMM+ReduceScatter (tp_fused.go), for weights
+	// read transposed (NT) or as stored (NN).
+	tpGatherNT, tpGatherNN, tpScatterNT, tpScatterNN *Kernel
 	// optInGather and optInCombine are the dynamic shared memory the
-	// gathering kernels (fusedGatherSmem) and the combines
-	// (fusedCombineSmem) opted in to.
-	optInGather, optInCombine int
+	// gathering kernels (fusedGatherSmem) and the combines and tp_scatter
+	// (fusedCombineSmem) opted in to; optInTPGather tp_gather's
+	// (tpGatherSmem).
+	optInGather, optInCombine, optInTPGather int
 }
 
 // loadMoEKernels resolves m's fused kernels (m is a build of
 // moe_fused.cu) and opts them in to their shared memory.
 func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
-	x := moeKernels{optInGather: fusedGatherSmem(ggMaxExperts), optInCombine: fusedCombineSmem(ggMaxExperts)}
+	x := moeKernels{optInGather: fusedGatherSmem(ggMaxExperts), optInCombine: fusedCombineSmem(ggMaxExperts),
+		optInTPGather: tpGatherSmem()}
 	for _, f := range []struct {
 		name  string
 		k     **Kernel
@@ -556,6 +562,10 @@ func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
 		{"moe_dispatch_dgrad", &x.dispatchDgrad, x.optInGather},
 		{"moe_dispatch_dgrad_first", &x.dispatchDgradFirst, x.optInGather},
 		{"moe_dgrad_combine", &x.dgradCombine, x.optInCombine},
+		{"tp_gather_nt", &x.tpGatherNT, x.optInTPGather},
+		{"tp_gather_nn", &x.tpGatherNN, x.optInTPGather},
+		{"tp_scatter_nt", &x.tpScatterNT, x.optInCombine},
+		{"tp_scatter_nn", &x.tpScatterNN, x.optInCombine},
 	} {
 		var err error
 		if *f.k, err = g.optIn(m, f.name, f.optIn); err != nil {

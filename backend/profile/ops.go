@@ -55,6 +55,8 @@ const (
 	opDispatchDgrad     = "DispatchDgradSwiGLU"
 	opDgradCombine      = "DgradCombine"
 	opAdamWUpdate       = "AdamWUpdate"
+	opAllGatherMatMul   = "AllGatherMatMul"
+	opMatMulScatter     = "MatMulScatter"
 )
 
 func (p *Backend) Name() string             { return p.inner.Name() }
@@ -295,4 +297,14 @@ func (p *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 func (p *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
 	defer p.end(p.begin(), opDgradCombine)
 	p.inner.DgradCombine(outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+}
+
+func (p *Backend) AllGatherMatMul(fullRK backend.Tensor, outs, shardsBK, ws []backend.Tensor, transW bool, rank int) {
+	defer p.end(p.begin(), opAllGatherMatMul)
+	p.inner.AllGatherMatMul(fullRK, outs, shardsBK, ws, transW, rank)
+}
+
+func (p *Backend) MatMulScatter(dstsS []backend.Tensor, row0 int, a, w backend.Tensor, transW bool, landing backend.ScatterLanding, rank int) {
+	defer p.end(p.begin(), opMatMulScatter)
+	p.inner.MatMulScatter(dstsS, row0, a, w, transW, landing, rank)
 }

@@ -1,0 +1,295 @@
+package cuda
+
+// Tensor parallelism's fused products (kernels/moe_fused.cu, tp_*):
+//   - AllGatherMatMul runs tp_gather_nt or tp_gather_nn: three warps a
+//     block gather the ranks' row blocks (float32, read in place from each
+//     rank's tensor: a virtual rank's buffer, or a peer GPU's over NVLink),
+//     round them to bf16 into a scratch operand and keep them as float32
+//     in full, publishing each 16-row chunk of an m-tile; the TMA thread
+//     waits for an m-tile's chunks (bounded: a lost peer is reported at
+//     the next Sync, naming the m-tile and the rank) and the consumers
+//     multiply it while later tiles are still being copied. The walk
+//     starts at the caller's own block. Outputs after the first are
+//     products of the gathered bf16 rows (cuBLASLt).
+//   - MatMulScatter runs tp_scatter_nt or tp_scatter_nn: the product's
+//     epilogue sends each row to its owner's tensor (stored, added, or
+//     added atomically, backend.ScatterLanding), the walk starting at the
+//     next rank's block so the ranks write to different owners at once.
+//
+// Float32 operands are rounded to bf16 first into the backend's scratch
+// (as MatMul rounds its operands), so the fused ops multiply exactly what
+// the unfused products multiply. Calls the kernels do not take (not
+// Hopper, widths not multiples of 8, misaligned tensors) run the unfused
+// sequence (backend.AllGatherMatMulBySteps, MatMulScatterBySteps); on one
+// stream its adds are ordered by the queue.
+
+import (
+	"runtime"
+	"sync"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+)
+
+// tpScratch holds the fused tensor-parallel ops' bf16 operands, grown to
+// the largest call: rows (the gathered x, or a rounded a) and weights.
+// Calls are queued on one stream, so a call's kernel has read them before
+// the next call's conversions overwrite them.
+type tpScratch struct {
+	mu         sync.Mutex
+	rows, wght *Tensor
+}
+
+// tpScratchView returns a bf16 [r, c] view of *buf, grown when smaller.
+func (b *Backend) tpScratchView(buf **Tensor, r, c int) *Tensor {
+	if *buf == nil || (*buf).Len() < r*c {
+		*buf = b.New(backend.BFloat16, r*c).(*Tensor)
+	}
+	return b.View(*buf, 0, r, c).(*Tensor)
+}
+
+// tpBF16 returns t itself when it is bf16, else its rounding into *buf.
+func (b *Backend) tpBF16(buf **Tensor, t *Tensor) *Tensor {
+	if t.dt == backend.BFloat16 {
+		return t
+	}
+	v := b.tpScratchView(buf, t.shape[0], t.shape[1])
+	b.Copy(v, t)
+	return v
+}
+
+// tpGatherSmem is tp_gather's dynamic shared memory: alignment slack, 4
+// stages of the BN 256 tile, the stage barriers and the schedule of one
+// group with the gather's pacing front (gg_body's layout).
+func tpGatherSmem() int {
+	const stages = 4
+	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 16*stages + 4*(3*1+2)
+}
+
+// tpRotM is the m-tile a walk over rows split into blocks of blockRows
+// starts at to begin with block first: 0 when blocks do not start on
+// m-tile boundaries.
+func tpRotM(first, blockRows int) int {
+	if blockRows%ggBM != 0 {
+		return 0
+	}
+	return first * blockRows / ggBM
+}
+
+// AllGatherMatMul runs tp_gather when the call is one it takes (float32
+// shards and full, a Hopper GPU), else the unfused sequence.
+func (b *Backend) AllGatherMatMul(fullRK backend.Tensor, outs, shardsBK, ws []backend.Tensor, transW bool, rank int) {
+	const op = "AllGatherMatMul"
+	if err := backend.CheckAllGatherMatMul(fullRK, outs, shardsBK, ws, transW, rank); err != nil {
+		fail(op, "%v", err)
+	}
+	if b.allGatherMatMulKernel(fullRK, outs, shardsBK, ws, transW, rank) {
+		return
+	}
+	backend.AllGatherMatMulBySteps(b, fullRK, outs, shardsBK, ws, transW)
+}
+
+func (b *Backend) allGatherMatMulKernel(fullRK backend.Tensor, outs, shardsBK, ws []backend.Tensor, transW bool, rank int) bool {
+	if len(outs) == 0 || len(shardsBK) > fusedMaxRanks {
+		return false
+	}
+	ranks, ok := peerPtrs(shardsBK, backend.Float32)
+	if !ok {
+		return false
+	}
+	ends, ok := peerPtrs([]backend.Tensor{fullRK, outs[0]}, backend.Float32)
+	if !ok {
+		return false
+	}
+	w0, ok := ws[0].(*Tensor)
+	if !ok || (w0.dt != backend.Float32 && w0.dt != backend.BFloat16) {
+		return false
+	}
+	ss, os := shardsBK[0].Shape(), outs[0].Shape()
+	blockRows, k, n := ss[0], ss[1], os[1]
+	rows := len(shardsBK) * blockRows
+	for _, p := range append(ranks, ends...) {
+		if p%16 != 0 {
+			return false
+		}
+	}
+	x, ok := b.expertKernels()
+	if !ok || rows == 0 {
+		return false
+	}
+	gg := x.bf16Out
+	s := &b.tp
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	xbf := b.tpScratchView(&s.rows, rows, k)
+	wbf := b.tpBF16(&s.wght, w0)
+	ps, ok := devicePtrs(xbf, wbf)
+	if !ok {
+		return false
+	}
+	f := &b.fused
+	f.mu.Lock()
+	// The offsets are staged below (any aligned address passes the check).
+	if err := checkGroupedGemm(ends[1], ps[0], ps[1], 16, rows, n, k, 1, 256); err != nil {
+		f.mu.Unlock()
+		return false
+	}
+	err := f.stage(b.dev, ranks, nil, nil, nil, []int{rows})
+	var flags, fault driver.DevicePtr
+	if err == nil {
+		flags, fault, err = f.armWaits(b.dev, rows/ggBM+1, gg.waitTimeout())
+	}
+	if err == nil {
+		tp := f.tables.Ptr()
+		err = gg.runTPGather(tpGather{
+			out: ends[1], x: ps[0], full: ends[0], w: ps[1], ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff,
+			flags: flags, fault: fault, rows: rows, n: n, k: k, blockRows: blockRows,
+			rotM: tpRotM(rank, blockRows), mn: !transW,
+		})
+	}
+	f.mu.Unlock()
+	b.fail(err)
+	for i := 1; i < len(outs); i++ {
+		b.MatMul(outs[i], xbf, ws[i], false, transW, 1, 0)
+	}
+	runtime.KeepAlive(fullRK)
+	runtime.KeepAlive(outs)
+	runtime.KeepAlive(shardsBK)
+	runtime.KeepAlive(ws)
+	return true
+}
+
+// MatMulScatter runs tp_scatter when the call is one it takes (float32
+// destinations, a Hopper GPU), else the unfused sequence.
+func (b *Backend) MatMulScatter(dstsS []backend.Tensor, row0 int, a, w backend.Tensor, transW bool, landing backend.ScatterLanding, rank int) {
+	const op = "MatMulScatter"
+	if err := backend.CheckMatMulScatter(dstsS, row0, a, w, transW, landing, rank); err != nil {
+		fail(op, "%v", err)
+	}
+	if b.matMulScatterKernel(dstsS, row0, a, w, transW, landing, rank) {
+		return
+	}
+	cols := dstsS[0].Shape()[1]
+	backend.MatMulScatterBySteps(b, b.New(b.FloatType(), a.Shape()[0], cols), dstsS, row0, a, w, transW, landing)
+}
+
+func (b *Backend) matMulScatterKernel(dstsS []backend.Tensor, row0 int, a, w backend.Tensor, transW bool, landing backend.ScatterLanding, rank int) bool {
+	if len(dstsS) > fusedMaxRanks {
+		return false
+	}
+	owners, ok := peerPtrs(dstsS, backend.Float32)
+	if !ok {
+		return false
+	}
+	at, ok1 := a.(*Tensor)
+	wt, ok2 := w.(*Tensor)
+	if !ok1 || !ok2 {
+		return false
+	}
+	for _, t := range []*Tensor{at, wt} {
+		if t.dt != backend.Float32 && t.dt != backend.BFloat16 {
+			return false
+		}
+	}
+	rows, k, n := at.shape[0], at.shape[1], dstsS[0].Shape()[1]
+	for _, p := range owners {
+		if p%16 != 0 {
+			return false
+		}
+	}
+	x, ok := b.expertKernels()
+	if !ok || rows == 0 {
+		return false
+	}
+	gg := x.bf16Out
+	s := &b.tp
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	abf := b.tpBF16(&s.rows, at)
+	wbf := b.tpBF16(&s.wght, wt)
+	ps, ok := devicePtrs(abf, wbf)
+	if !ok {
+		return false
+	}
+	f := &b.fused
+	f.mu.Lock()
+	if err := checkGroupedGemm(owners[0], ps[0], ps[1], 16, rows, n, k, 1, 256); err != nil {
+		f.mu.Unlock()
+		return false
+	}
+	blockRows := rows / len(dstsS)
+	err := f.stage(b.dev, owners, nil, nil, nil, []int{rows})
+	if err == nil {
+		tp := f.tables.Ptr()
+		err = gg.runTPScatter(tpScatter{
+			a: ps[0], w: ps[1], ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff, rows: rows, n: n, k: k,
+			blockRows: blockRows, slotRow0: row0, rotM: tpRotM((rank+1)%len(dstsS), blockRows),
+			landing: landing, mn: !transW,
+		})
+	}
+	f.mu.Unlock()
+	b.fail(err)
+	runtime.KeepAlive(dstsS)
+	runtime.KeepAlive(a)
+	runtime.KeepAlive(w)
+	return true
+}
+
+// tpGather is one tp_gather call: out [rows, n] = x.op(W), x gathered from
+// ptrs' blocks into the bf16 x and float32 full; w is [n, k] (nt) or
+// [k, n] (mn: tp_gather_nn).
+type tpGather struct {
+	out, x, full, w, ptrs, offsets, flags, fault driver.DevicePtr
+	rows, n, k, blockRows, rotM                  int
+	mn                                           bool
+}
+
+// tpScatter is one tp_scatter call: p = a.op(W) [rows, n], row r landing
+// in ptrs[r / blockRows] at row slotRow0 + r % blockRows.
+type tpScatter struct {
+	a, w, ptrs, offsets                   driver.DevicePtr
+	rows, n, k, blockRows, slotRow0, rotM int
+	landing                               backend.ScatterLanding
+	mn                                    bool
+}
+
+// tpWeightMap is the bf16 map of a weight the tensor-parallel kernels
+// read: [n, k] K-major (boxes of 256 rows), or [k, n] as stored (mn).
+func tpWeightMap(w driver.DevicePtr, n, k int, mn bool) driver.TiledMap {
+	if mn {
+		return expertsMNMap(w, 1, n, k)
+	}
+	return expertsMap(w, 1, n, k, 256)
+}
+
+// runTPGather queues tp_gather_nt or tp_gather_nn. Its grid must be
+// resident at once (TMA threads wait on other blocks' gathering warps):
+// one block per SM, which its shared memory enforces.
+func (g *GroupedGemm) runTPGather(a tpGather) error {
+	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn)}
+	slots := []uint64{uint64(a.out), uint64(a.x), uint64(a.full), uint64(a.ptrs), uint64(a.flags), uint64(a.fault),
+		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
+		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM))}
+	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
+	grid.Shared = tpGatherSmem()
+	k := g.moe.tpGatherNT
+	if a.mn {
+		k = g.moe.tpGatherNN
+	}
+	return g.launchFused(k, grid, maps, slots, g.moe.optInTPGather)
+}
+
+// runTPScatter queues tp_scatter_nt or tp_scatter_nn.
+func (g *GroupedGemm) runTPScatter(a tpScatter) error {
+	maps := []driver.TiledMap{rowsMap(a.a, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn)}
+	slots := []uint64{uint64(a.ptrs), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
+		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.slotRow0)), uint64(uint32(a.rotM)),
+		uint64(uint32(a.landing))}
+	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
+	grid.Shared = fusedCombineSmem(1)
+	k := g.moe.tpScatterNT
+	if a.mn {
+		k = g.moe.tpScatterNN
+	}
+	return g.launchFused(k, grid, maps, slots, g.moe.optInCombine)
+}

@@ -1,0 +1,151 @@
+package cuda
+
+// Tensor parallelism's fused kernels (tp_fused.go) against their unfused
+// sequences on the same GPU (backend.AllGatherMatMulBySteps,
+// MatMulScatterBySteps), on fresh random inputs: blocks that start on
+// m-tile boundaries (the walk rotated to the caller's block) and blocks
+// that do not, partial tiles, weights read transposed and as stored, and
+// every landing, the atomic one with every rank adding in turn.
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+type tpFusedCase struct {
+	ranks, block, k, n int
+}
+
+func (c tpFusedCase) String() string {
+	return fmt.Sprintf("W%d_B%d_K%d_N%d", c.ranks, c.block, c.k, c.n)
+}
+
+func tpFusedCases() []tpFusedCase {
+	return []tpFusedCase{
+		{ranks: 2, block: 256, k: 512, n: 384},
+		{ranks: 4, block: 100, k: 264, n: 136},
+		{ranks: 3, block: 128, k: 1024, n: 2048},
+		{ranks: 8, block: 64, k: 128, n: 520},
+	}
+}
+
+func tpRandom(b *Backend, rng *rand.Rand, shape ...int) backend.Tensor {
+	t := b.New(backend.Float32, shape...)
+	v := make([]float32, t.Len())
+	for i := range v {
+		v[i] = float32(rng.NormFloat64())
+	}
+	backend.UploadSlice(b, t, v)
+	return t
+}
+
+// tpClone is a copy of t.
+func tpClone(b *Backend, t backend.Tensor) backend.Tensor {
+	c := b.New(t.DType(), t.Shape()...)
+	b.Copy(c, t)
+	return c
+}
+
+func TestTPFusedMatchesUnfused(t *testing.T) {
+	testGroupedGemm(t) // the canary and the Hopper check
+	b := testBackend(t)
+	for i, c := range tpFusedCases() {
+		for _, transW := range []bool{true, false} {
+			name := fmt.Sprintf("%v_transW=%v", c, transW)
+			t.Run(name, func(t *testing.T) { c.test(t, b, transW, uint64(300+i)) })
+		}
+	}
+}
+
+func (c tpFusedCase) weight(b *Backend, rng *rand.Rand, n int, transW bool) backend.Tensor {
+	if transW {
+		return tpRandom(b, rng, n, c.k)
+	}
+	return tpRandom(b, rng, c.k, n)
+}
+
+func (c tpFusedCase) test(t *testing.T, b *Backend, transW bool, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 11))
+	rows := c.ranks * c.block
+	shards := make([]backend.Tensor, c.ranks)
+	for s := range shards {
+		shards[s] = tpRandom(b, rng, c.block, c.k)
+	}
+	// Two outputs: the first is the kernel's, the second a product of the
+	// gathered bf16 rows.
+	ws := []backend.Tensor{c.weight(b, rng, c.n, transW), c.weight(b, rng, 24, transW)}
+	newOuts := func() []backend.Tensor {
+		return []backend.Tensor{b.New(backend.Float32, rows, c.n), b.New(backend.Float32, rows, 24)}
+	}
+	rank := c.ranks - 1
+	full, outs := b.New(backend.Float32, rows, c.k), newOuts()
+	b.AllGatherMatMul(full, outs, shards, ws, transW, rank)
+	fullW, outsW := b.New(backend.Float32, rows, c.k), newOuts()
+	backend.AllGatherMatMulBySteps(b, fullW, outsW, shards, ws, transW)
+
+	// MatMulScatter: every rank's product lands in the owners' tensors,
+	// from row 3 of tensors of block+5 rows.
+	const row0 = 3
+	as := make([]backend.Tensor, c.ranks)
+	for q := range as {
+		as[q] = tpRandom(b, rng, rows, c.k)
+	}
+	wS := c.weight(b, rng, c.n, transW)
+	base := make([]backend.Tensor, c.ranks)
+	for s := range base {
+		base[s] = tpRandom(b, rng, c.block+5, c.n)
+	}
+	landed := map[backend.ScatterLanding][2][]backend.Tensor{}
+	for _, l := range []backend.ScatterLanding{backend.ScatterStore, backend.ScatterAdd, backend.ScatterAtomic} {
+		var got, want []backend.Tensor
+		for s := range base {
+			got, want = append(got, tpClone(b, base[s])), append(want, tpClone(b, base[s]))
+		}
+		// Store and Add: one rank's call; Atomic: every rank adds in turn.
+		callers := []int{1 % c.ranks}
+		if l == backend.ScatterAtomic {
+			callers = callers[:0]
+			for q := range c.ranks {
+				callers = append(callers, q)
+			}
+		}
+		for _, q := range callers {
+			b.MatMulScatter(got, row0, as[q], wS, transW, l, q)
+			backend.MatMulScatterBySteps(b, b.New(backend.Float32, rows, c.n), want, row0, as[q], wS, transW, l)
+		}
+		landed[l] = [2][]backend.Tensor{got, want}
+	}
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+
+	gotFull, wantFull := backend.DownloadFloat32(b, full), backend.DownloadFloat32(b, fullW)
+	for i := range wantFull {
+		if gotFull[i] != wantFull[i] {
+			t.Fatalf("full[%d] = %v, the copies give %v (the gather is exact)", i, gotFull[i], wantFull[i])
+		}
+	}
+	for i := range outs {
+		if e := relL2(backend.DownloadFloat32(b, outs[i]), backend.DownloadFloat32(b, outsW[i])); !(e < 1e-4) {
+			t.Errorf("AllGatherMatMul output %d: rel L2 %.3g against the unfused sequence", i, e)
+		}
+	}
+	for l, gw := range landed {
+		for s := range gw[0] {
+			got, want := backend.DownloadFloat32(b, gw[0][s]), backend.DownloadFloat32(b, gw[1][s])
+			// Rows outside [row0, row0+block) are the base's, untouched.
+			for i := range want {
+				r := i / c.n
+				if (r < row0 || r >= row0+c.block) && got[i] != want[i] {
+					t.Fatalf("%v: owner %d row %d (outside the landing rows) changed: %v, want %v", l, s, r, got[i], want[i])
+				}
+			}
+			if e := relL2(got, want); !(e < 1e-4) {
+				t.Errorf("MatMulScatter %v: owner %d's rows: rel L2 %.3g against the unfused sequence", l, s, e)
+			}
+		}
+	}
+}
