@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"testing"
+	"time"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -82,7 +83,11 @@ func (c tpFusedCase) test(t *testing.T, b *Backend, transW bool, seed uint64) {
 	}
 	rank := c.ranks - 1
 	full, outs := b.New(backend.Float32, rows, c.k), newOuts()
-	b.AllGatherMatMul(full, outs, shards, ws, transW, rank)
+	// The kernel must take the call (the op would fall back to the
+	// sequence and compare it with itself).
+	if !b.allGatherMatMulKernel(full, outs, shards, ws, transW, rank) {
+		t.Fatal("tp_gather did not take the call")
+	}
 	fullW, outsW := b.New(backend.Float32, rows, c.k), newOuts()
 	backend.AllGatherMatMulBySteps(b, fullW, outsW, shards, ws, transW)
 
@@ -113,7 +118,9 @@ func (c tpFusedCase) test(t *testing.T, b *Backend, transW bool, seed uint64) {
 			}
 		}
 		for _, q := range callers {
-			b.MatMulScatter(got, row0, as[q], wS, transW, l, q)
+			if !b.matMulScatterKernel(got, row0, as[q], wS, transW, l, q) {
+				t.Fatalf("tp_scatter did not take the call (%v)", l)
+			}
 			backend.MatMulScatterBySteps(b, b.New(backend.Float32, rows, c.n), want, row0, as[q], wS, transW, l)
 		}
 		landed[l] = [2][]backend.Tensor{got, want}
@@ -146,6 +153,82 @@ func (c tpFusedCase) test(t *testing.T, b *Backend, transW bool, seed uint64) {
 			if e := relL2(got, want); !(e < 1e-4) {
 				t.Errorf("MatMulScatter %v: owner %d's rows: rel L2 %.3g against the unfused sequence", l, s, e)
 			}
+		}
+	}
+}
+
+// TestTPFusedFigures times one rank's calls at the Llama-70B-like layer of
+// mktrain bench tp at tp 8 (8192 rows a rank, hidden 8192, ffn 28672/8),
+// each against the product alone (MatMul with its operands' rounding):
+// the gather's up projection [65536, 8192]·[3584, 8192]^T and the
+// scatter's down projection [65536, 3584]·[8192, 3584]^T with each
+// landing (store into slots, add, atomic add). The figures are one rank's
+// kernel; mktrain bench tp times the patterns over all ranks.
+func TestTPFusedFigures(t *testing.T) {
+	testGroupedGemm(t)
+	if testing.Short() {
+		t.Skip("figures: not in -short")
+	}
+	b := testBackend(t)
+	const w, block, hidden, ffn = 8, 8192, 8192, 28672 / 8
+	rows := w * block
+	rng := rand.New(rand.NewPCG(5, 5))
+	time1 := func(name string, flop float64, run func()) float64 {
+		run()
+		if err := b.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		const reps = 5
+		start := time.Now()
+		for range reps {
+			run()
+		}
+		if err := b.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		ms := float64(time.Since(start).Microseconds()) / 1e3 / reps
+		figure(t, "tp_"+name+"_ms", ms, "ms")
+		figure(t, "tp_"+name+"_tflops", flop/ms/1e9, "TFLOP/s")
+		return ms
+	}
+	{
+		shards := make([]backend.Tensor, w)
+		for s := range shards {
+			shards[s] = tpRandom(b, rng, block, hidden)
+		}
+		wUp := tpRandom(b, rng, ffn, hidden)
+		full, out := b.New(backend.Float32, rows, hidden), b.New(backend.Float32, rows, ffn)
+		flop := 2 * float64(rows) * hidden * ffn
+		prod := time1("up_product", flop, func() { b.MatMul(out, full, wUp, false, true, 1, 0) })
+		fused := time1("allgather_gemm_fused", flop, func() {
+			b.AllGatherMatMul(full, []backend.Tensor{out}, shards, []backend.Tensor{wUp}, true, 0)
+		})
+		figure(t, "tp_allgather_gemm_fused_over_product", fused/prod, "x")
+	}
+	{
+		a := tpRandom(b, rng, rows, ffn)
+		wDown := tpRandom(b, rng, hidden, ffn)
+		out := b.New(backend.Float32, rows, hidden)
+		flop := 2 * float64(rows) * hidden * ffn
+		prod := time1("down_product", flop, func() { b.MatMul(out, a, wDown, false, true, 1, 0) })
+		owners := make([]backend.Tensor, w)
+		slots := make([]backend.Tensor, w)
+		for s := range owners {
+			owners[s] = b.New(backend.Float32, block, hidden)
+			slots[s] = b.New(backend.Float32, rows, hidden)
+		}
+		for _, l := range []struct {
+			name    string
+			dsts    []backend.Tensor
+			row0    int
+			landing backend.ScatterLanding
+		}{
+			{"store_slots", slots, 3 * block, backend.ScatterStore},
+			{"add", owners, 0, backend.ScatterAdd},
+			{"atomic", owners, 0, backend.ScatterAtomic},
+		} {
+			ms := time1("gemm_scatter_"+l.name, flop, func() { b.MatMulScatter(l.dsts, l.row0, a, wDown, true, l.landing, 3) })
+			figure(t, "tp_gemm_scatter_"+l.name+"_over_product", ms/prod, "x")
 		}
 	}
 }
