@@ -187,6 +187,45 @@ __device__ __forceinline__ void gg_epilogue_tma(const float (&acc)[128], const g
   }
 }
 
+// gg_epilogue_tma_f32 is gg_epilogue_tma for a float32 out (no alpha):
+// the warpgroup's 64x256 block is eight boxes of 32 columns x 64 rows
+// (128-byte rows, 128-byte swizzle), staged four at a time in 32 KiB, two
+// passes; before each pass thread 0 waits for the previous stores to have
+// read the buffer. A thread's column pair (8 bytes) of column group i
+// sits in 16-byte chunk 2(i % 4) + (lane % 4) / 2 of its box row, at byte
+// 8 (lane % 2) in it.
+__device__ __forceinline__ void gg_epilogue_tma_f32(const float (&acc)[128], const gg_tmap* mapO, unsigned stg,
+                                                    int wtid, int warp, int lane, int row0, int n0, int N, int id) {
+  const int rl = (warp & 3) * 16 + (lane >> 2);
+  const unsigned rowA = stg + rl * 128, rowB = rowA + 8 * 128;
+  const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
+  const unsigned within = (unsigned)(lane & 1) << 3;
+#pragma unroll
+  for (int pass = 0; pass < 2; pass++) {
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(id, 128);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {  // column groups 16 pass + j
+      const int i = 16 * pass + j;
+      const int c = (j & 3) * 2 + ((lane & 3) >> 1);
+      const unsigned o = (j >> 2) * 8192 + ((unsigned)(c ^ sw) << 4 | within);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(rowA + o), "f"(acc[4 * i]), "f"(acc[4 * i + 1]) : "memory");
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(rowB + o), "f"(acc[4 * i + 2]), "f"(acc[4 * i + 3])
+                   : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_named_sync(id, 128);
+    if (wtid == 0) {
+#pragma unroll
+      for (int b = 0; b < 4; b++) {
+        const int c = n0 + (4 * pass + b) * 32;
+        if (c < N) gg_tma_store_2d(mapO, c, row0, stg + b * 8192);
+      }
+      gg_bulk_commit();
+    }
+  }
+}
+
 // ---- the schedule ----
 
 // gg_tile decodes tile t of the schedule: the M = cum[E] global m-tiles
@@ -375,7 +414,10 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // GG_DISPATCH_DGRAD brings h1 and h3 in and sends dh1 and dh3 out
   // through two 16 KiB slots per consumer warpgroup
   // (gg_epilogue_dswiglu_tma), with one barrier per slot (XBARS).
-  constexpr unsigned STG_BYTES = (TMA_STORE || STAGED) ? 2u * 32768u : 0u;
+  // GG_TP_GATHER stages its float32 out in two passes of 32 KiB per
+  // consumer warpgroup (gg_epilogue_tma_f32).
+  constexpr bool TMA_F32 = FUSE == GG_TP_GATHER;
+  constexpr unsigned STG_BYTES = (TMA_STORE || STAGED || TMA_F32) ? 2u * 32768u : 0u;
   constexpr int XBARS = STAGED ? 4 : 0;
 
   // Tiles start 1024-byte aligned (the swizzle is on absolute address
@@ -474,7 +516,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
     gg_prefetch_tmap(mapA);
     gg_prefetch_tmap(mapW);
-    if (TMA_STORE) gg_prefetch_tmap(mapO);
+    if (TMA_STORE || TMA_F32) gg_prefetch_tmap(mapO);
     if (FUSE == GG_DISPATCH_SWIGLU) {
       gg_prefetch_tmap(fz.mapW3);
       for (int i = 0; i < 3; i++) gg_prefetch_tmap(fz.mapOut[i]);
@@ -616,6 +658,14 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         continue;
       }
     }
+    if constexpr (TMA_F32) {
+      // One group: every row of the block inside the tensor is the
+      // tile's; TMA clips the rest.
+      if (wr0 < tile.rowEnd)
+        gg_epilogue_tma_f32(*(const float(*)[128])acc, mapO, stgBase + cw * (STG_BYTES / 2), wtid, warp, lane, wr0,
+                            tile.n0, N, 1 + cw);
+      continue;
+    }
     // Epilogue: registers straight to global memory, masked to the
     // expert's rows and to N.
     const long long r0 = (long long)tile.row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
@@ -641,5 +691,5 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
   }
   // The staging buffers must outlive the stores reading them.
-  if ((TMA_STORE || STAGED) && wtid == 0) gg_bulk_wait();
+  if ((TMA_STORE || STAGED || TMA_F32) && wtid == 0) gg_bulk_wait();
 }

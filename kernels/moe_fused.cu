@@ -1015,8 +1015,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
 
 // ---- tensor parallelism ----
 //
-// tp_gather_nt and tp_gather_nn (GG_TP_GATHER, 4 stages, the register
-// epilogue, float32 out): AllGather+GEMM. The rows of x, W ranks' blocks
+// tp_gather_nt and tp_gather_nn (GG_TP_GATHER, 3 stages, float32 out by
+// TMA stores through two 32 KiB staging buffers: gg_epilogue_tma_f32):
+// AllGather+GEMM. The rows of x, W ranks' blocks
 // of blockRows rows each (ptrs: per rank its float32 [blockRows, K]
 // block), are gathered beside the products by three warps a block
 // (gg_gather, paced), rounded to bf16 into xRD ([rows, K], mapA's tensor)
@@ -1025,7 +1026,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
 // x.W (nn: W [K, N] as stored, mapW {N, K, 1}, boxes of 64x64). The walk
 // over m-tiles, and the gather with it, starts at m-tile rotM (this
 // rank's own block) and wraps, so each rank reads its own rows first and
-// the peers' in rank order after it. flags and fault as
+// the peers' in rank order after it. mapO is out's {N, rows} float32 map
+// (boxes of 32 x 64, 128-byte swizzle). flags and fault as
 // moe_dispatch_swiglu's.
 //
 // tp_scatter_nt and tp_scatter_nn (GG_TP_SCATTER, 4 stages): GEMM +
@@ -1036,14 +1038,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
 // first m-tile of the next rank's block), so at any moment the ranks'
 // kernels write to different owners.
 #define TP_GATHER_PARAMS                                                                                        \
-  const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, float *out, unsigned short *xRD, \
+  const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO, \
+      float *out, unsigned short *xRD,                                                                           \
       float *xFull, const unsigned long long *ptrs, int *flags, int *fault, unsigned long long timeoutNs,       \
       const int *off, int rows, int N, int K, int blockRows, int rotM
 #define TP_GATHER_ARGS \
-  mapA, mapW, out, xRD, xFull, ptrs, flags, fault, timeoutNs, off, rows, N, K, blockRows, rotM
+  mapA, mapW, mapO, out, xRD, xFull, ptrs, flags, fault, timeoutNs, off, rows, N, K, blockRows, rotM
 
 template <bool MNB>
-__device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tmap& mapW, float* out,
+__device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapO, float* out,
                                                unsigned short* xRD, float* xFull, const unsigned long long* ptrs,
                                                int* flags, int* fault, unsigned long long timeoutNs, const int* off,
                                                int rows, int N, int K, int blockRows, int rotM) {
@@ -1056,7 +1059,7 @@ __device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tma
   fz.timeoutNs = timeoutNs;
   fz.blockRows = blockRows;
   fz.rotM = rotM;
-  gg_body<256, 4, false, false, false, GG_TP_GATHER, false, false, MNB>(&mapA, &mapW, nullptr, out, off, rows, N, K, 1,
+  gg_body<256, 3, false, false, false, GG_TP_GATHER, false, false, MNB>(&mapA, &mapW, &mapO, out, off, rows, N, K, 1,
                                                                         1.0f, 0.0f, fz);
 }
 

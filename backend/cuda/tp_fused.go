@@ -58,12 +58,24 @@ func (b *Backend) tpBF16(buf **Tensor, t *Tensor) *Tensor {
 	return v
 }
 
-// tpGatherSmem is tp_gather's dynamic shared memory: alignment slack, 4
-// stages of the BN 256 tile, the stage barriers and the schedule of one
-// group with the gather's pacing front (gg_body's layout).
+// tpGatherSmem is tp_gather's dynamic shared memory: alignment slack, 3
+// stages of the BN 256 tile, two 32 KiB staging buffers (the float32
+// TMA-store epilogue), the stage barriers and the schedule of one group
+// with the gather's pacing front (gg_body's layout).
 func tpGatherSmem() int {
-	const stages = 4
-	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 16*stages + 4*(3*1+2)
+	const stages = 3
+	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 2*32768 + 16*stages + 4*(3*1+2)
+}
+
+// f32BoxesMap is the {n, rows} float32 map of a [rows, n] output that
+// gg_epilogue_tma_f32 stores: boxes of 32 columns x 64 rows, 128-byte
+// swizzle.
+func f32BoxesMap(addr driver.DevicePtr, rows, n int) driver.TiledMap {
+	return driver.TiledMap{
+		Type: driver.TensorMapFloat32, Addr: addr,
+		Dims: []uint64{uint64(n), uint64(rows)}, Strides: []uint64{4 * uint64(n)},
+		Box: []uint32{32, 64}, Swizzle: driver.Swizzle128B, L2: driver.L2PromotionNone,
+	}
 }
 
 // tpRotM is the m-tile a walk over rows split into blocks of blockRows
@@ -266,7 +278,7 @@ func tpWeightMap(w driver.DevicePtr, n, k int, mn bool) driver.TiledMap {
 // resident at once (TMA threads wait on other blocks' gathering warps):
 // one block per SM, which its shared memory enforces.
 func (g *GroupedGemm) runTPGather(a tpGather) error {
-	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn)}
+	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn), f32BoxesMap(a.out, a.rows, a.n)}
 	slots := []uint64{uint64(a.out), uint64(a.x), uint64(a.full), uint64(a.ptrs), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM))}
