@@ -19,10 +19,14 @@ import (
 // rankStep is one rank's part of a timed step: the group whose barriers
 // bracket the step (every rank's in it), the rank's groups (aborted when
 // its work fails, so that the others stop waiting) and the work.
+// afterFirstTimed, when set, runs once after the first timed step has
+// ended on every rank and before the next begins, outside the timed
+// interval (bench tp reads the outputs that step left).
 type rankStep struct {
-	group comm.Group
-	ranks *comm.Ranks
-	work  func() error
+	group           comm.Group
+	ranks           *comm.Ranks
+	work            func() error
+	afterFirstTimed func() error
 }
 
 // medianRankStep runs 2 warm-up and iters timed steps of every rank's
@@ -82,23 +86,36 @@ func (rk rankStep) steps(clock profile.Clock, first bool, iters int, times *[]ti
 		if err := rk.group.Barrier(); err != nil {
 			return err
 		}
-		if !first {
-			continue
+		if first {
+			d, err := elapsedSince(clock, start)
+			if err != nil {
+				return err
+			}
+			if i >= 0 {
+				*times = append(*times, d)
+			}
 		}
-		end, err := clock.Mark()
-		if err != nil {
-			clock.Release(start)
-			return err
-		}
-		d, err := clock.Elapsed(start, end)
-		clock.Release(start)
-		clock.Release(end)
-		if err != nil {
-			return err
-		}
-		if i >= 0 {
-			*times = append(*times, d)
+		// Every rank has ended the step; the next one starts after the
+		// barrier this rank reaches only once the hook returns.
+		if i == 0 && rk.afterFirstTimed != nil {
+			if err := rk.afterFirstTimed(); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
+}
+
+// elapsedSince takes an end mark and returns the time from start to it,
+// releasing both marks.
+func elapsedSince(clock profile.Clock, start profile.Mark) (time.Duration, error) {
+	end, err := clock.Mark()
+	if err != nil {
+		clock.Release(start)
+		return 0, err
+	}
+	d, err := clock.Elapsed(start, end)
+	clock.Release(start)
+	clock.Release(end)
+	return d, err
 }

@@ -1,13 +1,15 @@
 package main
 
 // mktrain bench tp: tensor parallelism's three patterns (package
-// tensorpar, unfused) on tp virtual ranks of one device, against the same
-// products without the collective and the collective alone.
+// tensorpar), unfused and fused, on tp virtual ranks of one device,
+// against the same products without the collective and the collective
+// alone; the fused outputs are checked against the unfused ones.
 
 import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -44,22 +46,40 @@ Shapes (R rows gathered):
   tiny       8 tokens per rank, K = N = 16, F = 32, 2 outputs (tests)
 For each shape, tp and pattern it times the product alone on already
 gathered data (the same MatMul calls, no collective), the unfused pattern
-(the collective and the products) and the collective alone, each from
-before the first rank starts to after the last ends (barriers, marks of
-the backend's clock on rank 0), the median of --iters steps after two
-warm-up steps; TFLOP/s count every rank's products (2*R*K*N in all for
-allgather_gemm, 2*R*F*N for the others) over that time, and unfused /
-product is the ratio of the times. The fused kernels are not built yet:
-the fused column says so and the issue's bars (fused within 10% of the
-product alone and faster than unfused at every tp for llama70b;
-GEMM+ReduceScatter fused never slower than unfused) are not measured.
+(the collective and the products), the collective alone, the fused
+pattern (tensorpar.Options{Fused: true}: the backend's fused op, which
+reads or writes the peers' tensors through comm.PeerAccess; on CUDA the
+tp_gather and tp_scatter kernels, on the CPU their unfused sequences)
+and, for gemm_reducescatter and gemm_allreduce, the fused pattern with
+Deterministic (every rank's rows landed in slots of their own and summed
+in rank order), each from before the first rank starts to after the last
+ends (barriers, marks of the backend's clock on rank 0), the median of
+--iters steps after two warm-up steps. TFLOP/s count every rank's
+products (2*R*K*N in all for allgather_gemm, 2*R*F*N for the others) over
+that time; unfused / product, fused / product and fused / unfused are
+ratios of the times, and the overlap efficiency, (product + comm -
+fused) / comm, is the share of the collective the fused pattern hides
+(null when the collective alone takes under 1% of the product's time).
+Rank 0's outputs of the first timed step of each fused pattern are
+compared with those of the unfused pattern's first timed step (relative
+L2 distance, outside the timed interval; the outputs are overwritten with
+other random values in between): above 1e-3 the command fails, naming
+the shape, tp and pattern. A group without peer access leaves the fused
+figures null and says "not available" and why, rather than timing the
+unfused path twice. The bars: fused within 10% of the product alone and
+faster than unfused at every tp for llama70b (every llama70b row), and
+GEMM+ReduceScatter fused never slower than unfused (every
+gemm_reducescatter row), each held or not held with its worst row, or
+not measured and why (no such row, a row skipped or without peer
+access).
 The tp virtual ranks share one GPU's memory and SMs, so the figures show
 the cost of the patterns on one device, not of links between GPUs
 (NVLink figures come from the multi-GPU issue, #34). A row whose
-tensors over all ranks (estimated, with the collectives' scratch) would
-pass 120 GiB is skipped and says so; at tp 8 llama70b needs about 42 GiB
-per pattern (each pattern's tensors are freed before the next), within
-an H200's 141 GB, so no listed row is skipped.
+tensors over all ranks (estimated, with the collectives' scratch and the
+deterministic fused pattern's slots) would pass 120 GiB is skipped and
+says so; at tp 8 llama70b needs at most about 58 GiB per pattern (each
+pattern's tensors are freed before the next), within an H200's 141 GB,
+so no listed row is skipped.
 
 Writes tp.json into bench/results/<machine>/ (the latest result per
 machine, overwritten by the next run) or into the folder --out names,
@@ -121,11 +141,26 @@ const (
 func tpPatterns() []string { return []string{tpAllGatherGEMM, tpGEMMReduceScatter, tpGEMMAllReduce} }
 
 const (
-	tpNote          = "tp virtual ranks share one GPU's memory and SMs (goroutines over in-process groups): the figures show the cost of the patterns on one device, not links between GPUs; NVLink figures come from the multi-GPU issue (#34)"
-	tpFusedNotBuilt = "not built"
-	tpNoFused       = "no fused kernels yet"
-	tpFusedBar      = "fused within 10% of the product alone and faster than unfused at every tp for the Llama-70B-like layer"
-	tpRSBar         = "GEMM+ReduceScatter fused never slower than unfused at any listed shape"
+	tpNote       = "tp virtual ranks share one GPU's memory and SMs (goroutines over in-process groups): the figures show the cost of the patterns on one device, not links between GPUs; NVLink figures come from the multi-GPU issue (#34)"
+	tpFusedAbout = "tensorpar.Options{Fused: true}: the backend's fused ops (AllGatherMatMul, MatMulScatter) reading and writing the peers' tensors through comm.PeerAccess; on CUDA the tp_gather and tp_scatter kernels, on the CPU their unfused sequences; deterministic: every rank's rows landed in slots of their own and summed in rank order"
+	tpFusedBar   = "fused within 10% of the product alone and faster than unfused at every tp for the Llama-70B-like layer"
+	tpRSBar      = "GEMM+ReduceScatter fused never slower than unfused at any listed shape"
+	// tpFusedBarShape and tpFusedOverProductGoal are the first bar's rows
+	// and its margin over the product alone.
+	tpFusedBarShape        = "llama70b"
+	tpFusedOverProductGoal = 1.10
+	// tpFusedTolerance is the largest relative L2 distance of a fused
+	// output from the unfused one; the products differ only in the order
+	// of their sums (bf16 products on CUDA: a few 1e-6).
+	tpFusedTolerance = 1e-3
+	// tpOverlapMinComm: below this share of the product's time the
+	// collective alone is too short for the overlap efficiency to be more
+	// than the timing noise magnified; it is left null.
+	tpOverlapMinComm = 0.01
+	// The row's fused column: measured, or not and why.
+	tpFusedMeasured     = "measured"
+	tpFusedSkipped      = "skipped"
+	tpFusedNotAvailable = "not available: "
 	// tpMemoryBudget is the most a row's tensors over all ranks may take:
 	// an H200's 141 GB less room for the allocator and other tensors.
 	tpMemoryBudget = 120 << 30
@@ -152,12 +187,32 @@ type tpBenchRow struct {
 	UnfusedTF *float64 `json:"unfused_tflops"`
 	// UnfusedOverProduct is unfused time / product time.
 	UnfusedOverProduct *float64 `json:"unfused_over_product"`
-	Fused              string   `json:"fused"` // "not built"
-	FusedMS            *float64 `json:"fused_ms"`
-	// OverlapEfficiency is (product + comm - fused) / comm; null without
-	// fused kernels.
+
+	// Fused is "measured", "skipped" (with the row) or "not available: "
+	// and why (a group without peer access); the fused figures are null
+	// unless measured.
+	Fused            string   `json:"fused"`
+	FusedMS          *float64 `json:"fused_ms"`
+	FusedTF          *float64 `json:"fused_tflops"`
+	FusedOverProduct *float64 `json:"fused_over_product"`
+	FusedOverUnfused *float64 `json:"fused_over_unfused"`
+	// OverlapEfficiency is (product + comm - fused) / comm; null unless
+	// measured and comm is at least tpOverlapMinComm of product.
 	OverlapEfficiency *float64 `json:"overlap_efficiency"`
+	// FusedRelL2 is the relative L2 distance of rank 0's fused outputs
+	// from the unfused ones, the largest over the outputs compared.
+	FusedRelL2 *float64 `json:"fused_rel_l2"`
+	// The deterministic fused pattern (Options.Deterministic), the
+	// row-parallel patterns only: null for allgather_gemm, which sums
+	// nothing.
+	FusedDeterministicMS          *float64 `json:"fused_deterministic_ms"`
+	FusedDeterministicOverProduct *float64 `json:"fused_deterministic_over_product"`
+	FusedDeterministicOverUnfused *float64 `json:"fused_deterministic_over_unfused"`
+	FusedDeterministicRelL2       *float64 `json:"fused_deterministic_rel_l2"`
 }
+
+// label names the row in verdicts and errors.
+func (r tpBenchRow) label() string { return fmt.Sprintf("%s at tp %d, %s", r.Shape, r.TP, r.Pattern) }
 
 func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("bench tp", benchTPUsage, stderr)
@@ -210,8 +265,12 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 				row := newTPRow(s, tp, p)
 				if row.Skipped == "" {
 					fmt.Fprintf(stderr, "bench tp: %s at tp %d, %s\n", s.Name, tp, p)
-					if err := timeTPRow(b, clock, rng, s, &row, *iters); err != nil {
-						return failedRun(fmt.Errorf("bench tp: %s at tp %d, %s: %w", s.Name, tp, p, err))
+					world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: tp}, b)
+					if err != nil {
+						return err
+					}
+					if err := timeTPRow(b, clock, rng, world, s, &row, *iters); err != nil {
+						return failedRun(fmt.Errorf("bench tp: %s: %w", row.label(), err))
 					}
 					runtime.GC() // the row's device memory back to the backend
 				}
@@ -221,20 +280,19 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 
 	printTP(stdout, rows, *iters)
-	bars := []barVerdict{
-		{Bar: tpFusedBar, Verdict: verdictNotMeasured, Why: tpNoFused},
-		{Bar: tpRSBar, Verdict: verdictNotMeasured, Why: tpNoFused},
-	}
+	bars := []barVerdict{tpFusedVerdict(rows), tpRSVerdict(rows)}
 	names := make([]string, len(shapes))
 	for i, s := range shapes {
 		names[i] = s.Name
 	}
 	figures := map[string]any{
-		"rows":  rows,
-		"bars":  bars,
-		"fused": tpFusedNotBuilt,
-		"note":  tpNote,
-		"flops": "every rank's products together: 2*R*K*N for allgather_gemm (N summed over its outputs), 2*R*F*N for gemm_reducescatter and gemm_allreduce",
+		"rows":               rows,
+		"bars":               bars,
+		"fused":              tpFusedAbout,
+		"fused_check":        fmt.Sprintf("rank 0's outputs of each fused pattern's first timed step against the unfused pattern's (relative L2 distance, largest over the outputs: allgather_gemm's gathered x and products, the row-parallel patterns' out); above %g the command fails", tpFusedTolerance),
+		"overlap_efficiency": fmt.Sprintf("(product + comm - fused) / comm; null when comm is under %g of product", tpOverlapMinComm),
+		"note":               tpNote,
+		"flops":              "every rank's products together: 2*R*K*N for allgather_gemm (N summed over its outputs), 2*R*F*N for gemm_reducescatter and gemm_allreduce",
 		"timing": fmt.Sprintf("median of %d steps after 2 warm-up steps, each from a mark taken on rank 0 before any rank starts (barrier) to one after every rank has returned (barrier), on the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32",
 			*iters, clockName(b)),
 		"memory_budget_bytes": int64(tpMemoryBudget),
@@ -306,35 +364,56 @@ func newTPRow(s tpBenchShape, tp int, p string) tpBenchRow {
 		perRank += n
 		largest = max(largest, n)
 	}
+	if p != tpAllGatherGEMM {
+		// The deterministic fused pattern's slots: tp blocks of R/tp rows.
+		perRank += 4 * int64(s.rows(tp)) * int64(s.Hidden)
+	}
 	row := tpBenchRow{Shape: s.Name, TP: tp, Pattern: p, Product: desc, Rows: s.rows(tp), FLOPs: s.flops(p, tp),
-		MemoryBytes: int64(tp) * (perRank + largest), Fused: tpFusedNotBuilt}
+		MemoryBytes: int64(tp) * (perRank + largest)}
 	if row.MemoryBytes > tpMemoryBudget {
 		row.Skipped = fmt.Sprintf("its tensors over %d ranks, about %.1f GiB, pass the %d GiB budget of one device", tp, float64(row.MemoryBytes)/(1<<30), tpMemoryBudget>>30)
+		row.Fused = tpFusedSkipped
 	}
 	return row
 }
 
-// tpRank is one virtual rank's group and the three kinds of work timed.
+// tpRank is one virtual rank's group, the kinds of work timed and the
+// outputs the fused patterns are checked on.
 type tpRank struct {
 	ranks                  *comm.Ranks
 	product, unfused, coll func() error
+	// fused and fusedDeterministic run the pattern through tensorpar's
+	// fused ops (fusedDeterministic nil for allgather_gemm, which sums
+	// nothing); fusedWhy says why they are not available ("" when they
+	// are): tensorpar would run them unfused.
+	fused, fusedDeterministic func() error
+	fusedWhy                  string
+	// checked are the outputs compared between the unfused and the fused
+	// patterns, named in checkedNames.
+	checked      []backend.Tensor
+	checkedNames []string
 }
 
-// timeTPRow allocates the row's tensors on every rank and times the
-// product alone, the unfused pattern and the collective alone.
-func timeTPRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, s tpBenchShape, row *tpBenchRow, iters int) error {
-	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: row.TP}, b)
-	if err != nil {
-		return err
-	}
+// tpChunkLen is the length of the random chunk the tensors are filled
+// from, each from a random offset; odd, so that the row blocks of the
+// large tensors (multiples of 2^20 values) do not repeat the same values
+// and a fused op that mixed up ranks' or blocks' rows would show.
+const tpChunkLen = 1<<20 - 3
+
+// timeTPRow allocates the row's tensors on every rank of world (one
+// comm.Ranks per virtual rank of a mesh of TP = row.TP) and times the
+// product alone, the unfused pattern, the collective alone and the fused
+// patterns, checking the fused outputs against the unfused ones.
+func timeTPRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, world []*comm.Ranks, s tpBenchShape, row *tpBenchRow, iters int) error {
 	layout, _ := s.layout(row.Pattern, row.TP)
-	chunk := randFill(b, rng, 1<<20) // copied over the inputs: cheap random fill of large tensors
+	chunk := randFill(b, rng, tpChunkLen) // copied over the tensors: cheap random fill of large ones
+	fill := func(t backend.Tensor) { fillFromChunk(b, t, chunk, rng.IntN(tpChunkLen)) }
 	ranks := make([]*tpRank, row.TP)
 	for r := range ranks {
 		in := make([]backend.Tensor, len(layout.inputs))
 		for i, shape := range layout.inputs {
 			in[i] = b.New(b.FloatType(), shape...)
-			fillFromChunk(b, in[i], chunk)
+			fill(in[i])
 		}
 		outs := make([]backend.Tensor, len(layout.outputs))
 		for i, shape := range layout.outputs {
@@ -346,15 +425,17 @@ func timeTPRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, s tpBench
 		return err
 	}
 	ms := func(d time.Duration) *float64 { v := float64(d) / 1e6; return &v }
+	var unfusedOut [][]float32 // rank 0's outputs of the unfused pattern's first timed step
 	for _, k := range []struct {
-		work func(*tpRank) func() error
-		dst  **float64
+		work    func(*tpRank) func() error
+		dst     **float64
+		capture *[][]float32
 	}{
-		{func(rk *tpRank) func() error { return rk.product }, &row.ProductMS},
-		{func(rk *tpRank) func() error { return rk.unfused }, &row.UnfusedMS},
-		{func(rk *tpRank) func() error { return rk.coll }, &row.CommMS},
+		{func(rk *tpRank) func() error { return rk.product }, &row.ProductMS, nil},
+		{func(rk *tpRank) func() error { return rk.unfused }, &row.UnfusedMS, &unfusedOut},
+		{func(rk *tpRank) func() error { return rk.coll }, &row.CommMS, nil},
 	} {
-		d, err := runTPSteps(b, clock, ranks, k.work, iters)
+		d, err := runTPSteps(b, clock, ranks, k.work, iters, k.capture)
 		if err != nil {
 			return err
 		}
@@ -362,14 +443,114 @@ func timeTPRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, s tpBench
 	}
 	pt, ut, ratio := tflops(row.FLOPs, *row.ProductMS), tflops(row.FLOPs, *row.UnfusedMS), *row.UnfusedMS / *row.ProductMS
 	row.ProductTF, row.UnfusedTF, row.UnfusedOverProduct = &pt, &ut, &ratio
+
+	for _, rk := range ranks {
+		if rk.fusedWhy != "" {
+			row.Fused = tpFusedNotAvailable + rk.fusedWhy
+			return nil
+		}
+	}
+	for _, k := range []struct {
+		what      string
+		work      func(*tpRank) func() error
+		dst, rel2 **float64
+	}{
+		{"fused", func(rk *tpRank) func() error { return rk.fused }, &row.FusedMS, &row.FusedRelL2},
+		{"deterministic fused", func(rk *tpRank) func() error { return rk.fusedDeterministic }, &row.FusedDeterministicMS, &row.FusedDeterministicRelL2},
+	} {
+		if k.work(ranks[0]) == nil {
+			continue
+		}
+		// Other values in the outputs first, so that a fused op that left
+		// them alone cannot pass for one that wrote the unfused results.
+		for _, rk := range ranks {
+			for _, t := range rk.checked {
+				fill(t)
+			}
+		}
+		var fusedOut [][]float32
+		d, err := runTPSteps(b, clock, ranks, k.work, iters, &fusedOut)
+		if err != nil {
+			return err
+		}
+		rel, worst := relL2Max(fusedOut, unfusedOut)
+		*k.dst, *k.rel2 = ms(d), &rel
+		if !(rel <= tpFusedTolerance) {
+			return fmt.Errorf("the %s pattern's %s on rank 0 differs from the unfused pattern's: relative L2 distance %.3g, above %g (first timed step)",
+				k.what, ranks[0].checkedNames[worst], rel, tpFusedTolerance)
+		}
+	}
+	row.Fused = tpFusedMeasured
+	fused := *row.FusedMS
+	ft, fp, fu := tflops(row.FLOPs, fused), fused / *row.ProductMS, fused / *row.UnfusedMS
+	row.FusedTF, row.FusedOverProduct, row.FusedOverUnfused = &ft, &fp, &fu
+	row.OverlapEfficiency = overlapEfficiency(*row.ProductMS, *row.CommMS, fused)
+	if d := row.FusedDeterministicMS; d != nil {
+		dp, du := *d / *row.ProductMS, *d / *row.UnfusedMS
+		row.FusedDeterministicOverProduct, row.FusedDeterministicOverUnfused = &dp, &du
+	}
 	return nil
 }
 
-// newTPRank builds rank's three kinds of work for pattern p over its
-// tensor group, from the tensors layout lists.
+// overlapEfficiency is (product + comm - fused) / comm, the share of the
+// collective's time the fused pattern hides; nil when comm is under
+// tpOverlapMinComm of product.
+func overlapEfficiency(product, comm, fused float64) *float64 {
+	if comm < tpOverlapMinComm*product || comm <= 0 {
+		return nil
+	}
+	v := (product + comm - fused) / comm
+	return &v
+}
+
+// relL2Max is the largest relative L2 distance of got[i] from want[i],
+// and its i.
+func relL2Max(got, want [][]float32) (float64, int) {
+	if len(got) != len(want) {
+		return math.Inf(1), 0
+	}
+	worst, at := 0.0, 0
+	for i := range want {
+		// NaN compares false: a NaN distance is kept as the worst.
+		if d := relL2(got[i], want[i]); !(d <= worst) {
+			worst, at = d, i
+		}
+	}
+	return worst, at
+}
+
+// relL2 is |got - want| / |want| (0 when both are zero; +Inf when the
+// lengths differ or only want is zero).
+func relL2(got, want []float32) float64 {
+	if len(got) != len(want) {
+		return math.Inf(1)
+	}
+	var diff, norm float64
+	for i, w := range want {
+		e := float64(got[i]) - float64(w)
+		diff += e * e
+		norm += float64(w) * float64(w)
+	}
+	switch {
+	case norm > 0:
+		return math.Sqrt(diff / norm)
+	case diff == 0:
+		return 0
+	}
+	return math.Inf(1)
+}
+
+// newTPRank builds rank's kinds of work for pattern p over its tensor
+// group, from the tensors layout lists.
 func newTPRank(b backend.Backend, ranks *comm.Ranks, p string, in, outs []backend.Tensor) *tpRank {
 	g := ranks.Tensor
 	rk := &tpRank{ranks: ranks}
+	sp := p != tpGEMMAllReduce // gemm_allreduce is the pattern without sequence parallelism
+	fusedTP := tensorpar.NewWith(b, g, tensorpar.Options{SequenceParallel: sp, Fused: true})
+	deterministicTP := tensorpar.NewWith(b, g, tensorpar.Options{SequenceParallel: sp, Fused: true, Deterministic: true})
+	if !fusedTP.Fused() || !deterministicTP.Fused() {
+		rk.fusedWhy = tpFusedUnavailable(g)
+	}
 	switch p {
 	case tpAllGatherGEMM:
 		shard, full, ws := in[0], in[1], in[2:]
@@ -381,69 +562,215 @@ func newTPRank(b backend.Backend, ranks *comm.Ranks, p string, in, outs []backen
 		}
 		rk.unfused = func() error { return tensorpar.AllGatherMatMul(b, g, full, shard, outs, ws, true) }
 		rk.coll = func() error { return g.AllGather(full, shard) }
+		rk.fused = func() error { _, err := fusedTP.ColumnForward(full, shard, outs, ws, true); return err }
+		// The gathered x too: the weight gradients read it.
+		rk.checked, rk.checkedNames = []backend.Tensor{full}, []string{"gathered x"}
+		for i, o := range outs {
+			rk.checked = append(rk.checked, o)
+			rk.checkedNames = append(rk.checkedNames, fmt.Sprintf("output %d", i+1))
+		}
 	case tpGEMMReduceScatter:
 		a, w, partial, out := in[0], in[1], outs[0], outs[1]
+		terms := []tensorpar.Term{{A: a, W: w, TransW: true}}
 		rk.product = func() error { b.MatMul(partial, a, w, false, true, 1, 0); return nil }
-		rk.unfused = func() error {
-			return tensorpar.MatMulReduceScatter(b, g, out, partial, []tensorpar.Term{{A: a, W: w, TransW: true}})
-		}
+		rk.unfused = func() error { return tensorpar.MatMulReduceScatter(b, g, out, partial, terms) }
 		rk.coll = func() error { return g.ReduceScatterSum(out, partial) }
+		rk.fused = func() error { return fusedTP.RowForward(out, partial, terms) }
+		rk.fusedDeterministic = func() error { return deterministicTP.RowForward(out, partial, terms) }
+		rk.checked, rk.checkedNames = []backend.Tensor{out}, []string{"reduce-scattered block"}
 	default: // tpGEMMAllReduce
 		a, w, out := in[0], in[1], outs[0]
+		terms := []tensorpar.Term{{A: a, W: w, TransW: true}}
 		rk.product = func() error { b.MatMul(out, a, w, false, true, 1, 0); return nil }
-		rk.unfused = func() error {
-			return tensorpar.MatMulAllReduce(b, g, out, []tensorpar.Term{{A: a, W: w, TransW: true}})
-		}
+		rk.unfused = func() error { return tensorpar.MatMulAllReduce(b, g, out, terms) }
 		// The product rewrites out each step; the collective alone sums
 		// it again each step, growing it by tp, far from float32's range
 		// in a dozen steps.
 		rk.coll = func() error { return g.AllReduceSum(out) }
+		rk.fused = func() error { return fusedTP.RowForward(out, nil, terms) }
+		rk.fusedDeterministic = func() error { return deterministicTP.RowForward(out, nil, terms) }
+		rk.checked, rk.checkedNames = []backend.Tensor{out}, []string{"all-reduced output"}
 	}
 	return rk
 }
 
-// fillFromChunk fills t with copies of chunk (a 1-D tensor), the last one
-// cut short.
-func fillFromChunk(b backend.Backend, t, chunk backend.Tensor) {
+// tpFusedUnavailable says why tensorpar does not run the fused patterns
+// over g.
+func tpFusedUnavailable(g comm.Group) string {
+	if _, ok := g.(comm.PeerAccess); !ok {
+		return fmt.Sprintf("the tensor group (%T) offers no peer access (comm.PeerAccess), so tensorpar runs the patterns unfused", g)
+	}
+	return "tensorpar runs the patterns unfused over this group"
+}
+
+// download is rank's checked outputs on the host.
+func (rk *tpRank) download(b backend.Backend) [][]float32 {
+	out := make([][]float32, len(rk.checked))
+	for i, t := range rk.checked {
+		out[i] = backend.DownloadFloat32(b, t)
+	}
+	return out
+}
+
+// fillFromChunk fills t with copies of chunk (a 1-D tensor) starting at
+// chunk's value start, wrapping round, the last copy cut short.
+func fillFromChunk(b backend.Backend, t, chunk backend.Tensor, start int) {
 	n, c := t.Len(), chunk.Len()
-	for off := 0; off < n; off += c {
-		m := min(c, n-off)
-		b.Copy(b.View(t, off, m), b.View(chunk, 0, m))
+	from := start % c
+	for off := 0; off < n; {
+		m := min(c-from, n-off)
+		b.Copy(b.View(t, off, m), b.View(chunk, from, m))
+		off += m
+		from = 0
 	}
 }
 
 // runTPSteps times work on every rank with medianRankStep, the steps
-// bracketed by the tensor group's barriers.
-func runTPSteps(b backend.Backend, clock profile.Clock, ranks []*tpRank, work func(*tpRank) func() error, iters int) (time.Duration, error) {
+// bracketed by the tensor group's barriers; with capture, rank 0's
+// checked outputs after the first timed step are downloaded into it,
+// outside the timed interval.
+func runTPSteps(b backend.Backend, clock profile.Clock, ranks []*tpRank, work func(*tpRank) func() error, iters int, capture *[][]float32) (time.Duration, error) {
 	steps := make([]rankStep, len(ranks))
 	for r, rk := range ranks {
 		steps[r] = rankStep{group: rk.ranks.Tensor, ranks: rk.ranks, work: work(rk)}
 	}
+	if capture != nil {
+		steps[0].afterFirstTimed = func() error { *capture = ranks[0].download(b); return nil }
+	}
 	return medianRankStep(b, clock, steps, iters)
 }
 
+// tpFusedMissing says why row r has no fused figures, or "" when it has.
+func tpFusedMissing(r tpBenchRow) string {
+	switch {
+	case r.Skipped != "":
+		return r.label() + " skipped: " + r.Skipped
+	case r.FusedMS == nil:
+		return r.label() + ": fused " + r.Fused
+	}
+	return ""
+}
+
+// tpFusedVerdict is the first bar, over the llama70b rows: held when
+// every one has the fused pattern within 10% of the product alone and
+// faster than unfused.
+func tpFusedVerdict(rows []tpBenchRow) barVerdict {
+	return tpBarVerdict(tpFusedBar, rows, "no "+tpFusedBarShape+" row in this run (--shapes)",
+		func(r tpBenchRow) bool { return r.Shape == tpFusedBarShape },
+		func(r tpBenchRow) bool {
+			return *r.FusedMS <= tpFusedOverProductGoal**r.ProductMS && *r.FusedMS < *r.UnfusedMS
+		},
+		// How far from holding: past 1 on either count misses.
+		func(r tpBenchRow) float64 {
+			return max(*r.FusedMS/(tpFusedOverProductGoal**r.ProductMS), *r.FusedMS / *r.UnfusedMS)
+		})
+}
+
+// tpRSVerdict is the second bar, over the gemm_reducescatter rows: held
+// when the fused pattern is nowhere slower than unfused.
+func tpRSVerdict(rows []tpBenchRow) barVerdict {
+	return tpBarVerdict(tpRSBar, rows, "no "+tpGEMMReduceScatter+" row in this run",
+		func(r tpBenchRow) bool { return r.Pattern == tpGEMMReduceScatter },
+		func(r tpBenchRow) bool { return *r.FusedMS <= *r.UnfusedMS },
+		func(r tpBenchRow) float64 { return *r.FusedMS / *r.UnfusedMS })
+}
+
+// tpBarVerdict judges bar over the rows it applies to: not measured when
+// there are none (none says so) or one has no fused figures; else held
+// when holds is true of every one. Why names the worst row (the largest
+// score), the other rows that missed, and the shapes and tps judged.
+func tpBarVerdict(bar string, rows []tpBenchRow, none string, applies, holds func(tpBenchRow) bool, score func(tpBenchRow) float64) barVerdict {
+	v := barVerdict{Bar: bar}
+	var shapes []string
+	var tps, missed []int
+	worst := -1
+	for i, r := range rows {
+		if !applies(r) {
+			continue
+		}
+		if why := tpFusedMissing(r); why != "" {
+			v.Verdict, v.Why = verdictNotMeasured, why
+			return v
+		}
+		if !holds(r) {
+			missed = append(missed, i)
+		}
+		if worst < 0 || !(score(r) <= score(rows[worst])) {
+			worst = i
+		}
+		if !slices.Contains(shapes, r.Shape) {
+			shapes = append(shapes, r.Shape)
+		}
+		if !slices.Contains(tps, r.TP) {
+			tps = append(tps, r.TP)
+		}
+	}
+	if worst < 0 {
+		v.Verdict, v.Why = verdictNotMeasured, none
+		return v
+	}
+	slices.Sort(tps)
+	tpList := make([]string, len(tps))
+	for i, tp := range tps {
+		tpList[i] = fmt.Sprint(tp)
+	}
+	v.Verdict, v.Why = verdictHeld, "worst: "+tpFusedFigures(rows[worst])
+	if len(missed) > 0 {
+		v.Verdict = verdictNotHeld
+		var others []string
+		for _, i := range missed {
+			if i != worst {
+				others = append(others, rows[i].label())
+			}
+		}
+		if len(others) > 0 {
+			v.Why += "; also missed by " + strings.Join(others, "; ")
+		}
+	}
+	v.Why += fmt.Sprintf("; over %s at tp %s", strings.Join(shapes, ", "), strings.Join(tpList, ", "))
+	return v
+}
+
+// tpFusedFigures is a measured row's fused figures for a verdict.
+func tpFusedFigures(r tpBenchRow) string {
+	return fmt.Sprintf("%s (fused %.3f ms, %.2fx the product alone, %.2fx unfused)", r.label(), *r.FusedMS, *r.FusedOverProduct, *r.FusedOverUnfused)
+}
+
 func printTP(w io.Writer, rows []tpBenchRow, iters int) {
-	fmt.Fprintf(w, "tp: tensor parallelism's patterns (tensorpar, unfused) on tp virtual ranks of one device, float32; ms from the first rank's start to the last rank's end, median of %d steps\n", iters)
-	fmt.Fprintf(w, "%-10s %3s %-19s %7s | %10s %9s | %10s %9s | %9s | %8s | %-9s\n",
-		"shape", "tp", "pattern", "rows", "product ms", "TF", "unfused ms", "TF", "comm ms", "unf/prod", "fused")
+	fmt.Fprintf(w, "tp: tensor parallelism's patterns (tensorpar, unfused and fused) on tp virtual ranks of one device, float32; ms from the first rank's start to the last rank's end, median of %d steps\n", iters)
+	format := "%-10s %3s %-19s %7s | %10s %9s | %10s %9s | %9s | %10s %9s | %10s | %8s %6s %6s %7s | %7s\n"
+	fmt.Fprintf(w, format, "shape", "tp", "pattern", "rows", "product ms", "TF", "unfused ms", "TF", "comm ms",
+		"fused ms", "TF", "det ms", "unf/prod", "f/prod", "f/unf", "overlap", "rel L2")
 	opt := func(p *float64, format string) string {
 		if p == nil {
 			return "-"
 		}
 		return fmt.Sprintf(format, *p)
 	}
-	var skipped []string
+	var notes []string
 	for _, r := range rows {
-		fmt.Fprintf(w, "%-10s %3d %-19s %7d | %10s %9s | %10s %9s | %9s | %8s | %-9s\n",
-			r.Shape, r.TP, r.Pattern, r.Rows, opt(r.ProductMS, "%.3f"), opt(r.ProductTF, "%.4g"),
-			opt(r.UnfusedMS, "%.3f"), opt(r.UnfusedTF, "%.4g"), opt(r.CommMS, "%.3f"), opt(r.UnfusedOverProduct, "%.2f"), r.Fused)
-		if r.Skipped != "" {
-			skipped = append(skipped, fmt.Sprintf("%s at tp %d, %s: %s", r.Shape, r.TP, r.Pattern, r.Skipped))
+		rel := r.FusedRelL2
+		if d := r.FusedDeterministicRelL2; d != nil && (rel == nil || *d > *rel) {
+			rel = d
+		}
+		fmt.Fprintf(w, format, r.Shape, fmt.Sprint(r.TP), r.Pattern, fmt.Sprint(r.Rows), opt(r.ProductMS, "%.3f"), opt(r.ProductTF, "%.4g"),
+			opt(r.UnfusedMS, "%.3f"), opt(r.UnfusedTF, "%.4g"), opt(r.CommMS, "%.3f"),
+			opt(r.FusedMS, "%.3f"), opt(r.FusedTF, "%.4g"), opt(r.FusedDeterministicMS, "%.3f"),
+			opt(r.UnfusedOverProduct, "%.2f"), opt(r.FusedOverProduct, "%.2f"), opt(r.FusedOverUnfused, "%.2f"),
+			opt(r.OverlapEfficiency, "%.2f"), opt(rel, "%.1e"))
+		switch {
+		case r.Skipped != "":
+			notes = append(notes, fmt.Sprintf("(skipped: %s: %s)", r.label(), r.Skipped))
+		case strings.HasPrefix(r.Fused, tpFusedNotAvailable):
+			notes = append(notes, fmt.Sprintf("(fused %s: %s)", r.label(), r.Fused))
 		}
 	}
-	fmt.Fprintf(w, "(product: the same MatMul calls on already-gathered data, no collective; unfused: tensorpar's function, collective and products; comm: the collective alone; TF: every rank's products over the time; unf/prod: unfused time / product time; fused: %s, %s)\n", tpFusedNotBuilt, tpNoFused)
+	fmt.Fprintf(w, "(product: the same MatMul calls on already-gathered data, no collective; unfused: tensorpar's function, collective and products; comm: the collective alone; "+
+		"fused: tensorpar.Options{Fused: true}, the backend's fused op over peer access; det: the same with Deterministic, row-parallel patterns only; TF: every rank's products over the time; "+
+		"unf/prod, f/prod, f/unf: ratios of the times; overlap: (product + comm - fused) / comm, - when comm is under %g of product; "+
+		"rel L2: the larger relative L2 distance of rank 0's fused and det outputs from the unfused ones, first timed step, at most %g)\n", tpOverlapMinComm, tpFusedTolerance)
 	fmt.Fprintf(w, "(%s)\n", tpNote)
-	for _, s := range skipped {
-		fmt.Fprintf(w, "(skipped: %s)\n", s)
+	for _, n := range notes {
+		fmt.Fprintln(w, n)
 	}
 }

@@ -115,7 +115,7 @@ Usage:
   mktrain bench attention [--shapes moe-small,s8k,s32k] [--ring-world 2,4,8] [--ring-seq 4096,8192] [--iters N] [--backend B] [--peer PYTHON] [--peer-script FILE] [--out DIR]
                          time the attention core against PyTorch SDPA and context-parallel attention on virtual ranks
   mktrain bench tp [--shapes moe-small,llama70b] [--tp 2,4,8] [--iters N] [--backend B] [--out DIR]
-                         time tensor parallelism's three patterns (unfused) on virtual ranks of one device
+                         time tensor parallelism's three patterns, unfused and fused, on virtual ranks of one device
   mktrain bench prepare --tokenizer FILE [--text-key K] [--cores N] [--repeat R] [--peer-json FILE] [--out DIR] FILE|GLOB...
                          measure data prepare's MB of text per second per core (beside the Rust tokenizers peer)
   mktrain version        print the version
