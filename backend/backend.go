@@ -430,7 +430,7 @@ type Backend interface {
 	//
 	// AllGatherMatMul writes fullRK, the row blocks shardsBK stacked in
 	// rank order, and outs[i] = fullRK·op(ws[i]) (op transposes when
-	// transW).
+	// transW). fullRK nil: the gathered rows are not kept.
 	AllGatherMatMul(fullRK Tensor, outs []Tensor, shardsBK []Tensor, ws []Tensor, transW bool, rank int)
 	// MatMulScatter computes p = a·op(w), [R, N], and lands row block s of
 	// p (R/len(dstsS) rows) in dstsS[s] from row row0, as landing says.

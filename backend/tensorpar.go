@@ -30,8 +30,8 @@ func (l ScatterLanding) String() string {
 }
 
 // CheckAllGatherMatMul checks AllGatherMatMul's arguments: W shards of the
-// same [B, K] shape, fullRK [W*B, K], one weight per output of [N, K]
-// (transW) or [K, N], outs [W*B, N], rank in [0, W).
+// same [B, K] shape, fullRK [W*B, K] or nil, one weight per output of
+// [N, K] (transW) or [K, N], outs [W*B, N], rank in [0, W).
 func CheckAllGatherMatMul(fullRK Tensor, outs, shardsBK, ws []Tensor, transW bool, rank int) error {
 	w := len(shardsBK)
 	if w == 0 || rank < 0 || rank >= w {
@@ -49,12 +49,23 @@ func CheckAllGatherMatMul(fullRK Tensor, outs, shardsBK, ws []Tensor, transW boo
 			return fmt.Errorf("shard %d has shape %v, shard 0 %v", s, got, ss)
 		}
 	}
-	if fs := fullRK.Shape(); len(fs) != 2 || fs[0] != w*ss[0] || fs[1] != ss[1] {
-		return fmt.Errorf("full has shape %v, want [%d %d]", fs, w*ss[0], ss[1])
+	if fullRK != nil {
+		if fs := fullRK.Shape(); len(fs) != 2 || fs[0] != w*ss[0] || fs[1] != ss[1] {
+			return fmt.Errorf("full has shape %v, want [%d %d]", fs, w*ss[0], ss[1])
+		}
 	}
 	for i := range outs {
-		if _, _, _, err := MatMulDims(outs[i], fullRK, ws[i], false, transW); err != nil {
-			return fmt.Errorf("output %d: %w", i, err)
+		os, ws := outs[i].Shape(), ws[i].Shape()
+		n, k := 0, 0
+		if len(ws) == 2 {
+			n, k = ws[1], ws[0]
+			if transW {
+				n, k = ws[0], ws[1]
+			}
+		}
+		if len(os) != 2 || len(ws) != 2 || os[0] != w*ss[0] || os[1] != n || k != ss[1] {
+			return fmt.Errorf("output %d has shape %v and its weight %v (transposed: %v); the gathered rows are [%d %d]",
+				i, os, ws, transW, w*ss[0], ss[1])
 		}
 	}
 	return nil
@@ -96,11 +107,16 @@ func CheckMatMulScatter(dstsS []Tensor, row0 int, a, w Tensor, transW bool, land
 }
 
 // AllGatherMatMulBySteps is AllGatherMatMul as its unfused sequence on b:
-// a copy of every shard into its block of fullRK, then the products. It
-// is the reference definition of the op (the CPU backend's) and serves
-// any call a backend's fused kernel does not take.
+// a copy of every shard into its block of fullRK (a scratch tensor when
+// nil), then the products. It is the reference definition of the op (the
+// CPU backend's) and serves any call a backend's fused kernel does not
+// take.
 func AllGatherMatMulBySteps(b Backend, fullRK Tensor, outs, shardsBK, ws []Tensor, transW bool) {
 	n := shardsBK[0].Len()
+	if fullRK == nil {
+		ss := shardsBK[0].Shape()
+		fullRK = b.New(shardsBK[0].DType(), len(shardsBK)*ss[0], ss[1])
+	}
 	for s, sh := range shardsBK {
 		b.Copy(b.View(fullRK, s*n, sh.Shape()...), sh)
 	}

@@ -109,10 +109,19 @@ func (b *Backend) allGatherMatMulKernel(fullRK backend.Tensor, outs, shardsBK, w
 	if !ok {
 		return false
 	}
-	ends, ok := peerPtrs([]backend.Tensor{fullRK, outs[0]}, backend.Float32)
+	ends, ok := peerPtrs([]backend.Tensor{outs[0]}, backend.Float32)
 	if !ok {
 		return false
 	}
+	full := driver.DevicePtr(0) // not kept
+	if fullRK != nil {
+		fp, ok := peerPtrs([]backend.Tensor{fullRK}, backend.Float32)
+		if !ok {
+			return false
+		}
+		full = fp[0]
+	}
+	ends = append(ends, full)
 	w0, ok := ws[0].(*Tensor)
 	if !ok || (w0.dt != backend.Float32 && w0.dt != backend.BFloat16) {
 		return false
@@ -142,7 +151,7 @@ func (b *Backend) allGatherMatMulKernel(fullRK backend.Tensor, outs, shardsBK, w
 	f := &b.fused
 	f.mu.Lock()
 	// The offsets are staged below (any aligned address passes the check).
-	if err := checkGroupedGemm(ends[1], ps[0], ps[1], 16, rows, n, k, 1, 256); err != nil {
+	if err := checkGroupedGemm(ends[0], ps[0], ps[1], 16, rows, n, k, 1, 256); err != nil {
 		f.mu.Unlock()
 		return false
 	}
@@ -154,7 +163,7 @@ func (b *Backend) allGatherMatMulKernel(fullRK backend.Tensor, outs, shardsBK, w
 	if err == nil {
 		tp := f.tables.Ptr()
 		err = gg.runTPGather(tpGather{
-			out: ends[1], x: ps[0], full: ends[0], w: ps[1], ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff,
+			out: ends[0], x: ps[0], full: full, w: ps[1], ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff,
 			flags: flags, fault: fault, rows: rows, n: n, k: k, blockRows: blockRows,
 			rotM: tpRotM(rank, blockRows), mn: !transW,
 		})

@@ -204,6 +204,19 @@ func TestTPFusedFigures(t *testing.T) {
 			b.AllGatherMatMul(full, []backend.Tensor{out}, shards, []backend.Tensor{wUp}, true, 0)
 		})
 		figure(t, "tp_allgather_gemm_fused_over_product", fused/prod, "x")
+		// Without keeping the float32 rows (2 GiB less to write).
+		lean := time1("allgather_gemm_fused_unkept", flop, func() {
+			b.AllGatherMatMul(nil, []backend.Tensor{out}, shards, []backend.Tensor{wUp}, true, 0)
+		})
+		figure(t, "tp_allgather_gemm_fused_unkept_over_product", lean/prod, "x")
+		// The grouped pipeline's product alone on the gathered bf16 rows
+		// (tp_scatter storing to one owner): the fused kernels' own floor.
+		xbf := b.New(backend.BFloat16, rows, hidden)
+		b.Copy(xbf, full)
+		alone := time1("up_pipeline_product", flop, func() {
+			b.MatMulScatter([]backend.Tensor{out}, 0, xbf, wUp, true, backend.ScatterStore, 0)
+		})
+		figure(t, "tp_allgather_gemm_fused_over_pipeline_product", fused/alone, "x")
 	}
 	{
 		a := tpRandom(b, rng, rows, ffn)
