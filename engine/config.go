@@ -89,6 +89,16 @@ type ParallelConfig struct {
 	// shape, settled once per run; see resolveCPAttention). Default auto;
 	// "" is auto too (configurations saved before the field existed).
 	CPAttention string `yaml:"cp_attention"`
+	// TPOverlap is how tensor parallelism's collectives meet its matrix
+	// products (tensorpar.Options.Fused): fused (the backend's fused ops,
+	// the all-gather inside the column-parallel product and the
+	// reduce-scatter in the row-parallel product's epilogue, where the
+	// tp group offers peer access; the collectives otherwise), unfused
+	// (the collectives around the products, the reference) or auto (the
+	// faster on this machine and shape, settled once per run; see
+	// resolveTPOverlap). Default auto; "" is auto too (configurations
+	// saved before the field existed). No effect with tp 1.
+	TPOverlap string `yaml:"tp_overlap"`
 }
 
 // CheckpointConfig controls saving and resuming.
@@ -126,7 +136,7 @@ func DefaultConfig() Config {
 			WeightDecay: 0.1, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, GradClip: 1.0,
 			Seed: 1, EvalEvery: 50, EvalBatches: 4,
 		},
-		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1, CPAttention: tune.CPAttentionAuto, SequenceParallel: true},
+		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1, CPAttention: tune.CPAttentionAuto, TPOverlap: tune.TPOverlapAuto, SequenceParallel: true},
 		Checkpoint: CheckpointConfig{Every: 0, KeepLast: 3, Resume: "auto", Compress: "none"},
 		Log:        LogConfig{Every: 10, Level: "info", Progress: "auto"},
 	}

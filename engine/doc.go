@@ -111,7 +111,11 @@
 // take; the weights they split are blocks of the whole tensors
 // (flatLayout's tpSharded range), those they hold whole but compute on
 // different rows have their gradients summed over the tensor group
-// (tpSummed). The loss, the MoE statistics
+// (tpSummed). Their collectives run around the products or inside them
+// (the backend's fused ops, where a tensor group offers peer access) as
+// parallel.tp_overlap says (fused or unfused; "auto" resolved once per
+// run by tune.ResolveTPOverlap, and the path each group runs logged).
+// The loss, the MoE statistics
 // and the gradients of replicated weights are summed over every rank with
 // distinct tokens, those of experts over the ranks holding the same
 // experts, so every layout trains the same model as one rank would, up to

@@ -266,13 +266,70 @@ func (e *Engine) resolveCPAttention(cfg Config, oneDevice bool) (Config, error) 
 	return cfg, nil
 }
 
+// resolveTPOverlap settles parallel.tp_overlap for the run
+// (tune.ResolveTPOverlap: auto is the faster path for this machine and
+// shape, measured on virtual ranks and kept in a table, or unfused by
+// rule with tp 1, on the CPU, with a rank per GPU or node and under
+// train.deterministic) and returns cfg with the value. Like the
+// dispatcher it runs once per run, before any rank builds its layers;
+// oneDevice says the ranks are virtual ranks of the engine's one device.
+func (e *Engine) resolveTPOverlap(cfg Config, oneDevice bool) (Config, error) {
+	mode, err := tune.ResolveTPOverlap(e.backend, tpOverlapCase(cfg, oneDevice), func(msg string) { e.log.Info().Msg(msg) })
+	if err != nil {
+		return cfg, err
+	}
+	cfg.Parallel.TPOverlap = mode
+	return cfg, nil
+}
+
+// tpOverlapCase is what parallel.tp_overlap is settled for: the model's
+// attention over the rows a tensor group shares, micro_batch*seq/cp.
+func tpOverlapCase(cfg Config, oneDevice bool) tune.TPOverlapCase {
+	p := cfg.Parallel
+	return tune.TPOverlapCase{
+		Mode: p.TPOverlap, Shape: attentionShape(cfg.Model), Rows: cfg.Train.MicroBatch * cfg.Train.Seq / p.CP, TP: p.TP,
+		SequenceParallel: p.SequenceParallel, OneDevice: oneDevice, Deterministic: cfg.Train.Deterministic,
+	}
+}
+
+// logTPPaths says which path the tensor-parallel groups of ranks run
+// (tensorpar.Parallel.Fused): the backend's fused ops or the collectives
+// around the products, and when fused was asked for but a group offers
+// no peer access (ranks in separate processes, or GPUs without it), that
+// it fell back. One line for all of this process's ranks.
+func (e *Engine) logTPPaths(cfg Config, ranks []*rank) {
+	if cfg.Parallel.TP < 2 {
+		return
+	}
+	fused := 0
+	for _, r := range ranks {
+		if r.tp.Fused() {
+			fused++
+		}
+	}
+	switch {
+	case cfg.Parallel.TPOverlap != tune.TPOverlapFused:
+		e.log.Info().Msgf("parallel: tensor parallelism runs unfused: the collectives around the products (parallel.tp_overlap %s)", cfg.Parallel.TPOverlap)
+	case fused == len(ranks):
+		e.log.Info().Msgf("parallel: tensor parallelism runs fused: the backend's fused ops over the tp groups' peer access (%d ranks)", fused)
+	case fused == 0:
+		e.log.Warn().Msg("parallel: parallel.tp_overlap is fused, but the tp groups offer no peer access (ranks in separate processes, or devices without it): they fall back to the unfused collectives")
+	default:
+		e.log.Warn().Msgf("parallel: parallel.tp_overlap is fused, but the tp groups of %d of %d ranks offer no peer access: those fall back to the unfused collectives", len(ranks)-fused, len(ranks))
+	}
+}
+
 // servingConfig is the configuration a loaded model (evaluation and
 // sampling, one rank) builds its layers with: model.moe.dispatcher as
 // saved when it names a dispatcher, and unfused for auto; one rank
-// exchanges nothing, so a measurement would not pay for itself.
+// exchanges nothing, so a measurement would not pay for itself. The same
+// goes for parallel.tp_overlap.
 func servingConfig(cfg Config) Config {
 	if cfg.Model.MoE.Dispatcher != moe.DispatcherFused {
 		cfg.Model.MoE.Dispatcher = moe.DispatcherUnfused
+	}
+	if cfg.Parallel.TPOverlap != tune.TPOverlapFused {
+		cfg.Parallel.TPOverlap = tune.TPOverlapUnfused
 	}
 	return cfg
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/mktrain/mktrain/tune"
 )
 
 // placeRanks decides where the ranks of one process train and builds their
@@ -55,7 +56,9 @@ func (e *Engine) placeRanks() (world []*comm.Ranks, backends []backend.Backend, 
 // stays unfused there. parallel.cp_attention: ring asks for it too, for
 // the fused ring attention (attention/ring_fused.go), which reads the
 // peers' keys and queries over NVLink; the portable ring serves where the
-// driver has no peer access.
+// driver has no peer access. So does parallel.tp_overlap: fused with tp
+// above 1, for tensorpar's fused ops (auto stays unfused there, as the
+// dispatcher does); without peer access they run the collectives.
 func (e *Engine) placeOnDevices(mesh comm.Mesh, placer registry.RankPerDevice) ([]*comm.Ranks, []backend.Backend, func() error, error) {
 	n := mesh.World()
 	caps := placer.Capabilities()
@@ -64,12 +67,13 @@ func (e *Engine) placeOnDevices(mesh comm.Mesh, placer registry.RankPerDevice) (
 		return nil, nil, nil, err
 	}
 	ring := e.cfg.Parallel.CP > 1 && e.cfg.Parallel.CPAttention == string(attention.CPRing)
-	opts := registry.MeshOptions{PeerAccess: caps.PeerAccess && (e.cfg.Model.MoE.Dispatcher == moe.DispatcherFused || ring)}
+	tpFused := e.cfg.Parallel.TP > 1 && e.cfg.Parallel.TPOverlap == tune.TPOverlapFused
+	opts := registry.MeshOptions{PeerAccess: caps.PeerAccess && (e.cfg.Model.MoE.Dispatcher == moe.DispatcherFused || ring || tpFused)}
 	world, closeGroups, err := placer.MeshRanks(mesh, devices, opts)
 	if err != nil {
 		err = fmt.Errorf("parallel: %s groups over %d %ss: %w", caps.Collectives, n, caps.Device, err)
 		if opts.PeerAccess {
-			err = fmt.Errorf("%w (model.moe.dispatcher: fused and parallel.cp_attention: ring ask for peer access between the %ss; unfused and allgather do not)", err, caps.Device)
+			err = fmt.Errorf("%w (model.moe.dispatcher: fused, parallel.cp_attention: ring and parallel.tp_overlap: fused ask for peer access between the %ss; unfused and allgather do not)", err, caps.Device)
 		}
 		return nil, nil, nil, errors.Join(err, closeDevices())
 	}

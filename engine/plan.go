@@ -27,6 +27,7 @@ func PlanConfig(c Config, processRanks, deviceRanks int, checkpoints bool) plan.
 		CapacityFactor: m.MoE.CapacityFactor, BiasBalancing: m.MoE.BiasUpdateRate > 0, Dispatcher: m.MoE.Dispatcher,
 		GlobalBatch: t.GlobalBatch, MicroBatch: t.MicroBatch, Seq: t.Seq,
 		DP: p.DP, EP: p.EP, CP: p.CP, TP: p.TP, Zero: p.Zero, CPAttention: p.CPAttention, SequenceParallel: p.SequenceParallel,
+		TPOverlap: p.TPOverlap, Deterministic: t.Deterministic,
 		Checkpoints: checkpoints, ProcessRanks: processRanks, DeviceRanks: deviceRanks,
 	}
 }
@@ -55,7 +56,37 @@ func (e *Engine) plan(processRanks, deviceRanks int) (plan.Plan, error) {
 	c.Dispatcher = e.planDispatcher(processRanks, deviceRanks)
 	c.CPAttention = e.planCPAttention(processRanks, deviceRanks)
 	c.CPRingFused = e.cpRingFused(processRanks, deviceRanks)
+	c.TPOverlap = e.planTPOverlap(processRanks, deviceRanks)
 	return plan.New(c, dev)
+}
+
+// planTPOverlap is the path the tensor-parallel groups will run where it
+// can be known without measuring (resolveTPOverlap,
+// tune.ResolveTPOverlap, and the groups' peer access): unfused with tp 1,
+// under unfused, where the ranks are in several processes (no peer
+// access), and for auto on the CPU, under train.deterministic and with a
+// rank per device; fused under fused otherwise (one rank per GPU asks
+// for peer access: placeOnDevices); for auto on virtual ranks the
+// table's choice when it has this machine and shape; "" (the plan takes
+// the larger, fused) when only a measurement would say.
+func (e *Engine) planTPOverlap(processRanks, deviceRanks int) string {
+	p, world := e.cfg.Parallel, e.cfg.mesh().World()
+	switch {
+	case p.TP < 2 || p.TPOverlap == plan.TPUnfused || processRanks < world:
+		return plan.TPUnfused
+	case p.TPOverlap == plan.TPFused:
+		return plan.TPFused
+	case e.backend.Name() == "cpu", e.cfg.Train.Deterministic, deviceRanks < processRanks:
+		return plan.TPUnfused
+	}
+	cache, err := tune.DefaultTPOverlapCache()
+	if err != nil {
+		return ""
+	}
+	if entry, ok, err := cache.Lookup(tune.NewTPOverlapKey(e.backend, tpOverlapCase(e.cfg, true))); err == nil && ok {
+		return entry.Choice
+	}
+	return ""
 }
 
 // cpRingFused says whether mode ring would run the fused ring

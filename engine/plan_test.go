@@ -144,6 +144,13 @@ func TestPlanCountsEveryTensor(t *testing.T) {
 		{"tp 2, cp 2, every expert", func(c *Config) {
 			c.Parallel.TP, c.Parallel.CP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 2, 2, false, 4
 		}, true},
+		// The fused path's slots (the CPU has no float atomics).
+		{"tp 2, tp_overlap fused, every expert", func(c *Config) {
+			c.Parallel.TP, c.Parallel.TPOverlap, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 2, "fused", true, 4
+		}, true},
+		{"tp 4, tp_overlap fused, sequence_parallel false, every expert", func(c *Config) {
+			c.Parallel.TP, c.Parallel.TPOverlap, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 4, "fused", false, 4
+		}, true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

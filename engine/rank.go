@@ -11,6 +11,7 @@ import (
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 	"github.com/mktrain/mktrain/tensorpar"
+	"github.com/mktrain/mktrain/tune"
 )
 
 // batchSource yields micro-batches of token ids and their next-token targets,
@@ -82,7 +83,13 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	localExperts := m.MoE.Experts / groups.Expert.Size()
 	firstExpert := groups.Expert.Rank() * localExperts
 	r := &rank{cfg: cfg, b: b, groups: groups, train: train, val: val}
-	r.tp = tensorpar.New(b, groups.Tensor, cfg.Parallel.SequenceParallel)
+	// parallel.tp_overlap is settled by now (resolveTPOverlap): auto and
+	// "" are unfused here, for ranks built outside a run.
+	r.tp = tensorpar.NewWith(b, groups.Tensor, tensorpar.Options{
+		SequenceParallel: cfg.Parallel.SequenceParallel,
+		Fused:            cfg.Parallel.TPOverlap == tune.TPOverlapFused,
+		Deterministic:    cfg.Train.Deterministic,
+	})
 	if r.tp.Enabled() {
 		r.tpRank = tpRank{n: r.tp.Size(), r: r.tp.Rank(), sp: r.tp.SequenceParallel()}
 	} else {

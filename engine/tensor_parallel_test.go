@@ -17,6 +17,7 @@ import (
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/hf"
 	"github.com/mktrain/mktrain/moe"
+	"github.com/rs/zerolog"
 )
 
 // tensorParallelLayouts are the tensor-parallel layouts the equivalence
@@ -32,13 +33,22 @@ var tensorParallelLayouts = []struct {
 	{1, 1, 2, 2, 0, 8, "", "ring"},              // context parallelism's ring over each tp rank's heads
 }
 
+// tpOverlaps are parallel.tp_overlap's settings the tensor-parallel
+// equivalence tests train under: on the CPU the fused patterns run the
+// backend's fused ops over the virtual ranks' peer access (its twins of
+// the kernels), the unfused ones the collectives.
+var tpOverlaps = []string{"unfused", "fused"}
+
 // TestTensorParallelMatchesOneRank trains the equivalence model for 20
 // steps on one rank and under tp 2, tp 4 (kv heads replicated: 2 kv heads
 // over 4 ranks), tp2 x ep2, tp2 x dp2 and tp2 x cp2 (and with ZeRO-1:
-// tp2 x dp2, tp2 x dp2 x ep2, tp2 x cp2), with sequence
-// parallelism on and off, and requires every step's loss within 1e-4 of
-// one rank's (float32), and the gradient norms and the final validation
-// loss close too.
+// tp2 x dp2, tp2 x dp2 x ep2, tp2 x cp2), with sequence parallelism on
+// and off, under parallel.tp_overlap fused and unfused (a subtest each),
+// and requires every step's loss within 1e-4 of one rank's (float32), and
+// the gradient norms and the final validation loss close too. The fused
+// path must say it ran, and give the unfused path's losses bit for bit
+// (the CPU's fused ops are the unfused sequences, the reduce-scatter's
+// slots summed in rank order as the collective sums).
 func TestTensorParallelMatchesOneRank(t *testing.T) {
 	base := equivalenceConfig()
 	base.Train.Steps, base.Train.MicroBatch = 20, 8
@@ -53,41 +63,78 @@ func TestTensorParallelMatchesOneRank(t *testing.T) {
 			}
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
-				cfg := base
-				cfg.Parallel = ParallelConfig{DP: lay.dp, EP: lay.ep, CP: lay.cp, TP: lay.tp, Zero: lay.zero, SequenceParallel: sp}
-				if lay.dispatcher != "" {
-					cfg.Model.MoE.Dispatcher = lay.dispatcher
+				losses := map[string][]float64{}
+				for _, overlap := range tpOverlaps {
+					t.Run(overlap, func(t *testing.T) {
+						cfg := base
+						cfg.Parallel = ParallelConfig{DP: lay.dp, EP: lay.ep, CP: lay.cp, TP: lay.tp, Zero: lay.zero, SequenceParallel: sp, TPOverlap: overlap}
+						if lay.dispatcher != "" {
+							cfg.Model.MoE.Dispatcher = lay.dispatcher
+						}
+						if lay.cpAttention != "" {
+							cfg.Parallel.CPAttention = lay.cpAttention
+						}
+						cfg.Train.MicroBatch = lay.micro
+						got, log := trainEventsLog(t, cfg)
+						if says := "tensor parallelism runs " + overlap; !strings.Contains(log, says) {
+							t.Errorf("the log does not say %q:\n%s", says, log)
+						}
+						compareTensorParallel(t, got, want)
+						for _, ev := range got {
+							losses[overlap] = append(losses[overlap], ev.Loss)
+						}
+					})
 				}
-				if lay.cpAttention != "" {
-					cfg.Parallel.CPAttention = lay.cpAttention
-				}
-				cfg.Train.MicroBatch = lay.micro
-				got := trainEvents(t, cfg)
-				if len(got) != len(want) {
-					t.Fatalf("%d steps, want %d", len(got), len(want))
-				}
-				for i := range want {
-					if d := math.Abs(got[i].Loss - want[i].Loss); d > 1e-4 {
-						t.Errorf("step %d: loss %.7f, one rank %.7f (off by %.2g)", i+1, got[i].Loss, want[i].Loss, d)
-					}
-					if d := math.Abs(got[i].GradNorm-want[i].GradNorm) / want[i].GradNorm; d > 1e-3 {
-						t.Errorf("step %d: grad norm %.6f, one rank %.6f", i+1, got[i].GradNorm, want[i].GradNorm)
-					}
-					if d := math.Abs(got[i].AuxLoss - want[i].AuxLoss); d > 1e-4 {
-						t.Errorf("step %d: aux loss %.6f, one rank %.6f", i+1, got[i].AuxLoss, want[i].AuxLoss)
-					}
-				}
-				maxDiff := 0.0
-				for i := range want {
-					maxDiff = max(maxDiff, math.Abs(got[i].Loss-want[i].Loss))
-				}
-				t.Logf("largest loss difference %.2g over %d steps (losses %.4f -> %.4f)", maxDiff, len(want), got[0].Loss, got[len(got)-1].Loss)
-				last := len(want) - 1
-				if d := math.Abs(got[last].ValLoss - want[last].ValLoss); d > 1e-4 {
-					t.Errorf("validation loss %.6f, one rank %.6f", got[last].ValLoss, want[last].ValLoss)
+				if u, f := losses["unfused"], losses["fused"]; len(u) == len(want) && !slices.Equal(f, u) {
+					t.Errorf("losses fused %v, unfused %v: want the same bits", f, u)
 				}
 			})
 		}
+	}
+}
+
+// trainEventsLog is trainEvents with the run's log.
+func trainEventsLog(t *testing.T, cfg Config) ([]StepEvent, string) {
+	t.Helper()
+	var evs []StepEvent
+	var log bytes.Buffer
+	eng, err := New(cfg, WithLogger(zerolog.New(zerolog.SyncWriter(&log))), WithHook(func(ev StepEvent) { evs = append(evs, ev) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := eng.Run(context.Background()); err != nil {
+		t.Fatalf("%v\n%s", err, log.String())
+	}
+	return evs, log.String()
+}
+
+// compareTensorParallel fails unless a tensor-parallel run's steps got
+// match one rank's (want): losses and aux losses within 1e-4, gradient
+// norms within 1e-3 relative, the final validation loss within 1e-4.
+func compareTensorParallel(t *testing.T, got, want []StepEvent) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%d steps, want %d", len(got), len(want))
+	}
+	for i := range want {
+		if d := math.Abs(got[i].Loss - want[i].Loss); d > 1e-4 {
+			t.Errorf("step %d: loss %.7f, one rank %.7f (off by %.2g)", i+1, got[i].Loss, want[i].Loss, d)
+		}
+		if d := math.Abs(got[i].GradNorm-want[i].GradNorm) / want[i].GradNorm; d > 1e-3 {
+			t.Errorf("step %d: grad norm %.6f, one rank %.6f", i+1, got[i].GradNorm, want[i].GradNorm)
+		}
+		if d := math.Abs(got[i].AuxLoss - want[i].AuxLoss); d > 1e-4 {
+			t.Errorf("step %d: aux loss %.6f, one rank %.6f", i+1, got[i].AuxLoss, want[i].AuxLoss)
+		}
+	}
+	maxDiff := 0.0
+	for i := range want {
+		maxDiff = max(maxDiff, math.Abs(got[i].Loss-want[i].Loss))
+	}
+	t.Logf("largest loss difference %.2g over %d steps (losses %.4f -> %.4f)", maxDiff, len(want), got[0].Loss, got[len(got)-1].Loss)
+	last := len(want) - 1
+	if d := math.Abs(got[last].ValLoss - want[last].ValLoss); d > 1e-4 {
+		t.Errorf("validation loss %.6f, one rank %.6f", got[last].ValLoss, want[last].ValLoss)
 	}
 }
 
@@ -272,17 +319,28 @@ func sameFiles(t *testing.T, what, got, want string) {
 
 // Tensor-parallel ranks split over two TCP nodes (the tensor group across
 // the nodes) train bitwise the losses of the same layout as virtual ranks.
+// Under parallel.tp_overlap fused the TCP groups offer no peer access: the
+// nodes say they fall back to the collectives, and still give the fused
+// virtual ranks' bits.
 func TestTensorParallelDistributed(t *testing.T) {
 	for _, p := range []ParallelConfig{
 		{DP: 1, EP: 1, CP: 1, TP: 2, SequenceParallel: true},
 		{DP: 1, EP: 1, CP: 1, TP: 2, SequenceParallel: false},
 		{DP: 2, EP: 1, CP: 1, TP: 2, Zero: 1, SequenceParallel: true},
+		{DP: 1, EP: 1, CP: 1, TP: 2, SequenceParallel: true, TPOverlap: "fused"},
 	} {
-		t.Run(fmt.Sprintf("dp%d_tp%d_zero%d_sp%v", p.DP, p.TP, p.Zero, p.SequenceParallel), func(t *testing.T) {
+		name := fmt.Sprintf("dp%d_tp%d_zero%d_sp%v", p.DP, p.TP, p.Zero, p.SequenceParallel)
+		if p.TPOverlap != "" {
+			name += "_" + p.TPOverlap
+		}
+		t.Run(name, func(t *testing.T) {
 			cfg := equivalenceConfig()
 			cfg.Parallel, cfg.Train.MicroBatch, cfg.Train.Steps = p, 8/p.DP, 3
 			want := trainLosses(t, cfg)
-			runs := runNodes(t, cfg, []string{"", ""})
+			logs := make([]bytes.Buffer, 2)
+			runs := runNodes(t, cfg, []string{"", ""}, func(node int) []Option {
+				return []Option{WithLogger(zerolog.New(zerolog.SyncWriter(&logs[node])))}
+			})
 			for i, r := range runs {
 				if r.err != nil {
 					t.Fatalf("node %d: %v", i, r.err)
@@ -291,6 +349,33 @@ func TestTensorParallelDistributed(t *testing.T) {
 			if !slices.Equal(runs[0].losses, want) {
 				t.Errorf("two nodes: losses %v, virtual ranks %v", runs[0].losses, want)
 			}
+			if p.TPOverlap == "fused" {
+				for i := range logs {
+					if says := "fall back to the unfused collectives"; !strings.Contains(logs[i].String(), says) {
+						t.Errorf("node %d: the log does not say %q:\n%s", i, says, logs[i].String())
+					}
+				}
+			}
 		})
+	}
+}
+
+// The engine settles parallel.tp_overlap once per run and says what it
+// chose and which path the tensor-parallel groups run: auto on the CPU is
+// unfused by rule; an explicit fused runs fused on virtual ranks.
+func TestTPOverlapChoiceLogged(t *testing.T) {
+	for _, c := range []struct{ mode, says, runs string }{
+		{"auto", "parallel.tp_overlap auto: unfused, unmeasured: on the CPU", "tensor parallelism runs unfused"},
+		{"", "parallel.tp_overlap auto: unfused, unmeasured: on the CPU", "tensor parallelism runs unfused"},
+		{"fused", "parallel.tp_overlap: fused, as the recipe says", "tensor parallelism runs fused"},
+	} {
+		cfg := equivalenceConfig()
+		cfg.Train.Steps, cfg.Train.MicroBatch, cfg.Parallel.TP, cfg.Parallel.TPOverlap = 3, 8, 2, c.mode
+		_, log := trainEventsLog(t, cfg)
+		for _, want := range []string{c.says, c.runs} {
+			if !strings.Contains(log, want) {
+				t.Errorf("tp_overlap %q: the log does not say %q:\n%s", c.mode, want, log)
+			}
+		}
 	}
 }

@@ -62,6 +62,9 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	if cfg, err = e.resolveCPAttention(cfg, !distributed && backends == nil); err != nil {
 		return Result{}, err
 	}
+	if cfg, err = e.resolveTPOverlap(cfg, !distributed && backends == nil); err != nil {
+		return Result{}, err
+	}
 	ranks := make([]*rank, len(world))
 	for i, g := range world {
 		// A rank's data part is its data group's: the data group holds one
@@ -86,6 +89,7 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 			e.log.Info().Msgf("parallel: context-parallel attention runs the %s", ranks[0].model.attn[0].ContextPath())
 		}
 	}
+	e.logTPPaths(cfg, ranks)
 	s := &session{e: e, ranks: ranks, world: world, snaps: make([]rankSnapshot, cfg.mesh().World()), distributed: distributed}
 	if e.runDir != "" {
 		root := filepath.Join(e.runDir, "checkpoints")

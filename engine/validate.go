@@ -274,6 +274,9 @@ func (v *validator) parallel(p ParallelConfig, experts int) {
 	if p.CPAttention != "" { // "" is auto (configurations saved before the field existed)
 		v.oneOf("parallel.cp_attention", p.CPAttention, tune.CPAttentionAuto, string(attention.CPRing), string(attention.CPAllGather))
 	}
+	if p.TPOverlap != "" { // "" is auto, as for cp_attention
+		v.oneOf("parallel.tp_overlap", p.TPOverlap, tune.TPOverlapAuto, tune.TPOverlapFused, tune.TPOverlapUnfused)
+	}
 	if p.Zero != 0 && p.Zero != 1 {
 		v.fail("parallel.zero", "parallel.zero must be 0 (off) or 1 (AdamW moments of the replicated weights sharded over the data-parallel ranks), got %d", p.Zero)
 	}

@@ -123,6 +123,8 @@ func TestValidateRules(t *testing.T) {
 		{"cp zero", func(c *Config) { c.Parallel.CP = 0 }, "parallel.cp", "parallel.cp must be at least 1, got 0"},
 		{"cp attention", func(c *Config) { c.Parallel.CPAttention = "star" }, "parallel.cp_attention",
 			`parallel.cp_attention must be one of auto, ring, allgather; got "star"`},
+		{"tp overlap", func(c *Config) { c.Parallel.TPOverlap = "overlapped" }, "parallel.tp_overlap",
+			`parallel.tp_overlap must be one of auto, fused, unfused; got "overlapped"`},
 		{"tp zero", func(c *Config) { c.Parallel.TP = 0 }, "parallel.tp", "parallel.tp must be at least 1, got 0"},
 		{"heads by tp", func(c *Config) { c.Model.Heads, c.Model.KVHeads, c.Model.MoE.Experts, c.Parallel.TP = 4, 4, 8, 8 }, "parallel.tp",
 			"model.heads (4) must be divisible by parallel.tp (8): tensor parallelism splits the query heads"},

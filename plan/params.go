@@ -26,6 +26,7 @@ type shape struct {
 	ft, ot                 int64 // bytes of the float and operand types
 	cuda                   bool  // the CUDA allocator's size classes and bf16 copies apply
 	zero                   bool  // ZeRO-1 shards the replicated moments (parallel.zero 1 on several ranks)
+	tpFused                bool  // tp > 1 on tensorpar's fused ops (parallel.tp_overlap fused, or auto: the larger)
 	dataContext            int64 // ranks with distinct tokens: dp*ep*cp
 	capRows                int64 // rows per expert a source may send (capacity); 0 dropless
 	sent, recv             int64 // routed rows a rank sends and receives (balanced)
@@ -72,6 +73,7 @@ func newShape(c Config, d Device) shape {
 	s.cuda = d.Backend == BackendCUDA
 	s.dataContext = mul(s.DP, s.EP, s.CP)
 	s.zero = c.Zero == 1 && s.dataContext > 1
+	s.tpFused = s.TP > 1 && c.TPOverlap != TPUnfused
 	s.routedRows(c)
 	s.flatLayout()
 	return s

@@ -30,6 +30,14 @@ type Config struct {
 	// access and the backend's zigzag ops take the shape), which holds no
 	// chunk in flight; else the portable ring's buffers are counted.
 	CPRingFused bool
+	// TPOverlap is parallel.tp_overlap as the tp groups will run it:
+	// "fused" (tensorpar's fused ops: the groups offer peer access),
+	// "unfused", or "auto" (or ""), for which the plan takes the larger,
+	// fused, when tp > 1.
+	TPOverlap string
+	// Deterministic is train.deterministic: the fused reduce-scatter
+	// lands its blocks in slots instead of adding atomically.
+	Deterministic bool
 
 	GlobalBatch, MicroBatch, Seq int
 	DP, EP, CP, TP               int
@@ -188,6 +196,8 @@ const (
 	DispatcherUnfused = "unfused"
 	CPAllGather       = "allgather" // parallel.cp_attention's modes (attention.CPMode)
 	CPRing            = "ring"
+	TPFused           = "fused" // parallel.tp_overlap's paths
+	TPUnfused         = "unfused"
 )
 
 func (c Config) check() error {

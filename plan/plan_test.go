@@ -176,3 +176,48 @@ func TestTensorParallelPlan(t *testing.T) {
 		t.Errorf("12 experts at tp 2: parallel.ep %d suggested, want 6", got)
 	}
 }
+
+// parallel.tp_overlap fused on the GPU adds the fused ops' bf16 operand
+// scratch to what the ranks of a device share ([T, D] under sequence
+// parallelism), and under train.deterministic a rank's float32 slots
+// [T, D]; auto plans for fused, the larger; unfused and tp 1 add nothing.
+func TestTensorParallelFusedPlan(t *testing.T) {
+	gpu := CUDADevice("gpu", 0, 0)
+	terms := func(overlap string, tp int, deterministic bool) (shared, rank map[string]int64) {
+		c := small()
+		c.TP, c.SequenceParallel, c.TPOverlap, c.Deterministic = tp, true, overlap, deterministic
+		p, err := New(c, gpu)
+		if err != nil {
+			t.Fatal(err)
+		}
+		shared, rank = map[string]int64{}, map[string]int64{}
+		for _, x := range p.Shared {
+			shared[x.What] += x.Bytes
+		}
+		for _, x := range p.Rank {
+			rank[x.What] += x.Bytes
+		}
+		return shared, rank
+	}
+	const scratch, slots = "tensor-parallel fused operand scratch", "tensor-parallel fused reduce-scatter slots"
+	T, D := int64(8*64), int64(64)
+	for _, x := range []struct {
+		overlap       string
+		tp            int
+		deterministic bool
+		scratch       int64
+		slots         int64
+	}{
+		{"fused", 2, false, cudaSizeClass(T * D * 2), 0},
+		{"auto", 2, false, cudaSizeClass(T * D * 2), 0},
+		{"", 2, true, cudaSizeClass(T * D * 2), cudaSizeClass(T * D * 4)},
+		{"unfused", 2, true, 0, 0},
+		{"fused", 1, true, 0, 0},
+	} {
+		shared, rank := terms(x.overlap, x.tp, x.deterministic)
+		if shared[scratch] != x.scratch || rank[slots] != x.slots {
+			t.Errorf("tp_overlap %q, tp %d, deterministic %v: scratch %d, slots %d; want %d and %d",
+				x.overlap, x.tp, x.deterministic, shared[scratch], rank[slots], x.scratch, x.slots)
+		}
+	}
+}

@@ -47,7 +47,19 @@ func rankTerms(s shape, dispatcher, cpMode string) []Term {
 	attentionActivations(l, s, cpMode == CPRing, s.c.CPRingFused)
 	moeActivations(l, s, dispatcher == DispatcherFused)
 	collectiveScratch(l, s, cpMode == CPRing)
+	tensorParallelFused(l, s)
 	return l.terms
+}
+
+// tensorParallelFused mirrors tensorpar/fused.go: the fused reduce-scatter
+// (the row-parallel o_proj, and the column-parallel products' input
+// gradient) lands each rank's blocks in slots of their owner, W blocks of
+// [T/W, D] (fused.slotTensor, grown to the largest call), where the
+// backend has no float atomics (the CPU) or train.deterministic asks.
+func tensorParallelFused(l *ledger, s shape) {
+	if s.tpFused && (!s.cuda || s.c.Deterministic) {
+		l.fixed(Workspace, "tensor-parallel fused reduce-scatter slots", 1, mul(s.T, s.D), s.ft)
+	}
 }
 
 // stores mirrors engine/rank.go's newRankRounds and zero.go's newMoments:
@@ -329,7 +341,25 @@ func sharedTerms(s shape) []Term {
 	l.fixed(Workspace, "kernel tables", 1, ggMaxExperts+1, int32Bytes)
 	l.fixed(Workspace, "kernel tables", 1, fusedTablesBytes, 1)
 	l.fixed(Workspace, "kernel tables", 1, 16, 1)
-	l.fixed(Workspace, "kernel tables", 1, max(1024, 2*(ceilDiv(s.recvWorst, 128)+s.El)), int32Bytes)
+	flags := max(1024, 2*(ceilDiv(s.recvWorst, 128)+s.El))
+	if s.tpFused {
+		// tp_gather's flags: one per m-tile of the gathered rows, and one.
+		flags = max(flags, 2*(ceilDiv(s.T, 128)+1))
+	}
+	l.fixed(Workspace, "kernel tables", 1, flags, int32Bytes)
+	if s.tpFused {
+		// tp_fused.go's tpScratch.rows: the bf16 operand the fused ops
+		// round into, grown to the largest: the gathered rows [T, D] under
+		// sequence parallelism, else the row-parallel products' float32
+		// inputs, o_proj's a and the q gradient [T, Ql] (the k, v
+		// gradients' [T, KDl] are no larger). Its weights are the bf16
+		// operand copies already, so tpScratch.wght stays empty.
+		rows := mul(s.T, s.Ql)
+		if s.R != s.T {
+			rows = max(rows, mul(s.T, s.D))
+		}
+		l.fixed(Workspace, "tensor-parallel fused operand scratch", 1, rows, 2)
+	}
 	// The largest buffer an op takes and frees: attention.go's backward
 	// delta [B, H, S/cp], backend_ops.go's RMSNorm weight-gradient
 	// partial sums (one row of D per 32 rows of x).

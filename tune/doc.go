@@ -6,7 +6,14 @@
 // allgather, measured by attention.MeasureContext on virtual ranks and kept
 // in cp_attention.json beside the dispatch table, under a CPAttentionKey
 // of the same machine, software and kernels; by rule on the CPU, across
-// processes and under train.deterministic).
+// processes and under train.deterministic), and tensor parallelism's
+// overlap of parallel.tp_overlap: auto (ResolveTPOverlap: fused or
+// unfused, measured by MeasureTPOverlap, one layer's column- and
+// row-parallel forward products with tensorpar's fused ops and with its
+// collectives on virtual ranks, and kept in tp_overlap.json under a
+// TPOverlapKey; by rule on the CPU, where the fused ops are the unfused
+// sequences, with a rank per GPU or node, under train.deterministic, and
+// with tp 1).
 //
 // The engine calls ResolveDispatcher once per run, before the ranks build
 // their layers:
@@ -28,6 +35,8 @@
 // the file makes the next run measure again; a file that cannot be read
 // or written costs a measurement, never the run.
 //
-// The measurement itself is the model's business and stays in package moe;
-// this package holds what is about one machine's disk.
+// The measurement itself is the model's business and stays in package moe
+// (and attention); this package holds what is about one machine's disk,
+// and the tensor-parallel measurement, which is of tensorpar's patterns
+// alone.
 package tune

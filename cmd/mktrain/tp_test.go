@@ -10,7 +10,8 @@ import (
 
 // TestRunTensorParallelFromFlags: --set parallel.tp=2 trains the tiny
 // recipe on two tensor-parallel ranks with the losses of one rank (with
-// sequence parallelism on and off); `mktrain eval` of the tp 2 checkpoint
+// sequence parallelism on and off, and under parallel.tp_overlap fused and
+// unfused, which the log names); `mktrain eval` of the tp 2 checkpoint
 // gives the tp 1 checkpoint's loss and `mktrain export` writes it; a tp
 // the heads cannot split is refused naming both fields.
 func TestRunTensorParallelFromFlags(t *testing.T) {
@@ -19,15 +20,19 @@ func TestRunTensorParallelFromFlags(t *testing.T) {
 		eval   float64
 	}
 	runs := map[string]run{}
-	for _, set := range []string{"parallel.tp=1", "parallel.tp=2", "parallel.sequence_parallel=false"} {
+	tpRuns := []string{"parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_overlap=fused", "parallel.tp_overlap=unfused"}
+	for _, set := range append([]string{"parallel.tp=1"}, tpRuns...) {
 		dir := t.TempDir()
 		args := append([]string{"run", "tiny", "--run-dir", dir}, quick...)
-		if set == "parallel.sequence_parallel=false" {
+		if set != "parallel.tp=1" && set != "parallel.tp=2" {
 			args = append(args, "--set", "parallel.tp=2")
 		}
 		code, _, stderr := runCLI(t, append(args, "--set", set)...)
 		if code != exitOK {
 			t.Fatalf("%s: exit %d\n%s", set, code, stderr)
+		}
+		if overlap, ok := strings.CutPrefix(set, "parallel.tp_overlap="); ok && !strings.Contains(stderr, "tensor parallelism runs "+overlap) {
+			t.Errorf("%s: the log does not say which path runs:\n%s", set, stderr)
 		}
 		code, stdout, stderr := runCLI(t, "eval", "--checkpoint", dir, "--batches", "1", "--json")
 		var got evalJSON
@@ -46,7 +51,7 @@ func TestRunTensorParallelFromFlags(t *testing.T) {
 	if len(want.losses) == 0 {
 		t.Fatal("no steps logged")
 	}
-	for _, set := range []string{"parallel.tp=2", "parallel.sequence_parallel=false"} {
+	for _, set := range tpRuns {
 		got := runs[set]
 		for step, w := range want.losses {
 			if g, ok := got.losses[step]; !ok || !(math.Abs(g-w) <= 1e-4) {
