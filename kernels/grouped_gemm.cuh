@@ -256,6 +256,41 @@ __device__ __forceinline__ gg_tile_t gg_tile(int t, int nTN, int E, const int* s
   return r;
 }
 
+// gg_rotate is walk position t of n moved on by by (0 <= by < n, so one
+// subtraction wraps it): the tensor-parallel kinds start at their own
+// rank's block.
+__device__ __forceinline__ int gg_rotate(int t, int by, int n) {
+  t += by;
+  return t >= n ? t - n : t;
+}
+
+// GG_TP_GROUP_M is how many m-tiles the tensor-parallel kinds walk as one
+// group, n-tile by n-tile: a wave of 132 tiles then reads the weight
+// columns of ~8 n-tiles for 16 m-tiles instead of every n-tile's for ~9
+// m-tiles, so a weight larger than L2 (the Llama-70B-like layer's 58 MB
+// at tp 8) is read from DRAM once per 16 m-tiles, not once per wave.
+#define GG_TP_GROUP_M 16
+
+// gg_tp_tile decodes walk position t of the tensor-parallel kinds (one
+// group of rows, m = rows / 128 rounded up m-tiles, nTN n-tiles): grouped
+// as GG_TP_GROUP_M says, then the m-tile moved on by rotM (wrapping). walkG
+// is the tile's m-tile along the walk before the rotation, the gather's
+// pacing front.
+template <int BN>
+__device__ __forceinline__ gg_tile_t gg_tp_tile(int t, int nTN, int m, int rotM, int rows, int& walkG) {
+  const int group = t / (GG_TP_GROUP_M * nTN), first = group * GG_TP_GROUP_M;
+  const int size = gg_min(GG_TP_GROUP_M, m - first), in = t - first * nTN;
+  const int nt = in / size;
+  walkG = first + (in - nt * size);
+  gg_tile_t r;
+  r.e = 0;
+  r.g = gg_rotate(walkG, rotM, m);
+  r.row0 = r.g * GG_BM;
+  r.rowEnd = rows;
+  r.n0 = nt * BN;
+  return r;
+}
+
 // gg_block_tma reports whether a warpgroup's 64-row block from row wr0 of
 // a tile whose expert ends at rowEnd goes through a TMA-store epilogue:
 // every row of it that is inside the tensor (`rows`) is the expert's. A
@@ -358,13 +393,6 @@ struct gg_fuse {
 template <gg_fusion FUSE>
 struct gg_fused_steps;
 
-// gg_rotate is walk position t of n moved on by by (0 <= by < n, so one
-// subtraction wraps it): the tensor-parallel kinds start at their own
-// rank's block.
-__device__ __forceinline__ int gg_rotate(int t, int by, int n) {
-  t += by;
-  return t >= n ? t - n : t;
-}
 
 // ---- the kernel body ----
 
@@ -528,11 +556,13 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     int s = 0;
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const gg_tile_t tile = gg_tile<BNT>(TP ? gg_rotate(t, fz.rotM * nTN, total) : t, nTN, E, sBeg, sEnd, sCum);
+      int walkG = t / nTN;
+      const gg_tile_t tile = TP ? gg_tp_tile<BNT>(t, nTN, sCum[E], fz.rotM, rows, walkG)
+                                : gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
       if constexpr (DISPATCH) {
         // The walk's position (before the rotation): the gather paces
         // on it.
-        *sFront = t / nTN;
+        *sFront = walkG;
         steps::wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
       }
       for (int kb = 0; kb < nK; kb++) {
@@ -588,7 +618,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   unsigned stgc = 0;
   const int wtid = tid - 128 * (cw + 1);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const gg_tile_t tile = gg_tile<BNT>(TP ? gg_rotate(t, fz.rotM * nTN, total) : t, nTN, E, sBeg, sEnd, sCum);
+    int walkG;
+    const gg_tile_t tile = TP ? gg_tp_tile<BNT>(t, nTN, sCum[E], fz.rotM, rows, walkG)
+                              : gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
     // The TMA-store epilogues (TMA_STORE and GG_DISPATCH_DGRAD) take the
     // blocks gg_block_tma allows; the others keep the register path.
     // GG_DISPATCH_SWIGLU stages every block with rows (gg_block_staged).
