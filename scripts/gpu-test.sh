@@ -43,6 +43,10 @@
 #      attention (allgather and ring) on W = 2, 4, 8 virtual ranks against
 #      the core on the whole sequence, with the bars of issue 27
 #      (attention.json);
+#   5c. `mktrain bench tp`: tensor parallelism's three patterns (product
+#      alone, unfused, fused, deterministic fused) on tp = 2, 4, 8 virtual
+#      ranks for moe-small's projections and a Llama-70B-like layer, with
+#      the bars of issue 29 (tp.json);
 #   6. the Hugging Face checks: scripts/hf_check.py (transformers' loss on
 #      an fp32 export against mktrain eval's) and
 #      scripts/hf_tokenizer_check.py (an export made with a tokenizer loads
@@ -61,14 +65,14 @@
 # counts, the "figure:" lines the tests log, the two tokens/s figures),
 # train-moe-small.json (mktrain's result), peer-moe-small.json (the
 # peer's), layouts.json, moe.json, kernels.json, kernels-gpus.json,
-# attention.json, peer-kernels.json, hf-check.json and
+# attention.json, tp.json, peer-kernels.json, hf-check.json and
 # hf-tokenizer-check.json, each with the commit, date, command and
 # machine; and logs.tgz (every raw log and test2json stream, each
 # benchmark's JSON again, and clocks.csv, the SM clock and power over the
 # run; written again as each test binary ends), which stays out of git.
-# Every step on one GPU writes 10 files, more than the 8 a device call
+# Every step on one GPU writes 11 files, more than the 8 a device call
 # brings back: a call runs fewer steps (NO_HF=1 saves two files,
-# NO_ATTENTION=1 or NO_LAYOUTS=1 one each), or, when it also keeps its own
+# NO_ATTENTION=1, NO_TP=1 or NO_LAYOUTS=1 one each), or, when it also keeps its own
 # files (its console, say) or adds PEER_KERNELS=1, fewer still. It prints
 # a short table last and exits non-zero if any package or benchmark
 # failed.
@@ -81,7 +85,7 @@
 # backend/cuda tests take, comma-separated, or all (default none: the
 # kernels as trained with; kernels/dev/README.md);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
-# NO_MOE=1 step 5, NO_KERNELS=1 bench kernels, NO_ATTENTION=1 step 5b,
+# NO_MOE=1 step 5, NO_KERNELS=1 bench kernels, NO_ATTENTION=1 step 5b, NO_TP=1 step 5c,
 # NO_HF=1 step 6; PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
 # (peer-kernels.json); PREPARE_BENCH=1 runs step 7;
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
@@ -460,6 +464,20 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_ATTENTION:-}" != 1 && -x "$BIN/mktrain" ]]; 
   echo
 fi
 
+# Tensor parallelism's patterns on tp virtual ranks, unfused and fused:
+# tp.json, its rows and bars in the table at the end.
+tp_rc=-
+if [[ "${NO_BENCH:-}" != 1 && "${NO_TP:-}" != 1 && -x "$BIN/mktrain" ]]; then
+  echo "== mktrain bench tp (unfused and fused patterns; virtual ranks)"
+  mkdir -p "$LOGS/tp"
+  timeout 420 "$BIN/mktrain" bench tp --backend cuda --iters 5 --out "$LOGS/tp" >"$LOGS/tp.log" 2>&1
+  tp_rc=$?
+  tail -n 30 "$LOGS/tp.log"
+  [[ $tp_rc -ne 0 ]] && { echo "  bench tp: exit $tp_rc"; status=1; }
+  [[ -f "$LOGS/tp/tp.json" ]] && cp "$LOGS/tp/tp.json" "$OUT/tp.json"
+  echo
+fi
+
 # The PyTorch kernel peer (dense GEMM, torch._grouped_mm, SDPA), for the
 # kernel figures the tests log: peer-kernels.json. Only with PEER_KERNELS=1.
 if [[ "${PEER_KERNELS:-}" == 1 && -f "$PEER_DIR/torch_kernels.py" ]]; then
@@ -567,7 +585,7 @@ sw_nccl=$(version_code "$(first_match 'NCCL version code [0-9]+' | cut -d' ' -f4
 sw_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
 # The command, with the variables that shaped the run.
 run_cmd="bash scripts/gpu-test.sh"
-for v in NO_BENCH NO_TRAIN NO_LAYOUTS NO_MOE NO_KERNELS NO_ATTENTION NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
+for v in NO_BENCH NO_TRAIN NO_LAYOUTS NO_MOE NO_KERNELS NO_ATTENTION NO_TP NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
          GPU_TEST_PACKAGES GPU_TEST_RUN GPU_TEST_SKIP GPU_TEST_TIMEOUT; do
   [[ -n "${!v:-}" ]] && run_cmd="$v='${!v}' $run_cmd"
 done
@@ -614,6 +632,23 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   printf '  %-28s %12s  exit %s\n' "PyTorch peer (eager)" "$peer_tps" "$peer_rc"
   if [[ "$bench_tps" != null && "$peer_tps" != null ]]; then
     awk -v a="$bench_tps" -v b="$peer_tps" 'BEGIN { printf "  %-28s %12.3f\n", "mktrain / peer", a / b }'
+  fi
+fi
+if [[ "$tp_rc" != - ]]; then
+  echo
+  echo "== tensor parallelism (bench tp, exit $tp_rc): fused / product and fused / unfused per row; the bars"
+  if [[ -f "$OUT/tp.json" ]]; then
+    "$PY" - "$OUT/tp.json" <<'PYEOF'
+import json, sys
+fig = json.load(open(sys.argv[1]))["figures"]
+f = lambda v: "-" if v is None else "%.2f" % v
+for r in fig["rows"]:
+    print("  %-9s tp %d %-18s unfused/product %s  fused/product %s  fused/unfused %s  overlap %s" % (r["shape"], r["tp"],
+          r["pattern"], f(r.get("unfused_over_product")), f(r.get("fused_over_product")), f(r.get("fused_over_unfused")),
+          f(r.get("overlap_efficiency"))))
+for b in fig["bars"]:
+    print("  bar: %s: %s" % (b["bar"], b["verdict"]))
+PYEOF
   fi
 fi
 if [[ "$attn_rc" != - ]]; then
