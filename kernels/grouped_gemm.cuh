@@ -193,9 +193,12 @@ __device__ __forceinline__ void gg_epilogue_tma(const float (&acc)[128], const g
 // passes; before each pass thread 0 waits for the previous stores to have
 // read the buffer. A thread's column pair (8 bytes) of column group i
 // sits in 16-byte chunk 2(i % 4) + (lane % 4) / 2 of its box row, at byte
-// 8 (lane % 2) in it.
+// 8 (lane % 2) in it. reduce adds the boxes into mapO's tensor
+// (gg_tma_reduce_add_2d) instead of storing them; row0 is the block's
+// row in mapO's tensor.
 __device__ __forceinline__ void gg_epilogue_tma_f32(const float (&acc)[128], const gg_tmap* mapO, unsigned stg,
-                                                    int wtid, int warp, int lane, int row0, int n0, int N, int id) {
+                                                    int wtid, int warp, int lane, int row0, int n0, int N, int id,
+                                                    bool reduce = false) {
   const int rl = (warp & 3) * 16 + (lane >> 2);
   const unsigned rowA = stg + rl * 128, rowB = rowA + 8 * 128;
   const int sw = lane >> 2;  // rl & 7, and (rl + 8) & 7
@@ -219,7 +222,9 @@ __device__ __forceinline__ void gg_epilogue_tma_f32(const float (&acc)[128], con
 #pragma unroll
       for (int b = 0; b < 4; b++) {
         const int c = n0 + (4 * pass + b) * 32;
-        if (c < N) gg_tma_store_2d(mapO, c, row0, stg + b * 8192);
+        if (c >= N) continue;
+        if (reduce) gg_tma_reduce_add_2d(mapO, c, row0, stg + b * 8192);
+        else gg_tma_store_2d(mapO, c, row0, stg + b * 8192);
       }
       gg_bulk_commit();
     }
@@ -371,6 +376,11 @@ struct gg_fuse {
   int slotRow0;                        // TP_SCATTER: the owners' buffers' row where this rank's block lands
   int rotM;                            // TP kinds: the walk over m-tiles starts here (the rank's own block) and wraps
   int scatterMode;                     // TP_SCATTER: GG_SCATTER_STORE, _ADD or _RED
+  // TP_SCATTER: per owner rank its float32 {N, rows} map (128 bytes each,
+  // in global memory; boxes of 32 x 64), or null: the register epilogue.
+  // With maps the rows leave by TMA stores or reductions (blockRows a
+  // multiple of 64, so no 64-row block straddles two owners).
+  const unsigned char* ownerMaps;
 };
 
 // TP_SCATTER's ways to land a row in its owner's buffer: store it (the
@@ -446,9 +456,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // GG_DISPATCH_DGRAD brings h1 and h3 in and sends dh1 and dh3 out
   // through two 16 KiB slots per consumer warpgroup
   // (gg_epilogue_dswiglu_tma), with one barrier per slot (XBARS).
-  // GG_TP_GATHER stages its float32 out in two passes of 32 KiB per
-  // consumer warpgroup (gg_epilogue_tma_f32).
-  constexpr bool TMA_F32 = FUSE == GG_TP_GATHER;
+  // The tensor-parallel kinds stage their float32 out in two passes of
+  // 32 KiB per consumer warpgroup (gg_epilogue_tma_f32).
+  constexpr bool TMA_F32 = TP;
   constexpr unsigned STG_BYTES = (TMA_STORE || STAGED || TMA_F32) ? 2u * 32768u : 0u;
   constexpr int XBARS = STAGED ? 4 : 0;
 
@@ -548,7 +558,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
     gg_prefetch_tmap(mapA);
     gg_prefetch_tmap(mapW);
-    if (TMA_STORE || TMA_F32) gg_prefetch_tmap(mapO);
+    if (TMA_STORE || FUSE == GG_TP_GATHER) gg_prefetch_tmap(mapO);
     if (FUSE == GG_DISPATCH_SWIGLU) {
       gg_prefetch_tmap(fz.mapW3);
       for (int i = 0; i < 3; i++) gg_prefetch_tmap(fz.mapOut[i]);
@@ -694,13 +704,25 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         continue;
       }
     }
-    if constexpr (TMA_F32) {
+    if constexpr (FUSE == GG_TP_GATHER) {
       // One group: every row of the block inside the tensor is the
       // tile's; TMA clips the rest.
       if (wr0 < tile.rowEnd)
         gg_epilogue_tma_f32(*(const float(*)[128])acc, mapO, stgBase + cw * (STG_BYTES / 2), wtid, warp, lane, wr0,
                             tile.n0, N, 1 + cw);
       continue;
+    }
+    if constexpr (FUSE == GG_TP_SCATTER) {
+      // The block's rows all go to one owner (blockRows % 64 == 0).
+      if (fz.ownerMaps) {
+        if (wr0 < tile.rowEnd) {
+          const int s = wr0 / fz.blockRows;
+          gg_epilogue_tma_f32(*(const float(*)[128])acc, (const gg_tmap*)(fz.ownerMaps + 128 * s),
+                              stgBase + cw * (STG_BYTES / 2), wtid, warp, lane, fz.slotRow0 + wr0 - s * fz.blockRows,
+                              tile.n0, N, 1 + cw, fz.scatterMode != GG_SCATTER_STORE);
+        }
+        continue;
+      }
     }
     // Epilogue: registers straight to global memory, masked to the
     // expert's rows and to N.

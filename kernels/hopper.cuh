@@ -108,6 +108,18 @@ __device__ __forceinline__ void gg_tma_store_2d(const gg_tmap* map, int c0, int 
                : "memory");
 }
 
+// gg_tma_reduce_add_2d queues a TMA reduction of the box at shared
+// address src into the tensor at (c0, c1): each element is added to the
+// tensor's (float32 maps: f32 adds, performed at L2, atomic per element);
+// elements past the bounds are dropped. It joins this thread's current
+// bulk async-group, as gg_tma_store_2d.
+__device__ __forceinline__ void gg_tma_reduce_add_2d(const gg_tmap* map, int c0, int c1, unsigned src) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                   (unsigned long long)map),
+               "r"(c0), "r"(c1), "r"(src)
+               : "memory");
+}
+
 // gg_tma_prefetch_l2 asks for the box at (c0, c1) to be brought into L2.
 __device__ __forceinline__ void gg_tma_prefetch_l2(const gg_tmap* map, int c0, int c1) {
   asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"((unsigned long long)map),

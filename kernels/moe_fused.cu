@@ -1030,11 +1030,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
 // (boxes of 32 x 64, 128-byte swizzle). flags and fault as
 // moe_dispatch_swiglu's.
 //
-// tp_scatter_nt and tp_scatter_nn (GG_TP_SCATTER, 4 stages): GEMM +
+// tp_scatter_nt and tp_scatter_nn (GG_TP_SCATTER, 3 stages): GEMM +
 // ReduceScatter. p = A.W^T (or A.W) for A [rows, K] bf16 (mapA); row r of
 // p lands in ptrs[r / blockRows] (the owner's float32 [*, N] buffer) at
 // row slotRow0 + r % blockRows, stored, added, or added atomically (landing,
-// GG_SCATTER_*). The walk starts at m-tile rotM (the host passes the
+// GG_SCATTER_*). With ownerMaps (per owner its float32 {N, rows} map in
+// global memory, 128 bytes each; blockRows a multiple of 64) a block
+// leaves through shared memory by a TMA store (GG_SCATTER_STORE) or a TMA
+// reduction (the adds, atomic per element at L2), under the next tile's
+// mainloop; without, by the register epilogue (gg_epilogue_scatter). The walk starts at m-tile rotM (the host passes the
 // first m-tile of the next rank's block), so at any moment the ranks'
 // kernels write to different owners.
 #define TP_GATHER_PARAMS                                                                                        \
@@ -1073,20 +1077,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nn(TP_GATHER_PARA
 
 #define TP_SCATTER_PARAMS                                                                                       \
   const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const unsigned long long *ptrs, \
-      const int *off, int rows, int N, int K, int blockRows, int slotRow0, int rotM, int landing
-#define TP_SCATTER_ARGS mapA, mapW, ptrs, off, rows, N, K, blockRows, slotRow0, rotM, landing
+      const unsigned char *ownerMaps, const int *off, int rows, int N, int K, int blockRows, int slotRow0, int rotM, \
+      int landing
+#define TP_SCATTER_ARGS mapA, mapW, ptrs, ownerMaps, off, rows, N, K, blockRows, slotRow0, rotM, landing
 
 template <bool MNB>
 __device__ __forceinline__ void tp_scatter_body(const gg_tmap& mapA, const gg_tmap& mapW,
-                                                const unsigned long long* ptrs, const int* off, int rows, int N, int K,
-                                                int blockRows, int slotRow0, int rotM, int landing) {
+                                                const unsigned long long* ptrs, const unsigned char* ownerMaps,
+                                                const int* off, int rows, int N, int K, int blockRows, int slotRow0,
+                                                int rotM, int landing) {
   gg_fuse fz = {};
   fz.ptrs = ptrs;
+  fz.ownerMaps = ownerMaps;
   fz.blockRows = blockRows;
   fz.slotRow0 = slotRow0;
   fz.rotM = rotM;
   fz.scatterMode = landing;
-  gg_body<256, 4, false, false, false, GG_TP_SCATTER, false, false, MNB>(&mapA, &mapW, nullptr, nullptr, off, rows, N,
+  gg_body<256, 3, false, false, false, GG_TP_SCATTER, false, false, MNB>(&mapA, &mapW, nullptr, nullptr, off, rows, N,
                                                                          K, 1, 1.0f, 0.0f, fz);
 }
 

@@ -540,17 +540,17 @@ type moeKernels struct {
 	// read transposed (NT) or as stored (NN).
 	tpGatherNT, tpGatherNN, tpScatterNT, tpScatterNN *Kernel
 	// optInGather and optInCombine are the dynamic shared memory the
-	// gathering kernels (fusedGatherSmem) and the combines and tp_scatter
-	// (fusedCombineSmem) opted in to; optInTPGather tp_gather's
-	// (tpGatherSmem).
-	optInGather, optInCombine, optInTPGather int
+	// gathering kernels (fusedGatherSmem) and the combines
+	// (fusedCombineSmem) opted in to; optInTP the tensor-parallel
+	// kernels' (tpSmem).
+	optInGather, optInCombine, optInTP int
 }
 
 // loadMoEKernels resolves m's fused kernels (m is a build of
 // moe_fused.cu) and opts them in to their shared memory.
 func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
 	x := moeKernels{optInGather: fusedGatherSmem(ggMaxExperts), optInCombine: fusedCombineSmem(ggMaxExperts),
-		optInTPGather: tpGatherSmem()}
+		optInTP: tpSmem()}
 	for _, f := range []struct {
 		name  string
 		k     **Kernel
@@ -562,10 +562,10 @@ func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
 		{"moe_dispatch_dgrad", &x.dispatchDgrad, x.optInGather},
 		{"moe_dispatch_dgrad_first", &x.dispatchDgradFirst, x.optInGather},
 		{"moe_dgrad_combine", &x.dgradCombine, x.optInCombine},
-		{"tp_gather_nt", &x.tpGatherNT, x.optInTPGather},
-		{"tp_gather_nn", &x.tpGatherNN, x.optInTPGather},
-		{"tp_scatter_nt", &x.tpScatterNT, x.optInCombine},
-		{"tp_scatter_nn", &x.tpScatterNN, x.optInCombine},
+		{"tp_gather_nt", &x.tpGatherNT, x.optInTP},
+		{"tp_gather_nn", &x.tpGatherNN, x.optInTP},
+		{"tp_scatter_nt", &x.tpScatterNT, x.optInTP},
+		{"tp_scatter_nn", &x.tpScatterNN, x.optInTP},
 	} {
 		var err error
 		if *f.k, err = g.optIn(m, f.name, f.optIn); err != nil {

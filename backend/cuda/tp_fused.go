@@ -24,8 +24,10 @@ package cuda
 // stream its adds are ordered by the queue.
 
 import (
+	"fmt"
 	"runtime"
 	"sync"
+	"unsafe"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda/driver"
@@ -38,6 +40,9 @@ import (
 type tpScratch struct {
 	mu         sync.Mutex
 	rows, wght *Tensor
+	// maps holds tp_scatter's per-owner tensor maps (fusedMaxRanks of
+	// 128 bytes), written in stream order before each launch.
+	maps *Buffer
 }
 
 // tpScratchView returns a bf16 [r, c] view of *buf, grown when smaller.
@@ -58,11 +63,11 @@ func (b *Backend) tpBF16(buf **Tensor, t *Tensor) *Tensor {
 	return v
 }
 
-// tpGatherSmem is tp_gather's dynamic shared memory: alignment slack, 3
-// stages of the BN 256 tile, two 32 KiB staging buffers (the float32
-// TMA-store epilogue), the stage barriers and the schedule of one group
-// with the gather's pacing front (gg_body's layout).
-func tpGatherSmem() int {
+// tpSmem is the tensor-parallel kernels' dynamic shared memory: alignment
+// slack, 3 stages of the BN 256 tile, two 32 KiB staging buffers (the
+// float32 TMA-store epilogue), the stage barriers and the schedule of one
+// group with the gather's pacing front (gg_body's layout).
+func tpSmem() int {
 	const stages = 3
 	return 1024 + stages*(ggBM*ggBK*2+256*ggBK*2) + 2*32768 + 16*stages + 4*(3*1+2)
 }
@@ -240,13 +245,28 @@ func (b *Backend) matMulScatterKernel(dstsS []backend.Tensor, row0 int, a, w bac
 	}
 	blockRows := rows / len(dstsS)
 	err := f.stage(b.dev, owners, nil, nil, nil, []int{rows})
+	// Blocks of whole 64-row halves of m-tiles leave by TMA through the
+	// owners' maps; others by the register epilogue.
+	var maps []driver.TiledMap
+	if blockRows%64 == 0 && err == nil {
+		if s.maps == nil {
+			s.maps, err = b.dev.Alloc(128 * fusedMaxRanks)
+		}
+		for i, d := range dstsS {
+			maps = append(maps, f32BoxesMap(owners[i], d.Shape()[0], n))
+		}
+	}
 	if err == nil {
 		tp := f.tables.Ptr()
-		err = gg.runTPScatter(tpScatter{
+		a := tpScatter{
 			a: ps[0], w: ps[1], ptrs: tp + fusedPtrsOff, offsets: tp + fusedOffsOff, rows: rows, n: n, k: k,
 			blockRows: blockRows, slotRow0: row0, rotM: tpRotM((rank+1)%len(dstsS), blockRows),
-			landing: landing, mn: !transW,
-		})
+			landing: landing, mn: !transW, ownerMaps: maps,
+		}
+		if maps != nil {
+			a.mapsAt = s.maps
+		}
+		err = gg.runTPScatter(a)
 	}
 	f.mu.Unlock()
 	b.fail(err)
@@ -272,6 +292,11 @@ type tpScatter struct {
 	rows, n, k, blockRows, slotRow0, rotM int
 	landing                               backend.ScatterLanding
 	mn                                    bool
+	// ownerMaps are the owners' float32 maps, encoded and written to
+	// mapsAt on the device thread just before the launch; nil: the
+	// register epilogue.
+	ownerMaps []driver.TiledMap
+	mapsAt    *Buffer
 }
 
 // tpWeightMap is the bf16 map of a weight the tensor-parallel kernels
@@ -292,25 +317,49 @@ func (g *GroupedGemm) runTPGather(a tpGather) error {
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
-	grid.Shared = tpGatherSmem()
+	grid.Shared = tpSmem()
 	k := g.moe.tpGatherNT
 	if a.mn {
 		k = g.moe.tpGatherNN
 	}
-	return g.launchFused(k, grid, maps, slots, g.moe.optInTPGather)
+	return g.launchFused(k, grid, maps, slots, g.moe.optInTP)
 }
 
-// runTPScatter queues tp_scatter_nt or tp_scatter_nn.
+// runTPScatter queues tp_scatter_nt or tp_scatter_nn, after writing the
+// owners' maps (when a has them) in stream order.
 func (g *GroupedGemm) runTPScatter(a tpScatter) error {
 	maps := []driver.TiledMap{rowsMap(a.a, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn)}
-	slots := []uint64{uint64(a.ptrs), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.slotRow0)), uint64(uint32(a.rotM)),
-		uint64(uint32(a.landing))}
+	var mapsPtr driver.DevicePtr
+	if a.ownerMaps != nil {
+		mapsPtr = a.mapsAt.Ptr()
+	}
+	slots := []uint64{uint64(a.ptrs), uint64(mapsPtr), uint64(a.offsets), uint64(uint32(a.rows)),
+		uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.slotRow0)),
+		uint64(uint32(a.rotM)), uint64(uint32(a.landing))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
-	grid.Shared = fusedCombineSmem(1)
+	grid.Shared = tpSmem()
 	k := g.moe.tpScatterNT
 	if a.mn {
 		k = g.moe.tpScatterNN
 	}
-	return g.launchFused(k, grid, maps, slots, g.moe.optInCombine)
+	for i, m := range a.ownerMaps {
+		if err := m.Check(); err != nil {
+			return fmt.Errorf("cuda: %s: owner %d's tensor map: %w", k.Desc.Name, i, err)
+		}
+	}
+	return g.launchFusedChosen(k, grid, maps, slots, g.moe.optInTP, func(launch func(*Kernel) error) error {
+		if a.ownerMaps != nil {
+			tms := make([]driver.TensorMap, len(a.ownerMaps))
+			for i, m := range a.ownerMaps {
+				if err := g.enc.EncodeTiled(&tms[i], m); err != nil {
+					return fmt.Errorf("cuda: %s: owner %d's tensor map: %w", k.Desc.Name, i, err)
+				}
+			}
+			raw := unsafe.Slice((*byte)(unsafe.Pointer(&tms[0])), len(tms)*int(unsafe.Sizeof(tms[0])))
+			if err := g.d.stage(mapsPtr, raw); err != nil {
+				return fmt.Errorf("cuda: %s: owners' tensor maps: %w", k.Desc.Name, err)
+			}
+		}
+		return launch(k)
+	})
 }
