@@ -438,7 +438,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // The dispatches gather their rows and wait for them; GG_DISPATCH_DGRAD
   // reads W2 as stored and the combines' second K half too.
   constexpr bool TP = FUSE == GG_TP_GATHER || FUSE == GG_TP_SCATTER;
-  constexpr int TP_GROUP = FUSE == GG_TP_SCATTER ? GG_TP_GROUP_M : 1;  // gg_tp_tile
+  constexpr int TP_GROUP = GG_TP_GROUP_M;  // gg_tp_tile
   static_assert(!MNB || TP, "MNB is the tensor-parallel kinds'");
   constexpr bool DISPATCH = FUSE == GG_DISPATCH_SWIGLU || FUSE == GG_DISPATCH_DGRAD || FUSE == GG_TP_GATHER;
   // The kinds with staging buffers and their barriers (the MoE
