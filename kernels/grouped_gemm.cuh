@@ -269,23 +269,22 @@ __device__ __forceinline__ int gg_rotate(int t, int by, int n) {
   return t >= n ? t - n : t;
 }
 
-// GG_TP_GROUP_M is how many m-tiles GG_TP_SCATTER walks as one group,
-// n-tile by n-tile: a wave of 132 tiles then reads the weight columns of
-// ~8 n-tiles for 16 m-tiles instead of every n-tile's for ~9 m-tiles, so
-// a weight larger than L2 (the Llama-70B-like layer's 58 MB at tp 8) is
-// read from DRAM once per 16 m-tiles, not once per wave (the pipeline's
-// product there 6.06 -> 5.68 ms, the atomic scatter 1.22x -> 1.12x
-// cuBLAS's product). GG_TP_GATHER walks m-tile by m-tile (groups of 1):
-// grouped, its gather fell behind (6.13 -> 7.36 ms; kernels/grouped_gemm.md).
-#define GG_TP_GROUP_M 16
+// The tensor-parallel kinds walk their tiles in groups of fz.groupM
+// m-tiles, n-tile by n-tile (the host's choice, tpGroupM in
+// backend/cuda/tp_fused.go): with groups of 16 a wave of 132 tiles reads
+// the weight columns of ~8 n-tiles for 16 m-tiles instead of every
+// n-tile's for ~9 m-tiles, so a weight larger than L2 (the
+// Llama-70B-like layer's) is read from DRAM once per 16 m-tiles, not once
+// per wave; groups of 1 are the m-tile-major walk, which a gather of
+// narrow products keeps up with better (kernels/grouped_gemm.md).
 
 // gg_tp_tile decodes walk position t of the tensor-parallel kinds (one
 // group of rows, m = rows / 128 rounded up m-tiles, nTN n-tiles): in
 // groups of G m-tiles, n-tile by n-tile, then the m-tile moved on by rotM
 // (wrapping). walkG is the tile's m-tile along the walk before the
 // rotation, the gather's pacing front.
-template <int BN, int G>
-__device__ __forceinline__ gg_tile_t gg_tp_tile(int t, int nTN, int m, int rotM, int rows, int& walkG) {
+template <int BN>
+__device__ __forceinline__ gg_tile_t gg_tp_tile(int t, int nTN, int m, int G, int rotM, int rows, int& walkG) {
   const int group = t / (G * nTN), first = group * G;
   const int size = gg_min(G, m - first), in = t - first * nTN;
   const int nt = in / size;
@@ -375,6 +374,7 @@ struct gg_fuse {
   int blockRows;                       // TP kinds: rows per rank's block
   int slotRow0;                        // TP_SCATTER: the owners' buffers' row where this rank's block lands
   int rotM;                            // TP kinds: the walk over m-tiles starts here (the rank's own block) and wraps
+  int groupM;                          // TP kinds: m-tiles a group of the walk holds (gg_tp_tile), at least 1
   int scatterMode;                     // TP_SCATTER: GG_SCATTER_STORE, _ADD or _RED
   // TP_SCATTER: per owner rank its float32 {N, rows} map (128 bytes each,
   // in global memory; boxes of 32 x 64), or null: the register epilogue.
@@ -438,7 +438,6 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // The dispatches gather their rows and wait for them; GG_DISPATCH_DGRAD
   // reads W2 as stored and the combines' second K half too.
   constexpr bool TP = FUSE == GG_TP_GATHER || FUSE == GG_TP_SCATTER;
-  constexpr int TP_GROUP = GG_TP_GROUP_M;  // gg_tp_tile
   static_assert(!MNB || TP, "MNB is the tensor-parallel kinds'");
   constexpr bool DISPATCH = FUSE == GG_DISPATCH_SWIGLU || FUSE == GG_DISPATCH_DGRAD || FUSE == GG_TP_GATHER;
   // The kinds with staging buffers and their barriers (the MoE
@@ -571,7 +570,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     unsigned ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       int walkG = t / nTN;
-      const gg_tile_t tile = TP ? gg_tp_tile<BNT, TP_GROUP>(t, nTN, sCum[E], fz.rotM, rows, walkG)
+      const gg_tile_t tile = TP ? gg_tp_tile<BNT>(t, nTN, sCum[E], fz.groupM, fz.rotM, rows, walkG)
                                 : gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
       if constexpr (DISPATCH) {
         // The walk's position (before the rotation): the gather paces
@@ -633,7 +632,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   const int wtid = tid - 128 * (cw + 1);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     int walkG;
-    const gg_tile_t tile = TP ? gg_tp_tile<BNT, TP_GROUP>(t, nTN, sCum[E], fz.rotM, rows, walkG)
+    const gg_tile_t tile = TP ? gg_tp_tile<BNT>(t, nTN, sCum[E], fz.groupM, fz.rotM, rows, walkG)
                               : gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
     // The TMA-store epilogues (TMA_STORE and GG_DISPATCH_DGRAD) take the
     // blocks gg_block_tma allows; the others keep the register path.

@@ -1066,16 +1066,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
   const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO, \
       float *out, unsigned short *xRD,                                                                           \
       float *xFull, const unsigned long long *ptrs, int *flags, int *fault, unsigned long long timeoutNs,       \
-      const int *off, int rows, int N, int K, int blockRows, int rotM
+      const int *off, int rows, int N, int K, int blockRows, int rotM, int groupM
 #define TP_GATHER_ARGS \
-  mapA, mapW, mapO, out, xRD, xFull, ptrs, flags, fault, timeoutNs, off, rows, N, K, blockRows, rotM
+  mapA, mapW, mapO, out, xRD, xFull, ptrs, flags, fault, timeoutNs, off, rows, N, K, blockRows, rotM, groupM
 
 template <bool MNB>
 __device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapO, float* out,
                                                unsigned short* xRD, float* xFull, const unsigned long long* ptrs,
                                                int* flags, int* fault, unsigned long long timeoutNs, const int* off,
-                                               int rows, int N, int K, int blockRows, int rotM) {
+                                               int rows, int N, int K, int blockRows, int rotM, int groupM) {
   gg_fuse fz = {};
+  fz.groupM = groupM;
   fz.xRD = xRD;
   fz.xFull = xFull;
   fz.ptrs = ptrs;
@@ -1099,15 +1100,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nn(TP_GATHER_PARA
 #define TP_SCATTER_PARAMS                                                                                       \
   const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const unsigned long long *ptrs, \
       const unsigned char *ownerMaps, const int *off, int rows, int N, int K, int blockRows, int slotRow0, int rotM, \
-      int landing
-#define TP_SCATTER_ARGS mapA, mapW, ptrs, ownerMaps, off, rows, N, K, blockRows, slotRow0, rotM, landing
+      int groupM, int landing
+#define TP_SCATTER_ARGS mapA, mapW, ptrs, ownerMaps, off, rows, N, K, blockRows, slotRow0, rotM, groupM, landing
 
 template <bool MNB>
 __device__ __forceinline__ void tp_scatter_body(const gg_tmap& mapA, const gg_tmap& mapW,
                                                 const unsigned long long* ptrs, const unsigned char* ownerMaps,
                                                 const int* off, int rows, int N, int K, int blockRows, int slotRow0,
-                                                int rotM, int landing) {
+                                                int rotM, int groupM, int landing) {
   gg_fuse fz = {};
+  fz.groupM = groupM;
   fz.ptrs = ptrs;
   fz.ownerMaps = ownerMaps;
   fz.blockRows = blockRows;

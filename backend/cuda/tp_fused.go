@@ -93,6 +93,21 @@ func tpRotM(first, blockRows int) int {
 	return first * blockRows / ggBM
 }
 
+// tpGroupM is how many m-tiles the tensor-parallel kernels walk as one
+// group, n-tile by n-tile, for products of nTN n-tiles (gg_tp_tile): 16,
+// which reads a weight larger than L2 once per 16 m-tiles, but for a
+// gathering kernel of fewer than 24 n-tiles, whose m-tiles go by faster
+// than its gather fills a group of them: 1, the m-tile-major walk. At the
+// Llama-70B-like layer (kernels/grouped_gemm.md) the gather was 0.94x,
+// 1.09x and 1.31x the product alone grouped at tp 2, 4 and 8 (56, 28 and
+// 14 n-tiles), 1.16x, 1.16x and 1.10x m-tile major.
+func tpGroupM(nTN int, gather bool) int {
+	if gather && nTN < 24 {
+		return 1
+	}
+	return 16
+}
+
 // AllGatherMatMul runs tp_gather when the call is one it takes (float32
 // shards and full, a Hopper GPU), else the unfused sequence.
 func (b *Backend) AllGatherMatMul(fullRK backend.Tensor, outs, shardsBK, ws []backend.Tensor, transW bool, rank int) {
@@ -315,7 +330,8 @@ func (g *GroupedGemm) runTPGather(a tpGather) error {
 	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn), f32BoxesMap(a.out, a.rows, a.n)}
 	slots := []uint64{uint64(a.out), uint64(a.x), uint64(a.full), uint64(a.ptrs), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM))}
+		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM)),
+		uint64(uint32(tpGroupM((a.n+255)/256, true)))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
 	grid.Shared = tpSmem()
 	k := g.moe.tpGatherNT
@@ -335,7 +351,7 @@ func (g *GroupedGemm) runTPScatter(a tpScatter) error {
 	}
 	slots := []uint64{uint64(a.ptrs), uint64(mapsPtr), uint64(a.offsets), uint64(uint32(a.rows)),
 		uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.slotRow0)),
-		uint64(uint32(a.rotM)), uint64(uint32(a.landing))}
+		uint64(uint32(a.rotM)), uint64(uint32(tpGroupM((a.n+255)/256, false))), uint64(uint32(a.landing))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
 	grid.Shared = tpSmem()
 	k := g.moe.tpScatterNT
