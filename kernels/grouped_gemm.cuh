@@ -422,11 +422,9 @@ struct gg_fused_steps;
 // beside the products. SRC_BF16 (GG_DISPATCH_SWIGLU only): the gathered
 // sources are bf16 rows, not float32. MNB (the tensor-parallel kinds
 // only): W is read as stored, [K, N] (MN-major), as GG_DISPATCH_DGRAD
-// reads W2, for the products x.W rather than x.W^T. STREAM_ROWS
-// (GG_TP_GATHER only): the gather's float32 rows go through L2 with the
-// evict-first policy.
+// reads W2, for the products x.W rather than x.W^T.
 template <int BN, int STAGES, bool OUT_BF16, bool REG, bool TMA_STORE, gg_fusion FUSE = GG_PLAIN,
-          bool GATHER_FIRST = false, bool SRC_BF16 = false, bool MNB = false, bool STREAM_ROWS = false>
+          bool GATHER_FIRST = false, bool SRC_BF16 = false, bool MNB = false>
 __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, const gg_tmap* mapO, void* out,
                                         const int* off, int rows, int N, int K, int E, float alpha, float beta,
                                         const gg_fuse& fz = gg_fuse{}) {
@@ -553,7 +551,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       } else if constexpr (FUSE == GG_DISPATCH_DGRAD || FUSE == GG_TP_GATHER) {
         // The communication warps 1-3, beside the products.
         if (warp > 0)
-          steps::template gather<false, false, STREAM_ROWS>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
+          steps::template gather<false, false>(fz, blockIdx.x * 3 + warp - 1, gridDim.x * 3, lane, K, E, sBeg, sEnd, sCum, sFront);
       }
       return;
     }

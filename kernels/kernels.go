@@ -195,8 +195,6 @@ func Sources() []Source {
 			{Name: "moe_dgrad_combine", Block: 384, Grid: groupedGrid},
 			{Name: "tp_gather_nt", Block: 384, Grid: gatherGrid},
 			{Name: "tp_gather_nn", Block: 384, Grid: gatherGrid},
-			{Name: "tp_gather_nt_grouped", Block: 384, Grid: gatherGrid},
-			{Name: "tp_gather_nn_grouped", Block: 384, Grid: gatherGrid},
 			{Name: "tp_scatter_nt", Block: 384, Grid: groupedGrid},
 			{Name: "tp_scatter_nn", Block: 384, Grid: groupedGrid},
 		}},

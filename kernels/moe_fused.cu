@@ -124,14 +124,15 @@ __device__ __forceinline__ float gg_sigmoid(float x) {
 // gg_silu is x * sigmoid(x) (x very negative: -0).
 __device__ __forceinline__ float gg_silu(float x) { return x * gg_sigmoid(x); }
 
-// gg_evict_first is the L2 policy of tp_gather_*_grouped's rows, read
-// once and (kept float32) written once: evict-first, so that they do not
-// push out the weight columns the grouped walk reuses. The m-tile-major
-// builds load and store them plainly: the hinted accesses ran their
-// gather 10% slower there (kernels/grouped_gemm.md).
-__device__ __forceinline__ unsigned long long gg_evict_first() {
+// gg_stream_policy is GG_TP_GATHER's L2 policy for its rows, read once
+// and (kept float32) written once: evict-first under a grouped walk
+// (fz.groupM > 1), so that they do not push out the weight columns the
+// walk reuses; evict-normal under the m-tile-major walk, which reuses
+// none and ran 10% slower with evict-first (kernels/grouped_gemm.md).
+__device__ __forceinline__ unsigned long long gg_stream_policy(const gg_fuse& fz) {
   unsigned long long pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  if (fz.groupM > 1) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  else asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
 
@@ -182,9 +183,7 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
 
 // gg_gather_store writes step st's rows, scaled (lane i: row i's scale),
 // to xRD as bf16, and, when fz.xFull is set (GG_TP_GATHER), unrounded to
-// xFull too (STREAM: with gg_evict_first; nothing reads them in this
-// kernel). An odd chunk's last pair copies its last row twice.
-template <bool STREAM = false>
+// xFull too (with gg_stream_policy: nothing reads them in this kernel). An odd chunk's last pair copies its last row twice.
 __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K, int lane,
                                                 float scale, const float (&v)[2][4][8]) {
   const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
@@ -204,20 +203,13 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
         asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
                      "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                      : "memory");
-        if (full && STREAM) {
-          const unsigned long long pol = gg_evict_first();
+        if (full) {
+          const unsigned long long pol = gg_stream_policy(fz);
           asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(full + j),
                        "f"(w[0]), "f"(w[1]), "f"(w[2]), "f"(w[3]), "l"(pol)
                        : "memory");
           asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(full + j + 4),
                        "f"(w[4]), "f"(w[5]), "f"(w[6]), "f"(w[7]), "l"(pol)
-                       : "memory");
-        } else if (full) {
-          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + j), "f"(w[0]), "f"(w[1]), "f"(w[2]),
-                       "f"(w[3])
-                       : "memory");
-          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + j + 4), "f"(w[4]), "f"(w[5]),
-                       "f"(w[6]), "f"(w[7])
                        : "memory");
         }
       }
@@ -269,7 +261,7 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
   // Lane i < nr: its row's source rank and send position (the references)
   // and, resolved from them, its source address and scale.
   const int rot = fz.rotM * GG_CHUNKS;
-  const unsigned long long pol = STREAM ? gg_evict_first() : 0;
+  const unsigned long long pol = STREAM ? gg_stream_policy(fz) : 0;
   gg_gather_chunk cur = gg_gather_chunk_of(gg_rotate(cw, rot, total), E, sBeg, sEnd, sCum);
   int refS = 0, refP = 0;
   if (lane < cur.nr) gg_row_ref(fz, cur.r0 + lane, refS, refP);
@@ -311,15 +303,15 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       // out).
       for (int st = 0; st < steps; st++) {
         gg_gather_load<SRC_BF16, STREAM>(st, nJ, cur.nr, K, lane, src, pol, va);
-        gg_gather_store<STREAM>(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
       }
     } else {
       if (steps > 0) gg_gather_load<SRC_BF16, STREAM>(0, nJ, cur.nr, K, lane, src, pol, va);
       for (int st = 0; st < steps; st += 2) {
         if (st + 1 < steps) gg_gather_load<SRC_BF16, STREAM>(st + 1, nJ, cur.nr, K, lane, src, pol, vb);
-        gg_gather_store<STREAM>(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
+        gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
         if (st + 2 < steps) gg_gather_load<SRC_BF16, STREAM>(st + 2, nJ, cur.nr, K, lane, src, pol, va);
-        if (st + 1 < steps) gg_gather_store<STREAM>(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
+        if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
       }
     }
     // The next chunk's sources, resolved while this chunk's stores drain.
@@ -842,11 +834,12 @@ __device__ __forceinline__ void gg_mark_rows(const gg_fuse& fz, int g, int cw, i
 // says why): each member forwards to its step, inlined.
 template <gg_fusion FUSE>
 struct gg_fused_steps {
-  template <bool FIRST, bool SRC_BF16, bool STREAM = false>
+  template <bool FIRST, bool SRC_BF16>
   static __device__ __forceinline__ void gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E,
                                                 const int* sBeg, const int* sEnd, const int* sCum,
                                                 const volatile int* front) {
-    gg_gather<FIRST, SRC_BF16, STREAM>(fz, cw, ncw, lane, K, E, sBeg, sEnd, sCum, front);
+    // GG_TP_GATHER's rows stream through L2 (gg_evict_first).
+    gg_gather<FIRST, SRC_BF16, FUSE == GG_TP_GATHER>(fz, cw, ncw, lane, K, E, sBeg, sEnd, sCum, front);
   }
   static __device__ __forceinline__ void wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
     gg_wait_tile(fz, g, row0, rowEnd, kind);
@@ -1056,10 +1049,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
 // x.W (nn: W [K, N] as stored, mapW {N, K, 1}, boxes of 64x64). The walk
 // over m-tiles, and the gather with it, starts at m-tile rotM (this
 // rank's own block) and wraps, so each rank reads its own rows first and
-// the peers' in rank order after it; tp_gather_*_grouped walk groups of
-// groupM m-tiles n-tile by n-tile and stream the rows through L2 with the
-// evict-first policy, the others take groupM 1 and plain accesses
-// (backend/cuda/tp_fused.go picks per shape). mapO is out's {N, rows} float32 map
+// the peers' in rank order after it. mapO is out's {N, rows} float32 map
 // (boxes of 32 x 64, 128-byte swizzle). flags and fault as
 // moe_dispatch_swiglu's.
 //
@@ -1082,7 +1072,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
 #define TP_GATHER_ARGS \
   mapA, mapW, mapO, out, xRD, xFull, ptrs, flags, fault, timeoutNs, off, rows, N, K, blockRows, rotM, groupM
 
-template <bool MNB, bool GROUPED>
+template <bool MNB>
 __device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapO, float* out,
                                                unsigned short* xRD, float* xFull, const unsigned long long* ptrs,
                                                int* flags, int* fault, unsigned long long timeoutNs, const int* off,
@@ -1097,24 +1087,16 @@ __device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tma
   fz.timeoutNs = timeoutNs;
   fz.blockRows = blockRows;
   fz.rotM = rotM;
-  gg_body<256, 3, false, false, false, GG_TP_GATHER, false, false, MNB, GROUPED>(&mapA, &mapW, &mapO, out, off, rows, N, K, 1,
+  gg_body<256, 3, false, false, false, GG_TP_GATHER, false, false, MNB>(&mapA, &mapW, &mapO, out, off, rows, N, K, 1,
                                                                         1.0f, 0.0f, fz);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nt(TP_GATHER_PARAMS) {
-  tp_gather_body<false, false>(TP_GATHER_ARGS);
+  tp_gather_body<false>(TP_GATHER_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nn(TP_GATHER_PARAMS) {
-  tp_gather_body<true, false>(TP_GATHER_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nt_grouped(TP_GATHER_PARAMS) {
-  tp_gather_body<false, true>(TP_GATHER_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nn_grouped(TP_GATHER_PARAMS) {
-  tp_gather_body<true, true>(TP_GATHER_ARGS);
+  tp_gather_body<true>(TP_GATHER_ARGS);
 }
 
 #define TP_SCATTER_PARAMS                                                                                       \

@@ -538,10 +538,7 @@ type moeKernels struct {
 	// tpGatherNT/NN and tpScatterNT/NN are tensor parallelism's
 	// AllGather+GEMM and GEMM+ReduceScatter (tp_fused.go), for weights
 	// read transposed (NT) or as stored (NN).
-	// tpGatherNTGrouped/NNGrouped are tp_gather's grouped-walk builds
-	// (tpGroupM), whose rows stream through L2.
 	tpGatherNT, tpGatherNN, tpScatterNT, tpScatterNN *Kernel
-	tpGatherNTGrouped, tpGatherNNGrouped             *Kernel
 	// optInGather and optInCombine are the dynamic shared memory the
 	// gathering kernels (fusedGatherSmem) and the combines
 	// (fusedCombineSmem) opted in to; optInTP the tensor-parallel
@@ -567,8 +564,6 @@ func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
 		{"moe_dgrad_combine", &x.dgradCombine, x.optInCombine},
 		{"tp_gather_nt", &x.tpGatherNT, x.optInTP},
 		{"tp_gather_nn", &x.tpGatherNN, x.optInTP},
-		{"tp_gather_nt_grouped", &x.tpGatherNTGrouped, x.optInTP},
-		{"tp_gather_nn_grouped", &x.tpGatherNNGrouped, x.optInTP},
 		{"tp_scatter_nt", &x.tpScatterNT, x.optInTP},
 		{"tp_scatter_nn", &x.tpScatterNN, x.optInTP},
 	} {

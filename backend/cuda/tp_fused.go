@@ -100,8 +100,7 @@ func tpRotM(first, blockRows int) int {
 // than its gather fills a group of them: 1, the m-tile-major walk. At the
 // Llama-70B-like layer (kernels/grouped_gemm.md) the gather was 0.94x,
 // 1.09x and 1.31x the product alone grouped at tp 2, 4 and 8 (56, 28 and
-// 14 n-tiles), 1.16x, 1.16x and 1.10x m-tile major. Grouped, the
-// gather runs its tp_gather_*_grouped build.
+// 14 n-tiles), 1.16x, 1.16x and 1.10x m-tile major.
 func tpGroupM(nTN int, gather bool) int {
 	if gather && nTN < 24 {
 		return 1
@@ -328,22 +327,17 @@ func tpWeightMap(w driver.DevicePtr, n, k int, mn bool) driver.TiledMap {
 // resident at once (TMA threads wait on other blocks' gathering warps):
 // one block per SM, which its shared memory enforces.
 func (g *GroupedGemm) runTPGather(a tpGather) error {
-	groupM := tpGroupM((a.n+255)/256, true)
 	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn), f32BoxesMap(a.out, a.rows, a.n)}
 	slots := []uint64{uint64(a.out), uint64(a.x), uint64(a.full), uint64(a.ptrs), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
-		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM)), uint64(uint32(groupM))}
+		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM)),
+		uint64(uint32(tpGroupM((a.n+255)/256, true)))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
 	grid.Shared = tpSmem()
-	builds := [2][2]*Kernel{{g.moe.tpGatherNT, g.moe.tpGatherNN}, {g.moe.tpGatherNTGrouped, g.moe.tpGatherNNGrouped}}
-	grouped, mn := 0, 0
-	if groupM > 1 {
-		grouped = 1
-	}
+	k := g.moe.tpGatherNT
 	if a.mn {
-		mn = 1
+		k = g.moe.tpGatherNN
 	}
-	k := builds[grouped][mn]
 	return g.launchFused(k, grid, maps, slots, g.moe.optInTP)
 }
 
