@@ -30,6 +30,9 @@ func tpFusedCases() []tpFusedCase {
 		{ranks: 4, block: 100, k: 264, n: 136},
 		{ranks: 3, block: 128, k: 1024, n: 2048},
 		{ranks: 8, block: 64, k: 128, n: 520},
+		// 25 n-tiles: tp_gather's grouped walk (tpGroupM), 17 m-tiles
+		// in two groups, the last partial.
+		{ranks: 2, block: 1088, k: 192, n: 6400},
 	}
 }
 
