@@ -1,9 +1,11 @@
 // Package tensorpar is tensor parallelism's plumbing, Megatron style: the
 // collectives of a tensor-parallel group (comm.Ranks.Tensor) around the
 // backend's matrix products, in the three patterns every tensor-parallel
-// layer is built from. Each pattern is one function, so a fused kernel
-// (communication inside the product's mainloop) can later replace it
-// without the layers changing:
+// layer is built from. Each pattern is one function, and a Parallel runs
+// it either as that function (the collective around the product) or
+// fused (Options.Fused, fused.go: the backend's AllGatherMatMul and
+// MatMulScatter, the communication inside the product), without the
+// layers changing:
 //
 //	AllGatherMatMul       gather the row shards of x, then outs[i] = x·op(W_i)
 //	MatMulReduceScatter   partial = Σ A_i·op(W_i), then each rank its rows of the sum
@@ -17,9 +19,10 @@
 // # Use
 //
 // A Parallel is one rank's group and mode. Its methods pick the pattern a
-// column- or row-parallel product needs in that mode:
+// column- or row-parallel product needs in that mode (GatherRows stays
+// the collective in both):
 //
-//	tp := tensorpar.New(b, ranks.Tensor, sequenceParallel)
+//	tp := tensorpar.NewWith(b, ranks.Tensor, tensorpar.Options{SequenceParallel: true, Fused: true})
 //	x, err := tp.ColumnForward(xFullTD, xTD, []backend.Tensor{qTQ}, []backend.Tensor{WqQD}, true)
 //	err = tp.RowForward(outTD, partialTD, []tensorpar.Term{{A: aTQ, W: WoDQ, TransW: true}})
 //	dout, err := tp.GatherRows(doutFullTD, doutTD)   // dout of a row-parallel product
