@@ -1,4 +1,5 @@
-// The lab copy of kernels/moe_fused.cu: the fused MoE kernels with the
+// The lab copy of kernels/moe_fused.cu: the fused kernels (the MoE
+// experts' and tensor parallelism's) with the
 // experiment switches that training never sets, as compile-time defines
 // (kernels/dev.Sources lists the builds worth measuring). Each build is a
 // compilation of its own, so a switch leaves the other kernels, and the
@@ -101,12 +102,25 @@ __device__ __forceinline__ float gg_sigmoid(float x) {
 // gg_silu is x * sigmoid(x) (x very negative: -0).
 __device__ __forceinline__ float gg_silu(float x) { return x * gg_sigmoid(x); }
 
+// gg_stream_policy is GG_TP_GATHER's L2 policy for its rows, read once
+// and (kept float32) written once: evict-first under a grouped walk
+// (fz.groupM > 1), so that they do not push out the weight columns the
+// walk reuses; evict-normal under the m-tile-major walk, which reuses
+// none and ran 10% slower with evict-first (kernels/grouped_gemm.md).
+__device__ __forceinline__ unsigned long long gg_stream_policy(const gg_fuse& fz) {
+  unsigned long long pol;
+  if (fz.groupM > 1) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  else asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
 // gg_gather_load issues the loads of step st of a chunk of nr rows: lane
 // i < nr holds row i's source address (src) in its float32 rows (SRC_BF16:
-// bf16 rows, widened exactly).
-template <bool SRC_BF16>
+// bf16 rows, widened exactly). STREAM: the float32 loads take pol (L2)
+// and skip L1.
+template <bool SRC_BF16, bool STREAM = false>
 __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, int lane, long long src,
-                                               float (&v)[2][4][8]) {
+                                               unsigned long long pol, float (&v)[2][4][8]) {
   const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
 #pragma unroll
   for (int h = 0; h < 2; h++) {
@@ -126,6 +140,13 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
           v[h][u][2 * q] = gg_bf16_lo(w[q]);
           v[h][u][2 * q + 1] = gg_bf16_hi(w[q]);
         }
+      } else if constexpr (STREAM) {
+        asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
+                     : "l"(p + j), "l"(pol));
+        asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
+                     : "l"(p + j + 4), "l"(pol));
       } else {
         asm volatile(GG_GATHER_LD " {%0, %1, %2, %3}, [%4];"
                      : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
@@ -139,7 +160,8 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
 }
 
 // gg_gather_store writes step st's rows, scaled (lane i: row i's scale),
-// to xRD as bf16. An odd chunk's last pair copies its last row twice.
+// to xRD as bf16, and, when fz.xFull is set (GG_TP_GATHER), unrounded to
+// xFull too (with gg_stream_policy: nothing reads them in this kernel). An odd chunk's last pair copies its last row twice.
 __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K, int lane,
                                                 float scale, const float (&v)[2][4][8]) {
   if constexpr ((GG_EXPERIMENT & GG_EX_NO_STORES) != 0) return;
@@ -148,6 +170,7 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
   for (int h = 0; h < 2; h++) {
     const int ii = gg_min(i + h, nr - 1);
     unsigned short* dst = fz.xRD + (long long)(r0 + ii) * K;
+    float* full = fz.xFull ? fz.xFull + (long long)(r0 + ii) * K : nullptr;
     const float sc = gg_bits_float((unsigned)gg_shfl_idx((int)gg_float_bits(scale), ii));
 #pragma unroll
     for (int u = 0; u < 4; u++) {
@@ -159,8 +182,30 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
         asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
                      "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                      : "memory");
+        if (full) {
+          const unsigned long long pol = gg_stream_policy(fz);
+          asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(full + j),
+                       "f"(w[0]), "f"(w[1]), "f"(w[2]), "f"(w[3]), "l"(pol)
+                       : "memory");
+          asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(full + j + 4),
+                       "f"(w[4]), "f"(w[5]), "f"(w[6]), "f"(w[7]), "l"(pol)
+                       : "memory");
+        }
       }
     }
+  }
+}
+
+// gg_row_ref is row r's source (or owner) rank and position: from the
+// references, or, without them (the tensor-parallel kinds), rank r /
+// blockRows, position r % blockRows.
+__device__ __forceinline__ void gg_row_ref(const gg_fuse& fz, int r, int& s, int& p) {
+  if (fz.refs) {
+    s = fz.refs[2 * r];
+    p = fz.refs[2 * r + 1];
+  } else {
+    s = r / fz.blockRows;
+    p = r - s * fz.blockRows;
   }
 }
 
@@ -170,7 +215,8 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
 #define GG_GATHER_LEAD 32
 
 // gg_gather is a gathering warp's work (the dispatches): chunks u = cw,
-// cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major; each row is
+// cw + ncw, ... of the GG_CHUNKS * M chunks, m-tile major from m-tile
+// fz.rotM (wrapping; 0 but for GG_TP_GATHER); each row is
 // read from its source as float32, scaled (GG_DISPATCH_DGRAD: by its
 // send-order scale), and written to xRD as bf16 (K is a multiple of 8), then the
 // chunk is published. The next chunk's row lookups (references, then
@@ -184,7 +230,7 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
 // - otherwise (GG_DISPATCH_DGRAD): three warps a block gather beside the products,
 //   paced by the block's front; the copy is bound by load latency, so two
 //   steps are in flight (one stored while the next one's loads are out).
-template <bool FIRST, bool SRC_BF16>
+template <bool FIRST, bool SRC_BF16, bool STREAM = false>
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
                                           const int* sEnd, const int* sCum, const volatile int* front) {
   if constexpr ((GG_MODE & 1) != 0) return;
@@ -194,16 +240,18 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
   const int rowFloats = SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0 ? K / 2 : K;
   // Lane i < nr: its row's source rank and send position (the references)
   // and, resolved from them, its source address and scale.
-  gg_gather_chunk cur = gg_gather_chunk_of(cw, E, sBeg, sEnd, sCum);
+  const int rot = fz.rotM * GG_CHUNKS;
+  const unsigned long long pol = STREAM ? gg_stream_policy(fz) : 0;
+  gg_gather_chunk cur = gg_gather_chunk_of(gg_rotate(cw, rot, total), E, sBeg, sEnd, sCum);
   int refS = 0, refP = 0;
-  if (lane < cur.nr) {
-    refS = fz.refs[2 * (cur.r0 + lane)];
-    refP = fz.refs[2 * (cur.r0 + lane) + 1];
-  }
+  if (lane < cur.nr) gg_row_ref(fz, cur.r0 + lane, refS, refP);
   long long src = 0;
   float scale = 1.0f;
+  // The source row: the token list's entry (the dispatches), or the
+  // position itself (no token lists: GG_TP_GATHER).
   if (lane < cur.nr) {
-    src = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * rowFloats);
+    const int row = fz.toks ? ((const int*)fz.toks[refS])[refP] : refP;
+    src = (long long)((const float*)fz.ptrs[refS] + (long long)row * rowFloats);
     if (fz.scales) scale = ((const float*)fz.scales[refS])[refP];
   }
   for (int u = cw; u < total; u += ncw) {
@@ -215,19 +263,18 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     // m-tile or past it (or done: front GG_FRONT_DONE). Pacing only orders
     // work, so a wait past the tile waits' bound gives up on it rather
     // than risk a hang. Lane 0 decides for the warp.
-    if (!FIRST && (GG_MODE & 128) == 0 && cur.g > *front + GG_GATHER_LEAD) {
+    // Both count m-tiles along the walk (before the rotation).
+    const int walkG = u / GG_CHUNKS;
+    if (!FIRST && (GG_MODE & 128) == 0 && walkG > *front + GG_GATHER_LEAD) {
       const unsigned long long t0 = gg_globaltimer();
-      while (gg_shfl_idx(cur.g > *front + GG_GATHER_LEAD && gg_globaltimer() - t0 < fz.timeoutNs, 0))
+      while (gg_shfl_idx(walkG > *front + GG_GATHER_LEAD && gg_globaltimer() - t0 < fz.timeoutNs, 0))
         asm volatile("nanosleep.u32 256;");
     }
     const bool more = u + ncw < total;
     gg_gather_chunk next = cur;
     if (more) {
-      next = gg_gather_chunk_of(u + ncw, E, sBeg, sEnd, sCum);
-      if (lane < next.nr) {
-        refS = fz.refs[2 * (next.r0 + lane)];
-        refP = fz.refs[2 * (next.r0 + lane) + 1];
-      }
+      next = gg_gather_chunk_of(gg_rotate(u + ncw, rot, total), E, sBeg, sEnd, sCum);
+      if (lane < next.nr) gg_row_ref(fz, next.r0 + lane, refS, refP);
     }
     const int steps = ((cur.nr + 1) / 2) * nJ;
     float va[2][4][8], vb[2][4][8];
@@ -235,15 +282,15 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       // One step in flight (each stored before the next one's loads go
       // out).
       for (int st = 0; st < steps; st++) {
-        gg_gather_load<SRC_BF16>(st, nJ, cur.nr, K, lane, src, va);
+        gg_gather_load<SRC_BF16, STREAM>(st, nJ, cur.nr, K, lane, src, pol, va);
         gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
       }
     } else {
-      if (steps > 0) gg_gather_load<SRC_BF16>(0, nJ, cur.nr, K, lane, src, va);
+      if (steps > 0) gg_gather_load<SRC_BF16, STREAM>(0, nJ, cur.nr, K, lane, src, pol, va);
       for (int st = 0; st < steps; st += 2) {
-        if (st + 1 < steps) gg_gather_load<SRC_BF16>(st + 1, nJ, cur.nr, K, lane, src, vb);
+        if (st + 1 < steps) gg_gather_load<SRC_BF16, STREAM>(st + 1, nJ, cur.nr, K, lane, src, pol, vb);
         gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
-        if (st + 2 < steps) gg_gather_load<SRC_BF16>(st + 2, nJ, cur.nr, K, lane, src, va);
+        if (st + 2 < steps) gg_gather_load<SRC_BF16, STREAM>(st + 2, nJ, cur.nr, K, lane, src, pol, va);
         if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
       }
     }
@@ -251,7 +298,8 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     long long nsrc = 0;
     float nscale = 1.0f;
     if (more && lane < next.nr) {
-      nsrc = (long long)((const float*)fz.ptrs[refS] + (long long)((const int*)fz.toks[refS])[refP] * rowFloats);
+      const int row = fz.toks ? ((const int*)fz.toks[refS])[refP] : refP;
+      nsrc = (long long)((const float*)fz.ptrs[refS] + (long long)row * rowFloats);
       if (fz.scales) nscale = ((const float*)fz.scales[refS])[refP];
     }
     // Every lane's rows are visible at GPU scope, and ordered before the
@@ -262,7 +310,7 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     }
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     // MOE_TEST_LOST_ROWS: a chunk that is never published.
-    const bool lost = MOE_TEST_LOST_ROWS && cur.g == sCum[E] - 1 && cur.c == 0;
+    const bool lost = MOE_TEST_LOST_ROWS && cur.g == (sCum[E] - 1 + fz.rotM) % sCum[E] && cur.c == 0;
     if (lane == 0 && !lost)
       asm volatile("red.release.gpu.global.or.b32 [%0], %1;" ::"l"(fz.flags + cur.g), "r"(1u << cur.c) : "memory");
     cur = next;
@@ -298,7 +346,9 @@ __device__ __forceinline__ void gg_wait_tile(const gg_fuse& fz, int g, int row0,
           const int r = row0 + c * GG_CHUNK_ROWS;
           fz.fault[1] = g;
           fz.fault[2] = got;
-          fz.fault[3] = r < rowEnd ? fz.refs[2 * r] : -1;
+          int s = -1, p = 0;
+          if (r < rowEnd) gg_row_ref(fz, r, s, p);
+          fz.fault[3] = s;
           asm volatile("fence.acq_rel.gpu;" ::: "memory");
         }
         break;
@@ -700,6 +750,42 @@ __device__ __forceinline__ void gg_epilogue_rows(const float (&acc)[128], long l
   }
 }
 
+// gg_epilogue_scatter is GG_TP_SCATTER's epilogue: one warpgroup's 64x256
+// block (float32), row r landing in its owner's buffer, rank r /
+// blockRows, at row slotRow0 + r % blockRows, as fz.scatterMode says.
+// The atomic adds are two scalar reductions a pair (red.global.add.f32:
+// relaxed, gpu scope; a peer GPU's buffer is reached the same way over
+// NVLink).
+__device__ __forceinline__ void gg_epilogue_scatter(const float (&acc)[128], long long r0, int rowEnd, int c0, int N,
+                                                    const gg_fuse& fz) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const long long r = r0 + 8 * half;
+    if (r >= rowEnd) continue;
+    int s, p;
+    gg_row_ref(fz, (int)r, s, p);
+    float* dst = (float*)fz.ptrs[s] + (long long)(fz.slotRow0 + p) * N;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+      const int col = c0 + 8 * i;
+      if (col >= N) continue;
+      float a = acc[4 * i + 2 * half], b = acc[4 * i + 2 * half + 1];
+      if (fz.scatterMode == GG_SCATTER_RED) {
+        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + col), "f"(a) : "memory");
+        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + col + 1), "f"(b) : "memory");
+        continue;
+      }
+      if (fz.scatterMode == GG_SCATTER_ADD) {
+        float o0, o1;
+        asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(o0), "=f"(o1) : "l"(dst + col));
+        a += o0;
+        b += o1;
+      }
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst + col), "f"(a), "f"(b) : "memory");
+    }
+  }
+}
+
 // gg_mark_rows counts one stored tile of a warpgroup's block: rows
 // [wr0, wr0 + 64) below rowEnd of m-tile g, half cw (the combines, with
 // flags). After the named barrier every thread's stores of the block are
@@ -739,7 +825,8 @@ struct gg_fused_steps {
   static __device__ __forceinline__ void gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E,
                                                 const int* sBeg, const int* sEnd, const int* sCum,
                                                 const volatile int* front) {
-    gg_gather<FIRST, SRC_BF16>(fz, cw, ncw, lane, K, E, sBeg, sEnd, sCum, front);
+    // GG_TP_GATHER's rows stream through L2 (gg_evict_first).
+    gg_gather<FIRST, SRC_BF16, FUSE == GG_TP_GATHER>(fz, cw, ncw, lane, K, E, sBeg, sEnd, sCum, front);
   }
   static __device__ __forceinline__ void wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
     gg_wait_tile(fz, g, row0, rowEnd, kind);
@@ -774,6 +861,10 @@ struct gg_fused_steps {
   static __device__ __forceinline__ void mark_rows(const gg_fuse& fz, int g, int cw, int wr0, int rowEnd, int nTN,
                                                    int warp, int lane, int barId) {
     gg_mark_rows(fz, g, cw, wr0, rowEnd, nTN, warp, lane, barId);
+  }
+  static __device__ __forceinline__ void epilogue_scatter(const float (&acc)[128], long long r0, int rowEnd, int c0,
+                                                          int N, const gg_fuse& fz) {
+    gg_epilogue_scatter(acc, r0, rowEnd, c0, N, fz);
   }
 };
 
@@ -930,4 +1021,98 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
   fz.rowTiles = rowTiles;
   gg_body<256, 4, false, false, false, GG_DOWN_COMBINE>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, 1.0f, 0.0f,
                                                         fz);
+}
+
+// ---- tensor parallelism ----
+//
+// tp_gather_nt and tp_gather_nn (GG_TP_GATHER, 3 stages, float32 out by
+// TMA stores through two 32 KiB staging buffers: gg_epilogue_tma_f32):
+// AllGather+GEMM. The rows of x, W ranks' blocks
+// of blockRows rows each (ptrs: per rank its float32 [blockRows, K]
+// block), are gathered beside the products by three warps a block
+// (gg_gather, paced), rounded to bf16 into xRD ([rows, K], mapA's tensor)
+// and, when xFull is not null, kept as float32 in xFull; out [rows, N]
+// float32 = x.W^T (nt: W [N, K], mapW {K, N, 1}, boxes of 256 rows) or
+// x.W (nn: W [K, N] as stored, mapW {N, K, 1}, boxes of 64x64). The walk
+// over m-tiles, and the gather with it, starts at m-tile rotM (this
+// rank's own block) and wraps, so each rank reads its own rows first and
+// the peers' in rank order after it. mapO is out's {N, rows} float32 map
+// (boxes of 32 x 64, 128-byte swizzle). flags and fault as
+// moe_dispatch_swiglu's.
+//
+// tp_scatter_nt and tp_scatter_nn (GG_TP_SCATTER, 3 stages): GEMM +
+// ReduceScatter. p = A.W^T (or A.W) for A [rows, K] bf16 (mapA); row r of
+// p lands in ptrs[r / blockRows] (the owner's float32 [*, N] buffer) at
+// row slotRow0 + r % blockRows, stored, added, or added atomically (landing,
+// GG_SCATTER_*). With ownerMaps (per owner its float32 {N, rows} map in
+// global memory, 128 bytes each; blockRows a multiple of 64) a block
+// leaves through shared memory by a TMA store (GG_SCATTER_STORE) or a TMA
+// reduction (the adds, atomic per element at L2), under the next tile's
+// mainloop; without, by the register epilogue (gg_epilogue_scatter). The walk starts at m-tile rotM (the host passes the
+// first m-tile of the next rank's block), so at any moment the ranks'
+// kernels write to different owners.
+#define TP_GATHER_PARAMS                                                                                        \
+  const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO, \
+      float *out, unsigned short *xRD,                                                                           \
+      float *xFull, const unsigned long long *ptrs, int *flags, int *fault, unsigned long long timeoutNs,       \
+      const int *off, int rows, int N, int K, int blockRows, int rotM, int groupM
+#define TP_GATHER_ARGS \
+  mapA, mapW, mapO, out, xRD, xFull, ptrs, flags, fault, timeoutNs, off, rows, N, K, blockRows, rotM, groupM
+
+template <bool MNB>
+__device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapO, float* out,
+                                               unsigned short* xRD, float* xFull, const unsigned long long* ptrs,
+                                               int* flags, int* fault, unsigned long long timeoutNs, const int* off,
+                                               int rows, int N, int K, int blockRows, int rotM, int groupM) {
+  gg_fuse fz = {};
+  fz.groupM = groupM;
+  fz.xRD = xRD;
+  fz.xFull = xFull;
+  fz.ptrs = ptrs;
+  fz.flags = flags;
+  fz.fault = fault;
+  fz.timeoutNs = timeoutNs;
+  fz.blockRows = blockRows;
+  fz.rotM = rotM;
+  gg_body<256, 3, false, false, false, GG_TP_GATHER, false, false, MNB>(&mapA, &mapW, &mapO, out, off, rows, N, K, 1,
+                                                                        1.0f, 0.0f, fz);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nt(TP_GATHER_PARAMS) {
+  tp_gather_body<false>(TP_GATHER_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nn(TP_GATHER_PARAMS) {
+  tp_gather_body<true>(TP_GATHER_ARGS);
+}
+
+#define TP_SCATTER_PARAMS                                                                                       \
+  const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const unsigned long long *ptrs, \
+      const unsigned char *ownerMaps, const int *off, int rows, int N, int K, int blockRows, int slotRow0, int rotM, \
+      int groupM, int landing
+#define TP_SCATTER_ARGS mapA, mapW, ptrs, ownerMaps, off, rows, N, K, blockRows, slotRow0, rotM, groupM, landing
+
+template <bool MNB>
+__device__ __forceinline__ void tp_scatter_body(const gg_tmap& mapA, const gg_tmap& mapW,
+                                                const unsigned long long* ptrs, const unsigned char* ownerMaps,
+                                                const int* off, int rows, int N, int K, int blockRows, int slotRow0,
+                                                int rotM, int groupM, int landing) {
+  gg_fuse fz = {};
+  fz.groupM = groupM;
+  fz.ptrs = ptrs;
+  fz.ownerMaps = ownerMaps;
+  fz.blockRows = blockRows;
+  fz.slotRow0 = slotRow0;
+  fz.rotM = rotM;
+  fz.scatterMode = landing;
+  gg_body<256, 3, false, false, false, GG_TP_SCATTER, false, false, MNB>(&mapA, &mapW, nullptr, nullptr, off, rows, N,
+                                                                         K, 1, 1.0f, 0.0f, fz);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) tp_scatter_nt(TP_SCATTER_PARAMS) {
+  tp_scatter_body<false>(TP_SCATTER_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) tp_scatter_nn(TP_SCATTER_PARAMS) {
+  tp_scatter_body<true>(TP_SCATTER_ARGS);
 }
