@@ -108,6 +108,23 @@ func tpGroupM(nTN int, gather bool) int {
 	return 16
 }
 
+// tpKernels returns the grouped GEMM that launches the tensor-parallel
+// kernels, or false when they do not take a call of rows rows whose
+// peers' tensors are at ptrs (0: none): not Hopper, no rows, or a tensor
+// not 16-byte aligned (the gather's vector loads, TMA).
+func (b *Backend) tpKernels(rows int, ptrs []driver.DevicePtr) (*GroupedGemm, bool) {
+	for _, p := range ptrs {
+		if p%16 != 0 {
+			return nil, false
+		}
+	}
+	x, ok := b.expertKernels()
+	if !ok || rows == 0 {
+		return nil, false
+	}
+	return x.bf16Out, true
+}
+
 // AllGatherMatMul runs tp_gather when the call is one it takes (float32
 // shards and full, a Hopper GPU), else the unfused sequence.
 func (b *Backend) AllGatherMatMul(fullRK backend.Tensor, outs, shardsBK, ws []backend.Tensor, transW bool, rank int) {
@@ -149,16 +166,10 @@ func (b *Backend) allGatherMatMulKernel(fullRK backend.Tensor, outs, shardsBK, w
 	ss, os := shardsBK[0].Shape(), outs[0].Shape()
 	blockRows, k, n := ss[0], ss[1], os[1]
 	rows := len(shardsBK) * blockRows
-	for _, p := range append(ranks, ends...) {
-		if p%16 != 0 {
-			return false
-		}
-	}
-	x, ok := b.expertKernels()
-	if !ok || rows == 0 {
+	gg, ok := b.tpKernels(rows, append(ranks, ends...))
+	if !ok {
 		return false
 	}
-	gg := x.bf16Out
 	s := &b.tp
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -233,16 +244,10 @@ func (b *Backend) matMulScatterKernel(dstsS []backend.Tensor, row0 int, a, w bac
 		}
 	}
 	rows, k, n := at.shape[0], at.shape[1], dstsS[0].Shape()[1]
-	for _, p := range owners {
-		if p%16 != 0 {
-			return false
-		}
-	}
-	x, ok := b.expertKernels()
-	if !ok || rows == 0 {
+	gg, ok := b.tpKernels(rows, owners)
+	if !ok {
 		return false
 	}
-	gg := x.bf16Out
 	s := &b.tp
 	s.mu.Lock()
 	defer s.mu.Unlock()
