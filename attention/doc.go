@@ -28,7 +28,10 @@
 // Options: WithScratch(s) shares one Scratch (the backward's working memory,
 // from NewScratch) among the layers of a rank, which run one after another;
 // AddToOutput makes Forward add into outTD (the residual stream) instead of
-// overwriting it. The engine uses both.
+// overwriting it. The engine uses both. RecomputeCore (the engine's
+// train.recompute: selective) keeps the core's output a and log-sum-exp
+// once in the shared Scratch instead of per layer, and Backward reruns the
+// core on the kept q, k and v to refill them before o_proj's backward.
 //
 // NewContextParallel builds a Layer whose sequences are split over the
 // ranks of a comm.Group (comm.Ranks.Context); each rank passes its own

@@ -85,6 +85,10 @@ type Layer struct {
 	vTK       backend.Tensor
 	aTQ       backend.Tensor // attention output, the input of o_proj
 	lseBHS    backend.Tensor
+	// recompute is set by RecomputeCore: aTQ and lseBHS are then the
+	// shared Scratch's (core), overwritten by the next layer's Forward,
+	// and Backward reruns the core to refill them.
+	recompute bool
 
 	// outBeta is 1 when Forward adds to out (AddToOutput), else 0.
 	outBeta float64
@@ -111,6 +115,16 @@ type Scratch struct {
 	ring                   *ringScratch   // sized by the first ring context core
 	ops                    *operands      // nil where the operand type is the float type
 	tp                     *tpScratch     // sized by the first tensor-parallel Layer
+	core                   *coreScratch   // sized by the first Layer built with RecomputeCore
+}
+
+// coreScratch holds the attention core's output and log-sum-exp for the
+// layers built with RecomputeCore: one set for all of them, valid from a
+// layer's Forward (or the rerun at the start of its Backward) until the
+// next layer's.
+type coreScratch struct {
+	aTQ    backend.Tensor // [T, H*Dh]
+	lseBHS backend.Tensor // [B, H, S] ([B, 2, H, C] under context parallelism)
 }
 
 // tpScratch is a tensor-parallel Layer's working memory: the gathered
@@ -147,10 +161,11 @@ func NewScratch() *Scratch { return &Scratch{} }
 type Option func(*options)
 
 type options struct {
-	scratch  *Scratch
-	addToOut bool
-	cpMode   CPMode
-	tp       *tensorpar.Parallel
+	scratch   *Scratch
+	addToOut  bool
+	recompute bool
+	cpMode    CPMode
+	tp        *tensorpar.Parallel
 }
 
 func outBeta(add bool) float64 {
@@ -164,6 +179,18 @@ func outBeta(add bool) float64 {
 // instead of overwriting it: the output projection accumulates, and the
 // caller needs no separate addition.
 func AddToOutput() Option { return func(o *options) { o.addToOut = true } }
+
+// RecomputeCore makes the Layer keep the attention core's output a and
+// its log-sum-exp in the shared Scratch instead of per layer, and rerun
+// the core (the attention forward on the kept, rotated q, k and v, or the
+// context-parallel core's Forward with its collectives) at the start of
+// Backward to refill them: selective activation recomputation
+// (train.recompute: selective). It saves [T, H*Dh] + [B, H, S] floats a
+// layer (one set stays, in the Scratch) for one more attention forward in
+// each Backward. The rerun is the same call on the same inputs, so the
+// gradients are those of a Layer without it, bit for bit on a
+// deterministic backend.
+func RecomputeCore() Option { return func(o *options) { o.recompute = true } }
 
 // WithContextMode makes a context-parallel Layer (NewContextParallel) bring
 // keys and values to its queries in mode m instead of CPAllGather.
@@ -256,27 +283,37 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer
 		}
 	}
 	sc := o.scratch
+	var aTQ, lseBHS backend.Tensor
+	if o.recompute {
+		if err := sc.fitCore(b, T, q, batch*s.Heads*seq); err != nil {
+			return nil, err
+		}
+		aTQ, lseBHS = sc.core.aTQ, sc.core.lseBHS
+	} else {
+		aTQ, lseBHS = b.New(ft, T, q), b.New(ft, batch, s.Heads, seq)
+	}
 	return &Layer{
-		b:       b,
-		s:       s,
-		dim:     D,
-		rows:    rows,
-		tp:      o.tp,
-		kvRow:   kvRow,
-		kvWhole: o.tp.Enabled() && s0.KVHeads%o.tp.Size() != 0,
-		attn:    backend.AttnShape{Batch: batch, Seq: seq, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim()},
-		tokens:  T,
-		qTQ:     b.New(ft, T, q),
-		kTK:     b.New(ft, T, kd),
-		vTK:     b.New(ft, T, kd),
-		aTQ:     b.New(ft, T, q),
-		lseBHS:  b.New(ft, batch, s.Heads, seq),
-		sc:      sc,
-		outBeta: outBeta(o.addToOut),
-		daTQ:    sc.daTQ,
-		dqTQ:    sc.dqTQ,
-		dkTK:    sc.dkTK,
-		dvTK:    sc.dvTK,
+		b:         b,
+		s:         s,
+		dim:       D,
+		rows:      rows,
+		tp:        o.tp,
+		kvRow:     kvRow,
+		kvWhole:   o.tp.Enabled() && s0.KVHeads%o.tp.Size() != 0,
+		attn:      backend.AttnShape{Batch: batch, Seq: seq, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim()},
+		tokens:    T,
+		qTQ:       b.New(ft, T, q),
+		kTK:       b.New(ft, T, kd),
+		vTK:       b.New(ft, T, kd),
+		aTQ:       aTQ,
+		lseBHS:    lseBHS,
+		recompute: o.recompute,
+		sc:        sc,
+		outBeta:   outBeta(o.addToOut),
+		daTQ:      sc.daTQ,
+		dqTQ:      sc.dqTQ,
+		dkTK:      sc.dkTK,
+		dvTK:      sc.dvTK,
 	}, nil
 }
 
@@ -296,6 +333,22 @@ func (sc *Scratch) fit(b backend.Backend, T, D, q, kd int) error {
 	if sc.daTQ.DType() != ft || sc.daTQ.Len() != T*q || sc.dkTK.Len() != T*kd {
 		return fmt.Errorf("attention: the shared scratch is for %v [%d, %d] and [%d, %d]; this layer needs %v [%d, %d] and [%d, %d]",
 			sc.daTQ.DType(), sc.daTQ.Shape()[0], sc.daTQ.Shape()[1], sc.dkTK.Shape()[0], sc.dkTK.Shape()[1], ft, T, q, T, kd)
+	}
+	return nil
+}
+
+// fitCore allocates the shared core output [T, q] and log-sum-exp (lse
+// elements, laid out [B, H, S/cp]) of the layers built with
+// RecomputeCore, or checks that they have that size.
+func (sc *Scratch) fitCore(b backend.Backend, T, q, lse int) error {
+	ft := b.FloatType()
+	if sc.core == nil {
+		sc.core = &coreScratch{aTQ: b.New(ft, T, q), lseBHS: b.New(ft, lse)}
+		return nil
+	}
+	if sc.core.aTQ.Len() != T*q || sc.core.lseBHS.Len() != lse || sc.core.aTQ.DType() != ft {
+		return fmt.Errorf("attention: the shared recomputed core is %v %v and %d lse values; this layer needs %v [%d, %d] and %d",
+			sc.core.aTQ.DType(), sc.core.aTQ.Shape(), sc.core.lseBHS.Len(), ft, T, q, lse)
 	}
 	return nil
 }
@@ -363,12 +416,8 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 	}
 	b.RoPE(l.qTQ, posT, dh, theta, false)
 	b.RoPE(l.kTK, posT, dh, theta, false)
-	if l.cp != nil {
-		if err := l.cp.Forward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK); err != nil {
-			return err
-		}
-	} else {
-		b.AttentionForward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK, l.attn)
+	if err := l.coreForward(); err != nil {
+		return err
 	}
 	if l.tp.Enabled() {
 		// o_proj is row-parallel: each rank's heads give a partial sum.
@@ -388,6 +437,18 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 		b.MatMul(outTD, l.aTQ, p.WoDQ, false, true, 1, l.outBeta)
 	}
 	l.xTD, l.posT = xTD, posT
+	return nil
+}
+
+// coreForward writes aTQ and lseBHS from the rotated q, k and v: the
+// attention, or on a context-parallel Layer its core with the collectives
+// (which every rank of the group runs together, in Forward and, under
+// RecomputeCore, again in Backward).
+func (l *Layer) coreForward() error {
+	if l.cp != nil {
+		return l.cp.Forward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK)
+	}
+	l.b.AttentionForward(l.aTQ, l.lseBHS, l.qTQ, l.kTK, l.vTK, l.attn)
 	return nil
 }
 
@@ -424,6 +485,12 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 		return err
 	}
 	b, dh, theta := l.b, l.s.HeadDim(), l.s.RopeTheta
+	if l.recompute {
+		// a and lse are the shared Scratch's, another layer's by now.
+		if err := l.coreForward(); err != nil {
+			return err
+		}
+	}
 
 	// Each product input rounded once to the operand type (see operands).
 	ops := l.sc.ops

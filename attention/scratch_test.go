@@ -46,7 +46,8 @@ func twoLayers(b backend.Backend, ls [2]*attention.Layer, s attention.Shape, ps 
 
 // TestSharedScratch: two layers sharing one Scratch, on one rank and on
 // each rank of a cp=2 group, write bitwise what two layers with their own
-// scratch write.
+// scratch write; and so do two layers that keep their core's output in
+// the shared Scratch and recompute it in Backward (RecomputeCore).
 func TestSharedScratch(t *testing.T) {
 	s := attention.Shape{Dim: 16, Heads: 4, KVHeads: 2, RopeTheta: 10000}
 	const batch, seq = 2, 8
@@ -81,7 +82,7 @@ func TestSharedScratch(t *testing.T) {
 				poss[r] = append(poss[r], local...)
 			}
 		}
-		run := func(shared bool) [][][]float64 {
+		run := func(shared, recompute bool) [][][]float64 {
 			out := make([][][]float64, cp)
 			errs := make([]error, cp)
 			var wg sync.WaitGroup
@@ -89,6 +90,9 @@ func TestSharedScratch(t *testing.T) {
 				opts := []attention.Option{attention.WithContextMode(mode)}
 				if shared {
 					opts = append(opts, attention.WithScratch(attention.NewScratch()))
+				}
+				if recompute {
+					opts = append(opts, attention.RecomputeCore())
 				}
 				var ls [2]*attention.Layer
 				for i := range ls {
@@ -110,11 +114,14 @@ func TestSharedScratch(t *testing.T) {
 			}
 			return out
 		}
-		own, shared := run(false), run(true)
+		own, shared, recomputed := run(false, false), run(true, false), run(true, true)
 		for r := range cp {
 			for i := range own[r] {
 				if !slices.Equal(own[r][i], shared[r][i]) {
 					t.Errorf("cp=%d %s rank %d: result %d differs with a shared scratch", cp, mode, r, i)
+				}
+				if !slices.Equal(own[r][i], recomputed[r][i]) {
+					t.Errorf("cp=%d %s rank %d: result %d differs with the core recomputed", cp, mode, r, i)
 				}
 			}
 		}

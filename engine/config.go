@@ -65,7 +65,27 @@ type TrainConfig struct {
 	// float atomics (backend.Deterministic), so the same command gives the
 	// same losses bit for bit on the same GPU; the CPU always does.
 	Deterministic bool `yaml:"deterministic"`
+	// Recompute is activation recomputation: none keeps every layer's
+	// activations from its forward to its backward; selective keeps the
+	// attention core's output and log-sum-exp and the experts' hidden
+	// activations once per rank instead of per layer and remakes them in
+	// each layer's backward (attention.RecomputeCore,
+	// moe.RecomputeExperts), same losses bit for bit; full (the whole
+	// layer remade from its input) is not built yet and Validate refuses
+	// it. Default none; "" is none too (configurations saved before the
+	// field existed).
+	Recompute string `yaml:"recompute"`
 }
+
+// The values of train.recompute.
+const (
+	RecomputeNone      = "none"
+	RecomputeSelective = "selective"
+	RecomputeFull      = "full"
+)
+
+// selectiveRecompute reports whether train.recompute is selective.
+func (t TrainConfig) selectiveRecompute() bool { return t.Recompute == RecomputeSelective }
 
 // ParallelConfig is the mesh; dp*ep*cp*tp ranks.
 type ParallelConfig struct {
@@ -134,7 +154,7 @@ func DefaultConfig() Config {
 			Backend: "auto", GlobalBatch: 8, MicroBatch: 8, Seq: 64, Steps: 200,
 			LR: 1e-3, MinLR: 1e-4, Schedule: "cosine", WarmupSteps: 10,
 			WeightDecay: 0.1, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, GradClip: 1.0,
-			Seed: 1, EvalEvery: 50, EvalBatches: 4,
+			Seed: 1, EvalEvery: 50, EvalBatches: 4, Recompute: RecomputeNone,
 		},
 		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1, CPAttention: tune.CPAttentionAuto, TPOverlap: tune.TPOverlapAuto, SequenceParallel: true},
 		Checkpoint: CheckpointConfig{Every: 0, KeepLast: 3, Resume: "auto", Compress: "none"},

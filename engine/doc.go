@@ -49,7 +49,11 @@
 //   - model.go: the decoder's forward and backward over a micro-batch:
 //     embedding, per layer RMSNorm, attention (package attention), residual,
 //     RMSNorm, sparse MoE (package moe), residual; final RMSNorm; the LM head
-//     fused with the cross-entropy in chunks of rows.
+//     fused with the cross-entropy in chunks of rows. Under
+//     train.recompute: selective its layers keep the attention core's
+//     output and the experts' hidden activations once, in the scratch they
+//     share, and remake them in Backward (attention.RecomputeCore,
+//     moe.RecomputeExperts).
 //   - params.go: parameters, their Hugging Face names, initialisation, and
 //     their storage (below).
 //   - schedule.go: the learning-rate schedules.

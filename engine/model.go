@@ -87,7 +87,10 @@ const lmHeadChunkRows = 2048
 //
 // tp is the tensor-parallel group and mode (nil, or not Enabled, for
 // none): w and g then hold this rank's blocks of the split matrices.
-func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel) (*model, error) {
+// selective is train.recompute: selective: the layers keep their
+// attention core's output and their experts' hidden activations once, in
+// the shared scratch, and remake them in Backward.
+func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel, selective bool) (*model, error) {
 	cp, cpRank := 1, 0
 	if context != nil {
 		cp, cpRank = context.Size(), context.Rank()
@@ -136,6 +139,11 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 		m.h1L, m.h2L = append(m.h1L, b.New(ft, R, D)), append(m.h2L, b.New(ft, R, D))
 	}
 	attnOpts := []attention.Option{attention.WithScratch(attnScratch), attention.AddToOutput(), attention.WithTensorParallel(tp)}
+	moeOpts := []moe.Option{moe.WithScratch(moeScratch), moe.AddToOutput()}
+	if selective {
+		attnOpts = append(attnOpts, attention.RecomputeCore())
+		moeOpts = append(moeOpts, moe.RecomputeExperts())
+	}
 	for l := 0; l < L; l++ {
 		if ctx.Err() != nil {
 			return nil, ErrStopped // a cancelled run stops between two layers
@@ -158,7 +166,7 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 			attn = attention.New(b, attentionShape(cfg), batch, seq, attnOpts...)
 		}
 		m.attn = append(m.attn, attn)
-		layer, err := moe.New(b, cfg.MoE, D, moeTokens, groups, moe.WithScratch(moeScratch), moe.WithStats(b.View(m.moeStats, l*E1, E1)), moe.AddToOutput())
+		layer, err := moe.New(b, cfg.MoE, D, moeTokens, groups, append(moeOpts, moe.WithStats(b.View(m.moeStats, l*E1, E1)))...)
 		if err != nil {
 			return nil, fmt.Errorf("layer %d: %w", l, err)
 		}

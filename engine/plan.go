@@ -27,7 +27,7 @@ func PlanConfig(c Config, processRanks, deviceRanks int, checkpoints bool) plan.
 		CapacityFactor: m.MoE.CapacityFactor, BiasBalancing: m.MoE.BiasUpdateRate > 0, Dispatcher: m.MoE.Dispatcher,
 		GlobalBatch: t.GlobalBatch, MicroBatch: t.MicroBatch, Seq: t.Seq,
 		DP: p.DP, EP: p.EP, CP: p.CP, TP: p.TP, Zero: p.Zero, CPAttention: p.CPAttention, SequenceParallel: p.SequenceParallel,
-		TPOverlap: p.TPOverlap, Deterministic: t.Deterministic,
+		TPOverlap: p.TPOverlap, Deterministic: t.Deterministic, Recompute: t.Recompute,
 		Checkpoints: checkpoints, ProcessRanks: processRanks, DeviceRanks: deviceRanks,
 	}
 }

@@ -114,6 +114,14 @@ func TestPlanCountsEveryTensor(t *testing.T) {
 	}{
 		{"one rank, unfused", func(c *Config) {}, true},
 		{"fused", func(c *Config) { c.Model.MoE.Dispatcher = "fused" }, true},
+		// The recomputed activations held once per rank.
+		{"recompute selective", func(c *Config) { c.Train.Recompute = RecomputeSelective }, true},
+		{"recompute selective, fused", func(c *Config) { c.Train.Recompute, c.Model.MoE.Dispatcher = RecomputeSelective, "fused" }, true},
+		{"recompute selective, cp 2", func(c *Config) { c.Train.Recompute, c.Parallel.CP = RecomputeSelective, 2 }, true},
+		{"recompute selective, ep 2", func(c *Config) { c.Train.Recompute, c.Parallel.EP, c.Train.MicroBatch = RecomputeSelective, 2, 1 }, false},
+		{"recompute selective, tp 2, every expert", func(c *Config) {
+			c.Train.Recompute, c.Parallel.TP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = RecomputeSelective, 2, true, 4
+		}, true},
 		{"shared experts, capacity, bias", func(c *Config) {
 			c.Model.MoE.SharedExperts, c.Model.MoE.CapacityFactor, c.Model.MoE.BiasUpdateRate = 1, 1.5, 1e-3
 		}, true},

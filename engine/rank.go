@@ -148,7 +148,8 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 		moeData = groups.World
 	}
 	r.model, err = newModel(ctx, b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
-		moe.Groups{Expert: groups.Expert, Data: moeData}, groups.Context, attention.CPMode(cfg.Parallel.CPAttention), r.tp)
+		moe.Groups{Expert: groups.Expert, Data: moeData}, groups.Context, attention.CPMode(cfg.Parallel.CPAttention), r.tp,
+		cfg.Train.selectiveRecompute())
 	if err != nil {
 		return nil, err
 	}

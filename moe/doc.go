@@ -24,7 +24,10 @@
 // "unfused" (tune.ResolveDispatcher resolves "auto" from measurements). The engine
 // builds its layers WithScratch (one Scratch per rank), WithStats (every
 // layer's statistics read back at once: FinishStats) and AddToOutput (add
-// into the residual stream); after each optimizer step UpdateBias moves the
+// into the residual stream), and under train.recompute: selective
+// RecomputeExperts (the experts' hidden activations h1, h3 and
+// silu(h1)*h3 held once in the Scratch and made again in Backward from the
+// kept expert inputs); after each optimizer step UpdateBias moves the
 // aux-loss-free balancing bias. WithPhaseHook times the phases for `mktrain
 // bench moe`; MeasureDispatch and MeasureDispatchOn time both dispatchers
 // for package tune and `mktrain bench kernels`.

@@ -46,7 +46,7 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 	S, R := pl.sent, len(pl.perm)
 	l.phase(PhaseDispatchExperts)
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
-	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
+	st.h1RF, st.h3RF, st.actRF = l.hidden(R)
 	st.refsR2 = l.writeRefs(pl)
 	shared := []backend.Tensor{st.xoTD, st.sendTokS, st.ySD}
 	if l.flagged() {
@@ -83,6 +83,10 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 	S, R := pl.sent, len(pl.perm)
 	rows := pl.expertRows
 	l.phase(PhaseDispatchBackward)
+	if l.recompute {
+		// Before the exchange: DispatchDgradSwiGLU reads h1 and h3.
+		l.recomputeHidden(st, p)
+	}
 	// Peers write dxSD between the exchange and the barrier; this rank
 	// uses neither rowsSD nor anything aliasing it in between (dy is in
 	// dyRD, the hidden gradients in the F-wide scratch).

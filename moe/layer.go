@@ -65,7 +65,11 @@ type Layer struct {
 	// the unfused one, whose peers never read it, the Scratch's.
 	xoTD              rowBuf
 	h1RF, h3RF, actRF rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)
-	scratch           *Scratch
+	// recompute (RecomputeExperts): h1, h3 and silu(h1)*h3 live in the
+	// Scratch instead of h1RF, h3RF and actRF, and Backward makes them
+	// again from the kept expert inputs xRD.
+	recompute bool
+	scratch   *Scratch
 
 	step *step // the last successful Forward, nil before
 
@@ -95,6 +99,11 @@ type Scratch struct {
 	doneS rowBuf
 	// xoTD is the unfused dispatcher's operand-type input (Layer.xoTD).
 	xoTD rowBuf
+	// h1RF, h3RF and actRF are the experts' hidden activations of the
+	// layers built with RecomputeExperts (operand type): the last
+	// Forward's, or the Backward's that recomputed them. Unused, they
+	// allocate nothing.
+	h1RF, h3RF, actRF rowBuf
 }
 
 // NewScratch returns an empty Scratch for layers of width dim and expert
@@ -106,7 +115,7 @@ func NewScratch(b backend.Backend, dim, ffn int) *Scratch {
 	for _, r := range []*rowBuf{&s.rowsSD, &s.rowsR1D, &s.rowsR2D} {
 		*r = rowBuf{dt: ft, cols: dim}
 	}
-	for _, r := range []*rowBuf{&s.dh1RF, &s.dh3RF} {
+	for _, r := range []*rowBuf{&s.dh1RF, &s.dh3RF, &s.h1RF, &s.h3RF, &s.actRF} {
 		*r = rowBuf{dt: ot, cols: ffn}
 	}
 	return s
@@ -128,6 +137,20 @@ func WithStats(t backend.Tensor) Option { return func(l *Layer) { l.statsE1 = t 
 // rank, instead of a Scratch of its own. s must be of the Layer's width and
 // expert hidden size.
 func WithScratch(s *Scratch) Option { return func(l *Layer) { l.scratch = s } }
+
+// RecomputeExperts makes the Layer keep its experts' hidden activations
+// h1 = x·W1ᵀ, h3 = x·W3ᵀ and silu(h1)*h3 ([R, F] each, the operand type,
+// the largest of a layer's activations) in the shared Scratch instead of
+// per layer, and make them again at the start of the experts' backward
+// from the expert inputs xRD it keeps (two grouped products and SwiGLU):
+// selective activation recomputation (train.recompute: selective). Both
+// dispatchers keep xRD (the fused one's DispatchSwiGLU writes it), and
+// both recompute with the unfused calls, GroupedMatMul and SwiGLUForward;
+// the CPU's fused op is that very sequence, so the gradients are a
+// Layer's without the option bit for bit there. A GPU's fused kernel may
+// round h1 and h3 differently from its grouped product, and the backward
+// then reads the unfused rounding of what the forward computed fused.
+func RecomputeExperts() Option { return func(l *Layer) { l.recompute = true } }
 
 // step is what Forward leaves for Backward.
 type step struct {
@@ -338,6 +361,10 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 			b.ScatterAddRows(outTD, st.ySD, st.sendTokS, st.gateS)
 		}
 	}
+	if l.recompute {
+		// Not kept: the next layer's Forward overwrites them.
+		st.h1RF, st.h3RF, st.actRF = nil, nil, nil
+	}
 	l.step = st
 	l.phase(PhaseEnd)
 	return stats, nil
@@ -372,7 +399,7 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 	S, R := pl.sent, len(pl.perm)
 	l.phase(PhaseDispatch)
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
-	st.h1RF, st.h3RF, st.actRF = l.h1RF.view(b, R), l.h3RF.view(b, R), l.actRF.view(b, R)
+	st.h1RF, st.h3RF, st.actRF = l.hidden(R)
 	if l.g.Expert.Size() == 1 {
 		// One rank: the sent rows are the expert-major rows (nothing is
 		// exchanged and perm is the identity), so the tokens are gathered
@@ -414,6 +441,33 @@ func (l *Layer) dispatchForward(st *step, p *Params) error {
 		return fmt.Errorf("moe: combine: %w", err)
 	}
 	return nil
+}
+
+// hidden returns the views of R rows the experts' hidden activations
+// are written into: the Layer's own, or under RecomputeExperts the
+// Scratch's.
+func (l *Layer) hidden(R int) (h1RF, h3RF, actRF backend.Tensor) {
+	b, h1, h3, act := l.b, &l.h1RF, &l.h3RF, &l.actRF
+	if l.recompute {
+		h1, h3, act = &l.scratch.h1RF, &l.scratch.h3RF, &l.scratch.actRF
+	}
+	return h1.view(b, R), h3.view(b, R), act.view(b, R)
+}
+
+// recomputeHidden makes the hidden activations of st again from its
+// expert inputs st.xRD into the Scratch (RecomputeExperts): since the
+// Forward, later layers have written theirs there.
+func (l *Layer) recomputeHidden(st *step, p *Params) {
+	R := len(st.plan.perm)
+	st.h1RF, st.h3RF, st.actRF = l.hidden(R)
+	if R == 0 {
+		return
+	}
+	b, rows := l.b, st.plan.expertRows
+	w1, w3, _ := l.stacked(p)
+	b.GroupedMatMul(st.h1RF, st.xRD, w1, rows, true, 1, 0)
+	b.GroupedMatMul(st.h3RF, st.xRD, w3, rows, true, 1, 0)
+	b.SwiGLUForward(st.actRF, st.h1RF, st.h3RF)
 }
 
 // expertsForward runs the local experts on the expert-major rows st.xRD:
@@ -559,6 +613,9 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 // dyRD (expert-major) it writes the input gradients dxRD and accumulates
 // the local experts' weight gradients into g.
 func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tensor) {
+	if l.recompute {
+		l.recomputeHidden(st, p)
+	}
 	b, rows := l.b, st.plan.expertRows
 	sc, R := l.scratch, len(st.plan.perm)
 	dActRF, dh1RF, dh3RF := sc.dActRF.view(b, R), sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)

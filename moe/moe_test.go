@@ -649,8 +649,10 @@ func TestErrors(t *testing.T) {
 
 // TestSharedScratch runs two layers that share one Scratch in the order a
 // model does (forward 1, forward 2, backward 2, backward 1) and checks that
-// their outputs and gradients are bitwise those of layers with their own;
-// and that a Scratch of another width is refused.
+// their outputs and gradients are bitwise those of layers with their own,
+// with either dispatcher and with the experts' hidden activations
+// recomputed in Backward (RecomputeExperts); and that a Scratch of another
+// width is refused.
 func TestSharedScratch(t *testing.T) {
 	b := cpu.New(backend.Float64)
 	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001, Dispatcher: moe.DispatcherUnfused}
@@ -661,7 +663,7 @@ func TestSharedScratch(t *testing.T) {
 	}
 	g := moe.Groups{Expert: solo[0].Expert, Data: solo[0].Data}
 	probs := []*problem{newProblem(1, cfg, D, T, false), newProblem(2, cfg, D, T, false)}
-	run := func(shared *moe.Scratch) (outs [][]float64) {
+	run := func(shared *moe.Scratch, recompute bool) (outs [][]float64) {
 		var layers []*moe.Layer
 		var ps, gs []*moe.Params
 		var xs, ys []backend.Tensor
@@ -669,6 +671,9 @@ func TestSharedScratch(t *testing.T) {
 			var opts []moe.Option
 			if shared != nil {
 				opts = append(opts, moe.WithScratch(shared))
+			}
+			if recompute {
+				opts = append(opts, moe.RecomputeExperts())
 			}
 			l, err := moe.New(b, cfg, D, T, g, opts...)
 			if err != nil {
@@ -691,14 +696,20 @@ func TestSharedScratch(t *testing.T) {
 				t.Fatal(err)
 			}
 			outs = append(outs, backend.DownloadFloat64(b, ys[i]), backend.DownloadFloat64(b, dx),
-				backend.DownloadFloat64(b, gs[i].W1EFD), backend.DownloadFloat64(b, gs[i].W2EDF), backend.DownloadFloat64(b, gs[i].GateED))
+				backend.DownloadFloat64(b, gs[i].W1EFD), backend.DownloadFloat64(b, gs[i].W2EDF), backend.DownloadFloat64(b, gs[i].W3EFD),
+				backend.DownloadFloat64(b, gs[i].GateED))
 		}
 		return outs
 	}
-	own, shared := run(nil), run(moe.NewScratch(b, D, cfg.FFN))
-	for i := range own {
-		assertClose(t, fmt.Sprintf("tensor %d", i), shared[i], own[i], 0)
+	for _, dispatcher := range []string{moe.DispatcherUnfused, moe.DispatcherFused} {
+		cfg.Dispatcher = dispatcher
+		own, shared, recomputed := run(nil, false), run(moe.NewScratch(b, D, cfg.FFN), false), run(moe.NewScratch(b, D, cfg.FFN), true)
+		for i := range own {
+			assertClose(t, fmt.Sprintf("%s: tensor %d", dispatcher, i), shared[i], own[i], 0)
+			assertClose(t, fmt.Sprintf("%s, recomputed: tensor %d", dispatcher, i), recomputed[i], own[i], 0)
+		}
 	}
+	cfg.Dispatcher = moe.DispatcherUnfused
 	if _, err := moe.New(b, cfg, D, T, g, moe.WithScratch(moe.NewScratch(b, D+1, cfg.FFN))); err == nil || !strings.Contains(err.Error(), "shared scratch") {
 		t.Errorf("a scratch of another width: error %v", err)
 	}

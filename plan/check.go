@@ -125,11 +125,25 @@ func largestFitting(lo, hi int, fits func(int) bool) int {
 	return lo
 }
 
-// advice names the fields to change: a smaller train.micro_batch when
+// advice names the fields to change: those of sizeAdvice, and
+// train.recompute: selective where the run fits with it alone.
+func (p Plan) advice() ([]string, string) {
+	fields, text := p.sizeAdvice()
+	if c := p.Config; c.Recompute != RecomputeSelective {
+		c.Recompute = RecomputeSelective
+		if p.fitsWith(c) {
+			return append(fields, "train.recompute"), text +
+				", or set train.recompute: selective (the attention core and the experts' hidden activations remade in the backward instead of kept per layer)"
+		}
+	}
+	return fields, text
+}
+
+// sizeAdvice names the sizes to change: a smaller train.micro_batch when
 // one fits, else a shorter train.seq at micro-batch 1, else what spreads
 // or shrinks the parameters' state: parallel.ep, parallel.zero, and the
 // model fields of its largest part.
-func (p Plan) advice() ([]string, string) {
+func (p Plan) sizeAdvice() ([]string, string) {
 	c := p.Config
 	if c.MicroBatch > 1 {
 		b := largestFitting(1, c.MicroBatch-1, func(b int) bool { c2 := c; c2.MicroBatch = b; return p.fitsWith(c2) })

@@ -38,6 +38,12 @@ type Config struct {
 	// Deterministic is train.deterministic: the fused reduce-scatter
 	// lands its blocks in slots instead of adding atomically.
 	Deterministic bool
+	// Recompute is train.recompute: "none" (or "") keeps every layer's
+	// activations; "selective" keeps the attention core's output and
+	// log-sum-exp and the experts' hidden activations once per rank
+	// instead of once per layer (attention.RecomputeCore,
+	// moe.RecomputeExperts).
+	Recompute string
 
 	GlobalBatch, MicroBatch, Seq int
 	DP, EP, CP, TP               int
@@ -192,12 +198,14 @@ const (
 	BackendCPU  = "cpu"
 	BackendCUDA = "cuda"
 
-	DispatcherFused   = "fused"
-	DispatcherUnfused = "unfused"
-	CPAllGather       = "allgather" // parallel.cp_attention's modes (attention.CPMode)
-	CPRing            = "ring"
-	TPFused           = "fused" // parallel.tp_overlap's paths
-	TPUnfused         = "unfused"
+	DispatcherFused    = "fused"
+	DispatcherUnfused  = "unfused"
+	CPAllGather        = "allgather" // parallel.cp_attention's modes (attention.CPMode)
+	CPRing             = "ring"
+	TPFused            = "fused" // parallel.tp_overlap's paths
+	TPUnfused          = "unfused"
+	RecomputeNone      = "none" // train.recompute's settings
+	RecomputeSelective = "selective"
 )
 
 func (c Config) check() error {
@@ -223,6 +231,8 @@ func (c Config) check() error {
 		return fmt.Errorf("plan: train.seq (%d) must be a multiple of 2 x parallel.cp (%d)", c.Seq, c.CP)
 	case c.SharedExperts < 0 || c.CapacityFactor < 0:
 		return fmt.Errorf("plan: model.moe.shared_experts (%d) and capacity_factor (%g) cannot be negative", c.SharedExperts, c.CapacityFactor)
+	case c.Recompute != "" && c.Recompute != RecomputeNone && c.Recompute != RecomputeSelective:
+		return fmt.Errorf("plan: train.recompute is %q; the plan knows %q and %q", c.Recompute, RecomputeNone, RecomputeSelective)
 	}
 	return nil
 }

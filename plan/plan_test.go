@@ -221,3 +221,52 @@ func TestTensorParallelFusedPlan(t *testing.T) {
 		}
 	}
 }
+
+// TestSelectiveRecomputePlan: train.recompute: selective counts the
+// attention core's output and log-sum-exp and the experts' hidden
+// activations once per rank instead of once per layer, and nothing else
+// changes; a device between the two peaks gets a refusal that offers it;
+// a setting the plan does not know is an error.
+func TestSelectiveRecomputePlan(t *testing.T) {
+	host := Device{Name: "host memory", Backend: BackendCPU, FloatBytes: 4, OperandBytes: 4}
+	none := small()
+	none.Layers = 3
+	sel := none
+	sel.Recompute = RecomputeSelective
+	pn, err := New(none, host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps, err := New(sel, host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Per layer: a [T, H*Dh] and lse [B, H, S] in float32, h1, h3 and
+	// silu(h1)*h3 [T*K, F] in the operand type (float32 on the CPU).
+	T, K := int64(none.MicroBatch*none.Seq), int64(none.TopK)
+	perLayer := 4*(T*int64(none.Dim)+int64(none.MicroBatch*none.Heads*none.Seq)) + 3*4*T*K*int64(none.FFN)
+	if saved := pn.Total(Activations) - ps.Total(Activations); saved != int64(none.Layers-1)*perLayer {
+		t.Errorf("selective saves %d activation bytes; want (layers-1) x %d = %d", saved, perLayer, int64(none.Layers-1)*perLayer)
+	}
+	for _, k := range []Kind{Weights, Gradients, Optimizer, Workspace} {
+		if pn.Total(k) != ps.Total(k) {
+			t.Errorf("%s: %d bytes under none, %d under selective", k, pn.Total(k), ps.Total(k))
+		}
+	}
+	between := host
+	between.Memory = (pn.HostPeak + ps.HostPeak) / 2
+	pn, _ = New(none, between)
+	var r *Refusal
+	if err := pn.Check(); !errors.As(err, &r) || !strings.Contains(r.Msg, "set train.recompute: selective") || r.Fields[len(r.Fields)-1] != "train.recompute" {
+		t.Errorf("none between the two peaks: %v", err)
+	}
+	ps, _ = New(sel, between)
+	if err := ps.Check(); err != nil {
+		t.Errorf("selective between the two peaks: %v", err)
+	}
+	bad := none
+	bad.Recompute = "full"
+	if _, err := New(bad, host); err == nil || !strings.Contains(err.Error(), "train.recompute") {
+		t.Errorf("recompute full: error %v", err)
+	}
+}

@@ -142,12 +142,20 @@ const lmHeadChunkRows = 2048
 // (attention/ring_fused.go) a layer keeps its D_i [B, 2, H, C] for the
 // peers' dk/dv pass, and on CUDA with GQA the dk/dv pass writes one
 // partial dk, dv [T, KV*Dh] per query head of a group (freed after).
+//
+// Under train.recompute: selective the output a and the log-sum-exp are
+// the Scratch's, one set for the rank's layers (attention.RecomputeCore).
 func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	// This rank's heads under tensor parallelism.
 	T, D, Q, KD, L := s.T, s.D, s.Ql, s.KDl, s.L
-	l.fixed(Activations, "attention", mul(2, L), mul(T, Q), s.ft)  // qTQ, aTQ
+	core := L // layers that keep a and lse of their own
+	if s.selective() {
+		core = 1
+	}
+	l.fixed(Activations, "attention", L, mul(T, Q), s.ft)          // qTQ
 	l.fixed(Activations, "attention", mul(2, L), mul(T, KD), s.ft) // kTK, vTK
-	l.fixed(Activations, "attention", L, mul(s.B, s.Hl, s.Sl), s.ft)
+	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.ft)      // aTQ
+	l.fixed(Activations, s.coreTerm(), core, mul(s.B, s.Hl, s.Sl), s.ft)
 	l.fixed(Workspace, "attention backward", 2, mul(T, Q), s.ft)  // daTQ, dqTQ
 	l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ft) // dkTK, dvTK
 	if s.ot != s.ft {
@@ -183,6 +191,25 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	}
 }
 
+// selective reports train.recompute: selective.
+func (s shape) selective() bool { return s.c.Recompute == RecomputeSelective }
+
+// coreTerm and hiddenTerm name the terms of the activations that
+// train.recompute: selective keeps once per rank instead of per layer.
+func (s shape) coreTerm() string {
+	if s.selective() {
+		return "attention core, recomputed (one layer's)"
+	}
+	return "attention"
+}
+
+func (s shape) hiddenTerm() string {
+	if s.selective() {
+		return "moe expert hidden, recomputed (one layer's)"
+	}
+	return "moe experts"
+}
+
 // moeActivations mirrors moe/layer.go's New and Forward, moe/fused.go and
 // moe/buffers.go. Per layer the router's [T, E] logits, probabilities
 // and logits' gradient, [T, K] choices, gates and gates' gradient, [T]
@@ -193,7 +220,9 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 // silu(h1)*h3 [R, F] in the operand type, the outputs y [S, D]; the
 // unfused dispatcher's permutations (several expert ranks) or the fused
 // one's row references and its bf16 input per layer. Once per rank the
-// Scratch: the rows in transit and the experts' activation gradients.
+// Scratch: the rows in transit and the experts' activation gradients, and
+// under train.recompute: selective the hidden h1, h3 and silu(h1)*h3
+// instead of per layer (moe.RecomputeExperts).
 func moeActivations(l *ledger, s shape, fused bool) {
 	T, D, E, K, F, L := s.Tm, s.D, s.E, s.K, s.F, s.L // the MoE layers' tokens: 1/tp of the rows
 	S, Sw, R, Rw := s.sent, s.sentWorst, s.recv, s.recvWorst
@@ -214,7 +243,11 @@ func moeActivations(l *ledger, s shape, fused bool) {
 	l.alloc(Activations, "moe experts", mul(2, L), S, Sw, s.ft)                           // gateS, dgateS
 	l.alloc(Activations, "moe experts", L, mul(R, D), mul(Rw, D), s.ot)                   // xRD
 	l.alloc(Activations, "moe experts", L, mul(S, D), mul(Sw, D), s.ft)                   // ySD
-	l.alloc(Activations, "moe experts", mul(3, L), mul(R, F), mul(Rw, F), s.ot)
+	hidden := L                                                                           // layers that keep h1, h3 and silu(h1)*h3 of their own
+	if s.selective() {
+		hidden = 1
+	}
+	l.alloc(Activations, s.hiddenTerm(), mul(3, hidden), mul(R, F), mul(Rw, F), s.ot)
 	switch {
 	case fused:
 		l.alloc(Activations, "moe experts", L, mul(R, 2), mul(Rw, 2), int32Bytes) // refsR2

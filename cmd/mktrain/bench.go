@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -226,6 +227,8 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		"model_tflops":    flopsPerToken * tokens / median / 1e12,
 		"mfu":             nil, // null on the CPU
 		"moe_dispatcher":  run.Dispatcher,
+		// train.recompute, as in the config section ("" there is none).
+		"recompute": cmp.Or(cfg.Train.Recompute, engine.RecomputeNone),
 	}
 	mem := peakMemory(inner)
 	figures["peak_memory_bytes"], figures["peak_memory_source"] = mem.bytes, mem.source

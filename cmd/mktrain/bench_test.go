@@ -113,9 +113,12 @@ func TestBenchTrainProfile(t *testing.T) {
 }
 
 func TestBenchTrainWithoutProfile(t *testing.T) {
-	stdout, fig := readBench(t, "--profile=false", "--set", "model.moe.dispatcher=fused")
+	stdout, fig := readBench(t, "--profile=false", "--set", "model.moe.dispatcher=fused", "--set", "train.recompute=selective")
 	if fig["moe_dispatcher"] != "fused" {
 		t.Errorf("moe_dispatcher %v, want fused as the recipe says", fig["moe_dispatcher"])
+	}
+	if fig["recompute"] != "selective" {
+		t.Errorf("recompute %v, want selective as --set says", fig["recompute"])
 	}
 	if _, ok := fig["breakdown"]; ok || strings.Contains(stdout, "where the time goes") {
 		t.Errorf("--profile=false still profiled:\n%s", stdout)

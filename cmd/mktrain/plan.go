@@ -187,6 +187,11 @@ func printPlan(w io.Writer, recipe string, p plan.Plan, verdict error, host int6
 		batches = "1 micro-batch"
 	}
 	fmt.Fprintf(w, "%-22s %d tokens, %s per rank\n", "optimizer step", p.TokensPerStep, batches)
+	recompute := "none: every layer's activations kept for its backward"
+	if c.Recompute == plan.RecomputeSelective {
+		recompute = "selective: the attention core's output and the experts' hidden activations kept once, remade in each layer's backward"
+	}
+	fmt.Fprintf(w, "%-22s %s\n", "train.recompute", recompute)
 	routed := p.Worst != p.Peak
 	fmt.Fprintf(w, "\n%-12s %-56s %12s", "per rank", "", "bytes")
 	if routed {

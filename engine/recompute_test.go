@@ -1,0 +1,107 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
+	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/moe"
+)
+
+// TestSelectiveRecomputeIsBitExact trains the tiny recipe's model for a
+// few steps with train.recompute none and selective, on one rank and on
+// virtual-rank layouts of data, expert, context and tensor parallelism,
+// and requires every step's loss and gradient norm, and every rank's
+// gradients and weights after the last step, to be the same bits: the
+// remade activations are the kept ones.
+func TestSelectiveRecomputeIsBitExact(t *testing.T) {
+	layouts := []struct {
+		name                string
+		dp, ep, cp, tp      int
+		micro               int
+		dispatcher, cpModes string
+	}{
+		{"one rank", 1, 1, 1, 1, 8, moe.DispatcherUnfused, "allgather"},
+		{"dp2 ep2", 2, 2, 1, 1, 2, moe.DispatcherUnfused, "allgather"},
+		{"dp2 ep2 fused", 2, 2, 1, 1, 2, moe.DispatcherFused, "allgather"},
+		{"cp2 allgather", 1, 1, 2, 1, 8, moe.DispatcherUnfused, "allgather"},
+		{"cp2 ring", 1, 1, 2, 1, 8, moe.DispatcherUnfused, "ring"},
+		{"tp2", 1, 1, 1, 2, 8, moe.DispatcherUnfused, "allgather"},
+	}
+	for _, l := range layouts {
+		t.Run(l.name, func(t *testing.T) {
+			cfg := DefaultConfig() // the tiny recipe's model
+			cfg.Train.Backend, cfg.Train.Steps, cfg.Train.WarmupSteps, cfg.Train.EvalEvery = "cpu", 3, 1, 0
+			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP, cfg.Parallel.TP = l.dp, l.ep, l.cp, l.tp
+			cfg.Train.MicroBatch = l.micro
+			// The ranks are built here, not by Run, which settles "auto".
+			cfg.Model.MoE.Dispatcher, cfg.Parallel.CPAttention, cfg.Parallel.TPOverlap = l.dispatcher, l.cpModes, "unfused"
+			want := recomputeRun(t, cfg)
+			cfg.Train.Recompute = RecomputeSelective
+			got := recomputeRun(t, cfg)
+			for i := range want.steps {
+				w, g := want.steps[i], got.steps[i]
+				if g.loss != w.loss || g.gradNorm != w.gradNorm || g.auxLoss != w.auxLoss {
+					t.Errorf("step %d: loss %.9g, grad norm %.9g, aux %.9g selective; %.9g, %.9g, %.9g none",
+						i+1, g.loss, g.gradNorm, g.auxLoss, w.loss, w.gradNorm, w.auxLoss)
+				}
+			}
+			for r := range want.grads {
+				if !slices.Equal(got.grads[r], want.grads[r]) {
+					t.Errorf("rank %d: the gradients differ", r)
+				}
+				if !slices.Equal(got.weights[r], want.weights[r]) {
+					t.Errorf("rank %d: the weights differ", r)
+				}
+			}
+		})
+	}
+}
+
+// recomputed is what TestSelectiveRecomputeIsBitExact compares: world
+// rank 0's step results, and every rank's flat gradients and weights
+// after the last step.
+type recomputed struct {
+	steps          []stepResult
+	grads, weights [][]float64
+}
+
+// recomputeRun trains cfg on virtual ranks of one CPU backend.
+func recomputeRun(t *testing.T, cfg Config) recomputed {
+	t.Helper()
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	b := cpu.New(backend.Float32)
+	e, err := New(cfg, WithBackend(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	world, err := comm.NewLocal(cfg.mesh(), b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ranks := make([]*rank, len(world))
+	for i, g := range world {
+		train, val, err := e.openData(g.Data.Rank(), g.Data.Size())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ranks[i], err = newRank(context.Background(), cfg, b, g, train, val); err != nil {
+			t.Fatal(fmt.Errorf("rank %d: %w", i, err))
+		}
+	}
+	var out recomputed
+	for i, rs := range trainRanks(t, ranks, cfg.Train.Steps) {
+		if world[i].Rank == 0 {
+			out.steps = rs
+		}
+		out.grads = append(out.grads, backend.DownloadFloat64(b, ranks[i].gStore.flat))
+		out.weights = append(out.weights, backend.DownloadFloat64(b, ranks[i].wStore.flat))
+	}
+	return out
+}
