@@ -47,12 +47,22 @@ func New(inner backend.Backend, clock Clock) *Backend {
 // Inner is the wrapped backend.
 func (p *Backend) Inner() backend.Backend { return p.inner }
 
-// Backend is p as the backend to compute on: p itself, or, when the wrapped
-// backend implements backend.Precision, p with RelTolerance forwarded, so
-// that the conformance suite applies the wrapped backend's tolerance.
+// Backend is p as the backend to compute on: p itself, or p with the
+// wrapped backend's optional capabilities forwarded: backend.Precision
+// (RelTolerance, so that the conformance suite applies the wrapped
+// backend's tolerance) and backend.Deterministic (SetDeterministic, and
+// what code that asks whether the backend adds with float atomics, such
+// as tensorpar's fused reduce-scatter, learns from it).
 func (p *Backend) Backend() backend.Backend {
-	if prec, ok := p.inner.(backend.Precision); ok {
+	prec, hasPrec := p.inner.(backend.Precision)
+	det, hasDet := p.inner.(backend.Deterministic)
+	switch {
+	case hasPrec && hasDet:
+		return preciseDeterministic{precise: precise{Backend: p, prec: prec}, det: det}
+	case hasPrec:
 		return precise{Backend: p, prec: prec}
+	case hasDet:
+		return deterministic{Backend: p, det: det}
 	}
 	return p
 }
@@ -64,6 +74,22 @@ type precise struct {
 }
 
 func (b precise) RelTolerance() float64 { return b.prec.RelTolerance() }
+
+// deterministic is a *Backend that forwards backend.Deterministic.
+type deterministic struct {
+	*Backend
+	det backend.Deterministic
+}
+
+func (b deterministic) SetDeterministic(on bool) { b.det.SetDeterministic(on) }
+
+// preciseDeterministic forwards both (the CUDA backend has both).
+type preciseDeterministic struct {
+	precise
+	det backend.Deterministic
+}
+
+func (b preciseDeterministic) SetDeterministic(on bool) { b.det.SetDeterministic(on) }
 
 // SetEnabled starts (true) or stops (false) recording ops. Records are kept
 // until Report.

@@ -468,6 +468,43 @@ type tolBackend struct{ backend.Backend }
 
 func (tolBackend) RelTolerance() float64 { return 0.03 }
 
+// detBackend is a backend with float atomics it can order (as CUDA's):
+// SetDeterministic records the last setting.
+type detBackend struct {
+	backend.Backend
+	on *bool
+}
+
+func (d detBackend) SetDeterministic(on bool) { *d.on = on }
+
+// tolDetBackend has both capabilities.
+type tolDetBackend struct{ detBackend }
+
+func (tolDetBackend) RelTolerance() float64 { return 0.05 }
+
+func TestForwardsDeterministic(t *testing.T) {
+	var on bool
+	for _, inner := range []backend.Backend{detBackend{cpu.New(backend.Float32), &on}, tolDetBackend{detBackend{cpu.New(backend.Float32), &on}}} {
+		b := New(inner, WallClock()).Backend()
+		d, ok := b.(backend.Deterministic)
+		if !ok {
+			t.Fatalf("%T: Deterministic not forwarded (%T)", inner, b)
+		}
+		on = false
+		d.SetDeterministic(true)
+		if !on {
+			t.Errorf("%T: SetDeterministic did not reach the wrapped backend", inner)
+		}
+		_, prec := b.(backend.Precision)
+		if _, want := inner.(backend.Precision); prec != want {
+			t.Errorf("%T: Precision forwarded %v, want %v", inner, prec, want)
+		}
+	}
+	if _, ok := New(cpu.New(backend.Float32), WallClock()).Backend().(backend.Deterministic); ok {
+		t.Error("a profiler over the CPU claims backend.Deterministic")
+	}
+}
+
 func TestForwardsNameFloatTypePrecisionAndScope(t *testing.T) {
 	p := New(cpu.New(backend.Float64), WallClock())
 	if p.Name() != "cpu" || p.FloatType() != backend.Float64 {
