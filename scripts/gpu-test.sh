@@ -99,7 +99,7 @@ PACKAGES=(
   "backend/cuda/driver|"
   "backend/cuda|"
   "kernels|"
-  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled|TestDeterministicGPURunsRepeat|TestRingCUDA|TestFusedRingCUDA|TestTensorParallelCUDA)$"
+  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled|TestDeterministicGPURunsRepeat|TestRecomputeCUDA|TestRingCUDA|TestFusedRingCUDA|TestTensorParallelCUDA)$"
 )
 BIN=.gpu
 PEER_SRC=scripts/peer
