@@ -502,16 +502,19 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 		dout = l.operand(doutTD, ops.doutTD)
 	}
 
+	// o_proj: out = a·Woᵀ.
 	if l.tp.Enabled() {
 		// o_proj is row-parallel: its output gradient, gathered, feeds
-		// this rank's columns.
+		// this rank's columns, da = dout·Wo, the gather's own product
+		// (AllGather+GEMM when fused, Wo read as stored); the weight
+		// gradient reads the gathered rows.
 		var err error
-		if dout, err = l.tp.GatherRows(l.sc.tp.fullTD, doutTD); err != nil {
+		if dout, err = l.tp.ColumnForward(l.sc.tp.fullTD, doutTD, []backend.Tensor{l.daTQ}, []backend.Tensor{p.WoDQ}, false); err != nil {
 			return err
 		}
+	} else {
+		b.MatMul(l.daTQ, dout, p.WoDQ, false, false, 1, 0)
 	}
-	// o_proj: out = a·Woᵀ.
-	b.MatMul(l.daTQ, dout, p.WoDQ, false, false, 1, 0)
 	b.MatMul(g.WoDQ, dout, l.aTQ, true, false, 1, 1)
 
 	if l.cp != nil {

@@ -19,13 +19,14 @@
 // # Use
 //
 // A Parallel is one rank's group and mode. Its methods pick the pattern a
-// column- or row-parallel product needs in that mode (GatherRows stays
-// the collective in both):
+// column- or row-parallel product needs in that mode (GatherRows, which
+// feeds no product of its own, stays the collective in both):
 //
 //	tp := tensorpar.NewWith(b, ranks.Tensor, tensorpar.Options{SequenceParallel: true, Fused: true})
 //	x, err := tp.ColumnForward(xFullTD, xTD, []backend.Tensor{qTQ}, []backend.Tensor{WqQD}, true)
 //	err = tp.RowForward(outTD, partialTD, []tensorpar.Term{{A: aTQ, W: WoDQ, TransW: true}})
-//	dout, err := tp.GatherRows(doutFullTD, doutTD)   // dout of a row-parallel product
+//	dout, err := tp.ColumnForward(doutFullTD, doutTD, []backend.Tensor{daTQ}, []backend.Tensor{WoDQ}, false) // a row-parallel product's dgrad
+//	x, err = tp.GatherRows(xFullTD, xTD)             // rows for the weight gradients alone
 //	err = tp.ColumnBackward(dxTD, partialTD, terms)  // dx of a column-parallel product
 //
 // x and dout are the whole rows the products read (the gathered buffer,
