@@ -113,7 +113,7 @@ func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.G
 		mode = CPAllGather
 	}
 	// l.s: this rank's heads under tensor parallelism.
-	if l.cp, err = newContextCore(b, l.s, batch, seq, group, mode, l.sc); err != nil {
+	if l.cp, err = newContextCore(b, l.s, batch, seq, group, mode, l.sc, o.layer); err != nil {
 		return nil, err
 	}
 	return l, nil
@@ -127,7 +127,7 @@ type allGather struct {
 	// holds natural row n = b*S + p; natOfAll is its inverse. Int32 [B*S].
 	allOfNat, natOfAll backend.Tensor
 
-	kNatTK, vNatTK backend.Tensor // [B*S, KD] k, v in natural order, kept for Backward
+	kNatTK, vNatTK backend.Tensor // [B*S, KD] k, v in natural order, kept for Backward (the cpScratch's under RecomputeLayer)
 	*cpScratch                    // shared with the other layers of the rank
 }
 
@@ -136,6 +136,10 @@ type cpScratch struct {
 	kAllTK, vAllTK   backend.Tensor // [W*B*2C, KD] gathered k, v; dk, dv before the reduce-scatter
 	dkNatTK, dvNatTK backend.Tensor // [B*S, KD] dk, dv summed over the local chunks
 	dkOneTK, dvOneTK backend.Tensor // [S, KD] one attention call's dk, dv
+	// kNatTK and vNatTK are the natural-order k and v of the cores of
+	// the layers built with RecomputeLayer, one pair for all of them;
+	// nil until such a core is built.
+	kNatTK, vNatTK backend.Tensor
 }
 
 // fitCP allocates the all-gather scratch for rows = B*S natural rows of
@@ -158,7 +162,7 @@ func (sc *Scratch) fitCP(b backend.Backend, rows, seq, kd int) error {
 	return nil
 }
 
-func newAllGather(c *ContextCore, sc *cpScratch) *allGather {
+func newAllGather(c *ContextCore, sc *cpScratch, sharedNat bool) *allGather {
 	b, batch, seq, chunk := c.b, c.batch, c.seq, c.chunk
 	w, ft, kd := c.w, b.FloatType(), c.s.KVHeads*c.s.HeadDim()
 	ag := &allGather{c: c, cpScratch: sc}
@@ -176,7 +180,14 @@ func newAllGather(c *ContextCore, sc *cpScratch) *allGather {
 	ag.allOfNat, ag.natOfAll = b.New(backend.Int32, batch*seq), b.New(backend.Int32, batch*seq)
 	backend.UploadSlice(b, ag.allOfNat, allOfNat)
 	backend.UploadSlice(b, ag.natOfAll, natOfAll)
-	ag.kNatTK, ag.vNatTK = b.New(ft, batch*seq, kd), b.New(ft, batch*seq, kd)
+	if !sharedNat {
+		ag.kNatTK, ag.vNatTK = b.New(ft, batch*seq, kd), b.New(ft, batch*seq, kd)
+		return ag
+	}
+	if sc.kNatTK == nil { // fitCP checked the size of the rest
+		sc.kNatTK, sc.vNatTK = b.New(ft, batch*seq, kd), b.New(ft, batch*seq, kd)
+	}
+	ag.kNatTK, ag.vNatTK = sc.kNatTK, sc.vNatTK
 	return ag
 }
 

@@ -62,12 +62,13 @@ type ContextCore struct {
 // seq positions split over group (seq a multiple of 2W) in mode. It
 // fails, in a sentence, on a bad shape, group or mode.
 func NewContextCore(b backend.Backend, s Shape, batch, seq int, group comm.Group, mode CPMode) (*ContextCore, error) {
-	return newContextCore(b, s, batch, seq, group, mode, NewScratch())
+	return newContextCore(b, s, batch, seq, group, mode, NewScratch(), false)
 }
 
 // newContextCore is NewContextCore with the mode's working memory in sc,
-// shared with the other layers of the rank.
-func newContextCore(b backend.Backend, s Shape, batch, seq int, group comm.Group, mode CPMode, sc *Scratch) (*ContextCore, error) {
+// shared with the other layers of the rank; sharedNat (RecomputeLayer)
+// puts the all-gather core's natural-order keys and values there too.
+func newContextCore(b backend.Backend, s Shape, batch, seq int, group comm.Group, mode CPMode, sc *Scratch, sharedNat bool) (*ContextCore, error) {
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
@@ -96,7 +97,7 @@ func newContextCore(b backend.Backend, s Shape, batch, seq int, group comm.Group
 		if err := sc.fitCP(b, batch*seq, seq, s.KVHeads*s.HeadDim()); err != nil {
 			return nil, err
 		}
-		c.impl = newAllGather(c, sc.cp)
+		c.impl = newAllGather(c, sc.cp, sharedNat)
 	case CPRing:
 		c.impl, err = c.ringImpl(sc)
 	}

@@ -89,6 +89,9 @@ type Layer struct {
 	// shared Scratch's (core), overwritten by the next layer's Forward,
 	// and Backward reruns the core to refill them.
 	recompute bool
+	// Under RecomputeLayer qTQ, kTK, vTK, aTQ and lseBHS are all the
+	// shared Scratch's (layer, core): valid from this Layer's Forward
+	// until the next Forward of any Layer sharing the Scratch.
 
 	// outBeta is 1 when Forward adds to out (AddToOutput), else 0.
 	outBeta float64
@@ -115,7 +118,15 @@ type Scratch struct {
 	ring                   *ringScratch   // sized by the first ring context core
 	ops                    *operands      // nil where the operand type is the float type
 	tp                     *tpScratch     // sized by the first tensor-parallel Layer
-	core                   *coreScratch   // sized by the first Layer built with RecomputeCore
+	core                   *coreScratch   // sized by the first Layer built with RecomputeCore or RecomputeLayer
+	layer                  *layerScratch  // sized by the first Layer built with RecomputeLayer
+}
+
+// layerScratch holds the rotated q, k and v of the layers built with
+// RecomputeLayer: one set for all of them, like coreScratch.
+type layerScratch struct {
+	qTQ      backend.Tensor // [T, H*Dh]
+	kTK, vTK backend.Tensor // [T, KV*Dh]
 }
 
 // coreScratch holds the attention core's output and log-sum-exp for the
@@ -164,6 +175,7 @@ type options struct {
 	scratch   *Scratch
 	addToOut  bool
 	recompute bool
+	layer     bool // RecomputeLayer
 	cpMode    CPMode
 	tp        *tensorpar.Parallel
 }
@@ -191,6 +203,20 @@ func AddToOutput() Option { return func(o *options) { o.addToOut = true } }
 // gradients are those of a Layer without it, bit for bit on a
 // deterministic backend.
 func RecomputeCore() Option { return func(o *options) { o.recompute = true } }
+
+// RecomputeLayer makes the Layer keep none of its activations per layer:
+// the rotated q, k and v, the core's output a and its log-sum-exp (and
+// a context-parallel all-gather core's keys and values in natural order)
+// live in the shared Scratch, one set for all the layers built with it,
+// and are the last Forward's of any of them. The caller must run this
+// Layer's Forward again, on the same input, positions and weights, right
+// before its Backward (full activation recomputation, train.recompute:
+// full: the engine reruns the whole transformer layer from its kept
+// input). The rerun is the same calls on the same inputs, so the
+// gradients are those of a Layer without it, bit for bit on a
+// deterministic backend. It takes the place of RecomputeCore, which it
+// makes unnecessary: Backward reruns nothing itself.
+func RecomputeLayer() Option { return func(o *options) { o.layer = true } }
 
 // WithContextMode makes a context-parallel Layer (NewContextParallel) bring
 // keys and values to its queries in mode m instead of CPAllGather.
@@ -284,13 +310,22 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer
 	}
 	sc := o.scratch
 	var aTQ, lseBHS backend.Tensor
-	if o.recompute {
+	if o.recompute || o.layer {
 		if err := sc.fitCore(b, T, q, batch*s.Heads*seq); err != nil {
 			return nil, err
 		}
 		aTQ, lseBHS = sc.core.aTQ, sc.core.lseBHS
 	} else {
 		aTQ, lseBHS = b.New(ft, T, q), b.New(ft, batch, s.Heads, seq)
+	}
+	var qTQ, kTK, vTK backend.Tensor
+	if o.layer {
+		if err := sc.fitLayer(b, T, q, kd); err != nil {
+			return nil, err
+		}
+		qTQ, kTK, vTK = sc.layer.qTQ, sc.layer.kTK, sc.layer.vTK
+	} else {
+		qTQ, kTK, vTK = b.New(ft, T, q), b.New(ft, T, kd), b.New(ft, T, kd)
 	}
 	return &Layer{
 		b:         b,
@@ -302,12 +337,12 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer
 		kvWhole:   o.tp.Enabled() && s0.KVHeads%o.tp.Size() != 0,
 		attn:      backend.AttnShape{Batch: batch, Seq: seq, Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim()},
 		tokens:    T,
-		qTQ:       b.New(ft, T, q),
-		kTK:       b.New(ft, T, kd),
-		vTK:       b.New(ft, T, kd),
+		qTQ:       qTQ,
+		kTK:       kTK,
+		vTK:       vTK,
 		aTQ:       aTQ,
 		lseBHS:    lseBHS,
-		recompute: o.recompute,
+		recompute: o.recompute && !o.layer,
 		sc:        sc,
 		outBeta:   outBeta(o.addToOut),
 		daTQ:      sc.daTQ,
@@ -349,6 +384,21 @@ func (sc *Scratch) fitCore(b backend.Backend, T, q, lse int) error {
 	if sc.core.aTQ.Len() != T*q || sc.core.lseBHS.Len() != lse || sc.core.aTQ.DType() != ft {
 		return fmt.Errorf("attention: the shared recomputed core is %v %v and %d lse values; this layer needs %v [%d, %d] and %d",
 			sc.core.aTQ.DType(), sc.core.aTQ.Shape(), sc.core.lseBHS.Len(), ft, T, q, lse)
+	}
+	return nil
+}
+
+// fitLayer allocates the shared rotated q [T, q], k and v [T, kd] of the
+// layers built with RecomputeLayer, or checks that they have that size.
+func (sc *Scratch) fitLayer(b backend.Backend, T, q, kd int) error {
+	ft := b.FloatType()
+	if sc.layer == nil {
+		sc.layer = &layerScratch{qTQ: b.New(ft, T, q), kTK: b.New(ft, T, kd), vTK: b.New(ft, T, kd)}
+		return nil
+	}
+	if sc.layer.qTQ.Len() != T*q || sc.layer.kTK.Len() != T*kd || sc.layer.qTQ.DType() != ft {
+		return fmt.Errorf("attention: the shared recomputed q, k, v are %v %v and %v; this layer needs %v [%d, %d] and [%d, %d]",
+			sc.layer.qTQ.DType(), sc.layer.qTQ.Shape(), sc.layer.kTK.Shape(), ft, T, q, T, kd)
 	}
 	return nil
 }

@@ -70,10 +70,13 @@ type TrainConfig struct {
 	// attention core's output and log-sum-exp and the experts' hidden
 	// activations once per rank instead of per layer and remakes them in
 	// each layer's backward (attention.RecomputeCore,
-	// moe.RecomputeExperts), same losses bit for bit; full (the whole
-	// layer remade from its input) is not built yet and Validate refuses
-	// it. Default none; "" is none too (configurations saved before the
-	// field existed).
+	// moe.RecomputeExperts); full keeps only the residual stream entering
+	// and leaving each layer's blocks and one layer's activations per
+	// rank, and reruns each layer's forward from its kept input right
+	// before its backward (attention.RecomputeLayer,
+	// moe.RecomputeLayer). Both give the same losses bit for bit. Default
+	// none; "" is none too (configurations saved before the field
+	// existed).
 	Recompute string `yaml:"recompute"`
 }
 
@@ -83,9 +86,6 @@ const (
 	RecomputeSelective = "selective"
 	RecomputeFull      = "full"
 )
-
-// selectiveRecompute reports whether train.recompute is selective.
-func (t TrainConfig) selectiveRecompute() bool { return t.Recompute == RecomputeSelective }
 
 // ParallelConfig is the mesh; dp*ep*cp*tp ranks.
 type ParallelConfig struct {

@@ -42,8 +42,17 @@ type model struct {
 	// The normalised inputs of attention (h1L) and MoE (h2L) per layer,
 	// which the blocks' Backward reads by reference. Keeping them costs two
 	// [T, D] tensors a layer; making them again in backward cost about 1%
-	// of moe-small's step on an H200.
+	// of moe-small's step on an H200. Under train.recompute: full every
+	// layer's entries are the same two tensors, refilled by reforward.
 	h1L, h2L []backend.Tensor
+
+	// full is train.recompute: full: the layers keep their activations
+	// in the shared scratch (attention.RecomputeLayer,
+	// moe.RecomputeLayer) and backwardNotify reruns each layer's forward
+	// (reforward) right before its backward. biasE is the last training
+	// forward's MoE selection biases, which the rerun routes with again.
+	full  bool
+	biasE []backend.Tensor
 
 	// Scratch: the gradient streams.
 	dResidTD, dBlockTD, dTmpTD backend.Tensor
@@ -87,10 +96,13 @@ const lmHeadChunkRows = 2048
 //
 // tp is the tensor-parallel group and mode (nil, or not Enabled, for
 // none): w and g then hold this rank's blocks of the split matrices.
-// selective is train.recompute: selective: the layers keep their
+// recompute is train.recompute: under selective the layers keep their
 // attention core's output and their experts' hidden activations once, in
-// the shared scratch, and remake them in Backward.
-func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel, selective bool) (*model, error) {
+// the shared scratch, and remake them in Backward; under full they keep
+// all their activations there, and backward reruns each layer's forward
+// from its kept input (residL, midL) before its backward; none or ""
+// keeps every layer's.
+func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel, recompute string) (*model, error) {
 	cp, cpRank := 1, 0
 	if context != nil {
 		cp, cpRank = context.Size(), context.Rank()
@@ -100,7 +112,7 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 		return nil, err
 	}
 	T, D, ft := batch*len(local), cfg.Dim, b.FloatType()
-	m := &model{cfg: cfg, b: b, batch: batch, seq: seq, tokens: T, w: w, g: g, tp: tp, rows: T}
+	m := &model{cfg: cfg, b: b, batch: batch, seq: seq, tokens: T, w: w, g: g, tp: tp, rows: T, full: recompute == RecomputeFull}
 	moeTokens, V := T, cfg.Vocab
 	if tp.Enabled() {
 		n := tp.Size()
@@ -135,14 +147,22 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 	for l := 0; l <= L; l++ {
 		m.residL = append(m.residL, b.New(ft, R, D))
 	}
-	for range cfg.Layers {
+	for l := range cfg.Layers {
+		if m.full && l > 0 {
+			m.h1L, m.h2L = append(m.h1L, m.h1L[0]), append(m.h2L, m.h2L[0])
+			continue
+		}
 		m.h1L, m.h2L = append(m.h1L, b.New(ft, R, D)), append(m.h2L, b.New(ft, R, D))
 	}
 	attnOpts := []attention.Option{attention.WithScratch(attnScratch), attention.AddToOutput(), attention.WithTensorParallel(tp)}
 	moeOpts := []moe.Option{moe.WithScratch(moeScratch), moe.AddToOutput()}
-	if selective {
+	switch recompute {
+	case RecomputeSelective:
 		attnOpts = append(attnOpts, attention.RecomputeCore())
 		moeOpts = append(moeOpts, moe.RecomputeExperts())
+	case RecomputeFull:
+		attnOpts = append(attnOpts, attention.RecomputeLayer())
+		moeOpts = append(moeOpts, moe.RecomputeLayer())
 	}
 	for l := 0; l < L; l++ {
 		if ctx.Err() != nil {
@@ -375,6 +395,9 @@ type microStats struct {
 func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backend.Tensor) (microStats, error) {
 	b, w := m.b, m.w
 	st := microStats{moe: make([]moe.Stats, m.cfg.Layers)}
+	if train {
+		m.biasE = biasE
+	}
 	// Scopes tell a profiler (package backend/profile) what the ops are
 	// part of; on any other backend profile.Scope does nothing.
 	profile.Scope(b, "")
@@ -505,6 +528,39 @@ func (m *model) lmHeadLossTP(train bool, gradScale float64) error {
 	return tp.ColumnBackward(m.dFinalTD, m.dFullTD, nil)
 }
 
+// reforward reruns layer l's forward from its kept input residL[l]
+// (train.recompute: full), as forward ran it, so that the shared h1L and
+// h2L, the attention layer and the MoE layer hold layer l's activations
+// again for its backward; rstd1L[l] and rstd2L[l] get the same values
+// again. The blocks' outputs go to dTmpTD and dBlockTD, free until the
+// MoE backward writes them, not to midL[l] and residL[l+1], which stay
+// as the forward left them: the MoE layer reads the kept midL[l]. The
+// MoE rerun (moe.Layer.Reforward) redoes none of the statistics or
+// losses, and without sequence parallelism its output's rows need no
+// gathering, as nothing reads them.
+func (m *model) reforward(l int) error {
+	b, lw := m.b, &m.w.layers[l]
+	defer profile.Scope(b, "")
+	b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
+	b.Copy(m.dTmpTD, m.residL[l])
+	profile.Scope(b, profile.ScopeAttention)
+	if err := m.attn[l].Forward(m.dTmpTD, m.h1L[l], m.posT, lw.attn); err != nil {
+		return fmt.Errorf("layer %d attention recompute: %w", l, err)
+	}
+	profile.Scope(b, "")
+	b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
+	var bias backend.Tensor
+	if m.biasE != nil {
+		bias = m.biasE[l]
+	}
+	b.Copy(m.dBlockTD, m.midL[l])
+	profile.Scope(b, profile.ScopeMoE)
+	if err := m.moe[l].Reforward(m.moeRows(m.dBlockTD), m.moeRows(m.h2L[l]), lw.moe, bias); err != nil {
+		return fmt.Errorf("layer %d MoE recompute: %w", l, err)
+	}
+	return nil
+}
+
 // finishStep fills in what a forward left on the device: the summed token
 // losses and the MoE layers' auxiliary losses. It waits for the GPU.
 func (m *model) finishStep(st *microStats) error {
@@ -541,6 +597,11 @@ func (m *model) backwardNotify(ready func(layer int) error) error {
 	}
 	for l := L - 1; l >= 0; l-- {
 		lw, lg := &w.layers[l], &g.layers[l]
+		if m.full {
+			if err := m.reforward(l); err != nil {
+				return err
+			}
+		}
 		// residL[l+1] = midL[l] + moe(norm(midL[l])): the stream's gradient
 		// flows straight through and through the MoE block.
 		profile.Scope(b, profile.ScopeMoE)

@@ -149,7 +149,7 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	}
 	r.model, err = newModel(ctx, b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
 		moe.Groups{Expert: groups.Expert, Data: moeData}, groups.Context, attention.CPMode(cfg.Parallel.CPAttention), r.tp,
-		cfg.Train.selectiveRecompute())
+		cfg.Train.Recompute)
 	if err != nil {
 		return nil, err
 	}

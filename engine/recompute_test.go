@@ -3,7 +3,9 @@ package engine
 import (
 	"context"
 	"fmt"
+	"reflect"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
@@ -12,13 +14,14 @@ import (
 	"github.com/mktrain/mktrain/moe"
 )
 
-// TestSelectiveRecomputeIsBitExact trains the tiny recipe's model for a
-// few steps with train.recompute none and selective, on one rank and on
+// TestRecomputeIsBitExact trains the tiny recipe's model for a few steps
+// with train.recompute none, selective and full, on one rank and on
 // virtual-rank layouts of data, expert, context and tensor parallelism,
-// and requires every step's loss and gradient norm, and every rank's
-// gradients and weights after the last step, to be the same bits: the
-// remade activations are the kept ones.
-func TestSelectiveRecomputeIsBitExact(t *testing.T) {
+// and requires every step's loss, aux loss, gradient norm and expert
+// loads, and every rank's gradients and weights after the last step, to
+// be the same bits: the remade activations are the kept ones, and full's
+// rerun of each layer's forward counts nothing twice.
+func TestRecomputeIsBitExact(t *testing.T) {
 	layouts := []struct {
 		name                string
 		dp, ep, cp, tp      int
@@ -31,38 +34,53 @@ func TestSelectiveRecomputeIsBitExact(t *testing.T) {
 		{"cp2 allgather", 1, 1, 2, 1, 8, moe.DispatcherUnfused, "allgather"},
 		{"cp2 ring", 1, 1, 2, 1, 8, moe.DispatcherUnfused, "ring"},
 		{"tp2", 1, 1, 1, 2, 8, moe.DispatcherUnfused, "allgather"},
+		{"tp2 sequence parallel", 1, 1, 1, 2, 8, moe.DispatcherUnfused, "allgather"},
+		// Every piece of MoE bookkeeping a rerun must not redo: the bias
+		// update's loads, a capacity's drops, the z-loss, shared experts.
+		{"dp2 ep2 balanced", 2, 2, 1, 1, 2, moe.DispatcherUnfused, "allgather"},
+		{"dp2 ep2 fused balanced", 2, 2, 1, 1, 2, moe.DispatcherFused, "allgather"},
 	}
 	for _, l := range layouts {
 		t.Run(l.name, func(t *testing.T) {
 			cfg := DefaultConfig() // the tiny recipe's model
 			cfg.Train.Backend, cfg.Train.Steps, cfg.Train.WarmupSteps, cfg.Train.EvalEvery = "cpu", 3, 1, 0
 			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP, cfg.Parallel.TP = l.dp, l.ep, l.cp, l.tp
+			cfg.Parallel.SequenceParallel = strings.HasSuffix(l.name, "sequence parallel")
+			if strings.HasSuffix(l.name, "balanced") {
+				m := &cfg.Model.MoE
+				m.BiasUpdateRate, m.CapacityFactor, m.ZLossCoef, m.SharedExperts = 1e-3, 1, 1e-3, 1
+			}
 			cfg.Train.MicroBatch = l.micro
 			// The ranks are built here, not by Run, which settles "auto".
 			cfg.Model.MoE.Dispatcher, cfg.Parallel.CPAttention, cfg.Parallel.TPOverlap = l.dispatcher, l.cpModes, "unfused"
 			want := recomputeRun(t, cfg)
-			cfg.Train.Recompute = RecomputeSelective
-			got := recomputeRun(t, cfg)
-			for i := range want.steps {
-				w, g := want.steps[i], got.steps[i]
-				if g.loss != w.loss || g.gradNorm != w.gradNorm || g.auxLoss != w.auxLoss {
-					t.Errorf("step %d: loss %.9g, grad norm %.9g, aux %.9g selective; %.9g, %.9g, %.9g none",
-						i+1, g.loss, g.gradNorm, g.auxLoss, w.loss, w.gradNorm, w.auxLoss)
+			for _, mode := range []string{RecomputeSelective, RecomputeFull} {
+				cfg.Train.Recompute = mode
+				got := recomputeRun(t, cfg)
+				for i := range want.steps {
+					w, g := want.steps[i], got.steps[i]
+					if g.loss != w.loss || g.gradNorm != w.gradNorm || g.auxLoss != w.auxLoss || g.zLoss != w.zLoss {
+						t.Errorf("%s: step %d: loss %.9g, grad norm %.9g, aux %.9g, z %.9g; %.9g, %.9g, %.9g, %.9g under none",
+							mode, i+1, g.loss, g.gradNorm, g.auxLoss, g.zLoss, w.loss, w.gradNorm, w.auxLoss, w.zLoss)
+					}
+					if !reflect.DeepEqual(g.expertLoad, w.expertLoad) || !slices.Equal(g.dropped, w.dropped) {
+						t.Errorf("%s: step %d: expert loads %v, dropped %v; %v, %v under none", mode, i+1, g.expertLoad, g.dropped, w.expertLoad, w.dropped)
+					}
 				}
-			}
-			for r := range want.grads {
-				if !slices.Equal(got.grads[r], want.grads[r]) {
-					t.Errorf("rank %d: the gradients differ", r)
-				}
-				if !slices.Equal(got.weights[r], want.weights[r]) {
-					t.Errorf("rank %d: the weights differ", r)
+				for r := range want.grads {
+					if !slices.Equal(got.grads[r], want.grads[r]) {
+						t.Errorf("%s: rank %d: the gradients differ", mode, r)
+					}
+					if !slices.Equal(got.weights[r], want.weights[r]) {
+						t.Errorf("%s: rank %d: the weights differ", mode, r)
+					}
 				}
 			}
 		})
 	}
 }
 
-// recomputed is what TestSelectiveRecomputeIsBitExact compares: world
+// recomputed is what TestRecomputeIsBitExact compares: world
 // rank 0's step results, and every rank's flat gradients and weights
 // after the last step.
 type recomputed struct {

@@ -263,12 +263,8 @@ func (v *validator) train(t TrainConfig, p ParallelConfig) {
 	v.nonNegative("train.grad_clip", t.GradClip, "off")
 	v.nonNegativeInt("train.eval_every", t.EvalEvery, "only at the end")
 	v.positiveInt("train.eval_batches", t.EvalBatches)
-	switch t.Recompute {
-	case "": // none (configurations saved before the field existed)
-	case RecomputeFull:
-		v.fail("train.recompute", "train.recompute: full is not built yet; use none or selective")
-	default:
-		v.oneOf("train.recompute", t.Recompute, RecomputeNone, RecomputeSelective)
+	if t.Recompute != "" { // "": none (configurations saved before the field existed)
+		v.oneOf("train.recompute", t.Recompute, RecomputeNone, RecomputeSelective, RecomputeFull)
 	}
 }
 

@@ -114,9 +114,7 @@ func TestValidateRules(t *testing.T) {
 			"train.eval_every must be 0 (only at the end) or positive, got -1"},
 		{"eval batches", func(c *Config) { c.Train.EvalBatches = 0 }, "train.eval_batches", "train.eval_batches must be positive, got 0"},
 		{"recompute", func(c *Config) { c.Train.Recompute = "some" }, "train.recompute",
-			`train.recompute must be one of none, selective; got "some"`},
-		{"recompute full", func(c *Config) { c.Train.Recompute = "full" }, "train.recompute",
-			"train.recompute: full is not built yet; use none or selective"},
+			`train.recompute must be one of none, selective, full; got "some"`},
 		// parallel
 		{"dp zero", func(c *Config) { c.Parallel.DP = 0 }, "parallel.dp", "parallel.dp must be at least 1, got 0"},
 		{"ep zero", func(c *Config) { c.Parallel.EP = 0 }, "parallel.ep", "parallel.ep must be at least 1, got 0"},

@@ -34,17 +34,46 @@ type Layer struct {
 	// fused (see fused.go), nil when unfused.
 	peers comm.PeerAccess
 
-	// Router, per local token.
-	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
-	dlogitsTE, dgatesTK                     backend.Tensor
-	onesT                                   backend.Tensor // [1, T] ones: column sums of probs by MatMul
+	// The activations a Forward leaves for Backward: the Layer's own, or
+	// under RecomputeLayer the Scratch's (see activations, exchanged).
+	*activations
+	*exchanged
+	// Per layer always: what the statistics and losses of the last
+	// training Forward need, which a rerun (Reforward) does not redo.
+	onesT backend.Tensor // [1, T] ones: column sums of probs by MatMul
 	// statsE1 receives, per Forward, Σ_t probs[t,e] (E values) then
 	// Σ_t lse[t]² on the device; they are read once the step is done
 	// (FinishStats, Layer.ReadStats), not in the middle of the layer.
 	statsE1, zeroRow backend.Tensor // float [E+1]; Int32 [1] holding 0 (the row RowDots reads)
 	pending          *pendingStats  // the last training Forward's global counts, for FinishStats
-	countsE          backend.Tensor // Int32 [E]: assignments per expert (RouteByExpert)
 	auxDProbE        backend.Tensor // [E] aux-loss gradient on every row of probs
+	zScale           float64        // the last Forward's z-loss gradient scale, for Reforward
+
+	// recompute (RecomputeExperts): h1, h3 and silu(h1)*h3 live in the
+	// Scratch instead of h1RF, h3RF and actRF, and Backward makes them
+	// again from the kept expert inputs xRD.
+	recompute bool
+	// full (RecomputeLayer): activations (and, with the unfused
+	// dispatcher, exchanged) are the Scratch's, and the caller runs
+	// Reforward before Backward.
+	full    bool
+	scratch *Scratch
+
+	step *step // the last successful Forward, nil before
+
+	onPhase func(Phase) // WithPhaseHook; nil when off
+}
+
+// activations are the tensors a Layer's Forward writes for its Backward
+// that only this rank's own ops touch: the router's outputs, the routed
+// rows' indices and expert-side rows, the experts' hidden activations and
+// the shared experts'. Under RecomputeLayer every layer of the rank uses
+// the Scratch's one set.
+type activations struct {
+	// Router, per local token.
+	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
+	dlogitsTE, dgatesTK                     backend.Tensor
+	countsE                                 backend.Tensor // Int32 [E]: assignments per expert (RouteByExpert)
 
 	// Shared experts, [T, Fs]; nil when off.
 	sharedH1TF, sharedH3TF, sharedActTF, sharedDActTF, sharedDH1TF, sharedDH3TF backend.Tensor
@@ -52,28 +81,62 @@ type Layer struct {
 	// Routed rows. Their number changes every step, so these grow on
 	// demand and each step views the prefix it needs. S = rows this rank
 	// sends, R = rows its experts process.
-	sendTokS, sendSlotS, permR, invPermR rowBuf // Int32 index vectors
-	refsR2                               rowBuf // Int32 [R, 2]: the fused dispatcher's row references
-	refsIdentity                         int    // one expert rank: rows of refsR2 holding (0, i), written once
-	gateS, dgateS                        rowBuf // per sent row
-	xRD, ySD                             rowBuf // saved: expert inputs (expert-major, operand type), expert outputs (send order)
+	sendSlotS, permR, invPermR rowBuf // Int32 index vectors
+	refsR2                     rowBuf // Int32 [R, 2]: the fused dispatcher's row references
+	refsIdentity               int    // one expert rank: rows of refsR2 holding (0, i), written once
+	dgateS                     rowBuf // per sent row
+	xRD                        rowBuf // saved: expert inputs (expert-major, operand type)
+	h1RF, h3RF, actRF          rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)
+}
+
+// exchanged are the tensors of a Forward that the fused dispatcher's
+// peers read or write in place (fused.go): the send order's token rows
+// and gates, the expert outputs, and the operand-type input. The fused
+// dispatcher keeps them per layer even under RecomputeLayer, since peers
+// on other GPUs may still read a layer's after this rank has moved on;
+// the unfused dispatcher's peers touch none of them, so under
+// RecomputeLayer its layers share the Scratch's.
+type exchanged struct {
+	sendTokS rowBuf // Int32: the token of each sent row
+	gateS    rowBuf // per sent row
+	ySD      rowBuf // saved: expert outputs (send order)
 	// xoTD is the input in the operand type where that is not the float
 	// type (bf16 on the GPU): the router's product reads it, and the fused
 	// dispatcher's gather (half the bytes of the float rows). Forward
 	// only. The fused dispatcher keeps one per layer, since peers on other
 	// GPUs may read it after this rank has moved on to the next layer;
 	// the unfused one, whose peers never read it, the Scratch's.
-	xoTD              rowBuf
-	h1RF, h3RF, actRF rowBuf // saved: expert hidden activations before and after SwiGLU (operand type)
-	// recompute (RecomputeExperts): h1, h3 and silu(h1)*h3 live in the
-	// Scratch instead of h1RF, h3RF and actRF, and Backward makes them
-	// again from the kept expert inputs xRD.
-	recompute bool
-	scratch   *Scratch
+	xoTD rowBuf
+}
 
-	step *step // the last successful Forward, nil before
+// newActivations allocates a Layer's activations for tokens local tokens.
+func newActivations(b backend.Backend, cfg Config, dim, tokens int) *activations {
+	E, K, F, ft, ot := cfg.Experts, cfg.TopK, cfg.FFN, b.FloatType(), b.OperandType()
+	a := &activations{
+		logitsTE: b.New(ft, tokens, E), probsTE: b.New(ft, tokens, E), lseT: b.New(ft, tokens),
+		idxTK: b.New(backend.Int32, tokens, K), gatesTK: b.New(ft, tokens, K),
+		dlogitsTE: b.New(ft, tokens, E), dgatesTK: b.New(ft, tokens, K),
+		countsE: b.New(backend.Int32, E),
+	}
+	if fs := cfg.SharedExperts * F; fs > 0 {
+		a.sharedH1TF, a.sharedH3TF, a.sharedActTF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
+		a.sharedDActTF, a.sharedDH1TF, a.sharedDH3TF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
+	}
+	for _, r := range []*rowBuf{&a.sendSlotS, &a.permR, &a.invPermR} {
+		*r = rowBuf{dt: backend.Int32, cols: 1}
+	}
+	a.refsR2 = rowBuf{dt: backend.Int32, cols: 2}
+	a.dgateS = rowBuf{dt: ft, cols: 1}
+	a.xRD = rowBuf{dt: ot, cols: dim}
+	a.h1RF, a.h3RF, a.actRF = rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}
+	return a
+}
 
-	onPhase func(Phase) // WithPhaseHook; nil when off
+// newExchanged returns empty exchanged buffers for width dim; they grow
+// on first use.
+func newExchanged(b backend.Backend, dim int) *exchanged {
+	return &exchanged{sendTokS: rowBuf{dt: backend.Int32, cols: 1}, gateS: rowBuf{dt: b.FloatType(), cols: 1},
+		ySD: rowBuf{dt: b.FloatType(), cols: dim}, xoTD: rowBuf{dt: b.OperandType(), cols: dim}}
 }
 
 // Scratch is the working memory a Layer uses only inside one Forward or
@@ -104,6 +167,13 @@ type Scratch struct {
 	// Forward's, or the Backward's that recomputed them. Unused, they
 	// allocate nothing.
 	h1RF, h3RF, actRF rowBuf
+	// layer and exch are the activations of the layers built with
+	// RecomputeLayer (exch: with the unfused dispatcher), one set for all
+	// of them: the last Forward's or Reforward's. Nil until such a layer
+	// is built.
+	layer       *activations
+	layerTokens int // the tokens layer is sized for
+	exch        *exchanged
 }
 
 // NewScratch returns an empty Scratch for layers of width dim and expert
@@ -152,6 +222,20 @@ func WithScratch(s *Scratch) Option { return func(l *Layer) { l.scratch = s } }
 // then reads the unfused rounding of what the forward computed fused.
 func RecomputeExperts() Option { return func(l *Layer) { l.recompute = true } }
 
+// RecomputeLayer makes the Layer keep none of its activations per layer:
+// the router's outputs, the routed rows, the expert inputs and hidden
+// activations and the shared experts' (with the unfused dispatcher the
+// expert outputs and send order too) live in the shared Scratch, one set
+// for all the layers built with it, and are the last Forward's of any of
+// them. The caller must call Reforward, on the same input, weights and
+// bias, right before Backward: full activation recomputation
+// (train.recompute: full), where the engine reruns the whole transformer
+// layer from its kept input. Reforward is Forward's computation without
+// its bookkeeping, so the gradients are a Layer's without the option,
+// bit for bit on a deterministic backend. It takes the place of
+// RecomputeExperts, which it makes unnecessary.
+func RecomputeLayer() Option { return func(l *Layer) { l.full = true } }
+
 // step is what Forward leaves for Backward.
 type step struct {
 	xTD                 backend.Tensor
@@ -173,15 +257,11 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 	if err := validate(cfg, dim, tokens, g); err != nil {
 		return nil, err
 	}
-	E, K, F, ft := cfg.Experts, cfg.TopK, cfg.FFN, b.FloatType()
+	E, F, ft := cfg.Experts, cfg.FFN, b.FloatType()
 	l := &Layer{
 		b: b, cfg: cfg, g: g, dim: dim, tokens: tokens,
 		local: E / g.Expert.Size(), sharedFFN: cfg.SharedExperts * F,
-		logitsTE: b.New(ft, tokens, E), probsTE: b.New(ft, tokens, E), lseT: b.New(ft, tokens),
-		idxTK: b.New(backend.Int32, tokens, K), gatesTK: b.New(ft, tokens, K),
-		dlogitsTE: b.New(ft, tokens, E), dgatesTK: b.New(ft, tokens, K),
 		onesT: b.New(ft, 1, tokens), auxDProbE: b.New(ft, E), zeroRow: b.New(backend.Int32, 1),
-		countsE: b.New(backend.Int32, E),
 	}
 	l.firstExpert = g.Expert.Rank() * l.local
 	ones := make([]float64, tokens)
@@ -189,24 +269,9 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 		ones[i] = 1
 	}
 	backend.UploadSlice(b, l.onesT, ones)
-	if fs := l.sharedFFN; fs > 0 {
-		l.sharedH1TF, l.sharedH3TF, l.sharedActTF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
-		l.sharedDActTF, l.sharedDH1TF, l.sharedDH3TF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
-	}
-	for _, r := range []*rowBuf{&l.sendTokS, &l.sendSlotS, &l.permR, &l.invPermR} {
-		*r = rowBuf{dt: backend.Int32, cols: 1}
-	}
-	l.refsR2 = rowBuf{dt: backend.Int32, cols: 2}
 	if cfg.Dispatcher == DispatcherFused {
 		l.peers = g.Expert.(comm.PeerAccess) // validate checked it
 	}
-	for _, r := range []*rowBuf{&l.gateS, &l.dgateS} {
-		*r = rowBuf{dt: ft, cols: 1}
-	}
-	ot := b.OperandType()
-	l.xRD, l.ySD = rowBuf{dt: ot, cols: dim}, rowBuf{dt: ft, cols: dim}
-	l.xoTD = rowBuf{dt: ot, cols: dim}
-	l.h1RF, l.h3RF, l.actRF = rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}, rowBuf{dt: ot, cols: F}
 	for _, o := range opts {
 		o(l)
 	}
@@ -215,11 +280,34 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 	} else if l.statsE1.Len() != E+1 || l.statsE1.DType() != ft {
 		return nil, fmt.Errorf("moe: the statistics tensor is %v %v; want %v [%d]", l.statsE1.DType(), l.statsE1.Shape(), ft, E+1)
 	}
+	ot := b.OperandType()
 	if l.scratch == nil {
 		l.scratch = NewScratch(b, dim, F)
 	} else if sc := l.scratch; sc.rowsSD.cols != dim || sc.dh1RF.cols != F || sc.rowsSD.dt != ft || sc.dh1RF.dt != ot {
 		return nil, fmt.Errorf("moe: the shared scratch is for width %d, ffn %d, %v; this layer has width %d, ffn %d, %v",
 			sc.rowsSD.cols, sc.dh1RF.cols, sc.rowsSD.dt, dim, F, ft)
+	}
+	if !l.full {
+		l.activations, l.exchanged = newActivations(b, cfg, dim, tokens), newExchanged(b, dim)
+		return l, nil
+	}
+	sc := l.scratch
+	if sc.layer == nil {
+		// The Scratch's width and ffn are checked above; the rest of the
+		// shape (experts, top-k, shared experts) is the model's, the same
+		// for every layer the engine builds.
+		sc.layer, sc.layerTokens = newActivations(b, cfg, dim, tokens), tokens
+	} else if sc.layerTokens != tokens || sc.layer.logitsTE.Len() != tokens*E || sc.layer.gatesTK.Len() != tokens*cfg.TopK ||
+		(sc.layer.sharedH1TF == nil) != (l.sharedFFN == 0) || (l.sharedFFN > 0 && sc.layer.sharedH1TF.Len() != tokens*l.sharedFFN) {
+		return nil, fmt.Errorf("moe: the shared recomputed activations are for %d tokens of %v router logits; this layer has %d tokens, %d experts, top-k %d and %d shared hidden",
+			sc.layerTokens, sc.layer.logitsTE.Shape(), tokens, E, cfg.TopK, l.sharedFFN)
+	}
+	l.activations, l.exchanged = sc.layer, newExchanged(b, dim)
+	if l.peers == nil {
+		if sc.exch == nil {
+			sc.exch = newExchanged(b, dim)
+		}
+		l.exchanged = sc.exch
 	}
 	return l, nil
 }
@@ -274,6 +362,31 @@ func validate(cfg Config, dim, tokens int, g Groups) error {
 // together. A rank whose Forward or Backward fails should abort its groups
 // (comm.Ranks.Abort) so that its peers stop waiting for it.
 func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tensor, lossScale float64) (Stats, error) {
+	return l.forward(outTD, xTD, p, biasE, lossScale, false)
+}
+
+// Reforward runs the last Forward again on the same input xTD, weights p
+// and bias biasE, to refill the activations of a Layer built with
+// RecomputeLayer (which other layers' Forwards have overwritten) right
+// before its Backward. It writes the same output into outTD (the caller
+// may discard it) and leaves the same state for Backward, but redoes
+// none of Forward's bookkeeping: it neither writes the statistics tensor
+// nor sums the load statistics over the data group (nor uploads the aux
+// loss's gradient), so FinishStats, the losses and the reported Stats
+// stay the first Forward's, and the aux and z-loss gradients keep its
+// lossScale. The routing is a function of xTD, p and biasE, so it routes
+// and exchanges the same rows; like Forward it calls the expert group's
+// collectives, which every rank of it must run together.
+func (l *Layer) Reforward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tensor) error {
+	if l.pending == nil {
+		return errors.New("moe: Reforward called without a Forward before it")
+	}
+	_, err := l.forward(outTD, xTD, p, biasE, 0, true)
+	return err
+}
+
+// forward is Forward, or with again Reforward.
+func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tensor, lossScale float64, again bool) (Stats, error) {
 	l.step = nil
 	if err := l.checkArgs(p, "out", outTD, "x", xTD); err != nil {
 		return Stats{}, err
@@ -302,10 +415,13 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	b.RouterForward(l.probsTE, l.lseT, l.idxTK, l.gatesTK, l.logitsTE, biasE)
 
 	// The load statistics that only the reported losses need stay on the
-	// device: Σ_t probs[t,e] and Σ_t lse[t]².
+	// device: Σ_t probs[t,e] and Σ_t lse[t]². A rerun leaves the first
+	// Forward's.
 	T := l.tokens
-	b.MatMul(b.View(l.statsE1, 0, 1, E), l.onesT, l.probsTE, false, false, 1, 0)
-	b.RowDots(b.View(l.statsE1, E, 1), b.View(l.lseT, 0, 1, T), l.zeroRow, b.View(l.lseT, 0, 1, T))
+	if !again {
+		b.MatMul(b.View(l.statsE1, 0, 1, E), l.onesT, l.probsTE, false, false, 1, 0)
+		b.RowDots(b.View(l.statsE1, E, 1), b.View(l.lseT, 0, 1, T), l.zeroRow, b.View(l.lseT, 0, 1, T))
+	}
 
 	// Plan the dispatch. Dropless (the default), the GPU sorts the
 	// assignments by expert and only the per-expert counts come to the
@@ -323,10 +439,16 @@ func (l *Layer) Forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		pl = planSource(backend.DownloadInt32(b, l.idxTK), l.tokens, K, E, l.g.Expert.Size(), capRows)
 		sendTokS, sendSlotS = l.sendTokS.uploadInts(b, pl.sendTok), l.sendSlotS.uploadInts(b, pl.sendSlot)
 	}
-	stats, zScale, err := l.balance(pl, lossScale)
-	if err != nil {
-		return Stats{}, err
+	var stats Stats
+	if !again {
+		// A rerun keeps the first Forward's statistics, aux-loss gradient
+		// (auxDProbE) and z-loss scale: its counts are the same.
+		var err error
+		if stats, l.zScale, err = l.balance(pl, lossScale); err != nil {
+			return Stats{}, err
+		}
 	}
+	zScale := l.zScale
 	l.phase(PhaseCountExchange)
 	if err := l.exchangeCounts(pl); err != nil {
 		return Stats{}, err
