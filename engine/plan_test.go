@@ -122,6 +122,22 @@ func TestPlanCountsEveryTensor(t *testing.T) {
 		{"recompute selective, tp 2, every expert", func(c *Config) {
 			c.Train.Recompute, c.Parallel.TP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = RecomputeSelective, 2, true, 4
 		}, true},
+		// Under full every layer activation once per rank, the fused
+		// dispatcher's exchanged rows per layer.
+		{"recompute full", func(c *Config) { c.Train.Recompute = RecomputeFull }, true},
+		{"recompute full, fused, shared experts, capacity", func(c *Config) {
+			c.Train.Recompute, c.Model.MoE.Dispatcher = RecomputeFull, "fused"
+			c.Model.MoE.SharedExperts, c.Model.MoE.CapacityFactor, c.Model.MoE.BiasUpdateRate = 1, 1.5, 1e-3
+		}, true},
+		{"recompute full, cp 2", func(c *Config) { c.Train.Recompute, c.Parallel.CP = RecomputeFull, 2 }, true},
+		{"recompute full, cp 2 ring", func(c *Config) { c.Train.Recompute, c.Parallel.CP, c.Parallel.CPAttention = RecomputeFull, 2, "ring" }, true},
+		{"recompute full, ep 2", func(c *Config) { c.Train.Recompute, c.Parallel.EP, c.Train.MicroBatch = RecomputeFull, 2, 1 }, false},
+		{"recompute full, ep 2 fused", func(c *Config) {
+			c.Train.Recompute, c.Parallel.EP, c.Train.MicroBatch, c.Model.MoE.Dispatcher = RecomputeFull, 2, 1, "fused"
+		}, false},
+		{"recompute full, tp 2, every expert", func(c *Config) {
+			c.Train.Recompute, c.Parallel.TP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = RecomputeFull, 2, true, 4
+		}, true},
 		{"shared experts, capacity, bias", func(c *Config) {
 			c.Model.MoE.SharedExperts, c.Model.MoE.CapacityFactor, c.Model.MoE.BiasUpdateRate = 1, 1.5, 1e-3
 		}, true},

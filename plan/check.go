@@ -126,15 +126,23 @@ func largestFitting(lo, hi int, fits func(int) bool) int {
 }
 
 // advice names the fields to change: those of sizeAdvice, and
-// train.recompute: selective where the run fits with it alone.
+// train.recompute: selective where the run fits with it alone, else full
+// where that fits (it reruns more: each layer's whole forward).
 func (p Plan) advice() ([]string, string) {
 	fields, text := p.sizeAdvice()
+	if p.Config.Recompute == RecomputeFull {
+		return fields, text
+	}
 	if c := p.Config; c.Recompute != RecomputeSelective {
 		c.Recompute = RecomputeSelective
 		if p.fitsWith(c) {
 			return append(fields, "train.recompute"), text +
 				", or set train.recompute: selective (the attention core and the experts' hidden activations remade in the backward instead of kept per layer)"
 		}
+	}
+	if c := p.Config; p.fitsWith(func() Config { c.Recompute = RecomputeFull; return c }()) {
+		return append(fields, "train.recompute"), text +
+			", or set train.recompute: full (each layer's forward rerun before its backward: one layer's activations kept instead of every layer's)"
 	}
 	return fields, text
 }

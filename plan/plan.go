@@ -42,7 +42,9 @@ type Config struct {
 	// activations; "selective" keeps the attention core's output and
 	// log-sum-exp and the experts' hidden activations once per rank
 	// instead of once per layer (attention.RecomputeCore,
-	// moe.RecomputeExperts).
+	// moe.RecomputeExperts); "full" keeps every activation of a layer
+	// once per rank (attention.RecomputeLayer, moe.RecomputeLayer), the
+	// residual stream and the norms' inverse RMS still per layer.
 	Recompute string
 
 	GlobalBatch, MicroBatch, Seq int
@@ -206,6 +208,7 @@ const (
 	TPUnfused          = "unfused"
 	RecomputeNone      = "none" // train.recompute's settings
 	RecomputeSelective = "selective"
+	RecomputeFull      = "full"
 )
 
 func (c Config) check() error {
@@ -231,8 +234,8 @@ func (c Config) check() error {
 		return fmt.Errorf("plan: train.seq (%d) must be a multiple of 2 x parallel.cp (%d)", c.Seq, c.CP)
 	case c.SharedExperts < 0 || c.CapacityFactor < 0:
 		return fmt.Errorf("plan: model.moe.shared_experts (%d) and capacity_factor (%g) cannot be negative", c.SharedExperts, c.CapacityFactor)
-	case c.Recompute != "" && c.Recompute != RecomputeNone && c.Recompute != RecomputeSelective:
-		return fmt.Errorf("plan: train.recompute is %q; the plan knows %q and %q", c.Recompute, RecomputeNone, RecomputeSelective)
+	case c.Recompute != "" && c.Recompute != RecomputeNone && c.Recompute != RecomputeSelective && c.Recompute != RecomputeFull:
+		return fmt.Errorf("plan: train.recompute is %q; the plan knows %q, %q and %q", c.Recompute, RecomputeNone, RecomputeSelective, RecomputeFull)
 	}
 	return nil
 }

@@ -265,8 +265,61 @@ func TestSelectiveRecomputePlan(t *testing.T) {
 		t.Errorf("selective between the two peaks: %v", err)
 	}
 	bad := none
-	bad.Recompute = "full"
+	bad.Recompute = "some"
 	if _, err := New(bad, host); err == nil || !strings.Contains(err.Error(), "train.recompute") {
-		t.Errorf("recompute full: error %v", err)
+		t.Errorf("recompute some: error %v", err)
+	}
+}
+
+// TestFullRecomputePlan: train.recompute: full counts every layer
+// activation once per rank instead of once per layer (the residual stream
+// and the norms' inverse RMS, the MoE statistics' vectors and, under the
+// fused dispatcher, the rows its peers read stay per layer), so it saves
+// (layers-1) x one layer's; it changes no other kind; a device that fits
+// full but not selective gets a refusal that offers full.
+func TestFullRecomputePlan(t *testing.T) {
+	host := Device{Name: "host memory", Backend: BackendCPU, FloatBytes: 4, OperandBytes: 4}
+	none := small()
+	none.Layers, none.Dispatcher = 3, DispatcherUnfused // the fused one keeps its exchanged rows per layer
+	full, sel := none, none
+	full.Recompute, sel.Recompute = RecomputeFull, RecomputeSelective
+	pn, err := New(none, host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pf, err := New(full, host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps, _ := New(sel, host)
+	// One layer's, on the CPU (float32 everywhere, one expert rank,
+	// dropless: S = R = T*K rows): h1, h2 [T, D]; q, a [T, H*Dh]; k, v
+	// [T, KV*Dh]; lse [B, H, S]; logits, probs, dlogits [T, E]; lse [T];
+	// idx, gates, dgates [T, K]; counts [E]; sendTok, sendSlot [T*K]; gate,
+	// dgate [S]; x, y [S, D]; h1, h3, silu(h1)*h3 [S, F].
+	B, S, D, H, KV, E, K, F := int64(none.MicroBatch), int64(none.Seq), int64(none.Dim), int64(none.Heads), int64(none.KVHeads), int64(none.Experts), int64(none.TopK), int64(none.FFN)
+	T, kd := B*S, D/H*KV
+	perLayer := 4 * (2*T*D + 2*T*D + 2*T*kd + B*H*S + 3*T*E + T + 3*T*K + E + 2*T*K + 2*T*K + 2*T*K*D + 3*T*K*F)
+	if saved := pn.Total(Activations) - pf.Total(Activations); saved != int64(none.Layers-1)*perLayer {
+		t.Errorf("full saves %d activation bytes; want (layers-1) x %d = %d", saved, perLayer, int64(none.Layers-1)*perLayer)
+	}
+	for _, k := range []Kind{Weights, Gradients, Optimizer, Workspace} {
+		if pn.Total(k) != pf.Total(k) {
+			t.Errorf("%s: %d bytes under none, %d under full", k, pn.Total(k), pf.Total(k))
+		}
+	}
+	if pf.HostPeak >= ps.HostPeak {
+		t.Fatalf("full's peak %d is not below selective's %d", pf.HostPeak, ps.HostPeak)
+	}
+	between := host
+	between.Memory = (ps.HostPeak + pf.HostPeak) / 2
+	pn, _ = New(none, between)
+	var r *Refusal
+	if err := pn.Check(); !errors.As(err, &r) || !strings.Contains(r.Msg, "set train.recompute: full") || r.Fields[len(r.Fields)-1] != "train.recompute" {
+		t.Errorf("none between selective's and full's peaks: %v", err)
+	}
+	pf, _ = New(full, between)
+	if err := pf.Check(); err != nil {
+		t.Errorf("full between selective's and full's peaks: %v", err)
 	}
 }

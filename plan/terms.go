@@ -98,12 +98,13 @@ func modelActivations(l *ledger, s shape) {
 	l.fixed(Activations, "embedding: token ids, targets, positions", 3, T, int32Bytes)
 	l.fixed(Activations, "residual stream", add(L, 1), mul(R, D), s.ft) // residL
 	l.fixed(Activations, "residual stream", L, mul(R, D), s.ft)         // midL
-	l.fixed(Activations, "norms", mul(2, L), mul(R, D), s.ft)           // h1L, h2L
 	l.fixed(Activations, "norms", mul(2, L), R, s.ft)                   // rstd1L, rstd2L
 	l.fixed(Activations, "norms", 1, mul(R, D), s.ft)                   // finalTD
 	l.fixed(Activations, "norms", 1, R, s.ft)                           // rstdFinalT
 	l.fixed(Activations, "moe router", 1, mul(L, s.E+1), s.ft)          // moeStats
 	l.fixed(Workspace, "backward gradient streams", 4, mul(R, D), s.ft) // dResidTD, dBlockTD, dTmpTD, dFinalTD
+
+	l.fixed(Activations, s.fullTerm("norms"), mul(2, s.kept()), mul(R, D), s.ft) // h1L, h2L
 	chunk := min(T, lmHeadChunkRows)
 	l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.Vl), s.ft) // logitsCV
 	l.fixed(Activations, "lm head logits and loss", 1, T, s.ft)                // lossT
@@ -144,17 +145,20 @@ const lmHeadChunkRows = 2048
 // partial dk, dv [T, KV*Dh] per query head of a group (freed after).
 //
 // Under train.recompute: selective the output a and the log-sum-exp are
-// the Scratch's, one set for the rank's layers (attention.RecomputeCore).
+// the Scratch's, one set for the rank's layers (attention.RecomputeCore);
+// under full q, k and v too, and the all-gather core's natural-order k
+// and v (attention.RecomputeLayer).
 func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	// This rank's heads under tensor parallelism.
 	T, D, Q, KD, L := s.T, s.D, s.Ql, s.KDl, s.L
-	core := L // layers that keep a and lse of their own
+	core := s.kept() // layers that keep a and lse of their own
 	if s.selective() {
 		core = 1
 	}
-	l.fixed(Activations, "attention", L, mul(T, Q), s.ft)          // qTQ
-	l.fixed(Activations, "attention", mul(2, L), mul(T, KD), s.ft) // kTK, vTK
-	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.ft)      // aTQ
+	qkv := s.fullTerm("attention")
+	l.fixed(Activations, qkv, s.kept(), mul(T, Q), s.ft)          // qTQ
+	l.fixed(Activations, qkv, mul(2, s.kept()), mul(T, KD), s.ft) // kTK, vTK
+	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.ft)     // aTQ
 	l.fixed(Activations, s.coreTerm(), core, mul(s.B, s.Hl, s.Sl), s.ft)
 	l.fixed(Workspace, "attention backward", 2, mul(T, Q), s.ft)  // daTQ, dqTQ
 	l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ft) // dkTK, dvTK
@@ -183,16 +187,38 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 		l.fixed(Workspace, "attention backward", 1, mul(s.R, D), s.ft)
 	}
 	if s.CP > 1 && !ring {
-		rows := mul(s.B, s.S)                                             // natural-order rows of the full sequences
-		l.fixed(Activations, "attention", mul(2, L), rows, int32Bytes)    // allOfNat, natOfAll
-		l.fixed(Activations, "attention", mul(2, L), mul(rows, KD), s.ft) // kNatTK, vNatTK
-		l.fixed(Workspace, "attention backward", 4, mul(rows, KD), s.ft)  // kAllTK, vAllTK, dkNatTK, dvNatTK
-		l.fixed(Workspace, "attention backward", 2, mul(s.S, KD), s.ft)   // dkOneTK, dvOneTK
+		rows := mul(s.B, s.S)                                            // natural-order rows of the full sequences
+		l.fixed(Activations, "attention", mul(2, L), rows, int32Bytes)   // allOfNat, natOfAll
+		l.fixed(Activations, qkv, mul(2, s.kept()), mul(rows, KD), s.ft) // kNatTK, vNatTK
+		l.fixed(Workspace, "attention backward", 4, mul(rows, KD), s.ft) // kAllTK, vAllTK, dkNatTK, dvNatTK
+		l.fixed(Workspace, "attention backward", 2, mul(s.S, KD), s.ft)  // dkOneTK, dvOneTK
 	}
 }
 
 // selective reports train.recompute: selective.
 func (s shape) selective() bool { return s.c.Recompute == RecomputeSelective }
+
+// full reports train.recompute: full.
+func (s shape) full() bool { return s.c.Recompute == RecomputeFull }
+
+// kept is how many sets of a layer's activations the rank keeps: one per
+// layer, or under train.recompute: full one for all of them (the shared
+// scratch, refilled by each layer's rerun forward).
+func (s shape) kept() int64 {
+	if s.full() {
+		return 1
+	}
+	return s.L
+}
+
+// fullTerm is the name of a term of activations that train.recompute:
+// full keeps once per rank: what, or its recomputed set's name.
+func (s shape) fullTerm(what string) string {
+	if s.full() {
+		return what + ", recomputed (one layer's)"
+	}
+	return what
+}
 
 // coreTerm and hiddenTerm name the terms of the activations that
 // train.recompute: selective keeps once per rank instead of per layer.
@@ -200,14 +226,14 @@ func (s shape) coreTerm() string {
 	if s.selective() {
 		return "attention core, recomputed (one layer's)"
 	}
-	return "attention"
+	return s.fullTerm("attention")
 }
 
 func (s shape) hiddenTerm() string {
 	if s.selective() {
 		return "moe expert hidden, recomputed (one layer's)"
 	}
-	return "moe experts"
+	return s.fullTerm("moe experts")
 }
 
 // moeActivations mirrors moe/layer.go's New and Forward, moe/fused.go and
@@ -222,40 +248,52 @@ func (s shape) hiddenTerm() string {
 // one's row references and its bf16 input per layer. Once per rank the
 // Scratch: the rows in transit and the experts' activation gradients, and
 // under train.recompute: selective the hidden h1, h3 and silu(h1)*h3
-// instead of per layer (moe.RecomputeExperts).
+// instead of per layer (moe.RecomputeExperts). Under full the Scratch
+// holds one set of every layer activation (moe.RecomputeLayer) but the
+// statistics' vectors, and of the send order's indices and gates and the
+// outputs y too unless the dispatcher is fused, whose peers read a
+// layer's after this rank has moved on.
 func moeActivations(l *ledger, s shape, fused bool) {
 	T, D, E, K, F, L := s.Tm, s.D, s.E, s.K, s.F, s.L // the MoE layers' tokens: 1/tp of the rows
 	S, Sw, R, Rw := s.sent, s.sentWorst, s.recv, s.recvWorst
-	l.fixed(Activations, "moe router", mul(3, L), mul(T, E), s.ft) // logitsTE, probsTE, dlogitsTE
-	l.fixed(Activations, "moe router", mul(2, L), T, s.ft)         // lseT, onesT
-	l.fixed(Activations, "moe router", L, mul(T, K), int32Bytes)   // idxTK
-	l.fixed(Activations, "moe router", mul(2, L), mul(T, K), s.ft) // gatesTK, dgatesTK
-	l.fixed(Activations, "moe router", L, E, s.ft)                 // auxDProbE
-	l.fixed(Activations, "moe router", L, 1, int32Bytes)           // zeroRow
-	l.fixed(Activations, "moe router", L, E, int32Bytes)           // countsE
+	n, router, routed := s.kept(), s.fullTerm("moe router"), s.fullTerm("moe experts")
+	exch, exchTerm := n, routed // the exchanged tensors (moe/layer.go): per layer when fused
+	if fused {
+		exch, exchTerm = L, "moe experts"
+	}
+	l.fixed(Activations, router, mul(3, n), mul(T, E), s.ft) // logitsTE, probsTE, dlogitsTE
+	l.fixed(Activations, router, n, T, s.ft)                 // lseT
+	l.fixed(Activations, "moe router", L, T, s.ft)           // onesT
+	l.fixed(Activations, router, n, mul(T, K), int32Bytes)   // idxTK
+	l.fixed(Activations, router, mul(2, n), mul(T, K), s.ft) // gatesTK, dgatesTK
+	l.fixed(Activations, "moe router", L, E, s.ft)           // auxDProbE
+	l.fixed(Activations, "moe router", L, 1, int32Bytes)     // zeroRow
+	l.fixed(Activations, router, n, E, int32Bytes)           // countsE
 	if s.Fs > 0 {
-		l.fixed(Activations, "shared experts", mul(6, L), mul(T, s.Fs), s.ft) // sharedH1, H3, Act and their gradients
+		l.fixed(Activations, s.fullTerm("shared experts"), mul(6, n), mul(T, s.Fs), s.ft) // sharedH1, H3, Act and their gradients
 	}
 	// Routed rows, per layer. Dropless, the send index vectors are sized
 	// T*K every step (RouteByExpert's vectors); with a capacity, the kept
 	// rows.
-	l.alloc(Activations, "moe experts", mul(2, L), s.sendIdx, s.sendIdxWorst, int32Bytes) // sendTokS, sendSlotS
-	l.alloc(Activations, "moe experts", mul(2, L), S, Sw, s.ft)                           // gateS, dgateS
-	l.alloc(Activations, "moe experts", L, mul(R, D), mul(Rw, D), s.ot)                   // xRD
-	l.alloc(Activations, "moe experts", L, mul(S, D), mul(Sw, D), s.ft)                   // ySD
-	hidden := L                                                                           // layers that keep h1, h3 and silu(h1)*h3 of their own
+	l.alloc(Activations, exchTerm, exch, s.sendIdx, s.sendIdxWorst, int32Bytes) // sendTokS
+	l.alloc(Activations, routed, n, s.sendIdx, s.sendIdxWorst, int32Bytes)      // sendSlotS
+	l.alloc(Activations, exchTerm, exch, S, Sw, s.ft)                           // gateS
+	l.alloc(Activations, routed, n, S, Sw, s.ft)                                // dgateS
+	l.alloc(Activations, routed, n, mul(R, D), mul(Rw, D), s.ot)                // xRD
+	l.alloc(Activations, exchTerm, exch, mul(S, D), mul(Sw, D), s.ft)           // ySD
+	hidden := n                                                                 // layers that keep h1, h3 and silu(h1)*h3 of their own
 	if s.selective() {
 		hidden = 1
 	}
 	l.alloc(Activations, s.hiddenTerm(), mul(3, hidden), mul(R, F), mul(Rw, F), s.ot)
 	switch {
 	case fused:
-		l.alloc(Activations, "moe experts", L, mul(R, 2), mul(Rw, 2), int32Bytes) // refsR2
+		l.alloc(Activations, routed, n, mul(R, 2), mul(Rw, 2), int32Bytes) // refsR2
 		if s.ot != s.ft {
 			l.fixed(Activations, "moe experts", L, mul(T, D), s.ot) // Layer.xoTD: peers read it after this rank moves on
 		}
 	case s.EG > 1:
-		l.alloc(Activations, "moe experts", mul(2, L), R, Rw, int32Bytes) // permR, invPermR
+		l.alloc(Activations, routed, mul(2, n), R, Rw, int32Bytes) // permR, invPermR
 	}
 	// The Scratch, shared by the rank's layers.
 	switch {
