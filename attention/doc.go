@@ -32,6 +32,10 @@
 // train.recompute: selective) keeps the core's output a and log-sum-exp
 // once in the shared Scratch instead of per layer, and Backward reruns the
 // core on the kept q, k and v to refill them before o_proj's backward.
+// RecomputeLayer (train.recompute: full) keeps q, k, v, a and the
+// log-sum-exp (and an all-gather context core's natural-order k and v)
+// once in the shared Scratch, and the caller runs Forward again on the
+// same input right before Backward.
 //
 // NewContextParallel builds a Layer whose sequences are split over the
 // ranks of a comm.Group (comm.Ranks.Context); each rank passes its own

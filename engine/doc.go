@@ -53,7 +53,11 @@
 //     train.recompute: selective its layers keep the attention core's
 //     output and the experts' hidden activations once, in the scratch they
 //     share, and remake them in Backward (attention.RecomputeCore,
-//     moe.RecomputeExperts).
+//     moe.RecomputeExperts); under full they keep all their activations
+//     there (attention.RecomputeLayer, moe.RecomputeLayer), and the
+//     backward reruns each layer's forward from its kept input (residL,
+//     midL) right before its backward (reforward; moe.Layer.Reforward
+//     counts no statistics or losses again).
 //   - params.go: parameters, their Hugging Face names, initialisation, and
 //     their storage (below).
 //   - schedule.go: the learning-rate schedules.

@@ -27,7 +27,10 @@
 // into the residual stream), and under train.recompute: selective
 // RecomputeExperts (the experts' hidden activations h1, h3 and
 // silu(h1)*h3 held once in the Scratch and made again in Backward from the
-// kept expert inputs); after each optimizer step UpdateBias moves the
+// kept expert inputs), or under train.recompute: full RecomputeLayer
+// (every activation held once in the Scratch, the fused dispatcher's
+// exchanged rows per layer, and Reforward, Forward without its statistics
+// and losses, run right before Backward); after each optimizer step UpdateBias moves the
 // aux-loss-free balancing bias. WithPhaseHook times the phases for `mktrain
 // bench moe`; MeasureDispatch and MeasureDispatchOn time both dispatchers
 // for package tune and `mktrain bench kernels`.

@@ -188,8 +188,11 @@ func printPlan(w io.Writer, recipe string, p plan.Plan, verdict error, host int6
 	}
 	fmt.Fprintf(w, "%-22s %d tokens, %s per rank\n", "optimizer step", p.TokensPerStep, batches)
 	recompute := "none: every layer's activations kept for its backward"
-	if c.Recompute == plan.RecomputeSelective {
+	switch c.Recompute {
+	case plan.RecomputeSelective:
 		recompute = "selective: the attention core's output and the experts' hidden activations kept once, remade in each layer's backward"
+	case plan.RecomputeFull:
+		recompute = "full: one layer's activations kept, each layer's forward rerun from its kept input before its backward"
 	}
 	fmt.Fprintf(w, "%-22s %s\n", "train.recompute", recompute)
 	routed := p.Worst != p.Peak
