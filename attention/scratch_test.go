@@ -17,7 +17,7 @@ import (
 // twoLayers runs two layers the way the engine does (forward 0, forward 1,
 // backward 1, backward 0, layer 1 reading layer 0's output) on one rank
 // and returns everything they wrote.
-func twoLayers(b backend.Backend, ls [2]*attention.Layer, s attention.Shape, ps [2]*attention.Params, x []float64, pos []int32, dout []float64) ([][]float64, error) {
+func twoLayers(b backend.Backend, ls [2]*attention.Layer, s attention.Shape, ps [2]*attention.Params, x []float64, pos []int32, dout []float64, rerun bool) ([][]float64, error) {
 	T, ft := len(pos), b.FloatType()
 	xT, posT := b.New(ft, T, s.Dim), b.New(backend.Int32, T)
 	backend.UploadSlice(b, xT, x)
@@ -31,7 +31,15 @@ func twoLayers(b backend.Backend, ls [2]*attention.Layer, s attention.Shape, ps 
 	if err := ls[1].Forward(out, h, posT, ps[1]); err != nil {
 		return nil, err
 	}
+	// rerun (RecomputeLayer): each Forward again right before its
+	// Backward, into an output of its own (h and out are compared).
+	if err := forwardAgain(b, rerun, ls[1], h, posT, ps[1]); err != nil {
+		return nil, err
+	}
 	if err := ls[1].Backward(dh, doutT, ps[1], gs[1]); err != nil {
+		return nil, err
+	}
+	if err := forwardAgain(b, rerun, ls[0], xT, posT, ps[0]); err != nil {
 		return nil, err
 	}
 	if err := ls[0].Backward(dx, dh, ps[0], gs[0]); err != nil {
@@ -44,10 +52,21 @@ func twoLayers(b backend.Backend, ls [2]*attention.Layer, s attention.Shape, ps 
 	return res, nil
 }
 
+// forwardAgain runs l's Forward on x again into a discarded output when
+// rerun is set.
+func forwardAgain(b backend.Backend, rerun bool, l *attention.Layer, x, posT backend.Tensor, p *attention.Params) error {
+	if !rerun {
+		return nil
+	}
+	return l.Forward(b.New(b.FloatType(), x.Shape()...), x, posT, p)
+}
+
 // TestSharedScratch: two layers sharing one Scratch, on one rank and on
 // each rank of a cp=2 group, write bitwise what two layers with their own
 // scratch write; and so do two layers that keep their core's output in
-// the shared Scratch and recompute it in Backward (RecomputeCore).
+// the shared Scratch and recompute it in Backward (RecomputeCore), and
+// two that keep all their activations there and run Forward again before
+// Backward (RecomputeLayer).
 func TestSharedScratch(t *testing.T) {
 	s := attention.Shape{Dim: 16, Heads: 4, KVHeads: 2, RopeTheta: 10000}
 	const batch, seq = 2, 8
@@ -82,7 +101,7 @@ func TestSharedScratch(t *testing.T) {
 				poss[r] = append(poss[r], local...)
 			}
 		}
-		run := func(shared, recompute bool) [][][]float64 {
+		run := func(shared bool, recompute string) [][][]float64 {
 			out := make([][][]float64, cp)
 			errs := make([]error, cp)
 			var wg sync.WaitGroup
@@ -91,8 +110,11 @@ func TestSharedScratch(t *testing.T) {
 				if shared {
 					opts = append(opts, attention.WithScratch(attention.NewScratch()))
 				}
-				if recompute {
+				switch recompute {
+				case "selective":
 					opts = append(opts, attention.RecomputeCore())
+				case "full":
+					opts = append(opts, attention.RecomputeLayer())
 				}
 				var ls [2]*attention.Layer
 				for i := range ls {
@@ -103,7 +125,7 @@ func TestSharedScratch(t *testing.T) {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					if out[r], errs[r] = twoLayers(b, ls, s, ps, inputs[r][0], poss[r], inputs[r][1]); errs[r] != nil {
+					if out[r], errs[r] = twoLayers(b, ls, s, ps, inputs[r][0], poss[r], inputs[r][1], recompute == "full"); errs[r] != nil {
 						rk.Abort(errs[r])
 					}
 				}()
@@ -114,7 +136,7 @@ func TestSharedScratch(t *testing.T) {
 			}
 			return out
 		}
-		own, shared, recomputed := run(false, false), run(true, false), run(true, true)
+		own, shared, recomputed, full := run(false, ""), run(true, ""), run(true, "selective"), run(true, "full")
 		for r := range cp {
 			for i := range own[r] {
 				if !slices.Equal(own[r][i], shared[r][i]) {
@@ -122,6 +144,9 @@ func TestSharedScratch(t *testing.T) {
 				}
 				if !slices.Equal(own[r][i], recomputed[r][i]) {
 					t.Errorf("cp=%d %s rank %d: result %d differs with the core recomputed", cp, mode, r, i)
+				}
+				if !slices.Equal(own[r][i], full[r][i]) {
+					t.Errorf("cp=%d %s rank %d: result %d differs with the layer recomputed", cp, mode, r, i)
 				}
 			}
 		}

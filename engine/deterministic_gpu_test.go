@@ -49,21 +49,23 @@ func TestDeterministicGPURunsRepeat(t *testing.T) {
 
 // TestRecomputeCUDA: train.recompute: selective reruns the attention core
 // and the experts' gate/up products in the backward instead of keeping
-// their outputs; under train.deterministic (the unfused dispatcher, no
-// float atomics) the reruns give the kept values' bits, so the losses of
-// the two settings are equal bit for bit on the GPU as on the CPU
-// (recompute_test.go).
+// their outputs, and full reruns each layer's whole forward; under
+// train.deterministic (the unfused dispatcher, no float atomics) the
+// reruns give the kept values' bits, so the losses of the three settings
+// are equal bit for bit on the GPU as on the CPU (recompute_test.go).
 func TestRecomputeCUDA(t *testing.T) {
 	openGPU(t) // skips without a GPU
 	const steps = 8
 	cfg := deterministicConfig()
 	cfg.Train.Deterministic = true
 	kept, _ := runSteps(t, cfg, nil, steps)
-	cfg.Train.Recompute = RecomputeSelective
-	recomputed, _ := runSteps(t, cfg, nil, steps)
-	for i := range kept {
-		if math.Float64bits(kept[i]) != math.Float64bits(recomputed[i]) {
-			t.Errorf("train.recompute: selective: step %d's loss is %.9g, %.9g with none", i+1, recomputed[i], kept[i])
+	for _, mode := range []string{RecomputeSelective, RecomputeFull} {
+		cfg.Train.Recompute = mode
+		recomputed, _ := runSteps(t, cfg, nil, steps)
+		for i := range kept {
+			if math.Float64bits(kept[i]) != math.Float64bits(recomputed[i]) {
+				t.Errorf("train.recompute: %s: step %d's loss is %.9g, %.9g with none", mode, i+1, recomputed[i], kept[i])
+			}
 		}
 	}
 }

@@ -35,6 +35,10 @@ func TestRecomputeIsBitExact(t *testing.T) {
 		{"cp2 ring", 1, 1, 2, 1, 8, moe.DispatcherUnfused, "ring"},
 		{"tp2", 1, 1, 1, 2, 8, moe.DispatcherUnfused, "allgather"},
 		{"tp2 sequence parallel", 1, 1, 1, 2, 8, moe.DispatcherUnfused, "allgather"},
+		// The gradient reduction overlapping the backward, and the
+		// reruns' collectives on the groups beside it.
+		{"dp2 cp2 allgather", 2, 1, 2, 1, 4, moe.DispatcherUnfused, "allgather"},
+		{"dp2 ep2 tp2 sequence parallel", 2, 2, 1, 2, 2, moe.DispatcherUnfused, "allgather"},
 		// Every piece of MoE bookkeeping a rerun must not redo: the bias
 		// update's loads, a capacity's drops, the z-loss, shared experts.
 		{"dp2 ep2 balanced", 2, 2, 1, 1, 2, moe.DispatcherUnfused, "allgather"},

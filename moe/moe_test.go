@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -650,9 +651,11 @@ func TestErrors(t *testing.T) {
 // TestSharedScratch runs two layers that share one Scratch in the order a
 // model does (forward 1, forward 2, backward 2, backward 1) and checks that
 // their outputs and gradients are bitwise those of layers with their own,
-// with either dispatcher and with the experts' hidden activations
-// recomputed in Backward (RecomputeExperts); and that a Scratch of another
-// width is refused.
+// with either dispatcher, with the experts' hidden activations
+// recomputed in Backward (RecomputeExperts), and with every activation in
+// the Scratch and the Forward rerun (Reforward) before each Backward
+// (RecomputeLayer), whose statistics and losses must stay the first
+// Forward's; and that a Scratch of another width is refused.
 func TestSharedScratch(t *testing.T) {
 	b := cpu.New(backend.Float64)
 	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001, Dispatcher: moe.DispatcherUnfused}
@@ -663,7 +666,7 @@ func TestSharedScratch(t *testing.T) {
 	}
 	g := moe.Groups{Expert: solo[0].Expert, Data: solo[0].Data}
 	probs := []*problem{newProblem(1, cfg, D, T, false), newProblem(2, cfg, D, T, false)}
-	run := func(shared *moe.Scratch, recompute bool) (outs [][]float64) {
+	run := func(shared *moe.Scratch, recompute string) (outs [][]float64) {
 		var layers []*moe.Layer
 		var ps, gs []*moe.Params
 		var xs, ys []backend.Tensor
@@ -672,8 +675,11 @@ func TestSharedScratch(t *testing.T) {
 			if shared != nil {
 				opts = append(opts, moe.WithScratch(shared))
 			}
-			if recompute {
+			switch recompute {
+			case "selective":
 				opts = append(opts, moe.RecomputeExperts())
+			case "full":
+				opts = append(opts, moe.RecomputeLayer())
 			}
 			l, err := moe.New(b, cfg, D, T, g, opts...)
 			if err != nil {
@@ -685,12 +691,19 @@ func TestSharedScratch(t *testing.T) {
 			layers, ps, gs = append(layers, l), append(ps, p), append(gs, moe.NewParams(b, cfg, D, cfg.Experts))
 			xs, ys = append(xs, upload(b, pr.x, T, D)), append(ys, b.New(backend.Float64, T, D))
 		}
+		stats := make([]moe.Stats, len(layers))
 		for i, l := range layers {
-			if _, err := l.Forward(ys[i], xs[i], ps[i], nil, 1); err != nil {
+			if stats[i], err = l.Forward(ys[i], xs[i], ps[i], nil, 0.5); err != nil {
 				t.Fatal(err)
 			}
 		}
 		for i := len(layers) - 1; i >= 0; i-- {
+			if recompute == "full" {
+				// Into a buffer of its own: the kept output ys[i] is compared.
+				if err := layers[i].Reforward(b.New(backend.Float64, T, D), xs[i], ps[i], nil); err != nil {
+					t.Fatal(err)
+				}
+			}
 			dx := b.New(backend.Float64, T, D)
 			if err := layers[i].Backward(dx, upload(b, probs[i].dout, T, D), ps[i], gs[i]); err != nil {
 				t.Fatal(err)
@@ -698,15 +711,21 @@ func TestSharedScratch(t *testing.T) {
 			outs = append(outs, backend.DownloadFloat64(b, ys[i]), backend.DownloadFloat64(b, dx),
 				backend.DownloadFloat64(b, gs[i].W1EFD), backend.DownloadFloat64(b, gs[i].W2EDF), backend.DownloadFloat64(b, gs[i].W3EFD),
 				backend.DownloadFloat64(b, gs[i].GateED))
+			if err := layers[i].ReadStats(&stats[i]); err != nil {
+				t.Fatal(err)
+			}
+			outs = append(outs, append(slices.Clone(stats[i].TokensPerExpert), stats[i].AuxLoss, stats[i].ZLoss))
 		}
 		return outs
 	}
 	for _, dispatcher := range []string{moe.DispatcherUnfused, moe.DispatcherFused} {
 		cfg.Dispatcher = dispatcher
-		own, shared, recomputed := run(nil, false), run(moe.NewScratch(b, D, cfg.FFN), false), run(moe.NewScratch(b, D, cfg.FFN), true)
+		own, shared := run(nil, ""), run(moe.NewScratch(b, D, cfg.FFN), "")
+		recomputed, full := run(moe.NewScratch(b, D, cfg.FFN), "selective"), run(moe.NewScratch(b, D, cfg.FFN), "full")
 		for i := range own {
 			assertClose(t, fmt.Sprintf("%s: tensor %d", dispatcher, i), shared[i], own[i], 0)
 			assertClose(t, fmt.Sprintf("%s, recomputed: tensor %d", dispatcher, i), recomputed[i], own[i], 0)
+			assertClose(t, fmt.Sprintf("%s, full: tensor %d", dispatcher, i), full[i], own[i], 0)
 		}
 	}
 	cfg.Dispatcher = moe.DispatcherUnfused
