@@ -7,7 +7,6 @@ package tune
 import (
 	"fmt"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"time"
 
@@ -71,11 +70,7 @@ type CPAttentionCase struct {
 // ranks of a run must use the same mode: resolve once, before the ranks
 // build their layers.
 func ResolveCPAttention(b backend.Backend, c CPAttentionCase, log func(string)) (string, error) {
-	say := func(format string, args ...any) {
-		if log != nil {
-			log(fmt.Sprintf(format, args...))
-		}
-	}
+	say := sayTo(log)
 	ring, gather := string(attention.CPRing), string(attention.CPAllGather)
 	switch c.Mode {
 	case ring, gather:
@@ -101,40 +96,28 @@ func ResolveCPAttention(b backend.Backend, c CPAttentionCase, log func(string)) 
 		return gather, nil
 	}
 	key := NewCPAttentionKey(b, c)
-	cache, err := DefaultCPAttentionCache()
-	if err == nil {
-		e, ok, lerr := cache.Lookup(key)
-		switch {
-		case lerr != nil:
-			say("parallel.cp_attention auto: %v; measuring instead", lerr)
-		case ok:
-			say("parallel.cp_attention auto: %s, from the table %s (measured %s: %.3g ms ring, %.3g ms allgather per forward+backward; %s)",
-				e.Choice, cache.Path, e.MeasuredAt.Format(time.DateOnly), e.RingMS, e.AllGatherMS, key)
-			return e.Choice, nil
-		}
-	}
-	say("parallel.cp_attention auto: measuring both modes (%s)", key)
-	t, merr := attention.MeasureContext(b, c.Shape, c.Batch, c.Seq, c.CP, cpResolveIters)
-	// The measurement's tensors are garbage now; collecting them hands
-	// their device memory back before the model allocates.
-	runtime.GC()
-	if merr != nil {
-		return "", fmt.Errorf("attention: measuring the modes for parallel.cp_attention auto (set it to %q or %q to skip): %w", ring, gather, merr)
-	}
-	stored := "not stored"
-	switch {
-	case err != nil:
-		stored += ": " + err.Error()
-	default:
-		if _, serr := cache.Store(key, t); serr != nil {
-			stored += ": " + serr.Error()
-		} else {
-			stored = "stored in " + cache.Path
-		}
-	}
-	say("parallel.cp_attention auto: %s, measured: %.3g ms ring, %.3g ms allgather per forward+backward on %d virtual ranks (%s)",
-		t.Faster(), float64(t.Ring)/1e6, float64(t.AllGather)/1e6, c.CP, stored)
-	return string(t.Faster()), nil
+	cache, noTable := DefaultCPAttentionCache()
+	return settling[CPAttentionEntry, attention.ContextTiming]{
+		setting: "parallel.cp_attention auto", what: "both modes", key: key,
+		path: cache.Path, noTable: noTable,
+		lookup: func() (CPAttentionEntry, bool, error) { return cache.Lookup(key) },
+		store:  func(t attention.ContextTiming) error { _, err := cache.Store(key, t); return err },
+		measure: func() (attention.ContextTiming, error) {
+			t, err := attention.MeasureContext(b, c.Shape, c.Batch, c.Seq, c.CP, cpResolveIters)
+			if err != nil {
+				err = fmt.Errorf("attention: measuring the modes for parallel.cp_attention auto (set it to %q or %q to skip): %w", ring, gather, err)
+			}
+			return t, err
+		},
+		entry: func(e CPAttentionEntry) (string, string) {
+			return e.Choice, fmt.Sprintf("measured %s: %.3g ms ring, %.3g ms allgather per forward+backward",
+				e.MeasuredAt.Format(time.DateOnly), e.RingMS, e.AllGatherMS)
+		},
+		timing: func(t attention.ContextTiming) (string, string) {
+			return string(t.Faster()), fmt.Sprintf("%.3g ms ring, %.3g ms allgather per forward+backward on %d virtual ranks",
+				float64(t.Ring)/1e6, float64(t.AllGather)/1e6, c.CP)
+		},
+	}.settle(say)
 }
 
 // CPAttentionKey is what a measurement of the modes holds for: the

@@ -2,7 +2,6 @@ package tune
 
 import (
 	"fmt"
-	"runtime"
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
@@ -36,11 +35,7 @@ const resolveIters = 5
 // ranks of a run must use the same dispatcher: resolve once, before the
 // ranks build their layers.
 func ResolveDispatcher(b backend.Backend, cfg moe.Config, dim, tokens, ep int, canPeer bool, log func(string)) (string, error) {
-	say := func(format string, args ...any) {
-		if log != nil {
-			log(fmt.Sprintf(format, args...))
-		}
-	}
+	say := sayTo(log)
 	switch cfg.Dispatcher {
 	case moe.DispatcherUnfused:
 		say("model.moe.dispatcher: unfused, as the recipe says")
@@ -66,39 +61,27 @@ func ResolveDispatcher(b backend.Backend, cfg moe.Config, dim, tokens, ep int, c
 		return moe.DispatcherUnfused, nil
 	}
 	key := NewDispatchKey(b, cfg, dim, tokens, ep)
-	cache, err := DefaultDispatchCache()
-	if err == nil {
-		e, ok, lerr := cache.Lookup(key)
-		switch {
-		case lerr != nil:
-			say("model.moe.dispatcher auto: %v; measuring instead", lerr)
-		case ok:
-			say("model.moe.dispatcher auto: %s, from the table %s (measured %s: %.3g ms fused, %.3g ms unfused per forward+backward; %s)",
-				e.Choice, cache.Path, e.MeasuredAt.Format(time.DateOnly), e.FusedMS, e.UnfusedMS, key)
-			return e.Choice, nil
-		}
-	}
-	say("model.moe.dispatcher auto: measuring both dispatchers (%s)", key)
-	t, merr := moe.MeasureDispatch(b, cfg, dim, tokens, ep, resolveIters)
-	// The measurement's tensors are garbage now; collecting them hands
-	// their device memory back to the backend before the model allocates.
-	runtime.GC()
-	if merr != nil {
-		return "", fmt.Errorf("moe: measuring the dispatchers for model.moe.dispatcher auto (set it to %q or %q to skip): %w",
-			moe.DispatcherFused, moe.DispatcherUnfused, merr)
-	}
-	stored := "not stored"
-	switch {
-	case err != nil:
-		stored += ": " + err.Error()
-	default:
-		if _, serr := cache.Store(key, t); serr != nil {
-			stored += ": " + serr.Error()
-		} else {
-			stored = "stored in " + cache.Path
-		}
-	}
-	say("model.moe.dispatcher auto: %s, measured: %.3g ms fused, %.3g ms unfused per forward+backward (%s)",
-		t.Faster(), float64(t.FusedStep)/1e6, float64(t.UnfusedStep)/1e6, stored)
-	return t.Faster(), nil
+	cache, noTable := DefaultDispatchCache()
+	return settling[DispatchEntry, moe.Timing]{
+		setting: "model.moe.dispatcher auto", what: "both dispatchers", key: key,
+		path: cache.Path, noTable: noTable,
+		lookup: func() (DispatchEntry, bool, error) { return cache.Lookup(key) },
+		store:  func(t moe.Timing) error { _, err := cache.Store(key, t); return err },
+		measure: func() (moe.Timing, error) {
+			t, err := moe.MeasureDispatch(b, cfg, dim, tokens, ep, resolveIters)
+			if err != nil {
+				err = fmt.Errorf("moe: measuring the dispatchers for model.moe.dispatcher auto (set it to %q or %q to skip): %w",
+					moe.DispatcherFused, moe.DispatcherUnfused, err)
+			}
+			return t, err
+		},
+		entry: func(e DispatchEntry) (string, string) {
+			return e.Choice, fmt.Sprintf("measured %s: %.3g ms fused, %.3g ms unfused per forward+backward",
+				e.MeasuredAt.Format(time.DateOnly), e.FusedMS, e.UnfusedMS)
+		},
+		timing: func(t moe.Timing) (string, string) {
+			return t.Faster(), fmt.Sprintf("%.3g ms fused, %.3g ms unfused per forward+backward",
+				float64(t.FusedStep)/1e6, float64(t.UnfusedStep)/1e6)
+		},
+	}.settle(say)
 }

@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -97,11 +96,7 @@ type TPOverlapCase struct {
 // ranks of a run must take the same path: resolve once, before the ranks
 // build their layers.
 func ResolveTPOverlap(b backend.Backend, c TPOverlapCase, log func(string)) (string, error) {
-	say := func(format string, args ...any) {
-		if log != nil {
-			log(fmt.Sprintf(format, args...))
-		}
-	}
+	say := sayTo(log)
 	switch c.Mode {
 	case TPOverlapFused, TPOverlapUnfused:
 		if c.TP > 1 {
@@ -126,40 +121,28 @@ func ResolveTPOverlap(b backend.Backend, c TPOverlapCase, log func(string)) (str
 		return TPOverlapUnfused, nil
 	}
 	key := NewTPOverlapKey(b, c)
-	cache, err := DefaultTPOverlapCache()
-	if err == nil {
-		e, ok, lerr := cache.Lookup(key)
-		switch {
-		case lerr != nil:
-			say("parallel.tp_overlap auto: %v; measuring instead", lerr)
-		case ok:
-			say("parallel.tp_overlap auto: %s, from the table %s (measured %s: %.3g ms fused, %.3g ms unfused per column+row forward; %s)",
-				e.Choice, cache.Path, e.MeasuredAt.Format(time.DateOnly), e.FusedMS, e.UnfusedMS, key)
-			return e.Choice, nil
-		}
-	}
-	say("parallel.tp_overlap auto: measuring both paths (%s)", key)
-	t, merr := MeasureTPOverlap(b, c, tpResolveIters)
-	// The measurement's tensors are garbage now; collecting them hands
-	// their device memory back before the model allocates.
-	runtime.GC()
-	if merr != nil {
-		return "", fmt.Errorf("tensorpar: measuring the paths for parallel.tp_overlap auto (set it to %q or %q to skip): %w", TPOverlapFused, TPOverlapUnfused, merr)
-	}
-	stored := "not stored"
-	switch {
-	case err != nil:
-		stored += ": " + err.Error()
-	default:
-		if _, serr := cache.Store(key, t); serr != nil {
-			stored += ": " + serr.Error()
-		} else {
-			stored = "stored in " + cache.Path
-		}
-	}
-	say("parallel.tp_overlap auto: %s, measured: %.3g ms fused, %.3g ms unfused per column+row forward on %d virtual ranks (%s)",
-		t.Faster(), float64(t.Fused)/1e6, float64(t.Unfused)/1e6, c.TP, stored)
-	return t.Faster(), nil
+	cache, noTable := DefaultTPOverlapCache()
+	return settling[TPOverlapEntry, TPOverlapTiming]{
+		setting: "parallel.tp_overlap auto", what: "both paths", key: key,
+		path: cache.Path, noTable: noTable,
+		lookup: func() (TPOverlapEntry, bool, error) { return cache.Lookup(key) },
+		store:  func(t TPOverlapTiming) error { _, err := cache.Store(key, t); return err },
+		measure: func() (TPOverlapTiming, error) {
+			t, err := MeasureTPOverlap(b, c, tpResolveIters)
+			if err != nil {
+				err = fmt.Errorf("tensorpar: measuring the paths for parallel.tp_overlap auto (set it to %q or %q to skip): %w", TPOverlapFused, TPOverlapUnfused, err)
+			}
+			return t, err
+		},
+		entry: func(e TPOverlapEntry) (string, string) {
+			return e.Choice, fmt.Sprintf("measured %s: %.3g ms fused, %.3g ms unfused per column+row forward",
+				e.MeasuredAt.Format(time.DateOnly), e.FusedMS, e.UnfusedMS)
+		},
+		timing: func(t TPOverlapTiming) (string, string) {
+			return t.Faster(), fmt.Sprintf("%.3g ms fused, %.3g ms unfused per column+row forward on %d virtual ranks",
+				float64(t.Fused)/1e6, float64(t.Unfused)/1e6, c.TP)
+		},
+	}.settle(say)
 }
 
 // TPOverlapTiming is a measurement of the two paths: the median over
