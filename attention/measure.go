@@ -4,15 +4,13 @@ package attention
 // parallel.cp_attention: auto (package tune keeps the answers on disk).
 
 import (
-	"errors"
 	"fmt"
 	"math/rand/v2"
-	"slices"
-	"sync"
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/internal/ranktime"
 )
 
 // ContextTiming is a measurement of the two modes: the median over Iters
@@ -80,56 +78,17 @@ func MeasureContext(b backend.Backend, s Shape, batch, seq, w, iters int) (Conte
 		st.dk, st.dv = b.New(b.FloatType(), rows, kd), b.New(b.FloatType(), rows, kd)
 		st.lse = b.New(b.FloatType(), batch*s.Heads*seq/w)
 	}
-	passes := (measureWarmup + iters) * len(modes)
-	times := make([]time.Duration, passes)
-	errs := make([]error, w)
-	var wg sync.WaitGroup
-	for r, rk := range world {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	ts, err := ranktime.Medians(world, func(rk *comm.Ranks) comm.Group { return rk.Context }, len(modes), measureWarmup, iters,
+		b.Sync, func(r, mode int) error {
 			st := &states[r]
-			for p := range passes {
-				c := st.cores[p%len(modes)]
-				if err := rk.Context.Barrier(); err != nil {
-					errs[r] = err
-					return
-				}
-				start := time.Now()
-				err := c.Forward(st.a, st.lse, st.q, st.k, st.v)
-				if err == nil {
-					err = c.Backward(st.dq, st.dk, st.dv, st.da)
-				}
-				if err == nil {
-					err = b.Sync()
-				}
-				if err == nil {
-					err = rk.Context.Barrier()
-				}
-				if err != nil {
-					errs[r] = err
-					rk.Abort(err)
-					return
-				}
-				if r == 0 {
-					times[p] = time.Since(start)
-				}
+			c := st.cores[mode]
+			if err := c.Forward(st.a, st.lse, st.q, st.k, st.v); err != nil {
+				return err
 			}
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+			return c.Backward(st.dq, st.dk, st.dv, st.da)
+		})
+	if err != nil {
 		return ContextTiming{}, fmt.Errorf("attention: MeasureContext: %w", err)
 	}
-	median := func(mode int) time.Duration {
-		var ts []time.Duration
-		for p := measureWarmup * len(modes); p < passes; p++ {
-			if p%len(modes) == mode {
-				ts = append(ts, times[p])
-			}
-		}
-		slices.Sort(ts)
-		return ts[len(ts)/2]
-	}
-	return ContextTiming{AllGather: median(0), Ring: median(1), Iters: iters}, nil
+	return ContextTiming{AllGather: ts[0], Ring: ts[1], Iters: iters}, nil
 }

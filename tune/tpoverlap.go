@@ -13,14 +13,13 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"path/filepath"
-	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/comm"
+	"github.com/mktrain/mktrain/internal/ranktime"
 	"github.com/mktrain/mktrain/tensorpar"
 )
 
@@ -237,58 +236,19 @@ func MeasureTPOverlap(b backend.Backend, c TPOverlapCase, iters int) (TPOverlapT
 		st.aTQ, st.woDQ = random(ft, rows, Q), random(ot, D, Q)
 		st.sumRD, st.partial = b.New(ft, R, D), b.New(ft, rows, D)
 	}
-	passes := (tpMeasureWarmup + iters) * 2
-	times := make([]time.Duration, passes)
-	errs := make([]error, len(world))
-	var wg sync.WaitGroup
-	for r, rk := range world {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	ts, err := ranktime.Medians(world, func(rk *comm.Ranks) comm.Group { return rk.Tensor }, 2, tpMeasureWarmup, iters,
+		b.Sync, func(r, path int) error {
 			st := &states[r]
-			for p := range passes {
-				tp := st.paths[p%2]
-				if err := rk.Tensor.Barrier(); err != nil {
-					errs[r] = err
-					return
-				}
-				start := time.Now()
-				_, err := tp.ColumnForward(st.fullTD, st.xRD, st.outs, st.ws, true)
-				if err == nil {
-					err = tp.RowForward(st.sumRD, st.partial, []tensorpar.Term{{A: st.aTQ, W: st.woDQ, TransW: true}})
-				}
-				if err == nil {
-					err = b.Sync()
-				}
-				if err == nil {
-					err = rk.Tensor.Barrier()
-				}
-				if err != nil {
-					errs[r] = err
-					rk.Abort(err)
-					return
-				}
-				if r == 0 {
-					times[p] = time.Since(start)
-				}
+			tp := st.paths[path]
+			if _, err := tp.ColumnForward(st.fullTD, st.xRD, st.outs, st.ws, true); err != nil {
+				return err
 			}
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+			return tp.RowForward(st.sumRD, st.partial, []tensorpar.Term{{A: st.aTQ, W: st.woDQ, TransW: true}})
+		})
+	if err != nil {
 		return TPOverlapTiming{}, fmt.Errorf("tensorpar: MeasureTPOverlap: %w", err)
 	}
-	median := func(path int) time.Duration {
-		var ts []time.Duration
-		for p := tpMeasureWarmup * 2; p < passes; p++ {
-			if p%2 == path {
-				ts = append(ts, times[p])
-			}
-		}
-		slices.Sort(ts)
-		return ts[len(ts)/2]
-	}
-	return TPOverlapTiming{Unfused: median(0), Fused: median(1), Iters: iters}, nil
+	return TPOverlapTiming{Unfused: ts[0], Fused: ts[1], Iters: iters}, nil
 }
 
 // TPOverlapKey is what a measurement of the paths holds for: the machine,
