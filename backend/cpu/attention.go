@@ -101,6 +101,35 @@ func lastKey(s backend.AttnShape, i int) int {
 	return s.QOffset + i
 }
 
+// attnRow writes oi, one query qi's attention over keys 0..last
+// (key(j) and val(j) are key j's rows), with scores as scratch, and
+// returns its log-sum-exp: the scaled scores, their softmax in float64
+// sums, the weighted values. Every CPU attention forward (attnForward,
+// zigzagForward) computes its rows here, so that they round alike.
+func attnRow[T Float](oi, qi, scores []T, last int, scale float64, key, val func(j int) []T) T {
+	m := math.Inf(-1)
+	for j := 0; j <= last; j++ {
+		sc := float64(attnDot(qi, key(j))) * scale
+		scores[j] = T(sc)
+		m = max(m, sc)
+	}
+	var sum float64
+	for j := 0; j <= last; j++ {
+		p := math.Exp(float64(scores[j]) - m)
+		scores[j] = T(p)
+		sum += p
+	}
+	clear(oi)
+	for j := 0; j <= last; j++ {
+		attnAxpy(oi, scores[j], val(j))
+	}
+	inv := T(1 / sum)
+	for d := range oi {
+		oi[d] *= inv
+	}
+	return T(m + math.Log(sum))
+}
+
 // attnForward runs one (batch, head) pair per work item.
 func attnForward[T Float](b *Backend, outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
 	out, lse, q, k, v := floats[T](outTQ), floats[T](lseBHS), floats[T](qTQ), floats[T](kTK), floats[T](vTK)
@@ -116,33 +145,13 @@ func attnForward[T Float](b *Backend, outTQ, lseBHS, qTQ, kTK, vTK backend.Tenso
 			qOff, kOff := h*Dh, (h/group)*Dh
 			for i := range S {
 				ti := bi*S + i
-				qi := q[ti*qStride+qOff : ti*qStride+qOff+Dh]
-				// Scaled scores of keys 0..last; later keys are masked out.
-				last := lastKey(s, i)
-				m := math.Inf(-1)
-				for j := 0; j <= last; j++ {
+				row := func(t []T, j int) []T {
 					tj := bi*KS + j
-					sc := float64(attnDot(qi, k[tj*kStride+kOff:tj*kStride+kOff+Dh])) * scale
-					scores[j] = T(sc)
-					m = max(m, sc)
+					return t[tj*kStride+kOff : tj*kStride+kOff+Dh]
 				}
-				var sum float64
-				for j := 0; j <= last; j++ {
-					p := math.Exp(float64(scores[j]) - m)
-					scores[j] = T(p)
-					sum += p
-				}
-				oi := out[ti*qStride+qOff : ti*qStride+qOff+Dh]
-				clear(oi)
-				for j := 0; j <= last; j++ {
-					tj := bi*KS + j
-					attnAxpy(oi, scores[j], v[tj*kStride+kOff:tj*kStride+kOff+Dh])
-				}
-				inv := T(1 / sum)
-				for d := range oi {
-					oi[d] *= inv
-				}
-				lse[bh*S+i] = T(m + math.Log(sum))
+				// Keys 0..last; later keys are masked out.
+				lse[bh*S+i] = attnRow(out[ti*qStride+qOff:ti*qStride+qOff+Dh], q[ti*qStride+qOff:ti*qStride+qOff+Dh],
+					scores, lastKey(s, i), scale, func(j int) []T { return row(k, j) }, func(j int) []T { return row(v, j) })
 			}
 		}
 	})

@@ -140,32 +140,12 @@ func zigzagForward[T Float](b *Backend, outTQ, lseBHS, qTQ backend.Tensor, kTK, 
 			pos0 := z.LocalChunk(z.Rank, n) * C
 			for l := range C {
 				ti := bi*2*C + n*C + l
-				qi := q[ti*qStride+qOff : ti*qStride+qOff+Dh]
-				last := pos0 + l
-				m := math.Inf(-1)
-				for j := 0; j <= last; j++ {
+				at := func(t [][]T, j int) []T {
 					r, row := z.keyRow(bi, j)
-					sc := float64(attnDot(qi, k[r][row*kStride+kOff:row*kStride+kOff+Dh])) * scale
-					scores[j] = T(sc)
-					m = max(m, sc)
+					return t[r][row*kStride+kOff : row*kStride+kOff+Dh]
 				}
-				var sum float64
-				for j := 0; j <= last; j++ {
-					p := math.Exp(float64(scores[j]) - m)
-					scores[j] = T(p)
-					sum += p
-				}
-				oi := out[ti*qStride+qOff : ti*qStride+qOff+Dh]
-				clear(oi)
-				for j := 0; j <= last; j++ {
-					r, row := z.keyRow(bi, j)
-					attnAxpy(oi, scores[j], v[r][row*kStride+kOff:row*kStride+kOff+Dh])
-				}
-				inv := T(1 / sum)
-				for d := range oi {
-					oi[d] *= inv
-				}
-				lse[z.lseIndex(bi, n, h, l)] = T(m + math.Log(sum))
+				lse[z.lseIndex(bi, n, h, l)] = attnRow(out[ti*qStride+qOff:ti*qStride+qOff+Dh], q[ti*qStride+qOff:ti*qStride+qOff+Dh],
+					scores, pos0+l, scale, func(j int) []T { return at(k, j) }, func(j int) []T { return at(v, j) })
 			}
 		}
 	})
