@@ -22,10 +22,12 @@ package tensorpar
 //	                     no other rank writes them); after the Barrier r
 //	                     sums its slots in rank order.
 //	MatMulAllReduce:     the reduce-scatter into each owner's own block of
-//	                     out (the first point-to-point round), then r
-//	                     copies every peer's block out of the peer's out
-//	                     (the second); Barrier, so no rank writes its out
-//	                     while a peer still reads it.
+//	                     out (the first point-to-point round; its exchange
+//	                     hands over every rank's out too, and it ends at a
+//	                     meeting once every block is whole), then r copies
+//	                     every peer's block out of the peer's out (the
+//	                     second); Barrier, so no rank writes its out while
+//	                     a peer still reads it.
 //
 // The products are the backend's (on CUDA the grouped GEMM's wgmma/TMA
 // pipeline, its epilogue sending rows to their owners, its gather feeding
@@ -128,30 +130,47 @@ func (f *fused) scatter(dsts []backend.Tensor, row0 int, terms []Term) {
 }
 
 // reduceScatter lands the row blocks of Σ terms in their owners: block r
-// summed into mine (this rank's [B, N]) when the call returns.
-func (f *fused) reduceScatter(mine backend.Tensor, terms []Term, what string) error {
+// summed into mine (this rank's [B, N]) when the call returns. The
+// exchange that gives the peers' landing tensors also gives every rank's
+// extra (nil: none), returned by rank; with an extra the call ends at a
+// meeting after this rank's block is complete, so a peer may read it.
+func (f *fused) reduceScatter(mine backend.Tensor, terms []Term, what string, extra backend.Tensor) ([]backend.Tensor, error) {
 	w, rank := f.g.Size(), f.g.Rank()
 	ms := mine.Shape()
+	exchange := func(land backend.Tensor) ([]backend.Tensor, []backend.Tensor, error) {
+		ts := []backend.Tensor{land}
+		if extra != nil {
+			ts = append(ts, extra)
+		}
+		all, err := f.peers.PeerTensors(ts...)
+		if err != nil {
+			return nil, nil, f.fail(what+": exchange of the outputs", err)
+		}
+		if extra == nil {
+			return column(all, 0), nil, nil
+		}
+		return column(all, 0), column(all, 1), nil
+	}
 	if f.atomic {
 		f.b.Zero(mine)
-		all, err := f.peers.PeerTensors(mine)
+		dsts, extras, err := exchange(mine)
 		if err != nil {
-			return f.fail(what+": exchange of the outputs", err)
+			return nil, err
 		}
-		f.scatter(column(all, 0), 0, terms)
+		f.scatter(dsts, 0, terms)
 		if err := f.g.Barrier(); err != nil {
-			return f.fail(what+": every block landed", err)
+			return nil, f.fail(what+": every block landed", err)
 		}
-		return nil
+		return extras, nil
 	}
 	slots := f.slotTensor(ms[0], ms[1])
-	all, err := f.peers.PeerTensors(slots)
+	dsts, extras, err := exchange(slots)
 	if err != nil {
-		return f.fail(what+": exchange of the slots", err)
+		return nil, err
 	}
-	f.scatter(column(all, 0), rank*ms[0], terms)
+	f.scatter(dsts, rank*ms[0], terms)
 	if err := f.g.Barrier(); err != nil {
-		return f.fail(what+": every block landed", err)
+		return nil, f.fail(what+": every block landed", err)
 	}
 	n := ms[0] * ms[1]
 	f.b.Copy(mine, f.b.View(slots, 0, ms...))
@@ -160,13 +179,19 @@ func (f *fused) reduceScatter(mine backend.Tensor, terms []Term, what string) er
 	}
 	// The slots are written again by the peers' next call only after the
 	// next PeerTensors, which this rank reaches after its sums are queued.
-	return nil
+	if extra != nil {
+		if err := f.g.Barrier(); err != nil {
+			return nil, f.fail(what+": every block summed", err)
+		}
+	}
+	return extras, nil
 }
 
 // matMulReduceScatter is MatMulReduceScatter fused: out is this rank's
 // block of rows of Σ terms.
 func (f *fused) matMulReduceScatter(out backend.Tensor, terms []Term) error {
-	return f.reduceScatter(out, terms, "reduce-scatter")
+	_, err := f.reduceScatter(out, terms, "reduce-scatter", nil)
+	return err
 }
 
 // matMulAllReduce is MatMulAllReduce fused: the reduce-scatter into this
@@ -176,16 +201,13 @@ func (f *fused) matMulAllReduce(out backend.Tensor, terms []Term) error {
 	os := out.Shape()
 	block := os[0] / w
 	n := block * os[1]
-	if err := f.reduceScatter(f.b.View(out, rank*n, block, os[1]), terms, "all-reduce"); err != nil {
+	outs, err := f.reduceScatter(f.b.View(out, rank*n, block, os[1]), terms, "all-reduce", out)
+	if err != nil {
 		return err
 	}
-	all, err := f.peers.PeerTensors(out)
-	if err != nil {
-		return f.fail("all-reduce: exchange of the outputs", err)
-	}
-	for q, row := range all {
+	for q, peer := range outs {
 		if q != rank {
-			f.b.Copy(f.b.View(out, q*n, block, os[1]), f.b.View(row[0], q*n, block, os[1]))
+			f.b.Copy(f.b.View(out, q*n, block, os[1]), f.b.View(peer, q*n, block, os[1]))
 		}
 	}
 	if err := f.g.Barrier(); err != nil {
