@@ -75,6 +75,7 @@ type Source struct {
 func Sources() []Source {
 	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
 	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
+	const hopperAttnGrid = "(B*H, ceil(S/128)) blocks: one per head and 128 queries; sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
 	const attnKeyGrid = "(B*KV, ceil(KVSeq/64)) blocks: one per kv head and 64 keys"
 	const zigzagGrid = "(B*H, 2C/64) blocks: one per head and 64 of a rank's local queries (C a multiple of 64)"
 	const zigzagKeyGrid = "(B*H, 2C/64) blocks: one per query head and 64 of a rank's local keys"
@@ -176,6 +177,10 @@ func Sources() []Source {
 			{Name: "attn_zz_backward_dkdv_d64", Block: 128, Grid: zigzagKeyGrid},
 			{Name: "attn_zz_backward_dkdv_d128", Block: 128, Grid: zigzagKeyGrid},
 			{Name: "attn_zz_sum_heads", Block: 256, Grid: "grid-stride over float4s of dk"},
+		}},
+		{File: "attention_hopper.cu", Kernels: []Kernel{
+			{Name: "attn_h_forward_d64", Block: 384, Grid: hopperAttnGrid},
+			{Name: "attn_h_forward_d128", Block: 384, Grid: hopperAttnGrid},
 		}},
 		{File: "rope.cu", Kernels: []Kernel{
 			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},

@@ -54,6 +54,10 @@ const (
 	// attnTC is attention_tc.cu: bf16 tensor cores, head dims 64 and 128,
 	// tensors (but lse) 16-byte aligned.
 	attnTC
+	// attnHopper is attention_hopper.cu's forward (wgmma and TMA on
+	// sm_90a, q, k and v rounded to bf16 first) with attention_tc.cu's
+	// backward; the same head dims and alignment as attnTC.
+	attnHopper
 )
 
 func (i attnImpl) String() string {
@@ -64,6 +68,8 @@ func (i attnImpl) String() string {
 		return "fp32"
 	case attnTC:
 		return "tensor cores"
+	case attnHopper:
+		return "hopper"
 	}
 	return fmt.Sprintf("attnImpl(%d)", int(i))
 }
@@ -98,12 +104,19 @@ func AttentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 // attentionForward is AttentionForward on the kernels impl names.
 func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, impl attnImpl) error {
 	const op = "AttentionForward"
+	auto := impl == attnAuto
 	dp, err := checkAttnShape(op, s)
 	if err != nil {
 		return err
 	}
 	if impl, err = chooseAttn(op, impl, s, out, q, k, v); err != nil {
 		return err
+	}
+	if impl == attnHopper || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
+		if !hopperAttnTakes(d, s) {
+			return fmt.Errorf("cuda: %s: the Hopper kernels need an sm_90a GPU, not %s", op, d.info.Arch)
+		}
+		return hopperAttnForwardF32(d, out, lse, q, k, v, s)
 	}
 	_, scaleLog2 := attnScales(s.HeadDim)
 	S, KS, off, H, KV := int32(s.Seq), int32(s.Keys()), attnOffset(s), int32(s.Heads), int32(s.KVHeads)
@@ -130,6 +143,9 @@ func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 	}
 	if impl, err = chooseAttn(op, impl, s, dq, dk, dv, dout, q, k, v, out); err != nil {
 		return err
+	}
+	if impl == attnHopper {
+		impl = attnTC // the Hopper set's backward is attention_tc.cu's
 	}
 	dqName, dkvName := fmt.Sprintf("attn_backward_dq_d%d_f32", dp), fmt.Sprintf("attn_backward_dkdv_d%d_f32", dp)
 	// dq runs over query tiles, dk/dv over key tiles.
@@ -183,14 +199,14 @@ func chooseAttn(op string, impl attnImpl, s backend.AttnShape, ptrs ...driver.De
 		return attnFP32, nil
 	case attnFP32:
 		return attnFP32, nil
-	case attnTC:
+	case attnTC, attnHopper:
 		if !tcHeadDim(s.HeadDim) {
 			return 0, fmt.Errorf("cuda: %s: the tensor-core kernels take head dims 64 and 128, not %d", op, s.HeadDim)
 		}
 		if !aligned {
 			return 0, fmt.Errorf("cuda: %s: the tensor-core kernels need 16-byte aligned tensors", op)
 		}
-		return attnTC, nil
+		return impl, nil
 	}
 	return 0, fmt.Errorf("cuda: %s: unknown attention kernels %v", op, impl)
 }

@@ -37,14 +37,14 @@ const attnRoundedLseTol = 1e-4
 
 // attnTol is the tolerance of impl's kernels against the raw reference.
 func attnTol(impl attnImpl) float64 {
-	if impl == attnTC {
-		return attnBF16Tol
+	if impl == attnFP32 {
+		return attnFP32Tol
 	}
-	return attnFP32Tol
+	return attnBF16Tol
 }
 
 func TestAttentionKernels(t *testing.T) {
-	testDevice(t)
+	d := testDevice(t)
 	shapes := []backend.AttnShape{
 		{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 16},
 		{Batch: 1, Seq: 300, Heads: 8, KVHeads: 2, HeadDim: 64},
@@ -66,11 +66,20 @@ func TestAttentionKernels(t *testing.T) {
 		{Batch: 1, Seq: 128, Heads: 2, KVHeads: 1, HeadDim: 128, KVSeq: 512, QOffset: 384},
 		{Batch: 2, Seq: 64, Heads: 2, KVHeads: 2, HeadDim: 64, KVSeq: 256},
 		{Batch: 1, Seq: 1, Heads: 2, KVHeads: 2, HeadDim: 64, KVSeq: 70, QOffset: 67},
+		// Unmasked (a ring's blocks of earlier keys), with a key tile that
+		// runs into the next sequence; and queries spanning several of the
+		// Hopper kernel's 128-query blocks against a longer key sequence.
+		{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 200, Full: true},
+		{Batch: 2, Seq: 260, Heads: 4, KVHeads: 1, HeadDim: 128, KVSeq: 333, Full: true},
+		{Batch: 2, Seq: 300, Heads: 4, KVHeads: 2, HeadDim: 128, KVSeq: 700, QOffset: 333},
 	}
 	for n, s := range shapes {
 		impls := []attnImpl{attnFP32}
 		if tcHeadDim(s.HeadDim) {
 			impls = append(impls, attnTC)
+			if hopperAttnTakes(d, s) {
+				impls = append(impls, attnHopper)
+			}
 		}
 		for _, impl := range impls {
 			name := fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim)
@@ -103,7 +112,7 @@ func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
 	gotOut, gotLse := k.download(out, nq), k.download(lse, nl)
 	k.check("out", gotOut, k.get(rout), tol)
 	k.check("lse", gotLse, k.get(rlse), tol)
-	if impl == attnTC {
+	if impl != attnFP32 {
 		bout, blse := k.ref.New(backend.Float64, T, H*Dh), k.ref.New(backend.Float64, s.Batch, H, s.Seq)
 		k.ref.AttentionForward(bout, blse, k.cpuF(roundBF16(q), T, H*Dh), k.cpuF(roundBF16(kk), TK, KV*Dh), rv, s)
 		k.check("lse against bf16-rounded q and k", gotLse, k.get(blse), attnRoundedLseTol)
@@ -138,8 +147,12 @@ func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
 		k.check("dk", gotK, k.get(rdk), tol)
 	}
 	k.check("dv", gotV, k.get(rdv), tol)
-	// Keys after the last query's last visible key get exactly 0.
+	// Keys after the last query's last visible key get exactly 0 (with
+	// Full, every query sees every key).
 	for b := range s.Batch {
+		if s.Full {
+			break
+		}
 		for j := s.QOffset + s.Seq; j < s.Keys(); j++ {
 			row := (b*s.Keys() + j) * KV * Dh
 			for x := row; x < row+KV*Dh; x++ {
@@ -149,7 +162,7 @@ func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
 			}
 		}
 	}
-	if impl == attnTC {
+	if impl != attnFP32 {
 		// For the record: the conformance suite's element-wise measure,
 		// max |got - want| / (|want| + rms(want)), which bf16 rounding of
 		// the inputs alone pushes past its bound of 1e-2 (an H200: up to
@@ -195,6 +208,7 @@ func TestAttentionFigures(t *testing.T) {
 			"attn_zz_forward_d%d", "attn_zz_backward_dq_d%d", "attn_zz_backward_dkdv_d%d"} {
 			names = append(names, "attention_tc.cu:"+fmt.Sprintf(name, dh))
 		}
+		names = append(names, fmt.Sprintf("attention_hopper.cu:attn_h_forward_d%d", dh))
 	}
 	for _, fn := range names {
 		file, name, _ := strings.Cut(fn, ":")
@@ -218,6 +232,12 @@ func TestAttentionFigures(t *testing.T) {
 	timeAttention(k, "attention fp32", moeSmall, attnFP32)
 	timeAttention(k, "attention", moeSmall, attnTC)
 	timeAttention(k, "attention", backend.AttnShape{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128}, attnTC)
+	if hopperAttnTakes(d, moeSmall) {
+		for _, s := range []backend.AttnShape{moeSmall, {Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128},
+			{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128}} {
+			timeAttention(k, "attention hopper", s, attnHopper)
+		}
+	}
 }
 
 // timeAttention times impl's forward and backward on s, logs their figures
@@ -239,6 +259,14 @@ func timeAttention(k *kt, name string, s backend.AttnShape, impl attnImpl) {
 	fwdMs := attnMedianMs(t, d, fwd)
 	bwdMs := attnMedianMs(t, d, bwd)
 	shape := fmt.Sprintf("B%d S%d H%d KV%d Dh%d", s.Batch, s.Seq, H, KV, Dh)
+	if impl == attnHopper {
+		// The kernel alone, on inputs already in bf16 (as SDPA is timed).
+		q16, k16, v16 := upload(k, bf16Slice(q)), upload(k, bf16Slice(kk)), upload(k, bf16Slice(v))
+		ms := attnMedianMs(t, d, func() error {
+			return AttentionForwardBF16(d, out.Ptr(), lse.Ptr(), q16.Ptr(), k16.Ptr(), v16.Ptr(), s)
+		})
+		figure(t, name+" fwd bf16 in "+shape+" rate", flops/ms/1e9, "TFLOP/s")
+	}
 	figure(t, name+" fwd "+shape, fwdMs, "ms")
 	figure(t, name+" fwd "+shape+" rate", flops/fwdMs/1e9, "TFLOP/s")
 	figure(t, name+" bwd "+shape, bwdMs, "ms")
