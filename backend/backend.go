@@ -248,9 +248,13 @@ type Backend interface {
 
 	// AttentionForward computes causal GQA attention. qTQ is [T, H*Dh],
 	// kTK and vTK are [T, KV*Dh], outTQ is [T, H*Dh]; lseBHS saves each query
-	// row's log-sum-exp of scaled scores for the backward.
+	// row's log-sum-exp of scaled scores for the backward. q, k and v are
+	// all of the float type or all BFloat16 (a backend whose kernels
+	// multiply in bf16 then reads them as they are); out and lse are of
+	// the float type.
 	AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK Tensor, s AttnShape)
-	// AttentionBackward writes dq, dk, dv.
+	// AttentionBackward writes dq, dk, dv (of the float type, as dout and
+	// out are; q, k and v as AttentionForward's).
 	AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS Tensor, s AttnShape)
 	// AttentionMerge folds the attention of a query row over a second
 	// set of keys into its attention over the first: for every row and

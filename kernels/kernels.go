@@ -76,6 +76,7 @@ func Sources() []Source {
 	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
 	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
 	const hopperAttnGrid = "(B*H, ceil(S/128)) blocks: one per head and 128 queries; sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
+	const hopperAttnKeyGrid = "(B*KV, ceil(KVSeq/128)) blocks: one per kv head and 128 keys; sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
 	const attnKeyGrid = "(B*KV, ceil(KVSeq/64)) blocks: one per kv head and 64 keys"
 	const zigzagGrid = "(B*H, 2C/64) blocks: one per head and 64 of a rank's local queries (C a multiple of 64)"
 	const zigzagKeyGrid = "(B*H, 2C/64) blocks: one per query head and 64 of a rank's local keys"
@@ -181,6 +182,9 @@ func Sources() []Source {
 		{File: "attention_hopper.cu", Kernels: []Kernel{
 			{Name: "attn_h_forward_d64", Block: 384, Grid: hopperAttnGrid},
 			{Name: "attn_h_forward_d128", Block: 384, Grid: hopperAttnGrid},
+			{Name: "attn_h_backward_d64", Block: 256, Grid: hopperAttnKeyGrid},
+			{Name: "attn_h_backward_d128", Block: 256, Grid: hopperAttnKeyGrid},
+			{Name: "attn_h_delta", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
 		}},
 		{File: "rope.cu", Kernels: []Kernel{
 			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},

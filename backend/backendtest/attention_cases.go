@@ -63,6 +63,9 @@ func attentionCases() []Case {
 	}
 	for _, s := range attnCompareShapes {
 		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s)})
+		if s.HeadDim%8 == 0 {
+			cs = append(cs, Case{Name: attnName(s) + "/bf16-qkv", Compare: attnCompareBF16(s)})
+		}
 	}
 	for _, s := range attnMergeShapes {
 		cs = append(cs, Case{Name: fmt.Sprintf("AttentionMerge/B%d_S%d_H%d_Dh%d", s.Batch, s.Seq, s.Heads, s.HeadDim), Compare: attnMergeCompare(s)})
@@ -134,6 +137,23 @@ func attnCompare(s backend.AttnShape) func(e *Env) {
 		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
 		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
 		// Every output element is a reduction over Seq rounded products.
+		e.NormWise = true
+		e.Run(func(b backend.Backend, x Pick) {
+			b.AttentionForward(x(out), x(lse), x(q), x(k), x(v), s)
+			b.AttentionBackward(x(dq), x(dk), x(dv), x(dout), x(q), x(k), x(v), x(out), x(lse), s)
+		})
+	}
+}
+
+// attnCompareBF16 is attnCompare with q, k and v BFloat16 tensors (the
+// operand type), out, lse, dout and the gradients float.
+func attnCompareBF16(s backend.AttnShape) func(e *Env) {
+	return func(e *Env) {
+		T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		q, k := e.BF16Uniform("q", -2, 2, T, Q), e.BF16Uniform("k", -2, 2, TK, K)
+		v, dout := e.BF16("v", TK, K), e.Rand("dout", T, Q)
+		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
+		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
 		e.NormWise = true
 		e.Run(func(b backend.Backend, x Pick) {
 			b.AttentionForward(x(out), x(lse), x(q), x(k), x(v), s)

@@ -2,7 +2,8 @@ package cuda
 
 // Causal grouped-query attention on raw device pointers: the launch side of
 // kernels/attention_tc.cu (tensor cores) and kernels/attention.cu (float32
-// on the CUDA cores). Both are flash style (no Seq x Seq matrix in memory);
+// on the CUDA cores), and the choice of those or attention_hopper.cu's
+// (attention_hopper.go). Both are flash style (no Seq x Seq matrix in memory);
 // the headers of the .cu files describe their tiling. Semantics are
 // backend/cpu's (the oracle): query token b*Seq + i, key token
 // b*Keys() + j, query head h reads kv head h/(Heads/KVHeads), scores
@@ -10,19 +11,24 @@ package cuda
 // j visible to query i iff j <= QOffset + i; every key with Full), lse in
 // natural log.
 //
-// Which kernels run: the tensor-core ones (bf16 operands, float32
-// accumulation and softmax statistics) for head dims 64 and 128 when every
-// tensor but lse is 16-byte aligned, as tensors from the allocator are; the
-// float32 ones (error ~1e-6) for every other case. Unmasked calls
-// (AttnShape.Full, the off-diagonal blocks of the portable context-parallel
-// ring) run on either with the offset KVSeq-1: both clip a query's keys at
-// the last one, so query i then sees keys 0..KVSeq-1. The tensor-core kernels
-// are 6.7x (forward) and 9.9x (backward) faster at moe-small's shape on an
-// H200, with relative (L2) errors of 4e-3 on out and up to 8e-3 on the
-// gradients against float64. The conformance suite compares attention as
-// whole tensors for that reason (backendtest.CompareNormWise): single
-// elements stray up to a few percent of the tensor's rms, which rounding
-// the inputs to bf16 alone causes.
+// Which kernels run: on Hopper GPUs (sm_90a), for head dims 64 and 128
+// when every tensor but lse is 16-byte aligned, attention_hopper.cu's
+// wgmma/TMA kernels on q, k, v (and dout) rounded to bf16 in scratch
+// first; on other GPUs, for the same head dims, the tensor-core kernels of
+// attention_tc.cu (bf16 operands rounded as tiles are staged, float32
+// accumulation and softmax statistics); the float32 ones (error ~1e-6)
+// for every other case. The Hopper backward adds dq's blocks with TMA
+// reductions, in the order its blocks run; a Backend under
+// SetDeterministic runs attention_tc.cu's backward instead, whose dq pass
+// adds in a fixed order. Unmasked calls (AttnShape.Full, the off-diagonal
+// blocks of the portable context-parallel ring) run on every set with the
+// offset KVSeq-1: the kernels clip a query's keys at the last one, so
+// query i then sees keys 0..KVSeq-1. Against float64 the bf16 kernels
+// give relative (L2) errors of about 4e-3 on out and up to 8e-3 on the
+// gradients; the conformance suite compares attention as whole tensors
+// for that reason (backendtest.CompareNormWise): single elements stray up
+// to a few percent of the tensor's rms, which rounding the inputs to bf16
+// alone causes.
 
 import (
 	"fmt"
@@ -54,6 +60,9 @@ const (
 	// attnTC is attention_tc.cu: bf16 tensor cores, head dims 64 and 128,
 	// tensors (but lse) 16-byte aligned.
 	attnTC
+	// attnAutoOrdered is attnAuto without float atomics: the Hopper
+	// forward where it applies, attention_tc.cu's backward (fixed order).
+	attnAutoOrdered
 	// attnHopper is attention_hopper.cu's forward (wgmma and TMA on
 	// sm_90a, q, k and v rounded to bf16 first) with attention_tc.cu's
 	// backward; the same head dims and alignment as attnTC.
@@ -70,6 +79,8 @@ func (i attnImpl) String() string {
 		return "tensor cores"
 	case attnHopper:
 		return "hopper"
+	case attnAutoOrdered:
+		return "auto, fixed order"
 	}
 	return fmt.Sprintf("attnImpl(%d)", int(i))
 }
@@ -92,19 +103,28 @@ func AttentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 
 // AttentionBackward writes (overwrites) dq [B*S, H*Dh], dk and dv
 // [B*KS, KV*Dh] (every key row; 0 where no query sees the key) from dout,
-// the forward's inputs, its out and its lse. It
-// runs two kernels, deterministic and free of atomics: one over query tiles
-// for dq, which also saves D_i = rowsum(dout*out) in a [B, H, S] scratch,
-// and one over key tiles for dk and dv, each owning its rows across the
-// query heads of its GQA group. Asynchronous, as AttentionForward.
+// the forward's inputs, its out and its lse. On Hopper it runs
+// attention_hopper.cu's backward (one kernel over key tiles that adds dq
+// with TMA reductions, so dq's last bits vary from run to run); elsewhere,
+// and under AttentionBackwardOrdered, two kernels, deterministic and free
+// of atomics: one over query tiles for dq, which also saves D_i =
+// rowsum(dout*out) in a [B, H, S] scratch, and one over key tiles for dk
+// and dv, each owning its rows across the query heads of its GQA group.
+// Asynchronous, as AttentionForward.
 func AttentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape) error {
 	return attentionBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, attnAuto)
+}
+
+// AttentionBackwardOrdered is AttentionBackward that adds in a fixed
+// order: the same inputs give the same bits on every run.
+func AttentionBackwardOrdered(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape) error {
+	return attentionBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, attnAutoOrdered)
 }
 
 // attentionForward is AttentionForward on the kernels impl names.
 func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, impl attnImpl) error {
 	const op = "AttentionForward"
-	auto := impl == attnAuto
+	auto := impl == attnAuto || impl == attnAutoOrdered // the forward adds in a fixed order either way
 	dp, err := checkAttnShape(op, s)
 	if err != nil {
 		return err
@@ -137,6 +157,7 @@ func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 // attentionBackward is AttentionBackward on the kernels impl names.
 func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, impl attnImpl) error {
 	const op = "AttentionBackward"
+	auto := impl == attnAuto
 	dp, err := checkAttnShape(op, s)
 	if err != nil {
 		return err
@@ -144,8 +165,11 @@ func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 	if impl, err = chooseAttn(op, impl, s, dq, dk, dv, dout, q, k, v, out); err != nil {
 		return err
 	}
-	if impl == attnHopper {
-		impl = attnTC // the Hopper set's backward is attention_tc.cu's
+	if impl == attnHopper || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
+		if !hopperAttnTakes(d, s) {
+			return fmt.Errorf("cuda: %s: the Hopper kernels need an sm_90a GPU, not %s", op, d.info.Arch)
+		}
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, false)
 	}
 	dqName, dkvName := fmt.Sprintf("attn_backward_dq_d%d_f32", dp), fmt.Sprintf("attn_backward_dkdv_d%d_f32", dp)
 	// dq runs over query tiles, dk/dv over key tiles.
@@ -192,7 +216,7 @@ func chooseAttn(op string, impl attnImpl, s backend.AttnShape, ptrs ...driver.De
 		aligned = aligned && p%16 == 0
 	}
 	switch impl {
-	case attnAuto:
+	case attnAuto, attnAutoOrdered:
 		if attnTensorCores && tcHeadDim(s.HeadDim) && aligned {
 			return attnTC, nil
 		}

@@ -171,9 +171,17 @@ func checkAttention(k *kt, s backend.AttnShape, impl attnImpl) {
 			elementRatio(gotOut, k.get(rout)), elementRatio(gotQ, k.get(rdq)), elementRatio(gotK, k.get(rdk)), elementRatio(gotV, k.get(rdv)))
 	}
 
-	// No atomics: a second run gives the same bits.
+	// A second run gives the same bits, but for the Hopper kernel's dq,
+	// whose float atomics add in the order the blocks run.
 	backward()
-	if !slices.Equal(gotQ, k.download(gq, nq)) || !slices.Equal(gotK, k.download(gk, nk)) || !slices.Equal(gotV, k.download(gv, nk)) {
+	again := k.download(gq, nq)
+	if impl == attnHopper {
+		if s.Seq > 1 || s.QOffset > 0 { // see the one-key case above
+			k.check("dq of a second run", again, k.get(rdq), tol)
+		}
+		again = gotQ
+	}
+	if !slices.Equal(gotQ, again) || !slices.Equal(gotK, k.download(gk, nk)) || !slices.Equal(gotV, k.download(gv, nk)) {
 		k.t.Error("the backward is not deterministic: a second run gave other bits")
 	}
 }
@@ -208,7 +216,7 @@ func TestAttentionFigures(t *testing.T) {
 			"attn_zz_forward_d%d", "attn_zz_backward_dq_d%d", "attn_zz_backward_dkdv_d%d"} {
 			names = append(names, "attention_tc.cu:"+fmt.Sprintf(name, dh))
 		}
-		names = append(names, fmt.Sprintf("attention_hopper.cu:attn_h_forward_d%d", dh))
+		names = append(names, fmt.Sprintf("attention_hopper.cu:attn_h_forward_d%d", dh), fmt.Sprintf("attention_hopper.cu:attn_h_backward_d%d", dh))
 	}
 	for _, fn := range names {
 		file, name, _ := strings.Cut(fn, ":")

@@ -46,67 +46,113 @@ func hopperAttnTakes(d *Device, s backend.AttnShape) bool {
 }
 
 // AttentionForwardBF16 is AttentionForward on bf16 q [B*S, H*Dh], k and v
-// [B*KS, KV*Dh] (16-byte aligned), writing float32 out [B*S, H*Dh] and
-// lse [B, H, S]. It needs a Hopper GPU and head dim 64 or 128.
-// Asynchronous: launch errors come back from the next Sync.
+// [B*KS, KV*Dh], writing float32 out [B*S, H*Dh] and lse [B, H, S]. On
+// Hopper, for head dims 64 and 128 and 16-byte aligned tensors, the kernel
+// reads them as they are; elsewhere they are widened to float32 in scratch
+// for AttentionForward's kernels (the same values, so the same results up
+// to those kernels' own rounding). Asynchronous: launch errors come back
+// from the next Sync.
 func AttentionForwardBF16(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape) error {
-	const op = "AttentionForwardBF16"
-	if _, err := checkAttnShape(op, s); err != nil {
+	if _, err := checkAttnShape("AttentionForwardBF16", s); err != nil {
 		return err
 	}
-	if !hopperAttnTakes(d, s) {
-		return fmt.Errorf("cuda: %s: needs a Hopper GPU (sm_90a) and head dim 64 or 128; %s, head dim %d", op, d.info.Arch, s.HeadDim)
+	if hopperAttnTakes(d, s) && aligned16(out, q, k, v) {
+		return launchHopperAttnForward(d, out, lse, q, k, v, s)
 	}
-	for _, p := range []driver.DevicePtr{out, q, k, v} {
-		if p%16 != 0 {
-			return fmt.Errorf("cuda: %s: tensors must be 16-byte aligned", op)
-		}
-	}
-	return launchHopperAttnForward(d, out, lse, q, k, v, s)
+	return withWidenedQKV(d, q, k, v, s, func(q, k, v driver.DevicePtr) error {
+		return attentionForward(d, out, lse, q, k, v, s, attnAuto)
+	})
 }
 
-// launchHopperAttnForward queues attn_h_forward_d{64,128} on checked
-// arguments.
-func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape) error {
-	dh := s.HeadDim
-	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_forward_d%d", dh))
+// AttentionBackwardBF16 is AttentionBackward with bf16 q, k and v (dout,
+// out, lse and the gradients float32), or AttentionBackwardOrdered with
+// ordered. The Hopper backward reads q, k and v as they are; the other
+// kernels get them widened to float32 in scratch.
+func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered bool) error {
+	if _, err := checkAttnShape("AttentionBackwardBF16", s); err != nil {
+		return err
+	}
+	if !ordered && hopperAttnTakes(d, s) && aligned16(dq, dk, dv, dout, q, k, v, out) {
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, true)
+	}
+	impl := attnAuto
+	if ordered {
+		impl = attnAutoOrdered
+	}
+	return withWidenedQKV(d, q, k, v, s, func(q, k, v driver.DevicePtr) error {
+		return attentionBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, impl)
+	})
+}
+
+// aligned16 reports whether every pointer is 16-byte aligned.
+func aligned16(ps ...driver.DevicePtr) bool {
+	for _, p := range ps {
+		if p%16 != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// withWidenedQKV runs f on float32 copies of bf16 q, k and v in one
+// scratch buffer, freed (stream-ordered) after f's kernels.
+func withWidenedQKV(d *Device, q, k, v driver.DevicePtr, s backend.AttnShape, f func(q, k, v driver.DevicePtr) error) error {
+	widen, err := sourceKernel(d, "convert.cu", "bf16_to_f32")
 	if err != nil {
 		return err
+	}
+	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
+	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
+	// Parts rounded up to 4 elements keep each one 16-byte aligned.
+	nq4, nk4 := (nq+3)/4*4, (nk+3)/4*4
+	buf, err := d.Alloc(4 * (nq4 + 2*nk4))
+	if err != nil {
+		return err
+	}
+	defer d.Free(buf)
+	qf := buf.Ptr()
+	kf := qf + driver.DevicePtr(4*nq4)
+	vf := kf + driver.DevicePtr(4*nk4)
+	for _, c := range []struct {
+		dst, src driver.DevicePtr
+		n        int64
+	}{{qf, q, nq}, {kf, k, nk}, {vf, v, nk}} {
+		if err := d.Launch(widen, d.StrideGrid(c.n, 256, 4), c.dst, c.src, c.n); err != nil {
+			return err
+		}
+	}
+	return f(qf, kf, vf)
+}
+
+// hopperAttnMap is a bf16 tensor of rows x cols as one 2-D tensor map read
+// in boxes of 64 columns (128 bytes, the swizzle span) by boxRows rows.
+func hopperAttnMap(addr driver.DevicePtr, cols, rows, boxRows int) driver.TiledMap {
+	return driver.TiledMap{
+		Type: driver.TensorMapBfloat16, Addr: addr,
+		Dims: []uint64{uint64(cols), uint64(rows)}, Strides: []uint64{2 * uint64(cols)},
+		Box: []uint32{64, uint32(boxRows)}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+	}
+}
+
+// namedMap is a tensor map and the name errors give it.
+type namedMap struct {
+	name string
+	m    driver.TiledMap
+}
+
+// launchWithMaps queues kern on grid with the tensor maps first and then
+// the 8-byte argument slots, opting the kernel in to grid.Shared bytes of
+// dynamic shared memory. The maps are checked here and encoded on the
+// device thread.
+func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedMap, slots []uint64) error {
+	for _, m := range maps {
+		if err := m.m.Check(); err != nil {
+			return fmt.Errorf("cuda: %s: %s: %w", op, m.name, err)
+		}
 	}
 	enc, err := d.drv.TensorMapEncoder()
 	if err != nil {
-		return fmt.Errorf("cuda: AttentionForward: %w", err)
-	}
-	// Each tensor is one 2-D map {columns, rows} read in boxes of 64
-	// columns (128 bytes, the swizzle span) by 128 rows.
-	tileMap := func(addr driver.DevicePtr, cols, rows int) driver.TiledMap {
-		return driver.TiledMap{
-			Type: driver.TensorMapBfloat16, Addr: addr,
-			Dims: []uint64{uint64(cols), uint64(rows)}, Strides: []uint64{2 * uint64(cols)},
-			Box: []uint32{64, hopperAttnBM}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
-		}
-	}
-	keys := s.Keys()
-	maps := []struct {
-		name string
-		m    driver.TiledMap
-	}{
-		{"q", tileMap(q, s.Heads*dh, s.Batch*s.Seq)},
-		{"k", tileMap(k, s.KVHeads*dh, s.Batch*keys)},
-		{"v", tileMap(v, s.KVHeads*dh, s.Batch*keys)},
-	}
-	for _, m := range maps {
-		if err := m.m.Check(); err != nil {
-			return fmt.Errorf("cuda: AttentionForward: %s: %w", m.name, err)
-		}
-	}
-	_, scaleLog2 := attnScales(dh)
-	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
-		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2))}
-	grid := Grid{
-		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: (s.Seq + hopperAttnBM - 1) / hopperAttnBM, Z: 1},
-		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
-		Shared: hopperAttnSmem(dh),
+		return fmt.Errorf("cuda: %s: %w", op, err)
 	}
 	return d.Submit(func() error {
 		if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
@@ -115,7 +161,7 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 		tms := make([]driver.TensorMap, len(maps))
 		for i, m := range maps {
 			if err := enc.EncodeTiled(&tms[i], m.m); err != nil {
-				return fmt.Errorf("cuda: AttentionForward: %s tensor map: %w", m.name, err)
+				return fmt.Errorf("cuda: %s: %s tensor map: %w", op, m.name, err)
 			}
 		}
 		var pin runtime.Pinner
@@ -135,6 +181,30 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 		}
 		return nil
 	})
+}
+
+// launchHopperAttnForward queues attn_h_forward_d{64,128} on checked
+// arguments.
+func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape) error {
+	dh, keys := s.HeadDim, s.Keys()
+	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_forward_d%d", dh))
+	if err != nil {
+		return err
+	}
+	maps := []namedMap{
+		{"q", hopperAttnMap(q, s.Heads*dh, s.Batch*s.Seq, hopperAttnBM)},
+		{"k", hopperAttnMap(k, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
+		{"v", hopperAttnMap(v, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
+	}
+	_, scaleLog2 := attnScales(dh)
+	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
+		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2))}
+	grid := Grid{
+		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: (s.Seq + hopperAttnBM - 1) / hopperAttnBM, Z: 1},
+		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
+		Shared: hopperAttnSmem(dh),
+	}
+	return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
 }
 
 // hopperAttnForwardF32 rounds float32 q, k and v to bf16 in scratch
@@ -165,4 +235,99 @@ func hopperAttnForwardF32(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 		}
 	}
 	return launchHopperAttnForward(d, out, lse, qb, kb, vb, s)
+}
+
+// hopperAttnBwdQ is the queries of one backward item (AH_BQ).
+const hopperAttnBwdQ = 64
+
+// hopperAttnBwdSmem is the backward kernel's dynamic shared memory
+// (ah_bcfg<DH>::SMEM): slack, the k and v tiles, two stages of q and dout
+// tiles, four dS^T buffers, four dq staging buffers and the mbarriers.
+func hopperAttnBwdSmem(dh int) int {
+	const stages = 2
+	kt, qt := dh/64*128*128, dh/64*hopperAttnBwdQ*128
+	return 1024 + 2*kt + stages*2*qt + 4*64*128 + 4*64*64*4 + 8*(1+2*stages)
+}
+
+// hopperAttnBackward is AttentionBackward on the Hopper kernels: q, k and
+// v (unless qkvBF16 says they are bf16 already) and dout rounded to bf16
+// in scratch, delta = rowsum(dout*out) by
+// attn_h_delta, dq zeroed, then attn_h_backward_d{64,128}, which writes dk
+// and dv and adds dq's blocks with TMA reductions (float adds at L2 in the
+// order the blocks run, so dq's last bits vary from run to run).
+func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, qkvBF16 bool) error {
+	const op = "AttentionBackward"
+	dh, keys := s.HeadDim, s.Keys()
+	if d.info.MaxSharedOptIn < hopperAttnBwdSmem(dh) {
+		return fmt.Errorf("cuda: %s: the Hopper backward needs %d bytes of shared memory per block, %s offers %d", op, hopperAttnBwdSmem(dh), d.info.Name, d.info.MaxSharedOptIn)
+	}
+	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
+	if err != nil {
+		return err
+	}
+	deltaKern, err := sourceKernel(d, "attention_hopper.cu", "attn_h_delta")
+	if err != nil {
+		return err
+	}
+	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_backward_d%d", dh))
+	if err != nil {
+		return err
+	}
+	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*dh)
+	nk := int64(s.Batch) * int64(keys) * int64(s.KVHeads*dh)
+	nl := int64(s.Batch) * int64(s.Heads) * int64(s.Seq)
+	// bf16 q, dout, k and v, then float32 delta: every part 16-byte aligned.
+	buf, err := d.Alloc(2*(2*nq+2*nk) + 4*nl)
+	if err != nil {
+		return err
+	}
+	defer d.Free(buf) // stream-ordered, after the kernels below
+	qb := buf.Ptr()
+	ob := qb + driver.DevicePtr(2*nq)
+	kb := ob + driver.DevicePtr(2*nq)
+	vb := kb + driver.DevicePtr(2*nk)
+	delta := vb + driver.DevicePtr(2*nk)
+	rounds := []struct {
+		dst, src driver.DevicePtr
+		n        int64
+	}{{ob, dout, nq}, {qb, q, nq}, {kb, k, nk}, {vb, v, nk}}
+	if qkvBF16 {
+		rounds = rounds[:1]
+		qb, kb, vb = q, k, v
+	}
+	for _, c := range rounds {
+		if err := d.Launch(conv, d.StrideGrid((c.n+3)/4, 256, 8), c.dst, c.src, c.n); err != nil {
+			return err
+		}
+	}
+	T := int32(s.Batch * s.Seq)
+	if err := d.Launch(deltaKern, d.StrideGrid(int64(T)*int64(s.Heads)*32, 256, 8), delta, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh)); err != nil {
+		return err
+	}
+	if err := d.Submit(func() error { return d.drv.MemsetD32Async(dq, 0, int(nq), d.stream) }); err != nil {
+		return err
+	}
+	maps := []namedMap{
+		{"q", hopperAttnMap(qb, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
+		{"dout", hopperAttnMap(ob, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
+		{"k", hopperAttnMap(kb, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
+		{"v", hopperAttnMap(vb, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
+		// dq's blocks are added by TMA reductions of float32 boxes of 32
+		// columns (128 bytes, swizzled) by 64 query rows.
+		{"dq", driver.TiledMap{
+			Type: driver.TensorMapFloat32, Addr: dq,
+			Dims: []uint64{uint64(s.Heads * dh), uint64(s.Batch * s.Seq)}, Strides: []uint64{4 * uint64(s.Heads*dh)},
+			Box: []uint32{32, hopperAttnBwdQ}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+		}},
+	}
+	scale, scaleLog2 := attnScales(dh)
+	slots := []uint64{uint64(lse), uint64(delta), uint64(dk), uint64(dv),
+		uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))), uint64(uint32(s.Heads)),
+		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
+	grid := Grid{
+		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: (keys + hopperAttnBN - 1) / hopperAttnBN, Z: 1},
+		Block:  driver.Dim3{X: 256, Y: 1, Z: 1},
+		Shared: hopperAttnBwdSmem(dh),
+	}
+	return launchWithMaps(d, op, kern, grid, maps, slots)
 }

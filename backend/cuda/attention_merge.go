@@ -39,7 +39,7 @@ func AttentionMerge(d *Device, out, lse, part, plse driver.DevicePtr, s backend.
 func (b *Backend) AttentionMerge(outTQ, lseBHS, partTQ, partLseBHS backend.Tensor, s backend.AttnShape) {
 	const op = "AttentionMerge"
 	shape := backend.AttnShape{Batch: s.Batch, Seq: s.Seq, Heads: s.Heads, KVHeads: s.Heads, HeadDim: s.HeadDim}
-	ts := checkAttn(op, shape, lseBHS, attnArg{"out", outTQ, s.Heads, false}, attnArg{"part", partTQ, s.Heads, false})
+	ts := checkAttn(op, shape, lseBHS, attnArg{"out", outTQ, s.Heads, false, false}, attnArg{"part", partTQ, s.Heads, false, false})
 	pl := vector(op, "partLse", partLseBHS, s.Batch*s.Heads*s.Seq)
 	ps, ok := devicePtrs(append(ts, pl)...)
 	if !ok {

@@ -157,7 +157,7 @@ func (b *Backend) zigzagLaunch(name string, grid Grid, lists [][]driver.DevicePt
 func (b *Backend) ZigzagAttentionForward(outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionForward"
 	ps, lists := b.zigzagCall(op, s,
-		[]attnArg{{"out", outTQ, s.Heads, false}, {"lse", lseBHS, 0, false}, {"q", qTQ, s.Heads, false}},
+		[]attnArg{{"out", outTQ, s.Heads, false, false}, {"lse", lseBHS, 0, false, false}, {"q", qTQ, s.Heads, false, false}},
 		[][]backend.Tensor{kTK, vTK}, []int{s.KVHeads, s.KVHeads})
 	_, scaleLog2 := attnScales(s.HeadDim)
 	r, W, C, H, KV := int32(s.Rank), int32(s.Ranks), int32(s.Chunk), int32(s.Heads), int32(s.KVHeads)
@@ -173,8 +173,8 @@ func (b *Backend) ZigzagAttentionForward(outTQ, lseBHS, qTQ backend.Tensor, kTK,
 func (b *Backend) ZigzagAttentionBackwardDQ(dqTQ, deltaBHS, doutTQ, qTQ, outTQ, lseBHS backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionBackwardDQ"
 	ps, lists := b.zigzagCall(op, s,
-		[]attnArg{{"dq", dqTQ, s.Heads, false}, {"delta", deltaBHS, 0, false}, {"dout", doutTQ, s.Heads, false},
-			{"q", qTQ, s.Heads, false}, {"out", outTQ, s.Heads, false}, {"lse", lseBHS, 0, false}},
+		[]attnArg{{"dq", dqTQ, s.Heads, false, false}, {"delta", deltaBHS, 0, false, false}, {"dout", doutTQ, s.Heads, false, false},
+			{"q", qTQ, s.Heads, false, false}, {"out", outTQ, s.Heads, false, false}, {"lse", lseBHS, 0, false, false}},
 		[][]backend.Tensor{kTK, vTK}, []int{s.KVHeads, s.KVHeads})
 	scale, scaleLog2 := attnScales(s.HeadDim)
 	r, W, C, H, KV := int32(s.Rank), int32(s.Ranks), int32(s.Chunk), int32(s.Heads), int32(s.KVHeads)
@@ -194,7 +194,7 @@ func (b *Backend) ZigzagAttentionBackwardDQ(dqTQ, deltaBHS, doutTQ, qTQ, outTQ, 
 func (b *Backend) ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionBackwardDKDV"
 	ps, lists := b.zigzagCall(op, s,
-		[]attnArg{{"dk", dkTK, s.KVHeads, true}, {"dv", dvTK, s.KVHeads, true}, {"k", kTK, s.KVHeads, true}, {"v", vTK, s.KVHeads, true}},
+		[]attnArg{{"dk", dkTK, s.KVHeads, true, false}, {"dv", dvTK, s.KVHeads, true, false}, {"k", kTK, s.KVHeads, true, false}, {"v", vTK, s.KVHeads, true, false}},
 		[][]backend.Tensor{qTQ, doutTQ, lseBHS, deltaBHS}, []int{s.Heads, s.Heads, 0, 0})
 	scale, scaleLog2 := attnScales(s.HeadDim)
 	r, W, C, H, KV := int32(s.Rank), int32(s.Ranks), int32(s.Chunk), int32(s.Heads), int32(s.KVHeads)

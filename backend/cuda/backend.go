@@ -64,11 +64,13 @@ var (
 // SetDeterministic selects, for on, the fixed-order forms of the ops that
 // otherwise add with float atomics in the order the GPU happens to run
 // them: ScatterAddRows, EmbeddingBackward and CombineRows sort their rows
-// and sum each output row in one block (scatterOrdered). It also turns off
+// and sum each output row in one block (scatterOrdered), and
+// AttentionBackward runs attention_tc.cu's kernels (dq in a pass of its
+// own) instead of the Hopper kernel's dq atomics. It also turns off
 // the autotuning of matrix products (GemmOptions.NoAutotune), whose choice
 // by timing can differ from run to run and round differently. Every other
 // op already adds in a fixed order (the RMSNorm weight gradient through
-// per-block partial sums, attention's dq in its own pass), so with it the
+// per-block partial sums), so with it the
 // same ops on the same inputs give the same bits on every run on one GPU.
 func (b *Backend) SetDeterministic(on bool) {
 	b.deterministic.Store(on)

@@ -69,10 +69,11 @@ func (b *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inv
 // attnArg is a token-major attention argument and the number of heads of
 // width HeadDim in each of its rows.
 type attnArg struct {
-	name  string
-	t     backend.Tensor
-	heads int
-	keys  bool // k, v and their gradients: Batch*Keys() rows, not Batch*Seq
+	name    string
+	t       backend.Tensor
+	heads   int
+	keys    bool // k, v and their gradients: Batch*Keys() rows, not Batch*Seq
+	operand bool // q, k and v: float32 or bfloat16
 }
 
 // checkAttn panics unless s is well formed and every tensor holds exactly
@@ -90,36 +91,60 @@ func checkAttn(op string, s backend.AttnShape, lseBHS backend.Tensor, args ...at
 		if a.keys {
 			rows = s.Batch * s.Keys()
 		}
-		ts = append(ts, vector(op, a.name, a.t, rows*a.heads*s.HeadDim))
+		if !a.operand {
+			ts = append(ts, vector(op, a.name, a.t, rows*a.heads*s.HeadDim))
+			continue
+		}
+		ct := operand(op, a.name, a.t)
+		if n := rows * a.heads * s.HeadDim; ct.Len() != n {
+			fail(op, "%s has shape %v (%d elements), want %d elements", a.name, ct.shape, ct.Len(), n)
+		}
+		ts = append(ts, ct)
 	}
 	return append(ts, vector(op, "lse", lseBHS, s.Batch*s.Heads*s.Seq))
 }
 
 // AttentionForward computes causal GQA attention (see backend.Backend).
 func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
-	ts := checkAttn("AttentionForward", s, lseBHS,
-		attnArg{"out", outTQ, s.Heads, false}, attnArg{"q", qTQ, s.Heads, false}, attnArg{"k", kTK, s.KVHeads, true}, attnArg{"v", vTK, s.KVHeads, true})
+	const op = "AttentionForward"
+	ts := checkAttn(op, s, lseBHS, attnArg{"out", outTQ, s.Heads, false, false},
+		attnArg{"q", qTQ, s.Heads, false, true}, attnArg{"k", kTK, s.KVHeads, true, true}, attnArg{"v", vTK, s.KVHeads, true, true})
+	sameDType(op, "q", ts[1], "k", ts[2])
+	sameDType(op, "q", ts[1], "v", ts[3])
 	ps, ok := devicePtrs(ts...)
 	if !ok {
 		return
 	}
 	out, q, k, v, lse := ps[0], ps[1], ps[2], ps[3], ps[4]
-	b.fail(AttentionForward(b.dev, out, lse, q, k, v, s))
+	if ts[1].dt == backend.BFloat16 {
+		b.fail(AttentionForwardBF16(b.dev, out, lse, q, k, v, s))
+	} else {
+		b.fail(AttentionForward(b.dev, out, lse, q, k, v, s))
+	}
 	runtime.KeepAlive(ts)
 }
 
 // AttentionBackward writes dq, dk and dv (see backend.Backend).
 func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {
-	ts := checkAttn("AttentionBackward", s, lseBHS,
-		attnArg{"dq", dqTQ, s.Heads, false}, attnArg{"dk", dkTK, s.KVHeads, true}, attnArg{"dv", dvTK, s.KVHeads, true},
-		attnArg{"dout", doutTQ, s.Heads, false}, attnArg{"q", qTQ, s.Heads, false}, attnArg{"k", kTK, s.KVHeads, true},
-		attnArg{"v", vTK, s.KVHeads, true}, attnArg{"out", outTQ, s.Heads, false})
+	const op = "AttentionBackward"
+	ts := checkAttn(op, s, lseBHS,
+		attnArg{"dq", dqTQ, s.Heads, false, false}, attnArg{"dk", dkTK, s.KVHeads, true, false}, attnArg{"dv", dvTK, s.KVHeads, true, false},
+		attnArg{"dout", doutTQ, s.Heads, false, false}, attnArg{"q", qTQ, s.Heads, false, true}, attnArg{"k", kTK, s.KVHeads, true, true},
+		attnArg{"v", vTK, s.KVHeads, true, true}, attnArg{"out", outTQ, s.Heads, false, false})
+	sameDType(op, "q", ts[4], "k", ts[5])
+	sameDType(op, "q", ts[4], "v", ts[6])
 	ps, ok := devicePtrs(ts...)
 	if !ok {
 		return
 	}
 	dq, dk, dv, dout, q, k, v, out, lse := ps[0], ps[1], ps[2], ps[3], ps[4], ps[5], ps[6], ps[7], ps[8]
-	b.fail(AttentionBackward(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s))
+	if ts[4].dt == backend.BFloat16 {
+		b.fail(AttentionBackwardBF16(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s, b.deterministic.Load()))
+	} else if b.deterministic.Load() {
+		b.fail(AttentionBackwardOrdered(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s))
+	} else {
+		b.fail(AttentionBackward(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s))
+	}
 	runtime.KeepAlive(ts)
 }
 
