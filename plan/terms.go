@@ -433,10 +433,21 @@ func sharedTerms(s shape) []Term {
 	}
 	// The largest buffer an op takes and frees: attention.go's backward
 	// delta [B, H, S/cp], backend_ops.go's RMSNorm weight-gradient
-	// partial sums (one row of D per 32 rows of x).
+	// partial sums (one row of D per 32 rows of x), and on the GPU
+	// attention_hopper.go's backward scratch (bf16 copies of q and dout
+	// [T, Ql], of k and v [keys, KDl], and float32 delta), the larger of
+	// its forward's and backward's.
 	delta := mul(s.B, s.Hl, s.Sl)
 	partial := mul(ceilDiv(s.R, max(rmsRowsPerBlock, ceilDiv(s.R, 65535))), s.D)
-	l.fixed(Workspace, "kernel scratch (transient)", 1, max(delta, partial), 4)
+	scratch := mul(4, max(delta, partial))
+	if dh := s.D / s.H; s.cuda && (dh == 64 || dh == 128) {
+		keys := s.T
+		if s.CP > 1 && s.c.CPAttention != CPRing {
+			keys = mul(s.B, s.S) // the all-gather path's calls see every key
+		}
+		scratch = max(scratch, add(mul(2, add(mul(2, s.T, s.Ql), mul(2, keys, s.KDl))), mul(4, delta)))
+	}
+	l.fixed(Workspace, "kernel scratch (transient)", 1, scratch, 1)
 	return l.terms
 }
 
