@@ -55,16 +55,16 @@ var attnCheckShapes = []backend.AttnShape{
 func attentionCases() []Case {
 	var cs []Case
 	for _, s := range attnCheckShapes {
-		c := Case{Name: attnName(s), Compare: attnCompare(s), Check: attnCheck(s)}
+		c := Case{Name: attnName(s), Compare: attnCompare(s, false), Check: attnCheck(s)}
 		if s.Seq == 1 {
 			c.Compare = nil
 		}
 		cs = append(cs, c)
 	}
 	for _, s := range attnCompareShapes {
-		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s)})
+		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s, false)})
 		if s.HeadDim%8 == 0 {
-			cs = append(cs, Case{Name: attnName(s) + "/bf16-qkv", Compare: attnCompareBF16(s)})
+			cs = append(cs, Case{Name: attnName(s) + "/bf16-qkv", Compare: attnCompare(s, true)})
 		}
 	}
 	for _, s := range attnMergeShapes {
@@ -125,35 +125,19 @@ func attnName(s backend.AttnShape) string {
 }
 
 // attnCompare runs the forward and then the backward on the forward's own
-// out and lse, on both backends.
-func attnCompare(s backend.AttnShape) func(e *Env) {
+// out and lse, on both backends; with bf16, q, k and v are BFloat16
+// tensors (the operand type), out, lse, dout and the gradients float.
+func attnCompare(s backend.AttnShape, bf16 bool) func(e *Env) {
 	return func(e *Env) {
 		T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
 		// q and k in [-2, 2) give scaled scores of standard deviation about
 		// 1.3 at every head dim: softmax rows that are neither flat nor
 		// one-hot.
-		q, k := e.Uniform("q", -2, 2, T, Q), e.Uniform("k", -2, 2, TK, K)
-		v, dout := e.Rand("v", TK, K), e.Rand("dout", T, Q)
+		q, k := e.typed(bf16, "q", -2, 2, T, Q), e.typed(bf16, "k", -2, 2, TK, K)
+		v, dout := e.typed(bf16, "v", -1, 1, TK, K), e.Rand("dout", T, Q)
 		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
 		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
 		// Every output element is a reduction over Seq rounded products.
-		e.NormWise = true
-		e.Run(func(b backend.Backend, x Pick) {
-			b.AttentionForward(x(out), x(lse), x(q), x(k), x(v), s)
-			b.AttentionBackward(x(dq), x(dk), x(dv), x(dout), x(q), x(k), x(v), x(out), x(lse), s)
-		})
-	}
-}
-
-// attnCompareBF16 is attnCompare with q, k and v BFloat16 tensors (the
-// operand type), out, lse, dout and the gradients float.
-func attnCompareBF16(s backend.AttnShape) func(e *Env) {
-	return func(e *Env) {
-		T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
-		q, k := e.BF16Uniform("q", -2, 2, T, Q), e.BF16Uniform("k", -2, 2, TK, K)
-		v, dout := e.BF16("v", TK, K), e.Rand("dout", T, Q)
-		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
-		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
 		e.NormWise = true
 		e.Run(func(b backend.Backend, x Pick) {
 			b.AttentionForward(x(out), x(lse), x(q), x(k), x(v), s)

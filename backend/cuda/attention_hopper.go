@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"math"
 	"runtime"
-	"unsafe"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda/driver"
@@ -145,10 +144,12 @@ type namedMap struct {
 // dynamic shared memory. The maps are checked here and encoded on the
 // device thread.
 func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedMap, slots []uint64) error {
-	for _, m := range maps {
+	tiled := make([]driver.TiledMap, len(maps))
+	for i, m := range maps {
 		if err := m.m.Check(); err != nil {
 			return fmt.Errorf("cuda: %s: %s: %w", op, m.name, err)
 		}
+		tiled[i] = m.m
 	}
 	enc, err := d.drv.TensorMapEncoder()
 	if err != nil {
@@ -158,24 +159,14 @@ func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedM
 		if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
 			return fmt.Errorf("%s: %w", kern.Desc.Name, err)
 		}
-		tms := make([]driver.TensorMap, len(maps))
-		for i, m := range maps {
-			if err := enc.EncodeTiled(&tms[i], m.m); err != nil {
-				return fmt.Errorf("cuda: %s: %s tensor map: %w", op, m.name, err)
-			}
-		}
 		var pin runtime.Pinner
 		defer pin.Unpin()
-		pin.Pin(&tms[0])
-		pin.Pin(&slots[0])
-		params := make([]unsafe.Pointer, 0, len(tms)+len(slots))
-		for i := range tms {
-			params = append(params, unsafe.Pointer(&tms[i]))
+		params, err := mappedParams(enc, tiled, slots, &pin, func(i int) string {
+			return "cuda: " + op + ": " + maps[i].name + " tensor map"
+		})
+		if err != nil {
+			return err
 		}
-		for i := range slots {
-			params = append(params, unsafe.Pointer(&slots[i]))
-		}
-		pin.Pin(&params[0])
 		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
 			return fmt.Errorf("%s: %w", kern.Desc.Name, err)
 		}

@@ -349,27 +349,21 @@ func (g *GroupedGemm) runNT(kern int, outRN, aRK, wENK, offsetsE1 driver.DeviceP
 	slots := []uint64{uint64(outRN), uint64(offsetsE1), uint64(uint32(rows)), uint64(uint32(n)), uint64(uint32(k)),
 		uint64(uint32(experts)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}
 	d := g.d
+	tiled := make([]driver.TiledMap, len(maps))
+	for i, m := range maps {
+		tiled[i] = m.m
+	}
 	return d.Submit(func() error {
 		// Encoding on the device thread keeps Run free of round trips;
 		// the maps were checked above, so failures here are the driver's.
-		tms := make([]driver.TensorMap, len(maps))
-		for i, m := range maps {
-			if err := g.enc.EncodeTiled(&tms[i], m.m); err != nil {
-				return fmt.Errorf("cuda: GroupedGemm: %s tensor map: %w", m.name, err)
-			}
-		}
 		var pin runtime.Pinner
 		defer pin.Unpin()
-		pin.Pin(&tms[0])
-		pin.Pin(&slots[0])
-		params := make([]unsafe.Pointer, 0, len(tms)+len(slots))
-		for i := range tms {
-			params = append(params, unsafe.Pointer(&tms[i]))
+		params, err := mappedParams(g.enc, tiled, slots, &pin, func(i int) string {
+			return "cuda: GroupedGemm: " + maps[i].name + " tensor map"
+		})
+		if err != nil {
+			return err
 		}
-		for i := range slots {
-			params = append(params, unsafe.Pointer(&slots[i]))
-		}
-		pin.Pin(&params[0])
 		if err := d.drv.LaunchKernel(kernel.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
 			return fmt.Errorf("%s: %w", kernel.Desc.Name, err)
 		}

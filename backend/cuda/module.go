@@ -221,3 +221,34 @@ func argBits(a any) (uint64, error) {
 	}
 	return 0, fmt.Errorf("unsupported type %T", a)
 }
+
+// mappedParams encodes the tensor maps (on the device thread: encoding
+// needs no context, and the maps were checked by the caller) and returns
+// a kernel's parameter list: the maps by value first, then the 8-byte
+// argument slots. pin holds all of it until the launch has read them.
+// name(i) names map i in errors.
+func mappedParams(enc *driver.TensorMapEncoder, maps []driver.TiledMap, slots []uint64, pin *runtime.Pinner, name func(int) string) ([]unsafe.Pointer, error) {
+	tms := make([]driver.TensorMap, len(maps))
+	for i, m := range maps {
+		if err := enc.EncodeTiled(&tms[i], m); err != nil {
+			return nil, fmt.Errorf("%s: %w", name(i), err)
+		}
+	}
+	params := make([]unsafe.Pointer, 0, len(tms)+len(slots))
+	for i := range tms {
+		params = append(params, unsafe.Pointer(&tms[i]))
+	}
+	for i := range slots {
+		params = append(params, unsafe.Pointer(&slots[i]))
+	}
+	if len(tms) > 0 {
+		pin.Pin(&tms[0])
+	}
+	if len(slots) > 0 {
+		pin.Pin(&slots[0])
+	}
+	if len(params) > 0 {
+		pin.Pin(&params[0])
+	}
+	return params, nil
+}

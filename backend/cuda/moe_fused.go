@@ -36,7 +36,6 @@ import (
 	"runtime"
 	"sync"
 	"time"
-	"unsafe"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda/driver"
@@ -654,24 +653,14 @@ func (g *GroupedGemm) launchFusedChosen(k *Kernel, grid Grid, maps []driver.Tile
 	}
 	d := g.d
 	return d.Submit(func() error {
-		tms := make([]driver.TensorMap, len(maps))
-		for i, m := range maps {
-			if err := g.enc.EncodeTiled(&tms[i], m); err != nil {
-				return fmt.Errorf("cuda: %s: tensor map %d: %w", k.Desc.Name, i, err)
-			}
-		}
 		var pin runtime.Pinner
 		defer pin.Unpin()
-		pin.Pin(&tms[0])
-		pin.Pin(&slots[0])
-		params := make([]unsafe.Pointer, 0, len(tms)+len(slots))
-		for i := range tms {
-			params = append(params, unsafe.Pointer(&tms[i]))
+		params, err := mappedParams(g.enc, maps, slots, &pin, func(i int) string {
+			return fmt.Sprintf("cuda: %s: tensor map %d", k.Desc.Name, i)
+		})
+		if err != nil {
+			return err
 		}
-		for i := range slots {
-			params = append(params, unsafe.Pointer(&slots[i]))
-		}
-		pin.Pin(&params[0])
 		return choose(func(k *Kernel) error {
 			if err := d.drv.LaunchKernel(k.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
 				return fmt.Errorf("%s: %w", k.Desc.Name, err)
