@@ -1,0 +1,697 @@
+// Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
+// define it compiles to the production source's PTX. AH_EXPERIMENT bits:
+//   1  the backward at head dim 128 computes dq once per item: each
+//      warpgroup takes 64 of dq's columns over all 128 keys (both
+//      warpgroups' dS^T, after a 256-thread barrier), so one block of dq
+//      is reduced per warpgroup and item instead of two (half the L2
+//      reductions, kernels/attention_hopper.md).
+//
+// Causal grouped-query attention forward for Hopper (sm_90a): bf16 q, k
+// and v read by TMA into a ring of shared-memory stages, both products on
+// wgmma, float32 softmax statistics and accumulation, float32 out and lse.
+// Same semantics as attention_tc.cu's forward (backend.AttnShape): query
+// token b*S + i, key token b*KS + j, query head h reads kv head h/(H/KV),
+// scores scaled by 1/sqrt(Dh), key j visible to query i iff j <= off + i
+// (an unmasked call passes off = KS-1) and j < KS; lse [B, H, S] in
+// natural log. Head dims 64 and 128.
+//
+// Work split. A block owns 128 queries of one (sequence, head) and has
+// three warpgroups (384 threads). Warpgroup 0 is the producer: one thread
+// loads the block's q tile once and then, for every key tile of 128 keys
+// the block sees, the k tile and the v tile, each completing on its own
+// "full" mbarrier of a STAGES-deep ring (so the scores can start before v
+// has landed). Warpgroups 1 and 2 are the consumers, 64 queries each:
+//
+//   S = q . k^T     wgmma m64n128k16 from shared memory (both K-major)
+//   mask, online softmax in registers (rows' max and sum, base 2)
+//   o = o*alpha + P . v   wgmma m64nDhk16, P from registers (bf16), v an
+//                         MN-major shared tile (transpose bit)
+//
+// and each consumer warp arrives on the stage's "empty" mbarrier once its
+// products are done, which lets the producer refill it. The scores'
+// accumulator layout is the A operand layout of the next product (both
+// are mma.m16n8k16's per warp), so P never leaves the registers. The two
+// consumers run the same key tiles on different queries, so while one is
+// in its softmax the other's products keep the tensor cores busy.
+//
+// Masking. Only tiles that cross the causal diagonal or the end of the
+// keys are masked, element by element; a block loads key tiles up to the
+// last key its last valid query sees, and a consumer whose queries see
+// fewer tiles drains the rest (waits for them to land and frees them). A
+// key tile past KS reads the next sequence's rows (k and v are one 2-D
+// map) or TMA's zero fill; both are masked. Queries past S in the last
+// q tile are computed on whatever rows the map returns and not stored.
+//
+// Registers. __launch_bounds__(384, 1) gives every thread 168; the
+// producer drops to 40 (setmaxnreg) and the consumers rise to 232, which
+// holds the scores (64 floats), o (Dh/2) and P (32 bf16 pairs).
+//
+// Layout in shared memory (128-byte swizzle, as grouped_gemm.cuh
+// explains): a tile of R rows and Dh columns is Dh/64 TMA boxes of {64
+// columns, R rows}, each R rows of 128 bytes. The scores' descriptors
+// advance 32 bytes per k16 step inside a box; v's MN-major descriptor
+// (gg_desc_mn) has its 64-column boxes 16 KiB apart (128 key rows) and
+// advances 2048 bytes (16 keys) per k16 step.
+
+#include "hopper.cuh"
+
+#ifndef AH_EXPERIMENT
+#define AH_EXPERIMENT 0
+#endif
+
+#define AH_BM 128  // queries per block
+#define AH_BN 128  // keys per tile
+#define AH_LN2 0.6931471805599453f
+
+extern __shared__ __attribute__((aligned(1024))) unsigned char ah_smem[];
+
+__device__ __forceinline__ float ah_neg_inf() { return gg_bits_float(0xff800000u); }
+
+// ah_ex2 is 2^x (2^-inf = 0); ah_lg2 is log2(x).
+__device__ __forceinline__ float ah_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float ah_lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- wgmma with A in registers ----
+
+// D[64 x N] += A[64 x 16] * B[N x 16]^T, A in registers (four bf16 pairs a
+// thread: per warp the A layout of mma.m16n8k16, rows 16w..16w+15), B an
+// MN-major tile in shared memory (descriptor db, gg_desc_mn; transpose bit
+// set). N = 64 (d holds 32 floats) or 128 (64).
+__device__ __forceinline__ void ah_wgmma_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ void ah_wgmma_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T from shared memory
+// (descriptors da, db); scale_d 0 overwrites D, 1 accumulates. TA and TB
+// say how A and B are stored: 0 K-major (gg_desc), 1 MN-major
+// (gg_desc_mn).
+template <int TA, int TB>
+__device__ __forceinline__ void ah_wgmma_ss(float (&d)[32], unsigned long long da, unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, "
+      "%32, %33, p, 1, 1, %35, %36;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+
+// ah_stages is the ring depth per head dim: a stage is a k and a v tile
+// (32 KiB at Dh 64, 64 KiB at Dh 128), beside the q tile.
+template <int DH>
+struct ah_cfg {
+  static constexpr int STAGES = DH == 64 ? 4 : 2;
+  static constexpr unsigned BOX = AH_BN * 128;             // {64 columns, 128 rows} of bf16: 16 KiB
+  static constexpr unsigned TILE = (DH / 64) * BOX;        // a q, k or v tile
+  static constexpr unsigned SMEM = 1024 + TILE + 2 * STAGES * TILE + 8 * (1 + 3 * STAGES);
+};
+
+template <int DH>
+__device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, float* out,
+                                           float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
+  constexpr int STAGES = ah_cfg<DH>::STAGES;
+  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
+  // mbarriers: q, fullK[STAGES], fullV[STAGES], empty[STAGES].
+  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 empty = fullV + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bh = blockIdx.x, b = bh / H, h = bh % H, kvh = h / (H / KV);
+  // Heaviest q tiles first: causal work grows with the tile index.
+  const int nQT = (S + AH_BM - 1) / AH_BM, i0 = (nQT - 1 - (int)blockIdx.y) * AH_BM;
+  const int lastRow = gg_min(S - 1, i0 + AH_BM - 1);
+  const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapK);
+    gg_prefetch_tmap(mapV);
+    gg_bar_expect_tx(barQ, TILE);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
+    for (int t = 0; t < nT; t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+      const int row = b * KS + t * AH_BN;
+      gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  // Consumer cw owns queries [i0 + 64cw, i0 + 64cw + 64); this thread rows
+  // r0 and r0 + 8 of them (the accumulator layout, grouped_gemm.cuh).
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+  const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
+  float o[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
+  gg_bar_wait(barQ, 0);
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  for (int t = 0; t < nTw; t++) {
+    const int s = t % STAGES;
+    const unsigned ph = (t / STAGES) & 1;
+    float sc[64];
+    gg_bar_wait(fullK + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long dk = gg_desc(ks + s * TILE);
+    gg_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+      // Box kk/4 (BOX bytes on), 32 bytes a k16 step within it.
+      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    const int j0 = t * AH_BN;
+    if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
+      const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
+#pragma unroll
+      for (int n = 0; n < 16; n++) {
+        const int j = j0 + 8 * n + 2 * t4;
+        if (j > lim0) sc[4 * n] = ah_neg_inf();
+        if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
+        if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
+        if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
+      }
+    }
+    // Online softmax: new row maxima (base 2, scaled), the rescale of what
+    // came before, and P = 2^(s*scale - max).
+    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+    }
+    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+    // A row with no visible key in this tile keeps its max (mx is -inf).
+    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+    // Every row sees key 0 (off >= 0), so n0 and n1 are finite from the
+    // first tile on; ah_ex2(-inf) is 0 for the first rescale.
+    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    float s0 = 0.0f, s1 = 0.0f;
+    unsigned p[8][4];
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
+      const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
+      s0 += e0 + e1;
+      s1 += e2 + e3;
+      // n8 block n is k columns 8(n%2).. of the k16 chunk n/2: registers
+      // 0, 1 (rows g, g+8) for the first half, 2, 3 for the second.
+      p[n >> 1][2 * (n & 1)] = gg_pack_bf16(e0, e1);
+      p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(e2, e3);
+    }
+    l0 = l0 * a0 + s0;
+    l1 = l1 * a1 + s1;
+#pragma unroll
+    for (int i = 0; i < DH / 8; i++) {
+      o[4 * i] *= a0;
+      o[4 * i + 1] *= a0;
+      o[4 * i + 2] *= a1;
+      o[4 * i + 3] *= a1;
+    }
+    gg_bar_wait(fullV + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+    gg_wgmma_fence();
+    gg_fence_acc(o);
+#pragma unroll
+    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(o);
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+  }
+  // Tiles the block loaded that this warpgroup's queries do not see: let
+  // them land, then free them, so the producer's ring turns.
+  for (int t = nTw; t < nT; t++) {
+    const int s = t % STAGES;
+    const unsigned ph = (t / STAGES) & 1;
+    gg_bar_wait(fullK + 8 * s, ph);
+    gg_bar_wait(fullV + 8 * s, ph);
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+  }
+  l0 += mk_shfl_xor(l0, 1);
+  l0 += mk_shfl_xor(l0, 2);
+  l1 += mk_shfl_xor(l1, 1);
+  l1 += mk_shfl_xor(l1, 2);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int HD = H * DH;
+  float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  float* o1 = o0 + 8LL * HD;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    if (r0 < S)
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(o0 + 8 * i), "f"(o[4 * i] * inv0), "f"(o[4 * i + 1] * inv0)
+                   : "memory");
+    if (r1 < S)
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(o1 + 8 * i), "f"(o[4 * i + 2] * inv1),
+                   "f"(o[4 * i + 3] * inv1)
+                   : "memory");
+  }
+  if (t4 == 0) {
+    float* lrow = lse + ((long long)b * H + h) * S;
+    if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+    if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
+  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
+  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
+}
+
+// ---- backward ----
+//
+// One kernel computes dk and dv and adds dq, after attn_h_delta. A block
+// owns 128 keys of one (sequence, kv head) and walks every query head of
+// the kv head's group and every 64-query tile that sees one of its keys;
+// the producer thread loads its k and v tiles once and then each item's q
+// and dout tiles into a STAGES-deep ring. Each consumer warpgroup owns 64
+// keys and computes, per item, with the scores transposed (keys are the
+// rows, so that P^T and dS^T land in registers as the A operands of the
+// products that accumulate into the keys' rows):
+//
+//   S^T = k q^T, dP^T = v dout^T   wgmma m64n64k16, shared memory, K-major
+//   P^T = 2^(S^T*scale - lse), dS^T = P^T (dP^T - delta) / sqrt(Dh)
+//   dv += P^T dout, dk += dS^T q   wgmma m64nDhk16, A from registers, q and
+//                                  dout MN-major (transpose bit)
+//   dq += dS k                     dS^T stored to shared memory in the
+//                                  128-byte swizzled MN-major layout, then
+//                                  wgmma m64n64k16 with both operands
+//                                  transposed, 64 columns of Dh at a time,
+//                                  added to dq with red.global.add.f32
+//
+// dk and dv stay in registers across the whole walk (GQA needs no partial
+// sums per head) and are stored once. dq must be zero before the kernel;
+// its sums are float atomics, so their order (and dq's last bits) varies
+// from run to run: the deterministic backward is attention_tc.cu's.
+// delta is rowsum(dout * out) per query and head, from dout rounded to
+// bf16 as dP^T sees it.
+
+#define AH_BQ 64        // queries per backward item
+#define AH_LOG2E 1.4426950408889634f
+
+struct alignas(16) ah_f4 {
+  float x, y, z, w;
+};
+
+template <int DH>
+struct ah_bcfg {
+  static constexpr int STAGES = 2;
+  static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
+  static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
+  static constexpr unsigned KT = (DH / 64) * KBOX;  // the k (or v) tile
+  static constexpr unsigned QT = (DH / 64) * QBOX;  // a q (or dout) tile
+  static constexpr unsigned DSB = 64 * 128;         // one warpgroup's dS^T: 64 keys x 64 queries
+  static constexpr unsigned DQB = 64 * 64 * 4;      // one warpgroup's dq staging: 64 queries x 64 columns
+  // k, v, STAGES x (q, dout), dS^T [2 parities][2 warpgroups], dq staging
+  // [2 warpgroups][2], barriers.
+  static constexpr unsigned SMEM = 1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + 8 * (1 + 2 * STAGES);
+};
+
+__device__ __forceinline__ void ah_sts(unsigned addr, unsigned v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void ah_sts2f(unsigned addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ float ah_ldg(const float* p) {
+  float r;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+
+// Block: two warpgroups (256 threads), 64 keys each; thread 0 also issues
+// the TMA loads. Eight warps let __launch_bounds__(256, 1) give every
+// thread 255 registers (an SM's four register files hold two warps each
+// at that size; a ninth warp, a producer, would cap all at 168), which
+// holds dk and dv (Dh floats a thread) beside an item's scores without
+// spilling.
+template <int DH>
+__device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+                                            const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                            const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
+                                            int KV, float scaleLog2, float scale) {
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging
+  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  const int j0 = blockIdx.y * 128;
+  const int nQT = (S + AH_BQ - 1) / AH_BQ;
+  const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  // load queues item it's q and dout tiles into its stage.
+  auto load = [&](int it) {
+    const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+    const unsigned qa = qs + s * 2 * QT;
+    gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
+      gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
+    }
+  };
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 1);   // thread 0's expect_tx
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapDO);
+    gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
+      gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
+    }
+    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
+  }
+  __syncthreads();
+
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
+  // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
+  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    gg_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+      const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+      ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+      const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+      ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    // The lse (to base 2) and delta of this thread's 16 queries, loaded
+    // while the products run. Column 8n + 2t4 + e is query q0 + 8n + 2t4 + e.
+    float l2[8][2], dl[8][2];
+    {
+      const float* lrow = lse + ((long long)b * H + h) * S;
+      const float* drow = delta + ((long long)b * H + h) * S;
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int i = q0 + 8 * n + 2 * t4 + e;
+          l2[n][e] = i < S ? ah_ldg(lrow + i) * AH_LOG2E : 0.0f;
+          dl[n][e] = i < S ? ah_ldg(drow + i) : 0.0f;
+        }
+      }
+    }
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    // P^T and dS^T in place of S^T and dP^T.
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
+      }
+    }
+    unsigned pa[4][4], da[4][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+    }
+    gg_wgmma_fence();
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+    gg_wgmma_commit();
+    // dS^T to this warpgroup's buffer of the item's parity: key row r holds
+    // its 64 queries in 128 bytes, 16-byte chunk n at n ^ (r & 7).
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
+      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#if AH_EXPERIMENT & 1
+    if (DH == 128) {
+      // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
+      // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
+      gg_named_sync(3, 256);
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) {
+        const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+        ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      gg_fence_acc(dva);
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * s);
+      if (tid == 0 && it + STAGES < items) {
+        gg_bar_wait(empty + 8 * s, ph);
+        load(it + STAGES);
+      }
+      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        const unsigned box = stg + (n >> 2) * (DQB / 2), x = 2 * (n & 3) + (t4 >> 1), off8 = 8 * (t4 & 1);
+        ah_sts2f(box + wr * 128 + ((x ^ (wr & 7)) << 4) + off8, acc[4 * n], acc[4 * n + 1]);
+        ah_sts2f(box + (wr + 8) * 128 + ((x ^ ((wr + 8) & 7)) << 4) + off8, acc[4 * n + 2], acc[4 * n + 3]);
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      if (wtid == 0) gg_bulk_wait_read();
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+      nq++;
+      continue;
+    }
+#endif
+    gg_named_sync(1 + cw, 128);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + c * KBOX + cw * 64 * 128, KBOX);
+#pragma unroll
+      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (c == 0) {
+        // dv's and dk's products (the group before) are done with the stage.
+        gg_fence_acc(dva);
+        gg_fence_acc(dka);
+        if (lane == 0) gg_bar_arrive(empty + 8 * s);
+        // Thread 0 refills the stage once both warpgroups are done with it.
+        if (tid == 0 && it + STAGES < items) {
+          gg_bar_wait(empty + 8 * s, ph);
+          load(it + STAGES);
+        }
+      }
+      // Stage the 64 x 64 block of dq as two TMA boxes of {32 columns, 64
+      // rows} float32, 128-byte swizzled (row r's 16-byte chunk x at
+      // x ^ (r & 7)), and let one thread add them to dq at L2.
+      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        const unsigned box = stg + (n >> 2) * (DQB / 2), x = 2 * (n & 3) + (t4 >> 1), off8 = 8 * (t4 & 1);
+        ah_sts2f(box + wr * 128 + ((x ^ (wr & 7)) << 4) + off8, acc[4 * n], acc[4 * n + 1]);
+        ah_sts2f(box + (wr + 8) * 128 + ((x ^ ((wr + 8) & 7)) << 4) + off8, acc[4 * n + 2], acc[4 * n + 3]);
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      // The block staged two rounds ago in this buffer was read out before
+      // anyone passes this barrier (wait_group.read covers the last round).
+      if (wtid == 0) gg_bulk_wait_read();
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+      nq++;
+    }
+  }
+  if (wtid == 0) gg_bulk_wait();
+  const int KD = KV * DH;
+  float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
+  float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    if (kr0 < KS) {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8 * i), "f"(dka[4 * i]), "f"(dka[4 * i + 1]) : "memory");
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8 * i), "f"(dva[4 * i]), "f"(dva[4 * i + 1]) : "memory");
+    }
+    if (kr1 < KS) {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8LL * KD + 8 * i), "f"(dka[4 * i + 2]), "f"(dka[4 * i + 3])
+                   : "memory");
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8LL * KD + 8 * i), "f"(dva[4 * i + 2]), "f"(dva[4 * i + 3])
+                   : "memory");
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
+  ah_backward<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
+  ah_backward<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
+}
+
+// attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
+// row b*S + i, head h (float32 in, [B, H, S] out). One warp per (row,
+// head), grid-stride; Dh a multiple of 4, rows 16-byte aligned.
+extern "C" __global__ void attn_h_delta(float* delta, const float* dout, const float* out, int T, int S, int H, int Dh) {
+  const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  const int lane = threadIdx.x & 31;
+  for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < (long long)T * H; w += warps) {
+    const long long row = w / H;
+    const int h = (int)(w % H);
+    const float* dr = dout + row * H * Dh + h * Dh;
+    const float* orow = out + row * H * Dh + h * Dh;
+    float sum = 0.0f;
+    for (int d = 4 * lane; d < Dh; d += 128) {
+      const ah_f4 a = *(const ah_f4*)(dr + d), o = *(const ah_f4*)(orow + d);
+      sum += mk_bf16_to_f32(mk_f32_to_bf16(a.x)) * o.x + mk_bf16_to_f32(mk_f32_to_bf16(a.y)) * o.y +
+             mk_bf16_to_f32(mk_f32_to_bf16(a.z)) * o.z + mk_bf16_to_f32(mk_f32_to_bf16(a.w)) * o.w;
+    }
+    sum = mk_warp_sum(sum);
+    if (lane == 0) delta[((row / S) * H + h) * S + row % S] = sum;
+  }
+}
