@@ -1,6 +1,7 @@
-// Causal grouped-query attention forward for Hopper (sm_90a): bf16 q, k
-// and v read by TMA into a ring of shared-memory stages, both products on
-// wgmma, float32 softmax statistics and accumulation, float32 out and lse.
+// Causal grouped-query attention for Hopper (sm_90a), forward and
+// backward (the backward's section below): bf16 q, k and v read by TMA
+// into a ring of shared-memory stages, the products on wgmma, float32
+// softmax statistics and accumulation, float32 out, lse and gradients.
 // Same semantics as attention_tc.cu's forward (backend.AttnShape): query
 // token b*S + i, key token b*KS + j, query head h reads kv head h/(H/KV),
 // scores scaled by 1/sqrt(Dh), key j visible to query i iff j <= off + i
@@ -34,9 +35,11 @@
 // map) or TMA's zero fill; both are masked. Queries past S in the last
 // q tile are computed on whatever rows the map returns and not stored.
 //
-// Registers. __launch_bounds__(384, 1) gives every thread 168; the
-// producer drops to 40 (setmaxnreg) and the consumers rise to 232, which
-// holds the scores (64 floats), o (Dh/2) and P (32 bf16 pairs).
+// Registers. __launch_bounds__(384, 1) gives every thread 168 (twelve
+// warps put three on each of the SM's four register files), which holds
+// the scores (64 floats), o (Dh/2) and P (32 bf16 pairs) without
+// spilling. The producer warpgroup hands registers to the consumers with
+// setmaxnreg (40 and 232), but the compiled code stays within 168.
 //
 // Layout in shared memory (128-byte swizzle, as grouped_gemm.cuh
 // explains): a tile of R rows and Dh columns is Dh/64 TMA boxes of {64
@@ -340,10 +343,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const _
 //
 // One kernel computes dk and dv and adds dq, after attn_h_delta. A block
 // owns 128 keys of one (sequence, kv head) and walks every query head of
-// the kv head's group and every 64-query tile that sees one of its keys;
-// the producer thread loads its k and v tiles once and then each item's q
-// and dout tiles into a STAGES-deep ring. Each consumer warpgroup owns 64
-// keys and computes, per item, with the scores transposed (keys are the
+// the kv head's group and every 64-query tile that sees one of its keys
+// (an item); thread 0 loads its k and v tiles once and each item's q and
+// dout tiles into a STAGES-deep ring, refilling a stage once both
+// warpgroups are done with it. Each of the two warpgroups owns 64 keys
+// and computes, per item, with the scores transposed (keys are the
 // rows, so that P^T and dS^T land in registers as the A operands of the
 // products that accumulate into the keys' rows):
 //
@@ -354,13 +358,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const _
 //   dq += dS k                     dS^T stored to shared memory in the
 //                                  128-byte swizzled MN-major layout, then
 //                                  wgmma m64n64k16 with both operands
-//                                  transposed, 64 columns of Dh at a time,
-//                                  added to dq with red.global.add.f32
+//                                  transposed, 64 columns of Dh at a time
+//                                  over the warpgroup's 64 keys, staged in
+//                                  shared memory and added to dq by TMA
+//                                  reductions (cp.reduce.async.bulk)
 //
 // dk and dv stay in registers across the whole walk (GQA needs no partial
 // sums per head) and are stored once. dq must be zero before the kernel;
-// its sums are float atomics, so their order (and dq's last bits) varies
-// from run to run: the deterministic backward is attention_tc.cu's.
+// its sums are float adds at L2 in the order the blocks run, so dq's last
+// bits vary from run to run: the deterministic backward is
+// attention_tc.cu's.
 // delta is rowsum(dout * out) per query and head, from dout rounded to
 // bf16 as dP^T sees it.
 
