@@ -1,12 +1,14 @@
 package cuda
 
-// The Hopper attention forward: the launch side of
-// kernels/attention_hopper.cu (its header describes the kernel). bf16 q, k
-// and v go in through TMA tensor maps; out and lse come out float32, with
-// AttentionForward's semantics. It serves head dims 64 and 128 on sm_90a
-// GPUs; attentionForward picks it there and rounds float32 inputs to bf16
-// first (the tensor-core kernels round them too, as they stage tiles, so
-// the results agree to float32 rounding of the accumulations).
+// The Hopper attention kernels' launch side (kernels/attention_hopper.cu;
+// its header describes the kernels), with AttentionForward's and
+// AttentionBackward's semantics. bf16 q, k, v (and dout) go in through
+// TMA tensor maps; out, lse and the gradients come out float32. They
+// serve head dims 64 and 128 on sm_90a GPUs: attentionForward and
+// attentionBackward pick them there and round float32 inputs to bf16 in
+// scratch first (the tensor-core kernels round them too, as they stage
+// tiles), and AttentionForwardBF16 / AttentionBackwardBF16 take bf16
+// tensors as they are.
 
 import (
 	"fmt"
@@ -39,9 +41,11 @@ func hopperAttnSmem(dh int) int {
 }
 
 // hopperAttnTakes says whether the Hopper kernels run s on d: a Hopper
-// GPU with the shared memory they need, and head dim 64 or 128.
+// GPU with the shared memory both directions need, and head dim 64 or
+// 128.
 func hopperAttnTakes(d *Device, s backend.AttnShape) bool {
-	return d.info.Arch == "sm_90a" && tcHeadDim(s.HeadDim) && d.info.MaxSharedOptIn >= hopperAttnSmem(s.HeadDim)
+	return d.info.Arch == "sm_90a" && tcHeadDim(s.HeadDim) &&
+		d.info.MaxSharedOptIn >= max(hopperAttnSmem(s.HeadDim), hopperAttnBwdSmem(s.HeadDim))
 }
 
 // AttentionForwardBF16 is AttentionForward on bf16 q [B*S, H*Dh], k and v
@@ -249,9 +253,6 @@ func hopperAttnBwdSmem(dh int) int {
 func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, qkvBF16 bool) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
-	if d.info.MaxSharedOptIn < hopperAttnBwdSmem(dh) {
-		return fmt.Errorf("cuda: %s: the Hopper backward needs %d bytes of shared memory per block, %s offers %d", op, hopperAttnBwdSmem(dh), d.info.Name, d.info.MaxSharedOptIn)
-	}
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
 	if err != nil {
 		return err
