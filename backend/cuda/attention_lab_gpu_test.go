@@ -3,8 +3,8 @@ package cuda
 // The experiments on the Hopper attention kernels (kernels/dev/
 // attention_hopper_lab.cu) on the GPU: each variant MKTRAIN_GG_VARIANTS
 // names is loaded in place of attention_hopper.cu, checked against the
-// CPU reference on the head-dim-128 shapes of TestAttentionKernels (exact
-// variants) and timed beside the production kernels' figures.
+// CPU reference on shapes of TestAttentionKernels (exact variants) and
+// timed beside the production kernels' figures.
 
 import (
 	"fmt"
@@ -63,6 +63,9 @@ func TestAttentionLabVariants(t *testing.T) {
 		{Batch: 2, Seq: 260, Heads: 4, KVHeads: 1, HeadDim: 128, KVSeq: 333, Full: true},
 		{Batch: 2, Seq: 300, Heads: 4, KVHeads: 2, HeadDim: 128, KVSeq: 700, QOffset: 333},
 		{Batch: 1, Seq: 300, Heads: 8, KVHeads: 2, HeadDim: 64},
+		{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 300, QOffset: 150},
+		{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 200, Full: true},
+		{Batch: 1, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
 	}
 	timed := []backend.AttnShape{
 		{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
