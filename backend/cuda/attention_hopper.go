@@ -251,6 +251,18 @@ func hopperAttnBwdSmem(dh int) int {
 // and dv and adds dq's blocks with TMA reductions (float adds at L2 in the
 // order the blocks run, so dq's last bits vary from run to run).
 func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, qkvBF16 bool) error {
+	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_backward_d%d", s.HeadDim))
+	if err != nil {
+		return err
+	}
+	return launchHopperAttnBackward(d, kern, 256, hopperAttnBwdSmem(s.HeadDim), dq, dk, dv, dout, q, k, v, out, lse, s, qkvBF16)
+}
+
+// launchHopperAttnBackward is hopperAttnBackward on kernel kern (attn_h_backward's
+// arguments) launched with threads threads and smem bytes of dynamic
+// shared memory a block: the production kernel, or a lab build whose
+// layout differs (kernels/dev).
+func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, qkvBF16 bool) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
@@ -258,10 +270,6 @@ func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.De
 		return err
 	}
 	deltaKern, err := sourceKernel(d, "attention_hopper.cu", "attn_h_delta")
-	if err != nil {
-		return err
-	}
-	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_backward_d%d", dh))
 	if err != nil {
 		return err
 	}
@@ -318,8 +326,8 @@ func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.De
 		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
 	grid := Grid{
 		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: (keys + hopperAttnBN - 1) / hopperAttnBN, Z: 1},
-		Block:  driver.Dim3{X: 256, Y: 1, Z: 1},
-		Shared: hopperAttnBwdSmem(dh),
+		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
+		Shared: smem,
 	}
 	return launchWithMaps(d, op, kern, grid, maps, slots)
 }

@@ -8,6 +8,7 @@ package cuda
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -47,9 +48,15 @@ func withAttentionLab(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (r
 	}
 }
 
+// ownLaunch names the variants whose kernels launch otherwise than the
+// production ones (another block size or shared memory): they are not
+// run in place of the production kernels but by tests of their own.
+var ownLaunch = map[string]bool{"bwd-producer-warp": true}
+
 func TestAttentionLabVariants(t *testing.T) {
 	d := testDevice(t)
 	lab, vs := labVariants(t, "attention_hopper_lab.cu", false)
+	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { return ownLaunch[v.Name] })
 	if len(vs) == 0 {
 		t.Skipf("%s names no variant of %s", labVariantsEnv, lab.File)
 	}
@@ -88,4 +95,86 @@ func TestAttentionLabVariants(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAttentionLabProducerWarp runs the lab's bwd-producer-warp build of
+// attn_h_backward_d64 (288 threads, 512 bytes more shared memory a stage)
+// beside the production kernel on the same inputs: both against the CPU
+// reference, then both timed at moe-small's shape.
+func TestAttentionLabProducerWarp(t *testing.T) {
+	d := testDevice(t)
+	lab, vs := labVariants(t, "attention_hopper_lab.cu", true)
+	i := slices.IndexFunc(vs, func(v dev.Variant) bool { return v.Name == "bwd-producer-warp" })
+	if i < 0 {
+		t.Skipf("%s does not name bwd-producer-warp", labVariantsEnv)
+	}
+	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
+		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
+	}
+	src, _ := kernelSource(t, "attention_hopper.cu")
+	m, err := d.load(src, lab.File+"+"+vs[i].Name, lab.Text, vs[i].Defines...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kern, err := m.Kernel("attn_h_backward_d64")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s (bwd-producer-warp): %d registers, %d bytes of local memory", kern.Desc.Name, kern.Registers, kern.LocalBytes)
+	const threads = 288
+	smem := hopperAttnBwdSmem(64) + 2*512
+	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
+		return launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, false)
+	}
+	shapes := []backend.AttnShape{
+		{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},
+		{Batch: 1, Seq: 300, Heads: 8, KVHeads: 2, HeadDim: 64},
+		{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 300, QOffset: 150},
+		{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 200, Full: true},
+		{Batch: 1, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
+	}
+	for n, s := range shapes {
+		t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_KVS%d_Off%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.Keys(), s.QOffset), func(t *testing.T) {
+			k := newKT(t, uint64(80+n))
+			T, TK, H, KV, Dh := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads, s.KVHeads, s.HeadDim
+			nq, nk, nl := T*H*Dh, TK*KV*Dh, s.Batch*H*s.Seq
+			q, kk, v, dout := k.randn(nq, 1.5), k.randn(nk, 1.5), k.randn(nk, 1), k.randn(nq, 1)
+			bq, bk, bv, bdout := upload(k, q), upload(k, kk), upload(k, v), upload(k, dout)
+			out, lse := k.poisoned(nq), k.poisoned(nl)
+			if err := attentionForward(d, out.Ptr(), lse.Ptr(), bq.Ptr(), bk.Ptr(), bv.Ptr(), s, attnHopper); err != nil {
+				t.Fatal(err)
+			}
+			gotOut, gotLse := k.download(out, nq), k.download(lse, nl)
+			rdq, rdk, rdv := k.ref.New(backend.Float64, T, H*Dh), k.ref.New(backend.Float64, TK, KV*Dh), k.ref.New(backend.Float64, TK, KV*Dh)
+			k.ref.AttentionBackward(rdq, rdk, rdv, k.cpuF(dout, T, H*Dh), k.cpuF(q, T, H*Dh), k.cpuF(kk, TK, KV*Dh), k.cpuF(v, TK, KV*Dh),
+				k.cpuF(gotOut, T, H*Dh), k.cpuF(gotLse, nl), s)
+			gq, gk, gv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
+			if err := labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s); err != nil {
+				t.Fatal(err)
+			}
+			if s.Seq > 1 {
+				k.check("dq", k.download(gq, nq), k.get(rdq), attnBF16Tol)
+				k.check("dk", k.download(gk, nk), k.get(rdk), attnBF16Tol)
+			}
+			k.check("dv", k.download(gv, nk), k.get(rdv), attnBF16Tol)
+		})
+	}
+	// Both builds at moe-small's shape, in this run.
+	s := backend.AttnShape{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64}
+	k := newKT(t, 90)
+	T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
+	nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
+	bq, bk, bv, bdout := upload(k, k.randn(nq, 1)), upload(k, k.randn(nk, 1)), upload(k, k.randn(nk, 1)), upload(k, k.randn(nq, 1))
+	out, lse := k.poisoned(nq), k.poisoned(nl)
+	gq, gk, gv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
+	if err := attentionForward(d, out.Ptr(), lse.Ptr(), bq.Ptr(), bk.Ptr(), bv.Ptr(), s, attnHopper); err != nil {
+		t.Fatal(err)
+	}
+	flops := 2.5 * 4 * float64(s.Batch*H) * float64(s.Seq) * float64(s.Seq) * float64(Dh) / 2
+	prodMs := attnMedianMs(t, d, func() error {
+		return attentionBackward(d, gq.Ptr(), gk.Ptr(), gv.Ptr(), bdout.Ptr(), bq.Ptr(), bk.Ptr(), bv.Ptr(), out.Ptr(), lse.Ptr(), s, attnHopper)
+	})
+	labMs := attnMedianMs(t, d, func() error { return labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s) })
+	figure(t, "attention hopper bwd B8 S2048 H16 KV4 Dh64 rate", flops/prodMs/1e9, "TFLOP/s")
+	figure(t, "attention hopper bwd-producer-warp bwd B8 S2048 H16 KV4 Dh64 rate", flops/labMs/1e9, "TFLOP/s")
 }
