@@ -1,7 +1,6 @@
 package tune_test
 
 import (
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -18,68 +17,22 @@ func cpCase(mode string) tune.CPAttentionCase {
 		Batch: 2, Seq: 16, CP: 2, OneDevice: true}
 }
 
-func resolveCP(t *testing.T, b backend.Backend, c tune.CPAttentionCase) (string, string, error) {
-	t.Helper()
-	var logs []string
-	got, err := tune.ResolveCPAttention(b, c, func(s string) { logs = append(logs, s) })
-	return got, strings.Join(logs, "\n"), err
+// cpResolver is ResolveCPAttention's resolverTest.
+var cpResolver = resolverTest[tune.CPAttentionCase]{
+	field: "parallel.cp_attention", table: "cp_attention.json",
+	explicit: []string{"ring", "allgather"}, unknown: "star", rule: "allgather",
+	newCase:       cpCase,
+	single:        func(c *tune.CPAttentionCase) { c.CP = 1 },
+	apart:         func(c *tune.CPAttentionCase) { c.OneDevice = false },
+	deterministic: func(c *tune.CPAttentionCase) { c.Deterministic = true },
+	resolve:       tune.ResolveCPAttention,
 }
 
+// TestResolveCPAttention: the checks every resolver passes, then the
+// table's answers, another shape and an unwritable table.
 func TestResolveCPAttention(t *testing.T) {
-	cache := t.TempDir()
-	t.Setenv("MKTRAIN_CACHE_DIR", cache)
-	table := filepath.Join(cache, "cp_attention.json")
-	c := cpu.New(backend.Float32)
-	other := elsewhere{c}
-
-	// Explicit values pass; unknown values fail, naming the field.
-	for _, m := range []string{"ring", "allgather"} {
-		if got, log, err := resolveCP(t, other, cpCase(m)); got != m || err != nil || !strings.Contains(log, "as the recipe says") {
-			t.Errorf("%s: %q, %v, %q", m, got, err, log)
-		}
-	}
-	if _, _, err := resolveCP(t, other, cpCase("star")); err == nil || !strings.Contains(err.Error(), "parallel.cp_attention") {
-		t.Errorf("unknown mode: %v", err)
-	}
-
-	// auto by rule: one context rank (silently), the CPU, ranks on
-	// separate devices, train.deterministic.
-	one := cpCase("auto")
-	one.CP = 1
-	if got, log, err := resolveCP(t, other, one); got != "allgather" || err != nil || log != "" {
-		t.Errorf("cp 1: %q, %v, %q", got, err, log)
-	}
-	apart := cpCase("")
-	apart.OneDevice = false
-	det := cpCase("auto")
-	det.Deterministic = true
-	for _, x := range []struct {
-		name string
-		b    backend.Backend
-		c    tune.CPAttentionCase
-		says string
-	}{
-		{"cpu", c, cpCase("auto"), "on the CPU"},
-		{"separate devices", other, apart, "separate GPUs or nodes"},
-		{"deterministic", other, det, "train.deterministic"},
-	} {
-		if got, log, err := resolveCP(t, x.b, x.c); got != "allgather" || err != nil || !strings.Contains(log, x.says) || !strings.Contains(log, "unmeasured") {
-			t.Errorf("%s: %q, %v, %q", x.name, got, err, log)
-		}
-	}
-	if _, err := os.Stat(table); err == nil {
-		t.Fatal("nothing was measured, but the table exists")
-	}
-
-	// auto elsewhere: measured and stored, then read from the table.
-	measured, log, err := resolveCP(t, other, cpCase("auto"))
-	if err != nil || !strings.Contains(log, "measuring") || !strings.Contains(log, "stored in "+table) {
-		t.Fatalf("first auto: %q, %v, log:\n%s", measured, err, log)
-	}
-	got, log, err := resolveCP(t, other, cpCase(""))
-	if err != nil || got != measured || !strings.Contains(log, "from the table") || strings.Contains(log, "measuring") {
-		t.Errorf("second auto: %q (measured %q), %v, log:\n%s", got, measured, err, log)
-	}
+	table, other, _ := cpResolver.checkShared(t)
+	resolveCP := cpResolver.run
 	// What the table says goes, whichever it is.
 	key := tune.NewCPAttentionKey(other, cpCase("auto"))
 	for _, tm := range []attention.ContextTiming{{AllGather: 1, Ring: 2}, {AllGather: 2, Ring: 1}} {

@@ -1,7 +1,6 @@
 package tune_test
 
 import (
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -19,69 +18,23 @@ func tpCase(mode string) tune.TPOverlapCase {
 		Rows: 32, TP: 2, SequenceParallel: true, OneDevice: true}
 }
 
-func resolveTP(t *testing.T, b backend.Backend, c tune.TPOverlapCase) (string, string, error) {
-	t.Helper()
-	var logs []string
-	got, err := tune.ResolveTPOverlap(b, c, func(s string) { logs = append(logs, s) })
-	return got, strings.Join(logs, "\n"), err
+// tpResolver is ResolveTPOverlap's resolverTest.
+var tpResolver = resolverTest[tune.TPOverlapCase]{
+	field: "parallel.tp_overlap", table: "tp_overlap.json",
+	explicit: []string{"fused", "unfused"}, unknown: "overlapped", rule: "unfused",
+	newCase:       tpCase,
+	single:        func(c *tune.TPOverlapCase) { c.TP = 1 },
+	apart:         func(c *tune.TPOverlapCase) { c.OneDevice = false },
+	deterministic: func(c *tune.TPOverlapCase) { c.Deterministic = true },
+	resolve:       tune.ResolveTPOverlap,
 }
 
+// TestResolveTPOverlap: the checks every resolver passes (on the virtual
+// ranks' peer access auto measures the fused path), then the table's
+// answers, other cases and an unwritable table.
 func TestResolveTPOverlap(t *testing.T) {
-	cache := t.TempDir()
-	t.Setenv("MKTRAIN_CACHE_DIR", cache)
-	table := filepath.Join(cache, "tp_overlap.json")
-	c := cpu.New(backend.Float32)
-	other := elsewhere{c}
-
-	// Explicit values pass; unknown values fail, naming the field.
-	for _, m := range []string{"fused", "unfused"} {
-		if got, log, err := resolveTP(t, other, tpCase(m)); got != m || err != nil || !strings.Contains(log, "as the recipe says") {
-			t.Errorf("%s: %q, %v, %q", m, got, err, log)
-		}
-	}
-	if _, _, err := resolveTP(t, other, tpCase("overlapped")); err == nil || !strings.Contains(err.Error(), "parallel.tp_overlap") {
-		t.Errorf("unknown mode: %v", err)
-	}
-
-	// auto by rule: one tensor rank (silently), the CPU, ranks on
-	// separate devices, train.deterministic.
-	one := tpCase("auto")
-	one.TP = 1
-	if got, log, err := resolveTP(t, other, one); got != "unfused" || err != nil || log != "" {
-		t.Errorf("tp 1: %q, %v, %q", got, err, log)
-	}
-	apart := tpCase("")
-	apart.OneDevice = false
-	det := tpCase("auto")
-	det.Deterministic = true
-	for _, x := range []struct {
-		name string
-		b    backend.Backend
-		c    tune.TPOverlapCase
-		says string
-	}{
-		{"cpu", c, tpCase("auto"), "on the CPU"},
-		{"separate devices", other, apart, "separate GPUs or nodes"},
-		{"deterministic", other, det, "train.deterministic"},
-	} {
-		if got, log, err := resolveTP(t, x.b, x.c); got != "unfused" || err != nil || !strings.Contains(log, x.says) || !strings.Contains(log, "unmeasured") {
-			t.Errorf("%s: %q, %v, %q", x.name, got, err, log)
-		}
-	}
-	if _, err := os.Stat(table); err == nil {
-		t.Fatal("nothing was measured, but the table exists")
-	}
-
-	// auto elsewhere: measured (the fused path on the virtual ranks' peer
-	// access) and stored, then read from the table.
-	measured, log, err := resolveTP(t, other, tpCase("auto"))
-	if err != nil || (measured != "fused" && measured != "unfused") || !strings.Contains(log, "measuring") || !strings.Contains(log, "stored in "+table) {
-		t.Fatalf("first auto: %q, %v, log:\n%s", measured, err, log)
-	}
-	got, log, err := resolveTP(t, other, tpCase(""))
-	if err != nil || got != measured || !strings.Contains(log, "from the table") || strings.Contains(log, "measuring") {
-		t.Errorf("second auto: %q (measured %q), %v, log:\n%s", got, measured, err, log)
-	}
+	table, other, _ := tpResolver.checkShared(t)
+	resolveTP := tpResolver.run
 	// What the table says goes, whichever it is.
 	key := tune.NewTPOverlapKey(other, tpCase("auto"))
 	for _, tm := range []tune.TPOverlapTiming{{Fused: 1, Unfused: 2}, {Fused: 2, Unfused: 1}, {Fused: 1, Unfused: 1}} {
