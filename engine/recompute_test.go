@@ -1,16 +1,12 @@
 package engine
 
 import (
-	"context"
-	"fmt"
 	"reflect"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cpu"
-	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 )
 
@@ -98,32 +94,15 @@ func recomputeRun(t *testing.T, cfg Config) recomputed {
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	b := cpu.New(backend.Float32)
-	e, err := New(cfg, WithBackend(b))
-	if err != nil {
-		t.Fatal(err)
-	}
-	world, err := comm.NewLocal(cfg.mesh(), b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ranks := make([]*rank, len(world))
-	for i, g := range world {
-		train, val, err := e.openData(g.Data.Rank(), g.Data.Size())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if ranks[i], err = newRank(context.Background(), cfg, b, g, train, val); err != nil {
-			t.Fatal(fmt.Errorf("rank %d: %w", i, err))
-		}
-	}
+	// tensorParallelRanks orders the ranks by world rank.
+	_, ranks := tensorParallelRanks(t, cfg)
 	var out recomputed
 	for i, rs := range trainRanks(t, ranks, cfg.Train.Steps) {
-		if world[i].Rank == 0 {
+		if i == 0 {
 			out.steps = rs
 		}
-		out.grads = append(out.grads, backend.DownloadFloat64(b, ranks[i].gStore.flat))
-		out.weights = append(out.weights, backend.DownloadFloat64(b, ranks[i].wStore.flat))
+		out.grads = append(out.grads, backend.DownloadFloat64(ranks[i].b, ranks[i].gStore.flat))
+		out.weights = append(out.weights, backend.DownloadFloat64(ranks[i].b, ranks[i].wStore.flat))
 	}
 	return out
 }

@@ -172,7 +172,8 @@ func TestTensorParallelResume(t *testing.T) {
 }
 
 // tensorParallelRanks builds the ranks of cfg's layout on one CPU backend,
-// each with its data, as Run would, without training them.
+// each with its data, as Run would, without training them; ranks[i] is
+// world rank i.
 func tensorParallelRanks(t *testing.T, cfg Config) (*Engine, []*rank) {
 	t.Helper()
 	b := cpu.New(backend.Float32)
