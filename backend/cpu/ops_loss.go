@@ -42,15 +42,7 @@ func crossEntropy[T Float](b *Backend, loss, dlogits, logits []T, targets []int3
 				clear(drow)
 				continue
 			}
-			mx := math.Inf(-1)
-			for _, x := range row {
-				mx = max(mx, float64(x))
-			}
-			var se float64
-			for _, x := range row {
-				se += math.Exp(float64(x) - mx)
-			}
-			lse := mx + math.Log(se)
+			lse := rowLSE(row)
 			loss[t] = T(lse - float64(row[tgt]))
 			// Element j of drow is written after row[j] is read, so drow may
 			// alias row.
@@ -63,4 +55,18 @@ func crossEntropy[T Float](b *Backend, loss, dlogits, logits []T, targets []int3
 			}
 		}
 	})
+}
+
+// rowLSE is log(sum(exp(row))) in float64, the row's maximum subtracted
+// before exponentiating.
+func rowLSE[T Float](row []T) float64 {
+	mx := math.Inf(-1)
+	for _, x := range row {
+		mx = max(mx, float64(x))
+	}
+	var se float64
+	for _, x := range row {
+		se += math.Exp(float64(x) - mx)
+	}
+	return mx + math.Log(se)
 }

@@ -30,15 +30,7 @@ func crossEntropyShard[T Float](b *Backend, lse, targetLogit, logits []T, target
 	b.parallelFor(len(targets), rowChunk(v), func(lo, hi int) {
 		for t := lo; t < hi; t++ {
 			row := logits[t*v : (t+1)*v]
-			mx := math.Inf(-1)
-			for _, x := range row {
-				mx = max(mx, float64(x))
-			}
-			var se float64
-			for _, x := range row {
-				se += math.Exp(float64(x) - mx)
-			}
-			lse[t] = T(mx + math.Log(se))
+			lse[t] = T(rowLSE(row))
 			targetLogit[t] = 0
 			if j := int(targets[t]) - vocabLo; targets[t] >= 0 && j >= 0 && j < v {
 				targetLogit[t] = row[j]
