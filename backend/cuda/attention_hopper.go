@@ -145,8 +145,8 @@ type namedMap struct {
 
 // launchWithMaps queues kern on grid with the tensor maps first and then
 // the 8-byte argument slots, opting the kernel in to grid.Shared bytes of
-// dynamic shared memory. The maps are checked here and encoded on the
-// device thread.
+// dynamic shared memory the first time it asks for that much. The maps
+// are checked here and encoded on the device thread.
 func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedMap, slots []uint64) error {
 	tiled := make([]driver.TiledMap, len(maps))
 	for i, m := range maps {
@@ -155,13 +155,16 @@ func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedM
 		}
 		tiled[i] = m.m
 	}
-	enc, err := d.drv.TensorMapEncoder()
+	enc, err := d.TensorMapEncoder()
 	if err != nil {
 		return fmt.Errorf("cuda: %s: %w", op, err)
 	}
 	return d.Submit(func() error {
-		if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
-			return fmt.Errorf("%s: %w", kern.Desc.Name, err)
+		if kern.sharedOptIn < grid.Shared {
+			if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
+				return fmt.Errorf("%s: %w", kern.Desc.Name, err)
+			}
+			kern.sharedOptIn = grid.Shared
 		}
 		var pin runtime.Pinner
 		defer pin.Unpin()

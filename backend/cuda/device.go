@@ -80,6 +80,19 @@ type Device struct {
 
 	modMu   sync.Mutex
 	modules map[string]*Module // by file, and by the name of a test's build (Device.load)
+
+	// tmapEnc is cuTensorMapEncodeTiled, resolved on first use
+	// (TensorMapEncoder).
+	tmapOnce sync.Once
+	tmapEnc  *driver.TensorMapEncoder
+	tmapErr  error
+}
+
+// TensorMapEncoder is the driver's cuTensorMapEncodeTiled, resolved once
+// per Device; drivers before CUDA 12.0 lack it (an error).
+func (d *Device) TensorMapEncoder() (*driver.TensorMapEncoder, error) {
+	d.tmapOnce.Do(func() { d.tmapEnc, d.tmapErr = d.drv.TensorMapEncoder() })
+	return d.tmapEnc, d.tmapErr
 }
 
 // queueDepth bounds how far asynchronous work runs ahead of the device

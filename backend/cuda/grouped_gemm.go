@@ -117,7 +117,7 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	if info.MaxSharedOptIn < need {
 		return nil, fmt.Errorf("cuda: GroupedGemm needs %d bytes of shared memory per block, %s offers %d", need, info.Name, info.MaxSharedOptIn)
 	}
-	enc, err := d.drv.TensorMapEncoder()
+	enc, err := d.TensorMapEncoder()
 	if err != nil {
 		return nil, fmt.Errorf("cuda: GroupedGemm: %w", err)
 	}

@@ -27,6 +27,9 @@ type Kernel struct {
 	// LocalBytes is the local memory per thread (registers the compiler
 	// spilled, and stack), from the cubin.
 	LocalBytes int
+	// sharedOptIn is the dynamic shared memory the kernel is opted in to
+	// (launchWithMaps); touched only on the device thread.
+	sharedOptIn int
 }
 
 // Load compiles (or reads from the cache) and loads a kernels source, and
