@@ -78,6 +78,15 @@ type TrainConfig struct {
 	// none; "" is none too (configurations saved before the field
 	// existed).
 	Recompute string `yaml:"recompute"`
+	// OptimizerInBackward is where the experts' AdamW update runs: on,
+	// in the backward, each layer's experts as soon as their gradients
+	// are final, so the gradient store holds one layer's expert
+	// gradients instead of every layer's (expert_update.go); off, after
+	// the backward with every other tensor; auto (the default, and ""),
+	// on wherever nothing else needs those gradients after the layer's
+	// backward (Config.ExpertsUpdatedInBackward). The same weights bit for
+	// bit either way.
+	OptimizerInBackward string `yaml:"optimizer_in_backward"`
 }
 
 // The values of train.recompute.
@@ -85,6 +94,13 @@ const (
 	RecomputeNone      = "none"
 	RecomputeSelective = "selective"
 	RecomputeFull      = "full"
+)
+
+// The values of train.optimizer_in_backward.
+const (
+	OptimizerInBackwardAuto = "auto"
+	OptimizerInBackwardOn   = "on"
+	OptimizerInBackwardOff  = "off"
 )
 
 // ParallelConfig is the mesh; dp*ep*cp*tp ranks.
@@ -155,6 +171,7 @@ func DefaultConfig() Config {
 			LR: 1e-3, MinLR: 1e-4, Schedule: "cosine", WarmupSteps: 10,
 			WeightDecay: 0.1, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, GradClip: 1.0,
 			Seed: 1, EvalEvery: 50, EvalBatches: 4, Recompute: RecomputeNone,
+			OptimizerInBackward: OptimizerInBackwardAuto,
 		},
 		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1, CPAttention: tune.CPAttentionAuto, TPOverlap: tune.TPOverlapAuto, SequenceParallel: true},
 		Checkpoint: CheckpointConfig{Every: 0, KeepLast: 3, Resume: "auto", Compress: "none"},

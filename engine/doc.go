@@ -46,6 +46,9 @@
 //     during the step's last backward as they become final.
 //   - zero.go: ZeRO-1 (parallel.zero: 1), the AdamW moments of the
 //     replicated weights sharded over the ranks that share them.
+//   - expert_update.go: train.optimizer_in_backward, the experts' AdamW
+//     run by the backward layer by layer, so the gradient store holds one
+//     layer's expert gradients.
 //   - model.go: the decoder's forward and backward over a micro-batch:
 //     embedding, per layer RMSNorm, attention (package attention), residual,
 //     RMSNorm, sparse MoE (package moe), residual; final RMSNorm; the LM head

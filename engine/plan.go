@@ -28,7 +28,8 @@ func PlanConfig(c Config, processRanks, deviceRanks int, checkpoints bool) plan.
 		GlobalBatch: t.GlobalBatch, MicroBatch: t.MicroBatch, Seq: t.Seq,
 		DP: p.DP, EP: p.EP, CP: p.CP, TP: p.TP, Zero: p.Zero, CPAttention: p.CPAttention, SequenceParallel: p.SequenceParallel,
 		TPOverlap: p.TPOverlap, Deterministic: t.Deterministic, Recompute: t.Recompute,
-		Checkpoints: checkpoints, ProcessRanks: processRanks, DeviceRanks: deviceRanks,
+		ExpertsInBackward: c.ExpertsUpdatedInBackward(),
+		Checkpoints:       checkpoints, ProcessRanks: processRanks, DeviceRanks: deviceRanks,
 	}
 }
 
@@ -213,7 +214,8 @@ func (e *Engine) planDevice() (plan.Device, error) {
 	b := e.backend
 	ft, ot := dtypeBytes(b.FloatType()), dtypeBytes(b.OperandType())
 	if b.Name() == plan.BackendCUDA {
-		d := plan.Device{Name: "GPU", Backend: plan.BackendCUDA, FloatBytes: ft, OperandBytes: ot}
+		d := plan.CUDADevice("GPU", 0, 0)
+		d.FloatBytes, d.OperandBytes = ft, ot
 		if e.device != nil {
 			d.Name = e.device.Describe()
 		}

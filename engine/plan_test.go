@@ -142,6 +142,19 @@ func TestPlanCountsEveryTensor(t *testing.T) {
 			c.Model.MoE.SharedExperts, c.Model.MoE.CapacityFactor, c.Model.MoE.BiasUpdateRate = 1, 1.5, 1e-3
 		}, true},
 		{"dp 2, zero 1", func(c *Config) { c.Parallel.DP, c.Parallel.Zero = 2, 1; c.Train.MicroBatch = 1 }, true},
+		// One layer's expert gradients instead of every layer's.
+		{"optimizer in backward", func(c *Config) {
+			c.Train.GradClip, c.Train.OptimizerInBackward, c.Train.MicroBatch = 0, OptimizerInBackwardOn, 4
+		}, true},
+		{"optimizer in backward, ep 2, zero 1, recompute full", func(c *Config) {
+			c.Train.GradClip, c.Train.OptimizerInBackward, c.Train.Recompute = 0, OptimizerInBackwardOn, RecomputeFull
+			c.Parallel.EP, c.Parallel.Zero = 2, 1
+			c.Train.MicroBatch = c.Train.GlobalBatch / 2
+		}, false},
+		{"optimizer in backward, tp 2, every expert", func(c *Config) {
+			c.Train.GradClip, c.Train.OptimizerInBackward, c.Train.MicroBatch = 0, OptimizerInBackwardOn, 4
+			c.Parallel.TP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 2, true, 4
+		}, true},
 		{"cp 2", func(c *Config) { c.Parallel.CP = 2 }, true},
 		{"cp 2 ring", func(c *Config) { c.Parallel.CP, c.Parallel.CPAttention = 2, "ring" }, true},
 		{"cp 4 ring, dp 2", func(c *Config) {

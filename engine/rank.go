@@ -66,6 +66,15 @@ type rank struct {
 	// tp 1), tpRank its place in it.
 	tp     *tensorpar.Parallel
 	tpRank tpRank
+	// With expertsInBackward the backward updates each layer's experts
+	// (expert_update.go): expertSpans are their spans of the weight store
+	// per layer, expertGrads the one layer's gradients every layer's
+	// expert gradient views share, and expertMomentsAt the element of m
+	// and v where the experts' moments begin.
+	expertsInBackward bool
+	expertSpans       []span
+	expertGrads       backend.Tensor
+	expertMomentsAt   int
 }
 
 // newRank builds a rank with initialised weights. A rank without training
@@ -110,7 +119,13 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 		// the tensor group after the backward, before anything reads them.
 		r.grads.after = append(r.grads.after, gradPart{g: g, buckets: cutBuckets(m, r.layout, r.layout.tpSummed, gradBucket)})
 	}
-	r.wStore, r.gStore = newParamStore(b, m, r.layout), newParamStore(b, m, r.layout)
+	r.wStore = newParamStore(b, m, r.layout)
+	if r.expertsInBackward = train != nil && cfg.ExpertsUpdatedInBackward(); r.expertsInBackward {
+		r.expertSpans = r.layout.layerExperts(m)
+		r.gStore, r.expertGrads = newLayerExpertGradStore(b, m, r.layout, r.expertSpans)
+	} else {
+		r.gStore = newParamStore(b, m, r.layout)
+	}
 	r.w, r.g = r.wStore.p, r.gStore.p
 	if ctx.Err() != nil {
 		return nil, ErrStopped // between the large allocations too
@@ -176,6 +191,11 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	}
 	r.op.refresh(b) // the weights may have changed since the last forward: an optimizer step, a restore
 	b.Zero(r.gStore.flat)
+	var experts *expertUpdate // the experts' AdamW, run by the backward
+	if r.expertsInBackward {
+		b.Zero(r.expertGrads)
+		experts = r.newExpertUpdate(step, learningRate(cfg.Train, step))
+	}
 	lossSum := 0.0
 	for a := 0; a < accum; a++ {
 		ids, targets, err := r.train.Next(cfg.Train.MicroBatch)
@@ -194,7 +214,11 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		if a == accum-1 && !r.syncGrads {
 			red = r.newGradReduction()
 		}
-		if err := r.model.backwardNotify(red.notify()); err != nil {
+		ready := red.notify()
+		if experts != nil {
+			ready = chainNotify(ready, experts.ready)
+		}
+		if err := r.model.backwardNotify(ready); err != nil {
 			return res, err
 		}
 		if err := red.finish(); err != nil {
@@ -264,7 +288,14 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	default:
 		replicated = r.shards.allSquares(b, r.gStore)
 	}
-	norm, err := r.gradNorm(replicated)
+	var expertSquares float64
+	switch {
+	case experts != nil:
+		expertSquares = experts.squares
+	case !r.layout.experts.empty():
+		expertSquares = b.SumSquares(r.gStore.view(b, r.layout.experts))
+	}
+	norm, err := r.gradNorm(replicated, expertSquares)
 	if err != nil {
 		return res, err
 	}
@@ -339,13 +370,10 @@ const gradBucket = 16 << 20
 
 // gradNorm is the global L2 norm of the reduced gradients, given the sum
 // of the squares of the replicated ones (counted once: shardPlan's
-// squares): expert shards summed over the expert group (after the
-// reduction every data and context rank holds the same sums).
-func (r *rank) gradNorm(replicated float64) (float64, error) {
-	experts := []float64{0}
-	if lay := r.layout; !lay.experts.empty() {
-		experts[0] = r.b.SumSquares(r.gStore.view(r.b, lay.experts))
-	}
+// squares) and of the rank's experts: those summed over the expert group
+// (after the reduction every data and context rank holds the same sums).
+func (r *rank) gradNorm(replicated, expertSquares float64) (float64, error) {
+	experts := []float64{expertSquares}
 	if err := r.groups.Expert.AllReduceFloat64(experts); err != nil {
 		return 0, err
 	}

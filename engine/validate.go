@@ -41,6 +41,11 @@ func (c Config) Validate() error {
 	v.tensorParallel(c)
 	v.checkpoint(c.Checkpoint)
 	v.log(c.Log)
+	if len(v.errs) == 0 && c.Train.OptimizerInBackward == OptimizerInBackwardOn {
+		if why := c.optimizerInBackwardBlocker(); why != "" {
+			v.fail("train.optimizer_in_backward", "train.optimizer_in_backward is on, but %s; set it to auto or off", why)
+		}
+	}
 	return errors.Join(v.errs...)
 }
 
@@ -265,6 +270,9 @@ func (v *validator) train(t TrainConfig, p ParallelConfig) {
 	v.positiveInt("train.eval_batches", t.EvalBatches)
 	if t.Recompute != "" { // "": none (configurations saved before the field existed)
 		v.oneOf("train.recompute", t.Recompute, RecomputeNone, RecomputeSelective, RecomputeFull)
+	}
+	if t.OptimizerInBackward != "" { // "": auto (configurations saved before the field existed)
+		v.oneOf("train.optimizer_in_backward", t.OptimizerInBackward, OptimizerInBackwardAuto, OptimizerInBackwardOn, OptimizerInBackwardOff)
 	}
 }
 

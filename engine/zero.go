@@ -182,7 +182,12 @@ func (r *rank) newMoments() (mp, vp *modelParams) {
 		ms, vs := newParamStore(b, m, lay), newParamStore(b, m, lay)
 		r.m, r.v = ms.flat, vs.flat
 		r.adam = []adamPart{{r: lay.norms, at: lay.norms.lo}}
-		if rest := (span{lay.norms.hi, lay.total}); !rest.empty() {
+		r.expertMomentsAt = lay.experts.lo
+		rest := span{lay.norms.hi, lay.total}
+		if r.expertsInBackward {
+			rest.hi = lay.experts.lo // the backward updates the experts (expert_update.go)
+		}
+		if !rest.empty() {
 			r.adam = append(r.adam, adamPart{r: rest, at: rest.lo, decay: true})
 		}
 		return ms.p, vs.p
@@ -201,7 +206,8 @@ func (r *rank) newMoments() (mp, vp *modelParams) {
 			}
 		}
 	}
-	if !lay.experts.empty() {
+	r.expertMomentsAt = own
+	if !lay.experts.empty() && !r.expertsInBackward {
 		r.adam = append(r.adam, adamPart{r: lay.experts, at: own, decay: true})
 	}
 	mp, vp = newModelParams(m), newModelParams(m)

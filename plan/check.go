@@ -154,7 +154,13 @@ func (p Plan) advice() ([]string, string) {
 func (p Plan) sizeAdvice() ([]string, string) {
 	c := p.Config
 	if c.MicroBatch > 1 {
-		b := largestFitting(1, c.MicroBatch-1, func(b int) bool { c2 := c; c2.MicroBatch = b; return p.fitsWith(c2) })
+		// Several micro-batches per step add into the experts' gradients,
+		// which then cannot be updated in the backward.
+		b := largestFitting(1, c.MicroBatch-1, func(b int) bool {
+			c2 := c
+			c2.MicroBatch, c2.ExpertsInBackward = b, false
+			return p.fitsWith(c2)
+		})
 		if b > 0 {
 			// train.global_batch must stay a multiple of micro_batch x
 			// dp*ep: the largest divisor of a rank's share that fits.

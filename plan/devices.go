@@ -60,7 +60,8 @@ func NamedDevice(name string) (Device, error) {
 // CUDADevice is a GPU of the CUDA backend that offers memory bytes to a
 // run (0: unknown).
 func CUDADevice(name string, memory int64, peakFLOPs float64) Device {
-	return Device{Name: name, Backend: BackendCUDA, Memory: memory, FloatBytes: 4, OperandBytes: 2, PeakFLOPs: peakFLOPs}
+	return Device{Name: name, Backend: BackendCUDA, Memory: memory, FloatBytes: 4, OperandBytes: 2, PeakFLOPs: peakFLOPs,
+		FineClassesAbove: CUDAFineClassesAbove}
 }
 
 // CPUDevice is the CPU backend in float type of floatBytes bytes (4 or

@@ -25,6 +25,7 @@ type shape struct {
 	Hl, Ql, KDl, KDw, Vl   int64
 	ft, ot                 int64 // bytes of the float and operand types
 	cuda                   bool  // the CUDA allocator's size classes and bf16 copies apply
+	fineAbove              int64 // Device.FineClassesAbove
 	zero                   bool  // ZeRO-1 shards the replicated moments (parallel.zero 1 on several ranks)
 	tpFused                bool  // tp > 1 on tensorpar's fused ops (parallel.tp_overlap fused, or auto: the larger)
 	dataContext            int64 // ranks with distinct tokens: dp*ep*cp
@@ -34,6 +35,7 @@ type shape struct {
 	sendIdx, sendIdxWorst  int64 // rows of the send index vectors: T*K dropless, else sent
 	flatNorms, flatMatrix  int64 // elements of the flat store's norm and matrix ranges (padded)
 	flatExperts, flatTotal int64 // its expert range, and the whole store (with ZeRO's padding)
+	flatReplicated         int64 // the range before the experts (with ZeRO's padding)
 	momentElems            int64 // elements of each AdamW moment store
 	layerMatrices          int64 // elements of one layer's replicated matrices (padded)
 	zeroPiece              int64 // ZeRO-1: elements of a rank's piece of a round
@@ -70,7 +72,7 @@ func newShape(c Config, d Device) shape {
 		s.KDl, s.KDw = s.KD/s.TP, s.KD/s.TP
 	}
 	s.ft, s.ot = int64(d.FloatBytes), int64(d.OperandBytes)
-	s.cuda = d.Backend == BackendCUDA
+	s.cuda, s.fineAbove = d.Backend == BackendCUDA, d.FineClassesAbove
 	s.dataContext = mul(s.DP, s.EP, s.CP)
 	s.zero = c.Zero == 1 && s.dataContext > 1
 	s.tpFused = s.TP > 1 && c.TPOverlap != TPUnfused
@@ -150,6 +152,7 @@ func (s *shape) flatLayout() {
 		s.zeroPiece = piece
 		s.momentElems = add(mul(rounds, piece), s.flatExperts)
 	}
+	s.flatReplicated = replicated
 	s.flatTotal = add(replicated, s.flatExperts)
 }
 

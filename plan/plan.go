@@ -46,6 +46,11 @@ type Config struct {
 	// once per rank (attention.RecomputeLayer, moe.RecomputeLayer), the
 	// residual stream and the norms' inverse RMS still per layer.
 	Recompute string
+	// ExpertsInBackward says AdamW updates each layer's experts inside
+	// the backward (train.optimizer_in_backward, as the engine settles
+	// it: engine/expert_update.go), so the gradient store holds one
+	// layer's expert gradients instead of every layer's.
+	ExpertsInBackward bool
 
 	GlobalBatch, MicroBatch, Seq int
 	DP, EP, CP, TP               int
@@ -83,6 +88,13 @@ type Device struct {
 	// PeakFLOPs is the device's dense bf16 peak (for a step-time bound);
 	// 0 when unknown.
 	PeakFLOPs float64
+	// FineClassesAbove is the block size above which the CUDA
+	// allocator's size classes step by 1/64 of a power of two instead of
+	// 1/8 (CUDAFineClassesAbove, as CUDADevice sets it). 0 rounds every
+	// block in eighths, as the allocator did before it had the finer
+	// classes: the peaks measured then (bench results that record no
+	// allocator_fine_classes_above) compare with a plan made so.
+	FineClassesAbove int64
 }
 
 // Kind is a class of memory in the plan.

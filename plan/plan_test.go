@@ -27,13 +27,17 @@ func TestArithmeticSaturates(t *testing.T) {
 
 // TestCUDASizeClass checks the mirror of backend/cuda/memory.go's
 // sizeClass on the rule it states: at least 512 bytes, else n rounded up
-// to a multiple of an eighth of the next power of two.
+// to a multiple of an eighth of the next power of two, above 1 GiB of a
+// 64th.
 func TestCUDASizeClass(t *testing.T) {
 	for n, want := range map[int64]int64{
 		1: 512, 512: 512, 513: 640, 1000: 1024, 1025: 1280,
+		1 << 30:     1 << 30,
+		1<<30 + 1:   1<<30 + 1<<25,
 		2684354560:  2684354560,  // moe-small's flat stores: 5 x 2^29 exactly
-		2567245824:  2684354560,  // 641.8M fp32 parameters round up to it
-		18593488896: 21474836480, // moe-fine's 4.65B fp32 parameters: 20 GiB
+		2567245824:  2617245696,  // 641.8M fp32 parameters: 39 x 2^26
+		18593488896: 18790481920, // moe-fine's 4.65B fp32 parameters: 17.5 GiB
+		9296744448:  9395240960,  // and their bf16 copy: 8.75 GiB
 		1 << 40:     1 << 40, Saturated: Saturated,
 	} {
 		if got := cudaSizeClass(n); got != want {

@@ -62,14 +62,23 @@ func ceilDiv(a, b int64) int64 {
 	return (a + b - 1) / b
 }
 
-// cudaMinClass and cudaSizeClass mirror backend/cuda/memory.go's minClass
-// and sizeClass: the caching allocator reserves every block rounded up to
-// at least 512 bytes, else to one of four steps per power of two (n in
-// (2^(k-1), 2^k] rounds up to a multiple of 2^(k-3)), and its peak counts
-// the reserved bytes. One flat store of 2.6 GB reserves 2.7 GB.
-const cudaMinClass = 512
+// cudaMinClass, CUDAFineClassesAbove and cudaSizeClass mirror
+// backend/cuda/memory.go's minClass, fineAbove and sizeClass: the caching
+// allocator reserves every block rounded up to at least 512 bytes, else to
+// one of four steps per power of two (n in (2^(k-1), 2^k] rounds up to a
+// multiple of 2^(k-3)), above 1 GiB to one of 32 (a multiple of 2^(k-6)),
+// and its peak counts the reserved bytes. One flat store of 2.6 GB
+// reserves 2.7 GB; one of 18.6 GB (17.3 GiB) 18.8 GB (17.5 GiB).
+const (
+	cudaMinClass         = 512
+	CUDAFineClassesAbove = 1 << 30
+)
 
-func cudaSizeClass(n int64) int64 {
+func cudaSizeClass(n int64) int64 { return sizeClass(n, CUDAFineClassesAbove) }
+
+// sizeClass is cudaSizeClass with the finer classes above fineAbove (0:
+// none, every block in quarter steps).
+func sizeClass(n, fineAbove int64) int64 {
 	if n <= cudaMinClass {
 		return cudaMinClass
 	}
@@ -77,8 +86,11 @@ func cudaSizeClass(n int64) int64 {
 		return Saturated
 	}
 	k := bits.Len64(uint64(n - 1))
-	step := int64(1) << (k - 3)
-	return roundUp(n, step)
+	shift := 3
+	if fineAbove > 0 && n > fineAbove {
+		shift = 6
+	}
+	return roundUp(n, int64(1)<<(k-shift))
 }
 
 // FormatBytes writes n in binary units, "22.7 GiB"; Saturated reads

@@ -8,8 +8,9 @@ package plan
 
 // ledger collects allocations into terms.
 type ledger struct {
-	cuda  bool // each allocation reserves its size class (backend/cuda/memory.go)
-	terms []Term
+	cuda      bool  // each allocation reserves its size class (backend/cuda/memory.go)
+	fineAbove int64 // where the classes get finer (Device.FineClassesAbove)
+	terms     []Term
 }
 
 // alloc records n allocations of elems elements of size bytes each as the
@@ -19,7 +20,7 @@ type ledger struct {
 func (l *ledger) alloc(kind Kind, what string, n, elems, worstElems, size int64) {
 	bytes, worst := mul(max(elems, 1), size), mul(max(worstElems, 1), size)
 	if l.cuda {
-		bytes, worst = cudaSizeClass(bytes), cudaSizeClass(worst)
+		bytes, worst = sizeClass(bytes, l.fineAbove), sizeClass(worst, l.fineAbove)
 	}
 	bytes, worst = mul(n, bytes), mul(n, worst)
 	for i := range l.terms {
@@ -41,7 +42,7 @@ const int32Bytes = 4
 // rankTerms is one rank's device memory under dispatcher ("fused" or
 // "unfused") and cpMode ("allgather" or "ring").
 func rankTerms(s shape, dispatcher, cpMode string) []Term {
-	l := &ledger{cuda: s.cuda}
+	l := &ledger{cuda: s.cuda, fineAbove: s.fineAbove}
 	stores(l, s)
 	modelActivations(l, s)
 	attentionActivations(l, s, cpMode == CPRing, s.c.CPRingFused)
@@ -74,7 +75,15 @@ func stores(l *ledger, s shape) {
 	if s.ot != s.ft {
 		l.fixed(Weights, "bf16 copy for the products", 1, s.flatTotal, s.ot)
 	}
-	l.fixed(Gradients, "gradients", 1, s.flatTotal, s.ft)
+	if s.c.ExpertsInBackward {
+		// engine/expert_update.go's newLayerExpertGradStore: the store
+		// ends where the experts begin, and every layer's expert
+		// gradients share one layer's buffer.
+		l.fixed(Gradients, "gradients (not the experts')", 1, s.flatReplicated, s.ft)
+		l.fixed(Gradients, "expert gradients, one layer's (updated in the backward)", 1, mul(3, align(mul(s.El, s.F, s.D))), s.ft)
+	} else {
+		l.fixed(Gradients, "gradients", 1, s.flatTotal, s.ft)
+	}
 	what := "AdamW m and v"
 	if s.zero {
 		what = "AdamW m and v (ZeRO-1: a 1/N share of the replicated)"
@@ -395,7 +404,7 @@ func sharedTerms(s shape) []Term {
 	if !s.cuda {
 		return nil
 	}
-	l := &ledger{cuda: true}
+	l := &ledger{cuda: true, fineAbove: s.fineAbove}
 	// matmul.go's NewGemm: cuBLASLt's workspace (DefaultGemmWorkspace).
 	l.fixed(Workspace, "cuBLASLt workspace and operand scratch", 1, cublasWorkspace, 1)
 	// matmul.go's convertInto: a float32 operand of a bf16 product is

@@ -81,7 +81,9 @@ func TestShippedRecipeValues(t *testing.T) {
 		t.Errorf("moe-small differs from the peer:\n got %v\nwant %v", got, want)
 	}
 	// moe-fine is the peer run with --dim 2048 --experts 64 --topk 6
-	// --ffn 1408 --batch 4, and moe-small in every other field.
+	// --ffn 1408 --batch 4, and moe-small in every other field but one:
+	// it does not clip, as the peer does not, which lets its experts be
+	// updated in the backward (train.optimizer_in_backward: auto).
 	fine, _, err := Load("moe-fine", nil)
 	if err != nil {
 		t.Fatal(err)
@@ -96,8 +98,13 @@ func TestShippedRecipeValues(t *testing.T) {
 	asSmall := fine
 	asSmall.Model.Dim, asSmall.Model.MoE.Experts, asSmall.Model.MoE.TopK, asSmall.Model.MoE.FFN = 1024, 8, 2, 2816
 	asSmall.Train.GlobalBatch, asSmall.Train.MicroBatch = 8, 8
+	if fine.Train.GradClip != 0 || !fine.ExpertsUpdatedInBackward() {
+		t.Errorf("moe-fine clips at %g, experts updated in the backward %v; want no clipping, as the peer, and the update in the backward",
+			fine.Train.GradClip, fine.ExpertsUpdatedInBackward())
+	}
+	asSmall.Train.GradClip = small.Train.GradClip
 	if !reflect.DeepEqual(asSmall, small) {
-		t.Errorf("moe-fine differs from moe-small beyond the peer's five flags:\n%+v\n%+v", asSmall, small)
+		t.Errorf("moe-fine differs from moe-small beyond the peer's five flags and clipping:\n%+v\n%+v", asSmall, small)
 	}
 	if n := engine.ParamCount(fine.Model); n != 4648372224 {
 		t.Errorf("moe-fine has %d parameters, want 4648372224 (4.65B)", n)
@@ -161,7 +168,7 @@ func TestDecodeErrors(t *testing.T) {
 		want       []string
 	}{
 		{"unknown field", "train:\n  lr: 1e-3\n  lr_max: 1\n",
-			[]string{`r.yaml:3: unknown field "lr_max" in section train; the fields are backend, global_batch, micro_batch, seq, steps, lr, min_lr, schedule, warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, seed, eval_every, eval_batches, deterministic, recompute`}},
+			[]string{`r.yaml:3: unknown field "lr_max" in section train; the fields are backend, global_batch, micro_batch, seq, steps, lr, min_lr, schedule, warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, seed, eval_every, eval_batches, deterministic, recompute, optimizer_in_backward`}},
 		{"typo", "model:\n  moe:\n    topk: 1\n", []string{`r.yaml:3: unknown field "topk" in section model.moe; did you mean "top_k"?`}},
 		{"unknown section", "optim:\n  lr: 1\n",
 			[]string{`r.yaml:1: unknown section "optim"; the sections are model, data, train, parallel, checkpoint, log`}},
@@ -298,7 +305,7 @@ func TestOverrideErrors(t *testing.T) {
 	}{
 		{"train.lr", "r.yaml: --set train.lr: an override is key.path=value, for example train.lr=3e-4"},
 		{"=3", "r.yaml: --set =3: an override is key.path=value, for example train.lr=3e-4"},
-		{"train.lr_max=1", `r.yaml: --set train.lr_max=1: unknown field "lr_max" in section train; the fields are backend, global_batch, micro_batch, seq, steps, lr, min_lr, schedule, warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, seed, eval_every, eval_batches, deterministic, recompute`},
+		{"train.lr_max=1", `r.yaml: --set train.lr_max=1: unknown field "lr_max" in section train; the fields are backend, global_batch, micro_batch, seq, steps, lr, min_lr, schedule, warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, seed, eval_every, eval_batches, deterministic, recompute, optimizer_in_backward`},
 		{"model.moe.topk=1", `r.yaml: --set model.moe.topk=1: unknown field "topk" in section model.moe; did you mean "top_k"?`},
 		{"optim.lr=1", `r.yaml: --set optim.lr=1: unknown section "optim"; the sections are model, data, train, parallel, checkpoint, log`},
 		{"model=1", "r.yaml: --set model=1: model is a section; set one of its fields, for example model.vocab"},

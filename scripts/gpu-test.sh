@@ -25,6 +25,10 @@
 #      in summary.json: the cost of the fixed-order adds);
 #   3. runs the PyTorch peer (scripts/peer/torch_moe_train.py) on the same
 #      model and batch, same step counts;
+#   3b. with FINE=1, the same pair for moe-fine (`bench train moe-fine
+#      --steps 4 --warmup 2` and the peer with --dim 2048 --experts 64
+#      --topk 6 --ffn 1408 --batch 4): train-moe-fine.json and
+#      peer-moe-fine.json, tokens/s and peak memory against the peer's;
 #   4. runs the benchmark for the parallel layouts of world 2 and 4
 #      (moe-small's per-rank shape; one rank per GPU where the machine
 #      has enough GPUs, with the ep layouts under both dispatchers, else
@@ -86,7 +90,7 @@
 # kernels as trained with; kernels/dev/README.md);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels, NO_ATTENTION=1 step 5b, NO_TP=1 step 5c,
-# NO_HF=1 step 6; PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
+# NO_HF=1 step 6; FINE=1 runs step 3b (two files more); PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
 # (peer-kernels.json); PREPARE_BENCH=1 runs step 7;
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
 # else python3).
@@ -320,6 +324,29 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
     echo "peer script missing: $PEER_DIR/torch_moe_train.py"
     peer_rc=missing
   fi
+  echo
+fi
+
+# moe-fine and its peer (FINE=1): the fine-grained model's tokens/s and
+# peak memory against PyTorch's, in the same command.
+fine_rc=-
+fine_peer_rc=-
+if [[ "${NO_BENCH:-}" != 1 && "${FINE:-}" == 1 && -x "$BIN/mktrain" ]]; then
+  fine_args=(bench train moe-fine --steps 4 --warmup 2 --profile=false --set data.train= --set data.val= --set train.backend=cuda)
+  echo "== mktrain ${fine_args[*]}"
+  timeout 300 "$BIN/mktrain" "${fine_args[@]}" --out "$LOGS/bench-fine" >"$LOGS/bench-fine.log" 2>&1
+  fine_rc=$?
+  tail -n 4 "$LOGS/bench-fine.log"
+  if f=$(ls "$LOGS"/bench-fine/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
+    cp "$f" "$OUT/train-moe-fine.json"
+  fi
+  [[ $fine_rc -ne 0 ]] && status=1
+  fine_peer=(--steps 4 --warmup 2 --dim 2048 --experts 64 --topk 6 --ffn 1408 --batch 4)
+  echo "== peer: $PY $PEER_DIR/torch_moe_train.py ${fine_peer[*]}"
+  PYTHONUNBUFFERED=1 timeout 200 "$PY" "$PEER_DIR/torch_moe_train.py" "${fine_peer[@]}" >"$LOGS/peer-fine.log" 2>&1
+  fine_peer_rc=$?
+  tail -n 3 "$LOGS/peer-fine.log"
+  wrap_result peer-moe-fine peer-train "$PY $PEER_DIR/torch_moe_train.py ${fine_peer[*]}" "$LOGS/peer-fine.log"
   echo
 fi
 
@@ -585,7 +612,7 @@ sw_nccl=$(version_code "$(first_match 'NCCL version code [0-9]+' | cut -d' ' -f4
 sw_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
 # The command, with the variables that shaped the run.
 run_cmd="bash scripts/gpu-test.sh"
-for v in NO_BENCH NO_TRAIN NO_LAYOUTS NO_MOE NO_KERNELS NO_ATTENTION NO_TP NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
+for v in NO_BENCH NO_TRAIN FINE NO_LAYOUTS NO_MOE NO_KERNELS NO_ATTENTION NO_TP NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
          GPU_TEST_PACKAGES GPU_TEST_RUN GPU_TEST_SKIP GPU_TEST_TIMEOUT; do
   [[ -n "${!v:-}" ]] && run_cmd="$v='${!v}' $run_cmd"
 done
@@ -632,6 +659,20 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   printf '  %-28s %12s  exit %s\n' "PyTorch peer (eager)" "$peer_tps" "$peer_rc"
   if [[ "$bench_tps" != null && "$peer_tps" != null ]]; then
     awk -v a="$bench_tps" -v b="$peer_tps" 'BEGIN { printf "  %-28s %12.3f\n", "mktrain / peer", a / b }'
+  fi
+fi
+if [[ "$fine_rc" != - ]]; then
+  echo
+  echo "== moe-fine (exit $fine_rc, peer exit $fine_peer_rc): tokens/s and peak memory against the peer's"
+  if [[ -f "$OUT/train-moe-fine.json" && -f "$OUT/peer-moe-fine.json" ]]; then
+    "$PY" - "$OUT/train-moe-fine.json" "$OUT/peer-moe-fine.json" <<'PYEOF'
+import json, sys
+m, p = json.load(open(sys.argv[1]))["figures"], json.load(open(sys.argv[2]))["figures"]
+peak, peer_peak = m["peak_memory_bytes"] / 1e9, p["peak_mem_GB"]
+print("  mktrain %10.0f tokens/s  peak %6.1f GB (plan %6.1f GB)" % (m["tokens_per_s"], peak, m["plan_peak_memory_bytes"] / 1e9))
+print("  peer    %10.0f tokens/s  peak %6.1f GB" % (p["tokens_per_s"], peer_peak))
+print("  ratio   %10.3f            peak %6.3f (bars: at least 1.4 and at most 1.0)" % (m["tokens_per_s"] / p["tokens_per_s"], peak / peer_peak))
+PYEOF
   fi
 fi
 if [[ "$tp_rc" != - ]]; then

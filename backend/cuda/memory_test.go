@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend/cuda/driver"
+	"github.com/mktrain/mktrain/plan"
 )
 
 func TestSizeClass(t *testing.T) {
@@ -35,6 +36,29 @@ func TestSizeClass(t *testing.T) {
 		if oct > 10 && oct < 20 && k != 4 {
 			t.Errorf("octave 2^%d has %d classes, want 4", oct, k)
 		}
+	}
+	// Above fineAbove: at most 1/32 slack, 32 classes per power of two.
+	prev, perOctave = 0, map[int]int{}
+	for n := int64(fineAbove - 4096); n < 1<<37; n += 1 + n/1024 {
+		c := sizeClass(n)
+		if c < n || c < prev || sizeClass(c) != c {
+			t.Fatalf("sizeClass(%d) = %d (previous class %d, class of the class %d)", n, c, prev, sizeClass(c))
+		}
+		if n > fineAbove && float64(c) > (1+1.0/32)*float64(n) {
+			t.Fatalf("sizeClass(%d) = %d wastes more than 1/32", n, c)
+		}
+		if c != prev {
+			perOctave[sizeClassOctave(c)]++
+		}
+		prev = c
+	}
+	for oct := 31; oct < 37; oct++ {
+		if perOctave[oct] != 32 {
+			t.Errorf("octave 2^%d has %d classes, want 32", oct, perOctave[oct])
+		}
+	}
+	if fineAbove != plan.CUDAFineClassesAbove {
+		t.Errorf("fineAbove is %d, package plan's mirror %d", int64(fineAbove), int64(plan.CUDAFineClassesAbove))
 	}
 	if got := sizeClass(1 << 50); got != 1<<50 {
 		t.Errorf("sizeClass(1 PiB) = %d", got)

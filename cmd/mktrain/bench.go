@@ -23,6 +23,7 @@ import (
 	"github.com/mktrain/mktrain/backend/profile"
 	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/internal/atomicfile"
+	"github.com/mktrain/mktrain/plan"
 	"github.com/mktrain/mktrain/recipes"
 )
 
@@ -229,9 +230,18 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		"moe_dispatcher":  run.Dispatcher,
 		// train.recompute, as in the config section ("" there is none).
 		"recompute": cmp.Or(cfg.Train.Recompute, engine.RecomputeNone),
+		// Whether AdamW updated the experts in the backward
+		// (train.optimizer_in_backward, settled).
+		"experts_updated_in_backward": cfg.ExpertsUpdatedInBackward(),
 	}
 	mem := peakMemory(inner)
 	figures["peak_memory_bytes"], figures["peak_memory_source"] = mem.bytes, mem.source
+	if inner.Name() == plan.BackendCUDA {
+		// The allocator's rounding behind that peak (backend/cuda's
+		// fineAbove, which plan.CUDAFineClassesAbove mirrors), so the
+		// plan compares with it as the allocator was when measured.
+		figures["allocator_fine_classes_above"] = plan.CUDAFineClassesAbove
+	}
 	mfu := math.NaN()
 	if peak := engine.PeakFLOPs(engine.DeviceName(inner)); peak > 0 {
 		mfu = flopsPerToken * tokens / median / peak

@@ -195,6 +195,11 @@ func printPlan(w io.Writer, recipe string, p plan.Plan, verdict error, host int6
 		recompute = "full: one layer's activations kept, each layer's forward rerun from its kept input before its backward"
 	}
 	fmt.Fprintf(w, "%-22s %s\n", "train.recompute", recompute)
+	update := "after the backward: every expert gradient kept until the step's AdamW"
+	if c.ExpertsInBackward {
+		update = "in the backward (train.optimizer_in_backward): one layer's expert gradients at a time"
+	}
+	fmt.Fprintf(w, "%-22s %s\n", "experts' AdamW", update)
 	routed := p.Worst != p.Peak
 	fmt.Fprintf(w, "\n%-12s %-56s %12s", "per rank", "", "bytes")
 	if routed {

@@ -126,6 +126,7 @@ func TestPlanAgainstMeasuredPeaks(t *testing.T) {
 			Config  engine.Config `json:"config"`
 			Figures struct {
 				Peak       int64  `json:"peak_memory_bytes"`
+				FineAbove  int64  `json:"allocator_fine_classes_above"`
 				Dispatcher string `json:"moe_dispatcher"`
 				Ranks      int    `json:"ranks"`
 			} `json:"figures"`
@@ -141,7 +142,11 @@ func TestPlanAgainstMeasuredPeaks(t *testing.T) {
 		ranks := max(1, res.Figures.Ranks)
 		pc := engine.PlanConfig(cfg, ranks, ranks, false)
 		pc.CPRingFused = cfg.Parallel.CP > 1 && cfg.Parallel.CPAttention == plan.CPRing
-		p, err := plan.New(pc, h200)
+		// The allocator's size classes when the peak was measured: those
+		// without the field predate the finer classes above 1 GiB.
+		dev := h200
+		dev.FineClassesAbove = res.Figures.FineAbove
+		p, err := plan.New(pc, dev)
 		if err != nil {
 			t.Fatalf("%s: %v", path, err)
 		}
