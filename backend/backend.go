@@ -442,6 +442,12 @@ type Backend interface {
 
 	// AdamWUpdate updates param in place from grad with moments m and v.
 	AdamWUpdate(param, grad, m, v Tensor, h AdamW)
+	// AdamWUpdateSplit is AdamWUpdate on split float32 masters
+	// (SplitMaster): hi [n] BFloat16 and lo [n/2] Int32 are the halves of
+	// n masters (n even), which it updates bit for bit as AdamWUpdate
+	// updates float32 ones, writing their halves back; grad, m and v are
+	// float [n]. A backend whose float type is not float32 refuses it.
+	AdamWUpdateSplit(hi, lo, grad, m, v Tensor, h AdamW)
 }
 
 // Deterministic is an optional capability of a backend some of whose ops

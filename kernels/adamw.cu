@@ -53,3 +53,49 @@ extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, floa
   for (long long i = 4 * groups + mk_global_id(); i < n; i += stride)
     aw_one(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
 }
+
+// adamw_split: AdamW on split float32 masters (backend/master_split.go).
+// Weight i's master is its bf16 half hi[i] shifted up 16 bits plus its
+// low 16 bits read as a signed number; the low halves are packed two to a
+// 32-bit word of lo (weight 2j's in the low half of word j). Each pair is
+// joined, updated as aw_one updates a float32 master, and split again: hi
+// rounds half away from zero (0x8000 added to the bit pattern), which is
+// what keeps lo the master's low bits; a NaN keeps a NaN in hi. One pair
+// per step of the grid-stride loop: hi and lo as one word each, g, m and v
+// as 8-byte pairs (every pointer 8-byte aligned, n even).
+
+__device__ __forceinline__ float aws_join(unsigned h, unsigned l) {
+  return __uint_as_float((h << 16) + (unsigned)(int)(short)(l & 0xffffu));
+}
+
+__device__ __forceinline__ void aws_split(float w, unsigned* h, unsigned* l) {
+  const unsigned u = __float_as_uint(w);
+  *l = u & 0xffffu;
+  *h = ((u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x8000u) >> 16;
+}
+
+struct alignas(8) aws_f2 {
+  float x, y;
+};
+
+extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* g, float* m, float* v, long long pairs,
+                                       double lr, double beta1, double beta2, double eps,
+                                       double decay, double bc1, double bc2, double gscale) {
+  const aws_f2* g2 = (const aws_f2*)g;
+  aws_f2 *m2 = (aws_f2*)m, *v2 = (aws_f2*)v;
+  for (long long j = mk_global_id(); j < pairs; j += mk_grid_stride()) {
+    const unsigned hw = hi[j], lw = lo[j];
+    float w0 = aws_join(hw & 0xffffu, lw & 0xffffu), w1 = aws_join(hw >> 16, lw >> 16);
+    const aws_f2 gv = g2[j];
+    aws_f2 mv = m2[j], vv = v2[j];
+    aw_one(&w0, gv.x, &mv.x, &vv.x, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    aw_one(&w1, gv.y, &mv.y, &vv.y, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    unsigned h0, l0, h1, l1;
+    aws_split(w0, &h0, &l0);
+    aws_split(w1, &h1, &l1);
+    hi[j] = h0 | (h1 << 16);
+    lo[j] = l0 | (l1 << 16);
+    m2[j] = mv;
+    v2[j] = vv;
+  }
+}

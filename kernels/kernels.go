@@ -122,6 +122,7 @@ func Sources() []Source {
 		{File: "adamw.cu", Kernels: []Kernel{
 			{Name: "adamw_f32", Block: 256, Grid: gridStride},
 			{Name: "adamw_f32_x4", Block: 256, Grid: gridStride},
+			{Name: "adamw_split", Block: 256, Grid: gridStride},
 		}},
 		{File: "crossentropy.cu", Kernels: []Kernel{
 			{Name: "cross_entropy_f32", Block: 256, Grid: "T blocks"},

@@ -95,6 +95,7 @@ func checkCases() []Case {
 		{Name: "Rows/ref", Check: checkRowsRef},
 		{Name: "Rows/grad", Check: checkRowsGrad},
 		{Name: "AdamWUpdate/ref", Check: checkAdamWRef},
+		{Name: "AdamWUpdateSplit/ref", Check: checkAdamWSplit},
 	}
 }
 
@@ -530,5 +531,86 @@ func checkAdamWRef(t *testing.T, b backend.Backend) {
 		c.same("param", c.down(pT), p)
 		c.same("m", c.down(mT), m)
 		c.same("v", c.down(vT), v)
+	}
+}
+
+// CheckAdamWSplit is the AdamWUpdateSplit/ref check, for a backend that
+// GradCheck runs in float64 but that also has a float32 build (the CPU).
+func CheckAdamWSplit(t *testing.T, b backend.Backend) { checkAdamWSplit(t, b) }
+
+// checkAdamWSplit holds AdamWUpdateSplit to the backend's own AdamWUpdate
+// on the joined float32 masters, bit for bit, over three steps: the
+// masters (joined from the halves), the moments, and hi being the
+// masters' split. The masters include exact ties (low bits 0x8000, which
+// round away from zero), values whose rounding carries into the exponent,
+// and zeros. A backend whose float type is not float32 must refuse it.
+func checkAdamWSplit(t *testing.T, b backend.Backend) {
+	const n = 4098
+	if b.FloatType() != backend.Float32 {
+		defer func() {
+			if recover() == nil {
+				t.Errorf("AdamWUpdateSplit on a %v backend did not refuse", b.FloatType())
+			}
+		}()
+		b.AdamWUpdateSplit(b.New(backend.BFloat16, 2), b.New(backend.Int32, 1), b.New(b.FloatType(), 2), b.New(b.FloatType(), 2), b.New(b.FloatType(), 2), backend.AdamW{Step: 1})
+		return
+	}
+	rng := rand.New(rand.NewPCG(7, 11))
+	w := make([]float32, n)
+	for i := range w {
+		w[i] = float32(rng.NormFloat64() * 0.05)
+		switch i % 7 {
+		case 0: // an exact tie
+			w[i] = math.Float32frombits(math.Float32bits(w[i])&^0xffff | 0x8000)
+		case 1: // the low bits all ones: hi rounds up into the next binade
+			w[i] = math.Float32frombits(0x3f7fffff ^ uint32(i%2)<<31)
+		case 2:
+			w[i] = 0
+		}
+	}
+	hiHost, loHost := backend.SplitMasters(w)
+	hiT, loT := b.New(backend.BFloat16, n), b.New(backend.Int32, n/2)
+	backend.UploadSlice(b, hiT, hiHost)
+	backend.UploadSlice(b, loT, loHost)
+	wT := b.New(backend.Float32, n)
+	backend.UploadSlice(b, wT, w)
+	moments := func() (backend.Tensor, backend.Tensor) {
+		m, v := b.New(backend.Float32, n), b.New(backend.Float32, n)
+		b.Zero(m)
+		b.Zero(v)
+		return m, v
+	}
+	mS, vS := moments()
+	mF, vF := moments()
+	h := backend.AdamW{LR: 1e-3, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.1}
+	for step := 1; step <= 3; step++ {
+		g := make([]float32, n)
+		for i := range g {
+			g[i] = float32(rng.NormFloat64())
+		}
+		gT := b.New(backend.Float32, n)
+		backend.UploadSlice(b, gT, g)
+		h.Step, h.GradScale = step, []float64{0, 0.5, 1.25}[step-1]
+		b.AdamWUpdateSplit(hiT, loT, gT, mS, vS, h)
+		b.AdamWUpdate(wT, gT, mF, vF, h)
+		hi, lo := backend.DownloadFloat32(b, hiT), backend.DownloadInt32(b, loT)
+		want := backend.DownloadFloat32(b, wT)
+		got := backend.JoinMasters(hi, lo)
+		for i := range want {
+			if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+				t.Fatalf("step %d: master %d is %x joined from its halves, %x from AdamWUpdate", step, i, math.Float32bits(got[i]), math.Float32bits(want[i]))
+			}
+			if wantHi, _ := backend.SplitMaster(want[i]); math.Float32bits(hi[i]) != math.Float32bits(wantHi) {
+				t.Fatalf("step %d: hi[%d] is %x, want %x (the split of %x)", step, i, math.Float32bits(hi[i]), math.Float32bits(wantHi), math.Float32bits(want[i]))
+			}
+		}
+		for _, mv := range [][2]backend.Tensor{{mS, mF}, {vS, vF}} {
+			a, c := backend.DownloadFloat32(b, mv[0]), backend.DownloadFloat32(b, mv[1])
+			for i := range a {
+				if math.Float32bits(a[i]) != math.Float32bits(c[i]) {
+					t.Fatalf("step %d: a moment differs at %d: %g, want %g", step, i, a[i], c[i])
+				}
+			}
+		}
 	}
 }

@@ -19,3 +19,10 @@ func TestConformance(t *testing.T) {
 func TestGradCheck(t *testing.T) {
 	backendtest.GradCheck(t, cpu.New(backend.Float64))
 }
+
+// TestAdamWSplitFloat32: split masters are float32, which GradCheck's
+// float64 backend refuses; the float32 backend updates them bit for bit
+// as its AdamWUpdate updates float32 masters.
+func TestAdamWSplitFloat32(t *testing.T) {
+	backendtest.CheckAdamWSplit(t, cpu.New(backend.Float32))
+}

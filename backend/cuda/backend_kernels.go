@@ -38,7 +38,7 @@ type kernelSet struct {
 	routerFwd, routerBwd *Kernel
 	route                *Kernel
 
-	adamw, adamwX4 *Kernel
+	adamw, adamwX4, adamwSplit *Kernel
 }
 
 // loadKernelSet compiles (or reads from the cache) and loads the sources,
@@ -66,7 +66,7 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 			"scatter_add_rows_ordered_f32": &ks.scatterAddRowsOrdered}},
 		{"route.cu", map[string]**Kernel{"route_by_expert": &ks.route}},
 		{"router.cu", map[string]**Kernel{"router_forward_f32": &ks.routerFwd, "router_backward_f32": &ks.routerBwd}},
-		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw, "adamw_f32_x4": &ks.adamwX4}},
+		{"adamw.cu", map[string]**Kernel{"adamw_f32": &ks.adamw, "adamw_f32_x4": &ks.adamwX4, "adamw_split": &ks.adamwSplit}},
 	}
 	mods := make([]*Module, len(want))
 	errs := make([]error, len(want))

@@ -435,6 +435,44 @@ func (b *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW)
 	b.launch(k, b.strideGrid(n), p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor())
 }
 
+// AdamWUpdateSplit is AdamWUpdate on split float32 masters
+// (backend.SplitMaster), in adamw.cu's adamw_split: the same arithmetic as
+// adamw_f32 on the joined masters, one pair of weights per step.
+func (b *Backend) AdamWUpdateSplit(hi, lo, grad, m, v backend.Tensor, h backend.AdamW) {
+	const op = "AdamWUpdateSplit"
+	if hi == nil {
+		fail(op, "hi is nil")
+	}
+	hs := tensorOf(op, "hi", hi)
+	if hs.dt != backend.BFloat16 {
+		fail(op, "hi is %v, want bfloat16", hs.dt)
+	}
+	n := hs.Len()
+	if n%2 != 0 {
+		fail(op, "hi has %d elements; split masters come in pairs", n)
+	}
+	ls := indices(op, "lo", lo, n/2)
+	g := vector(op, "grad", grad, n)
+	mm := vector(op, "m", m, n)
+	vv := vector(op, "v", v, n)
+	if h.Step < 1 {
+		fail(op, "step %d must count from 1", h.Step)
+	}
+	if n == 0 {
+		return
+	}
+	// Pairs: hi and lo a 4-byte word each, grad, m and v 8 bytes.
+	for _, t := range []*Tensor{hs, ls, g, mm, vv} {
+		if p, ok := t.ptr(); ok && p%driver.DevicePtr(2*dtypeBytes(t.dt)) != 0 {
+			fail(op, "a tensor starts at an odd element; split masters come in aligned pairs")
+		}
+	}
+	bc1 := 1 - math.Pow(h.Beta1, float64(h.Step))
+	bc2 := 1 - math.Pow(h.Beta2, float64(h.Step))
+	decay := 1 - h.LR*h.WeightDecay
+	b.launch(b.k.adamwSplit, b.strideGrid(n/2), hs, ls, g, mm, vv, int64(n/2), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor())
+}
+
 // devicePtrs returns the addresses of ts (0 for nil) and whether every
 // tensor has memory; a tensor whose allocation failed makes the caller skip
 // its work (the failure is already waiting for Sync).

@@ -254,6 +254,11 @@ func (p *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW)
 	p.inner.AdamWUpdate(param, grad, m, v, h)
 }
 
+func (p *Backend) AdamWUpdateSplit(hi, lo, grad, m, v backend.Tensor, h backend.AdamW) {
+	defer p.end(p.begin(), opAdamWUpdate)
+	p.inner.AdamWUpdateSplit(hi, lo, grad, m, v, h)
+}
+
 func (p *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2 backend.Tensor) {
 	defer p.end(p.begin(), opGatherPeerRows)
 	p.inner.GatherPeerRows(outRD, srcTD, tokS, scaleS, refsR2)
