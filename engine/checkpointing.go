@@ -89,7 +89,7 @@ func (r *rank) snapshot(worldRank int) rankSnapshot {
 		}
 		// p.m is nil for a replicated tensor under ZeRO-1: its moments
 		// come in pieces, below.
-		w := backend.DownloadFloat32(r.b, p.w)
+		w := p.download(r.b)
 		var m, v []float32
 		if p.m != nil {
 			m, v = backend.DownloadFloat32(r.b, p.m), backend.DownloadFloat32(r.b, p.v)
@@ -198,21 +198,24 @@ func (r *rank) restore(ctx context.Context, ck *checkpoint.Checkpoint, withOptim
 		if withOptimizer && p.m != nil { // nil: a replicated tensor under ZeRO-1, read below
 			targets = append(targets, source{ck.Optim(), p.m, suffixAvg}, source{ck.Optim(), p.v, suffixAvgSq})
 		}
-		for _, tg := range targets {
+		for j, tg := range targets {
 			host := make([]float32, tg.t.Len())
 			if p.split.n > 1 {
 				if err := p.readBlock(tg.set, p.slot.name+tg.suffix, host); err != nil {
 					return err
 				}
-				backend.UploadSlice(r.b, tg.t, host)
-				continue
-			}
-			for _, piece := range p.pieces() {
-				if err := tg.set.ReadInto(piece.name+tg.suffix, host[piece.offset:piece.offset+piece.size]); err != nil {
-					return err
+			} else {
+				for _, piece := range p.pieces() {
+					if err := tg.set.ReadInto(piece.name+tg.suffix, host[piece.offset:piece.offset+piece.size]); err != nil {
+						return err
+					}
 				}
 			}
-			backend.UploadSlice(r.b, tg.t, host)
+			if j == 0 {
+				p.upload(r.b, host) // the weight: split where its master is
+			} else {
+				backend.UploadSlice(r.b, tg.t, host)
+			}
 		}
 	}
 	if withOptimizer && r.zero {

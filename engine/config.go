@@ -87,6 +87,19 @@ type TrainConfig struct {
 	// backward (Config.ExpertsUpdatedInBackward). The same weights bit for
 	// bit either way.
 	OptimizerInBackward string `yaml:"optimizer_in_backward"`
+	// MasterWeights is how a training rank whose products multiply in
+	// bf16 (the GPU) holds the float32 master weights of the tensors the
+	// products read: split, as the bf16 operands themselves and their
+	// low 16 bits (backend.SplitMaster: 4 bytes a weight, and no pass per
+	// step to round the masters into the operands); fp32, as float32
+	// masters and a bf16 copy (6 bytes); auto (the default), split except
+	// under parallel.zero 1, whose all-gathers move float32 pieces. "" is
+	// fp32 (configurations saved before the field existed). The masters
+	// are the same bits either way; the operands differ from the copy's
+	// round-to-nearest-even only at exact ties, which round away from
+	// zero. The CPU multiplies in float32 and keeps float32 masters under
+	// every setting.
+	MasterWeights string `yaml:"master_weights"`
 }
 
 // The values of train.recompute.
@@ -101,6 +114,13 @@ const (
 	OptimizerInBackwardAuto = "auto"
 	OptimizerInBackwardOn   = "on"
 	OptimizerInBackwardOff  = "off"
+)
+
+// The values of train.master_weights.
+const (
+	MasterWeightsAuto  = "auto"
+	MasterWeightsFP32  = "fp32"
+	MasterWeightsSplit = "split"
 )
 
 // ParallelConfig is the mesh; dp*ep*cp*tp ranks.
@@ -171,7 +191,7 @@ func DefaultConfig() Config {
 			LR: 1e-3, MinLR: 1e-4, Schedule: "cosine", WarmupSteps: 10,
 			WeightDecay: 0.1, Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, GradClip: 1.0,
 			Seed: 1, EvalEvery: 50, EvalBatches: 4, Recompute: RecomputeNone,
-			OptimizerInBackward: OptimizerInBackwardAuto,
+			OptimizerInBackward: OptimizerInBackwardAuto, MasterWeights: MasterWeightsAuto,
 		},
 		Parallel:   ParallelConfig{DP: 1, EP: 1, CP: 1, TP: 1, CPAttention: tune.CPAttentionAuto, TPOverlap: tune.TPOverlapAuto, SequenceParallel: true},
 		Checkpoint: CheckpointConfig{Every: 0, KeepLast: 3, Resume: "auto", Compress: "none"},

@@ -49,6 +49,8 @@
 //   - expert_update.go: train.optimizer_in_backward, the experts' AdamW
 //     run by the backward layer by layer, so the gradient store holds one
 //     layer's expert gradients.
+//   - master_split.go: train.master_weights, the product weights' float32
+//     masters held as their bf16 operands and low halves on the GPU.
 //   - model.go: the decoder's forward and backward over a micro-batch:
 //     embedding, per layer RMSNorm, attention (package attention), residual,
 //     RMSNorm, sparse MoE (package moe), residual; final RMSNorm; the LM head

@@ -134,7 +134,7 @@ func (u *expertUpdate) ready(layer int) error {
 	profile.Scope(b, profile.ScopeOptimizer)
 	u.squares += b.SumSquares(g)
 	at := r.expertMomentsAt + sp.lo - r.layout.experts.lo
-	b.AdamWUpdate(r.wStore.view(b, sp), g, b.View(r.m, at, n), b.View(r.v, at, n), u.h)
+	r.adamW(sp, g, b.View(r.m, at, n), b.View(r.v, at, n), u.h)
 	if layer > 0 {
 		b.Zero(r.expertGrads)
 	}

@@ -8,7 +8,6 @@ package engine
 import (
 	"fmt"
 
-	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/hf"
 )
 
@@ -61,7 +60,7 @@ func (r *rank) loadHF(w *hf.Weights) error {
 			if err := w.Read(p.slot.name, p.global, whole); err != nil {
 				return err
 			}
-			backend.UploadSlice(r.b, p.w, p.split.block(whole, p.global))
+			p.upload(r.b, p.split.block(whole, p.global))
 			continue
 		}
 		for _, piece := range p.pieces() {
@@ -69,7 +68,7 @@ func (r *rank) loadHF(w *hf.Weights) error {
 				return err
 			}
 		}
-		backend.UploadSlice(r.b, p.w, host)
+		p.upload(r.b, host)
 	}
 	return nil
 }

@@ -381,8 +381,12 @@ func slots(m ModelConfig) []paramSlot {
 // are nil on a rank that does not train, and for a replicated parameter
 // under ZeRO-1, whose moments are spread over the ranks (zero.go).
 type param struct {
-	slot        paramSlot
-	w, g, m, v  backend.Tensor
+	slot       paramSlot
+	w, g, m, v backend.Tensor
+	// lo is the low halves of w's masters where they are split
+	// (master_split.go): w is then their bf16 halves. Read and write w's
+	// values through download and upload.
+	lo          backend.Tensor
 	firstExpert int     // roleExpert: global index of the first local expert
 	split       tpSplit // the rank's block of the tensor under tensor parallelism
 	global      []int   // the whole tensor's shape (of one expert for experts)
@@ -426,6 +430,14 @@ func initParam(b backend.Backend, p *param, seed uint64, std float64) {
 			name := fmt.Sprintf(p.slot.name, p.firstExpert+j)
 			fillNormal(host[j*per:(j+1)*per], tensorRNG(seed, name), std)
 		}
+	}
+	if p.lo != nil {
+		w := make([]float32, n)
+		for i, x := range host {
+			w[i] = float32(x)
+		}
+		p.upload(b, w)
+		return
 	}
 	backend.UploadSlice(b, p.w, host)
 }

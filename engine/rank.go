@@ -75,6 +75,10 @@ type rank struct {
 	expertSpans       []span
 	expertGrads       backend.Tensor
 	expertMomentsAt   int
+	// split holds the halves of the product weights' masters where they
+	// are split (master_split.go; hi nil otherwise): wStore.flat is then
+	// the float32 norms and embedding alone.
+	split splitWeights
 }
 
 // newRank builds a rank with initialised weights. A rank without training
@@ -119,7 +123,11 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 		// the tensor group after the backward, before anything reads them.
 		r.grads.after = append(r.grads.after, gradPart{g: g, buckets: cutBuckets(m, r.layout, r.layout.tpSummed, gradBucket)})
 	}
-	r.wStore = newParamStore(b, m, r.layout)
+	if train != nil && cfg.SplitsMasters(b) {
+		r.wStore, r.split = newSplitWeightStore(b, m, r.layout)
+	} else {
+		r.wStore = newParamStore(b, m, r.layout)
+	}
 	if r.expertsInBackward = train != nil && cfg.ExpertsUpdatedInBackward(); r.expertsInBackward {
 		r.expertSpans = r.layout.layerExperts(m)
 		r.gStore, r.expertGrads = newLayerExpertGradStore(b, m, r.layout, r.expertSpans)
@@ -130,7 +138,11 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	if ctx.Err() != nil {
 		return nil, ErrStopped // between the large allocations too
 	}
-	r.op = newOperandStore(b, m, r.layout, r.wStore)
+	if r.split.hi != nil {
+		r.op = operandStore{p: r.w} // the products read the masters' bf16 halves
+	} else {
+		r.op = newOperandStore(b, m, r.layout, r.wStore)
+	}
 	var mp, vp *modelParams
 	if train != nil {
 		mp, vp = r.newMoments()
@@ -145,6 +157,9 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 			split: r.layout.split[i], global: slotShape(m, s)}
 		if mp != nil {
 			p.m, p.v = *s.pick(mp), *s.pick(vp)
+		}
+		if r.split.hi != nil && r.layout.offset[i] >= r.split.at {
+			p.lo = r.split.loView(b, r.layout.offset[i], p.w.Len())
 		}
 		initParam(b, &p, cfg.Train.Seed, m.InitStd)
 		r.params = append(r.params, p)
@@ -318,7 +333,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		}
 		n := part.r.hi - part.r.lo
 		h := backend.AdamW{LR: res.lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: wd, Step: step, GradScale: gradScale}
-		b.AdamWUpdate(r.wStore.view(b, part.r), r.gStore.view(b, part.r), b.View(r.m, part.at, n), b.View(r.v, part.at, n), h)
+		r.adamW(part.r, r.gStore.view(b, part.r), b.View(r.m, part.at, n), b.View(r.v, part.at, n), h)
 	}
 	if r.zero {
 		if err := r.gatherWeights(); err != nil {

@@ -176,7 +176,12 @@ func TestTensorParallelResume(t *testing.T) {
 // world rank i.
 func tensorParallelRanks(t *testing.T, cfg Config) (*Engine, []*rank) {
 	t.Helper()
-	b := cpu.New(backend.Float32)
+	return ranksOn(t, cfg, cpu.New(backend.Float32))
+}
+
+// ranksOn is tensorParallelRanks on the backend b.
+func ranksOn(t *testing.T, cfg Config, b backend.Backend) (*Engine, []*rank) {
+	t.Helper()
 	e, err := New(cfg, WithBackend(b))
 	if err != nil {
 		t.Fatal(err)

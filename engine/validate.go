@@ -41,6 +41,9 @@ func (c Config) Validate() error {
 	v.tensorParallel(c)
 	v.checkpoint(c.Checkpoint)
 	v.log(c.Log)
+	if len(v.errs) == 0 && c.Train.MasterWeights == MasterWeightsSplit && c.Parallel.Zero == 1 {
+		v.fail("train.master_weights", "train.master_weights is split, but parallel.zero is 1, whose all-gathers move float32 masters; set it to auto or fp32")
+	}
 	if len(v.errs) == 0 && c.Train.OptimizerInBackward == OptimizerInBackwardOn {
 		if why := c.optimizerInBackwardBlocker(); why != "" {
 			v.fail("train.optimizer_in_backward", "train.optimizer_in_backward is on, but %s; set it to auto or off", why)
@@ -270,6 +273,9 @@ func (v *validator) train(t TrainConfig, p ParallelConfig) {
 	v.positiveInt("train.eval_batches", t.EvalBatches)
 	if t.Recompute != "" { // "": none (configurations saved before the field existed)
 		v.oneOf("train.recompute", t.Recompute, RecomputeNone, RecomputeSelective, RecomputeFull)
+	}
+	if t.MasterWeights != "" { // "": fp32 (configurations saved before the field existed)
+		v.oneOf("train.master_weights", t.MasterWeights, MasterWeightsAuto, MasterWeightsFP32, MasterWeightsSplit)
 	}
 	if t.OptimizerInBackward != "" { // "": auto (configurations saved before the field existed)
 		v.oneOf("train.optimizer_in_backward", t.OptimizerInBackward, OptimizerInBackwardAuto, OptimizerInBackwardOn, OptimizerInBackwardOff)

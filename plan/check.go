@@ -193,7 +193,8 @@ func (p Plan) sizeAdvice() ([]string, string) {
 		texts = append(texts, fmt.Sprintf("spread the experts over more ranks with parallel.ep (%d) of %d", c.EP, ep))
 	}
 	if zero := c; c.Zero == 0 && c.DP*c.EP*c.CP > 1 {
-		zero.Zero = 1
+		// ZeRO-1 keeps float32 masters (engine/master_split.go).
+		zero.Zero, zero.SplitMasters = 1, false
 		if p.fitsWith(zero) {
 			fields = append(fields, "parallel.zero")
 			texts = append(texts, "shard the optimizer moments with parallel.zero: 1")

@@ -36,6 +36,7 @@ type shape struct {
 	flatNorms, flatMatrix  int64 // elements of the flat store's norm and matrix ranges (padded)
 	flatExperts, flatTotal int64 // its expert range, and the whole store (with ZeRO's padding)
 	flatReplicated         int64 // the range before the experts (with ZeRO's padding)
+	flatPrefix             int64 // the norms and the embedding, which stay float32 under split masters
 	momentElems            int64 // elements of each AdamW moment store
 	layerMatrices          int64 // elements of one layer's replicated matrices (padded)
 	zeroPiece              int64 // ZeRO-1: elements of a rank's piece of a round
@@ -153,6 +154,7 @@ func (s *shape) flatLayout() {
 		s.momentElems = add(mul(rounds, piece), s.flatExperts)
 	}
 	s.flatReplicated = replicated
+	s.flatPrefix = add(s.flatNorms, align(mul(s.V, D)))
 	s.flatTotal = add(replicated, s.flatExperts)
 }
 

@@ -51,6 +51,12 @@ type Config struct {
 	// it: engine/expert_update.go), so the gradient store holds one
 	// layer's expert gradients instead of every layer's.
 	ExpertsInBackward bool
+	// SplitMasters says the masters of the weights the products read are
+	// split where the products multiply in bf16 (train.master_weights, as
+	// the engine settles it: engine/master_split.go): their bf16 halves
+	// are the operands, and their low halves are the rest of the masters,
+	// instead of float32 masters and a bf16 copy.
+	SplitMasters bool
 
 	GlobalBatch, MicroBatch, Seq int
 	DP, EP, CP, TP               int

@@ -3,6 +3,7 @@ package plan
 import (
 	"errors"
 	"math"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -325,5 +326,51 @@ func TestFullRecomputePlan(t *testing.T) {
 	pf, _ = New(full, between)
 	if err := pf.Check(); err != nil {
 		t.Errorf("full between selective's and full's peaks: %v", err)
+	}
+}
+
+// TestSplitMastersPlan: with split masters the weights are the float32
+// norms and embedding, the others' bf16 halves and their low halves (half
+// as many int32 words), in the allocator's classes; no bf16 copy. On the
+// CPU, which multiplies in float32, nothing is split.
+func TestSplitMastersPlan(t *testing.T) {
+	c := Config{Vocab: 32768, Dim: 2048, Layers: 8, Heads: 16, KVHeads: 4, Experts: 64, TopK: 6, FFN: 1408,
+		GlobalBatch: 4, MicroBatch: 4, Seq: 2048, DP: 1, EP: 1, CP: 1, TP: 1, Dispatcher: DispatcherFused}
+	h200, err := NamedDevice("h200")
+	if err != nil {
+		t.Fatal(err)
+	}
+	terms := func(c Config, d Device) map[string]int64 {
+		p, err := New(c, d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]int64{}
+		for _, term := range p.Rank {
+			if term.Kind == Weights {
+				out[term.What] = term.Bytes
+			}
+		}
+		return out
+	}
+	whole := terms(c, h200)
+	c.SplitMasters = true
+	split := terms(c, h200)
+	const prefix = 17*2048 + 32768*2048 // 17 norms, the embedding
+	total := int64(4648372224)          // every tensor a multiple of 64 elements here
+	want := map[string]int64{
+		"fp32 master weights (norms and embedding)":        cudaSizeClass(4 * prefix),
+		"split masters: the bf16 halves the products read": cudaSizeClass(2 * (total - prefix)),
+		"split masters: the low halves":                    cudaSizeClass(4 * ((total - prefix) / 2)),
+	}
+	if !reflect.DeepEqual(split, want) {
+		t.Errorf("split weights %v, want %v", split, want)
+	}
+	if w := whole["fp32 master weights"] + whole["bf16 copy for the products"]; w != cudaSizeClass(4*total)+cudaSizeClass(2*total) {
+		t.Errorf("float32 masters and copy: %v", whole)
+	}
+	cpuDev := Device{Name: "host", Backend: BackendCPU, FloatBytes: 4, OperandBytes: 4}
+	if got := terms(c, cpuDev); len(got) != 1 || got["fp32 master weights"] != 4*total {
+		t.Errorf("split masters on the CPU: %v", got)
 	}
 }

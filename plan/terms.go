@@ -71,9 +71,19 @@ func tensorParallelFused(l *ledger, s shape) {
 // of the replicated range and its experts. The aux-loss-free bias is one
 // [E] vector per layer (newRankRounds).
 func stores(l *ledger, s shape) {
-	l.fixed(Weights, "fp32 master weights", 1, s.flatTotal, s.ft)
-	if s.ot != s.ft {
+	switch {
+	case s.c.SplitMasters && s.ot == 2 && s.ft == 4:
+		// engine/master_split.go's newSplitWeightStore: float32 norms and
+		// embedding, then the others' bf16 halves and low halves.
+		split := s.flatTotal - s.flatPrefix
+		l.fixed(Weights, "fp32 master weights (norms and embedding)", 1, s.flatPrefix, s.ft)
+		l.fixed(Weights, "split masters: the bf16 halves the products read", 1, split, s.ot)
+		l.fixed(Weights, "split masters: the low halves", 1, split/2, int32Bytes)
+	case s.ot != s.ft:
+		l.fixed(Weights, "fp32 master weights", 1, s.flatTotal, s.ft)
 		l.fixed(Weights, "bf16 copy for the products", 1, s.flatTotal, s.ot)
+	default:
+		l.fixed(Weights, "fp32 master weights", 1, s.flatTotal, s.ft)
 	}
 	if s.c.ExpertsInBackward {
 		// engine/expert_update.go's newLayerExpertGradStore: the store

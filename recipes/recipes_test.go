@@ -168,7 +168,7 @@ func TestDecodeErrors(t *testing.T) {
 		want       []string
 	}{
 		{"unknown field", "train:\n  lr: 1e-3\n  lr_max: 1\n",
-			[]string{`r.yaml:3: unknown field "lr_max" in section train; the fields are backend, global_batch, micro_batch, seq, steps, lr, min_lr, schedule, warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, seed, eval_every, eval_batches, deterministic, recompute, optimizer_in_backward`}},
+			[]string{`r.yaml:3: unknown field "lr_max" in section train; the fields are backend, global_batch, micro_batch, seq, steps, lr, min_lr, schedule, warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, seed, eval_every, eval_batches, deterministic, recompute, optimizer_in_backward, master_weights`}},
 		{"typo", "model:\n  moe:\n    topk: 1\n", []string{`r.yaml:3: unknown field "topk" in section model.moe; did you mean "top_k"?`}},
 		{"unknown section", "optim:\n  lr: 1\n",
 			[]string{`r.yaml:1: unknown section "optim"; the sections are model, data, train, parallel, checkpoint, log`}},
@@ -305,7 +305,7 @@ func TestOverrideErrors(t *testing.T) {
 	}{
 		{"train.lr", "r.yaml: --set train.lr: an override is key.path=value, for example train.lr=3e-4"},
 		{"=3", "r.yaml: --set =3: an override is key.path=value, for example train.lr=3e-4"},
-		{"train.lr_max=1", `r.yaml: --set train.lr_max=1: unknown field "lr_max" in section train; the fields are backend, global_batch, micro_batch, seq, steps, lr, min_lr, schedule, warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, seed, eval_every, eval_batches, deterministic, recompute, optimizer_in_backward`},
+		{"train.lr_max=1", `r.yaml: --set train.lr_max=1: unknown field "lr_max" in section train; the fields are backend, global_batch, micro_batch, seq, steps, lr, min_lr, schedule, warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, seed, eval_every, eval_batches, deterministic, recompute, optimizer_in_backward, master_weights`},
 		{"model.moe.topk=1", `r.yaml: --set model.moe.topk=1: unknown field "topk" in section model.moe; did you mean "top_k"?`},
 		{"optim.lr=1", `r.yaml: --set optim.lr=1: unknown section "optim"; the sections are model, data, train, parallel, checkpoint, log`},
 		{"model=1", "r.yaml: --set model=1: model is a section; set one of its fields, for example model.vocab"},

@@ -233,6 +233,9 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		// Whether AdamW updated the experts in the backward
 		// (train.optimizer_in_backward, settled).
 		"experts_updated_in_backward": cfg.ExpertsUpdatedInBackward(),
+		// Whether the weights' masters were split (train.master_weights,
+		// settled for this backend).
+		"split_master_weights": cfg.SplitsMasters(inner),
 	}
 	mem := peakMemory(inner)
 	figures["peak_memory_bytes"], figures["peak_memory_source"] = mem.bytes, mem.source
