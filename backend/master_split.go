@@ -1,6 +1,9 @@
 package backend
 
-import "math"
+import (
+	"math"
+	"slices"
+)
 
 // Split master weights.
 //
@@ -41,13 +44,19 @@ func JoinMaster(hi float32, lo uint16) float32 {
 // SplitMasters splits ws (of even length) into the values of its hi tensor
 // and the words of its lo tensor.
 func SplitMasters(ws []float32) (hi []float32, lo []int32) {
-	hi, lo = make([]float32, len(ws)), make([]int32, (len(ws)+1)/2)
+	hi = slices.Clone(ws)
+	return hi, SplitMastersInPlace(hi)
+}
+
+// SplitMastersInPlace is SplitMasters overwriting ws with hi.
+func SplitMastersInPlace(ws []float32) (lo []int32) {
+	lo = make([]int32, (len(ws)+1)/2)
 	for i, w := range ws {
 		h, l := SplitMaster(w)
-		hi[i] = h
+		ws[i] = h
 		lo[i/2] |= int32(uint32(l) << (16 * (i % 2)))
 	}
-	return hi, lo
+	return lo
 }
 
 // JoinMasters is the masters of the halves hi and lo (SplitMasters).

@@ -404,8 +404,24 @@ func tensorRNG(seed uint64, name string) *rand.Rand {
 // initParam fills p.w: norms with ones, matrices (and each expert matrix)
 // with N(0, std).
 func initParam(b backend.Backend, p *param, seed uint64, std float64) {
+	if p.lo != nil {
+		// Split masters: float32 values, split in place into the bf16
+		// halves (no float64 copy: the host holds 8 bytes an element,
+		// as plan/host.go counts).
+		w := fillParam[float32](p, seed, std)
+		lo := backend.SplitMastersInPlace(w)
+		backend.UploadSlice(b, p.w, w)
+		backend.UploadSlice(b, p.lo, lo)
+		return
+	}
+	backend.UploadSlice(b, p.w, fillParam[float64](p, seed, std))
+}
+
+// fillParam is initParam's values of p: norms ones, matrices (and each
+// expert matrix) N(0, std) from the tensor's own stream.
+func fillParam[T float32 | float64](p *param, seed uint64, std float64) []T {
 	n := p.w.Len()
-	host := make([]float64, n)
+	host := make([]T, n)
 	switch p.slot.role {
 	case roleNorm:
 		for i := range host {
@@ -415,7 +431,7 @@ func initParam(b backend.Backend, p *param, seed uint64, std float64) {
 		if p.split.n > 1 {
 			// The whole tensor's stream, kept where it falls in the
 			// block: every layout initialises the same model.
-			whole := make([]float64, shapeLen(p.global))
+			whole := make([]T, shapeLen(p.global))
 			fillNormal(whole, tensorRNG(seed, p.slot.name), std)
 			for _, sg := range p.split.segments(p.global) {
 				copy(host[sg.local:sg.local+sg.n], whole[sg.global:sg.global+sg.n])
@@ -431,20 +447,14 @@ func initParam(b backend.Backend, p *param, seed uint64, std float64) {
 			fillNormal(host[j*per:(j+1)*per], tensorRNG(seed, name), std)
 		}
 	}
-	if p.lo != nil {
-		w := make([]float32, n)
-		for i, x := range host {
-			w[i] = float32(x)
-		}
-		p.upload(b, w)
-		return
-	}
-	backend.UploadSlice(b, p.w, host)
+	return host
 }
 
-func fillNormal(x []float64, rng *rand.Rand, std float64) {
+// fillNormal fills x with N(0, std) draws, each made in float64 and
+// rounded to T: float32 values are those of a float64 fill rounded after.
+func fillNormal[T float32 | float64](x []T, rng *rand.Rand, std float64) {
 	for i := range x {
-		x[i] = rng.NormFloat64() * std
+		x[i] = T(rng.NormFloat64() * std)
 	}
 }
 
