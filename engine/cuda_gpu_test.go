@@ -178,3 +178,35 @@ func dispatchersAgree(t *testing.T, cfg Config, b backend.Backend, layout string
 	}
 	return worst, fusedRate, unfusedRate
 }
+
+// TestMemorySavingsCUDA trains the tiny recipe (without clipping, one
+// micro-batch a step) on the GPU under train.deterministic with the
+// experts updated after the backward and in it (train.optimizer_in_backward
+// off and on), which must give the same losses bit for bit, and with
+// float32 masters and a bf16 copy against split masters
+// (train.master_weights fp32 and split), within virtualRanksTol (the
+// operands differ at exact ties, which round away from zero).
+func TestMemorySavingsCUDA(t *testing.T) {
+	gpu := openGPU(t)
+	const steps = 20
+	cfg := tinyRecipeConfig()
+	cfg.Train.GradClip, cfg.Train.Deterministic = 0, true
+	cfg.Train.OptimizerInBackward, cfg.Train.MasterWeights = OptimizerInBackwardOff, MasterWeightsFP32
+	want, _ := runSteps(t, cfg, gpu, steps)
+	cfg.Train.OptimizerInBackward = OptimizerInBackwardOn
+	inBackward, _ := runSteps(t, cfg, gpu, steps)
+	if !slices.Equal(inBackward, want) {
+		t.Errorf("experts updated in the backward: losses %v, want %v (after the backward) bit for bit", inBackward, want)
+	}
+	cfg.Train.MasterWeights = MasterWeightsSplit
+	split, _ := runSteps(t, cfg, gpu, steps)
+	worst := 0.0
+	for i := range want {
+		rel := math.Abs(split[i]-want[i]) / math.Abs(want[i])
+		worst = max(worst, rel)
+		if !(rel <= virtualRanksTol) {
+			t.Errorf("split masters: step %d: loss %.6f, %.6f with float32 masters: relative difference %.3g > %g", i+1, split[i], want[i], rel, virtualRanksTol)
+		}
+	}
+	t.Logf("figure: engine tiny loss max relative difference split vs float32 masters CUDA = %.3g ratio", worst)
+}

@@ -103,7 +103,7 @@ PACKAGES=(
   "backend/cuda/driver|"
   "backend/cuda|"
   "kernels|"
-  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled|TestDeterministicGPURunsRepeat|TestRecomputeCUDA|TestRingCUDA|TestFusedRingCUDA|TestTensorParallelCUDA)$"
+  "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled|TestDeterministicGPURunsRepeat|TestRecomputeCUDA|TestRingCUDA|TestFusedRingCUDA|TestTensorParallelCUDA|TestMemorySavingsCUDA)$"
 )
 BIN=.gpu
 PEER_SRC=scripts/peer
