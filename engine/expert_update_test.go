@@ -7,7 +7,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/moe"
 )
 
@@ -51,9 +50,9 @@ func TestOptimizerInBackwardIsBitExact(t *testing.T) {
 			cfg.Model.MoE.Dispatcher, cfg.Parallel.CPAttention, cfg.Parallel.TPOverlap = l.dispatcher, "allgather", "unfused"
 
 			cfg.Train.OptimizerInBackward = OptimizerInBackwardOff
-			want, wantRanks := expertUpdateRun(t, cfg)
+			want, wantRanks := recomputeRun(t, cfg)
 			cfg.Train.OptimizerInBackward = OptimizerInBackwardOn
-			got, gotRanks := expertUpdateRun(t, cfg)
+			got, gotRanks := recomputeRun(t, cfg)
 
 			for i := range want.steps {
 				w, g := want.steps[i], got.steps[i]
@@ -92,34 +91,6 @@ func TestOptimizerInBackwardIsBitExact(t *testing.T) {
 			}
 		})
 	}
-}
-
-// expertUpdated is what TestOptimizerInBackwardIsBitExact compares: world
-// rank 0's step results, and every rank's flat gradient store, weights
-// and moments after the last step.
-type expertUpdated struct {
-	steps                []stepResult
-	grads, weights, m, v [][]float64
-}
-
-func expertUpdateRun(t *testing.T, cfg Config) (expertUpdated, []*rank) {
-	t.Helper()
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	_, ranks := tensorParallelRanks(t, cfg)
-	var out expertUpdated
-	for i, rs := range trainRanks(t, ranks, cfg.Train.Steps) {
-		if i == 0 {
-			out.steps = rs
-		}
-		r := ranks[i]
-		out.grads = append(out.grads, backend.DownloadFloat64(r.b, r.gStore.flat))
-		out.weights = append(out.weights, backend.DownloadFloat64(r.b, r.wStore.flat))
-		out.m = append(out.m, backend.DownloadFloat64(r.b, r.m))
-		out.v = append(out.v, backend.DownloadFloat64(r.b, r.v))
-	}
-	return out, ranks
 }
 
 // TestOptimizerInBackwardSetting: auto turns the update in the backward

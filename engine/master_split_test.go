@@ -1,7 +1,6 @@
 package engine
 
 import (
-	"context"
 	"math"
 	"slices"
 	"strings"
@@ -9,7 +8,6 @@ import (
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
-	"github.com/mktrain/mktrain/checkpoint"
 	"github.com/mktrain/mktrain/moe"
 )
 
@@ -134,16 +132,7 @@ func TestSplitMastersCheckpoint(t *testing.T) {
 		c := cfg
 		c.Train.MasterWeights = mode
 		_, again := ranksOn(t, c, bf16OperandBackend())
-		ck, err := checkpoint.Open(dir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, r := range again {
-			if err := r.restore(context.Background(), ck, true); err != nil {
-				t.Fatal(err)
-			}
-		}
-		ck.Close()
+		restoreRanks(t, again, dir)
 		for r := range ranks {
 			for i, p := range ranks[r].params {
 				if a, b := p.download(ranks[r].b), again[r].params[i].download(again[r].b); !slices.Equal(a, b) {
@@ -158,6 +147,7 @@ func TestSplitMastersCheckpoint(t *testing.T) {
 		// both): the same losses and masters, bit for bit.
 		for _, rs := range [][]*rank{ranks, again} {
 			for _, r := range rs {
+				var err error
 				if r.train, _, err = e.openData(r.groups.Data.Rank(), r.groups.Data.Size()); err != nil {
 					t.Fatal(err)
 				}

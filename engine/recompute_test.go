@@ -53,10 +53,10 @@ func TestRecomputeIsBitExact(t *testing.T) {
 			cfg.Train.MicroBatch = l.micro
 			// The ranks are built here, not by Run, which settles "auto".
 			cfg.Model.MoE.Dispatcher, cfg.Parallel.CPAttention, cfg.Parallel.TPOverlap = l.dispatcher, l.cpModes, "unfused"
-			want := recomputeRun(t, cfg)
+			want, _ := recomputeRun(t, cfg)
 			for _, mode := range []string{RecomputeSelective, RecomputeFull} {
 				cfg.Train.Recompute = mode
-				got := recomputeRun(t, cfg)
+				got, _ := recomputeRun(t, cfg)
 				for i := range want.steps {
 					w, g := want.steps[i], got.steps[i]
 					if g.loss != w.loss || g.gradNorm != w.gradNorm || g.auxLoss != w.auxLoss || g.zLoss != w.zLoss {
@@ -80,16 +80,18 @@ func TestRecomputeIsBitExact(t *testing.T) {
 	}
 }
 
-// recomputed is what TestRecomputeIsBitExact compares: world
-// rank 0's step results, and every rank's flat gradients and weights
-// after the last step.
+// recomputed is what TestRecomputeIsBitExact and
+// TestOptimizerInBackwardIsBitExact compare: world rank 0's step results,
+// and every rank's flat gradients, weights and AdamW moments after the
+// last step.
 type recomputed struct {
-	steps          []stepResult
-	grads, weights [][]float64
+	steps                []stepResult
+	grads, weights, m, v [][]float64
 }
 
-// recomputeRun trains cfg on virtual ranks of one CPU backend.
-func recomputeRun(t *testing.T, cfg Config) recomputed {
+// recomputeRun trains cfg on virtual ranks of one CPU backend, and
+// returns the ranks too.
+func recomputeRun(t *testing.T, cfg Config) (recomputed, []*rank) {
 	t.Helper()
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
@@ -101,8 +103,11 @@ func recomputeRun(t *testing.T, cfg Config) recomputed {
 		if i == 0 {
 			out.steps = rs
 		}
-		out.grads = append(out.grads, backend.DownloadFloat64(ranks[i].b, ranks[i].gStore.flat))
-		out.weights = append(out.weights, backend.DownloadFloat64(ranks[i].b, ranks[i].wStore.flat))
+		r := ranks[i]
+		out.grads = append(out.grads, backend.DownloadFloat64(r.b, r.gStore.flat))
+		out.weights = append(out.weights, backend.DownloadFloat64(r.b, r.wStore.flat))
+		out.m = append(out.m, backend.DownloadFloat64(r.b, r.m))
+		out.v = append(out.v, backend.DownloadFloat64(r.b, r.v))
 	}
-	return out
+	return out, ranks
 }

@@ -203,6 +203,22 @@ func ranksOn(t *testing.T, cfg Config, b backend.Backend) (*Engine, []*rank) {
 	return e, ranks
 }
 
+// restoreRanks loads the checkpoint in dir into every rank, optimizer
+// state too.
+func restoreRanks(t *testing.T, ranks []*rank, dir string) {
+	t.Helper()
+	ck, err := checkpoint.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	for _, r := range ranks {
+		if err := r.restore(context.Background(), ck, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // savedTensors writes the ranks' snapshots as the checkpoint of step in the
 // run directory runDir (as Run's saver does) and returns its directory and
 // every tensor in it, model and optimizer, by name.
@@ -266,16 +282,7 @@ func TestTensorParallelCheckpointIsLayoutFree(t *testing.T) {
 		exportHF(t, cfg, fromRun, fromHF, hf.FP32)
 		for _, to := range []layout{{1, 1, 0, true}, {1, 4, 0, false}, {2, 2, 1, true}} {
 			e2, ranks2 := tensorParallelRanks(t, config(to))
-			ck, err := checkpoint.Open(dir)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, r := range ranks2 {
-				if err := r.restore(context.Background(), ck, true); err != nil {
-					t.Fatal(err)
-				}
-			}
-			ck.Close()
+			restoreRanks(t, ranks2, dir)
 			toRun := t.TempDir()
 			_, got := savedTensors(t, e2, ranks2, toRun, cfg.Train.Steps)
 			if len(got) != len(want) {

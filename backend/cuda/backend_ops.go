@@ -419,20 +419,24 @@ func (b *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW)
 	g := vector(op, "grad", grad, n)
 	mm := vector(op, "m", m, n)
 	vv := vector(op, "v", v, n)
-	if h.Step < 1 {
-		fail(op, "step %d must count from 1", h.Step)
-	}
+	bc1, bc2, decay := adamWFactors(op, h)
 	if n == 0 {
 		return
 	}
-	bc1 := 1 - math.Pow(h.Beta1, float64(h.Step))
-	bc2 := 1 - math.Pow(h.Beta2, float64(h.Step))
-	decay := 1 - h.LR*h.WeightDecay
 	k := b.k.adamw
 	if aligned4(p, g, mm, vv) {
 		k = b.k.adamwX4
 	}
 	b.launch(k, b.strideGrid(n), p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor())
+}
+
+// adamWFactors are AdamW's bias corrections 1 - beta^step and its decay
+// factor 1 - lr*wd, which the kernels take.
+func adamWFactors(op string, h backend.AdamW) (bc1, bc2, decay float64) {
+	if h.Step < 1 {
+		fail(op, "step %d must count from 1", h.Step)
+	}
+	return 1 - math.Pow(h.Beta1, float64(h.Step)), 1 - math.Pow(h.Beta2, float64(h.Step)), 1 - h.LR*h.WeightDecay
 }
 
 // AdamWUpdateSplit is AdamWUpdate on split float32 masters
@@ -455,21 +459,19 @@ func (b *Backend) AdamWUpdateSplit(hi, lo, grad, m, v backend.Tensor, h backend.
 	g := vector(op, "grad", grad, n)
 	mm := vector(op, "m", m, n)
 	vv := vector(op, "v", v, n)
-	if h.Step < 1 {
-		fail(op, "step %d must count from 1", h.Step)
-	}
+	bc1, bc2, decay := adamWFactors(op, h)
 	if n == 0 {
 		return
 	}
 	// Pairs: hi and lo a 4-byte word each, grad, m and v 8 bytes.
-	for _, t := range []*Tensor{hs, ls, g, mm, vv} {
-		if p, ok := t.ptr(); ok && p%driver.DevicePtr(2*dtypeBytes(t.dt)) != 0 {
+	for _, a := range []struct {
+		t     *Tensor
+		bytes driver.DevicePtr
+	}{{hs, 4}, {ls, 4}, {g, 8}, {mm, 8}, {vv, 8}} {
+		if p, ok := a.t.ptr(); ok && p%a.bytes != 0 {
 			fail(op, "a tensor starts at an odd element; split masters come in aligned pairs")
 		}
 	}
-	bc1 := 1 - math.Pow(h.Beta1, float64(h.Step))
-	bc2 := 1 - math.Pow(h.Beta2, float64(h.Step))
-	decay := 1 - h.LR*h.WeightDecay
 	b.launch(b.k.adamwSplit, b.strideGrid(n/2), hs, ls, g, mm, vv, int64(n/2), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor())
 }
 
