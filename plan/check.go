@@ -178,7 +178,9 @@ func (p Plan) sizeAdvice() ([]string, string) {
 		}
 	}
 	one := c
-	one.MicroBatch = 1
+	if one.MicroBatch > 1 {
+		one.MicroBatch, one.ExpertsInBackward = 1, false // micro-batches add up, as above
+	}
 	step := 2 * c.CP // seq stays a multiple of 2*cp (one rank: of 2)
 	if m := largestFitting(1, (c.Seq-1)/step, func(m int) bool { c2 := one; c2.Seq = m * step; return p.fitsWith(c2) }); m > 0 {
 		fields, text := []string{"train.seq"}, fmt.Sprintf("lower train.seq (%d) to %d or less", c.Seq, m*step)

@@ -17,10 +17,11 @@
 // (Canonical); a checkpoint stores it so that a resumed run can tell
 // whether its recipe changed. The examples show both functions' output.
 //
-// The shipped recipes (Shipped: tiny, moe-small, moe-fine) are built into the binary.
-// When Load's path names no file on disk but names a shipped recipe ("tiny",
-// "tiny.yaml" or "recipes/tiny.yaml"), the built-in one is used, so `mktrain
-// run tiny` works from any directory. A file on disk always wins.
+// The shipped recipes (Shipped: tiny, moe-small, moe-fine, moe-large,
+// long-context) are built into the binary. When Load's path names no file
+// on disk but names a shipped recipe ("tiny", "tiny.yaml" or
+// "recipes/tiny.yaml"), the built-in one is used, so `mktrain run tiny`
+// works from any directory. A file on disk always wins.
 //
 // # Overrides
 //

@@ -1,6 +1,7 @@
 package recipes
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/engine"
@@ -43,5 +44,50 @@ func TestLongContextFitsOneH200(t *testing.T) {
 			t.Errorf("cp_attention %s: the peak is %s of %s, more than 85%%", mode, plan.FormatBytes(p.Peak), plan.FormatBytes(dev.Memory))
 		}
 		t.Logf("cp_attention %s: peak %s of %s (%.0f%%)", mode, plan.FormatBytes(p.Peak), plan.FormatBytes(dev.Memory), 100*float64(p.Peak)/float64(dev.Memory))
+	}
+}
+
+// TestMoELargeFitsOnlyWithRecompute is issue 28's larger recipe: moe-fine
+// at twice its depth and batch, which one H200 holds with train.recompute:
+// full and refuses, before allocating anything, with selective or none,
+// the sentence naming train.recompute.
+func TestMoELargeFitsOnlyWithRecompute(t *testing.T) {
+	large, _, err := Load("moe-large", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fine, _, err := Load("moe-fine", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if large.Model.Layers != 2*fine.Model.Layers || large.Train.GlobalBatch != 2*fine.Train.GlobalBatch ||
+		large.Train.Recompute != engine.RecomputeFull {
+		t.Fatalf("moe-large: %d layers, batch %d, recompute %s; want twice moe-fine's %d layers and batch %d, recompute full",
+			large.Model.Layers, large.Train.GlobalBatch, large.Train.Recompute, fine.Model.Layers, fine.Train.GlobalBatch)
+	}
+	asFine := large
+	asFine.Model.Layers, asFine.Train.GlobalBatch, asFine.Train.MicroBatch, asFine.Train.Recompute = fine.Model.Layers, fine.Train.GlobalBatch, fine.Train.MicroBatch, fine.Train.Recompute
+	if asFine != fine {
+		t.Errorf("moe-large differs from moe-fine beyond layers, batch and recompute:\n%+v\n%+v", asFine, fine)
+	}
+	dev, err := plan.NamedDevice("h200")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rc := range []string{engine.RecomputeFull, engine.RecomputeSelective, engine.RecomputeNone} {
+		c := large
+		c.Train.Recompute = rc
+		p, err := plan.New(engine.PlanConfig(c, 1, 1, false), dev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = p.Check()
+		t.Logf("recompute %s: peak %s of %s", rc, plan.FormatBytes(p.Peak), plan.FormatBytes(dev.Memory))
+		switch {
+		case rc == engine.RecomputeFull && err != nil:
+			t.Errorf("recompute full: %v", err)
+		case rc != engine.RecomputeFull && (err == nil || !strings.Contains(err.Error(), "train.recompute: full")):
+			t.Errorf("recompute %s: %v; want a refusal that offers train.recompute: full", rc, err)
+		}
 	}
 }

@@ -17,7 +17,7 @@ import (
 )
 
 func TestShippedRecipesLoad(t *testing.T) {
-	if got, want := Shipped(), []string{"long-context", "moe-fine", "moe-small", "tiny"}; !slices.Equal(got, want) {
+	if got, want := Shipped(), []string{"long-context", "moe-fine", "moe-large", "moe-small", "tiny"}; !slices.Equal(got, want) {
 		t.Fatalf("Shipped() = %v, want %v", got, want)
 	}
 	for _, name := range Shipped() {
@@ -138,7 +138,7 @@ func TestLoadByName(t *testing.T) {
 	}
 	for _, path := range []string{"nosuch", "other/tiny.yaml", "/abs/recipes/tiny.yaml"} {
 		_, _, err := Load(path, nil)
-		want := "recipe " + path + ": no such file, and not a shipped recipe (long-context, moe-fine, moe-small, tiny)"
+		want := "recipe " + path + ": no such file, and not a shipped recipe (long-context, moe-fine, moe-large, moe-small, tiny)"
 		if err == nil || err.Error() != want {
 			t.Errorf("Load(%q) = %v, want %q", path, err, want)
 		}

@@ -25,7 +25,7 @@
 //	mktrain version
 //	mktrain help [COMMAND [SUBCOMMAND]]
 //
-// A recipe is a YAML file or a shipped name (tiny, moe-small, moe-fine, long-context); its fields
+// A recipe is a YAML file or a shipped name (tiny, moe-small, moe-fine, moe-large, long-context); its fields
 // are documented in docs/recipes.md. Every command and subcommand takes
 // --help (or -h), and `mktrain help COMMAND [SUBCOMMAND]` prints the same:
 // its usage and every flag, on stdout. Exit
@@ -83,7 +83,7 @@ const topUsage = `mktrain trains mixture-of-experts transformers.
 Usage:
   mktrain run RECIPE [--set key.path=value]... [--run-dir DIR] [--metrics-addr HOST:PORT]
               [--nnodes N --node-rank K --master-addr HOST [--master-port P]] [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
-                         train from a recipe (a file, or a shipped name: tiny, moe-small, moe-fine, long-context)
+                         train from a recipe (a file, or a shipped name: tiny, moe-small, moe-fine, moe-large, long-context)
   mktrain data prepare [--out DIR] [--val-fraction F] [--shard-tokens N] [--tokenizer FILE [--text-key K] [--eos TOKEN] [--seed S]] FILE|GLOB...
                          turn text, JSON Lines or Parquet into token shards (byte-level without --tokenizer)
   mktrain data verify [--vocab N | --recipe RECIPE] [GLOB...]

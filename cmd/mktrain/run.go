@@ -96,7 +96,7 @@ const runUsage = `Usage: mktrain run RECIPE [--set key.path=value]... [--run-dir
                   [--rendezvous-timeout D] [--secret-file F] [--bind ADDR]
 
 Trains the model a recipe describes. RECIPE is a YAML file or the name of a
-shipped recipe (tiny, moe-small, moe-fine, long-context). The run directory receives recipe.yaml (the
+shipped recipe (tiny, moe-small, moe-fine, moe-large, long-context). The run directory receives recipe.yaml (the
 effective recipe), train.log and metrics.jsonl (and TensorBoard event files
 with log.tensorboard: true). On a terminal a banner describes the run and a
 progress bar follows it, with warnings printed above the bar; otherwise each
