@@ -29,6 +29,9 @@
 #      --steps 4 --warmup 2` and the peer with --dim 2048 --experts 64
 #      --topk 6 --ffn 1408 --batch 4): train-moe-fine.json and
 #      peer-moe-fine.json, tokens/s and peak memory against the peer's;
+#      then `bench train moe-large --steps 3 --warmup 1` (the recipe that
+#      fits only with recomputation): train-moe-large.json, its peak
+#      against the plan's;
 #   4. runs the benchmark for the parallel layouts of world 2 and 4
 #      (moe-small's per-rank shape; one rank per GPU where the machine
 #      has enough GPUs, with the ep layouts under both dispatchers, else
@@ -90,7 +93,7 @@
 # kernels as trained with; kernels/dev/README.md);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels, NO_ATTENTION=1 step 5b, NO_TP=1 step 5c,
-# NO_HF=1 step 6; FINE=1 runs step 3b (two files more); PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
+# NO_HF=1 step 6; FINE=1 runs step 3b (three files more); PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
 # (peer-kernels.json); PREPARE_BENCH=1 runs step 7;
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
 # else python3).
@@ -331,6 +334,7 @@ fi
 # peak memory against PyTorch's, in the same command.
 fine_rc=-
 fine_peer_rc=-
+large_rc=-
 if [[ "${NO_BENCH:-}" != 1 && "${FINE:-}" == 1 && -x "$BIN/mktrain" ]]; then
   fine_args=(bench train moe-fine --steps 4 --warmup 2 --profile=false --set data.train= --set data.val= --set train.backend=cuda)
   echo "== mktrain ${fine_args[*]}"
@@ -347,6 +351,15 @@ if [[ "${NO_BENCH:-}" != 1 && "${FINE:-}" == 1 && -x "$BIN/mktrain" ]]; then
   fine_peer_rc=$?
   tail -n 3 "$LOGS/peer-fine.log"
   wrap_result peer-moe-fine peer-train "$PY $PEER_DIR/torch_moe_train.py ${fine_peer[*]}" "$LOGS/peer-fine.log"
+  large_args=(bench train moe-large --steps 3 --warmup 1 --profile=false --set data.train= --set data.val= --set train.backend=cuda)
+  echo "== mktrain ${large_args[*]}"
+  timeout 400 "$BIN/mktrain" "${large_args[@]}" --out "$LOGS/bench-large" >"$LOGS/bench-large.log" 2>&1
+  large_rc=$?
+  tail -n 4 "$LOGS/bench-large.log"
+  if f=$(ls "$LOGS"/bench-large/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
+    cp "$f" "$OUT/train-moe-large.json"
+  fi
+  [[ $large_rc -ne 0 ]] && status=1
   echo
 fi
 
@@ -672,6 +685,15 @@ peak, peer_peak = m["peak_memory_bytes"] / 1e9, p["peak_mem_GB"]
 print("  mktrain %10.0f tokens/s  peak %6.1f GB (plan %6.1f GB)" % (m["tokens_per_s"], peak, m["plan_peak_memory_bytes"] / 1e9))
 print("  peer    %10.0f tokens/s  peak %6.1f GB" % (p["tokens_per_s"], peer_peak))
 print("  ratio   %10.3f            peak %6.3f (bars: at least 1.4 and at most 1.0)" % (m["tokens_per_s"] / p["tokens_per_s"], peak / peer_peak))
+PYEOF
+  fi
+  echo "== moe-large (exit $large_rc): peak memory against the plan's"
+  if [[ -f "$OUT/train-moe-large.json" ]]; then
+    "$PY" - "$OUT/train-moe-large.json" <<'PYEOF'
+import json, sys
+m = json.load(open(sys.argv[1]))["figures"]
+print("  mktrain %10.0f tokens/s  peak %6.1f GiB, plan %6.1f GiB (%+.2f%%)" % (m["tokens_per_s"], m["peak_memory_bytes"] / 2**30,
+      m["plan_peak_memory_bytes"] / 2**30, 100 * (m.get("plan_peak_memory_error") or 0)))
 PYEOF
   fi
 fi
