@@ -66,6 +66,10 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 		return Result{}, err
 	}
 	ranks := make([]*rank, len(world))
+	// A large model takes a while to draw (moe-large's 9 billion weights):
+	// say so before, and how long it took after.
+	initStart := time.Now()
+	e.log.Info().Int("ranks", len(world)).Int("params", ParamCount(cfg.Model)).Msg("initialising the model")
 	for i, g := range world {
 		// A rank's data part is its data group's: the data group holds one
 		// rank per data replica (dp*ep), so the context-parallel ranks of a
@@ -89,6 +93,7 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 			e.log.Info().Msgf("parallel: context-parallel attention runs the %s", ranks[0].model.attn[0].ContextPath())
 		}
 	}
+	e.log.Info().Str("took", time.Since(initStart).Round(time.Millisecond).String()).Msg("model initialised")
 	e.logTPPaths(cfg, ranks)
 	s := &session{e: e, ranks: ranks, world: world, snaps: make([]rankSnapshot, cfg.mesh().World()), distributed: distributed}
 	if e.runDir != "" {
