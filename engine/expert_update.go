@@ -46,6 +46,16 @@ func (c Config) ExpertsUpdatedInBackward() bool {
 	return c.optimizerInBackwardBlocker() == ""
 }
 
+// expertsInBackwardUnclipped says the experts' update would run in the
+// backward but for train.grad_clip (auto, and nothing else in the way).
+func (c Config) expertsInBackwardUnclipped() bool {
+	if c.Train.OptimizerInBackward == OptimizerInBackwardOff || c.Train.GradClip == 0 {
+		return false
+	}
+	c.Train.GradClip = 0
+	return c.optimizerInBackwardBlocker() == ""
+}
+
 // optimizerInBackwardBlocker says which field keeps the experts' update
 // out of the backward, or "" when none does.
 func (c Config) optimizerInBackwardBlocker() string {

@@ -140,6 +140,23 @@ func TestOptimizerInBackwardSetting(t *testing.T) {
 			}
 		})
 	}
+	// Clipping alone in the way: the plan's refusal may offer grad_clip 0.
+	for _, tc := range []struct {
+		name string
+		set  func(*Config)
+		want bool
+	}{
+		{"clipping", func(c *Config) { c.Train.GradClip = 1 }, true},
+		{"clipping, off", func(c *Config) { c.Train.GradClip, c.Train.OptimizerInBackward = 1, OptimizerInBackwardOff }, false},
+		{"clipping and dp 2", func(c *Config) { c.Train.GradClip, c.Parallel.DP, c.Train.MicroBatch = 1, 2, 4 }, false},
+		{"no clipping", func(c *Config) {}, false},
+	} {
+		c := base
+		tc.set(&c)
+		if got := c.expertsInBackwardUnclipped(); got != tc.want {
+			t.Errorf("%s: in the backward but for clipping %v, want %v", tc.name, got, tc.want)
+		}
+	}
 	c := base
 	c.Train.OptimizerInBackward = "sometimes"
 	if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "train.optimizer_in_backward") {

@@ -28,8 +28,9 @@ func PlanConfig(c Config, processRanks, deviceRanks int, checkpoints bool) plan.
 		GlobalBatch: t.GlobalBatch, MicroBatch: t.MicroBatch, Seq: t.Seq,
 		DP: p.DP, EP: p.EP, CP: p.CP, TP: p.TP, Zero: p.Zero, CPAttention: p.CPAttention, SequenceParallel: p.SequenceParallel,
 		TPOverlap: p.TPOverlap, Deterministic: t.Deterministic, Recompute: t.Recompute,
-		ExpertsInBackward: c.ExpertsUpdatedInBackward(), SplitMasters: c.masterWeightsSplit(),
-		Checkpoints: checkpoints, ProcessRanks: processRanks, DeviceRanks: deviceRanks,
+		ExpertsInBackward: c.ExpertsUpdatedInBackward(), ExpertsInBackwardUnclipped: c.expertsInBackwardUnclipped(),
+		SplitMasters: c.masterWeightsSplit(),
+		Checkpoints:  checkpoints, ProcessRanks: processRanks, DeviceRanks: deviceRanks,
 	}
 }
 

@@ -127,8 +127,23 @@ func largestFitting(lo, hi int, fits func(int) bool) int {
 
 // advice names the fields to change: those of sizeAdvice, and
 // train.recompute: selective where the run fits with it alone, else full
-// where that fits (it reruns more: each layer's whole forward).
+// where that fits (it reruns more: each layer's whole forward), and
+// train.grad_clip: 0 where clipping alone keeps the experts' update out of
+// the backward and the run fits with it there.
 func (p Plan) advice() ([]string, string) {
+	fields, text := p.recomputeAdvice()
+	if c := p.Config; !c.ExpertsInBackward && c.ExpertsInBackwardUnclipped {
+		c.ExpertsInBackward = true
+		if p.fitsWith(c) {
+			fields = append(fields, "train.grad_clip")
+			text += ", or set train.grad_clip: 0 (without clipping AdamW updates each layer's experts in the backward, and one layer's expert gradients are held instead of every layer's)"
+		}
+	}
+	return fields, text
+}
+
+// recomputeAdvice is sizeAdvice and the train.recompute part of advice.
+func (p Plan) recomputeAdvice() ([]string, string) {
 	fields, text := p.sizeAdvice()
 	if p.Config.Recompute == RecomputeFull {
 		return fields, text

@@ -51,6 +51,11 @@ type Config struct {
 	// it: engine/expert_update.go), so the gradient store holds one
 	// layer's expert gradients instead of every layer's.
 	ExpertsInBackward bool
+	// ExpertsInBackwardUnclipped says the experts would be updated in the
+	// backward but for clipping (train.grad_clip above 0 is all that
+	// stands in the way): the refusal's advice then offers grad_clip 0
+	// where that makes the run fit.
+	ExpertsInBackwardUnclipped bool
 	// SplitMasters says the masters of the weights the products read are
 	// split where the products multiply in bf16 (train.master_weights, as
 	// the engine settles it: engine/master_split.go): their bf16 halves

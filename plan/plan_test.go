@@ -374,3 +374,35 @@ func TestSplitMastersPlan(t *testing.T) {
 		t.Errorf("split masters on the CPU: %v", got)
 	}
 }
+
+// TestAdviceOffersNoClipping: where clipping alone keeps the experts'
+// update out of the backward and the run fits with it there, the refusal
+// offers train.grad_clip: 0; where the update is already in the backward,
+// or something else keeps it out, it does not.
+func TestAdviceOffersNoClipping(t *testing.T) {
+	c := Config{Vocab: 32768, Dim: 2048, Layers: 8, Heads: 16, KVHeads: 4, Experts: 64, TopK: 6, FFN: 1408,
+		GlobalBatch: 4, MicroBatch: 4, Seq: 2048, DP: 1, EP: 1, CP: 1, TP: 1, Dispatcher: DispatcherFused, SplitMasters: true}
+	h100, err := NamedDevice("h100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(c Config) error {
+		p, err := New(c, h100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p.Check()
+	}
+	c.ExpertsInBackwardUnclipped = true
+	if err := check(c); err == nil || !strings.Contains(err.Error(), "train.grad_clip: 0") {
+		t.Errorf("clipping in the way: %v; want the advice to offer train.grad_clip: 0", err)
+	}
+	c.ExpertsInBackwardUnclipped = false
+	if err := check(c); err == nil || strings.Contains(err.Error(), "train.grad_clip") {
+		t.Errorf("something else in the way: %v; want a refusal without train.grad_clip", err)
+	}
+	c.ExpertsInBackward = true
+	if err := check(c); err != nil {
+		t.Errorf("experts updated in the backward: %v", err)
+	}
+}
