@@ -200,6 +200,13 @@ func printPlan(w io.Writer, recipe string, p plan.Plan, verdict error, host int6
 		update = "in the backward (train.optimizer_in_backward): one layer's expert gradients at a time"
 	}
 	fmt.Fprintf(w, "%-22s %s\n", "experts' AdamW", update)
+	if p.Device.OperandBytes < p.Device.FloatBytes {
+		masters := "fp32, and a bf16 copy for the products (6 bytes a weight)"
+		if c.SplitMasters {
+			masters = "split: the bf16 operands and their low halves (4 bytes a weight)"
+		}
+		fmt.Fprintf(w, "%-22s %s\n", "master weights", masters)
+	}
 	routed := p.Worst != p.Peak
 	fmt.Fprintf(w, "\n%-12s %-56s %12s", "per rank", "", "bytes")
 	if routed {
