@@ -331,19 +331,26 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
 fi
 
 # moe-fine and its peer (FINE=1): the fine-grained model's tokens/s and
-# peak memory against PyTorch's, in the same command.
+# peak memory against PyTorch's, in the same command; then moe-large.
 fine_rc=-
 fine_peer_rc=-
 large_rc=-
-if [[ "${NO_BENCH:-}" != 1 && "${FINE:-}" == 1 && -x "$BIN/mktrain" ]]; then
-  fine_args=(bench train moe-fine --steps 4 --warmup 2 --profile=false --set data.train= --set data.val= --set train.backend=cuda)
-  echo "== mktrain ${fine_args[*]}"
-  timeout 300 "$BIN/mktrain" "${fine_args[@]}" --out "$LOGS/bench-fine" >"$LOGS/bench-fine.log" 2>&1
-  fine_rc=$?
-  tail -n 4 "$LOGS/bench-fine.log"
-  if f=$(ls "$LOGS"/bench-fine/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
-    cp "$f" "$OUT/train-moe-fine.json"
+# bench_recipe NAME SECONDS STEPS WARMUP: bench train NAME on CUDA, its
+# result as $OUT/train-NAME.json; the exit status is bench_recipe's.
+bench_recipe() {
+  local args=(bench train "$1" --steps "$3" --warmup "$4" --profile=false --set data.train= --set data.val= --set train.backend=cuda)
+  echo "== mktrain ${args[*]}"
+  timeout "$2" "$BIN/mktrain" "${args[@]}" --out "$LOGS/bench-$1" >"$LOGS/bench-$1.log" 2>&1
+  local rc=$?
+  tail -n 4 "$LOGS/bench-$1.log"
+  if f=$(ls "$LOGS/bench-$1"/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
+    cp "$f" "$OUT/train-$1.json"
   fi
+  return $rc
+}
+if [[ "${NO_BENCH:-}" != 1 && "${FINE:-}" == 1 && -x "$BIN/mktrain" ]]; then
+  bench_recipe moe-fine 300 4 2
+  fine_rc=$?
   [[ $fine_rc -ne 0 ]] && status=1
   fine_peer=(--steps 4 --warmup 2 --dim 2048 --experts 64 --topk 6 --ffn 1408 --batch 4)
   echo "== peer: $PY $PEER_DIR/torch_moe_train.py ${fine_peer[*]}"
@@ -351,14 +358,8 @@ if [[ "${NO_BENCH:-}" != 1 && "${FINE:-}" == 1 && -x "$BIN/mktrain" ]]; then
   fine_peer_rc=$?
   tail -n 3 "$LOGS/peer-fine.log"
   wrap_result peer-moe-fine peer-train "$PY $PEER_DIR/torch_moe_train.py ${fine_peer[*]}" "$LOGS/peer-fine.log"
-  large_args=(bench train moe-large --steps 3 --warmup 1 --profile=false --set data.train= --set data.val= --set train.backend=cuda)
-  echo "== mktrain ${large_args[*]}"
-  timeout 400 "$BIN/mktrain" "${large_args[@]}" --out "$LOGS/bench-large" >"$LOGS/bench-large.log" 2>&1
+  bench_recipe moe-large 400 3 1
   large_rc=$?
-  tail -n 4 "$LOGS/bench-large.log"
-  if f=$(ls "$LOGS"/bench-large/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
-    cp "$f" "$OUT/train-moe-large.json"
-  fi
   [[ $large_rc -ne 0 ]] && status=1
   echo
 fi
