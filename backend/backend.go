@@ -450,6 +450,25 @@ type Backend interface {
 	AdamWUpdateSplit(hi, lo, grad, m, v Tensor, h AdamW)
 }
 
+// LaterReducer is an optional capability of a backend whose reductions
+// wait for the device: SumSquaresLater queues SumSquares(t) and returns a
+// function that waits for it and returns it, so that a step's reductions
+// share one wait instead of a round trip each. The function must be called
+// once. SumSquaresLater (the function) serves every backend.
+type LaterReducer interface {
+	SumSquaresLater(t Tensor) func() float64
+}
+
+// SumSquaresLater is b's SumSquaresLater where b is a LaterReducer, else
+// SumSquares(t) now, returned as the function.
+func SumSquaresLater(b Backend, t Tensor) func() float64 {
+	if r, ok := b.(LaterReducer); ok {
+		return r.SumSquaresLater(t)
+	}
+	s := b.SumSquares(t)
+	return func() float64 { return s }
+}
+
 // Deterministic is an optional capability of a backend some of whose ops
 // add with float atomics, in an order that varies from run to run, and
 // that can add in a fixed order instead, at some cost: after

@@ -119,9 +119,12 @@ func newLayerExpertGradStore(b backend.Backend, m ModelConfig, lay *flatLayout, 
 // expertUpdate is one step's AdamW of the experts, run by the backward as
 // each layer's gradients become final (model.backwardNotify).
 type expertUpdate struct {
-	r       *rank
-	h       backend.AdamW
-	squares float64 // Σ g² of the layers updated so far, for the norm
+	r *rank
+	h backend.AdamW
+	// squares are the layers' Σ g², queued on the device as each layer
+	// is updated and read together after the backward (sumSquares): the
+	// backward waits for none of them.
+	squares []func() float64
 }
 
 func (r *rank) newExpertUpdate(step int, lr float64) *expertUpdate {
@@ -142,7 +145,7 @@ func (u *expertUpdate) ready(layer int) error {
 	n := sp.hi - sp.lo
 	g := b.View(r.expertGrads, 0, n)
 	profile.Scope(b, profile.ScopeOptimizer)
-	u.squares += b.SumSquares(g)
+	u.squares = append(u.squares, backend.SumSquaresLater(b, g))
 	at := r.expertMomentsAt + sp.lo - r.layout.experts.lo
 	r.adamW(sp, g, b.View(r.m, at, n), b.View(r.v, at, n), u.h)
 	if layer > 0 {
@@ -150,6 +153,16 @@ func (u *expertUpdate) ready(layer int) error {
 	}
 	profile.Scope(b, "")
 	return nil
+}
+
+// sumSquares is Σ g² over the experts of every layer updated, added in
+// the order of the backward.
+func (u *expertUpdate) sumSquares() float64 {
+	s := 0.0
+	for _, f := range u.squares {
+		s += f()
+	}
+	return s
 }
 
 // chainNotify is a backward callback that calls each of fs (the nil ones

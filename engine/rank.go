@@ -206,10 +206,11 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	}
 	r.op.refresh(b) // the weights may have changed since the last forward: an optimizer step, a restore
 	b.Zero(r.gStore.flat)
+	res.lr = learningRate(cfg.Train, step)
 	var experts *expertUpdate // the experts' AdamW, run by the backward
 	if r.expertsInBackward {
 		b.Zero(r.expertGrads)
-		experts = r.newExpertUpdate(step, learningRate(cfg.Train, step))
+		experts = r.newExpertUpdate(step, res.lr)
 	}
 	lossSum := 0.0
 	for a := 0; a < accum; a++ {
@@ -306,7 +307,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	var expertSquares float64
 	switch {
 	case experts != nil:
-		expertSquares = experts.squares
+		expertSquares = experts.sumSquares()
 	case !r.layout.experts.empty():
 		expertSquares = b.SumSquares(r.gStore.view(b, r.layout.experts))
 	}
@@ -320,7 +321,6 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	if clip := cfg.Train.GradClip; clip > 0 && norm > clip {
 		gradScale = clip / (norm + 1e-6)
 	}
-	res.lr = learningRate(cfg.Train, step)
 	t := cfg.Train
 	// A few long AdamW calls: the norms (no weight decay) and the rest of
 	// the flat stores; with ZeRO-1 only this rank's pieces of the

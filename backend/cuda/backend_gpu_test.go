@@ -113,3 +113,32 @@ func TestBackendUploadDownloadViews(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestSumSquaresLater: reductions queued with SumSquaresLater and read
+// after more work has been queued give SumSquares' bits, each read once
+// (its partials' buffer goes back to the allocator).
+func TestSumSquaresLater(t *testing.T) {
+	b := testBackend(t)
+	xs := make([]backend.Tensor, 3)
+	want := make([]float64, len(xs))
+	later := make([]func() float64, len(xs))
+	for i := range xs {
+		host := make([]float32, 100003*(i+1))
+		for j := range host {
+			host[j] = float32(j%97) * 0.01 * float32(i+1)
+		}
+		xs[i] = b.New(backend.Float32, len(host))
+		backend.UploadSlice(b, xs[i], host)
+		want[i] = b.SumSquares(xs[i])
+		later[i] = b.SumSquaresLater(xs[i])
+		b.Scale(xs[i], 2) // queued after the reduction: it must not see it
+	}
+	for i, f := range later {
+		if got := f(); got != want[i] {
+			t.Errorf("tensor %d: SumSquaresLater %.17g, SumSquares %.17g", i, got, want[i])
+		}
+	}
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}

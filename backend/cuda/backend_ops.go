@@ -98,45 +98,54 @@ func (b *Backend) Scale(t backend.Tensor, alpha float64) {
 // Sum returns the sum of t's elements, accumulated in float64. It waits for
 // the GPU.
 func (b *Backend) Sum(t backend.Tensor) float64 {
-	return b.reduce(float("Sum", "t", t), false)
+	return b.reduce(float("Sum", "t", t), false)()
 }
 
 // SumSquares returns the sum of the squares of t's elements, accumulated in
 // float64. It waits for the GPU.
 func (b *Backend) SumSquares(t backend.Tensor) float64 {
-	return b.reduce(float("SumSquares", "t", t), true)
+	return b.reduce(float("SumSquares", "t", t), true)()
 }
 
-// reduce runs sum_partial_f32 on a fixed grid (so the same tensor gives the
-// same bits every time) and adds the per-block float64 partials in order.
-// A failure returns NaN and waits for Sync.
-func (b *Backend) reduce(t *Tensor, squares bool) float64 {
+// SumSquaresLater queues SumSquares(t); the function it returns waits for
+// the GPU (backend.LaterReducer).
+func (b *Backend) SumSquaresLater(t backend.Tensor) func() float64 {
+	return b.reduce(float("SumSquaresLater", "t", t), true)
+}
+
+// reduce queues sum_partial_f32 on a fixed grid (so the same tensor gives
+// the same bits every time); the function it returns waits for the
+// per-block float64 partials and adds them in order. A failure returns
+// NaN and waits for Sync.
+func (b *Backend) reduce(t *Tensor, squares bool) func() float64 {
 	n := t.Len()
 	if n == 0 {
-		return 0
+		return func() float64 { return 0 }
 	}
 	g := b.strideGrid(n)
-	partials := make([]float64, g.Grid.X)
-	buf, err := b.alloc(int64(8 * len(partials)))
+	buf, err := b.alloc(int64(8 * g.Grid.X))
 	if err != nil {
 		b.fail(err)
-		return math.NaN()
+		return math.NaN
 	}
-	defer b.dev.Free(buf)
 	sq := int32(0)
 	if squares {
 		sq = 1
 	}
 	b.launch(b.k.sumPartial, g, t, int64(n), sq, buf)
-	if err := b.dev.CopyFromDevice(Bytes(partials), buf, 0); err != nil {
-		b.fail(err)
-		return math.NaN()
+	return func() float64 {
+		defer b.dev.Free(buf)
+		partials := make([]float64, g.Grid.X)
+		if err := b.dev.CopyFromDevice(Bytes(partials), buf, 0); err != nil {
+			b.fail(err)
+			return math.NaN()
+		}
+		var s float64
+		for _, p := range partials {
+			s += p
+		}
+		return s
 	}
-	var s float64
-	for _, p := range partials {
-		s += p
-	}
-	return s
 }
 
 // EmbeddingForward gathers rows: outTD[t] = tableVD[idsT[t]]. An id outside
