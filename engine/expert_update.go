@@ -86,7 +86,7 @@ func (lay *flatLayout) layerExperts(m ModelConfig) []span {
 			continue
 		}
 		l := slotFinal(m, s)
-		end := lay.offset[i] + (shapeLen(lay.shape[i])+flatAlign-1)/flatAlign*flatAlign
+		end := lay.offset[i] + lay.padded(i)
 		if out[l].lo < 0 || lay.offset[i] < out[l].lo {
 			out[l].lo = lay.offset[i]
 		}

@@ -55,7 +55,7 @@ func (lay *flatLayout) fp32Prefix() int {
 	end := 0
 	for i, s := range lay.slots {
 		if keepsFloat32(s) {
-			end = max(end, lay.offset[i]+(shapeLen(lay.shape[i])+flatAlign-1)/flatAlign*flatAlign)
+			end = max(end, lay.offset[i]+lay.padded(i))
 		}
 	}
 	for i, s := range lay.slots {
@@ -67,7 +67,8 @@ func (lay *flatLayout) fp32Prefix() int {
 }
 
 // keepsFloat32 says s is read as its float32 master by the model: the
-// norms and the embedding table (newOperandStore).
+// norms and the embedding table, which no product reads (newOperandStore
+// gives them no bf16 copy).
 func keepsFloat32(s paramSlot) bool { return s.role == roleNorm || s.name == nameEmbed }
 
 // splitWeights is a rank's weight store under split masters.

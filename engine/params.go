@@ -99,7 +99,7 @@ func newOperandStore(b backend.Backend, m ModelConfig, lay *flatLayout, w paramS
 	flat := b.New(ot, lay.total)
 	p := newModelParams(m)
 	for i, s := range lay.slots {
-		if s.role == roleNorm || s.name == nameEmbed {
+		if keepsFloat32(s) {
 			*s.pick(p) = *s.pick(w.p)
 			continue
 		}
@@ -150,6 +150,12 @@ type flatLayout struct {
 	// group, tpSharded the range of the tp ranks' own blocks; both empty
 	// with tp 1.
 	tpSummed, tpSharded span
+}
+
+// padded is slot i's length in the store: its elements, padded to
+// flatAlign.
+func (lay *flatLayout) padded(i int) int {
+	return (shapeLen(lay.shape[i]) + flatAlign - 1) / flatAlign * flatAlign
 }
 
 // flatAlign keeps every view 256-byte aligned (64 float32s), as the
@@ -206,7 +212,7 @@ func newFlatLayoutTP(m ModelConfig, localExperts int, tp tpRank) *flatLayout {
 				continue
 			}
 			lay.offset[i] = off
-			off += (shapeLen(lay.shape[i]) + flatAlign - 1) / flatAlign * flatAlign
+			off += lay.padded(i)
 		}
 		classes[class] = span{lo, off}
 	}
