@@ -97,10 +97,10 @@ func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.G
 		return nil, err
 	}
 	if w == 1 {
-		return newLayer(b, s, batch, seq, opts)
+		return newLayer(b, s, batch, seq, opts, false)
 	}
 	c := seq / (2 * w)
-	l, err := newLayer(b, s, batch, 2*c, opts)
+	l, err := newLayer(b, s, batch, 2*c, opts, true)
 	if err != nil {
 		return nil, err
 	}

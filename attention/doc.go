@@ -79,7 +79,16 @@
 //
 // There is no autograd. Forward saves the rotated q and k, v, the output a
 // before o_proj and the per-row log-sum-exp of the scores (lse, [B, H, S]):
-// all a flash-style backward needs to recompute the probabilities.
+// all a flash-style backward needs to recompute the probabilities. On a
+// backend whose operand type is bf16 (the GPU) q, k and v are kept in
+// bf16, the type the attention core multiplies in: the projections of q
+// and k write float32 into the backward's scratch, and RoPE rotates them
+// in float32 and rounds once into the kept tensors; v's product writes
+// bf16 itself. The core reads them as they are, with no conversion pass,
+// and they take half the memory. In the backward RoPE's inverse writes
+// the gradients of q and k straight into the bf16 operands of the
+// projections' products. A context-parallel Layer keeps them in the float
+// type, which its collectives move.
 //
 // Context parallelism cuts each sequence into 2W chunks and gives rank r
 // chunks r and 2W-1-r (zigzag), which evens out the causal work. In mode

@@ -80,9 +80,17 @@ type Layer struct {
 	// Saved by Forward. xTD and posT are the caller's tensors; xTD is nil
 	// before a Forward succeeds.
 	xTD, posT backend.Tensor
-	qTQ       backend.Tensor // q after RoPE
-	kTK       backend.Tensor // k after RoPE
-	vTK       backend.Tensor
+	qTQ       backend.Tensor // q after RoPE, of type qkvType
+	kTK       backend.Tensor // k after RoPE, of type qkvType
+	vTK       backend.Tensor // of type qkvType
+	// qkvType is the type q, k and v are kept in: the backend's operand
+	// type (bf16 on the GPU, which the attention core reads as it is) on a
+	// Layer whose core is the backend's attention, the float type on a
+	// context-parallel one (its collectives move float keys and values).
+	// Where it is not the float type, the projections of q and k write
+	// float32 into the backward's dq and dk scratch (free during Forward)
+	// and RoPE rounds them once into qTQ and kTK.
+	qkvType backend.DType
 	aTQ       backend.Tensor // attention output, the input of o_proj
 	lseBHS    backend.Tensor
 	// recompute is set by RecomputeCore: aTQ and lseBHS are then the
@@ -257,7 +265,7 @@ func TensorParallelShape(s Shape, tp, r int) (heads, kvHeads, kvRow int) {
 // shared Scratch sized for the same shape and tokens; the engine validates
 // its config before building layers, so New panics on a violation.
 func New(b backend.Backend, s Shape, batch, seq int, opts ...Option) *Layer {
-	l, err := newLayer(b, s, batch, seq, opts)
+	l, err := newLayer(b, s, batch, seq, opts, false)
 	if err != nil {
 		panic(err.Error())
 	}
@@ -268,10 +276,12 @@ func New(b backend.Backend, s Shape, batch, seq int, opts ...Option) *Layer {
 // any options), returning an error instead of panicking on a shape the
 // tensor-parallel group cannot split.
 func NewTensorParallel(b backend.Backend, s Shape, batch, seq int, opts ...Option) (*Layer, error) {
-	return newLayer(b, s, batch, seq, opts)
+	return newLayer(b, s, batch, seq, opts, false)
 }
 
-func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer, error) {
+// newLayer is New and NewTensorParallel, and NewContextParallel's Layer
+// with contextParallel (its core is then not the backend's attention).
+func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, contextParallel bool) (*Layer, error) {
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
@@ -318,14 +328,18 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer
 	} else {
 		aTQ, lseBHS = b.New(ft, T, q), b.New(ft, batch, s.Heads, seq)
 	}
+	qkvType := b.OperandType()
+	if contextParallel {
+		qkvType = ft
+	}
 	var qTQ, kTK, vTK backend.Tensor
 	if o.layer {
-		if err := sc.fitLayer(b, T, q, kd); err != nil {
+		if err := sc.fitLayer(b, qkvType, T, q, kd); err != nil {
 			return nil, err
 		}
 		qTQ, kTK, vTK = sc.layer.qTQ, sc.layer.kTK, sc.layer.vTK
 	} else {
-		qTQ, kTK, vTK = b.New(ft, T, q), b.New(ft, T, kd), b.New(ft, T, kd)
+		qTQ, kTK, vTK = b.New(qkvType, T, q), b.New(qkvType, T, kd), b.New(qkvType, T, kd)
 	}
 	return &Layer{
 		b:         b,
@@ -340,6 +354,7 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option) (*Layer
 		qTQ:       qTQ,
 		kTK:       kTK,
 		vTK:       vTK,
+		qkvType:   qkvType,
 		aTQ:       aTQ,
 		lseBHS:    lseBHS,
 		recompute: o.recompute && !o.layer,
@@ -388,10 +403,10 @@ func (sc *Scratch) fitCore(b backend.Backend, T, q, lse int) error {
 	return nil
 }
 
-// fitLayer allocates the shared rotated q [T, q], k and v [T, kd] of the
-// layers built with RecomputeLayer, or checks that they have that size.
-func (sc *Scratch) fitLayer(b backend.Backend, T, q, kd int) error {
-	ft := b.FloatType()
+// fitLayer allocates the shared rotated q [T, q], k and v [T, kd] of
+// type ft of the layers built with RecomputeLayer, or checks that they
+// have that size and type.
+func (sc *Scratch) fitLayer(b backend.Backend, ft backend.DType, T, q, kd int) error {
 	if sc.layer == nil {
 		sc.layer = &layerScratch{qTQ: b.New(ft, T, q), kTK: b.New(ft, T, kd), vTK: b.New(ft, T, kd)}
 		return nil
@@ -450,22 +465,36 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 	}
 	ops := l.sc.ops
 	x := xTD
+	// The projections' outputs before RoPE: qTQ and kTK themselves (RoPE
+	// in place), or where those are kept in another type the backward's
+	// float scratch, which RoPE reads into them (see Layer.qkvType).
+	qPre, kPre, vPre := l.qTQ, l.kTK, l.vTK
+	if l.qkvType != b.FloatType() {
+		qPre, kPre = l.dqTQ, l.dkTK
+		if l.tp.Enabled() {
+			// The tensor-parallel products write float32.
+			vPre = l.dvTK
+		}
+	}
 	if l.tp.Enabled() {
 		var err error
-		outs, ws := []backend.Tensor{l.qTQ, l.kTK, l.vTK}, []backend.Tensor{p.WqQD, l.kv(p.WkKD), l.kv(p.WvKD)}
+		outs, ws := []backend.Tensor{qPre, kPre, vPre}, []backend.Tensor{p.WqQD, l.kv(p.WkKD), l.kv(p.WvKD)}
 		if x, err = l.tp.ColumnForward(l.sc.tp.fullTD, xTD, outs, ws, true); err != nil {
 			return err
+		}
+		if vPre != l.vTK {
+			b.Copy(l.vTK, vPre)
 		}
 	} else {
 		if ops != nil {
 			x = l.operand(xTD, ops.xTD)
 		}
-		b.MatMul(l.qTQ, x, p.WqQD, false, true, 1, 0)
-		b.MatMul(l.kTK, x, p.WkKD, false, true, 1, 0)
+		b.MatMul(qPre, x, p.WqQD, false, true, 1, 0)
+		b.MatMul(kPre, x, p.WkKD, false, true, 1, 0)
 		b.MatMul(l.vTK, x, p.WvKD, false, true, 1, 0)
 	}
-	b.RoPE(l.qTQ, posT, dh, theta, false)
-	b.RoPE(l.kTK, posT, dh, theta, false)
+	b.RoPE(l.qTQ, qPre, posT, dh, theta, false)
+	b.RoPE(l.kTK, kPre, posT, dh, theta, false)
 	if err := l.coreForward(); err != nil {
 		return err
 	}
@@ -575,9 +604,12 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 		b.AttentionBackward(l.dqTQ, l.dkTK, l.dvTK, l.daTQ, l.qTQ, l.kTK, l.vTK, l.aTQ, l.lseBHS, l.attn)
 	}
 
-	// RoPE is a rotation, so its backward rotates the gradient back.
-	b.RoPE(l.dqTQ, l.posT, dh, theta, true)
-	b.RoPE(l.dkTK, l.posT, dh, theta, true)
+	// RoPE is a rotation, so its backward rotates the gradient back: in
+	// place, or (below) straight into the products' operands.
+	if ops == nil || l.tp.Enabled() {
+		b.RoPE(l.dqTQ, l.dqTQ, l.posT, dh, theta, true)
+		b.RoPE(l.dkTK, l.dkTK, l.posT, dh, theta, true)
+	}
 
 	if l.tp.Enabled() {
 		// The projections read x gathered again (Megatron's choice: one
@@ -594,7 +626,9 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	}
 	if ops != nil {
 		x = l.operand(l.xTD, ops.xTD)
-		dq, dk, dv = l.operand(l.dqTQ, ops.dqTQ), l.operand(l.dkTK, ops.dkTK), l.operand(l.dvTK, ops.dvTK)
+		b.RoPE(ops.dqTQ, l.dqTQ, l.posT, dh, theta, true)
+		b.RoPE(ops.dkTK, l.dkTK, l.posT, dh, theta, true)
+		dq, dk, dv = ops.dqTQ, ops.dkTK, l.operand(l.dvTK, ops.dvTK)
 	}
 	// q/k/v projections: each reads x, so dx sums three terms.
 	b.MatMul(g.WqQD, dq, x, true, false, 1, 1)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/backendtest"
 	"github.com/mktrain/mktrain/backend/cpu"
 )
 
@@ -107,14 +108,22 @@ func rope(x []float64, pos []int32, heads, dh int, theta float64) {
 }
 
 // reference is MixtralAttention.forward written out plainly.
-func reference(in inputs) []float64 {
+func reference(in inputs) []float64 { return referenceRounding(in, func(x []float64) []float64 { return x }) }
+
+// referenceRounding is reference with round applied where a Layer on a
+// backend whose operand type is not its float type keeps operands: to x
+// before the projections, and to the rotated q and k and to v, which
+// the attention core reads.
+func referenceRounding(in inputs, round func([]float64) []float64) []float64 {
 	s, B, S := in.c.s, in.c.batch, in.c.seq
 	H, KV, Dh := s.Heads, s.KVHeads, s.HeadDim()
-	q := linear(in.x, in.w.wq, s.Dim, H*Dh)
-	k := linear(in.x, in.w.wk, s.Dim, KV*Dh)
-	v := linear(in.x, in.w.wv, s.Dim, KV*Dh)
+	x := round(append([]float64(nil), in.x...))
+	q := linear(x, in.w.wq, s.Dim, H*Dh)
+	k := linear(x, in.w.wk, s.Dim, KV*Dh)
+	v := round(linear(x, in.w.wv, s.Dim, KV*Dh))
 	rope(q, in.pos, H, Dh, s.RopeTheta)
 	rope(k, in.pos, KV, Dh, s.RopeTheta)
+	q, k = round(q), round(k)
 	a := make([]float64, B*S*H*Dh)
 	for b := range B {
 		for h := range H {
@@ -196,6 +205,72 @@ func TestForwardMatchesReference(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestBF16Operands runs the block on a backend whose operand type is
+// bf16 (the CUDA backend's; here the float64 CPU backend with
+// backendtest.BF16Operands). Its forward must be the plain reference with
+// x, v and the rotated q and k rounded to bf16 once each, to float64's
+// precision: q and k are rotated in the float type and rounded by RoPE
+// itself, not rotated after rounding. Its gradients must be the float64
+// block's within bf16's error (their operands are rounded too).
+func TestBF16Operands(t *testing.T) {
+	rng := rand.New(rand.NewPCG(31, 32))
+	bf := backendtest.BF16Operands(cpu.New(backend.Float64))
+	ref := cpu.New(backend.Float64)
+	roundAll := func(x []float64) []float64 {
+		for i, v := range x {
+			x[i] = backendtest.RoundBF16(v)
+		}
+		return x
+	}
+	for _, c := range cases {
+		t.Run(c.String(), func(t *testing.T) {
+			in := newInputs(rng, c)
+			if e := maxRelErr(forward(bf, in), referenceRounding(in, roundAll)); e > 1e-12 {
+				t.Errorf("forward differs from the reference with bf16 q, k, v by %.3g", e)
+			}
+			T, D := c.batch*c.seq, c.s.Dim
+			dout := randn(rng, T*D, 1)
+			grads := func(b backend.Backend) [][]float64 {
+				l, xTD, posT, outTD := setup(b, in)
+				p := uploadParams(b, c.s, in.w)
+				g := uploadParams(b, c.s, hostParams{
+					wq: make([]float64, len(in.w.wq)), wk: make([]float64, len(in.w.wk)),
+					wv: make([]float64, len(in.w.wv)), wo: make([]float64, len(in.w.wo)),
+				})
+				if err := l.Forward(outTD, xTD, posT, p); err != nil {
+					t.Fatal(err)
+				}
+				doutTD, dxTD := b.New(b.FloatType(), T, D), b.New(b.FloatType(), T, D)
+				backend.UploadSlice(b, doutTD, dout)
+				if err := l.Backward(dxTD, doutTD, p, g); err != nil {
+					t.Fatal(err)
+				}
+				out := [][]float64{backend.DownloadFloat64(b, dxTD)}
+				for _, w := range []backend.Tensor{g.WqQD, g.WkKD, g.WvKD, g.WoDQ} {
+					out = append(out, backend.DownloadFloat64(b, w))
+				}
+				return out
+			}
+			got, want := grads(bf), grads(ref)
+			for i, name := range []string{"dx", "dWq", "dWk", "dWv", "dWo"} {
+				if e := relNormErr(got[i], want[i]); e > 3e-2 {
+					t.Errorf("%s differs from the float64 block's by %.3g of its norm", name, e)
+				}
+			}
+		})
+	}
+}
+
+// relNormErr is |got - want| / |want| in the 2-norm.
+func relNormErr(got, want []float64) float64 {
+	var d, w float64
+	for i := range want {
+		d += (got[i] - want[i]) * (got[i] - want[i])
+		w += want[i] * want[i]
+	}
+	return math.Sqrt(d / w)
 }
 
 // TestBackwardFiniteDifferences checks dx at every coordinate and each weight

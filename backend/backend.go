@@ -241,10 +241,14 @@ type Backend interface {
 	// RMSNormBackward writes dxTD and accumulates into dwD.
 	RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT Tensor)
 
-	// RoPE rotates xTQ (T rows of heads*headDim) in place with the
+	// RoPE writes outTQ = xTQ (T rows of heads*headDim) rotated with the
 	// rotate-half convention at the positions posT; inverse rotates back,
-	// which is the backward.
-	RoPE(xTQ, posT Tensor, headDim int, theta float64, inverse bool)
+	// which is the backward. x is of the float type; out is x itself (in
+	// place) or a tensor of the same shape that does not overlap it, of
+	// the float type or BFloat16 (rounded once, from the float rotation:
+	// the attention core's bf16 q and k, and the gradients' bf16 operands,
+	// without a separate conversion pass).
+	RoPE(outTQ, xTQ, posT Tensor, headDim int, theta float64, inverse bool)
 
 	// AttentionForward computes causal GQA attention. qTQ is [T, H*Dh],
 	// kTK and vTK are [T, KV*Dh], outTQ is [T, H*Dh]; lseBHS saves each query

@@ -39,10 +39,13 @@ func splitConfig() Config {
 // and the embedding), and the losses and masters follow the copies'
 // closely. They are not the same bits: an operand whose master's low
 // half is exactly 0x8000 rounds away from zero, not to even, and from
-// there every gradient moves a little (three steps: losses within 2e-7
-// relative, masters within 8e-6; the bounds are 1e-6 and 2e-5, below
-// half a bf16 ulp of the weights, which losing the low halves would
-// cost).
+// there every gradient moves a little, more where the attention core's
+// q, k and v are rounded to bf16 too. Over three steps the losses agree
+// within 9e-6 relative (bound 2e-5) and the masters' difference has an
+// rms of at most 1.1e-6 (bound 5e-6); losing the low halves would move
+// every weight by up to half a bf16 ulp, an rms of about 3.5e-5 at the
+// weights' scale. A single master may differ by a few AdamW steps (up to
+// 1.1e-4 here, bound 5e-4), where a gradient near zero changed sign.
 func TestSplitMastersTrainAsCopies(t *testing.T) {
 	layouts := []struct {
 		name   string
@@ -67,7 +70,7 @@ func TestSplitMastersTrainAsCopies(t *testing.T) {
 				got, ranks := splitRun(t, cfg)
 				for i := range want.steps {
 					w, g := want.steps[i], got.steps[i]
-					if math.Abs(g.loss-w.loss) > 1e-6*w.loss || math.Abs(g.gradNorm-w.gradNorm) > 1e-3*w.gradNorm {
+					if math.Abs(g.loss-w.loss) > 2e-5*w.loss || math.Abs(g.gradNorm-w.gradNorm) > 1e-3*w.gradNorm {
 						t.Errorf("%s: step %d: loss %.9g, grad norm %.6g; %.9g, %.6g with float32 masters", mode, i+1, g.loss, g.gradNorm, w.loss, w.gradNorm)
 					}
 				}
@@ -82,13 +85,19 @@ func TestSplitMastersTrainAsCopies(t *testing.T) {
 					if fp.split.hi != nil || fp.op.flat == nil {
 						t.Fatalf("fp32: rank %d holds split masters or no copy", r)
 					}
+					var ss, n float64
 					for i, p := range rk.params {
 						a, b := p.download(rk.b), fp.params[i].download(fp.b)
 						for j := range a {
-							if d := math.Abs(float64(a[j] - b[j])); d > 2e-5 || math.IsNaN(d) {
+							d := math.Abs(float64(a[j] - b[j]))
+							if d > 5e-4 || math.IsNaN(d) {
 								t.Fatalf("%s: rank %d: %s[%d] = %g, %g with float32 masters", mode, r, p.slot.name, j, a[j], b[j])
 							}
+							ss, n = ss+d*d, n+1
 						}
+					}
+					if rms := math.Sqrt(ss / n); rms > 5e-6 {
+						t.Errorf("%s: rank %d: the masters differ from float32 masters' by an rms of %.3g", mode, r, rms)
 					}
 				}
 			}

@@ -189,6 +189,7 @@ func Sources() []Source {
 		}},
 		{File: "rope.cu", Kernels: []Kernel{
 			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},
+			{Name: "rope_f32_bf16", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},
 		}},
 		{File: "grouped_gemm.cu", Kernels: []Kernel{
 			{Name: "grouped_gemm_nt_bn128_f32", Block: 384, Grid: groupedGrid},

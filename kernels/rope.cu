@@ -1,4 +1,5 @@
-// Rotary position embedding, Hugging Face rotate-half convention, in place.
+// Rotary position embedding, Hugging Face rotate-half convention, into out
+// (x itself, or a float32 or bf16 tensor that does not overlap it).
 // Within each head of head_dim dims, dim i < head_dim/2 pairs with dim
 // i + head_dim/2, and the pair turns by the angle pos * theta^(-2i/head_dim):
 //
@@ -18,11 +19,19 @@ extern "C" __device__ void sincos(double, double*, double*);
 // The most rotation pairs per head (head_dim <= 2*ROPE_MAX_HALF).
 #define ROPE_MAX_HALF 512
 
-// rope_f32: one block per row t < rows (any multiple of 32 threads, at most
-// 256). x is [rows, width], width a multiple of head_dim; pos is [rows].
-// The block first builds the row's cos/sin table in shared memory, then
-// turns every pair of every head with it.
-extern "C" __global__ void __launch_bounds__(256) rope_f32(float* x, const int* pos, int rows, int width, int head_dim, double theta, int inverse) {
+// mk_store_rotated writes one rotated value: float32 as it is, bf16
+// rounded to nearest even (the attention core's q and k, the gradients'
+// bf16 operands).
+__device__ __forceinline__ void mk_store_rotated(float* p, float v) { *p = v; }
+__device__ __forceinline__ void mk_store_rotated(mk_bf16* p, float v) { *p = mk_f32_to_bf16(v); }
+
+// rope_rows: one block per row t < rows (any multiple of 32 threads, at
+// most 256). x and out are [rows, width], width a multiple of head_dim;
+// pos is [rows]. The block first builds the row's cos/sin table in shared
+// memory, then turns every pair of every head with it. Each thread reads
+// both values of its pair before writing either, so out may be x.
+template <typename Out>
+__device__ __forceinline__ void rope_rows(Out* out, const float* x, const int* pos, int rows, int width, int head_dim, double theta, int inverse) {
   __shared__ float cs[ROPE_MAX_HALF];
   __shared__ float sn[ROPE_MAX_HALF];
   const int t = blockIdx.x;
@@ -36,13 +45,24 @@ extern "C" __global__ void __launch_bounds__(256) rope_f32(float* x, const int* 
     sn[i] = inverse ? -(float)s : (float)s;
   }
   __syncthreads();
-  float* row = x + (long long)t * width;
+  const float* row = x + (long long)t * width;
+  Out* out_row = out + (long long)t * width;
   for (int e = threadIdx.x; e < width / 2; e += blockDim.x) {
     const int i = e % half;
-    float* x1 = row + (e / half) * head_dim + i;
-    float* x2 = x1 + half;
-    const float u = *x1, w = *x2;
-    *x1 = u * cs[i] - w * sn[i];
-    *x2 = w * cs[i] + u * sn[i];
+    const int at = (e / half) * head_dim + i;
+    const float u = row[at], w = row[at + half];
+    mk_store_rotated(out_row + at, u * cs[i] - w * sn[i]);
+    mk_store_rotated(out_row + at + half, w * cs[i] + u * sn[i]);
   }
+}
+
+// rope_f32: float32 out (x itself for the in-place rotation).
+extern "C" __global__ void __launch_bounds__(256) rope_f32(float* out, const float* x, const int* pos, int rows, int width, int head_dim, double theta, int inverse) {
+  rope_rows(out, x, pos, rows, width, head_dim, theta, inverse);
+}
+
+// rope_f32_bf16: bf16 out, each value rounded once from the float32
+// rotation.
+extern "C" __global__ void __launch_bounds__(256) rope_f32_bf16(mk_bf16* out, const float* x, const int* pos, int rows, int width, int head_dim, double theta, int inverse) {
+  rope_rows(out, x, pos, rows, width, head_dim, theta, inverse);
 }

@@ -149,7 +149,9 @@ const lmHeadChunkRows = 2048
 // attentionActivations mirrors attention/layer.go's newLayer and
 // Scratch.fit, and attention/context.go under context parallelism: per
 // layer q and the attention output a [T, H*Dh], k and v [T, KV*Dh] (after
-// RoPE, kept for the backward) and the softmax's log-sum-exp [B, H, S/cp];
+// RoPE, kept for the backward: in the operand type, which the attention
+// core reads, or under context parallelism in the float type) and the
+// softmax's log-sum-exp [B, H, S/cp];
 // once per rank the backward's gradients of a, q, k, v and, where the
 // operand type is not the float type, their bf16 copies and those of x and
 // dout. With cp > 1, in mode allgather (attention/context.go), each layer
@@ -175,8 +177,8 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 		core = 1
 	}
 	qkv := s.fullTerm("attention")
-	l.fixed(Activations, qkv, s.kept(), mul(T, Q), s.ft)          // qTQ
-	l.fixed(Activations, qkv, mul(2, s.kept()), mul(T, KD), s.ft) // kTK, vTK
+	l.fixed(Activations, qkv, s.kept(), mul(T, Q), s.qkvType())          // qTQ
+	l.fixed(Activations, qkv, mul(2, s.kept()), mul(T, KD), s.qkvType()) // kTK, vTK
 	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.ft)     // aTQ
 	l.fixed(Activations, s.coreTerm(), core, mul(s.B, s.Hl, s.Sl), s.ft)
 	l.fixed(Workspace, "attention backward", 2, mul(T, Q), s.ft)  // daTQ, dqTQ
@@ -212,6 +214,16 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 		l.fixed(Workspace, "attention backward", 4, mul(rows, KD), s.ft) // kAllTK, vAllTK, dkNatTK, dvNatTK
 		l.fixed(Workspace, "attention backward", 2, mul(s.S, KD), s.ft)  // dkOneTK, dvOneTK
 	}
+}
+
+// qkvType is the bytes per element of the rotated q, k and v a layer
+// keeps (attention.Layer's qkvType): the operand type's where the core is
+// the backend's attention, the float type's under context parallelism.
+func (s shape) qkvType() int64 {
+	if s.CP > 1 {
+		return s.ft
+	}
+	return s.ot
 }
 
 // selective reports train.recompute: selective.
@@ -453,18 +465,31 @@ func sharedTerms(s shape) []Term {
 	// The largest buffer an op takes and frees: attention.go's backward
 	// delta [B, H, S/cp], backend_ops.go's RMSNorm weight-gradient
 	// partial sums (one row of D per 32 rows of x), and on the GPU
-	// attention_hopper.go's backward scratch (bf16 copies of q and dout
-	// [T, Ql], of k and v [keys, KDl], and float32 delta), the larger of
-	// its forward's and backward's.
+	// attention_hopper.go's scratch, the larger of its forward's and
+	// backward's: with float32 q, k and v (context parallelism) their
+	// bf16 copies, of q and dout [T, Ql] and of k and v [keys, KDl], and
+	// float32 delta; with bf16 q, k and v the backward's bf16 dout and
+	// delta alone, or where the Hopper kernels do not serve (other head
+	// dims, or the ordered backward of train.deterministic) their float32
+	// widening [T, Ql] + 2 [keys, KDl] under the older kernels' delta.
 	delta := mul(s.B, s.Hl, s.Sl)
 	partial := mul(ceilDiv(s.R, max(rmsRowsPerBlock, ceilDiv(s.R, 65535))), s.D)
 	scratch := mul(4, max(delta, partial))
-	if dh := s.D / s.H; s.cuda && (dh == 64 || dh == 128) {
+	if s.cuda {
 		keys := s.T
 		if s.CP > 1 && s.c.CPAttention != CPRing {
 			keys = mul(s.B, s.S) // the all-gather path's calls see every key
 		}
-		scratch = max(scratch, add(mul(2, add(mul(2, s.T, s.Ql), mul(2, keys, s.KDl))), mul(4, delta)))
+		hopper := s.D/s.H == 64 || s.D/s.H == 128
+		switch {
+		case s.qkvType() == s.ft && hopper:
+			scratch = max(scratch, add(mul(2, add(mul(2, s.T, s.Ql), mul(2, keys, s.KDl))), mul(4, delta)))
+		case s.qkvType() != s.ft && hopper && !s.c.Deterministic:
+			scratch = max(scratch, add(mul(2, s.T, s.Ql), mul(4, delta)))
+		case s.qkvType() != s.ft:
+			widened := mul(4, add(roundUp(mul(s.T, s.Ql), 4), mul(2, roundUp(mul(keys, s.KDl), 4))))
+			scratch = max(scratch, add(widened, mul(4, delta)))
+		}
 	}
 	l.fixed(Workspace, "kernel scratch (transient)", 1, scratch, 1)
 	return l.terms

@@ -307,10 +307,24 @@ func checkRoPERef(t *testing.T, b backend.Backend) {
 	const tok, heads, dh, theta = 6, 3, 10, 10000
 	x, pos := c.rand(tok*heads*dh, -1, 1), RandInts(c.rng, tok, 0, 4096)
 	xT, posT := c.up(x, tok, heads*dh), c.upInts(pos, tok)
-	b.RoPE(xT, posT, dh, theta, false)
-	c.same("RoPE", c.down(xT), naiveRoPE(x, pos, heads*dh, dh, theta))
-	b.RoPE(xT, posT, dh, theta, true)
+	want := naiveRoPE(x, pos, heads*dh, dh, theta)
+	// Into another tensor, x unchanged; then in place, and back.
+	outT := c.out(tok, heads*dh)
+	b.RoPE(outT, xT, posT, dh, theta, false)
+	c.same("RoPE into out", c.down(outT), want)
+	c.same("RoPE's x", c.down(xT), x)
+	b.RoPE(xT, xT, posT, dh, theta, false)
+	c.same("RoPE in place", c.down(xT), want)
+	b.RoPE(xT, xT, posT, dh, theta, true)
 	c.same("inverse(RoPE(x))", c.down(xT), x)
+	// A bf16 out holds the rotation rounded once.
+	bfT := UploadBF16(b, make([]float64, tok*heads*dh), tok, heads*dh)
+	b.RoPE(bfT, xT, posT, dh, theta, false)
+	rounded := make([]float64, len(want))
+	for i, v := range want {
+		rounded[i] = RoundBF16(v)
+	}
+	c.same("RoPE into bf16 out", Download(b, bfT), rounded)
 }
 
 // checkRoPEGrad checks that each direction's backward is the other
@@ -323,8 +337,8 @@ func checkRoPEGrad(t *testing.T, b backend.Backend) {
 		x, r := c.rand(tok*heads*dh, -1, 1), c.rand(tok*heads*dh, -1, 1)
 		xT := c.up(x, tok, heads*dh)
 		dT := c.up(r, tok, heads*dh)
-		b.RoPE(dT, posT, dh, theta, !inverse)
-		f := c.projected(xT, x, func() { b.RoPE(xT, posT, dh, theta, inverse) }, xT, r)
+		b.RoPE(dT, dT, posT, dh, theta, !inverse)
+		f := c.projected(xT, x, func() { b.RoPE(xT, xT, posT, dh, theta, inverse) }, xT, r)
 		name := "RoPE backward is inverse RoPE"
 		if inverse {
 			name = "inverse RoPE backward is RoPE"

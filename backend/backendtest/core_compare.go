@@ -236,12 +236,24 @@ func normRopeCases() []Case {
 		theta        float64
 	}{{7, 3, 8, 10000}, {300, 4, 64, 1e6}, {5, 1, 2, 500}} {
 		for _, inverse := range []bool{false, true} {
-			cs = append(cs, Case{Name: fmt.Sprintf("RoPE/%dx%dx%d/inverse=%v", s.t, s.heads, s.dh, inverse), Compare: func(e *Env) {
+			name := fmt.Sprintf("%dx%dx%d/inverse=%v", s.t, s.heads, s.dh, inverse)
+			cs = append(cs, Case{Name: "RoPE/" + name, Compare: func(e *Env) {
 				// Positions up to 32k check the angles' precision.
 				x := e.InOut(e.Rand("x", s.t, s.heads*s.dh))
 				pos := e.Ints("pos", 0, 32768, s.t)
-				e.Run(func(b backend.Backend, p Pick) { b.RoPE(p(x), p(pos), s.dh, s.theta, inverse) })
+				e.Run(func(b backend.Backend, p Pick) { b.RoPE(p(x), p(x), p(pos), s.dh, s.theta, inverse) })
 			}})
+			for _, bf16 := range []bool{false, true} {
+				label := "RoPE/out/"
+				if bf16 {
+					label = "RoPE/bf16-out/"
+				}
+				cs = append(cs, Case{Name: label + name, Compare: func(e *Env) {
+					x, pos := e.Rand("x", s.t, s.heads*s.dh), e.Ints("pos", 0, 32768, s.t)
+					out := e.typedOut(bf16, "out", s.t, s.heads*s.dh)
+					e.Run(func(b backend.Backend, p Pick) { b.RoPE(p(out), p(x), p(pos), s.dh, s.theta, inverse) })
+				}})
+			}
 		}
 	}
 	return cs

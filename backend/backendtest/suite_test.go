@@ -216,11 +216,11 @@ func (m mutant) RouteByExpert(counts, tok, slot, idx backend.Tensor) {
 	}
 }
 
-func (m mutant) RoPE(x, pos backend.Tensor, headDim int, theta float64, inverse bool) {
+func (m mutant) RoPE(out, x, pos backend.Tensor, headDim int, theta float64, inverse bool) {
 	if m.kind == "rope-wrong-direction" {
 		inverse = !inverse
 	}
-	m.Backend.RoPE(x, pos, headDim, theta, inverse)
+	m.Backend.RoPE(out, x, pos, headDim, theta, inverse)
 }
 
 func (m mutant) SwiGLUBackward(da, db, dout, a, b backend.Tensor) {

@@ -16,10 +16,13 @@ import (
 	"github.com/mktrain/mktrain/backend"
 )
 
-// RoPE rotates xTQ in place at the positions posT; inverse rotates back.
-func (b *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
+// RoPE writes outTQ = xTQ rotated at the positions posT; inverse rotates
+// back. out is x (in place) or a tensor that does not overlap it, of the
+// float type or BFloat16 (rounded after the rotation).
+func (b *Backend) RoPE(outTQ, xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
 	const op = "RoPE"
 	t, q := b.matrix(op, "x", xTQ)
+	b.wantOperandMatrix(op, "out", outTQ, t, q)
 	if headDim <= 0 || headDim%2 != 0 || q%headDim != 0 {
 		fail(op, "head dim %d must be even and positive and divide the row width %d of x %v", headDim, q, xTQ.Shape())
 	}
@@ -28,13 +31,14 @@ func (b *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inv
 	}
 	pos := indices(op, "pos", posT, t, math.MaxInt32, false)
 	if b.dt == backend.Float32 {
-		rope(b, floats[float32](xTQ), pos, q, headDim, theta, inverse)
+		rope(b, floats[float32](outTQ), floats[float32](xTQ), pos, q, headDim, theta, inverse)
 	} else {
-		rope(b, floats[float64](xTQ), pos, q, headDim, theta, inverse)
+		rope(b, floats[float64](outTQ), floats[float64](xTQ), pos, q, headDim, theta, inverse)
 	}
+	b.roundIfBF16(outTQ)
 }
 
-func rope[T Float](b *Backend, x []T, pos []int32, q, dh int, theta float64, inverse bool) {
+func rope[T Float](b *Backend, out, x []T, pos []int32, q, dh int, theta float64, inverse bool) {
 	half := dh / 2
 	invFreq := make([]float64, half)
 	for i := range invFreq {
@@ -52,14 +56,16 @@ func rope[T Float](b *Backend, x []T, pos []int32, q, dh int, theta float64, inv
 				}
 				cos[i], sin[i] = T(c), T(s)
 			}
-			row := x[t*q : (t+1)*q]
+			row, outRow := x[t*q:(t+1)*q], out[t*q:(t+1)*q]
 			for h := 0; h < q; h += dh {
-				x1 := row[h : h+half]
-				x2 := row[h+half : h+dh][:len(x1)]
+				x1, x2 := row[h:h+half], row[h+half:h+dh]
+				o1, o2 := outRow[h:h+half], outRow[h+half:h+dh]
+				// Both of a pair are read before either is written, so
+				// out may be x.
 				for i, u := range x1 {
 					v := x2[i]
-					x1[i] = u*cos[i] - v*sin[i]
-					x2[i] = v*cos[i] + u*sin[i]
+					o1[i] = u*cos[i] - v*sin[i]
+					o2[i] = v*cos[i] + u*sin[i]
 				}
 			}
 		}

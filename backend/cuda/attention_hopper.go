@@ -279,24 +279,31 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*dh)
 	nk := int64(s.Batch) * int64(keys) * int64(s.KVHeads*dh)
 	nl := int64(s.Batch) * int64(s.Heads) * int64(s.Seq)
-	// bf16 q, dout, k and v, then float32 delta: every part 16-byte aligned.
-	buf, err := d.Alloc(2*(2*nq+2*nk) + 4*nl)
+	// bf16 dout, then (unless qkvBF16) bf16 q, k and v, then float32
+	// delta: every part 16-byte aligned (nq and nk are multiples of 64).
+	rounded := 2 * (nq + 2*nk)
+	if qkvBF16 {
+		rounded = 0
+	}
+	buf, err := d.Alloc(2*nq + rounded + 4*nl)
 	if err != nil {
 		return err
 	}
 	defer d.Free(buf) // stream-ordered, after the kernels below
-	qb := buf.Ptr()
-	ob := qb + driver.DevicePtr(2*nq)
-	kb := ob + driver.DevicePtr(2*nq)
-	vb := kb + driver.DevicePtr(2*nk)
-	delta := vb + driver.DevicePtr(2*nk)
-	rounds := []struct {
+	ob := buf.Ptr()
+	qb, kb, vb := q, k, v
+	delta := ob + driver.DevicePtr(2*nq)
+	type rounding struct {
 		dst, src driver.DevicePtr
 		n        int64
-	}{{ob, dout, nq}, {qb, q, nq}, {kb, k, nk}, {vb, v, nk}}
-	if qkvBF16 {
-		rounds = rounds[:1]
-		qb, kb, vb = q, k, v
+	}
+	rounds := []rounding{{ob, dout, nq}}
+	if !qkvBF16 {
+		qb = delta
+		kb = qb + driver.DevicePtr(2*nq)
+		vb = kb + driver.DevicePtr(2*nk)
+		delta = vb + driver.DevicePtr(2*nk)
+		rounds = append(rounds, rounding{qb, q, nq}, rounding{kb, k, nk}, rounding{vb, v, nk})
 	}
 	for _, c := range rounds {
 		if err := d.Launch(conv, d.StrideGrid((c.n+3)/4, 256, 8), c.dst, c.src, c.n); err != nil {

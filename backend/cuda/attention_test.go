@@ -110,7 +110,7 @@ func TestRoPEChecks(t *testing.T) {
 		{4, 64, 64, 0, "theta"},
 		{4, 64, 64, -1, "theta"},
 	} {
-		if err := RoPE(nil, 0, 0, c.rows, c.width, c.headDim, c.theta, false); err == nil || !strings.Contains(err.Error(), c.want) {
+		if err := RoPE(nil, 0, 0, 0, c.rows, c.width, c.headDim, c.theta, false, false); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("RoPE(rows %d, width %d, head dim %d, theta %v): %v, want an error saying %q", c.rows, c.width, c.headDim, c.theta, err, c.want)
 		}
 	}

@@ -42,11 +42,13 @@ func (b *Backend) MatMul(out, a, bb backend.Tensor, transA, transB bool, alpha, 
 	runtime.KeepAlive(bt)
 }
 
-// RoPE rotates xTQ in place at the positions posT (rotate-half convention);
-// inverse rotates back.
-func (b *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
+// RoPE writes outTQ = xTQ rotated at the positions posT (rotate-half
+// convention); inverse rotates back. out is x (in place) or a float32 or
+// bf16 tensor that does not overlap it.
+func (b *Backend) RoPE(outTQ, xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
 	const op = "RoPE"
 	x, t, q := matrix(op, "x", xTQ)
+	out := wantOperandMatrix(op, "out", outTQ, t, q)
 	if headDim <= 0 || headDim%2 != 0 || q%headDim != 0 {
 		fail(op, "head dim %d must be even and positive and divide the row width %d of x %v", headDim, q, x.shape)
 	}
@@ -57,11 +59,12 @@ func (b *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inv
 	if t == 0 || q == 0 {
 		return
 	}
-	ps, ok := devicePtrs(x, pos)
+	ps, ok := devicePtrs(out, x, pos)
 	if !ok {
 		return
 	}
-	b.fail(RoPE(b.dev, ps[0], ps[1], t, q, headDim, theta, inverse))
+	b.fail(RoPE(b.dev, ps[0], ps[1], ps[2], t, q, headDim, theta, inverse, out.dt == backend.BFloat16))
+	runtime.KeepAlive(out)
 	runtime.KeepAlive(x)
 	runtime.KeepAlive(pos)
 }

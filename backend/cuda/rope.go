@@ -15,19 +15,25 @@ import (
 // per-row cos/sin table lives in shared memory).
 const MaxRoPEHeadDim = 1024
 
-// RoPE rotates x, float32 [rows, width] with width a multiple of headDim,
-// in place: each row t turns every head's dim pairs (i, i+headDim/2) by
-// pos[t] * theta^(-2i/headDim), pos being int32 [rows]; inverse turns back
-// (the backward). It queues the kernel on d's stream; launch errors come
+// RoPE writes out = x rotated, x float32 [rows, width] with width a
+// multiple of headDim: each row t turns every head's dim pairs (i,
+// i+headDim/2) by pos[t] * theta^(-2i/headDim), pos being int32 [rows];
+// inverse turns back (the backward). out is x itself (in place) or does
+// not overlap it; outBF16 makes it bf16, each value rounded once from the
+// float32 rotation. It queues the kernel on d's stream; launch errors come
 // back from the next Sync.
-func RoPE(d *Device, x, pos driver.DevicePtr, rows, width, headDim int, theta float64, inverse bool) error {
+func RoPE(d *Device, out, x, pos driver.DevicePtr, rows, width, headDim int, theta float64, inverse, outBF16 bool) error {
 	if err := checkRoPE(rows, width, headDim, theta); err != nil {
 		return err
 	}
 	if rows == 0 {
 		return nil
 	}
-	kern, err := sourceKernel(d, "rope.cu", "rope_f32")
+	name := "rope_f32"
+	if outBF16 {
+		name = "rope_f32_bf16"
+	}
+	kern, err := sourceKernel(d, "rope.cu", name)
 	if err != nil {
 		return err
 	}
@@ -37,7 +43,7 @@ func RoPE(d *Device, x, pos driver.DevicePtr, rows, width, headDim int, theta fl
 	}
 	// One thread per pair of the row, in whole warps, at most 256.
 	threads := min(256, max(32, (width/2+31)/32*32))
-	return d.Launch(kern, Grid1D(rows, threads), x, pos, int32(rows), int32(width), int32(headDim), theta, inv)
+	return d.Launch(kern, Grid1D(rows, threads), out, x, pos, int32(rows), int32(width), int32(headDim), theta, inv)
 }
 
 // checkRoPE validates RoPE's sizes.

@@ -1,7 +1,8 @@
 package cuda
 
 // The RoPE kernel on the GPU against backend/cpu in float64, forward and
-// inverse, at positions up to 1e5.
+// inverse, at positions up to 1e5, in place (the conformance suite's
+// RoPE/out and RoPE/bf16-out cases cover a separate and a bf16 out).
 
 import (
 	"fmt"
@@ -30,16 +31,16 @@ func TestRoPEKernel(t *testing.T) {
 				if err := k.d.CopyToDevice(bx, 0, Bytes(x)); err != nil {
 					t.Fatal(err)
 				}
-				if err := RoPE(k.d, bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, c.theta, inverse); err != nil {
+				if err := RoPE(k.d, bx.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, c.theta, inverse, false); err != nil {
 					t.Fatal(err)
 				}
 				ref := k.cpuF(x, c.rows, width)
-				k.ref.RoPE(ref, k.cpuI(pos), c.headDim, c.theta, inverse)
+				k.ref.RoPE(ref, ref, k.cpuI(pos), c.headDim, c.theta, inverse)
 				k.check(fmt.Sprintf("rope inverse=%v", inverse), k.download(bx, len(x)), k.get(ref), fp32Tol)
 			}
 			// The inverse undoes the forward (x now holds the inverse
 			// rotation of the original).
-			if err := RoPE(k.d, bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, c.theta, false); err != nil {
+			if err := RoPE(k.d, bx.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, c.theta, false, false); err != nil {
 				t.Fatal(err)
 			}
 			k.check("rope round trip", k.download(bx, len(x)), k.get(k.cpuF(x, len(x))), fp32Tol)
@@ -50,7 +51,7 @@ func TestRoPEKernel(t *testing.T) {
 // TestRoPEZeroRows: no rows is a no-op, not a launch of an empty grid.
 func TestRoPEZeroRows(t *testing.T) {
 	d := testDevice(t)
-	if err := RoPE(d, 0, 0, 0, 64, 64, 1e4, false); err != nil {
+	if err := RoPE(d, 0, 0, 0, 0, 64, 64, 1e4, false, false); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.Sync(); err != nil {

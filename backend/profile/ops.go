@@ -155,9 +155,9 @@ func (p *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 	p.inner.RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT)
 }
 
-func (p *Backend) RoPE(xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
+func (p *Backend) RoPE(outTQ, xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
 	defer p.end(p.begin(), opRoPE)
-	p.inner.RoPE(xTQ, posT, headDim, theta, inverse)
+	p.inner.RoPE(outTQ, xTQ, posT, headDim, theta, inverse)
 }
 
 func (p *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
