@@ -91,8 +91,8 @@ type Layer struct {
 	// float32 into the backward's dq and dk scratch (free during Forward)
 	// and RoPE rounds them once into qTQ and kTK.
 	qkvType backend.DType
-	aTQ       backend.Tensor // attention output, the input of o_proj
-	lseBHS    backend.Tensor
+	aTQ     backend.Tensor // attention output, the input of o_proj
+	lseBHS  backend.Tensor
 	// recompute is set by RecomputeCore: aTQ and lseBHS are then the
 	// shared Scratch's (core), overwritten by the next layer's Forward,
 	// and Backward reruns the core to refill them.

@@ -108,7 +108,9 @@ func rope(x []float64, pos []int32, heads, dh int, theta float64) {
 }
 
 // reference is MixtralAttention.forward written out plainly.
-func reference(in inputs) []float64 { return referenceRounding(in, func(x []float64) []float64 { return x }) }
+func reference(in inputs) []float64 {
+	return referenceRounding(in, func(x []float64) []float64 { return x })
+}
 
 // referenceRounding is reference with round applied where a Layer on a
 // backend whose operand type is not its float type keeps operands: to x

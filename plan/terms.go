@@ -179,7 +179,7 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	qkv := s.fullTerm("attention")
 	l.fixed(Activations, qkv, s.kept(), mul(T, Q), s.qkvType())          // qTQ
 	l.fixed(Activations, qkv, mul(2, s.kept()), mul(T, KD), s.qkvType()) // kTK, vTK
-	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.ft)     // aTQ
+	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.ft)            // aTQ
 	l.fixed(Activations, s.coreTerm(), core, mul(s.B, s.Hl, s.Sl), s.ft)
 	l.fixed(Workspace, "attention backward", 2, mul(T, Q), s.ft)  // daTQ, dqTQ
 	l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ft) // dkTK, dvTK
