@@ -236,10 +236,15 @@ type Backend interface {
 	// EmbeddingBackward accumulates dTableVD[idsT[t]] += dOutTD[t].
 	EmbeddingBackward(dTableVD, dOutTD, idsT Tensor)
 
-	// RMSNormForward: out = x / rms(x) * w, saving rstdT = 1/rms(x).
+	// RMSNormForward: out = x / rms(x) * w, saving rstdT = 1/rms(x). out
+	// is of the float type or BFloat16 (rounded once: the normalised
+	// input as the products read it).
 	RMSNormForward(outTD, rstdT, xTD, wD Tensor, eps float64)
-	// RMSNormBackward writes dxTD and accumulates into dwD.
-	RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT Tensor)
+	// RMSNormBackward writes dxTD = beta*dxTD + the gradient of x (dx is
+	// not read when beta is 0; beta 1 adds the norm's share onto the
+	// residual stream's gradient in the same pass) and accumulates into
+	// dwD. dx must not overlap dout.
+	RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT Tensor, beta float64)
 
 	// RoPE writes outTQ = xTQ (T rows of heads*headDim) rotated with the
 	// rotate-half convention at the positions posT; inverse rotates back,

@@ -55,8 +55,8 @@ type model struct {
 	biasE []backend.Tensor
 
 	// Scratch: the gradient streams.
-	dResidTD, dBlockTD, dTmpTD backend.Tensor
-	dFinalTD                   backend.Tensor
+	dResidTD, dBlockTD backend.Tensor
+	dFinalTD           backend.Tensor
 	// LM head in chunks of rows, so [T, V] logits never exist whole.
 	logitsCV, lossT backend.Tensor
 	moeStats        backend.Tensor // [Layers*(E+1)]: each MoE layer's statistics (moe.WithStats)
@@ -193,7 +193,7 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 		m.moe = append(m.moe, layer)
 	}
 	m.finalTD, m.rstdFinalT = b.New(ft, R, D), b.New(ft, R)
-	m.dResidTD, m.dBlockTD, m.dTmpTD = b.New(ft, R, D), b.New(ft, R, D), b.New(ft, R, D)
+	m.dResidTD, m.dBlockTD = b.New(ft, R, D), b.New(ft, R, D)
 	m.dFinalTD = b.New(ft, R, D)
 	m.chunkRows = min(T, lmHeadChunkRows)
 	m.logitsCV, m.lossT = b.New(ft, m.chunkRows, V), b.New(ft, T)
@@ -532,8 +532,8 @@ func (m *model) lmHeadLossTP(train bool, gradScale float64) error {
 // (train.recompute: full), as forward ran it, so that the shared h1L and
 // h2L, the attention layer and the MoE layer hold layer l's activations
 // again for its backward; rstd1L[l] and rstd2L[l] get the same values
-// again. The blocks' outputs go to dTmpTD and dBlockTD, free until the
-// MoE backward writes them, not to midL[l] and residL[l+1], which stay
+// again. The blocks' outputs go to dBlockTD, free until the MoE backward
+// writes it, one after the other, not to midL[l] and residL[l+1], which stay
 // as the forward left them: the MoE layer reads the kept midL[l]. The
 // MoE rerun (moe.Layer.Reforward) redoes none of the statistics or
 // losses, and without sequence parallelism its output's rows need no
@@ -542,9 +542,9 @@ func (m *model) reforward(l int) error {
 	b, lw := m.b, &m.w.layers[l]
 	defer profile.Scope(b, "")
 	b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
-	b.Copy(m.dTmpTD, m.residL[l])
+	b.Copy(m.dBlockTD, m.residL[l])
 	profile.Scope(b, profile.ScopeAttention)
-	if err := m.attn[l].Forward(m.dTmpTD, m.h1L[l], m.posT, lw.attn); err != nil {
+	if err := m.attn[l].Forward(m.dBlockTD, m.h1L[l], m.posT, lw.attn); err != nil {
 		return fmt.Errorf("layer %d attention recompute: %w", l, err)
 	}
 	profile.Scope(b, "")
@@ -591,7 +591,7 @@ func (m *model) backwardNotify(ready func(layer int) error) error {
 		return ready(layer)
 	}
 	profile.Scope(b, "")
-	b.RMSNormBackward(m.dResidTD, g.finalNormD, m.dFinalTD, m.residL[L], w.finalNormD, m.rstdFinalT)
+	b.RMSNormBackward(m.dResidTD, g.finalNormD, m.dFinalTD, m.residL[L], w.finalNormD, m.rstdFinalT, 0)
 	if err := notify(L); err != nil {
 		return err
 	}
@@ -613,8 +613,8 @@ func (m *model) backwardNotify(ready func(layer int) error) error {
 		if err != nil {
 			return fmt.Errorf("layer %d MoE backward: %w", l, err)
 		}
-		b.RMSNormBackward(m.dTmpTD, lg.ffnNormD, m.dBlockTD, m.midL[l], lw.ffnNormD, m.rstd2L[l])
-		b.Axpy(m.dResidTD, 1, m.dTmpTD)
+		// The stream's gradient gets the norm's share in the same pass.
+		b.RMSNormBackward(m.dResidTD, lg.ffnNormD, m.dBlockTD, m.midL[l], lw.ffnNormD, m.rstd2L[l], 1)
 		// midL[l] = residL[l] + attn(norm(residL[l])).
 		profile.Scope(b, profile.ScopeAttention)
 		err = m.attn[l].Backward(m.dBlockTD, m.dResidTD, lw.attn, lg.attn)
@@ -622,8 +622,7 @@ func (m *model) backwardNotify(ready func(layer int) error) error {
 		if err != nil {
 			return fmt.Errorf("layer %d attention backward: %w", l, err)
 		}
-		b.RMSNormBackward(m.dTmpTD, lg.attnNormD, m.dBlockTD, m.residL[l], lw.attnNormD, m.rstd1L[l])
-		b.Axpy(m.dResidTD, 1, m.dTmpTD)
+		b.RMSNormBackward(m.dResidTD, lg.attnNormD, m.dBlockTD, m.residL[l], lw.attnNormD, m.rstd1L[l], 1)
 		if err := notify(l); err != nil {
 			return err
 		}

@@ -124,3 +124,8 @@ __device__ __forceinline__ mk_bf16 mk_f32_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return (mk_bf16)(u >> 16);
 }
+
+// mk_store writes a float result into a float32 or bf16 output (rounded
+// to nearest even): kernels templated on their output type use it.
+__device__ __forceinline__ void mk_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void mk_store(mk_bf16* p, float v) { *p = mk_f32_to_bf16(v); }

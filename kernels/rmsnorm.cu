@@ -1,9 +1,10 @@
 // RMSNorm over rows of D: out = x * rstd * w with rstd = 1/sqrt(mean(x^2) +
 // eps), and its backward.
 
-// rmsnorm_forward_f32: one block of 256 threads per row; writes out[t, :]
-// and rstd[t].
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(float* out, float* rstd, const float* x, const float* w, int T, int D, float eps) {
+// rmsnorm_forward_rows: one block of 256 threads per row; writes out[t, :]
+// (float32, or bf16 rounded once: the products' operand) and rstd[t].
+template <typename Out>
+__device__ __forceinline__ void rmsnorm_forward_rows(Out* out, float* rstd, const float* x, const float* w, int T, int D, float eps) {
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;
@@ -12,14 +13,24 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(float* out
   for (int d = threadIdx.x; d < D; d += blockDim.x) ss += xt[d] * xt[d];
   ss = mk_block_sum(ss, scratch);
   const float r = 1.0f / sqrtf(ss / (float)D + eps);
-  float* ot = out + (long long)t * D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) ot[d] = w[d] * (xt[d] * r);
+  Out* ot = out + (long long)t * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) mk_store(ot + d, w[d] * (xt[d] * r));
   if (threadIdx.x == 0) rstd[t] = r;
 }
 
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(float* out, float* rstd, const float* x, const float* w, int T, int D, float eps) {
+  rmsnorm_forward_rows(out, rstd, x, w, T, D, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32_bf16(mk_bf16* out, float* rstd, const float* x, const float* w, int T, int D, float eps) {
+  rmsnorm_forward_rows(out, rstd, x, w, T, D, eps);
+}
+
 // rmsnorm_backward_dx_f32: one block of 256 threads per row;
-// dx = r * (w*g - x * r^2 * mean(w*g*x)).
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dx_f32(float* dx, const float* dout, const float* x, const float* w, const float* rstd, int T, int D) {
+// dx = beta*dx + r * (w*g - x * r^2 * mean(w*g*x)), dx not read when beta
+// is 0 (beta 1: the residual stream's gradient, which the norm's input
+// feeds besides the norm).
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dx_f32(float* dx, const float* dout, const float* x, const float* w, const float* rstd, int T, int D, float beta) {
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;
@@ -29,7 +40,10 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dx_f32(float*
   dot = mk_block_sum(dot, scratch);
   const float r = rstd[t];
   const float c = r * r * dot / (float)D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) dx[off + d] = r * (w[d] * dout[off + d] - x[off + d] * c);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    const float g = r * (w[d] * dout[off + d] - x[off + d] * c);
+    dx[off + d] = beta != 0.0f ? beta * dx[off + d] + g : g;
+  }
 }
 
 // rmsnorm_backward_dw_f32: partial[y, d] = sum over the rows t of block

@@ -19,12 +19,6 @@ extern "C" __device__ void sincos(double, double*, double*);
 // The most rotation pairs per head (head_dim <= 2*ROPE_MAX_HALF).
 #define ROPE_MAX_HALF 512
 
-// mk_store_rotated writes one rotated value: float32 as it is, bf16
-// rounded to nearest even (the attention core's q and k, the gradients'
-// bf16 operands).
-__device__ __forceinline__ void mk_store_rotated(float* p, float v) { *p = v; }
-__device__ __forceinline__ void mk_store_rotated(mk_bf16* p, float v) { *p = mk_f32_to_bf16(v); }
-
 // rope_rows: one block per row t < rows (any multiple of 32 threads, at
 // most 256). x and out are [rows, width], width a multiple of head_dim;
 // pos is [rows]. The block first builds the row's cos/sin table in shared
@@ -51,8 +45,8 @@ __device__ __forceinline__ void rope_rows(Out* out, const float* x, const int* p
     const int i = e % half;
     const int at = (e / half) * head_dim + i;
     const float u = row[at], w = row[at + half];
-    mk_store_rotated(out_row + at, u * cs[i] - w * sn[i]);
-    mk_store_rotated(out_row + at + half, w * cs[i] + u * sn[i]);
+    mk_store(out_row + at, u * cs[i] - w * sn[i]);
+    mk_store(out_row + at + half, w * cs[i] + u * sn[i]);
   }
 }
 

@@ -121,7 +121,7 @@ func modelActivations(l *ledger, s shape) {
 	l.fixed(Activations, "norms", 1, mul(R, D), s.ft)                   // finalTD
 	l.fixed(Activations, "norms", 1, R, s.ft)                           // rstdFinalT
 	l.fixed(Activations, "moe router", 1, mul(L, s.E+1), s.ft)          // moeStats
-	l.fixed(Workspace, "backward gradient streams", 4, mul(R, D), s.ft) // dResidTD, dBlockTD, dTmpTD, dFinalTD
+	l.fixed(Workspace, "backward gradient streams", 3, mul(R, D), s.ft) // dResidTD, dBlockTD, dFinalTD
 
 	l.fixed(Activations, s.fullTerm("norms"), mul(2, s.kept()), mul(R, D), s.ft) // h1L, h2L
 	chunk := min(T, lmHeadChunkRows)

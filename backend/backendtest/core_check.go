@@ -7,6 +7,7 @@ package backendtest
 // (loss = sum(R ⊙ output)), so the backward receives dout = R.
 
 import (
+	"fmt"
 	"math"
 	"math/cmplx"
 	"math/rand/v2"
@@ -86,6 +87,7 @@ func checkCases() []Case {
 		{Name: "Embedding/grad", Check: checkEmbeddingGrad},
 		{Name: "RMSNorm/ref", Check: checkRMSNormRef},
 		{Name: "RMSNorm/grad", Check: checkRMSNormGrad},
+		{Name: "RMSNorm/bf16-out", Check: checkRMSNormBF16Out},
 		{Name: "RoPE/ref", Check: checkRoPERef},
 		{Name: "RoPE/grad", Check: checkRoPEGrad},
 		{Name: "SwiGLU/ref", Check: checkSwiGLURef},
@@ -280,9 +282,39 @@ func checkRMSNormGrad(t *testing.T, b backend.Backend) {
 	forward := func() { b.RMSNormForward(outT, rstdT, xT, wT, eps) }
 	forward()
 	dxT, dwT := c.out(tok, d), c.up(dw0, d) // dw accumulates onto dw0
-	b.RMSNormBackward(dxT, dwT, c.up(r, tok, d), xT, wT, rstdT)
-	CheckGrad(t, "dx", c.projected(xT, x, forward, outT, r), x, c.down(dxT), gradTol)
+	b.RMSNormBackward(dxT, dwT, c.up(r, tok, d), xT, wT, rstdT, 0)
+	dx := c.down(dxT)
+	CheckGrad(t, "dx", c.projected(xT, x, forward, outT, r), x, dx, gradTol)
 	CheckGrad(t, "dw", c.projected(wT, w, forward, outT, r), w, sub(c.down(dwT), dw0), gradTol)
+	// beta 1 adds the same gradient onto what dx held; beta 0.5 scales
+	// it first.
+	for _, beta := range []float64{1, 0.5} {
+		held := c.rand(tok*d, -1, 1)
+		dxT := c.up(held, tok, d)
+		b.RMSNormBackward(dxT, c.up(dw0, d), c.up(r, tok, d), xT, wT, rstdT, beta)
+		want := make([]float64, len(dx))
+		for i := range want {
+			want[i] = beta*held[i] + dx[i]
+		}
+		c.same(fmt.Sprintf("dx with beta %v", beta), c.down(dxT), want)
+	}
+}
+
+// checkRMSNormBF16Out checks that a bf16 out holds the float output
+// rounded once.
+func checkRMSNormBF16Out(t *testing.T, b backend.Backend) {
+	c := newChecker(t, b)
+	const tok, d, eps = 5, 9, 1e-5
+	xT, wT := c.up(c.rand(tok*d, -2, 2), tok, d), c.up(c.rand(d, 0.5, 1.5), d)
+	outT, rstdT := c.out(tok, d), c.out(tok)
+	b.RMSNormForward(outT, rstdT, xT, wT, eps)
+	want := c.down(outT)
+	for i, v := range want {
+		want[i] = RoundBF16(v)
+	}
+	bfT := UploadBF16(b, make([]float64, tok*d), tok, d)
+	b.RMSNormForward(bfT, rstdT, xT, wT, eps)
+	c.same("bf16 out", Download(b, bfT), want)
 }
 
 // naiveRoPE rotates each pair (x[i], x[i+Dh/2]) of each head as the complex

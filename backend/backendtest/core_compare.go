@@ -219,6 +219,11 @@ func normRopeCases() []Case {
 				out, rstd := e.Out("out", s.t, s.d), e.Out("rstd", s.t)
 				e.Run(func(b backend.Backend, p Pick) { b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-5) })
 			}},
+			Case{Name: "RMSNormForward/bf16-out/" + name, Compare: func(e *Env) {
+				x, w := e.Uniform("x", -3, 3, s.t, s.d), e.Uniform("w", 0.5, 1.5, s.d)
+				out, rstd := e.OutBF16("out", s.t, s.d), e.Out("rstd", s.t)
+				e.Run(func(b backend.Backend, p Pick) { b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-5) })
+			}},
 			Case{Name: "RMSNormBackward/" + name, Compare: func(e *Env) {
 				x, w := e.Uniform("x", -3, 3, s.t, s.d), e.Uniform("w", 0.5, 1.5, s.d)
 				dout := e.Rand("dout", s.t, s.d)
@@ -226,7 +231,18 @@ func normRopeCases() []Case {
 				dw := e.InOut(e.Rand("dw", s.d)) // accumulates
 				e.Run(func(b backend.Backend, p Pick) {
 					b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-6)
-					b.RMSNormBackward(p(dx), p(dw), p(dout), p(x), p(w), p(rstd))
+					b.RMSNormBackward(p(dx), p(dw), p(dout), p(x), p(w), p(rstd), 0)
+				})
+			}},
+			Case{Name: "RMSNormBackward/add/" + name, Compare: func(e *Env) {
+				x, w := e.Uniform("x", -3, 3, s.t, s.d), e.Uniform("w", 0.5, 1.5, s.d)
+				dout := e.Rand("dout", s.t, s.d)
+				out, rstd := e.Out("out", s.t, s.d), e.Out("rstd", s.t)
+				dx := e.InOut(e.Rand("dx", s.t, s.d)) // the stream's gradient, added onto
+				dw := e.InOut(e.Rand("dw", s.d))
+				e.Run(func(b backend.Backend, p Pick) {
+					b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-6)
+					b.RMSNormBackward(p(dx), p(dw), p(dout), p(x), p(w), p(rstd), 1)
 				})
 			}},
 		)

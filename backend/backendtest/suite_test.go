@@ -183,11 +183,11 @@ func (m mutant) SwiGLUForward(out, a, b backend.Tensor) {
 	m.Backend.Copy(m.Backend.View(out, 0, n), m.Backend.View(tmp, 0, n))
 }
 
-func (m mutant) RMSNormBackward(dx, dw, dout, x, w, rstd backend.Tensor) {
+func (m mutant) RMSNormBackward(dx, dw, dout, x, w, rstd backend.Tensor, beta float64) {
 	if m.kind == "rmsnorm-dw-overwrites" {
 		m.Backend.Zero(dw)
 	}
-	m.Backend.RMSNormBackward(dx, dw, dout, x, w, rstd)
+	m.Backend.RMSNormBackward(dx, dw, dout, x, w, rstd, beta)
 }
 
 func (m mutant) CrossEntropy(loss, dlogits, logits, targets backend.Tensor, gradScale float64) {

@@ -6,7 +6,7 @@ package cpu
 //
 // The mean of squares is accumulated in float64. The backward, with g = dout:
 //
-//	dx_i = rstd * (w_i g_i - x_i rstd^2 mean_j(w_j g_j x_j))
+//	dx_i = beta dx_i + rstd * (w_i g_i - x_i rstd^2 mean_j(w_j g_j x_j))
 //	dw_i += sum over rows of g_i x_i rstd
 
 import (
@@ -15,11 +15,12 @@ import (
 	"github.com/mktrain/mktrain/backend"
 )
 
-// RMSNormForward writes outTD = wD * xTD * rstdT and saves rstdT.
+// RMSNormForward writes outTD = wD * xTD * rstdT and saves rstdT. out may
+// be BFloat16 (rounded).
 func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float64) {
 	const op = "RMSNormForward"
 	t, d := b.matrix(op, "x", xTD)
-	b.wantMatrix(op, "out", outTD, t, d)
+	b.wantOperandMatrix(op, "out", outTD, t, d)
 	b.vector(op, "rstd", rstdT, t)
 	b.vector(op, "w", wD, d)
 	if b.dt == backend.Float32 {
@@ -27,10 +28,12 @@ func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float
 	} else {
 		rmsNormForward(b, floats[float64](outTD), floats[float64](rstdT), floats[float64](xTD), floats[float64](wD), d, eps)
 	}
+	b.roundIfBF16(outTD)
 }
 
-// RMSNormBackward writes dxTD and accumulates into dwD.
-func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor) {
+// RMSNormBackward writes dxTD = beta*dxTD + the gradient of x (dx not
+// read when beta is 0) and accumulates into dwD.
+func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor, beta float64) {
 	const op = "RMSNormBackward"
 	t, d := b.matrix(op, "x", xTD)
 	b.wantMatrix(op, "dx", dxTD, t, d)
@@ -40,10 +43,10 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 	b.vector(op, "rstd", rstdT, t)
 	if b.dt == backend.Float32 {
 		rmsNormBackward(b, floats[float32](dxTD), floats[float32](dwD), floats[float32](doutTD),
-			floats[float32](xTD), floats[float32](wD), floats[float32](rstdT), d)
+			floats[float32](xTD), floats[float32](wD), floats[float32](rstdT), d, beta)
 	} else {
 		rmsNormBackward(b, floats[float64](dxTD), floats[float64](dwD), floats[float64](doutTD),
-			floats[float64](xTD), floats[float64](wD), floats[float64](rstdT), d)
+			floats[float64](xTD), floats[float64](wD), floats[float64](rstdT), d, beta)
 	}
 }
 
@@ -66,7 +69,7 @@ func rmsNormForward[T Float](b *Backend, out, rstd, x, w []T, d int, eps float64
 	})
 }
 
-func rmsNormBackward[T Float](b *Backend, dx, dw, dout, x, w, rstd []T, d int) {
+func rmsNormBackward[T Float](b *Backend, dx, dw, dout, x, w, rstd []T, d int, beta float64) {
 	// dw first: dx may alias dout.
 	b.parallelFor(d, colChunk, func(lo, hi int) {
 		acc := make([]float64, hi-lo)
@@ -94,8 +97,15 @@ func rmsNormBackward[T Float](b *Backend, dx, dw, dout, x, w, rstd []T, d int) {
 			}
 			r := rstd[t]
 			c := T(float64(r) * float64(r) * dot / float64(d))
+			if beta == 0 {
+				for i, v := range xt {
+					dxt[i] = r * (wt[i]*g[i] - v*c)
+				}
+				continue
+			}
+			bt := T(beta)
 			for i, v := range xt {
-				dxt[i] = r * (wt[i]*g[i] - v*c)
+				dxt[i] = bt*dxt[i] + T(r*(wt[i]*g[i]-v*c))
 			}
 		}
 	})

@@ -181,17 +181,23 @@ func (b *Backend) EmbeddingBackward(dTableVD, dOutTD, idsT backend.Tensor) {
 	}
 }
 
-// RMSNormForward: out = x / rms(x) * w, saving rstdT = 1/rms(x).
+// RMSNormForward: out = x / rms(x) * w, saving rstdT = 1/rms(x); out is
+// float32 or bf16 (rounded once).
 func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float64) {
 	const op = "RMSNormForward"
 	x, t, d := matrix(op, "x", xTD)
-	out := wantMatrix(op, "out", outTD, t, d)
+	out := wantOperandMatrix(op, "out", outTD, t, d)
 	rstd := vector(op, "rstd", rstdT, t)
 	w := vector(op, "w", wD, d)
 	fitsInt32(op, t, d)
-	if t > 0 {
-		b.launch(b.k.rmsFwd, Grid1D(t, 256), out, rstd, x, w, int32(t), int32(d), float32(eps))
+	if t == 0 {
+		return
 	}
+	k := b.k.rmsFwd
+	if out.dt == backend.BFloat16 {
+		k = b.k.rmsFwdBF16
+	}
+	b.launch(k, Grid1D(t, 256), out, rstd, x, w, int32(t), int32(d), float32(eps))
 }
 
 // rmsRowsPerBlock is how many rows one block of the dw kernel sums into
@@ -200,8 +206,9 @@ func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float
 // thousand rows.
 const rmsRowsPerBlock = 32
 
-// RMSNormBackward writes dxTD and accumulates into dwD.
-func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor) {
+// RMSNormBackward writes dxTD = beta*dxTD + the gradient of x and
+// accumulates into dwD.
+func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor, beta float64) {
 	const op = "RMSNormBackward"
 	x, t, d := matrix(op, "x", xTD)
 	dx := wantMatrix(op, "dx", dxTD, t, d)
@@ -210,10 +217,13 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 	w := vector(op, "w", wD, d)
 	rstd := vector(op, "rstd", rstdT, t)
 	fitsInt32(op, t, d)
+	if overlaps(dx, dout) {
+		fail(op, "dx (%s) overlaps dout (%s)", dx.describe(), dout.describe())
+	}
 	if t == 0 || d == 0 {
 		return
 	}
-	b.launch(b.k.rmsBwdDx, Grid1D(t, 256), dx, dout, x, w, rstd, int32(t), int32(d))
+	b.launch(b.k.rmsBwdDx, Grid1D(t, 256), dx, dout, x, w, rstd, int32(t), int32(d), float32(beta))
 	// The grid's y extent is at most 65535 blocks. Each block row writes
 	// its column sums to partial, which the reduce kernel adds to dw in
 	// block-row order: the same bits on every run, unlike atomics.

@@ -204,7 +204,7 @@ func TestRMSNormWeightGradRepeats(t *testing.T) {
 	var first []float32
 	for range 5 {
 		dw := b.New(backend.Float32, d)
-		b.RMSNormBackward(dx, dw, dout, x, w, rstd)
+		b.RMSNormBackward(dx, dw, dout, x, w, rstd, 0)
 		got := backend.DownloadFloat32(b, dw)
 		if first == nil {
 			first = got

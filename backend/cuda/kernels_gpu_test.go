@@ -321,7 +321,7 @@ func TestKernelRMSNorm(t *testing.T) {
 	dg, ddw := upload(k, g), upload(k, dw0)
 	ddx := k.poisoned(T * D)
 	// The backward takes the GPU's rstd; the reference gets the same values.
-	k.launch("rmsnorm.cu", "rmsnorm_backward_dx_f32", Grid1D(T, 256), ddx, dg, dx, dw, rstd, int32(T), int32(D))
+	k.launch("rmsnorm.cu", "rmsnorm_backward_dx_f32", Grid1D(T, 256), ddx, dg, dx, dw, rstd, int32(T), int32(D), float32(0))
 	// dw: column sums per block row into partial, then their ordered sum.
 	const rowsPerBlock = 16
 	blockRows := (T + rowsPerBlock - 1) / rowsPerBlock
@@ -330,7 +330,7 @@ func TestKernelRMSNorm(t *testing.T) {
 	k.launch("rmsnorm.cu", "rmsnorm_backward_dw_f32", dwGrid, partial, dg, dx, rstd, int32(T), int32(D), int32(rowsPerBlock))
 	k.launch("rmsnorm.cu", "rmsnorm_dw_reduce_f32", Grid1D(4, 256), ddw, partial, int32(blockRows), int32(D))
 	rdx, rdw := k.ref.New(backend.Float64, T, D), k.cpuF(dw0, D)
-	k.ref.RMSNormBackward(rdx, rdw, k.cpuF(g, T, D), rx, rw, k.cpuF(gotRstd, T))
+	k.ref.RMSNormBackward(rdx, rdw, k.cpuF(g, T, D), rx, rw, k.cpuF(gotRstd, T), 0)
 	k.check("rmsnorm dx", k.download(ddx, T*D), k.get(rdx), fp32Tol)
 	k.check("rmsnorm dw", k.download(ddw, D), k.get(rdw), fp32Tol)
 }

@@ -150,9 +150,9 @@ func (p *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float
 	p.inner.RMSNormForward(outTD, rstdT, xTD, wD, eps)
 }
 
-func (p *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor) {
+func (p *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor, beta float64) {
 	defer p.end(p.begin(), opRMSNormBackward)
-	p.inner.RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT)
+	p.inner.RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT, beta)
 }
 
 func (p *Backend) RoPE(outTQ, xTQ, posT backend.Tensor, headDim int, theta float64, inverse bool) {
