@@ -172,6 +172,16 @@ func (l *Layer) operand(t, buf backend.Tensor) backend.Tensor {
 	return buf
 }
 
+// operandOf is the Layer's input x as the projections read it: x itself
+// where it is of the operand type already (a norm can write it so) or
+// the operand type is the float type, else rounded into the Scratch.
+func (l *Layer) operandOf(xTD backend.Tensor) backend.Tensor {
+	if ops := l.sc.ops; ops != nil && xTD.DType() != ops.xTD.DType() {
+		return l.operand(xTD, ops.xTD)
+	}
+	return xTD
+}
+
 // NewScratch returns an empty Scratch; the first Layer built with it
 // (WithScratch) allocates its tensors.
 func NewScratch() *Scratch { return &Scratch{} }
@@ -444,10 +454,12 @@ func (l *Layer) kv(w backend.Tensor) backend.Tensor {
 
 // Forward writes outTD = o_proj(attention(rope(q_proj x), rope(k_proj x),
 // v_proj x)) (or adds it to outTD: AddToOutput) for the normalised input
-// xTD [T, D] at positions posT (Int32 [T]). It keeps xTD and posT by reference until Backward. It fails on
-// tensors of the wrong shape and, on a context-parallel Layer, when a
-// collective fails (a peer aborted the group); the Layer then has no
-// Forward for Backward to use.
+// xTD [T, D] at positions posT (Int32 [T]). x is of the float type or,
+// without tensor parallelism, of the backend's operand type, which the
+// projections then read as it is. It keeps xTD and posT by reference
+// until Backward. It fails on tensors of the wrong shape or type and, on
+// a context-parallel Layer, when a collective fails (a peer aborted the
+// group); the Layer then has no Forward for Backward to use.
 func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 	l.xTD, l.posT = nil, nil
 	if err := l.checkTD("Forward", "out", outTD); err != nil {
@@ -464,6 +476,13 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 		return err
 	}
 	ops := l.sc.ops
+	if ops == nil || l.tp.Enabled() {
+		// The float products, and the gathers of tensor parallelism,
+		// read x in the float type.
+		if xTD.DType() != b.FloatType() {
+			return fmt.Errorf("attention: Forward: x is %v, want %v", xTD.DType(), b.FloatType())
+		}
+	}
 	x := xTD
 	// The projections' outputs before RoPE: qTQ and kTK themselves (RoPE
 	// in place), or where those are kept in another type the backward's
@@ -486,9 +505,7 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 			b.Copy(l.vTK, vPre)
 		}
 	} else {
-		if ops != nil {
-			x = l.operand(xTD, ops.xTD)
-		}
+		x = l.operandOf(xTD)
 		b.MatMul(qPre, x, p.WqQD, false, true, 1, 0)
 		b.MatMul(kPre, x, p.WkKD, false, true, 1, 0)
 		b.MatMul(l.vTK, x, p.WvKD, false, true, 1, 0)
@@ -625,7 +642,7 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 			{A: dq, W: p.WqQD}, {A: dk, W: l.kv(p.WkKD)}, {A: dv, W: l.kv(p.WvKD)}})
 	}
 	if ops != nil {
-		x = l.operand(l.xTD, ops.xTD)
+		x = l.operandOf(l.xTD)
 		b.RoPE(ops.dqTQ, l.dqTQ, l.posT, dh, theta, true)
 		b.RoPE(ops.dkTK, l.dkTK, l.posT, dh, theta, true)
 		dq, dk, dv = ops.dqTQ, ops.dkTK, l.operand(l.dvTK, ops.dvTK)

@@ -15,11 +15,14 @@ import (
 )
 
 // liveBytes counts the bytes of the tensors a backend has allocated that
-// are still reachable (the CPU backend stores a bf16 tensor in its float
-// type): a tensor's bytes leave the count when the collector finds it
-// unreachable, as the CUDA backend's memory goes back to its allocator.
+// are still reachable: a tensor's bytes leave the count when the
+// collector finds it unreachable, as the CUDA backend's memory goes back
+// to its allocator. The CPU backend stores a bf16 tensor in its float
+// type, and the count says so, unless bf16 asks for the two bytes a GPU
+// holds it in (the bf16-operand backend, bf16Operands).
 type liveBytes struct {
 	backend.Backend
+	bf16       bool
 	mu         sync.Mutex
 	live, peak int64
 }
@@ -30,7 +33,7 @@ func (c *liveBytes) New(dt backend.DType, shape ...int) backend.Tensor {
 		n *= int64(s)
 	}
 	size := int64(dtypeBytes(dt))
-	if dt == backend.BFloat16 || dt == backend.Float32 || dt == backend.Float64 {
+	if dt == backend.BFloat16 && !c.bf16 || dt == backend.Float32 || dt == backend.Float64 {
 		size = int64(dtypeBytes(c.Backend.FloatType()))
 	}
 	bytes := max(n, 1) * size
@@ -66,13 +69,17 @@ func (c *liveBytes) settle() {
 	c.mu.Unlock()
 }
 
-// allocatedBytes runs cfg for its steps on the CPU and returns the most
-// bytes of live tensors after any step, and the engine's plan.
-func allocatedBytes(t *testing.T, cfg Config) (int64, plan.Plan) {
+// allocatedBytes runs cfg for its steps on the CPU (with bf16 operands
+// where bf16 says, counted at two bytes) and returns the most bytes of
+// live tensors after any step, and the engine's plan.
+func allocatedBytes(t *testing.T, cfg Config, bf16 bool) (int64, plan.Plan) {
 	t.Helper()
-	counter := &liveBytes{}
+	counter := &liveBytes{bf16: bf16}
 	eng, err := New(cfg, WithBackendWrapper(func(b backend.Backend) backend.Backend {
 		counter.Backend = b
+		if bf16 {
+			counter.Backend = bf16Operands{b.(*cpu.Backend)}
+		}
 		return counter
 	}), WithHook(func(StepEvent) { counter.settle() }))
 	if err != nil {
@@ -113,6 +120,16 @@ func TestPlanCountsEveryTensor(t *testing.T) {
 		exact bool
 	}{
 		{"one rank, unfused", func(c *Config) {}, true},
+		// A GPU's bf16 operands (counted at two bytes): split masters,
+		// bf16 q, k, v and normalised inputs, the operands' scratch.
+		{"bf16 operands", func(c *Config) {}, true},
+		{"bf16 operands, fused, recompute selective", func(c *Config) { c.Train.Recompute, c.Model.MoE.Dispatcher = RecomputeSelective, "fused" }, true},
+		{"bf16 operands, recompute full", func(c *Config) { c.Train.Recompute = RecomputeFull }, true},
+		{"bf16 operands, master weights fp32, optimizer in backward", func(c *Config) {
+			c.Train.MasterWeights, c.Train.GradClip, c.Train.OptimizerInBackward, c.Train.MicroBatch = MasterWeightsFP32, 0, OptimizerInBackwardOn, 4
+		}, true},
+		{"bf16 operands, cp 2 ring", func(c *Config) { c.Parallel.CP, c.Parallel.CPAttention = 2, "ring" }, true},
+		{"bf16 operands, tp 2, every expert", func(c *Config) { c.Parallel.TP, c.Parallel.SequenceParallel, c.Model.MoE.TopK = 2, true, 4 }, true},
 		{"fused", func(c *Config) { c.Model.MoE.Dispatcher = "fused" }, true},
 		// The recomputed activations held once per rank.
 		{"recompute selective", func(c *Config) { c.Train.Recompute = RecomputeSelective }, true},
@@ -196,7 +213,7 @@ func TestPlanCountsEveryTensor(t *testing.T) {
 			if err := cfg.Validate(); err != nil {
 				t.Fatal(err)
 			}
-			got, p := allocatedBytes(t, cfg)
+			got, p := allocatedBytes(t, cfg, strings.HasPrefix(tc.name, "bf16 operands"))
 			planned := p.HostPeak - hostTransients(p) - rankTransients(p)
 			if tc.exact && got != planned {
 				t.Errorf("allocated %d bytes, the plan says %d (%+d)\n%s", got, planned, planned-got, termsText(p))

@@ -109,7 +109,7 @@ func stores(l *ledger, s shape) {
 // entering it (residL, one more for the output), after attention (midL),
 // the two normalised inputs (h1L, h2L) and their inverse RMS (rstd1L,
 // rstd2L); the final norm's output and inverse RMS; every MoE layer's
-// statistics; the backward's four [T, D] gradient streams; the LM head's
+// statistics; the backward's three [T, D] gradient streams; the LM head's
 // chunk of at most lmHeadChunkRows rows of logits (float, and its bf16
 // copy for the head's backward products on the GPU) and per-token losses.
 func modelActivations(l *ledger, s shape) {
@@ -118,12 +118,13 @@ func modelActivations(l *ledger, s shape) {
 	l.fixed(Activations, "residual stream", add(L, 1), mul(R, D), s.ft) // residL
 	l.fixed(Activations, "residual stream", L, mul(R, D), s.ft)         // midL
 	l.fixed(Activations, "norms", mul(2, L), R, s.ft)                   // rstd1L, rstd2L
-	l.fixed(Activations, "norms", 1, mul(R, D), s.ft)                   // finalTD
+	l.fixed(Activations, "norms", 1, mul(R, D), s.normType())           // finalTD
 	l.fixed(Activations, "norms", 1, R, s.ft)                           // rstdFinalT
 	l.fixed(Activations, "moe router", 1, mul(L, s.E+1), s.ft)          // moeStats
 	l.fixed(Workspace, "backward gradient streams", 3, mul(R, D), s.ft) // dResidTD, dBlockTD, dFinalTD
 
-	l.fixed(Activations, s.fullTerm("norms"), mul(2, s.kept()), mul(R, D), s.ft) // h1L, h2L
+	l.fixed(Activations, s.fullTerm("norms"), s.kept(), mul(R, D), s.normType()) // h1L
+	l.fixed(Activations, s.fullTerm("norms"), s.kept(), mul(R, D), s.ft)         // h2L
 	chunk := min(T, lmHeadChunkRows)
 	l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.Vl), s.ft) // logitsCV
 	l.fixed(Activations, "lm head logits and loss", 1, T, s.ft)                // lossT
@@ -214,6 +215,17 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 		l.fixed(Workspace, "attention backward", 4, mul(rows, KD), s.ft) // kAllTK, vAllTK, dkNatTK, dvNatTK
 		l.fixed(Workspace, "attention backward", 2, mul(s.S, KD), s.ft)  // dkOneTK, dvOneTK
 	}
+}
+
+// normType is the bytes per element of the normalised inputs that feed
+// products alone, attention's and the LM head's (engine/model.go's
+// normType): the operand type's, the float type's under tensor
+// parallelism.
+func (s shape) normType() int64 {
+	if s.TP > 1 {
+		return s.ft
+	}
+	return s.ot
 }
 
 // qkvType is the bytes per element of the rotated q, k and v a layer
@@ -513,15 +525,16 @@ const (
 // bf16 products round into scratchA (a) and scratchB (b), mirroring each
 // MatMul whose operand is float32 while the other is bf16 (or both are
 // float32): attention's o_proj reads a [T, Q] (forward: a; backward's
-// weight gradient: b); the LM head reads the final hidden rows [chunk, D]
-// (forward: a; weight gradient: b); the router's statistics read ones
-// [1, T] and probs [T, E]; its backward dlogits [T, E] (a, twice) and x
-// [T, D] (b); the shared experts' products read x, dout [T, D] and their
-// hidden [T, Fs] in float32.
+// weight gradient: b); the router's statistics read ones [1, T] and
+// probs [T, E]; its backward dlogits [T, E] (a, twice) and x [T, D] (b);
+// the shared experts' products read x, dout [T, D] and their hidden
+// [T, Fs] in float32. The LM head's final hidden rows are bf16 already
+// (normType) but under tensor parallelism, whose gathered float32 rows
+// [T, D] the branch below counts.
 func gemmScratch(s shape) (a, b int64) {
-	T, chunk := s.T, min(s.T, lmHeadChunkRows)
-	a = max(mul(T, s.Ql), mul(chunk, s.D), T, mul(T, s.E))
-	b = max(mul(T, s.Ql), mul(chunk, s.D), mul(T, s.E), mul(T, s.D))
+	T := s.T
+	a = max(mul(T, s.Ql), T, mul(T, s.E))
+	b = max(mul(T, s.Ql), mul(T, s.E), mul(T, s.D))
 	if s.TP > 1 {
 		// The tensor-parallel products read the gathered rows and the
 		// gradients in float32.
