@@ -286,8 +286,9 @@ type Backend interface {
 
 	// CrossEntropy computes per-row lossT[t] = logsumexp(logits[t]) -
 	// logits[t][targets[t]] and writes dlogitsTV = (softmax - onehot) *
-	// gradScale. dlogitsTV may be logitsTV itself. A negative target is
-	// ignored (loss 0, gradient 0).
+	// gradScale. dlogitsTV may be logitsTV itself, or a BFloat16 tensor
+	// (rounded once: the operand of the LM head's backward products). A
+	// negative target is ignored (loss 0, gradient 0).
 	CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT Tensor, gradScale float64)
 	// CrossEntropyShard and CrossEntropyShardFinish are CrossEntropy for
 	// logits split by vocabulary over tensor-parallel ranks, each holding

@@ -476,13 +476,14 @@ func (m *model) lmHeadLoss(train bool, gradScale float64) error {
 		logits := b.View(m.logitsCV, 0, rows, V)
 		hCD := b.View(m.finalTD, r0*D, rows, D)
 		b.MatMul(logits, hCD, m.w.lmHeadVD, false, true, 1, 0)
-		b.CrossEntropy(b.View(m.lossT, r0, rows), logits, logits, b.View(m.targetsT, r0, rows), gradScale)
+		// The gradient goes in place, or where the products read another
+		// type straight into their operand.
+		dlogits := logits
+		if train && m.dlogitsCV != nil {
+			dlogits = b.View(m.dlogitsCV, 0, rows, V)
+		}
+		b.CrossEntropy(b.View(m.lossT, r0, rows), dlogits, logits, b.View(m.targetsT, r0, rows), gradScale)
 		if train {
-			dlogits := logits // CrossEntropy left the gradient in place
-			if m.dlogitsCV != nil {
-				dlogits = b.View(m.dlogitsCV, 0, rows, V)
-				b.Copy(dlogits, logits)
-			}
 			b.MatMul(b.View(m.dFinalTD, r0*D, rows, D), dlogits, m.w.lmHeadVD, false, false, 1, 0)
 			b.MatMul(m.g.lmHeadVD, dlogits, hCD, true, false, 1, 1)
 		}

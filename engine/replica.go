@@ -174,7 +174,7 @@ func (f *Forward) Logits(t int) ([]float32, error) {
 }
 
 // rowLogits computes the LM head's logits of row t of the last forward
-// (which left the logits buffer holding the loss gradient, not logits).
+// (whose loss may have left its gradient in the logits buffer).
 func (m *model) rowLogits(t int) []float32 {
 	b := m.b
 	D, V := m.cfg.Dim, m.cfg.Vocab

@@ -1,12 +1,15 @@
 // Cross-entropy over rows of V logits, fused with its gradient.
 
-// cross_entropy_f32: one block of 256 threads per row t;
+// cross_entropy_rows: one block of 256 threads per row t;
 //   loss[t] = logsumexp(logits[t]) - logits[t][target[t]]
 //   dlogits[t] = (softmax(logits[t]) - onehot(target[t])) * grad_scale
-// dlogits may be null (loss only) or logits itself (in place: each element
-// is read before the same thread overwrites it). A negative target gives
-// loss 0 and a zero gradient row; a target >= V gives NaN.
-extern "C" __global__ void __launch_bounds__(256) cross_entropy_f32(float* loss, float* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
+// dlogits (float32, or bf16 rounded once: the LM head's backward
+// products read it so) may be null (loss only) or logits itself (in
+// place: each element is read before the same thread overwrites it). A
+// negative target gives loss 0 and a zero gradient row; a target >= V
+// gives NaN.
+template <typename Out>
+__device__ __forceinline__ void cross_entropy_rows(float* loss, Out* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;
@@ -15,7 +18,7 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_f32(float* loss,
   const int tgt = targets[t];
   if (tgt < 0) {
     if (dlogits != 0)
-      for (int j = threadIdx.x; j < V; j += blockDim.x) dlogits[off + j] = 0.0f;
+      for (int j = threadIdx.x; j < V; j += blockDim.x) mk_store(dlogits + off + j, 0.0f);
     if (threadIdx.x == 0) loss[t] = 0.0f;
     return;
   }
@@ -34,9 +37,17 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_f32(float* loss,
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
       float p = expf(row[j] - lse);
       if (j == tgt) p -= 1.0f;
-      dlogits[off + j] = p * grad_scale;
+      mk_store(dlogits + off + j, p * grad_scale);
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(256) cross_entropy_f32(float* loss, float* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
+  cross_entropy_rows(loss, dlogits, logits, targets, T, V, grad_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256) cross_entropy_f32_bf16(float* loss, mk_bf16* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
+  cross_entropy_rows(loss, dlogits, logits, targets, T, V, grad_scale);
 }
 
 // cross_entropy_f32_reg is cross_entropy_f32 for rows that fit in
@@ -45,14 +56,25 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_f32(float* loss,
 // once (the loop kernel above reads it three times; a 32768-wide vocabulary
 // row is 128 KiB, more than stays in cache across the passes). It needs V a
 // multiple of 4, V <= 4096*CE_VEC, and logits and dlogits 16-byte aligned
-// (the launcher checks). Same results as cross_entropy_f32 up to the order
-// of the float additions.
+// (the launcher checks; 8-byte aligned for a bf16 dlogits). Same results
+// as cross_entropy_f32 up to the order of the float additions.
 #define CE_VEC 8
 struct alignas(16) ce_f4 {
   float x, y, z, w;
 };
+struct alignas(8) ce_h4 {
+  mk_bf16 x, y, z, w;
+};
 
-extern "C" __global__ void __launch_bounds__(1024) cross_entropy_f32_reg(float* loss, float* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
+// ce_store4 writes four gradients at group j of a row: float32, or bf16
+// rounded.
+__device__ __forceinline__ void ce_store4(float* row, int j, ce_f4 p) { ((ce_f4*)row)[j] = p; }
+__device__ __forceinline__ void ce_store4(mk_bf16* row, int j, ce_f4 p) {
+  ((ce_h4*)row)[j] = ce_h4{mk_f32_to_bf16(p.x), mk_f32_to_bf16(p.y), mk_f32_to_bf16(p.z), mk_f32_to_bf16(p.w)};
+}
+
+template <typename Out>
+__device__ __forceinline__ void cross_entropy_rows_reg(float* loss, Out* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;
@@ -61,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_f32_reg(float* 
   const int tgt = targets[t], V4 = V >> 2;
   if (tgt < 0) {
     if (dlogits != 0)
-      for (int j = threadIdx.x; j < V4; j += blockDim.x) ((ce_f4*)(dlogits + off))[j] = ce_f4{0.0f, 0.0f, 0.0f, 0.0f};
+      for (int j = threadIdx.x; j < V4; j += blockDim.x) ce_store4(dlogits + off, j, ce_f4{0.0f, 0.0f, 0.0f, 0.0f});
     if (threadIdx.x == 0) loss[t] = 0.0f;
     return;
   }
@@ -86,7 +108,7 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_f32_reg(float* 
   if (dlogits == 0) return;
   // Every thread has read its part of the row before the reductions'
   // barriers, so writing in place is safe.
-  ce_f4* out = (ce_f4*)(dlogits + off);
+  Out* out = dlogits + off;
 #pragma unroll
   for (int i = 0; i < CE_VEC; i++) {
     const int j = threadIdx.x + i * 1024;
@@ -97,8 +119,16 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_f32_reg(float* 
     if (c + 1 == tgt) p.y -= 1.0f;
     if (c + 2 == tgt) p.z -= 1.0f;
     if (c + 3 == tgt) p.w -= 1.0f;
-    out[j] = ce_f4{p.x * grad_scale, p.y * grad_scale, p.z * grad_scale, p.w * grad_scale};
+    ce_store4(out, j, ce_f4{p.x * grad_scale, p.y * grad_scale, p.z * grad_scale, p.w * grad_scale});
   }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_f32_reg(float* loss, float* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
+  cross_entropy_rows_reg(loss, dlogits, logits, targets, T, V, grad_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_f32_bf16_reg(float* loss, mk_bf16* dlogits, const float* logits, const int* targets, int T, int V, float grad_scale) {
+  cross_entropy_rows_reg(loss, dlogits, logits, targets, T, V, grad_scale);
 }
 
 // cross_entropy_shard_f32: one block of 256 threads per row t of logits

@@ -127,7 +127,9 @@ func Sources() []Source {
 		}},
 		{File: "crossentropy.cu", Kernels: []Kernel{
 			{Name: "cross_entropy_f32", Block: 256, Grid: "T blocks"},
+			{Name: "cross_entropy_f32_bf16", Block: 256, Grid: "T blocks"},
 			{Name: "cross_entropy_f32_reg", Block: 1024, Grid: "T blocks"},
+			{Name: "cross_entropy_f32_bf16_reg", Block: 1024, Grid: "T blocks"},
 			{Name: "cross_entropy_shard_f32", Block: 256, Grid: "T blocks"},
 			{Name: "cross_entropy_shard_finish_f32", Block: 256, Grid: "T blocks"},
 		}},

@@ -301,6 +301,11 @@ func swigluLossCases() []Case {
 				loss, dlogits := e.Out("loss", s.t), e.Out("dlogits", s.t, s.v)
 				e.Run(func(b backend.Backend, p Pick) { b.CrossEntropy(p(loss), p(dlogits), p(logits), p(targets), 0.37) })
 			}},
+			Case{Name: "CrossEntropy/bf16-dlogits/" + name, Compare: func(e *Env) {
+				logits, targets := e.Uniform("logits", -6, 6, s.t, s.v), e.Ints("targets", -1, s.v, s.t)
+				loss, dlogits := e.Out("loss", s.t), e.OutBF16("dlogits", s.t, s.v)
+				e.Run(func(b backend.Backend, p Pick) { b.CrossEntropy(p(loss), p(dlogits), p(logits), p(targets), 0.37) })
+			}},
 			Case{Name: "CrossEntropy/in-place/" + name, Compare: func(e *Env) {
 				logits := e.InOut(e.Uniform("logits", -6, 6, s.t, s.v))
 				targets, loss := e.Ints("targets", -1, s.v, s.t), e.Out("loss", s.t)

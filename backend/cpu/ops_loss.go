@@ -18,13 +18,16 @@ func (b *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tens
 	t, v := b.matrix(op, "logits", logitsTV)
 	b.vector(op, "loss", lossT, t)
 	if dlogitsTV != nil {
-		b.wantMatrix(op, "dlogits", dlogitsTV, t, v)
+		b.wantOperandMatrix(op, "dlogits", dlogitsTV, t, v)
 	}
 	targets := indices(op, "targets", targetsT, t, v, true)
 	if b.dt == backend.Float32 {
 		crossEntropy(b, floats[float32](lossT), floats[float32](dlogitsTV), floats[float32](logitsTV), targets, v, gradScale)
 	} else {
 		crossEntropy(b, floats[float64](lossT), floats[float64](dlogitsTV), floats[float64](logitsTV), targets, v, gradScale)
+	}
+	if dlogitsTV != nil {
+		b.roundIfBF16(dlogitsTV)
 	}
 }
 

@@ -27,6 +27,7 @@ type kernelSet struct {
 	swigluFwdBF16, swigluBwdBF16 [2][2]*Kernel
 
 	crossEntropy, crossEntropyReg              *Kernel
+	crossEntropyBF16, crossEntropyBF16Reg      *Kernel // bf16 dlogits
 	crossEntropyShard, crossEntropyShardFinish *Kernel
 
 	gatherRows, scatterAddRows, rowDots *Kernel
@@ -59,6 +60,7 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 			"swiglu_forward_bf16_bf16": &ks.swigluFwdBF16[1][1], "swiglu_backward_bf16_f32": &ks.swigluBwdBF16[1][0],
 			"swiglu_backward_f32_bf16": &ks.swigluBwdBF16[0][1], "swiglu_backward_bf16_bf16": &ks.swigluBwdBF16[1][1]}},
 		{"crossentropy.cu", map[string]**Kernel{"cross_entropy_f32": &ks.crossEntropy, "cross_entropy_f32_reg": &ks.crossEntropyReg,
+			"cross_entropy_f32_bf16": &ks.crossEntropyBF16, "cross_entropy_f32_bf16_reg": &ks.crossEntropyBF16Reg,
 			"cross_entropy_shard_f32": &ks.crossEntropyShard, "cross_entropy_shard_finish_f32": &ks.crossEntropyShardFinish}},
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "gather_rows_f32_bf16": &ks.gatherRowsBF16,
 			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots,

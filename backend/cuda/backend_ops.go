@@ -331,19 +331,23 @@ func (b *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tens
 	loss := vector(op, "loss", lossT, t)
 	var dlogits *Tensor
 	if dlogitsTV != nil {
-		dlogits = wantMatrix(op, "dlogits", dlogitsTV, t, v)
+		dlogits = wantOperandMatrix(op, "dlogits", dlogitsTV, t, v)
 	}
 	targets := indices(op, "targets", targetsT, t)
 	fitsInt32(op, t, v)
 	if t == 0 {
 		return
 	}
+	k, kReg := b.k.crossEntropy, b.k.crossEntropyReg
+	if dlogits != nil && dlogits.dt == backend.BFloat16 {
+		k, kReg = b.k.crossEntropyBF16, b.k.crossEntropyBF16Reg
+	}
 	// Rows that fit in registers are read once (cross_entropy_f32_reg).
 	if v%4 == 0 && v <= ceRegMaxV && aligned4(logits) && (dlogits == nil || aligned4(dlogits)) {
-		b.launch(b.k.crossEntropyReg, Grid1D(t, 1024), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
+		b.launch(kReg, Grid1D(t, 1024), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
 		return
 	}
-	b.launch(b.k.crossEntropy, Grid1D(t, 256), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
+	b.launch(k, Grid1D(t, 256), loss, dlogits, logits, targets, int32(t), int32(v), float32(gradScale))
 }
 
 // GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil (1).
