@@ -238,8 +238,10 @@ type Backend interface {
 
 	// RMSNormForward: out = x / rms(x) * w, saving rstdT = 1/rms(x). out
 	// is of the float type or BFloat16 (rounded once: the normalised
-	// input as the products read it).
-	RMSNormForward(outTD, rstdT, xTD, wD Tensor, eps float64)
+	// input as the products read it). copyTD, when not nil, gets a copy
+	// of x in the same pass (the residual stream that the block after
+	// the norm adds its output to).
+	RMSNormForward(outTD, rstdT, copyTD, xTD, wD Tensor, eps float64)
 	// RMSNormBackward writes dxTD = beta*dxTD + the gradient of x (dx is
 	// not read when beta is 0; beta 1 adds the norm's share onto the
 	// residual stream's gradient in the same pass) and accumulates into

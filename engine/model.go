@@ -416,11 +416,10 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 	b.EmbeddingForward(m.residL[0], w.embedVD, m.streamIDs())
 	for l := 0; l < m.cfg.Layers; l++ {
 		lw := &w.layers[l]
-		b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
 		// The blocks add their outputs onto a copy of the stream
-		// (AddToOutput): midL[l] = residL[l] + attn(...), residL[l+1] =
-		// midL[l] + moe(...).
-		b.Copy(m.midL[l], m.residL[l])
+		// (AddToOutput), which each norm writes as it reads the stream:
+		// midL[l] = residL[l] + attn(...), residL[l+1] = midL[l] + moe(...).
+		b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.midL[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
 		profile.Scope(b, profile.ScopeAttention)
 		err := m.attn[l].Forward(m.midL[l], m.h1L[l], m.posT, lw.attn)
 		profile.Scope(b, "")
@@ -428,12 +427,11 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 			return st, fmt.Errorf("layer %d attention: %w", l, err)
 		}
 
-		b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
+		b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.residL[l+1], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
 		var bias backend.Tensor
 		if biasE != nil {
 			bias = biasE[l]
 		}
-		b.Copy(m.residL[l+1], m.midL[l])
 		profile.Scope(b, profile.ScopeMoE)
 		s, err := m.moe[l].Forward(m.moeRows(m.residL[l+1]), m.moeRows(m.h2L[l]), lw.moe, bias, lossScale)
 		if err == nil {
@@ -446,7 +444,7 @@ func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backen
 		st.moe[l] = s
 	}
 	L := m.cfg.Layers
-	b.RMSNormForward(m.finalTD, m.rstdFinalT, m.residL[L], w.finalNormD, m.cfg.NormEps)
+	b.RMSNormForward(m.finalTD, m.rstdFinalT, nil, m.residL[L], w.finalNormD, m.cfg.NormEps)
 	profile.Scope(b, profile.ScopeHead)
 	if err := m.lmHeadLoss(train, gradScale); err != nil {
 		return st, fmt.Errorf("LM head: %w", err)
@@ -554,19 +552,17 @@ func (m *model) lmHeadLossTP(train bool, gradScale float64) error {
 func (m *model) reforward(l int) error {
 	b, lw := m.b, &m.w.layers[l]
 	defer profile.Scope(b, "")
-	b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.residL[l], lw.attnNormD, m.cfg.NormEps)
-	b.Copy(m.dBlockTD, m.residL[l])
+	b.RMSNormForward(m.h1L[l], m.rstd1L[l], m.dBlockTD, m.residL[l], lw.attnNormD, m.cfg.NormEps)
 	profile.Scope(b, profile.ScopeAttention)
 	if err := m.attn[l].Forward(m.dBlockTD, m.h1L[l], m.posT, lw.attn); err != nil {
 		return fmt.Errorf("layer %d attention recompute: %w", l, err)
 	}
 	profile.Scope(b, "")
-	b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.midL[l], lw.ffnNormD, m.cfg.NormEps)
+	b.RMSNormForward(m.h2L[l], m.rstd2L[l], m.dBlockTD, m.midL[l], lw.ffnNormD, m.cfg.NormEps)
 	var bias backend.Tensor
 	if m.biasE != nil {
 		bias = m.biasE[l]
 	}
-	b.Copy(m.dBlockTD, m.midL[l])
 	profile.Scope(b, profile.ScopeMoE)
 	if err := m.moe[l].Reforward(m.moeRows(m.dBlockTD), m.moeRows(m.h2L[l]), lw.moe, bias); err != nil {
 		return fmt.Errorf("layer %d MoE recompute: %w", l, err)

@@ -2,9 +2,11 @@
 // eps), and its backward.
 
 // rmsnorm_forward_rows: one block of 256 threads per row; writes out[t, :]
-// (float32, or bf16 rounded once: the products' operand) and rstd[t].
+// (float32, or bf16 rounded once: the products' operand), rstd[t] and,
+// when copy is not null, copy[t, :] = x[t, :] (the residual stream's copy
+// that the block after the norm adds its output to), reading x once.
 template <typename Out>
-__device__ __forceinline__ void rmsnorm_forward_rows(Out* out, float* rstd, const float* x, const float* w, int T, int D, float eps) {
+__device__ __forceinline__ void rmsnorm_forward_rows(Out* out, float* rstd, float* copy, const float* x, const float* w, int T, int D, float eps) {
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;
@@ -14,16 +16,25 @@ __device__ __forceinline__ void rmsnorm_forward_rows(Out* out, float* rstd, cons
   ss = mk_block_sum(ss, scratch);
   const float r = 1.0f / sqrtf(ss / (float)D + eps);
   Out* ot = out + (long long)t * D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) mk_store(ot + d, w[d] * (xt[d] * r));
+  if (copy != 0) {
+    float* ct = copy + (long long)t * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      const float v = xt[d];
+      mk_store(ot + d, w[d] * (v * r));
+      ct[d] = v;
+    }
+  } else {
+    for (int d = threadIdx.x; d < D; d += blockDim.x) mk_store(ot + d, w[d] * (xt[d] * r));
+  }
   if (threadIdx.x == 0) rstd[t] = r;
 }
 
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(float* out, float* rstd, const float* x, const float* w, int T, int D, float eps) {
-  rmsnorm_forward_rows(out, rstd, x, w, T, D, eps);
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(float* out, float* rstd, float* copy, const float* x, const float* w, int T, int D, float eps) {
+  rmsnorm_forward_rows(out, rstd, copy, x, w, T, D, eps);
 }
 
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32_bf16(mk_bf16* out, float* rstd, const float* x, const float* w, int T, int D, float eps) {
-  rmsnorm_forward_rows(out, rstd, x, w, T, D, eps);
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32_bf16(mk_bf16* out, float* rstd, float* copy, const float* x, const float* w, int T, int D, float eps) {
+  rmsnorm_forward_rows(out, rstd, copy, x, w, T, D, eps);
 }
 
 // rmsnorm_backward_dx_f32: one block of 256 threads per row;
@@ -43,6 +54,54 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_dx_f32(float*
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     const float g = r * (w[d] * dout[off + d] - x[off + d] * c);
     dx[off + d] = beta != 0.0f ? beta * dx[off + d] + g : g;
+  }
+}
+
+// rmsnorm_backward_f32 is rmsnorm_backward_dx_f32 and
+// rmsnorm_backward_dw_f32 in one pass over dout and x: a block takes
+// rows_per_block rows one after another, each thread the columns
+// threadIdx.x + k*blockDim.x (k < RMS_BWD_COLS, so D <= RMS_BWD_COLS *
+// blockDim.x), and it writes dx of each row as the dx kernel does and its
+// column sums of dout*x*rstd over its rows to partial[blockIdx.x, :], which
+// rmsnorm_dw_reduce_f32 adds to dw in block order (the same bits on every
+// run). The second read of a row (for dx, after the dot product's
+// reduction) finds it in cache.
+#define RMS_BWD_COLS 8
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward_f32(float* dx, float* partial, const float* dout, const float* x, const float* w, const float* rstd, int T, int D, int rows_per_block, float beta) {
+  __shared__ float scratch[32];
+  const long long t0 = (long long)blockIdx.x * rows_per_block;
+  const long long t1 = t0 + rows_per_block < T ? t0 + rows_per_block : T;
+  float acc[RMS_BWD_COLS];
+#pragma unroll
+  for (int k = 0; k < RMS_BWD_COLS; k++) acc[k] = 0.0f;
+  for (long long t = t0; t < t1; t++) {
+    const long long off = t * D;
+    const float r = rstd[t];
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < RMS_BWD_COLS; k++) {
+      const int d = threadIdx.x + k * blockDim.x;
+      if (d < D) {
+        const float g = dout[off + d], xv = x[off + d];
+        dot += w[d] * g * xv;
+        acc[k] += g * xv * r;
+      }
+    }
+    dot = mk_block_sum(dot, scratch);
+    const float c = r * r * dot / (float)D;
+#pragma unroll
+    for (int k = 0; k < RMS_BWD_COLS; k++) {
+      const int d = threadIdx.x + k * blockDim.x;
+      if (d < D) {
+        const float v = r * (w[d] * dout[off + d] - x[off + d] * c);
+        dx[off + d] = beta != 0.0f ? beta * dx[off + d] + v : v;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < RMS_BWD_COLS; k++) {
+    const int d = threadIdx.x + k * blockDim.x;
+    if (d < D) partial[(long long)blockIdx.x * D + d] = acc[k];
   }
 }
 

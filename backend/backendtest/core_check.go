@@ -259,8 +259,9 @@ func checkRMSNormRef(t *testing.T, b backend.Backend) {
 	c := newChecker(t, b)
 	const tok, d, eps = 5, 12, 1e-3
 	x, w := c.rand(tok*d, -2, 2), c.rand(d, 0.5, 1.5)
-	outT, rstdT := c.out(tok, d), c.out(tok)
-	b.RMSNormForward(outT, rstdT, c.up(x, tok, d), c.up(w, d), eps)
+	outT, rstdT, copyT := c.out(tok, d), c.out(tok), c.out(tok, d)
+	b.RMSNormForward(outT, rstdT, copyT, c.up(x, tok, d), c.up(w, d), eps)
+	c.same("copy", c.down(copyT), x)
 	out, rstd := make([]float64, tok*d), make([]float64, tok)
 	for r := range tok {
 		row := x[r*d : (r+1)*d]
@@ -279,7 +280,7 @@ func checkRMSNormGrad(t *testing.T, b backend.Backend) {
 	const tok, d, eps = 4, 7, 1e-3
 	x, w, r, dw0 := c.rand(tok*d, -2, 2), c.rand(d, 0.5, 1.5), c.rand(tok*d, -1, 1), c.rand(d, -1, 1)
 	xT, wT, outT, rstdT := c.up(x, tok, d), c.up(w, d), c.out(tok, d), c.out(tok)
-	forward := func() { b.RMSNormForward(outT, rstdT, xT, wT, eps) }
+	forward := func() { b.RMSNormForward(outT, rstdT, nil, xT, wT, eps) }
 	forward()
 	dxT, dwT := c.out(tok, d), c.up(dw0, d) // dw accumulates onto dw0
 	b.RMSNormBackward(dxT, dwT, c.up(r, tok, d), xT, wT, rstdT, 0)
@@ -307,13 +308,13 @@ func checkRMSNormBF16Out(t *testing.T, b backend.Backend) {
 	const tok, d, eps = 5, 9, 1e-5
 	xT, wT := c.up(c.rand(tok*d, -2, 2), tok, d), c.up(c.rand(d, 0.5, 1.5), d)
 	outT, rstdT := c.out(tok, d), c.out(tok)
-	b.RMSNormForward(outT, rstdT, xT, wT, eps)
+	b.RMSNormForward(outT, rstdT, nil, xT, wT, eps)
 	want := c.down(outT)
 	for i, v := range want {
 		want[i] = RoundBF16(v)
 	}
 	bfT := UploadBF16(b, make([]float64, tok*d), tok, d)
-	b.RMSNormForward(bfT, rstdT, xT, wT, eps)
+	b.RMSNormForward(bfT, rstdT, nil, xT, wT, eps)
 	c.same("bf16 out", Download(b, bfT), want)
 }
 

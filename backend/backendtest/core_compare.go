@@ -211,18 +211,24 @@ func rowCases() []Case {
 
 func normRopeCases() []Case {
 	var cs []Case
-	for _, s := range []struct{ t, d int }{{19, 48}, {300, 256}} {
+	// 8200 columns: wider than the one-pass backward takes on the GPU.
+	for _, s := range []struct{ t, d int }{{19, 48}, {300, 256}, {5, 8200}} {
 		name := fmt.Sprintf("%dx%d", s.t, s.d)
 		cs = append(cs,
+			Case{Name: "RMSNormForward/copy/" + name, Compare: func(e *Env) {
+				x, w := e.Uniform("x", -3, 3, s.t, s.d), e.Uniform("w", 0.5, 1.5, s.d)
+				out, rstd, cp := e.OutBF16("out", s.t, s.d), e.Out("rstd", s.t), e.Out("copy", s.t, s.d)
+				e.Run(func(b backend.Backend, p Pick) { b.RMSNormForward(p(out), p(rstd), p(cp), p(x), p(w), 1e-5) })
+			}},
 			Case{Name: "RMSNormForward/" + name, Compare: func(e *Env) {
 				x, w := e.Uniform("x", -3, 3, s.t, s.d), e.Uniform("w", 0.5, 1.5, s.d)
 				out, rstd := e.Out("out", s.t, s.d), e.Out("rstd", s.t)
-				e.Run(func(b backend.Backend, p Pick) { b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-5) })
+				e.Run(func(b backend.Backend, p Pick) { b.RMSNormForward(p(out), p(rstd), nil, p(x), p(w), 1e-5) })
 			}},
 			Case{Name: "RMSNormForward/bf16-out/" + name, Compare: func(e *Env) {
 				x, w := e.Uniform("x", -3, 3, s.t, s.d), e.Uniform("w", 0.5, 1.5, s.d)
 				out, rstd := e.OutBF16("out", s.t, s.d), e.Out("rstd", s.t)
-				e.Run(func(b backend.Backend, p Pick) { b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-5) })
+				e.Run(func(b backend.Backend, p Pick) { b.RMSNormForward(p(out), p(rstd), nil, p(x), p(w), 1e-5) })
 			}},
 			Case{Name: "RMSNormBackward/" + name, Compare: func(e *Env) {
 				x, w := e.Uniform("x", -3, 3, s.t, s.d), e.Uniform("w", 0.5, 1.5, s.d)
@@ -230,7 +236,7 @@ func normRopeCases() []Case {
 				out, rstd, dx := e.Out("out", s.t, s.d), e.Out("rstd", s.t), e.Out("dx", s.t, s.d)
 				dw := e.InOut(e.Rand("dw", s.d)) // accumulates
 				e.Run(func(b backend.Backend, p Pick) {
-					b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-6)
+					b.RMSNormForward(p(out), p(rstd), nil, p(x), p(w), 1e-6)
 					b.RMSNormBackward(p(dx), p(dw), p(dout), p(x), p(w), p(rstd), 0)
 				})
 			}},
@@ -241,7 +247,7 @@ func normRopeCases() []Case {
 				dx := e.InOut(e.Rand("dx", s.t, s.d)) // the stream's gradient, added onto
 				dw := e.InOut(e.Rand("dw", s.d))
 				e.Run(func(b backend.Backend, p Pick) {
-					b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-6)
+					b.RMSNormForward(p(out), p(rstd), nil, p(x), p(w), 1e-6)
 					b.RMSNormBackward(p(dx), p(dw), p(dout), p(x), p(w), p(rstd), 1)
 				})
 			}},

@@ -39,7 +39,7 @@
 //		x, w := e.Rand("x", 19, 48), e.Uniform("w", 0.5, 1.5, 48)
 //		out, rstd := e.Out("out", 19, 48), e.Out("rstd", 19)
 //		e.Run(func(b backend.Backend, p Pick) {
-//			b.RMSNormForward(p(out), p(rstd), p(x), p(w), 1e-5)
+//			b.RMSNormForward(p(out), p(rstd), nil, p(x), p(w), 1e-5)
 //		})
 //	}
 //

@@ -139,7 +139,7 @@ func TestBF16Misuse(t *testing.T) {
 		{"swiglu mixed", "cpu.SwiGLUForward: a is bfloat16 but b is float32", func() { b.SwiGLUForward(f(2, 3), h(2, 3), f(2, 3)) }},
 		{"swiglu dout", "cpu.SwiGLUBackward: dout is bfloat16", func() { b.SwiGLUBackward(f(2, 3), f(2, 3), h(2, 3), f(2, 3), f(2, 3)) }},
 		{"swiglu da db", "cpu.SwiGLUBackward: da is float32 but db is bfloat16", func() { b.SwiGLUBackward(f(2, 3), h(2, 3), f(2, 3), h(2, 3), h(2, 3)) }},
-		{"rmsnorm", "cpu.RMSNormForward: x is bfloat16", func() { b.RMSNormForward(f(2, 3), f(2), h(2, 3), f(3), 1e-5) }},
+		{"rmsnorm", "cpu.RMSNormForward: x is bfloat16", func() { b.RMSNormForward(f(2, 3), f(2), nil, h(2, 3), f(3), 1e-5) }},
 		{"upload ints", "cpu: cannot upload []int32 into a bfloat16 tensor", func() {
 			b.Upload(h(2), tensor.New(tensor.WithShape(2), tensor.WithBacking([]int32{1, 2})))
 		}},

@@ -15,12 +15,16 @@ import (
 	"github.com/mktrain/mktrain/backend"
 )
 
-// RMSNormForward writes outTD = wD * xTD * rstdT and saves rstdT. out may
-// be BFloat16 (rounded).
-func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float64) {
+// RMSNormForward writes outTD = wD * xTD * rstdT and saves rstdT, and
+// copies x into copyTD when it is not nil. out may be BFloat16 (rounded).
+func (b *Backend) RMSNormForward(outTD, rstdT, copyTD, xTD, wD backend.Tensor, eps float64) {
 	const op = "RMSNormForward"
 	t, d := b.matrix(op, "x", xTD)
 	b.wantOperandMatrix(op, "out", outTD, t, d)
+	if copyTD != nil {
+		b.wantMatrix(op, "copy", copyTD, t, d)
+		b.Copy(copyTD, xTD)
+	}
 	b.vector(op, "rstd", rstdT, t)
 	b.vector(op, "w", wD, d)
 	if b.dt == backend.Float32 {

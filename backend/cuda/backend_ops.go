@@ -182,13 +182,21 @@ func (b *Backend) EmbeddingBackward(dTableVD, dOutTD, idsT backend.Tensor) {
 }
 
 // RMSNormForward: out = x / rms(x) * w, saving rstdT = 1/rms(x); out is
-// float32 or bf16 (rounded once).
-func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float64) {
+// float32 or bf16 (rounded once). copyTD, when not nil, gets x in the
+// same pass.
+func (b *Backend) RMSNormForward(outTD, rstdT, copyTD, xTD, wD backend.Tensor, eps float64) {
 	const op = "RMSNormForward"
 	x, t, d := matrix(op, "x", xTD)
 	out := wantOperandMatrix(op, "out", outTD, t, d)
 	rstd := vector(op, "rstd", rstdT, t)
 	w := vector(op, "w", wD, d)
+	var cp *Tensor
+	if copyTD != nil {
+		cp = wantMatrix(op, "copy", copyTD, t, d)
+		if overlaps(cp, x) || overlaps(cp, out) {
+			fail(op, "copy (%s) overlaps x or out", cp.describe())
+		}
+	}
 	fitsInt32(op, t, d)
 	if t == 0 {
 		return
@@ -197,7 +205,7 @@ func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float
 	if out.dt == backend.BFloat16 {
 		k = b.k.rmsFwdBF16
 	}
-	b.launch(k, Grid1D(t, 256), out, rstd, x, w, int32(t), int32(d), float32(eps))
+	b.launch(k, Grid1D(t, 256), out, rstd, cp, x, w, int32(t), int32(d), float32(eps))
 }
 
 // rmsRowsPerBlock is how many rows one block of the dw kernel sums into
@@ -205,6 +213,11 @@ func (b *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float
 // kernel's reads of them) small, few enough to fill the GPU for a few
 // thousand rows.
 const rmsRowsPerBlock = 32
+
+// rmsBwdMaxD is the widest row rmsnorm_backward_f32 takes (RMS_BWD_COLS
+// columns for each of at most 1024 threads); wider rows take the
+// two-kernel path (rmsnorm_backward_dx_f32, rmsnorm_backward_dw_f32).
+const rmsBwdMaxD = 8 * 1024
 
 // RMSNormBackward writes dxTD = beta*dxTD + the gradient of x and
 // accumulates into dwD.
@@ -223,10 +236,10 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 	if t == 0 || d == 0 {
 		return
 	}
-	b.launch(b.k.rmsBwdDx, Grid1D(t, 256), dx, dout, x, w, rstd, int32(t), int32(d), float32(beta))
-	// The grid's y extent is at most 65535 blocks. Each block row writes
-	// its column sums to partial, which the reduce kernel adds to dw in
-	// block-row order: the same bits on every run, unlike atomics.
+	// Each block of rows writes its column sums to partial, which the
+	// reduce kernel adds to dw in block order: the same bits on every
+	// run, unlike atomics. (The two-kernel path's grid has at most 65535
+	// block rows; the one-pass kernel keeps its row count.)
 	rows := max(rmsRowsPerBlock, (t+65534)/65535)
 	blockRows := (t + rows - 1) / rows
 	partial, err := b.dev.Alloc(int64(4 * blockRows * d))
@@ -235,8 +248,16 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 		return
 	}
 	defer func() { b.fail(b.dev.Free(partial)) }() // stream-ordered: after the kernels below
-	g := Grid{Grid: driver.Dim3{X: (d + 31) / 32, Y: blockRows, Z: 1}, Block: driver.Dim3{X: 32, Y: 8, Z: 1}}
-	b.launch(b.k.rmsBwdDw, g, partial, dout, x, rstd, int32(t), int32(d), int32(rows))
+	if d <= rmsBwdMaxD {
+		// One pass over dout and x for dx and dw: a thread per four
+		// columns (eight above 4096), in whole warps.
+		threads := min(1024, max(32, ((d+3)/4+31)/32*32))
+		b.launch(b.k.rmsBwd, Grid1D(blockRows, threads), dx, partial, dout, x, w, rstd, int32(t), int32(d), int32(rows), float32(beta))
+	} else {
+		b.launch(b.k.rmsBwdDx, Grid1D(t, 256), dx, dout, x, w, rstd, int32(t), int32(d), float32(beta))
+		g := Grid{Grid: driver.Dim3{X: (d + 31) / 32, Y: blockRows, Z: 1}, Block: driver.Dim3{X: 32, Y: 8, Z: 1}}
+		b.launch(b.k.rmsBwdDw, g, partial, dout, x, rstd, int32(t), int32(d), int32(rows))
+	}
 	b.launch(b.k.rmsDwReduce, b.strideGrid(d), dw, partial, int32(blockRows), int32(d))
 }
 

@@ -200,7 +200,7 @@ func TestRMSNormWeightGradRepeats(t *testing.T) {
 	backend.UploadSlice(b, dout, randomFloats(rng, tokens*d))
 	backend.UploadSlice(b, w, randomFloats(rng, d))
 	out, rstd, dx := b.New(backend.Float32, tokens, d), b.New(backend.Float32, tokens), b.New(backend.Float32, tokens, d)
-	b.RMSNormForward(out, rstd, x, w, 1e-5)
+	b.RMSNormForward(out, rstd, nil, x, w, 1e-5)
 	var first []float32
 	for range 5 {
 		dw := b.New(backend.Float32, d)

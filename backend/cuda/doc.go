@@ -16,7 +16,7 @@
 //	b, err := cuda.OpenBackend(cuda.Options{})  // GPU 0; cuda.NoGPU(err) where there is none
 //	defer b.Close()
 //	x := b.New(backend.Float32, T, D)           // zeroed, in device memory
-//	b.RMSNormForward(out, rstd, x, w, 1e-5)     // queued on the stream
+//	b.RMSNormForward(out, rstd, nil, x, w, 1e-5) // queued on the stream
 //	err = b.Sync()                              // the first failure since the last Sync
 //
 // and the runtime below it:

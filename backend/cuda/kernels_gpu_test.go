@@ -308,10 +308,10 @@ func TestKernelRMSNorm(t *testing.T) {
 	x, w := k.randn(T*D, 2), k.randn(D, 1)
 	dx, dw := upload(k, x), upload(k, w)
 	out, rstd := k.poisoned(T*D), k.poisoned(T)
-	k.launch("rmsnorm.cu", "rmsnorm_forward_f32", Grid1D(T, 256), out, rstd, dx, dw, int32(T), int32(D), float32(eps))
+	k.launch("rmsnorm.cu", "rmsnorm_forward_f32", Grid1D(T, 256), out, rstd, driver.DevicePtr(0), dx, dw, int32(T), int32(D), float32(eps))
 	rx, rw := k.cpuF(x, T, D), k.cpuF(w, D)
 	rout, rrstd := k.ref.New(backend.Float64, T, D), k.ref.New(backend.Float64, T)
-	k.ref.RMSNormForward(rout, rrstd, rx, rw, eps)
+	k.ref.RMSNormForward(rout, rrstd, nil, rx, rw, eps)
 	k.check("rmsnorm out", k.download(out, T*D), k.get(rout), fp32Tol)
 	gotRstd := k.download(rstd, T)
 	k.check("rmsnorm rstd", gotRstd, k.get(rrstd), fp32Tol)
@@ -333,6 +333,15 @@ func TestKernelRMSNorm(t *testing.T) {
 	k.ref.RMSNormBackward(rdx, rdw, k.cpuF(g, T, D), rx, rw, k.cpuF(gotRstd, T), 0)
 	k.check("rmsnorm dx", k.download(ddx, T*D), k.get(rdx), fp32Tol)
 	k.check("rmsnorm dw", k.download(ddw, D), k.get(rdw), fp32Tol)
+
+	// The one-pass backward: dx, and dw's partial sums per block of rows
+	// for the same reduce.
+	ddx1, ddw1 := k.poisoned(T*D), upload(k, dw0)
+	partial1 := k.poisoned(blockRows * D)
+	k.launch("rmsnorm.cu", "rmsnorm_backward_f32", Grid1D(blockRows, 256), ddx1, partial1, dg, dx, dw, rstd, int32(T), int32(D), int32(rowsPerBlock), float32(0))
+	k.launch("rmsnorm.cu", "rmsnorm_dw_reduce_f32", Grid1D(4, 256), ddw1, partial1, int32(blockRows), int32(D))
+	k.check("rmsnorm one-pass dx", k.download(ddx1, T*D), k.get(rdx), fp32Tol)
+	k.check("rmsnorm one-pass dw", k.download(ddw1, D), k.get(rdw), fp32Tol)
 }
 
 func TestKernelSwiGLU(t *testing.T) {

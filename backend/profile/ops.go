@@ -145,9 +145,9 @@ func (p *Backend) EmbeddingBackward(dTableVD, dOutTD, idsT backend.Tensor) {
 	p.inner.EmbeddingBackward(dTableVD, dOutTD, idsT)
 }
 
-func (p *Backend) RMSNormForward(outTD, rstdT, xTD, wD backend.Tensor, eps float64) {
+func (p *Backend) RMSNormForward(outTD, rstdT, copyTD, xTD, wD backend.Tensor, eps float64) {
 	defer p.end(p.begin(), opRMSNormForward)
-	p.inner.RMSNormForward(outTD, rstdT, xTD, wD, eps)
+	p.inner.RMSNormForward(outTD, rstdT, copyTD, xTD, wD, eps)
 }
 
 func (p *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tensor, beta float64) {
