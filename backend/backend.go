@@ -328,8 +328,8 @@ type Backend interface {
 	RouteByExpert(countsE, sendTokS, sendSlotS, idxTK Tensor)
 
 	// GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil
-	// (1). in and scale are of the float type; out is too, or BFloat16
-	// (rounded).
+	// (1). scale is of the float type; in is too, or BFloat16; out is of
+	// the float type, or BFloat16 (rounded).
 	GatherRows(outND, inTD, rowsN, scaleN Tensor)
 	// ScatterAddRows: outTD[rowsN[i]] += scale[i] * inND[i]; scaleN may be nil.
 	ScatterAddRows(outTD, inND, rowsN, scaleN Tensor)

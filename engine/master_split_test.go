@@ -40,12 +40,14 @@ func splitConfig() Config {
 // closely. They are not the same bits: an operand whose master's low
 // half is exactly 0x8000 rounds away from zero, not to even, and from
 // there every gradient moves a little, more where the attention core's
-// q, k and v are rounded to bf16 too. Over three steps the losses agree
-// within 9e-6 relative (bound 2e-5) and the masters' difference has an
-// rms of at most 1.1e-6 (bound 5e-6); losing the low halves would move
-// every weight by up to half a bf16 ulp, an rms of about 3.5e-5 at the
-// weights' scale. A single master may differ by a few AdamW steps (up to
-// 1.1e-4 here, bound 5e-4), where a gradient near zero changed sign.
+// q, k, v and the normalised inputs are rounded to bf16 too. Over three
+// steps the losses agree within 9e-6 relative (bound 2e-5) and the
+// masters' difference has an rms of at most 2.3e-6 (bound 5e-6); losing
+// the low halves would move every weight by up to half a bf16 ulp, an
+// rms of about 3.5e-5 at the weights' scale. A single master may differ
+// by up to its three AdamW steps (8e-4 here; bound 3e-3, three steps of
+// at most about the learning rate, 1e-3), where a gradient near zero
+// changed sign.
 func TestSplitMastersTrainAsCopies(t *testing.T) {
 	layouts := []struct {
 		name   string
@@ -90,7 +92,7 @@ func TestSplitMastersTrainAsCopies(t *testing.T) {
 						a, b := p.download(rk.b), fp.params[i].download(fp.b)
 						for j := range a {
 							d := math.Abs(float64(a[j] - b[j]))
-							if d > 5e-4 || math.IsNaN(d) {
+							if d > 3e-3 || math.IsNaN(d) {
 								t.Fatalf("%s: rank %d: %s[%d] = %g, %g with float32 masters", mode, r, p.slot.name, j, a[j], b[j])
 							}
 							ss, n = ss+d*d, n+1

@@ -44,14 +44,14 @@ type model struct {
 	// [T, D] tensors a layer; making them again in backward cost about 1%
 	// of moe-small's step on an H200. Under train.recompute: full every
 	// layer's entries are the same two tensors, refilled by reforward.
-	// h1L and finalTD, which only products read, are of normType.
+	// They and finalTD are of normType.
 	h1L, h2L []backend.Tensor
-	// normType is the type of the normalised inputs that feed products
-	// alone (attention's projections, the LM head): the backend's operand
-	// type, so that the norm writes them rounded once and the products
-	// read them as they are, without tensor parallelism, whose
-	// collectives gather them in the float type first. The MoE block's
-	// input stays in the float type, which its row dispatch moves.
+	// normType is the type of the normalised inputs, which only products
+	// and row gathers read (attention's projections, the router, the
+	// experts' dispatch, the LM head): the backend's operand type, so that
+	// the norm writes them rounded once and the products read them as
+	// they are, without tensor parallelism, whose collectives gather them
+	// in the float type first.
 	normType backend.DType
 
 	// full is train.recompute: full: the layers keep their activations
@@ -164,7 +164,7 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 			m.h1L, m.h2L = append(m.h1L, m.h1L[0]), append(m.h2L, m.h2L[0])
 			continue
 		}
-		m.h1L, m.h2L = append(m.h1L, b.New(m.normType, R, D)), append(m.h2L, b.New(ft, R, D))
+		m.h1L, m.h2L = append(m.h1L, b.New(m.normType, R, D)), append(m.h2L, b.New(m.normType, R, D))
 	}
 	attnOpts := []attention.Option{attention.WithScratch(attnScratch), attention.AddToOutput(), attention.WithTensorParallel(tp)}
 	moeOpts := []moe.Option{moe.WithScratch(moeScratch), moe.AddToOutput()}

@@ -140,6 +140,8 @@ func Sources() []Source {
 		{File: "rows.cu", Kernels: []Kernel{
 			{Name: "gather_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "gather_rows_f32_bf16", Block: 256, Grid: "N blocks"},
+			{Name: "gather_rows_bf16", Block: 256, Grid: "N blocks"},
+			{Name: "gather_rows_bf16_bf16", Block: 256, Grid: "N blocks"},
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
 			{Name: "stable_rank_i32", Block: 256, Grid: "(ceil(N/1024), ceil(N/4096)) blocks"},

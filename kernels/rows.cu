@@ -36,9 +36,11 @@ extern "C" __global__ void __launch_bounds__(256) row_dots_f32(float* out, const
 }
 
 // gather_rows_f32_bf16: gather_rows_f32 into a bf16 out, each value rounded
-// to nearest even. Grid: N blocks. vec != 0 moves four elements per access
-// (16-byte loads, 8-byte stores); the launcher sets it only when D is a
-// multiple of 4, in is 16-byte and out 8-byte aligned.
+// to nearest even; gather_rows_bf16 and gather_rows_bf16_bf16 the same
+// from a bf16 in (widened exactly) into a float32 or bf16 out (a bf16 row
+// unscaled comes through unchanged). Grid: N blocks. vec != 0 moves four
+// elements per access; the launcher sets it only when D is a multiple of
+// 4 and both tensors are aligned to four of their elements.
 struct alignas(16) rw_f4 {
   float x, y, z, w;
 };
@@ -46,22 +48,45 @@ struct alignas(8) rw_h4 {
   mk_bf16 x, y, z, w;
 };
 
-extern "C" __global__ void gather_rows_f32_bf16(mk_bf16* out, const float* in, const int* rows, const float* scale, int N, int D, int vec) {
+__device__ __forceinline__ rw_f4 rw_load4(const float* p, int j) { return ((const rw_f4*)p)[j]; }
+__device__ __forceinline__ rw_f4 rw_load4(const mk_bf16* p, int j) {
+  const rw_h4 h = ((const rw_h4*)p)[j];
+  return rw_f4{mk_bf16_to_f32(h.x), mk_bf16_to_f32(h.y), mk_bf16_to_f32(h.z), mk_bf16_to_f32(h.w)};
+}
+__device__ __forceinline__ float rw_load(const float* p) { return *p; }
+__device__ __forceinline__ float rw_load(const mk_bf16* p) { return mk_bf16_to_f32(*p); }
+__device__ __forceinline__ void rw_store4(float* p, int j, rw_f4 v) { ((rw_f4*)p)[j] = v; }
+__device__ __forceinline__ void rw_store4(mk_bf16* p, int j, rw_f4 v) {
+  ((rw_h4*)p)[j] = rw_h4{mk_f32_to_bf16(v.x), mk_f32_to_bf16(v.y), mk_f32_to_bf16(v.z), mk_f32_to_bf16(v.w)};
+}
+
+template <typename In, typename Out>
+__device__ __forceinline__ void gather_rows(Out* out, const In* in, const int* rows, const float* scale, int N, int D, int vec) {
   const int i = blockIdx.x;
   if (i >= N) return;
   const float s = scale != 0 ? scale[i] : 1.0f;
-  const float* src = in + (long long)rows[i] * D;
-  mk_bf16* dst = out + (long long)i * D;
+  const In* src = in + (long long)rows[i] * D;
+  Out* dst = out + (long long)i * D;
   if (vec) {
-    const rw_f4* src4 = (const rw_f4*)src;
-    rw_h4* dst4 = (rw_h4*)dst;
     for (int d = threadIdx.x; d < D / 4; d += blockDim.x) {
-      const rw_f4 v = src4[d];
-      dst4[d] = rw_h4{mk_f32_to_bf16(s * v.x), mk_f32_to_bf16(s * v.y), mk_f32_to_bf16(s * v.z), mk_f32_to_bf16(s * v.w)};
+      const rw_f4 v = rw_load4(src, d);
+      rw_store4(dst, d, rw_f4{s * v.x, s * v.y, s * v.z, s * v.w});
     }
     return;
   }
-  for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = mk_f32_to_bf16(s * src[d]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) mk_store(dst + d, s * rw_load(src + d));
+}
+
+extern "C" __global__ void gather_rows_f32_bf16(mk_bf16* out, const float* in, const int* rows, const float* scale, int N, int D, int vec) {
+  gather_rows(out, in, rows, scale, N, D, vec);
+}
+
+extern "C" __global__ void gather_rows_bf16(float* out, const mk_bf16* in, const int* rows, const float* scale, int N, int D, int vec) {
+  gather_rows(out, in, rows, scale, N, D, vec);
+}
+
+extern "C" __global__ void gather_rows_bf16_bf16(mk_bf16* out, const mk_bf16* in, const int* rows, const float* scale, int N, int D, int vec) {
+  gather_rows(out, in, rows, scale, N, D, vec);
 }
 
 // The ordered scatter-add below is train.deterministic's form of

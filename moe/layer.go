@@ -105,7 +105,9 @@ type exchanged struct {
 	// dispatcher's gather (half the bytes of the float rows). Forward
 	// only. The fused dispatcher keeps one per layer, since peers on other
 	// GPUs may read it after this rank has moved on to the next layer;
-	// the unfused one, whose peers never read it, the Scratch's.
+	// the unfused one, whose peers never read it, the Scratch's. An input
+	// given in the operand type already (the engine's norm writes it so)
+	// is its own, and neither is allocated.
 	xoTD rowBuf
 }
 
@@ -350,7 +352,10 @@ func validate(cfg Config, dim, tokens int, g Groups) error {
 }
 
 // Forward computes outTD = MoE(xTD), plus the shared experts when
-// configured (or adds it to outTD: AddToOutput). xTD is kept by reference until Backward. biasE, when not nil,
+// configured (or adds it to outTD: AddToOutput). xTD is of the float type
+// or the backend's operand type (which the products and the fused
+// dispatcher's gather read as it is); it is kept by reference until
+// Backward. biasE, when not nil,
 // is a float tensor [E] added to the router probs for selection only.
 // lossScale multiplies the aux and z loss gradients of the following
 // Backward (the engine passes 1/accumulation steps).
@@ -402,7 +407,7 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	// it multiplies in bf16 anyway: backend.Backend.OperandType) and the
 	// fused dispatcher's gather.
 	xoTD := xTD
-	if b.OperandType() != b.FloatType() {
+	if ot := b.OperandType(); ot != b.FloatType() && xTD.DType() != ot {
 		buf := &l.scratch.xoTD
 		if l.peers != nil {
 			buf = &l.xoTD

@@ -32,6 +32,7 @@ type problem struct {
 	bias          []float64     // [E] or nil
 	dt            backend.DType // the backend's float type; Float64 when 0
 	bf16Operands  bool          // run on a CPU backend whose OperandType is BFloat16
+	bf16Input     bool          // pass x as a BFloat16 tensor (with bf16Operands)
 }
 
 func gauss(rng *rand.Rand, n int, std float64) []float64 {
@@ -318,6 +319,9 @@ func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward
 				bias = upload(b, pr.bias, E)
 			}
 			x, out := upload(b, pr.x[t0*D:(t0+Tl)*D], Tl, D), b.New(dt, Tl, D)
+			if pr.bf16Input {
+				x = backendtest.UploadBF16(b, pr.x[t0*D:(t0+Tl)*D], Tl, D)
+			}
 			o.stats, o.forwardErr = layer.Forward(out, x, p, bias, lossScale)
 			if o.forwardErr == nil {
 				o.forwardErr = layer.ReadStats(&o.stats)
@@ -756,6 +760,35 @@ func TestBF16Operands(t *testing.T) {
 			}
 			if rel := math.Sqrt(d2 / w2); !(rel <= 2e-2) || rel == 0 {
 				t.Errorf("ep %d, tensor %d: relative L2 difference %.3g from the float run, want (0, 2e-2]", mesh.EP, i, rel)
+			}
+		}
+	}
+}
+
+// TestBF16Input gives the layer its input as a bf16 tensor (the engine's
+// norm writes it so on the GPU) on a bf16-operand backend: the same bits
+// as the float input holding the same values, which the layer rounds into
+// its operand copy, with both dispatchers, shared experts, and on one and
+// two expert ranks (where the float rows exchanged are the bf16 ones
+// widened).
+func TestBF16Input(t *testing.T) {
+	for _, dispatcher := range []string{moe.DispatcherUnfused, moe.DispatcherFused} {
+		for _, mesh := range []comm.Mesh{oneRank(), {DP: 1, EP: 2, CP: 1, TP: 1}} {
+			cfg := baseCfg
+			cfg.Dispatcher, cfg.SharedExperts = dispatcher, 1
+			pr := newProblem(78, cfg, 16, 24, false)
+			pr.bf16Operands, pr.dt = true, backend.Float32
+			for i, v := range pr.x {
+				pr.x[i] = backendtest.RoundBF16(v)
+			}
+			want := pr.run(t, mesh, 1, true)
+			pr.bf16Input = true
+			got := pr.run(t, mesh, 1, true)
+			for i, g := range append([][]float64{got.out}, got.grads()...) {
+				w := append([][]float64{want.out}, want.grads()...)[i]
+				if !slices.Equal(g, w) {
+					t.Errorf("%s, ep %d: tensor %d differs from the float input's", dispatcher, mesh.EP, i)
+				}
 			}
 		}
 	}

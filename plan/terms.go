@@ -123,8 +123,7 @@ func modelActivations(l *ledger, s shape) {
 	l.fixed(Activations, "moe router", 1, mul(L, s.E+1), s.ft)          // moeStats
 	l.fixed(Workspace, "backward gradient streams", 3, mul(R, D), s.ft) // dResidTD, dBlockTD, dFinalTD
 
-	l.fixed(Activations, s.fullTerm("norms"), s.kept(), mul(R, D), s.normType()) // h1L
-	l.fixed(Activations, s.fullTerm("norms"), s.kept(), mul(R, D), s.ft)         // h2L
+	l.fixed(Activations, s.fullTerm("norms"), mul(2, s.kept()), mul(R, D), s.normType()) // h1L, h2L
 	chunk := min(T, lmHeadChunkRows)
 	l.fixed(Activations, "lm head logits and loss", 1, mul(chunk, s.Vl), s.ft) // logitsCV
 	l.fixed(Activations, "lm head logits and loss", 1, T, s.ft)                // lossT
@@ -217,10 +216,11 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	}
 }
 
-// normType is the bytes per element of the normalised inputs that feed
-// products alone, attention's and the LM head's (engine/model.go's
-// normType): the operand type's, the float type's under tensor
-// parallelism.
+// normType is the bytes per element of the normalised inputs (attention's,
+// the MoE block's, the LM head's: engine/model.go's normType): the
+// operand type's, the float type's under tensor parallelism.
+// moe/layer.go makes no operand copy (xoTD) of an input of the operand
+// type.
 func (s shape) normType() int64 {
 	if s.TP > 1 {
 		return s.ft
@@ -332,7 +332,7 @@ func moeActivations(l *ledger, s shape, fused bool) {
 	switch {
 	case fused:
 		l.alloc(Activations, routed, n, mul(R, 2), mul(Rw, 2), int32Bytes) // refsR2
-		if s.ot != s.ft {
+		if s.ot != s.normType() {
 			l.fixed(Activations, "moe experts", L, mul(T, D), s.ot) // Layer.xoTD: peers read it after this rank moves on
 		}
 	case s.EG > 1:
@@ -363,7 +363,7 @@ func moeActivations(l *ledger, s shape, fused bool) {
 	if !fused {
 		l.alloc(Workspace, "moe dispatch", 1, mul(R, F), mul(Rw, F), s.ft) // dActRF
 		l.alloc(Workspace, "moe dispatch", 2, mul(R, F), mul(Rw, F), s.ot) // dh1RF, dh3RF
-		if s.ot != s.ft {
+		if s.ot != s.normType() {
 			l.fixed(Workspace, "moe dispatch", 1, mul(T, D), s.ot) // Scratch.xoTD
 		}
 	}
@@ -526,15 +526,15 @@ const (
 // MatMul whose operand is float32 while the other is bf16 (or both are
 // float32): attention's o_proj reads a [T, Q] (forward: a; backward's
 // weight gradient: b); the router's statistics read ones [1, T] and
-// probs [T, E]; its backward dlogits [T, E] (a, twice) and x [T, D] (b);
-// the shared experts' products read x, dout [T, D] and their hidden
-// [T, Fs] in float32. The LM head's final hidden rows are bf16 already
-// (normType) but under tensor parallelism, whose gathered float32 rows
-// [T, D] the branch below counts.
+// probs [T, E]; its backward dlogits [T, E] (a, twice); the shared
+// experts' products read dout [T, D] and their hidden [T, Fs] in float32.
+// The normalised inputs (the router's and shared experts' x, the LM
+// head's final hidden rows) are bf16 already (normType) but under tensor
+// parallelism, whose float32 rows [T, D] the branch below counts.
 func gemmScratch(s shape) (a, b int64) {
 	T := s.T
 	a = max(mul(T, s.Ql), T, mul(T, s.E))
-	b = max(mul(T, s.Ql), mul(T, s.E), mul(T, s.D))
+	b = max(mul(T, s.Ql), mul(T, s.E))
 	if s.TP > 1 {
 		// The tensor-parallel products read the gathered rows and the
 		// gradients in float32.

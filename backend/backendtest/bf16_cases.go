@@ -179,19 +179,25 @@ func bf16RowCases() []Case {
 	// d = 15 leaves rows that no vector width divides.
 	for _, s := range []struct{ t, n, d int }{{29, 41, 16}, {64, 300, 200}, {7, 11, 15}} {
 		for _, scaled := range []bool{false, true} {
-			name := fmt.Sprintf("GatherRows/bf16-out/%dx%dx%d", s.t, s.n, s.d)
-			if scaled {
-				name += "/scaled"
-			}
-			cs = append(cs, Case{Name: name, Compare: func(e *Env) {
-				in, rows := e.Uniform("in", -3, 3, s.t, s.d), e.Ints("rows", 0, s.t, s.n)
-				var sc *Pair
+			// bf16 out from a float in; from a bf16 in, a float or bf16 out.
+			for _, ty := range []struct {
+				name    string
+				in, out bool
+			}{{"bf16-out", false, true}, {"bf16-in", true, false}, {"bf16", true, true}} {
+				name := fmt.Sprintf("GatherRows/%s/%dx%dx%d", ty.name, s.t, s.n, s.d)
 				if scaled {
-					sc = e.Rand("scale", s.n)
+					name += "/scaled"
 				}
-				out := e.OutBF16("out", s.n, s.d)
-				e.Run(func(b backend.Backend, p Pick) { b.GatherRows(p(out), p(in), p(rows), p(sc)) })
-			}})
+				cs = append(cs, Case{Name: name, Compare: func(e *Env) {
+					in, rows := e.typed(ty.in, "in", -3, 3, s.t, s.d), e.Ints("rows", 0, s.t, s.n)
+					var sc *Pair
+					if scaled {
+						sc = e.Rand("scale", s.n)
+					}
+					out := e.typedOut(ty.out, "out", s.n, s.d)
+					e.Run(func(b backend.Backend, p Pick) { b.GatherRows(p(out), p(in), p(rows), p(sc)) })
+				}})
+			}
 		}
 	}
 	return cs

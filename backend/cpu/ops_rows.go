@@ -44,10 +44,11 @@ func (b *Backend) EmbeddingBackward(dTableVD, dOutTD, idsT backend.Tensor) {
 }
 
 // GatherRows computes outND[i] = scaleN[i] * inTD[rowsN[i]]; scaleN may be
-// nil (all ones). outND may be BFloat16 (the rows are rounded).
+// nil (all ones). outND may be BFloat16 (the rows are rounded), and inTD
+// BFloat16.
 func (b *Backend) GatherRows(outND, inTD, rowsN, scaleN backend.Tensor) {
 	const op = "GatherRows"
-	t, d := b.matrix(op, "in", inTD)
+	t, d := b.operandMatrix(op, "in", inTD)
 	n, _ := b.operandMatrix(op, "out", outND)
 	b.wantOperandMatrix(op, "out", outND, n, d)
 	defer b.roundIfBF16(outND)

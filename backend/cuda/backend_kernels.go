@@ -35,6 +35,7 @@ type kernelSet struct {
 	// each run of equal rows added by one block (Backend.scatterOrdered).
 	stableRank, stablePlace, scatterAddRowsOrdered *Kernel
 	gatherRowsBF16                                 *Kernel // into a bf16 out
+	gatherRowsFromBF16, gatherRowsBF16BF16         *Kernel // from a bf16 in, into float32 or bf16
 
 	routerFwd, routerBwd *Kernel
 	route                *Kernel
@@ -63,6 +64,7 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 			"cross_entropy_f32_bf16": &ks.crossEntropyBF16, "cross_entropy_f32_bf16_reg": &ks.crossEntropyBF16Reg,
 			"cross_entropy_shard_f32": &ks.crossEntropyShard, "cross_entropy_shard_finish_f32": &ks.crossEntropyShardFinish}},
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "gather_rows_f32_bf16": &ks.gatherRowsBF16,
+			"gather_rows_bf16": &ks.gatherRowsFromBF16, "gather_rows_bf16_bf16": &ks.gatherRowsBF16BF16,
 			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots,
 			"stable_rank_i32": &ks.stableRank, "stable_place_i32": &ks.stablePlace,
 			"scatter_add_rows_ordered_f32": &ks.scatterAddRowsOrdered}},

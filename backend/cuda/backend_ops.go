@@ -372,10 +372,10 @@ func (b *Backend) CrossEntropy(lossT, dlogitsTV, logitsTV, targetsT backend.Tens
 }
 
 // GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil (1).
-// outND may be bfloat16 (rounded).
+// outND may be bfloat16 (rounded), and inTD bfloat16 (widened).
 func (b *Backend) GatherRows(outND, inTD, rowsN, scaleN backend.Tensor) {
 	const op = "GatherRows"
-	in, t, d := matrix(op, "in", inTD)
+	in, t, d := operandMatrix(op, "in", inTD)
 	out, n, _ := operandMatrix(op, "out", outND)
 	wantOperandMatrix(op, "out", outND, n, d)
 	rows := indices(op, "rows", rowsN, n)
@@ -384,13 +384,20 @@ func (b *Backend) GatherRows(outND, inTD, rowsN, scaleN backend.Tensor) {
 	if n == 0 || d == 0 {
 		return
 	}
-	if out.dt == backend.BFloat16 {
+	if out.dt == backend.BFloat16 || in.dt == backend.BFloat16 {
 		// Four at a time when every row starts aligned: d a multiple of 4.
 		vec := int32(0)
 		if d%4 == 0 {
 			vec = vecFlag(out, in)
 		}
-		b.launch(b.k.gatherRowsBF16, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d), vec)
+		k := b.k.gatherRowsBF16
+		switch {
+		case in.dt == backend.BFloat16 && out.dt == backend.BFloat16:
+			k = b.k.gatherRowsBF16BF16
+		case in.dt == backend.BFloat16:
+			k = b.k.gatherRowsFromBF16
+		}
+		b.launch(k, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d), vec)
 		return
 	}
 	b.launch(b.k.gatherRows, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d))
