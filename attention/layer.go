@@ -161,7 +161,7 @@ type tpScratch struct {
 // and each of dq, dk, dv two, which would otherwise each round their own
 // copy.
 type operands struct {
-	xTD, doutTD backend.Tensor // [T, D]
+	xTD, doutTD backend.Tensor // [T, D]; xTD nil until a float x comes (operandOf)
 	dqTQ        backend.Tensor // [T, H*Dh]
 	dkTK, dvTK  backend.Tensor // [T, KV*Dh]
 }
@@ -173,13 +173,18 @@ func (l *Layer) operand(t, buf backend.Tensor) backend.Tensor {
 }
 
 // operandOf is the Layer's input x as the projections read it: x itself
-// where it is of the operand type already (a norm can write it so) or
-// the operand type is the float type, else rounded into the Scratch.
+// where it is of the operand type already (the engine's norm writes it
+// so) or the operand type is the float type, else rounded into the
+// Scratch, whose buffer for it is made at the first such call.
 func (l *Layer) operandOf(xTD backend.Tensor) backend.Tensor {
-	if ops := l.sc.ops; ops != nil && xTD.DType() != ops.xTD.DType() {
-		return l.operand(xTD, ops.xTD)
+	ops := l.sc.ops
+	if ops == nil || xTD.DType() == l.b.OperandType() {
+		return xTD
 	}
-	return xTD
+	if ops.xTD == nil {
+		ops.xTD = l.b.New(l.b.OperandType(), xTD.Shape()...)
+	}
+	return l.operand(xTD, ops.xTD)
 }
 
 // NewScratch returns an empty Scratch; the first Layer built with it
@@ -385,7 +390,7 @@ func (sc *Scratch) fit(b backend.Backend, T, D, q, kd int) error {
 		sc.daTQ, sc.dqTQ = b.New(ft, T, q), b.New(ft, T, q)
 		sc.dkTK, sc.dvTK = b.New(ft, T, kd), b.New(ft, T, kd)
 		if ot := b.OperandType(); ot != ft {
-			sc.ops = &operands{xTD: b.New(ot, T, D), doutTD: b.New(ot, T, D), dqTQ: b.New(ot, T, q),
+			sc.ops = &operands{doutTD: b.New(ot, T, D), dqTQ: b.New(ot, T, q),
 				dkTK: b.New(ot, T, kd), dvTK: b.New(ot, T, kd)}
 		}
 		return nil

@@ -151,10 +151,10 @@ const lmHeadChunkRows = 2048
 // layer q and the attention output a [T, H*Dh], k and v [T, KV*Dh] (after
 // RoPE, kept for the backward: in the operand type, which the attention
 // core reads, or under context parallelism in the float type) and the
-// softmax's log-sum-exp [B, H, S/cp];
-// once per rank the backward's gradients of a, q, k, v and, where the
-// operand type is not the float type, their bf16 copies and those of x and
-// dout. With cp > 1, in mode allgather (attention/context.go), each layer
+// softmax's log-sum-exp [B, H, S/cp]; once per rank the backward's
+// gradients of a, q, k, v and, where the operand type is not the float
+// type, their bf16 copies and dout's (x comes in the operand type, or
+// under tensor parallelism is gathered). With cp > 1, in mode allgather (attention/context.go), each layer
 // also keeps k and v of the whole sequences in natural order and the two
 // row maps, and the rank shares the all-gathered k, v (then dk, dv) and
 // their per-call gradients; in mode ring (attention/ring.go) the rank
@@ -184,7 +184,7 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	l.fixed(Workspace, "attention backward", 2, mul(T, Q), s.ft)  // daTQ, dqTQ
 	l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ft) // dkTK, dvTK
 	if s.ot != s.ft {
-		l.fixed(Workspace, "attention backward", 2, mul(T, D), s.ot)  // operands xTD, doutTD
+		l.fixed(Workspace, "attention backward", 1, mul(T, D), s.ot)  // operand doutTD (x comes in the operand type: no xTD)
 		l.fixed(Workspace, "attention backward", 1, mul(T, Q), s.ot)  // operand dqTQ
 		l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ot) // operands dkTK, dvTK
 	}
