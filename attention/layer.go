@@ -121,7 +121,7 @@ type Layer struct {
 // must not. The first Layer given a Scratch sizes it; the others must have
 // the same shape and micro-batch, on the same backend.
 type Scratch struct {
-	daTQ, dqTQ, dkTK, dvTK backend.Tensor // [T, H*Dh] and [T, KV*Dh]; nil until sized
+	daTQ, dqTQ, dkTK, dvTK backend.Tensor // [T, H*Dh] and [T, KV*Dh], da bf16 beside bf16 q, k, v; nil until sized
 	cp                     *cpScratch     // sized by the first all-gather context core
 	ring                   *ringScratch   // sized by the first ring context core
 	ops                    *operands      // nil where the operand type is the float type
@@ -325,7 +325,19 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, context
 		s = Shape{Dim: h * s.HeadDim(), Heads: h, KVHeads: kv, RopeTheta: s.RopeTheta}
 	}
 	q, kd := s.Heads*s.HeadDim(), s.KVHeads*s.HeadDim()
-	if err := o.scratch.fit(b, T, D, q, kd); err != nil {
+	qkvType := b.OperandType()
+	if contextParallel {
+		qkvType = ft
+	}
+	// The core's output gradient da: in the operand type beside bf16 q, k
+	// and v (o_proj's backward writes it so, and the core reads it as it
+	// is), else of the float type, which the context-parallel cores and
+	// tensor parallelism's products take.
+	daType := qkvType
+	if o.tp.Enabled() {
+		daType = ft
+	}
+	if err := o.scratch.fit(b, daType, T, D, q, kd); err != nil {
 		return nil, err
 	}
 	if o.tp.Enabled() {
@@ -342,10 +354,6 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, context
 		aTQ, lseBHS = sc.core.aTQ, sc.core.lseBHS
 	} else {
 		aTQ, lseBHS = b.New(ft, T, q), b.New(ft, batch, s.Heads, seq)
-	}
-	qkvType := b.OperandType()
-	if contextParallel {
-		qkvType = ft
 	}
 	var qTQ, kTK, vTK backend.Tensor
 	if o.layer {
@@ -383,11 +391,11 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, context
 }
 
 // fit allocates the scratch for T tokens of width D and of q and kd
-// columns, or checks that it has that size.
-func (sc *Scratch) fit(b backend.Backend, T, D, q, kd int) error {
+// columns, da of type daType, or checks that it has that size and type.
+func (sc *Scratch) fit(b backend.Backend, daType backend.DType, T, D, q, kd int) error {
 	ft := b.FloatType()
 	if sc.daTQ == nil {
-		sc.daTQ, sc.dqTQ = b.New(ft, T, q), b.New(ft, T, q)
+		sc.daTQ, sc.dqTQ = b.New(daType, T, q), b.New(ft, T, q)
 		sc.dkTK, sc.dvTK = b.New(ft, T, kd), b.New(ft, T, kd)
 		if ot := b.OperandType(); ot != ft {
 			sc.ops = &operands{doutTD: b.New(ot, T, D), dqTQ: b.New(ot, T, q),
@@ -395,9 +403,9 @@ func (sc *Scratch) fit(b backend.Backend, T, D, q, kd int) error {
 		}
 		return nil
 	}
-	if sc.daTQ.DType() != ft || sc.daTQ.Len() != T*q || sc.dkTK.Len() != T*kd {
+	if sc.daTQ.DType() != daType || sc.daTQ.Len() != T*q || sc.dkTK.Len() != T*kd {
 		return fmt.Errorf("attention: the shared scratch is for %v [%d, %d] and [%d, %d]; this layer needs %v [%d, %d] and [%d, %d]",
-			sc.daTQ.DType(), sc.daTQ.Shape()[0], sc.daTQ.Shape()[1], sc.dkTK.Shape()[0], sc.dkTK.Shape()[1], ft, T, q, T, kd)
+			sc.daTQ.DType(), sc.daTQ.Shape()[0], sc.daTQ.Shape()[1], sc.dkTK.Shape()[0], sc.dkTK.Shape()[1], daType, T, q, T, kd)
 	}
 	return nil
 }

@@ -264,8 +264,9 @@ type Backend interface {
 	// multiply in bf16 then reads them as they are); out and lse are of
 	// the float type.
 	AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK Tensor, s AttnShape)
-	// AttentionBackward writes dq, dk, dv (of the float type, as dout and
-	// out are; q, k and v as AttentionForward's).
+	// AttentionBackward writes dq, dk, dv (of the float type, as out is;
+	// q, k and v as AttentionForward's; dout of the float type, or
+	// BFloat16 beside bf16 q, k and v).
 	AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS Tensor, s AttnShape)
 	// AttentionMerge folds the attention of a query row over a second
 	// set of keys into its attention over the first: for every row and

@@ -627,23 +627,46 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const 
 }
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
-// row b*S + i, head h (float32 in, [B, H, S] out). One warp per (row,
-// head), grid-stride; Dh a multiple of 4, rows 16-byte aligned.
-extern "C" __global__ void attn_h_delta(float* delta, const float* dout, const float* out, int T, int S, int H, int Dh) {
+// row b*S + i, head h (float32 in, [B, H, S] out); attn_h_delta_bf16 the
+// same for a dout stored in bf16 already. One warp per (row, head),
+// grid-stride; Dh a multiple of 4, rows 16-byte aligned (8-byte for a
+// bf16 dout).
+struct alignas(8) ah_h4 {
+  mk_bf16 x, y, z, w;
+};
+__device__ __forceinline__ ah_f4 ah_dout4(const float* p) {
+  const ah_f4 a = *(const ah_f4*)p;
+  return ah_f4{mk_bf16_to_f32(mk_f32_to_bf16(a.x)), mk_bf16_to_f32(mk_f32_to_bf16(a.y)), mk_bf16_to_f32(mk_f32_to_bf16(a.z)),
+               mk_bf16_to_f32(mk_f32_to_bf16(a.w))};
+}
+__device__ __forceinline__ ah_f4 ah_dout4(const mk_bf16* p) {
+  const ah_h4 a = *(const ah_h4*)p;
+  return ah_f4{mk_bf16_to_f32(a.x), mk_bf16_to_f32(a.y), mk_bf16_to_f32(a.z), mk_bf16_to_f32(a.w)};
+}
+
+template <typename DO>
+__device__ __forceinline__ void ah_delta(float* delta, const DO* dout, const float* out, int T, int S, int H, int Dh) {
   const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
   const int lane = threadIdx.x & 31;
   for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < (long long)T * H; w += warps) {
     const long long row = w / H;
     const int h = (int)(w % H);
-    const float* dr = dout + row * H * Dh + h * Dh;
+    const DO* dr = dout + row * H * Dh + h * Dh;
     const float* orow = out + row * H * Dh + h * Dh;
     float sum = 0.0f;
     for (int d = 4 * lane; d < Dh; d += 128) {
-      const ah_f4 a = *(const ah_f4*)(dr + d), o = *(const ah_f4*)(orow + d);
-      sum += mk_bf16_to_f32(mk_f32_to_bf16(a.x)) * o.x + mk_bf16_to_f32(mk_f32_to_bf16(a.y)) * o.y +
-             mk_bf16_to_f32(mk_f32_to_bf16(a.z)) * o.z + mk_bf16_to_f32(mk_f32_to_bf16(a.w)) * o.w;
+      const ah_f4 a = ah_dout4(dr + d), o = *(const ah_f4*)(orow + d);
+      sum += a.x * o.x + a.y * o.y + a.z * o.z + a.w * o.w;
     }
     sum = mk_warp_sum(sum);
     if (lane == 0) delta[((row / S) * H + h) * S + row % S] = sum;
   }
+}
+
+extern "C" __global__ void attn_h_delta(float* delta, const float* dout, const float* out, int T, int S, int H, int Dh) {
+  ah_delta(delta, dout, out, T, S, H, Dh);
+}
+
+extern "C" __global__ void attn_h_delta_bf16(float* delta, const mk_bf16* dout, const float* out, int T, int S, int H, int Dh) {
+  ah_delta(delta, dout, out, T, S, H, Dh);
 }

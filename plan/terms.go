@@ -181,8 +181,9 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	l.fixed(Activations, qkv, mul(2, s.kept()), mul(T, KD), s.qkvType()) // kTK, vTK
 	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.ft)            // aTQ
 	l.fixed(Activations, s.coreTerm(), core, mul(s.B, s.Hl, s.Sl), s.ft)
-	l.fixed(Workspace, "attention backward", 2, mul(T, Q), s.ft)  // daTQ, dqTQ
-	l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ft) // dkTK, dvTK
+	l.fixed(Workspace, "attention backward", 1, mul(T, Q), s.daType()) // daTQ
+	l.fixed(Workspace, "attention backward", 1, mul(T, Q), s.ft)       // dqTQ
+	l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ft)      // dkTK, dvTK
 	if s.ot != s.ft {
 		l.fixed(Workspace, "attention backward", 1, mul(T, D), s.ot)  // operand doutTD (x comes in the operand type: no xTD)
 		l.fixed(Workspace, "attention backward", 1, mul(T, Q), s.ot)  // operand dqTQ
@@ -236,6 +237,16 @@ func (s shape) qkvType() int64 {
 		return s.ft
 	}
 	return s.ot
+}
+
+// daType is the bytes per element of the attention core's output
+// gradient da (attention/layer.go's daType): the operand type's beside
+// bf16 q, k and v, the float type's under tensor parallelism.
+func (s shape) daType() int64 {
+	if s.TP > 1 {
+		return s.ft
+	}
+	return s.qkvType()
 }
 
 // selective reports train.recompute: selective.
@@ -480,10 +491,12 @@ func sharedTerms(s shape) []Term {
 	// attention_hopper.go's scratch, the larger of its forward's and
 	// backward's: with float32 q, k and v (context parallelism) their
 	// bf16 copies, of q and dout [T, Ql] and of k and v [keys, KDl], and
-	// float32 delta; with bf16 q, k and v the backward's bf16 dout and
-	// delta alone, or where the Hopper kernels do not serve (other head
-	// dims, or the ordered backward of train.deterministic) their float32
-	// widening [T, Ql] + 2 [keys, KDl] under the older kernels' delta.
+	// float32 delta; with bf16 q, k and v the backward's delta and, where
+	// dout is float32 (tensor parallelism), its bf16 copy, or where the
+	// Hopper kernels do not serve (other head dims, or the ordered
+	// backward of train.deterministic) the float32 widening of q, k, v
+	// and a bf16 dout ([T, Ql] + 2 [keys, KDl], + [T, Ql]) under the older
+	// kernels' delta.
 	delta := mul(s.B, s.Hl, s.Sl)
 	partial := mul(ceilDiv(s.R, max(rmsRowsPerBlock, ceilDiv(s.R, 65535))), s.D)
 	scratch := mul(4, max(delta, partial))
@@ -497,10 +510,17 @@ func sharedTerms(s shape) []Term {
 		case s.qkvType() == s.ft && hopper:
 			scratch = max(scratch, add(mul(2, add(mul(2, s.T, s.Ql), mul(2, keys, s.KDl))), mul(4, delta)))
 		case s.qkvType() != s.ft && hopper && !s.c.Deterministic:
-			scratch = max(scratch, add(mul(2, s.T, s.Ql), mul(4, delta)))
+			dout := mul(2, s.T, s.Ql)
+			if s.daType() != s.ft {
+				dout = 0
+			}
+			scratch = max(scratch, add(dout, mul(4, delta)))
 		case s.qkvType() != s.ft:
-			widened := mul(4, add(roundUp(mul(s.T, s.Ql), 4), mul(2, roundUp(mul(keys, s.KDl), 4))))
-			scratch = max(scratch, add(widened, mul(4, delta)))
+			widened := add(roundUp(mul(s.T, s.Ql), 4), mul(2, roundUp(mul(keys, s.KDl), 4)))
+			if s.daType() != s.ft {
+				widened = add(widened, roundUp(mul(s.T, s.Ql), 4))
+			}
+			scratch = max(scratch, add(mul(4, widened), mul(4, delta)))
 		}
 	}
 	l.fixed(Workspace, "kernel scratch (transient)", 1, scratch, 1)

@@ -55,16 +55,17 @@ var attnCheckShapes = []backend.AttnShape{
 func attentionCases() []Case {
 	var cs []Case
 	for _, s := range attnCheckShapes {
-		c := Case{Name: attnName(s), Compare: attnCompare(s, false), Check: attnCheck(s)}
+		c := Case{Name: attnName(s), Compare: attnCompare(s, false, false), Check: attnCheck(s)}
 		if s.Seq == 1 {
 			c.Compare = nil
 		}
 		cs = append(cs, c)
 	}
 	for _, s := range attnCompareShapes {
-		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s, false)})
+		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s, false, false)})
 		if s.HeadDim%8 == 0 {
-			cs = append(cs, Case{Name: attnName(s) + "/bf16-qkv", Compare: attnCompare(s, true)})
+			cs = append(cs, Case{Name: attnName(s) + "/bf16-qkv", Compare: attnCompare(s, true, false)},
+				Case{Name: attnName(s) + "/bf16-qkv-dout", Compare: attnCompare(s, true, true)})
 		}
 	}
 	for _, s := range attnMergeShapes {
@@ -126,15 +127,16 @@ func attnName(s backend.AttnShape) string {
 
 // attnCompare runs the forward and then the backward on the forward's own
 // out and lse, on both backends; with bf16, q, k and v are BFloat16
-// tensors (the operand type), out, lse, dout and the gradients float.
-func attnCompare(s backend.AttnShape, bf16 bool) func(e *Env) {
+// tensors (the operand type), and with bf16Dout dout too; out, lse and
+// the gradients are float.
+func attnCompare(s backend.AttnShape, bf16, bf16Dout bool) func(e *Env) {
 	return func(e *Env) {
 		T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
 		// q and k in [-2, 2) give scaled scores of standard deviation about
 		// 1.3 at every head dim: softmax rows that are neither flat nor
 		// one-hot.
 		q, k := e.typed(bf16, "q", -2, 2, T, Q), e.typed(bf16, "k", -2, 2, TK, K)
-		v, dout := e.typed(bf16, "v", -1, 1, TK, K), e.Rand("dout", T, Q)
+		v, dout := e.typed(bf16, "v", -1, 1, TK, K), e.typed(bf16Dout, "dout", -1, 1, T, Q)
 		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
 		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
 		// Every output element is a reduction over Seq rounded products.

@@ -169,7 +169,7 @@ func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 		if !hopperAttnTakes(d, s) {
 			return fmt.Errorf("cuda: %s: the Hopper kernels need an sm_90a GPU, not %s", op, d.info.Arch)
 		}
-		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, false)
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, attnBwdInputs{})
 	}
 	dqName, dkvName := fmt.Sprintf("attn_backward_dq_d%d_f32", dp), fmt.Sprintf("attn_backward_dkdv_d%d_f32", dp)
 	// dq runs over query tiles, dk/dv over key tiles.

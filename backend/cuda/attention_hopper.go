@@ -62,28 +62,44 @@ func AttentionForwardBF16(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 	if hopperAttnTakes(d, s) && aligned16(out, q, k, v) {
 		return launchHopperAttnForward(d, out, lse, q, k, v, s)
 	}
-	return withWidenedQKV(d, q, k, v, s, func(q, k, v driver.DevicePtr) error {
-		return attentionForward(d, out, lse, q, k, v, s, attnAuto)
+	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
+	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
+	return withWidened(d, []widened{{q, nq}, {k, nk}, {v, nk}}, func(f []driver.DevicePtr) error {
+		return attentionForward(d, out, lse, f[0], f[1], f[2], s, attnAuto)
 	})
 }
 
-// AttentionBackwardBF16 is AttentionBackward with bf16 q, k and v (dout,
-// out, lse and the gradients float32), or AttentionBackwardOrdered with
-// ordered. The Hopper backward reads q, k and v as they are; the other
-// kernels get them widened to float32 in scratch.
-func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered bool) error {
+// attnBwdInputs says which of the backward's inputs come in bf16 already;
+// the Hopper backward rounds the others into scratch.
+type attnBwdInputs struct{ qkv, dout bool }
+
+// AttentionBackwardBF16 is AttentionBackward with bf16 q, k and v (out,
+// lse and the gradients float32; dout float32, or bf16 with doutBF16), or
+// AttentionBackwardOrdered with ordered. The Hopper backward reads the
+// bf16 inputs as they are; the other kernels get them widened to float32
+// in scratch.
+func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered, doutBF16 bool) error {
 	if _, err := checkAttnShape("AttentionBackwardBF16", s); err != nil {
 		return err
 	}
 	if !ordered && hopperAttnTakes(d, s) && aligned16(dq, dk, dv, dout, q, k, v, out) {
-		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, true)
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, attnBwdInputs{qkv: true, dout: doutBF16})
 	}
 	impl := attnAuto
 	if ordered {
 		impl = attnAutoOrdered
 	}
-	return withWidenedQKV(d, q, k, v, s, func(q, k, v driver.DevicePtr) error {
-		return attentionBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, impl)
+	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
+	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
+	bf := []widened{{q, nq}, {k, nk}, {v, nk}}
+	if doutBF16 {
+		bf = append(bf, widened{dout, nq})
+	}
+	return withWidened(d, bf, func(f []driver.DevicePtr) error {
+		if doutBF16 {
+			dout = f[3]
+		}
+		return attentionBackward(d, dq, dk, dv, dout, f[0], f[1], f[2], out, lse, s, impl)
 	})
 }
 
@@ -97,34 +113,41 @@ func aligned16(ps ...driver.DevicePtr) bool {
 	return true
 }
 
-// withWidenedQKV runs f on float32 copies of bf16 q, k and v in one
-// scratch buffer, freed (stream-ordered) after f's kernels.
-func withWidenedQKV(d *Device, q, k, v driver.DevicePtr, s backend.AttnShape, f func(q, k, v driver.DevicePtr) error) error {
+// widened is a bf16 tensor of n elements that withWidened copies to
+// float32.
+type widened struct {
+	src driver.DevicePtr
+	n   int64
+}
+
+// withWidened runs f on float32 copies of the bf16 tensors ts (q, k and
+// v, and a bf16 dout), in their order, in one scratch buffer freed
+// (stream-ordered) after f's kernels.
+func withWidened(d *Device, ts []widened, f func(f32 []driver.DevicePtr) error) error {
 	widen, err := sourceKernel(d, "convert.cu", "bf16_to_f32")
 	if err != nil {
 		return err
 	}
-	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
-	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
 	// Parts rounded up to 4 elements keep each one 16-byte aligned.
-	nq4, nk4 := (nq+3)/4*4, (nk+3)/4*4
-	buf, err := d.Alloc(4 * (nq4 + 2*nk4))
+	total := int64(0)
+	for _, t := range ts {
+		total += (t.n + 3) / 4 * 4
+	}
+	buf, err := d.Alloc(4 * total)
 	if err != nil {
 		return err
 	}
 	defer d.Free(buf)
-	qf := buf.Ptr()
-	kf := qf + driver.DevicePtr(4*nq4)
-	vf := kf + driver.DevicePtr(4*nk4)
-	for _, c := range []struct {
-		dst, src driver.DevicePtr
-		n        int64
-	}{{qf, q, nq}, {kf, k, nk}, {vf, v, nk}} {
-		if err := d.Launch(widen, d.StrideGrid(c.n, 256, 4), c.dst, c.src, c.n); err != nil {
+	f32 := make([]driver.DevicePtr, len(ts))
+	at := buf.Ptr()
+	for i, t := range ts {
+		f32[i] = at
+		if err := d.Launch(widen, d.StrideGrid(t.n, 256, 4), at, t.src, t.n); err != nil {
 			return err
 		}
+		at += driver.DevicePtr(4 * ((t.n + 3) / 4 * 4))
 	}
-	return f(qf, kf, vf)
+	return f(f32)
 }
 
 // hopperAttnMap is a bf16 tensor of rows x cols as one 2-D tensor map read
@@ -247,63 +270,77 @@ func hopperAttnBwdSmem(dh int) int {
 	return 1024 + 2*kt + stages*2*qt + 4*64*128 + 4*64*64*4 + 8*(1+2*stages)
 }
 
-// hopperAttnBackward is AttentionBackward on the Hopper kernels: q, k and
-// v (unless qkvBF16 says they are bf16 already) and dout rounded to bf16
-// in scratch, delta = rowsum(dout*out) by
+// hopperAttnBackward is AttentionBackward on the Hopper kernels: q, k, v
+// and dout rounded to bf16 in scratch unless in says they are bf16
+// already, delta = rowsum(dout*out) by
 // attn_h_delta, dq zeroed, then attn_h_backward_d{64,128}, which writes dk
 // and dv and adds dq's blocks with TMA reductions (float adds at L2 in the
 // order the blocks run, so dq's last bits vary from run to run).
-func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, qkvBF16 bool) error {
+func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs) error {
 	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_backward_d%d", s.HeadDim))
 	if err != nil {
 		return err
 	}
-	return launchHopperAttnBackward(d, kern, 256, hopperAttnBwdSmem(s.HeadDim), dq, dk, dv, dout, q, k, v, out, lse, s, qkvBF16)
+	return launchHopperAttnBackward(d, kern, 256, hopperAttnBwdSmem(s.HeadDim), dq, dk, dv, dout, q, k, v, out, lse, s, in)
 }
 
 // launchHopperAttnBackward is hopperAttnBackward on kernel kern (attn_h_backward's
 // arguments) launched with threads threads and smem bytes of dynamic
 // shared memory a block: the production kernel, or a lab build whose
 // layout differs (kernels/dev).
-func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, qkvBF16 bool) error {
+func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
 	if err != nil {
 		return err
 	}
-	deltaKern, err := sourceKernel(d, "attention_hopper.cu", "attn_h_delta")
+	deltaName := "attn_h_delta"
+	if in.dout {
+		deltaName = "attn_h_delta_bf16"
+	}
+	deltaKern, err := sourceKernel(d, "attention_hopper.cu", deltaName)
 	if err != nil {
 		return err
 	}
 	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*dh)
 	nk := int64(s.Batch) * int64(keys) * int64(s.KVHeads*dh)
 	nl := int64(s.Batch) * int64(s.Heads) * int64(s.Seq)
-	// bf16 dout, then (unless qkvBF16) bf16 q, k and v, then float32
+	// The bf16 copies the inputs need (dout; q, k and v), then float32
 	// delta: every part 16-byte aligned (nq and nk are multiples of 64).
-	rounded := 2 * (nq + 2*nk)
-	if qkvBF16 {
-		rounded = 0
-	}
-	buf, err := d.Alloc(2*nq + rounded + 4*nl)
-	if err != nil {
-		return err
-	}
-	defer d.Free(buf) // stream-ordered, after the kernels below
-	ob := buf.Ptr()
-	qb, kb, vb := q, k, v
-	delta := ob + driver.DevicePtr(2*nq)
 	type rounding struct {
 		dst, src driver.DevicePtr
 		n        int64
 	}
-	rounds := []rounding{{ob, dout, nq}}
-	if !qkvBF16 {
-		qb = delta
-		kb = qb + driver.DevicePtr(2*nq)
-		vb = kb + driver.DevicePtr(2*nk)
-		delta = vb + driver.DevicePtr(2*nk)
-		rounds = append(rounds, rounding{qb, q, nq}, rounding{kb, k, nk}, rounding{vb, v, nk})
+	var rounds []rounding
+	ob, qb, kb, vb := dout, q, k, v
+	if !in.dout {
+		rounds = append(rounds, rounding{src: dout, n: nq})
+	}
+	if !in.qkv {
+		rounds = append(rounds, rounding{src: q, n: nq}, rounding{src: k, n: nk}, rounding{src: v, n: nk})
+	}
+	bytes := 4 * nl
+	for _, r := range rounds {
+		bytes += 2 * r.n
+	}
+	buf, err := d.Alloc(bytes)
+	if err != nil {
+		return err
+	}
+	defer d.Free(buf) // stream-ordered, after the kernels below
+	at := buf.Ptr()
+	for i := range rounds {
+		rounds[i].dst = at
+		at += driver.DevicePtr(2 * rounds[i].n)
+	}
+	delta := at
+	if !in.dout {
+		ob = rounds[0].dst
+	}
+	if !in.qkv {
+		r := rounds[len(rounds)-3:]
+		qb, kb, vb = r[0].dst, r[1].dst, r[2].dst
 	}
 	for _, c := range rounds {
 		if err := d.Launch(conv, d.StrideGrid((c.n+3)/4, 256, 8), c.dst, c.src, c.n); err != nil {

@@ -132,17 +132,21 @@ func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, out
 	const op = "AttentionBackward"
 	ts := checkAttn(op, s, lseBHS,
 		attnArg{"dq", dqTQ, s.Heads, false, false}, attnArg{"dk", dkTK, s.KVHeads, true, false}, attnArg{"dv", dvTK, s.KVHeads, true, false},
-		attnArg{"dout", doutTQ, s.Heads, false, false}, attnArg{"q", qTQ, s.Heads, false, true}, attnArg{"k", kTK, s.KVHeads, true, true},
+		attnArg{"dout", doutTQ, s.Heads, false, true}, attnArg{"q", qTQ, s.Heads, false, true}, attnArg{"k", kTK, s.KVHeads, true, true},
 		attnArg{"v", vTK, s.KVHeads, true, true}, attnArg{"out", outTQ, s.Heads, false, false})
 	sameDType(op, "q", ts[4], "k", ts[5])
 	sameDType(op, "q", ts[4], "v", ts[6])
+	doutBF16 := ts[3].dt == backend.BFloat16
+	if doutBF16 && ts[4].dt != backend.BFloat16 {
+		fail(op, "dout is bfloat16 but q is %v; a bf16 dout goes with bf16 q, k and v", ts[4].dt)
+	}
 	ps, ok := devicePtrs(ts...)
 	if !ok {
 		return
 	}
 	dq, dk, dv, dout, q, k, v, out, lse := ps[0], ps[1], ps[2], ps[3], ps[4], ps[5], ps[6], ps[7], ps[8]
 	if ts[4].dt == backend.BFloat16 {
-		b.fail(AttentionBackwardBF16(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s, b.deterministic.Load()))
+		b.fail(AttentionBackwardBF16(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s, b.deterministic.Load(), doutBF16))
 	} else if b.deterministic.Load() {
 		b.fail(AttentionBackwardOrdered(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s))
 	} else {
