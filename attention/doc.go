@@ -85,10 +85,13 @@
 // and k write float32 into the backward's scratch, and RoPE rotates them
 // in float32 and rounds once into the kept tensors; v's product writes
 // bf16 itself. The core reads them as they are, with no conversion pass,
-// and they take half the memory. In the backward RoPE's inverse writes
-// the gradients of q and k straight into the bf16 operands of the
-// projections' products. A context-parallel Layer keeps them in the float
-// type, which its collectives move.
+// and they take half the memory. The core's output a, which o_proj reads,
+// and its gradient da, which o_proj's backward writes, are bf16 too
+// (float32 under tensor parallelism, whose products take them so). In
+// the backward RoPE's inverse writes the gradients of q and k straight
+// into the bf16 operands of the projections' products. A
+// context-parallel Layer keeps all of them in the float type, which its
+// collectives move.
 //
 // Context parallelism cuts each sequence into 2W chunks and gives rank r
 // chunks r and 2W-1-r (zigzag), which evens out the causal work. In mode

@@ -91,7 +91,7 @@ type Layer struct {
 	// float32 into the backward's dq and dk scratch (free during Forward)
 	// and RoPE rounds them once into qTQ and kTK.
 	qkvType backend.DType
-	aTQ     backend.Tensor // attention output, the input of o_proj
+	aTQ     backend.Tensor // attention output, the input of o_proj (bf16 beside bf16 q, k, v without tensor parallelism)
 	lseBHS  backend.Tensor
 	// recompute is set by RecomputeCore: aTQ and lseBHS are then the
 	// shared Scratch's (core), overwritten by the next layer's Forward,
@@ -329,10 +329,11 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, context
 	if contextParallel {
 		qkvType = ft
 	}
-	// The core's output gradient da: in the operand type beside bf16 q, k
-	// and v (o_proj's backward writes it so, and the core reads it as it
-	// is), else of the float type, which the context-parallel cores and
-	// tensor parallelism's products take.
+	// The core's output a and its gradient da: in the operand type beside
+	// bf16 q, k and v (the core writes a so and reads da so, o_proj's
+	// forward reads a and its backward writes da so), else of the float
+	// type, which the context-parallel cores and tensor parallelism's
+	// products take.
 	daType := qkvType
 	if o.tp.Enabled() {
 		daType = ft
@@ -348,12 +349,12 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, context
 	sc := o.scratch
 	var aTQ, lseBHS backend.Tensor
 	if o.recompute || o.layer {
-		if err := sc.fitCore(b, T, q, batch*s.Heads*seq); err != nil {
+		if err := sc.fitCore(b, daType, T, q, batch*s.Heads*seq); err != nil {
 			return nil, err
 		}
 		aTQ, lseBHS = sc.core.aTQ, sc.core.lseBHS
 	} else {
-		aTQ, lseBHS = b.New(ft, T, q), b.New(ft, batch, s.Heads, seq)
+		aTQ, lseBHS = b.New(daType, T, q), b.New(ft, batch, s.Heads, seq)
 	}
 	var qTQ, kTK, vTK backend.Tensor
 	if o.layer {
@@ -410,18 +411,17 @@ func (sc *Scratch) fit(b backend.Backend, daType backend.DType, T, D, q, kd int)
 	return nil
 }
 
-// fitCore allocates the shared core output [T, q] and log-sum-exp (lse
-// elements, laid out [B, H, S/cp]) of the layers built with
-// RecomputeCore, or checks that they have that size.
-func (sc *Scratch) fitCore(b backend.Backend, T, q, lse int) error {
-	ft := b.FloatType()
+// fitCore allocates the shared core output [T, q] of type aType and
+// log-sum-exp (lse elements, laid out [B, H, S/cp]) of the layers built
+// with RecomputeCore, or checks that they have that size and type.
+func (sc *Scratch) fitCore(b backend.Backend, aType backend.DType, T, q, lse int) error {
 	if sc.core == nil {
-		sc.core = &coreScratch{aTQ: b.New(ft, T, q), lseBHS: b.New(ft, lse)}
+		sc.core = &coreScratch{aTQ: b.New(aType, T, q), lseBHS: b.New(b.FloatType(), lse)}
 		return nil
 	}
-	if sc.core.aTQ.Len() != T*q || sc.core.lseBHS.Len() != lse || sc.core.aTQ.DType() != ft {
+	if sc.core.aTQ.Len() != T*q || sc.core.lseBHS.Len() != lse || sc.core.aTQ.DType() != aType {
 		return fmt.Errorf("attention: the shared recomputed core is %v %v and %d lse values; this layer needs %v [%d, %d] and %d",
-			sc.core.aTQ.DType(), sc.core.aTQ.Shape(), sc.core.lseBHS.Len(), ft, T, q, lse)
+			sc.core.aTQ.DType(), sc.core.aTQ.Shape(), sc.core.lseBHS.Len(), aType, T, q, lse)
 	}
 	return nil
 }

@@ -114,8 +114,8 @@ func reference(in inputs) []float64 {
 
 // referenceRounding is reference with round applied where a Layer on a
 // backend whose operand type is not its float type keeps operands: to x
-// before the projections, and to the rotated q and k and to v, which
-// the attention core reads.
+// before the projections, to the rotated q and k and to v, which the
+// attention core reads, and to its output a, which o_proj reads.
 func referenceRounding(in inputs, round func([]float64) []float64) []float64 {
 	s, B, S := in.c.s, in.c.batch, in.c.seq
 	H, KV, Dh := s.Heads, s.KVHeads, s.HeadDim()
@@ -152,7 +152,7 @@ func referenceRounding(in inputs, round func([]float64) []float64) []float64 {
 			}
 		}
 	}
-	return linear(a, in.w.wo, H*Dh, s.Dim)
+	return linear(round(a), in.w.wo, H*Dh, s.Dim)
 }
 
 func uploadParams(b backend.Backend, s attention.Shape, w hostParams) *attention.Params {
@@ -212,7 +212,8 @@ func TestForwardMatchesReference(t *testing.T) {
 // TestBF16Operands runs the block on a backend whose operand type is
 // bf16 (the CUDA backend's; here the float64 CPU backend with
 // backendtest.BF16Operands). Its forward must be the plain reference with
-// x, v and the rotated q and k rounded to bf16 once each, to float64's
+// x, v, the rotated q and k and the core's output rounded to bf16 once
+// each, to float64's
 // precision: q and k are rotated in the float type and rounded by RoPE
 // itself, not rotated after rounding. Its gradients must be the float64
 // block's within bf16's error (their operands are rounded too).

@@ -261,12 +261,13 @@ type Backend interface {
 	// kTK and vTK are [T, KV*Dh], outTQ is [T, H*Dh]; lseBHS saves each query
 	// row's log-sum-exp of scaled scores for the backward. q, k and v are
 	// all of the float type or all BFloat16 (a backend whose kernels
-	// multiply in bf16 then reads them as they are); out and lse are of
-	// the float type.
+	// multiply in bf16 then reads them as they are); lse is of the float
+	// type, and out too or, beside bf16 q, k and v, BFloat16 (rounded
+	// once: the output projection's operand).
 	AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK Tensor, s AttnShape)
-	// AttentionBackward writes dq, dk, dv (of the float type, as out is;
-	// q, k and v as AttentionForward's; dout of the float type, or
-	// BFloat16 beside bf16 q, k and v).
+	// AttentionBackward writes dq, dk, dv (of the float type; q, k, v and
+	// out as AttentionForward's; dout of the float type, or BFloat16
+	// beside bf16 q, k and v, as it must be beside a bf16 out).
 	AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS Tensor, s AttnShape)
 	// AttentionMerge folds the attention of a query row over a second
 	// set of keys into its attention over the first: for every row and

@@ -44,8 +44,10 @@ func splitConfig() Config {
 // a step is smaller than half a bf16 ulp of most weights: masters that
 // lost their low halves would barely move, an rms difference of
 // about 3e-5 from float32 masters (as a mutation that clears them shows).
-// Over three steps the losses agree within 1e-6 relative and the masters
-// within 1e-6 each and 8e-9 in rms (bounds 5e-6 and 5e-8).
+// Over three steps the losses agree within 1.1e-5 relative (bound 5e-5:
+// the bf16 roundings of q, k, v, the normalised inputs and the attention
+// output pass a tie's step on) and the masters within 1e-6 each and 8e-9
+// in rms (bounds 5e-6 and 5e-8).
 func TestSplitMastersTrainAsCopies(t *testing.T) {
 	layouts := []struct {
 		name   string
@@ -71,7 +73,7 @@ func TestSplitMastersTrainAsCopies(t *testing.T) {
 				got, ranks := splitRun(t, cfg)
 				for i := range want.steps {
 					w, g := want.steps[i], got.steps[i]
-					if math.Abs(g.loss-w.loss) > 1e-6*w.loss || math.Abs(g.gradNorm-w.gradNorm) > 1e-3*w.gradNorm {
+					if math.Abs(g.loss-w.loss) > 5e-5*w.loss || math.Abs(g.gradNorm-w.gradNorm) > 1e-3*w.gradNorm {
 						t.Errorf("%s: step %d: loss %.9g, grad norm %.6g; %.9g, %.6g with float32 masters", mode, i+1, g.loss, g.gradNorm, w.loss, w.gradNorm)
 					}
 				}

@@ -151,8 +151,18 @@ struct ah_cfg {
   static constexpr unsigned SMEM = 1024 + TILE + 2 * STAGES * TILE + 8 * (1 + 3 * STAGES);
 };
 
-template <int DH>
-__device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, float* out,
+// ah_store2 writes two adjacent outputs: float32, or bf16 rounded to
+// nearest even in one 32-bit store.
+__device__ __forceinline__ void ah_store2(float* p, float a, float b) {
+  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
+  const unsigned v = (unsigned)mk_f32_to_bf16(a) | ((unsigned)mk_f32_to_bf16(b) << 16);
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+template <int DH, typename Out>
+__device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                            float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
   constexpr int STAGES = ah_cfg<DH>::STAGES;
   constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
@@ -312,17 +322,12 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   l1 += mk_shfl_xor(l1, 2);
   const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
   const int HD = H * DH;
-  float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-  float* o1 = o0 + 8LL * HD;
+  Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  Out* o1 = o0 + 8LL * HD;
 #pragma unroll
   for (int i = 0; i < DH / 8; i++) {
-    if (r0 < S)
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(o0 + 8 * i), "f"(o[4 * i] * inv0), "f"(o[4 * i + 1] * inv0)
-                   : "memory");
-    if (r1 < S)
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(o1 + 8 * i), "f"(o[4 * i + 2] * inv1),
-                   "f"(o[4 * i + 3] * inv1)
-                   : "memory");
+    if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
   }
   if (t4 == 0) {
     float* lrow = lse + ((long long)b * H + h) * S;
@@ -336,6 +341,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
+  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
+}
+
+// attn_h_forward_d{64,128}_bf16: the same with a bf16 out (the output
+// projection's operand), each value rounded once.
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
+  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
   ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
 }
 
@@ -628,9 +643,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const 
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
 // row b*S + i, head h (float32 in, [B, H, S] out); attn_h_delta_bf16 the
-// same for a dout stored in bf16 already. One warp per (row, head),
-// grid-stride; Dh a multiple of 4, rows 16-byte aligned (8-byte for a
-// bf16 dout).
+// same for a dout stored in bf16 already, attn_h_delta_bf16_bf16 for a
+// bf16 dout and out. One warp per (row, head), grid-stride; Dh a multiple
+// of 4, rows 16-byte aligned (8-byte for bf16 ones).
 struct alignas(8) ah_h4 {
   mk_bf16 x, y, z, w;
 };
@@ -644,18 +659,24 @@ __device__ __forceinline__ ah_f4 ah_dout4(const mk_bf16* p) {
   return ah_f4{mk_bf16_to_f32(a.x), mk_bf16_to_f32(a.y), mk_bf16_to_f32(a.z), mk_bf16_to_f32(a.w)};
 }
 
-template <typename DO>
-__device__ __forceinline__ void ah_delta(float* delta, const DO* dout, const float* out, int T, int S, int H, int Dh) {
+__device__ __forceinline__ ah_f4 ah_out4(const float* p) { return *(const ah_f4*)p; }
+__device__ __forceinline__ ah_f4 ah_out4(const mk_bf16* p) {
+  const ah_h4 a = *(const ah_h4*)p;
+  return ah_f4{mk_bf16_to_f32(a.x), mk_bf16_to_f32(a.y), mk_bf16_to_f32(a.z), mk_bf16_to_f32(a.w)};
+}
+
+template <typename DO, typename O>
+__device__ __forceinline__ void ah_delta(float* delta, const DO* dout, const O* out, int T, int S, int H, int Dh) {
   const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
   const int lane = threadIdx.x & 31;
   for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < (long long)T * H; w += warps) {
     const long long row = w / H;
     const int h = (int)(w % H);
     const DO* dr = dout + row * H * Dh + h * Dh;
-    const float* orow = out + row * H * Dh + h * Dh;
+    const O* orow = out + row * H * Dh + h * Dh;
     float sum = 0.0f;
     for (int d = 4 * lane; d < Dh; d += 128) {
-      const ah_f4 a = ah_dout4(dr + d), o = *(const ah_f4*)(orow + d);
+      const ah_f4 a = ah_dout4(dr + d), o = ah_out4(orow + d);
       sum += a.x * o.x + a.y * o.y + a.z * o.z + a.w * o.w;
     }
     sum = mk_warp_sum(sum);
@@ -668,5 +689,9 @@ extern "C" __global__ void attn_h_delta(float* delta, const float* dout, const f
 }
 
 extern "C" __global__ void attn_h_delta_bf16(float* delta, const mk_bf16* dout, const float* out, int T, int S, int H, int Dh) {
+  ah_delta(delta, dout, out, T, S, H, Dh);
+}
+
+extern "C" __global__ void attn_h_delta_bf16_bf16(float* delta, const mk_bf16* dout, const mk_bf16* out, int T, int S, int H, int Dh) {
   ah_delta(delta, dout, out, T, S, H, Dh);
 }

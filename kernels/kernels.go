@@ -189,10 +189,13 @@ func Sources() []Source {
 		{File: "attention_hopper.cu", Kernels: []Kernel{
 			{Name: "attn_h_forward_d64", Block: 384, Grid: hopperAttnGrid},
 			{Name: "attn_h_forward_d128", Block: 384, Grid: hopperAttnGrid},
+			{Name: "attn_h_forward_d64_bf16", Block: 384, Grid: hopperAttnGrid},
+			{Name: "attn_h_forward_d128_bf16", Block: 384, Grid: hopperAttnGrid},
 			{Name: "attn_h_backward_d64", Block: 256, Grid: hopperAttnKeyGrid},
 			{Name: "attn_h_backward_d128", Block: 256, Grid: hopperAttnKeyGrid},
 			{Name: "attn_h_delta", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
 			{Name: "attn_h_delta_bf16", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
+			{Name: "attn_h_delta_bf16_bf16", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
 		}},
 		{File: "rope.cu", Kernels: []Kernel{
 			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},

@@ -179,7 +179,7 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	qkv := s.fullTerm("attention")
 	l.fixed(Activations, qkv, s.kept(), mul(T, Q), s.qkvType())          // qTQ
 	l.fixed(Activations, qkv, mul(2, s.kept()), mul(T, KD), s.qkvType()) // kTK, vTK
-	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.ft)            // aTQ
+	l.fixed(Activations, s.coreTerm(), core, mul(T, Q), s.daType())      // aTQ
 	l.fixed(Activations, s.coreTerm(), core, mul(s.B, s.Hl, s.Sl), s.ft)
 	l.fixed(Workspace, "attention backward", 1, mul(T, Q), s.daType()) // daTQ
 	l.fixed(Workspace, "attention backward", 1, mul(T, Q), s.ft)       // dqTQ
@@ -239,9 +239,9 @@ func (s shape) qkvType() int64 {
 	return s.ot
 }
 
-// daType is the bytes per element of the attention core's output
-// gradient da (attention/layer.go's daType): the operand type's beside
-// bf16 q, k and v, the float type's under tensor parallelism.
+// daType is the bytes per element of the attention core's output a and
+// its gradient da (attention/layer.go's daType): the operand type's
+// beside bf16 q, k and v, the float type's under tensor parallelism.
 func (s shape) daType() int64 {
 	if s.TP > 1 {
 		return s.ft
@@ -495,8 +495,9 @@ func sharedTerms(s shape) []Term {
 	// dout is float32 (tensor parallelism), its bf16 copy, or where the
 	// Hopper kernels do not serve (other head dims, or the ordered
 	// backward of train.deterministic) the float32 widening of q, k, v
-	// and a bf16 dout ([T, Ql] + 2 [keys, KDl], + [T, Ql]) under the older
-	// kernels' delta.
+	// and a bf16 dout and out ([T, Ql] + 2 [keys, KDl], + 2 [T, Ql]) under
+	// the older kernels' delta (the forward widens q, k, v and its out
+	// alike, no more).
 	delta := mul(s.B, s.Hl, s.Sl)
 	partial := mul(ceilDiv(s.R, max(rmsRowsPerBlock, ceilDiv(s.R, 65535))), s.D)
 	scratch := mul(4, max(delta, partial))
@@ -518,7 +519,7 @@ func sharedTerms(s shape) []Term {
 		case s.qkvType() != s.ft:
 			widened := add(roundUp(mul(s.T, s.Ql), 4), mul(2, roundUp(mul(keys, s.KDl), 4)))
 			if s.daType() != s.ft {
-				widened = add(widened, roundUp(mul(s.T, s.Ql), 4))
+				widened = add(widened, mul(2, roundUp(mul(s.T, s.Ql), 4))) // dout and out
 			}
 			scratch = max(scratch, add(mul(4, widened), mul(4, delta)))
 		}
@@ -544,8 +545,9 @@ const (
 // gemmScratch is the elements of the largest float32 operand the model's
 // bf16 products round into scratchA (a) and scratchB (b), mirroring each
 // MatMul whose operand is float32 while the other is bf16 (or both are
-// float32): attention's o_proj reads a [T, Q] (forward: a; backward's
-// weight gradient: b); the router's statistics read ones [1, T] and
+// float32): attention's o_proj reads a [T, Q] where it is float32 (under
+// context or tensor parallelism; forward: a; backward's weight gradient:
+// b); the router's statistics read ones [1, T] and
 // probs [T, E]; its backward dlogits [T, E] (a, twice); the shared
 // experts' products read dout [T, D] and their hidden [T, Fs] in float32.
 // The normalised inputs (the router's and shared experts' x, the LM
@@ -553,8 +555,10 @@ const (
 // parallelism, whose float32 rows [T, D] the branch below counts.
 func gemmScratch(s shape) (a, b int64) {
 	T := s.T
-	a = max(mul(T, s.Ql), T, mul(T, s.E))
-	b = max(mul(T, s.Ql), mul(T, s.E))
+	a, b = max(T, mul(T, s.E)), mul(T, s.E)
+	if s.daType() == s.ft {
+		a, b = max(a, mul(T, s.Ql)), max(b, mul(T, s.Ql))
+	}
 	if s.TP > 1 {
 		// The tensor-parallel products read the gathered rows and the
 		// gradients in float32.

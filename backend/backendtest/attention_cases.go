@@ -55,17 +55,19 @@ var attnCheckShapes = []backend.AttnShape{
 func attentionCases() []Case {
 	var cs []Case
 	for _, s := range attnCheckShapes {
-		c := Case{Name: attnName(s), Compare: attnCompare(s, false, false), Check: attnCheck(s)}
+		c := Case{Name: attnName(s), Compare: attnCompare(s, attnTypes{}), Check: attnCheck(s)}
 		if s.Seq == 1 {
 			c.Compare = nil
 		}
 		cs = append(cs, c)
 	}
 	for _, s := range attnCompareShapes {
-		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s, false, false)})
+		cs = append(cs, Case{Name: attnName(s), Compare: attnCompare(s, attnTypes{})})
 		if s.HeadDim%8 == 0 {
-			cs = append(cs, Case{Name: attnName(s) + "/bf16-qkv", Compare: attnCompare(s, true, false)},
-				Case{Name: attnName(s) + "/bf16-qkv-dout", Compare: attnCompare(s, true, true)})
+			cs = append(cs, Case{Name: attnName(s) + "/bf16-qkv", Compare: attnCompare(s, attnTypes{qkv: true})},
+				Case{Name: attnName(s) + "/bf16-qkv-dout", Compare: attnCompare(s, attnTypes{qkv: true, dout: true})},
+				Case{Name: attnName(s) + "/bf16-out/forward", Compare: attnCompare(s, attnTypes{qkv: true, out: true})},
+				Case{Name: attnName(s) + "/bf16-out/backward", Compare: attnBackwardBF16Out(s)})
 		}
 	}
 	for _, s := range attnMergeShapes {
@@ -125,25 +127,57 @@ func attnName(s backend.AttnShape) string {
 	return name
 }
 
+// attnTypes says which of attention's tensors a case keeps in bf16 (the
+// attention layer's on a GPU): q, k and v, and beside them dout and out.
+// With out, the case runs the forward alone: each backend rounds its own
+// out, which may then differ by a bf16 step, too much to chain into the
+// backward (attnBackwardBF16Out tests that apart).
+type attnTypes struct{ qkv, dout, out bool }
+
+// attnBackwardBF16Out runs the backward with bf16 q, k, v, dout and out on
+// both backends, out and lse being the oracle's forward's (out rounded to
+// bf16) given to both as inputs.
+func attnBackwardBF16Out(s backend.AttnShape) func(e *Env) {
+	return func(e *Env) {
+		T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		q, k := e.BF16Uniform("q", -2, 2, T, Q), e.BF16Uniform("k", -2, 2, TK, K)
+		v, dout := e.BF16Uniform("v", -1, 1, TK, K), e.BF16Uniform("dout", -1, 1, T, Q)
+		ft := e.Oracle.FloatType()
+		oOut, oLse := e.Oracle.New(ft, T, Q), e.Oracle.New(ft, s.Batch, s.Heads, s.Seq)
+		e.Oracle.AttentionForward(oOut, oLse, q.o, k.o, v.o, s)
+		out := e.BF16Floats("out", Download(e.Oracle, oOut), T, Q)
+		lse := e.Floats("lse", Download(e.Oracle, oLse), s.Batch, s.Heads, s.Seq)
+		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
+		e.NormWise = true
+		e.Run(func(b backend.Backend, x Pick) {
+			b.AttentionBackward(x(dq), x(dk), x(dv), x(dout), x(q), x(k), x(v), x(out), x(lse), s)
+		})
+	}
+}
+
 // attnCompare runs the forward and then the backward on the forward's own
-// out and lse, on both backends; with bf16, q, k and v are BFloat16
-// tensors (the operand type), and with bf16Dout dout too; out, lse and
-// the gradients are float.
-func attnCompare(s backend.AttnShape, bf16, bf16Dout bool) func(e *Env) {
+// out and lse, on both backends, with the tensors ty names in BFloat16
+// (the operand type); lse and the gradients are float.
+func attnCompare(s backend.AttnShape, ty attnTypes) func(e *Env) {
 	return func(e *Env) {
 		T, TK, Q, K := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
 		// q and k in [-2, 2) give scaled scores of standard deviation about
 		// 1.3 at every head dim: softmax rows that are neither flat nor
 		// one-hot.
-		q, k := e.typed(bf16, "q", -2, 2, T, Q), e.typed(bf16, "k", -2, 2, TK, K)
-		v, dout := e.typed(bf16, "v", -1, 1, TK, K), e.typed(bf16Dout, "dout", -1, 1, T, Q)
-		out, lse := e.Out("out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
-		dq, dk, dv := e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
+		q, k := e.typed(ty.qkv, "q", -2, 2, T, Q), e.typed(ty.qkv, "k", -2, 2, TK, K)
+		v, dout := e.typed(ty.qkv, "v", -1, 1, TK, K), e.typed(ty.dout, "dout", -1, 1, T, Q)
+		out, lse := e.typedOut(ty.out, "out", T, Q), e.Out("lse", s.Batch, s.Heads, s.Seq)
+		var dq, dk, dv *Pair
+		if !ty.out {
+			dq, dk, dv = e.Out("dq", T, Q), e.Out("dk", TK, K), e.Out("dv", TK, K)
+		}
 		// Every output element is a reduction over Seq rounded products.
 		e.NormWise = true
 		e.Run(func(b backend.Backend, x Pick) {
 			b.AttentionForward(x(out), x(lse), x(q), x(k), x(v), s)
-			b.AttentionBackward(x(dq), x(dk), x(dv), x(dout), x(q), x(k), x(v), x(out), x(lse), s)
+			if !ty.out {
+				b.AttentionBackward(x(dq), x(dk), x(dv), x(dout), x(q), x(k), x(v), x(out), x(lse), s)
+			}
 		})
 	}
 }

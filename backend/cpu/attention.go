@@ -27,6 +27,7 @@ func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, 
 	} else {
 		attnForward[float64](b, outTQ, lseBHS, qTQ, kTK, vTK, s)
 	}
+	b.roundIfBF16(outTQ) // a bf16 out (beside bf16 q, k and v)
 }
 
 func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, outTQ, lseBHS backend.Tensor, s backend.AttnShape) {

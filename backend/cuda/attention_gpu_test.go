@@ -271,7 +271,7 @@ func timeAttention(k *kt, name string, s backend.AttnShape, impl attnImpl) {
 		// The kernel alone, on inputs already in bf16 (as SDPA is timed).
 		q16, k16, v16 := upload(k, bf16Slice(q)), upload(k, bf16Slice(kk)), upload(k, bf16Slice(v))
 		ms := attnMedianMs(t, d, func() error {
-			return AttentionForwardBF16(d, out.Ptr(), lse.Ptr(), q16.Ptr(), k16.Ptr(), v16.Ptr(), s)
+			return AttentionForwardBF16(d, out.Ptr(), lse.Ptr(), q16.Ptr(), k16.Ptr(), v16.Ptr(), s, false)
 		})
 		figure(t, name+" fwd bf16 in "+shape+" rate", flops/ms/1e9, "TFLOP/s")
 	}

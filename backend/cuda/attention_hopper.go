@@ -49,41 +49,62 @@ func hopperAttnTakes(d *Device, s backend.AttnShape) bool {
 }
 
 // AttentionForwardBF16 is AttentionForward on bf16 q [B*S, H*Dh], k and v
-// [B*KS, KV*Dh], writing float32 out [B*S, H*Dh] and lse [B, H, S]. On
-// Hopper, for head dims 64 and 128 and 16-byte aligned tensors, the kernel
-// reads them as they are; elsewhere they are widened to float32 in scratch
-// for AttentionForward's kernels (the same values, so the same results up
-// to those kernels' own rounding). Asynchronous: launch errors come back
-// from the next Sync.
-func AttentionForwardBF16(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape) error {
+// [B*KS, KV*Dh], writing out [B*S, H*Dh] (float32, or bf16 with outBF16,
+// each value rounded once) and float32 lse [B, H, S]. On Hopper, for head
+// dims 64 and 128 and 16-byte aligned tensors, the kernel reads them as
+// they are; elsewhere they are widened to float32 in scratch for
+// AttentionForward's kernels (the same values, so the same results up to
+// those kernels' own rounding), and a bf16 out is rounded from their
+// float32 out. Asynchronous: launch errors come back from the next Sync.
+func AttentionForwardBF16(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, outBF16 bool) error {
 	if _, err := checkAttnShape("AttentionForwardBF16", s); err != nil {
 		return err
 	}
 	if hopperAttnTakes(d, s) && aligned16(out, q, k, v) {
-		return launchHopperAttnForward(d, out, lse, q, k, v, s)
+		return launchHopperAttnForward(d, out, lse, q, k, v, s, outBF16)
 	}
 	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
 	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
-	return withWidened(d, []widened{{q, nq}, {k, nk}, {v, nk}}, func(f []driver.DevicePtr) error {
-		return attentionForward(d, out, lse, f[0], f[1], f[2], s, attnAuto)
+	bf := []widened{{q, nq}, {k, nk}, {v, nk}}
+	if outBF16 {
+		bf = append(bf, widened{0, nq}) // the float32 out, rounded into out below
+	}
+	return withWidened(d, bf, func(f []driver.DevicePtr) error {
+		if !outBF16 {
+			return attentionForward(d, out, lse, f[0], f[1], f[2], s, attnAuto)
+		}
+		if err := attentionForward(d, f[3], lse, f[0], f[1], f[2], s, attnAuto); err != nil {
+			return err
+		}
+		conv, err := sourceKernel(d, "convert.cu", "f32_to_bf16")
+		if err != nil {
+			return err
+		}
+		return d.Launch(conv, d.StrideGrid(nq, 256, 4), out, f[3], nq)
 	})
 }
 
-// attnBwdInputs says which of the backward's inputs come in bf16 already;
-// the Hopper backward rounds the others into scratch.
-type attnBwdInputs struct{ qkv, dout bool }
+// attnBwdInputs says which of the backward's inputs come in bf16 already:
+// the Hopper backward rounds q, k, v and dout into scratch otherwise, and
+// reads out (the forward's output, for delta) in either type; a bf16 out
+// goes with a bf16 dout.
+type attnBwdInputs struct{ qkv, dout, out bool }
 
-// AttentionBackwardBF16 is AttentionBackward with bf16 q, k and v (out,
-// lse and the gradients float32; dout float32, or bf16 with doutBF16), or
+// AttentionBackwardBF16 is AttentionBackward with bf16 q, k and v (lse and
+// the gradients float32; dout and out float32, or bf16 as in says), or
 // AttentionBackwardOrdered with ordered. The Hopper backward reads the
 // bf16 inputs as they are; the other kernels get them widened to float32
 // in scratch.
-func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered, doutBF16 bool) error {
+func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered bool, in attnBwdInputs) error {
 	if _, err := checkAttnShape("AttentionBackwardBF16", s); err != nil {
 		return err
 	}
+	if in.out && !in.dout {
+		return fmt.Errorf("cuda: AttentionBackwardBF16: a bf16 out needs a bf16 dout")
+	}
+	in.qkv = true
 	if !ordered && hopperAttnTakes(d, s) && aligned16(dq, dk, dv, dout, q, k, v, out) {
-		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, attnBwdInputs{qkv: true, dout: doutBF16})
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, in)
 	}
 	impl := attnAuto
 	if ordered {
@@ -92,12 +113,18 @@ func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver
 	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
 	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
 	bf := []widened{{q, nq}, {k, nk}, {v, nk}}
-	if doutBF16 {
+	if in.dout {
 		bf = append(bf, widened{dout, nq})
 	}
+	if in.out {
+		bf = append(bf, widened{out, nq})
+	}
 	return withWidened(d, bf, func(f []driver.DevicePtr) error {
-		if doutBF16 {
+		if in.dout {
 			dout = f[3]
+		}
+		if in.out {
+			out = f[4]
 		}
 		return attentionBackward(d, dq, dk, dv, dout, f[0], f[1], f[2], out, lse, s, impl)
 	})
@@ -121,8 +148,9 @@ type widened struct {
 }
 
 // withWidened runs f on float32 copies of the bf16 tensors ts (q, k and
-// v, and a bf16 dout), in their order, in one scratch buffer freed
-// (stream-ordered) after f's kernels.
+// v, and a bf16 dout or out), in their order, in one scratch buffer freed
+// (stream-ordered) after f's kernels; a src of 0 gets its float32 part
+// but no copy (room for f's own float32 output).
 func withWidened(d *Device, ts []widened, f func(f32 []driver.DevicePtr) error) error {
 	widen, err := sourceKernel(d, "convert.cu", "bf16_to_f32")
 	if err != nil {
@@ -142,8 +170,10 @@ func withWidened(d *Device, ts []widened, f func(f32 []driver.DevicePtr) error) 
 	at := buf.Ptr()
 	for i, t := range ts {
 		f32[i] = at
-		if err := d.Launch(widen, d.StrideGrid(t.n, 256, 4), at, t.src, t.n); err != nil {
-			return err
+		if t.src != 0 {
+			if err := d.Launch(widen, d.StrideGrid(t.n, 256, 4), at, t.src, t.n); err != nil {
+				return err
+			}
 		}
 		at += driver.DevicePtr(4 * ((t.n + 3) / 4 * 4))
 	}
@@ -204,11 +234,15 @@ func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedM
 	})
 }
 
-// launchHopperAttnForward queues attn_h_forward_d{64,128} on checked
-// arguments.
-func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape) error {
+// launchHopperAttnForward queues attn_h_forward_d{64,128} (_bf16 for a
+// bf16 out) on checked arguments.
+func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, outBF16 bool) error {
 	dh, keys := s.HeadDim, s.Keys()
-	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_forward_d%d", dh))
+	name := fmt.Sprintf("attn_h_forward_d%d", dh)
+	if outBF16 {
+		name += "_bf16"
+	}
+	kern, err := sourceKernel(d, "attention_hopper.cu", name)
 	if err != nil {
 		return err
 	}
@@ -255,7 +289,7 @@ func hopperAttnForwardF32(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 			return err
 		}
 	}
-	return launchHopperAttnForward(d, out, lse, qb, kb, vb, s)
+	return launchHopperAttnForward(d, out, lse, qb, kb, vb, s, false)
 }
 
 // hopperAttnBwdQ is the queries of one backward item (AH_BQ).
@@ -296,7 +330,12 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		return err
 	}
 	deltaName := "attn_h_delta"
-	if in.dout {
+	switch {
+	case in.out && in.dout:
+		deltaName = "attn_h_delta_bf16_bf16"
+	case in.out:
+		return fmt.Errorf("cuda: %s: a bf16 out needs a bf16 dout", op)
+	case in.dout:
 		deltaName = "attn_h_delta_bf16"
 	}
 	deltaKern, err := sourceKernel(d, "attention_hopper.cu", deltaName)

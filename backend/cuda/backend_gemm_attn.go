@@ -110,17 +110,21 @@ func checkAttn(op string, s backend.AttnShape, lseBHS backend.Tensor, args ...at
 // AttentionForward computes causal GQA attention (see backend.Backend).
 func (b *Backend) AttentionForward(outTQ, lseBHS, qTQ, kTK, vTK backend.Tensor, s backend.AttnShape) {
 	const op = "AttentionForward"
-	ts := checkAttn(op, s, lseBHS, attnArg{"out", outTQ, s.Heads, false, false},
+	ts := checkAttn(op, s, lseBHS, attnArg{"out", outTQ, s.Heads, false, true},
 		attnArg{"q", qTQ, s.Heads, false, true}, attnArg{"k", kTK, s.KVHeads, true, true}, attnArg{"v", vTK, s.KVHeads, true, true})
 	sameDType(op, "q", ts[1], "k", ts[2])
 	sameDType(op, "q", ts[1], "v", ts[3])
+	outBF16 := ts[0].dt == backend.BFloat16
+	if outBF16 && ts[1].dt != backend.BFloat16 {
+		fail(op, "out is bfloat16 but q is %v; a bf16 out goes with bf16 q, k and v", ts[1].dt)
+	}
 	ps, ok := devicePtrs(ts...)
 	if !ok {
 		return
 	}
 	out, q, k, v, lse := ps[0], ps[1], ps[2], ps[3], ps[4]
 	if ts[1].dt == backend.BFloat16 {
-		b.fail(AttentionForwardBF16(b.dev, out, lse, q, k, v, s))
+		b.fail(AttentionForwardBF16(b.dev, out, lse, q, k, v, s, outBF16))
 	} else {
 		b.fail(AttentionForward(b.dev, out, lse, q, k, v, s))
 	}
@@ -133,12 +137,15 @@ func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, out
 	ts := checkAttn(op, s, lseBHS,
 		attnArg{"dq", dqTQ, s.Heads, false, false}, attnArg{"dk", dkTK, s.KVHeads, true, false}, attnArg{"dv", dvTK, s.KVHeads, true, false},
 		attnArg{"dout", doutTQ, s.Heads, false, true}, attnArg{"q", qTQ, s.Heads, false, true}, attnArg{"k", kTK, s.KVHeads, true, true},
-		attnArg{"v", vTK, s.KVHeads, true, true}, attnArg{"out", outTQ, s.Heads, false, false})
+		attnArg{"v", vTK, s.KVHeads, true, true}, attnArg{"out", outTQ, s.Heads, false, true})
 	sameDType(op, "q", ts[4], "k", ts[5])
 	sameDType(op, "q", ts[4], "v", ts[6])
-	doutBF16 := ts[3].dt == backend.BFloat16
-	if doutBF16 && ts[4].dt != backend.BFloat16 {
-		fail(op, "dout is bfloat16 but q is %v; a bf16 dout goes with bf16 q, k and v", ts[4].dt)
+	in := attnBwdInputs{dout: ts[3].dt == backend.BFloat16, out: ts[7].dt == backend.BFloat16}
+	if (in.dout || in.out) && ts[4].dt != backend.BFloat16 {
+		fail(op, "dout is %v and out %v but q is %v; a bf16 dout or out goes with bf16 q, k and v", ts[3].dt, ts[7].dt, ts[4].dt)
+	}
+	if in.out && !in.dout {
+		fail(op, "out is bfloat16 but dout is %v; a bf16 out goes with a bf16 dout", ts[3].dt)
 	}
 	ps, ok := devicePtrs(ts...)
 	if !ok {
@@ -146,7 +153,7 @@ func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, out
 	}
 	dq, dk, dv, dout, q, k, v, out, lse := ps[0], ps[1], ps[2], ps[3], ps[4], ps[5], ps[6], ps[7], ps[8]
 	if ts[4].dt == backend.BFloat16 {
-		b.fail(AttentionBackwardBF16(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s, b.deterministic.Load(), doutBF16))
+		b.fail(AttentionBackwardBF16(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s, b.deterministic.Load(), in))
 	} else if b.deterministic.Load() {
 		b.fail(AttentionBackwardOrdered(b.dev, dq, dk, dv, dout, q, k, v, out, lse, s))
 	} else {
