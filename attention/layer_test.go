@@ -213,9 +213,8 @@ func TestForwardMatchesReference(t *testing.T) {
 // bf16 (the CUDA backend's; here the float64 CPU backend with
 // backendtest.BF16Operands). Its forward must be the plain reference with
 // x, v, the rotated q and k and the core's output rounded to bf16 once
-// each, to float64's
-// precision: q and k are rotated in the float type and rounded by RoPE
-// itself, not rotated after rounding. Its gradients must be the float64
+// each, to float64's precision: q and k are rotated in the float type and
+// rounded by RoPE itself, not rotated after rounding. Its gradients must be the float64
 // block's within bf16's error (their operands are rounded too).
 func TestBF16Operands(t *testing.T) {
 	rng := rand.New(rand.NewPCG(31, 32))
