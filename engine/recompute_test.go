@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/moe"
 )
 
@@ -16,7 +17,11 @@ import (
 // and requires every step's loss, aux loss, gradient norm and expert
 // loads, and every rank's gradients and weights after the last step, to
 // be the same bits: the remade activations are the kept ones, and full's
-// rerun of each layer's forward counts nothing twice.
+// rerun of each layer's forward counts nothing twice. The layouts named
+// "bf16 operands" run on a backend whose operand type is bf16, as the
+// GPU's: split masters, and the activations the GPU keeps in bf16 (q, k,
+// v, the attention output, the normalised inputs) in the shared
+// recomputed sets too.
 func TestRecomputeIsBitExact(t *testing.T) {
 	layouts := []struct {
 		name                string
@@ -39,6 +44,10 @@ func TestRecomputeIsBitExact(t *testing.T) {
 		// update's loads, a capacity's drops, the z-loss, shared experts.
 		{"dp2 ep2 balanced", 2, 2, 1, 1, 2, moe.DispatcherUnfused, "allgather"},
 		{"dp2 ep2 fused balanced", 2, 2, 1, 1, 2, moe.DispatcherFused, "allgather"},
+		{"bf16 operands: one rank", 1, 1, 1, 1, 8, moe.DispatcherUnfused, "allgather"},
+		{"bf16 operands: dp2 ep2 fused", 2, 2, 1, 1, 2, moe.DispatcherFused, "allgather"},
+		{"bf16 operands: cp2 ring", 1, 1, 2, 1, 8, moe.DispatcherUnfused, "ring"},
+		{"bf16 operands: tp2 sequence parallel", 1, 1, 1, 2, 8, moe.DispatcherUnfused, "allgather"},
 	}
 	for _, l := range layouts {
 		t.Run(l.name, func(t *testing.T) {
@@ -53,10 +62,14 @@ func TestRecomputeIsBitExact(t *testing.T) {
 			cfg.Train.MicroBatch = l.micro
 			// The ranks are built here, not by Run, which settles "auto".
 			cfg.Model.MoE.Dispatcher, cfg.Parallel.CPAttention, cfg.Parallel.TPOverlap = l.dispatcher, l.cpModes, "unfused"
-			want, _ := recomputeRun(t, cfg)
+			var b backend.Backend = cpu.New(backend.Float32)
+			if strings.HasPrefix(l.name, "bf16 operands") {
+				b = bf16OperandBackend()
+			}
+			want, _ := recomputeRunOn(t, cfg, b)
 			for _, mode := range []string{RecomputeSelective, RecomputeFull} {
 				cfg.Train.Recompute = mode
-				got, _ := recomputeRun(t, cfg)
+				got, _ := recomputeRunOn(t, cfg, b)
 				for i := range want.steps {
 					w, g := want.steps[i], got.steps[i]
 					if g.loss != w.loss || g.gradNorm != w.gradNorm || g.auxLoss != w.auxLoss || g.zLoss != w.zLoss {
@@ -82,7 +95,8 @@ func TestRecomputeIsBitExact(t *testing.T) {
 
 // recomputed is what TestRecomputeIsBitExact and
 // TestOptimizerInBackwardIsBitExact compare: world rank 0's step results,
-// and every rank's flat gradients, weights and AdamW moments after the
+// and every rank's flat gradients, weights (with split masters their
+// float32 part and both halves of the rest) and AdamW moments after the
 // last step.
 type recomputed struct {
 	steps                []stepResult
@@ -93,11 +107,17 @@ type recomputed struct {
 // returns the ranks too.
 func recomputeRun(t *testing.T, cfg Config) (recomputed, []*rank) {
 	t.Helper()
+	return recomputeRunOn(t, cfg, cpu.New(backend.Float32))
+}
+
+// recomputeRunOn is recomputeRun on the backend b.
+func recomputeRunOn(t *testing.T, cfg Config, b backend.Backend) (recomputed, []*rank) {
+	t.Helper()
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	// tensorParallelRanks orders the ranks by world rank.
-	_, ranks := tensorParallelRanks(t, cfg)
+	// ranksOn orders the ranks by world rank.
+	_, ranks := ranksOn(t, cfg, b)
 	var out recomputed
 	for i, rs := range trainRanks(t, ranks, cfg.Train.Steps) {
 		if i == 0 {
@@ -105,7 +125,14 @@ func recomputeRun(t *testing.T, cfg Config) (recomputed, []*rank) {
 		}
 		r := ranks[i]
 		out.grads = append(out.grads, backend.DownloadFloat64(r.b, r.gStore.flat))
-		out.weights = append(out.weights, backend.DownloadFloat64(r.b, r.wStore.flat))
+		w := backend.DownloadFloat64(r.b, r.wStore.flat)
+		if r.split.hi != nil {
+			w = append(w, backend.DownloadFloat64(r.b, r.split.hi)...)
+			for _, lo := range backend.DownloadInt32(r.b, r.split.lo) {
+				w = append(w, float64(lo))
+			}
+		}
+		out.weights = append(out.weights, w)
 		out.m = append(out.m, backend.DownloadFloat64(r.b, r.m))
 		out.v = append(out.v, backend.DownloadFloat64(r.b, r.v))
 	}
