@@ -63,8 +63,7 @@ func AttentionForwardBF16(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 	if hopperAttnTakes(d, s) && aligned16(out, q, k, v) {
 		return launchHopperAttnForward(d, out, lse, q, k, v, s, outBF16)
 	}
-	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
-	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
+	nq, nk := attnElems(s)
 	bf := []widened{{q, nq}, {k, nk}, {v, nk}}
 	if outBF16 {
 		bf = append(bf, widened{0, nq}) // the float32 out, rounded into out below
@@ -110,8 +109,7 @@ func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver
 	if ordered {
 		impl = attnAutoOrdered
 	}
-	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
-	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
+	nq, nk := attnElems(s)
 	bf := []widened{{q, nq}, {k, nk}, {v, nk}}
 	if in.dout {
 		bf = append(bf, widened{dout, nq})
@@ -128,6 +126,12 @@ func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver
 		}
 		return attentionBackward(d, dq, dk, dv, dout, f[0], f[1], f[2], out, lse, s, impl)
 	})
+}
+
+// attnElems is the elements of q (and out, dout, dq) and of k (and v,
+// dk, dv) for the shape s.
+func attnElems(s backend.AttnShape) (nq, nk int64) {
+	return int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim), int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
 }
 
 // aligned16 reports whether every pointer is 16-byte aligned.
@@ -269,8 +273,7 @@ func hopperAttnForwardF32(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 	if err != nil {
 		return err
 	}
-	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*s.HeadDim)
-	nk := int64(s.Batch) * int64(s.Keys()) * int64(s.KVHeads*s.HeadDim)
+	nq, nk := attnElems(s)
 	// One buffer for the three, each part 16-byte aligned (nq and nk are
 	// multiples of 64 elements).
 	buf, err := d.Alloc(2 * (nq + 2*nk))
@@ -342,8 +345,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	if err != nil {
 		return err
 	}
-	nq := int64(s.Batch) * int64(s.Seq) * int64(s.Heads*dh)
-	nk := int64(s.Batch) * int64(keys) * int64(s.KVHeads*dh)
+	nq, nk := attnElems(s)
 	nl := int64(s.Batch) * int64(s.Heads) * int64(s.Seq)
 	// The bf16 copies the inputs need (dout; q, k and v), then float32
 	// delta: every part 16-byte aligned (nq and nk are multiples of 64).
