@@ -193,6 +193,14 @@ type Backend interface {
 	// BFloat16 tensor comes back as float32, which holds its values
 	// exactly.
 	Download(t Tensor) *tensor.Dense
+	// StartDownload is Download without the wait: it queues the copy of
+	// t's contents as they are once the work queued before it is done,
+	// and returns at once. Calling the result waits for that copy (the
+	// rest of the queue goes on) and returns it; call it once. A layer
+	// that needs on the host, later in the step, what a kernel writes
+	// now (the MoE backward's expert counts) reads it this way instead of
+	// stopping the device's queue.
+	StartDownload(t Tensor) PendingDownload
 	// Sync waits for queued work and returns the first device error since
 	// the last Sync.
 	Sync() error
@@ -216,20 +224,19 @@ type Backend interface {
 
 	// GroupedMatMul multiplies consecutive groups of rows by a matrix of
 	// their own (the MoE experts' forward and input-gradient products).
-	// Group g is the rows [o_g, o_g+groupRows[g]) of aRK and outRN, where
-	// o_g is the sum of the counts before it, and its matrix is block g of
-	// bG, which stacks len(groupRows) matrices by rows: [G*N, K] used
-	// transposed when transB, else [G*K, N]:
+	// Group g is the rows [o_g, o_g+n_g) of aRK and outRN (see Groups),
+	// and its matrix is block g of bG, which stacks G matrices by rows:
+	// [G*N, K] used transposed when transB, else [G*K, N]:
 	//   outRN[o_g:o_g+n_g] = alpha*aRK[o_g:o_g+n_g]·op(b_g) + beta*outRN[o_g:o_g+n_g]
 	// Rows past the last group are not touched. Types and beta are as
 	// for MatMul. Unlike a loop of MatMul calls it tells the backend that
 	// the row counts change from call to call (see GroupedMatMulDims).
-	GroupedMatMul(outRN, aRK, bG Tensor, groupRows []int, transB bool, alpha, beta float64)
+	GroupedMatMul(outRN, aRK, bG Tensor, groups Groups, transB bool, alpha, beta float64)
 	// GroupedMatMulTN is the weight-gradient product of the same groups:
 	// for every group g, with outG stacking G blocks [M, N] by rows,
 	//   out_g = alpha*aRM[o_g:o_g+n_g]ᵀ·bRN[o_g:o_g+n_g] + beta*out_g
 	// A group with no rows gets beta*out_g. out is of the float type.
-	GroupedMatMulTN(outGMN, aRM, bRN Tensor, groupRows []int, alpha, beta float64)
+	GroupedMatMulTN(outGMN, aRM, bRN Tensor, groups Groups, alpha, beta float64)
 
 	// EmbeddingForward gathers rows: outTD[t] = tableVD[idsT[t]].
 	EmbeddingForward(outTD, tableVD, idsT Tensor)
@@ -321,13 +328,16 @@ type Backend interface {
 	RouterBackward(dlogitsTE, dgatesTK, probsTE, lseT, idxTK, gatesTK, auxDProbE Tensor, zScale float64)
 
 	// RouteByExpert sorts a router's choices for the dispatch, on the
-	// device: with E = countsE.Len(), countsE[e] is the number of
-	// assignments to expert e, and sendTokS and sendSlotS ([T*K] each)
-	// list every assignment a = t*K + k of idxTK grouped by expert
-	// (expert 0's first) and in assignment order within an expert:
-	// sendSlotS[i] = a, sendTokS[i] = a / K. Every idxTK entry must lie in
-	// [0, E).
-	RouteByExpert(countsE, sendTokS, sendSlotS, idxTK Tensor)
+	// device: with E = countsE.Len(), countsE[e] (of the float type: the
+	// counts are exact below 2^24 assignments) is the number of
+	// assignments to expert e, offsetsE1 (Int32 [E+1]) their prefix sums
+	// (offsetsE1[e] the assignments to experts below e, offsetsE1[E] =
+	// T*K: the dispatch's Groups.Offsets), and sendTokS and sendSlotS
+	// ([T*K] each) list every assignment a = t*K + k of idxTK grouped by
+	// expert (expert 0's first) and in assignment order within an expert:
+	// sendSlotS[i] = a, sendTokS[i] = a / K. Every idxTK entry must lie
+	// in [0, E).
+	RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK Tensor)
 
 	// GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil
 	// (1). scale is of the float type; in is too, or BFloat16; out is of
@@ -382,13 +392,13 @@ type Backend interface {
 	// DispatchSwiGLU is the experts' gate/up half fused with the dispatch
 	// (Dispatch+GEMM): the rows are gathered as by GatherPeerRows(xRD,
 	// srcTD, tokS, nil, refsR2) (srcTD of the float type, or BFloat16:
-	// half the bytes to move), then, per group g of groupRows (as in
+	// half the bytes to move), then, per group g of groups (as in
 	// GroupedMatMul),
 	//   h1RF = xRD·W1_gᵀ, h3RF = xRD·W3_gᵀ, actRF = silu(h1RF) * h3RF
 	// with w1GFD and w3GFD stacking the G matrices [F, D] by rows. xRD,
 	// h1RF, h3RF and actRF are of the operand type; xRD, h1RF and h3RF are
 	// kept for the backward.
-	DispatchSwiGLU(xRD, h1RF, h3RF, actRF Tensor, srcTD, tokS []Tensor, refsR2, w1GFD, w3GFD Tensor, groupRows []int)
+	DispatchSwiGLU(xRD, h1RF, h3RF, actRF Tensor, srcTD, tokS []Tensor, refsR2, w1GFD, w3GFD Tensor, groups Groups)
 	// DownCombine is the experts' down projection fused with the combine
 	// (GEMM+Combine): per group g, y = actRF·W2_gᵀ (w2GDF stacking the G
 	// matrices [D, F]), and row r of y is written to outSD[s][p], (s, p) =
@@ -396,7 +406,7 @@ type Backend interface {
 	// send order. outSD are of the float type. doneS, when not nil, are
 	// the ranks' row flags: each row's is raised once the whole row is
 	// written (as MarkPeerRows), for the source's CombineRows.
-	DownCombine(outSD, doneS []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int)
+	DownCombine(outSD, doneS []Tensor, refsR2, actRF, w2GDF Tensor, groups Groups)
 	// DispatchDgradSwiGLU is the experts' backward through the down
 	// projection and SwiGLU, fused with the dispatch of the output
 	// gradients: the rows are gathered, scaled by their gates, as by
@@ -407,14 +417,14 @@ type Backend interface {
 	// dAct is not kept (the fused kernel holds it in float32). dyRD, dh1RF
 	// and dh3RF are of the operand type and are kept for the weight
 	// gradients.
-	DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF Tensor, srcTD, tokS, scaleS []Tensor, refsR2, h1RF, h3RF, w2GDF Tensor, groupRows []int)
+	DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF Tensor, srcTD, tokS, scaleS []Tensor, refsR2, h1RF, h3RF, w2GDF Tensor, groups Groups)
 	// DgradCombine is the experts' input gradient fused with its combine:
 	// per group g, dx = dh1RF·W1_g + dh3RF·W3_g (w1GFD and w3GFD stacking
 	// the G matrices [F, D]), and row r of dx is written to outSD[s][p],
 	// (s, p) = refsR2[r], as DownCombine writes y, and flagged in doneS
 	// (when not nil) as DownCombine flags them. outSD are of the float
 	// type.
-	DgradCombine(outSD, doneS []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int)
+	DgradCombine(outSD, doneS []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groups Groups)
 
 	// The zigzag context-parallel attention of one rank that reads its
 	// peers' tensors directly (the fused ring; see ZigzagShape for the

@@ -48,10 +48,10 @@ func ExpandRowBlocks(blocks []RowBlock, R int) []int32 {
 // b: GatherPeerRows, two GroupedMatMul and SwiGLUForward. It is the
 // reference definition of the fused op (the CPU backend's implementation)
 // and serves any call a backend's fused kernel does not take.
-func DispatchSwiGLUBySteps(b Backend, xRD, h1RF, h3RF, actRF Tensor, srcTD, tokS []Tensor, refsR2, w1GFD, w3GFD Tensor, groupRows []int) {
+func DispatchSwiGLUBySteps(b Backend, xRD, h1RF, h3RF, actRF Tensor, srcTD, tokS []Tensor, refsR2, w1GFD, w3GFD Tensor, groups Groups) {
 	b.GatherPeerRows(xRD, srcTD, tokS, nil, refsR2)
-	b.GroupedMatMul(h1RF, xRD, w1GFD, groupRows, true, 1, 0)
-	b.GroupedMatMul(h3RF, xRD, w3GFD, groupRows, true, 1, 0)
+	b.GroupedMatMul(h1RF, xRD, w1GFD, groups, true, 1, 0)
+	b.GroupedMatMul(h3RF, xRD, w3GFD, groups, true, 1, 0)
 	b.SwiGLUForward(actRF, h1RF, h3RF)
 }
 
@@ -59,8 +59,8 @@ func DispatchSwiGLUBySteps(b Backend, xRD, h1RF, h3RF, actRF Tensor, srcTD, tokS
 // GroupedMatMul into a scratch tensor yRD (of the float type, actRF's row
 // count and the outputs' width), ScatterPeerRows, and MarkPeerRows when
 // doneS is not nil.
-func DownCombineBySteps(b Backend, yRD Tensor, outSD, doneS []Tensor, refsR2, actRF, w2GDF Tensor, groupRows []int) {
-	b.GroupedMatMul(yRD, actRF, w2GDF, groupRows, true, 1, 0)
+func DownCombineBySteps(b Backend, yRD Tensor, outSD, doneS []Tensor, refsR2, actRF, w2GDF Tensor, groups Groups) {
+	b.GroupedMatMul(yRD, actRF, w2GDF, groups, true, 1, 0)
 	b.ScatterPeerRows(outSD, yRD, refsR2)
 	if doneS != nil {
 		b.MarkPeerRows(doneS, refsR2)
@@ -71,9 +71,9 @@ func DownCombineBySteps(b Backend, yRD Tensor, outSD, doneS []Tensor, refsR2, ac
 // sequence on b: GatherPeerRows, GroupedMatMul into a scratch tensor
 // dActRF (dh1RF's shape, of the float type: SwiGLUBackward takes a float
 // dout), and SwiGLUBackward.
-func DispatchDgradSwiGLUBySteps(b Backend, dActRF, dyRD, dh1RF, dh3RF Tensor, srcTD, tokS, scaleS []Tensor, refsR2, h1RF, h3RF, w2GDF Tensor, groupRows []int) {
+func DispatchDgradSwiGLUBySteps(b Backend, dActRF, dyRD, dh1RF, dh3RF Tensor, srcTD, tokS, scaleS []Tensor, refsR2, h1RF, h3RF, w2GDF Tensor, groups Groups) {
 	b.GatherPeerRows(dyRD, srcTD, tokS, scaleS, refsR2)
-	b.GroupedMatMul(dActRF, dyRD, w2GDF, groupRows, false, 1, 0)
+	b.GroupedMatMul(dActRF, dyRD, w2GDF, groups, false, 1, 0)
 	b.SwiGLUBackward(dh1RF, dh3RF, dActRF, h1RF, h3RF)
 }
 
@@ -81,9 +81,9 @@ func DispatchDgradSwiGLUBySteps(b Backend, dActRF, dyRD, dh1RF, dh3RF Tensor, sr
 // two GroupedMatMul into a scratch tensor dxRD (of the float type, the
 // rows' count and the outputs' width), ScatterPeerRows, and MarkPeerRows
 // when doneS is not nil.
-func DgradCombineBySteps(b Backend, dxRD Tensor, outSD, doneS []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groupRows []int) {
-	b.GroupedMatMul(dxRD, dh1RF, w1GFD, groupRows, false, 1, 0)
-	b.GroupedMatMul(dxRD, dh3RF, w3GFD, groupRows, false, 1, 1)
+func DgradCombineBySteps(b Backend, dxRD Tensor, outSD, doneS []Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD Tensor, groups Groups) {
+	b.GroupedMatMul(dxRD, dh1RF, w1GFD, groups, false, 1, 0)
+	b.GroupedMatMul(dxRD, dh3RF, w3GFD, groups, false, 1, 1)
 	b.ScatterPeerRows(outSD, dxRD, refsR2)
 	if doneS != nil {
 		b.MarkPeerRows(doneS, refsR2)

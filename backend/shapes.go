@@ -29,16 +29,16 @@ func MatMulDims(out, a, b Tensor, transA, transB bool) (m, n, k int, err error) 
 }
 
 // GroupedMatMulDims checks GroupedMatMul's arguments and returns the
-// product's n and k (each group is [n_g, k]·[k, n]). The counts must be
-// non-negative and add up to at most a's rows, and out must have a's rows.
-func GroupedMatMulDims(outRN, aRK, bG Tensor, groupRows []int, transB bool) (n, k int, err error) {
+// product's n and k (each group is [n_g, k]·[k, n]). The groups must pass
+// CheckGroups for a's rows, and out must have a's rows.
+func GroupedMatMulDims(outRN, aRK, bG Tensor, groups Groups, transB bool) (n, k int, err error) {
 	if err := check2D(aRK, bG, outRN); err != nil {
 		return 0, 0, err
 	}
-	G := len(groupRows)
-	if G == 0 {
-		return 0, 0, fmt.Errorf("no groups: groupRows is empty")
+	if err := CheckGroups(groups, aRK.Shape()[0]); err != nil {
+		return 0, 0, err
 	}
+	G := groups.Len()
 	as, bs, os := aRK.Shape(), bG.Shape(), outRN.Shape()
 	k = as[1]
 	if transB {
@@ -55,22 +55,19 @@ func GroupedMatMulDims(outRN, aRK, bG Tensor, groupRows []int, transB bool) (n, 
 	if os[0] != as[0] || os[1] != n {
 		return 0, 0, fmt.Errorf("out has shape %v, want [%d %d] (a has %d rows, each group's product %d columns)", os, as[0], n, as[0], n)
 	}
-	if err := checkGroupRows(groupRows, as[0]); err != nil {
-		return 0, 0, err
-	}
 	return n, k, nil
 }
 
 // GroupedMatMulTNDims checks GroupedMatMulTN's arguments and returns m and
 // n: a is [R, m], b [R, n] and out [G*m, n].
-func GroupedMatMulTNDims(outGMN, aRM, bRN Tensor, groupRows []int) (m, n int, err error) {
+func GroupedMatMulTNDims(outGMN, aRM, bRN Tensor, groups Groups) (m, n int, err error) {
 	if err := check2D(aRM, bRN, outGMN); err != nil {
 		return 0, 0, err
 	}
-	G := len(groupRows)
-	if G == 0 {
-		return 0, 0, fmt.Errorf("no groups: groupRows is empty")
+	if err := CheckGroups(groups, aRM.Shape()[0]); err != nil {
+		return 0, 0, err
 	}
+	G := groups.Len()
 	as, bs, os := aRM.Shape(), bRN.Shape(), outGMN.Shape()
 	m, n = as[1], bs[1]
 	if bs[0] != as[0] {
@@ -78,9 +75,6 @@ func GroupedMatMulTNDims(outGMN, aRM, bRN Tensor, groupRows []int) (m, n int, er
 	}
 	if os[0] != G*m || os[1] != n {
 		return 0, 0, fmt.Errorf("out has shape %v, want [%d %d] (%d blocks [%d %d])", os, G*m, n, G, m, n)
-	}
-	if err := checkGroupRows(groupRows, as[0]); err != nil {
-		return 0, 0, err
 	}
 	return m, n, nil
 }

@@ -67,7 +67,7 @@ type model struct {
 	dFinalTD           backend.Tensor
 	// LM head in chunks of rows, so [T, V] logits never exist whole.
 	logitsCV, lossT backend.Tensor
-	moeStats        backend.Tensor // [Layers*(E+1)]: each MoE layer's statistics (moe.WithStats)
+	moeStats        backend.Tensor // [Layers*moe.StatsLen(E)]: each MoE layer's statistics (moe.WithStats)
 	// dlogitsCV is the logits' gradient rounded once to the operand type
 	// for the head's two backward products; nil where that is the float
 	// type.
@@ -148,7 +148,7 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 	moeScratch := moe.NewScratch(b, D, cfg.MoE.FFN)
 	// Every MoE layer's load statistics in one buffer, read with one
 	// download per micro-batch (finishStep).
-	E1 := cfg.MoE.Experts + 1
+	E1 := moe.StatsLen(cfg.MoE.Experts)
 	m.moeStats = b.New(ft, cfg.Layers*E1)
 	attnScratch := attention.NewScratch()
 	R := m.rows

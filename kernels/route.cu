@@ -3,7 +3,9 @@
 // route_by_expert: idx holds n = T*K assignments (assignment a = t*K + k
 // picked expert idx[a], in [0, E)). One block per expert e, 1024 threads:
 //   1. the block counts the assignments to experts below e (its output
-//      offset) and to e itself;
+//      offset) and to e itself, and writes them: offsets[e] and counts[e]
+//      (a float: exact below 2^24, which the host checks), the last
+//      block offsets[E] = n too;
 //   2. it walks the assignments in tiles of 1024 in order; each thread
 //      flags whether its assignment is e's, a warp ballot and a scan of the
 //      32 warp totals give each flagged assignment its rank, and it is
@@ -12,7 +14,9 @@
 // So rows come out grouped by expert and, within an expert, in assignment
 // order (stable), as the host counting sort in moe/plan.go orders them, and
 // the result is deterministic. Each block reads idx twice (n ints: 128 KiB
-// for moe-small, from L2); counts[e] is written by block e.
+// for moe-small, from L2). The offsets are the grouped products' group
+// offsets, read there on the device: the host need not learn the counts
+// before it queues the experts' forward.
 
 __device__ __forceinline__ unsigned int rt_ballot(bool p) {
   unsigned int r;
@@ -52,8 +56,8 @@ __device__ __forceinline__ int rt_block_count(int v, int* scratch) {
   return s;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) route_by_expert(int* counts, int* send_tok, int* send_slot,
-                                                                    const int* idx, int n, int K) {
+extern "C" __global__ void __launch_bounds__(1024) route_by_expert(float* counts, int* offsets, int* send_tok,
+                                                                    int* send_slot, const int* idx, int n, int K) {
   __shared__ int scratch[32];
   __shared__ int warp_base[33];
   const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -66,7 +70,11 @@ extern "C" __global__ void __launch_bounds__(1024) route_by_expert(int* counts, 
   }
   const int offset = rt_block_count(below, scratch);
   const int total = rt_block_count(mine, scratch);
-  if (threadIdx.x == 0) counts[e] = total;
+  if (threadIdx.x == 0) {
+    counts[e] = (float)total;
+    offsets[e] = offset;
+    if (e == gridDim.x - 1) offsets[e + 1] = offset + total;
+  }
 
   int done = 0;  // assignments of e placed by earlier tiles
   for (int t0 = 0; t0 < n; t0 += 1024) {

@@ -6,6 +6,7 @@ package moe
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -13,9 +14,9 @@ import (
 // Stats are one micro-step's routing statistics, global over the data group
 // and identical on every rank. The losses are unweighted: the engine adds
 // AuxLossCoef*AuxLoss + ZLossCoef*ZLoss to the training loss it reports.
-// Forward fills the counts; the losses come once the step's work is done,
-// from FinishStats or Layer.ReadStats, since the host reading them in the
-// middle of a layer would stall the GPU.
+// Forward fills Tokens; the rest comes once the step's work is done, from
+// FinishStats or Layer.ReadStats, since the host reading the device's
+// counts and sums in the middle of a layer would stall the GPU.
 type Stats struct {
 	TokensPerExpert []float64 // [E] token assignments per expert, as the router chose them (before capacity)
 	Tokens          int       // tokens in the micro-step
@@ -24,50 +25,51 @@ type Stats struct {
 	ZLoss           float64   // mean over tokens of logsumexp(logits)²
 }
 
+// StatsLen is the length of a Layer's statistics tensor (WithStats) for
+// experts experts: Σ_t probs[t,e] (E values), Σ_t lse[t]², the
+// assignments to each expert (E values, before capacity) and the
+// assignments capacity dropped. A Forward writes them on the device and
+// FinishStats sums them over the data group.
+func StatsLen(experts int) int { return 2*experts + 2 }
+
 // pendingStats is what a Forward knows of its losses before the device's
-// sums are read: the global assignment counts and tokens.
+// sums are read: the global tokens.
 type pendingStats struct {
-	countsE []float64
-	tokens  float64
+	tokens float64
 }
 
-// balance sums this rank's routing counts over the data group, uploads the
-// aux-loss gradient on probs (auxDProbE), which needs only the counts, and
-// returns the statistics so far and the z-loss gradient scale for
-// RouterBackward.
-func (l *Layer) balance(pl *plan, lossScale float64) (Stats, float64, error) {
+// balance leaves this rank's routing counts (countsE, written by
+// RouteByExpert or uploaded with a capacity) and dropped in the statistics
+// tensor, makes the aux-loss gradient on probs (auxDProbE) from the counts
+// summed over the data group, all on the device, and returns the z-loss
+// gradient scale for RouterBackward. The global tokens are this rank's
+// times the data group's size: every rank of it runs micro-steps of the
+// same tokens (the engine's meshes do).
+func (l *Layer) balance(dropped, lossScale float64) (float64, error) {
 	b, E, K := l.b, l.cfg.Experts, l.cfg.TopK
-	// One all-reduce carries counts, tokens and drops.
-	v := make([]float64, E+2)
-	for e := range E {
-		v[e] = float64(pl.countsE[e])
-	}
-	v[E], v[E+1] = float64(l.tokens), float64(pl.dropped)
-	if err := l.g.Data.AllReduceFloat64(v); err != nil {
-		return Stats{}, 0, fmt.Errorf("moe: load statistics: %w", err)
-	}
-	tokens := v[E]
-	st := Stats{TokensPerExpert: v[:E:E], Tokens: int(tokens), Dropped: int(v[E+1])}
-	l.pending = &pendingStats{countsE: st.TokensPerExpert, tokens: tokens}
+	tokens := float64(l.tokens * l.g.Data.Size())
+	b.Copy(b.View(l.statsE1, E+1, E), l.countsE)
+	backend.UploadSlice(b, b.View(l.statsE1, 2*E+1, 1), []float64{dropped})
 	// f_e is the fraction of assignments routed to e, P_e the mean router
 	// prob of e. f is piecewise constant in the weights, so the gradient
-	// flows through P only: d aux / d probs[t,e] = E f_e / T.
-	auxDProbE := make([]float64, E)
-	for e := range E {
-		f := v[e] / (tokens * float64(K))
-		auxDProbE[e] = lossScale * l.cfg.AuxLossCoef * float64(E) * f / tokens
+	// flows through P only: d aux / d probs[t,e] = E f_e / T, with f_e =
+	// counts_e / (T K). The counts are whole numbers, summed exactly in
+	// the float type.
+	b.Copy(l.auxDProbE, l.countsE)
+	if err := l.g.Data.AllReduceSum(l.auxDProbE); err != nil {
+		return 0, fmt.Errorf("moe: load statistics: %w", err)
 	}
-	backend.UploadSlice(b, l.auxDProbE, auxDProbE)
+	b.Scale(l.auxDProbE, lossScale*l.cfg.AuxLossCoef*float64(E)/(tokens*tokens*float64(K)))
+	l.pending = &pendingStats{tokens: tokens}
 	// d(coef * mean lse²)/dlogits = coef * 2 lse probs / T.
-	zScale := lossScale * l.cfg.ZLossCoef * 2 / tokens
-	return st, zScale, nil
+	return lossScale * l.cfg.ZLossCoef * 2 / tokens, nil
 }
 
-// FinishStats completes the losses of stats[i], the Stats the last Forward
-// of layers[i] returned, from sums: the layers' statistics tensors read
-// back to back (E+1 values a layer, in layers' order; see WithStats). The
-// layers must share their data group, and every rank of it must call
-// FinishStats with them together: one all-reduce sums every layer's.
+// FinishStats completes stats[i], the Stats the last Forward of layers[i]
+// returned, from sums: the layers' statistics tensors read back to back
+// (StatsLen values a layer, in layers' order; see WithStats). The layers
+// must share their data group, and every rank of it must call FinishStats
+// with them together: one all-reduce sums every layer's.
 func FinishStats(layers []*Layer, stats []Stats, sums []float64) error {
 	if len(layers) == 0 {
 		return nil
@@ -76,8 +78,9 @@ func FinishStats(layers []*Layer, stats []Stats, sums []float64) error {
 		return fmt.Errorf("moe: FinishStats: %d layers but %d stats", len(layers), len(stats))
 	}
 	E := layers[0].cfg.Experts
-	if len(sums) != len(layers)*(E+1) {
-		return fmt.Errorf("moe: FinishStats: %d sums for %d layers of %d experts, want %d", len(sums), len(layers), E, len(layers)*(E+1))
+	n := StatsLen(E)
+	if len(sums) != len(layers)*n {
+		return fmt.Errorf("moe: FinishStats: %d sums for %d layers of %d experts, want %d", len(sums), len(layers), E, len(layers)*n)
 	}
 	for i, l := range layers {
 		if l.pending == nil || l.cfg.Experts != E {
@@ -89,13 +92,15 @@ func FinishStats(layers []*Layer, stats []Stats, sums []float64) error {
 		return fmt.Errorf("moe: load statistics: %w", err)
 	}
 	for i, l := range layers {
-		probSumE, lseSq := all[i*(E+1):i*(E+1)+E], all[i*(E+1)+E]
-		p := l.pending
+		v := all[i*n : (i+1)*n]
+		probSumE, lseSq, countsE, dropped := v[:E], v[E], v[E+1:2*E+1], v[2*E+1]
+		tokens := l.pending.tokens
 		st := &stats[i]
-		st.AuxLoss, st.ZLoss = 0, lseSq/p.tokens
+		st.TokensPerExpert, st.Tokens, st.Dropped = slices.Clone(countsE), int(tokens), int(dropped)
+		st.AuxLoss, st.ZLoss = 0, lseSq/tokens
 		for e := range E {
-			f := p.countsE[e] / (p.tokens * float64(l.cfg.TopK))
-			st.AuxLoss += float64(E) * f * probSumE[e] / p.tokens
+			f := countsE[e] / (tokens * float64(l.cfg.TopK))
+			st.AuxLoss += float64(E) * f * probSumE[e] / tokens
 		}
 	}
 	return nil

@@ -62,8 +62,9 @@
 //	...SD                   [S, D]      rows this rank sends: one per kept (token, expert) assignment
 //	...RD, ...RF            [R, D|F]    rows this rank's experts process, grouped by expert
 //
-// Load balancing is global: counts are all-reduced over the data group, so
-// every layout computes the same losses. With T the micro-step's global
+// Load balancing is global: counts are all-reduced over the data group (on
+// the device: the aux-loss gradient needs no host read), so every layout
+// computes the same losses. With T the micro-step's global
 // tokens, f_e = assignments to e / (T*K) and P_e = (1/T) Σ_t probs[t,e]:
 //
 //	aux  = E * Σ_e f_e P_e                  Switch Transformer load-balancing loss
@@ -81,9 +82,14 @@
 // Expert-group rank r owns experts [r*E/EP, (r+1)*E/EP). Each micro-step
 // the router runs on the local tokens; the kept assignments are sorted by
 // global expert, which is by destination rank, and within an expert by
-// token (RouteByExpert, on the device when dropless; only the [E] counts
-// reach the host, to size the products and the exchange). One small
-// all-reduce completes the [EP, E] count matrix. The unfused dispatcher
+// token (RouteByExpert, on the device when dropless; it also writes each
+// expert's count and offset). Across expert ranks the [E] counts come to
+// the host, to size the exchange, and one small all-reduce completes the
+// [EP, E] count matrix. On one expert rank the host reads nothing in the
+// forward: the grouped products take the device's offsets
+// (backend.Groups), and the counts reach the host by a queued download
+// (Backend.StartDownload) that the backward waits for, long after the
+// device wrote them, so the GPU's queue never runs dry in the step. The unfused dispatcher
 // then gathers the rows into send order, exchanges them (AllToAllRows),
 // permutes them into expert-major order, runs the experts as grouped
 // products (GroupedMatMul; weight gradients GroupedMatMulTN), and takes the

@@ -43,7 +43,7 @@ import (
 // dispatchForward does.
 func (l *Layer) fusedForward(st *step, p *Params) error {
 	b, pl := l.b, st.plan
-	S, R := pl.sent, len(pl.perm)
+	S, R := pl.sent, pl.rows
 	l.phase(PhaseDispatchExperts)
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
 	st.h1RF, st.h3RF, st.actRF = l.hidden(R)
@@ -59,8 +59,8 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 	}
 	if R > 0 {
 		w1, w3, w2 := l.stacked(p)
-		b.DispatchSwiGLU(st.xRD, st.h1RF, st.h3RF, st.actRF, peerColumn(peers, 0), peerColumn(peers, 1), st.refsR2, w1, w3, pl.expertRows)
-		b.DownCombine(peerColumn(peers, 2), peerColumn(peers, 3), st.refsR2, st.actRF, w2, pl.expertRows)
+		b.DispatchSwiGLU(st.xRD, st.h1RF, st.h3RF, st.actRF, peerColumn(peers, 0), peerColumn(peers, 1), st.refsR2, w1, w3, pl.groups())
+		b.DownCombine(peerColumn(peers, 2), peerColumn(peers, 3), st.refsR2, st.actRF, w2, pl.groups())
 	}
 	l.phase(PhaseCombine)
 	// Every peer's writes into this rank's ySD are issued before it
@@ -80,8 +80,8 @@ func (l *Layer) fusedForward(st *step, p *Params) error {
 // rank adds its flagged scratch rows into dxTD (CombineRows).
 func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Params) error {
 	b, pl, sc := l.b, st.plan, l.scratch
-	S, R := pl.sent, len(pl.perm)
-	rows := pl.expertRows
+	S, R := pl.sent, pl.rows
+	groups := pl.groups()
 	l.phase(PhaseDispatchBackward)
 	if l.recompute {
 		// Before the exchange: DispatchDgradSwiGLU reads h1 and h3.
@@ -105,20 +105,20 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 	w1, w3, w2 := l.stacked(p)
 	if R > 0 {
 		b.DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF, peerColumn(peers, 0), peerColumn(peers, 1), peerColumn(peers, 2),
-			st.refsR2, st.h1RF, st.h3RF, w2, rows)
+			st.refsR2, st.h1RF, st.h3RF, w2, groups)
 	}
 	l.phase(PhaseExpertsBackward)
 	if R > 0 {
 		dw1, dw3, dw2 := l.stacked(g)
-		b.GroupedMatMulTN(dw2, dyRD, st.actRF, rows, 1, 1)
-		b.GroupedMatMulTN(dw1, dh1RF, st.xRD, rows, 1, 1)
-		b.GroupedMatMulTN(dw3, dh3RF, st.xRD, rows, 1, 1)
+		b.GroupedMatMulTN(dw2, dyRD, st.actRF, groups, 1, 1)
+		b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, 1)
+		b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, 1)
 	}
 	l.phase(PhaseCombineBackward)
 	if R > 0 {
 		// One rank: the references are (0, r), so dxSD is the experts'
 		// dx rows in send order.
-		b.DgradCombine(peerColumn(peers, 3), peerColumn(peers, 4), st.refsR2, dh1RF, dh3RF, w1, w3, rows)
+		b.DgradCombine(peerColumn(peers, 3), peerColumn(peers, 4), st.refsR2, dh1RF, dh3RF, w1, w3, groups)
 	}
 	if l.g.Expert.Size() > 1 {
 		if err := l.g.Expert.Barrier(); err != nil {
@@ -145,7 +145,7 @@ func (l *Layer) flagged() bool { return l.g.Expert.Size() > 1 }
 // tensor the peer-row ops take, on the device: only the table of
 // (expert, source) blocks crosses from the host (PeerRowRefs).
 func (l *Layer) writeRefs(pl *plan) backend.Tensor {
-	R := len(pl.perm)
+	R := pl.rows
 	if l.g.Expert.Size() == 1 {
 		// One rank: row i is (0, i) every step, so the references are
 		// written once for the buffer's whole capacity, not per step.

@@ -41,11 +41,12 @@ type Layer struct {
 	// Per layer always: what the statistics and losses of the last
 	// training Forward need, which a rerun (Reforward) does not redo.
 	onesT backend.Tensor // [1, T] ones: column sums of probs by MatMul
-	// statsE1 receives, per Forward, Σ_t probs[t,e] (E values) then
-	// Σ_t lse[t]² on the device; they are read once the step is done
-	// (FinishStats, Layer.ReadStats), not in the middle of the layer.
-	statsE1, zeroRow backend.Tensor // float [E+1]; Int32 [1] holding 0 (the row RowDots reads)
-	pending          *pendingStats  // the last training Forward's global counts, for FinishStats
+	// statsE1 receives, per Forward, Σ_t probs[t,e] (E values), Σ_t
+	// lse[t]², the assignments per expert and those dropped on the device
+	// (StatsLen); they are read once the step is done (FinishStats,
+	// Layer.ReadStats), not in the middle of the layer.
+	statsE1, zeroRow backend.Tensor // float [StatsLen(E)]; Int32 [1] holding 0 (the row RowDots reads)
+	pending          *pendingStats  // the last training Forward's global tokens, for FinishStats
 	auxDProbE        backend.Tensor // [E] aux-loss gradient on every row of probs
 	zScale           float64        // the last Forward's z-loss gradient scale, for Reforward
 
@@ -73,7 +74,8 @@ type activations struct {
 	// Router, per local token.
 	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
 	dlogitsTE, dgatesTK                     backend.Tensor
-	countsE                                 backend.Tensor // Int32 [E]: assignments per expert (RouteByExpert)
+	countsE                                 backend.Tensor // [E]: assignments per expert before capacity (RouteByExpert, or uploaded)
+	offsetsE1                               backend.Tensor // Int32 [E+1]: their prefix sums (RouteByExpert): dropless, the expert groups' offsets
 
 	// Shared experts, [T, Fs]; nil when off.
 	sharedH1TF, sharedH3TF, sharedActTF, sharedDActTF, sharedDH1TF, sharedDH3TF backend.Tensor
@@ -118,7 +120,7 @@ func newActivations(b backend.Backend, cfg Config, dim, tokens int) *activations
 		logitsTE: b.New(ft, tokens, E), probsTE: b.New(ft, tokens, E), lseT: b.New(ft, tokens),
 		idxTK: b.New(backend.Int32, tokens, K), gatesTK: b.New(ft, tokens, K),
 		dlogitsTE: b.New(ft, tokens, E), dgatesTK: b.New(ft, tokens, K),
-		countsE: b.New(backend.Int32, E),
+		countsE: b.New(ft, E), offsetsE1: b.New(backend.Int32, E+1),
 	}
 	if fs := cfg.SharedExperts * F; fs > 0 {
 		a.sharedH1TF, a.sharedH3TF, a.sharedActTF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
@@ -201,8 +203,8 @@ type Option func(*Layer)
 func AddToOutput() Option { return func(l *Layer) { l.addToOut = true } }
 
 // WithStats makes the Layer leave its per-Forward statistics in t, a float
-// tensor of E+1 elements (a view of a buffer that holds every layer's, so
-// that one download reads them all: see FinishStats).
+// tensor of StatsLen(E) elements (a view of a buffer that holds every
+// layer's, so that one download reads them all: see FinishStats).
 func WithStats(t backend.Tensor) Option { return func(l *Layer) { l.statsE1 = t } }
 
 // WithScratch makes the Layer use s, shared with the other layers of its
@@ -278,9 +280,9 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 		o(l)
 	}
 	if l.statsE1 == nil {
-		l.statsE1 = b.New(ft, E+1)
-	} else if l.statsE1.Len() != E+1 || l.statsE1.DType() != ft {
-		return nil, fmt.Errorf("moe: the statistics tensor is %v %v; want %v [%d]", l.statsE1.DType(), l.statsE1.Shape(), ft, E+1)
+		l.statsE1 = b.New(ft, StatsLen(E))
+	} else if l.statsE1.Len() != StatsLen(E) || l.statsE1.DType() != ft {
+		return nil, fmt.Errorf("moe: the statistics tensor is %v %v; want %v [%d]", l.statsE1.DType(), l.statsE1.Shape(), ft, StatsLen(E))
 	}
 	ot := b.OperandType()
 	if l.scratch == nil {
@@ -358,10 +360,12 @@ func validate(cfg Config, dim, tokens int, g Groups) error {
 // Backward. biasE, when not nil,
 // is a float tensor [E] added to the router probs for selection only.
 // lossScale multiplies the aux and z loss gradients of the following
-// Backward (the engine passes 1/accumulation steps).
+// Backward (the engine passes 1/accumulation steps). The Stats it returns
+// hold the tokens; FinishStats (or ReadStats) completes them once the
+// step's work is queued.
 //
-// Forward calls collectives on both groups (the load statistics'
-// all-reduce over the data group, then the count all-reduce and two row
+// Forward calls collectives on both groups (the load counts' all-reduce
+// over the data group, then the count all-reduce and two row
 // all-to-alls over the expert group, or with the fused dispatcher a
 // PeerTensors exchange and a barrier), so every rank of them must call it
 // together. A rank whose Forward or Backward fails should abort its groups
@@ -392,6 +396,9 @@ func (l *Layer) Reforward(outTD, xTD backend.Tensor, p *Params, biasE backend.Te
 
 // forward is Forward, or with again Reforward.
 func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tensor, lossScale float64, again bool) (Stats, error) {
+	if l.step != nil {
+		l.step.plan.release() // a Forward without a Backward (evaluation)
+	}
 	l.step = nil
 	if err := l.checkArgs(p, "out", outTD, "x", xTD); err != nil {
 		return Stats{}, err
@@ -428,35 +435,58 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		b.RowDots(b.View(l.statsE1, E, 1), b.View(l.lseT, 0, 1, T), l.zeroRow, b.View(l.lseT, 0, 1, T))
 	}
 
-	// Plan the dispatch. Dropless (the default), the GPU sorts the
-	// assignments by expert and only the per-expert counts come to the
-	// host, which needs them to size the expert GEMMs and the exchange.
-	// With a capacity the host decides which assignments to drop, from
-	// the router's choices.
+	// Plan the dispatch. Dropless (the default), the device sorts the
+	// assignments by expert and writes each expert's count and offset. On
+	// one expert rank the host needs none of them to queue the forward:
+	// the experts' products read the offsets on the device, and the
+	// counts come to the host by a queued download, for the backward
+	// (plan.settle). Across expert ranks the host needs the counts now,
+	// to size the exchange. With a capacity the host decides which
+	// assignments to drop, from the router's choices.
 	var pl *plan
 	var sendTokS, sendSlotS backend.Tensor
-	if capRows := capacity(l.cfg.CapacityFactor, l.tokens, K, E); capRows == 0 {
+	ep := l.g.Expert.Size()
+	capRows := capacity(l.cfg.CapacityFactor, l.tokens, K, E)
+	if capRows == 0 {
 		n := l.tokens * K
 		sendTokS, sendSlotS = l.sendTokS.vec(b, n), l.sendSlotS.vec(b, n)
-		b.RouteByExpert(l.countsE, sendTokS, sendSlotS, l.idxTK)
-		pl = planCounts(backend.DownloadInt32(b, l.countsE), l.g.Expert.Size())
+		b.RouteByExpert(l.countsE, l.offsetsE1, sendTokS, sendSlotS, l.idxTK)
+		if ep == 1 {
+			pl = planOneRank(n, l.offsetsE1, b.StartDownload(l.offsetsE1))
+		} else {
+			offsets := backend.DownloadInt32(b, l.offsetsE1)
+			counts := make([]int32, E)
+			for e := range E {
+				counts[e] = offsets[e+1] - offsets[e]
+			}
+			pl = planCounts(counts, ep)
+		}
 	} else {
-		pl = planSource(backend.DownloadInt32(b, l.idxTK), l.tokens, K, E, l.g.Expert.Size(), capRows)
+		pl = planSource(backend.DownloadInt32(b, l.idxTK), l.tokens, K, E, ep, capRows)
 		sendTokS, sendSlotS = l.sendTokS.uploadInts(b, pl.sendTok), l.sendSlotS.uploadInts(b, pl.sendSlot)
+		if !again {
+			counts := make([]float64, E)
+			for e, c := range pl.countsE {
+				counts[e] = float64(c)
+			}
+			backend.UploadSlice(b, l.countsE, counts)
+		}
 	}
-	var stats Stats
+	stats := Stats{Tokens: l.tokens * l.g.Data.Size()}
 	if !again {
 		// A rerun keeps the first Forward's statistics, aux-loss gradient
 		// (auxDProbE) and z-loss scale: its counts are the same.
 		var err error
-		if stats, l.zScale, err = l.balance(pl, lossScale); err != nil {
+		if l.zScale, err = l.balance(float64(pl.dropped), lossScale); err != nil {
 			return Stats{}, err
 		}
 	}
 	zScale := l.zScale
 	l.phase(PhaseCountExchange)
-	if err := l.exchangeCounts(pl); err != nil {
-		return Stats{}, err
+	if pl.counts == nil {
+		if err := l.exchangeCounts(pl); err != nil {
+			return Stats{}, err
+		}
 	}
 
 	st := &step{xTD: xTD, xoTD: xoTD, plan: pl, zScale: zScale, sendTokS: sendTokS, sendSlotS: sendSlotS}
@@ -523,7 +553,7 @@ func (l *Layer) exchangeCounts(pl *plan) error {
 // into st.ySD, in send order.
 func (l *Layer) dispatchForward(st *step, p *Params) error {
 	b, pl := l.b, st.plan
-	S, R := pl.sent, len(pl.perm)
+	S, R := pl.sent, pl.rows
 	l.phase(PhaseDispatch)
 	st.xRD, st.ySD = l.xRD.view(b, R), l.ySD.view(b, S)
 	st.h1RF, st.h3RF, st.actRF = l.hidden(R)
@@ -585,15 +615,15 @@ func (l *Layer) hidden(R int) (h1RF, h3RF, actRF backend.Tensor) {
 // expert inputs st.xRD into the Scratch (RecomputeExperts): since the
 // Forward, later layers have written theirs there.
 func (l *Layer) recomputeHidden(st *step, p *Params) {
-	R := len(st.plan.perm)
+	R := st.plan.rows
 	st.h1RF, st.h3RF, st.actRF = l.hidden(R)
 	if R == 0 {
 		return
 	}
-	b, rows := l.b, st.plan.expertRows
+	b, groups := l.b, st.plan.groups()
 	w1, w3, _ := l.stacked(p)
-	b.GroupedMatMul(st.h1RF, st.xRD, w1, rows, true, 1, 0)
-	b.GroupedMatMul(st.h3RF, st.xRD, w3, rows, true, 1, 0)
+	b.GroupedMatMul(st.h1RF, st.xRD, w1, groups, true, 1, 0)
+	b.GroupedMatMul(st.h3RF, st.xRD, w3, groups, true, 1, 0)
 	b.SwiGLUForward(st.actRF, st.h1RF, st.h3RF)
 }
 
@@ -601,12 +631,12 @@ func (l *Layer) recomputeHidden(st *step, p *Params) {
 // yRD = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ, each expert on its own rows (grouped
 // products), keeping the hidden activations h1, h3 and silu(h1)*h3 in st.
 func (l *Layer) expertsForward(st *step, p *Params, yRD backend.Tensor) {
-	b, rows := l.b, st.plan.expertRows
+	b, groups := l.b, st.plan.groups()
 	w1, w3, w2 := l.stacked(p)
-	b.GroupedMatMul(st.h1RF, st.xRD, w1, rows, true, 1, 0)
-	b.GroupedMatMul(st.h3RF, st.xRD, w3, rows, true, 1, 0)
+	b.GroupedMatMul(st.h1RF, st.xRD, w1, groups, true, 1, 0)
+	b.GroupedMatMul(st.h3RF, st.xRD, w3, groups, true, 1, 0)
 	b.SwiGLUForward(st.actRF, st.h1RF, st.h3RF)
-	b.GroupedMatMul(yRD, st.actRF, w2, rows, true, 1, 0)
+	b.GroupedMatMul(yRD, st.actRF, w2, groups, true, 1, 0)
 }
 
 // stacked returns the local experts' matrices of p as the 2-D stacks the
@@ -646,6 +676,9 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	if err := l.checkParams("gradient", g); err != nil {
 		return err
 	}
+	if err := st.plan.settle(); err != nil {
+		return err
+	}
 	b, K, S := l.b, l.cfg.TopK, st.plan.sent
 
 	l.phase(PhaseRouterBackward)
@@ -682,7 +715,7 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 // dx rows travel back and are added to their tokens.
 func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Params) error {
 	b, pl := l.b, st.plan
-	S, R := pl.sent, len(pl.perm)
+	S, R := pl.sent, pl.rows
 
 	sc := l.scratch
 	l.phase(PhaseDispatchBackward)
@@ -743,18 +776,18 @@ func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tenso
 	if l.recompute {
 		l.recomputeHidden(st, p)
 	}
-	b, rows := l.b, st.plan.expertRows
-	sc, R := l.scratch, len(st.plan.perm)
+	b, groups := l.b, st.plan.groups()
+	sc, R := l.scratch, st.plan.rows
 	dActRF, dh1RF, dh3RF := sc.dActRF.view(b, R), sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
 	w1, w3, w2 := l.stacked(p)
 	dw1, dw3, dw2 := l.stacked(g)
-	b.GroupedMatMul(dActRF, dyRD, w2, rows, false, 1, 0)
-	b.GroupedMatMulTN(dw2, dyRD, st.actRF, rows, 1, 1)
+	b.GroupedMatMul(dActRF, dyRD, w2, groups, false, 1, 0)
+	b.GroupedMatMulTN(dw2, dyRD, st.actRF, groups, 1, 1)
 	b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
-	b.GroupedMatMulTN(dw1, dh1RF, st.xRD, rows, 1, 1)
-	b.GroupedMatMulTN(dw3, dh3RF, st.xRD, rows, 1, 1)
-	b.GroupedMatMul(dxRD, dh1RF, w1, rows, false, 1, 0)
-	b.GroupedMatMul(dxRD, dh3RF, w3, rows, false, 1, 1)
+	b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, 1)
+	b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, 1)
+	b.GroupedMatMul(dxRD, dh1RF, w1, groups, false, 1, 0)
+	b.GroupedMatMul(dxRD, dh3RF, w3, groups, false, 1, 1)
 }
 
 // sharedBackward adds the shared experts' dx to dxTD and accumulates their

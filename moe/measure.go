@@ -246,8 +246,9 @@ func (m *measureRank) blockHook(b backend.Backend, p Phase) {
 // meet, and rank 0 (first) records the pass's wall time in times (a block
 // pass: its expert block's).
 func (m *measureRank) run(b backend.Backend, passes []measurePass, times []time.Duration, first bool) error {
+	var l *Layer
 	for i, p := range passes {
-		l := m.unfused
+		l = m.unfused
 		if p.fused {
 			l = m.fused
 		}
@@ -280,7 +281,10 @@ func (m *measureRank) run(b backend.Backend, passes []measurePass, times []time.
 			}
 		}
 	}
-	return nil
+	if l == nil {
+		return nil
+	}
+	return l.ReadStats(&m.stats) // every rank: a collective over the data group
 }
 
 // randomParams draws a rank's weights: the expert matrices in the

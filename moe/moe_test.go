@@ -807,12 +807,13 @@ func TestFinishStats(t *testing.T) {
 		t.Fatal(err)
 	}
 	g := moe.Groups{Expert: solo[0].Expert, Data: solo[0].Data}
-	buf := b.New(backend.Float64, L*(cfg.Experts+1))
+	n := moe.StatsLen(cfg.Experts)
+	buf := b.New(backend.Float64, L*n)
 	var layers []*moe.Layer
 	var stats, alone []moe.Stats
 	for i := range L {
 		pr := newProblem(uint64(40+i), cfg, D, T, false)
-		l, err := moe.New(b, cfg, D, T, g, moe.WithStats(b.View(buf, i*(cfg.Experts+1), cfg.Experts+1)))
+		l, err := moe.New(b, cfg, D, T, g, moe.WithStats(b.View(buf, i*n, n)))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -836,12 +837,16 @@ func TestFinishStats(t *testing.T) {
 		if stats[i].AuxLoss != alone[i].AuxLoss || stats[i].ZLoss != alone[i].ZLoss || stats[i].AuxLoss == 0 || stats[i].ZLoss == 0 {
 			t.Errorf("layer %d: FinishStats gives aux %v z %v, ReadStats aux %v z %v", i, stats[i].AuxLoss, stats[i].ZLoss, alone[i].AuxLoss, alone[i].ZLoss)
 		}
+		if !slices.Equal(stats[i].TokensPerExpert, alone[i].TokensPerExpert) || stats[i].Tokens != T || stats[i].Dropped != 0 {
+			t.Errorf("layer %d: FinishStats gives load %v, %d tokens, %d dropped; ReadStats load %v; want %d tokens, none dropped",
+				i, stats[i].TokensPerExpert, stats[i].Tokens, stats[i].Dropped, alone[i].TokensPerExpert, T)
+		}
 	}
-	if err := moe.FinishStats(layers, stats, make([]float64, 3)); err == nil || !strings.Contains(err.Error(), "want 15") {
+	if err := moe.FinishStats(layers, stats, make([]float64, 3)); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("want %d", L*n)) {
 		t.Errorf("sums of the wrong length: error %v", err)
 	}
 	fresh, _ := moe.New(b, cfg, D, T, g)
-	if err := moe.FinishStats([]*moe.Layer{fresh}, make([]moe.Stats, 1), make([]float64, cfg.Experts+1)); err == nil || !strings.Contains(err.Error(), "no Forward") {
+	if err := moe.FinishStats([]*moe.Layer{fresh}, make([]moe.Stats, 1), make([]float64, n)); err == nil || !strings.Contains(err.Error(), "no Forward") {
 		t.Errorf("a layer without a Forward: error %v", err)
 	}
 }

@@ -7,8 +7,9 @@ type Phase string
 // lists them for a dispatcher). Every rank passes through the same phases,
 // whatever its row counts.
 const (
-	// PhaseRoute: the router GEMM, softmax and top-k, the load statistics,
-	// the sort of the assignments by expert and the counts to the host.
+	// PhaseRoute: the router GEMM, softmax and top-k, the sort of the
+	// assignments by expert, the counts to the host (across expert ranks;
+	// one rank only queues their download) and the load statistics.
 	PhaseRoute Phase = "route"
 	// PhaseCountExchange: the all-reduce of the [EP, E] count matrix and
 	// the plan of what each rank receives.

@@ -5,8 +5,16 @@ package moe
 // per-expert counts alone (planCounts); with a capacity the host reads the
 // choices and decides which to drop (planSource). The fused dispatcher
 // addresses the same rows by (source rank, send position) (peerBlocks).
+//
+// Dropless on one expert rank the host needs no counts to queue the
+// forward (planOneRank): every assignment is a row, in the order
+// RouteByExpert sorts them, and the experts' products read the group
+// offsets RouteByExpert leaves on the device. The counts come to the host
+// by a queued download, waited for in the backward (plan.settle), long
+// after the device wrote them, so the device's queue never runs dry.
 
 import (
+	"fmt"
 	"math"
 
 	"github.com/mktrain/mktrain/backend"
@@ -32,12 +40,52 @@ type plan struct {
 	// block sorted by local expert; perm regroups them by local expert
 	// (all sources' rows for expert 0 first) so each expert runs one
 	// MatMul over contiguous rows.
+	rows       int     // R, the rows this rank's experts process
 	recvCounts []int   // [EP] rows from each rank
 	srcStart   []int   // [EP] where, in each source's send order, its rows for this rank begin
-	expertRows []int   // [E_local] rows for each local expert, expert-major
+	expertRows []int   // [E_local] rows for each local expert, expert-major (nil until settle, planOneRank)
 	countsSE   []int   // [EP][E_local] rows from each source rank for each local expert
 	perm       []int32 // [R] expert-major row i is received row perm[i]
 	invPerm    []int32 // [R] received row j is expert-major row invPerm[j]
+
+	// planOneRank only: the expert groups' offsets on the device
+	// (RouteByExpert's), and the queued download of them that settle
+	// waits for; nil once settled.
+	offsetsE1 backend.Tensor
+	counts    backend.PendingDownload
+}
+
+// planOneRank is the whole plan of a dropless micro-step of n assignments
+// on one expert rank, as far as the host needs it to queue the forward:
+// every assignment is a row, sent and processed in RouteByExpert's order,
+// and the products are sized on the device from offsetsE1. counts is the
+// queued download of offsetsE1, for settle.
+func planOneRank(n int, offsetsE1 backend.Tensor, counts backend.PendingDownload) *plan {
+	return &plan{sent: n, rows: n, sendCounts: []int{n}, recvCounts: []int{n}, srcStart: []int{0}, offsetsE1: offsetsE1, counts: counts}
+}
+
+// settle fills in a planOneRank plan's per-expert counts from its queued
+// download, waiting for it if it is not done yet (it is, by the backward).
+// Other plans are settled already.
+func (p *plan) settle() error {
+	if p.counts == nil {
+		return nil
+	}
+	offsets, _ := p.counts().Data().([]int32)
+	p.counts = nil
+	rows, err := backend.OffsetRows(offsets, p.sent)
+	if err != nil {
+		return fmt.Errorf("moe: the router's expert offsets: %w", err)
+	}
+	p.countsE, p.keptE, p.expertRows, p.countsSE = rows, rows, rows, rows
+	return nil
+}
+
+// groups is how the local experts' products split the expert-major rows:
+// the counts once the host knows them, and on one expert rank dropless
+// the offsets on the device too.
+func (p *plan) groups() backend.Groups {
+	return backend.Groups{Rows: p.expertRows, Offsets: p.offsetsE1}
 }
 
 // capacity is the most rows one expert takes from one source rank per
@@ -132,6 +180,7 @@ func (p *plan) planDest(countsSE []int, ep, E, first, local int) {
 			p.expertRows[le] += at(src, le)
 		}
 	}
+	p.rows = R
 	p.perm, p.invPerm = make([]int32, R), make([]int32, R)
 	i := 0
 	for le := range local {
@@ -166,4 +215,14 @@ func (p *plan) peerBlocks() []backend.RowBlock {
 		}
 	}
 	return blocks
+}
+
+// release waits for the queued download of an unsettled plan whose
+// counts are no longer wanted (a Forward without a Backward), which frees
+// the backend's slot for it.
+func (p *plan) release() {
+	if p.counts != nil {
+		p.counts()
+		p.counts = nil
+	}
 }

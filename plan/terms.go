@@ -120,7 +120,7 @@ func modelActivations(l *ledger, s shape) {
 	l.fixed(Activations, "norms", mul(2, L), R, s.ft)                   // rstd1L, rstd2L
 	l.fixed(Activations, "norms", 1, mul(R, D), s.normType())           // finalTD
 	l.fixed(Activations, "norms", 1, R, s.ft)                           // rstdFinalT
-	l.fixed(Activations, "moe router", 1, mul(L, s.E+1), s.ft)          // moeStats
+	l.fixed(Activations, "moe router", 1, mul(L, 2*s.E+2), s.ft)        // moeStats: moe.StatsLen
 	l.fixed(Workspace, "backward gradient streams", 3, mul(R, D), s.ft) // dResidTD, dBlockTD, dFinalTD
 
 	l.fixed(Activations, s.fullTerm("norms"), mul(2, s.kept()), mul(R, D), s.normType()) // h1L, h2L
@@ -322,7 +322,8 @@ func moeActivations(l *ledger, s shape, fused bool) {
 	l.fixed(Activations, router, mul(2, n), mul(T, K), s.ft) // gatesTK, dgatesTK
 	l.fixed(Activations, "moe router", L, E, s.ft)           // auxDProbE
 	l.fixed(Activations, "moe router", L, 1, int32Bytes)     // zeroRow
-	l.fixed(Activations, router, n, E, int32Bytes)           // countsE
+	l.fixed(Activations, router, n, E, s.ft)                 // countsE
+	l.fixed(Activations, router, n, E+1, int32Bytes)         // offsetsE1
 	if s.Fs > 0 {
 		l.fixed(Activations, s.fullTerm("shared experts"), mul(6, n), mul(T, s.Fs), s.ft) // sharedH1, H3, Act and their gradients
 	}
@@ -388,7 +389,8 @@ func moeActivations(l *ledger, s shape, fused bool) {
 // layer's experts, each at most gradBucket elements); ReduceScatterSum
 // reduces the block it receives: a ZeRO-1 round's piece (zero.go), and
 // under context parallelism attention's dk and dv [T, KV*Dh] (mode
-// allgather; the ring's Send and Recv need no scratch). With one
+// allgather; the ring's Send and Recv need no scratch); under tensor
+// parallelism the tensor group's sums and the MoE load counts. With one
 // rank per device (NCCL) the scratch is a few descriptors
 // (backend/cuda/nccl_group.go's growScratch) and NCCL's own buffers are
 // outside the allocator.
@@ -425,6 +427,11 @@ func collectiveScratch(l *ledger, s shape, ring bool) {
 			rows = ceilDiv(mul(s.T, s.D), s.TP)
 		}
 		scratch(s.TP, max(ceilDiv(summed, s.TP), rows, ceilDiv(min(s.T, lmHeadChunkRows), s.TP)))
+		// The MoE layers' load counts, summed over every rank (their data
+		// group under tensor parallelism: engine/rank.go's moeData) for
+		// the aux-loss gradient (moe/balance.go).
+		world := mul(s.dataContext, s.TP)
+		scratch(world, ceilDiv(s.E, world))
 	}
 }
 

@@ -11,9 +11,11 @@ import (
 	"math"
 	"math/cmplx"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
+	"gorgonia.org/tensor"
 )
 
 const (
@@ -98,6 +100,47 @@ func checkCases() []Case {
 		{Name: "Rows/grad", Check: checkRowsGrad},
 		{Name: "AdamWUpdate/ref", Check: checkAdamWRef},
 		{Name: "AdamWUpdateSplit/ref", Check: checkAdamWSplit},
+		{Name: "StartDownload/ref", Check: checkStartDownload},
+	}
+}
+
+// checkStartDownload checks that a queued download returns its tensor as
+// the work queued before it left it, not as later work changes it: ints
+// (the MoE counts' dtype), floats and bf16, and two downloads in flight
+// at once waited for out of order.
+func checkStartDownload(t *testing.T, b backend.Backend) {
+	ints := UploadInts(b, []int32{3, -1, 7, 0, 9}, 5)
+	floats := b.New(b.FloatType(), 3)
+	backend.UploadSlice(b, floats, []float32{0.5, -2, 1e6})
+	bf := b.New(backend.BFloat16, 3)
+	b.Copy(bf, floats)
+	b.Scale(floats, 3) // queued before: the download sees it
+	pendInts, pendFloats, pendBF := b.StartDownload(ints), b.StartDownload(floats), b.StartDownload(bf)
+	// Queued after: the downloads must not see these.
+	b.Zero(ints)
+	b.Zero(floats)
+	b.Zero(bf)
+	f32 := func(d *tensor.Dense) []float32 {
+		if v, ok := d.Data().([]float64); ok {
+			out := make([]float32, len(v))
+			for i, x := range v {
+				out[i] = float32(x)
+			}
+			return out
+		}
+		return d.Data().([]float32)
+	}
+	if got := f32(pendFloats()); !slices.Equal(got, []float32{1.5, -6, 3e6}) {
+		t.Errorf("floats = %v, want [1.5 -6 3e+06]", got)
+	}
+	if got := pendInts().Data().([]int32); !slices.Equal(got, []int32{3, -1, 7, 0, 9}) {
+		t.Errorf("ints = %v, want [3 -1 7 0 9]", got)
+	}
+	if got := f32(pendBF()); !slices.Equal(got, []float32{0.5, -2, 999424}) {
+		t.Errorf("bf16 = %v, want [0.5 -2 999424] (1e6 rounded to bf16)", got)
+	}
+	if got := DownloadInts(b, ints); !slices.Equal(got, make([]int32, 5)) {
+		t.Errorf("ints after the zeroing = %v, want zeros", got)
 	}
 }
 

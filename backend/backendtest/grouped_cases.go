@@ -4,9 +4,13 @@ package backendtest
 // GroupedMatMulTN): the MoE experts' GEMMs. Group counts include empty
 // groups, groups of one row, and rows after the last group that must stay
 // untouched; the "ref" check compares with naive products written here.
+// The groups come as host counts, and in the "offsets" cases as device
+// offsets alone or beside the counts (backend.Groups), as the MoE layer's
+// dropless dispatch on one expert rank gives them.
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
@@ -42,6 +46,15 @@ func groupedShapes() []groupedShape {
 	}
 }
 
+// groupOffsets is the prefix sums of rows (Groups.Offsets).
+func groupOffsets(rows []int) []int32 {
+	off := make([]int32, len(rows)+1)
+	for g, r := range rows {
+		off[g+1] = off[g] + int32(r)
+	}
+	return off
+}
+
 func (s groupedShape) sum() int {
 	total := 0
 	for _, r := range s.rows {
@@ -66,7 +79,7 @@ func groupedCases() []Case {
 				// InOut: the rows past the groups must keep their values.
 				out := e.InOut(e.Rand("out", s.total, s.n))
 				e.Run(func(b backend.Backend, p Pick) {
-					b.GroupedMatMul(p(out), p(a), p(bb), s.rows, transB, s.alpha, s.beta)
+					b.GroupedMatMul(p(out), p(a), p(bb), backend.Groups{Rows: s.rows}, transB, s.alpha, s.beta)
 				})
 			}})
 		}
@@ -76,7 +89,9 @@ func groupedCases() []Case {
 			e.NormWise = groupedNormWise
 			a, bb := e.Rand("a", s.total, s.k), e.Rand("b", s.total, s.n)
 			out := e.InOut(e.Rand("out", G*s.k, s.n))
-			e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMulTN(p(out), p(a), p(bb), s.rows, s.alpha, s.beta) })
+			e.Run(func(b backend.Backend, p Pick) {
+				b.GroupedMatMulTN(p(out), p(a), p(bb), backend.Groups{Rows: s.rows}, s.alpha, s.beta)
+			})
 		}})
 	}
 	// bf16 operands and outs, as the MoE layer passes them.
@@ -93,14 +108,18 @@ func groupedCases() []Case {
 			} else {
 				out = e.InOut(e.Rand("out", s.total, s.n))
 			}
-			e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMul(p(out), p(a), p(bb), s.rows, true, 1, 0) })
+			e.Run(func(b backend.Backend, p Pick) {
+				b.GroupedMatMul(p(out), p(a), p(bb), backend.Groups{Rows: s.rows}, true, 1, 0)
+			})
 		}})
 		if !ty.out {
 			cs = append(cs, Case{Name: "GroupedMatMulTN/bf16-" + ty.name, Compare: func(e *Env) {
 				e.NormWise = groupedNormWise
 				a, bb := e.typed(ty.a, "a", -1, 1, s.total, s.k), e.typed(ty.b, "b", -1, 1, s.total, s.n)
 				out := e.InOut(e.Rand("out", G*s.k, s.n))
-				e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMulTN(p(out), p(a), p(bb), s.rows, 1, 1) })
+				e.Run(func(b backend.Backend, p Pick) {
+					b.GroupedMatMulTN(p(out), p(a), p(bb), backend.Groups{Rows: s.rows}, 1, 1)
+				})
 			}})
 		}
 	}
@@ -120,7 +139,17 @@ func groupedCases() []Case {
 		{"small-float-out", []int{5, 0, 19}, 30, 40, 64, false},
 		{"tiles", []int{130, 0, 257, 1}, 400, 264, 136, true},
 		{"tiles-float-out", []int{130, 0, 257, 1}, 400, 264, 136, false},
+		// The groups as device offsets (they end at the last row).
+		{"offsets", []int{130, 0, 257, 13}, 400, 264, 136, true},
+		{"offsets-float-out", []int{130, 0, 257, 13}, 400, 264, 136, false},
 	} {
+		groups := func(e *Env) func(Pick) backend.Groups {
+			if !strings.HasPrefix(k.name, "offsets") {
+				return func(Pick) backend.Groups { return backend.Groups{Rows: k.rows} }
+			}
+			off := e.IntsOf("offsets", groupOffsets(k.rows), len(k.rows)+1)
+			return func(p Pick) backend.Groups { return backend.Groups{Offsets: p(off)} }
+		}
 		cs = append(cs, Case{Name: "GroupedMatMul/bf16-kernel-" + k.name, Compare: func(e *Env) {
 			e.NormWise = groupedNormWise
 			a := e.BF16Uniform("a", -1, 1, k.total, k.k)
@@ -131,7 +160,8 @@ func groupedCases() []Case {
 			} else {
 				out = e.InOut(e.Rand("out", k.total, k.n))
 			}
-			e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMul(p(out), p(a), p(bb), k.rows, true, 0.5, 0) })
+			g := groups(e)
+			e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMul(p(out), p(a), p(bb), g(p), true, 0.5, 0) })
 		}})
 		if !k.outBF16 {
 			// The weight gradients of the same groups, accumulated into
@@ -142,7 +172,46 @@ func groupedCases() []Case {
 				e.NormWise = groupedNormWise
 				a, bb := e.BF16Uniform("a", -1, 1, k.total, k.k), e.BF16Uniform("b", -1, 1, k.total, k.n)
 				out := e.InOut(e.Rand("out", len(k.rows)*k.k, k.n))
-				e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMulTN(p(out), p(a), p(bb), k.rows, 0.5, 1) })
+				g := groups(e)
+				e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMulTN(p(out), p(a), p(bb), g(p), 0.5, 1) })
+			}})
+		}
+	}
+	// Offsets alone and beside the counts, for every shape whose groups
+	// end at the last row, both grouped products.
+	for _, s := range groupedShapes() {
+		if s.sum() != s.total {
+			continue
+		}
+		G := len(s.rows)
+		for _, both := range []bool{false, true} {
+			via := "offsets"
+			if both {
+				via = "rows-and-offsets"
+			}
+			groups := func(e *Env) func(Pick) backend.Groups {
+				off := e.IntsOf("offsets", groupOffsets(s.rows), G+1)
+				return func(p Pick) backend.Groups {
+					g := backend.Groups{Offsets: p(off)}
+					if both {
+						g.Rows = s.rows
+					}
+					return g
+				}
+			}
+			cs = append(cs, Case{Name: fmt.Sprintf("GroupedMatMul/%s/%s", via, s.name), Compare: func(e *Env) {
+				e.NormWise = groupedNormWise
+				a, bb := e.Rand("a", s.total, s.k), e.Rand("b", G*s.n, s.k)
+				out := e.InOut(e.Rand("out", s.total, s.n))
+				g := groups(e)
+				e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMul(p(out), p(a), p(bb), g(p), true, s.alpha, s.beta) })
+			}})
+			cs = append(cs, Case{Name: fmt.Sprintf("GroupedMatMulTN/%s/%s", via, s.name), Compare: func(e *Env) {
+				e.NormWise = groupedNormWise
+				a, bb := e.Rand("a", s.total, s.k), e.Rand("b", s.total, s.n)
+				out := e.InOut(e.Rand("out", G*s.k, s.n))
+				g := groups(e)
+				e.Run(func(b backend.Backend, p Pick) { b.GroupedMatMulTN(p(out), p(a), p(bb), g(p), s.alpha, s.beta) })
 			}})
 		}
 	}
@@ -165,7 +234,7 @@ func checkGrouped(t *testing.T, b backend.Backend) {
 				wShape = []int{G * n, k}
 			}
 			outT := c.up(out0, s.total, n)
-			b.GroupedMatMul(outT, c.up(a, s.total, k), c.up(w, wShape...), s.rows, transB, s.alpha, s.beta)
+			b.GroupedMatMul(outT, c.up(a, s.total, k), c.up(w, wShape...), backend.Groups{Rows: s.rows}, transB, s.alpha, s.beta)
 			want := append([]float64(nil), out0...)
 			off := 0
 			for g, r := range s.rows {
@@ -178,7 +247,7 @@ func checkGrouped(t *testing.T, b backend.Backend) {
 		bm := c.rand(s.total*n, -1, 1)
 		outG0 := c.rand(G*k*n, -1, 1)
 		outT := c.up(outG0, G*k, n)
-		b.GroupedMatMulTN(outT, c.up(a, s.total, k), c.up(bm, s.total, n), s.rows, s.alpha, s.beta)
+		b.GroupedMatMulTN(outT, c.up(a, s.total, k), c.up(bm, s.total, n), backend.Groups{Rows: s.rows}, s.alpha, s.beta)
 		want := append([]float64(nil), outG0...)
 		off := 0
 		for g, r := range s.rows {

@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
@@ -44,12 +45,25 @@ func peerRowShapes() []peerShape {
 // peerMoEShape is one test of the fused MoE ops (DispatchSwiGLU,
 // DownCombine, DispatchDgradSwiGLU, DgradCombine): the ranks as in
 // peerShape, groups of groupRows rows (summing to R) multiplied by [F, D]
-// (w1, w3) and [D, F] (w2) matrices.
+// (w1, w3) and [D, F] (w2) matrices. With offsets the ops get the groups
+// as device offsets alone (backend.Groups), as the MoE layer's dropless
+// forward on one expert rank passes them.
 type peerMoEShape struct {
 	name      string
 	send, src []int
 	groupRows []int
 	d, f      int
+	offsets   bool
+}
+
+// groups returns how the ops of s get their groups: the host counts, or
+// with s.offsets their device offsets.
+func (e *Env) groups(s peerMoEShape) func(Pick) backend.Groups {
+	if !s.offsets {
+		return func(Pick) backend.Groups { return backend.Groups{Rows: s.groupRows} }
+	}
+	off := e.IntsOf("offsets", groupOffsets(s.groupRows), len(s.groupRows)+1)
+	return func(p Pick) backend.Groups { return backend.Groups{Offsets: p(off)} }
 }
 
 func (s peerMoEShape) rows() int {
@@ -62,10 +76,10 @@ func (s peerMoEShape) rows() int {
 
 func peerMoEShapes() []peerMoEShape {
 	return []peerMoEShape{
-		{"1-rank", []int{23}, []int{15}, []int{9, 14}, 16, 24},
-		{"2-ranks-empty-group", []int{0, 40}, []int{3, 20}, []int{12, 0, 19}, 24, 40},
-		{"4-ranks", []int{50, 0, 33, 61}, []int{40, 2, 30, 45}, []int{30, 17, 0, 50}, 32, 48},
-		{"R=0", []int{5, 0}, []int{4, 1}, []int{0, 0}, 16, 32},
+		{"1-rank", []int{23}, []int{15}, []int{9, 14}, 16, 24, false},
+		{"2-ranks-empty-group", []int{0, 40}, []int{3, 20}, []int{12, 0, 19}, 24, 40, false},
+		{"4-ranks", []int{50, 0, 33, 61}, []int{40, 2, 30, 45}, []int{30, 17, 0, 50}, 32, 48, false},
+		{"R=0", []int{5, 0}, []int{4, 1}, []int{0, 0}, 16, 32, false},
 	}
 }
 
@@ -74,7 +88,7 @@ func peerMoEShapes() []peerMoEShape {
 // Hopper kernel): 4 ranks, one sending nothing, 4 groups of uneven rows
 // with an empty one, R = 702.
 func peerHopperShape() peerMoEShape {
-	return peerMoEShape{"hopper", []int{200, 0, 300, 260}, []int{180, 4, 256, 200}, []int{250, 0, 321, 131}, 256, 384}
+	return peerMoEShape{"hopper", []int{200, 0, 300, 260}, []int{180, 4, 256, 200}, []int{250, 0, 321, 131}, 256, 384, false}
 }
 
 // peerRefs draws r row references (rank, position) over ranks sending
@@ -308,6 +322,11 @@ func peerCases() []Case {
 		}
 	}
 	cs = append(cs, peerMoECases(peerHopperShape(), "bf16")...)
+	// The groups as device offsets: one rank (the layer's case) and the
+	// Hopper kernel's shape.
+	for _, s := range []peerMoEShape{peerMoEShapes()[0], peerHopperShape()} {
+		cs = append(cs, peerMoECases(s, "bf16-offsets")...)
+	}
 	// The gate/up half from bf16 sources (the layer's operand-type copy of
 	// its input), on every shape and the Hopper kernel's.
 	for _, s := range append(peerMoEShapes(), peerHopperShape()) {
@@ -319,7 +338,8 @@ func peerCases() []Case {
 // peerMoECases are the fused MoE ops' cases on s, ty "operand" or "bf16"
 // ("Op/ty/shape"): the forward pair and its backward twins.
 func peerMoECases(s peerMoEShape, ty string) []Case {
-	bf16 := ty == "bf16"
+	bf16 := strings.HasPrefix(ty, "bf16")
+	s.offsets = strings.HasSuffix(ty, "-offsets")
 	name := func(op string) string { return op + "/" + ty + "/" + s.name }
 	return []Case{
 		{Name: name("DispatchSwiGLU"), Compare: func(e *Env) { e.dispatchSwiGLU(s, bf16) }},
@@ -399,8 +419,9 @@ func (e *Env) dispatchSwiGLUFrom(s peerMoEShape, bf16, srcBF16 bool) {
 	w1 := e.typed(bf16, "w1", -2/math.Sqrt(float64(d)), 2/math.Sqrt(float64(d)), g*f, d)
 	w3 := e.typed(bf16, "w3", -2/math.Sqrt(float64(d)), 2/math.Sqrt(float64(d)), g*f, d)
 	x, h1, h3, act := e.typedOut(bf16, "x", r, d), e.typedOut(bf16, "h1", r, f), e.typedOut(bf16, "h3", r, f), e.typedOut(bf16, "act", r, f)
+	groups := e.groups(s)
 	e.Run(func(b backend.Backend, p Pick) {
-		b.DispatchSwiGLU(p(x), p(h1), p(h3), p(act), picks(p, srcs), picks(p, toks), p(refs), p(w1), p(w3), s.groupRows)
+		b.DispatchSwiGLU(p(x), p(h1), p(h3), p(act), picks(p, srcs), picks(p, toks), p(refs), p(w1), p(w3), groups(p))
 	})
 	xRef := gatherRef(hosts(srcs), toks, nil, refs.ints, d, bf16)
 	h1Ref, h3Ref := groupedRef(xRef, w1.host, s.groupRows, f, d, true), groupedRef(xRef, w3.host, s.groupRows, f, d, true)
@@ -425,8 +446,9 @@ func (e *Env) downCombine(s peerMoEShape, bf16 bool) {
 	w2 := e.typed(bf16, "w2", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*d, f)
 	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
 	outs, done := e.peerOutputs(s.send, d), e.peerFlags(s.send)
+	groups := e.groups(s)
 	e.Run(func(b backend.Backend, p Pick) {
-		b.DownCombine(picks(p, outs), picks(p, done), p(refs), p(act), p(w2), s.groupRows)
+		b.DownCombine(picks(p, outs), picks(p, done), p(refs), p(act), p(w2), groups(p))
 	})
 	y := groupedRef(act.host, w2.host, s.groupRows, d, f, true)
 	for i, want := range scatterRef(hosts(outs), y, refs.ints, d) {
@@ -493,8 +515,9 @@ func (e *Env) dispatchDgrad(s peerMoEShape, bf16 bool) {
 	h1, h3 := e.typed(bf16, "h1", -2, 2, r, f), e.typed(bf16, "h3", -2, 2, r, f)
 	w2 := e.typed(bf16, "w2", -2/math.Sqrt(float64(d)), 2/math.Sqrt(float64(d)), g*d, f)
 	dy, dh1, dh3 := e.typedOut(bf16, "dy", r, d), e.typedOut(bf16, "dh1", r, f), e.typedOut(bf16, "dh3", r, f)
+	groups := e.groups(s)
 	e.Run(func(b backend.Backend, p Pick) {
-		b.DispatchDgradSwiGLU(p(dy), p(dh1), p(dh3), picks(p, srcs), picks(p, toks), picks(p, scales), p(refs), p(h1), p(h3), p(w2), s.groupRows)
+		b.DispatchDgradSwiGLU(p(dy), p(dh1), p(dh3), picks(p, srcs), picks(p, toks), picks(p, scales), p(refs), p(h1), p(h3), p(w2), groups(p))
 	})
 	dyRef := gatherRef(hosts(srcs), toks, hosts(scales), refs.ints, d, bf16)
 	dAct := groupedRef(dyRef, w2.host, s.groupRows, f, d, false)
@@ -521,8 +544,9 @@ func (e *Env) dgradCombine(s peerMoEShape, bf16 bool) {
 	w3 := e.typed(bf16, "w3", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*f, d)
 	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
 	outs, done := e.peerOutputs(s.send, d), e.peerFlags(s.send)
+	groups := e.groups(s)
 	e.Run(func(b backend.Backend, p Pick) {
-		b.DgradCombine(picks(p, outs), picks(p, done), p(refs), p(dh1), p(dh3), p(w1), p(w3), s.groupRows)
+		b.DgradCombine(picks(p, outs), picks(p, done), p(refs), p(dh1), p(dh3), p(w1), p(w3), groups(p))
 	})
 	dx := groupedRef(dh1.host, w1.host, s.groupRows, d, f, false)
 	for i, v := range groupedRef(dh3.host, w3.host, s.groupRows, d, f, false) {

@@ -254,19 +254,32 @@ func routeCases() []Case {
 			Name: name,
 			Compare: func(e *Env) {
 				idx := e.IntsOf("idx", routeIdx(e.Rng, s), s.T, s.K)
-				counts := e.IntOut("counts", s.E)
+				counts, offsets := e.Out("counts", s.E), e.IntOut("offsets", s.E+1)
 				tok, slot := e.IntOut("sendTok", s.T*s.K), e.IntOut("sendSlot", s.T*s.K)
-				e.Run(func(b backend.Backend, x Pick) { b.RouteByExpert(x(counts), x(tok), x(slot), x(idx)) })
+				e.Run(func(b backend.Backend, x Pick) { b.RouteByExpert(x(counts), x(offsets), x(tok), x(slot), x(idx)) })
 			},
 			Check: func(t *testing.T, b backend.Backend) {
 				idx := routeIdx(NewRand(name), s)
-				counts, tok, slot := b.New(backend.Int32, s.E), b.New(backend.Int32, s.T*s.K), b.New(backend.Int32, s.T*s.K)
-				b.RouteByExpert(counts, tok, slot, UploadInts(b, idx, s.T, s.K))
+				counts, offsets := b.New(b.FloatType(), s.E), b.New(backend.Int32, s.E+1)
+				tok, slot := b.New(backend.Int32, s.T*s.K), b.New(backend.Int32, s.T*s.K)
+				b.RouteByExpert(counts, offsets, tok, slot, UploadInts(b, idx, s.T, s.K))
 				wantCounts, wantTok, wantSlot := routeNaive(idx, s.K, s.E)
+				wantOffsets := make([]int32, s.E+1)
+				gotCounts := make([]int32, s.E)
+				for e, c := range wantCounts {
+					wantOffsets[e+1] = wantOffsets[e] + c
+				}
+				for e, c := range backend.DownloadFloat64(b, counts) {
+					gotCounts[e] = int32(c)
+					if float64(gotCounts[e]) != c {
+						t.Errorf("counts[%d] = %v, not a whole number", e, c)
+					}
+				}
 				for _, c := range []struct {
 					what      string
 					got, want []int32
-				}{{"counts", DownloadInts(b, counts), wantCounts}, {"sendTok", DownloadInts(b, tok), wantTok}, {"sendSlot", DownloadInts(b, slot), wantSlot}} {
+				}{{"counts", gotCounts, wantCounts}, {"offsets", DownloadInts(b, offsets), wantOffsets},
+					{"sendTok", DownloadInts(b, tok), wantTok}, {"sendSlot", DownloadInts(b, slot), wantSlot}} {
 					if !slices.Equal(c.got, c.want) {
 						t.Errorf("%s = %v, want %v", c.what, c.got, c.want)
 					}

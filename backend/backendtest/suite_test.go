@@ -126,35 +126,37 @@ func (m mutant) MatMul(out, a, b backend.Tensor, transA, transB bool, alpha, bet
 	}
 }
 
-func (m mutant) GroupedMatMul(out, a, bG backend.Tensor, groupRows []int, transB bool, alpha, beta float64) {
+func (m mutant) GroupedMatMul(out, a, bG backend.Tensor, groups backend.Groups, transB bool, alpha, beta float64) {
 	if m.kind != "grouped-first-matrix" {
-		m.Backend.GroupedMatMul(out, a, bG, groupRows, transB, alpha, beta)
+		m.Backend.GroupedMatMul(out, a, bG, groups, transB, alpha, beta)
 		return
 	}
+	groupRows := m.hostRows(groups, a)
 	// Every group multiplies by the first group's matrix.
 	k, n := a.Shape()[1], out.Shape()[1]
 	b0 := m.View(bG, 0, bG.Shape()[0]/len(groupRows), bG.Shape()[1])
 	off := 0
 	for _, rows := range groupRows {
 		if rows > 0 {
-			m.Backend.GroupedMatMul(m.View(out, off*n, rows, n), m.View(a, off*k, rows, k), b0, []int{rows}, transB, alpha, beta)
+			m.Backend.GroupedMatMul(m.View(out, off*n, rows, n), m.View(a, off*k, rows, k), b0, backend.Groups{Rows: []int{rows}}, transB, alpha, beta)
 		}
 		off += rows
 	}
 }
 
-func (m mutant) GroupedMatMulTN(out, a, b backend.Tensor, groupRows []int, alpha, beta float64) {
+func (m mutant) GroupedMatMulTN(out, a, b backend.Tensor, groups backend.Groups, alpha, beta float64) {
 	if m.kind != "grouped-tn-skips-empty" {
-		m.Backend.GroupedMatMulTN(out, a, b, groupRows, alpha, beta)
+		m.Backend.GroupedMatMulTN(out, a, b, groups, alpha, beta)
 		return
 	}
+	groupRows := m.hostRows(groups, a)
 	// An empty group's block is left as it was, whatever beta.
 	rowsM, n := out.Shape()[0]/len(groupRows), out.Shape()[1]
 	off := 0
 	for g, rows := range groupRows {
 		if rows > 0 {
 			m.Backend.GroupedMatMulTN(m.View(out, g*rowsM*n, rowsM, n), m.View(a, off*a.Shape()[1], rows, a.Shape()[1]),
-				m.View(b, off*b.Shape()[1], rows, b.Shape()[1]), []int{rows}, alpha, beta)
+				m.View(b, off*b.Shape()[1], rows, b.Shape()[1]), backend.Groups{Rows: []int{rows}}, alpha, beta)
 		}
 		off += rows
 	}
@@ -201,18 +203,16 @@ func (m mutant) CrossEntropy(loss, dlogits, logits, targets backend.Tensor, grad
 	m.Backend.CrossEntropy(loss, dlogits, logits, targets, gradScale)
 }
 
-func (m mutant) RouteByExpert(counts, tok, slot, idx backend.Tensor) {
-	m.Backend.RouteByExpert(counts, tok, slot, idx)
+func (m mutant) RouteByExpert(counts, offsets, tok, slot, idx backend.Tensor) {
+	m.Backend.RouteByExpert(counts, offsets, tok, slot, idx)
 	if m.kind != "route-unstable" {
 		return
 	}
 	// Reverse each expert's rows: the right rows, the wrong order.
-	lo := 0
-	for _, c := range counts.(*cpu.Tensor).Int32s() {
-		hi := lo + int(c)
-		slices.Reverse(tok.(*cpu.Tensor).Int32s()[lo:hi])
-		slices.Reverse(slot.(*cpu.Tensor).Int32s()[lo:hi])
-		lo = hi
+	off := offsets.(*cpu.Tensor).Int32s()
+	for e := range len(off) - 1 {
+		slices.Reverse(tok.(*cpu.Tensor).Int32s()[off[e]:off[e+1]])
+		slices.Reverse(slot.(*cpu.Tensor).Int32s()[off[e]:off[e+1]])
 	}
 }
 
@@ -250,42 +250,53 @@ func (m mutant) GatherPeerRows(out backend.Tensor, src, tok, scale []backend.Ten
 	m.Backend.GatherPeerRows(out, src, tok, scale, refs)
 }
 
-// firstGroup puts every row of groupRows in the first group: every row is
+// hostRows is groups' row counts over a's rows, read from the offsets
+// when need be.
+func (m mutant) hostRows(groups backend.Groups, a backend.Tensor) []int {
+	rows, err := backend.GroupRows(m.Backend, groups, a.Shape()[0])
+	if err != nil {
+		panic(err)
+	}
+	return rows
+}
+
+// firstGroup puts every row of groups in the first group: every row is
 // multiplied by the first matrix.
-func firstGroup(groupRows []int) []int {
+func (m mutant) firstGroup(groups backend.Groups, a backend.Tensor) backend.Groups {
+	groupRows := m.hostRows(groups, a)
 	all := make([]int, len(groupRows))
 	for _, r := range groupRows {
 		all[0] += r
 	}
-	return all
+	return backend.Groups{Rows: all}
 }
 
-func (m mutant) DispatchSwiGLU(x, h1, h3, act backend.Tensor, src, tok []backend.Tensor, refs, w1, w3 backend.Tensor, groupRows []int) {
+func (m mutant) DispatchSwiGLU(x, h1, h3, act backend.Tensor, src, tok []backend.Tensor, refs, w1, w3 backend.Tensor, groups backend.Groups) {
 	if m.kind == "dispatch-first-matrix" {
-		groupRows = firstGroup(groupRows)
+		groups = m.firstGroup(groups, x)
 	}
-	m.Backend.DispatchSwiGLU(x, h1, h3, act, src, tok, refs, w1, w3, groupRows)
+	m.Backend.DispatchSwiGLU(x, h1, h3, act, src, tok, refs, w1, w3, groups)
 }
 
-func (m mutant) DownCombine(out, done []backend.Tensor, refs, act, w2 backend.Tensor, groupRows []int) {
+func (m mutant) DownCombine(out, done []backend.Tensor, refs, act, w2 backend.Tensor, groups backend.Groups) {
 	if m.kind == "down-combine-first-matrix" {
-		groupRows = firstGroup(groupRows)
+		groups = m.firstGroup(groups, act)
 	}
-	m.Backend.DownCombine(out, done, refs, act, w2, groupRows)
+	m.Backend.DownCombine(out, done, refs, act, w2, groups)
 }
 
-func (m mutant) DispatchDgradSwiGLU(dy, dh1, dh3 backend.Tensor, src, tok, scale []backend.Tensor, refs, h1, h3, w2 backend.Tensor, groupRows []int) {
-	m.Backend.DispatchDgradSwiGLU(dy, dh1, dh3, src, tok, scale, refs, h1, h3, w2, groupRows)
+func (m mutant) DispatchDgradSwiGLU(dy, dh1, dh3 backend.Tensor, src, tok, scale []backend.Tensor, refs, h1, h3, w2 backend.Tensor, groups backend.Groups) {
+	m.Backend.DispatchDgradSwiGLU(dy, dh1, dh3, src, tok, scale, refs, h1, h3, w2, groups)
 	if m.kind != "dispatch-dgrad-dh3-unscaled" {
 		return
 	}
 	// dh3 from the unscaled rows, as a kernel applying the gates to one
 	// epilogue only would write it; dy and dh1 stay right.
 	m.Backend.DispatchDgradSwiGLU(m.New(dy.DType(), dy.Shape()...), m.New(dh1.DType(), dh1.Shape()...), dh3,
-		src, tok, nil, refs, h1, h3, w2, groupRows)
+		src, tok, nil, refs, h1, h3, w2, groups)
 }
 
-func (m mutant) DgradCombine(out, done []backend.Tensor, refs, dh1, dh3, w1, w3 backend.Tensor, groupRows []int) {
+func (m mutant) DgradCombine(out, done []backend.Tensor, refs, dh1, dh3, w1, w3 backend.Tensor, groups backend.Groups) {
 	if m.kind == "dgrad-combine-skips-w3" {
 		// dh3·W3 is dropped: the second product overwrites instead of
 		// accumulating, or is never issued.
@@ -293,7 +304,7 @@ func (m mutant) DgradCombine(out, done []backend.Tensor, refs, dh1, dh3, w1, w3 
 		m.Zero(zero)
 		dh3 = zero
 	}
-	m.Backend.DgradCombine(out, done, refs, dh1, dh3, w1, w3, groupRows)
+	m.Backend.DgradCombine(out, done, refs, dh1, dh3, w1, w3, groups)
 }
 
 func (m mutant) AdamWUpdate(param, grad, mm, v backend.Tensor, h backend.AdamW) {

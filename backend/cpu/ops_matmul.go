@@ -14,7 +14,11 @@ package cpu
 // same order whatever the split, so results do not depend on the worker
 // count.
 
-import "github.com/mktrain/mktrain/backend"
+import (
+	"slices"
+
+	"github.com/mktrain/mktrain/backend"
+)
 
 const (
 	// mmKB and mmJB are the k and j extents of the block of B kept in cache
@@ -182,22 +186,42 @@ func axpyRows[T Float](o, a []T, ak int, bk []T, ldb, kw int, alpha T) {
 }
 
 // GroupedMatMul is one MatMul per group (backend.GroupedMatMulByLoop).
-func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, transB bool, alpha, beta float64) {
+func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groups backend.Groups, transB bool, alpha, beta float64) {
 	const op = "GroupedMatMul"
-	if _, _, err := backend.GroupedMatMulDims(outRN, aRK, bG, groupRows, transB); err != nil {
+	if _, _, err := backend.GroupedMatMulDims(outRN, aRK, bG, groups, transB); err != nil {
 		fail(op, "%v", err)
 	}
-	backend.GroupedMatMulByLoop(b, outRN, aRK, bG, groupRows, transB, alpha, beta)
+	backend.GroupedMatMulByLoop(b, outRN, aRK, bG, b.groupRows(op, groups, aRK.Shape()[0]), transB, alpha, beta)
 }
 
 // GroupedMatMulTN is one MatMul per group (backend.GroupedMatMulTNByLoop).
-func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []int, alpha, beta float64) {
+func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groups backend.Groups, alpha, beta float64) {
 	const op = "GroupedMatMulTN"
-	if _, _, err := backend.GroupedMatMulTNDims(outGMN, aRM, bRN, groupRows); err != nil {
+	if _, _, err := backend.GroupedMatMulTNDims(outGMN, aRM, bRN, groups); err != nil {
 		fail(op, "%v", err)
 	}
 	if outGMN.DType() == backend.BFloat16 {
 		fail(op, "out is bfloat16; the weight gradients it accumulates are of the float type")
 	}
-	backend.GroupedMatMulTNByLoop(b, outGMN, aRM, bRN, groupRows, alpha, beta)
+	backend.GroupedMatMulTNByLoop(b, outGMN, aRM, bRN, b.groupRows(op, groups, aRM.Shape()[0]), alpha, beta)
+}
+
+// groupRows returns the row counts of groups over operands of rows rows:
+// Rows, or those of Offsets (read in place). Given both, they must agree:
+// the reference backend holds a caller to its word.
+func (b *Backend) groupRows(op string, groups backend.Groups, rows int) []int {
+	if err := backend.CheckGroups(groups, rows); err != nil {
+		fail(op, "%v", err)
+	}
+	if groups.Offsets == nil {
+		return groups.Rows
+	}
+	fromOffsets, err := backend.OffsetRows(ints(groups.Offsets), rows)
+	if err != nil {
+		fail(op, "%v", err)
+	}
+	if groups.Rows != nil && !slices.Equal(groups.Rows, fromOffsets) {
+		fail(op, "row counts %v and offsets (counts %v) describe different groups", groups.Rows, fromOffsets)
+	}
+	return fromOffsets
 }

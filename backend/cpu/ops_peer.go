@@ -196,39 +196,39 @@ func (b *Backend) CombineRows(outTD, inSD, rowsS, scaleS, doneS backend.Tensor, 
 }
 
 // DispatchSwiGLU is its unfused sequence (backend.DispatchSwiGLUBySteps).
-func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) {
-	backend.DispatchSwiGLUBySteps(b, xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows)
+func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groups backend.Groups) {
+	backend.DispatchSwiGLUBySteps(b, xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groups)
 }
 
 // DownCombine is its unfused sequence (backend.DownCombineBySteps) through
 // a scratch tensor of y rows.
-func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groups backend.Groups) {
 	const op = "DownCombine"
 	if len(outSD) == 0 {
 		fail(op, "no output tensors")
 	}
 	r, _ := b.operandMatrix(op, "act", actRF)
 	_, d := b.matrix(op, "out", outSD[0])
-	backend.DownCombineBySteps(b, b.New(b.dt, r, d), outSD, doneS, refsR2, actRF, w2GDF, groupRows)
+	backend.DownCombineBySteps(b, b.New(b.dt, r, d), outSD, doneS, refsR2, actRF, w2GDF, groups)
 }
 
 // DispatchDgradSwiGLU is its unfused sequence
 // (backend.DispatchDgradSwiGLUBySteps) through a scratch tensor of dAct
 // rows.
-func (b *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) {
+func (b *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groups backend.Groups) {
 	const op = "DispatchDgradSwiGLU"
 	r, f := b.operandMatrix(op, "dh1", dh1RF)
-	backend.DispatchDgradSwiGLUBySteps(b, b.New(b.dt, r, f), dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows)
+	backend.DispatchDgradSwiGLUBySteps(b, b.New(b.dt, r, f), dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groups)
 }
 
 // DgradCombine is its unfused sequence (backend.DgradCombineBySteps)
 // through a scratch tensor of dx rows.
-func (b *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+func (b *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groups backend.Groups) {
 	const op = "DgradCombine"
 	if len(outSD) == 0 {
 		fail(op, "no output tensors")
 	}
 	r, _ := b.operandMatrix(op, "dh1", dh1RF)
 	_, d := b.matrix(op, "out", outSD[0])
-	backend.DgradCombineBySteps(b, b.New(b.dt, r, d), outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+	backend.DgradCombineBySteps(b, b.New(b.dt, r, d), outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groups)
 }

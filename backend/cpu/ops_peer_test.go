@@ -23,6 +23,8 @@ func TestPeerOpsBadArguments(t *testing.T) {
 	}
 	list := func(vals ...int32) backend.Tensor { return ids([]int{len(vals)}, vals...) }
 	refs := func(pairs ...int32) backend.Tensor { return ids([]int{len(pairs) / 2, 2}, pairs...) }
+	groups := func(rows ...int) backend.Groups { return backend.Groups{Rows: rows} }
+	offsets := func(offs ...int32) backend.Groups { return backend.Groups{Offsets: list(offs...)} }
 	ts := func(x ...backend.Tensor) []backend.Tensor { return x }
 	// Two ranks: rank 0 sends 2 rows of a 3-row source, rank 1 sends 1 of 2.
 	src, tok := ts(f(3, 4), f(2, 4)), ts(list(2, 0), list(1))
@@ -61,25 +63,37 @@ func TestPeerOpsBadArguments(t *testing.T) {
 			b.ScatterPeerRows(ts(f(2, 4), f(1, 4)), f(3, 4), refs(0, 1, 1, 0, 0, 1))
 		}},
 		{"dispatch refs", "cpu.GatherPeerRows: refs[0] names rank 3 of 2", func() {
-			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(3, 0), w1, w3, []int{1, 0})
+			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(3, 0), w1, w3, groups(1, 0))
 		}},
 		{"dispatch groups", "cpu.GroupedMatMul", func() {
-			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(0, 0), w1, w3, []int{1})
+			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(0, 0), w1, w3, groups(1))
 		}},
-		{"down-combine no outs", "cpu.DownCombine: no output tensors", func() { b.DownCombine(nil, nil, refs(0, 0), f(1, F), w2, []int{1, 0}) }},
-		{"down-combine act", "cpu.DownCombine: act is int32", func() { b.DownCombine(ts(f(2, 4)), nil, refs(0, 0), list(1), w2, []int{1, 0}) }},
-		{"down-combine out width", "cpu.GroupedMatMul", func() { b.DownCombine(ts(f(2, 5)), nil, refs(0, 0), f(1, F), w2, []int{1, 0}) }},
+		{"dispatch offsets past the rows", "cpu.GroupedMatMul: group offsets [0 1 2]: want 2+1 offsets from 0 to the operands' 1 rows", func() {
+			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(0, 0), w1, w3, offsets(0, 1, 2))
+		}},
+		{"dispatch offsets backwards", "cpu.GroupedMatMul: group offsets [0 2 1]: group 1 ends at row 1 before it starts (2)", func() {
+			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(0, 0), w1, w3, offsets(0, 2, 1))
+		}},
+		{"dispatch rows and offsets differ", "cpu.GroupedMatMul: row counts [1 0] and offsets (counts [0 1]) describe different groups", func() {
+			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(0, 0), w1, w3, backend.Groups{Rows: []int{1, 0}, Offsets: list(0, 0, 1)})
+		}},
+		{"dispatch offsets count", "cpu.GroupedMatMul: 2 row counts but 2 offsets, want 3", func() {
+			b.DispatchSwiGLU(f(1, 4), f(1, F), f(1, F), f(1, F), src, tok, refs(0, 0), w1, w3, backend.Groups{Rows: []int{1, 0}, Offsets: list(0, 1)})
+		}},
+		{"down-combine no outs", "cpu.DownCombine: no output tensors", func() { b.DownCombine(nil, nil, refs(0, 0), f(1, F), w2, groups(1, 0)) }},
+		{"down-combine act", "cpu.DownCombine: act is int32", func() { b.DownCombine(ts(f(2, 4)), nil, refs(0, 0), list(1), w2, groups(1, 0)) }},
+		{"down-combine out width", "cpu.GroupedMatMul", func() { b.DownCombine(ts(f(2, 5)), nil, refs(0, 0), f(1, F), w2, groups(1, 0)) }},
 		{"down-combine refs", "cpu.ScatterPeerRows: refs[0] names position 2 of rank 0, which sends 2 rows", func() {
-			b.DownCombine(ts(f(2, 4)), nil, refs(0, 2), f(1, F), w2, []int{1, 0})
+			b.DownCombine(ts(f(2, 4)), nil, refs(0, 2), f(1, F), w2, groups(1, 0))
 		}},
 		{"dispatch-dgrad dh1", "cpu.DispatchDgradSwiGLU: dh1 is int32", func() {
-			b.DispatchDgradSwiGLU(f(1, 4), list(1), f(1, F), src, tok, nil, refs(0, 0), f(1, F), f(1, F), w2, []int{1, 0})
+			b.DispatchDgradSwiGLU(f(1, 4), list(1), f(1, F), src, tok, nil, refs(0, 0), f(1, F), f(1, F), w2, groups(1, 0))
 		}},
 		{"dispatch-dgrad scale lists", "cpu.GatherPeerRows: 2 sources, 2 token lists and 1 scale lists", func() {
-			b.DispatchDgradSwiGLU(f(1, 4), f(1, F), f(1, F), src, tok, ts(f(2)), refs(0, 0), f(1, F), f(1, F), w2, []int{1, 0})
+			b.DispatchDgradSwiGLU(f(1, 4), f(1, F), f(1, F), src, tok, ts(f(2)), refs(0, 0), f(1, F), f(1, F), w2, groups(1, 0))
 		}},
 		{"dispatch-dgrad h1 shape", "cpu.SwiGLUBackward", func() {
-			b.DispatchDgradSwiGLU(f(1, 4), f(1, F), f(1, F), src, tok, nil, refs(0, 0), f(2, F), f(1, F), w2, []int{1, 0})
+			b.DispatchDgradSwiGLU(f(1, 4), f(1, F), f(1, F), src, tok, nil, refs(0, 0), f(2, F), f(1, F), w2, groups(1, 0))
 		}},
 		{"mark flags nil", "cpu.MarkPeerRows: flags of rank 1 are nil", func() { b.MarkPeerRows(ts(list(0, 0), nil), refs(0, 0)) }},
 		{"mark position", "cpu.MarkPeerRows: refs[0] names position 2 of rank 0, which sends 2 rows", func() {
@@ -89,10 +103,10 @@ func TestPeerOpsBadArguments(t *testing.T) {
 			b.CombineRows(f(3, 4), f(2, 4), list(0, 1), nil, list(1), []int{2})
 		}},
 		{"combine flags nil", "cpu.CombineRows: in and flags are required", func() { b.CombineRows(f(3, 4), f(2, 4), list(0, 1), nil, nil, []int{2}) }},
-		{"dgrad-combine no outs", "cpu.DgradCombine: no output tensors", func() { b.DgradCombine(nil, nil, refs(0, 0), f(1, F), f(1, F), w1, w3, []int{1, 0}) }},
-		{"dgrad-combine dh1", "cpu.DgradCombine: dh1 is int32", func() { b.DgradCombine(ts(f(2, 4)), nil, refs(0, 0), list(1), f(1, F), w1, w3, []int{1, 0}) }},
+		{"dgrad-combine no outs", "cpu.DgradCombine: no output tensors", func() { b.DgradCombine(nil, nil, refs(0, 0), f(1, F), f(1, F), w1, w3, groups(1, 0)) }},
+		{"dgrad-combine dh1", "cpu.DgradCombine: dh1 is int32", func() { b.DgradCombine(ts(f(2, 4)), nil, refs(0, 0), list(1), f(1, F), w1, w3, groups(1, 0)) }},
 		{"dgrad-combine refs", "cpu.ScatterPeerRows: refs[0] names position 2 of rank 0, which sends 2 rows", func() {
-			b.DgradCombine(ts(f(2, 4)), nil, refs(0, 2), f(1, F), f(1, F), w1, w3, []int{1, 0})
+			b.DgradCombine(ts(f(2, 4)), nil, refs(0, 2), f(1, F), f(1, F), w1, w3, groups(1, 0))
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {

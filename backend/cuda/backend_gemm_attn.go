@@ -165,22 +165,23 @@ func (b *Backend) AttentionBackward(dqTQ, dkTK, dvTK, doutTQ, qTQ, kTK, vTK, out
 // GroupedMatMul runs one cuBLASLt product per group of rows (see
 // backend.Backend and Gemm.GroupedMatMul): the MoE experts' forward and
 // input-gradient products, whose row counts change every step.
-func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, transB bool, alpha, beta float64) {
+func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groups backend.Groups, transB bool, alpha, beta float64) {
 	const op = "GroupedMatMul"
 	at, _, _ := operandMatrix(op, "a", aRK)
 	bt, _, _ := operandMatrix(op, "b", bG)
 	ot, _, _ := operandMatrix(op, "out", outRN)
-	n, k, err := backend.GroupedMatMulDims(outRN, aRK, bG, groupRows, transB)
+	n, k, err := backend.GroupedMatMulDims(outRN, aRK, bG, groups, transB)
 	if err != nil {
 		fail(op, "%v", err)
 	}
 	b.checkGroupedOut(op, ot, at, bt, beta)
-	if b.groupedKernel(ot, at, bt, groupRows, n, k, transB, alpha, beta) {
+	if b.groupedKernel(ot, at, bt, groups, n, k, transB, alpha, beta) {
 		runtime.KeepAlive(ot)
 		runtime.KeepAlive(at)
 		runtime.KeepAlive(bt)
 		return
 	}
+	groupRows := b.hostGroupRows(op, groups, at.shape[0])
 	ps, ok := devicePtrs(ot, at, bt)
 	if !ok {
 		return
@@ -196,12 +197,12 @@ func (b *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, 
 // backend.Backend): on the TN grouped kernel where experts.go's rule
 // picks it (groupedKernelTN), else one cuBLASLt product per group
 // (Gemm.GroupedMatMulTN).
-func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []int, alpha, beta float64) {
+func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groups backend.Groups, alpha, beta float64) {
 	const op = "GroupedMatMulTN"
 	at, _, _ := operandMatrix(op, "a", aRM)
 	bt, _, _ := operandMatrix(op, "b", bRN)
 	ot, _, _ := operandMatrix(op, "out", outGMN)
-	m, n, err := backend.GroupedMatMulTNDims(outGMN, aRM, bRN, groupRows)
+	m, n, err := backend.GroupedMatMulTNDims(outGMN, aRM, bRN, groups)
 	if err != nil {
 		fail(op, "%v", err)
 	}
@@ -209,12 +210,13 @@ func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []i
 		fail(op, "out is bfloat16; the weight gradients it accumulates are float32")
 	}
 	b.checkGroupedOut(op, ot, at, bt, beta)
-	if b.groupedKernelTN(ot, at, bt, groupRows, m, n, alpha, beta) {
+	if b.groupedKernelTN(ot, at, bt, groups, m, n, alpha, beta) {
 		runtime.KeepAlive(ot)
 		runtime.KeepAlive(at)
 		runtime.KeepAlive(bt)
 		return
 	}
+	groupRows := b.hostGroupRows(op, groups, at.shape[0])
 	ps, ok := devicePtrs(ot, at, bt)
 	if !ok {
 		return
@@ -224,6 +226,17 @@ func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []i
 	runtime.KeepAlive(ot)
 	runtime.KeepAlive(at)
 	runtime.KeepAlive(bt)
+}
+
+// hostGroupRows is groups' row counts on the host, for the paths that
+// loop over the groups there: Rows, or Offsets read back, which waits for
+// the GPU (backend.GroupRows).
+func (b *Backend) hostGroupRows(op string, groups backend.Groups, rows int) []int {
+	groupRows, err := backend.GroupRows(b, groups, rows)
+	if err != nil {
+		fail(op, "%v", err)
+	}
+	return groupRows
 }
 
 // checkGroupedOut applies MatMul's rules on out to a grouped product.

@@ -71,23 +71,28 @@ func checkRouter(op string, probsTE, lseT, idxTK, gatesTK, vecE backend.Tensor) 
 }
 
 // RouteByExpert sorts idxTK's assignments by expert on the GPU (see
-// backend.Backend and kernels/route.cu): one block per expert.
-func (b *Backend) RouteByExpert(countsE, sendTokS, sendSlotS, idxTK backend.Tensor) {
+// backend.Backend and kernels/route.cu): one block per expert, which
+// writes its count and offset too.
+func (b *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK backend.Tensor) {
 	const op = "RouteByExpert"
-	if countsE == nil || idxTK == nil {
-		fail(op, "counts and idx are required")
+	if countsE == nil || offsetsE1 == nil || idxTK == nil {
+		fail(op, "counts, offsets and idx are required")
 	}
 	shape := idxTK.Shape()
 	if len(shape) != 2 {
 		fail(op, "idx has shape %v, want [T, K]", shape)
 	}
 	E, K, n := countsE.Len(), shape[1], idxTK.Len()
+	if n >= 1<<24 {
+		fail(op, "%d assignments: the float counts are exact below 2^24", n)
+	}
 	idx := indices(op, "idx", idxTK, n)
-	counts := indices(op, "counts", countsE, E)
+	counts := vector(op, "counts", countsE, E)
+	offsets := indices(op, "offsets", offsetsE1, E+1)
 	tok := indices(op, "sendTok", sendTokS, n)
 	slot := indices(op, "sendSlot", sendSlotS, n)
 	fitsInt32(op, n, E)
 	if E > 0 {
-		b.launch(b.k.route, Grid1D(E, 1024), counts, tok, slot, idx, int32(n), int32(K))
+		b.launch(b.k.route, Grid1D(E, 1024), counts, offsets, tok, slot, idx, int32(n), int32(K))
 	}
 }

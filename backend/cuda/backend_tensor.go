@@ -227,13 +227,51 @@ func (b *Backend) Download(t backend.Tensor) *tensor.Dense {
 	if s == nil {
 		panic("cuda.Download: tensor is nil")
 	}
+	bytes, finish := hostCopy(s)
+	if len(bytes) > 0 && s.st.buf != nil {
+		b.fail(b.dev.CopyFromDevice(bytes, s.st.buf, int64(dtypeBytes(s.dt)*s.off)))
+	}
+	runtime.KeepAlive(s)
+	return finish()
+}
+
+// StartDownload queues t's copy to the host behind the work queued so far
+// (Device.StartCopyFromDevice) and returns its wait; a tensor larger than
+// a slot is downloaded at once.
+func (b *Backend) StartDownload(t backend.Tensor) backend.PendingDownload {
+	s := tensorOf("StartDownload", "t", t)
+	if s == nil {
+		panic("cuda.StartDownload: tensor is nil")
+	}
+	bytes, finish := hostCopy(s)
+	if len(bytes) == 0 || len(bytes) > fetchSlotBytes || s.st.buf == nil {
+		d := b.Download(t)
+		return func() *tensor.Dense { return d }
+	}
+	wait, err := b.dev.StartCopyFromDevice(s.st.buf, int64(dtypeBytes(s.dt)*s.off), len(bytes))
+	if err != nil {
+		b.fail(err)
+		d := b.Download(t)
+		return func() *tensor.Dense { return d }
+	}
+	// The buffer stays alive until the copy is done: the wait holds s.
+	return func() *tensor.Dense {
+		b.fail(wait(bytes))
+		runtime.KeepAlive(s)
+		return finish()
+	}
+}
+
+// hostCopy returns the host bytes a download of s is copied into and the
+// function that makes the downloaded tensor of them: of s's dtype and
+// shape, bf16 widened to float32 (which holds it exactly).
+func hostCopy(s *Tensor) (bytes []byte, finish func() *tensor.Dense) {
 	shape := s.shape
 	if len(shape) == 0 {
 		shape = []int{1}
 	}
 	n := s.Len()
 	var backing any
-	var bytes []byte
 	var bits []uint16
 	switch s.dt {
 	case backend.Float32:
@@ -246,16 +284,14 @@ func (b *Backend) Download(t backend.Tensor) *tensor.Dense {
 		i := make([]int32, max(n, 1))[:n]
 		backing, bytes = i, Bytes(i)
 	}
-	if n > 0 && s.st.buf != nil {
-		b.fail(b.dev.CopyFromDevice(bytes, s.st.buf, int64(dtypeBytes(s.dt)*s.off)))
-	}
-	runtime.KeepAlive(s)
-	if s.dt == backend.BFloat16 {
-		f := make([]float32, max(n, 1))[:n]
-		for i, h := range bits {
-			f[i] = bf16Value(h)
+	return bytes, func() *tensor.Dense {
+		if s.dt == backend.BFloat16 {
+			f := make([]float32, max(n, 1))[:n]
+			for i, h := range bits {
+				f[i] = bf16Value(h)
+			}
+			backing = f
 		}
-		backing = f
+		return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(backing))
 	}
-	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(backing))
 }

@@ -75,6 +75,7 @@ type Device struct {
 	// Touched only on the device thread.
 	asyncErr error
 	staging  stagingRing // small uploads (staging.go)
+	fetch    fetchPool   // queued downloads (fetch.go)
 
 	mem *allocator
 
@@ -272,7 +273,7 @@ func (d *Device) Close() error {
 
 func (d *Device) teardown() error {
 	errs := []error{d.drv.StreamSynchronize(d.stream)}
-	errs = append(errs, d.staging.release(d.drv), d.mem.releaseAll())
+	errs = append(errs, d.staging.release(d.drv), d.fetch.release(d.drv), d.mem.releaseAll())
 	d.modMu.Lock()
 	for _, m := range d.modules {
 		errs = append(errs, d.drv.ModuleUnload(m.mod))

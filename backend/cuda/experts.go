@@ -20,6 +20,7 @@ package cuda
 
 import (
 	"errors"
+	"runtime"
 	"sync"
 
 	"github.com/mktrain/mktrain/backend"
@@ -57,12 +58,13 @@ func (b *Backend) expertKernels() (*expertGemm, bool) {
 
 // groupedKernel runs out = alpha·a·op(bG)ᵀ per group on the grouped GEMM
 // when the call is one it serves, and reports whether it did.
-func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, transB bool, alpha, beta float64) bool {
+func (b *Backend) groupedKernel(ot, at, bt *Tensor, groups backend.Groups, n, k int, transB bool, alpha, beta float64) bool {
 	if !transB || beta != 0 || at.dt != backend.BFloat16 || bt.dt != backend.BFloat16 || n%8 != 0 || k%8 != 0 {
 		return false
 	}
+	G := groups.Len()
 	x, ok := b.expertKernels()
-	if !ok || len(groupRows) > ggMaxExperts {
+	if !ok || G > ggMaxExperts {
 		return false
 	}
 	ps, ok := devicePtrs(ot, at, bt)
@@ -70,39 +72,51 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groupRows []int, n, k int, t
 		return false
 	}
 	// The kernel's own checks (sizes, alignment), made before committing
-	// to it; the offsets' address is not known yet and is any aligned one.
-	if checkGroupedGemm(ps[0], ps[1], ps[2], 16, at.shape[0], n, k, len(groupRows), 0) != nil {
+	// to it; staged offsets' address is not known yet and is any aligned
+	// one.
+	if checkGroupedGemm(ps[0], ps[1], ps[2], 16, at.shape[0], n, k, G, 0) != nil {
 		return false
-	}
-	rows := 0
-	for _, r := range groupRows {
-		rows += r
-	}
-	if rows == 0 {
-		return true
 	}
 	gg := x.floatOut
 	if ot.dt == backend.BFloat16 {
 		gg = x.bf16Out
 	}
-	return b.withOffsets(x, groupRows, func(offsets driver.DevicePtr) error {
-		return gg.Run(ps[0], ps[1], ps[2], offsets, rows, n, k, len(groupRows), ot.dt == backend.BFloat16, float32(alpha), 0)
+	return b.withGroupOffsets(x, groups, at.shape[0], func(offsets driver.DevicePtr, rows int) error {
+		return gg.Run(ps[0], ps[1], ps[2], offsets, rows, n, k, G, ot.dt == backend.BFloat16, float32(alpha), 0)
 	})
 }
 
-// withOffsets stages groupRows' offsets and runs run on them, under x.mu.
-// It reports false when there is no offsets buffer (the call then keeps
-// the cuBLASLt path); staging and launch errors go to b.fail.
-func (b *Backend) withOffsets(x *expertGemm, groupRows []int, run func(offsets driver.DevicePtr) error) bool {
+// withGroupOffsets runs run on the group offsets of groups over operands
+// of opRows rows and the rows the groups hold: Offsets where given (the
+// kernels read them in place; they hold every row), else Rows' prefix sums
+// staged under x.mu. A call whose groups hold no rows runs nothing. It
+// reports false when the offsets cannot be staged (the call then keeps the
+// cuBLASLt path); staging and launch errors go to b.fail.
+func (b *Backend) withGroupOffsets(x *expertGemm, groups backend.Groups, opRows int, run func(offsets driver.DevicePtr, rows int) error) bool {
+	if groups.Offsets != nil {
+		offs, ok := tensorOf("grouped product", "offsets", groups.Offsets).ptr()
+		if ok && opRows > 0 {
+			b.fail(run(offs, opRows))
+		}
+		runtime.KeepAlive(groups.Offsets)
+		return true
+	}
+	rows := 0
+	for _, r := range groups.Rows {
+		rows += r
+	}
+	if rows == 0 {
+		return true
+	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	if staged, err := x.stageOffsets(b.dev, groupRows); !staged {
+	if staged, err := x.stageOffsets(b.dev, groups.Rows); !staged {
 		return false
 	} else if err != nil {
 		b.fail(err)
 		return true
 	}
-	b.fail(run(x.offsets.Ptr()))
+	b.fail(run(x.offsets.Ptr(), rows))
 	return true
 }
 
@@ -126,30 +140,34 @@ func ggTNFill(tiles int64, sms int) float64 {
 // call is one it serves (bf16 operands, float32 out, sizes and addresses
 // the kernel takes, some rows) and its tiles fill their waves (ggTNFill
 // at least x.tnMinFill), and reports whether it did.
-func (b *Backend) groupedKernelTN(ot, at, bt *Tensor, groupRows []int, m, n int, alpha, beta float64) bool {
+func (b *Backend) groupedKernelTN(ot, at, bt *Tensor, groups backend.Groups, m, n int, alpha, beta float64) bool {
 	if ot.dt != backend.Float32 || at.dt != backend.BFloat16 || bt.dt != backend.BFloat16 {
 		return false
 	}
+	G := groups.Len()
 	x, ok := b.expertKernels()
-	if !ok || ggTNFill(ggTNTiles(m, n, len(groupRows)), b.dev.info.SMs) < x.tnMinFill {
+	if !ok || ggTNFill(ggTNTiles(m, n, G), b.dev.info.SMs) < x.tnMinFill {
 		return false
 	}
 	ps, ok := devicePtrs(ot, at, bt)
 	if !ok {
 		return false
 	}
-	rows := 0
-	for _, r := range groupRows {
-		rows += r
+	rows := at.shape[0]
+	if groups.Offsets == nil {
+		rows = 0
+		for _, r := range groups.Rows {
+			rows += r
+		}
 	}
 	// The kernel's own checks (sizes, alignment), made before committing
-	// to it; the offsets' address is not known yet and is any aligned one.
-	// No rows (no K at all) is left to cuBLASLt's scaling path.
-	if rows == 0 || checkGroupedGemmTN(ps[0], ps[1], ps[2], 16, rows, m, n, len(groupRows)) != nil {
+	// to it; staged offsets' address is not known yet and is any aligned
+	// one. No rows (no K at all) is left to cuBLASLt's scaling path.
+	if rows == 0 || checkGroupedGemmTN(ps[0], ps[1], ps[2], 16, rows, m, n, G) != nil {
 		return false
 	}
-	return b.withOffsets(x, groupRows, func(offsets driver.DevicePtr) error {
-		return x.floatOut.RunTN(ps[0], ps[1], ps[2], offsets, rows, m, n, len(groupRows), float32(alpha), float32(beta))
+	return b.withGroupOffsets(x, groups, at.shape[0], func(offsets driver.DevicePtr, rows int) error {
+		return x.floatOut.RunTN(ps[0], ps[1], ps[2], offsets, rows, m, n, G, float32(alpha), float32(beta))
 	})
 }
 

@@ -261,7 +261,7 @@ func TestGroupedMatMulTNRoutes(t *testing.T) {
 		x.tnMinFill = fill
 		out := b.New(backend.Float32, len(groups)*m, n)
 		backend.UploadSlice(b, out, old)
-		b.GroupedMatMulTN(out, a, bb, groups, 0.5, 1)
+		b.GroupedMatMulTN(out, a, bb, backend.Groups{Rows: groups}, 0.5, 1)
 		if err := b.Sync(); err != nil {
 			t.Fatal(err)
 		}

@@ -84,8 +84,9 @@ const (
 const fusedTimeout = 10 * time.Second
 
 // stage uploads the pointer tables (toks, scales and done may be nil) and
-// the offsets of groupRows.
-func (f *fusedTables) stage(d *Device, ptrs, toks, scales, done []driver.DevicePtr, groupRows []int) error {
+// puts the group offsets after them: groups' device offsets copied on the
+// device, or Rows' prefix sums uploaded with the tables.
+func (f *fusedTables) stage(d *Device, ptrs, toks, scales, done []driver.DevicePtr, groups backend.Groups) error {
 	if f.tables == nil {
 		var err error
 		if f.tables, err = d.Alloc(fusedTablesB); err != nil {
@@ -114,6 +115,16 @@ func (f *fusedTables) stage(d *Device, ptrs, toks, scales, done []driver.DeviceP
 	for i, p := range done {
 		put64(fusedDoneOff+8*i, p)
 	}
+	if o := groups.Offsets; o != nil {
+		if err := d.StageToDevice(f.tables, 0, h[:fusedOffsOff]); err != nil {
+			return err
+		}
+		ot := tensorOf("fused MoE op", "offsets", o)
+		if ot.st.buf == nil {
+			return errors.New("cuda: fused MoE op: the group offsets have no device memory")
+		}
+		return d.CopyDevice(f.tables, fusedOffsOff, ot.st.buf, 4*int64(ot.off), 4*int64(o.Len()))
+	}
 	rows := 0
 	put32 := func(at int, v int) {
 		for i := range 4 {
@@ -121,12 +132,12 @@ func (f *fusedTables) stage(d *Device, ptrs, toks, scales, done []driver.DeviceP
 		}
 	}
 	put32(fusedOffsOff, 0)
-	for g, r := range groupRows {
+	for g, r := range groups.Rows {
 		rows += r
 		put32(fusedOffsOff+4*(g+1), rows)
 	}
 	// The offsets end the used part; a partial upload keeps it small.
-	return d.StageToDevice(f.tables, 0, h[:fusedOffsOff+4*(len(groupRows)+1)])
+	return d.StageToDevice(f.tables, 0, h[:fusedOffsOff+4*(len(groups.Rows)+1)])
 }
 
 // armFault returns the fault record's address for a launch whose waits
@@ -317,9 +328,9 @@ func peerPtrs(ts []backend.Tensor, dt backend.DType) ([]driver.DevicePtr, bool) 
 // DispatchSwiGLU runs moe_dispatch_swiglu when the call is one it takes
 // (bf16 rows and weights, float32 sources, Hopper), else the unfused
 // sequence.
-func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) {
-	if !b.dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows) {
-		backend.DispatchSwiGLUBySteps(b, xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows)
+func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groups backend.Groups) {
+	if !b.dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groups) {
+		backend.DispatchSwiGLUBySteps(b, xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groups)
 	}
 }
 
@@ -358,34 +369,39 @@ func fusedPtrs(ops, ranks []backend.Tensor, rankDT backend.DType, toks []backend
 	return a, true
 }
 
-// runFused stages a's pointer tables and groupRows' offsets and, unless
-// the groups hold no rows, runs launch with the tables and the row count.
-// It reports whether the kernel took the call: false only when the groups
-// sum past rows (the unfused sequence then reports the error); launch and
-// staging errors go to b.fail.
-func (b *Backend) runFused(a fusedArgs, groupRows []int, rows int, launch func(f *fusedTables, sum int) error) bool {
-	sum := 0
-	for _, r := range groupRows {
-		sum += r
-	}
-	if sum > rows {
+// runFused stages a's pointer tables and the group offsets and, unless
+// the groups hold no rows, runs launch with the tables and the rows the
+// groups hold (rows, the op's, when they are device offsets). It reports
+// whether the kernel took the call: false only when the groups do not fit
+// rows (the unfused sequence then reports the error); launch and staging
+// errors go to b.fail.
+func (b *Backend) runFused(a fusedArgs, groups backend.Groups, rows int, launch func(f *fusedTables, sum int) error) bool {
+	if backend.CheckGroups(groups, rows) != nil {
 		return false
+	}
+	sum := rows
+	if groups.Offsets == nil {
+		sum = 0
+		for _, r := range groups.Rows {
+			sum += r
+		}
 	}
 	f := &b.fused
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if err := f.stage(b.dev, a.ranks, a.toks, a.scales, a.done, groupRows); err != nil {
+	if err := f.stage(b.dev, a.ranks, a.toks, a.scales, a.done, groups); err != nil {
 		b.fail(err)
 		return true
 	}
 	if sum > 0 {
 		b.fail(launch(f, sum))
 	}
+	runtime.KeepAlive(groups.Offsets)
 	return true
 }
 
-func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
-	g := len(groupRows)
+func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groups backend.Groups) bool {
+	g := groups.Len()
 	bf := []backend.Tensor{xRD, h1RF, h3RF, actRF, w1GFD, w3GFD}
 	// Sources of the float type or, half the bytes to gather, the operand
 	// type (moe_dispatch_swiglu_bf16).
@@ -415,7 +431,7 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 	if !ok || checkGroupedGemm(ps[1], ps[0], ps[4], 16, rows, n, k, g, 256) != nil {
 		return false
 	}
-	taken := b.runFused(a, groupRows, rows, func(f *fusedTables, sum int) error {
+	taken := b.runFused(a, groups, rows, func(f *fusedTables, sum int) error {
 		gg := x.bf16Out
 		flags, fault, err := f.armWaits(b.dev, sum/ggBM+g, gg.waitTimeout())
 		if err != nil {
@@ -437,9 +453,9 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 
 // DownCombine runs moe_down_combine when the call is one it takes (bf16
 // act and weights, float32 outputs, Hopper), else the unfused sequence.
-func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groups backend.Groups) {
 	const op = "DownCombine"
-	if b.downCombineKernel(outSD, doneS, refsR2, actRF, w2GDF, groupRows) {
+	if b.downCombineKernel(outSD, doneS, refsR2, actRF, w2GDF, groups) {
 		return
 	}
 	if len(outSD) == 0 {
@@ -447,11 +463,11 @@ func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GD
 	}
 	_, r, _ := operandMatrix(op, "act", actRF)
 	_, _, d := operandMatrix(op, "out", outSD[0])
-	backend.DownCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, doneS, refsR2, actRF, w2GDF, groupRows)
+	backend.DownCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, doneS, refsR2, actRF, w2GDF, groups)
 }
 
-func (b *Backend) downCombineKernel(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) bool {
-	g := len(groupRows)
+func (b *Backend) downCombineKernel(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groups backend.Groups) bool {
+	g := groups.Len()
 	a, ok := fusedPtrs([]backend.Tensor{actRF, w2GDF}, outSD, backend.Float32, nil, refsR2, g)
 	if !ok {
 		return false
@@ -473,7 +489,7 @@ func (b *Backend) downCombineKernel(outSD, doneS []backend.Tensor, refsR2, actRF
 	if !ok || checkGroupedGemm(ps[0], ps[0], ps[1], 16, rows, n, k, g, 256) != nil {
 		return false
 	}
-	taken := b.runFused(a, groupRows, rows, func(f *fusedTables, sum int) error {
+	taken := b.runFused(a, groups, rows, func(f *fusedTables, sum int) error {
 		done, rowTiles, err := f.combineFlags(b.dev, a, sum, g)
 		if err != nil {
 			return err
@@ -673,17 +689,17 @@ func (g *GroupedGemm) launchFusedChosen(k *Kernel, grid Grid, maps []driver.Tile
 // DispatchDgradSwiGLU runs moe_dispatch_dgrad when the call is one it
 // takes (bf16 rows and weights, float32 sources and scales, Hopper), else
 // the unfused sequence.
-func (b *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) {
+func (b *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groups backend.Groups) {
 	const op = "DispatchDgradSwiGLU"
-	if b.dispatchDgradKernel(dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows) {
+	if b.dispatchDgradKernel(dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groups) {
 		return
 	}
 	_, r, f := operandMatrix(op, "dh1", dh1RF)
-	backend.DispatchDgradSwiGLUBySteps(b, b.New(b.FloatType(), r, f), dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows)
+	backend.DispatchDgradSwiGLUBySteps(b, b.New(b.FloatType(), r, f), dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groups)
 }
 
-func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) bool {
-	g := len(groupRows)
+func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groups backend.Groups) bool {
+	g := groups.Len()
 	bf := []backend.Tensor{dyRD, dh1RF, dh3RF, h1RF, h3RF, w2GDF}
 	if scaleS == nil || len(scaleS) != len(srcTD) {
 		return false
@@ -716,7 +732,7 @@ func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 	if !ok || checkGroupedGemm(ps[1], ps[0], ps[5], 16, rows, f, d, g, 256) != nil {
 		return false
 	}
-	taken := b.runFused(a, groupRows, rows, func(tb *fusedTables, sum int) error {
+	taken := b.runFused(a, groups, rows, func(tb *fusedTables, sum int) error {
 		gg := x.bf16Out
 		flags, fault, err := tb.armWaits(b.dev, sum/ggBM+g, gg.waitTimeout())
 		if err != nil {
@@ -740,9 +756,9 @@ func (b *Backend) dispatchDgradKernel(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, 
 // DgradCombine runs moe_dgrad_combine when the call is one it takes (bf16
 // gradients and weights, float32 outputs, Hopper), else the unfused
 // sequence.
-func (b *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+func (b *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groups backend.Groups) {
 	const op = "DgradCombine"
-	if b.dgradCombineKernel(outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows) {
+	if b.dgradCombineKernel(outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groups) {
 		return
 	}
 	if len(outSD) == 0 {
@@ -750,11 +766,11 @@ func (b *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3
 	}
 	_, r, _ := operandMatrix(op, "dh1", dh1RF)
 	_, _, d := operandMatrix(op, "out", outSD[0])
-	backend.DgradCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+	backend.DgradCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groups)
 }
 
-func (b *Backend) dgradCombineKernel(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) bool {
-	g := len(groupRows)
+func (b *Backend) dgradCombineKernel(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groups backend.Groups) bool {
+	g := groups.Len()
 	bf := []backend.Tensor{dh1RF, dh3RF, w1GFD, w3GFD}
 	a, ok := fusedPtrs(bf, outSD, backend.Float32, nil, refsR2, g)
 	if !ok {
@@ -776,7 +792,7 @@ func (b *Backend) dgradCombineKernel(outSD, doneS []backend.Tensor, refsR2, dh1R
 	if !ok || checkGroupedGemm(ps[0], ps[0], ps[2], 16, rows, d, f, g, 256) != nil {
 		return false
 	}
-	taken := b.runFused(a, groupRows, rows, func(tb *fusedTables, sum int) error {
+	taken := b.runFused(a, groups, rows, func(tb *fusedTables, sum int) error {
 		gg := x.bf16Out
 		done, rowTiles, err := tb.combineFlags(b.dev, a, sum, g)
 		if err != nil {

@@ -157,11 +157,11 @@ func (c fusedCase) run(b *Backend, in fusedInputs, fused bool) fusedOut {
 		b.Zero(o)
 	}
 	if fused {
-		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
-		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, c.groups)
+		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, backend.Groups{Rows: c.groups})
+		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, backend.Groups{Rows: c.groups})
 	} else {
-		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
-		backend.DownCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.doneS, in.refsR2, act, in.w2, c.groups)
+		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, backend.Groups{Rows: c.groups})
+		backend.DownCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.doneS, in.refsR2, act, in.w2, backend.Groups{Rows: c.groups})
 	}
 	o := fusedOut{outs: downloadRanks(b, in.outSD)}
 	o.raised, o.combined, o.cleared = c.combineRanks(b, in, in.scaleS)
@@ -214,11 +214,11 @@ func (c fusedCase) runBackward(b *Backend, in fusedInputs, h1, h3 backend.Tensor
 		b.Zero(o)
 	}
 	if fused {
-		b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, c.groups)
-		b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
+		b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, backend.Groups{Rows: c.groups})
+		b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, backend.Groups{Rows: c.groups})
 	} else {
-		backend.DispatchDgradSwiGLUBySteps(b, b.New(backend.Float32, in.rows, c.f), dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, c.groups)
-		backend.DgradCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, c.groups)
+		backend.DispatchDgradSwiGLUBySteps(b, b.New(backend.Float32, in.rows, c.f), dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, backend.Groups{Rows: c.groups})
+		backend.DgradCombineBySteps(b, b.New(backend.Float32, in.rows, c.d), in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, backend.Groups{Rows: c.groups})
 	}
 	o := fusedGrads{outs: downloadRanks(b, in.outSD)}
 	o.raised, o.combined, o.cleared = c.combineRanks(b, in, nil)
@@ -578,12 +578,12 @@ func TestMoEFusedReportsLostCombineRow(t *testing.T) {
 	c := fusedCases()[1] // 2 ranks sending 333 and 190 rows
 	in := c.inputs(b, 41)
 	x, h1, h3, act := b.New(backend.BFloat16, in.rows, c.d), b.New(backend.BFloat16, in.rows, c.f), b.New(backend.BFloat16, in.rows, c.f), b.New(backend.BFloat16, in.rows, c.f)
-	b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, c.groups)
+	b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, backend.Groups{Rows: c.groups})
 	restore := withLostRows(t, b, func(prod *moeKernels, lost moeKernels) { prod.downCombine = lost.downCombine })
 	defer restore()
 	b.fused.combineTimeout = 200 * time.Millisecond
 	defer func() { b.fused.combineTimeout = 0 }()
-	b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, c.groups)
+	b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, backend.Groups{Rows: c.groups})
 	restore()
 	refs := backend.DownloadInt32(b, in.refsR2)
 	start := time.Now()
@@ -677,45 +677,48 @@ func newMoEBench(t *testing.T, b *Backend, sh moeFigureShape, w int) *moeBench {
 	y := b.New(backend.Float32, rows, d)
 	m := &moeBench{t: t, b: b, tag: tag, ms: map[string]float64{}, flop: 2 * float64(rows) * float64(d) * float64(f) * 3}
 	m.fused = func() error {
-		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, backend.Groups{Rows: groups})
+		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, backend.Groups{Rows: groups})
 		return nil
 	}
 	m.unfused = func() error {
-		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
-		backend.DownCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, backend.Groups{Rows: groups})
+		backend.DownCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, act, in.w2, backend.Groups{Rows: groups})
 		return nil
 	}
 	m.gemms = func() error {
-		b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
-		b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
-		b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0)
+		b.GroupedMatMul(h1, x, in.w1, backend.Groups{Rows: groups}, true, 1, 0)
+		b.GroupedMatMul(h3, x, in.w3, backend.Groups{Rows: groups}, true, 1, 0)
+		b.GroupedMatMul(y, act, in.w2, backend.Groups{Rows: groups}, true, 1, 0)
 		return nil
 	}
 	m.gateUpFused = func() error {
-		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+		b.DispatchSwiGLU(x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, backend.Groups{Rows: groups})
 		return nil
 	}
 	m.gateUpUnfused = func() error {
-		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, groups)
+		backend.DispatchSwiGLUBySteps(b, x, h1, h3, act, in.srcTD, in.tokS, in.refsR2, in.w1, in.w3, backend.Groups{Rows: groups})
 		return nil
 	}
 	m.gateUpGemm = func() error {
-		b.GroupedMatMul(h1, x, in.w1, groups, true, 1, 0)
-		b.GroupedMatMul(h3, x, in.w3, groups, true, 1, 0)
+		b.GroupedMatMul(h1, x, in.w1, backend.Groups{Rows: groups}, true, 1, 0)
+		b.GroupedMatMul(h3, x, in.w3, backend.Groups{Rows: groups}, true, 1, 0)
 		return nil
 	}
 	m.fusedBF16 = func() error {
-		b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, groups)
-		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups)
+		b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, backend.Groups{Rows: groups})
+		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, backend.Groups{Rows: groups})
 		return nil
 	}
 	m.gateUpFusedBF16 = func() error {
-		b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, groups)
+		b.DispatchSwiGLU(x, h1, h3, act, inB.srcTD, inB.tokS, inB.refsR2, in.w1, in.w3, backend.Groups{Rows: groups})
 		return nil
 	}
-	m.downFused = func() error { b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, groups); return nil }
-	m.downGemm = func() error { b.GroupedMatMul(y, act, in.w2, groups, true, 1, 0); return nil }
+	m.downFused = func() error {
+		b.DownCombine(in.outSD, in.doneS, in.refsR2, act, in.w2, backend.Groups{Rows: groups})
+		return nil
+	}
+	m.downGemm = func() error { b.GroupedMatMul(y, act, in.w2, backend.Groups{Rows: groups}, true, 1, 0); return nil }
 	// The backward: the fused pair, its unfused sequence (cuBLASLt NN
 	// products per group), and its three products alone as plain NT
 	// grouped GEMMs on K-major weights of the same shapes (zeros: the
@@ -725,38 +728,38 @@ func newMoEBench(t *testing.T, b *Backend, sh moeFigureShape, w int) *moeBench {
 	dAct := b.New(backend.Float32, rows, f)
 	w2T, w1T, w3T := b.New(backend.BFloat16, g*f, d), b.New(backend.BFloat16, g*d, f), b.New(backend.BFloat16, g*d, f)
 	m.dgradFused = func() error {
-		b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
+		b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, backend.Groups{Rows: groups})
 		return nil
 	}
 	m.bwd = []moeRun{
 		{"bwd_fused", func() error {
-			b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-			b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+			b.DispatchDgradSwiGLU(dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, backend.Groups{Rows: groups})
+			b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, backend.Groups{Rows: groups})
 			return nil
 		}},
 		{"bwd_unfused", func() error {
-			backend.DispatchDgradSwiGLUBySteps(b, dAct, dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, groups)
-			backend.DgradCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+			backend.DispatchDgradSwiGLUBySteps(b, dAct, dy, dh1, dh3, in.srcTD, in.tokS, in.scaleS, in.refsR2, h1, h3, in.w2, backend.Groups{Rows: groups})
+			backend.DgradCombineBySteps(b, y, in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, backend.Groups{Rows: groups})
 			return nil
 		}},
 		{"bwd_gemm_nt", func() error {
-			b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0)
-			b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
-			b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
+			b.GroupedMatMul(h1, dy, w2T, backend.Groups{Rows: groups}, true, 1, 0)
+			b.GroupedMatMul(x, dh1, w1T, backend.Groups{Rows: groups}, true, 1, 0)
+			b.GroupedMatMul(x, dh3, w3T, backend.Groups{Rows: groups}, true, 1, 0)
 			return nil
 		}},
 		// The halves: dispatch+dgrad (with the gather and SwiGLU's
 		// backward) and dgrad+combine, each fused and as its products
 		// alone.
 		{"bwd_dgrad_fused", m.dgradFused},
-		{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, groups, true, 1, 0); return nil }},
+		{"bwd_dgrad_gemm", func() error { b.GroupedMatMul(h1, dy, w2T, backend.Groups{Rows: groups}, true, 1, 0); return nil }},
 		{"bwd_combine_fused", func() error {
-			b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, groups)
+			b.DgradCombine(in.outSD, in.doneS, in.refsR2, dh1, dh3, in.w1, in.w3, backend.Groups{Rows: groups})
 			return nil
 		}},
 		{"bwd_combine_gemm", func() error {
-			b.GroupedMatMul(x, dh1, w1T, groups, true, 1, 0)
-			b.GroupedMatMul(x, dh3, w3T, groups, true, 1, 0)
+			b.GroupedMatMul(x, dh1, w1T, backend.Groups{Rows: groups}, true, 1, 0)
+			b.GroupedMatMul(x, dh3, w3T, backend.Groups{Rows: groups}, true, 1, 0)
 			return nil
 		}},
 	}

@@ -186,7 +186,7 @@ func (b *Backend) allGatherMatMulKernel(fullRK backend.Tensor, outs, shardsBK, w
 		f.mu.Unlock()
 		return false
 	}
-	err := f.stage(b.dev, ranks, nil, nil, nil, []int{rows})
+	err := f.stage(b.dev, ranks, nil, nil, nil, backend.Groups{Rows: []int{rows}})
 	var flags, fault driver.DevicePtr
 	if err == nil {
 		flags, fault, err = f.armWaits(b.dev, rows/ggBM+1, gg.waitTimeout())
@@ -264,7 +264,7 @@ func (b *Backend) matMulScatterKernel(dstsS []backend.Tensor, row0 int, a, w bac
 		return false
 	}
 	blockRows := rows / len(dstsS)
-	err := f.stage(b.dev, owners, nil, nil, nil, []int{rows})
+	err := f.stage(b.dev, owners, nil, nil, nil, backend.Groups{Rows: []int{rows}})
 	// Blocks of whole 64-row halves of m-tiles leave by TMA through the
 	// owners' maps; others by the register epilogue.
 	var maps []driver.TiledMap

@@ -71,7 +71,7 @@ func KindOf(scope, op string) string {
 		}
 	}
 	switch op {
-	case opUpload, opDownload, opSync:
+	case opUpload, opDownload, opStartDownload, opSync:
 		return KindTransfers
 	case opGroupedMatMul, opGroupedMatMulTN, opDispatchSwiGLU, opDownCombine, opDispatchDgrad, opDgradCombine:
 		return KindExpertGEMM

@@ -13,6 +13,7 @@ import (
 const (
 	opUpload            = "Upload"
 	opDownload          = "Download"
+	opStartDownload     = "StartDownload"
 	opSync              = "Sync"
 	opZero              = "Zero"
 	opCopy              = "Copy"
@@ -85,6 +86,13 @@ func (p *Backend) Download(t backend.Tensor) *tensor.Dense {
 	return p.inner.Download(t)
 }
 
+// StartDownload times the queued copy; the wait, when the result is
+// called, is the host's.
+func (p *Backend) StartDownload(t backend.Tensor) backend.PendingDownload {
+	defer p.end(p.begin(), opStartDownload)
+	return p.inner.StartDownload(t)
+}
+
 func (p *Backend) Sync() error {
 	defer p.end(p.begin(), opSync)
 	return p.inner.Sync()
@@ -125,14 +133,14 @@ func (p *Backend) MatMul(out, a, b backend.Tensor, transA, transB bool, alpha, b
 	p.inner.MatMul(out, a, b, transA, transB, alpha, beta)
 }
 
-func (p *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groupRows []int, transB bool, alpha, beta float64) {
+func (p *Backend) GroupedMatMul(outRN, aRK, bG backend.Tensor, groups backend.Groups, transB bool, alpha, beta float64) {
 	defer p.end(p.begin(), opGroupedMatMul)
-	p.inner.GroupedMatMul(outRN, aRK, bG, groupRows, transB, alpha, beta)
+	p.inner.GroupedMatMul(outRN, aRK, bG, groups, transB, alpha, beta)
 }
 
-func (p *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groupRows []int, alpha, beta float64) {
+func (p *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groups backend.Groups, alpha, beta float64) {
 	defer p.end(p.begin(), opGroupedMatMulTN)
-	p.inner.GroupedMatMulTN(outGMN, aRM, bRN, groupRows, alpha, beta)
+	p.inner.GroupedMatMulTN(outGMN, aRM, bRN, groups, alpha, beta)
 }
 
 func (p *Backend) EmbeddingForward(outTD, tableVD, idsT backend.Tensor) {
@@ -244,9 +252,9 @@ func (p *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
 	p.inner.RowDots(outN, aTD, rowsN, bND)
 }
 
-func (p *Backend) RouteByExpert(countsE, sendTokS, sendSlotS, idxTK backend.Tensor) {
+func (p *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK backend.Tensor) {
 	defer p.end(p.begin(), opRouteByExpert)
-	p.inner.RouteByExpert(countsE, sendTokS, sendSlotS, idxTK)
+	p.inner.RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK)
 }
 
 func (p *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW) {
@@ -274,9 +282,9 @@ func (p *Backend) ScatterPeerRows(outSD []backend.Tensor, inRD, refsR2 backend.T
 	p.inner.ScatterPeerRows(outSD, inRD, refsR2)
 }
 
-func (p *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+func (p *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, tokS []backend.Tensor, refsR2, w1GFD, w3GFD backend.Tensor, groups backend.Groups) {
 	defer p.end(p.begin(), opDispatchSwiGLU)
-	p.inner.DispatchSwiGLU(xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groupRows)
+	p.inner.DispatchSwiGLU(xRD, h1RF, h3RF, actRF, srcTD, tokS, refsR2, w1GFD, w3GFD, groups)
 }
 
 func (p *Backend) MarkPeerRows(doneS []backend.Tensor, refsR2 backend.Tensor) {
@@ -289,19 +297,19 @@ func (p *Backend) CombineRows(outTD, inSD, rowsS, scaleS, doneS backend.Tensor, 
 	p.inner.CombineRows(outTD, inSD, rowsS, scaleS, doneS, sendCounts)
 }
 
-func (p *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groupRows []int) {
+func (p *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groups backend.Groups) {
 	defer p.end(p.begin(), opDownCombine)
-	p.inner.DownCombine(outSD, doneS, refsR2, actRF, w2GDF, groupRows)
+	p.inner.DownCombine(outSD, doneS, refsR2, actRF, w2GDF, groups)
 }
 
-func (p *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groupRows []int) {
+func (p *Backend) DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2, h1RF, h3RF, w2GDF backend.Tensor, groups backend.Groups) {
 	defer p.end(p.begin(), opDispatchDgrad)
-	p.inner.DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groupRows)
+	p.inner.DispatchDgradSwiGLU(dyRD, dh1RF, dh3RF, srcTD, tokS, scaleS, refsR2, h1RF, h3RF, w2GDF, groups)
 }
 
-func (p *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groupRows []int) {
+func (p *Backend) DgradCombine(outSD, doneS []backend.Tensor, refsR2, dh1RF, dh3RF, w1GFD, w3GFD backend.Tensor, groups backend.Groups) {
 	defer p.end(p.begin(), opDgradCombine)
-	p.inner.DgradCombine(outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groupRows)
+	p.inner.DgradCombine(outSD, doneS, refsR2, dh1RF, dh3RF, w1GFD, w3GFD, groups)
 }
 
 func (p *Backend) AllGatherMatMul(fullRK backend.Tensor, outs, shardsBK, ws []backend.Tensor, transW bool, rank int) {

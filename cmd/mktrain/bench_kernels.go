@@ -405,15 +405,15 @@ func benchExpertsAlone(bs []backend.Backend, s moeBenchShape, rowsPerExpert []in
 		})
 	}
 	gemms := func(g rankWork) {
-		g.b.GroupedMatMul(g.h1RF, g.xRD, g.w1, g.rows, true, 1, 0)
-		g.b.GroupedMatMul(g.h3RF, g.xRD, g.w3, g.rows, true, 1, 0)
+		g.b.GroupedMatMul(g.h1RF, g.xRD, g.w1, backend.Groups{Rows: g.rows}, true, 1, 0)
+		g.b.GroupedMatMul(g.h3RF, g.xRD, g.w3, backend.Groups{Rows: g.rows}, true, 1, 0)
 		// The third product reads the SwiGLU output, of h1's shape and
 		// type; the GEMM alone does not compute it.
-		g.b.GroupedMatMul(g.yRD, g.h1RF, g.w2, g.rows, true, 1, 0)
+		g.b.GroupedMatMul(g.yRD, g.h1RF, g.w2, backend.Groups{Rows: g.rows}, true, 1, 0)
 	}
 	fused := func(g rankWork) {
-		g.b.DispatchSwiGLU(g.xRD, g.h1RF, g.h3RF, g.actRF, srcTD, tokS, g.refsR2, g.w1, g.w3, g.rows)
-		g.b.DownCombine(outSD, doneS, g.refsR2, g.actRF, g.w2, g.rows)
+		g.b.DispatchSwiGLU(g.xRD, g.h1RF, g.h3RF, g.actRF, srcTD, tokS, g.refsR2, g.w1, g.w3, backend.Groups{Rows: g.rows})
+		g.b.DownCombine(outSD, doneS, g.refsR2, g.actRF, g.w2, backend.Groups{Rows: g.rows})
 	}
 	devices := distinctBackends(bs)
 	syncAll := func() error {
