@@ -56,6 +56,9 @@ func (b *Backend) RoPE(outTQ, xTQ, posT backend.Tensor, headDim int, theta float
 		fail(op, "theta %v must be positive", theta)
 	}
 	pos := indices(op, "pos", posT, t)
+	if overlaps(out, x) && (out.off != x.off || out.dt != x.dt) {
+		fail(op, "out (%s) overlaps x (%s) without being x itself", out.describe(), x.describe())
+	}
 	if t == 0 || q == 0 {
 		return
 	}

@@ -254,9 +254,11 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 		threads := min(1024, max(32, ((d+3)/4+31)/32*32))
 		b.launch(b.k.rmsBwd, Grid1D(blockRows, threads), dx, partial, dout, x, w, rstd, int32(t), int32(d), int32(rows), float32(beta))
 	} else {
-		b.launch(b.k.rmsBwdDx, Grid1D(t, 256), dx, dout, x, w, rstd, int32(t), int32(d), float32(beta))
+		// dw's partials first: dx may be x itself (the interface allows
+		// it), and the dx kernel overwrites it.
 		g := Grid{Grid: driver.Dim3{X: (d + 31) / 32, Y: blockRows, Z: 1}, Block: driver.Dim3{X: 32, Y: 8, Z: 1}}
 		b.launch(b.k.rmsBwdDw, g, partial, dout, x, rstd, int32(t), int32(d), int32(rows))
+		b.launch(b.k.rmsBwdDx, Grid1D(t, 256), dx, dout, x, w, rstd, int32(t), int32(d), float32(beta))
 	}
 	b.launch(b.k.rmsDwReduce, b.strideGrid(d), dw, partial, int32(blockRows), int32(d))
 }
