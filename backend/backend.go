@@ -237,6 +237,13 @@ type Backend interface {
 	//   out_g = alpha*aRM[o_g:o_g+n_g]ᵀ·bRN[o_g:o_g+n_g] + beta*out_g
 	// A group with no rows gets beta*out_g. out is of the float type.
 	GroupedMatMulTN(outGMN, aRM, bRN Tensor, groups Groups, alpha, beta float64)
+	// ReadsGroupOffsets reports whether GroupedMatMul's NT products of
+	// groups matrices [n, k] (transB, operand-type operands, beta 0) and
+	// DispatchSwiGLU and DownCombine of those widths read Groups.Offsets
+	// where they are, without the host reading them (which waits for the
+	// device): the MoE layer gives its forward's products device offsets
+	// alone only where they do.
+	ReadsGroupOffsets(n, k, groups int) bool
 
 	// EmbeddingForward gathers rows: outTD[t] = tableVD[idsT[t]].
 	EmbeddingForward(outTD, tableVD, idsT Tensor)

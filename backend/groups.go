@@ -62,6 +62,9 @@ func CheckGroups(g Groups, rows int) error {
 		if g.Rows != nil && o.Len() != len(g.Rows)+1 {
 			return fmt.Errorf("%d row counts but %d offsets, want %d", len(g.Rows), o.Len(), len(g.Rows)+1)
 		}
+		if sum := sumRows(g.Rows); g.Rows != nil && sum != rows {
+			return fmt.Errorf("the row counts hold %d rows but offsets end at the operands' %d", sum, rows)
+		}
 	}
 	return nil
 }
@@ -95,6 +98,14 @@ func OffsetRows(offsets []int32, rows int) ([]int, error) {
 		out[g] = n
 	}
 	return out, nil
+}
+
+func sumRows(rows []int) int {
+	n := 0
+	for _, r := range rows {
+		n += r
+	}
+	return n
 }
 
 // brief prints up to 9 offsets, then the count of the rest.

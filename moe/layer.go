@@ -61,6 +61,13 @@ type Layer struct {
 	scratch *Scratch
 
 	step *step // the last successful Forward, nil before
+	// deviceGroups: the backend's products and fused ops read the
+	// experts' group offsets on the device (ReadsGroupOffsets), so one
+	// expert rank's forward leaves the counts to a queued download.
+	deviceGroups bool
+	// tokensChecked: the first Forward has checked that every rank of
+	// the data group runs micro-steps of this many tokens (checkTokens).
+	tokensChecked bool
 
 	onPhase func(Phase) // WithPhaseHook; nil when off
 }
@@ -268,6 +275,7 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 		onesT: b.New(ft, 1, tokens), auxDProbE: b.New(ft, E), zeroRow: b.New(backend.Int32, 1),
 	}
 	l.firstExpert = g.Expert.Rank() * l.local
+	l.deviceGroups = b.ReadsGroupOffsets(F, dim, l.local) && b.ReadsGroupOffsets(dim, F, l.local)
 	ones := make([]float64, tokens)
 	for i := range ones {
 		ones[i] = 1
@@ -396,10 +404,20 @@ func (l *Layer) Reforward(outTD, xTD backend.Tensor, p *Params, biasE backend.Te
 
 // forward is Forward, or with again Reforward.
 func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tensor, lossScale float64, again bool) (Stats, error) {
-	if l.step != nil {
-		l.step.plan.release() // a Forward without a Backward (evaluation)
-	}
+	prev := l.step
 	l.step = nil
+	var pl *plan
+	defer func() {
+		// A plan that no step keeps (a failed Forward) or that none took
+		// over from prev (a Forward without a Backward before it, as in
+		// evaluation) frees its queued count download.
+		if prev != nil && (l.step == nil || l.step.plan != prev.plan) {
+			prev.plan.release()
+		}
+		if pl != nil && (l.step == nil || l.step.plan != pl) {
+			pl.release()
+		}
+	}()
 	if err := l.checkArgs(p, "out", outTD, "x", xTD); err != nil {
 		return Stats{}, err
 	}
@@ -443,7 +461,6 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	// (plan.settle). Across expert ranks the host needs the counts now,
 	// to size the exchange. With a capacity the host decides which
 	// assignments to drop, from the router's choices.
-	var pl *plan
 	var sendTokS, sendSlotS backend.Tensor
 	ep := l.g.Expert.Size()
 	capRows := capacity(l.cfg.CapacityFactor, l.tokens, K, E)
@@ -452,7 +469,10 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		sendTokS, sendSlotS = l.sendTokS.vec(b, n), l.sendSlotS.vec(b, n)
 		b.RouteByExpert(l.countsE, l.offsetsE1, sendTokS, sendSlotS, l.idxTK)
 		if ep == 1 {
-			pl = planOneRank(n, l.offsetsE1, b.StartDownload(l.offsetsE1))
+			var err error
+			if pl, err = l.planOneRank(n, prev, again); err != nil {
+				return Stats{}, err
+			}
 		} else {
 			offsets := backend.DownloadInt32(b, l.offsetsE1)
 			counts := make([]int32, E)
@@ -473,6 +493,11 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		}
 	}
 	stats := Stats{Tokens: l.tokens * l.g.Data.Size()}
+	if !l.tokensChecked {
+		if err := l.checkTokens(); err != nil {
+			return Stats{}, err
+		}
+	}
 	if !again {
 		// A rerun keeps the first Forward's statistics, aux-loss gradient
 		// (auxDProbE) and z-loss scale: its counts are the same.
@@ -483,7 +508,7 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	}
 	zScale := l.zScale
 	l.phase(PhaseCountExchange)
-	if pl.counts == nil {
+	if pl.offsetsE1 == nil { // planOneRank's plans have nothing to exchange
 		if err := l.exchangeCounts(pl); err != nil {
 			return Stats{}, err
 		}
@@ -525,6 +550,55 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	l.step = st
 	l.phase(PhaseEnd)
 	return stats, nil
+}
+
+// checkTokens checks, once, that every rank of the data group runs
+// micro-steps of the same tokens: the load statistics count the global
+// tokens as this rank's times the group's size (balance). Every rank of
+// the group must call it together (a collective).
+func (l *Layer) checkTokens() error {
+	v := []float64{float64(l.tokens)}
+	if err := l.g.Data.AllReduceFloat64(v); err != nil {
+		return fmt.Errorf("moe: load statistics: %w", err)
+	}
+	if n := l.g.Data.Size(); v[0] != float64(l.tokens*n) {
+		return fmt.Errorf("moe: the %d ranks of the data group run micro-steps of %v tokens in all, not %d times this rank's %d; the load statistics need the same tokens on each",
+			n, v[0], n, l.tokens)
+	}
+	l.tokensChecked = true
+	return nil
+}
+
+// releaseStep frees the queued count download of the last Forward when
+// no Backward will wait for it (a layer dropped after a forward-only
+// pass).
+func (l *Layer) releaseStep() {
+	if l.step != nil {
+		l.step.plan.release()
+	}
+}
+
+// planOneRank plans a dropless micro-step of n assignments on one expert
+// rank (plan.go's planOneRank) from the offsets RouteByExpert has just
+// queued. Its counts come by a queued download, or, when the backend's
+// products would read the offsets back themselves (ReadsGroupOffsets;
+// once per product), by that download waited for now, once. A rerun
+// (Reforward, again) takes over the Forward's download, long done,
+// instead of queuing another of the same counts.
+func (l *Layer) planOneRank(n int, prev *step, again bool) (*plan, error) {
+	if again && prev != nil && prev.plan.offsetsE1 != nil && prev.plan.sent == n {
+		pl := planOneRank(n, l.offsetsE1, prev.plan.counts)
+		prev.plan.counts = nil
+		pl.countsE, pl.keptE, pl.expertRows, pl.countsSE = prev.plan.countsE, prev.plan.keptE, prev.plan.expertRows, prev.plan.countsSE
+		return pl, nil
+	}
+	pl := planOneRank(n, l.offsetsE1, l.b.StartDownload(l.offsetsE1))
+	if !l.deviceGroups {
+		if err := pl.settle(); err != nil {
+			return nil, err
+		}
+	}
+	return pl, nil
 }
 
 // exchangeCounts tells every rank of the expert group how many rows each

@@ -284,7 +284,8 @@ func (m *measureRank) run(b backend.Backend, passes []measurePass, times []time.
 	if l == nil {
 		return nil
 	}
-	return l.ReadStats(&m.stats) // every rank: a collective over the data group
+	defer func() { m.fused.releaseStep(); m.unfused.releaseStep() }() // the layers are dropped
+	return l.ReadStats(&m.stats)                                      // every rank: a collective over the data group
 }
 
 // randomParams draws a rank's weights: the expert matrices in the

@@ -1,6 +1,8 @@
 package moe_test
 
 import (
+	"strings"
+	"sync"
 	"testing"
 
 	"gorgonia.org/tensor"
@@ -17,6 +19,11 @@ import (
 type readCounter struct {
 	backend.Backend
 	downloads, started, waited int
+	hostGroups                 bool // say the grouped products read offsets back (ReadsGroupOffsets false)
+}
+
+func (c *readCounter) ReadsGroupOffsets(n, k, groups int) bool {
+	return !c.hostGroups && c.Backend.ReadsGroupOffsets(n, k, groups)
 }
 
 func (c *readCounter) Download(t backend.Tensor) *tensor.Dense {
@@ -45,20 +52,28 @@ func TestOneRankForwardReadsNothing(t *testing.T) {
 		name       string
 		dispatcher string
 		capacity   float64
+		hostGroups bool
+		full       bool // RecomputeLayer: Reforward before Backward
 	}{
-		{"unfused", moe.DispatcherUnfused, 0},
-		{"fused", moe.DispatcherFused, 0},
-		{"capacity", moe.DispatcherUnfused, 1},
+		{"unfused", moe.DispatcherUnfused, 0, false, false},
+		{"fused", moe.DispatcherFused, 0, false, false},
+		{"capacity", moe.DispatcherUnfused, 1, false, false},
+		{"host groups", moe.DispatcherFused, 0, true, false},
+		{"recompute full", moe.DispatcherUnfused, 0, false, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, AuxLossCoef: 0.01, ZLossCoef: 0.001, Dispatcher: c.dispatcher, CapacityFactor: c.capacity}
 			const D, T = 8, 24
-			rc := &readCounter{Backend: cpu.New(backend.Float64)}
+			rc := &readCounter{Backend: cpu.New(backend.Float64), hostGroups: c.hostGroups}
 			ranks, err := comm.NewLocal(oneRank(), rc)
 			if err != nil {
 				t.Fatal(err)
 			}
-			layer, err := moe.New(rc, cfg, D, T, moe.Groups{Expert: ranks[0].Expert, Data: ranks[0].Data})
+			var opts []moe.Option
+			if c.full {
+				opts = append(opts, moe.RecomputeLayer())
+			}
+			layer, err := moe.New(rc, cfg, D, T, moe.Groups{Expert: ranks[0].Expert, Data: ranks[0].Data}, opts...)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -73,12 +88,27 @@ func TestOneRankForwardReadsNothing(t *testing.T) {
 			if _, err := layer.Forward(out, x, p, nil, 1); err != nil {
 				t.Fatal(err)
 			}
+			want := [3]int{0, 1, 0} // downloads, queued, waited for
 			switch {
-			case c.capacity > 0 && rc.downloads == 0:
-				t.Errorf("with a capacity the forward read nothing; it plans from the router's choices on the host")
-			case c.capacity == 0 && (rc.downloads != 0 || rc.started != 1 || rc.waited != 0):
-				t.Errorf("the forward made %d downloads and queued %d (%d waited for); want none, one queued and not waited for",
-					rc.downloads, rc.started, rc.waited)
+			case c.capacity > 0:
+				if rc.downloads == 0 {
+					t.Errorf("with a capacity the forward read nothing; it plans from the router's choices on the host")
+				}
+				want = [3]int{rc.downloads, 0, 0}
+			case c.hostGroups:
+				want = [3]int{0, 1, 1} // the queued download, waited for at once
+			}
+			if got := [3]int{rc.downloads, rc.started, rc.waited}; got != want {
+				t.Errorf("the forward made %d downloads and queued %d (%d waited for); want %v", got[0], got[1], got[2], want)
+			}
+			if c.full {
+				// The rerun takes over the Forward's download.
+				if err := layer.Reforward(out, x, p, nil); err != nil {
+					t.Fatal(err)
+				}
+				if rc.downloads != 0 || rc.started != 1 {
+					t.Errorf("the rerun made %d downloads and %d queued in all; want none and the Forward's one", rc.downloads, rc.started)
+				}
 			}
 			if err := layer.Backward(dx, dout, p, g); err != nil {
 				t.Fatal(err)
@@ -92,9 +122,46 @@ func TestOneRankForwardReadsNothing(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if c.capacity == 0 && rc.started != rc.waited+1 {
+			if c.capacity == 0 && !c.hostGroups && rc.started != rc.waited+1 {
 				t.Errorf("after two more forwards %d downloads queued, %d waited for; want all but the last waited for", rc.started, rc.waited)
 			}
 		})
+	}
+}
+
+// TestUnequalTokensRefused checks that ranks of one data group whose
+// layers are built for different tokens per micro-step get an error from
+// their first Forward: the load statistics count the global tokens as
+// one rank's times the group's size.
+func TestUnequalTokensRefused(t *testing.T) {
+	cfg := moe.Config{Experts: 4, TopK: 2, FFN: 6, Dispatcher: moe.DispatcherUnfused}
+	const D = 8
+	b := cpu.New(backend.Float64)
+	ranks, err := comm.NewLocal(comm.Mesh{DP: 2, EP: 1, CP: 1, TP: 1}, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for r, rk := range ranks {
+		wg.Go(func() {
+			T := 8 + 4*r
+			layer, err := moe.New(b, cfg, D, T, moe.Groups{Expert: rk.Expert, Data: rk.Data})
+			if err != nil {
+				errs[r] = err
+				return
+			}
+			pr := newProblem(7, cfg, D, T, false)
+			p := moe.NewParams(b, cfg, D, cfg.Experts)
+			p.GateED, p.W1EFD, p.W3EFD, p.W2EDF = upload(b, pr.gate, cfg.Experts, D), upload(b, pr.w1, cfg.Experts, cfg.FFN, D),
+				upload(b, pr.w3, cfg.Experts, cfg.FFN, D), upload(b, pr.w2, cfg.Experts, D, cfg.FFN)
+			_, errs[r] = layer.Forward(b.New(backend.Float64, T, D), upload(b, pr.x, T, D), p, nil, 1)
+		})
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if err == nil || !strings.Contains(err.Error(), "the same tokens on each") {
+			t.Errorf("rank %d: Forward gave %v; want the unequal tokens refused", r, err)
+		}
 	}
 }

@@ -206,6 +206,9 @@ func (b *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groups backen
 	backend.GroupedMatMulTNByLoop(b, outGMN, aRM, bRN, b.groupRows(op, groups, aRM.Shape()[0]), alpha, beta)
 }
 
+// ReadsGroupOffsets is true: the CPU reads offsets in place.
+func (b *Backend) ReadsGroupOffsets(n, k, groups int) bool { return true }
+
 // groupRows returns the row counts of groups over operands of rows rows:
 // Rows, or those of Offsets (read in place). Given both, they must agree:
 // the reference backend holds a caller to its word.

@@ -56,6 +56,15 @@ func (b *Backend) expertKernels() (*expertGemm, bool) {
 	return x, x.err == nil
 }
 
+// ReadsGroupOffsets reports whether the grouped GEMM kernel runs here
+// (Hopper) and takes groups matrices [n, k] of bf16 operands: then
+// GroupedMatMul's NT products and the fused MoE ops read device offsets
+// in place; otherwise their cuBLASLt and unfused paths read them back.
+func (b *Backend) ReadsGroupOffsets(n, k, groups int) bool {
+	_, ok := b.expertKernels()
+	return ok && b.OperandType() == backend.BFloat16 && groups >= 1 && groups <= ggMaxExperts && ggWidthOK(n) && ggWidthOK(k)
+}
+
 // groupedKernel runs out = alpha·a·op(bG)ᵀ per group on the grouped GEMM
 // when the call is one it serves, and reports whether it did.
 func (b *Backend) groupedKernel(ot, at, bt *Tensor, groups backend.Groups, n, k int, transB bool, alpha, beta float64) bool {

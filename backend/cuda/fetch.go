@@ -72,7 +72,11 @@ func (d *Device) StartCopyFromDevice(src *Buffer, offset int64, n int) (wait fun
 		return nil, fmt.Errorf("cuda: StartCopyFromDevice of %d bytes, more than a slot's %d", n, fetchSlotBytes)
 	}
 	p := src.ptr + driver.DevicePtr(offset)
-	got := make(chan *fetchSlot, 1)
+	type queued struct {
+		slot *fetchSlot
+		err  error
+	}
+	got := make(chan queued, 1)
 	queue := func() error {
 		s, err := d.fetch.get(d.drv)
 		if err == nil && n > 0 {
@@ -81,30 +85,27 @@ func (d *Device) StartCopyFromDevice(src *Buffer, offset int64, n int) (wait fun
 		if err == nil {
 			err = d.drv.EventRecord(s.ev, d.stream)
 		}
-		if err != nil {
-			if s != nil {
-				d.fetch.free = append(d.fetch.free, s)
-			}
-			got <- nil
-			return err
+		if err != nil && s != nil {
+			d.fetch.free = append(d.fetch.free, s)
+			s = nil
 		}
-		got <- s
-		return nil
+		got <- queued{s, err}
+		return nil // the wait reports it
 	}
 	if err := d.Submit(queue); err != nil {
 		return nil, err
 	}
 	return func(dst []byte) error {
-		s := <-got
-		if s == nil {
-			return errors.New("cuda: a queued download could not be queued (the next Sync says why)")
+		q := <-got
+		if q.err != nil {
+			return fmt.Errorf("cuda: queueing a download: %w", q.err)
 		}
 		return d.Do(func() error {
-			defer func() { d.fetch.free = append(d.fetch.free, s) }()
-			if err := d.drv.EventSynchronize(s.ev); err != nil {
+			defer func() { d.fetch.free = append(d.fetch.free, q.slot) }()
+			if err := d.drv.EventSynchronize(q.slot.ev); err != nil {
 				return err
 			}
-			copy(dst, s.host[:n])
+			copy(dst, q.slot.host[:n])
 			return nil
 		})
 	}, nil

@@ -143,6 +143,10 @@ func (p *Backend) GroupedMatMulTN(outGMN, aRM, bRN backend.Tensor, groups backen
 	p.inner.GroupedMatMulTN(outGMN, aRM, bRN, groups, alpha, beta)
 }
 
+func (p *Backend) ReadsGroupOffsets(n, k, groups int) bool {
+	return p.inner.ReadsGroupOffsets(n, k, groups)
+}
+
 func (p *Backend) EmbeddingForward(outTD, tableVD, idsT backend.Tensor) {
 	defer p.end(p.begin(), opEmbeddingForward)
 	p.inner.EmbeddingForward(outTD, tableVD, idsT)
