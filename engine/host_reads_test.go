@@ -1,0 +1,93 @@
+package engine
+
+import (
+	"context"
+	"sync"
+	"testing"
+
+	"gorgonia.org/tensor"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// hostReads counts the calls that make the host wait for the backend's
+// queue: Download, Sync and the reductions that return a value.
+type hostReads struct {
+	backend.Backend
+	mu    sync.Mutex
+	reads int
+}
+
+func (h *hostReads) count() {
+	h.mu.Lock()
+	h.reads++
+	h.mu.Unlock()
+}
+
+func (h *hostReads) Download(t backend.Tensor) *tensor.Dense { h.count(); return h.Backend.Download(t) }
+func (h *hostReads) Sync() error                             { h.count(); return h.Backend.Sync() }
+func (h *hostReads) Sum(t backend.Tensor) float64            { h.count(); return h.Backend.Sum(t) }
+func (h *hostReads) SumSquares(t backend.Tensor) float64     { h.count(); return h.Backend.SumSquares(t) }
+
+// readsPerStep runs cfg and returns the host reads of each step after the
+// first (which builds and measures what later steps reuse).
+func readsPerStep(t *testing.T, cfg Config) []int {
+	t.Helper()
+	counter := &hostReads{}
+	var perStep []int
+	last := 0
+	eng, err := New(cfg, WithBackendWrapper(func(b backend.Backend) backend.Backend {
+		counter.Backend = b
+		return counter
+	}), WithHook(func(ev StepEvent) {
+		counter.mu.Lock()
+		if ev.Step > 1 {
+			perStep = append(perStep, counter.reads-last)
+		}
+		last = counter.reads
+		counter.mu.Unlock()
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	if _, err := eng.Run(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return perStep
+}
+
+// TestHostReadsDoNotGrowWithLayers checks #28's "no host round trips in
+// the step" where the engine can: on one expert rank, dropless, a
+// training step waits for the backend the same number of times whatever
+// the number of layers (the loss, the MoE statistics of all layers at
+// once, the gradient norm), not once per layer. The MoE layers' counts
+// reach the host by queued downloads (Backend.StartDownload), which are
+// not waits for the whole queue; with either dispatcher and every
+// recompute setting.
+func TestHostReadsDoNotGrowWithLayers(t *testing.T) {
+	for _, c := range []struct{ dispatcher, recompute string }{
+		{"unfused", RecomputeNone}, {"fused", RecomputeNone}, {"fused", RecomputeSelective}, {"unfused", RecomputeFull},
+	} {
+		t.Run(c.dispatcher+"/"+c.recompute, func(t *testing.T) {
+			var got [2][]int
+			for i, layers := range []int{2, 5} {
+				cfg := planConfig()
+				cfg.Model.Layers = layers
+				cfg.Model.MoE.Dispatcher = c.dispatcher
+				cfg.Train.Recompute = c.recompute
+				cfg.Train.Steps = 3
+				cfg.Train.GradClip = 1
+				got[i] = readsPerStep(t, cfg)
+			}
+			if len(got[0]) == 0 || len(got[0]) != len(got[1]) {
+				t.Fatalf("steps counted: %v and %v", got[0], got[1])
+			}
+			for s := range got[0] {
+				if got[0][s] != got[1][s] {
+					t.Errorf("step %d waited for the backend %d times with 2 layers and %d with 5; want the same", s+2, got[0][s], got[1][s])
+				}
+			}
+		})
+	}
+}
