@@ -162,7 +162,16 @@ func (u *expertUpdate) sumSquares() float64 {
 	for _, f := range u.squares {
 		s += f()
 	}
+	u.squares = nil
 	return s
+}
+
+// drain reads the queued sums a failed step left unread, which frees
+// their device buffers (a no-op after sumSquares).
+func (u *expertUpdate) drain() {
+	if u != nil {
+		u.sumSquares()
+	}
 }
 
 // chainNotify is a backward callback that calls each of fs (the nil ones

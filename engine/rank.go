@@ -211,6 +211,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	if r.expertsInBackward {
 		b.Zero(r.expertGrads)
 		experts = r.newExpertUpdate(step, res.lr)
+		defer experts.drain() // a step that fails before reading them
 	}
 	lossSum := 0.0
 	for a := 0; a < accum; a++ {

@@ -93,6 +93,15 @@ func (p *Backend) StartDownload(t backend.Tensor) backend.PendingDownload {
 	return p.inner.StartDownload(t)
 }
 
+// SumSquaresLater times the queued reduction as SumSquares, through the
+// wrapped backend's queued form where it has one (backend.LaterReducer),
+// so a profiled step waits where the real one does; the wait, when the
+// result is called, is the host's.
+func (p *Backend) SumSquaresLater(t backend.Tensor) func() float64 {
+	defer p.end(p.begin(), opSumSquares)
+	return backend.SumSquaresLater(p.inner, t)
+}
+
 func (p *Backend) Sync() error {
 	defer p.end(p.begin(), opSync)
 	return p.inner.Sync()
