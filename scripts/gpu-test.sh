@@ -674,6 +674,18 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
   if [[ "$bench_tps" != null && "$peer_tps" != null ]]; then
     awk -v a="$bench_tps" -v b="$peer_tps" 'BEGIN { printf "  %-28s %12.3f\n", "mktrain / peer", a / b }'
   fi
+  if [[ -f "$OUT/train-moe-small.json" ]]; then
+    # The profiled step's breakdown, and issue 28's bar on the host's share.
+    "$PY" - "$OUT/train-moe-small.json" <<'PYEOF'
+import json, sys
+fig = json.load(open(sys.argv[1]))["figures"]
+rows = fig.get("breakdown") or []
+print("  step breakdown (profiled %.1f ms): %s" % (fig.get("profiled_step_ms") or 0,
+      ", ".join("%s %.2f" % (k["kind"], k["ms"]) for k in rows)))
+host = sum(k["share"] for k in rows if k["kind"] in ("host gaps", "host transfers"))
+print("  host gaps and transfers: %.1f%% of the profiled step (bar: under 1%%)" % (100 * host))
+PYEOF
+  fi
 fi
 if [[ "$fine_rc" != - ]]; then
   echo
