@@ -38,18 +38,15 @@ type pendingStats struct {
 	tokens float64
 }
 
-// balance leaves this rank's routing counts (countsE, written by
-// RouteByExpert or uploaded with a capacity) and dropped in the statistics
-// tensor, makes the aux-loss gradient on probs (auxDProbE) from the counts
-// summed over the data group, all on the device, and returns the z-loss
-// gradient scale for RouterBackward. The global tokens are this rank's
-// times the data group's size: every rank of it runs micro-steps of the
-// same tokens (the engine's meshes do).
-func (l *Layer) balance(dropped, lossScale float64) (float64, error) {
+// balance makes the aux-loss gradient on probs (auxDProbE) on the device
+// from this rank's routing counts (countsE, in the statistics: written by
+// RouteByExpert, or uploaded with a capacity) summed over the data group,
+// and returns the z-loss gradient scale for RouterBackward. The global
+// tokens are this rank's times the data group's size: every rank of it
+// runs micro-steps of the same tokens (checkTokens).
+func (l *Layer) balance(lossScale float64) (float64, error) {
 	b, E, K := l.b, l.cfg.Experts, l.cfg.TopK
 	tokens := float64(l.tokens * l.g.Data.Size())
-	b.Copy(b.View(l.statsE1, E+1, E), l.countsE)
-	backend.UploadSlice(b, b.View(l.statsE1, 2*E+1, 1), []float64{dropped})
 	// f_e is the fraction of assignments routed to e, P_e the mean router
 	// prob of e. f is piecewise constant in the weights, so the gradient
 	// flows through P only: d aux / d probs[t,e] = E f_e / T, with f_e =

@@ -46,9 +46,13 @@ type Layer struct {
 	// (StatsLen); they are read once the step is done (FinishStats,
 	// Layer.ReadStats), not in the middle of the layer.
 	statsE1, zeroRow backend.Tensor // float [StatsLen(E)]; Int32 [1] holding 0 (the row RowDots reads)
-	pending          *pendingStats  // the last training Forward's global tokens, for FinishStats
-	auxDProbE        backend.Tensor // [E] aux-loss gradient on every row of probs
-	zScale           float64        // the last Forward's z-loss gradient scale, for Reforward
+	// countsE is statsE1's view of the assignments per expert (before
+	// capacity): RouteByExpert writes them there, or the host uploads them
+	// with a capacity.
+	countsE   backend.Tensor
+	pending   *pendingStats  // the last training Forward's global tokens, for FinishStats
+	auxDProbE backend.Tensor // [E] aux-loss gradient on every row of probs
+	zScale    float64        // the last Forward's z-loss gradient scale, for Reforward
 
 	// recompute (RecomputeExperts): h1, h3 and silu(h1)*h3 live in the
 	// Scratch instead of h1RF, h3RF and actRF, and Backward makes them
@@ -81,8 +85,7 @@ type activations struct {
 	// Router, per local token.
 	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
 	dlogitsTE, dgatesTK                     backend.Tensor
-	countsE                                 backend.Tensor // [E]: assignments per expert before capacity (RouteByExpert, or uploaded)
-	offsetsE1                               backend.Tensor // Int32 [E+1]: their prefix sums (RouteByExpert): dropless, the expert groups' offsets
+	offsetsE1                               backend.Tensor // Int32 [E+1]: the assignments' prefix sums by expert (RouteByExpert): dropless, the expert groups' offsets
 
 	// Shared experts, [T, Fs]; nil when off.
 	sharedH1TF, sharedH3TF, sharedActTF, sharedDActTF, sharedDH1TF, sharedDH3TF backend.Tensor
@@ -127,7 +130,7 @@ func newActivations(b backend.Backend, cfg Config, dim, tokens int) *activations
 		logitsTE: b.New(ft, tokens, E), probsTE: b.New(ft, tokens, E), lseT: b.New(ft, tokens),
 		idxTK: b.New(backend.Int32, tokens, K), gatesTK: b.New(ft, tokens, K),
 		dlogitsTE: b.New(ft, tokens, E), dgatesTK: b.New(ft, tokens, K),
-		countsE: b.New(ft, E), offsetsE1: b.New(backend.Int32, E+1),
+		offsetsE1: b.New(backend.Int32, E+1),
 	}
 	if fs := cfg.SharedExperts * F; fs > 0 {
 		a.sharedH1TF, a.sharedH3TF, a.sharedActTF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
@@ -292,6 +295,8 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 	} else if l.statsE1.Len() != StatsLen(E) || l.statsE1.DType() != ft {
 		return nil, fmt.Errorf("moe: the statistics tensor is %v %v; want %v [%d]", l.statsE1.DType(), l.statsE1.Shape(), ft, StatsLen(E))
 	}
+	l.countsE = b.View(l.statsE1, E+1, E)
+	b.Zero(b.View(l.statsE1, 2*E+1, 1)) // the drops: a dropless layer never writes them
 	ot := b.OperandType()
 	if l.scratch == nil {
 		l.scratch = NewScratch(b, dim, F)
@@ -485,11 +490,14 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		pl = planSource(backend.DownloadInt32(b, l.idxTK), l.tokens, K, E, ep, capRows)
 		sendTokS, sendSlotS = l.sendTokS.uploadInts(b, pl.sendTok), l.sendSlotS.uploadInts(b, pl.sendSlot)
 		if !again {
-			counts := make([]float64, E)
+			// The counts and drops in the statistics, as RouteByExpert
+			// leaves them dropless (a rerun keeps the Forward's).
+			counts := make([]float64, E+1)
 			for e, c := range pl.countsE {
 				counts[e] = float64(c)
 			}
-			backend.UploadSlice(b, l.countsE, counts)
+			counts[E] = float64(pl.dropped)
+			backend.UploadSlice(b, b.View(l.statsE1, E+1, E+1), counts)
 		}
 	}
 	stats := Stats{Tokens: l.tokens * l.g.Data.Size()}
@@ -502,7 +510,7 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		// A rerun keeps the first Forward's statistics, aux-loss gradient
 		// (auxDProbE) and z-loss scale: its counts are the same.
 		var err error
-		if l.zScale, err = l.balance(float64(pl.dropped), lossScale); err != nil {
+		if l.zScale, err = l.balance(lossScale); err != nil {
 			return Stats{}, err
 		}
 	}

@@ -322,8 +322,7 @@ func moeActivations(l *ledger, s shape, fused bool) {
 	l.fixed(Activations, router, mul(2, n), mul(T, K), s.ft) // gatesTK, dgatesTK
 	l.fixed(Activations, "moe router", L, E, s.ft)           // auxDProbE
 	l.fixed(Activations, "moe router", L, 1, int32Bytes)     // zeroRow
-	l.fixed(Activations, router, n, E, s.ft)                 // countsE
-	l.fixed(Activations, router, n, E+1, int32Bytes)         // offsetsE1
+	l.fixed(Activations, router, n, E+1, int32Bytes)         // offsetsE1 (the counts are in moeStats)
 	if s.Fs > 0 {
 		l.fixed(Activations, s.fullTerm("shared experts"), mul(6, n), mul(T, s.Fs), s.ft) // sharedH1, H3, Act and their gradients
 	}
