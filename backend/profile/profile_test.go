@@ -529,3 +529,40 @@ func TestForwardsNameFloatTypePrecisionAndScope(t *testing.T) {
 		t.Error("Inner")
 	}
 }
+
+// laterCounter is a backend with a queued sum of squares
+// (backend.LaterReducer) that counts its queued and immediate reductions.
+type laterCounter struct {
+	backend.Backend
+	queued, immediate int
+}
+
+func (c *laterCounter) SumSquaresLater(t backend.Tensor) func() float64 {
+	c.queued++
+	return func() float64 { return 3 }
+}
+
+func (c *laterCounter) SumSquares(t backend.Tensor) float64 {
+	c.immediate++
+	return 3
+}
+
+// TestSumSquaresLaterForwarded: the profiler queues a reduction where
+// the wrapped backend can (a profiled step waits where the real one
+// does) and times it as SumSquares.
+func TestSumSquaresLaterForwarded(t *testing.T) {
+	inner := &laterCounter{Backend: cpu.New(backend.Float32)}
+	p := New(inner, WallClock())
+	p.SetEnabled(true)
+	x := inner.New(backend.Float32, 4)
+	if got := backend.SumSquaresLater(p.Backend(), x)(); got != 3 || inner.queued != 1 || inner.immediate != 0 {
+		t.Errorf("got %v with %d queued and %d immediate reductions; want 3 from one queued", got, inner.queued, inner.immediate)
+	}
+	rep, err := p.Report()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Ops) != 1 || rep.Ops[0].Op != opSumSquares || rep.Ops[0].Calls != 1 {
+		t.Errorf("report %+v; want one SumSquares call", rep.Ops)
+	}
+}
