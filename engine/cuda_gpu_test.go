@@ -210,3 +210,54 @@ func TestMemorySavingsCUDA(t *testing.T) {
 	}
 	t.Logf("figure: engine tiny loss max relative difference split vs float32 masters CUDA = %.3g ratio", worst)
 }
+
+// TestGPUStepWaitsDoNotGrowWithLayers is TestHostReadsDoNotGrowWithLayers
+// on the GPU: a training step of the tiny model on one expert rank waits
+// for the device's whole queue as often with 5 layers as with 2. On a
+// Hopper GPU the grouped GEMM kernels also take the experts' shapes with
+// device offsets (moe-small's and the tiny recipe's), so the forward does
+// not wait for its counts at all (backend.Backend.ReadsGroupOffsets).
+func TestGPUStepWaitsDoNotGrowWithLayers(t *testing.T) {
+	gpu := openGPU(t)
+	if gpu.Device().Info().Major == 9 {
+		for _, s := range []struct{ n, k, groups int }{{2816, 1024, 8}, {1024, 2816, 8}, {128, 64, 4}, {64, 128, 4}} {
+			if !gpu.ReadsGroupOffsets(s.n, s.k, s.groups) {
+				t.Errorf("ReadsGroupOffsets(%d, %d, %d) is false on %s; the forward would wait for its counts", s.n, s.k, s.groups, gpu.Device().Info())
+			}
+		}
+	}
+	var got [2][]int
+	for i, layers := range []int{2, 5} {
+		cfg := tinyRecipeConfig()
+		cfg.Train.Backend = "cuda"
+		cfg.Model.Layers = layers
+		cfg.Model.MoE.Dispatcher = moe.DispatcherFused
+		cfg.Train.Steps, cfg.Train.WarmupSteps, cfg.Train.EvalEvery = 4, 0, 0
+		counter := &hostReads{}
+		last := 0
+		eng, err := New(cfg, withCUDA(), WithBackendWrapper(func(b backend.Backend) backend.Backend {
+			counter.Backend = b
+			return counter
+		}), WithHook(func(ev StepEvent) {
+			counter.mu.Lock()
+			if ev.Step > 1 {
+				got[i] = append(got[i], counter.reads-last)
+			}
+			last = counter.reads
+			counter.mu.Unlock()
+		}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := eng.Run(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if err := eng.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(got[0]) == 0 || !slices.Equal(got[0], got[1]) {
+		t.Errorf("waits per step after the first: %v with 2 layers, %v with 5; want the same", got[0], got[1])
+	}
+	t.Logf("figure: engine tiny waits for the GPU per step (2 layers, fused, after the first) = %d waits", got[0][len(got[0])-1])
+}
