@@ -257,7 +257,7 @@ func TestGPUStepWaitsDoNotGrowWithLayers(t *testing.T) {
 		}
 	}
 	if len(got[0]) == 0 || !slices.Equal(got[0], got[1]) {
-		t.Errorf("waits per step after the first: %v with 2 layers, %v with 5; want the same", got[0], got[1])
+		t.Fatalf("waits per step after the first: %v with 2 layers, %v with 5; want the same", got[0], got[1])
 	}
 	t.Logf("figure: engine tiny waits for the GPU per step (2 layers, fused, after the first) = %d waits", got[0][len(got[0])-1])
 }
