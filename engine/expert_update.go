@@ -132,10 +132,10 @@ func (r *rank) newExpertUpdate(step int, lr float64) *expertUpdate {
 	return &expertUpdate{r: r, h: backend.AdamW{LR: lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: t.WeightDecay, Step: step}}
 }
 
-// ready updates layer's experts once its backward is done, then clears
-// the gradient buffer for the next layer's backward, which adds into it.
-// The other points of the backward (the final norm's, the embedding's)
-// hold no experts.
+// ready updates layer's experts once its backward is done; the next
+// layer's backward writes its gradients over them (a step of one
+// micro-batch: rank.writesExpertGrads). The other points of the backward
+// (the final norm's, the embedding's) hold no experts.
 func (u *expertUpdate) ready(layer int) error {
 	r := u.r
 	if layer < 0 || layer >= len(r.expertSpans) {
@@ -148,9 +148,6 @@ func (u *expertUpdate) ready(layer int) error {
 	u.squares = append(u.squares, backend.SumSquaresLater(b, g))
 	at := r.expertMomentsAt + sp.lo - r.layout.experts.lo
 	r.adamW(sp, g, b.View(r.m, at, n), b.View(r.v, at, n), u.h)
-	if layer > 0 {
-		b.Zero(r.expertGrads)
-	}
 	profile.Scope(b, "")
 	return nil
 }

@@ -109,8 +109,11 @@ const lmHeadChunkRows = 2048
 // the shared scratch, and remake them in Backward; under full they keep
 // all their activations there, and backward reruns each layer's forward
 // from its kept input (residL, midL) before its backward; none or ""
-// keeps every layer's.
-func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel, recompute string) (*model, error) {
+// keeps every layer's. writeExpertGrads says every step runs one
+// micro-batch: the backward writes the experts' gradients rather than
+// adding to them (moe.OverwriteExpertGrads), and the step need not zero
+// them.
+func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel, recompute string, writeExpertGrads bool) (*model, error) {
 	cp, cpRank := 1, 0
 	if context != nil {
 		cp, cpRank = context.Size(), context.Rank()
@@ -168,6 +171,9 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 	}
 	attnOpts := []attention.Option{attention.WithScratch(attnScratch), attention.AddToOutput(), attention.WithTensorParallel(tp)}
 	moeOpts := []moe.Option{moe.WithScratch(moeScratch), moe.AddToOutput()}
+	if writeExpertGrads {
+		moeOpts = append(moeOpts, moe.OverwriteExpertGrads())
+	}
 	switch recompute {
 	case RecomputeSelective:
 		attnOpts = append(attnOpts, attention.RecomputeCore())

@@ -179,7 +179,7 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	}
 	r.model, err = newModel(ctx, b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
 		moe.Groups{Expert: groups.Expert, Data: moeData}, groups.Context, attention.CPMode(cfg.Parallel.CPAttention), r.tp,
-		cfg.Train.Recompute)
+		cfg.Train.Recompute, r.writesExpertGrads())
 	if err != nil {
 		return nil, err
 	}
@@ -196,6 +196,31 @@ type stepResult struct {
 
 // trainStep runs the micro-batches of one optimizer step, reduces the
 // gradients across ranks, clips and applies AdamW.
+// writesExpertGrads says the backward writes the experts' gradients
+// rather than adding to them (moe.OverwriteExpertGrads): every step runs
+// one micro-batch on each rank, so nothing else adds to them in a step.
+func (r *rank) writesExpertGrads() bool { return r.cfg.AccumSteps() == 1 }
+
+// zeroGrads clears the gradients a step's backward adds to: the whole
+// store, or where the backward writes the experts' (writesExpertGrads)
+// all but their range, which it overwrites (the padding between their
+// tensors is never written, so it stays zero).
+func (r *rank) zeroGrads() {
+	b, flat := r.b, r.gStore.flat
+	if !r.writesExpertGrads() {
+		b.Zero(flat)
+		return
+	}
+	n := flat.Len() // the experts' range is past the store under optimizer_in_backward
+	lo, hi := min(r.layout.experts.lo, n), min(r.layout.experts.hi, n)
+	if lo > 0 {
+		b.Zero(b.View(flat, 0, lo))
+	}
+	if hi < n {
+		b.Zero(b.View(flat, hi, n-hi))
+	}
+}
+
 func (r *rank) trainStep(step int) (stepResult, error) {
 	b, cfg := r.b, r.cfg
 	accum := cfg.AccumSteps()
@@ -205,11 +230,10 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		res.expertLoad[l] = make([]float64, cfg.Model.MoE.Experts)
 	}
 	r.op.refresh(b) // the weights may have changed since the last forward: an optimizer step, a restore
-	b.Zero(r.gStore.flat)
+	r.zeroGrads()
 	res.lr = learningRate(cfg.Train, step)
 	var experts *expertUpdate // the experts' AdamW, run by the backward
 	if r.expertsInBackward {
-		b.Zero(r.expertGrads)
 		experts = r.newExpertUpdate(step, res.lr)
 		defer experts.drain() // a step that fails before reading them
 	}

@@ -110,9 +110,12 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 	l.phase(PhaseExpertsBackward)
 	if R > 0 {
 		dw1, dw3, dw2 := l.stacked(g)
-		b.GroupedMatMulTN(dw2, dyRD, st.actRF, groups, 1, 1)
-		b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, 1)
-		b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, 1)
+		beta := l.expertGradBeta()
+		b.GroupedMatMulTN(dw2, dyRD, st.actRF, groups, 1, beta)
+		b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, beta)
+		b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, beta)
+	} else {
+		l.noExpertRows(g)
 	}
 	l.phase(PhaseCombineBackward)
 	if R > 0 {

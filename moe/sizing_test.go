@@ -1,6 +1,7 @@
 package moe_test
 
 import (
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -162,6 +163,100 @@ func TestUnequalTokensRefused(t *testing.T) {
 	for r, err := range errs {
 		if err == nil || !strings.Contains(err.Error(), "the same tokens on each") {
 			t.Errorf("rank %d: Forward gave %v; want the unequal tokens refused", r, err)
+		}
+	}
+}
+
+// TestOverwriteExpertGrads checks OverwriteExpertGrads: the experts'
+// weight gradients come out equal to those added onto zeros, whatever the
+// gradient tensors held before (NaN here: beta 0 never reads them), an
+// expert rank whose experts got no rows writes zeros, and the router's
+// gradient is still added to. Both dispatchers, one and two expert ranks;
+// the bias keeps every token off the last two experts, so with two ranks
+// the second rank's experts get no rows.
+func TestOverwriteExpertGrads(t *testing.T) {
+	const D, T, E = 8, 24, 4
+	for _, dispatcher := range []string{moe.DispatcherUnfused, moe.DispatcherFused} {
+		for _, ep := range []int{1, 2} {
+			cfg := moe.Config{Experts: E, TopK: 2, FFN: 6, AuxLossCoef: 0.01, Dispatcher: dispatcher}
+			pr := newProblem(11, cfg, D, T, false)
+			pr.bias = []float64{0, 0, -1e9, -1e9}
+			run := func(overwrite bool, init float64) [][]float64 {
+				b := cpu.New(backend.Float64)
+				ranks, err := comm.NewLocal(comm.Mesh{DP: 1, EP: ep, CP: 1, TP: 1}, b)
+				if err != nil {
+					t.Fatal(err)
+				}
+				local := E / ep
+				grads := make([][]float64, ep)
+				errs := make([]error, ep)
+				var wg sync.WaitGroup
+				for r, rk := range ranks {
+					wg.Go(func() {
+						var opts []moe.Option
+						if overwrite {
+							opts = append(opts, moe.OverwriteExpertGrads())
+						}
+						layer, err := moe.New(b, cfg, D, T, moe.Groups{Expert: rk.Expert, Data: rk.Data}, opts...)
+						if err != nil {
+							errs[r] = err
+							rk.Abort(err)
+							return
+						}
+						e0 := r * local
+						p := moe.NewParams(b, cfg, D, local)
+						p.GateED = upload(b, pr.gate, E, D)
+						p.W1EFD = upload(b, pr.w1[e0*cfg.FFN*D:(e0+local)*cfg.FFN*D], local, cfg.FFN, D)
+						p.W3EFD = upload(b, pr.w3[e0*cfg.FFN*D:(e0+local)*cfg.FFN*D], local, cfg.FFN, D)
+						p.W2EDF = upload(b, pr.w2[e0*D*cfg.FFN:(e0+local)*D*cfg.FFN], local, D, cfg.FFN)
+						g := moe.NewParams(b, cfg, D, local)
+						for _, gt := range []backend.Tensor{g.W1EFD, g.W3EFD, g.W2EDF} {
+							b.Upload(gt, tensor.New(tensor.WithShape(gt.Len()), tensor.WithBacking(constant(gt.Len(), init))))
+						}
+						x, out := upload(b, pr.x, T, D), b.New(backend.Float64, T, D)
+						if _, err := layer.Forward(out, x, p, upload(b, pr.bias, E), 1); err != nil {
+							errs[r] = err
+							rk.Abort(err)
+							return
+						}
+						if err := layer.Backward(b.New(backend.Float64, T, D), upload(b, pr.dout, T, D), p, g); err != nil {
+							errs[r] = err
+							rk.Abort(err)
+							return
+						}
+						for _, gt := range []backend.Tensor{g.W1EFD, g.W3EFD, g.W2EDF, g.GateED} {
+							grads[r] = append(grads[r], backend.DownloadFloat64(b, gt)...)
+						}
+					})
+				}
+				wg.Wait()
+				for r, err := range errs {
+					if err != nil {
+						t.Fatalf("%s ep %d rank %d: %v", dispatcher, ep, r, err)
+					}
+				}
+				return grads
+			}
+			want, got := run(false, 0), run(true, math.NaN())
+			for r := range want {
+				if len(got[r]) != len(want[r]) {
+					t.Fatalf("%s ep %d rank %d: %d gradient values, want %d", dispatcher, ep, r, len(got[r]), len(want[r]))
+				}
+				for i := range want[r] {
+					if got[r][i] != want[r][i] {
+						t.Fatalf("%s ep %d rank %d: gradient value %d is %v overwritten, %v added onto zeros", dispatcher, ep, r, i, got[r][i], want[r][i])
+					}
+				}
+			}
+			if ep == 2 {
+				nonzero := false
+				for _, v := range want[1][:3*E/ep*cfg.FFN*D] {
+					nonzero = nonzero || v != 0
+				}
+				if nonzero {
+					t.Errorf("%s: the second rank's experts got rows; the test wants them idle", dispatcher)
+				}
+			}
 		}
 	}
 }
