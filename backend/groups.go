@@ -36,6 +36,15 @@ func (g Groups) Len() int {
 	return g.Offsets.Len() - 1
 }
 
+// Held is the rows the groups hold, of operands of opRows rows: all of
+// them with Offsets (which end at the last row), else the sum of Rows.
+func (g Groups) Held(opRows int) int {
+	if g.Offsets != nil {
+		return opRows
+	}
+	return sumRows(g.Rows)
+}
+
 // CheckGroups checks g against operands of rows rows as far as the host
 // can without reading Offsets: at least one group, Rows' counts
 // non-negative and within rows, Offsets an Int32 vector of Len()+1

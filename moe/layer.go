@@ -509,14 +509,13 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		b.RouteByExpert(l.countsE, l.offsetsE1, sendTokS, sendSlotS, l.idxTK)
 		if ep == 1 {
 			var err error
-			if pl, err = l.planOneRank(n, prev, again); err != nil {
+			if pl, err = l.oneRankPlan(n, prev, again); err != nil {
 				return Stats{}, err
 			}
 		} else {
-			offsets := backend.DownloadInt32(b, l.offsetsE1)
-			counts := make([]int32, E)
-			for e := range E {
-				counts[e] = offsets[e+1] - offsets[e]
+			counts, err := backend.OffsetRows(backend.DownloadInt32(b, l.offsetsE1), n)
+			if err != nil {
+				return Stats{}, fmt.Errorf("moe: the router's expert offsets: %w", err)
 			}
 			pl = planCounts(counts, ep)
 		}
@@ -620,18 +619,18 @@ func (l *Layer) releaseStep() {
 	}
 }
 
-// planOneRank plans a dropless micro-step of n assignments on one expert
+// oneRankPlan plans a dropless micro-step of n assignments on one expert
 // rank (plan.go's planOneRank) from the offsets RouteByExpert has just
 // queued. Its counts come by a queued download, or, when the backend's
 // products would read the offsets back themselves (ReadsGroupOffsets;
 // once per product), by that download waited for now, once. A rerun
 // (Reforward, again) takes over the Forward's download, long done,
 // instead of queuing another of the same counts.
-func (l *Layer) planOneRank(n int, prev *step, again bool) (*plan, error) {
+func (l *Layer) oneRankPlan(n int, prev *step, again bool) (*plan, error) {
 	if again && prev != nil && prev.plan.offsetsE1 != nil && prev.plan.sent == n {
 		pl := planOneRank(n, l.offsetsE1, prev.plan.counts)
 		prev.plan.counts = nil
-		pl.countsE, pl.keptE, pl.expertRows, pl.countsSE = prev.plan.countsE, prev.plan.keptE, prev.plan.expertRows, prev.plan.countsSE
+		pl.setCounts(prev.plan.expertRows) // nil until prev settles: then pl does
 		return pl, nil
 	}
 	pl := planOneRank(n, l.offsetsE1, l.b.StartDownload(l.offsetsE1))

@@ -77,8 +77,14 @@ func (p *plan) settle() error {
 	if err != nil {
 		return fmt.Errorf("moe: the router's expert offsets: %w", err)
 	}
-	p.countsE, p.keptE, p.expertRows, p.countsSE = rows, rows, rows, rows
+	p.setCounts(rows)
 	return nil
+}
+
+// setCounts fills in a planOneRank plan's per-expert counts: on one rank,
+// dropless, every count is the router's, kept and processed alike.
+func (p *plan) setCounts(rows []int) {
+	p.countsE, p.keptE, p.expertRows, p.countsSE = rows, rows, rows, rows
 }
 
 // groups is how the local experts' products split the expert-major rows:
@@ -137,12 +143,10 @@ func planSource(idxTK []int32, T, K, E, ep, capacity int) *plan {
 // planCounts is the source half of a dropless plan from countsE, the
 // router's assignments per expert (the rows themselves stay on the device,
 // sorted by RouteByExpert in the order planSource would list them).
-func planCounts(countsE []int32, ep int) *plan {
-	E := len(countsE)
-	p := &plan{countsE: make([]int, E), keptE: make([]int, E), sendCounts: make([]int, ep)}
-	for e, c := range countsE {
-		p.countsE[e], p.keptE[e] = int(c), int(c)
-		p.sent += int(c)
+func planCounts(countsE []int, ep int) *plan {
+	p := &plan{countsE: countsE, keptE: countsE, sendCounts: make([]int, ep)}
+	for _, c := range countsE {
+		p.sent += c
 	}
 	p.countSends(ep)
 	return p

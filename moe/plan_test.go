@@ -16,7 +16,7 @@ func TestPlanCountsMatchesPlanSource(t *testing.T) {
 	const T, K, E = 57, 3, 8
 	for _, ep := range []int{1, 2, 4} {
 		idx := make([]int32, T*K)
-		counts := make([]int32, E)
+		counts := make([]int, E)
 		for a := range idx {
 			idx[a] = int32(rng.IntN(E))
 			counts[idx[a]]++

@@ -102,17 +102,14 @@ func (b *Backend) groupedKernel(ot, at, bt *Tensor, groups backend.Groups, n, k 
 // reports false when the offsets cannot be staged (the call then keeps the
 // cuBLASLt path); staging and launch errors go to b.fail.
 func (b *Backend) withGroupOffsets(x *expertGemm, groups backend.Groups, opRows int, run func(offsets driver.DevicePtr, rows int) error) bool {
+	rows := groups.Held(opRows)
 	if groups.Offsets != nil {
 		offs, ok := tensorOf("grouped product", "offsets", groups.Offsets).ptr()
-		if ok && opRows > 0 {
-			b.fail(run(offs, opRows))
+		if ok && rows > 0 {
+			b.fail(run(offs, rows))
 		}
 		runtime.KeepAlive(groups.Offsets)
 		return true
-	}
-	rows := 0
-	for _, r := range groups.Rows {
-		rows += r
 	}
 	if rows == 0 {
 		return true
@@ -162,13 +159,7 @@ func (b *Backend) groupedKernelTN(ot, at, bt *Tensor, groups backend.Groups, m, 
 	if !ok {
 		return false
 	}
-	rows := at.shape[0]
-	if groups.Offsets == nil {
-		rows = 0
-		for _, r := range groups.Rows {
-			rows += r
-		}
-	}
+	rows := groups.Held(at.shape[0])
 	// The kernel's own checks (sizes, alignment), made before committing
 	// to it; staged offsets' address is not known yet and is any aligned
 	// one. No rows (no K at all) is left to cuBLASLt's scaling path.

@@ -379,13 +379,7 @@ func (b *Backend) runFused(a fusedArgs, groups backend.Groups, rows int, launch 
 	if backend.CheckGroups(groups, rows) != nil {
 		return false
 	}
-	sum := rows
-	if groups.Offsets == nil {
-		sum = 0
-		for _, r := range groups.Rows {
-			sum += r
-		}
-	}
+	sum := groups.Held(rows)
 	f := &b.fused
 	f.mu.Lock()
 	defer f.mu.Unlock()
