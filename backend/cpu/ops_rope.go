@@ -12,6 +12,7 @@ package cpu
 
 import (
 	"math"
+	"unsafe"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -31,11 +32,29 @@ func (b *Backend) RoPE(outTQ, xTQ, posT backend.Tensor, headDim int, theta float
 	}
 	pos := indices(op, "pos", posT, t, math.MaxInt32, false)
 	if b.dt == backend.Float32 {
-		rope(b, floats[float32](outTQ), floats[float32](xTQ), pos, q, headDim, theta, inverse)
+		out, x := floats[float32](outTQ), floats[float32](xTQ)
+		checkInPlace(op, out, x)
+		rope(b, out, x, pos, q, headDim, theta, inverse)
 	} else {
-		rope(b, floats[float64](outTQ), floats[float64](xTQ), pos, q, headDim, theta, inverse)
+		out, x := floats[float64](outTQ), floats[float64](xTQ)
+		checkInPlace(op, out, x)
+		rope(b, out, x, pos, q, headDim, theta, inverse)
 	}
 	b.roundIfBF16(outTQ)
+}
+
+// checkInPlace refuses an out that overlaps x without being x itself: the
+// rows run in parallel, so such a call's result would depend on timing
+// (the CUDA backend refuses it too).
+func checkInPlace[T Float](op string, out, x []T) {
+	if len(out) == 0 || len(x) == 0 || unsafe.SliceData(out) == unsafe.SliceData(x) {
+		return
+	}
+	size := unsafe.Sizeof(out[0])
+	o0, x0 := uintptr(unsafe.Pointer(unsafe.SliceData(out))), uintptr(unsafe.Pointer(unsafe.SliceData(x)))
+	if o0 < x0+uintptr(len(x))*size && x0 < o0+uintptr(len(out))*size {
+		fail(op, "out overlaps x without being x itself")
+	}
 }
 
 func rope[T Float](b *Backend, out, x []T, pos []int32, q, dh int, theta float64, inverse bool) {

@@ -49,6 +49,10 @@ func TestBadArgumentsPanicOnCaller(t *testing.T) {
 		{"scale length", "cpu.ScatterAddRows: scale has shape [2]", func() { b.ScatterAddRows(f(9, 3), f(1, 3), ids(0), f(2)) }},
 		{"rope head dim", "cpu.RoPE: head dim 5 must be even", func() { x := f(2, 10); b.RoPE(x, x, ids(0, 1), 5, 1e4, false) }},
 		{"rope positions", "cpu.RoPE: pos has shape [1] (1 elements), want 2 elements", func() { x := f(2, 8); b.RoPE(x, x, ids(0), 4, 1e4, false) }},
+		{"rope out overlaps x", "cpu.RoPE: out overlaps x without being x itself", func() {
+			x := f(3, 8)
+			b.RoPE(b.View(x, 8, 2, 8), b.View(x, 0, 2, 8), ids(0, 1), 4, 1e4, false)
+		}},
 		{"rmsnorm w", "cpu.RMSNormForward: w has shape [7] (7 elements), want 8 elements", func() { b.RMSNormForward(f(2, 8), f(2), nil, f(2, 8), f(7), 1e-5) }},
 		{"swiglu", "cpu.SwiGLUBackward: db has shape [3 3], want [3 4]", func() { b.SwiGLUBackward(f(3, 4), f(3, 3), f(3, 4), f(3, 4), f(3, 4)) }},
 		{"adamw step", "cpu.AdamWUpdate: step 0 must count from 1", func() { b.AdamWUpdate(f(3), f(3), f(3), f(3), backend.AdamW{LR: 1}) }},
