@@ -193,6 +193,8 @@ func Sources() []Source {
 			{Name: "attn_h_forward_d128_bf16", Block: 384, Grid: hopperAttnGrid},
 			{Name: "attn_h_backward_d64", Block: 256, Grid: hopperAttnKeyGrid},
 			{Name: "attn_h_backward_d128", Block: 256, Grid: hopperAttnKeyGrid},
+			{Name: "attn_h_backward_ordered_d64", Block: 256, Grid: hopperAttnKeyGrid},
+			{Name: "attn_h_backward_ordered_d128", Block: 256, Grid: hopperAttnKeyGrid},
 			{Name: "attn_h_delta", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
 			{Name: "attn_h_delta_bf16", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
 			{Name: "attn_h_delta_bf16_bf16", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},

@@ -18,9 +18,9 @@ package cuda
 // attention_tc.cu (bf16 operands rounded as tiles are staged, float32
 // accumulation and softmax statistics); the float32 ones (error ~1e-6)
 // for every other case. The Hopper backward adds dq's blocks with TMA
-// reductions, in the order its blocks run; a Backend under
-// SetDeterministic runs attention_tc.cu's backward instead, whose dq pass
-// adds in a fixed order. Unmasked calls (AttnShape.Full, the off-diagonal
+// reductions, in the order its blocks run; under a Backend's
+// SetDeterministic its ordered build adds them in key-block order (and
+// elsewhere attention_tc.cu's dq pass adds in a fixed order). Unmasked calls (AttnShape.Full, the off-diagonal
 // blocks of the portable context-parallel ring) run on every set with the
 // offset KVSeq-1: the kernels clip a query's keys at the last one, so
 // query i then sees keys 0..KVSeq-1. Against float64 the bf16 kernels
@@ -60,13 +60,17 @@ const (
 	// attnTC is attention_tc.cu: bf16 tensor cores, head dims 64 and 128,
 	// tensors (but lse) 16-byte aligned.
 	attnTC
-	// attnAutoOrdered is attnAuto without float atomics: the Hopper
-	// forward where it applies, attention_tc.cu's backward (fixed order).
+	// attnAutoOrdered is attnAuto with every sum in a fixed order: on
+	// Hopper its kernels with dq added in key-block order (attnHopperOrdered),
+	// elsewhere attention_tc.cu's, free of float atomics.
 	attnAutoOrdered
 	// attnHopper is attention_hopper.cu's forward (wgmma and TMA on
 	// sm_90a, q, k and v rounded to bf16 first) with attention_tc.cu's
 	// backward; the same head dims and alignment as attnTC.
 	attnHopper
+	// attnHopperOrdered is attnHopper whose backward adds dq's blocks in
+	// a fixed order (attn_h_backward_ordered_d{64,128}).
+	attnHopperOrdered
 )
 
 func (i attnImpl) String() string {
@@ -79,6 +83,8 @@ func (i attnImpl) String() string {
 		return "tensor cores"
 	case attnHopper:
 		return "hopper"
+	case attnHopperOrdered:
+		return "hopper, fixed order"
 	case attnAutoOrdered:
 		return "auto, fixed order"
 	}
@@ -105,11 +111,12 @@ func AttentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 // [B*KS, KV*Dh] (every key row; 0 where no query sees the key) from dout,
 // the forward's inputs, its out and its lse. On Hopper it runs
 // attention_hopper.cu's backward (one kernel over key tiles that adds dq
-// with TMA reductions, so dq's last bits vary from run to run); elsewhere,
-// and under AttentionBackwardOrdered, two kernels, deterministic and free
-// of atomics: one over query tiles for dq, which also saves D_i =
-// rowsum(dout*out) in a [B, H, S] scratch, and one over key tiles for dk
-// and dv, each owning its rows across the query heads of its GQA group.
+// with TMA reductions, so dq's last bits vary from run to run, unless
+// AttentionBackwardOrdered has them added in key-block order); elsewhere
+// two kernels, deterministic and free of atomics: one over query tiles
+// for dq, which also saves D_i = rowsum(dout*out) in a [B, H, S]
+// scratch, and one over key tiles for dk and dv, each owning its rows
+// across the query heads of its GQA group.
 // Asynchronous, as AttentionForward.
 func AttentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape) error {
 	return attentionBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, attnAuto)
@@ -132,7 +139,7 @@ func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 	if impl, err = chooseAttn(op, impl, s, out, q, k, v); err != nil {
 		return err
 	}
-	if impl == attnHopper || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
+	if impl == attnHopper || impl == attnHopperOrdered || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
 		if !hopperAttnTakes(d, s) {
 			return fmt.Errorf("cuda: %s: the Hopper kernels need an sm_90a GPU, not %s", op, d.info.Arch)
 		}
@@ -157,7 +164,7 @@ func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 // attentionBackward is AttentionBackward on the kernels impl names.
 func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, impl attnImpl) error {
 	const op = "AttentionBackward"
-	auto := impl == attnAuto
+	auto, ordered := impl == attnAuto || impl == attnAutoOrdered, impl == attnAutoOrdered || impl == attnHopperOrdered
 	dp, err := checkAttnShape(op, s)
 	if err != nil {
 		return err
@@ -165,11 +172,11 @@ func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 	if impl, err = chooseAttn(op, impl, s, dq, dk, dv, dout, q, k, v, out); err != nil {
 		return err
 	}
-	if impl == attnHopper || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
+	if impl == attnHopper || impl == attnHopperOrdered || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
 		if !hopperAttnTakes(d, s) {
 			return fmt.Errorf("cuda: %s: the Hopper kernels need an sm_90a GPU, not %s", op, d.info.Arch)
 		}
-		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, attnBwdInputs{})
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, ordered, attnBwdInputs{})
 	}
 	dqName, dkvName := fmt.Sprintf("attn_backward_dq_d%d_f32", dp), fmt.Sprintf("attn_backward_dkdv_d%d_f32", dp)
 	// dq runs over query tiles, dk/dv over key tiles.
@@ -223,7 +230,7 @@ func chooseAttn(op string, impl attnImpl, s backend.AttnShape, ptrs ...driver.De
 		return attnFP32, nil
 	case attnFP32:
 		return attnFP32, nil
-	case attnTC, attnHopper:
+	case attnTC, attnHopper, attnHopperOrdered:
 		if !tcHeadDim(s.HeadDim) {
 			return 0, fmt.Errorf("cuda: %s: the tensor-core kernels take head dims 64 and 128, not %d", op, s.HeadDim)
 		}

@@ -102,8 +102,8 @@ func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver
 		return fmt.Errorf("cuda: AttentionBackwardBF16: a bf16 out needs a bf16 dout")
 	}
 	in.qkv = true
-	if !ordered && hopperAttnTakes(d, s) && aligned16(dq, dk, dv, dout, q, k, v, out) {
-		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, in)
+	if hopperAttnTakes(d, s) && aligned16(dq, dk, dv, dout, q, k, v, out) {
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, ordered, in)
 	}
 	impl := attnAuto
 	if ordered {
@@ -309,23 +309,31 @@ func hopperAttnBwdSmem(dh int) int {
 
 // hopperAttnBackward is AttentionBackward on the Hopper kernels: q, k, v
 // and dout rounded to bf16 in scratch unless in says they are bf16
-// already, delta = rowsum(dout*out) by
-// attn_h_delta, dq zeroed, then attn_h_backward_d{64,128}, which writes dk
-// and dv and adds dq's blocks with TMA reductions (float adds at L2 in the
-// order the blocks run, so dq's last bits vary from run to run).
-func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs) error {
-	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_backward_d%d", s.HeadDim))
+// already, delta = rowsum(dout*out) by attn_h_delta, dq zeroed, then
+// attn_h_backward_d{64,128}, which writes dk and dv and adds dq's blocks
+// with TMA reductions: float adds at L2 in the order the blocks run, so
+// dq's last bits vary from run to run; with ordered,
+// attn_h_backward_ordered_d{64,128} add them in key-block order instead
+// (the same bits on every run), at some cost in speed (bench: the
+// ordered backward's figure in TestAttentionFigures).
+func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered bool, in attnBwdInputs) error {
+	name := fmt.Sprintf("attn_h_backward_d%d", s.HeadDim)
+	if ordered {
+		name = fmt.Sprintf("attn_h_backward_ordered_d%d", s.HeadDim)
+	}
+	kern, err := sourceKernel(d, "attention_hopper.cu", name)
 	if err != nil {
 		return err
 	}
-	return launchHopperAttnBackward(d, kern, 256, hopperAttnBwdSmem(s.HeadDim), dq, dk, dv, dout, q, k, v, out, lse, s, in)
+	return launchHopperAttnBackward(d, kern, 256, hopperAttnBwdSmem(s.HeadDim), dq, dk, dv, dout, q, k, v, out, lse, s, ordered, in)
 }
 
 // launchHopperAttnBackward is hopperAttnBackward on kernel kern (attn_h_backward's
-// arguments) launched with threads threads and smem bytes of dynamic
-// shared memory a block: the production kernel, or a lab build whose
-// layout differs (kernels/dev).
-func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs) error {
+// arguments, and with ordered attn_h_backward_ordered's counters)
+// launched with threads threads and smem bytes of dynamic shared memory a
+// block: the production kernel, or a lab build whose layout differs
+// (kernels/dev).
+func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered bool, in attnBwdInputs) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
@@ -347,8 +355,14 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	}
 	nq, nk := attnElems(s)
 	nl := int64(s.Batch) * int64(s.Heads) * int64(s.Seq)
+	// The ordered kernel's turn counters, one per (batch, head, query tile).
+	var nTurns int64
+	if ordered {
+		nTurns = int64(s.Batch) * int64(s.Heads) * int64((s.Seq+hopperAttnBwdQ-1)/hopperAttnBwdQ)
+	}
 	// The bf16 copies the inputs need (dout; q, k and v), then float32
-	// delta: every part 16-byte aligned (nq and nk are multiples of 64).
+	// delta and the counters: every part 16-byte aligned (nq and nk are
+	// multiples of 64).
 	type rounding struct {
 		dst, src driver.DevicePtr
 		n        int64
@@ -361,7 +375,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	if !in.qkv {
 		rounds = append(rounds, rounding{src: q, n: nq}, rounding{src: k, n: nk}, rounding{src: v, n: nk})
 	}
-	bytes := 4 * nl
+	bytes := 4*nl + 4*nTurns
 	for _, r := range rounds {
 		bytes += 2 * r.n
 	}
@@ -375,7 +389,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		rounds[i].dst = at
 		at += driver.DevicePtr(2 * rounds[i].n)
 	}
-	delta := at
+	delta, turns := at, at+driver.DevicePtr(4*nl)
 	if !in.dout {
 		ob = rounds[0].dst
 	}
@@ -395,6 +409,11 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	if err := d.Submit(func() error { return d.drv.MemsetD32Async(dq, 0, int(nq), d.stream) }); err != nil {
 		return err
 	}
+	if ordered {
+		if err := d.Submit(func() error { return d.drv.MemsetD32Async(turns, 0, int(nTurns), d.stream) }); err != nil {
+			return err
+		}
+	}
 	maps := []namedMap{
 		{"q", hopperAttnMap(qb, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
 		{"dout", hopperAttnMap(ob, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
@@ -412,6 +431,9 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	slots := []uint64{uint64(lse), uint64(delta), uint64(dk), uint64(dv),
 		uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))), uint64(uint32(s.Heads)),
 		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
+	if ordered {
+		slots = append(slots, uint64(turns))
+	}
 	grid := Grid{
 		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: (keys + hopperAttnBN - 1) / hopperAttnBN, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},

@@ -124,7 +124,7 @@ func TestAttentionLabProducerWarp(t *testing.T) {
 	const threads = 288
 	smem := hopperAttnBwdSmem(64) + 2*512
 	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
-		return launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{})
+		return launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, false, attnBwdInputs{})
 	}
 	shapes := []backend.AttnShape{
 		{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},

@@ -515,8 +515,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // dk and dv stay in registers across the whole walk (GQA needs no partial
 // sums per head) and are stored once. dq must be zero before the kernel;
 // its sums are float adds at L2 in the order the blocks run, so dq's last
-// bits vary from run to run: the deterministic backward is
-// attention_tc.cu's.
+// bits vary from run to run. attn_h_backward_ordered_d{64,128} add in a
+// fixed order instead: a counter per (batch, head, query tile), zero
+// before the kernel, lets warpgroup cw of key block jb add its dq block
+// of that tile only as contribution 2*jb + cw (ah_dq_turn), and counts it
+// once the TMA reduction is complete (ah_dq_done). Every key block below
+// jb reaches the tile too (a block's first tile never decreases with jb),
+// so the turns have no gaps; the grid runs key blocks in increasing
+// blockIdx.y, so a turn waits only on blocks started before it.
 // delta is rowsum(dout * out) per query and head, from dout rounded to
 // bf16 as dP^T sees it.
 
@@ -553,17 +559,41 @@ __device__ __forceinline__ float ah_ldg(const float* p) {
   return r;
 }
 
+// ah_dq_turn returns once *turn is mine (acquire): the dq blocks added
+// before this one are complete at L2. A wait past GG_TIMEOUT_NS traps, as
+// gg_bar_wait does.
+__device__ __forceinline__ void ah_dq_turn(const int* turn, int mine) {
+  if (gg_ld_acquire(turn) != mine) {
+    const unsigned long long t0 = gg_globaltimer();
+    while (gg_ld_acquire(turn) != mine) {
+      if (gg_globaltimer() - t0 > GG_TIMEOUT_NS) asm volatile("trap;");
+    }
+  }
+  // The TMA reduction that follows (the async proxy) comes after the wait.
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// ah_dq_done waits for this thread's bulk reductions to complete and
+// passes the turn on (release).
+__device__ __forceinline__ void ah_dq_done(int* turn) {
+  gg_bulk_wait();
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
+}
+
 // Block: two warpgroups (256 threads), 64 keys each; thread 0 also issues
 // the TMA loads. Eight warps let __launch_bounds__(256, 1) give every
 // thread 255 registers (an SM's four register files hold two warps each
 // at that size; a ninth warp, a producer, would cap all at 168), which
 // holds dk and dv (Dh floats a thread) beside an item's scores without
 // spilling.
-template <int DH>
+// ORDERED adds dq in the fixed order above; turns is then the counters
+// [B, H, ceil(S/64)].
+template <int DH, bool ORDERED>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
-                                            int KV, float scaleLog2, float scale) {
+                                            int KV, float scaleLog2, float scale, int* turns) {
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
   constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
                      QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
@@ -737,9 +767,12 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       if (wtid == 0) gg_bulk_wait_read();
       gg_named_sync(1 + cw, 128);
       if (wtid == 0) {
+        int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
+        if (ORDERED) ah_dq_turn(turn, 2 * (int)blockIdx.y + cw);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
         gg_bulk_commit();
+        if (ORDERED) ah_dq_done(turn);
       }
       nq++;
       continue;
@@ -784,9 +817,12 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       if (wtid == 0) gg_bulk_wait_read();
       gg_named_sync(1 + cw, 128);
       if (wtid == 0) {
+        int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
+        if (ORDERED && c == 0) ah_dq_turn(turn, 2 * (int)blockIdx.y + cw);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
         gg_bulk_commit();
+        if (ORDERED && c == DH / 64 - 1) ah_dq_done(turn);
       }
       nq++;
     }
@@ -1054,12 +1090,20 @@ extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const _
 }
 #else
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-  ah_backward<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
+  ah_backward<64, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
 }
 #endif
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-  ah_backward<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
+  ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
+  ah_backward<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
+  ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
 }
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
