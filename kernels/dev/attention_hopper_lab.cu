@@ -13,6 +13,14 @@
 //      shared memory a stage): it launches differently, so
 //      TestAttentionLabProducerWarp runs it with launchHopperAttnBackward's
 //      block and shared memory arguments.
+//   8  the backward's thread 0 refills a stage without waiting for the
+//      other warpgroup: at dq's first product it issues every load whose
+//      stage both warpgroups have freed (mbarrier try_wait) and leaves the
+//      rest; before an item's wait for its q and dout tiles it issues that
+//      item's load, waiting for the stage if it must. Production's thread
+//      0 waits at every item until the other warpgroup is done with the
+//      stage, which keeps the warpgroups in lockstep (the candidate for
+//      version 3's loss at head dim 64, kernels/attention_hopper.md).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -649,12 +657,33 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   gg_bar_wait(barKV, 0);
   const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+#if AH_EXPERIMENT & 8
+  // Thread 0: the next item whose q and dout it has not loaded, and the
+  // refill of every stage that is free (block: wait for the first one).
+  int nextLoad = gg_min(STAGES, items);
+  auto refill = [&](bool block) {
+    while (nextLoad < items) {
+      // Item nextLoad reuses the stage of item nextLoad - STAGES.
+      const unsigned bar = empty + 8 * (nextLoad % STAGES), par = ((nextLoad - STAGES) / STAGES) & 1;
+      if (block) {
+        gg_bar_wait(bar, par);
+      } else if (!gg_bar_try(bar, par)) {
+        return;
+      }
+      load(nextLoad++);
+      block = false;
+    }
+  };
+#endif
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
     const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
+#if AH_EXPERIMENT & 8
+    if (tid == 0 && nextLoad <= it) refill(true);
+#endif
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
@@ -752,10 +781,14 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       gg_fence_acc(dva);
       gg_fence_acc(dka);
       if (lane == 0) gg_bar_arrive(empty + 8 * s);
+#if AH_EXPERIMENT & 8
+      if (tid == 0) refill(false);
+#else
       if (tid == 0 && it + STAGES < items) {
         gg_bar_wait(empty + 8 * s, ph);
         load(it + STAGES);
       }
+#endif
       const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
 #pragma unroll
       for (int n = 0; n < 8; n++) {
@@ -795,11 +828,15 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         gg_fence_acc(dva);
         gg_fence_acc(dka);
         if (lane == 0) gg_bar_arrive(empty + 8 * s);
+#if AH_EXPERIMENT & 8
+        if (tid == 0) refill(false);
+#else
         // Thread 0 refills the stage once both warpgroups are done with it.
         if (tid == 0 && it + STAGES < items) {
           gg_bar_wait(empty + 8 * s, ph);
           load(it + STAGES);
         }
+#endif
       }
       // Stage the 64 x 64 block of dq as two TMA boxes of {32 columns, 64
       // rows} float32, 128-byte swizzled (row r's 16-byte chunk x at

@@ -54,6 +54,8 @@ func Sources() []Source {
 				Purpose: "the head dim 128 backward reduces one dq block per warpgroup and item (each over all 128 keys) instead of two"},
 			{Name: "bwd-producer-warp", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
 				Purpose: "the head dim 64 backward's version 2: a producer warp (288 threads) stages lse and delta in shared memory; launched by TestAttentionLabProducerWarp, not in place"},
+			{Name: "bwd-deferred-refill", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
+				Purpose: "the backward's thread 0 refills a stage once it is free instead of waiting at every item for the other warpgroup (the warpgroups out of lockstep)"},
 			{Name: "fwd-pipelined", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "the forward issues tile t+1's scores before tile t's P.V and runs t+1's softmax under it (FlashAttention-3's intra-warpgroup overlap)"},
 		}},
