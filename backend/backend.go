@@ -342,9 +342,11 @@ type Backend interface {
 	// T*K: the dispatch's Groups.Offsets), and sendTokS and sendSlotS
 	// ([T*K] each) list every assignment a = t*K + k of idxTK grouped by
 	// expert (expert 0's first) and in assignment order within an expert:
-	// sendSlotS[i] = a, sendTokS[i] = a / K. Every idxTK entry must lie
-	// in [0, E).
-	RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK Tensor)
+	// sendSlotS[i] = a, sendTokS[i] = a / K; and sendPosTK (Int32
+	// [T*K], or nil) the inverse, where each assignment went:
+	// sendPosTK[a] = i (GatherSumRows' positions). Every idxTK entry must
+	// lie in [0, E).
+	RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, sendPosTK, idxTK Tensor)
 
 	// GatherRows: outND[i] = scale[i] * inTD[rowsN[i]]; scaleN may be nil
 	// (1). scale is of the float type; in is too, or BFloat16; out is of
@@ -352,6 +354,18 @@ type Backend interface {
 	GatherRows(outND, inTD, rowsN, scaleN Tensor)
 	// ScatterAddRows: outTD[rowsN[i]] += scale[i] * inND[i]; scaleN may be nil.
 	ScatterAddRows(outTD, inND, rowsN, scaleN Tensor)
+	// GatherSumRows is ScatterAddRows turned into a gather, for rows that
+	// reach each output row at most K times (the MoE combine and its
+	// backward): outTD[t] += Σ_k scaleTK[t,k]·inSD[posTK[t,k]], skipping
+	// posTK[t,k] < 0 (nothing sent), the terms added in increasing
+	// position (the order a scatter over inSD's rows adds them), each
+	// product and sum rounded on its own, so backends of one float type
+	// give the same bits, and ScatterAddRows' on the CPU. posTK is Int32
+	// [T, K], its entries in [-1, S) and a row's non-negative ones
+	// distinct; scaleTK [T, K] of the float type, or nil (1); inSD of the
+	// float type or BFloat16; outTD of the float type. Each output row is
+	// read and written once, with no atomics.
+	GatherSumRows(outTD, inSD, posTK, scaleTK Tensor)
 	// RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]).
 	RowDots(outN, aTD, rowsN, bND Tensor)
 

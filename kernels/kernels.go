@@ -144,6 +144,8 @@ func Sources() []Source {
 			{Name: "gather_rows_bf16_bf16", Block: 256, Grid: "N blocks"},
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
 			{Name: "row_dots_f32", Block: 256, Grid: "N blocks"},
+			{Name: "gather_sum_rows_f32", Block: 256, Grid: "T blocks"},
+			{Name: "gather_sum_rows_bf16", Block: 256, Grid: "T blocks"},
 			{Name: "stable_rank_i32", Block: 256, Grid: "(ceil(N/1024), ceil(N/4096)) blocks"},
 			{Name: "stable_place_i32", Block: 256, Grid: gridStride},
 			{Name: "scatter_add_rows_ordered_f32", Block: 256, Grid: "N blocks"},

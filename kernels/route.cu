@@ -10,7 +10,7 @@
 //      flags whether its assignment is e's, a warp ballot and a scan of the
 //      32 warp totals give each flagged assignment its rank, and it is
 //      written at offset + earlier tiles' count + rank: send_slot = a,
-//      send_tok = a / K.
+//      send_tok = a / K, and (send_pos not null) send_pos[a] = that place.
 // So rows come out grouped by expert and, within an expert, in assignment
 // order (stable), as the host counting sort in moe/plan.go orders them, and
 // the result is deterministic. Each block reads idx twice (n ints: 128 KiB
@@ -57,7 +57,8 @@ __device__ __forceinline__ int rt_block_count(int v, int* scratch) {
 }
 
 extern "C" __global__ void __launch_bounds__(1024) route_by_expert(float* counts, int* offsets, int* send_tok,
-                                                                    int* send_slot, const int* idx, int n, int K) {
+                                                                    int* send_slot, int* send_pos, const int* idx, int n,
+                                                                    int K) {
   __shared__ int scratch[32];
   __shared__ int warp_base[33];
   const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -98,6 +99,7 @@ extern "C" __global__ void __launch_bounds__(1024) route_by_expert(float* counts
       const int at = offset + done + warp_base[warp] + rt_popc(votes & rt_lanemask_lt());
       send_slot[at] = a;
       send_tok[at] = a / K;
+      if (send_pos != 0) send_pos[a] = at;
     }
     done += warp_base[32];
   }

@@ -89,6 +89,84 @@ extern "C" __global__ void gather_rows_bf16_bf16(mk_bf16* out, const mk_bf16* in
   gather_rows(out, in, rows, scale, N, D, vec);
 }
 
+// gather_sum_rows_f32 and gather_sum_rows_bf16 (from a bf16 in): out[t, :]
+// += sum over k < K of scale[t*K + k] * in[pos[t*K + k], :], skipping
+// pos < 0, the terms added in increasing pos (the order a scatter over
+// in's rows adds them) with each product and sum rounded on its own
+// (mul.rn, add.rn: never fused), as the CPU backend adds: both give the
+// same bits. The scatter-add of the MoE combine done as a gather: every
+// output row read and written once by one block, no atomics, the same
+// sums in the same order on every run. A row's non-negative positions are
+// distinct; K <= RW_MAX_K (the launcher checks). Grid: T blocks of at
+// least K threads; vec as gather_rows (D a multiple of 4, out and in
+// aligned to four elements).
+#define RW_MAX_K 64
+
+__device__ __forceinline__ float rw_madd(float acc, float s, float v) {
+  float p;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(p) : "f"(s), "f"(v));
+  asm("add.rn.f32 %0, %0, %1;" : "+f"(acc) : "f"(p));
+  return acc;
+}
+
+template <typename In>
+__device__ __forceinline__ void gather_sum_rows(float* out, const In* in, const int* pos, const float* scale, int T, int K,
+                                                int D, int vec) {
+  __shared__ int sPos[RW_MAX_K];
+  __shared__ float sScale[RW_MAX_K];
+  __shared__ int sN;
+  const int t = blockIdx.x;
+  if (t >= T) return;
+  // The token's terms in increasing position: thread k places its own at
+  // its rank among the valid ones.
+  const int* p = pos + (long long)t * K;
+  if ((int)threadIdx.x < K) {
+    const int mine = p[threadIdx.x];
+    if (mine >= 0) {
+      int r = 0;
+      for (int j = 0; j < K; j++) {
+        const int o = p[j];
+        r += o >= 0 && o < mine;
+      }
+      sPos[r] = mine;
+      sScale[r] = scale != 0 ? scale[(long long)t * K + threadIdx.x] : 1.0f;
+    }
+  }
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int j = 0; j < K; j++) n += p[j] >= 0;
+    sN = n;
+  }
+  __syncthreads();
+  const int n = sN;
+  float* dst = out + (long long)t * D;
+  if (vec) {
+    for (int d = threadIdx.x; d < D / 4; d += blockDim.x) {
+      rw_f4 acc = ((const rw_f4*)dst)[d];
+      for (int r = 0; r < n; r++) {
+        const float s = sScale[r];
+        const rw_f4 v = rw_load4(in + (long long)sPos[r] * D, d);
+        acc = rw_f4{rw_madd(acc.x, s, v.x), rw_madd(acc.y, s, v.y), rw_madd(acc.z, s, v.z), rw_madd(acc.w, s, v.w)};
+      }
+      rw_store4(dst, d, acc);
+    }
+    return;
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = dst[d];
+    for (int r = 0; r < n; r++) acc = rw_madd(acc, sScale[r], rw_load(in + (long long)sPos[r] * D + d));
+    dst[d] = acc;
+  }
+}
+
+extern "C" __global__ void gather_sum_rows_f32(float* out, const float* in, const int* pos, const float* scale, int T, int K, int D, int vec) {
+  gather_sum_rows(out, in, pos, scale, T, K, D, vec);
+}
+
+extern "C" __global__ void gather_sum_rows_bf16(float* out, const mk_bf16* in, const int* pos, const float* scale, int T, int K, int D, int vec) {
+  gather_sum_rows(out, in, pos, scale, T, K, D, vec);
+}
+
 // The ordered scatter-add below is train.deterministic's form of
 // scatter_add_rows_f32 and embedding_backward_f32: the same sums, each
 // output element added to by one thread in increasing i, so the result is

@@ -93,8 +93,10 @@
 // then gathers the rows into send order, exchanges them (AllToAllRows),
 // permutes them into expert-major order, runs the experts as grouped
 // products (GroupedMatMul; weight gradients GroupedMatMulTN), and takes the
-// outputs back the same way, ScatterAddRows adding gate·y into each token's
-// row; with one expert rank there is nothing to exchange. Each expert's rows
+// outputs back the same way, GatherSumRows adding gate·y into each token's
+// row (a gather by token: RouteByExpert also writes where each assignment
+// went, so every token row is written once, with no atomics and in a fixed
+// order); with one expert rank there is nothing to exchange. Each expert's rows
 // are ordered by source rank then token, the global token order, so 1 rank
 // or W ranks agree up to the order of floating-point sums.
 //

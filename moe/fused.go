@@ -133,7 +133,7 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 	case doneS != nil:
 		b.CombineRows(dxTD, dxSD, st.sendTokS, nil, doneS, pl.sendCounts)
 	default:
-		b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
+		b.GatherSumRows(dxTD, dxSD, st.sendPosTK, nil)
 	}
 	return nil
 }

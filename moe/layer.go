@@ -89,6 +89,10 @@ type activations struct {
 	logitsTE, probsTE, lseT, idxTK, gatesTK backend.Tensor
 	dlogitsTE, dgatesTK                     backend.Tensor
 	offsetsE1                               backend.Tensor // Int32 [E+1]: the assignments' prefix sums by expert (RouteByExpert): dropless, the expert groups' offsets
+	// sendPosTK (Int32 [T, K]) is where each assignment went in the send
+	// order, -1 where it was dropped: the combines (GatherSumRows) read a
+	// token's rows from there.
+	sendPosTK backend.Tensor
 
 	// Shared experts, [T, Fs]; nil when off.
 	sharedH1TF, sharedH3TF, sharedActTF, sharedDActTF, sharedDH1TF, sharedDH3TF backend.Tensor
@@ -133,7 +137,7 @@ func newActivations(b backend.Backend, cfg Config, dim, tokens int) *activations
 		logitsTE: b.New(ft, tokens, E), probsTE: b.New(ft, tokens, E), lseT: b.New(ft, tokens),
 		idxTK: b.New(backend.Int32, tokens, K), gatesTK: b.New(ft, tokens, K),
 		dlogitsTE: b.New(ft, tokens, E), dgatesTK: b.New(ft, tokens, K),
-		offsetsE1: b.New(backend.Int32, E+1),
+		offsetsE1: b.New(backend.Int32, E+1), sendPosTK: b.New(backend.Int32, tokens, K),
 	}
 	if fs := cfg.SharedExperts * F; fs > 0 {
 		a.sharedH1TF, a.sharedH3TF, a.sharedActTF = b.New(ft, tokens, fs), b.New(ft, tokens, fs), b.New(ft, tokens, fs)
@@ -291,6 +295,7 @@ type step struct {
 	plan                *plan
 	zScale              float64
 	sendTokS, sendSlotS backend.Tensor
+	sendPosTK           backend.Tensor // where each assignment went in the send order (-1: dropped)
 	permR, invPermR     backend.Tensor
 	gateS               backend.Tensor
 	xRD, h1RF, h3RF     backend.Tensor
@@ -506,7 +511,7 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	if capRows == 0 {
 		n := l.tokens * K
 		sendTokS, sendSlotS = l.sendTokS.vec(b, n), l.sendSlotS.vec(b, n)
-		b.RouteByExpert(l.countsE, l.offsetsE1, sendTokS, sendSlotS, l.idxTK)
+		b.RouteByExpert(l.countsE, l.offsetsE1, sendTokS, sendSlotS, l.sendPosTK, l.idxTK)
 		if ep == 1 {
 			var err error
 			if pl, err = l.oneRankPlan(n, prev, again); err != nil {
@@ -522,6 +527,7 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 	} else {
 		pl = planSource(backend.DownloadInt32(b, l.idxTK), l.tokens, K, E, ep, capRows)
 		sendTokS, sendSlotS = l.sendTokS.uploadInts(b, pl.sendTok), l.sendSlotS.uploadInts(b, pl.sendSlot)
+		backend.UploadSlice(b, l.sendPosTK, sendPositions(pl.sendSlot, l.tokens*K))
 		if !again {
 			// The counts and drops in the statistics, as RouteByExpert
 			// leaves them dropless (a rerun keeps the Forward's).
@@ -555,7 +561,7 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 		}
 	}
 
-	st := &step{xTD: xTD, xoTD: xoTD, plan: pl, zScale: zScale, sendTokS: sendTokS, sendSlotS: sendSlotS}
+	st := &step{xTD: xTD, xoTD: xoTD, plan: pl, zScale: zScale, sendTokS: sendTokS, sendSlotS: sendSlotS, sendPosTK: l.sendPosTK}
 	dispatch := l.dispatchForward
 	if l.peers != nil {
 		dispatch = l.fusedForward
@@ -581,7 +587,8 @@ func (l *Layer) forward(outTD, xTD backend.Tensor, p *Params, biasE backend.Tens
 			// Fused: each row once its expert rank has flagged it.
 			b.CombineRows(outTD, st.ySD, st.sendTokS, st.gateS, st.doneS, pl.sendCounts)
 		} else {
-			b.ScatterAddRows(outTD, st.ySD, st.sendTokS, st.gateS)
+			// Each token's rows, gathered: no atomics, a fixed order.
+			b.GatherSumRows(outTD, st.ySD, st.sendPosTK, l.gatesTK)
 		}
 	}
 	if l.recompute {
@@ -849,7 +856,7 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 		}
 		l.phase(PhaseCombineBackward)
 		if S > 0 {
-			b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
+			b.GatherSumRows(dxTD, dxSD, st.sendPosTK, nil)
 		}
 		return nil
 	}
@@ -883,7 +890,7 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 		return fmt.Errorf("moe: backward combine: %w", err)
 	}
 	if S > 0 {
-		b.ScatterAddRows(dxTD, dxSD, st.sendTokS, nil)
+		b.GatherSumRows(dxTD, dxSD, st.sendPosTK, nil)
 	}
 	return nil
 }

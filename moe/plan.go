@@ -140,6 +140,20 @@ func planSource(idxTK []int32, T, K, E, ep, capacity int) *plan {
 	return p
 }
 
+// sendPositions inverts a send order: for each of n assignments, its
+// place in sendSlot (sendSlot[i] = a gives a's place i), -1 where it was
+// dropped.
+func sendPositions(sendSlot []int32, n int) []int32 {
+	pos := make([]int32, n)
+	for a := range pos {
+		pos[a] = -1
+	}
+	for i, a := range sendSlot {
+		pos[a] = int32(i)
+	}
+	return pos
+}
+
 // planCounts is the source half of a dropless plan from countsE, the
 // router's assignments per expert (the rows themselves stay on the device,
 // sorted by RouteByExpert in the order planSource would list them).

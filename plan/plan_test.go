@@ -300,11 +300,11 @@ func TestFullRecomputePlan(t *testing.T) {
 	// One layer's, on the CPU (float32 everywhere, one expert rank,
 	// dropless: S = R = T*K rows): h1, h2 [T, D]; q, a [T, H*Dh]; k, v
 	// [T, KV*Dh]; lse [B, H, S]; logits, probs, dlogits [T, E]; lse [T];
-	// idx, gates, dgates [T, K]; offsets [E+1]; sendTok, sendSlot [T*K]; gate,
-	// dgate [S]; x, y [S, D]; h1, h3, silu(h1)*h3 [S, F].
+	// idx, sendPos, gates, dgates [T, K]; offsets [E+1]; sendTok, sendSlot
+	// [T*K]; gate, dgate [S]; x, y [S, D]; h1, h3, silu(h1)*h3 [S, F].
 	B, S, D, H, KV, E, K, F := int64(none.MicroBatch), int64(none.Seq), int64(none.Dim), int64(none.Heads), int64(none.KVHeads), int64(none.Experts), int64(none.TopK), int64(none.FFN)
 	T, kd := B*S, D/H*KV
-	perLayer := 4 * (2*T*D + 2*T*D + 2*T*kd + B*H*S + 3*T*E + T + 3*T*K + (E + 1) + 2*T*K + 2*T*K + 2*T*K*D + 3*T*K*F)
+	perLayer := 4 * (2*T*D + 2*T*D + 2*T*kd + B*H*S + 3*T*E + T + 4*T*K + (E + 1) + 2*T*K + 2*T*K + 2*T*K*D + 3*T*K*F)
 	if saved := pn.Total(Activations) - pf.Total(Activations); saved != int64(none.Layers-1)*perLayer {
 		t.Errorf("full saves %d activation bytes; want (layers-1) x %d = %d", saved, perLayer, int64(none.Layers-1)*perLayer)
 	}

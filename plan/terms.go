@@ -318,7 +318,7 @@ func moeActivations(l *ledger, s shape, fused bool) {
 	l.fixed(Activations, router, mul(3, n), mul(T, E), s.ft) // logitsTE, probsTE, dlogitsTE
 	l.fixed(Activations, router, n, T, s.ft)                 // lseT
 	l.fixed(Activations, "moe router", L, T, s.ft)           // onesT
-	l.fixed(Activations, router, n, mul(T, K), int32Bytes)   // idxTK
+	l.fixed(Activations, router, mul(2, n), mul(T, K), int32Bytes) // idxTK, sendPosTK
 	l.fixed(Activations, router, mul(2, n), mul(T, K), s.ft) // gatesTK, dgatesTK
 	l.fixed(Activations, "moe router", L, E, s.ft)           // auxDProbE
 	l.fixed(Activations, "moe router", L, 1, int32Bytes)     // zeroRow

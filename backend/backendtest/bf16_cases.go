@@ -198,6 +198,21 @@ func bf16RowCases() []Case {
 					e.Run(func(b backend.Backend, p Pick) { b.GatherRows(p(out), p(in), p(rows), p(sc)) })
 				}})
 			}
+			// The combine reading bf16 rows (the experts' outputs).
+			k := (s.n + s.t - 1) / s.t
+			name := fmt.Sprintf("GatherSumRows/bf16-in/%dx%dx%d", s.t, k, s.d)
+			if scaled {
+				name += "/scaled"
+			}
+			cs = append(cs, Case{Name: name, Compare: func(e *Env) {
+				out := e.InOut(e.Rand("out", s.t, s.d))
+				in, pos := e.typed(true, "in", -3, 3, s.n, s.d), e.IntsOf("pos", SendPositions(e.Rng, s.t, k, s.n), s.t, k)
+				var sc *Pair
+				if scaled {
+					sc = e.Rand("scale", s.t, k)
+				}
+				e.Run(func(b backend.Backend, p Pick) { b.GatherSumRows(p(out), p(in), p(pos), p(sc)) })
+			}})
 		}
 	}
 	return cs

@@ -550,6 +550,26 @@ func checkRowsRef(t *testing.T, b backend.Backend) {
 	b.ScatterAddRows(outT, c.up(src, n, d), rowsT, sT)
 	c.same("ScatterAddRows (scaled)", c.down(outT), wantScaled)
 
+	// The same additions as a gather: token r's rows are the i with
+	// rows[i] = r (at most n), in increasing i, the rest -1.
+	const k = n
+	pos := make([]int32, tok*k)
+	for j := range pos {
+		pos[j] = -1
+	}
+	scaleTK, filled := make([]float64, tok*k), make([]int, tok)
+	for i, r := range rows {
+		pos[int(r)*k+filled[r]], scaleTK[int(r)*k+filled[r]] = int32(i), s[i]
+		filled[r]++
+	}
+	srcT, posT := c.up(src, n, d), c.upInts(pos, tok, k)
+	outT = c.up(out0, tok, d)
+	b.GatherSumRows(outT, srcT, posT, nil)
+	c.same("GatherSumRows", c.down(outT), want)
+	outT = c.up(out0, tok, d)
+	b.GatherSumRows(outT, srcT, posT, c.up(scaleTK, tok, k))
+	c.same("GatherSumRows (scaled)", c.down(outT), wantScaled)
+
 	dots := make([]float64, n)
 	for i, r := range rows {
 		dots[i] = Dot(in[int(r)*d:int(r+1)*d], src[i*d:(i+1)*d])
@@ -589,6 +609,30 @@ func checkRowsGrad(t *testing.T, b backend.Backend) {
 	b.RowDots(dsT, qT, rowsT, yT)
 	CheckGrad(t, "ScatterAddRows din", c.projected(yT, y, scatter, oT, q), y, c.down(dyT), gradTol)
 	CheckGrad(t, "ScatterAddRows dscale", c.projected(sT, s, scatter, oT, q), s, c.down(dsT), gradTol)
+
+	// out = out0 + GatherSumRows(y, pos, g): dy[pos[t,k]] = g[t,k]·Q[t],
+	// dg[t,k] = dot(Q[t], y[pos[t,k]]), written out.
+	const k = 3
+	pos := SendPositions(c.rng, tok, k, n)
+	g := c.rand(tok*k, -1, 1)
+	posT, gT2 := c.upInts(pos, tok, k), c.up(g, tok, k)
+	sum := func() {
+		Set(b, oT, out0)
+		b.GatherSumRows(oT, yT, posT, gT2)
+	}
+	wantDy, wantDg := make([]float64, n*d), make([]float64, tok*k)
+	for j, p := range pos {
+		if p < 0 {
+			continue
+		}
+		tk := j / k
+		for c := range d {
+			wantDy[int(p)*d+c] += g[j] * q[tk*d+c]
+		}
+		wantDg[j] = Dot(q[tk*d:(tk+1)*d], y[int(p)*d:int(p+1)*d])
+	}
+	CheckGrad(t, "GatherSumRows din", c.projected(yT, y, sum, oT, q), y, wantDy, gradTol)
+	CheckGrad(t, "GatherSumRows dscale", c.projected(gT2, g, sum, oT, q), g, wantDg, gradTol)
 }
 
 func checkAdamWRef(t *testing.T, b backend.Backend) {

@@ -197,6 +197,22 @@ func rowCases() []Case {
 					e.Run(func(b backend.Backend, p Pick) { b.ScatterAddRows(p(out), p(in), p(rows), p(sc)) })
 				}},
 			)
+			// The combine's shape: n rows reach t tokens at most k at a
+			// time, some assignments dropped (-1).
+			k := (s.n + s.t - 1) / s.t
+			sumName := fmt.Sprintf("GatherSumRows/%dx%dx%d", s.t, k, s.d)
+			if scaled {
+				sumName += "/scaled"
+			}
+			cs = append(cs, Case{Name: sumName, Compare: func(e *Env) {
+				out := e.InOut(e.Rand("out", s.t, s.d))
+				in, pos := e.Rand("in", s.n, s.d), e.IntsOf("pos", SendPositions(e.Rng, s.t, k, s.n), s.t, k)
+				var sc *Pair
+				if scaled {
+					sc = e.Rand("scale", s.t, k)
+				}
+				e.Run(func(b backend.Backend, p Pick) { b.GatherSumRows(p(out), p(in), p(pos), p(sc)) })
+			}})
 			if !scaled {
 				cs = append(cs, Case{Name: "RowDots/" + name, Compare: func(e *Env) {
 					a, rows, bm := e.Rand("a", s.t, s.d), e.Ints("rows", 0, s.t, s.n), e.Rand("b", s.n, s.d)

@@ -255,15 +255,21 @@ func routeCases() []Case {
 			Compare: func(e *Env) {
 				idx := e.IntsOf("idx", routeIdx(e.Rng, s), s.T, s.K)
 				counts, offsets := e.Out("counts", s.E), e.IntOut("offsets", s.E+1)
-				tok, slot := e.IntOut("sendTok", s.T*s.K), e.IntOut("sendSlot", s.T*s.K)
-				e.Run(func(b backend.Backend, x Pick) { b.RouteByExpert(x(counts), x(offsets), x(tok), x(slot), x(idx)) })
+				tok, slot, pos := e.IntOut("sendTok", s.T*s.K), e.IntOut("sendSlot", s.T*s.K), e.IntOut("sendPos", s.T, s.K)
+				e.Run(func(b backend.Backend, x Pick) {
+					b.RouteByExpert(x(counts), x(offsets), x(tok), x(slot), x(pos), x(idx))
+				})
 			},
 			Check: func(t *testing.T, b backend.Backend) {
 				idx := routeIdx(NewRand(name), s)
 				counts, offsets := b.New(b.FloatType(), s.E), b.New(backend.Int32, s.E+1)
-				tok, slot := b.New(backend.Int32, s.T*s.K), b.New(backend.Int32, s.T*s.K)
-				b.RouteByExpert(counts, offsets, tok, slot, UploadInts(b, idx, s.T, s.K))
+				tok, slot, pos := b.New(backend.Int32, s.T*s.K), b.New(backend.Int32, s.T*s.K), b.New(backend.Int32, s.T, s.K)
+				b.RouteByExpert(counts, offsets, tok, slot, pos, UploadInts(b, idx, s.T, s.K))
 				wantCounts, wantTok, wantSlot := routeNaive(idx, s.K, s.E)
+				wantPos := make([]int32, len(wantSlot))
+				for i, a := range wantSlot {
+					wantPos[a] = int32(i)
+				}
 				wantOffsets := make([]int32, s.E+1)
 				gotCounts := make([]int32, s.E)
 				for e, c := range wantCounts {
@@ -279,7 +285,8 @@ func routeCases() []Case {
 					what      string
 					got, want []int32
 				}{{"counts", gotCounts, wantCounts}, {"offsets", DownloadInts(b, offsets), wantOffsets},
-					{"sendTok", DownloadInts(b, tok), wantTok}, {"sendSlot", DownloadInts(b, slot), wantSlot}} {
+					{"sendTok", DownloadInts(b, tok), wantTok}, {"sendSlot", DownloadInts(b, slot), wantSlot},
+					{"sendPos", DownloadInts(b, pos), wantPos}} {
 					if !slices.Equal(c.got, c.want) {
 						t.Errorf("%s = %v, want %v", c.what, c.got, c.want)
 					}

@@ -387,6 +387,20 @@ func RandInts(rng *rand.Rand, n, lo, hi int) []int32 {
 	return out
 }
 
+// SendPositions draws a combine's positions (GatherSumRows): t tokens of
+// k assignments, rows 0..n-1 each at one assignment picked at random,
+// the other assignments -1 (nothing sent).
+func SendPositions(rng *rand.Rand, t, k, n int) []int32 {
+	pos := make([]int32, t*k)
+	for i := range pos {
+		pos[i] = -1
+	}
+	for r, a := range rng.Perm(t * k)[:min(n, t*k)] {
+		pos[a] = int32(r)
+	}
+	return pos
+}
+
 // Upload makes a tensor of b's float type holding data.
 func Upload(b backend.Backend, data []float64, shape ...int) backend.Tensor {
 	t := b.New(b.FloatType(), shape...)

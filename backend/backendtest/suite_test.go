@@ -203,8 +203,8 @@ func (m mutant) CrossEntropy(loss, dlogits, logits, targets backend.Tensor, grad
 	m.Backend.CrossEntropy(loss, dlogits, logits, targets, gradScale)
 }
 
-func (m mutant) RouteByExpert(counts, offsets, tok, slot, idx backend.Tensor) {
-	m.Backend.RouteByExpert(counts, offsets, tok, slot, idx)
+func (m mutant) RouteByExpert(counts, offsets, tok, slot, pos, idx backend.Tensor) {
+	m.Backend.RouteByExpert(counts, offsets, tok, slot, pos, idx)
 	if m.kind != "route-unstable" {
 		return
 	}

@@ -4,7 +4,7 @@ import "github.com/mktrain/mktrain/backend"
 
 // RouteByExpert is a stable counting sort of idxTK's assignments by expert
 // (see backend.Backend).
-func (b *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK backend.Tensor) {
+func (b *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, sendPosTK, idxTK backend.Tensor) {
 	const op = "RouteByExpert"
 	if countsE == nil || offsetsE1 == nil || idxTK == nil {
 		fail(op, "counts, offsets and idx are required")
@@ -22,6 +22,10 @@ func (b *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK b
 	offsets := indices(op, "offsets", offsetsE1, E+1, 1<<31-1, true)
 	tok := indices(op, "sendTok", sendTokS, n, 1<<31-1, true)
 	slot := indices(op, "sendSlot", sendSlotS, n, 1<<31-1, true)
+	var pos []int32
+	if sendPosTK != nil {
+		pos = indices(op, "sendPos", sendPosTK, n, 1<<31-1, true)
+	}
 	clear(offsets)
 	for _, e := range idx {
 		offsets[e+1]++
@@ -42,5 +46,8 @@ func (b *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK b
 		i := next[e]
 		next[e]++
 		tok[i], slot[i] = int32(a/K), int32(a)
+		if pos != nil {
+			pos[a] = i
+		}
 	}
 }

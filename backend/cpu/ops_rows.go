@@ -7,7 +7,12 @@ package cpu
 // over columns rather than rows: no two workers write the same element, and
 // each element receives its additions in index order.
 
-import "github.com/mktrain/mktrain/backend"
+import (
+	"cmp"
+	"slices"
+
+	"github.com/mktrain/mktrain/backend"
+)
 
 // colChunk is the least number of columns worth a goroutine in a scatter.
 const colChunk = 64
@@ -81,6 +86,48 @@ func (b *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
 	}
 }
 
+// GatherSumRows computes outTD[t] += Σ_k scaleTK[t,k]·inSD[posTK[t,k]] for
+// k in increasing order, skipping negative positions (see
+// backend.Backend); inSD may be BFloat16.
+func (b *Backend) GatherSumRows(outTD, inSD, posTK, scaleTK backend.Tensor) {
+	const op = "GatherSumRows"
+	t, d := b.matrix(op, "out", outTD)
+	s, _ := b.operandMatrix(op, "in", inSD)
+	b.wantOperandMatrix(op, "in", inSD, s, d)
+	if posTK == nil {
+		fail(op, "pos is nil")
+	}
+	shape := posTK.Shape()
+	if len(shape) != 2 || shape[0] != t {
+		fail(op, "pos has shape %v, want [%d K]", shape, t)
+	}
+	k := shape[1]
+	pos := indices(op, "pos", posTK, t*k, s, true)
+	row := make([]int32, 0, k)
+	for r := range t {
+		row = row[:0]
+		for _, p := range pos[r*k : (r+1)*k] {
+			if p >= 0 {
+				row = append(row, p)
+			}
+		}
+		slices.Sort(row)
+		for i := 1; i < len(row); i++ {
+			if row[i] == row[i-1] {
+				fail(op, "pos row %d names position %d twice", r, row[i])
+			}
+		}
+	}
+	if scaleTK != nil {
+		b.vector(op, "scale", scaleTK, t*k)
+	}
+	if b.dt == backend.Float32 {
+		gatherSumRows(b, floats[float32](outTD), floats[float32](inSD), pos, floats[float32](scaleTK), k, d)
+	} else {
+		gatherSumRows(b, floats[float64](outTD), floats[float64](inSD), pos, floats[float64](scaleTK), k, d)
+	}
+}
+
 // RowDots computes outN[i] = dot(aTD[rowsN[i]], bND[i]), accumulated in
 // float64.
 func (b *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
@@ -132,6 +179,39 @@ func scatterAddRows[T Float](b *Backend, out, in []T, rows []int32, scale []T, d
 			s := scale[i]
 			for j, v := range src {
 				dst[j] += s * v
+			}
+		}
+	})
+}
+
+// gatherSumRows adds to each output row t its rows of in in increasing
+// position, each product rounded before its sum (T(s*v): never fused, as
+// the GPU kernel rounds them).
+func gatherSumRows[T Float](b *Backend, out, in []T, pos []int32, scale []T, k, d int) {
+	b.parallelFor(len(pos)/max(k, 1), rowChunk(k*d), func(lo, hi int) {
+		order := make([]int, 0, k) // the token's assignments j, by position
+		for t := lo; t < hi; t++ {
+			order = order[:0]
+			for j := t * k; j < (t+1)*k; j++ {
+				if pos[j] >= 0 {
+					order = append(order, j)
+				}
+			}
+			slices.SortFunc(order, func(a, b int) int { return cmp.Compare(pos[a], pos[b]) })
+			dst := out[t*d : (t+1)*d]
+			for _, j := range order {
+				p := int(pos[j])
+				src := in[p*d : (p+1)*d][:len(dst)]
+				if scale == nil {
+					for c, v := range src {
+						dst[c] += v
+					}
+					continue
+				}
+				s := scale[j]
+				for c, v := range src {
+					dst[c] += T(s * v)
+				}
 			}
 		}
 	})

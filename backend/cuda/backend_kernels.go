@@ -36,6 +36,7 @@ type kernelSet struct {
 	stableRank, stablePlace, scatterAddRowsOrdered *Kernel
 	gatherRowsBF16                                 *Kernel // into a bf16 out
 	gatherRowsFromBF16, gatherRowsBF16BF16         *Kernel // from a bf16 in, into float32 or bf16
+	gatherSumRows, gatherSumRowsFromBF16           *Kernel // the combine as a gather, from a float32 or bf16 in
 
 	routerFwd, routerBwd *Kernel
 	route                *Kernel
@@ -66,6 +67,7 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "gather_rows_f32_bf16": &ks.gatherRowsBF16,
 			"gather_rows_bf16": &ks.gatherRowsFromBF16, "gather_rows_bf16_bf16": &ks.gatherRowsBF16BF16,
 			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots,
+			"gather_sum_rows_f32": &ks.gatherSumRows, "gather_sum_rows_bf16": &ks.gatherSumRowsFromBF16,
 			"stable_rank_i32": &ks.stableRank, "stable_place_i32": &ks.stablePlace,
 			"scatter_add_rows_ordered_f32": &ks.scatterAddRowsOrdered}},
 		{"route.cu", map[string]**Kernel{"route_by_expert": &ks.route}},

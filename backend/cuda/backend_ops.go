@@ -424,6 +424,47 @@ func (b *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
 	}
 }
 
+// gatherSumMaxK is the most rows GatherSumRows adds into one output row
+// (kernels/rows.cu's RW_MAX_K).
+const gatherSumMaxK = 64
+
+// GatherSumRows: outTD[t] += Σ_k scaleTK[t,k]·inSD[posTK[t,k]] (see
+// backend.Backend): one block per output row, its terms in increasing
+// position, each product and sum rounded on its own (the CPU backend's
+// bits), so it needs no ordered form under SetDeterministic.
+func (b *Backend) GatherSumRows(outTD, inSD, posTK, scaleTK backend.Tensor) {
+	const op = "GatherSumRows"
+	out, t, d := matrix(op, "out", outTD)
+	in, s, _ := operandMatrix(op, "in", inSD)
+	wantOperandMatrix(op, "in", inSD, s, d)
+	if posTK == nil {
+		fail(op, "pos is nil")
+	}
+	shape := posTK.Shape()
+	if len(shape) != 2 || shape[0] != t {
+		fail(op, "pos has shape %v, want [%d K]", shape, t)
+	}
+	k := shape[1]
+	if k > gatherSumMaxK {
+		fail(op, "pos has %d rows per output row; the kernel adds at most %d", k, gatherSumMaxK)
+	}
+	pos := indices(op, "pos", posTK, t*k)
+	scale := optFloat(op, "scale", scaleTK, t*k)
+	fitsInt32(op, t, s, d, t*k)
+	if t == 0 || d == 0 || k == 0 {
+		return
+	}
+	vec := int32(0)
+	if d%4 == 0 {
+		vec = vecFlag(out, in)
+	}
+	kern := b.k.gatherSumRows
+	if in.dt == backend.BFloat16 {
+		kern = b.k.gatherSumRowsFromBF16
+	}
+	b.launch(kern, Grid1D(t, 256), out, in, pos, scale, int32(t), int32(k), int32(d), vec)
+}
+
 // scatterOrdered is ScatterAddRows (and EmbeddingBackward) under
 // SetDeterministic: out[rows[i]] += scale[i] * in[i] for rows[i] in
 // [0, t), each output element summed by one thread in increasing i

@@ -73,7 +73,7 @@ func checkRouter(op string, probsTE, lseT, idxTK, gatesTK, vecE backend.Tensor) 
 // RouteByExpert sorts idxTK's assignments by expert on the GPU (see
 // backend.Backend and kernels/route.cu): one block per expert, which
 // writes its count and offset too.
-func (b *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK backend.Tensor) {
+func (b *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, sendPosTK, idxTK backend.Tensor) {
 	const op = "RouteByExpert"
 	if countsE == nil || offsetsE1 == nil || idxTK == nil {
 		fail(op, "counts, offsets and idx are required")
@@ -91,8 +91,12 @@ func (b *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK b
 	offsets := indices(op, "offsets", offsetsE1, E+1)
 	tok := indices(op, "sendTok", sendTokS, n)
 	slot := indices(op, "sendSlot", sendSlotS, n)
+	var pos *Tensor // nil: the kernel's null send_pos
+	if sendPosTK != nil {
+		pos = indices(op, "sendPos", sendPosTK, n)
+	}
 	fitsInt32(op, n, E)
 	if E > 0 {
-		b.launch(b.k.route, Grid1D(E, 1024), counts, offsets, tok, slot, idx, int32(n), int32(K))
+		b.launch(b.k.route, Grid1D(E, 1024), counts, offsets, tok, slot, pos, idx, int32(n), int32(K))
 	}
 }

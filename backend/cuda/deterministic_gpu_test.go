@@ -266,3 +266,82 @@ func TestDeterministicScatterCost(t *testing.T) {
 		t.Logf("figure: ScatterAddRows %s n=%d d=%d deterministic = %.4g ms", c.name, c.n, d, ms[1])
 	}
 }
+
+// TestGatherSumRowsMatchesCPUBits: the combine as a gather adds each
+// token's rows in increasing position with every product and sum rounded
+// on its own, so the GPU gives the CPU backend's bits on every call, from
+// float32 and from bf16 rows, scaled and not, at widths the vector path
+// takes and at others; on float32 rows those are ScatterAddRows' bits on
+// the CPU too (the sum the MoE combine made before).
+func TestGatherSumRowsMatchesCPUBits(t *testing.T) {
+	g, err := NewBackend(testDevice(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := cpu.New(backend.Float32)
+	rng := rand.New(rand.NewPCG(3, 5))
+	for _, tc := range []struct{ t, k, d int }{{1, 1, 1}, {37, 2, 33}, {300, 6, 1024}, {64, 8, 2048}, {5, 3, 4}} {
+		n := tc.t * tc.k * 3 / 4 // a quarter of the assignments dropped
+		pos := make([]int32, tc.t*tc.k)
+		for i := range pos {
+			pos[i] = -1
+		}
+		tok := make([]int32, n) // the scatter's view: the token of each row
+		for r, a := range rng.Perm(tc.t * tc.k)[:n] {
+			pos[a], tok[r] = int32(r), int32(a/tc.k)
+		}
+		out0, in, scale := randomFloats(rng, tc.t*tc.d), roundBF16(randomFloats(rng, n*tc.d)), randomFloats(rng, tc.t*tc.k)
+		for _, bf16 := range []bool{false, true} {
+			for _, scaled := range []bool{false, true} {
+				name := fmt.Sprintf("GatherSumRows t=%d k=%d d=%d bf16=%v scaled=%v", tc.t, tc.k, tc.d, bf16, scaled)
+				var want, got []float32
+				for _, b := range []backend.Backend{c, g} {
+					dt := backend.Float32
+					if bf16 {
+						dt = backend.BFloat16
+					}
+					out, inT, posT := b.New(backend.Float32, tc.t, tc.d), b.New(dt, n, tc.d), b.New(backend.Int32, tc.t, tc.k)
+					backend.UploadSlice(b, out, out0)
+					backend.UploadSlice(b, inT, in)
+					backend.UploadSlice(b, posT, pos)
+					var s backend.Tensor
+					if scaled {
+						s = b.New(backend.Float32, tc.t, tc.k)
+						backend.UploadSlice(b, s, scale)
+					}
+					b.GatherSumRows(out, inT, posT, s)
+					if res := backend.DownloadFloat32(b, out); b == backend.Backend(c) {
+						want = res
+					} else {
+						got = res
+					}
+				}
+				sameBits(t, name, got, want)
+				if bf16 {
+					continue
+				}
+				// The same sums by the CPU's scatter over the rows.
+				out, inT, rows := c.New(backend.Float32, tc.t, tc.d), c.New(backend.Float32, n, tc.d), c.New(backend.Int32, n)
+				backend.UploadSlice(c, out, out0)
+				backend.UploadSlice(c, inT, in)
+				backend.UploadSlice(c, rows, tok)
+				var s backend.Tensor
+				if scaled {
+					perRow := make([]float32, n)
+					for a, p := range pos {
+						if p >= 0 {
+							perRow[p] = scale[a]
+						}
+					}
+					s = c.New(backend.Float32, n)
+					backend.UploadSlice(c, s, perRow)
+				}
+				c.ScatterAddRows(out, inT, rows, s)
+				sameBits(t, name+" against the CPU's ScatterAddRows", got, backend.DownloadFloat32(c, out))
+			}
+		}
+	}
+	if err := g.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}

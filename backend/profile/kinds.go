@@ -79,7 +79,7 @@ func KindOf(scope, op string) string {
 		return KindAttention
 	case opMatMul:
 		return KindDenseGEMM
-	case opGatherRows, opScatterAddRows, opRowDots, opGatherPeerRows, opScatterPeerRows, opPeerRowRefs, opMarkPeerRows, opCombineRows:
+	case opGatherRows, opScatterAddRows, opGatherSumRows, opRowDots, opGatherPeerRows, opScatterPeerRows, opPeerRowRefs, opMarkPeerRows, opCombineRows:
 		return KindDispatch
 	case opRouterForward, opRouterBackward, opRouteByExpert:
 		return KindRouter

@@ -44,6 +44,7 @@ const (
 	opRouterBackward    = "RouterBackward"
 	opGatherRows        = "GatherRows"
 	opScatterAddRows    = "ScatterAddRows"
+	opGatherSumRows     = "GatherSumRows"
 	opRowDots           = "RowDots"
 	opRouteByExpert     = "RouteByExpert"
 	opGatherPeerRows    = "GatherPeerRows"
@@ -260,14 +261,19 @@ func (p *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
 	p.inner.ScatterAddRows(outTD, inND, rowsN, scaleN)
 }
 
+func (p *Backend) GatherSumRows(outTD, inSD, posTK, scaleTK backend.Tensor) {
+	defer p.end(p.begin(), opGatherSumRows)
+	p.inner.GatherSumRows(outTD, inSD, posTK, scaleTK)
+}
+
 func (p *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
 	defer p.end(p.begin(), opRowDots)
 	p.inner.RowDots(outN, aTD, rowsN, bND)
 }
 
-func (p *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK backend.Tensor) {
+func (p *Backend) RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, sendPosTK, idxTK backend.Tensor) {
 	defer p.end(p.begin(), opRouteByExpert)
-	p.inner.RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, idxTK)
+	p.inner.RouteByExpert(countsE, offsetsE1, sendTokS, sendSlotS, sendPosTK, idxTK)
 }
 
 func (p *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW) {
