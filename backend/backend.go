@@ -366,7 +366,8 @@ type Backend interface {
 	// float type or BFloat16; outTD of the float type. Each output row is
 	// read and written once, with no atomics.
 	GatherSumRows(outTD, inSD, posTK, scaleTK Tensor)
-	// RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]).
+	// RowDots: outN[i] = dot(aTD[rowsN[i]], bND[i]). out and a are of the
+	// float type; b too, or BFloat16 (the MoE layer's expert outputs).
 	RowDots(outN, aTD, rowsN, bND Tensor)
 
 	// Peer-row ops: the MoE dispatch and combine when a rank reaches its
@@ -393,7 +394,8 @@ type Backend interface {
 	// row is then copied exactly.
 	GatherPeerRows(outRD Tensor, srcTD, tokS, scaleS []Tensor, refsR2 Tensor)
 	// ScatterPeerRows: outSD[s][p] = inRD[r] for (s, p) = refsR2[r]; the
-	// references must be distinct. All of the float type.
+	// references must be distinct. All of the float type, or all BFloat16
+	// (rows copied as they are).
 	ScatterPeerRows(outSD []Tensor, inRD, refsR2 Tensor)
 	// MarkPeerRows raises the completion flag of every referenced row:
 	// doneS[s][p] = 1 for (s, p) = refsR2[r], published after the work
@@ -424,7 +426,8 @@ type Backend interface {
 	// (GEMM+Combine): per group g, y = actRF·W2_gᵀ (w2GDF stacking the G
 	// matrices [D, F]), and row r of y is written to outSD[s][p], (s, p) =
 	// refsR2[r]: straight into its source rank's buffer, in the source's
-	// send order. outSD are of the float type. doneS, when not nil, are
+	// send order. outSD are of the float type, or all BFloat16 (each value
+	// rounded once from the float product). doneS, when not nil, are
 	// the ranks' row flags: each row's is raised once the whole row is
 	// written (as MarkPeerRows), for the source's CombineRows.
 	DownCombine(outSD, doneS []Tensor, refsR2, actRF, w2GDF Tensor, groups Groups)

@@ -360,7 +360,7 @@ struct gg_fuse {
   unsigned short* xRD;                 // the dispatches: the gathered rows, bf16 [rows, K] (mapA's tensor)
   const int* refs;                     // [rows, 2]: (rank, position)
   const unsigned long long* ptrs;      // the dispatches: per rank, its float32 source rows [*, K];
-                                       // the combines: its float32 output rows [*, N]
+                                       // the combines: its float32 (or rowsBF16: bf16) output rows [*, N]
   const unsigned long long* toks;      // the dispatches: per rank, its int32 send-order token indices
   const unsigned long long* scales;    // DISPATCH_DGRAD: per rank, its float32 send-order row scales (the gates)
   int* flags;                          // the dispatches: per m-tile bit set of landed chunks (zeroed by the host)
@@ -368,6 +368,7 @@ struct gg_fuse {
   unsigned long long timeoutNs;        // the dispatches: bound of a tile wait
   const unsigned long long* done;      // the combines: per rank, its int32 row flags in send order (0: none)
   int* rowTiles;                       // the combines: [2 * m-tiles] column tiles stored per 64-row block (zeroed)
+  int rowsBF16;                        // DOWN_COMBINE: the output rows are bf16 (each value rounded once), not float32
   // The tensor-parallel kinds (refs null: a row's rank and position are
   // arithmetic, row r is position r % blockRows of rank r / blockRows).
   float* xFull;                        // TP_GATHER: the gathered rows as float32 too, [rows, K] (null: not kept)

@@ -742,8 +742,9 @@ __device__ __forceinline__ void gg_epilogue_dswiglu_tma(const float (&acc)[128],
 
 // ---- the combines' epilogue ----
 
-// gg_epilogue_rows stores one warpgroup's 64x256 block (float32) with each
-// row sent to its source rank's buffer.
+// gg_epilogue_rows stores one warpgroup's 64x256 block with each row sent
+// to its source rank's buffer: float32, or with fz.rowsBF16 bf16 (each
+// pair rounded to nearest even in one 32-bit store).
 __device__ __forceinline__ void gg_epilogue_rows(const float (&acc)[128], long long r0, int rowEnd, int c0, int N,
                                                  const gg_fuse& fz) {
 #pragma unroll
@@ -751,6 +752,18 @@ __device__ __forceinline__ void gg_epilogue_rows(const float (&acc)[128], long l
     const long long r = r0 + 8 * half;
     if (r >= rowEnd) continue;
     const int s = fz.refs[2 * r], p = fz.refs[2 * r + 1];
+    if (fz.rowsBF16) {
+      unsigned short* dst = (unsigned short*)fz.ptrs[s] + (long long)p * N;
+#pragma unroll
+      for (int i = 0; i < 32; i++) {
+        const int col = c0 + 8 * i;
+        if (col < N)
+          asm volatile("st.global.b32 [%0], %1;" ::"l"(dst + col),
+                       "r"(gg_pack_bf16(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]))
+                       : "memory");
+      }
+      continue;
+    }
     float* dst = (float*)fz.ptrs[s] + (long long)p * N;
 #pragma unroll
     for (int i = 0; i < 32; i++) {
@@ -1023,17 +1036,34 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_dgrad_combine(
 }
 
 
-extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
-    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const int* refs,
-    const unsigned long long* ptrs, const unsigned long long* done, int* rowTiles, const int* off, int rows, int N,
-    int K, int E) {
+template <bool ROWS_BF16>
+__device__ __forceinline__ void moe_down_combine_body(const gg_tmap& mapA, const gg_tmap& mapW, const int* refs,
+                                                      const unsigned long long* ptrs, const unsigned long long* done,
+                                                      int* rowTiles, const int* off, int rows, int N, int K, int E) {
   gg_fuse fz = {};
   fz.refs = refs;
   fz.ptrs = ptrs;
   fz.done = done;
   fz.rowTiles = rowTiles;
+  fz.rowsBF16 = ROWS_BF16;
   gg_body<256, 4, false, false, false, GG_DOWN_COMBINE>(&mapA, &mapW, nullptr, nullptr, off, rows, N, K, E, 1.0f, 0.0f,
                                                         fz);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const int* refs,
+    const unsigned long long* ptrs, const unsigned long long* done, int* rowTiles, const int* off, int rows, int N,
+    int K, int E) {
+  moe_down_combine_body<false>(mapA, mapW, refs, ptrs, done, rowTiles, off, rows, N, K, E);
+}
+
+// moe_down_combine_bf16 is moe_down_combine into bf16 output rows (the MoE
+// layer's expert outputs y, half the bytes to write and to read back).
+extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const int* refs,
+    const unsigned long long* ptrs, const unsigned long long* done, int* rowTiles, const int* off, int rows, int N,
+    int K, int E) {
+  moe_down_combine_body<true>(mapA, mapW, refs, ptrs, done, rowTiles, off, rows, N, K, E);
 }
 
 // ---- tensor parallelism ----

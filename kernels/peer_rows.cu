@@ -101,10 +101,13 @@ extern "C" __global__ void gather_peer_rows_bf16(mk_bf16* out, const unsigned lo
   pr_gather<mk_bf16, mk_bf16>(out, ranks, refs, S, R, D, vec);
 }
 
-// scatter_peer_rows_f32: out_s[p, :] = in[r, :] for (s, p) = refs[r]. The
-// references must be distinct (two rows written to one place race). Grid:
-// grid-stride, one warp per row.
-extern "C" __global__ void scatter_peer_rows_f32(const float* in, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
+// scatter_peer_rows_f32: out_s[p, :] = in[r, :] for (s, p) = refs[r]; and
+// scatter_peer_rows_bf16 the same on bf16 rows (copied as they are: the
+// MoE layer's bf16 expert outputs). The references must be distinct (two
+// rows written to one place race). Grid: grid-stride, one warp per row.
+template <typename T, typename V>
+__device__ __forceinline__ void pr_scatter(const T* in, const unsigned long long* ranks, const int* refs, int S, int R, int D,
+                                           int vec) {
   const int lane = threadIdx.x & 31;
   const long long warps = mk_grid_stride() >> 5;
   for (long long r = mk_global_id() >> 5; r < R; r += warps) {
@@ -112,19 +115,27 @@ extern "C" __global__ void scatter_peer_rows_f32(const float* in, const unsigned
     if (s < 0 || s >= S) continue;
     const unsigned long long* e = ranks + (long long)PR_SCATTER_WORDS * s;
     if (p < 0 || (unsigned long long)p >= e[1]) continue;
-    float* dst = (float*)e[0] + (long long)p * D;
-    const float* src = in + r * D;
+    T* dst = (T*)e[0] + (long long)p * D;
+    const T* src = in + r * D;
     if (vec) {
-      const pr_f4* src4 = (const pr_f4*)src;
-      pr_f4* dst4 = (pr_f4*)dst;
+      const V* src4 = (const V*)src;
+      V* dst4 = (V*)dst;
       for (int j = lane; j < D / 4; j += 32) {
-        const pr_f4 v = src4[j];
-        dst4[j] = pr_f4{v.x, v.y, v.z, v.w}; // by field: one 16-byte store, not two 8-byte copies
+        const V v = src4[j];
+        dst4[j] = V{v.x, v.y, v.z, v.w}; // by field: one vector store, not two smaller copies
       }
       continue;
     }
     for (int j = lane; j < D; j += 32) dst[j] = src[j];
   }
+}
+
+extern "C" __global__ void scatter_peer_rows_f32(const float* in, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
+  pr_scatter<float, pr_f4>(in, ranks, refs, S, R, D, vec);
+}
+
+extern "C" __global__ void scatter_peer_rows_bf16(const mk_bf16* in, const unsigned long long* ranks, const int* refs, int S, int R, int D, int vec) {
+  pr_scatter<mk_bf16, pr_h4>(in, ranks, refs, S, R, D, vec);
 }
 
 // peer_row_refs: refs[r] = (rank, pos + r - first) of the last block whose

@@ -22,17 +22,31 @@ extern "C" __global__ void scatter_add_rows_f32(float* out, const float* in, con
   for (int d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(&dst[d], s * src[d]);
 }
 
-// row_dots_f32: out[i] = dot(a[rows[i], :], b[i, :]). Grid: N blocks of 256.
-extern "C" __global__ void __launch_bounds__(256) row_dots_f32(float* out, const float* a, const int* rows, const float* b, int N, int D) {
+// row_dots_f32: out[i] = dot(a[rows[i], :], b[i, :]); row_dots_f32_bf16
+// the same with a bf16 b (the MoE layer's expert outputs), widened
+// exactly. Grid: N blocks of 256.
+__device__ __forceinline__ float rw_widen(float v) { return v; }
+__device__ __forceinline__ float rw_widen(mk_bf16 v) { return mk_bf16_to_f32(v); }
+
+template <typename B>
+__device__ __forceinline__ void row_dots(float* out, const float* a, const int* rows, const B* b, int N, int D) {
   __shared__ float scratch[32];
   const int i = blockIdx.x;
   if (i >= N) return;
   const float* x = a + (long long)rows[i] * D;
-  const float* y = b + (long long)i * D;
+  const B* y = b + (long long)i * D;
   float acc = 0.0f;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) acc += x[d] * y[d];
+  for (int d = threadIdx.x; d < D; d += blockDim.x) acc += x[d] * rw_widen(y[d]);
   acc = mk_block_sum(acc, scratch);
   if (threadIdx.x == 0) out[i] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) row_dots_f32(float* out, const float* a, const int* rows, const float* b, int N, int D) {
+  row_dots(out, a, rows, b, N, D);
+}
+
+extern "C" __global__ void __launch_bounds__(256) row_dots_f32_bf16(float* out, const float* a, const int* rows, const mk_bf16* b, int N, int D) {
+  row_dots(out, a, rows, b, N, D);
 }
 
 // gather_rows_f32_bf16: gather_rows_f32 into a bf16 out, each value rounded

@@ -118,7 +118,7 @@ type activations struct {
 type exchanged struct {
 	sendTokS rowBuf // Int32: the token of each sent row
 	gateS    rowBuf // per sent row
-	ySD      rowBuf // saved: expert outputs (send order)
+	ySD      rowBuf // saved: expert outputs (send order): the operand type on one expert rank (bf16 on the GPU), else the float type
 	// xoTD is the input in the operand type where that is not the float
 	// type (bf16 on the GPU): the router's product reads it, and the fused
 	// dispatcher's gather (half the bytes of the float rows). Forward
@@ -153,11 +153,23 @@ func newActivations(b backend.Backend, cfg Config, dim, tokens int) *activations
 	return a
 }
 
-// newExchanged returns empty exchanged buffers for width dim; they grow
-// on first use.
-func newExchanged(b backend.Backend, dim int) *exchanged {
+// newExchanged returns empty exchanged buffers for width dim, the expert
+// outputs of type yType; they grow on first use.
+func newExchanged(b backend.Backend, dim int, yType backend.DType) *exchanged {
 	return &exchanged{sendTokS: rowBuf{dt: backend.Int32, cols: 1}, gateS: rowBuf{dt: b.FloatType(), cols: 1},
-		ySD: rowBuf{dt: b.FloatType(), cols: dim}, xoTD: rowBuf{dt: b.OperandType(), cols: dim}}
+		ySD: rowBuf{dt: yType, cols: dim}, xoTD: rowBuf{dt: b.OperandType(), cols: dim}}
+}
+
+// outputType is the type of the expert outputs y: on one expert rank the
+// operand type, which the products round into once (half the bytes to
+// keep for the backward, to write and to read back in the combine and
+// the gates' gradient, on the GPU); across expert ranks the float type
+// the exchange moves.
+func (l *Layer) outputType() backend.DType {
+	if l.g.Expert.Size() == 1 {
+		return l.b.OperandType()
+	}
+	return l.b.FloatType()
 }
 
 // Scratch is the working memory a Layer uses only inside one Forward or
@@ -344,7 +356,7 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 			sc.rowsSD.cols, sc.dh1RF.cols, sc.rowsSD.dt, dim, F, ft)
 	}
 	if !l.full {
-		l.activations, l.exchanged = newActivations(b, cfg, dim, tokens), newExchanged(b, dim)
+		l.activations, l.exchanged = newActivations(b, cfg, dim, tokens), newExchanged(b, dim, l.outputType())
 		return l, nil
 	}
 	sc := l.scratch
@@ -358,10 +370,10 @@ func New(b backend.Backend, cfg Config, dim, tokens int, g Groups, opts ...Optio
 		return nil, fmt.Errorf("moe: the shared recomputed activations are for %d tokens of %v router logits; this layer has %d tokens, %d experts, top-k %d and %d shared hidden",
 			sc.layerTokens, sc.layer.logitsTE.Shape(), tokens, E, cfg.TopK, l.sharedFFN)
 	}
-	l.activations, l.exchanged = sc.layer, newExchanged(b, dim)
+	l.activations, l.exchanged = sc.layer, newExchanged(b, dim, l.outputType())
 	if l.peers == nil {
 		if sc.exch == nil {
-			sc.exch = newExchanged(b, dim)
+			sc.exch = newExchanged(b, dim, l.outputType())
 		}
 		l.exchanged = sc.exch
 	}

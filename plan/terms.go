@@ -297,9 +297,10 @@ func (s shape) hiddenTerm() string {
 // [T, Fs] activations and gradients; the routed rows, grown on demand
 // (rowBuf) and kept through the backward: send indices, gates and their
 // gradients per sent row, the expert inputs x [R, D] and hidden h1, h3,
-// silu(h1)*h3 [R, F] in the operand type, the outputs y [S, D]; the
-// unfused dispatcher's permutations (several expert ranks) or the fused
-// one's row references and its bf16 input per layer. Once per rank the
+// silu(h1)*h3 [R, F] in the operand type, the outputs y [S, D] (of the
+// operand type on one expert rank); the unfused dispatcher's
+// permutations (several expert ranks) or the fused one's row references
+// and its bf16 input per layer. Once per rank the
 // Scratch: the rows in transit and the experts' activation gradients, and
 // under train.recompute: selective the hidden h1, h3 and silu(h1)*h3
 // instead of per layer (moe.RecomputeExperts). Under full the Scratch
@@ -315,14 +316,14 @@ func moeActivations(l *ledger, s shape, fused bool) {
 	if fused {
 		exch, exchTerm = L, "moe experts"
 	}
-	l.fixed(Activations, router, mul(3, n), mul(T, E), s.ft) // logitsTE, probsTE, dlogitsTE
-	l.fixed(Activations, router, n, T, s.ft)                 // lseT
-	l.fixed(Activations, "moe router", L, T, s.ft)           // onesT
+	l.fixed(Activations, router, mul(3, n), mul(T, E), s.ft)       // logitsTE, probsTE, dlogitsTE
+	l.fixed(Activations, router, n, T, s.ft)                       // lseT
+	l.fixed(Activations, "moe router", L, T, s.ft)                 // onesT
 	l.fixed(Activations, router, mul(2, n), mul(T, K), int32Bytes) // idxTK, sendPosTK
-	l.fixed(Activations, router, mul(2, n), mul(T, K), s.ft) // gatesTK, dgatesTK
-	l.fixed(Activations, "moe router", L, E, s.ft)           // auxDProbE
-	l.fixed(Activations, "moe router", L, 1, int32Bytes)     // zeroRow
-	l.fixed(Activations, router, n, E+1, int32Bytes)         // offsetsE1 (the counts are in moeStats)
+	l.fixed(Activations, router, mul(2, n), mul(T, K), s.ft)       // gatesTK, dgatesTK
+	l.fixed(Activations, "moe router", L, E, s.ft)                 // auxDProbE
+	l.fixed(Activations, "moe router", L, 1, int32Bytes)           // zeroRow
+	l.fixed(Activations, router, n, E+1, int32Bytes)               // offsetsE1 (the counts are in moeStats)
 	if s.Fs > 0 {
 		l.fixed(Activations, s.fullTerm("shared experts"), mul(6, n), mul(T, s.Fs), s.ft) // sharedH1, H3, Act and their gradients
 	}
@@ -334,8 +335,12 @@ func moeActivations(l *ledger, s shape, fused bool) {
 	l.alloc(Activations, exchTerm, exch, S, Sw, s.ft)                           // gateS
 	l.alloc(Activations, routed, n, S, Sw, s.ft)                                // dgateS
 	l.alloc(Activations, routed, n, mul(R, D), mul(Rw, D), s.ot)                // xRD
-	l.alloc(Activations, exchTerm, exch, mul(S, D), mul(Sw, D), s.ft)           // ySD
-	hidden := n                                                                 // layers that keep h1, h3 and silu(h1)*h3 of their own
+	yt := s.ft                                                                  // moe.Layer.outputType: the operand type on one expert rank
+	if s.EG == 1 {
+		yt = s.ot
+	}
+	l.alloc(Activations, exchTerm, exch, mul(S, D), mul(Sw, D), yt) // ySD
+	hidden := n                                                     // layers that keep h1, h3 and silu(h1)*h3 of their own
 	if s.selective() {
 		hidden = 1
 	}

@@ -198,6 +198,14 @@ func bf16RowCases() []Case {
 					e.Run(func(b backend.Backend, p Pick) { b.GatherRows(p(out), p(in), p(rows), p(sc)) })
 				}})
 			}
+			// The gates' gradient reading bf16 rows (the experts' outputs).
+			if !scaled {
+				cs = append(cs, Case{Name: fmt.Sprintf("RowDots/bf16-b/%dx%dx%d", s.t, s.n, s.d), Compare: func(e *Env) {
+					a, rows, bm := e.Rand("a", s.t, s.d), e.Ints("rows", 0, s.t, s.n), e.typed(true, "b", -3, 3, s.n, s.d)
+					out := e.Out("out", s.n)
+					e.Run(func(b backend.Backend, p Pick) { b.RowDots(p(out), p(a), p(rows), p(bm)) })
+				}})
+			}
 			// The combine reading bf16 rows (the experts' outputs).
 			k := (s.n + s.t - 1) / s.t
 			name := fmt.Sprintf("GatherSumRows/bf16-in/%dx%dx%d", s.t, k, s.d)

@@ -260,19 +260,25 @@ func peerCases() []Case {
 				}})
 			}
 		}
-		cs = append(cs, Case{Name: "ScatterPeerRows/" + s.name, Compare: func(e *Env) {
-			// InOut: the positions no reference names keep their rows.
-			var outs []*Pair
-			for r, n := range s.send {
-				outs = append(outs, e.InOut(e.Rand(fmt.Sprintf("out%d", r), n, s.d)))
+		for _, bf16 := range []bool{false, true} {
+			name := "ScatterPeerRows/" + s.name
+			if bf16 {
+				name += "/bf16"
 			}
-			in := e.Rand("in", s.r, s.d)
-			refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, s.r, true), s.r, 2)
-			e.Run(func(b backend.Backend, p Pick) { b.ScatterPeerRows(picks(p, outs), p(in), p(refs)) })
-			for r, want := range scatterRef(hosts(outs), in.host, refs.ints, s.d) {
-				e.againstRef(outs[r], want)
-			}
-		}})
+			cs = append(cs, Case{Name: name, Compare: func(e *Env) {
+				// InOut: the positions no reference names keep their rows.
+				var outs []*Pair
+				for r, n := range s.send {
+					outs = append(outs, e.InOut(e.typed(bf16, fmt.Sprintf("out%d", r), -1, 1, n, s.d)))
+				}
+				in := e.typed(bf16, "in", -1, 1, s.r, s.d)
+				refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, s.r, true), s.r, 2)
+				e.Run(func(b backend.Backend, p Pick) { b.ScatterPeerRows(picks(p, outs), p(in), p(refs)) })
+				for r, want := range scatterRef(hosts(outs), in.host, refs.ints, s.d) {
+					e.againstRef(outs[r], want)
+				}
+			}})
+		}
 	}
 	cs = append(cs, peerViewCases()...)
 	cs = append(cs, rowBlockCases()...)
@@ -328,9 +334,15 @@ func peerCases() []Case {
 		cs = append(cs, peerMoECases(s, "bf16-offsets")...)
 	}
 	// The gate/up half from bf16 sources (the layer's operand-type copy of
-	// its input), on every shape and the Hopper kernel's.
+	// its input), on every shape and the Hopper kernel's; the down half
+	// into bf16 rows (the layer's expert outputs), with host and device
+	// groups.
 	for _, s := range append(peerMoEShapes(), peerHopperShape()) {
 		cs = append(cs, Case{Name: "DispatchSwiGLU/bf16-sources/" + s.name, Compare: func(e *Env) { e.dispatchSwiGLUFrom(s, true, true) }})
+		cs = append(cs, Case{Name: "DownCombine/bf16-y/" + s.name, Compare: func(e *Env) { e.downCombineTo(s, true, true) }})
+		offsets := s
+		offsets.offsets = true
+		cs = append(cs, Case{Name: "DownCombine/bf16-y-offsets/" + s.name, Compare: func(e *Env) { e.downCombineTo(offsets, true, true) }})
 	}
 	return cs
 }
@@ -438,7 +450,11 @@ func (e *Env) dispatchSwiGLUFrom(s peerMoEShape, bf16, srcBF16 bool) {
 // downCombine runs DownCombine on s with bf16 operands (or the tested
 // backend's operand type) and checks the ranks' outputs against the
 // grouped product in float64, scattered.
-func (e *Env) downCombine(s peerMoEShape, bf16 bool) {
+func (e *Env) downCombine(s peerMoEShape, bf16 bool) { e.downCombineTo(s, bf16, false) }
+
+// downCombineTo is downCombine into float outputs, or bf16 ones with yBF16
+// (the MoE layer's expert outputs on one expert rank).
+func (e *Env) downCombineTo(s peerMoEShape, bf16, yBF16 bool) {
 	e.NormWise = groupedNormWise
 	bf16 = bf16 || e.B.OperandType() == backend.BFloat16
 	r, d, f, g := s.rows(), s.d, s.f, len(s.groupRows)
@@ -446,6 +462,12 @@ func (e *Env) downCombine(s peerMoEShape, bf16 bool) {
 	w2 := e.typed(bf16, "w2", -2/math.Sqrt(float64(f)), 2/math.Sqrt(float64(f)), g*d, f)
 	refs := e.IntsOf("refs", peerRefs(e.Rng, s.send, r, true), r, 2)
 	outs, done := e.peerOutputs(s.send, d), e.peerFlags(s.send)
+	if yBF16 {
+		outs = outs[:0]
+		for i, n := range s.send {
+			outs = append(outs, e.InOut(e.typed(true, fmt.Sprintf("out%d", i), -1, 1, n, d)))
+		}
+	}
 	groups := e.groups(s)
 	e.Run(func(b backend.Backend, p Pick) {
 		b.DownCombine(picks(p, outs), picks(p, done), p(refs), p(act), p(w2), groups(p))

@@ -113,14 +113,16 @@ func gatherPeerRows[T Float](b *Backend, outRD backend.Tensor, srcTD []backend.T
 	})
 }
 
-// ScatterPeerRows computes outSD[s][p] = inRD[r] for (s, p) = refsR2[r].
+// ScatterPeerRows computes outSD[s][p] = inRD[r] for (s, p) = refsR2[r]:
+// all of the float type, or all BFloat16 (whose values a copy keeps).
 func (b *Backend) ScatterPeerRows(outSD []backend.Tensor, inRD, refsR2 backend.Tensor) {
 	const op = "ScatterPeerRows"
-	n, d := b.matrix(op, "in", inRD)
+	n, d := b.operandMatrix(op, "in", inRD)
 	sendLen := make([]int, len(outSD))
 	for s, o := range outSD {
-		rows, _ := b.matrix(op, "out", o)
-		b.wantMatrix(op, "out", o, rows, d)
+		rows, _ := b.operandMatrix(op, "out", o)
+		b.wantOperandMatrix(op, "out", o, rows, d)
+		sameDType(op, "in", inRD, fmt.Sprintf("rank %d's out", s), o)
 		sendLen[s] = rows
 	}
 	refs := peerRefs(op, refsR2, sendLen)
@@ -201,15 +203,16 @@ func (b *Backend) DispatchSwiGLU(xRD, h1RF, h3RF, actRF backend.Tensor, srcTD, t
 }
 
 // DownCombine is its unfused sequence (backend.DownCombineBySteps) through
-// a scratch tensor of y rows.
+// a scratch tensor of y rows, of the outputs' type (a bf16 y is rounded
+// once, from the product).
 func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groups backend.Groups) {
 	const op = "DownCombine"
 	if len(outSD) == 0 {
 		fail(op, "no output tensors")
 	}
 	r, _ := b.operandMatrix(op, "act", actRF)
-	_, d := b.matrix(op, "out", outSD[0])
-	backend.DownCombineBySteps(b, b.New(b.dt, r, d), outSD, doneS, refsR2, actRF, w2GDF, groups)
+	_, d := b.operandMatrix(op, "out", outSD[0])
+	backend.DownCombineBySteps(b, b.New(outSD[0].DType(), r, d), outSD, doneS, refsR2, actRF, w2GDF, groups)
 }
 
 // DispatchDgradSwiGLU is its unfused sequence

@@ -133,8 +133,8 @@ func (b *Backend) GatherSumRows(outTD, inSD, posTK, scaleTK backend.Tensor) {
 func (b *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
 	const op = "RowDots"
 	t, d := b.matrix(op, "a", aTD)
-	n, _ := b.matrix(op, "b", bND)
-	b.wantMatrix(op, "b", bND, n, d)
+	n, _ := b.operandMatrix(op, "b", bND)
+	b.wantOperandMatrix(op, "b", bND, n, d)
 	b.vector(op, "out", outN, n)
 	rows := indices(op, "rows", rowsN, n, t, false)
 	if b.dt == backend.Float32 {

@@ -31,6 +31,7 @@ type kernelSet struct {
 	crossEntropyShard, crossEntropyShardFinish *Kernel
 
 	gatherRows, scatterAddRows, rowDots *Kernel
+	rowDotsBF16                         *Kernel // b in bf16
 	// train.deterministic's scatter-add: a stable sort of the rows, then
 	// each run of equal rows added by one block (Backend.scatterOrdered).
 	stableRank, stablePlace, scatterAddRowsOrdered *Kernel
@@ -66,7 +67,7 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 			"cross_entropy_shard_f32": &ks.crossEntropyShard, "cross_entropy_shard_finish_f32": &ks.crossEntropyShardFinish}},
 		{"rows.cu", map[string]**Kernel{"gather_rows_f32": &ks.gatherRows, "gather_rows_f32_bf16": &ks.gatherRowsBF16,
 			"gather_rows_bf16": &ks.gatherRowsFromBF16, "gather_rows_bf16_bf16": &ks.gatherRowsBF16BF16,
-			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots,
+			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots, "row_dots_f32_bf16": &ks.rowDotsBF16,
 			"gather_sum_rows_f32": &ks.gatherSumRows, "gather_sum_rows_bf16": &ks.gatherSumRowsFromBF16,
 			"stable_rank_i32": &ks.stableRank, "stable_place_i32": &ks.stablePlace,
 			"scatter_add_rows_ordered_f32": &ks.scatterAddRowsOrdered}},

@@ -494,13 +494,17 @@ func (b *Backend) scatterOrdered(out, in, rows, scale *Tensor, n, d, t int) {
 func (b *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
 	const op = "RowDots"
 	a, t, d := matrix(op, "a", aTD)
-	bm, n, _ := matrix(op, "b", bND)
-	wantMatrix(op, "b", bND, n, d)
+	bm, n, _ := operandMatrix(op, "b", bND)
+	wantOperandMatrix(op, "b", bND, n, d)
 	out := vector(op, "out", outN, n)
 	rows := indices(op, "rows", rowsN, n)
 	fitsInt32(op, t, n, d)
+	k := b.k.rowDots
+	if bm.dt == backend.BFloat16 {
+		k = b.k.rowDotsBF16
+	}
 	if n > 0 {
-		b.launch(b.k.rowDots, Grid1D(n, 256), out, a, rows, bm, int32(n), int32(d))
+		b.launch(k, Grid1D(n, 256), out, a, rows, bm, int32(n), int32(d))
 	}
 }
 

@@ -15,9 +15,10 @@ package cuda
 //     store them and compute and store act while the consumers go on to
 //     the next tile.
 //   - moe_down_combine is the down product whose epilogue writes each row
-//     straight to its source rank's output rows and, when the call has
-//     flags, raises the row's flag in the source's list once the row is
-//     whole (CombineRows, peer.go, waits for them on the source's side).
+//     straight to its source rank's output rows (float32, or bf16 by
+//     moe_down_combine_bf16) and, when the call has flags, raises the
+//     row's flag in the source's list once the row is whole (CombineRows,
+//     peer.go, waits for them on the source's side).
 //
 // Calls the kernels do not take (operands not bf16, a GPU other than
 // Hopper, sizes the kernel refuses) run the unfused sequence
@@ -446,7 +447,8 @@ func (b *Backend) dispatchSwiGLUKernel(xRD, h1RF, h3RF, actRF backend.Tensor, sr
 }
 
 // DownCombine runs moe_down_combine when the call is one it takes (bf16
-// act and weights, float32 outputs, Hopper), else the unfused sequence.
+// act and weights, float32 or bf16 outputs, Hopper), else the unfused
+// sequence through a scratch of the outputs' type.
 func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groups backend.Groups) {
 	const op = "DownCombine"
 	if b.downCombineKernel(outSD, doneS, refsR2, actRF, w2GDF, groups) {
@@ -456,13 +458,20 @@ func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GD
 		fail(op, "no output tensors")
 	}
 	_, r, _ := operandMatrix(op, "act", actRF)
-	_, _, d := operandMatrix(op, "out", outSD[0])
-	backend.DownCombineBySteps(b, b.New(b.FloatType(), r, d), outSD, doneS, refsR2, actRF, w2GDF, groups)
+	out, _, d := operandMatrix(op, "out", outSD[0])
+	backend.DownCombineBySteps(b, b.New(out.dt, r, d), outSD, doneS, refsR2, actRF, w2GDF, groups)
 }
 
 func (b *Backend) downCombineKernel(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groups backend.Groups) bool {
 	g := groups.Len()
-	a, ok := fusedPtrs([]backend.Tensor{actRF, w2GDF}, outSD, backend.Float32, nil, refsR2, g)
+	if len(outSD) == 0 {
+		return false
+	}
+	outDT := outSD[0].DType() // every rank's must be it (fusedPtrs)
+	if outDT != backend.Float32 && outDT != backend.BFloat16 {
+		return false
+	}
+	a, ok := fusedPtrs([]backend.Tensor{actRF, w2GDF}, outSD, outDT, nil, refsR2, g)
 	if !ok {
 		return false
 	}
@@ -491,7 +500,7 @@ func (b *Backend) downCombineKernel(outSD, doneS []backend.Tensor, refsR2, actRF
 		tp := f.tables.Ptr()
 		return x.bf16Out.runDownCombine(fusedCombine{
 			act: ps[0], w2: ps[1], refs: a.refs, ptrs: tp + fusedPtrsOff, done: done, rowTiles: rowTiles,
-			offsets: tp + fusedOffsOff, rows: sum, n: n, k: k, experts: g,
+			offsets: tp + fusedOffsOff, rows: sum, n: n, k: k, experts: g, rowsBF16: outDT == backend.BFloat16,
 		})
 	})
 	runtime.KeepAlive(actRF)
@@ -530,6 +539,7 @@ type fusedDispatch struct {
 type fusedCombine struct {
 	act, w2, refs, ptrs, done, rowTiles, offsets driver.DevicePtr
 	rows, n, k, experts                          int
+	rowsBF16                                     bool // moe_down_combine_bf16: bf16 output rows
 }
 
 // moeKernels are the fused kernels of one build of moe_fused.cu, opted in
@@ -537,8 +547,9 @@ type fusedCombine struct {
 // (GroupedGemm.moe), or a build of the tests' own swapped in for a test.
 type moeKernels struct {
 	// dispatchSwiGLU and downCombine, bn256 cooperative like bn256;
-	// dispatchSwiGLUBF16 is dispatchSwiGLU for bf16 sources.
-	dispatchSwiGLU, dispatchSwiGLUBF16, downCombine *Kernel
+	// dispatchSwiGLUBF16 is dispatchSwiGLU for bf16 sources,
+	// downCombineBF16 downCombine into bf16 rows.
+	dispatchSwiGLU, dispatchSwiGLUBF16, downCombine, downCombineBF16 *Kernel
 	// dispatchDgrad and dgradCombine are their backward twins, which read
 	// the weights as stored (MN-major); dispatchDgradFirst is
 	// dispatchDgrad's build that gathers first, chosen per shape by
@@ -568,6 +579,7 @@ func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
 		{"moe_dispatch_swiglu", &x.dispatchSwiGLU, x.optInGather},
 		{"moe_dispatch_swiglu_bf16", &x.dispatchSwiGLUBF16, x.optInGather},
 		{"moe_down_combine", &x.downCombine, x.optInCombine},
+		{"moe_down_combine_bf16", &x.downCombineBF16, x.optInCombine},
 		{"moe_dispatch_dgrad", &x.dispatchDgrad, x.optInGather},
 		{"moe_dispatch_dgrad_first", &x.dispatchDgradFirst, x.optInGather},
 		{"moe_dgrad_combine", &x.dgradCombine, x.optInCombine},
@@ -638,7 +650,11 @@ func (g *GroupedGemm) runDownCombine(a fusedCombine) error {
 		uint64(uint32(a.rows)), uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.experts))}
 	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, a.experts, 256), ggThreads)
 	grid.Shared = fusedCombineSmem(a.experts)
-	return g.launchFused(g.moe.downCombine, grid, []driver.TiledMap{mapA, mapW}, slots, g.moe.optInCombine)
+	k := g.moe.downCombine
+	if a.rowsBF16 {
+		k = g.moe.downCombineBF16
+	}
+	return g.launchFused(k, grid, []driver.TiledMap{mapA, mapW}, slots, g.moe.optInCombine)
 }
 
 // launchFused encodes maps (passed first, by value) and launches k with

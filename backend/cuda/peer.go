@@ -79,11 +79,15 @@ func (ps peerSources) table() (table []uint64, ok bool) {
 
 // checkPeerOuts checks the per-rank outputs of a scatter of rows d wide:
 // one float tensor [P_s, d] per rank.
-func checkPeerOuts(op string, outSD []backend.Tensor, d int) []*Tensor {
+func checkPeerOuts(op string, outSD []backend.Tensor, d int, dt backend.DType) []*Tensor {
 	outs := make([]*Tensor, len(outSD))
 	for s := range outSD {
-		out, rows, _ := matrix(op, fmt.Sprintf("out %d", s), outSD[s])
-		wantMatrix(op, fmt.Sprintf("out %d", s), outSD[s], rows, d)
+		name := fmt.Sprintf("out %d", s)
+		out, rows, _ := operandMatrix(op, name, outSD[s])
+		wantOperandMatrix(op, name, outSD[s], rows, d)
+		if out.dt != dt {
+			fail(op, "%s is %v, want %v", name, out.dt, dt)
+		}
 		fitsInt32(op, rows)
 		outs[s] = out
 	}
@@ -143,12 +147,13 @@ func (b *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []bac
 	runtime.KeepAlive(ps)
 }
 
-// ScatterPeerRows: outSD[s][p] = inRD[r] for (s, p) = refsR2[r]. The
-// references must be distinct; two rows written to one place race.
+// ScatterPeerRows: outSD[s][p] = inRD[r] for (s, p) = refsR2[r], float32
+// or bf16 rows (copied as they are). The references must be distinct; two
+// rows written to one place race.
 func (b *Backend) ScatterPeerRows(outSD []backend.Tensor, inRD, refsR2 backend.Tensor) {
 	const op = "ScatterPeerRows"
-	in, r, d := matrix(op, "in", inRD)
-	outs := checkPeerOuts(op, outSD, d)
+	in, r, d := operandMatrix(op, "in", inRD)
+	outs := checkPeerOuts(op, outSD, d, in.dt)
 	refs := checkPeerRefs(op, "in", refsR2, r, len(outs))
 	fitsInt32(op, r, d, len(outs))
 	if r == 0 || d == 0 {
@@ -163,7 +168,11 @@ func (b *Backend) ScatterPeerRows(outSD []backend.Tensor, inRD, refsR2 backend.T
 		}
 		table = append(table, uint64(p), uint64(o.shape[0]))
 	}
-	b.launchPeer("scatter_peer_rows_f32", table, r, in, refs, int32(len(outs)), int32(r), int32(d), int32(bit(vec)))
+	name := "scatter_peer_rows_f32"
+	if in.dt == backend.BFloat16 {
+		name = "scatter_peer_rows_bf16"
+	}
+	b.launchPeer(name, table, r, in, refs, int32(len(outs)), int32(r), int32(d), int32(bit(vec)))
 	runtime.KeepAlive(outs)
 }
 

@@ -57,7 +57,8 @@ func TestPeerOpsBadArguments(t *testing.T) {
 		{"other backend", "cuda.GatherPeerRows: refs is a", func() { b.GatherPeerRows(f(1, 4), src, tok, nil, fake{}) }},
 		{"scatter out width", "cuda.ScatterPeerRows: out 1 has shape [1 3], want [1 4]", func() { b.ScatterPeerRows(ts(f(2, 4), f(1, 3)), f(1, 4), i32(1, 2)) }},
 		{"scatter in", "cuda.ScatterPeerRows: in has shape [4], want a 2-D tensor", func() { b.ScatterPeerRows(ts(f(2, 4)), f(4), i32(1, 2)) }},
-		{"scatter bf16 in", "cuda.ScatterPeerRows: in is bfloat16", func() { b.ScatterPeerRows(ts(f(2, 4)), tensor(backend.BFloat16, 1, 4), i32(1, 2)) }},
+		{"scatter bf16 into float", "cuda.ScatterPeerRows: out 0 is float32, want bfloat16", func() { b.ScatterPeerRows(ts(f(2, 4)), tensor(backend.BFloat16, 1, 4), i32(1, 2)) }},
+		{"scatter int32 in", "cuda.ScatterPeerRows: in is int32", func() { b.ScatterPeerRows(ts(f(2, 4)), tensor(backend.Int32, 1, 4), i32(1, 2)) }},
 		{"scatter refs rows", "cuda.ScatterPeerRows: refs has 2 rows, in 1", func() { b.ScatterPeerRows(ts(f(2, 4), f(1, 4)), f(1, 4), i32(2, 2)) }},
 	} {
 		t.Run(c.name, func(t *testing.T) {
