@@ -110,3 +110,15 @@ func check2D(a, b, out Tensor) error {
 	}
 	return nil
 }
+
+// GatherSumK is the K of GatherSumRows' posTK, which must be [t, K] for t
+// output rows, or an error naming what is wrong with it.
+func GatherSumK(posTK Tensor, t int) (int, error) {
+	if posTK == nil {
+		return 0, fmt.Errorf("pos is nil")
+	}
+	if s := posTK.Shape(); len(s) == 2 && s[0] == t {
+		return s[1], nil
+	}
+	return 0, fmt.Errorf("pos has shape %v, want [%d K]", posTK.Shape(), t)
+}

@@ -86,22 +86,18 @@ func (b *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
 	}
 }
 
-// GatherSumRows computes outTD[t] += Σ_k scaleTK[t,k]·inSD[posTK[t,k]] for
-// k in increasing order, skipping negative positions (see
+// GatherSumRows computes outTD[t] += Σ_k scaleTK[t,k]·inSD[posTK[t,k]], the
+// terms in increasing position, skipping negative positions (see
 // backend.Backend); inSD may be BFloat16.
 func (b *Backend) GatherSumRows(outTD, inSD, posTK, scaleTK backend.Tensor) {
 	const op = "GatherSumRows"
 	t, d := b.matrix(op, "out", outTD)
 	s, _ := b.operandMatrix(op, "in", inSD)
 	b.wantOperandMatrix(op, "in", inSD, s, d)
-	if posTK == nil {
-		fail(op, "pos is nil")
+	k, err := backend.GatherSumK(posTK, t)
+	if err != nil {
+		fail(op, "%v", err)
 	}
-	shape := posTK.Shape()
-	if len(shape) != 2 || shape[0] != t {
-		fail(op, "pos has shape %v, want [%d K]", shape, t)
-	}
-	k := shape[1]
 	pos := indices(op, "pos", posTK, t*k, s, true)
 	row := make([]int32, 0, k)
 	for r := range t {

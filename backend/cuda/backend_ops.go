@@ -437,14 +437,10 @@ func (b *Backend) GatherSumRows(outTD, inSD, posTK, scaleTK backend.Tensor) {
 	out, t, d := matrix(op, "out", outTD)
 	in, s, _ := operandMatrix(op, "in", inSD)
 	wantOperandMatrix(op, "in", inSD, s, d)
-	if posTK == nil {
-		fail(op, "pos is nil")
+	k, err := backend.GatherSumK(posTK, t)
+	if err != nil {
+		fail(op, "%v", err)
 	}
-	shape := posTK.Shape()
-	if len(shape) != 2 || shape[0] != t {
-		fail(op, "pos has shape %v, want [%d K]", shape, t)
-	}
-	k := shape[1]
 	if k > gatherSumMaxK {
 		fail(op, "pos has %d rows per output row; the kernel adds at most %d", k, gatherSumMaxK)
 	}
