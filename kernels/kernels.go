@@ -204,8 +204,9 @@ func Sources() []Source {
 			{Name: "attn_h_delta_bf16_bf16", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
 		}},
 		{File: "rope.cu", Kernels: []Kernel{
-			{Name: "rope_f32", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},
-			{Name: "rope_f32_bf16", Block: 256, Grid: "T blocks (one per row); any multiple of 32 threads up to 256"},
+			{Name: "rope_table", Block: 256, Grid: gridStride},
+			{Name: "rope_f32", Block: 256, Grid: gridStride},
+			{Name: "rope_f32_bf16", Block: 256, Grid: gridStride},
 		}},
 		{File: "grouped_gemm.cu", Kernels: []Kernel{
 			{Name: "grouped_gemm_nt_bn128_f32", Block: 384, Grid: groupedGrid},

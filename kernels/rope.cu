@@ -16,47 +16,64 @@ extern "C" __device__ double pow(double, double);
 extern "C" __device__ void sincos(double, double*, double*);
 #endif
 
-// The most rotation pairs per head (head_dim <= 2*ROPE_MAX_HALF).
-#define ROPE_MAX_HALF 512
+// The angles' cosines and sines come from a table of (cos, sin) pairs per
+// position and pair index, rope_table's, built once per theta and head dim
+// for positions below P (backend/cuda/rope.go): computing them in float64
+// in every call (a sincos and a pow per row and pair) made the rotation
+// latency-bound, about 50 us a call at moe-small's shape. A position at or
+// past P (or with no table) computes its pair in the kernel, with the same
+// float64 code, so both give the same float32 values.
 
-// rope_rows: one block per row t < rows (any multiple of 32 threads, at
-// most 256). x and out are [rows, width], width a multiple of head_dim;
-// pos is [rows]. The block first builds the row's cos/sin table in shared
-// memory, then turns every pair of every head with it. Each thread reads
-// both values of its pair before writing either, so out may be x.
-template <typename Out>
-__device__ __forceinline__ void rope_rows(Out* out, const float* x, const int* pos, int rows, int width, int head_dim, double theta, int inverse) {
-  __shared__ float cs[ROPE_MAX_HALF];
-  __shared__ float sn[ROPE_MAX_HALF];
-  const int t = blockIdx.x;
-  if (t >= rows) return;
+struct alignas(8) rp_cs {
+  float c, s;
+};
+
+__device__ __forceinline__ rp_cs rope_angle(int p, int i, int head_dim, double theta) {
+  double s, c;
+  sincos((double)p * pow(theta, -2.0 * (double)i / (double)head_dim), &s, &c);
+  return rp_cs{(float)c, (float)s};
+}
+
+// rope_table: tab[p*half + i] = (cos, sin) of p * theta^(-2i/head_dim),
+// rounded to float32, for p < P and i < half = head_dim/2. Grid-stride.
+extern "C" __global__ void rope_table(rp_cs* tab, int P, int head_dim, double theta) {
   const int half = head_dim / 2;
-  const double p = (double)pos[t];
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    double s, c;
-    sincos(p * pow(theta, -2.0 * (double)i / (double)head_dim), &s, &c);
-    cs[i] = (float)c;
-    sn[i] = inverse ? -(float)s : (float)s;
-  }
-  __syncthreads();
-  const float* row = x + (long long)t * width;
-  Out* out_row = out + (long long)t * width;
-  for (int e = threadIdx.x; e < width / 2; e += blockDim.x) {
-    const int i = e % half;
-    const int at = (e / half) * head_dim + i;
+  const long long n = (long long)P * half;
+  for (long long e = mk_global_id(); e < n; e += mk_grid_stride()) tab[e] = rope_angle((int)(e / half), (int)(e % half), head_dim, theta);
+}
+
+// rope_pairs: one thread per (row, pair), grid-stride; x and out are
+// [rows, width], width a multiple of head_dim; pos is [rows]; tab the
+// table of positions below P (null: none). Each thread reads both values
+// of its pair before writing either, so out may be x. A warp's pairs are
+// consecutive in a head, so its loads of x and of the table are whole
+// lines.
+template <typename Out>
+__device__ __forceinline__ void rope_pairs(Out* out, const float* x, const int* pos, const rp_cs* tab, int P, int rows,
+                                           int width, int head_dim, double theta, int inverse) {
+  const int half = head_dim / 2, pairs = width / 2;
+  const long long n = (long long)rows * pairs;
+  for (long long e = mk_global_id(); e < n; e += mk_grid_stride()) {
+    const int t = (int)(e / pairs), j = (int)(e % pairs);
+    const int i = j % half, at = (j / half) * head_dim + i;
+    const int p = pos[t];
+    const rp_cs a = tab != 0 && p >= 0 && p < P ? tab[(long long)p * half + i] : rope_angle(p, i, head_dim, theta);
+    const float c = a.c, sn = inverse ? -a.s : a.s;
+    const float* row = x + (long long)t * width;
+    Out* out_row = out + (long long)t * width;
     const float u = row[at], w = row[at + half];
-    mk_store(out_row + at, u * cs[i] - w * sn[i]);
-    mk_store(out_row + at + half, w * cs[i] + u * sn[i]);
+    mk_store(out_row + at, u * c - w * sn);
+    mk_store(out_row + at + half, w * c + u * sn);
   }
 }
 
 // rope_f32: float32 out (x itself for the in-place rotation).
-extern "C" __global__ void __launch_bounds__(256) rope_f32(float* out, const float* x, const int* pos, int rows, int width, int head_dim, double theta, int inverse) {
-  rope_rows(out, x, pos, rows, width, head_dim, theta, inverse);
+extern "C" __global__ void __launch_bounds__(256) rope_f32(float* out, const float* x, const int* pos, const rp_cs* tab, int P, int rows, int width, int head_dim, double theta, int inverse) {
+  rope_pairs(out, x, pos, tab, P, rows, width, head_dim, theta, inverse);
 }
 
 // rope_f32_bf16: bf16 out, each value rounded once from the float32
 // rotation.
-extern "C" __global__ void __launch_bounds__(256) rope_f32_bf16(mk_bf16* out, const float* x, const int* pos, int rows, int width, int head_dim, double theta, int inverse) {
-  rope_rows(out, x, pos, rows, width, head_dim, theta, inverse);
+extern "C" __global__ void __launch_bounds__(256) rope_f32_bf16(mk_bf16* out, const float* x, const int* pos, const rp_cs* tab, int P, int rows, int width, int head_dim, double theta, int inverse) {
+  rope_pairs(out, x, pos, tab, P, rows, width, head_dim, theta, inverse);
 }

@@ -483,6 +483,9 @@ func sharedTerms(s shape) []Term {
 		flags = max(flags, 2*(ceilDiv(s.T, 128)+1))
 	}
 	l.fixed(Workspace, "kernel tables", 1, flags, int32Bytes)
+	// rope.go's cos/sin table: a float32 (cos, sin) pair per position
+	// below the RoPE calls' rows (the attention's T) and per dim pair.
+	l.fixed(Workspace, "kernel tables", 1, mul(s.T, s.D/s.H/2), 8)
 	if s.tpFused {
 		// tp_fused.go's tpScratch.rows: the bf16 operand the fused ops
 		// round into, grown to the largest: the gathered rows [T, D] under

@@ -82,6 +82,10 @@ type Device struct {
 	modMu   sync.Mutex
 	modules map[string]*Module // by file, and by the name of a test's build (Device.load)
 
+	// ropeTabs are RoPE's cos/sin tables, by theta and head dim (rope.go).
+	ropeMu   sync.Mutex
+	ropeTabs map[ropeKey]*ropeTable
+
 	// tmapEnc is cuTensorMapEncodeTiled, resolved on first use
 	// (TensorMapEncoder).
 	tmapOnce sync.Once

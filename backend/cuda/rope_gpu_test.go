@@ -6,6 +6,8 @@ package cuda
 
 import (
 	"fmt"
+	"math"
+	"slices"
 	"testing"
 )
 
@@ -56,5 +58,62 @@ func TestRoPEZeroRows(t *testing.T) {
 	}
 	if err := d.Sync(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestRoPETableIsTheKernelsAngles: the device's cos/sin table gives the
+// bits the kernel computes itself, for positions inside the table (a
+// packed batch: pos = t mod seq) and past it, float32 and bf16 out, in
+// place, and after the table grows (each case's call has more rows than
+// the last, with one theta of this test's own, so each rebuilds it).
+func TestRoPETableIsTheKernelsAngles(t *testing.T) {
+	const theta = 12345.0
+	for n, c := range []struct{ rows, seq, heads, headDim int }{{50, 16, 4, 64}, {256, 64, 4, 64}, {1000, 250, 2, 64}} {
+		k := newKT(t, uint64(60+n))
+		width := c.heads * c.headDim
+		x := k.randn(c.rows*width, 1)
+		pos := make([]int32, c.rows)
+		for i := range pos {
+			pos[i] = int32(i % c.seq)
+			if i%7 == 3 {
+				pos[i] = int32(c.rows + 100*i) // past the table
+			}
+		}
+		bx, bpos := upload(k, x), upload(k, pos)
+		for _, bf16 := range []bool{false, true} {
+			for _, inverse := range []bool{false, true} {
+				var got [2][]float32
+				for i, withTable := range []bool{true, false} {
+					out := k.out(c.rows*width, bf16)
+					if err := ropeWith(k.d, out.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, inverse, bf16, withTable); err != nil {
+						t.Fatal(err)
+					}
+					got[i] = k.values(out, c.rows*width, bf16)
+				}
+				for i := range got[0] {
+					if math.Float32bits(got[0][i]) != math.Float32bits(got[1][i]) {
+						t.Fatalf("rows %d bf16 %v inverse %v: element %d (position %d) is %v with the table, %v without",
+							c.rows, bf16, inverse, i, pos[i/width], got[0][i], got[1][i])
+					}
+				}
+			}
+		}
+		// In place, as the backward turns the gradients back.
+		want := k.out(c.rows*width, false)
+		if err := ropeWith(k.d, want.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, true, false, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := RoPE(k.d, bx.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, true, false); err != nil {
+			t.Fatal(err)
+		}
+		if got, w := k.download(bx, c.rows*width), k.download(want, c.rows*width); !slices.Equal(got, w) {
+			t.Errorf("rows %d: the in-place rotation differs from the separate one", c.rows)
+		}
+		k.d.ropeMu.Lock()
+		tab := k.d.ropeTabs[ropeKey{theta, c.headDim}]
+		k.d.ropeMu.Unlock()
+		if tab == nil || tab.rows != c.rows {
+			t.Errorf("rows %d: the table holds %v positions, want %d", c.rows, tab, c.rows)
+		}
 	}
 }
