@@ -22,33 +22,6 @@ extern "C" __global__ void scatter_add_rows_f32(float* out, const float* in, con
   for (int d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(&dst[d], s * src[d]);
 }
 
-// row_dots_f32: out[i] = dot(a[rows[i], :], b[i, :]); row_dots_f32_bf16
-// the same with a bf16 b (the MoE layer's expert outputs), widened
-// exactly. Grid: N blocks of 256.
-__device__ __forceinline__ float rw_widen(float v) { return v; }
-__device__ __forceinline__ float rw_widen(mk_bf16 v) { return mk_bf16_to_f32(v); }
-
-template <typename B>
-__device__ __forceinline__ void row_dots(float* out, const float* a, const int* rows, const B* b, int N, int D) {
-  __shared__ float scratch[32];
-  const int i = blockIdx.x;
-  if (i >= N) return;
-  const float* x = a + (long long)rows[i] * D;
-  const B* y = b + (long long)i * D;
-  float acc = 0.0f;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) acc += x[d] * rw_widen(y[d]);
-  acc = mk_block_sum(acc, scratch);
-  if (threadIdx.x == 0) out[i] = acc;
-}
-
-extern "C" __global__ void __launch_bounds__(256) row_dots_f32(float* out, const float* a, const int* rows, const float* b, int N, int D) {
-  row_dots(out, a, rows, b, N, D);
-}
-
-extern "C" __global__ void __launch_bounds__(256) row_dots_f32_bf16(float* out, const float* a, const int* rows, const mk_bf16* b, int N, int D) {
-  row_dots(out, a, rows, b, N, D);
-}
-
 // gather_rows_f32_bf16: gather_rows_f32 into a bf16 out, each value rounded
 // to nearest even; gather_rows_bf16 and gather_rows_bf16_bf16 the same
 // from a bf16 in (widened exactly) into a float32 or bf16 out (a bf16 row
@@ -72,6 +45,42 @@ __device__ __forceinline__ float rw_load(const mk_bf16* p) { return mk_bf16_to_f
 __device__ __forceinline__ void rw_store4(float* p, int j, rw_f4 v) { ((rw_f4*)p)[j] = v; }
 __device__ __forceinline__ void rw_store4(mk_bf16* p, int j, rw_f4 v) {
   ((rw_h4*)p)[j] = rw_h4{mk_f32_to_bf16(v.x), mk_f32_to_bf16(v.y), mk_f32_to_bf16(v.z), mk_f32_to_bf16(v.w)};
+}
+
+// row_dots_f32: out[i] = dot(a[rows[i], :], b[i, :]); row_dots_f32_bf16
+// the same with a bf16 b (the MoE layer's expert outputs), widened
+// exactly. One warp per row, grid-stride, float32 sums; vec as
+// gather_rows (four elements per access).
+__device__ __forceinline__ float rw_widen(float v) { return v; }
+__device__ __forceinline__ float rw_widen(mk_bf16 v) { return mk_bf16_to_f32(v); }
+
+template <typename B>
+__device__ __forceinline__ void row_dots(float* out, const float* a, const int* rows, const B* b, int N, int D, int vec) {
+  const int lane = threadIdx.x & 31;
+  const long long warps = mk_grid_stride() >> 5;
+  for (long long i = mk_global_id() >> 5; i < N; i += warps) {
+    const float* x = a + (long long)rows[i] * D;
+    const B* y = b + i * D;
+    float acc = 0.0f;
+    if (vec) {
+      for (int j = lane; j < D / 4; j += 32) {
+        const rw_f4 u = rw_load4(x, j), v = rw_load4(y, j);
+        acc += u.x * v.x + u.y * v.y + u.z * v.z + u.w * v.w;
+      }
+    } else {
+      for (int j = lane; j < D; j += 32) acc += x[j] * rw_widen(y[j]);
+    }
+    acc = mk_warp_sum(acc);
+    if (lane == 0) out[i] = acc;
+  }
+}
+
+extern "C" __global__ void row_dots_f32(float* out, const float* a, const int* rows, const float* b, int N, int D, int vec) {
+  row_dots(out, a, rows, b, N, D, vec);
+}
+
+extern "C" __global__ void row_dots_f32_bf16(float* out, const float* a, const int* rows, const mk_bf16* b, int N, int D, int vec) {
+  row_dots(out, a, rows, b, N, D, vec);
 }
 
 template <typename In, typename Out>

@@ -499,8 +499,12 @@ func (b *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
 	if bm.dt == backend.BFloat16 {
 		k = b.k.rowDotsBF16
 	}
+	vec := int32(0)
+	if d%4 == 0 {
+		vec = vecFlag(a, bm)
+	}
 	if n > 0 {
-		b.launch(k, Grid1D(n, 256), out, a, rows, bm, int32(n), int32(d))
+		b.launch(k, b.strideGrid(32*n), out, a, rows, bm, int32(n), int32(d), vec)
 	}
 }
 
