@@ -143,6 +143,8 @@ func Sources() []Source {
 			{Name: "gather_rows_bf16", Block: 256, Grid: "N blocks"},
 			{Name: "gather_rows_bf16_bf16", Block: 256, Grid: "N blocks"},
 			{Name: "scatter_add_rows_f32", Block: 256, Grid: "N blocks"},
+			{Name: "gather_rows_narrow_f32", Block: 256, Grid: gridStride},
+			{Name: "scatter_add_rows_narrow_f32", Block: 256, Grid: gridStride},
 			{Name: "row_dots_f32", Block: 256, Grid: "grid-stride, one warp per row"},
 			{Name: "row_dots_f32_bf16", Block: 256, Grid: "grid-stride, one warp per row"},
 			{Name: "gather_sum_rows_f32", Block: 256, Grid: "T blocks"},

@@ -47,6 +47,28 @@ __device__ __forceinline__ void rw_store4(mk_bf16* p, int j, rw_f4 v) {
   ((rw_h4*)p)[j] = rw_h4{mk_f32_to_bf16(v.x), mk_f32_to_bf16(v.y), mk_f32_to_bf16(v.z), mk_f32_to_bf16(v.w)};
 }
 
+// gather_rows_narrow_f32 and scatter_add_rows_narrow_f32 are
+// gather_rows_f32 and scatter_add_rows_f32 for narrow rows (the MoE
+// layer's gates, one value a row): one thread per element, grid-stride,
+// instead of a block per row of which all but a few threads idle.
+extern "C" __global__ void gather_rows_narrow_f32(float* out, const float* in, const int* rows, const float* scale, int N, int D) {
+  const long long n = (long long)N * D;
+  for (long long e = mk_global_id(); e < n; e += mk_grid_stride()) {
+    const long long i = e / D;
+    const int d = (int)(e % D);
+    out[e] = (scale != 0 ? scale[i] : 1.0f) * in[(long long)rows[i] * D + d];
+  }
+}
+
+extern "C" __global__ void scatter_add_rows_narrow_f32(float* out, const float* in, const int* rows, const float* scale, int N, int D) {
+  const long long n = (long long)N * D;
+  for (long long e = mk_global_id(); e < n; e += mk_grid_stride()) {
+    const long long i = e / D;
+    const int d = (int)(e % D);
+    atomicAdd(&out[(long long)rows[i] * D + d], (scale != 0 ? scale[i] : 1.0f) * in[e]);
+  }
+}
+
 // row_dots_f32: out[i] = dot(a[rows[i], :], b[i, :]); row_dots_f32_bf16
 // the same with a bf16 b (the MoE layer's expert outputs), widened
 // exactly. One warp per row, grid-stride, float32 sums; vec as

@@ -32,6 +32,8 @@ type kernelSet struct {
 
 	gatherRows, scatterAddRows, rowDots *Kernel
 	rowDotsBF16                         *Kernel // b in bf16
+	// narrow rows (narrowRows): one thread per element, not a block per row
+	gatherRowsNarrow, scatterAddRowsNarrow *Kernel
 	// train.deterministic's scatter-add: a stable sort of the rows, then
 	// each run of equal rows added by one block (Backend.scatterOrdered).
 	stableRank, stablePlace, scatterAddRowsOrdered *Kernel
@@ -69,6 +71,7 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 			"gather_rows_bf16": &ks.gatherRowsFromBF16, "gather_rows_bf16_bf16": &ks.gatherRowsBF16BF16,
 			"scatter_add_rows_f32": &ks.scatterAddRows, "row_dots_f32": &ks.rowDots, "row_dots_f32_bf16": &ks.rowDotsBF16,
 			"gather_sum_rows_f32": &ks.gatherSumRows, "gather_sum_rows_bf16": &ks.gatherSumRowsFromBF16,
+			"gather_rows_narrow_f32": &ks.gatherRowsNarrow, "scatter_add_rows_narrow_f32": &ks.scatterAddRowsNarrow,
 			"stable_rank_i32": &ks.stableRank, "stable_place_i32": &ks.stablePlace,
 			"scatter_add_rows_ordered_f32": &ks.scatterAddRowsOrdered}},
 		{"route.cu", map[string]**Kernel{"route_by_expert": &ks.route}},

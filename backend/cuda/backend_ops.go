@@ -402,8 +402,18 @@ func (b *Backend) GatherRows(outND, inTD, rowsN, scaleN backend.Tensor) {
 		b.launch(k, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d), vec)
 		return
 	}
+	if d < narrowRows {
+		b.launch(b.k.gatherRowsNarrow, b.strideGrid(n*d), out, in, rows, scale, int32(n), int32(d))
+		return
+	}
 	b.launch(b.k.gatherRows, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d))
 }
+
+// narrowRows is the row width below which the float32 gather and
+// scatter-add run one thread per element instead of a block of 256 per
+// row (the MoE gates, one value a row: 32,768 blocks of one busy thread
+// took about 25 us a call at moe-small's shape in the profile at fdd8c22).
+const narrowRows = 64
 
 // ScatterAddRows: outTD[rowsN[i]] += scale[i] * inND[i]; scaleN may be nil.
 // Rows hit more than once add through atomics.
@@ -419,6 +429,8 @@ func (b *Backend) ScatterAddRows(outTD, inND, rowsN, scaleN backend.Tensor) {
 	case n == 0 || d == 0:
 	case b.deterministic.Load():
 		b.scatterOrdered(out, in, rows, scale, n, d, t)
+	case d < narrowRows:
+		b.launch(b.k.scatterAddRowsNarrow, b.strideGrid(n*d), out, in, rows, scale, int32(n), int32(d))
 	default:
 		b.launch(b.k.scatterAddRows, Grid1D(n, 256), out, in, rows, scale, int32(n), int32(d))
 	}
