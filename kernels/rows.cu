@@ -168,10 +168,10 @@ __device__ __forceinline__ void gather_sum_rows(float* out, const In* in, const 
   if ((int)threadIdx.x < K) {
     const int mine = p[threadIdx.x];
     if (mine >= 0) {
-      int r = 0;
+      int r = 0;  // ties (a row naming a position twice, against the contract) by k: no slot left unwritten
       for (int j = 0; j < K; j++) {
         const int o = p[j];
-        r += o >= 0 && o < mine;
+        r += o >= 0 && (o < mine || (o == mine && j < (int)threadIdx.x));
       }
       sPos[r] = mine;
       sScale[r] = scale != 0 ? scale[(long long)t * K + threadIdx.x] : 1.0f;

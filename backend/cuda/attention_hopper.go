@@ -361,8 +361,9 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		nTurns = int64(s.Batch) * int64(s.Heads) * int64((s.Seq+hopperAttnBwdQ-1)/hopperAttnBwdQ)
 	}
 	// The bf16 copies the inputs need (dout; q, k and v), then float32
-	// delta and the counters: every part 16-byte aligned (nq and nk are
-	// multiples of 64).
+	// delta and the counters: the copies and delta 16-byte aligned (nq and
+	// nk are multiples of 64), the counters 4-byte (ld and red need no
+	// more).
 	type rounding struct {
 		dst, src driver.DevicePtr
 		n        int64

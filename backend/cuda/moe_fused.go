@@ -464,8 +464,8 @@ func (b *Backend) DownCombine(outSD, doneS []backend.Tensor, refsR2, actRF, w2GD
 
 func (b *Backend) downCombineKernel(outSD, doneS []backend.Tensor, refsR2, actRF, w2GDF backend.Tensor, groups backend.Groups) bool {
 	g := groups.Len()
-	if len(outSD) == 0 {
-		return false
+	if len(outSD) == 0 || outSD[0] == nil {
+		return false // the unfused sequence reports it
 	}
 	outDT := outSD[0].DType() // every rank's must be it (fusedPtrs)
 	if outDT != backend.Float32 && outDT != backend.BFloat16 {
