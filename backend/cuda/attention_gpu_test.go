@@ -246,8 +246,10 @@ func TestAttentionFigures(t *testing.T) {
 			{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128}} {
 			timeAttention(k, "attention hopper", s, attnHopper)
 		}
-		// What train.deterministic's fixed order costs the backward.
+		// What train.deterministic's fixed order costs the backward, beside
+		// the tensor-core kernels' ordered backward (its figures above).
 		timeAttention(k, "attention hopper ordered", moeSmall, attnHopperOrdered)
+		timeAttention(k, "attention hopper ordered", backend.AttnShape{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128}, attnHopperOrdered)
 	}
 }
 
