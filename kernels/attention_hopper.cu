@@ -385,7 +385,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // fixed order instead: a counter per (batch, head, query tile), zero
 // before the kernel, lets warpgroup cw of key block jb add its dq block
 // of that tile only as contribution 2*jb + cw (ah_dq_turn), and counts it
-// once the TMA reduction is complete (ah_dq_done). Every key block below
+// once the TMA reduction is complete (ah_dq_done): at the next item's dq
+// product, by when the reduction has long landed, so the wait for it does
+// not stall the chain (or after its last item), and before thread 0 waits
+// for the other warpgroup to free a stage. Every key block below
 // jb reaches the tile too (a block's first tile never decreases with jb),
 // so the turns have no gaps; the grid runs key blocks in increasing
 // blockIdx.y, so a turn waits only on blocks started before it.
@@ -515,6 +518,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   gg_bar_wait(barKV, 0);
   const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  int* done = nullptr;  // ORDERED: the turn of the last item's dq, still to pass on
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
@@ -614,6 +618,13 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         // dv's and dk's products (the group before) are done with the stage.
         gg_fence_acc(dva);
         gg_fence_acc(dka);
+        // The last item's dq reductions have landed by now: pass their
+        // turn on, before thread 0 waits for the other warpgroup below
+        // (which may be waiting for that turn).
+        if (ORDERED && wtid == 0 && done != nullptr) {
+          ah_dq_done(done);
+          done = nullptr;
+        }
         if (lane == 0) gg_bar_arrive(empty + 8 * s);
         // Thread 0 refills the stage once both warpgroups are done with it.
         if (tid == 0 && it + STAGES < items) {
@@ -642,12 +653,15 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
         gg_bulk_commit();
-        if (ORDERED && c == DH / 64 - 1) ah_dq_done(turn);
+        if (ORDERED && c == DH / 64 - 1) done = turn;
       }
       nq++;
     }
   }
-  if (wtid == 0) gg_bulk_wait();
+  if (wtid == 0) {
+    if (ORDERED && done != nullptr) ah_dq_done(done);
+    gg_bulk_wait();
+  }
   const int KD = KV * DH;
   float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
   float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
