@@ -506,10 +506,9 @@ func sharedTerms(s shape) []Term {
 	// backward's: with float32 q, k and v (context parallelism) their
 	// bf16 copies, of q and dout [T, Ql] and of k and v [keys, KDl], and
 	// float32 delta; with bf16 q, k and v the backward's delta and, where
-	// dout is float32 (tensor parallelism), its bf16 copy; under
-	// train.deterministic beside either the ordered backward's counters,
-	// one int32 per (sequence, head, 64 queries). Where the Hopper kernels
-	// do not serve (other head dims) the float32 widening of q, k, v and a
+	// dout is float32 (tensor parallelism), its bf16 copy. Where the
+	// Hopper kernels do not serve (other head dims, or the tensor-core
+	// ordered backward of train.deterministic) the float32 widening of q, k, v and a
 	// bf16 dout and out ([T, Ql] + 2 [keys, KDl], + 2 [T, Ql]) under the
 	// older kernels' delta (the forward widens q, k, v and its out alike,
 	// no more).
@@ -522,19 +521,15 @@ func sharedTerms(s shape) []Term {
 			keys = mul(s.B, s.S) // the all-gather path's calls see every key
 		}
 		hopper := s.D/s.H == 64 || s.D/s.H == 128
-		var turns int64
-		if s.c.Deterministic {
-			turns = mul(4, s.B, s.Hl, ceilDiv(s.Sl, 64))
-		}
 		switch {
 		case s.qkvType() == s.ft && hopper:
-			scratch = max(scratch, add(mul(2, add(mul(2, s.T, s.Ql), mul(2, keys, s.KDl))), mul(4, delta), turns))
-		case s.qkvType() != s.ft && hopper:
+			scratch = max(scratch, add(mul(2, add(mul(2, s.T, s.Ql), mul(2, keys, s.KDl))), mul(4, delta)))
+		case s.qkvType() != s.ft && hopper && !s.c.Deterministic:
 			dout := mul(2, s.T, s.Ql)
 			if s.daType() != s.ft {
 				dout = 0
 			}
-			scratch = max(scratch, add(dout, mul(4, delta), turns))
+			scratch = max(scratch, add(dout, mul(4, delta)))
 		case s.qkvType() != s.ft:
 			widened := add(roundUp(mul(s.T, s.Ql), 4), mul(2, roundUp(mul(keys, s.KDl), 4)))
 			if s.daType() != s.ft {

@@ -18,9 +18,11 @@ package cuda
 // attention_tc.cu (bf16 operands rounded as tiles are staged, float32
 // accumulation and softmax statistics); the float32 ones (error ~1e-6)
 // for every other case. The Hopper backward adds dq's blocks with TMA
-// reductions, in the order its blocks run; under a Backend's
-// SetDeterministic its ordered build adds them in key-block order (and
-// elsewhere attention_tc.cu's dq pass adds in a fixed order). Unmasked calls (AttnShape.Full, the off-diagonal
+// reductions, in the order its blocks run; a Backend under
+// SetDeterministic runs attention_tc.cu's backward instead, whose dq pass
+// adds in a fixed order: faster on an H200 than attention_hopper.cu's
+// ordered build (attnHopperOrdered, dq in key-block order), which the
+// tests keep measuring. Unmasked calls (AttnShape.Full, the off-diagonal
 // blocks of the portable context-parallel ring) run on every set with the
 // offset KVSeq-1: the kernels clip a query's keys at the last one, so
 // query i then sees keys 0..KVSeq-1. Against float64 the bf16 kernels
@@ -164,7 +166,10 @@ func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 // attentionBackward is AttentionBackward on the kernels impl names.
 func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, impl attnImpl) error {
 	const op = "AttentionBackward"
-	auto, ordered := impl == attnAuto || impl == attnAutoOrdered, impl == attnAutoOrdered || impl == attnHopperOrdered
+	// Under attnAutoOrdered the tensor-core kernels' ordered backward runs:
+	// on an H200 it was faster than the ordered Hopper kernel (134 and 130
+	// TFLOP/s against 71 and 90 at head dims 64 and 128, at 410ec3e).
+	auto, ordered := impl == attnAuto, impl == attnHopperOrdered
 	dp, err := checkAttnShape(op, s)
 	if err != nil {
 		return err

@@ -102,8 +102,8 @@ func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver
 		return fmt.Errorf("cuda: AttentionBackwardBF16: a bf16 out needs a bf16 dout")
 	}
 	in.qkv = true
-	if hopperAttnTakes(d, s) && aligned16(dq, dk, dv, dout, q, k, v, out) {
-		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, ordered, in)
+	if !ordered && hopperAttnTakes(d, s) && aligned16(dq, dk, dv, dout, q, k, v, out) {
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, false, in)
 	}
 	impl := attnAuto
 	if ordered {
