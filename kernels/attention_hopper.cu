@@ -361,7 +361,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // the kv head's group and every 64-query tile that sees one of its keys
 // (an item); thread 0 loads its k and v tiles once and each item's q and
 // dout tiles into a STAGES-deep ring, refilling a stage once both
-// warpgroups are done with it. Each of the two warpgroups owns 64 keys
+// warpgroups are done with it (at head dim 64 a producer warp does the
+// loads instead: ah_backward_producer). Each of the two warpgroups owns 64 keys
 // and computes, per item, with the scores transposed (keys are the
 // rows, so that P^T and dS^T land in registers as the A operands of the
 // products that accumulate into the keys' rows):
@@ -381,17 +382,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // dk and dv stay in registers across the whole walk (GQA needs no partial
 // sums per head) and are stored once. dq must be zero before the kernel;
 // its sums are float adds at L2 in the order the blocks run, so dq's last
-// bits vary from run to run. attn_h_backward_ordered_d{64,128} add in a
-// fixed order instead: a counter per (batch, head, query tile), zero
-// before the kernel, lets warpgroup cw of key block jb add its dq block
-// of that tile only as contribution 2*jb + cw (ah_dq_turn), and counts it
-// once the TMA reduction is complete (ah_dq_done): at the next item's dq
-// product, by when the reduction has long landed, so the wait for it does
-// not stall the chain (or after its last item), and before thread 0 waits
-// for the other warpgroup to free a stage. Every key block below
-// jb reaches the tile too (a block's first tile never decreases with jb),
-// so the turns have no gaps; the grid runs key blocks in increasing
-// blockIdx.y, so a turn waits only on blocks started before it.
+// bits vary from run to run (train.deterministic takes attention_tc.cu's
+// ordered backward instead: kernels/attention_hopper.md).
 // delta is rowsum(dout * out) per query and head, from dout rounded to
 // bf16 as dP^T sees it.
 
@@ -428,41 +420,17 @@ __device__ __forceinline__ float ah_ldg(const float* p) {
   return r;
 }
 
-// ah_dq_turn returns once *turn is mine (acquire): the dq blocks added
-// before this one are complete at L2. A wait past GG_TIMEOUT_NS traps, as
-// gg_bar_wait does.
-__device__ __forceinline__ void ah_dq_turn(const int* turn, int mine) {
-  if (gg_ld_acquire(turn) != mine) {
-    const unsigned long long t0 = gg_globaltimer();
-    while (gg_ld_acquire(turn) != mine) {
-      if (gg_globaltimer() - t0 > GG_TIMEOUT_NS) asm volatile("trap;");
-    }
-  }
-  // The TMA reduction that follows (the async proxy) comes after the wait.
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
-// ah_dq_done waits for this thread's bulk reductions to complete and
-// passes the turn on (release).
-__device__ __forceinline__ void ah_dq_done(int* turn) {
-  gg_bulk_wait();
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
-}
-
 // Block: two warpgroups (256 threads), 64 keys each; thread 0 also issues
 // the TMA loads. Eight warps let __launch_bounds__(256, 1) give every
 // thread 255 registers (an SM's four register files hold two warps each
 // at that size; a ninth warp, a producer, would cap all at 168), which
 // holds dk and dv (Dh floats a thread) beside an item's scores without
 // spilling.
-// ORDERED adds dq in the fixed order above; turns is then the counters
-// [B, H, ceil(S/64)].
-template <int DH, bool ORDERED>
+template <int DH>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
-                                            int KV, float scaleLog2, float scale, int* turns) {
+                                            int KV, float scaleLog2, float scale) {
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
   constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
                      QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
@@ -518,7 +486,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   gg_bar_wait(barKV, 0);
   const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-  int* done = nullptr;  // ORDERED: the turn of the last item's dq, still to pass on
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
@@ -618,13 +585,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         // dv's and dk's products (the group before) are done with the stage.
         gg_fence_acc(dva);
         gg_fence_acc(dka);
-        // The last item's dq reductions have landed by now: pass their
-        // turn on, before thread 0 waits for the other warpgroup below
-        // (which may be waiting for that turn).
-        if (ORDERED && wtid == 0 && done != nullptr) {
-          ah_dq_done(done);
-          done = nullptr;
-        }
         if (lane == 0) gg_bar_arrive(empty + 8 * s);
         // Thread 0 refills the stage once both warpgroups are done with it.
         if (tid == 0 && it + STAGES < items) {
@@ -648,20 +608,14 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       if (wtid == 0) gg_bulk_wait_read();
       gg_named_sync(1 + cw, 128);
       if (wtid == 0) {
-        int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
-        if (ORDERED && c == 0) ah_dq_turn(turn, 2 * (int)blockIdx.y + cw);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
         gg_bulk_commit();
-        if (ORDERED && c == DH / 64 - 1) done = turn;
       }
       nq++;
     }
   }
-  if (wtid == 0) {
-    if (ORDERED && done != nullptr) ah_dq_done(done);
-    gg_bulk_wait();
-  }
+  if (wtid == 0) gg_bulk_wait();
   const int KD = KV * DH;
   float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
   float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
@@ -680,20 +634,255 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-  ah_backward<64, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
+template <int DH>
+struct ah_bcfg_producer {
+  static constexpr int STAGES = 2;
+  static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
+  static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
+  static constexpr unsigned KT = (DH / 64) * KBOX;  // the k (or v) tile
+  static constexpr unsigned QT = (DH / 64) * QBOX;  // a q (or dout) tile
+  static constexpr unsigned DSB = 64 * 128;         // one warpgroup's dS^T: 64 keys x 64 queries
+  static constexpr unsigned DQB = 64 * 64 * 4;      // one warpgroup's dq staging: 64 queries x 64 columns
+  // k, v, STAGES x (q, dout), dS^T [2 parities][2 warpgroups], dq staging
+  // [2 warpgroups][2], lse and delta [STAGES][2][64], barriers.
+  static constexpr unsigned SMEM =
+      1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + STAGES * 512 + 8 * (1 + 2 * STAGES);
+};
+
+__device__ __forceinline__ void ah_stsf(unsigned addr, float a) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(a) : "memory");
+}
+__device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
+}
+
+// ah_backward_producer is the head-dim-64 backward (version 2 in
+// kernels/attention_hopper.md): the same products as ah_backward, but
+// warps 0-7 are the two consumer warpgroups (64 keys each) and warp 8 is
+// a producer, whose lane 0 loads the tiles as soon as a stage is free
+// and whose 32 lanes stage each item's lse (base 2) and delta in shared
+// memory, so the consumers never wait on global loads or on each other.
+// 288 threads: nine warps put three on one of the SM's register files,
+// capping every thread at 168 registers, enough at head dim 64 (dk, dv
+// and an item's scores without spilling) but not at 128, which keeps
+// ah_backward's 256 threads.
+template <int DH>
+__device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+                                            const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                            const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
+                                            int KV, float scaleLog2, float scale) {
+  constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, QBOX = ah_bcfg_producer<DH>::QBOX, KT = ah_bcfg_producer<DH>::KT,
+                     QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging
+  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse (base 2), 64 delta
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  const int j0 = blockIdx.y * 128;
+  const int nQT = (S + AH_BQ - 1) / AH_BQ;
+  const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 8) {
+    // The producer warp: lane 0 loads the tiles, every lane two of the
+    // item's 64 queries' lse (in base 2) and delta.
+    if (lane == 0) {
+      gg_prefetch_tmap(mapQ);
+      gg_prefetch_tmap(mapDO);
+      gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) {
+        gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
+        gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
+      }
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+        const unsigned qa = qs + s * 2 * QT;
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) {
+          gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
+          gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
+        }
+      }
+      const long long row = ((long long)b * H + h) * S;
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + lane + 32 * e;
+        ah_stsf(stat + s * 512 + 4 * (lane + 32 * e), i < S ? lse[row + i] * AH_LOG2E : 0.0f);
+        ah_stsf(stat + s * 512 + 256 + 4 * (lane + 32 * e), i < S ? delta[row + i] : 0.0f);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
+  // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
+  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    gg_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+      const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+      ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+      const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+      ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
+    // q0 + 8n + 2t4 + e.
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float l2[2], dl[2];
+      ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    unsigned pa[4][4], da[4][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+    }
+    gg_wgmma_fence();
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+    gg_wgmma_commit();
+    // dS^T to this warpgroup's buffer of the item's parity: key row r holds
+    // its 64 queries in 128 bytes, 16-byte chunk n at n ^ (r & 7).
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
+      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_named_sync(1 + cw, 128);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + c * KBOX + cw * 64 * 128, KBOX);
+#pragma unroll
+      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (c == 0) {
+        // dv's and dk's products (the group before) are done with the stage.
+        gg_fence_acc(dva);
+        gg_fence_acc(dka);
+        if (lane == 0) gg_bar_arrive(empty + 8 * s);
+      }
+      // Stage the 64 x 64 block of dq as two TMA boxes of {32 columns, 64
+      // rows} float32, 128-byte swizzled (row r's 16-byte chunk x at
+      // x ^ (r & 7)), and let one thread add them to dq at L2.
+      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        const unsigned box = stg + (n >> 2) * (DQB / 2), x = 2 * (n & 3) + (t4 >> 1), off8 = 8 * (t4 & 1);
+        ah_sts2f(box + wr * 128 + ((x ^ (wr & 7)) << 4) + off8, acc[4 * n], acc[4 * n + 1]);
+        ah_sts2f(box + (wr + 8) * 128 + ((x ^ ((wr + 8) & 7)) << 4) + off8, acc[4 * n + 2], acc[4 * n + 3]);
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      // The block staged two rounds ago in this buffer was read out before
+      // anyone passes this barrier (wait_group.read covers the last round).
+      if (wtid == 0) gg_bulk_wait_read();
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+      nq++;
+    }
+  }
+  if (wtid == 0) gg_bulk_wait();
+  const int KD = KV * DH;
+  float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
+  float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    if (kr0 < KS) {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8 * i), "f"(dka[4 * i]), "f"(dka[4 * i + 1]) : "memory");
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8 * i), "f"(dva[4 * i]), "f"(dva[4 * i + 1]) : "memory");
+    }
+    if (kr1 < KS) {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8LL * KD + 8 * i), "f"(dka[4 * i + 2]), "f"(dka[4 * i + 3])
+                   : "memory");
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8LL * KD + 8 * i), "f"(dva[4 * i + 2]), "f"(dva[4 * i + 3])
+                   : "memory");
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
+  ah_backward_producer<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-  ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
-  ah_backward<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
-  ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
+  ah_backward<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
 }
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query

@@ -20,9 +20,9 @@ package cuda
 // for every other case. The Hopper backward adds dq's blocks with TMA
 // reductions, in the order its blocks run; a Backend under
 // SetDeterministic runs attention_tc.cu's backward instead, whose dq pass
-// adds in a fixed order: faster on an H200 than attention_hopper.cu's
-// ordered build (attnHopperOrdered, dq in key-block order), which the
-// tests keep measuring. Unmasked calls (AttnShape.Full, the off-diagonal
+// adds in a fixed order: faster on an H200 than an ordered build of the
+// Hopper backward (kernels/dev's bwd-ordered, dq in key-block order).
+// Unmasked calls (AttnShape.Full, the off-diagonal
 // blocks of the portable context-parallel ring) run on every set with the
 // offset KVSeq-1: the kernels clip a query's keys at the last one, so
 // query i then sees keys 0..KVSeq-1. Against float64 the bf16 kernels
@@ -62,17 +62,13 @@ const (
 	// attnTC is attention_tc.cu: bf16 tensor cores, head dims 64 and 128,
 	// tensors (but lse) 16-byte aligned.
 	attnTC
-	// attnAutoOrdered is attnAuto with every sum in a fixed order: on
-	// Hopper its kernels with dq added in key-block order (attnHopperOrdered),
-	// elsewhere attention_tc.cu's, free of float atomics.
+	// attnAutoOrdered is attnAuto with every sum in a fixed order:
+	// attention_tc.cu's kernels, free of float atomics (on Hopper too).
 	attnAutoOrdered
 	// attnHopper is attention_hopper.cu's forward (wgmma and TMA on
 	// sm_90a, q, k and v rounded to bf16 first) with attention_tc.cu's
 	// backward; the same head dims and alignment as attnTC.
 	attnHopper
-	// attnHopperOrdered is attnHopper whose backward adds dq's blocks in
-	// a fixed order (attn_h_backward_ordered_d{64,128}).
-	attnHopperOrdered
 )
 
 func (i attnImpl) String() string {
@@ -85,8 +81,6 @@ func (i attnImpl) String() string {
 		return "tensor cores"
 	case attnHopper:
 		return "hopper"
-	case attnHopperOrdered:
-		return "hopper, fixed order"
 	case attnAutoOrdered:
 		return "auto, fixed order"
 	}
@@ -141,7 +135,7 @@ func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 	if impl, err = chooseAttn(op, impl, s, out, q, k, v); err != nil {
 		return err
 	}
-	if impl == attnHopper || impl == attnHopperOrdered || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
+	if impl == attnHopper || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
 		if !hopperAttnTakes(d, s) {
 			return fmt.Errorf("cuda: %s: the Hopper kernels need an sm_90a GPU, not %s", op, d.info.Arch)
 		}
@@ -167,9 +161,10 @@ func attentionForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.A
 func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, impl attnImpl) error {
 	const op = "AttentionBackward"
 	// Under attnAutoOrdered the tensor-core kernels' ordered backward runs:
-	// on an H200 it was faster than the ordered Hopper kernel (134 and 130
-	// TFLOP/s against 71 and 90 at head dims 64 and 128, at 410ec3e).
-	auto, ordered := impl == attnAuto, impl == attnHopperOrdered
+	// on an H200 it was faster than an ordered Hopper kernel (134 and 130
+	// TFLOP/s against 71 and 90 at head dims 64 and 128, at 410ec3e:
+	// kernels/attention_hopper.md).
+	auto := impl == attnAuto
 	dp, err := checkAttnShape(op, s)
 	if err != nil {
 		return err
@@ -177,11 +172,11 @@ func attentionBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.Dev
 	if impl, err = chooseAttn(op, impl, s, dq, dk, dv, dout, q, k, v, out); err != nil {
 		return err
 	}
-	if impl == attnHopper || impl == attnHopperOrdered || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
+	if impl == attnHopper || (impl == attnTC && auto && hopperAttnTakes(d, s)) {
 		if !hopperAttnTakes(d, s) {
 			return fmt.Errorf("cuda: %s: the Hopper kernels need an sm_90a GPU, not %s", op, d.info.Arch)
 		}
-		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, ordered, attnBwdInputs{})
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, attnBwdInputs{})
 	}
 	dqName, dkvName := fmt.Sprintf("attn_backward_dq_d%d_f32", dp), fmt.Sprintf("attn_backward_dkdv_d%d_f32", dp)
 	// dq runs over query tiles, dk/dv over key tiles.
@@ -235,7 +230,7 @@ func chooseAttn(op string, impl attnImpl, s backend.AttnShape, ptrs ...driver.De
 		return attnFP32, nil
 	case attnFP32:
 		return attnFP32, nil
-	case attnTC, attnHopper, attnHopperOrdered:
+	case attnTC, attnHopper:
 		if !tcHeadDim(s.HeadDim) {
 			return 0, fmt.Errorf("cuda: %s: the tensor-core kernels take head dims 64 and 128, not %d", op, s.HeadDim)
 		}

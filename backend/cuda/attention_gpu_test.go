@@ -78,7 +78,7 @@ func TestAttentionKernels(t *testing.T) {
 		if tcHeadDim(s.HeadDim) {
 			impls = append(impls, attnTC)
 			if hopperAttnTakes(d, s) {
-				impls = append(impls, attnHopper, attnHopperOrdered)
+				impls = append(impls, attnHopper)
 			}
 		}
 		for _, impl := range impls {
@@ -216,8 +216,7 @@ func TestAttentionFigures(t *testing.T) {
 			"attn_zz_forward_d%d", "attn_zz_backward_dq_d%d", "attn_zz_backward_dkdv_d%d"} {
 			names = append(names, "attention_tc.cu:"+fmt.Sprintf(name, dh))
 		}
-		names = append(names, fmt.Sprintf("attention_hopper.cu:attn_h_forward_d%d", dh), fmt.Sprintf("attention_hopper.cu:attn_h_backward_d%d", dh),
-			fmt.Sprintf("attention_hopper.cu:attn_h_backward_ordered_d%d", dh))
+		names = append(names, fmt.Sprintf("attention_hopper.cu:attn_h_forward_d%d", dh), fmt.Sprintf("attention_hopper.cu:attn_h_backward_d%d", dh))
 	}
 	for _, fn := range names {
 		file, name, _ := strings.Cut(fn, ":")
@@ -246,10 +245,6 @@ func TestAttentionFigures(t *testing.T) {
 			{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128}} {
 			timeAttention(k, "attention hopper", s, attnHopper)
 		}
-		// What train.deterministic's fixed order costs the backward, beside
-		// the tensor-core kernels' ordered backward (its figures above).
-		timeAttention(k, "attention hopper ordered", moeSmall, attnHopperOrdered)
-		timeAttention(k, "attention hopper ordered", backend.AttnShape{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128}, attnHopperOrdered)
 	}
 }
 

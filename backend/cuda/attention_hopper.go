@@ -103,7 +103,7 @@ func AttentionBackwardBF16(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver
 	}
 	in.qkv = true
 	if !ordered && hopperAttnTakes(d, s) && aligned16(dq, dk, dv, dout, q, k, v, out) {
-		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, false, in)
+		return hopperAttnBackward(d, dq, dk, dv, dout, q, k, v, out, lse, s, in)
 	}
 	impl := attnAuto
 	if ordered {
@@ -298,13 +298,27 @@ func hopperAttnForwardF32(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 // hopperAttnBwdQ is the queries of one backward item (AH_BQ).
 const hopperAttnBwdQ = 64
 
-// hopperAttnBwdSmem is the backward kernel's dynamic shared memory
-// (ah_bcfg<DH>::SMEM): slack, the k and v tiles, two stages of q and dout
-// tiles, four dS^T buffers, four dq staging buffers and the mbarriers.
+// hopperAttnBwdSmem is the dynamic shared memory of ah_backward's
+// kernels (ah_bcfg<DH>::SMEM): slack, the k and v tiles, two stages of q
+// and dout tiles, four dS^T buffers, four dq staging buffers and the
+// mbarriers.
 func hopperAttnBwdSmem(dh int) int {
 	const stages = 2
 	kt, qt := dh/64*128*128, dh/64*hopperAttnBwdQ*128
 	return 1024 + 2*kt + stages*2*qt + 4*64*128 + 4*64*64*4 + 8*(1+2*stages)
+}
+
+// hopperAttnBwdLaunch is attn_h_backward_d{dh}'s block size and dynamic
+// shared memory: at head dim 64 ah_backward_producer's 288 threads (a
+// producer warp beside the two consumer warpgroups) and 512 bytes more a
+// stage for the items' lse and delta (ah_bcfg_producer<DH>::SMEM); at 128
+// ah_backward's 256 threads, whose 255 registers a thread hold dk and dv.
+func hopperAttnBwdLaunch(dh int) (threads, smem int) {
+	if dh == 64 {
+		const stages = 2
+		return 288, hopperAttnBwdSmem(dh) + stages*512
+	}
+	return 256, hopperAttnBwdSmem(dh)
 }
 
 // hopperAttnBackward is AttentionBackward on the Hopper kernels: q, k, v
@@ -312,28 +326,22 @@ func hopperAttnBwdSmem(dh int) int {
 // already, delta = rowsum(dout*out) by attn_h_delta, dq zeroed, then
 // attn_h_backward_d{64,128}, which writes dk and dv and adds dq's blocks
 // with TMA reductions: float adds at L2 in the order the blocks run, so
-// dq's last bits vary from run to run; with ordered,
-// attn_h_backward_ordered_d{64,128} add them in key-block order instead
-// (the same bits on every run), at some cost in speed (bench: the
-// ordered backward's figure in TestAttentionFigures).
-func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered bool, in attnBwdInputs) error {
-	name := fmt.Sprintf("attn_h_backward_d%d", s.HeadDim)
-	if ordered {
-		name = fmt.Sprintf("attn_h_backward_ordered_d%d", s.HeadDim)
-	}
-	kern, err := sourceKernel(d, "attention_hopper.cu", name)
+// dq's last bits vary from run to run (attentionBackward under
+// attnAutoOrdered runs attention_tc.cu's ordered backward instead).
+func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs) error {
+	kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_backward_d%d", s.HeadDim))
 	if err != nil {
 		return err
 	}
-	return launchHopperAttnBackward(d, kern, 256, hopperAttnBwdSmem(s.HeadDim), dq, dk, dv, dout, q, k, v, out, lse, s, ordered, in)
+	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
+	return launchHopperAttnBackward(d, kern, threads, smem, dq, dk, dv, dout, q, k, v, out, lse, s, in)
 }
 
 // launchHopperAttnBackward is hopperAttnBackward on kernel kern (attn_h_backward's
-// arguments, and with ordered attn_h_backward_ordered's counters)
-// launched with threads threads and smem bytes of dynamic shared memory a
-// block: the production kernel, or a lab build whose layout differs
-// (kernels/dev).
-func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, ordered bool, in attnBwdInputs) error {
+// arguments, then extra ones) launched with threads threads and smem
+// bytes of dynamic shared memory a block: the production kernel, or a lab
+// build whose launch differs (kernels/dev).
+func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, extra ...uint64) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
@@ -355,15 +363,8 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	}
 	nq, nk := attnElems(s)
 	nl := int64(s.Batch) * int64(s.Heads) * int64(s.Seq)
-	// The ordered kernel's turn counters, one per (batch, head, query tile).
-	var nTurns int64
-	if ordered {
-		nTurns = int64(s.Batch) * int64(s.Heads) * int64((s.Seq+hopperAttnBwdQ-1)/hopperAttnBwdQ)
-	}
 	// The bf16 copies the inputs need (dout; q, k and v), then float32
-	// delta and the counters: the copies and delta 16-byte aligned (nq and
-	// nk are multiples of 64), the counters 4-byte (ld and red need no
-	// more).
+	// delta, all 16-byte aligned (nq and nk are multiples of 64).
 	type rounding struct {
 		dst, src driver.DevicePtr
 		n        int64
@@ -376,7 +377,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	if !in.qkv {
 		rounds = append(rounds, rounding{src: q, n: nq}, rounding{src: k, n: nk}, rounding{src: v, n: nk})
 	}
-	bytes := 4*nl + 4*nTurns
+	bytes := 4 * nl
 	for _, r := range rounds {
 		bytes += 2 * r.n
 	}
@@ -390,7 +391,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		rounds[i].dst = at
 		at += driver.DevicePtr(2 * rounds[i].n)
 	}
-	delta, turns := at, at+driver.DevicePtr(4*nl)
+	delta := at
 	if !in.dout {
 		ob = rounds[0].dst
 	}
@@ -410,11 +411,6 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	if err := d.Submit(func() error { return d.drv.MemsetD32Async(dq, 0, int(nq), d.stream) }); err != nil {
 		return err
 	}
-	if ordered {
-		if err := d.Submit(func() error { return d.drv.MemsetD32Async(turns, 0, int(nTurns), d.stream) }); err != nil {
-			return err
-		}
-	}
 	maps := []namedMap{
 		{"q", hopperAttnMap(qb, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
 		{"dout", hopperAttnMap(ob, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
@@ -432,9 +428,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	slots := []uint64{uint64(lse), uint64(delta), uint64(dk), uint64(dv),
 		uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))), uint64(uint32(s.Heads)),
 		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
-	if ordered {
-		slots = append(slots, uint64(turns))
-	}
+	slots = append(slots, extra...)
 	grid := Grid{
 		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: (keys + hopperAttnBN - 1) / hopperAttnBN, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},

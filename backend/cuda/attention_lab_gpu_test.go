@@ -49,9 +49,9 @@ func withAttentionLab(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (r
 }
 
 // ownLaunch names the variants whose kernels launch otherwise than the
-// production ones (another block size or shared memory): they are not
+// production ones (other kernels, block sizes or arguments): they are not
 // run in place of the production kernels but by tests of their own.
-var ownLaunch = map[string]bool{"bwd-producer-warp": true}
+var ownLaunch = map[string]bool{"bwd-ordered": true}
 
 func TestAttentionLabVariants(t *testing.T) {
 	d := testDevice(t)
@@ -97,16 +97,19 @@ func TestAttentionLabVariants(t *testing.T) {
 	}
 }
 
-// TestAttentionLabProducerWarp runs the lab's bwd-producer-warp build of
-// attn_h_backward_d64 (288 threads, 512 bytes more shared memory a stage)
-// beside the production kernel on the same inputs: both against the CPU
-// reference, then both timed at moe-small's shape.
-func TestAttentionLabProducerWarp(t *testing.T) {
+// TestAttentionLabOrdered runs the lab's bwd-ordered kernels
+// (attn_h_backward_ordered_d{64,128}: ah_backward's 256 threads and
+// shared memory, then the turn counters, one per (sequence, head,
+// 64-query tile), zero before each call) against the CPU reference,
+// twice on each shape with the same bits required, then times them
+// beside the production backward at moe-small's shape and at head dim
+// 128.
+func TestAttentionLabOrdered(t *testing.T) {
 	d := testDevice(t)
 	lab, vs := labVariants(t, "attention_hopper_lab.cu", true)
-	i := slices.IndexFunc(vs, func(v dev.Variant) bool { return v.Name == "bwd-producer-warp" })
+	i := slices.IndexFunc(vs, func(v dev.Variant) bool { return v.Name == "bwd-ordered" })
 	if i < 0 {
-		t.Skipf("%s does not name bwd-producer-warp", labVariantsEnv)
+		t.Skipf("%s does not name bwd-ordered", labVariantsEnv)
 	}
 	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
 		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
@@ -116,15 +119,27 @@ func TestAttentionLabProducerWarp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	kern, err := m.Kernel("attn_h_backward_d64")
-	if err != nil {
-		t.Fatal(err)
+	kerns := map[int]*Kernel{}
+	for _, dh := range []int{64, 128} {
+		kern, err := m.Kernel(fmt.Sprintf("attn_h_backward_ordered_d%d", dh))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%s: %d registers, %d bytes of local memory", kern.Desc.Name, kern.Registers, kern.LocalBytes)
+		kerns[dh] = kern
 	}
-	t.Logf("%s (bwd-producer-warp): %d registers, %d bytes of local memory", kern.Desc.Name, kern.Registers, kern.LocalBytes)
-	const threads = 288
-	smem := hopperAttnBwdSmem(64) + 2*512
 	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
-		return launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, false, attnBwdInputs{})
+		nTurns := s.Batch * s.Heads * ((s.Seq + hopperAttnBwdQ - 1) / hopperAttnBwdQ)
+		turns, err := d.Alloc(4 * int64(nTurns))
+		if err != nil {
+			return err
+		}
+		defer d.Free(turns) // stream-ordered, after the kernel
+		if err := d.Submit(func() error { return d.drv.MemsetD32Async(turns.Ptr(), 0, nTurns, d.stream) }); err != nil {
+			return err
+		}
+		return launchHopperAttnBackward(d, kerns[s.HeadDim], 256, hopperAttnBwdSmem(s.HeadDim), dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(),
+			q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{}, uint64(turns.Ptr()))
 	}
 	shapes := []backend.AttnShape{
 		{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},
@@ -132,9 +147,11 @@ func TestAttentionLabProducerWarp(t *testing.T) {
 		{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 300, QOffset: 150},
 		{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 200, Full: true},
 		{Batch: 1, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
+		{Batch: 2, Seq: 129, Heads: 6, KVHeads: 6, HeadDim: 128},
+		{Batch: 2, Seq: 300, Heads: 4, KVHeads: 2, HeadDim: 128, KVSeq: 700, QOffset: 333},
 	}
 	for n, s := range shapes {
-		t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_KVS%d_Off%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.Keys(), s.QOffset), func(t *testing.T) {
+		t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d_KVS%d_Off%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim, s.Keys(), s.QOffset), func(t *testing.T) {
 			k := newKT(t, uint64(80+n))
 			T, TK, H, KV, Dh := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads, s.KVHeads, s.HeadDim
 			nq, nk, nl := T*H*Dh, TK*KV*Dh, s.Batch*H*s.Seq
@@ -152,29 +169,41 @@ func TestAttentionLabProducerWarp(t *testing.T) {
 			if err := labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s); err != nil {
 				t.Fatal(err)
 			}
+			gotQ, gotK, gotV := k.download(gq, nq), k.download(gk, nk), k.download(gv, nk)
 			if s.Seq > 1 {
-				k.check("dq", k.download(gq, nq), k.get(rdq), attnBF16Tol)
-				k.check("dk", k.download(gk, nk), k.get(rdk), attnBF16Tol)
+				k.check("dq", gotQ, k.get(rdq), attnBF16Tol)
+				k.check("dk", gotK, k.get(rdk), attnBF16Tol)
 			}
-			k.check("dv", k.download(gv, nk), k.get(rdv), attnBF16Tol)
+			k.check("dv", gotV, k.get(rdv), attnBF16Tol)
+			if err := labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s); err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(gotQ, k.download(gq, nq)) || !slices.Equal(gotK, k.download(gk, nk)) || !slices.Equal(gotV, k.download(gv, nk)) {
+				t.Error("the ordered backward is not deterministic: a second run gave other bits")
+			}
 		})
 	}
-	// Both builds at moe-small's shape, in this run.
-	s := backend.AttnShape{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64}
-	k := newKT(t, 90)
-	T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
-	nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
-	bq, bk, bv, bdout := upload(k, k.randn(nq, 1)), upload(k, k.randn(nk, 1)), upload(k, k.randn(nk, 1)), upload(k, k.randn(nq, 1))
-	out, lse := k.poisoned(nq), k.poisoned(nl)
-	gq, gk, gv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
-	if err := attentionForward(d, out.Ptr(), lse.Ptr(), bq.Ptr(), bk.Ptr(), bv.Ptr(), s, attnHopper); err != nil {
-		t.Fatal(err)
+	// The ordered and the production backward on the same inputs, in this run.
+	for _, s := range []backend.AttnShape{
+		{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
+		{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128},
+	} {
+		k := newKT(t, 90)
+		T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
+		nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
+		bq, bk, bv, bdout := upload(k, k.randn(nq, 1)), upload(k, k.randn(nk, 1)), upload(k, k.randn(nk, 1)), upload(k, k.randn(nq, 1))
+		out, lse := k.poisoned(nq), k.poisoned(nl)
+		gq, gk, gv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
+		if err := attentionForward(d, out.Ptr(), lse.Ptr(), bq.Ptr(), bk.Ptr(), bv.Ptr(), s, attnHopper); err != nil {
+			t.Fatal(err)
+		}
+		flops := 2.5 * 4 * float64(s.Batch*H) * float64(s.Seq) * float64(s.Seq) * float64(Dh) / 2
+		prodMs := attnMedianMs(t, d, func() error {
+			return attentionBackward(d, gq.Ptr(), gk.Ptr(), gv.Ptr(), bdout.Ptr(), bq.Ptr(), bk.Ptr(), bv.Ptr(), out.Ptr(), lse.Ptr(), s, attnHopper)
+		})
+		labMs := attnMedianMs(t, d, func() error { return labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s) })
+		name := fmt.Sprintf("B%d S%d H%d KV%d Dh%d", s.Batch, s.Seq, H, KV, Dh)
+		figure(t, "attention hopper bwd "+name+" rate", flops/prodMs/1e9, "TFLOP/s")
+		figure(t, "attention hopper bwd-ordered bwd "+name+" rate", flops/labMs/1e9, "TFLOP/s")
 	}
-	flops := 2.5 * 4 * float64(s.Batch*H) * float64(s.Seq) * float64(s.Seq) * float64(Dh) / 2
-	prodMs := attnMedianMs(t, d, func() error {
-		return attentionBackward(d, gq.Ptr(), gk.Ptr(), gv.Ptr(), bdout.Ptr(), bq.Ptr(), bk.Ptr(), bv.Ptr(), out.Ptr(), lse.Ptr(), s, attnHopper)
-	})
-	labMs := attnMedianMs(t, d, func() error { return labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s) })
-	figure(t, "attention hopper bwd B8 S2048 H16 KV4 Dh64 rate", flops/prodMs/1e9, "TFLOP/s")
-	figure(t, "attention hopper bwd-producer-warp bwd B8 S2048 H16 KV4 Dh64 rate", flops/labMs/1e9, "TFLOP/s")
 }

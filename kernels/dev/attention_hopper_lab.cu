@@ -8,11 +8,6 @@
 //   2  the forward pipelines inside each consumer warpgroup
 //      (FlashAttention-3): tile t+1's scores are issued before tile t's
 //      P.V, and tile t+1's softmax runs while P.V does.
-//   4  attn_h_backward_d64 is the backward's version 2 (a producer warp,
-//      288 threads, lse and delta staged in shared memory; 512 bytes more
-//      shared memory a stage): it launches differently, so
-//      TestAttentionLabProducerWarp runs it with launchHopperAttnBackward's
-//      block and shared memory arguments.
 //   8  the backward's thread 0 refills a stage without waiting for the
 //      other warpgroup: at dq's first product it issues every load whose
 //      stage both warpgroups have freed (mbarrier try_wait) and leaves the
@@ -20,7 +15,13 @@
 //      item's load, waiting for the stage if it must. Production's thread
 //      0 waits at every item until the other warpgroup is done with the
 //      stage, which keeps the warpgroups in lockstep (the candidate for
-//      version 3's loss at head dim 64, kernels/attention_hopper.md).
+//      version 3's loss at head dim 64, kernels/attention_hopper.md;
+//      head dim 128 only since version 2 took head dim 64).
+//  16  attn_h_backward_ordered_d{64,128}: ah_backward with dq added in a
+//      fixed order (train.deterministic's option, slower than
+//      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
+//      It launches with one more argument, so
+//      TestAttentionLabOrdered runs it through launchHopperAttnBackward.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -503,7 +504,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // the kv head's group and every 64-query tile that sees one of its keys
 // (an item); thread 0 loads its k and v tiles once and each item's q and
 // dout tiles into a STAGES-deep ring, refilling a stage once both
-// warpgroups are done with it. Each of the two warpgroups owns 64 keys
+// warpgroups are done with it (at head dim 64 a producer warp does the
+// loads instead: ah_backward_producer). Each of the two warpgroups owns 64 keys
 // and computes, per item, with the scores transposed (keys are the
 // rows, so that P^T and dS^T land in registers as the A operands of the
 // products that accumulate into the keys' rows):
@@ -523,7 +525,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // dk and dv stay in registers across the whole walk (GQA needs no partial
 // sums per head) and are stored once. dq must be zero before the kernel;
 // its sums are float adds at L2 in the order the blocks run, so dq's last
-// bits vary from run to run. attn_h_backward_ordered_d{64,128} add in a
+// bits vary from run to run (train.deterministic takes attention_tc.cu's
+// ordered backward instead: kernels/attention_hopper.md). With bit 16,
+// attn_h_backward_ordered_d{64,128} add in a
 // fixed order instead: a counter per (batch, head, query tile), zero
 // before the kernel, lets warpgroup cw of key block jb add its dq block
 // of that tile only as contribution 2*jb + cw (ah_dq_turn), and counts it
@@ -899,9 +903,8 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   }
 }
 
-#if AH_EXPERIMENT & 4
 template <int DH>
-struct ah_bcfg_pw {
+struct ah_bcfg_producer {
   static constexpr int STAGES = 2;
   static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
   static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
@@ -922,19 +925,24 @@ __device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
 }
 
-// Version 2 of the backward (kernels/attention_hopper.md): warpgroups 0
-// and 1 are the consumers (64 keys each), warp 8 the producer, whose lane
-// 0 loads the tiles and whose 32 lanes stage each item's lse (base 2) and
-// delta in shared memory. 288 threads: every thread gets 168 registers
-// (nine warps put three on one of the SM's register files).
+// ah_backward_producer is the head-dim-64 backward (version 2 in
+// kernels/attention_hopper.md): the same products as ah_backward, but
+// warps 0-7 are the two consumer warpgroups (64 keys each) and warp 8 is
+// a producer, whose lane 0 loads the tiles as soon as a stage is free
+// and whose 32 lanes stage each item's lse (base 2) and delta in shared
+// memory, so the consumers never wait on global loads or on each other.
+// 288 threads: nine warps put three on one of the SM's register files,
+// capping every thread at 168 registers, enough at head dim 64 (dk, dv
+// and an item's scores without spilling) but not at 128, which keeps
+// ah_backward's 256 threads.
 template <int DH>
-__device__ __forceinline__ void ah_backward_pw(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+__device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
                                             int KV, float scaleLog2, float scale) {
-  constexpr int STAGES = ah_bcfg_pw<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg_pw<DH>::KBOX, QBOX = ah_bcfg_pw<DH>::QBOX, KT = ah_bcfg_pw<DH>::KT,
-                     QT = ah_bcfg_pw<DH>::QT, DSB = ah_bcfg_pw<DH>::DSB, DQB = ah_bcfg_pw<DH>::DQB;
+  constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, QBOX = ah_bcfg_producer<DH>::QBOX, KT = ah_bcfg_producer<DH>::KT,
+                     QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
@@ -1139,18 +1147,14 @@ __device__ __forceinline__ void ah_backward_pw(const gg_tmap* mapQ, const gg_tma
 }
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-  ah_backward_pw<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
+  ah_backward_producer<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
 }
-#else
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-  ah_backward<64, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
-}
-#endif
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
   ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
 }
 
+#if AH_EXPERIMENT & 16
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
   ah_backward<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
 }
@@ -1158,6 +1162,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d64
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
   ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
 }
+#endif
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
 // row b*S + i, head h (float32 in, [B, H, S] out); attn_h_delta_bf16 the

@@ -35,7 +35,8 @@ type Source struct {
 // Variant is a build of a lab source with preprocessor definitions that
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
-// production ones.
+// production ones; a variant may also add kernels of its own, which a
+// test of its own launches (bwd-ordered).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -52,10 +53,10 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "dq-one-partial", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "the head dim 128 backward reduces one dq block per warpgroup and item (each over all 128 keys) instead of two"},
-			{Name: "bwd-producer-warp", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the head dim 64 backward's version 2: a producer warp (288 threads) stages lse and delta in shared memory; launched by TestAttentionLabProducerWarp, not in place"},
 			{Name: "bwd-deferred-refill", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
-				Purpose: "the backward's thread 0 refills a stage once it is free instead of waiting at every item for the other warpgroup (the warpgroups out of lockstep)"},
+				Purpose: "the head dim 128 backward's thread 0 refills a stage once it is free instead of waiting at every item for the other warpgroup (the warpgroups out of lockstep)"},
+			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
+				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOrdered, not in place"},
 			{Name: "fwd-pipelined", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "the forward issues tile t+1's scores before tile t's P.V and runs t+1's softmax under it (FlashAttention-3's intra-warpgroup overlap)"},
 		}},
