@@ -374,10 +374,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 //   dq += dS k                     dS^T stored to shared memory in the
 //                                  128-byte swizzled MN-major layout, then
 //                                  wgmma m64n64k16 with both operands
-//                                  transposed, 64 columns of Dh at a time
-//                                  over the warpgroup's 64 keys, staged in
-//                                  shared memory and added to dq by TMA
-//                                  reductions (cp.reduce.async.bulk)
+//                                  transposed: at head dim 128 each
+//                                  warpgroup takes 64 of dq's columns over
+//                                  all 128 keys (both warpgroups' dS^T,
+//                                  after a 256-thread barrier); at 64 each
+//                                  takes all 64 columns over its own 64
+//                                  keys. Staged in shared memory and added
+//                                  to dq by TMA reductions
+//                                  (cp.reduce.async.bulk): one block per
+//                                  warpgroup and item either way
 //
 // dk and dv stay in registers across the whole walk (GQA needs no partial
 // sums per head) and are stored once. dq must be zero before the kernel;
@@ -569,6 +574,47 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (DH == 128) {
+      // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
+      // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
+      gg_named_sync(3, 256);
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) {
+        const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+        ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      gg_fence_acc(dva);
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * s);
+      if (tid == 0 && it + STAGES < items) {
+        gg_bar_wait(empty + 8 * s, ph);
+        load(it + STAGES);
+      }
+      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        const unsigned box = stg + (n >> 2) * (DQB / 2), x = 2 * (n & 3) + (t4 >> 1), off8 = 8 * (t4 & 1);
+        ah_sts2f(box + wr * 128 + ((x ^ (wr & 7)) << 4) + off8, acc[4 * n], acc[4 * n + 1]);
+        ah_sts2f(box + (wr + 8) * 128 + ((x ^ ((wr + 8) & 7)) << 4) + off8, acc[4 * n + 2], acc[4 * n + 3]);
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      if (wtid == 0) gg_bulk_wait_read();
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+      nq++;
+      continue;
+    }
     gg_named_sync(1 + cw, 128);
 #pragma unroll
     for (int c = 0; c < DH / 64; c++) {

@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/kernels"
 	"github.com/mktrain/mktrain/kernels/dev"
 )
 
@@ -114,7 +115,12 @@ func TestAttentionLabOrdered(t *testing.T) {
 	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
 		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
 	}
+	// The module's kernels: production's and the variant's two.
 	src, _ := kernelSource(t, "attention_hopper.cu")
+	src.Kernels = slices.Clone(src.Kernels)
+	for _, dh := range []int{64, 128} {
+		src.Kernels = append(src.Kernels, kernels.Kernel{Name: fmt.Sprintf("attn_h_backward_ordered_d%d", dh), Block: 256})
+	}
 	m, err := d.load(src, lab.File+"+"+vs[i].Name, lab.Text, vs[i].Defines...)
 	if err != nil {
 		t.Fatal(err)

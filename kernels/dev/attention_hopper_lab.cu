@@ -1,23 +1,6 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
 // define it compiles to the production source's PTX. AH_EXPERIMENT bits:
-//   1  the backward at head dim 128 computes dq once per item: each
-//      warpgroup takes 64 of dq's columns over all 128 keys (both
-//      warpgroups' dS^T, after a 256-thread barrier), so one block of dq
-//      is reduced per warpgroup and item instead of two (half the L2
-//      reductions, kernels/attention_hopper.md).
-//   2  the forward pipelines inside each consumer warpgroup
-//      (FlashAttention-3): tile t+1's scores are issued before tile t's
-//      P.V, and tile t+1's softmax runs while P.V does.
-//   8  the backward's thread 0 refills a stage without waiting for the
-//      other warpgroup: at dq's first product it issues every load whose
-//      stage both warpgroups have freed (mbarrier try_wait) and leaves the
-//      rest; before an item's wait for its q and dout tiles it issues that
-//      item's load, waiting for the stage if it must. Production's thread
-//      0 waits at every item until the other warpgroup is done with the
-//      stage, which keeps the warpgroups in lockstep (the candidate for
-//      version 3's loss at head dim 64, kernels/attention_hopper.md;
-//      head dim 128 only since version 2 took head dim 64).
-//  16  attn_h_backward_ordered_d{64,128}: ah_backward with dq added in a
+//   1  attn_h_backward_ordered_d{64,128}: ah_backward with dq added in a
 //      fixed order (train.deterministic's option, slower than
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
@@ -254,119 +237,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-#if AH_EXPERIMENT & 2
-  // FlashAttention-3's pipelining inside a warpgroup: tile t+1's scores
-  // and tile t's P.V are in flight together, and tile t+1's softmax runs
-  // under P.V (the older group, S, is waited for first).
-  float sc[64];
-  unsigned p[8][4];
-  auto issueS = [&](int t) {
-    const int s = t % STAGES;
-    gg_bar_wait(fullK + 8 * s, (t / STAGES) & 1);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dk = gg_desc(ks + s * TILE);
-    gg_wgmma_fence();
-    gg_fence_acc(sc);
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-  };
-  // softmax turns tile t's scores in sc into P (float32, in place), moves
-  // the row maxima and sums on, and gives the rescale of what came before.
-  auto softmax = [&](int t, float& a0, float& a1) {
-    const int j0 = t * AH_BN;
-    if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
-      const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
-#pragma unroll
-      for (int n = 0; n < 16; n++) {
-        const int j = j0 + 8 * n + 2 * t4;
-        if (j > lim0) sc[4 * n] = ah_neg_inf();
-        if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
-        if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
-        if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
-      }
-    }
-    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-    a0 = ah_ex2(m0 - n0);
-    a1 = ah_ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      sc[4 * n] = ah_ex2(sc[4 * n] * scaleLog2 - n0);
-      sc[4 * n + 1] = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-      sc[4 * n + 2] = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1);
-      sc[4 * n + 3] = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-      s0 += sc[4 * n] + sc[4 * n + 1];
-      s1 += sc[4 * n + 2] + sc[4 * n + 3];
-    }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
-  };
-  auto pack = [&]() {
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      p[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-      p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-    }
-  };
-  auto issuePV = [&](int t) {
-    const int s = t % STAGES;
-    gg_bar_wait(fullV + 8 * s, (t / STAGES) & 1);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-    gg_wgmma_fence();
-    gg_fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
-    gg_wgmma_commit();
-  };
-  if (nTw > 0) {
-    float a0, a1;
-    issueS(0);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    softmax(0, a0, a1);  // o is still 0: nothing to rescale
-    pack();
-    for (int t = 0; t < nTw; t++) {
-      const bool next = t + 1 < nTw;
-      if (next) issueS(t + 1);
-      issuePV(t);
-      if (next) {
-        gg_wgmma_wait<1>();  // the scores (the older group) are done
-        gg_fence_acc(sc);
-        softmax(t + 1, a0, a1);
-      }
-      gg_wgmma_wait<0>();
-      gg_fence_acc(o);
-      if (lane == 0) gg_bar_arrive(empty + 8 * (t % STAGES));
-      if (next) {
-#pragma unroll
-        for (int i = 0; i < DH / 8; i++) {
-          o[4 * i] *= a0;
-          o[4 * i + 1] *= a0;
-          o[4 * i + 2] *= a1;
-          o[4 * i + 3] *= a1;
-        }
-        pack();
-      }
-    }
-  }
-#else
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
@@ -449,7 +319,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_fence_acc(o);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
   }
-#endif
   // Tiles the block loaded that this warpgroup's queries do not see: let
   // them land, then free them, so the producer's ring turns.
   for (int t = nTw; t < nT; t++) {
@@ -517,16 +386,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 //   dq += dS k                     dS^T stored to shared memory in the
 //                                  128-byte swizzled MN-major layout, then
 //                                  wgmma m64n64k16 with both operands
-//                                  transposed, 64 columns of Dh at a time
-//                                  over the warpgroup's 64 keys, staged in
-//                                  shared memory and added to dq by TMA
-//                                  reductions (cp.reduce.async.bulk)
+//                                  transposed: at head dim 128 each
+//                                  warpgroup takes 64 of dq's columns over
+//                                  all 128 keys (both warpgroups' dS^T,
+//                                  after a 256-thread barrier); at 64 each
+//                                  takes all 64 columns over its own 64
+//                                  keys. Staged in shared memory and added
+//                                  to dq by TMA reductions
+//                                  (cp.reduce.async.bulk): one block per
+//                                  warpgroup and item either way
 //
 // dk and dv stay in registers across the whole walk (GQA needs no partial
 // sums per head) and are stored once. dq must be zero before the kernel;
 // its sums are float adds at L2 in the order the blocks run, so dq's last
 // bits vary from run to run (train.deterministic takes attention_tc.cu's
-// ordered backward instead: kernels/attention_hopper.md). With bit 16,
+// ordered backward instead: kernels/attention_hopper.md). With bit 1,
 // attn_h_backward_ordered_d{64,128} add in a
 // fixed order instead: a counter per (batch, head, query tile), zero
 // before the kernel, lets warpgroup cw of key block jb add its dq block
@@ -665,33 +539,12 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
   int* done = nullptr;  // ORDERED: the turn of the last item's dq, still to pass on
-#if AH_EXPERIMENT & 8
-  // Thread 0: the next item whose q and dout it has not loaded, and the
-  // refill of every stage that is free (block: wait for the first one).
-  int nextLoad = gg_min(STAGES, items);
-  auto refill = [&](bool block) {
-    while (nextLoad < items) {
-      // Item nextLoad reuses the stage of item nextLoad - STAGES.
-      const unsigned bar = empty + 8 * (nextLoad % STAGES), par = ((nextLoad - STAGES) / STAGES) & 1;
-      if (block) {
-        gg_bar_wait(bar, par);
-      } else if (!gg_bar_try(bar, par)) {
-        return;
-      }
-      load(nextLoad++);
-      block = false;
-    }
-  };
-#endif
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
     const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
-#if AH_EXPERIMENT & 8
-    if (tid == 0 && nextLoad <= it) refill(true);
-#endif
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
@@ -769,7 +622,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#if AH_EXPERIMENT & 1
     if (DH == 128) {
       // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
       // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
@@ -789,14 +641,10 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       gg_fence_acc(dva);
       gg_fence_acc(dka);
       if (lane == 0) gg_bar_arrive(empty + 8 * s);
-#if AH_EXPERIMENT & 8
-      if (tid == 0) refill(false);
-#else
       if (tid == 0 && it + STAGES < items) {
         gg_bar_wait(empty + 8 * s, ph);
         load(it + STAGES);
       }
-#endif
       const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
 #pragma unroll
       for (int n = 0; n < 8; n++) {
@@ -809,7 +657,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       gg_named_sync(1 + cw, 128);
       if (wtid == 0) {
         int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
-        // (Passed on at once: this variant's 256-thread barrier would
+        // (Passed on at once: the 256-thread barrier above would
         // wait for a warpgroup that waits for the turn.)
         if (ORDERED) ah_dq_turn(turn, 2 * (int)blockIdx.y + cw);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
@@ -820,7 +668,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       nq++;
       continue;
     }
-#endif
     gg_named_sync(1 + cw, 128);
 #pragma unroll
     for (int c = 0; c < DH / 64; c++) {
@@ -845,15 +692,11 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
           done = nullptr;
         }
         if (lane == 0) gg_bar_arrive(empty + 8 * s);
-#if AH_EXPERIMENT & 8
-        if (tid == 0) refill(false);
-#else
         // Thread 0 refills the stage once both warpgroups are done with it.
         if (tid == 0 && it + STAGES < items) {
           gg_bar_wait(empty + 8 * s, ph);
           load(it + STAGES);
         }
-#endif
       }
       // Stage the 64 x 64 block of dq as two TMA boxes of {32 columns, 64
       // rows} float32, 128-byte swizzled (row r's 16-byte chunk x at
@@ -1154,7 +997,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const 
   ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
 }
 
-#if AH_EXPERIMENT & 16
+#if AH_EXPERIMENT & 1
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
   ah_backward<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
 }

@@ -51,14 +51,8 @@ type Variant struct {
 func Sources() []Source {
 	return []Source{
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "dq-one-partial", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "the head dim 128 backward reduces one dq block per warpgroup and item (each over all 128 keys) instead of two"},
-			{Name: "bwd-deferred-refill", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
-				Purpose: "the head dim 128 backward's thread 0 refills a stage once it is free instead of waiting at every item for the other warpgroup (the warpgroups out of lockstep)"},
-			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
+			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOrdered, not in place"},
-			{Name: "fwd-pipelined", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the forward issues tile t+1's scores before tile t's P.V and runs t+1's softmax under it (FlashAttention-3's intra-warpgroup overlap)"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
