@@ -49,15 +49,38 @@ func withAttentionLab(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (r
 	}
 }
 
-// ownLaunch names the variants whose kernels launch otherwise than the
-// production ones (other kernels, block sizes or arguments): they are not
-// run in place of the production kernels but by tests of their own.
-var ownLaunch = map[string]bool{"bwd-ordered": true}
+// ownLaunch describes the variants whose kernels launch otherwise than
+// the production ones (other kernels, block sizes, shared memory or
+// arguments): TestAttentionLabOwnLaunch runs them, not in place of the
+// production kernels.
+var ownLaunch = map[string]labBackwardLaunch{
+	// attn_h_backward_ordered_d{64,128}: ah_backward's 256 threads and
+	// shared memory, then the turn counters, one per (sequence, head,
+	// 64-query tile), zero before each call; dq's bits repeat.
+	"bwd-ordered": {headDims: []int{64, 128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
+		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
+	// attn_h_backward_d64 with a third stage: its q and dout tiles, lse
+	// and delta, and two mbarriers more.
+	"bwd-three-stages": {headDims: []int{64}, kernel: "attn_h_backward_d%d",
+		launch: func(dh int) (int, int) {
+			threads, smem := hopperAttnBwdLaunch(dh)
+			return threads, smem + 2*dh*hopperAttnBwdQ*2 + 512 + 16
+		}},
+}
+
+// labBackwardLaunch is how a lab build's backward kernels launch.
+type labBackwardLaunch struct {
+	headDims []int
+	kernel   string // the kernel's name, %d the head dim
+	launch   func(dh int) (threads, smem int)
+	turns    bool // the last argument is attn_h_backward_ordered's counters
+	repeats  bool // dq, dk and dv repeat bit for bit
+}
 
 func TestAttentionLabVariants(t *testing.T) {
 	d := testDevice(t)
 	lab, vs := labVariants(t, "attention_hopper_lab.cu", false)
-	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { return ownLaunch[v.Name] })
+	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { _, own := ownLaunch[v.Name]; return own })
 	if len(vs) == 0 {
 		t.Skipf("%s names no variant of %s", labVariantsEnv, lab.File)
 	}
@@ -98,54 +121,65 @@ func TestAttentionLabVariants(t *testing.T) {
 	}
 }
 
-// TestAttentionLabOrdered runs the lab's bwd-ordered kernels
-// (attn_h_backward_ordered_d{64,128}: ah_backward's 256 threads and
-// shared memory, then the turn counters, one per (sequence, head,
-// 64-query tile), zero before each call) against the CPU reference,
-// twice on each shape with the same bits required, then times them
-// beside the production backward at moe-small's shape and at head dim
-// 128.
-func TestAttentionLabOrdered(t *testing.T) {
+// TestAttentionLabOwnLaunch runs each named variant of ownLaunch against
+// the CPU reference, twice on each shape (the same bits required where
+// the variant promises them), then times it beside the production
+// backward at moe-small's shape (and at head dim 128 where it has one).
+func TestAttentionLabOwnLaunch(t *testing.T) {
 	d := testDevice(t)
 	lab, vs := labVariants(t, "attention_hopper_lab.cu", true)
-	i := slices.IndexFunc(vs, func(v dev.Variant) bool { return v.Name == "bwd-ordered" })
-	if i < 0 {
-		t.Skipf("%s does not name bwd-ordered", labVariantsEnv)
+	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { _, own := ownLaunch[v.Name]; return !own })
+	if len(vs) == 0 {
+		t.Skipf("%s names no variant of %s that launches on its own", labVariantsEnv, lab.File)
 	}
 	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
 		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
 	}
-	// The module's kernels: production's and the variant's two.
+	for _, v := range vs {
+		t.Run(v.Name, func(t *testing.T) { runOwnLaunch(t, d, lab, v, ownLaunch[v.Name]) })
+	}
+}
+
+func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how labBackwardLaunch) {
+	// The module's kernels: production's and any the variant adds.
 	src, _ := kernelSource(t, "attention_hopper.cu")
 	src.Kernels = slices.Clone(src.Kernels)
-	for _, dh := range []int{64, 128} {
-		src.Kernels = append(src.Kernels, kernels.Kernel{Name: fmt.Sprintf("attn_h_backward_ordered_d%d", dh), Block: 256})
+	for _, dh := range how.headDims {
+		name := fmt.Sprintf(how.kernel, dh)
+		if !slices.ContainsFunc(src.Kernels, func(k kernels.Kernel) bool { return k.Name == name }) {
+			src.Kernels = append(src.Kernels, kernels.Kernel{Name: name})
+		}
 	}
-	m, err := d.load(src, lab.File+"+"+vs[i].Name, lab.Text, vs[i].Defines...)
+	m, err := d.load(src, lab.File+"+"+v.Name, lab.Text, v.Defines...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	kerns := map[int]*Kernel{}
-	for _, dh := range []int{64, 128} {
-		kern, err := m.Kernel(fmt.Sprintf("attn_h_backward_ordered_d%d", dh))
+	for _, dh := range how.headDims {
+		kern, err := m.Kernel(fmt.Sprintf(how.kernel, dh))
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Logf("%s: %d registers, %d bytes of local memory", kern.Desc.Name, kern.Registers, kern.LocalBytes)
+		t.Logf("%s (%s): %d registers, %d bytes of local memory", kern.Desc.Name, v.Name, kern.Registers, kern.LocalBytes)
 		kerns[dh] = kern
 	}
 	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
-		nTurns := s.Batch * s.Heads * ((s.Seq + hopperAttnBwdQ - 1) / hopperAttnBwdQ)
-		turns, err := d.Alloc(4 * int64(nTurns))
-		if err != nil {
-			return err
+		var extra []uint64
+		if how.turns {
+			nTurns := s.Batch * s.Heads * ((s.Seq + hopperAttnBwdQ - 1) / hopperAttnBwdQ)
+			turns, err := d.Alloc(4 * int64(nTurns))
+			if err != nil {
+				return err
+			}
+			defer d.Free(turns) // stream-ordered, after the kernel
+			if err := d.Submit(func() error { return d.drv.MemsetD32Async(turns.Ptr(), 0, nTurns, d.stream) }); err != nil {
+				return err
+			}
+			extra = append(extra, uint64(turns.Ptr()))
 		}
-		defer d.Free(turns) // stream-ordered, after the kernel
-		if err := d.Submit(func() error { return d.drv.MemsetD32Async(turns.Ptr(), 0, nTurns, d.stream) }); err != nil {
-			return err
-		}
-		return launchHopperAttnBackward(d, kerns[s.HeadDim], 256, hopperAttnBwdSmem(s.HeadDim), dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(),
-			q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{}, uint64(turns.Ptr()))
+		threads, smem := how.launch(s.HeadDim)
+		return launchHopperAttnBackward(d, kerns[s.HeadDim], threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(),
+			q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{}, extra...)
 	}
 	shapes := []backend.AttnShape{
 		{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},
@@ -157,6 +191,9 @@ func TestAttentionLabOrdered(t *testing.T) {
 		{Batch: 2, Seq: 300, Heads: 4, KVHeads: 2, HeadDim: 128, KVSeq: 700, QOffset: 333},
 	}
 	for n, s := range shapes {
+		if kerns[s.HeadDim] == nil {
+			continue
+		}
 		t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d_KVS%d_Off%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim, s.Keys(), s.QOffset), func(t *testing.T) {
 			k := newKT(t, uint64(80+n))
 			T, TK, H, KV, Dh := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads, s.KVHeads, s.HeadDim
@@ -172,28 +209,33 @@ func TestAttentionLabOrdered(t *testing.T) {
 			k.ref.AttentionBackward(rdq, rdk, rdv, k.cpuF(dout, T, H*Dh), k.cpuF(q, T, H*Dh), k.cpuF(kk, TK, KV*Dh), k.cpuF(v, TK, KV*Dh),
 				k.cpuF(gotOut, T, H*Dh), k.cpuF(gotLse, nl), s)
 			gq, gk, gv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
-			if err := labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s); err != nil {
-				t.Fatal(err)
-			}
-			gotQ, gotK, gotV := k.download(gq, nq), k.download(gk, nk), k.download(gv, nk)
-			if s.Seq > 1 {
-				k.check("dq", gotQ, k.get(rdq), attnBF16Tol)
-				k.check("dk", gotK, k.get(rdk), attnBF16Tol)
-			}
-			k.check("dv", gotV, k.get(rdv), attnBF16Tol)
-			if err := labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s); err != nil {
-				t.Fatal(err)
-			}
-			if !slices.Equal(gotQ, k.download(gq, nq)) || !slices.Equal(gotK, k.download(gk, nk)) || !slices.Equal(gotV, k.download(gv, nk)) {
-				t.Error("the ordered backward is not deterministic: a second run gave other bits")
+			var first [3][]float32
+			for run := range 2 {
+				if err := labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s); err != nil {
+					t.Fatal(err)
+				}
+				gotQ, gotK, gotV := k.download(gq, nq), k.download(gk, nk), k.download(gv, nk)
+				if run == 0 {
+					first = [3][]float32{gotQ, gotK, gotV}
+				} else if how.repeats && (!slices.Equal(gotQ, first[0]) || !slices.Equal(gotK, first[1]) || !slices.Equal(gotV, first[2])) {
+					t.Error("the backward is not deterministic: a second run gave other bits")
+				}
+				if s.Seq > 1 {
+					k.check("dq", gotQ, k.get(rdq), attnBF16Tol)
+					k.check("dk", gotK, k.get(rdk), attnBF16Tol)
+				}
+				k.check("dv", gotV, k.get(rdv), attnBF16Tol)
 			}
 		})
 	}
-	// The ordered and the production backward on the same inputs, in this run.
+	// The variant and the production backward on the same inputs, in this run.
 	for _, s := range []backend.AttnShape{
 		{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
 		{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128},
 	} {
+		if kerns[s.HeadDim] == nil {
+			continue
+		}
 		k := newKT(t, 90)
 		T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
 		nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
@@ -210,6 +252,6 @@ func TestAttentionLabOrdered(t *testing.T) {
 		labMs := attnMedianMs(t, d, func() error { return labBackward(gq, gk, gv, bdout, bq, bk, bv, out, lse, s) })
 		name := fmt.Sprintf("B%d S%d H%d KV%d Dh%d", s.Batch, s.Seq, H, KV, Dh)
 		figure(t, "attention hopper bwd "+name+" rate", flops/prodMs/1e9, "TFLOP/s")
-		figure(t, "attention hopper bwd-ordered bwd "+name+" rate", flops/labMs/1e9, "TFLOP/s")
+		figure(t, "attention hopper "+v.Name+" bwd "+name+" rate", flops/labMs/1e9, "TFLOP/s")
 	}
 }
