@@ -104,7 +104,10 @@ func Sources() []Source {
 		{File: "rmsnorm.cu", Kernels: []Kernel{
 			{Name: "rmsnorm_forward_f32", Block: 256, Grid: "T blocks"},
 			{Name: "rmsnorm_forward_f32_bf16", Block: 256, Grid: "T blocks"},
+			{Name: "rmsnorm_forward_warps_f32", Block: 256, Grid: "ceil(T/8) blocks: a warp per row; D a multiple of 128, at most 1024"},
+			{Name: "rmsnorm_forward_warps_f32_bf16", Block: 256, Grid: "ceil(T/8) blocks: a warp per row; D a multiple of 128, at most 1024"},
 			{Name: "rmsnorm_backward_f32", Block: 1024, Grid: "ceil(T/rows_per_block) blocks of a multiple of 32 threads, at most 1024, with D <= 8 x threads"},
+			{Name: "rmsnorm_backward_warps_f32", Block: 256, Grid: "ceil(T/rows_per_block) blocks of 8 warps; D a multiple of 128, at most 1024"},
 			{Name: "rmsnorm_backward_dx_f32", Block: 256, Grid: "T blocks"},
 			{Name: "rmsnorm_backward_dw_f32", Block: 256, Grid: "(ceil(D/32), ceil(T/rows_per_block)) blocks of 32x8"},
 			{Name: "rmsnorm_dw_reduce_f32", Block: 256, Grid: gridStride},

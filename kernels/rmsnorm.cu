@@ -37,6 +37,64 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32_bf16(mk_bf
   rmsnorm_forward_rows(out, rstd, copy, x, w, T, D, eps);
 }
 
+// rmsnorm_forward_warps: rmsnorm_forward_rows for rows of D <= 1024
+// columns, D a multiple of 128 and every row 16-byte aligned: a warp per
+// row, whose lanes hold its D/32 values in registers (16-byte loads, read
+// once), a shuffle sum instead of the block's barriers; blocks of 8 warps,
+// ceil(T/8) of them. The products' operand is written with 8-byte (bf16)
+// or 16-byte stores.
+#define RMS_WARP_MAXCH 8  // four-float columns a lane holds: D <= 8 * 128
+struct alignas(16) rms_f4 {
+  float x, y, z, w;
+};
+struct alignas(8) rms_u2 {
+  unsigned lo, hi;
+};
+__device__ __forceinline__ rms_f4 rms_f4_of(float x, float y, float z, float w) { return rms_f4{x, y, z, w}; }
+__device__ __forceinline__ void rms_store4(float* p, rms_f4 v) { *(rms_f4*)p = v; }
+__device__ __forceinline__ void rms_store4(mk_bf16* p, rms_f4 v) {
+  *(rms_u2*)p = rms_u2{(unsigned)mk_f32_to_bf16(v.x) | ((unsigned)mk_f32_to_bf16(v.y) << 16),
+                       (unsigned)mk_f32_to_bf16(v.z) | ((unsigned)mk_f32_to_bf16(v.w) << 16)};
+}
+
+template <typename Out>
+__device__ __forceinline__ void rmsnorm_forward_warps(Out* out, float* rstd, float* copy, const float* x, const float* w, int T, int D, float eps) {
+  const int lane = threadIdx.x & 31, ch = D >> 7;
+  const long long t = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const rms_f4* x4 = (const rms_f4*)(x + t * D);
+  rms_f4 v[RMS_WARP_MAXCH];
+  float ss = 0.0f;
+#pragma unroll
+  for (int c = 0; c < RMS_WARP_MAXCH; c++) {
+    if (c < ch) {
+      v[c] = x4[lane + 32 * c];
+      ss += v[c].x * v[c].x + v[c].y * v[c].y + v[c].z * v[c].z + v[c].w * v[c].w;
+    }
+  }
+  ss = mk_warp_sum(ss);
+  const float r = 1.0f / sqrtf(ss / (float)D + eps);
+  const rms_f4* w4 = (const rms_f4*)w;
+#pragma unroll
+  for (int c = 0; c < RMS_WARP_MAXCH; c++) {
+    if (c < ch) {
+      const int i = lane + 32 * c;
+      const rms_f4 wv = w4[i];
+      rms_store4(out + t * D + 4 * i, rms_f4_of(wv.x * (v[c].x * r), wv.y * (v[c].y * r), wv.z * (v[c].z * r), wv.w * (v[c].w * r)));
+      if (copy != 0) ((rms_f4*)(copy + t * D))[i] = v[c];
+    }
+  }
+  if (lane == 0) rstd[t] = r;
+}
+
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_warps_f32(float* out, float* rstd, float* copy, const float* x, const float* w, int T, int D, float eps) {
+  rmsnorm_forward_warps(out, rstd, copy, x, w, T, D, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_warps_f32_bf16(mk_bf16* out, float* rstd, float* copy, const float* x, const float* w, int T, int D, float eps) {
+  rmsnorm_forward_warps(out, rstd, copy, x, w, T, D, eps);
+}
+
 // rmsnorm_backward_dx_f32: one block of 256 threads per row;
 // dx = beta*dx + r * (w*g - x * r^2 * mean(w*g*x)), dx not read when beta
 // is 0 (beta 1: the residual stream's gradient, which the norm's input
@@ -102,6 +160,75 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward_f32(float* d
   for (int k = 0; k < RMS_BWD_COLS; k++) {
     const int d = threadIdx.x + k * blockDim.x;
     if (d < D) partial[(long long)blockIdx.x * D + d] = acc[k];
+  }
+}
+
+// rmsnorm_backward_warps_f32 is rmsnorm_backward_f32 for rows of D <=
+// 1024 columns, D a multiple of 128 and every row 16-byte aligned: a warp
+// per row (16-byte loads, a shuffle sum instead of the block's two
+// barriers a row), each of a block's 8 warps taking ceil(rows_per_block/8)
+// of its rows in turn; the warps' column sums are added in warp order in
+// shared memory and written as the block's row of partial, the layout
+// rmsnorm_dw_reduce_f32 reads (the same bits on every run). A lane reads
+// its elements of a row again for dx (from cache) and writes them after,
+// so dx may be x.
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_warps_f32(float* dx, float* partial, const float* dout, const float* x, const float* w, const float* rstd, int T, int D, int rows_per_block, float beta) {
+  __shared__ __attribute__((aligned(16))) float sums[8 * 1024];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ch = D >> 7;
+  const long long b0 = (long long)blockIdx.x * rows_per_block;
+  const long long bend = b0 + rows_per_block < T ? b0 + rows_per_block : T;
+  const int per = (rows_per_block + 7) >> 3;
+  const long long t0 = b0 + (long long)warp * per;
+  const long long t1 = t0 + per < bend ? t0 + per : bend;
+  const rms_f4* w4 = (const rms_f4*)w;
+  rms_f4 acc[RMS_WARP_MAXCH];
+#pragma unroll
+  for (int c = 0; c < RMS_WARP_MAXCH; c++) acc[c] = rms_f4_of(0.0f, 0.0f, 0.0f, 0.0f);
+  for (long long t = t0; t < t1; t++) {
+    const rms_f4* g4 = (const rms_f4*)(dout + t * D);
+    const rms_f4* x4 = (const rms_f4*)(x + t * D);
+    const float r = rstd[t];
+    float dot = 0.0f;
+#pragma unroll
+    for (int c = 0; c < RMS_WARP_MAXCH; c++) {
+      if (c < ch) {
+        const int i = lane + 32 * c;
+        const rms_f4 g = g4[i], xv = x4[i], wv = w4[i];
+        dot += wv.x * g.x * xv.x + wv.y * g.y * xv.y + wv.z * g.z * xv.z + wv.w * g.w * xv.w;
+        acc[c].x += g.x * xv.x * r;
+        acc[c].y += g.y * xv.y * r;
+        acc[c].z += g.z * xv.z * r;
+        acc[c].w += g.w * xv.w * r;
+      }
+    }
+    dot = mk_warp_sum(dot);
+    const float cr = r * r * dot / (float)D;
+    rms_f4* d4 = (rms_f4*)(dx + t * D);
+#pragma unroll
+    for (int c = 0; c < RMS_WARP_MAXCH; c++) {
+      if (c < ch) {
+        const int i = lane + 32 * c;
+        const rms_f4 g = g4[i], xv = x4[i], wv = w4[i];
+        rms_f4 v = rms_f4_of(r * (wv.x * g.x - xv.x * cr), r * (wv.y * g.y - xv.y * cr), r * (wv.z * g.z - xv.z * cr),
+                               r * (wv.w * g.w - xv.w * cr));
+        if (beta != 0.0f) {
+          const rms_f4 o = d4[i];
+          v = rms_f4_of(beta * o.x + v.x, beta * o.y + v.y, beta * o.z + v.z, beta * o.w + v.w);
+        }
+        d4[i] = v;
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < RMS_WARP_MAXCH; c++) {
+    if (c < ch) ((rms_f4*)(sums + warp * D))[lane + 32 * c] = acc[c];
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) s += sums[k * D + d];
+    partial[(long long)blockIdx.x * D + d] = s;
   }
 }
 

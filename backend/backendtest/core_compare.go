@@ -227,8 +227,10 @@ func rowCases() []Case {
 
 func normRopeCases() []Case {
 	var cs []Case
-	// 8200 columns: wider than the one-pass backward takes on the GPU.
-	for _, s := range []struct{ t, d int }{{19, 48}, {300, 256}, {5, 8200}} {
+	// 8200 columns: wider than the one-pass backward takes on the GPU;
+	// 256, 384 and 1024 (moe-small's rows): the GPU's warp-per-row
+	// kernels, with blocks of rows that end early.
+	for _, s := range []struct{ t, d int }{{19, 48}, {300, 256}, {33, 384}, {70, 1024}, {5, 8200}} {
 		name := fmt.Sprintf("%dx%d", s.t, s.d)
 		cs = append(cs,
 			Case{Name: "RMSNormForward/copy/" + name, Compare: func(e *Env) {

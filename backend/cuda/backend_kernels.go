@@ -19,6 +19,9 @@ type kernelSet struct {
 	embedFwd, embedBwd *Kernel
 
 	rmsFwd, rmsFwdBF16, rmsBwd, rmsBwdDx, rmsBwdDw, rmsDwReduce *Kernel
+	// The warp-per-row RMSNorm kernels, for rows of D <= rmsWarpMaxD
+	// columns, D a multiple of 128.
+	rmsFwdWarps, rmsFwdWarpsBF16, rmsBwdWarps *Kernel
 
 	swigluFwd, swigluBwd     *Kernel
 	swigluFwdX4, swigluBwdX4 *Kernel // 16-byte accesses, for aligned tensors
@@ -58,7 +61,8 @@ func loadKernelSet(d *Device) (*kernelSet, error) {
 		{"elementwise.cu", map[string]**Kernel{"fill_f32": &ks.fill, "axpy_f32": &ks.axpy, "scale_f32": &ks.scale, "sum_partial_f32": &ks.sumPartial}},
 		{"embedding.cu", map[string]**Kernel{"embedding_forward_f32": &ks.embedFwd, "embedding_backward_f32": &ks.embedBwd}},
 		{"rmsnorm.cu", map[string]**Kernel{"rmsnorm_forward_f32": &ks.rmsFwd, "rmsnorm_forward_f32_bf16": &ks.rmsFwdBF16, "rmsnorm_backward_f32": &ks.rmsBwd, "rmsnorm_backward_dx_f32": &ks.rmsBwdDx, "rmsnorm_backward_dw_f32": &ks.rmsBwdDw,
-			"rmsnorm_dw_reduce_f32": &ks.rmsDwReduce}},
+			"rmsnorm_dw_reduce_f32": &ks.rmsDwReduce, "rmsnorm_forward_warps_f32": &ks.rmsFwdWarps, "rmsnorm_forward_warps_f32_bf16": &ks.rmsFwdWarpsBF16,
+			"rmsnorm_backward_warps_f32": &ks.rmsBwdWarps}},
 		{"swiglu.cu", map[string]**Kernel{"swiglu_forward_f32": &ks.swigluFwd, "swiglu_backward_f32": &ks.swigluBwd,
 			"swiglu_forward_f32_x4": &ks.swigluFwdX4, "swiglu_backward_f32_x4": &ks.swigluBwdX4,
 			"swiglu_forward_bf16_f32": &ks.swigluFwdBF16[1][0], "swiglu_forward_f32_bf16": &ks.swigluFwdBF16[0][1],

@@ -201,12 +201,30 @@ func (b *Backend) RMSNormForward(outTD, rstdT, copyTD, xTD, wD backend.Tensor, e
 	if t == 0 {
 		return
 	}
+	if rmsWarpRows(d) && aligned4(out, x, w) && (cp == nil || aligned4(cp)) {
+		k := b.k.rmsFwdWarps
+		if out.dt == backend.BFloat16 {
+			k = b.k.rmsFwdWarpsBF16
+		}
+		b.launch(k, Grid1D((t+7)/8, 256), out, rstd, cp, x, w, int32(t), int32(d), float32(eps))
+		return
+	}
 	k := b.k.rmsFwd
 	if out.dt == backend.BFloat16 {
 		k = b.k.rmsFwdBF16
 	}
 	b.launch(k, Grid1D(t, 256), out, rstd, cp, x, w, int32(t), int32(d), float32(eps))
 }
+
+// rmsWarpMaxD is the widest row the warp-per-row RMSNorm kernels take
+// (rmsnorm.cu's RMS_WARP_MAXCH four-float columns a lane).
+const rmsWarpMaxD = 1024
+
+// rmsWarpRows reports whether the warp-per-row RMSNorm kernels take rows
+// of d columns (their tensors 16-byte aligned besides): a warp per row
+// with 16-byte loads and a shuffle sum, where the block-per-row kernels
+// spend two barriers a row; 2x the bandwidth at moe-small's rows of 1024.
+func rmsWarpRows(d int) bool { return d%128 == 0 && d <= rmsWarpMaxD }
 
 // rmsRowsPerBlock is how many rows one block of the dw kernel sums into
 // its partial sums: enough to keep the partial sums (and the reduce
@@ -248,7 +266,11 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 		return
 	}
 	defer func() { b.fail(b.dev.Free(partial)) }() // stream-ordered: after the kernels below
-	if d <= rmsBwdMaxD {
+	if rmsWarpRows(d) && aligned4(dx, dout, x, w) {
+		// The same pass with a warp per row, the block's warps' column
+		// sums added in warp order into its row of partial.
+		b.launch(b.k.rmsBwdWarps, Grid1D(blockRows, 256), dx, partial, dout, x, w, rstd, int32(t), int32(d), int32(rows), float32(beta))
+	} else if d <= rmsBwdMaxD {
 		// One pass over dout and x for dx and dw: a thread per four
 		// columns (eight above 4096), in whole warps.
 		threads := min(1024, max(32, ((d+3)/4+31)/32*32))
