@@ -59,13 +59,6 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{64, 128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
-	// attn_h_backward_d64 with a third stage: its q and dout tiles, lse
-	// and delta, and two mbarriers more.
-	"bwd-three-stages": {headDims: []int{64}, kernel: "attn_h_backward_d%d",
-		launch: func(dh int) (int, int) {
-			threads, smem := hopperAttnBwdLaunch(dh)
-			return threads, smem + 2*dh*hopperAttnBwdQ*2 + 512 + 16
-		}},
 }
 
 // labBackwardLaunch is how a lab build's backward kernels launch.

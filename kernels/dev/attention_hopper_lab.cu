@@ -5,10 +5,6 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  ah_backward_producer (head dim 64) keeps three stages of q, dout,
-//      lse and delta instead of two (16.5 KiB more shared memory), so the
-//      producer warp can run two items ahead of the consumers: launched
-//      by TestAttentionLabOwnLaunch with that shared memory.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -752,7 +748,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
 
 template <int DH>
 struct ah_bcfg_producer {
-  static constexpr int STAGES = AH_EXPERIMENT & 2 ? 3 : 2;
+  static constexpr int STAGES = 2;
   static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
   static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
   static constexpr unsigned KT = (DH / 64) * KBOX;  // the k (or v) tile

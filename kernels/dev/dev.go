@@ -53,8 +53,6 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "bwd-three-stages", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the head dim 64 backward keeps three stages of an item's q, dout, lse and delta instead of two; launched by TestAttentionLabOwnLaunch (more shared memory), not in place"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
