@@ -470,6 +470,44 @@ __device__ __forceinline__ void ah_dq_done(int* turn) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
 }
 
+// ah_stage_dq writes a warpgroup's 64 x 64 block of dq (this thread's
+// acc: rows wr and wr + 8, columns 8n + 2t4, +1) at stg as two TMA boxes
+// of {32 columns, 64 rows} float32, 128-byte swizzled (row r's 16-byte
+// chunk x at x ^ (r & 7)), for one thread to add to dq at L2.
+__device__ __forceinline__ void ah_stage_dq(unsigned stg, const float (&acc)[32], int wr, int t4) {
+  constexpr unsigned DQB = 64 * 64 * 4;
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    const unsigned box = stg + (n >> 2) * (DQB / 2), x = 2 * (n & 3) + (t4 >> 1), off8 = 8 * (t4 & 1);
+    ah_sts2f(box + wr * 128 + ((x ^ (wr & 7)) << 4) + off8, acc[4 * n], acc[4 * n + 1]);
+    ah_sts2f(box + (wr + 8) * 128 + ((x ^ ((wr + 8) & 7)) << 4) + off8, acc[4 * n + 2], acc[4 * n + 3]);
+  }
+}
+
+// ah_store_dkdv stores this thread's rows of dk and dv (key rows kr0 and
+// kr0 + 8 of sequence b, kv head kvh; columns 8i + 2t4, +1), the rows past
+// KS not.
+template <int DH>
+__device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float (&dka)[DH / 2], const float (&dva)[DH / 2], int b,
+                                              int kvh, int KS, int KV, int kr0, int t4) {
+  const int KD = KV * DH, kr1 = kr0 + 8;
+  float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
+  float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    if (kr0 < KS) {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8 * i), "f"(dka[4 * i]), "f"(dka[4 * i + 1]) : "memory");
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8 * i), "f"(dva[4 * i]), "f"(dva[4 * i + 1]) : "memory");
+    }
+    if (kr1 < KS) {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8LL * KD + 8 * i), "f"(dka[4 * i + 2]), "f"(dka[4 * i + 3])
+                   : "memory");
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8LL * KD + 8 * i), "f"(dva[4 * i + 2]), "f"(dva[4 * i + 3])
+                   : "memory");
+    }
+  }
+}
+
 // Block: two warpgroups (256 threads), 64 keys each; thread 0 also issues
 // the TMA loads. Eight warps let __launch_bounds__(256, 1) give every
 // thread 255 registers (an SM's four register files hold two warps each
@@ -646,12 +684,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         load(it + STAGES);
       }
       const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-        const unsigned box = stg + (n >> 2) * (DQB / 2), x = 2 * (n & 3) + (t4 >> 1), off8 = 8 * (t4 & 1);
-        ah_sts2f(box + wr * 128 + ((x ^ (wr & 7)) << 4) + off8, acc[4 * n], acc[4 * n + 1]);
-        ah_sts2f(box + (wr + 8) * 128 + ((x ^ ((wr + 8) & 7)) << 4) + off8, acc[4 * n + 2], acc[4 * n + 3]);
-      }
+      ah_stage_dq(stg, acc, wr, t4);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       if (wtid == 0) gg_bulk_wait_read();
       gg_named_sync(1 + cw, 128);
@@ -698,16 +731,9 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
           load(it + STAGES);
         }
       }
-      // Stage the 64 x 64 block of dq as two TMA boxes of {32 columns, 64
-      // rows} float32, 128-byte swizzled (row r's 16-byte chunk x at
-      // x ^ (r & 7)), and let one thread add them to dq at L2.
+      // Stage the block of dq for one thread to add it to dq at L2.
       const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-        const unsigned box = stg + (n >> 2) * (DQB / 2), x = 2 * (n & 3) + (t4 >> 1), off8 = 8 * (t4 & 1);
-        ah_sts2f(box + wr * 128 + ((x ^ (wr & 7)) << 4) + off8, acc[4 * n], acc[4 * n + 1]);
-        ah_sts2f(box + (wr + 8) * 128 + ((x ^ ((wr + 8) & 7)) << 4) + off8, acc[4 * n + 2], acc[4 * n + 3]);
-      }
+      ah_stage_dq(stg, acc, wr, t4);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       // The block staged two rounds ago in this buffer was read out before
       // anyone passes this barrier (wait_group.read covers the last round).
@@ -728,22 +754,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     if (ORDERED && done != nullptr) ah_dq_done(done);
     gg_bulk_wait();
   }
-  const int KD = KV * DH;
-  float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
-  float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-    if (kr0 < KS) {
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8 * i), "f"(dka[4 * i]), "f"(dka[4 * i + 1]) : "memory");
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8 * i), "f"(dva[4 * i]), "f"(dva[4 * i + 1]) : "memory");
-    }
-    if (kr1 < KS) {
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8LL * KD + 8 * i), "f"(dka[4 * i + 2]), "f"(dka[4 * i + 3])
-                   : "memory");
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8LL * KD + 8 * i), "f"(dva[4 * i + 2]), "f"(dva[4 * i + 3])
-                   : "memory");
-    }
-  }
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
 
 template <int DH>
@@ -947,16 +958,9 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
         gg_fence_acc(dka);
         if (lane == 0) gg_bar_arrive(empty + 8 * s);
       }
-      // Stage the 64 x 64 block of dq as two TMA boxes of {32 columns, 64
-      // rows} float32, 128-byte swizzled (row r's 16-byte chunk x at
-      // x ^ (r & 7)), and let one thread add them to dq at L2.
+      // Stage the block of dq for one thread to add it to dq at L2.
       const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-        const unsigned box = stg + (n >> 2) * (DQB / 2), x = 2 * (n & 3) + (t4 >> 1), off8 = 8 * (t4 & 1);
-        ah_sts2f(box + wr * 128 + ((x ^ (wr & 7)) << 4) + off8, acc[4 * n], acc[4 * n + 1]);
-        ah_sts2f(box + (wr + 8) * 128 + ((x ^ ((wr + 8) & 7)) << 4) + off8, acc[4 * n + 2], acc[4 * n + 3]);
-      }
+      ah_stage_dq(stg, acc, wr, t4);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       // The block staged two rounds ago in this buffer was read out before
       // anyone passes this barrier (wait_group.read covers the last round).
@@ -971,22 +975,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     }
   }
   if (wtid == 0) gg_bulk_wait();
-  const int KD = KV * DH;
-  float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
-  float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-    if (kr0 < KS) {
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8 * i), "f"(dka[4 * i]), "f"(dka[4 * i + 1]) : "memory");
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8 * i), "f"(dva[4 * i]), "f"(dva[4 * i + 1]) : "memory");
-    }
-    if (kr1 < KS) {
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(k0 + 8LL * KD + 8 * i), "f"(dka[4 * i + 2]), "f"(dka[4 * i + 3])
-                   : "memory");
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(v0 + 8LL * KD + 8 * i), "f"(dva[4 * i + 2]), "f"(dva[4 * i + 3])
-                   : "memory");
-    }
-  }
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
