@@ -425,6 +425,27 @@ __device__ __forceinline__ float ah_ldg(const float* p) {
   return r;
 }
 
+// ah_bwd_scores issues a backward item's S^T = k q^T and dP^T = v dout^T
+// (wgmma m64n64k16 from shared memory, K-major, Dh/16 steps each) as one
+// commit group; the caller waits for it.
+template <int DH>
+__device__ __forceinline__ void ah_bwd_scores(float (&sc)[32], float (&dp)[32], unsigned long long descK, unsigned long long descV,
+                                              unsigned long long descQ, unsigned long long descO) {
+  constexpr unsigned KBOX = 128 * 128, QBOX = AH_BQ * 128;
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+    ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
+  }
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+    ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
+  }
+  gg_wgmma_commit();
+}
+
 // ah_stage_dq writes a warpgroup's 64 x 64 block of dq (this thread's
 // acc: rows wr and wr + 8, columns 8n + 2t4, +1) at stg as two TMA boxes
 // of {32 columns, 64 rows} float32, 128-byte swizzled (row r's 16-byte
@@ -538,18 +559,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    gg_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
-      ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
-      ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
     // The lse (to base 2) and delta of this thread's 16 queries, loaded
     // while the products run. Column 8n + 2t4 + e is query q0 + 8n + 2t4 + e.
     float l2[8][2], dl[8][2];
@@ -812,18 +822,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    gg_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
-      ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
-      ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
