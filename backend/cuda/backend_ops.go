@@ -223,7 +223,8 @@ const rmsWarpMaxD = 1024
 // rmsWarpRows reports whether the warp-per-row RMSNorm kernels take rows
 // of d columns (their tensors 16-byte aligned besides): a warp per row
 // with 16-byte loads and a shuffle sum, where the block-per-row kernels
-// spend two barriers a row; 2x the bandwidth at moe-small's rows of 1024.
+// spend two barriers a row (moe-small's profiled calls on an H200 at
+// 44e5f8c: forward 45.9 µs against 71.3, backward 137.7 against 158.1).
 func rmsWarpRows(d int) bool { return d%128 == 0 && d <= rmsWarpMaxD }
 
 // rmsRowsPerBlock is how many rows one block of the dw kernel sums into
