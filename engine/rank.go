@@ -238,6 +238,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		defer experts.drain() // a step that fails before reading them
 	}
 	lossSum := 0.0
+	var early *queuedSquares
 	for a := 0; a < accum; a++ {
 		ids, targets, err := r.train.Next(cfg.Train.MicroBatch)
 		if err != nil {
@@ -264,6 +265,12 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		}
 		if err := red.finish(); err != nil {
 			return res, err
+		}
+		if a == accum-1 && early == nil && r.squaresFinalEarly() {
+			// The gradients are final: their square sums are queued before
+			// finishStep waits for the loss, one wait for all of them.
+			early = r.queueSquares(experts)
+			defer early.drain() // a step that fails before reading them
 		}
 		if err := r.model.finishStep(&st); err != nil {
 			return res, err
@@ -326,11 +333,17 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		replicated = rest[0] + blocks[0]
 	case r.zero:
 		replicated = sums[1]
+	case early != nil:
+		replicated = early.replicated()
+		early.replicated = nil
 	default:
 		replicated = r.shards.allSquares(b, r.gStore)
 	}
 	var expertSquares float64
 	switch {
+	case early != nil && early.experts != nil:
+		expertSquares = early.experts()
+		early.experts = nil
 	case experts != nil:
 		expertSquares = experts.sumSquares()
 	case !r.layout.experts.empty():
@@ -370,6 +383,47 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		moe.UpdateBias(b, bias, res.expertLoad[l], cfg.Model.MoE.BiasUpdateRate)
 	}
 	return res, b.Sync()
+}
+
+// squaresFinalEarly reports whether the step's gradients are final once
+// the last micro-batch's backward and its overlapped reduction are done:
+// not where a reduction follows (syncGrads' reduceGradients, ZeRO-1's
+// reduce-scatter, tensor parallelism's sums over the tensor group).
+func (r *rank) squaresFinalEarly() bool {
+	return !r.syncGrads && !r.zero && !r.tp.Enabled()
+}
+
+// queuedSquares are the square sums of the step's final gradients for the
+// norm, queued by queueSquares: the replicated span's, added as
+// shardPlan.allSquares adds them, and the experts' (nil where the experts'
+// update in the backward has queued its own).
+type queuedSquares struct {
+	replicated, experts func() float64
+}
+
+// queueSquares queues the square sums the step's gradient norm needs.
+func (r *rank) queueSquares(experts *expertUpdate) *queuedSquares {
+	q := &queuedSquares{replicated: r.shards.allSquaresLater(r.b, r.gStore)}
+	if experts == nil && !r.layout.experts.empty() {
+		q.experts = backend.SumSquaresLater(r.b, r.gStore.view(r.b, r.layout.experts))
+	}
+	return q
+}
+
+// drain reads what a failed step left unread, which frees the
+// reductions' device buffers (a no-op once read).
+func (q *queuedSquares) drain() {
+	if q == nil {
+		return
+	}
+	if q.replicated != nil {
+		q.replicated()
+		q.replicated = nil
+	}
+	if q.experts != nil {
+		q.experts()
+		q.experts = nil
+	}
 }
 
 // reduceGradients sums gradients over the ranks that share each parameter

@@ -157,11 +157,36 @@ func (p shardPlan) allSquaresWithin(b backend.Backend, g paramStore, within span
 // added as ZeRO-1 adds them: every rank's pieces, then the ranks in order,
 // as AllReduceFloat64 does.
 func (p shardPlan) allSquares(b backend.Backend, g paramStore) float64 {
-	s := p.squares(b, g, 0)
-	for q := 1; q < p.ranks; q++ {
-		s += p.squares(b, g, q)
+	return p.allSquaresLater(b, g)()
+}
+
+// allSquaresLater is allSquares with the reductions queued now and read
+// (all under one wait, with the same adds in the same order) when the
+// returned function is called, once.
+func (p shardPlan) allSquaresLater(b backend.Backend, g paramStore) func() float64 {
+	pieces := make([][]func() float64, max(p.ranks, 1))
+	for q := range pieces {
+		for k := range p.rounds {
+			if c := intersect(p.own(k, q), p.tensors); !c.empty() {
+				pieces[q] = append(pieces[q], backend.SumSquaresLater(b, g.view(b, c)))
+			}
+		}
 	}
-	return s
+	return func() float64 {
+		s := 0.0
+		for q, fs := range pieces {
+			sq := 0.0
+			for _, f := range fs {
+				sq += f()
+			}
+			if q == 0 {
+				s = sq
+			} else {
+				s += sq
+			}
+		}
+		return s
+	}
 }
 
 // adamPart is one AdamW call of a step: the span r of the weight and
