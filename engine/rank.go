@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"sync"
 
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
@@ -266,7 +267,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		if err := red.finish(); err != nil {
 			return res, err
 		}
-		if a == accum-1 && early == nil && r.squaresFinalEarly() {
+		if a == accum-1 && r.squaresFinalEarly() {
 			// The gradients are final: their square sums are queued before
 			// finishStep waits for the loss, one wait for all of them.
 			early = r.queueSquares(experts)
@@ -335,7 +336,6 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		replicated = sums[1]
 	case early != nil:
 		replicated = early.replicated()
-		early.replicated = nil
 	default:
 		replicated = r.shards.allSquares(b, r.gStore)
 	}
@@ -343,7 +343,6 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	switch {
 	case early != nil && early.experts != nil:
 		expertSquares = early.experts()
-		early.experts = nil
 	case experts != nil:
 		expertSquares = experts.sumSquares()
 	case !r.layout.experts.empty():
@@ -396,33 +395,27 @@ func (r *rank) squaresFinalEarly() bool {
 // queuedSquares are the square sums of the step's final gradients for the
 // norm, queued by queueSquares: the replicated span's, added as
 // shardPlan.allSquares adds them, and the experts' (nil where the experts'
-// update in the backward has queued its own).
+// update in the backward has queued its own). Each reads its reductions
+// once (sync.OnceValue), however often it is called.
 type queuedSquares struct {
 	replicated, experts func() float64
 }
 
 // queueSquares queues the square sums the step's gradient norm needs.
 func (r *rank) queueSquares(experts *expertUpdate) *queuedSquares {
-	q := &queuedSquares{replicated: r.shards.allSquaresLater(r.b, r.gStore)}
+	q := &queuedSquares{replicated: sync.OnceValue(r.shards.allSquaresLater(r.b, r.gStore))}
 	if experts == nil && !r.layout.experts.empty() {
-		q.experts = backend.SumSquaresLater(r.b, r.gStore.view(r.b, r.layout.experts))
+		q.experts = sync.OnceValue(backend.SumSquaresLater(r.b, r.gStore.view(r.b, r.layout.experts)))
 	}
 	return q
 }
 
 // drain reads what a failed step left unread, which frees the
-// reductions' device buffers (a no-op once read).
+// reductions' device buffers.
 func (q *queuedSquares) drain() {
-	if q == nil {
-		return
-	}
-	if q.replicated != nil {
-		q.replicated()
-		q.replicated = nil
-	}
+	q.replicated()
 	if q.experts != nil {
 		q.experts()
-		q.experts = nil
 	}
 }
 

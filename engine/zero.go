@@ -174,16 +174,12 @@ func (p shardPlan) allSquaresLater(b backend.Backend, g paramStore) func() float
 	}
 	return func() float64 {
 		s := 0.0
-		for q, fs := range pieces {
+		for _, fs := range pieces {
 			sq := 0.0
 			for _, f := range fs {
 				sq += f()
 			}
-			if q == 0 {
-				s = sq
-			} else {
-				s += sq
-			}
+			s += sq // rank by rank, as AllReduceFloat64 adds (0 + sq is sq)
 		}
 		return s
 	}
