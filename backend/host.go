@@ -33,7 +33,21 @@ func DownloadFloat32(b Backend, t Tensor) []float32 {
 
 // DownloadFloat64 copies a float tensor to a new float64 slice.
 func DownloadFloat64(b Backend, t Tensor) []float64 {
-	switch d := b.Download(t).Data().(type) {
+	return Float64s(b.Download(t), t.DType())
+}
+
+// StartDownloadFloat64 is DownloadFloat64 without the wait
+// (Backend.StartDownload): the copy is queued behind the work queued so
+// far, and calling the result, once, waits for it alone.
+func StartDownloadFloat64(b Backend, t Tensor) func() []float64 {
+	pending, dt := b.StartDownload(t), t.DType()
+	return func() []float64 { return Float64s(pending(), dt) }
+}
+
+// Float64s is a downloaded float tensor's data as float64; dt, the
+// tensor's dtype, names it in the panic for any other data.
+func Float64s(d *tensor.Dense, dt DType) []float64 {
+	switch d := d.Data().(type) {
 	case []float64:
 		return d
 	case []float32:
@@ -43,7 +57,7 @@ func DownloadFloat64(b Backend, t Tensor) []float64 {
 		}
 		return out
 	default:
-		panic(fmt.Sprintf("backend: DownloadFloat64 of a %v tensor", t.DType()))
+		panic(fmt.Sprintf("backend: DownloadFloat64 of a %v tensor", dt))
 	}
 }
 

@@ -151,8 +151,19 @@
 // the weights through an operandStore: where the backend's operand type is
 // not its float type (the GPU: bf16 products, float32 accumulation), a bf16
 // copy rounded from the float32 masters at the start of every step; on the
-// CPU, the masters themselves. What the host reads from a forward (token
-// losses, MoE auxiliary losses) is read once per micro-batch after its
-// backward is queued (model.finishStep), so the GPU waits for the host in
-// mid-step only for the MoE layers' per-expert row counts.
+// CPU, the masters themselves.
+//
+// # Where a step waits for the device
+//
+// Ops only queue work on the GPU, and a step waits for it once per
+// micro-batch: what the host reads from a forward (token losses, MoE
+// statistics, and after the last backward the gradients' square sums for
+// the norm) is queued as it is produced and read together after the
+// backward is queued (model.finishStep). The MoE layers' per-expert counts
+// come by queued downloads read in the backward, long after the device
+// wrote them. The step then queues AdamW and returns without waiting for
+// it: the host reads and uploads the next batch and queues its forward
+// while the device runs the optimizer. Errors of queued work surface at
+// the next wait: the next step's Sync, before its loss is trusted, the
+// checkpoint's, which writes nothing after a fault, and the run's end.
 package engine

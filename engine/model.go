@@ -577,14 +577,16 @@ func (m *model) reforward(l int) error {
 }
 
 // finishStep fills in what a forward left on the device: the summed token
-// losses and the MoE layers' auxiliary losses. It waits for the GPU.
+// losses and the MoE layers' auxiliary losses. It waits for the GPU, once:
+// the statistics' copy is queued before the loss sum, so it has landed
+// when the sum has.
 func (m *model) finishStep(st *microStats) error {
+	profile.Scope(m.b, profile.ScopeMoE)
+	stats := backend.StartDownloadFloat64(m.b, m.moeStats)
 	profile.Scope(m.b, profile.ScopeHead) // the loss sum is the loss's work
 	st.lossSum = m.b.Sum(m.lossT)
-	profile.Scope(m.b, profile.ScopeMoE)
-	sums := backend.DownloadFloat64(m.b, m.moeStats)
 	profile.Scope(m.b, "")
-	return moe.FinishStats(m.moe, st.moe, sums)
+	return moe.FinishStats(m.moe, st.moe, stats())
 }
 
 // backward propagates from dFinalTD (left by a training forward) to every

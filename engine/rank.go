@@ -286,6 +286,12 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 			}
 		}
 	}
+	// The loss sums have waited for the device, so this costs no wait: the
+	// errors of the step's forward and backward surface here, before its
+	// loss is trusted.
+	if err := b.Sync(); err != nil {
+		return res, err
+	}
 	// Every rank with distinct tokens (data and context parallel) holds a
 	// part of the global batch's loss. With ZeRO-1 each holds the sums of
 	// its pieces of the replicated gradients too, whose squares travel
@@ -381,7 +387,11 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	for l, bias := range r.biasE {
 		moe.UpdateBias(b, bias, res.expertLoad[l], cfg.Model.MoE.BiasUpdateRate)
 	}
-	return res, b.Sync()
+	// No wait for the optimizer: the host reads and uploads the next batch
+	// and queues its forward while the device runs AdamW. Its errors
+	// surface at the next step's Sync, or at the checkpoint's or the run's
+	// end (session.loop).
+	return res, nil
 }
 
 // squaresFinalEarly reports whether the step's gradients are final once
@@ -501,6 +511,9 @@ func (r *rank) evaluate(ctx context.Context) (float64, error) {
 	}
 	sums := []float64{sum}
 	if err := r.groups.DataContext.AllReduceFloat64(sums); err != nil {
+		return 0, err
+	}
+	if err := r.b.Sync(); err != nil { // the loss sums have waited: no wait
 		return 0, err
 	}
 	tokens := cfg.Train.EvalBatches * cfg.Train.MicroBatch * cfg.Train.Seq * r.groups.Data.Size()

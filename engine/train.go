@@ -325,7 +325,9 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 			lastSaved = step
 		}
 	}
-	return res, nil
+	// A step does not wait for its optimizer (rank.trainStep): the last
+	// one's errors surface here.
+	return res, r.b.Sync()
 }
 
 // checkpoint saves the state after res.Steps. Every rank snapshots its
@@ -335,6 +337,12 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 func (s *session) checkpoint(r *rank, worldRank int, res Result) error {
 	if s.saver == nil {
 		return nil
+	}
+	// The step's optimizer may still be running (rank.trainStep): the
+	// snapshot's downloads wait for it, and a failure in it must not reach
+	// a checkpoint.
+	if err := r.b.Sync(); err != nil {
+		return fmt.Errorf("checkpoint of step %d: %w", res.Steps, err)
 	}
 	s.snaps[worldRank] = r.snapshot(worldRank)
 	if s.distributed {

@@ -114,16 +114,20 @@ func (b *Backend) SumSquaresLater(t backend.Tensor) func() float64 {
 }
 
 // reduce queues sum_partial_f32 on a fixed grid (so the same tensor gives
-// the same bits every time); the function it returns waits for the
-// per-block float64 partials and adds them in order. A failure returns
-// NaN and waits for Sync.
+// the same bits every time) and the copy of its per-block float64 partials
+// to the host behind it (Device.StartCopyFromDevice); the function it
+// returns waits for that copy alone and adds the partials in order. So a
+// step's reductions queued before its loss wait are on the host when that
+// wait ends, without a round trip each. A failure returns NaN and waits
+// for Sync.
 func (b *Backend) reduce(t *Tensor, squares bool) func() float64 {
 	n := t.Len()
 	if n == 0 {
 		return func() float64 { return 0 }
 	}
 	g := b.strideGrid(n)
-	buf, err := b.alloc(int64(8 * g.Grid.X))
+	bytes := 8 * int(g.Grid.X)
+	buf, err := b.alloc(int64(bytes))
 	if err != nil {
 		b.fail(err)
 		return math.NaN
@@ -133,10 +137,14 @@ func (b *Backend) reduce(t *Tensor, squares bool) func() float64 {
 		sq = 1
 	}
 	b.launch(b.k.sumPartial, g, t, int64(n), sq, buf)
+	partials := make([]float64, g.Grid.X)
+	wait, err := b.dev.StartCopyFromDevice(buf, 0, bytes)
+	if err != nil { // more partials than a slot holds: copy them when asked
+		wait = func(dst []byte) error { return b.dev.CopyFromDevice(dst, buf, 0) }
+	}
 	return func() float64 {
 		defer b.dev.Free(buf)
-		partials := make([]float64, g.Grid.X)
-		if err := b.dev.CopyFromDevice(Bytes(partials), buf, 0); err != nil {
+		if err := wait(Bytes(partials)); err != nil {
 			b.fail(err)
 			return math.NaN()
 		}
