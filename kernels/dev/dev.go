@@ -50,6 +50,16 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
+		{File: "adamw_lab.cu", Production: "adamw.cu", Variants: []Variant{
+			{Name: "fp32-math", Defines: []string{"AW_EXPERIMENT=1"},
+				Purpose: "float32 arithmetic as PyTorch's fused AdamW: one square root and one division per element"},
+			{Name: "fp64-one-div", Defines: []string{"AW_EXPERIMENT=2"},
+				Purpose: "float64 arithmetic with lr/bc1 and 1/sqrt(bc2) hoisted: one square root and one division per element"},
+			{Name: "wide-split", Defines: []string{"AW_EXPERIMENT=4"}, Exact: true,
+				Purpose: "adamw_split two pairs per loop step: 16-byte accesses to g, m and v"},
+			{Name: "fp32-wide", Defines: []string{"AW_EXPERIMENT=5"},
+				Purpose: "fp32-math and wide-split together"},
+		}},
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},

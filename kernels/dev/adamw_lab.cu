@@ -1,0 +1,259 @@
+// Lab copy of kernels/adamw.cu (kernels/dev/README.md): with no define it
+// compiles to the production source's PTX. The question: the optimizer
+// moves 28 bytes per weight and runs at about 3.3 TB/s against the 4.1 of
+// a device copy (moe-small's profiled step); is it the float64 arithmetic
+// (three divisions and a square root per element on the FP64 pipes) or
+// too few bytes in flight? AW_EXPERIMENT bits, same kernels and arguments:
+//   1  float32 arithmetic, PyTorch's fused formulation: step size lr/bc1
+//      and sqrt(bc2) once per thread, then one square root and one
+//      division per element (not exact: last bits differ from float64)
+//   2  float64 arithmetic with the same hoisting: one square root and one
+//      division per element (not exact)
+//   4  adamw_split two pairs per step of the loop: hi and lo 8 bytes, g,
+//      m and v 16 bytes per access (exact; needs 16-byte aligned g, m, v)
+//
+// AdamW with PyTorch's semantics (decoupled weight decay), over n elements:
+//
+//   g = g * gscale                     (gradient clipping, folded in)
+//   p = p * decay                      decay = 1 - lr*wd
+//   m = b1*m + (1-b1)*g,  v = b2*v + (1-b2)*g^2
+//   p -= lr * (m/bc1) / (sqrt(v/bc2) + eps)      bc = 1 - beta^step
+//
+// computed in float64 from the float32 state, as the CPU backend does. Any
+// grid. adamw_f32_x4 does four elements at a time with 16-byte accesses
+// (every pointer 16-byte aligned; the launcher falls back otherwise): the
+// optimizer reads and writes every parameter's four float32s of state, the
+// largest memory pass of a step.
+
+__device__ __forceinline__ void aw_one(float* p, float g, float* m, float* v, double lr, double beta1, double beta2,
+                                       double eps, double decay, double bc1, double bc2, double gscale) {
+  const double gi = (double)g * gscale;
+  const float mi = (float)(beta1 * (double)*m + (1.0 - beta1) * gi);
+  const float vi = (float)(beta2 * (double)*v + (1.0 - beta2) * gi * gi);
+  *m = mi;
+  *v = vi;
+  const double mhat = (double)mi / bc1, vhat = (double)vi / bc2;
+  *p = (float)((double)*p * decay - lr * mhat / (sqrt(vhat) + eps));
+}
+
+#ifndef AW_EXPERIMENT
+#define AW_EXPERIMENT 0
+#endif
+
+#if AW_EXPERIMENT == 0
+extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, long long n,
+                                     double lr, double beta1, double beta2, double eps,
+                                     double decay, double bc1, double bc2, double gscale) {
+  for (long long i = mk_global_id(); i < n; i += mk_grid_stride())
+    aw_one(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+}
+
+struct alignas(16) aw_f4 {
+  float x, y, z, w;
+};
+
+extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, float* v, long long n,
+                                        double lr, double beta1, double beta2, double eps,
+                                        double decay, double bc1, double bc2, double gscale) {
+  const long long groups = n >> 2, stride = mk_grid_stride();
+  aw_f4 *p4 = (aw_f4*)p, *m4 = (aw_f4*)m, *v4 = (aw_f4*)v;
+  const aw_f4* g4 = (const aw_f4*)g;
+  for (long long i = mk_global_id(); i < groups; i += stride) {
+    aw_f4 pv = p4[i], mv = m4[i], vv = v4[i];
+    const aw_f4 gv = g4[i];
+    aw_one(&pv.x, gv.x, &mv.x, &vv.x, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    aw_one(&pv.y, gv.y, &mv.y, &vv.y, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    aw_one(&pv.z, gv.z, &mv.z, &vv.z, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    aw_one(&pv.w, gv.w, &mv.w, &vv.w, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    p4[i] = pv;
+    m4[i] = mv;
+    v4[i] = vv;
+  }
+  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride)
+    aw_one(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+}
+
+// adamw_split: AdamW on split float32 masters (backend/master_split.go).
+// Weight i's master is its bf16 half hi[i] shifted up 16 bits plus its
+// low 16 bits read as a signed number; the low halves are packed two to a
+// 32-bit word of lo (weight 2j's in the low half of word j). Each pair is
+// joined, updated as aw_one updates a float32 master, and split again: hi
+// rounds half away from zero (0x8000 added to the bit pattern), which is
+// what keeps lo the master's low bits; a NaN keeps a NaN in hi. One pair
+// per step of the grid-stride loop: hi and lo as one word each, g, m and v
+// as 8-byte pairs (every pointer 8-byte aligned, n even).
+
+__device__ __forceinline__ float aws_join(unsigned h, unsigned l) {
+  return __uint_as_float((h << 16) + (unsigned)(int)(short)(l & 0xffffu));
+}
+
+__device__ __forceinline__ void aws_split(float w, unsigned* h, unsigned* l) {
+  const unsigned u = __float_as_uint(w);
+  *l = u & 0xffffu;
+  *h = ((u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x8000u) >> 16;
+}
+
+struct alignas(8) aws_f2 {
+  float x, y;
+};
+
+extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* g, float* m, float* v, long long pairs,
+                                       double lr, double beta1, double beta2, double eps,
+                                       double decay, double bc1, double bc2, double gscale) {
+  const aws_f2* g2 = (const aws_f2*)g;
+  aws_f2 *m2 = (aws_f2*)m, *v2 = (aws_f2*)v;
+  for (long long j = mk_global_id(); j < pairs; j += mk_grid_stride()) {
+    const unsigned hw = hi[j], lw = lo[j];
+    float w0 = aws_join(hw & 0xffffu, lw & 0xffffu), w1 = aws_join(hw >> 16, lw >> 16);
+    const aws_f2 gv = g2[j];
+    aws_f2 mv = m2[j], vv = v2[j];
+    aw_one(&w0, gv.x, &mv.x, &vv.x, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    aw_one(&w1, gv.y, &mv.y, &vv.y, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    unsigned h0, l0, h1, l1;
+    aws_split(w0, &h0, &l0);
+    aws_split(w1, &h1, &l1);
+    hi[j] = h0 | (h1 << 16);
+    lo[j] = l0 | (l1 << 16);
+    m2[j] = mv;
+    v2[j] = vv;
+  }
+}
+
+#else
+
+// aw_coef: the update's constants, as each thread derives them once.
+struct aw_coef {
+  double lr, beta1, beta2, eps, decay, bc1, bc2, gscale;
+  double step, rsbc2;  // lr/bc1, 1/sqrt(bc2) (bit 2)
+  float f_b1, f_b2, f_omb1, f_omb2, f_eps, f_decay, f_gs, f_step, f_sbc2;  // bit 1
+};
+
+__device__ __forceinline__ aw_coef aw_make(double lr, double beta1, double beta2, double eps, double decay,
+                                           double bc1, double bc2, double gscale) {
+  aw_coef c;
+  c.lr = lr, c.beta1 = beta1, c.beta2 = beta2, c.eps = eps, c.decay = decay, c.bc1 = bc1, c.bc2 = bc2, c.gscale = gscale;
+  c.step = lr / bc1;
+  c.rsbc2 = 1.0 / sqrt(bc2);
+  c.f_b1 = (float)beta1, c.f_b2 = (float)beta2, c.f_omb1 = (float)(1.0 - beta1), c.f_omb2 = (float)(1.0 - beta2);
+  c.f_eps = (float)eps, c.f_decay = (float)decay, c.f_gs = (float)gscale, c.f_step = (float)(lr / bc1);
+  c.f_sbc2 = (float)sqrt(bc2);
+  return c;
+}
+
+__device__ __forceinline__ void aw_el(float* p, float g, float* m, float* v, const aw_coef& c) {
+#if AW_EXPERIMENT & 1
+  const float gi = g * c.f_gs;
+  const float mi = c.f_b1 * *m + c.f_omb1 * gi;
+  const float vi = c.f_b2 * *v + c.f_omb2 * gi * gi;
+  *m = mi;
+  *v = vi;
+  *p = *p * c.f_decay - c.f_step * mi / (sqrtf(vi) / c.f_sbc2 + c.f_eps);
+#elif AW_EXPERIMENT & 2
+  const double gi = (double)g * c.gscale;
+  const float mi = (float)(c.beta1 * (double)*m + (1.0 - c.beta1) * gi);
+  const float vi = (float)(c.beta2 * (double)*v + (1.0 - c.beta2) * gi * gi);
+  *m = mi;
+  *v = vi;
+  *p = (float)((double)*p * c.decay - c.step * (double)mi / (sqrt((double)vi) * c.rsbc2 + c.eps));
+#else
+  aw_one(p, g, m, v, c.lr, c.beta1, c.beta2, c.eps, c.decay, c.bc1, c.bc2, c.gscale);
+#endif
+}
+
+extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, long long n,
+                                     double lr, double beta1, double beta2, double eps,
+                                     double decay, double bc1, double bc2, double gscale) {
+  const aw_coef c = aw_make(lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  for (long long i = mk_global_id(); i < n; i += mk_grid_stride()) aw_el(&p[i], g[i], &m[i], &v[i], c);
+}
+
+struct alignas(16) aw_f4 {
+  float x, y, z, w;
+};
+
+extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, float* v, long long n,
+                                        double lr, double beta1, double beta2, double eps,
+                                        double decay, double bc1, double bc2, double gscale) {
+  const aw_coef c = aw_make(lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  const long long groups = n >> 2, stride = mk_grid_stride();
+  aw_f4 *p4 = (aw_f4*)p, *m4 = (aw_f4*)m, *v4 = (aw_f4*)v;
+  const aw_f4* g4 = (const aw_f4*)g;
+  for (long long i = mk_global_id(); i < groups; i += stride) {
+    aw_f4 pv = p4[i], mv = m4[i], vv = v4[i];
+    const aw_f4 gv = g4[i];
+    aw_el(&pv.x, gv.x, &mv.x, &vv.x, c);
+    aw_el(&pv.y, gv.y, &mv.y, &vv.y, c);
+    aw_el(&pv.z, gv.z, &mv.z, &vv.z, c);
+    aw_el(&pv.w, gv.w, &mv.w, &vv.w, c);
+    p4[i] = pv;
+    m4[i] = mv;
+    v4[i] = vv;
+  }
+  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride) aw_el(&p[i], g[i], &m[i], &v[i], c);
+}
+
+__device__ __forceinline__ float aws_join(unsigned h, unsigned l) {
+  return __uint_as_float((h << 16) + (unsigned)(int)(short)(l & 0xffffu));
+}
+
+__device__ __forceinline__ void aws_split(float w, unsigned* h, unsigned* l) {
+  const unsigned u = __float_as_uint(w);
+  *l = u & 0xffffu;
+  *h = ((u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x8000u) >> 16;
+}
+
+struct alignas(8) aws_f2 {
+  float x, y;
+};
+
+// aws_pair updates the pair of masters in words hw and lw.
+__device__ __forceinline__ void aws_pair(unsigned* hw, unsigned* lw, float gx, float gy, float* mx, float* my,
+                                         float* vx, float* vy, const aw_coef& c) {
+  float w0 = aws_join(*hw & 0xffffu, *lw & 0xffffu), w1 = aws_join(*hw >> 16, *lw >> 16);
+  aw_el(&w0, gx, mx, vx, c);
+  aw_el(&w1, gy, my, vy, c);
+  unsigned h0, l0, h1, l1;
+  aws_split(w0, &h0, &l0);
+  aws_split(w1, &h1, &l1);
+  *hw = h0 | (h1 << 16);
+  *lw = l0 | (l1 << 16);
+}
+
+extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* g, float* m, float* v, long long pairs,
+                                       double lr, double beta1, double beta2, double eps,
+                                       double decay, double bc1, double bc2, double gscale) {
+  const aw_coef c = aw_make(lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  long long first = 0;
+#if AW_EXPERIMENT & 4
+  struct alignas(8) aws_u2 {
+    unsigned x, y;
+  };
+  const long long quads = pairs >> 1;
+  for (long long j = mk_global_id(); j < quads; j += mk_grid_stride()) {
+    aws_u2 hw = ((const aws_u2*)hi)[j], lw = ((const aws_u2*)lo)[j];
+    const aw_f4 gv = ((const aw_f4*)g)[j];
+    aw_f4 mv = ((aw_f4*)m)[j], vv = ((aw_f4*)v)[j];
+    aws_pair(&hw.x, &lw.x, gv.x, gv.y, &mv.x, &mv.y, &vv.x, &vv.y, c);
+    aws_pair(&hw.y, &lw.y, gv.z, gv.w, &mv.z, &mv.w, &vv.z, &vv.w, c);
+    ((aws_u2*)hi)[j] = hw;
+    ((aws_u2*)lo)[j] = lw;
+    ((aw_f4*)m)[j] = mv;
+    ((aw_f4*)v)[j] = vv;
+  }
+  first = 2 * quads;
+#endif
+  const aws_f2* g2 = (const aws_f2*)g;
+  aws_f2 *m2 = (aws_f2*)m, *v2 = (aws_f2*)v;
+  for (long long j = first + mk_global_id(); j < pairs; j += mk_grid_stride()) {
+    unsigned hw = hi[j], lw = lo[j];
+    const aws_f2 gv = g2[j];
+    aws_f2 mv = m2[j], vv = v2[j];
+    aws_pair(&hw, &lw, gv.x, gv.y, &mv.x, &mv.y, &vv.x, &vv.y, c);
+    hi[j] = hw;
+    lo[j] = lw;
+    m2[j] = mv;
+    v2[j] = vv;
+  }
+}
+
+#endif
