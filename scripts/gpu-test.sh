@@ -335,10 +335,14 @@ fi
 fine_rc=-
 fine_peer_rc=-
 large_rc=-
-# bench_recipe NAME SECONDS STEPS WARMUP: bench train NAME on CUDA, its
-# result as $OUT/train-NAME.json; the exit status is bench_recipe's.
+# bench_recipe NAME SECONDS STEPS WARMUP [PROFILE]: bench train NAME on
+# CUDA, its result as $OUT/train-NAME.json; PROFILE "profile" adds the
+# profiled step's breakdown (two steps more). The exit status is
+# bench_recipe's.
 bench_recipe() {
-  local args=(bench train "$1" --steps "$3" --warmup "$4" --profile=false --set data.train= --set data.val= --set train.backend=cuda)
+  local profile=--profile=false
+  [[ "${5:-}" == profile ]] && profile=--profile=true
+  local args=(bench train "$1" --steps "$3" --warmup "$4" "$profile" --set data.train= --set data.val= --set train.backend=cuda)
   echo "== mktrain ${args[*]}"
   timeout "$2" "$BIN/mktrain" "${args[@]}" --out "$LOGS/bench-$1" >"$LOGS/bench-$1.log" 2>&1
   local rc=$?
@@ -349,7 +353,7 @@ bench_recipe() {
   return $rc
 }
 if [[ "${NO_BENCH:-}" != 1 && "${FINE:-}" == 1 && -x "$BIN/mktrain" ]]; then
-  bench_recipe moe-fine 300 4 2
+  bench_recipe moe-fine 300 4 2 profile
   fine_rc=$?
   [[ $fine_rc -ne 0 ]] && status=1
   fine_peer=(--steps 4 --warmup 2 --dim 2048 --experts 64 --topk 6 --ffn 1408 --batch 4)
