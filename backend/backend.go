@@ -517,6 +517,42 @@ func SumSquaresLater(b Backend, t Tensor) func() float64 {
 	return func() float64 { return s }
 }
 
+// SquaringOptimizer is an optional capability of a LaterReducer: AdamW
+// updates that also queue the sum of the squares of the gradient they
+// read (as given, before GradScale), each returning SumSquaresLater's
+// function. Where the norm does not gate the update (the experts' AdamW
+// in the backward, which nothing clips) that saves a second pass over the
+// gradient. The sum may add in another order than SumSquares; a backend
+// adds in a fixed order all the same. AdamWUpdateSquares and
+// AdamWUpdateSplitSquares (the functions) serve every backend.
+type SquaringOptimizer interface {
+	AdamWUpdateSquares(param, grad, m, v Tensor, h AdamW) func() float64
+	AdamWUpdateSplitSquares(hi, lo, grad, m, v Tensor, h AdamW) func() float64
+}
+
+// AdamWUpdateSquares is b's AdamWUpdateSquares where b is a
+// SquaringOptimizer, else SumSquaresLater(b, grad) and then
+// b.AdamWUpdate.
+func AdamWUpdateSquares(b Backend, param, grad, m, v Tensor, h AdamW) func() float64 {
+	if o, ok := b.(SquaringOptimizer); ok {
+		return o.AdamWUpdateSquares(param, grad, m, v, h)
+	}
+	sq := SumSquaresLater(b, grad)
+	b.AdamWUpdate(param, grad, m, v, h)
+	return sq
+}
+
+// AdamWUpdateSplitSquares is AdamWUpdateSquares for
+// AdamWUpdateSplit.
+func AdamWUpdateSplitSquares(b Backend, hi, lo, grad, m, v Tensor, h AdamW) func() float64 {
+	if o, ok := b.(SquaringOptimizer); ok {
+		return o.AdamWUpdateSplitSquares(hi, lo, grad, m, v, h)
+	}
+	sq := SumSquaresLater(b, grad)
+	b.AdamWUpdateSplit(hi, lo, grad, m, v, h)
+	return sq
+}
+
 // Deterministic is an optional capability of a backend some of whose ops
 // add with float atomics, in an order that varies from run to run, and
 // that can add in a fixed order instead, at some cost: after

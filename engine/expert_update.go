@@ -145,9 +145,10 @@ func (u *expertUpdate) ready(layer int) error {
 	n := sp.hi - sp.lo
 	g := b.View(r.expertGrads, 0, n)
 	profile.Scope(b, profile.ScopeOptimizer)
-	u.squares = append(u.squares, backend.SumSquaresLater(b, g))
+	// Nothing clips this update (the experts are updated in the backward
+	// only without clipping), so the norm's squares come from its pass.
 	at := r.expertMomentsAt + sp.lo - r.layout.experts.lo
-	r.adamW(sp, g, b.View(r.m, at, n), b.View(r.v, at, n), u.h)
+	u.squares = append(u.squares, r.adamWSquares(sp, g, b.View(r.m, at, n), b.View(r.v, at, n), u.h))
 	profile.Scope(b, "")
 	return nil
 }

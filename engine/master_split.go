@@ -106,17 +106,50 @@ func (sw splitWeights) loView(b backend.Backend, off, n int) backend.Tensor {
 // parts in two calls.
 func (r *rank) adamW(s span, g, m, v backend.Tensor, h backend.AdamW) {
 	b := r.b
+	r.adamWParts(s, g, m, v,
+		func(param, g, m, v backend.Tensor) { b.AdamWUpdate(param, g, m, v, h) },
+		func(hi, lo, g, m, v backend.Tensor) { b.AdamWUpdateSplit(hi, lo, g, m, v, h) })
+}
+
+// adamWSquares is adamW that also queues Σ g² over s for the gradient
+// norm, summed in the update's pass where the backend can
+// (backend.SquaringOptimizer); the function returns it, once.
+func (r *rank) adamWSquares(s span, g, m, v backend.Tensor, h backend.AdamW) func() float64 {
+	b := r.b
+	var parts []func() float64
+	r.adamWParts(s, g, m, v,
+		func(param, g, m, v backend.Tensor) {
+			parts = append(parts, backend.AdamWUpdateSquares(b, param, g, m, v, h))
+		},
+		func(hi, lo, g, m, v backend.Tensor) {
+			parts = append(parts, backend.AdamWUpdateSplitSquares(b, hi, lo, g, m, v, h))
+		})
+	return func() float64 {
+		sum := 0.0
+		for _, f := range parts {
+			sum += f()
+		}
+		return sum
+	}
+}
+
+// adamWParts splits the span s (gradients, m and v g, m and v) where the
+// masters stop being float32 and start being split, and calls float32
+// with the float32 part's weights, split with the split part's halves;
+// an empty part is skipped.
+func (r *rank) adamWParts(s span, g, m, v backend.Tensor, float32 func(param, g, m, v backend.Tensor), split func(hi, lo, g, m, v backend.Tensor)) {
+	b := r.b
 	if r.split.hi == nil || s.hi <= r.split.at {
-		b.AdamWUpdate(r.wStore.view(b, s), g, m, v, h)
+		float32(r.wStore.view(b, s), g, m, v)
 		return
 	}
 	if s.lo < r.split.at {
 		k, n := r.split.at-s.lo, s.hi-s.lo
-		b.AdamWUpdate(r.wStore.view(b, span{s.lo, r.split.at}), b.View(g, 0, k), b.View(m, 0, k), b.View(v, 0, k), h)
+		float32(r.wStore.view(b, span{s.lo, r.split.at}), b.View(g, 0, k), b.View(m, 0, k), b.View(v, 0, k))
 		s.lo, g, m, v = r.split.at, b.View(g, k, n-k), b.View(m, k, n-k), b.View(v, k, n-k)
 	}
 	n := s.hi - s.lo
-	b.AdamWUpdateSplit(b.View(r.split.hi, s.lo-r.split.at, n), r.split.loView(b, s.lo, n), g, m, v, h)
+	split(b.View(r.split.hi, s.lo-r.split.at, n), r.split.loView(b, s.lo, n), g, m, v)
 }
 
 // download is p's weight as float32s: the master, joined from its halves

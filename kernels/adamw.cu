@@ -10,6 +10,12 @@
 // (every pointer 16-byte aligned; the launcher falls back otherwise): the
 // optimizer reads and writes every parameter's four float32s of state, the
 // largest memory pass of a step.
+//
+// sq, when not null, gets one float64 per block: the sum of the squares of
+// the gradient the block read (as given, before gscale), added in a fixed
+// order (blocks of exactly 256 threads), so a fixed grid gives the same
+// bits every time. A norm that does not gate the update (the experts'
+// update in the backward) so costs no second pass over the gradient.
 
 __device__ __forceinline__ void aw_one(float* p, float g, float* m, float* v, double lr, double beta1, double beta2,
                                        double eps, double decay, double bc1, double bc2, double gscale) {
@@ -22,26 +28,60 @@ __device__ __forceinline__ void aw_one(float* p, float g, float* m, float* v, do
   *p = (float)((double)*p * decay - lr * mhat / (sqrt(vhat) + eps));
 }
 
-extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, long long n,
-                                     double lr, double beta1, double beta2, double eps,
-                                     double decay, double bc1, double bc2, double gscale) {
-  for (long long i = mk_global_id(); i < n; i += mk_grid_stride())
-    aw_one(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+// aw_squares writes this block's sum of its threads' acc to sq[blockIdx.x].
+__device__ __forceinline__ void aw_squares(double acc, double* sq) {
+  __shared__ double s[256];
+  const double sum = mk_block_sum_256_f64(acc, s);
+  if (threadIdx.x == 0) sq[blockIdx.x] = sum;
+}
+
+// Each kernel's loop is a template on whether it sums the squares, so the
+// update alone runs the loop it ran before sq existed.
+template <bool SQ>
+__device__ __forceinline__ double aw_f32_loop(float* p, const float* g, float* m, float* v, long long n, double lr,
+                                              double beta1, double beta2, double eps, double decay, double bc1,
+                                              double bc2, double gscale) {
+  double acc = 0.0;
+  for (long long i = mk_global_id(); i < n; i += mk_grid_stride()) {
+    const float gi = g[i];
+    if (SQ) acc += (double)gi * (double)gi;
+    aw_one(&p[i], gi, &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  }
+  return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) adamw_f32(float* p, const float* g, float* m, float* v, long long n,
+                                                            double lr, double beta1, double beta2, double eps,
+                                                            double decay, double bc1, double bc2, double gscale,
+                                                            double* sq) {
+  if (sq == nullptr) {
+    aw_f32_loop<false>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    return;
+  }
+  aw_squares(aw_f32_loop<true>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale), sq);
 }
 
 struct alignas(16) aw_f4 {
   float x, y, z, w;
 };
 
-extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, float* v, long long n,
-                                        double lr, double beta1, double beta2, double eps,
-                                        double decay, double bc1, double bc2, double gscale) {
+template <bool SQ>
+__device__ __forceinline__ double aw_f32_x4_loop(float* p, const float* g, float* m, float* v, long long n, double lr,
+                                                 double beta1, double beta2, double eps, double decay, double bc1,
+                                                 double bc2, double gscale) {
   const long long groups = n >> 2, stride = mk_grid_stride();
   aw_f4 *p4 = (aw_f4*)p, *m4 = (aw_f4*)m, *v4 = (aw_f4*)v;
   const aw_f4* g4 = (const aw_f4*)g;
+  double acc = 0.0;
   for (long long i = mk_global_id(); i < groups; i += stride) {
     aw_f4 pv = p4[i], mv = m4[i], vv = v4[i];
     const aw_f4 gv = g4[i];
+    if (SQ) {
+      acc += (double)gv.x * (double)gv.x;
+      acc += (double)gv.y * (double)gv.y;
+      acc += (double)gv.z * (double)gv.z;
+      acc += (double)gv.w * (double)gv.w;
+    }
     aw_one(&pv.x, gv.x, &mv.x, &vv.x, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
     aw_one(&pv.y, gv.y, &mv.y, &vv.y, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
     aw_one(&pv.z, gv.z, &mv.z, &vv.z, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
@@ -50,8 +90,23 @@ extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, floa
     m4[i] = mv;
     v4[i] = vv;
   }
-  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride)
-    aw_one(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride) {
+    const float gi = g[i];
+    if (SQ) acc += (double)gi * (double)gi;
+    aw_one(&p[i], gi, &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  }
+  return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) adamw_f32_x4(float* p, const float* g, float* m, float* v, long long n,
+                                                               double lr, double beta1, double beta2, double eps,
+                                                               double decay, double bc1, double bc2, double gscale,
+                                                               double* sq) {
+  if (sq == nullptr) {
+    aw_f32_x4_loop<false>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    return;
+  }
+  aw_squares(aw_f32_x4_loop<true>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale), sq);
 }
 
 // adamw_split: AdamW on split float32 masters (backend/master_split.go).
@@ -78,16 +133,22 @@ struct alignas(8) aws_f2 {
   float x, y;
 };
 
-extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* g, float* m, float* v, long long pairs,
-                                       double lr, double beta1, double beta2, double eps,
-                                       double decay, double bc1, double bc2, double gscale) {
+template <bool SQ>
+__device__ __forceinline__ double aw_split_loop(unsigned* hi, unsigned* lo, const float* g, float* m, float* v,
+                                               long long pairs, double lr, double beta1, double beta2, double eps,
+                                               double decay, double bc1, double bc2, double gscale) {
   const aws_f2* g2 = (const aws_f2*)g;
   aws_f2 *m2 = (aws_f2*)m, *v2 = (aws_f2*)v;
+  double acc = 0.0;
   for (long long j = mk_global_id(); j < pairs; j += mk_grid_stride()) {
     const unsigned hw = hi[j], lw = lo[j];
     float w0 = aws_join(hw & 0xffffu, lw & 0xffffu), w1 = aws_join(hw >> 16, lw >> 16);
     const aws_f2 gv = g2[j];
     aws_f2 mv = m2[j], vv = v2[j];
+    if (SQ) {
+      acc += (double)gv.x * (double)gv.x;
+      acc += (double)gv.y * (double)gv.y;
+    }
     aw_one(&w0, gv.x, &mv.x, &vv.x, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
     aw_one(&w1, gv.y, &mv.y, &vv.y, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
     unsigned h0, l0, h1, l1;
@@ -98,4 +159,16 @@ extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* 
     m2[j] = mv;
     v2[j] = vv;
   }
+  return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) adamw_split(unsigned* hi, unsigned* lo, const float* g, float* m,
+                                                              float* v, long long pairs, double lr, double beta1,
+                                                              double beta2, double eps, double decay, double bc1,
+                                                              double bc2, double gscale, double* sq) {
+  if (sq == nullptr) {
+    aw_split_loop<false>(hi, lo, g, m, v, pairs, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    return;
+  }
+  aw_squares(aw_split_loop<true>(hi, lo, g, m, v, pairs, lr, beta1, beta2, eps, decay, bc1, bc2, gscale), sq);
 }

@@ -28,11 +28,6 @@ extern "C" __global__ void __launch_bounds__(256) sum_partial_f32(const float* x
     double v = (double)x[i];
     acc += squares ? v * v : v;
   }
-  s[threadIdx.x] = acc;
-  __syncthreads();
-  for (int half = 128; half > 0; half >>= 1) {
-    if ((int)threadIdx.x < half) s[threadIdx.x] += s[threadIdx.x + half];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+  const double sum = mk_block_sum_256_f64(acc, s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = sum;
 }

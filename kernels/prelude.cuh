@@ -110,6 +110,20 @@ __device__ __forceinline__ float mk_block_max(float v, float* scratch) {
   return mk_warp_max(v);
 }
 
+// mk_block_sum_256_f64 returns, in thread 0 of a block of exactly 256
+// threads, the sum of the threads' v, added in a fixed tree order (so a
+// fixed grid's partial sums repeat bit for bit); s is 256 doubles of
+// shared memory.
+__device__ __forceinline__ double mk_block_sum_256_f64(double v, double* s) {
+  s[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = 128; half > 0; half >>= 1) {
+    if ((int)threadIdx.x < half) s[threadIdx.x] += s[threadIdx.x + half];
+    __syncthreads();
+  }
+  return s[0];
+}
+
 // bfloat16, stored as its 16 bits. Conversion from float rounds to nearest
 // even and keeps NaNs NaN (quiet), as torch and cuda_bf16.h do.
 typedef unsigned short mk_bf16;

@@ -50,10 +50,11 @@ func adamWLabBuilds(t *testing.T, d *Device) []adamWLabBuild {
 }
 
 // adamWLabArgs are the update's scalar arguments as the backend passes
-// them (AdamWUpdate): lr, beta1, beta2, eps, decay, bc1, bc2, gscale.
-func adamWLabArgs(h backend.AdamW) []any {
+// them (AdamWUpdate): lr, beta1, beta2, eps, decay, bc1, bc2, gscale, and
+// where the blocks' sums of the gradient's squares go (sq, nil for none).
+func adamWLabArgs(h backend.AdamW, sq *Buffer) []any {
 	bc1, bc2, decay := adamWFactors("AdamW lab", h)
-	return []any{h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor()}
+	return []any{h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor(), sq}
 }
 
 // TestAdamWLab holds each variant to production's results on random
@@ -69,7 +70,7 @@ func TestAdamWLab(t *testing.T) {
 	}
 	builds := adamWLabBuilds(t, d)
 	h := backend.AdamW{LR: 3e-4, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01, Step: 7, GradScale: 0.37}
-	args := adamWLabArgs(h)
+	args := adamWLabArgs(h, nil)
 
 	// Agreement, on an odd number of pairs (the wide loop's tail runs)
 	// and an element count that is not a multiple of four.
@@ -91,11 +92,33 @@ func TestAdamWLab(t *testing.T) {
 	for i, b := range hi {
 		p0[i] = math.Float32frombits(uint32(b) << 16)
 	}
-	type state struct{ p, m, v []float32 }
+	type state struct {
+		p, m, v []float32
+		squares float64 // the blocks' sums of the gradient's squares, added in order
+	}
+	// squared is the kernels' sq buffer and the total it holds once they
+	// have run on grid.
+	squared := func(grid Grid) (*Buffer, func() float64) {
+		buf := k.poisoned(2 * int(grid.Grid.X))
+		return buf, func() float64 {
+			sums := make([]float64, grid.Grid.X)
+			if err := d.CopyFromDevice(Bytes(sums), buf, 0); err != nil {
+				t.Fatal(err)
+			}
+			total := 0.0
+			for _, s := range sums {
+				total += s
+			}
+			d.Free(buf)
+			return total
+		}
+	}
 	results := map[string][2]state{} // per build: split, x4
 	for _, b := range builds {
 		dh, dl, dg, dm, dv := upload(k, hi), upload(k, lo), upload(k, g), upload(k, m), upload(k, v)
-		mustLaunch(t, d, b.split32, d.StrideGrid(pairs, 256, strideBlocksPerSM), append([]any{dh, dl, dg, dm, dv, int64(pairs)}, args...)...)
+		grid := d.StrideGrid(pairs, 256, strideBlocksPerSM)
+		sq, total := squared(grid)
+		mustLaunch(t, d, b.split32, grid, append([]any{dh, dl, dg, dm, dv, int64(pairs)}, adamWLabArgs(h, sq)...)...)
 		bits, lows := make([]uint16, n), make([]uint32, pairs)
 		if err := d.Sync(); err != nil {
 			t.Fatal(err)
@@ -110,18 +133,32 @@ func TestAdamWLab(t *testing.T) {
 		for i := range joined {
 			joined[i] = math.Float32frombits(uint32(bits[i])<<16 + uint32(int32(int16(lows[i/2]>>(16*(i%2))))))
 		}
-		split := state{joined, k.download(dm, n), k.download(dv, n)}
+		split := state{joined, k.download(dm, n), k.download(dv, n), total()}
 
 		const n4 = n - 1
 		dp, dg4, dm4, dv4 := upload(k, p0[:n4]), upload(k, g[:n4]), upload(k, m[:n4]), upload(k, v[:n4])
-		mustLaunch(t, d, b.f32x4, d.StrideGrid(n4, 256, strideBlocksPerSM), append([]any{dp, dg4, dm4, dv4, int64(n4)}, args...)...)
-		x4 := state{k.download(dp, n4), k.download(dm4, n4), k.download(dv4, n4)}
+		grid4 := d.StrideGrid(n4, 256, strideBlocksPerSM)
+		sq4, total4 := squared(grid4)
+		mustLaunch(t, d, b.f32x4, grid4, append([]any{dp, dg4, dm4, dv4, int64(n4)}, adamWLabArgs(h, sq4)...)...)
+		x4 := state{k.download(dp, n4), k.download(dm4, n4), k.download(dv4, n4), total4()}
 		results[b.name] = [2]state{split, x4}
 		for _, buf := range []*Buffer{dh, dl, dg, dm, dv, dp, dg4, dm4, dv4} {
 			d.Free(buf)
 		}
 	}
 	prod := results["production"]
+	hostSquares := func(x []float32) float64 {
+		s := 0.0
+		for _, v := range x {
+			s += float64(v) * float64(v)
+		}
+		return s
+	}
+	for i, want := range []float64{hostSquares(g), hostSquares(g[:n-1])} {
+		if got := prod[i].squares; !(math.Abs(got-want) <= 1e-12*want) {
+			t.Errorf("production's kernel %d: the gradient's squares came to %v, the host's sum to %v", i, got, want)
+		}
+	}
 	for _, b := range builds[1:] {
 		got := results[b.name]
 		for i, kernel := range []string{"adamw_split", "adamw_f32_x4"} {
@@ -132,6 +169,9 @@ func TestAdamWLab(t *testing.T) {
 				if err := agree(c.got, c.want, b.exact); err != nil {
 					t.Errorf("%s %s %s: %v", b.name, kernel, c.what, err)
 				}
+			}
+			if a, w := got[i].squares, prod[i].squares; !(math.Abs(a-w) <= 1e-12*w) {
+				t.Errorf("%s %s: the gradient's squares came to %v, production's to %v", b.name, kernel, a, w)
 			}
 		}
 	}
@@ -152,35 +192,7 @@ func TestAdamWLab(t *testing.T) {
 	}
 	timeBuild := func(name string, weights int64, run func() error) {
 		t.Helper()
-		e0, err := d.NewEvent()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer e0.Destroy()
-		e1, err := d.NewEvent()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer e1.Destroy()
-		const reps = 5
-		if err := run(); err != nil { // warm-up
-			t.Fatal(err)
-		}
-		e0.Record()
-		for range reps {
-			if err := run(); err != nil {
-				t.Fatal(err)
-			}
-		}
-		e1.Record()
-		ms, err := e1.Since(e0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := d.Sync(); err != nil {
-			t.Fatal(err)
-		}
-		ms /= reps
+		ms := eventMS(t, d, 5, run)
 		figure(t, name+" ms", ms, "ms")
 		figure(t, name, float64(bytesPerWeight*weights)/ms/1e9, "TB/s")
 	}

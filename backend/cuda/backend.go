@@ -56,9 +56,11 @@ type Backend struct {
 }
 
 var (
-	_ backend.Backend       = (*Backend)(nil)
-	_ backend.Precision     = (*Backend)(nil)
-	_ backend.Deterministic = (*Backend)(nil)
+	_ backend.Backend           = (*Backend)(nil)
+	_ backend.Precision         = (*Backend)(nil)
+	_ backend.Deterministic     = (*Backend)(nil)
+	_ backend.LaterReducer      = (*Backend)(nil)
+	_ backend.SquaringOptimizer = (*Backend)(nil)
 )
 
 // SetDeterministic selects, for on, the fixed-order forms of the ops that

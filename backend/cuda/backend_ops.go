@@ -114,20 +114,16 @@ func (b *Backend) SumSquaresLater(t backend.Tensor) func() float64 {
 }
 
 // reduce queues sum_partial_f32 on a fixed grid (so the same tensor gives
-// the same bits every time) and the copy of its per-block float64 partials
-// to the host behind it (Device.StartCopyFromDevice); the function it
-// returns waits for that copy alone and adds the partials in order. So a
-// step's reductions queued before its loss wait are on the host when that
-// wait ends, without a round trip each. A failure returns NaN and waits
-// for Sync.
+// the same bits every time) and the copy of its per-block float64
+// partials behind it (blockSums). A failure returns NaN and waits for
+// Sync.
 func (b *Backend) reduce(t *Tensor, squares bool) func() float64 {
 	n := t.Len()
 	if n == 0 {
 		return func() float64 { return 0 }
 	}
 	g := b.strideGrid(n)
-	bytes := 8 * int(g.Grid.X)
-	buf, err := b.alloc(int64(bytes))
+	buf, err := b.alloc(int64(8 * g.Grid.X))
 	if err != nil {
 		b.fail(err)
 		return math.NaN
@@ -137,8 +133,19 @@ func (b *Backend) reduce(t *Tensor, squares bool) func() float64 {
 		sq = 1
 	}
 	b.launch(b.k.sumPartial, g, t, int64(n), sq, buf)
-	partials := make([]float64, g.Grid.X)
-	wait, err := b.dev.StartCopyFromDevice(buf, 0, bytes)
+	return b.blockSums(buf, int(g.Grid.X))
+}
+
+// blockSums queues the copy of buf's per-block float64 partials (blocks
+// of them) to the host behind the kernel that writes them
+// (Device.StartCopyFromDevice), and returns the function that waits for
+// that copy alone, adds the partials in order and frees buf. So a step's
+// reductions queued before its loss wait are on the host when that wait
+// ends, without a round trip each. A failure returns NaN and waits for
+// Sync.
+func (b *Backend) blockSums(buf *Buffer, blocks int) func() float64 {
+	partials := make([]float64, blocks)
+	wait, err := b.dev.StartCopyFromDevice(buf, 0, 8*blocks)
 	if err != nil { // more partials than a slot holds: copy them when asked
 		wait = func(dst []byte) error { return b.dev.CopyFromDevice(dst, buf, 0) }
 	}
@@ -554,7 +561,19 @@ func (b *Backend) RowDots(outN, aTD, rowsN, bND backend.Tensor) {
 // AdamWUpdate updates param in place from grad with moments m and v, in
 // float64 arithmetic on the float32 state as the CPU backend does.
 func (b *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW) {
-	const op = "AdamWUpdate"
+	b.adamW("AdamWUpdate", param, grad, m, v, h, false)
+}
+
+// AdamWUpdateSquares is AdamWUpdate that also sums grad's squares in the
+// same pass (backend.SquaringOptimizer): each block of the kernel adds its
+// share in a fixed order, the host the blocks' sums in order.
+func (b *Backend) AdamWUpdateSquares(param, grad, m, v backend.Tensor, h backend.AdamW) func() float64 {
+	return b.adamW("AdamWUpdateSquares", param, grad, m, v, h, true)
+}
+
+// adamW runs adamw_f32 (adamw_f32_x4 where every tensor is 16-byte
+// aligned), with the squares' per-block sums when squares is set.
+func (b *Backend) adamW(op string, param, grad, m, v backend.Tensor, h backend.AdamW, squares bool) func() float64 {
 	p := float(op, "param", param)
 	n := p.Len()
 	g := vector(op, "grad", grad, n)
@@ -562,13 +581,33 @@ func (b *Backend) AdamWUpdate(param, grad, m, v backend.Tensor, h backend.AdamW)
 	vv := vector(op, "v", v, n)
 	bc1, bc2, decay := adamWFactors(op, h)
 	if n == 0 {
-		return
+		return func() float64 { return 0 }
 	}
 	k := b.k.adamw
 	if aligned4(p, g, mm, vv) {
 		k = b.k.adamwX4
 	}
-	b.launch(k, b.strideGrid(n), p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor())
+	grid := b.strideGrid(n)
+	sq, sum := b.squaresOut(grid, squares)
+	b.launch(k, grid, p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor(), sq)
+	return sum
+}
+
+// squaresOut is where an AdamW kernel launched on grid writes its blocks'
+// sums of the gradient's squares, and the function that returns their
+// total (blockSums); without want, a null address and nil. A failed
+// allocation runs the update without the sums, whose function returns
+// NaN, and waits for Sync.
+func (b *Backend) squaresOut(grid Grid, want bool) (any, func() float64) {
+	if !want {
+		return driver.DevicePtr(0), nil
+	}
+	buf, err := b.alloc(int64(8 * grid.Grid.X))
+	if err != nil {
+		b.fail(err)
+		return driver.DevicePtr(0), math.NaN
+	}
+	return buf, b.blockSums(buf, int(grid.Grid.X))
 }
 
 // adamWFactors are AdamW's bias corrections 1 - beta^step and its decay
@@ -584,7 +623,16 @@ func adamWFactors(op string, h backend.AdamW) (bc1, bc2, decay float64) {
 // (backend.SplitMaster), in adamw.cu's adamw_split: the same arithmetic as
 // adamw_f32 on the joined masters, one pair of weights per step.
 func (b *Backend) AdamWUpdateSplit(hi, lo, grad, m, v backend.Tensor, h backend.AdamW) {
-	const op = "AdamWUpdateSplit"
+	b.adamWSplit("AdamWUpdateSplit", hi, lo, grad, m, v, h, false)
+}
+
+// AdamWUpdateSplitSquares is AdamWUpdateSplit that also sums grad's
+// squares in the same pass, as AdamWUpdateSquares does.
+func (b *Backend) AdamWUpdateSplitSquares(hi, lo, grad, m, v backend.Tensor, h backend.AdamW) func() float64 {
+	return b.adamWSplit("AdamWUpdateSplitSquares", hi, lo, grad, m, v, h, true)
+}
+
+func (b *Backend) adamWSplit(op string, hi, lo, grad, m, v backend.Tensor, h backend.AdamW, squares bool) func() float64 {
 	if hi == nil {
 		fail(op, "hi is nil")
 	}
@@ -602,7 +650,7 @@ func (b *Backend) AdamWUpdateSplit(hi, lo, grad, m, v backend.Tensor, h backend.
 	vv := vector(op, "v", v, n)
 	bc1, bc2, decay := adamWFactors(op, h)
 	if n == 0 {
-		return
+		return func() float64 { return 0 }
 	}
 	// Pairs: hi and lo a 4-byte word each, grad, m and v 8 bytes.
 	for _, a := range []struct {
@@ -613,7 +661,10 @@ func (b *Backend) AdamWUpdateSplit(hi, lo, grad, m, v backend.Tensor, h backend.
 			fail(op, "a tensor starts at an odd element; split masters come in aligned pairs")
 		}
 	}
-	b.launch(b.k.adamwSplit, b.strideGrid(n/2), hs, ls, g, mm, vv, int64(n/2), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor())
+	grid := b.strideGrid(n / 2)
+	sq, sum := b.squaresOut(grid, squares)
+	b.launch(b.k.adamwSplit, grid, hs, ls, g, mm, vv, int64(n/2), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor(), sq)
+	return sum
 }
 
 // devicePtrs returns the addresses of ts (0 for nil) and whether every

@@ -84,6 +84,40 @@ func testDevice(t *testing.T) *Device {
 	return gpu.dev
 }
 
+// eventMS runs f once to warm up, then reps times between two events, and
+// returns the GPU milliseconds per run.
+func eventMS(t *testing.T, d *Device, reps int, f func() error) float64 {
+	t.Helper()
+	e0, err := d.NewEvent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e0.Destroy()
+	e1, err := d.NewEvent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e1.Destroy()
+	if err := f(); err != nil {
+		t.Fatal(err)
+	}
+	e0.Record()
+	for range reps {
+		if err := f(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e1.Record()
+	ms, err := e1.Since(e0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	return ms / float64(reps)
+}
+
 // figure logs one measured number in a form scripts/gpu-test.sh collects.
 func figure(t *testing.T, name string, value float64, unit string) {
 	t.Helper()

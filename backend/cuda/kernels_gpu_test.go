@@ -379,7 +379,7 @@ func TestKernelAdamW(t *testing.T) {
 			bc1 := 1 - math.Pow(h.Beta1, float64(step))
 			bc2 := 1 - math.Pow(h.Beta2, float64(step))
 			k.launch("adamw.cu", name, k.d.StrideGrid(n, 256, 4), dp, dg, dm, dv, int64(n),
-				h.LR, h.Beta1, h.Beta2, h.Eps, 1-h.LR*h.WeightDecay, bc1, bc2, h.GradScale)
+				h.LR, h.Beta1, h.Beta2, h.Eps, 1-h.LR*h.WeightDecay, bc1, bc2, h.GradScale, driver.DevicePtr(0))
 			k.ref.AdamWUpdate(rp, k.cpuF(g, n), rm, rv, h)
 		}
 		k.check(name+" param", k.download(dp, n), k.get(rp), fp32Tol)

@@ -147,31 +147,7 @@ func TestFigures(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d.Free(b)
-	e0, _ := d.NewEvent()
-	e1, _ := d.NewEvent()
-	defer e0.Destroy()
-	defer e1.Destroy()
-	timeIt := func(reps int, f func() error) float64 {
-		t.Helper()
-		if err := f(); err != nil { // warm-up
-			t.Fatal(err)
-		}
-		e0.Record()
-		for range reps {
-			if err := f(); err != nil {
-				t.Fatal(err)
-			}
-		}
-		e1.Record()
-		ms, err := e1.Since(e0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := d.Sync(); err != nil {
-			t.Fatal(err)
-		}
-		return ms / float64(reps)
-	}
+	timeIt := func(reps int, f func() error) float64 { return eventMS(t, d, reps, f) }
 	const n = big / 4
 	g := d.StrideGrid(n, 256, 4)
 	ms := timeIt(10, func() error { return d.Launch(fill, g, a, float32(1.5), int64(n)) })

@@ -286,6 +286,31 @@ func (p *Backend) AdamWUpdateSplit(hi, lo, grad, m, v backend.Tensor, h backend.
 	p.inner.AdamWUpdateSplit(hi, lo, grad, m, v, h)
 }
 
+// AdamWUpdateSquares times the update with its squares as one AdamW op
+// where the wrapped backend sums them in the same pass
+// (backend.SquaringOptimizer), else as the SumSquares and the AdamWUpdate
+// it runs instead.
+func (p *Backend) AdamWUpdateSquares(param, grad, m, v backend.Tensor, h backend.AdamW) func() float64 {
+	if o, ok := p.inner.(backend.SquaringOptimizer); ok {
+		defer p.end(p.begin(), opAdamWUpdate)
+		return o.AdamWUpdateSquares(param, grad, m, v, h)
+	}
+	sq := p.SumSquaresLater(grad)
+	p.AdamWUpdate(param, grad, m, v, h)
+	return sq
+}
+
+// AdamWUpdateSplitSquares is AdamWUpdateSquares for AdamWUpdateSplit.
+func (p *Backend) AdamWUpdateSplitSquares(hi, lo, grad, m, v backend.Tensor, h backend.AdamW) func() float64 {
+	if o, ok := p.inner.(backend.SquaringOptimizer); ok {
+		defer p.end(p.begin(), opAdamWUpdate)
+		return o.AdamWUpdateSplitSquares(hi, lo, grad, m, v, h)
+	}
+	sq := p.SumSquaresLater(grad)
+	p.AdamWUpdateSplit(hi, lo, grad, m, v, h)
+	return sq
+}
+
 func (p *Backend) GatherPeerRows(outRD backend.Tensor, srcTD, tokS, scaleS []backend.Tensor, refsR2 backend.Tensor) {
 	defer p.end(p.begin(), opGatherPeerRows)
 	p.inner.GatherPeerRows(outRD, srcTD, tokS, scaleS, refsR2)

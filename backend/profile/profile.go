@@ -35,7 +35,11 @@ type record struct {
 	start, end Mark
 }
 
-var _ backend.Backend = (*Backend)(nil)
+var (
+	_ backend.Backend           = (*Backend)(nil)
+	_ backend.LaterReducer      = (*Backend)(nil)
+	_ backend.SquaringOptimizer = (*Backend)(nil)
+)
 
 // New wraps inner, timing its ops with clock once enabled. Name and
 // FloatType are inner's. Hand p.Backend() to code that should also see

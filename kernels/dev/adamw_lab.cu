@@ -11,7 +11,15 @@
 //      division per element (not exact)
 //   4  adamw_split two pairs per step of the loop: hi and lo 8 bytes, g,
 //      m and v 16 bytes per access (exact; needs 16-byte aligned g, m, v)
+// The variants add the gradient's squares in every loop and write them
+// where sq is given (in another order than production's where wider).
 //
+#ifndef AW_EXPERIMENT
+#define AW_EXPERIMENT 0
+#endif
+
+#if AW_EXPERIMENT == 0
+
 // AdamW with PyTorch's semantics (decoupled weight decay), over n elements:
 //
 //   g = g * gscale                     (gradient clipping, folded in)
@@ -24,6 +32,12 @@
 // (every pointer 16-byte aligned; the launcher falls back otherwise): the
 // optimizer reads and writes every parameter's four float32s of state, the
 // largest memory pass of a step.
+//
+// sq, when not null, gets one float64 per block: the sum of the squares of
+// the gradient the block read (as given, before gscale), added in a fixed
+// order (blocks of exactly 256 threads), so a fixed grid gives the same
+// bits every time. A norm that does not gate the update (the experts'
+// update in the backward) so costs no second pass over the gradient.
 
 __device__ __forceinline__ void aw_one(float* p, float g, float* m, float* v, double lr, double beta1, double beta2,
                                        double eps, double decay, double bc1, double bc2, double gscale) {
@@ -36,31 +50,60 @@ __device__ __forceinline__ void aw_one(float* p, float g, float* m, float* v, do
   *p = (float)((double)*p * decay - lr * mhat / (sqrt(vhat) + eps));
 }
 
-#ifndef AW_EXPERIMENT
-#define AW_EXPERIMENT 0
-#endif
+// aw_squares writes this block's sum of its threads' acc to sq[blockIdx.x].
+__device__ __forceinline__ void aw_squares(double acc, double* sq) {
+  __shared__ double s[256];
+  const double sum = mk_block_sum_256_f64(acc, s);
+  if (threadIdx.x == 0) sq[blockIdx.x] = sum;
+}
 
-#if AW_EXPERIMENT == 0
-extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, long long n,
-                                     double lr, double beta1, double beta2, double eps,
-                                     double decay, double bc1, double bc2, double gscale) {
-  for (long long i = mk_global_id(); i < n; i += mk_grid_stride())
-    aw_one(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+// Each kernel's loop is a template on whether it sums the squares, so the
+// update alone runs the loop it ran before sq existed.
+template <bool SQ>
+__device__ __forceinline__ double aw_f32_loop(float* p, const float* g, float* m, float* v, long long n, double lr,
+                                              double beta1, double beta2, double eps, double decay, double bc1,
+                                              double bc2, double gscale) {
+  double acc = 0.0;
+  for (long long i = mk_global_id(); i < n; i += mk_grid_stride()) {
+    const float gi = g[i];
+    if (SQ) acc += (double)gi * (double)gi;
+    aw_one(&p[i], gi, &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  }
+  return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) adamw_f32(float* p, const float* g, float* m, float* v, long long n,
+                                                            double lr, double beta1, double beta2, double eps,
+                                                            double decay, double bc1, double bc2, double gscale,
+                                                            double* sq) {
+  if (sq == nullptr) {
+    aw_f32_loop<false>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    return;
+  }
+  aw_squares(aw_f32_loop<true>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale), sq);
 }
 
 struct alignas(16) aw_f4 {
   float x, y, z, w;
 };
 
-extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, float* v, long long n,
-                                        double lr, double beta1, double beta2, double eps,
-                                        double decay, double bc1, double bc2, double gscale) {
+template <bool SQ>
+__device__ __forceinline__ double aw_f32_x4_loop(float* p, const float* g, float* m, float* v, long long n, double lr,
+                                                 double beta1, double beta2, double eps, double decay, double bc1,
+                                                 double bc2, double gscale) {
   const long long groups = n >> 2, stride = mk_grid_stride();
   aw_f4 *p4 = (aw_f4*)p, *m4 = (aw_f4*)m, *v4 = (aw_f4*)v;
   const aw_f4* g4 = (const aw_f4*)g;
+  double acc = 0.0;
   for (long long i = mk_global_id(); i < groups; i += stride) {
     aw_f4 pv = p4[i], mv = m4[i], vv = v4[i];
     const aw_f4 gv = g4[i];
+    if (SQ) {
+      acc += (double)gv.x * (double)gv.x;
+      acc += (double)gv.y * (double)gv.y;
+      acc += (double)gv.z * (double)gv.z;
+      acc += (double)gv.w * (double)gv.w;
+    }
     aw_one(&pv.x, gv.x, &mv.x, &vv.x, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
     aw_one(&pv.y, gv.y, &mv.y, &vv.y, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
     aw_one(&pv.z, gv.z, &mv.z, &vv.z, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
@@ -69,8 +112,23 @@ extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, floa
     m4[i] = mv;
     v4[i] = vv;
   }
-  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride)
-    aw_one(&p[i], g[i], &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride) {
+    const float gi = g[i];
+    if (SQ) acc += (double)gi * (double)gi;
+    aw_one(&p[i], gi, &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  }
+  return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) adamw_f32_x4(float* p, const float* g, float* m, float* v, long long n,
+                                                               double lr, double beta1, double beta2, double eps,
+                                                               double decay, double bc1, double bc2, double gscale,
+                                                               double* sq) {
+  if (sq == nullptr) {
+    aw_f32_x4_loop<false>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    return;
+  }
+  aw_squares(aw_f32_x4_loop<true>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale), sq);
 }
 
 // adamw_split: AdamW on split float32 masters (backend/master_split.go).
@@ -97,16 +155,22 @@ struct alignas(8) aws_f2 {
   float x, y;
 };
 
-extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* g, float* m, float* v, long long pairs,
-                                       double lr, double beta1, double beta2, double eps,
-                                       double decay, double bc1, double bc2, double gscale) {
+template <bool SQ>
+__device__ __forceinline__ double aw_split_loop(unsigned* hi, unsigned* lo, const float* g, float* m, float* v,
+                                               long long pairs, double lr, double beta1, double beta2, double eps,
+                                               double decay, double bc1, double bc2, double gscale) {
   const aws_f2* g2 = (const aws_f2*)g;
   aws_f2 *m2 = (aws_f2*)m, *v2 = (aws_f2*)v;
+  double acc = 0.0;
   for (long long j = mk_global_id(); j < pairs; j += mk_grid_stride()) {
     const unsigned hw = hi[j], lw = lo[j];
     float w0 = aws_join(hw & 0xffffu, lw & 0xffffu), w1 = aws_join(hw >> 16, lw >> 16);
     const aws_f2 gv = g2[j];
     aws_f2 mv = m2[j], vv = v2[j];
+    if (SQ) {
+      acc += (double)gv.x * (double)gv.x;
+      acc += (double)gv.y * (double)gv.y;
+    }
     aw_one(&w0, gv.x, &mv.x, &vv.x, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
     aw_one(&w1, gv.y, &mv.y, &vv.y, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
     unsigned h0, l0, h1, l1;
@@ -117,9 +181,40 @@ extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* 
     m2[j] = mv;
     v2[j] = vv;
   }
+  return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) adamw_split(unsigned* hi, unsigned* lo, const float* g, float* m,
+                                                              float* v, long long pairs, double lr, double beta1,
+                                                              double beta2, double eps, double decay, double bc1,
+                                                              double bc2, double gscale, double* sq) {
+  if (sq == nullptr) {
+    aw_split_loop<false>(hi, lo, g, m, v, pairs, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    return;
+  }
+  aw_squares(aw_split_loop<true>(hi, lo, g, m, v, pairs, lr, beta1, beta2, eps, decay, bc1, bc2, gscale), sq);
 }
 
 #else
+
+
+__device__ __forceinline__ void aw_one(float* p, float g, float* m, float* v, double lr, double beta1, double beta2,
+                                       double eps, double decay, double bc1, double bc2, double gscale) {
+  const double gi = (double)g * gscale;
+  const float mi = (float)(beta1 * (double)*m + (1.0 - beta1) * gi);
+  const float vi = (float)(beta2 * (double)*v + (1.0 - beta2) * gi * gi);
+  *m = mi;
+  *v = vi;
+  const double mhat = (double)mi / bc1, vhat = (double)vi / bc2;
+  *p = (float)((double)*p * decay - lr * mhat / (sqrt(vhat) + eps));
+}
+
+// aw_squares writes this block's sum of its threads' acc to sq[blockIdx.x].
+__device__ __forceinline__ void aw_squares(double acc, double* sq) {
+  __shared__ double s[256];
+  const double sum = mk_block_sum_256_f64(acc, s);
+  if (threadIdx.x == 0) sq[blockIdx.x] = sum;
+}
 
 // aw_coef: the update's constants, as each thread derives them once.
 struct aw_coef {
@@ -162,9 +257,14 @@ __device__ __forceinline__ void aw_el(float* p, float g, float* m, float* v, con
 
 extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, long long n,
                                      double lr, double beta1, double beta2, double eps,
-                                     double decay, double bc1, double bc2, double gscale) {
+                                     double decay, double bc1, double bc2, double gscale, double* sq) {
   const aw_coef c = aw_make(lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
-  for (long long i = mk_global_id(); i < n; i += mk_grid_stride()) aw_el(&p[i], g[i], &m[i], &v[i], c);
+  double acc = 0.0;
+  for (long long i = mk_global_id(); i < n; i += mk_grid_stride()) {
+    acc += (double)g[i] * (double)g[i];
+    aw_el(&p[i], g[i], &m[i], &v[i], c);
+  }
+  if (sq != nullptr) aw_squares(acc, sq);
 }
 
 struct alignas(16) aw_f4 {
@@ -173,14 +273,16 @@ struct alignas(16) aw_f4 {
 
 extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, float* v, long long n,
                                         double lr, double beta1, double beta2, double eps,
-                                        double decay, double bc1, double bc2, double gscale) {
+                                        double decay, double bc1, double bc2, double gscale, double* sq) {
   const aw_coef c = aw_make(lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  double acc = 0.0;
   const long long groups = n >> 2, stride = mk_grid_stride();
   aw_f4 *p4 = (aw_f4*)p, *m4 = (aw_f4*)m, *v4 = (aw_f4*)v;
   const aw_f4* g4 = (const aw_f4*)g;
   for (long long i = mk_global_id(); i < groups; i += stride) {
     aw_f4 pv = p4[i], mv = m4[i], vv = v4[i];
     const aw_f4 gv = g4[i];
+    acc += (double)gv.x * (double)gv.x + (double)gv.y * (double)gv.y + (double)gv.z * (double)gv.z + (double)gv.w * (double)gv.w;
     aw_el(&pv.x, gv.x, &mv.x, &vv.x, c);
     aw_el(&pv.y, gv.y, &mv.y, &vv.y, c);
     aw_el(&pv.z, gv.z, &mv.z, &vv.z, c);
@@ -189,7 +291,11 @@ extern "C" __global__ void adamw_f32_x4(float* p, const float* g, float* m, floa
     m4[i] = mv;
     v4[i] = vv;
   }
-  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride) aw_el(&p[i], g[i], &m[i], &v[i], c);
+  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride) {
+    acc += (double)g[i] * (double)g[i];
+    aw_el(&p[i], g[i], &m[i], &v[i], c);
+  }
+  if (sq != nullptr) aw_squares(acc, sq);
 }
 
 __device__ __forceinline__ float aws_join(unsigned h, unsigned l) {
@@ -221,8 +327,9 @@ __device__ __forceinline__ void aws_pair(unsigned* hw, unsigned* lw, float gx, f
 
 extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* g, float* m, float* v, long long pairs,
                                        double lr, double beta1, double beta2, double eps,
-                                       double decay, double bc1, double bc2, double gscale) {
+                                       double decay, double bc1, double bc2, double gscale, double* sq) {
   const aw_coef c = aw_make(lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+  double acc = 0.0;
   long long first = 0;
 #if AW_EXPERIMENT & 4
   struct alignas(8) aws_u2 {
@@ -233,6 +340,7 @@ extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* 
     aws_u2 hw = ((const aws_u2*)hi)[j], lw = ((const aws_u2*)lo)[j];
     const aw_f4 gv = ((const aw_f4*)g)[j];
     aw_f4 mv = ((aw_f4*)m)[j], vv = ((aw_f4*)v)[j];
+    acc += (double)gv.x * (double)gv.x + (double)gv.y * (double)gv.y + (double)gv.z * (double)gv.z + (double)gv.w * (double)gv.w;
     aws_pair(&hw.x, &lw.x, gv.x, gv.y, &mv.x, &mv.y, &vv.x, &vv.y, c);
     aws_pair(&hw.y, &lw.y, gv.z, gv.w, &mv.z, &mv.w, &vv.z, &vv.w, c);
     ((aws_u2*)hi)[j] = hw;
@@ -248,12 +356,14 @@ extern "C" __global__ void adamw_split(unsigned* hi, unsigned* lo, const float* 
     unsigned hw = hi[j], lw = lo[j];
     const aws_f2 gv = g2[j];
     aws_f2 mv = m2[j], vv = v2[j];
+    acc += (double)gv.x * (double)gv.x + (double)gv.y * (double)gv.y;
     aws_pair(&hw, &lw, gv.x, gv.y, &mv.x, &mv.y, &vv.x, &vv.y, c);
     hi[j] = hw;
     lo[j] = lw;
     m2[j] = mv;
     v2[j] = vv;
   }
+  if (sq != nullptr) aw_squares(acc, sq);
 }
 
 #endif
