@@ -177,26 +177,30 @@ func TestKernelSum(t *testing.T) {
 	dx := upload(k, x)
 	g := k.d.StrideGrid(n, 256, 4)
 	partial := k.poisoned(2 * g.Grid.X) // float64 partials
-	rx := k.cpuF(x, n)
-	for _, sq := range []int32{0, 1} {
-		k.launch("elementwise.cu", "sum_partial_f32", g, dx, int64(n), sq, partial)
-		if err := k.d.Sync(); err != nil {
-			t.Fatal(err)
-		}
-		parts := make([]float64, g.Grid.X)
-		if err := k.d.CopyFromDevice(Bytes(parts), partial, 0); err != nil {
-			t.Fatal(err)
-		}
-		var s float64
-		for _, p := range parts {
-			s += p
-		}
-		want := k.ref.Sum(rx)
-		if sq == 1 {
-			want = k.ref.SumSquares(rx)
-		}
-		if math.Abs(s-want) > 1e-10*max(math.Abs(want), 1) {
-			t.Errorf("squares=%d: sum %.17g, want %.17g", sq, s, want)
+	// From the buffer's start the kernel reads four floats at a time (and
+	// a tail of one); one float in, one at a time.
+	for _, off := range []int{0, 1} {
+		rx := k.cpuF(x[off:], n-off)
+		for _, sq := range []int32{0, 1} {
+			k.launch("elementwise.cu", "sum_partial_f32", g, dx.ptr+driver.DevicePtr(4*off), int64(n-off), sq, partial)
+			if err := k.d.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			parts := make([]float64, g.Grid.X)
+			if err := k.d.CopyFromDevice(Bytes(parts), partial, 0); err != nil {
+				t.Fatal(err)
+			}
+			var s float64
+			for _, p := range parts {
+				s += p
+			}
+			want := k.ref.Sum(rx)
+			if sq == 1 {
+				want = k.ref.SumSquares(rx)
+			}
+			if math.Abs(s-want) > 1e-10*max(math.Abs(want), 1) {
+				t.Errorf("offset %d, squares=%d: sum %.17g, want %.17g", off, sq, s, want)
+			}
 		}
 	}
 }
