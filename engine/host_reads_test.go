@@ -64,17 +64,27 @@ func readsPerStep(t *testing.T, cfg Config) []int {
 // once, the gradient norm), not once per layer. The MoE layers' counts
 // reach the host by queued downloads (Backend.StartDownload), which are
 // not waits for the whole queue; with either dispatcher and every
-// recompute setting.
+// recompute setting, and with aux-loss-free balancing, whose biases the
+// host keeps (moe.UpdateBias) instead of reading them every step.
 func TestHostReadsDoNotGrowWithLayers(t *testing.T) {
-	for _, c := range []struct{ dispatcher, recompute string }{
-		{"unfused", RecomputeNone}, {"fused", RecomputeNone}, {"fused", RecomputeSelective}, {"unfused", RecomputeFull},
+	for _, c := range []struct {
+		dispatcher, recompute string
+		biasRate              float64
+	}{
+		{"unfused", RecomputeNone, 0}, {"fused", RecomputeNone, 0}, {"fused", RecomputeSelective, 0}, {"unfused", RecomputeFull, 0},
+		{"fused", RecomputeNone, 1e-3},
 	} {
-		t.Run(c.dispatcher+"/"+c.recompute, func(t *testing.T) {
+		name := c.dispatcher + "/" + c.recompute
+		if c.biasRate > 0 {
+			name += "/bias"
+		}
+		t.Run(name, func(t *testing.T) {
 			var got [2][]int
 			for i, layers := range []int{2, 5} {
 				cfg := planConfig()
 				cfg.Model.Layers = layers
 				cfg.Model.MoE.Dispatcher = c.dispatcher
+				cfg.Model.MoE.BiasUpdateRate = c.biasRate
 				cfg.Train.Recompute = c.recompute
 				cfg.Train.Steps = 3
 				cfg.Train.GradClip = 1

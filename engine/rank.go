@@ -48,6 +48,9 @@ type rank struct {
 	m, v  backend.Tensor
 	adam  []adamPart
 	biasE []backend.Tensor // per layer, nil when bias balancing is off
+	// biasHost is biasE's values as the last moe.UpdateBias left them (nil:
+	// not known on the host, read them from biasE).
+	biasHost [][]float64
 	// shards cuts the replicated span over the data-context group: the
 	// pieces whose moments each rank keeps when zero is set (parallel.zero
 	// 1 on a group of several ranks), and the order in which the
@@ -384,8 +387,11 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		}
 	}
 	profile.Scope(r.b, "")
+	if r.biasE != nil && r.biasHost == nil {
+		r.biasHost = make([][]float64, len(r.biasE))
+	}
 	for l, bias := range r.biasE {
-		moe.UpdateBias(b, bias, res.expertLoad[l], cfg.Model.MoE.BiasUpdateRate)
+		r.biasHost[l] = moe.UpdateBias(b, bias, r.biasHost[l], res.expertLoad[l], cfg.Model.MoE.BiasUpdateRate)
 	}
 	// No wait for the optimizer: the host reads and uploads the next batch
 	// and queues its forward while the device runs AdamW. Its errors

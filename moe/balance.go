@@ -120,16 +120,25 @@ func (l *Layer) ReadStats(st *Stats) error {
 // mean load, bias_e += rate * sign(mean - load_e). tokensPerExpert is the
 // step's global load (Stats.TokensPerExpert summed over micro-steps), so
 // every rank applies the same update. biasE is a float tensor [E].
-func UpdateBias(b backend.Backend, biasE backend.Tensor, tokensPerExpert []float64, rate float64) {
-	if biasE.Len() != len(tokensPerExpert) {
-		panic(fmt.Sprintf("moe: bias has %d experts but the load has %d", biasE.Len(), len(tokensPerExpert)))
+//
+// hostE is biasE's values as the last update left them, which spares the
+// step a download of biasE (a wait for the device's whole queue, the
+// optimizer's included): nil reads them from biasE first. UpdateBias
+// returns the new values, as biasE holds them (rounded to its dtype), for
+// the next call; after anything else writes biasE (a restore), pass nil.
+func UpdateBias(b backend.Backend, biasE backend.Tensor, hostE, tokensPerExpert []float64, rate float64) []float64 {
+	if biasE.Len() != len(tokensPerExpert) || (hostE != nil && len(hostE) != len(tokensPerExpert)) {
+		panic(fmt.Sprintf("moe: bias has %d experts (%d on the host) but the load has %d", biasE.Len(), len(hostE), len(tokensPerExpert)))
 	}
 	var mean float64
 	for _, n := range tokensPerExpert {
 		mean += n
 	}
 	mean /= float64(len(tokensPerExpert))
-	bias := backend.DownloadFloat64(b, biasE)
+	bias := hostE
+	if bias == nil {
+		bias = backend.DownloadFloat64(b, biasE)
+	}
 	for e, load := range tokensPerExpert {
 		switch {
 		case load < mean:
@@ -137,6 +146,13 @@ func UpdateBias(b backend.Backend, biasE backend.Tensor, tokensPerExpert []float
 		case load > mean:
 			bias[e] -= rate
 		}
+		if biasE.DType() == backend.Float32 {
+			bias[e] = float64(float32(bias[e])) // what the upload leaves in biasE
+		}
 	}
 	backend.UploadSlice(b, biasE, bias)
+	if dt := biasE.DType(); dt != backend.Float32 && dt != backend.Float64 {
+		return nil // rounded otherwise: read again next time
+	}
+	return bias
 }

@@ -602,14 +602,34 @@ func TestBiasSteersSelectionOnly(t *testing.T) {
 	}
 }
 
-// (f) UpdateBias moves under-loaded experts up and over-loaded ones down.
+// (f) UpdateBias moves under-loaded experts up and over-loaded ones down;
+// the values it returns are what the tensor holds, so that the next call
+// needs no download, on a float32 backend too.
 func TestUpdateBias(t *testing.T) {
 	b := cpu.New(backend.Float64)
 	bias := upload(b, []float64{0.5, 0, -1, 2, 0}, 5)
-	moe.UpdateBias(b, bias, []float64{10, 2, 4, 5, 4}, 0.25) // mean 5
+	host := moe.UpdateBias(b, bias, nil, []float64{10, 2, 4, 5, 4}, 0.25) // mean 5
 	assertClose(t, "bias", backend.DownloadFloat64(b, bias), []float64{0.25, 0.25, -0.75, 2, 0.25}, 0)
-	moe.UpdateBias(b, bias, []float64{3, 3, 3, 3, 3}, 0.25)
+	host = moe.UpdateBias(b, bias, host, []float64{3, 3, 3, 3, 3}, 0.25)
 	assertClose(t, "bias at balance", backend.DownloadFloat64(b, bias), []float64{0.25, 0.25, -0.75, 2, 0.25}, 0)
+	assertClose(t, "bias on the host", host, []float64{0.25, 0.25, -0.75, 2, 0.25}, 0)
+
+	// In float32, a rate that float32 cannot hold: the host's values are
+	// the tensor's after every step, as a download each step would give.
+	b32 := cpu.New(backend.Float32)
+	withHost, fresh := b32.New(backend.Float32, 3), b32.New(backend.Float32, 3)
+	var kept []float64
+	for step := range 50 {
+		load := []float64{float64(step % 3), 1, 2}
+		kept = moe.UpdateBias(b32, withHost, kept, load, 1e-3)
+		moe.UpdateBias(b32, fresh, nil, load, 1e-3)
+		got, want := backend.DownloadFloat64(b32, withHost), backend.DownloadFloat64(b32, fresh)
+		for e := range want {
+			if got[e] != want[e] || kept[e] != want[e] {
+				t.Fatalf("step %d, expert %d: bias %v with the host's values (%v on the host), %v downloading each step", step, e, got[e], kept[e], want[e])
+			}
+		}
+	}
 }
 
 // Argument errors are returned, not panicked, and name what is wrong.
