@@ -101,3 +101,75 @@ func TestHostReadsDoNotGrowWithLayers(t *testing.T) {
 		})
 	}
 }
+
+// opOrder records, in order, the AdamW updates, the waits for the
+// device's queue and the embedding lookups that start each forward.
+type opOrder struct {
+	backend.Backend
+	mu  sync.Mutex
+	ops []string
+}
+
+func (o *opOrder) add(op string) { o.mu.Lock(); o.ops = append(o.ops, op); o.mu.Unlock() }
+
+func (o *opOrder) AdamWUpdate(p, g, m, v backend.Tensor, h backend.AdamW) {
+	o.add("adamw")
+	o.Backend.AdamWUpdate(p, g, m, v, h)
+}
+func (o *opOrder) AdamWUpdateSplit(hi, lo, g, m, v backend.Tensor, h backend.AdamW) {
+	o.add("adamw")
+	o.Backend.AdamWUpdateSplit(hi, lo, g, m, v, h)
+}
+func (o *opOrder) EmbeddingForward(out, table, ids backend.Tensor) {
+	o.add("forward")
+	o.Backend.EmbeddingForward(out, table, ids)
+}
+func (o *opOrder) Download(t backend.Tensor) *tensor.Dense { o.add("wait"); return o.Backend.Download(t) }
+func (o *opOrder) Sync() error                             { o.add("wait"); return o.Backend.Sync() }
+func (o *opOrder) Sum(t backend.Tensor) float64            { o.add("wait"); return o.Backend.Sum(t) }
+func (o *opOrder) SumSquares(t backend.Tensor) float64     { o.add("wait"); return o.Backend.SumSquares(t) }
+
+// TestStepDoesNotWaitForOptimizer: after a step queues its AdamW, nothing
+// waits for the device before the next forward is queued (rank.trainStep
+// returns without a Sync), so the host prepares the next step while the
+// device runs the optimizer; with aux-loss-free balancing too.
+func TestStepDoesNotWaitForOptimizer(t *testing.T) {
+	for _, rate := range []float64{0, 1e-3} {
+		cfg := planConfig()
+		cfg.Model.MoE.BiasUpdateRate = rate
+		cfg.Train.Steps = 4
+		cfg.Train.GradClip = 1
+		order := &opOrder{}
+		eng, err := New(cfg, WithBackendWrapper(func(b backend.Backend) backend.Backend {
+			order.Backend = b
+			return order
+		}), WithHook(func(StepEvent) { order.add("step") }))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := eng.Run(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		eng.Close()
+		steps, updates, afterUpdate := 0, 0, false
+		for i, op := range order.ops {
+			switch op {
+			case "step":
+				steps++
+			case "adamw":
+				updates++
+				afterUpdate = true
+			case "forward":
+				afterUpdate = false
+			case "wait":
+				// The first step's bias update reads the biases, once.
+				if afterUpdate && !(rate > 0 && steps == 0) {
+					t.Fatalf("bias rate %g, step %d: op %d waits for the device between an AdamW update and the next forward: %v", rate, steps+1, i, order.ops)
+				}
+			}
+		}
+		if updates == 0 || steps != cfg.Train.Steps {
+			t.Fatalf("bias rate %g: %d AdamW updates over %d steps among %v", rate, updates, steps, order.ops)
+		}
+	}
+}
