@@ -124,10 +124,13 @@ func (o *opOrder) EmbeddingForward(out, table, ids backend.Tensor) {
 	o.add("forward")
 	o.Backend.EmbeddingForward(out, table, ids)
 }
-func (o *opOrder) Download(t backend.Tensor) *tensor.Dense { o.add("wait"); return o.Backend.Download(t) }
-func (o *opOrder) Sync() error                             { o.add("wait"); return o.Backend.Sync() }
-func (o *opOrder) Sum(t backend.Tensor) float64            { o.add("wait"); return o.Backend.Sum(t) }
-func (o *opOrder) SumSquares(t backend.Tensor) float64     { o.add("wait"); return o.Backend.SumSquares(t) }
+func (o *opOrder) Download(t backend.Tensor) *tensor.Dense {
+	o.add("wait")
+	return o.Backend.Download(t)
+}
+func (o *opOrder) Sync() error                         { o.add("wait"); return o.Backend.Sync() }
+func (o *opOrder) Sum(t backend.Tensor) float64        { o.add("wait"); return o.Backend.Sum(t) }
+func (o *opOrder) SumSquares(t backend.Tensor) float64 { o.add("wait"); return o.Backend.SumSquares(t) }
 
 // TestStepDoesNotWaitForOptimizer: after a step queues its AdamW, nothing
 // waits for the device before the next forward is queued (rank.trainStep
