@@ -210,6 +210,8 @@ func Sources() []Source {
 			{Name: "rope_table", Block: 256, Grid: gridStride},
 			{Name: "rope_f32", Block: 256, Grid: gridStride},
 			{Name: "rope_f32_bf16", Block: 256, Grid: gridStride},
+			{Name: "rope_f32_x4", Block: 256, Grid: gridStride},
+			{Name: "rope_f32_bf16_x4", Block: 256, Grid: gridStride},
 		}},
 		{File: "grouped_gemm.cu", Kernels: []Kernel{
 			{Name: "grouped_gemm_nt_bn128_f32", Block: 384, Grid: groupedGrid},

@@ -76,12 +76,13 @@ func (d *Device) ropeTableFor(key ropeKey, rows int) (*ropeTable, error) {
 // in the kernel, the same way. It queues the kernels on d's stream; launch
 // errors come back from the next Sync.
 func RoPE(d *Device, out, x, pos driver.DevicePtr, rows, width, headDim int, theta float64, inverse, outBF16 bool) error {
-	return ropeWith(d, out, x, pos, rows, width, headDim, theta, inverse, outBF16, true)
+	return ropeWith(d, out, x, pos, rows, width, headDim, theta, inverse, outBF16, true, true)
 }
 
 // ropeWith is RoPE, with the table or (withTable false: the tests'
-// reference) every angle computed in the kernel.
-func ropeWith(d *Device, out, x, pos driver.DevicePtr, rows, width, headDim int, theta float64, inverse, outBF16, withTable bool) error {
+// reference) every angle computed in the kernel, and four pairs a thread
+// where ropeQuads allows and quads is set (false: the tests' reference).
+func ropeWith(d *Device, out, x, pos driver.DevicePtr, rows, width, headDim int, theta float64, inverse, outBF16, withTable, quads bool) error {
 	if err := checkRoPE(rows, width, headDim, theta); err != nil {
 		return err
 	}
@@ -91,6 +92,11 @@ func ropeWith(d *Device, out, x, pos driver.DevicePtr, rows, width, headDim int,
 	name := "rope_f32"
 	if outBF16 {
 		name = "rope_f32_bf16"
+	}
+	pairsPerThread := 1
+	if quads && ropeQuads(out, x, rows, width, headDim, outBF16) {
+		name += "_x4"
+		pairsPerThread = 4
 	}
 	kern, err := sourceKernel(d, "rope.cu", name)
 	if err != nil {
@@ -111,8 +117,20 @@ func ropeWith(d *Device, out, x, pos driver.DevicePtr, rows, width, headDim int,
 		}
 		tab, tabRows = t.buf.Ptr(), t.rows
 	}
-	n := int64(rows) * int64(width/2)
+	n := int64(rows) * int64(width/2) / int64(pairsPerThread)
 	return d.Launch(kern, d.StrideGrid(n, 256, 8), out, x, pos, tab, int32(tabRows), int32(rows), int32(width), int32(headDim), theta, inv)
+}
+
+// ropeQuads reports whether rope.cu's four-pairs-a-thread kernels take a
+// call: half the head dim a multiple of 4, x and out 16-byte aligned
+// (bf16 out 8), and the thread count, rows*width/8, within 31 bits (the
+// kernels' unsigned grid-stride index must not wrap).
+func ropeQuads(out, x driver.DevicePtr, rows, width, headDim int, outBF16 bool) bool {
+	outAlign := driver.DevicePtr(16)
+	if outBF16 {
+		outAlign = 8
+	}
+	return (headDim/2)%4 == 0 && x%16 == 0 && out%outAlign == 0 && int64(rows)*int64(width/8) <= math.MaxInt32
 }
 
 // checkRoPE validates RoPE's sizes.

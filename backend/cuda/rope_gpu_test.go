@@ -85,7 +85,7 @@ func TestRoPETableIsTheKernelsAngles(t *testing.T) {
 				var got [2][]float32
 				for i, withTable := range []bool{true, false} {
 					out := k.out(c.rows*width, bf16)
-					if err := ropeWith(k.d, out.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, inverse, bf16, withTable); err != nil {
+					if err := ropeWith(k.d, out.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, inverse, bf16, withTable, true); err != nil {
 						t.Fatal(err)
 					}
 					got[i] = k.values(out, c.rows*width, bf16)
@@ -100,7 +100,7 @@ func TestRoPETableIsTheKernelsAngles(t *testing.T) {
 		}
 		// In place, as the backward turns the gradients back.
 		want := k.out(c.rows*width, false)
-		if err := ropeWith(k.d, want.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, true, false, false); err != nil {
+		if err := ropeWith(k.d, want.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, true, false, false, true); err != nil {
 			t.Fatal(err)
 		}
 		if err := RoPE(k.d, bx.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, true, false); err != nil {
@@ -116,4 +116,75 @@ func TestRoPETableIsTheKernelsAngles(t *testing.T) {
 			t.Errorf("rows %d: the table holds %v positions, want %d", c.rows, tab, c.rows)
 		}
 	}
+}
+
+// TestRoPEQuadsArePairs: the four-pairs-a-thread kernels give the bits of
+// the one-pair kernels, float32 and bf16 out, forward and inverse, in
+// place and into another buffer, for positions inside the table and past
+// it; and a call they cannot take (x one float off 16-byte alignment)
+// falls back to the pairs, still right.
+func TestRoPEQuadsArePairs(t *testing.T) {
+	const theta = 1e6
+	for n, c := range []struct{ rows, seq, heads, headDim int }{{333, 100, 16, 64}, {70, 64, 4, 128}, {129, 40, 3, 16}} {
+		k := newKT(t, uint64(70+n))
+		width := c.heads * c.headDim
+		if !ropeQuads(16, 16, c.rows, width, c.headDim, false) {
+			t.Fatalf("head dim %d: the quad kernels do not take the case", c.headDim)
+		}
+		x := k.randn(c.rows*width, 1)
+		pos := make([]int32, c.rows)
+		for i := range pos {
+			pos[i] = int32(i % c.seq)
+			if i%11 == 5 {
+				pos[i] = int32(5*c.rows + i) // past the table
+			}
+		}
+		bx, bpos := upload(k, x), upload(k, pos)
+		for _, bf16 := range []bool{false, true} {
+			for _, inverse := range []bool{false, true} {
+				var got [2][]float32
+				for i, quads := range []bool{true, false} {
+					out := k.out(c.rows*width, bf16)
+					if err := ropeWith(k.d, out.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, inverse, bf16, true, quads); err != nil {
+						t.Fatal(err)
+					}
+					got[i] = k.values(out, c.rows*width, bf16)
+				}
+				for i := range got[0] {
+					if math.Float32bits(got[0][i]) != math.Float32bits(got[1][i]) {
+						t.Fatalf("head dim %d bf16 %v inverse %v: element %d (position %d) is %v four pairs a thread, %v one",
+							c.headDim, bf16, inverse, i, pos[i/width], got[0][i], got[1][i])
+					}
+				}
+			}
+		}
+		// In place.
+		want := k.out(c.rows*width, false)
+		if err := ropeWith(k.d, want.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, false, false, true, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := RoPE(k.d, bx.Ptr(), bx.Ptr(), bpos.Ptr(), c.rows, width, c.headDim, theta, false, false); err != nil {
+			t.Fatal(err)
+		}
+		if got, w := k.download(bx, c.rows*width), k.download(want, c.rows*width); !slices.Equal(got, w) {
+			t.Errorf("head dim %d: the in-place rotation four pairs a thread differs from the pairs'", c.headDim)
+		}
+	}
+
+	// One float off alignment: the pairs kernel runs, against the CPU.
+	k := newKT(t, 79)
+	const rows, heads, headDim = 21, 2, 64
+	width := heads * headDim
+	x := k.randn(rows*width+1, 1)
+	pos := k.ids(rows, 1000)
+	bx, bpos := upload(k, x), upload(k, pos)
+	if ropeQuads(bx.Ptr()+4, bx.Ptr()+4, rows, width, headDim, false) {
+		t.Fatal("the quad kernels take an x 4 bytes off alignment")
+	}
+	if err := RoPE(k.d, bx.Ptr()+4, bx.Ptr()+4, bpos.Ptr(), rows, width, headDim, theta, false, false); err != nil {
+		t.Fatal(err)
+	}
+	ref := k.cpuF(x[1:], rows, width)
+	k.ref.RoPE(ref, ref, k.cpuI(pos), headDim, theta, false)
+	k.check("rope one float off alignment", k.download(bx, len(x))[1:], k.get(ref), fp32Tol)
 }
