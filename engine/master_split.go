@@ -134,18 +134,18 @@ func (r *rank) adamWSquares(s span, g, m, v backend.Tensor, h backend.AdamW) fun
 }
 
 // adamWParts splits the span s (gradients, m and v g, m and v) where the
-// masters stop being float32 and start being split, and calls float32
-// with the float32 part's weights, split with the split part's halves;
-// an empty part is skipped.
-func (r *rank) adamWParts(s span, g, m, v backend.Tensor, float32 func(param, g, m, v backend.Tensor), split func(hi, lo, g, m, v backend.Tensor)) {
+// masters stop being float32 and start being split, and calls plain with
+// the float32 part's weights, split with the split part's halves; an
+// empty part is skipped.
+func (r *rank) adamWParts(s span, g, m, v backend.Tensor, plain func(param, g, m, v backend.Tensor), split func(hi, lo, g, m, v backend.Tensor)) {
 	b := r.b
 	if r.split.hi == nil || s.hi <= r.split.at {
-		float32(r.wStore.view(b, s), g, m, v)
+		plain(r.wStore.view(b, s), g, m, v)
 		return
 	}
 	if s.lo < r.split.at {
 		k, n := r.split.at-s.lo, s.hi-s.lo
-		float32(r.wStore.view(b, span{s.lo, r.split.at}), b.View(g, 0, k), b.View(m, 0, k), b.View(v, 0, k))
+		plain(r.wStore.view(b, span{s.lo, r.split.at}), b.View(g, 0, k), b.View(m, 0, k), b.View(v, 0, k))
 		s.lo, g, m, v = r.split.at, b.View(g, k, n-k), b.View(m, k, n-k), b.View(v, k, n-k)
 	}
 	n := s.hi - s.lo
