@@ -60,6 +60,12 @@ func Sources() []Source {
 			{Name: "fp32-wide", Defines: []string{"AW_EXPERIMENT=5"},
 				Purpose: "fp32-math and wide-split together"},
 		}},
+		{File: "grouped_gemm_lab.cu", Production: "grouped_gemm.cu", Variants: []Variant{
+			{Name: "tn-adamw", Defines: []string{"GT_EXPERIMENT=1"}, Exact: true,
+				Purpose: "adds grouped_gemm_tn_adamw: the experts' AdamW in the weight gradients' epilogue, no gradient written; launched by TestGroupedTNAdamWLab, not in place"},
+			{Name: "tn-adamw-b4", Defines: []string{"GT_EXPERIMENT=1", "GT_BATCH=4"}, Exact: true,
+				Purpose: "tn-adamw loading four column groups' state at a time (eight pairs a thread in flight)"},
+		}},
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},

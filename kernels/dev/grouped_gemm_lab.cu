@@ -1,0 +1,511 @@
+// Lab copy of kernels/grouped_gemm.cu (kernels/dev/README.md): with no
+// define it compiles to the production source's PTX. GT_EXPERIMENT bits:
+//   1  grouped_gemm_tn_adamw: the weight gradients' product with the
+//      experts' AdamW (split masters) in its epilogue, the gradients never
+//      written (kernels/adamw.md: 8 bytes a weight fewer than the product
+//      and adamw_split after it). It launches with more arguments, so
+//      TestGroupedTNAdamWLab runs it through GroupedGemm.runTN.
+// GT_BATCH (default 2): column groups whose weights' state its epilogue
+// loads before updating any.
+//
+#ifndef GT_EXPERIMENT
+#define GT_EXPERIMENT 0
+#endif
+
+// The grouped products of the MoE experts on Hopper (sm_90a): the
+// forward's NT product (out = A . W_e^T per expert, the pipeline of
+// grouped_gemm.cuh) and the weight gradients' TN product (out[e] =
+// A[rows of e]^T . B[rows of e], grouped_gemm_tn below). Launched by
+// backend/cuda/grouped_gemm.go.
+
+#include "grouped_gemm.cuh"
+
+// ---- The NT product ----
+//
+// Three kernels, the ones training runs: cooperative with n tile 128 (6
+// stages) or 256 (4 stages), float32 out, which backend/cuda picks per N
+// (the one that pads N less); and bn256s, bf16 out: bn256 with
+// setmaxnreg (producer 40 registers, consumers 232, which needs the
+// (384, 1) launch bound to fix the entry count at 168), 3 stages and the
+// TMA-store epilogue (it also takes mapO, the output's {N, rows} bf16
+// tensor map with 64x64 boxes and the 128-byte swizzle).
+// Launch: GG_THREADS threads, at most one block per SM (persistent; blocks
+// past the tile count exit at once), dynamic shared memory
+// 1024 + STAGES*(16384 + BN*128) + staging + 16*STAGES + 4*(3E+1)
+// bytes (ggSmemBytes in backend/cuda/grouped_gemm.go).
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn128_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<128, 6, false, false, false>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn256_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<256, 4, false, false, false>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256s_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO,
+    void* out, const int* off, int rows, int N, int K, int E, float alpha, float beta) {
+  gg_body<256, 3, true, true, true>(&mapA, &mapW, &mapO, out, off, rows, N, K, E, alpha, beta);
+}
+
+// ---- The TN product: weight gradients ----
+//
+// grouped_gemm_tn: for every expert e with rows [off[e], off[e+1]) of A
+// and B (clamped to [0, rows]),
+//
+//   out[e, :M, :N] = alpha * A[rows of e, :M]^T . B[rows of e, :N] + beta * out[e]
+//
+// A [rows, M] and B [rows, N] are bfloat16 row-major: the experts' output
+// gradients and their inputs, expert-major as the forward left them; out
+// [E, M, N] is float32 (the weight gradients, accumulated with beta 1).
+// An expert's rows are the product's K, read from off on the device, so
+// the host never learns the counts; an empty expert's block is scaled by
+// beta (left as it is for beta 1, never read for beta 0).
+//
+// Tiles. Every expert has ceil(M/128) x ceil(N/256) output tiles whatever
+// its rows, so the tile list (expert-major, m-tile fastest) is fixed by
+// the shapes alone; the CTAs of the persistent grid stride over it. The
+// tiles running together are mostly one expert's, which keeps its A and
+// B rows in L2 while they are read once per n-tile and m-tile.
+//
+// Operands. The K of the product runs down the rows of A and B, so both
+// arrive MN-major: TMA brings 64 rows (K) x 64 columns (M or N) per box
+// with the 128-byte swizzle, two boxes of A (128 of M) and four of B (256
+// of N) per stage, 48 KiB as in the forward's bn256 kernels; the wgmma
+// reads them through MN-major descriptors (gg_desc_mn: 8 K rows of 128
+// bytes per swizzle atom, the next 64 columns one box on) with both
+// transpose bits set, and each k16 step moves 16 K rows (2048 bytes) on.
+// Warpgroup 0's thread 0 issues the loads into a 4-stage ring; consumer
+// warpgroup c computes rows [64c, 64c+64) of the tile's M from box c of
+// A, as gg_body's cooperative mainloop does.
+//
+// An expert's last k-block may hold rows of the next expert (A and B are
+// one 2-D map each; rows past the tensor come in as zeros). Before its
+// wgmmas read that block, each consumer warpgroup zeroes those rows of
+// its A box: whole 128-byte rows, which the swizzle only permutes within,
+// then a proxy fence so the tensor cores see the generic writes. The next
+// expert's B rows then meet zeros (they are finite: every row below rows
+// is some expert's, written before this kernel).
+//
+// Launch: GG_THREADS threads, at most one block per SM, dynamic shared
+// memory 1024 + GG_TN_STAGES * 49152 + 16 * GG_TN_STAGES bytes
+// (ggTNSmemBytes in backend/cuda/grouped_gemm.go).
+#define GG_TN_STAGES 4
+
+// gg_tn_tile is the expert, first output row (of M) and first column (of
+// N) of tile t; Go twin ggTNTileOf.
+__device__ __forceinline__ void gg_tn_tile(int t, int nTM, int nTN, int& e, int& m0, int& n0) {
+  const int per = nTM * nTN;
+  e = t / per;
+  const int r = t - e * per;
+  m0 = (r % nTM) * GG_BM;
+  n0 = (r / nTM) * 256;
+}
+
+// gg_tn_rows is expert e's row range, clamped to [0, rows].
+__device__ __forceinline__ void gg_tn_rows(const int* off, int e, int rows, int& beg, int& end) {
+  beg = gg_min(gg_max(off[e], 0), rows);
+  end = gg_min(gg_max(off[e + 1], beg), rows);
+}
+
+// gg_epilogue_tn stores one consumer warpgroup's 64x256 float32 block:
+// out = alpha*acc + beta*out, this thread's rows r0 and r0+8 (kept below
+// rowEnd), columns c0 + 8i and c0 + 8i + 1 (kept below N). With beta != 0
+// the old values of four column groups are loaded before any of them is
+// stored, so their loads overlap; gg_store's load-then-store per pair
+// waited a full load latency 64 times a tile (beta 1 made the kernel
+// 1.36x slower than with beta 0 at 53821a3).
+__device__ __forceinline__ void gg_epilogue_tn(const float (&acc)[128], long long r0, int rowEnd, int c0, int N,
+                                               float* out, float alpha, float beta) {
+  constexpr int B = 4;  // column groups per batch of loads
+  const long long r1 = r0 + 8;
+  const bool ok0 = r0 < rowEnd, ok1 = r1 < rowEnd;
+#pragma unroll
+  for (int i0 = 0; i0 < 32; i0 += B) {
+    float old[B][4];
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int col = c0 + 8 * (i0 + u);
+      old[u][0] = old[u][1] = old[u][2] = old[u][3] = 0.0f;
+      if (beta != 0.0f && col < N) {
+        if (ok0)
+          asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(old[u][0]), "=f"(old[u][1]) : "l"(out + r0 * N + col));
+        if (ok1)
+          asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(old[u][2]), "=f"(old[u][3]) : "l"(out + r1 * N + col));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int i = i0 + u, col = c0 + 8 * i;
+      if (col < N) {
+        if (ok0)
+          asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(out + r0 * N + col),
+                       "f"(alpha * acc[4 * i] + beta * old[u][0]), "f"(alpha * acc[4 * i + 1] + beta * old[u][1])
+                       : "memory");
+        if (ok1)
+          asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(out + r1 * N + col),
+                       "f"(alpha * acc[4 * i + 2] + beta * old[u][2]), "f"(alpha * acc[4 * i + 3] + beta * old[u][3])
+                       : "memory");
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn(const __grid_constant__ gg_tmap mapA,
+                                                                     const __grid_constant__ gg_tmap mapB, float* out,
+                                                                     const int* off, int rows, int M, int N, int E,
+                                                                     float alpha, float beta) {
+  constexpr int STAGES = GG_TN_STAGES;
+  constexpr unsigned BOX = 64 * 128;                   // {64 columns, 64 rows} of bf16: 8 KiB
+  constexpr unsigned A_BYTES = 2 * BOX;                // 128 of M
+  constexpr unsigned STAGE_BYTES = A_BYTES + 4 * BOX;  // and 256 of N: 48 KiB
+  const unsigned raw = gg_smem_addr(gg_smem);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  const unsigned bars = base + STAGES * STAGE_BYTES;  // full[STAGES], empty[STAGES]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(bars + 8 * s, 1);             // full: the producer's expect_tx
+      gg_bar_init(bars + 8 * (STAGES + s), 8);  // empty: one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  const int nTM = (M + GG_BM - 1) / GG_BM, nTN = (N + 255) / 256;
+  const int total = E * nTM * nTN;  // the host checks it fits
+
+  if (warp < 4) {
+    if (tid != 0) return;
+    gg_prefetch_tmap(&mapA);
+    gg_prefetch_tmap(&mapB);
+    int s = 0;
+    unsigned ph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int e, m0, n0, beg, end;
+      gg_tn_tile(t, nTM, nTN, e, m0, n0);
+      gg_tn_rows(off, e, rows, beg, end);
+      for (int k0 = beg; k0 < end; k0 += GG_BK) {
+        const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
+        gg_bar_wait(empty, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+        gg_bar_expect_tx(full, STAGE_BYTES);
+        const unsigned a = base + s * STAGE_BYTES;
+        gg_tma_2d(a, &mapA, m0, k0, full);
+        gg_tma_2d(a + BOX, &mapA, m0 + 64, k0, full);
+#pragma unroll
+        for (int j = 0; j < 4; j++) gg_tma_2d(a + A_BYTES + j * BOX, &mapB, n0 + 64 * j, k0, full);
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile's M.
+  const int cw = (warp >> 2) - 1, wtid = tid - 128 * (cw + 1);
+  float acc[128];
+  int s = 0, prev = 0;
+  unsigned ph = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int e, m0, n0, beg, end;
+    gg_tn_tile(t, nTM, nTN, e, m0, n0);
+    gg_tn_rows(off, e, rows, beg, end);
+    const int nK = (end - beg + GG_BK - 1) / GG_BK;
+    if (nK == 0) {
+      if (beta == 1.0f) continue;  // an empty expert's block stays as it is
+#pragma unroll
+      for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+    }
+    for (int kb = 0; kb < nK; kb++) {
+      gg_bar_wait(bars + 8 * s, ph);
+      const unsigned a = base + s * STAGE_BYTES, boxA = a + cw * BOX;
+      const int valid = end - beg - kb * GG_BK;
+      if (valid < GG_BK) {
+        // Rows [valid, 64) of the block are the next expert's: zero them
+        // in this warpgroup's A box. Every thread takes the same four
+        // 16-byte pieces of the box's 512 and stores those past row valid
+        // (predicated stores, no divergent loop before the wgmmas).
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int i = wtid + 128 * j;
+          if (i >= valid * 8)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(boxA + 16 * i), "r"(0) : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        gg_named_sync(1 + cw, 128);
+      }
+      // Reconverge the warp before the .aligned wgmma instructions.
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned long long da = gg_desc_mn(boxA, BOX), db = gg_desc_mn(a + A_BYTES, BOX);
+      gg_wgmma_fence();
+      gg_fence_acc(acc);
+#pragma unroll
+      for (int kk = 0; kk < GG_BK / 16; kk++) {
+        // +128 in the descriptor's address field is 2048 bytes: 16 rows of K.
+        gg_wgmma<1, 1>(acc, da + 128 * kk, db + 128 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      if (kb > 0) {
+        // The k-block before this one is done with its stage.
+        gg_wgmma_wait<1>();
+        gg_fence_acc(acc);
+        if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+      }
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    if (nK > 0) {
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+    }
+    const long long r0 = (long long)m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
+    gg_epilogue_tn(acc, r0, M, n0 + 2 * (lane & 3), N, out + (long long)e * M * N, alpha, beta);
+  }
+}
+
+#if GT_EXPERIMENT & 1
+// ---- Lab: the weight gradients' product with the experts' AdamW ----
+//
+// grouped_gemm_tn_adamw is grouped_gemm_tn (beta 0: each gradient as the
+// product gives it) whose epilogue does not store the gradient: it
+// updates the weight with AdamW on split masters, adamw_split's
+// arithmetic (kernels/adamw.cu, copied below), and adds the gradient's
+// square into the thread's float64 sum; at the end the consumer threads'
+// sums are added in a fixed order into sq[blockIdx.x]. The 8 bytes a
+// weight that the gradient costs between the two kernels (written by the
+// product, read by the optimizer) are not moved. Same arguments as
+// grouped_gemm_tn (out and beta unused), then hi and lo (the [E, M, N]
+// block's split masters as adamw_split takes them), m and v, the
+// update's scalars as adamw_split takes them (gscale 1: nothing clips the
+// experts' update in the backward) and sq. Dynamic shared memory
+// grouped_gemm_tn's + 2048 (the consumers' sums).
+
+__device__ __forceinline__ void gt_aw_one(float* p, float g, float* m, float* v, double lr, double beta1, double beta2,
+                                          double eps, double decay, double bc1, double bc2, double gscale) {
+  const double gi = (double)g * gscale;
+  const float mi = (float)(beta1 * (double)*m + (1.0 - beta1) * gi);
+  const float vi = (float)(beta2 * (double)*v + (1.0 - beta2) * gi * gi);
+  *m = mi;
+  *v = vi;
+  const double mhat = (double)mi / bc1, vhat = (double)vi / bc2;
+  *p = (float)((double)*p * decay - lr * mhat / (sqrt(vhat) + eps));
+}
+
+__device__ __forceinline__ float gt_join(unsigned h, unsigned l) {
+  return __uint_as_float((h << 16) + (unsigned)(int)(short)(l & 0xffffu));
+}
+
+__device__ __forceinline__ void gt_split(float w, unsigned* h, unsigned* l) {
+  const unsigned u = __float_as_uint(w);
+  *l = u & 0xffffu;
+  *h = ((u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x8000u) >> 16;
+}
+
+struct alignas(8) gt_f2 {
+  float x, y;
+};
+
+struct gt_aw {
+  unsigned *hi, *lo;
+  float *m, *v;
+  double lr, beta1, beta2, eps, decay, bc1, bc2;
+};
+
+// gt_state is one pair of weights' split masters and moments.
+struct gt_state {
+  unsigned hw, lw;
+  gt_f2 mv, vv;
+};
+
+__device__ __forceinline__ gt_state gt_load(long long j, const gt_aw& h) {
+  return gt_state{h.hi[j], h.lo[j], ((const gt_f2*)h.m)[j], ((const gt_f2*)h.v)[j]};
+}
+
+// gt_update updates pair j, loaded as st, from gradients g0 and g1.
+__device__ __forceinline__ void gt_update(long long j, gt_state st, float g0, float g1, const gt_aw& h, double& sq) {
+  sq += (double)g0 * (double)g0;
+  sq += (double)g1 * (double)g1;
+  float w0 = gt_join(st.hw & 0xffffu, st.lw & 0xffffu), w1 = gt_join(st.hw >> 16, st.lw >> 16);
+  gt_aw_one(&w0, g0, &st.mv.x, &st.vv.x, h.lr, h.beta1, h.beta2, h.eps, h.decay, h.bc1, h.bc2, 1.0);
+  gt_aw_one(&w1, g1, &st.mv.y, &st.vv.y, h.lr, h.beta1, h.beta2, h.eps, h.decay, h.bc1, h.bc2, 1.0);
+  unsigned h0, l0, h1, l1;
+  gt_split(w0, &h0, &l0);
+  gt_split(w1, &h1, &l1);
+  h.hi[j] = h0 | (h1 << 16);
+  h.lo[j] = l0 | (l1 << 16);
+  ((gt_f2*)h.m)[j] = st.mv;
+  ((gt_f2*)h.v)[j] = st.vv;
+}
+
+// GT_BATCH column groups' state is loaded before any of them is updated,
+// so their loads overlap (each batch's loads follow the previous batch's
+// stores: the compiler cannot tell the tensors apart): 4 pairs a thread
+// in flight at 2, 8 at 4, against the registers the 128 accumulators
+// leave.
+#ifndef GT_BATCH
+#define GT_BATCH 2
+#endif
+
+// gt_epilogue_adamw is gg_epilogue_tn's walk over one consumer
+// warpgroup's 64x256 block (rows r0 and r0+8, columns c0 + 8i and
+// c0 + 8i + 1), updating the weights (base + row*N + column, column
+// even, so pair (base + row*N + column)/2) instead of storing gradients
+// alpha*acc.
+__device__ __forceinline__ void gt_epilogue_adamw(const float (&acc)[128], long long r0, int rowEnd, int c0, int N,
+                                                  long long base, float alpha, const gt_aw& h, double& sq) {
+  const long long r1 = r0 + 8;
+  const bool ok0 = r0 < rowEnd, ok1 = r1 < rowEnd;
+#pragma unroll
+  for (int i0 = 0; i0 < 32; i0 += GT_BATCH) {
+    gt_state st[GT_BATCH][2];
+#pragma unroll
+    for (int u = 0; u < GT_BATCH; u++) {
+      const int col = c0 + 8 * (i0 + u);
+      if (col < N) {
+        if (ok0) st[u][0] = gt_load((base + r0 * N + col) >> 1, h);
+        if (ok1) st[u][1] = gt_load((base + r1 * N + col) >> 1, h);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < GT_BATCH; u++) {
+      const int i = i0 + u, col = c0 + 8 * i;
+      if (col < N) {
+        if (ok0) gt_update((base + r0 * N + col) >> 1, st[u][0], alpha * acc[4 * i], alpha * acc[4 * i + 1], h, sq);
+        if (ok1) gt_update((base + r1 * N + col) >> 1, st[u][1], alpha * acc[4 * i + 2], alpha * acc[4 * i + 3], h, sq);
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn_adamw(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapB, float* out, const int* off, int rows,
+    int M, int N, int E, float alpha, float beta, unsigned* hi, unsigned* lo, float* mom1, float* mom2, double lr,
+    double beta1, double beta2, double eps, double decay, double bc1, double bc2, double* sq) {
+  constexpr int STAGES = GG_TN_STAGES;
+  constexpr unsigned BOX = 64 * 128;
+  constexpr unsigned A_BYTES = 2 * BOX;
+  constexpr unsigned STAGE_BYTES = A_BYTES + 4 * BOX;
+  const unsigned raw = gg_smem_addr(gg_smem);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  const unsigned bars = base + STAGES * STAGE_BYTES;
+  double* sums = (double*)(gg_smem + (bars - raw) + 16 * STAGES);  // 256 consumer threads' squares
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(bars + 8 * s, 1);
+      gg_bar_init(bars + 8 * (STAGES + s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  const int nTM = (M + GG_BM - 1) / GG_BM, nTN = (N + 255) / 256;
+  const int total = E * nTM * nTN;
+
+  if (warp < 4) {
+    if (tid != 0) return;
+    gg_prefetch_tmap(&mapA);
+    gg_prefetch_tmap(&mapB);
+    int s = 0;
+    unsigned ph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int e, m0, n0, beg, end;
+      gg_tn_tile(t, nTM, nTN, e, m0, n0);
+      gg_tn_rows(off, e, rows, beg, end);
+      for (int k0 = beg; k0 < end; k0 += GG_BK) {
+        const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
+        gg_bar_wait(empty, ph ^ 1);
+        gg_bar_expect_tx(full, STAGE_BYTES);
+        const unsigned a = base + s * STAGE_BYTES;
+        gg_tma_2d(a, &mapA, m0, k0, full);
+        gg_tma_2d(a + BOX, &mapA, m0 + 64, k0, full);
+#pragma unroll
+        for (int j = 0; j < 4; j++) gg_tma_2d(a + A_BYTES + j * BOX, &mapB, n0 + 64 * j, k0, full);
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  const int cw = (warp >> 2) - 1, wtid = tid - 128 * (cw + 1);
+  const gt_aw h{hi, lo, mom1, mom2, lr, beta1, beta2, eps, decay, bc1, bc2};
+  double sq_acc = 0.0;
+  float acc[128];
+  int s = 0, prev = 0;
+  unsigned ph = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int e, m0, n0, beg, end;
+    gg_tn_tile(t, nTM, nTN, e, m0, n0);
+    gg_tn_rows(off, e, rows, beg, end);
+    const int nK = (end - beg + GG_BK - 1) / GG_BK;
+    if (nK == 0) {
+      // An empty expert's gradients are zeros, and its weights are
+      // still updated (decay, moments), as AdamW after a beta-0 product.
+#pragma unroll
+      for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+    }
+    for (int kb = 0; kb < nK; kb++) {
+      gg_bar_wait(bars + 8 * s, ph);
+      const unsigned a = base + s * STAGE_BYTES, boxA = a + cw * BOX;
+      const int valid = end - beg - kb * GG_BK;
+      if (valid < GG_BK) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int i = wtid + 128 * j;
+          if (i >= valid * 8)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(boxA + 16 * i), "r"(0) : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        gg_named_sync(1 + cw, 128);
+      }
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned long long da = gg_desc_mn(boxA, BOX), db = gg_desc_mn(a + A_BYTES, BOX);
+      gg_wgmma_fence();
+      gg_fence_acc(acc);
+#pragma unroll
+      for (int kk = 0; kk < GG_BK / 16; kk++) {
+        gg_wgmma<1, 1>(acc, da + 128 * kk, db + 128 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      if (kb > 0) {
+        gg_wgmma_wait<1>();
+        gg_fence_acc(acc);
+        if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+      }
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    if (nK > 0) {
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+    }
+    const long long r0 = (long long)m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
+    gt_epilogue_adamw(acc, r0, M, n0 + 2 * (lane & 3), N, (long long)e * M * N, alpha, h, sq_acc);
+  }
+  // The consumers' sums, added in thread order by thread 128.
+  sums[tid - 128] = sq_acc;
+  gg_named_sync(3, 256);
+  if (tid == 128 && sq != nullptr) {
+    double total_sq = 0.0;
+    for (int i = 0; i < 256; i++) total_sq += sums[i];
+    sq[blockIdx.x] = total_sq;
+  }
+}
+#endif
