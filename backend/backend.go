@@ -18,6 +18,14 @@
 // caller, not bad user input, and the engine turns a panic inside a step into
 // an error. Device failures (which the CPU backend never has) are sticky and
 // reported by Sync.
+//
+// Beside Backend, a backend may offer optional capabilities, which callers
+// find by type assertion: Precision (its tolerance against the float64
+// reference), Deterministic (fixed-order adds on request), LaterReducer
+// (reductions queued now and read later, under one wait: SumSquaresLater)
+// and SquaringOptimizer (AdamW that sums the gradient's squares in its own
+// pass: AdamWUpdateSquares). The helper functions named serve every
+// backend, with or without the capability.
 package backend
 
 import (
