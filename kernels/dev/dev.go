@@ -60,6 +60,10 @@ func Sources() []Source {
 			{Name: "fp32-wide", Defines: []string{"AW_EXPERIMENT=5"},
 				Purpose: "fp32-math and wide-split together"},
 		}},
+		{File: "rmsnorm_lab.cu", Production: "rmsnorm.cu", Variants: []Variant{
+			{Name: "bwd-row-registers", Defines: []string{"RN_EXPERIMENT=1"}, Exact: true,
+				Purpose: "rmsnorm_backward_warps_f32 keeps the row's dout and x in registers and loads dx's old values with them"},
+		}},
 		{File: "grouped_gemm_lab.cu", Production: "grouped_gemm.cu", Variants: []Variant{
 			{Name: "tn-adamw", Defines: []string{"GT_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds grouped_gemm_tn_adamw: the experts' AdamW in the weight gradients' epilogue, no gradient written; launched by TestGroupedTNAdamWLab, not in place"},
