@@ -198,8 +198,6 @@ type stepResult struct {
 	dropped              []int       // per layer
 }
 
-// trainStep runs the micro-batches of one optimizer step, reduces the
-// gradients across ranks, clips and applies AdamW.
 // writesExpertGrads says the backward writes the experts' gradients
 // rather than adding to them (moe.OverwriteExpertGrads): every step runs
 // one micro-batch on each rank, so nothing else adds to them in a step.
@@ -225,6 +223,8 @@ func (r *rank) zeroGrads() {
 	}
 }
 
+// trainStep runs the micro-batches of one optimizer step, reduces the
+// gradients across ranks, clips and applies AdamW.
 func (r *rank) trainStep(step int) (stepResult, error) {
 	b, cfg := r.b, r.cfg
 	accum := cfg.AccumSteps()
