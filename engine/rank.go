@@ -485,10 +485,10 @@ func (r *rank) gradNorm(replicated, expertSquares float64) (float64, error) {
 
 // evaluate returns the mean validation loss over eval_batches micro-batches
 // of every data rank (each split over its context-parallel ranks). Before
-// each batch the ranks vote on ctx as the training loop does, so a stop
-// ends a long validation between two batches with ErrStopped, on every
-// rank at the same batch.
-func (r *rank) evaluate(ctx context.Context) (float64, error) {
+// each batch the ranks vote on ctx through vote as the training loop does
+// (session.votes), so a stop ends a long validation between two batches
+// with ErrStopped, on every rank at the same batch.
+func (r *rank) evaluate(ctx context.Context, vote comm.Group) (float64, error) {
 	cfg := r.cfg
 	r.op.refresh(r.b)
 	r.val.Reset()
@@ -498,7 +498,7 @@ func (r *rank) evaluate(ctx context.Context) (float64, error) {
 		if ctx.Err() != nil {
 			stop[0] = 1
 		}
-		if err := r.groups.World.AllReduceFloat64(stop); err != nil {
+		if err := vote.AllReduceFloat64(stop); err != nil {
 			return 0, err
 		}
 		if stop[0] > 0 {

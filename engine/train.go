@@ -33,6 +33,12 @@ type session struct {
 	// distributed: other processes train the ranks not in world (see
 	// distributed.go).
 	distributed bool
+	// votes[i] is where ranks[i] votes to stop: the world group in a
+	// distributed run, else a group of this process's ranks that meets on
+	// the host. On GPUs the world group's collectives sit on the device's
+	// queue, so a vote there would wait, every step, for the optimizer
+	// the last step left running (rank.trainStep does not wait for it).
+	votes []comm.Group
 	// pace fills in the machine's figures of each step (perf.go).
 	pace *pace
 }
@@ -96,6 +102,9 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	e.log.Info().Str("took", time.Since(initStart).Round(time.Millisecond).String()).Msg("model initialised")
 	e.logTPPaths(cfg, ranks)
 	s := &session{e: e, ranks: ranks, world: world, snaps: make([]rankSnapshot, cfg.mesh().World()), distributed: distributed}
+	if s.votes, err = stopVotes(world, distributed, e.backend); err != nil {
+		return Result{}, err
+	}
 	if e.runDir != "" {
 		root := filepath.Join(e.runDir, "checkpoints")
 		s.saver = &saver{e: e, root: root}
@@ -200,6 +209,9 @@ func (s *session) run(ctx context.Context) (Result, error) {
 			for _, g := range s.world {
 				g.Abort(err)
 			}
+			for _, v := range s.votes {
+				v.Abort(err)
+			}
 		})
 	}
 	s.start = time.Now()
@@ -213,7 +225,7 @@ func (s *session) run(ctx context.Context) (Result, error) {
 					fail(fmt.Errorf("rank %d: internal error: %v\n%s", worldRank, p, debug.Stack()))
 				}
 			}()
-			res, err := s.loop(ctx, r, worldRank)
+			res, err := s.loop(ctx, r, worldRank, s.votes[i])
 			if i == 0 { // every rank's result is the same
 				result = res
 			}
@@ -241,8 +253,31 @@ func (s *session) run(ctx context.Context) (Result, error) {
 	return result, first
 }
 
-// loop is one rank's training loop.
-func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, error) {
+// stopVotes returns where each of world's ranks votes to stop: the world
+// group across the processes of a distributed run; else a group of the
+// process's ranks on the host (comm.NewLocal's, whose float64 sums never
+// touch b), so a vote never waits for a device's queue.
+func stopVotes(world []*comm.Ranks, distributed bool, b backend.Backend) ([]comm.Group, error) {
+	votes := make([]comm.Group, len(world))
+	if distributed {
+		for i, g := range world {
+			votes[i] = g.World
+		}
+		return votes, nil
+	}
+	local, err := comm.NewLocal(comm.Mesh{DP: len(world), EP: 1, CP: 1, TP: 1}, b)
+	if err != nil {
+		return nil, err
+	}
+	for i, g := range world {
+		votes[i] = local[g.Rank].World
+	}
+	return votes, nil
+}
+
+// loop is one rank's training loop; vote is where it votes to stop
+// (session.votes).
+func (s *session) loop(ctx context.Context, r *rank, worldRank int, vote comm.Group) (Result, error) {
 	cfg := s.e.cfg
 	lead := worldRank == 0
 	res := Result{Loss: math.NaN(), ValLoss: math.NaN()}
@@ -265,7 +300,7 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 		if ctx.Err() != nil {
 			stop[0] = 1
 		}
-		if err := r.groups.World.AllReduceFloat64(stop); err != nil {
+		if err := vote.AllReduceFloat64(stop); err != nil {
 			return res, err
 		}
 		if stop[0] > 0 {
@@ -295,7 +330,7 @@ func (s *session) loop(ctx context.Context, r *rank, worldRank int) (Result, err
 		}
 		stopped := false // during the validation: the step is logged and saved without it
 		if (cfg.Train.EvalEvery > 0 && step%cfg.Train.EvalEvery == 0) || step == cfg.Train.Steps {
-			v, err := r.evaluate(ctx)
+			v, err := r.evaluate(ctx, vote)
 			switch {
 			case errors.Is(err, ErrStopped):
 				stopped = true
