@@ -42,7 +42,9 @@ With --profile (the default) one more step runs with every backend op timed,
 and a table shows where that step's time goes: attention, expert GEMMs,
 other GEMMs, dispatch, router, norms and elementwise, loss, optimizer, host
 transfers, communication (the NCCL collectives, with one rank per GPU) and
-host gaps (time no op covers); with several GPUs it is rank 0's step.
+host gaps (time no op covers), and the share of host gaps and transfers
+(host_share: the time the device waited for the host); with several GPUs
+it is rank 0's step.
 --trace FILE.json writes that step as a Chrome trace (open it in
 ui.perfetto.dev or chrome://tracing): its ops in order on the profiler's
 clock (the GPU's on CUDA), their scopes, the step. On CUDA the measured steps
@@ -258,6 +260,7 @@ func cmdBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		figures["profiled_step_ms"] = profWall.Seconds() * 1e3
 		figures["breakdown"] = breakdownRows(rep)
 		figures["breakdown_ops"] = opRows(rep)
+		figures["host_share"] = hostShare(rep)
 		printBreakdown(stdout, rep, profWall, median)
 		if *tracePath != "" {
 			info := profile.TraceInfo{Process: fmt.Sprintf("mktrain bench train %s (%s)", recipeName(recipe), machineKind(inner)),
@@ -358,13 +361,28 @@ func opRows(rep profile.Report) []opRow {
 	return rows
 }
 
-// printBreakdown writes the profiled step's time per kind of work.
+// printBreakdown writes the profiled step's time per kind of work, then
+// the share the device spent on the host (hostShare).
 func printBreakdown(w io.Writer, rep profile.Report, wall time.Duration, median float64) {
 	fmt.Fprintf(w, "\nwhere the time goes (profiled step: %.1f ms; median measured step: %.1f ms)\n", wall.Seconds()*1e3, median*1e3)
 	fmt.Fprintf(w, "%-24s %10s %8s %8s\n", "kind", "ms/step", "share", "ops")
 	for _, k := range rep.Kinds {
 		fmt.Fprintf(w, "%-24s %10.2f %7.1f%% %8d\n", k.Kind, k.Time.Seconds()*1e3, 100*k.Share, k.Ops)
 	}
+	fmt.Fprintf(w, "%s and %s: %.2f%% of the step\n", profile.KindHostGaps, profile.KindTransfers, 100*hostShare(rep))
+}
+
+// hostShare is the share of the profiled step in host gaps and host
+// transfers: on the GPU, the time the device waited for the host (its
+// queue empty, or a copy to or from the host's memory on it).
+func hostShare(rep profile.Report) float64 {
+	share := 0.0
+	for _, k := range rep.Kinds {
+		if k.Kind == profile.KindHostGaps || k.Kind == profile.KindTransfers {
+			share += k.Share
+		}
+	}
+	return share
 }
 
 func formatMFU(mfu float64) string {

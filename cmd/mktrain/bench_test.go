@@ -93,6 +93,16 @@ func TestBenchTrainProfile(t *testing.T) {
 	if math.Abs(shares-1) > 1e-9 {
 		t.Errorf("shares add up to %v:\n%s", shares, stdout)
 	}
+	hostShare := 0.0
+	for _, r := range rows {
+		row := r.(map[string]any)
+		if k := row["kind"]; k == profile.KindHostGaps || k == profile.KindTransfers {
+			hostShare += row["share"].(float64)
+		}
+	}
+	if got, _ := fig["host_share"].(float64); math.Abs(got-hostShare) > 1e-12 || !strings.Contains(stdout, "host gaps and host transfers:") {
+		t.Errorf("host_share %v, the breakdown's host gaps and transfers %v; table:\n%s", fig["host_share"], hostShare, stdout)
+	}
 	// The kinds cover the whole step: their sum is the profiled step's
 	// wall time, or the op time when that is larger.
 	if ms < wall*(1-1e-9) {
