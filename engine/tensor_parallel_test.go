@@ -80,6 +80,11 @@ func TestTensorParallelMatchesOneRank(t *testing.T) {
 							t.Errorf("the log does not say %q:\n%s", says, log)
 						}
 						compareTensorParallel(t, got, want)
+						if t.Failed() {
+							// Which paths the run took, to tell a wrong
+							// path from a wrong number.
+							t.Logf("the run's log:\n%s", log)
+						}
 						for _, ev := range got {
 							losses[overlap] = append(losses[overlap], ev.Loss)
 						}
