@@ -507,12 +507,25 @@ type Backend interface {
 }
 
 // LaterReducer is an optional capability of a backend whose reductions
-// wait for the device: SumSquaresLater queues SumSquares(t) and returns a
-// function that waits for it and returns it, so that a step's reductions
-// share one wait instead of a round trip each. The function must be called
-// once. SumSquaresLater (the function) serves every backend.
+// wait for the device: SumLater and SumSquaresLater queue Sum(t) and
+// SumSquares(t) of t as it is once the work queued before is done, and
+// return a function that waits for it and returns it, so that a step's
+// reductions share one wait instead of a round trip each. The function
+// must be called once. SumLater and SumSquaresLater (the functions) serve
+// every backend.
 type LaterReducer interface {
+	SumLater(t Tensor) func() float64
 	SumSquaresLater(t Tensor) func() float64
+}
+
+// SumLater is b's SumLater where b is a LaterReducer, else Sum(t) now,
+// returned as the function.
+func SumLater(b Backend, t Tensor) func() float64 {
+	if r, ok := b.(LaterReducer); ok {
+		return r.SumLater(t)
+	}
+	s := b.Sum(t)
+	return func() float64 { return s }
 }
 
 // SumSquaresLater is b's SumSquaresLater where b is a LaterReducer, else

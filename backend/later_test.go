@@ -13,22 +13,34 @@ func (r *laterReducer) SumSquaresLater(t Tensor) func() float64 {
 	return func() float64 { return 42 }
 }
 
-// TestSumSquaresLaterFallsBack: a LaterReducer queues the reduction; any
-// other backend computes SumSquares at once.
-func TestSumSquaresLaterFallsBack(t *testing.T) {
+func (r *laterReducer) SumLater(t Tensor) func() float64 {
+	r.queued++
+	return func() float64 { return 41 }
+}
+
+// TestLaterReducersFallBack: a LaterReducer queues the reductions; any
+// other backend computes Sum and SumSquares at once.
+func TestLaterReducersFallBack(t *testing.T) {
 	r := &laterReducer{}
 	if got := SumSquaresLater(r, nil)(); got != 42 || r.queued != 1 {
 		t.Errorf("a LaterReducer: %g after %d queued, want 42 after 1", got, r.queued)
 	}
+	if got := SumLater(r, nil)(); got != 41 || r.queued != 2 {
+		t.Errorf("a LaterReducer's sum: %g after %d queued, want 41 after 2", got, r.queued)
+	}
 	var plain sumSquaresOnly
 	if got := SumSquaresLater(plain, nil)(); got != 7 {
 		t.Errorf("a plain backend: %g, want its SumSquares, 7", got)
+	}
+	if got := SumLater(plain, nil)(); got != 6 {
+		t.Errorf("a plain backend's sum: %g, want its Sum, 6", got)
 	}
 }
 
 type sumSquaresOnly struct{ Backend }
 
 func (sumSquaresOnly) SumSquares(Tensor) float64 { return 7 }
+func (sumSquaresOnly) Sum(Tensor) float64        { return 6 }
 
 // squaringOptimizer records the AdamW calls it was asked for.
 type squaringOptimizer struct {

@@ -24,6 +24,13 @@ func (h *hostReads) count() {
 	h.mu.Unlock()
 }
 
+// The queued reductions (backend.LaterReducer) are not waits for the
+// queue: their functions wait for their own copies.
+func (h *hostReads) SumLater(t backend.Tensor) func() float64 { return backend.SumLater(h.Backend, t) }
+func (h *hostReads) SumSquaresLater(t backend.Tensor) func() float64 {
+	return backend.SumSquaresLater(h.Backend, t)
+}
+
 func (h *hostReads) Download(t backend.Tensor) *tensor.Dense { h.count(); return h.Backend.Download(t) }
 func (h *hostReads) Sync() error                             { h.count(); return h.Backend.Sync() }
 func (h *hostReads) Sum(t backend.Tensor) float64            { h.count(); return h.Backend.Sum(t) }
@@ -173,6 +180,30 @@ func TestStepDoesNotWaitForOptimizer(t *testing.T) {
 		}
 		if updates == 0 || steps != cfg.Train.Steps {
 			t.Fatalf("bias rate %g: %d AdamW updates over %d steps among %v", rate, updates, steps, order.ops)
+		}
+	}
+}
+
+// TestHostReadsDoNotGrowWithMicroBatches: a step of four micro-batches
+// waits for the backend as often as a step of one: each micro-batch's loss
+// sum and MoE statistics are queued behind its backward and read after the
+// last one's, so the device goes from one micro-batch to the next without
+// waiting for the host.
+func TestHostReadsDoNotGrowWithMicroBatches(t *testing.T) {
+	var got [2][]int
+	for i, micro := range []int{4, 1} {
+		cfg := planConfig()
+		cfg.Train.GlobalBatch, cfg.Train.MicroBatch = 4, micro
+		cfg.Train.Steps = 3
+		cfg.Train.GradClip = 1
+		got[i] = readsPerStep(t, cfg)
+	}
+	if len(got[0]) == 0 || len(got[0]) != len(got[1]) {
+		t.Fatalf("steps counted: %v and %v", got[0], got[1])
+	}
+	for s := range got[0] {
+		if got[0][s] != got[1][s] {
+			t.Errorf("step %d waited for the backend %d times in one micro-batch and %d in four; want the same", s+2, got[0][s], got[1][s])
 		}
 	}
 }

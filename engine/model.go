@@ -576,17 +576,45 @@ func (m *model) reforward(l int) error {
 	return nil
 }
 
-// finishStep fills in what a forward left on the device: the summed token
-// losses and the MoE layers' auxiliary losses. It waits for the GPU, once:
-// the statistics' copy is queued before the loss sum, so it has landed
-// when the sum has.
-func (m *model) finishStep(st *microStats) error {
+// pendingStats is what a forward left on the device, on its way to the
+// host (model.queueStats): the summed token losses and the MoE layers'
+// statistics. Each function must be called once.
+type pendingStats struct {
+	loss  func() float64
+	stats func() []float64
+}
+
+// queueStats queues the reads of the last forward's loss sum and MoE
+// statistics, each taken as the queue reaches it, so the next
+// micro-batch's forward may overwrite their tensors at once.
+func (m *model) queueStats() pendingStats {
 	profile.Scope(m.b, profile.ScopeMoE)
 	stats := backend.StartDownloadFloat64(m.b, m.moeStats)
 	profile.Scope(m.b, profile.ScopeHead) // the loss sum is the loss's work
-	st.lossSum = m.b.Sum(m.lossT)
+	loss := backend.SumLater(m.b, m.lossT)
 	profile.Scope(m.b, "")
-	return moe.FinishStats(m.moe, st.moe, stats())
+	return pendingStats{loss: loss, stats: stats}
+}
+
+// finishStats fills st in from p, waiting for the device once (the loss
+// sum is queued after the statistics' copy), and sums the MoE statistics
+// over the data group (moe.FinishStats, a collective).
+func (m *model) finishStats(st *microStats, p pendingStats) error {
+	st.lossSum = p.loss()
+	return moe.FinishStats(m.moe, st.moe, p.stats())
+}
+
+// drain reads what a failed step left unread, which frees the reads'
+// device buffers.
+func (p pendingStats) drain() {
+	p.loss()
+	p.stats()
+}
+
+// finishStep is queueStats then finishStats: one forward's reads, waited
+// for now.
+func (m *model) finishStep(st *microStats) error {
+	return m.finishStats(st, m.queueStats())
 }
 
 // backward propagates from dFinalTD (left by a training forward) to every

@@ -243,6 +243,18 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	}
 	lossSum := 0.0
 	var early *queuedSquares
+	// Each micro-batch's loss sum and MoE statistics are queued behind its
+	// backward and read after the last one's: one wait a step, and the
+	// device goes from one micro-batch to the next without waiting for
+	// the host. (moe.FinishStats completes each from the layers' token
+	// count, which every micro-batch shares.)
+	sts := make([]microStats, 0, accum)
+	pending := make([]pendingStats, 0, accum)
+	defer func() { // a step that fails before reading them
+		for _, p := range pending {
+			p.drain()
+		}
+	}()
 	for a := 0; a < accum; a++ {
 		ids, targets, err := r.train.Next(cfg.Train.MicroBatch)
 		if err != nil {
@@ -272,11 +284,18 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		}
 		if a == accum-1 && r.squaresFinalEarly() {
 			// The gradients are final: their square sums are queued before
-			// finishStep waits for the loss, one wait for all of them.
+			// the host waits for the losses, one wait for all of them.
 			early = r.queueSquares(experts)
 			defer early.drain() // a step that fails before reading them
 		}
-		if err := r.model.finishStep(&st); err != nil {
+		sts = append(sts, st)
+		pending = append(pending, r.model.queueStats())
+	}
+	for i := range sts {
+		st := &sts[i]
+		err := r.model.finishStats(st, pending[0])
+		pending = pending[1:]
+		if err != nil {
 			return res, err
 		}
 		lossSum += st.lossSum

@@ -107,6 +107,12 @@ func (b *Backend) SumSquares(t backend.Tensor) float64 {
 	return b.reduce(float("SumSquares", "t", t), true)()
 }
 
+// SumLater queues Sum(t); the function it returns waits for the GPU
+// (backend.LaterReducer).
+func (b *Backend) SumLater(t backend.Tensor) func() float64 {
+	return b.reduce(float("SumLater", "t", t), false)
+}
+
 // SumSquaresLater queues SumSquares(t); the function it returns waits for
 // the GPU (backend.LaterReducer).
 func (b *Backend) SumSquaresLater(t backend.Tensor) func() float64 {

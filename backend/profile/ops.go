@@ -94,6 +94,14 @@ func (p *Backend) StartDownload(t backend.Tensor) backend.PendingDownload {
 	return p.inner.StartDownload(t)
 }
 
+// SumLater times the queued reduction as Sum, through the wrapped
+// backend's queued form where it has one (backend.LaterReducer); the
+// wait, when the result is called, is the host's.
+func (p *Backend) SumLater(t backend.Tensor) func() float64 {
+	defer p.end(p.begin(), opSum)
+	return backend.SumLater(p.inner, t)
+}
+
 // SumSquaresLater times the queued reduction as SumSquares, through the
 // wrapped backend's queued form where it has one (backend.LaterReducer),
 // so a profiled step waits where the real one does; the wait, when the
