@@ -530,8 +530,8 @@ func TestForwardsNameFloatTypePrecisionAndScope(t *testing.T) {
 	}
 }
 
-// laterCounter is a backend with a queued sum of squares
-// (backend.LaterReducer) that counts its queued and immediate reductions.
+// laterCounter is a backend with queued sums (backend.LaterReducer) that
+// counts its queued and immediate reductions.
 type laterCounter struct {
 	backend.Backend
 	queued, immediate int
@@ -542,15 +542,25 @@ func (c *laterCounter) SumSquaresLater(t backend.Tensor) func() float64 {
 	return func() float64 { return 3 }
 }
 
+func (c *laterCounter) SumLater(t backend.Tensor) func() float64 {
+	c.queued++
+	return func() float64 { return 2 }
+}
+
 func (c *laterCounter) SumSquares(t backend.Tensor) float64 {
 	c.immediate++
 	return 3
 }
 
-// TestSumSquaresLaterForwarded: the profiler queues a reduction where
-// the wrapped backend can (a profiled step waits where the real one
-// does) and times it as SumSquares.
-func TestSumSquaresLaterForwarded(t *testing.T) {
+func (c *laterCounter) Sum(t backend.Tensor) float64 {
+	c.immediate++
+	return 2
+}
+
+// TestLaterReducersForwarded: the profiler queues a reduction where the
+// wrapped backend can (a profiled step waits where the real one does) and
+// times it as SumSquares or Sum.
+func TestLaterReducersForwarded(t *testing.T) {
 	inner := &laterCounter{Backend: cpu.New(backend.Float32)}
 	p := New(inner, WallClock())
 	p.SetEnabled(true)
@@ -558,11 +568,18 @@ func TestSumSquaresLaterForwarded(t *testing.T) {
 	if got := backend.SumSquaresLater(p.Backend(), x)(); got != 3 || inner.queued != 1 || inner.immediate != 0 {
 		t.Errorf("got %v with %d queued and %d immediate reductions; want 3 from one queued", got, inner.queued, inner.immediate)
 	}
+	if got := backend.SumLater(p.Backend(), x)(); got != 2 || inner.queued != 2 || inner.immediate != 0 {
+		t.Errorf("got %v with %d queued and %d immediate reductions; want 2 from a second queued", got, inner.queued, inner.immediate)
+	}
 	rep, err := p.Report()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(rep.Ops) != 1 || rep.Ops[0].Op != opSumSquares || rep.Ops[0].Calls != 1 {
-		t.Errorf("report %+v; want one SumSquares call", rep.Ops)
+	calls := map[string]int{}
+	for _, o := range rep.Ops {
+		calls[o.Op] += o.Calls
+	}
+	if len(rep.Ops) != 2 || calls[opSumSquares] != 1 || calls[opSum] != 1 {
+		t.Errorf("report %+v; want one SumSquares call and one Sum", rep.Ops)
 	}
 }
