@@ -155,11 +155,11 @@
 //
 // # Where a step waits for the device
 //
-// Ops only queue work on the GPU, and a step waits for it once per
-// micro-batch: what the host reads from a forward (token losses, MoE
-// statistics, and after the last backward the gradients' square sums for
-// the norm) is queued as it is produced and read together after the
-// backward is queued (model.finishStep). The MoE layers' per-expert counts
+// Ops only queue work on the GPU, and a step waits for it once: what the
+// host reads from each micro-batch's forward (token losses, MoE
+// statistics) and after the last backward (the gradients' square sums for
+// the norm) is queued as it is produced (model.queueStats) and read
+// together after the last backward is queued (model.finishStats). The MoE layers' per-expert counts
 // come by queued downloads read in the backward, long after the device
 // wrote them. The step then queues AdamW and returns without waiting for
 // it: the host reads and uploads the next batch and queues its forward

@@ -13,7 +13,7 @@ package engine
 // in-process groups of virtual ranks reduce at once, which changes only
 // when their sums are made. Before anything reads the sums, finish waits
 // for them all: right after the backward, as the load statistics that
-// finishStep sums next travel over the data group itself (a group takes no
+// finishStats sums next travel over the data group itself (a group takes no
 // other collective while its reductions are in flight; comm.AsyncReducer).
 //
 // # Buckets

@@ -150,7 +150,7 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 	// their working memory.
 	moeScratch := moe.NewScratch(b, D, cfg.MoE.FFN)
 	// Every MoE layer's load statistics in one buffer, read with one
-	// download per micro-batch (finishStep).
+	// download per micro-batch (queueStats).
 	E1 := moe.StatsLen(cfg.MoE.Experts)
 	m.moeStats = b.New(ft, cfg.Layers*E1)
 	attnScratch := attention.NewScratch()
@@ -406,10 +406,11 @@ type microStats struct {
 // forward runs the model on the uploaded batch. When train is set it also
 // runs the LM head's backward (fused with the loss, chunk by chunk) with
 // gradScale, leaving dFinalTD for backward, and leaves the loss sum and the
-// MoE losses of its microStats to finishStep, to be read once the backward
-// is queued (the host reading them here would leave the GPU idle between
-// forward and backward); lossScale weighs the MoE auxiliary losses'
-// gradients.
+// MoE losses of its microStats to queueStats and finishStats, to be read
+// once the backward is queued (the host reading them here would leave the
+// GPU idle between forward and backward); lossScale weighs the MoE
+// auxiliary losses' gradients. Without train it reads them itself
+// (finishStep).
 func (m *model) forward(train bool, gradScale, lossScale float64, biasE []backend.Tensor) (microStats, error) {
 	b, w := m.b, m.w
 	st := microStats{moe: make([]moe.Stats, m.cfg.Layers)}

@@ -266,7 +266,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 			return res, err
 		}
 		// The last micro-batch's backward starts the gradients'
-		// reduction as they become final; it is done before finishStep,
+		// reduction as they become final; it is done before finishStats,
 		// whose load statistics travel over the data group too.
 		var red *gradReduction
 		if a == accum-1 && !r.syncGrads {
