@@ -159,14 +159,15 @@
 // host reads from each micro-batch's forward (token losses, MoE
 // statistics) and after the last backward (the gradients' square sums for
 // the norm) is queued as it is produced (model.queueStats) and read
-// together after the last backward is queued (model.finishStats). The MoE layers' per-expert counts
-// come by queued downloads read in the backward, long after the device
-// wrote them. The step then queues AdamW and returns without waiting for
-// it: the host reads and uploads the next batch and queues its forward
-// while the device runs the optimizer. The ranks' vote to stop before each
-// step meets on the host when they share a process (session.votes); a
-// distributed run's votes are its world group's collective, which on GPUs
-// waits for the device's queue. Errors of queued work surface at
-// the next wait: the next step's Sync, before its loss is trusted, the
-// checkpoint's, which writes nothing after a fault, and the run's end.
+// together after the last backward is queued (model.finishStats). The MoE
+// layers' per-expert counts come by queued downloads read in the
+// backward, long after the device wrote them. The step then queues AdamW
+// and returns without waiting for it: the host reads and uploads the next
+// batch and queues its forward while the device runs the optimizer. The
+// ranks' vote to stop before each step meets on the host when they share
+// a process (session.votes); a distributed run's votes are its world
+// group's collective, which on GPUs waits for the device's queue. Errors
+// of queued work surface at the next wait: the next step's Sync, before
+// its loss is trusted, the checkpoint's, which writes nothing after a
+// fault, and the run's end.
 package engine
