@@ -129,9 +129,8 @@ func (b *Backend) reduce(t *Tensor, squares bool) func() float64 {
 		return func() float64 { return 0 }
 	}
 	g := b.strideGrid(n)
-	buf, err := b.alloc(int64(8 * g.Grid.X))
-	if err != nil {
-		b.fail(err)
+	buf := b.partials(g)
+	if buf == nil {
 		return math.NaN
 	}
 	sq := int32(0)
@@ -142,8 +141,21 @@ func (b *Backend) reduce(t *Tensor, squares bool) func() float64 {
 	return b.blockSums(buf, int(g.Grid.X))
 }
 
+// partials allocates one float64 per block of a kernel launched on grid,
+// for its per-block sums; nil when the allocation fails (the failure
+// waits for Sync).
+func (b *Backend) partials(grid Grid) *Buffer {
+	buf, err := b.alloc(int64(8 * grid.Grid.X))
+	if err != nil {
+		b.fail(err)
+		return nil
+	}
+	return buf
+}
+
 // blockSums queues the copy of buf's per-block float64 partials (blocks
-// of them) to the host behind the kernel that writes them
+// of them) to the host behind the kernel that writes them, which must be
+// queued before it
 // (Device.StartCopyFromDevice), and returns the function that waits for
 // that copy alone, adds the partials in order and frees buf. So a step's
 // reductions queued before its loss wait are on the host when that wait
@@ -594,26 +606,33 @@ func (b *Backend) adamW(op string, param, grad, m, v backend.Tensor, h backend.A
 		k = b.k.adamwX4
 	}
 	grid := b.strideGrid(n)
-	sq, sum := b.squaresOut(grid, squares)
+	sq := b.squaresOut(grid, squares)
 	b.launch(k, grid, p, g, mm, vv, int64(n), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor(), sq)
-	return sum
+	return b.squaresSum(sq, grid, squares)
 }
 
 // squaresOut is where an AdamW kernel launched on grid writes its blocks'
-// sums of the gradient's squares, and the function that returns their
-// total (blockSums); without want, a null address and nil. A failed
-// allocation runs the update without the sums, whose function returns
-// NaN, and waits for Sync.
-func (b *Backend) squaresOut(grid Grid, want bool) (any, func() float64) {
+// sums of the gradient's squares: a buffer when want is set, else nil
+// (the kernel's null sq). Also nil when the allocation fails (the
+// failure waits for Sync): the update runs without the sums.
+func (b *Backend) squaresOut(grid Grid, want bool) *Buffer {
 	if !want {
-		return driver.DevicePtr(0), nil
+		return nil
 	}
-	buf, err := b.alloc(int64(8 * grid.Grid.X))
-	if err != nil {
-		b.fail(err)
-		return driver.DevicePtr(0), math.NaN
+	return b.partials(grid)
+}
+
+// squaresSum is the function returning the total of an AdamW kernel's
+// squares, called once the kernel is queued: nil where none were wanted,
+// NaN where their buffer could not be allocated.
+func (b *Backend) squaresSum(out *Buffer, grid Grid, wanted bool) func() float64 {
+	switch {
+	case !wanted:
+		return nil
+	case out == nil:
+		return math.NaN
 	}
-	return buf, b.blockSums(buf, int(grid.Grid.X))
+	return b.blockSums(out, int(grid.Grid.X))
 }
 
 // adamWFactors are AdamW's bias corrections 1 - beta^step and its decay
@@ -668,9 +687,9 @@ func (b *Backend) adamWSplit(op string, hi, lo, grad, m, v backend.Tensor, h bac
 		}
 	}
 	grid := b.strideGrid(n / 2)
-	sq, sum := b.squaresOut(grid, squares)
+	sq := b.squaresOut(grid, squares)
 	b.launch(b.k.adamwSplit, grid, hs, ls, g, mm, vv, int64(n/2), h.LR, h.Beta1, h.Beta2, h.Eps, decay, bc1, bc2, h.GradFactor(), sq)
-	return sum
+	return b.squaresSum(sq, grid, squares)
 }
 
 // devicePtrs returns the addresses of ts (0 for nil) and whether every
