@@ -33,7 +33,7 @@ func DownloadFloat32(b Backend, t Tensor) []float32 {
 
 // DownloadFloat64 copies a float tensor to a new float64 slice.
 func DownloadFloat64(b Backend, t Tensor) []float64 {
-	return Float64s(b.Download(t), t.DType())
+	return float64s(b.Download(t), t.DType())
 }
 
 // StartDownloadFloat64 is DownloadFloat64 without the wait
@@ -41,12 +41,12 @@ func DownloadFloat64(b Backend, t Tensor) []float64 {
 // far, and calling the result, once, waits for it alone.
 func StartDownloadFloat64(b Backend, t Tensor) func() []float64 {
 	pending, dt := b.StartDownload(t), t.DType()
-	return func() []float64 { return Float64s(pending(), dt) }
+	return func() []float64 { return float64s(pending(), dt) }
 }
 
-// Float64s is a downloaded float tensor's data as float64; dt, the
+// float64s is a downloaded float tensor's data as float64; dt, the
 // tensor's dtype, names it in the panic for any other data.
-func Float64s(d *tensor.Dense, dt DType) []float64 {
+func float64s(d *tensor.Dense, dt DType) []float64 {
 	switch d := d.Data().(type) {
 	case []float64:
 		return d

@@ -233,7 +233,7 @@ func (r *rank) restore(ctx context.Context, ck *checkpoint.Checkpoint, withOptim
 		}
 		backend.UploadSlice(r.b, bias, host)
 	}
-	r.biasHost = nil // the restored biases are read again at the next update
+	clear(r.biasHost) // the restored biases are read again at the next update
 	return nil
 }
 

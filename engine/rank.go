@@ -48,8 +48,8 @@ type rank struct {
 	m, v  backend.Tensor
 	adam  []adamPart
 	biasE []backend.Tensor // per layer, nil when bias balancing is off
-	// biasHost is biasE's values as the last moe.UpdateBias left them (nil:
-	// not known on the host, read them from biasE).
+	// biasHost is biasE's values as the last moe.UpdateBias left them, per
+	// layer (nil: not known on the host, read them from biasE).
 	biasHost [][]float64
 	// shards cuts the replicated span over the data-context group: the
 	// pieces whose moments each rank keeps when zero is set (parallel.zero
@@ -172,6 +172,7 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 		for l := 0; l < m.Layers; l++ {
 			r.biasE = append(r.biasE, b.New(b.FloatType(), m.MoE.Experts))
 		}
+		r.biasHost = make([][]float64, m.Layers)
 	}
 	var err error
 	// The MoE load statistics are summed over every rank with distinct
@@ -250,8 +251,9 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	// count, which every micro-batch shares.)
 	sts := make([]microStats, 0, accum)
 	pending := make([]pendingStats, 0, accum)
+	read := 0 // of pending
 	defer func() { // a step that fails before reading them
-		for _, p := range pending {
+		for _, p := range pending[read:] {
 			p.drain()
 		}
 	}()
@@ -293,8 +295,8 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	}
 	for i := range sts {
 		st := &sts[i]
-		err := r.model.finishStats(st, pending[0])
-		pending = pending[1:]
+		err := r.model.finishStats(st, pending[i])
+		read++
 		if err != nil {
 			return res, err
 		}
@@ -406,9 +408,6 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		}
 	}
 	profile.Scope(r.b, "")
-	if r.biasE != nil && r.biasHost == nil {
-		r.biasHost = make([][]float64, len(r.biasE))
-	}
 	for l, bias := range r.biasE {
 		r.biasHost[l] = moe.UpdateBias(b, bias, r.biasHost[l], res.expertLoad[l], cfg.Model.MoE.BiasUpdateRate)
 	}
