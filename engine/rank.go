@@ -251,7 +251,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	// count, which every micro-batch shares.)
 	sts := make([]microStats, 0, accum)
 	pending := make([]pendingStats, 0, accum)
-	read := 0 // of pending
+	read := 0      // of pending
 	defer func() { // a step that fails before reading them
 		for _, p := range pending[read:] {
 			p.drain()
