@@ -5,6 +5,12 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
+//   2  the forward's consumers issue their products in turns
+//      (FlashAttention-3's ping-pong): a token passed between them by two
+//      named barriers, so that one's softmax runs under the other's
+//      products instead of both contending for the tensor cores at once.
+//   4  the backward waits for S^T and dP^T separately: P^T is computed
+//      and dv's product issued while dP^T runs, and dS^T while dv's does.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -173,6 +179,15 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+#if AH_EXPERIMENT & 2
+// The forward's turns (bit 2): consumer cw waits on named barrier 4 + cw
+// before it issues a product and arrives on the other's after, so the
+// two consumers' products alternate. Each barrier counts 256 threads: the
+// waiting consumer's 128 and the arriving one's.
+__device__ __forceinline__ void ah_turn_take(int cw) { asm volatile("bar.sync %0, 256;" ::"r"(4 + cw) : "memory"); }
+__device__ __forceinline__ void ah_turn_give(int cw) { asm volatile("bar.arrive %0, 256;" ::"r"(5 - cw) : "memory"); }
+#endif
+
 template <int DH, typename Out>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                            float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
@@ -237,6 +252,12 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+#if AH_EXPERIMENT & 2
+  // Two turns a tile (S, then P.V) for each of the block's nT tiles, the
+  // tiles a consumer does not see included (so both take 2nT turns);
+  // consumer 0 takes the first, and consumer 1 gives none after its last.
+  if (cw == 1) ah_turn_give(cw);
+#endif
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
@@ -244,6 +265,9 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(fullK + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long dk = gg_desc(ks + s * TILE);
+#if AH_EXPERIMENT & 2
+    ah_turn_take(cw);
+#endif
     gg_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < DH / 16; kk++) {
@@ -252,6 +276,9 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
       gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
+#if AH_EXPERIMENT & 2
+    ah_turn_give(cw);
+#endif
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     const int j0 = t * AH_BN;
@@ -310,11 +337,17 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(fullV + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+#if AH_EXPERIMENT & 2
+    ah_turn_take(cw);
+#endif
     gg_wgmma_fence();
     gg_fence_acc(o);
 #pragma unroll
     for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
     gg_wgmma_commit();
+#if AH_EXPERIMENT & 2
+    if (cw == 0 || t < nT - 1) ah_turn_give(cw);
+#endif
     gg_wgmma_wait<0>();
     gg_fence_acc(o);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
@@ -327,6 +360,12 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(fullK + 8 * s, ph);
     gg_bar_wait(fullV + 8 * s, ph);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
+#if AH_EXPERIMENT & 2
+    ah_turn_take(cw);
+    ah_turn_give(cw);
+    ah_turn_take(cw);
+    if (cw == 0 || t < nT - 1) ah_turn_give(cw);
+#endif
   }
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
@@ -491,6 +530,88 @@ __device__ __forceinline__ void ah_bwd_scores(float (&sc)[32], float (&dp)[32], 
   gg_wgmma_commit();
 }
 
+#if AH_EXPERIMENT & 4
+// ah_bwd_scores_split issues S^T and dP^T as two commit groups, S^T the
+// older.
+template <int DH>
+__device__ __forceinline__ void ah_bwd_scores_split(float (&sc)[32], float (&dp)[32], unsigned long long descK,
+                                                    unsigned long long descV, unsigned long long descQ,
+                                                    unsigned long long descO) {
+  constexpr unsigned KBOX = 128 * 128, QBOX = AH_BQ * 128;
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+    ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
+  }
+  gg_wgmma_commit();
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+    ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
+  }
+  gg_wgmma_commit();
+}
+
+// ah_bwd_split takes an item from ah_bwd_scores_split's two groups to
+// the issue of dv's and dk's products, each step as soon as its operands
+// are there: it waits for S^T, makes P^T (in sc) and issues dv += P^T dout;
+// then waits for dP^T, makes dS^T (in dp) and issues dk += dS^T q. The
+// arithmetic is ah_backward's, so the results are the same bits. lse2(n,
+// l) and delta2(n, d) give queries q0 + 8n + 2t4 and + 1's lse (base 2)
+// and delta. On return dv's and dk's products are two commit groups in
+// flight; pa and da hold P^T and dS^T as bf16 A fragments. kr0 and kr1
+// are this thread's key rows.
+template <int DH, typename Lse2, typename Delta2>
+__device__ __forceinline__ void ah_bwd_split(float (&sc)[32], float (&dp)[32], unsigned (&pa)[4][4], unsigned (&da)[4][4],
+                                             float (&dva)[DH / 2], float (&dka)[DH / 2], unsigned long long mnO,
+                                             unsigned long long mnQ, bool whole, int q0, int S, int KS, int off,
+                                             int kr0, int kr1, int t4, float scaleLog2, float scale, Lse2 lse2,
+                                             Delta2 delta2) {
+  gg_wgmma_wait<1>();
+  gg_fence_acc(sc);
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    float l2[2];
+    lse2(n, l2);
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const int i = q0 + 8 * n + 2 * t4 + e;
+      const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+      const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+      sc[4 * n + e] = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
+      sc[4 * n + 2 + e] = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
+    }
+    pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+    pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+  }
+  gg_wgmma_fence();
+  gg_fence_acc(dva);
+#pragma unroll
+  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
+  gg_wgmma_commit();
+  gg_wgmma_wait<1>();  // dP^T (older than dv's group) is done
+  gg_fence_acc(dp);
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    float dl[2];
+    delta2(n, dl);
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      dp[4 * n + e] = sc[4 * n + e] * (dp[4 * n + e] - dl[e]) * scale;
+      dp[4 * n + 2 + e] = sc[4 * n + 2 + e] * (dp[4 * n + 2 + e] - dl[e]) * scale;
+    }
+    da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+    da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+  }
+  gg_wgmma_fence();
+  gg_fence_acc(dka);
+#pragma unroll
+  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+  gg_wgmma_commit();
+}
+#endif
+
 // ah_stage_dq writes a warpgroup's 64 x 64 block of dq (this thread's
 // acc: rows wr and wr + 8, columns 8n + 2t4, +1) at stg as two TMA boxes
 // of {32 columns, 64 rows} float32, 128-byte swizzled (row r's 16-byte
@@ -607,7 +728,11 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+#if AH_EXPERIMENT & 4
+    ah_bwd_scores_split<DH>(sc, dp, descK, descV, descQ, descO);
+#else
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+#endif
     // The lse (to base 2) and delta of this thread's 16 queries, loaded
     // while the products run. Column 8n + 2t4 + e is query q0 + 8n + 2t4 + e.
     float l2[8][2], dl[8][2];
@@ -624,6 +749,14 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         }
       }
     }
+#if AH_EXPERIMENT & 4
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
+    unsigned pa[4][4], da[4][4];
+    ah_bwd_split<DH>(sc, dp, pa, da, dva, dka, mnO, mnQ, whole, q0, S, KS, off, kr0, kr1, t4, scaleLog2, scale,
+                     [&](int n, float (&l)[2]) { l[0] = l2[n][0], l[1] = l2[n][1]; },
+                     [&](int n, float (&d)[2]) { d[0] = dl[n][0], d[1] = dl[n][1]; });
+#else
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
@@ -661,6 +794,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
 #pragma unroll
     for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
     gg_wgmma_commit();
+#endif
     // dS^T to this warpgroup's buffer of the item's parity: key row r holds
     // its 64 queries in 128 bytes, 16-byte chunk n at n ^ (r & 7).
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
@@ -888,6 +1022,15 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+#if AH_EXPERIMENT & 4
+    ah_bwd_scores_split<DH>(sc, dp, descK, descV, descQ, descO);
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
+    unsigned pa[4][4], da[4][4];
+    ah_bwd_split<DH>(sc, dp, pa, da, dva, dka, mnO, mnQ, whole, q0, S, KS, off, kr0, kr1, t4, scaleLog2, scale,
+                     [&](int n, float (&l)[2]) { ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l[0], l[1]); },
+                     [&](int n, float (&d)[2]) { ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), d[0], d[1]); });
+#else
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
@@ -930,6 +1073,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
 #pragma unroll
     for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
     gg_wgmma_commit();
+#endif
     // dS^T to this warpgroup's buffer of the item's parity: key row r holds
     // its 64 queries in 128 bytes, 16-byte chunk n at n ^ (r & 7).
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;

@@ -73,6 +73,10 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
+			{Name: "fwd-pingpong", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
+				Purpose: "the forward's two consumers issue their products in turns (FlashAttention-3's ping-pong), one's softmax under the other's products"},
+			{Name: "bwd-split-wait", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
+				Purpose: "the backward waits for S^T and dP^T apart: P^T and dv's product while dP^T runs, dS^T while dv's product runs"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
