@@ -79,9 +79,9 @@ type TrainConfig struct {
 	// existed).
 	Recompute string `yaml:"recompute"`
 	// OptimizerInBackward is where the experts' AdamW update runs: on,
-	// in the backward, each layer's experts as soon as their gradients
-	// are final, so the gradient store holds one layer's expert
-	// gradients instead of every layer's (expert_update.go); off, after
+	// in the backward, each expert tensor as soon as its layer's backward
+	// no longer reads it, so the gradient store holds one expert tensor's
+	// gradient instead of every layer's experts' (expert_update.go); off, after
 	// the backward with every other tensor; auto (the default, and ""),
 	// on wherever nothing else needs those gradients after the layer's
 	// backward (Config.ExpertsUpdatedInBackward). The same weights bit for

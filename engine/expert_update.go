@@ -13,13 +13,20 @@ package engine
 //   - no other rank holds the same experts, whose gradients would be summed
 //     with these (dp 1 and cp 1: ExpertReplica and Context groups of one).
 //
-// Then AdamW updates the layer's experts right after its backward, and the
-// next layer's backward writes its expert gradients into the same memory:
-// the gradient store holds the other tensors' gradients and one layer's
-// experts', instead of every layer's. The update is elementwise and reads
-// the same gradient, learning rate and step, so the weights are bit for
-// bit those of the update after the backward; the global gradient norm
-// (reported, not applied) is summed layer by layer.
+// Then each expert tensor is updated inside its layer's backward: the
+// MoE layer hands the product that gives the tensor's gradient to the
+// rank (moe.UpdateExpertsInBackward, layerExperts) as soon as nothing
+// later in the backward reads the tensor's weights, and the rank computes
+// the gradient into one tensor's buffer and runs AdamW on it. Every expert
+// tensor takes that buffer in turn, so the gradient store holds the other
+// tensors' gradients and one expert tensor's, instead of every layer's
+// experts'. The product is the one the backward would have written and
+// the update is elementwise and reads the same gradient, learning rate
+// and step, so the weights are bit for bit those of the update after the
+// backward; the global gradient norm (reported, not applied) is summed
+// tensor by tensor. Because the product and its update are handed over
+// together, a backend can fuse them, so the gradient is never written
+// (kernels/adamw.md).
 //
 // What changes is when a bad step shows: the loss is checked after the
 // backward, so a step whose loss is not finite has already updated the
@@ -27,10 +34,12 @@ package engine
 // error; the run directory keeps the last good one.
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/profile"
+	"github.com/mktrain/mktrain/moe"
 )
 
 // ExpertsUpdatedInBackward reports whether a run of c updates the experts
@@ -73,42 +82,50 @@ func (c Config) optimizerInBackwardBlocker() string {
 	return ""
 }
 
-// layerExperts is, per layer, the span of the flat store that holds the
-// layer's expert tensors (consecutive: slots lists a layer's w1, w2, w3
-// together, and the layout keeps slot order within the experts' range).
-func (lay *flatLayout) layerExperts(m ModelConfig) []span {
-	out := make([]span, m.Layers)
-	for l := range out {
-		out[l] = span{lo: -1}
-	}
+// expertTensors is, per layer, the spans of the flat store that hold the
+// layer's expert tensors w1, w3 and w2 (indexed by moe.ExpertWeight),
+// padding left out.
+func (lay *flatLayout) expertTensors(m ModelConfig) [][3]span {
+	out := make([][3]span, m.Layers)
+	probe := newModelParams(m)
 	for i, s := range lay.slots {
 		if s.role != roleExpert {
 			continue
 		}
 		l := slotFinal(m, s)
-		end := lay.offset[i] + lay.padded(i)
-		if out[l].lo < 0 || lay.offset[i] < out[l].lo {
-			out[l].lo = lay.offset[i]
+		p, w := s.pick(probe), moe.ExpertW2
+		switch {
+		case p == &probe.layers[l].moe.W1EFD:
+			w = moe.ExpertW1
+		case p == &probe.layers[l].moe.W3EFD:
+			w = moe.ExpertW3
 		}
-		out[l].hi = max(out[l].hi, end)
+		out[l][w] = span{lay.offset[i], lay.offset[i] + shapeLen(lay.shape[i])}
 	}
 	return out
 }
 
 // newLayerExpertGradStore is the gradient store when the experts are
 // updated in the backward: flat holds the tensors before the experts'
-// range, laid out as newParamStore's, and every layer's expert gradients
-// are views of one buffer the size of a layer's experts (also returned).
-func newLayerExpertGradStore(b backend.Backend, m ModelConfig, lay *flatLayout, layers []span) (paramStore, backend.Tensor) {
+// range, laid out as newParamStore's, and buf is the memory each expert
+// tensor's gradient takes in turn while the backward updates it
+// (rank.UpdateExperts): one tensor's worth, the largest. Every layer's
+// expert gradient views are views of buf from its start, so they alias
+// each other; nothing reads them (the layers hand their products to the
+// update, moe.UpdateExpertsInBackward).
+func newLayerExpertGradStore(b backend.Backend, m ModelConfig, lay *flatLayout) (store paramStore, buf backend.Tensor) {
 	per := 0
-	for _, s := range layers {
-		per = max(per, s.hi-s.lo)
+	for i, s := range lay.slots {
+		if s.role == roleExpert {
+			per = max(per, lay.padded(i))
+		}
 	}
-	flat, buf := b.New(b.FloatType(), lay.experts.lo), b.New(b.FloatType(), per)
+	flat := b.New(b.FloatType(), lay.experts.lo)
+	buf = b.New(b.FloatType(), per)
 	p := newModelParams(m)
 	for i, s := range lay.slots {
 		if s.role == roleExpert {
-			*s.pick(p) = b.View(buf, lay.offset[i]-layers[slotFinal(m, s)].lo, lay.shape[i]...)
+			*s.pick(p) = b.View(buf, 0, lay.shape[i]...)
 			continue
 		}
 		*s.pick(p) = b.View(flat, lay.offset[i], lay.shape[i]...)
@@ -116,45 +133,65 @@ func newLayerExpertGradStore(b backend.Backend, m ModelConfig, lay *flatLayout, 
 	return paramStore{flat: flat, p: p}, buf
 }
 
-// expertUpdate is one step's AdamW of the experts, run by the backward as
-// each layer's gradients become final (model.backwardNotify).
+// expertUpdate is one step's AdamW of the experts, which the layers'
+// backward applies tensor by tensor (rank.UpdateExperts).
 type expertUpdate struct {
-	r *rank
 	h backend.AdamW
-	// squares are the layers' Σ g², queued on the device as each layer
-	// is updated and read together after the backward (sumSquares): the
+	// squares are the tensors' Σ g², queued on the device as each is
+	// updated and read together after the backward (sumSquares): the
 	// backward waits for none of them.
 	squares []func() float64
 }
 
 func (r *rank) newExpertUpdate(step int, lr float64) *expertUpdate {
 	t := r.cfg.Train
-	return &expertUpdate{r: r, h: backend.AdamW{LR: lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: t.WeightDecay, Step: step}}
+	return &expertUpdate{h: backend.AdamW{LR: lr, Beta1: t.Beta1, Beta2: t.Beta2, Eps: t.Eps, WeightDecay: t.WeightDecay, Step: step}}
 }
 
-// ready updates layer's experts once its backward is done; the next
-// layer's backward writes its gradients over them (a step of one
-// micro-batch: rank.writesExpertGrads). The other points of the backward
-// (the final norm's, the embedding's) hold no experts.
-func (u *expertUpdate) ready(layer int) error {
-	r := u.r
-	if layer < 0 || layer >= len(r.expertSpans) {
-		return nil
+// layerExperts is layer's moe.ExpertUpdater: the rank's update of its
+// experts in the backward.
+type layerExperts struct {
+	r     *rank
+	layer int
+}
+
+func (u layerExperts) UpdateExperts(w moe.ExpertWeight, dyRN, xRM backend.Tensor, groups backend.Groups) error {
+	return u.r.updateExperts(u.layer, w, dyRN, xRM, groups)
+}
+
+// updateExperts applies the step's AdamW (r.experts) to expert tensor w
+// of layer: its gradient, the product dyRNᵀ·xRM per expert (zero for none
+// without dyRN), goes into the shared gradient buffer and from there into
+// the update, whose squares are queued. Nothing clips this update (the
+// experts are updated in the backward only without clipping), so the
+// norm's squares come from its pass.
+func (r *rank) updateExperts(layer int, w moe.ExpertWeight, dyRN, xRM backend.Tensor, groups backend.Groups) error {
+	u := r.experts
+	if u == nil {
+		return errors.New("engine: a layer's backward updated its experts outside a training step")
 	}
-	b, sp := r.b, r.expertSpans[layer]
+	b, sp := r.b, r.expertTensors[layer][w]
+	shape := r.g.layers[layer].moe.W1EFD.Shape() // [E, F, D], as w3's
+	if w == moe.ExpertW2 {
+		shape = r.g.layers[layer].moe.W2EDF.Shape() // [E, D, F]
+	}
 	n := sp.hi - sp.lo
-	g := b.View(r.expertGrads, 0, n)
+	g := b.View(r.expertGrads, 0, shape[0]*shape[1], shape[2]) // stacked, as the layer's products see it
+	if dyRN == nil {
+		b.Zero(g)
+	} else {
+		b.GroupedMatMulTN(g, dyRN, xRM, groups, 1, 0)
+	}
 	profile.Scope(b, profile.ScopeOptimizer)
-	// Nothing clips this update (the experts are updated in the backward
-	// only without clipping), so the norm's squares come from its pass.
 	at := r.expertMomentsAt + sp.lo - r.layout.experts.lo
-	u.squares = append(u.squares, r.adamWSquares(sp, g, b.View(r.m, at, n), b.View(r.v, at, n), u.h))
+	flatG := b.View(r.expertGrads, 0, n)
+	u.squares = append(u.squares, r.adamWSquares(sp, flatG, b.View(r.m, at, n), b.View(r.v, at, n), u.h))
 	profile.Scope(b, "")
 	return nil
 }
 
-// sumSquares is Σ g² over the experts of every layer updated, added in
-// the order of the backward.
+// sumSquares is Σ g² over the expert tensors updated, added in the order
+// of the backward.
 func (u *expertUpdate) sumSquares() float64 {
 	s := 0.0
 	for _, f := range u.squares {
@@ -169,27 +206,5 @@ func (u *expertUpdate) sumSquares() float64 {
 func (u *expertUpdate) drain() {
 	if u != nil {
 		u.sumSquares()
-	}
-}
-
-// chainNotify is a backward callback that calls each of fs (the nil ones
-// left out) in order, stopping at the first error.
-func chainNotify(fs ...func(layer int) error) func(layer int) error {
-	var live []func(int) error
-	for _, f := range fs {
-		if f != nil {
-			live = append(live, f)
-		}
-	}
-	if len(live) == 0 {
-		return nil
-	}
-	return func(layer int) error {
-		for _, f := range live {
-			if err := f(layer); err != nil {
-				return err
-			}
-		}
-		return nil
 	}
 }

@@ -19,7 +19,7 @@ import (
 // gradients, weights and AdamW moments bit for bit, and the same gradient
 // norm to float64 rounding (it is summed layer by layer). It also checks
 // that the gradient store shrank to the replicated tensors and one
-// layer's experts.
+// expert tensor.
 func TestOptimizerInBackwardIsBitExact(t *testing.T) {
 	layouts := []struct {
 		name       string
@@ -78,12 +78,13 @@ func TestOptimizerInBackwardIsBitExact(t *testing.T) {
 				if !slices.Equal(got.grads[r], want.grads[r][:lay.experts.lo]) {
 					t.Errorf("rank %d: the replicated gradients differ", r)
 				}
-				// The stores: every layer's experts before, one layer's now.
+				// The stores: every layer's experts before, one expert
+				// tensor's now (the three tensors of a layer are alike).
 				gr, wr := gotRanks[r], wantRanks[r]
-				perLayer := (lay.experts.hi - lay.experts.lo) / cfg.Model.Layers
-				if !gr.expertsInBackward || gr.gStore.flat.Len() != lay.experts.lo || gr.expertGrads.Len() != perLayer {
+				perTensor := (lay.experts.hi - lay.experts.lo) / (3 * cfg.Model.Layers)
+				if !gr.expertsInBackward || gr.gStore.flat.Len() != lay.experts.lo || gr.expertGrads.Len() != perTensor {
 					t.Errorf("rank %d: gradient store %d + %d elements, want %d + %d (experts in the backward: %v)",
-						r, gr.gStore.flat.Len(), gr.expertGrads.Len(), lay.experts.lo, perLayer, gr.expertsInBackward)
+						r, gr.gStore.flat.Len(), gr.expertGrads.Len(), lay.experts.lo, perTensor, gr.expertsInBackward)
 				}
 				if wr.expertsInBackward || wr.gStore.flat.Len() != lay.total {
 					t.Errorf("rank %d: off kept a gradient store of %d elements, want %d", r, wr.gStore.flat.Len(), lay.total)

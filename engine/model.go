@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"fmt"
+	"slices"
 
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
@@ -112,8 +113,10 @@ const lmHeadChunkRows = 2048
 // keeps every layer's. writeExpertGrads says every step runs one
 // micro-batch: the backward writes the experts' gradients rather than
 // adding to them (moe.OverwriteExpertGrads), and the step need not zero
-// them.
-func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel, recompute string, writeExpertGrads bool) (*model, error) {
+// them. updaters, one per layer or nil, update the experts in the
+// backward (moe.UpdateExpertsInBackward), which then writes no expert
+// gradients into g.
+func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *modelParams, batch, seq int, groups moe.Groups, context comm.Group, cpMode attention.CPMode, tp *tensorpar.Parallel, recompute string, writeExpertGrads bool, updaters []moe.ExpertUpdater) (*model, error) {
 	cp, cpRank := 1, 0
 	if context != nil {
 		cp, cpRank = context.Size(), context.Rank()
@@ -204,7 +207,11 @@ func newModel(ctx context.Context, b backend.Backend, cfg ModelConfig, w, g *mod
 			attn = attention.New(b, attentionShape(cfg), batch, seq, attnOpts...)
 		}
 		m.attn = append(m.attn, attn)
-		layer, err := moe.New(b, cfg.MoE, D, moeTokens, groups, append(moeOpts, moe.WithStats(b.View(m.moeStats, l*E1, E1)))...)
+		opts := append(slices.Clip(moeOpts), moe.WithStats(b.View(m.moeStats, l*E1, E1)))
+		if updaters != nil {
+			opts = append(opts, moe.UpdateExpertsInBackward(updaters[l]))
+		}
+		layer, err := moe.New(b, cfg.MoE, D, moeTokens, groups, opts...)
 		if err != nil {
 			return nil, fmt.Errorf("layer %d: %w", l, err)
 		}

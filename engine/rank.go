@@ -70,15 +70,17 @@ type rank struct {
 	// tp 1), tpRank its place in it.
 	tp     *tensorpar.Parallel
 	tpRank tpRank
-	// With expertsInBackward the backward updates each layer's experts
-	// (expert_update.go): expertSpans are their spans of the weight store
-	// per layer, expertGrads the one layer's gradients every layer's
-	// expert gradient views share, and expertMomentsAt the element of m
-	// and v where the experts' moments begin.
+	// With expertsInBackward the layers' backward updates their experts
+	// (expert_update.go): expertTensors are the experts' spans of the
+	// weight store per layer and tensor, expertGrads the one tensor's
+	// gradient buffer they take in turn, expertMomentsAt the element of m
+	// and v where the experts' moments begin, and experts the update of
+	// the step in progress (nil between steps).
 	expertsInBackward bool
-	expertSpans       []span
+	expertTensors     [][3]span
 	expertGrads       backend.Tensor
 	expertMomentsAt   int
+	experts           *expertUpdate
 	// split holds the halves of the product weights' masters where they
 	// are split (master_split.go; hi nil otherwise): wStore.flat is then
 	// the float32 norms and embedding alone.
@@ -133,8 +135,8 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 		r.wStore = newParamStore(b, m, r.layout)
 	}
 	if r.expertsInBackward = train != nil && cfg.ExpertsUpdatedInBackward(); r.expertsInBackward {
-		r.expertSpans = r.layout.layerExperts(m)
-		r.gStore, r.expertGrads = newLayerExpertGradStore(b, m, r.layout, r.expertSpans)
+		r.expertTensors = r.layout.expertTensors(m)
+		r.gStore, r.expertGrads = newLayerExpertGradStore(b, m, r.layout)
 	} else {
 		r.gStore = newParamStore(b, m, r.layout)
 	}
@@ -182,9 +184,15 @@ func newRankRounds(ctx context.Context, cfg Config, b backend.Backend, groups *c
 	if r.tp.Enabled() {
 		moeData = groups.World
 	}
+	var updaters []moe.ExpertUpdater
+	if r.expertsInBackward {
+		for l := range m.Layers {
+			updaters = append(updaters, layerExperts{r: r, layer: l})
+		}
+	}
 	r.model, err = newModel(ctx, b, m, r.op.p, r.g, cfg.Train.MicroBatch, cfg.Train.Seq,
 		moe.Groups{Expert: groups.Expert, Data: moeData}, groups.Context, attention.CPMode(cfg.Parallel.CPAttention), r.tp,
-		cfg.Train.Recompute, r.writesExpertGrads())
+		cfg.Train.Recompute, r.writesExpertGrads(), updaters)
 	if err != nil {
 		return nil, err
 	}
@@ -237,10 +245,14 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 	r.op.refresh(b) // the weights may have changed since the last forward: an optimizer step, a restore
 	r.zeroGrads()
 	res.lr = learningRate(cfg.Train, step)
-	var experts *expertUpdate // the experts' AdamW, run by the backward
+	var experts *expertUpdate // the experts' AdamW, run by the layers' backward
 	if r.expertsInBackward {
 		experts = r.newExpertUpdate(step, res.lr)
-		defer experts.drain() // a step that fails before reading them
+		r.experts = experts
+		defer func() {
+			r.experts = nil
+			experts.drain() // a step that fails before reading them
+		}()
 	}
 	lossSum := 0.0
 	var early *queuedSquares
@@ -274,11 +286,7 @@ func (r *rank) trainStep(step int) (stepResult, error) {
 		if a == accum-1 && !r.syncGrads {
 			red = r.newGradReduction()
 		}
-		ready := red.notify()
-		if experts != nil {
-			ready = chainNotify(ready, experts.ready)
-		}
-		if err := r.model.backwardNotify(ready); err != nil {
+		if err := r.model.backwardNotify(red.notify()); err != nil {
 			return res, err
 		}
 		if err := red.finish(); err != nil {

@@ -120,7 +120,7 @@ func (p *Replica) Forward(batch int) (*Forward, error) {
 	}
 	r := p.r
 	m, err := newModel(context.Background(), r.b, r.cfg.Model, r.op.p, r.g, batch, p.cfg.Train.Seq,
-		moe.Groups{Expert: r.groups.Expert, Data: r.groups.Data}, nil, "", nil, RecomputeNone, false) // one context rank: no mode; no tensor parallelism; no backward to recompute for or gradients to write
+		moe.Groups{Expert: r.groups.Expert, Data: r.groups.Data}, nil, "", nil, RecomputeNone, false, nil) // one context rank: no mode; no tensor parallelism; no backward to recompute for or gradients to write
 	if err != nil {
 		return nil, err
 	}

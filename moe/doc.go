@@ -30,8 +30,15 @@
 // kept expert inputs), or under train.recompute: full RecomputeLayer
 // (every activation held once in the Scratch, the fused dispatcher's
 // exchanged rows per layer, and Reforward, Forward without its statistics
-// and losses, run right before Backward); after each optimizer step UpdateBias moves the
-// aux-loss-free balancing bias. WithPhaseHook times the phases for `mktrain
+// and losses, run right before Backward); with one micro-batch a step
+// OverwriteExpertGrads (the weight gradients written, not added), and
+// where the experts are updated in the backward (train.optimizer_in_backward)
+// UpdateExpertsInBackward instead: Backward hands each local expert
+// tensor's weight-gradient product to an ExpertUpdater once nothing later
+// in it reads that tensor's weights (w2 after DispatchDgradSwiGLU or the
+// products through it, w1 and w3 after the input gradient's products),
+// and writes no expert gradients. After each optimizer step UpdateBias
+// moves the aux-loss-free balancing bias. WithPhaseHook times the phases for `mktrain
 // bench moe`; MeasureDispatch and MeasureDispatchOn time both dispatchers
 // for package tune and `mktrain bench kernels`.
 //

@@ -108,20 +108,34 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 			st.refsR2, st.h1RF, st.h3RF, w2, groups)
 	}
 	l.phase(PhaseExpertsBackward)
+	dw1, dw3, dw2 := l.stacked(g)
 	if R > 0 {
-		dw1, dw3, dw2 := l.stacked(g)
-		beta := l.expertGradBeta()
-		b.GroupedMatMulTN(dw2, dyRD, st.actRF, groups, 1, beta)
-		b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, beta)
-		b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, beta)
-	} else {
-		l.noExpertRows(g)
+		// DispatchDgradSwiGLU, the last read of w2, is queued.
+		if err := l.weightGrad(ExpertW2, dw2, dyRD, st.actRF, groups); err != nil {
+			return err
+		}
+		if l.updater == nil {
+			beta := l.expertGradBeta()
+			b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, beta)
+			b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, beta)
+		}
+	} else if err := l.noExpertRows(g); err != nil {
+		return err
 	}
 	l.phase(PhaseCombineBackward)
 	if R > 0 {
 		// One rank: the references are (0, r), so dxSD is the experts'
 		// dx rows in send order.
 		b.DgradCombine(peerColumn(peers, 3), peerColumn(peers, 4), st.refsR2, dh1RF, dh3RF, w1, w3, groups)
+		if l.updater != nil {
+			// After DgradCombine, the last read of w1 and w3.
+			if err := l.weightGrad(ExpertW1, dw1, dh1RF, st.xRD, groups); err != nil {
+				return err
+			}
+			if err := l.weightGrad(ExpertW3, dw3, dh3RF, st.xRD, groups); err != nil {
+				return err
+			}
+		}
 	}
 	if l.g.Expert.Size() > 1 {
 		if err := l.g.Expert.Barrier(); err != nil {

@@ -227,3 +227,45 @@ func TestFusedPhases(t *testing.T) {
 		t.Errorf("fused phases %q: want dispatch+experts in place of dispatch and experts", moe.Phases(moe.DispatcherFused))
 	}
 }
+
+// TestUpdateExpertsInBackward runs Backward with an ExpertUpdater
+// (UpdateExpertsInBackward) on both dispatchers, one and several expert
+// ranks, and routings that leave some ranks without rows: the updater,
+// handed each tensor's product, adds it into the gradients and then
+// overwrites the tensor's weights with NaN (poisoningUpdater), and every
+// output and gradient must still equal, to the bit, Backward's without
+// the updater. So the updates come after the last read of each tensor's
+// weights, the products are the gradients, and an expert rank without
+// rows is handed each tensor once too (the run checks the order w2, w1,
+// w3 on every rank).
+func TestUpdateExpertsInBackward(t *testing.T) {
+	const D, Tl = 6, 37
+	random := moe.Config{Experts: 8, TopK: 2, FFN: 5, AuxLossCoef: 0.1, ZLossCoef: 0.01, SharedExperts: 1}
+	top1 := random
+	top1.TopK, top1.SharedExperts = 1, 0
+	oneExpert := make([]float64, 8)
+	oneExpert[7] = 100 // every token to expert 7: the other expert ranks get no rows
+	cases := []struct {
+		name string
+		cfg  moe.Config
+		bias []float64
+		dt   backend.DType
+	}{
+		{"random", random, nil, backend.Float64},
+		{"random float32", random, nil, backend.Float32},
+		{"one expert", top1, oneExpert, backend.Float64},
+	}
+	for i, c := range cases {
+		for _, dispatcher := range []string{moe.DispatcherUnfused, moe.DispatcherFused} {
+			for _, mesh := range []comm.Mesh{epMesh(1), epMesh(2), epMesh(4)} {
+				W := mesh.World()
+				pr := newProblem(uint64(700+10*i+W), c.cfg, D, W*Tl, false)
+				pr.bias, pr.dt, pr.cfg.Dispatcher = c.bias, c.dt, dispatcher
+				want := pr.run(t, mesh, 0.7, true)
+				pr.updateExperts = true
+				got := pr.run(t, mesh, 0.7, true)
+				assertSameResult(t, fmt.Sprintf("%s %s %+v", c.name, dispatcher, mesh), pr, got, want, 0)
+			}
+		}
+	}
+}

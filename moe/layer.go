@@ -65,7 +65,10 @@ type Layer struct {
 	// overwriteGrads (OverwriteExpertGrads): Backward writes the experts'
 	// weight gradients instead of adding to them.
 	overwriteGrads bool
-	scratch        *Scratch
+	// updater (UpdateExpertsInBackward): Backward hands it the experts'
+	// weight-gradient products instead of writing them into the gradients.
+	updater ExpertUpdater
+	scratch *Scratch
 
 	step *step // the last successful Forward, nil before
 	// deviceGroups: the backend's products and fused ops read the
@@ -280,6 +283,65 @@ func RecomputeLayer() Option { return func(l *Layer) { l.full = true } }
 // with beta 1: kernels/grouped_gemm.cu).
 func OverwriteExpertGrads() Option { return func(l *Layer) { l.overwriteGrads = true } }
 
+// ExpertWeight names one of a layer's stacked expert tensors.
+type ExpertWeight int
+
+// The local experts' tensors, in Params: W1EFD, W3EFD and W2EDF.
+const (
+	ExpertW1 ExpertWeight = iota
+	ExpertW3
+	ExpertW2
+)
+
+func (w ExpertWeight) String() string {
+	switch w {
+	case ExpertW1:
+		return "w1"
+	case ExpertW3:
+		return "w3"
+	case ExpertW2:
+		return "w2"
+	}
+	return fmt.Sprintf("ExpertWeight(%d)", int(w))
+}
+
+// ExpertUpdater applies an optimizer step to a layer's local experts from
+// inside its Backward (UpdateExpertsInBackward).
+type ExpertUpdater interface {
+	// UpdateExperts is handed the product that gives tensor w's gradient,
+	// dW[e] = dyRN[rows of e]ᵀ · xRM[rows of e] for each local expert e
+	// (Backend.GroupedMatMulTN with alpha 1 and beta 0: an expert without
+	// rows has a zero gradient), or nil dyRN and xRM when no expert has a
+	// row. Backward calls it once per tensor and step, once nothing later
+	// in the Backward reads w's weights; the tensors dyRN and xRM hold
+	// their values only until it returns.
+	UpdateExperts(w ExpertWeight, dyRN, xRM backend.Tensor, groups backend.Groups) error
+}
+
+// UpdateExpertsInBackward makes Backward hand the local experts'
+// weight-gradient products to u (ExpertUpdater) instead of writing or
+// adding them into the gradients, which it then leaves alone: for a
+// caller that updates the experts in the backward (train.optimizer_in_backward),
+// so that it can apply each tensor's update as soon as the tensor is no
+// longer read, and compute its gradient in whatever memory (or product)
+// it likes. The order of the backward's ops changes to match (the input
+// gradient's products before w1's and w3's updates); the values do not.
+func UpdateExpertsInBackward(u ExpertUpdater) Option { return func(l *Layer) { l.updater = u } }
+
+// weightGrad gives tensor w's weight gradient, dyRN ᵀ· xRM per expert: to
+// the updater (UpdateExpertsInBackward), else into dW with the products'
+// beta.
+func (l *Layer) weightGrad(w ExpertWeight, dW, dyRN, xRM backend.Tensor, groups backend.Groups) error {
+	if l.updater != nil {
+		if err := l.updater.UpdateExperts(w, dyRN, xRM, groups); err != nil {
+			return fmt.Errorf("moe: updating the experts' %v: %w", w, err)
+		}
+		return nil
+	}
+	l.b.GroupedMatMulTN(dW, dyRN, xRM, groups, 1, l.expertGradBeta())
+	return nil
+}
+
 // expertGradBeta is the weight-gradient products' beta: 0 when they
 // overwrite (OverwriteExpertGrads), else 1.
 func (l *Layer) expertGradBeta() float64 {
@@ -290,14 +352,24 @@ func (l *Layer) expertGradBeta() float64 {
 }
 
 // noExpertRows is the experts' backward when they processed no rows: with
-// OverwriteExpertGrads their gradients are zero, else nothing is added.
-func (l *Layer) noExpertRows(g *Params) {
+// OverwriteExpertGrads their gradients are zero, else nothing is added;
+// the updater (UpdateExpertsInBackward) is told so for each tensor.
+func (l *Layer) noExpertRows(g *Params) error {
+	if l.updater != nil {
+		for _, w := range []ExpertWeight{ExpertW2, ExpertW1, ExpertW3} {
+			if err := l.weightGrad(w, nil, nil, nil, backend.Groups{}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 	if l.overwriteGrads {
 		dw1, dw3, dw2 := l.stacked(g)
 		l.b.Zero(dw1)
 		l.b.Zero(dw3)
 		l.b.Zero(dw2)
 	}
+	return nil
 }
 
 // step is what Forward leaves for Backward.
@@ -861,10 +933,14 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 			b.GatherRows(dyRD, doutTD, st.sendTokS, st.gateS)
 		}
 		l.phase(PhaseExpertsBackward)
+		var err error
 		if S > 0 {
-			l.expertsBackward(st, p, g, dyRD, dxSD)
+			err = l.expertsBackward(st, p, g, dyRD, dxSD)
 		} else {
-			l.noExpertRows(g)
+			err = l.noExpertRows(g)
+		}
+		if err != nil {
+			return err
 		}
 		l.phase(PhaseCombineBackward)
 		if S > 0 {
@@ -888,10 +964,14 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 		b.GatherRows(dyRD, dyRecvRD, st.permR, nil)
 	}
 	l.phase(PhaseExpertsBackward)
+	var err error
 	if R > 0 {
-		l.expertsBackward(st, p, g, dyRD, dxRD)
+		err = l.expertsBackward(st, p, g, dyRD, dxRD)
 	} else {
-		l.noExpertRows(g)
+		err = l.noExpertRows(g)
+	}
+	if err != nil {
+		return err
 	}
 	l.phase(PhaseCombineBackward)
 	if R > 0 {
@@ -909,8 +989,9 @@ func (l *Layer) dispatchBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Pa
 
 // expertsBackward is expertsForward's backward: from the output gradients
 // dyRD (expert-major) it writes the input gradients dxRD and accumulates
-// the local experts' weight gradients into g.
-func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tensor) {
+// the local experts' weight gradients into g (or hands them to the
+// updater, after the last read of each tensor's weights).
+func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tensor) error {
 	if l.recompute {
 		l.recomputeHidden(st, p)
 	}
@@ -919,14 +1000,25 @@ func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tenso
 	dActRF, dh1RF, dh3RF := sc.dActRF.view(b, R), sc.dh1RF.view(b, R), sc.dh3RF.view(b, R)
 	w1, w3, w2 := l.stacked(p)
 	dw1, dw3, dw2 := l.stacked(g)
-	beta := l.expertGradBeta()
 	b.GroupedMatMul(dActRF, dyRD, w2, groups, false, 1, 0)
-	b.GroupedMatMulTN(dw2, dyRD, st.actRF, groups, 1, beta)
+	if err := l.weightGrad(ExpertW2, dw2, dyRD, st.actRF, groups); err != nil {
+		return err
+	}
 	b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
-	b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, beta)
-	b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, beta)
+	if l.updater == nil {
+		// The products in the order the profiles were measured in.
+		b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, l.expertGradBeta())
+		b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, l.expertGradBeta())
+	}
 	b.GroupedMatMul(dxRD, dh1RF, w1, groups, false, 1, 0)
 	b.GroupedMatMul(dxRD, dh3RF, w3, groups, false, 1, 1)
+	if l.updater == nil {
+		return nil
+	}
+	if err := l.weightGrad(ExpertW1, dw1, dh1RF, st.xRD, groups); err != nil {
+		return err
+	}
+	return l.weightGrad(ExpertW3, dw3, dh3RF, st.xRD, groups)
 }
 
 // sharedBackward adds the shared experts' dx to dxTD and accumulates their

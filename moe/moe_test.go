@@ -33,6 +33,37 @@ type problem struct {
 	dt            backend.DType // the backend's float type; Float64 when 0
 	bf16Operands  bool          // run on a CPU backend whose OperandType is BFloat16
 	bf16Input     bool          // pass x as a BFloat16 tensor (with bf16Operands)
+	// updateExperts builds the layers with moe.UpdateExpertsInBackward
+	// and a poisoningUpdater, which adds each product into the gradients
+	// as Backward would and then overwrites the tensor's weights with NaN.
+	updateExperts bool
+}
+
+// poisoningUpdater is a moe.ExpertUpdater for the tests: it adds each
+// tensor's weight-gradient product into g (beta 1, as Backward adds), then
+// fills the tensor's weights in p with NaN, so that a read of them later
+// in Backward shows in dx; calls lists the tensors in the order handed.
+type poisoningUpdater struct {
+	b     backend.Backend
+	p, g  *moe.Params
+	calls []moe.ExpertWeight
+}
+
+func (u *poisoningUpdater) UpdateExperts(w moe.ExpertWeight, dyRN, xRM backend.Tensor, groups backend.Groups) error {
+	u.calls = append(u.calls, w)
+	wt, gt := u.p.W1EFD, u.g.W1EFD
+	switch w {
+	case moe.ExpertW3:
+		wt, gt = u.p.W3EFD, u.g.W3EFD
+	case moe.ExpertW2:
+		wt, gt = u.p.W2EDF, u.g.W2EDF
+	}
+	if dyRN != nil {
+		s := gt.Shape()
+		u.b.GroupedMatMulTN(u.b.View(gt, 0, s[0]*s[1], s[2]), dyRN, xRM, groups, 1, 1)
+	}
+	u.b.Upload(wt, tensor.New(tensor.WithShape(wt.Len()), tensor.WithBacking(constant(wt.Len(), math.NaN()))))
+	return nil
 }
 
 func gauss(rng *rand.Rand, n int, std float64) []float64 {
@@ -308,7 +339,12 @@ func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward
 			if fs > 0 {
 				p.SharedW1FD, p.SharedW3FD, p.SharedW2DF = upload(b, pr.sw1, fs, D), upload(b, pr.sw3, fs, D), upload(b, pr.sw2, D, fs)
 			}
-			layer, err := moe.New(b, cfg, D, Tl, moe.Groups{Expert: rk.Expert, Data: rk.Data})
+			updater := &poisoningUpdater{b: b, p: p}
+			var opts []moe.Option
+			if pr.updateExperts {
+				opts = append(opts, moe.UpdateExpertsInBackward(updater))
+			}
+			layer, err := moe.New(b, cfg, D, Tl, moe.Groups{Expert: rk.Expert, Data: rk.Data}, opts...)
 			if err != nil {
 				o.forwardErr = err
 				rk.Abort(err)
@@ -343,8 +379,13 @@ func (pr *problem) run(t *testing.T, mesh comm.Mesh, lossScale float64, backward
 				}
 			}
 			dx := b.New(dt, Tl, D)
+			updater.g = g
 			if o.backErr = layer.Backward(dx, upload(b, pr.dout[t0*D:(t0+Tl)*D], Tl, D), p, g); o.backErr != nil {
 				rk.Abort(o.backErr)
+				return
+			}
+			if want := []moe.ExpertWeight{moe.ExpertW2, moe.ExpertW1, moe.ExpertW3}; pr.updateExperts && !slices.Equal(updater.calls, want) {
+				o.backErr = fmt.Errorf("the updater was handed %v, want %v", updater.calls, want)
 				return
 			}
 			o.dx = backend.DownloadFloat64(b, dx)

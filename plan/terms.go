@@ -87,10 +87,10 @@ func stores(l *ledger, s shape) {
 	}
 	if s.c.ExpertsInBackward {
 		// engine/expert_update.go's newLayerExpertGradStore: the store
-		// ends where the experts begin, and every layer's expert
-		// gradients share one layer's buffer.
+		// ends where the experts begin, and every expert tensor's
+		// gradient takes one tensor's buffer in turn.
 		l.fixed(Gradients, "gradients (not the experts')", 1, s.flatReplicated, s.ft)
-		l.fixed(Gradients, "expert gradients, one layer's (updated in the backward)", 1, mul(3, align(mul(s.El, s.F, s.D))), s.ft)
+		l.fixed(Gradients, "expert gradients, one tensor's (updated in the backward)", 1, align(mul(s.El, s.F, s.D)), s.ft)
 	} else {
 		l.fixed(Gradients, "gradients", 1, s.flatTotal, s.ft)
 	}

@@ -197,7 +197,7 @@ func printPlan(w io.Writer, recipe string, p plan.Plan, verdict error, host int6
 	fmt.Fprintf(w, "%-22s %s\n", "train.recompute", recompute)
 	update := "after the backward: every expert gradient kept until the step's AdamW"
 	if c.ExpertsInBackward {
-		update = "in the backward (train.optimizer_in_backward): one layer's expert gradients at a time"
+		update = "in the backward (train.optimizer_in_backward): one expert tensor's gradient at a time"
 	}
 	fmt.Fprintf(w, "%-22s %s\n", "experts' AdamW", update)
 	if p.Device.OperandBytes < p.Device.FloatBytes {
