@@ -61,7 +61,11 @@ tokens, for each S/W of --ring-seq, at B1 H16 KV4 Dh128 (GQA 4:1). It
 times forward and forward+backward in each mode (allgather: k and v
 all-gathered, their gradients reduce-scattered; ring: k and v chunks
 passed around the ranks: on virtual ranks the fused ring, whose kernels
-read the peers' k and v in place; the JSON names the path) from before the first rank starts to after the
+read the peers' k and v in place; the JSON names the path), and mode ring
+once more with the groups' peer access hidden, which runs the portable
+ring (the path of ranks without peer access: k and v chunks passed over
+Send and Recv, the backend's attention ops on each block; outside the
+bars, for comparison), from before the first rank starts to after the
 last ends, and the core on the whole sequence on one rank (the same
 work): ring efficiency = core time / ring time, and ring / allgather =
 allgather time / ring time (above 1 the ring is faster). Bars: efficiency
@@ -694,6 +698,11 @@ type attnRingRow struct {
 
 	AllGather attnRingMode `json:"allgather"`
 	Ring      attnRingMode `json:"ring"`
+	// RingPortable is mode ring on the same ranks with their groups'
+	// peer access hidden: the portable ring (k and v chunks passed over
+	// Send and Recv, the backend's attention ops on each block), the path
+	// of ranks without peer access; for comparison, outside the bars.
+	RingPortable attnRingMode `json:"ring_portable"`
 
 	EfficiencyFwd      *float64 `json:"ring_efficiency_fwd"`     // core time / ring time
 	EfficiencyStep     *float64 `json:"ring_efficiency_fwd_bwd"` // the same, forward+backward
@@ -701,6 +710,8 @@ type attnRingRow struct {
 	OverAllGatherStep  *float64 `json:"ring_over_allgather_fwd_bwd"`
 	AllGatherEffFwd    *float64 `json:"allgather_efficiency_fwd"` // core time / allgather time
 	AllGatherEffStep   *float64 `json:"allgather_efficiency_fwd_bwd"`
+	PortableEffFwd     *float64 `json:"ring_portable_efficiency_fwd"` // core time / portable ring time
+	PortableEffStep    *float64 `json:"ring_portable_efficiency_fwd_bwd"`
 	EfficiencyBarApply bool     `json:"efficiency_bar_applies"` // S/W >= 4096
 }
 
@@ -745,13 +756,16 @@ func benchRingRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, w, per
 	row.CoreFwdTF, row.CoreStepTF = tflops(flops, row.CoreFwdMS), tflops(stepFLOPs, row.CoreStepMS)
 
 	for _, m := range []struct {
-		mode attention.CPMode
-		fig  *attnRingMode
-	}{{ringModeAllGather, &row.AllGather}, {ringModeRing, &row.Ring}} {
-		fwd, step, path, buildErr, err := timeContextCore(b, clock, g, in, w, m.mode, iters)
+		mode     attention.CPMode
+		portable bool
+		fig      *attnRingMode
+	}{{ringModeAllGather, false, &row.AllGather}, {ringModeRing, false, &row.Ring}, {ringModeRing, true, &row.RingPortable}} {
+		fwd, step, path, buildErr, err := timeContextCore(b, clock, g, in, w, m.mode, m.portable, iters)
 		m.fig.Path = path
 		runtime.GC()
 		switch {
+		case err != nil && m.portable:
+			return row, fmt.Errorf("mode %s, portable: %w", m.mode, err)
 		case err != nil:
 			return row, fmt.Errorf("mode %s: %w", m.mode, err)
 		case buildErr != nil:
@@ -771,6 +785,7 @@ func benchRingRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, w, per
 	}
 	row.AllGatherEffFwd, row.AllGatherEffStep = ratio(row.CoreFwdMS, row.AllGather.FwdMS), ratio(row.CoreStepMS, row.AllGather.StepMS)
 	row.EfficiencyFwd, row.EfficiencyStep = ratio(row.CoreFwdMS, row.Ring.FwdMS), ratio(row.CoreStepMS, row.Ring.StepMS)
+	row.PortableEffFwd, row.PortableEffStep = ratio(row.CoreFwdMS, row.RingPortable.FwdMS), ratio(row.CoreStepMS, row.RingPortable.StepMS)
 	if row.AllGather.FwdMS != nil {
 		row.OverAllGatherFwd, row.OverAllGatherStep = ratio(*row.AllGather.FwdMS, row.Ring.FwdMS), ratio(*row.AllGather.StepMS, row.Ring.StepMS)
 	}
@@ -835,7 +850,9 @@ type ringRank struct {
 // one stream, as here, that is the device's time from the first rank's
 // first op to the last rank's last one. buildErr is NewContextCore's
 // refusal of the mode (nothing was timed); err a failure while timing.
-func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, iters int) (fwd, step time.Duration, path string, buildErr, err error) {
+// With portable the cores' groups hide their peer access, so mode ring
+// runs the portable ring.
+func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool, iters int) (fwd, step time.Duration, path string, buildErr, err error) {
 	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: w, TP: 1}, b)
 	if err != nil {
 		return 0, 0, "", nil, err
@@ -844,7 +861,10 @@ func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 	shape := attention.Shape{Dim: qw, Heads: g.Heads, KVHeads: g.KVHeads, RopeTheta: ringRope}
 	ranks := make([]*ringRank, w)
 	for r := range ranks {
-		group := world[r].Context
+		var group comm.Group = world[r].Context
+		if portable {
+			group = struct{ comm.Group }{group} // no comm.PeerAccess
+		}
 		core, err := attention.NewContextCore(b, shape, 1, g.Seq, group, mode)
 		if err != nil {
 			return 0, 0, "", err, nil
@@ -951,8 +971,8 @@ func ringFasterVerdict(rows []attnRingRow) barVerdict {
 
 func printAttnRing(w io.Writer, ring *attnRingResult) {
 	fmt.Fprintf(w, "\nring: context-parallel attention on W virtual ranks, %s, one sequence of S = W * S/W tokens; ms from the first rank's start to the last rank's end\n", ring.Geometry)
-	fmt.Fprintf(w, "%3s %6s %6s | %9s %9s | %9s %9s | %9s %9s | %8s %8s | %8s %8s\n",
-		"W", "S/W", "S", "core fwd", "f+b", "allg fwd", "f+b", "ring fwd", "f+b", "eff fwd", "f+b", "r/ag fwd", "f+b")
+	fmt.Fprintf(w, "%3s %6s %6s | %9s %9s | %9s %9s | %9s %9s | %8s %8s | %8s %8s | %9s %9s\n",
+		"W", "S/W", "S", "core fwd", "f+b", "allg fwd", "f+b", "ring fwd", "f+b", "eff fwd", "f+b", "r/ag fwd", "f+b", "port fwd", "f+b")
 	opt := func(p *float64, format string) string {
 		if p == nil {
 			return "-"
@@ -961,17 +981,18 @@ func printAttnRing(w io.Writer, ring *attnRingResult) {
 	}
 	var errs []string
 	for _, r := range ring.Rows {
-		fmt.Fprintf(w, "%3d %6d %6d | %9.3f %9.3f | %9s %9s | %9s %9s | %8s %8s | %8s %8s\n",
+		fmt.Fprintf(w, "%3d %6d %6d | %9.3f %9.3f | %9s %9s | %9s %9s | %8s %8s | %8s %8s | %9s %9s\n",
 			r.World, r.SeqPerRank, r.Seq, r.CoreFwdMS, r.CoreStepMS,
 			opt(r.AllGather.FwdMS, "%.3f"), opt(r.AllGather.StepMS, "%.3f"), opt(r.Ring.FwdMS, "%.3f"), opt(r.Ring.StepMS, "%.3f"),
-			opt(r.EfficiencyFwd, "%.2f"), opt(r.EfficiencyStep, "%.2f"), opt(r.OverAllGatherFwd, "%.2f"), opt(r.OverAllGatherStep, "%.2f"))
-		for _, m := range []attnRingMode{r.AllGather, r.Ring} {
+			opt(r.EfficiencyFwd, "%.2f"), opt(r.EfficiencyStep, "%.2f"), opt(r.OverAllGatherFwd, "%.2f"), opt(r.OverAllGatherStep, "%.2f"),
+			opt(r.RingPortable.FwdMS, "%.3f"), opt(r.RingPortable.StepMS, "%.3f"))
+		for _, m := range []attnRingMode{r.AllGather, r.Ring, r.RingPortable} {
 			if m.Error != "" && !slices.Contains(errs, m.Error) {
 				errs = append(errs, m.Error)
 			}
 		}
 	}
-	fmt.Fprintf(w, "(core: one rank on the whole sequence, the same work; eff: core time / ring time; r/ag: allgather time / ring time, above 1 the ring is faster; %s)\n", ringNote)
+	fmt.Fprintf(w, "(core: one rank on the whole sequence, the same work; eff: core time / ring time; r/ag: allgather time / ring time, above 1 the ring is faster; port: the portable ring on the same ranks, peer access hidden, outside the bars; %s)\n", ringNote)
 	for _, e := range errs {
 		fmt.Fprintf(w, "(not measured: %s)\n", e)
 	}

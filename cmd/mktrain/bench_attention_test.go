@@ -168,7 +168,8 @@ func TestBenchAttentionPeerFails(t *testing.T) {
 
 // TestBenchAttentionRing runs the ring rows on the CPU at W 2 and 4 with
 // 8 and 16 tokens per rank: the core on the whole sequence and each mode
-// timed, the ratios from the times, and the bars (the efficiency bar has
+// timed (mode ring twice: as the ranks' groups offer, and with their peer
+// access hidden, the portable ring), the ratios from the times, and the bars (the efficiency bar has
 // no row at S/W >= 4096 here). A mode NewContextCore refuses leaves its
 // figures null, its reason in the row, and the ring-faster bar not
 // measured.
@@ -198,6 +199,10 @@ func TestBenchAttentionRing(t *testing.T) {
 		ag := r.AllGather
 		if ag.Error != "" || ag.FwdMS == nil || ag.StepMS == nil || !near(*ag.FwdTF, flops / *ag.FwdMS / 1e9) || !near(*r.AllGatherEffStep, r.CoreStepMS / *ag.StepMS) {
 			t.Fatalf("row %d: allgather %+v (%v)", i, ag, ag.Error)
+		}
+		if pr := r.RingPortable; pr.Error != "" || pr.Path != "portable ring" || pr.FwdMS == nil || pr.StepMS == nil ||
+			!near(*r.PortableEffFwd, r.CoreFwdMS / *pr.FwdMS) || !near(*r.PortableEffStep, r.CoreStepMS / *pr.StepMS) {
+			t.Errorf("row %d: portable ring %+v, efficiency %v %v", i, pr, r.PortableEffFwd, r.PortableEffStep)
 		}
 		if r.Ring.Error != "" {
 			ringMeasured = false
