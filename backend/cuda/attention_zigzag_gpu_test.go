@@ -132,35 +132,49 @@ func (r *zzRun) ringBackward() {
 // compare checks every rank's outputs against the whole sequence's rows.
 func (r *zzRun) compare(t *testing.T) {
 	t.Helper()
+	r.compareSome(t, "out", "lse", "dq", "dk", "dv")
+}
+
+// compareSome checks the named outputs of every rank (out, lse, dq, dk,
+// dv) against the whole sequence's rows.
+func (r *zzRun) compareSome(t *testing.T, names ...string) {
+	t.Helper()
 	if err := r.b.Sync(); err != nil {
 		t.Fatal(err)
 	}
 	dl := func(x backend.Tensor) []float32 { return backend.DownloadFloat32(r.b, x) }
 	Q, K := r.s.Heads*r.s.HeadDim, r.s.KVHeads*r.s.HeadDim
-	whole := map[string][]float32{"out": dl(r.out), "lse": dl(r.lse), "dq": dl(r.dq), "dk": dl(r.dk), "dv": dl(r.dv)}
-	for i := range r.s.Ranks {
-		for _, c := range []struct {
-			name string
-			got  backend.Tensor
-			want []float32
-		}{
-			{"out", r.lout[i], zzLocalRows(r.s, whole["out"], Q, i)},
-			{"lse", r.llse[i], zzLocalLse(r.s, whole["lse"], i)},
-			{"dq", r.ldq[i], zzLocalRows(r.s, whole["dq"], Q, i)},
-			{"dk", r.ldk[i], zzLocalRows(r.s, whole["dk"], K, i)},
-			{"dv", r.ldv[i], zzLocalRows(r.s, whole["dv"], K, i)},
-		} {
-			got := dl(c.got)
+	whole := map[string]backend.Tensor{"out": r.out, "lse": r.lse, "dq": r.dq, "dk": r.dk, "dv": r.dv}
+	for _, name := range names {
+		w := dl(whole[name])
+		for i := range r.s.Ranks {
+			var got backend.Tensor
+			var want []float32
+			switch name {
+			case "out":
+				got, want = r.lout[i], zzLocalRows(r.s, w, Q, i)
+			case "lse":
+				got, want = r.llse[i], zzLocalLse(r.s, w, i)
+			case "dq":
+				got, want = r.ldq[i], zzLocalRows(r.s, w, Q, i)
+			case "dk":
+				got, want = r.ldk[i], zzLocalRows(r.s, w, K, i)
+			case "dv":
+				got, want = r.ldv[i], zzLocalRows(r.s, w, K, i)
+			default:
+				t.Fatalf("no output %q", name)
+			}
+			g := dl(got)
 			var num, den float64
-			for j, w := range c.want {
-				d := float64(got[j]) - float64(w)
-				num, den = num+d*d, den+float64(w)*float64(w)
+			for j, x := range want {
+				d := float64(g[j]) - float64(x)
+				num, den = num+d*d, den+float64(x)*float64(x)
 			}
 			rel := math.Sqrt(num / den)
 			if !(rel < zigzagWholeTol) {
-				t.Errorf("%+v rank %d: %s differs from the whole sequence's rows by %.3g (relative L2)", r.s, i, c.name, rel)
+				t.Errorf("%+v rank %d: %s differs from the whole sequence's rows by %.3g (relative L2)", r.s, i, name, rel)
 			} else {
-				t.Logf("%+v rank %d: %s within %.2g of the whole sequence's rows", r.s, i, c.name, rel)
+				t.Logf("%+v rank %d: %s within %.2g of the whole sequence's rows", r.s, i, name, rel)
 			}
 		}
 	}

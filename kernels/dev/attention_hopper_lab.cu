@@ -11,6 +11,9 @@
 //      products instead of both contending for the tensor cores at once.
 //   4  the backward waits for S^T and dP^T separately: P^T is computed
 //      and dv's product issued while dP^T runs, and dS^T while dv's does.
+//   8  attn_h_zz_forward_d{64,128}: the fused ring's forward (zigzag
+//      context parallelism) on this core, every rank's k and v read in
+//      place through tensor maps; launched by TestZigzagHopperLab.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -386,6 +389,210 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
   }
 }
+
+#if AH_EXPERIMENT & 8
+// ---- Lab: the fused ring's forward on this core (bit 8) ----
+//
+// attn_h_zz_forward_d{64,128} serve one context-parallel rank r of W
+// (backend.ZigzagShape, W <= AH_ZZ_MAX): its 2C local rows of each of B
+// sequences, chunk r's then chunk 2W-1-r's, every rank's k and v read in
+// place through a tensor map each (the virtual ranks' tensors on this
+// GPU, or a peer GPU's over NVLink). All tensors bf16 but out (float32,
+// [B*2C, H*Dh]) and lse (float32, [B, 2, H, C], natural log). C must be a
+// multiple of 128, so a block's 128 queries and every 128-key tile lie in
+// one chunk. A block is ah_forward's: the same producer, consumers and
+// online softmax, over the key tiles of positions 0 .. its last query's,
+// each loaded from the rank that holds it (tile t is chunk 128t/C), in
+// position order, so the softmax state stays in registers from the first
+// chunk to the last. Masking is ah_forward's with the block's offset
+// between global positions and local rows as off.
+#define AH_ZZ_MAX 8
+
+// ah_zz_maps is the kernels' tensor maps: this rank's q [B*2C, H*Dh] in
+// boxes of 128 rows, every rank's k and v [B*2C, KV*Dh] in boxes of 128
+// rows (entries past W unused).
+struct ah_zz_maps {
+  gg_tmap q;
+  gg_tmap k[AH_ZZ_MAX], v[AH_ZZ_MAX];
+};
+
+template <int DH>
+__device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
+                                              int KV, float scaleLog2) {
+  constexpr int STAGES = ah_cfg<DH>::STAGES;
+  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
+  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 empty = fullV + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bh = blockIdx.x, b = bh / H, h = bh % H, kvh = h / (H / KV);
+  // Heaviest tiles first: the late chunk's (n = 1), its last rows first.
+  const int per = C / AH_BM, y = (int)blockIdx.y, n = y < per ? 1 : 0;
+  const int tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
+  const int S = 2 * C;                  // local rows per sequence
+  const int i0 = n * C + tile * AH_BM;  // the block's first local row
+  const int p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
+  const int off = p0 - i0;               // position = local row + off
+  const int nT = p0 / AH_BN + 1;         // key tiles: positions 0 .. p0 + 127
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(&maps->q);
+    for (int w = 0; w < W; w++) {
+      gg_prefetch_tmap(&maps->k[w]);
+      gg_prefetch_tmap(&maps->v[w]);
+    }
+    gg_bar_expect_tx(barQ, TILE);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, &maps->q, h * DH + 64 * c, b * S + i0, barQ);
+    for (int t = 0; t < nT; t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+      // Tile t is chunk ck's rows from pos - ck*C on, on the rank that
+      // holds ck (its early chunk below W, else its late one).
+      const int pos = t * AH_BN, ck = pos / C;
+      const int owner = ck < W ? ck : 2 * W - 1 - ck;
+      const int row = b * S + (ck < W ? 0 : C) + pos - ck * C;
+      gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(ks + s * TILE + c * BOX, &maps->k[owner], kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(vs + s * TILE + c * BOX, &maps->v[owner], kvh * DH + 64 * c, row, fullV + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  // Consumer cw owns local rows [i0 + 64cw, i0 + 64cw + 64); this thread
+  // rows r0 and r0 + 8 of them. Both consumers see all nT tiles.
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+  float o[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+  gg_bar_wait(barQ, 0);
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  for (int t = 0; t < nT; t++) {
+    const int s = t % STAGES;
+    const unsigned ph = (t / STAGES) & 1;
+    float sc[64];
+    gg_bar_wait(fullK + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long dk = gg_desc(ks + s * TILE);
+    gg_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    const int j0 = t * AH_BN;
+    if (j0 + AH_BN - 1 > off + w0) {  // the diagonal tile
+      const int lim0 = off + r0, lim1 = off + r1;
+#pragma unroll
+      for (int nn = 0; nn < 16; nn++) {
+        const int j = j0 + 8 * nn + 2 * t4;
+        if (j > lim0) sc[4 * nn] = ah_neg_inf();
+        if (j + 1 > lim0) sc[4 * nn + 1] = ah_neg_inf();
+        if (j > lim1) sc[4 * nn + 2] = ah_neg_inf();
+        if (j + 1 > lim1) sc[4 * nn + 3] = ah_neg_inf();
+      }
+    }
+    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+    for (int nn = 0; nn < 16; nn++) {
+      mx0 = fmaxf(mx0, fmaxf(sc[4 * nn], sc[4 * nn + 1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[4 * nn + 2], sc[4 * nn + 3]));
+    }
+    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    float s0 = 0.0f, s1 = 0.0f;
+    unsigned p[8][4];
+#pragma unroll
+    for (int nn = 0; nn < 16; nn++) {
+      const float e0 = ah_ex2(sc[4 * nn] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * nn + 1] * scaleLog2 - n0);
+      const float e2 = ah_ex2(sc[4 * nn + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * nn + 3] * scaleLog2 - n1);
+      s0 += e0 + e1;
+      s1 += e2 + e3;
+      p[nn >> 1][2 * (nn & 1)] = gg_pack_bf16(e0, e1);
+      p[nn >> 1][2 * (nn & 1) + 1] = gg_pack_bf16(e2, e3);
+    }
+    l0 = l0 * a0 + s0;
+    l1 = l1 * a1 + s1;
+#pragma unroll
+    for (int i = 0; i < DH / 8; i++) {
+      o[4 * i] *= a0;
+      o[4 * i + 1] *= a0;
+      o[4 * i + 2] *= a1;
+      o[4 * i + 3] *= a1;
+    }
+    gg_bar_wait(fullV + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+    gg_wgmma_fence();
+    gg_fence_acc(o);
+#pragma unroll
+    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(o);
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+  }
+  l0 += mk_shfl_xor(l0, 1);
+  l0 += mk_shfl_xor(l0, 2);
+  l1 += mk_shfl_xor(l1, 1);
+  l1 += mk_shfl_xor(l1, 2);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int HD = H * DH;
+  float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  float* o1 = o0 + 8LL * HD;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+  }
+  if (t4 == 0) {
+    // lse [B, 2, H, C]: the block's chunk n, row r - nC of it.
+    float* lrow = lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C;
+    lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+    lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2) {
+  ah_zz_forward<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2) {
+  ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
   ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
