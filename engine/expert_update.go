@@ -109,7 +109,7 @@ func (lay *flatLayout) expertTensors(m ModelConfig) [][3]span {
 // updated in the backward: flat holds the tensors before the experts'
 // range, laid out as newParamStore's, and buf is the memory each expert
 // tensor's gradient takes in turn while the backward updates it
-// (rank.UpdateExperts): one tensor's worth, the largest. Every layer's
+// (rank.updateExperts): one tensor's worth, the largest. Every layer's
 // expert gradient views are views of buf from its start, so they alias
 // each other; nothing reads them (the layers hand their products to the
 // update, moe.UpdateExpertsInBackward).
@@ -134,7 +134,7 @@ func newLayerExpertGradStore(b backend.Backend, m ModelConfig, lay *flatLayout) 
 }
 
 // expertUpdate is one step's AdamW of the experts, which the layers'
-// backward applies tensor by tensor (rank.UpdateExperts).
+// backward applies tensor by tensor (rank.updateExperts).
 type expertUpdate struct {
 	h backend.AdamW
 	// squares are the tensors' Σ g², queued on the device as each is
@@ -182,11 +182,14 @@ func (r *rank) updateExperts(layer int, w moe.ExpertWeight, dyRN, xRM backend.Te
 	} else {
 		b.GroupedMatMulTN(g, dyRN, xRM, groups, 1, 0)
 	}
+	// The product is the MoE layer's work, the update the optimizer's;
+	// the model runs the layer's backward in the MoE scope, which goes on
+	// after this.
 	profile.Scope(b, profile.ScopeOptimizer)
 	at := r.expertMomentsAt + sp.lo - r.layout.experts.lo
 	flatG := b.View(r.expertGrads, 0, n)
 	u.squares = append(u.squares, r.adamWSquares(sp, flatG, b.View(r.m, at, n), b.View(r.v, at, n), u.h))
-	profile.Scope(b, "")
+	profile.Scope(b, profile.ScopeMoE)
 	return nil
 }
 

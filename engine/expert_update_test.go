@@ -17,7 +17,7 @@ import (
 // parallelism, ZeRO-1 over the expert ranks, recomputation, both
 // dispatchers), and requires the same losses, loads, replicated
 // gradients, weights and AdamW moments bit for bit, and the same gradient
-// norm to float64 rounding (it is summed layer by layer). It also checks
+// norm to float64 rounding (it is summed tensor by tensor). It also checks
 // that the gradient store shrank to the replicated tensors and one
 // expert tensor.
 func TestOptimizerInBackwardIsBitExact(t *testing.T) {
