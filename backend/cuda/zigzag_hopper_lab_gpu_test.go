@@ -1,11 +1,12 @@
 package cuda
 
-// The fused ring's forward on the Hopper core (kernels/dev/
-// attention_hopper_lab.cu's zz-forward, attn_h_zz_forward_d{64,128}):
-// every rank's rows against the whole sequence's, computed by the
-// production Hopper forward on one rank, then timed beside that call and
-// beside the fused ring's tensor-core kernels (attention_tc.cu's
-// attn_zz_forward, what mode ring runs today) on the same virtual ranks.
+// The fused ring on the Hopper core (kernels/dev/attention_hopper_lab.cu's
+// zz-forward, attn_h_zz_forward_d{64,128}, and zz-backward,
+// attn_h_zz_backward_d128): every rank's rows against the whole
+// sequence's, computed by the production Hopper kernels on one rank, then
+// timed beside that call and beside the fused ring's tensor-core kernels
+// (attention_tc.cu's attn_zz_*, what mode ring runs today) on the same
+// virtual ranks.
 
 import (
 	"fmt"
@@ -24,7 +25,7 @@ import (
 // zigzagLabs are the variants of attention_hopper_lab.cu that
 // TestZigzagHopperLab launches (they add kernels; the other lab tests
 // leave them out).
-var zigzagLabs = map[string]bool{"zz-forward": true}
+var zigzagLabs = map[string]bool{"zz-forward": true, "zz-backward": true}
 
 // zzLabMaxRanks is the ranks attn_h_zz_forward takes (AH_ZZ_MAX).
 const zzLabMaxRanks = 8
@@ -88,9 +89,9 @@ func launchZZForwardLab(d *Device, kern *Kernel, out, lse, q driver.DevicePtr, k
 	})
 }
 
-// zzBF16 is every rank's q, k and v of a zzRun rounded to bf16, in
+// zzBF16 is every rank's q, k, v and dout of a zzRun rounded to bf16, in
 // buffers of their own.
-type zzBF16 struct{ q, k, v []driver.DevicePtr }
+type zzBF16 struct{ q, k, v, dout []driver.DevicePtr }
 
 func newZZBF16(t *testing.T, r *zzRun) zzBF16 {
 	t.Helper()
@@ -118,6 +119,7 @@ func newZZBF16(t *testing.T, r *zzRun) zzBF16 {
 	var z zzBF16
 	for i := range r.s.Ranks {
 		z.q, z.k, z.v = append(z.q, round(r.lq[i])), append(z.k, round(r.lk[i])), append(z.v, round(r.lv[i]))
+		z.dout = append(z.dout, round(r.ldout[i]))
 	}
 	return z
 }
@@ -136,6 +138,116 @@ func (r *zzRun) labForward(t *testing.T, kern *Kernel, in zzBF16) error {
 	return nil
 }
 
+// launchZZBackwardLab queues attn_h_zz_backward_d128 for rank s.Rank:
+// its dk and dv (float32, written), every rank's dq (float32, added to),
+// lse and delta ([B, 2, H, C]) and bf16 q and dout, and its own bf16 k
+// and v. The kernel's first parameter is ah_zz_bmaps: the maps of k and
+// v, zzLabMaxRanks each of q, dout and dq (entries past W repeat the last
+// rank's), then zzLabMaxRanks pointers each of lse and delta, passed as
+// one block (27 map-sized entries, the last holding the pointers).
+func launchZZBackwardLab(d *Device, kern *Kernel, dk, dv driver.DevicePtr, in zzBF16, dqs, lses, deltas []driver.DevicePtr, s backend.ZigzagShape) error {
+	if s.Ranks > zzLabMaxRanks || s.Chunk%hopperAttnBN != 0 || s.HeadDim != 128 {
+		return fmt.Errorf("attn_h_zz_backward takes up to %d ranks, chunks of a multiple of %d rows and head dim 128, not %+v", zzLabMaxRanks, hopperAttnBN, s)
+	}
+	rows, Q := s.Batch*2*s.Chunk, s.Heads*s.HeadDim
+	maps := []driver.TiledMap{
+		hopperAttnMap(in.k[s.Rank], s.KVHeads*s.HeadDim, rows, hopperAttnBN),
+		hopperAttnMap(in.v[s.Rank], s.KVHeads*s.HeadDim, rows, hopperAttnBN),
+	}
+	for _, t := range [][]driver.DevicePtr{in.q, in.dout} {
+		for i := range zzLabMaxRanks {
+			maps = append(maps, hopperAttnMap(t[min(i, s.Ranks-1)], Q, rows, hopperAttnBwdQ))
+		}
+	}
+	for i := range zzLabMaxRanks {
+		maps = append(maps, driver.TiledMap{
+			Type: driver.TensorMapFloat32, Addr: dqs[min(i, s.Ranks-1)],
+			Dims: []uint64{uint64(Q), uint64(rows)}, Strides: []uint64{4 * uint64(Q)},
+			Box: []uint32{32, hopperAttnBwdQ}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+		})
+	}
+	for i, m := range maps {
+		if err := m.Check(); err != nil {
+			return fmt.Errorf("tensor map %d: %w", i, err)
+		}
+	}
+	enc, err := d.TensorMapEncoder()
+	if err != nil {
+		return err
+	}
+	scale, scaleLog2 := attnScales(s.HeadDim)
+	slots := []uint64{uint64(dk), uint64(dv), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
+		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
+	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
+	grid := Grid{
+		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: 2 * s.Chunk / hopperAttnBN, Z: 1},
+		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
+		Shared: smem,
+	}
+	return d.Submit(func() error {
+		if kern.sharedOptIn < grid.Shared {
+			if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
+				return err
+			}
+			kern.sharedOptIn = grid.Shared
+		}
+		blob := make([]driver.TensorMap, len(maps)+1) // one block: ah_zz_bmaps
+		for i, m := range maps {
+			if err := enc.EncodeTiled(&blob[i], m); err != nil {
+				return fmt.Errorf("tensor map %d: %w", i, err)
+			}
+		}
+		ptrs := &blob[len(maps)]
+		for i := range zzLabMaxRanks {
+			ptrs[i] = uint64(lses[min(i, s.Ranks-1)])
+			ptrs[zzLabMaxRanks+i] = uint64(deltas[min(i, s.Ranks-1)])
+		}
+		params := []unsafe.Pointer{unsafe.Pointer(&blob[0])}
+		for i := range slots {
+			params = append(params, unsafe.Pointer(&slots[i]))
+		}
+		var pin runtime.Pinner
+		defer pin.Unpin()
+		pin.Pin(&blob[0])
+		pin.Pin(&slots[0])
+		pin.Pin(&params[0])
+		return d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params)
+	})
+}
+
+// labBackward zeroes every rank's dq and runs kern for every rank into
+// r.ldq (added to), r.ldk and r.ldv, from r.llse and r.ldelta (the
+// tensor-core ring's forward and dq pass fill them: ringForward,
+// ringDelta).
+func (r *zzRun) labBackward(t *testing.T, kern *Kernel, in zzBF16) error {
+	ptr := func(x backend.Tensor) driver.DevicePtr {
+		ps, ok := devicePtrs(x.(*Tensor))
+		if !ok {
+			t.Fatal("a tensor was freed")
+		}
+		return ps[0]
+	}
+	var dqs, lses, deltas []driver.DevicePtr
+	for i := range r.s.Ranks {
+		r.b.Zero(r.ldq[i])
+		dqs, lses, deltas = append(dqs, ptr(r.ldq[i])), append(lses, ptr(r.llse[i])), append(deltas, ptr(r.ldelta[i]))
+	}
+	for i := range r.s.Ranks {
+		if err := launchZZBackwardLab(r.b.dev, kern, ptr(r.ldk[i]), ptr(r.ldv[i]), in, dqs, lses, deltas, r.rank(i)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ringDelta fills every rank's delta ([B, 2, H, C]) by the tensor-core
+// ring's dq pass (whose dq labBackward overwrites).
+func (r *zzRun) ringDelta() {
+	for i := range r.s.Ranks {
+		r.b.ZigzagAttentionBackwardDQ(r.ldq[i], r.ldelta[i], r.ldout[i], r.lq[i], r.lout[i], r.llse[i], r.lk, r.lv, r.rank(i))
+	}
+}
+
 func TestZigzagHopperLab(t *testing.T) {
 	b := testBackend(t)
 	d := b.dev
@@ -149,19 +261,31 @@ func TestZigzagHopperLab(t *testing.T) {
 	}
 	for _, v := range vs {
 		t.Run(v.Name, func(t *testing.T) {
+			added := []string{"attn_h_zz_forward_d64", "attn_h_zz_forward_d128"}
+			if v.Name == "zz-backward" {
+				added = []string{"attn_h_zz_backward_d128"}
+			}
 			src, _ := kernelSource(t, "attention_hopper.cu")
-			src.Kernels = append(slices.Clone(src.Kernels), kernels.Kernel{Name: "attn_h_zz_forward_d64"}, kernels.Kernel{Name: "attn_h_zz_forward_d128"})
+			src.Kernels = slices.Clone(src.Kernels)
+			for _, name := range added {
+				src.Kernels = append(src.Kernels, kernels.Kernel{Name: name})
+			}
 			m, err := d.load(src, lab.File+"+"+v.Name, lab.Text, v.Defines...)
 			if err != nil {
 				t.Fatal(err)
 			}
-			kerns := map[int]*Kernel{}
-			for _, dh := range []int{64, 128} {
-				if kerns[dh], err = m.Kernel(fmt.Sprintf("attn_h_zz_forward_d%d", dh)); err != nil {
+			kerns := map[string]*Kernel{}
+			for _, name := range added {
+				if kerns[name], err = m.Kernel(name); err != nil {
 					t.Fatal(err)
 				}
-				t.Logf("attn_h_zz_forward_d%d: %d registers, %d bytes of local memory", dh, kerns[dh].Registers, kerns[dh].LocalBytes)
+				t.Logf("%s: %d registers, %d bytes of local memory", name, kerns[name].Registers, kerns[name].LocalBytes)
 			}
+			if v.Name == "zz-backward" {
+				zzBackwardLab(t, b, kerns["attn_h_zz_backward_d128"])
+				return
+			}
+			fwd := func(dh int) *Kernel { return kerns[fmt.Sprintf("attn_h_zz_forward_d%d", dh)] }
 			// Against the whole sequence's rows: GQA groups of 1 to 4,
 			// W 2 to 8, several sequences, one and several tiles a chunk.
 			for i, s := range []backend.ZigzagShape{
@@ -172,7 +296,7 @@ func TestZigzagHopperLab(t *testing.T) {
 			} {
 				r := newZZRun(t, b, s, uint64(40+i))
 				r.wholeForward()
-				if err := r.labForward(t, kerns[s.HeadDim], newZZBF16(t, r)); err != nil {
+				if err := r.labForward(t, fwd(s.HeadDim), newZZBF16(t, r)); err != nil {
 					t.Fatal(err)
 				}
 				r.compareSome(t, "out", "lse")
@@ -187,7 +311,7 @@ func TestZigzagHopperLab(t *testing.T) {
 				coreF := attnMedianMs(t, d, sync(r.wholeForward))
 				tcF := attnMedianMs(t, d, sync(r.ringForward))
 				labF := attnMedianMs(t, d, func() error {
-					if err := r.labForward(t, kerns[s.HeadDim], in); err != nil {
+					if err := r.labForward(t, fwd(s.HeadDim), in); err != nil {
 						return err
 					}
 					return b.Sync()
@@ -203,5 +327,57 @@ func TestZigzagHopperLab(t *testing.T) {
 				figure(t, name+" tc ring efficiency", coreF/tcF, "x")
 			}
 		})
+	}
+}
+
+// zzBackwardLab is TestZigzagHopperLab's zz-backward: every rank's dq, dk
+// and dv against the whole sequence's (the production Hopper backward on
+// one rank), from the tensor-core ring's lse and delta, then timed beside
+// the whole-sequence backward and the tensor-core ring's (its dq and dk/dv
+// passes; the lab's time leaves out delta, a rowsum pass over dout and
+// out, which the tensor-core ring's dq pass makes on the way).
+func zzBackwardLab(t *testing.T, b *Backend, kern *Kernel) {
+	d := b.dev
+	for i, s := range []backend.ZigzagShape{
+		{Ranks: 2, Batch: 2, Chunk: 128, Heads: 8, KVHeads: 2, HeadDim: 128},
+		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 8, KVHeads: 2, HeadDim: 128},
+		{Ranks: 8, Batch: 1, Chunk: 128, Heads: 4, KVHeads: 4, HeadDim: 128},
+		{Ranks: 3, Batch: 2, Chunk: 384, Heads: 4, KVHeads: 1, HeadDim: 128},
+	} {
+		r := newZZRun(t, b, s, uint64(60+i))
+		r.wholeForward()
+		r.wholeBackward()
+		r.ringForward()
+		r.ringDelta()
+		if err := r.labBackward(t, kern, newZZBF16(t, r)); err != nil {
+			t.Fatal(err)
+		}
+		r.compareSome(t, "dq", "dk", "dv")
+	}
+	for _, c := range []struct{ w, perRank int }{{2, 4096}, {4, 4096}, {8, 4096}, {4, 8192}, {8, 8192}} {
+		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: 128}
+		r := newZZRun(t, b, s, 98)
+		r.wholeForward()
+		r.ringForward()
+		r.ringDelta()
+		in := newZZBF16(t, r)
+		sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
+		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
+		tcB := attnMedianMs(t, d, sync(r.ringBackward))
+		labB := attnMedianMs(t, d, func() error {
+			if err := r.labBackward(t, kern, in); err != nil {
+				return err
+			}
+			return b.Sync()
+		})
+		r.compareSome(t, "dq", "dk", "dv")
+		name := fmt.Sprintf("ring W%d S%d H16 KV4 Dh128", c.w, s.Seq())
+		flops := 2.5 * 4 * float64(s.Heads) * float64(s.Seq()) * float64(s.Seq()) * float64(s.HeadDim) / 2
+		figure(t, name+" core bwd", coreB, "ms")
+		figure(t, name+" tc ring bwd", tcB, "ms")
+		figure(t, name+" zz-backward", labB, "ms")
+		figure(t, name+" zz-backward rate", flops/labB/1e9, "TFLOP/s")
+		figure(t, name+" zz-backward efficiency", coreB/labB, "x")
+		figure(t, name+" tc ring bwd efficiency", coreB/tcB, "x")
 	}
 }

@@ -14,6 +14,9 @@
 //   8  attn_h_zz_forward_d{64,128}: the fused ring's forward (zigzag
 //      context parallelism) on this core, every rank's k and v read in
 //      place through tensor maps; launched by TestZigzagHopperLab.
+//  16  attn_h_zz_backward_d128: the fused ring's backward on this core,
+//      every rank's q, dout, lse and delta read in place and dq added
+//      into its owner's; launched by TestZigzagHopperLab.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -390,6 +393,10 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   }
 }
 
+#if AH_EXPERIMENT & 24
+#define AH_ZZ_MAX 8  // the ranks the zigzag kernels take
+#endif
+
 #if AH_EXPERIMENT & 8
 // ---- Lab: the fused ring's forward on this core (bit 8) ----
 //
@@ -406,7 +413,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
 // position order, so the softmax state stays in registers from the first
 // chunk to the last. Masking is ah_forward's with the block's offset
 // between global positions and local rows as off.
-#define AH_ZZ_MAX 8
 
 // ah_zz_maps is the kernels' tensor maps: this rank's q [B*2C, H*Dh] in
 // boxes of 128 rows, every rank's k and v [B*2C, KV*Dh] in boxes of 128
@@ -1327,6 +1333,222 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
+
+#if AH_EXPERIMENT & 16
+// ---- Lab: the fused ring's backward on this core (bit 16) ----
+//
+// attn_h_zz_backward_d128 serves one context-parallel rank r of W (as
+// attn_h_zz_forward): a block owns 128 of the rank's keys (one local key
+// block: its rows lie in one chunk, C a multiple of 128) of one (sequence,
+// kv head) and walks, per query head of the group, every 64-query tile of
+// the whole sequence from the block's first key position on, each read
+// from the rank that holds it (q and dout through that rank's tensor maps,
+// lse and delta [B, 2, H, C] through its pointers), in position order.
+// The products are ah_backward's at head dim 128 (dq once per warpgroup
+// and item over all 128 keys); dk and dv stay in registers across every
+// rank's queries and are stored once into this rank's rows, and each dq
+// block is added into its owner's dq by TMA reductions (float32, zero
+// before any rank's kernel; the adds land at L2 in the order blocks run).
+// So nothing travels but reads and dq's reductions: no partial dk or dv,
+// no sums passed around.
+struct ah_zz_bmaps {
+  gg_tmap k, v;                               // this rank's [B*2C, KV*Dh], boxes of 128 rows
+  gg_tmap q[AH_ZZ_MAX], dout[AH_ZZ_MAX];      // every rank's [B*2C, H*Dh], boxes of 64 rows
+  gg_tmap dq[AH_ZZ_MAX];                      // every rank's float32 dq, boxes of {32, 64}
+  const float* lse[AH_ZZ_MAX];                // every rank's [B, 2, H, C], natural log
+  const float* delta[AH_ZZ_MAX];              // every rank's [B, 2, H, C]
+};
+
+__device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
+                                                  int KV, float scaleLog2, float scale) {
+  constexpr int DH = 128;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging
+  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  const int S = 2 * C;                   // local rows per sequence
+  const int j0 = blockIdx.y * 128;       // the block's first local key row
+  const int nk = j0 / C;                 // its local chunk
+  const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;  // and its first key's position
+  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = G * perHead;
+  // Item it's query tile: its first position, and the rank and local row
+  // that hold it.
+  auto where = [&](int it, int& owner, int& row, int& nq, int& qp0) {
+    qp0 = (qt0 + it % perHead) * AH_BQ;
+    const int cq = qp0 / C;
+    owner = cq < W ? cq : 2 * W - 1 - cq;
+    nq = cq < W ? 0 : 1;
+    row = nq * C + qp0 - cq * C;
+  };
+  auto load = [&](int it) {
+    const int s = it % STAGES, h = kvh * G + it / perHead;
+    int owner, row, nq, qp0;
+    where(it, owner, row, nq, qp0);
+    const unsigned qa = qs + s * 2 * QT;
+    gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(qa + c * QBOX, &maps->q[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+      gg_tma_2d(qa + QT + c * QBOX, &maps->dout[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+    }
+  };
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 1);   // thread 0's expect_tx
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    for (int w = 0; w < W; w++) {
+      gg_prefetch_tmap(&maps->q[w]);
+      gg_prefetch_tmap(&maps->dout[w]);
+    }
+    gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(ks + c * KBOX, &maps->k, kvh * DH + 64 * c, b * S + j0, barKV);
+      gg_tma_2d(vs + c * KBOX, &maps->v, kvh * DH + 64 * c, b * S + j0, barKV);
+    }
+    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
+  }
+  __syncthreads();
+
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64) (positions from kw
+  // on); this thread rows wr and wr + 8 of them (and, in dq's product,
+  // queries qp0 + wr, qp0 + wr + 8).
+  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr, kq = kp + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nqb = 0;  // dq blocks this warpgroup has staged (their buffer is nqb & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead;
+    int owner, row, nq, qp0;
+    where(it, owner, row, nq, qp0);
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    // The lse (to base 2) and delta of this thread's 16 queries, from
+    // their owner's [B, 2, H, C], loaded while the products run. Column
+    // 8n + 2t4 + e is query qp0 + 8n + 2t4 + e.
+    float l2[8][2], dl[8][2];
+    {
+      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
+      const float* lrow = maps->lse[owner] + at;
+      const float* drow = maps->delta[owner] + at;
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          l2[n][e] = ah_ldg(lrow + 8 * n + 2 * t4 + e) * AH_LOG2E;
+          dl[n][e] = ah_ldg(drow + 8 * n + 2 * t4 + e);
+        }
+      }
+    }
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    // P^T and dS^T in place of S^T and dP^T; the key at position kp sees
+    // the query at position i iff kp <= i.
+    const bool whole = kw + 63 <= qp0;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = qp0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || kp <= i;
+        const bool v1 = whole || kq <= i;
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
+      }
+    }
+    unsigned pa[4][4], da[4][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+    }
+    gg_wgmma_fence();
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+    gg_wgmma_commit();
+    // dS^T to this warpgroup's buffer of the item's parity: key row r holds
+    // its 64 queries in 128 bytes, 16-byte chunk n at n ^ (r & 7).
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
+      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
+    // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
+    gg_named_sync(3, 256);
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    if (tid == 0 && it + STAGES < items) {
+      gg_bar_wait(empty + 8 * s, ph);
+      load(it + STAGES);
+    }
+    const unsigned stg = dqs + (cw * 2 + (nqb & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(1 + cw, 128);
+    if (wtid == 0) {
+      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 64 * cw, b * S + row, stg);
+      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 64 * cw + 32, b * S + row, stg + DQB / 2);
+      gg_bulk_commit();
+    }
+    nqb++;
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
+  ah_zz_backward128(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
   ah_backward_producer<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
