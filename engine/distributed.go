@@ -144,7 +144,7 @@ func (e *Engine) RunDistributed(ctx context.Context, d Distributed) (Result, err
 	if err != nil {
 		return Result{}, err
 	}
-	res, err := e.runWorld(ctx, world, nil, true)
+	res, err := e.runWorld(ctx, world, nil, true, nil)
 	closeWorld(err)
 	return res, err
 }
@@ -276,7 +276,7 @@ func (e *Engine) runMultiProcess(ctx context.Context, d Distributed, mp registry
 			abortRanks(world, err)
 		}
 	}()
-	res, err := e.runWorld(ctx, world, backends, true)
+	res, err := e.runWorld(ctx, world, backends, true, rdv)
 	if err != nil && !errors.Is(err, ErrStopped) {
 		abortRanks(world, err)
 		rdv.Abort(err)

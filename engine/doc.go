@@ -164,9 +164,11 @@
 // backward, long after the device wrote them. The step then queues AdamW
 // and returns without waiting for it: the host reads and uploads the next
 // batch and queues its forward while the device runs the optimizer. The
-// ranks' vote to stop before each step meets on the host when they share
-// a process (session.votes); a distributed run's votes are its world
-// group's collective, which on GPUs waits for the device's queue. Errors
+// ranks' vote to stop before each step meets on the host (session.votes,
+// stopVotes): a process's ranks in a group of their own, and across
+// processes whose groups are the devices' (NCCL) the processes' sums go
+// over the rendezvous's connections (launch.Rendezvous.AllReduceFloat64),
+// never over a collective that would wait for the device's queue. Errors
 // of queued work surface at the next wait: the next step's Sync, before
 // its loss is trusted, the checkpoint's, which writes nothing after a
 // fault, and the run's end.

@@ -277,7 +277,7 @@ func (e *Engine) Run(ctx context.Context) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	res, err := e.runWorld(ctx, world, backends, false)
+	res, err := e.runWorld(ctx, world, backends, false, nil)
 	if rerr := release(); rerr != nil {
 		e.log.Warn().Err(rerr).Msg("closing the GPUs of the ranks")
 	}

@@ -514,7 +514,7 @@ func (r *rank) gradNorm(replicated, expertSquares float64) (float64, error) {
 // each batch the ranks vote on ctx through vote as the training loop does
 // (session.votes), so a stop ends a long validation between two batches
 // with ErrStopped, on every rank at the same batch.
-func (r *rank) evaluate(ctx context.Context, vote comm.Group) (float64, error) {
+func (r *rank) evaluate(ctx context.Context, vote stopVoter) (float64, error) {
 	cfg := r.cfg
 	r.op.refresh(r.b)
 	r.val.Reset()

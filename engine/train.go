@@ -18,6 +18,7 @@ import (
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/data"
+	"github.com/mktrain/mktrain/launch"
 )
 
 // session is one Run's shared state across the ranks this process trains
@@ -33,12 +34,12 @@ type session struct {
 	// distributed: other processes train the ranks not in world (see
 	// distributed.go).
 	distributed bool
-	// votes[i] is where ranks[i] votes to stop: the world group in a
-	// distributed run, else a group of this process's ranks that meets on
-	// the host. On GPUs the world group's collectives sit on the device's
-	// queue, so a vote there would wait, every step, for the optimizer
-	// the last step left running (rank.trainStep does not wait for it).
-	votes []comm.Group
+	// votes[i] is where ranks[i] votes to stop, always on the host
+	// (stopVotes). On GPUs the world group's collectives sit on the
+	// device's queue, so a vote there would wait, every step, for the
+	// optimizer the last step left running (rank.trainStep does not wait
+	// for it).
+	votes []stopVoter
 	// pace fills in the machine's figures of each step (perf.go).
 	pace *pace
 }
@@ -49,7 +50,7 @@ type session struct {
 // backends[i] is world[i]'s backend (one GPU each, with NCCL groups); nil
 // puts every rank on e.backend (virtual ranks, or a process's ranks of a
 // distributed run).
-func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []backend.Backend, distributed bool) (res Result, err error) {
+func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []backend.Backend, distributed bool, rdv *launch.Rendezvous) (res Result, err error) {
 	if e.runDir == "" {
 		// Embedders forget WithRunDir more easily than a command-line user
 		// forgets --run-dir: say it before hours of training, not after.
@@ -102,7 +103,11 @@ func (e *Engine) runWorld(ctx context.Context, world []*comm.Ranks, backends []b
 	e.log.Info().Str("took", time.Since(initStart).Round(time.Millisecond).String()).Msg("model initialised")
 	e.logTPPaths(cfg, ranks)
 	s := &session{e: e, ranks: ranks, world: world, snaps: make([]rankSnapshot, cfg.mesh().World()), distributed: distributed}
-	if s.votes, err = stopVotes(world, distributed, e.backend); err != nil {
+	voteOn := e.backend // the votes' host group holds no tensors, but its ranks name a backend
+	if backends != nil {
+		voteOn = backends[0]
+	}
+	if s.votes, err = stopVotes(world, distributed, rdv, voteOn); err != nil {
 		return Result{}, err
 	}
 	if e.runDir != "" {
@@ -253,13 +258,24 @@ func (s *session) run(ctx context.Context) (Result, error) {
 	return result, first
 }
 
-// stopVotes returns where each of world's ranks votes to stop: the world
-// group across the processes of a distributed run; else a group of the
-// process's ranks on the host (comm.NewLocal's, whose float64 sums never
-// touch b), so a vote never waits for a device's queue.
-func stopVotes(world []*comm.Ranks, distributed bool, b backend.Backend) ([]comm.Group, error) {
-	votes := make([]comm.Group, len(world))
-	if distributed {
+// stopVoter is where a rank votes to stop: every rank of the run brings
+// its vote and all get the same sum (comm.Group's AllReduceFloat64);
+// Abort wakes the ranks waiting in it.
+type stopVoter interface {
+	AllReduceFloat64(vals []float64) error
+	Abort(err error)
+}
+
+// stopVotes returns where each of world's ranks votes to stop, always on
+// the host: in a run of one process, a group of its ranks (comm.NewLocal's,
+// whose float64 sums never touch b); in a distributed run whose world
+// group meets on the host (TCP), that group; in one over several processes
+// whose groups are the devices' (NCCL: rdv is the run's rendezvous), the
+// process's ranks meet on the host and its first rank adds the processes'
+// sums over the rendezvous (nodeVote).
+func stopVotes(world []*comm.Ranks, distributed bool, rdv *launch.Rendezvous, b backend.Backend) ([]stopVoter, error) {
+	votes := make([]stopVoter, len(world))
+	if distributed && rdv == nil {
 		for i, g := range world {
 			votes[i] = g.World
 		}
@@ -269,15 +285,54 @@ func stopVotes(world []*comm.Ranks, distributed bool, b backend.Backend) ([]comm
 	if err != nil {
 		return nil, err
 	}
-	for i, g := range world {
-		votes[i] = local[g.Rank].World
+	for i := range world {
+		votes[i] = local[i].World
+		if distributed {
+			v := nodeVote{local: local[i].World}
+			if i == 0 {
+				v.rdv = rdv
+			}
+			votes[i] = v
+		}
 	}
 	return votes, nil
 }
 
+// nodeVote is a rank's stop vote in a run over several processes whose
+// groups are the devices': the process's ranks add their votes on the host
+// (local), the process's first rank adds the processes' sums over the
+// rendezvous (rdv, nil on the others), and the total reaches every rank of
+// the process by a second sum on the host, to which only the first rank
+// brings it.
+type nodeVote struct {
+	local comm.Group
+	rdv   *launch.Rendezvous
+}
+
+func (v nodeVote) AllReduceFloat64(vals []float64) error {
+	if err := v.local.AllReduceFloat64(vals); err != nil {
+		return err
+	}
+	total := make([]float64, len(vals))
+	if v.rdv != nil {
+		copy(total, vals)
+		if err := v.rdv.AllReduceFloat64(total); err != nil {
+			v.local.Abort(err) // the process's other ranks wait for the total
+			return err
+		}
+	}
+	if err := v.local.AllReduceFloat64(total); err != nil {
+		return err
+	}
+	copy(vals, total)
+	return nil
+}
+
+func (v nodeVote) Abort(err error) { v.local.Abort(err) }
+
 // loop is one rank's training loop; vote is where it votes to stop
 // (session.votes).
-func (s *session) loop(ctx context.Context, r *rank, worldRank int, vote comm.Group) (Result, error) {
+func (s *session) loop(ctx context.Context, r *rank, worldRank int, vote stopVoter) (Result, error) {
 	cfg := s.e.cfg
 	lead := worldRank == 0
 	res := Result{Loss: math.NaN(), ValLoss: math.NaN()}

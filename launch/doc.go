@@ -21,9 +21,13 @@
 //	defer rdv.Close()
 //	addrs, err := launch.DataAddrs(rdv.Nodes()) // for comm.TCPConfig.Addrs
 //	failures := rdv.Watch(ctx)                  // the run's failure, the same on every node
+//	err = rdv.AllReduceFloat64(votes)           // the nodes' sum, on the host
 //
 // A rank that fails calls rdv.Abort(err) so that every node stops with its
-// reason. On a single node Join returns at once and nothing listens.
+// reason. AllReduceFloat64 sums a few float64s over the nodes through node
+// 0 (the engine's stop vote each step, which over NCCL would wait for the
+// device's queue). On a single node Join returns at once and nothing
+// listens.
 //
 // # Design
 //
@@ -44,7 +48,8 @@
 // or a refusal that every node returns alike. The connections stay open as
 // a star around node 0, with heartbeats both ways, so that a lost node
 // (closed connection, or silence past HeartbeatTimeout) ends the run on
-// every node with an error naming it. Its wire format (length-prefixed
+// every node with an error naming it; they also carry the nodes' sums
+// (AllReduceFloat64), which node 0 adds in node order. Its wire format (length-prefixed
 // JSON) is its own, apart from comm's TCP transport, which carries the
 // collectives' data between the nodes once they have met. Package launch
 // imports comm (for the blob's layout: comm.BlobSize, comm.RunIDFromBlob),

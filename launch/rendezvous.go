@@ -26,13 +26,21 @@ package launch
 // node's own error the same way; Close says goodbye, which ends the run for
 // that node without failing it.
 //
+// The connections also carry the nodes' sums (AllReduceFloat64): each node
+// sends node 0 its values for the round, and node 0, once it has every
+// node's and its own, adds them in node order and sends every node the
+// total. The engine's ranks vote to stop this way once a step, on the
+// host, where a vote over the ranks' NCCL group would wait for the
+// device's queue.
+//
 // Wire format: after the handshake, each message is a 4-byte big-endian
 // length and a JSON object (message below), at most maxToNode0 bytes from
 // a node to node 0 and maxFromNode0 from node 0 (which grows with the node
 // table). The kinds are hello (node k to node 0), welcome and
-// refuse (node 0 to node k), heartbeat and bye (both ways), and abort: from
-// node k it carries the node's own error text, from node 0 the run's final
-// error text, which the node returns as is.
+// refuse (node 0 to node k), heartbeat and bye (both ways), sum (node k to
+// node 0: a round's values) and sums (node 0 to node k: the round's
+// total), and abort: from node k it carries the node's own error text,
+// from node 0 the run's final error text, which the node returns as is.
 //
 // Goroutines: node 0 runs an accept loop until the rendezvous completes and
 // a hub that owns every connection; each connection has a reader and a
@@ -49,6 +57,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"slices"
@@ -125,6 +134,7 @@ type Rendezvous struct {
 
 	events    chan event    // readers and the accept loop -> hub
 	aborts    chan error    // Abort -> hub
+	sums      chan *sumCall // AllReduceFloat64 -> hub
 	closing   chan struct{} // closed by Close
 	closeOnce sync.Once
 	stopped   chan struct{} // closed when the hub returns (single node: by Close)
@@ -154,6 +164,7 @@ func Join(ctx context.Context, cfg RendezvousConfig) (*Rendezvous, error) {
 		},
 		events:  make(chan event),
 		aborts:  make(chan error),
+		sums:    make(chan *sumCall),
 		closing: make(chan struct{}),
 		stopped: make(chan struct{}),
 		failed:  make(chan struct{}),
@@ -285,6 +296,63 @@ func (r *Rendezvous) Abort(err error) {
 	case r.aborts <- err:
 	case <-r.stopped:
 	}
+}
+
+// maxSumValues is the most values AllReduceFloat64 adds at once (a
+// node's frame to node 0 holds them, within maxToNode0).
+const maxSumValues = 256
+
+// sumCall is one AllReduceFloat64 waiting for its round: the hub writes
+// the total into vals and reports on done.
+type sumCall struct {
+	vals []float64
+	done chan error // buffered: the hub never waits on it
+}
+
+// AllReduceFloat64 sets vals to their sum over every node of the run,
+// added in node order by node 0, so every node gets the same bits. Every
+// node calls it the same number of times with as many values (at most
+// maxSumValues, finite: they travel as JSON); a node whose count differs
+// fails the run. It returns the run's failure if the run fails or ends
+// before the total arrives. On a single node vals are their own sum.
+func (r *Rendezvous) AllReduceFloat64(vals []float64) error {
+	if len(vals) > maxSumValues {
+		return fmt.Errorf("rendezvous: AllReduceFloat64 of %d values; it adds at most %d", len(vals), maxSumValues)
+	}
+	for i, v := range vals {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return fmt.Errorf("rendezvous: AllReduceFloat64: value %d is %v; the nodes' sums carry finite values only", i, v)
+		}
+	}
+	if !r.self.isMulti() {
+		return r.Err()
+	}
+	c := &sumCall{vals: vals, done: make(chan error, 1)}
+	select {
+	case r.sums <- c:
+	case <-r.stopped:
+		return r.ended()
+	}
+	select {
+	case err := <-c.done:
+		return err
+	case <-r.stopped:
+		select {
+		case err := <-c.done: // answered as the hub returned
+			return err
+		default:
+			return r.ended()
+		}
+	}
+}
+
+// ended is why a call cannot be answered once the hub has returned: the
+// run's failure, or that it ended.
+func (r *Rendezvous) ended() error {
+	if err := r.Err(); err != nil {
+		return err
+	}
+	return fmt.Errorf("rendezvous at %s: the run's connections are closed", r.addr)
 }
 
 // Close leaves the run: the other nodes are told goodbye (which does not
@@ -419,6 +487,11 @@ type server struct {
 	// may be a node that came, left and came back, whose old connection's
 	// end the hub has not read yet. When it fires the claim is final.
 	graceC <-chan time.Time
+	// The AllReduceFloat64 round in progress: its number, node 0's own
+	// call once made, and the values of the nodes that sent theirs.
+	round    int
+	ownSum   *sumCall
+	nodeSums map[int][]float64
 }
 
 // hub0 is node 0's hub: it gathers hellos until every node has come or the
@@ -468,6 +541,16 @@ func (r *Rendezvous) hub0(ctx context.Context, ln net.Listener, joined chan<- er
 			s.abort(err, fmt.Sprintf("%s aborted the run: %v", r.self, err), nil)
 			return
 
+		case c := <-r.sums:
+			if s.listening || s.ownSum != nil {
+				c.done <- fmt.Errorf("rendezvous at %s: AllReduceFloat64 called before Join returned, or twice at once", r.addr)
+				continue
+			}
+			s.ownSum = c
+			if s.sumDone() {
+				return
+			}
+
 		case <-r.closing:
 			for p := range s.peers {
 				if !p.left {
@@ -477,6 +560,54 @@ func (r *Rendezvous) hub0(ctx context.Context, ln net.Listener, joined chan<- er
 			return
 		}
 	}
+}
+
+// sumDone completes the round when every node's values and node 0's own
+// call are in: the total, added in node order, goes to every node and to
+// node 0's caller. True when the hub is done: a node sent a different
+// count of values, or said goodbye in the middle of a round, which it can
+// then never finish; either fails the run.
+func (s *server) sumDone() (done bool) {
+	r := s.r
+	if s.ownSum == nil && len(s.nodeSums) == 0 {
+		return false
+	}
+	for p := range s.peers {
+		if _, sent := s.nodeSums[p.node.NodeRank]; p.left && !sent {
+			err := fmt.Errorf("rendezvous at %s: %s said goodbye in round %d of the nodes' sums, before sending its values", r.addr, p.node, s.round)
+			if s.ownSum != nil {
+				s.ownSum.done <- err
+			}
+			s.abort(err, err.Error(), nil)
+			return true
+		}
+	}
+	if s.ownSum == nil || len(s.nodeSums) < r.cfg.Launch.NNodes-1 {
+		return false
+	}
+	total := slices.Clone(s.ownSum.vals)
+	for k := 1; k < r.cfg.Launch.NNodes; k++ {
+		vals := s.nodeSums[k]
+		if len(vals) != len(total) {
+			err := fmt.Errorf("rendezvous at %s: %s added %d values in round %d, node 0 %d: every node must add as many", r.addr, r.nodes[k], len(vals), s.round, len(total))
+			s.ownSum.done <- err
+			s.abort(err, err.Error(), nil)
+			return true
+		}
+		for i, v := range vals {
+			total[i] += v
+		}
+	}
+	for p := range s.peers {
+		if !p.left {
+			p.send(message{Kind: kindSums, Round: s.round, Vals: total})
+		}
+	}
+	copy(s.ownSum.vals, total)
+	s.ownSum.done <- nil
+	s.ownSum, s.nodeSums = nil, nil
+	s.round++
+	return false
 }
 
 // handle acts on one event; true when the hub is done.
@@ -514,6 +645,25 @@ func (s *server) handle(ev event) (done bool) {
 
 	case ev.msg.Kind == kindBye && p.node != nil:
 		p.left = true
+		if !s.listening {
+			return s.sumDone() // a round in progress cannot finish without it
+		}
+
+	case ev.msg.Kind == kindSum && !s.listening && p.node != nil && !p.left:
+		rank := p.node.NodeRank
+		if _, twice := s.nodeSums[rank]; twice || ev.msg.Round != s.round {
+			err := fmt.Errorf("%s sent its values for round %d while node 0 is at round %d", p.node, ev.msg.Round, s.round)
+			if s.ownSum != nil {
+				s.ownSum.done <- err
+			}
+			s.abort(err, err.Error(), nil)
+			return true
+		}
+		if s.nodeSums == nil {
+			s.nodeSums = map[int][]float64{}
+		}
+		s.nodeSums[rank] = ev.msg.Vals
+		return s.sumDone()
 
 	case !s.listening && p.node != nil && !p.left:
 		err := fmt.Errorf("%s sent an unexpected %q message", p.node, ev.msg.Kind)
@@ -750,6 +900,14 @@ func (r *Rendezvous) hubK(ctx context.Context, p *peer, joined chan<- error) {
 		r.fail(err)
 		joined <- err
 	}
+	// The AllReduceFloat64 call waiting for node 0's total, and its round.
+	var pending *sumCall
+	round := 0
+	defer func() {
+		if pending != nil {
+			pending.done <- r.ended()
+		}
+	}()
 	for {
 		select {
 		case ev := <-r.events:
@@ -779,6 +937,11 @@ func (r *Rendezvous) hubK(ctx context.Context, p *peer, joined chan<- error) {
 			case ev.msg.Kind == kindBye:
 				p.left = true
 				return
+			case ev.msg.Kind == kindSums && !joining && pending != nil && ev.msg.Round == round && len(ev.msg.Vals) == len(pending.vals):
+				copy(pending.vals, ev.msg.Vals)
+				pending.done <- nil
+				pending = nil
+				round++
 			default:
 				err := fmt.Errorf("rendezvous at %s: node 0 sent an unexpected %q message", r.addr, ev.msg.Kind)
 				if joining {
@@ -801,6 +964,14 @@ func (r *Rendezvous) hubK(ctx context.Context, p *peer, joined chan<- error) {
 			p.finish(&message{Kind: kindAbort, Error: err.Error()})
 			r.fail(err)
 			return
+
+		case c := <-r.sums:
+			if joining || pending != nil {
+				c.done <- fmt.Errorf("rendezvous at %s: AllReduceFloat64 called before Join returned, or twice at once", r.addr)
+				continue
+			}
+			pending = c
+			p.send(message{Kind: kindSum, Round: round, Vals: c.vals})
 
 		case <-r.closing:
 			p.finish(&message{Kind: kindBye})
@@ -840,7 +1011,9 @@ type peer struct {
 }
 
 func newPeer(conn net.Conn) *peer {
-	// A peer is sent at most a hello or verdict, and an abort or bye.
+	// A peer is sent at most a hello or verdict, a round's values or
+	// total (a node starts no round before the last one's total), and an
+	// abort or bye.
 	return &peer{conn: conn, out: make(chan message, 4), readerDone: make(chan struct{})}
 }
 
@@ -948,6 +1121,8 @@ const (
 	kindHeartbeat = "heartbeat"
 	kindAbort     = "abort"
 	kindBye       = "bye"
+	kindSum       = "sum"
+	kindSums      = "sums"
 )
 
 // message is one frame's JSON.
@@ -957,6 +1132,8 @@ type message struct {
 	Blob  []byte     `json:"blob,omitempty"`  // welcome
 	Nodes []NodeInfo `json:"nodes,omitempty"` // welcome
 	Error string     `json:"error,omitempty"` // refuse, abort
+	Round int        `json:"round,omitempty"` // sum, sums
+	Vals  []float64  `json:"vals,omitempty"`  // sum, sums
 }
 
 // Frame limits: what the protocol needs. A node sends node 0 a hello

@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -856,6 +857,165 @@ func TestRendezvousProcesses(t *testing.T) {
 		for rank, c := range nodes {
 			if rep := c.next(t, 10*time.Second); rep.Event != "error" || rep.Error != want {
 				t.Errorf("node %d: %+v\nwant the error %q", rank, rep, want)
+			}
+		}
+	})
+}
+
+// sumsAll runs AllReduceFloat64 on every node at once, node i with
+// vals[i], node 0 after delay0, and returns each node's error.
+func sumsAll(res []joinResult, vals [][]float64, delay0 time.Duration) []error {
+	errs := make([]error, len(res))
+	done := make(chan int)
+	for i, r := range res {
+		go func() {
+			if i == 0 {
+				time.Sleep(delay0)
+			}
+			errs[i] = r.r.AllReduceFloat64(vals[i])
+			done <- i
+		}()
+	}
+	for range res {
+		<-done
+	}
+	return errs
+}
+
+// TestRendezvousSums: the nodes' AllReduceFloat64 gives every node the
+// same total, added in node order (node 0's values first), round after
+// round, whichever node calls first; a single node's values are their own
+// sum; a node that adds another count of values, or says goodbye in the
+// middle of a round, fails the run on every node instead of leaving the
+// others waiting; bad arguments are refused before anything is sent.
+func TestRendezvousSums(t *testing.T) {
+	t.Run("rounds", func(t *testing.T) {
+		port := freePort(t)
+		res := joinAll(testConfig(3, 0, port), testConfig(3, 1, port), testConfig(3, 2, port))
+		for i, r := range res {
+			if r.err != nil {
+				t.Fatalf("node %d: %v", i, r.err)
+			}
+			defer r.r.Close()
+		}
+		for round := range 20 {
+			vals := make([][]float64, 3)
+			want := make([]float64, 3)
+			for i := range vals {
+				// Values whose sum depends on the order of the adds.
+				vals[i] = []float64{float64(i + round), 0.1 * float64(i+1), math.Ldexp(1, 60*(1-i)) + float64(round)}
+			}
+			for j := range want {
+				want[j] = vals[0][j]
+				for i := 1; i < 3; i++ {
+					want[j] += vals[i][j]
+				}
+			}
+			var delay0 time.Duration
+			if round%2 == 1 { // node 0's own call after the others' values
+				delay0 = 5 * time.Millisecond
+			}
+			for i, err := range sumsAll(res, vals, delay0) {
+				if err != nil {
+					t.Fatalf("round %d, node %d: %v", round, i, err)
+				}
+				for j := range want {
+					if math.Float64bits(vals[i][j]) != math.Float64bits(want[j]) {
+						t.Fatalf("round %d, node %d: value %d is %v, want %v", round, i, j, vals[i][j], want[j])
+					}
+				}
+			}
+		}
+		// No values at all is a round too (every node must still call).
+		if errs := sumsAll(res, make([][]float64, 3), 0); errors.Join(errs...) != nil {
+			t.Fatal(errs)
+		}
+		for _, r := range res {
+			r.r.Close()
+		}
+		checkNoLeaks(t)
+	})
+
+	t.Run("single node", func(t *testing.T) {
+		r, err := Join(context.Background(), testConfig(1, 0, freePort(t)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		vals := []float64{1.5, -2}
+		if err := r.AllReduceFloat64(vals); err != nil || vals[0] != 1.5 || vals[1] != -2 {
+			t.Fatalf("AllReduceFloat64 = %v, values %v", err, vals)
+		}
+	})
+
+	t.Run("counts differ", func(t *testing.T) {
+		port := freePort(t)
+		res := joinAll(testConfig(3, 0, port), testConfig(3, 1, port), testConfig(3, 2, port))
+		for i, r := range res {
+			if r.err != nil {
+				t.Fatalf("node %d: %v", i, r.err)
+			}
+			defer r.r.Close()
+		}
+		errs := sumsAll(res, [][]float64{{1, 2}, {1, 2}, {1}}, 0)
+		for i, err := range errs {
+			if err == nil || !strings.Contains(err.Error(), "node 2 (host c) added 1 values in round 0, node 0 2: every node must add as many") {
+				t.Errorf("node %d: %v", i, err)
+			}
+		}
+		for _, r := range res {
+			r.r.Close()
+		}
+		checkNoLeaks(t)
+	})
+
+	t.Run("goodbye mid-round", func(t *testing.T) {
+		port := freePort(t)
+		res := joinAll(testConfig(3, 0, port), testConfig(3, 1, port), testConfig(3, 2, port))
+		for i, r := range res {
+			if r.err != nil {
+				t.Fatalf("node %d: %v", i, r.err)
+			}
+			defer r.r.Close()
+		}
+		errs := make(chan error, 2)
+		for _, i := range []int{0, 1} {
+			go func() { errs <- res[i].r.AllReduceFloat64([]float64{1}) }()
+		}
+		time.Sleep(50 * time.Millisecond) // both wait in round 0
+		res[2].r.Close()
+		for range 2 {
+			select {
+			case err := <-errs:
+				if err == nil || !strings.Contains(err.Error(), "node 2 (host c) said goodbye in round 0 of the nodes' sums") {
+					t.Errorf("a waiting node got %v", err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("the nodes still wait for a node that said goodbye")
+			}
+		}
+		for _, r := range res {
+			r.r.Close()
+		}
+		checkNoLeaks(t)
+	})
+
+	t.Run("arguments", func(t *testing.T) {
+		r, err := Join(context.Background(), testConfig(1, 0, freePort(t)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		for _, c := range []struct {
+			vals []float64
+			want string
+		}{
+			{make([]float64, maxSumValues+1), "adds at most 256"},
+			{[]float64{1, math.NaN()}, "value 1 is NaN"},
+			{[]float64{math.Inf(-1)}, "value 0 is -Inf"},
+		} {
+			if err := r.AllReduceFloat64(c.vals); err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("AllReduceFloat64(%d values) = %v, want %q", len(c.vals), err, c.want)
 			}
 		}
 	})
