@@ -90,7 +90,9 @@
 # GPU_TEST_TIMEOUT is each test binary's -test.timeout (default 360s);
 # MKTRAIN_GG_VARIANTS names the experiment variants of kernels/dev the
 # backend/cuda tests take, comma-separated, or all (default none: the
-# kernels as trained with; kernels/dev/README.md);
+# kernels as trained with; kernels/dev/README.md); LABS runs labs after
+# the packages, each in a process of its own (LABS=pending: every lab
+# waiting for a GPU; the format is above PENDING_LABS below);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels, NO_ATTENTION=1 step 5b, NO_TP=1 step 5c,
 # NO_HF=1 step 6; FINE=1 runs step 3b (three files more); PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
@@ -233,25 +235,25 @@ pkg_json=()
 status=0
 skip_args=()
 [[ -n "${GPU_TEST_SKIP:-}" ]] && skip_args=(-test.skip "$GPU_TEST_SKIP")
-while IFS='|' read -r pkg filter; do
-  [[ -z "$pkg" ]] && continue
-  if [[ -n "${GPU_TEST_PACKAGES:-}" ]] && ! [[ "$pkg" =~ ^(${GPU_TEST_PACKAGES})$ ]]; then
-    continue
-  fi
-  n=$(name_of "$pkg")
-  test_bin="$root/$BIN/$n.test"
+
+# run_binary PKG NAME FILTER TIMEOUT: runs PKG's test binary from its
+# folder with -test.run FILTER ("" = all) under -test.timeout TIMEOUT,
+# logging to $LOGS/NAME.*, and adds its row, counts and figures.
+run_binary() {
+  local pkg=$1 n=$2 filter=$3 timeout=$4
+  local test_bin="$root/$BIN/$(name_of "$pkg").test"
   if [[ ! -x "$test_bin" ]]; then
-    echo "== $pkg: $test_bin missing (run scripts/gpu-test.sh build first)"
-    rows+=("$pkg|missing|0|0|0|0")
+    echo "== $n: $test_bin missing (run scripts/gpu-test.sh build first)"
+    rows+=("$n|missing|0|0|0|0")
     status=1
-    continue
+    return
   fi
-  run_args=()
-  [[ -n "${GPU_TEST_RUN:-}" ]] && filter=$GPU_TEST_RUN
+  local run_args=()
   [[ -n "$filter" ]] && run_args=(-test.run "$filter")
-  echo "== $pkg ${filter:+(-test.run $filter)}"
+  echo "== $n ${filter:+(-test.run $filter)}"
+  local start rc secs
   start=$(date +%s%N)
-  (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout="${GPU_TEST_TIMEOUT:-360s}" -test.count=1 "${run_args[@]}" "${skip_args[@]}") >"$LOGS/$n.log" 2>&1
+  (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout="$timeout" -test.count=1 "${run_args[@]}" "${skip_args[@]}") >"$LOGS/$n.log" 2>&1
   rc=$?
   secs=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.2f", (b - a) / 1e9 }')
   if [[ -x "$root/$BIN/test2json" ]]; then
@@ -262,22 +264,55 @@ while IFS='|' read -r pkg filter; do
   tr -d '\026' <"$LOGS/$n.log" >"$LOGS/$n.txt"
   grep -B2 -A8 -- '--- FAIL' "$LOGS/$n.txt" | head -n 80
   grep -v '^=== \(RUN\|PAUSE\|CONT\|NAME\)' "$LOGS/$n.txt" | tail -n 25
+  local pass fail skip result=ok
   pass=$(grep -c -- '--- PASS' "$LOGS/$n.txt")
   fail=$(grep -c -- '--- FAIL' "$LOGS/$n.txt")
   skip=$(grep -c -- '--- SKIP' "$LOGS/$n.txt")
-  result=ok
   if [[ $rc -ne 0 ]]; then result="FAIL($rc)"; status=1; fi
-  rows+=("$pkg|$result|$pass|$fail|$skip|$secs")
-  # Each package's counts and the logs so far as soon as it ends, so that
+  rows+=("$n|$result|$pass|$fail|$skip|$secs")
+  # Each binary's counts and the logs so far as soon as it ends, so that
   # a run cut short (by a device's time limit, say) still brings them back.
-  echo "-- $pkg: $result, $pass passed, $fail failed, $skip skipped, $secs s"
+  echo "-- $n: $result, $pass passed, $fail failed, $skip skipped, $secs s"
   tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
-  pkg_json+=("{\"package\":\"$pkg\",\"exit\":$rc,\"passed\":$pass,\"failed\":$fail,\"skipped\":$skip,\"seconds\":${secs:-0}}")
+  pkg_json+=("{\"package\":\"$n\",\"exit\":$rc,\"passed\":$pass,\"failed\":$fail,\"skipped\":$skip,\"seconds\":${secs:-0}}")
+  local line
   while IFS= read -r line; do
     figures+=("$line")
   done < <(sed -n 's/.*figure: \(.*\) = \([^ ]*\) \(.*\)$/\1|\2|\3/p' "$LOGS/$n.txt")
   echo
+}
+
+while IFS='|' read -r pkg filter; do
+  [[ -z "$pkg" ]] && continue
+  if [[ -n "${GPU_TEST_PACKAGES:-}" ]] && ! [[ "$pkg" =~ ^(${GPU_TEST_PACKAGES})$ ]]; then
+    continue
+  fi
+  [[ -n "${GPU_TEST_RUN:-}" ]] && filter=$GPU_TEST_RUN
+  run_binary "$pkg" "$pkg" "$filter" "${GPU_TEST_TIMEOUT:-360s}"
 done <"$BIN/packages.txt"
+
+# The kernels/dev labs LABS names (kernels/dev/README.md), each in a
+# backend/cuda test process of its own, so that a lab kernel that faults
+# or hangs (bounded by LAB_TIMEOUT, default 300s) takes no other lab with
+# it: entries "TESTS:VARIANTS" separated by spaces, TESTS a -test.run
+# regexp of backend/cuda's tests, VARIANTS the MKTRAIN_GG_VARIANTS they
+# get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS).
+PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants:fwd-pingpong,bwd-split-wait \
+TestZigzagHopperLab:zz-forward,zz-backward \
+TestGroupedTNAdamWLab:tn-adamw,tn-adamw-b4 \
+TestAdamWLab:fp32-math,fp64-one-div,wide-split,fp32-wide \
+TestRMSNormBackwardRowsFigures:bwd-row-registers"
+labs=${LABS:-}
+[[ "$labs" == pending ]] && labs=$PENDING_LABS
+variants_before=$MKTRAIN_GG_VARIANTS
+for lab in $labs; do
+  tests=${lab%%:*}
+  variants=${lab#*:}
+  [[ "$lab" == *:* ]] || variants=
+  export MKTRAIN_GG_VARIANTS=$variants
+  run_binary backend/cuda "lab-${tests//|/+}" "^(${tests})\$" "${LAB_TIMEOUT:-300s}"
+done
+export MKTRAIN_GG_VARIANTS=$variants_before
 
 # The training benchmark and its PyTorch peer, in the same command on the
 # same machine, so their ratio means something.
