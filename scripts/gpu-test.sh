@@ -298,6 +298,7 @@ done <"$BIN/packages.txt"
 # regexp of backend/cuda's tests, VARIANTS the MKTRAIN_GG_VARIANTS they
 # get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS).
 PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants:fwd-pingpong,bwd-split-wait \
+TestAttentionLabOwnLaunch:bwd-alt-dq \
 TestZigzagHopperLab:zz-forward,zz-backward \
 TestGroupedTNAdamWLab:tn-adamw,tn-adamw-b4 \
 TestAdamWLab:fp32-math,fp64-one-div,wide-split,fp32-wide \

@@ -59,6 +59,10 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{64, 128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
+	// attn_h_backward_d128 without the per-item 256-thread barrier: its
+	// mbarriers and stage counters take 64 bytes more.
+	"bwd-alt-dq": {headDims: []int{128}, kernel: "attn_h_backward_d%d",
+		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) + 64 }},
 }
 
 // labBackwardLaunch is how a lab build's backward kernels launch.
@@ -225,6 +229,7 @@ func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how la
 	for _, s := range []backend.AttnShape{
 		{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
 		{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128},
+		{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128},
 	} {
 		if kerns[s.HeadDim] == nil {
 			continue

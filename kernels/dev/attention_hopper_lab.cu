@@ -17,6 +17,10 @@
 //  16  attn_h_zz_backward_d128: the fused ring's backward on this core,
 //      every rank's q, dout, lse and delta read in place and dq added
 //      into its owner's; launched by TestZigzagHopperLab.
+//  32  attn_h_backward_d128 without the 256-thread barrier each item:
+//      item it's whole dq is warpgroup (it & 1)'s, the dS^T handed over
+//      by mbarriers, a stage refilled by the last warp done with it; 64
+//      bytes more shared memory (TestAttentionLabOwnLaunch).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1550,12 +1554,229 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(con
 }
 #endif
 
+#if AH_EXPERIMENT & 32
+// ---- Lab: the head-dim-128 backward without the lockstep (bit 32) ----
+//
+// ah_backward at head dim 128 meets both warpgroups at a 256-thread
+// barrier every item (both dS^T halves must be in place before either
+// warpgroup's half of dq), so both do their elementwise steps at once and
+// the tensor cores idle then. Here item it's whole dq (both 64-column
+// halves, one after the other) is warpgroup (it & 1)'s, and the other
+// warpgroup only hands over its dS^T: per parity p of the items, dsFull[p]
+// (256 arrivals: every thread after storing its dS^T) tells warpgroup p
+// that both halves are in place, and dsEmpty[p] (its four warps) tells
+// both that the buffers of parity p are free again. A stage is refilled by
+// the last warp done with it (a counter per stage) instead of thread 0
+// waiting for the other warpgroup. Nothing waits for the other warpgroup
+// but the dq of every other item; the products and their order are
+// ah_backward's, so dk and dv are the same bits, and dq differs only in
+// the order its blocks land. 256 threads, ah_backward's shared memory and
+// 64 bytes more (launched by TestAttentionLabOwnLaunch).
+// ah_done_add adds 1 to the u32 at shared address addr and returns what it
+// held (acquire-release: a warp's reads of a stage, complete before, are
+// ordered before the last one's refill).
+__device__ __forceinline__ unsigned ah_done_add(unsigned addr) {
+  unsigned old;
+  asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;" : "=r"(old) : "r"(addr) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ void ah_backward_alt128(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+                                                   const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                                   const float* delta, float* dk, float* dv, int S, int KS, int off,
+                                                   int H, int KV, float scaleLog2, float scale) {
+  constexpr int DH = 128;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers [parity][warpgroup]
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
+  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, dsFull = full + 8 * STAGES, dsEmpty = dsFull + 16;
+  const unsigned done = dsEmpty + 16;  // per stage, a u32: the warps done with it
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  const int j0 = blockIdx.y * 128;
+  const int nQT = (S + AH_BQ - 1) / AH_BQ;
+  const int qt0 = gg_max(0, j0 - off) / AH_BQ;
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  auto load = [&](int it) {
+    const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+    const unsigned qa = qs + s * 2 * QT;
+    gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
+      gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
+    }
+  };
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 1);  // the loader's expect_tx
+      ah_sts(done + 4 * s, 0);
+    }
+    for (int p = 0; p < 2; p++) {
+      gg_bar_init(dsFull + 8 * p, 256);  // every thread, once its dS^T is stored
+      gg_bar_init(dsEmpty + 8 * p, 4);   // the dq warpgroup's warps, once its products have read them
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapDO);
+    gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
+      gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
+    }
+    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
+  }
+  __syncthreads();
+
+  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES, p = it & 1;
+    const unsigned ph = (it / STAGES) & 1, use = (it >> 1) & 1;  // the stage's phase; parity p's use
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    float l2[8][2], dl[8][2];
+    {
+      const float* lrow = lse + ((long long)b * H + h) * S;
+      const float* drow = delta + ((long long)b * H + h) * S;
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int i = q0 + 8 * n + 2 * t4 + e;
+          l2[n][e] = i < S ? ah_ldg(lrow + i) * AH_LOG2E : 0.0f;
+          dl[n][e] = i < S ? ah_ldg(drow + i) : 0.0f;
+        }
+      }
+    }
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
+      }
+    }
+    unsigned pa[4][4], da[4][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+    }
+    gg_wgmma_fence();
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+    gg_wgmma_commit();
+    // This warpgroup's dS^T of the item into buffer (p, cw), once item
+    // it - 2's dq has read it.
+    if (it >= 2) gg_bar_wait(dsEmpty + 8 * p, use ^ 1);
+    const unsigned dsb = dss + (p * 2 + cw) * DSB;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
+      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_bar_arrive(dsFull + 8 * p);
+    if (cw == p) {
+      // The item's dq, both halves of its columns over all 128 keys.
+      gg_bar_wait(dsFull + 8 * p, use);
+#pragma unroll 1
+      for (int c = 0; c < 2; c++) {
+        float acc[32];
+        asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+        gg_wgmma_fence();
+        const unsigned long long mnK = gg_desc_mn(ks + c * KBOX, KBOX);
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+          const unsigned long long mnD = gg_desc_mn(dss + (p * 2 + kk / 4) * DSB, DSB);
+          ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
+        }
+        gg_wgmma_commit();
+        gg_wgmma_wait<0>();
+        gg_fence_acc(acc);
+        gg_fence_acc(dva);
+        gg_fence_acc(dka);
+        if (c == 1 && lane == 0) gg_bar_arrive(dsEmpty + 8 * p);  // both halves have read the dS^T buffers
+        const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+        ah_stage_dq(stg, acc, wr, t4);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if (wtid == 0) gg_bulk_wait_read();
+        gg_named_sync(1 + cw, 128);
+        if (wtid == 0) {
+          gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
+          gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
+          gg_bulk_commit();
+        }
+        nq++;
+      }
+    } else {
+      gg_wgmma_wait<0>();  // dv's and dk's products, which read the stage
+      gg_fence_acc(dva);
+      gg_fence_acc(dka);
+    }
+    // The stage is done in this warp; the eighth warp done refills it.
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    if (lane == 0 && ah_done_add(done + 4 * s) == 7u) {
+      // Reset before the refill's arrival, which the next waiters acquire.
+      ah_sts(done + 4 * s, 0);
+      if (it + STAGES < items) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        load(it + STAGES);
+      }
+    }
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
   ah_backward_producer<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
+#if AH_EXPERIMENT & 32
+  ah_backward_alt128(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
+#else
   ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
+#endif
 }
 
 #if AH_EXPERIMENT & 1

@@ -77,6 +77,8 @@ func Sources() []Source {
 				Purpose: "the forward's two consumers issue their products in turns (FlashAttention-3's ping-pong), one's softmax under the other's products"},
 			{Name: "bwd-split-wait", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
 				Purpose: "the backward waits for S^T and dP^T apart: P^T and dv's product while dP^T runs, dS^T while dv's product runs"},
+			{Name: "bwd-alt-dq", Defines: []string{"AH_EXPERIMENT=32"}, Exact: true,
+				Purpose: "the head-dim-128 backward without the 256-thread barrier each item: item it's whole dq is warpgroup (it & 1)'s, dS^T handed over by mbarriers, a stage refilled by the last warp done with it; launched by TestAttentionLabOwnLaunch (64 bytes more shared memory)"},
 			{Name: "zz-forward", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
 				Purpose: "adds attn_h_zz_forward_d{64,128}: the fused ring's forward on the Hopper core, every rank's k and v read through tensor maps; launched by TestZigzagHopperLab, not in place"},
 			{Name: "zz-backward", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
