@@ -862,6 +862,21 @@ func TestRendezvousProcesses(t *testing.T) {
 	})
 }
 
+// joinThree joins three nodes on a free port, failing the test on an
+// error; they are closed when the test ends.
+func joinThree(t *testing.T) []joinResult {
+	t.Helper()
+	port := freePort(t)
+	res := joinAll(testConfig(3, 0, port), testConfig(3, 1, port), testConfig(3, 2, port))
+	for i, r := range res {
+		if r.err != nil {
+			t.Fatalf("node %d: %v", i, r.err)
+		}
+		t.Cleanup(func() { r.r.Close() })
+	}
+	return res
+}
+
 // sumsAll runs AllReduceFloat64 on every node at once, node i with
 // vals[i], node 0 after delay0, and returns each node's error.
 func sumsAll(res []joinResult, vals [][]float64, delay0 time.Duration) []error {
@@ -890,14 +905,7 @@ func sumsAll(res []joinResult, vals [][]float64, delay0 time.Duration) []error {
 // others waiting; bad arguments are refused before anything is sent.
 func TestRendezvousSums(t *testing.T) {
 	t.Run("rounds", func(t *testing.T) {
-		port := freePort(t)
-		res := joinAll(testConfig(3, 0, port), testConfig(3, 1, port), testConfig(3, 2, port))
-		for i, r := range res {
-			if r.err != nil {
-				t.Fatalf("node %d: %v", i, r.err)
-			}
-			defer r.r.Close()
-		}
+		res := joinThree(t)
 		for round := range 20 {
 			vals := make([][]float64, 3)
 			want := make([]float64, 3)
@@ -949,14 +957,7 @@ func TestRendezvousSums(t *testing.T) {
 	})
 
 	t.Run("counts differ", func(t *testing.T) {
-		port := freePort(t)
-		res := joinAll(testConfig(3, 0, port), testConfig(3, 1, port), testConfig(3, 2, port))
-		for i, r := range res {
-			if r.err != nil {
-				t.Fatalf("node %d: %v", i, r.err)
-			}
-			defer r.r.Close()
-		}
+		res := joinThree(t)
 		errs := sumsAll(res, [][]float64{{1, 2}, {1, 2}, {1}}, 0)
 		for i, err := range errs {
 			if err == nil || !strings.Contains(err.Error(), "node 2 (host c) added 1 values in round 0, node 0 2: every node must add as many") {
@@ -970,14 +971,7 @@ func TestRendezvousSums(t *testing.T) {
 	})
 
 	t.Run("goodbye mid-round", func(t *testing.T) {
-		port := freePort(t)
-		res := joinAll(testConfig(3, 0, port), testConfig(3, 1, port), testConfig(3, 2, port))
-		for i, r := range res {
-			if r.err != nil {
-				t.Fatalf("node %d: %v", i, r.err)
-			}
-			defer r.r.Close()
-		}
+		res := joinThree(t)
 		errs := make(chan error, 2)
 		for _, i := range []int{0, 1} {
 			go func() { errs <- res[i].r.AllReduceFloat64([]float64{1}) }()

@@ -34,7 +34,7 @@ const zzLabMaxRanks = 8
 // rows, ks and vs every rank's bf16 k and v, out and lse float32. The
 // kernel's first parameter is ah_zz_maps, q's tensor map and then
 // zzLabMaxRanks maps each of k and v (the entries past W repeat the last
-// rank's), passed as one block of encoded maps.
+// rank's), passed as one block of encoded maps (launchMapBlock).
 func launchZZForwardLab(d *Device, kern *Kernel, out, lse, q driver.DevicePtr, ks, vs []driver.DevicePtr, s backend.ZigzagShape) error {
 	if s.Ranks > zzLabMaxRanks || s.Chunk%hopperAttnBM != 0 {
 		return fmt.Errorf("attn_h_zz_forward takes up to %d ranks and chunks of a multiple of %d rows, not %+v", zzLabMaxRanks, hopperAttnBM, s)
@@ -46,6 +46,21 @@ func launchZZForwardLab(d *Device, kern *Kernel, out, lse, q driver.DevicePtr, k
 			maps = append(maps, hopperAttnMap(t[min(i, s.Ranks-1)], s.KVHeads*s.HeadDim, rows, hopperAttnBN))
 		}
 	}
+	_, scaleLog2 := attnScales(s.HeadDim)
+	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
+		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2))}
+	grid := Grid{
+		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: 2 * s.Chunk / hopperAttnBM, Z: 1},
+		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
+		Shared: hopperAttnSmem(s.HeadDim),
+	}
+	return launchMapBlock(d, kern, grid, maps, nil, slots)
+}
+
+// launchMapBlock queues kern on grid with one block parameter, maps
+// encoded one after another and then tail (each 128 bytes: a map's
+// size), followed by the 8-byte argument slots.
+func launchMapBlock(d *Device, kern *Kernel, grid Grid, maps []driver.TiledMap, tail []driver.TensorMap, slots []uint64) error {
 	for i, m := range maps {
 		if err := m.Check(); err != nil {
 			return fmt.Errorf("tensor map %d: %w", i, err)
@@ -55,14 +70,6 @@ func launchZZForwardLab(d *Device, kern *Kernel, out, lse, q driver.DevicePtr, k
 	if err != nil {
 		return err
 	}
-	_, scaleLog2 := attnScales(s.HeadDim)
-	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
-		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2))}
-	grid := Grid{
-		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: 2 * s.Chunk / hopperAttnBM, Z: 1},
-		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
-		Shared: hopperAttnSmem(s.HeadDim),
-	}
 	return d.Submit(func() error {
 		if kern.sharedOptIn < grid.Shared {
 			if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
@@ -70,19 +77,20 @@ func launchZZForwardLab(d *Device, kern *Kernel, out, lse, q driver.DevicePtr, k
 			}
 			kern.sharedOptIn = grid.Shared
 		}
-		tms := make([]driver.TensorMap, len(maps)) // one block: ah_zz_maps
+		block := make([]driver.TensorMap, len(maps), len(maps)+len(tail))
 		for i, m := range maps {
-			if err := enc.EncodeTiled(&tms[i], m); err != nil {
+			if err := enc.EncodeTiled(&block[i], m); err != nil {
 				return fmt.Errorf("tensor map %d: %w", i, err)
 			}
 		}
-		params := []unsafe.Pointer{unsafe.Pointer(&tms[0])}
+		block = append(block, tail...)
+		params := []unsafe.Pointer{unsafe.Pointer(&block[0])}
 		for i := range slots {
 			params = append(params, unsafe.Pointer(&slots[i]))
 		}
 		var pin runtime.Pinner
 		defer pin.Unpin()
-		pin.Pin(&tms[0])
+		pin.Pin(&block[0])
 		pin.Pin(&slots[0])
 		pin.Pin(&params[0])
 		return d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params)
@@ -144,7 +152,8 @@ func (r *zzRun) labForward(t *testing.T, kern *Kernel, in zzBF16) error {
 // and v. The kernel's first parameter is ah_zz_bmaps: the maps of k and
 // v, zzLabMaxRanks each of q, dout and dq (entries past W repeat the last
 // rank's), then zzLabMaxRanks pointers each of lse and delta, passed as
-// one block (27 map-sized entries, the last holding the pointers).
+// one block (launchMapBlock: 27 map-sized entries, the last holding the
+// pointers).
 func launchZZBackwardLab(d *Device, kern *Kernel, dk, dv driver.DevicePtr, in zzBF16, dqs, lses, deltas []driver.DevicePtr, s backend.ZigzagShape) error {
 	if s.Ranks > zzLabMaxRanks || s.Chunk%hopperAttnBN != 0 || s.HeadDim != 128 {
 		return fmt.Errorf("attn_h_zz_backward takes up to %d ranks, chunks of a multiple of %d rows and head dim 128, not %+v", zzLabMaxRanks, hopperAttnBN, s)
@@ -166,15 +175,6 @@ func launchZZBackwardLab(d *Device, kern *Kernel, dk, dv driver.DevicePtr, in zz
 			Box: []uint32{32, hopperAttnBwdQ}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
 		})
 	}
-	for i, m := range maps {
-		if err := m.Check(); err != nil {
-			return fmt.Errorf("tensor map %d: %w", i, err)
-		}
-	}
-	enc, err := d.TensorMapEncoder()
-	if err != nil {
-		return err
-	}
 	scale, scaleLog2 := attnScales(s.HeadDim)
 	slots := []uint64{uint64(dk), uint64(dv), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
@@ -184,35 +184,13 @@ func launchZZBackwardLab(d *Device, kern *Kernel, dk, dv driver.DevicePtr, in zz
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: smem,
 	}
-	return d.Submit(func() error {
-		if kern.sharedOptIn < grid.Shared {
-			if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
-				return err
-			}
-			kern.sharedOptIn = grid.Shared
-		}
-		blob := make([]driver.TensorMap, len(maps)+1) // one block: ah_zz_bmaps
-		for i, m := range maps {
-			if err := enc.EncodeTiled(&blob[i], m); err != nil {
-				return fmt.Errorf("tensor map %d: %w", i, err)
-			}
-		}
-		ptrs := &blob[len(maps)]
-		for i := range zzLabMaxRanks {
-			ptrs[i] = uint64(lses[min(i, s.Ranks-1)])
-			ptrs[zzLabMaxRanks+i] = uint64(deltas[min(i, s.Ranks-1)])
-		}
-		params := []unsafe.Pointer{unsafe.Pointer(&blob[0])}
-		for i := range slots {
-			params = append(params, unsafe.Pointer(&slots[i]))
-		}
-		var pin runtime.Pinner
-		defer pin.Unpin()
-		pin.Pin(&blob[0])
-		pin.Pin(&slots[0])
-		pin.Pin(&params[0])
-		return d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params)
-	})
+	// ah_zz_bmaps' lse and delta pointers: one map-sized entry after the maps.
+	var ptrs driver.TensorMap
+	for i := range zzLabMaxRanks {
+		ptrs[i] = uint64(lses[min(i, s.Ranks-1)])
+		ptrs[zzLabMaxRanks+i] = uint64(deltas[min(i, s.Ranks-1)])
+	}
+	return launchMapBlock(d, kern, grid, maps, []driver.TensorMap{ptrs}, slots)
 }
 
 // labBackward zeroes every rank's dq and runs kern for every rank into
