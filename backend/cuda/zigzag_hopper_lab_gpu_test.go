@@ -2,7 +2,7 @@ package cuda
 
 // The fused ring on the Hopper core (kernels/dev/attention_hopper_lab.cu's
 // zz-forward, attn_h_zz_forward_d{64,128}, and zz-backward,
-// attn_h_zz_backward_d128): every rank's rows against the whole
+// attn_h_zz_backward_d{64,128}): every rank's rows against the whole
 // sequence's, computed by the production Hopper kernels on one rank, then
 // timed beside that call and beside the fused ring's tensor-core kernels
 // (attention_tc.cu's attn_zz_*, what mode ring runs today) on the same
@@ -146,7 +146,7 @@ func (r *zzRun) labForward(t *testing.T, kern *Kernel, in zzBF16) error {
 	return nil
 }
 
-// launchZZBackwardLab queues attn_h_zz_backward_d128 for rank s.Rank:
+// launchZZBackwardLab queues attn_h_zz_backward_d{64,128} for rank s.Rank:
 // its dk and dv (float32, written), every rank's dq (float32, added to),
 // lse and delta ([B, 2, H, C]) and bf16 q and dout, and its own bf16 k
 // and v. The kernel's first parameter is ah_zz_bmaps: the maps of k and
@@ -155,8 +155,8 @@ func (r *zzRun) labForward(t *testing.T, kern *Kernel, in zzBF16) error {
 // one block (launchMapBlock: 27 map-sized entries, the last holding the
 // pointers).
 func launchZZBackwardLab(d *Device, kern *Kernel, dk, dv driver.DevicePtr, in zzBF16, dqs, lses, deltas []driver.DevicePtr, s backend.ZigzagShape) error {
-	if s.Ranks > zzLabMaxRanks || s.Chunk%hopperAttnBN != 0 || s.HeadDim != 128 {
-		return fmt.Errorf("attn_h_zz_backward takes up to %d ranks, chunks of a multiple of %d rows and head dim 128, not %+v", zzLabMaxRanks, hopperAttnBN, s)
+	if s.Ranks > zzLabMaxRanks || s.Chunk%hopperAttnBN != 0 || !tcHeadDim(s.HeadDim) {
+		return fmt.Errorf("attn_h_zz_backward takes up to %d ranks, chunks of a multiple of %d rows and head dims 64 and 128, not %+v", zzLabMaxRanks, hopperAttnBN, s)
 	}
 	rows, Q := s.Batch*2*s.Chunk, s.Heads*s.HeadDim
 	maps := []driver.TiledMap{
@@ -241,7 +241,7 @@ func TestZigzagHopperLab(t *testing.T) {
 		t.Run(v.Name, func(t *testing.T) {
 			added := []string{"attn_h_zz_forward_d64", "attn_h_zz_forward_d128"}
 			if v.Name == "zz-backward" {
-				added = []string{"attn_h_zz_backward_d128"}
+				added = []string{"attn_h_zz_backward_d64", "attn_h_zz_backward_d128"}
 			}
 			src, _ := kernelSource(t, "attention_hopper.cu")
 			src.Kernels = slices.Clone(src.Kernels)
@@ -260,7 +260,7 @@ func TestZigzagHopperLab(t *testing.T) {
 				t.Logf("%s: %d registers, %d bytes of local memory", name, kerns[name].Registers, kerns[name].LocalBytes)
 			}
 			if v.Name == "zz-backward" {
-				zzBackwardLab(t, b, kerns["attn_h_zz_backward_d128"])
+				zzBackwardLab(t, b, func(dh int) *Kernel { return kerns[fmt.Sprintf("attn_h_zz_backward_d%d", dh)] })
 				return
 			}
 			fwd := func(dh int) *Kernel { return kerns[fmt.Sprintf("attn_h_zz_forward_d%d", dh)] }
@@ -314,26 +314,28 @@ func TestZigzagHopperLab(t *testing.T) {
 // the whole-sequence backward and the tensor-core ring's (its dq and dk/dv
 // passes; the lab's time leaves out delta, a rowsum pass over dout and
 // out, which the tensor-core ring's dq pass makes on the way).
-func zzBackwardLab(t *testing.T, b *Backend, kern *Kernel) {
+func zzBackwardLab(t *testing.T, b *Backend, kern func(dh int) *Kernel) {
 	d := b.dev
 	for i, s := range []backend.ZigzagShape{
 		{Ranks: 2, Batch: 2, Chunk: 128, Heads: 8, KVHeads: 2, HeadDim: 128},
 		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 8, KVHeads: 2, HeadDim: 128},
 		{Ranks: 8, Batch: 1, Chunk: 128, Heads: 4, KVHeads: 4, HeadDim: 128},
 		{Ranks: 3, Batch: 2, Chunk: 384, Heads: 4, KVHeads: 1, HeadDim: 128},
+		{Ranks: 2, Batch: 2, Chunk: 128, Heads: 8, KVHeads: 2, HeadDim: 64},
+		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 4, KVHeads: 4, HeadDim: 64},
 	} {
 		r := newZZRun(t, b, s, uint64(60+i))
 		r.wholeForward()
 		r.wholeBackward()
 		r.ringForward()
 		r.ringDelta()
-		if err := r.labBackward(t, kern, newZZBF16(t, r)); err != nil {
+		if err := r.labBackward(t, kern(s.HeadDim), newZZBF16(t, r)); err != nil {
 			t.Fatal(err)
 		}
 		r.compareSome(t, "dq", "dk", "dv")
 	}
-	for _, c := range []struct{ w, perRank int }{{2, 4096}, {4, 4096}, {8, 4096}, {4, 8192}, {8, 8192}} {
-		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: 128}
+	for _, c := range []struct{ w, perRank, dh int }{{2, 4096, 128}, {4, 4096, 128}, {8, 4096, 128}, {4, 8192, 128}, {8, 8192, 128}, {4, 4096, 64}} {
+		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: c.dh}
 		r := newZZRun(t, b, s, 98)
 		r.wholeForward()
 		r.ringForward()
@@ -343,13 +345,13 @@ func zzBackwardLab(t *testing.T, b *Backend, kern *Kernel) {
 		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
 		tcB := attnMedianMs(t, d, sync(r.ringBackward))
 		labB := attnMedianMs(t, d, func() error {
-			if err := r.labBackward(t, kern, in); err != nil {
+			if err := r.labBackward(t, kern(s.HeadDim), in); err != nil {
 				return err
 			}
 			return b.Sync()
 		})
 		r.compareSome(t, "dq", "dk", "dv")
-		name := fmt.Sprintf("ring W%d S%d H16 KV4 Dh128", c.w, s.Seq())
+		name := fmt.Sprintf("ring W%d S%d H16 KV4 Dh%d", c.w, s.Seq(), c.dh)
 		flops := 2.5 * 4 * float64(s.Heads) * float64(s.Seq()) * float64(s.Seq()) * float64(s.HeadDim) / 2
 		figure(t, name+" core bwd", coreB, "ms")
 		figure(t, name+" tc ring bwd", tcB, "ms")

@@ -14,7 +14,7 @@
 //   8  attn_h_zz_forward_d{64,128}: the fused ring's forward (zigzag
 //      context parallelism) on this core, every rank's k and v read in
 //      place through tensor maps; launched by TestZigzagHopperLab.
-//  16  attn_h_zz_backward_d128: the fused ring's backward on this core,
+//  16  attn_h_zz_backward_d{64,128}: the fused ring's backward on this core,
 //      every rank's q, dout, lse and delta read in place and dq added
 //      into its owner's; launched by TestZigzagHopperLab.
 //  32  attn_h_backward_d128 without the 256-thread barrier each item:
@@ -1764,6 +1764,184 @@ __device__ __forceinline__ void ah_backward_alt128(const gg_tmap* mapQ, const gg
   }
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+}
+#endif
+
+#if AH_EXPERIMENT & 16
+// attn_h_zz_backward_d64 is attn_h_zz_backward_d128's walk on
+// ah_backward_producer's kernel (the head-dim-64 backward: a producer
+// warp loads the tiles and stages each item's lse and delta, read here
+// from the item's owner; each warpgroup adds dq over its own 64 keys).
+__device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
+                                                 int KV, float scaleLog2, float scale) {
+  constexpr int DH = 64;
+  constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, QBOX = ah_bcfg_producer<DH>::QBOX, KT = ah_bcfg_producer<DH>::KT,
+                     QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging
+  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse (base 2), 64 delta
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  const int S = 2 * C;
+  const int j0 = blockIdx.y * 128, nk = j0 / C;
+  const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;
+  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = G * perHead;
+  auto where = [&](int it, int& owner, int& row, int& nq, int& qp0) {
+    qp0 = (qt0 + it % perHead) * AH_BQ;
+    const int cq = qp0 / C;
+    owner = cq < W ? cq : 2 * W - 1 - cq;
+    nq = cq < W ? 0 : 1;
+    row = nq * C + qp0 - cq * C;
+  };
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 8) {
+    if (lane == 0) {
+      for (int w = 0; w < W; w++) {
+        gg_prefetch_tmap(&maps->q[w]);
+        gg_prefetch_tmap(&maps->dout[w]);
+      }
+      gg_bar_expect_tx(barKV, 2 * KT);
+      gg_tma_2d(ks, &maps->k, kvh * DH, b * S + j0, barKV);
+      gg_tma_2d(vs, &maps->v, kvh * DH, b * S + j0, barKV);
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = kvh * G + it / perHead;
+      int owner, row, nq, qp0;
+      where(it, owner, row, nq, qp0);
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+        const unsigned qa = qs + s * 2 * QT;
+        gg_tma_2d(qa, &maps->q[owner], h * DH, b * S + row, full + 8 * s);
+        gg_tma_2d(qa + QT, &maps->dout[owner], h * DH, b * S + row, full + 8 * s);
+      }
+      // The owner's [B, 2, H, C] statistics of the item's 64 queries.
+      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = lane + 32 * e;
+        ah_stsf(stat + s * 512 + 4 * i, maps->lse[owner][at + i] * AH_LOG2E);
+        ah_stsf(stat + s * 512 + 256 + 4 * i, maps->delta[owner][at + i]);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr, kq = kp + 8;  // key positions
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nqb = 0;  // dq blocks this warpgroup has staged (their buffer is nqb & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead;
+    int owner, row, nq, qp0;
+    where(it, owner, row, nq, qp0);
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    const bool whole = kw + 63 <= qp0;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float l2[2], dl[2];
+      ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = qp0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || kp <= i;
+        const bool v1 = whole || kq <= i;
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    unsigned pa[4][4], da[4][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+    }
+    gg_wgmma_fence();
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+#pragma unroll
+    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+    gg_wgmma_commit();
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
+      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_named_sync(1 + cw, 128);
+    // dq over this warpgroup's 64 keys, added into the owner's dq.
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + cw * 64 * 128, KBOX);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    const unsigned stg = dqs + (cw * 2 + (nqb & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(1 + cw, 128);
+    if (wtid == 0) {
+      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH, b * S + row, stg);
+      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 32, b * S + row, stg + DQB / 2);
+      gg_bulk_commit();
+    }
+    nqb++;
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(288, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
+  ah_zz_backward64(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
 #endif
 

@@ -82,7 +82,7 @@ func Sources() []Source {
 			{Name: "zz-forward", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
 				Purpose: "adds attn_h_zz_forward_d{64,128}: the fused ring's forward on the Hopper core, every rank's k and v read through tensor maps; launched by TestZigzagHopperLab, not in place"},
 			{Name: "zz-backward", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
-				Purpose: "adds attn_h_zz_backward_d128: the fused ring's backward on the Hopper core, every rank's q, dout, lse and delta read in place, dq added into its owner's; launched by TestZigzagHopperLab, not in place"},
+				Purpose: "adds attn_h_zz_backward_d{64,128}: the fused ring's backward on the Hopper core, every rank's q, dout, lse and delta read in place, dq added into its owner's; launched by TestZigzagHopperLab, not in place"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
