@@ -649,7 +649,7 @@ func (g *remoteGroup) Recv(t backend.Tensor, src int) error {
 // tensorBytes downloads t as little-endian bytes of its host type (float32
 // for BFloat16, which holds its values exactly).
 func tensorBytes(b backend.Backend, t backend.Tensor) []byte {
-	switch d := b.Download(t).Data().(type) {
+	switch d := backend.HostData(b.Download(t)).(type) {
 	case []float32:
 		out := make([]byte, 4*len(d))
 		for i, v := range d {

@@ -71,7 +71,7 @@ func (p *plan) settle() error {
 	if p.counts == nil {
 		return nil
 	}
-	offsets, _ := p.counts().Data().([]int32)
+	offsets, _ := backend.HostData(p.counts()).([]int32)
 	p.counts = nil
 	rows, err := backend.OffsetRows(offsets, p.sent)
 	if err != nil {

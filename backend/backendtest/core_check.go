@@ -121,19 +121,19 @@ func checkStartDownload(t *testing.T, b backend.Backend) {
 	b.Zero(floats)
 	b.Zero(bf)
 	f32 := func(d *tensor.Dense) []float32 {
-		if v, ok := d.Data().([]float64); ok {
+		if v, ok := backend.HostData(d).([]float64); ok {
 			out := make([]float32, len(v))
 			for i, x := range v {
 				out[i] = float32(x)
 			}
 			return out
 		}
-		return d.Data().([]float32)
+		return backend.HostData(d).([]float32)
 	}
 	if got := f32(pendFloats()); !slices.Equal(got, []float32{1.5, -6, 3e6}) {
 		t.Errorf("floats = %v, want [1.5 -6 3e+06]", got)
 	}
-	if got := pendInts().Data().([]int32); !slices.Equal(got, []int32{3, -1, 7, 0, 9}) {
+	if got := backend.HostData(pendInts()).([]int32); !slices.Equal(got, []int32{3, -1, 7, 0, 9}) {
 		t.Errorf("ints = %v, want [3 -1 7 0 9]", got)
 	}
 	if got := f32(pendBF()); !slices.Equal(got, []float32{0.5, -2, 999424}) {

@@ -436,7 +436,7 @@ func Download(b backend.Backend, t backend.Tensor) []float64 {
 	if n == 0 {
 		return nil
 	}
-	switch d := b.Download(t).Data().(type) {
+	switch d := backend.HostData(b.Download(t)).(type) {
 	case []float32:
 		out := make([]float64, n)
 		for i := range out {
@@ -455,7 +455,7 @@ func DownloadInts(b backend.Backend, t backend.Tensor) []int32 {
 	if t.Len() == 0 {
 		return nil
 	}
-	d, ok := b.Download(t).Data().([]int32)
+	d, ok := backend.HostData(b.Download(t)).([]int32)
 	if !ok {
 		panic(fmt.Sprintf("backendtest.DownloadInts: tensor of shape %v is %v", t.Shape(), t.DType()))
 	}

@@ -56,7 +56,7 @@ func (b *Backend) roundIfBF16(t backend.Tensor) {
 
 // uploadBF16 is Upload into a BFloat16 tensor: float data, rounded.
 func (b *Backend) uploadBF16(d *Tensor, src *tensor.Dense) {
-	switch s := src.Data().(type) {
+	switch s := backend.HostData(src).(type) {
 	case []float32:
 		for i, v := range s[:d.Len()] {
 			d.setBF16(i, roundBF16(v))

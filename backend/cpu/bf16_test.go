@@ -86,7 +86,7 @@ func TestBF16Tensors(t *testing.T) {
 			if x.DType() != backend.BFloat16 || b.OperandType() != dt {
 				t.Fatalf("dtype %v, operand type %v", x.DType(), b.OperandType())
 			}
-			if got := b.Download(x).Data().([]float32); len(got) != 6 || got[0] != 0 || got[5] != 0 {
+			if got := backend.HostData(b.Download(x)).([]float32); len(got) != 6 || got[0] != 0 || got[5] != 0 {
 				t.Fatalf("new tensor downloads as %v", got)
 			}
 			// 1 + 2^-8 is a tie (rounds to 1), 1 + 3*2^-8 rounds up to even, 3.4e38
@@ -94,20 +94,20 @@ func TestBF16Tensors(t *testing.T) {
 			src := []float64{1 + 0x1p-8, 1 + 3*0x1p-8, -2.7, 1e-3, 3.4e38, math.Inf(-1)}
 			b.Upload(x, tensor.New(tensor.WithShape(6), tensor.WithBacking(src)))
 			want := []float32{1, 1 + 0x1p-6, roundBF16(-2.7), roundBF16(1e-3), float32(math.Inf(1)), float32(math.Inf(-1))}
-			got := b.Download(x).Data().([]float32)
+			got := backend.HostData(b.Download(x)).([]float32)
 			for i := range want {
 				if got[i] != want[i] {
 					t.Errorf("element %d: uploaded %v, downloaded %v, want %v", i, src[i], got[i], want[i])
 				}
 			}
 			v := b.View(x, 2, 2)
-			if d := b.Download(v).Data().([]float32); d[0] != want[2] || d[1] != want[3] {
+			if d := backend.HostData(b.Download(v)).([]float32); d[0] != want[2] || d[1] != want[3] {
 				t.Errorf("view holds %v", d)
 			}
 			y := b.New(backend.BFloat16, 6)
 			b.Copy(y, x)
 			b.Zero(v)
-			gx, gy := b.Download(x).Data().([]float32), b.Download(y).Data().([]float32)
+			gx, gy := backend.HostData(b.Download(x)).([]float32), backend.HostData(b.Download(y)).([]float32)
 			for i := range want {
 				zeroed := i == 2 || i == 3
 				if gy[i] != want[i] || (gx[i] == 0) != zeroed {

@@ -1,8 +1,10 @@
 // Package cpu is the plain-Go reference backend. It computes in float32 (the
 // training default on a laptop) or float64 (finite-difference gradient
 // checks): every op is a generic function over Float, instantiated for the
-// backend's FloatType. Storage is gorgonia.org/tensor dense tensors; views
-// share their backing slices.
+// backend's FloatType. Storage is plain Go slices; views share their
+// backing slices; data enters and leaves as gorgonia.org/tensor dense
+// tensors (Upload, Download), whose values are read through
+// backend.HostData.
 //
 // This backend is the oracle the project trusts: its ops are checked against
 // central finite differences in float64 (backend/backendtest), and every
@@ -22,8 +24,8 @@ import (
 // Float is the element type the generic kernels are written for.
 type Float interface{ ~float32 | ~float64 }
 
-// Tensor is the CPU backend's tensor: a typed slice, owned by a gorgonia dense
-// tensor (or a view into another Tensor's slice), and a shape. A BFloat16
+// Tensor is the CPU backend's tensor: a typed slice (or a view into another
+// Tensor's slice) and a shape. A BFloat16
 // tensor uses the slice of its backend's float type (bf16.go).
 type Tensor struct {
 	shape []int
@@ -120,13 +122,16 @@ func (b *Backend) New(dt backend.DType, shape ...int) backend.Tensor {
 	if dt == backend.BFloat16 {
 		store = b.dt
 	}
+	// Plain Go slices, never nil (an empty tensor's too: which slice is
+	// set tells the stores apart). Not gorgonia's dense tensors, whose
+	// Data hands out their memory through a uintptr (backend.HostData).
 	switch store {
 	case backend.Float32:
-		t.f32 = tensor.New(tensor.Of(tensor.Float32), tensor.WithShape(max(n, 1))).Data().([]float32)[:n]
+		t.f32 = make([]float32, n)
 	case backend.Float64:
-		t.f64 = tensor.New(tensor.Of(tensor.Float64), tensor.WithShape(max(n, 1))).Data().([]float64)[:n]
+		t.f64 = make([]float64, n)
 	case backend.Int32:
-		t.i32 = tensor.New(tensor.Of(tensor.Int32), tensor.WithShape(max(n, 1))).Data().([]int32)[:n]
+		t.i32 = make([]int32, n)
 	default:
 		panic(fmt.Sprintf("cpu: cannot allocate dtype %v", dt))
 	}
@@ -161,7 +166,7 @@ func (b *Backend) Upload(dst backend.Tensor, src *tensor.Dense) {
 		b.uploadBF16(d, src)
 		return
 	}
-	switch s := src.Data().(type) {
+	switch s := backend.HostData(src).(type) {
 	case []float32:
 		switch d.dt {
 		case backend.Float32:

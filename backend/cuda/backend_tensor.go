@@ -176,7 +176,7 @@ func (b *Backend) Upload(dst backend.Tensor, src *tensor.Dense) {
 	}
 	n := d.Len()
 	var bytes []byte
-	switch s := src.Data().(type) {
+	switch s := backend.HostData(src).(type) {
 	case []float32:
 		if d.dt == backend.BFloat16 {
 			bytes = Bytes(bf16Slice(s[:n]))

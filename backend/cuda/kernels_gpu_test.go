@@ -114,7 +114,7 @@ func (k *kt) cpuI(xs []int32) backend.Tensor {
 	return t
 }
 
-func (k *kt) get(t backend.Tensor) []float64 { return k.ref.Download(t).Data().([]float64) }
+func (k *kt) get(t backend.Tensor) []float64 { return backend.HostData(k.ref.Download(t)).([]float64) }
 
 // check compares got with want by relative L2 error; any NaN fails.
 func (k *kt) check(what string, got []float32, want []float64, tol float64) {
