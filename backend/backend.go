@@ -26,6 +26,11 @@
 // and SquaringOptimizer (AdamW that sums the gradient's squares in its own
 // pass: AdamWUpdateSquares). The helper functions named serve every
 // backend, with or without the capability.
+//
+// Data crosses to and from the host as gorgonia.org/tensor dense tensors
+// (Upload, Download; UploadSlice and DownloadFloat32 and the like wrap
+// them for plain slices). A dense tensor's values are read through
+// HostData, never its Data method directly (host.go says why).
 package backend
 
 import (
