@@ -97,14 +97,7 @@ func TestHostReadsDoNotGrowWithLayers(t *testing.T) {
 				cfg.Train.GradClip = 1
 				got[i] = readsPerStep(t, cfg)
 			}
-			if len(got[0]) == 0 || len(got[0]) != len(got[1]) {
-				t.Fatalf("steps counted: %v and %v", got[0], got[1])
-			}
-			for s := range got[0] {
-				if got[0][s] != got[1][s] {
-					t.Errorf("step %d waited for the backend %d times with 2 layers and %d with 5; want the same", s+2, got[0][s], got[1][s])
-				}
-			}
+			requireSameReads(t, got, "with 2 layers", "with 5")
 		})
 	}
 }
@@ -198,12 +191,20 @@ func TestHostReadsDoNotGrowWithMicroBatches(t *testing.T) {
 		cfg.Train.GradClip = 1
 		got[i] = readsPerStep(t, cfg)
 	}
+	requireSameReads(t, got, "in one micro-batch", "in four")
+}
+
+// requireSameReads fails unless two runs' steps (readsPerStep, from step
+// 2 on) waited for the backend as often, step by step; first and second
+// say how each run was made.
+func requireSameReads(t *testing.T, got [2][]int, first, second string) {
+	t.Helper()
 	if len(got[0]) == 0 || len(got[0]) != len(got[1]) {
 		t.Fatalf("steps counted: %v and %v", got[0], got[1])
 	}
 	for s := range got[0] {
 		if got[0][s] != got[1][s] {
-			t.Errorf("step %d waited for the backend %d times in one micro-batch and %d in four; want the same", s+2, got[0][s], got[1][s])
+			t.Errorf("step %d waited for the backend %d times %s and %d %s; want the same", s+2, got[0][s], first, got[1][s], second)
 		}
 	}
 }
