@@ -829,6 +829,46 @@ __device__ __forceinline__ void ah_bwd_split(float (&sc)[32], float (&dp)[32], u
 }
 #endif
 
+// ah_bwd_dvdk issues a backward item's dv += P^T dout and dk += dS^T q as
+// one commit group, with P and dS^T (this thread's sc and dp) packed to
+// bf16 register operands; oa and qa are the item's dout and q tiles. da
+// gets dS^T's packed operand, for ah_store_dst.
+template <int DH>
+__device__ __forceinline__ void ah_bwd_dvdk(float (&dva)[DH / 2], float (&dka)[DH / 2], unsigned (&da)[4][4],
+                                            const float (&sc)[32], const float (&dp)[32], unsigned oa, unsigned qa) {
+  constexpr unsigned QBOX = AH_BQ * 128;
+  unsigned pa[4][4];
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+    pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+    da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+    da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+  }
+  gg_wgmma_fence();
+  gg_fence_acc(dva);
+  gg_fence_acc(dka);
+  const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
+#pragma unroll
+  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+  gg_wgmma_commit();
+}
+
+// ah_store_dst writes this thread's part of a warpgroup's dS^T (da, as
+// ah_bwd_dvdk packed it) to its buffer dsb, for dq's product to read
+// through a descriptor: key row r holds its 64 queries in 128 bytes,
+// 16-byte chunk n at n ^ (r & 7).
+__device__ __forceinline__ void ah_store_dst(unsigned dsb, const unsigned (&da)[4][4], int wr, int t4) {
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
+    ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ah_stage_dq writes a warpgroup's 64 x 64 block of dq (this thread's
 // acc: rows wr and wr + 8, columns 8n + 2t4, +1) at stg as two TMA boxes
 // of {32 columns, 64 rows} float32, 128-byte swizzled (row r's 16-byte
@@ -994,33 +1034,12 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
       }
     }
-    unsigned pa[4][4], da[4][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-    }
-    gg_wgmma_fence();
-    gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-    gg_wgmma_commit();
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
 #endif
-    // dS^T to this warpgroup's buffer of the item's parity: key row r holds
-    // its 64 queries in 128 bytes, 16-byte chunk n at n ^ (r & 7).
+    // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
-      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    ah_store_dst(dsb, da, wr, t4);
     if (DH == 128) {
       // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
       // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
@@ -1273,33 +1292,12 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
       }
     }
-    unsigned pa[4][4], da[4][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-    }
-    gg_wgmma_fence();
-    gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-    gg_wgmma_commit();
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
 #endif
-    // dS^T to this warpgroup's buffer of the item's parity: key row r holds
-    // its 64 queries in 128 bytes, 16-byte chunk n at n ^ (r & 7).
+    // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
-      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    ah_store_dst(dsb, da, wr, t4);
     gg_named_sync(1 + cw, 128);
 #pragma unroll
     for (int c = 0; c < DH / 64; c++) {
@@ -1485,32 +1483,11 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
       }
     }
-    unsigned pa[4][4], da[4][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-    }
-    gg_wgmma_fence();
-    gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-    gg_wgmma_commit();
-    // dS^T to this warpgroup's buffer of the item's parity: key row r holds
-    // its 64 queries in 128 bytes, 16-byte chunk n at n ^ (r & 7).
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+    // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
-      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    ah_store_dst(dsb, da, wr, t4);
     // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
     // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
     gg_named_sync(3, 256);
@@ -1686,33 +1663,13 @@ __device__ __forceinline__ void ah_backward_alt128(const gg_tmap* mapQ, const gg
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
       }
     }
-    unsigned pa[4][4], da[4][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-    }
-    gg_wgmma_fence();
-    gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-    gg_wgmma_commit();
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
     // This warpgroup's dS^T of the item into buffer (p, cw), once item
     // it - 2's dq has read it.
     if (it >= 2) gg_bar_wait(dsEmpty + 8 * p, use ^ 1);
     const unsigned dsb = dss + (p * 2 + cw) * DSB;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
-      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    ah_store_dst(dsb, da, wr, t4);
     gg_bar_arrive(dsFull + 8 * p);
     if (cw == p) {
       // The item's dq, both halves of its columns over all 128 keys.
@@ -1776,7 +1733,7 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
                                                  int KV, float scaleLog2, float scale) {
   constexpr int DH = 64;
   constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, QBOX = ah_bcfg_producer<DH>::QBOX, KT = ah_bcfg_producer<DH>::KT,
+  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, KT = ah_bcfg_producer<DH>::KT,
                      QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
@@ -1886,30 +1843,10 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
       }
     }
-    unsigned pa[4][4], da[4][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-    }
-    gg_wgmma_fence();
-    gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
-#pragma unroll
-    for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-    gg_wgmma_commit();
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      ah_sts(dsb + wr * 128 + ((n ^ (wr & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1)]);
-      ah_sts(dsb + (wr + 8) * 128 + ((n ^ ((wr + 8) & 7)) << 4) + 4 * t4, da[n >> 1][2 * (n & 1) + 1]);
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    ah_store_dst(dsb, da, wr, t4);
     gg_named_sync(1 + cw, 128);
     // dq over this warpgroup's 64 keys, added into the owner's dq.
     float acc[32];
