@@ -95,7 +95,8 @@
 # waiting for a GPU; the format is above PENDING_LABS below);
 # NO_BENCH=1 skips steps 2 to 5 and bench kernels, NO_TRAIN=1 steps 2 and 3, NO_LAYOUTS=1 step 4,
 # NO_MOE=1 step 5, NO_KERNELS=1 bench kernels, NO_ATTENTION=1 step 5b, NO_TP=1 step 5c,
-# NO_HF=1 step 6; FINE=1 runs step 3b (three files more); PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
+# NO_HF=1 step 6; NO_DET=1 step 2's deterministic run; FINE=1 runs step 3b (three files more; NO_LARGE=1 leaves
+# out its moe-large); PEER_KERNELS=1 also runs scripts/peer/torch_kernels.py
 # (peer-kernels.json); PREPARE_BENCH=1 runs step 7;
 # PYTHON names the peer's interpreter (default /opt/torch/.venv/bin/python,
 # else python3).
@@ -336,15 +337,17 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TRAIN:-}" != 1 ]]; then
       bench_tps=${bench_tps:-null}
     fi
     [[ $bench_rc -ne 0 ]] && status=1
-    echo "== mktrain ${BENCH_ARGS[*]} --set train.deterministic=true"
-    timeout 150 "$BIN/mktrain" "${BENCH_ARGS[@]}" --set train.deterministic=true --out "$LOGS/bench-det" >"$LOGS/bench-det.log" 2>&1
-    det_rc=$?
-    tail -n 4 "$LOGS/bench-det.log"
-    if f=$(ls "$LOGS"/bench-det/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
-      det_tps=$(sed -n 's/.*"tokens_per_s": \([0-9.e+]*\).*/\1/p' "$f" | head -n 1)
-      det_tps=${det_tps:-null}
+    if [[ "${NO_DET:-}" != 1 ]]; then
+      echo "== mktrain ${BENCH_ARGS[*]} --set train.deterministic=true"
+      timeout 150 "$BIN/mktrain" "${BENCH_ARGS[@]}" --set train.deterministic=true --out "$LOGS/bench-det" >"$LOGS/bench-det.log" 2>&1
+      det_rc=$?
+      tail -n 4 "$LOGS/bench-det.log"
+      if f=$(ls "$LOGS"/bench-det/train-*.json 2>/dev/null | head -n 1) && [[ -n "$f" ]]; then
+        det_tps=$(sed -n 's/.*"tokens_per_s": \([0-9.e+]*\).*/\1/p' "$f" | head -n 1)
+        det_tps=${det_tps:-null}
+      fi
+      [[ $det_rc -ne 0 ]] && status=1
     fi
-    [[ $det_rc -ne 0 ]] && status=1
   else
     echo "$BIN/mktrain missing (run scripts/gpu-test.sh build first)"
     bench_rc=missing
@@ -398,9 +401,11 @@ if [[ "${NO_BENCH:-}" != 1 && "${FINE:-}" == 1 && -x "$BIN/mktrain" ]]; then
   fine_peer_rc=$?
   tail -n 3 "$LOGS/peer-fine.log"
   wrap_result peer-moe-fine peer-train "$PY $PEER_DIR/torch_moe_train.py ${fine_peer[*]}" "$LOGS/peer-fine.log"
-  bench_recipe moe-large 400 3 1
-  large_rc=$?
-  [[ $large_rc -ne 0 ]] && status=1
+  if [[ "${NO_LARGE:-}" != 1 ]]; then
+    bench_recipe moe-large 400 3 1
+    large_rc=$?
+    [[ $large_rc -ne 0 ]] && status=1
+  fi
   echo
 fi
 
@@ -666,7 +671,7 @@ sw_nccl=$(version_code "$(first_match 'NCCL version code [0-9]+' | cut -d' ' -f4
 sw_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
 # The command, with the variables that shaped the run.
 run_cmd="bash scripts/gpu-test.sh"
-for v in NO_BENCH NO_TRAIN FINE NO_LAYOUTS NO_MOE NO_KERNELS NO_ATTENTION NO_TP NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
+for v in NO_BENCH NO_TRAIN NO_DET FINE NO_LARGE NO_LAYOUTS NO_MOE NO_KERNELS NO_ATTENTION NO_TP NO_HF PEER_KERNELS PREPARE_BENCH MKTRAIN_GG_VARIANTS \
          GPU_TEST_PACKAGES GPU_TEST_RUN GPU_TEST_SKIP GPU_TEST_TIMEOUT; do
   [[ -n "${!v:-}" ]] && run_cmd="$v='${!v}' $run_cmd"
 done
