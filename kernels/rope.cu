@@ -43,6 +43,21 @@ extern "C" __global__ void rope_table(rp_cs* tab, int P, int head_dim, double th
   for (long long e = mk_global_id(); e < n; e += mk_grid_stride()) tab[e] = rope_angle((int)(e / half), (int)(e % half), head_dim, theta);
 }
 
+// rp_turn turns the pair (u, w) by (c, sn): lo = u*c - w*sn, hi = w*c +
+// u*sn, each product and sum rounded on its own (mul.rn, add.rn, sub.rn:
+// never fused into an FMA, which NVRTC would otherwise choose per kernel),
+// as backend/cpu computes them: every kernel here and the CPU give the
+// same bits.
+__device__ __forceinline__ void rp_turn(float u, float w, float c, float sn, float& lo, float& hi) {
+  float uc, ws, wc, us;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(uc) : "f"(u), "f"(c));
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(ws) : "f"(w), "f"(sn));
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(wc) : "f"(w), "f"(c));
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(us) : "f"(u), "f"(sn));
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(lo) : "f"(uc), "f"(ws));
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(hi) : "f"(wc), "f"(us));
+}
+
 // rope_pairs: one thread per (row, pair), grid-stride; x and out are
 // [rows, width], width a multiple of head_dim; pos is [rows]; tab the
 // table of positions below P (null: none). Each thread reads both values
@@ -62,9 +77,10 @@ __device__ __forceinline__ void rope_pairs(Out* out, const float* x, const int* 
     const float c = a.c, sn = inverse ? -a.s : a.s;
     const float* row = x + (long long)t * width;
     Out* out_row = out + (long long)t * width;
-    const float u = row[at], w = row[at + half];
-    mk_store(out_row + at, u * c - w * sn);
-    mk_store(out_row + at + half, w * c + u * sn);
+    float lo, hi;
+    rp_turn(row[at], row[at + half], c, sn, lo, hi);
+    mk_store(out_row + at, lo);
+    mk_store(out_row + at + half, hi);
   }
 }
 
@@ -85,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(256) rope_f32_bf16(mk_bf16* out, co
 // index arithmetic in 32 bits (the host checks that rows * width / 8
 // fits). rope_pairs spends two 64-bit divisions on each pair's 8 bytes;
 // its profiled calls moved about 1.5 TB/s (moe-small at 44e5f8c). Each
-// value is the same float32 expression as rope_pairs', so the same bits.
+// value is rope_pairs' rp_turn, so the same bits.
 // x and out 16-byte aligned (bf16 out: 8).
 struct alignas(16) rp_f4 {
   float x, y, z, w;
@@ -124,8 +140,7 @@ __device__ __forceinline__ void rope_quads(Out* out, const float* x, const int* 
 #pragma unroll
     for (int k = 0; k < 4; k++) {
       const float c = a[k].c, sn = inverse ? -a[k].s : a[k].s;
-      lo[k] = u[k] * c - w[k] * sn;
-      hi[k] = w[k] * c + u[k] * sn;
+      rp_turn(u[k], w[k], c, sn, lo[k], hi[k]);
     }
     Out* out_row = out + (long long)t * width;
     rp_store4(out_row + at, lo);

@@ -239,9 +239,11 @@ skip_args=()
 
 # run_binary PKG NAME FILTER TIMEOUT: runs PKG's test binary from its
 # folder with -test.run FILTER ("" = all) under -test.timeout TIMEOUT,
-# logging to $LOGS/NAME.*, and adds its row, counts and figures.
+# logging to $LOGS/NAME.* (NAME's slashes as underscores), and adds its
+# row, counts and figures.
 run_binary() {
   local pkg=$1 n=$2 filter=$3 timeout=$4
+  local log="$LOGS/$(name_of "$2")"
   local test_bin="$root/$BIN/$(name_of "$pkg").test"
   if [[ ! -x "$test_bin" ]]; then
     echo "== $n: $test_bin missing (run scripts/gpu-test.sh build first)"
@@ -254,21 +256,21 @@ run_binary() {
   echo "== $n ${filter:+(-test.run $filter)}"
   local start rc secs
   start=$(date +%s%N)
-  (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout="$timeout" -test.count=1 "${run_args[@]}" "${skip_args[@]}") >"$LOGS/$n.log" 2>&1
+  (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout="$timeout" -test.count=1 "${run_args[@]}" "${skip_args[@]}") >"$log.log" 2>&1
   rc=$?
   secs=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.2f", (b - a) / 1e9 }')
   if [[ -x "$root/$BIN/test2json" ]]; then
-    "$root/$BIN/test2json" -t -p "$pkg" <"$LOGS/$n.log" >"$LOGS/$n.json"
+    "$root/$BIN/test2json" -t -p "$pkg" <"$log.log" >"$log.json"
   fi
   # The log with test2json's framing bytes removed: failures first, then
   # the tail.
-  tr -d '\026' <"$LOGS/$n.log" >"$LOGS/$n.txt"
-  grep -B2 -A8 -- '--- FAIL' "$LOGS/$n.txt" | head -n 80
-  grep -v '^=== \(RUN\|PAUSE\|CONT\|NAME\)' "$LOGS/$n.txt" | tail -n 25
+  tr -d '\026' <"$log.log" >"$log.txt"
+  grep -B2 -A8 -- '--- FAIL' "$log.txt" | head -n 80
+  grep -v '^=== \(RUN\|PAUSE\|CONT\|NAME\)' "$log.txt" | tail -n 25
   local pass fail skip result=ok
-  pass=$(grep -c -- '--- PASS' "$LOGS/$n.txt")
-  fail=$(grep -c -- '--- FAIL' "$LOGS/$n.txt")
-  skip=$(grep -c -- '--- SKIP' "$LOGS/$n.txt")
+  pass=$(grep -c -- '--- PASS' "$log.txt")
+  fail=$(grep -c -- '--- FAIL' "$log.txt")
+  skip=$(grep -c -- '--- SKIP' "$log.txt")
   if [[ $rc -ne 0 ]]; then result="FAIL($rc)"; status=1; fi
   rows+=("$n|$result|$pass|$fail|$skip|$secs")
   # Each binary's counts and the logs so far as soon as it ends, so that
@@ -279,7 +281,7 @@ run_binary() {
   local line
   while IFS= read -r line; do
     figures+=("$line")
-  done < <(sed -n 's/.*figure: \(.*\) = \([^ ]*\) \(.*\)$/\1|\2|\3/p' "$LOGS/$n.txt")
+  done < <(sed -n 's/.*figure: \(.*\) = \([^ ]*\) \(.*\)$/\1|\2|\3/p' "$log.txt")
   echo
 }
 
