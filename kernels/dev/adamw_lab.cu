@@ -1,18 +1,13 @@
 // Lab copy of kernels/adamw.cu (kernels/dev/README.md): with no define it
-// compiles to the production source's PTX. The question: the optimizer
-// moves 28 bytes per weight and runs at about 3.3 TB/s against the 4.1 of
-// a device copy (moe-small's profiled step); is it the float64 arithmetic
-// (three divisions and a square root per element on the FP64 pipes) or
-// too few bytes in flight? AW_EXPERIMENT bits, same kernels and arguments:
-//   1  float32 arithmetic, PyTorch's fused formulation: step size lr/bc1
-//      and sqrt(bc2) once per thread, then one square root and one
-//      division per element (not exact: last bits differ from float64)
-//   2  float64 arithmetic with the same hoisting: one square root and one
-//      division per element (not exact)
+// compiles to the production source's PTX. AW_EXPERIMENT bits, same
+// kernels and arguments:
 //   4  adamw_split two pairs per step of the loop: hi and lo 8 bytes, g,
-//      m and v 16 bytes per access (exact; needs 16-byte aligned g, m, v)
-// The variants add the gradient's squares in every loop and write them
-// where sq is given (in another order than production's where wider).
+//      m and v 16 bytes per access (exact; needs 16-byte aligned g, m, v
+//      and 8-byte aligned hi and lo). It adds the gradient's squares in
+//      another order than production's (four at a time), so the norm's
+//      sum rounds differently.
+// Measured and dropped (kernels/adamw.md): float32 arithmetic (bit 1) and
+// hoisted float64 (bit 2): the kernels are not arithmetic-bound.
 //
 #ifndef AW_EXPERIMENT
 #define AW_EXPERIMENT 0
@@ -216,43 +211,18 @@ __device__ __forceinline__ void aw_squares(double acc, double* sq) {
   if (threadIdx.x == 0) sq[blockIdx.x] = sum;
 }
 
-// aw_coef: the update's constants, as each thread derives them once.
+// aw_coef: the update's constants.
 struct aw_coef {
   double lr, beta1, beta2, eps, decay, bc1, bc2, gscale;
-  double step, rsbc2;  // lr/bc1, 1/sqrt(bc2) (bit 2)
-  float f_b1, f_b2, f_omb1, f_omb2, f_eps, f_decay, f_gs, f_step, f_sbc2;  // bit 1
 };
 
 __device__ __forceinline__ aw_coef aw_make(double lr, double beta1, double beta2, double eps, double decay,
                                            double bc1, double bc2, double gscale) {
-  aw_coef c;
-  c.lr = lr, c.beta1 = beta1, c.beta2 = beta2, c.eps = eps, c.decay = decay, c.bc1 = bc1, c.bc2 = bc2, c.gscale = gscale;
-  c.step = lr / bc1;
-  c.rsbc2 = 1.0 / sqrt(bc2);
-  c.f_b1 = (float)beta1, c.f_b2 = (float)beta2, c.f_omb1 = (float)(1.0 - beta1), c.f_omb2 = (float)(1.0 - beta2);
-  c.f_eps = (float)eps, c.f_decay = (float)decay, c.f_gs = (float)gscale, c.f_step = (float)(lr / bc1);
-  c.f_sbc2 = (float)sqrt(bc2);
-  return c;
+  return aw_coef{lr, beta1, beta2, eps, decay, bc1, bc2, gscale};
 }
 
 __device__ __forceinline__ void aw_el(float* p, float g, float* m, float* v, const aw_coef& c) {
-#if AW_EXPERIMENT & 1
-  const float gi = g * c.f_gs;
-  const float mi = c.f_b1 * *m + c.f_omb1 * gi;
-  const float vi = c.f_b2 * *v + c.f_omb2 * gi * gi;
-  *m = mi;
-  *v = vi;
-  *p = *p * c.f_decay - c.f_step * mi / (sqrtf(vi) / c.f_sbc2 + c.f_eps);
-#elif AW_EXPERIMENT & 2
-  const double gi = (double)g * c.gscale;
-  const float mi = (float)(c.beta1 * (double)*m + (1.0 - c.beta1) * gi);
-  const float vi = (float)(c.beta2 * (double)*v + (1.0 - c.beta2) * gi * gi);
-  *m = mi;
-  *v = vi;
-  *p = (float)((double)*p * c.decay - c.step * (double)mi / (sqrt((double)vi) * c.rsbc2 + c.eps));
-#else
   aw_one(p, g, m, v, c.lr, c.beta1, c.beta2, c.eps, c.decay, c.bc1, c.bc2, c.gscale);
-#endif
 }
 
 extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, long long n,

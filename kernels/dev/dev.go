@@ -51,24 +51,12 @@ type Variant struct {
 func Sources() []Source {
 	return []Source{
 		{File: "adamw_lab.cu", Production: "adamw.cu", Variants: []Variant{
-			{Name: "fp32-math", Defines: []string{"AW_EXPERIMENT=1"},
-				Purpose: "float32 arithmetic as PyTorch's fused AdamW: one square root and one division per element"},
-			{Name: "fp64-one-div", Defines: []string{"AW_EXPERIMENT=2"},
-				Purpose: "float64 arithmetic with lr/bc1 and 1/sqrt(bc2) hoisted: one square root and one division per element"},
 			{Name: "wide-split", Defines: []string{"AW_EXPERIMENT=4"}, Exact: true,
 				Purpose: "adamw_split two pairs per loop step: 16-byte accesses to g, m and v"},
-			{Name: "fp32-wide", Defines: []string{"AW_EXPERIMENT=5"},
-				Purpose: "fp32-math and wide-split together"},
 		}},
 		{File: "rmsnorm_lab.cu", Production: "rmsnorm.cu", Variants: []Variant{
 			{Name: "bwd-row-registers", Defines: []string{"RN_EXPERIMENT=1"}, Exact: true,
 				Purpose: "rmsnorm_backward_warps_f32 keeps the row's dout and x in registers and loads dx's old values with them"},
-		}},
-		{File: "grouped_gemm_lab.cu", Production: "grouped_gemm.cu", Variants: []Variant{
-			{Name: "tn-adamw", Defines: []string{"GT_EXPERIMENT=1"}, Exact: true,
-				Purpose: "adds grouped_gemm_tn_adamw: the experts' AdamW in the weight gradients' epilogue, no gradient written; launched by TestGroupedTNAdamWLab, not in place"},
-			{Name: "tn-adamw-b4", Defines: []string{"GT_EXPERIMENT=1", "GT_BATCH=4"}, Exact: true,
-				Purpose: "tn-adamw loading four column groups' state at a time (eight pairs a thread in flight)"},
 		}},
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
