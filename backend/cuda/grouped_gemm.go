@@ -428,13 +428,6 @@ func checkGroupedGemmTN(outEMN, aRM, bRN, offsetsE1 driver.DevicePtr, rows, m, n
 // at once (an error names the argument); launch and kernel errors come
 // from the next Sync.
 func (g *GroupedGemm) RunTN(outEMN, aRM, bRN, offsetsE1 driver.DevicePtr, rows, m, n, experts int, alpha, beta float32) error {
-	return g.runTN(g.tn, ggTNSmemBytes, outEMN, aRM, bRN, offsetsE1, rows, m, n, experts, alpha, beta)
-}
-
-// runTN is RunTN on kern, a kernel with grouped_gemm_tn's launch and
-// arguments, extra appended to them (a lab variant's), with smem bytes of
-// dynamic shared memory.
-func (g *GroupedGemm) runTN(kern *Kernel, smem int, outEMN, aRM, bRN, offsetsE1 driver.DevicePtr, rows, m, n, experts int, alpha, beta float32, extra ...uint64) error {
 	if err := checkGroupedGemmTN(outEMN, aRM, bRN, offsetsE1, rows, m, n, experts); err != nil {
 		return err
 	}
@@ -459,9 +452,9 @@ func (g *GroupedGemm) runTN(kern *Kernel, smem int, outEMN, aRM, bRN, offsetsE1 
 		}
 	}
 	grid := Grid1D(int(min(int64(g.d.info.SMs), ggTNTiles(m, n, experts))), ggThreads)
-	grid.Shared = smem
-	slots := append([]uint64{uint64(outEMN), uint64(offsetsE1), uint64(uint32(rows)), uint64(uint32(m)), uint64(uint32(n)),
-		uint64(uint32(experts)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}, extra...)
+	grid.Shared = ggTNSmemBytes
+	slots := []uint64{uint64(outEMN), uint64(offsetsE1), uint64(uint32(rows)), uint64(uint32(m)), uint64(uint32(n)),
+		uint64(uint32(experts)), uint64(math.Float32bits(alpha)), uint64(math.Float32bits(beta))}
 	d := g.d
 	return d.Submit(func() error {
 		var ta, tb driver.TensorMap
@@ -481,8 +474,8 @@ func (g *GroupedGemm) runTN(kern *Kernel, smem int, outEMN, aRM, bRN, offsetsE1 
 			params = append(params, unsafe.Pointer(&slots[i]))
 		}
 		pin.Pin(&params[0])
-		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
-			return fmt.Errorf("%s: %w", kern.Desc.Name, err)
+		if err := d.drv.LaunchKernel(g.tn.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
+			return fmt.Errorf("%s: %w", g.tn.Desc.Name, err)
 		}
 		return nil
 	})
