@@ -84,7 +84,12 @@
 # a short table last and exits non-zero if any package or benchmark
 # failed.
 #
-# Variables: GPU_TEST_SKIP is passed to every test binary as -test.skip,
+# scripts/gpu_test_script_test.go runs the run step on any machine (go
+# test ./scripts: one package's binary, no GPU), so a change that breaks
+# it fails there first.
+#
+# Variables: GPU_TEST_BIN is the folder of the built binaries (default
+# .gpu); GPU_TEST_SKIP is passed to every test binary as -test.skip,
 # and GPU_TEST_RUN, when set, as -test.run instead of each package's filter;
 # GPU_TEST_PACKAGES (a regexp of package paths) runs only those packages;
 # GPU_TEST_TIMEOUT is each test binary's -test.timeout (default 360s);
@@ -111,7 +116,7 @@ PACKAGES=(
   "kernels|"
   "engine|^(TestTinyRecipeCUDAMatchesCPU|TestVirtualRanksCUDA|TestLayoutsOnGPUs|TestDispatchersCUDA|TestDispatchersOnGPUs|TestNCCLOneNodeMatchesOneProcess|TestNCCLTwoNodesMatchOneProcess|TestNCCLNodeKilled|TestDeterministicGPURunsRepeat|TestRecomputeCUDA|TestRingCUDA|TestFusedRingCUDA|TestTensorParallelCUDA|TestMemorySavingsCUDA)$"
 )
-BIN=.gpu
+BIN=${GPU_TEST_BIN:-.gpu}
 PEER_SRC=scripts/peer
 BENCH_ARGS=(bench train moe-small --steps 10 --warmup 3 --set data.train= --set data.val= --set train.backend=cuda)
 PEER_ARGS=(--steps 10 --warmup 3)
@@ -158,6 +163,9 @@ LOGS=$(mktemp -d)
 # of service).
 export NCCL_NVLS_ENABLE=0
 root=$(pwd)
+# The binaries' folder as an absolute path (run_binary runs each from its
+# package's folder).
+bin_dir=$(cd "$BIN" 2>/dev/null && pwd)
 
 echo "== machine"
 uname -srm
@@ -244,7 +252,7 @@ skip_args=()
 run_binary() {
   local pkg=$1 n=$2 filter=$3 timeout=$4
   local log="$LOGS/$(name_of "$2")"
-  local test_bin="$root/$BIN/$(name_of "$pkg").test"
+  local test_bin="$bin_dir/$(name_of "$pkg").test"
   if [[ ! -x "$test_bin" ]]; then
     echo "== $n: $test_bin missing (run scripts/gpu-test.sh build first)"
     rows+=("$n|missing|0|0|0|0")
@@ -259,8 +267,8 @@ run_binary() {
   (cd "$root/$pkg" && "$test_bin" -test.v=test2json -test.timeout="$timeout" -test.count=1 "${run_args[@]}" "${skip_args[@]}") >"$log.log" 2>&1
   rc=$?
   secs=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.2f", (b - a) / 1e9 }')
-  if [[ -x "$root/$BIN/test2json" ]]; then
-    "$root/$BIN/test2json" -t -p "$pkg" <"$log.log" >"$log.json"
+  if [[ -x "$bin_dir/test2json" ]]; then
+    "$bin_dir/test2json" -t -p "$pkg" <"$log.log" >"$log.json"
   fi
   # The log with test2json's framing bytes removed: failures first, then
   # the tail.
