@@ -50,10 +50,6 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "adamw_lab.cu", Production: "adamw.cu", Variants: []Variant{
-			{Name: "wide-split", Defines: []string{"AW_EXPERIMENT=4"}, Exact: true,
-				Purpose: "adamw_split two pairs per loop step: 16-byte accesses to g, m and v"},
-		}},
 		{File: "rmsnorm_lab.cu", Production: "rmsnorm.cu", Variants: []Variant{
 			{Name: "bwd-row-registers", Defines: []string{"RN_EXPERIMENT=1"}, Exact: true,
 				Purpose: "rmsnorm_backward_warps_f32 keeps the row's dout and x in registers and loads dx's old values with them"},
