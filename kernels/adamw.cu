@@ -37,12 +37,13 @@ __device__ __forceinline__ void aw_squares(double acc, double* sq) {
 
 // Each kernel's loop is a template on whether it sums the squares, so the
 // update alone runs the loop it ran before sq existed.
+// aw_f32_loop updates elements [first, n), one a step of the grid-stride
+// loop, and returns acc plus the squares of the gradient it read (SQ).
 template <bool SQ>
-__device__ __forceinline__ double aw_f32_loop(float* p, const float* g, float* m, float* v, long long n, double lr,
-                                              double beta1, double beta2, double eps, double decay, double bc1,
-                                              double bc2, double gscale) {
-  double acc = 0.0;
-  for (long long i = mk_global_id(); i < n; i += mk_grid_stride()) {
+__device__ __forceinline__ double aw_f32_loop(float* p, const float* g, float* m, float* v, long long first,
+                                              long long n, double lr, double beta1, double beta2, double eps,
+                                              double decay, double bc1, double bc2, double gscale, double acc) {
+  for (long long i = first + mk_global_id(); i < n; i += mk_grid_stride()) {
     const float gi = g[i];
     if (SQ) acc += (double)gi * (double)gi;
     aw_one(&p[i], gi, &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
@@ -55,10 +56,10 @@ extern "C" __global__ void __launch_bounds__(256) adamw_f32(float* p, const floa
                                                             double decay, double bc1, double bc2, double gscale,
                                                             double* sq) {
   if (sq == nullptr) {
-    aw_f32_loop<false>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
+    aw_f32_loop<false>(p, g, m, v, 0, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale, 0.0);
     return;
   }
-  aw_squares(aw_f32_loop<true>(p, g, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale), sq);
+  aw_squares(aw_f32_loop<true>(p, g, m, v, 0, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale, 0.0), sq);
 }
 
 struct alignas(16) aw_f4 {
@@ -90,12 +91,7 @@ __device__ __forceinline__ double aw_f32_x4_loop(float* p, const float* g, float
     m4[i] = mv;
     v4[i] = vv;
   }
-  for (long long i = 4 * groups + mk_global_id(); i < n; i += stride) {
-    const float gi = g[i];
-    if (SQ) acc += (double)gi * (double)gi;
-    aw_one(&p[i], gi, &m[i], &v[i], lr, beta1, beta2, eps, decay, bc1, bc2, gscale);
-  }
-  return acc;
+  return aw_f32_loop<SQ>(p, g, m, v, 4 * groups, n, lr, beta1, beta2, eps, decay, bc1, bc2, gscale, acc);
 }
 
 extern "C" __global__ void __launch_bounds__(256) adamw_f32_x4(float* p, const float* g, float* m, float* v, long long n,
