@@ -36,7 +36,8 @@ __device__ __forceinline__ void aw_squares(double acc, double* sq) {
 }
 
 // Each kernel's loop is a template on whether it sums the squares, so the
-// update alone runs the loop it ran before sq existed.
+// update alone (sq null) adds nothing.
+//
 // aw_f32_loop updates elements [first, n), one a step of the grid-stride
 // loop, and returns acc plus the squares of the gradient it read (SQ).
 template <bool SQ>
