@@ -115,9 +115,9 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 			return err
 		}
 		if l.updater == nil {
-			beta := l.expertGradBeta()
-			b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, beta)
-			b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, beta)
+			if err := l.gateUpGrads(dw1, dw3, dh1RF, dh3RF, st.xRD, groups); err != nil {
+				return err
+			}
 		}
 	} else if err := l.noExpertRows(g); err != nil {
 		return err
@@ -129,10 +129,7 @@ func (l *Layer) fusedBackward(dxTD, doutTD backend.Tensor, st *step, p, g *Param
 		b.DgradCombine(peerColumn(peers, 3), peerColumn(peers, 4), st.refsR2, dh1RF, dh3RF, w1, w3, groups)
 		if l.updater != nil {
 			// After DgradCombine, the last read of w1 and w3.
-			if err := l.weightGrad(ExpertW1, dw1, dh1RF, st.xRD, groups); err != nil {
-				return err
-			}
-			if err := l.weightGrad(ExpertW3, dw3, dh3RF, st.xRD, groups); err != nil {
+			if err := l.gateUpGrads(dw1, dw3, dh1RF, dh3RF, st.xRD, groups); err != nil {
 				return err
 			}
 		}

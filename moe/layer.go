@@ -324,8 +324,7 @@ type ExpertUpdater interface {
 // caller that updates the experts in the backward (train.optimizer_in_backward),
 // so that it can apply each tensor's update as soon as the tensor is no
 // longer read, and compute its gradient in whatever memory (or product)
-// it likes. The order of the backward's ops changes to match (the input
-// gradient's products before w1's and w3's updates); the values do not.
+// it likes.
 func UpdateExpertsInBackward(u ExpertUpdater) Option { return func(l *Layer) { l.updater = u } }
 
 // weightGrad gives tensor w's weight gradient, dyRN ᵀ· xRM per expert: to
@@ -340,6 +339,15 @@ func (l *Layer) weightGrad(w ExpertWeight, dW, dyRN, xRM backend.Tensor, groups 
 	}
 	l.b.GroupedMatMulTN(dW, dyRN, xRM, groups, 1, l.expertGradBeta())
 	return nil
+}
+
+// gateUpGrads is weightGrad for w1 and w3, whose products share their
+// input xRD.
+func (l *Layer) gateUpGrads(dw1, dw3, dh1RF, dh3RF, xRD backend.Tensor, groups backend.Groups) error {
+	if err := l.weightGrad(ExpertW1, dw1, dh1RF, xRD, groups); err != nil {
+		return err
+	}
+	return l.weightGrad(ExpertW3, dw3, dh3RF, xRD, groups)
 }
 
 // expertGradBeta is the weight-gradient products' beta: 0 when they
@@ -1005,20 +1013,11 @@ func (l *Layer) expertsBackward(st *step, p, g *Params, dyRD, dxRD backend.Tenso
 		return err
 	}
 	b.SwiGLUBackward(dh1RF, dh3RF, dActRF, st.h1RF, st.h3RF)
-	if l.updater == nil {
-		// The products in the order the profiles were measured in.
-		b.GroupedMatMulTN(dw1, dh1RF, st.xRD, groups, 1, l.expertGradBeta())
-		b.GroupedMatMulTN(dw3, dh3RF, st.xRD, groups, 1, l.expertGradBeta())
-	}
+	// The input gradient's products read w1 and w3, so their weight
+	// gradients come after (an updater changes the weights).
 	b.GroupedMatMul(dxRD, dh1RF, w1, groups, false, 1, 0)
 	b.GroupedMatMul(dxRD, dh3RF, w3, groups, false, 1, 1)
-	if l.updater == nil {
-		return nil
-	}
-	if err := l.weightGrad(ExpertW1, dw1, dh1RF, st.xRD, groups); err != nil {
-		return err
-	}
-	return l.weightGrad(ExpertW3, dw3, dh3RF, st.xRD, groups)
+	return l.gateUpGrads(dw1, dw3, dh1RF, dh3RF, st.xRD, groups)
 }
 
 // sharedBackward adds the shared experts' dx to dxTD and accumulates their
