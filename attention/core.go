@@ -120,19 +120,24 @@ type contextImpl interface {
 // ops take the shape; else the portable ring over the group's Send and
 // Recv (ring.go), which serves every group.
 func (c *ContextCore) ringImpl(sc *Scratch) (contextImpl, error) {
-	if f := newFusedRing(c); f != nil {
-		return f, nil
+	f, err := newFusedRing(c, sc)
+	if err != nil || f != nil {
+		return f, err
 	}
 	return newRing(c, sc)
 }
 
 // Path names what runs the core: "attention" (one rank), "allgather",
-// "fused ring" or "portable ring".
+// "fused ring in one pass", "fused ring" (in two passes) or "portable
+// ring".
 func (c *ContextCore) Path() string {
-	switch c.impl.(type) {
+	switch impl := c.impl.(type) {
 	case nil:
 		return "attention"
 	case *fusedRing:
+		if impl.onePass {
+			return "fused ring in one pass"
+		}
 		return "fused ring"
 	case *ring:
 		return "portable ring"

@@ -124,6 +124,7 @@ type Scratch struct {
 	daTQ, dqTQ, dkTK, dvTK backend.Tensor // [T, H*Dh] and [T, KV*Dh], da bf16 beside bf16 q, k, v; nil until sized
 	cp                     *cpScratch     // sized by the first all-gather context core
 	ring                   *ringScratch   // sized by the first ring context core
+	zz                     *zzScratch     // sized by the first fused ring context core
 	ops                    *operands      // nil where the operand type is the float type
 	tp                     *tpScratch     // sized by the first tensor-parallel Layer
 	core                   *coreScratch   // sized by the first Layer built with RecomputeCore or RecomputeLayer
@@ -670,11 +671,9 @@ func (l *Layer) Backward(dxTD, doutTD backend.Tensor, p, g *Params) error {
 	return nil
 }
 
-// checkTD reports a t that is not [T, D] for the micro-batch the Layer was
-// built for.
 // ContextPath names what runs a context-parallel Layer's attention
-// (ContextCore.Path): "allgather", "fused ring" or "portable ring"; a Layer
-// of one rank says "attention".
+// (ContextCore.Path): "allgather", "fused ring in one pass", "fused ring"
+// or "portable ring"; a Layer of one rank says "attention".
 func (l *Layer) ContextPath() string {
 	if l.cp == nil {
 		return "attention"
@@ -682,6 +681,8 @@ func (l *Layer) ContextPath() string {
 	return l.cp.Path()
 }
 
+// checkTD reports a t that is not [T, D] for the micro-batch the Layer was
+// built for.
 func (l *Layer) checkTD(op, name string, t backend.Tensor) error {
 	if t.Len() != l.rows*l.dim {
 		return fmt.Errorf("attention: %s: %s has shape %v, want [%d, %d]", op, name, t.Shape(), l.rows, l.dim)

@@ -3,33 +3,52 @@ package attention
 // Context parallelism, the fused ring (CPRing where the group offers
 // comm.PeerAccess and the backend's zigzag ops take the shape): no k or v
 // chunk travels. Each rank's kernels read the peers' tensors in place,
-// through device pointers (the virtual ranks of one GPU, or peer GPUs of
-// one process over NVLink), tile by tile in position order, the online
-// softmax of a query tile staying in registers across every chunk it sees
-// (backend.ZigzagShape; the kernels are attn_zz_* in kernels/attention_tc.cu).
-// The tiles are the whole-sequence call's, visited in its order, so a
-// rank's outputs and dq round as that call's do.
+// through device pointers or tensor maps (the virtual ranks of one GPU, or
+// peer GPUs of one process over NVLink), tile by tile in position order,
+// the online softmax of a query tile staying in registers across every
+// chunk it sees (backend.ZigzagShape). The tiles are the whole-sequence
+// call's, visited in its order, so a rank's outputs round as that call's
+// do. It runs in one of two ways.
 //
-// Who reads whose memory, per rank r:
+// One pass (backend.ZigzagAttentionOnePass takes the shape: the Hopper
+// core's attn_h_zz_* on CUDA, not under train.deterministic). Each rank
+// rounds its q, k and v (and in the backward dout) to bf16 in the
+// Scratch before the meeting, as the Hopper core's own callers do.
 //
-//	forward:  after PeerTensors(k, v, q, lse, delta), r's forward reads
-//	          every rank's k and v; Barrier, so no rank moves on to write
-//	          its k or v while a peer still reads them.
+//	forward:  after PeerTensors(k, v), r's forward reads every rank's k
+//	          and v; Barrier, so no rank overwrites its bf16 k or v (the
+//	          next layer's) while a peer still reads them.
+//	backward: r writes its delta (D_i = rowsum(da*a)) and zeroes its dq;
+//	          PeerTensors(dq, q, da, lse, delta); r's one kernel walks
+//	          every query that sees r's keys, writes r's dk and dv and adds
+//	          their share of each rank's dq into that rank's dq; Barrier,
+//	          so every share has landed before any rank reads its dq.
+//
+// dq's shares land in the order the blocks run, so dq's last bits vary
+// from run to run.
+//
+// Two passes (attention_tc.cu's attn_zz_* on CUDA; the CPU, whose results
+// are bitwise the all-gather path's):
+//
+//	forward:  after PeerTensors(k, v), r's forward reads every rank's k
+//	          and v; Barrier.
 //	backward: r's dq pass reads every rank's k and v and writes its own
-//	          dq and delta (D_i = rowsum(da*a)); Barrier, so every delta is
-//	          written; r's dk/dv pass reads every rank's q, da, lse and
-//	          delta and writes its own dk and dv; Barrier.
+//	          dq and delta; Barrier, so every delta is written; r's dk/dv
+//	          pass reads every rank's q, da, lse and delta and writes its
+//	          own dk and dv; Barrier.
 //
-// dq, dk and dv are each written by their owner alone, in a fixed order,
-// so nothing is reduced across ranks and the results are the same on
-// every run. Against the portable ring this moves no chunk at all on
-// virtual ranks; over NVLink the dk/dv pass reads H/KV times more bytes of
-// queries than k and v would be, for GQA (the portable ring sends k, v and
-// their float32 gradients instead), in exchange for no reduction and no
-// buffers in flight. On the CPU the ops compute in the all-gather path's
-// order and give its bits.
+// There dq, dk and dv are each written by their owner alone, in a fixed
+// order, so the results are the same on every run. Against the portable
+// ring neither way moves a chunk on virtual ranks; over NVLink the dk/dv
+// pass (or the one-pass backward) reads H/KV times more bytes of queries
+// than k and v would be, for GQA, in exchange for no buffers in flight.
+//
+// The delta and the bf16 copies are the Scratch's, one set for the rank's
+// layers: each layer's use ends at its closing Barrier.
 
 import (
+	"fmt"
+
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/comm"
 )
@@ -39,27 +58,68 @@ type fusedRing struct {
 	c     *ContextCore
 	peers comm.PeerAccess
 	shape backend.ZigzagShape
-	// deltaBHS is this rank's D_i of the last backward, [B, 2, H, C]: the
-	// peers' dk/dv passes read it.
-	deltaBHS backend.Tensor
-	// peerT is every rank's tensors from the last PeerTensors, [rank][i]:
-	// k, v in the forward; k, v, q, da, lse, delta in the backward.
+	// onePass: the backend's one-pass ops take shape.
+	onePass bool
+	*zzScratch
+	// peerT is every rank's tensors from the last PeerTensors, [rank][i].
 	peerT [][]backend.Tensor
+}
+
+// zzScratch is the part of a Scratch only fused rings use.
+type zzScratch struct {
+	// deltaBHS is this rank's D_i of the backward under way, [B, 2, H, C]:
+	// the peers' dk/dv passes read it.
+	deltaBHS backend.Tensor
+	// One pass: bf16 copies of q, da [B*2C, H*Dh], k and v [B*2C, KV*Dh];
+	// nil on the two-pass ops.
+	qTQ, daTQ, kTK, vTK backend.Tensor
+}
+
+// fitZZ allocates the fused ring's scratch for rows local rows, q and kd
+// columns and lse elements of delta (bf16 copies too with onePass), or
+// checks that it has that size.
+func (sc *Scratch) fitZZ(b backend.Backend, rows, q, kd, lse int, onePass bool) error {
+	if sc.zz == nil {
+		sc.zz = &zzScratch{deltaBHS: b.New(b.FloatType(), lse)}
+	}
+	z := sc.zz
+	if z.deltaBHS.Len() != lse {
+		return fmt.Errorf("attention: the shared scratch is for fused rings of %d lse elements; this layer has %d", z.deltaBHS.Len(), lse)
+	}
+	if !onePass {
+		return nil
+	}
+	if z.qTQ == nil {
+		z.qTQ, z.daTQ = b.New(backend.BFloat16, rows, q), b.New(backend.BFloat16, rows, q)
+		z.kTK, z.vTK = b.New(backend.BFloat16, rows, kd), b.New(backend.BFloat16, rows, kd)
+		return nil
+	}
+	if z.qTQ.Len() != rows*q || z.kTK.Len() != rows*kd {
+		return fmt.Errorf("attention: the shared scratch is for fused rings of %d rows of %d and %d columns; this layer has %d rows of %d and %d columns",
+			z.qTQ.Shape()[0], z.qTQ.Shape()[1], z.kTK.Shape()[1], rows, q, kd)
+	}
+	return nil
 }
 
 // newFusedRing returns the fused ring of c, or nil when c's group offers
 // no peer access or the backend's zigzag ops do not take its shape.
-func newFusedRing(c *ContextCore) *fusedRing {
+func newFusedRing(c *ContextCore, sc *Scratch) (*fusedRing, error) {
 	peers, ok := c.g.(comm.PeerAccess)
 	if !ok {
-		return nil
+		return nil, nil
 	}
 	s := backend.ZigzagShape{Ranks: c.w, Rank: c.rank, Batch: c.batch, Chunk: c.chunk,
 		Heads: c.s.Heads, KVHeads: c.s.KVHeads, HeadDim: c.s.HeadDim()}
 	if c.b.ZigzagAttentionSupports(s) != nil {
-		return nil
+		return nil, nil
 	}
-	return &fusedRing{c: c, peers: peers, shape: s, deltaBHS: c.b.New(c.b.FloatType(), c.batch, 2, c.s.Heads, c.chunk)}
+	f := &fusedRing{c: c, peers: peers, shape: s, onePass: c.b.ZigzagAttentionOnePass(s) == nil}
+	dh := c.s.HeadDim()
+	if err := sc.fitZZ(c.b, c.localRows(), c.s.Heads*dh, c.s.KVHeads*dh, c.batch*2*c.s.Heads*c.chunk, f.onePass); err != nil {
+		return nil, err
+	}
+	f.zzScratch = sc.zz
+	return f, nil
 }
 
 // column is rank list i of f.peerT.
@@ -87,14 +147,24 @@ func (f *fusedRing) barrier(what string) error {
 }
 
 func (f *fusedRing) forward(aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error {
+	b := f.c.b
+	if f.onePass {
+		b.Copy(f.zzScratch.qTQ, qTQ)
+		b.Copy(f.zzScratch.kTK, kTK)
+		b.Copy(f.zzScratch.vTK, vTK)
+		qTQ, kTK, vTK = f.zzScratch.qTQ, f.zzScratch.kTK, f.zzScratch.vTK
+	}
 	if err := f.meet("fused ring: exchange of k and v", kTK, vTK); err != nil {
 		return err
 	}
-	f.c.b.ZigzagAttentionForward(aTQ, lseBHS, qTQ, f.column(0), f.column(1), f.shape)
+	b.ZigzagAttentionForward(aTQ, lseBHS, qTQ, f.column(0), f.column(1), f.shape)
 	return f.barrier("fused ring: end of the forward")
 }
 
 func (f *fusedRing) backward(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
+	if f.onePass {
+		return f.backwardOnePass(dqTQ, dkTK, dvTK, daTQ)
+	}
 	c, b := f.c, f.c.b
 	if err := f.meet("fused ring: exchange of the backward's inputs", c.kTK, c.vTK, c.qTQ, daTQ, c.lseBHS, f.deltaBHS); err != nil {
 		return err
@@ -104,5 +174,20 @@ func (f *fusedRing) backward(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
 		return err
 	}
 	b.ZigzagAttentionBackwardDKDV(dkTK, dvTK, c.kTK, c.vTK, f.column(2), f.column(3), f.column(4), f.column(5), f.shape)
+	return f.barrier("fused ring: end of the backward")
+}
+
+func (f *fusedRing) backwardOnePass(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
+	c, b, z := f.c, f.c.b, f.zzScratch
+	b.Copy(z.qTQ, c.qTQ)
+	b.Copy(z.kTK, c.kTK)
+	b.Copy(z.vTK, c.vTK)
+	b.Copy(z.daTQ, daTQ)
+	b.ZigzagAttentionDelta(z.deltaBHS, daTQ, c.aTQ, f.shape)
+	b.Zero(dqTQ)
+	if err := f.meet("fused ring: exchange of the backward's inputs", dqTQ, z.qTQ, z.daTQ, c.lseBHS, z.deltaBHS); err != nil {
+		return err
+	}
+	b.ZigzagAttentionBackward(f.column(0), dkTK, dvTK, z.kTK, z.vTK, f.column(1), f.column(2), f.column(3), f.column(4), f.shape)
 	return f.barrier("fused ring: end of the backward")
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/mktrain/mktrain/attention"
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/backendtest"
 	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/comm"
 )
@@ -22,7 +23,8 @@ type coreInputs struct{ q, k, v, da []float64 }
 type coreRun struct{ a, lse, dq, dk, dv []float64 }
 
 // runCores runs Forward and Backward of a ContextCore in mode on every rank
-// of a cp group of len(in) virtual ranks, all at once.
+// of a cp group of len(in) virtual ranks, all at once, two steps on the
+// same inputs, and returns the second step's results.
 //
 // With portable set, the cores' groups hide their peer access, so mode ring
 // runs the portable ring; else it runs the fused ring (ring_fused.go),
@@ -55,6 +57,9 @@ func runCores(t *testing.T, b backend.Backend, s attention.Shape, mode attention
 			want = "portable ring"
 		case mode == attention.CPRing:
 			want = "fused ring"
+			if _, ok := b.(onePassCPU); ok {
+				want = "fused ring in one pass"
+			}
 		}
 		if core.Path() != want {
 			t.Fatalf("a core in mode %s runs the %s, want the %s", mode, core.Path(), want)
@@ -70,8 +75,15 @@ func runCores(t *testing.T, b backend.Backend, s attention.Shape, mode attention
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if errs[r] = core.Forward(aT, lseT, qT, kT, vT); errs[r] == nil {
-				errs[r] = core.Backward(dqT, dkT, dvT, daT)
+			// Twice: the second step finds the outputs and the Scratch
+			// holding the first's values.
+			for range 2 {
+				if errs[r] = core.Forward(aT, lseT, qT, kT, vT); errs[r] == nil {
+					errs[r] = core.Backward(dqT, dkT, dvT, daT)
+				}
+				if errs[r] != nil {
+					break
+				}
 			}
 			if errs[r] != nil {
 				rk.Abort(errs[r])
@@ -167,6 +179,66 @@ func TestRingMatchesAllGather(t *testing.T) {
 				}
 			}
 			t.Logf("largest difference: %.3g of a tensor's rms", worst)
+		})
+	}
+}
+
+// onePassCPU is the CPU backend with its one-pass zigzag ops offered to
+// the layers (the CPU itself keeps its layers on the two-pass ops, for
+// their bits), so that the fused ring's one-pass flow (ring_fused.go) runs
+// here as it runs on a Hopper GPU.
+type onePassCPU struct{ *cpu.Backend }
+
+func (onePassCPU) ZigzagAttentionOnePass(s backend.ZigzagShape) error { return s.Check() }
+
+// TestFusedRingOnePass: the fused ring in one pass (each rank rounds q, k,
+// v and da to bf16, writes its delta, zeroes its dq; one backward per rank
+// adds into every rank's dq) gives the all-gather path's out, lse, dq, dk
+// and dv on inputs already on the bf16 grid, where its rounding changes
+// nothing: in float64 they differ only in the order of the sums (1e-12 of
+// the rms; an indexing, masking or ordering fault shows as order 1), for
+// W = 2, 3, 4, GQA and several sequences (runCores' second step: the
+// Scratch's delta and copies and the outputs hold the first's values).
+func TestFusedRingOnePass(t *testing.T) {
+	for _, c := range []struct {
+		w, batch, chunk int
+		s               attention.Shape
+	}{
+		{2, 2, 5, attention.Shape{Dim: 32, Heads: 4, KVHeads: 2, RopeTheta: 1e4}},
+		{3, 1, 4, attention.Shape{Dim: 24, Heads: 6, KVHeads: 2, RopeTheta: 1e4}},
+		{4, 2, 3, attention.Shape{Dim: 32, Heads: 4, KVHeads: 1, RopeTheta: 1e4}},
+	} {
+		t.Run(fmt.Sprintf("W%d_B%d_C%d_H%d_KV%d", c.w, c.batch, c.chunk, c.s.Heads, c.s.KVHeads), func(t *testing.T) {
+			b := cpu.New(backend.Float64)
+			seq := 2 * c.w * c.chunk
+			rows, q, kd := c.batch*seq/c.w, c.s.Heads*c.s.HeadDim(), c.s.KVHeads*c.s.HeadDim()
+			rng := rand.New(rand.NewPCG(uint64(c.w), 17))
+			bf16 := func(xs []float64) []float64 {
+				for i, x := range xs {
+					xs[i] = backendtest.RoundBF16(x)
+				}
+				return xs
+			}
+			in := make([]coreInputs, c.w)
+			for r := range in {
+				in[r] = coreInputs{q: bf16(randn(rng, rows*q, 1.5)), k: bf16(randn(rng, rows*kd, 1.5)),
+					v: bf16(randn(rng, rows*kd, 1)), da: bf16(randn(rng, rows*q, 1))}
+			}
+			want := runCores(t, b, c.s, attention.CPAllGather, false, c.batch, seq, in)
+			got := runCores(t, onePassCPU{b}, c.s, attention.CPRing, false, c.batch, seq, in)
+			for r := range in {
+				for _, x := range []struct {
+					name      string
+					got, want []float64
+				}{
+					{"out", got[r].a, want[r].a}, {"lse", got[r].lse, want[r].lse}, {"dq", got[r].dq, want[r].dq},
+					{"dk", got[r].dk, want[r].dk}, {"dv", got[r].dv, want[r].dv},
+				} {
+					if e := maxRelDiff(x.got, x.want); !(e < 1e-12) {
+						t.Errorf("rank %d: the one-pass ring's %s differs from the all-gather path's by %.3g of its rms", r, x.name, e)
+					}
+				}
+			}
 		})
 	}
 }

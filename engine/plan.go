@@ -58,6 +58,7 @@ func (e *Engine) plan(processRanks, deviceRanks int) (plan.Plan, error) {
 	c.Dispatcher = e.planDispatcher(processRanks, deviceRanks)
 	c.CPAttention = e.planCPAttention(processRanks, deviceRanks)
 	c.CPRingFused = e.cpRingFused(processRanks, deviceRanks)
+	c.CPRingOnePass = c.CPRingFused && e.cpRingOnePass()
 	c.TPOverlap = e.planTPOverlap(processRanks, deviceRanks)
 	return plan.New(c, dev)
 }
@@ -102,11 +103,27 @@ func (e *Engine) cpRingFused(processRanks, deviceRanks int) bool {
 	if p.CP < 2 || processRanks < world || (deviceRanks < processRanks && p.CPAttention != plan.CPRing) {
 		return false
 	}
-	s := rankAttentionShape(e.cfg)
-	return e.backend.ZigzagAttentionSupports(backend.ZigzagShape{
+	return e.backend.ZigzagAttentionSupports(e.rankZigzagShape()) == nil
+}
+
+// cpRingOnePass says whether the fused ring would run in one pass: the
+// backend's one-pass ops take the layer's shape and the run is not
+// deterministic (the backend refuses them under SetDeterministic; the
+// config says so whether or not the backend has been told yet).
+func (e *Engine) cpRingOnePass() bool {
+	if e.cfg.Train.Deterministic {
+		return false
+	}
+	return e.backend.ZigzagAttentionOnePass(e.rankZigzagShape()) == nil
+}
+
+// rankZigzagShape is one context-parallel rank's zigzag attention shape.
+func (e *Engine) rankZigzagShape() backend.ZigzagShape {
+	p, s := e.cfg.Parallel, rankAttentionShape(e.cfg)
+	return backend.ZigzagShape{
 		Ranks: p.CP, Batch: e.cfg.Train.MicroBatch, Chunk: e.cfg.Train.Seq / (2 * p.CP),
 		Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim(),
-	}) == nil
+	}
 }
 
 // planCPAttention is the parallel.cp_attention mode the run will settle

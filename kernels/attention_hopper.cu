@@ -8,6 +8,11 @@
 // (an unmasked call passes off = KS-1) and j < KS; lse [B, H, S] in
 // natural log. Head dims 64 and 128.
 //
+// The same core serves the fused ring of zigzag context parallelism
+// (attn_h_zz_forward_d*, attn_h_zz_backward_d*, after the whole-sequence
+// kernels of each direction): one rank's share, every rank's tensors read
+// in place through tensor maps.
+//
 // Work split. A block owns 128 queries of one (sequence, head) and has
 // three warpgroups (384 threads). Warpgroup 0 is the producer: one thread
 // loads the block's q tile once and then, for every key tile of 128 keys
@@ -334,6 +339,209 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
     if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
   }
+}
+
+#define AH_ZZ_MAX 8  // the ranks the zigzag kernels take
+
+// ---- The fused ring's forward (zigzag context parallelism) ----
+//
+// attn_h_zz_forward_d{64,128} serve one context-parallel rank r of W
+// (backend.ZigzagShape, W <= AH_ZZ_MAX): its 2C local rows of each of B
+// sequences, chunk r's then chunk 2W-1-r's, every rank's k and v read in
+// place through a tensor map each (the virtual ranks' tensors on this
+// GPU, or a peer GPU's over NVLink). All tensors bf16 but out (float32,
+// [B*2C, H*Dh]) and lse (float32, [B, 2, H, C], natural log). C must be a
+// multiple of 128, so a block's 128 queries and every 128-key tile lie in
+// one chunk. A block is ah_forward's: the same producer, consumers and
+// online softmax, over the key tiles of positions 0 .. its last query's,
+// each loaded from the rank that holds it (tile t is chunk 128t/C), in
+// position order, so the softmax state stays in registers from the first
+// chunk to the last. Masking is ah_forward's with the block's offset
+// between global positions and local rows as off.
+
+// ah_zz_maps is the kernels' tensor maps: this rank's q [B*2C, H*Dh] in
+// boxes of 128 rows, every rank's k and v [B*2C, KV*Dh] in boxes of 128
+// rows (entries past W unused).
+struct ah_zz_maps {
+  gg_tmap q;
+  gg_tmap k[AH_ZZ_MAX], v[AH_ZZ_MAX];
+};
+
+template <int DH>
+__device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
+                                              int KV, float scaleLog2) {
+  constexpr int STAGES = ah_cfg<DH>::STAGES;
+  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
+  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 empty = fullV + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bh = blockIdx.x, b = bh / H, h = bh % H, kvh = h / (H / KV);
+  // Heaviest tiles first: the late chunk's (n = 1), its last rows first.
+  const int per = C / AH_BM, y = (int)blockIdx.y, n = y < per ? 1 : 0;
+  const int tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
+  const int S = 2 * C;                  // local rows per sequence
+  const int i0 = n * C + tile * AH_BM;  // the block's first local row
+  const int p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
+  const int off = p0 - i0;               // position = local row + off
+  const int nT = p0 / AH_BN + 1;         // key tiles: positions 0 .. p0 + 127
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(&maps->q);
+    for (int w = 0; w < W; w++) {
+      gg_prefetch_tmap(&maps->k[w]);
+      gg_prefetch_tmap(&maps->v[w]);
+    }
+    gg_bar_expect_tx(barQ, TILE);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, &maps->q, h * DH + 64 * c, b * S + i0, barQ);
+    for (int t = 0; t < nT; t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+      // Tile t is chunk ck's rows from pos - ck*C on, on the rank that
+      // holds ck (its early chunk below W, else its late one).
+      const int pos = t * AH_BN, ck = pos / C;
+      const int owner = ck < W ? ck : 2 * W - 1 - ck;
+      const int row = b * S + (ck < W ? 0 : C) + pos - ck * C;
+      gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(ks + s * TILE + c * BOX, &maps->k[owner], kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(vs + s * TILE + c * BOX, &maps->v[owner], kvh * DH + 64 * c, row, fullV + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  // Consumer cw owns local rows [i0 + 64cw, i0 + 64cw + 64); this thread
+  // rows r0 and r0 + 8 of them. Both consumers see all nT tiles.
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+  float o[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+  gg_bar_wait(barQ, 0);
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  for (int t = 0; t < nT; t++) {
+    const int s = t % STAGES;
+    const unsigned ph = (t / STAGES) & 1;
+    float sc[64];
+    gg_bar_wait(fullK + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long dk = gg_desc(ks + s * TILE);
+    gg_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    const int j0 = t * AH_BN;
+    if (j0 + AH_BN - 1 > off + w0) {  // the diagonal tile
+      const int lim0 = off + r0, lim1 = off + r1;
+#pragma unroll
+      for (int nn = 0; nn < 16; nn++) {
+        const int j = j0 + 8 * nn + 2 * t4;
+        if (j > lim0) sc[4 * nn] = ah_neg_inf();
+        if (j + 1 > lim0) sc[4 * nn + 1] = ah_neg_inf();
+        if (j > lim1) sc[4 * nn + 2] = ah_neg_inf();
+        if (j + 1 > lim1) sc[4 * nn + 3] = ah_neg_inf();
+      }
+    }
+    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+    for (int nn = 0; nn < 16; nn++) {
+      mx0 = fmaxf(mx0, fmaxf(sc[4 * nn], sc[4 * nn + 1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[4 * nn + 2], sc[4 * nn + 3]));
+    }
+    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    float s0 = 0.0f, s1 = 0.0f;
+    unsigned p[8][4];
+#pragma unroll
+    for (int nn = 0; nn < 16; nn++) {
+      const float e0 = ah_ex2(sc[4 * nn] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * nn + 1] * scaleLog2 - n0);
+      const float e2 = ah_ex2(sc[4 * nn + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * nn + 3] * scaleLog2 - n1);
+      s0 += e0 + e1;
+      s1 += e2 + e3;
+      p[nn >> 1][2 * (nn & 1)] = gg_pack_bf16(e0, e1);
+      p[nn >> 1][2 * (nn & 1) + 1] = gg_pack_bf16(e2, e3);
+    }
+    l0 = l0 * a0 + s0;
+    l1 = l1 * a1 + s1;
+#pragma unroll
+    for (int i = 0; i < DH / 8; i++) {
+      o[4 * i] *= a0;
+      o[4 * i + 1] *= a0;
+      o[4 * i + 2] *= a1;
+      o[4 * i + 3] *= a1;
+    }
+    gg_bar_wait(fullV + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+    gg_wgmma_fence();
+    gg_fence_acc(o);
+#pragma unroll
+    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(o);
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+  }
+  l0 += mk_shfl_xor(l0, 1);
+  l0 += mk_shfl_xor(l0, 2);
+  l1 += mk_shfl_xor(l1, 1);
+  l1 += mk_shfl_xor(l1, 2);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int HD = H * DH;
+  float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  float* o1 = o0 + 8LL * HD;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+  }
+  if (t4 == 0) {
+    // lse [B, 2, H, C]: the block's chunk n, row r - nC of it.
+    float* lrow = lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C;
+    lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+    lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2) {
+  ah_zz_forward<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2) {
+  ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
@@ -907,6 +1115,355 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   }
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+}
+
+// ---- The fused ring's backward ----
+//
+// attn_h_zz_backward_d128 serves one context-parallel rank r of W (as
+// attn_h_zz_forward): a block owns 128 of the rank's keys (one local key
+// block: its rows lie in one chunk, C a multiple of 128) of one (sequence,
+// kv head) and walks, per query head of the group, every 64-query tile of
+// the whole sequence from the block's first key position on, each read
+// from the rank that holds it (q and dout through that rank's tensor maps,
+// lse and delta [B, 2, H, C] through its pointers), in position order.
+// The products are ah_backward's at head dim 128 (dq once per warpgroup
+// and item over all 128 keys); dk and dv stay in registers across every
+// rank's queries and are stored once into this rank's rows, and each dq
+// block is added into its owner's dq by TMA reductions (float32, zero
+// before any rank's kernel; the adds land at L2 in the order blocks run).
+// So nothing travels but reads and dq's reductions: no partial dk or dv,
+// no sums passed around.
+struct ah_zz_bmaps {
+  gg_tmap k, v;                               // this rank's [B*2C, KV*Dh], boxes of 128 rows
+  gg_tmap q[AH_ZZ_MAX], dout[AH_ZZ_MAX];      // every rank's [B*2C, H*Dh], boxes of 64 rows
+  gg_tmap dq[AH_ZZ_MAX];                      // every rank's float32 dq, boxes of {32, 64}
+  const float* lse[AH_ZZ_MAX];                // every rank's [B, 2, H, C], natural log
+  const float* delta[AH_ZZ_MAX];              // every rank's [B, 2, H, C]
+};
+
+__device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
+                                                  int KV, float scaleLog2, float scale) {
+  constexpr int DH = 128;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging
+  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  const int S = 2 * C;                   // local rows per sequence
+  const int j0 = blockIdx.y * 128;       // the block's first local key row
+  const int nk = j0 / C;                 // its local chunk
+  const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;  // and its first key's position
+  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = G * perHead;
+  // Item it's query tile: its first position, and the rank and local row
+  // that hold it.
+  auto where = [&](int it, int& owner, int& row, int& nq, int& qp0) {
+    qp0 = (qt0 + it % perHead) * AH_BQ;
+    const int cq = qp0 / C;
+    owner = cq < W ? cq : 2 * W - 1 - cq;
+    nq = cq < W ? 0 : 1;
+    row = nq * C + qp0 - cq * C;
+  };
+  auto load = [&](int it) {
+    const int s = it % STAGES, h = kvh * G + it / perHead;
+    int owner, row, nq, qp0;
+    where(it, owner, row, nq, qp0);
+    const unsigned qa = qs + s * 2 * QT;
+    gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(qa + c * QBOX, &maps->q[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+      gg_tma_2d(qa + QT + c * QBOX, &maps->dout[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+    }
+  };
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 1);   // thread 0's expect_tx
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    for (int w = 0; w < W; w++) {
+      gg_prefetch_tmap(&maps->q[w]);
+      gg_prefetch_tmap(&maps->dout[w]);
+    }
+    gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(ks + c * KBOX, &maps->k, kvh * DH + 64 * c, b * S + j0, barKV);
+      gg_tma_2d(vs + c * KBOX, &maps->v, kvh * DH + 64 * c, b * S + j0, barKV);
+    }
+    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
+  }
+  __syncthreads();
+
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64) (positions from kw
+  // on); this thread rows wr and wr + 8 of them (and, in dq's product,
+  // queries qp0 + wr, qp0 + wr + 8).
+  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr, kq = kp + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nqb = 0;  // dq blocks this warpgroup has staged (their buffer is nqb & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead;
+    int owner, row, nq, qp0;
+    where(it, owner, row, nq, qp0);
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    // The lse (to base 2) and delta of this thread's 16 queries, from
+    // their owner's [B, 2, H, C], loaded while the products run. Column
+    // 8n + 2t4 + e is query qp0 + 8n + 2t4 + e.
+    float l2[8][2], dl[8][2];
+    {
+      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
+      const float* lrow = maps->lse[owner] + at;
+      const float* drow = maps->delta[owner] + at;
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          l2[n][e] = ah_ldg(lrow + 8 * n + 2 * t4 + e) * AH_LOG2E;
+          dl[n][e] = ah_ldg(drow + 8 * n + 2 * t4 + e);
+        }
+      }
+    }
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    // P^T and dS^T in place of S^T and dP^T; the key at position kp sees
+    // the query at position i iff kp <= i.
+    const bool whole = kw + 63 <= qp0;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = qp0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || kp <= i;
+        const bool v1 = whole || kq <= i;
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
+      }
+    }
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+    // dS^T to this warpgroup's buffer of the item's parity.
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+    ah_store_dst(dsb, da, wr, t4);
+    // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
+    // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
+    gg_named_sync(3, 256);
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    if (tid == 0 && it + STAGES < items) {
+      gg_bar_wait(empty + 8 * s, ph);
+      load(it + STAGES);
+    }
+    const unsigned stg = dqs + (cw * 2 + (nqb & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(1 + cw, 128);
+    if (wtid == 0) {
+      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 64 * cw, b * S + row, stg);
+      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 64 * cw + 32, b * S + row, stg + DQB / 2);
+      gg_bulk_commit();
+    }
+    nqb++;
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
+  ah_zz_backward128(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
+}
+
+// attn_h_zz_backward_d64 is attn_h_zz_backward_d128's walk on
+// ah_backward_producer's kernel (the head-dim-64 backward: a producer
+// warp loads the tiles and stages each item's lse and delta, read here
+// from the item's owner; each warpgroup adds dq over its own 64 keys).
+__device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
+                                                 int KV, float scaleLog2, float scale) {
+  constexpr int DH = 64;
+  constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, KT = ah_bcfg_producer<DH>::KT,
+                     QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging
+  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse (base 2), 64 delta
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  const int S = 2 * C;
+  const int j0 = blockIdx.y * 128, nk = j0 / C;
+  const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;
+  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = G * perHead;
+  auto where = [&](int it, int& owner, int& row, int& nq, int& qp0) {
+    qp0 = (qt0 + it % perHead) * AH_BQ;
+    const int cq = qp0 / C;
+    owner = cq < W ? cq : 2 * W - 1 - cq;
+    nq = cq < W ? 0 : 1;
+    row = nq * C + qp0 - cq * C;
+  };
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 8) {
+    if (lane == 0) {
+      for (int w = 0; w < W; w++) {
+        gg_prefetch_tmap(&maps->q[w]);
+        gg_prefetch_tmap(&maps->dout[w]);
+      }
+      gg_bar_expect_tx(barKV, 2 * KT);
+      gg_tma_2d(ks, &maps->k, kvh * DH, b * S + j0, barKV);
+      gg_tma_2d(vs, &maps->v, kvh * DH, b * S + j0, barKV);
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = kvh * G + it / perHead;
+      int owner, row, nq, qp0;
+      where(it, owner, row, nq, qp0);
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+        const unsigned qa = qs + s * 2 * QT;
+        gg_tma_2d(qa, &maps->q[owner], h * DH, b * S + row, full + 8 * s);
+        gg_tma_2d(qa + QT, &maps->dout[owner], h * DH, b * S + row, full + 8 * s);
+      }
+      // The owner's [B, 2, H, C] statistics of the item's 64 queries.
+      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = lane + 32 * e;
+        ah_stsf(stat + s * 512 + 4 * i, maps->lse[owner][at + i] * AH_LOG2E);
+        ah_stsf(stat + s * 512 + 256 + 4 * i, maps->delta[owner][at + i]);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr, kq = kp + 8;  // key positions
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nqb = 0;  // dq blocks this warpgroup has staged (their buffer is nqb & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead;
+    int owner, row, nq, qp0;
+    where(it, owner, row, nq, qp0);
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    const bool whole = kw + 63 <= qp0;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float l2[2], dl[2];
+      ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = qp0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || kp <= i;
+        const bool v1 = whole || kq <= i;
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+    ah_store_dst(dsb, da, wr, t4);
+    gg_named_sync(1 + cw, 128);
+    // dq over this warpgroup's 64 keys, added into the owner's dq.
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + cw * 64 * 128, KBOX);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    const unsigned stg = dqs + (cw * 2 + (nqb & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(1 + cw, 128);
+    if (wtid == 0) {
+      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH, b * S + row, stg);
+      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 32, b * S + row, stg + DQB / 2);
+      gg_bulk_commit();
+    }
+    nqb++;
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(288, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
+  ah_zz_backward64(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {

@@ -77,6 +77,8 @@ func Sources() []Source {
 	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
 	const hopperAttnGrid = "(B*H, ceil(S/128)) blocks: one per head and 128 queries; sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
 	const hopperAttnKeyGrid = "(B*KV, ceil(KVSeq/128)) blocks: one per kv head and 128 keys; sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
+	const hopperZZGrid = "(B*H, 2C/128) blocks: one per head and 128 of a rank's local queries (C a multiple of 128); sm_90a only"
+	const hopperZZKeyGrid = "(B*KV, 2C/128) blocks: one per kv head and 128 of a rank's local keys (C a multiple of 128); sm_90a only"
 	const attnKeyGrid = "(B*KV, ceil(KVSeq/64)) blocks: one per kv head and 64 keys"
 	const zigzagGrid = "(B*H, 2C/64) blocks: one per head and 64 of a rank's local queries (C a multiple of 64)"
 	const zigzagKeyGrid = "(B*H, 2C/64) blocks: one per query head and 64 of a rank's local keys"
@@ -202,6 +204,10 @@ func Sources() []Source {
 			{Name: "attn_h_forward_d128_bf16", Block: 384, Grid: hopperAttnGrid},
 			{Name: "attn_h_backward_d64", Block: 288, Grid: hopperAttnKeyGrid},
 			{Name: "attn_h_backward_d128", Block: 256, Grid: hopperAttnKeyGrid},
+			{Name: "attn_h_zz_forward_d64", Block: 384, Grid: hopperZZGrid},
+			{Name: "attn_h_zz_forward_d128", Block: 384, Grid: hopperZZGrid},
+			{Name: "attn_h_zz_backward_d64", Block: 288, Grid: hopperZZKeyGrid},
+			{Name: "attn_h_zz_backward_d128", Block: 256, Grid: hopperZZKeyGrid},
 			{Name: "attn_h_delta", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
 			{Name: "attn_h_delta_bf16", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},
 			{Name: "attn_h_delta_bf16_bf16", Block: 256, Grid: "grid-stride, one warp per (query row, head)"},

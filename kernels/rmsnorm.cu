@@ -169,9 +169,12 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward_f32(float* d
 // barriers a row), each of a block's 8 warps taking ceil(rows_per_block/8)
 // of its rows in turn; the warps' column sums are added in warp order in
 // shared memory and written as the block's row of partial, the layout
-// rmsnorm_dw_reduce_f32 reads (the same bits on every run). A lane reads
-// its elements of a row again for dx (from cache) and writes them after,
-// so dx may be x.
+// rmsnorm_dw_reduce_f32 reads (the same bits on every run). A lane holds
+// its elements of the row's dout and x in registers from the dot
+// product's pass to dx's, as the forward's warp-per-row kernel holds x, so
+// the row is read once (kernels/rmsnorm.md); with beta != 0 it loads dx's
+// old values in that pass too, so all of the row's loads are in flight
+// together. It writes dx after loading those elements, so dx may be x.
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_warps_f32(float* dx, float* partial, const float* dout, const float* x, const float* w, const float* rstd, int T, int D, int rows_per_block, float beta) {
   __shared__ __attribute__((aligned(16))) float sums[8 * 1024];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ch = D >> 7;
@@ -187,13 +190,24 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_warps_f32(flo
   for (long long t = t0; t < t1; t++) {
     const rms_f4* g4 = (const rms_f4*)(dout + t * D);
     const rms_f4* x4 = (const rms_f4*)(x + t * D);
+    rms_f4* d4 = (rms_f4*)(dx + t * D);
     const float r = rstd[t];
+    rms_f4 gs[RMS_WARP_MAXCH], xs[RMS_WARP_MAXCH], os[RMS_WARP_MAXCH];
     float dot = 0.0f;
 #pragma unroll
     for (int c = 0; c < RMS_WARP_MAXCH; c++) {
       if (c < ch) {
         const int i = lane + 32 * c;
-        const rms_f4 g = g4[i], xv = x4[i], wv = w4[i];
+        gs[c] = g4[i];
+        xs[c] = x4[i];
+        if (beta != 0.0f) os[c] = d4[i];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < RMS_WARP_MAXCH; c++) {
+      if (c < ch) {
+        const int i = lane + 32 * c;
+        const rms_f4 g = gs[c], xv = xs[c], wv = w4[i];
         dot += wv.x * g.x * xv.x + wv.y * g.y * xv.y + wv.z * g.z * xv.z + wv.w * g.w * xv.w;
         acc[c].x += g.x * xv.x * r;
         acc[c].y += g.y * xv.y * r;
@@ -203,16 +217,15 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_warps_f32(flo
     }
     dot = mk_warp_sum(dot);
     const float cr = r * r * dot / (float)D;
-    rms_f4* d4 = (rms_f4*)(dx + t * D);
 #pragma unroll
     for (int c = 0; c < RMS_WARP_MAXCH; c++) {
       if (c < ch) {
         const int i = lane + 32 * c;
-        const rms_f4 g = g4[i], xv = x4[i], wv = w4[i];
+        const rms_f4 g = gs[c], xv = xs[c], wv = w4[i];
         rms_f4 v = rms_f4_of(r * (wv.x * g.x - xv.x * cr), r * (wv.y * g.y - xv.y * cr), r * (wv.z * g.z - xv.z * cr),
-                               r * (wv.w * g.w - xv.w * cr));
+                             r * (wv.w * g.w - xv.w * cr));
         if (beta != 0.0f) {
-          const rms_f4 o = d4[i];
+          const rms_f4 o = os[c];
           v = rms_f4_of(beta * o.x + v.x, beta * o.y + v.y, beta * o.z + v.z, beta * o.w + v.w);
         }
         d4[i] = v;

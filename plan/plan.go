@@ -30,6 +30,11 @@ type Config struct {
 	// access and the backend's zigzag ops take the shape), which holds no
 	// chunk in flight; else the portable ring's buffers are counted.
 	CPRingFused bool
+	// CPRingOnePass says the fused ring runs in one pass
+	// (backend.ZigzagAttentionOnePass takes the shape, not under
+	// train.deterministic): bf16 copies of q, k, v and da instead of the
+	// two-pass dk/dv partials.
+	CPRingOnePass bool
 	// TPOverlap is parallel.tp_overlap as the tp groups will run it:
 	// "fused" (tensorpar's fused ops: the groups offer peer access),
 	// "unfused", or "auto" (or ""), for which the plan takes the larger,

@@ -37,7 +37,10 @@ func (l *ledger) fixed(kind Kind, what string, n, elems, size int64) {
 	l.alloc(kind, what, n, elems, elems, size)
 }
 
-const int32Bytes = 4
+const (
+	int32Bytes = 4
+	bf16Bytes  = 2
+)
 
 // rankTerms is one rank's device memory under dispatcher ("fused" or
 // "unfused") and cpMode ("allgather" or "ring").
@@ -161,9 +164,10 @@ const lmHeadChunkRows = 2048
 // shares only the chunks in flight: two k, v pairs and three dk, dv sums
 // of its own size [T, KV*Dh], one block's output [C, H*Dh] and lse [H, C]
 // and one block's dk, dv [2C, KV*Dh], C = S/(2cp); on the fused ring
-// (attention/ring_fused.go) a layer keeps its D_i [B, 2, H, C] for the
-// peers' dk/dv pass, and on CUDA with GQA the dk/dv pass writes one
-// partial dk, dv [T, KV*Dh] per query head of a group (freed after).
+// (attention/ring_fused.go) the rank shares one D_i [B, 2, H, C] for the
+// peers' kernels, and in one pass bf16 copies of q, da [T, H*Dh], k and v
+// [T, KV*Dh], where in two passes on CUDA with GQA the dk/dv pass writes
+// one partial dk, dv [T, KV*Dh] per query head of a group (freed after).
 //
 // Under train.recompute: selective the output a and the log-sum-exp are
 // the Scratch's, one set for the rank's layers (attention.RecomputeCore);
@@ -190,9 +194,11 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 		l.fixed(Workspace, "attention backward", 2, mul(T, KD), s.ot) // operands dkTK, dvTK
 	}
 	if s.CP > 1 && ring && fused {
-		l.fixed(Activations, "attention ring", s.L, mul(s.B, s.Hl, s.Sl), s.ft) // deltaBHS
-		// A rank's query heads per kv head.
-		if group := Q / KD; s.cuda && group > 1 {
+		l.fixed(Workspace, "attention ring", 1, mul(s.B, s.Hl, s.Sl), s.ft) // deltaBHS
+		if s.c.CPRingOnePass {
+			l.fixed(Workspace, "attention ring", 2, mul(T, Q), bf16Bytes)  // q, da rounded
+			l.fixed(Workspace, "attention ring", 2, mul(T, KD), bf16Bytes) // k, v rounded
+		} else if group := Q / KD; s.cuda && group > 1 { // a rank's query heads per kv head
 			l.fixed(Workspace, "attention ring", 1, mul(2, group, s.T, KD), s.ft) // dk, dv partials
 		}
 	}

@@ -310,10 +310,8 @@ done <"$BIN/packages.txt"
 # it: entries "TESTS:VARIANTS" separated by spaces, TESTS a -test.run
 # regexp of backend/cuda's tests, VARIANTS the MKTRAIN_GG_VARIANTS they
 # get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS).
-PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants:fwd-pingpong,bwd-split-wait \
-TestAttentionLabOwnLaunch:bwd-alt-dq \
-TestZigzagHopperLab:zz-forward,zz-backward \
-TestRMSNormBackwardRowsFigures:bwd-row-registers"
+# (None waits now: every lab measured has been adopted or dropped.)
+PENDING_LABS=""
 labs=${LABS:-}
 [[ "$labs" == pending ]] && labs=$PENDING_LABS
 variants_before=$MKTRAIN_GG_VARIANTS

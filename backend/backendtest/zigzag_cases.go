@@ -1,12 +1,14 @@
 package backendtest
 
-// Conformance cases of the zigzag context-parallel attention ops
-// (ZigzagAttentionForward, ZigzagAttentionBackwardDQ and
-// ZigzagAttentionBackwardDKDV: the fused ring). Compare runs every rank's
-// three ops, in the order a context-parallel layer does (every forward,
-// then every dq, then every dk/dv), on the backend and the oracle. Check
-// holds the ops, in float64, to their unfused definition: plain causal
-// attention over the whole sequence (AttentionForward and
+// Conformance cases of the zigzag context-parallel attention ops (the
+// fused ring): the two-pass ZigzagAttentionForward,
+// ZigzagAttentionBackwardDQ and ZigzagAttentionBackwardDKDV, and the
+// one-pass ZigzagAttentionForward on bf16 q, k, v, ZigzagAttentionDelta
+// and ZigzagAttentionBackward. Compare runs every rank's ops, in the
+// order a context-parallel layer does (every forward, then every dq or
+// delta, then every dk/dv or backward), on the backend and the oracle.
+// Check holds both sets, in float64, to their unfused definition: plain
+// causal attention over the whole sequence (AttentionForward and
 // AttentionBackward on the natural order), whose rows the ranks' outputs
 // must be.
 
@@ -43,7 +45,74 @@ func zigzagCases() []Case {
 	for _, s := range zigzagCompareShapes {
 		cs = append(cs, Case{Name: zigzagName(s), Compare: zigzagCompare(s)})
 	}
+	for _, s := range zigzagOnePassShapes {
+		cs = append(cs, Case{Name: zigzagName(s) + "/one-pass", Compare: zigzagOnePassCompare(s)})
+	}
 	return cs
+}
+
+// zigzagOnePassShapes are the one-pass ops' (chunks of whole 128-row
+// tiles): both head dims, GQA groups of 1 to 4, one and several tiles a
+// chunk, several sequences, W 2 to 8 and an odd W.
+var zigzagOnePassShapes = []backend.ZigzagShape{
+	{Ranks: 2, Batch: 2, Chunk: 128, Heads: 8, KVHeads: 2, HeadDim: 64},
+	{Ranks: 2, Batch: 1, Chunk: 128, Heads: 4, KVHeads: 1, HeadDim: 128},
+	{Ranks: 3, Batch: 1, Chunk: 256, Heads: 2, KVHeads: 2, HeadDim: 128},
+	{Ranks: 8, Batch: 1, Chunk: 128, Heads: 2, KVHeads: 1, HeadDim: 64},
+}
+
+// zigzagOnePassCompare runs the one-pass ops of every rank on both
+// backends in the order a context-parallel layer does: every forward
+// (bf16 q, k, v), then every delta, then every backward into dq zeroed
+// beforehand (each rank adds its keys' share to every rank's dq). A
+// backend whose ZigzagAttentionOnePass refuses the shape skips it with a
+// line, but for the CPU, which refuses every shape so that its layers
+// keep the two-pass ops' bits, and runs the one-pass ops all the same.
+func zigzagOnePassCompare(s backend.ZigzagShape) func(e *Env) {
+	return func(e *Env) {
+		if err := e.B.ZigzagAttentionOnePass(s); err != nil && e.B.Name() != "cpu" {
+			e.T.Skipf("%s does not take %+v in one pass: %v", e.B.Name(), s, err)
+		}
+		W, rows := s.Ranks, s.Batch*2*s.Chunk
+		Q, K := s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+		var q, k, v, dout, doutBF16, out, lse, dq, delta, dk, dv []*Pair
+		for r := range W {
+			n := func(x string) string { return fmt.Sprintf("%s%d", x, r) }
+			q = append(q, e.BF16Uniform(n("q"), -2, 2, rows, Q))
+			k = append(k, e.BF16Uniform(n("k"), -2, 2, rows, K))
+			v = append(v, e.BF16Uniform(n("v"), -1, 1, rows, K))
+			dout = append(dout, e.Uniform(n("dout"), -1, 1, rows, Q))
+			// The layer rounds dout for the backward's products, after
+			// delta took it in float.
+			doutBF16 = append(doutBF16, e.BF16Floats(n("dout-bf16"), dout[r].host, rows, Q))
+			out = append(out, e.Out(n("out"), rows, Q))
+			lse = append(lse, e.Out(n("lse"), s.Batch, 2, s.Heads, s.Chunk))
+			dq = append(dq, e.InOut(e.Floats(n("dq"), make([]float64, rows*Q), rows, Q)))
+			delta = append(delta, e.Out(n("delta"), s.Batch, 2, s.Heads, s.Chunk))
+			dk = append(dk, e.Out(n("dk"), rows, K))
+			dv = append(dv, e.Out(n("dv"), rows, K))
+		}
+		e.NormWise = true
+		e.Run(func(b backend.Backend, x Pick) {
+			all := func(ps []*Pair) []backend.Tensor {
+				ts := make([]backend.Tensor, len(ps))
+				for i, p := range ps {
+					ts[i] = x(p)
+				}
+				return ts
+			}
+			rank := func(r int) backend.ZigzagShape { sr := s; sr.Rank = r; return sr }
+			for r := range W {
+				b.ZigzagAttentionForward(x(out[r]), x(lse[r]), x(q[r]), all(k), all(v), rank(r))
+			}
+			for r := range W {
+				b.ZigzagAttentionDelta(x(delta[r]), x(dout[r]), x(out[r]), rank(r))
+			}
+			for r := range W {
+				b.ZigzagAttentionBackward(all(dq), x(dk[r]), x(dv[r]), x(k[r]), x(v[r]), all(q), all(doutBF16), all(lse), all(delta), rank(r))
+			}
+		})
+	}
 }
 
 func zigzagName(s backend.ZigzagShape) string {
@@ -198,6 +267,30 @@ func zigzagCheck(s backend.ZigzagShape) func(t *testing.T, b64 backend.Backend) 
 			b64.ZigzagAttentionBackwardDKDV(ldk, ldv, lk[r], lv[r], lq, ldout, llse, ldelta, sr)
 			CompareFloats(t, fmt.Sprintf("rank %d dk", r), Download(b64, ldk), local(want["dk"], K, r), 1e-12)
 			CompareFloats(t, fmt.Sprintf("rank %d dv", r), Download(b64, ldv), local(want["dv"], K, r), 1e-12)
+		}
+
+		// The one-pass ops: every rank's delta, then every rank's backward,
+		// which writes its dk, dv and adds its keys' share to every rank's
+		// zeroed dq.
+		ldqs := make([]backend.Tensor, W)
+		for r := range W {
+			sr := s
+			sr.Rank = r
+			ldelta[r] = Upload(b64, attnNaNs(B*2*C*s.Heads), B, 2, s.Heads, C)
+			b64.ZigzagAttentionDelta(ldelta[r], ldout[r], lout[r], sr)
+			CompareFloats(t, fmt.Sprintf("one pass: rank %d delta", r), Download(b64, ldelta[r]), local(want["delta"], 0, r), 1e-12)
+			ldqs[r] = Upload(b64, make([]float64, B*2*C*Q), B*2*C, Q)
+		}
+		for r := range W {
+			sr := s
+			sr.Rank = r
+			ldk, ldv := Upload(b64, attnNaNs(B*2*C*K), B*2*C, K), Upload(b64, attnNaNs(B*2*C*K), B*2*C, K)
+			b64.ZigzagAttentionBackward(ldqs, ldk, ldv, lk[r], lv[r], lq, ldout, llse, ldelta, sr)
+			CompareFloats(t, fmt.Sprintf("one pass: rank %d dk", r), Download(b64, ldk), local(want["dk"], K, r), 1e-12)
+			CompareFloats(t, fmt.Sprintf("one pass: rank %d dv", r), Download(b64, ldv), local(want["dv"], K, r), 1e-12)
+		}
+		for r := range W {
+			CompareFloats(t, fmt.Sprintf("one pass: rank %d dq", r), Download(b64, ldqs[r]), local(want["dq"], Q, r), 1e-12)
 		}
 	}
 }

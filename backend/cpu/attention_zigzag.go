@@ -65,7 +65,7 @@ func checkZigzag(op string, s backend.ZigzagShape, single []attnArg, lists map[s
 		}
 		n := rows * s.KVHeads * s.HeadDim
 		switch name {
-		case "q", "dout":
+		case "q", "dout", "dq":
 			n = rows * s.Heads * s.HeadDim
 		case "lse", "delta":
 			n = s.Batch * 2 * s.Heads * s.Chunk
@@ -256,4 +256,103 @@ func zigzagDKDV[T Float](b *Backend, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, d
 			}
 		}
 	})
+}
+
+// ZigzagAttentionOnePass refuses every shape: the context-parallel layers
+// on the CPU keep the two-pass ops, whose results are bitwise the
+// all-gather path's. The one-pass ops below run all the same, as the twin
+// of the CUDA kernels that backendtest compares them with.
+func (b *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
+	if err := s.Check(); err != nil {
+		return err
+	}
+	return fmt.Errorf("the CPU backend runs the fused ring in two passes, which give the all-gather path's bits")
+}
+
+func (b *Backend) ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+	checkZigzag("ZigzagAttentionDelta", s,
+		[]attnArg{{"delta", deltaBHS, 0, false}, {"dout", doutTQ, s.Heads, false}, {"out", outTQ, s.Heads, false}}, nil)
+	if b.dt == backend.Float32 {
+		zigzagDelta[float32](deltaBHS, doutTQ, outTQ, zigzag{s})
+	} else {
+		zigzagDelta[float64](deltaBHS, doutTQ, outTQ, zigzag{s})
+	}
+}
+
+// ZigzagAttentionBackward is the one-pass backward: dk and dv as
+// ZigzagAttentionBackwardDKDV computes them, and this rank's keys' share
+// of every rank's dq, summed per query row in key position order into a
+// buffer and then added to the owner's dq under scatterMu (the virtual
+// ranks of one backend run their calls side by side).
+func (b *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
+	checkZigzag("ZigzagAttentionBackward", s,
+		[]attnArg{{"dk", dkTK, s.KVHeads, true}, {"dv", dvTK, s.KVHeads, true}, {"k", kTK, s.KVHeads, true}, {"v", vTK, s.KVHeads, true}},
+		map[string][]backend.Tensor{"dq": dqTQ, "q": qTQ, "dout": doutTQ, "lse": lseBHS, "delta": deltaBHS})
+	if b.dt == backend.Float32 {
+		zigzagDKDV[float32](b, dkTK, dvTK, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, zigzag{s})
+		zigzagDQShares[float32](b, dqTQ, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, zigzag{s})
+	} else {
+		zigzagDKDV[float64](b, dkTK, dvTK, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, zigzag{s})
+		zigzagDQShares[float64](b, dqTQ, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, zigzag{s})
+	}
+}
+
+// zigzagDelta is D_i = rowsum(dout_i * out_i) per local row and head, as
+// zigzagDQ computes it.
+func zigzagDelta[T Float](deltaBHS, doutTQ, outTQ backend.Tensor, z zigzag) {
+	delta, dout, out := floats[T](deltaBHS), floats[T](doutTQ), floats[T](outTQ)
+	C, H, Dh := z.Chunk, z.Heads, z.HeadDim
+	for bi := range z.Batch {
+		for n := range 2 {
+			for h := range H {
+				for l := range C {
+					row := (bi*2*C+n*C+l)*H*Dh + h*Dh
+					delta[z.lseIndex(bi, n, h, l)] = attnDot(dout[row:row+Dh], out[row:row+Dh])
+				}
+			}
+		}
+	}
+}
+
+// zigzagDQShares adds into dq[p] of every rank p the share of this rank's
+// keys: per query row (sequence, local chunk, head of rank p), the keys of
+// this rank's two chunks that the row sees, in position order.
+func zigzagDQShares[T Float](b *Backend, dqTQ []backend.Tensor, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, z zigzag) {
+	k, v := floats[T](kTK), floats[T](vTK)
+	C, H, Dh := z.Chunk, z.Heads, z.HeadDim
+	group := H / z.KVHeads
+	qStride, kStride := H*Dh, z.KVHeads*Dh
+	scale := 1 / math.Sqrt(float64(Dh))
+	tscale := T(scale)
+	share := make([]T, z.Batch*2*C*qStride)
+	for p := range z.Ranks {
+		q, dout, lse, delta := floats[T](qTQ[p]), floats[T](doutTQ[p]), floats[T](lseBHS[p]), floats[T](deltaBHS[p])
+		clear(share)
+		b.parallelFor(z.Batch*2*H, 1, func(lo, hi int) {
+			for item := lo; item < hi; item++ {
+				bi, nq, h := item/(2*H), item/H%2, item%H
+				qOff, kOff := h*Dh, (h/group)*Dh
+				qpos0 := z.LocalChunk(p, nq) * C
+				for l := range C {
+					row := (bi*2*C+nq*C+l)*qStride + qOff
+					qi, doi, dqi := q[row:row+Dh], dout[row:row+Dh], share[row:row+Dh]
+					li := z.lseIndex(bi, nq, h, l)
+					di, lseI := delta[li], float64(lse[li])
+					for nk := range 2 {
+						kpos0 := z.LocalChunk(z.Rank, nk) * C
+						for j := range min(C, qpos0+l-kpos0+1) {
+							col := (bi*2*C+nk*C+j)*kStride + kOff
+							kj, vj := k[col:col+Dh], v[col:col+Dh]
+							pr := T(math.Exp(float64(attnDot(qi, kj))*scale - lseI))
+							ds := pr * (attnDot(doi, vj) - di) * tscale
+							attnAxpy(dqi, ds, kj)
+						}
+					}
+				}
+			}
+		})
+		b.scatterMu.Lock()
+		attnAxpy(floats[T](dqTQ[p]), 1, share)
+		b.scatterMu.Unlock()
+	}
 }

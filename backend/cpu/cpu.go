@@ -60,7 +60,8 @@ type Backend struct {
 	workers int
 	mu      sync.Mutex
 	err     error // the first reported since the last Sync (report)
-	// scatterMu serialises MatMulScatter's atomic landings.
+	// scatterMu serialises the adds ops make into the peers' tensors:
+	// MatMulScatter's atomic landings, ZigzagAttentionBackward's dq shares.
 	scatterMu sync.Mutex
 }
 

@@ -59,10 +59,6 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{64, 128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
-	// attn_h_backward_d128 without the per-item 256-thread barrier: its
-	// mbarriers and stage counters take 64 bytes more.
-	"bwd-alt-dq": {headDims: []int{128}, kernel: "attn_h_backward_d%d",
-		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) + 64 }},
 }
 
 // labBackwardLaunch is how a lab build's backward kernels launch.
@@ -77,7 +73,7 @@ type labBackwardLaunch struct {
 func TestAttentionLabVariants(t *testing.T) {
 	d := testDevice(t)
 	lab, vs := labVariants(t, "attention_hopper_lab.cu", false)
-	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { _, own := ownLaunch[v.Name]; return own || zigzagLabs[v.Name] })
+	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { _, own := ownLaunch[v.Name]; return own })
 	if len(vs) == 0 {
 		t.Skipf("%s names no variant of %s", labVariantsEnv, lab.File)
 	}

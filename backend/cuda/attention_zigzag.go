@@ -153,9 +153,15 @@ func (b *Backend) zigzagLaunch(name string, grid Grid, lists [][]driver.DevicePt
 	b.fail(b.dev.Launch(kern, grid, place(tables)...))
 }
 
-// ZigzagAttentionForward runs attn_zz_forward (see backend.Backend).
+// ZigzagAttentionForward runs attn_zz_forward on float32 q, k and v, and
+// on bf16 ones the one-pass kernel of attention_zigzag_hopper.go (see
+// backend.Backend).
 func (b *Backend) ZigzagAttentionForward(outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionForward"
+	if qTQ != nil && qTQ.DType() == backend.BFloat16 {
+		b.zigzagForwardHopper(outTQ, lseBHS, qTQ, kTK, vTK, s)
+		return
+	}
 	ps, lists := b.zigzagCall(op, s,
 		[]attnArg{{"out", outTQ, s.Heads, false, false}, {"lse", lseBHS, 0, false, false}, {"q", qTQ, s.Heads, false, false}},
 		[][]backend.Tensor{kTK, vTK}, []int{s.KVHeads, s.KVHeads})

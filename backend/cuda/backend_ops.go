@@ -263,8 +263,20 @@ func rmsWarpRows(d int) bool { return d%128 == 0 && d <= rmsWarpMaxD }
 // rmsRowsPerBlock is how many rows one block of the dw kernel sums into
 // its partial sums: enough to keep the partial sums (and the reduce
 // kernel's reads of them) small, few enough to fill the GPU for a few
-// thousand rows.
+// thousand rows. plan/terms.go mirrors it to size the partial sums.
 const rmsRowsPerBlock = 32
+
+// rmsWarpRowsPerBlock is rmsRowsPerBlock for rmsnorm_backward_warps_f32
+// (16 rows a warp). Fewer rows a block mean more partial rows, each a
+// shared-memory sum in its block and a row the reduce adds; more mean
+// fewer blocks. On an H100 (2026-12-05, kernels/rmsnorm.md),
+// TestRMSNormBackwardRowsFigures at moe-small's 16384 rows of 1024 (the
+// kernel and its reduce) took 145.5/122.4/108.9/103.1/103.7 µs at
+// 16/32/64/128/256 rows a block: 128 is the fastest, 2.60 TB/s, 16% under
+// 32 rows' time. Measured at that shape only: a few thousand rows leave
+// SMs idle at 128 (4096 rows: 32 blocks). Its partial sums are a quarter
+// of rmsRowsPerBlock's, within the plan's size for them.
+const rmsWarpRowsPerBlock = 128
 
 // rmsBwdMaxD is the widest row rmsnorm_backward_f32 takes (RMS_BWD_COLS
 // columns for each of at most 1024 threads); wider rows take the
@@ -291,8 +303,13 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 	// Each block of rows writes its column sums to partial, which the
 	// reduce kernel adds to dw in block order: the same bits on every
 	// run, unlike atomics. (The two-kernel path's grid has at most 65535
-	// block rows; the one-pass kernel keeps its row count.)
-	rows := max(rmsRowsPerBlock, (t+65534)/65535)
+	// block rows; the one-pass kernels keep their row count.)
+	warpPerRow := rmsWarpRows(d) && aligned4(dx, dout, x, w)
+	rows := rmsRowsPerBlock
+	if warpPerRow {
+		rows = rmsWarpRowsPerBlock
+	}
+	rows = max(rows, (t+65534)/65535)
 	blockRows := (t + rows - 1) / rows
 	partial, err := b.dev.Alloc(int64(4 * blockRows * d))
 	if err != nil {
@@ -300,7 +317,7 @@ func (b *Backend) RMSNormBackward(dxTD, dwD, doutTD, xTD, wD, rstdT backend.Tens
 		return
 	}
 	defer func() { b.fail(b.dev.Free(partial)) }() // stream-ordered: after the kernels below
-	if rmsWarpRows(d) && aligned4(dx, dout, x, w) {
+	if warpPerRow {
 		// The same pass with a warp per row, the block's warps' column
 		// sums added in warp order into its row of partial.
 		b.launch(b.k.rmsBwdWarps, Grid1D(blockRows, 256), dx, partial, dout, x, w, rstd, int32(t), int32(d), int32(rows), float32(beta))

@@ -16,11 +16,10 @@ import (
 // block: each block ends with its warps' column sums added through shared
 // memory and written as a row of partial, a fixed cost that more rows
 // spread thinner, while fewer blocks fill the GPU less evenly. Production
-// launches rmsRowsPerBlock. Every setting must give the same dx bits (the
-// rows' grouping does not enter dx) and a dw within float32 rounding of
-// production's. Each variant of kernels/dev/rmsnorm_lab.cu that
-// MKTRAIN_GG_VARIANTS names runs the same way and must give production's
-// bits. Figures "rmsnorm backward <build> rows <n>" in µs and TB/s (bytes:
+// launches rmsWarpRowsPerBlock, timed first; the log names the fastest
+// setting. Every setting must give the same dx bits (the rows' grouping
+// does not enter dx) and a dw within float32 rounding of production's.
+// Figures "rmsnorm backward production rows <n>" in µs and TB/s (bytes:
 // dout and x read, dx read and written).
 func TestRMSNormBackwardRowsFigures(t *testing.T) {
 	b := testBackend(t)
@@ -45,85 +44,63 @@ func TestRMSNormBackwardRowsFigures(t *testing.T) {
 	tensors, _ := devicePtrs(tensorOf("figures", "x", x), tensorOf("figures", "dout", dout), tensorOf("figures", "w", w), tensorOf("figures", "rstd", rstd))
 	px, pdout, pw, prstd := tensors[0], tensors[1], tensors[2], tensors[3]
 
-	// Production's kernel, and each named variant of rmsnorm_lab.cu's.
-	type build struct {
-		name string
-		kern *Kernel
+	// Production's setting first: the others' dx and dw are checked
+	// against its.
+	settings := []int{rmsWarpRowsPerBlock}
+	for _, rows := range []int{16, 32, 64, 128, 256} {
+		if rows != rmsWarpRowsPerBlock {
+			settings = append(settings, rows)
+		}
 	}
-	builds := []build{{"production", b.k.rmsBwdWarps}}
-	lab, vs := labVariants(t, "rmsnorm_lab.cu", true)
-	src, _ := kernelSource(t, "rmsnorm.cu")
-	for _, v := range vs {
-		m, err := d.load(src, lab.File+"+"+v.Name, lab.Text, v.Defines...)
+	var wantDX, wantDW []float32
+	fastest, fastestMS := 0, math.Inf(1)
+	for _, rows := range settings {
+		blockRows := (T + rows - 1) / rows
+		partial, err := d.Alloc(int64(4 * blockRows * D))
 		if err != nil {
 			t.Fatal(err)
 		}
-		k, err := m.Kernel("rmsnorm_backward_warps_f32")
-		if err != nil {
+		dx, dw := b.New(backend.Float32, T*D), b.New(backend.Float32, D)
+		b.Copy(dx, dx0)
+		ptrs, _ := devicePtrs(tensorOf("figures", "dx", dx), tensorOf("figures", "dw", dw))
+		pdx, pdw := ptrs[0], ptrs[1]
+		run := func() error {
+			if err := d.Launch(b.k.rmsBwdWarps, Grid1D(blockRows, 256), pdx, partial, pdout, px, pw, prstd, int32(T), int32(D), int32(rows), float32(1)); err != nil {
+				return err
+			}
+			return d.Launch(b.k.rmsDwReduce, b.strideGrid(D), pdw, partial, int32(blockRows), int32(D))
+		}
+		// Once from the same start for the results, then timed (dx
+		// keeps accumulating; the time does not depend on its values).
+		if err := run(); err != nil {
 			t.Fatal(err)
 		}
-		t.Logf("rmsnorm_backward_warps_f32 (%s): %d registers, %d bytes of local memory", v.Name, k.Registers, k.LocalBytes)
-		builds = append(builds, build{v.Name, k})
-	}
-
-	var wantDX []float32
-	wantDW := map[int][]float32{} // production's, by rows a block
-	for _, bd := range builds {
-		for _, rows := range []int{rmsRowsPerBlock, 16, 64, 128, 256} {
-			blockRows := (T + rows - 1) / rows
-			partial, err := d.Alloc(int64(4 * blockRows * D))
-			if err != nil {
-				t.Fatal(err)
-			}
-			dx, dw := b.New(backend.Float32, T*D), b.New(backend.Float32, D)
-			b.Copy(dx, dx0)
-			ptrs, _ := devicePtrs(tensorOf("figures", "dx", dx), tensorOf("figures", "dw", dw))
-			pdx, pdw := ptrs[0], ptrs[1]
-			run := func() error {
-				if err := d.Launch(bd.kern, Grid1D(blockRows, 256), pdx, partial, pdout, px, pw, prstd, int32(T), int32(D), int32(rows), float32(1)); err != nil {
-					return err
-				}
-				return d.Launch(b.k.rmsDwReduce, b.strideGrid(D), pdw, partial, int32(blockRows), int32(D))
-			}
-			// Once from the same start for the results, then timed (dx
-			// keeps accumulating; the time does not depend on its values).
-			if err := run(); err != nil {
-				t.Fatal(err)
-			}
-			gotDX, gotDW := backend.DownloadFloat32(b, dx), backend.DownloadFloat32(b, dw)
-			if wantDX == nil {
-				wantDX = gotDX
-			}
-			for i := range wantDX {
-				if math.Float32bits(gotDX[i]) != math.Float32bits(wantDX[i]) {
-					t.Fatalf("%s, rows %d: dx[%d] is %v, production's %v with %d rows a block", bd.name, rows, i, gotDX[i], wantDX[i], rmsRowsPerBlock)
-				}
-			}
-			if bd.name == "production" {
-				wantDW[rows] = gotDW
-			}
-			for i, want := range wantDW[rows] {
-				// An exact variant gives production's bits at the same
-				// rows a block.
-				if math.Float32bits(gotDW[i]) != math.Float32bits(want) {
-					t.Errorf("%s, rows %d: dw[%d] is %v, production's %v", bd.name, rows, i, gotDW[i], want)
-					break
-				}
-			}
-			for i, want := range wantDW[rmsRowsPerBlock] {
-				if diff := math.Abs(float64(gotDW[i] - want)); diff > 1e-4*math.Abs(float64(want))+1e-6 {
-					t.Errorf("%s, rows %d: dw[%d] is %v, %v with %d rows a block", bd.name, rows, i, gotDW[i], want, rmsRowsPerBlock)
-					break
-				}
-			}
-			ms := eventMS(t, d, 20, run)
-			name := fmt.Sprintf("rmsnorm backward %s rows %d", bd.name, rows)
-			figure(t, name, ms*1e3, "µs")
-			figure(t, name+" bandwidth", float64(4*4*T*D)/ms/1e9, "TB/s")
-			d.Free(partial)
-			runtime.KeepAlive(dx) // the kernels ran on raw addresses
-			runtime.KeepAlive(dw)
+		gotDX, gotDW := backend.DownloadFloat32(b, dx), backend.DownloadFloat32(b, dw)
+		if wantDX == nil {
+			wantDX, wantDW = gotDX, gotDW
 		}
+		for i := range wantDX {
+			if math.Float32bits(gotDX[i]) != math.Float32bits(wantDX[i]) {
+				t.Fatalf("rows %d: dx[%d] is %v, %v with %d rows a block", rows, i, gotDX[i], wantDX[i], rmsWarpRowsPerBlock)
+			}
+		}
+		for i, want := range wantDW {
+			if diff := math.Abs(float64(gotDW[i] - want)); diff > 1e-4*math.Abs(float64(want))+1e-6 {
+				t.Errorf("rows %d: dw[%d] is %v, %v with %d rows a block", rows, i, gotDW[i], want, rmsWarpRowsPerBlock)
+				break
+			}
+		}
+		ms := eventMS(t, d, 20, run)
+		if ms < fastestMS {
+			fastest, fastestMS = rows, ms
+		}
+		name := fmt.Sprintf("rmsnorm backward production rows %d", rows)
+		figure(t, name, ms*1e3, "µs")
+		figure(t, name+" bandwidth", float64(4*4*T*D)/ms/1e9, "TB/s")
+		d.Free(partial)
+		runtime.KeepAlive(dx) // the kernels ran on raw addresses
+		runtime.KeepAlive(dw)
 	}
+	t.Logf("fastest: %d rows a block (%.1f µs); production launches %d", fastest, fastestMS*1e3, rmsWarpRowsPerBlock)
 	runtime.KeepAlive([]backend.Tensor{x, dout, w, rstd})
 }

@@ -35,6 +35,8 @@ const (
 	opZigzagForward     = "ZigzagAttentionForward"
 	opZigzagDQ          = "ZigzagAttentionBackwardDQ"
 	opZigzagDKDV        = "ZigzagAttentionBackwardDKDV"
+	opZigzagDelta       = "ZigzagAttentionDelta"
+	opZigzagBackward    = "ZigzagAttentionBackward"
 	opSwiGLUForward     = "SwiGLUForward"
 	opSwiGLUBackward    = "SwiGLUBackward"
 	opCrossEntropy      = "CrossEntropy"
@@ -222,6 +224,20 @@ func (p *Backend) ZigzagAttentionBackwardDQ(dqTQ, deltaBHS, doutTQ, qTQ, outTQ, 
 func (p *Backend) ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
 	defer p.end(p.begin(), opZigzagDKDV)
 	p.inner.ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, s)
+}
+
+func (p *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
+	return p.inner.ZigzagAttentionOnePass(s)
+}
+
+func (p *Backend) ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+	defer p.end(p.begin(), opZigzagDelta)
+	p.inner.ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ, s)
+}
+
+func (p *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
+	defer p.end(p.begin(), opZigzagBackward)
+	p.inner.ZigzagAttentionBackward(dqTQ, dkTK, dvTK, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, s)
 }
 
 func (p *Backend) SwiGLUForward(outNF, aNF, bNF backend.Tensor) {

@@ -61,7 +61,9 @@ tokens, for each S/W of --ring-seq, at B1 H16 KV4 Dh128 (GQA 4:1). It
 times forward and forward+backward in each mode (allgather: k and v
 all-gathered, their gradients reduce-scattered; ring: k and v chunks
 passed around the ranks: on virtual ranks the fused ring, whose kernels
-read the peers' k and v in place; the JSON names the path), and mode ring
+read the peers' k and v in place, in one pass on Hopper GPUs (one kernel
+per rank and direction) and in two elsewhere or under
+train.deterministic; the JSON names the path), and mode ring
 once more with the groups' peer access hidden, which runs the portable
 ring (the path of ranks without peer access: k and v chunks passed over
 Send and Recv, the backend's attention ops on each block; outside the

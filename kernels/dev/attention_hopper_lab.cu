@@ -1,26 +1,10 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT bits:
+// define it compiles to the production source's PTX. AH_EXPERIMENT bit:
 //   1  attn_h_backward_ordered_d{64,128}: ah_backward with dq added in a
 //      fixed order (train.deterministic's option, slower than
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  the forward's consumers issue their products in turns
-//      (FlashAttention-3's ping-pong): a token passed between them by two
-//      named barriers, so that one's softmax runs under the other's
-//      products instead of both contending for the tensor cores at once.
-//   4  the backward waits for S^T and dP^T separately: P^T is computed
-//      and dv's product issued while dP^T runs, and dS^T while dv's does.
-//   8  attn_h_zz_forward_d{64,128}: the fused ring's forward (zigzag
-//      context parallelism) on this core, every rank's k and v read in
-//      place through tensor maps; launched by TestZigzagHopperLab.
-//  16  attn_h_zz_backward_d{64,128}: the fused ring's backward on this core,
-//      every rank's q, dout, lse and delta read in place and dq added
-//      into its owner's; launched by TestZigzagHopperLab.
-//  32  attn_h_backward_d128 without the 256-thread barrier each item:
-//      item it's whole dq is warpgroup (it & 1)'s, the dS^T handed over
-//      by mbarriers, a stage refilled by the last warp done with it; 64
-//      bytes more shared memory (TestAttentionLabOwnLaunch).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -31,6 +15,11 @@
 // scores scaled by 1/sqrt(Dh), key j visible to query i iff j <= off + i
 // (an unmasked call passes off = KS-1) and j < KS; lse [B, H, S] in
 // natural log. Head dims 64 and 128.
+//
+// The same core serves the fused ring of zigzag context parallelism
+// (attn_h_zz_forward_d*, attn_h_zz_backward_d*, after the whole-sequence
+// kernels of each direction): one rank's share, every rank's tensors read
+// in place through tensor maps.
 //
 // Work split. A block owns 128 queries of one (sequence, head) and has
 // three warpgroups (384 threads). Warpgroup 0 is the producer: one thread
@@ -189,14 +178,6 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-#if AH_EXPERIMENT & 2
-// The forward's turns (bit 2): consumer cw waits on named barrier 4 + cw
-// before it issues a product and arrives on the other's after, so the
-// two consumers' products alternate. Each barrier counts 256 threads: the
-// waiting consumer's 128 and the arriving one's.
-__device__ __forceinline__ void ah_turn_take(int cw) { asm volatile("bar.sync %0, 256;" ::"r"(4 + cw) : "memory"); }
-__device__ __forceinline__ void ah_turn_give(int cw) { asm volatile("bar.arrive %0, 256;" ::"r"(5 - cw) : "memory"); }
-#endif
 
 template <int DH, typename Out>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
@@ -262,12 +243,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-#if AH_EXPERIMENT & 2
-  // Two turns a tile (S, then P.V) for each of the block's nT tiles, the
-  // tiles a consumer does not see included (so both take 2nT turns);
-  // consumer 0 takes the first, and consumer 1 gives none after its last.
-  if (cw == 1) ah_turn_give(cw);
-#endif
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
@@ -275,9 +250,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(fullK + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long dk = gg_desc(ks + s * TILE);
-#if AH_EXPERIMENT & 2
-    ah_turn_take(cw);
-#endif
     gg_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < DH / 16; kk++) {
@@ -286,9 +258,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
       gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
-#if AH_EXPERIMENT & 2
-    ah_turn_give(cw);
-#endif
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     const int j0 = t * AH_BN;
@@ -347,17 +316,11 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(fullV + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-#if AH_EXPERIMENT & 2
-    ah_turn_take(cw);
-#endif
     gg_wgmma_fence();
     gg_fence_acc(o);
 #pragma unroll
     for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
     gg_wgmma_commit();
-#if AH_EXPERIMENT & 2
-    if (cw == 0 || t < nT - 1) ah_turn_give(cw);
-#endif
     gg_wgmma_wait<0>();
     gg_fence_acc(o);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
@@ -370,12 +333,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(fullK + 8 * s, ph);
     gg_bar_wait(fullV + 8 * s, ph);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
-#if AH_EXPERIMENT & 2
-    ah_turn_take(cw);
-    ah_turn_give(cw);
-    ah_turn_take(cw);
-    if (cw == 0 || t < nT - 1) ah_turn_give(cw);
-#endif
   }
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
@@ -397,12 +354,9 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   }
 }
 
-#if AH_EXPERIMENT & 24
 #define AH_ZZ_MAX 8  // the ranks the zigzag kernels take
-#endif
 
-#if AH_EXPERIMENT & 8
-// ---- Lab: the fused ring's forward on this core (bit 8) ----
+// ---- The fused ring's forward (zigzag context parallelism) ----
 //
 // attn_h_zz_forward_d{64,128} serve one context-parallel rank r of W
 // (backend.ZigzagShape, W <= AH_ZZ_MAX): its 2C local rows of each of B
@@ -602,7 +556,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2) {
   ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2);
 }
-#endif
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
   ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
@@ -747,87 +700,6 @@ __device__ __forceinline__ void ah_bwd_scores(float (&sc)[32], float (&dp)[32], 
   gg_wgmma_commit();
 }
 
-#if AH_EXPERIMENT & 4
-// ah_bwd_scores_split issues S^T and dP^T as two commit groups, S^T the
-// older.
-template <int DH>
-__device__ __forceinline__ void ah_bwd_scores_split(float (&sc)[32], float (&dp)[32], unsigned long long descK,
-                                                    unsigned long long descV, unsigned long long descQ,
-                                                    unsigned long long descO) {
-  constexpr unsigned KBOX = 128 * 128, QBOX = AH_BQ * 128;
-  gg_wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < DH / 16; kk++) {
-    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
-    ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
-  }
-  gg_wgmma_commit();
-#pragma unroll
-  for (int kk = 0; kk < DH / 16; kk++) {
-    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
-    ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
-  }
-  gg_wgmma_commit();
-}
-
-// ah_bwd_split takes an item from ah_bwd_scores_split's two groups to
-// the issue of dv's and dk's products, each step as soon as its operands
-// are there: it waits for S^T, makes P^T (in sc) and issues dv += P^T dout;
-// then waits for dP^T, makes dS^T (in dp) and issues dk += dS^T q. The
-// arithmetic is ah_backward's, so the results are the same bits. lse2(n,
-// l) and delta2(n, d) give queries q0 + 8n + 2t4 and + 1's lse (base 2)
-// and delta. On return dv's and dk's products are two commit groups in
-// flight; pa and da hold P^T and dS^T as bf16 A fragments. kr0 and kr1
-// are this thread's key rows.
-template <int DH, typename Lse2, typename Delta2>
-__device__ __forceinline__ void ah_bwd_split(float (&sc)[32], float (&dp)[32], unsigned (&pa)[4][4], unsigned (&da)[4][4],
-                                             float (&dva)[DH / 2], float (&dka)[DH / 2], unsigned long long mnO,
-                                             unsigned long long mnQ, bool whole, int q0, int S, int KS, int off,
-                                             int kr0, int kr1, int t4, float scaleLog2, float scale, Lse2 lse2,
-                                             Delta2 delta2) {
-  gg_wgmma_wait<1>();
-  gg_fence_acc(sc);
-#pragma unroll
-  for (int n = 0; n < 8; n++) {
-    float l2[2];
-    lse2(n, l2);
-#pragma unroll
-    for (int e = 0; e < 2; e++) {
-      const int i = q0 + 8 * n + 2 * t4 + e;
-      const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-      const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-      sc[4 * n + e] = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
-      sc[4 * n + 2 + e] = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
-    }
-    pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-    pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-  }
-  gg_wgmma_fence();
-  gg_fence_acc(dva);
-#pragma unroll
-  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
-  gg_wgmma_commit();
-  gg_wgmma_wait<1>();  // dP^T (older than dv's group) is done
-  gg_fence_acc(dp);
-#pragma unroll
-  for (int n = 0; n < 8; n++) {
-    float dl[2];
-    delta2(n, dl);
-#pragma unroll
-    for (int e = 0; e < 2; e++) {
-      dp[4 * n + e] = sc[4 * n + e] * (dp[4 * n + e] - dl[e]) * scale;
-      dp[4 * n + 2 + e] = sc[4 * n + 2 + e] * (dp[4 * n + 2 + e] - dl[e]) * scale;
-    }
-    da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-    da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-  }
-  gg_wgmma_fence();
-  gg_fence_acc(dka);
-#pragma unroll
-  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-  gg_wgmma_commit();
-}
-#endif
 
 // ah_bwd_dvdk issues a backward item's dv += P^T dout and dk += dS^T q as
 // one commit group, with P and dS^T (this thread's sc and dp) packed to
@@ -985,11 +857,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-#if AH_EXPERIMENT & 4
-    ah_bwd_scores_split<DH>(sc, dp, descK, descV, descQ, descO);
-#else
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-#endif
     // The lse (to base 2) and delta of this thread's 16 queries, loaded
     // while the products run. Column 8n + 2t4 + e is query q0 + 8n + 2t4 + e.
     float l2[8][2], dl[8][2];
@@ -1006,14 +874,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         }
       }
     }
-#if AH_EXPERIMENT & 4
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
-    unsigned pa[4][4], da[4][4];
-    ah_bwd_split<DH>(sc, dp, pa, da, dva, dka, mnO, mnQ, whole, q0, S, KS, off, kr0, kr1, t4, scaleLog2, scale,
-                     [&](int n, float (&l)[2]) { l[0] = l2[n][0], l[1] = l2[n][1]; },
-                     [&](int n, float (&d)[2]) { d[0] = dl[n][0], d[1] = dl[n][1]; });
-#else
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
@@ -1036,7 +896,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     }
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-#endif
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
@@ -1258,15 +1117,6 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-#if AH_EXPERIMENT & 4
-    ah_bwd_scores_split<DH>(sc, dp, descK, descV, descQ, descO);
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-    const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
-    unsigned pa[4][4], da[4][4];
-    ah_bwd_split<DH>(sc, dp, pa, da, dva, dka, mnO, mnQ, whole, q0, S, KS, off, kr0, kr1, t4, scaleLog2, scale,
-                     [&](int n, float (&l)[2]) { ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l[0], l[1]); },
-                     [&](int n, float (&d)[2]) { ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), d[0], d[1]); });
-#else
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
@@ -1294,7 +1144,6 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     }
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-#endif
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
@@ -1336,8 +1185,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
 
-#if AH_EXPERIMENT & 16
-// ---- Lab: the fused ring's backward on this core (bit 16) ----
+// ---- The fused ring's backward ----
 //
 // attn_h_zz_backward_d128 serves one context-parallel rank r of W (as
 // attn_h_zz_forward): a block owns 128 of the rank's keys (one local key
@@ -1529,202 +1377,8 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
   ah_zz_backward128(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
-#endif
 
-#if AH_EXPERIMENT & 32
-// ---- Lab: the head-dim-128 backward without the lockstep (bit 32) ----
-//
-// ah_backward at head dim 128 meets both warpgroups at a 256-thread
-// barrier every item (both dS^T halves must be in place before either
-// warpgroup's half of dq), so both do their elementwise steps at once and
-// the tensor cores idle then. Here item it's whole dq (both 64-column
-// halves, one after the other) is warpgroup (it & 1)'s, and the other
-// warpgroup only hands over its dS^T: per parity p of the items, dsFull[p]
-// (256 arrivals: every thread after storing its dS^T) tells warpgroup p
-// that both halves are in place, and dsEmpty[p] (its four warps) tells
-// both that the buffers of parity p are free again. A stage is refilled by
-// the last warp done with it (a counter per stage) instead of thread 0
-// waiting for the other warpgroup. Nothing waits for the other warpgroup
-// but the dq of every other item; the products and their order are
-// ah_backward's, so dk and dv are the same bits, and dq differs only in
-// the order its blocks land. 256 threads, ah_backward's shared memory and
-// 64 bytes more (launched by TestAttentionLabOwnLaunch).
-// ah_done_add adds 1 to the u32 at shared address addr and returns what it
-// held (acquire-release: a warp's reads of a stage, complete before, are
-// ordered before the last one's refill).
-__device__ __forceinline__ unsigned ah_done_add(unsigned addr) {
-  unsigned old;
-  asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;" : "=r"(old) : "r"(addr) : "memory");
-  return old;
-}
 
-__device__ __forceinline__ void ah_backward_alt128(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
-                                                   const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
-                                                   const float* delta, float* dk, float* dv, int S, int KS, int off,
-                                                   int H, int KV, float scaleLog2, float scale) {
-  constexpr int DH = 128;
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
-                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers [parity][warpgroup]
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
-  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, dsFull = full + 8 * STAGES, dsEmpty = dsFull + 16;
-  const unsigned done = dsEmpty + 16;  // per stage, a u32: the warps done with it
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
-  const int j0 = blockIdx.y * 128;
-  const int nQT = (S + AH_BQ - 1) / AH_BQ;
-  const int qt0 = gg_max(0, j0 - off) / AH_BQ;
-  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
-  auto load = [&](int it) {
-    const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT;
-    gg_bar_expect_tx(full + 8 * s, 2 * QT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
-      gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
-    }
-  };
-  if (tid == 0) {
-    gg_bar_init(barKV, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 1);  // the loader's expect_tx
-      ah_sts(done + 4 * s, 0);
-    }
-    for (int p = 0; p < 2; p++) {
-      gg_bar_init(dsFull + 8 * p, 256);  // every thread, once its dS^T is stored
-      gg_bar_init(dsEmpty + 8 * p, 4);   // the dq warpgroup's warps, once its products have read them
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapDO);
-    gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
-      gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
-    }
-    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
-  }
-  __syncthreads();
-
-  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
-  float dka[DH / 2], dva[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-  for (int it = 0; it < items; it++) {
-    const int s = it % STAGES, p = it & 1;
-    const unsigned ph = (it / STAGES) & 1, use = (it >> 1) & 1;  // the stage's phase; parity p's use
-    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
-    gg_bar_wait(full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    float l2[8][2], dl[8][2];
-    {
-      const float* lrow = lse + ((long long)b * H + h) * S;
-      const float* drow = delta + ((long long)b * H + h) * S;
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int i = q0 + 8 * n + 2 * t4 + e;
-          l2[n][e] = i < S ? ah_ldg(lrow + i) * AH_LOG2E : 0.0f;
-          dl[n][e] = i < S ? ah_ldg(drow + i) : 0.0f;
-        }
-      }
-    }
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
-      }
-    }
-    unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    // This warpgroup's dS^T of the item into buffer (p, cw), once item
-    // it - 2's dq has read it.
-    if (it >= 2) gg_bar_wait(dsEmpty + 8 * p, use ^ 1);
-    const unsigned dsb = dss + (p * 2 + cw) * DSB;
-    ah_store_dst(dsb, da, wr, t4);
-    gg_bar_arrive(dsFull + 8 * p);
-    if (cw == p) {
-      // The item's dq, both halves of its columns over all 128 keys.
-      gg_bar_wait(dsFull + 8 * p, use);
-#pragma unroll 1
-      for (int c = 0; c < 2; c++) {
-        float acc[32];
-        asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-        gg_wgmma_fence();
-        const unsigned long long mnK = gg_desc_mn(ks + c * KBOX, KBOX);
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {
-          const unsigned long long mnD = gg_desc_mn(dss + (p * 2 + kk / 4) * DSB, DSB);
-          ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
-        }
-        gg_wgmma_commit();
-        gg_wgmma_wait<0>();
-        gg_fence_acc(acc);
-        gg_fence_acc(dva);
-        gg_fence_acc(dka);
-        if (c == 1 && lane == 0) gg_bar_arrive(dsEmpty + 8 * p);  // both halves have read the dS^T buffers
-        const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-        ah_stage_dq(stg, acc, wr, t4);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        if (wtid == 0) gg_bulk_wait_read();
-        gg_named_sync(1 + cw, 128);
-        if (wtid == 0) {
-          gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
-          gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
-          gg_bulk_commit();
-        }
-        nq++;
-      }
-    } else {
-      gg_wgmma_wait<0>();  // dv's and dk's products, which read the stage
-      gg_fence_acc(dva);
-      gg_fence_acc(dka);
-    }
-    // The stage is done in this warp; the eighth warp done refills it.
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    if (lane == 0 && ah_done_add(done + 4 * s) == 7u) {
-      // Reset before the refill's arrival, which the next waiters acquire.
-      ah_sts(done + 4 * s, 0);
-      if (it + STAGES < items) {
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        load(it + STAGES);
-      }
-    }
-  }
-  if (wtid == 0) gg_bulk_wait();
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
-}
-#endif
-
-#if AH_EXPERIMENT & 16
 // attn_h_zz_backward_d64 is attn_h_zz_backward_d128's walk on
 // ah_backward_producer's kernel (the head-dim-64 backward: a producer
 // warp loads the tiles and stages each item's lse and delta, read here
@@ -1880,18 +1534,13 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
   ah_zz_backward64(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
-#endif
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
   ah_backward_producer<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-#if AH_EXPERIMENT & 32
-  ah_backward_alt128(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
-#else
   ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
-#endif
 }
 
 #if AH_EXPERIMENT & 1

@@ -50,23 +50,9 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "rmsnorm_lab.cu", Production: "rmsnorm.cu", Variants: []Variant{
-			{Name: "bwd-row-registers", Defines: []string{"RN_EXPERIMENT=1"}, Exact: true,
-				Purpose: "rmsnorm_backward_warps_f32 keeps the row's dout and x in registers and loads dx's old values with them"},
-		}},
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "fwd-pingpong", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the forward's two consumers issue their products in turns (FlashAttention-3's ping-pong), one's softmax under the other's products"},
-			{Name: "bwd-split-wait", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the backward waits for S^T and dP^T apart: P^T and dv's product while dP^T runs, dS^T while dv's product runs"},
-			{Name: "bwd-alt-dq", Defines: []string{"AH_EXPERIMENT=32"}, Exact: true,
-				Purpose: "the head-dim-128 backward without the 256-thread barrier each item: item it's whole dq is warpgroup (it & 1)'s, dS^T handed over by mbarriers, a stage refilled by the last warp done with it; launched by TestAttentionLabOwnLaunch (64 bytes more shared memory)"},
-			{Name: "zz-forward", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
-				Purpose: "adds attn_h_zz_forward_d{64,128}: the fused ring's forward on the Hopper core, every rank's k and v read through tensor maps; launched by TestZigzagHopperLab, not in place"},
-			{Name: "zz-backward", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
-				Purpose: "adds attn_h_zz_backward_d{64,128}: the fused ring's backward on the Hopper core, every rank's q, dout, lse and delta read in place, dq added into its owner's; launched by TestZigzagHopperLab, not in place"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.

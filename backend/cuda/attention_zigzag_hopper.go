@@ -1,0 +1,270 @@
+package cuda
+
+// The fused ring in one pass on the Hopper attention core: the launch side
+// of attention_hopper.cu's attn_h_zz_forward_d{64,128} and
+// attn_h_zz_backward_d{64,128} (kernels/attention_hopper.md, "The fused
+// ring on this core").
+//
+// Forward: a block is the whole-sequence forward's, over this rank's 128
+// queries, and reads each 128-key tile from the rank that holds it
+// through that rank's tensor map, in position order, so the online
+// softmax stays in registers from the first rank's chunk to the last.
+// Backward: a block owns 128 of this rank's keys of one kv head and walks
+// every query tile of the whole sequence that sees them, per query head of
+// the group, reading q and dout through their owner's maps and lse and
+// delta through its pointers; dk and dv stay in registers and are stored
+// once, and each dq block is added into its owner's dq by TMA reductions.
+// One kernel per rank and direction, no partial output, lse or gradient in
+// memory between chunks, nothing summed afterwards. dq's adds land at L2
+// in the order blocks run, so dq's last bits vary from run to run: under
+// SetDeterministic the two-pass kernels of attention_zigzag.go run instead.
+//
+// Every tensor is addressed through a tensor map or pointer encoded into
+// the kernel's one block parameter (ah_zz_maps, ah_zz_bmaps), so no
+// pointer table is staged and ranks sharing a device need no lock.
+
+import (
+	"fmt"
+	"math"
+	"runtime"
+	"unsafe"
+
+	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+)
+
+// zigzagHopperMaxRanks is the most ranks the one-pass kernels take
+// (attention_hopper.cu's AH_ZZ_MAX): the block parameter holds a tensor
+// map per rank for each tensor it reads from every rank.
+const zigzagHopperMaxRanks = 8
+
+// ZigzagAttentionOnePass says whether the one-pass kernels take s here: a
+// Hopper GPU (hopperAttnTakes), head dims 64 and 128, chunks of a multiple
+// of 128 rows, at most zigzagHopperMaxRanks ranks, and not under
+// SetDeterministic (dq's adds land in the order blocks run).
+func (b *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
+	if err := b.ZigzagAttentionSupports(s); err != nil {
+		return err
+	}
+	switch {
+	case !hopperAttnTakes(b.dev, backend.AttnShape{HeadDim: s.HeadDim}):
+		return fmt.Errorf("the one-pass fused ring runs on Hopper GPUs (sm_90a) at head dims 64 and 128, not on %s at head dim %d", b.dev.info.Name, s.HeadDim)
+	case s.Chunk%hopperAttnBM != 0:
+		return fmt.Errorf("the one-pass fused ring needs chunks (seq/(2*cp) = %d) that are a multiple of %d", s.Chunk, hopperAttnBM)
+	case s.Ranks > zigzagHopperMaxRanks:
+		return fmt.Errorf("the one-pass fused ring takes at most %d ranks, not %d", zigzagHopperMaxRanks, s.Ranks)
+	case b.deterministic.Load():
+		return fmt.Errorf("the one-pass fused ring adds dq in the order its blocks run, which train.deterministic does not allow")
+	}
+	return nil
+}
+
+// bf16Vector checks that t is a bfloat16 tensor of this backend of n
+// elements.
+func bf16Vector(op, name string, t backend.Tensor, n int) *Tensor {
+	if t == nil {
+		fail(op, "%s is nil", name)
+	}
+	ct := tensorOf(op, name, t)
+	if ct.dt != backend.BFloat16 {
+		fail(op, "%s is %v; the one-pass fused ring reads bf16 q, k, v and dout", name, ct.dt)
+	}
+	if ct.Len() != n {
+		fail(op, "%s has shape %v (%d elements), want %d elements", name, ct.shape, ct.Len(), n)
+	}
+	return ct
+}
+
+// zigzagPtrs returns the addresses of ts (live tensors), failing op with
+// what's name otherwise.
+func zigzagPtrs(op, what string, ts []*Tensor) []driver.DevicePtr {
+	ps, ok := devicePtrs(ts...)
+	if !ok {
+		fail(op, "a tensor of %s was freed", what)
+	}
+	return ps
+}
+
+// zigzagList checks every rank's tensor of list name: W of them, of n
+// elements each, bf16 or float32 as bf16 says.
+func zigzagList(op, name string, l []backend.Tensor, s backend.ZigzagShape, n int, bf16 bool) []*Tensor {
+	if len(l) != s.Ranks {
+		fail(op, "%s has %d tensors for %d ranks", name, len(l), s.Ranks)
+	}
+	ts := make([]*Tensor, len(l))
+	for r, t := range l {
+		what := fmt.Sprintf("rank %d's %s", r, name)
+		if bf16 {
+			ts[r] = bf16Vector(op, what, t, n)
+		} else {
+			ts[r] = vector(op, what, t, n)
+		}
+	}
+	return ts
+}
+
+// rankMaps is one tensor map per slot of zigzagHopperMaxRanks, slot i
+// rank i's (the slots past W repeat the last rank's: the kernels never
+// read them, but every map must encode).
+func rankMaps(ps []driver.DevicePtr, m func(driver.DevicePtr) driver.TiledMap) []driver.TiledMap {
+	maps := make([]driver.TiledMap, zigzagHopperMaxRanks)
+	for i := range maps {
+		maps[i] = m(ps[min(i, len(ps)-1)])
+	}
+	return maps
+}
+
+// zigzagForwardHopper is ZigzagAttentionForward on bf16 q, k and v:
+// attn_h_zz_forward_d{64,128}, whose one block parameter is ah_zz_maps
+// (q's map, then zigzagHopperMaxRanks maps each of k and v).
+func (b *Backend) zigzagForwardHopper(outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape) {
+	const op = "ZigzagAttentionForward"
+	if err := b.ZigzagAttentionOnePass(s); err != nil {
+		fail(op, "bf16 q, k and v: %v", err)
+	}
+	rows := s.Batch * 2 * s.Chunk
+	nq, nk := rows*s.Heads*s.HeadDim, rows*s.KVHeads*s.HeadDim
+	single := zigzagPtrs(op, "out, lse and q", []*Tensor{vector(op, "out", outTQ, nq),
+		vector(op, "lse", lseBHS, s.Batch*2*s.Heads*s.Chunk), bf16Vector(op, "q", qTQ, nq)})
+	ks, vs := zigzagList(op, "k", kTK, s, nk, true), zigzagList(op, "v", vTK, s, nk, true)
+	kp, vp := zigzagPtrs(op, "k", ks), zigzagPtrs(op, "v", vs)
+	kvMap := func(p driver.DevicePtr) driver.TiledMap {
+		return hopperAttnMap(p, s.KVHeads*s.HeadDim, rows, hopperAttnBN)
+	}
+	maps := []driver.TiledMap{hopperAttnMap(single[2], s.Heads*s.HeadDim, rows, hopperAttnBM)}
+	maps = append(maps, rankMaps(kp, kvMap)...)
+	maps = append(maps, rankMaps(vp, kvMap)...)
+	_, scaleLog2 := attnScales(s.HeadDim)
+	slots := []uint64{uint64(single[0]), uint64(single[1]), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
+		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2))}
+	grid := Grid{
+		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: 2 * s.Chunk / hopperAttnBM, Z: 1},
+		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
+		Shared: hopperAttnSmem(s.HeadDim),
+	}
+	b.fail(b.launchMapBlock(op, fmt.Sprintf("attn_h_zz_forward_d%d", s.HeadDim), grid, maps, nil, slots))
+	runtime.KeepAlive(ks)
+	runtime.KeepAlive(vs)
+}
+
+// ZigzagAttentionDelta runs attn_h_delta over this rank's rows: its
+// [B*2C] rows are B*2 runs of C rows, which is [B, 2, H, C] in the
+// kernel's [B', H, S] layout (B' = 2B, S = C).
+func (b *Backend) ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+	const op = "ZigzagAttentionDelta"
+	if err := s.Check(); err != nil {
+		fail(op, "%v", err)
+	}
+	rows := s.Batch * 2 * s.Chunk
+	n := rows * s.Heads * s.HeadDim
+	ps := zigzagPtrs(op, "delta, dout and out", []*Tensor{vector(op, "delta", deltaBHS, s.Batch*2*s.Heads*s.Chunk),
+		vector(op, "dout", doutTQ, n), vector(op, "out", outTQ, n)})
+	kern, err := sourceKernel(b.dev, "attention_hopper.cu", "attn_h_delta")
+	if err != nil {
+		b.fail(err)
+		return
+	}
+	b.fail(b.dev.Launch(kern, b.dev.StrideGrid(int64(rows)*int64(s.Heads)*32, 256, 8), ps[0], ps[1], ps[2],
+		int32(rows), int32(s.Chunk), int32(s.Heads), int32(s.HeadDim)))
+}
+
+// ZigzagAttentionBackward runs attn_h_zz_backward_d{64,128}, whose one
+// block parameter is ah_zz_bmaps: this rank's k and v maps, then
+// zigzagHopperMaxRanks maps each of q, dout and dq, then one map-sized
+// entry holding zigzagHopperMaxRanks pointers each of lse and delta.
+func (b *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
+	const op = "ZigzagAttentionBackward"
+	if err := b.ZigzagAttentionOnePass(s); err != nil {
+		fail(op, "%v", err)
+	}
+	rows := s.Batch * 2 * s.Chunk
+	Q, KD := s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
+	nl := s.Batch * 2 * s.Heads * s.Chunk
+	single := zigzagPtrs(op, "dk, dv, k and v", []*Tensor{vector(op, "dk", dkTK, rows*KD), vector(op, "dv", dvTK, rows*KD),
+		bf16Vector(op, "k", kTK, rows*KD), bf16Vector(op, "v", vTK, rows*KD)})
+	lists := [][]*Tensor{zigzagList(op, "dq", dqTQ, s, rows*Q, false), zigzagList(op, "q", qTQ, s, rows*Q, true),
+		zigzagList(op, "dout", doutTQ, s, rows*Q, true), zigzagList(op, "lse", lseBHS, s, nl, false),
+		zigzagList(op, "delta", deltaBHS, s, nl, false)}
+	var ps [5][]driver.DevicePtr
+	for i, name := range []string{"dq", "q", "dout", "lse", "delta"} {
+		ps[i] = zigzagPtrs(op, name, lists[i])
+	}
+	qMap := func(p driver.DevicePtr) driver.TiledMap { return hopperAttnMap(p, Q, rows, hopperAttnBwdQ) }
+	// dq's blocks are added by TMA reductions of float32 boxes of 32
+	// columns (128 bytes, swizzled) by 64 query rows.
+	dqMap := func(p driver.DevicePtr) driver.TiledMap {
+		return driver.TiledMap{
+			Type: driver.TensorMapFloat32, Addr: p,
+			Dims: []uint64{uint64(Q), uint64(rows)}, Strides: []uint64{4 * uint64(Q)},
+			Box: []uint32{32, hopperAttnBwdQ}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
+		}
+	}
+	maps := []driver.TiledMap{hopperAttnMap(single[2], KD, rows, hopperAttnBN), hopperAttnMap(single[3], KD, rows, hopperAttnBN)}
+	maps = append(maps, rankMaps(ps[1], qMap)...)
+	maps = append(maps, rankMaps(ps[2], qMap)...)
+	maps = append(maps, rankMaps(ps[0], dqMap)...)
+	var pointers driver.TensorMap
+	for i := range zigzagHopperMaxRanks {
+		pointers[i] = uint64(ps[3][min(i, s.Ranks-1)])
+		pointers[zigzagHopperMaxRanks+i] = uint64(ps[4][min(i, s.Ranks-1)])
+	}
+	scale, scaleLog2 := attnScales(s.HeadDim)
+	slots := []uint64{uint64(single[0]), uint64(single[1]), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
+		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
+	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
+	grid := Grid{
+		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: 2 * s.Chunk / hopperAttnBN, Z: 1},
+		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
+		Shared: smem,
+	}
+	b.fail(b.launchMapBlock(op, fmt.Sprintf("attn_h_zz_backward_d%d", s.HeadDim), grid, maps, []driver.TensorMap{pointers}, slots))
+	runtime.KeepAlive(lists)
+}
+
+// launchMapBlock queues kernel name of attention_hopper.cu on grid with
+// one block parameter, maps encoded one after another and then tail (each
+// entry 128 bytes, a map's size), followed by the 8-byte argument slots.
+func (b *Backend) launchMapBlock(op, name string, grid Grid, maps []driver.TiledMap, tail []driver.TensorMap, slots []uint64) error {
+	d := b.dev
+	kern, err := sourceKernel(d, "attention_hopper.cu", name)
+	if err != nil {
+		return err
+	}
+	for i, m := range maps {
+		if err := m.Check(); err != nil {
+			return fmt.Errorf("cuda: %s: tensor map %d: %w", op, i, err)
+		}
+	}
+	enc, err := d.TensorMapEncoder()
+	if err != nil {
+		return fmt.Errorf("cuda: %s: %w", op, err)
+	}
+	return d.Submit(func() error {
+		if kern.sharedOptIn < grid.Shared {
+			if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			kern.sharedOptIn = grid.Shared
+		}
+		block := make([]driver.TensorMap, len(maps), len(maps)+len(tail))
+		for i, m := range maps {
+			if err := enc.EncodeTiled(&block[i], m); err != nil {
+				return fmt.Errorf("cuda: %s: tensor map %d: %w", op, i, err)
+			}
+		}
+		block = append(block, tail...)
+		params := []unsafe.Pointer{unsafe.Pointer(&block[0])}
+		for i := range slots {
+			params = append(params, unsafe.Pointer(&slots[i]))
+		}
+		var pin runtime.Pinner
+		defer pin.Unpin()
+		pin.Pin(&block[0])
+		pin.Pin(&slots[0])
+		pin.Pin(&params[0])
+		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		return nil
+	})
+}

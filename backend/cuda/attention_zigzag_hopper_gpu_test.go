@@ -1,0 +1,155 @@
+package cuda
+
+// The one-pass fused ring (attention_zigzag_hopper.go: attn_h_zz_* on the
+// Hopper core) on the GPU: every rank's rows against the whole sequence's
+// from the production Hopper kernels on one rank (their unfused
+// definition, on the same bf16 rounding), and its speed against that
+// call and against the two-pass tensor-core ring at W = 2, 4 and 8
+// virtual ranks. The small conformance shapes against the CPU are in
+// backend/backendtest (zigzag_cases.go, "one-pass").
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend"
+)
+
+// zzOnePass is every rank's bf16 copies of a zzRun's q, k, v and dout,
+// as a context-parallel layer rounds them before the ranks meet.
+type zzOnePass struct {
+	r                *zzRun
+	q, k, v, doutH16 []backend.Tensor
+}
+
+func newZZOnePass(r *zzRun) *zzOnePass {
+	o := &zzOnePass{r: r}
+	for i := range r.s.Ranks {
+		bf := func(x backend.Tensor) backend.Tensor { return r.b.New(backend.BFloat16, x.Shape()...) }
+		o.q, o.k, o.v = append(o.q, bf(r.lq[i])), append(o.k, bf(r.lk[i])), append(o.v, bf(r.lv[i]))
+		o.doutH16 = append(o.doutH16, bf(r.ldout[i]))
+	}
+	return o
+}
+
+// forward rounds every rank's q, k and v and runs every rank's forward.
+func (o *zzOnePass) forward() {
+	r := o.r
+	for i := range r.s.Ranks {
+		r.b.Copy(o.q[i], r.lq[i])
+		r.b.Copy(o.k[i], r.lk[i])
+		r.b.Copy(o.v[i], r.lv[i])
+	}
+	for i := range r.s.Ranks {
+		r.b.ZigzagAttentionForward(r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i))
+	}
+}
+
+// backward does what every rank does before the meeting (round q, k, v
+// and dout, delta, zero dq), then every rank's backward.
+func (o *zzOnePass) backward() {
+	r := o.r
+	for i := range r.s.Ranks {
+		r.b.Copy(o.q[i], r.lq[i])
+		r.b.Copy(o.k[i], r.lk[i])
+		r.b.Copy(o.v[i], r.lv[i])
+		r.b.Copy(o.doutH16[i], r.ldout[i])
+		r.b.ZigzagAttentionDelta(r.ldelta[i], r.ldout[i], r.lout[i], r.rank(i))
+		r.b.Zero(r.ldq[i])
+	}
+	for i := range r.s.Ranks {
+		r.b.ZigzagAttentionBackward(r.ldq, r.ldk[i], r.ldv[i], o.k[i], o.v[i], o.q, o.doutH16, r.llse, r.ldelta, r.rank(i))
+	}
+}
+
+func TestZigzagOnePassAgainstWhole(t *testing.T) {
+	b := testBackend(t)
+	// GQA groups of 1 to 4, W 2 to 8 and an odd W, one and several tiles
+	// a chunk, several sequences, both head dims.
+	shapes := []backend.ZigzagShape{
+		{Ranks: 2, Batch: 2, Chunk: 128, Heads: 8, KVHeads: 2, HeadDim: 64},
+		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 8, KVHeads: 2, HeadDim: 128},
+		{Ranks: 8, Batch: 1, Chunk: 128, Heads: 4, KVHeads: 4, HeadDim: 64},
+		{Ranks: 3, Batch: 2, Chunk: 384, Heads: 4, KVHeads: 1, HeadDim: 128},
+		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 4, KVHeads: 4, HeadDim: 64},
+	}
+	if err := b.ZigzagAttentionOnePass(shapes[0]); err != nil {
+		t.Skipf("the one-pass fused ring does not run here: %v", err)
+	}
+	for i, s := range shapes {
+		r := newZZRun(t, b, s, uint64(40+i))
+		r.wholeForward()
+		r.wholeBackward()
+		o := newZZOnePass(r)
+		o.forward()
+		r.compareSome(t, "out", "lse")
+		o.backward()
+		r.compareSome(t, "dq", "dk", "dv")
+	}
+}
+
+// TestZigzagOnePassRefuses checks that the one-pass ops are refused under
+// SetDeterministic (dq's adds land in no fixed order) and for chunks the
+// kernels do not tile.
+func TestZigzagOnePassRefuses(t *testing.T) {
+	b := testBackend(t)
+	s := backend.ZigzagShape{Ranks: 2, Batch: 1, Chunk: 128, Heads: 4, KVHeads: 2, HeadDim: 128}
+	if err := b.ZigzagAttentionOnePass(s); err != nil {
+		t.Skipf("the one-pass fused ring does not run here: %v", err)
+	}
+	b.SetDeterministic(true)
+	err := b.ZigzagAttentionOnePass(s)
+	b.SetDeterministic(false)
+	if err == nil {
+		t.Error("ZigzagAttentionOnePass takes a shape under SetDeterministic")
+	}
+	bad := s
+	bad.Chunk = 192
+	if b.ZigzagAttentionOnePass(bad) == nil {
+		t.Errorf("ZigzagAttentionOnePass takes chunks of %d rows", bad.Chunk)
+	}
+	bad = s
+	bad.Ranks, bad.Chunk = zigzagHopperMaxRanks+1, 128
+	if b.ZigzagAttentionOnePass(bad) == nil {
+		t.Errorf("ZigzagAttentionOnePass takes %d ranks", bad.Ranks)
+	}
+}
+
+// TestZigzagOnePassFigures times the one-pass ring of W virtual ranks
+// (each rank's rounding, delta and dq zeroing included, as a layer runs
+// them) beside the whole-sequence call (the same work: core / ring is the
+// ring's efficiency) and the two-pass tensor-core ring, forward and
+// backward, at S/W 4096 and 8192, H16 KV4, head dims 128 and 64.
+func TestZigzagOnePassFigures(t *testing.T) {
+	b := testBackend(t)
+	d := b.dev
+	for _, c := range []struct{ w, perRank, dh int }{{2, 4096, 128}, {4, 4096, 128}, {8, 4096, 128}, {4, 8192, 128}, {8, 8192, 128}, {4, 4096, 64}} {
+		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: c.dh}
+		if err := b.ZigzagAttentionOnePass(s); err != nil {
+			t.Skipf("the one-pass fused ring does not run here: %v", err)
+		}
+		r := newZZRun(t, b, s, 99)
+		o := newZZOnePass(r)
+		sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
+		r.wholeForward()
+		coreF := attnMedianMs(t, d, sync(r.wholeForward))
+		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
+		tcF := attnMedianMs(t, d, sync(r.ringForward))
+		tcB := attnMedianMs(t, d, sync(r.ringBackward))
+		oneF := attnMedianMs(t, d, sync(o.forward))
+		oneB := attnMedianMs(t, d, sync(o.backward))
+		r.compareSome(t, "out", "lse", "dq", "dk", "dv")
+		name := fmt.Sprintf("ring W%d S%d H16 KV4 Dh%d", c.w, s.Seq(), c.dh)
+		flops := 4 * float64(s.Heads) * float64(s.Seq()) * float64(s.Seq()) * float64(s.HeadDim) / 2
+		figure(t, name+" core fwd", coreF, "ms")
+		figure(t, name+" core bwd", coreB, "ms")
+		figure(t, name+" one-pass fwd", oneF, "ms")
+		figure(t, name+" one-pass bwd", oneB, "ms")
+		figure(t, name+" one-pass fwd rate", flops/oneF/1e9, "TFLOP/s")
+		figure(t, name+" one-pass bwd rate", 2.5*flops/oneB/1e9, "TFLOP/s")
+		figure(t, name+" one-pass efficiency fwd", coreF/oneF, "x")
+		figure(t, name+" one-pass efficiency fwd+bwd", (coreF+coreB)/(oneF+oneB), "x")
+		figure(t, name+" two-pass efficiency fwd", coreF/tcF, "x")
+		figure(t, name+" two-pass efficiency fwd+bwd", (coreF+coreB)/(tcF+tcB), "x")
+	}
+}
