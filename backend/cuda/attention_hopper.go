@@ -217,11 +217,8 @@ func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedM
 		return fmt.Errorf("cuda: %s: %w", op, err)
 	}
 	return d.Submit(func() error {
-		if kern.sharedOptIn < grid.Shared {
-			if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
-				return fmt.Errorf("%s: %w", kern.Desc.Name, err)
-			}
-			kern.sharedOptIn = grid.Shared
+		if err := optInShared(d, kern, grid.Shared); err != nil {
+			return err
 		}
 		var pin runtime.Pinner
 		defer pin.Unpin()
@@ -236,6 +233,19 @@ func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedM
 		}
 		return nil
 	})
+}
+
+// optInShared opts kern in to bytes of dynamic shared memory the first
+// time a launch asks for that much. It runs on the device thread.
+func optInShared(d *Device, kern *Kernel, bytes int) error {
+	if kern.sharedOptIn >= bytes {
+		return nil
+	}
+	if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, bytes); err != nil {
+		return fmt.Errorf("%s: %w", kern.Desc.Name, err)
+	}
+	kern.sharedOptIn = bytes
+	return nil
 }
 
 // launchHopperAttnForward queues attn_h_forward_d{64,128} (_bf16 for a

@@ -240,11 +240,8 @@ func (b *Backend) launchMapBlock(op, name string, grid Grid, maps []driver.Tiled
 		return fmt.Errorf("cuda: %s: %w", op, err)
 	}
 	return d.Submit(func() error {
-		if kern.sharedOptIn < grid.Shared {
-			if err := d.drv.FuncSetAttribute(kern.fn, driver.FuncMaxDynamicSharedSizeOpt, grid.Shared); err != nil {
-				return fmt.Errorf("%s: %w", name, err)
-			}
-			kern.sharedOptIn = grid.Shared
+		if err := optInShared(d, kern, grid.Shared); err != nil {
+			return err
 		}
 		block := make([]driver.TensorMap, len(maps), len(maps)+len(tail))
 		for i, m := range maps {
