@@ -1,0 +1,349 @@
+// Lab copy of kernels/grouped_gemm.cu (kernels/dev/README.md): with no
+// define it compiles to the production source's PTX. GG_TN_EXPERIMENT bit:
+//   1  grouped_gemm_tn's epilogue through shared memory and the bulk copy
+//      engine: each consumer warpgroup stages its 64x256 float32 block 64
+//      columns at a time (18 KiB with padded rows) and 64 of its threads
+//      each send a row's 256 bytes with cp.async.bulk (beta 0) or
+//      cp.reduce.async.bulk .add.f32 (beta 1: the add at L2, no loads of
+//      the old values), then go on to the next tile while the copies
+//      drain. Three stages of operands instead of four make room (the
+//      launch's shared memory stays production's). alpha 1 and beta 0 or
+//      1 only (training's calls); other calls take production's epilogue.
+//      Exact: out = acc + old rounds once either way.
+//
+// The grouped products of the MoE experts on Hopper (sm_90a): the
+// forward's NT product (out = A . W_e^T per expert, the pipeline of
+// grouped_gemm.cuh) and the weight gradients' TN product (out[e] =
+// A[rows of e]^T . B[rows of e], grouped_gemm_tn below). Launched by
+// backend/cuda/grouped_gemm.go.
+
+#include "grouped_gemm.cuh"
+
+#ifndef GG_TN_EXPERIMENT
+#define GG_TN_EXPERIMENT 0
+#endif
+
+// ---- The NT product ----
+//
+// Three kernels, the ones training runs: cooperative with n tile 128 (6
+// stages) or 256 (4 stages), float32 out, which backend/cuda picks per N
+// (the one that pads N less); and bn256s, bf16 out: bn256 with
+// setmaxnreg (producer 40 registers, consumers 232, which needs the
+// (384, 1) launch bound to fix the entry count at 168), 3 stages and the
+// TMA-store epilogue (it also takes mapO, the output's {N, rows} bf16
+// tensor map with 64x64 boxes and the 128-byte swizzle).
+// Launch: GG_THREADS threads, at most one block per SM (persistent; blocks
+// past the tile count exit at once), dynamic shared memory
+// 1024 + STAGES*(16384 + BN*128) + staging + 16*STAGES + 4*(3E+1)
+// bytes (ggSmemBytes in backend/cuda/grouped_gemm.go).
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn128_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<128, 6, false, false, false>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384) grouped_gemm_nt_bn256_f32(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, void* out, const int* off, int rows,
+    int N, int K, int E, float alpha, float beta) {
+  gg_body<256, 4, false, false, false>(&mapA, &mapW, nullptr, out, off, rows, N, K, E, alpha, beta);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256s_bf16(
+    const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO,
+    void* out, const int* off, int rows, int N, int K, int E, float alpha, float beta) {
+  gg_body<256, 3, true, true, true>(&mapA, &mapW, &mapO, out, off, rows, N, K, E, alpha, beta);
+}
+
+// ---- The TN product: weight gradients ----
+//
+// grouped_gemm_tn: for every expert e with rows [off[e], off[e+1]) of A
+// and B (clamped to [0, rows]),
+//
+//   out[e, :M, :N] = alpha * A[rows of e, :M]^T . B[rows of e, :N] + beta * out[e]
+//
+// A [rows, M] and B [rows, N] are bfloat16 row-major: the experts' output
+// gradients and their inputs, expert-major as the forward left them; out
+// [E, M, N] is float32 (the weight gradients, accumulated with beta 1).
+// An expert's rows are the product's K, read from off on the device, so
+// the host never learns the counts; an empty expert's block is scaled by
+// beta (left as it is for beta 1, never read for beta 0).
+//
+// Tiles. Every expert has ceil(M/128) x ceil(N/256) output tiles whatever
+// its rows, so the tile list (expert-major, m-tile fastest) is fixed by
+// the shapes alone; the CTAs of the persistent grid stride over it. The
+// tiles running together are mostly one expert's, which keeps its A and
+// B rows in L2 while they are read once per n-tile and m-tile.
+//
+// Operands. The K of the product runs down the rows of A and B, so both
+// arrive MN-major: TMA brings 64 rows (K) x 64 columns (M or N) per box
+// with the 128-byte swizzle, two boxes of A (128 of M) and four of B (256
+// of N) per stage, 48 KiB as in the forward's bn256 kernels; the wgmma
+// reads them through MN-major descriptors (gg_desc_mn: 8 K rows of 128
+// bytes per swizzle atom, the next 64 columns one box on) with both
+// transpose bits set, and each k16 step moves 16 K rows (2048 bytes) on.
+// Warpgroup 0's thread 0 issues the loads into a 4-stage ring; consumer
+// warpgroup c computes rows [64c, 64c+64) of the tile's M from box c of
+// A, as gg_body's cooperative mainloop does.
+//
+// An expert's last k-block may hold rows of the next expert (A and B are
+// one 2-D map each; rows past the tensor come in as zeros). Before its
+// wgmmas read that block, each consumer warpgroup zeroes those rows of
+// its A box: whole 128-byte rows, which the swizzle only permutes within,
+// then a proxy fence so the tensor cores see the generic writes. The next
+// expert's B rows then meet zeros (they are finite: every row below rows
+// is some expert's, written before this kernel).
+//
+// Launch: GG_THREADS threads, at most one block per SM, dynamic shared
+// memory 1024 + GG_TN_STAGES * 49152 + 16 * GG_TN_STAGES bytes
+// (ggTNSmemBytes in backend/cuda/grouped_gemm.go).
+#if GG_TN_EXPERIMENT & 1
+#define GG_TN_STAGES 3
+#else
+#define GG_TN_STAGES 4
+#endif
+
+// gg_tn_tile is the expert, first output row (of M) and first column (of
+// N) of tile t; Go twin ggTNTileOf.
+__device__ __forceinline__ void gg_tn_tile(int t, int nTM, int nTN, int& e, int& m0, int& n0) {
+  const int per = nTM * nTN;
+  e = t / per;
+  const int r = t - e * per;
+  m0 = (r % nTM) * GG_BM;
+  n0 = (r / nTM) * 256;
+}
+
+// gg_tn_rows is expert e's row range, clamped to [0, rows].
+__device__ __forceinline__ void gg_tn_rows(const int* off, int e, int rows, int& beg, int& end) {
+  beg = gg_min(gg_max(off[e], 0), rows);
+  end = gg_min(gg_max(off[e + 1], beg), rows);
+}
+
+// gg_epilogue_tn stores one consumer warpgroup's 64x256 float32 block:
+// out = alpha*acc + beta*out, this thread's rows r0 and r0+8 (kept below
+// rowEnd), columns c0 + 8i and c0 + 8i + 1 (kept below N). With beta != 0
+// the old values of four column groups are loaded before any of them is
+// stored, so their loads overlap; gg_store's load-then-store per pair
+// waited a full load latency 64 times a tile (beta 1 made the kernel
+// 1.36x slower than with beta 0 at 53821a3).
+__device__ __forceinline__ void gg_epilogue_tn(const float (&acc)[128], long long r0, int rowEnd, int c0, int N,
+                                               float* out, float alpha, float beta) {
+  constexpr int B = 4;  // column groups per batch of loads
+  const long long r1 = r0 + 8;
+  const bool ok0 = r0 < rowEnd, ok1 = r1 < rowEnd;
+#pragma unroll
+  for (int i0 = 0; i0 < 32; i0 += B) {
+    float old[B][4];
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int col = c0 + 8 * (i0 + u);
+      old[u][0] = old[u][1] = old[u][2] = old[u][3] = 0.0f;
+      if (beta != 0.0f && col < N) {
+        if (ok0)
+          asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(old[u][0]), "=f"(old[u][1]) : "l"(out + r0 * N + col));
+        if (ok1)
+          asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(old[u][2]), "=f"(old[u][3]) : "l"(out + r1 * N + col));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+      const int i = i0 + u, col = c0 + 8 * i;
+      if (col < N) {
+        if (ok0)
+          asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(out + r0 * N + col),
+                       "f"(alpha * acc[4 * i] + beta * old[u][0]), "f"(alpha * acc[4 * i + 1] + beta * old[u][1])
+                       : "memory");
+        if (ok1)
+          asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(out + r1 * N + col),
+                       "f"(alpha * acc[4 * i + 2] + beta * old[u][2]), "f"(alpha * acc[4 * i + 3] + beta * old[u][3])
+                       : "memory");
+      }
+    }
+  }
+}
+
+#if GG_TN_EXPERIMENT & 1
+// The staging of one consumer warpgroup: 64 rows of 64 float32 columns,
+// rows 288 bytes apart (256 and 32 of padding: a warp's 8 rows of a
+// column pair then fall in distinct banks, and every row stays 16-byte
+// aligned for the bulk copy).
+#define GG_TN_STG_ROW 288
+#define GG_TN_STG_BYTES (64 * GG_TN_STG_ROW)
+
+// gg_epilogue_tn_bulk stores (beta 0) or adds (beta 1) one consumer
+// warpgroup's 64x256 block, rows rowBase .. of out (row stride N floats,
+// columns n0 ..), rows at and past rowEnd left out, in four passes of 64
+// columns: the warpgroup writes the pass's columns into stg (after its
+// previous copies have read it), then thread r < 64 sends row r's bytes
+// (up to N) with one bulk copy or bulk reduction.
+__device__ __forceinline__ void gg_epilogue_tn_bulk(const float (&acc)[128], float* out, long long rowBase, int rowEnd,
+                                                    int n0, int N, unsigned stg, int wtid, int warp, int lane, int id,
+                                                    bool add) {
+  const int rl = (warp & 3) * 16 + (lane >> 2);
+  const unsigned rowA = stg + rl * GG_TN_STG_ROW, rowB = rowA + 8 * GG_TN_STG_ROW;
+#pragma unroll
+  for (int pass = 0; pass < 4; pass++) {
+    if (wtid < 64) gg_bulk_wait_read();
+    gg_named_sync(id, 128);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {  // column group 8 pass + j: columns 8j + 2(lane % 4) of the pass
+      const int i = 8 * pass + j;
+      const unsigned o = (unsigned)(8 * j + 2 * (lane & 3)) * 4;
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(rowA + o), "f"(acc[4 * i]), "f"(acc[4 * i + 1]) : "memory");
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(rowB + o), "f"(acc[4 * i + 2]), "f"(acc[4 * i + 3])
+                   : "memory");
+    }
+    // Generic-proxy writes, async-proxy readers: each writer fences its
+    // own writes, then the barrier orders them before the copies.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_named_sync(id, 128);
+    const int c = n0 + 64 * pass;
+    if (wtid < 64 && rowBase + wtid < rowEnd && c < N) {
+      const unsigned bytes = 4u * (unsigned)gg_min(64, N - c);
+      float* dst = out + (rowBase + wtid) * N + c;
+      const unsigned src = stg + wtid * GG_TN_STG_ROW;
+      if (add)
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                     "r"(bytes)
+                     : "memory");
+      else
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+                     : "memory");
+      gg_bulk_commit();
+    }
+  }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn(const __grid_constant__ gg_tmap mapA,
+                                                                     const __grid_constant__ gg_tmap mapB, float* out,
+                                                                     const int* off, int rows, int M, int N, int E,
+                                                                     float alpha, float beta) {
+  constexpr int STAGES = GG_TN_STAGES;
+  constexpr unsigned BOX = 64 * 128;                   // {64 columns, 64 rows} of bf16: 8 KiB
+  constexpr unsigned A_BYTES = 2 * BOX;                // 128 of M
+  constexpr unsigned STAGE_BYTES = A_BYTES + 4 * BOX;  // and 256 of N: 48 KiB
+  const unsigned raw = gg_smem_addr(gg_smem);
+  const unsigned base = (raw + 1023u) & ~1023u;
+#if GG_TN_EXPERIMENT & 1
+  const unsigned stgBase = base + STAGES * STAGE_BYTES;  // two consumers' staging
+  const unsigned bars = stgBase + 2 * GG_TN_STG_BYTES;   // full[STAGES], empty[STAGES]
+#else
+  const unsigned bars = base + STAGES * STAGE_BYTES;  // full[STAGES], empty[STAGES]
+#endif
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(bars + 8 * s, 1);             // full: the producer's expect_tx
+      gg_bar_init(bars + 8 * (STAGES + s), 8);  // empty: one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  const int nTM = (M + GG_BM - 1) / GG_BM, nTN = (N + 255) / 256;
+  const int total = E * nTM * nTN;  // the host checks it fits
+
+  if (warp < 4) {
+    if (tid != 0) return;
+    gg_prefetch_tmap(&mapA);
+    gg_prefetch_tmap(&mapB);
+    int s = 0;
+    unsigned ph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int e, m0, n0, beg, end;
+      gg_tn_tile(t, nTM, nTN, e, m0, n0);
+      gg_tn_rows(off, e, rows, beg, end);
+      for (int k0 = beg; k0 < end; k0 += GG_BK) {
+        const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
+        gg_bar_wait(empty, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+        gg_bar_expect_tx(full, STAGE_BYTES);
+        const unsigned a = base + s * STAGE_BYTES;
+        gg_tma_2d(a, &mapA, m0, k0, full);
+        gg_tma_2d(a + BOX, &mapA, m0 + 64, k0, full);
+#pragma unroll
+        for (int j = 0; j < 4; j++) gg_tma_2d(a + A_BYTES + j * BOX, &mapB, n0 + 64 * j, k0, full);
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile's M.
+  const int cw = (warp >> 2) - 1, wtid = tid - 128 * (cw + 1);
+  float acc[128];
+  int s = 0, prev = 0;
+  unsigned ph = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int e, m0, n0, beg, end;
+    gg_tn_tile(t, nTM, nTN, e, m0, n0);
+    gg_tn_rows(off, e, rows, beg, end);
+    const int nK = (end - beg + GG_BK - 1) / GG_BK;
+    if (nK == 0) {
+      if (beta == 1.0f) continue;  // an empty expert's block stays as it is
+#pragma unroll
+      for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+    }
+    for (int kb = 0; kb < nK; kb++) {
+      gg_bar_wait(bars + 8 * s, ph);
+      const unsigned a = base + s * STAGE_BYTES, boxA = a + cw * BOX;
+      const int valid = end - beg - kb * GG_BK;
+      if (valid < GG_BK) {
+        // Rows [valid, 64) of the block are the next expert's: zero them
+        // in this warpgroup's A box. Every thread takes the same four
+        // 16-byte pieces of the box's 512 and stores those past row valid
+        // (predicated stores, no divergent loop before the wgmmas).
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int i = wtid + 128 * j;
+          if (i >= valid * 8)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(boxA + 16 * i), "r"(0) : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        gg_named_sync(1 + cw, 128);
+      }
+      // Reconverge the warp before the .aligned wgmma instructions.
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned long long da = gg_desc_mn(boxA, BOX), db = gg_desc_mn(a + A_BYTES, BOX);
+      gg_wgmma_fence();
+      gg_fence_acc(acc);
+#pragma unroll
+      for (int kk = 0; kk < GG_BK / 16; kk++) {
+        // +128 in the descriptor's address field is 2048 bytes: 16 rows of K.
+        gg_wgmma<1, 1>(acc, da + 128 * kk, db + 128 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      if (kb > 0) {
+        // The k-block before this one is done with its stage.
+        gg_wgmma_wait<1>();
+        gg_fence_acc(acc);
+        if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+      }
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    if (nK > 0) {
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+    }
+#if GG_TN_EXPERIMENT & 1
+    if (alpha == 1.0f && (beta == 0.0f || beta == 1.0f)) {
+      gg_epilogue_tn_bulk(acc, out + (long long)e * M * N, (long long)m0 + cw * 64, M, n0, N,
+                          stgBase + cw * GG_TN_STG_BYTES, wtid, warp, lane, 1 + cw, beta == 1.0f);
+      continue;
+    }
+#endif
+    const long long r0 = (long long)m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
+    gg_epilogue_tn(acc, r0, M, n0 + 2 * (lane & 3), N, out + (long long)e * M * N, alpha, beta);
+  }
+#if GG_TN_EXPERIMENT & 1
+  if (wtid < 64) gg_bulk_wait();  // the last tile's copies have landed
+#endif
+}
