@@ -406,3 +406,36 @@ func TestAdviceOffersNoClipping(t *testing.T) {
 		t.Errorf("experts updated in the backward: %v", err)
 	}
 }
+
+// TestFusedRingPlan: the fused ring's scratch on CUDA is one delta for
+// the rank's layers, and in one pass bf16 copies of q, da, k and v where
+// the two-pass ring's dk/dv pass writes a partial dk, dv per query head of
+// a GQA group.
+func TestFusedRingPlan(t *testing.T) {
+	gpu := CUDADevice("gpu", 0, 0)
+	ring := func(onePass bool) int64 {
+		c := small()
+		c.CP, c.Seq, c.CPAttention, c.CPRingFused, c.CPRingOnePass = 2, 512, CPRing, true, onePass
+		p, err := New(c, gpu)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n int64
+		for _, x := range append(p.Rank, p.Shared...) {
+			if x.What == "attention ring" {
+				n += x.Bytes
+			}
+		}
+		return n
+	}
+	// Per rank: 8 sequences of 256 local rows, 4 heads of 16 over 2 kv
+	// heads.
+	const T, Q, KD, lse = 8 * 256, 4 * 16, 2 * 16, 8 * 4 * 256
+	delta := cudaSizeClass(lse * 4)
+	if got, want := ring(false), delta+cudaSizeClass(2*2*T*KD*4); got != want {
+		t.Errorf("two passes: the ring's terms are %d bytes, want %d (delta and the dk, dv partials)", got, want)
+	}
+	if got, want := ring(true), delta+2*cudaSizeClass(T*Q*2)+2*cudaSizeClass(T*KD*2); got != want {
+		t.Errorf("one pass: the ring's terms are %d bytes, want %d (delta and the bf16 copies)", got, want)
+	}
+}
