@@ -43,6 +43,20 @@ const zigzagHopperMaxRanks = 8
 // of 128 rows, at most zigzagHopperMaxRanks ranks, and not under
 // SetDeterministic (dq's adds land in the order blocks run).
 func (b *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
+	if err := b.zigzagOnePassTakes(s); err != nil {
+		return err
+	}
+	if b.deterministic.Load() {
+		return fmt.Errorf("the one-pass fused ring adds dq in the order its blocks run, which train.deterministic does not allow")
+	}
+	return nil
+}
+
+// zigzagOnePassTakes is ZigzagAttentionOnePass without the
+// SetDeterministic check: whether the kernels run s at all. The ops check
+// only this, so that a layer built before a SetDeterministic(true) keeps
+// running (with dq's adds in no fixed order) instead of failing mid-run.
+func (b *Backend) zigzagOnePassTakes(s backend.ZigzagShape) error {
 	if err := b.ZigzagAttentionSupports(s); err != nil {
 		return err
 	}
@@ -53,8 +67,6 @@ func (b *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
 		return fmt.Errorf("the one-pass fused ring needs chunks (seq/(2*cp) = %d) that are a multiple of %d", s.Chunk, hopperAttnBM)
 	case s.Ranks > zigzagHopperMaxRanks:
 		return fmt.Errorf("the one-pass fused ring takes at most %d ranks, not %d", zigzagHopperMaxRanks, s.Ranks)
-	case b.deterministic.Load():
-		return fmt.Errorf("the one-pass fused ring adds dq in the order its blocks run, which train.deterministic does not allow")
 	}
 	return nil
 }
@@ -119,7 +131,7 @@ func rankMaps(ps []driver.DevicePtr, m func(driver.DevicePtr) driver.TiledMap) [
 // (q's map, then zigzagHopperMaxRanks maps each of k and v).
 func (b *Backend) zigzagForwardHopper(outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionForward"
-	if err := b.ZigzagAttentionOnePass(s); err != nil {
+	if err := b.zigzagOnePassTakes(s); err != nil {
 		fail(op, "bf16 q, k and v: %v", err)
 	}
 	rows := s.Batch * 2 * s.Chunk
@@ -174,7 +186,7 @@ func (b *Backend) ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ backend.Tensor, s
 // entry holding zigzagHopperMaxRanks pointers each of lse and delta.
 func (b *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionBackward"
-	if err := b.ZigzagAttentionOnePass(s); err != nil {
+	if err := b.zigzagOnePassTakes(s); err != nil {
 		fail(op, "%v", err)
 	}
 	rows := s.Batch * 2 * s.Chunk
