@@ -54,10 +54,6 @@ func Sources() []Source {
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
 		}},
-		{File: "grouped_gemm_lab.cu", Production: "grouped_gemm.cu", Variants: []Variant{
-			{Name: "tn-bulk-epilogue", Defines: []string{"GG_TN_EXPERIMENT=1"}, Exact: true,
-				Purpose: "grouped_gemm_tn's float32 blocks staged in shared memory and sent row by row with bulk copies (beta 0) or bulk add reductions (beta 1), three operand stages instead of four; launched in place of production's by TestGroupedGemmTNLab"},
-		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
