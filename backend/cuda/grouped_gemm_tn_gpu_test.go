@@ -134,7 +134,8 @@ func ggTNReference(a, b, out0 []float32, off []int32, m, n int, alpha, beta floa
 
 // TestGroupedGemmTNFigures times the weight-gradient products of
 // moe-small (8 experts, D 1024, F 2816) and the fine-grained shape (64
-// experts, D 2048, F 1408) on one rank's routed rows, evenly spread:
+// experts, D 2048, F 1408; at twice and at once moe-fine's rows) on one
+// rank's routed rows, evenly spread:
 // RunTN against the cuBLASLt loop (one product per expert), after checking
 // that the two agree, with beta 0 and then beta 1.
 func TestGroupedGemmTNFigures(t *testing.T) {
@@ -154,6 +155,9 @@ func TestGroupedGemmTNFigures(t *testing.T) {
 	}{
 		{"moe-small dW1", 32768, 8, 2816, 1024}, {"moe-small dW2", 32768, 8, 1024, 2816},
 		{"fine dW1", 98304, 64, 1408, 2048}, {"fine dW2", 98304, 64, 2048, 1408},
+		// moe-fine's own calls: 4 x 2048 tokens x top 6 = 49152 rows, 768
+		// an expert (12 k-blocks a tile), half the K of the rows above.
+		{"moe-fine dW1", 49152, 64, 1408, 2048}, {"moe-fine dW2", 49152, 64, 2048, 1408},
 	} {
 		counts := make([]int, s.e)
 		for i := range counts {
