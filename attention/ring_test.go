@@ -102,6 +102,18 @@ func runCores(t *testing.T, b backend.Backend, s attention.Shape, mode attention
 	return out
 }
 
+// runPair is one output of two coreRuns.
+type runPair struct {
+	name      string
+	got, want []float64
+}
+
+// pairs lines up the five outputs of got and want.
+func pairs(got, want coreRun) []runPair {
+	return []runPair{{"out", got.a, want.a}, {"lse", got.lse, want.lse}, {"dq", got.dq, want.dq},
+		{"dk", got.dk, want.dk}, {"dv", got.dv, want.dv}}
+}
+
 // maxRelDiff is the largest |a-b| over the elements, relative to the rms
 // of b.
 func maxRelDiff(a, b []float64) float64 {
@@ -154,9 +166,8 @@ func TestRingMatchesAllGather(t *testing.T) {
 			// order: the same bits.
 			fused := runCores(t, b, c.s, attention.CPRing, false, c.batch, seq, in)
 			for r := range in {
-				for _, x := range [][2][]float64{{fused[r].a, want[r].a}, {fused[r].lse, want[r].lse}, {fused[r].dq, want[r].dq},
-					{fused[r].dk, want[r].dk}, {fused[r].dv, want[r].dv}} {
-					if d := maxAbsDiff(x[0], x[1]); d != 0 {
+				for _, x := range pairs(fused[r], want[r]) {
+					if d := maxAbsDiff(x.got, x.want); d != 0 {
 						t.Errorf("rank %d: the fused ring differs from the all-gather path by %g (want the same bits)", r, d)
 					}
 				}
@@ -164,13 +175,7 @@ func TestRingMatchesAllGather(t *testing.T) {
 			got := runCores(t, b, c.s, attention.CPRing, true, c.batch, seq, in)
 			var worst float64
 			for r := range in {
-				for _, x := range []struct {
-					name      string
-					got, want []float64
-				}{
-					{"out", got[r].a, want[r].a}, {"lse", got[r].lse, want[r].lse}, {"dq", got[r].dq, want[r].dq},
-					{"dk", got[r].dk, want[r].dk}, {"dv", got[r].dv, want[r].dv},
-				} {
+				for _, x := range pairs(got[r], want[r]) {
 					e := maxRelDiff(x.got, x.want)
 					worst = max(worst, e)
 					if e > c.tol {
@@ -227,13 +232,7 @@ func TestFusedRingOnePass(t *testing.T) {
 			want := runCores(t, b, c.s, attention.CPAllGather, false, c.batch, seq, in)
 			got := runCores(t, onePassCPU{b}, c.s, attention.CPRing, false, c.batch, seq, in)
 			for r := range in {
-				for _, x := range []struct {
-					name      string
-					got, want []float64
-				}{
-					{"out", got[r].a, want[r].a}, {"lse", got[r].lse, want[r].lse}, {"dq", got[r].dq, want[r].dq},
-					{"dk", got[r].dk, want[r].dk}, {"dv", got[r].dv, want[r].dv},
-				} {
+				for _, x := range pairs(got[r], want[r]) {
 					if e := maxRelDiff(x.got, x.want); !(e < 1e-12) {
 						t.Errorf("rank %d: the one-pass ring's %s differs from the all-gather path's by %.3g of its rms", r, x.name, e)
 					}

@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"unsafe"
 
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cuda/driver"
@@ -205,6 +206,19 @@ type namedMap struct {
 // dynamic shared memory the first time it asks for that much. The maps
 // are checked here and encoded on the device thread.
 func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedMap, slots []uint64) error {
+	return launchEncoded(d, op, kern, grid, maps, func(enc *driver.TensorMapEncoder, tiled []driver.TiledMap, pin *runtime.Pinner) ([]unsafe.Pointer, error) {
+		return mappedParams(enc, tiled, slots, pin, func(i int) string {
+			return "cuda: " + op + ": " + maps[i].name + " tensor map"
+		})
+	})
+}
+
+// launchEncoded checks maps, then on the device thread opts kern in to
+// grid.Shared bytes of dynamic shared memory, builds the parameter list
+// with params (which encodes the maps and pins what it points at) and
+// queues kern.
+func launchEncoded(d *Device, op string, kern *Kernel, grid Grid, maps []namedMap,
+	params func(enc *driver.TensorMapEncoder, tiled []driver.TiledMap, pin *runtime.Pinner) ([]unsafe.Pointer, error)) error {
 	tiled := make([]driver.TiledMap, len(maps))
 	for i, m := range maps {
 		if err := m.m.Check(); err != nil {
@@ -222,13 +236,11 @@ func launchWithMaps(d *Device, op string, kern *Kernel, grid Grid, maps []namedM
 		}
 		var pin runtime.Pinner
 		defer pin.Unpin()
-		params, err := mappedParams(enc, tiled, slots, &pin, func(i int) string {
-			return "cuda: " + op + ": " + maps[i].name + " tensor map"
-		})
+		ps, err := params(enc, tiled, &pin)
 		if err != nil {
 			return err
 		}
-		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
+		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, ps); err != nil {
 			return fmt.Errorf("%s: %w", kern.Desc.Name, err)
 		}
 		return nil

@@ -237,28 +237,19 @@ func (b *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK
 // one block parameter, maps encoded one after another and then tail (each
 // entry 128 bytes, a map's size), followed by the 8-byte argument slots.
 func (b *Backend) launchMapBlock(op, name string, grid Grid, maps []driver.TiledMap, tail []driver.TensorMap, slots []uint64) error {
-	d := b.dev
-	kern, err := sourceKernel(d, "attention_hopper.cu", name)
+	kern, err := sourceKernel(b.dev, "attention_hopper.cu", name)
 	if err != nil {
 		return err
 	}
+	named := make([]namedMap, len(maps))
 	for i, m := range maps {
-		if err := m.Check(); err != nil {
-			return fmt.Errorf("cuda: %s: tensor map %d: %w", op, i, err)
-		}
+		named[i] = namedMap{fmt.Sprintf("tensor map %d", i), m}
 	}
-	enc, err := d.TensorMapEncoder()
-	if err != nil {
-		return fmt.Errorf("cuda: %s: %w", op, err)
-	}
-	return d.Submit(func() error {
-		if err := optInShared(d, kern, grid.Shared); err != nil {
-			return err
-		}
-		block := make([]driver.TensorMap, len(maps), len(maps)+len(tail))
-		for i, m := range maps {
+	return launchEncoded(b.dev, op, kern, grid, named, func(enc *driver.TensorMapEncoder, tiled []driver.TiledMap, pin *runtime.Pinner) ([]unsafe.Pointer, error) {
+		block := make([]driver.TensorMap, len(tiled), len(tiled)+len(tail))
+		for i, m := range tiled {
 			if err := enc.EncodeTiled(&block[i], m); err != nil {
-				return fmt.Errorf("cuda: %s: tensor map %d: %w", op, i, err)
+				return nil, fmt.Errorf("cuda: %s: %s: %w", op, named[i].name, err)
 			}
 		}
 		block = append(block, tail...)
@@ -266,14 +257,9 @@ func (b *Backend) launchMapBlock(op, name string, grid Grid, maps []driver.Tiled
 		for i := range slots {
 			params = append(params, unsafe.Pointer(&slots[i]))
 		}
-		var pin runtime.Pinner
-		defer pin.Unpin()
 		pin.Pin(&block[0])
 		pin.Pin(&slots[0])
 		pin.Pin(&params[0])
-		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, params); err != nil {
-			return fmt.Errorf("%s: %w", name, err)
-		}
-		return nil
+		return params, nil
 	})
 }
