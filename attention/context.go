@@ -97,26 +97,9 @@ func NewContextParallel(b backend.Backend, s Shape, batch, seq int, group comm.G
 		return nil, err
 	}
 	if w == 1 {
-		return newLayer(b, s, batch, seq, opts, false)
+		return newLayer(b, s, batch, seq, opts, nil)
 	}
-	c := seq / (2 * w)
-	l, err := newLayer(b, s, batch, 2*c, opts, true)
-	if err != nil {
-		return nil, err
-	}
-	var o options
-	for _, opt := range opts {
-		opt(&o)
-	}
-	mode := o.cpMode
-	if mode == "" {
-		mode = CPAllGather
-	}
-	// l.s: this rank's heads under tensor parallelism.
-	if l.cp, err = newContextCore(b, l.s, batch, seq, group, mode, l.sc, o.layer); err != nil {
-		return nil, err
-	}
-	return l, nil
+	return newLayer(b, s, batch, seq/w, opts, &contextGroup{group: group, fullSeq: seq})
 }
 
 // allGather is a ContextCore's state in mode allgather.

@@ -45,24 +45,36 @@ func runBlock(b backend.Backend, l *attention.Layer, s attention.Shape, p *atten
 // virtual ranks, each data replica holding batch sequences and each cp rank
 // its zigzag chunks of them, and checks every rank's output and dx rows,
 // and the weight gradients summed over all ranks, against one Layer of New
-// on the whole batch of full sequences.
+// on the whole batch of full sequences: to 1e-10 in float64, and with
+// onePass (the fused ring in one pass, whose Layer keeps q, k and v in
+// bf16 as the GPU's does, on onePassCPU) to 2e-2 of each tensor's norm,
+// bf16's rounding of q, k, v and da (2^-9 relative each) carried through
+// the softmax and the products; a fault of the flow shows as order 1.
 func TestContextParallelMatchesOneRank(t *testing.T) {
 	s := attention.Shape{Dim: 16, Heads: 4, KVHeads: 2, RopeTheta: 10000}
 	for _, c := range []struct {
 		dp, cp, batch, chunk int // batch per data replica, chunk length C
 		mode                 attention.CPMode
+		onePass              bool
 	}{
-		{1, 1, 2, 3, attention.CPAllGather},
-		{1, 2, 2, 3, attention.CPAllGather},
-		{1, 4, 2, 2, attention.CPAllGather},
-		{2, 2, 1, 3, attention.CPAllGather},
-		{1, 2, 2, 3, attention.CPRing},
-		{1, 3, 2, 2, attention.CPRing},
-		{1, 4, 2, 2, attention.CPRing},
-		{2, 2, 1, 3, attention.CPRing},
+		{1, 1, 2, 3, attention.CPAllGather, false},
+		{1, 2, 2, 3, attention.CPAllGather, false},
+		{1, 4, 2, 2, attention.CPAllGather, false},
+		{2, 2, 1, 3, attention.CPAllGather, false},
+		{1, 2, 2, 3, attention.CPRing, false},
+		{1, 3, 2, 2, attention.CPRing, false},
+		{1, 4, 2, 2, attention.CPRing, false},
+		{2, 2, 1, 3, attention.CPRing, false},
+		{1, 2, 2, 3, attention.CPRing, true},
+		{1, 4, 2, 2, attention.CPRing, true},
+		{2, 2, 1, 3, attention.CPRing, true},
 	} {
-		t.Run(fmt.Sprintf("dp%d_cp%d_%s", c.dp, c.cp, c.mode), func(t *testing.T) {
-			b := cpu.New(backend.Float64)
+		name := fmt.Sprintf("dp%d_cp%d_%s", c.dp, c.cp, c.mode)
+		if c.onePass {
+			name += "_one_pass"
+		}
+		t.Run(name, func(t *testing.T) {
+			var b backend.Backend = cpu.New(backend.Float64)
 			rng := rand.New(rand.NewPCG(uint64(c.cp), uint64(c.dp)))
 			B, S := c.dp*c.batch, 2*c.cp*c.chunk
 			w := hostParams{
@@ -82,6 +94,9 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 				t.Fatal(err)
 			}
 
+			if c.onePass {
+				b = onePassCPU{b.(*cpu.Backend)}
+			}
 			ranks, err := comm.NewLocal(comm.Mesh{DP: c.dp, EP: 1, CP: c.cp, TP: 1}, b)
 			if err != nil {
 				t.Fatal(err)
@@ -110,6 +125,9 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
+				if c.onePass && l.ContextPath() != "fused ring in one pass" {
+					t.Fatalf("the layer runs the %s, want the fused ring in one pass", l.ContextPath())
+				}
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
@@ -125,15 +143,13 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 				}
 			}
 
-			const tol = 1e-10
+			// Every rank's rows in local order, beside the one rank's
+			// same rows, and the weight gradients summed over the ranks.
+			var gotOut, wantOut, gotDX, wantDX []float64
 			for r := range ranks {
 				for n, row := range rows[r] {
-					for name, pair := range map[string][2][]float64{"out": {got[r].out, want.out}, "dx": {got[r].dx, want.dx}} {
-						g, w := pair[0][n*s.Dim:(n+1)*s.Dim], pair[1][row*s.Dim:(row+1)*s.Dim]
-						if e := maxAbsDiff(g, w); e > tol {
-							t.Fatalf("rank %d, local row %d (sequence %d, position %d): %s differs by %.3g", r, n, row/S, row%S, name, e)
-						}
-					}
+					gotOut, wantOut = append(gotOut, got[r].out[n*s.Dim:(n+1)*s.Dim]...), append(wantOut, want.out[row*s.Dim:(row+1)*s.Dim]...)
+					gotDX, wantDX = append(gotDX, got[r].dx[n*s.Dim:(n+1)*s.Dim]...), append(wantDX, want.dx[row*s.Dim:(row+1)*s.Dim]...)
 				}
 			}
 			sum := hostParams{}
@@ -141,11 +157,17 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 				sum.wq, sum.wk = addInto(sum.wq, got[r].g.wq), addInto(sum.wk, got[r].g.wk)
 				sum.wv, sum.wo = addInto(sum.wv, got[r].g.wv), addInto(sum.wo, got[r].g.wo)
 			}
-			for name, pair := range map[string][2][]float64{
-				"dWq": {sum.wq, want.g.wq}, "dWk": {sum.wk, want.g.wk}, "dWv": {sum.wv, want.g.wv}, "dWo": {sum.wo, want.g.wo},
-			} {
-				if e := maxAbsDiff(pair[0], pair[1]); e > tol {
-					t.Errorf("%s summed over ranks differs from one rank's by %.3g", name, e)
+			for _, x := range []struct {
+				name      string
+				got, want []float64
+			}{{"out", gotOut, wantOut}, {"dx", gotDX, wantDX}, {"dWq", sum.wq, want.g.wq}, {"dWk", sum.wk, want.g.wk}, {"dWv", sum.wv, want.g.wv}, {"dWo", sum.wo, want.g.wo}} {
+				if c.onePass {
+					// Measured 2e-3..9e-3.
+					if e := relNormErr(x.got, x.want); !(e < 2e-2) {
+						t.Errorf("%s differs from one rank's by %.3g of its norm", x.name, e)
+					}
+				} else if e := maxAbsDiff(x.got, x.want); !(e < 1e-10) {
+					t.Errorf("%s differs from one rank's by %.3g", x.name, e)
 				}
 			}
 		})

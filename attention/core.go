@@ -39,7 +39,8 @@ const (
 // Layouts, with B = batch, C = seq/(2W) and local rows b*2C + l (chunk rank
 // for l < C, chunk 2W-1-rank after it): q and a are [B*2C, H*Dh], k and v
 // [B*2C, KV*Dh], lse [B, 2, H, C]. With a group of one rank it is plain
-// causal attention over [B*seq] rows, lse [B, H, seq].
+// causal attention over [B*seq] rows, lse [B, H, seq]. q, k and v are of
+// the type QKVType names; every other tensor is of the float type.
 type ContextCore struct {
 	b                 backend.Backend
 	s                 Shape
@@ -56,6 +57,8 @@ type ContextCore struct {
 	// ring (ring_fused.go) or the portable ring (ring.go), chosen by
 	// newContextCore.
 	impl contextImpl
+	// qkvType is the type of q, k and v (QKVType).
+	qkvType backend.DType
 }
 
 // NewContextCore allocates a core for micro-batches of batch sequences of
@@ -86,7 +89,7 @@ func newContextCore(b backend.Backend, s Shape, batch, seq int, group comm.Group
 	if _, err := ZigzagPositions(seq, w, group.Rank()); err != nil {
 		return nil, err
 	}
-	c := &ContextCore{b: b, s: s, g: group, mode: mode, w: w, rank: group.Rank(), batch: batch, seq: seq}
+	c := &ContextCore{b: b, s: s, g: group, mode: mode, w: w, rank: group.Rank(), batch: batch, seq: seq, qkvType: b.FloatType()}
 	if w == 1 {
 		return c, nil
 	}
@@ -104,8 +107,18 @@ func newContextCore(b backend.Backend, s Shape, batch, seq int, group comm.Group
 	if err != nil {
 		return nil, err
 	}
+	if f, ok := c.impl.(*fusedRing); ok && f.onePass {
+		c.qkvType = backend.BFloat16
+	}
 	return c, nil
 }
+
+// QKVType is the type Forward takes q, k and v in: bf16 where the core is
+// the fused ring in one pass (its kernels read bf16 tiles, and a Layer's
+// RoPE writes them so, as it does for the attention of one rank), else the
+// backend's float type, which the collectives and the other kernels move
+// and read.
+func (c *ContextCore) QKVType() backend.DType { return c.qkvType }
 
 // contextImpl is one way of running a core of W > 1 ranks: Forward and
 // Backward check the tensors, then call it.
@@ -151,8 +164,9 @@ func (c *ContextCore) Mode() CPMode { return c.mode }
 // Forward writes aTQ, the attention output of this rank's query rows, and
 // lseBHS, their log-sum-exp, from this rank's rotated qTQ, kTK and vTK (see
 // ContextCore for the layouts). It keeps all five by reference for
-// Backward. It fails on tensors of the wrong size or a failed transfer (a
-// peer aborted the group; the rank should then abort its groups too).
+// Backward. It fails on tensors of the wrong size or type or a failed
+// transfer (a peer aborted the group; the rank should then abort its
+// groups too).
 func (c *ContextCore) Forward(aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error {
 	c.aTQ = nil
 	rows, q, kd := c.localRows(), c.s.Heads*c.s.HeadDim(), c.s.KVHeads*c.s.HeadDim()
@@ -163,6 +177,14 @@ func (c *ContextCore) Forward(aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error {
 	}{{"a", aTQ, rows * q}, {"lse", lseBHS, c.batch * c.s.Heads * c.seq / c.w}, {"q", qTQ, rows * q}, {"k", kTK, rows * kd}, {"v", vTK, rows * kd}} {
 		if a.t == nil || a.t.Len() != a.n {
 			return fmt.Errorf("attention: context core Forward: %s has %s, want %d elements", a.name, describe(a.t), a.n)
+		}
+	}
+	for _, a := range []struct {
+		name string
+		t    backend.Tensor
+	}{{"q", qTQ}, {"k", kTK}, {"v", vTK}} {
+		if a.t.DType() != c.qkvType {
+			return fmt.Errorf("attention: context core Forward: %s is %v, want %v (the core's QKVType)", a.name, a.t.DType(), c.qkvType)
 		}
 	}
 	var err error

@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/tensorpar"
 )
 
@@ -85,13 +86,14 @@ type Layer struct {
 	vTK       backend.Tensor // of type qkvType
 	// qkvType is the type q, k and v are kept in: the backend's operand
 	// type (bf16 on the GPU, which the attention core reads as it is) on a
-	// Layer whose core is the backend's attention, the float type on a
-	// context-parallel one (its collectives move float keys and values).
+	// Layer whose core is the backend's attention, on a context-parallel
+	// one its ContextCore's QKVType (bf16 for the fused ring in one pass;
+	// the float type where collectives move float keys and values).
 	// Where it is not the float type, the projections of q and k write
 	// float32 into the backward's dq and dk scratch (free during Forward)
 	// and RoPE rounds them once into qTQ and kTK.
 	qkvType backend.DType
-	aTQ     backend.Tensor // attention output, the input of o_proj (bf16 beside bf16 q, k, v without tensor parallelism)
+	aTQ     backend.Tensor // attention output, the input of o_proj (bf16 beside bf16 q, k, v on one rank without tensor parallelism)
 	lseBHS  backend.Tensor
 	// recompute is set by RecomputeCore: aTQ and lseBHS are then the
 	// shared Scratch's (core), overwritten by the next layer's Forward,
@@ -281,7 +283,7 @@ func TensorParallelShape(s Shape, tp, r int) (heads, kvHeads, kvRow int) {
 // shared Scratch sized for the same shape and tokens; the engine validates
 // its config before building layers, so New panics on a violation.
 func New(b backend.Backend, s Shape, batch, seq int, opts ...Option) *Layer {
-	l, err := newLayer(b, s, batch, seq, opts, false)
+	l, err := newLayer(b, s, batch, seq, opts, nil)
 	if err != nil {
 		panic(err.Error())
 	}
@@ -292,12 +294,23 @@ func New(b backend.Backend, s Shape, batch, seq int, opts ...Option) *Layer {
 // any options), returning an error instead of panicking on a shape the
 // tensor-parallel group cannot split.
 func NewTensorParallel(b backend.Backend, s Shape, batch, seq int, opts ...Option) (*Layer, error) {
-	return newLayer(b, s, batch, seq, opts, false)
+	return newLayer(b, s, batch, seq, opts, nil)
 }
 
 // newLayer is New and NewTensorParallel, and NewContextParallel's Layer
 // with contextParallel (its core is then not the backend's attention).
-func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, contextParallel bool) (*Layer, error) {
+// contextGroup is what newLayer needs to build a Layer's ContextCore: the
+// group and the full sequence (seq is then the rank's local rows a
+// sequence, 2C).
+type contextGroup struct {
+	group   comm.Group
+	fullSeq int
+}
+
+// newLayer allocates a Layer; with cp set, a context-parallel one, whose
+// ContextCore it builds first (the core says what type q, k and v are
+// kept in).
+func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, cp *contextGroup) (*Layer, error) {
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
@@ -326,17 +339,12 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, context
 		s = Shape{Dim: h * s.HeadDim(), Heads: h, KVHeads: kv, RopeTheta: s.RopeTheta}
 	}
 	q, kd := s.Heads*s.HeadDim(), s.KVHeads*s.HeadDim()
-	qkvType := b.OperandType()
-	if contextParallel {
-		qkvType = ft
-	}
-	// The core's output a and its gradient da: in the operand type beside
-	// bf16 q, k and v (the core writes a so and reads da so, o_proj's
-	// forward reads a and its backward writes da so), else of the float
-	// type, which the context-parallel cores and tensor parallelism's
-	// products take.
-	daType := qkvType
-	if o.tp.Enabled() {
+	// The core's output a and its gradient da: in the operand type on one
+	// rank (the core writes a so and reads da so, o_proj's forward reads a
+	// and its backward writes da so), else of the float type, which the
+	// context-parallel cores and tensor parallelism's products take.
+	daType := b.OperandType()
+	if o.tp.Enabled() || cp != nil {
 		daType = ft
 	}
 	if err := o.scratch.fit(b, daType, T, D, q, kd); err != nil {
@@ -346,6 +354,19 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, context
 		if err := o.scratch.fitTP(b, T, rows, D); err != nil {
 			return nil, err
 		}
+	}
+	qkvType := b.OperandType()
+	var core *ContextCore
+	if cp != nil {
+		mode := o.cpMode
+		if mode == "" {
+			mode = CPAllGather
+		}
+		var err error
+		if core, err = newContextCore(b, s, batch, cp.fullSeq, cp.group, mode, o.scratch, o.layer); err != nil {
+			return nil, err
+		}
+		qkvType = core.QKVType()
 	}
 	sc := o.scratch
 	var aTQ, lseBHS backend.Tensor
@@ -383,6 +404,7 @@ func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, context
 		aTQ:       aTQ,
 		lseBHS:    lseBHS,
 		recompute: o.recompute && !o.layer,
+		cp:        core,
 		sc:        sc,
 		outBeta:   outBeta(o.addToOut),
 		daTQ:      sc.daTQ,

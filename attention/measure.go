@@ -49,8 +49,9 @@ func MeasureContext(b backend.Backend, s Shape, batch, seq, w, iters int) (Conte
 	}
 	modes := []CPMode{CPAllGather, CPRing}
 	type rankState struct {
-		cores                           []*ContextCore
-		q, k, v, a, lse, da, dq, dk, dv backend.Tensor
+		cores                  []*ContextCore
+		qkv                    [][3]backend.Tensor // q, k, v per mode, of its core's QKVType
+		a, lse, da, dq, dk, dv backend.Tensor
 	}
 	rows, qw, kd := batch*seq/w, s.Heads*s.HeadDim(), s.KVHeads*s.HeadDim()
 	rng := rand.New(rand.NewPCG(uint64(w), uint64(seq)))
@@ -63,17 +64,29 @@ func MeasureContext(b backend.Backend, s Shape, batch, seq, w, iters int) (Conte
 		backend.UploadSlice(b, t, host)
 		return t
 	}
+	// as is x in type dt: x itself, or a copy (the one-pass ring's cores
+	// take q, k and v in bf16, as the layers keep them).
+	as := func(dt backend.DType, x backend.Tensor) backend.Tensor {
+		if x.DType() == dt {
+			return x
+		}
+		y := b.New(dt, x.Shape()...)
+		b.Copy(y, x)
+		return y
+	}
 	states := make([]rankState, w)
 	for r, rk := range world {
 		st := &states[r]
+		q, k, v := random(rows, qw), random(rows, kd), random(rows, kd)
 		for _, m := range modes {
 			c, err := NewContextCore(b, s, batch, seq, rk.Context, m)
 			if err != nil {
 				return ContextTiming{}, err
 			}
 			st.cores = append(st.cores, c)
+			st.qkv = append(st.qkv, [3]backend.Tensor{as(c.QKVType(), q), as(c.QKVType(), k), as(c.QKVType(), v)})
 		}
-		st.q, st.k, st.v, st.da = random(rows, qw), random(rows, kd), random(rows, kd), random(rows, qw)
+		st.da = random(rows, qw)
 		st.a, st.dq = b.New(b.FloatType(), rows, qw), b.New(b.FloatType(), rows, qw)
 		st.dk, st.dv = b.New(b.FloatType(), rows, kd), b.New(b.FloatType(), rows, kd)
 		st.lse = b.New(b.FloatType(), batch*s.Heads*seq/w)
@@ -82,7 +95,8 @@ func MeasureContext(b backend.Backend, s Shape, batch, seq, w, iters int) (Conte
 		b.Sync, func(r, mode int) error {
 			st := &states[r]
 			c := st.cores[mode]
-			if err := c.Forward(st.a, st.lse, st.q, st.k, st.v); err != nil {
+			qkv := st.qkv[mode]
+			if err := c.Forward(st.a, st.lse, qkv[0], qkv[1], qkv[2]); err != nil {
 				return err
 			}
 			return c.Backward(st.dq, st.dk, st.dv, st.da)

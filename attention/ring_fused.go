@@ -11,13 +11,13 @@ package attention
 // do. It runs in one of two ways.
 //
 // One pass (backend.ZigzagAttentionOnePass takes the shape: the Hopper
-// core's attn_h_zz_* on CUDA, not under train.deterministic). Each rank
-// rounds its q, k and v (and in the backward dout) to bf16 in the
-// Scratch before the meeting, as the Hopper core's own callers do.
+// core's attn_h_zz_* on CUDA, not under train.deterministic). q, k and v
+// come in bf16 (ContextCore.QKVType: a Layer's RoPE writes them so); each
+// rank rounds its da to bf16 in the Scratch before the backward's meeting.
 //
 //	forward:  after PeerTensors(k, v), r's forward reads every rank's k
-//	          and v; Barrier, so no rank overwrites its bf16 k or v (the
-//	          next layer's) while a peer still reads them.
+//	          and v; Barrier, so no rank overwrites its k or v (the next
+//	          layer's) while a peer still reads them.
 //	backward: r writes its delta (D_i = rowsum(da*a)) and zeroes its dq;
 //	          PeerTensors(dq, q, da, lse, delta); r's one kernel walks
 //	          every query that sees r's keys, writes r's dk and dv and adds
@@ -43,8 +43,8 @@ package attention
 // pass (or the one-pass backward) reads H/KV times more bytes of queries
 // than k and v would be, for GQA, in exchange for no buffers in flight.
 //
-// The delta and the bf16 copies are the Scratch's, one set for the rank's
-// layers: each layer's use ends at its closing Barrier.
+// The delta and the bf16 copy of da are the Scratch's, one set for the
+// rank's layers: each layer's use ends at its closing Barrier.
 
 import (
 	"fmt"
@@ -70,15 +70,15 @@ type zzScratch struct {
 	// deltaBHS is this rank's D_i of the backward under way, [B, 2, H, C]:
 	// the peers' dk/dv passes read it.
 	deltaBHS backend.Tensor
-	// One pass: bf16 copies of q, da [B*2C, H*Dh], k and v [B*2C, KV*Dh];
+	// daTQ is da rounded to bf16 [B*2C, H*Dh] for the one-pass backward;
 	// nil on the two-pass ops.
-	qTQ, daTQ, kTK, vTK backend.Tensor
+	daTQ backend.Tensor
 }
 
-// fitZZ allocates the fused ring's scratch for rows local rows, q and kd
-// columns and lse elements of delta (bf16 copies too with onePass), or
+// fitZZ allocates the fused ring's scratch for rows local rows of q
+// columns and lse elements of delta (with onePass da's bf16 copy too), or
 // checks that it has that size.
-func (sc *Scratch) fitZZ(b backend.Backend, rows, q, kd, lse int, onePass bool) error {
+func (sc *Scratch) fitZZ(b backend.Backend, rows, q, lse int, onePass bool) error {
 	if sc.zz == nil {
 		sc.zz = &zzScratch{deltaBHS: b.New(b.FloatType(), lse)}
 	}
@@ -89,14 +89,13 @@ func (sc *Scratch) fitZZ(b backend.Backend, rows, q, kd, lse int, onePass bool) 
 	if !onePass {
 		return nil
 	}
-	if z.qTQ == nil {
-		z.qTQ, z.daTQ = b.New(backend.BFloat16, rows, q), b.New(backend.BFloat16, rows, q)
-		z.kTK, z.vTK = b.New(backend.BFloat16, rows, kd), b.New(backend.BFloat16, rows, kd)
+	if z.daTQ == nil {
+		z.daTQ = b.New(backend.BFloat16, rows, q)
 		return nil
 	}
-	if z.qTQ.Len() != rows*q || z.kTK.Len() != rows*kd {
-		return fmt.Errorf("attention: the shared scratch is for fused rings of %d rows of %d and %d columns; this layer has %d rows of %d and %d columns",
-			z.qTQ.Shape()[0], z.qTQ.Shape()[1], z.kTK.Shape()[1], rows, q, kd)
+	if z.daTQ.Len() != rows*q {
+		return fmt.Errorf("attention: the shared scratch is for fused rings of %d rows of %d columns; this layer has %d rows of %d columns",
+			z.daTQ.Shape()[0], z.daTQ.Shape()[1], rows, q)
 	}
 	return nil
 }
@@ -115,7 +114,7 @@ func newFusedRing(c *ContextCore, sc *Scratch) (*fusedRing, error) {
 	}
 	f := &fusedRing{c: c, peers: peers, shape: s, onePass: c.b.ZigzagAttentionOnePass(s) == nil}
 	dh := c.s.HeadDim()
-	if err := sc.fitZZ(c.b, c.localRows(), c.s.Heads*dh, c.s.KVHeads*dh, c.batch*2*c.s.Heads*c.chunk, f.onePass); err != nil {
+	if err := sc.fitZZ(c.b, c.localRows(), c.s.Heads*dh, c.batch*2*c.s.Heads*c.chunk, f.onePass); err != nil {
 		return nil, err
 	}
 	f.zzScratch = sc.zz
@@ -148,12 +147,6 @@ func (f *fusedRing) barrier(what string) error {
 
 func (f *fusedRing) forward(aTQ, lseBHS, qTQ, kTK, vTK backend.Tensor) error {
 	b := f.c.b
-	if f.onePass {
-		b.Copy(f.zzScratch.qTQ, qTQ)
-		b.Copy(f.zzScratch.kTK, kTK)
-		b.Copy(f.zzScratch.vTK, vTK)
-		qTQ, kTK, vTK = f.zzScratch.qTQ, f.zzScratch.kTK, f.zzScratch.vTK
-	}
 	if err := f.meet("fused ring: exchange of k and v", kTK, vTK); err != nil {
 		return err
 	}
@@ -179,15 +172,12 @@ func (f *fusedRing) backward(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
 
 func (f *fusedRing) backwardOnePass(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
 	c, b, z := f.c, f.c.b, f.zzScratch
-	b.Copy(z.qTQ, c.qTQ)
-	b.Copy(z.kTK, c.kTK)
-	b.Copy(z.vTK, c.vTK)
 	b.Copy(z.daTQ, daTQ)
 	b.ZigzagAttentionDelta(z.deltaBHS, daTQ, c.aTQ, f.shape)
 	b.Zero(dqTQ)
-	if err := f.meet("fused ring: exchange of the backward's inputs", dqTQ, z.qTQ, z.daTQ, c.lseBHS, z.deltaBHS); err != nil {
+	if err := f.meet("fused ring: exchange of the backward's inputs", dqTQ, c.qTQ, z.daTQ, c.lseBHS, z.deltaBHS); err != nil {
 		return err
 	}
-	b.ZigzagAttentionBackward(f.column(0), dkTK, dvTK, z.kTK, z.vTK, f.column(1), f.column(2), f.column(3), f.column(4), f.shape)
+	b.ZigzagAttentionBackward(f.column(0), dkTK, dvTK, c.kTK, c.vTK, f.column(1), f.column(2), f.column(3), f.column(4), f.shape)
 	return f.barrier("fused ring: end of the backward")
 }

@@ -64,12 +64,14 @@ func runCores(t *testing.T, b backend.Backend, s attention.Shape, mode attention
 		if core.Path() != want {
 			t.Fatalf("a core in mode %s runs the %s, want the %s", mode, core.Path(), want)
 		}
-		up := func(data []float64, shape ...int) backend.Tensor {
-			x := b.New(b.FloatType(), shape...)
+		up := func(dt backend.DType, data []float64, shape ...int) backend.Tensor {
+			x := b.New(dt, shape...)
 			backend.UploadSlice(b, x, data)
 			return x
 		}
-		qT, kT, vT, daT := up(in[r].q, rows, q), up(in[r].k, rows, kd), up(in[r].v, rows, kd), up(in[r].da, rows, q)
+		qkv := core.QKVType()
+		qT, kT, vT := up(qkv, in[r].q, rows, q), up(qkv, in[r].k, rows, kd), up(qkv, in[r].v, rows, kd)
+		daT := up(b.FloatType(), in[r].da, rows, q)
 		aT, lseT := b.New(b.FloatType(), rows, q), b.New(b.FloatType(), batch*s.Heads*seq/w)
 		dqT, dkT, dvT := b.New(b.FloatType(), rows, q), b.New(b.FloatType(), rows, kd), b.New(b.FloatType(), rows, kd)
 		wg.Add(1)

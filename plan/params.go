@@ -28,6 +28,7 @@ type shape struct {
 	fineAbove              int64 // Device.FineClassesAbove
 	zero                   bool  // ZeRO-1 shards the replicated moments (parallel.zero 1 on several ranks)
 	tpFused                bool  // tp > 1 on tensorpar's fused ops (parallel.tp_overlap fused, or auto: the larger)
+	cpRing                 bool  // the context-parallel cores run mode ring (set per mode by rankTerms)
 	dataContext            int64 // ranks with distinct tokens: dp*ep*cp
 	capRows                int64 // rows per expert a source may send (capacity); 0 dropless
 	sent, recv             int64 // routed rows a rank sends and receives (balanced)

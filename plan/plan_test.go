@@ -408,34 +408,42 @@ func TestAdviceOffersNoClipping(t *testing.T) {
 }
 
 // TestFusedRingPlan: the fused ring's scratch on CUDA is one delta for
-// the rank's layers, and in one pass bf16 copies of q, da, k and v where
-// the two-pass ring's dk/dv pass writes a partial dk, dv per query head of
-// a GQA group.
+// the rank's layers, and in one pass a bf16 copy of da where the two-pass
+// ring's dk/dv pass writes a partial dk, dv per query head of a GQA group;
+// in one pass the layers keep q, k and v in bf16, not float32.
 func TestFusedRingPlan(t *testing.T) {
 	gpu := CUDADevice("gpu", 0, 0)
-	ring := func(onePass bool) int64 {
+	ring := func(onePass bool) (scratch, qkv int64) {
 		c := small()
 		c.CP, c.Seq, c.CPAttention, c.CPRingFused, c.CPRingOnePass = 2, 512, CPRing, true, onePass
 		p, err := New(c, gpu)
 		if err != nil {
 			t.Fatal(err)
 		}
-		var n int64
 		for _, x := range append(p.Rank, p.Shared...) {
-			if x.What == "attention ring" {
-				n += x.Bytes
+			switch x.What {
+			case "attention ring":
+				scratch += x.Bytes
+			case "attention":
+				qkv += x.Bytes
 			}
 		}
-		return n
+		return scratch, qkv
 	}
 	// Per rank: 8 sequences of 256 local rows, 4 heads of 16 over 2 kv
-	// heads.
-	const T, Q, KD, lse = 8 * 256, 4 * 16, 2 * 16, 8 * 4 * 256
+	// heads, 2 layers.
+	const T, Q, KD, lse, L = 8 * 256, 4 * 16, 2 * 16, 8 * 4 * 256, 2
 	delta := cudaSizeClass(lse * 4)
-	if got, want := ring(false), delta+cudaSizeClass(2*2*T*KD*4); got != want {
-		t.Errorf("two passes: the ring's terms are %d bytes, want %d (delta and the dk, dv partials)", got, want)
+	twoPass, qkv2 := ring(false)
+	if want := delta + cudaSizeClass(2*2*T*KD*4); twoPass != want {
+		t.Errorf("two passes: the ring's terms are %d bytes, want %d (delta and the dk, dv partials)", twoPass, want)
 	}
-	if got, want := ring(true), delta+2*cudaSizeClass(T*Q*2)+2*cudaSizeClass(T*KD*2); got != want {
-		t.Errorf("one pass: the ring's terms are %d bytes, want %d (delta and the bf16 copies)", got, want)
+	onePass, qkv1 := ring(true)
+	if want := delta + cudaSizeClass(T*Q*2); onePass != want {
+		t.Errorf("one pass: the ring's terms are %d bytes, want %d (delta and da's bf16 copy)", onePass, want)
+	}
+	qkvBytes := func(size int64) int64 { return L * (cudaSizeClass(T*Q*size) + 2*cudaSizeClass(T*KD*size)) }
+	if got, want := qkv2-qkv1, qkvBytes(4)-qkvBytes(2); got != want {
+		t.Errorf("one pass keeps %d bytes fewer of q, k and v than two passes, want %d (bf16 instead of float32)", got, want)
 	}
 }

@@ -45,6 +45,7 @@ const (
 // rankTerms is one rank's device memory under dispatcher ("fused" or
 // "unfused") and cpMode ("allgather" or "ring").
 func rankTerms(s shape, dispatcher, cpMode string) []Term {
+	s.cpRing = cpMode == CPRing
 	l := &ledger{cuda: s.cuda, fineAbove: s.fineAbove}
 	stores(l, s)
 	modelActivations(l, s)
@@ -195,9 +196,8 @@ func attentionActivations(l *ledger, s shape, ring, fused bool) {
 	}
 	if s.CP > 1 && ring && fused {
 		l.fixed(Workspace, "attention ring", 1, mul(s.B, s.Hl, s.Sl), s.ft) // deltaBHS
-		if s.c.CPRingOnePass {
-			l.fixed(Workspace, "attention ring", 2, mul(T, Q), bf16Bytes)  // q, da rounded
-			l.fixed(Workspace, "attention ring", 2, mul(T, KD), bf16Bytes) // k, v rounded
+		if s.onePassRing() {
+			l.fixed(Workspace, "attention ring", 1, mul(T, Q), bf16Bytes) // da rounded
 		} else if group := Q / KD; s.cuda && group > 1 { // a rank's query heads per kv head
 			l.fixed(Workspace, "attention ring", 1, mul(2, group, s.T, KD), s.ft) // dk, dv partials
 		}
@@ -235,24 +235,31 @@ func (s shape) normType() int64 {
 	return s.ot
 }
 
+// onePassRing reports context parallelism on the fused ring in one pass
+// (attention/ring_fused.go), whose layers keep q, k and v in bf16.
+func (s shape) onePassRing() bool {
+	return s.CP > 1 && s.cpRing && s.c.CPRingFused && s.c.CPRingOnePass
+}
+
 // qkvType is the bytes per element of the rotated q, k and v a layer
 // keeps (attention.Layer's qkvType): the operand type's where the core is
-// the backend's attention, the float type's under context parallelism.
+// the backend's attention or the fused ring in one pass, the float type's
+// under the other context-parallel paths.
 func (s shape) qkvType() int64 {
-	if s.CP > 1 {
+	if s.CP > 1 && !s.onePassRing() {
 		return s.ft
 	}
 	return s.ot
 }
 
 // daType is the bytes per element of the attention core's output a and
-// its gradient da (attention/layer.go's daType): the operand type's
-// beside bf16 q, k and v, the float type's under tensor parallelism.
+// its gradient da (attention/layer.go's daType): the operand type's on
+// one rank, the float type's under context or tensor parallelism.
 func (s shape) daType() int64 {
-	if s.TP > 1 {
+	if s.TP > 1 || s.CP > 1 {
 		return s.ft
 	}
-	return s.qkvType()
+	return s.ot
 }
 
 // selective reports train.recompute: selective.
@@ -528,6 +535,9 @@ func sharedTerms(s shape) []Term {
 		}
 		hopper := s.D/s.H == 64 || s.D/s.H == 128
 		switch {
+		case s.onePassRing():
+			// The ring's kernels take none (its delta and da are the
+			// attention Scratch's, counted above).
 		case s.qkvType() == s.ft && hopper:
 			scratch = max(scratch, add(mul(2, add(mul(2, s.T, s.Ql), mul(2, keys, s.KDl))), mul(4, delta)))
 		case s.qkvType() != s.ft && hopper && !s.c.Deterministic:

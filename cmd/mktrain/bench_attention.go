@@ -69,7 +69,9 @@ ring (the path of ranks without peer access: k and v chunks passed over
 Send and Recv, the backend's attention ops on each block; outside the
 bars, for comparison), from before the first rank starts to after the
 last ends, and the core on the whole sequence on one rank (the same
-work): ring efficiency = core time / ring time, and ring / allgather =
+work). q, k and v come in the type each path's layers keep them in: bf16
+for the core and the one-pass ring, float32 for the others, whose time
+includes their rounding. Ring efficiency = core time / ring time, and ring / allgather =
 allgather time / ring time (above 1 the ring is faster). Bars: efficiency
 at least 0.95 forward and forward+backward at S/W >= 4096, and the ring
 faster than allgather at every W. The W virtual ranks share one GPU's
@@ -799,9 +801,9 @@ func benchRingRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, w, per
 type ringInputs struct{ q, k, v, da []float32 }
 
 // upload is the rows at positions pos (all rows when pos is nil) of each
-// input, as new tensors on b.
-func (in ringInputs) upload(b backend.Backend, qw, kd int, pos []int32) (q, k, v, da backend.Tensor) {
-	rows := func(src []float32, width int) backend.Tensor {
+// input, as new tensors on b: q, k and v of type qkv, da of the float type.
+func (in ringInputs) upload(b backend.Backend, qkv backend.DType, qw, kd int, pos []int32) (q, k, v, da backend.Tensor) {
+	rows := func(dt backend.DType, src []float32, width int) backend.Tensor {
 		vals := src
 		if pos != nil {
 			vals = make([]float32, 0, len(pos)*width)
@@ -809,18 +811,19 @@ func (in ringInputs) upload(b backend.Backend, qw, kd int, pos []int32) (q, k, v
 				vals = append(vals, src[int(p)*width:(int(p)+1)*width]...)
 			}
 		}
-		t := b.New(b.FloatType(), len(vals)/width, width)
+		t := b.New(dt, len(vals)/width, width)
 		backend.UploadSlice(b, t, vals)
 		return t
 	}
-	return rows(in.q, qw), rows(in.k, kd), rows(in.v, kd), rows(in.da, qw)
+	return rows(qkv, in.q, qw), rows(qkv, in.k, kd), rows(qkv, in.v, kd), rows(b.FloatType(), in.da, qw)
 }
 
 // timeRingCore times the core (the backend's attention ops) on the whole
-// sequence, forward and forward+backward, as the ranks' steps are timed.
+// sequence, forward and forward+backward, as the ranks' steps are timed,
+// on q, k and v of the operand type, as a layer of one rank keeps them.
 func timeRingCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, iters int) (fwd, step time.Duration, err error) {
 	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
-	q, k, v, da := in.upload(b, qw, kd, nil)
+	q, k, v, da := in.upload(b, b.OperandType(), qw, kd, nil)
 	a, lse := b.New(ft, g.Seq, qw), b.New(ft, 1, g.Heads, g.Seq)
 	dq, dk, dv := b.New(ft, g.Seq, qw), b.New(ft, g.Seq, kd), b.New(ft, g.Seq, kd)
 	as := g.attn()
@@ -876,7 +879,7 @@ func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 			return 0, 0, "", nil, err
 		}
 		rk := &ringRank{core: core, ranks: world[r]}
-		rk.q, rk.k, rk.v, rk.da = in.upload(b, qw, kd, pos)
+		rk.q, rk.k, rk.v, rk.da = in.upload(b, core.QKVType(), qw, kd, pos)
 		local := len(pos)
 		rk.a, rk.lse = b.New(ft, local, qw), b.New(ft, 1, 2, g.Heads, local/2)
 		rk.dq, rk.dk, rk.dv = b.New(ft, local, qw), b.New(ft, local, kd), b.New(ft, local, kd)
