@@ -224,13 +224,39 @@ func (b *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK
 	slots := []uint64{uint64(single[0]), uint64(single[1]), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
 	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
+	keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
+	splits := zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, b.dev.info.SMs)
+	if splits > 1 {
+		// The blocks add their shares of dk and dv.
+		b.Zero(dkTK)
+		b.Zero(dvTK)
+	}
 	grid := Grid{
-		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: 2 * s.Chunk / hopperAttnBN, Z: 1},
+		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: 2 * s.Chunk / hopperAttnBN, Z: splits},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: smem,
 	}
 	b.fail(b.launchMapBlock(op, fmt.Sprintf("attn_h_zz_backward_d%d", s.HeadDim), grid, maps, []driver.TensorMap{pointers}, slots))
 	runtime.KeepAlive(lists)
+}
+
+// zigzagBackwardSplits is how many blocks of attn_h_zz_backward_d* share
+// one key block of a rank (each walking an equal share of the group's
+// query heads, group of them, and adding its dk and dv): the fewest that
+// make at least 1.5 blocks an SM, a divisor of group (1 when keyBlocks
+// already do). A rank's key blocks differ in work by up to 2W times (its
+// early chunk's keys see every later query), so with about one block an
+// SM the heaviest set the call's time; with more, the light ones fill the
+// SMs the heavy ones leave. 1.5 and not 2: at two blocks an SM (chunks of
+// 4096 rows at four kv heads) the call already ran at 1.2-1.3 times the
+// whole-sequence backward's rate (kernels/attention_hopper.md).
+func zigzagBackwardSplits(keyBlocks, group, sms int) int {
+	for d := 1; d < group; d++ {
+		if group%d == 0 && 2*keyBlocks*d >= 3*sms {
+			return d
+		}
+	}
+	return group
 }
 
 // launchMapBlock queues kernel name of attention_hopper.cu on grid with
