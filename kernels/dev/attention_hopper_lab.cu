@@ -1187,6 +1187,34 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
 
 // ---- The fused ring's backward ----
 //
+// ah_zz_store_dkdv writes a block's dk and dv: stored where it walks every
+// query head of its group (gridDim.z 1), added (red.global.add, into dk
+// and dv the launch zeroed) where gridDim.z blocks share a key block, each
+// walking G/gridDim.z of the heads: a rank's call at 2C/128 key blocks a
+// kv head fills an H100 less than twice, and its key blocks' work differs
+// by up to 2W times (the early chunk's keys see every later query), so the
+// heaviest blocks would set its time.
+template <int DH>
+__device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const float (&dka)[DH / 2], const float (&dva)[DH / 2],
+                                                 int b, int kvh, int S, int KV, int kr0, int t4) {
+  if (gridDim.z == 1) {
+    ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, kr0, t4);
+    return;
+  }
+  const int KD = KV * DH;
+  float* k0 = dk + ((long long)b * S + kr0) * KD + kvh * DH + 2 * t4;
+  float* v0 = dv + ((long long)b * S + kr0) * KD + kvh * DH + 2 * t4;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const long long at = (e >> 1) * 8LL * KD + 8 * i + (e & 1);  // rows kr0, kr0 + 8
+      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(k0 + at), "f"(dka[4 * i + e]) : "memory");
+      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(v0 + at), "f"(dva[4 * i + e]) : "memory");
+    }
+  }
+}
+
 // attn_h_zz_backward_d128 serves one context-parallel rank r of W (as
 // attn_h_zz_forward): a block owns 128 of the rank's keys (one local key
 // block: its rows lie in one chunk, C a multiple of 128) of one (sequence,
@@ -1222,11 +1250,14 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
   const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  // blockIdx.z: which of the gridDim.z equal shares of the group's query
+  // heads the block walks (ah_zz_store_dkdv).
+  const int h0 = kvh * G + (int)blockIdx.z * (G / gridDim.z);
   const int S = 2 * C;                   // local rows per sequence
   const int j0 = blockIdx.y * 128;       // the block's first local key row
   const int nk = j0 / C;                 // its local chunk
   const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;  // and its first key's position
-  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = G * perHead;
+  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = (G / gridDim.z) * perHead;
   // Item it's query tile: its first position, and the rank and local row
   // that hold it.
   auto where = [&](int it, int& owner, int& row, int& nq, int& qp0) {
@@ -1237,7 +1268,7 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     row = nq * C + qp0 - cq * C;
   };
   auto load = [&](int it) {
-    const int s = it % STAGES, h = kvh * G + it / perHead;
+    const int s = it % STAGES, h = h0 + it / perHead;
     int owner, row, nq, qp0;
     where(it, owner, row, nq, qp0);
     const unsigned qa = qs + s * 2 * QT;
@@ -1284,7 +1315,7 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + it / perHead;
+    const int h = h0 + it / perHead;
     int owner, row, nq, qp0;
     where(it, owner, row, nq, qp0);
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
@@ -1371,7 +1402,7 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     nqb++;
   }
   if (wtid == 0) gg_bulk_wait();
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+  ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
@@ -1397,10 +1428,13 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
   const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+  // blockIdx.z: which of the gridDim.z equal shares of the group's query
+  // heads the block walks (ah_zz_store_dkdv).
+  const int h0 = kvh * G + (int)blockIdx.z * (G / gridDim.z);
   const int S = 2 * C;
   const int j0 = blockIdx.y * 128, nk = j0 / C;
   const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;
-  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = G * perHead;
+  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = (G / gridDim.z) * perHead;
   auto where = [&](int it, int& owner, int& row, int& nq, int& qp0) {
     qp0 = (qt0 + it % perHead) * AH_BQ;
     const int cq = qp0 / C;
@@ -1432,7 +1466,7 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
     for (int it = 0; it < items; it++) {
       const int s = it % STAGES;
       const unsigned ph = (it / STAGES) & 1;
-      const int h = kvh * G + it / perHead;
+      const int h = h0 + it / perHead;
       int owner, row, nq, qp0;
       where(it, owner, row, nq, qp0);
       gg_bar_wait(empty + 8 * s, ph ^ 1);
@@ -1466,7 +1500,7 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + it / perHead;
+    const int h = h0 + it / perHead;
     int owner, row, nq, qp0;
     where(it, owner, row, nq, qp0);
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
@@ -1528,7 +1562,7 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
     nqb++;
   }
   if (wtid == 0) gg_bulk_wait();
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+  ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
 }
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
