@@ -90,8 +90,10 @@
 // (float32 under tensor parallelism, whose products take them so). In
 // the backward RoPE's inverse writes the gradients of q and k straight
 // into the bf16 operands of the projections' products. A
-// context-parallel Layer keeps all of them in the float type, which its
-// collectives move.
+// context-parallel Layer keeps q, k and v in the type its ContextCore
+// reads them in (ContextCore.QKVType): bf16 for the fused ring in one
+// pass, whose kernels read bf16 tiles, else the float type, which the
+// collectives move; a and da are of the float type there.
 //
 // Context parallelism cuts each sequence into 2W chunks and gives rank r
 // chunks r and 2W-1-r (zigzag), which evens out the causal work. In mode
