@@ -356,21 +356,14 @@ func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.De
 		return err
 	}
 	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
-	return launchHopperAttnBackward(d, kern, threads, smem, hopperAttnBwdShares, dq, dk, dv, dout, q, k, v, out, lse, s, in)
+	return launchHopperAttnBackward(d, kern, threads, smem, dq, dk, dv, dout, q, k, v, out, lse, s, in)
 }
-
-// hopperAttnBwdShares is how many blocks of attn_h_backward_d* share one
-// key block, each walking an equal run of its items (the group's heads'
-// query tiles) and adding its dk and dv: two, whose two adds into zero
-// give the same bits in either order (kernels/attention_hopper.md).
-const hopperAttnBwdShares = 2
 
 // launchHopperAttnBackward is hopperAttnBackward on kernel kern (attn_h_backward's
 // arguments, then extra ones) launched with threads threads and smem
-// bytes of dynamic shared memory a block, shares blocks a key block (1 or
-// hopperAttnBwdShares): the production kernel, or a lab build whose launch
-// differs (kernels/dev).
-func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem, shares int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, extra ...uint64) error {
+// bytes of dynamic shared memory a block: the production kernel, or a lab
+// build whose launch differs (kernels/dev).
+func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, extra ...uint64) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
@@ -440,14 +433,6 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem, shares int
 	if err := d.Submit(func() error { return d.drv.MemsetD32Async(dq, 0, int(nq), d.stream) }); err != nil {
 		return err
 	}
-	if shares > 1 {
-		// The blocks of a key block add their dk and dv.
-		for _, p := range []driver.DevicePtr{dk, dv} {
-			if err := d.Submit(func() error { return d.drv.MemsetD32Async(p, 0, int(nk), d.stream) }); err != nil {
-				return err
-			}
-		}
-	}
 	maps := []namedMap{
 		{"q", hopperAttnMap(qb, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
 		{"dout", hopperAttnMap(ob, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
@@ -467,7 +452,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem, shares int
 		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
 	slots = append(slots, extra...)
 	grid := Grid{
-		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: (keys + hopperAttnBN - 1) / hopperAttnBN, Z: shares},
+		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: (keys + hopperAttnBN - 1) / hopperAttnBN, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: smem,
 	}

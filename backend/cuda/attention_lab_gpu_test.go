@@ -171,9 +171,7 @@ func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how la
 			extra = append(extra, uint64(turns.Ptr()))
 		}
 		threads, smem := how.launch(s.HeadDim)
-		// One block a key block: the ordered kernels' turns count one
-		// contribution per key block and warpgroup.
-		return launchHopperAttnBackward(d, kerns[s.HeadDim], threads, smem, 1, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(),
+		return launchHopperAttnBackward(d, kerns[s.HeadDim], threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(),
 			q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{}, extra...)
 	}
 	shapes := []backend.AttnShape{

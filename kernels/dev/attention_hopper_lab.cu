@@ -779,35 +779,6 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
   }
 }
 
-// ah_put_dkdv writes a block's dk and dv: stored where the block walks
-// all of its key block's items (gridDim.z 1), added (red.global.add, into
-// dk and dv the launch zeroed) where gridDim.z blocks share a key block,
-// each walking a share of its items. The whole-sequence backward shares
-// one between two blocks, whose two adds into zero give the same bits in
-// either order; the fused ring's shares by heads, up to the group's size.
-// Rows past KS are not written.
-template <int DH>
-__device__ __forceinline__ void ah_put_dkdv(float* dk, float* dv, const float (&dka)[DH / 2], const float (&dva)[DH / 2],
-                                            int b, int kvh, int KS, int KV, int kr0, int t4) {
-  if (gridDim.z == 1) {
-    ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
-    return;
-  }
-  const int KD = KV * DH;
-  float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
-  float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      if (kr0 + 8 * (e >> 1) >= KS) continue;
-      const long long at = (e >> 1) * 8LL * KD + 8 * i + (e & 1);  // rows kr0, kr0 + 8
-      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(k0 + at), "f"(dka[4 * i + e]) : "memory");
-      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(v0 + at), "f"(dva[4 * i + e]) : "memory");
-    }
-  }
-}
-
 // Block: two warpgroups (256 threads), 64 keys each; thread 0 also issues
 // the TMA loads. Eight warps let __launch_bounds__(256, 1) give every
 // thread 255 registers (an SM's four register files hold two warps each
@@ -834,14 +805,10 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int j0 = blockIdx.y * 128;
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
-  // blockIdx.z: which of gridDim.z equal runs of the block's items (the
-  // group's heads' query tiles, head by head) this block walks
-  // (ah_put_dkdv).
-  const int perHead = gg_max(0, nQT - qt0), all = G * perHead, share = (all + gridDim.z - 1) / gridDim.z;
-  const int it0 = (int)blockIdx.z * share, items = gg_max(0, gg_min(all, it0 + share) - it0);
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
   // load queues item it's q and dout tiles into its stage.
   auto load = [&](int it) {
-    const int s = it % STAGES, h = kvh * G + (it0 + it) / perHead, q0 = (qt0 + (it0 + it) % perHead) * AH_BQ;
+    const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT;
     gg_bar_expect_tx(full + 8 * s, 2 * QT);
 #pragma unroll
@@ -884,7 +851,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + (it0 + it) / perHead, q0 = (qt0 + (it0 + it) % perHead) * AH_BQ;
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
     gg_bar_wait(full + 8 * s, ph);
@@ -1026,7 +993,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     if (ORDERED && done != nullptr) ah_dq_done(done);
     gg_bulk_wait();
   }
-  ah_put_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
 
 template <int DH>
@@ -1080,11 +1047,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   const int j0 = blockIdx.y * 128;
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
-  // blockIdx.z: which of gridDim.z equal runs of the block's items (the
-  // group's heads' query tiles, head by head) this block walks
-  // (ah_put_dkdv).
-  const int perHead = gg_max(0, nQT - qt0), all = G * perHead, share = (all + gridDim.z - 1) / gridDim.z;
-  const int it0 = (int)blockIdx.z * share, items = gg_max(0, gg_min(all, it0 + share) - it0);
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
   if (tid == 0) {
     gg_bar_init(barKV, 1);
     for (int s = 0; s < STAGES; s++) {
@@ -1112,7 +1075,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     for (int it = 0; it < items; it++) {
       const int s = it % STAGES;
       const unsigned ph = (it / STAGES) & 1;
-      const int h = kvh * G + (it0 + it) / perHead, q0 = (qt0 + (it0 + it) % perHead) * AH_BQ;
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
       gg_bar_wait(empty + 8 * s, ph ^ 1);
       if (lane == 0) {
         gg_bar_expect_tx(full + 8 * s, 2 * QT);
@@ -1148,7 +1111,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + (it0 + it) / perHead, q0 = (qt0 + (it0 + it) % perHead) * AH_BQ;
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
     gg_bar_wait(full + 8 * s, ph);
@@ -1219,11 +1182,39 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     }
   }
   if (wtid == 0) gg_bulk_wait();
-  ah_put_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
 
 // ---- The fused ring's backward ----
 //
+// ah_zz_store_dkdv writes a block's dk and dv: stored where it walks every
+// query head of its group (gridDim.z 1), added (red.global.add, into dk
+// and dv the launch zeroed) where gridDim.z blocks share a key block, each
+// walking G/gridDim.z of the heads: a rank's call at 2C/128 key blocks a
+// kv head fills an H100 less than twice, and its key blocks' work differs
+// by up to 2W times (the early chunk's keys see every later query), so the
+// heaviest blocks would set its time.
+template <int DH>
+__device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const float (&dka)[DH / 2], const float (&dva)[DH / 2],
+                                                 int b, int kvh, int S, int KV, int kr0, int t4) {
+  if (gridDim.z == 1) {
+    ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, kr0, t4);
+    return;
+  }
+  const int KD = KV * DH;
+  float* k0 = dk + ((long long)b * S + kr0) * KD + kvh * DH + 2 * t4;
+  float* v0 = dv + ((long long)b * S + kr0) * KD + kvh * DH + 2 * t4;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const long long at = (e >> 1) * 8LL * KD + 8 * i + (e & 1);  // rows kr0, kr0 + 8
+      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(k0 + at), "f"(dka[4 * i + e]) : "memory");
+      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(v0 + at), "f"(dva[4 * i + e]) : "memory");
+    }
+  }
+}
+
 // attn_h_zz_backward_d128 serves one context-parallel rank r of W (as
 // attn_h_zz_forward): a block owns 128 of the rank's keys (one local key
 // block: its rows lie in one chunk, C a multiple of 128) of one (sequence,
@@ -1260,7 +1251,7 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
   // blockIdx.z: which of the gridDim.z equal shares of the group's query
-  // heads the block walks (ah_put_dkdv).
+  // heads the block walks (ah_zz_store_dkdv).
   const int h0 = kvh * G + (int)blockIdx.z * (G / gridDim.z);
   const int S = 2 * C;                   // local rows per sequence
   const int j0 = blockIdx.y * 128;       // the block's first local key row
@@ -1411,7 +1402,7 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     nqb++;
   }
   if (wtid == 0) gg_bulk_wait();
-  ah_put_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+  ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
@@ -1438,7 +1429,7 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
   // blockIdx.z: which of the gridDim.z equal shares of the group's query
-  // heads the block walks (ah_put_dkdv).
+  // heads the block walks (ah_zz_store_dkdv).
   const int h0 = kvh * G + (int)blockIdx.z * (G / gridDim.z);
   const int S = 2 * C;
   const int j0 = blockIdx.y * 128, nk = j0 / C;
@@ -1571,7 +1562,7 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
     nqb++;
   }
   if (wtid == 0) gg_bulk_wait();
-  ah_put_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+  ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
 }
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
