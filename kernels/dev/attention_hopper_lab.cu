@@ -5,6 +5,17 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
+//   2  bwd-band: the whole-sequence backward's blocks take their key block
+//      and (sequence, kv head) from the launch order so that AH_BAND
+//      (sequence, kv head) pairs run at a time, their key blocks heaviest
+//      first, instead of every pair's heaviest key blocks at once: the
+//      q, dout and dq rows the running blocks walk are then AH_BAND
+//      pairs', which L2 holds (dq alone is [B*S, H*Dh] float32, 134 MB
+//      at B2 S8192 H16 Dh128). Not with bit 1 (its turns count on
+//      blockIdx.y's order).
+//   4  fwd-band: the same for the forward: AH_BAND (sequence, head)
+//      pairs' query tiles at a time, heaviest first, so that the k and v
+//      they read are a few kv heads'.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -65,6 +76,23 @@
 
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
+#endif
+#ifndef AH_BAND
+#define AH_BAND 4
+#endif
+
+#if AH_EXPERIMENT & 6
+// ah_band maps a block of a grid of gridDim.x pairs by gridDim.y items
+// (item 0 the heaviest), launched in the order of blockIdx.y * gridDim.x
+// + blockIdx.x, to its pair and item so that the blocks run AH_BAND pairs
+// at a time, each band's items heaviest first (bits 2 and 4).
+__device__ __forceinline__ void ah_band(int& pair, int& item) {
+  const int pairs = gridDim.x, items = gridDim.y;
+  const int lin = blockIdx.y * gridDim.x + blockIdx.x, band = lin / (AH_BAND * items);
+  const int inBand = gg_min(AH_BAND, pairs - band * AH_BAND), r = lin - band * AH_BAND * items;
+  pair = band * AH_BAND + r % inBand;
+  item = r / inBand;
+}
 #endif
 
 #define AH_BM 128  // queries per block
@@ -190,9 +218,16 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
                  empty = fullV + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+#if AH_EXPERIMENT & 4
+  int bh, ty;
+  ah_band(bh, ty);
+  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+  const int nQT = (S + AH_BM - 1) / AH_BM, i0 = (nQT - 1 - ty) * AH_BM;
+#else
   const int bh = blockIdx.x, b = bh / H, h = bh % H, kvh = h / (H / KV);
   // Heaviest q tiles first: causal work grows with the tile index.
   const int nQT = (S + AH_BM - 1) / AH_BM, i0 = (nQT - 1 - (int)blockIdx.y) * AH_BM;
+#endif
   const int lastRow = gg_min(S - 1, i0 + AH_BM - 1);
   const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
   if (tid == 0) {
@@ -801,8 +836,15 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const unsigned dqs = dss + 4 * DSB;                            // dq staging
   const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+#if AH_EXPERIMENT & 2
+  int pair, kb;
+  ah_band(pair, kb);
+  const int b = pair / KV, kvh = pair % KV, G = H / KV;
+  const int j0 = kb * 128;
+#else
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
   const int j0 = blockIdx.y * 128;
+#endif
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
@@ -1043,8 +1085,15 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse (base 2), 64 delta
   const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+#if AH_EXPERIMENT & 2
+  int pair, kb;
+  ah_band(pair, kb);
+  const int b = pair / KV, kvh = pair % KV, G = H / KV;
+  const int j0 = kb * 128;
+#else
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
   const int j0 = blockIdx.y * 128;
+#endif
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
