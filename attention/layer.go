@@ -297,8 +297,6 @@ func NewTensorParallel(b backend.Backend, s Shape, batch, seq int, opts ...Optio
 	return newLayer(b, s, batch, seq, opts, nil)
 }
 
-// newLayer is New and NewTensorParallel, and NewContextParallel's Layer
-// with contextParallel (its core is then not the backend's attention).
 // contextGroup is what newLayer needs to build a Layer's ContextCore: the
 // group and the full sequence (seq is then the rank's local rows a
 // sequence, 2C).
@@ -307,9 +305,10 @@ type contextGroup struct {
 	fullSeq int
 }
 
-// newLayer allocates a Layer; with cp set, a context-parallel one, whose
-// ContextCore it builds first (the core says what type q, k and v are
-// kept in).
+// newLayer is New and NewTensorParallel, and with cp set
+// NewContextParallel's Layer, whose ContextCore it builds once the
+// backward's scratch fits (the core says what type q, k and v are kept
+// in).
 func newLayer(b backend.Backend, s Shape, batch, seq int, opts []Option, cp *contextGroup) (*Layer, error) {
 	if err := s.Validate(); err != nil {
 		return nil, err

@@ -71,8 +71,9 @@ bars, for comparison), from before the first rank starts to after the
 last ends, and the core on the whole sequence on one rank (the same
 work). q, k and v come in the type each path's layers keep them in: bf16
 for the core and the one-pass ring, float32 for the others, whose time
-includes their rounding. Ring efficiency = core time / ring time, and ring / allgather =
-allgather time / ring time (above 1 the ring is faster). Bars: efficiency
+includes their rounding. Ring efficiency = core time / ring time, and
+ring / allgather = allgather time / ring time (above 1 the ring is
+faster). Bars: efficiency
 at least 0.95 forward and forward+backward at S/W >= 4096, and the ring
 faster than allgather at every W. The W virtual ranks share one GPU's
 memory and SMs, so the figures show the cost of splitting the work, not
