@@ -18,6 +18,11 @@
 //   2  the rows loaded, none stored (timing only)
 //   4  loads cache-streaming (ld.global.cs: evicted first)
 //   16 no fences before a chunk's flag (timing only)
+//   32 tp_gather's rows loaded and stored plainly (no L1::no_allocate or
+//      L2::cache_hint), under either walk: m-tile major (tp 8 at the
+//      Llama-70B-like layer) that is v5's 1.10x the product alone,
+//      against the hinted evict-normal accesses' 1.21x
+//      (kernels/grouped_gemm.md)
 // GG_MODE: what each part of the kernels costs (timing only)
 //   1   no gather and no tile waits (both dispatches: the products run on
 //       whatever xRD holds)
@@ -48,6 +53,7 @@
 #define GG_EX_NO_STORES 2
 #define GG_EX_STREAMING 4
 #define GG_EX_NO_FENCES 16
+#define GG_EX_TP_PLAIN 32
 
 #ifndef GG_MODE
 #define GG_MODE 0
@@ -182,6 +188,16 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
         asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + j), "r"(gg_pack_bf16(w[0], w[1])),
                      "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                      : "memory");
+#if (GG_EXPERIMENT & GG_EX_TP_PLAIN) != 0
+        if (full) {
+          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + j), "f"(w[0]), "f"(w[1]), "f"(w[2]),
+                       "f"(w[3])
+                       : "memory");
+          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + j + 4), "f"(w[4]), "f"(w[5]),
+                       "f"(w[6]), "f"(w[7])
+                       : "memory");
+        }
+#else
         if (full) {
           const unsigned long long pol = gg_stream_policy(fz);
           asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(full + j),
@@ -191,6 +207,7 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
                        "f"(w[4]), "f"(w[5]), "f"(w[6]), "f"(w[7]), "l"(pol)
                        : "memory");
         }
+#endif
       }
     }
   }
@@ -839,7 +856,8 @@ struct gg_fused_steps {
                                                 const int* sBeg, const int* sEnd, const int* sCum,
                                                 const volatile int* front) {
     // GG_TP_GATHER's rows stream through L2 (gg_evict_first).
-    gg_gather<FIRST, SRC_BF16, FUSE == GG_TP_GATHER>(fz, cw, ncw, lane, K, E, sBeg, sEnd, sCum, front);
+    gg_gather<FIRST, SRC_BF16, FUSE == GG_TP_GATHER && (GG_EXPERIMENT & GG_EX_TP_PLAIN) == 0>(fz, cw, ncw, lane, K, E, sBeg,
+                                                                                            sEnd, sCum, front);
   }
   static __device__ __forceinline__ void wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
     gg_wait_tile(fz, g, row0, rowEnd, kind);
