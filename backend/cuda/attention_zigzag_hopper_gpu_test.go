@@ -15,8 +15,11 @@ import (
 	"github.com/mktrain/mktrain/backend"
 )
 
-// zzOnePass is every rank's bf16 copies of a zzRun's q, k, v and dout,
-// as a context-parallel layer rounds them before the ranks meet.
+// zzOnePass is every rank's bf16 copies of a zzRun's q, k, v and dout.
+// Here every rank rounds its float q, k and v in each pass, beside the
+// whole-sequence call on float inputs, which rounds them too; the layers
+// keep them in bf16 (attention.ContextCore.QKVType) and round only dout,
+// as `mktrain bench attention` runs both sides.
 type zzOnePass struct {
 	r                *zzRun
 	q, k, v, doutH16 []backend.Tensor
@@ -116,10 +119,11 @@ func TestZigzagOnePassRefuses(t *testing.T) {
 }
 
 // TestZigzagOnePassFigures times the one-pass ring of W virtual ranks
-// (each rank's rounding, delta and dq zeroing included, as a layer runs
-// them) beside the whole-sequence call (the same work: core / ring is the
-// ring's efficiency) and the two-pass tensor-core ring, forward and
-// backward, at S/W 4096 and 8192, H16 KV4, head dims 128 and 64.
+// on float q, k and v (each rank's rounding, delta and dq zeroing
+// included; see zzOnePass) beside the whole-sequence call on the same
+// float inputs (the same work: core / ring is the ring's efficiency) and
+// the two-pass tensor-core ring, forward and backward, at S/W 4096 and
+// 8192, H16 KV4, head dims 128 and 64.
 func TestZigzagOnePassFigures(t *testing.T) {
 	b := testBackend(t)
 	d := b.dev
