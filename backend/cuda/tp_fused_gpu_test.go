@@ -46,6 +46,25 @@ func tpRandom(b *Backend, rng *rand.Rand, shape ...int) backend.Tensor {
 	return t
 }
 
+// tpTimeMS is run's mean time in ms over five calls after one untimed,
+// each group waited for on the host.
+func tpTimeMS(t *testing.T, b *Backend, run func()) float64 {
+	t.Helper()
+	run()
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	const reps = 5
+	start := time.Now()
+	for range reps {
+		run()
+	}
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	return float64(time.Since(start).Microseconds()) / 1e3 / reps
+}
+
 // tpClone is a copy of t.
 func tpClone(b *Backend, t backend.Tensor) backend.Tensor {
 	c := b.New(t.DType(), t.Shape()...)
@@ -177,19 +196,7 @@ func TestTPFusedFigures(t *testing.T) {
 	rows := w * block
 	rng := rand.New(rand.NewPCG(5, 5))
 	time1 := func(name string, flop float64, run func()) float64 {
-		run()
-		if err := b.Sync(); err != nil {
-			t.Fatal(err)
-		}
-		const reps = 5
-		start := time.Now()
-		for range reps {
-			run()
-		}
-		if err := b.Sync(); err != nil {
-			t.Fatal(err)
-		}
-		ms := float64(time.Since(start).Microseconds()) / 1e3 / reps
+		ms := tpTimeMS(t, b, run)
 		figure(t, "tp_"+name+"_ms", ms, "ms")
 		figure(t, "tp_"+name+"_tflops", flop/ms/1e9, "TFLOP/s")
 		return ms

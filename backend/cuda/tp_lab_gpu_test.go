@@ -13,7 +13,6 @@ import (
 	"runtime"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/mktrain/mktrain/backend"
 )
@@ -33,21 +32,7 @@ func TestTPLabFigures(t *testing.T) {
 	}
 	b := testBackend(t)
 	const block, hidden, ffnAll = 8192, 8192, 28672
-	time1 := func(run func()) float64 {
-		run()
-		if err := b.Sync(); err != nil {
-			t.Fatal(err)
-		}
-		const reps = 5
-		start := time.Now()
-		for range reps {
-			run()
-		}
-		if err := b.Sync(); err != nil {
-			t.Fatal(err)
-		}
-		return float64(time.Since(start).Microseconds()) / 1e3 / reps
-	}
+	time1 := func(run func()) float64 { return tpTimeMS(t, b, run) }
 	for _, w := range []int{2, 4, 8} {
 		t.Run(fmt.Sprintf("tp%d", w), func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(uint64(w), 29))
