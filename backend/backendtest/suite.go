@@ -99,6 +99,16 @@ func NewRand(name string) *rand.Rand {
 // Pair, for optional arguments).
 type Pick func(*Pair) backend.Tensor
 
+// All is x of each of ps, in order (every rank's tensor of a per-rank
+// list, for the ops that take them all).
+func (x Pick) All(ps []*Pair) []backend.Tensor {
+	ts := make([]backend.Tensor, len(ps))
+	for i, p := range ps {
+		ts[i] = x(p)
+	}
+	return ts
+}
+
 // role says how Run treats a Pair afterwards.
 type role int
 

@@ -94,22 +94,15 @@ func zigzagOnePassCompare(s backend.ZigzagShape) func(e *Env) {
 		}
 		e.NormWise = true
 		e.Run(func(b backend.Backend, x Pick) {
-			all := func(ps []*Pair) []backend.Tensor {
-				ts := make([]backend.Tensor, len(ps))
-				for i, p := range ps {
-					ts[i] = x(p)
-				}
-				return ts
-			}
 			rank := func(r int) backend.ZigzagShape { sr := s; sr.Rank = r; return sr }
 			for r := range W {
-				b.ZigzagAttentionForward(x(out[r]), x(lse[r]), x(q[r]), all(k), all(v), rank(r))
+				b.ZigzagAttentionForward(x(out[r]), x(lse[r]), x(q[r]), x.All(k), x.All(v), rank(r))
 			}
 			for r := range W {
 				b.ZigzagAttentionDelta(x(delta[r]), x(dout[r]), x(out[r]), rank(r))
 			}
 			for r := range W {
-				b.ZigzagAttentionBackward(all(dq), x(dk[r]), x(dv[r]), x(k[r]), x(v[r]), all(q), all(doutBF16), all(lse), all(delta), rank(r))
+				b.ZigzagAttentionBackward(x.All(dq), x(dk[r]), x(dv[r]), x(k[r]), x(v[r]), x.All(q), x.All(doutBF16), x.All(lse), x.All(delta), rank(r))
 			}
 		})
 	}
@@ -146,27 +139,20 @@ func zigzagCompare(s backend.ZigzagShape) func(e *Env) {
 		}
 		e.NormWise = true
 		e.Run(func(b backend.Backend, x Pick) {
-			all := func(ps []*Pair) []backend.Tensor {
-				ts := make([]backend.Tensor, len(ps))
-				for i, p := range ps {
-					ts[i] = x(p)
-				}
-				return ts
+			for r := range W {
+				sr := s
+				sr.Rank = r
+				b.ZigzagAttentionForward(x(out[r]), x(lse[r]), x(q[r]), x.All(k), x.All(v), sr)
 			}
 			for r := range W {
 				sr := s
 				sr.Rank = r
-				b.ZigzagAttentionForward(x(out[r]), x(lse[r]), x(q[r]), all(k), all(v), sr)
+				b.ZigzagAttentionBackwardDQ(x(dq[r]), x(delta[r]), x(dout[r]), x(q[r]), x(out[r]), x(lse[r]), x.All(k), x.All(v), sr)
 			}
 			for r := range W {
 				sr := s
 				sr.Rank = r
-				b.ZigzagAttentionBackwardDQ(x(dq[r]), x(delta[r]), x(dout[r]), x(q[r]), x(out[r]), x(lse[r]), all(k), all(v), sr)
-			}
-			for r := range W {
-				sr := s
-				sr.Rank = r
-				b.ZigzagAttentionBackwardDKDV(x(dk[r]), x(dv[r]), x(k[r]), x(v[r]), all(q), all(dout), all(lse), all(delta), sr)
+				b.ZigzagAttentionBackwardDKDV(x(dk[r]), x(dv[r]), x(k[r]), x(v[r]), x.All(q), x.All(dout), x.All(lse), x.All(delta), sr)
 			}
 		})
 	}
