@@ -74,17 +74,7 @@ func (b *Backend) zigzagOnePassTakes(s backend.ZigzagShape) error {
 // bf16Vector checks that t is a bfloat16 tensor of this backend of n
 // elements.
 func bf16Vector(op, name string, t backend.Tensor, n int) *Tensor {
-	if t == nil {
-		fail(op, "%s is nil", name)
-	}
-	ct := tensorOf(op, name, t)
-	if ct.dt != backend.BFloat16 {
-		fail(op, "%s is %v; the one-pass fused ring reads bf16 q, k, v and dout", name, ct.dt)
-	}
-	if ct.Len() != n {
-		fail(op, "%s has shape %v (%d elements), want %d elements", name, ct.shape, ct.Len(), n)
-	}
-	return ct
+	return typedVector(op, name, t, backend.BFloat16, n, "but the one-pass fused ring reads bf16 q, k, v and dout")
 }
 
 // zigzagPtrs returns the addresses of ts (live tensors), failing op with

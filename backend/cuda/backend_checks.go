@@ -107,12 +107,19 @@ func vector(op, name string, t backend.Tensor, n int) *Tensor {
 
 // indices checks that t is an Int32 tensor of n elements.
 func indices(op, name string, t backend.Tensor, n int) *Tensor {
+	return typedVector(op, name, t, backend.Int32, n, "want int32")
+}
+
+// typedVector checks that t is a tensor of this backend of type dt and n
+// elements; a tensor of another type fails op saying why (why: "want
+// int32", say).
+func typedVector(op, name string, t backend.Tensor, dt backend.DType, n int, why string) *Tensor {
 	if t == nil {
 		fail(op, "%s is nil", name)
 	}
 	ct := tensorOf(op, name, t)
-	if ct.dt != backend.Int32 {
-		fail(op, "%s is %v, want int32", name, ct.dt)
+	if ct.dt != dt {
+		fail(op, "%s is %v, %s", name, ct.dt, why)
 	}
 	if ct.Len() != n {
 		fail(op, "%s has shape %v (%d elements), want %d elements", name, ct.shape, ct.Len(), n)
