@@ -124,25 +124,12 @@ __device__ __forceinline__ float gg_sigmoid(float x) {
 // gg_silu is x * sigmoid(x) (x very negative: -0).
 __device__ __forceinline__ float gg_silu(float x) { return x * gg_sigmoid(x); }
 
-// gg_stream_policy is GG_TP_GATHER's L2 policy for its rows, read once
-// and (kept float32) written once: evict-first under a grouped walk
-// (fz.groupM > 1), so that they do not push out the weight columns the
-// walk reuses; evict-normal under the m-tile-major walk, which reuses
-// none and ran 10% slower with evict-first (kernels/grouped_gemm.md).
-__device__ __forceinline__ unsigned long long gg_stream_policy(const gg_fuse& fz) {
-  unsigned long long pol;
-  if (fz.groupM > 1) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  else asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-
 // gg_gather_load issues the loads of step st of a chunk of nr rows: lane
 // i < nr holds row i's source address (src) in its float32 rows (SRC_BF16:
-// bf16 rows, widened exactly). STREAM: the float32 loads take pol (L2)
-// and skip L1.
-template <bool SRC_BF16, bool STREAM = false>
+// bf16 rows, widened exactly).
+template <bool SRC_BF16>
 __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, int lane, long long src,
-                                               unsigned long long pol, float (&v)[2][4][8]) {
+                                               float (&v)[2][4][8]) {
   const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
 #pragma unroll
   for (int h = 0; h < 2; h++) {
@@ -162,13 +149,6 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
           v[h][u][2 * q] = gg_bf16_lo(w[q]);
           v[h][u][2 * q + 1] = gg_bf16_hi(w[q]);
         }
-      } else if constexpr (STREAM) {
-        asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
-                     : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
-                     : "l"(p + j), "l"(pol));
-        asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
-                     : "=f"(v[h][u][4]), "=f"(v[h][u][5]), "=f"(v[h][u][6]), "=f"(v[h][u][7])
-                     : "l"(p + j + 4), "l"(pol));
       } else {
         asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
                      : "=f"(v[h][u][0]), "=f"(v[h][u][1]), "=f"(v[h][u][2]), "=f"(v[h][u][3])
@@ -183,7 +163,9 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
 
 // gg_gather_store writes step st's rows, scaled (lane i: row i's scale),
 // to xRD as bf16, and, when fz.xFull is set (GG_TP_GATHER), unrounded to
-// xFull too (with gg_stream_policy: nothing reads them in this kernel). An odd chunk's last pair copies its last row twice.
+// xFull too (plain stores: hinted evict-first or L1-bypassing, they cost
+// the product 2-3%, kernels/grouped_gemm.md). An odd chunk's last pair
+// copies its last row twice.
 __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int nJ, int nr, int r0, int K, int lane,
                                                 float scale, const float (&v)[2][4][8]) {
   const int i = (st / nJ) * 2, j0 = lane * 8 + (st % nJ) * 1024;
@@ -204,12 +186,11 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
                      "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                      : "memory");
         if (full) {
-          const unsigned long long pol = gg_stream_policy(fz);
-          asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(full + j),
-                       "f"(w[0]), "f"(w[1]), "f"(w[2]), "f"(w[3]), "l"(pol)
+          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + j), "f"(w[0]), "f"(w[1]), "f"(w[2]),
+                       "f"(w[3])
                        : "memory");
-          asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(full + j + 4),
-                       "f"(w[4]), "f"(w[5]), "f"(w[6]), "f"(w[7]), "l"(pol)
+          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + j + 4), "f"(w[4]), "f"(w[5]),
+                       "f"(w[6]), "f"(w[7])
                        : "memory");
         }
       }
@@ -251,7 +232,7 @@ __device__ __forceinline__ void gg_row_ref(const gg_fuse& fz, int r, int& s, int
 // - otherwise (GG_DISPATCH_DGRAD): three warps a block gather beside the products,
 //   paced by the block's front; the copy is bound by load latency, so two
 //   steps are in flight (one stored while the next one's loads are out).
-template <bool FIRST, bool SRC_BF16, bool STREAM = false>
+template <bool FIRST, bool SRC_BF16>
 __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E, const int* sBeg,
                                           const int* sEnd, const int* sCum, const volatile int* front) {
   const int total = sCum[E] * GG_CHUNKS, nJ = (K + 1023) / 1024;
@@ -261,7 +242,6 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
   // Lane i < nr: its row's source rank and send position (the references)
   // and, resolved from them, its source address and scale.
   const int rot = fz.rotM * GG_CHUNKS;
-  const unsigned long long pol = STREAM ? gg_stream_policy(fz) : 0;
   gg_gather_chunk cur = gg_gather_chunk_of(gg_rotate(cw, rot, total), E, sBeg, sEnd, sCum);
   int refS = 0, refP = 0;
   if (lane < cur.nr) gg_row_ref(fz, cur.r0 + lane, refS, refP);
@@ -302,15 +282,15 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
       // One step in flight (each stored before the next one's loads go
       // out).
       for (int st = 0; st < steps; st++) {
-        gg_gather_load<SRC_BF16, STREAM>(st, nJ, cur.nr, K, lane, src, pol, va);
+        gg_gather_load<SRC_BF16>(st, nJ, cur.nr, K, lane, src, va);
         gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
       }
     } else {
-      if (steps > 0) gg_gather_load<SRC_BF16, STREAM>(0, nJ, cur.nr, K, lane, src, pol, va);
+      if (steps > 0) gg_gather_load<SRC_BF16>(0, nJ, cur.nr, K, lane, src, va);
       for (int st = 0; st < steps; st += 2) {
-        if (st + 1 < steps) gg_gather_load<SRC_BF16, STREAM>(st + 1, nJ, cur.nr, K, lane, src, pol, vb);
+        if (st + 1 < steps) gg_gather_load<SRC_BF16>(st + 1, nJ, cur.nr, K, lane, src, vb);
         gg_gather_store(fz, st, nJ, cur.nr, cur.r0, K, lane, scale, va);
-        if (st + 2 < steps) gg_gather_load<SRC_BF16, STREAM>(st + 2, nJ, cur.nr, K, lane, src, pol, va);
+        if (st + 2 < steps) gg_gather_load<SRC_BF16>(st + 2, nJ, cur.nr, K, lane, src, va);
         if (st + 1 < steps) gg_gather_store(fz, st + 1, nJ, cur.nr, cur.r0, K, lane, scale, vb);
       }
     }
@@ -851,8 +831,7 @@ struct gg_fused_steps {
   static __device__ __forceinline__ void gather(const gg_fuse& fz, int cw, int ncw, int lane, int K, int E,
                                                 const int* sBeg, const int* sEnd, const int* sCum,
                                                 const volatile int* front) {
-    // GG_TP_GATHER's rows stream through L2 (gg_evict_first).
-    gg_gather<FIRST, SRC_BF16, FUSE == GG_TP_GATHER>(fz, cw, ncw, lane, K, E, sBeg, sEnd, sCum, front);
+    gg_gather<FIRST, SRC_BF16>(fz, cw, ncw, lane, K, E, sBeg, sEnd, sCum, front);
   }
   static __device__ __forceinline__ void wait_tile(const gg_fuse& fz, int g, int row0, int rowEnd, int kind) {
     gg_wait_tile(fz, g, row0, rowEnd, kind);

@@ -70,8 +70,6 @@ func Sources() []Source {
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
-			{Name: "tp-gather-plain", Defines: []string{"GG_EXPERIMENT=32"}, Exact: true,
-				Purpose: "tp_gather's rows loaded and stored without cache hints (TestTPLabFigures)"},
 			// What each part of the kernels costs (GG_MODE bits; the
 			// names are the figures').
 			{Name: "mode1", Defines: []string{"GG_MODE=1"}, Purpose: "no gather and no tile waits"},
