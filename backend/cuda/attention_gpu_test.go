@@ -380,3 +380,68 @@ func naiveAttnRow(q, k, v []float32, s backend.AttnShape, b, kvh, h, i int) ([]f
 	}
 	return out, m + math.Log(sum)
 }
+
+// TestHopperAttnBands: the whole-sequence Hopper kernels give the same
+// results whichever pairs their blocks run at a time. On shapes of 64
+// tiles a pair, where hopperAttnBand picks a band (and the last band is
+// short), the chosen bands against every pair at once: out, lse, dk and dv
+// are the same bits (each element is one block's), dq agrees to float32
+// rounding (its blocks' additions land in another order).
+func TestHopperAttnBands(t *testing.T) {
+	d := testDevice(t)
+	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
+		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
+	}
+	for n, s := range []backend.AttnShape{
+		{Batch: 1, Seq: 8065, Heads: 6, KVHeads: 3, HeadDim: 64},
+		{Batch: 1, Seq: 8065, Heads: 6, KVHeads: 3, HeadDim: 128},
+	} {
+		t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim), func(t *testing.T) {
+			k := newKT(t, uint64(90+n))
+			T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
+			nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
+			tiles := (s.Seq + hopperAttnBN - 1) / hopperAttnBN
+			fwdPairs, bwdPairs := s.Batch*H, s.Batch*KV
+			fwdBand, bwdBand := hopperAttnBand(fwdPairs, tiles, false), hopperAttnBand(bwdPairs, tiles, true)
+			if fwdBand == fwdPairs || bwdBand == bwdPairs {
+				t.Fatalf("no band at %d tiles: forward %d of %d pairs, backward %d of %d", tiles, fwdBand, fwdPairs, bwdBand, bwdPairs)
+			}
+			q, kk, v := k.buf(k.randn(nq, 1.5), true), k.buf(k.randn(nk, 1.5), true), k.buf(k.randn(nk, 1), true)
+			dout := upload(k, k.randn(nq, 1))
+			kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_backward_d%d", Dh))
+			if err != nil {
+				t.Fatal(err)
+			}
+			threads, smem := hopperAttnBwdLaunch(Dh)
+			run := func(fwd, bwd int) map[string][]float32 {
+				out, lse := k.poisoned(nq), k.poisoned(nl)
+				if err := launchHopperAttnForward(d, out.Ptr(), lse.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), s, false, fwd); err != nil {
+					t.Fatal(err)
+				}
+				dq, dk, dv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
+				if err := launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(),
+					out.Ptr(), lse.Ptr(), s, attnBwdInputs{qkv: true}, bwd); err != nil {
+					t.Fatal(err)
+				}
+				return map[string][]float32{"out": k.download(out, nq), "lse": k.download(lse, nl),
+					"dq": k.download(dq, nq), "dk": k.download(dk, nk), "dv": k.download(dv, nk)}
+			}
+			banded, whole := run(fwdBand, bwdBand), run(fwdPairs, bwdPairs)
+			for _, name := range []string{"out", "lse", "dq", "dk", "dv"} {
+				got, want := banded[name], whole[name]
+				if i := slices.IndexFunc(got, func(x float32) bool { return math.IsNaN(float64(x)) }); i >= 0 {
+					t.Fatalf("%s[%d] is NaN: an element no block wrote", name, i)
+				}
+				if name == "dq" {
+					if e := relL2(got, want); e > 1e-5 {
+						t.Errorf("dq with bands %d/%d: relative L2 %.3g from every pair at once, want at most 1e-5", fwdBand, bwdBand, e)
+					}
+					continue
+				}
+				if !slices.Equal(got, want) {
+					t.Errorf("%s with bands %d/%d differs from every pair at once", name, fwdBand, bwdBand)
+				}
+			}
+		})
+	}
+}

@@ -11,6 +11,7 @@ package cuda
 // tensors as they are.
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"runtime"
@@ -62,7 +63,7 @@ func AttentionForwardBF16(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 		return err
 	}
 	if hopperAttnTakes(d, s) && aligned16(out, q, k, v) {
-		return launchHopperAttnForward(d, out, lse, q, k, v, s, outBF16)
+		return launchHopperAttnForward(d, out, lse, q, k, v, s, outBF16, 0)
 	}
 	nq, nk := attnElems(s)
 	bf := []widened{{q, nq}, {k, nk}, {v, nk}}
@@ -260,9 +261,34 @@ func optInShared(d *Device, kern *Kernel, bytes int) error {
 	return nil
 }
 
+// hopperAttnBand is how many (sequence, head) pairs the blocks of a
+// whole-sequence kernel run at a time (ah_band in attention_hopper.cu), on
+// a grid of pairs pairs by items blocks (query tiles forward, key blocks
+// backward; pairs means all at once, in launch order). Below 64 items a
+// pair all pairs run at once, the heaviest items of every pair first,
+// which keeps the last wave short. From 64 items (8,192 tokens) a few
+// pairs at a time, whose rows L2 then holds while their blocks walk them:
+// the backward's q, dout and dq (dq alone is 134 MB at B2 S8192 H16
+// Dh128), the forward's k and v. Measured on one H200 at ffd8d9b
+// (kernels/attention_hopper.md), at B2 S8192 H16 Dh128: the backward at
+// 277 TFLOP/s all at once, 323 four at a time, 334 two at a time; the
+// forward at 490 and 508 (four at a time). At 2,048 tokens (16 items)
+// both lost: the backward 221 to 174-183, the forward 254 to 251.
+func hopperAttnBand(pairs, items int, backward bool) int {
+	band := 4
+	if backward {
+		band = 2
+	}
+	if items < 64 || pairs < band {
+		return pairs
+	}
+	return band
+}
+
 // launchHopperAttnForward queues attn_h_forward_d{64,128} (_bf16 for a
-// bf16 out) on checked arguments.
-func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, outBF16 bool) error {
+// bf16 out) on checked arguments, its blocks band (sequence, head) pairs
+// at a time (0: hopperAttnBand's choice).
+func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, outBF16 bool, band int) error {
 	dh, keys := s.HeadDim, s.Keys()
 	name := fmt.Sprintf("attn_h_forward_d%d", dh)
 	if outBF16 {
@@ -278,10 +304,12 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 		{"v", hopperAttnMap(v, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
 	}
 	_, scaleLog2 := attnScales(dh)
+	pairs, qTiles := s.Batch*s.Heads, (s.Seq+hopperAttnBM-1)/hopperAttnBM
 	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
-		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2))}
+		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
+		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, qTiles, false))))}
 	grid := Grid{
-		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: (s.Seq + hopperAttnBM - 1) / hopperAttnBM, Z: 1},
+		Grid:   driver.Dim3{X: pairs, Y: qTiles, Z: 1},
 		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
 		Shared: hopperAttnSmem(dh),
 	}
@@ -314,7 +342,7 @@ func hopperAttnForwardF32(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 			return err
 		}
 	}
-	return launchHopperAttnForward(d, out, lse, qb, kb, vb, s, false)
+	return launchHopperAttnForward(d, out, lse, qb, kb, vb, s, false, 0)
 }
 
 // hopperAttnBwdQ is the queries of one backward item (AH_BQ).
@@ -356,14 +384,15 @@ func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.De
 		return err
 	}
 	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
-	return launchHopperAttnBackward(d, kern, threads, smem, dq, dk, dv, dout, q, k, v, out, lse, s, in)
+	return launchHopperAttnBackward(d, kern, threads, smem, dq, dk, dv, dout, q, k, v, out, lse, s, in, 0)
 }
 
 // launchHopperAttnBackward is hopperAttnBackward on kernel kern (attn_h_backward's
 // arguments, then extra ones) launched with threads threads and smem
-// bytes of dynamic shared memory a block: the production kernel, or a lab
-// build whose launch differs (kernels/dev).
-func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, extra ...uint64) error {
+// bytes of dynamic shared memory a block, its blocks band (sequence, kv
+// head) pairs at a time (0: hopperAttnBand's choice): the production
+// kernel, or a lab build whose launch differs (kernels/dev).
+func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, band int, extra ...uint64) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
@@ -447,12 +476,14 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		}},
 	}
 	scale, scaleLog2 := attnScales(dh)
+	pairs, keyBlocks := s.Batch*s.KVHeads, (keys+hopperAttnBN-1)/hopperAttnBN
 	slots := []uint64{uint64(lse), uint64(delta), uint64(dk), uint64(dv),
 		uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))), uint64(uint32(s.Heads)),
-		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
+		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale)),
+		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, keyBlocks, true))))}
 	slots = append(slots, extra...)
 	grid := Grid{
-		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: (keys + hopperAttnBN - 1) / hopperAttnBN, Z: 1},
+		Grid:   driver.Dim3{X: pairs, Y: keyBlocks, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: smem,
 	}

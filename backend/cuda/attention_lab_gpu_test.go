@@ -172,7 +172,7 @@ func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how la
 		}
 		threads, smem := how.launch(s.HeadDim)
 		return launchHopperAttnBackward(d, kerns[s.HeadDim], threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(),
-			q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{}, extra...)
+			q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{}, 0, extra...)
 	}
 	shapes := []backend.AttnShape{
 		{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},

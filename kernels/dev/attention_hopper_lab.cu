@@ -5,17 +5,6 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  bwd-band: the whole-sequence backward's blocks take their key block
-//      and (sequence, kv head) from the launch order so that AH_BAND
-//      (sequence, kv head) pairs run at a time, their key blocks heaviest
-//      first, instead of every pair's heaviest key blocks at once: the
-//      q, dout and dq rows the running blocks walk are then AH_BAND
-//      pairs', which L2 holds (dq alone is [B*S, H*Dh] float32, 134 MB
-//      at B2 S8192 H16 Dh128). Not with bit 1 (its turns count on
-//      blockIdx.y's order).
-//   4  fwd-band: the same for the forward: AH_BAND (sequence, head)
-//      pairs' query tiles at a time, heaviest first, so that the k and v
-//      they read are a few kv heads'.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -77,27 +66,24 @@
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
 #endif
-#ifndef AH_BAND
-#define AH_BAND 4
-#endif
-
-#if AH_EXPERIMENT & 6
-// ah_band maps a block of a grid of gridDim.x pairs by gridDim.y items
-// (item 0 the heaviest), launched in the order of blockIdx.y * gridDim.x
-// + blockIdx.x, to its pair and item so that the blocks run AH_BAND pairs
-// at a time, each band's items heaviest first (bits 2 and 4).
-__device__ __forceinline__ void ah_band(int& pair, int& item) {
-  const int pairs = gridDim.x, items = gridDim.y;
-  const int lin = blockIdx.y * gridDim.x + blockIdx.x, band = lin / (AH_BAND * items);
-  const int inBand = gg_min(AH_BAND, pairs - band * AH_BAND), r = lin - band * AH_BAND * items;
-  pair = band * AH_BAND + r % inBand;
-  item = r / inBand;
-}
-#endif
-
 #define AH_BM 128  // queries per block
 #define AH_BN 128  // keys per tile
 #define AH_LN2 0.6931471805599453f
+
+// ah_band maps this block of a grid of gridDim.x pairs by gridDim.y items
+// (item 0 the heaviest), launched in the order blockIdx.y * gridDim.x +
+// blockIdx.x, to its pair and item so that the blocks run band pairs at a
+// time, each band's items heaviest first. band = gridDim.x is the launch
+// order itself: every pair's item 0, then every pair's item 1, ... The
+// whole-sequence kernels take band from the host (hopperAttnBand says
+// when a few pairs at a time pay: their rows then stay in L2).
+__device__ __forceinline__ void ah_band(int band, int& pair, int& item) {
+  const int pairs = gridDim.x, items = gridDim.y;
+  const int lin = blockIdx.y * pairs + blockIdx.x, first = lin / (band * items) * band;
+  const int inBand = gg_min(band, pairs - first), r = lin - first * items;
+  pair = first + r % inBand;
+  item = r / inBand;
+}
 
 extern __shared__ __attribute__((aligned(1024))) unsigned char ah_smem[];
 
@@ -209,7 +195,8 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
 
 template <int DH, typename Out>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
-                                           float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
+                                           float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
+                                           int band) {
   constexpr int STAGES = ah_cfg<DH>::STAGES;
   constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
@@ -218,16 +205,12 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
                  empty = fullV + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-#if AH_EXPERIMENT & 4
+  // Pairs (sequence, head) by q tiles, heaviest first: causal work grows
+  // with the tile index.
   int bh, ty;
-  ah_band(bh, ty);
+  ah_band(band, bh, ty);
   const int b = bh / H, h = bh % H, kvh = h / (H / KV);
   const int nQT = (S + AH_BM - 1) / AH_BM, i0 = (nQT - 1 - ty) * AH_BM;
-#else
-  const int bh = blockIdx.x, b = bh / H, h = bh % H, kvh = h / (H / KV);
-  // Heaviest q tiles first: causal work grows with the tile index.
-  const int nQT = (S + AH_BM - 1) / AH_BM, i0 = (nQT - 1 - (int)blockIdx.y) * AH_BM;
-#endif
   const int lastRow = gg_min(S - 1, i0 + AH_BM - 1);
   const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
   if (tid == 0) {
@@ -592,22 +575,22 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(cons
   ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
-  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
-  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 // attn_h_forward_d{64,128}_bf16: the same with a bf16 out (the output
 // projection's operand), each value rounded once.
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
-  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2) {
-  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 // ---- backward ----
@@ -826,7 +809,7 @@ template <int DH, bool ORDERED>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
-                                            int KV, float scaleLog2, float scale, int* turns) {
+                                            int KV, float scaleLog2, float scale, int band, int* turns) {
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
   constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
                      QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
@@ -836,15 +819,11 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const unsigned dqs = dss + 4 * DSB;                            // dq staging
   const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-#if AH_EXPERIMENT & 2
+  // Pairs (sequence, kv head) by key blocks, heaviest first.
   int pair, kb;
-  ah_band(pair, kb);
+  ah_band(band, pair, kb);
   const int b = pair / KV, kvh = pair % KV, G = H / KV;
   const int j0 = kb * 128;
-#else
-  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
-  const int j0 = blockIdx.y * 128;
-#endif
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
@@ -1074,7 +1053,7 @@ template <int DH>
 __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
-                                            int KV, float scaleLog2, float scale) {
+                                            int KV, float scaleLog2, float scale, int band) {
   constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
   constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, QBOX = ah_bcfg_producer<DH>::QBOX, KT = ah_bcfg_producer<DH>::KT,
                      QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
@@ -1085,15 +1064,11 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse (base 2), 64 delta
   const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-#if AH_EXPERIMENT & 2
+  // Pairs (sequence, kv head) by key blocks, heaviest first.
   int pair, kb;
-  ah_band(pair, kb);
+  ah_band(band, pair, kb);
   const int b = pair / KV, kvh = pair % KV, G = H / KV;
   const int j0 = kb * 128;
-#else
-  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
-  const int j0 = blockIdx.y * 128;
-#endif
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
@@ -1618,21 +1593,27 @@ extern "C" __global__ void __launch_bounds__(288, 1) attn_h_zz_backward_d64(cons
   ah_zz_backward64(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-  ah_backward_producer<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale);
+extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward_producer<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
+                           band);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale) {
-  ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, nullptr);
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band,
+                          nullptr);
 }
 
 #if AH_EXPERIMENT & 1
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
-  ah_backward<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band, int* turns) {
+  // The turns count on the launch order: every pair at once (band ignored).
+  ah_backward<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
+                        (int)gridDim.x, turns);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int* turns) {
-  ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, turns);
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band, int* turns) {
+  // The turns count on the launch order: every pair at once (band ignored).
+  ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
+                        (int)gridDim.x, turns);
 }
 #endif
 

@@ -53,12 +53,6 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "bwd-band", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the backward's blocks run 4 (sequence, kv head) pairs at a time, key blocks heaviest first, so that L2 holds the q, dout and dq rows they walk"},
-			{Name: "bwd-band2", Defines: []string{"AH_EXPERIMENT=2", "AH_BAND=2"}, Exact: true,
-				Purpose: "bwd-band with 2 pairs at a time"},
-			{Name: "fwd-band", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the forward's blocks run 4 (sequence, head) pairs at a time, query tiles heaviest first, so that the k and v they read are a few kv heads'"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
