@@ -138,7 +138,8 @@ func (b *Backend) zigzagForwardHopper(outTQ, lseBHS, qTQ backend.Tensor, kTK, vT
 	maps = append(maps, rankMaps(vp, kvMap)...)
 	_, scaleLog2 := attnScales(s.HeadDim)
 	slots := []uint64{uint64(single[0]), uint64(single[1]), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
-		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2))}
+		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
+		uint64(uint32(hopperAttnBand(s.Batch*s.Heads, 2*s.Chunk/hopperAttnBM, false)))}
 	grid := Grid{
 		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: 2 * s.Chunk / hopperAttnBM, Z: 1},
 		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},

@@ -68,13 +68,16 @@ func (o *zzOnePass) backward() {
 func TestZigzagOnePassAgainstWhole(t *testing.T) {
 	b := testBackend(t)
 	// GQA groups of 1 to 4, W 2 to 8 and an odd W, one and several tiles
-	// a chunk, several sequences, both head dims.
+	// a chunk, several sequences, both head dims; the last with 64 q tiles
+	// a rank, whose forward runs its 6 (sequence, head) pairs in bands of
+	// 4 and 2 (hopperAttnBand), as the whole-sequence kernels do theirs.
 	shapes := []backend.ZigzagShape{
 		{Ranks: 2, Batch: 2, Chunk: 128, Heads: 8, KVHeads: 2, HeadDim: 64},
 		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 8, KVHeads: 2, HeadDim: 128},
 		{Ranks: 8, Batch: 1, Chunk: 128, Heads: 4, KVHeads: 4, HeadDim: 64},
 		{Ranks: 3, Batch: 2, Chunk: 384, Heads: 4, KVHeads: 1, HeadDim: 128},
 		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 4, KVHeads: 4, HeadDim: 64},
+		{Ranks: 2, Batch: 1, Chunk: 4096, Heads: 6, KVHeads: 3, HeadDim: 64},
 	}
 	if err := b.ZigzagAttentionOnePass(shapes[0]); err != nil {
 		t.Skipf("the one-pass fused ring does not run here: %v", err)

@@ -400,7 +400,7 @@ struct ah_zz_maps {
 
 template <int DH>
 __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
-                                              int KV, float scaleLog2) {
+                                              int KV, float scaleLog2, int band) {
   constexpr int STAGES = ah_cfg<DH>::STAGES;
   constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
@@ -408,9 +408,12 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
   const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
                  empty = fullV + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int bh = blockIdx.x, b = bh / H, h = bh % H, kvh = h / (H / KV);
-  // Heaviest tiles first: the late chunk's (n = 1), its last rows first.
-  const int per = C / AH_BM, y = (int)blockIdx.y, n = y < per ? 1 : 0;
+  // Pairs (sequence, head) by q tiles, heaviest first: the late chunk's
+  // (n = 1), its last rows first.
+  int bh, y;
+  ah_band(band, bh, y);
+  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+  const int per = C / AH_BM, n = y < per ? 1 : 0;
   const int tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
   const int S = 2 * C;                  // local rows per sequence
   const int i0 = n * C + tile * AH_BM;  // the block's first local row
@@ -567,12 +570,12 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
   }
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2) {
-  ah_zz_forward<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
+  ah_zz_forward<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2) {
-  ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
+  ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
