@@ -11,7 +11,7 @@
 //	mktrain sample --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
 //	mktrain tokenize --tokenizer FILE [--json] [--decode] [--special] [TEXT]
 //	mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
-//	mktrain plan RECIPE [--set key.path=value]... [--device NAME] [--memory SIZE] [--json]
+//	mktrain plan RECIPE [--set key.path=value]... [--device NAME] [--memory SIZE] [--gpus N] [--json]
 //	mktrain ckpt verify DIR
 //	mktrain ckpt inspect DIR
 //	mktrain report RUN_DIR [--out FILE.html] [--bench FILE]
@@ -96,7 +96,7 @@ Usage:
                          print the token ids of TEXT (or stdin); --decode: the text of ids
   mktrain export [--format hf] [--dtype bf16|fp32] CKPT OUT
                          write a checkpoint as a Hugging Face Mixtral directory
-  mktrain plan RECIPE [--set key.path=value]... [--device NAME] [--memory SIZE] [--json]
+  mktrain plan RECIPE [--set key.path=value]... [--device NAME] [--memory SIZE] [--gpus N] [--json]
                          the memory and FLOPs a recipe needs per rank, against the device's memory
   mktrain ckpt verify DIR
                          check the checksums of a checkpoint, or of all under a run

@@ -17,7 +17,7 @@ import (
 	"github.com/mktrain/mktrain/recipes"
 )
 
-const planUsage = `Usage: mktrain plan RECIPE [--set key.path=value]... [--device NAME] [--memory SIZE] [--json]
+const planUsage = `Usage: mktrain plan RECIPE [--set key.path=value]... [--device NAME] [--memory SIZE] [--gpus N] [--json]
 
 Prints what a run of RECIPE needs: its parameters (all, and those active
 per token), the FLOPs per token that bench train's MFU counts, and per rank
@@ -27,7 +27,10 @@ and the working memory of the backward, the MoE dispatch, the matrix
 products and the collectives, against the memory of the device: the GPU
 this machine would train on, the host's memory for the CPU backend, or the
 device --device names (h200, h100, cpu), with --memory SIZE (141GiB, 80GB)
-instead of the device's. A named GPU trains one rank per GPU. mktrain run
+instead of the device's. On a named GPU the ranks are planned as mktrain
+run places them on a machine of --gpus N such GPUs: one rank on each when
+there are at least as many GPUs as ranks (the default), else every rank on
+one GPU as virtual ranks (--gpus 1: a one-GPU machine). mktrain run
 checks the same plan before it allocates anything and refuses a run that
 does not fit; so does plan, with exit status 2 and the same sentence.
 docs/memory.md explains each term.
@@ -50,6 +53,7 @@ func cmdPlan(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.Var(&sets, "set", "override a recipe field, e.g. --set train.micro_batch=4 (repeatable)")
 	device := fs.String("device", "", "plan for this device instead of this machine's: "+strings.Join(plan.DeviceNames(), ", "))
 	memory := fs.String("memory", "", "the device's memory for the run, e.g. 141GiB or 80GB (default: the device's)")
+	gpus := fs.Int("gpus", 0, "with --device or --memory: the machine's GPUs, fewer than the ranks putting every rank on one (default: one for each rank)")
 	asJSON := fs.Bool("json", false, "print the plan as one JSON object")
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
@@ -63,7 +67,7 @@ func cmdPlan(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	p, err := recipePlan(cfg, *device, *memory)
+	p, err := recipePlan(cfg, *device, *memory, *gpus)
 	if err != nil {
 		return err
 	}
@@ -92,9 +96,16 @@ func cmdPlan(_ context.Context, args []string, stdout, stderr io.Writer) error {
 }
 
 // recipePlan is cfg's plan on the device named, or with --memory on a
-// device of that much memory, or else on the device mktrain run would
-// train on here (opening it, for a GPU).
-func recipePlan(cfg engine.Config, device, memory string) (plan.Plan, error) {
+// device of that much memory, on a machine of gpus such GPUs (0: one for
+// each rank), or else on the device mktrain run would train on here
+// (opening it, for a GPU).
+func recipePlan(cfg engine.Config, device, memory string, gpus int) (plan.Plan, error) {
+	if gpus < 0 {
+		return plan.Plan{}, usageError{fmt.Sprintf("--gpus is %d; give the machine's GPU count, at least 1", gpus)}
+	}
+	if gpus > 0 && device == "" && memory == "" {
+		return plan.Plan{}, usageError{"--gpus goes with --device or --memory: without them the plan counts this machine's GPUs"}
+	}
 	var mem int64
 	if memory != "" {
 		var err error
@@ -128,9 +139,17 @@ func recipePlan(cfg engine.Config, device, memory string) (plan.Plan, error) {
 	if mem > 0 {
 		d.Memory = mem
 	}
-	// One rank per GPU on a named GPU; every rank on the host for the CPU.
+	// One rank per GPU on a named GPU, unless the machine has fewer GPUs
+	// than ranks: then every rank on one, as mktrain run places them
+	// (virtual ranks); every rank on the host for the CPU.
 	deviceRanks := 1
+	if world := cfg.Parallel.DP * cfg.Parallel.EP * cfg.Parallel.CP * cfg.Parallel.TP; gpus > 0 && gpus < world {
+		deviceRanks = 0
+	}
 	if d.Backend == plan.BackendCPU {
+		if gpus > 0 {
+			return plan.Plan{}, usageError{"--gpus is for a GPU device; the CPU backend runs every rank on the host"}
+		}
 		deviceRanks = 0
 	}
 	return plan.New(engine.PlanConfig(cfg, 0, deviceRanks, true), d)

@@ -87,9 +87,31 @@ func TestPlanCommand(t *testing.T) {
 	if code != exitFailure || !strings.Contains(stderr, "train.micro_batch (128)") || !strings.Contains(stdout, "does not fit") {
 		t.Errorf("micro_batch 128 on an H200: exit %d, want %d naming train.micro_batch\n%s%s", code, exitFailure, stdout, stderr)
 	}
+	// A machine of one H200 runs long-context's 4 context ranks as
+	// virtual ranks of it; one of four H200s runs one rank.
+	for _, c := range []struct {
+		gpus        string
+		deviceRanks int
+	}{{"1", 4}, {"4", 1}, {"", 1}} {
+		args := []string{"plan", "long-context", "--device", "h200", "--json"}
+		if c.gpus != "" {
+			args = append(args, "--gpus", c.gpus)
+		}
+		code, stdout, stderr := runCLI(t, args...)
+		var rep planReport
+		if code != exitOK || json.Unmarshal([]byte(stdout), &rep) != nil {
+			t.Fatalf("%v: exit %d\n%s%s", args, code, stdout, stderr)
+		}
+		if rep.Plan.DeviceRanks != c.deviceRanks {
+			t.Errorf("%v: %d ranks on a device, want %d", args, rep.Plan.DeviceRanks, c.deviceRanks)
+		}
+	}
 	for _, args := range [][]string{
 		{"plan", "tiny", "--memory", "lots"},
 		{"plan", "tiny", "--device", "tpu"},
+		{"plan", "tiny", "--gpus", "2"},
+		{"plan", "tiny", "--device", "cpu", "--gpus", "2"},
+		{"plan", "moe-small", "--device", "h200", "--gpus", "-1"},
 		{"plan"},
 	} {
 		if code, _, stderr := runCLI(t, args...); code != exitFailure {
