@@ -445,3 +445,66 @@ func TestHopperAttnBands(t *testing.T) {
 		})
 	}
 }
+
+// TestAttentionBandFigures times the whole-sequence Hopper kernels with
+// each band of (sequence, head) pairs a time (ah_band; the number of pairs
+// is every pair at once) at shapes from 16 to 256 tiles a pair, so that
+// hopperAttnBand's rule can be read off one run: figures "attention band
+// <shape> fwd|bwd band <n> rate", beside "... chosen" (the rule's band).
+func TestAttentionBandFigures(t *testing.T) {
+	d := testDevice(t)
+	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
+		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
+	}
+	k := newKT(t, 95)
+	for _, s := range []backend.AttnShape{
+		{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
+		{Batch: 4, Seq: 4096, Heads: 16, KVHeads: 4, HeadDim: 128},
+		{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128},
+		{Batch: 1, Seq: 32768, Heads: 32, KVHeads: 8, HeadDim: 128},
+	} {
+		T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
+		nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
+		q, kk, v := k.buf(k.randn(nq, 1), true), k.buf(k.randn(nk, 1), true), k.buf(k.randn(nk, 1), true)
+		dout := upload(k, k.randn(nq, 1))
+		out, lse := k.poisoned(nq), k.poisoned(nl)
+		dq, dk, dv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
+		kern, err := sourceKernel(d, "attention_hopper.cu", fmt.Sprintf("attn_h_backward_d%d", Dh))
+		if err != nil {
+			t.Fatal(err)
+		}
+		threads, smem := hopperAttnBwdLaunch(Dh)
+		tiles := (s.Seq + hopperAttnBN - 1) / hopperAttnBN
+		shape := fmt.Sprintf("B%d S%d H%d KV%d Dh%d", s.Batch, s.Seq, H, KV, Dh)
+		flops := 4 * float64(s.Batch*H) * float64(s.Seq) * float64(s.Seq) * float64(Dh) / 2
+		for _, dir := range []struct {
+			name   string
+			pairs  int
+			chosen int
+			flops  float64
+			run    func(band int) error
+		}{
+			{"fwd", s.Batch * H, hopperAttnBand(s.Batch*H, tiles, false), flops, func(band int) error {
+				return launchHopperAttnForward(d, out.Ptr(), lse.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), s, false, band)
+			}},
+			{"bwd", s.Batch * KV, hopperAttnBand(s.Batch*KV, tiles, true), 2.5 * flops, func(band int) error {
+				return launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(),
+					out.Ptr(), lse.Ptr(), s, attnBwdInputs{qkv: true}, band)
+			}},
+		} {
+			figure(t, fmt.Sprintf("attention band %s %s chosen", shape, dir.name), float64(dir.chosen), "pairs")
+			for _, band := range []int{1, 2, 3, 4, 6, 8, 16, dir.pairs} {
+				if band > dir.pairs || (band == 16 && dir.pairs == 16) {
+					continue
+				}
+				ms := attnMedianMs(t, d, func() error { return dir.run(band) })
+				figure(t, fmt.Sprintf("attention band %s %s band %d rate", shape, dir.name, band), dir.flops/ms/1e9, "TFLOP/s")
+			}
+		}
+		for name, g := range map[string][]float32{"out": k.download(out, nq), "dq": k.download(dq, nq), "dk": k.download(dk, nk)} {
+			if i := slices.IndexFunc(g, func(x float32) bool { return math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) }); i >= 0 {
+				t.Errorf("%s: %s[%d] = %v", shape, name, i, g[i])
+			}
+		}
+	}
+}
