@@ -159,7 +159,7 @@ func (b *Backend) zigzagLaunch(name string, grid Grid, lists [][]driver.DevicePt
 func (b *Backend) ZigzagAttentionForward(outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionForward"
 	if qTQ != nil && qTQ.DType() == backend.BFloat16 {
-		b.zigzagForwardHopper(outTQ, lseBHS, qTQ, kTK, vTK, s)
+		b.zigzagForwardHopper(outTQ, lseBHS, qTQ, kTK, vTK, s, 0)
 		return
 	}
 	ps, lists := b.zigzagCall(op, s,

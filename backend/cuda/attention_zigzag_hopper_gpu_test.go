@@ -36,7 +36,11 @@ func newZZOnePass(r *zzRun) *zzOnePass {
 }
 
 // forward rounds every rank's q, k and v and runs every rank's forward.
-func (o *zzOnePass) forward() {
+func (o *zzOnePass) forward() { o.forwardBand(0) }
+
+// forwardBand is forward with the kernels' blocks band pairs at a time
+// (0: hopperAttnBand's choice, as ZigzagAttentionForward runs them).
+func (o *zzOnePass) forwardBand(band int) {
 	r := o.r
 	for i := range r.s.Ranks {
 		r.b.Copy(o.q[i], r.lq[i])
@@ -44,7 +48,11 @@ func (o *zzOnePass) forward() {
 		r.b.Copy(o.v[i], r.lv[i])
 	}
 	for i := range r.s.Ranks {
-		r.b.ZigzagAttentionForward(r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i))
+		if band == 0 {
+			r.b.ZigzagAttentionForward(r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i))
+		} else {
+			r.b.zigzagForwardHopper(r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i), band)
+		}
 	}
 }
 
@@ -158,5 +166,34 @@ func TestZigzagOnePassFigures(t *testing.T) {
 		figure(t, name+" one-pass efficiency fwd+bwd", (coreF+coreB)/(oneF+oneB), "x")
 		figure(t, name+" two-pass efficiency fwd", coreF/tcF, "x")
 		figure(t, name+" two-pass efficiency fwd+bwd", (coreF+coreB)/(tcF+tcB), "x")
+	}
+}
+
+// TestZigzagForwardBandFigures times the one-pass ring's forward on W
+// virtual ranks with its blocks each band of (sequence, head) pairs at a
+// time, beside the whole-sequence forward (its efficiency at each band),
+// at the rows of bench attention's ring table (H16 KV4 Dh128): the
+// figures that set hopperAttnBand's rule for the ring's 32 and 64 q
+// tiles a pair, whose W8 S/W 4096 forward fell under 0.95 once the
+// whole-sequence core ran in bands (kernels/attention_hopper.md).
+func TestZigzagForwardBandFigures(t *testing.T) {
+	b := testBackend(t)
+	d := b.dev
+	for _, c := range []struct{ w, perRank int }{{2, 4096}, {8, 4096}, {4, 8192}} {
+		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: 128}
+		if err := b.ZigzagAttentionOnePass(s); err != nil {
+			t.Skipf("the one-pass fused ring does not run here: %v", err)
+		}
+		r := newZZRun(t, b, s, 98)
+		o := newZZOnePass(r)
+		sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
+		coreF := attnMedianMs(t, d, sync(r.wholeForward))
+		name := fmt.Sprintf("ring band W%d S%d", c.w, s.Seq())
+		figure(t, name+" chosen", float64(hopperAttnBand(s.Heads, 2*s.Chunk/hopperAttnBM, false)), "pairs")
+		for _, band := range []int{s.Heads, 1, 2, 4, 8} { // the last, banded, is compared below
+			ms := attnMedianMs(t, d, sync(func() { o.forwardBand(band) }))
+			figure(t, fmt.Sprintf("%s band %d efficiency fwd", name, band), coreF/ms, "x")
+		}
+		r.compareSome(t, "out", "lse")
 	}
 }
