@@ -57,8 +57,7 @@ func (e *Engine) plan(processRanks, deviceRanks int) (plan.Plan, error) {
 	c := PlanConfig(e.cfg, processRanks, deviceRanks, e.runDir != "")
 	c.Dispatcher = e.planDispatcher(processRanks, deviceRanks)
 	c.CPAttention = e.planCPAttention(processRanks, deviceRanks)
-	c.CPRingFused = e.cpRingFused(processRanks, deviceRanks)
-	c.CPRingOnePass = c.CPRingFused && e.cpRingOnePass()
+	c.CPRingFused, c.CPRingOnePass = PlanRing(e.cfg, processRanks, deviceRanks, e.backend)
 	c.TPOverlap = e.planTPOverlap(processRanks, deviceRanks)
 	return plan.New(c, dev)
 }
@@ -92,36 +91,42 @@ func (e *Engine) planTPOverlap(processRanks, deviceRanks int) string {
 	return ""
 }
 
-// cpRingFused says whether mode ring would run the fused ring
-// (attention/ring_fused.go) for processRanks ranks in this process,
-// deviceRanks of them on each device: the context groups offer peer
-// access (every rank in this process, as virtual ranks of one device, or
-// one per GPU where placeOnDevices asks for peer access) and the
-// backend's zigzag ops take the layer's shape.
-func (e *Engine) cpRingFused(processRanks, deviceRanks int) bool {
-	p, world := e.cfg.Parallel, e.cfg.mesh().World()
-	if p.CP < 2 || processRanks < world || (deviceRanks < processRanks && p.CPAttention != plan.CPRing) {
-		return false
-	}
-	return e.backend.ZigzagAttentionSupports(e.rankZigzagShape()) == nil
+// ZigzagKernels is what a backend's fused ring takes: the
+// ZigzagAttentionSupports and ZigzagAttentionOnePass of backend.Backend,
+// or of a description of a GPU not at hand (cuda.HopperZigzag, for a plan
+// of a named GPU).
+type ZigzagKernels interface {
+	ZigzagAttentionSupports(s backend.ZigzagShape) error
+	ZigzagAttentionOnePass(s backend.ZigzagShape) error
 }
 
-// cpRingOnePass says whether the fused ring would run in one pass: the
-// backend's one-pass ops take the layer's shape and the run is not
+// PlanRing says how mode ring would run context parallelism for c's
+// processRanks ranks in one process, deviceRanks of them on each device,
+// on a backend whose zigzag ops are zz: fused (attention/ring_fused.go)
+// where the context groups offer peer access (every rank in this
+// process, as virtual ranks of one device, or one per GPU where
+// placeOnDevices asks for peer access) and zz takes the layer's shape;
+// and then in one pass where zz's one-pass ops take it and the run is not
 // deterministic (the backend refuses them under SetDeterministic; the
-// config says so whether or not the backend has been told yet).
-func (e *Engine) cpRingOnePass() bool {
-	if e.cfg.Train.Deterministic {
-		return false
+// config says so whether or not the backend has been told yet). The
+// plan's CPRingFused and CPRingOnePass.
+func PlanRing(c Config, processRanks, deviceRanks int, zz ZigzagKernels) (fused, onePass bool) {
+	p := c.Parallel
+	if p.CP < 2 || processRanks < c.mesh().World() || (deviceRanks < processRanks && p.CPAttention != plan.CPRing) {
+		return false, false
 	}
-	return e.backend.ZigzagAttentionOnePass(e.rankZigzagShape()) == nil
+	s := rankZigzagShape(c)
+	if zz.ZigzagAttentionSupports(s) != nil {
+		return false, false
+	}
+	return true, !c.Train.Deterministic && zz.ZigzagAttentionOnePass(s) == nil
 }
 
 // rankZigzagShape is one context-parallel rank's zigzag attention shape.
-func (e *Engine) rankZigzagShape() backend.ZigzagShape {
-	p, s := e.cfg.Parallel, rankAttentionShape(e.cfg)
+func rankZigzagShape(c Config) backend.ZigzagShape {
+	p, s := c.Parallel, rankAttentionShape(c)
 	return backend.ZigzagShape{
-		Ranks: p.CP, Batch: e.cfg.Train.MicroBatch, Chunk: e.cfg.Train.Seq / (2 * p.CP),
+		Ranks: p.CP, Batch: c.Train.MicroBatch, Chunk: c.Train.Seq / (2 * p.CP),
 		Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HeadDim(),
 	}
 }

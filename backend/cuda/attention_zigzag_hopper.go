@@ -58,18 +58,45 @@ func (b *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
 // only this, so that a layer built before a SetDeterministic(true) keeps
 // running (with dq's adds in no fixed order) instead of failing mid-run.
 func (b *Backend) zigzagOnePassTakes(s backend.ZigzagShape) error {
-	if err := b.ZigzagAttentionSupports(s); err != nil {
+	if !hopperAttnTakes(b.dev, backend.AttnShape{HeadDim: s.HeadDim}) {
+		return fmt.Errorf("the one-pass fused ring runs on Hopper GPUs (sm_90a) at head dims 64 and 128, not on %s at head dim %d", b.dev.info.Name, s.HeadDim)
+	}
+	return zigzagOnePassShape(s)
+}
+
+// zigzagOnePassShape is the one-pass kernels' rule on s's shape, on a
+// Hopper GPU: zigzagTakes', chunks of a multiple of 128 rows and at most
+// zigzagHopperMaxRanks ranks.
+func zigzagOnePassShape(s backend.ZigzagShape) error {
+	if err := zigzagTakes(s); err != nil {
 		return err
 	}
 	switch {
-	case !hopperAttnTakes(b.dev, backend.AttnShape{HeadDim: s.HeadDim}):
-		return fmt.Errorf("the one-pass fused ring runs on Hopper GPUs (sm_90a) at head dims 64 and 128, not on %s at head dim %d", b.dev.info.Name, s.HeadDim)
 	case s.Chunk%hopperAttnBM != 0:
 		return fmt.Errorf("the one-pass fused ring needs chunks (seq/(2*cp) = %d) that are a multiple of %d", s.Chunk, hopperAttnBM)
 	case s.Ranks > zigzagHopperMaxRanks:
 		return fmt.Errorf("the one-pass fused ring takes at most %d ranks, not %d", zigzagHopperMaxRanks, s.Ranks)
 	}
 	return nil
+}
+
+// HopperZigzag answers ZigzagAttentionSupports and ZigzagAttentionOnePass
+// as the backend does on a Hopper GPU (H100, H200) outside
+// train.deterministic, without opening one: for a memory plan of a named
+// GPU (mktrain plan --device h200), which must size the fused ring's
+// buffers as a run there would.
+type HopperZigzag struct{}
+
+// ZigzagAttentionSupports is the backend's on any GPU: the shape alone.
+func (HopperZigzag) ZigzagAttentionSupports(s backend.ZigzagShape) error { return zigzagTakes(s) }
+
+// ZigzagAttentionOnePass is the backend's on a Hopper GPU whose shared
+// memory takes the kernels (every H100 and H200 does).
+func (HopperZigzag) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
+	if !tcHeadDim(s.HeadDim) {
+		return fmt.Errorf("the one-pass fused ring runs at head dims 64 and 128, not %d", s.HeadDim)
+	}
+	return zigzagOnePassShape(s)
 }
 
 // bf16Vector checks that t is a bfloat16 tensor of this backend of n

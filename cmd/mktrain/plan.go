@@ -4,6 +4,7 @@ package main
 // mktrain run checks before it allocates anything.
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/mktrain/mktrain/backend/all"
+	"github.com/mktrain/mktrain/backend/cuda"
 	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/engine"
 	"github.com/mktrain/mktrain/plan"
@@ -152,7 +154,15 @@ func recipePlan(cfg engine.Config, device, memory string, gpus int) (plan.Plan, 
 		}
 		deviceRanks = 0
 	}
-	return plan.New(engine.PlanConfig(cfg, 0, deviceRanks, true), d)
+	pc := engine.PlanConfig(cfg, 0, deviceRanks, true)
+	if device != "gpu" && d.Backend == plan.BackendCUDA {
+		// The named GPUs are Hopper GPUs: mode ring runs the fused ring
+		// there, in one pass where its kernels take the shape, as a run
+		// would (a GPU of --memory alone plans the portable ring's buffers).
+		world := cfg.Parallel.DP * cfg.Parallel.EP * cfg.Parallel.CP * cfg.Parallel.TP
+		pc.CPRingFused, pc.CPRingOnePass = engine.PlanRing(cfg, world, cmp.Or(deviceRanks, world), cuda.HopperZigzag{})
+	}
+	return plan.New(pc, d)
 }
 
 // enginePlan is the plan of the engine mktrain run would build for cfg,

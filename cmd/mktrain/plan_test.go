@@ -106,6 +106,34 @@ func TestPlanCommand(t *testing.T) {
 			t.Errorf("%v: %d ranks on a device, want %d", args, rep.Plan.DeviceRanks, c.deviceRanks)
 		}
 	}
+	// Mode ring on a named (Hopper) GPU is the fused ring a run there
+	// would take: in one pass, or in two under train.deterministic, whose
+	// dk and dv partials take more memory; a GPU of --memory alone plans
+	// the portable ring.
+	ring := func(extra ...string) planReport {
+		t.Helper()
+		args := append([]string{"plan", "long-context", "--gpus", "1", "--json", "--set", "parallel.cp_attention=ring"}, extra...)
+		code, stdout, stderr := runCLI(t, args...)
+		var rep planReport
+		if code != exitOK || json.Unmarshal([]byte(stdout), &rep) != nil {
+			t.Fatalf("%v: exit %d\n%s%s", args, code, stdout, stderr)
+		}
+		return rep
+	}
+	onePass, twoPass := ring("--device", "h200"), ring("--device", "h200", "--set", "train.deterministic=true")
+	portable := ring("--memory", "139GiB")
+	if c := onePass.Plan.Config; !c.CPRingFused || !c.CPRingOnePass {
+		t.Errorf("long-context's ring on one H200: fused %v, one pass %v; want both", c.CPRingFused, c.CPRingOnePass)
+	}
+	if c := twoPass.Plan.Config; !c.CPRingFused || c.CPRingOnePass {
+		t.Errorf("long-context's ring on one H200, deterministic: fused %v, one pass %v; want two passes", c.CPRingFused, c.CPRingOnePass)
+	}
+	if c := portable.Plan.Config; c.CPRingFused {
+		t.Errorf("long-context's ring on a GPU of --memory alone: fused; want the portable ring")
+	}
+	if onePass.Plan.Peak >= twoPass.Plan.Peak {
+		t.Errorf("long-context's ring on one H200: one pass %d bytes, two passes %d; want less in one pass", onePass.Plan.Peak, twoPass.Plan.Peak)
+	}
 	for _, args := range [][]string{
 		{"plan", "tiny", "--memory", "lots"},
 		{"plan", "tiny", "--device", "tpu"},
