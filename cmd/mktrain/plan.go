@@ -144,8 +144,9 @@ func recipePlan(cfg engine.Config, device, memory string, gpus int) (plan.Plan, 
 	// One rank per GPU on a named GPU, unless the machine has fewer GPUs
 	// than ranks: then every rank on one, as mktrain run places them
 	// (virtual ranks); every rank on the host for the CPU.
+	world := cfg.Parallel.DP * cfg.Parallel.EP * cfg.Parallel.CP * cfg.Parallel.TP
 	deviceRanks := 1
-	if world := cfg.Parallel.DP * cfg.Parallel.EP * cfg.Parallel.CP * cfg.Parallel.TP; gpus > 0 && gpus < world {
+	if gpus > 0 && gpus < world {
 		deviceRanks = 0
 	}
 	if d.Backend == plan.BackendCPU {
@@ -159,7 +160,6 @@ func recipePlan(cfg engine.Config, device, memory string, gpus int) (plan.Plan, 
 		// The named GPUs are Hopper GPUs: mode ring runs the fused ring
 		// there, in one pass where its kernels take the shape, as a run
 		// would (a GPU of --memory alone plans the portable ring's buffers).
-		world := cfg.Parallel.DP * cfg.Parallel.EP * cfg.Parallel.CP * cfg.Parallel.TP
 		pc.CPRingFused, pc.CPRingOnePass = engine.PlanRing(cfg, world, cmp.Or(deviceRanks, world), cuda.HopperZigzag{})
 	}
 	return plan.New(pc, d)
