@@ -383,8 +383,8 @@ func naiveAttnRow(q, k, v []float32, s backend.AttnShape, b, kvh, h, i int) ([]f
 
 // TestHopperAttnBands: the whole-sequence Hopper kernels give the same
 // results whichever pairs their blocks run at a time. On shapes of 64
-// tiles a pair, where hopperAttnBand picks a band (and the last band is
-// short), the chosen bands against every pair at once: out, lse, dk and dv
+// and 32 tiles a pair, where hopperAttnBand picks a band (and the last
+// band is short), the chosen bands against every pair at once: out, lse, dk and dv
 // are the same bits (each element is one block's), dq agrees to float32
 // rounding (its blocks' additions land in another order).
 func TestHopperAttnBands(t *testing.T) {
@@ -395,6 +395,7 @@ func TestHopperAttnBands(t *testing.T) {
 	for n, s := range []backend.AttnShape{
 		{Batch: 1, Seq: 8065, Heads: 6, KVHeads: 3, HeadDim: 64},
 		{Batch: 1, Seq: 8065, Heads: 6, KVHeads: 3, HeadDim: 128},
+		{Batch: 1, Seq: 4033, Heads: 12, KVHeads: 6, HeadDim: 128},
 	} {
 		t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim), func(t *testing.T) {
 			k := newKT(t, uint64(90+n))

@@ -264,22 +264,40 @@ func optInShared(d *Device, kern *Kernel, bytes int) error {
 // hopperAttnBand is how many (sequence, head) pairs the blocks of a
 // whole-sequence kernel run at a time (ah_band in attention_hopper.cu), on
 // a grid of pairs pairs by items blocks (query tiles forward, key blocks
-// backward; pairs means all at once, in launch order). Below 64 items a
-// pair all pairs run at once, the heaviest items of every pair first,
-// which keeps the last wave short. From 64 items (8,192 tokens) a few
-// pairs at a time, whose rows L2 then holds while their blocks walk them:
-// the backward's q, dout and dq (dq alone is 134 MB at B2 S8192 H16
-// Dh128), the forward's k and v. Measured on one H200 at ffd8d9b
-// (kernels/attention_hopper.md), at B2 S8192 H16 Dh128: the backward at
-// 277 TFLOP/s all at once, 323 four at a time, 334 two at a time; the
-// forward at 490 and 508 (four at a time). At 2,048 tokens (16 items)
-// both lost: the backward 221 to 174-183, the forward 254 to 251.
+// backward; pairs means all at once, in launch order). Below 32 items a
+// pair (4,096 tokens) all pairs run at once, the heaviest items of every
+// pair first, which keeps the last wave short. From 32 items a few pairs
+// at a time, whose rows L2 then holds while their blocks walk them: the
+// backward's q, dout and dq (dq alone is 134 MB at B2 S8192 H16 Dh128),
+// the forward's k and v. Every band was timed at 16, 32, 64 and 256
+// items (TestAttentionBandFigures; kernels/attention_hopper.md): the
+// forward gains 3-4% from 4 pairs at 32 and 64 items and nothing further
+// at 256; the backward gains 4% from 4 pairs at 32 items and 10-20% from
+// 2 at 64, which beat 4 there. At 16 items every band of 4 or fewer lost
+// (the backward a sixth to a fifth).
 func hopperAttnBand(pairs, items int, backward bool) int {
 	band := 4
-	if backward {
+	if backward && items >= 64 {
 		band = 2
 	}
-	if items < 64 || pairs < band {
+	if items < 32 || pairs < band {
+		return pairs
+	}
+	return band
+}
+
+// hopperZigzagBand is hopperAttnBand for the ring's one-pass forward
+// (attn_h_zz_forward), on its pairs by items grid (items: the rank's 2C/128
+// query tiles a pair): 8 pairs at a time from 32 items, which
+// TestZigzagForwardBandFigures measured on one H100 as the best band or
+// level with it on every row (efficiency against the whole-sequence
+// forward: W2 S/W 4096 0.976 against 0.976 all at once, W8 S/W 4096 0.888
+// against 0.875, W4 S/W 8192 0.948 against 0.886 for 4 pairs). A rank's
+// k and v chunks arrive one ring step at a time, so a band twice the
+// whole call's still fits its rows in L2.
+func hopperZigzagBand(pairs, items int) int {
+	const band = 8
+	if items < 32 || pairs < band {
 		return pairs
 	}
 	return band

@@ -11,7 +11,8 @@ func bandBlock(band, pairs, items, lin int) (pair, item int) {
 	return first + r%inBand, r / inBand
 }
 
-// TestHopperAttnBand: the bands the whole-sequence kernels get, and that
+// TestHopperAttnBand: the bands the whole-sequence kernels and the ring's
+// one-pass forward get, and that
 // every band maps the launch order onto each (pair, item) once, with a
 // band's items heaviest first and all pairs at once being the launch
 // order itself.
@@ -28,10 +29,22 @@ func TestHopperAttnBand(t *testing.T) {
 		{8, 256, true, 2}, // B1 KV8 at 32,768
 		{1, 256, true, 1}, // one pair: the band is the grid
 		{3, 64, false, 3},
-		{32, 63, true, 32},
+		{32, 63, true, 4}, // 4,096 to 8,191 tokens: 4 pairs both ways
+		{64, 32, false, 4},
+		{32, 31, true, 32},
 	} {
 		if got := hopperAttnBand(c.pairs, c.items, c.backward); got != c.want {
 			t.Errorf("hopperAttnBand(%d pairs, %d items, backward %v) = %d, want %d", c.pairs, c.items, c.backward, got, c.want)
+		}
+	}
+	for _, c := range []struct{ pairs, items, want int }{
+		{16, 32, 8}, // bench attention's ring rows: H16, S/W 4,096
+		{16, 64, 8},
+		{16, 31, 16},
+		{6, 64, 6},
+	} {
+		if got := hopperZigzagBand(c.pairs, c.items); got != c.want {
+			t.Errorf("hopperZigzagBand(%d pairs, %d items) = %d, want %d", c.pairs, c.items, got, c.want)
 		}
 	}
 	for _, g := range []struct{ pairs, items int }{{32, 64}, {7, 5}, {1, 9}, {33, 64}, {8, 256}} {

@@ -147,7 +147,7 @@ func rankMaps(ps []driver.DevicePtr, m func(driver.DevicePtr) driver.TiledMap) [
 // zigzagForwardHopper is ZigzagAttentionForward on bf16 q, k and v:
 // attn_h_zz_forward_d{64,128}, whose one block parameter is ah_zz_maps
 // (q's map, then zigzagHopperMaxRanks maps each of k and v), its blocks
-// band (sequence, head) pairs at a time (0: hopperAttnBand's choice).
+// band (sequence, head) pairs at a time (0: hopperZigzagBand's choice).
 func (b *Backend) zigzagForwardHopper(outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape, band int) {
 	const op = "ZigzagAttentionForward"
 	if err := b.zigzagOnePassTakes(s); err != nil {
@@ -168,7 +168,7 @@ func (b *Backend) zigzagForwardHopper(outTQ, lseBHS, qTQ backend.Tensor, kTK, vT
 	_, scaleLog2 := attnScales(s.HeadDim)
 	slots := []uint64{uint64(single[0]), uint64(single[1]), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
-		uint64(uint32(cmp.Or(band, hopperAttnBand(s.Batch*s.Heads, 2*s.Chunk/hopperAttnBM, false))))}
+		uint64(uint32(cmp.Or(band, hopperZigzagBand(s.Batch*s.Heads, 2*s.Chunk/hopperAttnBM))))}
 	grid := Grid{
 		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: 2 * s.Chunk / hopperAttnBM, Z: 1},
 		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},

@@ -39,7 +39,7 @@ func newZZOnePass(r *zzRun) *zzOnePass {
 func (o *zzOnePass) forward() { o.forwardBand(0) }
 
 // forwardBand is forward with the kernels' blocks band pairs at a time
-// (0: hopperAttnBand's choice, as ZigzagAttentionForward runs them).
+// (0: hopperZigzagBand's choice, as ZigzagAttentionForward runs them).
 func (o *zzOnePass) forwardBand(band int) {
 	r := o.r
 	for i := range r.s.Ranks {
@@ -76,16 +76,16 @@ func (o *zzOnePass) backward() {
 func TestZigzagOnePassAgainstWhole(t *testing.T) {
 	b := testBackend(t)
 	// GQA groups of 1 to 4, W 2 to 8 and an odd W, one and several tiles
-	// a chunk, several sequences, both head dims; the last with 64 q tiles
-	// a rank, whose forward runs its 6 (sequence, head) pairs in bands of
-	// 4 and 2 (hopperAttnBand), as the whole-sequence kernels do theirs.
+	// a chunk, several sequences, both head dims; the last with 32 q tiles
+	// a rank, whose forward runs its 12 (sequence, head) pairs in bands of
+	// 8 and 4 (hopperZigzagBand).
 	shapes := []backend.ZigzagShape{
 		{Ranks: 2, Batch: 2, Chunk: 128, Heads: 8, KVHeads: 2, HeadDim: 64},
 		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 8, KVHeads: 2, HeadDim: 128},
 		{Ranks: 8, Batch: 1, Chunk: 128, Heads: 4, KVHeads: 4, HeadDim: 64},
 		{Ranks: 3, Batch: 2, Chunk: 384, Heads: 4, KVHeads: 1, HeadDim: 128},
 		{Ranks: 4, Batch: 1, Chunk: 256, Heads: 4, KVHeads: 4, HeadDim: 64},
-		{Ranks: 2, Batch: 1, Chunk: 4096, Heads: 6, KVHeads: 3, HeadDim: 64},
+		{Ranks: 2, Batch: 1, Chunk: 2048, Heads: 12, KVHeads: 3, HeadDim: 64},
 	}
 	if err := b.ZigzagAttentionOnePass(shapes[0]); err != nil {
 		t.Skipf("the one-pass fused ring does not run here: %v", err)
@@ -173,9 +173,8 @@ func TestZigzagOnePassFigures(t *testing.T) {
 // virtual ranks with its blocks each band of (sequence, head) pairs at a
 // time, beside the whole-sequence forward (its efficiency at each band),
 // at the rows of bench attention's ring table (H16 KV4 Dh128): the
-// figures that set hopperAttnBand's rule for the ring's 32 and 64 q
-// tiles a pair, whose W8 S/W 4096 forward fell under 0.95 once the
-// whole-sequence core ran in bands (kernels/attention_hopper.md).
+// figures that set hopperZigzagBand's rule for the ring's 32 and 64 q
+// tiles a pair (kernels/attention_hopper.md).
 func TestZigzagForwardBandFigures(t *testing.T) {
 	b := testBackend(t)
 	d := b.dev
@@ -189,7 +188,7 @@ func TestZigzagForwardBandFigures(t *testing.T) {
 		sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
 		coreF := attnMedianMs(t, d, sync(r.wholeForward))
 		name := fmt.Sprintf("ring band W%d S%d", c.w, s.Seq())
-		figure(t, name+" chosen", float64(hopperAttnBand(s.Heads, 2*s.Chunk/hopperAttnBM, false)), "pairs")
+		figure(t, name+" chosen", float64(hopperZigzagBand(s.Heads, 2*s.Chunk/hopperAttnBM)), "pairs")
 		for _, band := range []int{s.Heads, 1, 2, 4, 8} { // the last, banded, is compared below
 			ms := attnMedianMs(t, d, sync(func() { o.forwardBand(band) }))
 			figure(t, fmt.Sprintf("%s band %d efficiency fwd", name, band), coreF/ms, "x")
