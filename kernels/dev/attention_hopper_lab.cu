@@ -5,10 +5,6 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  fwd-lazy-pv: ah_forward's consumers leave each tile's P.V product
-//      in flight and wait for it with the next tile's scores, so the
-//      tensor cores run P_t.V_t and q.k_{t+1}^T back to back; the stage
-//      is freed, and o and P touched, only after that wait.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -69,16 +65,6 @@
 
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
-#endif
-#if AH_EXPERIMENT & 2
-// ah_fence_p keeps P's registers live, and untouched, up to this point:
-// an in-flight P.V product reads them.
-__device__ __forceinline__ void ah_fence_p(unsigned (&p)[8][4]) {
-#pragma unroll
-  for (int i = 0; i < 8; i++)
-#pragma unroll
-    for (int j = 0; j < 4; j++) asm volatile("" : "+r"(p[i][j])::"memory");
-}
 #endif
 #define AH_BM 128  // queries per block
 #define AH_BN 128  // keys per tile
@@ -275,9 +261,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-#if AH_EXPERIMENT & 2
-  unsigned p[8][4];
-#endif
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
@@ -295,15 +278,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_wgmma_commit();
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
-#if AH_EXPERIMENT & 2
-    // The previous tile's P.V has completed too: its P, o and stage are
-    // free.
-    if (t > 0) {
-      ah_fence_p(p);
-      gg_fence_acc(o);
-      if (lane == 0) gg_bar_arrive(empty + 8 * ((t - 1) % STAGES));
-    }
-#endif
     const int j0 = t * AH_BN;
     if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
       const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
@@ -336,9 +310,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     m0 = n0;
     m1 = n1;
     float s0 = 0.0f, s1 = 0.0f;
-#if !(AH_EXPERIMENT & 2)
     unsigned p[8][4];
-#endif
 #pragma unroll
     for (int n = 0; n < 16; n++) {
       const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
@@ -367,20 +339,10 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
 #pragma unroll
     for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
     gg_wgmma_commit();
-#if !(AH_EXPERIMENT & 2)
     gg_wgmma_wait<0>();
     gg_fence_acc(o);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
-#endif
   }
-#if AH_EXPERIMENT & 2
-  if (nTw > 0) {
-    gg_wgmma_wait<0>();
-    ah_fence_p(p);
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(empty + 8 * ((nTw - 1) % STAGES));
-  }
-#endif
   // Tiles the block loaded that this warpgroup's queries do not see: let
   // them land, then free them, so the producer's ring turns.
   for (int t = nTw; t < nT; t++) {
