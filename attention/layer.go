@@ -531,9 +531,9 @@ func (l *Layer) Forward(outTD, xTD, posT backend.Tensor, p *Params) error {
 		}
 	}
 	if l.tp.Enabled() {
-		var err error
+		// The backward gathers x again, so the gathered rows are not kept.
 		outs, ws := []backend.Tensor{qPre, kPre, vPre}, []backend.Tensor{p.WqQD, l.kv(p.WkKD), l.kv(p.WvKD)}
-		if x, err = l.tp.ColumnForward(l.sc.tp.fullTD, xTD, outs, ws, true); err != nil {
+		if err := l.tp.ColumnProducts(l.sc.tp.fullTD, xTD, outs, ws, true); err != nil {
 			return err
 		}
 		if vPre != l.vTK {

@@ -23,7 +23,7 @@
 // feeds no product of its own, stays the collective in both):
 //
 //	tp := tensorpar.NewWith(b, ranks.Tensor, tensorpar.Options{SequenceParallel: true, Fused: true})
-//	x, err := tp.ColumnForward(xFullTD, xTD, []backend.Tensor{qTQ}, []backend.Tensor{WqQD}, true)
+//	err := tp.ColumnProducts(xFullTD, xTD, []backend.Tensor{qTQ}, []backend.Tensor{WqQD}, true) // the gathered rows not kept
 //	err = tp.RowForward(outTD, partialTD, []tensorpar.Term{{A: aTQ, W: WoDQ, TransW: true}})
 //	dout, err := tp.ColumnForward(doutFullTD, doutTD, []backend.Tensor{daTQ}, []backend.Tensor{WoDQ}, false) // a row-parallel product's dgrad
 //	x, err = tp.GatherRows(xFullTD, xTD)             // rows for the weight gradients alone
@@ -31,7 +31,9 @@
 //
 // x and dout are the whole rows the products read (the gathered buffer,
 // or the input itself without sequence parallelism); the weight gradients
-// multiply by them. The layers of package attention (WithTensorParallel)
+// multiply by them. ColumnForward returns them; ColumnProducts, for a
+// forward whose backward gathers x again, keeps none (the fused op then
+// writes no gathered rows, the unfused one uses xFullTD as scratch). The layers of package attention (WithTensorParallel)
 // and the engine's LM head are built this way; they run wherever
 // comm.Group's collectives do: virtual ranks and TCP on the CPU,
 // in-process and NCCL groups on CUDA.

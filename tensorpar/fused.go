@@ -8,8 +8,9 @@ package tensorpar
 // Who touches whose memory, per rank r of W:
 //
 //	AllGatherMatMul:     PeerTensors(x shard); r's op reads every rank's
-//	                     shard; Barrier, so no rank writes its shard while
-//	                     a peer still reads it.
+//	                     shard (and keeps the gathered rows in full, unless
+//	                     full is nil: ColumnProducts); Barrier, so no rank
+//	                     writes its shard while a peer still reads it.
 //	MatMulReduceScatter: r zeroes its out; PeerTensors(out), so every out
 //	                     is zero before any rank adds; r's op adds row
 //	                     block s of its product into rank s's out

@@ -158,6 +158,19 @@ func (p *Parallel) ColumnForward(full, x backend.Tensor, outs, ws []backend.Tens
 	return x, nil
 }
 
+// ColumnProducts is ColumnForward for a caller that does not read the
+// gathered rows afterwards (a forward whose backward gathers x again):
+// under sequence parallelism the fused op keeps none of them, which
+// spares it writing [T, K] floats, and the unfused one gathers into
+// full as scratch. Without sequence parallelism the products read x.
+func (p *Parallel) ColumnProducts(full, x backend.Tensor, outs, ws []backend.Tensor, transW bool) error {
+	if p.SequenceParallel() && p.Fused() {
+		return p.fused.allGatherMatMul(nil, x, outs, ws, transW)
+	}
+	_, err := p.ColumnForward(full, x, outs, ws, transW)
+	return err
+}
+
 // RowForward writes out = the sum over the group of a row-parallel
 // product's partial terms: this rank's rows of it under sequence
 // parallelism (MatMulReduceScatter through partial), or all of them

@@ -1,8 +1,10 @@
 package tensorpar_test
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 
@@ -121,6 +123,62 @@ func run(t *testing.T, ranks []*comm.Ranks, fn func(r *comm.Ranks) error) {
 	for _, err := range errs {
 		if err != nil {
 			t.Fatal(err)
+		}
+	}
+}
+
+// ColumnProducts gives ColumnForward's products, fused or not, with and
+// without sequence parallelism; fused under sequence parallelism it
+// leaves full as it was (no gathered rows kept).
+func TestColumnProductsMatchColumnForward(t *testing.T) {
+	const T, K, N = 12, 8, 6
+	b := cpu.New(backend.Float64)
+	rng := rand.New(rand.NewPCG(5, 6))
+	x, w := randoms(rng, T*K), randoms(rng, N*K)
+	const sentinel = 7.25
+	for _, n := range []int{2, 3} {
+		for _, o := range []tensorpar.Options{{SequenceParallel: true}, {SequenceParallel: true, Fused: true}, {}, {Fused: true}} {
+			ranks, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: n}, b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			run(t, ranks, func(r *comm.Ranks) error {
+				q := r.Tensor.Rank()
+				tp := tensorpar.NewWith(b, r.Tensor, o)
+				if o.Fused != tp.Fused() {
+					return fmt.Errorf("%+v over %d ranks: Fused() = %v", o, n, tp.Fused())
+				}
+				rows := tp.Rows(T)
+				xIn := b.New(backend.Float64, rows, K)
+				backend.UploadSlice(b, xIn, x[q*rows*K%(T*K):][:rows*K])
+				wRows := b.New(backend.Float64, N/n, K)
+				backend.UploadSlice(b, wRows, w[q*(N/n)*K:(q+1)*(N/n)*K])
+				forward, products := b.New(backend.Float64, T, N/n), b.New(backend.Float64, T, N/n)
+				full := b.New(backend.Float64, T, K)
+				if _, err := tp.ColumnForward(full, xIn, []backend.Tensor{forward}, []backend.Tensor{wRows}, true); err != nil {
+					return err
+				}
+				backend.UploadSlice(b, full, slices.Repeat([]float64{sentinel}, T*K))
+				if err := tp.ColumnProducts(full, xIn, []backend.Tensor{products}, []backend.Tensor{wRows}, true); err != nil {
+					return err
+				}
+				want, got := backend.DownloadFloat64(b, forward), backend.DownloadFloat64(b, products)
+				for i := range want {
+					if got[i] != want[i] {
+						t.Errorf("%+v over %d ranks, rank %d: ColumnProducts[%d] = %v, ColumnForward's %v", o, n, q, i, got[i], want[i])
+						break
+					}
+				}
+				if tp.SequenceParallel() && tp.Fused() {
+					for i, v := range backend.DownloadFloat64(b, full) {
+						if v != sentinel {
+							t.Errorf("%+v over %d ranks, rank %d: fused ColumnProducts wrote full[%d] = %v", o, n, q, i, v)
+							break
+						}
+					}
+				}
+				return nil
+			})
 		}
 	}
 }
