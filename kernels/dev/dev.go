@@ -64,8 +64,6 @@ func Sources() []Source {
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
-			{Name: "gather-contiguous", Defines: []string{"GG_EXPERIMENT=32"}, Exact: true,
-				Purpose: "the gather's loads and stores warp-contiguous (whole sectors an instruction; tensor parallelism's kept float32 rows took half of 32 sectors a store)"},
 			// What each part of the kernels costs (GG_MODE bits; the
 			// names are the figures').
 			{Name: "mode1", Defines: []string{"GG_MODE=1"}, Purpose: "no gather and no tile waits"},

@@ -18,10 +18,6 @@
 //   2  the rows loaded, none stored (timing only)
 //   4  loads cache-streaming (ld.global.cs: evicted first)
 //   16 no fences before a chunk's flag (timing only)
-//   32 every access of the copy warp-contiguous: a lane's 8 columns of
-//      each 256-column piece are 4 at 4*lane and 4 at 128 + 4*lane, so
-//      each load and store instruction covers whole sectors (the float32
-//      stores of xFull otherwise write half of 32 sectors each)
 // GG_MODE: what each part of the kernels costs (timing only)
 //   1   no gather and no tile waits (both dispatches: the products run on
 //       whatever xRD holds)
@@ -52,7 +48,6 @@
 #define GG_EX_NO_STORES 2
 #define GG_EX_STREAMING 4
 #define GG_EX_NO_FENCES 16
-#define GG_EX_CONTIGUOUS 32
 
 #ifndef GG_MODE
 #define GG_MODE 0
@@ -119,28 +114,6 @@ __device__ __forceinline__ void gg_gather_load(int st, int nJ, int nr, int K, in
     const float* p = (const float*)gg_shfl_ptr(src, gg_min(i + h, nr - 1));
 #pragma unroll
     for (int u = 0; u < 4; u++) {
-#if (GG_EXPERIMENT & GG_EX_CONTIGUOUS) != 0
-      const int c0 = (st % nJ) * 1024 + 256 * u + 4 * lane;
-#pragma unroll
-      for (int half = 0; half < 2; half++) {
-        const int c = c0 + 128 * half;
-        if (c >= K) continue;
-        if constexpr (SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0) {
-          unsigned w[2];
-          asm volatile("ld.global.v2.b32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"((const unsigned short*)p + c));
-          v[h][u][4 * half] = gg_bf16_lo(w[0]);
-          v[h][u][4 * half + 1] = gg_bf16_hi(w[0]);
-          v[h][u][4 * half + 2] = gg_bf16_lo(w[1]);
-          v[h][u][4 * half + 3] = gg_bf16_hi(w[1]);
-        } else {
-          asm volatile(GG_GATHER_LD " {%0, %1, %2, %3}, [%4];"
-                       : "=f"(v[h][u][4 * half]), "=f"(v[h][u][4 * half + 1]), "=f"(v[h][u][4 * half + 2]),
-                         "=f"(v[h][u][4 * half + 3])
-                       : "l"(p + c));
-        }
-      }
-      continue;
-#endif
       const int j = j0 + 256 * u;
       if (j >= K) continue;
       if constexpr (SRC_BF16 || (GG_EXPERIMENT & GG_EX_BF16_SOURCES) != 0) {
@@ -183,25 +156,6 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
     const float sc = gg_bits_float((unsigned)gg_shfl_idx((int)gg_float_bits(scale), ii));
 #pragma unroll
     for (int u = 0; u < 4; u++) {
-#if (GG_EXPERIMENT & GG_EX_CONTIGUOUS) != 0
-      const int c0 = (st % nJ) * 1024 + 256 * u + 4 * lane;
-#pragma unroll
-      for (int half = 0; half < 2; half++) {
-        const int c = c0 + 128 * half;
-        if (c >= K) continue;
-        float w[4];
-#pragma unroll
-        for (int q = 0; q < 4; q++) w[q] = v[h][u][4 * half + q] * sc;
-        asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(dst + c), "r"(gg_pack_bf16(w[0], w[1])),
-                     "r"(gg_pack_bf16(w[2], w[3]))
-                     : "memory");
-        if (full)
-          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + c), "f"(w[0]), "f"(w[1]), "f"(w[2]),
-                       "f"(w[3])
-                       : "memory");
-      }
-      continue;
-#endif
       const int j = j0 + 256 * u;
       if (j < K) {
         float w[8];
