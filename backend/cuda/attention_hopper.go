@@ -307,8 +307,7 @@ func hopperZigzagBand(pairs, items int) int {
 // bf16 out) on checked arguments, its blocks band (sequence, head) pairs
 // at a time (0: hopperAttnBand's choice).
 func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, outBF16 bool, band int) error {
-	dh, keys := s.HeadDim, s.Keys()
-	name := fmt.Sprintf("attn_h_forward_d%d", dh)
+	name := fmt.Sprintf("attn_h_forward_d%d", s.HeadDim)
 	if outBF16 {
 		name += "_bf16"
 	}
@@ -316,6 +315,19 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 	if err != nil {
 		return err
 	}
+	pairs, qTiles := s.Batch*s.Heads, (s.Seq+hopperAttnBM-1)/hopperAttnBM
+	grid := Grid{
+		Grid:   driver.Dim3{X: pairs, Y: qTiles, Z: 1},
+		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
+		Shared: hopperAttnSmem(s.HeadDim),
+	}
+	return launchHopperAttnForwardOn(d, kern, grid, out, lse, q, k, v, s, band)
+}
+
+// launchHopperAttnForwardOn queues kern, a kernel with attn_h_forward's
+// arguments and then extra ones (a lab build's: kernels/dev), on grid.
+func launchHopperAttnForwardOn(d *Device, kern *Kernel, grid Grid, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int, extra ...uint64) error {
+	dh, keys := s.HeadDim, s.Keys()
 	maps := []namedMap{
 		{"q", hopperAttnMap(q, s.Heads*dh, s.Batch*s.Seq, hopperAttnBM)},
 		{"k", hopperAttnMap(k, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
@@ -326,12 +338,7 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
 		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, qTiles, false))))}
-	grid := Grid{
-		Grid:   driver.Dim3{X: pairs, Y: qTiles, Z: 1},
-		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
-		Shared: hopperAttnSmem(dh),
-	}
-	return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
+	return launchWithMaps(d, "AttentionForward", kern, grid, maps, append(slots, extra...))
 }
 
 // hopperAttnForwardF32 rounds float32 q, k and v to bf16 in scratch

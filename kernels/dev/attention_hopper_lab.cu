@@ -5,6 +5,14 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
+//   2  attn_h_forward_persistent_d{64,128}: ah_forward as a persistent
+//      kernel, one block an SM walking the launch order's (pair, q tile)
+//      items lin = blockIdx.x, + gridDim.x, ... (band as ah_band; pairs
+//      one more argument), q double-buffered, the k/v ring running on
+//      from one item to the next: the next item's q and first tiles load
+//      under this one's last tiles and output stores, where a grid of
+//      one block an item pays each block's start and end. Launched by
+//      TestAttentionLabForwardOwnLaunch.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -595,6 +603,211 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64_bf16(con
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
   ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
+
+#if AH_EXPERIMENT & 2
+// ah_band_of is ah_band for launch position lin of pairs x items.
+__device__ __forceinline__ void ah_band_of(int band, int pairs, int items, int lin, int& pair, int& item) {
+  const int first = lin / (band * items) * band;
+  const int inBand = gg_min(band, pairs - first), r = lin - first * items;
+  pair = first + r % inBand;
+  item = r / inBand;
+}
+
+template <int DH, typename Out>
+__device__ __forceinline__ void ah_forward_persistent(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV,
+                                                      Out* out, float* lse, int S, int KS, int off, int H, int KV,
+                                                      float scaleLog2, int band, int pairs) {
+  constexpr int STAGES = ah_cfg<DH>::STAGES;
+  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  // Two q tiles, then the ring's k and v tiles.
+  const unsigned qs = base, ks = base + 2 * TILE, vs = base + (2 + STAGES) * TILE;
+  // mbarriers: fullQ[2], emptyQ[2], fullK[STAGES], fullV[STAGES], empty[STAGES].
+  const unsigned fullQ = base + (2 + 2 * STAGES) * TILE, emptyQ = fullQ + 16, fullK = emptyQ + 16,
+                 fullV = fullK + 8 * STAGES, empty = fullV + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int nQT = (S + AH_BM - 1) / AH_BM, total = pairs * nQT;
+  if (tid == 0) {
+    for (int i = 0; i < 2; i++) {
+      gg_bar_init(fullQ + 8 * i, 1);
+      gg_bar_init(emptyQ + 8 * i, 8);  // one arrival per consumer warp
+    }
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(empty + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapK);
+    gg_prefetch_tmap(mapV);
+    int t = 0;  // key tiles loaded so far, over every item: the ring's position
+    for (int lin = blockIdx.x, n = 0; lin < total; lin += gridDim.x, n++) {
+      int bh, ty;
+      ah_band_of(band, pairs, nQT, lin, bh, ty);
+      const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+      const int i0 = (nQT - 1 - ty) * AH_BM, lastRow = gg_min(S - 1, i0 + AH_BM - 1);
+      const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;
+      const int slot = n & 1;
+      gg_bar_wait(emptyQ + 8 * slot, ((n >> 1) & 1) ^ 1);
+      gg_bar_expect_tx(fullQ + 8 * slot, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(qs + slot * TILE + c * BOX, mapQ, h * DH + 64 * c, b * S + i0, fullQ + 8 * slot);
+      for (int j = 0; j < nT; j++, t++) {
+        const int s = t % STAGES;
+        const unsigned ph = (t / STAGES) & 1;
+        gg_bar_wait(empty + 8 * s, ph ^ 1);
+        const int row = b * KS + j * AH_BN;
+        gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
+        gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  int t = 0;
+  for (int lin = blockIdx.x, n = 0; lin < total; lin += gridDim.x, n++) {
+    int bh, ty;
+    ah_band_of(band, pairs, nQT, lin, bh, ty);
+    const int b = bh / H, h = bh % H;
+    const int i0 = (nQT - 1 - ty) * AH_BM, lastRow = gg_min(S - 1, i0 + AH_BM - 1);
+    const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;
+    const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+    const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
+    const int slot = n & 1;
+    float o[DH / 2];
+#pragma unroll
+    for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+    float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+    gg_bar_wait(fullQ + 8 * slot, (n >> 1) & 1);
+    const unsigned long long dq = gg_desc(qs + slot * TILE + cw * 64 * 128);
+    for (int j = 0; j < nTw; j++, t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      float sc[64];
+      gg_bar_wait(fullK + 8 * s, ph);
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned long long dk = gg_desc(ks + s * TILE);
+      gg_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) {
+        const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+        gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(sc);
+      const int j0 = j * AH_BN;
+      if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
+        const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
+#pragma unroll
+        for (int nn = 0; nn < 16; nn++) {
+          const int jj = j0 + 8 * nn + 2 * t4;
+          if (jj > lim0) sc[4 * nn] = ah_neg_inf();
+          if (jj + 1 > lim0) sc[4 * nn + 1] = ah_neg_inf();
+          if (jj > lim1) sc[4 * nn + 2] = ah_neg_inf();
+          if (jj + 1 > lim1) sc[4 * nn + 3] = ah_neg_inf();
+        }
+      }
+      float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+      for (int nn = 0; nn < 16; nn++) {
+        mx0 = fmaxf(mx0, fmaxf(sc[4 * nn], sc[4 * nn + 1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[4 * nn + 2], sc[4 * nn + 3]));
+      }
+      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+      const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+      const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
+      m0 = n0;
+      m1 = n1;
+      float s0 = 0.0f, s1 = 0.0f;
+      unsigned p[8][4];
+#pragma unroll
+      for (int nn = 0; nn < 16; nn++) {
+        const float e0 = ah_ex2(sc[4 * nn] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * nn + 1] * scaleLog2 - n0);
+        const float e2 = ah_ex2(sc[4 * nn + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * nn + 3] * scaleLog2 - n1);
+        s0 += e0 + e1;
+        s1 += e2 + e3;
+        p[nn >> 1][2 * (nn & 1)] = gg_pack_bf16(e0, e1);
+        p[nn >> 1][2 * (nn & 1) + 1] = gg_pack_bf16(e2, e3);
+      }
+      l0 = l0 * a0 + s0;
+      l1 = l1 * a1 + s1;
+#pragma unroll
+      for (int i = 0; i < DH / 8; i++) {
+        o[4 * i] *= a0;
+        o[4 * i + 1] *= a0;
+        o[4 * i + 2] *= a1;
+        o[4 * i + 3] *= a1;
+      }
+      gg_bar_wait(fullV + 8 * s, ph);
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+      gg_wgmma_fence();
+      gg_fence_acc(o);
+#pragma unroll
+      for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(o);
+      if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    }
+    // q is read by this item's products alone, all waited for: its slot
+    // is free for the item after next.
+    if (lane == 0) gg_bar_arrive(emptyQ + 8 * slot);
+    for (int j = nTw; j < nT; j++, t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      gg_bar_wait(fullK + 8 * s, ph);
+      gg_bar_wait(fullV + 8 * s, ph);
+      if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    }
+    l0 += mk_shfl_xor(l0, 1);
+    l0 += mk_shfl_xor(l0, 2);
+    l1 += mk_shfl_xor(l1, 1);
+    l1 += mk_shfl_xor(l1, 2);
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    const int HD = H * DH;
+    Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+    Out* o1 = o0 + 8LL * HD;
+#pragma unroll
+    for (int i = 0; i < DH / 8; i++) {
+      if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+      if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    }
+    if (t4 == 0) {
+      float* lrow = lse + ((long long)b * H + h) * S;
+      if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+      if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_persistent_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_forward_persistent<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_persistent_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_forward_persistent<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+}
+#endif
 
 // ---- backward ----
 //
