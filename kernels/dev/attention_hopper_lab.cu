@@ -13,6 +13,11 @@
 //      under this one's last tiles and output stores, where a grid of
 //      one block an item pays each block's start and end. Launched by
 //      TestAttentionLabForwardOwnLaunch.
+//   4  fwd-ilp: ah_forward's row maxima in four independent chains and a
+//      tree, its row sums in four partial sums (the softmax's dependent
+//      chains a quarter as long; the sums round in another order).
+//   8  fwd-skip-rescale: ah_forward skips o's rescale when no row of the
+//      warp moved its maximum (a warp vote; the same bits).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -73,6 +78,16 @@
 
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
+#endif
+#if AH_EXPERIMENT & 8
+// ah_all says whether p holds in every lane of the warp.
+__device__ __forceinline__ bool ah_all(bool p) {
+  unsigned r;
+  asm volatile("{\n\t.reg .pred q, a;\n\tsetp.ne.u32 q, %1, 0;\n\tvote.sync.all.pred a, q, 0xffffffff;\n\tselp.u32 %0, 1, 0, a;\n\t}"
+               : "=r"(r)
+               : "r"((unsigned)p));
+  return r != 0;
+}
 #endif
 #define AH_BM 128  // queries per block
 #define AH_BN 128  // keys per tile
@@ -300,12 +315,29 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     }
     // Online softmax: new row maxima (base 2, scaled), the rescale of what
     // came before, and P = 2^(s*scale - max).
+#if AH_EXPERIMENT & 4
+    // Four independent chains a row, then a tree: the same maxima.
+    float mxa[4], mxb[4];
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+      mxa[n] = fmaxf(sc[4 * n], sc[4 * n + 1]);
+      mxb[n] = fmaxf(sc[4 * n + 2], sc[4 * n + 3]);
+    }
+#pragma unroll
+    for (int n = 4; n < 16; n++) {
+      mxa[n & 3] = fmaxf(mxa[n & 3], fmaxf(sc[4 * n], sc[4 * n + 1]));
+      mxb[n & 3] = fmaxf(mxb[n & 3], fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+    }
+    float mx0 = fmaxf(fmaxf(mxa[0], mxa[1]), fmaxf(mxa[2], mxa[3]));
+    float mx1 = fmaxf(fmaxf(mxb[0], mxb[1]), fmaxf(mxb[2], mxb[3]));
+#else
     float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
 #pragma unroll
     for (int n = 0; n < 16; n++) {
       mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
       mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
     }
+#endif
     mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
     mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
     mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
@@ -318,20 +350,38 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     m0 = n0;
     m1 = n1;
     float s0 = 0.0f, s1 = 0.0f;
+#if AH_EXPERIMENT & 4
+    // Four partial sums a row (another rounding order than production's).
+    float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#endif
     unsigned p[8][4];
 #pragma unroll
     for (int n = 0; n < 16; n++) {
       const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
       const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
+#if AH_EXPERIMENT & 4
+      sa[n & 3] += e0 + e1;
+      sb[n & 3] += e2 + e3;
+#else
       s0 += e0 + e1;
       s1 += e2 + e3;
+#endif
       // n8 block n is k columns 8(n%2).. of the k16 chunk n/2: registers
       // 0, 1 (rows g, g+8) for the first half, 2, 3 for the second.
       p[n >> 1][2 * (n & 1)] = gg_pack_bf16(e0, e1);
       p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(e2, e3);
     }
+#if AH_EXPERIMENT & 4
+    s0 = (sa[0] + sa[1]) + (sa[2] + sa[3]);
+    s1 = (sb[0] + sb[1]) + (sb[2] + sb[3]);
+#endif
     l0 = l0 * a0 + s0;
     l1 = l1 * a1 + s1;
+#if AH_EXPERIMENT & 8
+    // No row of the warp moved its maximum (a0 = a1 = 1 everywhere): o
+    // times 1 is o, so the rescale is skipped (the same bits).
+    if (!ah_all(a0 == 1.0f && a1 == 1.0f))
+#endif
 #pragma unroll
     for (int i = 0; i < DH / 8; i++) {
       o[4 * i] *= a0;

@@ -55,6 +55,12 @@ func Sources() []Source {
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
 			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "adds attn_h_forward_persistent_d{64,128}: the forward as a persistent kernel, one block an SM, q double-buffered, the next item's loads under this one's last tiles; launched by TestAttentionLabForwardOwnLaunch"},
+			{Name: "fwd-ilp", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
+				Purpose: "the forward's row maxima and sums in four independent chains (shorter dependency chains in the softmax)"},
+			{Name: "fwd-skip-rescale", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
+				Purpose: "the forward skips o's rescale when no row of the warp moved its maximum"},
+			{Name: "fwd-ilp-skip", Defines: []string{"AH_EXPERIMENT=12"}, Exact: true,
+				Purpose: "fwd-ilp and fwd-skip-rescale together"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
