@@ -33,8 +33,9 @@
 // or the input itself without sequence parallelism); the weight gradients
 // multiply by them. ColumnForward returns them; ColumnProducts, for a
 // forward whose backward gathers x again, keeps none (the fused op then
-// writes no gathered rows, the unfused one uses xFullTD as scratch). The layers of package attention (WithTensorParallel)
-// and the engine's LM head are built this way; they run wherever
+// writes no gathered rows, the unfused one uses xFullTD as scratch). The
+// layers of package attention (WithTensorParallel) and the engine's LM
+// head are built this way; they run wherever
 // comm.Group's collectives do: virtual ranks and TCP on the CPU,
 // in-process and NCCL groups on CUDA.
 //
