@@ -70,6 +70,10 @@ func Sources() []Source {
 				Purpose: "the gather loads its rows and stores none"},
 			{Name: "streaming-loads", Defines: []string{"GG_EXPERIMENT=4"}, Exact: true,
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
+			{Name: "full-streaming-stores", Defines: []string{"GG_EXPERIMENT=64"}, Exact: true,
+				Purpose: "tensor parallelism's kept float32 rows stored cache-streaming (st.global.cs), leaving L2 to the weight"},
+			{Name: "tp-streaming", Defines: []string{"GG_EXPERIMENT=68"}, Exact: true,
+				Purpose: "streaming-loads and full-streaming-stores together"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
 			// What each part of the kernels costs (GG_MODE bits; the
