@@ -53,7 +53,8 @@
 #   5c. `mktrain bench tp`: tensor parallelism's three patterns (product
 #      alone, unfused, fused, deterministic fused) on tp = 2, 4, 8 virtual
 #      ranks for moe-small's projections and a Llama-70B-like layer, with
-#      the bars of issue 29 (tp.json);
+#      the bars of issue 29 (tp.json); on a machine with several GPUs
+#      also one rank per GPU (--gpus, tp-gpus.json);
 #   6. the Hugging Face checks: scripts/hf_check.py (transformers' loss on
 #      an fp32 export against mktrain eval's) and
 #      scripts/hf_tokenizer_check.py (an export made with a tokenizer loads
@@ -569,6 +570,21 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TP:-}" != 1 && -x "$BIN/mktrain" ]]; then
   [[ $tp_rc -ne 0 ]] && { echo "  bench tp: exit $tp_rc"; status=1; }
   [[ -f "$LOGS/tp/tp.json" ]] && cp "$LOGS/tp/tp.json" "$OUT/tp.json"
   echo
+  # Where the machine has several GPUs, one rank per GPU (--gpus: NCCL
+  # groups with peer access, the fused kernels reaching the peers' rows
+  # over NVLink): tp-gpus.json.
+  if [[ "${NGPU:-0}" -ge 2 ]]; then
+    tps=2
+    for w in 4 8; do [[ $w -le $NGPU ]] && tps+=",$w"; done
+    echo "== mktrain bench tp --gpus (tp $tps, one rank per GPU)"
+    mkdir -p "$LOGS/tp-gpus"
+    timeout 420 "$BIN/mktrain" bench tp --backend cuda --gpus --tp "$tps" --iters 5 --out "$LOGS/tp-gpus" >"$LOGS/tp-gpus.log" 2>&1
+    tpg_rc=$?
+    tail -n 30 "$LOGS/tp-gpus.log"
+    [[ $tpg_rc -ne 0 ]] && { echo "  bench tp --gpus: exit $tpg_rc"; status=1; }
+    [[ -f "$LOGS/tp-gpus/tp-gpus.json" ]] && cp "$LOGS/tp-gpus/tp-gpus.json" "$OUT/tp-gpus.json"
+    echo
+  fi
 fi
 
 # The PyTorch kernel peer (dense GEMM, torch._grouped_mm, SDPA), for the

@@ -17,9 +17,6 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/all"
-	"github.com/mktrain/mktrain/backend/registry"
-	"github.com/mktrain/mktrain/comm"
 	"github.com/mktrain/mktrain/moe"
 	"github.com/mktrain/mktrain/tune"
 )
@@ -148,10 +145,10 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 		return err
 	}
 	defer closeB()
-	place := virtualRanks(b)
+	place := virtualRanks(b, expertMesh)
 	if *onGPUs {
 		var closeGPUs func() error
-		if place, closeGPUs, err = gpuRanks(b, slices.Max(worlds)); err != nil {
+		if place, closeGPUs, err = gpuRanks(b, slices.Max(worlds), expertMesh); err != nil {
 			return err
 		}
 		defer func() {
@@ -220,62 +217,6 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "iters": *iters, "gpus": *onGPUs},
 		Figures: map[string]any{"rows": rows, "bars": []string{gemmBar, unfusedBar}, "dispatch_table": table},
 	})
-}
-
-// rankPlacer builds the expert-parallel world of w ranks bench kernels
-// measures: the ranks, each one's backend, and a release for what it
-// opened for them.
-type rankPlacer func(w int) (world []*comm.Ranks, bs []backend.Backend, release func() error, err error)
-
-// virtualRanks places w virtual ranks on b (in-process groups).
-func virtualRanks(b backend.Backend) rankPlacer {
-	return func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
-		world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1}, b)
-		if err != nil {
-			return nil, nil, nil, err
-		}
-		bs := make([]backend.Backend, w)
-		for r := range bs {
-			bs[r] = b
-		}
-		return world, bs, func() error { return nil }, nil
-	}
-}
-
-// gpuRanks places world w on GPUs 0..w-1, one rank each, for w up to
-// most: b is GPU 0 (a CUDA backend, whose driver places one rank per
-// device), and gpuRanks opens GPUs 1..most-1 (closeGPUs closes them). Each
-// world's expert group is an NCCL communicator with peer access between
-// its GPUs, closed by its release.
-func gpuRanks(b backend.Backend, most int) (place rankPlacer, closeGPUs func() error, err error) {
-	drivers, err := registry.NewSet(all.Drivers()...)
-	if err != nil {
-		return nil, nil, err
-	}
-	d, _ := drivers.Lookup(b.Name())
-	placer, isPlacer := d.(registry.RankPerDevice)
-	gpu0, isDevice := b.(registry.Device)
-	if !isPlacer || !isDevice {
-		return nil, nil, usageError{fmt.Sprintf("--gpus needs the cuda backend; this one is %s", b.Name())}
-	}
-	gpus, closeGPUs, err := placer.OpenBeside(gpu0, most)
-	if err != nil {
-		// A missing GPU reads "opening GPU 4: cuda: GPU 4 asked for, but
-		// 2 are visible".
-		return nil, nil, fmt.Errorf("--gpus: world %d: %w", most, err)
-	}
-	place = func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
-		world, closeGroups, err := placer.MeshRanks(comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1}, gpus[:w], registry.MeshOptions{PeerAccess: true})
-		if err != nil {
-			return nil, nil, nil, err
-		}
-		bs := make([]backend.Backend, w)
-		for r := range bs {
-			bs[r] = gpus[r]
-		}
-		return world, bs, closeGroups, nil
-	}
-	return place, closeGPUs, nil
 }
 
 // kernelRow derives a row's rates, ratios and bars from the measured

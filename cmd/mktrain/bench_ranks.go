@@ -1,9 +1,11 @@
 package main
 
-// Timing work spread over virtual ranks of one device (bench attention's
-// ring rows, bench tp): every rank runs its part of a step from its own
-// goroutine, and a step is timed on the device's clock from before any
-// rank starts to after every rank has finished.
+// Placing and timing work spread over ranks: virtual ranks of one device
+// (bench attention's ring rows, bench kernels, bench tp) or, with --gpus,
+// one rank per GPU (bench kernels, bench tp). Every rank runs its part of
+// a step from its own goroutine, and a step is timed on the first
+// device's clock from before any rank starts to after every rank has
+// finished.
 
 import (
 	"errors"
@@ -12,21 +14,88 @@ import (
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/all"
 	"github.com/mktrain/mktrain/backend/profile"
+	"github.com/mktrain/mktrain/backend/registry"
 	"github.com/mktrain/mktrain/comm"
 )
+
+// rankPlacer builds the world of w ranks a benchmark measures: the ranks,
+// each one's backend, and a release for what it opened for them.
+type rankPlacer func(w int) (world []*comm.Ranks, bs []backend.Backend, release func() error, err error)
+
+// expertMesh and tensorMesh are the worlds bench kernels and bench tp
+// place: w ranks of expert or of tensor parallelism.
+func expertMesh(w int) comm.Mesh { return comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1} }
+func tensorMesh(w int) comm.Mesh { return comm.Mesh{DP: 1, EP: 1, CP: 1, TP: w} }
+
+// virtualRanks places mesh(w) as w virtual ranks on b (in-process
+// groups).
+func virtualRanks(b backend.Backend, mesh func(w int) comm.Mesh) rankPlacer {
+	return func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
+		world, err := comm.NewLocal(mesh(w), b)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		bs := make([]backend.Backend, w)
+		for r := range bs {
+			bs[r] = b
+		}
+		return world, bs, func() error { return nil }, nil
+	}
+}
+
+// gpuRanks places mesh(w) on GPUs 0..w-1, one rank each, for w up to
+// most: b is GPU 0 (a CUDA backend, whose driver places one rank per
+// device), and gpuRanks opens GPUs 1..most-1 (closeGPUs closes them). Each
+// world's groups are NCCL communicators with peer access between their
+// GPUs, closed by its release.
+func gpuRanks(b backend.Backend, most int, mesh func(w int) comm.Mesh) (place rankPlacer, closeGPUs func() error, err error) {
+	drivers, err := registry.NewSet(all.Drivers()...)
+	if err != nil {
+		return nil, nil, err
+	}
+	d, _ := drivers.Lookup(b.Name())
+	placer, isPlacer := d.(registry.RankPerDevice)
+	gpu0, isDevice := b.(registry.Device)
+	if !isPlacer || !isDevice {
+		return nil, nil, usageError{fmt.Sprintf("--gpus needs the cuda backend; this one is %s", b.Name())}
+	}
+	gpus, closeGPUs, err := placer.OpenBeside(gpu0, most)
+	if err != nil {
+		// A missing GPU reads "opening GPU 4: cuda: GPU 4 asked for, but
+		// 2 are visible".
+		return nil, nil, fmt.Errorf("--gpus: world %d: %w", most, err)
+	}
+	place = func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
+		world, closeGroups, err := placer.MeshRanks(mesh(w), gpus[:w], registry.MeshOptions{PeerAccess: true})
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		bs := make([]backend.Backend, w)
+		for r := range bs {
+			bs[r] = gpus[r]
+		}
+		return world, bs, closeGroups, nil
+	}
+	return place, closeGPUs, nil
+}
 
 // rankStep is one rank's part of a timed step: the group whose barriers
 // bracket the step (every rank's in it), the rank's groups (aborted when
 // its work fails, so that the others stop waiting) and the work.
 // afterFirstTimed, when set, runs once after the first timed step has
 // ended on every rank and before the next begins, outside the timed
-// interval (bench tp reads the outputs that step left).
+// interval (bench tp reads the outputs that step left). device, when
+// set, is the rank's own device (one rank per GPU), which the rank waits
+// for before it counts as finished: the clock's stream sees only its
+// own device's work.
 type rankStep struct {
 	group           comm.Group
 	ranks           *comm.Ranks
 	work            func() error
 	afterFirstTimed func() error
+	device          backend.Backend
 }
 
 // medianRankStep runs 2 warm-up and iters timed steps of every rank's
@@ -35,7 +104,9 @@ type rankStep struct {
 // (all ranks wait at a barrier until it is taken) and one after every
 // rank has returned (a barrier first). On a device whose ranks share one
 // stream, that is the device's time from the first rank's first op to the
-// last rank's last one.
+// last rank's last one; with a device of its own each rank waits for it
+// before the closing barrier, so the end mark follows every device's
+// work.
 func medianRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep, iters int) (time.Duration, error) {
 	times := make([]time.Duration, 0, iters)
 	errs := make([]error, len(ranks))
@@ -82,6 +153,11 @@ func (rk rankStep) steps(clock profile.Clock, first bool, iters int, times *[]ti
 		}
 		if err := rk.work(); err != nil {
 			return err
+		}
+		if rk.device != nil {
+			if err := rk.device.Sync(); err != nil {
+				return err
+			}
 		}
 		if err := rk.group.Barrier(); err != nil {
 			return err

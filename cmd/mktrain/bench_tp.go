@@ -1,12 +1,14 @@
 package main
 
 // mktrain bench tp: tensor parallelism's three patterns (package
-// tensorpar), unfused and fused, on tp virtual ranks of one device,
-// against the same products without the collective and the collective
-// alone; the fused outputs are checked against the unfused ones.
+// tensorpar), unfused and fused, on tp virtual ranks of one device (or,
+// with --gpus, one rank per GPU), against the same products without the
+// collective and the collective alone; the fused outputs are checked
+// against the unfused ones.
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -22,7 +24,7 @@ import (
 	"github.com/mktrain/mktrain/tensorpar"
 )
 
-const benchTPUsage = `Usage: mktrain bench tp [--shapes moe-small,llama70b] [--tp 2,4,8] [--iters N] [--backend auto|cpu|cuda] [--out DIR]
+const benchTPUsage = `Usage: mktrain bench tp [--shapes moe-small,llama70b] [--tp 2,4,8] [--iters N] [--backend auto|cpu|cuda] [--gpus] [--out DIR]
 
 Times tensor parallelism's three patterns (package tensorpar) on tp
 virtual ranks of the one device for each tp of --tp (goroutines over
@@ -73,16 +75,22 @@ gemm_reducescatter row), each held or not held with its worst row, or
 not measured and why (no such row, a row skipped or without peer
 access).
 The tp virtual ranks share one GPU's memory and SMs, so the figures show
-the cost of the patterns on one device, not of links between GPUs
-(NVLink figures come from the multi-GPU issue, #34). A row whose
-tensors over all ranks (estimated, with the collectives' scratch and the
-deterministic fused pattern's slots) would pass 120 GiB is skipped and
-says so; at tp 8 llama70b needs at most about 58 GiB per pattern (each
+the cost of the patterns on one device, not of links between GPUs.
+With --gpus, tp W runs on GPUs 0..W-1, one rank each (each rank's tensor
+group an NCCL communicator with peer access between its GPUs, as bench
+kernels --gpus places its ranks), each rank waiting for its GPU before a
+step counts as finished: the fused patterns then read and write the
+peers' tensors over NVLink (the multi-GPU issue, #34). A row whose
+tensors on one device (estimated, with the collectives' scratch and the
+deterministic fused pattern's slots: every rank's on virtual ranks, one
+rank's with --gpus) would pass 120 GiB is skipped and says so; at tp 8
+llama70b needs at most about 58 GiB per pattern on virtual ranks (each
 pattern's tensors are freed before the next), within an H200's 141 GB,
 so no listed row is skipped.
 
-Writes tp.json into bench/results/<machine>/ (the latest result per
-machine, overwritten by the next run) or into the folder --out names,
+Writes tp.json (tp-gpus.json with --gpus) into bench/results/<machine>/
+(the latest result per machine, overwritten by the next run) or into
+the folder --out names,
 with the commit, machine, command, every figure and each bar's verdict,
 and prints the table, then the bars, last.
 
@@ -142,6 +150,7 @@ func tpPatterns() []string { return []string{tpAllGatherGEMM, tpGEMMReduceScatte
 
 const (
 	tpNote       = "tp virtual ranks share one GPU's memory and SMs (goroutines over in-process groups): the figures show the cost of the patterns on one device, not links between GPUs; NVLink figures come from the multi-GPU issue (#34)"
+	tpGPUsNote   = "one rank per GPU (--gpus: tp W on GPUs 0..W-1, each rank's tensor group an NCCL communicator with peer access between its GPUs): the fused patterns read and write the peers' tensors over the links between the GPUs; each rank waits for its GPU before a step counts as finished"
 	tpFusedAbout = "tensorpar.Options{Fused: true}: the backend's fused ops (AllGatherMatMul, MatMulScatter) reading and writing the peers' tensors through comm.PeerAccess; on CUDA the tp_gather and tp_scatter kernels, on the CPU their unfused sequences; deterministic: every rank's rows landed in slots of their own and summed in rank order"
 	tpFusedBar   = "fused within 10% of the product alone and faster than unfused at every tp for the Llama-70B-like layer"
 	tpRSBar      = "GEMM+ReduceScatter fused never slower than unfused at any listed shape"
@@ -220,6 +229,7 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	tpFlag := fs.String("tp", "2,4,8", "comma-separated numbers of virtual tensor-parallel ranks (2 or more)")
 	iters := fs.Int("iters", 10, "timed steps of each kind (the median is kept)")
 	backendName := fs.String("backend", "auto", "auto, cpu or cuda")
+	onGPUs := fs.Bool("gpus", false, "one rank per GPU (tp W on GPUs 0..W-1, NCCL groups with peer access) instead of W virtual ranks of one device")
 	out := fs.String("out", "", "directory for the JSON result (default bench/results/<machine>)")
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
@@ -252,6 +262,19 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	defer closeB()
+	place, ranksPerDevice := virtualRanks(b, tensorMesh), func(tp int) int { return tp }
+	if *onGPUs {
+		var closeGPUs func() error
+		if place, closeGPUs, err = gpuRanks(b, slices.Max(tps), tensorMesh); err != nil {
+			return err
+		}
+		defer func() {
+			if err := closeGPUs(); err != nil {
+				fmt.Fprintf(stderr, "bench tp: closing the GPUs: %v\n", err)
+			}
+		}()
+		ranksPerDevice = func(int) int { return 1 }
+	}
 	fmt.Fprintf(stderr, "bench tp: on %s, 2 warm-up + %d timed steps of each kind\n", b.Name(), *iters)
 	clock := profile.ClockFor(b)
 	rng := rand.New(rand.NewPCG(3, 4))
@@ -262,14 +285,15 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 				if ctx.Err() != nil {
 					return stoppedError(ctx, "bench tp stopped")
 				}
-				row := newTPRow(s, tp, p)
+				row := newTPRow(s, tp, p, ranksPerDevice(tp))
 				if row.Skipped == "" {
 					fmt.Fprintf(stderr, "bench tp: %s at tp %d, %s\n", s.Name, tp, p)
-					world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: 1, TP: tp}, b)
+					world, bs, release, err := place(tp)
 					if err != nil {
-						return err
+						return fmt.Errorf("bench tp: tp %d: %w", tp, err)
 					}
-					if err := timeTPRow(b, clock, rng, world, s, &row, *iters); err != nil {
+					err = timeTPRow(bs, *onGPUs, clock, rng, world, s, &row, *iters)
+					if err = errors.Join(err, release()); err != nil {
 						return failedRun(fmt.Errorf("bench tp: %s: %w", row.label(), err))
 					}
 					runtime.GC() // the row's device memory back to the backend
@@ -279,7 +303,11 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		}
 	}
 
-	printTP(stdout, rows, *iters)
+	note, benchmark, ranksDesc := tpNote, "tp", "tp virtual ranks of one device"
+	if *onGPUs { // its own file: one rank per GPU is not the virtual ranks' benchmark
+		note, benchmark, ranksDesc = tpGPUsNote, "tp-gpus", "one rank per GPU"
+	}
+	printTP(stdout, rows, *iters, ranksDesc, note)
 	bars := []barVerdict{tpFusedVerdict(rows), tpRSVerdict(rows)}
 	names := make([]string, len(shapes))
 	for i, s := range shapes {
@@ -291,16 +319,16 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		"fused":              tpFusedAbout,
 		"fused_check":        fmt.Sprintf("rank 0's outputs of each fused pattern's first timed step against the unfused pattern's (relative L2 distance, largest over the outputs: allgather_gemm's gathered x and products, the row-parallel patterns' out); above %g the command fails", tpFusedTolerance),
 		"overlap_efficiency": fmt.Sprintf("(product + comm - fused) / comm; null when comm is under %g of product", tpOverlapMinComm),
-		"note":               tpNote,
+		"note":               note,
 		"flops":              "every rank's products together: 2*R*K*N for allgather_gemm (N summed over its outputs), 2*R*F*N for gemm_reducescatter and gemm_allreduce",
 		"timing": fmt.Sprintf("median of %d steps after 2 warm-up steps, each from a mark taken on rank 0 before any rank starts (barrier) to one after every rank has returned (barrier), on the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32",
 			*iters, clockName(b)),
 		"memory_budget_bytes": int64(tpMemoryBudget),
 	}
-	err = writeResult(stdout, *out, "tp", b, benchResult{
-		Benchmark: "tp", Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
+	err = writeResult(stdout, *out, benchmark, b, benchResult{
+		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: "mktrain bench tp " + strings.Join(args, " "), Machine: machine(b.Name()),
-		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "tp": tps, "iters": *iters},
+		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "tp": tps, "iters": *iters, "gpus": *onGPUs},
 		Figures: figures,
 	})
 	if err != nil {
@@ -352,8 +380,10 @@ func (s tpBenchShape) flops(p string, tp int) float64 {
 }
 
 // newTPRow is a row before timing: its shapes, FLOPs and memory
-// estimate, skipped when the estimate passes the budget.
-func newTPRow(s tpBenchShape, tp int, p string) tpBenchRow {
+// estimate, skipped when the share of one device (ranksPerDevice of the
+// tp ranks' tensors: all of them on virtual ranks, one with --gpus)
+// passes the budget.
+func newTPRow(s tpBenchShape, tp int, p string, ranksPerDevice int) tpBenchRow {
 	t, desc := s.layout(p, tp)
 	var perRank, largest int64
 	for _, shape := range append(slices.Clone(t.inputs), t.outputs...) {
@@ -370,17 +400,21 @@ func newTPRow(s tpBenchShape, tp int, p string) tpBenchRow {
 	}
 	row := tpBenchRow{Shape: s.Name, TP: tp, Pattern: p, Product: desc, Rows: s.rows(tp), FLOPs: s.flops(p, tp),
 		MemoryBytes: int64(tp) * (perRank + largest)}
-	if row.MemoryBytes > tpMemoryBudget {
-		row.Skipped = fmt.Sprintf("its tensors over %d ranks, about %.1f GiB, pass the %d GiB budget of one device", tp, float64(row.MemoryBytes)/(1<<30), tpMemoryBudget>>30)
+	if device := int64(ranksPerDevice) * (perRank + largest); device > tpMemoryBudget {
+		row.Skipped = fmt.Sprintf("its tensors over the %d ranks of one device, about %.1f GiB, pass the %d GiB budget of one device", ranksPerDevice, float64(device)/(1<<30), tpMemoryBudget>>30)
 		row.Fused = tpFusedSkipped
 	}
 	return row
 }
 
-// tpRank is one virtual rank's group, the kinds of work timed and the
+// tpRank is one rank's group and backend, the kinds of work timed and the
 // outputs the fused patterns are checked on.
 type tpRank struct {
-	ranks                  *comm.Ranks
+	ranks *comm.Ranks
+	b     backend.Backend
+	// ownDevice: the rank has a GPU of its own (bench tp --gpus), which
+	// it waits for before a timed step counts as finished.
+	ownDevice              bool
 	product, unfused, coll func() error
 	// fused and fusedDeterministic run the pattern through tensorpar's
 	// fused ops (fusedDeterministic nil for allgather_gemm, which sums
@@ -401,28 +435,38 @@ type tpRank struct {
 const tpChunkLen = 1<<20 - 3
 
 // timeTPRow allocates the row's tensors on every rank of world (one
-// comm.Ranks per virtual rank of a mesh of TP = row.TP) and times the
-// product alone, the unfused pattern, the collective alone and the fused
-// patterns, checking the fused outputs against the unfused ones.
-func timeTPRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, world []*comm.Ranks, s tpBenchShape, row *tpBenchRow, iters int) error {
+// comm.Ranks per rank of a mesh of TP = row.TP, rank r's on bs[r]: the
+// one device's virtual ranks, or with ownDevices one GPU each) and times
+// the product alone, the unfused pattern, the collective alone and the
+// fused patterns, checking the fused outputs against the unfused ones.
+func timeTPRow(bs []backend.Backend, ownDevices bool, clock profile.Clock, rng *rand.Rand, world []*comm.Ranks, s tpBenchShape, row *tpBenchRow, iters int) error {
 	layout, _ := s.layout(row.Pattern, row.TP)
-	chunk := randFill(b, rng, tpChunkLen) // copied over the tensors: cheap random fill of large ones
-	fill := func(t backend.Tensor) { fillFromChunk(b, t, chunk, rng.IntN(tpChunkLen)) }
+	// Each rank's tensors are copies of a random chunk on its backend:
+	// a cheap random fill of large ones.
+	chunks := make([]backend.Tensor, row.TP)
+	for r, b := range bs {
+		chunks[r] = randFill(b, rng, tpChunkLen)
+	}
+	fill := func(r int, t backend.Tensor) { fillFromChunk(bs[r], t, chunks[r], rng.IntN(tpChunkLen)) }
 	ranks := make([]*tpRank, row.TP)
 	for r := range ranks {
+		b := bs[r]
 		in := make([]backend.Tensor, len(layout.inputs))
 		for i, shape := range layout.inputs {
 			in[i] = b.New(b.FloatType(), shape...)
-			fill(in[i])
+			fill(r, in[i])
 		}
 		outs := make([]backend.Tensor, len(layout.outputs))
 		for i, shape := range layout.outputs {
 			outs[i] = b.New(b.FloatType(), shape...)
 		}
 		ranks[r] = newTPRank(b, world[r], row.Pattern, in, outs)
+		ranks[r].ownDevice = ownDevices
 	}
-	if err := b.Sync(); err != nil {
-		return err
+	for _, b := range bs {
+		if err := b.Sync(); err != nil {
+			return err
+		}
 	}
 	ms := func(d time.Duration) *float64 { v := float64(d) / 1e6; return &v }
 	var unfusedOut [][]float32 // rank 0's outputs of the unfused pattern's first timed step
@@ -435,7 +479,7 @@ func timeTPRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, world []*
 		{func(rk *tpRank) func() error { return rk.unfused }, &row.UnfusedMS, &unfusedOut},
 		{func(rk *tpRank) func() error { return rk.coll }, &row.CommMS, nil},
 	} {
-		d, err := runTPSteps(b, clock, ranks, k.work, iters, k.capture)
+		d, err := runTPSteps(bs[0], clock, ranks, k.work, iters, k.capture)
 		if err != nil {
 			return err
 		}
@@ -463,13 +507,13 @@ func timeTPRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, world []*
 		}
 		// Other values in the outputs first, so that a fused op that left
 		// them alone cannot pass for one that wrote the unfused results.
-		for _, rk := range ranks {
+		for r, rk := range ranks {
 			for _, t := range rk.checked {
-				fill(t)
+				fill(r, t)
 			}
 		}
 		var fusedOut [][]float32
-		d, err := runTPSteps(b, clock, ranks, k.work, iters, &fusedOut)
+		d, err := runTPSteps(bs[0], clock, ranks, k.work, iters, &fusedOut)
 		if err != nil {
 			return err
 		}
@@ -544,7 +588,7 @@ func relL2(got, want []float32) float64 {
 // group, from the tensors layout lists.
 func newTPRank(b backend.Backend, ranks *comm.Ranks, p string, in, outs []backend.Tensor) *tpRank {
 	g := ranks.Tensor
-	rk := &tpRank{ranks: ranks}
+	rk := &tpRank{ranks: ranks, b: b}
 	sp := p != tpGEMMAllReduce // gemm_allreduce is the pattern without sequence parallelism
 	fusedTP := tensorpar.NewWith(b, g, tensorpar.Options{SequenceParallel: sp, Fused: true})
 	deterministicTP := tensorpar.NewWith(b, g, tensorpar.Options{SequenceParallel: sp, Fused: true, Deterministic: true})
@@ -604,10 +648,10 @@ func tpFusedUnavailable(g comm.Group) string {
 }
 
 // download is rank's checked outputs on the host.
-func (rk *tpRank) download(b backend.Backend) [][]float32 {
+func (rk *tpRank) download() [][]float32 {
 	out := make([][]float32, len(rk.checked))
 	for i, t := range rk.checked {
-		out[i] = backend.DownloadFloat32(b, t)
+		out[i] = backend.DownloadFloat32(rk.b, t)
 	}
 	return out
 }
@@ -633,9 +677,12 @@ func runTPSteps(b backend.Backend, clock profile.Clock, ranks []*tpRank, work fu
 	steps := make([]rankStep, len(ranks))
 	for r, rk := range ranks {
 		steps[r] = rankStep{group: rk.ranks.Tensor, ranks: rk.ranks, work: work(rk)}
+		if rk.ownDevice {
+			steps[r].device = rk.b
+		}
 	}
 	if capture != nil {
-		steps[0].afterFirstTimed = func() error { *capture = ranks[0].download(b); return nil }
+		steps[0].afterFirstTimed = func() error { *capture = ranks[0].download(); return nil }
 	}
 	return medianRankStep(b, clock, steps, iters)
 }
@@ -736,8 +783,10 @@ func tpFusedFigures(r tpBenchRow) string {
 	return fmt.Sprintf("%s (fused %.3f ms, %.2fx the product alone, %.2fx unfused)", r.label(), *r.FusedMS, *r.FusedOverProduct, *r.FusedOverUnfused)
 }
 
-func printTP(w io.Writer, rows []tpBenchRow, iters int) {
-	fmt.Fprintf(w, "tp: tensor parallelism's patterns (tensorpar, unfused and fused) on tp virtual ranks of one device, float32; ms from the first rank's start to the last rank's end, median of %d steps\n", iters)
+// printTP prints the table of rows, measured on ranks (as the header
+// says) and with note under it.
+func printTP(w io.Writer, rows []tpBenchRow, iters int, ranks, note string) {
+	fmt.Fprintf(w, "tp: tensor parallelism's patterns (tensorpar, unfused and fused) on %s, float32; ms from the first rank's start to the last rank's end, median of %d steps\n", ranks, iters)
 	format := "%-10s %3s %-19s %7s | %10s %9s | %10s %9s | %9s | %10s %9s | %10s | %8s %6s %6s %7s | %7s\n"
 	fmt.Fprintf(w, format, "shape", "tp", "pattern", "rows", "product ms", "TF", "unfused ms", "TF", "comm ms",
 		"fused ms", "TF", "det ms", "unf/prod", "f/prod", "f/unf", "overlap", "rel L2")
@@ -769,7 +818,7 @@ func printTP(w io.Writer, rows []tpBenchRow, iters int) {
 		"fused: tensorpar.Options{Fused: true}, the backend's fused op over peer access; det: the same with Deterministic, row-parallel patterns only; TF: every rank's products over the time; "+
 		"unf/prod, f/prod, f/unf: ratios of the times; overlap: (product + comm - fused) / comm, - when comm is under %g of product; "+
 		"rel L2: the larger relative L2 distance of rank 0's fused and det outputs from the unfused ones, first timed step, at most %g)\n", tpOverlapMinComm, tpFusedTolerance)
-	fmt.Fprintf(w, "(%s)\n", tpNote)
+	fmt.Fprintf(w, "(%s)\n", note)
 	for _, n := range notes {
 		fmt.Fprintln(w, n)
 	}

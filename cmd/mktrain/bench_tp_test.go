@@ -165,8 +165,8 @@ func tpRowOn(t *testing.T, b backend.Backend, pattern string, wrap func(comm.Gro
 		rk.Tensor = wrap(rk.Tensor)
 	}
 	s := tpBenchShapes()[2]
-	row := newTPRow(s, 2, pattern)
-	err = timeTPRow(b, profile.ClockFor(b), rand.New(rand.NewPCG(1, 2)), world, s, &row, 1)
+	row := newTPRow(s, 2, pattern, 2)
+	err = timeTPRow([]backend.Backend{b, b}, false, profile.ClockFor(b), rand.New(rand.NewPCG(1, 2)), world, s, &row, 1)
 	return row, err
 }
 
@@ -200,7 +200,7 @@ func TestTPFusedNotAvailable(t *testing.T) {
 		}
 	}
 	var out strings.Builder
-	printTP(&out, rows, 1)
+	printTP(&out, rows, 1, "tp virtual ranks of one device", tpNote)
 	if !strings.Contains(out.String(), "(fused tiny at tp 2, gemm_allreduce: not available: ") {
 		t.Errorf("table does not say fused is not available:\n%s", out.String())
 	}
@@ -284,7 +284,7 @@ func TestTPBarVerdicts(t *testing.T) {
 	if v := tpFusedVerdict(held[2:]); v.Verdict != verdictNotMeasured || !strings.Contains(v.Why, "no llama70b row") {
 		t.Errorf("fused bar without llama70b rows: %s (%s)", v.Verdict, v.Why)
 	}
-	skipped := newTPRow(tpBenchShape{Name: "llama70b", Tokens: 1 << 20, TokensPerRank: true, Hidden: 8192, ColumnWidth: 28672, ColumnOutputs: 1, RowInner: 28672}, 8, tpGEMMReduceScatter)
+	skipped := newTPRow(tpBenchShape{Name: "llama70b", Tokens: 1 << 20, TokensPerRank: true, Hidden: 8192, ColumnWidth: 28672, ColumnOutputs: 1, RowInner: 28672}, 8, tpGEMMReduceScatter, 8)
 	for _, v := range []barVerdict{tpFusedVerdict(append(slices.Clone(held), skipped)), tpRSVerdict(append(slices.Clone(held), skipped))} {
 		if v.Verdict != verdictNotMeasured || !strings.Contains(v.Why, "llama70b at tp 8, gemm_reducescatter skipped") {
 			t.Errorf("bar %q with a skipped row: %s (%s)", v.Bar, v.Verdict, v.Why)
@@ -299,6 +299,7 @@ func TestBenchTPBadFlags(t *testing.T) {
 		{"--shapes", "tiny", "--tp", "3"},
 		{"--shapes", "huge"},
 		{"--tp", "1"},
+		{"--shapes", "tiny", "--tp", "2", "--gpus"}, // one rank per GPU needs the cuda backend
 	} {
 		code, _, stderr := runCLI(t, append([]string{"bench", "tp", "--backend", "cpu", "--out", t.TempDir()}, args...)...)
 		if code != 2 || !strings.Contains(stderr, "--") {
@@ -312,7 +313,7 @@ func TestBenchTPBadFlags(t *testing.T) {
 func TestTPMemoryEstimate(t *testing.T) {
 	for _, s := range tpBenchShapes() {
 		for _, p := range tpPatterns() {
-			r := newTPRow(s, 8, p)
+			r := newTPRow(s, 8, p, 8)
 			t.Logf("%s tp 8 %s: %.1f GiB", s.Name, p, float64(r.MemoryBytes)/(1<<30))
 			if r.Skipped != "" {
 				t.Errorf("%s at tp 8, %s: skipped: %s", s.Name, p, r.Skipped)
@@ -328,12 +329,19 @@ func within(a, b float64) bool { return math.Abs(a-b) <= 1e-9*math.Max(math.Abs(
 // skipped with its estimate, and its figures stay null in the table.
 func TestTPRowSkippedOverBudget(t *testing.T) {
 	huge := tpBenchShape{Name: "huge", Tokens: 1 << 20, TokensPerRank: true, Hidden: 8192, ColumnWidth: 28672, ColumnOutputs: 1, RowInner: 28672}
-	r := newTPRow(huge, 8, tpGEMMReduceScatter)
+	r := newTPRow(huge, 8, tpGEMMReduceScatter, 8)
 	if r.Skipped == "" || !strings.Contains(r.Skipped, "GiB budget") || r.MemoryBytes <= tpMemoryBudget {
 		t.Fatalf("skipped %q at %d bytes", r.Skipped, r.MemoryBytes)
 	}
+	// One rank a device (--gpus): a row that passes the budget on one
+	// device's 8 virtual ranks fits when each rank has a GPU.
+	big := huge
+	big.Tokens = 1 << 16
+	if v, g := newTPRow(big, 8, tpGEMMReduceScatter, 8), newTPRow(big, 8, tpGEMMReduceScatter, 1); v.Skipped == "" || g.Skipped != "" {
+		t.Errorf("%d tokens a rank at tp 8: skipped %q on virtual ranks, %q with a GPU each; want skipped only on virtual ranks", big.Tokens, v.Skipped, g.Skipped)
+	}
 	var out strings.Builder
-	printTP(&out, []tpBenchRow{r}, 1)
+	printTP(&out, []tpBenchRow{r}, 1, "tp virtual ranks of one device", tpNote)
 	if !strings.Contains(out.String(), "(skipped: huge at tp 8, gemm_reducescatter: ") {
 		t.Errorf("table does not say the row is skipped:\n%s", out.String())
 	}
