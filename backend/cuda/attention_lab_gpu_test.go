@@ -151,12 +151,16 @@ func TestAttentionLabOwnLaunch(t *testing.T) {
 	}
 }
 
-func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how labBackwardLaunch) {
-	// The module's kernels: production's and any the variant adds.
+// labKernels loads variant v of lab with the production kernels and
+// kernel (%d: each head dim of headDims), which the variant adds or
+// replaces, and returns those by head dim, logging their registers and
+// local memory.
+func labKernels(t *testing.T, d *Device, lab dev.Source, v dev.Variant, kernel string, headDims []int) map[int]*Kernel {
+	t.Helper()
 	src, _ := kernelSource(t, "attention_hopper.cu")
 	src.Kernels = slices.Clone(src.Kernels)
-	for _, dh := range how.headDims {
-		name := fmt.Sprintf(how.kernel, dh)
+	for _, dh := range headDims {
+		name := fmt.Sprintf(kernel, dh)
 		if !slices.ContainsFunc(src.Kernels, func(k kernels.Kernel) bool { return k.Name == name }) {
 			src.Kernels = append(src.Kernels, kernels.Kernel{Name: name})
 		}
@@ -166,14 +170,19 @@ func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how la
 		t.Fatal(err)
 	}
 	kerns := map[int]*Kernel{}
-	for _, dh := range how.headDims {
-		kern, err := m.Kernel(fmt.Sprintf(how.kernel, dh))
+	for _, dh := range headDims {
+		kern, err := m.Kernel(fmt.Sprintf(kernel, dh))
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Logf("%s (%s): %d registers, %d bytes of local memory", kern.Desc.Name, v.Name, kern.Registers, kern.LocalBytes)
 		kerns[dh] = kern
 	}
+	return kerns
+}
+
+func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how labBackwardLaunch) {
+	kerns := labKernels(t, d, lab, v, how.kernel, how.headDims)
 	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
 		var extra []uint64
 		if how.turns {
@@ -285,24 +294,7 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 	}
 	for _, v := range vs {
 		t.Run(v.Name, func(t *testing.T) {
-			src, _ := kernelSource(t, "attention_hopper.cu")
-			src.Kernels = slices.Clone(src.Kernels)
-			for _, dh := range []int{64, 128} {
-				src.Kernels = append(src.Kernels, kernels.Kernel{Name: fmt.Sprintf(ownForwardLaunch[v.Name], dh)})
-			}
-			m, err := d.load(src, lab.File+"+"+v.Name, lab.Text, v.Defines...)
-			if err != nil {
-				t.Fatal(err)
-			}
-			kerns := map[int]*Kernel{}
-			for _, dh := range []int{64, 128} {
-				kern, err := m.Kernel(fmt.Sprintf(ownForwardLaunch[v.Name], dh))
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Logf("%s: %d registers, %d bytes of local memory", kern.Desc.Name, kern.Registers, kern.LocalBytes)
-				kerns[dh] = kern
-			}
+			kerns := labKernels(t, d, lab, v, ownForwardLaunch[v.Name], []int{64, 128})
 			// One block an SM (or an item), a second q tile beside the ring.
 			labForward := func(out, lse, q, kk, vv *Buffer, s backend.AttnShape) error {
 				pairs, items := s.Batch*s.Heads, (s.Seq+hopperAttnBM-1)/hopperAttnBM
