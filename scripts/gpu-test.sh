@@ -49,7 +49,8 @@
 #      S8192 H16 KV16 Dh128 and B1 S32768 H32 KV8 Dh128, and context-parallel
 #      attention (allgather and ring) on W = 2, 4, 8 virtual ranks against
 #      the core on the whole sequence, with the bars of issue 27
-#      (attention.json);
+#      (attention.json); on a machine with several GPUs also the ring
+#      rows on one rank per GPU (--gpus, attention-gpus.json);
 #   5c. `mktrain bench tp`: tensor parallelism's three patterns (product
 #      alone, unfused, fused, deterministic fused) on tp = 2, 4, 8 virtual
 #      ranks for moe-small's projections and a Llama-70B-like layer, with
@@ -556,6 +557,23 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_ATTENTION:-}" != 1 && -x "$BIN/mktrain" ]]; 
   [[ $attn_rc -ne 0 ]] && { echo "  bench attention: exit $attn_rc"; grep '^attention_peer: error\|^mktrain:' "$LOGS/attention.log" | tail -n 3; status=1; }
   [[ -f "$LOGS/attention/attention.json" ]] && cp "$LOGS/attention/attention.json" "$OUT/attention.json"
   echo
+  # Where the machine has several GPUs, the ring rows on one rank per GPU
+  # (--gpus: NCCL groups with peer access, the fused ring reading the
+  # peers' k and v over NVLink; the core row on GPU 0):
+  # attention-gpus.json.
+  if [[ "${NGPU:-0}" -ge 2 ]]; then
+    ws=2
+    for w in 4 8; do [[ $w -le $NGPU ]] && ws+=",$w"; done
+    echo "== mktrain bench attention --gpus (ring at W $ws, one rank per GPU)"
+    mkdir -p "$LOGS/attention-gpus"
+    timeout 420 "$BIN/mktrain" bench attention --backend cuda --gpus --shapes moe-small --ring-world "$ws" \
+      --out "$LOGS/attention-gpus" >"$LOGS/attention-gpus.log" 2>&1
+    attg_rc=$?
+    grep -v '^wrote \|^bench attention: ' "$LOGS/attention-gpus.log" | tail -n 14
+    [[ $attg_rc -ne 0 ]] && { echo "  bench attention --gpus: exit $attg_rc"; status=1; }
+    [[ -f "$LOGS/attention-gpus/attention-gpus.json" ]] && cp "$LOGS/attention-gpus/attention-gpus.json" "$OUT/attention-gpus.json"
+    echo
+  fi
 fi
 
 # Tensor parallelism's patterns on tp virtual ranks, unfused and fused:

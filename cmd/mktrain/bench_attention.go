@@ -9,6 +9,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -26,7 +27,7 @@ import (
 	"github.com/mktrain/mktrain/comm"
 )
 
-const benchAttentionUsage = `Usage: mktrain bench attention [--shapes moe-small,s8k,s32k] [--ring-world 2,4,8] [--ring-seq 4096,8192] [--iters N] [--backend auto|cpu|cuda] [--peer PYTHON] [--peer-script FILE] [--out DIR]
+const benchAttentionUsage = `Usage: mktrain bench attention [--shapes moe-small,s8k,s32k] [--ring-world 2,4,8] [--ring-seq 4096,8192] [--iters N] [--backend auto|cpu|cuda] [--peer PYTHON] [--peer-script FILE] [--gpus] [--out DIR]
 
 Times the attention core (the backend's AttentionForward and
 AttentionBackward: causal, grouped-query; q, k and v in the backend's
@@ -81,9 +82,16 @@ of links between GPUs (NVLink figures come from the multi-GPU issue,
 #33). At S/W 8192 and W 8 the sequence is 65,536 tokens: about 11 GB of
 float32 tensors over all ranks in allgather mode, well within an H200's
 141 GB. --ring-world none leaves the ring out. A mode NewContextCore
-refuses is reported and its bars are not measured.
+refuses is reported and its bars are not measured. With --gpus the ring
+rows run on one rank per GPU instead (W on GPUs 0..W-1, each rank's
+context group an NCCL communicator with peer access between its GPUs,
+as bench kernels --gpus places its ranks; the portable ring over NCCL's
+Send and Recv), each rank waiting for its GPU before a step counts as
+finished, against the core on GPU 0 alone: the ring's efficiency over
+NVLink (the multi-GPU issue, #33).
 
-Writes attention.json into bench/results/<machine>/ (the latest result
+Writes attention.json (attention-gpus.json with --gpus) into
+bench/results/<machine>/ (the latest result
 per machine, overwritten by the next run) or into the folder --out
 names, with the commit, machine, command, every figure and each bar's
 verdict, and prints a short table of the bars last.
@@ -208,6 +216,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 	peerScript := fs.String("peer-script", "scripts/peer/attention_peer.py", "the peer script --peer runs")
 	ringWorldFlag := fs.String("ring-world", "2,4,8", "comma-separated numbers of virtual context-parallel ranks (2 or more), or none")
 	ringSeqFlag := fs.String("ring-seq", "4096,8192", "comma-separated tokens per rank (S/W, even) of the ring rows")
+	onGPUs := fs.Bool("gpus", false, "the ring rows on one rank per GPU (W on GPUs 0..W-1, NCCL groups with peer access) instead of W virtual ranks of one device")
 	out := fs.String("out", "", "directory for the JSON result (default bench/results/<machine>)")
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
@@ -254,6 +263,18 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		return err
 	}
 	defer closeB()
+	place := virtualRanks(b, contextMesh)
+	if *onGPUs && len(ringWorlds) > 0 {
+		var closeGPUs func() error
+		if place, closeGPUs, err = gpuRanks(b, slices.Max(ringWorlds), contextMesh); err != nil {
+			return err
+		}
+		defer func() {
+			if err := closeGPUs(); err != nil {
+				fmt.Fprintf(stderr, "bench attention: closing the GPUs: %v\n", err)
+			}
+		}()
+	}
 	fmt.Fprintf(stderr, "bench attention: on %s, 2 warm-up + %d timed calls of each kind\n", b.Name(), *iters)
 	clock := profile.ClockFor(b)
 	rng := rand.New(rand.NewPCG(1, 2))
@@ -275,14 +296,17 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 
 	var ring *attnRingResult
 	if len(ringWorlds) > 0 {
-		ring = &attnRingResult{Geometry: fmt.Sprintf("B1 H%d KV%d Dh%d", ringHeads, ringKV, ringHeadDim), Note: ringNote}
+		ring = &attnRingResult{Geometry: fmt.Sprintf("B1 H%d KV%d Dh%d", ringHeads, ringKV, ringHeadDim), Ranks: "virtual ranks", Note: ringNote}
+		if *onGPUs {
+			ring.Ranks, ring.Note = "GPUs", ringGPUsNote
+		}
 		for _, w := range ringWorlds {
 			for _, perRank := range ringSeqs {
 				if ctx.Err() != nil {
 					return stoppedError(ctx, "bench attention stopped")
 				}
 				fmt.Fprintf(stderr, "bench attention: ring at W %d, S/W %d (S %d)\n", w, perRank, w*perRank)
-				row, err := benchRingRow(b, clock, rng, w, perRank, *iters)
+				row, err := benchRingRow(b, place, *onGPUs, clock, rng, w, perRank, *iters)
 				if err != nil {
 					return failedRun(fmt.Errorf("bench attention: ring at W %d, S/W %d: %w", w, perRank, err))
 				}
@@ -317,10 +341,14 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 	}
 	figures["peer"] = peerFig
 	figures["ring"] = ring // null with --ring-world none
-	err = writeResult(stdout, *out, "attention", b, benchResult{
-		Benchmark: "attention", Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
+	benchmark := "attention"
+	if *onGPUs { // its own file: one rank per GPU is not the virtual ranks' benchmark
+		benchmark = "attention-gpus"
+	}
+	err = writeResult(stdout, *out, benchmark, b, benchResult{
+		Benchmark: benchmark, Commit: commit(), Date: time.Now().UTC().Format(time.RFC3339),
 		Command: "mktrain bench attention " + strings.Join(args, " "), Machine: machine(b.Name()),
-		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "ring_worlds": ringWorlds, "ring_seq_per_rank": ringSeqs, "iters": *iters, "peer": *peer},
+		Recipe: strings.Join(names, "+"), Config: map[string]any{"shapes": shapes, "ring_worlds": ringWorlds, "ring_seq_per_rank": ringSeqs, "iters": *iters, "peer": *peer, "gpus": *onGPUs},
 		Figures: figures,
 	})
 	if err != nil {
@@ -649,6 +677,9 @@ func printBars(w io.Writer, bars []barVerdict) {
 // ringNote is what the ring table and its JSON say about the setting.
 const ringNote = "W virtual ranks share one GPU's memory and SMs (goroutines over in-process groups): the figures show the cost of splitting the work, not links between GPUs; NVLink figures come from the multi-GPU issue (#33)"
 
+// ringGPUsNote is ringNote with one rank per GPU (--gpus).
+const ringGPUsNote = "one rank per GPU (--gpus: W on GPUs 0..W-1, each rank's context group an NCCL communicator with peer access between its GPUs): the fused ring reads the peers' k and v over the links between the GPUs; the core runs on GPU 0 alone; each rank waits for its GPU before a step counts as finished"
+
 // The ring's bars.
 const (
 	ringEfficiency        = 0.95
@@ -670,6 +701,7 @@ func ringGeometry(seq int) attnBenchShape {
 // attnRingResult is the ring part of attention.json.
 type attnRingResult struct {
 	Geometry string        `json:"geometry"` // B, H, KV, Dh (S per row)
+	Ranks    string        `json:"ranks"`    // "virtual ranks" of one device, or "GPUs" (--gpus)
 	Note     string        `json:"note"`
 	Rows     []attnRingRow `json:"rows"`
 }
@@ -742,7 +774,7 @@ func parseRingFlags(worlds, seqs string) ([]int, []int, error) {
 // benchRingRow measures one row: W ranks of perRank tokens each, one
 // sequence of S = W*perRank. The inputs are drawn once for the whole
 // sequence; each rank gets its zigzag rows of them.
-func benchRingRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, w, perRank, iters int) (attnRingRow, error) {
+func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, rng *rand.Rand, w, perRank, iters int) (attnRingRow, error) {
 	seq := w * perRank
 	g := ringGeometry(seq)
 	qw, kd := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim
@@ -765,7 +797,7 @@ func benchRingRow(b backend.Backend, clock profile.Clock, rng *rand.Rand, w, per
 		portable bool
 		fig      *attnRingMode
 	}{{ringModeAllGather, false, &row.AllGather}, {ringModeRing, false, &row.Ring}, {ringModeRing, true, &row.RingPortable}} {
-		fwd, step, path, buildErr, err := timeContextCore(b, clock, g, in, w, m.mode, m.portable, iters)
+		fwd, step, path, buildErr, err := timeContextCore(place, ownDevices, clock, g, in, w, m.mode, m.portable, iters)
 		m.fig.Path = path
 		runtime.GC()
 		switch {
@@ -839,10 +871,12 @@ func timeRingCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in r
 	return fwd, step, err
 }
 
-// ringRank is one virtual rank's core and tensors.
+// ringRank is one rank's core and tensors; device is its GPU when it has
+// one of its own (--gpus).
 type ringRank struct {
 	core        *attention.ContextCore
 	ranks       *comm.Ranks
+	device      backend.Backend
 	q, k, v, da backend.Tensor // this rank's zigzag rows of the inputs
 	a, lse      backend.Tensor
 	dq, dk, dv  backend.Tensor
@@ -858,15 +892,17 @@ type ringRank struct {
 // refusal of the mode (nothing was timed); err a failure while timing.
 // With portable the cores' groups hide their peer access, so mode ring
 // runs the portable ring.
-func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool, iters int) (fwd, step time.Duration, path string, buildErr, err error) {
-	world, err := comm.NewLocal(comm.Mesh{DP: 1, EP: 1, CP: w, TP: 1}, b)
+func timeContextCore(place rankPlacer, ownDevices bool, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool, iters int) (fwd, step time.Duration, path string, buildErr, err error) {
+	world, bs, release, err := place(w)
 	if err != nil {
 		return 0, 0, "", nil, err
 	}
-	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
+	defer func() { err = errors.Join(err, release()) }()
+	qw, kd := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim
 	shape := attention.Shape{Dim: qw, Heads: g.Heads, KVHeads: g.KVHeads, RopeTheta: ringRope}
 	ranks := make([]*ringRank, w)
 	for r := range ranks {
+		b, ft := bs[r], bs[r].FloatType()
 		var group comm.Group = world[r].Context
 		if portable {
 			group = struct{ comm.Group }{group} // no comm.PeerAccess
@@ -880,16 +916,19 @@ func timeContextCore(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 			return 0, 0, "", nil, err
 		}
 		rk := &ringRank{core: core, ranks: world[r]}
+		if ownDevices {
+			rk.device = b
+		}
 		rk.q, rk.k, rk.v, rk.da = in.upload(b, core.QKVType(), qw, kd, pos)
 		local := len(pos)
 		rk.a, rk.lse = b.New(ft, local, qw), b.New(ft, 1, 2, g.Heads, local/2)
 		rk.dq, rk.dk, rk.dv = b.New(ft, local, qw), b.New(ft, local, kd), b.New(ft, local, kd)
 		ranks[r] = rk
 	}
-	if fwd, err = runRingSteps(b, clock, ranks, iters, false); err != nil {
+	if fwd, err = runRingSteps(bs[0], clock, ranks, iters, false); err != nil {
 		return 0, 0, "", nil, fmt.Errorf("forward: %w", err)
 	}
-	if step, err = runRingSteps(b, clock, ranks, iters, true); err != nil {
+	if step, err = runRingSteps(bs[0], clock, ranks, iters, true); err != nil {
 		return 0, 0, "", nil, fmt.Errorf("forward+backward: %w", err)
 	}
 	return fwd, step, ranks[0].core.Path(), nil, nil
@@ -908,7 +947,7 @@ func runRingSteps(b backend.Backend, clock profile.Clock, ranks []*ringRank, ite
 				return rk.core.Backward(rk.dq, rk.dk, rk.dv, rk.da)
 			}
 			return nil
-		}}
+		}, device: rk.device}
 	}
 	return medianRankStep(b, clock, steps, iters)
 }
@@ -976,7 +1015,7 @@ func ringFasterVerdict(rows []attnRingRow) barVerdict {
 }
 
 func printAttnRing(w io.Writer, ring *attnRingResult) {
-	fmt.Fprintf(w, "\nring: context-parallel attention on W virtual ranks, %s, one sequence of S = W * S/W tokens; ms from the first rank's start to the last rank's end\n", ring.Geometry)
+	fmt.Fprintf(w, "\nring: context-parallel attention on W %s, %s, one sequence of S = W * S/W tokens; ms from the first rank's start to the last rank's end\n", ring.Ranks, ring.Geometry)
 	fmt.Fprintf(w, "%3s %6s %6s | %9s %9s | %9s %9s | %9s %9s | %8s %8s | %8s %8s | %9s %9s\n",
 		"W", "S/W", "S", "core fwd", "f+b", "allg fwd", "f+b", "ring fwd", "f+b", "eff fwd", "f+b", "r/ag fwd", "f+b", "port fwd", "f+b")
 	opt := func(p *float64, format string) string {
@@ -998,7 +1037,7 @@ func printAttnRing(w io.Writer, ring *attnRingResult) {
 			}
 		}
 	}
-	fmt.Fprintf(w, "(core: one rank on the whole sequence, the same work; eff: core time / ring time; r/ag: allgather time / ring time, above 1 the ring is faster; port: the portable ring on the same ranks, peer access hidden, outside the bars; %s)\n", ringNote)
+	fmt.Fprintf(w, "(core: one rank on the whole sequence, the same work; eff: core time / ring time; r/ag: allgather time / ring time, above 1 the ring is faster; port: the portable ring on the same ranks, peer access hidden, outside the bars; %s)\n", ring.Note)
 	for _, e := range errs {
 		fmt.Fprintf(w, "(not measured: %s)\n", e)
 	}

@@ -29,6 +29,10 @@ type rankPlacer func(w int) (world []*comm.Ranks, bs []backend.Backend, release 
 func expertMesh(w int) comm.Mesh { return comm.Mesh{DP: 1, EP: w, CP: 1, TP: 1} }
 func tensorMesh(w int) comm.Mesh { return comm.Mesh{DP: 1, EP: 1, CP: 1, TP: w} }
 
+// contextMesh is the world of bench attention's ring rows: w ranks of
+// context parallelism.
+func contextMesh(w int) comm.Mesh { return comm.Mesh{DP: 1, EP: 1, CP: w, TP: 1} }
+
 // virtualRanks places mesh(w) as w virtual ranks on b (in-process
 // groups).
 func virtualRanks(b backend.Backend, mesh func(w int) comm.Mesh) rankPlacer {
