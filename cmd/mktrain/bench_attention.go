@@ -236,6 +236,9 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 	if err != nil {
 		return err
 	}
+	if *onGPUs && len(ringWorlds) == 0 {
+		return usageError{"--gpus places the ring rows on GPUs, and --ring-world none leaves none"}
+	}
 	if *peer != "" {
 		if _, err := os.Stat(*peerScript); err != nil {
 			return usageError{fmt.Sprintf("--peer-script: %v", err)}
@@ -263,18 +266,11 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		return err
 	}
 	defer closeB()
-	place := virtualRanks(b, contextMesh)
-	if *onGPUs && len(ringWorlds) > 0 {
-		var closeGPUs func() error
-		if place, closeGPUs, err = gpuRanks(b, slices.Max(ringWorlds), contextMesh); err != nil {
-			return err
-		}
-		defer func() {
-			if err := closeGPUs(); err != nil {
-				fmt.Fprintf(stderr, "bench attention: closing the GPUs: %v\n", err)
-			}
-		}()
+	place, closePlace, err := benchPlacer(b, *onGPUs, slices.Max(append([]int{1}, ringWorlds...)), contextMesh, "bench attention", stderr)
+	if err != nil {
+		return err
 	}
+	defer closePlace()
 	fmt.Fprintf(stderr, "bench attention: on %s, 2 warm-up + %d timed calls of each kind\n", b.Name(), *iters)
 	clock := profile.ClockFor(b)
 	rng := rand.New(rand.NewPCG(1, 2))

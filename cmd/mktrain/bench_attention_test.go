@@ -274,6 +274,7 @@ func TestBenchAttentionErrors(t *testing.T) {
 		{[]string{"--ring-world", "1"}, `--ring-world: "1" is not a number of ranks of 2 or more`},
 		{[]string{"--ring-world", "2", "--ring-seq", "4096,7"}, `--ring-seq: "7" is not a positive even number`},
 		{[]string{"--ring-world", "2", "--ring-seq", "4", "--gpus"}, "--gpus needs the cuda backend; this one is cpu"},
+		{[]string{"--ring-world", "none", "--gpus"}, "--gpus places the ring rows on GPUs, and --ring-world none leaves none"},
 	} {
 		code, _, stderr := runCLI(t, append([]string{"bench", "attention", "--shapes", "tiny", "--backend", "cpu"}, c.args...)...)
 		if code != exitFailure || !strings.Contains(stderr, c.want) {

@@ -145,18 +145,11 @@ func cmdBenchKernels(ctx context.Context, args []string, stdout, stderr io.Write
 		return err
 	}
 	defer closeB()
-	place := virtualRanks(b, expertMesh)
-	if *onGPUs {
-		var closeGPUs func() error
-		if place, closeGPUs, err = gpuRanks(b, slices.Max(worlds), expertMesh); err != nil {
-			return err
-		}
-		defer func() {
-			if err := closeGPUs(); err != nil {
-				fmt.Fprintf(stderr, "bench kernels: closing the GPUs: %v\n", err)
-			}
-		}()
+	place, closePlace, err := benchPlacer(b, *onGPUs, slices.Max(worlds), expertMesh, "bench kernels", stderr)
+	if err != nil {
+		return err
 	}
+	defer closePlace()
 	cache, cacheErr := tune.DefaultDispatchCache()
 	table := cache.Path
 	if *onGPUs {

@@ -10,6 +10,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"time"
 
@@ -83,6 +84,24 @@ func gpuRanks(b backend.Backend, most int, mesh func(w int) comm.Mesh) (place ra
 		return world, bs, closeGroups, nil
 	}
 	return place, closeGPUs, nil
+}
+
+// benchPlacer is a bench command's rankPlacer: virtual ranks of b, or
+// with onGPUs one rank per GPU for worlds of up to most ranks; done
+// closes what it opened, reporting a failure on stderr under cmd's name.
+func benchPlacer(b backend.Backend, onGPUs bool, most int, mesh func(w int) comm.Mesh, cmd string, stderr io.Writer) (place rankPlacer, done func(), err error) {
+	if !onGPUs {
+		return virtualRanks(b, mesh), func() {}, nil
+	}
+	place, closeGPUs, err := gpuRanks(b, most, mesh)
+	if err != nil {
+		return nil, nil, err
+	}
+	return place, func() {
+		if err := closeGPUs(); err != nil {
+			fmt.Fprintf(stderr, "%s: closing the GPUs: %v\n", cmd, err)
+		}
+	}, nil
 }
 
 // rankStep is one rank's part of a timed step: the group whose barriers

@@ -262,17 +262,13 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	defer closeB()
-	place, ranksPerDevice := virtualRanks(b, tensorMesh), func(tp int) int { return tp }
+	place, closePlace, err := benchPlacer(b, *onGPUs, slices.Max(tps), tensorMesh, "bench tp", stderr)
+	if err != nil {
+		return err
+	}
+	defer closePlace()
+	ranksPerDevice := func(tp int) int { return tp }
 	if *onGPUs {
-		var closeGPUs func() error
-		if place, closeGPUs, err = gpuRanks(b, slices.Max(tps), tensorMesh); err != nil {
-			return err
-		}
-		defer func() {
-			if err := closeGPUs(); err != nil {
-				fmt.Fprintf(stderr, "bench tp: closing the GPUs: %v\n", err)
-			}
-		}()
 		ranksPerDevice = func(int) int { return 1 }
 	}
 	fmt.Fprintf(stderr, "bench tp: on %s, 2 warm-up + %d timed steps of each kind\n", b.Name(), *iters)
