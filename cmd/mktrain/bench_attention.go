@@ -214,7 +214,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 	backendName := fs.String("backend", "auto", "auto, cpu or cuda")
 	peer := fs.String("peer", "", "the Python that runs the PyTorch peer (none: no peer columns)")
 	peerScript := fs.String("peer-script", "scripts/peer/attention_peer.py", "the peer script --peer runs")
-	ringWorldFlag := fs.String("ring-world", "2,4,8", "comma-separated numbers of virtual context-parallel ranks (2 or more), or none")
+	ringWorldFlag := fs.String("ring-world", "2,4,8", "comma-separated numbers of context-parallel ranks (2 or more): virtual ranks, or GPUs with --gpus; or none")
 	ringSeqFlag := fs.String("ring-seq", "4096,8192", "comma-separated tokens per rank (S/W, even) of the ring rows")
 	onGPUs := fs.Bool("gpus", false, "the ring rows on one rank per GPU (W on GPUs 0..W-1, NCCL groups with peer access) instead of W virtual ranks of one device")
 	out := fs.String("out", "", "directory for the JSON result (default bench/results/<machine>)")

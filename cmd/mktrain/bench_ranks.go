@@ -2,7 +2,7 @@ package main
 
 // Placing and timing work spread over ranks: virtual ranks of one device
 // (bench attention's ring rows, bench kernels, bench tp) or, with --gpus,
-// one rank per GPU (bench kernels, bench tp). Every rank runs its part of
+// one rank per GPU (the same three). Every rank runs its part of
 // a step from its own goroutine, and a step is timed on the first
 // device's clock from before any rank starts to after every rank has
 // finished.

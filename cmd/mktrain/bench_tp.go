@@ -226,7 +226,7 @@ func (r tpBenchRow) label() string { return fmt.Sprintf("%s at tp %d, %s", r.Sha
 func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("bench tp", benchTPUsage, stderr)
 	shapesFlag := fs.String("shapes", "moe-small,llama70b", "comma-separated shapes")
-	tpFlag := fs.String("tp", "2,4,8", "comma-separated numbers of virtual tensor-parallel ranks (2 or more)")
+	tpFlag := fs.String("tp", "2,4,8", "comma-separated numbers of tensor-parallel ranks (2 or more): virtual ranks, or GPUs with --gpus")
 	iters := fs.Int("iters", 10, "timed steps of each kind (the median is kept)")
 	backendName := fs.String("backend", "auto", "auto, cpu or cuda")
 	onGPUs := fs.Bool("gpus", false, "one rank per GPU (tp W on GPUs 0..W-1, NCCL groups with peer access) instead of W virtual ranks of one device")
