@@ -28,6 +28,7 @@ func withAttentionLab(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (r
 	if err != nil {
 		t.Fatal(err)
 	}
+	logCompiler(t, v, m)
 	for _, name := range []string{"attn_h_forward_d64", "attn_h_forward_d128", "attn_h_backward_d64", "attn_h_backward_d128"} {
 		k, err := m.Kernel(name)
 		if err != nil {
@@ -151,6 +152,16 @@ func TestAttentionLabOwnLaunch(t *testing.T) {
 	}
 }
 
+// logCompiler logs what NVRTC said compiling variant v into m, such as
+// ptxas's advice that it serialised wgmma instructions (empty on a cache
+// hit).
+func logCompiler(t *testing.T, v dev.Variant, m *Module) {
+	t.Helper()
+	if m.Info.Log != "" {
+		t.Logf("%s: NVRTC's log:\n%s", v.Name, m.Info.Log)
+	}
+}
+
 // labKernels loads variant v of lab with the production kernels and
 // kernel (%d: each head dim of headDims), which the variant adds or
 // replaces, and returns those by head dim, logging their registers and
@@ -169,6 +180,7 @@ func labKernels(t *testing.T, d *Device, lab dev.Source, v dev.Variant, kernel s
 	if err != nil {
 		t.Fatal(err)
 	}
+	logCompiler(t, v, m)
 	kerns := map[int]*Kernel{}
 	for _, dh := range headDims {
 		kern, err := m.Kernel(fmt.Sprintf(kernel, dh))
