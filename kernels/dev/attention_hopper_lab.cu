@@ -18,6 +18,11 @@
 //      chains a quarter as long; the sums round in another order).
 //   8  fwd-skip-rescale: ah_forward skips o's rescale when no row of the
 //      warp moved its maximum (a warp vote; the same bits).
+//   16 fwd-pipelined: ah_forward pipelines inside each consumer
+//      warpgroup (FlashAttention-3): tile t+1's scores are issued before
+//      tile t's P.V, and tile t+1's softmax runs while P.V does (31b6063's
+//      lab, measured slower then; back with NVRTC's log printed, to see
+//      whether ptxas serialised its wgmma instructions).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -284,6 +289,119 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+#if AH_EXPERIMENT & 16
+  // FlashAttention-3's pipelining inside a warpgroup: tile t+1's scores
+  // and tile t's P.V are in flight together, and tile t+1's softmax runs
+  // under P.V (the older group, S, is waited for first).
+  float sc[64];
+  unsigned p[8][4];
+  auto issueS = [&](int t) {
+    const int s = t % STAGES;
+    gg_bar_wait(fullK + 8 * s, (t / STAGES) & 1);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long dk = gg_desc(ks + s * TILE);
+    gg_wgmma_fence();
+    gg_fence_acc(sc);
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+  };
+  // softmax turns tile t's scores in sc into P (float32, in place), moves
+  // the row maxima and sums on, and gives the rescale of what came before.
+  auto softmax = [&](int t, float& a0, float& a1) {
+    const int j0 = t * AH_BN;
+    if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
+      const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
+#pragma unroll
+      for (int n = 0; n < 16; n++) {
+        const int j = j0 + 8 * n + 2 * t4;
+        if (j > lim0) sc[4 * n] = ah_neg_inf();
+        if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
+        if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
+        if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
+      }
+    }
+    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+    }
+    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+    a0 = ah_ex2(m0 - n0);
+    a1 = ah_ex2(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      sc[4 * n] = ah_ex2(sc[4 * n] * scaleLog2 - n0);
+      sc[4 * n + 1] = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
+      sc[4 * n + 2] = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1);
+      sc[4 * n + 3] = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
+      s0 += sc[4 * n] + sc[4 * n + 1];
+      s1 += sc[4 * n + 2] + sc[4 * n + 3];
+    }
+    l0 = l0 * a0 + s0;
+    l1 = l1 * a1 + s1;
+  };
+  auto pack = [&]() {
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      p[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+      p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+    }
+  };
+  auto issuePV = [&](int t) {
+    const int s = t % STAGES;
+    gg_bar_wait(fullV + 8 * s, (t / STAGES) & 1);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+    gg_wgmma_fence();
+    gg_fence_acc(o);
+#pragma unroll
+    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
+    gg_wgmma_commit();
+  };
+  if (nTw > 0) {
+    float a0, a1;
+    issueS(0);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    softmax(0, a0, a1);  // o is still 0: nothing to rescale
+    pack();
+    for (int t = 0; t < nTw; t++) {
+      const bool next = t + 1 < nTw;
+      if (next) issueS(t + 1);
+      issuePV(t);
+      if (next) {
+        gg_wgmma_wait<1>();  // the scores (the older group) are done
+        gg_fence_acc(sc);
+        softmax(t + 1, a0, a1);
+      }
+      gg_wgmma_wait<0>();
+      gg_fence_acc(o);
+      if (lane == 0) gg_bar_arrive(empty + 8 * (t % STAGES));
+      if (next) {
+#pragma unroll
+        for (int i = 0; i < DH / 8; i++) {
+          o[4 * i] *= a0;
+          o[4 * i + 1] *= a0;
+          o[4 * i + 2] *= a1;
+          o[4 * i + 3] *= a1;
+        }
+        pack();
+      }
+    }
+  }
+#else
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
@@ -401,6 +519,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_fence_acc(o);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
   }
+#endif
   // Tiles the block loaded that this warpgroup's queries do not see: let
   // them land, then free them, so the producer's ring turns.
   for (int t = nTw; t < nT; t++) {

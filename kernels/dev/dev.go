@@ -61,6 +61,8 @@ func Sources() []Source {
 				Purpose: "the forward skips o's rescale when no row of the warp moved its maximum"},
 			{Name: "fwd-ilp-skip", Defines: []string{"AH_EXPERIMENT=12"}, Exact: true,
 				Purpose: "fwd-ilp and fwd-skip-rescale together"},
+			{Name: "fwd-pipelined", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
+				Purpose: "the forward issues tile t+1's scores before tile t's P.V and runs t+1's softmax under it (FlashAttention-3's intra-warpgroup overlap)"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
