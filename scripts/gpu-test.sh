@@ -312,7 +312,7 @@ done <"$BIN/packages.txt"
 # it: entries "TESTS:VARIANTS" separated by spaces, TESTS a -test.run
 # regexp of backend/cuda's tests, VARIANTS the MKTRAIN_GG_VARIANTS they
 # get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS).
-PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants|TestAttentionLabForwardOwnLaunch:fwd-persistent,fwd-ilp,fwd-skip-rescale,fwd-ilp-skip,fwd-pipelined TestTPLabFigures:streaming-loads,full-streaming-stores,tp-streaming"
+PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants|TestAttentionLabForwardOwnLaunch:fwd-persistent,fwd-ilp,fwd-skip-rescale,fwd-ilp-skip,fwd-pipelined,fwd-pipelined-pingpong TestTPLabFigures:streaming-loads,full-streaming-stores,tp-streaming"
 labs=${LABS:-}
 [[ "$labs" == pending ]] && labs=$PENDING_LABS
 variants_before=$MKTRAIN_GG_VARIANTS

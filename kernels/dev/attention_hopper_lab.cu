@@ -23,6 +23,9 @@
 //      tile t's P.V, and tile t+1's softmax runs while P.V does (31b6063's
 //      lab, measured slower then; back with NVRTC's log printed, to see
 //      whether ptxas serialised its wgmma instructions).
+//   32 with 16 (fwd-pipelined-pingpong, 48): the two consumers also issue
+//      their products in turns (FlashAttention-3's ping-pong, named
+//      barriers 4 and 5), one turn a key tile of the block each.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -83,6 +86,12 @@
 
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
+#endif
+#if AH_EXPERIMENT & 32
+// ah_turn_take waits for consumer cw's turn (the other consumer's give);
+// ah_turn_give hands the turn to the other consumer.
+__device__ __forceinline__ void ah_turn_take(int cw) { asm volatile("bar.sync %0, 256;" ::"r"(4 + cw) : "memory"); }
+__device__ __forceinline__ void ah_turn_give(int cw) { asm volatile("bar.arrive %0, 256;" ::"r"(5 - cw) : "memory"); }
 #endif
 #if AH_EXPERIMENT & 8
 // ah_all says whether p holds in every lane of the warp.
@@ -370,6 +379,61 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
     gg_wgmma_commit();
   };
+#if AH_EXPERIMENT & 32
+  // FlashAttention-3's ping-pong on top: the two consumers issue their
+  // products in turns (named barriers 4 and 5), so that one's softmax runs
+  // under the other's products. Both take nT + 1 turns (the first scores,
+  // then one a tile of the block, the tiles a consumer does not see
+  // included, which it drains in its turn's place); consumer 1 gives the
+  // first turn and none after its last.
+  if (cw == 1) ah_turn_give(cw);
+  {
+    float a0 = 1.0f, a1 = 1.0f;
+    ah_turn_take(cw);
+    if (nTw > 0) issueS(0);
+    ah_turn_give(cw);
+    if (nTw > 0) {
+      gg_wgmma_wait<0>();
+      gg_fence_acc(sc);
+      softmax(0, a0, a1);  // o is still 0: nothing to rescale
+      pack();
+    }
+    for (int t = 0; t < nT; t++) {
+      const bool mine = t < nTw, next = t + 1 < nTw;
+      ah_turn_take(cw);
+      if (next) issueS(t + 1);
+      if (mine) issuePV(t);
+      if (cw == 0 || t < nT - 1) ah_turn_give(cw);
+      if (!mine) {
+        // A tile this warpgroup's queries do not see: let it land, free it.
+        const int s = t % STAGES;
+        const unsigned ph = (t / STAGES) & 1;
+        gg_bar_wait(fullK + 8 * s, ph);
+        gg_bar_wait(fullV + 8 * s, ph);
+        if (lane == 0) gg_bar_arrive(empty + 8 * s);
+        continue;
+      }
+      if (next) {
+        gg_wgmma_wait<1>();  // the scores (the older group) are done
+        gg_fence_acc(sc);
+        softmax(t + 1, a0, a1);
+      }
+      gg_wgmma_wait<0>();
+      gg_fence_acc(o);
+      if (lane == 0) gg_bar_arrive(empty + 8 * (t % STAGES));
+      if (next) {
+#pragma unroll
+        for (int i = 0; i < DH / 8; i++) {
+          o[4 * i] *= a0;
+          o[4 * i + 1] *= a0;
+          o[4 * i + 2] *= a1;
+          o[4 * i + 3] *= a1;
+        }
+        pack();
+      }
+    }
+  }
+#else
   if (nTw > 0) {
     float a0, a1;
     issueS(0);
@@ -401,6 +465,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
       }
     }
   }
+#endif
 #else
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
@@ -520,6 +585,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
   }
 #endif
+#if (AH_EXPERIMENT & 48) != 48  // the turns drain their own
   // Tiles the block loaded that this warpgroup's queries do not see: let
   // them land, then free them, so the producer's ring turns.
   for (int t = nTw; t < nT; t++) {
@@ -529,6 +595,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(fullV + 8 * s, ph);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
   }
+#endif
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
   l1 += mk_shfl_xor(l1, 1);

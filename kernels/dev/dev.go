@@ -63,6 +63,8 @@ func Sources() []Source {
 				Purpose: "fwd-ilp and fwd-skip-rescale together"},
 			{Name: "fwd-pipelined", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
 				Purpose: "the forward issues tile t+1's scores before tile t's P.V and runs t+1's softmax under it (FlashAttention-3's intra-warpgroup overlap)"},
+			{Name: "fwd-pipelined-pingpong", Defines: []string{"AH_EXPERIMENT=48"}, Exact: true,
+				Purpose: "fwd-pipelined with the consumers issuing their products in turns (FlashAttention-3's ping-pong)"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
