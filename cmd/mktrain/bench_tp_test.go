@@ -346,3 +346,25 @@ func TestTPRowSkippedOverBudget(t *testing.T) {
 		t.Errorf("table does not say the row is skipped:\n%s", out.String())
 	}
 }
+
+// TestTPRowOwnDevices: each rank on a backend of its own, waited for at
+// the end of every step (bench tp --gpus's way, here two CPU backends):
+// every pattern is measured, fused included, and the fused outputs equal
+// the unfused ones.
+func TestTPRowOwnDevices(t *testing.T) {
+	bs := []backend.Backend{cpu.New(backend.Float32), cpu.New(backend.Float32)}
+	s := tpBenchShapes()[2]
+	for _, p := range tpPatterns() {
+		world, err := comm.NewLocal(tensorMesh(2), bs[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		row := newTPRow(s, 2, p, 1)
+		if err := timeTPRow(bs, true, profile.ClockFor(bs[0]), rand.New(rand.NewPCG(5, 6)), world, s, &row, 1); err != nil {
+			t.Fatalf("%s: %v", p, err)
+		}
+		if row.Fused != tpFusedMeasured || row.FusedMS == nil || row.FusedRelL2 == nil || *row.FusedRelL2 > 1e-6 {
+			t.Errorf("%s: fused %q, relative L2 %v; want measured, equal to unfused", p, row.Fused, row.FusedRelL2)
+		}
+	}
+}
