@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"github.com/mktrain/mktrain/backend"
 	"github.com/mktrain/mktrain/backend/cpu"
 	"github.com/mktrain/mktrain/backend/profile"
+	"github.com/mktrain/mktrain/comm"
 )
 
 // attnResult is the part of attention.json the tests read.
@@ -337,6 +339,26 @@ func TestMedianOnClock(t *testing.T) {
 		}
 		if queued && c.outstandingAtRead[0] != 6 || !queued && c.outstandingAtRead[0] != 2 {
 			t.Errorf("queued %v: %d marks were out at the first read", queued, c.outstandingAtRead[0])
+		}
+	}
+}
+
+// TestRingRowOwnDevices: the ring rows with each rank on a backend of its
+// own, waited for at the end of every step (bench attention --gpus's way,
+// here two CPU backends): every mode is measured.
+func TestRingRowOwnDevices(t *testing.T) {
+	b0, b1 := cpu.New(backend.Float32), cpu.New(backend.Float32)
+	place := func(w int) ([]*comm.Ranks, []backend.Backend, func() error, error) {
+		world, err := comm.NewLocal(contextMesh(w), b0)
+		return world, []backend.Backend{b0, b1}, func() error { return nil }, err
+	}
+	row, err := benchRingRow(b0, place, true, profile.ClockFor(b0), rand.New(rand.NewPCG(7, 8)), 2, 8, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, m := range map[string]attnRingMode{"allgather": row.AllGather, "ring": row.Ring, "portable ring": row.RingPortable} {
+		if m.Error != "" || m.FwdMS == nil || m.StepMS == nil {
+			t.Errorf("%s: %+v, want measured", name, m)
 		}
 	}
 }
