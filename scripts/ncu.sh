@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Profiles kernels with Nsight Compute on the device machine, the way
+# docs/performance.md's kernel notes were measured: the GPU clocks left as
+# they are (--clock-control none), the sections that say where a kernel's
+# time goes, a text report under $OUT.
+#
+#   bash scripts/ncu.sh KERNELS COUNT [SKIP] -- COMMAND...
+#
+# KERNELS is a regular expression of kernel names (ncu's regex:), COUNT
+# how many matching launches to profile after skipping SKIP (default 0);
+# COMMAND runs from the repository root, with the bundle of
+# `scripts/gpu-test.sh build` unpacked into .gpu first. A test binary runs
+# from its package's folder, as gpu-test.sh runs it:
+#
+#   bash scripts/ncu.sh 'attn_h_forward_d64$' 1 -- backend/cuda: .gpu/backend_cuda.test -test.run '^TestAttentionFigures$'
+#   bash scripts/ncu.sh tp_gather_nt 1 3 -- .gpu/mktrain bench tp --shapes llama70b --tp 8 --iters 1 --out /tmp/tp
+#
+# A COMMAND that starts with "DIR:" runs from DIR (paths in it stay
+# relative to the repository root). NCU_SECTIONS replaces the sections
+# (none: no section); NCU_METRICS adds --metrics; NCU_TIMEOUT bounds the run (default 300 s).
+# The report is $OUT/ncu-<n>.txt (the first free n); Nsight Compute's
+# kernel replay saves and restores the device memory a kernel may write,
+# so a large workload profiles slowly.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [[ $# -lt 4 ]]; then
+  echo "usage: bash scripts/ncu.sh KERNELS COUNT [SKIP] -- COMMAND..." >&2
+  exit 2
+fi
+kernels=$1 count=$2
+shift 2
+skip=0
+if [[ "$1" != "--" ]]; then
+  skip=$1
+  shift
+fi
+if [[ "${1:-}" != "--" || $# -lt 2 ]]; then
+  echo "ncu.sh: want -- and a command after KERNELS COUNT [SKIP]" >&2
+  exit 2
+fi
+shift
+command -v ncu >/dev/null || { echo "ncu.sh: ncu is not on PATH" >&2; exit 1; }
+[[ -f .gpu/bundle.tgz ]] && { tar xzf .gpu/bundle.tgz -C .gpu || exit 1; }
+export NCCL_NVLS_ENABLE=0
+out=${OUT:-.gpu/out}
+mkdir -p "$out"
+n=1
+while [[ -e "$out/ncu-$n.txt" ]]; do n=$((n + 1)); done
+report="$out/ncu-$n.txt"
+sections=${NCU_SECTIONS:-SpeedOfLight LaunchStats Occupancy ComputeWorkloadAnalysis MemoryWorkloadAnalysis SchedulerStats WarpStateStats SourceCounters}
+args=(--clock-control none --kernel-name "regex:$kernels" --launch-skip "$skip" --launch-count "$count" --print-details all)
+[[ "$sections" == none ]] && sections=
+for s in $sections; do args+=(--section "$s"); done
+[[ -n "${NCU_METRICS:-}" ]] && args+=(--metrics "$NCU_METRICS")
+dir=.
+if [[ "$1" == *: ]]; then
+  dir=${1%:}
+  shift
+fi
+root=$(pwd)
+prog=$1
+shift
+[[ "$prog" == /* ]] || prog="$root/$prog"
+echo "ncu.sh: $kernels ($count after $skip) in: $*" >"$report"
+(cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" "$prog" "$@") >>"$report" 2>&1
+rc=$?
+echo "ncu.sh: exit $rc, report $report"
+grep -E '^  [a-zA-Z_0-9]+ \(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Pipe Tensor Cycles Active|No Eligible|Stall (Long Scoreboard|Wait|Barrier|MIO Throttle)' "$report" | head -n 40
+exit $rc
