@@ -511,6 +511,14 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_MOE:-}" != 1 && -x "$BIN/mktrain" ]]; then
   echo
 fi
 
+# gpu_worlds: the worlds of 2, 4 and 8 GPUs this machine has, as a
+# comma-separated list (the --gpus runs' --tp and --ring-world).
+gpu_worlds() {
+  local ws=2 w
+  for w in 4 8; do [[ $w -le ${NGPU:-0} ]] && ws+=",$w"; done
+  echo "$ws"
+}
+
 # bench_kernels NAME TIMEOUT ARGS...: one `mktrain bench kernels` run (the
 # fused MoE layer against the unfused one and the grouped products alone),
 # its log and JSON under $LOGS/NAME, the JSON copied to $OUT/NAME.json.
@@ -537,8 +545,7 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_KERNELS:-}" != 1 && -x "$BIN/mktrain" ]]; th
   echo "== mktrain bench kernels (fused vs unfused MoE layer)"
   bench_kernels kernels 300 --world 1,2,4,8
     if [[ "${NGPU:-0}" -ge 2 ]]; then
-    worlds=1
-    for w in 2 4 8; do [[ $w -le $NGPU ]] && worlds+=",$w"; done
+    worlds=1,$(gpu_worlds)
     echo "== mktrain bench kernels --gpus (world $worlds, one rank per GPU)"
     bench_kernels kernels-gpus 400 --gpus --world "$worlds"
   fi
@@ -564,8 +571,7 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_ATTENTION:-}" != 1 && -x "$BIN/mktrain" ]]; 
   # peers' k and v over NVLink; the core row on GPU 0):
   # attention-gpus.json.
   if [[ "${NGPU:-0}" -ge 2 ]]; then
-    ws=2
-    for w in 4 8; do [[ $w -le $NGPU ]] && ws+=",$w"; done
+    ws=$(gpu_worlds)
     echo "== mktrain bench attention --gpus (ring at W $ws, one rank per GPU)"
     mkdir -p "$LOGS/attention-gpus"
     timeout 420 "$BIN/mktrain" bench attention --backend cuda --gpus --shapes moe-small --ring-world "$ws" \
@@ -594,8 +600,7 @@ if [[ "${NO_BENCH:-}" != 1 && "${NO_TP:-}" != 1 && -x "$BIN/mktrain" ]]; then
   # groups with peer access, the fused kernels reaching the peers' rows
   # over NVLink): tp-gpus.json.
   if [[ "${NGPU:-0}" -ge 2 ]]; then
-    tps=2
-    for w in 4 8; do [[ $w -le $NGPU ]] && tps+=",$w"; done
+    tps=$(gpu_worlds)
     echo "== mktrain bench tp --gpus (tp $tps, one rank per GPU)"
     mkdir -p "$LOGS/tp-gpus"
     timeout 420 "$BIN/mktrain" bench tp --backend cuda --gpus --tp "$tps" --iters 5 --out "$LOGS/tp-gpus" >"$LOGS/tp-gpus.log" 2>&1

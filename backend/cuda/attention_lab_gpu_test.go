@@ -133,20 +133,29 @@ func TestAttentionLabVariants(t *testing.T) {
 	}
 }
 
+// ownLaunchVariants is the attention lab and its named exact variants
+// that own selects; the test is skipped when there are none (saying the
+// variant it wanted: one that what) or the Hopper kernels do not run on d.
+func ownLaunchVariants(t *testing.T, d *Device, own func(name string) bool, what string) (dev.Source, []dev.Variant) {
+	t.Helper()
+	lab, vs := labVariants(t, "attention_hopper_lab.cu", true)
+	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { return !own(v.Name) })
+	if len(vs) == 0 {
+		t.Skipf("%s names no variant of %s that %s", labVariantsEnv, lab.File, what)
+	}
+	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
+		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
+	}
+	return lab, vs
+}
+
 // TestAttentionLabOwnLaunch runs each named variant of ownLaunch against
 // the CPU reference, twice on each shape (the same bits required where
 // the variant promises them), then times it beside the production
 // backward at moe-small's shape (and at head dim 128 where it has one).
 func TestAttentionLabOwnLaunch(t *testing.T) {
 	d := testDevice(t)
-	lab, vs := labVariants(t, "attention_hopper_lab.cu", true)
-	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { _, own := ownLaunch[v.Name]; return !own })
-	if len(vs) == 0 {
-		t.Skipf("%s names no variant of %s that launches on its own", labVariantsEnv, lab.File)
-	}
-	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
-		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
-	}
+	lab, vs := ownLaunchVariants(t, d, func(name string) bool { _, own := ownLaunch[name]; return own }, "launches on its own")
 	for _, v := range vs {
 		t.Run(v.Name, func(t *testing.T) { runOwnLaunch(t, d, lab, v, ownLaunch[v.Name]) })
 	}
@@ -296,14 +305,7 @@ func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how la
 // then both timed at bench attention's shapes and at 4,096 tokens.
 func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 	d := testDevice(t)
-	lab, vs := labVariants(t, "attention_hopper_lab.cu", true)
-	vs = slices.DeleteFunc(vs, func(v dev.Variant) bool { _, own := ownForwardLaunch[v.Name]; return !own })
-	if len(vs) == 0 {
-		t.Skipf("%s names no variant of %s that adds forward kernels", labVariantsEnv, lab.File)
-	}
-	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 64}) {
-		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
-	}
+	lab, vs := ownLaunchVariants(t, d, func(name string) bool { _, own := ownForwardLaunch[name]; return own }, "adds forward kernels")
 	for _, v := range vs {
 		t.Run(v.Name, func(t *testing.T) {
 			kerns := labKernels(t, d, lab, v, ownForwardLaunch[v.Name], []int{64, 128})

@@ -437,13 +437,16 @@ const tpChunkLen = 1<<20 - 3
 // fused patterns, checking the fused outputs against the unfused ones.
 func timeTPRow(bs []backend.Backend, ownDevices bool, clock profile.Clock, rng *rand.Rand, world []*comm.Ranks, s tpBenchShape, row *tpBenchRow, iters int) error {
 	layout, _ := s.layout(row.Pattern, row.TP)
-	// Each rank's tensors are copies of a random chunk on its backend:
-	// a cheap random fill of large ones.
-	chunks := make([]backend.Tensor, row.TP)
-	for r, b := range bs {
-		chunks[r] = randFill(b, rng, tpChunkLen)
+	// Each rank's tensors are copies of a random chunk on its backend
+	// (one a backend: virtual ranks share it): a cheap random fill of
+	// large ones.
+	chunks := map[backend.Backend]backend.Tensor{}
+	for _, b := range bs {
+		if chunks[b] == nil {
+			chunks[b] = randFill(b, rng, tpChunkLen)
+		}
 	}
-	fill := func(r int, t backend.Tensor) { fillFromChunk(bs[r], t, chunks[r], rng.IntN(tpChunkLen)) }
+	fill := func(r int, t backend.Tensor) { fillFromChunk(bs[r], t, chunks[bs[r]], rng.IntN(tpChunkLen)) }
 	ranks := make([]*tpRank, row.TP)
 	for r := range ranks {
 		b := bs[r]
@@ -459,7 +462,7 @@ func timeTPRow(bs []backend.Backend, ownDevices bool, clock profile.Clock, rng *
 		ranks[r] = newTPRank(b, world[r], row.Pattern, in, outs)
 		ranks[r].ownDevice = ownDevices
 	}
-	for _, b := range bs {
+	for b := range chunks {
 		if err := b.Sync(); err != nil {
 			return err
 		}
