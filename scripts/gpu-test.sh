@@ -311,12 +311,15 @@ done <"$BIN/packages.txt"
 # or hangs (bounded by LAB_TIMEOUT, default 300s) takes no other lab with
 # it: entries "TESTS:VARIANTS" separated by spaces, TESTS a -test.run
 # regexp of backend/cuda's tests, VARIANTS the MKTRAIN_GG_VARIANTS they
-# get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS).
-# fwd-pipelined-pingpong last and alone: a mistake in its turns would hang
-# its process until LAB_TIMEOUT.
-PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants|TestAttentionLabForwardOwnLaunch:fwd-persistent,fwd-ilp,fwd-skip-rescale,fwd-ilp-skip,fwd-pipelined TestTPLabFigures:streaming-loads,full-streaming-stores,tp-streaming TestAttentionLabVariants:fwd-pipelined-pingpong"
+# get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS, empty
+# when none is). A lab that might hang goes last and alone: it holds its
+# process until LAB_TIMEOUT.
+PENDING_LABS=""
 labs=${LABS:-}
-[[ "$labs" == pending ]] && labs=$PENDING_LABS
+if [[ "$labs" == pending ]]; then
+  labs=$PENDING_LABS
+  [[ -z "${labs//[[:space:]]/}" ]] && echo "LABS=pending: no lab is waiting for a GPU (PENDING_LABS is empty); none run"
+fi
 variants_before=$MKTRAIN_GG_VARIANTS
 for lab in $labs; do
   tests=${lab%%:*}

@@ -8,13 +8,11 @@ package cuda
 
 import (
 	"fmt"
-	"math"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cuda/driver"
 	"github.com/mktrain/mktrain/kernels"
 	"github.com/mktrain/mktrain/kernels/dev"
 )
@@ -64,20 +62,10 @@ var ownLaunch = map[string]labBackwardLaunch{
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
 }
 
-// ownForwardLaunch names the variants that add forward kernels of their
-// own, %d the head dim: TestAttentionLabForwardOwnLaunch runs them.
-var ownForwardLaunch = map[string]string{
-	// attn_h_forward_persistent_d{64,128}: attn_h_forward's arguments and
-	// then the number of (sequence, head) pairs; one block an SM, a second
-	// q tile of shared memory.
-	"fwd-persistent": "attn_h_forward_persistent_d%d",
-}
-
 // ownsLaunch says whether variant v launches kernels of its own.
 func ownsLaunch(v dev.Variant) bool {
-	_, bwd := ownLaunch[v.Name]
-	_, fwd := ownForwardLaunch[v.Name]
-	return bwd || fwd
+	_, own := ownLaunch[v.Name]
+	return own
 }
 
 // labBackwardLaunch is how a lab build's backward kernels launch.
@@ -295,95 +283,5 @@ func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how la
 		name := fmt.Sprintf("B%d S%d H%d KV%d Dh%d", s.Batch, s.Seq, H, KV, Dh)
 		figure(t, "attention hopper bwd "+name+" rate", flops/prodMs/1e9, "TFLOP/s")
 		figure(t, "attention hopper "+v.Name+" bwd "+name+" rate", flops/labMs/1e9, "TFLOP/s")
-	}
-}
-
-// TestAttentionLabForwardOwnLaunch runs each named variant of
-// ownForwardLaunch beside the production forward on bf16 q, k and v: the
-// same out and lse bits on shapes with tails, offsets, GQA and both head
-// dims (each (pair, q tile) item is the production block's arithmetic),
-// then both timed at bench attention's shapes and at 4,096 tokens.
-func TestAttentionLabForwardOwnLaunch(t *testing.T) {
-	d := testDevice(t)
-	lab, vs := ownLaunchVariants(t, d, func(name string) bool { _, own := ownForwardLaunch[name]; return own }, "adds forward kernels")
-	for _, v := range vs {
-		t.Run(v.Name, func(t *testing.T) {
-			kerns := labKernels(t, d, lab, v, ownForwardLaunch[v.Name], []int{64, 128})
-			// One block an SM (or an item), a second q tile beside the ring.
-			labForward := func(out, lse, q, kk, vv *Buffer, s backend.AttnShape) error {
-				pairs, items := s.Batch*s.Heads, (s.Seq+hopperAttnBM-1)/hopperAttnBM
-				grid := Grid{
-					Grid:   driver.Dim3{X: min(d.info.SMs, pairs*items), Y: 1, Z: 1},
-					Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
-					Shared: hopperAttnSmem(s.HeadDim) + s.HeadDim/64*hopperAttnBM*128 + 3*8,
-				}
-				return launchHopperAttnForwardOn(d, kerns[s.HeadDim], grid, out.Ptr(), lse.Ptr(), q.Ptr(), kk.Ptr(), vv.Ptr(), s, 0, uint64(uint32(pairs)))
-			}
-			checked := []backend.AttnShape{
-				{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},
-				{Batch: 1, Seq: 300, Heads: 8, KVHeads: 2, HeadDim: 64},
-				{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 300, QOffset: 150},
-				{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 200, Full: true},
-				{Batch: 2, Seq: 129, Heads: 6, KVHeads: 6, HeadDim: 128},
-				{Batch: 2, Seq: 300, Heads: 4, KVHeads: 2, HeadDim: 128, KVSeq: 700, QOffset: 333},
-				{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},  // more items than SMs, all at once
-				{Batch: 1, Seq: 4033, Heads: 12, KVHeads: 6, HeadDim: 128}, // in bands of 4 pairs
-			}
-			timed := map[int]bool{6: true}
-			for n, s := range append(checked,
-				backend.AttnShape{Batch: 4, Seq: 4096, Heads: 16, KVHeads: 4, HeadDim: 128},
-				backend.AttnShape{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128}) {
-				if n >= len(checked) {
-					timed[n] = true
-				}
-				t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d_KVS%d_Off%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim, s.Keys(), s.QOffset), func(t *testing.T) {
-					k := newKT(t, uint64(120+n))
-					T, TK, H, KV, Dh := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads, s.KVHeads, s.HeadDim
-					nq, nk, nl := T*H*Dh, TK*KV*Dh, s.Batch*H*s.Seq
-					q, kk, vv := k.buf(k.randn(nq, 1.5), true), k.buf(k.randn(nk, 1.5), true), k.buf(k.randn(nk, 1), true)
-					prodOut, prodLse, labOut, labLse := k.poisoned(nq), k.poisoned(nl), k.poisoned(nq), k.poisoned(nl)
-					prod := func() error {
-						return launchHopperAttnForward(d, prodOut.Ptr(), prodLse.Ptr(), q.Ptr(), kk.Ptr(), vv.Ptr(), s, false, 0)
-					}
-					if err := prod(); err != nil {
-						t.Fatal(err)
-					}
-					if err := labForward(labOut, labLse, q, kk, vv, s); err != nil {
-						t.Fatal(err)
-					}
-					for _, c := range []struct {
-						name      string
-						got, want *Buffer
-						n         int
-					}{{"out", labOut, prodOut, nq}, {"lse", labLse, prodLse, nl}} {
-						got, want := k.download(c.got, c.n), k.download(c.want, c.n)
-						if i := slices.IndexFunc(got, func(x float32) bool { return math.IsNaN(float64(x)) }); i >= 0 {
-							t.Fatalf("%s[%d] is NaN: an element no block wrote", c.name, i)
-						}
-						if !slices.Equal(got, want) {
-							t.Errorf("%s differs from the production forward's", c.name)
-						}
-					}
-					if !timed[n] || t.Failed() {
-						return
-					}
-					flops := 4 * float64(s.Batch*H*Dh) * float64(s.Seq) * float64(s.Keys()) / 2
-					name := fmt.Sprintf("attention hopper %s fwd B%d S%d H%d KV%d Dh%d", v.Name, s.Batch, s.Seq, H, KV, Dh)
-					sync := func(f func() error) func() error {
-						return func() error {
-							if err := f(); err != nil {
-								return err
-							}
-							return d.Sync()
-						}
-					}
-					prodMs := attnMedianMs(t, d, sync(prod))
-					labMs := attnMedianMs(t, d, sync(func() error { return labForward(labOut, labLse, q, kk, vv, s) }))
-					figure(t, name+" production rate", flops/prodMs/1e9, "TFLOP/s")
-					figure(t, name+" rate", flops/labMs/1e9, "TFLOP/s")
-					figure(t, name+" over production", prodMs/labMs, "x")
-				})
-			}
-		})
 	}
 }

@@ -5,27 +5,6 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  attn_h_forward_persistent_d{64,128}: ah_forward as a persistent
-//      kernel, one block an SM walking the launch order's (pair, q tile)
-//      items lin = blockIdx.x, + gridDim.x, ... (band as ah_band; pairs
-//      one more argument), q double-buffered, the k/v ring running on
-//      from one item to the next: the next item's q and first tiles load
-//      under this one's last tiles and output stores, where a grid of
-//      one block an item pays each block's start and end. Launched by
-//      TestAttentionLabForwardOwnLaunch.
-//   4  fwd-ilp: ah_forward's row maxima in four independent chains and a
-//      tree, its row sums in four partial sums (the softmax's dependent
-//      chains a quarter as long; the sums round in another order).
-//   8  fwd-skip-rescale: ah_forward skips o's rescale when no row of the
-//      warp moved its maximum (a warp vote; the same bits).
-//   16 fwd-pipelined: ah_forward pipelines inside each consumer
-//      warpgroup (FlashAttention-3): tile t+1's scores are issued before
-//      tile t's P.V, and tile t+1's softmax runs while P.V does (31b6063's
-//      lab, measured slower then; back with NVRTC's log printed, to see
-//      whether ptxas serialised its wgmma instructions).
-//   32 with 16 (fwd-pipelined-pingpong, 48): the two consumers also issue
-//      their products in turns (FlashAttention-3's ping-pong, named
-//      barriers 4 and 5), one turn a key tile of the block each.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -86,22 +65,6 @@
 
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
-#endif
-#if AH_EXPERIMENT & 32
-// ah_turn_take waits for consumer cw's turn (the other consumer's give);
-// ah_turn_give hands the turn to the other consumer.
-__device__ __forceinline__ void ah_turn_take(int cw) { asm volatile("bar.sync %0, 256;" ::"r"(4 + cw) : "memory"); }
-__device__ __forceinline__ void ah_turn_give(int cw) { asm volatile("bar.arrive %0, 256;" ::"r"(5 - cw) : "memory"); }
-#endif
-#if AH_EXPERIMENT & 8
-// ah_all says whether p holds in every lane of the warp.
-__device__ __forceinline__ bool ah_all(bool p) {
-  unsigned r;
-  asm volatile("{\n\t.reg .pred q, a;\n\tsetp.ne.u32 q, %1, 0;\n\tvote.sync.all.pred a, q, 0xffffffff;\n\tselp.u32 %0, 1, 0, a;\n\t}"
-               : "=r"(r)
-               : "r"((unsigned)p));
-  return r != 0;
-}
 #endif
 #define AH_BM 128  // queries per block
 #define AH_BN 128  // keys per tile
@@ -229,7 +192,6 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-
 template <int DH, typename Out>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                            float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
@@ -298,175 +260,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-#if AH_EXPERIMENT & 16
-  // FlashAttention-3's pipelining inside a warpgroup: tile t+1's scores
-  // and tile t's P.V are in flight together, and tile t+1's softmax runs
-  // under P.V (the older group, S, is waited for first).
-  float sc[64];
-  unsigned p[8][4];
-  auto issueS = [&](int t) {
-    const int s = t % STAGES;
-    gg_bar_wait(fullK + 8 * s, (t / STAGES) & 1);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dk = gg_desc(ks + s * TILE);
-    gg_wgmma_fence();
-    gg_fence_acc(sc);
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-  };
-  // softmax turns tile t's scores in sc into P (float32, in place), moves
-  // the row maxima and sums on, and gives the rescale of what came before.
-  auto softmax = [&](int t, float& a0, float& a1) {
-    const int j0 = t * AH_BN;
-    if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
-      const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
-#pragma unroll
-      for (int n = 0; n < 16; n++) {
-        const int j = j0 + 8 * n + 2 * t4;
-        if (j > lim0) sc[4 * n] = ah_neg_inf();
-        if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
-        if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
-        if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
-      }
-    }
-    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-    a0 = ah_ex2(m0 - n0);
-    a1 = ah_ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      sc[4 * n] = ah_ex2(sc[4 * n] * scaleLog2 - n0);
-      sc[4 * n + 1] = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-      sc[4 * n + 2] = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1);
-      sc[4 * n + 3] = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-      s0 += sc[4 * n] + sc[4 * n + 1];
-      s1 += sc[4 * n + 2] + sc[4 * n + 3];
-    }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
-  };
-  auto pack = [&]() {
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      p[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-      p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-    }
-  };
-  auto issuePV = [&](int t) {
-    const int s = t % STAGES;
-    gg_bar_wait(fullV + 8 * s, (t / STAGES) & 1);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-    gg_wgmma_fence();
-    gg_fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
-    gg_wgmma_commit();
-  };
-#if AH_EXPERIMENT & 32
-  // FlashAttention-3's ping-pong on top: the two consumers issue their
-  // products in turns (named barriers 4 and 5), so that one's softmax runs
-  // under the other's products. Both take nT + 1 turns (the first scores,
-  // then one a tile of the block, the tiles a consumer does not see
-  // included, which it drains in its turn's place); consumer 1 gives the
-  // first turn and none after its last.
-  if (cw == 1) ah_turn_give(cw);
-  {
-    float a0 = 1.0f, a1 = 1.0f;
-    ah_turn_take(cw);
-    if (nTw > 0) issueS(0);
-    ah_turn_give(cw);
-    if (nTw > 0) {
-      gg_wgmma_wait<0>();
-      gg_fence_acc(sc);
-      softmax(0, a0, a1);  // o is still 0: nothing to rescale
-      pack();
-    }
-    for (int t = 0; t < nT; t++) {
-      const bool mine = t < nTw, next = t + 1 < nTw;
-      ah_turn_take(cw);
-      if (next) issueS(t + 1);
-      if (mine) issuePV(t);
-      if (cw == 0 || t < nT - 1) ah_turn_give(cw);
-      if (!mine) {
-        // A tile this warpgroup's queries do not see: let it land, free it.
-        const int s = t % STAGES;
-        const unsigned ph = (t / STAGES) & 1;
-        gg_bar_wait(fullK + 8 * s, ph);
-        gg_bar_wait(fullV + 8 * s, ph);
-        if (lane == 0) gg_bar_arrive(empty + 8 * s);
-        continue;
-      }
-      if (next) {
-        gg_wgmma_wait<1>();  // the scores (the older group) are done
-        gg_fence_acc(sc);
-        softmax(t + 1, a0, a1);
-      }
-      gg_wgmma_wait<0>();
-      gg_fence_acc(o);
-      if (lane == 0) gg_bar_arrive(empty + 8 * (t % STAGES));
-      if (next) {
-#pragma unroll
-        for (int i = 0; i < DH / 8; i++) {
-          o[4 * i] *= a0;
-          o[4 * i + 1] *= a0;
-          o[4 * i + 2] *= a1;
-          o[4 * i + 3] *= a1;
-        }
-        pack();
-      }
-    }
-  }
-#else
-  if (nTw > 0) {
-    float a0, a1;
-    issueS(0);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    softmax(0, a0, a1);  // o is still 0: nothing to rescale
-    pack();
-    for (int t = 0; t < nTw; t++) {
-      const bool next = t + 1 < nTw;
-      if (next) issueS(t + 1);
-      issuePV(t);
-      if (next) {
-        gg_wgmma_wait<1>();  // the scores (the older group) are done
-        gg_fence_acc(sc);
-        softmax(t + 1, a0, a1);
-      }
-      gg_wgmma_wait<0>();
-      gg_fence_acc(o);
-      if (lane == 0) gg_bar_arrive(empty + 8 * (t % STAGES));
-      if (next) {
-#pragma unroll
-        for (int i = 0; i < DH / 8; i++) {
-          o[4 * i] *= a0;
-          o[4 * i + 1] *= a0;
-          o[4 * i + 2] *= a1;
-          o[4 * i + 3] *= a1;
-        }
-        pack();
-      }
-    }
-  }
-#endif
-#else
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
@@ -498,29 +291,12 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     }
     // Online softmax: new row maxima (base 2, scaled), the rescale of what
     // came before, and P = 2^(s*scale - max).
-#if AH_EXPERIMENT & 4
-    // Four independent chains a row, then a tree: the same maxima.
-    float mxa[4], mxb[4];
-#pragma unroll
-    for (int n = 0; n < 4; n++) {
-      mxa[n] = fmaxf(sc[4 * n], sc[4 * n + 1]);
-      mxb[n] = fmaxf(sc[4 * n + 2], sc[4 * n + 3]);
-    }
-#pragma unroll
-    for (int n = 4; n < 16; n++) {
-      mxa[n & 3] = fmaxf(mxa[n & 3], fmaxf(sc[4 * n], sc[4 * n + 1]));
-      mxb[n & 3] = fmaxf(mxb[n & 3], fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-    }
-    float mx0 = fmaxf(fmaxf(mxa[0], mxa[1]), fmaxf(mxa[2], mxa[3]));
-    float mx1 = fmaxf(fmaxf(mxb[0], mxb[1]), fmaxf(mxb[2], mxb[3]));
-#else
     float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
 #pragma unroll
     for (int n = 0; n < 16; n++) {
       mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
       mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
     }
-#endif
     mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
     mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
     mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
@@ -533,38 +309,20 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     m0 = n0;
     m1 = n1;
     float s0 = 0.0f, s1 = 0.0f;
-#if AH_EXPERIMENT & 4
-    // Four partial sums a row (another rounding order than production's).
-    float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#endif
     unsigned p[8][4];
 #pragma unroll
     for (int n = 0; n < 16; n++) {
       const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
       const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-#if AH_EXPERIMENT & 4
-      sa[n & 3] += e0 + e1;
-      sb[n & 3] += e2 + e3;
-#else
       s0 += e0 + e1;
       s1 += e2 + e3;
-#endif
       // n8 block n is k columns 8(n%2).. of the k16 chunk n/2: registers
       // 0, 1 (rows g, g+8) for the first half, 2, 3 for the second.
       p[n >> 1][2 * (n & 1)] = gg_pack_bf16(e0, e1);
       p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(e2, e3);
     }
-#if AH_EXPERIMENT & 4
-    s0 = (sa[0] + sa[1]) + (sa[2] + sa[3]);
-    s1 = (sb[0] + sb[1]) + (sb[2] + sb[3]);
-#endif
     l0 = l0 * a0 + s0;
     l1 = l1 * a1 + s1;
-#if AH_EXPERIMENT & 8
-    // No row of the warp moved its maximum (a0 = a1 = 1 everywhere): o
-    // times 1 is o, so the rescale is skipped (the same bits).
-    if (!ah_all(a0 == 1.0f && a1 == 1.0f))
-#endif
 #pragma unroll
     for (int i = 0; i < DH / 8; i++) {
       o[4 * i] *= a0;
@@ -584,8 +342,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_fence_acc(o);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
   }
-#endif
-#if (AH_EXPERIMENT & 48) != 48  // the turns drain their own
   // Tiles the block loaded that this warpgroup's queries do not see: let
   // them land, then free them, so the producer's ring turns.
   for (int t = nTw; t < nT; t++) {
@@ -595,7 +351,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(fullV + 8 * s, ph);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
   }
-#endif
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
   l1 += mk_shfl_xor(l1, 1);
@@ -839,211 +594,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64_bf16(con
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
   ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
-
-#if AH_EXPERIMENT & 2
-// ah_band_of is ah_band for launch position lin of pairs x items.
-__device__ __forceinline__ void ah_band_of(int band, int pairs, int items, int lin, int& pair, int& item) {
-  const int first = lin / (band * items) * band;
-  const int inBand = gg_min(band, pairs - first), r = lin - first * items;
-  pair = first + r % inBand;
-  item = r / inBand;
-}
-
-template <int DH, typename Out>
-__device__ __forceinline__ void ah_forward_persistent(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV,
-                                                      Out* out, float* lse, int S, int KS, int off, int H, int KV,
-                                                      float scaleLog2, int band, int pairs) {
-  constexpr int STAGES = ah_cfg<DH>::STAGES;
-  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  // Two q tiles, then the ring's k and v tiles.
-  const unsigned qs = base, ks = base + 2 * TILE, vs = base + (2 + STAGES) * TILE;
-  // mbarriers: fullQ[2], emptyQ[2], fullK[STAGES], fullV[STAGES], empty[STAGES].
-  const unsigned fullQ = base + (2 + 2 * STAGES) * TILE, emptyQ = fullQ + 16, fullK = emptyQ + 16,
-                 fullV = fullK + 8 * STAGES, empty = fullV + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int nQT = (S + AH_BM - 1) / AH_BM, total = pairs * nQT;
-  if (tid == 0) {
-    for (int i = 0; i < 2; i++) {
-      gg_bar_init(fullQ + 8 * i, 1);
-      gg_bar_init(emptyQ + 8 * i, 8);  // one arrival per consumer warp
-    }
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
-    if (tid != 0) return;
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapK);
-    gg_prefetch_tmap(mapV);
-    int t = 0;  // key tiles loaded so far, over every item: the ring's position
-    for (int lin = blockIdx.x, n = 0; lin < total; lin += gridDim.x, n++) {
-      int bh, ty;
-      ah_band_of(band, pairs, nQT, lin, bh, ty);
-      const int b = bh / H, h = bh % H, kvh = h / (H / KV);
-      const int i0 = (nQT - 1 - ty) * AH_BM, lastRow = gg_min(S - 1, i0 + AH_BM - 1);
-      const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;
-      const int slot = n & 1;
-      gg_bar_wait(emptyQ + 8 * slot, ((n >> 1) & 1) ^ 1);
-      gg_bar_expect_tx(fullQ + 8 * slot, TILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++)
-        gg_tma_2d(qs + slot * TILE + c * BOX, mapQ, h * DH + 64 * c, b * S + i0, fullQ + 8 * slot);
-      for (int j = 0; j < nT; j++, t++) {
-        const int s = t % STAGES;
-        const unsigned ph = (t / STAGES) & 1;
-        gg_bar_wait(empty + 8 * s, ph ^ 1);
-        const int row = b * KS + j * AH_BN;
-        gg_bar_expect_tx(fullK + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
-        gg_bar_expect_tx(fullV + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
-      }
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
-  int t = 0;
-  for (int lin = blockIdx.x, n = 0; lin < total; lin += gridDim.x, n++) {
-    int bh, ty;
-    ah_band_of(band, pairs, nQT, lin, bh, ty);
-    const int b = bh / H, h = bh % H;
-    const int i0 = (nQT - 1 - ty) * AH_BM, lastRow = gg_min(S - 1, i0 + AH_BM - 1);
-    const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;
-    const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
-    const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
-    const int slot = n & 1;
-    float o[DH / 2];
-#pragma unroll
-    for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
-    float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
-    gg_bar_wait(fullQ + 8 * slot, (n >> 1) & 1);
-    const unsigned long long dq = gg_desc(qs + slot * TILE + cw * 64 * 128);
-    for (int j = 0; j < nTw; j++, t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      float sc[64];
-      gg_bar_wait(fullK + 8 * s, ph);
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      const unsigned long long dk = gg_desc(ks + s * TILE);
-      gg_wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DH / 16; kk++) {
-        const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-        gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-      }
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(sc);
-      const int j0 = j * AH_BN;
-      if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
-        const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
-#pragma unroll
-        for (int nn = 0; nn < 16; nn++) {
-          const int jj = j0 + 8 * nn + 2 * t4;
-          if (jj > lim0) sc[4 * nn] = ah_neg_inf();
-          if (jj + 1 > lim0) sc[4 * nn + 1] = ah_neg_inf();
-          if (jj > lim1) sc[4 * nn + 2] = ah_neg_inf();
-          if (jj + 1 > lim1) sc[4 * nn + 3] = ah_neg_inf();
-        }
-      }
-      float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-      for (int nn = 0; nn < 16; nn++) {
-        mx0 = fmaxf(mx0, fmaxf(sc[4 * nn], sc[4 * nn + 1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[4 * nn + 2], sc[4 * nn + 3]));
-      }
-      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-      const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-      const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-      m0 = n0;
-      m1 = n1;
-      float s0 = 0.0f, s1 = 0.0f;
-      unsigned p[8][4];
-#pragma unroll
-      for (int nn = 0; nn < 16; nn++) {
-        const float e0 = ah_ex2(sc[4 * nn] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * nn + 1] * scaleLog2 - n0);
-        const float e2 = ah_ex2(sc[4 * nn + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * nn + 3] * scaleLog2 - n1);
-        s0 += e0 + e1;
-        s1 += e2 + e3;
-        p[nn >> 1][2 * (nn & 1)] = gg_pack_bf16(e0, e1);
-        p[nn >> 1][2 * (nn & 1) + 1] = gg_pack_bf16(e2, e3);
-      }
-      l0 = l0 * a0 + s0;
-      l1 = l1 * a1 + s1;
-#pragma unroll
-      for (int i = 0; i < DH / 8; i++) {
-        o[4 * i] *= a0;
-        o[4 * i + 1] *= a0;
-        o[4 * i + 2] *= a1;
-        o[4 * i + 3] *= a1;
-      }
-      gg_bar_wait(fullV + 8 * s, ph);
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-      gg_wgmma_fence();
-      gg_fence_acc(o);
-#pragma unroll
-      for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(o);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    }
-    // q is read by this item's products alone, all waited for: its slot
-    // is free for the item after next.
-    if (lane == 0) gg_bar_arrive(emptyQ + 8 * slot);
-    for (int j = nTw; j < nT; j++, t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      gg_bar_wait(fullK + 8 * s, ph);
-      gg_bar_wait(fullV + 8 * s, ph);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    }
-    l0 += mk_shfl_xor(l0, 1);
-    l0 += mk_shfl_xor(l0, 2);
-    l1 += mk_shfl_xor(l1, 1);
-    l1 += mk_shfl_xor(l1, 2);
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-    const int HD = H * DH;
-    Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-    Out* o1 = o0 + 8LL * HD;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-      if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-    }
-    if (t4 == 0) {
-      float* lrow = lse + ((long long)b * H + h) * S;
-      if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-      if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-    }
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_persistent_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward_persistent<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_persistent_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward_persistent<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
-}
-#endif
 
 // ---- backward ----
 //

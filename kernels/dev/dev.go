@@ -36,7 +36,7 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd-ordered, fwd-persistent).
+// test of its own launches (bwd-ordered).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -53,18 +53,6 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "adds attn_h_forward_persistent_d{64,128}: the forward as a persistent kernel, one block an SM, q double-buffered, the next item's loads under this one's last tiles; launched by TestAttentionLabForwardOwnLaunch"},
-			{Name: "fwd-ilp", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the forward's row maxima and sums in four independent chains (shorter dependency chains in the softmax)"},
-			{Name: "fwd-skip-rescale", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
-				Purpose: "the forward skips o's rescale when no row of the warp moved its maximum"},
-			{Name: "fwd-ilp-skip", Defines: []string{"AH_EXPERIMENT=12"}, Exact: true,
-				Purpose: "fwd-ilp and fwd-skip-rescale together"},
-			{Name: "fwd-pipelined", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
-				Purpose: "the forward issues tile t+1's scores before tile t's P.V and runs t+1's softmax under it (FlashAttention-3's intra-warpgroup overlap)"},
-			{Name: "fwd-pipelined-pingpong", Defines: []string{"AH_EXPERIMENT=48"}, Exact: true,
-				Purpose: "fwd-pipelined with the consumers issuing their products in turns (FlashAttention-3's ping-pong)"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
@@ -74,10 +62,6 @@ func Sources() []Source {
 				Purpose: "the gather loads its rows and stores none"},
 			{Name: "streaming-loads", Defines: []string{"GG_EXPERIMENT=4"}, Exact: true,
 				Purpose: "the gather's loads cache-streaming (ld.global.cs: evicted first)"},
-			{Name: "full-streaming-stores", Defines: []string{"GG_EXPERIMENT=64"}, Exact: true,
-				Purpose: "tensor parallelism's kept float32 rows stored cache-streaming (st.global.cs), leaving L2 to the weight"},
-			{Name: "tp-streaming", Defines: []string{"GG_EXPERIMENT=68"}, Exact: true,
-				Purpose: "streaming-loads and full-streaming-stores together"},
 			{Name: "no-gather-fences", Defines: []string{"GG_EXPERIMENT=16"},
 				Purpose: "no fences before a chunk's flag is raised"},
 			// What each part of the kernels costs (GG_MODE bits; the

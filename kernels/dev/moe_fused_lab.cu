@@ -18,9 +18,6 @@
 //   2  the rows loaded, none stored (timing only)
 //   4  loads cache-streaming (ld.global.cs: evicted first)
 //   16 no fences before a chunk's flag (timing only)
-//   64 tensor parallelism's kept float32 rows (xFull) stored
-//      cache-streaming (st.global.cs: evicted first), so that the 2 GiB a
-//      rank writes and this kernel never reads leave L2 to the weight
 // GG_MODE: what each part of the kernels costs (timing only)
 //   1   no gather and no tile waits (both dispatches: the products run on
 //       whatever xRD holds)
@@ -51,7 +48,6 @@
 #define GG_EX_NO_STORES 2
 #define GG_EX_STREAMING 4
 #define GG_EX_NO_FENCES 16
-#define GG_EX_FULL_STREAMING 64
 
 #ifndef GG_MODE
 #define GG_MODE 0
@@ -62,12 +58,6 @@
 #define GG_GATHER_LD "ld.global.cs.v4.f32"
 #else
 #define GG_GATHER_LD "ld.global.v4.f32"
-#endif
-// The kept float32 rows' store (GG_EX_FULL_STREAMING: evicted first).
-#if (GG_EXPERIMENT & GG_EX_FULL_STREAMING) != 0
-#define GG_FULL_ST "st.global.cs.v4.f32"
-#else
-#define GG_FULL_ST "st.global.v4.f32"
 #endif
 
 #define GG_CHUNKS 8
@@ -175,10 +165,10 @@ __device__ __forceinline__ void gg_gather_store(const gg_fuse& fz, int st, int n
                      "r"(gg_pack_bf16(w[2], w[3])), "r"(gg_pack_bf16(w[4], w[5])), "r"(gg_pack_bf16(w[6], w[7]))
                      : "memory");
         if (full) {
-          asm volatile(GG_FULL_ST " [%0], {%1, %2, %3, %4};" ::"l"(full + j), "f"(w[0]), "f"(w[1]), "f"(w[2]),
+          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + j), "f"(w[0]), "f"(w[1]), "f"(w[2]),
                        "f"(w[3])
                        : "memory");
-          asm volatile(GG_FULL_ST " [%0], {%1, %2, %3, %4};" ::"l"(full + j + 4), "f"(w[4]), "f"(w[5]),
+          asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(full + j + 4), "f"(w[4]), "f"(w[5]),
                        "f"(w[6]), "f"(w[7])
                        : "memory");
         }
