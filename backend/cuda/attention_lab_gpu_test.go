@@ -60,6 +60,18 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{64, 128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
+	// attn_h_backward_wg_d{64,128}: attn_h_backward's arguments, 384
+	// threads, the producer kernel's shared memory (lse and delta staged).
+	"bwd-wg":       {headDims: []int{64, 128}, kernel: "attn_h_backward_wg_d%d", launch: wgBackwardLaunch},
+	"bwd-wg-split": {headDims: []int{64, 128}, kernel: "attn_h_backward_wg_d%d", launch: wgBackwardLaunch},
+}
+
+// wgBackwardLaunch is attn_h_backward_wg_d{64,128}'s launch: 384 threads,
+// ah_bcfg_producer's shared memory (ah_bcfg's and two stages of lse and
+// delta).
+func wgBackwardLaunch(dh int) (threads, smem int) {
+	const stages = 2
+	return 384, hopperAttnBwdSmem(dh) + stages*512
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.

@@ -5,6 +5,14 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
+//   2  the backward's S^T and dP^T in commit groups of their own: P^T
+//      computed and dv's product issued while dP^T runs, dS^T computed
+//      while dv's product runs (FlashAttention-3's order inside a
+//      warpgroup; the same products, so the same bits).
+//   4  attn_h_backward_wg_d{64,128}: the producer backward with a producer
+//      warpgroup and setmaxnreg (384 threads, 24 and 240 registers), at
+//      head dim 128 too (production's runs 256 threads without a
+//      producer there). TestAttentionLabOwnLaunch launches it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -761,6 +769,67 @@ __device__ __forceinline__ void ah_store_dst(unsigned dsb, const unsigned (&da)[
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+#if AH_EXPERIMENT & 2
+// ah_bwd_scores_split is ah_bwd_scores with S^T and dP^T in commit groups
+// of their own, so that P^T is computed (and dv's product issued) while
+// dP^T runs.
+template <int DH>
+__device__ __forceinline__ void ah_bwd_scores_split(float (&sc)[32], float (&dp)[32], unsigned long long descK,
+                                                    unsigned long long descV, unsigned long long descQ,
+                                                    unsigned long long descO) {
+  constexpr unsigned KBOX = 128 * 128, QBOX = AH_BQ * 128;
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+    ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
+  }
+  gg_wgmma_commit();
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
+    ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
+  }
+  gg_wgmma_commit();
+}
+
+// ah_bwd_dv issues dv += P^T dout (P^T this thread's sc, packed to bf16)
+// as one commit group; ah_bwd_dk issues dk += dS^T q the same way and
+// leaves dS^T's packed operand in da, for ah_store_dst. Together they are
+// ah_bwd_dvdk, the same products in the same order.
+template <int DH>
+__device__ __forceinline__ void ah_bwd_dv(float (&dva)[DH / 2], const float (&sc)[32], unsigned oa) {
+  constexpr unsigned QBOX = AH_BQ * 128;
+  unsigned pa[4][4];
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+    pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+  }
+  gg_wgmma_fence();
+  gg_fence_acc(dva);
+  const unsigned long long mnO = gg_desc_mn(oa, QBOX);
+#pragma unroll
+  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+  gg_wgmma_commit();
+}
+template <int DH>
+__device__ __forceinline__ void ah_bwd_dk(float (&dka)[DH / 2], unsigned (&da)[4][4], const float (&dp)[32], unsigned qa) {
+  constexpr unsigned QBOX = AH_BQ * 128;
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+    da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+  }
+  gg_wgmma_fence();
+  gg_fence_acc(dka);
+  const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+  gg_wgmma_commit();
+}
+#endif
+
 // ah_stage_dq writes a warpgroup's 64 x 64 block of dq (this thread's
 // acc: rows wr and wr + 8, columns 8n + 2t4, +1) at stg as two TMA boxes
 // of {32 columns, 64 rows} float32, 128-byte swizzled (row r's 16-byte
@@ -880,7 +949,11 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+#if AH_EXPERIMENT & 2
+    ah_bwd_scores_split<DH>(sc, dp, descK, descV, descQ, descO);
+#else
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+#endif
     // The lse (to base 2) and delta of this thread's 16 queries, loaded
     // while the products run. Column 8n + 2t4 + e is query q0 + 8n + 2t4 + e.
     float l2[8][2], dl[8][2];
@@ -897,6 +970,37 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         }
       }
     }
+#if AH_EXPERIMENT & 2
+    // P^T once S^T is in, dv's product issued, then dS^T under it once
+    // dP^T is in (the groups complete in order).
+    gg_wgmma_wait<1>();
+    gg_fence_acc(sc);
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        sc[4 * n + e] = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        sc[4 * n + 2 + e] = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
+      }
+    }
+    ah_bwd_dv<DH>(dva, sc, oa);
+    gg_wgmma_wait<1>();
+    gg_fence_acc(dp);
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        dp[4 * n + e] = sc[4 * n + e] * (dp[4 * n + e] - dl[n][e]) * scale;
+        dp[4 * n + 2 + e] = sc[4 * n + 2 + e] * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
+      }
+    }
+    unsigned da[4][4];
+    ah_bwd_dk<DH>(dka, da, dp, qa);
+#else
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
@@ -919,6 +1023,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     }
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+#endif
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
@@ -1051,7 +1156,7 @@ __device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
 // capping every thread at 168 registers, enough at head dim 64 (dk, dv
 // and an item's scores without spilling) but not at 128, which keeps
 // ah_backward's 256 threads.
-template <int DH>
+template <int DH, bool WG = false>
 __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
@@ -1085,7 +1190,19 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   }
   __syncthreads();
 
+#if AH_EXPERIMENT & 4
+  if (warp >= 8) {
+#else
   if (warp == 8) {
+#endif
+#if AH_EXPERIMENT & 4
+    // A producer warpgroup hands its registers to the consumers; its
+    // warps past the first have nothing to do.
+    if constexpr (WG) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+      if (warp > 8) return;
+    }
+#endif
     // The producer warp: lane 0 loads the tiles, every lane two of the
     // item's 64 queries' lse (in base 2) and delta.
     if (lane == 0) {
@@ -1124,6 +1241,9 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     return;
   }
 
+#if AH_EXPERIMENT & 4
+  if constexpr (WG) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+#endif
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
   // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
   const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
@@ -1143,6 +1263,43 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+#if AH_EXPERIMENT & 2
+    ah_bwd_scores_split<DH>(sc, dp, descK, descV, descQ, descO);
+    // P^T once S^T is in, dv's product issued, then dS^T under it once
+    // dP^T is in (the groups complete in order). Column 8n + 2t4 + e is
+    // query q0 + 8n + 2t4 + e.
+    gg_wgmma_wait<1>();
+    gg_fence_acc(sc);
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float l2[2];
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(l2[0]), "=f"(l2[1]) : "r"(stat + s * 512 + 4 * (8 * n + 2 * t4)));
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        sc[4 * n + e] = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
+        sc[4 * n + 2 + e] = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
+      }
+    }
+    ah_bwd_dv<DH>(dva, sc, oa);
+    gg_wgmma_wait<1>();
+    gg_fence_acc(dp);
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float dl[2];
+      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        dp[4 * n + e] = sc[4 * n + e] * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = sc[4 * n + 2 + e] * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    unsigned da[4][4];
+    ah_bwd_dk<DH>(dka, da, dp, qa);
+#else
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
@@ -1170,9 +1327,44 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     }
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+#endif
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
+#if AH_EXPERIMENT & 4
+    if constexpr (WG && DH == 128) {
+      // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
+      // dq over all 128 keys (ah_backward's dq at head dim 128).
+      gg_named_sync(3, 256);
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) {
+        const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+        ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      gg_fence_acc(dva);
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * s);
+      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+      ah_stage_dq(stg, acc, wr, t4);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      if (wtid == 0) gg_bulk_wait_read();
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+      nq++;
+      continue;
+    }
+#endif
     gg_named_sync(1 + cw, 128);
 #pragma unroll
     for (int c = 0; c < DH / 64; c++) {
@@ -1616,6 +1808,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
   // The turns count on the launch order: every pair at once (band ignored).
   ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
                         (int)gridDim.x, turns);
+}
+#endif
+
+#if AH_EXPERIMENT & 4
+// attn_h_backward_wg_d{64,128}: ah_backward_producer with a producer
+// warpgroup (384 threads; setmaxnreg 24 for it, 240 for the consumers)
+// instead of a producer warp, and at head dim 128 ah_backward's dq over
+// both warpgroups' keys. attn_h_backward's arguments; dynamic shared
+// memory ah_bcfg_producer<DH>::SMEM.
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_wg_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward_producer<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2,
+                                 scale, band);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_wg_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward_producer<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2,
+                                  scale, band);
 }
 #endif
 
