@@ -64,7 +64,15 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// threads, the producer kernel's shared memory (lse and delta staged).
 	"bwd-wg":       {headDims: []int{64, 128}, kernel: "attn_h_backward_wg_d%d", launch: wgBackwardLaunch},
 	"bwd-wg-split": {headDims: []int{64, 128}, kernel: "attn_h_backward_wg_d%d", launch: wgBackwardLaunch},
+	// attn_h_backward_d128 with 1 KiB more shared memory (two items' lse
+	// and delta).
+	"bwd-stats":       {headDims: []int{128}, kernel: "attn_h_backward_d%d", launch: statsBackwardLaunch},
+	"bwd-stats-split": {headDims: []int{128}, kernel: "attn_h_backward_d%d", launch: statsBackwardLaunch},
 }
+
+// statsBackwardLaunch is bwd-stats's attn_h_backward_d128: 256 threads,
+// ah_bcfg's shared memory and 1 KiB of statistics.
+func statsBackwardLaunch(dh int) (threads, smem int) { return 256, hopperAttnBwdSmem(dh) + 1024 }
 
 // wgBackwardLaunch is attn_h_backward_wg_d{64,128}'s launch: 384 threads,
 // ah_bcfg_producer's shared memory (ah_bcfg's and two stages of lse and

@@ -888,7 +888,13 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
   const unsigned dqs = dss + 4 * DSB;                            // dq staging
+#if AH_EXPERIMENT & 8
+  static_assert(DH == 128, "bwd-stats: the items' statistics are read after the 256-thread barrier of head dim 128's dq");
+  const unsigned stat = dqs + 4 * DQB;  // [item parity]: 64 lse, 64 delta
+  const unsigned barKV = stat + 1024, full = barKV + 8, empty = full + 8 * STAGES;
+#else
   const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
+#endif
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // Pairs (sequence, kv head) by key blocks, heaviest first.
   int pair, kb;
@@ -898,6 +904,22 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+#if AH_EXPERIMENT & 8
+  // fetchStats copies item it's 64 lse and 64 delta values into the stats
+  // area of its parity (threads 0-127, one each, cp.async: zeros past S)
+  // and commits them as a group; each thread waits for its copies before
+  // the 256-thread barrier of the item before, so they are visible there.
+  auto fetchStats = [&](int it) {
+    if (tid < 128) {
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ, c = tid & 63, i = q0 + c;
+      const float* row = (tid < 64 ? lse : delta) + ((long long)b * H + h) * S;
+      const unsigned dst = stat + (it & 1) * 512 + (tid >> 6) * 256 + 4 * c;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(i < S ? row + i : row), "r"(i < S ? 4 : 0)
+                   : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+#endif
   // load queues item it's q and dout tiles into its stage.
   auto load = [&](int it) {
     const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
@@ -927,6 +949,10 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     }
     for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
+#if AH_EXPERIMENT & 8
+  if (items > 0) fetchStats(0);
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
   __syncthreads();
 
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
@@ -946,6 +972,9 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
+#if AH_EXPERIMENT & 8
+    if (it + 1 < items) fetchStats(it + 1);
+#endif
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
@@ -957,6 +986,20 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     // The lse (to base 2) and delta of this thread's 16 queries, loaded
     // while the products run. Column 8n + 2t4 + e is query q0 + 8n + 2t4 + e.
     float l2[8][2], dl[8][2];
+#if AH_EXPERIMENT & 8
+    // (bwd-stats: from the stats area once the products are in, below.)
+    auto statsLds = [&]() {
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        const unsigned a = stat + (it & 1) * 512 + 4 * (8 * n + 2 * t4);
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(l2[n][0]), "=f"(l2[n][1]) : "r"(a) : "memory");
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dl[n][0]), "=f"(dl[n][1]) : "r"(a + 256) : "memory");
+        l2[n][0] *= AH_LOG2E;
+        l2[n][1] *= AH_LOG2E;
+      }
+    };
+    if (false)
+#endif
     {
       const float* lrow = lse + ((long long)b * H + h) * S;
       const float* drow = delta + ((long long)b * H + h) * S;
@@ -975,6 +1018,9 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     // dP^T is in (the groups complete in order).
     gg_wgmma_wait<1>();
     gg_fence_acc(sc);
+#if AH_EXPERIMENT & 8
+    statsLds();
+#endif
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
 #pragma unroll
     for (int n = 0; n < 8; n++) {
@@ -1004,6 +1050,9 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
+#if AH_EXPERIMENT & 8
+    statsLds();
+#endif
     // P^T and dS^T in place of S^T and dP^T.
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
 #pragma unroll
@@ -1030,6 +1079,9 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     if (DH == 128) {
       // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
       // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
+#if AH_EXPERIMENT & 8
+      asm volatile("cp.async.wait_all;" ::: "memory");  // the next item's statistics
+#endif
       gg_named_sync(3, 256);
       float acc[32];
       asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");

@@ -59,6 +59,10 @@ func Sources() []Source {
 				Purpose: "adds attn_h_backward_wg_d{64,128}: a producer warpgroup with setmaxnreg (384 threads), at both head dims; launched by TestAttentionLabOwnLaunch"},
 			{Name: "bwd-wg-split", Defines: []string{"AH_EXPERIMENT=6"}, Exact: true,
 				Purpose: "bwd-wg and bwd-split together; launched by TestAttentionLabOwnLaunch"},
+			{Name: "bwd-stats", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
+				Purpose: "head dim 128's backward reads lse and delta from shared memory, copied by cp.async an item ahead; launched by TestAttentionLabOwnLaunch (1 KiB more shared memory)"},
+			{Name: "bwd-stats-split", Defines: []string{"AH_EXPERIMENT=10"}, Exact: true,
+				Purpose: "bwd-stats and bwd-split together (the registers bwd-stats frees may hold the split's); launched by TestAttentionLabOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
