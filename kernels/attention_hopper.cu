@@ -591,8 +591,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // the kv head's group and every 64-query tile that sees one of its keys
 // (an item); thread 0 loads its k and v tiles once and each item's q and
 // dout tiles into a STAGES-deep ring, refilling a stage once both
-// warpgroups are done with it (at head dim 64 a producer warp does the
-// loads instead: ah_backward_producer). Each of the two warpgroups owns 64 keys
+// warpgroups are done with it, and threads 0-127 copy each item's lse and
+// delta into shared memory an item ahead (at head dim 64 a producer warp
+// does both instead: ah_backward_producer). Each of the two warpgroups owns 64 keys
 // and computes, per item, with the scores transposed (keys are the
 // rows, so that P^T and dS^T land in registers as the A operands of the
 // products that accumulate into the keys' rows):
@@ -639,8 +640,9 @@ struct ah_bcfg {
   static constexpr unsigned DSB = 64 * 128;         // one warpgroup's dS^T: 64 keys x 64 queries
   static constexpr unsigned DQB = 64 * 64 * 4;      // one warpgroup's dq staging: 64 queries x 64 columns
   // k, v, STAGES x (q, dout), dS^T [2 parities][2 warpgroups], dq staging
-  // [2 warpgroups][2], barriers.
-  static constexpr unsigned SMEM = 1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + 8 * (1 + 2 * STAGES);
+  // [2 warpgroups][2], lse and delta [STAGES][2][64], barriers.
+  static constexpr unsigned SMEM =
+      1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + STAGES * 512 + 8 * (1 + 2 * STAGES);
 };
 
 __device__ __forceinline__ void ah_sts(unsigned addr, unsigned v) {
@@ -649,10 +651,31 @@ __device__ __forceinline__ void ah_sts(unsigned addr, unsigned v) {
 __device__ __forceinline__ void ah_sts2f(unsigned addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
-__device__ __forceinline__ float ah_ldg(const float* p) {
-  float r;
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(r) : "l"(p));
-  return r;
+__device__ __forceinline__ void ah_stsf(unsigned addr, float a) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(a) : "memory");
+}
+__device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
+}
+// ah_cp4 copies the float at p to shared memory at addr by cp.async, or
+// writes a zero there where !valid (p is then not read).
+__device__ __forceinline__ void ah_cp4(unsigned addr, const float* p, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(p), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void ah_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void ah_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// ah_lds_stats reads this thread's 16 queries' lse (to base 2) and delta
+// from an item's statistics at st (64 lse, then 64 delta): column
+// 8n + 2t4 + e of the item's scores.
+__device__ __forceinline__ void ah_lds_stats(unsigned st, int t4, float (&l2)[8][2], float (&dl)[8][2]) {
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[n][0], l2[n][1]);
+    ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[n][0], dl[n][1]);
+    l2[n][0] *= AH_LOG2E;
+    l2[n][1] *= AH_LOG2E;
+  }
 }
 
 // ah_bwd_scores issues a backward item's S^T = k q^T and dP^T = v dout^T
@@ -759,7 +782,10 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
 // thread 255 registers (an SM's four register files hold two warps each
 // at that size; a ninth warp, a producer, would cap all at 168), which
 // holds dk and dv (Dh floats a thread) beside an item's scores without
-// spilling.
+// spilling. Threads 0-127 copy each item's lse and delta into shared
+// memory by cp.async an item ahead (kernels/attention_hopper.md: global
+// loads in the consumers' path cost a sixth of the time). Head dim 128
+// (64 has ah_backward_producer).
 template <int DH>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
@@ -772,7 +798,9 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
   const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
+  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse, 64 delta
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  static_assert(DH == 128, "ah_backward is head dim 128's: its statistics are read after the 256-thread barrier of dq");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // Pairs (sequence, kv head) by key blocks, heaviest first.
   int pair, kb;
@@ -782,6 +810,18 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  // stats copies item it's lse and delta into its stage's statistics
+  // (threads 0-127, a value each; zeros past S) as one cp.async group,
+  // which each thread waits for before the 256-thread barrier of the item
+  // before it.
+  auto stats = [&](int it) {
+    if (tid < 128) {
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ, c = tid & 63, i = q0 + c;
+      const float* row = (tid < 64 ? lse : delta) + ((long long)b * H + h) * S;
+      ah_cp4(stat + (it % STAGES) * 512 + (tid >> 6) * 256 + 4 * c, i < S ? row + i : row, i < S);
+    }
+    ah_cp_commit();
+  };
   // load queues item it's q and dout tiles into its stage.
   auto load = [&](int it) {
     const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
@@ -811,6 +851,8 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     }
     for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
+  if (items > 0) stats(0);
+  ah_cp_wait_all();
   __syncthreads();
 
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
@@ -829,30 +871,20 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
+    // The next item's statistics: stage (it + 1) % STAGES was last read
+    // before the 256-thread barrier of the item before this one.
+    if (it + 1 < items) stats(it + 1);
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    // The lse (to base 2) and delta of this thread's 16 queries, loaded
-    // while the products run. Column 8n + 2t4 + e is query q0 + 8n + 2t4 + e.
-    float l2[8][2], dl[8][2];
-    {
-      const float* lrow = lse + ((long long)b * H + h) * S;
-      const float* drow = delta + ((long long)b * H + h) * S;
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int i = q0 + 8 * n + 2 * t4 + e;
-          l2[n][e] = i < S ? ah_ldg(lrow + i) * AH_LOG2E : 0.0f;
-          dl[n][e] = i < S ? ah_ldg(drow + i) : 0.0f;
-        }
-      }
-    }
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
-    // P^T and dS^T in place of S^T and dP^T.
+    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
+    // q0 + 8n + 2t4 + e.
+    float l2[8][2], dl[8][2];
+    ah_lds_stats(stat + s * 512, t4, l2, dl);
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
 #pragma unroll
     for (int n = 0; n < 8; n++) {
@@ -874,105 +906,49 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-    if (DH == 128) {
-      // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
-      // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
-      gg_named_sync(3, 256);
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+    // Both warpgroups' dS^T (and the next item's statistics) are in place:
+    // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
+    // warpgroup j's buffer).
+    ah_cp_wait_all();
+    gg_named_sync(3, 256);
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
 #pragma unroll
-      for (int kk = 0; kk < 8; kk++) {
-        const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
-        ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
-      }
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      gg_fence_acc(dva);
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-      if (tid == 0 && it + STAGES < items) {
-        gg_bar_wait(empty + 8 * s, ph);
-        load(it + STAGES);
-      }
-      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      if (wtid == 0) gg_bulk_wait_read();
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0) {
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
-        gg_bulk_commit();
-      }
-      nq++;
-      continue;
+    for (int kk = 0; kk < 8; kk++) {
+      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    // dv's and dk's products (the group before) are done with the stage:
+    // thread 0 refills it once both warpgroups are.
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    if (tid == 0 && it + STAGES < items) {
+      gg_bar_wait(empty + 8 * s, ph);
+      load(it + STAGES);
+    }
+    // Stage the block of dq for one thread to add it to dq at L2. The block
+    // staged two rounds ago in this buffer was read out before anyone
+    // passes the barrier (wait_group.read covers the last round).
+    const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (wtid == 0) gg_bulk_wait_read();
     gg_named_sync(1 + cw, 128);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + c * KBOX + cw * 64 * 128, KBOX);
-#pragma unroll
-      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      if (c == 0) {
-        // dv's and dk's products (the group before) are done with the stage.
-        gg_fence_acc(dva);
-        gg_fence_acc(dka);
-        if (lane == 0) gg_bar_arrive(empty + 8 * s);
-        // Thread 0 refills the stage once both warpgroups are done with it.
-        if (tid == 0 && it + STAGES < items) {
-          gg_bar_wait(empty + 8 * s, ph);
-          load(it + STAGES);
-        }
-      }
-      // Stage the block of dq for one thread to add it to dq at L2.
-      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      // The block staged two rounds ago in this buffer was read out before
-      // anyone passes this barrier (wait_group.read covers the last round).
-      if (wtid == 0) gg_bulk_wait_read();
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0) {
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
-        gg_bulk_commit();
-      }
-      nq++;
+    if (wtid == 0) {
+      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
+      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
+      gg_bulk_commit();
     }
+    nq++;
   }
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
-}
-
-template <int DH>
-struct ah_bcfg_producer {
-  static constexpr int STAGES = 2;
-  static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
-  static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
-  static constexpr unsigned KT = (DH / 64) * KBOX;  // the k (or v) tile
-  static constexpr unsigned QT = (DH / 64) * QBOX;  // a q (or dout) tile
-  static constexpr unsigned DSB = 64 * 128;         // one warpgroup's dS^T: 64 keys x 64 queries
-  static constexpr unsigned DQB = 64 * 64 * 4;      // one warpgroup's dq staging: 64 queries x 64 columns
-  // k, v, STAGES x (q, dout), dS^T [2 parities][2 warpgroups], dq staging
-  // [2 warpgroups][2], lse and delta [STAGES][2][64], barriers.
-  static constexpr unsigned SMEM =
-      1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + STAGES * 512 + 8 * (1 + 2 * STAGES);
-};
-
-__device__ __forceinline__ void ah_stsf(unsigned addr, float a) {
-  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(a) : "memory");
-}
-__device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
 }
 
 // ah_backward_producer is the head-dim-64 backward (version 2 in
@@ -990,9 +966,9 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
                                             int KV, float scaleLog2, float scale, int band) {
-  constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, QBOX = ah_bcfg_producer<DH>::QBOX, KT = ah_bcfg_producer<DH>::KT,
-                     QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
@@ -1207,7 +1183,8 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
   const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
+  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse, 64 delta
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
   // blockIdx.z: which of the gridDim.z equal shares of the group's query
@@ -1226,6 +1203,19 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     owner = cq < W ? cq : 2 * W - 1 - cq;
     nq = cq < W ? 0 : 1;
     row = nq * C + qp0 - cq * C;
+  };
+  // stats copies item it's lse and delta from their owner's [B, 2, H, C]
+  // into its stage's statistics, as ah_backward's does.
+  auto stats = [&](int it) {
+    if (tid < 128) {
+      const int h = h0 + it / perHead, c = tid & 63;
+      int owner, row, nq, qp0;
+      where(it, owner, row, nq, qp0);
+      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C) + c;
+      ah_cp4(stat + (it % STAGES) * 512 + (tid >> 6) * 256 + 4 * c, (tid < 64 ? maps->lse[owner] : maps->delta[owner]) + at,
+             true);
+    }
+    ah_cp_commit();
   };
   auto load = [&](int it) {
     const int s = it % STAGES, h = h0 + it / perHead;
@@ -1259,6 +1249,8 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     }
     for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
+  if (items > 0) stats(0);
+  ah_cp_wait_all();
   __syncthreads();
 
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64) (positions from kw
@@ -1280,32 +1272,19 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     where(it, owner, row, nq, qp0);
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
+    if (it + 1 < items) stats(it + 1);  // as in ah_backward
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    // The lse (to base 2) and delta of this thread's 16 queries, from
-    // their owner's [B, 2, H, C], loaded while the products run. Column
-    // 8n + 2t4 + e is query qp0 + 8n + 2t4 + e.
-    float l2[8][2], dl[8][2];
-    {
-      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
-      const float* lrow = maps->lse[owner] + at;
-      const float* drow = maps->delta[owner] + at;
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          l2[n][e] = ah_ldg(lrow + 8 * n + 2 * t4 + e) * AH_LOG2E;
-          dl[n][e] = ah_ldg(drow + 8 * n + 2 * t4 + e);
-        }
-      }
-    }
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
     // P^T and dS^T in place of S^T and dP^T; the key at position kp sees
-    // the query at position i iff kp <= i.
+    // the query at position i iff kp <= i. Column 8n + 2t4 + e is query
+    // qp0 + 8n + 2t4 + e.
+    float l2[8][2], dl[8][2];
+    ah_lds_stats(stat + s * 512, t4, l2, dl);
     const bool whole = kw + 63 <= qp0;
 #pragma unroll
     for (int n = 0; n < 8; n++) {
@@ -1327,8 +1306,10 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-    // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
-    // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
+    // Both warpgroups' dS^T (and the next item's statistics) are in place:
+    // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
+    // warpgroup j's buffer).
+    ah_cp_wait_all();
     gg_named_sync(3, 256);
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
@@ -1376,9 +1357,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(con
 __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
                                                  int KV, float scaleLog2, float scale) {
   constexpr int DH = 64;
-  constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, KT = ah_bcfg_producer<DH>::KT,
-                     QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers

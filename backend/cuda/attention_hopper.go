@@ -373,25 +373,23 @@ func hopperAttnForwardF32(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 // hopperAttnBwdQ is the queries of one backward item (AH_BQ).
 const hopperAttnBwdQ = 64
 
-// hopperAttnBwdSmem is the dynamic shared memory of ah_backward's
-// kernels (ah_bcfg<DH>::SMEM): slack, the k and v tiles, two stages of q
-// and dout tiles, four dS^T buffers, four dq staging buffers and the
-// mbarriers.
+// hopperAttnBwdSmem is the dynamic shared memory of the backward kernels
+// (ah_bcfg<DH>::SMEM): slack, the k and v tiles, two stages of q and dout
+// tiles, four dS^T buffers, four dq staging buffers, two stages of the
+// items' lse and delta, and the mbarriers.
 func hopperAttnBwdSmem(dh int) int {
 	const stages = 2
 	kt, qt := dh/64*128*128, dh/64*hopperAttnBwdQ*128
-	return 1024 + 2*kt + stages*2*qt + 4*64*128 + 4*64*64*4 + 8*(1+2*stages)
+	return 1024 + 2*kt + stages*2*qt + 4*64*128 + 4*64*64*4 + stages*512 + 8*(1+2*stages)
 }
 
 // hopperAttnBwdLaunch is attn_h_backward_d{dh}'s block size and dynamic
 // shared memory: at head dim 64 ah_backward_producer's 288 threads (a
-// producer warp beside the two consumer warpgroups) and 512 bytes more a
-// stage for the items' lse and delta (ah_bcfg_producer<DH>::SMEM); at 128
-// ah_backward's 256 threads, whose 255 registers a thread hold dk and dv.
+// producer warp beside the two consumer warpgroups), at 128 ah_backward's
+// 256 threads, whose 255 registers a thread hold dk and dv.
 func hopperAttnBwdLaunch(dh int) (threads, smem int) {
 	if dh == 64 {
-		const stages = 2
-		return 288, hopperAttnBwdSmem(dh) + stages*512
+		return 288, hopperAttnBwdSmem(dh)
 	}
 	return 256, hopperAttnBwdSmem(dh)
 }

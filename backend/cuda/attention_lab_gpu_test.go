@@ -55,31 +55,11 @@ func withAttentionLab(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (r
 // arguments): TestAttentionLabOwnLaunch runs them, not in place of the
 // production kernels.
 var ownLaunch = map[string]labBackwardLaunch{
-	// attn_h_backward_ordered_d{64,128}: ah_backward's 256 threads and
+	// attn_h_backward_ordered_d128: ah_backward's 256 threads and
 	// shared memory, then the turn counters, one per (sequence, head,
 	// 64-query tile), zero before each call; dq's bits repeat.
-	"bwd-ordered": {headDims: []int{64, 128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
+	"bwd-ordered": {headDims: []int{128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
-	// attn_h_backward_wg_d{64,128}: attn_h_backward's arguments, 384
-	// threads, the producer kernel's shared memory (lse and delta staged).
-	"bwd-wg":       {headDims: []int{64, 128}, kernel: "attn_h_backward_wg_d%d", launch: wgBackwardLaunch},
-	"bwd-wg-split": {headDims: []int{64, 128}, kernel: "attn_h_backward_wg_d%d", launch: wgBackwardLaunch},
-	// attn_h_backward_d128 with 1 KiB more shared memory (two items' lse
-	// and delta).
-	"bwd-stats":       {headDims: []int{128}, kernel: "attn_h_backward_d%d", launch: statsBackwardLaunch},
-	"bwd-stats-split": {headDims: []int{128}, kernel: "attn_h_backward_d%d", launch: statsBackwardLaunch},
-}
-
-// statsBackwardLaunch is bwd-stats's attn_h_backward_d128: 256 threads,
-// ah_bcfg's shared memory and 1 KiB of statistics.
-func statsBackwardLaunch(dh int) (threads, smem int) { return 256, hopperAttnBwdSmem(dh) + 1024 }
-
-// wgBackwardLaunch is attn_h_backward_wg_d{64,128}'s launch: 384 threads,
-// ah_bcfg_producer's shared memory (ah_bcfg's and two stages of lse and
-// delta).
-func wgBackwardLaunch(dh int) (threads, smem int) {
-	const stages = 2
-	return 384, hopperAttnBwdSmem(dh) + stages*512
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.

@@ -1,18 +1,10 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
 // define it compiles to the production source's PTX. AH_EXPERIMENT bit:
-//   1  attn_h_backward_ordered_d{64,128}: ah_backward with dq added in a
+//   1  attn_h_backward_ordered_d128: ah_backward with dq added in a
 //      fixed order (train.deterministic's option, slower than
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  the backward's S^T and dP^T in commit groups of their own: P^T
-//      computed and dv's product issued while dP^T runs, dS^T computed
-//      while dv's product runs (FlashAttention-3's order inside a
-//      warpgroup; the same products, so the same bits).
-//   4  attn_h_backward_wg_d{64,128}: the producer backward with a producer
-//      warpgroup and setmaxnreg (384 threads, 24 and 240 registers), at
-//      head dim 128 too (production's runs 256 threads without a
-//      producer there). TestAttentionLabOwnLaunch launches it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -610,8 +602,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // the kv head's group and every 64-query tile that sees one of its keys
 // (an item); thread 0 loads its k and v tiles once and each item's q and
 // dout tiles into a STAGES-deep ring, refilling a stage once both
-// warpgroups are done with it (at head dim 64 a producer warp does the
-// loads instead: ah_backward_producer). Each of the two warpgroups owns 64 keys
+// warpgroups are done with it, and threads 0-127 copy each item's lse and
+// delta into shared memory an item ahead (at head dim 64 a producer warp
+// does both instead: ah_backward_producer). Each of the two warpgroups owns 64 keys
 // and computes, per item, with the scores transposed (keys are the
 // rows, so that P^T and dS^T land in registers as the A operands of the
 // products that accumulate into the keys' rows):
@@ -638,7 +631,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // its sums are float adds at L2 in the order the blocks run, so dq's last
 // bits vary from run to run (train.deterministic takes attention_tc.cu's
 // ordered backward instead: kernels/attention_hopper.md). With bit 1,
-// attn_h_backward_ordered_d{64,128} add in a
+// attn_h_backward_ordered_d128 adds in a
 // fixed order instead: a counter per (batch, head, query tile), zero
 // before the kernel, lets warpgroup cw of key block jb add its dq block
 // of that tile only as contribution 2*jb + cw (ah_dq_turn), and counts it
@@ -669,8 +662,9 @@ struct ah_bcfg {
   static constexpr unsigned DSB = 64 * 128;         // one warpgroup's dS^T: 64 keys x 64 queries
   static constexpr unsigned DQB = 64 * 64 * 4;      // one warpgroup's dq staging: 64 queries x 64 columns
   // k, v, STAGES x (q, dout), dS^T [2 parities][2 warpgroups], dq staging
-  // [2 warpgroups][2], barriers.
-  static constexpr unsigned SMEM = 1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + 8 * (1 + 2 * STAGES);
+  // [2 warpgroups][2], lse and delta [STAGES][2][64], barriers.
+  static constexpr unsigned SMEM =
+      1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + STAGES * 512 + 8 * (1 + 2 * STAGES);
 };
 
 __device__ __forceinline__ void ah_sts(unsigned addr, unsigned v) {
@@ -679,10 +673,31 @@ __device__ __forceinline__ void ah_sts(unsigned addr, unsigned v) {
 __device__ __forceinline__ void ah_sts2f(unsigned addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
-__device__ __forceinline__ float ah_ldg(const float* p) {
-  float r;
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(r) : "l"(p));
-  return r;
+__device__ __forceinline__ void ah_stsf(unsigned addr, float a) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(a) : "memory");
+}
+__device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
+}
+// ah_cp4 copies the float at p to shared memory at addr by cp.async, or
+// writes a zero there where !valid (p is then not read).
+__device__ __forceinline__ void ah_cp4(unsigned addr, const float* p, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(p), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void ah_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void ah_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// ah_lds_stats reads this thread's 16 queries' lse (to base 2) and delta
+// from an item's statistics at st (64 lse, then 64 delta): column
+// 8n + 2t4 + e of the item's scores.
+__device__ __forceinline__ void ah_lds_stats(unsigned st, int t4, float (&l2)[8][2], float (&dl)[8][2]) {
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[n][0], l2[n][1]);
+    ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[n][0], dl[n][1]);
+    l2[n][0] *= AH_LOG2E;
+    l2[n][1] *= AH_LOG2E;
+  }
 }
 
 // ah_dq_turn returns once *turn is mine (acquire): the dq blocks added
@@ -769,67 +784,6 @@ __device__ __forceinline__ void ah_store_dst(unsigned dsb, const unsigned (&da)[
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-#if AH_EXPERIMENT & 2
-// ah_bwd_scores_split is ah_bwd_scores with S^T and dP^T in commit groups
-// of their own, so that P^T is computed (and dv's product issued) while
-// dP^T runs.
-template <int DH>
-__device__ __forceinline__ void ah_bwd_scores_split(float (&sc)[32], float (&dp)[32], unsigned long long descK,
-                                                    unsigned long long descV, unsigned long long descQ,
-                                                    unsigned long long descO) {
-  constexpr unsigned KBOX = 128 * 128, QBOX = AH_BQ * 128;
-  gg_wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < DH / 16; kk++) {
-    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
-    ah_wgmma_ss<0, 0>(sc, descK + kstep, descQ + qstep, kk > 0 ? 1 : 0);
-  }
-  gg_wgmma_commit();
-#pragma unroll
-  for (int kk = 0; kk < DH / 16; kk++) {
-    const unsigned long long kstep = (kk / 4) * (KBOX >> 4) + 2 * (kk % 4), qstep = (kk / 4) * (QBOX >> 4) + 2 * (kk % 4);
-    ah_wgmma_ss<0, 0>(dp, descV + kstep, descO + qstep, kk > 0 ? 1 : 0);
-  }
-  gg_wgmma_commit();
-}
-
-// ah_bwd_dv issues dv += P^T dout (P^T this thread's sc, packed to bf16)
-// as one commit group; ah_bwd_dk issues dk += dS^T q the same way and
-// leaves dS^T's packed operand in da, for ah_store_dst. Together they are
-// ah_bwd_dvdk, the same products in the same order.
-template <int DH>
-__device__ __forceinline__ void ah_bwd_dv(float (&dva)[DH / 2], const float (&sc)[32], unsigned oa) {
-  constexpr unsigned QBOX = AH_BQ * 128;
-  unsigned pa[4][4];
-#pragma unroll
-  for (int n = 0; n < 8; n++) {
-    pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-    pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-  }
-  gg_wgmma_fence();
-  gg_fence_acc(dva);
-  const unsigned long long mnO = gg_desc_mn(oa, QBOX);
-#pragma unroll
-  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
-  gg_wgmma_commit();
-}
-template <int DH>
-__device__ __forceinline__ void ah_bwd_dk(float (&dka)[DH / 2], unsigned (&da)[4][4], const float (&dp)[32], unsigned qa) {
-  constexpr unsigned QBOX = AH_BQ * 128;
-#pragma unroll
-  for (int n = 0; n < 8; n++) {
-    da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-    da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-  }
-  gg_wgmma_fence();
-  gg_fence_acc(dka);
-  const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-  gg_wgmma_commit();
-}
-#endif
-
 // ah_stage_dq writes a warpgroup's 64 x 64 block of dq (this thread's
 // acc: rows wr and wr + 8, columns 8n + 2t4, +1) at stg as two TMA boxes
 // of {32 columns, 64 rows} float32, 128-byte swizzled (row r's 16-byte
@@ -873,7 +827,10 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
 // thread 255 registers (an SM's four register files hold two warps each
 // at that size; a ninth warp, a producer, would cap all at 168), which
 // holds dk and dv (Dh floats a thread) beside an item's scores without
-// spilling.
+// spilling. Threads 0-127 copy each item's lse and delta into shared
+// memory by cp.async an item ahead (kernels/attention_hopper.md: global
+// loads in the consumers' path cost a sixth of the time). Head dim 128
+// (64 has ah_backward_producer).
 // ORDERED adds dq in the fixed order above; turns is then the counters
 // [B, H, ceil(S/64)].
 template <int DH, bool ORDERED>
@@ -888,13 +845,9 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
   const unsigned dqs = dss + 4 * DSB;                            // dq staging
-#if AH_EXPERIMENT & 8
-  static_assert(DH == 128, "bwd-stats: the items' statistics are read after the 256-thread barrier of head dim 128's dq");
-  const unsigned stat = dqs + 4 * DQB;  // [item parity]: 64 lse, 64 delta
-  const unsigned barKV = stat + 1024, full = barKV + 8, empty = full + 8 * STAGES;
-#else
-  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
-#endif
+  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse, 64 delta
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  static_assert(DH == 128, "ah_backward is head dim 128's: its statistics are read after the 256-thread barrier of dq");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // Pairs (sequence, kv head) by key blocks, heaviest first.
   int pair, kb;
@@ -904,22 +857,18 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
-#if AH_EXPERIMENT & 8
-  // fetchStats copies item it's 64 lse and 64 delta values into the stats
-  // area of its parity (threads 0-127, one each, cp.async: zeros past S)
-  // and commits them as a group; each thread waits for its copies before
-  // the 256-thread barrier of the item before, so they are visible there.
-  auto fetchStats = [&](int it) {
+  // stats copies item it's lse and delta into its stage's statistics
+  // (threads 0-127, a value each; zeros past S) as one cp.async group,
+  // which each thread waits for before the 256-thread barrier of the item
+  // before it.
+  auto stats = [&](int it) {
     if (tid < 128) {
       const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ, c = tid & 63, i = q0 + c;
       const float* row = (tid < 64 ? lse : delta) + ((long long)b * H + h) * S;
-      const unsigned dst = stat + (it & 1) * 512 + (tid >> 6) * 256 + 4 * c;
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(i < S ? row + i : row), "r"(i < S ? 4 : 0)
-                   : "memory");
+      ah_cp4(stat + (it % STAGES) * 512 + (tid >> 6) * 256 + 4 * c, i < S ? row + i : row, i < S);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    ah_cp_commit();
   };
-#endif
   // load queues item it's q and dout tiles into its stage.
   auto load = [&](int it) {
     const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
@@ -949,10 +898,8 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     }
     for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
-#if AH_EXPERIMENT & 8
-  if (items > 0) fetchStats(0);
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
+  if (items > 0) stats(0);
+  ah_cp_wait_all();
   __syncthreads();
 
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
@@ -965,95 +912,26 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   gg_bar_wait(barKV, 0);
   const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-  int* done = nullptr;  // ORDERED: the turn of the last item's dq, still to pass on
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
     const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
-#if AH_EXPERIMENT & 8
-    if (it + 1 < items) fetchStats(it + 1);
-#endif
+    // The next item's statistics: stage (it + 1) % STAGES was last read
+    // before the 256-thread barrier of the item before this one.
+    if (it + 1 < items) stats(it + 1);
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-#if AH_EXPERIMENT & 2
-    ah_bwd_scores_split<DH>(sc, dp, descK, descV, descQ, descO);
-#else
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-#endif
-    // The lse (to base 2) and delta of this thread's 16 queries, loaded
-    // while the products run. Column 8n + 2t4 + e is query q0 + 8n + 2t4 + e.
-    float l2[8][2], dl[8][2];
-#if AH_EXPERIMENT & 8
-    // (bwd-stats: from the stats area once the products are in, below.)
-    auto statsLds = [&]() {
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-        const unsigned a = stat + (it & 1) * 512 + 4 * (8 * n + 2 * t4);
-        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(l2[n][0]), "=f"(l2[n][1]) : "r"(a) : "memory");
-        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dl[n][0]), "=f"(dl[n][1]) : "r"(a + 256) : "memory");
-        l2[n][0] *= AH_LOG2E;
-        l2[n][1] *= AH_LOG2E;
-      }
-    };
-    if (false)
-#endif
-    {
-      const float* lrow = lse + ((long long)b * H + h) * S;
-      const float* drow = delta + ((long long)b * H + h) * S;
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int i = q0 + 8 * n + 2 * t4 + e;
-          l2[n][e] = i < S ? ah_ldg(lrow + i) * AH_LOG2E : 0.0f;
-          dl[n][e] = i < S ? ah_ldg(drow + i) : 0.0f;
-        }
-      }
-    }
-#if AH_EXPERIMENT & 2
-    // P^T once S^T is in, dv's product issued, then dS^T under it once
-    // dP^T is in (the groups complete in order).
-    gg_wgmma_wait<1>();
-    gg_fence_acc(sc);
-#if AH_EXPERIMENT & 8
-    statsLds();
-#endif
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        sc[4 * n + e] = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        sc[4 * n + 2 + e] = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
-      }
-    }
-    ah_bwd_dv<DH>(dva, sc, oa);
-    gg_wgmma_wait<1>();
-    gg_fence_acc(dp);
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        dp[4 * n + e] = sc[4 * n + e] * (dp[4 * n + e] - dl[n][e]) * scale;
-        dp[4 * n + 2 + e] = sc[4 * n + 2 + e] * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
-      }
-    }
-    unsigned da[4][4];
-    ah_bwd_dk<DH>(dka, da, dp, qa);
-#else
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
-#if AH_EXPERIMENT & 8
-    statsLds();
-#endif
-    // P^T and dS^T in place of S^T and dP^T.
+    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
+    // q0 + 8n + 2t4 + e.
+    float l2[8][2], dl[8][2];
+    ah_lds_stats(stat + s * 512, t4, l2, dl);
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
 #pragma unroll
     for (int n = 0; n < 8; n++) {
@@ -1072,130 +950,57 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     }
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-#endif
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-    if (DH == 128) {
-      // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
-      // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
-#if AH_EXPERIMENT & 8
-      asm volatile("cp.async.wait_all;" ::: "memory");  // the next item's statistics
-#endif
-      gg_named_sync(3, 256);
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+    // Both warpgroups' dS^T (and the next item's statistics) are in place:
+    // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
+    // warpgroup j's buffer).
+    ah_cp_wait_all();
+    gg_named_sync(3, 256);
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
 #pragma unroll
-      for (int kk = 0; kk < 8; kk++) {
-        const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
-        ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
-      }
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      gg_fence_acc(dva);
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-      if (tid == 0 && it + STAGES < items) {
-        gg_bar_wait(empty + 8 * s, ph);
-        load(it + STAGES);
-      }
-      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      if (wtid == 0) gg_bulk_wait_read();
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0) {
-        int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
-        // (Passed on at once: the 256-thread barrier above would
-        // wait for a warpgroup that waits for the turn.)
-        if (ORDERED) ah_dq_turn(turn, 2 * (int)blockIdx.y + cw);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
-        gg_bulk_commit();
-        if (ORDERED) ah_dq_done(turn);
-      }
-      nq++;
-      continue;
+    for (int kk = 0; kk < 8; kk++) {
+      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    // dv's and dk's products (the group before) are done with the stage:
+    // thread 0 refills it once both warpgroups are.
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    if (tid == 0 && it + STAGES < items) {
+      gg_bar_wait(empty + 8 * s, ph);
+      load(it + STAGES);
+    }
+    // Stage the block of dq for one thread to add it to dq at L2. The block
+    // staged two rounds ago in this buffer was read out before anyone
+    // passes the barrier (wait_group.read covers the last round).
+    const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (wtid == 0) gg_bulk_wait_read();
     gg_named_sync(1 + cw, 128);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + c * KBOX + cw * 64 * 128, KBOX);
-#pragma unroll
-      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      if (c == 0) {
-        // dv's and dk's products (the group before) are done with the stage.
-        gg_fence_acc(dva);
-        gg_fence_acc(dka);
-        // The last item's dq reductions have landed by now: pass their
-        // turn on, before thread 0 waits for the other warpgroup below
-        // (which may be waiting for that turn).
-        if (ORDERED && wtid == 0 && done != nullptr) {
-          ah_dq_done(done);
-          done = nullptr;
-        }
-        if (lane == 0) gg_bar_arrive(empty + 8 * s);
-        // Thread 0 refills the stage once both warpgroups are done with it.
-        if (tid == 0 && it + STAGES < items) {
-          gg_bar_wait(empty + 8 * s, ph);
-          load(it + STAGES);
-        }
-      }
-      // Stage the block of dq for one thread to add it to dq at L2.
-      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      // The block staged two rounds ago in this buffer was read out before
-      // anyone passes this barrier (wait_group.read covers the last round).
-      if (wtid == 0) gg_bulk_wait_read();
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0) {
-        int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
-        if (ORDERED && c == 0) ah_dq_turn(turn, 2 * (int)blockIdx.y + cw);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
-        gg_bulk_commit();
-        if (ORDERED && c == DH / 64 - 1) done = turn;
-      }
-      nq++;
+    if (wtid == 0) {
+      int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
+      // (Passed on at once: the 256-thread barrier above would
+      // wait for a warpgroup that waits for the turn.)
+      if (ORDERED) ah_dq_turn(turn, 2 * (int)blockIdx.y + cw);
+      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
+      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
+      gg_bulk_commit();
+      if (ORDERED) ah_dq_done(turn);
     }
+    nq++;
   }
-  if (wtid == 0) {
-    if (ORDERED && done != nullptr) ah_dq_done(done);
-    gg_bulk_wait();
-  }
+  if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
-}
-
-template <int DH>
-struct ah_bcfg_producer {
-  static constexpr int STAGES = 2;
-  static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
-  static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
-  static constexpr unsigned KT = (DH / 64) * KBOX;  // the k (or v) tile
-  static constexpr unsigned QT = (DH / 64) * QBOX;  // a q (or dout) tile
-  static constexpr unsigned DSB = 64 * 128;         // one warpgroup's dS^T: 64 keys x 64 queries
-  static constexpr unsigned DQB = 64 * 64 * 4;      // one warpgroup's dq staging: 64 queries x 64 columns
-  // k, v, STAGES x (q, dout), dS^T [2 parities][2 warpgroups], dq staging
-  // [2 warpgroups][2], lse and delta [STAGES][2][64], barriers.
-  static constexpr unsigned SMEM =
-      1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + STAGES * 512 + 8 * (1 + 2 * STAGES);
-};
-
-__device__ __forceinline__ void ah_stsf(unsigned addr, float a) {
-  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(a) : "memory");
-}
-__device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
 }
 
 // ah_backward_producer is the head-dim-64 backward (version 2 in
@@ -1208,14 +1013,14 @@ __device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
 // capping every thread at 168 registers, enough at head dim 64 (dk, dv
 // and an item's scores without spilling) but not at 128, which keeps
 // ah_backward's 256 threads.
-template <int DH, bool WG = false>
+template <int DH>
 __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
                                             int KV, float scaleLog2, float scale, int band) {
-  constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, QBOX = ah_bcfg_producer<DH>::QBOX, KT = ah_bcfg_producer<DH>::KT,
-                     QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
@@ -1242,19 +1047,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   }
   __syncthreads();
 
-#if AH_EXPERIMENT & 4
-  if (warp >= 8) {
-#else
   if (warp == 8) {
-#endif
-#if AH_EXPERIMENT & 4
-    // A producer warpgroup hands its registers to the consumers; its
-    // warps past the first have nothing to do.
-    if constexpr (WG) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-      if (warp > 8) return;
-    }
-#endif
     // The producer warp: lane 0 loads the tiles, every lane two of the
     // item's 64 queries' lse (in base 2) and delta.
     if (lane == 0) {
@@ -1293,9 +1086,6 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     return;
   }
 
-#if AH_EXPERIMENT & 4
-  if constexpr (WG) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-#endif
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
   // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
   const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
@@ -1315,43 +1105,6 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-#if AH_EXPERIMENT & 2
-    ah_bwd_scores_split<DH>(sc, dp, descK, descV, descQ, descO);
-    // P^T once S^T is in, dv's product issued, then dS^T under it once
-    // dP^T is in (the groups complete in order). Column 8n + 2t4 + e is
-    // query q0 + 8n + 2t4 + e.
-    gg_wgmma_wait<1>();
-    gg_fence_acc(sc);
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float l2[2];
-      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(l2[0]), "=f"(l2[1]) : "r"(stat + s * 512 + 4 * (8 * n + 2 * t4)));
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        sc[4 * n + e] = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
-        sc[4 * n + 2 + e] = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
-      }
-    }
-    ah_bwd_dv<DH>(dva, sc, oa);
-    gg_wgmma_wait<1>();
-    gg_fence_acc(dp);
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float dl[2];
-      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        dp[4 * n + e] = sc[4 * n + e] * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = sc[4 * n + 2 + e] * (dp[4 * n + 2 + e] - dl[e]) * scale;
-      }
-    }
-    unsigned da[4][4];
-    ah_bwd_dk<DH>(dka, da, dp, qa);
-#else
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
@@ -1379,44 +1132,9 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     }
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-#endif
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-#if AH_EXPERIMENT & 4
-    if constexpr (WG && DH == 128) {
-      // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
-      // dq over all 128 keys (ah_backward's dq at head dim 128).
-      gg_named_sync(3, 256);
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
-#pragma unroll
-      for (int kk = 0; kk < 8; kk++) {
-        const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
-        ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
-      }
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      gg_fence_acc(dva);
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      if (wtid == 0) gg_bulk_wait_read();
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0) {
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
-        gg_bulk_commit();
-      }
-      nq++;
-      continue;
-    }
-#endif
     gg_named_sync(1 + cw, 128);
 #pragma unroll
     for (int c = 0; c < DH / 64; c++) {
@@ -1517,7 +1235,8 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
   const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned barKV = dqs + 4 * DQB, full = barKV + 8, empty = full + 8 * STAGES;
+  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse, 64 delta
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
   // blockIdx.z: which of the gridDim.z equal shares of the group's query
@@ -1536,6 +1255,19 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     owner = cq < W ? cq : 2 * W - 1 - cq;
     nq = cq < W ? 0 : 1;
     row = nq * C + qp0 - cq * C;
+  };
+  // stats copies item it's lse and delta from their owner's [B, 2, H, C]
+  // into its stage's statistics, as ah_backward's does.
+  auto stats = [&](int it) {
+    if (tid < 128) {
+      const int h = h0 + it / perHead, c = tid & 63;
+      int owner, row, nq, qp0;
+      where(it, owner, row, nq, qp0);
+      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C) + c;
+      ah_cp4(stat + (it % STAGES) * 512 + (tid >> 6) * 256 + 4 * c, (tid < 64 ? maps->lse[owner] : maps->delta[owner]) + at,
+             true);
+    }
+    ah_cp_commit();
   };
   auto load = [&](int it) {
     const int s = it % STAGES, h = h0 + it / perHead;
@@ -1569,6 +1301,8 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     }
     for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
+  if (items > 0) stats(0);
+  ah_cp_wait_all();
   __syncthreads();
 
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64) (positions from kw
@@ -1590,32 +1324,19 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     where(it, owner, row, nq, qp0);
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
+    if (it + 1 < items) stats(it + 1);  // as in ah_backward
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    // The lse (to base 2) and delta of this thread's 16 queries, from
-    // their owner's [B, 2, H, C], loaded while the products run. Column
-    // 8n + 2t4 + e is query qp0 + 8n + 2t4 + e.
-    float l2[8][2], dl[8][2];
-    {
-      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
-      const float* lrow = maps->lse[owner] + at;
-      const float* drow = maps->delta[owner] + at;
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          l2[n][e] = ah_ldg(lrow + 8 * n + 2 * t4 + e) * AH_LOG2E;
-          dl[n][e] = ah_ldg(drow + 8 * n + 2 * t4 + e);
-        }
-      }
-    }
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
     // P^T and dS^T in place of S^T and dP^T; the key at position kp sees
-    // the query at position i iff kp <= i.
+    // the query at position i iff kp <= i. Column 8n + 2t4 + e is query
+    // qp0 + 8n + 2t4 + e.
+    float l2[8][2], dl[8][2];
+    ah_lds_stats(stat + s * 512, t4, l2, dl);
     const bool whole = kw + 63 <= qp0;
 #pragma unroll
     for (int n = 0; n < 8; n++) {
@@ -1637,8 +1358,10 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-    // Both warpgroups' dS^T are in place: this warpgroup's 64 columns of
-    // dq over all 128 keys (keys 64j.. from warpgroup j's buffer).
+    // Both warpgroups' dS^T (and the next item's statistics) are in place:
+    // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
+    // warpgroup j's buffer).
+    ah_cp_wait_all();
     gg_named_sync(3, 256);
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
@@ -1687,9 +1410,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(con
 __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
                                                  int KV, float scaleLog2, float scale) {
   constexpr int DH = 64;
-  constexpr int STAGES = ah_bcfg_producer<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg_producer<DH>::KBOX, KT = ah_bcfg_producer<DH>::KT,
-                     QT = ah_bcfg_producer<DH>::QT, DSB = ah_bcfg_producer<DH>::DSB, DQB = ah_bcfg_producer<DH>::DQB;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
   const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
@@ -1850,32 +1573,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const 
 }
 
 #if AH_EXPERIMENT & 1
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band, int* turns) {
-  // The turns count on the launch order: every pair at once (band ignored).
-  ah_backward<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
-                        (int)gridDim.x, turns);
-}
-
 extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band, int* turns) {
   // The turns count on the launch order: every pair at once (band ignored).
   ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
                         (int)gridDim.x, turns);
-}
-#endif
-
-#if AH_EXPERIMENT & 4
-// attn_h_backward_wg_d{64,128}: ah_backward_producer with a producer
-// warpgroup (384 threads; setmaxnreg 24 for it, 240 for the consumers)
-// instead of a producer warp, and at head dim 128 ah_backward's dq over
-// both warpgroups' keys. attn_h_backward's arguments; dynamic shared
-// memory ah_bcfg_producer<DH>::SMEM.
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_wg_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
-  ah_backward_producer<64, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2,
-                                 scale, band);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_wg_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
-  ah_backward_producer<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2,
-                                  scale, band);
 }
 #endif
 

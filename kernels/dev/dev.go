@@ -52,17 +52,7 @@ func Sources() []Source {
 	return []Source{
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "adds attn_h_backward_ordered_d{64,128}: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "bwd-split", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the backward waits for S^T alone, issues dv's product, then computes dS^T under it (FlashAttention-3's order inside a warpgroup)"},
-			{Name: "bwd-wg", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "adds attn_h_backward_wg_d{64,128}: a producer warpgroup with setmaxnreg (384 threads), at both head dims; launched by TestAttentionLabOwnLaunch"},
-			{Name: "bwd-wg-split", Defines: []string{"AH_EXPERIMENT=6"}, Exact: true,
-				Purpose: "bwd-wg and bwd-split together; launched by TestAttentionLabOwnLaunch"},
-			{Name: "bwd-stats", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
-				Purpose: "head dim 128's backward reads lse and delta from shared memory, copied by cp.async an item ahead; launched by TestAttentionLabOwnLaunch (1 KiB more shared memory)"},
-			{Name: "bwd-stats-split", Defines: []string{"AH_EXPERIMENT=10"}, Exact: true,
-				Purpose: "bwd-stats and bwd-split together (the registers bwd-stats frees may hold the split's); launched by TestAttentionLabOwnLaunch"},
+				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
