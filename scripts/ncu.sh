@@ -17,7 +17,10 @@
 #
 # A COMMAND that starts with "DIR:" runs from DIR (paths in it stay
 # relative to the repository root). NCU_SECTIONS replaces the sections
-# (none: no section); NCU_METRICS adds --metrics; NCU_TIMEOUT bounds the run (default 300 s).
+# (none: no section); NCU_METRICS adds --metrics; NCU_TIMEOUT bounds the run (default 300 s);
+# NCU_SOURCE=1 also keeps the report ($OUT/ncu-<n>.ncu-rep, for the Nsight
+# Compute GUI) and writes every SASS instruction of the profiled kernels
+# with its warp-stall samples to $OUT/ncu-<n>-sass.csv.
 # The report is $OUT/ncu-<n>.txt (the first free n); Nsight Compute's
 # kernel replay saves and restores the device memory a kernel may write,
 # so a large workload profiles slowly.
@@ -62,8 +65,19 @@ prog=$1
 shift
 [[ "$prog" == /* ]] || prog="$root/$prog"
 echo "ncu.sh: $kernels ($count after $skip) in: $*" >"$report"
-(cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" "$prog" "$@") >>"$report" 2>&1
-rc=$?
+if [[ -n "${NCU_SOURCE:-}" ]]; then
+  # Keep the report, print its sections from it, and list every SASS
+  # instruction with its warp-stall samples (ncu-<n>-sass.csv).
+  rep="$out/ncu-$n"
+  (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" --export "$rep" --force-overwrite "$prog" "$@") >>"$report" 2>&1
+  rc=$?
+  ncu --import "$rep.ncu-rep" --print-details all >>"$report" 2>&1
+  ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"$out/ncu-$n-sass.csv" 2>&1 ||
+    echo "ncu.sh: no source page (ncu --page source)" >&2
+else
+  (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" "$prog" "$@") >>"$report" 2>&1
+  rc=$?
+fi
 echo "ncu.sh: exit $rc, report $report"
 grep -E '^  [a-zA-Z_0-9]+ \(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Pipe Tensor Cycles Active|No Eligible|Stall (Long Scoreboard|Wait|Barrier|MIO Throttle)' "$report" | head -n 40
 exit $rc
