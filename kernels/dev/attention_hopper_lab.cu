@@ -5,8 +5,6 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  head dim 128's backward reads an item's lse and delta from shared
-//      memory before waiting for its scores, not after.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -927,19 +925,13 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-#if AH_EXPERIMENT & 2
-    float l2[8][2], dl[8][2];
-    ah_lds_stats(stat + s * 512, t4, l2, dl);  // while the products run
-#endif
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
     // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
     // q0 + 8n + 2t4 + e.
-#if !(AH_EXPERIMENT & 2)
     float l2[8][2], dl[8][2];
     ah_lds_stats(stat + s * 512, t4, l2, dl);
-#endif
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
 #pragma unroll
     for (int n = 0; n < 8; n++) {

@@ -53,8 +53,6 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "bwd-stats-early", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "head dim 128's backward reads an item's lse and delta from shared memory while its scores run (Nsight Compute: 5% of the stall samples on their lds latency after the wait)"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
