@@ -315,30 +315,23 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 	if err != nil {
 		return err
 	}
+	dh, keys := s.HeadDim, s.Keys()
 	pairs, qTiles := s.Batch*s.Heads, (s.Seq+hopperAttnBM-1)/hopperAttnBM
 	grid := Grid{
 		Grid:   driver.Dim3{X: pairs, Y: qTiles, Z: 1},
 		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
-		Shared: hopperAttnSmem(s.HeadDim),
+		Shared: hopperAttnSmem(dh),
 	}
-	return launchHopperAttnForwardOn(d, kern, grid, out, lse, q, k, v, s, band)
-}
-
-// launchHopperAttnForwardOn queues kern, a kernel with attn_h_forward's
-// arguments and then extra ones (a lab build's: kernels/dev), on grid.
-func launchHopperAttnForwardOn(d *Device, kern *Kernel, grid Grid, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int, extra ...uint64) error {
-	dh, keys := s.HeadDim, s.Keys()
 	maps := []namedMap{
 		{"q", hopperAttnMap(q, s.Heads*dh, s.Batch*s.Seq, hopperAttnBM)},
 		{"k", hopperAttnMap(k, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
 		{"v", hopperAttnMap(v, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
 	}
 	_, scaleLog2 := attnScales(dh)
-	pairs, qTiles := s.Batch*s.Heads, (s.Seq+hopperAttnBM-1)/hopperAttnBM
 	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
 		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, qTiles, false))))}
-	return launchWithMaps(d, "AttentionForward", kern, grid, maps, append(slots, extra...))
+	return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
 }
 
 // hopperAttnForwardF32 rounds float32 q, k and v to bf16 in scratch
