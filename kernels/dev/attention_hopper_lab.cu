@@ -5,6 +5,10 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
+//   2  the head-dim-64 backward's producer warp copies each item's lse and
+//      delta by cp.async, its lanes arriving on the stage's full barrier
+//      as the copies land (cp.async.mbarrier.arrive.noinc), instead of
+//      loading them itself before it arrives.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1075,6 +1079,18 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
         }
       }
       const long long row = ((long long)b * H + h) * S;
+#if AH_EXPERIMENT & 2
+      // The statistics by cp.async, each lane's arrival on the full
+      // barrier made when its copies land: the producer goes on to the
+      // next stage instead of waiting for its loads.
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + lane + 32 * e;
+        ah_cp4(stat + s * 512 + 4 * (lane + 32 * e), i < S ? lse + row + i : lse, i < S);
+        ah_cp4(stat + s * 512 + 256 + 4 * (lane + 32 * e), i < S ? delta + row + i : delta, i < S);
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full + 8 * s) : "memory");
+#else
 #pragma unroll
       for (int e = 0; e < 2; e++) {
         const int i = q0 + lane + 32 * e;
@@ -1082,6 +1098,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
         ah_stsf(stat + s * 512 + 256 + 4 * (lane + 32 * e), i < S ? delta[row + i] : 0.0f);
       }
       gg_bar_arrive(full + 8 * s);
+#endif
     }
     return;
   }
@@ -1116,6 +1133,10 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     for (int n = 0; n < 8; n++) {
       float l2[2], dl[2];
       ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+#if AH_EXPERIMENT & 2
+      l2[0] *= AH_LOG2E;  // (copied as lse)
+      l2[1] *= AH_LOG2E;
+#endif
       ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
 #pragma unroll
       for (int e = 0; e < 2; e++) {

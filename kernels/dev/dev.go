@@ -53,6 +53,8 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
+			{Name: "bwd64-async-stats", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
+				Purpose: "the head-dim-64 backward's producer copies lse and delta by cp.async, arriving on the full barrier as they land (Nsight Compute: the consumers' full-barrier waits are the top stall)"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
