@@ -60,6 +60,11 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
+	// attn_h_backward_own_dq_d128: attn_h_backward's arguments, 256
+	// threads; one dS^T buffer and one statistics area a warpgroup
+	// (ah_own_dq_cfg<128>::SMEM).
+	"bwd-own-dq": {headDims: []int{128}, kernel: "attn_h_backward_own_dq_d%d",
+		launch: func(dh int) (int, int) { const stages = 2; return 256, hopperAttnBwdSmem(dh) - 2*64*128 + stages*512 }},
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.

@@ -9,6 +9,9 @@
 //      delta by cp.async, its lanes arriving on the stage's full barrier
 //      as the copies land (cp.async.mbarrier.arrive.noinc), instead of
 //      loading them itself before it arrives.
+//   4  attn_h_backward_own_dq_d128: head dim 128's backward with each
+//      warpgroup adding dq over its own 64 keys (no 256-thread barrier an
+//      item; twice the reductions). TestAttentionLabOwnLaunch launches it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1598,6 +1601,175 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
   // The turns count on the launch order: every pair at once (band ignored).
   ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
                         (int)gridDim.x, turns);
+}
+#endif
+
+#if AH_EXPERIMENT & 4
+// ah_backward_own_dq (bwd-own-dq): ah_backward with each warpgroup adding
+// dq over its own 64 keys (two 64-column blocks an item, version 3's
+// split, twice the reductions) instead of over all 128 keys after a
+// 256-thread barrier, so that the two warpgroups never wait for each
+// other inside an item (only thread 0's refill waits for both); each
+// warpgroup copies its own items' statistics. Shared memory: one dS^T
+// buffer and one statistics area [STAGES] a warpgroup (ah_own_dq_smem).
+template <int DH>
+struct ah_own_dq_cfg {
+  static constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  static constexpr unsigned SMEM = 1024 + 2 * ah_bcfg<DH>::KT + STAGES * 2 * ah_bcfg<DH>::QT + 2 * ah_bcfg<DH>::DSB +
+                                   4 * ah_bcfg<DH>::DQB + 2 * STAGES * 512 + 8 * (1 + 2 * STAGES);
+};
+
+template <int DH>
+__device__ __forceinline__ void ah_backward_own_dq(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+                                                   const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                                   const float* delta, float* dk, float* dv, int S, int KS, int off,
+                                                   int H, int KV, float scaleLog2, float scale, int band) {
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers [warpgroup]
+  const unsigned dqs = dss + 2 * DSB;                            // dq staging [warpgroup][2]
+  const unsigned stat = dqs + 4 * DQB;                           // [warpgroup][stage]: 64 lse, 64 delta
+  const unsigned barKV = stat + 2 * STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int pair, kb;
+  ah_band(band, pair, kb);
+  const int b = pair / KV, kvh = pair % KV, G = H / KV;
+  const int j0 = kb * 128;
+  const int nQT = (S + AH_BQ - 1) / AH_BQ;
+  const int qt0 = gg_max(0, j0 - off) / AH_BQ;
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  // stats: this warpgroup's copy of item it's lse and delta (a value a
+  // thread), waited for before the warpgroup's barrier of the item before.
+  const unsigned wstat = stat + cw * STAGES * 512;
+  auto stats = [&](int it) {
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ, c = wtid & 63, i = q0 + c;
+    const float* row = (wtid < 64 ? lse : delta) + ((long long)b * H + h) * S;
+    ah_cp4(wstat + (it % STAGES) * 512 + (wtid >> 6) * 256 + 4 * c, i < S ? row + i : row, i < S);
+    ah_cp_commit();
+  };
+  auto load = [&](int it) {
+    const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+    const unsigned qa = qs + s * 2 * QT;
+    gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
+      gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
+    }
+  };
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 1);
+      gg_bar_init(empty + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapDO);
+    gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
+      gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
+    }
+    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
+  }
+  if (items > 0) stats(0);
+  ah_cp_wait_all();
+  __syncthreads();
+
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  const unsigned dsb = dss + cw * DSB;
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    if (it + 1 < items) stats(it + 1);
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    float l2[8][2], dl[8][2];
+    ah_lds_stats(wstat + s * 512, t4, l2, dl);
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
+      }
+    }
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+    // This warpgroup's dS^T (its buffer free: the item before's dq
+    // product was waited for) and the next item's statistics.
+    ah_store_dst(dsb, da, wr, t4);
+    ah_cp_wait_all();
+    gg_named_sync(1 + cw, 128);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) {
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + c * KBOX + cw * 64 * 128, KBOX);
+#pragma unroll
+      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (c == 0) {
+        gg_fence_acc(dva);
+        gg_fence_acc(dka);
+        if (lane == 0) gg_bar_arrive(empty + 8 * s);
+        if (tid == 0 && it + STAGES < items) {
+          gg_bar_wait(empty + 8 * s, ph);
+          load(it + STAGES);
+        }
+      }
+      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+      ah_stage_dq(stg, acc, wr, t4);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      if (wtid == 0) gg_bulk_wait_read();
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+      nq++;
+    }
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_own_dq_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward_own_dq<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
+                          band);
 }
 #endif
 

@@ -55,6 +55,8 @@ func Sources() []Source {
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
 			{Name: "bwd64-async-stats", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "the head-dim-64 backward's producer copies lse and delta by cp.async, arriving on the full barrier as they land (Nsight Compute: the consumers' full-barrier waits are the top stall)"},
+			{Name: "bwd-own-dq", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
+				Purpose: "adds attn_h_backward_own_dq_d128: each warpgroup adds dq over its own 64 keys, no 256-thread barrier an item (twice the reductions); launched by TestAttentionLabOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
