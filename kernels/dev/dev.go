@@ -36,7 +36,7 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd-ordered).
+// test of its own launches (bwd-ordered, bwd-own-dq, fwd-3c).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -57,6 +57,8 @@ func Sources() []Source {
 				Purpose: "the head-dim-64 backward's producer copies lse and delta by cp.async, arriving on the full barrier as they land (Nsight Compute: the consumers' full-barrier waits are the top stall)"},
 			{Name: "bwd-own-dq", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
 				Purpose: "adds attn_h_backward_own_dq_d128: each warpgroup adds dq over its own 64 keys, no 256-thread barrier an item (twice the reductions); launched by TestAttentionLabOwnLaunch"},
+			{Name: "fwd-3c", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
+				Purpose: "adds attn_h_forward3_d64: the head-dim-64 forward with three consumer warpgroups and 192 queries a block (FlashAttention-3's shape there); launched by TestAttentionLabForwardOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
