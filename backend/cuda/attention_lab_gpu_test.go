@@ -62,6 +62,10 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
+	// attn_h_backward_d64 with three stages: a q and a dout tile and 512
+	// bytes of statistics more, and two more mbarriers.
+	"bwd64-async-stats3": {headDims: []int{64}, kernel: "attn_h_backward_d%d",
+		launch: func(dh int) (int, int) { return 288, hopperAttnBwdSmem(dh) + 2*dh/64*hopperAttnBwdQ*128 + 512 + 2*8 }},
 	// attn_h_backward_own_dq_d128: attn_h_backward's arguments, 256
 	// threads; one dS^T buffer and one statistics area a warpgroup
 	// (ah_own_dq_cfg<128>::SMEM).

@@ -15,6 +15,9 @@
 //   8  attn_h_forward3_d64: the head-dim-64 forward with three consumer
 //      warpgroups and 192 queries a block (512 threads, setmaxnreg 32 and
 //      160). TestAttentionLabForwardOwnLaunch launches it.
+//  16  three stages of q, dout and statistics at head dim 64 (with bit 2:
+//      the producer running two items ahead). TestAttentionLabOwnLaunch
+//      launches it (16 KiB and 512 bytes more shared memory).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -841,7 +844,11 @@ struct alignas(16) ah_f4 {
 
 template <int DH>
 struct ah_bcfg {
+#if AH_EXPERIMENT & 16
+  static constexpr int STAGES = DH == 64 ? 3 : 2;  // bwd64-async-stats3
+#else
   static constexpr int STAGES = 2;
+#endif
   static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
   static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
   static constexpr unsigned KT = (DH / 64) * KBOX;  // the k (or v) tile

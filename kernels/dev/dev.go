@@ -55,6 +55,8 @@ func Sources() []Source {
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
 			{Name: "bwd64-async-stats", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "the head-dim-64 backward's producer copies lse and delta by cp.async, arriving on the full barrier as they land (Nsight Compute: the consumers' full-barrier waits are the top stall)"},
+			{Name: "bwd64-async-stats3", Defines: []string{"AH_EXPERIMENT=18"}, Exact: true,
+				Purpose: "bwd64-async-stats with three stages, the producer two items ahead (bwd-three-stages was level when the producer's own loads held it back); launched by TestAttentionLabOwnLaunch"},
 			{Name: "bwd-own-dq", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
 				Purpose: "adds attn_h_backward_own_dq_d128: each warpgroup adds dq over its own 64 keys, no 256-thread barrier an item (twice the reductions); launched by TestAttentionLabOwnLaunch"},
 			{Name: "fwd-3c", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
