@@ -68,7 +68,7 @@ echo "ncu.sh: $kernels ($count after $skip) in: $*" >"$report"
 if [[ -n "${NCU_SOURCE:-}" ]]; then
   # Keep the report, print its sections from it, and list every SASS
   # instruction with its warp-stall samples (ncu-<n>-sass.csv).
-  rep="$out/ncu-$n"
+  rep="$(cd "$out" && pwd)/ncu-$n"  # absolute: the command may run from DIR
   (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" --export "$rep" --force-overwrite "$prog" "$@") >>"$report" 2>&1
   rc=$?
   ncu --import "$rep.ncu-rep" --print-details all >>"$report" 2>&1
