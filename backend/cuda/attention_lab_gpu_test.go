@@ -79,7 +79,7 @@ var ownForwardLaunch = map[string]labForwardLaunch{
 	// attn_h_forward3_d64: attn_h_forward's arguments, 512 threads, 192
 	// queries a block (q's map in boxes of 192 rows), a 192-row q tile
 	// beside production's ring.
-	"fwd-3c": {headDims: []int{64}, kernel: "attn_h_forward3_d%d", threads: 512, queries: 192},
+	"fwd-3c": {headDims: []int{64}, kernel: "attn_h_forward3_d%d", threads: 512, queries: 192, registers: 128},
 }
 
 // labForwardLaunch is how a lab build's forward kernels launch: production's
@@ -90,6 +90,10 @@ type labForwardLaunch struct {
 	headDims         []int
 	kernel           string // the kernel's name, %d the head dim
 	threads, queries int
+	// registers is what the kernel must have at entry where its
+	// warpgroups trade registers (setmaxnreg): with fewer, the block holds
+	// fewer than its warpgroups ask for and setmaxnreg.inc waits forever.
+	registers int
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.
@@ -329,6 +333,11 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 		t.Run(v.Name, func(t *testing.T) {
 			how := ownForwardLaunch[v.Name]
 			kerns := labKernels(t, d, lab, v, how.kernel, how.headDims)
+			for dh, kern := range kerns {
+				if how.registers != 0 && kern.Registers != how.registers {
+					t.Fatalf("%s (head dim %d) has %d registers at entry, not %d: its setmaxnreg would hang", kern.Desc.Name, dh, kern.Registers, how.registers)
+				}
+			}
 			labForward := func(out, lse, q, kk, vv *Buffer, s backend.AttnShape) error {
 				dh, keys := s.HeadDim, s.Keys()
 				pairs, blocks := s.Batch*s.Heads, (s.Seq+how.queries-1)/how.queries

@@ -17,7 +17,9 @@
 //      160). TestAttentionLabForwardOwnLaunch launches it.
 //  16  three stages of q, dout and statistics at head dim 64 (with bit 2:
 //      the producer running two items ahead). TestAttentionLabOwnLaunch
-//      launches it (16 KiB and 512 bytes more shared memory).
+//      launches it (16 KiB, 512 bytes and two mbarriers more shared
+//      memory). The build's attn_h_zz_backward_d64 would need them too; it
+//      is never swapped in for production's (own-launch variants are not).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1290,6 +1292,9 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
       gg_bar_arrive(full + 8 * s);
 #endif
     }
+#if AH_EXPERIMENT & 2
+    ah_cp_wait_all();  // the last copies (and their arrivals) before the warp exits
+#endif
     return;
   }
 
@@ -1798,7 +1803,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
 // 256-thread barrier, so that the two warpgroups never wait for each
 // other inside an item (only thread 0's refill waits for both); each
 // warpgroup copies its own items' statistics. Shared memory: one dS^T
-// buffer and one statistics area [STAGES] a warpgroup (ah_own_dq_smem).
+// buffer and one statistics area [STAGES] a warpgroup (ah_own_dq_cfg).
+// Thread 0 refills a stage without waiting where both warpgroups have
+// freed it, and waits only at the start of the item that needs it, so
+// warpgroup 0 is not held to warpgroup 1's pace inside an item.
+// ah_bar_test is gg_bar_try without try_wait's wait: whether the phase of
+// parity `parity` has completed, now.
+__device__ __forceinline__ bool ah_bar_test(unsigned bar, unsigned parity) {
+  unsigned done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 template <int DH>
 struct ah_own_dq_cfg {
   static constexpr int STAGES = ah_bcfg<DH>::STAGES;
@@ -1869,6 +1891,24 @@ __device__ __forceinline__ void ah_backward_own_dq(const gg_tmap* mapQ, const gg
   if (items > 0) stats(0);
   ah_cp_wait_all();
   __syncthreads();
+  // refill (thread 0) loads the items after pend whose stages both
+  // warpgroups have freed, up to item upto: waiting for each where block,
+  // else as far as they are free now. pend - STAGES never passes the item
+  // thread 0's warpgroup has freed, and warpgroup 1 is never a whole ring
+  // behind it, so a stage's parity is never two phases old.
+  int pend = gg_min(STAGES, items);
+  auto refill = [&](int upto, bool block) {
+    while (pend < items && pend <= upto) {
+      const int s = pend % STAGES;
+      const unsigned ph = ((pend - STAGES) / STAGES) & 1;
+      if (block) {
+        gg_bar_wait(empty + 8 * s, ph);
+      } else if (!ah_bar_test(empty + 8 * s, ph)) {
+        return;
+      }
+      load(pend++);
+    }
+  };
 
   const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
   float dka[DH / 2], dva[DH / 2];
@@ -1885,6 +1925,7 @@ __device__ __forceinline__ void ah_backward_own_dq(const gg_tmap* mapQ, const gg
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
     if (it + 1 < items) stats(it + 1);
+    if (tid == 0) refill(it, true);
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
@@ -1932,10 +1973,7 @@ __device__ __forceinline__ void ah_backward_own_dq(const gg_tmap* mapQ, const gg
         gg_fence_acc(dva);
         gg_fence_acc(dka);
         if (lane == 0) gg_bar_arrive(empty + 8 * s);
-        if (tid == 0 && it + STAGES < items) {
-          gg_bar_wait(empty + 8 * s, ph);
-          load(it + STAGES);
-        }
+        if (tid == 0) refill(it + STAGES, false);
       }
       const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
       ah_stage_dq(stg, acc, wr, t4);
