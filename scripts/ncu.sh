@@ -19,8 +19,9 @@
 # relative to the repository root). NCU_SECTIONS replaces the sections
 # (none: no section); NCU_METRICS adds --metrics; NCU_TIMEOUT bounds the run (default 300 s);
 # NCU_SOURCE=1 also keeps the report ($OUT/ncu-<n>.ncu-rep, for the Nsight
-# Compute GUI) and writes every SASS instruction of the profiled kernels
-# with its warp-stall samples to $OUT/ncu-<n>-sass.csv.
+# Compute GUI), writes every SASS instruction of the profiled kernels
+# with its warp-stall samples to $OUT/ncu-<n>-sass.csv and prints their
+# summary by opcode and instruction (scripts/ncu_sass.py, ncu-<n>-sass.txt).
 # The report is $OUT/ncu-<n>.txt (the first free n); Nsight Compute's
 # kernel replay saves and restores the device memory a kernel may write,
 # so a large workload profiles slowly.
@@ -72,12 +73,19 @@ if [[ -n "${NCU_SOURCE:-}" ]]; then
   (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" --export "$rep" --force-overwrite "$prog" "$@") >>"$report" 2>&1
   rc=$?
   ncu --import "$rep.ncu-rep" --print-details all >>"$report" 2>&1
-  ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"$out/ncu-$n-sass.csv" 2>&1 ||
+  if ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"$out/ncu-$n-sass.csv" 2>&1; then
+    # The opcodes and instructions with the most stall samples
+    # (scripts/ncu_sass.py), printed last.
+    py=$(command -v python3 || true)
+    [[ -n "$py" ]] && "$py" scripts/ncu_sass.py "$out/ncu-$n-sass.csv" 15 >"$out/ncu-$n-sass.txt" 2>&1
+  else
     echo "ncu.sh: no source page (ncu --page source)" >&2
+  fi
 else
   (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" "$prog" "$@") >>"$report" 2>&1
   rc=$?
 fi
 echo "ncu.sh: exit $rc, report $report"
 grep -E '^  [a-zA-Z_0-9]+ \(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Pipe Tensor Cycles Active|No Eligible|Stall (Long Scoreboard|Wait|Barrier|MIO Throttle)' "$report" | head -n 40
+[[ -f "$out/ncu-$n-sass.txt" ]] && cat "$out/ncu-$n-sass.txt"
 exit $rc
