@@ -1,6 +1,15 @@
 package cuda
 
-import "testing"
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/mktrain/mktrain/kernels"
+)
 
 // bandBlock is ah_band (kernels/attention_hopper.cu) in Go: the pair and
 // item of the block launched lin-th on a grid of pairs by items.
@@ -72,5 +81,45 @@ func TestHopperAttnBand(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestHopperAttnSmemMatchesKernels compiles attention_hopper.cu with
+// clang-19 and static_asserts that say the shared memory the launches
+// give (hopperAttnSmem, hopperAttnBwdSmem) is what the kernels lay out
+// (ah_cfg<DH>::SMEM, ah_bcfg<DH>::SMEM) at both head dims: a layout
+// changed on one side only fails here, not on the GPU. Skipped without
+// clang-19, as kernels' compile check is.
+func TestHopperAttnSmemMatchesKernels(t *testing.T) {
+	clang, err := exec.LookPath("clang-19")
+	if err != nil {
+		t.Skip("cuda: clang-19 not on PATH, the kernels' shared-memory layout not checked against the launches")
+	}
+	src, err := kernels.Lookup("attention_hopper.cu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, err := src.Text()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	b.WriteString(text)
+	for _, dh := range []int{64, 128} {
+		fmt.Fprintf(&b, "static_assert(ah_cfg<%d>::SMEM == %d, \"hopperAttnSmem(%d) is not ah_cfg<%d>::SMEM\");\n", dh, hopperAttnSmem(dh), dh, dh)
+		fmt.Fprintf(&b, "static_assert(ah_bcfg<%d>::SMEM == %d, \"hopperAttnBwdSmem(%d) is not ah_bcfg<%d>::SMEM\");\n", dh, hopperAttnBwdSmem(dh), dh, dh)
+		if _, smem := hopperAttnBwdLaunch(dh); smem != hopperAttnBwdSmem(dh) {
+			t.Errorf("hopperAttnBwdLaunch(%d) gives %d bytes, not ah_bcfg's %d", dh, smem, hopperAttnBwdSmem(dh))
+		}
+	}
+	dir := t.TempDir()
+	file := filepath.Join(dir, "attention_hopper_smem.cu")
+	if err := os.WriteFile(file, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(clang, "-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_90a", "-nocudainc", "-nocudalib",
+		"-fsyntax-only", file)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v\n%s", cmd, err, out)
 	}
 }
