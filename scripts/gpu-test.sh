@@ -326,7 +326,8 @@ for lab in $labs; do
   variants=${lab#*:}
   [[ "$lab" == *:* ]] || variants=
   export MKTRAIN_GG_VARIANTS=$variants
-  run_binary backend/cuda "lab-${tests//|/+}" "^(${tests})\$" "${LAB_TIMEOUT:-300s}"
+  # Named by its tests and variants: one test may run in several processes.
+  run_binary backend/cuda "lab-${tests//|/+}${variants:+-${variants//,/+}}" "^(${tests})\$" "${LAB_TIMEOUT:-300s}"
 done
 export MKTRAIN_GG_VARIANTS=$variants_before
 
