@@ -381,11 +381,11 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 					prod := func() error {
 						return launchHopperAttnForward(d, prodOut.Ptr(), prodLse.Ptr(), q.Ptr(), kk.Ptr(), vv.Ptr(), s, false, 0)
 					}
-					lab := func() error { return labForward(labOut, labLse, q, kk, vv, s) }
+					labCall := func() error { return labForward(labOut, labLse, q, kk, vv, s) }
 					if err := prod(); err != nil {
 						t.Fatal(err)
 					}
-					if err := lab(); err != nil {
+					if err := labCall(); err != nil {
 						t.Fatal(err)
 					}
 					for _, c := range []struct {
@@ -406,7 +406,7 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 					}
 					flops := 4 * float64(s.Batch*H*Dh) * float64(s.Seq) * float64(s.Keys()) / 2
 					name := fmt.Sprintf("attention hopper %s fwd B%d S%d H%d KV%d Dh%d", v.Name, s.Batch, s.Seq, H, KV, Dh)
-					prodMs, labMs := attnMedianMs(t, d, prod), attnMedianMs(t, d, lab)
+					prodMs, labMs := attnMedianMs(t, d, prod), attnMedianMs(t, d, labCall)
 					figure(t, name+" production rate", flops/prodMs/1e9, "TFLOP/s")
 					figure(t, name+" rate", flops/labMs/1e9, "TFLOP/s")
 					figure(t, name+" over production", prodMs/labMs, "x")
