@@ -67,8 +67,7 @@ var ownLaunch = map[string]labBackwardLaunch{
 	"bwd64-async-stats3": {headDims: []int{64}, kernel: "attn_h_backward_d%d",
 		launch: func(dh int) (int, int) { return 288, hopperAttnBwdSmem(dh) + 2*dh/64*hopperAttnBwdQ*128 + 512 + 2*8 }},
 	// attn_h_backward_own_dq_d128: attn_h_backward's arguments, 256
-	// threads; one dS^T buffer and one statistics area a warpgroup
-	// (ah_own_dq_cfg<128>::SMEM).
+	// threads; one dS^T buffer and one statistics area a warpgroup.
 	"bwd-own-dq": {headDims: []int{128}, kernel: "attn_h_backward_own_dq_d%d",
 		launch: func(dh int) (int, int) { const stages = 2; return 256, hopperAttnBwdSmem(dh) - 2*64*128 + stages*512 }},
 }

@@ -207,16 +207,22 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-template <int DH, typename Out>
+// NC is the consumer warpgroups, 64 queries each (production: 2; bit 8's
+// attn_h_forward3_d64: 3, the q tile NC*64 rows, loaded as one box a
+// 64-column chunk, and the warpgroups' registers traded as NC allows).
+template <int DH, typename Out, int NC = 2>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                            float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
                                            int band) {
   constexpr int STAGES = ah_cfg<DH>::STAGES;
   constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  constexpr int BM = 64 * NC;                                           // AH_BM at NC 2
+  constexpr unsigned QBOX = BM * 128, QTILE = (DH / 64) * QBOX;        // BOX and TILE at NC 2
+  constexpr int REG_DEC = NC == 2 ? 40 : 32, REG_INC = NC == 2 ? 232 : 160;  // 128 x dec + 128NC x inc <= 65536
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
+  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
   // mbarriers: q, fullK[STAGES], fullV[STAGES], empty[STAGES].
-  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
                  empty = fullV + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // Pairs (sequence, head) by q tiles, heaviest first: causal work grows
@@ -224,15 +230,15 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   int bh, ty;
   ah_band(band, bh, ty);
   const int b = bh / H, h = bh % H, kvh = h / (H / KV);
-  const int nQT = (S + AH_BM - 1) / AH_BM, i0 = (nQT - 1 - ty) * AH_BM;
-  const int lastRow = gg_min(S - 1, i0 + AH_BM - 1);
+  const int nQT = (S + BM - 1) / BM, i0 = (nQT - 1 - ty) * BM;
+  const int lastRow = gg_min(S - 1, i0 + BM - 1);
   const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
   if (tid == 0) {
     gg_bar_init(barQ, 1);
     for (int s = 0; s < STAGES; s++) {
       gg_bar_init(fullK + 8 * s, 1);
       gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+      gg_bar_init(empty + 8 * s, 4 * NC);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -240,14 +246,14 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   __syncthreads();
 
   if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REG_DEC) : "memory");
     if (tid != 0) return;
     gg_prefetch_tmap(mapQ);
     gg_prefetch_tmap(mapK);
     gg_prefetch_tmap(mapV);
-    gg_bar_expect_tx(barQ, TILE);
+    gg_bar_expect_tx(barQ, QTILE);
 #pragma unroll
-    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
     for (int t = 0; t < nT; t++) {
       const int s = t % STAGES;
       const unsigned ph = (t / STAGES) & 1;
@@ -263,7 +269,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REG_INC) : "memory");
   // Consumer cw owns queries [i0 + 64cw, i0 + 64cw + 64); this thread rows
   // r0 and r0 + 8 of them (the accumulator layout, grouped_gemm.cuh).
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
@@ -614,176 +620,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // attn_h_forward3_d64 (fwd-3c): the head-dim-64 forward with three
 // consumer warpgroups and 192 queries a block (FlashAttention-3's shape at
 // this head dim): 512 threads, the producer warpgroup at 32 registers and
-// the consumers at 160 (setmaxnreg), every key tile loaded once for 192
-// queries instead of 128, and twelve consumer warps to hide the softmax's
-// latencies instead of eight. Each consumer's 64 queries compute what
-// production's do (the same tiles in the same order), so out and lse are
-// the same bits. attn_h_forward's arguments; q's map has boxes of 192 rows;
-// dynamic shared memory 1024 + 192*128 + 2*STAGES*16 KiB + the barriers.
-#define AH_BM3 192
-template <typename Out>
-__device__ __forceinline__ void ah_forward3(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
-                                            float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
-                                            int band) {
-  constexpr int DH = 64;
-  constexpr int STAGES = ah_cfg<DH>::STAGES;
-  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE, QTILE = AH_BM3 * 128;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned qs = base, ks = base + QTILE, vs = ks + STAGES * TILE;
-  const unsigned barQ = vs + STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES, empty = fullV + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int bh, ty;
-  ah_band(band, bh, ty);
-  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
-  const int nQT = (S + AH_BM3 - 1) / AH_BM3, i0 = (nQT - 1 - ty) * AH_BM3;
-  const int lastRow = gg_min(S - 1, i0 + AH_BM3 - 1);
-  const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 12);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;" ::: "memory");
-    if (tid != 0) return;
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapK);
-    gg_prefetch_tmap(mapV);
-    gg_bar_expect_tx(barQ, QTILE);
-    gg_tma_2d(qs, mapQ, h * DH, b * S + i0, barQ);
-    for (int t = 0; t < nT; t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);
-      const int row = b * KS + t * AH_BN;
-      gg_bar_expect_tx(fullK + 8 * s, TILE);
-      gg_tma_2d(ks + s * TILE, mapK, kvh * DH, row, fullK + 8 * s);
-      gg_bar_expect_tx(fullV + 8 * s, TILE);
-      gg_tma_2d(vs + s * TILE, mapV, kvh * DH, row, fullV + 8 * s);
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 160;" ::: "memory");
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
-  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
-  const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
-  float o[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
-  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
-  gg_bar_wait(barQ, 0);
-  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  for (int t = 0; t < nTw; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    float sc[64];
-    gg_bar_wait(fullK + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dk = gg_desc(ks + s * TILE);
-    gg_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    const int j0 = t * AH_BN;
-    if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
-      const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
-#pragma unroll
-      for (int n = 0; n < 16; n++) {
-        const int j = j0 + 8 * n + 2 * t4;
-        if (j > lim0) sc[4 * n] = ah_neg_inf();
-        if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
-        if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
-        if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
-      }
-    }
-    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float s0 = 0.0f, s1 = 0.0f;
-    unsigned p[8][4];
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-      const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-      s0 += e0 + e1;
-      s1 += e2 + e3;
-      p[n >> 1][2 * (n & 1)] = gg_pack_bf16(e0, e1);
-      p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(e2, e3);
-    }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      o[4 * i] *= a0;
-      o[4 * i + 1] *= a0;
-      o[4 * i + 2] *= a1;
-      o[4 * i + 3] *= a1;
-    }
-    gg_bar_wait(fullV + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-    gg_wgmma_fence();
-    gg_fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-  }
-  for (int t = nTw; t < nT; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    gg_bar_wait(fullK + 8 * s, ph);
-    gg_bar_wait(fullV + 8 * s, ph);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-  }
-  l0 += mk_shfl_xor(l0, 1);
-  l0 += mk_shfl_xor(l0, 2);
-  l1 += mk_shfl_xor(l1, 1);
-  l1 += mk_shfl_xor(l1, 2);
-  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-  const int HD = H * DH;
-  Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-  Out* o1 = o0 + 8LL * HD;
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-    if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-    if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-  }
-  if (t4 == 0) {
-    float* lrow = lse + ((long long)b * H + h) * S;
-    if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-    if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-  }
-}
-
+// the consumers at 160, each key tile loaded once for 192 queries, twelve
+// consumer warps to hide the softmax's latencies. Each consumer's 64
+// queries compute what production's do, so out and lse are the same
+// bits. attn_h_forward's arguments; q's map has boxes of 192 rows.
 extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward3_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward3<float>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+  ah_forward<64, float, 3>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 #endif
 
@@ -1803,7 +1645,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
 // 256-thread barrier, so that the two warpgroups never wait for each
 // other inside an item (only thread 0's refill waits for both); each
 // warpgroup copies its own items' statistics. Shared memory: one dS^T
-// buffer and one statistics area [STAGES] a warpgroup (ah_own_dq_cfg).
+// buffer and one statistics area [STAGES] a warpgroup (the Go test's
+// launch: ah_bcfg's layout less two dS^T buffers, plus STAGES x 512
+// bytes).
 // Thread 0 refills a stage without waiting where both warpgroups have
 // freed it, and waits only at the start of the item that needs it, so
 // warpgroup 0 is not held to warpgroup 1's pace inside an item.
@@ -1820,13 +1664,6 @@ __device__ __forceinline__ bool ah_bar_test(unsigned bar, unsigned parity) {
       : "memory");
   return done != 0;
 }
-
-template <int DH>
-struct ah_own_dq_cfg {
-  static constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  static constexpr unsigned SMEM = 1024 + 2 * ah_bcfg<DH>::KT + STAGES * 2 * ah_bcfg<DH>::QT + 2 * ah_bcfg<DH>::DSB +
-                                   4 * ah_bcfg<DH>::DQB + 2 * STAGES * 512 + 8 * (1 + 2 * STAGES);
-};
 
 template <int DH>
 __device__ __forceinline__ void ah_backward_own_dq(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
