@@ -13,12 +13,15 @@
 // kernels of each direction): one rank's share, every rank's tensors read
 // in place through tensor maps.
 //
-// Work split. A block owns 128 queries of one (sequence, head) and has
-// three warpgroups (384 threads). Warpgroup 0 is the producer: one thread
-// loads the block's q tile once and then, for every key tile of 128 keys
-// the block sees, the k tile and the v tile, each completing on its own
-// "full" mbarrier of a STAGES-deep ring (so the scores can start before v
-// has landed). Warpgroups 1 and 2 are the consumers, 64 queries each:
+// Work split. A block owns 64*NC queries of one (sequence, head) and has
+// 1+NC warpgroups: NC = 3 at head dim 64 (192 queries, 512 threads,
+// FlashAttention-3's shape there), 2 at head dim 128 and in the ring's
+// kernels (128 queries, 384 threads). Warpgroup 0 is the producer: one
+// thread loads the block's q tile once and then, for every key tile of
+// 128 keys the block sees, the k tile and the v tile, each completing on
+// its own "full" mbarrier of a STAGES-deep ring (so the scores can start
+// before v has landed). The other warpgroups are the consumers, 64
+// queries each:
 //
 //   S = q . k^T     wgmma m64n128k16 from shared memory (both K-major)
 //   mask, online softmax in registers (rows' max and sum, base 2)
@@ -28,9 +31,13 @@
 // and each consumer warp arrives on the stage's "empty" mbarrier once its
 // products are done, which lets the producer refill it. The scores'
 // accumulator layout is the A operand layout of the next product (both
-// are mma.m16n8k16's per warp), so P never leaves the registers. The two
+// are mma.m16n8k16's per warp), so P never leaves the registers. The
 // consumers run the same key tiles on different queries, so while one is
-// in its softmax the other's products keep the tensor cores busy.
+// in its softmax another's products keep the tensor cores busy; a third
+// consumer (head dim 64, whose tiles are half the work of 128's) loads
+// each key tile once for 192 queries and has twelve warps hide the
+// softmax's latencies: 1.14x the two-consumer kernel at B8 S2048 and
+// 1.12x at B4 S4096 on an H200 (kernels/attention_hopper.md, fwd-3c).
 //
 // Masking. Only tiles that cross the causal diagonal or the end of the
 // keys are masked, element by element; a block loads key tiles up to the
@@ -44,7 +51,10 @@
 // warps put three on each of the SM's four register files), which holds
 // the scores (64 floats), o (Dh/2) and P (32 bf16 pairs) without
 // spilling. The producer warpgroup hands registers to the consumers with
-// setmaxnreg (40 and 232), but the compiled code stays within 168.
+// setmaxnreg (40 and 232), but the compiled code stays within 168. With
+// three consumers (512 threads, 128 each at entry) the producer drops to
+// 32 and the consumers rise to 160, enough at head dim 64 (o is 32
+// floats); 128 x 32 + 384 x 160 is the register file's 65536.
 //
 // Layout in shared memory (128-byte swizzle, as grouped_gemm.cuh
 // explains): a tile of R rows and Dh columns is Dh/64 TMA boxes of {64
@@ -55,7 +65,7 @@
 
 #include "hopper.cuh"
 
-#define AH_BM 128  // queries per block
+#define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
 #define AH_BN 128  // keys per tile
 #define AH_LN2 0.6931471805599453f
 
@@ -161,14 +171,27 @@ __device__ __forceinline__ void ah_wgmma_ss(float (&d)[32], unsigned long long d
       : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
-// ah_stages is the ring depth per head dim: a stage is a k and a v tile
-// (32 KiB at Dh 64, 64 KiB at Dh 128), beside the q tile.
-template <int DH>
+// ah_cfg is the forward's layout for head dim DH and NC consumer
+// warpgroups: STAGES is the ring depth (a stage is a k and a v tile, 32
+// KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows.
+template <int DH, int NC = 2>
 struct ah_cfg {
   static constexpr int STAGES = DH == 64 ? 4 : 2;
+  static constexpr int BM = 64 * NC;                       // queries per block
   static constexpr unsigned BOX = AH_BN * 128;             // {64 columns, 128 rows} of bf16: 16 KiB
-  static constexpr unsigned TILE = (DH / 64) * BOX;        // a q, k or v tile
-  static constexpr unsigned SMEM = 1024 + TILE + 2 * STAGES * TILE + 8 * (1 + 3 * STAGES);
+  static constexpr unsigned TILE = (DH / 64) * BOX;        // a k or v tile
+  static constexpr unsigned QBOX = BM * 128;               // {64 columns, BM rows}
+  static constexpr unsigned QTILE = (DH / 64) * QBOX;      // the q tile
+  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (1 + 3 * STAGES);
+  // setmaxnreg's counts: 128 x REG_DEC + 128NC x REG_INC <= 65536.
+  static constexpr int REG_DEC = NC == 2 ? 40 : 32, REG_INC = NC == 2 ? 232 : 160;
+};
+
+// ah_fwd_nc is the whole-sequence forward's consumer warpgroups per head
+// dim (the Go side's hopperAttnConsumers).
+template <int DH>
+struct ah_fwd_nc {
+  static constexpr int NC = DH == 64 ? 3 : 2;
 };
 
 // ah_store2 writes two adjacent outputs: float32, or bf16 rounded to
@@ -181,16 +204,17 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-template <int DH, typename Out>
+template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                            float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
                                            int band) {
-  constexpr int STAGES = ah_cfg<DH>::STAGES;
-  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  using cfg = ah_cfg<DH, NC>;
+  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
+  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
+  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
   // mbarriers: q, fullK[STAGES], fullV[STAGES], empty[STAGES].
-  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
                  empty = fullV + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // Pairs (sequence, head) by q tiles, heaviest first: causal work grows
@@ -198,15 +222,15 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   int bh, ty;
   ah_band(band, bh, ty);
   const int b = bh / H, h = bh % H, kvh = h / (H / KV);
-  const int nQT = (S + AH_BM - 1) / AH_BM, i0 = (nQT - 1 - ty) * AH_BM;
-  const int lastRow = gg_min(S - 1, i0 + AH_BM - 1);
+  const int nQT = (S + BM - 1) / BM, i0 = (nQT - 1 - ty) * BM;
+  const int lastRow = gg_min(S - 1, i0 + BM - 1);
   const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
   if (tid == 0) {
     gg_bar_init(barQ, 1);
     for (int s = 0; s < STAGES; s++) {
       gg_bar_init(fullK + 8 * s, 1);
       gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+      gg_bar_init(empty + 8 * s, 4 * NC);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -214,14 +238,14 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   __syncthreads();
 
   if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
     if (tid != 0) return;
     gg_prefetch_tmap(mapQ);
     gg_prefetch_tmap(mapK);
     gg_prefetch_tmap(mapV);
-    gg_bar_expect_tx(barQ, TILE);
+    gg_bar_expect_tx(barQ, QTILE);
 #pragma unroll
-    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
     for (int t = 0; t < nT; t++) {
       const int s = t % STAGES;
       const unsigned ph = (t / STAGES) & 1;
@@ -237,7 +261,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
   // Consumer cw owns queries [i0 + 64cw, i0 + 64cw + 64); this thread rows
   // r0 and r0 + 8 of them (the accumulator layout, grouped_gemm.cuh).
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
@@ -566,22 +590,22 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(cons
   ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+  ah_forward<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 // attn_h_forward_d{64,128}_bf16: the same with a bf16 out (the output
 // projection's operand), each value rounded once.
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<64, mk_bf16, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+  ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 // ---- backward ----

@@ -314,7 +314,7 @@ done <"$BIN/packages.txt"
 # get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS, empty
 # when none is). A lab that might hang goes last and alone: it holds its
 # process until LAB_TIMEOUT.
-PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants:bwd64-async-stats TestTPLabFigures:mode128,mode256 TestAttentionLabOwnLaunch:bwd64-async-stats3 TestAttentionLabOwnLaunch:bwd-own-dq TestAttentionLabForwardOwnLaunch:fwd-3c"
+PENDING_LABS=""
 labs=${LABS:-}
 if [[ "$labs" == pending ]]; then
   labs=$PENDING_LABS

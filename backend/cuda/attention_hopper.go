@@ -21,9 +21,20 @@ import (
 	"github.com/mktrain/mktrain/backend/cuda/driver"
 )
 
-// hopperAttnBM is the queries a block owns; hopperAttnBN the keys of a
-// tile (kernels/attention_hopper.cu's AH_BM and AH_BN).
+// hopperAttnBM is the queries a block of two consumer warpgroups owns
+// (the ring's forward); hopperAttnBN the keys of a tile
+// (kernels/attention_hopper.cu's AH_BM and AH_BN).
 const hopperAttnBM, hopperAttnBN = 128, 128
+
+// hopperAttnConsumers is the whole-sequence forward's consumer
+// warpgroups per head dim (ah_fwd_nc<DH>::NC), 64 queries each: three at
+// head dim 64, two at 128. A block has one producer warpgroup more.
+func hopperAttnConsumers(dh int) int {
+	if dh == 64 {
+		return 3
+	}
+	return 2
+}
 
 // hopperAttnStages is the depth of the kernel's k/v ring per head dim
 // (ah_cfg<DH>::STAGES).
@@ -34,12 +45,13 @@ func hopperAttnStages(dh int) int {
 	return 2
 }
 
-// hopperAttnSmem is the kernel's dynamic shared memory (ah_cfg<DH>::SMEM):
-// alignment slack, the q tile, the ring of k and v tiles and the
+// hopperAttnSmem is a forward kernel's dynamic shared memory with
+// consumers consumer warpgroups (ah_cfg<DH, NC>::SMEM): alignment slack,
+// the q tile of 64*consumers rows, the ring of k and v tiles and the
 // mbarriers.
-func hopperAttnSmem(dh int) int {
-	stages, tile := hopperAttnStages(dh), dh/64*hopperAttnBN*128
-	return 1024 + tile + 2*stages*tile + 8*(1+3*stages)
+func hopperAttnSmem(dh, consumers int) int {
+	stages, tile, qTile := hopperAttnStages(dh), dh/64*hopperAttnBN*128, dh/64*64*consumers*128
+	return 1024 + qTile + 2*stages*tile + 8*(1+3*stages)
 }
 
 // hopperAttnTakes says whether the Hopper kernels run s on d: a Hopper
@@ -47,7 +59,7 @@ func hopperAttnSmem(dh int) int {
 // 128.
 func hopperAttnTakes(d *Device, s backend.AttnShape) bool {
 	return d.info.Arch == "sm_90a" && tcHeadDim(s.HeadDim) &&
-		d.info.MaxSharedOptIn >= max(hopperAttnSmem(s.HeadDim), hopperAttnBwdSmem(s.HeadDim))
+		d.info.MaxSharedOptIn >= max(hopperAttnSmem(s.HeadDim, hopperAttnConsumers(s.HeadDim)), hopperAttnBwdSmem(s.HeadDim))
 }
 
 // AttentionForwardBF16 is AttentionForward on bf16 q [B*S, H*Dh], k and v
@@ -316,14 +328,23 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 		return err
 	}
 	dh, keys := s.HeadDim, s.Keys()
-	pairs, qTiles := s.Batch*s.Heads, (s.Seq+hopperAttnBM-1)/hopperAttnBM
+	consumers := hopperAttnConsumers(dh)
+	threads, queries := 128*(1+consumers), 64*consumers
+	// The producer's setmaxnreg hands the consumers registers from an
+	// even split of the register file (in steps of 8, 168 at 384 threads):
+	// from any other count a warpgroup's setmaxnreg.inc would wait for
+	// registers forever.
+	if want := 65536 / threads &^ 7; kern.Registers != want {
+		return fmt.Errorf("cuda: %s has %d registers a thread, not the %d its setmaxnreg counts assume", name, kern.Registers, want)
+	}
+	pairs, qTiles := s.Batch*s.Heads, (s.Seq+queries-1)/queries
 	grid := Grid{
 		Grid:   driver.Dim3{X: pairs, Y: qTiles, Z: 1},
-		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
-		Shared: hopperAttnSmem(dh),
+		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
+		Shared: hopperAttnSmem(dh, consumers),
 	}
 	maps := []namedMap{
-		{"q", hopperAttnMap(q, s.Heads*dh, s.Batch*s.Seq, hopperAttnBM)},
+		{"q", hopperAttnMap(q, s.Heads*dh, s.Batch*s.Seq, queries)},
 		{"k", hopperAttnMap(k, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
 		{"v", hopperAttnMap(v, s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
 	}

@@ -87,7 +87,8 @@ func TestHopperAttnBand(t *testing.T) {
 // TestHopperAttnSmemMatchesKernels compiles attention_hopper.cu with
 // clang-19 and static_asserts that say the shared memory the launches
 // give (hopperAttnSmem, hopperAttnBwdSmem) is what the kernels lay out
-// (ah_cfg<DH>::SMEM, ah_bcfg<DH>::SMEM) at both head dims: a layout
+// (ah_cfg<DH, NC>::SMEM, ah_bcfg<DH>::SMEM) at both head dims, and that
+// hopperAttnConsumers is the kernels' ah_fwd_nc: a layout
 // changed on one side only fails here, not on the GPU. Skipped without
 // clang-19, as kernels' compile check is.
 func TestHopperAttnSmemMatchesKernels(t *testing.T) {
@@ -106,7 +107,11 @@ func TestHopperAttnSmemMatchesKernels(t *testing.T) {
 	var b strings.Builder
 	b.WriteString(text)
 	for _, dh := range []int{64, 128} {
-		fmt.Fprintf(&b, "static_assert(ah_cfg<%d>::SMEM == %d, \"hopperAttnSmem(%d) is not ah_cfg<%d>::SMEM\");\n", dh, hopperAttnSmem(dh), dh, dh)
+		nc := hopperAttnConsumers(dh)
+		fmt.Fprintf(&b, "static_assert(ah_fwd_nc<%d>::NC == %d, \"hopperAttnConsumers(%d) is not ah_fwd_nc<%d>::NC\");\n", dh, nc, dh, dh)
+		for _, c := range []int{nc, 2} { // the whole-sequence forward's, the ring's
+			fmt.Fprintf(&b, "static_assert(ah_cfg<%d, %d>::SMEM == %d, \"hopperAttnSmem(%d, %d) is not ah_cfg<%d, %d>::SMEM\");\n", dh, c, hopperAttnSmem(dh, c), dh, c, dh, c)
+		}
 		fmt.Fprintf(&b, "static_assert(ah_bcfg<%d>::SMEM == %d, \"hopperAttnBwdSmem(%d) is not ah_bcfg<%d>::SMEM\");\n", dh, hopperAttnBwdSmem(dh), dh, dh)
 		if _, smem := hopperAttnBwdLaunch(dh); smem != hopperAttnBwdSmem(dh) {
 			t.Errorf("hopperAttnBwdLaunch(%d) gives %d bytes, not ah_bcfg's %d", dh, smem, hopperAttnBwdSmem(dh))

@@ -172,7 +172,7 @@ func (b *Backend) zigzagForwardHopper(outTQ, lseBHS, qTQ backend.Tensor, kTK, vT
 	grid := Grid{
 		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: 2 * s.Chunk / hopperAttnBM, Z: 1},
 		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
-		Shared: hopperAttnSmem(s.HeadDim),
+		Shared: hopperAttnSmem(s.HeadDim, 2),
 	}
 	b.fail(b.launchMapBlock(op, fmt.Sprintf("attn_h_zz_forward_d%d", s.HeadDim), grid, maps, nil, slots))
 	runtime.KeepAlive(ks)

@@ -5,21 +5,6 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  the head-dim-64 backward's producer warp copies each item's lse and
-//      delta by cp.async, its lanes arriving on the stage's full barrier
-//      as the copies land (cp.async.mbarrier.arrive.noinc), instead of
-//      loading them itself before it arrives.
-//   4  attn_h_backward_own_dq_d128: head dim 128's backward with each
-//      warpgroup adding dq over its own 64 keys (no 256-thread barrier an
-//      item; twice the reductions). TestAttentionLabOwnLaunch launches it.
-//   8  attn_h_forward3_d64: the head-dim-64 forward with three consumer
-//      warpgroups and 192 queries a block (512 threads, setmaxnreg 32 and
-//      160). TestAttentionLabForwardOwnLaunch launches it.
-//  16  three stages of q, dout and statistics at head dim 64 (with bit 2:
-//      the producer running two items ahead). TestAttentionLabOwnLaunch
-//      launches it (16 KiB, 512 bytes and two mbarriers more shared
-//      memory). The build's attn_h_zz_backward_d64 would need them too; it
-//      is never swapped in for production's (own-launch variants are not).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -36,12 +21,15 @@
 // kernels of each direction): one rank's share, every rank's tensors read
 // in place through tensor maps.
 //
-// Work split. A block owns 128 queries of one (sequence, head) and has
-// three warpgroups (384 threads). Warpgroup 0 is the producer: one thread
-// loads the block's q tile once and then, for every key tile of 128 keys
-// the block sees, the k tile and the v tile, each completing on its own
-// "full" mbarrier of a STAGES-deep ring (so the scores can start before v
-// has landed). Warpgroups 1 and 2 are the consumers, 64 queries each:
+// Work split. A block owns 64*NC queries of one (sequence, head) and has
+// 1+NC warpgroups: NC = 3 at head dim 64 (192 queries, 512 threads,
+// FlashAttention-3's shape there), 2 at head dim 128 and in the ring's
+// kernels (128 queries, 384 threads). Warpgroup 0 is the producer: one
+// thread loads the block's q tile once and then, for every key tile of
+// 128 keys the block sees, the k tile and the v tile, each completing on
+// its own "full" mbarrier of a STAGES-deep ring (so the scores can start
+// before v has landed). The other warpgroups are the consumers, 64
+// queries each:
 //
 //   S = q . k^T     wgmma m64n128k16 from shared memory (both K-major)
 //   mask, online softmax in registers (rows' max and sum, base 2)
@@ -51,9 +39,13 @@
 // and each consumer warp arrives on the stage's "empty" mbarrier once its
 // products are done, which lets the producer refill it. The scores'
 // accumulator layout is the A operand layout of the next product (both
-// are mma.m16n8k16's per warp), so P never leaves the registers. The two
+// are mma.m16n8k16's per warp), so P never leaves the registers. The
 // consumers run the same key tiles on different queries, so while one is
-// in its softmax the other's products keep the tensor cores busy.
+// in its softmax another's products keep the tensor cores busy; a third
+// consumer (head dim 64, whose tiles are half the work of 128's) loads
+// each key tile once for 192 queries and has twelve warps hide the
+// softmax's latencies: 1.14x the two-consumer kernel at B8 S2048 and
+// 1.12x at B4 S4096 on an H200 (kernels/attention_hopper.md, fwd-3c).
 //
 // Masking. Only tiles that cross the causal diagonal or the end of the
 // keys are masked, element by element; a block loads key tiles up to the
@@ -67,7 +59,10 @@
 // warps put three on each of the SM's four register files), which holds
 // the scores (64 floats), o (Dh/2) and P (32 bf16 pairs) without
 // spilling. The producer warpgroup hands registers to the consumers with
-// setmaxnreg (40 and 232), but the compiled code stays within 168.
+// setmaxnreg (40 and 232), but the compiled code stays within 168. With
+// three consumers (512 threads, 128 each at entry) the producer drops to
+// 32 and the consumers rise to 160, enough at head dim 64 (o is 32
+// floats); 128 x 32 + 384 x 160 is the register file's 65536.
 //
 // Layout in shared memory (128-byte swizzle, as grouped_gemm.cuh
 // explains): a tile of R rows and Dh columns is Dh/64 TMA boxes of {64
@@ -81,7 +76,7 @@
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
 #endif
-#define AH_BM 128  // queries per block
+#define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
 #define AH_BN 128  // keys per tile
 #define AH_LN2 0.6931471805599453f
 
@@ -187,14 +182,27 @@ __device__ __forceinline__ void ah_wgmma_ss(float (&d)[32], unsigned long long d
       : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
-// ah_stages is the ring depth per head dim: a stage is a k and a v tile
-// (32 KiB at Dh 64, 64 KiB at Dh 128), beside the q tile.
-template <int DH>
+// ah_cfg is the forward's layout for head dim DH and NC consumer
+// warpgroups: STAGES is the ring depth (a stage is a k and a v tile, 32
+// KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows.
+template <int DH, int NC = 2>
 struct ah_cfg {
   static constexpr int STAGES = DH == 64 ? 4 : 2;
+  static constexpr int BM = 64 * NC;                       // queries per block
   static constexpr unsigned BOX = AH_BN * 128;             // {64 columns, 128 rows} of bf16: 16 KiB
-  static constexpr unsigned TILE = (DH / 64) * BOX;        // a q, k or v tile
-  static constexpr unsigned SMEM = 1024 + TILE + 2 * STAGES * TILE + 8 * (1 + 3 * STAGES);
+  static constexpr unsigned TILE = (DH / 64) * BOX;        // a k or v tile
+  static constexpr unsigned QBOX = BM * 128;               // {64 columns, BM rows}
+  static constexpr unsigned QTILE = (DH / 64) * QBOX;      // the q tile
+  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (1 + 3 * STAGES);
+  // setmaxnreg's counts: 128 x REG_DEC + 128NC x REG_INC <= 65536.
+  static constexpr int REG_DEC = NC == 2 ? 40 : 32, REG_INC = NC == 2 ? 232 : 160;
+};
+
+// ah_fwd_nc is the whole-sequence forward's consumer warpgroups per head
+// dim (the Go side's hopperAttnConsumers).
+template <int DH>
+struct ah_fwd_nc {
+  static constexpr int NC = DH == 64 ? 3 : 2;
 };
 
 // ah_store2 writes two adjacent outputs: float32, or bf16 rounded to
@@ -207,18 +215,13 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// NC is the consumer warpgroups, 64 queries each (production: 2; bit 8's
-// attn_h_forward3_d64: 3, the q tile NC*64 rows, loaded as one box a
-// 64-column chunk, and the warpgroups' registers traded as NC allows).
-template <int DH, typename Out, int NC = 2>
+template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                            float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
                                            int band) {
-  constexpr int STAGES = ah_cfg<DH>::STAGES;
-  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
-  constexpr int BM = 64 * NC;                                           // AH_BM at NC 2
-  constexpr unsigned QBOX = BM * 128, QTILE = (DH / 64) * QBOX;        // BOX and TILE at NC 2
-  constexpr int REG_DEC = NC == 2 ? 40 : 32, REG_INC = NC == 2 ? 232 : 160;  // 128 x dec + 128NC x inc <= 65536
+  using cfg = ah_cfg<DH, NC>;
+  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
+  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
   // mbarriers: q, fullK[STAGES], fullV[STAGES], empty[STAGES].
@@ -246,7 +249,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   __syncthreads();
 
   if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REG_DEC) : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
     if (tid != 0) return;
     gg_prefetch_tmap(mapQ);
     gg_prefetch_tmap(mapK);
@@ -269,7 +272,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REG_INC) : "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
   // Consumer cw owns queries [i0 + 64cw, i0 + 64cw + 64); this thread rows
   // r0 and r0 + 8 of them (the accumulator layout, grouped_gemm.cuh).
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
@@ -598,36 +601,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(cons
   ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+  ah_forward<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 // attn_h_forward_d{64,128}_bf16: the same with a bf16 out (the output
 // projection's operand), each value rounded once.
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<64, mk_bf16, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<128>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+  ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
-
-#if AH_EXPERIMENT & 8
-// attn_h_forward3_d64 (fwd-3c): the head-dim-64 forward with three
-// consumer warpgroups and 192 queries a block (FlashAttention-3's shape at
-// this head dim): 512 threads, the producer warpgroup at 32 registers and
-// the consumers at 160, each key tile loaded once for 192 queries, twelve
-// consumer warps to hide the softmax's latencies. Each consumer's 64
-// queries compute what production's do, so out and lse are the same
-// bits. attn_h_forward's arguments; q's map has boxes of 192 rows.
-extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward3_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64, float, 3>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
-}
-#endif
 
 // ---- backward ----
 //
@@ -688,11 +678,7 @@ struct alignas(16) ah_f4 {
 
 template <int DH>
 struct ah_bcfg {
-#if AH_EXPERIMENT & 16
-  static constexpr int STAGES = DH == 64 ? 3 : 2;  // bwd64-async-stats3
-#else
   static constexpr int STAGES = 2;
-#endif
   static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
   static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
   static constexpr unsigned KT = (DH / 64) * KBOX;  // the k (or v) tile
@@ -1113,18 +1099,6 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
         }
       }
       const long long row = ((long long)b * H + h) * S;
-#if AH_EXPERIMENT & 2
-      // The statistics by cp.async, each lane's arrival on the full
-      // barrier made when its copies land: the producer goes on to the
-      // next stage instead of waiting for its loads.
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + lane + 32 * e;
-        ah_cp4(stat + s * 512 + 4 * (lane + 32 * e), i < S ? lse + row + i : lse, i < S);
-        ah_cp4(stat + s * 512 + 256 + 4 * (lane + 32 * e), i < S ? delta + row + i : delta, i < S);
-      }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full + 8 * s) : "memory");
-#else
 #pragma unroll
       for (int e = 0; e < 2; e++) {
         const int i = q0 + lane + 32 * e;
@@ -1132,11 +1106,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
         ah_stsf(stat + s * 512 + 256 + 4 * (lane + 32 * e), i < S ? delta[row + i] : 0.0f);
       }
       gg_bar_arrive(full + 8 * s);
-#endif
     }
-#if AH_EXPERIMENT & 2
-    ah_cp_wait_all();  // the last copies (and their arrivals) before the warp exits
-#endif
     return;
   }
 
@@ -1170,10 +1140,6 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     for (int n = 0; n < 8; n++) {
       float l2[2], dl[2];
       ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-#if AH_EXPERIMENT & 2
-      l2[0] *= AH_LOG2E;  // (copied as lse)
-      l2[1] *= AH_LOG2E;
-#endif
       ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
 #pragma unroll
       for (int e = 0; e < 2; e++) {
@@ -1638,202 +1604,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
 }
 #endif
 
-#if AH_EXPERIMENT & 4
-// ah_backward_own_dq (bwd-own-dq): ah_backward with each warpgroup adding
-// dq over its own 64 keys (two 64-column blocks an item, version 3's
-// split, twice the reductions) instead of over all 128 keys after a
-// 256-thread barrier, so that the two warpgroups never wait for each
-// other inside an item (only thread 0's refill waits for both); each
-// warpgroup copies its own items' statistics. Shared memory: one dS^T
-// buffer and one statistics area [STAGES] a warpgroup (the Go test's
-// launch: ah_bcfg's layout less two dS^T buffers, plus STAGES x 512
-// bytes).
-// Thread 0 refills a stage without waiting where both warpgroups have
-// freed it, and waits only at the start of the item that needs it, so
-// warpgroup 0 is not held to warpgroup 1's pace inside an item.
-// ah_bar_test is gg_bar_try without try_wait's wait: whether the phase of
-// parity `parity` has completed, now.
-__device__ __forceinline__ bool ah_bar_test(unsigned bar, unsigned parity) {
-  unsigned done;
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-template <int DH>
-__device__ __forceinline__ void ah_backward_own_dq(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
-                                                   const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
-                                                   const float* delta, float* dk, float* dv, int S, int KS, int off,
-                                                   int H, int KV, float scaleLog2, float scale, int band) {
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
-                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers [warpgroup]
-  const unsigned dqs = dss + 2 * DSB;                            // dq staging [warpgroup][2]
-  const unsigned stat = dqs + 4 * DQB;                           // [warpgroup][stage]: 64 lse, 64 delta
-  const unsigned barKV = stat + 2 * STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int pair, kb;
-  ah_band(band, pair, kb);
-  const int b = pair / KV, kvh = pair % KV, G = H / KV;
-  const int j0 = kb * 128;
-  const int nQT = (S + AH_BQ - 1) / AH_BQ;
-  const int qt0 = gg_max(0, j0 - off) / AH_BQ;
-  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
-  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  // stats: this warpgroup's copy of item it's lse and delta (a value a
-  // thread), waited for before the warpgroup's barrier of the item before.
-  const unsigned wstat = stat + cw * STAGES * 512;
-  auto stats = [&](int it) {
-    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ, c = wtid & 63, i = q0 + c;
-    const float* row = (wtid < 64 ? lse : delta) + ((long long)b * H + h) * S;
-    ah_cp4(wstat + (it % STAGES) * 512 + (wtid >> 6) * 256 + 4 * c, i < S ? row + i : row, i < S);
-    ah_cp_commit();
-  };
-  auto load = [&](int it) {
-    const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT;
-    gg_bar_expect_tx(full + 8 * s, 2 * QT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
-      gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
-    }
-  };
-  if (tid == 0) {
-    gg_bar_init(barKV, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapDO);
-    gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
-      gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
-    }
-    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
-  }
-  if (items > 0) stats(0);
-  ah_cp_wait_all();
-  __syncthreads();
-  // refill (thread 0) loads the items after pend whose stages both
-  // warpgroups have freed, up to item upto: waiting for each where block,
-  // else as far as they are free now. pend - STAGES never passes the item
-  // thread 0's warpgroup has freed, and warpgroup 1 is never a whole ring
-  // behind it, so a stage's parity is never two phases old.
-  int pend = gg_min(STAGES, items);
-  auto refill = [&](int upto, bool block) {
-    while (pend < items && pend <= upto) {
-      const int s = pend % STAGES;
-      const unsigned ph = ((pend - STAGES) / STAGES) & 1;
-      if (block) {
-        gg_bar_wait(empty + 8 * s, ph);
-      } else if (!ah_bar_test(empty + 8 * s, ph)) {
-        return;
-      }
-      load(pend++);
-    }
-  };
-
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
-  float dka[DH / 2], dva[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
-  const unsigned dsb = dss + cw * DSB;
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-  for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
-    if (it + 1 < items) stats(it + 1);
-    if (tid == 0) refill(it, true);
-    gg_bar_wait(full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-    float l2[8][2], dl[8][2];
-    ah_lds_stats(wstat + s * 512, t4, l2, dl);
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
-      }
-    }
-    unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    // This warpgroup's dS^T (its buffer free: the item before's dq
-    // product was waited for) and the next item's statistics.
-    ah_store_dst(dsb, da, wr, t4);
-    ah_cp_wait_all();
-    gg_named_sync(1 + cw, 128);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + c * KBOX + cw * 64 * 128, KBOX);
-#pragma unroll
-      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      if (c == 0) {
-        gg_fence_acc(dva);
-        gg_fence_acc(dka);
-        if (lane == 0) gg_bar_arrive(empty + 8 * s);
-        if (tid == 0) refill(it + STAGES, false);
-      }
-      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      if (wtid == 0) gg_bulk_wait_read();
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0) {
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
-        gg_bulk_commit();
-      }
-      nq++;
-    }
-  }
-  if (wtid == 0) gg_bulk_wait();
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_own_dq_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
-  ah_backward_own_dq<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
-                          band);
-}
-#endif
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
 // row b*S + i, head h (float32 in, [B, H, S] out); attn_h_delta_bf16 the

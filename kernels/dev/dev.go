@@ -36,7 +36,7 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd-ordered, bwd-own-dq, fwd-3c).
+// test of its own launches (bwd-ordered).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -53,14 +53,6 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "bwd64-async-stats", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the head-dim-64 backward's producer copies lse and delta by cp.async, arriving on the full barrier as they land (Nsight Compute: the consumers' full-barrier waits are the top stall)"},
-			{Name: "bwd64-async-stats3", Defines: []string{"AH_EXPERIMENT=18"}, Exact: true,
-				Purpose: "bwd64-async-stats with three stages, the producer two items ahead (bwd-three-stages was level when the producer's own loads held it back); launched by TestAttentionLabOwnLaunch"},
-			{Name: "bwd-own-dq", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "adds attn_h_backward_own_dq_d128: each warpgroup adds dq over its own 64 keys, no 256-thread barrier an item (twice the reductions); launched by TestAttentionLabOwnLaunch"},
-			{Name: "fwd-3c", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
-				Purpose: "adds attn_h_forward3_d64: the head-dim-64 forward with three consumer warpgroups and 192 queries a block (FlashAttention-3's shape there); launched by TestAttentionLabForwardOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
