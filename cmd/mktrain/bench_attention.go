@@ -30,9 +30,10 @@ import (
 const benchAttentionUsage = `Usage: mktrain bench attention [--shapes moe-small,s8k,s32k] [--ring-world 2,4,8] [--ring-seq 4096,8192] [--iters N] [--backend auto|cpu|cuda] [--peer PYTHON] [--peer-script FILE] [--gpus] [--out DIR]
 
 Times the attention core (the backend's AttentionForward and
-AttentionBackward: causal, grouped-query; q, k and v in the backend's
-operand type, bf16 on the GPU, as the peer takes them; out, dout and the
-gradients float32) on
+AttentionBackward: causal, grouped-query; q, k, v, out and dout in the
+backend's operand type, bf16 on the GPU, as a layer on one rank keeps
+them and as the peer takes and returns them; lse and the gradients
+float32) on
 fresh random inputs, after two warm-up calls, as the median of --iters
 calls queued back to back, each between two marks of the device's clock
 (CUDA events on the GPU), as the peer times PyTorch, with
@@ -322,7 +323,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		"core":  rows,
 		"bars":  bars,
 		"flops": "forward 2*2*B*H*S*S*Dh/2 (causal), backward 2.5x the forward, for the core and the peer",
-		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); q, k, v of the backend's operand type (bf16 on the GPU), float32 out, dout and gradients; the ring rows' core: each step waited for before the next, as the ranks' steps",
+		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); q, k, v, out and dout of the backend's operand type (bf16 on the GPU, as a layer on one rank keeps them), float32 lse and gradients; the ring rows' core (float32 out and dout, as the context-parallel layers keep them): each step waited for before the next, as the ranks' steps",
 			*iters, clockName(b)),
 	}
 	peerFig := map[string]any{"command": nil}
@@ -367,15 +368,16 @@ func clockName(b backend.Backend) string {
 
 // timeAttnCore times the core's forward and backward at s on fresh random
 // inputs: the backward on the forward's output and log-sum-exp with a
-// random output gradient. q, k and v are of the backend's operand type
-// (bf16 on the GPU, as the peer's SDPA takes them); out, dout and the
-// gradients of its float type.
+// random output gradient. q, k, v, out and dout are of the backend's
+// operand type, as attention.Layer keeps them on one rank (bf16 on the
+// GPU, as the peer's SDPA takes and returns them); lse and the gradients
+// of its float type.
 func timeAttnCore(b backend.Backend, clock profile.Clock, rng *rand.Rand, s attnBenchShape, iters int) (fwd, bwd time.Duration, err error) {
 	T, q, kd := s.Batch*s.Seq, s.Heads*s.HeadDim, s.KVHeads*s.HeadDim
 	ft, ot := b.FloatType(), b.OperandType()
 	qTQ, kTK, vTK := randFillOf(b, ot, rng, T, q), randFillOf(b, ot, rng, T, kd), randFillOf(b, ot, rng, T, kd)
-	daTQ := randFill(b, rng, T, q)
-	aTQ, lseBHS := b.New(ft, T, q), b.New(ft, s.Batch, s.Heads, s.Seq)
+	daTQ := randFillOf(b, ot, rng, T, q)
+	aTQ, lseBHS := b.New(ot, T, q), b.New(ft, s.Batch, s.Heads, s.Seq)
 	dqTQ, dkTK, dvTK := b.New(ft, T, q), b.New(ft, T, kd), b.New(ft, T, kd)
 	as := s.attn()
 	fwd, err = medianOnClock(b, clock, iters, true, func() {
@@ -621,7 +623,7 @@ func coreBarVerdict(rows []attnCoreRow, askedPeer bool, peerErr error) barVerdic
 }
 
 func printAttnCore(w io.Writer, rows []attnCoreRow, peer string, peerRes *attnPeerResult, peerErr error) {
-	fmt.Fprintln(w, "attention core: the backend's AttentionForward/AttentionBackward (q, k, v in the operand type, bf16 on the GPU; out and gradients float32), causal; TFLOP/s with forward 2*2*B*H*S*S*Dh/2, backward 2.5x")
+	fmt.Fprintln(w, "attention core: the backend's AttentionForward/AttentionBackward (q, k, v, out and dout in the operand type, bf16 on the GPU, as one rank's layers keep them; gradients float32), causal; TFLOP/s with forward 2*2*B*H*S*S*Dh/2, backward 2.5x")
 	withPeer := peerRes != nil
 	fmt.Fprintf(w, "%-10s %-24s | %9s %9s %8s %8s", "shape", "B S H KV Dh", "fwd ms", "bwd ms", "fwd TF", "bwd TF")
 	if withPeer {
