@@ -60,6 +60,16 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
+	// attn_h_backward128q_d64: 384 threads (a producer warpgroup,
+	// setmaxnreg 24 and 240, so 168 registers at entry); k and v, two
+	// stages of 128-row q and dout tiles, one 64 x 128 dS^T a warpgroup,
+	// dq staging [2][2], the statistics [2][256 floats] and five mbarriers,
+	// beside the 1,024 bytes of alignment slack.
+	"bwd64-128q": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", registers: 168,
+		launch: func(dh int) (int, int) {
+			const kTile, qTile, dsT, dqBlock = 128 * 128, 128 * 128, 64 * 256, 64 * 64 * 4
+			return 384, 1024 + 2*kTile + 2*2*qTile + 2*dsT + 4*dqBlock + 2*1024 + 8*(1+2*2)
+		}},
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.
@@ -75,6 +85,11 @@ type labBackwardLaunch struct {
 	launch   func(dh int) (threads, smem int)
 	turns    bool // the last argument is attn_h_backward_ordered's counters
 	repeats  bool // dq, dk and dv repeat bit for bit
+	// registers is what the kernel must have at entry where its
+	// warpgroups trade registers (setmaxnreg): with another count the
+	// block holds other than its warpgroups ask for and setmaxnreg.inc may
+	// wait forever.
+	registers int
 }
 
 func TestAttentionLabVariants(t *testing.T) {
@@ -192,6 +207,11 @@ func labKernels(t *testing.T, d *Device, lab dev.Source, v dev.Variant, kernel s
 
 func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how labBackwardLaunch) {
 	kerns := labKernels(t, d, lab, v, how.kernel, how.headDims)
+	for dh, kern := range kerns {
+		if how.registers != 0 && kern.Registers != how.registers {
+			t.Fatalf("%s (head dim %d) has %d registers at entry, not %d: its setmaxnreg would hang", kern.Desc.Name, dh, kern.Registers, how.registers)
+		}
+	}
 	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
 		var extra []uint64
 		if how.turns {

@@ -5,6 +5,9 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
+//   2  attn_h_backward128q_d64: the head-dim-64 backward with items of 128
+//      queries and a producer warpgroup (384 threads, setmaxnreg 24 and
+//      240). TestAttentionLabOwnLaunch launches it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1601,6 +1604,230 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
   // The turns count on the launch order: every pair at once (band ignored).
   ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
                         (int)gridDim.x, turns);
+}
+#endif
+
+#if AH_EXPERIMENT & 2
+// attn_h_backward128q_d64 (bwd64-128q): the head-dim-64 backward with
+// items of 128 queries (FlashAttention-3's tile at this head dim) and a
+// producer warpgroup: 384 threads, setmaxnreg 24 for the producer and 240
+// for the two consumer warpgroups, so that a consumer holds an item's
+// S^T and dP^T (64 keys x 128 queries: 64 floats each) beside dk and dv.
+// Each product then runs at n128 or over 128 queries (S^T and dP^T
+// m64n128k16, dv and dk eight k16 steps), and the item's fixed costs (the
+// barrier waits, the statistics, the dS^T store's fence and barrier) are
+// paid once for twice the work. dq stays per warpgroup over its own 64
+// keys, in two 64-query halves (m64n64k16 each, staged and added by TMA
+// reductions as production's). Warp 0 is the producer: lane 0 loads k and
+// v once and each item's q and dout as two boxes of 64 rows each (the
+// production maps), its 32 lanes four queries' lse (base 2) and delta
+// each. Shared memory: k, v (16 KiB each), two stages of q and dout (32
+// KiB each), one dS^T buffer a warpgroup (64 keys x 128 queries, 16 KiB:
+// a warpgroup writes the next item's only after its dq products of this
+// one are waited for), dq staging [warpgroup][2] (16 KiB each), the
+// statistics [stage] (128 lse, 128 delta) and the barriers: 199,720 bytes
+// with the alignment slack. attn_h_backward's arguments.
+#define AH_BQ2 128  // queries per item
+
+template <int DH>
+__device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+                                                const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                                const float* delta, float* dk, float* dv, int S, int KS, int off,
+                                                int H, int KV, float scaleLog2, float scale, int band) {
+  static_assert(DH == 64, "ah_backward128q is head dim 64's");
+  constexpr int STAGES = 2;
+  constexpr unsigned KBOX = 128 * 128;    // {64 columns, 128 key rows}: 16 KiB, the k (or v) tile
+  constexpr unsigned QH = 64 * 128;       // {64 columns, 64 query rows}: 8 KiB, a TMA box
+  constexpr unsigned QT = 2 * QH;         // a q (or dout) tile of 128 queries
+  constexpr unsigned DSB = 64 * 256;      // a warpgroup's dS^T: 64 keys x 128 queries, two 8 KiB halves
+  constexpr unsigned DQB = 64 * 64 * 4;   // a dq staging block: 64 queries x 64 columns
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KBOX, qs = base + 2 * KBOX;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                         // dS^T [warpgroup]
+  const unsigned dqs = dss + 2 * DSB;                                // dq staging [warpgroup][2]
+  const unsigned stat = dqs + 4 * DQB;                               // [stage]: 128 lse (base 2), 128 delta
+  const unsigned barKV = stat + STAGES * 1024, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int pair, kb;
+  ah_band(band, pair, kb);
+  const int b = pair / KV, kvh = pair % KV, G = H / KV;
+  const int j0 = kb * 128;
+  const int nQT = (S + AH_BQ2 - 1) / AH_BQ2;
+  const int qt0 = gg_max(0, j0 - off) / AH_BQ2;  // the first tile with a query that sees key j0
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (warp != 0) return;
+    if (lane == 0) {
+      gg_prefetch_tmap(mapQ);
+      gg_prefetch_tmap(mapDO);
+      gg_bar_expect_tx(barKV, 2 * KBOX);
+      gg_tma_2d(ks, mapK, kvh * DH, b * KS + j0, barKV);
+      gg_tma_2d(vs, mapV, kvh * DH, b * KS + j0, barKV);
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ2;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+        const unsigned qa = qs + s * 2 * QT;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {  // two 64-row boxes make the 128-row tile's layout
+          gg_tma_2d(qa + r * QH, mapQ, h * DH, b * S + q0 + 64 * r, full + 8 * s);
+          gg_tma_2d(qa + QT + r * QH, mapDO, h * DH, b * S + q0 + 64 * r, full + 8 * s);
+        }
+      }
+      const long long row = ((long long)b * H + h) * S;
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int i = q0 + lane + 32 * e;
+        ah_stsf(stat + s * 1024 + 4 * (lane + 32 * e), i < S ? lse[row + i] * AH_LOG2E : 0.0f);
+        ah_stsf(stat + s * 1024 + 512 + 4 * (lane + 32 * e), i < S ? delta[row + i] : 0.0f);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
+  // and wr + 8 of them (and, in dq's products, queries qh + wr, qh + wr + 8).
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  const unsigned long long mnK = gg_desc_mn(ks + cw * 64 * 128, KBOX);  // this warpgroup's keys, for dq
+  const unsigned dsb = dss + cw * DSB;
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ2;
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT, st = stat + s * 1024;
+    float sc[64], dp[64];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    // S^T = k q^T and dP^T = v dout^T: m64n128k16, four k16 steps of the
+    // head dim (32 bytes each within the 128-byte rows).
+    {
+      const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+      gg_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) gg_wgmma(sc, descK + 2 * kk, descQ + 2 * kk, kk > 0 ? 1 : 0);
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) gg_wgmma(dp, descV + 2 * kk, descO + 2 * kk, kk > 0 ? 1 : 0);
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(sc);
+      gg_fence_acc(dp);
+    }
+    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
+    // q0 + 8n + 2t4 + e.
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ2 <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      float l2[2], dl[2];
+      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(st + 512 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    // dv += P^T dout, dk += dS^T q: A from registers (k16 chunk kk is n
+    // blocks 2kk and 2kk + 1), q and dout MN-major, 16 queries (2048 bytes)
+    // a step.
+    unsigned pa[8][4], da[8][4];
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+    }
+    {
+      gg_wgmma_fence();
+      gg_fence_acc(dva);
+      gg_fence_acc(dka);
+      const unsigned long long mnO = gg_desc_mn(oa, QT), mnQ = gg_desc_mn(qa, QT);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ2 / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ2 / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+      gg_wgmma_commit();
+    }
+    // dS^T to this warpgroup's buffer, as two 64-query halves (its dq
+    // products of the item before were waited for).
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      unsigned half[4][4];
+#pragma unroll
+      for (int c = 0; c < 16; c++) half[c / 4][c % 4] = da[4 * hf + c / 4][c % 4];
+      ah_store_dst(dsb + hf * (DSB / 2), half, wr, t4);
+    }
+    gg_named_sync(1 + cw, 128);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int qh = q0 + 64 * hf;
+      if (qh >= S) break;  // (uniform in the warpgroup: the item's last half past the sequence)
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned long long mnD = gg_desc_mn(dsb + hf * (DSB / 2), DSB / 2);
+#pragma unroll
+      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (hf == 0) {
+        // dv's and dk's products (the group before) are done with the stage.
+        gg_fence_acc(dva);
+        gg_fence_acc(dka);
+        if (lane == 0) gg_bar_arrive(empty + 8 * s);
+      }
+      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+      ah_stage_dq(stg, acc, wr, t4);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      if (wtid == 0) gg_bulk_wait_read();
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH, b * S + qh, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 32, b * S + qh, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+      nq++;
+    }
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward128q_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward128q<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
 #endif
 

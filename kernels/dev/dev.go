@@ -36,7 +36,7 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd-ordered).
+// test of its own launches (bwd-ordered, bwd64-128q).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -53,6 +53,8 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
+			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
+				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there; launched by TestAttentionLabOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
