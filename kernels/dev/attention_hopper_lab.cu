@@ -8,6 +8,11 @@
 //   2  attn_h_backward128q_d64: the head-dim-64 backward with items of 128
 //      queries and a producer warpgroup (384 threads, setmaxnreg 24 and
 //      240). TestAttentionLabOwnLaunch launches it.
+//   4  the whole-sequence backward kernels' dq staging: only the warp of
+//      the thread that issues the TMA reduction waits on the staging
+//      barrier, the other three arrive (bar.arrive) and go on; that thread
+//      waits for the reduction of two rounds ago at the item's first
+//      barrier instead.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -713,6 +718,15 @@ __device__ __forceinline__ void ah_cp4(unsigned addr, const float* p, bool valid
 }
 __device__ __forceinline__ void ah_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void ah_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+#if AH_EXPERIMENT & 4
+// ah_bulk_wait_read1 returns once at most the last of this thread's bulk
+// groups still reads shared memory; ah_named_arrive arrives on named
+// barrier id (count threads) without waiting (warp-uniform, as bar.sync).
+__device__ __forceinline__ void ah_bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory"); }
+__device__ __forceinline__ void ah_named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+#endif
 
 // ah_lds_stats reads this thread's 16 queries' lse (to base 2) and delta
 // from an item's statistics at st (64 lse, then 64 delta): column
@@ -984,6 +998,11 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
     // warpgroup j's buffer).
     ah_cp_wait_all();
+#if AH_EXPERIMENT & 4
+    // The block staged two rounds ago has been read out before anyone
+    // passes this barrier: this item's staging writes its buffer.
+    if (wtid == 0) ah_bulk_wait_read1();
+#endif
     gg_named_sync(3, 256);
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
@@ -1012,8 +1031,19 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#if AH_EXPERIMENT & 4
+    // Only the warp of the thread that issues the reduction waits for the
+    // block: the other three arrive and go on to the next item (bar.sync
+    // and bar.arrive are warp-uniform: .aligned).
+    if (wtid < 32) {
+      gg_named_sync(1 + cw, 128);
+    } else {
+      ah_named_arrive(1 + cw, 128);
+    }
+#else
     if (wtid == 0) gg_bulk_wait_read();
     gg_named_sync(1 + cw, 128);
+#endif
     if (wtid == 0) {
       int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
       // (Passed on at once: the 256-thread barrier above would
@@ -1162,6 +1192,11 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     // dS^T to this warpgroup's buffer of the item's parity.
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
+#if AH_EXPERIMENT & 4
+    // The block staged two rounds ago has been read out before anyone
+    // passes this barrier: this item's staging writes its buffer.
+    if (wtid == 0) ah_bulk_wait_read1();
+#endif
     gg_named_sync(1 + cw, 128);
 #pragma unroll
     for (int c = 0; c < DH / 64; c++) {
@@ -1184,10 +1219,22 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
       const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
       ah_stage_dq(stg, acc, wr, t4);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#if AH_EXPERIMENT & 4
+      // Only the warp of the thread that issues the reduction waits for the
+      // block (on a barrier of its own: the one above is waited for by
+      // all); the other three arrive and go on to the next item (bar.sync
+      // and bar.arrive are warp-uniform: .aligned).
+      if (wtid < 32) {
+        gg_named_sync(4 + cw, 128);
+      } else {
+        ah_named_arrive(4 + cw, 128);
+      }
+#else
       // The block staged two rounds ago in this buffer was read out before
       // anyone passes this barrier (wait_group.read covers the last round).
       if (wtid == 0) gg_bulk_wait_read();
       gg_named_sync(1 + cw, 128);
+#endif
       if (wtid == 0) {
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);

@@ -53,6 +53,8 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
+			{Name: "bwd-dq-arrive", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
+				Purpose: "the backward's dq staging barrier waited for by the issuing thread's warp only (the other three bar.arrive), its buffer's reuse guarded at the item's first barrier (Nsight Compute: the staging fence and barrier are 5-6% of the stall samples)"},
 			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there; launched by TestAttentionLabOwnLaunch"},
 		}},
