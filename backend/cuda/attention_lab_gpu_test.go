@@ -8,11 +8,13 @@ package cuda
 
 import (
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
 	"github.com/mktrain/mktrain/kernels"
 	"github.com/mktrain/mktrain/kernels/dev"
 )
@@ -72,10 +74,30 @@ var ownLaunch = map[string]labBackwardLaunch{
 		}},
 }
 
+// ownForwardLaunch names the variants that add forward kernels of their
+// own: TestAttentionLabForwardOwnLaunch runs them.
+var ownForwardLaunch = map[string]labForwardLaunch{
+	// attn_h_forward_ovl_d{64,128}: production's launch (threads, queries
+	// a block, registers at entry), with 8 bytes a stage more shared
+	// memory (k's and v's empty barriers apart).
+	"fwd-overlap": {headDims: []int{64, 128}, kernel: "attn_h_forward_ovl_d%d",
+		extraSmem: func(dh int) int { return 8 * hopperAttnStages(dh) }},
+}
+
+// labForwardLaunch is how a lab build's forward kernels launch:
+// production's arguments, grid, block and q map (hopperAttnConsumers'
+// warpgroups), with extraSmem(dh) bytes of shared memory more.
+type labForwardLaunch struct {
+	headDims  []int
+	kernel    string // the kernel's name, %d the head dim
+	extraSmem func(dh int) int
+}
+
 // ownsLaunch says whether variant v launches kernels of its own.
 func ownsLaunch(v dev.Variant) bool {
-	_, own := ownLaunch[v.Name]
-	return own
+	_, bwd := ownLaunch[v.Name]
+	_, fwd := ownForwardLaunch[v.Name]
+	return bwd || fwd
 }
 
 // labBackwardLaunch is how a lab build's backward kernels launch.
@@ -303,5 +325,109 @@ func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how la
 		name := fmt.Sprintf("B%d S%d H%d KV%d Dh%d", s.Batch, s.Seq, H, KV, Dh)
 		figure(t, "attention hopper bwd "+name+" rate", flops/prodMs/1e9, "TFLOP/s")
 		figure(t, "attention hopper "+v.Name+" bwd "+name+" rate", flops/labMs/1e9, "TFLOP/s")
+	}
+}
+
+// TestAttentionLabForwardOwnLaunch runs each named variant of
+// ownForwardLaunch beside the production forward on bf16 q, k and v: the
+// same out and lse bits on shapes with tails, offsets, GQA and no mask
+// (the variants promise production's arithmetic in production's order),
+// then both timed at moe-small's shape and three more.
+func TestAttentionLabForwardOwnLaunch(t *testing.T) {
+	d := testDevice(t)
+	lab, vs := ownLaunchVariants(t, d, func(name string) bool { _, own := ownForwardLaunch[name]; return own }, "adds forward kernels")
+	for _, v := range vs {
+		t.Run(v.Name, func(t *testing.T) {
+			how := ownForwardLaunch[v.Name]
+			kerns := labKernels(t, d, lab, v, how.kernel, how.headDims)
+			for dh, kern := range kerns {
+				// setmaxnreg's counts assume production's even split (see
+				// launchHopperAttnForward): with another, it would hang.
+				if want := 65536 / (128 * (1 + hopperAttnConsumers(dh))) &^ 7; kern.Registers != want {
+					t.Fatalf("%s has %d registers at entry, not %d: its setmaxnreg would hang", kern.Desc.Name, kern.Registers, want)
+				}
+			}
+			labForward := func(out, lse, q, kk, vv *Buffer, s backend.AttnShape) error {
+				dh, keys := s.HeadDim, s.Keys()
+				consumers := hopperAttnConsumers(dh)
+				queries := 64 * consumers
+				pairs, blocks := s.Batch*s.Heads, (s.Seq+queries-1)/queries
+				grid := Grid{
+					Grid:   driver.Dim3{X: pairs, Y: blocks, Z: 1},
+					Block:  driver.Dim3{X: 128 * (1 + consumers), Y: 1, Z: 1},
+					Shared: hopperAttnSmem(dh, consumers) + how.extraSmem(dh),
+				}
+				maps := []namedMap{
+					{"q", hopperAttnMap(q.Ptr(), s.Heads*dh, s.Batch*s.Seq, queries)},
+					{"k", hopperAttnMap(kk.Ptr(), s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
+					{"v", hopperAttnMap(vv.Ptr(), s.KVHeads*dh, s.Batch*keys, hopperAttnBN)},
+				}
+				_, scaleLog2 := attnScales(dh)
+				slots := []uint64{uint64(out.Ptr()), uint64(lse.Ptr()), uint64(uint32(s.Seq)), uint64(uint32(keys)),
+					uint64(uint32(attnOffset(s))), uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)),
+					uint64(math.Float32bits(scaleLog2)), uint64(uint32(hopperAttnBand(pairs, blocks, false)))}
+				return launchWithMaps(d, "AttentionForward", kerns[dh], grid, maps, slots)
+			}
+			checked := []backend.AttnShape{
+				{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},
+				{Batch: 1, Seq: 300, Heads: 8, KVHeads: 2, HeadDim: 64},
+				{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 300, QOffset: 150},
+				{Batch: 2, Seq: 100, Heads: 4, KVHeads: 2, HeadDim: 64, KVSeq: 200, Full: true},
+				{Batch: 1, Seq: 1000, Heads: 4, KVHeads: 1, HeadDim: 64},
+				{Batch: 2, Seq: 129, Heads: 6, KVHeads: 6, HeadDim: 128},
+				{Batch: 2, Seq: 300, Heads: 4, KVHeads: 2, HeadDim: 128, KVSeq: 700, QOffset: 333},
+				{Batch: 2, Seq: 260, Heads: 4, KVHeads: 1, HeadDim: 128, KVSeq: 333, Full: true},
+			}
+			timed := []backend.AttnShape{
+				{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
+				{Batch: 4, Seq: 4096, Heads: 16, KVHeads: 4, HeadDim: 64},
+				{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128},
+				{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128},
+			}
+			for n, s := range append(checked, timed...) {
+				if kerns[s.HeadDim] == nil {
+					continue
+				}
+				t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d_KVS%d_Off%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim, s.Keys(), s.QOffset), func(t *testing.T) {
+					k := newKT(t, uint64(120+n))
+					T, TK, H, KV, Dh := s.Batch*s.Seq, s.Batch*s.Keys(), s.Heads, s.KVHeads, s.HeadDim
+					nq, nk, nl := T*H*Dh, TK*KV*Dh, s.Batch*H*s.Seq
+					q, kk, vv := k.buf(k.randn(nq, 1.5), true), k.buf(k.randn(nk, 1.5), true), k.buf(k.randn(nk, 1), true)
+					prodOut, prodLse, labOut, labLse := k.poisoned(nq), k.poisoned(nl), k.poisoned(nq), k.poisoned(nl)
+					prod := func() error {
+						return launchHopperAttnForward(d, prodOut.Ptr(), prodLse.Ptr(), q.Ptr(), kk.Ptr(), vv.Ptr(), s, false, 0)
+					}
+					labCall := func() error { return labForward(labOut, labLse, q, kk, vv, s) }
+					if err := prod(); err != nil {
+						t.Fatal(err)
+					}
+					if err := labCall(); err != nil {
+						t.Fatal(err)
+					}
+					for _, c := range []struct {
+						name      string
+						got, want *Buffer
+						n         int
+					}{{"out", labOut, prodOut, nq}, {"lse", labLse, prodLse, nl}} {
+						got, want := k.download(c.got, c.n), k.download(c.want, c.n)
+						if i := slices.IndexFunc(got, func(x float32) bool { return math.IsNaN(float64(x)) }); i >= 0 {
+							t.Fatalf("%s[%d] is NaN: an element no block wrote", c.name, i)
+						}
+						if !slices.Equal(got, want) {
+							t.Errorf("%s differs from the production forward's", c.name)
+						}
+					}
+					if n < len(checked) || t.Failed() {
+						return
+					}
+					flops := 4 * float64(s.Batch*H*Dh) * float64(s.Seq) * float64(s.Keys()) / 2
+					name := fmt.Sprintf("attention hopper %s fwd B%d S%d H%d KV%d Dh%d", v.Name, s.Batch, s.Seq, H, KV, Dh)
+					prodMs, labMs := attnMedianMs(t, d, prod), attnMedianMs(t, d, labCall)
+					figure(t, name+" production rate", flops/prodMs/1e9, "TFLOP/s")
+					figure(t, name+" rate", flops/labMs/1e9, "TFLOP/s")
+					figure(t, name+" over production", prodMs/labMs, "x")
+				})
+			}
+		})
 	}
 }

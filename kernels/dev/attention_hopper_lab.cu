@@ -13,6 +13,11 @@
 //      barrier, the other three arrive (bar.arrive) and go on; that thread
 //      waits for the reduction of two rounds ago at the item's first
 //      barrier instead.
+//   8  attn_h_forward_ovl_d{64,128}: the whole-sequence forward with
+//      FlashAttention-3's overlap inside a consumer warpgroup (tile t's
+//      scores and tile t-1's P.V in flight together), k and v released
+//      on barriers of their own. TestAttentionLabForwardOwnLaunch
+//      launches it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -626,6 +631,258 @@ extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(con
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
   ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
+
+#if AH_EXPERIMENT & 8
+// attn_h_forward_ovl_d{64,128} (fwd-overlap): ah_forward with
+// FlashAttention-3's overlap inside a consumer warpgroup, in its order:
+// each step issues tile t's scores and tile t-1's P.V together, runs tile
+// t's softmax once the scores are in (the older group) while P.V runs,
+// then rescales o and packs P_t once P.V is done; the first tile's
+// scores and softmax come before the loop and the last tile's P.V after
+// it, so that every wait in the loop is unconditional (31b6063's
+// fwd-pipelined waited conditionally inside its loop, and ptxas
+// serialised its wgmma instructions: C7514). The live registers are one
+// score tile, o and P (128 a thread at head dim 64, 160 at 128), within
+// the consumers' 160 and 232. k and v are released on barriers of their
+// own (emptyK once the scores are done, emptyV once P.V is), so that the
+// two-stage ring at head dim 128 still loads tile t+1's k during tile t.
+// The same arithmetic in the same order as ah_forward: the same bits.
+// Shared memory: ah_cfg<DH, NC>::SMEM and 8*STAGES bytes (emptyV).
+// The steps of ah_forward_ovl's consumer loop, as functions that inline
+// (a lambda called from two places may stay a call, its arrays then in
+// local memory, which makes ptxas serialise the wgmma instructions).
+// ah_ovl_issue_s queues tile t's scores into sc (one commit group).
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_ovl_issue_s(float (&sc)[64], unsigned long long dq, unsigned ks, unsigned fullK, int t) {
+  constexpr unsigned BOX = AH_BN * 128, TILE = (DH / 64) * BOX;
+  const int s = t % STAGES;
+  gg_bar_wait(fullK + 8 * s, (t / STAGES) & 1);
+  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  const unsigned long long dk = gg_desc(ks + s * TILE);
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+    gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+  }
+  gg_wgmma_commit();
+}
+
+// ah_ovl_issue_pv queues o += P . v for tile t (one commit group), P in p.
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_ovl_issue_pv(float (&o)[DH / 2], const unsigned (&p)[8][4], unsigned vs, unsigned fullV,
+                                                int t) {
+  constexpr unsigned BOX = AH_BN * 128, TILE = (DH / 64) * BOX;
+  const int s = t % STAGES;
+  gg_bar_wait(fullV + 8 * s, (t / STAGES) & 1);
+  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
+  gg_wgmma_commit();
+}
+
+// ah_ovl_softmax turns tile t's scores (sc, done) into its exponentials in
+// place, moves the row maxima (m0, m1) and sums (l0, l1) on and sets the
+// rescale a0, a1 of what came before: ah_forward's arithmetic.
+__device__ __forceinline__ void ah_ovl_softmax(float (&sc)[64], float& m0, float& m1, float& l0, float& l1, float& a0,
+                                               float& a1, int t, int off, int w0, int r0, int r1, int KS, int t4,
+                                               float scaleLog2) {
+  const int j0 = t * AH_BN;
+  if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
+    const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      const int j = j0 + 8 * n + 2 * t4;
+      if (j > lim0) sc[4 * n] = ah_neg_inf();
+      if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
+      if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
+      if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
+    }
+  }
+  float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
+    mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+  }
+  mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+  mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+  mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+  mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+  const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+  a0 = ah_ex2(m0 - n0);
+  a1 = ah_ex2(m1 - n1);
+  m0 = n0;
+  m1 = n1;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    sc[4 * n] = ah_ex2(sc[4 * n] * scaleLog2 - n0);
+    sc[4 * n + 1] = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
+    sc[4 * n + 2] = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1);
+    sc[4 * n + 3] = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
+    s0 += sc[4 * n] + sc[4 * n + 1];
+    s1 += sc[4 * n + 2] + sc[4 * n + 3];
+  }
+  l0 = l0 * a0 + s0;
+  l1 = l1 * a1 + s1;
+}
+
+// ah_ovl_rescale_pack scales o by a0, a1 and packs the exponentials in sc
+// into P.
+template <int DH>
+__device__ __forceinline__ void ah_ovl_rescale_pack(float (&o)[DH / 2], unsigned (&p)[8][4], const float (&sc)[64], float a0,
+                                                    float a1) {
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    o[4 * i] *= a0;
+    o[4 * i + 1] *= a0;
+    o[4 * i + 2] *= a1;
+    o[4 * i + 3] *= a1;
+  }
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    p[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+    p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+  }
+}
+
+template <int DH, typename Out, int NC>
+__device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
+                                               float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
+                                               int band) {
+  using cfg = ah_cfg<DH, NC>;
+  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
+  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
+  // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES].
+  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int bh, ty;
+  ah_band(band, bh, ty);
+  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+  const int nQT = (S + BM - 1) / BM, i0 = (nQT - 1 - ty) * BM;
+  const int lastRow = gg_min(S - 1, i0 + BM - 1);
+  const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(emptyK + 8 * s, 4 * NC);  // one arrival per consumer warp
+      gg_bar_init(emptyV + 8 * s, 4 * NC);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapK);
+    gg_prefetch_tmap(mapV);
+    gg_bar_expect_tx(barQ, QTILE);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
+    for (int t = 0; t < nT; t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      const int row = b * KS + t * AH_BN;
+      gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+      gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_wait(emptyV + 8 * s, ph ^ 1);
+      gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+  const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
+  float o[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
+  gg_bar_wait(barQ, 0);
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  float sc[64];
+  unsigned p[8][4];
+  float a0 = 0.0f, a1 = 0.0f;  // the rescale of what came before tile t (the softmax's)
+  if (nTw > 0) {
+    ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    if (lane == 0) gg_bar_arrive(emptyK);
+    ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
+    ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+#pragma unroll 1
+    for (int t = 1; t < nTw; t++) {
+      ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
+      ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
+      gg_wgmma_wait<1>();  // the scores (the older group)
+      gg_fence_acc(sc);
+      if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
+      ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
+      gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
+      gg_fence_acc(o);
+      if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
+      ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+    }
+    ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, nTw - 1);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(o);
+    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nTw - 1) % STAGES));
+  }
+  // Tiles the block loaded that this warpgroup's queries do not see.
+  for (int t = nTw; t < nT; t++) {
+    const int s = t % STAGES;
+    const unsigned ph = (t / STAGES) & 1;
+    gg_bar_wait(fullK + 8 * s, ph);
+    gg_bar_wait(fullV + 8 * s, ph);
+    if (lane == 0) {
+      gg_bar_arrive(emptyK + 8 * s);
+      gg_bar_arrive(emptyV + 8 * s);
+    }
+  }
+  l0 += mk_shfl_xor(l0, 1);
+  l0 += mk_shfl_xor(l0, 2);
+  l1 += mk_shfl_xor(l1, 1);
+  l1 += mk_shfl_xor(l1, 2);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int HD = H * DH;
+  Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  Out* o1 = o0 + 8LL * HD;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+  }
+  if (t4 == 0) {
+    float* lrow = lse + ((long long)b * H + h) * S;
+    if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+    if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_ovl_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward_ovl<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_ovl_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward_ovl<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+}
+#endif
 
 // ---- backward ----
 //

@@ -36,7 +36,7 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd-ordered, bwd64-128q).
+// test of its own launches (bwd-ordered, bwd64-128q, fwd-overlap).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -55,6 +55,8 @@ func Sources() []Source {
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
 			{Name: "bwd-dq-arrive", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
 				Purpose: "the backward's dq staging barrier waited for by the issuing thread's warp only (the other three bar.arrive), its buffer's reuse guarded at the item's first barrier (Nsight Compute: the staging fence and barrier are 5-6% of the stall samples)"},
+			{Name: "fwd-overlap", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
+				Purpose: "adds attn_h_forward_ovl_d{64,128}: FlashAttention-3's overlap inside a consumer (tile t's scores beside tile t-1's P.V), every wait unconditional, k and v released apart; launched by TestAttentionLabForwardOwnLaunch"},
 			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there; launched by TestAttentionLabOwnLaunch"},
 		}},
