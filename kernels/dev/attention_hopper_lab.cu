@@ -18,6 +18,9 @@
 //      scores and tile t-1's P.V in flight together), k and v released
 //      on barriers of their own. TestAttentionLabForwardOwnLaunch
 //      launches it.
+//  16  head dim 128's backward issues the next item's scores before it
+//      stages this item's dq (which then runs under them), every wait
+//      unconditional (the last item's scores are issued twice).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1210,19 +1213,33 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   gg_bar_wait(barKV, 0);
   const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+#if AH_EXPERIMENT & 16
+  // The first item's scores; each item issues the next one's before it
+  // stages its dq.
+  float sc[32], dp[32];
+  if (items > 0) {
+    gg_bar_wait(full, 0);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    ah_bwd_scores<DH>(sc, dp, descK, descV, gg_desc(qs), gg_desc(qs + QT));
+  }
+#endif
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
     const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+#if !(AH_EXPERIMENT & 16)
     float sc[32], dp[32];
+#endif
     // The next item's statistics: stage (it + 1) % STAGES was last read
     // before the 256-thread barrier of the item before this one.
     if (it + 1 < items) stats(it + 1);
+#if !(AH_EXPERIMENT & 16)
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+#endif
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
@@ -1271,10 +1288,16 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
+#if AH_EXPERIMENT & 16
+    gg_wgmma_wait<1>();  // dv's and dk's products (the older group)
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+#else
     gg_wgmma_wait<0>();
     gg_fence_acc(acc);
     gg_fence_acc(dva);
     gg_fence_acc(dka);
+#endif
     // dv's and dk's products (the group before) are done with the stage:
     // thread 0 refills it once both warpgroups are.
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
@@ -1282,6 +1305,20 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       gg_bar_wait(empty + 8 * s, ph);
       load(it + STAGES);
     }
+#if AH_EXPERIMENT & 16
+    {
+      // The next item's scores under this item's dq staging: the last
+      // item's again at the last item (its stage is never refilled; the
+      // result goes unused), so that every wait stays unconditional.
+      const int itn = gg_min(it + 1, items - 1), sn = itn % STAGES;
+      gg_bar_wait(full + 8 * sn, (itn / STAGES) & 1);
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned qn = qs + sn * 2 * QT;
+      ah_bwd_scores<DH>(sc, dp, descK, descV, gg_desc(qn), gg_desc(qn + QT));
+    }
+    gg_wgmma_wait<1>();  // dq's product (the older group)
+    gg_fence_acc(acc);
+#endif
     // Stage the block of dq for one thread to add it to dq at L2. The block
     // staged two rounds ago in this buffer was read out before anyone
     // passes the barrier (wait_group.read covers the last round).
@@ -1313,6 +1350,9 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     }
     nq++;
   }
+#if AH_EXPERIMENT & 16
+  if (items > 0) gg_wgmma_wait<0>();  // the last item's repeated scores
+#endif
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
@@ -2096,8 +2136,7 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
     gg_named_sync(1 + cw, 128);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-      const int qh = q0 + 64 * hf;
-      if (qh >= S) break;  // (uniform in the warpgroup: the item's last half past the sequence)
+      const int qh = q0 + 64 * hf;  // past S in the last item's second half: dS is 0 there, nothing added
       float acc[32];
       asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
       gg_wgmma_fence();
@@ -2118,7 +2157,7 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       if (wtid == 0) gg_bulk_wait_read();
       gg_named_sync(1 + cw, 128);
-      if (wtid == 0) {
+      if (wtid == 0 && qh < S) {
         gg_tma_reduce_add_2d(mapDQ, h * DH, b * S + qh, stg);
         gg_tma_reduce_add_2d(mapDQ, h * DH + 32, b * S + qh, stg + DQB / 2);
         gg_bulk_commit();

@@ -55,6 +55,8 @@ func Sources() []Source {
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
 			{Name: "bwd-dq-arrive", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
 				Purpose: "the backward's dq staging barrier waited for by the issuing thread's warp only (the other three bar.arrive), its buffer's reuse guarded at the item's first barrier (Nsight Compute: the staging fence and barrier are 5-6% of the stall samples)"},
+			{Name: "bwd-next-scores", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
+				Purpose: "head dim 128's backward issues the next item's scores before staging this item's dq, which then runs under them (Nsight Compute: dq's wait 8.4%, its staging 5% of the stall samples)"},
 			{Name: "fwd-overlap", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
 				Purpose: "adds attn_h_forward_ovl_d{64,128}: FlashAttention-3's overlap inside a consumer (tile t's scores beside tile t-1's P.V), every wait unconditional, k and v released apart; launched by TestAttentionLabForwardOwnLaunch"},
 			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
