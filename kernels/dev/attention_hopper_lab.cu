@@ -839,6 +839,7 @@ __device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tma
       ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
       gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
       gg_fence_acc(o);
+      gg_fence_acc(sc);  // (so that P_t's packing, which reads sc, stays after the wait: p is P.V's operand until then)
       if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
       ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
     }
