@@ -21,14 +21,15 @@ import (
 // (8192 tokens a rank, hidden 8192, ffn 28672 split over tp) at tp 2, 4
 // and 8 virtual ranks: the product alone on the gathered rows, the
 // production AllGather+GEMM (keeping the float32 rows, as tensorpar
-// does) and each exact variant MKTRAIN_GG_VARIANTS names, whose output
-// must equal production's bit for bit (the variants change how rows move,
-// not what is multiplied).
+// does) and each variant MKTRAIN_GG_VARIANTS names: an exact one's
+// output must equal production's bit for bit (the variants change how
+// rows move, not what is multiplied); the others are cost probes (what a
+// gather of bf16 sources would take, say), timed only.
 func TestTPLabFigures(t *testing.T) {
 	testGroupedGemm(t)
-	lab, vs := labVariants(t, "moe_fused_lab.cu", true)
+	lab, vs := labVariants(t, "moe_fused_lab.cu", false)
 	if len(vs) == 0 {
-		t.Skipf("%s names no exact variant of %s", labVariantsEnv, lab.File)
+		t.Skipf("%s names no variant of %s", labVariantsEnv, lab.File)
 	}
 	b := testBackend(t)
 	const block, hidden, ffnAll = 8192, 8192, 28672
@@ -59,6 +60,9 @@ func TestTPLabFigures(t *testing.T) {
 				x := strings.ReplaceAll(v.Name, "-", "_")
 				figure(t, name+" fused "+x, ms, "ms")
 				figure(t, name+" fused "+x+" over product", ms/productMS, "x")
+				if !v.Exact {
+					continue
+				}
 				for i := range want {
 					if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
 						t.Errorf("%s: out[%d] = %g, production's %g", v.Name, i, got[i], want[i])
