@@ -9,6 +9,7 @@ package cuda
 import (
 	"fmt"
 	"math"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -79,8 +80,9 @@ var ownLaunch = map[string]labBackwardLaunch{
 var ownForwardLaunch = map[string]labForwardLaunch{
 	// attn_h_forward_ovl_d{64,128}: production's launch (threads, queries
 	// a block, registers at entry), with 8 bytes a stage more shared
-	// memory (k's and v's empty barriers apart).
-	"fwd-overlap": {headDims: []int{64, 128}, kernel: "attn_h_forward_ovl_d%d",
+	// memory (k's and v's empty barriers apart); the ring's
+	// attn_h_zz_forward_ovl_d{64,128} the same beside attn_h_zz_forward's.
+	"fwd-overlap": {headDims: []int{64, 128}, kernel: "attn_h_forward_ovl_d%d", ringKernel: "attn_h_zz_forward_ovl_d%d",
 		extraSmem: func(dh int) int { return 8 * hopperAttnStages(dh) }},
 }
 
@@ -91,6 +93,11 @@ type labForwardLaunch struct {
 	headDims  []int
 	kernel    string // the kernel's name, %d the head dim
 	extraSmem func(dh int) int
+	// ringKernel, where set, is the variant's build of the ring's forward
+	// (attn_h_zz_forward's arguments and launch, extraSmem more bytes),
+	// which TestAttentionLabForwardOwnLaunch runs beside the production
+	// ring too.
+	ringKernel string
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.
@@ -199,15 +206,18 @@ func logCompiler(t *testing.T, v dev.Variant, m *Module) {
 // labKernels loads variant v of lab with the production kernels and
 // kernel (%d: each head dim of headDims), which the variant adds or
 // replaces, and returns those by head dim, logging their registers and
-// local memory.
-func labKernels(t *testing.T, d *Device, lab dev.Source, v dev.Variant, kernel string, headDims []int) map[int]*Kernel {
+// local memory. also names more kernels the variant adds, loaded with
+// them: a variant's module is built once, at its first call.
+func labKernels(t *testing.T, d *Device, lab dev.Source, v dev.Variant, kernel string, headDims []int, also ...string) map[int]*Kernel {
 	t.Helper()
 	src, _ := kernelSource(t, "attention_hopper.cu")
 	src.Kernels = slices.Clone(src.Kernels)
-	for _, dh := range headDims {
-		name := fmt.Sprintf(kernel, dh)
-		if !slices.ContainsFunc(src.Kernels, func(k kernels.Kernel) bool { return k.Name == name }) {
-			src.Kernels = append(src.Kernels, kernels.Kernel{Name: name})
+	for _, pattern := range append([]string{kernel}, also...) {
+		for _, dh := range headDims {
+			name := fmt.Sprintf(pattern, dh)
+			if !slices.ContainsFunc(src.Kernels, func(k kernels.Kernel) bool { return k.Name == name }) {
+				src.Kernels = append(src.Kernels, kernels.Kernel{Name: name})
+			}
 		}
 	}
 	m, err := d.load(src, lab.File+"+"+v.Name, lab.Text, v.Defines...)
@@ -339,7 +349,11 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 	for _, v := range vs {
 		t.Run(v.Name, func(t *testing.T) {
 			how := ownForwardLaunch[v.Name]
-			kerns := labKernels(t, d, lab, v, how.kernel, how.headDims)
+			var ring []string // (the module loads once: every kernel the variant adds at the first call)
+			if how.ringKernel != "" {
+				ring = append(ring, how.ringKernel)
+			}
+			kerns := labKernels(t, d, lab, v, how.kernel, how.headDims, ring...)
 			for dh, kern := range kerns {
 				// setmaxnreg's counts assume production's even split (see
 				// launchHopperAttnForward): with another, it would hang.
@@ -428,6 +442,100 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 					figure(t, name+" over production", prodMs/labMs, "x")
 				})
 			}
+			if how.ringKernel != "" {
+				ringKerns := labKernels(t, d, lab, v, how.ringKernel, how.headDims, how.kernel)
+				t.Run("ring", func(t *testing.T) { labRingForward(t, v, ringKerns, how.extraSmem) })
+			}
+		})
+	}
+}
+
+// labRingForward runs a lab build of the ring's forward (kerns, by head
+// dim, attn_h_zz_forward's arguments, extraSmem(dh) bytes of shared
+// memory more) on every rank of zigzag problems beside the production
+// kernel: the same out and lse bits on every rank, then both rings timed
+// at the ring bar's rows against the whole-sequence core (efficiency =
+// core time / ring time, as bench attention).
+func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, extraSmem func(dh int) int) {
+	b := testBackend(t)
+	d := b.dev
+	for dh, kern := range kerns {
+		if kern.Registers != 168 { // 384 threads: setmaxnreg's counts assume the even split
+			t.Fatalf("%s (head dim %d) has %d registers at entry, not 168: its setmaxnreg would hang", kern.Desc.Name, dh, kern.Registers)
+		}
+	}
+	for n, c := range []struct {
+		w     int
+		s     backend.ZigzagShape
+		timed bool
+	}{
+		{2, backend.ZigzagShape{Batch: 2, Chunk: 256, Heads: 4, KVHeads: 2, HeadDim: 64}, false},
+		{4, backend.ZigzagShape{Batch: 1, Chunk: 128, Heads: 4, KVHeads: 1, HeadDim: 128}, false},
+		{2, backend.ZigzagShape{Batch: 1, Chunk: 2048, Heads: 16, KVHeads: 4, HeadDim: 128}, true},
+		{4, backend.ZigzagShape{Batch: 1, Chunk: 4096, Heads: 16, KVHeads: 4, HeadDim: 128}, true},
+		{8, backend.ZigzagShape{Batch: 1, Chunk: 2048, Heads: 16, KVHeads: 4, HeadDim: 128}, true},
+	} {
+		s := c.s
+		s.Ranks = c.w
+		if kerns[s.HeadDim] == nil {
+			continue
+		}
+		t.Run(fmt.Sprintf("W%d_B%d_S%d_H%d_KV%d_Dh%d", c.w, s.Batch, s.Seq(), s.Heads, s.KVHeads, s.HeadDim), func(t *testing.T) {
+			if err := b.ZigzagAttentionOnePass(s); err != nil {
+				t.Skipf("the one-pass fused ring does not run here: %v", err)
+			}
+			r := newZZRun(t, b, s, uint64(140+n))
+			o := newZZOnePass(r)
+			o.forward() // production's out and lse on every rank, and the bf16 copies
+			want := make([][2][]float32, c.w)
+			for i := range c.w {
+				want[i] = [2][]float32{backend.DownloadFloat32(b, r.lout[i]), backend.DownloadFloat32(b, r.llse[i])}
+			}
+			labRing := func() error {
+				for i := range c.w {
+					const op = "ZigzagAttentionForward"
+					grid, maps, slots, keep := b.zigzagForwardArgs(op, r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i), 0)
+					grid.Shared += extraSmem(s.HeadDim)
+					if err := b.launchMapBlockKernel(op, kerns[s.HeadDim], grid, maps, nil, slots); err != nil {
+						return err
+					}
+					runtime.KeepAlive(keep)
+				}
+				return b.Sync()
+			}
+			for i := range c.w {
+				b.Zero(r.lout[i])
+				b.Zero(r.llse[i])
+			}
+			if err := labRing(); err != nil {
+				t.Fatal(err)
+			}
+			for i := range c.w {
+				for j, name := range []string{"out", "lse"} {
+					got := backend.DownloadFloat32(b, []backend.Tensor{r.lout[i], r.llse[i]}[j])
+					if !slices.Equal(got, want[i][j]) {
+						t.Errorf("rank %d: %s differs from the production ring's", i, name)
+					}
+				}
+			}
+			if !c.timed || t.Failed() {
+				return
+			}
+			sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
+			coreMs := attnMedianMs(t, d, sync(r.wholeForward))
+			prodMs := attnMedianMs(t, d, sync(o.forward))
+			labMs := attnMedianMs(t, d, func() error {
+				for i := range c.w { // the bf16 rounding o.forward does, so both rings time the same work
+					b.Copy(o.q[i], r.lq[i])
+					b.Copy(o.k[i], r.lk[i])
+					b.Copy(o.v[i], r.lv[i])
+				}
+				return labRing()
+			})
+			name := fmt.Sprintf("attention hopper %s ring W%d S/W %d", v.Name, c.w, 2*s.Chunk)
+			figure(t, name+" production efficiency fwd", coreMs/prodMs, "x")
+			figure(t, name+" efficiency fwd", coreMs/labMs, "x")
+			figure(t, name+" over production", prodMs/labMs, "x")
 		})
 	}
 }

@@ -40,6 +40,9 @@ func TestAttentionLabLaunchesMatchVariants(t *testing.T) {
 	}
 	for name, how := range ownForwardLaunch {
 		check("ownForwardLaunch", name, how.kernel, how.headDims)
+		if how.ringKernel != "" {
+			check("ownForwardLaunch (ring)", name, how.ringKernel, how.headDims)
+		}
 	}
 	for _, v := range lab.Variants {
 		_, bwd := ownLaunch[v.Name]

@@ -150,6 +150,16 @@ func rankMaps(ps []driver.DevicePtr, m func(driver.DevicePtr) driver.TiledMap) [
 // band (sequence, head) pairs at a time (0: hopperZigzagBand's choice).
 func (b *Backend) zigzagForwardHopper(outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape, band int) {
 	const op = "ZigzagAttentionForward"
+	grid, maps, slots, keep := b.zigzagForwardArgs(op, outTQ, lseBHS, qTQ, kTK, vTK, s, band)
+	b.fail(b.launchMapBlock(op, fmt.Sprintf("attn_h_zz_forward_d%d", s.HeadDim), grid, maps, nil, slots))
+	runtime.KeepAlive(keep)
+}
+
+// zigzagForwardArgs checks zigzagForwardHopper's arguments and returns
+// attn_h_zz_forward's launch: its grid, its block parameter's tensor maps,
+// the scalar slots after it, and the tensors to keep alive until the
+// launch is queued (a lab build of the kernel launches with the same).
+func (b *Backend) zigzagForwardArgs(op string, outTQ, lseBHS, qTQ backend.Tensor, kTK, vTK []backend.Tensor, s backend.ZigzagShape, band int) (Grid, []driver.TiledMap, []uint64, [2][]*Tensor) {
 	if err := b.zigzagOnePassTakes(s); err != nil {
 		fail(op, "bf16 q, k and v: %v", err)
 	}
@@ -174,9 +184,7 @@ func (b *Backend) zigzagForwardHopper(outTQ, lseBHS, qTQ backend.Tensor, kTK, vT
 		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
 		Shared: hopperAttnSmem(s.HeadDim, 2),
 	}
-	b.fail(b.launchMapBlock(op, fmt.Sprintf("attn_h_zz_forward_d%d", s.HeadDim), grid, maps, nil, slots))
-	runtime.KeepAlive(ks)
-	runtime.KeepAlive(vs)
+	return grid, maps, slots, [2][]*Tensor{ks, vs}
 }
 
 // ZigzagAttentionDelta runs attn_h_delta over this rank's rows: its
@@ -287,6 +295,12 @@ func (b *Backend) launchMapBlock(op, name string, grid Grid, maps []driver.Tiled
 	if err != nil {
 		return err
 	}
+	return b.launchMapBlockKernel(op, kern, grid, maps, tail, slots)
+}
+
+// launchMapBlockKernel is launchMapBlock on kernel kern (a lab build's,
+// say).
+func (b *Backend) launchMapBlockKernel(op string, kern *Kernel, grid Grid, maps []driver.TiledMap, tail []driver.TensorMap, slots []uint64) error {
 	named := make([]namedMap, len(maps))
 	for i, m := range maps {
 		named[i] = namedMap{fmt.Sprintf("tensor map %d", i), m}

@@ -879,6 +879,149 @@ __device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tma
   }
 }
 
+// ah_zz_forward_ovl is the ring's forward (ah_zz_forward) with
+// ah_forward_ovl's loop, k and v released apart: a win of fwd-overlap
+// goes into both kernels (the ring's efficiency is measured against the
+// whole-sequence core). Shared memory: ah_cfg<DH>::SMEM and 8*STAGES
+// bytes. attn_h_zz_forward's arguments.
+template <int DH>
+__device__ __forceinline__ void ah_zz_forward_ovl(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
+                                              int KV, float scaleLog2, int band) {
+  constexpr int STAGES = ah_cfg<DH>::STAGES;
+  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
+  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Pairs (sequence, head) by q tiles, heaviest first: the late chunk's
+  // (n = 1), its last rows first.
+  int bh, y;
+  ah_band(band, bh, y);
+  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+  const int per = C / AH_BM, n = y < per ? 1 : 0;
+  const int tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
+  const int S = 2 * C;                  // local rows per sequence
+  const int i0 = n * C + tile * AH_BM;  // the block's first local row
+  const int p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
+  const int off = p0 - i0;               // position = local row + off
+  const int nT = p0 / AH_BN + 1;         // key tiles: positions 0 .. p0 + 127
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(emptyK + 8 * s, 8);  // one arrival per consumer warp
+      gg_bar_init(emptyV + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(&maps->q);
+    for (int w = 0; w < W; w++) {
+      gg_prefetch_tmap(&maps->k[w]);
+      gg_prefetch_tmap(&maps->v[w]);
+    }
+    gg_bar_expect_tx(barQ, TILE);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, &maps->q, h * DH + 64 * c, b * S + i0, barQ);
+    for (int t = 0; t < nT; t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+      // Tile t is chunk ck's rows from pos - ck*C on, on the rank that
+      // holds ck (its early chunk below W, else its late one).
+      const int pos = t * AH_BN, ck = pos / C;
+      const int owner = ck < W ? ck : 2 * W - 1 - ck;
+      const int row = b * S + (ck < W ? 0 : C) + pos - ck * C;
+      gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(ks + s * TILE + c * BOX, &maps->k[owner], kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_wait(emptyV + 8 * s, ph ^ 1);
+      gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(vs + s * TILE + c * BOX, &maps->v[owner], kvh * DH + 64 * c, row, fullV + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  // Consumer cw owns local rows [i0 + 64cw, i0 + 64cw + 64); this thread
+  // rows r0 and r0 + 8 of them. Both consumers see all nT tiles.
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+  float o[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+  gg_bar_wait(barQ, 0);
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  // ah_forward_ovl's loop over every tile (both consumers see all nT),
+  // masked as ah_zz_forward (no key past the positions: KS out of reach).
+  constexpr int noKS = 0x3fffffff;
+  float sc[64];
+  unsigned p[8][4];
+  float a0 = 0.0f, a1 = 0.0f;
+  ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(sc);
+  if (lane == 0) gg_bar_arrive(emptyK);
+  ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, noKS, t4, scaleLog2);
+  ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+#pragma unroll 1
+  for (int t = 1; t < nT; t++) {
+    ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
+    ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
+    gg_wgmma_wait<1>();
+    gg_fence_acc(sc);
+    if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
+    ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, noKS, t4, scaleLog2);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(o);
+    gg_fence_acc(sc);
+    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
+    ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+  }
+  ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, nT - 1);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(o);
+  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
+  l0 += mk_shfl_xor(l0, 1);
+  l0 += mk_shfl_xor(l0, 2);
+  l1 += mk_shfl_xor(l1, 1);
+  l1 += mk_shfl_xor(l1, 2);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int HD = H * DH;
+  float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  float* o1 = o0 + 8LL * HD;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+  }
+  if (t4 == 0) {
+    // lse [B, 2, H, C]: the block's chunk n, row r - nC of it.
+    float* lrow = lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C;
+    lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+    lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_ovl_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
+  ah_zz_forward_ovl<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_ovl_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
+  ah_zz_forward_ovl<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
+}
+
 extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_ovl_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
   ah_forward_ovl<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
