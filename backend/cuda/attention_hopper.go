@@ -327,6 +327,14 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 	if err != nil {
 		return err
 	}
+	return launchHopperAttnForwardKernel(d, kern, 0, out, lse, q, k, v, s, band)
+}
+
+// launchHopperAttnForwardKernel is launchHopperAttnForward on kernel kern
+// (attn_h_forward's arguments and block, extraSmem bytes of shared memory
+// more): the production kernel, or a lab build whose layout adds some
+// (kernels/dev).
+func launchHopperAttnForwardKernel(d *Device, kern *Kernel, extraSmem int, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int) error {
 	dh, keys := s.HeadDim, s.Keys()
 	consumers := hopperAttnConsumers(dh)
 	threads, queries := 128*(1+consumers), 64*consumers
@@ -335,13 +343,13 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 	// from any other count a warpgroup's setmaxnreg.inc would wait for
 	// registers forever.
 	if want := 65536 / threads &^ 7; kern.Registers != want {
-		return fmt.Errorf("cuda: %s has %d registers a thread, not the %d its setmaxnreg counts assume", name, kern.Registers, want)
+		return fmt.Errorf("cuda: %s has %d registers a thread, not the %d its setmaxnreg counts assume", kern.Desc.Name, kern.Registers, want)
 	}
 	pairs, qTiles := s.Batch*s.Heads, (s.Seq+queries-1)/queries
 	grid := Grid{
 		Grid:   driver.Dim3{X: pairs, Y: qTiles, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
-		Shared: hopperAttnSmem(dh, consumers),
+		Shared: hopperAttnSmem(dh, consumers) + extraSmem,
 	}
 	maps := []namedMap{
 		{"q", hopperAttnMap(q, s.Heads*dh, s.Batch*s.Seq, queries)},
