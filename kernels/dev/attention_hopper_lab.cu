@@ -752,6 +752,46 @@ __device__ __forceinline__ void ah_ovl_rescale_pack(float (&o)[DH / 2], unsigned
   }
 }
 
+// ah_ovl_tiles is ah_forward_ovl's consumer loop over tiles 0 .. nT-1
+// (nT >= 1): the first tile's scores and softmax, then each step tile t's
+// scores and tile t-1's P.V in flight together, tile t's softmax once the
+// scores (the older group) are in, o's rescale and P_t's packing once P.V
+// is; the last tile's P.V after the loop. Every wait is unconditional. k
+// and v are released on emptyK and emptyV as each is done with.
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_ovl_tiles(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT,
+                                             unsigned long long dq, unsigned ks, unsigned vs, unsigned fullK,
+                                             unsigned fullV, unsigned emptyK, unsigned emptyV, int lane, int off, int w0,
+                                             int r0, int r1, int KS, int t4, float scaleLog2) {
+  float sc[64];
+  unsigned p[8][4];
+  float a0, a1;  // the rescale of what came before tile t (the softmax's)
+  ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(sc);
+  if (lane == 0) gg_bar_arrive(emptyK);
+  ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
+  ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+#pragma unroll 1
+  for (int t = 1; t < nT; t++) {
+    ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
+    ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
+    gg_wgmma_wait<1>();  // the scores (the older group)
+    gg_fence_acc(sc);
+    if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
+    ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
+    gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
+    gg_fence_acc(o);
+    gg_fence_acc(sc);  // (so that P_t's packing, which reads sc, stays after the wait: p is P.V's operand until then)
+    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
+    ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+  }
+  ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, nT - 1);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(o);
+  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
+}
+
 template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                                float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
@@ -819,35 +859,9 @@ __device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tma
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  float sc[64];
-  unsigned p[8][4];
-  float a0 = 0.0f, a1 = 0.0f;  // the rescale of what came before tile t (the softmax's)
-  if (nTw > 0) {
-    ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    if (lane == 0) gg_bar_arrive(emptyK);
-    ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
-    ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
-#pragma unroll 1
-    for (int t = 1; t < nTw; t++) {
-      ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
-      ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
-      gg_wgmma_wait<1>();  // the scores (the older group)
-      gg_fence_acc(sc);
-      if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
-      ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
-      gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
-      gg_fence_acc(o);
-      gg_fence_acc(sc);  // (so that P_t's packing, which reads sc, stays after the wait: p is P.V's operand until then)
-      if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
-      ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
-    }
-    ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, nTw - 1);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nTw - 1) % STAGES));
-  }
+  if (nTw > 0)
+    ah_ovl_tiles<DH, STAGES>(o, m0, m1, l0, l1, nTw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, KS, t4,
+                             scaleLog2);
   // Tiles the block loaded that this warpgroup's queries do not see.
   for (int t = nTw; t < nT; t++) {
     const int s = t % STAGES;
@@ -965,34 +979,8 @@ __device__ __forceinline__ void ah_zz_forward_ovl(const ah_zz_maps* maps, float*
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
   // ah_forward_ovl's loop over every tile (both consumers see all nT),
   // masked as ah_zz_forward (no key past the positions: KS out of reach).
-  constexpr int noKS = 0x3fffffff;
-  float sc[64];
-  unsigned p[8][4];
-  float a0 = 0.0f, a1 = 0.0f;
-  ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
-  gg_wgmma_wait<0>();
-  gg_fence_acc(sc);
-  if (lane == 0) gg_bar_arrive(emptyK);
-  ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, noKS, t4, scaleLog2);
-  ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
-#pragma unroll 1
-  for (int t = 1; t < nT; t++) {
-    ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
-    ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
-    gg_wgmma_wait<1>();
-    gg_fence_acc(sc);
-    if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
-    ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, noKS, t4, scaleLog2);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    gg_fence_acc(sc);
-    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
-    ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
-  }
-  ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, nT - 1);
-  gg_wgmma_wait<0>();
-  gg_fence_acc(o);
-  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
+  ah_ovl_tiles<DH, STAGES>(o, m0, m1, l0, l1, nT, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, 0x3fffffff, t4,
+                           scaleLog2);
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
   l1 += mk_shfl_xor(l1, 1);
