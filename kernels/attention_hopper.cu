@@ -195,13 +195,12 @@ struct ah_fwd_nc {
 };
 
 // ah_store2 writes two adjacent outputs: float32, or bf16 rounded to
-// nearest even in one 32-bit store.
+// nearest even (one cvt for the pair) in one 32-bit store.
 __device__ __forceinline__ void ah_store2(float* p, float a, float b) {
   asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
-  const unsigned v = (unsigned)mk_f32_to_bf16(a) | ((unsigned)mk_f32_to_bf16(b) << 16);
-  asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(gg_pack_bf16(a, b)) : "memory");
 }
 
 template <int DH, typename Out, int NC>

@@ -314,7 +314,7 @@ done <"$BIN/packages.txt"
 # get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS, empty
 # when none is). A lab that might hang goes last and alone: it holds its
 # process until LAB_TIMEOUT.
-PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants:bwd-dq-arrive,bwd-next-scores TestTPLabFigures:bf16-sources TestAttentionLabOwnLaunch:bwd64-128q TestAttentionLabForwardOwnLaunch:fwd-overlap"
+PENDING_LABS="TestAttentionFigures TestAttentionLabForwardOwnLaunch:fwd-persistent"
 labs=${LABS:-}
 if [[ "$labs" == pending ]]; then
   labs=$PENDING_LABS

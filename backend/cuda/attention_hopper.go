@@ -335,6 +335,16 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 // more): the production kernel, or a lab build whose layout adds some
 // (kernels/dev).
 func launchHopperAttnForwardKernel(d *Device, kern *Kernel, extraSmem int, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int) error {
+	grid, maps, slots, err := hopperAttnForwardArgs(kern, extraSmem, out, lse, q, k, v, s, band)
+	if err != nil {
+		return err
+	}
+	return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
+}
+
+// hopperAttnForwardArgs is the whole-sequence forward's launch on kern:
+// its grid (pairs by q tiles), tensor maps and argument slots.
+func hopperAttnForwardArgs(kern *Kernel, extraSmem int, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int) (Grid, []namedMap, []uint64, error) {
 	dh, keys := s.HeadDim, s.Keys()
 	consumers := hopperAttnConsumers(dh)
 	threads, queries := 128*(1+consumers), 64*consumers
@@ -343,7 +353,7 @@ func launchHopperAttnForwardKernel(d *Device, kern *Kernel, extraSmem int, out, 
 	// from any other count a warpgroup's setmaxnreg.inc would wait for
 	// registers forever.
 	if want := 65536 / threads &^ 7; kern.Registers != want {
-		return fmt.Errorf("cuda: %s has %d registers a thread, not the %d its setmaxnreg counts assume", kern.Desc.Name, kern.Registers, want)
+		return Grid{}, nil, nil, fmt.Errorf("cuda: %s has %d registers a thread, not the %d its setmaxnreg counts assume", kern.Desc.Name, kern.Registers, want)
 	}
 	pairs, qTiles := s.Batch*s.Heads, (s.Seq+queries-1)/queries
 	grid := Grid{
@@ -360,7 +370,7 @@ func launchHopperAttnForwardKernel(d *Device, kern *Kernel, extraSmem int, out, 
 	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
 		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, qTiles, false))))}
-	return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
+	return grid, maps, slots, nil
 }
 
 // hopperAttnForwardF32 rounds float32 q, k and v to bf16 in scratch

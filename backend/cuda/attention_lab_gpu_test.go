@@ -15,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
+	"github.com/mktrain/mktrain/backend/cuda/driver"
 	"github.com/mktrain/mktrain/kernels"
 	"github.com/mktrain/mktrain/kernels/dev"
 )
@@ -62,27 +63,16 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
-	// attn_h_backward128q_d64: 384 threads (a producer warpgroup,
-	// setmaxnreg 24 and 240, so 168 registers at entry); k and v, two
-	// stages of 128-row q and dout tiles, one 64 x 128 dS^T a warpgroup,
-	// dq staging [2][2], the statistics [2][256 floats] and five mbarriers,
-	// beside the 1,024 bytes of alignment slack.
-	"bwd64-128q": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", registers: 168,
-		launch: func(dh int) (int, int) {
-			const kTile, qTile, dsT, dqBlock = 128 * 128, 128 * 128, 64 * 256, 64 * 64 * 4
-			return 384, 1024 + 2*kTile + 2*2*qTile + 2*dsT + 4*dqBlock + 2*1024 + 8*(1+2*2)
-		}},
 }
 
 // ownForwardLaunch names the variants that add forward kernels of their
 // own: TestAttentionLabForwardOwnLaunch runs them.
 var ownForwardLaunch = map[string]labForwardLaunch{
-	// attn_h_forward_ovl_d{64,128}: production's launch (threads, queries
-	// a block, registers at entry), with 8 bytes a stage more shared
-	// memory (k's and v's empty barriers apart); the ring's
-	// attn_h_zz_forward_ovl_d{64,128} the same beside attn_h_zz_forward's.
-	"fwd-overlap": {headDims: []int{64, 128}, kernel: "attn_h_forward_ovl_d%d", ringKernel: "attn_h_zz_forward_ovl_d%d",
-		extraSmem: func(dh int) int { return 8 * hopperAttnStages(dh) }},
+	// attn_h_forward_p_d{64,128}: production's block, registers and
+	// maps on a persistent grid (min(SMs, items) blocks, the pairs as one
+	// more argument), 8 bytes more shared memory (the q tile's qFree).
+	"fwd-persistent": {headDims: []int{64, 128}, kernel: "attn_h_forward_p_d%d", persistent: true,
+		extraSmem: func(int) int { return 8 }},
 }
 
 // labForwardLaunch is how a lab build's forward kernels launch:
@@ -92,6 +82,9 @@ type labForwardLaunch struct {
 	headDims  []int
 	kernel    string // the kernel's name, %d the head dim
 	extraSmem func(dh int) int
+	// persistent: the grid is min(SMs, pairs x q tiles) blocks in one
+	// row, and the kernel takes the pairs after production's arguments.
+	persistent bool
 	// ringKernel, where set, is the variant's build of the ring's forward
 	// (attn_h_zz_forward's arguments and launch, extraSmem more bytes),
 	// which TestAttentionLabForwardOwnLaunch runs beside the production
@@ -357,8 +350,18 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 			// count at entry is not what its setmaxnreg counts assume: it
 			// would hang.)
 			labForward := func(out, lse, q, kk, vv *Buffer, s backend.AttnShape) error {
-				return launchHopperAttnForwardKernel(d, kerns[s.HeadDim], how.extraSmem(s.HeadDim), out.Ptr(), lse.Ptr(), q.Ptr(),
+				kern := kerns[s.HeadDim]
+				grid, maps, slots, err := hopperAttnForwardArgs(kern, how.extraSmem(s.HeadDim), out.Ptr(), lse.Ptr(), q.Ptr(),
 					kk.Ptr(), vv.Ptr(), s, 0)
+				if err != nil {
+					return err
+				}
+				if how.persistent {
+					pairs, items := grid.Grid.X, grid.Grid.X*grid.Grid.Y
+					grid.Grid = driver.Dim3{X: min(d.info.SMs, items), Y: 1, Z: 1}
+					slots = append(slots, uint64(uint32(pairs)))
+				}
+				return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
 			}
 			checked := []backend.AttnShape{
 				{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},

@@ -36,7 +36,7 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd-ordered, bwd64-128q, fwd-overlap).
+// test of its own launches (bwd-ordered, fwd-persistent).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -53,14 +53,8 @@ func Sources() []Source {
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
 			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "bwd-dq-arrive", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the backward's dq staging barrier waited for by the issuing thread's warp only (the other three bar.arrive), its buffer's reuse guarded at the item's first barrier (Nsight Compute: the staging fence and barrier are 5-6% of the stall samples)"},
-			{Name: "bwd-next-scores", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
-				Purpose: "head dim 128's backward issues the next item's scores before staging this item's dq, which then runs under them (Nsight Compute: dq's wait 8.4%, its staging 5% of the stall samples)"},
-			{Name: "fwd-overlap", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
-				Purpose: "adds attn_h_forward_ovl_d{64,128}: FlashAttention-3's overlap inside a consumer (tile t's scores beside tile t-1's P.V), every wait unconditional, k and v released apart; launched by TestAttentionLabForwardOwnLaunch"},
-			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there; launched by TestAttentionLabOwnLaunch"},
+			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
+				Purpose: "adds attn_h_forward_p_d{64,128}: the whole-sequence forward on a persistent grid, the next item's q and first k/v tiles loading under this item's last products and epilogue (one block an SM: every item's start and end were exposed); launched by TestAttentionLabForwardOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
