@@ -70,9 +70,10 @@ var ownLaunch = map[string]labBackwardLaunch{
 var ownForwardLaunch = map[string]labForwardLaunch{
 	// attn_h_forward_p_d{64,128}: production's block, registers and
 	// maps on a persistent grid (min(SMs, items) blocks, the pairs as one
-	// more argument), 8 bytes more shared memory (the q tile's qFree).
-	"fwd-persistent": {headDims: []int{64, 128}, kernel: "attn_h_forward_p_d%d", persistent: true,
-		extraSmem: func(int) int { return 8 }},
+	// more argument), 8 bytes more shared memory (the q tile's qFree);
+	// the ring's attn_h_zz_forward_p_d{64,128} the same.
+	"fwd-persistent": {headDims: []int{64, 128}, kernel: "attn_h_forward_p_d%d", ringKernel: "attn_h_zz_forward_p_d%d",
+		persistent: true, extraSmem: func(int) int { return 8 }},
 }
 
 // labForwardLaunch is how a lab build's forward kernels launch:
@@ -90,6 +91,18 @@ type labForwardLaunch struct {
 	// which TestAttentionLabForwardOwnLaunch runs beside the production
 	// ring too.
 	ringKernel string
+}
+
+// relaunch turns production's grid (pairs by q tiles) and argument slots
+// into the variant's: for a persistent one, min(SMs, items) blocks in one
+// row and the pairs after production's arguments.
+func (how labForwardLaunch) relaunch(d *Device, grid Grid, slots []uint64) (Grid, []uint64) {
+	if !how.persistent {
+		return grid, slots
+	}
+	pairs, items := grid.Grid.X, grid.Grid.X*grid.Grid.Y
+	grid.Grid = driver.Dim3{X: min(d.info.SMs, items), Y: 1, Z: 1}
+	return grid, append(slices.Clip(slots), uint64(uint32(pairs)))
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.
@@ -356,11 +369,7 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				if how.persistent {
-					pairs, items := grid.Grid.X, grid.Grid.X*grid.Grid.Y
-					grid.Grid = driver.Dim3{X: min(d.info.SMs, items), Y: 1, Z: 1}
-					slots = append(slots, uint64(uint32(pairs)))
-				}
+				grid, slots = how.relaunch(d, grid, slots)
 				return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
 			}
 			checked := []backend.AttnShape{
@@ -425,19 +434,19 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 			}
 			if how.ringKernel != "" {
 				ringKerns := labKernels(t, d, lab, v, how.ringKernel, how.headDims, how.kernel)
-				t.Run("ring", func(t *testing.T) { labRingForward(t, v, ringKerns, how.extraSmem) })
+				t.Run("ring", func(t *testing.T) { labRingForward(t, v, ringKerns, how) })
 			}
 		})
 	}
 }
 
 // labRingForward runs a lab build of the ring's forward (kerns, by head
-// dim, attn_h_zz_forward's arguments, extraSmem(dh) bytes of shared
-// memory more) on every rank of zigzag problems beside the production
+// dim, launched as attn_h_zz_forward with how's changes: extraSmem(dh)
+// bytes of shared memory more, relaunch's grid and slots) on every rank of zigzag problems beside the production
 // kernel: the same out and lse bits on every rank, then both rings timed
 // at the ring bar's rows against the whole-sequence core (efficiency =
 // core time / ring time, as bench attention).
-func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, extraSmem func(dh int) int) {
+func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, how labForwardLaunch) {
 	b := testBackend(t)
 	d := b.dev
 	for dh, kern := range kerns {
@@ -476,7 +485,8 @@ func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, extraSme
 				for i := range c.w {
 					const op = "ZigzagAttentionForward"
 					grid, maps, slots, keep := b.zigzagForwardArgs(op, r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i), 0)
-					grid.Shared += extraSmem(s.HeadDim)
+					grid.Shared += how.extraSmem(s.HeadDim)
+					grid, slots = how.relaunch(d, grid, slots)
 					if err := b.launchMapBlockKernel(op, kerns[s.HeadDim], grid, maps, nil, slots); err != nil {
 						return err
 					}

@@ -5,11 +5,12 @@
 //      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
 //      It launches with one more argument, so
 //      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  attn_h_forward_p_d{64,128}: the whole-sequence forward on a
-//      persistent grid (one block an SM walking the items in ah_band's
-//      order, the ring of stages and the next q tile loading under the
-//      current item's last products and its epilogue).
-//      TestAttentionLabForwardOwnLaunch launches it.
+//   2  attn_h_forward_p_d{64,128} and attn_h_zz_forward_p_d{64,128}: the
+//      whole-sequence forward and the ring's on a persistent grid (one
+//      block an SM walking the items in ah_band's order, the ring of
+//      stages and the next q tile loading under the current item's last
+//      products and its epilogue). TestAttentionLabForwardOwnLaunch
+//      launches them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -826,6 +827,199 @@ extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_p_d64(const 
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_p_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
   ah_forward_p<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+}
+
+// ah_zz_forward_p is ah_zz_forward on a persistent grid, as ah_forward_p
+// is ah_forward: block x takes items x, x + gridDim.x, ... of pairs x
+// 2C/128 q tiles in ah_band_of's order, the ring of stages turning on from
+// one item into the next, the next q tile loaded once both consumers have
+// issued their last score product of this one (qFree; 8 bytes more shared
+// memory). Launched on min(SMs, items) blocks with pairs as one more
+// argument.
+template <int DH>
+__device__ __forceinline__ void ah_zz_forward_p(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C,
+                                                int H, int KV, float scaleLog2, int band, int pairs) {
+  constexpr int STAGES = ah_cfg<DH>::STAGES;
+  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
+  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 empty = fullV + 8 * STAGES, qFree = empty + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int per = C / AH_BM, nQT = 2 * per, items = pairs * nQT;
+  const int S = 2 * C;  // local rows per sequence
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    gg_bar_init(qFree, 8);  // one arrival per consumer warp
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(empty + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(&maps->q);
+    for (int w = 0; w < W; w++) {
+      gg_prefetch_tmap(&maps->k[w]);
+      gg_prefetch_tmap(&maps->v[w]);
+    }
+    int t = 0;  // key tiles loaded over the block's items: the ring's position
+    for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+      int bh, y;
+      ah_band_of(lin, pairs, nQT, band, bh, y);
+      const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+      const int n = y < per ? 1 : 0, tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
+      const int i0 = n * C + tile * AH_BM, p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
+      const int nT = p0 / AH_BN + 1;
+      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
+      gg_bar_expect_tx(barQ, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, &maps->q, h * DH + 64 * c, b * S + i0, barQ);
+      for (int u = 0; u < nT; u++, t++) {
+        const int s = t % STAGES;
+        const unsigned ph = (t / STAGES) & 1;
+        gg_bar_wait(empty + 8 * s, ph ^ 1);
+        const int pos = u * AH_BN, ck = pos / C;
+        const int owner = ck < W ? ck : 2 * W - 1 - ck;
+        const int row = b * S + (ck < W ? 0 : C) + pos - ck * C;
+        gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++)
+          gg_tma_2d(ks + s * TILE + c * BOX, &maps->k[owner], kvh * DH + 64 * c, row, fullK + 8 * s);
+        gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++)
+          gg_tma_2d(vs + s * TILE + c * BOX, &maps->v[owner], kvh * DH + 64 * c, row, fullV + 8 * s);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  int t = 0;  // the producer's count, in step
+  for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+    int bh, y;
+    ah_band_of(lin, pairs, nQT, band, bh, y);
+    const int b = bh / H, h = bh % H;
+    const int n = y < per ? 1 : 0, tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
+    const int i0 = n * C + tile * AH_BM, p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
+    const int off = p0 - i0, nT = p0 / AH_BN + 1;
+    const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+    float o[DH / 2];
+#pragma unroll
+    for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+    float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+    gg_bar_wait(barQ, j & 1);
+    for (int u = 0; u < nT; u++, t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      float sc[64];
+      gg_bar_wait(fullK + 8 * s, ph);
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned long long dk = gg_desc(ks + s * TILE);
+      gg_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) {
+        const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+        gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+      }
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(sc);
+      if (u == nT - 1 && lane == 0) gg_bar_arrive(qFree);  // this warp's last read of the q tile
+      const int j0 = u * AH_BN;
+      if (j0 + AH_BN - 1 > off + w0) {
+        const int lim0 = off + r0, lim1 = off + r1;
+#pragma unroll
+        for (int nn = 0; nn < 16; nn++) {
+          const int jj = j0 + 8 * nn + 2 * t4;
+          if (jj > lim0) sc[4 * nn] = ah_neg_inf();
+          if (jj + 1 > lim0) sc[4 * nn + 1] = ah_neg_inf();
+          if (jj > lim1) sc[4 * nn + 2] = ah_neg_inf();
+          if (jj + 1 > lim1) sc[4 * nn + 3] = ah_neg_inf();
+        }
+      }
+      float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+      for (int nn = 0; nn < 16; nn++) {
+        mx0 = fmaxf(mx0, fmaxf(sc[4 * nn], sc[4 * nn + 1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[4 * nn + 2], sc[4 * nn + 3]));
+      }
+      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+      const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+      const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
+      m0 = n0;
+      m1 = n1;
+      float s0 = 0.0f, s1 = 0.0f;
+      unsigned p[8][4];
+#pragma unroll
+      for (int nn = 0; nn < 16; nn++) {
+        const float e0 = ah_ex2(sc[4 * nn] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * nn + 1] * scaleLog2 - n0);
+        const float e2 = ah_ex2(sc[4 * nn + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * nn + 3] * scaleLog2 - n1);
+        s0 += e0 + e1;
+        s1 += e2 + e3;
+        p[nn >> 1][2 * (nn & 1)] = gg_pack_bf16(e0, e1);
+        p[nn >> 1][2 * (nn & 1) + 1] = gg_pack_bf16(e2, e3);
+      }
+      l0 = l0 * a0 + s0;
+      l1 = l1 * a1 + s1;
+#pragma unroll
+      for (int i = 0; i < DH / 8; i++) {
+        o[4 * i] *= a0;
+        o[4 * i + 1] *= a0;
+        o[4 * i + 2] *= a1;
+        o[4 * i + 3] *= a1;
+      }
+      gg_bar_wait(fullV + 8 * s, ph);
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+      gg_wgmma_fence();
+      gg_fence_acc(o);
+#pragma unroll
+      for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(o);
+      if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    }
+    l0 += mk_shfl_xor(l0, 1);
+    l0 += mk_shfl_xor(l0, 2);
+    l1 += mk_shfl_xor(l1, 1);
+    l1 += mk_shfl_xor(l1, 2);
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    const int HD = H * DH;
+    float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+    float* o1 = o0 + 8LL * HD;
+#pragma unroll
+    for (int i = 0; i < DH / 8; i++) {
+      ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+      ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    }
+    if (t4 == 0) {
+      float* lrow = lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C;
+      lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+      lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_p_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_zz_forward_p<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band, pairs);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_p_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_zz_forward_p<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band, pairs);
 }
 #endif
 
