@@ -11,6 +11,9 @@
 //      stages and the next q tile loading under the current item's last
 //      products and its epilogue). TestAttentionLabForwardOwnLaunch
 //      launches them.
+//   4  the whole-sequence forward (ah_forward, in place) takes every
+//      fourth n8 block's exponentials from a polynomial on the FMA pipe
+//      (ah_ex2_fma) instead of the MUFU's ex2; with bit 8, every second.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -116,6 +119,32 @@ __device__ __forceinline__ float ah_lg2(float x) {
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+#if AH_EXPERIMENT & 12
+// ah_ex2_fma is 2^x for x <= 0 (-inf included) on the FMA and integer
+// pipes instead of the MUFU's ex2: x rounded to the nearest integer j by
+// the 1.5 * 2^23 trick, 2^(x-j) on [-0.5, 0.5] by a degree-3 polynomial
+// (relative error 7.5e-5, under bf16's 2^-9; fitted to the relative
+// error), times 2^j built in the exponent field (0 at j = -127, so x
+// clamped to -127, and -inf, give 0).
+__device__ __forceinline__ float ah_ex2_fma(float x) {
+  x = fmaxf(x, -127.0f);
+  const float t = x + 12582912.0f;  // round(x) in t's low mantissa bits
+  const float f = x - (t - 12582912.0f);
+  float p;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(p) : "f"(0.0551716611f), "f"(f), "f"(0.242611125f));
+  asm("fma.rn.f32 %0, %0, %1, %2;" : "+f"(p) : "f"(f), "f"(0.693260968f));
+  asm("fma.rn.f32 %0, %0, %1, %2;" : "+f"(p) : "f"(f), "f"(0.999928057f));
+  // (bits(t) + 127) << 23: the high bits of bits(t) shift out, leaving
+  // j + 127 in the exponent field.
+  return p * gg_bits_float((__float_as_uint(t) + 127u) << 23);
+}
+
+// AH_EX2_FMA(n) says whether n8 block n of a score tile takes its
+// exponentials from ah_ex2_fma: every fourth (bit 4) or every second (bit
+// 8), the rest from the MUFU.
+#define AH_EX2_FMA(n) ((AH_EXPERIMENT & 8) ? ((n) & 1) == 1 : ((n) & 3) == 3)
+#endif
 
 // ---- wgmma with A in registers ----
 
@@ -341,8 +370,19 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     unsigned p[8][4];
 #pragma unroll
     for (int n = 0; n < 16; n++) {
+#if AH_EXPERIMENT & 12
+      float e0, e1, e2, e3;
+      if (AH_EX2_FMA(n)) {
+        e0 = ah_ex2_fma(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2_fma(sc[4 * n + 1] * scaleLog2 - n0);
+        e2 = ah_ex2_fma(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2_fma(sc[4 * n + 3] * scaleLog2 - n1);
+      } else {
+        e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
+        e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
+      }
+#else
       const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
       const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
+#endif
       s0 += e0 + e1;
       s1 += e2 + e3;
       // n8 block n is k columns 8(n%2).. of the k16 chunk n/2: registers
