@@ -442,10 +442,11 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 
 // labRingForward runs a lab build of the ring's forward (kerns, by head
 // dim, launched as attn_h_zz_forward with how's changes: extraSmem(dh)
-// bytes of shared memory more, relaunch's grid and slots) on every rank of zigzag problems beside the production
-// kernel: the same out and lse bits on every rank, then both rings timed
-// at the ring bar's rows against the whole-sequence core (efficiency =
-// core time / ring time, as bench attention).
+// bytes of shared memory more, relaunch's grid and slots) on every rank
+// of zigzag problems beside the production kernel: the same out and lse
+// bits on every rank, then both rings timed at the ring bar's rows
+// against the whole-sequence core (efficiency = core time / ring time, as
+// bench attention).
 func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, how labForwardLaunch) {
 	b := testBackend(t)
 	d := b.dev
