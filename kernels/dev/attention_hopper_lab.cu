@@ -14,8 +14,6 @@
 //   4  the whole-sequence forward (ah_forward, in place) takes every
 //      fourth n8 block's exponentials from a polynomial on the FMA pipe
 //      (ah_ex2_fma) instead of the MUFU's ex2; with bit 8, every second.
-//  16  the whole-sequence forward (in place) issues tile t's P.V and tile
-//      t+1's scores back to back and waits for both at the top of t+1.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -320,124 +318,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-#if AH_EXPERIMENT & 16
-  // Tile t's P.V and tile t+1's scores are issued back to back and waited
-  // for together at the top of t+1: the same products in the same order,
-  // one round trip (wait, free, wait, issue) fewer a tile. sc is free once
-  // the softmax has packed P, and P is not written again before the wait.
-  float sc[64];
-  if (nTw > 0) {
-    gg_bar_wait(fullK, 0);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dk = gg_desc(ks);
-    gg_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-  }
-  for (int t = 0; t < nTw; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    gg_wgmma_wait<0>();  // tile t's scores, tile t-1's P.V
-    gg_fence_acc(sc);
-    gg_fence_acc(o);
-    if (t > 0 && lane == 0) gg_bar_arrive(empty + 8 * ((t - 1) % STAGES));
-    const int j0 = t * AH_BN;
-    if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
-      const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
-#pragma unroll
-      for (int n = 0; n < 16; n++) {
-        const int j = j0 + 8 * n + 2 * t4;
-        if (j > lim0) sc[4 * n] = ah_neg_inf();
-        if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
-        if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
-        if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
-      }
-    }
-    // Online softmax: new row maxima (base 2, scaled), the rescale of what
-    // came before, and P = 2^(s*scale - max).
-    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-    // A row with no visible key in this tile keeps its max (mx is -inf).
-    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-    // Every row sees key 0 (off >= 0), so n0 and n1 are finite from the
-    // first tile on; ah_ex2(-inf) is 0 for the first rescale.
-    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float s0 = 0.0f, s1 = 0.0f;
-    unsigned p[8][4];
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-#if AH_EXPERIMENT & 12
-      float e0, e1, e2, e3;
-      if (AH_EX2_FMA(n)) {
-        e0 = ah_ex2_fma(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2_fma(sc[4 * n + 1] * scaleLog2 - n0);
-        e2 = ah_ex2_fma(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2_fma(sc[4 * n + 3] * scaleLog2 - n1);
-      } else {
-        e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-        e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-      }
-#else
-      const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-      const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-#endif
-      s0 += e0 + e1;
-      s1 += e2 + e3;
-      // n8 block n is k columns 8(n%2).. of the k16 chunk n/2: registers
-      // 0, 1 (rows g, g+8) for the first half, 2, 3 for the second.
-      p[n >> 1][2 * (n & 1)] = gg_pack_bf16(e0, e1);
-      p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(e2, e3);
-    }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      o[4 * i] *= a0;
-      o[4 * i + 1] *= a0;
-      o[4 * i + 2] *= a1;
-      o[4 * i + 3] *= a1;
-    }
-    gg_bar_wait(fullV + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-    gg_wgmma_fence();
-    gg_fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
-    gg_wgmma_commit();
-    if (t + 1 < nTw) {
-      const int s1 = (t + 1) % STAGES;
-      gg_bar_wait(fullK + 8 * s1, ((t + 1) / STAGES) & 1);
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      const unsigned long long dk = gg_desc(ks + s1 * TILE);
-      gg_wgmma_fence();
-      gg_fence_acc(sc);
-#pragma unroll
-      for (int kk = 0; kk < DH / 16; kk++) {
-        const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-        gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-      }
-      gg_wgmma_commit();
-    }
-  }
-  if (nTw > 0) {
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(empty + 8 * ((nTw - 1) % STAGES));
-  }
-#else
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
@@ -531,8 +411,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_fence_acc(o);
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
   }
-
-#endif  // Tiles the block loaded that this warpgroup's queries do not see: let
+  // Tiles the block loaded that this warpgroup's queries do not see: let
   // them land, then free them, so the producer's ring turns.
   for (int t = nTw; t < nT; t++) {
     const int s = t % STAGES;
