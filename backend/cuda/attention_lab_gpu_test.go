@@ -63,6 +63,16 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// 64-query tile), zero before each call; dq's bits repeat.
 	"bwd-ordered": {headDims: []int{128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
+	// attn_h_backward128q_d64: 384 threads (a producer warpgroup,
+	// setmaxnreg 24 and 240, so 168 registers at entry); k and v, two
+	// stages of 128-row q and dout tiles, one 64 x 128 dS^T a warpgroup,
+	// dq staging [2][2], the statistics [2][256 floats] and five mbarriers,
+	// beside the 1,024 bytes of alignment slack.
+	"bwd64-128q": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", registers: 168,
+		launch: func(dh int) (int, int) {
+			const kTile, qTile, dsT, dqBlock = 128 * 128, 128 * 128, 64 * 256, 64 * 64 * 4
+			return 384, 1024 + 2*kTile + 2*2*qTile + 2*dsT + 4*dqBlock + 2*1024 + 8*(1+2*2)
+		}},
 }
 
 // ownForwardLaunch names the variants that add forward kernels of their
@@ -74,6 +84,12 @@ var ownForwardLaunch = map[string]labForwardLaunch{
 	// the ring's attn_h_zz_forward_p_d{64,128} the same.
 	"fwd-persistent": {headDims: []int{64, 128}, kernel: "attn_h_forward_p_d%d", ringKernel: "attn_h_zz_forward_p_d%d",
 		persistent: true, extraSmem: func(int) int { return 8 }},
+	// attn_h_forward_ovl_d{64,128}: production's launch (threads, queries
+	// a block, registers at entry), with 8 bytes a stage more shared
+	// memory (k's and v's empty barriers apart); the ring's
+	// attn_h_zz_forward_ovl_d{64,128} the same beside attn_h_zz_forward's.
+	"fwd-overlap": {headDims: []int{64, 128}, kernel: "attn_h_forward_ovl_d%d", ringKernel: "attn_h_zz_forward_ovl_d%d",
+		extraSmem: func(dh int) int { return 8 * hopperAttnStages(dh) }},
 }
 
 // labForwardLaunch is how a lab build's forward kernels launch:

@@ -14,6 +14,14 @@
 //   4  the whole-sequence forward (ah_forward, in place) takes every
 //      fourth n8 block's exponentials from a polynomial on the FMA pipe
 //      (ah_ex2_fma) instead of the MUFU's ex2; with bit 8, every second.
+//  32  attn_h_forward_ovl_d{64,128} and attn_h_zz_forward_ovl_d{64,128}:
+//      the whole-sequence forward and the ring's with FlashAttention-3's
+//      overlap inside a consumer warpgroup (tile t's scores and tile
+//      t-1's P.V in flight together), k and v released on barriers of
+//      their own. TestAttentionLabForwardOwnLaunch launches them.
+//  64  attn_h_backward128q_d64: the head-dim-64 backward with items of 128
+//      queries and a producer warpgroup (384 threads, setmaxnreg 24 and
+//      240). TestAttentionLabOwnLaunch launches it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -663,6 +671,390 @@ extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(con
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
   ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
+
+#if AH_EXPERIMENT & 32
+// attn_h_forward_ovl_d{64,128} (fwd-overlap): ah_forward with
+// FlashAttention-3's overlap inside a consumer warpgroup, in its order:
+// each step issues tile t's scores and tile t-1's P.V together, runs tile
+// t's softmax once the scores are in (the older group) while P.V runs,
+// then rescales o and packs P_t once P.V is done; the first tile's
+// scores and softmax come before the loop and the last tile's P.V after
+// it, so that every wait in the loop is unconditional (31b6063's
+// fwd-pipelined waited conditionally inside its loop, and ptxas
+// serialised its wgmma instructions: C7514). The live registers are one
+// score tile, o and P (128 a thread at head dim 64, 160 at 128), within
+// the consumers' 160 and 232. k and v are released on barriers of their
+// own (emptyK once the scores are done, emptyV once P.V is), so that the
+// two-stage ring at head dim 128 still loads tile t+1's k during tile t.
+// The same arithmetic in the same order as ah_forward: the same bits.
+// Shared memory: ah_cfg<DH, NC>::SMEM and 8*STAGES bytes (emptyV).
+// The steps of ah_forward_ovl's consumer loop, as functions that inline
+// (a lambda called from two places may stay a call, its arrays then in
+// local memory, which makes ptxas serialise the wgmma instructions).
+// ah_ovl_issue_s queues tile t's scores into sc (one commit group).
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_ovl_issue_s(float (&sc)[64], unsigned long long dq, unsigned ks, unsigned fullK, int t) {
+  constexpr unsigned BOX = AH_BN * 128, TILE = (DH / 64) * BOX;
+  const int s = t % STAGES;
+  gg_bar_wait(fullK + 8 * s, (t / STAGES) & 1);
+  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  const unsigned long long dk = gg_desc(ks + s * TILE);
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+    gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+  }
+  gg_wgmma_commit();
+}
+
+// ah_ovl_issue_pv queues o += P . v for tile t (one commit group), P in p.
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_ovl_issue_pv(float (&o)[DH / 2], const unsigned (&p)[8][4], unsigned vs, unsigned fullV,
+                                                int t) {
+  constexpr unsigned BOX = AH_BN * 128, TILE = (DH / 64) * BOX;
+  const int s = t % STAGES;
+  gg_bar_wait(fullV + 8 * s, (t / STAGES) & 1);
+  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
+  gg_wgmma_commit();
+}
+
+// ah_ovl_softmax turns tile t's scores (sc, done) into its exponentials in
+// place, moves the row maxima (m0, m1) and sums (l0, l1) on and sets the
+// rescale a0, a1 of what came before: ah_forward's arithmetic.
+__device__ __forceinline__ void ah_ovl_softmax(float (&sc)[64], float& m0, float& m1, float& l0, float& l1, float& a0,
+                                               float& a1, int t, int off, int w0, int r0, int r1, int KS, int t4,
+                                               float scaleLog2) {
+  const int j0 = t * AH_BN;
+  if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
+    const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      const int j = j0 + 8 * n + 2 * t4;
+      if (j > lim0) sc[4 * n] = ah_neg_inf();
+      if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
+      if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
+      if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
+    }
+  }
+  float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
+    mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+  }
+  mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+  mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+  mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+  mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+  const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+  a0 = ah_ex2(m0 - n0);
+  a1 = ah_ex2(m1 - n1);
+  m0 = n0;
+  m1 = n1;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    sc[4 * n] = ah_ex2(sc[4 * n] * scaleLog2 - n0);
+    sc[4 * n + 1] = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
+    sc[4 * n + 2] = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1);
+    sc[4 * n + 3] = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
+    s0 += sc[4 * n] + sc[4 * n + 1];
+    s1 += sc[4 * n + 2] + sc[4 * n + 3];
+  }
+  l0 = l0 * a0 + s0;
+  l1 = l1 * a1 + s1;
+}
+
+// ah_ovl_rescale_pack scales o by a0, a1 and packs the exponentials in sc
+// into P.
+template <int DH>
+__device__ __forceinline__ void ah_ovl_rescale_pack(float (&o)[DH / 2], unsigned (&p)[8][4], const float (&sc)[64], float a0,
+                                                    float a1) {
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    o[4 * i] *= a0;
+    o[4 * i + 1] *= a0;
+    o[4 * i + 2] *= a1;
+    o[4 * i + 3] *= a1;
+  }
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    p[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+    p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+  }
+}
+
+// ah_ovl_tiles is ah_forward_ovl's consumer loop over tiles 0 .. nT-1
+// (nT >= 1): the first tile's scores and softmax, then each step tile t's
+// scores and tile t-1's P.V in flight together, tile t's softmax once the
+// scores (the older group) are in, o's rescale and P_t's packing once P.V
+// is; the last tile's P.V after the loop. Every wait is unconditional. k
+// and v are released on emptyK and emptyV as each is done with.
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_ovl_tiles(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT,
+                                             unsigned long long dq, unsigned ks, unsigned vs, unsigned fullK,
+                                             unsigned fullV, unsigned emptyK, unsigned emptyV, int lane, int off, int w0,
+                                             int r0, int r1, int KS, int t4, float scaleLog2) {
+  float sc[64];
+  unsigned p[8][4];
+  float a0, a1;  // the rescale of what came before tile t (the softmax's)
+  ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(sc);
+  if (lane == 0) gg_bar_arrive(emptyK);
+  ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
+  ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+#pragma unroll 1
+  for (int t = 1; t < nT; t++) {
+    ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
+    ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
+    gg_wgmma_wait<1>();  // the scores (the older group)
+    gg_fence_acc(sc);
+    if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
+    ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
+    gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
+    gg_fence_acc(o);
+    gg_fence_acc(sc);  // (so that P_t's packing, which reads sc, stays after the wait: p is P.V's operand until then)
+    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
+    ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+  }
+  ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, nT - 1);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(o);
+  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
+}
+
+template <int DH, typename Out, int NC>
+__device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
+                                               float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
+                                               int band) {
+  using cfg = ah_cfg<DH, NC>;
+  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
+  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
+  // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES].
+  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int bh, ty;
+  ah_band(band, bh, ty);
+  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+  const int nQT = (S + BM - 1) / BM, i0 = (nQT - 1 - ty) * BM;
+  const int lastRow = gg_min(S - 1, i0 + BM - 1);
+  const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(emptyK + 8 * s, 4 * NC);  // one arrival per consumer warp
+      gg_bar_init(emptyV + 8 * s, 4 * NC);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapK);
+    gg_prefetch_tmap(mapV);
+    gg_bar_expect_tx(barQ, QTILE);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
+    for (int t = 0; t < nT; t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      const int row = b * KS + t * AH_BN;
+      gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+      gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_wait(emptyV + 8 * s, ph ^ 1);
+      gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+  const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
+  float o[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
+  gg_bar_wait(barQ, 0);
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  if (nTw > 0)
+    ah_ovl_tiles<DH, STAGES>(o, m0, m1, l0, l1, nTw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, KS, t4,
+                             scaleLog2);
+  // Tiles the block loaded that this warpgroup's queries do not see.
+  for (int t = nTw; t < nT; t++) {
+    const int s = t % STAGES;
+    const unsigned ph = (t / STAGES) & 1;
+    gg_bar_wait(fullK + 8 * s, ph);
+    gg_bar_wait(fullV + 8 * s, ph);
+    if (lane == 0) {
+      gg_bar_arrive(emptyK + 8 * s);
+      gg_bar_arrive(emptyV + 8 * s);
+    }
+  }
+  l0 += mk_shfl_xor(l0, 1);
+  l0 += mk_shfl_xor(l0, 2);
+  l1 += mk_shfl_xor(l1, 1);
+  l1 += mk_shfl_xor(l1, 2);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int HD = H * DH;
+  Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  Out* o1 = o0 + 8LL * HD;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+  }
+  if (t4 == 0) {
+    float* lrow = lse + ((long long)b * H + h) * S;
+    if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+    if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+  }
+}
+
+// ah_zz_forward_ovl is the ring's forward (ah_zz_forward) with
+// ah_forward_ovl's loop, k and v released apart: a win of fwd-overlap
+// goes into both kernels (the ring's efficiency is measured against the
+// whole-sequence core). Shared memory: ah_cfg<DH>::SMEM and 8*STAGES
+// bytes. attn_h_zz_forward's arguments.
+template <int DH>
+__device__ __forceinline__ void ah_zz_forward_ovl(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
+                                              int KV, float scaleLog2, int band) {
+  constexpr int STAGES = ah_cfg<DH>::STAGES;
+  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
+  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Pairs (sequence, head) by q tiles, heaviest first: the late chunk's
+  // (n = 1), its last rows first.
+  int bh, y;
+  ah_band(band, bh, y);
+  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+  const int per = C / AH_BM, n = y < per ? 1 : 0;
+  const int tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
+  const int S = 2 * C;                  // local rows per sequence
+  const int i0 = n * C + tile * AH_BM;  // the block's first local row
+  const int p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
+  const int off = p0 - i0;               // position = local row + off
+  const int nT = p0 / AH_BN + 1;         // key tiles: positions 0 .. p0 + 127
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(emptyK + 8 * s, 8);  // one arrival per consumer warp
+      gg_bar_init(emptyV + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(&maps->q);
+    for (int w = 0; w < W; w++) {
+      gg_prefetch_tmap(&maps->k[w]);
+      gg_prefetch_tmap(&maps->v[w]);
+    }
+    gg_bar_expect_tx(barQ, TILE);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, &maps->q, h * DH + 64 * c, b * S + i0, barQ);
+    for (int t = 0; t < nT; t++) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+      // Tile t is chunk ck's rows from pos - ck*C on, on the rank that
+      // holds ck (its early chunk below W, else its late one).
+      const int pos = t * AH_BN, ck = pos / C;
+      const int owner = ck < W ? ck : 2 * W - 1 - ck;
+      const int row = b * S + (ck < W ? 0 : C) + pos - ck * C;
+      gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(ks + s * TILE + c * BOX, &maps->k[owner], kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_wait(emptyV + 8 * s, ph ^ 1);
+      gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++)
+        gg_tma_2d(vs + s * TILE + c * BOX, &maps->v[owner], kvh * DH + 64 * c, row, fullV + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  // Consumer cw owns local rows [i0 + 64cw, i0 + 64cw + 64); this thread
+  // rows r0 and r0 + 8 of them. Both consumers see all nT tiles.
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+  float o[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+  gg_bar_wait(barQ, 0);
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  // ah_forward_ovl's loop over every tile (both consumers see all nT),
+  // masked as ah_zz_forward (no key past the positions: KS out of reach).
+  ah_ovl_tiles<DH, STAGES>(o, m0, m1, l0, l1, nT, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, 0x3fffffff, t4,
+                           scaleLog2);
+  l0 += mk_shfl_xor(l0, 1);
+  l0 += mk_shfl_xor(l0, 2);
+  l1 += mk_shfl_xor(l1, 1);
+  l1 += mk_shfl_xor(l1, 2);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int HD = H * DH;
+  float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  float* o1 = o0 + 8LL * HD;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+  }
+  if (t4 == 0) {
+    // lse [B, 2, H, C]: the block's chunk n, row r - nC of it.
+    float* lrow = lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C;
+    lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+    lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_ovl_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
+  ah_zz_forward_ovl<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_ovl_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
+  ah_zz_forward_ovl<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_ovl_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward_ovl<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_ovl_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward_ovl<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+}
+#endif
 
 #if AH_EXPERIMENT & 2
 // ah_band_of is ah_band for item lin of a persistent grid: the same order
@@ -2045,6 +2437,229 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
   // The turns count on the launch order: every pair at once (band ignored).
   ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
                         (int)gridDim.x, turns);
+}
+#endif
+
+#if AH_EXPERIMENT & 64
+// attn_h_backward128q_d64 (bwd64-128q): the head-dim-64 backward with
+// items of 128 queries (FlashAttention-3's tile at this head dim) and a
+// producer warpgroup: 384 threads, setmaxnreg 24 for the producer and 240
+// for the two consumer warpgroups, so that a consumer holds an item's
+// S^T and dP^T (64 keys x 128 queries: 64 floats each) beside dk and dv.
+// Each product then runs at n128 or over 128 queries (S^T and dP^T
+// m64n128k16, dv and dk eight k16 steps), and the item's fixed costs (the
+// barrier waits, the statistics, the dS^T store's fence and barrier) are
+// paid once for twice the work. dq stays per warpgroup over its own 64
+// keys, in two 64-query halves (m64n64k16 each, staged and added by TMA
+// reductions as production's). Warp 0 is the producer: lane 0 loads k and
+// v once and each item's q and dout as two boxes of 64 rows each (the
+// production maps), its 32 lanes four queries' lse (base 2) and delta
+// each. Shared memory: k, v (16 KiB each), two stages of q and dout (32
+// KiB each), one dS^T buffer a warpgroup (64 keys x 128 queries, 16 KiB:
+// a warpgroup writes the next item's only after its dq products of this
+// one are waited for), dq staging [warpgroup][2] (16 KiB each), the
+// statistics [stage] (128 lse, 128 delta) and the barriers: 199,720 bytes
+// with the alignment slack. attn_h_backward's arguments.
+#define AH_BQ2 128  // queries per item
+
+template <int DH>
+__device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+                                                const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                                const float* delta, float* dk, float* dv, int S, int KS, int off,
+                                                int H, int KV, float scaleLog2, float scale, int band) {
+  static_assert(DH == 64, "ah_backward128q is head dim 64's");
+  constexpr int STAGES = 2;
+  constexpr unsigned KBOX = 128 * 128;    // {64 columns, 128 key rows}: 16 KiB, the k (or v) tile
+  constexpr unsigned QH = 64 * 128;       // {64 columns, 64 query rows}: 8 KiB, a TMA box
+  constexpr unsigned QT = 2 * QH;         // a q (or dout) tile of 128 queries
+  constexpr unsigned DSB = 64 * 256;      // a warpgroup's dS^T: 64 keys x 128 queries, two 8 KiB halves
+  constexpr unsigned DQB = 64 * 64 * 4;   // a dq staging block: 64 queries x 64 columns
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KBOX, qs = base + 2 * KBOX;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                         // dS^T [warpgroup]
+  const unsigned dqs = dss + 2 * DSB;                                // dq staging [warpgroup][2]
+  const unsigned stat = dqs + 4 * DQB;                               // [stage]: 128 lse (base 2), 128 delta
+  const unsigned barKV = stat + STAGES * 1024, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int pair, kb;
+  ah_band(band, pair, kb);
+  const int b = pair / KV, kvh = pair % KV, G = H / KV;
+  const int j0 = kb * 128;
+  const int nQT = (S + AH_BQ2 - 1) / AH_BQ2;
+  const int qt0 = gg_max(0, j0 - off) / AH_BQ2;  // the first tile with a query that sees key j0
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (warp != 0) return;
+    if (lane == 0) {
+      gg_prefetch_tmap(mapQ);
+      gg_prefetch_tmap(mapDO);
+      gg_bar_expect_tx(barKV, 2 * KBOX);
+      gg_tma_2d(ks, mapK, kvh * DH, b * KS + j0, barKV);
+      gg_tma_2d(vs, mapV, kvh * DH, b * KS + j0, barKV);
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ2;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+        const unsigned qa = qs + s * 2 * QT;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {  // two 64-row boxes make the 128-row tile's layout
+          gg_tma_2d(qa + r * QH, mapQ, h * DH, b * S + q0 + 64 * r, full + 8 * s);
+          gg_tma_2d(qa + QT + r * QH, mapDO, h * DH, b * S + q0 + 64 * r, full + 8 * s);
+        }
+      }
+      const long long row = ((long long)b * H + h) * S;
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int i = q0 + lane + 32 * e;
+        ah_stsf(stat + s * 1024 + 4 * (lane + 32 * e), i < S ? lse[row + i] * AH_LOG2E : 0.0f);
+        ah_stsf(stat + s * 1024 + 512 + 4 * (lane + 32 * e), i < S ? delta[row + i] : 0.0f);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
+  // and wr + 8 of them (and, in dq's products, queries qh + wr, qh + wr + 8).
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  const unsigned long long mnK = gg_desc_mn(ks + cw * 64 * 128, KBOX);  // this warpgroup's keys, for dq
+  const unsigned dsb = dss + cw * DSB;
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ2;
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT, st = stat + s * 1024;
+    float sc[64], dp[64];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    // S^T = k q^T and dP^T = v dout^T: m64n128k16, four k16 steps of the
+    // head dim (32 bytes each within the 128-byte rows).
+    {
+      const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+      gg_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) gg_wgmma(sc, descK + 2 * kk, descQ + 2 * kk, kk > 0 ? 1 : 0);
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) gg_wgmma(dp, descV + 2 * kk, descO + 2 * kk, kk > 0 ? 1 : 0);
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(sc);
+      gg_fence_acc(dp);
+    }
+    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
+    // q0 + 8n + 2t4 + e.
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ2 <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      float l2[2], dl[2];
+      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(st + 512 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    // dv += P^T dout, dk += dS^T q: A from registers (k16 chunk kk is n
+    // blocks 2kk and 2kk + 1), q and dout MN-major, 16 queries (2048 bytes)
+    // a step.
+    unsigned pa[8][4], da[8][4];
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+    }
+    {
+      gg_wgmma_fence();
+      gg_fence_acc(dva);
+      gg_fence_acc(dka);
+      const unsigned long long mnO = gg_desc_mn(oa, QT), mnQ = gg_desc_mn(qa, QT);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ2 / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ2 / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+      gg_wgmma_commit();
+    }
+    // dS^T to this warpgroup's buffer, as two 64-query halves (its dq
+    // products of the item before were waited for).
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      unsigned half[4][4];
+#pragma unroll
+      for (int c = 0; c < 16; c++) half[c / 4][c % 4] = da[4 * hf + c / 4][c % 4];
+      ah_store_dst(dsb + hf * (DSB / 2), half, wr, t4);
+    }
+    gg_named_sync(1 + cw, 128);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int qh = q0 + 64 * hf;  // past S in the last item's second half: dS is 0 there, nothing added
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned long long mnD = gg_desc_mn(dsb + hf * (DSB / 2), DSB / 2);
+#pragma unroll
+      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      if (hf == 0) {
+        // dv's and dk's products (the group before) are done with the stage.
+        gg_fence_acc(dva);
+        gg_fence_acc(dka);
+        if (lane == 0) gg_bar_arrive(empty + 8 * s);
+      }
+      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+      ah_stage_dq(stg, acc, wr, t4);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      if (wtid == 0) gg_bulk_wait_read();
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0 && qh < S) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH, b * S + qh, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 32, b * S + qh, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+      nq++;
+    }
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward128q_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward128q<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
 #endif
 

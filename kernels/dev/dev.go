@@ -36,7 +36,8 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd-ordered, fwd-persistent).
+// test of its own launches (bwd-ordered, fwd-persistent, fwd-overlap,
+// bwd64-128q).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -61,6 +62,10 @@ func Sources() []Source {
 				Purpose: "fwd-exp-fma25 with half the exponentials on the FMA pipe"},
 			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "adds attn_h_forward_p_d{64,128}: the whole-sequence forward on a persistent grid, the next item's q and first k/v tiles loading under this item's last products and epilogue (one block an SM: every item's start and end were exposed); launched by TestAttentionLabForwardOwnLaunch"},
+			{Name: "fwd-overlap", Defines: []string{"AH_EXPERIMENT=32"}, Exact: true,
+				Purpose: "adds attn_h_forward_ovl_d{64,128} and the ring's attn_h_zz_forward_ovl_d{64,128}: FlashAttention-3's overlap inside a consumer (tile t's scores beside tile t-1's P.V), every wait unconditional, k and v released apart; lost at 14cd763 with its consumers compiled to the entry register count (the inline trap), compiles without local memory since d89a2ce; launched by TestAttentionLabForwardOwnLaunch"},
+			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=64"}, Exact: true,
+				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there (its products at n128 or over 128 queries, half the shared-memory bytes a FLOP of n64); lost at 14cd763 with its consumers at 168 registers (the inline trap), compiles without local memory since d89a2ce; launched by TestAttentionLabOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
