@@ -13,7 +13,7 @@
 //      launches them.
 //   4  the whole-sequence forward (ah_forward, in place) takes every
 //      fourth n8 block's exponentials from a polynomial on the FMA pipe
-//      (ah_ex2_fma) instead of the MUFU's ex2; with bit 8, every second.
+//      (ah_ex2_fma) instead of the MUFU's ex2.
 //  32  attn_h_forward_ovl_d{64,128} and attn_h_zz_forward_ovl_d{64,128}:
 //      the whole-sequence forward and the ring's with FlashAttention-3's
 //      overlap inside a consumer warpgroup (tile t's scores and tile
@@ -128,7 +128,7 @@ __device__ __forceinline__ float ah_lg2(float x) {
   return y;
 }
 
-#if AH_EXPERIMENT & 12
+#if AH_EXPERIMENT & 4
 // ah_ex2_fma is 2^x for x <= 0 (-inf included) on the FMA and integer
 // pipes instead of the MUFU's ex2: x rounded to the nearest integer j by
 // the 1.5 * 2^23 trick, 2^(x-j) on [-0.5, 0.5] by a degree-3 polynomial
@@ -149,9 +149,8 @@ __device__ __forceinline__ float ah_ex2_fma(float x) {
 }
 
 // AH_EX2_FMA(n) says whether n8 block n of a score tile takes its
-// exponentials from ah_ex2_fma: every fourth (bit 4) or every second (bit
-// 8), the rest from the MUFU.
-#define AH_EX2_FMA(n) ((AH_EXPERIMENT & 8) ? ((n) & 1) == 1 : ((n) & 3) == 3)
+// exponentials from ah_ex2_fma: every fourth, the rest from the MUFU.
+#define AH_EX2_FMA(n) (((n) & 3) == 3)
 #endif
 
 // ---- wgmma with A in registers ----
@@ -378,7 +377,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     unsigned p[8][4];
 #pragma unroll
     for (int n = 0; n < 16; n++) {
-#if AH_EXPERIMENT & 12
+#if AH_EXPERIMENT & 4
       float e0, e1, e2, e3;
       if (AH_EX2_FMA(n)) {
         e0 = ah_ex2_fma(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2_fma(sc[4 * n + 1] * scaleLog2 - n0);

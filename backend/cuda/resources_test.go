@@ -1,0 +1,192 @@
+package cuda
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/mktrain/mktrain/backend/cuda/driver"
+	"github.com/mktrain/mktrain/kernels"
+	"github.com/mktrain/mktrain/kernels/dev"
+)
+
+// A ptxas --verbose report as NVRTC 12.4 writes it: a remark before its
+// kernel's entry line, a called function's properties inside a kernel's,
+// the optional stack and shared-memory figures.
+const ptxasReportSample = `ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'attn_h_backward128q_d64'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'attn_h_backward128q_d64' for 'sm_90a'
+ptxas info    : Function properties for attn_h_backward128q_d64
+ptxas         .     432 bytes stack frame, 692 bytes spill stores, 700 bytes spill loads
+ptxas info    : Used 168 registers, 432 bytes cumulative stack size
+ptxas info    : Function properties for _Z15gg_trap_timeoutv
+ptxas         .     16 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Compiling entry function 'attn_backward_dq_d64_f32' for 'sm_90a'
+ptxas info    : Function properties for attn_backward_dq_d64_f32
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 255 registers, 32768 bytes smem
+ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline stage in the function 'attn_backward_dq_d64_f32'
+`
+
+func TestParsePtxasReport(t *testing.T) {
+	ks, err := parsePtxasReport(ptxasReportSample)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ks) != 2 {
+		t.Fatalf("got %d kernels, want 2: %+v", len(ks), ks)
+	}
+	dq, q128 := ks[0], ks[1] // sorted by name
+	if q128.Name != "attn_h_backward128q_d64" || q128.Registers != 168 || q128.StackBytes != 432 ||
+		q128.SpillStores != 692 || q128.SpillLoads != 700 || !q128.Spills() {
+		t.Errorf("attn_h_backward128q_d64: got %+v", q128)
+	}
+	if len(q128.Notes) != 1 || !strings.HasPrefix(q128.Notes[0], "C7512: Potential Performance Loss") ||
+		!strings.HasSuffix(q128.Notes[0], "insufficient register resources") {
+		t.Errorf("attn_h_backward128q_d64's notes: %q", q128.Notes)
+	}
+	// The called function's properties are not the second kernel's.
+	if dq.Name != "attn_backward_dq_d64_f32" || dq.Registers != 255 || dq.StackBytes != 0 || dq.Spills() {
+		t.Errorf("attn_backward_dq_d64_f32: got %+v", dq)
+	}
+	if len(dq.Notes) != 1 || !strings.HasPrefix(dq.Notes[0], "C7514: ") {
+		t.Errorf("attn_backward_dq_d64_f32's notes: %q", dq.Notes)
+	}
+
+	if _, err := parsePtxasReport("ptxas info    : 0 bytes gmem\n"); err == nil {
+		t.Error("a report with no entry function parsed")
+	}
+	noCount := "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+	if _, err := parsePtxasReport(noCount); err == nil || !strings.Contains(err.Error(), "k") {
+		t.Errorf("a kernel with no register count: err %v", err)
+	}
+}
+
+// loadNVRTC returns NVRTC or skips: ptxas's reports need the compiler, not
+// a GPU (scripts/nvrtc-local.sh fetches one for a machine without CUDA).
+func loadNVRTC(t *testing.T) *driver.NVRTC {
+	t.Helper()
+	nv, err := driver.Search{}.LoadNVRTC()
+	if err != nil {
+		t.Skipf("no NVRTC (%v): ptxas's reports need it", err)
+	}
+	return nv
+}
+
+// hopperArch is the target whose reports the tests read: the kernels are
+// tuned for it, and sm_90a compiles everything the backend loads.
+const hopperArch = "sm_90a"
+
+// resourceTable formats ks as a table, one kernel a line.
+func resourceTable(ks []KernelResources) string {
+	var b strings.Builder
+	for _, k := range ks {
+		fmt.Fprintf(&b, "  %-36s %3d registers  stack %4d  spills %4d / %4d", k.Name, k.Registers, k.StackBytes, k.SpillStores, k.SpillLoads)
+		for _, n := range k.Notes {
+			fmt.Fprintf(&b, "\n      %s", n)
+		}
+		b.WriteByte('\n')
+	}
+	return b.String()
+}
+
+// TestKernelResources reports ptxas's allotment for every production
+// kernel and holds the Hopper attention core (the kernels still being
+// tuned) to no local memory and no serialized wgmma: a change that pushes
+// a consumer past its registers fails here, before it costs GPU time.
+func TestKernelResources(t *testing.T) {
+	nv := loadNVRTC(t)
+	major, minor := nv.Version()
+	t.Logf("NVRTC %d.%d, %s", major, minor, hopperArch)
+	strict := map[string]bool{"attention_hopper.cu": true}
+	for _, src := range kernels.Sources() {
+		text, err := src.Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ks, err := CompileResources(nv, src.File, text, hopperArch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%s:\n%s", src.File, resourceTable(ks))
+		if !strict[src.File] {
+			continue
+		}
+		for _, k := range ks {
+			if k.Spills() {
+				t.Errorf("%s: %s spills (%d bytes stored, %d loaded)", src.File, k.Name, k.SpillStores, k.SpillLoads)
+			}
+			for _, n := range k.Notes {
+				t.Errorf("%s: %s: %s", src.File, k.Name, n)
+			}
+		}
+	}
+}
+
+// TestLabResources reports ptxas's allotment for each lab variant that
+// MKTRAIN_GG_VARIANTS names and fails where an exact variant's kernel spills
+// more than the production kernel of its name (or, a kernel of its own,
+// at all) or has a ptxas note production's has not: the check to make
+// before a lab takes GPU time.
+//
+//	MKTRAIN_GG_VARIANTS=all go test ./backend/cuda -run LabResources -v
+func TestLabResources(t *testing.T) {
+	nv := loadNVRTC(t)
+	ran := false
+	for _, lab := range dev.Sources() {
+		_, vs := labVariants(t, lab.File, false)
+		if len(vs) == 0 {
+			continue
+		}
+		ran = true
+		prodSrc, err := lab.Kernels()
+		if err != nil {
+			t.Fatal(err)
+		}
+		prodText, err := prodSrc.Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		prodKs, err := CompileResources(nv, prodSrc.File, prodText, hopperArch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		prod := map[string]KernelResources{}
+		for _, k := range prodKs {
+			prod[k.Name] = k
+		}
+		text, err := lab.Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, v := range vs {
+			ks, err := CompileResources(nv, lab.File, text, hopperArch, v.Defines...)
+			if err != nil {
+				t.Fatalf("%s: %v", v.Name, err)
+			}
+			t.Logf("%s (%s):\n%s", v.Name, lab.File, resourceTable(ks))
+			// A cost probe (not Exact) only measures what a part costs:
+			// its registers are reported, not held to production's.
+			flag := t.Errorf
+			if !v.Exact {
+				flag = t.Logf
+			}
+			for _, k := range ks {
+				p := prod[k.Name] // the zero value for a kernel of the variant's own
+				if k.SpillStores > p.SpillStores || k.SpillLoads > p.SpillLoads {
+					flag("%s: %s spills %d / %d bytes (production's %s: %d / %d)", v.Name, k.Name,
+						k.SpillStores, k.SpillLoads, prodSrc.File, p.SpillStores, p.SpillLoads)
+				}
+				for _, n := range k.Notes {
+					if !slices.Contains(p.Notes, n) {
+						flag("%s: %s: %s", v.Name, k.Name, n)
+					}
+				}
+			}
+		}
+	}
+	if !ran {
+		t.Skipf("%s names no lab variant", labVariantsEnv)
+	}
+}
