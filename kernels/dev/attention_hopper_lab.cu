@@ -22,6 +22,8 @@
 //  64  attn_h_backward128q_d64: the head-dim-64 backward with items of 128
 //      queries and a producer warpgroup (384 threads, setmaxnreg 24 and
 //      240). TestAttentionLabOwnLaunch launches it.
+// 128  with bit 64: attn_h_backward128q_d64 adds dq once an item over all
+//      128 keys, each warpgroup 64 of its queries (FlashAttention-3's).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -2459,6 +2461,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
 // one are waited for), dq staging [warpgroup][2] (16 KiB each), the
 // statistics [stage] (128 lse, 128 delta) and the barriers: 199,720 bytes
 // with the alignment slack. attn_h_backward's arguments.
+//
+// With bit 128 (bwd64-128q-dq), dq as FlashAttention-3 takes it at this
+// head dim: once an item over all 128 keys, each warpgroup the rows of
+// its 64-query half (eight k16 steps reading both warpgroups' dS^T, after
+// a 256-thread barrier), so one staged block a warpgroup and item where
+// the build above stages two, half the staging's shared-memory traffic
+// and half the TMA reductions. dS^T is kept [parity][warpgroup] (the
+// other warpgroup reads it) and dq's staging [warpgroup]: the same
+// 199,720 bytes.
 #define AH_BQ2 128  // queries per item
 
 template <int DH>
@@ -2475,9 +2486,15 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
   constexpr unsigned DQB = 64 * 64 * 4;   // a dq staging block: 64 queries x 64 columns
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KBOX, qs = base + 2 * KBOX;  // stage s: q at qs + 2*QT*s, dout QT on
+#if AH_EXPERIMENT & 128
+  const unsigned dss = qs + STAGES * 2 * QT;                         // dS^T [parity][warpgroup]
+  const unsigned dqs = dss + 4 * DSB;                                // dq staging [warpgroup]
+  const unsigned stat = dqs + 2 * DQB;                               // [stage]: 128 lse (base 2), 128 delta
+#else
   const unsigned dss = qs + STAGES * 2 * QT;                         // dS^T [warpgroup]
   const unsigned dqs = dss + 2 * DSB;                                // dq staging [warpgroup][2]
   const unsigned stat = dqs + 4 * DQB;                               // [stage]: 128 lse (base 2), 128 delta
+#endif
   const unsigned barKV = stat + STAGES * 1024, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   int pair, kb;
@@ -2544,9 +2561,11 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
   gg_bar_wait(barKV, 0);
   const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+#if !(AH_EXPERIMENT & 128)
   const unsigned long long mnK = gg_desc_mn(ks + cw * 64 * 128, KBOX);  // this warpgroup's keys, for dq
   const unsigned dsb = dss + cw * DSB;
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+#endif
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
@@ -2612,6 +2631,55 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
       for (int kk = 0; kk < AH_BQ2 / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
       gg_wgmma_commit();
     }
+#if AH_EXPERIMENT & 128
+    // dS^T to this warpgroup's buffer of the item's parity, as two
+    // 64-query halves. The other warpgroup read this buffer last two items
+    // ago, and finished before it reached the barrier below of the item
+    // before, which this warpgroup has passed.
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      unsigned half[4][4];
+#pragma unroll
+      for (int c = 0; c < 16; c++) half[c / 4][c % 4] = da[4 * hf + c / 4][c % 4];
+      ah_store_dst(dsb + hf * (DSB / 2), half, wr, t4);
+    }
+    // This warpgroup's dq block of the item before has been read out of
+    // its staging buffer before anyone here passes the barrier.
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
+    {
+      // dq for queries q0 + 64cw.. over all 128 keys: dS from both
+      // warpgroups' buffers (keys 0-63 in warpgroup 0's), this warpgroup's
+      // 64-query half of each; k's 128 rows. m64n64k16, 16 keys a step.
+      const int qh = q0 + 64 * cw;  // past S in the last item: dS is 0 there, nothing added
+      float acc[32];
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      gg_wgmma_fence();
+      const unsigned pb = dss + (it & 1) * 2 * DSB + cw * (DSB / 2);
+      const unsigned long long mnD0 = gg_desc_mn(pb, DSB / 2), mnD1 = gg_desc_mn(pb + DSB, DSB / 2);
+      const unsigned long long mnKa = gg_desc_mn(ks, KBOX);
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++)
+        ah_wgmma_ss<1, 1>(acc, (kk < 4 ? mnD0 : mnD1) + 128 * (kk & 3), mnKa + 128 * kk, kk > 0 ? 1 : 0);
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(acc);
+      // dv's and dk's products (the group before) are done with the stage.
+      gg_fence_acc(dva);
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * s);
+      const unsigned stg = dqs + cw * DQB;
+      ah_stage_dq(stg, acc, wr, t4);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      gg_named_sync(1 + cw, 128);
+      if (wtid == 0 && qh < S) {
+        gg_tma_reduce_add_2d(mapDQ, h * DH, b * S + qh, stg);
+        gg_tma_reduce_add_2d(mapDQ, h * DH + 32, b * S + qh, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+    }
+#else
     // dS^T to this warpgroup's buffer, as two 64-query halves (its dq
     // products of the item before were waited for).
 #pragma unroll
@@ -2652,6 +2720,7 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
       }
       nq++;
     }
+#endif
   }
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
