@@ -14,6 +14,9 @@
 //   4  the whole-sequence forward (ah_forward, in place) takes every
 //      fourth n8 block's exponentials from a polynomial on the FMA pipe
 //      (ah_ex2_fma) instead of the MUFU's ex2.
+//   8  the whole-sequence forward (in place) reads each consumer's q rows
+//      into registers once and takes the scores' A operand from there
+//      (wgmma with A in registers), not from shared memory every tile.
 //  32  attn_h_forward_ovl_d{64,128} and attn_h_zz_forward_ovl_d{64,128}:
 //      the whole-sequence forward and the ring's with FlashAttention-3's
 //      overlap inside a consumer warpgroup (tile t's scores and tile
@@ -226,6 +229,57 @@ __device__ __forceinline__ void ah_wgmma_ss(float (&d)[32], unsigned long long d
       : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
+#if AH_EXPERIMENT & 8
+// D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, A in registers (as
+// ah_wgmma_rs), B a K-major tile in shared memory (gg_desc; no transpose);
+// scale_d 0 overwrites D, 1 accumulates.
+__device__ __forceinline__ void ah_wgmma_rs_k(float (&d)[64], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// ah_lds_qfrag reads a consumer's q rows as wgmma A operands, one k16
+// step of the head dim a time: qa[kk] holds, for rows rw = 16w + g and
+// rw + 8 of the consumer's 64 (warp w of the warpgroup), columns 16kk +
+// 2t4 (+1) and 16kk + 8 + 2t4 (+1), the mma.m16n8k16 A layout. q is the
+// 128-byte swizzled tile (box c of 64 columns at q + c * qbox, row r's
+// 16-byte chunk x at x ^ (r & 7)), this consumer's rows from row 0 at q.
+template <int DH>
+__device__ __forceinline__ void ah_lds_qfrag(unsigned (&qa)[DH / 16][4], unsigned q, unsigned qbox, int rw, int t4) {
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned box = q + (kk / 4) * qbox;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int r = rw + 8 * (e & 1), x = 2 * (kk % 4) + (e >> 1);  // 16-byte chunk of 8 columns
+      asm volatile("ld.shared.b32 %0, [%1];"
+                   : "=r"(qa[kk][e])
+                   : "r"(box + r * 128 + ((x ^ (r & 7)) << 4) + 4 * t4)
+                   : "memory");
+    }
+  }
+}
+#endif
+
 // ah_cfg is the forward's layout for head dim DH and NC consumer
 // warpgroups: STAGES is the ring depth (a stage is a k and a v tile, 32
 // KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows.
@@ -326,7 +380,14 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
+#if AH_EXPERIMENT & 8
+  // The block's q rows stay put: this consumer's are read once into
+  // registers, and the scores take their A operand from there.
+  unsigned qa[DH / 16][4];
+  ah_lds_qfrag<DH>(qa, qs + cw * 64 * 128, QBOX, 16 * (warp & 3) + g, t4);
+#else
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+#endif
   for (int t = 0; t < nTw; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
@@ -339,7 +400,11 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     for (int kk = 0; kk < DH / 16; kk++) {
       // Box kk/4 (BOX bytes on), 32 bytes a k16 step within it.
       const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+#if AH_EXPERIMENT & 8
+      ah_wgmma_rs_k(sc, qa[kk], dk + step, kk > 0 ? 1 : 0);
+#else
       gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+#endif
     }
     gg_wgmma_commit();
     gg_wgmma_wait<0>();
