@@ -67,7 +67,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_nt_bn256s_bf16
 // transpose bits set, and each k16 step moves 16 K rows (2048 bytes) on.
 // Warpgroup 0's thread 0 issues the loads into a 4-stage ring; consumer
 // warpgroup c computes rows [64c, 64c+64) of the tile's M from box c of
-// A, as gg_body's cooperative mainloop does.
+// A, as gg_body's cooperative mainloop does. setmaxnreg gives the
+// producer warpgroup 40 registers and the consumers 232 (the (384, 1)
+// launch bound fixes the entry count at 168, which the host checks).
 //
 // An expert's last k-block may hold rows of the next expert (A and B are
 // one 2-D map each; rows past the tensor come in as zeros). Before its
@@ -166,6 +168,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn(const __gri
   const int total = E * nTM * nTN;  // the host checks it fits
 
   if (warp < 4) {
+    // The producer warpgroup gives its registers to the consumers, whose
+    // 128 accumulators, addresses and epilogue loads spill at 168.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (tid != 0) return;
     gg_prefetch_tmap(&mapA);
     gg_prefetch_tmap(&mapB);
@@ -194,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn(const __gri
   }
 
   // Consumer warpgroups 1 and 2: rows [64*cw, 64*cw + 64) of the tile's M.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");  // 128*40 + 256*232 <= 64K
   const int cw = (warp >> 2) - 1, wtid = tid - 128 * (cw + 1);
   float acc[128];
   int s = 0, prev = 0;
@@ -203,11 +209,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn(const __gri
     gg_tn_tile(t, nTM, nTN, e, m0, n0);
     gg_tn_rows(off, e, rows, beg, end);
     const int nK = (end - beg + GG_BK - 1) / GG_BK;
-    if (nK == 0) {
-      if (beta == 1.0f) continue;  // an empty expert's block stays as it is
+    if (nK == 0 && beta == 1.0f) continue;  // an empty expert's block stays as it is
+    // Zero for an empty expert's block; otherwise the first wgmma
+    // overwrites it, but an accumulator left with the last tile's values
+    // on one path makes ptxas serialize every wgmma (C7514).
 #pragma unroll
-      for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-    }
+    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
     for (int kb = 0; kb < nK; kb++) {
       gg_bar_wait(bars + 8 * s, ph);
       const unsigned a = base + s * STAGE_BYTES, boxA = a + cw * BOX;

@@ -92,14 +92,15 @@ func resourceTable(ks []KernelResources) string {
 }
 
 // TestKernelResources reports ptxas's allotment for every production
-// kernel and holds the Hopper attention core (the kernels still being
-// tuned) to no local memory and no serialized wgmma: a change that pushes
-// a consumer past its registers fails here, before it costs GPU time.
+// kernel and holds the Hopper attention core and the grouped products
+// (the kernels still being tuned) to no local memory and no serialized
+// wgmma: a change that pushes a consumer past its registers fails here,
+// before it costs GPU time.
 func TestKernelResources(t *testing.T) {
 	nv := loadNVRTC(t)
 	major, minor := nv.Version()
 	t.Logf("NVRTC %d.%d, %s", major, minor, hopperArch)
-	strict := map[string]bool{"attention_hopper.cu": true}
+	strict := map[string]bool{"attention_hopper.cu": true, "grouped_gemm.cu": true}
 	for _, src := range kernels.Sources() {
 		text, err := src.Text()
 		if err != nil {
