@@ -37,18 +37,19 @@ func (k KernelResources) Spills() bool { return k.SpillStores > 0 || k.SpillLoad
 
 // CompileResources compiles source for arch as Compile would (the same
 // options, the given defines added, no cache) and returns ptxas's report
-// for each of its kernels, by name. It needs NVRTC only, no GPU.
-func CompileResources(nv *driver.NVRTC, name, source, arch string, defines ...string) ([]KernelResources, error) {
+// for each of its kernels, by name, and the cubin (for cuobjdump -sass).
+// It needs NVRTC only, no GPU.
+func CompileResources(nv *driver.NVRTC, name, source, arch string, defines ...string) ([]KernelResources, []byte, error) {
 	opts := append(compileOptions(arch, defines...), "--ptxas-options=--verbose")
-	_, log, err := nv.Compile(name, source, opts, driver.OutputCubin)
+	cubin, log, err := nv.Compile(name, source, opts, driver.OutputCubin)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	ks, err := parsePtxasReport(log)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", name, err)
+		return nil, nil, fmt.Errorf("%s: %w", name, err)
 	}
-	return ks, nil
+	return ks, cubin, nil
 }
 
 var (

@@ -2,6 +2,8 @@ package cuda
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -78,6 +80,28 @@ func loadNVRTC(t *testing.T) *driver.NVRTC {
 // tuned for it, and sm_90a compiles everything the backend loads.
 const hopperArch = "sm_90a"
 
+// cubinDirEnv names a folder where the resource tests leave each module's
+// cubin (name.cubin; a variant's as file+variant.cubin), for cuobjdump
+// -sass to show the code the figures come from.
+const cubinDirEnv = "MKTRAIN_CUBIN_DIR"
+
+// keepCubin writes cubin as name.cubin under $MKTRAIN_CUBIN_DIR, if set.
+func keepCubin(t *testing.T, name string, cubin []byte) {
+	t.Helper()
+	dir := os.Getenv(cubinDirEnv)
+	if dir == "" {
+		return
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, name+".cubin")
+	if err := os.WriteFile(path, cubin, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s: %s", name, path)
+}
+
 // resourceTable formats ks as a table, one kernel a line.
 func resourceTable(ks []KernelResources) string {
 	var b strings.Builder
@@ -106,10 +130,11 @@ func TestKernelResources(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ks, err := CompileResources(nv, src.File, text, hopperArch)
+		ks, cubin, err := CompileResources(nv, src.File, text, hopperArch)
 		if err != nil {
 			t.Fatal(err)
 		}
+		keepCubin(t, src.File, cubin)
 		t.Logf("%s:\n%s", src.File, resourceTable(ks))
 		if !strict[src.File] {
 			continue
@@ -149,7 +174,7 @@ func TestLabResources(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		prodKs, err := CompileResources(nv, prodSrc.File, prodText, hopperArch)
+		prodKs, _, err := CompileResources(nv, prodSrc.File, prodText, hopperArch)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -162,10 +187,11 @@ func TestLabResources(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, v := range vs {
-			ks, err := CompileResources(nv, lab.File, text, hopperArch, v.Defines...)
+			ks, cubin, err := CompileResources(nv, lab.File, text, hopperArch, v.Defines...)
 			if err != nil {
 				t.Fatalf("%s: %v", v.Name, err)
 			}
+			keepCubin(t, lab.File+"+"+v.Name, cubin)
 			t.Logf("%s (%s):\n%s", v.Name, lab.File, resourceTable(ks))
 			// A cost probe (not Exact) only measures what a part costs:
 			// its registers are reported, not held to production's.
