@@ -348,12 +348,9 @@ func hopperAttnForwardArgs(kern *Kernel, extraSmem int, out, lse, q, k, v driver
 	dh, keys := s.HeadDim, s.Keys()
 	consumers := hopperAttnConsumers(dh)
 	threads, queries := 128*(1+consumers), 64*consumers
-	// The producer's setmaxnreg hands the consumers registers from an
-	// even split of the register file (in steps of 8, 168 at 384 threads):
-	// from any other count a warpgroup's setmaxnreg.inc would wait for
-	// registers forever.
-	if want := 65536 / threads &^ 7; kern.Registers != want {
-		return Grid{}, nil, nil, fmt.Errorf("cuda: %s has %d registers a thread, not the %d its setmaxnreg counts assume", kern.Desc.Name, kern.Registers, want)
+	// The producer's setmaxnreg hands the consumers registers.
+	if err := kern.CheckRegisterSplit(threads); err != nil {
+		return Grid{}, nil, nil, err
 	}
 	pairs, qTiles := s.Batch*s.Heads, (s.Seq+queries-1)/queries
 	grid := Grid{

@@ -141,11 +141,11 @@ func NewGroupedGemm(d *Device) (*GroupedGemm, error) {
 	if g.tn, err = g.optIn(m, "grouped_gemm_tn", ggTNSmemBytes); err != nil {
 		return nil, err
 	}
-	// grouped_gemm_tn's setmaxnreg hands the consumers registers from an
-	// even split of the register file (168 at 384 threads): from any other
-	// count a consumer's setmaxnreg.inc would wait forever.
-	if want := 65536 / ggThreads &^ 7; g.tn.Registers != want {
-		return nil, fmt.Errorf("cuda: GroupedGemm: grouped_gemm_tn has %d registers a thread, not the %d its setmaxnreg counts assume", g.tn.Registers, want)
+	// bn256s and grouped_gemm_tn trade registers with setmaxnreg.
+	for _, k := range []*Kernel{g.nt[ggNT256S], g.tn} {
+		if err := k.CheckRegisterSplit(ggThreads); err != nil {
+			return nil, fmt.Errorf("cuda: GroupedGemm: %w", err)
+		}
 	}
 	moe, err := kernels.Lookup("moe_fused.cu")
 	if err != nil {

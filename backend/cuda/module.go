@@ -32,6 +32,19 @@ type Kernel struct {
 	sharedOptIn int
 }
 
+// CheckRegisterSplit returns an error unless k, a kernel of threads
+// threads whose warpgroups trade registers with setmaxnreg, starts with
+// the even split of the register file (65536/threads in steps of 8: 168 at
+// 384 threads, 128 at 512), which its setmaxnreg counts assume: from any
+// other count a warpgroup's setmaxnreg.inc would wait for registers
+// forever. The (threads, 1) launch bound makes ptxas give that count.
+func (k *Kernel) CheckRegisterSplit(threads int) error {
+	if want := 65536 / threads &^ 7; k.Registers != want {
+		return fmt.Errorf("cuda: %s has %d registers a thread, not the %d its setmaxnreg counts assume", k.Desc.Name, k.Registers, want)
+	}
+	return nil
+}
+
 // Load compiles (or reads from the cache) and loads a kernels source, and
 // resolves all its kernels. It returns the same Module on later calls.
 // Compiling runs on the calling goroutine, so sources may be loaded in

@@ -217,3 +217,22 @@ func TestLabResources(t *testing.T) {
 		t.Skipf("%s names no lab variant", labVariantsEnv)
 	}
 }
+
+func TestCheckRegisterSplit(t *testing.T) {
+	for _, c := range []struct {
+		threads, registers int
+		ok                 bool
+	}{
+		{384, 168, true}, {512, 128, true}, {288, 224, true},
+		{384, 160, false}, {384, 232, false}, {512, 168, false},
+	} {
+		k := &Kernel{Desc: kernels.Kernel{Name: "k"}, Registers: c.registers}
+		err := k.CheckRegisterSplit(c.threads)
+		if (err == nil) != c.ok {
+			t.Errorf("%d registers at %d threads: err %v, want ok %v", c.registers, c.threads, err, c.ok)
+		}
+		if err != nil && !strings.Contains(err.Error(), "k has") {
+			t.Errorf("the error does not name the kernel: %v", err)
+		}
+	}
+}
