@@ -223,7 +223,7 @@ func TestCheckRegisterSplit(t *testing.T) {
 		threads, registers int
 		ok                 bool
 	}{
-		{384, 168, true}, {512, 128, true}, {288, 224, true},
+		{384, 168, true}, {512, 128, true},
 		{384, 160, false}, {384, 232, false}, {512, 168, false},
 	} {
 		k := &Kernel{Desc: kernels.Kernel{Name: "k"}, Registers: c.registers}
