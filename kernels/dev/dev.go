@@ -60,6 +60,8 @@ func Sources() []Source {
 				Purpose: "the whole-sequence forward takes a quarter of its exponentials from a degree-3 polynomial on the FMA pipe (ah_ex2_fma) instead of the MUFU, whose 16 a clock an SM take about as long as the tensor cores' products at head dim 64; within the bf16 tolerance, not the same bits"},
 			{Name: "fwd-q-regs", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
 				Purpose: "the whole-sequence forward reads each consumer's q rows into registers once (16 registers at head dim 64, 32 at 128) and issues the scores with A from registers: the same products, 8 or 16 KiB less shared-memory traffic a consumer and key tile"},
+			{Name: "fwd-q-regs-fma25", Defines: []string{"AH_EXPERIMENT=12"}, Exact: true,
+				Purpose: "fwd-q-regs and fwd-exp-fma25 together: whether the two gains add (the MUFU and the shared memory are different limits)"},
 			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "adds attn_h_forward_p_d{64,128}: the whole-sequence forward on a persistent grid, the next item's q and first k/v tiles loading under this item's last products and epilogue (one block an SM: every item's start and end were exposed); launched by TestAttentionLabForwardOwnLaunch"},
 			{Name: "fwd-overlap", Defines: []string{"AH_EXPERIMENT=32"}, Exact: true,
