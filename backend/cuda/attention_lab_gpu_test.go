@@ -89,6 +89,11 @@ var ownForwardLaunch = map[string]labForwardLaunch{
 	// the ring's attn_h_zz_forward_p_d{64,128} the same.
 	"fwd-persistent": {headDims: []int{64, 128}, kernel: "attn_h_forward_p_d%d", ringKernel: "attn_h_zz_forward_p_d%d",
 		persistent: true, extraSmem: func(int) int { return 8 }},
+	// fwd128-3stages: production's head-dim-128 forwards, whole-sequence
+	// and ring, with a third stage of k and v tiles (and its three
+	// mbarriers) in shared memory.
+	"fwd128-3stages": {headDims: []int{128}, kernel: "attn_h_forward_d%d", ringKernel: "attn_h_zz_forward_d%d",
+		extraSmem: func(dh int) int { return 2*(dh/64)*hopperAttnBN*128 + 8*3 }},
 	// attn_h_forward_ovl_d{64,128}: production's launch (threads, queries
 	// a block, registers at entry), with 8 bytes a stage more shared
 	// memory (k's and v's empty barriers apart); the ring's

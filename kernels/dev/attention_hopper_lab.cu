@@ -17,6 +17,10 @@
 //   8  the whole-sequence forward (in place) reads each consumer's q rows
 //      into registers once and takes the scores' A operand from there
 //      (wgmma with A in registers), not from shared memory every tile.
+//  16  the head-dim-128 forwards (whole-sequence and ring) with three
+//      stages of k and v instead of two: 64 KiB and three mbarriers more
+//      shared memory (230,480 bytes), so TestAttentionLabForwardOwnLaunch
+//      launches them.
 //  32  attn_h_forward_ovl_d{64,128} and attn_h_zz_forward_ovl_d{64,128}:
 //      the whole-sequence forward and the ring's with FlashAttention-3's
 //      overlap inside a consumer warpgroup (tile t's scores and tile
@@ -285,7 +289,11 @@ __device__ __forceinline__ void ah_lds_qfrag(unsigned (&qa)[DH / 16][4], unsigne
 // KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows.
 template <int DH, int NC = 2>
 struct ah_cfg {
+#if AH_EXPERIMENT & 16
+  static constexpr int STAGES = DH == 64 ? 4 : 3;
+#else
   static constexpr int STAGES = DH == 64 ? 4 : 2;
+#endif
   static constexpr int BM = 64 * NC;                       // queries per block
   static constexpr unsigned BOX = AH_BN * 128;             // {64 columns, 128 rows} of bf16: 16 KiB
   static constexpr unsigned TILE = (DH / 64) * BOX;        // a k or v tile

@@ -64,6 +64,8 @@ func Sources() []Source {
 				Purpose: "fwd-q-regs and fwd-exp-fma25 together: whether the two gains add (the MUFU and the shared memory are different limits)"},
 			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
 				Purpose: "adds attn_h_forward_p_d{64,128}: the whole-sequence forward on a persistent grid, the next item's q and first k/v tiles loading under this item's last products and epilogue (one block an SM: every item's start and end were exposed); launched by TestAttentionLabForwardOwnLaunch"},
+			{Name: "fwd128-3stages", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
+				Purpose: "the head-dim-128 forwards (whole-sequence and ring) with three stages of k and v instead of two (230,480 bytes of shared memory): the producer a tile further ahead of the consumers; launched by TestAttentionLabForwardOwnLaunch"},
 			{Name: "fwd-overlap", Defines: []string{"AH_EXPERIMENT=32"}, Exact: true,
 				Purpose: "adds attn_h_forward_ovl_d{64,128} and the ring's attn_h_zz_forward_ovl_d{64,128}: FlashAttention-3's overlap inside a consumer (tile t's scores beside tile t-1's P.V), every wait unconditional, k and v released apart; lost at 14cd763 with its consumers compiled to the entry register count (the inline trap), compiles without local memory since d89a2ce; launched by TestAttentionLabForwardOwnLaunch"},
 			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=64"}, Exact: true,
