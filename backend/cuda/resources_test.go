@@ -125,28 +125,33 @@ func TestKernelResources(t *testing.T) {
 	major, minor := nv.Version()
 	t.Logf("NVRTC %d.%d, %s", major, minor, hopperArch)
 	strict := map[string]bool{"attention_hopper.cu": true, "grouped_gemm.cu": true}
+	// One compile a source, side by side: the GPU suite's backend/cuda
+	// run has little time to spare.
 	for _, src := range kernels.Sources() {
-		text, err := src.Text()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ks, cubin, err := CompileResources(nv, src.File, text, hopperArch)
-		if err != nil {
-			t.Fatal(err)
-		}
-		keepCubin(t, src.File, cubin)
-		t.Logf("%s:\n%s", src.File, resourceTable(ks))
-		if !strict[src.File] {
-			continue
-		}
-		for _, k := range ks {
-			if k.Spills() {
-				t.Errorf("%s: %s spills (%d bytes stored, %d loaded)", src.File, k.Name, k.SpillStores, k.SpillLoads)
+		t.Run(src.File, func(t *testing.T) {
+			t.Parallel()
+			text, err := src.Text()
+			if err != nil {
+				t.Fatal(err)
 			}
-			for _, n := range k.Notes {
-				t.Errorf("%s: %s: %s", src.File, k.Name, n)
+			ks, cubin, err := CompileResources(nv, src.File, text, hopperArch)
+			if err != nil {
+				t.Fatal(err)
 			}
-		}
+			keepCubin(t, src.File, cubin)
+			t.Logf("%s:\n%s", src.File, resourceTable(ks))
+			if !strict[src.File] {
+				return
+			}
+			for _, k := range ks {
+				if k.Spills() {
+					t.Errorf("%s spills (%d bytes stored, %d loaded)", k.Name, k.SpillStores, k.SpillLoads)
+				}
+				for _, n := range k.Notes {
+					t.Errorf("%s: %s", k.Name, n)
+				}
+			}
+		})
 	}
 }
 
