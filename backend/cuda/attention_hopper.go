@@ -327,23 +327,17 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 	if err != nil {
 		return err
 	}
-	return launchHopperAttnForwardKernel(d, kern, 0, out, lse, q, k, v, s, band)
-}
-
-// launchHopperAttnForwardKernel is launchHopperAttnForward on kernel kern
-// (attn_h_forward's arguments and block, extraSmem bytes of shared memory
-// more): the production kernel, or a lab build whose layout adds some
-// (kernels/dev).
-func launchHopperAttnForwardKernel(d *Device, kern *Kernel, extraSmem int, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int) error {
-	grid, maps, slots, err := hopperAttnForwardArgs(kern, extraSmem, out, lse, q, k, v, s, band)
+	grid, maps, slots, err := hopperAttnForwardArgs(kern, 0, out, lse, q, k, v, s, band)
 	if err != nil {
 		return err
 	}
 	return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
 }
 
-// hopperAttnForwardArgs is the whole-sequence forward's launch on kern:
-// its grid (pairs by q tiles), tensor maps and argument slots.
+// hopperAttnForwardArgs is the whole-sequence forward's launch on kern
+// (production's, or a lab build's whose layout takes extraSmem bytes of
+// shared memory more: kernels/dev): its grid (pairs by q tiles), tensor
+// maps and argument slots.
 func hopperAttnForwardArgs(kern *Kernel, extraSmem int, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int) (Grid, []namedMap, []uint64, error) {
 	dh, keys := s.HeadDim, s.Keys()
 	consumers := hopperAttnConsumers(dh)

@@ -64,10 +64,10 @@ var ownLaunch = map[string]labBackwardLaunch{
 	"bwd-ordered": {headDims: []int{128}, kernel: "attn_h_backward_ordered_d%d", repeats: true,
 		launch: func(dh int) (int, int) { return 256, hopperAttnBwdSmem(dh) }, turns: true},
 	// attn_h_backward128q_d64 (bwd128qLaunch).
-	"bwd64-128q": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", registers: 168, launch: bwd128qLaunch},
+	"bwd64-128q": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", setmaxnreg: true, launch: bwd128qLaunch},
 	// The same kernel with dS^T kept [parity][warpgroup] and dq's staging
 	// [warpgroup]: the same bytes.
-	"bwd64-128q-dq": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", registers: 168, launch: bwd128qLaunch},
+	"bwd64-128q-dq": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", setmaxnreg: true, launch: bwd128qLaunch},
 }
 
 // bwd128qLaunch is attn_h_backward128q_d64's block: 384 threads (a
@@ -145,11 +145,10 @@ type labBackwardLaunch struct {
 	launch   func(dh int) (threads, smem int)
 	turns    bool // the last argument is attn_h_backward_ordered's counters
 	repeats  bool // dq, dk and dv repeat bit for bit
-	// registers is what the kernel must have at entry where its
-	// warpgroups trade registers (setmaxnreg): with another count the
-	// block holds other than its warpgroups ask for and setmaxnreg.inc may
-	// wait forever.
-	registers int
+	// setmaxnreg is set where the kernel's warpgroups trade registers:
+	// its entry count must then be the even split its counts assume
+	// (Kernel.CheckRegisterSplit), or setmaxnreg.inc may wait forever.
+	setmaxnreg bool
 }
 
 func TestAttentionLabVariants(t *testing.T) {
@@ -271,8 +270,10 @@ func labKernels(t *testing.T, d *Device, lab dev.Source, v dev.Variant, kernel s
 func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how labBackwardLaunch) {
 	kerns := labKernels(t, d, lab, v, how.kernel, how.headDims)
 	for dh, kern := range kerns {
-		if how.registers != 0 && kern.Registers != how.registers {
-			t.Fatalf("%s (head dim %d) has %d registers at entry, not %d: its setmaxnreg would hang", kern.Desc.Name, dh, kern.Registers, how.registers)
+		if threads, _ := how.launch(dh); how.setmaxnreg {
+			if err := kern.CheckRegisterSplit(threads); err != nil {
+				t.Fatal(err) // its setmaxnreg would hang
+			}
 		}
 	}
 	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
@@ -385,9 +386,9 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 				ring = append(ring, how.ringKernel)
 			}
 			kerns := labKernels(t, d, lab, v, how.kernel, how.headDims, ring...)
-			// (launchHopperAttnForwardKernel refuses a kernel whose register
-			// count at entry is not what its setmaxnreg counts assume: it
-			// would hang.)
+			// (hopperAttnForwardArgs refuses a kernel whose register count
+			// at entry is not what its setmaxnreg counts assume: it would
+			// hang.)
 			labForward := func(out, lse, q, kk, vv *Buffer, s backend.AttnShape) error {
 				kern := kerns[s.HeadDim]
 				grid, maps, slots, err := hopperAttnForwardArgs(kern, how.extraSmem(s.HeadDim), out.Ptr(), lse.Ptr(), q.Ptr(),
@@ -476,9 +477,9 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, how labForwardLaunch) {
 	b := testBackend(t)
 	d := b.dev
-	for dh, kern := range kerns {
-		if kern.Registers != 168 { // 384 threads: setmaxnreg's counts assume the even split
-			t.Fatalf("%s (head dim %d) has %d registers at entry, not 168: its setmaxnreg would hang", kern.Desc.Name, dh, kern.Registers)
+	for _, kern := range kerns {
+		if err := kern.CheckRegisterSplit(384); err != nil {
+			t.Fatal(err) // its setmaxnreg would hang
 		}
 	}
 	for n, c := range []struct {
