@@ -47,14 +47,15 @@
 // map) or TMA's zero fill; both are masked. Queries past S in the last
 // q tile are computed on whatever rows the map returns and not stored.
 //
-// Registers. __launch_bounds__(384, 1) gives every thread 168 (twelve
-// warps put three on each of the SM's four register files), which holds
+// Registers. __launch_bounds__(384, 1) gives every thread 168 at entry
+// (twelve warps put three on each of the SM's four register files). The
+// producer warpgroup hands registers to the consumers with setmaxnreg (40
+// and 232), and ptxas compiles the consumers' code to 232, which holds
 // the scores (64 floats), o (Dh/2) and P (32 bf16 pairs) without
-// spilling. The producer warpgroup hands registers to the consumers with
-// setmaxnreg (40 and 232), but the compiled code stays within 168. With
-// three consumers (512 threads, 128 each at entry) the producer drops to
-// 32 and the consumers rise to 160, enough at head dim 64 (o is 32
-// floats); 128 x 32 + 384 x 160 is the register file's 65536.
+// spilling, as long as no trap sits in it (gg_bar_wait's is a call:
+// hopper.cuh). With three consumers (512 threads, 128 each at entry) the
+// producer drops to 32 and the consumers rise to 160, enough at head dim
+// 64 (o is 32 floats); 128 x 32 + 384 x 160 is the register file's 65536.
 //
 // Layout in shared memory (128-byte swizzle, as grouped_gemm.cuh
 // explains): a tile of R rows and Dh columns is Dh/64 TMA boxes of {64
