@@ -68,6 +68,10 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// The same kernel with dS^T kept [parity][warpgroup] and dq's staging
 	// [warpgroup]: the same bytes.
 	"bwd64-128q-dq": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", setmaxnreg: true, launch: bwd128qLaunch},
+	// attn_h_backward_wg_d128: production's head-dim-128 shared memory with
+	// a producer warpgroup, 384 threads (setmaxnreg 24 and 240).
+	"bwd128-wg": {headDims: []int{128}, kernel: "attn_h_backward_wg_d%d", setmaxnreg: true,
+		launch: func(dh int) (int, int) { return 384, hopperAttnBwdSmem(dh) }},
 }
 
 // bwd128qLaunch is attn_h_backward128q_d64's block: 384 threads (a

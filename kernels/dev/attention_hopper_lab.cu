@@ -31,6 +31,9 @@
 //      240). TestAttentionLabOwnLaunch launches it.
 // 128  with bit 64: attn_h_backward128q_d64 adds dq once an item over all
 //      128 keys, each warpgroup 64 of its queries (FlashAttention-3's).
+// 256  attn_h_backward_wg_d128: the head-dim-128 backward (version 5)
+//      with a producer warpgroup (384 threads, setmaxnreg 24 and 240).
+//      TestAttentionLabOwnLaunch launches it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -2512,6 +2515,191 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
   // The turns count on the launch order: every pair at once (band ignored).
   ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
                         (int)gridDim.x, turns);
+}
+#endif
+
+#if AH_EXPERIMENT & 256
+// attn_h_backward_wg_d128 (bwd128-wg): version 5 (ah_backward at head dim
+// 128) with FlashAttention-3's block: a producer warpgroup beside the two
+// consumers, 384 threads, setmaxnreg 24 for it and 240 for the consumers
+// (168 at entry; the register file's 65,536 is 128 x 24 + 256 x 240 plus
+// slack). Warp 0 of it is the producer: lane 0 loads k and v once and each
+// item's q and dout tiles when both consumers have freed the stage, and
+// its 32 lanes copy the item's lse and delta (two queries a lane) into the
+// stage's statistics, arriving on the stage's full barrier (33 arrivals:
+// the expect_tx and the lanes). The consumers then neither wait for a
+// stage to be freed (version 5's thread 0 did, holding warpgroup 0 at
+// warpgroup 1's pace every item) nor issue and wait for the statistics'
+// cp.async; their products, the dS^T exchange, the 256-thread barrier
+// before dq and dq's staging and TMA reductions are version 5's.
+// Production's shared-memory layout and size (hopperAttnBwdSmem).
+// Predicted: the refill's coupling and the cp.async waits are what the
+// producer removes (4-8% of version 5's stalls at B2 S8192 under Nsight
+// Compute), so +4-8% at head dim 128; at 240 registers against 255 the
+// consumers must not spill (ptxas's report, TestLabResources).
+template <int DH>
+__device__ __forceinline__ void ah_backward_wg(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+                                               const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                               const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
+                                               int KV, float scaleLog2, float scale, int band) {
+  static_assert(DH == 128, "ah_backward_wg is head dim 128's");
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
+                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T [parity][warpgroup]
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
+  const unsigned stat = dqs + 4 * DQB;                           // [stage]: 64 lse, 64 delta
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int pair, kb;
+  ah_band(band, pair, kb);
+  const int b = pair / KV, kvh = pair % KV, G = H / KV;
+  const int j0 = kb * 128;
+  const int nQT = (S + AH_BQ - 1) / AH_BQ;
+  const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
+  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  if (tid == 0) {
+    gg_bar_init(barKV, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (warp != 0) return;
+    if (lane == 0) {
+      gg_prefetch_tmap(mapQ);
+      gg_prefetch_tmap(mapDO);
+      gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) {
+        gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
+        gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
+      }
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        const unsigned qa = qs + s * 2 * QT;
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) {
+          gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
+          gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
+        }
+      }
+      // The statistics in production's form (ah_lds_stats): lse in natural
+      // log, zeros past S.
+      const long long row = ((long long)b * H + h) * S;
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int c = lane + 32 * e, i = q0 + c;
+        ah_stsf(stat + s * 512 + 4 * c, i < S ? lse[row + i] : 0.0f);
+        ah_stsf(stat + s * 512 + 256 + 4 * c, i < S ? delta[row + i] : 0.0f);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
+  // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  float dka[DH / 2], dva[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    // The statistics a column block at a time (version 5 reads all 32 at
+    // once, which 240 registers do not hold beside dk, dv, S^T and dP^T).
+    const unsigned st = stat + s * 512;
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float l2[2], dl[2];
+      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+      l2[0] *= AH_LOG2E;
+      l2[1] *= AH_LOG2E;
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int i = q0 + 8 * n + 2 * t4 + e;
+        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
+        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
+        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
+        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+    ah_store_dst(dsb, da, wr, t4);
+    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    // dv's and dk's products (the group before) are done with the stage
+    // and its statistics were read before them.
+    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(1 + cw, 128);
+    if (wtid == 0) {
+      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
+      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
+      gg_bulk_commit();
+    }
+    nq++;
+  }
+  if (wtid == 0) gg_bulk_wait();
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_wg_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward_wg<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
 #endif
 

@@ -72,6 +72,8 @@ func Sources() []Source {
 				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there (its products at n128 or over 128 queries, half the shared-memory bytes a FLOP of n64); lost at 14cd763 with its consumers at 168 registers (the inline trap), compiles without local memory since d89a2ce; launched by TestAttentionLabOwnLaunch"},
 			{Name: "bwd64-128q-dq", Defines: []string{"AH_EXPERIMENT=192"}, Exact: true,
 				Purpose: "bwd64-128q with dq as FlashAttention-3 takes it there: once an item over all 128 keys, each warpgroup its 64-query half after a 256-thread barrier (one staged block a warpgroup and item instead of two: half the staging's shared-memory traffic and half the TMA reductions); launched by TestAttentionLabOwnLaunch"},
+			{Name: "bwd128-wg", Defines: []string{"AH_EXPERIMENT=256"}, Exact: true,
+				Purpose: "adds attn_h_backward_wg_d128: the head-dim-128 backward (version 5) with a producer warpgroup (setmaxnreg 24 / 240) loading the tiles and the statistics, so the consumers neither wait to refill a stage nor for the statistics' cp.async; bwd-wg's layout, which lost at 799f8ed^ with its consumers at 168 registers (the inline trap); launched by TestAttentionLabOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
