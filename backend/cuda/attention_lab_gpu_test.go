@@ -72,6 +72,12 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// a producer warpgroup, 384 threads (setmaxnreg 24 and 240).
 	"bwd128-wg": {headDims: []int{128}, kernel: "attn_h_backward_wg_d%d", setmaxnreg: true,
 		launch: func(dh int) (int, int) { return 384, hopperAttnBwdSmem(dh) }},
+	// The same kernel with dk's product issued after dq's.
+	"bwd128-wg-dk-late": {headDims: []int{128}, kernel: "attn_h_backward_wg_d%d", setmaxnreg: true,
+		launch: func(dh int) (int, int) { return 384, hopperAttnBwdSmem(dh) }},
+	// The same with P^T and dS^T computed without branches.
+	"bwd128-wg-dk-late-select": {headDims: []int{128}, kernel: "attn_h_backward_wg_d%d", setmaxnreg: true,
+		launch: func(dh int) (int, int) { return 384, hopperAttnBwdSmem(dh) }},
 }
 
 // bwd128qLaunch is attn_h_backward128q_d64's block: 384 threads (a

@@ -34,6 +34,11 @@
 // 256  attn_h_backward_wg_d128: the head-dim-128 backward (version 5)
 //      with a producer warpgroup (384 threads, setmaxnreg 24 and 240).
 //      TestAttentionLabOwnLaunch launches it.
+// 512  with bit 256: attn_h_backward_wg_d128 issues dk's product after
+//      dq's and leaves it in flight under dq's staging.
+// 1024 the whole-sequence backwards (in place; attn_h_backward_wg_d128
+//      with bit 256) compute P^T and dS^T without a branch per element
+//      (ah_bwd_probs).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1771,6 +1776,56 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
 // (64 has ah_backward_producer).
 // ORDERED adds dq in the fixed order above; turns is then the counters
 // [B, H, ceil(S/64)].
+#if AH_EXPERIMENT & 1024
+// ah_bwd_probs (bwd-select) turns this thread's S^T and dP^T (key rows
+// kr0 and kr0 + 8; column 8n + 2t4 + e is query q0 + 8n + 2t4 + e) into
+// P^T and dS^T without a branch per element: a block whose every key sees
+// every query (whole, uniform over the warpgroup) takes no mask at all;
+// otherwise a hidden element's exponent is -inf, whose ex2 is +0, the 0
+// production's branch gives it, so the results are production's bits.
+// stats(n, l2, dl) gives column block n's lse (base 2) and delta.
+template <typename Stats>
+__device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], bool whole, int q0, int t4, int kr0,
+                                             int S, int KS, int off, float scaleLog2, float scale, Stats stats) {
+  if (whole) {
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float l2[2], dl[2];
+      stats(n, l2, dl);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const float p0 = ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]);
+        const float p1 = ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]);
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    return;
+  }
+  // Key row kr sees query i iff kr - off <= i < S and kr < KS.
+  const int kr1 = kr0 + 8, lo0 = kr0 < KS ? kr0 - off : 0x7fffffff, lo1 = kr1 < KS ? kr1 - off : 0x7fffffff;
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    float l2[2], dl[2];
+    stats(n, l2, dl);
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const int i = q0 + 8 * n + 2 * t4 + e;
+      const bool in = i < S;
+      const float x0 = sc[4 * n + e] * scaleLog2 - l2[e], x1 = sc[4 * n + 2 + e] * scaleLog2 - l2[e];
+      const float p0 = ah_ex2(in & (i >= lo0) ? x0 : ah_neg_inf());
+      const float p1 = ah_ex2(in & (i >= lo1) ? x1 : ah_neg_inf());
+      sc[4 * n + e] = p0;
+      sc[4 * n + 2 + e] = p1;
+      dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+      dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+    }
+  }
+}
+#endif
+
 template <int DH, bool ORDERED>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
@@ -1871,6 +1926,14 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     float l2[8][2], dl[8][2];
     ah_lds_stats(stat + s * 512, t4, l2, dl);
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#if AH_EXPERIMENT & 1024
+    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&a)[2], float (&d)[2]) {
+      a[0] = l2[n][0];
+      a[1] = l2[n][1];
+      d[0] = dl[n][0];
+      d[1] = dl[n][1];
+    });
+#else
 #pragma unroll
     for (int n = 0; n < 8; n++) {
 #pragma unroll
@@ -1886,6 +1949,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
       }
     }
+#endif
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
     // dS^T to this warpgroup's buffer of the item's parity.
@@ -2050,6 +2114,12 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
     // q0 + 8n + 2t4 + e.
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#if AH_EXPERIMENT & 1024
+    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
+      ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+    });
+#else
 #pragma unroll
     for (int n = 0; n < 8; n++) {
       float l2[2], dl[2];
@@ -2068,6 +2138,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
       }
     }
+#endif
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
     // dS^T to this warpgroup's buffer of the item's parity.
@@ -2537,6 +2608,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d12
 // producer removes (4-8% of version 5's stalls at B2 S8192 under Nsight
 // Compute), so +4-8% at head dim 128; at 240 registers against 255 the
 // consumers must not spill (ptxas's report, TestLabResources).
+//
+// With bit 512 (bwd128-wg-dk-late), FlashAttention-3's order of the
+// products: dv's is issued alone after the softmax, dk's after dq's, and
+// the wait before dq's staging leaves dk's in flight (wgmma.wait_group 1),
+// so dq's result is back a product earlier and dk's product runs under the
+// staging, its fence, the barrier and the TMA reduction. The stage is then
+// freed once the next item's scores are waited for (which waits for dk's
+// product too). Predicted: +3-6% over bwd128-wg (dq's staging and its
+// barriers were 5% of version 5's stalls; a product of 8 n64 steps is
+// about 256 cycles of the tensor cores).
 template <int DH>
 __device__ __forceinline__ void ah_backward_wg(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                                const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
@@ -2636,10 +2717,26 @@ __device__ __forceinline__ void ah_backward_wg(const gg_tmap* mapQ, const gg_tma
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
+#if AH_EXPERIMENT & 512
+    // The item before's dk product (left in flight under its dq staging)
+    // is done with its stage too.
+    if (it > 0) {
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
+    }
+#endif
     // The statistics a column block at a time (version 5 reads all 32 at
     // once, which 240 registers do not hold beside dk, dv, S^T and dP^T).
     const unsigned st = stat + s * 512;
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+#if AH_EXPERIMENT & 1024
+    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
+      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+      l2[0] *= AH_LOG2E;
+      l2[1] *= AH_LOG2E;
+    });
+#else
 #pragma unroll
     for (int n = 0; n < 8; n++) {
       float l2[2], dl[2];
@@ -2660,8 +2757,30 @@ __device__ __forceinline__ void ah_backward_wg(const gg_tmap* mapQ, const gg_tma
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
       }
     }
+#endif
     unsigned da[4][4];
+#if AH_EXPERIMENT & 512
+    // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
+    // result comes back a product earlier and dk's runs under its staging.
+    {
+      unsigned pa[4][4];
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+        da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+        da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+      }
+      gg_wgmma_fence();
+      gg_fence_acc(dva);
+      const unsigned long long mnO = gg_desc_mn(oa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+      gg_wgmma_commit();
+    }
+#else
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+#endif
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
     gg_named_sync(3, 256);  // both warpgroups' dS^T are in
@@ -2675,6 +2794,17 @@ __device__ __forceinline__ void ah_backward_wg(const gg_tmap* mapQ, const gg_tma
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
+#if AH_EXPERIMENT & 512
+    {
+      const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+      gg_wgmma_commit();
+    }
+    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+#else
     gg_wgmma_wait<0>();
     gg_fence_acc(acc);
     gg_fence_acc(dva);
@@ -2682,6 +2812,7 @@ __device__ __forceinline__ void ah_backward_wg(const gg_tmap* mapQ, const gg_tma
     // dv's and dk's products (the group before) are done with the stage
     // and its statistics were read before them.
     if (lane == 0) gg_bar_arrive(empty + 8 * s);
+#endif
     const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -2694,6 +2825,10 @@ __device__ __forceinline__ void ah_backward_wg(const gg_tmap* mapQ, const gg_tma
     }
     nq++;
   }
+#if AH_EXPERIMENT & 512
+  gg_wgmma_wait<0>();  // the last item's dk product
+  gg_fence_acc(dka);
+#endif
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }

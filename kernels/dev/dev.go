@@ -74,6 +74,12 @@ func Sources() []Source {
 				Purpose: "bwd64-128q with dq as FlashAttention-3 takes it there: once an item over all 128 keys, each warpgroup its 64-query half after a 256-thread barrier (one staged block a warpgroup and item instead of two: half the staging's shared-memory traffic and half the TMA reductions); launched by TestAttentionLabOwnLaunch"},
 			{Name: "bwd128-wg", Defines: []string{"AH_EXPERIMENT=256"}, Exact: true,
 				Purpose: "adds attn_h_backward_wg_d128: the head-dim-128 backward (version 5) with a producer warpgroup (setmaxnreg 24 / 240) loading the tiles and the statistics, so the consumers neither wait to refill a stage nor for the statistics' cp.async; bwd-wg's layout, which lost at 799f8ed^ with its consumers at 168 registers (the inline trap); launched by TestAttentionLabOwnLaunch"},
+			{Name: "bwd128-wg-dk-late", Defines: []string{"AH_EXPERIMENT=768"}, Exact: true,
+				Purpose: "bwd128-wg with FlashAttention-3's order of the products: dv's alone after the softmax, dk's after dq's, left in flight under dq's staging (its stage freed at the next item's scores); launched by TestAttentionLabOwnLaunch"},
+			{Name: "bwd-select", Defines: []string{"AH_EXPERIMENT=1024"}, Exact: true,
+				Purpose: "the whole-sequence backwards (both head dims, in place) compute P^T and dS^T without a branch per element (ah_bwd_probs): no mask at all where every key of the block sees every query, else an exponent of -inf for a hidden element; ptxas made every element's ex2 a divergent branch (BSSY/BSYNC), about 590 instructions for 32 elements at head dim 128"},
+			{Name: "bwd128-wg-dk-late-select", Defines: []string{"AH_EXPERIMENT=1792"}, Exact: true,
+				Purpose: "bwd128-wg-dk-late and bwd-select together (head dim 128's producer-warpgroup kernel with both); launched by TestAttentionLabOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
