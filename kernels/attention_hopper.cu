@@ -28,12 +28,16 @@
 //   o = o*alpha + P . v   wgmma m64nDhk16, P from registers (bf16), v an
 //                         MN-major shared tile (transpose bit)
 //
-// and each consumer warp arrives on the stage's "empty" mbarrier once its
-// products are done, which lets the producer refill it. The scores'
-// accumulator layout is the A operand layout of the next product (both
-// are mma.m16n8k16's per warp), so P never leaves the registers. The
-// consumers run the same key tiles on different queries, so while one is
-// in its softmax another's products keep the tensor cores busy; a third
+// Inside a consumer, tile t's scores and tile t-1's P . v are in flight
+// together while tile t-1's softmax is finished (FlashAttention-3's
+// intra-warpgroup overlap, ah_fwd_tiles), and each consumer warp arrives
+// on the stage's "emptyK" mbarrier once its scores are in and on its
+// "emptyV" once its P . v is, which lets the producer refill each tile
+// apart. The scores' accumulator layout is the A operand layout of the
+// next product (both are mma.m16n8k16's per warp), so P never leaves the
+// registers. The consumers run the same key tiles on different queries,
+// so while one is in its softmax another's products keep the tensor cores
+// busy too; a third
 // consumer (head dim 64, whose tiles are half the work of 128's) loads
 // each key tile once for 192 queries and has twelve warps hide the
 // softmax's latencies: 1.14x the two-consumer kernel at B8 S2048 and
@@ -174,7 +178,8 @@ __device__ __forceinline__ void ah_wgmma_ss(float (&d)[32], unsigned long long d
 
 // ah_cfg is the forward's layout for head dim DH and NC consumer
 // warpgroups: STAGES is the ring depth (a stage is a k and a v tile, 32
-// KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows.
+// KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows and
+// the mbarriers (q's, and fullK, fullV, emptyK, emptyV a stage).
 template <int DH, int NC = 2>
 struct ah_cfg {
   static constexpr int STAGES = DH == 64 ? 4 : 2;
@@ -183,7 +188,7 @@ struct ah_cfg {
   static constexpr unsigned TILE = (DH / 64) * BOX;        // a k or v tile
   static constexpr unsigned QBOX = BM * 128;               // {64 columns, BM rows}
   static constexpr unsigned QTILE = (DH / 64) * QBOX;      // the q tile
-  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (1 + 3 * STAGES);
+  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (1 + 4 * STAGES);
   // setmaxnreg's counts: 128 x REG_DEC + 128NC x REG_INC <= 65536.
   static constexpr int REG_DEC = NC == 2 ? 40 : 32, REG_INC = NC == 2 ? 232 : 160;
 };
@@ -204,21 +209,166 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(gg_pack_bf16(a, b)) : "memory");
 }
 
+// The steps of the forwards' consumer loop (ah_fwd_tiles), as functions
+// that inline (a lambda called from two places may stay a call, its
+// arrays then in local memory, which makes ptxas serialise the wgmma
+// instructions).
+// ah_fwd_issue_s queues tile t's scores into sc (one commit group).
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_fwd_issue_s(float (&sc)[64], unsigned long long dq, unsigned ks, unsigned fullK, int t) {
+  constexpr unsigned BOX = AH_BN * 128, TILE = (DH / 64) * BOX;
+  const int s = t % STAGES;
+  gg_bar_wait(fullK + 8 * s, (t / STAGES) & 1);
+  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  const unsigned long long dk = gg_desc(ks + s * TILE);
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < DH / 16; kk++) {
+    const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
+    gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
+  }
+  gg_wgmma_commit();
+}
+
+// ah_fwd_issue_pv queues o += P . v for tile t (one commit group), P in p.
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_fwd_issue_pv(float (&o)[DH / 2], const unsigned (&p)[8][4], unsigned vs, unsigned fullV,
+                                                int t) {
+  constexpr unsigned BOX = AH_BN * 128, TILE = (DH / 64) * BOX;
+  const int s = t % STAGES;
+  gg_bar_wait(fullV + 8 * s, (t / STAGES) & 1);
+  asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+  const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
+  gg_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
+  gg_wgmma_commit();
+}
+
+// ah_fwd_softmax turns tile t's scores (sc, done) into its exponentials in
+// place, moves the row maxima (m0, m1) and sums (l0, l1) on and sets the
+// rescale a0, a1 of what came before: ah_forward's arithmetic.
+__device__ __forceinline__ void ah_fwd_softmax(float (&sc)[64], float& m0, float& m1, float& l0, float& l1, float& a0,
+                                               float& a1, int t, int off, int w0, int r0, int r1, int KS, int t4,
+                                               float scaleLog2) {
+  const int j0 = t * AH_BN;
+  if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
+    const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      const int j = j0 + 8 * n + 2 * t4;
+      if (j > lim0) sc[4 * n] = ah_neg_inf();
+      if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
+      if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
+      if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
+    }
+  }
+  float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
+    mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+  }
+  mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
+  mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
+  mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
+  mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
+  const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
+  a0 = ah_ex2(m0 - n0);
+  a1 = ah_ex2(m1 - n1);
+  m0 = n0;
+  m1 = n1;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    sc[4 * n] = ah_ex2(sc[4 * n] * scaleLog2 - n0);
+    sc[4 * n + 1] = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
+    sc[4 * n + 2] = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1);
+    sc[4 * n + 3] = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
+    s0 += sc[4 * n] + sc[4 * n + 1];
+    s1 += sc[4 * n + 2] + sc[4 * n + 3];
+  }
+  l0 = l0 * a0 + s0;
+  l1 = l1 * a1 + s1;
+}
+
+// ah_fwd_rescale_pack scales o by a0, a1 and packs the exponentials in sc
+// into P.
+template <int DH>
+__device__ __forceinline__ void ah_fwd_rescale_pack(float (&o)[DH / 2], unsigned (&p)[8][4], const float (&sc)[64], float a0,
+                                                    float a1) {
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    o[4 * i] *= a0;
+    o[4 * i + 1] *= a0;
+    o[4 * i + 2] *= a1;
+    o[4 * i + 3] *= a1;
+  }
+#pragma unroll
+  for (int n = 0; n < 16; n++) {
+    p[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+    p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+  }
+}
+
+// ah_fwd_tiles is the forwards' consumer loop over tiles 0 .. nT-1 (nT >=
+// 1), FlashAttention-3's overlap inside a warpgroup: the first tile's
+// scores and softmax, then each step tile t's scores and tile t-1's P.V in
+// flight together, tile t's softmax once the scores (the older group) are
+// in, o's rescale and P_t's packing once P.V is; the last tile's P.V after
+// the loop. Every wait is unconditional (a conditional wait inside the
+// loop made ptxas serialise the wgmma instructions: C7514). The live
+// registers are one score tile, o and P: 128 a thread at head dim 64, 160
+// at 128, within the consumers' 160 and 232. k and v are released on
+// emptyK and emptyV as each is done with, so that the two-stage ring at
+// head dim 128 still loads tile t+1's k during tile t.
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_fwd_tiles(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT,
+                                             unsigned long long dq, unsigned ks, unsigned vs, unsigned fullK,
+                                             unsigned fullV, unsigned emptyK, unsigned emptyV, int lane, int off, int w0,
+                                             int r0, int r1, int KS, int t4, float scaleLog2) {
+  float sc[64];
+  unsigned p[8][4];
+  float a0, a1;  // the rescale of what came before tile t (the softmax's)
+  ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(sc);
+  if (lane == 0) gg_bar_arrive(emptyK);
+  ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
+  ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
+#pragma unroll 1
+  for (int t = 1; t < nT; t++) {
+    ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
+    ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
+    gg_wgmma_wait<1>();  // the scores (the older group)
+    gg_fence_acc(sc);
+    if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
+    ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
+    gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
+    gg_fence_acc(o);
+    gg_fence_acc(sc);  // (so that P_t's packing, which reads sc, stays after the wait: p is P.V's operand until then)
+    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
+    ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
+  }
+  ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, nT - 1);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(o);
+  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
+}
+
 template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
-                                           float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
-                                           int band) {
+                                               float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
+                                               int band) {
   using cfg = ah_cfg<DH, NC>;
   constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
   constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
-  // mbarriers: q, fullK[STAGES], fullV[STAGES], empty[STAGES].
+  // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES].
   const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
-                 empty = fullV + 8 * STAGES;
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Pairs (sequence, head) by q tiles, heaviest first: causal work grows
-  // with the tile index.
   int bh, ty;
   ah_band(band, bh, ty);
   const int b = bh / H, h = bh % H, kvh = h / (H / KV);
@@ -230,7 +380,8 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     for (int s = 0; s < STAGES; s++) {
       gg_bar_init(fullK + 8 * s, 1);
       gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 4 * NC);  // one arrival per consumer warp
+      gg_bar_init(emptyK + 8 * s, 4 * NC);  // one arrival per consumer warp
+      gg_bar_init(emptyV + 8 * s, 4 * NC);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -249,11 +400,12 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     for (int t = 0; t < nT; t++) {
       const int s = t % STAGES;
       const unsigned ph = (t / STAGES) & 1;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
       const int row = b * KS + t * AH_BN;
+      gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
       gg_bar_expect_tx(fullK + 8 * s, TILE);
 #pragma unroll
       for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_wait(emptyV + 8 * s, ph ^ 1);
       gg_bar_expect_tx(fullV + 8 * s, TILE);
 #pragma unroll
       for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
@@ -262,8 +414,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
-  // Consumer cw owns queries [i0 + 64cw, i0 + 64cw + 64); this thread rows
-  // r0 and r0 + 8 of them (the accumulator layout, grouped_gemm.cuh).
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
   const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
   const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
@@ -273,96 +423,19 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  for (int t = 0; t < nTw; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    float sc[64];
-    gg_bar_wait(fullK + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dk = gg_desc(ks + s * TILE);
-    gg_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      // Box kk/4 (BOX bytes on), 32 bytes a k16 step within it.
-      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    const int j0 = t * AH_BN;
-    if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
-      const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
-#pragma unroll
-      for (int n = 0; n < 16; n++) {
-        const int j = j0 + 8 * n + 2 * t4;
-        if (j > lim0) sc[4 * n] = ah_neg_inf();
-        if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
-        if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
-        if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
-      }
-    }
-    // Online softmax: new row maxima (base 2, scaled), the rescale of what
-    // came before, and P = 2^(s*scale - max).
-    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-    // A row with no visible key in this tile keeps its max (mx is -inf).
-    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-    // Every row sees key 0 (off >= 0), so n0 and n1 are finite from the
-    // first tile on; ah_ex2(-inf) is 0 for the first rescale.
-    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float s0 = 0.0f, s1 = 0.0f;
-    unsigned p[8][4];
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-      const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-      s0 += e0 + e1;
-      s1 += e2 + e3;
-      // n8 block n is k columns 8(n%2).. of the k16 chunk n/2: registers
-      // 0, 1 (rows g, g+8) for the first half, 2, 3 for the second.
-      p[n >> 1][2 * (n & 1)] = gg_pack_bf16(e0, e1);
-      p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(e2, e3);
-    }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      o[4 * i] *= a0;
-      o[4 * i + 1] *= a0;
-      o[4 * i + 2] *= a1;
-      o[4 * i + 3] *= a1;
-    }
-    gg_bar_wait(fullV + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-    gg_wgmma_fence();
-    gg_fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-  }
-  // Tiles the block loaded that this warpgroup's queries do not see: let
-  // them land, then free them, so the producer's ring turns.
+  if (nTw > 0)
+    ah_fwd_tiles<DH, STAGES>(o, m0, m1, l0, l1, nTw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, KS, t4,
+                             scaleLog2);
+  // Tiles the block loaded that this warpgroup's queries do not see.
   for (int t = nTw; t < nT; t++) {
     const int s = t % STAGES;
     const unsigned ph = (t / STAGES) & 1;
     gg_bar_wait(fullK + 8 * s, ph);
     gg_bar_wait(fullV + 8 * s, ph);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
+    if (lane == 0) {
+      gg_bar_arrive(emptyK + 8 * s);
+      gg_bar_arrive(emptyV + 8 * s);
+    }
   }
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
@@ -410,6 +483,9 @@ struct ah_zz_maps {
   gg_tmap k[AH_ZZ_MAX], v[AH_ZZ_MAX];
 };
 
+// ah_zz_forward is the ring's forward on ah_forward's producer and
+// consumer loop (ah_fwd_tiles), k and v released apart. Shared memory:
+// ah_cfg<DH>::SMEM.
 template <int DH>
 __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
                                               int KV, float scaleLog2, int band) {
@@ -418,7 +494,7 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
   const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
-                 empty = fullV + 8 * STAGES;
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // Pairs (sequence, head) by q tiles, heaviest first: the late chunk's
   // (n = 1), its last rows first.
@@ -437,7 +513,8 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
     for (int s = 0; s < STAGES; s++) {
       gg_bar_init(fullK + 8 * s, 1);
       gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+      gg_bar_init(emptyK + 8 * s, 8);  // one arrival per consumer warp
+      gg_bar_init(emptyV + 8 * s, 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -458,7 +535,7 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
     for (int t = 0; t < nT; t++) {
       const int s = t % STAGES;
       const unsigned ph = (t / STAGES) & 1;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+      gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
       // Tile t is chunk ck's rows from pos - ck*C on, on the rank that
       // holds ck (its early chunk below W, else its late one).
       const int pos = t * AH_BN, ck = pos / C;
@@ -468,6 +545,7 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
 #pragma unroll
       for (int c = 0; c < DH / 64; c++)
         gg_tma_2d(ks + s * TILE + c * BOX, &maps->k[owner], kvh * DH + 64 * c, row, fullK + 8 * s);
+      gg_bar_wait(emptyV + 8 * s, ph ^ 1);
       gg_bar_expect_tx(fullV + 8 * s, TILE);
 #pragma unroll
       for (int c = 0; c < DH / 64; c++)
@@ -487,80 +565,10 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  for (int t = 0; t < nT; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    float sc[64];
-    gg_bar_wait(fullK + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dk = gg_desc(ks + s * TILE);
-    gg_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    const int j0 = t * AH_BN;
-    if (j0 + AH_BN - 1 > off + w0) {  // the diagonal tile
-      const int lim0 = off + r0, lim1 = off + r1;
-#pragma unroll
-      for (int nn = 0; nn < 16; nn++) {
-        const int j = j0 + 8 * nn + 2 * t4;
-        if (j > lim0) sc[4 * nn] = ah_neg_inf();
-        if (j + 1 > lim0) sc[4 * nn + 1] = ah_neg_inf();
-        if (j > lim1) sc[4 * nn + 2] = ah_neg_inf();
-        if (j + 1 > lim1) sc[4 * nn + 3] = ah_neg_inf();
-      }
-    }
-    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-    for (int nn = 0; nn < 16; nn++) {
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * nn], sc[4 * nn + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * nn + 2], sc[4 * nn + 3]));
-    }
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float s0 = 0.0f, s1 = 0.0f;
-    unsigned p[8][4];
-#pragma unroll
-    for (int nn = 0; nn < 16; nn++) {
-      const float e0 = ah_ex2(sc[4 * nn] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * nn + 1] * scaleLog2 - n0);
-      const float e2 = ah_ex2(sc[4 * nn + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * nn + 3] * scaleLog2 - n1);
-      s0 += e0 + e1;
-      s1 += e2 + e3;
-      p[nn >> 1][2 * (nn & 1)] = gg_pack_bf16(e0, e1);
-      p[nn >> 1][2 * (nn & 1) + 1] = gg_pack_bf16(e2, e3);
-    }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      o[4 * i] *= a0;
-      o[4 * i + 1] *= a0;
-      o[4 * i + 2] *= a1;
-      o[4 * i + 3] *= a1;
-    }
-    gg_bar_wait(fullV + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-    gg_wgmma_fence();
-    gg_fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-  }
+  // Every tile (both consumers see all nT), masked on the diagonal only
+  // (no key past the positions: KS out of reach).
+  ah_fwd_tiles<DH, STAGES>(o, m0, m1, l0, l1, nT, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, 0x3fffffff, t4,
+                           scaleLog2);
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
   l1 += mk_shfl_xor(l1, 1);
@@ -613,12 +621,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // One kernel computes dk and dv and adds dq, after attn_h_delta. A block
 // owns 128 keys of one (sequence, kv head) and walks every query head of
 // the kv head's group and every 64-query tile that sees one of its keys
-// (an item); thread 0 loads its k and v tiles once and each item's q and
-// dout tiles into a STAGES-deep ring, refilling a stage once both
-// warpgroups are done with it, and threads 0-127 copy each item's lse and
-// delta into shared memory an item ahead (at head dim 64 a producer warp
-// does both instead: ah_backward_producer). Each of the two warpgroups owns 64 keys
-// and computes, per item, with the scores transposed (keys are the
+// (an item); a producer (a warpgroup at head dim 128: ah_backward; a warp
+// at 64: ah_backward_producer) loads its k and v tiles once and each
+// item's q and dout tiles into a STAGES-deep ring, refilling a stage once
+// both consumer warpgroups are done with it, and copies each item's lse
+// and delta into shared memory. Each of the two consumer warpgroups owns
+// 64 keys and computes, per item, with the scores transposed (keys are the
 // rows, so that P^T and dS^T land in registers as the A operands of the
 // products that accumulate into the keys' rows):
 //
@@ -648,6 +656,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // bf16 as dP^T sees it.
 
 #define AH_BQ 64        // queries per backward item
+#define AH_NO_END 0x3fffffff  // a sequence length no position reaches (the ring's masks)
 #define AH_LOG2E 1.4426950408889634f
 
 struct alignas(16) ah_f4 {
@@ -680,26 +689,6 @@ __device__ __forceinline__ void ah_stsf(unsigned addr, float a) {
 }
 __device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
-}
-// ah_cp4 copies the float at p to shared memory at addr by cp.async, or
-// writes a zero there where !valid (p is then not read).
-__device__ __forceinline__ void ah_cp4(unsigned addr, const float* p, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(p), "r"(valid ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void ah_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void ah_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// ah_lds_stats reads this thread's 16 queries' lse (to base 2) and delta
-// from an item's statistics at st (64 lse, then 64 delta): column
-// 8n + 2t4 + e of the item's scores.
-__device__ __forceinline__ void ah_lds_stats(unsigned st, int t4, float (&l2)[8][2], float (&dl)[8][2]) {
-#pragma unroll
-  for (int n = 0; n < 8; n++) {
-    ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[n][0], l2[n][1]);
-    ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[n][0], dl[n][1]);
-    l2[n][0] *= AH_LOG2E;
-    l2[n][1] *= AH_LOG2E;
-  }
 }
 
 // ah_bwd_scores issues a backward item's S^T = k q^T and dP^T = v dout^T
@@ -748,6 +737,60 @@ __device__ __forceinline__ void ah_bwd_dvdk(float (&dva)[DH / 2], float (&dka)[D
 #pragma unroll
   for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
   gg_wgmma_commit();
+}
+
+// ah_bwd_probs turns this thread's S^T and dP^T (key rows kr0 and kr0 +
+// 8; column 8n + 2t4 + e is query q0 + 8n + 2t4 + e) into P^T and dS^T:
+// P^T = 2^(S^T*scale - lse), dS^T = P^T (dP^T - delta) * scale, 0 where
+// the key does not see the query (key kr sees query i iff kr - off <= i <
+// S and kr < KS). A block whose every key sees every query (whole,
+// uniform over the warpgroup) takes no mask at all; otherwise a hidden
+// element's exponent is -inf, whose ex2 is +0: no branch per element (a
+// conditional ex2 became a divergent branch each, about 590 instructions
+// for 32 elements, and cost 10-14% of the backward:
+// kernels/attention_hopper.md). stats(n, l2, dl) gives column block n's
+// lse (base 2) and delta.
+template <typename Stats>
+__device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], bool whole, int q0, int t4, int kr0,
+                                             int S, int KS, int off, float scaleLog2, float scale, Stats stats) {
+  if (whole) {
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float l2[2], dl[2];
+      stats(n, l2, dl);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const float p0 = ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]);
+        const float p1 = ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]);
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    return;
+  }
+  // Key row kr sees query i iff kr - off <= i < S and kr < KS: in terms of
+  // the column's offset c = 8n + e from this thread's first query q0 +
+  // 2t4, iff lo <= c < end.
+  const int first = q0 + 2 * t4, end = S - first;
+  const int lo0 = kr0 < KS ? kr0 - off - first : 0x7fffffff, lo1 = kr0 + 8 < KS ? kr0 + 8 - off - first : 0x7fffffff;
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    float l2[2], dl[2];
+    stats(n, l2, dl);
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const int c = 8 * n + e;
+      const float x0 = sc[4 * n + e] * scaleLog2 - l2[e], x1 = sc[4 * n + 2 + e] * scaleLog2 - l2[e];
+      const float p0 = ah_ex2(c >= lo0 && c < end ? x0 : ah_neg_inf());
+      const float p1 = ah_ex2(c >= lo1 && c < end ? x1 : ah_neg_inf());
+      sc[4 * n + e] = p0;
+      sc[4 * n + 2 + e] = p1;
+      dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+      dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+    }
+  }
 }
 
 // ah_store_dst writes this thread's part of a warpgroup's dS^T (da, as
@@ -801,32 +844,40 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
   }
 }
 
-// Block: two warpgroups (256 threads), 64 keys each; thread 0 also issues
-// the TMA loads. Eight warps let __launch_bounds__(256, 1) give every
-// thread 255 registers (an SM's four register files hold two warps each
-// at that size; a ninth warp, a producer, would cap all at 168), which
-// holds dk and dv (Dh floats a thread) beside an item's scores without
-// spilling. Threads 0-127 copy each item's lse and delta into shared
-// memory by cp.async an item ahead (kernels/attention_hopper.md: global
-// loads in the consumers' path cost a sixth of the time). Head dim 128
-// (64 has ah_backward_producer).
+// ah_backward is the head-dim-128 backward (version 6 in
+// kernels/attention_hopper.md): FlashAttention-3's block, a producer
+// warpgroup beside the two consumers, 384 threads, setmaxnreg 24 for it
+// and 240 for the consumers (168 at entry: 128 x 24 + 256 x 240 fits the
+// register file's 65,536). Warp 0 of the producer is its only working
+// warp: lane 0 loads k and v once and each item's q and dout tiles as
+// soon as both consumers have freed the stage, and its 32 lanes copy the
+// item's lse and delta (two queries a lane, zeros past S) into the stage's
+// statistics, arriving on the stage's full barrier (33 arrivals: the
+// expect_tx and the lanes). So the consumers never wait on global loads,
+// nor on each other to refill a stage. Per item a consumer computes the
+// scores, P^T and dS^T (ah_bwd_probs; the statistics a column block at a
+// time, which 240 registers hold beside dk, dv, S^T and dP^T), issues dv's
+// product, stores dS^T, meets the other consumer (a 256-thread barrier:
+// dq needs both warpgroups' dS^T), issues dq's product and then dk's, and
+// waits for dv's and dq's only (wgmma.wait_group 1): dk's product runs
+// under dq's staging and TMA reduction, and the stage is freed once the
+// next item's scores are waited for, which covers it.
 template <int DH>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
-                                            const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
-                                            const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
-                                            int KV, float scaleLog2, float scale, int band) {
+                                               const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                               const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
+                                               int KV, float scaleLog2, float scale, int band) {
+  static_assert(DH == 128, "ah_backward is head dim 128's");
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
   constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
                      QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse, 64 delta
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T [parity][warpgroup]
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
+  const unsigned stat = dqs + 4 * DQB;                           // [stage]: 64 lse, 64 delta
   const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
-  static_assert(DH == 128, "ah_backward is head dim 128's: its statistics are read after the 256-thread barrier of dq");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Pairs (sequence, kv head) by key blocks, heaviest first.
   int pair, kb;
   ah_band(band, pair, kb);
   const int b = pair / KV, kvh = pair % KV, G = H / KV;
@@ -834,55 +885,63 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
-  // stats copies item it's lse and delta into its stage's statistics
-  // (threads 0-127, a value each; zeros past S) as one cp.async group,
-  // which each thread waits for before the 256-thread barrier of the item
-  // before it.
-  auto stats = [&](int it) {
-    if (tid < 128) {
-      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ, c = tid & 63, i = q0 + c;
-      const float* row = (tid < 64 ? lse : delta) + ((long long)b * H + h) * S;
-      ah_cp4(stat + (it % STAGES) * 512 + (tid >> 6) * 256 + 4 * c, i < S ? row + i : row, i < S);
-    }
-    ah_cp_commit();
-  };
-  // load queues item it's q and dout tiles into its stage.
-  auto load = [&](int it) {
-    const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT;
-    gg_bar_expect_tx(full + 8 * s, 2 * QT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
-      gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
-    }
-  };
   if (tid == 0) {
     gg_bar_init(barKV, 1);
     for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 1);   // thread 0's expect_tx
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per warp
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapDO);
-    gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
-      gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
-    }
-    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
-  if (items > 0) stats(0);
-  ah_cp_wait_all();
   __syncthreads();
 
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (warp != 0) return;
+    if (lane == 0) {
+      gg_prefetch_tmap(mapQ);
+      gg_prefetch_tmap(mapDO);
+      gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) {
+        gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
+        gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
+      }
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        const unsigned qa = qs + s * 2 * QT;
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) {
+          gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
+          gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
+        }
+      }
+      // The statistics as the consumers read them: lse in natural log,
+      // zeros past S.
+      const long long row = ((long long)b * H + h) * S;
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int c = lane + 32 * e, i = q0 + c;
+        ah_stsf(stat + s * 512 + 4 * c, i < S ? lse[row + i] : 0.0f);
+        ah_stsf(stat + s * 512 + 256 + 4 * c, i < S ? delta[row + i] : 0.0f);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
   // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
-  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr;
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -895,9 +954,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
-    // The next item's statistics: stage (it + 1) % STAGES was last read
-    // before the 256-thread barrier of the item before this one.
-    if (it + 1 < items) stats(it + 1);
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
@@ -905,36 +961,44 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
-    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
-    // q0 + 8n + 2t4 + e.
-    float l2[8][2], dl[8][2];
-    ah_lds_stats(stat + s * 512, t4, l2, dl);
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
-      }
+    // The item before's dk product (left in flight under its dq staging)
+    // is done with its stage too.
+    if (it > 0) {
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
     }
+    // The statistics a column block at a time (all 32 at once do not fit
+    // 240 registers beside dk, dv, S^T and dP^T).
+    const unsigned st = stat + s * 512;
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
+      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+      l2[0] *= AH_LOG2E;
+      l2[1] *= AH_LOG2E;
+    });
     unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    // dS^T to this warpgroup's buffer of the item's parity.
+    // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
+    // result comes back a product earlier and dk's runs under its staging.
+    {
+      unsigned pa[4][4];
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+        da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+        da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+      }
+      gg_wgmma_fence();
+      gg_fence_acc(dva);
+      const unsigned long long mnO = gg_desc_mn(oa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+      gg_wgmma_commit();
+    }
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-    // Both warpgroups' dS^T (and the next item's statistics) are in place:
-    // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
-    // warpgroup j's buffer).
-    ah_cp_wait_all();
-    gg_named_sync(3, 256);
+    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     gg_wgmma_fence();
@@ -945,20 +1009,15 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
-    gg_wgmma_wait<0>();
+    {
+      const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+      gg_wgmma_commit();
+    }
+    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
     gg_fence_acc(acc);
     gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    // dv's and dk's products (the group before) are done with the stage:
-    // thread 0 refills it once both warpgroups are.
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    if (tid == 0 && it + STAGES < items) {
-      gg_bar_wait(empty + 8 * s, ph);
-      load(it + STAGES);
-    }
-    // Stage the block of dq for one thread to add it to dq at L2. The block
-    // staged two rounds ago in this buffer was read out before anyone
-    // passes the barrier (wait_group.read covers the last round).
     const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -971,9 +1030,12 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     }
     nq++;
   }
+  gg_wgmma_wait<0>();  // the last item's dk product
+  gg_fence_acc(dka);
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
+
 
 // ah_backward_producer is the head-dim-64 backward (version 2 in
 // kernels/attention_hopper.md): the same products as ah_backward, but
@@ -1061,7 +1123,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
   // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
   const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr;
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -1084,24 +1146,10 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
     // q0 + 8n + 2t4 + e.
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float l2[2], dl[2];
+    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
       ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
       ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
-      }
-    }
+    });
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
     // dS^T to this warpgroup's buffer of the item's parity.
@@ -1182,8 +1230,9 @@ __device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const flo
 // the whole sequence from the block's first key position on, each read
 // from the rank that holds it (q and dout through that rank's tensor maps,
 // lse and delta [B, 2, H, C] through its pointers), in position order.
-// The products are ah_backward's at head dim 128 (dq once per warpgroup
-// and item over all 128 keys); dk and dv stay in registers across every
+// The block is ah_backward's at head dim 128 (a producer warpgroup, which
+// reads each item's statistics from their owner; dq once per warpgroup
+// and item over all 128 keys; dk's product under dq's staging); dk and dv stay in registers across every
 // rank's queries and are stored once into this rank's rows, and each dq
 // block is added into its owner's dq by TMA reductions (float32, zero
 // before any rank's kernel; the adds land at L2 in the order blocks run).
@@ -1205,9 +1254,9 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
                      QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse, 64 delta
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T [parity][warpgroup]
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
+  const unsigned stat = dqs + 4 * DQB;                           // [stage]: 64 lse, 64 delta
   const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
@@ -1228,60 +1277,68 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     nq = cq < W ? 0 : 1;
     row = nq * C + qp0 - cq * C;
   };
-  // stats copies item it's lse and delta from their owner's [B, 2, H, C]
-  // into its stage's statistics, as ah_backward's does.
-  auto stats = [&](int it) {
-    if (tid < 128) {
-      const int h = h0 + it / perHead, c = tid & 63;
-      int owner, row, nq, qp0;
-      where(it, owner, row, nq, qp0);
-      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C) + c;
-      ah_cp4(stat + (it % STAGES) * 512 + (tid >> 6) * 256 + 4 * c, (tid < 64 ? maps->lse[owner] : maps->delta[owner]) + at,
-             true);
-    }
-    ah_cp_commit();
-  };
-  auto load = [&](int it) {
-    const int s = it % STAGES, h = h0 + it / perHead;
-    int owner, row, nq, qp0;
-    where(it, owner, row, nq, qp0);
-    const unsigned qa = qs + s * 2 * QT;
-    gg_bar_expect_tx(full + 8 * s, 2 * QT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(qa + c * QBOX, &maps->q[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
-      gg_tma_2d(qa + QT + c * QBOX, &maps->dout[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
-    }
-  };
   if (tid == 0) {
     gg_bar_init(barKV, 1);
     for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 1);   // thread 0's expect_tx
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per warp
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    for (int w = 0; w < W; w++) {
-      gg_prefetch_tmap(&maps->q[w]);
-      gg_prefetch_tmap(&maps->dout[w]);
-    }
-    gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(ks + c * KBOX, &maps->k, kvh * DH + 64 * c, b * S + j0, barKV);
-      gg_tma_2d(vs + c * KBOX, &maps->v, kvh * DH + 64 * c, b * S + j0, barKV);
-    }
-    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
-  if (items > 0) stats(0);
-  ah_cp_wait_all();
   __syncthreads();
 
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (warp != 0) return;
+    if (lane == 0) {
+      for (int w = 0; w < W; w++) {
+        gg_prefetch_tmap(&maps->q[w]);
+        gg_prefetch_tmap(&maps->dout[w]);
+      }
+      gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) {
+        gg_tma_2d(ks + c * KBOX, &maps->k, kvh * DH + 64 * c, b * S + j0, barKV);
+        gg_tma_2d(vs + c * KBOX, &maps->v, kvh * DH + 64 * c, b * S + j0, barKV);
+      }
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = h0 + it / perHead;
+      int owner, row, nq, qp0;
+      where(it, owner, row, nq, qp0);
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        const unsigned qa = qs + s * 2 * QT;
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) {
+          gg_tma_2d(qa + c * QBOX, &maps->q[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+          gg_tma_2d(qa + QT + c * QBOX, &maps->dout[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+        }
+      }
+      // The statistics from their owner's [B, 2, H, C] (a query tile lies
+      // in one chunk, every row of it valid), lse in natural log.
+      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int c = lane + 32 * e;
+        ah_stsf(stat + s * 512 + 4 * c, maps->lse[owner][at + c]);
+        ah_stsf(stat + s * 512 + 256 + 4 * c, maps->delta[owner][at + c]);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64) (positions from kw
   // on); this thread rows wr and wr + 8 of them (and, in dq's product,
   // queries qp0 + wr, qp0 + wr + 8).
-  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr, kq = kp + 8;
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr;
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -1296,7 +1353,6 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     where(it, owner, row, nq, qp0);
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
-    if (it + 1 < items) stats(it + 1);  // as in ah_backward
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
@@ -1304,37 +1360,45 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
-    // P^T and dS^T in place of S^T and dP^T; the key at position kp sees
-    // the query at position i iff kp <= i. Column 8n + 2t4 + e is query
-    // qp0 + 8n + 2t4 + e.
-    float l2[8][2], dl[8][2];
-    ah_lds_stats(stat + s * 512, t4, l2, dl);
-    const bool whole = kw + 63 <= qp0;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = qp0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || kp <= i;
-        const bool v1 = whole || kq <= i;
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
-      }
+    // The item before's dk product is done with its stage too (as in
+    // ah_backward).
+    if (it > 0) {
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
     }
+    // The key at position kp sees the query at position i iff kp <= i.
+    const unsigned st = stat + s * 512;
+    const bool whole = kw + 63 <= qp0;
+    ah_bwd_probs(sc, dp, whole, qp0, t4, kp, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
+                 [&](int n, float (&l2)[2], float (&dl)[2]) {
+                   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+                   ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+                   l2[0] *= AH_LOG2E;
+                   l2[1] *= AH_LOG2E;
+                 });
+    // dv's product now, dk's after dq's (as in ah_backward).
     unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    // dS^T to this warpgroup's buffer of the item's parity.
+    {
+      unsigned pa[4][4];
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+        da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+        da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+      }
+      gg_wgmma_fence();
+      gg_fence_acc(dva);
+      const unsigned long long mnO = gg_desc_mn(oa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+      gg_wgmma_commit();
+    }
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-    // Both warpgroups' dS^T (and the next item's statistics) are in place:
-    // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
+    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
+    // This warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
     // warpgroup j's buffer).
-    ah_cp_wait_all();
-    gg_named_sync(3, 256);
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     gg_wgmma_fence();
@@ -1345,15 +1409,15 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
-    gg_wgmma_wait<0>();
+    {
+      const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+      gg_wgmma_commit();
+    }
+    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight
     gg_fence_acc(acc);
     gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    if (tid == 0 && it + STAGES < items) {
-      gg_bar_wait(empty + 8 * s, ph);
-      load(it + STAGES);
-    }
     const unsigned stg = dqs + (cw * 2 + (nqb & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -1366,11 +1430,13 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     }
     nqb++;
   }
+  gg_wgmma_wait<0>();  // the last item's dk product
+  gg_fence_acc(dka);
   if (wtid == 0) gg_bulk_wait();
   ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
   ah_zz_backward128(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
 
@@ -1454,7 +1520,7 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
   }
 
   const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr, kq = kp + 8;  // key positions
+  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr;  // key positions
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -1476,25 +1542,14 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
+    // The key at position kp sees the query at position i iff kp <= i: no
+    // sequence end on either side (S and KS out of reach, off 0).
     const bool whole = kw + 63 <= qp0;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float l2[2], dl[2];
-      ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = qp0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || kp <= i;
-        const bool v1 = whole || kq <= i;
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
-      }
-    }
+    ah_bwd_probs(sc, dp, whole, qp0, t4, kp, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
+                 [&](int n, float (&l2)[2], float (&dl)[2]) {
+                   ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+                   ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+                 });
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
@@ -1538,7 +1593,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const _
                            band);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
   ah_backward<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
 

@@ -315,7 +315,7 @@ done <"$BIN/packages.txt"
 # get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS, empty
 # when none is). A lab that might hang goes last and alone: it holds its
 # process until LAB_TIMEOUT.
-PENDING_LABS="TestAttentionFigures|TestAttentionLabVariants:fwd-exp-fma25,fwd-q-regs,fwd-q-regs-fma25,bwd-select TestAttentionLabForwardOwnLaunch:fwd-persistent TestAttentionLabForwardOwnLaunch:fwd128-3stages TestAttentionLabForwardOwnLaunch:fwd-overlap TestAttentionLabOwnLaunch:bwd64-128q TestAttentionLabOwnLaunch:bwd64-128q-dq TestAttentionLabOwnLaunch:bwd128-wg TestAttentionLabOwnLaunch:bwd128-wg-dk-late TestAttentionLabOwnLaunch:bwd128-wg-dk-late-select"
+PENDING_LABS="TestAttentionFigures|TestAttentionLabOwnLaunch:bwd64-128q-dq"
 labs=${LABS:-}
 if [[ "$labs" == pending ]]; then
   labs=$PENDING_LABS

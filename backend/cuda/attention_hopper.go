@@ -48,10 +48,10 @@ func hopperAttnStages(dh int) int {
 // hopperAttnSmem is a forward kernel's dynamic shared memory with
 // consumers consumer warpgroups (ah_cfg<DH, NC>::SMEM): alignment slack,
 // the q tile of 64*consumers rows, the ring of k and v tiles and the
-// mbarriers.
+// mbarriers (q's, and four a stage: k and v full, k and v empty).
 func hopperAttnSmem(dh, consumers int) int {
 	stages, tile, qTile := hopperAttnStages(dh), dh/64*hopperAttnBN*128, dh/64*64*consumers*128
-	return 1024 + qTile + 2*stages*tile + 8*(1+3*stages)
+	return 1024 + qTile + 2*stages*tile + 8*(1+4*stages)
 }
 
 // hopperAttnTakes says whether the Hopper kernels run s on d: a Hopper
@@ -406,16 +406,26 @@ func hopperAttnBwdSmem(dh int) int {
 	return 1024 + 2*kt + stages*2*qt + 4*64*128 + 4*64*64*4 + stages*512 + 8*(1+2*stages)
 }
 
-// hopperAttnBwdLaunch is attn_h_backward_d{dh}'s block size and dynamic
-// shared memory: at head dim 64 ah_backward_producer's 288 threads (a
-// producer warp beside the two consumer warpgroups), at 128 ah_backward's
-// 256 threads, whose 255 registers a thread hold dk and dv.
+// hopperAttnBwdLaunch is attn_h_backward_d{dh}'s (and the ring's
+// attn_h_zz_backward_d{dh}'s) block size and dynamic shared memory: at
+// head dim 64 ah_backward_producer's 288 threads (a producer warp beside
+// the two consumer warpgroups, 168 registers a thread), at 128
+// ah_backward's 384 (a producer warpgroup, whose setmaxnreg gives the
+// consumers 240 registers for dk, dv and an item's scores).
 func hopperAttnBwdLaunch(dh int) (threads, smem int) {
 	if dh == 64 {
 		return 288, hopperAttnBwdSmem(dh)
 	}
-	return 256, hopperAttnBwdSmem(dh)
+	return 384, hopperAttnBwdSmem(dh)
 }
+
+// hopperAttnSplitsRegisters says whether an attention_hopper.cu kernel
+// launched with threads threads a block trades registers between its
+// warpgroups with setmaxnreg: every one with a producer warpgroup (384 or
+// 512 threads) does, the head-dim-64 backwards (288) do not. Such a
+// kernel is launched only from the register count its setmaxnreg counts
+// assume (Kernel.CheckRegisterSplit).
+func hopperAttnSplitsRegisters(threads int) bool { return threads >= 384 }
 
 // hopperAttnBackward is AttentionBackward on the Hopper kernels: q, k, v
 // and dout rounded to bf16 in scratch unless in says they are bf16
@@ -532,6 +542,11 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		Grid:   driver.Dim3{X: pairs, Y: keyBlocks, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: smem,
+	}
+	if hopperAttnSplitsRegisters(threads) {
+		if err := kern.CheckRegisterSplit(threads); err != nil {
+			return err
+		}
 	}
 	return launchWithMaps(d, op, kern, grid, maps, slots)
 }

@@ -1,44 +1,10 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
 // define it compiles to the production source's PTX. AH_EXPERIMENT bit:
-//   1  attn_h_backward_ordered_d128: ah_backward with dq added in a
-//      fixed order (train.deterministic's option, slower than
-//      attention_tc.cu's ordered backward: kernels/attention_hopper.md).
-//      It launches with one more argument, so
-//      TestAttentionLabOwnLaunch runs it through launchHopperAttnBackward.
-//   2  attn_h_forward_p_d{64,128} and attn_h_zz_forward_p_d{64,128}: the
-//      whole-sequence forward and the ring's on a persistent grid (one
-//      block an SM walking the items in ah_band's order, the ring of
-//      stages and the next q tile loading under the current item's last
-//      products and its epilogue). TestAttentionLabForwardOwnLaunch
-//      launches them.
-//   4  the whole-sequence forward (ah_forward, in place) takes every
-//      fourth n8 block's exponentials from a polynomial on the FMA pipe
-//      (ah_ex2_fma) instead of the MUFU's ex2.
-//   8  the whole-sequence forward (in place) reads each consumer's q rows
-//      into registers once and takes the scores' A operand from there
-//      (wgmma with A in registers), not from shared memory every tile.
-//  16  the head-dim-128 forwards (whole-sequence and ring) with three
-//      stages of k and v instead of two: 64 KiB and three mbarriers more
-//      shared memory (230,480 bytes), so TestAttentionLabForwardOwnLaunch
-//      launches them.
-//  32  attn_h_forward_ovl_d{64,128} and attn_h_zz_forward_ovl_d{64,128}:
-//      the whole-sequence forward and the ring's with FlashAttention-3's
-//      overlap inside a consumer warpgroup (tile t's scores and tile
-//      t-1's P.V in flight together), k and v released on barriers of
-//      their own. TestAttentionLabForwardOwnLaunch launches them.
 //  64  attn_h_backward128q_d64: the head-dim-64 backward with items of 128
 //      queries and a producer warpgroup (384 threads, setmaxnreg 24 and
 //      240). TestAttentionLabOwnLaunch launches it.
 // 128  with bit 64: attn_h_backward128q_d64 adds dq once an item over all
 //      128 keys, each warpgroup 64 of its queries (FlashAttention-3's).
-// 256  attn_h_backward_wg_d128: the head-dim-128 backward (version 5)
-//      with a producer warpgroup (384 threads, setmaxnreg 24 and 240).
-//      TestAttentionLabOwnLaunch launches it.
-// 512  with bit 256: attn_h_backward_wg_d128 issues dk's product after
-//      dq's and leaves it in flight under dq's staging.
-// 1024 the whole-sequence backwards (in place; attn_h_backward_wg_d128
-//      with bit 256) compute P^T and dS^T without a branch per element
-//      (ah_bwd_probs).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -70,12 +36,16 @@
 //   o = o*alpha + P . v   wgmma m64nDhk16, P from registers (bf16), v an
 //                         MN-major shared tile (transpose bit)
 //
-// and each consumer warp arrives on the stage's "empty" mbarrier once its
-// products are done, which lets the producer refill it. The scores'
-// accumulator layout is the A operand layout of the next product (both
-// are mma.m16n8k16's per warp), so P never leaves the registers. The
-// consumers run the same key tiles on different queries, so while one is
-// in its softmax another's products keep the tensor cores busy; a third
+// Inside a consumer, tile t's scores and tile t-1's P . v are in flight
+// together while tile t-1's softmax is finished (FlashAttention-3's
+// intra-warpgroup overlap, ah_fwd_tiles), and each consumer warp arrives
+// on the stage's "emptyK" mbarrier once its scores are in and on its
+// "emptyV" once its P . v is, which lets the producer refill each tile
+// apart. The scores' accumulator layout is the A operand layout of the
+// next product (both are mma.m16n8k16's per warp), so P never leaves the
+// registers. The consumers run the same key tiles on different queries,
+// so while one is in its softmax another's products keep the tensor cores
+// busy too; a third
 // consumer (head dim 64, whose tiles are half the work of 128's) loads
 // each key tile once for 192 queries and has twelve warps hide the
 // softmax's latencies: 1.14x the two-consumer kernel at B8 S2048 and
@@ -111,6 +81,7 @@
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
 #endif
+
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
 #define AH_BN 128  // keys per tile
 #define AH_LN2 0.6931471805599453f
@@ -145,31 +116,6 @@ __device__ __forceinline__ float ah_lg2(float x) {
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-
-#if AH_EXPERIMENT & 4
-// ah_ex2_fma is 2^x for x <= 0 (-inf included) on the FMA and integer
-// pipes instead of the MUFU's ex2: x rounded to the nearest integer j by
-// the 1.5 * 2^23 trick, 2^(x-j) on [-0.5, 0.5] by a degree-3 polynomial
-// (relative error 7.5e-5, under bf16's 2^-9; fitted to the relative
-// error), times 2^j built in the exponent field (0 at j = -127, so x
-// clamped to -127, and -inf, give 0).
-__device__ __forceinline__ float ah_ex2_fma(float x) {
-  x = fmaxf(x, -127.0f);
-  const float t = x + 12582912.0f;  // round(x) in t's low mantissa bits
-  const float f = x - (t - 12582912.0f);
-  float p;
-  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(p) : "f"(0.0551716611f), "f"(f), "f"(0.242611125f));
-  asm("fma.rn.f32 %0, %0, %1, %2;" : "+f"(p) : "f"(f), "f"(0.693260968f));
-  asm("fma.rn.f32 %0, %0, %1, %2;" : "+f"(p) : "f"(f), "f"(0.999928057f));
-  // (bits(t) + 127) << 23: the high bits of bits(t) shift out, leaving
-  // j + 127 in the exponent field.
-  return p * gg_bits_float((__float_as_uint(t) + 127u) << 23);
-}
-
-// AH_EX2_FMA(n) says whether n8 block n of a score tile takes its
-// exponentials from ah_ex2_fma: every fourth, the rest from the MUFU.
-#define AH_EX2_FMA(n) (((n) & 3) == 3)
-#endif
 
 // ---- wgmma with A in registers ----
 
@@ -242,73 +188,19 @@ __device__ __forceinline__ void ah_wgmma_ss(float (&d)[32], unsigned long long d
       : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
-#if AH_EXPERIMENT & 8
-// D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, A in registers (as
-// ah_wgmma_rs), B a K-major tile in shared memory (gg_desc; no transpose);
-// scale_d 0 overwrites D, 1 accumulates.
-__device__ __forceinline__ void ah_wgmma_rs_k(float (&d)[64], const unsigned (&a)[4], unsigned long long db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "setp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-
-// ah_lds_qfrag reads a consumer's q rows as wgmma A operands, one k16
-// step of the head dim a time: qa[kk] holds, for rows rw = 16w + g and
-// rw + 8 of the consumer's 64 (warp w of the warpgroup), columns 16kk +
-// 2t4 (+1) and 16kk + 8 + 2t4 (+1), the mma.m16n8k16 A layout. q is the
-// 128-byte swizzled tile (box c of 64 columns at q + c * qbox, row r's
-// 16-byte chunk x at x ^ (r & 7)), this consumer's rows from row 0 at q.
-template <int DH>
-__device__ __forceinline__ void ah_lds_qfrag(unsigned (&qa)[DH / 16][4], unsigned q, unsigned qbox, int rw, int t4) {
-#pragma unroll
-  for (int kk = 0; kk < DH / 16; kk++) {
-    const unsigned box = q + (kk / 4) * qbox;
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int r = rw + 8 * (e & 1), x = 2 * (kk % 4) + (e >> 1);  // 16-byte chunk of 8 columns
-      asm volatile("ld.shared.b32 %0, [%1];"
-                   : "=r"(qa[kk][e])
-                   : "r"(box + r * 128 + ((x ^ (r & 7)) << 4) + 4 * t4)
-                   : "memory");
-    }
-  }
-}
-#endif
-
 // ah_cfg is the forward's layout for head dim DH and NC consumer
 // warpgroups: STAGES is the ring depth (a stage is a k and a v tile, 32
-// KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows.
+// KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows and
+// the mbarriers (q's, and fullK, fullV, emptyK, emptyV a stage).
 template <int DH, int NC = 2>
 struct ah_cfg {
-#if AH_EXPERIMENT & 16
-  static constexpr int STAGES = DH == 64 ? 4 : 3;
-#else
   static constexpr int STAGES = DH == 64 ? 4 : 2;
-#endif
   static constexpr int BM = 64 * NC;                       // queries per block
   static constexpr unsigned BOX = AH_BN * 128;             // {64 columns, 128 rows} of bf16: 16 KiB
   static constexpr unsigned TILE = (DH / 64) * BOX;        // a k or v tile
   static constexpr unsigned QBOX = BM * 128;               // {64 columns, BM rows}
   static constexpr unsigned QTILE = (DH / 64) * QBOX;      // the q tile
-  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (1 + 3 * STAGES);
+  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (1 + 4 * STAGES);
   // setmaxnreg's counts: 128 x REG_DEC + 128NC x REG_INC <= 65536.
   static constexpr int REG_DEC = NC == 2 ? 40 : 32, REG_INC = NC == 2 ? 232 : 160;
 };
@@ -329,454 +221,13 @@ __device__ __forceinline__ void ah_store2(mk_bf16* p, float a, float b) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(gg_pack_bf16(a, b)) : "memory");
 }
 
-template <int DH, typename Out, int NC>
-__device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
-                                           float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
-                                           int band) {
-  using cfg = ah_cfg<DH, NC>;
-  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
-  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
-  // mbarriers: q, fullK[STAGES], fullV[STAGES], empty[STAGES].
-  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
-                 empty = fullV + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Pairs (sequence, head) by q tiles, heaviest first: causal work grows
-  // with the tile index.
-  int bh, ty;
-  ah_band(band, bh, ty);
-  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
-  const int nQT = (S + BM - 1) / BM, i0 = (nQT - 1 - ty) * BM;
-  const int lastRow = gg_min(S - 1, i0 + BM - 1);
-  const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 4 * NC);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
-    if (tid != 0) return;
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapK);
-    gg_prefetch_tmap(mapV);
-    gg_bar_expect_tx(barQ, QTILE);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
-    for (int t = 0; t < nT; t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
-      const int row = b * KS + t * AH_BN;
-      gg_bar_expect_tx(fullK + 8 * s, TILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
-      gg_bar_expect_tx(fullV + 8 * s, TILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
-  // Consumer cw owns queries [i0 + 64cw, i0 + 64cw + 64); this thread rows
-  // r0 and r0 + 8 of them (the accumulator layout, grouped_gemm.cuh).
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
-  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
-  const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
-  float o[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
-  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
-  gg_bar_wait(barQ, 0);
-#if AH_EXPERIMENT & 8
-  // The block's q rows stay put: this consumer's are read once into
-  // registers, and the scores take their A operand from there.
-  unsigned qa[DH / 16][4];
-  ah_lds_qfrag<DH>(qa, qs + cw * 64 * 128, QBOX, 16 * (warp & 3) + g, t4);
-#else
-  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-#endif
-  for (int t = 0; t < nTw; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    float sc[64];
-    gg_bar_wait(fullK + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dk = gg_desc(ks + s * TILE);
-    gg_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      // Box kk/4 (BOX bytes on), 32 bytes a k16 step within it.
-      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-#if AH_EXPERIMENT & 8
-      ah_wgmma_rs_k(sc, qa[kk], dk + step, kk > 0 ? 1 : 0);
-#else
-      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-#endif
-    }
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    const int j0 = t * AH_BN;
-    if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
-      const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
-#pragma unroll
-      for (int n = 0; n < 16; n++) {
-        const int j = j0 + 8 * n + 2 * t4;
-        if (j > lim0) sc[4 * n] = ah_neg_inf();
-        if (j + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
-        if (j > lim1) sc[4 * n + 2] = ah_neg_inf();
-        if (j + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
-      }
-    }
-    // Online softmax: new row maxima (base 2, scaled), the rescale of what
-    // came before, and P = 2^(s*scale - max).
-    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-    // A row with no visible key in this tile keeps its max (mx is -inf).
-    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-    // Every row sees key 0 (off >= 0), so n0 and n1 are finite from the
-    // first tile on; ah_ex2(-inf) is 0 for the first rescale.
-    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float s0 = 0.0f, s1 = 0.0f;
-    unsigned p[8][4];
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-#if AH_EXPERIMENT & 4
-      float e0, e1, e2, e3;
-      if (AH_EX2_FMA(n)) {
-        e0 = ah_ex2_fma(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2_fma(sc[4 * n + 1] * scaleLog2 - n0);
-        e2 = ah_ex2_fma(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2_fma(sc[4 * n + 3] * scaleLog2 - n1);
-      } else {
-        e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-        e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-      }
-#else
-      const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-      const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-#endif
-      s0 += e0 + e1;
-      s1 += e2 + e3;
-      // n8 block n is k columns 8(n%2).. of the k16 chunk n/2: registers
-      // 0, 1 (rows g, g+8) for the first half, 2, 3 for the second.
-      p[n >> 1][2 * (n & 1)] = gg_pack_bf16(e0, e1);
-      p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(e2, e3);
-    }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      o[4 * i] *= a0;
-      o[4 * i + 1] *= a0;
-      o[4 * i + 2] *= a1;
-      o[4 * i + 3] *= a1;
-    }
-    gg_bar_wait(fullV + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-    gg_wgmma_fence();
-    gg_fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);  // +2048 bytes: 16 keys
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-  }
-  // Tiles the block loaded that this warpgroup's queries do not see: let
-  // them land, then free them, so the producer's ring turns.
-  for (int t = nTw; t < nT; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    gg_bar_wait(fullK + 8 * s, ph);
-    gg_bar_wait(fullV + 8 * s, ph);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-  }
-  l0 += mk_shfl_xor(l0, 1);
-  l0 += mk_shfl_xor(l0, 2);
-  l1 += mk_shfl_xor(l1, 1);
-  l1 += mk_shfl_xor(l1, 2);
-  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-  const int HD = H * DH;
-  Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-  Out* o1 = o0 + 8LL * HD;
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-    if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-    if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-  }
-  if (t4 == 0) {
-    float* lrow = lse + ((long long)b * H + h) * S;
-    if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-    if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-  }
-}
-
-#define AH_ZZ_MAX 8  // the ranks the zigzag kernels take
-
-// ---- The fused ring's forward (zigzag context parallelism) ----
-//
-// attn_h_zz_forward_d{64,128} serve one context-parallel rank r of W
-// (backend.ZigzagShape, W <= AH_ZZ_MAX): its 2C local rows of each of B
-// sequences, chunk r's then chunk 2W-1-r's, every rank's k and v read in
-// place through a tensor map each (the virtual ranks' tensors on this
-// GPU, or a peer GPU's over NVLink). All tensors bf16 but out (float32,
-// [B*2C, H*Dh]) and lse (float32, [B, 2, H, C], natural log). C must be a
-// multiple of 128, so a block's 128 queries and every 128-key tile lie in
-// one chunk. A block is ah_forward's: the same producer, consumers and
-// online softmax, over the key tiles of positions 0 .. its last query's,
-// each loaded from the rank that holds it (tile t is chunk 128t/C), in
-// position order, so the softmax state stays in registers from the first
-// chunk to the last. Masking is ah_forward's with the block's offset
-// between global positions and local rows as off.
-
-// ah_zz_maps is the kernels' tensor maps: this rank's q [B*2C, H*Dh] in
-// boxes of 128 rows, every rank's k and v [B*2C, KV*Dh] in boxes of 128
-// rows (entries past W unused).
-struct ah_zz_maps {
-  gg_tmap q;
-  gg_tmap k[AH_ZZ_MAX], v[AH_ZZ_MAX];
-};
-
-template <int DH>
-__device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
-                                              int KV, float scaleLog2, int band) {
-  constexpr int STAGES = ah_cfg<DH>::STAGES;
-  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
-  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
-                 empty = fullV + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Pairs (sequence, head) by q tiles, heaviest first: the late chunk's
-  // (n = 1), its last rows first.
-  int bh, y;
-  ah_band(band, bh, y);
-  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
-  const int per = C / AH_BM, n = y < per ? 1 : 0;
-  const int tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
-  const int S = 2 * C;                  // local rows per sequence
-  const int i0 = n * C + tile * AH_BM;  // the block's first local row
-  const int p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
-  const int off = p0 - i0;               // position = local row + off
-  const int nT = p0 / AH_BN + 1;         // key tiles: positions 0 .. p0 + 127
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
-    if (tid != 0) return;
-    gg_prefetch_tmap(&maps->q);
-    for (int w = 0; w < W; w++) {
-      gg_prefetch_tmap(&maps->k[w]);
-      gg_prefetch_tmap(&maps->v[w]);
-    }
-    gg_bar_expect_tx(barQ, TILE);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, &maps->q, h * DH + 64 * c, b * S + i0, barQ);
-    for (int t = 0; t < nT; t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
-      // Tile t is chunk ck's rows from pos - ck*C on, on the rank that
-      // holds ck (its early chunk below W, else its late one).
-      const int pos = t * AH_BN, ck = pos / C;
-      const int owner = ck < W ? ck : 2 * W - 1 - ck;
-      const int row = b * S + (ck < W ? 0 : C) + pos - ck * C;
-      gg_bar_expect_tx(fullK + 8 * s, TILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++)
-        gg_tma_2d(ks + s * TILE + c * BOX, &maps->k[owner], kvh * DH + 64 * c, row, fullK + 8 * s);
-      gg_bar_expect_tx(fullV + 8 * s, TILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++)
-        gg_tma_2d(vs + s * TILE + c * BOX, &maps->v[owner], kvh * DH + 64 * c, row, fullV + 8 * s);
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
-  // Consumer cw owns local rows [i0 + 64cw, i0 + 64cw + 64); this thread
-  // rows r0 and r0 + 8 of them. Both consumers see all nT tiles.
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
-  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
-  float o[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
-  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
-  gg_bar_wait(barQ, 0);
-  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  for (int t = 0; t < nT; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    float sc[64];
-    gg_bar_wait(fullK + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dk = gg_desc(ks + s * TILE);
-    gg_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) {
-      const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-      gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    const int j0 = t * AH_BN;
-    if (j0 + AH_BN - 1 > off + w0) {  // the diagonal tile
-      const int lim0 = off + r0, lim1 = off + r1;
-#pragma unroll
-      for (int nn = 0; nn < 16; nn++) {
-        const int j = j0 + 8 * nn + 2 * t4;
-        if (j > lim0) sc[4 * nn] = ah_neg_inf();
-        if (j + 1 > lim0) sc[4 * nn + 1] = ah_neg_inf();
-        if (j > lim1) sc[4 * nn + 2] = ah_neg_inf();
-        if (j + 1 > lim1) sc[4 * nn + 3] = ah_neg_inf();
-      }
-    }
-    float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-    for (int nn = 0; nn < 16; nn++) {
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * nn], sc[4 * nn + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * nn + 2], sc[4 * nn + 3]));
-    }
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-    const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    float s0 = 0.0f, s1 = 0.0f;
-    unsigned p[8][4];
-#pragma unroll
-    for (int nn = 0; nn < 16; nn++) {
-      const float e0 = ah_ex2(sc[4 * nn] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * nn + 1] * scaleLog2 - n0);
-      const float e2 = ah_ex2(sc[4 * nn + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * nn + 3] * scaleLog2 - n1);
-      s0 += e0 + e1;
-      s1 += e2 + e3;
-      p[nn >> 1][2 * (nn & 1)] = gg_pack_bf16(e0, e1);
-      p[nn >> 1][2 * (nn & 1) + 1] = gg_pack_bf16(e2, e3);
-    }
-    l0 = l0 * a0 + s0;
-    l1 = l1 * a1 + s1;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      o[4 * i] *= a0;
-      o[4 * i + 1] *= a0;
-      o[4 * i + 2] *= a1;
-      o[4 * i + 3] *= a1;
-    }
-    gg_bar_wait(fullV + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-    gg_wgmma_fence();
-    gg_fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-  }
-  l0 += mk_shfl_xor(l0, 1);
-  l0 += mk_shfl_xor(l0, 2);
-  l1 += mk_shfl_xor(l1, 1);
-  l1 += mk_shfl_xor(l1, 2);
-  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-  const int HD = H * DH;
-  float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-  float* o1 = o0 + 8LL * HD;
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-    ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-    ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-  }
-  if (t4 == 0) {
-    // lse [B, 2, H, C]: the block's chunk n, row r - nC of it.
-    float* lrow = lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C;
-    lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-    lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
-  ah_zz_forward<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
-  ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
-}
-
-extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
-}
-
-// attn_h_forward_d{64,128}_bf16: the same with a bf16 out (the output
-// projection's operand), each value rounded once.
-extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64, mk_bf16, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
-}
-
-#if AH_EXPERIMENT & 32
-// attn_h_forward_ovl_d{64,128} (fwd-overlap): ah_forward with
-// FlashAttention-3's overlap inside a consumer warpgroup, in its order:
-// each step issues tile t's scores and tile t-1's P.V together, runs tile
-// t's softmax once the scores are in (the older group) while P.V runs,
-// then rescales o and packs P_t once P.V is done; the first tile's
-// scores and softmax come before the loop and the last tile's P.V after
-// it, so that every wait in the loop is unconditional (31b6063's
-// fwd-pipelined waited conditionally inside its loop, and ptxas
-// serialised its wgmma instructions: C7514). The live registers are one
-// score tile, o and P (128 a thread at head dim 64, 160 at 128), within
-// the consumers' 160 and 232. k and v are released on barriers of their
-// own (emptyK once the scores are done, emptyV once P.V is), so that the
-// two-stage ring at head dim 128 still loads tile t+1's k during tile t.
-// The same arithmetic in the same order as ah_forward: the same bits.
-// Shared memory: ah_cfg<DH, NC>::SMEM and 8*STAGES bytes (emptyV).
-// The steps of ah_forward_ovl's consumer loop, as functions that inline
-// (a lambda called from two places may stay a call, its arrays then in
-// local memory, which makes ptxas serialise the wgmma instructions).
-// ah_ovl_issue_s queues tile t's scores into sc (one commit group).
+// The steps of the forwards' consumer loop (ah_fwd_tiles), as functions
+// that inline (a lambda called from two places may stay a call, its
+// arrays then in local memory, which makes ptxas serialise the wgmma
+// instructions).
+// ah_fwd_issue_s queues tile t's scores into sc (one commit group).
 template <int DH, int STAGES>
-__device__ __forceinline__ void ah_ovl_issue_s(float (&sc)[64], unsigned long long dq, unsigned ks, unsigned fullK, int t) {
+__device__ __forceinline__ void ah_fwd_issue_s(float (&sc)[64], unsigned long long dq, unsigned ks, unsigned fullK, int t) {
   constexpr unsigned BOX = AH_BN * 128, TILE = (DH / 64) * BOX;
   const int s = t % STAGES;
   gg_bar_wait(fullK + 8 * s, (t / STAGES) & 1);
@@ -791,9 +242,9 @@ __device__ __forceinline__ void ah_ovl_issue_s(float (&sc)[64], unsigned long lo
   gg_wgmma_commit();
 }
 
-// ah_ovl_issue_pv queues o += P . v for tile t (one commit group), P in p.
+// ah_fwd_issue_pv queues o += P . v for tile t (one commit group), P in p.
 template <int DH, int STAGES>
-__device__ __forceinline__ void ah_ovl_issue_pv(float (&o)[DH / 2], const unsigned (&p)[8][4], unsigned vs, unsigned fullV,
+__device__ __forceinline__ void ah_fwd_issue_pv(float (&o)[DH / 2], const unsigned (&p)[8][4], unsigned vs, unsigned fullV,
                                                 int t) {
   constexpr unsigned BOX = AH_BN * 128, TILE = (DH / 64) * BOX;
   const int s = t % STAGES;
@@ -806,10 +257,10 @@ __device__ __forceinline__ void ah_ovl_issue_pv(float (&o)[DH / 2], const unsign
   gg_wgmma_commit();
 }
 
-// ah_ovl_softmax turns tile t's scores (sc, done) into its exponentials in
+// ah_fwd_softmax turns tile t's scores (sc, done) into its exponentials in
 // place, moves the row maxima (m0, m1) and sums (l0, l1) on and sets the
 // rescale a0, a1 of what came before: ah_forward's arithmetic.
-__device__ __forceinline__ void ah_ovl_softmax(float (&sc)[64], float& m0, float& m1, float& l0, float& l1, float& a0,
+__device__ __forceinline__ void ah_fwd_softmax(float (&sc)[64], float& m0, float& m1, float& l0, float& l1, float& a0,
                                                float& a1, int t, int off, int w0, int r0, int r1, int KS, int t4,
                                                float scaleLog2) {
   const int j0 = t * AH_BN;
@@ -853,10 +304,10 @@ __device__ __forceinline__ void ah_ovl_softmax(float (&sc)[64], float& m0, float
   l1 = l1 * a1 + s1;
 }
 
-// ah_ovl_rescale_pack scales o by a0, a1 and packs the exponentials in sc
+// ah_fwd_rescale_pack scales o by a0, a1 and packs the exponentials in sc
 // into P.
 template <int DH>
-__device__ __forceinline__ void ah_ovl_rescale_pack(float (&o)[DH / 2], unsigned (&p)[8][4], const float (&sc)[64], float a0,
+__device__ __forceinline__ void ah_fwd_rescale_pack(float (&o)[DH / 2], unsigned (&p)[8][4], const float (&sc)[64], float a0,
                                                     float a1) {
 #pragma unroll
   for (int i = 0; i < DH / 8; i++) {
@@ -872,48 +323,53 @@ __device__ __forceinline__ void ah_ovl_rescale_pack(float (&o)[DH / 2], unsigned
   }
 }
 
-// ah_ovl_tiles is ah_forward_ovl's consumer loop over tiles 0 .. nT-1
-// (nT >= 1): the first tile's scores and softmax, then each step tile t's
-// scores and tile t-1's P.V in flight together, tile t's softmax once the
-// scores (the older group) are in, o's rescale and P_t's packing once P.V
-// is; the last tile's P.V after the loop. Every wait is unconditional. k
-// and v are released on emptyK and emptyV as each is done with.
+// ah_fwd_tiles is the forwards' consumer loop over tiles 0 .. nT-1 (nT >=
+// 1), FlashAttention-3's overlap inside a warpgroup: the first tile's
+// scores and softmax, then each step tile t's scores and tile t-1's P.V in
+// flight together, tile t's softmax once the scores (the older group) are
+// in, o's rescale and P_t's packing once P.V is; the last tile's P.V after
+// the loop. Every wait is unconditional (a conditional wait inside the
+// loop made ptxas serialise the wgmma instructions: C7514). The live
+// registers are one score tile, o and P: 128 a thread at head dim 64, 160
+// at 128, within the consumers' 160 and 232. k and v are released on
+// emptyK and emptyV as each is done with, so that the two-stage ring at
+// head dim 128 still loads tile t+1's k during tile t.
 template <int DH, int STAGES>
-__device__ __forceinline__ void ah_ovl_tiles(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT,
+__device__ __forceinline__ void ah_fwd_tiles(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT,
                                              unsigned long long dq, unsigned ks, unsigned vs, unsigned fullK,
                                              unsigned fullV, unsigned emptyK, unsigned emptyV, int lane, int off, int w0,
                                              int r0, int r1, int KS, int t4, float scaleLog2) {
   float sc[64];
   unsigned p[8][4];
   float a0, a1;  // the rescale of what came before tile t (the softmax's)
-  ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
+  ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
   gg_wgmma_wait<0>();
   gg_fence_acc(sc);
   if (lane == 0) gg_bar_arrive(emptyK);
-  ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
-  ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+  ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
+  ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
 #pragma unroll 1
   for (int t = 1; t < nT; t++) {
-    ah_ovl_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
-    ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
+    ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
+    ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
     gg_wgmma_wait<1>();  // the scores (the older group)
     gg_fence_acc(sc);
     if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
-    ah_ovl_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
+    ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
     gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
     gg_fence_acc(o);
     gg_fence_acc(sc);  // (so that P_t's packing, which reads sc, stays after the wait: p is P.V's operand until then)
     if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
-    ah_ovl_rescale_pack<DH>(o, p, sc, a0, a1);
+    ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
   }
-  ah_ovl_issue_pv<DH, STAGES>(o, p, vs, fullV, nT - 1);
+  ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, nT - 1);
   gg_wgmma_wait<0>();
   gg_fence_acc(o);
   if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
 }
 
 template <int DH, typename Out, int NC>
-__device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
+__device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                                float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
                                                int band) {
   using cfg = ah_cfg<DH, NC>;
@@ -980,7 +436,7 @@ __device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tma
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
   if (nTw > 0)
-    ah_ovl_tiles<DH, STAGES>(o, m0, m1, l0, l1, nTw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, KS, t4,
+    ah_fwd_tiles<DH, STAGES>(o, m0, m1, l0, l1, nTw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, KS, t4,
                              scaleLog2);
   // Tiles the block loaded that this warpgroup's queries do not see.
   for (int t = nTw; t < nT; t++) {
@@ -1013,13 +469,37 @@ __device__ __forceinline__ void ah_forward_ovl(const gg_tmap* mapQ, const gg_tma
   }
 }
 
-// ah_zz_forward_ovl is the ring's forward (ah_zz_forward) with
-// ah_forward_ovl's loop, k and v released apart: a win of fwd-overlap
-// goes into both kernels (the ring's efficiency is measured against the
-// whole-sequence core). Shared memory: ah_cfg<DH>::SMEM and 8*STAGES
-// bytes. attn_h_zz_forward's arguments.
+#define AH_ZZ_MAX 8  // the ranks the zigzag kernels take
+
+// ---- The fused ring's forward (zigzag context parallelism) ----
+//
+// attn_h_zz_forward_d{64,128} serve one context-parallel rank r of W
+// (backend.ZigzagShape, W <= AH_ZZ_MAX): its 2C local rows of each of B
+// sequences, chunk r's then chunk 2W-1-r's, every rank's k and v read in
+// place through a tensor map each (the virtual ranks' tensors on this
+// GPU, or a peer GPU's over NVLink). All tensors bf16 but out (float32,
+// [B*2C, H*Dh]) and lse (float32, [B, 2, H, C], natural log). C must be a
+// multiple of 128, so a block's 128 queries and every 128-key tile lie in
+// one chunk. A block is ah_forward's: the same producer, consumers and
+// online softmax, over the key tiles of positions 0 .. its last query's,
+// each loaded from the rank that holds it (tile t is chunk 128t/C), in
+// position order, so the softmax state stays in registers from the first
+// chunk to the last. Masking is ah_forward's with the block's offset
+// between global positions and local rows as off.
+
+// ah_zz_maps is the kernels' tensor maps: this rank's q [B*2C, H*Dh] in
+// boxes of 128 rows, every rank's k and v [B*2C, KV*Dh] in boxes of 128
+// rows (entries past W unused).
+struct ah_zz_maps {
+  gg_tmap q;
+  gg_tmap k[AH_ZZ_MAX], v[AH_ZZ_MAX];
+};
+
+// ah_zz_forward is the ring's forward on ah_forward's producer and
+// consumer loop (ah_fwd_tiles), k and v released apart. Shared memory:
+// ah_cfg<DH>::SMEM.
 template <int DH>
-__device__ __forceinline__ void ah_zz_forward_ovl(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
+__device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C, int H,
                                               int KV, float scaleLog2, int band) {
   constexpr int STAGES = ah_cfg<DH>::STAGES;
   constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
@@ -1097,9 +577,9 @@ __device__ __forceinline__ void ah_zz_forward_ovl(const ah_zz_maps* maps, float*
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  // ah_forward_ovl's loop over every tile (both consumers see all nT),
-  // masked as ah_zz_forward (no key past the positions: KS out of reach).
-  ah_ovl_tiles<DH, STAGES>(o, m0, m1, l0, l1, nT, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, 0x3fffffff, t4,
+  // Every tile (both consumers see all nT), masked on the diagonal only
+  // (no key past the positions: KS out of reach).
+  ah_fwd_tiles<DH, STAGES>(o, m0, m1, l0, l1, nT, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, 0x3fffffff, t4,
                            scaleLog2);
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
@@ -1122,433 +602,43 @@ __device__ __forceinline__ void ah_zz_forward_ovl(const ah_zz_maps* maps, float*
   }
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_ovl_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
-  ah_zz_forward_ovl<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
+  ah_zz_forward<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_ovl_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
-  ah_zz_forward_ovl<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
+  ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_ovl_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward_ovl<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_ovl_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward_ovl<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
-}
-#endif
-
-#if AH_EXPERIMENT & 2
-// ah_band_of is ah_band for item lin of a persistent grid: the same order
-// over pairs x items, with lin in place of the block's launch index.
-__device__ __forceinline__ void ah_band_of(int lin, int pairs, int items, int band, int& pair, int& item) {
-  const int first = lin / (band * items) * band;
-  const int inBand = gg_min(band, pairs - first), r = lin - first * items;
-  pair = first + r % inBand;
-  item = r / inBand;
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
-// ah_forward_p is ah_forward on a persistent grid: block x runs items x,
-// x + gridDim.x, ... of the pairs x q tiles in ah_band's order, the ring
-// of k and v stages turning on from one item into the next (the producer
-// loads the next item's first tiles while the consumers finish this one),
-// and the next q tile loaded once every consumer warp has read this one's
-// (qFree). Launched on min(SMs, items) blocks with pairs as one more
-// argument; shared memory 8 bytes more than ah_forward's (qFree).
-template <int DH, typename Out, int NC>
-__device__ __forceinline__ void ah_forward_p(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
-                                             float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
-                                             int band, int pairs) {
-  using cfg = ah_cfg<DH, NC>;
-  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
-  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
-  // mbarriers: q, fullK[STAGES], fullV[STAGES], empty[STAGES], qFree.
-  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
-                 empty = fullV + 8 * STAGES, qFree = empty + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int nQT = (S + BM - 1) / BM, items = pairs * nQT;
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    gg_bar_init(qFree, 4 * NC);  // one arrival per consumer warp
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 4 * NC);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
-    if (tid != 0) return;
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapK);
-    gg_prefetch_tmap(mapV);
-    int t = 0;  // key tiles loaded over the block's items: the ring's position
-    for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
-      int bh, ty;
-      ah_band_of(lin, pairs, nQT, band, bh, ty);
-      const int b = bh / H, h = bh % H, kvh = h / (H / KV), i0 = (nQT - 1 - ty) * BM;
-      const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
-      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
-      gg_bar_expect_tx(barQ, QTILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
-      for (int u = 0; u < nT; u++, t++) {
-        const int s = t % STAGES;
-        const unsigned ph = (t / STAGES) & 1;
-        gg_bar_wait(empty + 8 * s, ph ^ 1);
-        const int row = b * KS + u * AH_BN;
-        gg_bar_expect_tx(fullK + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
-        gg_bar_expect_tx(fullV + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
-      }
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
-  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  int t = 0;  // the producer's count, in step
-  for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
-    int bh, ty;
-    ah_band_of(lin, pairs, nQT, band, bh, ty);
-    const int b = bh / H, h = bh % H, i0 = (nQT - 1 - ty) * BM;
-    const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
-    const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
-    const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
-    float o[DH / 2];
-#pragma unroll
-    for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
-    float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
-    gg_bar_wait(barQ, j & 1);
-    for (int u = 0; u < nTw; u++, t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      float sc[64];
-      gg_bar_wait(fullK + 8 * s, ph);
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      const unsigned long long dk = gg_desc(ks + s * TILE);
-      gg_wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DH / 16; kk++) {
-        const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-        gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-      }
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(sc);
-      // This warp's last read of the q tile: the next item's may load.
-      if (u == nTw - 1 && lane == 0) gg_bar_arrive(qFree);
-      const int j0 = u * AH_BN;
-      if (j0 + AH_BN - 1 > off + w0 || j0 + AH_BN > KS) {
-        const int lim0 = gg_min(off + r0, KS - 1), lim1 = gg_min(off + r1, KS - 1);
-#pragma unroll
-        for (int n = 0; n < 16; n++) {
-          const int jj = j0 + 8 * n + 2 * t4;
-          if (jj > lim0) sc[4 * n] = ah_neg_inf();
-          if (jj + 1 > lim0) sc[4 * n + 1] = ah_neg_inf();
-          if (jj > lim1) sc[4 * n + 2] = ah_neg_inf();
-          if (jj + 1 > lim1) sc[4 * n + 3] = ah_neg_inf();
-        }
-      }
-      float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-      for (int n = 0; n < 16; n++) {
-        mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-      }
-      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-      const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-      const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-      m0 = n0;
-      m1 = n1;
-      float s0 = 0.0f, s1 = 0.0f;
-      unsigned p[8][4];
-#pragma unroll
-      for (int n = 0; n < 16; n++) {
-        const float e0 = ah_ex2(sc[4 * n] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * n + 1] * scaleLog2 - n0);
-        const float e2 = ah_ex2(sc[4 * n + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * n + 3] * scaleLog2 - n1);
-        s0 += e0 + e1;
-        s1 += e2 + e3;
-        p[n >> 1][2 * (n & 1)] = gg_pack_bf16(e0, e1);
-        p[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(e2, e3);
-      }
-      l0 = l0 * a0 + s0;
-      l1 = l1 * a1 + s1;
-#pragma unroll
-      for (int i = 0; i < DH / 8; i++) {
-        o[4 * i] *= a0;
-        o[4 * i + 1] *= a0;
-        o[4 * i + 2] *= a1;
-        o[4 * i + 3] *= a1;
-      }
-      gg_bar_wait(fullV + 8 * s, ph);
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-      gg_wgmma_fence();
-      gg_fence_acc(o);
-#pragma unroll
-      for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(o);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    }
-    if (nTw == 0 && lane == 0) gg_bar_arrive(qFree);  // queries past S: q never read
-    for (int u = nTw; u < nT; u++, t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      gg_bar_wait(fullK + 8 * s, ph);
-      gg_bar_wait(fullV + 8 * s, ph);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    }
-    l0 += mk_shfl_xor(l0, 1);
-    l0 += mk_shfl_xor(l0, 2);
-    l1 += mk_shfl_xor(l1, 1);
-    l1 += mk_shfl_xor(l1, 2);
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-    const int HD = H * DH;
-    Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-    Out* o1 = o0 + 8LL * HD;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-      if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-    }
-    if (t4 == 0) {
-      float* lrow = lse + ((long long)b * H + h) * S;
-      if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-      if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-    }
-  }
+// attn_h_forward_d{64,128}_bf16: the same with a bf16 out (the output
+// projection's operand), each value rounded once.
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<64, mk_bf16, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_p_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward_p<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_p_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward_p<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
-}
-
-// ah_zz_forward_p is ah_zz_forward on a persistent grid, as ah_forward_p
-// is ah_forward: block x takes items x, x + gridDim.x, ... of pairs x
-// 2C/128 q tiles in ah_band_of's order, the ring of stages turning on from
-// one item into the next, the next q tile loaded once both consumers have
-// issued their last score product of this one (qFree; 8 bytes more shared
-// memory). Launched on min(SMs, items) blocks with pairs as one more
-// argument.
-template <int DH>
-__device__ __forceinline__ void ah_zz_forward_p(const ah_zz_maps* maps, float* out, float* lse, int r, int W, int C,
-                                                int H, int KV, float scaleLog2, int band, int pairs) {
-  constexpr int STAGES = ah_cfg<DH>::STAGES;
-  constexpr unsigned BOX = ah_cfg<DH>::BOX, TILE = ah_cfg<DH>::TILE;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned qs = base, ks = base + TILE, vs = base + (1 + STAGES) * TILE;
-  const unsigned barQ = base + (1 + 2 * STAGES) * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
-                 empty = fullV + 8 * STAGES, qFree = empty + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int per = C / AH_BM, nQT = 2 * per, items = pairs * nQT;
-  const int S = 2 * C;  // local rows per sequence
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    gg_bar_init(qFree, 8);  // one arrival per consumer warp
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(empty + 8 * s, 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
-    if (tid != 0) return;
-    gg_prefetch_tmap(&maps->q);
-    for (int w = 0; w < W; w++) {
-      gg_prefetch_tmap(&maps->k[w]);
-      gg_prefetch_tmap(&maps->v[w]);
-    }
-    int t = 0;  // key tiles loaded over the block's items: the ring's position
-    for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
-      int bh, y;
-      ah_band_of(lin, pairs, nQT, band, bh, y);
-      const int b = bh / H, h = bh % H, kvh = h / (H / KV);
-      const int n = y < per ? 1 : 0, tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
-      const int i0 = n * C + tile * AH_BM, p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
-      const int nT = p0 / AH_BN + 1;
-      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
-      gg_bar_expect_tx(barQ, TILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * BOX, &maps->q, h * DH + 64 * c, b * S + i0, barQ);
-      for (int u = 0; u < nT; u++, t++) {
-        const int s = t % STAGES;
-        const unsigned ph = (t / STAGES) & 1;
-        gg_bar_wait(empty + 8 * s, ph ^ 1);
-        const int pos = u * AH_BN, ck = pos / C;
-        const int owner = ck < W ? ck : 2 * W - 1 - ck;
-        const int row = b * S + (ck < W ? 0 : C) + pos - ck * C;
-        gg_bar_expect_tx(fullK + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++)
-          gg_tma_2d(ks + s * TILE + c * BOX, &maps->k[owner], kvh * DH + 64 * c, row, fullK + 8 * s);
-        gg_bar_expect_tx(fullV + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++)
-          gg_tma_2d(vs + s * TILE + c * BOX, &maps->v[owner], kvh * DH + 64 * c, row, fullV + 8 * s);
-      }
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
-  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  int t = 0;  // the producer's count, in step
-  for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
-    int bh, y;
-    ah_band_of(lin, pairs, nQT, band, bh, y);
-    const int b = bh / H, h = bh % H;
-    const int n = y < per ? 1 : 0, tile = n == 1 ? per - 1 - y : per - 1 - (y - per);
-    const int i0 = n * C + tile * AH_BM, p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
-    const int off = p0 - i0, nT = p0 / AH_BN + 1;
-    const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
-    float o[DH / 2];
-#pragma unroll
-    for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
-    float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
-    gg_bar_wait(barQ, j & 1);
-    for (int u = 0; u < nT; u++, t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      float sc[64];
-      gg_bar_wait(fullK + 8 * s, ph);
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      const unsigned long long dk = gg_desc(ks + s * TILE);
-      gg_wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DH / 16; kk++) {
-        const unsigned long long step = (kk / 4) * (BOX >> 4) + 2 * (kk % 4);
-        gg_wgmma(sc, dq + step, dk + step, kk > 0 ? 1 : 0);
-      }
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(sc);
-      if (u == nT - 1 && lane == 0) gg_bar_arrive(qFree);  // this warp's last read of the q tile
-      const int j0 = u * AH_BN;
-      if (j0 + AH_BN - 1 > off + w0) {
-        const int lim0 = off + r0, lim1 = off + r1;
-#pragma unroll
-        for (int nn = 0; nn < 16; nn++) {
-          const int jj = j0 + 8 * nn + 2 * t4;
-          if (jj > lim0) sc[4 * nn] = ah_neg_inf();
-          if (jj + 1 > lim0) sc[4 * nn + 1] = ah_neg_inf();
-          if (jj > lim1) sc[4 * nn + 2] = ah_neg_inf();
-          if (jj + 1 > lim1) sc[4 * nn + 3] = ah_neg_inf();
-        }
-      }
-      float mx0 = ah_neg_inf(), mx1 = ah_neg_inf();
-#pragma unroll
-      for (int nn = 0; nn < 16; nn++) {
-        mx0 = fmaxf(mx0, fmaxf(sc[4 * nn], sc[4 * nn + 1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[4 * nn + 2], sc[4 * nn + 3]));
-      }
-      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 1));
-      mx0 = fmaxf(mx0, mk_shfl_xor(mx0, 2));
-      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 1));
-      mx1 = fmaxf(mx1, mk_shfl_xor(mx1, 2));
-      const float n0 = fmaxf(m0, mx0 * scaleLog2), n1 = fmaxf(m1, mx1 * scaleLog2);
-      const float a0 = ah_ex2(m0 - n0), a1 = ah_ex2(m1 - n1);
-      m0 = n0;
-      m1 = n1;
-      float s0 = 0.0f, s1 = 0.0f;
-      unsigned p[8][4];
-#pragma unroll
-      for (int nn = 0; nn < 16; nn++) {
-        const float e0 = ah_ex2(sc[4 * nn] * scaleLog2 - n0), e1 = ah_ex2(sc[4 * nn + 1] * scaleLog2 - n0);
-        const float e2 = ah_ex2(sc[4 * nn + 2] * scaleLog2 - n1), e3 = ah_ex2(sc[4 * nn + 3] * scaleLog2 - n1);
-        s0 += e0 + e1;
-        s1 += e2 + e3;
-        p[nn >> 1][2 * (nn & 1)] = gg_pack_bf16(e0, e1);
-        p[nn >> 1][2 * (nn & 1) + 1] = gg_pack_bf16(e2, e3);
-      }
-      l0 = l0 * a0 + s0;
-      l1 = l1 * a1 + s1;
-#pragma unroll
-      for (int i = 0; i < DH / 8; i++) {
-        o[4 * i] *= a0;
-        o[4 * i + 1] *= a0;
-        o[4 * i + 2] *= a1;
-        o[4 * i + 3] *= a1;
-      }
-      gg_bar_wait(fullV + 8 * s, ph);
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      const unsigned long long dv = gg_desc_mn(vs + s * TILE, BOX);
-      gg_wgmma_fence();
-      gg_fence_acc(o);
-#pragma unroll
-      for (int kk = 0; kk < AH_BN / 16; kk++) ah_wgmma_rs(o, p[kk], dv + 128 * kk);
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(o);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    }
-    l0 += mk_shfl_xor(l0, 1);
-    l0 += mk_shfl_xor(l0, 2);
-    l1 += mk_shfl_xor(l1, 1);
-    l1 += mk_shfl_xor(l1, 2);
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-    const int HD = H * DH;
-    float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-    float* o1 = o0 + 8LL * HD;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-      ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-    }
-    if (t4 == 0) {
-      float* lrow = lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C;
-      lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-      lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-    }
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_p_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_zz_forward_p<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band, pairs);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_p_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_zz_forward_p<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band, pairs);
-}
-#endif
 
 // ---- backward ----
 //
 // One kernel computes dk and dv and adds dq, after attn_h_delta. A block
 // owns 128 keys of one (sequence, kv head) and walks every query head of
 // the kv head's group and every 64-query tile that sees one of its keys
-// (an item); thread 0 loads its k and v tiles once and each item's q and
-// dout tiles into a STAGES-deep ring, refilling a stage once both
-// warpgroups are done with it, and threads 0-127 copy each item's lse and
-// delta into shared memory an item ahead (at head dim 64 a producer warp
-// does both instead: ah_backward_producer). Each of the two warpgroups owns 64 keys
-// and computes, per item, with the scores transposed (keys are the
+// (an item); a producer (a warpgroup at head dim 128: ah_backward; a warp
+// at 64: ah_backward_producer) loads its k and v tiles once and each
+// item's q and dout tiles into a STAGES-deep ring, refilling a stage once
+// both consumer warpgroups are done with it, and copies each item's lse
+// and delta into shared memory. Each of the two consumer warpgroups owns
+// 64 keys and computes, per item, with the scores transposed (keys are the
 // rows, so that P^T and dS^T land in registers as the A operands of the
 // products that accumulate into the keys' rows):
 //
@@ -1573,22 +663,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_p_d128(co
 // sums per head) and are stored once. dq must be zero before the kernel;
 // its sums are float adds at L2 in the order the blocks run, so dq's last
 // bits vary from run to run (train.deterministic takes attention_tc.cu's
-// ordered backward instead: kernels/attention_hopper.md). With bit 1,
-// attn_h_backward_ordered_d128 adds in a
-// fixed order instead: a counter per (batch, head, query tile), zero
-// before the kernel, lets warpgroup cw of key block jb add its dq block
-// of that tile only as contribution 2*jb + cw (ah_dq_turn), and counts it
-// once the TMA reduction is complete (ah_dq_done): at the next item's dq
-// product, by when the reduction has long landed, so the wait for it does
-// not stall the chain (or after its last item), and before thread 0 waits
-// for the other warpgroup to free a stage. Every key block below
-// jb reaches the tile too (a block's first tile never decreases with jb),
-// so the turns have no gaps; the grid runs key blocks in increasing
-// blockIdx.y, so a turn waits only on blocks started before it.
+// ordered backward instead: kernels/attention_hopper.md).
 // delta is rowsum(dout * out) per query and head, from dout rounded to
 // bf16 as dP^T sees it.
 
 #define AH_BQ 64        // queries per backward item
+#define AH_NO_END 0x3fffffff  // a sequence length no position reaches (the ring's masks)
 #define AH_LOG2E 1.4426950408889634f
 
 struct alignas(16) ah_f4 {
@@ -1622,48 +702,6 @@ __device__ __forceinline__ void ah_stsf(unsigned addr, float a) {
 __device__ __forceinline__ void ah_lds2f(unsigned addr, float& a, float& b) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
 }
-// ah_cp4 copies the float at p to shared memory at addr by cp.async, or
-// writes a zero there where !valid (p is then not read).
-__device__ __forceinline__ void ah_cp4(unsigned addr, const float* p, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(p), "r"(valid ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void ah_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void ah_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// ah_lds_stats reads this thread's 16 queries' lse (to base 2) and delta
-// from an item's statistics at st (64 lse, then 64 delta): column
-// 8n + 2t4 + e of the item's scores.
-__device__ __forceinline__ void ah_lds_stats(unsigned st, int t4, float (&l2)[8][2], float (&dl)[8][2]) {
-#pragma unroll
-  for (int n = 0; n < 8; n++) {
-    ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[n][0], l2[n][1]);
-    ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[n][0], dl[n][1]);
-    l2[n][0] *= AH_LOG2E;
-    l2[n][1] *= AH_LOG2E;
-  }
-}
-
-// ah_dq_turn returns once *turn is mine (acquire): the dq blocks added
-// before this one are complete at L2. A wait past GG_TIMEOUT_NS traps, as
-// gg_bar_wait does.
-__device__ __forceinline__ void ah_dq_turn(const int* turn, int mine) {
-  if (gg_ld_acquire(turn) != mine) {
-    const unsigned long long t0 = gg_globaltimer();
-    while (gg_ld_acquire(turn) != mine) {
-      if (gg_globaltimer() - t0 > GG_TIMEOUT_NS) asm volatile("trap;");
-    }
-  }
-  // The TMA reduction that follows (the async proxy) comes after the wait.
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
-// ah_dq_done waits for this thread's bulk reductions to complete and
-// passes the turn on (release).
-__device__ __forceinline__ void ah_dq_done(int* turn) {
-  gg_bulk_wait();
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
-}
 
 // ah_bwd_scores issues a backward item's S^T = k q^T and dP^T = v dout^T
 // (wgmma m64n64k16 from shared memory, K-major, Dh/16 steps each) as one
@@ -1685,7 +723,6 @@ __device__ __forceinline__ void ah_bwd_scores(float (&sc)[32], float (&dp)[32], 
   }
   gg_wgmma_commit();
 }
-
 
 // ah_bwd_dvdk issues a backward item's dv += P^T dout and dk += dS^T q as
 // one commit group, with P and dS^T (this thread's sc and dp) packed to
@@ -1712,6 +749,60 @@ __device__ __forceinline__ void ah_bwd_dvdk(float (&dva)[DH / 2], float (&dka)[D
 #pragma unroll
   for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
   gg_wgmma_commit();
+}
+
+// ah_bwd_probs turns this thread's S^T and dP^T (key rows kr0 and kr0 +
+// 8; column 8n + 2t4 + e is query q0 + 8n + 2t4 + e) into P^T and dS^T:
+// P^T = 2^(S^T*scale - lse), dS^T = P^T (dP^T - delta) * scale, 0 where
+// the key does not see the query (key kr sees query i iff kr - off <= i <
+// S and kr < KS). A block whose every key sees every query (whole,
+// uniform over the warpgroup) takes no mask at all; otherwise a hidden
+// element's exponent is -inf, whose ex2 is +0: no branch per element (a
+// conditional ex2 became a divergent branch each, about 590 instructions
+// for 32 elements, and cost 10-14% of the backward:
+// kernels/attention_hopper.md). stats(n, l2, dl) gives column block n's
+// lse (base 2) and delta.
+template <typename Stats>
+__device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], bool whole, int q0, int t4, int kr0,
+                                             int S, int KS, int off, float scaleLog2, float scale, Stats stats) {
+  if (whole) {
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float l2[2], dl[2];
+      stats(n, l2, dl);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const float p0 = ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]);
+        const float p1 = ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]);
+        sc[4 * n + e] = p0;
+        sc[4 * n + 2 + e] = p1;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      }
+    }
+    return;
+  }
+  // Key row kr sees query i iff kr - off <= i < S and kr < KS: in terms of
+  // the column's offset c = 8n + e from this thread's first query q0 +
+  // 2t4, iff lo <= c < end.
+  const int first = q0 + 2 * t4, end = S - first;
+  const int lo0 = kr0 < KS ? kr0 - off - first : 0x7fffffff, lo1 = kr0 + 8 < KS ? kr0 + 8 - off - first : 0x7fffffff;
+#pragma unroll
+  for (int n = 0; n < 8; n++) {
+    float l2[2], dl[2];
+    stats(n, l2, dl);
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const int c = 8 * n + e;
+      const float x0 = sc[4 * n + e] * scaleLog2 - l2[e], x1 = sc[4 * n + 2 + e] * scaleLog2 - l2[e];
+      const float p0 = ah_ex2(c >= lo0 && c < end ? x0 : ah_neg_inf());
+      const float p1 = ah_ex2(c >= lo1 && c < end ? x1 : ah_neg_inf());
+      sc[4 * n + e] = p0;
+      sc[4 * n + 2 + e] = p1;
+      dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
+      dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+    }
+  }
 }
 
 // ah_store_dst writes this thread's part of a warpgroup's dS^T (da, as
@@ -1765,84 +856,40 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
   }
 }
 
-// Block: two warpgroups (256 threads), 64 keys each; thread 0 also issues
-// the TMA loads. Eight warps let __launch_bounds__(256, 1) give every
-// thread 255 registers (an SM's four register files hold two warps each
-// at that size; a ninth warp, a producer, would cap all at 168), which
-// holds dk and dv (Dh floats a thread) beside an item's scores without
-// spilling. Threads 0-127 copy each item's lse and delta into shared
-// memory by cp.async an item ahead (kernels/attention_hopper.md: global
-// loads in the consumers' path cost a sixth of the time). Head dim 128
-// (64 has ah_backward_producer).
-// ORDERED adds dq in the fixed order above; turns is then the counters
-// [B, H, ceil(S/64)].
-#if AH_EXPERIMENT & 1024
-// ah_bwd_probs (bwd-select) turns this thread's S^T and dP^T (key rows
-// kr0 and kr0 + 8; column 8n + 2t4 + e is query q0 + 8n + 2t4 + e) into
-// P^T and dS^T without a branch per element: a block whose every key sees
-// every query (whole, uniform over the warpgroup) takes no mask at all;
-// otherwise a hidden element's exponent is -inf, whose ex2 is +0, the 0
-// production's branch gives it, so the results are production's bits.
-// stats(n, l2, dl) gives column block n's lse (base 2) and delta.
-template <typename Stats>
-__device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], bool whole, int q0, int t4, int kr0,
-                                             int S, int KS, int off, float scaleLog2, float scale, Stats stats) {
-  if (whole) {
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float l2[2], dl[2];
-      stats(n, l2, dl);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const float p0 = ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]);
-        const float p1 = ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]);
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
-      }
-    }
-    return;
-  }
-  // Key row kr sees query i iff kr - off <= i < S and kr < KS.
-  const int kr1 = kr0 + 8, lo0 = kr0 < KS ? kr0 - off : 0x7fffffff, lo1 = kr1 < KS ? kr1 - off : 0x7fffffff;
-#pragma unroll
-  for (int n = 0; n < 8; n++) {
-    float l2[2], dl[2];
-    stats(n, l2, dl);
-#pragma unroll
-    for (int e = 0; e < 2; e++) {
-      const int i = q0 + 8 * n + 2 * t4 + e;
-      const bool in = i < S;
-      const float x0 = sc[4 * n + e] * scaleLog2 - l2[e], x1 = sc[4 * n + 2 + e] * scaleLog2 - l2[e];
-      const float p0 = ah_ex2(in & (i >= lo0) ? x0 : ah_neg_inf());
-      const float p1 = ah_ex2(in & (i >= lo1) ? x1 : ah_neg_inf());
-      sc[4 * n + e] = p0;
-      sc[4 * n + 2 + e] = p1;
-      dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-      dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
-    }
-  }
-}
-#endif
-
-template <int DH, bool ORDERED>
+// ah_backward is the head-dim-128 backward (version 6 in
+// kernels/attention_hopper.md): FlashAttention-3's block, a producer
+// warpgroup beside the two consumers, 384 threads, setmaxnreg 24 for it
+// and 240 for the consumers (168 at entry: 128 x 24 + 256 x 240 fits the
+// register file's 65,536). Warp 0 of the producer is its only working
+// warp: lane 0 loads k and v once and each item's q and dout tiles as
+// soon as both consumers have freed the stage, and its 32 lanes copy the
+// item's lse and delta (two queries a lane, zeros past S) into the stage's
+// statistics, arriving on the stage's full barrier (33 arrivals: the
+// expect_tx and the lanes). So the consumers never wait on global loads,
+// nor on each other to refill a stage. Per item a consumer computes the
+// scores, P^T and dS^T (ah_bwd_probs; the statistics a column block at a
+// time, which 240 registers hold beside dk, dv, S^T and dP^T), issues dv's
+// product, stores dS^T, meets the other consumer (a 256-thread barrier:
+// dq needs both warpgroups' dS^T), issues dq's product and then dk's, and
+// waits for dv's and dq's only (wgmma.wait_group 1): dk's product runs
+// under dq's staging and TMA reduction, and the stage is freed once the
+// next item's scores are waited for, which covers it.
+template <int DH>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
-                                            const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
-                                            const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
-                                            int KV, float scaleLog2, float scale, int band, int* turns) {
+                                               const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
+                                               const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
+                                               int KV, float scaleLog2, float scale, int band) {
+  static_assert(DH == 128, "ah_backward is head dim 128's");
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
   constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
                      QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse, 64 delta
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T [parity][warpgroup]
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
+  const unsigned stat = dqs + 4 * DQB;                           // [stage]: 64 lse, 64 delta
   const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
-  static_assert(DH == 128, "ah_backward is head dim 128's: its statistics are read after the 256-thread barrier of dq");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Pairs (sequence, kv head) by key blocks, heaviest first.
   int pair, kb;
   ah_band(band, pair, kb);
   const int b = pair / KV, kvh = pair % KV, G = H / KV;
@@ -1850,55 +897,63 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
-  // stats copies item it's lse and delta into its stage's statistics
-  // (threads 0-127, a value each; zeros past S) as one cp.async group,
-  // which each thread waits for before the 256-thread barrier of the item
-  // before it.
-  auto stats = [&](int it) {
-    if (tid < 128) {
-      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ, c = tid & 63, i = q0 + c;
-      const float* row = (tid < 64 ? lse : delta) + ((long long)b * H + h) * S;
-      ah_cp4(stat + (it % STAGES) * 512 + (tid >> 6) * 256 + 4 * c, i < S ? row + i : row, i < S);
-    }
-    ah_cp_commit();
-  };
-  // load queues item it's q and dout tiles into its stage.
-  auto load = [&](int it) {
-    const int s = it % STAGES, h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT;
-    gg_bar_expect_tx(full + 8 * s, 2 * QT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
-      gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
-    }
-  };
   if (tid == 0) {
     gg_bar_init(barKV, 1);
     for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 1);   // thread 0's expect_tx
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per warp
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapDO);
-    gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
-      gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
-    }
-    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
-  if (items > 0) stats(0);
-  ah_cp_wait_all();
   __syncthreads();
 
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (warp != 0) return;
+    if (lane == 0) {
+      gg_prefetch_tmap(mapQ);
+      gg_prefetch_tmap(mapDO);
+      gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) {
+        gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
+        gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
+      }
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        const unsigned qa = qs + s * 2 * QT;
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) {
+          gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
+          gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
+        }
+      }
+      // The statistics as the consumers read them: lse in natural log,
+      // zeros past S.
+      const long long row = ((long long)b * H + h) * S;
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int c = lane + 32 * e, i = q0 + c;
+        ah_stsf(stat + s * 512 + 4 * c, i < S ? lse[row + i] : 0.0f);
+        ah_stsf(stat + s * 512 + 256 + 4 * c, i < S ? delta[row + i] : 0.0f);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
   // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
-  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr;
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -1911,9 +966,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
-    // The next item's statistics: stage (it + 1) % STAGES was last read
-    // before the 256-thread barrier of the item before this one.
-    if (it + 1 < items) stats(it + 1);
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
@@ -1921,45 +973,44 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
-    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
-    // q0 + 8n + 2t4 + e.
-    float l2[8][2], dl[8][2];
-    ah_lds_stats(stat + s * 512, t4, l2, dl);
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#if AH_EXPERIMENT & 1024
-    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&a)[2], float (&d)[2]) {
-      a[0] = l2[n][0];
-      a[1] = l2[n][1];
-      d[0] = dl[n][0];
-      d[1] = dl[n][1];
-    });
-#else
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
-      }
+    // The item before's dk product (left in flight under its dq staging)
+    // is done with its stage too.
+    if (it > 0) {
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
     }
-#endif
+    // The statistics a column block at a time (all 32 at once do not fit
+    // 240 registers beside dk, dv, S^T and dP^T).
+    const unsigned st = stat + s * 512;
+    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
+      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+      ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+      l2[0] *= AH_LOG2E;
+      l2[1] *= AH_LOG2E;
+    });
     unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    // dS^T to this warpgroup's buffer of the item's parity.
+    // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
+    // result comes back a product earlier and dk's runs under its staging.
+    {
+      unsigned pa[4][4];
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+        da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+        da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+      }
+      gg_wgmma_fence();
+      gg_fence_acc(dva);
+      const unsigned long long mnO = gg_desc_mn(oa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+      gg_wgmma_commit();
+    }
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-    // Both warpgroups' dS^T (and the next item's statistics) are in place:
-    // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
-    // warpgroup j's buffer).
-    ah_cp_wait_all();
-    gg_named_sync(3, 256);
+    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     gg_wgmma_fence();
@@ -1970,40 +1021,33 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
-    gg_wgmma_wait<0>();
+    {
+      const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+      gg_wgmma_commit();
+    }
+    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
     gg_fence_acc(acc);
     gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    // dv's and dk's products (the group before) are done with the stage:
-    // thread 0 refills it once both warpgroups are.
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    if (tid == 0 && it + STAGES < items) {
-      gg_bar_wait(empty + 8 * s, ph);
-      load(it + STAGES);
-    }
-    // Stage the block of dq for one thread to add it to dq at L2. The block
-    // staged two rounds ago in this buffer was read out before anyone
-    // passes the barrier (wait_group.read covers the last round).
     const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (wtid == 0) gg_bulk_wait_read();
     gg_named_sync(1 + cw, 128);
     if (wtid == 0) {
-      int* const turn = turns + ((long long)b * H + h) * nQT + q0 / AH_BQ;
-      // (Passed on at once: the 256-thread barrier above would
-      // wait for a warpgroup that waits for the turn.)
-      if (ORDERED) ah_dq_turn(turn, 2 * (int)blockIdx.y + cw);
       gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
       gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
       gg_bulk_commit();
-      if (ORDERED) ah_dq_done(turn);
     }
     nq++;
   }
+  gg_wgmma_wait<0>();  // the last item's dk product
+  gg_fence_acc(dka);
   if (wtid == 0) gg_bulk_wait();
   ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
 }
+
 
 // ah_backward_producer is the head-dim-64 backward (version 2 in
 // kernels/attention_hopper.md): the same products as ah_backward, but
@@ -2091,7 +1135,7 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
   // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
   const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr;
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -2114,31 +1158,10 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
     // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
     // q0 + 8n + 2t4 + e.
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#if AH_EXPERIMENT & 1024
     ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
       ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
       ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
     });
-#else
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float l2[2], dl[2];
-      ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
-      }
-    }
-#endif
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
     // dS^T to this warpgroup's buffer of the item's parity.
@@ -2219,8 +1242,9 @@ __device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const flo
 // the whole sequence from the block's first key position on, each read
 // from the rank that holds it (q and dout through that rank's tensor maps,
 // lse and delta [B, 2, H, C] through its pointers), in position order.
-// The products are ah_backward's at head dim 128 (dq once per warpgroup
-// and item over all 128 keys); dk and dv stay in registers across every
+// The block is ah_backward's at head dim 128 (a producer warpgroup, which
+// reads each item's statistics from their owner; dq once per warpgroup
+// and item over all 128 keys; dk's product under dq's staging); dk and dv stay in registers across every
 // rank's queries and are stored once into this rank's rows, and each dq
 // block is added into its owner's dq by TMA reductions (float32, zero
 // before any rank's kernel; the adds land at L2 in the order blocks run).
@@ -2242,9 +1266,9 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
                      QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse, 64 delta
+  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T [parity][warpgroup]
+  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
+  const unsigned stat = dqs + 4 * DQB;                           // [stage]: 64 lse, 64 delta
   const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
@@ -2265,60 +1289,68 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     nq = cq < W ? 0 : 1;
     row = nq * C + qp0 - cq * C;
   };
-  // stats copies item it's lse and delta from their owner's [B, 2, H, C]
-  // into its stage's statistics, as ah_backward's does.
-  auto stats = [&](int it) {
-    if (tid < 128) {
-      const int h = h0 + it / perHead, c = tid & 63;
-      int owner, row, nq, qp0;
-      where(it, owner, row, nq, qp0);
-      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C) + c;
-      ah_cp4(stat + (it % STAGES) * 512 + (tid >> 6) * 256 + 4 * c, (tid < 64 ? maps->lse[owner] : maps->delta[owner]) + at,
-             true);
-    }
-    ah_cp_commit();
-  };
-  auto load = [&](int it) {
-    const int s = it % STAGES, h = h0 + it / perHead;
-    int owner, row, nq, qp0;
-    where(it, owner, row, nq, qp0);
-    const unsigned qa = qs + s * 2 * QT;
-    gg_bar_expect_tx(full + 8 * s, 2 * QT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(qa + c * QBOX, &maps->q[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
-      gg_tma_2d(qa + QT + c * QBOX, &maps->dout[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
-    }
-  };
   if (tid == 0) {
     gg_bar_init(barKV, 1);
     for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 1);   // thread 0's expect_tx
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per warp
+      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    for (int w = 0; w < W; w++) {
-      gg_prefetch_tmap(&maps->q[w]);
-      gg_prefetch_tmap(&maps->dout[w]);
-    }
-    gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      gg_tma_2d(ks + c * KBOX, &maps->k, kvh * DH + 64 * c, b * S + j0, barKV);
-      gg_tma_2d(vs + c * KBOX, &maps->v, kvh * DH + 64 * c, b * S + j0, barKV);
-    }
-    for (int it = 0; it < gg_min(STAGES, items); it++) load(it);
   }
-  if (items > 0) stats(0);
-  ah_cp_wait_all();
   __syncthreads();
 
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (warp != 0) return;
+    if (lane == 0) {
+      for (int w = 0; w < W; w++) {
+        gg_prefetch_tmap(&maps->q[w]);
+        gg_prefetch_tmap(&maps->dout[w]);
+      }
+      gg_bar_expect_tx(barKV, 2 * KT);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) {
+        gg_tma_2d(ks + c * KBOX, &maps->k, kvh * DH + 64 * c, b * S + j0, barKV);
+        gg_tma_2d(vs + c * KBOX, &maps->v, kvh * DH + 64 * c, b * S + j0, barKV);
+      }
+    }
+    for (int it = 0; it < items; it++) {
+      const int s = it % STAGES;
+      const unsigned ph = (it / STAGES) & 1;
+      const int h = h0 + it / perHead;
+      int owner, row, nq, qp0;
+      where(it, owner, row, nq, qp0);
+      gg_bar_wait(empty + 8 * s, ph ^ 1);
+      if (lane == 0) {
+        const unsigned qa = qs + s * 2 * QT;
+        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) {
+          gg_tma_2d(qa + c * QBOX, &maps->q[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+          gg_tma_2d(qa + QT + c * QBOX, &maps->dout[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+        }
+      }
+      // The statistics from their owner's [B, 2, H, C] (a query tile lies
+      // in one chunk, every row of it valid), lse in natural log.
+      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int c = lane + 32 * e;
+        ah_stsf(stat + s * 512 + 4 * c, maps->lse[owner][at + c]);
+        ah_stsf(stat + s * 512 + 256 + 4 * c, maps->delta[owner][at + c]);
+      }
+      gg_bar_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64) (positions from kw
   // on); this thread rows wr and wr + 8 of them (and, in dq's product,
   // queries qp0 + wr, qp0 + wr + 8).
-  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr, kq = kp + 8;
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr;
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -2333,7 +1365,6 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     where(it, owner, row, nq, qp0);
     const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
-    if (it + 1 < items) stats(it + 1);  // as in ah_backward
     gg_bar_wait(full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
@@ -2341,37 +1372,45 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
-    // P^T and dS^T in place of S^T and dP^T; the key at position kp sees
-    // the query at position i iff kp <= i. Column 8n + 2t4 + e is query
-    // qp0 + 8n + 2t4 + e.
-    float l2[8][2], dl[8][2];
-    ah_lds_stats(stat + s * 512, t4, l2, dl);
-    const bool whole = kw + 63 <= qp0;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = qp0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || kp <= i;
-        const bool v1 = whole || kq <= i;
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[n][e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[n][e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[n][e]) * scale;
-      }
+    // The item before's dk product is done with its stage too (as in
+    // ah_backward).
+    if (it > 0) {
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
     }
+    // The key at position kp sees the query at position i iff kp <= i.
+    const unsigned st = stat + s * 512;
+    const bool whole = kw + 63 <= qp0;
+    ah_bwd_probs(sc, dp, whole, qp0, t4, kp, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
+                 [&](int n, float (&l2)[2], float (&dl)[2]) {
+                   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+                   ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+                   l2[0] *= AH_LOG2E;
+                   l2[1] *= AH_LOG2E;
+                 });
+    // dv's product now, dk's after dq's (as in ah_backward).
     unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    // dS^T to this warpgroup's buffer of the item's parity.
+    {
+      unsigned pa[4][4];
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
+        pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
+        da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
+        da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
+      }
+      gg_wgmma_fence();
+      gg_fence_acc(dva);
+      const unsigned long long mnO = gg_desc_mn(oa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+      gg_wgmma_commit();
+    }
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
-    // Both warpgroups' dS^T (and the next item's statistics) are in place:
-    // this warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
+    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
+    // This warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
     // warpgroup j's buffer).
-    ah_cp_wait_all();
-    gg_named_sync(3, 256);
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     gg_wgmma_fence();
@@ -2382,15 +1421,15 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
-    gg_wgmma_wait<0>();
+    {
+      const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
+#pragma unroll
+      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+      gg_wgmma_commit();
+    }
+    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight
     gg_fence_acc(acc);
     gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    if (tid == 0 && it + STAGES < items) {
-      gg_bar_wait(empty + 8 * s, ph);
-      load(it + STAGES);
-    }
     const unsigned stg = dqs + (cw * 2 + (nqb & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -2403,14 +1442,15 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     }
     nqb++;
   }
+  gg_wgmma_wait<0>();  // the last item's dk product
+  gg_fence_acc(dka);
   if (wtid == 0) gg_bulk_wait();
   ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
   ah_zz_backward128(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
-
 
 // attn_h_zz_backward_d64 is attn_h_zz_backward_d128's walk on
 // ah_backward_producer's kernel (the head-dim-64 backward: a producer
@@ -2492,7 +1532,7 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
   }
 
   const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr, kq = kp + 8;  // key positions
+  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr;  // key positions
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -2514,25 +1554,14 @@ __device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float*
     gg_wgmma_wait<0>();
     gg_fence_acc(sc);
     gg_fence_acc(dp);
+    // The key at position kp sees the query at position i iff kp <= i: no
+    // sequence end on either side (S and KS out of reach, off 0).
     const bool whole = kw + 63 <= qp0;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float l2[2], dl[2];
-      ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = qp0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || kp <= i;
-        const bool v1 = whole || kq <= i;
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
-      }
-    }
+    ah_bwd_probs(sc, dp, whole, qp0, t4, kp, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
+                 [&](int n, float (&l2)[2], float (&dl)[2]) {
+                   ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+                   ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+                 });
     unsigned da[4][4];
     ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
@@ -2576,267 +1605,9 @@ extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const _
                            band);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
-  ah_backward<128, false>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band,
-                          nullptr);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+  ah_backward<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
-
-#if AH_EXPERIMENT & 1
-extern "C" __global__ void __launch_bounds__(256, 1) attn_h_backward_ordered_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band, int* turns) {
-  // The turns count on the launch order: every pair at once (band ignored).
-  ah_backward<128, true>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
-                        (int)gridDim.x, turns);
-}
-#endif
-
-#if AH_EXPERIMENT & 256
-// attn_h_backward_wg_d128 (bwd128-wg): version 5 (ah_backward at head dim
-// 128) with FlashAttention-3's block: a producer warpgroup beside the two
-// consumers, 384 threads, setmaxnreg 24 for it and 240 for the consumers
-// (168 at entry; the register file's 65,536 is 128 x 24 + 256 x 240 plus
-// slack). Warp 0 of it is the producer: lane 0 loads k and v once and each
-// item's q and dout tiles when both consumers have freed the stage, and
-// its 32 lanes copy the item's lse and delta (two queries a lane) into the
-// stage's statistics, arriving on the stage's full barrier (33 arrivals:
-// the expect_tx and the lanes). The consumers then neither wait for a
-// stage to be freed (version 5's thread 0 did, holding warpgroup 0 at
-// warpgroup 1's pace every item) nor issue and wait for the statistics'
-// cp.async; their products, the dS^T exchange, the 256-thread barrier
-// before dq and dq's staging and TMA reductions are version 5's.
-// Production's shared-memory layout and size (hopperAttnBwdSmem).
-// Predicted: the refill's coupling and the cp.async waits are what the
-// producer removes (4-8% of version 5's stalls at B2 S8192 under Nsight
-// Compute), so +4-8% at head dim 128; at 240 registers against 255 the
-// consumers must not spill (ptxas's report, TestLabResources).
-//
-// With bit 512 (bwd128-wg-dk-late), FlashAttention-3's order of the
-// products: dv's is issued alone after the softmax, dk's after dq's, and
-// the wait before dq's staging leaves dk's in flight (wgmma.wait_group 1),
-// so dq's result is back a product earlier and dk's product runs under the
-// staging, its fence, the barrier and the TMA reduction. The stage is then
-// freed once the next item's scores are waited for (which waits for dk's
-// product too). Predicted: +3-6% over bwd128-wg (dq's staging and its
-// barriers were 5% of version 5's stalls; a product of 8 n64 steps is
-// about 256 cycles of the tensor cores).
-template <int DH>
-__device__ __forceinline__ void ah_backward_wg(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
-                                               const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
-                                               const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
-                                               int KV, float scaleLog2, float scale, int band) {
-  static_assert(DH == 128, "ah_backward_wg is head dim 128's");
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
-                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T [parity][warpgroup]
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
-  const unsigned stat = dqs + 4 * DQB;                           // [stage]: 64 lse, 64 delta
-  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int pair, kb;
-  ah_band(band, pair, kb);
-  const int b = pair / KV, kvh = pair % KV, G = H / KV;
-  const int j0 = kb * 128;
-  const int nQT = (S + AH_BQ - 1) / AH_BQ;
-  const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
-  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
-  if (tid == 0) {
-    gg_bar_init(barKV, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-    if (warp != 0) return;
-    if (lane == 0) {
-      gg_prefetch_tmap(mapQ);
-      gg_prefetch_tmap(mapDO);
-      gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) {
-        gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
-        gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
-      }
-    }
-    for (int it = 0; it < items; it++) {
-      const int s = it % STAGES;
-      const unsigned ph = (it / STAGES) & 1;
-      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);
-      if (lane == 0) {
-        const unsigned qa = qs + s * 2 * QT;
-        gg_bar_expect_tx(full + 8 * s, 2 * QT);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) {
-          gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
-          gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
-        }
-      }
-      // The statistics in production's form (ah_lds_stats): lse in natural
-      // log, zeros past S.
-      const long long row = ((long long)b * H + h) * S;
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int c = lane + 32 * e, i = q0 + c;
-        ah_stsf(stat + s * 512 + 4 * c, i < S ? lse[row + i] : 0.0f);
-        ah_stsf(stat + s * 512 + 256 + 4 * c, i < S ? delta[row + i] : 0.0f);
-      }
-      gg_bar_arrive(full + 8 * s);
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
-  // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
-  float dka[DH / 2], dva[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-  for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
-    gg_bar_wait(full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-#if AH_EXPERIMENT & 512
-    // The item before's dk product (left in flight under its dq staging)
-    // is done with its stage too.
-    if (it > 0) {
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
-    }
-#endif
-    // The statistics a column block at a time (version 5 reads all 32 at
-    // once, which 240 registers do not hold beside dk, dv, S^T and dP^T).
-    const unsigned st = stat + s * 512;
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-#if AH_EXPERIMENT & 1024
-    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
-      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-      ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-      l2[0] *= AH_LOG2E;
-      l2[1] *= AH_LOG2E;
-    });
-#else
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-      float l2[2], dl[2];
-      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-      ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-      l2[0] *= AH_LOG2E;
-      l2[1] *= AH_LOG2E;
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
-      }
-    }
-#endif
-    unsigned da[4][4];
-#if AH_EXPERIMENT & 512
-    // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
-    // result comes back a product earlier and dk's runs under its staging.
-    {
-      unsigned pa[4][4];
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-        pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-        pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-        da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-        da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-      }
-      gg_wgmma_fence();
-      gg_fence_acc(dva);
-      const unsigned long long mnO = gg_desc_mn(oa, QBOX);
-#pragma unroll
-      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
-      gg_wgmma_commit();
-    }
-#else
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-#endif
-    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-    ah_store_dst(dsb, da, wr, t4);
-    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
-    float acc[32];
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    gg_wgmma_fence();
-    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++) {
-      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
-      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-#if AH_EXPERIMENT & 512
-    {
-      const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-      gg_wgmma_commit();
-    }
-    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
-    gg_fence_acc(acc);
-    gg_fence_acc(dva);
-#else
-    gg_wgmma_wait<0>();
-    gg_fence_acc(acc);
-    gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    // dv's and dk's products (the group before) are done with the stage
-    // and its statistics were read before them.
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-#endif
-    const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-    ah_stage_dq(stg, acc, wr, t4);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (wtid == 0) gg_bulk_wait_read();
-    gg_named_sync(1 + cw, 128);
-    if (wtid == 0) {
-      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
-      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
-      gg_bulk_commit();
-    }
-    nq++;
-  }
-#if AH_EXPERIMENT & 512
-  gg_wgmma_wait<0>();  // the last item's dk product
-  gg_fence_acc(dka);
-#endif
-  if (wtid == 0) gg_bulk_wait();
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_wg_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
-  ah_backward_wg<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
-}
-#endif
 
 #if AH_EXPERIMENT & 64
 // attn_h_backward128q_d64 (bwd64-128q): the head-dim-64 backward with
@@ -3127,8 +1898,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward128q_d64(con
   ah_backward128q<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
 #endif
-
-
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
 // row b*S + i, head h (float32 in, [B, H, S] out); attn_h_delta_bf16 the

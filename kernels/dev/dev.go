@@ -36,8 +36,7 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd-ordered, fwd-persistent, fwd-overlap,
-// bwd64-128q).
+// test of its own launches (bwd64-128q).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -54,32 +53,10 @@ type Variant struct {
 func Sources() []Source {
 	return []Source{
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "bwd-ordered", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "adds attn_h_backward_ordered_d128: dq's blocks added in key-block order (bit-repeatable); launched by TestAttentionLabOwnLaunch, not in place"},
-			{Name: "fwd-exp-fma25", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the whole-sequence forward takes a quarter of its exponentials from a degree-3 polynomial on the FMA pipe (ah_ex2_fma) instead of the MUFU, whose 16 a clock an SM take about as long as the tensor cores' products at head dim 64; within the bf16 tolerance, not the same bits"},
-			{Name: "fwd-q-regs", Defines: []string{"AH_EXPERIMENT=8"}, Exact: true,
-				Purpose: "the whole-sequence forward reads each consumer's q rows into registers once (16 registers at head dim 64, 32 at 128) and issues the scores with A from registers: the same products, 8 or 16 KiB less shared-memory traffic a consumer and key tile"},
-			{Name: "fwd-q-regs-fma25", Defines: []string{"AH_EXPERIMENT=12"}, Exact: true,
-				Purpose: "fwd-q-regs and fwd-exp-fma25 together: whether the two gains add (the MUFU and the shared memory are different limits)"},
-			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "adds attn_h_forward_p_d{64,128}: the whole-sequence forward on a persistent grid, the next item's q and first k/v tiles loading under this item's last products and epilogue (one block an SM: every item's start and end were exposed); launched by TestAttentionLabForwardOwnLaunch"},
-			{Name: "fwd128-3stages", Defines: []string{"AH_EXPERIMENT=16"}, Exact: true,
-				Purpose: "the head-dim-128 forwards (whole-sequence and ring) with three stages of k and v instead of two (230,480 bytes of shared memory): the producer a tile further ahead of the consumers; launched by TestAttentionLabForwardOwnLaunch"},
-			{Name: "fwd-overlap", Defines: []string{"AH_EXPERIMENT=32"}, Exact: true,
-				Purpose: "adds attn_h_forward_ovl_d{64,128} and the ring's attn_h_zz_forward_ovl_d{64,128}: FlashAttention-3's overlap inside a consumer (tile t's scores beside tile t-1's P.V), every wait unconditional, k and v released apart; lost at 14cd763 with its consumers compiled to the entry register count (the inline trap), compiles without local memory since d89a2ce; launched by TestAttentionLabForwardOwnLaunch"},
 			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=64"}, Exact: true,
-				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there (its products at n128 or over 128 queries, half the shared-memory bytes a FLOP of n64); lost at 14cd763 with its consumers at 168 registers (the inline trap), compiles without local memory since d89a2ce; launched by TestAttentionLabOwnLaunch"},
+				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there (its products at n128 or over 128 queries, half the shared-memory bytes a FLOP of n64); 1.14x production at moe-small's shape on an H100 at e809232, not yet with ah_bwd_probs; launched by TestAttentionLabOwnLaunch"},
 			{Name: "bwd64-128q-dq", Defines: []string{"AH_EXPERIMENT=192"}, Exact: true,
-				Purpose: "bwd64-128q with dq as FlashAttention-3 takes it there: once an item over all 128 keys, each warpgroup its 64-query half after a 256-thread barrier (one staged block a warpgroup and item instead of two: half the staging's shared-memory traffic and half the TMA reductions); launched by TestAttentionLabOwnLaunch"},
-			{Name: "bwd128-wg", Defines: []string{"AH_EXPERIMENT=256"}, Exact: true,
-				Purpose: "adds attn_h_backward_wg_d128: the head-dim-128 backward (version 5) with a producer warpgroup (setmaxnreg 24 / 240) loading the tiles and the statistics, so the consumers neither wait to refill a stage nor for the statistics' cp.async; bwd-wg's layout, which lost at 799f8ed^ with its consumers at 168 registers (the inline trap); launched by TestAttentionLabOwnLaunch"},
-			{Name: "bwd128-wg-dk-late", Defines: []string{"AH_EXPERIMENT=768"}, Exact: true,
-				Purpose: "bwd128-wg with FlashAttention-3's order of the products: dv's alone after the softmax, dk's after dq's, left in flight under dq's staging (its stage freed at the next item's scores); launched by TestAttentionLabOwnLaunch"},
-			{Name: "bwd-select", Defines: []string{"AH_EXPERIMENT=1024"}, Exact: true,
-				Purpose: "the whole-sequence backwards (both head dims, in place) compute P^T and dS^T without a branch per element (ah_bwd_probs): no mask at all where every key of the block sees every query, else an exponent of -inf for a hidden element; ptxas made every element's ex2 a divergent branch (BSSY/BSYNC), about 590 instructions for 32 elements at head dim 128"},
-			{Name: "bwd128-wg-dk-late-select", Defines: []string{"AH_EXPERIMENT=1792"}, Exact: true,
-				Purpose: "bwd128-wg-dk-late and bwd-select together (head dim 128's producer-warpgroup kernel with both); launched by TestAttentionLabOwnLaunch"},
+				Purpose: "bwd64-128q with dq as FlashAttention-3 takes it there: once an item over all 128 keys, each warpgroup its 64-query half after a 256-thread barrier (one staged block a warpgroup and item instead of two); 1.15x production at moe-small's shape on an H100 at e809232, not yet with ah_bwd_probs; launched by TestAttentionLabOwnLaunch"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
