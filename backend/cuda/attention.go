@@ -21,7 +21,8 @@ package cuda
 // reductions, in the order its blocks run; a Backend under
 // SetDeterministic runs attention_tc.cu's backward instead, whose dq pass
 // adds in a fixed order: faster on an H200 than an ordered build of the
-// Hopper backward (kernels/dev's bwd-ordered, dq in key-block order).
+// Hopper backward (a key-block-ordered build of its version 3:
+// kernels/attention_hopper.md).
 // Unmasked calls (AttnShape.Full, the off-diagonal
 // blocks of the portable context-parallel ring) run on every set with the
 // offset KVSeq-1: the kernels clip a query's keys at the last one, so
