@@ -63,6 +63,8 @@ var ownLaunch = map[string]labBackwardLaunch{
 	// The same kernel with dS^T kept [parity][warpgroup] and dq's staging
 	// [warpgroup]: the same bytes.
 	"bwd64-128q-dq": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", setmaxnreg: true, launch: bwd128qLaunch},
+	// The same with ah_bwd_probs.
+	"bwd64-128q-dq-select": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", setmaxnreg: true, launch: bwd128qLaunch},
 }
 
 // bwd128qLaunch is attn_h_backward128q_d64's block: 384 threads (a

@@ -5,6 +5,8 @@
 //      240). TestAttentionLabOwnLaunch launches it.
 // 128  with bit 64: attn_h_backward128q_d64 adds dq once an item over all
 //      128 keys, each warpgroup 64 of its queries (FlashAttention-3's).
+// 256  with bit 64: attn_h_backward128q_d64 computes P^T and dS^T with
+//      production's ah_bwd_probs (no branch per element).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1723,7 +1725,7 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
   // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
   // and wr + 8 of them (and, in dq's products, queries qh + wr, qh + wr + 8).
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr, kr1 = kr0 + 8;
+  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr;
   float dka[DH / 2], dva[DH / 2];
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
@@ -1759,6 +1761,20 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
     // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
     // q0 + 8n + 2t4 + e.
     const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ2 <= S && kw + 63 < KS;
+#if AH_EXPERIMENT & 256
+    // Production's ah_bwd_probs on each 64-query half (columns 64hf..).
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      float(&sch)[32] = *reinterpret_cast<float(*)[32]>(&sc[32 * hf]);
+      float(&dph)[32] = *reinterpret_cast<float(*)[32]>(&dp[32 * hf]);
+      ah_bwd_probs(sch, dph, whole, q0 + 64 * hf, t4, kr0, S, KS, off, scaleLog2, scale,
+                   [&](int n, float (&l2)[2], float (&dl)[2]) {
+                     ah_lds2f(st + 4 * (8 * (n + 8 * hf) + 2 * t4), l2[0], l2[1]);
+                     ah_lds2f(st + 512 + 4 * (8 * (n + 8 * hf) + 2 * t4), dl[0], dl[1]);
+                   });
+    }
+#else
+    const int kr1 = kr0 + 8;
 #pragma unroll
     for (int n = 0; n < 16; n++) {
       float l2[2], dl[2];
@@ -1777,6 +1793,7 @@ __device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tm
         dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
       }
     }
+#endif
     // dv += P^T dout, dk += dS^T q: A from registers (k16 chunk kk is n
     // blocks 2kk and 2kk + 1), q and dout MN-major, 16 queries (2048 bytes)
     // a step.
