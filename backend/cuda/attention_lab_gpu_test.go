@@ -15,7 +15,6 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cuda/driver"
 	"github.com/mktrain/mktrain/kernels"
 	"github.com/mktrain/mktrain/kernels/dev"
 )
@@ -59,12 +58,12 @@ func withAttentionLab(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (r
 // production kernels.
 var ownLaunch = map[string]labBackwardLaunch{
 	// attn_h_backward128q_d64 (bwd128qLaunch).
-	"bwd64-128q": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", setmaxnreg: true, launch: bwd128qLaunch},
+	"bwd64-128q": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", launch: bwd128qLaunch},
 	// The same kernel with dS^T kept [parity][warpgroup] and dq's staging
 	// [warpgroup]: the same bytes.
-	"bwd64-128q-dq": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", setmaxnreg: true, launch: bwd128qLaunch},
+	"bwd64-128q-dq": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", launch: bwd128qLaunch},
 	// The same with ah_bwd_probs.
-	"bwd64-128q-dq-select": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", setmaxnreg: true, launch: bwd128qLaunch},
+	"bwd64-128q-dq-select": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", launch: bwd128qLaunch},
 }
 
 // bwd128qLaunch is attn_h_backward128q_d64's block: 384 threads (a
@@ -88,26 +87,11 @@ type labForwardLaunch struct {
 	headDims  []int
 	kernel    string // the kernel's name, %d the head dim
 	extraSmem func(dh int) int
-	// persistent: the grid is min(SMs, pairs x q tiles) blocks in one
-	// row, and the kernel takes the pairs after production's arguments.
-	persistent bool
 	// ringKernel, where set, is the variant's build of the ring's forward
 	// (attn_h_zz_forward's arguments and launch, extraSmem more bytes),
 	// which TestAttentionLabForwardOwnLaunch runs beside the production
 	// ring too.
 	ringKernel string
-}
-
-// relaunch turns production's grid (pairs by q tiles) and argument slots
-// into the variant's: for a persistent one, min(SMs, items) blocks in one
-// row and the pairs after production's arguments.
-func (how labForwardLaunch) relaunch(d *Device, grid Grid, slots []uint64) (Grid, []uint64) {
-	if !how.persistent {
-		return grid, slots
-	}
-	pairs, items := grid.Grid.X, grid.Grid.X*grid.Grid.Y
-	grid.Grid = driver.Dim3{X: min(d.info.SMs, items), Y: 1, Z: 1}
-	return grid, append(slices.Clip(slots), uint64(uint32(pairs)))
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.
@@ -122,10 +106,6 @@ type labBackwardLaunch struct {
 	headDims []int
 	kernel   string // the kernel's name, %d the head dim
 	launch   func(dh int) (threads, smem int)
-	// setmaxnreg is set where the kernel's warpgroups trade registers:
-	// its entry count must then be the even split its counts assume
-	// (Kernel.CheckRegisterSplit), or setmaxnreg.inc may wait forever.
-	setmaxnreg bool
 }
 
 func TestAttentionLabVariants(t *testing.T) {
@@ -245,14 +225,10 @@ func labKernels(t *testing.T, d *Device, lab dev.Source, v dev.Variant, kernel s
 }
 
 func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how labBackwardLaunch) {
+	// (launchHopperAttnBackward refuses a kernel of a producer warpgroup
+	// whose register count at entry is not what its setmaxnreg counts
+	// assume: it would hang.)
 	kerns := labKernels(t, d, lab, v, how.kernel, how.headDims)
-	for dh, kern := range kerns {
-		if threads, _ := how.launch(dh); how.setmaxnreg {
-			if err := kern.CheckRegisterSplit(threads); err != nil {
-				t.Fatal(err) // its setmaxnreg would hang
-			}
-		}
-	}
 	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
 		threads, smem := how.launch(s.HeadDim)
 		return launchHopperAttnBackward(d, kerns[s.HeadDim], threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(),
@@ -354,7 +330,6 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				grid, slots = how.relaunch(d, grid, slots)
 				return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
 			}
 			checked := []backend.AttnShape{
@@ -419,27 +394,23 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 			}
 			if how.ringKernel != "" {
 				ringKerns := labKernels(t, d, lab, v, how.ringKernel, how.headDims, how.kernel)
-				t.Run("ring", func(t *testing.T) { labRingForward(t, v, ringKerns, how) })
+				t.Run("ring", func(t *testing.T) { labRingForward(t, v, ringKerns, how.extraSmem) })
 			}
 		})
 	}
 }
 
 // labRingForward runs a lab build of the ring's forward (kerns, by head
-// dim, launched as attn_h_zz_forward with how's changes: extraSmem(dh)
-// bytes of shared memory more, relaunch's grid and slots) on every rank
+// dim, launched as attn_h_zz_forward with extraSmem(dh) bytes of shared
+// memory more; launchMapBlockKernel refuses a register count at entry its
+// setmaxnreg counts do not assume) on every rank
 // of zigzag problems beside the production kernel: the same out and lse
 // bits on every rank, then both rings timed at the ring bar's rows
 // against the whole-sequence core (efficiency = core time / ring time, as
 // bench attention).
-func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, how labForwardLaunch) {
+func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, extraSmem func(dh int) int) {
 	b := testBackend(t)
 	d := b.dev
-	for _, kern := range kerns {
-		if err := kern.CheckRegisterSplit(384); err != nil {
-			t.Fatal(err) // its setmaxnreg would hang
-		}
-	}
 	for n, c := range []struct {
 		w     int
 		s     backend.ZigzagShape
@@ -471,8 +442,7 @@ func labRingForward(t *testing.T, v dev.Variant, kerns map[int]*Kernel, how labF
 				for i := range c.w {
 					const op = "ZigzagAttentionForward"
 					grid, maps, slots, keep := b.zigzagForwardArgs(op, r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i), 0)
-					grid.Shared += how.extraSmem(s.HeadDim)
-					grid, slots = how.relaunch(d, grid, slots)
+					grid.Shared += extraSmem(s.HeadDim)
 					if err := b.launchMapBlockKernel(op, kerns[s.HeadDim], grid, maps, nil, slots); err != nil {
 						return err
 					}

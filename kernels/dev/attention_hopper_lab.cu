@@ -726,15 +726,11 @@ __device__ __forceinline__ void ah_bwd_scores(float (&sc)[32], float (&dp)[32], 
   gg_wgmma_commit();
 }
 
-// ah_bwd_dvdk issues a backward item's dv += P^T dout and dk += dS^T q as
-// one commit group, with P and dS^T (this thread's sc and dp) packed to
-// bf16 register operands; oa and qa are the item's dout and q tiles. da
-// gets dS^T's packed operand, for ah_store_dst.
-template <int DH>
-__device__ __forceinline__ void ah_bwd_dvdk(float (&dva)[DH / 2], float (&dka)[DH / 2], unsigned (&da)[4][4],
-                                            const float (&sc)[32], const float (&dp)[32], unsigned oa, unsigned qa) {
-  constexpr unsigned QBOX = AH_BQ * 128;
-  unsigned pa[4][4];
+// ah_bwd_pack packs this thread's P^T and dS^T (sc and dp, as
+// ah_bwd_probs left them) into bf16 A operands: k16 chunk kk is n blocks
+// 2kk and 2kk + 1.
+__device__ __forceinline__ void ah_bwd_pack(unsigned (&pa)[4][4], unsigned (&da)[4][4], const float (&sc)[32],
+                                            const float (&dp)[32]) {
 #pragma unroll
   for (int n = 0; n < 8; n++) {
     pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
@@ -742,14 +738,33 @@ __device__ __forceinline__ void ah_bwd_dvdk(float (&dva)[DH / 2], float (&dka)[D
     da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
     da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
   }
+}
+
+// ah_bwd_rs issues acc += A t over an item's 64 queries (dv's product with
+// P^T and dout's tile, dk's with dS^T and q's): wgmma m64nDHk16, A from
+// registers, the tile at t MN-major (transpose bit), 16 queries (2048
+// bytes) a step. The caller fences and commits.
+template <int DH>
+__device__ __forceinline__ void ah_bwd_rs(float (&acc)[DH / 2], const unsigned (&a)[4][4], unsigned t) {
+  const unsigned long long mn = gg_desc_mn(t, AH_BQ * 128);
+#pragma unroll
+  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(acc, a[kk], mn + 128 * kk);
+}
+
+// ah_bwd_dvdk issues a backward item's dv += P^T dout and dk += dS^T q as
+// one commit group, with P and dS^T (this thread's sc and dp) packed to
+// bf16 register operands; oa and qa are the item's dout and q tiles. da
+// gets dS^T's packed operand, for ah_store_dst.
+template <int DH>
+__device__ __forceinline__ void ah_bwd_dvdk(float (&dva)[DH / 2], float (&dka)[DH / 2], unsigned (&da)[4][4],
+                                            const float (&sc)[32], const float (&dp)[32], unsigned oa, unsigned qa) {
+  unsigned pa[4][4];
+  ah_bwd_pack(pa, da, sc, dp);
   gg_wgmma_fence();
   gg_fence_acc(dva);
   gg_fence_acc(dka);
-  const unsigned long long mnO = gg_desc_mn(oa, QBOX), mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);  // +2048 bytes: 16 queries
-#pragma unroll
-  for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
+  ah_bwd_rs<DH>(dva, pa, oa);
+  ah_bwd_rs<DH>(dka, da, qa);
   gg_wgmma_commit();
 }
 
@@ -996,18 +1011,10 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
     // result comes back a product earlier and dk's runs under its staging.
     {
       unsigned pa[4][4];
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-        pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-        pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-        da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-        da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-      }
+      ah_bwd_pack(pa, da, sc, dp);
       gg_wgmma_fence();
       gg_fence_acc(dva);
-      const unsigned long long mnO = gg_desc_mn(oa, QBOX);
-#pragma unroll
-      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+      ah_bwd_rs<DH>(dva, pa, oa);
       gg_wgmma_commit();
     }
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
@@ -1023,12 +1030,8 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
-    {
-      const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-      gg_wgmma_commit();
-    }
+    ah_bwd_rs<DH>(dka, da, qa);
+    gg_wgmma_commit();
     gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
     gg_fence_acc(acc);
     gg_fence_acc(dva);
@@ -1394,18 +1397,10 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
     unsigned da[4][4];
     {
       unsigned pa[4][4];
-#pragma unroll
-      for (int n = 0; n < 8; n++) {
-        pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-        pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-        da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-        da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-      }
+      ah_bwd_pack(pa, da, sc, dp);
       gg_wgmma_fence();
       gg_fence_acc(dva);
-      const unsigned long long mnO = gg_desc_mn(oa, QBOX);
-#pragma unroll
-      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
+      ah_bwd_rs<DH>(dva, pa, oa);
       gg_wgmma_commit();
     }
     const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
@@ -1423,12 +1418,8 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
-    {
-      const unsigned long long mnQ = gg_desc_mn(qa, QBOX);
-#pragma unroll
-      for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-      gg_wgmma_commit();
-    }
+    ah_bwd_rs<DH>(dka, da, qa);
+    gg_wgmma_commit();
     gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight
     gg_fence_acc(acc);
     gg_fence_acc(dva);
