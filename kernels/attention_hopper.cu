@@ -859,6 +859,127 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
   }
 }
 
+// ah_bwd_item is what version 6's consumers need of an item beyond its
+// stage: its query head h, its first query's position q0 (the mask's
+// frame) and where its dq block is added (tensor map dq, row dqRow).
+struct ah_bwd_item {
+  int h, q0;
+  const gg_tmap* dq;
+  int dqRow;
+};
+
+// ah_bwd128_consume is a consumer warpgroup of version 6 (kernels/
+// attention_hopper.md), the whole-sequence kernel's and the ring's: it
+// owns the 64 keys from position kw (key rows of shared memory 64cw on),
+// walks the items (item(it, ah_bwd_item&) says which) as the producer
+// fills the stages, adds each item's dq block through TMA reductions and
+// leaves this thread's rows of dk and dv (rows wr and wr + 8 of its 64)
+// in dka and dva. Key kr sees query i iff kr - off <= i < S and kr < KS
+// (the ring passes AH_NO_END and 0); whole(q0) says whether every one of
+// the 64 keys sees every query of the tile from q0, which takes no mask.
+// base is the aligned shared memory both kernels lay out alike. (One
+// function for both kernels costs a few integer instructions against the
+// two copies it replaced: ptxas schedules the masked path a little
+// otherwise.)
+template <typename Item, typename Whole>
+__device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)[64], unsigned base, int items, int kw,
+                                                  int S, int KS, int off, float scaleLog2, float scale, Item item,
+                                                  Whole whole) {
+  constexpr int DH = 128;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, KT = ah_bcfg<DH>::KT, QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB,
+                     DQB = ah_bcfg<DH>::DQB;
+  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;
+  const unsigned dss = qs + STAGES * 2 * QT, dqs = dss + 4 * DSB, stat = dqs + 4 * DQB;
+  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  // This thread holds key rows wr and wr + 8 of the warpgroup's 64 (and,
+  // in dq's product, the item's queries wr and wr + 8).
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
+  const int wr = 16 * (warp & 3) + g, kr0 = kw + wr;
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(barKV, 0);
+  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    ah_bwd_item at;
+    item(it, at);
+    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    // The item before's dk product (left in flight under its dq staging)
+    // is done with its stage too.
+    if (it > 0) {
+      gg_fence_acc(dka);
+      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
+    }
+    // The statistics a column block at a time (all 32 at once do not fit
+    // 240 registers beside dk, dv, S^T and dP^T).
+    const unsigned st = stat + s * 512;
+    ah_bwd_probs(sc, dp, whole(at.q0), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
+                 [&](int n, float (&l2)[2], float (&dl)[2]) {
+                   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+                   ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+                   l2[0] *= AH_LOG2E;
+                   l2[1] *= AH_LOG2E;
+                 });
+    unsigned da[4][4];
+    // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
+    // result comes back a product earlier and dk's runs under its staging.
+    {
+      unsigned pa[4][4];
+      ah_bwd_pack(pa, da, sc, dp);
+      gg_wgmma_fence();
+      gg_fence_acc(dva);
+      ah_bwd_rs<DH>(dva, pa, oa);
+      gg_wgmma_commit();
+    }
+    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+    ah_store_dst(dsb, da, wr, t4);
+    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
+    // This warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
+    // warpgroup j's buffer).
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
+    }
+    gg_wgmma_commit();
+    ah_bwd_rs<DH>(dka, da, qa);
+    gg_wgmma_commit();
+    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
+    gg_fence_acc(acc);
+    gg_fence_acc(dva);
+    const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(1 + cw, 128);
+    if (wtid == 0) {
+      gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw, at.dqRow, stg);
+      gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw + 32, at.dqRow, stg + DQB / 2);
+      gg_bulk_commit();
+    }
+    nq++;
+  }
+  gg_wgmma_wait<0>();  // the last item's dk product
+  gg_fence_acc(dka);
+  if (wtid == 0) gg_bulk_wait();
+}
+
 // ah_backward is the head-dim-128 backward (version 6 in
 // kernels/attention_hopper.md): FlashAttention-3's block, a producer
 // warpgroup beside the two consumers, 384 threads, setmaxnreg 24 for it
@@ -953,92 +1074,21 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
-  // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr;
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows
+  // wr and wr + 8 of them.
+  const int cw = (warp >> 2) - 1, kw = j0 + 64 * cw, wr = 16 * (warp & 3) + (lane >> 2);
   float dka[DH / 2], dva[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-  for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
-    gg_bar_wait(full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-    // The item before's dk product (left in flight under its dq staging)
-    // is done with its stage too.
-    if (it > 0) {
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
-    }
-    // The statistics a column block at a time (all 32 at once do not fit
-    // 240 registers beside dk, dv, S^T and dP^T).
-    const unsigned st = stat + s * 512;
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
-      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-      ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-      l2[0] *= AH_LOG2E;
-      l2[1] *= AH_LOG2E;
-    });
-    unsigned da[4][4];
-    // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
-    // result comes back a product earlier and dk's runs under its staging.
-    {
-      unsigned pa[4][4];
-      ah_bwd_pack(pa, da, sc, dp);
-      gg_wgmma_fence();
-      gg_fence_acc(dva);
-      ah_bwd_rs<DH>(dva, pa, oa);
-      gg_wgmma_commit();
-    }
-    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-    ah_store_dst(dsb, da, wr, t4);
-    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
-    float acc[32];
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    gg_wgmma_fence();
-    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++) {
-      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
-      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-    ah_bwd_rs<DH>(dka, da, qa);
-    gg_wgmma_commit();
-    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
-    gg_fence_acc(acc);
-    gg_fence_acc(dva);
-    const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-    ah_stage_dq(stg, acc, wr, t4);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (wtid == 0) gg_bulk_wait_read();
-    gg_named_sync(1 + cw, 128);
-    if (wtid == 0) {
-      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw, b * S + q0, stg);
-      gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * cw + 32, b * S + q0, stg + DQB / 2);
-      gg_bulk_commit();
-    }
-    nq++;
-  }
-  gg_wgmma_wait<0>();  // the last item's dk product
-  gg_fence_acc(dka);
-  if (wtid == 0) gg_bulk_wait();
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+  ah_bwd128_consume(dka, dva, base, items, kw, S, KS, off, scaleLog2, scale,
+                    [&](int it, ah_bwd_item& item) {
+                      const int q0 = (qt0 + it % perHead) * AH_BQ;
+                      item.h = kvh * G + it / perHead;
+                      item.q0 = q0;
+                      item.dq = mapDQ;
+                      item.dqRow = b * S + q0;
+                    },
+                    [&](int q0) { return kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS; });
+  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kw + wr, lane & 3);
 }
-
 
 // ah_backward_producer is the head-dim-64 backward (version 2 in
 // kernels/attention_hopper.md): the same products as ah_backward, but
@@ -1337,94 +1387,22 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64) (positions from kw
-  // on); this thread rows wr and wr + 8 of them (and, in dq's product,
-  // queries qp0 + wr, qp0 + wr + 8).
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr;
+  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64), at positions from
+  // kw on (this thread rows wr and wr + 8 of them); the key at position
+  // kp sees the query at position i iff kp <= i.
+  const int cw = (warp >> 2) - 1, kw = kp0 + 64 * cw, wr = 16 * (warp & 3) + (lane >> 2);
   float dka[DH / 2], dva[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
-  int nqb = 0;  // dq blocks this warpgroup has staged (their buffer is nqb & 1)
-  for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    const int h = h0 + it / perHead;
-    int owner, row, nq, qp0;
-    where(it, owner, row, nq, qp0);
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
-    gg_bar_wait(full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-    // The item before's dk product is done with its stage too (as in
-    // ah_backward).
-    if (it > 0) {
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
-    }
-    // The key at position kp sees the query at position i iff kp <= i.
-    const unsigned st = stat + s * 512;
-    const bool whole = kw + 63 <= qp0;
-    ah_bwd_probs(sc, dp, whole, qp0, t4, kp, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
-                 [&](int n, float (&l2)[2], float (&dl)[2]) {
-                   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-                   ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-                   l2[0] *= AH_LOG2E;
-                   l2[1] *= AH_LOG2E;
-                 });
-    // dv's product now, dk's after dq's (as in ah_backward).
-    unsigned da[4][4];
-    {
-      unsigned pa[4][4];
-      ah_bwd_pack(pa, da, sc, dp);
-      gg_wgmma_fence();
-      gg_fence_acc(dva);
-      ah_bwd_rs<DH>(dva, pa, oa);
-      gg_wgmma_commit();
-    }
-    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-    ah_store_dst(dsb, da, wr, t4);
-    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
-    // This warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
-    // warpgroup j's buffer).
-    float acc[32];
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    gg_wgmma_fence();
-    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++) {
-      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
-      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-    ah_bwd_rs<DH>(dka, da, qa);
-    gg_wgmma_commit();
-    gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight
-    gg_fence_acc(acc);
-    gg_fence_acc(dva);
-    const unsigned stg = dqs + (cw * 2 + (nqb & 1)) * DQB;
-    ah_stage_dq(stg, acc, wr, t4);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (wtid == 0) gg_bulk_wait_read();
-    gg_named_sync(1 + cw, 128);
-    if (wtid == 0) {
-      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 64 * cw, b * S + row, stg);
-      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 64 * cw + 32, b * S + row, stg + DQB / 2);
-      gg_bulk_commit();
-    }
-    nqb++;
-  }
-  gg_wgmma_wait<0>();  // the last item's dk product
-  gg_fence_acc(dka);
-  if (wtid == 0) gg_bulk_wait();
-  ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+  ah_bwd128_consume(dka, dva, base, items, kw, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
+                    [&](int it, ah_bwd_item& item) {
+                      int owner, row, nq, qp0;
+                      where(it, owner, row, nq, qp0);
+                      item.h = h0 + it / perHead;
+                      item.q0 = qp0;
+                      item.dq = &maps->dq[owner];
+                      item.dqRow = b * S + row;
+                    },
+                    [&](int qp0) { return kw + 63 <= qp0; });
+  ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, lane & 3);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
