@@ -621,8 +621,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // One kernel computes dk and dv and adds dq, after attn_h_delta. A block
 // owns 128 keys of one (sequence, kv head) and walks every query head of
 // the kv head's group and every 64-query tile that sees one of its keys
-// (an item); a producer (a warpgroup at head dim 128: ah_backward; a warp
-// at 64: ah_backward_producer) loads its k and v tiles once and each
+// (an item); a producer (a warpgroup at head dim 128, a warp at 64:
+// ah_bwd_block) loads its k and v tiles once and each
 // item's q and dout tiles into a STAGES-deep ring, refilling a stage once
 // both consumer warpgroups are done with it, and copies each item's lse
 // and delta into shared memory. Each of the two consumer warpgroups owns
@@ -859,57 +859,206 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
   }
 }
 
-// ah_bwd_item is what version 6's consumers need of an item beyond its
-// stage: its query head h, its first query's position q0 (the mask's
-// frame) and where its dq block is added (tensor map dq, row dqRow).
+// ---- The backward block, shared by the whole sequence and the ring ----
+//
+// A backward block owns 128 keys of one (sequence, kv head) and walks
+// items: one 64-query tile of one query head of the group each, in the
+// order its walk gives. Its shared memory (ah_bcfg) holds k and v once,
+// STAGES stages of q and dout, dS^T [parity][warpgroup], dq staging
+// [warpgroup][2], the stages' statistics (64 lse, 64 delta each) and the
+// barriers. A producer warp fills the stages; two consumer warpgroups of
+// 64 keys each compute. What a whole-sequence kernel and a ring kernel
+// differ in is the walk (ah_bwd_item), which keys see which queries, where
+// k and v come from and where dk and dv go: ah_bwd_block takes those and
+// runs the rest, head dim 64's block (version 2) or 128's (version 6).
+
+// ah_bwd_item is one item as the walk gives it.
 struct ah_bwd_item {
-  int h, q0;
-  const gg_tmap* dq;
-  int dqRow;
+  int h;                     // the query head
+  int q0;                    // the tile's first query position (the mask's frame)
+  int row;                   // the tile's first row in q's, dout's and dq's tensor maps
+  const gg_tmap *q, *dout;   // where its q and dout are read
+  const gg_tmap* dq;         // and its dq block added
+  const float *lse, *delta;  // the statistics of its first query (lse in natural log)
+  int valid;                 // how many of its queries have statistics (the rest read zeros)
 };
 
-// ah_bwd128_consume is a consumer warpgroup of version 6 (kernels/
-// attention_hopper.md), the whole-sequence kernel's and the ring's: it
-// owns the 64 keys from position kw (key rows of shared memory 64cw on),
-// walks the items (item(it, ah_bwd_item&) says which) as the producer
-// fills the stages, adds each item's dq block through TMA reductions and
-// leaves this thread's rows of dk and dv (rows wr and wr + 8 of its 64)
-// in dka and dva. Key kr sees query i iff kr - off <= i < S and kr < KS
-// (the ring passes AH_NO_END and 0); whole(q0) says whether every one of
-// the 64 keys sees every query of the tile from q0, which takes no mask.
-// base is the aligned shared memory both kernels lay out alike. (One
-// function for both kernels costs a few integer instructions against the
-// two copies it replaced: ptxas schedules the masked path a little
-// otherwise.)
-template <typename Item, typename Whole>
-__device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)[64], unsigned base, int items, int kw,
-                                                  int S, int KS, int off, float scaleLog2, float scale, Item item,
-                                                  Whole whole) {
-  constexpr int DH = 128;
+// ah_bwd_smem is the block's shared-memory layout at the aligned base.
+template <int DH>
+struct ah_bwd_smem {
+  static constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  unsigned ks, vs, qs, dss, dqs, stat, barKV, full, empty;
+  __device__ __forceinline__ explicit ah_bwd_smem(unsigned base) {
+    ks = base;
+    vs = base + ah_bcfg<DH>::KT;
+    qs = base + 2 * ah_bcfg<DH>::KT;             // stage s: q at qs + 2*QT*s, dout QT on
+    dss = qs + STAGES * 2 * ah_bcfg<DH>::QT;     // dS^T [parity][warpgroup]
+    dqs = dss + 4 * ah_bcfg<DH>::DSB;            // dq staging [warpgroup][2]
+    stat = dqs + 4 * ah_bcfg<DH>::DQB;           // [stage]: 64 lse, 64 delta
+    barKV = stat + STAGES * 512;
+    full = barKV + 8;
+    empty = full + 8 * STAGES;
+  }
+};
+
+// ah_bwd_produce is the producer warp's walk: for each item, once both
+// consumers have freed its stage, lane 0 loads the q and dout tiles and
+// the 32 lanes copy two queries' lse and delta each into the stage's
+// statistics (zeros past valid; lse times log2(e) where BASE2), all
+// arriving on the stage's full barrier (33 arrivals: the expect_tx and
+// the lanes). So the consumers never wait on global loads.
+template <int DH, bool BASE2, typename Walk>
+__device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int items, int lane, Walk walk) {
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, KT = ah_bcfg<DH>::KT, QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB,
-                     DQB = ah_bcfg<DH>::DQB;
-  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;
-  const unsigned dss = qs + STAGES * 2 * QT, dqs = dss + 4 * DSB, stat = dqs + 4 * DQB;
-  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
-  // This thread holds key rows wr and wr + 8 of the warpgroup's 64 (and,
-  // in dq's product, the item's queries wr and wr + 8).
+  constexpr unsigned QBOX = ah_bcfg<DH>::QBOX, QT = ah_bcfg<DH>::QT;
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    ah_bwd_item at;
+    walk(it, at);
+    gg_bar_wait(m.empty + 8 * s, ph ^ 1);
+    if (lane == 0) {
+      const unsigned qa = m.qs + s * 2 * QT;
+      gg_bar_expect_tx(m.full + 8 * s, 2 * QT);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) {
+        gg_tma_2d(qa + c * QBOX, at.q, at.h * DH + 64 * c, at.row, m.full + 8 * s);
+        gg_tma_2d(qa + QT + c * QBOX, at.dout, at.h * DH + 64 * c, at.row, m.full + 8 * s);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const int c = lane + 32 * e;
+      const float l = c < at.valid ? at.lse[c] : 0.0f;
+      ah_stsf(m.stat + s * 512 + 4 * c, BASE2 ? l * AH_LOG2E : l);
+      ah_stsf(m.stat + s * 512 + 256 + 4 * c, c < at.valid ? at.delta[c] : 0.0f);
+    }
+    gg_bar_arrive(m.full + 8 * s);
+  }
+}
+
+// ah_bwd_whole says whether each of the 64 keys from kw sees each query of
+// the tile from q0 (key kr sees query i iff kr - off <= i < S and
+// kr < KS): such a tile takes no mask.
+__device__ __forceinline__ bool ah_bwd_whole(int kw, int q0, int S, int KS, int off) {
+  return kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+}
+
+// ah_bwd64_consume is a consumer warpgroup of head dim 64's block
+// (version 2 in kernels/attention_hopper.md): it owns the 64 keys from
+// position kw (shared-memory key rows 64cw on). Per item it computes the
+// scores, P^T and dS^T (ah_bwd_probs, the statistics staged in base 2),
+// dv's and dk's products (ah_bwd_dvdk), stores dS^T and adds dq over its
+// own 64 keys through a TMA reduction, freeing the stage once dq's
+// product is waited for. Key kr sees query i iff kr - off <= i < S and
+// kr < KS. This thread's rows wr and wr + 8 of dk and dv are left in dka
+// and dva.
+template <typename Walk>
+__device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[32], const ah_bwd_smem<64>& m, int items,
+                                                 int cw, int kw, int S, int KS, int off, float scaleLog2, float scale,
+                                                 Walk walk) {
+  constexpr int DH = 64;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kr0 = kw + wr;
+  const int t4 = lane & 3, wtid = tid & 127, wr = 16 * (warp & 3) + (lane >> 2), kr0 = kw + wr;
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
+  gg_bar_wait(m.barKV, 0);
+  const unsigned long long descK = gg_desc(m.ks + cw * 64 * 128), descV = gg_desc(m.vs + cw * 64 * 128);
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
     ah_bwd_item at;
-    item(it, at);
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
+    walk(it, at);
+    const unsigned qa = m.qs + s * 2 * QT, oa = qa + QT;
     float sc[32], dp[32];
-    gg_bar_wait(full + 8 * s, ph);
+    gg_bar_wait(m.full + 8 * s, ph);
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    gg_fence_acc(dp);
+    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
+    // q0 + 8n + 2t4 + e.
+    const unsigned st = m.stat + s * 512;
+    ah_bwd_probs(sc, dp, ah_bwd_whole(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
+                 [&](int n, float (&l2)[2], float (&dl)[2]) {
+                   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+                   ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+                 });
+    unsigned da[4][4];
+    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
+    // dS^T to this warpgroup's buffer of the item's parity.
+    const unsigned dsb = m.dss + ((it & 1) * 2 + cw) * DSB;
+    ah_store_dst(dsb, da, wr, t4);
+    gg_named_sync(1 + cw, 128);
+    // dq over this warpgroup's 64 keys.
+    float acc[32];
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    gg_wgmma_fence();
+    const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(m.ks + cw * 64 * 128, KBOX);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
+    gg_wgmma_commit();
+    gg_wgmma_wait<0>();
+    gg_fence_acc(acc);
+    // dv's and dk's products (the group before) are done with the stage.
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+    if (lane == 0) gg_bar_arrive(m.empty + 8 * s);
+    // Stage the block of dq for one thread to add it to dq at L2.
+    const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    // The block staged two rounds ago in this buffer was read out before
+    // anyone passes this barrier (wait_group.read covers the last round).
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(1 + cw, 128);
+    if (wtid == 0) {
+      gg_tma_reduce_add_2d(at.dq, at.h * DH, at.row, stg);
+      gg_tma_reduce_add_2d(at.dq, at.h * DH + 32, at.row, stg + DQB / 2);
+      gg_bulk_commit();
+    }
+    nq++;
+  }
+  if (wtid == 0) gg_bulk_wait();
+}
+
+// ah_bwd128_consume is a consumer warpgroup of head dim 128's block
+// (version 6), ah_bwd64_consume's contract: per item it computes the
+// scores, P^T and dS^T (ah_bwd_probs; the statistics a column block at a
+// time, which 240 registers hold beside dk, dv, S^T and dP^T), issues
+// dv's product, stores dS^T, meets the other consumer (a 256-thread
+// barrier: dq needs both warpgroups' dS^T), issues dq's product over all
+// 128 keys for its 64 of dq's columns and then dk's, and waits for dv's
+// and dq's only (wgmma.wait_group 1): dk's product runs under dq's
+// staging and TMA reduction, and the stage is freed once the next item's
+// scores are waited for, which covers it.
+template <typename Walk>
+__device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)[64], const ah_bwd_smem<128>& m, int items,
+                                                  int cw, int kw, int S, int KS, int off, float scaleLog2, float scale,
+                                                  Walk walk) {
+  constexpr int DH = 128;
+  constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int t4 = lane & 3, wtid = tid & 127, wr = 16 * (warp & 3) + (lane >> 2), kr0 = kw + wr;
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
+  gg_bar_wait(m.barKV, 0);
+  const unsigned long long descK = gg_desc(m.ks + cw * 64 * 128), descV = gg_desc(m.vs + cw * 64 * 128);
+  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  for (int it = 0; it < items; it++) {
+    const int s = it % STAGES;
+    const unsigned ph = (it / STAGES) & 1;
+    ah_bwd_item at;
+    walk(it, at);
+    const unsigned qa = m.qs + s * 2 * QT, oa = qa + QT;
+    float sc[32], dp[32];
+    gg_bar_wait(m.full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
     ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
@@ -920,12 +1069,10 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
     // is done with its stage too.
     if (it > 0) {
       gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(empty + 8 * ((it - 1) % STAGES));
+      if (lane == 0) gg_bar_arrive(m.empty + 8 * ((it - 1) % STAGES));
     }
-    // The statistics a column block at a time (all 32 at once do not fit
-    // 240 registers beside dk, dv, S^T and dP^T).
-    const unsigned st = stat + s * 512;
-    ah_bwd_probs(sc, dp, whole(at.q0), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
+    const unsigned st = m.stat + s * 512;
+    ah_bwd_probs(sc, dp, ah_bwd_whole(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
                  [&](int n, float (&l2)[2], float (&dl)[2]) {
                    ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
                    ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
@@ -943,7 +1090,7 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
       ah_bwd_rs<DH>(dva, pa, oa);
       gg_wgmma_commit();
     }
-    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
+    const unsigned dsb = m.dss + ((it & 1) * 2 + cw) * DSB;
     ah_store_dst(dsb, da, wr, t4);
     gg_named_sync(3, 256);  // both warpgroups' dS^T are in
     // This warpgroup's 64 columns of dq over all 128 keys (keys 64j.. from
@@ -951,10 +1098,10 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     gg_wgmma_fence();
-    const unsigned long long mnK = gg_desc_mn(ks + cw * KBOX, KBOX);
+    const unsigned long long mnK = gg_desc_mn(m.ks + cw * KBOX, KBOX);
 #pragma unroll
     for (int kk = 0; kk < 8; kk++) {
-      const unsigned long long mnD = gg_desc_mn(dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
+      const unsigned long long mnD = gg_desc_mn(m.dss + ((it & 1) * 2 + kk / 4) * DSB, DSB);
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
@@ -963,14 +1110,14 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
     gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
     gg_fence_acc(acc);
     gg_fence_acc(dva);
-    const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
+    const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (wtid == 0) gg_bulk_wait_read();
     gg_named_sync(1 + cw, 128);
     if (wtid == 0) {
-      gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw, at.dqRow, stg);
-      gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw + 32, at.dqRow, stg + DQB / 2);
+      gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw, at.row, stg);
+      gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw + 32, at.row, stg + DQB / 2);
       gg_bulk_commit();
     }
     nq++;
@@ -980,142 +1127,75 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
   if (wtid == 0) gg_bulk_wait();
 }
 
-// ah_backward is the head-dim-128 backward (version 6 in
-// kernels/attention_hopper.md): FlashAttention-3's block, a producer
-// warpgroup beside the two consumers, 384 threads, setmaxnreg 24 for it
-// and 240 for the consumers (168 at entry: 128 x 24 + 256 x 240 fits the
-// register file's 65,536). Warp 0 of the producer is its only working
-// warp: lane 0 loads k and v once and each item's q and dout tiles as
-// soon as both consumers have freed the stage, and its 32 lanes copy the
-// item's lse and delta (two queries a lane, zeros past S) into the stage's
-// statistics, arriving on the stage's full barrier (33 arrivals: the
-// expect_tx and the lanes). So the consumers never wait on global loads,
-// nor on each other to refill a stage. Per item a consumer computes the
-// scores, P^T and dS^T (ah_bwd_probs; the statistics a column block at a
-// time, which 240 registers hold beside dk, dv, S^T and dP^T), issues dv's
-// product, stores dS^T, meets the other consumer (a 256-thread barrier:
-// dq needs both warpgroups' dS^T), issues dq's product and then dk's, and
-// waits for dv's and dq's only (wgmma.wait_group 1): dk's product runs
-// under dq's staging and TMA reduction, and the stage is freed once the
-// next item's scores are waited for, which covers it.
-template <int DH>
-__device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
-                                               const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
-                                               const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
-                                               int KV, float scaleLog2, float scale, int band) {
-  static_assert(DH == 128, "ah_backward is head dim 128's");
+// ah_bwd_block runs a backward block of head dim DH on the walk it is
+// given: items items, walk(it, ah_bwd_item&), the block's first key at
+// position kp0, key kr seeing query i iff kr - off <= i < S and kr < KS,
+// loadKV(ks, vs, barKV) run by
+// lane 0 of the producer (its tensor-map prefetches and the k and v
+// loads, expect_tx included), and store(dka, dva, row, t4) for this
+// thread's rows of dk and dv: the block's key rows row and row + 8,
+// columns 8i + 2t4 and 8i + 2t4 + 1.
+//
+// Head dim 64 (version 2): 288 threads, warps 0-7 the two consumer
+// warpgroups and warp 8 the producer, which stages lse in base 2; nine
+// warps put three on each of the SM's register files, capping every
+// thread at 168 registers, enough for dk, dv and an item's scores.
+// Head dim 128 (version 6, FlashAttention-3's block): 384 threads, warps
+// 0-3 the producer warpgroup (warp 0 working) at setmaxnreg 24 and the
+// consumers at 240 (168 at entry: 128 x 24 + 256 x 240 fits the register
+// file's 65,536); lse stays in natural log for the consumers to convert.
+template <int DH, typename Walk, typename LoadKV, typename Store>
+__device__ __forceinline__ void ah_bwd_block(int items, int kp0, int S, int KS, int off, float scaleLog2, float scale,
+                                             Walk walk, LoadKV loadKV, Store store) {
+  static_assert(DH == 64 || DH == 128, "the backward block is head dim 64's or 128's");
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
-                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T [parity][warpgroup]
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
-  const unsigned stat = dqs + 4 * DQB;                           // [stage]: 64 lse, 64 delta
-  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
+  const ah_bwd_smem<DH> m((gg_smem_addr(ah_smem) + 1023u) & ~1023u);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int pair, kb;
-  ah_band(band, pair, kb);
-  const int b = pair / KV, kvh = pair % KV, G = H / KV;
-  const int j0 = kb * 128;
-  const int nQT = (S + AH_BQ - 1) / AH_BQ;
-  const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
-  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
   if (tid == 0) {
-    gg_bar_init(barKV, 1);
+    gg_bar_init(m.barKV, 1);
     for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
+      gg_bar_init(m.full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
+      gg_bar_init(m.empty + 8 * s, 8);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   __syncthreads();
 
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-    if (warp != 0) return;
-    if (lane == 0) {
-      gg_prefetch_tmap(mapQ);
-      gg_prefetch_tmap(mapDO);
-      gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) {
-        gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
-        gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
-      }
+  if (DH == 128 ? warp < 4 : warp == 8) {
+    if (DH == 128) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+      if (warp != 0) return;
     }
-    for (int it = 0; it < items; it++) {
-      const int s = it % STAGES;
-      const unsigned ph = (it / STAGES) & 1;
-      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);
-      if (lane == 0) {
-        const unsigned qa = qs + s * 2 * QT;
-        gg_bar_expect_tx(full + 8 * s, 2 * QT);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) {
-          gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
-          gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
-        }
-      }
-      // The statistics as the consumers read them: lse in natural log,
-      // zeros past S.
-      const long long row = ((long long)b * H + h) * S;
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int c = lane + 32 * e, i = q0 + c;
-        ah_stsf(stat + s * 512 + 4 * c, i < S ? lse[row + i] : 0.0f);
-        ah_stsf(stat + s * 512 + 256 + 4 * c, i < S ? delta[row + i] : 0.0f);
-      }
-      gg_bar_arrive(full + 8 * s);
-    }
+    if (lane == 0) loadKV(m.ks, m.vs, m.barKV);
+    ah_bwd_produce<DH, DH == 64>(m, items, lane, walk);
     return;
   }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows
-  // wr and wr + 8 of them.
-  const int cw = (warp >> 2) - 1, kw = j0 + 64 * cw, wr = 16 * (warp & 3) + (lane >> 2);
+  if (DH == 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+  // Consumer cw owns keys [64cw, 64cw + 64) of the block, at positions
+  // from kw on; this thread rows wr and wr + 8 of them.
+  const int cw = DH == 128 ? (warp >> 2) - 1 : warp >> 2, kw = kp0 + 64 * cw, wr = 16 * (warp & 3) + (lane >> 2);
   float dka[DH / 2], dva[DH / 2];
-  ah_bwd128_consume(dka, dva, base, items, kw, S, KS, off, scaleLog2, scale,
-                    [&](int it, ah_bwd_item& item) {
-                      const int q0 = (qt0 + it % perHead) * AH_BQ;
-                      item.h = kvh * G + it / perHead;
-                      item.q0 = q0;
-                      item.dq = mapDQ;
-                      item.dqRow = b * S + q0;
-                    },
-                    [&](int q0) { return kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS; });
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kw + wr, lane & 3);
+  if constexpr (DH == 64) {
+    ah_bwd64_consume(dka, dva, m, items, cw, kw, S, KS, off, scaleLog2, scale, walk);
+  } else {
+    ah_bwd128_consume(dka, dva, m, items, cw, kw, S, KS, off, scaleLog2, scale, walk);
+  }
+  store(dka, dva, 64 * cw + wr, lane & 3);
 }
 
-// ah_backward_producer is the head-dim-64 backward (version 2 in
-// kernels/attention_hopper.md): the same products as ah_backward, but
-// warps 0-7 are the two consumer warpgroups (64 keys each) and warp 8 is
-// a producer, whose lane 0 loads the tiles as soon as a stage is free
-// and whose 32 lanes stage each item's lse (base 2) and delta in shared
-// memory, so the consumers never wait on global loads or on each other.
-// 288 threads: nine warps put three on one of the SM's register files,
-// capping every thread at 168 registers, enough at head dim 64 (dk, dv
-// and an item's scores without spilling) but not at 128, which keeps
-// ah_backward's 256 threads.
+// ah_backward is the whole sequence's backward at head dim DH: a block
+// owns 128 keys of one (sequence, kv head) pair (ah_band's order) and
+// walks, per query head of the group, every 64-query tile from the first
+// with a query that sees its first key. q, dout, k and v are read through
+// tensor maps, lse and delta from [B, H, S]; dq [B*S, H*DH] float32 takes
+// TMA reductions, and dk and dv [B*KS, KV*DH] float32 are stored, their
+// rows past KS not.
 template <int DH>
-__device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
+__device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
                                             const float* delta, float* dk, float* dv, int S, int KS, int off, int H,
                                             int KV, float scaleLog2, float scale, int band) {
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
-                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse (base 2), 64 delta
-  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Pairs (sequence, kv head) by key blocks, heaviest first.
   int pair, kb;
   ah_band(band, pair, kb);
   const int b = pair / KV, kvh = pair % KV, G = H / KV;
@@ -1123,127 +1203,34 @@ __device__ __forceinline__ void ah_backward_producer(const gg_tmap* mapQ, const 
   const int nQT = (S + AH_BQ - 1) / AH_BQ;
   const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
-  if (tid == 0) {
-    gg_bar_init(barKV, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == 8) {
-    // The producer warp: lane 0 loads the tiles, every lane two of the
-    // item's 64 queries' lse (in base 2) and delta.
-    if (lane == 0) {
-      gg_prefetch_tmap(mapQ);
-      gg_prefetch_tmap(mapDO);
-      gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) {
-        gg_tma_2d(ks + c * KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
-        gg_tma_2d(vs + c * KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
-      }
-    }
-    for (int it = 0; it < items; it++) {
-      const int s = it % STAGES;
-      const unsigned ph = (it / STAGES) & 1;
-      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);
-      if (lane == 0) {
-        gg_bar_expect_tx(full + 8 * s, 2 * QT);
-        const unsigned qa = qs + s * 2 * QT;
+  ah_bwd_block<DH>(
+      items, j0, S, KS, off, scaleLog2, scale,
+      [&](int it, ah_bwd_item& at) {
+        const int q0 = (qt0 + it % perHead) * AH_BQ;
+        at.h = kvh * G + it / perHead;
+        at.q0 = q0;
+        at.row = b * S + q0;
+        at.q = mapQ;
+        at.dout = mapDO;
+        at.dq = mapDQ;
+        const long long first = ((long long)b * H + at.h) * S + q0;
+        at.lse = lse + first;
+        at.delta = delta + first;
+        at.valid = S - q0;
+      },
+      [&](unsigned ks, unsigned vs, unsigned barKV) {
+        gg_prefetch_tmap(mapQ);
+        gg_prefetch_tmap(mapDO);
+        gg_bar_expect_tx(barKV, 2 * ah_bcfg<DH>::KT);
 #pragma unroll
         for (int c = 0; c < DH / 64; c++) {
-          gg_tma_2d(qa + c * QBOX, mapQ, h * DH + 64 * c, b * S + q0, full + 8 * s);
-          gg_tma_2d(qa + QT + c * QBOX, mapDO, h * DH + 64 * c, b * S + q0, full + 8 * s);
+          gg_tma_2d(ks + c * ah_bcfg<DH>::KBOX, mapK, kvh * DH + 64 * c, b * KS + j0, barKV);
+          gg_tma_2d(vs + c * ah_bcfg<DH>::KBOX, mapV, kvh * DH + 64 * c, b * KS + j0, barKV);
         }
-      }
-      const long long row = ((long long)b * H + h) * S;
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + lane + 32 * e;
-        ah_stsf(stat + s * 512 + 4 * (lane + 32 * e), i < S ? lse[row + i] * AH_LOG2E : 0.0f);
-        ah_stsf(stat + s * 512 + 256 + 4 * (lane + 32 * e), i < S ? delta[row + i] : 0.0f);
-      }
-      gg_bar_arrive(full + 8 * s);
-    }
-    return;
-  }
-
-  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
-  // and wr + 8 of them (and, in dq's product, queries q0 + wr, q0 + wr + 8).
-  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr;
-  float dka[DH / 2], dva[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-  for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ;
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
-    gg_bar_wait(full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
-    // q0 + 8n + 2t4 + e.
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
-    ah_bwd_probs(sc, dp, whole, q0, t4, kr0, S, KS, off, scaleLog2, scale, [&](int n, float (&l2)[2], float (&dl)[2]) {
-      ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-      ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-    });
-    unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    // dS^T to this warpgroup's buffer of the item's parity.
-    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-    ah_store_dst(dsb, da, wr, t4);
-    gg_named_sync(1 + cw, 128);
-#pragma unroll
-    for (int c = 0; c < DH / 64; c++) {
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + c * KBOX + cw * 64 * 128, KBOX);
-#pragma unroll
-      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      if (c == 0) {
-        // dv's and dk's products (the group before) are done with the stage.
-        gg_fence_acc(dva);
-        gg_fence_acc(dka);
-        if (lane == 0) gg_bar_arrive(empty + 8 * s);
-      }
-      // Stage the block of dq for one thread to add it to dq at L2.
-      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      // The block staged two rounds ago in this buffer was read out before
-      // anyone passes this barrier (wait_group.read covers the last round).
-      if (wtid == 0) gg_bulk_wait_read();
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0) {
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c, b * S + q0, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 64 * c + 32, b * S + q0, stg + DQB / 2);
-        gg_bulk_commit();
-      }
-      nq++;
-    }
-  }
-  if (wtid == 0) gg_bulk_wait();
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
+      },
+      [&](const float (&dka)[DH / 2], const float (&dva)[DH / 2], int row, int t4) {
+        ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, j0 + row, t4);
+      });
 }
 
 // ---- The fused ring's backward ----
@@ -1276,21 +1263,20 @@ __device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const flo
   }
 }
 
-// attn_h_zz_backward_d128 serves one context-parallel rank r of W (as
-// attn_h_zz_forward): a block owns 128 of the rank's keys (one local key
-// block: its rows lie in one chunk, C a multiple of 128) of one (sequence,
-// kv head) and walks, per query head of the group, every 64-query tile of
-// the whole sequence from the block's first key position on, each read
-// from the rank that holds it (q and dout through that rank's tensor maps,
-// lse and delta [B, 2, H, C] through its pointers), in position order.
-// The block is ah_backward's at head dim 128 (a producer warpgroup, which
-// reads each item's statistics from their owner; dq once per warpgroup
-// and item over all 128 keys; dk's product under dq's staging); dk and dv stay in registers across every
-// rank's queries and are stored once into this rank's rows, and each dq
-// block is added into its owner's dq by TMA reductions (float32, zero
-// before any rank's kernel; the adds land at L2 in the order blocks run).
-// So nothing travels but reads and dq's reductions: no partial dk or dv,
-// no sums passed around.
+// ah_zz_backward (attn_h_zz_backward_d64 and _d128) serves one
+// context-parallel rank r of W (as attn_h_zz_forward): a block owns 128 of
+// the rank's keys (one local key block: its rows lie in one chunk, C a
+// multiple of 128) of one (sequence, kv head) and walks, per query head of
+// the group, every 64-query tile of the whole sequence from the block's
+// first key position on, each read from the rank that holds it (q and
+// dout through that rank's tensor maps, lse and delta [B, 2, H, C] through
+// its pointers), in position order. The block is ah_backward's
+// (ah_bwd_block); dk and dv stay in registers across every rank's queries
+// and are stored once into this rank's rows, and each dq block is added
+// into its owner's dq by TMA reductions (float32, zero before any rank's
+// kernel; the adds land at L2 in the order blocks run). So nothing
+// travels but reads and dq's reductions: no partial dk or dv, no sums
+// passed around.
 struct ah_zz_bmaps {
   gg_tmap k, v;                               // this rank's [B*2C, KV*Dh], boxes of 128 rows
   gg_tmap q[AH_ZZ_MAX], dout[AH_ZZ_MAX];      // every rank's [B*2C, H*Dh], boxes of 64 rows
@@ -1299,19 +1285,10 @@ struct ah_zz_bmaps {
   const float* delta[AH_ZZ_MAX];              // every rank's [B, 2, H, C]
 };
 
-__device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
-                                                  int KV, float scaleLog2, float scale) {
-  constexpr int DH = 128;
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QBOX = ah_bcfg<DH>::QBOX, KT = ah_bcfg<DH>::KT,
-                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T [parity][warpgroup]
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging [warpgroup][2]
-  const unsigned stat = dqs + 4 * DQB;                           // [stage]: 64 lse, 64 delta
-  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+template <int DH>
+__device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
+                                               int KV, float scaleLog2, float scale) {
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
   // blockIdx.z: which of the gridDim.z equal shares of the group's query
   // heads the block walks (ah_zz_store_dkdv).
@@ -1321,245 +1298,55 @@ __device__ __forceinline__ void ah_zz_backward128(const ah_zz_bmaps* maps, float
   const int nk = j0 / C;                 // its local chunk
   const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;  // and its first key's position
   const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = (G / gridDim.z) * perHead;
-  // Item it's query tile: its first position, and the rank and local row
-  // that hold it.
-  auto where = [&](int it, int& owner, int& row, int& nq, int& qp0) {
-    qp0 = (qt0 + it % perHead) * AH_BQ;
-    const int cq = qp0 / C;
-    owner = cq < W ? cq : 2 * W - 1 - cq;
-    nq = cq < W ? 0 : 1;
-    row = nq * C + qp0 - cq * C;
-  };
-  if (tid == 0) {
-    gg_bar_init(barKV, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-    if (warp != 0) return;
-    if (lane == 0) {
-      for (int w = 0; w < W; w++) {
-        gg_prefetch_tmap(&maps->q[w]);
-        gg_prefetch_tmap(&maps->dout[w]);
-      }
-      gg_bar_expect_tx(barKV, 2 * KT);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) {
-        gg_tma_2d(ks + c * KBOX, &maps->k, kvh * DH + 64 * c, b * S + j0, barKV);
-        gg_tma_2d(vs + c * KBOX, &maps->v, kvh * DH + 64 * c, b * S + j0, barKV);
-      }
-    }
-    for (int it = 0; it < items; it++) {
-      const int s = it % STAGES;
-      const unsigned ph = (it / STAGES) & 1;
-      const int h = h0 + it / perHead;
-      int owner, row, nq, qp0;
-      where(it, owner, row, nq, qp0);
-      gg_bar_wait(empty + 8 * s, ph ^ 1);
-      if (lane == 0) {
-        const unsigned qa = qs + s * 2 * QT;
-        gg_bar_expect_tx(full + 8 * s, 2 * QT);
+  // The key at position kp sees the query at position i iff kp <= i: no
+  // sequence end on either side (S and KS out of reach, off 0).
+  ah_bwd_block<DH>(
+      items, kp0, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
+      [&](int it, ah_bwd_item& at) {
+        // Item it's query tile: its first position, and the rank and local
+        // row that hold it.
+        const int qp0 = (qt0 + it % perHead) * AH_BQ, cq = qp0 / C;
+        const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
+        at.h = h0 + it / perHead;
+        at.q0 = qp0;
+        at.row = b * S + row;
+        at.q = &maps->q[owner];
+        at.dout = &maps->dout[owner];
+        at.dq = &maps->dq[owner];
+        // The owner's [B, 2, H, C] statistics (a query tile lies in one
+        // chunk, every row of it valid).
+        const long long first = ((long long)(b * 2 + nq) * H + at.h) * C + (row - nq * C);
+        at.lse = maps->lse[owner] + first;
+        at.delta = maps->delta[owner] + first;
+        at.valid = AH_BQ;
+      },
+      [&](unsigned ks, unsigned vs, unsigned barKV) {
+        for (int w = 0; w < W; w++) {
+          gg_prefetch_tmap(&maps->q[w]);
+          gg_prefetch_tmap(&maps->dout[w]);
+        }
+        gg_bar_expect_tx(barKV, 2 * ah_bcfg<DH>::KT);
 #pragma unroll
         for (int c = 0; c < DH / 64; c++) {
-          gg_tma_2d(qa + c * QBOX, &maps->q[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
-          gg_tma_2d(qa + QT + c * QBOX, &maps->dout[owner], h * DH + 64 * c, b * S + row, full + 8 * s);
+          gg_tma_2d(ks + c * ah_bcfg<DH>::KBOX, &maps->k, kvh * DH + 64 * c, b * S + j0, barKV);
+          gg_tma_2d(vs + c * ah_bcfg<DH>::KBOX, &maps->v, kvh * DH + 64 * c, b * S + j0, barKV);
         }
-      }
-      // The statistics from their owner's [B, 2, H, C] (a query tile lies
-      // in one chunk, every row of it valid), lse in natural log.
-      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int c = lane + 32 * e;
-        ah_stsf(stat + s * 512 + 4 * c, maps->lse[owner][at + c]);
-        ah_stsf(stat + s * 512 + 256 + 4 * c, maps->delta[owner][at + c]);
-      }
-      gg_bar_arrive(full + 8 * s);
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64), at positions from
-  // kw on (this thread rows wr and wr + 8 of them); the key at position
-  // kp sees the query at position i iff kp <= i.
-  const int cw = (warp >> 2) - 1, kw = kp0 + 64 * cw, wr = 16 * (warp & 3) + (lane >> 2);
-  float dka[DH / 2], dva[DH / 2];
-  ah_bwd128_consume(dka, dva, base, items, kw, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
-                    [&](int it, ah_bwd_item& item) {
-                      int owner, row, nq, qp0;
-                      where(it, owner, row, nq, qp0);
-                      item.h = h0 + it / perHead;
-                      item.q0 = qp0;
-                      item.dq = &maps->dq[owner];
-                      item.dqRow = b * S + row;
-                    },
-                    [&](int qp0) { return kw + 63 <= qp0; });
-  ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, lane & 3);
+      },
+      [&](const float (&dka)[DH / 2], const float (&dva)[DH / 2], int row, int t4) {
+        ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + row, t4);
+      });
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
-  ah_zz_backward128(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
-}
-
-// attn_h_zz_backward_d64 is attn_h_zz_backward_d128's walk on
-// ah_backward_producer's kernel (the head-dim-64 backward: a producer
-// warp loads the tiles and stages each item's lse and delta, read here
-// from the item's owner; each warpgroup adds dq over its own 64 keys).
-__device__ __forceinline__ void ah_zz_backward64(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
-                                                 int KV, float scaleLog2, float scale) {
-  constexpr int DH = 64;
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, KT = ah_bcfg<DH>::KT,
-                     QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned ks = base, vs = base + KT, qs = base + 2 * KT;  // stage s: q at qs + 2*QT*s, dout QT on
-  const unsigned dss = qs + STAGES * 2 * QT;                     // dS^T buffers
-  const unsigned dqs = dss + 4 * DSB;                            // dq staging
-  const unsigned stat = dqs + 4 * DQB;                           // per stage: 64 lse (base 2), 64 delta
-  const unsigned barKV = stat + STAGES * 512, full = barKV + 8, empty = full + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
-  // blockIdx.z: which of the gridDim.z equal shares of the group's query
-  // heads the block walks (ah_zz_store_dkdv).
-  const int h0 = kvh * G + (int)blockIdx.z * (G / gridDim.z);
-  const int S = 2 * C;
-  const int j0 = blockIdx.y * 128, nk = j0 / C;
-  const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;
-  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = (G / gridDim.z) * perHead;
-  auto where = [&](int it, int& owner, int& row, int& nq, int& qp0) {
-    qp0 = (qt0 + it % perHead) * AH_BQ;
-    const int cq = qp0 / C;
-    owner = cq < W ? cq : 2 * W - 1 - cq;
-    nq = cq < W ? 0 : 1;
-    row = nq * C + qp0 - cq * C;
-  };
-  if (tid == 0) {
-    gg_bar_init(barKV, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == 8) {
-    if (lane == 0) {
-      for (int w = 0; w < W; w++) {
-        gg_prefetch_tmap(&maps->q[w]);
-        gg_prefetch_tmap(&maps->dout[w]);
-      }
-      gg_bar_expect_tx(barKV, 2 * KT);
-      gg_tma_2d(ks, &maps->k, kvh * DH, b * S + j0, barKV);
-      gg_tma_2d(vs, &maps->v, kvh * DH, b * S + j0, barKV);
-    }
-    for (int it = 0; it < items; it++) {
-      const int s = it % STAGES;
-      const unsigned ph = (it / STAGES) & 1;
-      const int h = h0 + it / perHead;
-      int owner, row, nq, qp0;
-      where(it, owner, row, nq, qp0);
-      gg_bar_wait(empty + 8 * s, ph ^ 1);
-      if (lane == 0) {
-        gg_bar_expect_tx(full + 8 * s, 2 * QT);
-        const unsigned qa = qs + s * 2 * QT;
-        gg_tma_2d(qa, &maps->q[owner], h * DH, b * S + row, full + 8 * s);
-        gg_tma_2d(qa + QT, &maps->dout[owner], h * DH, b * S + row, full + 8 * s);
-      }
-      // The owner's [B, 2, H, C] statistics of the item's 64 queries.
-      const long long at = ((long long)(b * 2 + nq) * H + h) * C + (row - nq * C);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = lane + 32 * e;
-        ah_stsf(stat + s * 512 + 4 * i, maps->lse[owner][at + i] * AH_LOG2E);
-        ah_stsf(stat + s * 512 + 256 + 4 * i, maps->delta[owner][at + i]);
-      }
-      gg_bar_arrive(full + 8 * s);
-    }
-    return;
-  }
-
-  const int cw = warp >> 2, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = kp0 + 64 * cw, kp = kw + wr;  // key positions
-  float dka[DH / 2], dva[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
-  int nqb = 0;  // dq blocks this warpgroup has staged (their buffer is nqb & 1)
-  for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    const int h = h0 + it / perHead;
-    int owner, row, nq, qp0;
-    where(it, owner, row, nq, qp0);
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
-    gg_bar_wait(full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-    // The key at position kp sees the query at position i iff kp <= i: no
-    // sequence end on either side (S and KS out of reach, off 0).
-    const bool whole = kw + 63 <= qp0;
-    ah_bwd_probs(sc, dp, whole, qp0, t4, kp, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
-                 [&](int n, float (&l2)[2], float (&dl)[2]) {
-                   ah_lds2f(stat + s * 512 + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-                   ah_lds2f(stat + s * 512 + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-                 });
-    unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-    ah_store_dst(dsb, da, wr, t4);
-    gg_named_sync(1 + cw, 128);
-    // dq over this warpgroup's 64 keys, added into the owner's dq.
-    float acc[32];
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    gg_wgmma_fence();
-    const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(ks + cw * 64 * 128, KBOX);
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);
-    gg_wgmma_commit();
-    gg_wgmma_wait<0>();
-    gg_fence_acc(acc);
-    gg_fence_acc(dva);
-    gg_fence_acc(dka);
-    if (lane == 0) gg_bar_arrive(empty + 8 * s);
-    const unsigned stg = dqs + (cw * 2 + (nqb & 1)) * DQB;
-    ah_stage_dq(stg, acc, wr, t4);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (wtid == 0) gg_bulk_wait_read();
-    gg_named_sync(1 + cw, 128);
-    if (wtid == 0) {
-      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH, b * S + row, stg);
-      gg_tma_reduce_add_2d(&maps->dq[owner], h * DH + 32, b * S + row, stg + DQB / 2);
-      gg_bulk_commit();
-    }
-    nqb++;
-  }
-  if (wtid == 0) gg_bulk_wait();
-  ah_zz_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, S, KV, j0 + 64 * cw + wr, t4);
+  ah_zz_backward<128>(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
-  ah_zz_backward64(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
+  ah_zz_backward<64>(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
-  ah_backward_producer<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale,
-                           band);
+  ah_backward<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {

@@ -408,10 +408,10 @@ func hopperAttnBwdSmem(dh int) int {
 
 // hopperAttnBwdLaunch is attn_h_backward_d{dh}'s (and the ring's
 // attn_h_zz_backward_d{dh}'s) block size and dynamic shared memory: at
-// head dim 64 ah_backward_producer's 288 threads (a producer warp beside
-// the two consumer warpgroups, 168 registers a thread), at 128
-// ah_backward's 384 (a producer warpgroup, whose setmaxnreg gives the
-// consumers 240 registers for dk, dv and an item's scores).
+// head dim 64 288 threads (ah_bwd_block: a producer warp beside the two
+// consumer warpgroups, 168 registers a thread), at 128 384 (a producer
+// warpgroup, whose setmaxnreg gives the consumers 240 registers for dk,
+// dv and an item's scores).
 func hopperAttnBwdLaunch(dh int) (threads, smem int) {
 	if dh == 64 {
 		return 288, hopperAttnBwdSmem(dh)
