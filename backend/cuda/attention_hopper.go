@@ -393,36 +393,48 @@ func hopperAttnForwardF32(d *Device, out, lse, q, k, v driver.DevicePtr, s backe
 	return launchHopperAttnForward(d, out, lse, qb, kb, vb, s, false, 0)
 }
 
-// hopperAttnBwdQ is the queries of one backward item (AH_BQ).
+// hopperAttnBwdQ is the rows of the backward's q, dout and dq boxes
+// (AH_BQ): an item's tile is one box of rows at head dim 128 and two at 64.
 const hopperAttnBwdQ = 64
+
+// hopperAttnBwdItemQ is the queries of one backward item at head dim dh
+// (ah_bcfg<DH>::BQ): 128 at head dim 64, 64 at 128.
+func hopperAttnBwdItemQ(dh int) int {
+	if dh == 64 {
+		return 128
+	}
+	return 64
+}
 
 // hopperAttnBwdSmem is the dynamic shared memory of the backward kernels
 // (ah_bcfg<DH>::SMEM): slack, the k and v tiles, two stages of q and dout
-// tiles, four dS^T buffers, four dq staging buffers, two stages of the
-// items' lse and delta, and the mbarriers.
+// tiles, four dS^T buffers, the dq staging buffers (one a warpgroup at
+// head dim 64, two at 128), two stages of the items' lse and delta, and
+// the mbarriers.
 func hopperAttnBwdSmem(dh int) int {
 	const stages = 2
-	kt, qt := dh/64*128*128, dh/64*hopperAttnBwdQ*128
-	return 1024 + 2*kt + stages*2*qt + 4*64*128 + 4*64*64*4 + stages*512 + 8*(1+2*stages)
+	bq := hopperAttnBwdItemQ(dh)
+	dqBufs := 2
+	if dh == 64 {
+		dqBufs = 1
+	}
+	kt, qt, dsb, dqb := dh/64*128*128, dh/64*bq*128, 64*bq*2, 64*64*4
+	return 1024 + 2*kt + stages*2*qt + 4*dsb + 2*dqBufs*dqb + stages*bq*8 + 8*(1+2*stages)
 }
 
 // hopperAttnBwdLaunch is attn_h_backward_d{dh}'s (and the ring's
-// attn_h_zz_backward_d{dh}'s) block size and dynamic shared memory: at
-// head dim 64 288 threads (ah_bwd_block: a producer warp beside the two
-// consumer warpgroups, 168 registers a thread), at 128 384 (a producer
-// warpgroup, whose setmaxnreg gives the consumers 240 registers for dk,
-// dv and an item's scores).
+// attn_h_zz_backward_d{dh}'s) block size and dynamic shared memory: 384
+// threads at either head dim (ah_bwd_block: a producer warpgroup, whose
+// setmaxnreg gives the two consumer warpgroups 240 registers for dk, dv
+// and an item's scores).
 func hopperAttnBwdLaunch(dh int) (threads, smem int) {
-	if dh == 64 {
-		return 288, hopperAttnBwdSmem(dh)
-	}
 	return 384, hopperAttnBwdSmem(dh)
 }
 
 // hopperAttnSplitsRegisters says whether an attention_hopper.cu kernel
 // launched with threads threads a block trades registers between its
 // warpgroups with setmaxnreg: every one with a producer warpgroup (384 or
-// 512 threads) does, the head-dim-64 backwards (288) do not. Such a
+// 512 threads) does. Such a
 // kernel is launched only from the register count its setmaxnreg counts
 // assume (Kernel.CheckRegisterSplit).
 func hopperAttnSplitsRegisters(threads int) bool { return threads >= 384 }

@@ -56,25 +56,7 @@ func withAttentionLab(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (r
 // the production ones (other kernels, block sizes, shared memory or
 // arguments): TestAttentionLabOwnLaunch runs them, not in place of the
 // production kernels.
-var ownLaunch = map[string]labBackwardLaunch{
-	// attn_h_backward128q_d64 (bwd128qLaunch).
-	"bwd64-128q": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", launch: bwd128qLaunch},
-	// The same kernel with dS^T kept [parity][warpgroup] and dq's staging
-	// [warpgroup]: the same bytes.
-	"bwd64-128q-dq": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", launch: bwd128qLaunch},
-	// The same with ah_bwd_probs.
-	"bwd64-128q-dq-select": {headDims: []int{64}, kernel: "attn_h_backward128q_d%d", launch: bwd128qLaunch},
-}
-
-// bwd128qLaunch is attn_h_backward128q_d64's block: 384 threads (a
-// producer warpgroup, setmaxnreg 24 and 240, so 168 registers at entry);
-// k and v, two stages of 128-row q and dout tiles, one 64 x 128 dS^T a
-// warpgroup, dq staging [2][2], the statistics [2][256 floats] and five
-// mbarriers, beside the 1,024 bytes of alignment slack.
-func bwd128qLaunch(int) (threads, smem int) {
-	const kTile, qTile, dsT, dqBlock = 128 * 128, 128 * 128, 64 * 256, 64 * 64 * 4
-	return 384, 1024 + 2*kTile + 2*2*qTile + 2*dsT + 4*dqBlock + 2*1024 + 8*(1+2*2)
-}
+var ownLaunch = map[string]labBackwardLaunch{}
 
 // ownForwardLaunch names the variants that add forward kernels of their
 // own: TestAttentionLabForwardOwnLaunch runs them.

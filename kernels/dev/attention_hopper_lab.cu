@@ -1,12 +1,7 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT bit:
-//  64  attn_h_backward128q_d64: the head-dim-64 backward with items of 128
-//      queries and a producer warpgroup (384 threads, setmaxnreg 24 and
-//      240). TestAttentionLabOwnLaunch launches it.
-// 128  with bit 64: attn_h_backward128q_d64 adds dq once an item over all
-//      128 keys, each warpgroup 64 of its queries (FlashAttention-3's).
-// 256  with bit 64: attn_h_backward128q_d64 computes P^T and dS^T with
-//      production's ah_bwd_probs (no branch per element).
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment: the last labs (the head-dim-64 backward on items of
+// 128 queries) became production's version 7; git keeps them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -79,10 +74,10 @@
 // advances 2048 bytes (16 keys) per k16 step.
 
 #include "hopper.cuh"
-
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
 #endif
+
 
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
 #define AH_BN 128  // keys per tile
@@ -634,32 +629,32 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 //
 // One kernel computes dk and dv and adds dq, after attn_h_delta. A block
 // owns 128 keys of one (sequence, kv head) and walks every query head of
-// the kv head's group and every 64-query tile that sees one of its keys
-// (an item); a producer (a warpgroup at head dim 128, a warp at 64:
-// ah_bwd_block) loads its k and v tiles once and each
-// item's q and dout tiles into a STAGES-deep ring, refilling a stage once
-// both consumer warpgroups are done with it, and copies each item's lse
-// and delta into shared memory. Each of the two consumer warpgroups owns
-// 64 keys and computes, per item, with the scores transposed (keys are the
-// rows, so that P^T and dS^T land in registers as the A operands of the
-// products that accumulate into the keys' rows):
+// the kv head's group and every query tile (128 queries at head dim 64,
+// 64 at 128) that sees one of its keys (an item); a producer warpgroup
+// (ah_bwd_block) loads its k and v tiles once and each item's q and dout
+// tiles into a STAGES-deep ring, refilling a stage once both consumer
+// warpgroups are done with it, and copies each item's lse and delta into
+// shared memory. Each of the two consumer warpgroups owns 64 keys and
+// computes, per item, with the scores transposed (keys are the rows, so
+// that P^T and dS^T land in registers as the A operands of the products
+// that accumulate into the keys' rows):
 //
-//   S^T = k q^T, dP^T = v dout^T   wgmma m64n64k16, shared memory, K-major
+//   S^T = k q^T, dP^T = v dout^T   wgmma m64n128k16 (head dim 64) or
+//                                  m64n64k16, shared memory, K-major
 //   P^T = 2^(S^T*scale - lse), dS^T = P^T (dP^T - delta) / sqrt(Dh)
 //   dv += P^T dout, dk += dS^T q   wgmma m64nDhk16, A from registers, q and
 //                                  dout MN-major (transpose bit)
 //   dq += dS k                     dS^T stored to shared memory in the
 //                                  128-byte swizzled MN-major layout, then
 //                                  wgmma m64n64k16 with both operands
-//                                  transposed: at head dim 128 each
-//                                  warpgroup takes 64 of dq's columns over
-//                                  all 128 keys (both warpgroups' dS^T,
-//                                  after a 256-thread barrier); at 64 each
-//                                  takes all 64 columns over its own 64
-//                                  keys. Staged in shared memory and added
-//                                  to dq by TMA reductions
-//                                  (cp.reduce.async.bulk): one block per
-//                                  warpgroup and item either way
+//                                  transposed over all 128 keys (both
+//                                  warpgroups' dS^T, after a 256-thread
+//                                  barrier): at head dim 64 each
+//                                  warpgroup takes its 64-query half, at
+//                                  128 its 64 of dq's columns. Staged in
+//                                  shared memory and added to dq by TMA
+//                                  reductions (cp.reduce.async.bulk): one
+//                                  block per warpgroup and item
 //
 // dk and dv stay in registers across the whole walk (GQA needs no partial
 // sums per head) and are stored once. dq must be zero before the kernel;
@@ -669,7 +664,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 // delta is rowsum(dout * out) per query and head, from dout rounded to
 // bf16 as dP^T sees it.
 
-#define AH_BQ 64        // queries per backward item
+#define AH_BQ 64        // the rows of a backward q, dout or dq box (TMA)
 #define AH_NO_END 0x3fffffff  // a sequence length no position reaches (the ring's masks)
 #define AH_LOG2E 1.4426950408889634f
 
@@ -677,19 +672,27 @@ struct alignas(16) ah_f4 {
   float x, y, z, w;
 };
 
+// ah_bcfg is the backward block's layout at head dim DH: items of BQ
+// queries (128 at head dim 64, FlashAttention-3's tile there; 64 at 128,
+// where a consumer's registers hold no more), q and dout tiles of
+// (DH/64) x (BQ/64) TMA boxes of 64 rows (box (c, r): columns 64c.., rows
+// 64r.., at (c*(BQ/64) + r) * QBOX), DQBUF dq staging buffers a warpgroup.
 template <int DH>
 struct ah_bcfg {
   static constexpr int STAGES = 2;
-  static constexpr unsigned KBOX = 128 * 128;       // {64 columns, 128 key rows} of bf16: 16 KiB
-  static constexpr unsigned QBOX = AH_BQ * 128;     // {64 columns, 64 query rows}: 8 KiB
-  static constexpr unsigned KT = (DH / 64) * KBOX;  // the k (or v) tile
-  static constexpr unsigned QT = (DH / 64) * QBOX;  // a q (or dout) tile
-  static constexpr unsigned DSB = 64 * 128;         // one warpgroup's dS^T: 64 keys x 64 queries
-  static constexpr unsigned DQB = 64 * 64 * 4;      // one warpgroup's dq staging: 64 queries x 64 columns
+  static constexpr int BQ = DH == 64 ? 128 : 64;                // queries per item
+  static constexpr int DQBUF = DH == 64 ? 1 : 2;                // dq staging buffers a warpgroup
+  static constexpr unsigned KBOX = 128 * 128;                   // {64 columns, 128 key rows} of bf16: 16 KiB
+  static constexpr unsigned QBOX = AH_BQ * 128;                 // {64 columns, 64 query rows}: 8 KiB
+  static constexpr unsigned KT = (DH / 64) * KBOX;              // the k (or v) tile
+  static constexpr unsigned QT = (DH / 64) * (BQ / 64) * QBOX;  // a q (or dout) tile
+  static constexpr unsigned DSB = 64 * BQ * 2;                  // one warpgroup's dS^T: 64 keys x BQ queries
+  static constexpr unsigned DQB = 64 * 64 * 4;                  // a dq staging block: 64 queries x 64 columns
+  static constexpr unsigned STAT = BQ * 8;                      // a stage's lse and delta
   // k, v, STAGES x (q, dout), dS^T [2 parities][2 warpgroups], dq staging
-  // [2 warpgroups][2], lse and delta [STAGES][2][64], barriers.
+  // [2 warpgroups][DQBUF], lse and delta [STAGES][2][BQ], barriers.
   static constexpr unsigned SMEM =
-      1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 4 * DQB + STAGES * 512 + 8 * (1 + 2 * STAGES);
+      1024 + 2 * KT + STAGES * 2 * QT + 4 * DSB + 2 * DQBUF * DQB + STAGES * STAT + 8 * (1 + 2 * STAGES);
 };
 
 __device__ __forceinline__ void ah_sts(unsigned addr, unsigned v) {
@@ -751,23 +754,6 @@ __device__ __forceinline__ void ah_bwd_rs(float (&acc)[DH / 2], const unsigned (
   for (int kk = 0; kk < AH_BQ / 16; kk++) ah_wgmma_rs(acc, a[kk], mn + 128 * kk);
 }
 
-// ah_bwd_dvdk issues a backward item's dv += P^T dout and dk += dS^T q as
-// one commit group, with P and dS^T (this thread's sc and dp) packed to
-// bf16 register operands; oa and qa are the item's dout and q tiles. da
-// gets dS^T's packed operand, for ah_store_dst.
-template <int DH>
-__device__ __forceinline__ void ah_bwd_dvdk(float (&dva)[DH / 2], float (&dka)[DH / 2], unsigned (&da)[4][4],
-                                            const float (&sc)[32], const float (&dp)[32], unsigned oa, unsigned qa) {
-  unsigned pa[4][4];
-  ah_bwd_pack(pa, da, sc, dp);
-  gg_wgmma_fence();
-  gg_fence_acc(dva);
-  gg_fence_acc(dka);
-  ah_bwd_rs<DH>(dva, pa, oa);
-  ah_bwd_rs<DH>(dka, da, qa);
-  gg_wgmma_commit();
-}
-
 // ah_bwd_probs turns this thread's S^T and dP^T (key rows kr0 and kr0 +
 // 8; column 8n + 2t4 + e is query q0 + 8n + 2t4 + e) into P^T and dS^T:
 // P^T = 2^(S^T*scale - lse), dS^T = P^T (dP^T - delta) * scale, 0 where
@@ -823,7 +809,7 @@ __device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], b
 }
 
 // ah_store_dst writes this thread's part of a warpgroup's dS^T (da, as
-// ah_bwd_dvdk packed it) to its buffer dsb, for dq's product to read
+// ah_bwd_pack packed it) to its buffer dsb, for dq's product to read
 // through a descriptor: key row r holds its 64 queries in 128 bytes,
 // 16-byte chunk n at n ^ (r & 7).
 __device__ __forceinline__ void ah_store_dst(unsigned dsb, const unsigned (&da)[4][4], int wr, int t4) {
@@ -876,15 +862,19 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
 // ---- The backward block, shared by the whole sequence and the ring ----
 //
 // A backward block owns 128 keys of one (sequence, kv head) and walks
-// items: one 64-query tile of one query head of the group each, in the
-// order its walk gives. Its shared memory (ah_bcfg) holds k and v once,
-// STAGES stages of q and dout, dS^T [parity][warpgroup], dq staging
-// [warpgroup][2], the stages' statistics (64 lse, 64 delta each) and the
-// barriers. A producer warp fills the stages; two consumer warpgroups of
-// 64 keys each compute. What a whole-sequence kernel and a ring kernel
-// differ in is the walk (ah_bwd_item), which keys see which queries, where
-// k and v come from and where dk and dv go: ah_bwd_block takes those and
-// runs the rest, head dim 64's block (version 2) or 128's (version 6).
+// items: one tile of BQ queries (ah_bcfg) of one query head of the group
+// each, in the order its walk gives. Its shared memory (ah_bcfg) holds k
+// and v once, STAGES stages of q and dout, dS^T [parity][warpgroup], dq
+// staging [warpgroup][DQBUF], the stages' statistics (BQ lse, BQ delta
+// each) and the barriers. 384 threads: a producer warpgroup (warp 0
+// working) fills the stages; two consumer warpgroups of 64 keys each
+// compute, at setmaxnreg 240 against the producer's 24 (168 at entry:
+// 128 x 24 + 256 x 240 fits the register file's 65,536). What a
+// whole-sequence kernel and a ring kernel differ in is the walk
+// (ah_bwd_item), which keys see which queries, where k and v come from
+// and where dk and dv go: ah_bwd_block takes those and runs the rest,
+// head dim 64's consumers (version 7 in kernels/attention_hopper.md) or
+// 128's (version 6).
 
 // ah_bwd_item is one item as the walk gives it.
 struct ah_bwd_item {
@@ -892,130 +882,190 @@ struct ah_bwd_item {
   int q0;                    // the tile's first query position (the mask's frame)
   int row;                   // the tile's first row in q's, dout's and dq's tensor maps
   const gg_tmap *q, *dout;   // where its q and dout are read
-  const gg_tmap* dq;         // and its dq block added
+  const gg_tmap* dq;         // and its dq blocks added
   const float *lse, *delta;  // the statistics of its first query (lse in natural log)
-  int valid;                 // how many of its queries have statistics (the rest read zeros)
+  int valid;                 // how many of its queries have statistics (the rest read zeros, add no dq)
 };
 
 // ah_bwd_smem is the block's shared-memory layout at the aligned base.
 template <int DH>
 struct ah_bwd_smem {
-  static constexpr int STAGES = ah_bcfg<DH>::STAGES;
+  using cfg = ah_bcfg<DH>;
   unsigned ks, vs, qs, dss, dqs, stat, barKV, full, empty;
   __device__ __forceinline__ explicit ah_bwd_smem(unsigned base) {
     ks = base;
-    vs = base + ah_bcfg<DH>::KT;
-    qs = base + 2 * ah_bcfg<DH>::KT;             // stage s: q at qs + 2*QT*s, dout QT on
-    dss = qs + STAGES * 2 * ah_bcfg<DH>::QT;     // dS^T [parity][warpgroup]
-    dqs = dss + 4 * ah_bcfg<DH>::DSB;            // dq staging [warpgroup][2]
-    stat = dqs + 4 * ah_bcfg<DH>::DQB;           // [stage]: 64 lse, 64 delta
-    barKV = stat + STAGES * 512;
+    vs = base + cfg::KT;
+    qs = base + 2 * cfg::KT;                   // stage s: q at qs + 2*QT*s, dout QT on
+    dss = qs + cfg::STAGES * 2 * cfg::QT;      // dS^T [parity][warpgroup]
+    dqs = dss + 4 * cfg::DSB;                  // dq staging [warpgroup][DQBUF]
+    stat = dqs + 2 * cfg::DQBUF * cfg::DQB;    // [stage]: BQ lse, BQ delta
+    barKV = stat + cfg::STAGES * cfg::STAT;
     full = barKV + 8;
-    empty = full + 8 * STAGES;
+    empty = full + 8 * cfg::STAGES;
   }
 };
 
 // ah_bwd_produce is the producer warp's walk: for each item, once both
 // consumers have freed its stage, lane 0 loads the q and dout tiles and
-// the 32 lanes copy two queries' lse and delta each into the stage's
-// statistics (zeros past valid; lse times log2(e) where BASE2), all
-// arriving on the stage's full barrier (33 arrivals: the expect_tx and
-// the lanes). So the consumers never wait on global loads.
-template <int DH, bool BASE2, typename Walk>
+// the 32 lanes copy BQ/32 queries' lse (natural log) and delta each into
+// the stage's statistics (zeros past valid), all arriving on the stage's
+// full barrier (33 arrivals: the expect_tx and the lanes). So the
+// consumers never wait on global loads.
+template <int DH, typename Walk>
 __device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int items, int lane, Walk walk) {
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned QBOX = ah_bcfg<DH>::QBOX, QT = ah_bcfg<DH>::QT;
+  using cfg = ah_bcfg<DH>;
   for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
+    const int s = it % cfg::STAGES;
+    const unsigned ph = (it / cfg::STAGES) & 1;
     ah_bwd_item at;
     walk(it, at);
     gg_bar_wait(m.empty + 8 * s, ph ^ 1);
     if (lane == 0) {
-      const unsigned qa = m.qs + s * 2 * QT;
-      gg_bar_expect_tx(m.full + 8 * s, 2 * QT);
+      const unsigned qa = m.qs + s * 2 * cfg::QT;
+      gg_bar_expect_tx(m.full + 8 * s, 2 * cfg::QT);
 #pragma unroll
       for (int c = 0; c < DH / 64; c++) {
-        gg_tma_2d(qa + c * QBOX, at.q, at.h * DH + 64 * c, at.row, m.full + 8 * s);
-        gg_tma_2d(qa + QT + c * QBOX, at.dout, at.h * DH + 64 * c, at.row, m.full + 8 * s);
+#pragma unroll
+        for (int r = 0; r < cfg::BQ / 64; r++) {
+          const unsigned box = (c * (cfg::BQ / 64) + r) * cfg::QBOX;
+          gg_tma_2d(qa + box, at.q, at.h * DH + 64 * c, at.row + 64 * r, m.full + 8 * s);
+          gg_tma_2d(qa + cfg::QT + box, at.dout, at.h * DH + 64 * c, at.row + 64 * r, m.full + 8 * s);
+        }
       }
     }
+    const unsigned st = m.stat + s * cfg::STAT;
 #pragma unroll
-    for (int e = 0; e < 2; e++) {
+    for (int e = 0; e < cfg::BQ / 32; e++) {
       const int c = lane + 32 * e;
-      const float l = c < at.valid ? at.lse[c] : 0.0f;
-      ah_stsf(m.stat + s * 512 + 4 * c, BASE2 ? l * AH_LOG2E : l);
-      ah_stsf(m.stat + s * 512 + 256 + 4 * c, c < at.valid ? at.delta[c] : 0.0f);
+      ah_stsf(st + 4 * c, c < at.valid ? at.lse[c] : 0.0f);
+      ah_stsf(st + 4 * cfg::BQ + 4 * c, c < at.valid ? at.delta[c] : 0.0f);
     }
     gg_bar_arrive(m.full + 8 * s);
   }
 }
 
-// ah_bwd_whole says whether each of the 64 keys from kw sees each query of
-// the tile from q0 (key kr sees query i iff kr - off <= i < S and
+// ah_bwd_whole says whether each of the 64 keys from kw sees each of the
+// BQ queries from q0 (key kr sees query i iff kr - off <= i < S and
 // kr < KS): such a tile takes no mask.
+template <int BQ>
 __device__ __forceinline__ bool ah_bwd_whole(int kw, int q0, int S, int KS, int off) {
-  return kw + 63 <= off + q0 && q0 + AH_BQ <= S && kw + 63 < KS;
+  return kw + 63 <= off + q0 && q0 + BQ <= S && kw + 63 < KS;
+}
+
+// ah_bwd_stats reads column block n's lse (converted to base 2) and delta
+// from a stage's statistics st of BQ queries, for ah_bwd_probs: this
+// thread's columns 8n + 2t4 and 8n + 2t4 + 1.
+template <int BQ>
+__device__ __forceinline__ void ah_bwd_stats(unsigned st, int n, int t4, float (&l2)[2], float (&dl)[2]) {
+  ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
+  ah_lds2f(st + 4 * BQ + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+  l2[0] *= AH_LOG2E;
+  l2[1] *= AH_LOG2E;
 }
 
 // ah_bwd64_consume is a consumer warpgroup of head dim 64's block
-// (version 2 in kernels/attention_hopper.md): it owns the 64 keys from
-// position kw (shared-memory key rows 64cw on). Per item it computes the
-// scores, P^T and dS^T (ah_bwd_probs, the statistics staged in base 2),
-// dv's and dk's products (ah_bwd_dvdk), stores dS^T and adds dq over its
-// own 64 keys through a TMA reduction, freeing the stage once dq's
-// product is waited for. Key kr sees query i iff kr - off <= i < S and
-// kr < KS. This thread's rows wr and wr + 8 of dk and dv are left in dka
-// and dva.
+// (version 7 in kernels/attention_hopper.md, FlashAttention-3's at this
+// head dim): it owns the 64 keys from position kw (shared-memory key rows
+// 64cw on) and takes items of 128 queries. Per item it computes S^T and
+// dP^T (wgmma m64n128k16: 64 floats each a thread), P^T and dS^T
+// (ah_bwd_probs on each 64-query half), dv's and dk's products over the
+// 128 queries (eight k16 steps each), stores dS^T, meets the other
+// consumer (a 256-thread barrier: dq needs both warpgroups' dS^T) and
+// computes dq for its own 64-query half over all 128 keys, one staged
+// block added by TMA reductions (none for a half past valid). The stage is
+// freed once dq's product is waited for, which covers dv's and dk's. Key
+// kr sees query i iff kr - off <= i < S and kr < KS. This thread's rows
+// wr and wr + 8 of dk and dv are left in dka and dva.
 template <typename Walk>
 __device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[32], const ah_bwd_smem<64>& m, int items,
                                                  int cw, int kw, int S, int KS, int off, float scaleLog2, float scale,
                                                  Walk walk) {
   constexpr int DH = 64;
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
+  using cfg = ah_bcfg<DH>;
+  constexpr int BQ = cfg::BQ;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int t4 = lane & 3, wtid = tid & 127, wr = 16 * (warp & 3) + (lane >> 2), kr0 = kw + wr;
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
   gg_bar_wait(m.barKV, 0);
   const unsigned long long descK = gg_desc(m.ks + cw * 64 * 128), descV = gg_desc(m.vs + cw * 64 * 128);
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+  const unsigned long long mnKa = gg_desc_mn(m.ks, cfg::KBOX);  // all 128 keys, for dq
   for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    ah_bwd_item at;
-    walk(it, at);
-    const unsigned qa = m.qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
+    const int s = it % cfg::STAGES;
+    const unsigned ph = (it / cfg::STAGES) & 1;
+    const unsigned qa = m.qs + s * 2 * cfg::QT, oa = qa + cfg::QT, st = m.stat + s * cfg::STAT;
+    float sc[64], dp[64];
     gg_bar_wait(m.full + 8 * s, ph);
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
-    // q0 + 8n + 2t4 + e.
-    const unsigned st = m.stat + s * 512;
-    ah_bwd_probs(sc, dp, ah_bwd_whole(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
-                 [&](int n, float (&l2)[2], float (&dl)[2]) {
-                   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-                   ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-                 });
-    unsigned da[4][4];
-    ah_bwd_dvdk<DH>(dva, dka, da, sc, dp, oa, qa);
-    // dS^T to this warpgroup's buffer of the item's parity.
-    const unsigned dsb = m.dss + ((it & 1) * 2 + cw) * DSB;
-    ah_store_dst(dsb, da, wr, t4);
-    gg_named_sync(1 + cw, 128);
-    // dq over this warpgroup's 64 keys.
+    // S^T = k q^T and dP^T = v dout^T: m64n128k16, four k16 steps of the
+    // head dim (32 bytes each within the 128-byte rows; the tile's two
+    // 64-row boxes make one 128-row operand).
+    {
+      const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
+      gg_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) gg_wgmma(sc, descK + 2 * kk, descQ + 2 * kk, kk > 0 ? 1 : 0);
+#pragma unroll
+      for (int kk = 0; kk < DH / 16; kk++) gg_wgmma(dp, descV + 2 * kk, descO + 2 * kk, kk > 0 ? 1 : 0);
+      gg_wgmma_commit();
+      gg_wgmma_wait<0>();
+      gg_fence_acc(sc);
+      gg_fence_acc(dp);
+    }
+    // P^T and dS^T in place of S^T and dP^T, a 64-query half at a time
+    // (columns 64hf..; column 8n + 2t4 + e of a half is its query
+    // 8n + 2t4 + e), then packed to bf16 A operands: half hf's k16 chunk kk
+    // is pa[4hf + kk].
+    ah_bwd_item at;
+    walk(it, at);
+    const bool whole = ah_bwd_whole<BQ>(kw, at.q0, S, KS, off);
+    unsigned pa[8][4], da[8][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      float(&sch)[32] = *reinterpret_cast<float(*)[32]>(&sc[32 * hf]);
+      float(&dph)[32] = *reinterpret_cast<float(*)[32]>(&dp[32 * hf]);
+      ah_bwd_probs(sch, dph, whole, at.q0 + 64 * hf, t4, kr0, S, KS, off, scaleLog2, scale,
+                   [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<BQ>(st, n + 8 * hf, t4, l2, dl); });
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+      ah_bwd_pack(*reinterpret_cast<unsigned(*)[4][4]>(&pa[4 * hf]), *reinterpret_cast<unsigned(*)[4][4]>(&da[4 * hf]),
+                  *reinterpret_cast<const float(*)[32]>(&sc[32 * hf]), *reinterpret_cast<const float(*)[32]>(&dp[32 * hf]));
+    // dv += P^T dout, dk += dS^T q over the 128 queries: each half's four
+    // k16 steps from its 64-row box.
+    gg_wgmma_fence();
+    gg_fence_acc(dva);
+    gg_fence_acc(dka);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+      ah_bwd_rs<DH>(dva, *reinterpret_cast<const unsigned(*)[4][4]>(&pa[4 * hf]), oa + hf * cfg::QBOX);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+      ah_bwd_rs<DH>(dka, *reinterpret_cast<const unsigned(*)[4][4]>(&da[4 * hf]), qa + hf * cfg::QBOX);
+    gg_wgmma_commit();
+    // dS^T to this warpgroup's buffer of the item's parity, as two 64-query
+    // halves. The other warpgroup read this buffer two items ago and was
+    // done before it reached the 256-thread barrier below of the item
+    // before, which this warpgroup has passed.
+    const unsigned dsb = m.dss + ((it & 1) * 2 + cw) * cfg::DSB;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+      ah_store_dst(dsb + hf * (cfg::DSB / 2), *reinterpret_cast<const unsigned(*)[4][4]>(&da[4 * hf]), wr, t4);
+    // This warpgroup's dq block of the item before has been read out of
+    // its staging buffer before anyone here passes the barrier.
+    if (wtid == 0) gg_bulk_wait_read();
+    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
+    // dq for this warpgroup's 64-query half over all 128 keys: dS from both
+    // warpgroups' buffers (keys 64j.. in warpgroup j's), k's 128 rows.
+    // m64n64k16, 16 keys a step.
     float acc[32];
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     gg_wgmma_fence();
-    const unsigned long long mnD = gg_desc_mn(dsb, DSB), mnK = gg_desc_mn(m.ks + cw * 64 * 128, KBOX);
+    const unsigned pb = m.dss + (it & 1) * 2 * cfg::DSB + cw * (cfg::DSB / 2);
+    const unsigned long long mnD0 = gg_desc_mn(pb, cfg::DSB / 2), mnD1 = gg_desc_mn(pb + cfg::DSB, cfg::DSB / 2);
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
+    for (int kk = 0; kk < 8; kk++)
+      ah_wgmma_ss<1, 1>(acc, (kk < 4 ? mnD0 : mnD1) + 128 * (kk & 3), mnKa + 128 * kk, kk > 0 ? 1 : 0);
     gg_wgmma_commit();
     gg_wgmma_wait<0>();
     gg_fence_acc(acc);
@@ -1023,26 +1073,24 @@ __device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[
     gg_fence_acc(dva);
     gg_fence_acc(dka);
     if (lane == 0) gg_bar_arrive(m.empty + 8 * s);
-    // Stage the block of dq for one thread to add it to dq at L2.
-    const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
+    const unsigned stg = m.dqs + cw * cfg::DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    // The block staged two rounds ago in this buffer was read out before
-    // anyone passes this barrier (wait_group.read covers the last round).
-    if (wtid == 0) gg_bulk_wait_read();
     gg_named_sync(1 + cw, 128);
-    if (wtid == 0) {
-      gg_tma_reduce_add_2d(at.dq, at.h * DH, at.row, stg);
-      gg_tma_reduce_add_2d(at.dq, at.h * DH + 32, at.row, stg + DQB / 2);
+    // A half past the queries (the last item's second, at the end of a
+    // sequence) holds dS 0 and adds nothing.
+    if (wtid == 0 && 64 * cw < at.valid) {
+      gg_tma_reduce_add_2d(at.dq, at.h * DH, at.row + 64 * cw, stg);
+      gg_tma_reduce_add_2d(at.dq, at.h * DH + 32, at.row + 64 * cw, stg + cfg::DQB / 2);
       gg_bulk_commit();
     }
-    nq++;
   }
   if (wtid == 0) gg_bulk_wait();
 }
 
 // ah_bwd128_consume is a consumer warpgroup of head dim 128's block
-// (version 6), ah_bwd64_consume's contract: per item it computes the
+// (version 6), ah_bwd64_consume's contract with items of 64 queries (240
+// registers hold no more beside dk and dv): per item it computes the
 // scores, P^T and dS^T (ah_bwd_probs; the statistics a column block at a
 // time, which 240 registers hold beside dk, dv, S^T and dP^T), issues
 // dv's product, stores dS^T, meets the other consumer (a 256-thread
@@ -1085,14 +1133,9 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
       gg_fence_acc(dka);
       if (lane == 0) gg_bar_arrive(m.empty + 8 * ((it - 1) % STAGES));
     }
-    const unsigned st = m.stat + s * 512;
-    ah_bwd_probs(sc, dp, ah_bwd_whole(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
-                 [&](int n, float (&l2)[2], float (&dl)[2]) {
-                   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-                   ah_lds2f(st + 256 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-                   l2[0] *= AH_LOG2E;
-                   l2[1] *= AH_LOG2E;
-                 });
+    const unsigned st = m.stat + s * ah_bcfg<DH>::STAT;
+    ah_bwd_probs(sc, dp, ah_bwd_whole<AH_BQ>(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
+                 [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<AH_BQ>(st, n, t4, l2, dl); });
     unsigned da[4][4];
     // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
     // result comes back a product earlier and dk's runs under its staging.
@@ -1144,22 +1187,12 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
 // ah_bwd_block runs a backward block of head dim DH on the walk it is
 // given: items items, walk(it, ah_bwd_item&), the block's first key at
 // position kp0, key kr seeing query i iff kr - off <= i < S and kr < KS,
-// loadKV(ks, vs, barKV) run by
-// lane 0 of the producer (its tensor-map prefetches and the k and v
-// loads, expect_tx included), and store(dka, dva, row, t4) for this
-// thread's rows of dk and dv: the block's key rows row and row + 8,
-// columns 8i + 2t4 and 8i + 2t4 + 1.
-//
-// Head dim 64 (version 2): 288 threads, warps 0-7 the two consumer
-// warpgroups and warp 8 the producer, which stages lse in base 2; nine
-// warps put three on each of the SM's register files, capping every
-// thread at 168 registers, enough for dk, dv and an item's scores.
-// Head dim 128 (version 6, FlashAttention-3's block): 384 threads, warps
-// 0-3 the producer warpgroup (warp 0 working) at setmaxnreg 24 and the
-// consumers at 240 (168 at entry: 128 x 24 + 256 x 240 fits the register
-// file's 65,536); lse stays in natural log for the consumers to convert.
-template <int DH, typename Walk, typename LoadKV, typename Store>
-__device__ __forceinline__ void ah_bwd_block(int items, int kp0, int S, int KS, int off, float scaleLog2, float scale,
+// loadKV(ks, vs, barKV) run by lane 0 of the producer (its tensor-map
+// prefetches and the k and v loads, expect_tx included), and store(dka,
+// dva, row, t4) for this thread's rows of dk and dv: the block's key rows
+// row and row + 8, columns 8i + 2t4 and 8i + 2t4 + 1.
+template <int DH, typename Items, typename Walk, typename LoadKV, typename Store>
+__device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, int KS, int off, float scaleLog2, float scale,
                                              Walk walk, LoadKV loadKV, Store store) {
   static_assert(DH == 64 || DH == 128, "the backward block is head dim 64's or 128's");
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
@@ -1176,20 +1209,19 @@ __device__ __forceinline__ void ah_bwd_block(int items, int kp0, int S, int KS, 
   }
   __syncthreads();
 
-  if (DH == 128 ? warp < 4 : warp == 8) {
-    if (DH == 128) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-      if (warp != 0) return;
-    }
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    if (warp != 0) return;
     if (lane == 0) loadKV(m.ks, m.vs, m.barKV);
-    ah_bwd_produce<DH, DH == 64>(m, items, lane, walk);
+    ah_bwd_produce<DH>(m, countItems(), lane, walk);
     return;
   }
-  if (DH == 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
   // Consumer cw owns keys [64cw, 64cw + 64) of the block, at positions
   // from kw on; this thread rows wr and wr + 8 of them.
-  const int cw = DH == 128 ? (warp >> 2) - 1 : warp >> 2, kw = kp0 + 64 * cw, wr = 16 * (warp & 3) + (lane >> 2);
+  const int cw = (warp >> 2) - 1, kw = kp0 + 64 * cw, wr = 16 * (warp & 3) + (lane >> 2);
   float dka[DH / 2], dva[DH / 2];
+  const int items = countItems();
   if constexpr (DH == 64) {
     ah_bwd64_consume(dka, dva, m, items, cw, kw, S, KS, off, scaleLog2, scale, walk);
   } else {
@@ -1214,13 +1246,14 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   ah_band(band, pair, kb);
   const int b = pair / KV, kvh = pair % KV, G = H / KV;
   const int j0 = kb * 128;
-  const int nQT = (S + AH_BQ - 1) / AH_BQ;
-  const int qt0 = gg_max(0, j0 - off) / AH_BQ;  // the first tile with a query that sees key j0
-  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
+  constexpr int BQ = ah_bcfg<DH>::BQ;
+  const int nQT = (S + BQ - 1) / BQ;
+  const int qt0 = gg_max(0, j0 - off) / BQ;  // the first tile with a query that sees key j0
+  const int perHead = gg_max(0, nQT - qt0);
   ah_bwd_block<DH>(
-      items, j0, S, KS, off, scaleLog2, scale,
+      [&] { return G * perHead; }, j0, S, KS, off, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
-        const int q0 = (qt0 + it % perHead) * AH_BQ;
+        const int q0 = (qt0 + it % perHead) * BQ;
         at.h = kvh * G + it / perHead;
         at.q0 = q0;
         at.row = b * S + q0;
@@ -1311,15 +1344,16 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
   const int j0 = blockIdx.y * 128;       // the block's first local key row
   const int nk = j0 / C;                 // its local chunk
   const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;  // and its first key's position
-  const int qt0 = kp0 / AH_BQ, perHead = 2 * W * C / AH_BQ - qt0, items = (G / gridDim.z) * perHead;
+  constexpr int BQ = ah_bcfg<DH>::BQ;  // C is a multiple of 128: a query tile lies in one chunk
+  const int qt0 = kp0 / BQ, perHead = 2 * W * C / BQ - qt0;
   // The key at position kp sees the query at position i iff kp <= i: no
   // sequence end on either side (S and KS out of reach, off 0).
   ah_bwd_block<DH>(
-      items, kp0, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
+      [&] { return (G / (int)gridDim.z) * perHead; }, kp0, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
         // Item it's query tile: its first position, and the rank and local
         // row that hold it.
-        const int qp0 = (qt0 + it % perHead) * AH_BQ, cq = qp0 / C;
+        const int qp0 = (qt0 + it % perHead) * BQ, cq = qp0 / C;
         const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
         at.h = h0 + it / perHead;
         at.q0 = qp0;
@@ -1332,7 +1366,7 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
         const long long first = ((long long)(b * 2 + nq) * H + at.h) * C + (row - nq * C);
         at.lse = maps->lse[owner] + first;
         at.delta = maps->delta[owner] + first;
-        at.valid = AH_BQ;
+        at.valid = BQ;
       },
       [&](unsigned ks, unsigned vs, unsigned barKV) {
         for (int w = 0; w < W; w++) {
@@ -1366,311 +1400,6 @@ extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const _
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
   ah_backward<128>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
-
-#if AH_EXPERIMENT & 64
-// attn_h_backward128q_d64 (bwd64-128q): the head-dim-64 backward with
-// items of 128 queries (FlashAttention-3's tile at this head dim) and a
-// producer warpgroup: 384 threads, setmaxnreg 24 for the producer and 240
-// for the two consumer warpgroups, so that a consumer holds an item's
-// S^T and dP^T (64 keys x 128 queries: 64 floats each) beside dk and dv.
-// Each product then runs at n128 or over 128 queries (S^T and dP^T
-// m64n128k16, dv and dk eight k16 steps), and the item's fixed costs (the
-// barrier waits, the statistics, the dS^T store's fence and barrier) are
-// paid once for twice the work. dq stays per warpgroup over its own 64
-// keys, in two 64-query halves (m64n64k16 each, staged and added by TMA
-// reductions as production's). Warp 0 is the producer: lane 0 loads k and
-// v once and each item's q and dout as two boxes of 64 rows each (the
-// production maps), its 32 lanes four queries' lse (base 2) and delta
-// each. Shared memory: k, v (16 KiB each), two stages of q and dout (32
-// KiB each), one dS^T buffer a warpgroup (64 keys x 128 queries, 16 KiB:
-// a warpgroup writes the next item's only after its dq products of this
-// one are waited for), dq staging [warpgroup][2] (16 KiB each), the
-// statistics [stage] (128 lse, 128 delta) and the barriers: 199,720 bytes
-// with the alignment slack. attn_h_backward's arguments.
-//
-// With bit 128 (bwd64-128q-dq), dq as FlashAttention-3 takes it at this
-// head dim: once an item over all 128 keys, each warpgroup the rows of
-// its 64-query half (eight k16 steps reading both warpgroups' dS^T, after
-// a 256-thread barrier), so one staged block a warpgroup and item where
-// the build above stages two, half the staging's shared-memory traffic
-// and half the TMA reductions. dS^T is kept [parity][warpgroup] (the
-// other warpgroup reads it) and dq's staging [warpgroup]: the same
-// 199,720 bytes.
-#define AH_BQ2 128  // queries per item
-
-template <int DH>
-__device__ __forceinline__ void ah_backward128q(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
-                                                const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
-                                                const float* delta, float* dk, float* dv, int S, int KS, int off,
-                                                int H, int KV, float scaleLog2, float scale, int band) {
-  static_assert(DH == 64, "ah_backward128q is head dim 64's");
-  constexpr int STAGES = 2;
-  constexpr unsigned KBOX = 128 * 128;    // {64 columns, 128 key rows}: 16 KiB, the k (or v) tile
-  constexpr unsigned QH = 64 * 128;       // {64 columns, 64 query rows}: 8 KiB, a TMA box
-  constexpr unsigned QT = 2 * QH;         // a q (or dout) tile of 128 queries
-  constexpr unsigned DSB = 64 * 256;      // a warpgroup's dS^T: 64 keys x 128 queries, two 8 KiB halves
-  constexpr unsigned DQB = 64 * 64 * 4;   // a dq staging block: 64 queries x 64 columns
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned ks = base, vs = base + KBOX, qs = base + 2 * KBOX;  // stage s: q at qs + 2*QT*s, dout QT on
-#if AH_EXPERIMENT & 128
-  const unsigned dss = qs + STAGES * 2 * QT;                         // dS^T [parity][warpgroup]
-  const unsigned dqs = dss + 4 * DSB;                                // dq staging [warpgroup]
-  const unsigned stat = dqs + 2 * DQB;                               // [stage]: 128 lse (base 2), 128 delta
-#else
-  const unsigned dss = qs + STAGES * 2 * QT;                         // dS^T [warpgroup]
-  const unsigned dqs = dss + 2 * DSB;                                // dq staging [warpgroup][2]
-  const unsigned stat = dqs + 4 * DQB;                               // [stage]: 128 lse (base 2), 128 delta
-#endif
-  const unsigned barKV = stat + STAGES * 1024, full = barKV + 8, empty = full + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int pair, kb;
-  ah_band(band, pair, kb);
-  const int b = pair / KV, kvh = pair % KV, G = H / KV;
-  const int j0 = kb * 128;
-  const int nQT = (S + AH_BQ2 - 1) / AH_BQ2;
-  const int qt0 = gg_max(0, j0 - off) / AH_BQ2;  // the first tile with a query that sees key j0
-  const int perHead = gg_max(0, nQT - qt0), items = G * perHead;
-  if (tid == 0) {
-    gg_bar_init(barKV, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(full + 8 * s, 33);  // the producer's expect_tx and its 32 lanes' statistics
-      gg_bar_init(empty + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-    if (warp != 0) return;
-    if (lane == 0) {
-      gg_prefetch_tmap(mapQ);
-      gg_prefetch_tmap(mapDO);
-      gg_bar_expect_tx(barKV, 2 * KBOX);
-      gg_tma_2d(ks, mapK, kvh * DH, b * KS + j0, barKV);
-      gg_tma_2d(vs, mapV, kvh * DH, b * KS + j0, barKV);
-    }
-    for (int it = 0; it < items; it++) {
-      const int s = it % STAGES;
-      const unsigned ph = (it / STAGES) & 1;
-      const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ2;
-      gg_bar_wait(empty + 8 * s, ph ^ 1);
-      if (lane == 0) {
-        gg_bar_expect_tx(full + 8 * s, 2 * QT);
-        const unsigned qa = qs + s * 2 * QT;
-#pragma unroll
-        for (int r = 0; r < 2; r++) {  // two 64-row boxes make the 128-row tile's layout
-          gg_tma_2d(qa + r * QH, mapQ, h * DH, b * S + q0 + 64 * r, full + 8 * s);
-          gg_tma_2d(qa + QT + r * QH, mapDO, h * DH, b * S + q0 + 64 * r, full + 8 * s);
-        }
-      }
-      const long long row = ((long long)b * H + h) * S;
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int i = q0 + lane + 32 * e;
-        ah_stsf(stat + s * 1024 + 4 * (lane + 32 * e), i < S ? lse[row + i] * AH_LOG2E : 0.0f);
-        ah_stsf(stat + s * 1024 + 512 + 4 * (lane + 32 * e), i < S ? delta[row + i] : 0.0f);
-      }
-      gg_bar_arrive(full + 8 * s);
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-  // Consumer cw owns keys [j0 + 64cw, j0 + 64cw + 64); this thread rows wr
-  // and wr + 8 of them (and, in dq's products, queries qh + wr, qh + wr + 8).
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3, wtid = tid & 127;
-  const int wr = 16 * (warp & 3) + g, kw = j0 + 64 * cw, kr0 = kw + wr;
-  float dka[DH / 2], dva[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(barKV, 0);
-  const unsigned long long descK = gg_desc(ks + cw * 64 * 128), descV = gg_desc(vs + cw * 64 * 128);
-#if !(AH_EXPERIMENT & 128)
-  const unsigned long long mnK = gg_desc_mn(ks + cw * 64 * 128, KBOX);  // this warpgroup's keys, for dq
-  const unsigned dsb = dss + cw * DSB;
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-#endif
-  for (int it = 0; it < items; it++) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    const int h = kvh * G + it / perHead, q0 = (qt0 + it % perHead) * AH_BQ2;
-    const unsigned qa = qs + s * 2 * QT, oa = qa + QT, st = stat + s * 1024;
-    float sc[64], dp[64];
-    gg_bar_wait(full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    // S^T = k q^T and dP^T = v dout^T: m64n128k16, four k16 steps of the
-    // head dim (32 bytes each within the 128-byte rows).
-    {
-      const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-      gg_wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DH / 16; kk++) gg_wgmma(sc, descK + 2 * kk, descQ + 2 * kk, kk > 0 ? 1 : 0);
-#pragma unroll
-      for (int kk = 0; kk < DH / 16; kk++) gg_wgmma(dp, descV + 2 * kk, descO + 2 * kk, kk > 0 ? 1 : 0);
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(sc);
-      gg_fence_acc(dp);
-    }
-    // P^T and dS^T in place of S^T and dP^T. Column 8n + 2t4 + e is query
-    // q0 + 8n + 2t4 + e.
-    const bool whole = kw + 63 <= off + q0 && q0 + AH_BQ2 <= S && kw + 63 < KS;
-#if AH_EXPERIMENT & 256
-    // Production's ah_bwd_probs on each 64-query half (columns 64hf..).
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-      float(&sch)[32] = *reinterpret_cast<float(*)[32]>(&sc[32 * hf]);
-      float(&dph)[32] = *reinterpret_cast<float(*)[32]>(&dp[32 * hf]);
-      ah_bwd_probs(sch, dph, whole, q0 + 64 * hf, t4, kr0, S, KS, off, scaleLog2, scale,
-                   [&](int n, float (&l2)[2], float (&dl)[2]) {
-                     ah_lds2f(st + 4 * (8 * (n + 8 * hf) + 2 * t4), l2[0], l2[1]);
-                     ah_lds2f(st + 512 + 4 * (8 * (n + 8 * hf) + 2 * t4), dl[0], dl[1]);
-                   });
-    }
-#else
-    const int kr1 = kr0 + 8;
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      float l2[2], dl[2];
-      ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
-      ah_lds2f(st + 512 + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int i = q0 + 8 * n + 2 * t4 + e;
-        const bool v0 = whole || (i < S && kr0 <= off + i && kr0 < KS);
-        const bool v1 = whole || (i < S && kr1 <= off + i && kr1 < KS);
-        const float p0 = v0 ? ah_ex2(sc[4 * n + e] * scaleLog2 - l2[e]) : 0.0f;
-        const float p1 = v1 ? ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]) : 0.0f;
-        sc[4 * n + e] = p0;
-        sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
-      }
-    }
-#endif
-    // dv += P^T dout, dk += dS^T q: A from registers (k16 chunk kk is n
-    // blocks 2kk and 2kk + 1), q and dout MN-major, 16 queries (2048 bytes)
-    // a step.
-    unsigned pa[8][4], da[8][4];
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      pa[n >> 1][2 * (n & 1)] = gg_pack_bf16(sc[4 * n], sc[4 * n + 1]);
-      pa[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(sc[4 * n + 2], sc[4 * n + 3]);
-      da[n >> 1][2 * (n & 1)] = gg_pack_bf16(dp[4 * n], dp[4 * n + 1]);
-      da[n >> 1][2 * (n & 1) + 1] = gg_pack_bf16(dp[4 * n + 2], dp[4 * n + 3]);
-    }
-    {
-      gg_wgmma_fence();
-      gg_fence_acc(dva);
-      gg_fence_acc(dka);
-      const unsigned long long mnO = gg_desc_mn(oa, QT), mnQ = gg_desc_mn(qa, QT);
-#pragma unroll
-      for (int kk = 0; kk < AH_BQ2 / 16; kk++) ah_wgmma_rs(dva, pa[kk], mnO + 128 * kk);
-#pragma unroll
-      for (int kk = 0; kk < AH_BQ2 / 16; kk++) ah_wgmma_rs(dka, da[kk], mnQ + 128 * kk);
-      gg_wgmma_commit();
-    }
-#if AH_EXPERIMENT & 128
-    // dS^T to this warpgroup's buffer of the item's parity, as two
-    // 64-query halves. The other warpgroup read this buffer last two items
-    // ago, and finished before it reached the barrier below of the item
-    // before, which this warpgroup has passed.
-    const unsigned dsb = dss + ((it & 1) * 2 + cw) * DSB;
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-      unsigned half[4][4];
-#pragma unroll
-      for (int c = 0; c < 16; c++) half[c / 4][c % 4] = da[4 * hf + c / 4][c % 4];
-      ah_store_dst(dsb + hf * (DSB / 2), half, wr, t4);
-    }
-    // This warpgroup's dq block of the item before has been read out of
-    // its staging buffer before anyone here passes the barrier.
-    if (wtid == 0) gg_bulk_wait_read();
-    gg_named_sync(3, 256);  // both warpgroups' dS^T are in
-    {
-      // dq for queries q0 + 64cw.. over all 128 keys: dS from both
-      // warpgroups' buffers (keys 0-63 in warpgroup 0's), this warpgroup's
-      // 64-query half of each; k's 128 rows. m64n64k16, 16 keys a step.
-      const int qh = q0 + 64 * cw;  // past S in the last item: dS is 0 there, nothing added
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned pb = dss + (it & 1) * 2 * DSB + cw * (DSB / 2);
-      const unsigned long long mnD0 = gg_desc_mn(pb, DSB / 2), mnD1 = gg_desc_mn(pb + DSB, DSB / 2);
-      const unsigned long long mnKa = gg_desc_mn(ks, KBOX);
-#pragma unroll
-      for (int kk = 0; kk < 8; kk++)
-        ah_wgmma_ss<1, 1>(acc, (kk < 4 ? mnD0 : mnD1) + 128 * (kk & 3), mnKa + 128 * kk, kk > 0 ? 1 : 0);
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      // dv's and dk's products (the group before) are done with the stage.
-      gg_fence_acc(dva);
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(empty + 8 * s);
-      const unsigned stg = dqs + cw * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0 && qh < S) {
-        gg_tma_reduce_add_2d(mapDQ, h * DH, b * S + qh, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 32, b * S + qh, stg + DQB / 2);
-        gg_bulk_commit();
-      }
-    }
-#else
-    // dS^T to this warpgroup's buffer, as two 64-query halves (its dq
-    // products of the item before were waited for).
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-      unsigned half[4][4];
-#pragma unroll
-      for (int c = 0; c < 16; c++) half[c / 4][c % 4] = da[4 * hf + c / 4][c % 4];
-      ah_store_dst(dsb + hf * (DSB / 2), half, wr, t4);
-    }
-    gg_named_sync(1 + cw, 128);
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-      const int qh = q0 + 64 * hf;  // past S in the last item's second half: dS is 0 there, nothing added
-      float acc[32];
-      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-      gg_wgmma_fence();
-      const unsigned long long mnD = gg_desc_mn(dsb + hf * (DSB / 2), DSB / 2);
-#pragma unroll
-      for (int kk = 0; kk < 4; kk++) ah_wgmma_ss<1, 1>(acc, mnD + 128 * kk, mnK + 128 * kk, kk > 0 ? 1 : 0);  // 16 keys a step
-      gg_wgmma_commit();
-      gg_wgmma_wait<0>();
-      gg_fence_acc(acc);
-      if (hf == 0) {
-        // dv's and dk's products (the group before) are done with the stage.
-        gg_fence_acc(dva);
-        gg_fence_acc(dka);
-        if (lane == 0) gg_bar_arrive(empty + 8 * s);
-      }
-      const unsigned stg = dqs + (cw * 2 + (nq & 1)) * DQB;
-      ah_stage_dq(stg, acc, wr, t4);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      if (wtid == 0) gg_bulk_wait_read();
-      gg_named_sync(1 + cw, 128);
-      if (wtid == 0 && qh < S) {
-        gg_tma_reduce_add_2d(mapDQ, h * DH, b * S + qh, stg);
-        gg_tma_reduce_add_2d(mapDQ, h * DH + 32, b * S + qh, stg + DQB / 2);
-        gg_bulk_commit();
-      }
-      nq++;
-    }
-#endif
-  }
-  if (wtid == 0) gg_bulk_wait();
-  ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, kr0, t4);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward128q_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
-  ah_backward128q<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
-}
-#endif
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
 // row b*S + i, head h (float32 in, [B, H, S] out); attn_h_delta_bf16 the

@@ -36,7 +36,7 @@ type Source struct {
 // change some of its kernels. Its kernels keep their names, arguments
 // and launch shapes, so the backend's tests run them in place of the
 // production ones; a variant may also add kernels of its own, which a
-// test of its own launches (bwd64-128q).
+// test of its own launches (backend/cuda's TestAttentionLabOwnLaunch).
 type Variant struct {
 	Name    string
 	Defines []string // NVRTC and clang -D arguments, NAME=VALUE
@@ -52,14 +52,9 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "bwd64-128q", Defines: []string{"AH_EXPERIMENT=64"}, Exact: true,
-				Purpose: "adds attn_h_backward128q_d64: the head-dim-64 backward with items of 128 queries and a producer warpgroup (setmaxnreg 24 / 240), FlashAttention-3's tile there (its products at n128 or over 128 queries, half the shared-memory bytes a FLOP of n64); 1.14x production at moe-small's shape on an H100 at e809232, not yet with ah_bwd_probs; launched by TestAttentionLabOwnLaunch"},
-			{Name: "bwd64-128q-dq", Defines: []string{"AH_EXPERIMENT=192"}, Exact: true,
-				Purpose: "bwd64-128q with dq as FlashAttention-3 takes it there: once an item over all 128 keys, each warpgroup its 64-query half after a 256-thread barrier (one staged block a warpgroup and item instead of two); 1.15x production at moe-small's shape on an H100 at e809232, not yet with ah_bwd_probs; launched by TestAttentionLabOwnLaunch"},
-			{Name: "bwd64-128q-dq-select", Defines: []string{"AH_EXPERIMENT=448"}, Exact: true,
-				Purpose: "bwd64-128q-dq with production's ah_bwd_probs (P^T and dS^T without a branch per element, which gave production's head-dim-64 backward +13.8%): whether the 128-query items' gain adds to it; launched by TestAttentionLabOwnLaunch"},
-		}},
+		// No attention lab waits: the last (items of 128 queries at head
+		// dim 64) is production's backward version 7.
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
