@@ -1380,11 +1380,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_backward_d128(con
   ah_zz_backward<128>(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(288, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
   ah_zz_backward<64>(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(288, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
   ah_backward<64>(&mapQ, &mapDO, &mapK, &mapV, &mapDQ, lse, delta, dk, dv, S, KS, off, H, KV, scaleLog2, scale, band);
 }
 

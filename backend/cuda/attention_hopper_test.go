@@ -5,6 +5,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -126,5 +128,49 @@ func TestHopperAttnSmemMatchesKernels(t *testing.T) {
 		"-fsyntax-only", file)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("%s: %v\n%s", cmd, err, out)
+	}
+}
+
+// TestHopperAttnLaunchBounds checks every kernel of attention_hopper.cu
+// that the backend launches with a fixed block against the source's
+// __launch_bounds__: a launch of more threads than the bound is refused
+// on the GPU (CUDA_ERROR_INVALID_VALUE) and one of fewer leaves warps the
+// kernel's setmaxnreg counts assume, so the two must be equal; a block
+// size changed on one side only fails here, without a GPU.
+func TestHopperAttnLaunchBounds(t *testing.T) {
+	src, err := kernels.Lookup("attention_hopper.cu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, err := src.Text()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bounds := map[string]int{}
+	for _, m := range regexp.MustCompile(`__launch_bounds__\((\d+), 1\) (attn_h_\w+)\(`).FindAllStringSubmatch(text, -1) {
+		n, err := strconv.Atoi(m[1])
+		if err != nil {
+			t.Fatal(err)
+		}
+		bounds[m[2]] = n
+	}
+	want := map[string]int{}
+	for _, dh := range []int{64, 128} {
+		fwd := 128 * (1 + hopperAttnConsumers(dh)) // a producer warpgroup and the consumers
+		want[fmt.Sprintf("attn_h_forward_d%d", dh)] = fwd
+		want[fmt.Sprintf("attn_h_forward_d%d_bf16", dh)] = fwd
+		want[fmt.Sprintf("attn_h_zz_forward_d%d", dh)] = 384 // the ring's forward: two consumers
+		bwd, _ := hopperAttnBwdLaunch(dh)
+		want[fmt.Sprintf("attn_h_backward_d%d", dh)] = bwd
+		want[fmt.Sprintf("attn_h_zz_backward_d%d", dh)] = bwd
+	}
+	for name, threads := range want {
+		got, ok := bounds[name]
+		switch {
+		case !ok:
+			t.Errorf("%s: no __launch_bounds__(N, 1) kernel of that name in %s", name, src.File)
+		case got != threads:
+			t.Errorf("%s: __launch_bounds__(%d, 1), but the backend launches %d threads", name, got, threads)
+		}
 	}
 }
