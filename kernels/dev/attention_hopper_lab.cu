@@ -78,7 +78,6 @@
 #define AH_EXPERIMENT 0
 #endif
 
-
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
 #define AH_BN 128  // keys per tile
 #define AH_LN2 0.6931471805599453f
@@ -1185,7 +1184,9 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
 }
 
 // ah_bwd_block runs a backward block of head dim DH on the walk it is
-// given: items items, walk(it, ah_bwd_item&), the block's first key at
+// given: countItems() items (counted after the warpgroups part: a count
+// made before was spilled across setmaxnreg, NVRTC 12.4), walk(it,
+// ah_bwd_item&), the block's first key at
 // position kp0, key kr seeing query i iff kr - off <= i < S and kr < KS,
 // loadKV(ks, vs, barKV) run by lane 0 of the producer (its tensor-map
 // prefetches and the k and v loads, expect_tx included), and store(dka,
@@ -1232,8 +1233,8 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
 
 // ah_backward is the whole sequence's backward at head dim DH: a block
 // owns 128 keys of one (sequence, kv head) pair (ah_band's order) and
-// walks, per query head of the group, every 64-query tile from the first
-// with a query that sees its first key. q, dout, k and v are read through
+// walks, per query head of the group, every tile of BQ queries (ah_bcfg)
+// from the first with a query that sees its first key. q, dout, k and v are read through
 // tensor maps, lse and delta from [B, H, S]; dq [B*S, H*DH] float32 takes
 // TMA reductions, and dk and dv [B*KS, KV*DH] float32 are stored, their
 // rows past KS not.
@@ -1314,8 +1315,8 @@ __device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const flo
 // context-parallel rank r of W (as attn_h_zz_forward): a block owns 128 of
 // the rank's keys (one local key block: its rows lie in one chunk, C a
 // multiple of 128) of one (sequence, kv head) and walks, per query head of
-// the group, every 64-query tile of the whole sequence from the block's
-// first key position on, each read from the rank that holds it (q and
+// the group, every tile of BQ queries of the whole sequence from the
+// block's first key position on, each read from the rank that holds it (q and
 // dout through that rank's tensor maps, lse and delta [B, 2, H, C] through
 // its pointers), in position order. The block is ah_backward's
 // (ah_bwd_block); dk and dv stay in registers across every rank's queries
@@ -1331,7 +1332,6 @@ struct ah_zz_bmaps {
   const float* lse[AH_ZZ_MAX];                // every rank's [B, 2, H, C], natural log
   const float* delta[AH_ZZ_MAX];              // every rank's [B, 2, H, C]
 };
-
 
 template <int DH>
 __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
