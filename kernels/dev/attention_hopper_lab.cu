@@ -1,7 +1,8 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT has no
-// bit at the moment: the last labs (the head-dim-64 backward on items of
-// 128 queries) became production's version 7; git keeps them.
+// define it compiles to the production source's PTX. AH_EXPERIMENT bit:
+//  1  fwd-pingpong: the whole-sequence forward's consumer warpgroups take
+//     turns to issue their products (FlashAttention-3's pingpong), so one
+//     warpgroup's softmax runs under another's wgmmas (ah_fwd_tiles_pp).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -364,6 +365,89 @@ __device__ __forceinline__ void ah_fwd_tiles(float (&o)[DH / 2], float& m0, floa
   if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
 }
 
+#if AH_EXPERIMENT & 1
+// ah_sched_wait and ah_sched_arrive are the pingpong's turns: named
+// barrier 4 + cw (the backward uses 1-3) over 256 threads, the 128 of
+// warpgroup cw waiting for its turn and the 128 of the warpgroup before
+// it arriving once it has issued its products.
+__device__ __forceinline__ void ah_sched_wait(int cw) { asm volatile("bar.sync %0, 256;" ::"r"(4 + cw) : "memory"); }
+__device__ __forceinline__ void ah_sched_arrive(int cw) { asm volatile("bar.arrive %0, 256;" ::"r"(4 + cw) : "memory"); }
+
+// ah_fwd_tiles_pp is ah_fwd_tiles with FlashAttention-3's pingpong
+// between the NC consumer warpgroups, and the drain of the tiles this
+// warpgroup does not see (nTw of the block's nT) folded in. Every
+// warpgroup takes nT + 1 turns, in warpgroup order: turn 0 issues tile
+// 0's scores, turn t tile t's scores and tile t-1's P.V, turn nTw the
+// last P.V, and each turn past that drains one unseen tile (waits for its
+// k and v and frees them) or, the last, nothing. A turn holds the
+// products' issue only: the softmax and the waits for the products run
+// after the warpgroup hands the turn on. Warpgroup NC-1 opens the first
+// turn and does not hand its last one on, so every barrier phase has its
+// 256 threads.
+template <int DH, int STAGES, int NC>
+__device__ __forceinline__ void ah_fwd_tiles_pp(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nTw,
+                                                int nT, int cw, unsigned long long dq, unsigned ks, unsigned vs,
+                                                unsigned fullK, unsigned fullV, unsigned emptyK, unsigned emptyV,
+                                                int lane, int off, int w0, int r0, int r1, int KS, int t4,
+                                                float scaleLog2) {
+  const int next = cw + 1 == NC ? 0 : cw + 1;
+  const bool lastWG = cw == NC - 1;
+  if (lastWG) ah_sched_arrive(0);
+  int j = 0;  // this warpgroup's next turn
+  if (nTw > 0) {
+    float sc[64];
+    unsigned p[8][4];
+    float a0, a1;
+    ah_sched_wait(cw);
+    ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
+    ah_sched_arrive(next);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(sc);
+    if (lane == 0) gg_bar_arrive(emptyK);
+    ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
+    ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
+#pragma unroll 1
+    for (int t = 1; t < nTw; t++) {
+      ah_sched_wait(cw);
+      ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
+      ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
+      ah_sched_arrive(next);
+      gg_wgmma_wait<1>();  // the scores (the older group)
+      gg_fence_acc(sc);
+      if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
+      ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
+      gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
+      gg_fence_acc(o);
+      gg_fence_acc(sc);
+      if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
+      ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
+    }
+    ah_sched_wait(cw);
+    ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, nTw - 1);
+    if (!(lastWG && nTw == nT)) ah_sched_arrive(next);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(o);
+    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nTw - 1) % STAGES));
+    j = nTw + 1;
+  }
+  for (; j <= nT; j++) {
+    ah_sched_wait(cw);
+    const int t = nTw > 0 ? j - 1 : j;  // the unseen tile this turn drains
+    if (t < nT) {
+      const int s = t % STAGES;
+      const unsigned ph = (t / STAGES) & 1;
+      gg_bar_wait(fullK + 8 * s, ph);
+      gg_bar_wait(fullV + 8 * s, ph);
+      if (lane == 0) {
+        gg_bar_arrive(emptyK + 8 * s);
+        gg_bar_arrive(emptyV + 8 * s);
+      }
+    }
+    if (!(lastWG && j == nT)) ah_sched_arrive(next);
+  }
+}
+#endif
+
 template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                                float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
@@ -431,6 +515,10 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+#if AH_EXPERIMENT & 1
+  ah_fwd_tiles_pp<DH, STAGES, NC>(o, m0, m1, l0, l1, nTw, nT, cw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0,
+                                  r1, KS, t4, scaleLog2);
+#else
   if (nTw > 0)
     ah_fwd_tiles<DH, STAGES>(o, m0, m1, l0, l1, nTw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, KS, t4,
                              scaleLog2);
@@ -445,6 +533,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
       gg_bar_arrive(emptyV + 8 * s);
     }
   }
+#endif
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
   l1 += mk_shfl_xor(l1, 1);
