@@ -1125,8 +1125,8 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
       if (lane == 0) gg_bar_arrive(m.empty + 8 * ((it - 1) % STAGES));
     }
     const unsigned st = m.stat + s * ah_bcfg<DH>::STAT;
-    ah_bwd_probs(sc, dp, ah_bwd_whole<AH_BQ>(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
-                 [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<AH_BQ>(st, n, t4, l2, dl); });
+    ah_bwd_probs(sc, dp, ah_bwd_whole<ah_bcfg<DH>::BQ>(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
+                 [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<ah_bcfg<DH>::BQ>(st, n, t4, l2, dl); });
     unsigned da[4][4];
     // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
     // result comes back a product earlier and dk's runs under its staging.
