@@ -3,6 +3,10 @@
 //  1  fwd-pingpong: the whole-sequence forward's consumer warpgroups take
 //     turns to issue their products (FlashAttention-3's pingpong), so one
 //     warpgroup's softmax runs under another's wgmmas (ah_fwd_tiles_pp).
+//  2  zz-bwd-band: the ring's backward runs its blocks a band of (sequence,
+//     kv head) pairs at a time (ah_band, the whole-sequence backward's
+//     order: 4 pairs from 32 key blocks a rank, 2 from 64), so that L2
+//     holds the band's q, dout and dq while its key blocks walk them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1425,12 +1429,25 @@ struct ah_zz_bmaps {
 template <int DH>
 __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
                                                int KV, float scaleLog2, float scale) {
+#if AH_EXPERIMENT & 2
+  // hopperAttnBand's backward rule on the rank's key blocks (local key
+  // block 0 is the heaviest: chunk r's first keys see every later query).
+  const int band = gridDim.y >= 64 ? 2 : gridDim.y >= 32 ? 4 : (int)gridDim.x;
+  int pair, kb;
+  ah_band(band, pair, kb);
+  const int b = pair / KV, kvh = pair % KV, G = H / KV;
+#else
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
+#endif
   // blockIdx.z: which of the gridDim.z equal shares of the group's query
   // heads the block walks (ah_zz_store_dkdv).
   const int h0 = kvh * G + (int)blockIdx.z * (G / gridDim.z);
   const int S = 2 * C;                   // local rows per sequence
+#if AH_EXPERIMENT & 2
+  const int j0 = kb * 128;               // the block's first local key row
+#else
   const int j0 = blockIdx.y * 128;       // the block's first local key row
+#endif
   const int nk = j0 / C;                 // its local chunk
   const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;  // and its first key's position
   constexpr int BQ = ah_bcfg<DH>::BQ;  // C is a multiple of 128: a query tile lies in one chunk
