@@ -5,8 +5,9 @@
 //     warpgroup's softmax runs under another's wgmmas (ah_fwd_tiles_pp).
 //  2  zz-bwd-band: the ring's backward runs its blocks a band of (sequence,
 //     kv head) pairs at a time (ah_band, the whole-sequence backward's
-//     order: 4 pairs from 32 key blocks a rank, 2 from 64), so that L2
-//     holds the band's q, dout and dq while its key blocks walk them.
+//     order for the whole sequence's 2WC/128 key blocks: 4 pairs from 32,
+//     2 from 64), so that L2 holds the band's q, dout and dq while its
+//     key blocks walk them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1430,9 +1431,13 @@ template <int DH>
 __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
                                                int KV, float scaleLog2, float scale) {
 #if AH_EXPERIMENT & 2
-  // hopperAttnBand's backward rule on the rank's key blocks (local key
-  // block 0 is the heaviest: chunk r's first keys see every later query).
-  const int band = gridDim.y >= 64 ? 2 : gridDim.y >= 32 ? 4 : (int)gridDim.x;
+  // hopperAttnBand's backward rule, on the whole sequence's key blocks
+  // (2WC/128): each block walks the queries of the whole sequence from
+  // its first key on, as a whole-sequence block does, so the footprint L2
+  // must hold is the whole sequence's. The rank's local key block 0 is
+  // its heaviest (chunk r's first keys see every later query).
+  const int seqBlocks = 2 * W * C / 128;
+  const int band = seqBlocks >= 64 ? 2 : seqBlocks >= 32 ? 4 : (int)gridDim.x;
   int pair, kb;
   ah_band(band, pair, kb);
   const int b = pair / KV, kvh = pair % KV, G = H / KV;

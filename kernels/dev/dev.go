@@ -56,7 +56,7 @@ func Sources() []Source {
 			{Name: "fwd-pingpong", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
 				Purpose: "the whole-sequence forward's consumer warpgroups take turns to issue their products (FlashAttention-3's pingpong: named barriers 4+cw), so one warpgroup's softmax runs under another's wgmmas; FlashAttention-3 measured +13.6% over its intra-warpgroup overlap alone at head dim 128; predicted +5-10% at moe-small's head dim 64, where the softmax is twice the share; run in place of production's kernels"},
 			{Name: "zz-bwd-band", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the ring's backward runs its blocks a band of (sequence, kv head) pairs at a time, the whole-sequence backward's order (4 pairs from 32 key blocks a rank, 2 from 64), so L2 holds the band's q, dout and dq: the ring's forward+backward efficiency fell to 0.93-0.98 at f753c4f when version 6 sped up the banded whole-sequence backward more than the unbanded ring's; TestAttentionLabVariants times the ring rows of bench attention beside production's"},
+				Purpose: "the ring's backward runs its blocks a band of (sequence, kv head) pairs at a time, the whole-sequence backward's order for the whole sequence's key blocks (4 pairs from 32, 2 from 64), so L2 holds the band's q, dout and dq: the ring's forward+backward efficiency fell to 0.93-0.98 at f753c4f when version 6 sped up the banded whole-sequence backward more than the unbanded ring's; TestAttentionLabVariants times the ring rows of bench attention beside production's"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
