@@ -98,14 +98,7 @@ func TestHopperAttnSmemMatchesKernels(t *testing.T) {
 	if err != nil {
 		t.Skip("cuda: clang-19 not on PATH, the kernels' shared-memory layout not checked against the launches")
 	}
-	src, err := kernels.Lookup("attention_hopper.cu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	text, err := src.Text()
-	if err != nil {
-		t.Fatal(err)
-	}
+	text := hopperAttnText(t)
 	var b strings.Builder
 	b.WriteString(text)
 	for _, dh := range []int{64, 128} {
@@ -138,14 +131,7 @@ func TestHopperAttnSmemMatchesKernels(t *testing.T) {
 // kernel's setmaxnreg counts assume, so the two must be equal; a block
 // size changed on one side only fails here, without a GPU.
 func TestHopperAttnLaunchBounds(t *testing.T) {
-	src, err := kernels.Lookup("attention_hopper.cu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	text, err := src.Text()
-	if err != nil {
-		t.Fatal(err)
-	}
+	text := hopperAttnText(t)
 	bounds := map[string]int{}
 	for _, m := range regexp.MustCompile(`__launch_bounds__\((\d+), 1\) (attn_h_\w+)\(`).FindAllStringSubmatch(text, -1) {
 		n, err := strconv.Atoi(m[1])
@@ -168,9 +154,23 @@ func TestHopperAttnLaunchBounds(t *testing.T) {
 		got, ok := bounds[name]
 		switch {
 		case !ok:
-			t.Errorf("%s: no __launch_bounds__(N, 1) kernel of that name in %s", name, src.File)
+			t.Errorf("%s: no __launch_bounds__(N, 1) kernel of that name in attention_hopper.cu", name)
 		case got != threads:
 			t.Errorf("%s: __launch_bounds__(%d, 1), but the backend launches %d threads", name, got, threads)
 		}
 	}
+}
+
+// hopperAttnText is the source text of kernels/attention_hopper.cu.
+func hopperAttnText(t *testing.T) string {
+	t.Helper()
+	src, err := kernels.Lookup("attention_hopper.cu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, err := src.Text()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return text
 }
