@@ -1,13 +1,12 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
 // define it compiles to the production source's PTX. AH_EXPERIMENT bit:
-//  1  fwd-pingpong: the whole-sequence forward's consumer warpgroups take
-//     turns to issue their products (FlashAttention-3's pingpong), so one
-//     warpgroup's softmax runs under another's wgmmas (ah_fwd_tiles_pp).
-//  2  zz-bwd-band: the ring's backward runs its blocks a band of (sequence,
-//     kv head) pairs at a time (ah_band, the whole-sequence backward's
-//     order for the whole sequence's 2WC/128 key blocks: 4 pairs from 32,
-//     2 from 64), so that L2 holds the band's q, dout and dq while its
-//     key blocks walk them.
+//  4  fwd-persistent: the whole-sequence forward (ah_fwd_tiles' overlap
+//     inside a consumer) on a persistent grid, attn_h_forward_p_d{64,128}:
+//     min(SMs, items) blocks each walking items blockIdx.x, +gridDim.x, ...
+//     in ah_band's order, the k and v stages turning on from one item into
+//     the next, the next item's q tile loaded once every consumer warp has
+//     its last scores of this one (qFree), so that an item's start and
+//     epilogue run under its neighbours' products.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -370,89 +369,6 @@ __device__ __forceinline__ void ah_fwd_tiles(float (&o)[DH / 2], float& m0, floa
   if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
 }
 
-#if AH_EXPERIMENT & 1
-// ah_sched_wait and ah_sched_arrive are the pingpong's turns: named
-// barrier 4 + cw (the backward uses 1-3) over 256 threads, the 128 of
-// warpgroup cw waiting for its turn and the 128 of the warpgroup before
-// it arriving once it has issued its products.
-__device__ __forceinline__ void ah_sched_wait(int cw) { asm volatile("bar.sync %0, 256;" ::"r"(4 + cw) : "memory"); }
-__device__ __forceinline__ void ah_sched_arrive(int cw) { asm volatile("bar.arrive %0, 256;" ::"r"(4 + cw) : "memory"); }
-
-// ah_fwd_tiles_pp is ah_fwd_tiles with FlashAttention-3's pingpong
-// between the NC consumer warpgroups, and the drain of the tiles this
-// warpgroup does not see (nTw of the block's nT) folded in. Every
-// warpgroup takes nT + 1 turns, in warpgroup order: turn 0 issues tile
-// 0's scores, turn t tile t's scores and tile t-1's P.V, turn nTw the
-// last P.V, and each turn past that drains one unseen tile (waits for its
-// k and v and frees them) or, the last, nothing. A turn holds the
-// products' issue only: the softmax and the waits for the products run
-// after the warpgroup hands the turn on. Warpgroup NC-1 opens the first
-// turn and does not hand its last one on, so every barrier phase has its
-// 256 threads.
-template <int DH, int STAGES, int NC>
-__device__ __forceinline__ void ah_fwd_tiles_pp(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nTw,
-                                                int nT, int cw, unsigned long long dq, unsigned ks, unsigned vs,
-                                                unsigned fullK, unsigned fullV, unsigned emptyK, unsigned emptyV,
-                                                int lane, int off, int w0, int r0, int r1, int KS, int t4,
-                                                float scaleLog2) {
-  const int next = cw + 1 == NC ? 0 : cw + 1;
-  const bool lastWG = cw == NC - 1;
-  if (lastWG) ah_sched_arrive(0);
-  int j = 0;  // this warpgroup's next turn
-  if (nTw > 0) {
-    float sc[64];
-    unsigned p[8][4];
-    float a0, a1;
-    ah_sched_wait(cw);
-    ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
-    ah_sched_arrive(next);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    if (lane == 0) gg_bar_arrive(emptyK);
-    ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
-    ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
-#pragma unroll 1
-    for (int t = 1; t < nTw; t++) {
-      ah_sched_wait(cw);
-      ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
-      ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
-      ah_sched_arrive(next);
-      gg_wgmma_wait<1>();  // the scores (the older group)
-      gg_fence_acc(sc);
-      if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
-      ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
-      gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
-      gg_fence_acc(o);
-      gg_fence_acc(sc);
-      if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
-      ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
-    }
-    ah_sched_wait(cw);
-    ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, nTw - 1);
-    if (!(lastWG && nTw == nT)) ah_sched_arrive(next);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nTw - 1) % STAGES));
-    j = nTw + 1;
-  }
-  for (; j <= nT; j++) {
-    ah_sched_wait(cw);
-    const int t = nTw > 0 ? j - 1 : j;  // the unseen tile this turn drains
-    if (t < nT) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      gg_bar_wait(fullK + 8 * s, ph);
-      gg_bar_wait(fullV + 8 * s, ph);
-      if (lane == 0) {
-        gg_bar_arrive(emptyK + 8 * s);
-        gg_bar_arrive(emptyV + 8 * s);
-      }
-    }
-    if (!(lastWG && j == nT)) ah_sched_arrive(next);
-  }
-}
-#endif
-
 template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                                float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
@@ -520,10 +436,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
   gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-#if AH_EXPERIMENT & 1
-  ah_fwd_tiles_pp<DH, STAGES, NC>(o, m0, m1, l0, l1, nTw, nT, cw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0,
-                                  r1, KS, t4, scaleLog2);
-#else
   if (nTw > 0)
     ah_fwd_tiles<DH, STAGES>(o, m0, m1, l0, l1, nTw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, KS, t4,
                              scaleLog2);
@@ -538,7 +450,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
       gg_bar_arrive(emptyV + 8 * s);
     }
   }
-#endif
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
   l1 += mk_shfl_xor(l1, 1);
@@ -717,6 +628,197 @@ extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(con
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
   ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
+
+#if AH_EXPERIMENT & 4
+// ah_band_of is ah_band for item lin of a persistent grid: the same order
+// over pairs x items, with lin in place of the block's launch index.
+__device__ __forceinline__ void ah_band_of(int lin, int pairs, int items, int band, int& pair, int& item) {
+  const int first = lin / (band * items) * band;
+  const int inBand = gg_min(band, pairs - first), r = lin - first * items;
+  pair = first + r % inBand;
+  item = r / inBand;
+}
+
+// ah_fwd_tiles_p is ah_fwd_tiles with the k and v stages counted from T0
+// (the tiles the block's earlier items used: stage (T0 + t) % STAGES) and
+// one arrival on qFree from each warp once its last scores are in (its
+// last read of the q tile). Tile t's position is t, as in ah_fwd_tiles.
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_fwd_tiles_p(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT, int T0,
+                                               unsigned long long dq, unsigned ks, unsigned vs, unsigned fullK,
+                                               unsigned fullV, unsigned emptyK, unsigned emptyV, unsigned qFree, int lane,
+                                               int off, int w0, int r0, int r1, int KS, int t4, float scaleLog2) {
+  float sc[64];
+  unsigned p[8][4];
+  float a0, a1;
+  ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, T0);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(sc);
+  if (lane == 0) {
+    gg_bar_arrive(emptyK + 8 * (T0 % STAGES));
+    if (nT == 1) gg_bar_arrive(qFree);
+  }
+  ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
+  ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
+#pragma unroll 1
+  for (int t = 1; t < nT; t++) {
+    ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, T0 + t);
+    ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, T0 + t - 1);
+    gg_wgmma_wait<1>();
+    gg_fence_acc(sc);
+    if (lane == 0) {
+      gg_bar_arrive(emptyK + 8 * ((T0 + t) % STAGES));
+      if (t == nT - 1) gg_bar_arrive(qFree);
+    }
+    ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
+    gg_wgmma_wait<0>();
+    gg_fence_acc(o);
+    gg_fence_acc(sc);
+    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((T0 + t - 1) % STAGES));
+    ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
+  }
+  ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, T0 + nT - 1);
+  gg_wgmma_wait<0>();
+  gg_fence_acc(o);
+  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((T0 + nT - 1) % STAGES));
+}
+
+// ah_forward_p is ah_forward on a persistent grid: block x runs items x,
+// x + gridDim.x, ... of the pairs x q tiles in ah_band's order. The
+// producer loads each item's q tile once qFree says every consumer warp
+// has its last scores of the item before, then the item's k and v tiles
+// on the stages' ring, which turns on across items (T counts the block's
+// tiles), so the next item's first tiles land under this one's last
+// products and epilogue. Launched on min(SMs, items) blocks with pairs
+// as one more argument; shared memory 8 bytes more than ah_forward's.
+template <int DH, typename Out, int NC>
+__device__ __forceinline__ void ah_forward_p(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
+                                             float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
+                                             int band, int pairs) {
+  using cfg = ah_cfg<DH, NC>;
+  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
+  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
+  // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES], qFree.
+  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES, qFree = emptyV + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int nQT = (S + BM - 1) / BM, items = pairs * nQT;
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    gg_bar_init(qFree, 4 * NC);  // one arrival per consumer warp
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(emptyK + 8 * s, 4 * NC);
+      gg_bar_init(emptyV + 8 * s, 4 * NC);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapK);
+    gg_prefetch_tmap(mapV);
+    int T = 0;  // the block's tiles so far: the stages' position
+    for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+      int bh, ty;
+      ah_band_of(lin, pairs, nQT, band, bh, ty);
+      const int b = bh / H, h = bh % H, kvh = h / (H / KV), i0 = (nQT - 1 - ty) * BM;
+      const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
+      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
+      gg_bar_expect_tx(barQ, QTILE);
+#pragma unroll
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
+      for (int u = 0; u < nT; u++, T++) {
+        const int s = T % STAGES;
+        const unsigned ph = (T / STAGES) & 1;
+        const int row = b * KS + u * AH_BN;
+        gg_bar_wait(emptyK + 8 * s, ph ^ 1);
+        gg_bar_expect_tx(fullK + 8 * s, TILE);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
+        gg_bar_wait(emptyV + 8 * s, ph ^ 1);
+        gg_bar_expect_tx(fullV + 8 * s, TILE);
+#pragma unroll
+        for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  const int HD = H * DH;
+  int T = 0;  // the producer's count, in step
+#pragma unroll 1
+  for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+    int bh, ty;
+    ah_band_of(lin, pairs, nQT, band, bh, ty);
+    const int i0 = (nQT - 1 - ty) * BM;
+    const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
+    const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+    const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
+    float o[DH / 2];
+#pragma unroll
+    for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+    float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+    gg_bar_wait(barQ, j & 1);
+    if (nTw > 0)
+      ah_fwd_tiles_p<DH, STAGES>(o, m0, m1, l0, l1, nTw, T, dq, ks, vs, fullK, fullV, emptyK, emptyV, qFree, lane, off, w0,
+                                 r0, r1, KS, t4, scaleLog2);
+    else if (lane == 0)
+      gg_bar_arrive(qFree);  // queries past S: q never read
+    // Tiles the block loaded that this warpgroup's queries do not see.
+    for (int u = nTw; u < nT; u++) {
+      const int s = (T + u) % STAGES;
+      const unsigned ph = ((T + u) / STAGES) & 1;
+      gg_bar_wait(fullK + 8 * s, ph);
+      gg_bar_wait(fullV + 8 * s, ph);
+      if (lane == 0) {
+        gg_bar_arrive(emptyK + 8 * s);
+        gg_bar_arrive(emptyV + 8 * s);
+      }
+    }
+    T += nT;
+    l0 += mk_shfl_xor(l0, 1);
+    l0 += mk_shfl_xor(l0, 2);
+    l1 += mk_shfl_xor(l1, 1);
+    l1 += mk_shfl_xor(l1, 2);
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    // (The item's sequence and head again, rather than held in registers
+    // through the tiles.)
+    ah_band_of(lin, pairs, nQT, band, bh, ty);
+    const int b = bh / H, h = bh % H;
+    Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+    Out* o1 = o0 + 8LL * HD;
+#pragma unroll
+    for (int i = 0; i < DH / 8; i++) {
+      if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+      if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    }
+    if (t4 == 0) {
+      float* lrow = lse + ((long long)b * H + h) * S;
+      if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+      if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_p_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_forward_p<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_p_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_forward_p<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+}
+#endif
 
 // ---- backward ----
 //
@@ -1430,29 +1532,12 @@ struct ah_zz_bmaps {
 template <int DH>
 __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* dk, float* dv, int r, int W, int C, int H,
                                                int KV, float scaleLog2, float scale) {
-#if AH_EXPERIMENT & 2
-  // hopperAttnBand's backward rule, on the whole sequence's key blocks
-  // (2WC/128): each block walks the queries of the whole sequence from
-  // its first key on, as a whole-sequence block does, so the footprint L2
-  // must hold is the whole sequence's. The rank's local key block 0 is
-  // its heaviest (chunk r's first keys see every later query).
-  const int seqBlocks = 2 * W * C / 128;
-  const int band = seqBlocks >= 64 ? 2 : seqBlocks >= 32 ? 4 : (int)gridDim.x;
-  int pair, kb;
-  ah_band(band, pair, kb);
-  const int b = pair / KV, kvh = pair % KV, G = H / KV;
-#else
   const int b = blockIdx.x / KV, kvh = blockIdx.x % KV, G = H / KV;
-#endif
   // blockIdx.z: which of the gridDim.z equal shares of the group's query
   // heads the block walks (ah_zz_store_dkdv).
   const int h0 = kvh * G + (int)blockIdx.z * (G / gridDim.z);
   const int S = 2 * C;                   // local rows per sequence
-#if AH_EXPERIMENT & 2
-  const int j0 = kb * 128;               // the block's first local key row
-#else
   const int j0 = blockIdx.y * 128;       // the block's first local key row
-#endif
   const int nk = j0 / C;                 // its local chunk
   const int kp0 = (nk == 0 ? r : 2 * W - 1 - r) * C + j0 - nk * C;  // and its first key's position
   constexpr int BQ = ah_bcfg<DH>::BQ;  // C is a multiple of 128: a query tile lies in one chunk

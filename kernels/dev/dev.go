@@ -53,10 +53,8 @@ type Variant struct {
 func Sources() []Source {
 	return []Source{
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "fwd-pingpong", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "the whole-sequence forward's consumer warpgroups take turns to issue their products (FlashAttention-3's pingpong: named barriers 4+cw), so one warpgroup's softmax runs under another's wgmmas; FlashAttention-3 measured +13.6% over its intra-warpgroup overlap alone at head dim 128; predicted +5-10% at moe-small's head dim 64, where the softmax is twice the share; run in place of production's kernels"},
-			{Name: "zz-bwd-band", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the ring's backward runs its blocks a band of (sequence, kv head) pairs at a time, the whole-sequence backward's order for the whole sequence's key blocks (4 pairs from 32, 2 from 64), so L2 holds the band's q, dout and dq: the ring's forward+backward efficiency fell to 0.93-0.98 at f753c4f when version 6 sped up the banded whole-sequence backward more than the unbanded ring's; TestAttentionLabVariants times the ring rows of bench attention beside production's"},
+			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
+				Purpose: "the whole-sequence forward with ah_fwd_tiles' overlap on a persistent grid (attn_h_forward_p_d{64,128}, TestAttentionLabForwardOwnLaunch): each block walks items in ah_band's order, the k and v stages running on across items and the next q tile loaded once the consumers' last scores of this item are in, so an item's start and epilogue run under its neighbours' products; at e809232, before the overlap, 1.079x production at moe-small's B8 S2048 Dh64 and 1.056x at B4 S2048 Dh128, 0.80x at s8k (bands); predicted +5-8% at moe-small's forward, whose gap to cuDNN is 6%"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
