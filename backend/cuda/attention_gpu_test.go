@@ -419,7 +419,7 @@ func TestHopperAttnBands(t *testing.T) {
 			nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
 			tiles := (s.Seq + hopperAttnBN - 1) / hopperAttnBN
 			fwdPairs, bwdPairs := s.Batch*H, s.Batch*KV
-			fwdBand, bwdBand := hopperAttnBand(fwdPairs, tiles, false), hopperAttnBand(bwdPairs, tiles, true)
+			fwdBand, bwdBand := hopperAttnBand(fwdPairs, tiles), hopperAttnBand(bwdPairs, tiles)
 			if fwdBand == fwdPairs || bwdBand == bwdPairs {
 				t.Fatalf("no band at %d tiles: forward %d of %d pairs, backward %d of %d", tiles, fwdBand, fwdPairs, bwdBand, bwdPairs)
 			}
@@ -501,10 +501,10 @@ func TestAttentionBandFigures(t *testing.T) {
 			flops  float64
 			run    func(band int) error
 		}{
-			{"fwd", s.Batch * H, hopperAttnBand(s.Batch*H, tiles, false), flops, func(band int) error {
+			{"fwd", s.Batch * H, hopperAttnBand(s.Batch*H, tiles), flops, func(band int) error {
 				return launchHopperAttnForward(d, out.Ptr(), lse.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), s, false, band)
 			}},
-			{"bwd", s.Batch * KV, hopperAttnBand(s.Batch*KV, tiles, true), 2.5 * flops, func(band int) error {
+			{"bwd", s.Batch * KV, hopperAttnBand(s.Batch*KV, tiles), 2.5 * flops, func(band int) error {
 				return launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(),
 					out.Ptr(), lse.Ptr(), s, attnBwdInputs{qkv: true}, band)
 			}},

@@ -278,20 +278,19 @@ func optInShared(d *Device, kern *Kernel, bytes int) error {
 // a grid of pairs pairs by items blocks (query tiles forward, key blocks
 // backward; pairs means all at once, in launch order). Below 32 items a
 // pair (4,096 tokens) all pairs run at once, the heaviest items of every
-// pair first, which keeps the last wave short. From 32 items a few pairs
-// at a time, whose rows L2 then holds while their blocks walk them: the
+// pair first, which keeps the last wave short. From 32 items 4 pairs at
+// a time, whose rows L2 then holds while their blocks walk them: the
 // backward's q, dout and dq (dq alone is 134 MB at B2 S8192 H16 Dh128),
 // the forward's k and v. Every band was timed at 16, 32, 64 and 256
-// items (TestAttentionBandFigures; kernels/attention_hopper.md): the
-// forward gains 3-4% from 4 pairs at 32 and 64 items and nothing further
-// at 256; the backward gains 4% from 4 pairs at 32 items and 10-20% from
-// 2 at 64, which beat 4 there. At 16 items every band of 4 or fewer lost
-// (the backward a sixth to a fifth).
-func hopperAttnBand(pairs, items int, backward bool) int {
-	band := 4
-	if backward && items >= 64 {
-		band = 2
-	}
+// items (TestAttentionBandFigures; kernels/attention_hopper.md). On the
+// H200 at a5a94be (the backward's version 6) 4 pairs were the best band
+// or level with it both ways at 32, 64 and 256 items: the backward
+// 478 TFLOP/s at 64 items against 455 for 2 pairs, 492 against 493 at
+// 256. (On the H100 at dbe1431, with the backward's version 4, 2 pairs
+// had beaten 4 by 3% at 64 items.) At 16 items every band of 4 or fewer
+// lost (the backward a sixth to a fifth).
+func hopperAttnBand(pairs, items int) int {
+	const band = 4
 	if items < 32 || pairs < band {
 		return pairs
 	}
@@ -360,7 +359,7 @@ func hopperAttnForwardArgs(kern *Kernel, extraSmem int, out, lse, q, k, v driver
 	_, scaleLog2 := attnScales(dh)
 	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
-		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, qTiles, false))))}
+		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, qTiles))))}
 	return grid, maps, slots, nil
 }
 
@@ -548,7 +547,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	slots := []uint64{uint64(lse), uint64(delta), uint64(dk), uint64(dv),
 		uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))), uint64(uint32(s.Heads)),
 		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale)),
-		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, keyBlocks, true))))}
+		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, keyBlocks))))}
 	slots = append(slots, extra...)
 	grid := Grid{
 		Grid:   driver.Dim3{X: pairs, Y: keyBlocks, Z: 1},

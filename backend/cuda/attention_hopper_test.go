@@ -28,24 +28,20 @@ func bandBlock(band, pairs, items, lin int) (pair, item int) {
 // band's items heaviest first and all pairs at once being the launch
 // order itself.
 func TestHopperAttnBand(t *testing.T) {
-	for _, c := range []struct {
-		pairs, items int
-		backward     bool
-		want         int
-	}{
-		{32, 16, true, 32},    // moe-small's B8 KV4 at 2,048 tokens: all at once
-		{128, 16, false, 128}, // its forward, B8 H16
-		{32, 64, true, 2},     // B2 KV16 at 8,192 tokens
-		{32, 64, false, 4},
-		{8, 256, true, 2}, // B1 KV8 at 32,768
-		{1, 256, true, 1}, // one pair: the band is the grid
-		{3, 64, false, 3},
-		{32, 63, true, 4}, // 4,096 to 8,191 tokens: 4 pairs both ways
-		{64, 32, false, 4},
-		{32, 31, true, 32},
+	for _, c := range []struct{ pairs, items, want int }{
+		{32, 16, 32},   // moe-small's B8 KV4 at 2,048 tokens, backward: all at once
+		{128, 16, 128}, // its forward, B8 H16
+		{32, 64, 4},    // B2 KV16 at 8,192 tokens
+		{8, 256, 4},    // B1 KV8 at 32,768
+		{4, 256, 4},    // the ring rows' core, B1 KV4: all four
+		{1, 256, 1},    // one pair: the band is the grid
+		{3, 64, 3},
+		{32, 63, 4}, // 4,096 to 8,191 tokens
+		{64, 32, 4},
+		{32, 31, 32},
 	} {
-		if got := hopperAttnBand(c.pairs, c.items, c.backward); got != c.want {
-			t.Errorf("hopperAttnBand(%d pairs, %d items, backward %v) = %d, want %d", c.pairs, c.items, c.backward, got, c.want)
+		if got := hopperAttnBand(c.pairs, c.items); got != c.want {
+			t.Errorf("hopperAttnBand(%d pairs, %d items) = %d, want %d", c.pairs, c.items, got, c.want)
 		}
 	}
 	for _, c := range []struct{ pairs, items, want int }{
