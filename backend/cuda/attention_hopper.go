@@ -430,14 +430,6 @@ func hopperAttnBwdLaunch(dh int) (threads, smem int) {
 	return 384, hopperAttnBwdSmem(dh)
 }
 
-// hopperAttnSplitsRegisters says whether an attention_hopper.cu kernel
-// launched with threads threads a block trades registers between its
-// warpgroups with setmaxnreg: every one with a producer warpgroup (384 or
-// 512 threads) does. Such a
-// kernel is launched only from the register count its setmaxnreg counts
-// assume (Kernel.CheckRegisterSplit).
-func hopperAttnSplitsRegisters(threads int) bool { return threads >= 384 }
-
 // hopperAttnBackward is AttentionBackward on the Hopper kernels: q, k, v
 // and dout rounded to bf16 in scratch unless in says they are bf16
 // already, delta = rowsum(dout*out) by attn_h_delta, dq zeroed, then
@@ -554,10 +546,10 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: smem,
 	}
-	if hopperAttnSplitsRegisters(threads) {
-		if err := kern.CheckRegisterSplit(threads); err != nil {
-			return err
-		}
+	// Every attention_hopper.cu kernel trades registers between its
+	// warpgroups with setmaxnreg, which hangs from another count at entry.
+	if err := kern.CheckRegisterSplit(threads); err != nil {
+		return err
 	}
 	return launchWithMaps(d, op, kern, grid, maps, slots)
 }

@@ -301,10 +301,9 @@ func (b *Backend) launchMapBlock(op, name string, grid Grid, maps []driver.Tiled
 // launchMapBlockKernel is launchMapBlock on kernel kern (a lab build's,
 // say).
 func (b *Backend) launchMapBlockKernel(op string, kern *Kernel, grid Grid, maps []driver.TiledMap, tail []driver.TensorMap, slots []uint64) error {
-	if threads := grid.Block.X; hopperAttnSplitsRegisters(threads) {
-		if err := kern.CheckRegisterSplit(threads); err != nil {
-			return err
-		}
+	// (Its setmaxnreg hangs from a register count at entry it does not assume.)
+	if err := kern.CheckRegisterSplit(grid.Block.X); err != nil {
+		return err
 	}
 	named := make([]namedMap, len(maps))
 	for i, m := range maps {
