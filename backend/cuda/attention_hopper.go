@@ -48,10 +48,11 @@ func hopperAttnStages(dh int) int {
 // hopperAttnSmem is a forward kernel's dynamic shared memory with
 // consumers consumer warpgroups (ah_cfg<DH, NC>::SMEM): alignment slack,
 // the q tile of 64*consumers rows, the ring of k and v tiles and the
-// mbarriers (q's, and four a stage: k and v full, k and v empty).
+// mbarriers (q's full and free, and four a stage: k and v full, k and v
+// empty).
 func hopperAttnSmem(dh, consumers int) int {
 	stages, tile, qTile := hopperAttnStages(dh), dh/64*hopperAttnBN*128, dh/64*64*consumers*128
-	return 1024 + qTile + 2*stages*tile + 8*(1+4*stages)
+	return 1024 + qTile + 2*stages*tile + 8*(2+4*stages)
 }
 
 // hopperAttnTakes says whether the Hopper kernels run s on d: a Hopper
@@ -315,7 +316,7 @@ func hopperZigzagBand(pairs, items int) int {
 }
 
 // launchHopperAttnForward queues attn_h_forward_d{64,128} (_bf16 for a
-// bf16 out) on checked arguments, its blocks band (sequence, head) pairs
+// bf16 out) on checked arguments, its items band (sequence, head) pairs
 // at a time (0: hopperAttnBand's choice).
 func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, outBF16 bool, band int) error {
 	name := fmt.Sprintf("attn_h_forward_d%d", s.HeadDim)
@@ -326,7 +327,7 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 	if err != nil {
 		return err
 	}
-	grid, maps, slots, err := hopperAttnForwardArgs(kern, 0, out, lse, q, k, v, s, band)
+	grid, maps, slots, err := hopperAttnForwardArgs(kern, 0, d.info.SMs, out, lse, q, k, v, s, band)
 	if err != nil {
 		return err
 	}
@@ -335,9 +336,14 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 
 // hopperAttnForwardArgs is the whole-sequence forward's launch on kern
 // (production's, or a lab build's whose layout takes extraSmem bytes of
-// shared memory more: kernels/dev): its grid (pairs by q tiles), tensor
-// maps and argument slots.
-func hopperAttnForwardArgs(kern *Kernel, extraSmem int, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int) (Grid, []namedMap, []uint64, error) {
+// shared memory more: kernels/dev) on a GPU of sms SMs: its grid, tensor
+// maps and argument slots. The kernel walks pairs x q tiles (items) in
+// ah_band_of's order, block x items x, x + blocks, ...: where a band
+// applies one block an item, whose launch order keeps the band's rows in
+// L2 (a persistent grid of 132 blocks ran s8k's forward at 0.80x:
+// kernels/attention_hopper.md); elsewhere min(sms, items) blocks, each
+// item's start and epilogue under its neighbours' products.
+func hopperAttnForwardArgs(kern *Kernel, extraSmem, sms int, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int) (Grid, []namedMap, []uint64, error) {
 	dh, keys := s.HeadDim, s.Keys()
 	consumers := hopperAttnConsumers(dh)
 	threads, queries := 128*(1+consumers), 64*consumers
@@ -346,8 +352,13 @@ func hopperAttnForwardArgs(kern *Kernel, extraSmem int, out, lse, q, k, v driver
 		return Grid{}, nil, nil, err
 	}
 	pairs, qTiles := s.Batch*s.Heads, (s.Seq+queries-1)/queries
+	band = cmp.Or(band, hopperAttnBand(pairs, qTiles))
+	blocks := pairs * qTiles
+	if band >= pairs && sms > 0 {
+		blocks = min(blocks, sms)
+	}
 	grid := Grid{
-		Grid:   driver.Dim3{X: pairs, Y: qTiles, Z: 1},
+		Grid:   driver.Dim3{X: blocks, Y: 1, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: hopperAttnSmem(dh, consumers) + extraSmem,
 	}
@@ -359,7 +370,7 @@ func hopperAttnForwardArgs(kern *Kernel, extraSmem int, out, lse, q, k, v driver
 	_, scaleLog2 := attnScales(dh)
 	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
-		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, qTiles))))}
+		uint64(uint32(band)), uint64(uint32(pairs))}
 	return grid, maps, slots, nil
 }
 

@@ -15,7 +15,6 @@ import (
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
-	"github.com/mktrain/mktrain/backend/cuda/driver"
 	"github.com/mktrain/mktrain/kernels"
 	"github.com/mktrain/mktrain/kernels/dev"
 )
@@ -61,13 +60,7 @@ var ownLaunch = map[string]labBackwardLaunch{}
 
 // ownForwardLaunch names the variants that add forward kernels of their
 // own: TestAttentionLabForwardOwnLaunch runs them.
-var ownForwardLaunch = map[string]labForwardLaunch{
-	// attn_h_forward_p_d{64,128}: production's block, registers and maps
-	// on a persistent grid (min(SMs, items) blocks, the pairs as one more
-	// argument), 8 bytes more shared memory (the q tile's qFree).
-	"fwd-persistent": {headDims: []int{64, 128}, kernel: "attn_h_forward_p_d%d", persistent: true,
-		extraSmem: func(int) int { return 8 }},
-}
+var ownForwardLaunch = map[string]labForwardLaunch{}
 
 // labForwardLaunch is how a lab build's forward kernels launch:
 // production's arguments, grid, block and q map (hopperAttnConsumers'
@@ -76,26 +69,11 @@ type labForwardLaunch struct {
 	headDims  []int
 	kernel    string // the kernel's name, %d the head dim
 	extraSmem func(dh int) int
-	// persistent: the grid is min(SMs, pairs x q tiles) blocks in one
-	// row, and the kernel takes the pairs after production's arguments.
-	persistent bool
 	// ringKernel, where set, is the variant's build of the ring's forward
 	// (attn_h_zz_forward's arguments and launch, extraSmem more bytes),
 	// which TestAttentionLabForwardOwnLaunch runs beside the production
 	// ring too.
 	ringKernel string
-}
-
-// relaunch turns production's grid (pairs by q tiles) and argument slots
-// into the variant's: for a persistent one, min(SMs, items) blocks in one
-// row and the pairs after production's arguments.
-func (how labForwardLaunch) relaunch(d *Device, grid Grid, slots []uint64) (Grid, []uint64) {
-	if !how.persistent {
-		return grid, slots
-	}
-	pairs, items := grid.Grid.X, grid.Grid.X*grid.Grid.Y
-	grid.Grid = driver.Dim3{X: min(d.info.SMs, items), Y: 1, Z: 1}
-	return grid, append(slices.Clip(slots), uint64(uint32(pairs)))
 }
 
 // ownsLaunch says whether variant v launches kernels of its own.
@@ -362,12 +340,11 @@ func TestAttentionLabForwardOwnLaunch(t *testing.T) {
 			// hang.)
 			labForward := func(out, lse, q, kk, vv *Buffer, s backend.AttnShape) error {
 				kern := kerns[s.HeadDim]
-				grid, maps, slots, err := hopperAttnForwardArgs(kern, how.extraSmem(s.HeadDim), out.Ptr(), lse.Ptr(), q.Ptr(),
+				grid, maps, slots, err := hopperAttnForwardArgs(kern, how.extraSmem(s.HeadDim), d.info.SMs, out.Ptr(), lse.Ptr(), q.Ptr(),
 					kk.Ptr(), vv.Ptr(), s, 0)
 				if err != nil {
 					return err
 				}
-				grid, slots = how.relaunch(d, grid, slots)
 				return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
 			}
 			checked := []backend.AttnShape{

@@ -1,12 +1,7 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT bit:
-//  4  fwd-persistent: the whole-sequence forward (ah_fwd_tiles' overlap
-//     inside a consumer) on a persistent grid, attn_h_forward_p_d{64,128}:
-//     min(SMs, items) blocks each walking items blockIdx.x, +gridDim.x, ...
-//     in ah_band's order, the k and v stages turning on from one item into
-//     the next, the next item's q tile loaded once every consumer warp has
-//     its last scores of this one (qFree), so that an item's start and
-//     epilogue run under its neighbours' products.
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment: the last lab (fwd-persistent, the forward on a
+// persistent grid) became production's ah_forward; git keeps it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -23,12 +18,14 @@
 // kernels of each direction): one rank's share, every rank's tensors read
 // in place through tensor maps.
 //
-// Work split. A block owns 64*NC queries of one (sequence, head) and has
-// 1+NC warpgroups: NC = 3 at head dim 64 (192 queries, 512 threads,
+// Work split. An item is 64*NC queries of one (sequence, head); a block
+// has 1+NC warpgroups: NC = 3 at head dim 64 (192 queries, 512 threads,
 // FlashAttention-3's shape there), 2 at head dim 128 and in the ring's
-// kernels (128 queries, 384 threads). Warpgroup 0 is the producer: one
-// thread loads the block's q tile once and then, for every key tile of
-// 128 keys the block sees, the k tile and the v tile, each completing on
+// kernels (128 queries, 384 threads). The ring's blocks run one item
+// each; the whole-sequence forward's walk items on a persistent grid
+// where that pays (ah_forward). Warpgroup 0 is the producer: one
+// thread loads an item's q tile and then, for every key tile of
+// 128 keys the item sees, the k tile and the v tile, each completing on
 // its own "full" mbarrier of a STAGES-deep ring (so the scores can start
 // before v has landed). The other warpgroups are the consumers, 64
 // queries each:
@@ -87,19 +84,24 @@
 #define AH_BN 128  // keys per tile
 #define AH_LN2 0.6931471805599453f
 
-// ah_band maps this block of a grid of gridDim.x pairs by gridDim.y items
-// (item 0 the heaviest), launched in the order blockIdx.y * gridDim.x +
-// blockIdx.x, to its pair and item so that the blocks run band pairs at a
-// time, each band's items heaviest first. band = gridDim.x is the launch
-// order itself: every pair's item 0, then every pair's item 1, ... The
-// whole-sequence kernels take band from the host (hopperAttnBand says
+// ah_band_of maps item lin of pairs x items in launch order (item 0 of a
+// pair the heaviest) to its pair and item so that the items run band
+// pairs at a time, each band's items heaviest first. band = pairs is the
+// launch order itself: every pair's item 0, then every pair's item 1, ...
+// The whole-sequence kernels take band from the host (hopperAttnBand says
 // when a few pairs at a time pay: their rows then stay in L2).
-__device__ __forceinline__ void ah_band(int band, int& pair, int& item) {
-  const int pairs = gridDim.x, items = gridDim.y;
-  const int lin = blockIdx.y * pairs + blockIdx.x, first = lin / (band * items) * band;
+__device__ __forceinline__ void ah_band_of(int lin, int pairs, int items, int band, int& pair, int& item) {
+  const int first = lin / (band * items) * band;
   const int inBand = gg_min(band, pairs - first), r = lin - first * items;
   pair = first + r % inBand;
   item = r / inBand;
+}
+
+// ah_band is ah_band_of for this block of a grid of gridDim.x pairs by
+// gridDim.y items, launched in the order blockIdx.y * gridDim.x +
+// blockIdx.x.
+__device__ __forceinline__ void ah_band(int band, int& pair, int& item) {
+  ah_band_of(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x, gridDim.y, band, pair, item);
 }
 
 extern __shared__ __attribute__((aligned(1024))) unsigned char ah_smem[];
@@ -201,7 +203,7 @@ struct ah_cfg {
   static constexpr unsigned TILE = (DH / 64) * BOX;        // a k or v tile
   static constexpr unsigned QBOX = BM * 128;               // {64 columns, BM rows}
   static constexpr unsigned QTILE = (DH / 64) * QBOX;      // the q tile
-  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (1 + 4 * STAGES);
+  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (2 + 4 * STAGES);
   // setmaxnreg's counts: 128 x REG_DEC + 128NC x REG_INC <= 65536.
   static constexpr int REG_DEC = NC == 2 ? 40 : 32, REG_INC = NC == 2 ? 232 : 160;
 };
@@ -334,66 +336,81 @@ __device__ __forceinline__ void ah_fwd_rescale_pack(float (&o)[DH / 2], unsigned
 // registers are one score tile, o and P: 128 a thread at head dim 64, 160
 // at 128, within the consumers' 160 and 232. k and v are released on
 // emptyK and emptyV as each is done with, so that the two-stage ring at
-// head dim 128 still loads tile t+1's k during tile t.
-template <int DH, int STAGES>
-__device__ __forceinline__ void ah_fwd_tiles(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT,
+// head dim 128 still loads tile t+1's k during tile t. The stages count
+// on from T0 (the tiles of the block's earlier items: tile t is on stage
+// (T0 + t) % STAGES); with FREE_Q each warp also arrives on qFree once
+// its last scores are in (its last read of the q tile).
+template <int DH, int STAGES, bool FREE_Q>
+__device__ __forceinline__ void ah_fwd_tiles(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT, int T0,
                                              unsigned long long dq, unsigned ks, unsigned vs, unsigned fullK,
-                                             unsigned fullV, unsigned emptyK, unsigned emptyV, int lane, int off, int w0,
-                                             int r0, int r1, int KS, int t4, float scaleLog2) {
+                                             unsigned fullV, unsigned emptyK, unsigned emptyV, unsigned qFree, int lane,
+                                             int off, int w0, int r0, int r1, int KS, int t4, float scaleLog2) {
   float sc[64];
   unsigned p[8][4];
   float a0, a1;  // the rescale of what came before tile t (the softmax's)
-  ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, 0);
+  ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, T0);
   gg_wgmma_wait<0>();
   gg_fence_acc(sc);
-  if (lane == 0) gg_bar_arrive(emptyK);
+  if (lane == 0) {
+    gg_bar_arrive(emptyK + 8 * (T0 % STAGES));
+    if (FREE_Q && nT == 1) gg_bar_arrive(qFree);
+  }
   ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
   ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
 #pragma unroll 1
   for (int t = 1; t < nT; t++) {
-    ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, t);
-    ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, t - 1);
+    ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, T0 + t);
+    ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, T0 + t - 1);
     gg_wgmma_wait<1>();  // the scores (the older group)
     gg_fence_acc(sc);
-    if (lane == 0) gg_bar_arrive(emptyK + 8 * (t % STAGES));
+    if (lane == 0) {
+      gg_bar_arrive(emptyK + 8 * ((T0 + t) % STAGES));
+      if (FREE_Q && t == nT - 1) gg_bar_arrive(qFree);  // this warp's last read of the q tile
+    }
     ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
     gg_wgmma_wait<0>();  // tile t-1's P.V: o and p free
     gg_fence_acc(o);
     gg_fence_acc(sc);  // (so that P_t's packing, which reads sc, stays after the wait: p is P.V's operand until then)
-    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((t - 1) % STAGES));
+    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((T0 + t - 1) % STAGES));
     ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
   }
-  ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, nT - 1);
+  ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, T0 + nT - 1);
   gg_wgmma_wait<0>();
   gg_fence_acc(o);
-  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((nT - 1) % STAGES));
+  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((T0 + nT - 1) % STAGES));
 }
 
+// ah_forward is the whole-sequence forward on a grid of gridDim.x blocks
+// over the pairs x q tiles (items) in ah_band_of's order: block x runs
+// items x, x + gridDim.x, ... (the host launches one block an item where
+// a band applies, whose L2 order one block an SM would lose, and
+// min(SMs, items) blocks elsewhere). The producer loads each item's q
+// tile once qFree says every consumer warp has its last scores of the
+// item before, then the item's k and v tiles on the stages' ring, which
+// turns on across items (T counts the block's tiles), so that the next
+// item's q and first tiles land under this one's last products and
+// epilogue (kernels/attention_hopper.md, fwd-persistent).
 template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
-                                               float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
-                                               int band) {
+                                             float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
+                                             int band, int pairs) {
   using cfg = ah_cfg<DH, NC>;
   constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
   constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
   const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
   const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
-  // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES].
+  // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES], qFree.
   const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
-                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES;
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES, qFree = emptyV + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int bh, ty;
-  ah_band(band, bh, ty);
-  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
-  const int nQT = (S + BM - 1) / BM, i0 = (nQT - 1 - ty) * BM;
-  const int lastRow = gg_min(S - 1, i0 + BM - 1);
-  const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
+  const int nQT = (S + BM - 1) / BM, items = pairs * nQT;
   if (tid == 0) {
     gg_bar_init(barQ, 1);
+    gg_bar_init(qFree, 4 * NC);  // one arrival per consumer warp
     for (int s = 0; s < STAGES; s++) {
       gg_bar_init(fullK + 8 * s, 1);
       gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(emptyK + 8 * s, 4 * NC);  // one arrival per consumer warp
+      gg_bar_init(emptyK + 8 * s, 4 * NC);
       gg_bar_init(emptyV + 8 * s, 4 * NC);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -407,66 +424,89 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_prefetch_tmap(mapQ);
     gg_prefetch_tmap(mapK);
     gg_prefetch_tmap(mapV);
-    gg_bar_expect_tx(barQ, QTILE);
+    int T = 0;  // the block's tiles so far: the stages' position
+    for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+      int bh, ty;
+      ah_band_of(lin, pairs, nQT, band, bh, ty);
+      const int b = bh / H, h = bh % H, kvh = h / (H / KV), i0 = (nQT - 1 - ty) * BM;
+      const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
+      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
+      gg_bar_expect_tx(barQ, QTILE);
 #pragma unroll
-    for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
-    for (int t = 0; t < nT; t++) {
-      const int s = t % STAGES;
-      const unsigned ph = (t / STAGES) & 1;
-      const int row = b * KS + t * AH_BN;
-      gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
-      gg_bar_expect_tx(fullK + 8 * s, TILE);
+      for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
+      for (int u = 0; u < nT; u++, T++) {
+        const int s = T % STAGES;
+        const unsigned ph = (T / STAGES) & 1;
+        const int row = b * KS + u * AH_BN;
+        gg_bar_wait(emptyK + 8 * s, ph ^ 1);
+        gg_bar_expect_tx(fullK + 8 * s, TILE);
 #pragma unroll
-      for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
-      gg_bar_wait(emptyV + 8 * s, ph ^ 1);
-      gg_bar_expect_tx(fullV + 8 * s, TILE);
+        for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
+        gg_bar_wait(emptyV + 8 * s, ph ^ 1);
+        gg_bar_expect_tx(fullV + 8 * s, TILE);
 #pragma unroll
-      for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
+        for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
+      }
     }
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
-  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
-  const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
-  float o[DH / 2];
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
-  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
-  gg_bar_wait(barQ, 0);
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  if (nTw > 0)
-    ah_fwd_tiles<DH, STAGES>(o, m0, m1, l0, l1, nTw, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, KS, t4,
-                             scaleLog2);
-  // Tiles the block loaded that this warpgroup's queries do not see.
-  for (int t = nTw; t < nT; t++) {
-    const int s = t % STAGES;
-    const unsigned ph = (t / STAGES) & 1;
-    gg_bar_wait(fullK + 8 * s, ph);
-    gg_bar_wait(fullV + 8 * s, ph);
-    if (lane == 0) {
-      gg_bar_arrive(emptyK + 8 * s);
-      gg_bar_arrive(emptyV + 8 * s);
-    }
-  }
-  l0 += mk_shfl_xor(l0, 1);
-  l0 += mk_shfl_xor(l0, 2);
-  l1 += mk_shfl_xor(l1, 1);
-  l1 += mk_shfl_xor(l1, 2);
-  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
   const int HD = H * DH;
-  Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-  Out* o1 = o0 + 8LL * HD;
+  int T = 0;  // the producer's count, in step
+#pragma unroll 1
+  for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+    int bh, ty;
+    ah_band_of(lin, pairs, nQT, band, bh, ty);
+    const int i0 = (nQT - 1 - ty) * BM;
+    const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
+    const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+    const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
+    float o[DH / 2];
 #pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-    if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-    if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-  }
-  if (t4 == 0) {
-    float* lrow = lse + ((long long)b * H + h) * S;
-    if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-    if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+    for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+    float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+    gg_bar_wait(barQ, j & 1);
+    if (nTw > 0)
+      ah_fwd_tiles<DH, STAGES, true>(o, m0, m1, l0, l1, nTw, T, dq, ks, vs, fullK, fullV, emptyK, emptyV, qFree, lane, off, w0,
+                                 r0, r1, KS, t4, scaleLog2);
+    else if (lane == 0)
+      gg_bar_arrive(qFree);  // queries past S: q never read
+    // Tiles the block loaded that this warpgroup's queries do not see.
+    for (int u = nTw; u < nT; u++) {
+      const int s = (T + u) % STAGES;
+      const unsigned ph = ((T + u) / STAGES) & 1;
+      gg_bar_wait(fullK + 8 * s, ph);
+      gg_bar_wait(fullV + 8 * s, ph);
+      if (lane == 0) {
+        gg_bar_arrive(emptyK + 8 * s);
+        gg_bar_arrive(emptyV + 8 * s);
+      }
+    }
+    T += nT;
+    l0 += mk_shfl_xor(l0, 1);
+    l0 += mk_shfl_xor(l0, 2);
+    l1 += mk_shfl_xor(l1, 1);
+    l1 += mk_shfl_xor(l1, 2);
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    // (The item's sequence and head again, rather than held in registers
+    // through the tiles.)
+    ah_band_of(lin, pairs, nQT, band, bh, ty);
+    const int b = bh / H, h = bh % H;
+    Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+    Out* o1 = o0 + 8LL * HD;
+#pragma unroll
+    for (int i = 0; i < DH / 8; i++) {
+      if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+      if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    }
+    if (t4 == 0) {
+      float* lrow = lse + ((long long)b * H + h) * S;
+      if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+      if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+    }
   }
 }
 
@@ -580,8 +620,8 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
   // Every tile (both consumers see all nT), masked on the diagonal only
   // (no key past the positions: KS out of reach).
-  ah_fwd_tiles<DH, STAGES>(o, m0, m1, l0, l1, nT, dq, ks, vs, fullK, fullV, emptyK, emptyV, lane, off, w0, r0, r1, 0x3fffffff, t4,
-                           scaleLog2);
+  ah_fwd_tiles<DH, STAGES, false>(o, m0, m1, l0, l1, nT, 0, dq, ks, vs, fullK, fullV, emptyK, emptyV, 0, lane, off, w0, r0, r1,
+                                  0x3fffffff, t4, scaleLog2);
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
   l1 += mk_shfl_xor(l1, 1);
@@ -611,214 +651,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(cons
   ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_forward<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_forward<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
 }
 
 // attn_h_forward_d{64,128}_bf16: the same with a bf16 out (the output
 // projection's operand), each value rounded once.
-extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<64, mk_bf16, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_forward<64, mk_bf16, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
-  ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
+  ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
 }
-
-#if AH_EXPERIMENT & 4
-// ah_band_of is ah_band for item lin of a persistent grid: the same order
-// over pairs x items, with lin in place of the block's launch index.
-__device__ __forceinline__ void ah_band_of(int lin, int pairs, int items, int band, int& pair, int& item) {
-  const int first = lin / (band * items) * band;
-  const int inBand = gg_min(band, pairs - first), r = lin - first * items;
-  pair = first + r % inBand;
-  item = r / inBand;
-}
-
-// ah_fwd_tiles_p is ah_fwd_tiles with the k and v stages counted from T0
-// (the tiles the block's earlier items used: stage (T0 + t) % STAGES) and
-// one arrival on qFree from each warp once its last scores are in (its
-// last read of the q tile). Tile t's position is t, as in ah_fwd_tiles.
-template <int DH, int STAGES>
-__device__ __forceinline__ void ah_fwd_tiles_p(float (&o)[DH / 2], float& m0, float& m1, float& l0, float& l1, int nT, int T0,
-                                               unsigned long long dq, unsigned ks, unsigned vs, unsigned fullK,
-                                               unsigned fullV, unsigned emptyK, unsigned emptyV, unsigned qFree, int lane,
-                                               int off, int w0, int r0, int r1, int KS, int t4, float scaleLog2) {
-  float sc[64];
-  unsigned p[8][4];
-  float a0, a1;
-  ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, T0);
-  gg_wgmma_wait<0>();
-  gg_fence_acc(sc);
-  if (lane == 0) {
-    gg_bar_arrive(emptyK + 8 * (T0 % STAGES));
-    if (nT == 1) gg_bar_arrive(qFree);
-  }
-  ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, 0, off, w0, r0, r1, KS, t4, scaleLog2);
-  ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
-#pragma unroll 1
-  for (int t = 1; t < nT; t++) {
-    ah_fwd_issue_s<DH, STAGES>(sc, dq, ks, fullK, T0 + t);
-    ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, T0 + t - 1);
-    gg_wgmma_wait<1>();
-    gg_fence_acc(sc);
-    if (lane == 0) {
-      gg_bar_arrive(emptyK + 8 * ((T0 + t) % STAGES));
-      if (t == nT - 1) gg_bar_arrive(qFree);
-    }
-    ah_fwd_softmax(sc, m0, m1, l0, l1, a0, a1, t, off, w0, r0, r1, KS, t4, scaleLog2);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(o);
-    gg_fence_acc(sc);
-    if (lane == 0) gg_bar_arrive(emptyV + 8 * ((T0 + t - 1) % STAGES));
-    ah_fwd_rescale_pack<DH>(o, p, sc, a0, a1);
-  }
-  ah_fwd_issue_pv<DH, STAGES>(o, p, vs, fullV, T0 + nT - 1);
-  gg_wgmma_wait<0>();
-  gg_fence_acc(o);
-  if (lane == 0) gg_bar_arrive(emptyV + 8 * ((T0 + nT - 1) % STAGES));
-}
-
-// ah_forward_p is ah_forward on a persistent grid: block x runs items x,
-// x + gridDim.x, ... of the pairs x q tiles in ah_band's order. The
-// producer loads each item's q tile once qFree says every consumer warp
-// has its last scores of the item before, then the item's k and v tiles
-// on the stages' ring, which turns on across items (T counts the block's
-// tiles), so the next item's first tiles land under this one's last
-// products and epilogue. Launched on min(SMs, items) blocks with pairs
-// as one more argument; shared memory 8 bytes more than ah_forward's.
-template <int DH, typename Out, int NC>
-__device__ __forceinline__ void ah_forward_p(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
-                                             float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
-                                             int band, int pairs) {
-  using cfg = ah_cfg<DH, NC>;
-  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
-  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
-  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
-  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
-  // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES], qFree.
-  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
-                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES, qFree = emptyV + 8 * STAGES;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int nQT = (S + BM - 1) / BM, items = pairs * nQT;
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    gg_bar_init(qFree, 4 * NC);  // one arrival per consumer warp
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(emptyK + 8 * s, 4 * NC);
-      gg_bar_init(emptyV + 8 * s, 4 * NC);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
-    if (tid != 0) return;
-    gg_prefetch_tmap(mapQ);
-    gg_prefetch_tmap(mapK);
-    gg_prefetch_tmap(mapV);
-    int T = 0;  // the block's tiles so far: the stages' position
-    for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
-      int bh, ty;
-      ah_band_of(lin, pairs, nQT, band, bh, ty);
-      const int b = bh / H, h = bh % H, kvh = h / (H / KV), i0 = (nQT - 1 - ty) * BM;
-      const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
-      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
-      gg_bar_expect_tx(barQ, QTILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
-      for (int u = 0; u < nT; u++, T++) {
-        const int s = T % STAGES;
-        const unsigned ph = (T / STAGES) & 1;
-        const int row = b * KS + u * AH_BN;
-        gg_bar_wait(emptyK + 8 * s, ph ^ 1);
-        gg_bar_expect_tx(fullK + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
-        gg_bar_wait(emptyV + 8 * s, ph ^ 1);
-        gg_bar_expect_tx(fullV + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
-      }
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
-  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
-  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  const int HD = H * DH;
-  int T = 0;  // the producer's count, in step
-#pragma unroll 1
-  for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
-    int bh, ty;
-    ah_band_of(lin, pairs, nQT, band, bh, ty);
-    const int i0 = (nQT - 1 - ty) * BM;
-    const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
-    const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
-    const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
-    float o[DH / 2];
-#pragma unroll
-    for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
-    float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
-    gg_bar_wait(barQ, j & 1);
-    if (nTw > 0)
-      ah_fwd_tiles_p<DH, STAGES>(o, m0, m1, l0, l1, nTw, T, dq, ks, vs, fullK, fullV, emptyK, emptyV, qFree, lane, off, w0,
-                                 r0, r1, KS, t4, scaleLog2);
-    else if (lane == 0)
-      gg_bar_arrive(qFree);  // queries past S: q never read
-    // Tiles the block loaded that this warpgroup's queries do not see.
-    for (int u = nTw; u < nT; u++) {
-      const int s = (T + u) % STAGES;
-      const unsigned ph = ((T + u) / STAGES) & 1;
-      gg_bar_wait(fullK + 8 * s, ph);
-      gg_bar_wait(fullV + 8 * s, ph);
-      if (lane == 0) {
-        gg_bar_arrive(emptyK + 8 * s);
-        gg_bar_arrive(emptyV + 8 * s);
-      }
-    }
-    T += nT;
-    l0 += mk_shfl_xor(l0, 1);
-    l0 += mk_shfl_xor(l0, 2);
-    l1 += mk_shfl_xor(l1, 1);
-    l1 += mk_shfl_xor(l1, 2);
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-    // (The item's sequence and head again, rather than held in registers
-    // through the tiles.)
-    ah_band_of(lin, pairs, nQT, band, bh, ty);
-    const int b = bh / H, h = bh % H;
-    Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-    Out* o1 = o0 + 8LL * HD;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-      if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-    }
-    if (t4 == 0) {
-      float* lrow = lse + ((long long)b * H + h) * S;
-      if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-      if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-    }
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_p_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward_p<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_p_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward_p<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
-}
-#endif
 
 // ---- backward ----
 //

@@ -52,10 +52,7 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "fwd-persistent", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the whole-sequence forward with ah_fwd_tiles' overlap on a persistent grid (attn_h_forward_p_d{64,128}, TestAttentionLabForwardOwnLaunch): each block walks items in ah_band's order, the k and v stages running on across items and the next q tile loaded once the consumers' last scores of this item are in, so an item's start and epilogue run under its neighbours' products; at e809232, before the overlap, 1.079x production at moe-small's B8 S2048 Dh64 and 1.056x at B4 S2048 Dh128, 0.80x at s8k (bands); predicted +5-8% at moe-small's forward, whose gap to cuDNN is 6%"},
-		}},
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
