@@ -16,9 +16,9 @@
 // Work split. An item is 64*NC queries of one (sequence, head); a block
 // has 1+NC warpgroups: NC = 3 at head dim 64 (192 queries, 512 threads,
 // FlashAttention-3's shape there), 2 at head dim 128 and in the ring's
-// kernels (128 queries, 384 threads). The ring's blocks run one item
-// each; the whole-sequence forward's walk items on a persistent grid
-// where that pays (ah_forward). Warpgroup 0 is the producer: one
+// kernels (128 queries, 384 threads). The ring's blocks and head dim
+// 128's whole-sequence blocks run one item each (ah_forward); head dim
+// 64's walk items on a persistent grid where that pays (ah_forward_walk). Warpgroup 0 is the producer: one
 // thread loads an item's q tile and then, for every key tile of
 // 128 keys the item sees, the k tile and the v tile, each completing on
 // its own "full" mbarrier of a STAGES-deep ring (so the scores can start
@@ -372,20 +372,156 @@ __device__ __forceinline__ void ah_fwd_tiles(float (&o)[DH / 2], float& m0, floa
   if (lane == 0) gg_bar_arrive(emptyV + 8 * ((T0 + nT - 1) % STAGES));
 }
 
-// ah_forward is the whole-sequence forward on a grid of gridDim.x blocks
-// over the pairs x q tiles (items) in ah_band_of's order: block x runs
-// items x, x + gridDim.x, ... (the host launches one block an item where
-// a band applies, whose L2 order one block an SM would lose, and
-// min(SMs, items) blocks elsewhere). The producer loads each item's q
-// tile once qFree says every consumer warp has its last scores of the
-// item before, then the item's k and v tiles on the stages' ring, which
-// turns on across items (T counts the block's tiles), so that the next
-// item's q and first tiles land under this one's last products and
-// epilogue (kernels/attention_hopper.md, fwd-persistent).
+// ah_fwd_load_item is the producer's part of one item: its q tile (on
+// barQ), then its nT key tiles' k and v on the stages' ring, tile u on
+// stage (T0 + u) % STAGES, each stage refilled once every consumer warp
+// has freed it.
+template <int DH, int STAGES>
+__device__ __forceinline__ void ah_fwd_load_item(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, unsigned qs,
+                                                 unsigned ks, unsigned vs, unsigned barQ, unsigned fullK, unsigned fullV,
+                                                 unsigned emptyK, unsigned emptyV, unsigned qTile, unsigned box, unsigned tile,
+                                                 unsigned qBox, int h, int kvh, int qRow, int kRow, int nT, int T0) {
+  gg_bar_expect_tx(barQ, qTile);
+#pragma unroll
+  for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * qBox, mapQ, h * DH + 64 * c, qRow, barQ);
+  for (int u = 0; u < nT; u++) {
+    const int s = (T0 + u) % STAGES;
+    const unsigned ph = ((T0 + u) / STAGES) & 1;
+    const int row = kRow + u * AH_BN;
+    gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
+    gg_bar_expect_tx(fullK + 8 * s, tile);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * tile + c * box, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
+    gg_bar_wait(emptyV + 8 * s, ph ^ 1);
+    gg_bar_expect_tx(fullV + 8 * s, tile);
+#pragma unroll
+    for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * tile + c * box, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
+  }
+}
+
+// ah_fwd_drain waits for and frees an item's tiles from .. nT-1, which the
+// producer loaded for other warpgroups' queries and this one's do not see
+// (tile u on stage (T0 + u) % STAGES).
+template <int STAGES>
+__device__ __forceinline__ void ah_fwd_drain(int from, int nT, int T0, unsigned fullK, unsigned fullV, unsigned emptyK,
+                                             unsigned emptyV, int lane) {
+  for (int u = from; u < nT; u++) {
+    const int s = (T0 + u) % STAGES;
+    const unsigned ph = ((T0 + u) / STAGES) & 1;
+    gg_bar_wait(fullK + 8 * s, ph);
+    gg_bar_wait(fullV + 8 * s, ph);
+    if (lane == 0) {
+      gg_bar_arrive(emptyK + 8 * s);
+      gg_bar_arrive(emptyV + 8 * s);
+    }
+  }
+}
+
+// ah_fwd_store normalises this thread's rows r0 and r1 of an item's out
+// (sequence b, head h) by their sums and writes them and their lse, rows
+// past S not.
+template <int DH, typename Out>
+__device__ __forceinline__ void ah_fwd_store(const float (&o)[DH / 2], float m0, float m1, float l0, float l1, Out* out,
+                                             float* lse, int b, int h, int S, int H, int r0, int r1, int t4) {
+  l0 += mk_shfl_xor(l0, 1);
+  l0 += mk_shfl_xor(l0, 2);
+  l1 += mk_shfl_xor(l1, 1);
+  l1 += mk_shfl_xor(l1, 2);
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  const int HD = H * DH;
+  Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
+  Out* o1 = o0 + 8LL * HD;
+#pragma unroll
+  for (int i = 0; i < DH / 8; i++) {
+    if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+  }
+  if (t4 == 0) {
+    float* lrow = lse + ((long long)b * H + h) * S;
+    if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
+    if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
+  }
+}
+
+// ah_forward is the whole-sequence forward with one block an item, on a
+// grid of pairs by q tiles in ah_band's order: head dim 128's kernels.
+// Walking items on a persistent grid (ah_forward_walk) ran head dim 128's
+// forward 4-10% slower on an H100 even at one block an item, and gains
+// nothing there (kernels/attention_hopper.md, fwd-persistent).
 template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
-                                             float* lse, int S, int KS, int off, int H, int KV, float scaleLog2,
-                                             int band, int pairs) {
+                                           float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  using cfg = ah_cfg<DH, NC>;
+  constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
+  constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
+  const unsigned base = (gg_smem_addr(ah_smem) + 1023u) & ~1023u;
+  const unsigned qs = base, ks = base + QTILE, vs = base + QTILE + STAGES * TILE;
+  // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES] (and qFree's slot, unused).
+  const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
+                 emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int bh, ty;
+  ah_band(band, bh, ty);
+  const int b = bh / H, h = bh % H, kvh = h / (H / KV);
+  const int nQT = (S + BM - 1) / BM, i0 = (nQT - 1 - ty) * BM;
+  const int lastRow = gg_min(S - 1, i0 + BM - 1);
+  const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
+  if (tid == 0) {
+    gg_bar_init(barQ, 1);
+    for (int s = 0; s < STAGES; s++) {
+      gg_bar_init(fullK + 8 * s, 1);
+      gg_bar_init(fullV + 8 * s, 1);
+      gg_bar_init(emptyK + 8 * s, 4 * NC);  // one arrival per consumer warp
+      gg_bar_init(emptyV + 8 * s, 4 * NC);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(cfg::REG_DEC) : "memory");
+    if (tid != 0) return;
+    gg_prefetch_tmap(mapQ);
+    gg_prefetch_tmap(mapK);
+    gg_prefetch_tmap(mapV);
+    ah_fwd_load_item<DH, STAGES>(mapQ, mapK, mapV, qs, ks, vs, barQ, fullK, fullV, emptyK, emptyV, QTILE, BOX, TILE, QBOX, h,
+                                 kvh, b * S + i0, b * KS, nT, 0);
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
+  const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
+  const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
+  const int nTw = w0 <= S - 1 ? gg_min(KS - 1, off + gg_min(S - 1, w0 + 63)) / AH_BN + 1 : 0;
+  float o[DH / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
+  float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;  // base-2 scaled max, this thread's part of the sum
+  gg_bar_wait(barQ, 0);
+  const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+  if (nTw > 0)
+    ah_fwd_tiles<DH, STAGES, false>(o, m0, m1, l0, l1, nTw, 0, dq, ks, vs, fullK, fullV, emptyK, emptyV, 0, lane, off, w0, r0,
+                                    r1, KS, t4, scaleLog2);
+  ah_fwd_drain<STAGES>(nTw, nT, 0, fullK, fullV, emptyK, emptyV, lane);
+  ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse, b, h, S, H, r0, r1, t4);
+}
+
+// ah_forward_walk is the whole-sequence forward on a grid of gridDim.x
+// blocks over the pairs x q tiles (items) in ah_band_of's order: block x
+// runs items x, x + gridDim.x, ... (the host launches one block an item
+// where a band applies, whose L2 order one block an SM would lose, and
+// min(SMs, items) blocks elsewhere): head dim 64's kernels. The producer
+// loads each item's q tile once qFree says every consumer warp has its
+// last scores of the item before, then the item's k and v tiles on the
+// stages' ring, which turns on across items (T counts the block's tiles),
+// so that the next item's q and first tiles land under this one's last
+// products and epilogue (kernels/attention_hopper.md, fwd-persistent:
+// 1.07-1.09x at moe-small's shape).
+template <int DH, typename Out, int NC>
+__device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
+                                                float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band,
+                                                int pairs) {
   using cfg = ah_cfg<DH, NC>;
   constexpr int STAGES = cfg::STAGES, BM = cfg::BM;
   constexpr unsigned BOX = cfg::BOX, TILE = cfg::TILE, QBOX = cfg::QBOX, QTILE = cfg::QTILE;
@@ -423,22 +559,9 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
       const int b = bh / H, h = bh % H, kvh = h / (H / KV), i0 = (nQT - 1 - ty) * BM;
       const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
       gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
-      gg_bar_expect_tx(barQ, QTILE);
-#pragma unroll
-      for (int c = 0; c < DH / 64; c++) gg_tma_2d(qs + c * QBOX, mapQ, h * DH + 64 * c, b * S + i0, barQ);
-      for (int u = 0; u < nT; u++, T++) {
-        const int s = T % STAGES;
-        const unsigned ph = (T / STAGES) & 1;
-        const int row = b * KS + u * AH_BN;
-        gg_bar_wait(emptyK + 8 * s, ph ^ 1);
-        gg_bar_expect_tx(fullK + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) gg_tma_2d(ks + s * TILE + c * BOX, mapK, kvh * DH + 64 * c, row, fullK + 8 * s);
-        gg_bar_wait(emptyV + 8 * s, ph ^ 1);
-        gg_bar_expect_tx(fullV + 8 * s, TILE);
-#pragma unroll
-        for (int c = 0; c < DH / 64; c++) gg_tma_2d(vs + s * TILE + c * BOX, mapV, kvh * DH + 64 * c, row, fullV + 8 * s);
-      }
+      ah_fwd_load_item<DH, STAGES>(mapQ, mapK, mapV, qs, ks, vs, barQ, fullK, fullV, emptyK, emptyV, QTILE, BOX, TILE, QBOX, h,
+                                   kvh, b * S + i0, b * KS, nT, T);
+      T += nT;
     }
     return;
   }
@@ -446,7 +569,6 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-  const int HD = H * DH;
   int T = 0;  // the producer's count, in step
 #pragma unroll 1
   for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
@@ -463,42 +585,15 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     gg_bar_wait(barQ, j & 1);
     if (nTw > 0)
       ah_fwd_tiles<DH, STAGES, true>(o, m0, m1, l0, l1, nTw, T, dq, ks, vs, fullK, fullV, emptyK, emptyV, qFree, lane, off, w0,
-                                 r0, r1, KS, t4, scaleLog2);
+                                     r0, r1, KS, t4, scaleLog2);
     else if (lane == 0)
       gg_bar_arrive(qFree);  // queries past S: q never read
-    // Tiles the block loaded that this warpgroup's queries do not see.
-    for (int u = nTw; u < nT; u++) {
-      const int s = (T + u) % STAGES;
-      const unsigned ph = ((T + u) / STAGES) & 1;
-      gg_bar_wait(fullK + 8 * s, ph);
-      gg_bar_wait(fullV + 8 * s, ph);
-      if (lane == 0) {
-        gg_bar_arrive(emptyK + 8 * s);
-        gg_bar_arrive(emptyV + 8 * s);
-      }
-    }
+    ah_fwd_drain<STAGES>(nTw, nT, T, fullK, fullV, emptyK, emptyV, lane);
     T += nT;
-    l0 += mk_shfl_xor(l0, 1);
-    l0 += mk_shfl_xor(l0, 2);
-    l1 += mk_shfl_xor(l1, 1);
-    l1 += mk_shfl_xor(l1, 2);
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
     // (The item's sequence and head again, rather than held in registers
     // through the tiles.)
     ah_band_of(lin, pairs, nQT, band, bh, ty);
-    const int b = bh / H, h = bh % H;
-    Out* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-    Out* o1 = o0 + 8LL * HD;
-#pragma unroll
-    for (int i = 0; i < DH / 8; i++) {
-      if (r0 < S) ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-      if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-    }
-    if (t4 == 0) {
-      float* lrow = lse + ((long long)b * H + h) * S;
-      if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-      if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-    }
+    ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse, bh / H, bh % H, S, H, r0, r1, t4);
   }
 }
 
@@ -644,21 +739,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(cons
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+  ah_forward_walk<64, float, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<128, float, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 // attn_h_forward_d{64,128}_bf16: the same with a bf16 out (the output
 // projection's operand), each value rounded once.
 extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward<64, mk_bf16, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+  ah_forward_walk<64, mk_bf16, ah_fwd_nc<64>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
-  ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band, pairs);
+extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, mk_bf16* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band) {
+  ah_forward<128, mk_bf16, ah_fwd_nc<128>::NC>(&mapQ, &mapK, &mapV, out, lse, S, KS, off, H, KV, scaleLog2, band);
 }
 
 // ---- backward ----

@@ -75,7 +75,8 @@ type Source struct {
 func Sources() []Source {
 	const gridStride = "any; grid-stride over n (about 4 blocks per SM for large n)"
 	const attnQueryGrid = "(B*H, ceil(S/64)) blocks: one per head and 64 queries"
-	const hopperAttnGrid = "1-D over items (B*H*ceil(S/(64*NC)): a head and 64*NC queries, NC = 3 consumer warpgroups at head dim 64, 2 at 128), walked a band of (sequence, head) pairs at a time (the band and pairs arguments): one block an item where a band applies, else min(SMs, items) persistent blocks; sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
+	const hopperAttnGrid = "(B*H, ceil(S/128)) blocks: one per head and 128 queries (2 consumer warpgroups), run a band of (sequence, head) pairs at a time (the band argument); sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
+	const hopperAttnWalkGrid = "1-D over items (B*H*ceil(S/192): a head and 192 queries, 3 consumer warpgroups), walked a band of (sequence, head) pairs at a time (the band and pairs arguments): one block an item where a band applies, else min(SMs, items) persistent blocks; sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
 	const hopperAttnKeyGrid = "(B*KV, ceil(KVSeq/128)) blocks: one per kv head and 128 keys, run a band of (sequence, kv head) pairs at a time (the band argument); sm_90a only; dynamic shared memory per backend/cuda/attention_hopper.go"
 	const hopperZZGrid = "(B*H, 2C/128) blocks: one per head and 128 of a rank's local queries (C a multiple of 128), run a band of (sequence, head) pairs at a time (the band argument); sm_90a only"
 	const hopperZZKeyGrid = "(B*KV, 2C/128) blocks: one per kv head and 128 of a rank's local keys (C a multiple of 128); sm_90a only"
@@ -198,9 +199,9 @@ func Sources() []Source {
 			{Name: "attn_zz_sum_heads", Block: 256, Grid: "grid-stride over float4s of dk"},
 		}},
 		{File: "attention_hopper.cu", Kernels: []Kernel{
-			{Name: "attn_h_forward_d64", Block: 512, Grid: hopperAttnGrid},
+			{Name: "attn_h_forward_d64", Block: 512, Grid: hopperAttnWalkGrid},
 			{Name: "attn_h_forward_d128", Block: 384, Grid: hopperAttnGrid},
-			{Name: "attn_h_forward_d64_bf16", Block: 512, Grid: hopperAttnGrid},
+			{Name: "attn_h_forward_d64_bf16", Block: 512, Grid: hopperAttnWalkGrid},
 			{Name: "attn_h_forward_d128_bf16", Block: 384, Grid: hopperAttnGrid},
 			{Name: "attn_h_backward_d64", Block: 384, Grid: hopperAttnKeyGrid},
 			{Name: "attn_h_backward_d128", Block: 384, Grid: hopperAttnKeyGrid},

@@ -334,13 +334,22 @@ func launchHopperAttnForward(d *Device, out, lse, q, k, v driver.DevicePtr, s ba
 	return launchWithMaps(d, "AttentionForward", kern, grid, maps, slots)
 }
 
+// hopperAttnWalks says whether the whole-sequence forward's kernels of
+// head dim dh walk items (ah_forward_walk: head dim 64, 1.07-1.09x at
+// moe-small's shape) or run one block an item (ah_forward: head dim 128,
+// whose walking build ran 4-10% slower on an H100 even at one block an
+// item; kernels/attention_hopper.md, fwd-persistent).
+func hopperAttnWalks(dh int) bool { return dh == 64 }
+
 // hopperAttnForwardArgs is the whole-sequence forward's launch on kern
 // (production's, or a lab build's whose layout takes extraSmem bytes of
 // shared memory more: kernels/dev) on a GPU of sms SMs: its grid, tensor
-// maps and argument slots. The kernel walks pairs x q tiles (items) in
-// ah_band_of's order, block x items x, x + blocks, ...: where a band
-// applies one block an item, whose launch order keeps the band's rows in
-// L2 (a persistent grid of 132 blocks ran s8k's forward at 0.80x:
+// maps and argument slots. Head dim 128's kernels run one block an item
+// (a head and 128 queries) on a grid of pairs by q tiles. Head dim 64's
+// walk the pairs x q tiles (items) in ah_band_of's order, block x items
+// x, x + blocks, ... (hopperAttnWalks): where a band applies one block an
+// item, whose launch order keeps the band's rows in L2 (a persistent grid
+// of 132 blocks ran s8k's forward at 0.73-0.80x:
 // kernels/attention_hopper.md); elsewhere min(sms, items) blocks, each
 // item's start and epilogue under its neighbours' products.
 func hopperAttnForwardArgs(kern *Kernel, extraSmem, sms int, out, lse, q, k, v driver.DevicePtr, s backend.AttnShape, band int) (Grid, []namedMap, []uint64, error) {
@@ -353,12 +362,15 @@ func hopperAttnForwardArgs(kern *Kernel, extraSmem, sms int, out, lse, q, k, v d
 	}
 	pairs, qTiles := s.Batch*s.Heads, (s.Seq+queries-1)/queries
 	band = cmp.Or(band, hopperAttnBand(pairs, qTiles))
-	blocks := pairs * qTiles
-	if band >= pairs && sms > 0 {
-		blocks = min(blocks, sms)
+	blocks := driver.Dim3{X: pairs, Y: qTiles, Z: 1}
+	if hopperAttnWalks(dh) {
+		blocks = driver.Dim3{X: pairs * qTiles, Y: 1, Z: 1}
+		if band >= pairs && sms > 0 {
+			blocks.X = min(blocks.X, sms)
+		}
 	}
 	grid := Grid{
-		Grid:   driver.Dim3{X: blocks, Y: 1, Z: 1},
+		Grid:   blocks,
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: hopperAttnSmem(dh, consumers) + extraSmem,
 	}
@@ -370,7 +382,10 @@ func hopperAttnForwardArgs(kern *Kernel, extraSmem, sms int, out, lse, q, k, v d
 	_, scaleLog2 := attnScales(dh)
 	slots := []uint64{uint64(out), uint64(lse), uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)),
-		uint64(uint32(band)), uint64(uint32(pairs))}
+		uint64(uint32(band))}
+	if hopperAttnWalks(dh) {
+		slots = append(slots, uint64(uint32(pairs)))
+	}
 	return grid, maps, slots, nil
 }
 
