@@ -40,15 +40,8 @@ func (k KernelResources) Spills() bool { return k.SpillStores > 0 || k.SpillLoad
 // and returns ptxas's report for each of its kernels, by name, and the
 // cubin (for cuobjdump -sass). It needs NVRTC only, no GPU.
 func CompileResources(nv *driver.NVRTC, name, source, arch string, defines ...string) ([]KernelResources, []byte, error) {
-	opts := append(compileOptions(arch, defines...), "--ptxas-options=--verbose")
-	// NVRTC 12.9 and later keep a compile cache of their own, and a cubin
-	// served from it comes with no ptxas report: the GPU suite's second
-	// run on one machine (NVRTC 13.0) found none for every unchanged
-	// source.
-	if major, minor := nv.Version(); major > 12 || major == 12 && minor >= 9 {
-		opts = append(opts, "--no-cache")
-	}
-	cubin, log, err := nv.Compile(name, source, opts, driver.OutputCubin)
+	major, minor := nv.Version()
+	cubin, log, err := nv.Compile(name, source, resourceOptions(arch, major, minor, defines...), driver.OutputCubin)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -57,6 +50,19 @@ func CompileResources(nv *driver.NVRTC, name, source, arch string, defines ...st
 		return nil, nil, fmt.Errorf("%s: %w", name, err)
 	}
 	return ks, cubin, nil
+}
+
+// resourceOptions are CompileResources' NVRTC options for NVRTC
+// major.minor: Compile's, the defines, ptxas's report and, from 12.9 on,
+// NVRTC's own compile cache off. A cubin served from that cache comes
+// with no ptxas report: the GPU suite's second run on one machine (NVRTC
+// 13.0) found none for every unchanged source.
+func resourceOptions(arch string, major, minor int, defines ...string) []string {
+	opts := append(compileOptions(arch, defines...), "--ptxas-options=--verbose")
+	if major > 12 || major == 12 && minor >= 9 {
+		opts = append(opts, "--no-cache")
+	}
+	return opts
 }
 
 var (

@@ -115,6 +115,23 @@ func resourceTable(ks []KernelResources) string {
 	return b.String()
 }
 
+// TestResourceOptions: ptxas's report is asked for at every NVRTC, and
+// NVRTC's own cache is off from 12.9, where a cached cubin has no report.
+func TestResourceOptions(t *testing.T) {
+	for _, c := range []struct {
+		major, minor int
+		noCache      bool
+	}{{12, 4, false}, {12, 8, false}, {12, 9, true}, {13, 0, true}} {
+		opts := resourceOptions("sm_90a", c.major, c.minor, "X=1")
+		if !slices.Contains(opts, "--ptxas-options=--verbose") || !slices.Contains(opts, "-DX=1") {
+			t.Errorf("NVRTC %d.%d: %q lacks the report or the define", c.major, c.minor, opts)
+		}
+		if got := slices.Contains(opts, "--no-cache"); got != c.noCache {
+			t.Errorf("NVRTC %d.%d: --no-cache %v, want %v", c.major, c.minor, got, c.noCache)
+		}
+	}
+}
+
 // TestKernelResources reports ptxas's allotment for every production
 // kernel and holds the Hopper attention core and the grouped products
 // (the kernels still being tuned) to no local memory and no serialized
