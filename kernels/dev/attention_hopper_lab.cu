@@ -380,6 +380,25 @@ __device__ __forceinline__ void ah_fwd_tiles(float (&o)[DH / 2], float& m0, floa
   if (lane == 0) gg_bar_arrive(emptyV + 8 * ((T0 + nT - 1) % STAGES));
 }
 
+// ah_fwd_init_bars is thread 0's setup of a forward's mbarriers: q's
+// (and qFree unless it is 0: one arrival per consumer warp) and the stages'
+// full k and v (the producer's expect_tx) and empty k and v (one arrival
+// per consumer warp), fenced for the async proxy. The block syncs after.
+template <int STAGES>
+__device__ __forceinline__ void ah_fwd_init_bars(unsigned barQ, unsigned qFree, unsigned fullK, unsigned fullV,
+                                                 unsigned emptyK, unsigned emptyV, int consumerWarps) {
+  gg_bar_init(barQ, 1);
+  if (qFree != 0) gg_bar_init(qFree, consumerWarps);
+  for (int s = 0; s < STAGES; s++) {
+    gg_bar_init(fullK + 8 * s, 1);
+    gg_bar_init(fullV + 8 * s, 1);
+    gg_bar_init(emptyK + 8 * s, consumerWarps);
+    gg_bar_init(emptyV + 8 * s, consumerWarps);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ah_fwd_load_item is the producer's part of one item: its q tile (on
 // barQ), then its nT key tiles' k and v on the stages' ring, tile u on
 // stage (T0 + u) % STAGES, each stage refilled once every consumer warp
@@ -474,17 +493,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   const int nQT = (S + BM - 1) / BM, i0 = (nQT - 1 - ty) * BM;
   const int lastRow = gg_min(S - 1, i0 + BM - 1);
   const int nT = gg_min(KS - 1, off + lastRow) / AH_BN + 1;  // key tiles the block loads
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(emptyK + 8 * s, 4 * NC);  // one arrival per consumer warp
-      gg_bar_init(emptyV + 8 * s, 4 * NC);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
+  if (tid == 0) ah_fwd_init_bars<STAGES>(barQ, 0, fullK, fullV, emptyK, emptyV, 4 * NC);
   __syncthreads();
 
   if (warp < 4) {
@@ -540,18 +549,7 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
                  emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES, qFree = emptyV + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nQT = (S + BM - 1) / BM, items = pairs * nQT;
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    gg_bar_init(qFree, 4 * NC);  // one arrival per consumer warp
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(emptyK + 8 * s, 4 * NC);
-      gg_bar_init(emptyV + 8 * s, 4 * NC);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
+  if (tid == 0) ah_fwd_init_bars<STAGES>(barQ, qFree, fullK, fullV, emptyK, emptyV, 4 * NC);
   __syncthreads();
 
   if (warp < 4) {
@@ -656,17 +654,7 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
   const int p0 = (n == 0 ? r : 2 * W - 1 - r) * C + tile * AH_BM;
   const int off = p0 - i0;               // position = local row + off
   const int nT = p0 / AH_BN + 1;         // key tiles: positions 0 .. p0 + 127
-  if (tid == 0) {
-    gg_bar_init(barQ, 1);
-    for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(fullK + 8 * s, 1);
-      gg_bar_init(fullV + 8 * s, 1);
-      gg_bar_init(emptyK + 8 * s, 8);  // one arrival per consumer warp
-      gg_bar_init(emptyV + 8 * s, 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
+  if (tid == 0) ah_fwd_init_bars<STAGES>(barQ, 0, fullK, fullV, emptyK, emptyV, 8);
   __syncthreads();
 
   if (warp < 4) {
