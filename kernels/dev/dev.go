@@ -52,7 +52,17 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
+			// Head dim 128's backward consumer (the whole sequence's and the ring's).
+			{Name: "bwd128-defer", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
+				Purpose: "dq's product an item late, the warpgroups' dS^T exchanged by named-barrier arrive and sync instead of a 256-thread barrier every item"},
+			{Name: "bwd128-defer-stagger", Defines: []string{"AH_EXPERIMENT=3"}, Exact: true,
+				Purpose: "bwd128-defer with warpgroup 1 half an item behind from the start"},
+			{Name: "bwd128-defer-free", Defines: []string{"AH_EXPERIMENT=5"}, Exact: true,
+				Purpose: "bwd128-defer with dk's product before dq's and the stage freed once dv's and dk's are in"},
+			{Name: "bwd128-defer-stagger-free", Defines: []string{"AH_EXPERIMENT=7"}, Exact: true,
+				Purpose: "bwd128-defer-stagger and bwd128-defer-free together"},
+		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
