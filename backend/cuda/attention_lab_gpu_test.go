@@ -116,7 +116,7 @@ func TestAttentionLabVariants(t *testing.T) {
 		{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128},
 		{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128},
 	}
-	labRingFigures(t, "production")
+	labRingFigures(t, "production", true)
 	for _, v := range vs {
 		t.Run(v.Name, func(t *testing.T) {
 			defer withAttentionLab(t, d, lab, v)()
@@ -131,7 +131,7 @@ func TestAttentionLabVariants(t *testing.T) {
 			for _, s := range timed {
 				timeAttention(k, "attention hopper "+v.Name, s, attnHopper)
 			}
-			labRingFigures(t, v.Name)
+			labRingFigures(t, v.Name, v.Exact)
 		})
 	}
 }
@@ -140,10 +140,10 @@ func TestAttentionLabVariants(t *testing.T) {
 // of bench attention's ring table at S/W 4096 (H16 KV4 Dh128, W 2, 4, 8
 // virtual ranks) beside the whole-sequence core, with the attention
 // module the device holds (production's, or a lab variant's in place),
-// and checks the ring's outputs against the core's: figures "attention
+// and checks the ring's outputs against the core's where exact: figures "attention
 // hopper ring <name> W<w> ...", efficiency = core time / ring time as
 // bench attention computes it.
-func labRingFigures(t *testing.T, name string) {
+func labRingFigures(t *testing.T, name string, exact bool) {
 	b := testBackend(t)
 	d := b.dev
 	sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
@@ -159,7 +159,9 @@ func labRingFigures(t *testing.T, name string) {
 		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
 		ringF := attnMedianMs(t, d, sync(o.forward))
 		ringB := attnMedianMs(t, d, sync(o.backward))
-		r.compareSome(t, "out", "lse", "dq", "dk", "dv")
+		if exact {
+			r.compareSome(t, "out", "lse", "dq", "dk", "dv")
+		}
 		fig := fmt.Sprintf("attention hopper ring %s W%d S%d", name, w, s.Seq())
 		figure(t, fig+" bwd", ringB, "ms")
 		figure(t, fig+" efficiency fwd", coreF/ringF, "x")

@@ -1,7 +1,8 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
 // define it compiles to the production source's PTX. AH_EXPERIMENT bits
-// 1, 2 and 4: head dim 128's backward consumer with dq's product an item
-// late (bwd128-defer and its two options, at ah_bwd128_consume).
+// 8, 16, 32 and 64 are cost probes of the backward (timing only): no dq
+// reductions, no dq staging at all (head dim 128), no q and dout loads
+// after the first stages (both head dims), no softmax (head dim 128).
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1047,7 +1048,13 @@ __device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int ite
     ah_bwd_item at;
     walk(it, at);
     gg_bar_wait(m.empty + 8 * s, ph ^ 1);
+#if AH_EXPERIMENT & 32
+    // Cost probe: q and dout loaded for the first STAGES items only, the
+    // stages reused after.
+    if (lane == 0 && it < cfg::STAGES) {
+#else
     if (lane == 0) {
+#endif
       const unsigned qa = m.qs + s * 2 * cfg::QT;
       gg_bar_expect_tx(m.full + 8 * s, 2 * cfg::QT);
 #pragma unroll
@@ -1215,160 +1222,6 @@ __device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[
   if (wtid == 0) gg_bulk_wait();
 }
 
-#if AH_EXPERIMENT & 1
-// bwd128-defer (bit 1): production's consumer with dq's product deferred
-// by an item. At item it a warpgroup stores its dS^T and marks it stored
-// (named barrier 4 + 2p + cw, p = it & 1, bar.arrive), then waits for the
-// other warpgroup's dS^T of item it - 1 (bar.sync on the other's
-// barrier), issues dq's product of item it - 1 and dk's of item it, and
-// stages and adds dq of item it - 1. Before it stores dS^T of parity p
-// again (item it + 2) it waits until the other warpgroup's dq product of
-// item it has read both halves of that parity (barriers 8 + 2p + cw). So
-// neither warpgroup waits for the other at a point of its own item: each
-// may run up to an item ahead, and one's softmax can run under the
-// other's products, where production's 256-thread barrier every item
-// keeps the two in step (both in their softmax at once, the tensor cores
-// idle). Bit 2 (bwd128-defer-stagger) starts warpgroup 1 half an item
-// late (it waits for warpgroup 0's first dS^T before its first scores).
-// Bit 4 (bwd128-defer-free) issues dk's product before dq's and frees
-// the stage once dv's and dk's are in, dq's waited for alone.
-__device__ __forceinline__ void ah_bar_arrive_named(int id, int count) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-
-template <typename Walk>
-__device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)[64], const ah_bwd_smem<128>& m, int items,
-                                                  int cw, int kw, int S, int KS, int off, float scaleLog2, float scale,
-                                                  Walk walk) {
-  constexpr int DH = 128;
-  constexpr int STAGES = ah_bcfg<DH>::STAGES;
-  constexpr bool STAGGER = (AH_EXPERIMENT & 2) != 0, EARLY_FREE = (AH_EXPERIMENT & 4) != 0;
-  constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int t4 = lane & 3, wtid = tid & 127, wr = 16 * (warp & 3) + (lane >> 2), kr0 = kw + wr;
-  const int other = 1 - cw;
-#pragma unroll
-  for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
-  gg_bar_wait(m.barKV, 0);
-  const unsigned long long descK = gg_desc(m.ks + cw * 64 * 128), descV = gg_desc(m.vs + cw * 64 * 128);
-  // Warpgroup 1 under STAGGER has waited for warpgroup 0's first dS^T
-  // already when it reaches dq's product of item 0.
-  if (STAGGER && cw == 1 && items > 0) gg_named_sync(4 + 0 + 0, 256);
-  const auto readyWait = [&](int j) {
-    if (!(STAGGER && cw == 1 && j == 0)) gg_named_sync(4 + 2 * (j & 1) + other, 256);
-  };
-  // dq's product of item j over all 128 keys for this warpgroup's 64
-  // columns (keys 64i.. from warpgroup i's buffer of parity j & 1).
-  const auto issueDq = [&](float (&acc)[32], int j) {
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    gg_wgmma_fence();
-    const unsigned long long mnK = gg_desc_mn(m.ks + cw * KBOX, KBOX);
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++) {
-      const unsigned long long mnD = gg_desc_mn(m.dss + ((j & 1) * 2 + kk / 4) * DSB, DSB);  // j = -1: parity 1
-      ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
-    }
-    gg_wgmma_commit();
-  };
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-  const auto stageDq = [&](const float (&acc)[32], int j) {
-    ah_bwd_item pj;
-    walk(j, pj);
-    const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
-    ah_stage_dq(stg, acc, wr, t4);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (wtid == 0) gg_bulk_wait_read();
-    gg_named_sync(1 + cw, 128);
-    if (wtid == 0) {
-      gg_tma_reduce_add_2d(pj.dq, pj.h * DH + 64 * cw, pj.row, stg);
-      gg_tma_reduce_add_2d(pj.dq, pj.h * DH + 64 * cw + 32, pj.row, stg + DQB / 2);
-      gg_bulk_commit();
-    }
-    nq++;
-  };
-  // An item's first half: its scores, P^T and dS^T, dv's product issued,
-  // its dS^T stored (once the other warpgroup's dq product of item it - 2
-  // has read that parity) and marked stored; da is left for dk's product.
-  const auto front = [&](int it, unsigned (&da)[4][4]) {
-    const int s = it % STAGES;
-    const unsigned ph = (it / STAGES) & 1;
-    ah_bwd_item at;
-    walk(it, at);
-    const unsigned qa = m.qs + s * 2 * QT, oa = qa + QT;
-    float sc[32], dp[32];
-    gg_bar_wait(m.full + 8 * s, ph);
-    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
-    const unsigned long long descQ = gg_desc(qa), descO = gg_desc(oa);
-    ah_bwd_scores<DH>(sc, dp, descK, descV, descQ, descO);
-    gg_wgmma_wait<0>();
-    gg_fence_acc(sc);
-    gg_fence_acc(dp);
-    if (!EARLY_FREE && it > 0) {
-      // The item before's dk product is done with its stage too.
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(m.empty + 8 * ((it - 1) % STAGES));
-    }
-    const unsigned st = m.stat + s * ah_bcfg<DH>::STAT;
-    ah_bwd_probs(sc, dp, ah_bwd_whole<ah_bcfg<DH>::BQ>(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
-                 [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<ah_bcfg<DH>::BQ>(st, n, t4, l2, dl); });
-    unsigned pa[4][4];
-    ah_bwd_pack(pa, da, sc, dp);
-    gg_wgmma_fence();
-    gg_fence_acc(dva);
-    ah_bwd_rs<DH>(dva, pa, oa);
-    gg_wgmma_commit();
-    if (it >= 2) gg_named_sync(8 + 2 * (it & 1) + other, 256);
-    ah_store_dst(m.dss + ((it & 1) * 2 + cw) * DSB, da, wr, t4);
-    ah_bar_arrive_named(4 + 2 * (it & 1) + cw, 256);
-  };
-  const auto issueDk = [&](const unsigned (&da)[4][4], int it) {
-    gg_wgmma_fence();
-    gg_fence_acc(dka);
-    ah_bwd_rs<DH>(dka, da, m.qs + (it % STAGES) * 2 * QT);
-    gg_wgmma_commit();
-  };
-  // One loop with the same products every item, so that a product left
-  // in flight into the next item (dk's, with its A operand in registers)
-  // always meets the same code: item 0 issues a dq product too, on
-  // whatever the other parity's buffers hold, and discards it (peeling
-  // item 0 instead spilled about 240 bytes, NVRTC 12.4).
-  for (int it = 0; it < items; it++) {
-    unsigned da[4][4];
-    float acc[32];
-    front(it, da);
-    if (it > 0) readyWait(it - 1);
-    if (EARLY_FREE) {
-      issueDk(da, it);
-      issueDq(acc, it - 1);
-      gg_wgmma_wait<1>();  // dv's and dk's products: the stage is free
-      gg_fence_acc(dva);
-      gg_fence_acc(dka);
-      if (lane == 0) gg_bar_arrive(m.empty + 8 * (it % STAGES));
-      gg_wgmma_wait<0>();
-    } else {
-      issueDq(acc, it - 1);
-      issueDk(da, it);
-      gg_wgmma_wait<1>();  // dv's and dq's products; dk's runs under dq's staging, its stage freed at the next item
-      gg_fence_acc(dva);
-    }
-    gg_fence_acc(acc);
-    if (it > 0) {
-      if (it + 1 < items) ah_bar_arrive_named(8 + 2 * ((it - 1) & 1) + cw, 256);
-      stageDq(acc, it - 1);
-    }
-  }
-  if (items > 0) {
-    float acc[32];
-    readyWait(items - 1);
-    issueDq(acc, items - 1);
-    gg_wgmma_wait<0>();  // and the last dk product
-    gg_fence_acc(acc);
-    gg_fence_acc(dka);
-    stageDq(acc, items - 1);
-  }
-  if (wtid == 0) gg_bulk_wait();
-}
-#else
 // ah_bwd128_consume is a consumer warpgroup of head dim 128's block
 // (version 6), ah_bwd64_consume's contract with items of 64 queries (240
 // registers hold no more beside dk and dv): per item it computes the
@@ -1393,7 +1246,9 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
   gg_bar_wait(m.barKV, 0);
   const unsigned long long descK = gg_desc(m.ks + cw * 64 * 128), descV = gg_desc(m.vs + cw * 64 * 128);
+#if !(AH_EXPERIMENT & 16)
   int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
+#endif
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
@@ -1415,8 +1270,19 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
       if (lane == 0) gg_bar_arrive(m.empty + 8 * ((it - 1) % STAGES));
     }
     const unsigned st = m.stat + s * ah_bcfg<DH>::STAT;
+#if AH_EXPERIMENT & 64
+    // Cost probe: no softmax, P^T and dS^T the scores scaled.
+    (void)st;
+    (void)kr0;
+#pragma unroll
+    for (int e = 0; e < 32; e++) {
+      sc[e] *= scale;
+      dp[e] *= scale;
+    }
+#else
     ah_bwd_probs(sc, dp, ah_bwd_whole<ah_bcfg<DH>::BQ>(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
                  [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<ah_bcfg<DH>::BQ>(st, n, t4, l2, dl); });
+#endif
     unsigned da[4][4];
     // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
     // result comes back a product earlier and dk's runs under its staging.
@@ -1448,24 +1314,28 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
     gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
     gg_fence_acc(acc);
     gg_fence_acc(dva);
+#if AH_EXPERIMENT & 16
+    (void)DQB;
+#else
     const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (wtid == 0) gg_bulk_wait_read();
     gg_named_sync(1 + cw, 128);
+#if !(AH_EXPERIMENT & 8)
     if (wtid == 0) {
       gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw, at.row, stg);
       gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw + 32, at.row, stg + DQB / 2);
       gg_bulk_commit();
     }
+#endif
     nq++;
+#endif
   }
   gg_wgmma_wait<0>();  // the last item's dk product
   gg_fence_acc(dka);
   if (wtid == 0) gg_bulk_wait();
 }
-
-#endif  // AH_EXPERIMENT & 1
 
 // ah_bwd_block runs a backward block of head dim DH on the walk it is
 // given: countItems() items (counted after the warpgroups part: a count

@@ -53,15 +53,15 @@ type Variant struct {
 func Sources() []Source {
 	return []Source{
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			// Head dim 128's backward consumer (the whole sequence's and the ring's).
-			{Name: "bwd128-defer", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "dq's product an item late, the warpgroups' dS^T exchanged by named-barrier arrive and sync instead of a 256-thread barrier every item"},
-			{Name: "bwd128-defer-stagger", Defines: []string{"AH_EXPERIMENT=3"}, Exact: true,
-				Purpose: "bwd128-defer with warpgroup 1 half an item behind from the start"},
-			{Name: "bwd128-defer-free", Defines: []string{"AH_EXPERIMENT=5"}, Exact: true,
-				Purpose: "bwd128-defer with dk's product before dq's and the stage freed once dv's and dk's are in"},
-			{Name: "bwd128-defer-stagger-free", Defines: []string{"AH_EXPERIMENT=7"}, Exact: true,
-				Purpose: "bwd128-defer-stagger and bwd128-defer-free together"},
+			// Cost probes of the backward (what each part costs; results for timing only).
+			{Name: "bwd-probe-no-reduce", Defines: []string{"AH_EXPERIMENT=8"},
+				Purpose: "head dim 128's backward without dq's TMA reductions (staged, not added)"},
+			{Name: "bwd-probe-no-dq-out", Defines: []string{"AH_EXPERIMENT=16"},
+				Purpose: "head dim 128's backward without dq's staging and reductions (its product still computed)"},
+			{Name: "bwd-probe-no-loads", Defines: []string{"AH_EXPERIMENT=32"},
+				Purpose: "the backward's q and dout tiles loaded for the first two items only, the stages reused after"},
+			{Name: "bwd-probe-no-softmax", Defines: []string{"AH_EXPERIMENT=64"},
+				Purpose: "head dim 128's backward with P^T and dS^T the scaled scores (no exponentials, no statistics)"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
