@@ -3,6 +3,8 @@
 // 8, 16, 32 and 64 are cost probes of the backward (timing only): no dq
 // reductions, no dq staging at all (head dim 128), no q and dout loads
 // after the first stages (both head dims), no softmax (head dim 128).
+// Bits 128 and 256 (head dim 128's backward): dk's product issued after
+// dq's staging fence; dq's reductions issued by a writer warp.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -79,6 +81,9 @@
 #include "hopper.cuh"
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
+#endif
+#if (AH_EXPERIMENT & 128) && (AH_EXPERIMENT & 256)
+#error "bwd128-dk-after-stage and bwd128-dq-writer do not combine"
 #endif
 
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
@@ -1067,6 +1072,9 @@ __device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int ite
         }
       }
     }
+#if AH_EXPERIMENT & 32
+    if (lane == 0 && it >= cfg::STAGES) gg_bar_arrive(m.full + 8 * s);  // in place of the expect_tx
+#endif
     const unsigned st = m.stat + s * cfg::STAT;
 #pragma unroll
     for (int e = 0; e < cfg::BQ / 32; e++) {
@@ -1309,17 +1317,42 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
+#if AH_EXPERIMENT & 128
+    // bwd128-dk-after-stage: dq's product waited with dv's, dq staged and
+    // fenced with no product of this warpgroup in flight, dk's issued
+    // after the fence (in flight under the reduction's issue and the next
+    // item's start).
+    gg_wgmma_wait<0>();
+#else
     ah_bwd_rs<DH>(dka, da, qa);
     gg_wgmma_commit();
     gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
+#endif
     gg_fence_acc(acc);
     gg_fence_acc(dva);
 #if AH_EXPERIMENT & 16
     (void)DQB;
+#elif AH_EXPERIMENT & 256
+    (void)wtid;
+    // bwd128-dq-writer: the producer warpgroup's warp 1 adds the staged
+    // block (ah_bwd_dq_writer); this warpgroup waits only for its buffer
+    // to be read two blocks ago, and marks it full without waiting.
+    const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
+    if (nq >= 2) gg_named_sync(8 + 2 * cw + (nq & 1), 160);
+    ah_stage_dq(stg, acc, wr, t4);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.arrive %0, 160;" ::"r"(4 + 2 * cw + (nq & 1)) : "memory");
+    nq++;
 #else
     const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#if AH_EXPERIMENT & 128
+    gg_wgmma_fence();
+    gg_fence_acc(dka);
+    ah_bwd_rs<DH>(dka, da, qa);
+    gg_wgmma_commit();
+#endif
     if (wtid == 0) gg_bulk_wait_read();
     gg_named_sync(1 + cw, 128);
 #if !(AH_EXPERIMENT & 8)
@@ -1334,8 +1367,45 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
   }
   gg_wgmma_wait<0>();  // the last item's dk product
   gg_fence_acc(dka);
+#if !(AH_EXPERIMENT & 256)
   if (wtid == 0) gg_bulk_wait();
+#endif
 }
+
+#if AH_EXPERIMENT & 256
+// ah_bwd_dq_writer is bwd128-dq-writer's warp 1 of the producer
+// warpgroup: for each item, each consumer's staged dq block once it is
+// full (named barrier 4 + 2cw + buffer), added by TMA reductions; once
+// both are read, their buffers are marked empty (8 + 2cw + buffer) for the
+// block two items on.
+template <typename Walk>
+__device__ __forceinline__ void ah_bwd_dq_writer(const ah_bwd_smem<128>& m, int items, int lane, Walk walk) {
+  constexpr int DH = 128;
+  constexpr unsigned DQB = ah_bcfg<DH>::DQB;
+  for (int it = 0; it < items; it++) {
+    const int buf = it & 1;
+    ah_bwd_item at;
+    walk(it, at);
+#pragma unroll
+    for (int cw = 0; cw < 2; cw++) {
+      gg_named_sync(4 + 2 * cw + buf, 160);
+      if (lane == 0) {
+        const unsigned stg = m.dqs + (cw * 2 + buf) * DQB;
+        gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw, at.row, stg);
+        gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw + 32, at.row, stg + DQB / 2);
+        gg_bulk_commit();
+      }
+    }
+    if (lane == 0) gg_bulk_wait_read();
+    asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+    if (it + 2 < items) {
+      asm volatile("bar.arrive %0, 160;" ::"r"(8 + buf) : "memory");
+      asm volatile("bar.arrive %0, 160;" ::"r"(10 + buf) : "memory");
+    }
+  }
+  if (lane == 0) gg_bulk_wait();
+}
+#endif
 
 // ah_bwd_block runs a backward block of head dim DH on the walk it is
 // given: countItems() items (counted after the warpgroups part: a count
@@ -1366,6 +1436,14 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
 
   if (warp < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+#if AH_EXPERIMENT & 256
+    if constexpr (DH == 128) {
+      if (warp == 1) {
+        ah_bwd_dq_writer(m, countItems(), lane, walk);
+        return;
+      }
+    }
+#endif
     if (warp != 0) return;
     if (lane == 0) loadKV(m.ks, m.vs, m.barKV);
     ah_bwd_produce<DH>(m, countItems(), lane, walk);

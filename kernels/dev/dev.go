@@ -62,6 +62,10 @@ func Sources() []Source {
 				Purpose: "the backward's q and dout tiles loaded for the first two items only, the stages reused after"},
 			{Name: "bwd-probe-no-softmax", Defines: []string{"AH_EXPERIMENT=64"},
 				Purpose: "head dim 128's backward with P^T and dS^T the scaled scores (no exponentials, no statistics)"},
+			{Name: "bwd128-dk-after-stage", Defines: []string{"AH_EXPERIMENT=128"}, Exact: true,
+				Purpose: "head dim 128's backward with dq staged and fenced before dk's product is issued (no product of the warpgroup in flight at the proxy fence)"},
+			{Name: "bwd128-dq-writer", Defines: []string{"AH_EXPERIMENT=256"}, Exact: true,
+				Purpose: "head dim 128's backward with dq's reductions issued by a writer warp of the producer warpgroup: the consumers stage, fence and go on"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
