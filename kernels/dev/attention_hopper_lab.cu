@@ -82,9 +82,6 @@
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
 #endif
-#if (AH_EXPERIMENT & 128) && (AH_EXPERIMENT & 256)
-#error "bwd128-dk-after-stage and bwd128-dq-writer do not combine"
-#endif
 
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
 #define AH_BN 128  // keys per tile
@@ -1337,11 +1334,18 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
     // bwd128-dq-writer: the producer warpgroup's warp 1 adds the staged
     // block (ah_bwd_dq_writer); this warpgroup waits only for its buffer
     // to be read two blocks ago, and marks it full without waiting.
+    // (The writer marks both buffers empty before the first block.)
     const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
-    if (nq >= 2) gg_named_sync(8 + 2 * cw + (nq & 1), 160);
+    gg_named_sync(8 + 2 * cw + (nq & 1), 160);
     ah_stage_dq(stg, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("bar.arrive %0, 160;" ::"r"(4 + 2 * cw + (nq & 1)) : "memory");
+#if AH_EXPERIMENT & 128
+    gg_wgmma_fence();
+    gg_fence_acc(dka);
+    ah_bwd_rs<DH>(dka, da, qa);
+    gg_wgmma_commit();
+#endif
     nq++;
 #else
     const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
@@ -1367,9 +1371,10 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
   }
   gg_wgmma_wait<0>();  // the last item's dk product
   gg_fence_acc(dka);
-#if !(AH_EXPERIMENT & 256)
+  // (With bwd128-dq-writer this warpgroup issues no bulk operation, and
+  // the wait is a no-op; without it ptxas serializes every wgmma of the
+  // whole-sequence kernel, C7515, NVRTC 12.4.)
   if (wtid == 0) gg_bulk_wait();
-#endif
 }
 
 #if AH_EXPERIMENT & 256
@@ -1377,11 +1382,13 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
 // warpgroup: for each item, each consumer's staged dq block once it is
 // full (named barrier 4 + 2cw + buffer), added by TMA reductions; once
 // both are read, their buffers are marked empty (8 + 2cw + buffer) for the
-// block two items on.
+// block two items on (and all four before the first blocks, so that the
+// consumers wait for an empty buffer at every block).
 template <typename Walk>
 __device__ __forceinline__ void ah_bwd_dq_writer(const ah_bwd_smem<128>& m, int items, int lane, Walk walk) {
   constexpr int DH = 128;
   constexpr unsigned DQB = ah_bcfg<DH>::DQB;
+  for (int b = 0; b < 4; b++) asm volatile("bar.arrive %0, 160;" ::"r"(8 + b) : "memory");
   for (int it = 0; it < items; it++) {
     const int buf = it & 1;
     ah_bwd_item at;

@@ -66,6 +66,8 @@ func Sources() []Source {
 				Purpose: "head dim 128's backward with dq staged and fenced before dk's product is issued (no product of the warpgroup in flight at the proxy fence)"},
 			{Name: "bwd128-dq-writer", Defines: []string{"AH_EXPERIMENT=256"}, Exact: true,
 				Purpose: "head dim 128's backward with dq's reductions issued by a writer warp of the producer warpgroup: the consumers stage, fence and go on"},
+			{Name: "bwd128-dq-writer-dk-late", Defines: []string{"AH_EXPERIMENT=384"}, Exact: true,
+				Purpose: "bwd128-dq-writer with dk's product issued after the staging (bwd128-dk-after-stage)"},
 		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
