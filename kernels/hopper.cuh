@@ -149,6 +149,13 @@ __device__ __forceinline__ void gg_named_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+// gg_named_arrive marks this warp's arrival at barrier `id` of `count`
+// threads without waiting: the producer's side of a barrier whose
+// consumers wait in gg_named_sync (its writes before it are seen by them).
+__device__ __forceinline__ void gg_named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 // ---- wgmma ----
 
 // gg_desc is the wgmma shared-memory descriptor of a K-major bf16 tile laid

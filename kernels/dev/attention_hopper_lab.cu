@@ -1,10 +1,7 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT bits
-// 8, 16, 32 and 64 are cost probes of the backward (timing only): no dq
-// reductions, no dq staging at all (head dim 128), no q and dout loads
-// after the first stages (both head dims), no softmax (head dim 128).
-// Bits 128 and 256 (head dim 128's backward): dk's product issued after
-// dq's staging fence; dq's reductions issued by a writer warp.
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment: the last lab (bwd128-dq-writer, dq's reductions by a
+// writer warp) became head dim 128's backward version 8; git keeps it.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -784,7 +781,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 //                                  128 its 64 of dq's columns. Staged in
 //                                  shared memory and added to dq by TMA
 //                                  reductions (cp.reduce.async.bulk): one
-//                                  block per warpgroup and item
+//                                  block per warpgroup and item, issued
+//                                  by the consumer at head dim 64 and by
+//                                  the producer warpgroup's writer warp
+//                                  at 128
 //
 // dk and dv stay in registers across the whole walk (GQA needs no partial
 // sums per head) and are stored once. dq must be zero before the kernel;
@@ -797,6 +797,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 #define AH_BQ 64        // the rows of a backward q, dout or dq box (TMA)
 #define AH_NO_END 0x3fffffff  // a sequence length no position reaches (the ring's masks)
 #define AH_LOG2E 1.4426950408889634f
+// Named barriers of head dim 128's backward block (besides 3, the two
+// consumers' meeting every item): dq's staging buffers, 2cw + buffer on
+// from each base, full (consumer cw arrives, the writer warp waits) and
+// empty (the writer arrives, consumer cw waits); 160 threads each.
+#define AH_BAR_DQ_FULL 4
+#define AH_BAR_DQ_EMPTY 8
 
 struct alignas(16) ah_f4 {
   float x, y, z, w;
@@ -997,14 +1003,15 @@ __device__ __forceinline__ void ah_store_dkdv(float* dk, float* dv, const float 
 // and v once, STAGES stages of q and dout, dS^T [parity][warpgroup], dq
 // staging [warpgroup][DQBUF], the stages' statistics (BQ lse, BQ delta
 // each) and the barriers. 384 threads: a producer warpgroup (warp 0
-// working) fills the stages; two consumer warpgroups of 64 keys each
+// working; at head dim 128 warp 1 too, dq's writer) fills the stages; two
+// consumer warpgroups of 64 keys each
 // compute, at setmaxnreg 240 against the producer's 24 (168 at entry:
 // 128 x 24 + 256 x 240 fits the register file's 65,536). What a
 // whole-sequence kernel and a ring kernel differ in is the walk
 // (ah_bwd_item), which keys see which queries, where k and v come from
 // and where dk and dv go: ah_bwd_block takes those and runs the rest,
 // head dim 64's consumers (version 7 in kernels/attention_hopper.md) or
-// 128's (version 6).
+// 128's (version 8).
 
 // ah_bwd_item is one item as the walk gives it.
 struct ah_bwd_item {
@@ -1050,13 +1057,7 @@ __device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int ite
     ah_bwd_item at;
     walk(it, at);
     gg_bar_wait(m.empty + 8 * s, ph ^ 1);
-#if AH_EXPERIMENT & 32
-    // Cost probe: q and dout loaded for the first STAGES items only, the
-    // stages reused after.
-    if (lane == 0 && it < cfg::STAGES) {
-#else
     if (lane == 0) {
-#endif
       const unsigned qa = m.qs + s * 2 * cfg::QT;
       gg_bar_expect_tx(m.full + 8 * s, 2 * cfg::QT);
 #pragma unroll
@@ -1069,9 +1070,6 @@ __device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int ite
         }
       }
     }
-#if AH_EXPERIMENT & 32
-    if (lane == 0 && it >= cfg::STAGES) gg_bar_arrive(m.full + 8 * s);  // in place of the expect_tx
-#endif
     const unsigned st = m.stat + s * cfg::STAT;
 #pragma unroll
     for (int e = 0; e < cfg::BQ / 32; e++) {
@@ -1228,7 +1226,7 @@ __device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[
 }
 
 // ah_bwd128_consume is a consumer warpgroup of head dim 128's block
-// (version 6), ah_bwd64_consume's contract with items of 64 queries (240
+// (version 8), ah_bwd64_consume's contract with items of 64 queries (240
 // registers hold no more beside dk and dv): per item it computes the
 // scores, P^T and dS^T (ah_bwd_probs; the statistics a column block at a
 // time, which 240 registers hold beside dk, dv, S^T and dP^T), issues
@@ -1236,8 +1234,11 @@ __device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[
 // barrier: dq needs both warpgroups' dS^T), issues dq's product over all
 // 128 keys for its 64 of dq's columns and then dk's, and waits for dv's
 // and dq's only (wgmma.wait_group 1): dk's product runs under dq's
-// staging and TMA reduction, and the stage is freed once the next item's
-// scores are waited for, which covers it.
+// staging, and the stage is freed once the next item's scores are waited
+// for, which covers it. dq's block goes to the writer warp
+// (ah_bwd_dq_writer) through one of two staging buffers: the warpgroup
+// waits until the writer has read what the buffer held two items ago,
+// stages the block and marks it full without waiting (version 8).
 template <typename Walk>
 __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)[64], const ah_bwd_smem<128>& m, int items,
                                                   int cw, int kw, int S, int KS, int off, float scaleLog2, float scale,
@@ -1251,9 +1252,6 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
   for (int i = 0; i < DH / 2; i++) dka[i] = dva[i] = 0.0f;
   gg_bar_wait(m.barKV, 0);
   const unsigned long long descK = gg_desc(m.ks + cw * 64 * 128), descV = gg_desc(m.vs + cw * 64 * 128);
-#if !(AH_EXPERIMENT & 16)
-  int nq = 0;  // dq blocks this warpgroup has staged (their buffer is nq & 1)
-#endif
   for (int it = 0; it < items; it++) {
     const int s = it % STAGES;
     const unsigned ph = (it / STAGES) & 1;
@@ -1275,19 +1273,8 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
       if (lane == 0) gg_bar_arrive(m.empty + 8 * ((it - 1) % STAGES));
     }
     const unsigned st = m.stat + s * ah_bcfg<DH>::STAT;
-#if AH_EXPERIMENT & 64
-    // Cost probe: no softmax, P^T and dS^T the scores scaled.
-    (void)st;
-    (void)kr0;
-#pragma unroll
-    for (int e = 0; e < 32; e++) {
-      sc[e] *= scale;
-      dp[e] *= scale;
-    }
-#else
     ah_bwd_probs(sc, dp, ah_bwd_whole<ah_bcfg<DH>::BQ>(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
                  [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<ah_bcfg<DH>::BQ>(st, n, t4, l2, dl); });
-#endif
     unsigned da[4][4];
     // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
     // result comes back a product earlier and dk's runs under its staging.
@@ -1314,88 +1301,47 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
       ah_wgmma_ss<1, 1>(acc, mnD + 128 * (kk % 4), mnK + 128 * kk, kk > 0 ? 1 : 0);
     }
     gg_wgmma_commit();
-#if AH_EXPERIMENT & 128
-    // bwd128-dk-after-stage: dq's product waited with dv's, dq staged and
-    // fenced with no product of this warpgroup in flight, dk's issued
-    // after the fence (in flight under the reduction's issue and the next
-    // item's start).
-    gg_wgmma_wait<0>();
-#else
     ah_bwd_rs<DH>(dka, da, qa);
     gg_wgmma_commit();
     gg_wgmma_wait<1>();  // dv's and dq's products; dk's stays in flight (its stage freed at the next item)
-#endif
     gg_fence_acc(acc);
     gg_fence_acc(dva);
-#if AH_EXPERIMENT & 16
-    (void)DQB;
-#elif AH_EXPERIMENT & 256
-    (void)wtid;
-    // bwd128-dq-writer: the producer warpgroup's warp 1 adds the staged
-    // block (ah_bwd_dq_writer); this warpgroup waits only for its buffer
-    // to be read two blocks ago, and marks it full without waiting.
-    // (The writer marks both buffers empty before the first block.)
-    const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
-    gg_named_sync(8 + 2 * cw + (nq & 1), 160);
-    ah_stage_dq(stg, acc, wr, t4);
+    const int buf = it & 1;
+    gg_named_sync(AH_BAR_DQ_EMPTY + 2 * cw + buf, 160);
+    ah_stage_dq(m.dqs + (cw * 2 + buf) * DQB, acc, wr, t4);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("bar.arrive %0, 160;" ::"r"(4 + 2 * cw + (nq & 1)) : "memory");
-#if AH_EXPERIMENT & 128
-    gg_wgmma_fence();
-    gg_fence_acc(dka);
-    ah_bwd_rs<DH>(dka, da, qa);
-    gg_wgmma_commit();
-#endif
-    nq++;
-#else
-    const unsigned stg = m.dqs + (cw * 2 + (nq & 1)) * DQB;
-    ah_stage_dq(stg, acc, wr, t4);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#if AH_EXPERIMENT & 128
-    gg_wgmma_fence();
-    gg_fence_acc(dka);
-    ah_bwd_rs<DH>(dka, da, qa);
-    gg_wgmma_commit();
-#endif
-    if (wtid == 0) gg_bulk_wait_read();
-    gg_named_sync(1 + cw, 128);
-#if !(AH_EXPERIMENT & 8)
-    if (wtid == 0) {
-      gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw, at.row, stg);
-      gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw + 32, at.row, stg + DQB / 2);
-      gg_bulk_commit();
-    }
-#endif
-    nq++;
-#endif
+    gg_named_arrive(AH_BAR_DQ_FULL + 2 * cw + buf, 160);
   }
   gg_wgmma_wait<0>();  // the last item's dk product
   gg_fence_acc(dka);
-  // (With bwd128-dq-writer this warpgroup issues no bulk operation, and
-  // the wait is a no-op; without it ptxas serializes every wgmma of the
-  // whole-sequence kernel, C7515, NVRTC 12.4.)
+  // A no-op (this warpgroup issues no bulk operation), but without it
+  // ptxas (NVRTC 12.4) serializes every wgmma of the whole-sequence
+  // kernel (C7515).
   if (wtid == 0) gg_bulk_wait();
 }
 
-#if AH_EXPERIMENT & 256
-// ah_bwd_dq_writer is bwd128-dq-writer's warp 1 of the producer
-// warpgroup: for each item, each consumer's staged dq block once it is
-// full (named barrier 4 + 2cw + buffer), added by TMA reductions; once
-// both are read, their buffers are marked empty (8 + 2cw + buffer) for the
-// block two items on (and all four before the first blocks, so that the
-// consumers wait for an empty buffer at every block).
+// ah_bwd_dq_writer is warp 1 of head dim 128's producer warpgroup: for
+// each item, each consumer's staged dq block once it is full (named
+// barrier AH_BAR_DQ_FULL + 2cw + buffer), added to dq at L2 by TMA
+// reductions; once both are read, their buffers are marked empty
+// (AH_BAR_DQ_EMPTY + 2cw + buffer) for the blocks two items on, and all
+// four before the first blocks, so that a consumer waits for an empty
+// buffer at every item. The consumers used to issue the reductions
+// themselves, one thread waiting for the buffer's last reduction to be
+// read and its warpgroup for that thread at every item: 6% of the
+// backward at B2 S8192, 10-14% of the ring's (kernels/attention_hopper.md).
 template <typename Walk>
 __device__ __forceinline__ void ah_bwd_dq_writer(const ah_bwd_smem<128>& m, int items, int lane, Walk walk) {
   constexpr int DH = 128;
   constexpr unsigned DQB = ah_bcfg<DH>::DQB;
-  for (int b = 0; b < 4; b++) asm volatile("bar.arrive %0, 160;" ::"r"(8 + b) : "memory");
+  for (int b = 0; b < 4; b++) gg_named_arrive(AH_BAR_DQ_EMPTY + b, 160);
   for (int it = 0; it < items; it++) {
     const int buf = it & 1;
     ah_bwd_item at;
     walk(it, at);
-#pragma unroll
+#pragma unroll 1
     for (int cw = 0; cw < 2; cw++) {
-      gg_named_sync(4 + 2 * cw + buf, 160);
+      gg_named_sync(AH_BAR_DQ_FULL + 2 * cw + buf, 160);
       if (lane == 0) {
         const unsigned stg = m.dqs + (cw * 2 + buf) * DQB;
         gg_tma_reduce_add_2d(at.dq, at.h * DH + 64 * cw, at.row, stg);
@@ -1406,13 +1352,12 @@ __device__ __forceinline__ void ah_bwd_dq_writer(const ah_bwd_smem<128>& m, int 
     if (lane == 0) gg_bulk_wait_read();
     asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
     if (it + 2 < items) {
-      asm volatile("bar.arrive %0, 160;" ::"r"(8 + buf) : "memory");
-      asm volatile("bar.arrive %0, 160;" ::"r"(10 + buf) : "memory");
+      gg_named_arrive(AH_BAR_DQ_EMPTY + buf, 160);
+      gg_named_arrive(AH_BAR_DQ_EMPTY + 2 + buf, 160);
     }
   }
   if (lane == 0) gg_bulk_wait();
 }
-#endif
 
 // ah_bwd_block runs a backward block of head dim DH on the walk it is
 // given: countItems() items (counted after the warpgroups part: a count
@@ -1443,14 +1388,12 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
 
   if (warp < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-#if AH_EXPERIMENT & 256
     if constexpr (DH == 128) {
       if (warp == 1) {
         ah_bwd_dq_writer(m, countItems(), lane, walk);
         return;
       }
     }
-#endif
     if (warp != 0) return;
     if (lane == 0) loadKV(m.ks, m.vs, m.barKV);
     ah_bwd_produce<DH>(m, countItems(), lane, walk);

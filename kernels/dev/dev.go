@@ -52,23 +52,7 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			// Cost probes of the backward (what each part costs; results for timing only).
-			{Name: "bwd-probe-no-reduce", Defines: []string{"AH_EXPERIMENT=8"},
-				Purpose: "head dim 128's backward without dq's TMA reductions (staged, not added)"},
-			{Name: "bwd-probe-no-dq-out", Defines: []string{"AH_EXPERIMENT=16"},
-				Purpose: "head dim 128's backward without dq's staging and reductions (its product still computed)"},
-			{Name: "bwd-probe-no-loads", Defines: []string{"AH_EXPERIMENT=32"},
-				Purpose: "the backward's q and dout tiles loaded for the first two items only, the stages reused after"},
-			{Name: "bwd-probe-no-softmax", Defines: []string{"AH_EXPERIMENT=64"},
-				Purpose: "head dim 128's backward with P^T and dS^T the scaled scores (no exponentials, no statistics)"},
-			{Name: "bwd128-dk-after-stage", Defines: []string{"AH_EXPERIMENT=128"}, Exact: true,
-				Purpose: "head dim 128's backward with dq staged and fenced before dk's product is issued (no product of the warpgroup in flight at the proxy fence)"},
-			{Name: "bwd128-dq-writer", Defines: []string{"AH_EXPERIMENT=256"}, Exact: true,
-				Purpose: "head dim 128's backward with dq's reductions issued by a writer warp of the producer warpgroup: the consumers stage, fence and go on"},
-			{Name: "bwd128-dq-writer-dk-late", Defines: []string{"AH_EXPERIMENT=384"}, Exact: true,
-				Purpose: "bwd128-dq-writer with dk's product issued after the staging (bwd128-dk-after-stage)"},
-		}},
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
