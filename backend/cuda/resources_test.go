@@ -142,6 +142,16 @@ func TestKernelResources(t *testing.T) {
 	major, minor := nv.Version()
 	t.Logf("NVRTC %d.%d, %s", major, minor, hopperArch)
 	strict := map[string]bool{"attention_hopper.cu": true, "grouped_gemm.cu": true}
+	// Spill bytes a strict kernel may have, each with its reason; any more
+	// fails.
+	tolerated := map[string]int{
+		// Head dim 128's ring backward since version 8 (the writer warp
+		// walks the items in the producer warpgroup's 24 registers):
+		// NVRTC 13.0 spills 8 bytes, 12.4 none; bench attention's ring
+		// rates at 07fbdff were measured with them
+		// (kernels/attention_hopper.md).
+		"attn_h_zz_backward_d128": 8,
+	}
 	// One compile a source, side by side: the GPU suite's backend/cuda
 	// run has little time to spare.
 	for _, src := range kernels.Sources() {
@@ -161,8 +171,8 @@ func TestKernelResources(t *testing.T) {
 				return
 			}
 			for _, k := range ks {
-				if k.Spills() {
-					t.Errorf("%s spills (%d bytes stored, %d loaded)", k.Name, k.SpillStores, k.SpillLoads)
+				if allowed := tolerated[k.Name]; k.SpillStores > allowed || k.SpillLoads > allowed {
+					t.Errorf("%s spills (%d bytes stored, %d loaded; %d tolerated)", k.Name, k.SpillStores, k.SpillLoads, allowed)
 				}
 				for _, n := range k.Notes {
 					t.Errorf("%s: %s", k.Name, n)
