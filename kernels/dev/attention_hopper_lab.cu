@@ -445,11 +445,12 @@ __device__ __forceinline__ void ah_fwd_drain(int from, int nT, int T0, unsigned 
 }
 
 // ah_fwd_store normalises this thread's rows r0 and r1 of an item's out
-// (sequence b, head h) by their sums and writes them and their lse, rows
-// past S not.
+// (rows b*S + r of head h) by their sums and writes them, and their lse
+// at lrow[r] (the (sequence, head)'s row of lse), rows past S not. The
+// whole-sequence forwards and the ring's (S its 2C local rows) share it.
 template <int DH, typename Out>
 __device__ __forceinline__ void ah_fwd_store(const float (&o)[DH / 2], float m0, float m1, float l0, float l1, Out* out,
-                                             float* lse, int b, int h, int S, int H, int r0, int r1, int t4) {
+                                             float* lrow, int b, int h, int S, int H, int r0, int r1, int t4) {
   l0 += mk_shfl_xor(l0, 1);
   l0 += mk_shfl_xor(l0, 2);
   l1 += mk_shfl_xor(l1, 1);
@@ -464,7 +465,6 @@ __device__ __forceinline__ void ah_fwd_store(const float (&o)[DH / 2], float m0,
     if (r1 < S) ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
   }
   if (t4 == 0) {
-    float* lrow = lse + ((long long)b * H + h) * S;
     if (r0 < S) lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
     if (r1 < S) lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
   }
@@ -521,7 +521,7 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
     ah_fwd_tiles<DH, STAGES, false>(o, m0, m1, l0, l1, nTw, 0, dq, ks, vs, fullK, fullV, emptyK, emptyV, 0, lane, off, w0, r0,
                                     r1, KS, t4, scaleLog2);
   ah_fwd_drain<STAGES>(nTw, nT, 0, fullK, fullV, emptyK, emptyV, lane);
-  ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse, b, h, S, H, r0, r1, t4);
+  ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + ((long long)b * H + h) * S, b, h, S, H, r0, r1, t4);
 }
 
 // ah_forward_walk is the whole-sequence forward on a grid of gridDim.x
@@ -599,7 +599,7 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
     // (The item's sequence and head again, rather than held in registers
     // through the tiles.)
     ah_band_of(lin, pairs, nQT, band, bh, ty);
-    ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse, bh / H, bh % H, S, H, r0, r1, t4);
+    ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + (long long)bh * S, bh / H, bh % H, S, H, r0, r1, t4);
   }
 }
 
@@ -705,25 +705,9 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
   // (no key past the positions: KS out of reach).
   ah_fwd_tiles<DH, STAGES, false>(o, m0, m1, l0, l1, nT, 0, dq, ks, vs, fullK, fullV, emptyK, emptyV, 0, lane, off, w0, r0, r1,
                                   0x3fffffff, t4, scaleLog2);
-  l0 += mk_shfl_xor(l0, 1);
-  l0 += mk_shfl_xor(l0, 2);
-  l1 += mk_shfl_xor(l1, 1);
-  l1 += mk_shfl_xor(l1, 2);
-  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-  const int HD = H * DH;
-  float* o0 = out + ((long long)b * S + r0) * HD + h * DH + 2 * t4;
-  float* o1 = o0 + 8LL * HD;
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-    ah_store2(o0 + 8 * i, o[4 * i] * inv0, o[4 * i + 1] * inv0);
-    ah_store2(o1 + 8 * i, o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-  }
-  if (t4 == 0) {
-    // lse [B, 2, H, C]: the block's chunk n, row r - nC of it.
-    float* lrow = lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C;
-    lrow[r0] = (m0 + ah_lg2(l0)) * AH_LN2;
-    lrow[r1] = (m1 + ah_lg2(l1)) * AH_LN2;
-  }
+  // lse [B, 2, H, C]: the block's chunk n, row r - nC of it.
+  ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + ((long long)(b * 2 + n) * H + h) * C - (long long)n * C, b, h, S, H, r0, r1,
+                   t4);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
