@@ -251,7 +251,7 @@ func TestAttentionFigures(t *testing.T) {
 	timeAttention(k, "attention", backend.AttnShape{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128}, attnTC)
 	if hopperAttnTakes(d, moeSmall) {
 		for _, s := range []backend.AttnShape{moeSmall, {Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128},
-			{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128}} {
+			{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128}, {Batch: 1, Seq: 32768, Heads: 32, KVHeads: 8, HeadDim: 128}} {
 			timeAttention(k, "attention hopper", s, attnHopper)
 		}
 	}
@@ -300,7 +300,7 @@ func timeAttention(k *kt, name string, s backend.AttnShape, impl attnImpl) {
 	gotOut, gotLse := k.download(out, nq), k.download(lse, nl)
 	group := H / KV
 	tol := attnTol(impl)
-	for _, r := range [][3]int{{0, 0, 0}, {s.Batch - 1, H - 1, s.Seq - 1}, {s.Batch / 2, 5, 1000}, {s.Batch - 1, 9, 63}, {1, 12, 64}} {
+	for _, r := range [][3]int{{0, 0, 0}, {s.Batch - 1, H - 1, s.Seq - 1}, {s.Batch / 2, 5, 1000}, {s.Batch - 1, 9, 63}, {min(1, s.Batch-1), 12, 64}} {
 		b, h, i := r[0], r[1], r[2]
 		wantOut, wantLse := naiveAttnRow(q, kk, v, s, b, h/group, h, i)
 		if e := math.Abs(float64(gotLse[(b*H+h)*s.Seq+i]) - wantLse); !(e <= tol*max(1, math.Abs(wantLse))) {

@@ -115,6 +115,7 @@ func TestAttentionLabVariants(t *testing.T) {
 		{Batch: 8, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64},
 		{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 128},
 		{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128},
+		{Batch: 1, Seq: 32768, Heads: 32, KVHeads: 8, HeadDim: 128},
 	}
 	labRingFigures(t, "production", true)
 	for _, v := range vs {

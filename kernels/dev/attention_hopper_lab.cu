@@ -1,8 +1,8 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
 // define it compiles to the production source's PTX. AH_EXPERIMENT has no
-// bit at the moment: the last lab (bwd128-dq-writer, dq's reductions by a
-// writer warp) became head dim 128's backward version 8; git keeps it.
-//
+// bit at the moment: the last lab (bwd-walk-*, the order of a backward
+// block's items) made the whole-sequence backward walk its query tiles
+// from the last down; git keeps it.
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
 // into a ring of shared-memory stages, the products on wgmma, float32
@@ -1400,7 +1400,11 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
 // ah_backward is the whole sequence's backward at head dim DH: a block
 // owns 128 keys of one (sequence, kv head) pair (ah_band's order) and
 // walks, per query head of the group, every tile of BQ queries (ah_bcfg)
-// from the first with a query that sees its first key. q, dout, k and v are read through
+// from the last down to the first with a query that sees its first key:
+// so the blocks of a pair that start together read the same q and dout
+// tiles and add into the same dq blocks (from the diagonal up, each
+// started on its own tile; kernels/attention_hopper.md, "The backward's
+// walk"). q, dout, k and v are read through
 // tensor maps, lse and delta from [B, H, S]; dq [B*S, H*DH] float32 takes
 // TMA reductions, and dk and dv [B*KS, KV*DH] float32 are stored, their
 // rows past KS not.
@@ -1420,7 +1424,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   ah_bwd_block<DH>(
       [&] { return G * perHead; }, j0, S, KS, off, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
-        const int q0 = (qt0 + it % perHead) * BQ;
+        const int q0 = (nQT - 1 - it % perHead) * BQ;
         at.h = kvh * G + it / perHead;
         at.q0 = q0;
         at.row = b * S + q0;
