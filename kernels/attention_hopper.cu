@@ -1302,7 +1302,9 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
 // reductions; once both are read, their buffers are marked empty
 // (AH_BAR_DQ_EMPTY + 2cw + buffer) for the blocks two items on, and all
 // four before the first blocks, so that a consumer waits for an empty
-// buffer at every item. The consumers used to issue the reductions
+// buffer at every item (a block of fewer than two items leaves those
+// arrivals pending at its exit, harmlessly: named barriers belong to
+// the CTA instance, sixteen each, PTX ISA "barrier"). The consumers used to issue the reductions
 // themselves, one thread waiting for the buffer's last reduction to be
 // read and its warpgroup for that thread at every item: 6% of the
 // backward at B2 S8192, 10-14% of the ring's (kernels/attention_hopper.md).
