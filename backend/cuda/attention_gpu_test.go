@@ -409,8 +409,9 @@ func TestHopperAttnBands(t *testing.T) {
 		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
 	}
 	for n, s := range []backend.AttnShape{
-		{Batch: 1, Seq: 8065, Heads: 6, KVHeads: 3, HeadDim: 64},
-		{Batch: 1, Seq: 8065, Heads: 6, KVHeads: 3, HeadDim: 128},
+		// 10 and 5 pairs: bands of 4, the last of 2 forward and 1 backward.
+		{Batch: 1, Seq: 8065, Heads: 10, KVHeads: 5, HeadDim: 64},
+		{Batch: 1, Seq: 8065, Heads: 10, KVHeads: 5, HeadDim: 128},
 		{Batch: 1, Seq: 4033, Heads: 12, KVHeads: 6, HeadDim: 128},
 	} {
 		t.Run(fmt.Sprintf("B%d_S%d_H%d_KV%d_Dh%d", s.Batch, s.Seq, s.Heads, s.KVHeads, s.HeadDim), func(t *testing.T) {
