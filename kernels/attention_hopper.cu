@@ -1304,10 +1304,11 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
 // four before the first blocks, so that a consumer waits for an empty
 // buffer at every item (a block of fewer than two items leaves those
 // arrivals pending at its exit, harmlessly: named barriers belong to
-// the CTA instance, sixteen each, PTX ISA "barrier"). The consumers used to issue the reductions
-// themselves, one thread waiting for the buffer's last reduction to be
-// read and its warpgroup for that thread at every item: 6% of the
-// backward at B2 S8192, 10-14% of the ring's (kernels/attention_hopper.md).
+// the CTA instance, sixteen each, PTX ISA "barrier"). The consumers used
+// to issue the reductions themselves, one thread waiting for the
+// buffer's last reduction to be read and its warpgroup for that thread
+// at every item: 6% of the backward at B2 S8192, 10-14% of the ring's
+// (kernels/attention_hopper.md).
 template <typename Walk>
 __device__ __forceinline__ void ah_bwd_dq_writer(const ah_bwd_smem<128>& m, int items, int lane, Walk walk) {
   constexpr int DH = 128;
@@ -1398,10 +1399,9 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
 // so the blocks of a pair that start together read the same q and dout
 // tiles and add into the same dq blocks (from the diagonal up, each
 // started on its own tile; kernels/attention_hopper.md, "The backward's
-// walk"). q, dout, k and v are read through
-// tensor maps, lse and delta from [B, H, S]; dq [B*S, H*DH] float32 takes
-// TMA reductions, and dk and dv [B*KS, KV*DH] float32 are stored, their
-// rows past KS not.
+// walk"). q, dout, k and v are read through tensor maps, lse and delta
+// from [B, H, S]; dq [B*S, H*DH] float32 takes TMA reductions, and dk
+// and dv [B*KS, KV*DH] float32 are stored, their rows past KS not.
 template <int DH>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
