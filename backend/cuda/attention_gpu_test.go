@@ -438,7 +438,7 @@ func TestHopperAttnBands(t *testing.T) {
 				}
 				dq, dk, dv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
 				if err := launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(),
-					out.Ptr(), lse.Ptr(), s, attnBwdInputs{qkv: true}, bwd, 1); err != nil {
+					out.Ptr(), lse.Ptr(), s, attnBwdInputs{qkv: true}, bwd); err != nil {
 					t.Fatal(err)
 				}
 				return map[string][]float32{"out": k.download(out, nq), "lse": k.download(lse, nl),
@@ -507,7 +507,7 @@ func TestAttentionBandFigures(t *testing.T) {
 			}},
 			{"bwd", s.Batch * KV, hopperAttnBand(s.Batch*KV, tiles), 2.5 * flops, func(band int) error {
 				return launchHopperAttnBackward(d, kern, threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(),
-					out.Ptr(), lse.Ptr(), s, attnBwdInputs{qkv: true}, band, 1)
+					out.Ptr(), lse.Ptr(), s, attnBwdInputs{qkv: true}, band)
 			}},
 		} {
 			figure(t, fmt.Sprintf("attention band %s %s chosen", shape, dir.name), float64(dir.chosen), "pairs")

@@ -469,23 +469,17 @@ func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.De
 		return err
 	}
 	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
-	return launchHopperAttnBackward(d, kern, threads, smem, dq, dk, dv, dout, q, k, v, out, lse, s, in, 0, 1)
+	return launchHopperAttnBackward(d, kern, threads, smem, dq, dk, dv, dout, q, k, v, out, lse, s, in, 0)
 }
 
 // launchHopperAttnBackward is hopperAttnBackward on kernel kern (attn_h_backward's
 // arguments, then extra ones) launched with threads threads and smem
 // bytes of dynamic shared memory a block, its blocks band (sequence, kv
-// head) pairs at a time (0: hopperAttnBand's choice) and shares blocks to
-// a key block (gridDim.z; dk and dv zeroed first where more than 1): the
-// production kernel (shares 1), or a lab build whose launch differs
-// (kernels/dev; bwd-head-split's blocks walk heads/kvHeads/shares query
-// heads each and add their dk and dv).
-func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, band, shares int, extra ...uint64) error {
+// head) pairs at a time (0: hopperAttnBand's choice): the production
+// kernel, or a lab build whose launch differs (kernels/dev).
+func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, band int, extra ...uint64) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
-	if shares < 1 || (s.Heads/s.KVHeads)%shares != 0 {
-		return fmt.Errorf("cuda: %s: %d blocks to a key block do not divide a group of %d query heads", op, shares, s.Heads/s.KVHeads)
-	}
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
 	if err != nil {
 		return err
@@ -553,13 +547,6 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	if err := d.Submit(func() error { return d.drv.MemsetD32Async(dq, 0, int(nq), d.stream) }); err != nil {
 		return err
 	}
-	if shares > 1 {
-		for _, g := range []driver.DevicePtr{dk, dv} {
-			if err := d.Submit(func() error { return d.drv.MemsetD32Async(g, 0, int(nk), d.stream) }); err != nil {
-				return err
-			}
-		}
-	}
 	maps := []namedMap{
 		{"q", hopperAttnMap(qb, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
 		{"dout", hopperAttnMap(ob, s.Heads*dh, s.Batch*s.Seq, hopperAttnBwdQ)},
@@ -581,7 +568,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, keyBlocks))))}
 	slots = append(slots, extra...)
 	grid := Grid{
-		Grid:   driver.Dim3{X: pairs, Y: keyBlocks, Z: shares},
+		Grid:   driver.Dim3{X: pairs, Y: keyBlocks, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: smem,
 	}

@@ -56,13 +56,7 @@ func withAttentionLab(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (r
 // the production ones (other kernels, block sizes, shared memory or
 // arguments): TestAttentionLabOwnLaunch runs them, not in place of the
 // production kernels.
-var ownLaunch = map[string]labBackwardLaunch{
-	// One query head a block: blockIdx.z shares each key block among the
-	// group's heads, dk and dv added (kernels/attention_hopper.md, "The
-	// backward's walk").
-	"bwd-head-split": {headDims: []int{64, 128}, kernel: "attn_h_backward_d%d", launch: hopperAttnBwdLaunch,
-		shares: func(s backend.AttnShape) int { return s.Heads / s.KVHeads }},
-}
+var ownLaunch = map[string]labBackwardLaunch{}
 
 // ownForwardLaunch names the variants that add forward kernels of their
 // own: TestAttentionLabForwardOwnLaunch runs them.
@@ -89,14 +83,11 @@ func ownsLaunch(v dev.Variant) bool {
 	return bwd || fwd
 }
 
-// labBackwardLaunch is how a lab build's backward kernels launch: shares,
-// where set, is the blocks to a key block on shape s
-// (launchHopperAttnBackward; 1 where nil).
+// labBackwardLaunch is how a lab build's backward kernels launch.
 type labBackwardLaunch struct {
 	headDims []int
 	kernel   string // the kernel's name, %d the head dim
 	launch   func(dh int) (threads, smem int)
-	shares   func(s backend.AttnShape) int
 }
 
 func TestAttentionLabVariants(t *testing.T) {
@@ -258,12 +249,8 @@ func runOwnLaunch(t *testing.T, d *Device, lab dev.Source, v dev.Variant, how la
 	kerns := labKernels(t, d, lab, v, how.kernel, how.headDims)
 	labBackward := func(dq, dk, dv, dout, q, kk, v, out, lse *Buffer, s backend.AttnShape) error {
 		threads, smem := how.launch(s.HeadDim)
-		shares := 1
-		if how.shares != nil {
-			shares = how.shares(s)
-		}
 		return launchHopperAttnBackward(d, kerns[s.HeadDim], threads, smem, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(),
-			q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{}, 0, shares)
+			q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s, attnBwdInputs{}, 0)
 	}
 	shapes := []backend.AttnShape{
 		{Batch: 2, Seq: 5, Heads: 4, KVHeads: 2, HeadDim: 64},

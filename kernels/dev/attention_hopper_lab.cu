@@ -1,8 +1,8 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT bits:
-// 1 the whole-sequence backward's blocks walk G/gridDim.z of their
-// group's query heads each (blockIdx.z the share) and add dk and dv into
-// tensors the launch zeroed where gridDim.z > 1 (bwd-head-split).
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment: the last lab (bwd-walk-*, the order of a backward
+// block's items) made the whole-sequence backward walk its query tiles
+// from the last down; git keeps it.
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
 // into a ring of shared-memory stages, the products on wgmma, float32
@@ -1410,29 +1410,6 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
 // walk"). q, dout, k and v are read through tensor maps, lse and delta
 // from [B, H, S]; dq [B*S, H*DH] float32 takes TMA reductions, and dk
 // and dv [B*KS, KV*DH] float32 are stored, their rows past KS not.
-#if AH_EXPERIMENT & 1
-// ah_add_dkdv is ah_store_dkdv adding (red.global.add) instead of storing,
-// for blocks that share a key block: rows past KS not.
-template <int DH>
-__device__ __forceinline__ void ah_add_dkdv(float* dk, float* dv, const float (&dka)[DH / 2], const float (&dva)[DH / 2], int b,
-                                            int kvh, int KS, int KV, int kr0, int t4) {
-  const int KD = KV * DH;
-  float* k0 = dk + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
-  float* v0 = dv + ((long long)b * KS + kr0) * KD + kvh * DH + 2 * t4;
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      if (kr0 + (e >> 1) * 8 < KS) {
-        const long long at = (e >> 1) * 8LL * KD + 8 * i + (e & 1);  // rows kr0, kr0 + 8
-        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(k0 + at), "f"(dka[4 * i + e]) : "memory");
-        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(v0 + at), "f"(dva[4 * i + e]) : "memory");
-      }
-    }
-  }
-}
-#endif
-
 template <int DH>
 __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* mapDO, const gg_tmap* mapK,
                                             const gg_tmap* mapV, const gg_tmap* mapDQ, const float* lse,
@@ -1446,20 +1423,11 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + BQ - 1) / BQ;
   const int qt0 = gg_max(0, j0 - off) / BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0);
-#if AH_EXPERIMENT & 1
-  const int Gz = G / (int)gridDim.z, h0 = kvh * G + (int)blockIdx.z * Gz;
-  ah_bwd_block<DH>(
-      [&] { return Gz * perHead; }, j0, S, KS, off, scaleLog2, scale,
-      [&](int it, ah_bwd_item& at) {
-        const int q0 = (nQT - 1 - it % perHead) * BQ;
-        at.h = h0 + it / perHead;
-#else
   ah_bwd_block<DH>(
       [&] { return G * perHead; }, j0, S, KS, off, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
         const int q0 = (nQT - 1 - it % perHead) * BQ;
         at.h = kvh * G + it / perHead;
-#endif
         at.q0 = q0;
         at.row = b * S + q0;
         at.q = mapQ;
@@ -1481,12 +1449,6 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
         }
       },
       [&](const float (&dka)[DH / 2], const float (&dva)[DH / 2], int row, int t4) {
-#if AH_EXPERIMENT & 1
-        if (gridDim.z > 1) {
-          ah_add_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, j0 + row, t4);
-          return;
-        }
-#endif
         ah_store_dkdv<DH>(dk, dv, dka, dva, b, kvh, KS, KV, j0 + row, t4);
       });
 }
