@@ -527,3 +527,71 @@ func TestAttentionBandFigures(t *testing.T) {
 		}
 	}
 }
+
+// TestAttentionShapeFigures times the whole-sequence head-dim-128
+// backward as `bench attention` runs it (bf16 q, k, v, out and dout) on
+// shapes that pull s32k's apart at equal work: its length without GQA
+// (32 kv heads), its GQA at a quarter of the length (four sequences of
+// 8,192), and s8k's shape with and without GQA. Each shape is timed
+// twice, the second pass in reverse order, so that the drift of the
+// clock under the power cap shows as the spread of a shape's two figures
+// (kernels/attention_hopper.md, "The backward's walk").
+func TestAttentionShapeFigures(t *testing.T) {
+	d := testDevice(t)
+	if !hopperAttnTakes(d, backend.AttnShape{HeadDim: 128}) {
+		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
+	}
+	k := newKT(t, 96)
+	shapes := []backend.AttnShape{
+		{Batch: 1, Seq: 32768, Heads: 32, KVHeads: 8, HeadDim: 128},
+		{Batch: 1, Seq: 32768, Heads: 32, KVHeads: 32, HeadDim: 128},
+		{Batch: 4, Seq: 8192, Heads: 32, KVHeads: 8, HeadDim: 128},
+		{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 16, HeadDim: 128},
+		{Batch: 2, Seq: 8192, Heads: 16, KVHeads: 4, HeadDim: 128},
+	}
+	type call struct {
+		shape string
+		flops float64
+		run   func() error
+		check func() // every gradient finite
+	}
+	calls := make([]call, len(shapes))
+	for i, s := range shapes {
+		T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
+		nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
+		q, kk, v := k.buf(k.randn(nq, 1), true), k.buf(k.randn(nk, 1), true), k.buf(k.randn(nk, 1), true)
+		dout := k.buf(k.randn(nq, 1), true)
+		out, lse := k.poisoned16(nq), k.poisoned(nl)
+		dq, dk, dv := k.poisoned(nq), k.poisoned(nk), k.poisoned(nk)
+		if err := AttentionForwardBF16(d, out.Ptr(), lse.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), s, true); err != nil {
+			t.Fatal(err)
+		}
+		shape := fmt.Sprintf("B%d S%d H%d KV%d Dh%d", s.Batch, s.Seq, H, KV, Dh)
+		calls[i] = call{
+			shape: shape,
+			flops: 2.5 * 4 * float64(s.Batch*H) * float64(s.Seq) * float64(s.Seq) * float64(Dh) / 2,
+			run: func() error {
+				return AttentionBackwardBF16(d, dq.Ptr(), dk.Ptr(), dv.Ptr(), dout.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), out.Ptr(), lse.Ptr(), s,
+					false, attnBwdInputs{dout: true, out: true})
+			},
+			check: func() {
+				for name, g := range map[string][]float32{"dq": k.download(dq, nq), "dk": k.download(dk, nk), "dv": k.download(dv, nk)} {
+					if j := slices.IndexFunc(g, func(x float32) bool { return math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) }); j >= 0 {
+						t.Errorf("%s: %s[%d] = %v", shape, name, j, g[j])
+					}
+				}
+			},
+		}
+	}
+	reversed := slices.Clone(calls)
+	slices.Reverse(reversed)
+	for pass, order := range [][]call{calls, reversed} {
+		for _, c := range order {
+			ms := attnMedianMs(t, d, c.run)
+			figure(t, fmt.Sprintf("attention shapes pass %d bwd bf16 %s rate", pass+1, c.shape), c.flops/ms/1e9, "TFLOP/s")
+		}
+	}
+	for _, c := range calls {
+		c.check()
+	}
+}
