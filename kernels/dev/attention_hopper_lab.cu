@@ -1,8 +1,8 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
 // define it compiles to the production source's PTX. AH_EXPERIMENT has no
-// bit at the moment: the last lab (bwd-walk-*, the order of a backward
-// block's items) made the whole-sequence backward walk its query tiles
-// from the last down; git keeps it.
+// bit at the moment: the last labs were bwd-walk-* (production since
+// 614052d) and bwd-head-split (level at s32k, slower at 2,048 tokens,
+// left at 6306c9e); git keeps them.
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
 // into a ring of shared-memory stages, the products on wgmma, float32
