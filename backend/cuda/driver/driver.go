@@ -79,6 +79,9 @@ type Driver struct {
 		moduleLoadData, moduleUnload, moduleGetFunction              uintptr
 		funcGetAttribute, funcSetAttribute, launchKernel             uintptr
 		getErrorName, getErrorString                                 uintptr
+		// Cluster launches (CUDA 12.0 on): zero where the driver lacks
+		// them, which LaunchKernelCluster reports.
+		launchKernelEx, occupancyMaxActiveClusters uintptr
 	}
 }
 
@@ -145,6 +148,9 @@ func (s Search) LoadDriver() (*Driver, error) {
 			return nil, err
 		}
 	}
+	// Optional: only the cluster launches need them.
+	f.launchKernelEx, _ = lib.Symbol("cuLaunchKernelEx")
+	f.occupancyMaxActiveClusters, _ = lib.Symbol("cuOccupancyMaxActiveClusters")
 	if err := d.check(d.call(f.init, 0), "cuInit(0)"); err != nil {
 		return nil, fmt.Errorf("%w (library %s)", err, lib.Path)
 	}
