@@ -300,7 +300,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn(const __gri
 // mapa) on the peer's. Both blocks walk the same pairs, so the counts
 // match. Before it exits, the TMA thread waits for the ring's last phases
 // on its empty barriers: the peer's consumers arrive there last, and no
-// arrival may land on a block that has exited. An m-tile past the rows
+// arrival may land on a block that has exited. (Its waits acquire at the
+// default CTA scope: at cluster scope each is followed by an L1
+// invalidation, CCTL.IVALL, and the stage holds nothing it must see.) An m-tile past the rows
 // (an odd m-tile count) loads TMA's zero fill and stores nothing.
 //
 // mapA: {K, rows} bf16, boxes {64, 128}, 128-byte swizzle (as the
@@ -331,30 +333,15 @@ __device__ __forceinline__ unsigned ggc_peer_addr(unsigned addr, unsigned rank) 
   return r;
 }
 
+// ggc_arrive_peer arrives on the peer block's mbarrier at clusterAddr
+// (ggc_peer_addr). A consumer's arrival only says that its wgmmas are done
+// reading a stage: it publishes no data, so it carries the default
+// (CTA-scope) semantics. Release at cluster scope (.release.cluster)
+// compiles to MEMBAR.ALL.GPU before every arrival, a wait for all the
+// warp's memory operations each k-block; the first build of this lab had
+// it and ran 1.09-1.41x slower than production (kernels/grouped_gemm.md).
 __device__ __forceinline__ void ggc_arrive_peer(unsigned clusterAddr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(clusterAddr) : "memory");
-}
-
-// ggc_bar_wait is gg_bar_wait acquiring at cluster scope: the arrivals
-// it waits for include the peer block's.
-__device__ __forceinline__ bool ggc_bar_try(unsigned bar, unsigned parity) {
-  unsigned done;
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-__device__ __forceinline__ void ggc_bar_wait(unsigned bar, unsigned parity) {
-  if (ggc_bar_try(bar, parity)) return;
-  const unsigned long long t0 = gg_globaltimer();
-  while (!ggc_bar_try(bar, parity)) {
-    if (gg_globaltimer() - t0 > GG_TIMEOUT_NS) gg_trap_timeout();
-  }
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(clusterAddr) : "memory");
 }
 
 // ggc_tma_2d_multicast loads a box into shared address dst of every block
@@ -404,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_nt_c2_bn256_f32(
       const int row0 = (2 * (p / nTN) + (int)rank) * GG_BM, n0 = (p % nTN) * 256;
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (GGC_STAGES + s);
-        ggc_bar_wait(empty, ph ^ 1);
+        gg_bar_wait(empty, ph ^ 1);
         gg_bar_expect_tx(full, STAGE_BYTES);
         const unsigned a = base + s * STAGE_BYTES;
         gg_tma_2d(a, &mapA, kb * GG_BK, row0, full);
@@ -417,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_nt_c2_bn256_f32(
     }
     // Every stage's last use released by both blocks' consumers.
     for (int i = 0; i < GGC_STAGES; i++) {
-      ggc_bar_wait(bars + 8 * (GGC_STAGES + s), ph ^ 1);
+      gg_bar_wait(bars + 8 * (GGC_STAGES + s), ph ^ 1);
       if (++s == GGC_STAGES) {
         s = 0;
         ph ^= 1;
