@@ -283,18 +283,32 @@ __device__ __forceinline__ int gg_rotate(int t, int by, int n) {
 // groups of G m-tiles, n-tile by n-tile, then the m-tile moved on by rotM
 // (wrapping). walkG is the tile's m-tile along the walk before the
 // rotation, the gather's pacing front.
-template <int BN>
-__device__ __forceinline__ gg_tile_t gg_tp_tile(int t, int nTN, int m, int G, int rotM, int rows, int& walkG) {
-  const int group = t / (G * nTN), first = group * G;
-  const int size = gg_min(G, m - first), in = t - first * nTN;
+//
+// On clusters of two blocks (CLUSTER 2) a walk position is a pair of
+// m-tiles of one n-tile, the block of cluster rank `rank` taking the
+// pair's m-tile 2p + rank (walk order, before the rotation), in groups of
+// G/2 pairs. The last pair of an odd m has no second m-tile: that block
+// gets g = -1 and row0 past the rows, so it loads TMA's zero fill (its
+// half of the weight still reaches its peer) and stores nothing.
+template <int BN, int CLUSTER = 1>
+__device__ __forceinline__ gg_tile_t gg_tp_tile(int t, int nTN, int m, int G, int rotM, int rows, int rank,
+                                                int& walkG) {
+  const int units = (m + CLUSTER - 1) / CLUSTER, GU = gg_max(1, G / CLUSTER);
+  const int group = t / (GU * nTN), first = group * GU;
+  const int size = gg_min(GU, units - first), in = t - first * nTN;
   const int nt = in / size;
-  walkG = first + (in - nt * size);
+  walkG = (first + (in - nt * size)) * CLUSTER + rank;
   gg_tile_t r;
   r.e = 0;
-  r.g = gg_rotate(walkG, rotM, m);
-  r.row0 = r.g * GG_BM;
   r.rowEnd = rows;
   r.n0 = nt * BN;
+  if (CLUSTER == 1 || walkG < m) {
+    r.g = gg_rotate(walkG, rotM, m);
+    r.row0 = r.g * GG_BM;
+  } else {
+    r.g = -1;
+    r.row0 = m * GG_BM;
+  }
   return r;
 }
 
@@ -410,6 +424,14 @@ struct gg_fused_steps;
 
 // ---- the kernel body ----
 
+// gg_release_stage is a consumer warp's arrival on a stage's empty
+// barrier: its block's, and on clusters of two its peer's too.
+template <int CLUSTER>
+__device__ __forceinline__ void gg_release_stage(unsigned empty, unsigned crank) {
+  gg_bar_arrive(empty);
+  if constexpr (CLUSTER > 1) gg_bar_arrive_peer(gg_peer_addr(empty, crank ^ 1u));
+}
+
 // gg_body is the whole kernel, for each kernel of grouped_gemm.cu and
 // moe_fused.cu: BN 128 or 256 columns a
 // tile, STAGES deep, bf16 or float32 out (OUT_BF16), setmaxnreg (REG),
@@ -423,9 +445,25 @@ struct gg_fused_steps;
 // beside the products. SRC_BF16 (GG_DISPATCH_SWIGLU only): the gathered
 // sources are bf16 rows, not float32. MNB (the tensor-parallel kinds
 // only): W is read as stored, [K, N] (MN-major), as GG_DISPATCH_DGRAD
-// reads W2, for the products x.W rather than x.W^T.
+// reads W2, for the products x.W rather than x.W^T. CLUSTER (the
+// tensor-parallel kinds only) 2: the kernel runs on clusters of two
+// blocks (below).
+//
+// Clusters. The two blocks of a cluster take the two m-tiles of one
+// n-tile (gg_tp_tile), so they read the same weight tile: each block's
+// TMA thread loads its own A tile and half the weight tile (128 rows of
+// mapW's boxes, which the host sizes so, or two of MNB's four 64-column
+// boxes), multicast into both blocks' stage, and L2 hands a block 32 KiB
+// a k-block instead of 48 (kernels/grouped_gemm.md). A stage's full
+// barrier still expects the whole stage (half of it lands from the peer).
+// A stage is free only when both blocks' consumers are done with it,
+// since either block's TMA writes into both: its empty barrier counts 16
+// arrivals, each consumer warp arriving on its own block's and its
+// peer's. Both blocks walk the same pairs, so the counts match; before
+// it exits, the TMA thread waits for the ring's last phases, the peer's
+// arrivals among them, since none may land on a block that has exited.
 template <int BN, int STAGES, bool OUT_BF16, bool REG, bool TMA_STORE, gg_fusion FUSE = GG_PLAIN,
-          bool GATHER_FIRST = false, bool SRC_BF16 = false, bool MNB = false>
+          bool GATHER_FIRST = false, bool SRC_BF16 = false, bool MNB = false, int CLUSTER = 1>
 __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW, const gg_tmap* mapO, void* out,
                                         const int* off, int rows, int N, int K, int E, float alpha, float beta,
                                         const gg_fuse& fz = gg_fuse{}) {
@@ -440,6 +478,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // reads W2 as stored and the combines' second K half too.
   constexpr bool TP = FUSE == GG_TP_GATHER || FUSE == GG_TP_SCATTER;
   static_assert(!MNB || TP, "MNB is the tensor-parallel kinds'");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && TP), "clusters (of two) are the tensor-parallel kinds'");
   constexpr bool DISPATCH = FUSE == GG_DISPATCH_SWIGLU || FUSE == GG_DISPATCH_DGRAD || FUSE == GG_TP_GATHER;
   // The kinds with staging buffers and their barriers (the MoE
   // dispatches' epilogues).
@@ -485,7 +524,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   if (tid == 0) {
     for (int s = 0; s < STAGES; s++) {
       gg_bar_init(bars + 8 * s, 1);             // full: the producer's expect_tx
-      gg_bar_init(bars + 8 * (STAGES + s), 8);  // empty: one arrival per consumer warp
+      gg_bar_init(bars + 8 * (STAGES + s), 8 * CLUSTER);  // empty: one arrival per consumer warp of the cluster
     }
     // GG_DISPATCH_SWIGLU: one consumer thread's or the helper's arrival;
     // GG_DISPATCH_DGRAD: thread 0's expect_tx.
@@ -520,10 +559,17 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     if (DISPATCH && lane == 0) *sFront = 0;
   }
   __syncthreads();
+  // The cluster's barriers exist before any block's TMA or consumers
+  // reach another block's.
+  if constexpr (CLUSTER > 1) gg_cluster_sync();
+  const unsigned crank = CLUSTER > 1 ? gg_cluster_rank() : 0u;
+  // The walk: each cluster takes every clusters-th position.
+  const int tFirst = CLUSTER > 1 ? (int)blockIdx.x / CLUSTER : (int)blockIdx.x;
+  const int tStep = CLUSTER > 1 ? (int)gridDim.x / CLUSTER : (int)gridDim.x;
 
   // GG_DGRAD_COMBINE runs K's k-blocks twice: (A, W) then (A2, W3).
   const int nTN = (N + BNT - 1) / BNT, nK1 = (K + GG_BK - 1) / GG_BK, nK = FUSE == GG_DGRAD_COMBINE ? 2 * nK1 : nK1;
-  const int total = sCum[E] * nTN;
+  const int total = (sCum[E] + CLUSTER - 1) / CLUSTER * nTN;
   // How the rows are gathered (gg_gather): first, by every warp but the
   // TMA thread's (GG_DISPATCH_SWIGLU; GG_DISPATCH_DGRAD when
   // GATHER_FIRST), or beside the products by the producer warpgroup's
@@ -569,15 +615,15 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
     int s = 0;
     unsigned ph = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = tFirst; t < total; t += tStep) {
       int walkG = t / nTN;
-      const gg_tile_t tile = TP ? gg_tp_tile<BNT>(t, nTN, sCum[E], fz.groupM, fz.rotM, rows, walkG)
+      const gg_tile_t tile = TP ? gg_tp_tile<BNT, CLUSTER>(t, nTN, sCum[E], fz.groupM, fz.rotM, rows, crank, walkG)
                                 : gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
       if constexpr (DISPATCH) {
         // The walk's position (before the rotation): the gather paces
         // on it.
         *sFront = walkG;
-        steps::wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
+        if (CLUSTER == 1 || tile.g >= 0) steps::wait_tile(fz, tile.g, tile.row0, tile.rowEnd, FUSE);
       }
       for (int kb = 0; kb < nK; kb++) {
         const unsigned full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
@@ -598,6 +644,16 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
 #pragma unroll
           for (int j = 0; j < 4; j++)
             gg_tma_3d(a + A_BYTES + j * 8192u, second ? fz.mapW3 : mapW, tile.n0 + 64 * j, kc, tile.e, full);
+        } else if (CLUSTER > 1 && MNB) {
+          // This block's two of the four 64-column boxes, to both blocks.
+#pragma unroll
+          for (int j = 2 * (int)crank; j < 2 * (int)crank + 2; j++)
+            gg_tma_3d_multicast(a + A_BYTES + j * 8192u, mapW, tile.n0 + 64 * j, kb * GG_BK, tile.e, full, 3);
+        } else if (CLUSTER > 1) {
+          // This block's 128 rows of the weight tile (mapW's boxes are
+          // 128 rows), to both blocks.
+          gg_tma_3d_multicast(a + A_BYTES + crank * (B_BYTES / 2), mapW, kb * GG_BK, tile.n0 + 128 * crank, tile.e,
+                              full, 3);
         } else if (FUSE == GG_DISPATCH_DGRAD || MNB) {
           // W2 (or MNB's W) as it is stored, [E, K, N]: MN-major boxes of
           // 64 columns.
@@ -613,6 +669,16 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
       }
     }
     if (DISPATCH) *sFront = GG_FRONT_DONE;
+    if constexpr (CLUSTER > 1) {
+      // Every stage's last use released by both blocks' consumers.
+      for (int i = 0; i < STAGES; i++) {
+        gg_bar_wait(bars + 8 * (STAGES + s), ph ^ 1);
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
     return;
   }
 
@@ -631,9 +697,9 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   // GG_DISPATCH_DGRAD: boxes it has loaded.
   unsigned stgc = 0;
   const int wtid = tid - 128 * (cw + 1);
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  for (int t = tFirst; t < total; t += tStep) {
     int walkG;
-    const gg_tile_t tile = TP ? gg_tp_tile<BNT>(t, nTN, sCum[E], fz.groupM, fz.rotM, rows, walkG)
+    const gg_tile_t tile = TP ? gg_tp_tile<BNT, CLUSTER>(t, nTN, sCum[E], fz.groupM, fz.rotM, rows, crank, walkG)
                               : gg_tile<BNT>(t, nTN, E, sBeg, sEnd, sCum);
     // The TMA-store epilogues (TMA_STORE and GG_DISPATCH_DGRAD) take the
     // blocks gg_block_tma allows; the others keep the register path.
@@ -670,7 +736,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
         // The k-block before this one is done with its stage.
         gg_wgmma_wait<1>();
         gg_fence_acc(acc);
-        if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+        if (lane == 0) gg_release_stage<CLUSTER>(bars + 8 * (STAGES + prev), crank);
       }
       prev = s;
       if (++s == STAGES) {
@@ -693,7 +759,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
     }
     gg_wgmma_wait<0>();
     gg_fence_acc(acc);
-    if (lane == 0) gg_bar_arrive(bars + 8 * (STAGES + prev));
+    if (lane == 0) gg_release_stage<CLUSTER>(bars + 8 * (STAGES + prev), crank);
 
     if (TMA_STORE) {
       // beta != 0 (reads out) keeps the register path.

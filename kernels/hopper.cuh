@@ -4,8 +4,10 @@
 //
 //   - mbarrier: init, arrive, expect_tx and a bounded wait (a wait past
 //     GG_TIMEOUT_NS traps, so a pipeline bug is a launch error, not a hang)
-//   - TMA: tensor loads into shared memory, stores from it (bulk groups),
-//     prefetches; gg_tmap is a CUtensorMap passed by value
+//   - clusters: rank, cluster-wide barrier, peer shared addresses and
+//     arrivals on a peer's mbarrier
+//   - TMA: tensor loads into shared memory (one block's, or multicast to
+//     a cluster's), stores from it (bulk groups), prefetches; gg_tmap is a CUtensorMap passed by value
 //   - wgmma: shared-memory descriptors (K-major and MN-major, 128-byte
 //     swizzle), fence, commit, wait, m64n128k16 and m64n256k16
 //   - warp shuffles, bf16 packing and widening, acquire loads
@@ -85,6 +87,45 @@ __device__ __forceinline__ void gg_bar_wait(unsigned bar, unsigned parity) {
   }
 }
 
+// ---- thread-block clusters ----
+//
+// A kernel launched in clusters (cuLaunchKernelEx) reaches its cluster's
+// other blocks' shared memory: their mbarriers, and TMA multicasts that
+// land in all of them at once.
+
+__device__ __forceinline__ unsigned gg_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// gg_cluster_sync: every thread of every block of the cluster; what each
+// wrote before it (mbarrier inits included, after
+// fence.mbarrier_init.release.cluster) is seen by all after it.
+__device__ __forceinline__ void gg_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// gg_peer_addr is the shared::cluster address of this block's shared
+// address addr in the shared memory of the block of cluster rank rank.
+__device__ __forceinline__ unsigned gg_peer_addr(unsigned addr, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+// gg_bar_arrive_peer arrives on another block's mbarrier (gg_peer_addr).
+// A consumer's arrival on a stage's empty barrier only says that its
+// wgmmas are done reading the stage: it publishes no data, so it keeps
+// the default CTA-scope semantics. Release at cluster scope compiles to
+// MEMBAR.ALL.GPU before the arrival, a wait for every memory operation
+// the warp has in flight, each k-block (1.09-1.41x slower in the lab,
+// kernels/grouped_gemm.md); the waits on empty barriers likewise acquire
+// at CTA scope (cluster scope adds an L1 invalidation after each).
+__device__ __forceinline__ void gg_bar_arrive_peer(unsigned clusterAddr) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(clusterAddr) : "memory");
+}
+
 // ---- TMA ----
 
 __device__ __forceinline__ void gg_tma_2d(unsigned dst, const gg_tmap* map, int c0, int c1, unsigned bar) {
@@ -98,6 +139,18 @@ __device__ __forceinline__ void gg_tma_3d(unsigned dst, const gg_tmap* map, int 
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
       ::"r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// gg_tma_3d_multicast is gg_tma_3d into the shared address dst of every
+// block of the cluster that mask names (bit i: cluster rank i), each
+// completing its bytes on the mbarrier at bar's offset in that block.
+__device__ __forceinline__ void gg_tma_3d_multicast(unsigned dst, const gg_tmap* map, int c0, int c1, int c2,
+                                                    unsigned bar, unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
+      "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask)
       : "memory");
 }
 

@@ -86,6 +86,8 @@ func Sources() []Source {
 	const peerGrid = "any; grid-stride over R rows, one warp per row (8 blocks per SM for large R)"
 	const groupedGrid = "persistent: min(SMs, most tiles) blocks; sm_90a only; dynamic shared memory per backend/cuda/grouped_gemm.go"
 	const gatherGrid = groupedGrid + "; blocks must all be resident (the TMA threads wait on the gathering warps of other blocks)"
+	const clusterGrid = "persistent clusters of two blocks (cuLaunchKernelEx): 2*min(active clusters, ceil(m-tiles/2)*n-tiles) blocks; sm_90a only; dynamic shared memory per backend/cuda/tp_fused.go"
+	const clusterGatherGrid = clusterGrid + "; blocks must all be resident (the TMA threads wait on the gathering warps of other blocks)"
 	return []Source{
 		{File: "elementwise.cu", Kernels: []Kernel{
 			{Name: "fill_f32", Block: 256, Grid: gridStride},
@@ -238,6 +240,10 @@ func Sources() []Source {
 			{Name: "tp_gather_nn", Block: 384, Grid: gatherGrid},
 			{Name: "tp_scatter_nt", Block: 384, Grid: groupedGrid},
 			{Name: "tp_scatter_nn", Block: 384, Grid: groupedGrid},
+			{Name: "tp_gather_nt_c2", Block: 384, Grid: clusterGatherGrid},
+			{Name: "tp_gather_nn_c2", Block: 384, Grid: clusterGatherGrid},
+			{Name: "tp_scatter_nt_c2", Block: 384, Grid: clusterGrid},
+			{Name: "tp_scatter_nn_c2", Block: 384, Grid: clusterGrid},
 		}},
 		{File: "router.cu", Kernels: []Kernel{
 			{Name: "router_forward_f32", Block: 256, Grid: "ceil(T/8) blocks: one warp per row; E <= 256, K <= 8"},

@@ -64,16 +64,8 @@ func ggClusterKernel(t *testing.T, d *Device, lab dev.Source, v dev.Variant) (*K
 // (bf16) on the cluster kernel k, on a persistent grid of at most
 // clusters clusters.
 func ggRunCluster(g *GroupedGemm, k *Kernel, clusters int, out, a, w driver.DevicePtr, rows, n, kk int) error {
-	mapA := driver.TiledMap{
-		Type: driver.TensorMapBfloat16, Addr: a,
-		Dims: []uint64{uint64(kk), uint64(rows)}, Strides: []uint64{2 * uint64(kk)},
-		Box: []uint32{ggBK, ggBM}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
-	}
-	mapWh := driver.TiledMap{
-		Type: driver.TensorMapBfloat16, Addr: w,
-		Dims: []uint64{uint64(kk), uint64(n)}, Strides: []uint64{2 * uint64(kk)},
-		Box: []uint32{ggBK, 128}, Swizzle: driver.Swizzle128B, L2: driver.L2Promotion256B,
-	}
+	mapA := rowsMap(a, rows, kk)
+	mapWh := expertsMap(w, 1, n, kk, 128)
 	maps := []driver.TiledMap{mapA, mapWh}
 	for _, m := range maps {
 		if err := m.Check(); err != nil {

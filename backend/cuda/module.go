@@ -140,6 +140,10 @@ func (m *Module) Kernel(name string) (*Kernel, error) {
 type Grid struct {
 	Grid, Block driver.Dim3
 	Shared      int // bytes of dynamic shared memory
+	// Cluster, when X is not 0, launches the grid in thread-block
+	// clusters of this shape (cuLaunchKernelEx; each grid dimension a
+	// multiple of the cluster's).
+	Cluster driver.Dim3
 }
 
 // Grid1D is a grid of blocks x 1 x 1 with threads x 1 x 1.
@@ -202,7 +206,20 @@ func (d *Device) launchNow(k *Kernel, g Grid, slots []uint64) error {
 		}
 		pin.Pin(&params[0])
 	}
-	if err := d.drv.LaunchKernel(k.fn, g.Grid, g.Block, g.Shared, d.stream, params); err != nil {
+	return d.launchParams(k, g, params)
+}
+
+// launchParams runs on the device thread: k on grid g with the
+// parameter list params (cuLaunchKernel, or cuLaunchKernelEx for a grid
+// of clusters).
+func (d *Device) launchParams(k *Kernel, g Grid, params []unsafe.Pointer) error {
+	var err error
+	if g.Cluster.X > 0 {
+		err = d.drv.LaunchKernelCluster(k.fn, g.Grid, g.Block, g.Cluster, g.Shared, d.stream, params)
+	} else {
+		err = d.drv.LaunchKernel(k.fn, g.Grid, g.Block, g.Shared, d.stream, params)
+	}
+	if err != nil {
 		return fmt.Errorf("%s: %w", k.Desc.Name, err)
 	}
 	return nil

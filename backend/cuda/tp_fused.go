@@ -320,36 +320,65 @@ type tpScatter struct {
 }
 
 // tpWeightMap is the bf16 map of a weight the tensor-parallel kernels
-// read: [n, k] K-major (boxes of 256 rows), or [k, n] as stored (mn).
-func tpWeightMap(w driver.DevicePtr, n, k int, mn bool) driver.TiledMap {
+// read: [n, k] K-major (boxes of 256 rows, or of 128 for the builds on
+// clusters, each of whose two blocks loads half the tile), or [k, n] as
+// stored (mn: boxes of 64 x 64 either way).
+func tpWeightMap(w driver.DevicePtr, n, k int, mn, clustered bool) driver.TiledMap {
 	if mn {
 		return expertsMNMap(w, 1, n, k)
 	}
+	if clustered {
+		return expertsMap(w, 1, n, k, 128)
+	}
 	return expertsMap(w, 1, n, k, 256)
+}
+
+// tpLaunch is the kernel and grid of a tensor-parallel call of rows x n
+// outputs: the build on clusters of two blocks (plain's _c2 twin), which
+// multicasts the weight tile to both, where the GPU and driver run
+// clusters; else plain on one block per SM. A cluster grid holds at most
+// the clusters the GPU holds at once, so the gathering kernels' blocks
+// are all resident, as their waits need.
+func (g *GroupedGemm) tpLaunch(plain, clustered *Kernel, rows, n int) (k *Kernel, grid Grid, onClusters bool) {
+	if g.moe.tpClusters > 0 && !g.tpNoClusters {
+		pairs := (rows + 2*ggBM - 1) / (2 * ggBM) * ((n + 255) / 256)
+		grid = Grid1D(2*max(1, min(g.moe.tpClusters, pairs)), ggThreads)
+		grid.Cluster = driver.Dim3{X: 2, Y: 1, Z: 1}
+		grid.Shared = tpSmem()
+		return clustered, grid, true
+	}
+	grid = Grid1D(ggGrid(g.d.info.SMs, rows, n, 1, 256), ggThreads)
+	grid.Shared = tpSmem()
+	return plain, grid, false
 }
 
 // runTPGather queues tp_gather_nt or tp_gather_nn. Its grid must be
 // resident at once (TMA threads wait on other blocks' gathering warps):
 // one block per SM, which its shared memory enforces.
 func (g *GroupedGemm) runTPGather(a tpGather) error {
-	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn), f32BoxesMap(a.out, a.rows, a.n)}
+	plain, clustered := g.moe.tpGatherNT, g.moe.tpGatherNTC2
+	if a.mn {
+		plain, clustered = g.moe.tpGatherNN, g.moe.tpGatherNNC2
+	}
+	k, grid, onClusters := g.tpLaunch(plain, clustered, a.rows, a.n)
+	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn, onClusters),
+		f32BoxesMap(a.out, a.rows, a.n)}
 	slots := []uint64{uint64(a.out), uint64(a.x), uint64(a.full), uint64(a.ptrs), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM)),
 		uint64(uint32(tpGroupM((a.n+255)/256, true)))}
-	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
-	grid.Shared = tpSmem()
-	k := g.moe.tpGatherNT
-	if a.mn {
-		k = g.moe.tpGatherNN
-	}
 	return g.launchFused(k, grid, maps, slots, g.moe.optInTP)
 }
 
 // runTPScatter queues tp_scatter_nt or tp_scatter_nn, after writing the
 // owners' maps (when a has them) in stream order.
 func (g *GroupedGemm) runTPScatter(a tpScatter) error {
-	maps := []driver.TiledMap{rowsMap(a.a, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn)}
+	plain, clustered := g.moe.tpScatterNT, g.moe.tpScatterNTC2
+	if a.mn {
+		plain, clustered = g.moe.tpScatterNN, g.moe.tpScatterNNC2
+	}
+	k, grid, onClusters := g.tpLaunch(plain, clustered, a.rows, a.n)
+	maps := []driver.TiledMap{rowsMap(a.a, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn, onClusters)}
 	var mapsPtr driver.DevicePtr
 	if a.ownerMaps != nil {
 		mapsPtr = a.mapsAt.Ptr()
@@ -357,12 +386,6 @@ func (g *GroupedGemm) runTPScatter(a tpScatter) error {
 	slots := []uint64{uint64(a.ptrs), uint64(mapsPtr), uint64(a.offsets), uint64(uint32(a.rows)),
 		uint64(uint32(a.n)), uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.slotRow0)),
 		uint64(uint32(a.rotM)), uint64(uint32(tpGroupM((a.n+255)/256, false))), uint64(uint32(a.landing))}
-	grid := Grid1D(ggGrid(g.d.info.SMs, a.rows, a.n, 1, 256), ggThreads)
-	grid.Shared = tpSmem()
-	k := g.moe.tpScatterNT
-	if a.mn {
-		k = g.moe.tpScatterNN
-	}
 	for i, m := range a.ownerMaps {
 		if err := m.Check(); err != nil {
 			return fmt.Errorf("cuda: %s: owner %d's tensor map: %w", k.Desc.Name, i, err)

@@ -33,6 +33,36 @@ func tpFusedCases() []tpFusedCase {
 		// 25 n-tiles: tp_gather's grouped walk (tpGroupM), 17 m-tiles
 		// in two groups, the last partial.
 		{ranks: 2, block: 1088, k: 192, n: 6400},
+		// 6 m-tiles, rank 1's walk starting at the odd m-tile 3 (the
+		// clustered builds pair m-tiles of the walk before its rotation).
+		{ranks: 2, block: 384, k: 256, n: 264},
+	}
+}
+
+// tpBuilds runs f under each build of the tensor-parallel kernels that b
+// has: on clusters of two blocks (the default where the GPU runs them)
+// and plain, named by build. A Hopper GPU whose driver (CUDA 12.0 on) can
+// launch clusters must have the clustered builds in use.
+func tpBuilds(t *testing.T, b *Backend, f func(t *testing.T, build string)) {
+	t.Helper()
+	x, ok := b.expertKernels()
+	if !ok {
+		t.Fatal("the grouped GEMM kernels are not loaded")
+	}
+	g := x.bf16Out
+	if g.moe.tpClusters == 0 {
+		if v, err := b.dev.drv.Version(); err == nil && v >= 12000 {
+			t.Fatalf("the driver (%d) launches clusters, but the GPU holds no cluster of two tensor-parallel blocks", v)
+		}
+		t.Log("the driver cannot launch clusters: only the plain builds run")
+	}
+	for _, build := range []string{"clusters", "plain"} {
+		if build == "clusters" && g.moe.tpClusters == 0 {
+			continue
+		}
+		g.tpNoClusters = build == "plain"
+		t.Run(build, func(t *testing.T) { f(t, build) })
+		g.tpNoClusters = false
 	}
 }
 
@@ -75,12 +105,14 @@ func tpClone(b *Backend, t backend.Tensor) backend.Tensor {
 func TestTPFusedMatchesUnfused(t *testing.T) {
 	testGroupedGemm(t) // the canary and the Hopper check
 	b := testBackend(t)
-	for i, c := range tpFusedCases() {
-		for _, transW := range []bool{true, false} {
-			name := fmt.Sprintf("%v_transW=%v", c, transW)
-			t.Run(name, func(t *testing.T) { c.test(t, b, transW, uint64(300+i)) })
+	tpBuilds(t, b, func(t *testing.T, _ string) {
+		for i, c := range tpFusedCases() {
+			for _, transW := range []bool{true, false} {
+				name := fmt.Sprintf("%v_transW=%v", c, transW)
+				t.Run(name, func(t *testing.T) { c.test(t, b, transW, uint64(300+i)) })
+			}
 		}
-	}
+	})
 }
 
 func (c tpFusedCase) weight(b *Backend, rng *rand.Rand, n int, transW bool) backend.Tensor {
@@ -185,20 +217,29 @@ func (c tpFusedCase) test(t *testing.T, b *Backend, transW bool, seed uint64) {
 // the gather's up projection [65536, 8192]·[3584, 8192]^T and the
 // scatter's down projection [65536, 3584]·[8192, 3584]^T with each
 // landing (store into slots, add, atomic add). The figures are one rank's
-// kernel; mktrain bench tp times the patterns over all ranks.
+// kernel, for each build (tpBuilds; the plain one's figures end in
+// _plain); mktrain bench tp times the patterns over all ranks.
 func TestTPFusedFigures(t *testing.T) {
 	testGroupedGemm(t)
 	if testing.Short() {
 		t.Skip("figures: not in -short")
 	}
 	b := testBackend(t)
+	tpBuilds(t, b, func(t *testing.T, build string) { tpFusedFigures(t, b, build) })
+}
+
+func tpFusedFigures(t *testing.T, b *Backend, build string) {
+	suffix := ""
+	if build == "plain" {
+		suffix = "_plain"
+	}
 	const w, block, hidden, ffn = 8, 8192, 8192, 28672 / 8
 	rows := w * block
 	rng := rand.New(rand.NewPCG(5, 5))
 	time1 := func(name string, flop float64, run func()) float64 {
 		ms := tpTimeMS(t, b, run)
-		figure(t, "tp_"+name+"_ms", ms, "ms")
-		figure(t, "tp_"+name+"_tflops", flop/ms/1e9, "TFLOP/s")
+		figure(t, "tp_"+name+suffix+"_ms", ms, "ms")
+		figure(t, "tp_"+name+suffix+"_tflops", flop/ms/1e9, "TFLOP/s")
 		return ms
 	}
 	{
@@ -213,12 +254,12 @@ func TestTPFusedFigures(t *testing.T) {
 		fused := time1("allgather_gemm_fused", flop, func() {
 			b.AllGatherMatMul(full, []backend.Tensor{out}, shards, []backend.Tensor{wUp}, true, 0)
 		})
-		figure(t, "tp_allgather_gemm_fused_over_product", fused/prod, "x")
+		figure(t, "tp_allgather_gemm_fused_over_product"+suffix, fused/prod, "x")
 		// Without keeping the float32 rows (2 GiB less to write).
 		lean := time1("allgather_gemm_fused_unkept", flop, func() {
 			b.AllGatherMatMul(nil, []backend.Tensor{out}, shards, []backend.Tensor{wUp}, true, 0)
 		})
-		figure(t, "tp_allgather_gemm_fused_unkept_over_product", lean/prod, "x")
+		figure(t, "tp_allgather_gemm_fused_unkept_over_product"+suffix, lean/prod, "x")
 		// The grouped pipeline's product alone on the gathered bf16 rows
 		// (tp_scatter storing to one owner): the fused kernels' own floor.
 		xbf := b.New(backend.BFloat16, rows, hidden)
@@ -226,7 +267,7 @@ func TestTPFusedFigures(t *testing.T) {
 		alone := time1("up_pipeline_product", flop, func() {
 			b.MatMulScatter([]backend.Tensor{out}, 0, xbf, wUp, true, backend.ScatterStore, 0)
 		})
-		figure(t, "tp_allgather_gemm_fused_over_pipeline_product", fused/alone, "x")
+		figure(t, "tp_allgather_gemm_fused_over_pipeline_product"+suffix, fused/alone, "x")
 	}
 	{
 		a := tpRandom(b, rng, rows, ffn)
@@ -251,7 +292,7 @@ func TestTPFusedFigures(t *testing.T) {
 			{"atomic", owners, 0, backend.ScatterAtomic},
 		} {
 			ms := time1("gemm_scatter_"+l.name, flop, func() { b.MatMulScatter(l.dsts, l.row0, a, wDown, true, l.landing, 3) })
-			figure(t, "tp_gemm_scatter_"+l.name+"_over_product", ms/prod, "x")
+			figure(t, "tp_gemm_scatter_"+l.name+suffix+"_over_product", ms/prod, "x")
 		}
 	}
 }

@@ -292,69 +292,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_gemm_tn(const __gri
 // suspect in the 1.16x between the pipeline's product and that kernel at
 // tensor parallelism's shapes (kernels/grouped_gemm.md).
 //
-// A stage's full barrier expects all 48 KiB (its own A and half, and the
-// peer's half, which signals the same barrier offset in this block). A
-// stage is free again only when both blocks' consumers are done with it,
-// since either block's TMA writes into both: its empty barrier counts 16
-// arrivals, and each consumer warp arrives on its own block's and (remote,
-// mapa) on the peer's. Both blocks walk the same pairs, so the counts
-// match. Before it exits, the TMA thread waits for the ring's last phases
-// on its empty barriers: the peer's consumers arrive there last, and no
-// arrival may land on a block that has exited. (Its waits acquire at the
-// default CTA scope: at cluster scope each is followed by an L1
-// invalidation, CCTL.IVALL, and the stage holds nothing it must see.) An m-tile past the rows
-// (an odd m-tile count) loads TMA's zero fill and stores nothing.
+// The pipeline is gg_body's on clusters ("Clusters" in grouped_gemm.cuh,
+// which took it from this lab for the tensor-parallel kernels): the full
+// barrier expects the whole stage, the empty barrier counts both blocks'
+// consumer warps, the TMA thread waits for the ring's last phases before
+// it exits, and the cluster helpers are hopper.cuh's (arrivals and waits
+// at CTA scope: gg_bar_arrive_peer says why). An m-tile past the rows (an
+// odd m-tile count) loads TMA's zero fill and stores nothing.
 //
 // mapA: {K, rows} bf16, boxes {64, 128}, 128-byte swizzle (as the
-// production's); mapWh: {K, N} bf16, boxes {64, 128}: half the weight
-// tile. Launch: a multiple of two blocks of 384 threads (two per
+// production's); mapWh: {K, N, 1} bf16, boxes {64, 128, 1}: half the
+// weight tile. Launch: a multiple of two blocks of 384 threads (two per
 // cluster), at most one per SM; dynamic shared memory 1024 + 4 * 49152 +
 // 64 bytes.
 
 #define GGC_STAGES 4
-
-__device__ __forceinline__ unsigned ggc_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// ggc_cluster_sync: every thread of both blocks; what each wrote before
-// it is seen by the other block's threads after it.
-__device__ __forceinline__ void ggc_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// ggc_peer_addr is the shared::cluster address of this block's shared
-// address addr in block rank's shared memory.
-__device__ __forceinline__ unsigned ggc_peer_addr(unsigned addr, unsigned rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-
-// ggc_arrive_peer arrives on the peer block's mbarrier at clusterAddr
-// (ggc_peer_addr). A consumer's arrival only says that its wgmmas are done
-// reading a stage: it publishes no data, so it carries the default
-// (CTA-scope) semantics. Release at cluster scope (.release.cluster)
-// compiles to MEMBAR.ALL.GPU before every arrival, a wait for all the
-// warp's memory operations each k-block; the first build of this lab had
-// it and ran 1.09-1.41x slower than production (kernels/grouped_gemm.md).
-__device__ __forceinline__ void ggc_arrive_peer(unsigned clusterAddr) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(clusterAddr) : "memory");
-}
-
-// ggc_tma_2d_multicast loads a box into shared address dst of every block
-// of mask (bit i: cluster rank i), each completing bytes on the mbarrier
-// at bar's offset in that block.
-__device__ __forceinline__ void ggc_tma_2d_multicast(unsigned dst, const gg_tmap* map, int c0, int c1, unsigned bar,
-                                                     unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
-      : "memory");
-}
 
 extern "C" __global__ void __launch_bounds__(384, 1) gemm_nt_c2_bn256_f32(
     const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapWh, float* out, int rows, int N, int K) {
@@ -365,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_nt_c2_bn256_f32(
   const unsigned base = (raw + 1023u) & ~1023u;
   const unsigned bars = base + GGC_STAGES * STAGE_BYTES;  // full[STAGES], then empty[STAGES]
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const unsigned rank = ggc_rank(), peer = rank ^ 1u;
+  const unsigned rank = gg_cluster_rank(), peer = rank ^ 1u;
   if (tid == 0) {
     for (int s = 0; s < GGC_STAGES; s++) {
       gg_bar_init(bars + 8 * s, 1);                  // full: this block's expect_tx
@@ -375,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_nt_c2_bn256_f32(
   }
   // The barriers exist in both blocks before either block's TMA or
   // consumers reach the other's.
-  ggc_cluster_sync();
+  gg_cluster_sync();
 
   const int mTiles = (rows + GG_BM - 1) / GG_BM, nTN = (N + 255) / 256, nK = (K + GG_BK - 1) / GG_BK;
   const int pairs = (mTiles + 1) / 2 * nTN;
@@ -395,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_nt_c2_bn256_f32(
         gg_bar_expect_tx(full, STAGE_BYTES);
         const unsigned a = base + s * STAGE_BYTES;
         gg_tma_2d(a, &mapA, kb * GG_BK, row0, full);
-        ggc_tma_2d_multicast(a + A_BYTES + rank * HALF_BYTES, &mapWh, kb * GG_BK, n0 + 128 * (int)rank, full, 3);
+        gg_tma_3d_multicast(a + A_BYTES + rank * HALF_BYTES, &mapWh, kb * GG_BK, n0 + 128 * (int)rank, 0, full, 3);
         if (++s == GGC_STAGES) {
           s = 0;
           ph ^= 1;
@@ -439,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_nt_c2_bn256_f32(
         if (lane == 0) {
           const unsigned empty = bars + 8 * (GGC_STAGES + prev);
           gg_bar_arrive(empty);
-          ggc_arrive_peer(ggc_peer_addr(empty, peer));
+          gg_bar_arrive_peer(gg_peer_addr(empty, peer));
         }
       }
       prev = s;
@@ -453,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_nt_c2_bn256_f32(
     if (lane == 0) {
       const unsigned empty = bars + 8 * (GGC_STAGES + prev);
       gg_bar_arrive(empty);
-      ggc_arrive_peer(ggc_peer_addr(empty, peer));
+      gg_bar_arrive_peer(gg_peer_addr(empty, peer));
     }
     const long long r0 = (long long)row0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
     gg_epilogue64<false>(acc, r0, rows, n0 + 2 * (lane & 3), N, out, 1.0f, 0.0f);
