@@ -1074,10 +1074,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine_bf16(
 // first m-tile of the next rank's block), so at any moment the ranks'
 // kernels write to different owners.
 //
-// The _c2 builds of the four run on clusters of two blocks
-// (cuLaunchKernelEx), the weight tile multicast to both (gg_body's
-// "Clusters"): mapW's boxes of 128 rows (nt) or 64x64 as before (nn), a
-// grid of whole clusters, all resident at once.
+// All four run on clusters of two blocks (cuLaunchKernelEx), the weight
+// tile multicast to both (gg_body's "Clusters"): mapW's boxes are 128
+// rows (nt) or 64x64 (nn), the grid whole clusters, all resident at once
+// (backend/cuda/tp_fused.go). On one H100 at the Llama-70B-like layer's tp
+// 8 (TestTPFusedFigures, 742295e, each build twice) the gather took 7.56
+// and 7.58 ms a rank on clusters against 8.38 and 8.25 on single blocks,
+// the scatter was level (kernels/grouped_gemm.md).
 #define TP_GATHER_PARAMS                                                                                        \
   const __grid_constant__ gg_tmap mapA, const __grid_constant__ gg_tmap mapW, const __grid_constant__ gg_tmap mapO, \
       float *out, unsigned short *xRD,                                                                           \
@@ -1086,7 +1089,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) moe_down_combine_bf16(
 #define TP_GATHER_ARGS \
   mapA, mapW, mapO, out, xRD, xFull, ptrs, flags, fault, timeoutNs, off, rows, N, K, blockRows, rotM, groupM
 
-template <bool MNB, int CLUSTER>
+template <bool MNB>
 __device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tmap& mapW, const gg_tmap& mapO, float* out,
                                                unsigned short* xRD, float* xFull, const unsigned long long* ptrs,
                                                int* flags, int* fault, unsigned long long timeoutNs, const int* off,
@@ -1101,24 +1104,16 @@ __device__ __forceinline__ void tp_gather_body(const gg_tmap& mapA, const gg_tma
   fz.timeoutNs = timeoutNs;
   fz.blockRows = blockRows;
   fz.rotM = rotM;
-  gg_body<256, 3, false, false, false, GG_TP_GATHER, false, false, MNB, CLUSTER>(&mapA, &mapW, &mapO, out, off, rows,
-                                                                                 N, K, 1, 1.0f, 0.0f, fz);
+  gg_body<256, 3, false, false, false, GG_TP_GATHER, false, false, MNB, 2>(&mapA, &mapW, &mapO, out, off, rows, N, K,
+                                                                           1, 1.0f, 0.0f, fz);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nt(TP_GATHER_PARAMS) {
-  tp_gather_body<false, 1>(TP_GATHER_ARGS);
+  tp_gather_body<false>(TP_GATHER_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nn(TP_GATHER_PARAMS) {
-  tp_gather_body<true, 1>(TP_GATHER_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nt_c2(TP_GATHER_PARAMS) {
-  tp_gather_body<false, 2>(TP_GATHER_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nn_c2(TP_GATHER_PARAMS) {
-  tp_gather_body<true, 2>(TP_GATHER_ARGS);
+  tp_gather_body<true>(TP_GATHER_ARGS);
 }
 
 #define TP_SCATTER_PARAMS                                                                                       \
@@ -1127,7 +1122,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) tp_gather_nn_c2(TP_GATHER_P
       int groupM, int landing
 #define TP_SCATTER_ARGS mapA, mapW, ptrs, ownerMaps, off, rows, N, K, blockRows, slotRow0, rotM, groupM, landing
 
-template <bool MNB, int CLUSTER>
+template <bool MNB>
 __device__ __forceinline__ void tp_scatter_body(const gg_tmap& mapA, const gg_tmap& mapW,
                                                 const unsigned long long* ptrs, const unsigned char* ownerMaps,
                                                 const int* off, int rows, int N, int K, int blockRows, int slotRow0,
@@ -1140,22 +1135,14 @@ __device__ __forceinline__ void tp_scatter_body(const gg_tmap& mapA, const gg_tm
   fz.slotRow0 = slotRow0;
   fz.rotM = rotM;
   fz.scatterMode = landing;
-  gg_body<256, 3, false, false, false, GG_TP_SCATTER, false, false, MNB, CLUSTER>(&mapA, &mapW, nullptr, nullptr, off,
-                                                                                  rows, N, K, 1, 1.0f, 0.0f, fz);
+  gg_body<256, 3, false, false, false, GG_TP_SCATTER, false, false, MNB, 2>(&mapA, &mapW, nullptr, nullptr, off, rows,
+                                                                            N, K, 1, 1.0f, 0.0f, fz);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) tp_scatter_nt(TP_SCATTER_PARAMS) {
-  tp_scatter_body<false, 1>(TP_SCATTER_ARGS);
+  tp_scatter_body<false>(TP_SCATTER_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) tp_scatter_nn(TP_SCATTER_PARAMS) {
-  tp_scatter_body<true, 1>(TP_SCATTER_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) tp_scatter_nt_c2(TP_SCATTER_PARAMS) {
-  tp_scatter_body<false, 2>(TP_SCATTER_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) tp_scatter_nn_c2(TP_SCATTER_PARAMS) {
-  tp_scatter_body<true, 2>(TP_SCATTER_ARGS);
+  tp_scatter_body<true>(TP_SCATTER_ARGS);
 }

@@ -100,10 +100,6 @@ type GroupedGemm struct {
 	// fusedTimeout, when set, replaces fusedTimeout as the bound of the
 	// fused kernels' tile waits (tests of the timeout report).
 	fusedTimeout time.Duration
-	// tpNoClusters, when set, runs the tensor-parallel kernels' plain
-	// builds where the clustered ones would run (tests that compare
-	// them).
-	tpNoClusters bool
 }
 
 // NewGroupedGemm loads the kernels on d. It fails on GPUs other than

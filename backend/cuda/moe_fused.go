@@ -557,13 +557,12 @@ type moeKernels struct {
 	dispatchDgrad, dispatchDgradFirst, dgradCombine *Kernel
 	// tpGatherNT/NN and tpScatterNT/NN are tensor parallelism's
 	// AllGather+GEMM and GEMM+ReduceScatter (tp_fused.go), for weights
-	// read transposed (NT) or as stored (NN); the C2 ones their builds on
-	// clusters of two blocks, taken when tpClusters is positive: the
-	// most such clusters the GPU holds at once (0 when the driver cannot
-	// launch clusters).
-	tpGatherNT, tpGatherNN, tpScatterNT, tpScatterNN         *Kernel
-	tpGatherNTC2, tpGatherNNC2, tpScatterNTC2, tpScatterNNC2 *Kernel
-	tpClusters                                               int
+	// read transposed (NT) or as stored (NN), launched on clusters of two
+	// blocks: tpClusters is the most such clusters the GPU holds at once
+	// (0 when the driver cannot launch clusters, which leaves tensor
+	// parallelism its unfused path).
+	tpGatherNT, tpGatherNN, tpScatterNT, tpScatterNN *Kernel
+	tpClusters                                       int
 	// optInGather and optInCombine are the dynamic shared memory the
 	// gathering kernels (fusedGatherSmem) and the combines
 	// (fusedCombineSmem) opted in to; optInTP the tensor-parallel
@@ -592,10 +591,6 @@ func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
 		{"tp_gather_nn", &x.tpGatherNN, x.optInTP},
 		{"tp_scatter_nt", &x.tpScatterNT, x.optInTP},
 		{"tp_scatter_nn", &x.tpScatterNN, x.optInTP},
-		{"tp_gather_nt_c2", &x.tpGatherNTC2, x.optInTP},
-		{"tp_gather_nn_c2", &x.tpGatherNNC2, x.optInTP},
-		{"tp_scatter_nt_c2", &x.tpScatterNTC2, x.optInTP},
-		{"tp_scatter_nn_c2", &x.tpScatterNNC2, x.optInTP},
 	} {
 		var err error
 		if *f.k, err = g.optIn(m, f.name, f.optIn); err != nil {
@@ -603,10 +598,10 @@ func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
 		}
 	}
 	// A driver without cluster launches (before CUDA 12.0) leaves the
-	// clustered builds unused.
+	// tensor-parallel kernels unused.
 	_ = g.d.Do(func() error {
 		var err error
-		x.tpClusters, err = g.d.drv.MaxActiveClusters(x.tpGatherNTC2.fn, driver.Dim3{X: 2 * g.d.info.SMs, Y: 1, Z: 1},
+		x.tpClusters, err = g.d.drv.MaxActiveClusters(x.tpGatherNT.fn, driver.Dim3{X: 2 * g.d.info.SMs, Y: 1, Z: 1},
 			driver.Dim3{X: ggThreads, Y: 1, Z: 1}, driver.Dim3{X: 2, Y: 1, Z: 1}, x.optInTP)
 		if err != nil {
 			x.tpClusters = 0

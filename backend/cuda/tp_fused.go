@@ -16,10 +16,15 @@ package cuda
 //     added atomically, backend.ScatterLanding), the walk starting at the
 //     next rank's block so the ranks write to different owners at once.
 //
+// All four kernels run on clusters of two blocks (cuLaunchKernelEx): a
+// cluster's blocks take two m-tiles of one n-tile and each loads half of
+// their common weight tile, multicast into both (kernels/grouped_gemm.md).
+//
 // Float32 operands are rounded to bf16 first into the backend's scratch
 // (as MatMul rounds its operands), so the fused ops multiply exactly what
 // the unfused products multiply. Calls the kernels do not take (not
-// Hopper, widths not multiples of 8, misaligned tensors) run the unfused
+// Hopper, a driver before CUDA 12.0, which cannot launch clusters, widths
+// not multiples of 8, misaligned tensors) run the unfused
 // sequence (backend.AllGatherMatMulBySteps, MatMulScatterBySteps); on one
 // stream its adds are ordered by the queue.
 
@@ -110,8 +115,9 @@ func tpGroupM(nTN int, gather bool) int {
 
 // tpKernels returns the grouped GEMM that launches the tensor-parallel
 // kernels, or false when they do not take a call of rows rows whose
-// peers' tensors are at ptrs (0: none): not Hopper, no rows, or a tensor
-// not 16-byte aligned (the gather's vector loads, TMA).
+// peers' tensors are at ptrs (0: none): not Hopper, a driver that cannot
+// launch clusters, no rows, or a tensor not 16-byte aligned (the
+// gather's vector loads, TMA).
 func (b *Backend) tpKernels(rows int, ptrs []driver.DevicePtr) (*GroupedGemm, bool) {
 	for _, p := range ptrs {
 		if p%16 != 0 {
@@ -119,7 +125,7 @@ func (b *Backend) tpKernels(rows int, ptrs []driver.DevicePtr) (*GroupedGemm, bo
 		}
 	}
 	x, ok := b.expertKernels()
-	if !ok || rows == 0 {
+	if !ok || rows == 0 || x.bf16Out.moe.tpClusters == 0 {
 		return nil, false
 	}
 	return x.bf16Out, true
@@ -320,65 +326,53 @@ type tpScatter struct {
 }
 
 // tpWeightMap is the bf16 map of a weight the tensor-parallel kernels
-// read: [n, k] K-major (boxes of 256 rows, or of 128 for the builds on
-// clusters, each of whose two blocks loads half the tile), or [k, n] as
-// stored (mn: boxes of 64 x 64 either way).
-func tpWeightMap(w driver.DevicePtr, n, k int, mn, clustered bool) driver.TiledMap {
+// read: [n, k] K-major in boxes of 128 rows (each block of a cluster
+// loads half the 256-row tile), or [k, n] as stored (mn: boxes of 64 x
+// 64, two of the four a block's).
+func tpWeightMap(w driver.DevicePtr, n, k int, mn bool) driver.TiledMap {
 	if mn {
 		return expertsMNMap(w, 1, n, k)
 	}
-	if clustered {
-		return expertsMap(w, 1, n, k, 128)
-	}
-	return expertsMap(w, 1, n, k, 256)
+	return expertsMap(w, 1, n, k, 128)
 }
 
-// tpLaunch is the kernel and grid of a tensor-parallel call of rows x n
-// outputs: the build on clusters of two blocks (plain's _c2 twin), which
-// multicasts the weight tile to both, where the GPU and driver run
-// clusters; else plain on one block per SM. A cluster grid holds at most
-// the clusters the GPU holds at once, so the gathering kernels' blocks
+// tpGrid is the grid of a tensor-parallel call of rows x n outputs:
+// clusters of two blocks, one cluster a pair of m-tiles of an n-tile, at
+// most as many as the GPU holds at once, so the gathering kernels' blocks
 // are all resident, as their waits need.
-func (g *GroupedGemm) tpLaunch(plain, clustered *Kernel, rows, n int) (k *Kernel, grid Grid, onClusters bool) {
-	if g.moe.tpClusters > 0 && !g.tpNoClusters {
-		pairs := (rows + 2*ggBM - 1) / (2 * ggBM) * ((n + 255) / 256)
-		grid = Grid1D(2*max(1, min(g.moe.tpClusters, pairs)), ggThreads)
-		grid.Cluster = driver.Dim3{X: 2, Y: 1, Z: 1}
-		grid.Shared = tpSmem()
-		return clustered, grid, true
-	}
-	grid = Grid1D(ggGrid(g.d.info.SMs, rows, n, 1, 256), ggThreads)
+func (g *GroupedGemm) tpGrid(rows, n int) Grid {
+	pairs := (rows + 2*ggBM - 1) / (2 * ggBM) * ((n + 255) / 256)
+	grid := Grid1D(2*max(1, min(g.moe.tpClusters, pairs)), ggThreads)
+	grid.Cluster = driver.Dim3{X: 2, Y: 1, Z: 1}
 	grid.Shared = tpSmem()
-	return plain, grid, false
+	return grid
 }
 
 // runTPGather queues tp_gather_nt or tp_gather_nn. Its grid must be
 // resident at once (TMA threads wait on other blocks' gathering warps):
-// one block per SM, which its shared memory enforces.
+// one block per SM, which its shared memory enforces, in no more clusters
+// than the GPU holds (tpGrid).
 func (g *GroupedGemm) runTPGather(a tpGather) error {
-	plain, clustered := g.moe.tpGatherNT, g.moe.tpGatherNTC2
+	k := g.moe.tpGatherNT
 	if a.mn {
-		plain, clustered = g.moe.tpGatherNN, g.moe.tpGatherNNC2
+		k = g.moe.tpGatherNN
 	}
-	k, grid, onClusters := g.tpLaunch(plain, clustered, a.rows, a.n)
-	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn, onClusters),
-		f32BoxesMap(a.out, a.rows, a.n)}
+	maps := []driver.TiledMap{rowsMap(a.x, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn), f32BoxesMap(a.out, a.rows, a.n)}
 	slots := []uint64{uint64(a.out), uint64(a.x), uint64(a.full), uint64(a.ptrs), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM)),
 		uint64(uint32(tpGroupM((a.n+255)/256, true)))}
-	return g.launchFused(k, grid, maps, slots, g.moe.optInTP)
+	return g.launchFused(k, g.tpGrid(a.rows, a.n), maps, slots, g.moe.optInTP)
 }
 
 // runTPScatter queues tp_scatter_nt or tp_scatter_nn, after writing the
 // owners' maps (when a has them) in stream order.
 func (g *GroupedGemm) runTPScatter(a tpScatter) error {
-	plain, clustered := g.moe.tpScatterNT, g.moe.tpScatterNTC2
+	k := g.moe.tpScatterNT
 	if a.mn {
-		plain, clustered = g.moe.tpScatterNN, g.moe.tpScatterNNC2
+		k = g.moe.tpScatterNN
 	}
-	k, grid, onClusters := g.tpLaunch(plain, clustered, a.rows, a.n)
-	maps := []driver.TiledMap{rowsMap(a.a, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn, onClusters)}
+	maps := []driver.TiledMap{rowsMap(a.a, a.rows, a.k), tpWeightMap(a.w, a.n, a.k, a.mn)}
 	var mapsPtr driver.DevicePtr
 	if a.ownerMaps != nil {
 		mapsPtr = a.mapsAt.Ptr()
@@ -391,7 +385,7 @@ func (g *GroupedGemm) runTPScatter(a tpScatter) error {
 			return fmt.Errorf("cuda: %s: owner %d's tensor map: %w", k.Desc.Name, i, err)
 		}
 	}
-	return g.launchFusedChosen(k, grid, maps, slots, g.moe.optInTP, func(launch func(*Kernel) error) error {
+	return g.launchFusedChosen(k, g.tpGrid(a.rows, a.n), maps, slots, g.moe.optInTP, func(launch func(*Kernel) error) error {
 		if a.ownerMaps != nil {
 			tms := make([]driver.TensorMap, len(a.ownerMaps))
 			for i, m := range a.ownerMaps {

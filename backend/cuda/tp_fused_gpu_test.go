@@ -39,36 +39,20 @@ func tpFusedCases() []tpFusedCase {
 	}
 }
 
-// tpBuilds runs f under each build of the tensor-parallel kernels that b
-// has: on clusters of two blocks (the default where the GPU runs them)
-// and plain (reversed: plain first), named by build. A Hopper GPU whose
-// driver (CUDA 12.0 on) can launch clusters must have the clustered
-// builds in use.
-func tpBuilds(t *testing.T, b *Backend, reversed bool, f func(t *testing.T, build string)) {
+// tpClustersInUse fails t where the tensor-parallel kernels cannot run:
+// a Hopper GPU whose driver (CUDA 12.0 on) launches clusters must hold
+// clusters of two of their blocks.
+func tpClustersInUse(t *testing.T, b *Backend) {
 	t.Helper()
 	x, ok := b.expertKernels()
 	if !ok {
 		t.Fatal("the grouped GEMM kernels are not loaded")
 	}
-	g := x.bf16Out
-	if g.moe.tpClusters == 0 {
-		if v, err := b.dev.drv.Version(); err == nil && v >= 12000 {
-			t.Fatalf("the driver (%d) launches clusters, but the GPU holds no cluster of two tensor-parallel blocks", v)
-		}
-		t.Log("the driver cannot launch clusters: only the plain builds run")
+	if x.bf16Out.moe.tpClusters == 0 {
+		v, _ := b.dev.drv.Version()
+		t.Fatalf("the GPU holds no cluster of two tensor-parallel blocks (driver %d)", v)
 	}
-	builds := []string{"clusters", "plain"}
-	if reversed {
-		builds = []string{"plain", "clusters"}
-	}
-	for _, build := range builds {
-		if build == "clusters" && g.moe.tpClusters == 0 {
-			continue
-		}
-		g.tpNoClusters = build == "plain"
-		t.Run(build, func(t *testing.T) { f(t, build) })
-		g.tpNoClusters = false
-	}
+	figure(t, "tp kernels' active clusters", float64(x.bf16Out.moe.tpClusters), "clusters")
 }
 
 func tpRandom(b *Backend, rng *rand.Rand, shape ...int) backend.Tensor {
@@ -110,14 +94,13 @@ func tpClone(b *Backend, t backend.Tensor) backend.Tensor {
 func TestTPFusedMatchesUnfused(t *testing.T) {
 	testGroupedGemm(t) // the canary and the Hopper check
 	b := testBackend(t)
-	tpBuilds(t, b, false, func(t *testing.T, _ string) {
-		for i, c := range tpFusedCases() {
-			for _, transW := range []bool{true, false} {
-				name := fmt.Sprintf("%v_transW=%v", c, transW)
-				t.Run(name, func(t *testing.T) { c.test(t, b, transW, uint64(300+i)) })
-			}
+	tpClustersInUse(t, b)
+	for i, c := range tpFusedCases() {
+		for _, transW := range []bool{true, false} {
+			name := fmt.Sprintf("%v_transW=%v", c, transW)
+			t.Run(name, func(t *testing.T) { c.test(t, b, transW, uint64(300+i)) })
 		}
-	})
+	}
 }
 
 func (c tpFusedCase) weight(b *Backend, rng *rand.Rand, n int, transW bool) backend.Tensor {
@@ -222,33 +205,21 @@ func (c tpFusedCase) test(t *testing.T, b *Backend, transW bool, seed uint64) {
 // the gather's up projection [65536, 8192]·[3584, 8192]^T and the
 // scatter's down projection [65536, 3584]·[8192, 3584]^T with each
 // landing (store into slots, add, atomic add). The figures are one rank's
-// kernel, for each build (tpBuilds; the plain one's figures end in
-// _plain); mktrain bench tp times the patterns over all ranks.
+// kernel; mktrain bench tp times the patterns over all ranks.
 func TestTPFusedFigures(t *testing.T) {
 	testGroupedGemm(t)
 	if testing.Short() {
 		t.Skip("figures: not in -short")
 	}
 	b := testBackend(t)
-	// Twice each, in the order clusters, plain, plain, clusters: a call's
-	// time depends on what ran before it under the power cap.
-	for pass := range 2 {
-		tpBuilds(t, b, pass == 1, func(t *testing.T, build string) { tpFusedFigures(t, b, build) })
-	}
-}
-
-func tpFusedFigures(t *testing.T, b *Backend, build string) {
-	suffix := ""
-	if build == "plain" {
-		suffix = "_plain"
-	}
+	tpClustersInUse(t, b)
 	const w, block, hidden, ffn = 8, 8192, 8192, 28672 / 8
 	rows := w * block
 	rng := rand.New(rand.NewPCG(5, 5))
 	time1 := func(name string, flop float64, run func()) float64 {
 		ms := tpTimeMS(t, b, run)
-		figure(t, "tp_"+name+suffix+"_ms", ms, "ms")
-		figure(t, "tp_"+name+suffix+"_tflops", flop/ms/1e9, "TFLOP/s")
+		figure(t, "tp_"+name+"_ms", ms, "ms")
+		figure(t, "tp_"+name+"_tflops", flop/ms/1e9, "TFLOP/s")
 		return ms
 	}
 	{
@@ -263,12 +234,12 @@ func tpFusedFigures(t *testing.T, b *Backend, build string) {
 		fused := time1("allgather_gemm_fused", flop, func() {
 			b.AllGatherMatMul(full, []backend.Tensor{out}, shards, []backend.Tensor{wUp}, true, 0)
 		})
-		figure(t, "tp_allgather_gemm_fused_over_product"+suffix, fused/prod, "x")
+		figure(t, "tp_allgather_gemm_fused_over_product", fused/prod, "x")
 		// Without keeping the float32 rows (2 GiB less to write).
 		lean := time1("allgather_gemm_fused_unkept", flop, func() {
 			b.AllGatherMatMul(nil, []backend.Tensor{out}, shards, []backend.Tensor{wUp}, true, 0)
 		})
-		figure(t, "tp_allgather_gemm_fused_unkept_over_product"+suffix, lean/prod, "x")
+		figure(t, "tp_allgather_gemm_fused_unkept_over_product", lean/prod, "x")
 		// The grouped pipeline's product alone on the gathered bf16 rows
 		// (tp_scatter storing to one owner): the fused kernels' own floor.
 		xbf := b.New(backend.BFloat16, rows, hidden)
@@ -276,7 +247,7 @@ func tpFusedFigures(t *testing.T, b *Backend, build string) {
 		alone := time1("up_pipeline_product", flop, func() {
 			b.MatMulScatter([]backend.Tensor{out}, 0, xbf, wUp, true, backend.ScatterStore, 0)
 		})
-		figure(t, "tp_allgather_gemm_fused_over_pipeline_product"+suffix, fused/alone, "x")
+		figure(t, "tp_allgather_gemm_fused_over_pipeline_product", fused/alone, "x")
 	}
 	{
 		a := tpRandom(b, rng, rows, ffn)
@@ -301,7 +272,7 @@ func tpFusedFigures(t *testing.T, b *Backend, build string) {
 			{"atomic", owners, 0, backend.ScatterAtomic},
 		} {
 			ms := time1("gemm_scatter_"+l.name, flop, func() { b.MatMulScatter(l.dsts, l.row0, a, wDown, true, l.landing, 3) })
-			figure(t, "tp_gemm_scatter_"+l.name+suffix+"_over_product", ms/prod, "x")
+			figure(t, "tp_gemm_scatter_"+l.name+"_over_product", ms/prod, "x")
 		}
 	}
 }

@@ -53,10 +53,6 @@ type Variant struct {
 func Sources() []Source {
 	return []Source{
 		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
-		{File: "grouped_gemm_lab.cu", Production: "grouped_gemm.cu", Variants: []Variant{
-			{Name: "cluster2-multicast", Defines: []string{"GG_CLUSTER=1"}, Exact: true,
-				Purpose: "adds gemm_nt_c2_bn256_f32: the bn256 float32 NT product on 2-block clusters multicasting the weight tile"},
-		}},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
