@@ -100,9 +100,6 @@ type GroupedGemm struct {
 	// fusedTimeout, when set, replaces fusedTimeout as the bound of the
 	// fused kernels' tile waits (tests of the timeout report).
 	fusedTimeout time.Duration
-	// gatherGroupM, when positive, replaces tpGroupM's group for
-	// tp_gather (a lab of the walk).
-	gatherGroupM int
 }
 
 // NewGroupedGemm loads the kernels on d. It fails on GPUs other than

@@ -113,15 +113,6 @@ func tpGroupM(nTN int, gather bool) int {
 	return 16
 }
 
-// tpGatherGroupM is tp_gather's group (tpGroupM), or the test's
-// override.
-func (g *GroupedGemm) tpGatherGroupM(nTN int) int {
-	if g.gatherGroupM > 0 {
-		return g.gatherGroupM
-	}
-	return tpGroupM(nTN, true)
-}
-
 // tpKernels returns the grouped GEMM that launches the tensor-parallel
 // kernels, or false when they do not take a call of rows rows whose
 // peers' tensors are at ptrs (0: none): not Hopper, a driver that cannot
@@ -370,7 +361,7 @@ func (g *GroupedGemm) runTPGather(a tpGather) error {
 	slots := []uint64{uint64(a.out), uint64(a.x), uint64(a.full), uint64(a.ptrs), uint64(a.flags), uint64(a.fault),
 		uint64(g.waitTimeout().Nanoseconds()), uint64(a.offsets), uint64(uint32(a.rows)), uint64(uint32(a.n)),
 		uint64(uint32(a.k)), uint64(uint32(a.blockRows)), uint64(uint32(a.rotM)),
-		uint64(uint32(g.tpGatherGroupM((a.n + 255) / 256)))}
+		uint64(uint32(tpGroupM((a.n+255)/256, true)))}
 	return g.launchFused(k, g.tpGrid(a.rows, a.n), maps, slots, g.moe.optInTP)
 }
 

@@ -248,18 +248,6 @@ func TestTPFusedFigures(t *testing.T) {
 			b.MatMulScatter([]backend.Tensor{out}, 0, xbf, wUp, true, backend.ScatterStore, 0)
 		})
 		figure(t, "tp_allgather_gemm_fused_over_pipeline_product", fused/alone, "x")
-		// Lab: the gather's walk in groups of G m-tiles (tpGroupM takes
-		// 1 below 24 n-tiles), each G twice.
-		x, _ := b.expertKernels()
-		for pass := range 2 {
-			for _, gm := range []int{1, 4, 8, 16, 32} {
-				x.bf16Out.gatherGroupM = gm
-				time1(fmt.Sprintf("allgather_gemm_fused_group%d_pass%d", gm, pass), flop, func() {
-					b.AllGatherMatMul(full, []backend.Tensor{out}, shards, []backend.Tensor{wUp}, true, 0)
-				})
-			}
-		}
-		x.bf16Out.gatherGroupM = 0
 	}
 	{
 		a := tpRandom(b, rng, rows, ffn)
