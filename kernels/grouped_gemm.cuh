@@ -289,7 +289,9 @@ __device__ __forceinline__ int gg_rotate(int t, int by, int n) {
 // pair's m-tile 2p + rank (walk order, before the rotation), in groups of
 // G/2 pairs. The last pair of an odd m has no second m-tile: that block
 // gets g = -1 and row0 past the rows, so it loads TMA's zero fill (its
-// half of the weight still reaches its peer) and stores nothing.
+// half of the weight still reaches its peer) and stores nothing. The
+// clusters' walk is mirrored by tpTileOf in Go (backend/cuda/tp_fused.go)
+// and tested there.
 template <int BN, int CLUSTER = 1>
 __device__ __forceinline__ gg_tile_t gg_tp_tile(int t, int nTN, int m, int G, int rotM, int rows, int rank,
                                                 int& walkG) {

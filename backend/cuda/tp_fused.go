@@ -113,6 +113,35 @@ func tpGroupM(nTN int, gather bool) int {
 	return 16
 }
 
+// tpTile is one tile of the tensor-parallel kernels' walk on clusters of
+// two blocks: its m-tile (-1 for the missing second m-tile of the last
+// pair when the m-tile count is odd), first column and the walk's m-tile
+// before the rotation (the gather's pacing front).
+type tpTile struct {
+	G, N0, WalkG int
+}
+
+// tpTileOf is the Go twin of gg_tp_tile on clusters of two: walk position
+// t of a product of m m-tiles and nTN n-tiles of 256 columns, in groups of
+// groupM m-tiles (pairs of them, groupM/2 a group), n-tile by n-tile,
+// rotated by rotM, for the block of cluster rank rank.
+func tpTileOf(t, nTN, m, groupM, rotM, rank int) tpTile {
+	units, gu := (m+1)/2, max(1, groupM/2)
+	group := t / (gu * nTN)
+	first := group * gu
+	size, in := min(gu, units-first), t-first*nTN
+	nt := in / size
+	walkG := (first+in-nt*size)*2 + rank
+	g := -1
+	if walkG < m {
+		g = walkG + rotM
+		if g >= m {
+			g -= m
+		}
+	}
+	return tpTile{G: g, N0: nt * 256, WalkG: walkG}
+}
+
 // tpKernels returns the grouped GEMM that launches the tensor-parallel
 // kernels, or false when they do not take a call of rows rows whose
 // peers' tensors are at ptrs (0: none): not Hopper, a driver that cannot
