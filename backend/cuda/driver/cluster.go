@@ -56,6 +56,17 @@ func clusterConfig(grid, block, cluster Dim3, sharedBytes int, s Stream, attr *l
 	}
 }
 
+// pinnedClusterConfig is clusterConfig on the heap, the configuration and
+// its attribute pinned by pin (the driver reads both through pointers).
+func pinnedClusterConfig(pin *runtime.Pinner, grid, block, cluster Dim3, sharedBytes int, s Stream) *launchConfig {
+	attr := new(launchAttribute)
+	pin.Pin(attr)
+	cfg := new(launchConfig)
+	*cfg = clusterConfig(grid, block, cluster, sharedBytes, s, attr)
+	pin.Pin(cfg)
+	return cfg
+}
+
 // LaunchKernelCluster is cuLaunchKernelEx with a cluster dimension: grid
 // blocks in clusters of cluster (each grid dimension a multiple of the
 // cluster's). params is as LaunchKernel's.
@@ -65,11 +76,7 @@ func (d *Driver) LaunchKernelCluster(f Function, grid, block, cluster Dim3, shar
 	}
 	var pin runtime.Pinner
 	defer pin.Unpin()
-	attr := new(launchAttribute)
-	pin.Pin(attr)
-	cfg := new(launchConfig)
-	*cfg = clusterConfig(grid, block, cluster, sharedBytes, s, attr)
-	pin.Pin(cfg)
+	cfg := pinnedClusterConfig(&pin, grid, block, cluster, sharedBytes, s)
 	r := d.call(d.fn.launchKernelEx, uintptr(unsafe.Pointer(cfg)), uintptr(f),
 		uintptr(unsafe.Pointer(unsafe.SliceData(params))), 0)
 	runtime.KeepAlive(params)
@@ -90,11 +97,7 @@ func (d *Driver) MaxActiveClusters(f Function, grid, block, cluster Dim3, shared
 	}
 	var pin runtime.Pinner
 	defer pin.Unpin()
-	attr := new(launchAttribute)
-	pin.Pin(attr)
-	cfg := new(launchConfig)
-	*cfg = clusterConfig(grid, block, cluster, sharedBytes, 0, attr)
-	pin.Pin(cfg)
+	cfg := pinnedClusterConfig(&pin, grid, block, cluster, sharedBytes, 0)
 	var n int32
 	r := d.call(d.fn.occupancyMaxActiveClusters, uintptr(unsafe.Pointer(&n)), uintptr(f), uintptr(unsafe.Pointer(cfg)))
 	return int(n), d.check(r, "cuOccupancyMaxActiveClusters(clusters of %dx%dx%d, block %dx%dx%d, %d shared bytes)",
