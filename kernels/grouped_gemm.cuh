@@ -525,7 +525,7 @@ __device__ __forceinline__ void gg_body(const gg_tmap* mapA, const gg_tmap* mapW
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (tid == 0) {
     for (int s = 0; s < STAGES; s++) {
-      gg_bar_init(bars + 8 * s, 1);             // full: the producer's expect_tx
+      gg_bar_init(bars + 8 * s, 1);                       // full: the producer's expect_tx
       gg_bar_init(bars + 8 * (STAGES + s), 8 * CLUSTER);  // empty: one arrival per consumer warp of the cluster
     }
     // GG_DISPATCH_SWIGLU: one consumer thread's or the helper's arrival;

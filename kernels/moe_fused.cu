@@ -260,9 +260,11 @@ __device__ __forceinline__ void gg_gather(const gg_fuse& fz, int cw, int ncw, in
     // than in one burst that takes L2 and DRAM bandwidth from its first
     // tiles. No wait can close a cycle: the lowest unpublished chunk's
     // warp is never held, since its block's TMA thread is at that chunk's
-    // m-tile or past it (or done: front GG_FRONT_DONE). Pacing only orders
-    // work, so a wait past the tile waits' bound gives up on it rather
-    // than risk a hang. Lane 0 decides for the warp.
+    // m-tile or past it (or done: front GG_FRONT_DONE); on clusters
+    // (GG_TP_GATHER) a TMA thread may also wait for its peer block, whose
+    // TMA thread is at the pair's other m-tile, one away, inside the
+    // lead. Pacing only orders work, so a wait past the tile waits' bound
+    // gives up on it rather than risk a hang. Lane 0 decides for the warp.
     // Both count m-tiles along the walk (before the rotation).
     const int walkG = u / GG_CHUNKS;
     if (!FIRST && walkG > *front + GG_GATHER_LEAD) {

@@ -597,17 +597,17 @@ func (g *GroupedGemm) loadMoEKernels(m *Module) (moeKernels, error) {
 			return moeKernels{}, err
 		}
 	}
-	// A driver without cluster launches (before CUDA 12.0) leaves the
-	// tensor-parallel kernels unused.
-	_ = g.d.Do(func() error {
-		var err error
-		x.tpClusters, err = g.d.drv.MaxActiveClusters(x.tpGatherNT.fn, driver.Dim3{X: 2 * g.d.info.SMs, Y: 1, Z: 1},
+	// A driver without cluster launches (before CUDA 12.0) answers with an
+	// error: tpClusters stays 0 and tensor parallelism keeps its unfused
+	// path.
+	if err := g.d.Do(func() error {
+		n, err := g.d.drv.MaxActiveClusters(x.tpGatherNT.fn, driver.Dim3{X: 2 * g.d.info.SMs, Y: 1, Z: 1},
 			driver.Dim3{X: ggThreads, Y: 1, Z: 1}, driver.Dim3{X: 2, Y: 1, Z: 1}, x.optInTP)
-		if err != nil {
-			x.tpClusters = 0
-		}
-		return nil
-	})
+		x.tpClusters = n
+		return err
+	}); err != nil {
+		x.tpClusters = 0
+	}
 	return x, nil
 }
 
