@@ -34,7 +34,7 @@ func tpFusedCases() []tpFusedCase {
 		// in two groups, the last partial.
 		{ranks: 2, block: 1088, k: 192, n: 6400},
 		// 6 m-tiles, rank 1's walk starting at the odd m-tile 3 (the
-		// clustered builds pair m-tiles of the walk before its rotation).
+		// kernels pair m-tiles of the walk before its rotation).
 		{ranks: 2, block: 384, k: 256, n: 264},
 	}
 }
