@@ -64,8 +64,8 @@ type fusedTables struct {
 	fault                *Buffer
 	armed                bool
 	timeout, combineWait time.Duration
-	// combineTimeout, when set, replaces fusedTimeout for CombineRows'
-	// flag waits (tests of the report).
+	// combineTimeout, when set, replaces combineRowsTimeout for
+	// CombineRows' flag waits (tests of the report).
 	combineTimeout time.Duration
 }
 
@@ -81,8 +81,18 @@ const (
 // fusedTimeout bounds a fused kernel's wait for one m-tile's rows (unless
 // GroupedGemm.fusedTimeout says otherwise): far past any real delivery (a
 // tile is microseconds of copying), short enough that a lost peer is
-// reported rather than mistaken for a hang.
-const fusedTimeout = 10 * time.Second
+// reported rather than mistaken for a hang. It must stay well under the
+// bound at which the kernels' mbarrier waits trap (GG_TIMEOUT_NS in
+// hopper.cuh, 10 s): the consumers wait on the stage that the TMA thread
+// fills once its tile wait gives up, and a consumer that trapped first
+// would turn the named report (checkFault) into a bare launch error.
+const fusedTimeout = 4 * time.Second
+
+// combineRowsTimeout bounds CombineRows' wait for a row another rank's
+// kernel sends (combine_rows_f32 has no mbarrier, so no trap to stay
+// under): long enough for one GPU's queue to fall seconds behind a
+// peer's.
+const combineRowsTimeout = 10 * time.Second
 
 // stage uploads the pointer tables (toks, scales and done may be nil) and
 // puts the group offsets after them: groups' device offsets copied on the

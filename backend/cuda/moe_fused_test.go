@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math/bits"
 	"math/rand/v2"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -143,4 +145,25 @@ func simulateGatherPacing(mTiles, nTN, grid, warpsPerBlock, lead int) error {
 		}
 	}
 	return nil
+}
+
+// TestFusedTimeoutUnderTrapBound checks that a fused kernel's tile wait
+// gives up well before its consumers' mbarrier waits trap (GG_TIMEOUT_NS
+// in hopper.cuh), so that a lost peer is reported by name.
+func TestFusedTimeoutUnderTrapBound(t *testing.T) {
+	h, err := kernels.Header("hopper.cuh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?m)^#define GG_TIMEOUT_NS (\d+)ull$`).FindSubmatch(h)
+	if m == nil {
+		t.Fatal("hopper.cuh defines no GG_TIMEOUT_NS")
+	}
+	trap, err := strconv.ParseInt(string(m[1]), 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if time.Duration(trap) < 2*fusedTimeout {
+		t.Errorf("fusedTimeout %v is not under half the mbarrier trap bound %v", fusedTimeout, time.Duration(trap))
+	}
 }

@@ -234,9 +234,9 @@ func (b *Backend) MarkPeerRows(doneS []backend.Tensor, refsR2 backend.Tensor) {
 }
 
 // CombineRows: outTD[rowsS[i]] += scaleS[i] * inSD[i] once doneS[i] is 1,
-// then doneS[i] = 0 (combine_rows_f32). The flag waits are bounded as the
-// fused kernels' tile waits (fusedTimeout) and report through the same
-// record (fusedTables.checkFault).
+// then doneS[i] = 0 (combine_rows_f32). The flag waits are bounded
+// (combineRowsTimeout) and report through the fused kernels' record
+// (fusedTables.checkFault).
 func (b *Backend) CombineRows(outTD, inSD, rowsS, scaleS, doneS backend.Tensor, sendCounts []int) {
 	const op = "CombineRows"
 	out, t, d := matrix(op, "out", outTD)
@@ -260,7 +260,7 @@ func (b *Backend) CombineRows(outTD, inSD, rowsS, scaleS, doneS backend.Tensor, 
 	}
 	f := &b.fused
 	f.mu.Lock()
-	timeout := cmp.Or(f.combineTimeout, fusedTimeout)
+	timeout := cmp.Or(f.combineTimeout, combineRowsTimeout)
 	fault, err := f.armFault(b.dev, timeout, true)
 	f.mu.Unlock()
 	if err != nil {
