@@ -62,7 +62,10 @@ __device__ __forceinline__ bool gg_bar_try(unsigned bar, unsigned parity) {
 
 // A wait longer than this is a bug (a transaction count that never
 // completes, a phase mismatch): the kernel traps, so the host gets an
-// error at its next synchronization instead of a hung process.
+// error at its next synchronization instead of a hung process. The fused
+// kernels' waits for a tile's rows give up well before it
+// (backend/cuda/moe_fused.go, fusedTimeout), so a consumer waiting on
+// that tile's stage never traps first.
 #define GG_TIMEOUT_NS 10000000000ull
 
 __device__ __forceinline__ unsigned long long gg_globaltimer() {
