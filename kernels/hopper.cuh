@@ -7,7 +7,8 @@
 //   - clusters: rank, cluster-wide barrier, peer shared addresses and
 //     arrivals on a peer's mbarrier
 //   - TMA: tensor loads into shared memory (one block's, or multicast to
-//     a cluster's), stores from it (bulk groups), prefetches; gg_tmap is a CUtensorMap passed by value
+//     a cluster's), stores from it (bulk groups), prefetches; gg_tmap is
+//     a CUtensorMap passed by value
 //   - wgmma: shared-memory descriptors (K-major and MN-major, 128-byte
 //     swizzle), fence, commit, wait, m64n128k16 and m64n256k16
 //   - warp shuffles, bf16 packing and widening, acquire loads

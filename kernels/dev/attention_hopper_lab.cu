@@ -3,6 +3,7 @@
 // bit at the moment: the last labs were bwd-walk-* (production since
 // 614052d) and bwd-head-split (level at s32k, slower at 2,048 tokens,
 // left at 6306c9e); git keeps them.
+//
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
 // into a ring of shared-memory stages, the products on wgmma, float32
