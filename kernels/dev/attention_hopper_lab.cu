@@ -1,8 +1,18 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT has no
-// bit at the moment: the last labs were bwd-walk-* (production since
-// 614052d) and bwd-head-split (level at s32k, slower at 2,048 tokens,
-// left at 6306c9e); git keeps them.
+// define it compiles to the production source's PTX. AH_EXPERIMENT's bits
+// (the backward's per-element work, kernels/attention_hopper.md):
+//   1  bwd-stats-log2: the producer stores lse in base 2 (lse * log2 e),
+//      so the consumers read it as the exponent wants it: 16 multiplies
+//      an item a thread fewer, the same bits.
+//   2  bwd-prescale (with 1): the producer stores lse * log2 e -
+//      log2(scale), so the exponential gives P^T * scale and dS^T is
+//      P^T scale (dP^T - delta) without its multiply by scale (32 an
+//      item a thread fewer); dv, accumulated from the scaled P^T, is
+//      multiplied by 1/scale once before it is stored. Not the same
+//      bits (P^T * scale rounds to bf16 differently).
+// The last labs before were bwd-walk-* (production since 614052d) and
+// bwd-head-split (level at s32k, slower at 2,048 tokens, left at
+// 6306c9e); git keeps them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -79,6 +89,11 @@
 #include "hopper.cuh"
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
+#endif
+#if AH_EXPERIMENT & 2
+#define AH_DS_SCALE  // P^T carries the scale (bwd-prescale)
+#else
+#define AH_DS_SCALE * scale
 #endif
 
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
@@ -900,8 +915,8 @@ __device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], b
         const float p1 = ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]);
         sc[4 * n + e] = p0;
         sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) AH_DS_SCALE;
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) AH_DS_SCALE;
       }
     }
     return;
@@ -923,8 +938,8 @@ __device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], b
       const float p1 = ah_ex2(c >= lo1 && c < end ? x1 : ah_neg_inf());
       sc[4 * n + e] = p0;
       sc[4 * n + 2 + e] = p1;
-      dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) * scale;
-      dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) * scale;
+      dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) AH_DS_SCALE;
+      dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) AH_DS_SCALE;
     }
   }
 }
@@ -1034,7 +1049,7 @@ struct ah_bwd_smem {
 // full barrier (33 arrivals: the expect_tx and the lanes). So the
 // consumers never wait on global loads.
 template <int DH, typename Walk>
-__device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int items, int lane, Walk walk) {
+__device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int items, int lane, Walk walk, float lg2s) {
   using cfg = ah_bcfg<DH>;
   for (int it = 0; it < items; it++) {
     const int s = it % cfg::STAGES;
@@ -1059,7 +1074,13 @@ __device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int ite
 #pragma unroll
     for (int e = 0; e < cfg::BQ / 32; e++) {
       const int c = lane + 32 * e;
+#if AH_EXPERIMENT & 2
+      ah_stsf(st + 4 * c, c < at.valid ? at.lse[c] * AH_LOG2E - lg2s : 0.0f);
+#elif AH_EXPERIMENT & 1
+      ah_stsf(st + 4 * c, c < at.valid ? at.lse[c] * AH_LOG2E : 0.0f);
+#else
       ah_stsf(st + 4 * c, c < at.valid ? at.lse[c] : 0.0f);
+#endif
       ah_stsf(st + 4 * cfg::BQ + 4 * c, c < at.valid ? at.delta[c] : 0.0f);
     }
     gg_bar_arrive(m.full + 8 * s);
@@ -1081,8 +1102,10 @@ template <int BQ>
 __device__ __forceinline__ void ah_bwd_stats(unsigned st, int n, int t4, float (&l2)[2], float (&dl)[2]) {
   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
   ah_lds2f(st + 4 * BQ + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
+#if !(AH_EXPERIMENT & 3)
   l2[0] *= AH_LOG2E;
   l2[1] *= AH_LOG2E;
+#endif
 }
 
 // ah_bwd64_consume is a consumer warpgroup of head dim 64's block
@@ -1384,7 +1407,11 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
     }
     if (warp != 0) return;
     if (lane == 0) loadKV(m.ks, m.vs, m.barKV);
-    ah_bwd_produce<DH>(m, countItems(), lane, walk);
+#if AH_EXPERIMENT & 2
+    ah_bwd_produce<DH>(m, countItems(), lane, walk, ah_lg2(scale));
+#else
+    ah_bwd_produce<DH>(m, countItems(), lane, walk, 0.0f);
+#endif
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
@@ -1398,6 +1425,12 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
   } else {
     ah_bwd128_consume(dka, dva, m, items, cw, kw, S, KS, off, scaleLog2, scale, walk);
   }
+#if AH_EXPERIMENT & 2
+  // dv was accumulated from P^T * scale.
+  const float unscale = 1.0f / scale;
+#pragma unroll
+  for (int i = 0; i < DH / 2; i++) dva[i] *= unscale;
+#endif
   store(dka, dva, 64 * cw + wr, lane & 3);
 }
 
