@@ -1,18 +1,10 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT's bits
-// (the backward's per-element work, kernels/attention_hopper.md):
-//   1  bwd-stats-log2: the producer stores lse in base 2 (lse * log2 e),
-//      so the consumers read it as the exponent wants it: 16 multiplies
-//      an item a thread fewer, the same bits.
-//   2  bwd-prescale (with 1): the producer stores lse * log2 e -
-//      log2(scale), so the exponential gives P^T * scale and dS^T is
-//      P^T scale (dP^T - delta) without its multiply by scale (32 an
-//      item a thread fewer); dv, accumulated from the scaled P^T, is
-//      multiplied by 1/scale once before it is stored. Not the same
-//      bits (P^T * scale rounds to bf16 differently).
-// The last labs before were bwd-walk-* (production since 614052d) and
-// bwd-head-split (level at s32k, slower at 2,048 tokens, left at
-// 6306c9e); git keeps them.
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment: the last lab, bwd-prescale (the backward's
+// exponential giving P^T * scale, lse in base 2 from the producer), is
+// production since it was measured (kernels/attention_hopper.md); before
+// it bwd-walk-* (production since 614052d) and bwd-head-split (level at
+// s32k, slower at 2,048 tokens, left at 6306c9e); git keeps them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -89,11 +81,6 @@
 #include "hopper.cuh"
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
-#endif
-#if AH_EXPERIMENT & 2
-#define AH_DS_SCALE  // P^T carries the scale (bwd-prescale)
-#else
-#define AH_DS_SCALE * scale
 #endif
 
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
@@ -768,9 +755,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_forward_d128_bf16(co
 //
 //   S^T = k q^T, dP^T = v dout^T   wgmma m64n128k16 (head dim 64) or
 //                                  m64n64k16, shared memory, K-major
-//   P^T = 2^(S^T*scale - lse), dS^T = P^T (dP^T - delta) / sqrt(Dh)
-//   dv += P^T dout, dk += dS^T q   wgmma m64nDhk16, A from registers, q and
-//                                  dout MN-major (transpose bit)
+//   P'^T = 2^(S^T*scale - lse + log2 scale), which is P^T scale
+//   dS^T = P'^T (dP^T - delta)     = P^T (dP^T - delta) scale, with no
+//                                  multiply by scale (1/sqrt(Dh)) an
+//                                  element
+//   dv += P'^T dout, dk += dS^T q  wgmma m64nDhk16, A from registers, q and
+//                                  dout MN-major (transpose bit); dv
+//                                  multiplied by 1/scale once at the end
 //   dq += dS k                     dS^T stored to shared memory in the
 //                                  128-byte swizzled MN-major layout, then
 //                                  wgmma m64n64k16 with both operands
@@ -891,19 +882,20 @@ __device__ __forceinline__ void ah_bwd_rs(float (&acc)[DH / 2], const unsigned (
 }
 
 // ah_bwd_probs turns this thread's S^T and dP^T (key rows kr0 and kr0 +
-// 8; column 8n + 2t4 + e is query q0 + 8n + 2t4 + e) into P^T and dS^T:
-// P^T = 2^(S^T*scale - lse), dS^T = P^T (dP^T - delta) * scale, 0 where
-// the key does not see the query (key kr sees query i iff kr - off <= i <
+// 8; column 8n + 2t4 + e is query q0 + 8n + 2t4 + e) into P'^T = P^T
+// scale = 2^(S^T*scale - lse2) (lse2 = lse log2 e - log2 scale, as the
+// producer stored it) and dS^T = P'^T (dP^T - delta), 0 where the
+// key does not see the query (key kr sees query i iff kr - off <= i <
 // S and kr < KS). A block whose every key sees every query (whole,
 // uniform over the warpgroup) takes no mask at all; otherwise a hidden
 // element's exponent is -inf, whose ex2 is +0: no branch per element (a
 // conditional ex2 became a divergent branch each, about 590 instructions
 // for 32 elements, and cost 10-14% of the backward:
 // kernels/attention_hopper.md). stats(n, l2, dl) gives column block n's
-// lse (base 2) and delta.
+// lse2 and delta.
 template <typename Stats>
 __device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], bool whole, int q0, int t4, int kr0,
-                                             int S, int KS, int off, float scaleLog2, float scale, Stats stats) {
+                                             int S, int KS, int off, float scaleLog2, Stats stats) {
   if (whole) {
 #pragma unroll
     for (int n = 0; n < 8; n++) {
@@ -915,8 +907,8 @@ __device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], b
         const float p1 = ah_ex2(sc[4 * n + 2 + e] * scaleLog2 - l2[e]);
         sc[4 * n + e] = p0;
         sc[4 * n + 2 + e] = p1;
-        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) AH_DS_SCALE;
-        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) AH_DS_SCALE;
+        dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]);
+        dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]);
       }
     }
     return;
@@ -938,8 +930,8 @@ __device__ __forceinline__ void ah_bwd_probs(float (&sc)[32], float (&dp)[32], b
       const float p1 = ah_ex2(c >= lo1 && c < end ? x1 : ah_neg_inf());
       sc[4 * n + e] = p0;
       sc[4 * n + 2 + e] = p1;
-      dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]) AH_DS_SCALE;
-      dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]) AH_DS_SCALE;
+      dp[4 * n + e] = p0 * (dp[4 * n + e] - dl[e]);
+      dp[4 * n + 2 + e] = p1 * (dp[4 * n + 2 + e] - dl[e]);
     }
   }
 }
@@ -1044,10 +1036,12 @@ struct ah_bwd_smem {
 
 // ah_bwd_produce is the producer warp's walk: for each item, once both
 // consumers have freed its stage, lane 0 loads the q and dout tiles and
-// the 32 lanes copy BQ/32 queries' lse (natural log) and delta each into
-// the stage's statistics (zeros past valid), all arriving on the stage's
-// full barrier (33 arrivals: the expect_tx and the lanes). So the
-// consumers never wait on global loads.
+// the 32 lanes copy BQ/32 queries' statistics each into the stage's (zeros
+// past valid): delta, and lse as the exponent of ah_bwd_probs wants it,
+// lse2 = lse log2 e - lg2s (lg2s = log2 scale, so that the exponential
+// gives P^T * scale), all arriving on the stage's full barrier (33
+// arrivals: the expect_tx and the lanes). So the consumers never wait on
+// global loads, and do no arithmetic on the statistics.
 template <int DH, typename Walk>
 __device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int items, int lane, Walk walk, float lg2s) {
   using cfg = ah_bcfg<DH>;
@@ -1074,13 +1068,7 @@ __device__ __forceinline__ void ah_bwd_produce(const ah_bwd_smem<DH>& m, int ite
 #pragma unroll
     for (int e = 0; e < cfg::BQ / 32; e++) {
       const int c = lane + 32 * e;
-#if AH_EXPERIMENT & 2
       ah_stsf(st + 4 * c, c < at.valid ? at.lse[c] * AH_LOG2E - lg2s : 0.0f);
-#elif AH_EXPERIMENT & 1
-      ah_stsf(st + 4 * c, c < at.valid ? at.lse[c] * AH_LOG2E : 0.0f);
-#else
-      ah_stsf(st + 4 * c, c < at.valid ? at.lse[c] : 0.0f);
-#endif
       ah_stsf(st + 4 * cfg::BQ + 4 * c, c < at.valid ? at.delta[c] : 0.0f);
     }
     gg_bar_arrive(m.full + 8 * s);
@@ -1095,17 +1083,13 @@ __device__ __forceinline__ bool ah_bwd_whole(int kw, int q0, int S, int KS, int 
   return kw + 63 <= off + q0 && q0 + BQ <= S && kw + 63 < KS;
 }
 
-// ah_bwd_stats reads column block n's lse (converted to base 2) and delta
+// ah_bwd_stats reads column block n's lse2 (ah_bwd_produce) and delta
 // from a stage's statistics st of BQ queries, for ah_bwd_probs: this
 // thread's columns 8n + 2t4 and 8n + 2t4 + 1.
 template <int BQ>
 __device__ __forceinline__ void ah_bwd_stats(unsigned st, int n, int t4, float (&l2)[2], float (&dl)[2]) {
   ah_lds2f(st + 4 * (8 * n + 2 * t4), l2[0], l2[1]);
   ah_lds2f(st + 4 * BQ + 4 * (8 * n + 2 * t4), dl[0], dl[1]);
-#if !(AH_EXPERIMENT & 3)
-  l2[0] *= AH_LOG2E;
-  l2[1] *= AH_LOG2E;
-#endif
 }
 
 // ah_bwd64_consume is a consumer warpgroup of head dim 64's block
@@ -1123,8 +1107,7 @@ __device__ __forceinline__ void ah_bwd_stats(unsigned st, int n, int t4, float (
 // wr and wr + 8 of dk and dv are left in dka and dva.
 template <typename Walk>
 __device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[32], const ah_bwd_smem<64>& m, int items,
-                                                 int cw, int kw, int S, int KS, int off, float scaleLog2, float scale,
-                                                 Walk walk) {
+                                                 int cw, int kw, int S, int KS, int off, float scaleLog2, Walk walk) {
   constexpr int DH = 64;
   using cfg = ah_bcfg<DH>;
   constexpr int BQ = cfg::BQ;
@@ -1169,7 +1152,7 @@ __device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[
     for (int hf = 0; hf < 2; hf++) {
       float(&sch)[32] = *reinterpret_cast<float(*)[32]>(&sc[32 * hf]);
       float(&dph)[32] = *reinterpret_cast<float(*)[32]>(&dp[32 * hf]);
-      ah_bwd_probs(sch, dph, whole, at.q0 + 64 * hf, t4, kr0, S, KS, off, scaleLog2, scale,
+      ah_bwd_probs(sch, dph, whole, at.q0 + 64 * hf, t4, kr0, S, KS, off, scaleLog2,
                    [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<BQ>(st, n + 8 * hf, t4, l2, dl); });
     }
 #pragma unroll
@@ -1249,8 +1232,7 @@ __device__ __forceinline__ void ah_bwd64_consume(float (&dka)[32], float (&dva)[
 // stages the block and marks it full without waiting (version 8).
 template <typename Walk>
 __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)[64], const ah_bwd_smem<128>& m, int items,
-                                                  int cw, int kw, int S, int KS, int off, float scaleLog2, float scale,
-                                                  Walk walk) {
+                                                  int cw, int kw, int S, int KS, int off, float scaleLog2, Walk walk) {
   constexpr int DH = 128;
   constexpr int STAGES = ah_bcfg<DH>::STAGES;
   constexpr unsigned KBOX = ah_bcfg<DH>::KBOX, QT = ah_bcfg<DH>::QT, DSB = ah_bcfg<DH>::DSB, DQB = ah_bcfg<DH>::DQB;
@@ -1281,7 +1263,7 @@ __device__ __forceinline__ void ah_bwd128_consume(float (&dka)[64], float (&dva)
       if (lane == 0) gg_bar_arrive(m.empty + 8 * ((it - 1) % STAGES));
     }
     const unsigned st = m.stat + s * ah_bcfg<DH>::STAT;
-    ah_bwd_probs(sc, dp, ah_bwd_whole<ah_bcfg<DH>::BQ>(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2, scale,
+    ah_bwd_probs(sc, dp, ah_bwd_whole<ah_bcfg<DH>::BQ>(kw, at.q0, S, KS, off), at.q0, t4, kr0, S, KS, off, scaleLog2,
                  [&](int n, float (&l2)[2], float (&dl)[2]) { ah_bwd_stats<ah_bcfg<DH>::BQ>(st, n, t4, l2, dl); });
     unsigned da[4][4];
     // dv's product now, dk's after dq's (FlashAttention-3's order): dq's
@@ -1407,11 +1389,7 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
     }
     if (warp != 0) return;
     if (lane == 0) loadKV(m.ks, m.vs, m.barKV);
-#if AH_EXPERIMENT & 2
     ah_bwd_produce<DH>(m, countItems(), lane, walk, ah_lg2(scale));
-#else
-    ah_bwd_produce<DH>(m, countItems(), lane, walk, 0.0f);
-#endif
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
@@ -1421,16 +1399,14 @@ __device__ __forceinline__ void ah_bwd_block(Items countItems, int kp0, int S, i
   float dka[DH / 2], dva[DH / 2];
   const int items = countItems();
   if constexpr (DH == 64) {
-    ah_bwd64_consume(dka, dva, m, items, cw, kw, S, KS, off, scaleLog2, scale, walk);
+    ah_bwd64_consume(dka, dva, m, items, cw, kw, S, KS, off, scaleLog2, walk);
   } else {
-    ah_bwd128_consume(dka, dva, m, items, cw, kw, S, KS, off, scaleLog2, scale, walk);
+    ah_bwd128_consume(dka, dva, m, items, cw, kw, S, KS, off, scaleLog2, walk);
   }
-#if AH_EXPERIMENT & 2
   // dv was accumulated from P^T * scale.
   const float unscale = 1.0f / scale;
 #pragma unroll
   for (int i = 0; i < DH / 2; i++) dva[i] *= unscale;
-#endif
   store(dka, dva, 64 * cw + wr, lane & 3);
 }
 

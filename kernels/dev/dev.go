@@ -52,12 +52,7 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "bwd-stats-log2", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "the backward's producer stores lse in base 2: no multiply per statistic in the consumers"},
-			{Name: "bwd-prescale", Defines: []string{"AH_EXPERIMENT=3"}, Exact: true,
-				Purpose: "the backward's exponential gives P^T * scale: no multiply by scale per element of dS^T, dv unscaled once"},
-		}},
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
