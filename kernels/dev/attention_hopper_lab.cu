@@ -1,10 +1,18 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT has no
-// bit at the moment: the last lab, bwd-prescale (the backward's
-// exponential giving P^T * scale, lse in base 2 from the producer), is
-// production since it was measured (kernels/attention_hopper.md); before
-// it bwd-walk-* (production since 614052d) and bwd-head-split (level at
-// s32k, slower at 2,048 tokens, left at 6306c9e); git keeps them.
+// define it compiles to the production source's PTX. AH_EXPERIMENT's bits:
+//   1  bwd-walk-fastdiv: the whole-sequence backward walk's division by
+//      the block's tiles a head as a multiply and a shift (ah_div)
+//      instead of an integer division of some 30 instructions an item in
+//      every warp (the ring's walk keeps its divisions: two dividers
+//      spilled 4 bytes in attn_h_zz_backward_d128).
+// (bwd-stats-v4, the statistics as column pairs read with one
+// ld.shared.v4 a column block, spilled 8-36 bytes in three of the four
+// backward kernels under NVRTC 12.4 and was dropped unrun.)
+// The last lab, bwd-prescale (the backward's exponential giving P^T *
+// scale, lse in base 2 from the producer), is production since it was
+// measured (kernels/attention_hopper.md); before it bwd-walk-*
+// (production since 614052d) and bwd-head-split (level at s32k, slower at
+// 2,048 tokens, left at 6306c9e); git keeps them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -81,6 +89,29 @@
 #include "hopper.cuh"
 #ifndef AH_EXPERIMENT
 #define AH_EXPERIMENT 0
+#endif
+
+#if AH_EXPERIMENT & 1
+// ah_div divides by d >= 1, fixed for the kernel, with a multiply and a
+// shift (Granlund and Montgomery, "Division by invariant integers using
+// multiplication", 1994): q = (umulhi(n, m) + n) >> l, l = ceil(log2 d),
+// m = floor(2^32 (2^l - d) / d) + 1, exact for 0 <= n < 2^31; the
+// constructor's 64-bit division runs once.
+struct ah_div {
+  unsigned m;
+  int l, d;
+  __device__ __forceinline__ explicit ah_div(int d0) : d(d0 > 1 ? d0 : 1) {
+    unsigned lz;
+    asm("clz.b32 %0, %1;" : "=r"(lz) : "r"((unsigned)d - 1));
+    l = 32 - (int)lz;  // 0 for d == 1 (clz of 0 is 32)
+    m = (unsigned)((((unsigned long long)((1ull << l) - (unsigned)d)) << 32) / (unsigned)d + 1);
+  }
+  __device__ __forceinline__ int div(int n) const {
+    unsigned hi;
+    asm("mul.hi.u32 %0, %1, %2;" : "=r"(hi) : "r"((unsigned)n), "r"(m));
+    return (int)((hi + (unsigned)n) >> l);
+  }
+};
 #endif
 
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
@@ -1433,11 +1464,20 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + BQ - 1) / BQ;
   const int qt0 = gg_max(0, j0 - off) / BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0);
+#if AH_EXPERIMENT & 1
+  const ah_div byHead(perHead);
+#endif
   ah_bwd_block<DH>(
       [&] { return G * perHead; }, j0, S, KS, off, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
+#if AH_EXPERIMENT & 1
+        const int hi = byHead.div(it);
+        const int q0 = (nQT - 1 - (it - hi * perHead)) * BQ;
+        at.h = kvh * G + hi;
+#else
         const int q0 = (nQT - 1 - it % perHead) * BQ;
         at.h = kvh * G + it / perHead;
+#endif
         at.q0 = q0;
         at.row = b * S + q0;
         at.q = mapQ;
