@@ -5,6 +5,9 @@
 //      instead of an integer division of some 30 instructions an item in
 //      every warp (the ring's walk keeps its divisions: two dividers
 //      spilled 4 bytes in attn_h_zz_backward_d128).
+//   2  fwd-walk-fastdiv: the persistent forward's consumers (head dim 64's
+//      walk) find each item's pair, tile, sequence and head with ah_div
+//      (ah_band_of_div) instead of five integer divisions an item, twice.
 // (bwd-stats-v4, the statistics as column pairs read with one
 // ld.shared.v4 a column block, spilled 8-36 bytes in three of the four
 // backward kernels under NVRTC 12.4 and was dropped unrun.)
@@ -91,7 +94,7 @@
 #define AH_EXPERIMENT 0
 #endif
 
-#if AH_EXPERIMENT & 1
+#if AH_EXPERIMENT & 3
 // ah_div divides by d >= 1, fixed for the kernel, with a multiply and a
 // shift (Granlund and Montgomery, "Division by invariant integers using
 // multiplication", 1994): q = (umulhi(n, m) + n) >> l, l = ceil(log2 d),
@@ -139,6 +142,19 @@ __device__ __forceinline__ void ah_band(int band, int& pair, int& item) {
 }
 
 extern __shared__ __attribute__((aligned(1024))) unsigned char ah_smem[];
+
+#if AH_EXPERIMENT & 2
+// ah_band_of_div is ah_band_of with its divisions by band * items and by
+// band as ah_div's (a last band narrower than band divides as before).
+__device__ __forceinline__ void ah_band_of_div(int lin, int pairs, int items, int band, const ah_div& byBandItems,
+                                               const ah_div& byBand, int& pair, int& item) {
+  const int first = byBandItems.div(lin) * band;
+  const int inBand = gg_min(band, pairs - first), r = lin - first * items;
+  const int q = inBand == band ? byBand.div(r) : r / inBand;
+  pair = first + r - q * inBand;
+  item = q;
+}
+#endif
 
 __device__ __forceinline__ float ah_neg_inf() { return gg_bits_float(0xff800000u); }
 
@@ -609,11 +625,18 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
+#if AH_EXPERIMENT & 2
+  const ah_div byBandItems(band * nQT), byBand(band), byH(H);
+#endif
   int T = 0;  // the producer's count, in step
 #pragma unroll 1
   for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
     int bh, ty;
+#if AH_EXPERIMENT & 2
+    ah_band_of_div(lin, pairs, nQT, band, byBandItems, byBand, bh, ty);
+#else
     ah_band_of(lin, pairs, nQT, band, bh, ty);
+#endif
     const int i0 = (nQT - 1 - ty) * BM;
     const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
     const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
@@ -632,8 +655,14 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
     T += nT;
     // (The item's sequence and head again, rather than held in registers
     // through the tiles.)
+#if AH_EXPERIMENT & 2
+    ah_band_of_div(lin, pairs, nQT, band, byBandItems, byBand, bh, ty);
+    const int sb = byH.div(bh);
+    ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + (long long)bh * S, sb, bh - sb * H, S, H, r0, r1, t4);
+#else
     ah_band_of(lin, pairs, nQT, band, bh, ty);
     ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + (long long)bh * S, bh / H, bh % H, S, H, r0, r1, t4);
+#endif
   }
 }
 
