@@ -98,6 +98,31 @@ __device__ __forceinline__ void ah_band(int band, int& pair, int& item) {
 
 extern __shared__ __attribute__((aligned(1024))) unsigned char ah_smem[];
 
+// ah_div divides by d >= 1, fixed for the kernel, with a multiply and a
+// shift (Granlund and Montgomery, "Division by invariant integers using
+// multiplication", 1994): q = (umulhi(n, m) + n) >> l, l = ceil(log2 d),
+// m = floor(2^32 (2^l - d) / d) + 1, exact for 0 <= n < 2^31; the
+// constructor's 64-bit division runs once. The backward's walk divides
+// its item index by its tiles a head every item, in every warp: as an
+// integer division that was some 30 instructions, and the backward 3-5%
+// slower (kernels/attention_hopper.md, bwd-walk-fastdiv). Mirrored by
+// ahDiv in backend/cuda's tests.
+struct ah_div {
+  unsigned m;
+  int l, d;
+  __device__ __forceinline__ explicit ah_div(int d0) : d(d0 > 1 ? d0 : 1) {
+    unsigned lz;
+    asm("clz.b32 %0, %1;" : "=r"(lz) : "r"((unsigned)d - 1));
+    l = 32 - (int)lz;  // 0 for d == 1 (clz of 0 is 32)
+    m = (unsigned)((((unsigned long long)((1ull << l) - (unsigned)d)) << 32) / (unsigned)d + 1);
+  }
+  __device__ __forceinline__ int div(int n) const {
+    unsigned hi;
+    asm("mul.hi.u32 %0, %1, %2;" : "=r"(hi) : "r"((unsigned)n), "r"(m));
+    return (int)((hi + (unsigned)n) >> l);
+  }
+};
+
 __device__ __forceinline__ float ah_neg_inf() { return gg_bits_float(0xff800000u); }
 
 // ah_ex2 is 2^x (2^-inf = 0); ah_lg2 is log2(x).
@@ -1422,11 +1447,13 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + BQ - 1) / BQ;
   const int qt0 = gg_max(0, j0 - off) / BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0);
+  const ah_div byHead(perHead);
   ah_bwd_block<DH>(
       [&] { return G * perHead; }, j0, S, KS, off, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
-        const int q0 = (nQT - 1 - it % perHead) * BQ;
-        at.h = kvh * G + it / perHead;
+        const int hi = byHead.div(it);
+        const int q0 = (nQT - 1 - (it - hi * perHead)) * BQ;
+        at.h = kvh * G + hi;
         at.q0 = q0;
         at.row = b * S + q0;
         at.q = mapQ;

@@ -2,6 +2,9 @@ package cuda
 
 import (
 	"fmt"
+	"math"
+	"math/bits"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -169,4 +172,47 @@ func hopperAttnText(t *testing.T) string {
 		t.Fatal(err)
 	}
 	return text
+}
+
+// ahDiv mirrors attention_hopper.cu's ah_div: n / d for 0 <= n < 2^31 as
+// (umulhi(n, m) + n) >> l.
+type ahDiv struct {
+	m uint32
+	l uint
+}
+
+func newAHDiv(d int) ahDiv {
+	d = max(d, 1)
+	l := uint(bits.Len32(uint32(d - 1))) // 32 - clz(d - 1): 0 for d == 1
+	m := uint32((((uint64(1)<<l)-uint64(d))<<32)/uint64(d) + 1)
+	return ahDiv{m: m, l: l}
+}
+
+func (a ahDiv) div(n int) int {
+	hi := uint32((uint64(uint32(n)) * uint64(a.m)) >> 32)
+	return int((hi + uint32(n)) >> a.l)
+}
+
+// TestAHDivExact checks the backward walk's division by multiply against
+// Go's: every divisor up to 4096 (a head's query tiles reach S/64) with
+// the dividends a walk reaches and the ends of the range, then random
+// divisors and dividends over all of it.
+func TestAHDivExact(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 11))
+	check := func(d, n int) {
+		if got, want := newAHDiv(d).div(n), n/d; got != want {
+			t.Fatalf("ah_div(%d).div(%d) = %d, want %d", d, n, got, want)
+		}
+	}
+	for d := 1; d <= 4096; d++ {
+		for n := range 4 * d {
+			check(d, n)
+		}
+		for _, n := range []int{math.MaxInt32, math.MaxInt32 - 1, math.MaxInt32 - d} {
+			check(d, n)
+		}
+	}
+	for range 200000 {
+		check(1+rng.IntN(math.MaxInt32), rng.IntN(math.MaxInt32+1))
+	}
 }

@@ -1,21 +1,12 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT's bits:
-//   1  bwd-walk-fastdiv: the whole-sequence backward walk's division by
-//      the block's tiles a head as a multiply and a shift (ah_div)
-//      instead of an integer division of some 30 instructions an item in
-//      every warp (the ring's walk keeps its divisions: two dividers
-//      spilled 4 bytes in attn_h_zz_backward_d128).
-//   2  fwd-walk-fastdiv: the persistent forward's consumers (head dim 64's
-//      walk) find each item's pair, tile, sequence and head with ah_div
-//      (ah_band_of_div) instead of five integer divisions an item, twice.
-// (bwd-stats-v4, the statistics as column pairs read with one
-// ld.shared.v4 a column block, spilled 8-36 bytes in three of the four
-// backward kernels under NVRTC 12.4 and was dropped unrun.)
-// The last lab, bwd-prescale (the backward's exponential giving P^T *
-// scale, lse in base 2 from the producer), is production since it was
-// measured (kernels/attention_hopper.md); before it bwd-walk-*
-// (production since 614052d) and bwd-head-split (level at s32k, slower at
-// 2,048 tokens, left at 6306c9e); git keeps them.
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment. The last labs (kernels/attention_hopper.md):
+// bwd-walk-fastdiv (the whole-sequence backward walk's division as a
+// multiply and a shift, ah_div) and bwd-prescale (the exponential giving
+// P^T * scale) are production; fwd-walk-fastdiv (the same for the
+// persistent forward's item decoding) was level and left at 3cbb251;
+// before them bwd-walk-* (production since 614052d) and bwd-head-split
+// (left at 6306c9e); git keeps them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -94,29 +85,6 @@
 #define AH_EXPERIMENT 0
 #endif
 
-#if AH_EXPERIMENT & 3
-// ah_div divides by d >= 1, fixed for the kernel, with a multiply and a
-// shift (Granlund and Montgomery, "Division by invariant integers using
-// multiplication", 1994): q = (umulhi(n, m) + n) >> l, l = ceil(log2 d),
-// m = floor(2^32 (2^l - d) / d) + 1, exact for 0 <= n < 2^31; the
-// constructor's 64-bit division runs once.
-struct ah_div {
-  unsigned m;
-  int l, d;
-  __device__ __forceinline__ explicit ah_div(int d0) : d(d0 > 1 ? d0 : 1) {
-    unsigned lz;
-    asm("clz.b32 %0, %1;" : "=r"(lz) : "r"((unsigned)d - 1));
-    l = 32 - (int)lz;  // 0 for d == 1 (clz of 0 is 32)
-    m = (unsigned)((((unsigned long long)((1ull << l) - (unsigned)d)) << 32) / (unsigned)d + 1);
-  }
-  __device__ __forceinline__ int div(int n) const {
-    unsigned hi;
-    asm("mul.hi.u32 %0, %1, %2;" : "=r"(hi) : "r"((unsigned)n), "r"(m));
-    return (int)((hi + (unsigned)n) >> l);
-  }
-};
-#endif
-
 #define AH_BM 128  // queries per block of two consumers (the ring's kernels, the backward's key blocks)
 #define AH_BN 128  // keys per tile
 #define AH_LN2 0.6931471805599453f
@@ -143,18 +111,30 @@ __device__ __forceinline__ void ah_band(int band, int& pair, int& item) {
 
 extern __shared__ __attribute__((aligned(1024))) unsigned char ah_smem[];
 
-#if AH_EXPERIMENT & 2
-// ah_band_of_div is ah_band_of with its divisions by band * items and by
-// band as ah_div's (a last band narrower than band divides as before).
-__device__ __forceinline__ void ah_band_of_div(int lin, int pairs, int items, int band, const ah_div& byBandItems,
-                                               const ah_div& byBand, int& pair, int& item) {
-  const int first = byBandItems.div(lin) * band;
-  const int inBand = gg_min(band, pairs - first), r = lin - first * items;
-  const int q = inBand == band ? byBand.div(r) : r / inBand;
-  pair = first + r - q * inBand;
-  item = q;
-}
-#endif
+// ah_div divides by d >= 1, fixed for the kernel, with a multiply and a
+// shift (Granlund and Montgomery, "Division by invariant integers using
+// multiplication", 1994): q = (umulhi(n, m) + n) >> l, l = ceil(log2 d),
+// m = floor(2^32 (2^l - d) / d) + 1, exact for 0 <= n < 2^31; the
+// constructor's 64-bit division runs once. The backward's walk divides
+// its item index by its tiles a head every item, in every warp: as an
+// integer division that was some 30 instructions, and the backward 3-5%
+// slower (kernels/attention_hopper.md, bwd-walk-fastdiv). Mirrored by
+// ahDiv in backend/cuda's tests.
+struct ah_div {
+  unsigned m;
+  int l, d;
+  __device__ __forceinline__ explicit ah_div(int d0) : d(d0 > 1 ? d0 : 1) {
+    unsigned lz;
+    asm("clz.b32 %0, %1;" : "=r"(lz) : "r"((unsigned)d - 1));
+    l = 32 - (int)lz;  // 0 for d == 1 (clz of 0 is 32)
+    m = (unsigned)((((unsigned long long)((1ull << l) - (unsigned)d)) << 32) / (unsigned)d + 1);
+  }
+  __device__ __forceinline__ int div(int n) const {
+    unsigned hi;
+    asm("mul.hi.u32 %0, %1, %2;" : "=r"(hi) : "r"((unsigned)n), "r"(m));
+    return (int)((hi + (unsigned)n) >> l);
+  }
+};
 
 __device__ __forceinline__ float ah_neg_inf() { return gg_bits_float(0xff800000u); }
 
@@ -625,18 +605,11 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(cfg::REG_INC) : "memory");
   const int cw = (warp >> 2) - 1, g = lane >> 2, t4 = lane & 3;
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
-#if AH_EXPERIMENT & 2
-  const ah_div byBandItems(band * nQT), byBand(band), byH(H);
-#endif
   int T = 0;  // the producer's count, in step
 #pragma unroll 1
   for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
     int bh, ty;
-#if AH_EXPERIMENT & 2
-    ah_band_of_div(lin, pairs, nQT, band, byBandItems, byBand, bh, ty);
-#else
     ah_band_of(lin, pairs, nQT, band, bh, ty);
-#endif
     const int i0 = (nQT - 1 - ty) * BM;
     const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
     const int w0 = i0 + 64 * cw, r0 = w0 + 16 * (warp & 3) + g, r1 = r0 + 8;
@@ -655,14 +628,8 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
     T += nT;
     // (The item's sequence and head again, rather than held in registers
     // through the tiles.)
-#if AH_EXPERIMENT & 2
-    ah_band_of_div(lin, pairs, nQT, band, byBandItems, byBand, bh, ty);
-    const int sb = byH.div(bh);
-    ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + (long long)bh * S, sb, bh - sb * H, S, H, r0, r1, t4);
-#else
     ah_band_of(lin, pairs, nQT, band, bh, ty);
     ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + (long long)bh * S, bh / H, bh % H, S, H, r0, r1, t4);
-#endif
   }
 }
 
@@ -1493,20 +1460,13 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
   const int nQT = (S + BQ - 1) / BQ;
   const int qt0 = gg_max(0, j0 - off) / BQ;  // the first tile with a query that sees key j0
   const int perHead = gg_max(0, nQT - qt0);
-#if AH_EXPERIMENT & 1
   const ah_div byHead(perHead);
-#endif
   ah_bwd_block<DH>(
       [&] { return G * perHead; }, j0, S, KS, off, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
-#if AH_EXPERIMENT & 1
         const int hi = byHead.div(it);
         const int q0 = (nQT - 1 - (it - hi * perHead)) * BQ;
         at.h = kvh * G + hi;
-#else
-        const int q0 = (nQT - 1 - it % perHead) * BQ;
-        at.h = kvh * G + it / perHead;
-#endif
         at.q0 = q0;
         at.row = b * S + q0;
         at.q = mapQ;

@@ -52,14 +52,7 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "bwd-walk-fastdiv", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "the whole-sequence backward walk's division as a multiply and a shift"},
-			{Name: "fwd-walk-fastdiv", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the persistent forward's item decoding by multiplies and shifts"},
-			{Name: "walk-fastdiv", Defines: []string{"AH_EXPERIMENT=3"}, Exact: true,
-				Purpose: "bwd-walk-fastdiv and fwd-walk-fastdiv"},
-		}},
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
