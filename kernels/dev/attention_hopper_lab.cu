@@ -118,8 +118,9 @@ extern __shared__ __attribute__((aligned(1024))) unsigned char ah_smem[];
 // constructor's 64-bit division runs once. The backward's walk divides
 // its item index by its tiles a head every item, in every warp: as an
 // integer division that was some 30 instructions, and the backward 3-5%
-// slower (kernels/attention_hopper.md, bwd-walk-fastdiv). Mirrored by
-// ahDiv in backend/cuda's tests.
+// slower (kernels/attention_hopper.md, bwd-walk-fastdiv); the ring's walk
+// divides so too (its division of a position by the chunk length stays:
+// a second divider spilled). Mirrored by ahDiv in backend/cuda's tests.
 struct ah_div {
   unsigned m;
   int l, d;
@@ -1559,14 +1560,16 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
   const int qt0 = kp0 / BQ, perHead = 2 * W * C / BQ - qt0;
   // The key at position kp sees the query at position i iff kp <= i: no
   // sequence end on either side (S and KS out of reach, off 0).
+  const ah_div byHead(perHead);
   ah_bwd_block<DH>(
       [&] { return (G / (int)gridDim.z) * perHead; }, kp0, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
         // Item it's query tile: its first position, and the rank and local
         // row that hold it.
-        const int qp0 = (qt0 + it % perHead) * BQ, cq = qp0 / C;
+        const int hi = byHead.div(it);
+        const int qp0 = (qt0 + it - hi * perHead) * BQ, cq = qp0 / C;
         const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
-        at.h = h0 + it / perHead;
+        at.h = h0 + hi;
         at.q0 = qp0;
         at.row = b * S + row;
         at.q = &maps->q[owner];
