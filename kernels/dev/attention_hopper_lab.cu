@@ -123,12 +123,13 @@ extern __shared__ __attribute__((aligned(1024))) unsigned char ah_smem[];
 // a second divider spilled). Mirrored by ahDiv in backend/cuda's tests.
 struct ah_div {
   unsigned m;
-  int l, d;
-  __device__ __forceinline__ explicit ah_div(int d0) : d(d0 > 1 ? d0 : 1) {
+  int l;
+  __device__ __forceinline__ explicit ah_div(int d0) {
+    const unsigned d = d0 > 1 ? (unsigned)d0 : 1u;
     unsigned lz;
-    asm("clz.b32 %0, %1;" : "=r"(lz) : "r"((unsigned)d - 1));
+    asm("clz.b32 %0, %1;" : "=r"(lz) : "r"(d - 1));
     l = 32 - (int)lz;  // 0 for d == 1 (clz of 0 is 32)
-    m = (unsigned)((((unsigned long long)((1ull << l) - (unsigned)d)) << 32) / (unsigned)d + 1);
+    m = (unsigned)((((unsigned long long)((1ull << l) - d)) << 32) / d + 1);
   }
   __device__ __forceinline__ int div(int n) const {
     unsigned hi;
