@@ -473,11 +473,11 @@ func hopperAttnBackward(d *Device, dq, dk, dv, dout, q, k, v, out, lse driver.De
 }
 
 // launchHopperAttnBackward is hopperAttnBackward on kernel kern (attn_h_backward's
-// arguments, then extra ones) launched with threads threads and smem
-// bytes of dynamic shared memory a block, its blocks band (sequence, kv
-// head) pairs at a time (0: hopperAttnBand's choice): the production
+// arguments) launched with threads threads and smem bytes of dynamic
+// shared memory a block, its blocks band (sequence, kv head) pairs at a
+// time (0: hopperAttnBand's choice): the production
 // kernel, or a lab build whose launch differs (kernels/dev).
-func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, band int, extra ...uint64) error {
+func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk, dv, dout, q, k, v, out, lse driver.DevicePtr, s backend.AttnShape, in attnBwdInputs, band int) error {
 	const op = "AttentionBackward"
 	dh, keys := s.HeadDim, s.Keys()
 	conv, err := sourceKernel(d, "convert_vec.cu", "f32_to_bf16_x4")
@@ -566,7 +566,6 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 		uint64(uint32(s.Seq)), uint64(uint32(keys)), uint64(uint32(attnOffset(s))), uint64(uint32(s.Heads)),
 		uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale)),
 		uint64(uint32(cmp.Or(band, hopperAttnBand(pairs, keyBlocks))))}
-	slots = append(slots, extra...)
 	grid := Grid{
 		Grid:   driver.Dim3{X: pairs, Y: keyBlocks, Z: 1},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
