@@ -71,11 +71,15 @@ ring (the path of ranks without peer access: k and v chunks passed over
 Send and Recv, the backend's attention ops on each block; outside the
 bars, for comparison), from before the first rank starts to after the
 last ends, and the core on the whole sequence on one rank (the same
-work). q, k and v come in the type each path's layers keep them in: bf16
-for the core and the one-pass ring, float32 for the others, whose time
-includes their rounding. Ring efficiency = core time / ring time, and
-ring / allgather = allgather time / ring time (above 1 the ring is
-faster). Bars: efficiency
+work). Every path of a row is built before any is timed; then each of
+2 warm-up and --iters rounds takes one forward and one forward+backward
+step of every path, in an order rotated each round, and each figure is
+its path's median, so that the clocks' drift under the power cap weighs
+on every path alike. q, k and v come in the type each path's layers
+keep them in: bf16 for the core and the one-pass ring, float32 for the
+others, whose time includes their rounding. Ring efficiency = core time
+/ ring time, and ring / allgather = allgather time / ring time (above 1
+the ring is faster). Bars: efficiency
 at least 0.95 forward and forward+backward at S/W >= 4096, and the ring
 faster than allgather at every W. The W virtual ranks share one GPU's
 memory and SMs, so the figures show the cost of splitting the work, not
@@ -323,7 +327,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		"core":  rows,
 		"bars":  bars,
 		"flops": "forward 2*2*B*H*S*S*Dh/2 (causal), backward 2.5x the forward, for the core and the peer",
-		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); q, k, v, out and dout of the backend's operand type (bf16 on the GPU, as a layer on one rank keeps them), float32 lse and gradients; the ring rows' core (float32 out and dout, as the context-parallel layers keep them): each step waited for before the next, as the ranks' steps",
+		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); q, k, v, out and dout of the backend's operand type (bf16 on the GPU, as a layer on one rank keeps them), float32 lse and gradients; the ring rows' core (float32 out and dout, as the context-parallel layers keep them): each step waited for before the next, as the ranks' steps, in rounds that take one step of every path of the row in turn",
 			*iters, clockName(b)),
 	}
 	peerFig := map[string]any{"command": nil}
@@ -771,43 +775,57 @@ func parseRingFlags(worlds, seqs string) ([]int, []int, error) {
 
 // benchRingRow measures one row: W ranks of perRank tokens each, one
 // sequence of S = W*perRank. The inputs are drawn once for the whole
-// sequence; each rank gets its zigzag rows of them.
-func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, rng *rand.Rand, w, perRank, iters int) (attnRingRow, error) {
+// sequence; each rank gets its zigzag rows of them. Every path (the core
+// and each mode) is built first and then timed by timeInterleaved, so
+// that the clocks' drift under the power cap, which moved the same
+// core's time by 10% between the rows of one run when each path ran its
+// steps in a block of its own, weighs on every path alike.
+func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, rng *rand.Rand, w, perRank, iters int) (row attnRingRow, err error) {
 	seq := w * perRank
 	g := ringGeometry(seq)
 	qw, kd := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim
 	in := ringInputs{q: randValues(rng, seq*qw), k: randValues(rng, seq*kd), v: randValues(rng, seq*kd), da: randValues(rng, seq*qw)}
-	row := attnRingRow{World: w, SeqPerRank: perRank, Seq: seq, EfficiencyBarApply: perRank >= ringEfficiencyMinSeq}
+	row = attnRingRow{World: w, SeqPerRank: perRank, Seq: seq, EfficiencyBarApply: perRank >= ringEfficiencyMinSeq}
 
-	coreFwd, coreStep, err := timeRingCore(b, clock, g, in, iters)
-	if err != nil {
-		return row, fmt.Errorf("core on the whole sequence: %w", err)
-	}
-	runtime.GC()
-	flops := attnForwardFLOPs(1, seq, g.Heads, g.HeadDim)
-	stepFLOPs := (1 + attnBackwardFactor) * flops
-	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
-	row.CoreFwdMS, row.CoreStepMS = ms(coreFwd), ms(coreStep)
-	row.CoreFwdTF, row.CoreStepTF = tflops(flops, row.CoreFwdMS), tflops(stepFLOPs, row.CoreStepMS)
-
-	for _, m := range []struct {
+	paths := []*timedPath{{name: "core on the whole sequence", sample: ringCoreSampler(b, clock, g, in)}}
+	modes := []struct {
 		mode     attention.CPMode
 		portable bool
 		fig      *attnRingMode
-	}{{ringModeAllGather, false, &row.AllGather}, {ringModeRing, false, &row.Ring}, {ringModeRing, true, &row.RingPortable}} {
-		fwd, step, path, buildErr, err := timeContextCore(place, ownDevices, clock, g, in, w, m.mode, m.portable, iters)
+	}{{ringModeAllGather, false, &row.AllGather}, {ringModeRing, false, &row.Ring}, {ringModeRing, true, &row.RingPortable}}
+	modePath := make([]*timedPath, len(modes))
+	for i, m := range modes {
+		name := fmt.Sprintf("mode %s", m.mode)
+		if m.portable {
+			name += ", portable"
+		}
+		sample, path, release, buildErr, err := contextSampler(b, place, ownDevices, clock, g, in, w, m.mode, m.portable)
+		if err != nil {
+			return row, fmt.Errorf("%s: %w", name, err)
+		}
 		m.fig.Path = path
-		runtime.GC()
-		switch {
-		case err != nil && m.portable:
-			return row, fmt.Errorf("mode %s, portable: %w", m.mode, err)
-		case err != nil:
-			return row, fmt.Errorf("mode %s: %w", m.mode, err)
-		case buildErr != nil:
+		if buildErr != nil {
 			m.fig.Error = buildErr.Error()
 			continue
 		}
-		f, s := ms(fwd), ms(step)
+		defer func() { err = errors.Join(err, release()) }()
+		modePath[i] = &timedPath{name: name, sample: sample}
+		paths = append(paths, modePath[i])
+	}
+	if err := timeInterleaved(paths, iters); err != nil {
+		return row, err
+	}
+
+	flops := attnForwardFLOPs(1, seq, g.Heads, g.HeadDim)
+	stepFLOPs := (1 + attnBackwardFactor) * flops
+	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+	row.CoreFwdMS, row.CoreStepMS = ms(paths[0].fwd), ms(paths[0].step)
+	row.CoreFwdTF, row.CoreStepTF = tflops(flops, row.CoreFwdMS), tflops(stepFLOPs, row.CoreStepMS)
+	for i, m := range modes {
+		if modePath[i] == nil {
+			continue
+		}
+		f, s := ms(modePath[i].fwd), ms(modePath[i].step)
 		ftf, stf := tflops(flops, f), tflops(stepFLOPs, s)
 		m.fig.FwdMS, m.fig.StepMS, m.fig.FwdTF, m.fig.StepTF = &f, &s, &ftf, &stf
 	}
@@ -825,6 +843,56 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		row.OverAllGatherFwd, row.OverAllGatherStep = ratio(*row.AllGather.FwdMS, row.Ring.FwdMS), ratio(*row.AllGather.StepMS, row.Ring.StepMS)
 	}
 	return row, nil
+}
+
+// timedPath is one path of a ring row, built and ready: sample runs one
+// step (the forward, or the forward and the backward) and returns its
+// time; fwd and step are the medians timeInterleaved found.
+type timedPath struct {
+	name      string
+	sample    func(backward bool) (time.Duration, error)
+	fwd, step time.Duration
+}
+
+// timeInterleaved runs 2 warm-up rounds and iters timed ones; a round
+// takes one forward step and one forward+backward step of every path, the
+// paths in an order rotated by one each round, so that every path is
+// sampled across the same stretch of time and none always follows the
+// same other. Each path's fwd and step are the medians of its timed
+// samples.
+func timeInterleaved(paths []*timedPath, iters int) error {
+	fwds, steps := make([][]time.Duration, len(paths)), make([][]time.Duration, len(paths))
+	for round := -2; round < iters; round++ {
+		for j := range paths {
+			i := (j + round + 2) % len(paths)
+			for _, backward := range []bool{false, true} {
+				d, err := paths[i].sample(backward)
+				if err != nil {
+					what := "forward"
+					if backward {
+						what = "forward+backward"
+					}
+					return fmt.Errorf("%s, %s: %w", paths[i].name, what, err)
+				}
+				if round < 0 {
+					continue
+				}
+				if backward {
+					steps[i] = append(steps[i], d)
+				} else {
+					fwds[i] = append(fwds[i], d)
+				}
+			}
+		}
+	}
+	median := func(ds []time.Duration) time.Duration {
+		slices.Sort(ds)
+		return ds[len(ds)/2]
+	}
+	for i, p := range paths {
+		p.fwd, p.step = median(fwds[i]), median(steps[i])
+	}
+	return nil
 }
 
 // ringInputs are one sequence's q, k, v and output gradient, on the host:
@@ -849,24 +917,31 @@ func (in ringInputs) upload(b backend.Backend, qkv backend.DType, qw, kd int, po
 	return rows(qkv, in.q, qw), rows(qkv, in.k, kd), rows(qkv, in.v, kd), rows(b.FloatType(), in.da, qw)
 }
 
-// timeRingCore times the core (the backend's attention ops) on the whole
-// sequence, forward and forward+backward, as the ranks' steps are timed,
-// on q, k and v of the operand type, as a layer of one rank keeps them.
-func timeRingCore(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, iters int) (fwd, step time.Duration, err error) {
+// ringCoreSampler is the core (the backend's attention ops) on the whole
+// sequence, one step a sample, each waited for before the next, as the
+// ranks' steps are timed, on q, k and v of the operand type, as a layer
+// of one rank keeps them.
+func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs) func(backward bool) (time.Duration, error) {
 	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
 	q, k, v, da := in.upload(b, b.OperandType(), qw, kd, nil)
 	a, lse := b.New(ft, g.Seq, qw), b.New(ft, 1, g.Heads, g.Seq)
 	dq, dk, dv := b.New(ft, g.Seq, qw), b.New(ft, g.Seq, kd), b.New(ft, g.Seq, kd)
 	as := g.attn()
-	forward := func() { b.AttentionForward(a, lse, q, k, v, as) }
-	if fwd, err = medianOnClock(b, clock, iters, false, forward); err != nil {
-		return 0, 0, err
+	return func(backward bool) (time.Duration, error) {
+		start, err := clock.Mark()
+		if err != nil {
+			return 0, err
+		}
+		b.AttentionForward(a, lse, q, k, v, as)
+		if backward {
+			b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, as)
+		}
+		d, err := elapsedSince(clock, start)
+		if err != nil {
+			return 0, err
+		}
+		return d, b.Sync()
 	}
-	step, err = medianOnClock(b, clock, iters, false, func() {
-		forward()
-		b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, as)
-	})
-	return fwd, step, err
 }
 
 // ringRank is one rank's core and tensors; device is its GPU when it has
@@ -880,25 +955,40 @@ type ringRank struct {
 	dq, dk, dv  backend.Tensor
 }
 
-// timeContextCore times mode on w virtual ranks of b: forward, then
-// forward+backward, each the median of iters steps after two warm-up
-// steps. A step's time is taken on rank 0 between a mark before any rank
-// starts (all ranks wait at a barrier until it is taken) and one after
-// every rank has returned (a barrier first); on a device whose ranks share
-// one stream, as here, that is the device's time from the first rank's
-// first op to the last rank's last one. buildErr is NewContextCore's
-// refusal of the mode (nothing was timed); err a failure while timing.
-// With portable the cores' groups hide their peer access, so mode ring
-// runs the portable ring.
-func timeContextCore(place rankPlacer, ownDevices bool, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool, iters int) (fwd, step time.Duration, path string, buildErr, err error) {
+// contextSampler builds mode on w ranks placed by place and returns its
+// sampler: one step of every rank's Forward (and Backward), timed by
+// oneRankStep from before the first rank starts to after the last one
+// ends; on a device whose ranks share one stream, as here, that is the
+// device's time from the first rank's first op to the last rank's last
+// one. release frees the world. buildErr is NewContextCore's refusal of
+// the mode (nothing to time; the world is released); err a failure
+// while building. With portable the cores' groups hide their peer
+// access, so mode ring runs the portable ring.
+func contextSampler(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool) (sample func(backward bool) (time.Duration, error), path string, release func() error, buildErr, err error) {
 	world, bs, release, err := place(w)
 	if err != nil {
-		return 0, 0, "", nil, err
+		return nil, "", nil, nil, err
 	}
-	defer func() { err = errors.Join(err, release()) }()
+	ranks, buildErr, err := buildRingRanks(world, bs, ownDevices, g, in, w, mode, portable)
+	if buildErr != nil || err != nil {
+		return nil, "", nil, buildErr, errors.Join(err, release())
+	}
+	fwdSteps, fullSteps := ringSteps(ranks, false), ringSteps(ranks, true)
+	sample = func(backward bool) (time.Duration, error) {
+		if backward {
+			return oneRankStep(b, clock, fullSteps)
+		}
+		return oneRankStep(b, clock, fwdSteps)
+	}
+	return sample, ranks[0].core.Path(), release, nil, nil
+}
+
+// buildRingRanks makes every rank's core for mode and uploads its zigzag
+// rows of the inputs.
+func buildRingRanks(world []*comm.Ranks, bs []backend.Backend, ownDevices bool, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool) (ranks []*ringRank, buildErr, err error) {
 	qw, kd := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim
 	shape := attention.Shape{Dim: qw, Heads: g.Heads, KVHeads: g.KVHeads, RopeTheta: ringRope}
-	ranks := make([]*ringRank, w)
+	ranks = make([]*ringRank, w)
 	for r := range ranks {
 		b, ft := bs[r], bs[r].FloatType()
 		var group comm.Group = world[r].Context
@@ -907,11 +997,11 @@ func timeContextCore(place rankPlacer, ownDevices bool, clock profile.Clock, g a
 		}
 		core, err := attention.NewContextCore(b, shape, 1, g.Seq, group, mode)
 		if err != nil {
-			return 0, 0, "", err, nil
+			return nil, err, nil
 		}
 		pos, err := attention.ZigzagPositions(g.Seq, w, group.Rank())
 		if err != nil {
-			return 0, 0, "", nil, err
+			return nil, nil, err
 		}
 		rk := &ringRank{core: core, ranks: world[r]}
 		if ownDevices {
@@ -923,18 +1013,12 @@ func timeContextCore(place rankPlacer, ownDevices bool, clock profile.Clock, g a
 		rk.dq, rk.dk, rk.dv = b.New(ft, local, qw), b.New(ft, local, kd), b.New(ft, local, kd)
 		ranks[r] = rk
 	}
-	if fwd, err = runRingSteps(bs[0], clock, ranks, iters, false); err != nil {
-		return 0, 0, "", nil, fmt.Errorf("forward: %w", err)
-	}
-	if step, err = runRingSteps(bs[0], clock, ranks, iters, true); err != nil {
-		return 0, 0, "", nil, fmt.Errorf("forward+backward: %w", err)
-	}
-	return fwd, step, ranks[0].core.Path(), nil, nil
+	return ranks, nil, nil
 }
 
-// runRingSteps times every rank's Forward (and Backward) with
-// medianRankStep, the steps bracketed by the context group's barriers.
-func runRingSteps(b backend.Backend, clock profile.Clock, ranks []*ringRank, iters int, backward bool) (time.Duration, error) {
+// ringSteps is every rank's Forward (and Backward) as a rankStep, the
+// steps bracketed by the context group's barriers.
+func ringSteps(ranks []*ringRank, backward bool) []rankStep {
 	steps := make([]rankStep, len(ranks))
 	for r, rk := range ranks {
 		steps[r] = rankStep{group: rk.ranks.Context, ranks: rk.ranks, work: func() error {
@@ -947,7 +1031,7 @@ func runRingSteps(b backend.Backend, clock profile.Clock, ranks []*ringRank, ite
 			return nil
 		}, device: rk.device}
 	}
-	return medianRankStep(b, clock, steps, iters)
+	return steps
 }
 
 // ringEfficiencyVerdict: held when every row at S/W >= 4096 has the ring's

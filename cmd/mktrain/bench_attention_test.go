@@ -362,3 +362,58 @@ func TestRingRowOwnDevices(t *testing.T) {
 		}
 	}
 }
+
+// timeInterleaved takes one forward and one forward+backward sample of
+// every path a round, the paths rotated by one each round, keeps the
+// samples after the two warm-up rounds, and sets each path's medians; a
+// failing sample names its path and direction.
+func TestTimeInterleaved(t *testing.T) {
+	var order []string
+	// A path's samples: its base time plus the round, and 1000 more for
+	// forward+backward, so each median says which samples were kept.
+	path := func(name string, base time.Duration) *timedPath {
+		round := 0
+		return &timedPath{name: name, sample: func(backward bool) (time.Duration, error) {
+			order = append(order, fmt.Sprintf("%s/%v", name, backward))
+			if backward {
+				d := base + 1000 + time.Duration(round)
+				round++
+				return d, nil
+			}
+			return base + time.Duration(round), nil
+		}}
+	}
+	paths := []*timedPath{path("a", 10000), path("b", 20000), path("c", 30000)}
+	if err := timeInterleaved(paths, 3); err != nil {
+		t.Fatal(err)
+	}
+	// Rounds -2..2; round r starts at path (r+2) mod 3.
+	want := []string{}
+	for r := -2; r < 3; r++ {
+		for j := range 3 {
+			n := []string{"a", "b", "c"}[(j+r+2)%3]
+			want = append(want, n+"/false", n+"/true")
+		}
+	}
+	if strings.Join(order, " ") != strings.Join(want, " ") {
+		t.Errorf("order\n %v\nwant\n %v", order, want)
+	}
+	// Timed rounds are each path's samples 2, 3, 4: median 3.
+	for i, p := range paths {
+		base := time.Duration(10000 * (i + 1))
+		if p.fwd != base+3 || p.step != base+1003 {
+			t.Errorf("path %s: medians %v / %v, want %v / %v", p.name, p.fwd, p.step, base+3, base+1003)
+		}
+	}
+
+	failing := &timedPath{name: "mode ring", sample: func(backward bool) (time.Duration, error) {
+		if backward {
+			return 0, fmt.Errorf("rank 1: timeout")
+		}
+		return 1, nil
+	}}
+	err := timeInterleaved([]*timedPath{path("core", 1), failing}, 2)
+	if err == nil || err.Error() != "mode ring, forward+backward: rank 1: timeout" {
+		t.Errorf("error %v", err)
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/mktrain/mktrain/backend"
@@ -160,39 +161,12 @@ func medianRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep, it
 // marks and appends the timed steps' durations to times.
 func (rk rankStep) steps(clock profile.Clock, first bool, iters int, times *[]time.Duration) error {
 	for i := -2; i < iters; i++ {
-		var start profile.Mark
-		if err := rk.group.Barrier(); err != nil {
+		d, err := rk.step(clock, first)
+		if err != nil {
 			return err
 		}
-		if first {
-			m, err := clock.Mark()
-			if err != nil {
-				return err
-			}
-			start = m
-		}
-		if err := rk.group.Barrier(); err != nil {
-			return err
-		}
-		if err := rk.work(); err != nil {
-			return err
-		}
-		if rk.device != nil {
-			if err := rk.device.Sync(); err != nil {
-				return err
-			}
-		}
-		if err := rk.group.Barrier(); err != nil {
-			return err
-		}
-		if first {
-			d, err := elapsedSince(clock, start)
-			if err != nil {
-				return err
-			}
-			if i >= 0 {
-				*times = append(*times, d)
-			}
+		if first && i >= 0 {
+			*times = append(*times, d)
 		}
 		// Every rank has ended the step; the next one starts after the
 		// barrier this rank reaches only once the hook returns.
@@ -203,6 +177,78 @@ func (rk rankStep) steps(clock profile.Clock, first bool, iters int, times *[]ti
 		}
 	}
 	return nil
+}
+
+// step is one step of the rank's work between its group's barriers. The
+// first rank takes the marks and returns the step's time (see
+// medianRankStep); the others return 0.
+func (rk rankStep) step(clock profile.Clock, first bool) (time.Duration, error) {
+	if err := rk.group.Barrier(); err != nil {
+		return 0, err
+	}
+	var start profile.Mark
+	if first {
+		m, err := clock.Mark()
+		if err != nil {
+			return 0, err
+		}
+		start = m
+	}
+	// release gives the start mark back on a failure before its end.
+	release := func(err error) (time.Duration, error) {
+		if first {
+			clock.Release(start)
+		}
+		return 0, err
+	}
+	if err := rk.group.Barrier(); err != nil {
+		return release(err)
+	}
+	if err := rk.work(); err != nil {
+		return release(err)
+	}
+	if rk.device != nil {
+		if err := rk.device.Sync(); err != nil {
+			return release(err)
+		}
+	}
+	if err := rk.group.Barrier(); err != nil {
+		return release(err)
+	}
+	if !first {
+		return 0, nil
+	}
+	return elapsedSince(clock, start)
+}
+
+// oneRankStep runs one step of every rank's work, each rank from a
+// goroutine of its own, and returns its time as medianRankStep times a
+// step; a rank whose work fails aborts its groups, so that the others
+// stop waiting.
+func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep) (time.Duration, error) {
+	var d time.Duration
+	errs := make([]error, len(ranks))
+	var wg sync.WaitGroup
+	for r, rk := range ranks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t, err := rk.step(clock, r == 0)
+			if err != nil {
+				errs[r] = fmt.Errorf("rank %d: %w", r, err)
+				rk.ranks.Abort(errs[r])
+				return
+			}
+			if r == 0 {
+				d = t
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return 0, err
+	}
+	return d, b.Sync()
 }
 
 // elapsedSince takes an end mark and returns the time from start to it,
