@@ -213,6 +213,13 @@ func (b *Backend) ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ backend.Tensor, s
 // zigzagHopperMaxRanks maps each of q, dout and dq, then one map-sized
 // entry holding zigzagHopperMaxRanks pointers each of lse and delta.
 func (b *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
+	b.zigzagBackwardHopper(dqTQ, dkTK, dvTK, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, s, 0)
+}
+
+// zigzagBackwardHopper is ZigzagAttentionBackward with splits blocks
+// sharing each key block (0: zigzagBackwardSplits's choice; else a
+// divisor of the group).
+func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape, splits int) {
 	const op = "ZigzagAttentionBackward"
 	if err := b.zigzagOnePassTakes(s); err != nil {
 		fail(op, "%v", err)
@@ -253,7 +260,9 @@ func (b *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
 	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
 	keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
-	splits := zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, b.dev.info.SMs)
+	if splits == 0 {
+		splits = zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, b.dev.info.SMs)
+	}
 	if splits > 1 {
 		// The blocks add their shares of dk and dv.
 		b.Zero(dkTK)

@@ -10,6 +10,7 @@ package cuda
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 
 	"github.com/mktrain/mktrain/backend"
@@ -58,7 +59,11 @@ func (o *zzOnePass) forwardBand(band int) {
 
 // backward does what every rank does before the meeting (round q, k, v
 // and dout, delta, zero dq), then every rank's backward.
-func (o *zzOnePass) backward() {
+func (o *zzOnePass) backward() { o.backwardSplits(0) }
+
+// backwardSplits is backward with splits blocks a key block (0:
+// zigzagBackwardSplits's choice, as ZigzagAttentionBackward runs them).
+func (o *zzOnePass) backwardSplits(splits int) {
 	r := o.r
 	for i := range r.s.Ranks {
 		r.b.Copy(o.q[i], r.lq[i])
@@ -69,7 +74,7 @@ func (o *zzOnePass) backward() {
 		r.b.Zero(r.ldq[i])
 	}
 	for i := range r.s.Ranks {
-		r.b.ZigzagAttentionBackward(r.ldq, r.ldk[i], r.ldv[i], o.k[i], o.v[i], o.q, o.doutH16, r.llse, r.ldelta, r.rank(i))
+		r.b.zigzagBackwardHopper(r.ldq, r.ldk[i], r.ldv[i], o.k[i], o.v[i], o.q, o.doutH16, r.llse, r.ldelta, r.rank(i), splits)
 	}
 }
 
@@ -194,5 +199,43 @@ func TestZigzagForwardBandFigures(t *testing.T) {
 			figure(t, fmt.Sprintf("%s band %d efficiency fwd", name, band), coreF/ms, "x")
 		}
 		r.compareSome(t, "out", "lse")
+	}
+}
+
+// TestZigzagBackwardSplitFigures times the one-pass ring's backward on W
+// virtual ranks with 1, 2 and 4 blocks sharing each key block, beside the
+// whole-sequence backward, at the rows of bench attention's ring table
+// (H16 KV4 Dh128): the figures that set zigzagBackwardSplits's rule. Each
+// split is timed twice, in the order 1 2 4 4 2 1, and its figure is the
+// mean of the two medians, so that the clocks' drift weighs on each
+// alike; every split's dq, dk and dv are checked against the whole call's.
+func TestZigzagBackwardSplitFigures(t *testing.T) {
+	b := testBackend(t)
+	d := b.dev
+	for _, c := range []struct{ w, perRank int }{{2, 4096}, {8, 4096}, {2, 8192}, {8, 8192}} {
+		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: 128}
+		if err := b.ZigzagAttentionOnePass(s); err != nil {
+			t.Skipf("the one-pass fused ring does not run here: %v", err)
+		}
+		r := newZZRun(t, b, s, 97)
+		o := newZZOnePass(r)
+		sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
+		r.wholeForward()
+		o.forward()
+		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
+		name := fmt.Sprintf("ring splits W%d S%d", c.w, s.Seq())
+		keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
+		figure(t, name+" chosen", float64(zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, d.info.SMs)), "blocks a key block")
+		splits := []int{1, 2, 4}
+		ms := map[int]float64{}
+		for _, sp := range append(slices.Clone(splits), 4, 2, 1) {
+			ms[sp] += attnMedianMs(t, d, sync(func() { o.backwardSplits(sp) })) / 2
+		}
+		for _, sp := range splits {
+			figure(t, fmt.Sprintf("%s split %d bwd", name, sp), ms[sp], "ms")
+			figure(t, fmt.Sprintf("%s split %d efficiency bwd", name, sp), coreB/ms[sp], "x")
+			o.backwardSplits(sp)
+			r.compareSome(t, "dq", "dk", "dv")
+		}
 	}
 }
