@@ -25,7 +25,8 @@
 //     name, and is listed in Sources with its launch shape.
 //   - Sizes are run-time arguments; element counts and offsets are 64-bit.
 //   - Each kernel has a CPU twin in backend/cpu; backend/cuda's tests compare
-//     the two on fresh random inputs.
+//     the two on fresh random inputs. (clock.cu's hold computes nothing: the
+//     profile clock's wait, tested by its length on the GPU.)
 //   - It holds only what training runs: no experiment switches, run-time
 //     or compile-time. Experiments are copies with their switches in
 //     kernels/dev, measured against these sources and never loaded by the
@@ -94,6 +95,9 @@ func Sources() []Source {
 			{Name: "axpy_f32", Block: 256, Grid: gridStride},
 			{Name: "scale_f32", Block: 256, Grid: gridStride},
 			{Name: "sum_partial_f32", Block: 256, Grid: "any; one float64 partial per block, added on the host"},
+		}},
+		{File: "clock.cu", Kernels: []Kernel{
+			{Name: "clock_hold", Block: 32, Grid: "1 block"},
 		}},
 		{File: "convert.cu", Kernels: []Kernel{
 			{Name: "f32_to_bf16", Block: 256, Grid: gridStride},

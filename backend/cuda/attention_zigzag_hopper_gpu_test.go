@@ -205,15 +205,16 @@ func TestZigzagForwardBandFigures(t *testing.T) {
 // TestZigzagBackwardSplitFigures times the one-pass ring's backward on W
 // virtual ranks with 1, 2 and 4 blocks sharing each key block, beside the
 // whole-sequence backward, at the rows of bench attention's ring table
-// (H16 KV4 Dh128): the figures that set zigzagBackwardSplits's rule. Each
+// (H16 KV4 Dh128) and two at head dim 64: the figures that set
+// zigzagBackwardSplits's rule. Each
 // split is timed twice, in the order 1 2 4 4 2 1, and its figure is the
 // mean of the two medians, so that the clocks' drift weighs on each
 // alike; every split's dq, dk and dv are checked against the whole call's.
 func TestZigzagBackwardSplitFigures(t *testing.T) {
 	b := testBackend(t)
 	d := b.dev
-	for _, c := range []struct{ w, perRank int }{{2, 4096}, {8, 4096}, {2, 8192}, {8, 8192}} {
-		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: 128}
+	for _, c := range []struct{ w, perRank, dh int }{{2, 4096, 128}, {8, 4096, 128}, {2, 8192, 128}, {8, 8192, 128}, {4, 4096, 64}, {2, 8192, 64}} {
+		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: c.dh}
 		if err := b.ZigzagAttentionOnePass(s); err != nil {
 			t.Skipf("the one-pass fused ring does not run here: %v", err)
 		}
@@ -223,7 +224,7 @@ func TestZigzagBackwardSplitFigures(t *testing.T) {
 		r.wholeForward()
 		o.forward()
 		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
-		name := fmt.Sprintf("ring splits W%d S%d", c.w, s.Seq())
+		name := fmt.Sprintf("ring splits W%d S%d Dh%d", c.w, s.Seq(), c.dh)
 		keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
 		figure(t, name+" chosen", float64(zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, d.info.SMs)), "blocks a key block")
 		splits := []int{1, 2, 4}

@@ -104,6 +104,18 @@ func (c *eventClock) pair(a, b profile.Mark) (*Event, *Event, error) {
 	return c.events[a], c.events[b], nil
 }
 
+var _ profile.Holder = (*eventClock)(nil)
+
+// Hold queues clock_hold on the device's stream: the stream waits d
+// (globaltimer's nanoseconds) before what is queued after.
+func (c *eventClock) Hold(d time.Duration) error {
+	k, err := sourceKernel(c.dev, "clock.cu", "clock_hold")
+	if err != nil {
+		return err
+	}
+	return c.dev.Launch(k, Grid1D(1, 32), uint64(d.Nanoseconds()))
+}
+
 // Release puts m's event back on the free list; its next Record overwrites
 // it.
 func (c *eventClock) Release(m profile.Mark) {

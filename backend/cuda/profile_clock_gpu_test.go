@@ -67,3 +67,71 @@ func TestProfileClock(t *testing.T) {
 		t.Errorf("PeakMemory %d is below the three %d x %d tensors", b.PeakMemory(), n, n)
 	}
 }
+
+// TestProfileClockHold: a hold of d between two marks lasts at least d on
+// the GPU and not much more; work the host queues while a hold runs
+// starts when the hold ends, so a mark taken after the hold and before
+// that work times the work alone, however long the host took to queue it.
+func TestProfileClockHold(t *testing.T) {
+	b := testBackend(t)
+	clk := b.ProfileClock()
+	h, ok := clk.(profile.Holder)
+	if !ok {
+		t.Fatal("the event clock is not a profile.Holder")
+	}
+	elapsed := func(a, z profile.Mark) time.Duration {
+		t.Helper()
+		d, err := clk.Elapsed(a, z)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	mark := func() profile.Mark {
+		t.Helper()
+		m, err := clk.Mark()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	for _, d := range []time.Duration{500 * time.Microsecond, 2 * time.Millisecond} {
+		a := mark()
+		if err := h.Hold(d); err != nil {
+			t.Fatal(err)
+		}
+		z := mark()
+		got := elapsed(a, z)
+		figure(t, "hold of "+d.String(), got.Seconds()*1e3, "ms")
+		if got < d || got > d+200*time.Microsecond {
+			t.Errorf("a hold of %v took %v on the GPU", d, got)
+		}
+	}
+
+	// The host sleeps 3 ms between the mark after a 5 ms hold and its
+	// work: the interval holds the work only.
+	const n = 2048
+	x, y, out := b.New(backend.Float32, n, n), b.New(backend.Float32, n, n), b.New(backend.Float32, n, n)
+	b.MatMul(out, x, y, false, false, 1, 0)
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	a := mark()
+	b.MatMul(out, x, y, false, false, 1, 0)
+	alone := elapsed(a, mark())
+	if err := h.Hold(5 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	a = mark()
+	time.Sleep(3 * time.Millisecond)
+	b.MatMul(out, x, y, false, false, 1, 0)
+	held := elapsed(a, mark())
+	figure(t, "2048^3 MatMul alone", alone.Seconds()*1e3, "ms")
+	figure(t, "2048^3 MatMul queued 3 ms after a held mark", held.Seconds()*1e3, "ms")
+	if held > 2*alone+200*time.Microsecond {
+		t.Errorf("the MatMul queued during a hold took %v from the mark, alone %v", held, alone)
+	}
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -22,6 +22,16 @@ type Clock interface {
 	Release(m Mark)
 }
 
+// Holder is the optional capability of a Clock on a device that runs
+// queued work while the host goes on (the CUDA backend's): Hold queues a
+// wait of d on the device, so that what the host queues meanwhile runs
+// back to back after it. A benchmark holds, takes its start mark and then
+// queues its step: the interval from that mark is the device's work, not
+// the host's queueing, as long as the host queues the step within d.
+type Holder interface {
+	Hold(d time.Duration) error
+}
+
 // ClockSource is the optional capability of a backend that has its own
 // Clock; the CUDA backend's ProfileClock times ops on the GPU's stream.
 type ClockSource interface {

@@ -75,7 +75,12 @@ work). Every path of a row is built before any is timed; then each of
 2 warm-up and --iters rounds takes one forward and one forward+backward
 step of every path, in an order rotated each round, and each figure is
 its path's median, so that the clocks' drift under the power cap weighs
-on every path alike. q, k and v come in the type each path's layers
+on every path alike. On virtual ranks each step starts after a hold of
+2 ms on the GPU (a kernel that waits), behind which the ranks queue
+their ops after their barriers, so the times are the GPU's, not the
+host's queueing (the JSON gives the longest the host took to queue a
+step, host_queue_max_ms, and the table says if it ever outlasted the
+hold). q, k and v come in the type each path's layers
 keep them in: bf16 for the core and the one-pass ring, float32 for the
 others, whose time includes their rounding. Ring efficiency = core time
 / ring time, and ring / allgather = allgather time / ring time (above 1
@@ -300,6 +305,8 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		ring = &attnRingResult{Geometry: fmt.Sprintf("B1 H%d KV%d Dh%d", ringHeads, ringKV, ringHeadDim), Ranks: "virtual ranks", Note: ringNote}
 		if *onGPUs {
 			ring.Ranks, ring.Note = "GPUs", ringGPUsNote
+		} else if _, ok := clock.(profile.Holder); ok {
+			ring.StepHoldMS = float64(stepHold) / 1e6
 		}
 		for _, w := range ringWorlds {
 			for _, perRank := range ringSeqs {
@@ -327,7 +334,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		"core":  rows,
 		"bars":  bars,
 		"flops": "forward 2*2*B*H*S*S*Dh/2 (causal), backward 2.5x the forward, for the core and the peer",
-		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); q, k, v, out and dout of the backend's operand type (bf16 on the GPU, as a layer on one rank keeps them), float32 lse and gradients; the ring rows' core (float32 out and dout, as the context-parallel layers keep them): each step waited for before the next, as the ranks' steps, in rounds that take one step of every path of the row in turn",
+		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); q, k, v, out and dout of the backend's operand type (bf16 on the GPU, as a layer on one rank keeps them), float32 lse and gradients; the ring rows' core (float32 out and dout, as the context-parallel layers keep them): each step waited for before the next and started after a hold of the GPU, as the ranks' steps, in rounds that take one step of every path of the row in turn",
 			*iters, clockName(b)),
 	}
 	peerFig := map[string]any{"command": nil}
@@ -702,10 +709,13 @@ func ringGeometry(seq int) attnBenchShape {
 
 // attnRingResult is the ring part of attention.json.
 type attnRingResult struct {
-	Geometry string        `json:"geometry"` // B, H, KV, Dh (S per row)
-	Ranks    string        `json:"ranks"`    // "virtual ranks" of one device, or "GPUs" (--gpus)
-	Note     string        `json:"note"`
-	Rows     []attnRingRow `json:"rows"`
+	Geometry string `json:"geometry"` // B, H, KV, Dh (S per row)
+	Ranks    string `json:"ranks"`    // "virtual ranks" of one device, or "GPUs" (--gpus)
+	Note     string `json:"note"`
+	// StepHoldMS is the hold before each step's start mark (stepHold,
+	// where the ranks share a device whose clock holds; else 0).
+	StepHoldMS float64       `json:"step_hold_ms"`
+	Rows       []attnRingRow `json:"rows"`
 }
 
 // attnRingMode is one mode's figures at one row: medians of the time from
@@ -752,6 +762,9 @@ type attnRingRow struct {
 	PortableEffFwd     *float64 `json:"ring_portable_efficiency_fwd"` // core time / portable ring time
 	PortableEffStep    *float64 `json:"ring_portable_efficiency_fwd_bwd"`
 	EfficiencyBarApply bool     `json:"efficiency_bar_applies"` // S/W >= 4096
+	// HostQueueMaxMS is the longest the host took to queue one step of
+	// any path of the row (the hold covers it when it is shorter).
+	HostQueueMaxMS float64 `json:"host_queue_max_ms"`
 }
 
 // parseRingFlags reads --ring-world (numbers of ranks, 2 or more, or none)
@@ -820,6 +833,9 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 	stepFLOPs := (1 + attnBackwardFactor) * flops
 	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
 	row.CoreFwdMS, row.CoreStepMS = ms(paths[0].fwd), ms(paths[0].step)
+	for _, p := range paths {
+		row.HostQueueMaxMS = max(row.HostQueueMaxMS, ms(p.queue))
+	}
 	row.CoreFwdTF, row.CoreStepTF = tflops(flops, row.CoreFwdMS), tflops(stepFLOPs, row.CoreStepMS)
 	for i, m := range modes {
 		if modePath[i] == nil {
@@ -847,11 +863,15 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 
 // timedPath is one path of a ring row, built and ready: sample runs one
 // step (the forward, or the forward and the backward) and returns its
-// time; fwd and step are the medians timeInterleaved found.
+// time and the host's time queueing it; fwd and step are the medians
+// timeInterleaved found.
 type timedPath struct {
 	name      string
-	sample    func(backward bool) (time.Duration, error)
+	sample    func(backward bool) (d, queue time.Duration, err error)
 	fwd, step time.Duration
+	// queue is the longest the host took to queue a sample's work
+	// (oneRankStep's queue).
+	queue time.Duration
 }
 
 // timeInterleaved runs 2 warm-up rounds and iters timed ones; a round
@@ -866,7 +886,7 @@ func timeInterleaved(paths []*timedPath, iters int) error {
 		for j := range paths {
 			i := (j + round + 2) % len(paths)
 			for _, backward := range []bool{false, true} {
-				d, err := paths[i].sample(backward)
+				d, queue, err := paths[i].sample(backward)
 				if err != nil {
 					what := "forward"
 					if backward {
@@ -874,6 +894,7 @@ func timeInterleaved(paths []*timedPath, iters int) error {
 					}
 					return fmt.Errorf("%s, %s: %w", paths[i].name, what, err)
 				}
+				paths[i].queue = max(paths[i].queue, queue)
 				if round < 0 {
 					continue
 				}
@@ -918,29 +939,38 @@ func (in ringInputs) upload(b backend.Backend, qkv backend.DType, qw, kd int, po
 }
 
 // ringCoreSampler is the core (the backend's attention ops) on the whole
-// sequence, one step a sample, each waited for before the next, as the
-// ranks' steps are timed, on q, k and v of the operand type, as a layer
-// of one rank keeps them.
-func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs) func(backward bool) (time.Duration, error) {
+// sequence, one step a sample, each waited for before the next and, on a
+// clock that holds (profile.Holder), started after a hold of stepHold, as
+// oneRankStep times the ranks' steps; on q, k and v of the operand type,
+// as a layer of one rank keeps them.
+func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs) func(backward bool) (time.Duration, time.Duration, error) {
 	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
 	q, k, v, da := in.upload(b, b.OperandType(), qw, kd, nil)
 	a, lse := b.New(ft, g.Seq, qw), b.New(ft, 1, g.Heads, g.Seq)
 	dq, dk, dv := b.New(ft, g.Seq, qw), b.New(ft, g.Seq, kd), b.New(ft, g.Seq, kd)
 	as := g.attn()
-	return func(backward bool) (time.Duration, error) {
+	holder, holds := clock.(profile.Holder)
+	return func(backward bool) (time.Duration, time.Duration, error) {
+		if holds {
+			if err := holder.Hold(stepHold); err != nil {
+				return 0, 0, err
+			}
+		}
 		start, err := clock.Mark()
 		if err != nil {
-			return 0, err
+			return 0, 0, err
 		}
+		began := time.Now()
 		b.AttentionForward(a, lse, q, k, v, as)
 		if backward {
 			b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, as)
 		}
+		queue := time.Since(began)
 		d, err := elapsedSince(clock, start)
 		if err != nil {
-			return 0, err
+			return 0, 0, err
 		}
-		return d, b.Sync()
+		return d, queue, b.Sync()
 	}
 }
 
@@ -960,11 +990,11 @@ type ringRank struct {
 // oneRankStep from before the first rank starts to after the last one
 // ends; on a device whose ranks share one stream, as here, that is the
 // device's time from the first rank's first op to the last rank's last
-// one. release frees the world. buildErr is NewContextCore's refusal of
+// one (the ranks queue their ops behind a hold). release frees the world. buildErr is NewContextCore's refusal of
 // the mode (nothing to time; the world is released); err a failure
 // while building. With portable the cores' groups hide their peer
 // access, so mode ring runs the portable ring.
-func contextSampler(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool) (sample func(backward bool) (time.Duration, error), path string, release func() error, buildErr, err error) {
+func contextSampler(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool) (sample func(backward bool) (d, queue time.Duration, err error), path string, release func() error, buildErr, err error) {
 	world, bs, release, err := place(w)
 	if err != nil {
 		return nil, "", nil, nil, err
@@ -974,7 +1004,7 @@ func contextSampler(b backend.Backend, place rankPlacer, ownDevices bool, clock 
 		return nil, "", nil, buildErr, errors.Join(err, release())
 	}
 	fwdSteps, fullSteps := ringSteps(ranks, false), ringSteps(ranks, true)
-	sample = func(backward bool) (time.Duration, error) {
+	sample = func(backward bool) (time.Duration, time.Duration, error) {
 		if backward {
 			return oneRankStep(b, clock, fullSteps)
 		}
@@ -1120,6 +1150,20 @@ func printAttnRing(w io.Writer, ring *attnRingResult) {
 		}
 	}
 	fmt.Fprintf(w, "(core: one rank on the whole sequence, the same work; eff: core time / ring time; r/ag: allgather time / ring time, above 1 the ring is faster; port: the portable ring on the same ranks, peer access hidden, outside the bars; %s)\n", ring.Note)
+	if ring.StepHoldMS > 0 {
+		var queue float64
+		var over []string
+		for _, r := range ring.Rows {
+			queue = max(queue, r.HostQueueMaxMS)
+			if r.HostQueueMaxMS >= ring.StepHoldMS {
+				over = append(over, fmt.Sprintf("W %d S/W %d", r.World, r.SeqPerRank))
+			}
+		}
+		fmt.Fprintf(w, "(every step of every path starts after a hold of %g ms on the GPU, longer than the host took to queue any step here, %.3f ms: the times are the GPU's)\n", ring.StepHoldMS, queue)
+		if len(over) > 0 {
+			fmt.Fprintf(w, "(the host took longer than the hold to queue a step at %s: those rows count the GPU's wait for it)\n", strings.Join(over, ", "))
+		}
+	}
 	for _, e := range errs {
 		fmt.Fprintf(w, "(not measured: %s)\n", e)
 	}

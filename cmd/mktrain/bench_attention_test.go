@@ -188,8 +188,14 @@ func TestBenchAttentionRing(t *testing.T) {
 	if ring == nil || ring.Geometry != "B1 H16 KV4 Dh128" || !strings.Contains(ring.Note, "share one GPU's memory and SMs") || len(ring.Rows) != 4 {
 		t.Fatalf("ring %+v", ring)
 	}
+	if ring.StepHoldMS != 0 {
+		t.Errorf("step hold %g ms on the CPU, whose clock does not hold", ring.StepHoldMS)
+	}
 	ringMeasured := true
 	for i, r := range ring.Rows {
+		if r.HostQueueMaxMS <= 0 {
+			t.Errorf("row %d: host queue %g ms, want the CPU's time in the ops", i, r.HostQueueMaxMS)
+		}
 		w, perRank := []int{2, 2, 4, 4}[i], []int{8, 16, 8, 16}[i]
 		if r.World != w || r.SeqPerRank != perRank || r.Seq != w*perRank || r.EfficiencyBarApply {
 			t.Errorf("row %d: %+v, want W %d S/W %d", i, r, w, perRank)
@@ -373,14 +379,14 @@ func TestTimeInterleaved(t *testing.T) {
 	// forward+backward, so each median says which samples were kept.
 	path := func(name string, base time.Duration) *timedPath {
 		round := 0
-		return &timedPath{name: name, sample: func(backward bool) (time.Duration, error) {
+		return &timedPath{name: name, sample: func(backward bool) (time.Duration, time.Duration, error) {
 			order = append(order, fmt.Sprintf("%s/%v", name, backward))
 			if backward {
 				d := base + 1000 + time.Duration(round)
 				round++
-				return d, nil
+				return d, base / 10000, nil
 			}
-			return base + time.Duration(round), nil
+			return base + time.Duration(round), 0, nil
 		}}
 	}
 	paths := []*timedPath{path("a", 10000), path("b", 20000), path("c", 30000)}
@@ -401,16 +407,16 @@ func TestTimeInterleaved(t *testing.T) {
 	// Timed rounds are each path's samples 2, 3, 4: median 3.
 	for i, p := range paths {
 		base := time.Duration(10000 * (i + 1))
-		if p.fwd != base+3 || p.step != base+1003 {
-			t.Errorf("path %s: medians %v / %v, want %v / %v", p.name, p.fwd, p.step, base+3, base+1003)
+		if p.fwd != base+3 || p.step != base+1003 || p.queue != time.Duration(i+1) {
+			t.Errorf("path %s: medians %v / %v, queue %v, want %v / %v, %v", p.name, p.fwd, p.step, p.queue, base+3, base+1003, i+1)
 		}
 	}
 
-	failing := &timedPath{name: "mode ring", sample: func(backward bool) (time.Duration, error) {
+	failing := &timedPath{name: "mode ring", sample: func(backward bool) (time.Duration, time.Duration, error) {
 		if backward {
-			return 0, fmt.Errorf("rank 1: timeout")
+			return 0, 0, fmt.Errorf("rank 1: timeout")
 		}
-		return 1, nil
+		return 1, 0, nil
 	}}
 	err := timeInterleaved([]*timedPath{path("core", 1), failing}, 2)
 	if err == nil || err.Error() != "mode ring, forward+backward: rank 1: timeout" {

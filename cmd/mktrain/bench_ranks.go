@@ -161,7 +161,7 @@ func medianRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep, it
 // marks and appends the timed steps' durations to times.
 func (rk rankStep) steps(clock profile.Clock, first bool, iters int, times *[]time.Duration) error {
 	for i := -2; i < iters; i++ {
-		d, err := rk.step(clock, first)
+		d, _, err := rk.step(clock, first, 0)
 		if err != nil {
 			return err
 		}
@@ -181,32 +181,41 @@ func (rk rankStep) steps(clock profile.Clock, first bool, iters int, times *[]ti
 
 // step is one step of the rank's work between its group's barriers. The
 // first rank takes the marks and returns the step's time (see
-// medianRankStep); the others return 0.
-func (rk rankStep) step(clock profile.Clock, first bool) (time.Duration, error) {
+// medianRankStep), the others 0; with hold > 0 it first holds the clock's
+// device for hold (profile.Holder), so that the start mark and every
+// rank's launches queue behind it. queue is the host's time in the work.
+func (rk rankStep) step(clock profile.Clock, first bool, hold time.Duration) (d, queue time.Duration, err error) {
 	if err := rk.group.Barrier(); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	var start profile.Mark
 	if first {
+		if hold > 0 {
+			if err := clock.(profile.Holder).Hold(hold); err != nil {
+				return 0, 0, err
+			}
+		}
 		m, err := clock.Mark()
 		if err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 		start = m
 	}
 	// release gives the start mark back on a failure before its end.
-	release := func(err error) (time.Duration, error) {
+	release := func(err error) (time.Duration, time.Duration, error) {
 		if first {
 			clock.Release(start)
 		}
-		return 0, err
+		return 0, 0, err
 	}
 	if err := rk.group.Barrier(); err != nil {
 		return release(err)
 	}
+	began := time.Now()
 	if err := rk.work(); err != nil {
 		return release(err)
 	}
+	queue = time.Since(began)
 	if rk.device != nil {
 		if err := rk.device.Sync(); err != nil {
 			return release(err)
@@ -216,29 +225,46 @@ func (rk rankStep) step(clock profile.Clock, first bool) (time.Duration, error) 
 		return release(err)
 	}
 	if !first {
-		return 0, nil
+		return 0, queue, nil
 	}
-	return elapsedSince(clock, start)
+	d, err = elapsedSince(clock, start)
+	return d, queue, err
 }
+
+// stepHold is how long oneRankStep holds a shared device before a step's
+// start mark: longer than the host takes to queue a step of bench
+// attention's ring rows (bench attention reports the longest it saw).
+const stepHold = 2 * time.Millisecond
 
 // oneRankStep runs one step of every rank's work, each rank from a
 // goroutine of its own, and returns its time as medianRankStep times a
-// step; a rank whose work fails aborts its groups, so that the others
+// step, except that where the ranks share b (no device of their own) and
+// clock is a profile.Holder, rank 0 holds the device for stepHold before
+// its start mark: the ranks' launches after the barrier queue behind the
+// hold, and the time is the device's, from the step's first op to its
+// last, not the host's queueing. queue is the longest any rank's work took
+// to return on the host (the hold covers the queueing when it is
+// shorter). A rank whose work fails aborts its groups, so that the others
 // stop waiting.
-func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep) (time.Duration, error) {
-	var d time.Duration
+func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep) (d, queue time.Duration, err error) {
+	var hold time.Duration
+	if _, ok := clock.(profile.Holder); ok && !slices.ContainsFunc(ranks, func(rk rankStep) bool { return rk.device != nil }) {
+		hold = stepHold
+	}
+	queues := make([]time.Duration, len(ranks))
 	errs := make([]error, len(ranks))
 	var wg sync.WaitGroup
 	for r, rk := range ranks {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			t, err := rk.step(clock, r == 0)
+			t, q, err := rk.step(clock, r == 0, hold)
 			if err != nil {
 				errs[r] = fmt.Errorf("rank %d: %w", r, err)
 				rk.ranks.Abort(errs[r])
 				return
 			}
+			queues[r] = q
 			if r == 0 {
 				d = t
 			}
@@ -246,9 +272,9 @@ func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep) (time
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	return d, b.Sync()
+	return d, slices.Max(queues), b.Sync()
 }
 
 // elapsedSince takes an end mark and returns the time from start to it,
