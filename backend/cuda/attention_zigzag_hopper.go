@@ -279,20 +279,21 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 
 // zigzagBackwardSplits is how many blocks of attn_h_zz_backward_d* share
 // one key block of a rank (each walking an equal share of the group's
-// query heads, group of them, and adding its dk and dv): the fewest, a
-// divisor of group, that make at least 1.5 blocks an SM and leave each
-// block at most two query heads. A rank's key blocks differ in work by
-// up to 2W times (its early chunk's keys see every later query), so with
-// about one block an SM the heaviest set the call's time; with more, the
-// light ones fill the SMs the heavy ones leave. Two heads a block
-// (TestZigzagBackwardSplitFigures, H100, 7ea8a18, H16 KV4 Dh128): at
-// chunks of 4096 rows (1.9 blocks an SM whole) two blocks a key block
-// ran the backward 3-4% faster than one (W2: 5.29 ms against 5.50; W8:
-// 83.2 against 85.9), and four, one head each, were slower than two at
-// every row measured, by 0.4-5% (kernels/attention_hopper.md).
+// query heads, group of them, and adding its dk and dv): the fewest that
+// make at least 1.5 blocks an SM, a divisor of group (1 when keyBlocks
+// already do). A rank's key blocks differ in work by up to 2W times (its
+// early chunk's keys see every later query), so with about one block an
+// SM the heaviest set the call's time; with more, the light ones fill the
+// SMs the heavy ones leave. 1.5 and not 2: at two blocks an SM (chunks of
+// 4096 rows at four kv heads) the call already ran at 1.2-1.3 times the
+// whole-sequence backward's rate then, and TestZigzagBackwardSplitFigures
+// (H100, two runs) found no other split clearly faster: at chunks of 4096
+// rows two blocks a key block ran 1-2% faster than one on average at head
+// dim 128, within the runs' 3% spread, and 1% slower at head dim 64; four
+// were slower than two where two is the rule (kernels/attention_hopper.md).
 func zigzagBackwardSplits(keyBlocks, group, sms int) int {
 	for d := 1; d < group; d++ {
-		if group%d == 0 && 2*keyBlocks*d >= 3*sms && group <= 2*d {
+		if group%d == 0 && 2*keyBlocks*d >= 3*sms {
 			return d
 		}
 	}

@@ -3,18 +3,15 @@ package cuda
 import "testing"
 
 // TestZigzagBackwardSplits: the fewest divisors of the group that give a
-// rank's backward at least 1.5 blocks an SM and each block at most two
-// query heads, the whole group at most.
+// rank's backward at least 1.5 blocks an SM, the whole group at most.
 func TestZigzagBackwardSplits(t *testing.T) {
 	for _, c := range []struct{ keyBlocks, group, sms, want int }{
-		{256, 4, 132, 2}, // chunks of 4096 rows, four kv heads: 1.9 blocks an SM, but four heads a block
+		{256, 4, 132, 1}, // chunks of 4096 rows, four kv heads: 1.9 blocks an SM
 		{128, 4, 132, 2}, // chunks of 2048: 0.97, so two blocks a key block
 		{64, 4, 132, 4},  // chunks of 1024: all four heads apart
 		{32, 4, 132, 4},  // no more than the group
 		{128, 1, 132, 1}, // no group to share
-		{512, 2, 132, 1}, // two heads a block already
-		{256, 8, 132, 4}, // two heads a block
-		{100, 6, 132, 3}, // 2 gives 400 >= 198 blocks, but three heads a block
+		{100, 6, 132, 2}, // 200 >= 198
 		{60, 6, 132, 6},  // 4 does not divide 6: 3 gives 180 < 198
 		{1, 8, 132, 8},
 	} {

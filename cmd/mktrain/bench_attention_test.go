@@ -375,16 +375,24 @@ func TestRingRowOwnDevices(t *testing.T) {
 // failing sample names its path and direction.
 func TestTimeInterleaved(t *testing.T) {
 	var order []string
+	holds := map[string][]time.Duration{}
 	// A path's samples: its base time plus the round, and 1000 more for
-	// forward+backward, so each median says which samples were kept.
+	// forward+backward, so each median says which samples were kept. Its
+	// forward+backward steps take the host base/10000 ms to queue, and
+	// path c's first two 5 ms.
 	path := func(name string, base time.Duration) *timedPath {
 		round := 0
-		return &timedPath{name: name, sample: func(backward bool) (time.Duration, time.Duration, error) {
+		return &timedPath{name: name, sample: func(backward bool, hold time.Duration) (time.Duration, time.Duration, error) {
 			order = append(order, fmt.Sprintf("%s/%v", name, backward))
 			if backward {
+				holds[name] = append(holds[name], hold)
 				d := base + 1000 + time.Duration(round)
+				queue := base / 10000 * time.Millisecond
+				if name == "c" && round < 2 {
+					queue = 5 * time.Millisecond
+				}
 				round++
-				return d, base / 10000, nil
+				return d, queue, nil
 			}
 			return base + time.Duration(round), 0, nil
 		}}
@@ -407,12 +415,35 @@ func TestTimeInterleaved(t *testing.T) {
 	// Timed rounds are each path's samples 2, 3, 4: median 3.
 	for i, p := range paths {
 		base := time.Duration(10000 * (i + 1))
-		if p.fwd != base+3 || p.step != base+1003 || p.queue != time.Duration(i+1) {
-			t.Errorf("path %s: medians %v / %v, queue %v, want %v / %v, %v", p.name, p.fwd, p.step, p.queue, base+3, base+1003, i+1)
+		if p.fwd != base+3 || p.step != base+1003 || p.queue != time.Duration(i+1)*time.Millisecond || p.uncovered != 0 {
+			t.Errorf("path %s: medians %v / %v, queue %v (%d uncovered), want %v / %v, %v ms", p.name, p.fwd, p.step, p.queue, p.uncovered, base+3, base+1003, i+1)
+		}
+	}
+	// The holds: stepHold, or 1.5 times the path's last queueing (c's
+	// warm-up took 5 ms, its timed steps 3 ms).
+	wantHolds := map[string][]time.Duration{"a": {stepHold, stepHold, stepHold, stepHold, stepHold},
+		"c": {stepHold, 7500 * time.Microsecond, 7500 * time.Microsecond, 4500 * time.Microsecond, 4500 * time.Microsecond}}
+	for name, w := range wantHolds {
+		if fmt.Sprint(holds[name]) != fmt.Sprint(w) {
+			t.Errorf("path %s's holds %v, want %v", name, holds[name], w)
 		}
 	}
 
-	failing := &timedPath{name: "mode ring", sample: func(backward bool) (time.Duration, time.Duration, error) {
+	// A path whose host queues each step twice as long as the one before
+	// outlasts every hold after the first: 3 timed steps uncovered.
+	q := time.Millisecond
+	growing := &timedPath{name: "growing", sample: func(backward bool, _ time.Duration) (time.Duration, time.Duration, error) {
+		if !backward {
+			return 1, 0, nil
+		}
+		q *= 2
+		return 1, q, nil
+	}}
+	if err := timeInterleaved([]*timedPath{growing}, 3); err != nil || growing.uncovered != 3 || growing.queue != 32*time.Millisecond {
+		t.Errorf("growing queue: %d steps uncovered, longest %v (%v), want 3, 32ms", growing.uncovered, growing.queue, err)
+	}
+
+	failing := &timedPath{name: "mode ring", sample: func(backward bool, _ time.Duration) (time.Duration, time.Duration, error) {
 		if backward {
 			return 0, 0, fmt.Errorf("rank 1: timeout")
 		}

@@ -231,25 +231,25 @@ func (rk rankStep) step(clock profile.Clock, first bool, hold time.Duration) (d,
 	return d, queue, err
 }
 
-// stepHold is how long oneRankStep holds a shared device before a step's
-// start mark: longer than the host takes to queue a step of bench
-// attention's ring rows (bench attention reports the longest it saw).
+// stepHold is the shortest hold a timed step starts after (oneRankStep,
+// bench attention's ring rows): longer than the host takes to queue most
+// steps; timeInterleaved lengthens it for a path whose last step took the
+// host longer.
 const stepHold = 2 * time.Millisecond
 
 // oneRankStep runs one step of every rank's work, each rank from a
 // goroutine of its own, and returns its time as medianRankStep times a
-// step, except that where the ranks share b (no device of their own) and
-// clock is a profile.Holder, rank 0 holds the device for stepHold before
-// its start mark: the ranks' launches after the barrier queue behind the
-// hold, and the time is the device's, from the step's first op to its
-// last, not the host's queueing. queue is the longest any rank's work took
-// to return on the host (the hold covers the queueing when it is
-// shorter). A rank whose work fails aborts its groups, so that the others
-// stop waiting.
-func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep) (d, queue time.Duration, err error) {
-	var hold time.Duration
-	if _, ok := clock.(profile.Holder); ok && !slices.ContainsFunc(ranks, func(rk rankStep) bool { return rk.device != nil }) {
-		hold = stepHold
+// step, except that with hold > 0, where the ranks share b (no device of
+// their own) and clock is a profile.Holder, rank 0 holds the device for
+// hold before its start mark: the ranks' launches after the barrier
+// queue behind the hold, and the time is the device's, from the step's
+// first op to its last, not the host's queueing. queue is the longest any
+// rank's work took to return on the host (the hold covers the queueing
+// when it is shorter). A rank whose work fails aborts its groups, so that
+// the others stop waiting.
+func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep, hold time.Duration) (d, queue time.Duration, err error) {
+	if _, ok := clock.(profile.Holder); !ok || slices.ContainsFunc(ranks, func(rk rankStep) bool { return rk.device != nil }) {
+		hold = 0
 	}
 	queues := make([]time.Duration, len(ranks))
 	errs := make([]error, len(ranks))

@@ -81,7 +81,7 @@ func TestOneRankStepHolds(t *testing.T) {
 	}
 
 	c := &holdingClock{marks: map[profile.Mark]time.Duration{}}
-	d, _, err := oneRankStep(b, c, steps(c, false, -1))
+	d, _, err := oneRankStep(b, c, steps(c, false, -1), stepHold)
 	if err != nil || d != 21 {
 		t.Errorf("step %v (%v), want 21ns: the three ranks' work without the hold", d, err)
 	}
@@ -90,14 +90,14 @@ func TestOneRankStepHolds(t *testing.T) {
 	}
 
 	c = &holdingClock{marks: map[profile.Mark]time.Duration{}}
-	if _, _, err := oneRankStep(b, c, steps(c, true, -1)); err != nil || strings.Contains(strings.Join(c.log, " "), "hold") {
+	if _, _, err := oneRankStep(b, c, steps(c, true, -1), stepHold); err != nil || strings.Contains(strings.Join(c.log, " "), "hold") {
 		t.Errorf("ranks with their own devices: log %q (%v), want no hold", c.log, err)
 	}
 
 	c = &holdingClock{marks: map[profile.Mark]time.Duration{}}
 	done := make(chan error, 1)
 	go func() {
-		_, _, err := oneRankStep(b, c, steps(c, false, 1))
+		_, _, err := oneRankStep(b, c, steps(c, false, 1), stepHold)
 		done <- err
 	}()
 	select {
