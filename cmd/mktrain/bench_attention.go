@@ -81,12 +81,12 @@ time queueing the path's last step where that is longer), behind which
 the ranks queue their ops after their barriers, so the times are the
 GPU's, not the host's queueing (the JSON gives the longest the host
 took to queue a timed step, host_queue_max_ms, and how many outlasted
-their hold, uncovered_steps, which the table flags). q, k and v come in the type each path's layers
-keep them in: bf16 for the core and the one-pass ring, float32 for the
-others, whose time includes their rounding. Ring efficiency = core time
-/ ring time, and ring / allgather = allgather time / ring time (above 1
-the ring is faster). Bars: efficiency
-at least 0.95 forward and forward+backward at S/W >= 4096, and the ring
+their hold, uncovered_steps, which the table flags). q, k and v come in
+the type each path's layers keep them in: bf16 for the core and the
+one-pass ring, float32 for the others, whose time includes their
+rounding. Ring efficiency = core time / ring time, and ring / allgather
+= allgather time / ring time (above 1 the ring is faster). Bars:
+efficiency at least 0.95 forward and forward+backward at S/W >= 4096, and the ring
 faster than allgather at every W. The W virtual ranks share one GPU's
 memory and SMs, so the figures show the cost of splitting the work, not
 of links between GPUs (NVLink figures come from the multi-GPU issue,
@@ -1176,7 +1176,7 @@ func printAttnRing(w io.Writer, ring *attnRingResult) {
 				over = append(over, fmt.Sprintf("W %d S/W %d (%d steps)", r.World, r.SeqPerRank, r.UncoveredSteps))
 			}
 		}
-		fmt.Fprintf(w, "(every step of every path starts after a hold of the GPU, at least %g ms and 1.5 times the host's time queueing the path's last step, behind which the host queues it, at most %.3f ms here: the times are the GPU's, not the host's queueing)\n", ring.StepHoldMS, queue)
+		fmt.Fprintf(w, "(every step of every path starts after a hold of the GPU, at least %g ms or 1.5 times the host's time queueing the path's last step, behind which the host queues it, in at most %.3f ms here: the times are the GPU's, not the host's queueing)\n", ring.StepHoldMS, queue)
 		if len(over) > 0 {
 			fmt.Fprintf(w, "(the host took longer than the hold to queue some steps at %s: those steps count the GPU's wait for it)\n", strings.Join(over, ", "))
 		}
