@@ -684,6 +684,15 @@ func printBars(w io.Writer, bars []barVerdict) {
 
 // The ring rows: context-parallel attention on virtual ranks of one device.
 
+// ringKinds are the kinds of step a ring row times, by index:
+// ringForward and ringForwardBackward.
+var ringKinds = []string{"forward", "forward+backward"}
+
+const (
+	ringForward = iota
+	ringForwardBackward
+)
+
 // ringNote is what the ring table and its JSON say about the setting.
 const ringNote = "W virtual ranks share one GPU's memory and SMs (goroutines over in-process groups): the figures show the cost of splitting the work, not links between GPUs; NVLink figures come from the multi-GPU issue (#33)"
 
@@ -831,14 +840,14 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		modePath[i] = &timedPath{name: name, sample: sample}
 		paths = append(paths, modePath[i])
 	}
-	if err := timeInterleaved(paths, iters); err != nil {
+	if err := timeInterleaved(paths, ringKinds, iters); err != nil {
 		return row, err
 	}
 
 	flops := attnForwardFLOPs(1, seq, g.Heads, g.HeadDim)
 	stepFLOPs := (1 + attnBackwardFactor) * flops
 	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
-	row.CoreFwdMS, row.CoreStepMS = ms(paths[0].fwd), ms(paths[0].step)
+	row.CoreFwdMS, row.CoreStepMS = ms(paths[0].medians[0]), ms(paths[0].medians[1])
 	for _, p := range paths {
 		row.HostQueueMaxMS = max(row.HostQueueMaxMS, ms(p.queue))
 		row.UncoveredSteps += p.uncovered
@@ -848,7 +857,7 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		if modePath[i] == nil {
 			continue
 		}
-		f, s := ms(modePath[i].fwd), ms(modePath[i].step)
+		f, s := ms(modePath[i].medians[0]), ms(modePath[i].medians[1])
 		ftf, stf := tflops(flops, f), tflops(stepFLOPs, s)
 		m.fig.FwdMS, m.fig.StepMS, m.fig.FwdTF, m.fig.StepTF = &f, &s, &ftf, &stf
 	}
@@ -866,71 +875,6 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		row.OverAllGatherFwd, row.OverAllGatherStep = ratio(*row.AllGather.FwdMS, row.Ring.FwdMS), ratio(*row.AllGather.StepMS, row.Ring.StepMS)
 	}
 	return row, nil
-}
-
-// timedPath is one path of a ring row, built and ready: sample runs one
-// step (the forward, or the forward and the backward) after a hold of
-// the device where it can hold (oneRankStep) and returns its time and
-// the host's time queueing it; fwd and step are the medians
-// timeInterleaved found.
-type timedPath struct {
-	name      string
-	sample    func(backward bool, hold time.Duration) (d, queue time.Duration, err error)
-	fwd, step time.Duration
-	// queue is the longest the host took to queue a timed sample's work
-	// (oneRankStep's queue), and uncovered how many timed samples it
-	// queued for longer than their hold.
-	queue     time.Duration
-	uncovered int
-}
-
-// timeInterleaved runs 2 warm-up rounds and iters timed ones; a round
-// takes one forward step and one forward+backward step of every path, the
-// paths in an order rotated by one each round, so that every path is
-// sampled across the same stretch of time and none always follows the
-// same other. Each path's fwd and step are the medians of its timed
-// samples. A sample's hold is stepHold or, when longer, 1.5 times the
-// host's time queueing the path's previous sample of the same kind.
-func timeInterleaved(paths []*timedPath, iters int) error {
-	fwds, steps := make([][]time.Duration, len(paths)), make([][]time.Duration, len(paths))
-	lastQueue := make([][2]time.Duration, len(paths)) // forward, forward+backward
-	for round := -2; round < iters; round++ {
-		for j := range paths {
-			i := (j + round + 2) % len(paths)
-			for k, backward := range []bool{false, true} {
-				hold := max(stepHold, lastQueue[i][k]*3/2)
-				d, queue, err := paths[i].sample(backward, hold)
-				if err != nil {
-					what := "forward"
-					if backward {
-						what = "forward+backward"
-					}
-					return fmt.Errorf("%s, %s: %w", paths[i].name, what, err)
-				}
-				lastQueue[i][k] = queue
-				if round < 0 {
-					continue
-				}
-				paths[i].queue = max(paths[i].queue, queue)
-				if queue > hold {
-					paths[i].uncovered++
-				}
-				if backward {
-					steps[i] = append(steps[i], d)
-				} else {
-					fwds[i] = append(fwds[i], d)
-				}
-			}
-		}
-	}
-	median := func(ds []time.Duration) time.Duration {
-		slices.Sort(ds)
-		return ds[len(ds)/2]
-	}
-	for i, p := range paths {
-		p.fwd, p.step = median(fwds[i]), median(steps[i])
-	}
-	return nil
 }
 
 // ringInputs are one sequence's q, k, v and output gradient, on the host:
@@ -960,14 +904,14 @@ func (in ringInputs) upload(b backend.Backend, qkv backend.DType, qw, kd int, po
 // clock that holds (profile.Holder), started after the hold, as
 // oneRankStep times the ranks' steps; on q, k and v of the operand type,
 // as a layer of one rank keeps them.
-func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs) func(backward bool, hold time.Duration) (time.Duration, time.Duration, error) {
+func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs) sampler {
 	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
 	q, k, v, da := in.upload(b, b.OperandType(), qw, kd, nil)
 	a, lse := b.New(ft, g.Seq, qw), b.New(ft, 1, g.Heads, g.Seq)
 	dq, dk, dv := b.New(ft, g.Seq, qw), b.New(ft, g.Seq, kd), b.New(ft, g.Seq, kd)
 	as := g.attn()
 	holder, holds := clock.(profile.Holder)
-	return func(backward bool, hold time.Duration) (time.Duration, time.Duration, error) {
+	return func(kind int, hold time.Duration) (time.Duration, time.Duration, error) {
 		if holds {
 			if err := holder.Hold(hold); err != nil {
 				return 0, 0, err
@@ -979,7 +923,7 @@ func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 		}
 		began := time.Now()
 		b.AttentionForward(a, lse, q, k, v, as)
-		if backward {
+		if kind == ringForwardBackward {
 			b.AttentionBackward(dq, dk, dv, da, q, k, v, a, lse, as)
 		}
 		queue := time.Since(began)
@@ -1011,7 +955,7 @@ type ringRank struct {
 // the mode (nothing to time; the world is released); err a failure
 // while building. With portable the cores' groups hide their peer
 // access, so mode ring runs the portable ring.
-func contextSampler(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool) (sample func(backward bool, hold time.Duration) (d, queue time.Duration, err error), path string, release func() error, buildErr, err error) {
+func contextSampler(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool) (sample sampler, path string, release func() error, buildErr, err error) {
 	world, bs, release, err := place(w)
 	if err != nil {
 		return nil, "", nil, nil, err
@@ -1020,14 +964,7 @@ func contextSampler(b backend.Backend, place rankPlacer, ownDevices bool, clock 
 	if buildErr != nil || err != nil {
 		return nil, "", nil, buildErr, errors.Join(err, release())
 	}
-	fwdSteps, fullSteps := ringSteps(ranks, false), ringSteps(ranks, true)
-	sample = func(backward bool, hold time.Duration) (time.Duration, time.Duration, error) {
-		if backward {
-			return oneRankStep(b, clock, fullSteps, hold)
-		}
-		return oneRankStep(b, clock, fwdSteps, hold)
-	}
-	return sample, ranks[0].core.Path(), release, nil, nil
+	return rankSampler(b, clock, ringSteps(ranks, false), ringSteps(ranks, true)), ranks[0].core.Path(), release, nil, nil
 }
 
 // buildRingRanks makes every rank's core for mode and uploads its zigzag

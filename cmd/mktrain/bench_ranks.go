@@ -107,83 +107,24 @@ func benchPlacer(b backend.Backend, onGPUs bool, most int, mesh func(w int) comm
 
 // rankStep is one rank's part of a timed step: the group whose barriers
 // bracket the step (every rank's in it), the rank's groups (aborted when
-// its work fails, so that the others stop waiting) and the work.
-// afterFirstTimed, when set, runs once after the first timed step has
-// ended on every rank and before the next begins, outside the timed
-// interval (bench tp reads the outputs that step left). device, when
-// set, is the rank's own device (one rank per GPU), which the rank waits
-// for before it counts as finished: the clock's stream sees only its
-// own device's work.
+// its work fails, so that the others stop waiting) and the work. device,
+// when set, is the rank's own device (one rank per GPU), which the rank
+// waits for before it counts as finished: the clock's stream sees only
+// its own device's work.
 type rankStep struct {
-	group           comm.Group
-	ranks           *comm.Ranks
-	work            func() error
-	afterFirstTimed func() error
-	device          backend.Backend
-}
-
-// medianRankStep runs 2 warm-up and iters timed steps of every rank's
-// work, each rank from its goroutine, and returns the median of the
-// steps' times, taken on rank 0 between a mark before any rank starts
-// (all ranks wait at a barrier until it is taken) and one after every
-// rank has returned (a barrier first). On a device whose ranks share one
-// stream, that is the device's time from the first rank's first op to the
-// last rank's last one; with a device of its own each rank waits for it
-// before the closing barrier, so the end mark follows every device's
-// work.
-func medianRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep, iters int) (time.Duration, error) {
-	times := make([]time.Duration, 0, iters)
-	errs := make([]error, len(ranks))
-	done := make(chan struct{})
-	for r, rk := range ranks {
-		go func() {
-			defer func() { done <- struct{}{} }()
-			if err := rk.steps(clock, r == 0, iters, &times); err != nil {
-				errs[r] = fmt.Errorf("rank %d: %w", r, err)
-				rk.ranks.Abort(errs[r])
-			}
-		}()
-	}
-	for range ranks {
-		<-done
-	}
-	if err := errors.Join(errs...); err != nil {
-		return 0, err
-	}
-	if err := b.Sync(); err != nil {
-		return 0, err
-	}
-	slices.Sort(times)
-	return times[len(times)/2], nil
-}
-
-// steps is one rank's loop of medianRankStep; the first rank takes the
-// marks and appends the timed steps' durations to times.
-func (rk rankStep) steps(clock profile.Clock, first bool, iters int, times *[]time.Duration) error {
-	for i := -2; i < iters; i++ {
-		d, _, err := rk.step(clock, first, 0)
-		if err != nil {
-			return err
-		}
-		if first && i >= 0 {
-			*times = append(*times, d)
-		}
-		// Every rank has ended the step; the next one starts after the
-		// barrier this rank reaches only once the hook returns.
-		if i == 0 && rk.afterFirstTimed != nil {
-			if err := rk.afterFirstTimed(); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
+	group  comm.Group
+	ranks  *comm.Ranks
+	work   func() error
+	device backend.Backend
 }
 
 // step is one step of the rank's work between its group's barriers. The
-// first rank takes the marks and returns the step's time (see
-// medianRankStep), the others 0; with hold > 0 it first holds the clock's
-// device for hold (profile.Holder), so that the start mark and every
-// rank's launches queue behind it. queue is the host's time in the work.
+// first rank takes the marks, one before any rank starts (all ranks wait
+// at a barrier until it is taken) and one after every rank has returned
+// (a barrier first), and returns the time between them, the others 0;
+// with hold > 0 it first holds the clock's device for hold
+// (profile.Holder), so that the start mark and every rank's launches
+// queue behind it. queue is the host's time in the work.
 func (rk rankStep) step(clock profile.Clock, first bool, hold time.Duration) (d, queue time.Duration, err error) {
 	if err := rk.group.Barrier(); err != nil {
 		return 0, 0, err
@@ -238,12 +179,15 @@ func (rk rankStep) step(clock profile.Clock, first bool, hold time.Duration) (d,
 const stepHold = 2 * time.Millisecond
 
 // oneRankStep runs one step of every rank's work, each rank from a
-// goroutine of its own, and returns its time as medianRankStep times a
-// step, except that with hold > 0, where the ranks share b (no device of
-// their own) and clock is a profile.Holder, rank 0 holds the device for
-// hold before its start mark: the ranks' launches after the barrier
-// queue behind the hold, and the time is the device's, from the step's
-// first op to its last, not the host's queueing. queue is the longest any
+// goroutine of its own, and returns its time (rankStep.step's). On a
+// device whose ranks share one stream, that is the device's time from the
+// first rank's first op to the last rank's last one; with a device of its
+// own each rank waits for it before the closing barrier, so the end mark
+// follows every device's work. With hold > 0, where the ranks share b (no
+// device of their own) and clock is a profile.Holder, rank 0 holds the
+// device for hold before its start mark: the ranks' launches after the
+// barrier queue behind the hold, and the time is the device's, from the
+// step's first op to its last, not the host's queueing. queue is the longest any
 // rank's work took to return on the host (the hold covers the queueing
 // when it is shorter). A rank whose work fails aborts its groups, so that
 // the others stop waiting.
@@ -289,4 +233,81 @@ func elapsedSince(clock profile.Clock, start profile.Mark) (time.Duration, error
 	clock.Release(start)
 	clock.Release(end)
 	return d, err
+}
+
+// sampler runs one step of kind (an index into the kinds its row times)
+// after a hold of hold where the device can hold (oneRankStep) and
+// returns its time and the host's time queueing it.
+type sampler func(kind int, hold time.Duration) (d, queue time.Duration, err error)
+
+// rankSampler samples one step of every rank with oneRankStep: kind k
+// runs stepsByKind[k].
+func rankSampler(b backend.Backend, clock profile.Clock, stepsByKind ...[]rankStep) sampler {
+	return func(kind int, hold time.Duration) (time.Duration, time.Duration, error) {
+		return oneRankStep(b, clock, stepsByKind[kind], hold)
+	}
+}
+
+// timedPath is one path of a benchmark row (one way of doing the row's
+// work), built and ready to sample; medians are timeInterleaved's, one a
+// kind of step; queue is the longest the host took to queue a timed
+// sample's work, and uncovered how many timed samples it queued for
+// longer than their hold.
+type timedPath struct {
+	name      string
+	sample    sampler
+	medians   []time.Duration
+	queue     time.Duration
+	uncovered int
+}
+
+// timeInterleaved runs 2 warm-up rounds and iters timed ones; a round
+// takes one sample of each kind of every path, the paths in an order
+// rotated by one each round, so that every path is sampled across the
+// same stretch of time and none always follows the same other: the
+// clocks' drift under the power cap, which moved one path's time by 10%
+// between the blocks of a run when each path ran its steps in a block of
+// its own, weighs on every path alike. Each path's medians are its timed
+// samples' of each kind. A sample's hold is stepHold or, when longer, 1.5
+// times the host's time queueing the path's previous sample of the same
+// kind. kinds name the kinds in errors.
+func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
+	samples := make([][][]time.Duration, len(paths)) // path, kind, round
+	lastQueue := make([][]time.Duration, len(paths))
+	for i := range paths {
+		samples[i], lastQueue[i] = make([][]time.Duration, len(kinds)), make([]time.Duration, len(kinds))
+	}
+	for round := -2; round < iters; round++ {
+		for j := range paths {
+			i := (j + round + 2) % len(paths)
+			p := paths[i]
+			for k := range kinds {
+				hold := max(stepHold, lastQueue[i][k]*3/2)
+				d, queue, err := p.sample(k, hold)
+				if err != nil {
+					if len(kinds) > 1 {
+						return fmt.Errorf("%s, %s: %w", p.name, kinds[k], err)
+					}
+					return fmt.Errorf("%s: %w", p.name, err)
+				}
+				lastQueue[i][k] = queue
+				if round < 0 {
+					continue
+				}
+				p.queue = max(p.queue, queue)
+				if queue > hold {
+					p.uncovered++
+				}
+				samples[i][k] = append(samples[i][k], d)
+			}
+		}
+	}
+	for i, p := range paths {
+		p.medians = make([]time.Duration, len(kinds))
+		for k, ds := range samples[i] {
+			slices.Sort(ds)
+			p.medians[k] = ds[len(ds)/2]
+		}
+	}
+	return nil
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -107,5 +108,88 @@ func TestOneRankStepHolds(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("oneRankStep hung after a rank's work failed")
+	}
+}
+
+// timeInterleaved takes one sample of each kind (here the ring rows'
+// forward and forward+backward) of every path a round, the paths rotated by one each round, keeps the
+// samples after the two warm-up rounds, and sets each path's medians; a
+// failing sample names its path and direction.
+func TestTimeInterleaved(t *testing.T) {
+	var order []string
+	holds := map[string][]time.Duration{}
+	// A path's samples: its base time plus the round, and 1000 more for
+	// forward+backward, so each median says which samples were kept. Its
+	// forward+backward steps take the host base/10000 ms to queue, and
+	// path c's first two 5 ms.
+	path := func(name string, base time.Duration) *timedPath {
+		round := 0
+		return &timedPath{name: name, sample: func(kind int, hold time.Duration) (time.Duration, time.Duration, error) {
+			order = append(order, fmt.Sprintf("%s/%v", name, kind))
+			if kind == 1 {
+				holds[name] = append(holds[name], hold)
+				d := base + 1000 + time.Duration(round)
+				queue := base / 10000 * time.Millisecond
+				if name == "c" && round < 2 {
+					queue = 5 * time.Millisecond
+				}
+				round++
+				return d, queue, nil
+			}
+			return base + time.Duration(round), 0, nil
+		}}
+	}
+	paths := []*timedPath{path("a", 10000), path("b", 20000), path("c", 30000)}
+	if err := timeInterleaved(paths, ringKinds, 3); err != nil {
+		t.Fatal(err)
+	}
+	// Rounds -2..2; round r starts at path (r+2) mod 3.
+	want := []string{}
+	for r := -2; r < 3; r++ {
+		for j := range 3 {
+			n := []string{"a", "b", "c"}[(j+r+2)%3]
+			want = append(want, n+"/0", n+"/1")
+		}
+	}
+	if strings.Join(order, " ") != strings.Join(want, " ") {
+		t.Errorf("order\n %v\nwant\n %v", order, want)
+	}
+	// Timed rounds are each path's samples 2, 3, 4: median 3.
+	for i, p := range paths {
+		base := time.Duration(10000 * (i + 1))
+		if p.medians[0] != base+3 || p.medians[1] != base+1003 || p.queue != time.Duration(i+1)*time.Millisecond || p.uncovered != 0 {
+			t.Errorf("path %s: medians %v / %v, queue %v (%d uncovered), want %v / %v, %v ms", p.name, p.medians[0], p.medians[1], p.queue, p.uncovered, base+3, base+1003, i+1)
+		}
+	}
+	// The holds: stepHold, or 1.5 times the path's last queueing (c's
+	// warm-up took 5 ms, its timed steps 3 ms).
+	wantHolds := map[string][]time.Duration{"a": {stepHold, stepHold, stepHold, stepHold, stepHold},
+		"c": {stepHold, 7500 * time.Microsecond, 7500 * time.Microsecond, 4500 * time.Microsecond, 4500 * time.Microsecond}}
+	for name, w := range wantHolds {
+		if fmt.Sprint(holds[name]) != fmt.Sprint(w) {
+			t.Errorf("path %s's holds %v, want %v", name, holds[name], w)
+		}
+	}
+
+	// A path whose host queues each step twice as long as the one before
+	// outlasts every hold after the first: 3 timed steps uncovered.
+	q := time.Millisecond
+	growing := &timedPath{name: "growing", sample: func(int, time.Duration) (time.Duration, time.Duration, error) {
+		q *= 2
+		return 1, q, nil
+	}}
+	if err := timeInterleaved([]*timedPath{growing}, []string{""}, 3); err != nil || growing.uncovered != 3 || growing.queue != 32*time.Millisecond {
+		t.Errorf("growing queue: %d steps uncovered, longest %v (%v), want 3, 32ms", growing.uncovered, growing.queue, err)
+	}
+
+	failing := &timedPath{name: "mode ring", sample: func(kind int, _ time.Duration) (time.Duration, time.Duration, error) {
+		if kind == ringForwardBackward {
+			return 0, 0, fmt.Errorf("rank 1: timeout")
+		}
+		return 1, 0, nil
+	}}
+	err := timeInterleaved([]*timedPath{path("core", 1), failing}, ringKinds, 2)
+	if err == nil || err.Error() != "mode ring, forward+backward: rank 1: timeout" {
+		t.Errorf("error %v", err)
 	}
 }

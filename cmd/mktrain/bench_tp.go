@@ -7,6 +7,7 @@ package main
 // against the unfused ones.
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -56,16 +57,21 @@ and, for gemm_reducescatter and gemm_allreduce, the fused pattern with
 Deterministic (every rank's rows landed in slots of their own and summed
 in rank order), each from before the first rank starts to after the last
 ends (barriers, marks of the backend's clock on rank 0), the median of
---iters steps after two warm-up steps. TFLOP/s count every rank's
+--iters steps after two warm-up steps, sampled in rounds that take one
+step of every path in an order rotated each round (so that the clocks'
+drift under the power cap weighs on every path alike), each step on
+virtual ranks after a hold of the GPU behind which the ranks queue their
+ops (as bench attention's ring rows: the times are the GPU's, not the
+host's queueing). TFLOP/s count every rank's
 products (2*R*K*N in all for allgather_gemm, 2*R*F*N for the others) over
 that time; unfused / product, fused / product and fused / unfused are
 ratios of the times, and the overlap efficiency, (product + comm -
 fused) / comm, is the share of the collective the fused pattern hides
 (null when the collective alone takes under 1% of the product's time).
-Rank 0's outputs of the first timed step of each fused pattern are
-compared with those of the unfused pattern's first timed step (relative
-L2 distance, outside the timed interval; the outputs are overwritten with
-other random values in between): above 1e-3 the command fails, naming
+Before the timing, rank 0's outputs of one step of each fused pattern
+are compared with those of one step of the unfused pattern (relative L2
+distance; the outputs are overwritten with other random values in
+between): above 1e-3 the command fails, naming
 the shape, tp and pattern. A group without peer access leaves the fused
 figures null and says "not available" and why, rather than timing the
 unfused path twice. The bars: fused within 10% of the product alone and
@@ -313,11 +319,11 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		"rows":               rows,
 		"bars":               bars,
 		"fused":              tpFusedAbout,
-		"fused_check":        fmt.Sprintf("rank 0's outputs of each fused pattern's first timed step against the unfused pattern's (relative L2 distance, largest over the outputs: allgather_gemm's gathered x and products, the row-parallel patterns' out); above %g the command fails", tpFusedTolerance),
+		"fused_check":        fmt.Sprintf("rank 0's outputs of one step of each fused pattern, before the timing, against one step of the unfused pattern's (relative L2 distance, largest over the outputs: allgather_gemm's gathered x and products, the row-parallel patterns' out); above %g the command fails", tpFusedTolerance),
 		"overlap_efficiency": fmt.Sprintf("(product + comm - fused) / comm; null when comm is under %g of product", tpOverlapMinComm),
 		"note":               note,
 		"flops":              "every rank's products together: 2*R*K*N for allgather_gemm (N summed over its outputs), 2*R*F*N for gemm_reducescatter and gemm_allreduce",
-		"timing": fmt.Sprintf("median of %d steps after 2 warm-up steps, each from a mark taken on rank 0 before any rank starts (barrier) to one after every rank has returned (barrier), on the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32",
+		"timing": fmt.Sprintf("median of %d steps after 2 warm-up steps, in rounds that take one step of every path of the row in an order rotated each round, each from a mark taken on rank 0 before any rank starts (barrier; on virtual ranks after a hold of the GPU behind which the ranks queue their ops) to one after every rank has returned (barrier), on the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32",
 			*iters, clockName(b)),
 		"memory_budget_bytes": int64(tpMemoryBudget),
 	}
@@ -468,60 +474,77 @@ func timeTPRow(bs []backend.Backend, ownDevices bool, clock profile.Clock, rng *
 		}
 	}
 	ms := func(d time.Duration) *float64 { v := float64(d) / 1e6; return &v }
-	var unfusedOut [][]float32 // rank 0's outputs of the unfused pattern's first timed step
-	for _, k := range []struct {
-		work    func(*tpRank) func() error
-		dst     **float64
-		capture *[][]float32
-	}{
-		{func(rk *tpRank) func() error { return rk.product }, &row.ProductMS, nil},
-		{func(rk *tpRank) func() error { return rk.unfused }, &row.UnfusedMS, &unfusedOut},
-		{func(rk *tpRank) func() error { return rk.coll }, &row.CommMS, nil},
-	} {
-		d, err := runTPSteps(bs[0], clock, ranks, k.work, iters, k.capture)
-		if err != nil {
-			return err
+	// once runs one step of work on every rank, outside the timing, and
+	// returns rank 0's checked outputs.
+	once := func(work func(*tpRank) func() error) ([][]float32, error) {
+		if _, _, err := oneRankStep(bs[0], clock, tpSteps(ranks, work), 0); err != nil {
+			return nil, err
 		}
-		*k.dst = ms(d)
+		return ranks[0].download(), nil
 	}
-	pt, ut, ratio := tflops(row.FLOPs, *row.ProductMS), tflops(row.FLOPs, *row.UnfusedMS), *row.UnfusedMS / *row.ProductMS
-	row.ProductTF, row.UnfusedTF, row.UnfusedOverProduct = &pt, &ut, &ratio
-
+	unfusedOut, err := once(func(rk *tpRank) func() error { return rk.unfused })
+	if err != nil {
+		return err
+	}
+	paths := []*timedPath{
+		{name: "product", sample: rankSampler(bs[0], clock, tpSteps(ranks, func(rk *tpRank) func() error { return rk.product }))},
+		{name: "unfused", sample: rankSampler(bs[0], clock, tpSteps(ranks, func(rk *tpRank) func() error { return rk.unfused }))},
+		{name: "collective", sample: rankSampler(bs[0], clock, tpSteps(ranks, func(rk *tpRank) func() error { return rk.coll }))},
+	}
+	fusedWhy := ""
 	for _, rk := range ranks {
-		if rk.fusedWhy != "" {
-			row.Fused = tpFusedNotAvailable + rk.fusedWhy
-			return nil
-		}
+		fusedWhy = cmp.Or(fusedWhy, rk.fusedWhy)
 	}
-	for _, k := range []struct {
+	type fusedKind struct {
 		what      string
 		work      func(*tpRank) func() error
 		dst, rel2 **float64
-	}{
-		{"fused", func(rk *tpRank) func() error { return rk.fused }, &row.FusedMS, &row.FusedRelL2},
-		{"deterministic fused", func(rk *tpRank) func() error { return rk.fusedDeterministic }, &row.FusedDeterministicMS, &row.FusedDeterministicRelL2},
-	} {
-		if k.work(ranks[0]) == nil {
-			continue
-		}
-		// Other values in the outputs first, so that a fused op that left
-		// them alone cannot pass for one that wrote the unfused results.
-		for r, rk := range ranks {
-			for _, t := range rk.checked {
-				fill(r, t)
+		path      *timedPath
+	}
+	var fusedKinds []*fusedKind
+	if fusedWhy == "" {
+		for _, k := range []*fusedKind{
+			{what: "fused", work: func(rk *tpRank) func() error { return rk.fused }, dst: &row.FusedMS, rel2: &row.FusedRelL2},
+			{what: "deterministic fused", work: func(rk *tpRank) func() error { return rk.fusedDeterministic }, dst: &row.FusedDeterministicMS, rel2: &row.FusedDeterministicRelL2},
+		} {
+			if k.work(ranks[0]) == nil {
+				continue
 			}
+			// Other values in the outputs first, so that a fused op that
+			// left them alone cannot pass for one that wrote the unfused
+			// results.
+			for r, rk := range ranks {
+				for _, t := range rk.checked {
+					fill(r, t)
+				}
+			}
+			fusedOut, err := once(k.work)
+			if err != nil {
+				return err
+			}
+			rel, worst := relL2Max(fusedOut, unfusedOut)
+			*k.rel2 = &rel
+			if !(rel <= tpFusedTolerance) {
+				return fmt.Errorf("the %s pattern's %s on rank 0 differs from the unfused pattern's: relative L2 distance %.3g, above %g",
+					k.what, ranks[0].checkedNames[worst], rel, tpFusedTolerance)
+			}
+			k.path = &timedPath{name: k.what, sample: rankSampler(bs[0], clock, tpSteps(ranks, k.work))}
+			paths = append(paths, k.path)
+			fusedKinds = append(fusedKinds, k)
 		}
-		var fusedOut [][]float32
-		d, err := runTPSteps(bs[0], clock, ranks, k.work, iters, &fusedOut)
-		if err != nil {
-			return err
-		}
-		rel, worst := relL2Max(fusedOut, unfusedOut)
-		*k.dst, *k.rel2 = ms(d), &rel
-		if !(rel <= tpFusedTolerance) {
-			return fmt.Errorf("the %s pattern's %s on rank 0 differs from the unfused pattern's: relative L2 distance %.3g, above %g (first timed step)",
-				k.what, ranks[0].checkedNames[worst], rel, tpFusedTolerance)
-		}
+	}
+	if err := timeInterleaved(paths, []string{"step"}, iters); err != nil {
+		return err
+	}
+	row.ProductMS, row.UnfusedMS, row.CommMS = ms(paths[0].medians[0]), ms(paths[1].medians[0]), ms(paths[2].medians[0])
+	pt, ut, ratio := tflops(row.FLOPs, *row.ProductMS), tflops(row.FLOPs, *row.UnfusedMS), *row.UnfusedMS / *row.ProductMS
+	row.ProductTF, row.UnfusedTF, row.UnfusedOverProduct = &pt, &ut, &ratio
+	if fusedWhy != "" {
+		row.Fused = tpFusedNotAvailable + fusedWhy
+		return nil
+	}
+	for _, k := range fusedKinds {
+		*k.dst = ms(k.path.medians[0])
 	}
 	row.Fused = tpFusedMeasured
 	fused := *row.FusedMS
@@ -668,11 +691,9 @@ func fillFromChunk(b backend.Backend, t, chunk backend.Tensor, start int) {
 	}
 }
 
-// runTPSteps times work on every rank with medianRankStep, the steps
-// bracketed by the tensor group's barriers; with capture, rank 0's
-// checked outputs after the first timed step are downloaded into it,
-// outside the timed interval.
-func runTPSteps(b backend.Backend, clock profile.Clock, ranks []*tpRank, work func(*tpRank) func() error, iters int, capture *[][]float32) (time.Duration, error) {
+// tpSteps is work on every rank as rankSteps bracketed by the tensor
+// group's barriers, each rank waiting for its own device where it has one.
+func tpSteps(ranks []*tpRank, work func(*tpRank) func() error) []rankStep {
 	steps := make([]rankStep, len(ranks))
 	for r, rk := range ranks {
 		steps[r] = rankStep{group: rk.ranks.Tensor, ranks: rk.ranks, work: work(rk)}
@@ -680,10 +701,7 @@ func runTPSteps(b backend.Backend, clock profile.Clock, ranks []*tpRank, work fu
 			steps[r].device = rk.b
 		}
 	}
-	if capture != nil {
-		steps[0].afterFirstTimed = func() error { *capture = ranks[0].download(); return nil }
-	}
-	return medianRankStep(b, clock, steps, iters)
+	return steps
 }
 
 // tpFusedMissing says why row r has no fused figures, or "" when it has.
@@ -816,7 +834,7 @@ func printTP(w io.Writer, rows []tpBenchRow, iters int, ranks, note string) {
 	fmt.Fprintf(w, "(product: the same MatMul calls on already-gathered data, no collective; unfused: tensorpar's function, collective and products; comm: the collective alone; "+
 		"fused: tensorpar.Options{Fused: true}, the backend's fused op over peer access; det: the same with Deterministic, row-parallel patterns only; TF: every rank's products over the time; "+
 		"unf/prod, f/prod, f/unf: ratios of the times; overlap: (product + comm - fused) / comm, - when comm is under %g of product; "+
-		"rel L2: the larger relative L2 distance of rank 0's fused and det outputs from the unfused ones, first timed step, at most %g)\n", tpOverlapMinComm, tpFusedTolerance)
+		"rel L2: the larger relative L2 distance of rank 0's fused and det outputs from the unfused ones, one step each before the timing, at most %g)\n", tpOverlapMinComm, tpFusedTolerance)
 	fmt.Fprintf(w, "(%s)\n", note)
 	for _, n := range notes {
 		fmt.Fprintln(w, n)
