@@ -804,10 +804,7 @@ func parseRingFlags(worlds, seqs string) ([]int, []int, error) {
 // benchRingRow measures one row: W ranks of perRank tokens each, one
 // sequence of S = W*perRank. The inputs are drawn once for the whole
 // sequence; each rank gets its zigzag rows of them. Every path (the core
-// and each mode) is built first and then timed by timeInterleaved, so
-// that the clocks' drift under the power cap, which moved the same
-// core's time by 10% between the rows of one run when each path ran its
-// steps in a block of its own, weighs on every path alike.
+// and each mode) is built first and then timed by timeInterleaved.
 func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, rng *rand.Rand, w, perRank, iters int) (row attnRingRow, err error) {
 	seq := w * perRank
 	g := ringGeometry(seq)
@@ -815,7 +812,7 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 	in := ringInputs{q: randValues(rng, seq*qw), k: randValues(rng, seq*kd), v: randValues(rng, seq*kd), da: randValues(rng, seq*qw)}
 	row = attnRingRow{World: w, SeqPerRank: perRank, Seq: seq, EfficiencyBarApply: perRank >= ringEfficiencyMinSeq}
 
-	paths := []*timedPath{{name: "core on the whole sequence", sample: ringCoreSampler(b, clock, g, in)}}
+	paths := []*timedPath{{name: "core on the whole sequence", sample: ringCoreSampler(b, clock, g, in, !ownDevices)}}
 	modes := []struct {
 		mode     attention.CPMode
 		portable bool
@@ -900,20 +897,23 @@ func (in ringInputs) upload(b backend.Backend, qkv backend.DType, qw, kd int, po
 }
 
 // ringCoreSampler is the core (the backend's attention ops) on the whole
-// sequence, one step a sample, each waited for before the next and, on a
-// clock that holds (profile.Holder), started after the hold, as
-// oneRankStep times the ranks' steps; on q, k and v of the operand type,
-// as a layer of one rank keeps them.
-func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs) sampler {
+// sequence, one step a sample, each waited for before the next and, with
+// hold set on a clock that holds (profile.Holder), started after the
+// hold, as oneRankStep times ranks that share the device (bench attention
+// sets hold where the ring's ranks share it, so that both sides are
+// timed alike); on q, k and v of the operand type, as a layer of one rank
+// keeps them.
+func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, in ringInputs, hold bool) sampler {
 	qw, kd, ft := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim, b.FloatType()
 	q, k, v, da := in.upload(b, b.OperandType(), qw, kd, nil)
 	a, lse := b.New(ft, g.Seq, qw), b.New(ft, 1, g.Heads, g.Seq)
 	dq, dk, dv := b.New(ft, g.Seq, qw), b.New(ft, g.Seq, kd), b.New(ft, g.Seq, kd)
 	as := g.attn()
 	holder, holds := clock.(profile.Holder)
-	return func(kind int, hold time.Duration) (time.Duration, time.Duration, error) {
+	holds = holds && hold
+	return func(kind int, holdFor time.Duration) (time.Duration, time.Duration, error) {
 		if holds {
-			if err := holder.Hold(hold); err != nil {
+			if err := holder.Hold(holdFor); err != nil {
 				return 0, 0, err
 			}
 		}
@@ -951,10 +951,11 @@ type ringRank struct {
 // oneRankStep from before the first rank starts to after the last one
 // ends; on a device whose ranks share one stream, as here, that is the
 // device's time from the first rank's first op to the last rank's last
-// one (the ranks queue their ops behind a hold). release frees the world. buildErr is NewContextCore's refusal of
-// the mode (nothing to time; the world is released); err a failure
-// while building. With portable the cores' groups hide their peer
-// access, so mode ring runs the portable ring.
+// one (the ranks queue their ops behind a hold). release frees the
+// world. buildErr is NewContextCore's refusal of the mode (nothing to
+// time; the world is released); err a failure while building. With
+// portable the cores' groups hide their peer access, so mode ring runs
+// the portable ring.
 func contextSampler(b backend.Backend, place rankPlacer, ownDevices bool, clock profile.Clock, g attnBenchShape, in ringInputs, w int, mode attention.CPMode, portable bool) (sample sampler, path string, release func() error, buildErr, err error) {
 	world, bs, release, err := place(w)
 	if err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"testing"
@@ -191,5 +192,29 @@ func TestTimeInterleaved(t *testing.T) {
 	err := timeInterleaved([]*timedPath{path("core", 1), failing}, ringKinds, 2)
 	if err == nil || err.Error() != "mode ring, forward+backward: rank 1: timeout" {
 		t.Errorf("error %v", err)
+	}
+}
+
+// The ring rows' core holds the device before its start mark only where
+// it is told to (the ranks share the device), so that it is timed as the
+// ranks are.
+func TestRingCoreSamplerHolds(t *testing.T) {
+	b := cpu.New(backend.Float32)
+	g := ringGeometry(16)
+	rng := rand.New(rand.NewPCG(3, 4))
+	qw, kd := g.Heads*g.HeadDim, g.KVHeads*g.HeadDim
+	in := ringInputs{q: randValues(rng, g.Seq*qw), k: randValues(rng, g.Seq*kd), v: randValues(rng, g.Seq*kd), da: randValues(rng, g.Seq*qw)}
+	for _, hold := range []bool{true, false} {
+		c := &holdingClock{marks: map[profile.Mark]time.Duration{}}
+		if _, _, err := ringCoreSampler(b, c, g, in, hold)(ringForwardBackward, 3*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		want := "mark, mark"
+		if hold {
+			want = "hold 3ms, " + want
+		}
+		if got := strings.Join(c.log, ", "); got != want {
+			t.Errorf("hold %v: log %q, want %q", hold, got, want)
+		}
 	}
 }

@@ -486,10 +486,13 @@ func timeTPRow(bs []backend.Backend, ownDevices bool, clock profile.Clock, rng *
 	if err != nil {
 		return err
 	}
+	path := func(name string, work func(*tpRank) func() error) *timedPath {
+		return &timedPath{name: name, sample: rankSampler(bs[0], clock, tpSteps(ranks, work))}
+	}
 	paths := []*timedPath{
-		{name: "product", sample: rankSampler(bs[0], clock, tpSteps(ranks, func(rk *tpRank) func() error { return rk.product }))},
-		{name: "unfused", sample: rankSampler(bs[0], clock, tpSteps(ranks, func(rk *tpRank) func() error { return rk.unfused }))},
-		{name: "collective", sample: rankSampler(bs[0], clock, tpSteps(ranks, func(rk *tpRank) func() error { return rk.coll }))},
+		path("product", func(rk *tpRank) func() error { return rk.product }),
+		path("unfused", func(rk *tpRank) func() error { return rk.unfused }),
+		path("collective", func(rk *tpRank) func() error { return rk.coll }),
 	}
 	fusedWhy := ""
 	for _, rk := range ranks {
@@ -528,7 +531,7 @@ func timeTPRow(bs []backend.Backend, ownDevices bool, clock profile.Clock, rng *
 				return fmt.Errorf("the %s pattern's %s on rank 0 differs from the unfused pattern's: relative L2 distance %.3g, above %g",
 					k.what, ranks[0].checkedNames[worst], rel, tpFusedTolerance)
 			}
-			k.path = &timedPath{name: k.what, sample: rankSampler(bs[0], clock, tpSteps(ranks, k.work))}
+			k.path = path(k.what, k.work)
 			paths = append(paths, k.path)
 			fusedKinds = append(fusedKinds, k)
 		}
