@@ -118,6 +118,10 @@ func TestAttentionLabVariants(t *testing.T) {
 		{Batch: 1, Seq: 32768, Heads: 32, KVHeads: 8, HeadDim: 128},
 	}
 	labRingFigures(t, "production", true)
+	// Production's ring again after the variants: how far the same build
+	// drifts within the process (the power cap), against which a
+	// variant's difference is read.
+	defer labRingFigures(t, "production-after", true)
 	for _, v := range vs {
 		t.Run(v.Name, func(t *testing.T) {
 			defer withAttentionLab(t, d, lab, v)()
@@ -139,7 +143,8 @@ func TestAttentionLabVariants(t *testing.T) {
 
 // labRingFigures times the one-pass ring (forward, backward) on the rows
 // of bench attention's ring table at S/W 4096 (H16 KV4 Dh128, W 2, 4, 8
-// virtual ranks) beside the whole-sequence core, with the attention
+// virtual ranks) and at W 4 S/W 8192 (the row whose backward fell
+// furthest behind the core's at ca3eff4) beside the whole-sequence core, with the attention
 // module the device holds (production's, or a lab variant's in place),
 // and checks the ring's outputs against the core's where exact: figures "attention
 // hopper ring <name> W<w> ...", efficiency = core time / ring time as
@@ -148,8 +153,9 @@ func labRingFigures(t *testing.T, name string, exact bool) {
 	b := testBackend(t)
 	d := b.dev
 	sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
-	for _, w := range []int{2, 4, 8} {
-		s := backend.ZigzagShape{Ranks: w, Batch: 1, Chunk: 2048, Heads: 16, KVHeads: 4, HeadDim: 128}
+	for _, row := range []struct{ w, chunk int }{{2, 2048}, {4, 2048}, {8, 2048}, {4, 4096}} {
+		w := row.w
+		s := backend.ZigzagShape{Ranks: w, Batch: 1, Chunk: row.chunk, Heads: 16, KVHeads: 4, HeadDim: 128}
 		if err := b.ZigzagAttentionOnePass(s); err != nil {
 			t.Logf("the one-pass fused ring does not run here: %v", err)
 			return
@@ -165,6 +171,7 @@ func labRingFigures(t *testing.T, name string, exact bool) {
 		}
 		fig := fmt.Sprintf("attention hopper ring %s W%d S%d", name, w, s.Seq())
 		figure(t, fig+" bwd", ringB, "ms")
+		figure(t, fig+" bwd over core", ringB/coreB, "x")
 		figure(t, fig+" efficiency fwd", coreF/ringF, "x")
 		figure(t, fig+" efficiency fwd+bwd", (coreF+coreB)/(ringF+ringB), "x")
 	}

@@ -4,7 +4,11 @@
 // search of four compares instead of dividing by the chunk length C (a
 // run-time value: ~30 instructions and a MUFU.RCP a tile in the ring
 // backward's producer and dq-writer warps, and in the ring forward's
-// producer). The last labs (kernels/attention_hopper.md):
+// producer). Bit 2 (zz-walk-rev): the ring backward's blocks walk each
+// head's query tiles from the last down, as the whole-sequence walk does
+// since 614052d (level at S/W 4096 then; not timed at S/W 8192, where the
+// ring's backward is furthest behind the core's). The last labs
+// (kernels/attention_hopper.md):
 // bwd-walk-fastdiv (the whole-sequence backward walk's division as a
 // multiply and a shift, ah_div) and bwd-prescale (the exponential giving
 // P^T * scale) are production; fwd-walk-fastdiv (the same for the
@@ -1586,7 +1590,13 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
         // Item it's query tile: its first position, and the rank and local
         // row that hold it.
         const int hi = byHead.div(it);
+        #if AH_EXPERIMENT & 2
+        // zz-walk-rev: each head's tiles from the last down, as the
+        // whole-sequence walk (614052d).
+        const int qp0 = (qt0 + perHead - 1 - (it - hi * perHead)) * BQ, cq = ah_zz_chunk(qp0, C);
+#else
         const int qp0 = (qt0 + it - hi * perHead) * BQ, cq = ah_zz_chunk(qp0, C);
+#endif
         const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
         at.h = h0 + hi;
         at.q0 = qp0;
