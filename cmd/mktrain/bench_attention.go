@@ -77,11 +77,13 @@ step of every path, in an order rotated each round, and each figure is
 its path's median, so that the clocks' drift under the power cap weighs
 on every path alike. On virtual ranks each step starts after a hold of
 at least 2 ms on the GPU (a kernel that waits; 1.5 times the host's
-time queueing the path's last step where that is longer), behind which
+time queueing the path's last step where that is longer, at most 25
+ms), behind which
 the ranks queue their ops after their barriers, so the times are the
 GPU's, not the host's queueing (the JSON gives the longest the host
 took to queue a timed step, host_queue_max_ms, and how many outlasted
-their hold, uncovered_steps, which the table flags). q, k and v come in
+their hold, uncovered_steps, per row and per mode, which the table
+flags by path). q, k and v come in
 the type each path's layers keep them in: bf16 for the core and the
 one-pass ring, float32 for the others, whose time includes their
 rounding. Ring efficiency = core time / ring time, and ring / allgather
@@ -307,7 +309,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		if *onGPUs {
 			ring.Ranks, ring.Note = "GPUs", ringGPUsNote
 		} else if _, ok := clock.(profile.Holder); ok {
-			ring.StepHoldMS = float64(stepHold) / 1e6
+			ring.StepHoldMS, ring.StepHoldMaxMS = float64(stepHold)/1e6, float64(stepHoldMax)/1e6
 		}
 		for _, w := range ringWorlds {
 			for _, perRank := range ringSeqs {
@@ -725,9 +727,10 @@ type attnRingResult struct {
 	// StepHoldMS is the shortest hold before a step's start mark
 	// (stepHold, where the ranks share a device whose clock holds; else
 	// 0); a path whose host took longer to queue its last step holds 1.5
-	// times that.
-	StepHoldMS float64       `json:"step_hold_ms"`
-	Rows       []attnRingRow `json:"rows"`
+	// times that, up to StepHoldMaxMS (stepHoldMax).
+	StepHoldMS    float64       `json:"step_hold_ms"`
+	StepHoldMaxMS float64       `json:"step_hold_max_ms"`
+	Rows          []attnRingRow `json:"rows"`
 }
 
 // attnRingMode is one mode's figures at one row: medians of the time from
@@ -741,7 +744,11 @@ type attnRingMode struct {
 	StepMS *float64 `json:"fwd_bwd_ms"`
 	FwdTF  *float64 `json:"fwd_tflops"`
 	StepTF *float64 `json:"fwd_bwd_tflops"` // 3.5x the forward's FLOPs
-	Error  string   `json:"error,omitempty"`
+	// HostQueueMaxMS and UncoveredSteps are the row's (below) for this
+	// mode alone.
+	HostQueueMaxMS float64 `json:"host_queue_max_ms,omitempty"`
+	UncoveredSteps int     `json:"uncovered_steps,omitempty"`
+	Error          string  `json:"error,omitempty"`
 }
 
 // attnRingRow is one W and S/W: the core on the whole sequence (one
@@ -777,9 +784,11 @@ type attnRingRow struct {
 	// HostQueueMaxMS is the longest the host took to queue one timed
 	// step of any path of the row, and UncoveredSteps how many timed
 	// steps it queued for longer than their hold (their times count the
-	// GPU's wait for the host).
-	HostQueueMaxMS float64 `json:"host_queue_max_ms"`
-	UncoveredSteps int     `json:"uncovered_steps"`
+	// GPU's wait for the host); each mode has its own, and the core's are
+	// CoreUncoveredSteps.
+	HostQueueMaxMS     float64 `json:"host_queue_max_ms"`
+	UncoveredSteps     int     `json:"uncovered_steps"`
+	CoreUncoveredSteps int     `json:"core_uncovered_steps"`
 }
 
 // parseRingFlags reads --ring-world (numbers of ranks, 2 or more, or none)
@@ -849,6 +858,7 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		row.HostQueueMaxMS = max(row.HostQueueMaxMS, ms(p.queue))
 		row.UncoveredSteps += p.uncovered
 	}
+	row.CoreUncoveredSteps = paths[0].uncovered
 	row.CoreFwdTF, row.CoreStepTF = tflops(flops, row.CoreFwdMS), tflops(stepFLOPs, row.CoreStepMS)
 	for i, m := range modes {
 		if modePath[i] == nil {
@@ -857,6 +867,7 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		f, s := ms(modePath[i].medians[0]), ms(modePath[i].medians[1])
 		ftf, stf := tflops(flops, f), tflops(stepFLOPs, s)
 		m.fig.FwdMS, m.fig.StepMS, m.fig.FwdTF, m.fig.StepTF = &f, &s, &ftf, &stf
+		m.fig.HostQueueMaxMS, m.fig.UncoveredSteps = ms(modePath[i].queue), modePath[i].uncovered
 	}
 	ratio := func(num float64, den *float64) *float64 {
 		if den == nil {
@@ -1111,10 +1122,10 @@ func printAttnRing(w io.Writer, ring *attnRingResult) {
 		for _, r := range ring.Rows {
 			queue = max(queue, r.HostQueueMaxMS)
 			if r.UncoveredSteps > 0 {
-				over = append(over, fmt.Sprintf("W %d S/W %d (%d steps)", r.World, r.SeqPerRank, r.UncoveredSteps))
+				over = append(over, fmt.Sprintf("W %d S/W %d (%s)", r.World, r.SeqPerRank, uncoveredByPath(r)))
 			}
 		}
-		fmt.Fprintf(w, "(every step of every path starts after a hold of the GPU, at least %g ms or 1.5 times the host's time queueing the path's last step, behind which the host queues it, in at most %.3f ms here: the times are the GPU's, not the host's queueing)\n", ring.StepHoldMS, queue)
+		fmt.Fprintf(w, "(every step of every path starts after a hold of the GPU, at least %g ms or 1.5 times the host's time queueing the path's last step, at most %g ms, behind which the host queues it, in at most %.3f ms here: the times are the GPU's, not the host's queueing)\n", ring.StepHoldMS, ring.StepHoldMaxMS, queue)
 		if len(over) > 0 {
 			fmt.Fprintf(w, "(the host took longer than the hold to queue some steps at %s: those steps count the GPU's wait for it)\n", strings.Join(over, ", "))
 		}
@@ -1122,4 +1133,19 @@ func printAttnRing(w io.Writer, ring *attnRingResult) {
 	for _, e := range errs {
 		fmt.Fprintf(w, "(not measured: %s)\n", e)
 	}
+}
+
+// uncoveredByPath says how many of row r's timed steps each path queued
+// for longer than their hold: "portable 11 steps, allgather 2 steps".
+func uncoveredByPath(r attnRingRow) string {
+	var parts []string
+	for _, p := range []struct {
+		name string
+		n    int
+	}{{"core", r.CoreUncoveredSteps}, {"allgather", r.AllGather.UncoveredSteps}, {"ring", r.Ring.UncoveredSteps}, {"portable", r.RingPortable.UncoveredSteps}} {
+		if p.n > 0 {
+			parts = append(parts, fmt.Sprintf("%s %d steps", p.name, p.n))
+		}
+	}
+	return strings.Join(parts, ", ")
 }

@@ -368,3 +368,12 @@ func TestRingRowOwnDevices(t *testing.T) {
 		}
 	}
 }
+
+// The table names the paths whose steps outlasted their hold.
+func TestUncoveredByPath(t *testing.T) {
+	r := attnRingRow{UncoveredSteps: 13, CoreUncoveredSteps: 0}
+	r.AllGather.UncoveredSteps, r.RingPortable.UncoveredSteps = 2, 11
+	if got, want := uncoveredByPath(r), "allgather 2 steps, portable 11 steps"; got != want {
+		t.Errorf("uncoveredByPath = %q, want %q", got, want)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -181,6 +182,22 @@ func TestTimeInterleaved(t *testing.T) {
 	}}
 	if err := timeInterleaved([]*timedPath{growing}, []string{""}, 3); err != nil || growing.uncovered != 3 || growing.queue != 32*time.Millisecond {
 		t.Errorf("growing queue: %d steps uncovered, longest %v (%v), want 3, 32ms", growing.uncovered, growing.queue, err)
+	}
+
+	// A path whose host waits for the device mid-step queues for longer
+	// than any hold (its queueing counts the hold): its holds stop at
+	// stepHoldMax instead of growing 1.5 times a round, and every timed
+	// step is uncovered.
+	var waitingHolds []time.Duration
+	waiting := &timedPath{name: "waiting", sample: func(_ int, hold time.Duration) (time.Duration, time.Duration, error) {
+		waitingHolds = append(waitingHolds, hold)
+		return 1, hold + time.Millisecond, nil
+	}}
+	if err := timeInterleaved([]*timedPath{waiting}, []string{""}, 10); err != nil || waiting.uncovered != 10 {
+		t.Errorf("waiting host: %d steps uncovered (%v), want 10", waiting.uncovered, err)
+	}
+	if longest := slices.Max(waitingHolds); longest != stepHoldMax || waitingHolds[len(waitingHolds)-1] != stepHoldMax {
+		t.Errorf("waiting host's holds %v: want them to stop at %v", waitingHolds, stepHoldMax)
 	}
 
 	failing := &timedPath{name: "mode ring", sample: func(kind int, _ time.Duration) (time.Duration, time.Duration, error) {

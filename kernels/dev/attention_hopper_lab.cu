@@ -1,14 +1,6 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT bit 1
-// (zz-chunk-search): the ring's walks find a position's chunk by a binary
-// search of four compares instead of dividing by the chunk length C (a
-// run-time value: ~30 instructions and a MUFU.RCP a tile in the ring
-// backward's producer and dq-writer warps, and in the ring forward's
-// producer). Bit 2 (zz-walk-rev): the ring backward's blocks walk each
-// head's query tiles from the last down, as the whole-sequence walk does
-// since 614052d (level at S/W 4096 then; not timed at S/W 8192, where the
-// ring's backward is furthest behind the core's). The last labs
-// (kernels/attention_hopper.md):
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment. The last labs (kernels/attention_hopper.md):
 // bwd-walk-fastdiv (the whole-sequence backward walk's division as a
 // multiply and a shift, ah_div) and bwd-prescale (the exponential giving
 // P^T * scale) are production; fwd-walk-fastdiv (the same for the
@@ -645,20 +637,6 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
 
 #define AH_ZZ_MAX 8  // the ranks the zigzag kernels take
 
-#if AH_EXPERIMENT & 1
-// ah_zz_chunk is the chunk p / C of position p < 2 AH_ZZ_MAX C: a binary
-// search of four compares, with no division by the run-time C.
-__device__ __forceinline__ int ah_zz_chunk(int p, int C) {
-  int c = 0;
-#pragma unroll
-  for (int step = AH_ZZ_MAX; step > 0; step >>= 1)
-    if ((c + step) * C <= p) c += step;
-  return c;
-}
-#else
-__device__ __forceinline__ int ah_zz_chunk(int p, int C) { return p / C; }
-#endif
-
 // ---- The fused ring's forward (zigzag context parallelism) ----
 //
 // attn_h_zz_forward_d{64,128} serve one context-parallel rank r of W
@@ -728,7 +706,7 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
       gg_bar_wait(emptyK + 8 * s, ph ^ 1);  // a fresh barrier's parity-1 phase counts as complete
       // Tile t is chunk ck's rows from pos - ck*C on, on the rank that
       // holds ck (its early chunk below W, else its late one).
-      const int pos = t * AH_BN, ck = ah_zz_chunk(pos, C);
+      const int pos = t * AH_BN, ck = pos / C;
       const int owner = ck < W ? ck : 2 * W - 1 - ck;
       const int row = b * S + (ck < W ? 0 : C) + pos - ck * C;
       gg_bar_expect_tx(fullK + 8 * s, TILE);
@@ -1590,13 +1568,7 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
         // Item it's query tile: its first position, and the rank and local
         // row that hold it.
         const int hi = byHead.div(it);
-        #if AH_EXPERIMENT & 2
-        // zz-walk-rev: each head's tiles from the last down, as the
-        // whole-sequence walk (614052d).
-        const int qp0 = (qt0 + perHead - 1 - (it - hi * perHead)) * BQ, cq = ah_zz_chunk(qp0, C);
-#else
-        const int qp0 = (qt0 + it - hi * perHead) * BQ, cq = ah_zz_chunk(qp0, C);
-#endif
+        const int qp0 = (qt0 + it - hi * perHead) * BQ, cq = qp0 / C;
         const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
         at.h = h0 + hi;
         at.q0 = qp0;

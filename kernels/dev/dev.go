@@ -52,12 +52,7 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "zz-chunk-search", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "the ring walks' chunk of a position by four compares instead of a division by the chunk length"},
-			{Name: "zz-walk-rev", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the ring backward's walk from each head's last query tile down, as the whole-sequence walk"},
-		}},
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
