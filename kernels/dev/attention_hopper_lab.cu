@@ -6,7 +6,8 @@
 // P^T * scale) are production; fwd-walk-fastdiv (the same for the
 // persistent forward's item decoding) was level and left at 3cbb251;
 // before them bwd-walk-* (production since 614052d) and bwd-head-split
-// (left at 6306c9e); git keeps them.
+// (left at 6306c9e); the ring backward's zz-chunk-search and zz-walk-rev
+// were level and left at 8bde2a8; git keeps them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
