@@ -144,11 +144,11 @@ func TestAttentionLabVariants(t *testing.T) {
 // labRingFigures times the one-pass ring (forward, backward) on the rows
 // of bench attention's ring table at S/W 4096 (H16 KV4 Dh128, W 2, 4, 8
 // virtual ranks) and at W 4 S/W 8192 (the row whose backward fell
-// furthest behind the core's at ca3eff4) beside the whole-sequence core, with the attention
-// module the device holds (production's, or a lab variant's in place),
-// and checks the ring's outputs against the core's where exact: figures "attention
-// hopper ring <name> W<w> ...", efficiency = core time / ring time as
-// bench attention computes it.
+// furthest behind the core's at ca3eff4) beside the whole-sequence core,
+// with the attention module the device holds (production's, or a lab
+// variant's in place), and checks the ring's outputs against the core's
+// where exact: figures "attention hopper ring <name> W<w> ...",
+// efficiency = core time / ring time as bench attention computes it.
 func labRingFigures(t *testing.T, name string, exact bool) {
 	b := testBackend(t)
 	d := b.dev

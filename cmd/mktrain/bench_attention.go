@@ -78,13 +78,12 @@ its path's median, so that the clocks' drift under the power cap weighs
 on every path alike. On virtual ranks each step starts after a hold of
 at least 2 ms on the GPU (a kernel that waits; 1.5 times the host's
 time queueing the path's last step where that is longer, at most 25
-ms), behind which
-the ranks queue their ops after their barriers, so the times are the
-GPU's, not the host's queueing (the JSON gives the longest the host
-took to queue a timed step, host_queue_max_ms, and how many outlasted
-their hold, uncovered_steps, per row and per mode, which the table
-flags by path). q, k and v come in
-the type each path's layers keep them in: bf16 for the core and the
+ms), behind which the ranks queue their ops after their barriers, so
+the times are the GPU's, not the host's queueing (the JSON gives the
+longest the host took to queue a timed step, host_queue_max_ms, and how
+many outlasted their hold, uncovered_steps, per row and per mode, which
+the table flags by path). q, k and v come in the type each path's
+layers keep them in: bf16 for the core and the
 one-pass ring, float32 for the others, whose time includes their
 rounding. Ring efficiency = core time / ring time, and ring / allgather
 = allgather time / ring time (above 1 the ring is faster). Bars:
