@@ -921,15 +921,15 @@ func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 	as := g.attn()
 	holder, holds := clock.(profile.Holder)
 	holds = holds && hold
-	return func(kind int, holdFor time.Duration) (time.Duration, time.Duration, error) {
+	return func(kind int, holdFor time.Duration) (time.Duration, time.Duration, bool, error) {
 		if holds {
 			if err := holder.Hold(holdFor); err != nil {
-				return 0, 0, err
+				return 0, 0, false, err
 			}
 		}
 		start, err := clock.Mark()
 		if err != nil {
-			return 0, 0, err
+			return 0, 0, false, err
 		}
 		began := time.Now()
 		b.AttentionForward(a, lse, q, k, v, as)
@@ -939,9 +939,9 @@ func ringCoreSampler(b backend.Backend, clock profile.Clock, g attnBenchShape, i
 		queue := time.Since(began)
 		d, err := elapsedSince(clock, start)
 		if err != nil {
-			return 0, 0, err
+			return 0, 0, false, err
 		}
-		return d, queue, b.Sync()
+		return d, queue, holds, b.Sync()
 	}
 }
 

@@ -197,8 +197,8 @@ const stepHoldMax = 25 * time.Millisecond
 // step's first op to its last, not the host's queueing. queue is the longest any
 // rank's work took to return on the host (the hold covers the queueing
 // when it is shorter). A rank whose work fails aborts its groups, so that
-// the others stop waiting.
-func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep, hold time.Duration) (d, queue time.Duration, err error) {
+// the others stop waiting. held says whether rank 0 held the device.
+func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep, hold time.Duration) (d, queue time.Duration, held bool, err error) {
 	if _, ok := clock.(profile.Holder); !ok || slices.ContainsFunc(ranks, func(rk rankStep) bool { return rk.device != nil }) {
 		hold = 0
 	}
@@ -223,9 +223,9 @@ func oneRankStep(b backend.Backend, clock profile.Clock, ranks []rankStep, hold 
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
-		return 0, 0, err
+		return 0, 0, false, err
 	}
-	return d, slices.Max(queues), b.Sync()
+	return d, slices.Max(queues), hold > 0, b.Sync()
 }
 
 // elapsedSince takes an end mark and returns the time from start to it,
@@ -244,13 +244,13 @@ func elapsedSince(clock profile.Clock, start profile.Mark) (time.Duration, error
 
 // sampler runs one step of kind (an index into the kinds its row times)
 // after a hold of hold where the device can hold (oneRankStep) and
-// returns its time and the host's time queueing it.
-type sampler func(kind int, hold time.Duration) (d, queue time.Duration, err error)
+// returns its time, the host's time queueing it and whether it held.
+type sampler func(kind int, hold time.Duration) (d, queue time.Duration, held bool, err error)
 
 // rankSampler samples one step of every rank with oneRankStep: kind k
 // runs stepsByKind[k].
 func rankSampler(b backend.Backend, clock profile.Clock, stepsByKind ...[]rankStep) sampler {
-	return func(kind int, hold time.Duration) (time.Duration, time.Duration, error) {
+	return func(kind int, hold time.Duration) (time.Duration, time.Duration, bool, error) {
 		return oneRankStep(b, clock, stepsByKind[kind], hold)
 	}
 }
@@ -258,8 +258,8 @@ func rankSampler(b backend.Backend, clock profile.Clock, stepsByKind ...[]rankSt
 // timedPath is one path of a benchmark row (one way of doing the row's
 // work), built and ready to sample; medians are timeInterleaved's, one a
 // kind of step; queue is the longest the host took to queue a timed
-// sample's work, and uncovered how many timed samples it queued for
-// longer than their hold.
+// sample's work, and uncovered how many timed samples that held the
+// device it queued for longer than their hold.
 type timedPath struct {
 	name      string
 	sample    sampler
@@ -290,7 +290,7 @@ func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
 			p := paths[i]
 			for k := range kinds {
 				hold := min(stepHoldMax, max(stepHold, lastQueue[i][k]*3/2))
-				d, queue, err := p.sample(k, hold)
+				d, queue, held, err := p.sample(k, hold)
 				if err != nil {
 					if len(kinds) > 1 {
 						return fmt.Errorf("%s, %s: %w", p.name, kinds[k], err)
@@ -302,7 +302,7 @@ func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
 					continue
 				}
 				p.queue = max(p.queue, queue)
-				if queue > hold {
+				if held && queue > hold {
 					p.uncovered++
 				}
 				samples[i][k] = append(samples[i][k], d)

@@ -84,23 +84,23 @@ func TestOneRankStepHolds(t *testing.T) {
 	}
 
 	c := &holdingClock{marks: map[profile.Mark]time.Duration{}}
-	d, _, err := oneRankStep(b, c, steps(c, false, -1), stepHold)
-	if err != nil || d != 21 {
-		t.Errorf("step %v (%v), want 21ns: the three ranks' work without the hold", d, err)
+	d, _, held, err := oneRankStep(b, c, steps(c, false, -1), stepHold)
+	if err != nil || d != 21 || !held {
+		t.Errorf("step %v, held %v (%v), want 21ns, held: the three ranks' work without the hold", d, held, err)
 	}
 	if got := strings.Join(c.log, ", "); got != "hold "+stepHold.String()+", mark, mark" {
 		t.Errorf("log %q, want the hold before the start mark", got)
 	}
 
 	c = &holdingClock{marks: map[profile.Mark]time.Duration{}}
-	if _, _, err := oneRankStep(b, c, steps(c, true, -1), stepHold); err != nil || strings.Contains(strings.Join(c.log, " "), "hold") {
-		t.Errorf("ranks with their own devices: log %q (%v), want no hold", c.log, err)
+	if _, _, held, err := oneRankStep(b, c, steps(c, true, -1), stepHold); err != nil || held || strings.Contains(strings.Join(c.log, " "), "hold") {
+		t.Errorf("ranks with their own devices: log %q, held %v (%v), want no hold", c.log, held, err)
 	}
 
 	c = &holdingClock{marks: map[profile.Mark]time.Duration{}}
 	done := make(chan error, 1)
 	go func() {
-		_, _, err := oneRankStep(b, c, steps(c, false, 1), stepHold)
+		_, _, _, err := oneRankStep(b, c, steps(c, false, 1), stepHold)
 		done <- err
 	}()
 	select {
@@ -126,7 +126,7 @@ func TestTimeInterleaved(t *testing.T) {
 	// path c's first two 5 ms.
 	path := func(name string, base time.Duration) *timedPath {
 		round := 0
-		return &timedPath{name: name, sample: func(kind int, hold time.Duration) (time.Duration, time.Duration, error) {
+		return &timedPath{name: name, sample: func(kind int, hold time.Duration) (time.Duration, time.Duration, bool, error) {
 			order = append(order, fmt.Sprintf("%s/%v", name, kind))
 			if kind == 1 {
 				holds[name] = append(holds[name], hold)
@@ -136,9 +136,9 @@ func TestTimeInterleaved(t *testing.T) {
 					queue = 5 * time.Millisecond
 				}
 				round++
-				return d, queue, nil
+				return d, queue, true, nil
 			}
-			return base + time.Duration(round), 0, nil
+			return base + time.Duration(round), 0, true, nil
 		}}
 	}
 	paths := []*timedPath{path("a", 10000), path("b", 20000), path("c", 30000)}
@@ -176,9 +176,9 @@ func TestTimeInterleaved(t *testing.T) {
 	// A path whose host queues each step twice as long as the one before
 	// outlasts every hold after the first: 3 timed steps uncovered.
 	q := time.Millisecond
-	growing := &timedPath{name: "growing", sample: func(int, time.Duration) (time.Duration, time.Duration, error) {
+	growing := &timedPath{name: "growing", sample: func(int, time.Duration) (time.Duration, time.Duration, bool, error) {
 		q *= 2
-		return 1, q, nil
+		return 1, q, true, nil
 	}}
 	if err := timeInterleaved([]*timedPath{growing}, []string{""}, 3); err != nil || growing.uncovered != 3 || growing.queue != 32*time.Millisecond {
 		t.Errorf("growing queue: %d steps uncovered, longest %v (%v), want 3, 32ms", growing.uncovered, growing.queue, err)
@@ -189,9 +189,9 @@ func TestTimeInterleaved(t *testing.T) {
 	// stepHoldMax instead of growing 1.5 times a round, and every timed
 	// step is uncovered.
 	var waitingHolds []time.Duration
-	waiting := &timedPath{name: "waiting", sample: func(_ int, hold time.Duration) (time.Duration, time.Duration, error) {
+	waiting := &timedPath{name: "waiting", sample: func(_ int, hold time.Duration) (time.Duration, time.Duration, bool, error) {
 		waitingHolds = append(waitingHolds, hold)
-		return 1, hold + time.Millisecond, nil
+		return 1, hold + time.Millisecond, true, nil
 	}}
 	if err := timeInterleaved([]*timedPath{waiting}, []string{""}, 10); err != nil || waiting.uncovered != 10 {
 		t.Errorf("waiting host: %d steps uncovered (%v), want 10", waiting.uncovered, err)
@@ -200,11 +200,21 @@ func TestTimeInterleaved(t *testing.T) {
 		t.Errorf("waiting host's holds %v: want them to stop at %v", waitingHolds, stepHoldMax)
 	}
 
-	failing := &timedPath{name: "mode ring", sample: func(kind int, _ time.Duration) (time.Duration, time.Duration, error) {
+	// A path that cannot hold the device (ranks with devices of their
+	// own, a clock that does not hold) has no hold to outlast: its long
+	// queueing is reported, not counted as uncovered.
+	unheld := &timedPath{name: "unheld", sample: func(int, time.Duration) (time.Duration, time.Duration, bool, error) {
+		return 1, 50 * time.Millisecond, false, nil
+	}}
+	if err := timeInterleaved([]*timedPath{unheld}, []string{""}, 3); err != nil || unheld.uncovered != 0 || unheld.queue != 50*time.Millisecond {
+		t.Errorf("unheld path: %d steps uncovered, longest %v (%v), want 0, 50ms", unheld.uncovered, unheld.queue, err)
+	}
+
+	failing := &timedPath{name: "mode ring", sample: func(kind int, _ time.Duration) (time.Duration, time.Duration, bool, error) {
 		if kind == ringForwardBackward {
-			return 0, 0, fmt.Errorf("rank 1: timeout")
+			return 0, 0, false, fmt.Errorf("rank 1: timeout")
 		}
-		return 1, 0, nil
+		return 1, 0, true, nil
 	}}
 	err := timeInterleaved([]*timedPath{path("core", 1), failing}, ringKinds, 2)
 	if err == nil || err.Error() != "mode ring, forward+backward: rank 1: timeout" {
@@ -223,8 +233,12 @@ func TestRingCoreSamplerHolds(t *testing.T) {
 	in := ringInputs{q: randValues(rng, g.Seq*qw), k: randValues(rng, g.Seq*kd), v: randValues(rng, g.Seq*kd), da: randValues(rng, g.Seq*qw)}
 	for _, hold := range []bool{true, false} {
 		c := &holdingClock{marks: map[profile.Mark]time.Duration{}}
-		if _, _, err := ringCoreSampler(b, c, g, in, hold)(ringForwardBackward, 3*time.Millisecond); err != nil {
+		_, _, held, err := ringCoreSampler(b, c, g, in, hold)(ringForwardBackward, 3*time.Millisecond)
+		if err != nil {
 			t.Fatal(err)
+		}
+		if held != hold {
+			t.Errorf("hold %v: held %v", hold, held)
 		}
 		want := "mark, mark"
 		if hold {

@@ -477,7 +477,7 @@ func timeTPRow(bs []backend.Backend, ownDevices bool, clock profile.Clock, rng *
 	// once runs one step of work on every rank, outside the timing, and
 	// returns rank 0's checked outputs.
 	once := func(work func(*tpRank) func() error) ([][]float32, error) {
-		if _, _, err := oneRankStep(bs[0], clock, tpSteps(ranks, work), 0); err != nil {
+		if _, _, _, err := oneRankStep(bs[0], clock, tpSteps(ranks, work), 0); err != nil {
 			return nil, err
 		}
 		return ranks[0].download(), nil
