@@ -1,6 +1,13 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT has no
-// bit at the moment. The last labs (kernels/attention_hopper.md):
+// define it compiles to the production source's PTX. AH_EXPERIMENT bits,
+// the ring backward's walk, where Nsight Compute found a rank's call at
+// W4 S/W 8192 with 81% L2 hits and 1.8 times the DRAM bytes a key block
+// against the whole-sequence call's 90% (kernels/attention_hopper.md):
+// bit 2 (zz-walk-rev) each head's query tiles from the last down, as the
+// whole-sequence walk since 614052d, so the blocks that start together
+// read the same tiles; bit 4 (zz-heads-inner) the block's heads take each
+// tile in turn (tile outer, head inner), so blocks of every weight stay on
+// the same tiles. The last labs (kernels/attention_hopper.md):
 // bwd-walk-fastdiv (the whole-sequence backward walk's division as a
 // multiply and a shift, ah_div) and bwd-prescale (the exponential giving
 // P^T * scale) are production; fwd-walk-fastdiv (the same for the
@@ -1562,14 +1569,36 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
   const int qt0 = kp0 / BQ, perHead = 2 * W * C / BQ - qt0;
   // The key at position kp sees the query at position i iff kp <= i: no
   // sequence end on either side (S and KS out of reach, off 0).
+#if AH_EXPERIMENT & 4
+  // zz-heads-inner: item it is tile it / Gs of head it % Gs (Gs the
+  // block's heads), so the block's heads take each tile in turn.
+  const int Gs = G / (int)gridDim.z;
+  const ah_div byHead(Gs);
+#else
   const ah_div byHead(perHead);
+#endif
   ah_bwd_block<DH>(
       [&] { return (G / (int)gridDim.z) * perHead; }, kp0, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
         // Item it's query tile: its first position, and the rank and local
         // row that hold it.
+#if AH_EXPERIMENT & 6
+#if AH_EXPERIMENT & 4
+        const int ti = byHead.div(it), hi = it - ti * Gs;
+#else
+        const int hi = byHead.div(it), ti = it - hi * perHead;
+#endif
+#if AH_EXPERIMENT & 2
+        // zz-walk-rev: each head's tiles from the last down, as the
+        // whole-sequence walk (614052d).
+        const int qp0 = (qt0 + perHead - 1 - ti) * BQ, cq = qp0 / C;
+#else
+        const int qp0 = (qt0 + ti) * BQ, cq = qp0 / C;
+#endif
+#else
         const int hi = byHead.div(it);
         const int qp0 = (qt0 + it - hi * perHead) * BQ, cq = qp0 / C;
+#endif
         const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
         at.h = h0 + hi;
         at.q0 = qp0;
