@@ -1518,7 +1518,10 @@ __device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const flo
 // the group, every tile of BQ queries of the whole sequence from the
 // block's first key position on, each read from the rank that holds it (q and
 // dout through that rank's tensor maps, lse and delta [B, 2, H, C] through
-// its pointers), in position order. The block is ah_backward's
+// its pointers), from the last tile down, as the whole-sequence walk: the
+// blocks that start together then read the same tiles and add into the
+// same dq blocks while those are in L2 (1.3-1.8% faster than walking up,
+// kernels/attention_hopper.md). The block is ah_backward's
 // (ah_bwd_block); dk and dv stay in registers across every rank's queries
 // and are stored once into this rank's rows, and each dq block is added
 // into its owner's dq by TMA reductions (float32, zero before any rank's
@@ -1555,7 +1558,7 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
         // Item it's query tile: its first position, and the rank and local
         // row that hold it.
         const int hi = byHead.div(it);
-        const int qp0 = (qt0 + it - hi * perHead) * BQ, cq = qp0 / C;
+        const int qp0 = (qt0 + perHead - 1 - (it - hi * perHead)) * BQ, cq = qp0 / C;
         const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
         at.h = h0 + hi;
         at.q0 = qp0;

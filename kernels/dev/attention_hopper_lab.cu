@@ -1,20 +1,16 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT bits,
-// the ring backward's walk, where Nsight Compute found a rank's call at
-// W4 S/W 8192 with 81% L2 hits and 1.8 times the DRAM bytes a key block
-// against the whole-sequence call's 90% (kernels/attention_hopper.md):
-// bit 2 (zz-walk-rev) each head's query tiles from the last down, as the
-// whole-sequence walk since 614052d, so the blocks that start together
-// read the same tiles; bit 4 (zz-heads-inner) the block's heads take each
-// tile in turn (tile outer, head inner), so blocks of every weight stay on
-// the same tiles. The last labs (kernels/attention_hopper.md):
-// bwd-walk-fastdiv (the whole-sequence backward walk's division as a
-// multiply and a shift, ah_div) and bwd-prescale (the exponential giving
-// P^T * scale) are production; fwd-walk-fastdiv (the same for the
-// persistent forward's item decoding) was level and left at 3cbb251;
-// before them bwd-walk-* (production since 614052d) and bwd-head-split
-// (left at 6306c9e); the ring backward's zz-chunk-search and zz-walk-rev
-// were level and left at 8bde2a8; git keeps them.
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment. The last labs (kernels/attention_hopper.md): the ring
+// backward's zz-walk-rev (each head's query tiles from the last down) is
+// production since it was measured by Nsight Compute (1.3-1.8% faster a
+// step); zz-heads-inner and zz-rev-heads-inner (the block's heads inner)
+// were slower and left; bwd-walk-fastdiv (the whole-sequence backward
+// walk's division as a multiply and a shift, ah_div) and bwd-prescale (the
+// exponential giving P^T * scale) are production; fwd-walk-fastdiv (the
+// same for the persistent forward's item decoding) was level and left at
+// 3cbb251; before them bwd-walk-* (production since 614052d) and
+// bwd-head-split (left at 6306c9e); the ring backward's zz-chunk-search
+// was level and left at 8bde2a8; git keeps them.
 //
 // Causal grouped-query attention for Hopper (sm_90a), forward and
 // backward (the backward's section below): bf16 q, k and v read by TMA
@@ -1539,7 +1535,10 @@ __device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const flo
 // the group, every tile of BQ queries of the whole sequence from the
 // block's first key position on, each read from the rank that holds it (q and
 // dout through that rank's tensor maps, lse and delta [B, 2, H, C] through
-// its pointers), in position order. The block is ah_backward's
+// its pointers), from the last tile down, as the whole-sequence walk: the
+// blocks that start together then read the same tiles and add into the
+// same dq blocks while those are in L2 (1.3-1.8% faster than walking up,
+// kernels/attention_hopper.md). The block is ah_backward's
 // (ah_bwd_block); dk and dv stay in registers across every rank's queries
 // and are stored once into this rank's rows, and each dq block is added
 // into its owner's dq by TMA reductions (float32, zero before any rank's
@@ -1569,36 +1568,14 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
   const int qt0 = kp0 / BQ, perHead = 2 * W * C / BQ - qt0;
   // The key at position kp sees the query at position i iff kp <= i: no
   // sequence end on either side (S and KS out of reach, off 0).
-#if AH_EXPERIMENT & 4
-  // zz-heads-inner: item it is tile it / Gs of head it % Gs (Gs the
-  // block's heads), so the block's heads take each tile in turn.
-  const int Gs = G / (int)gridDim.z;
-  const ah_div byHead(Gs);
-#else
   const ah_div byHead(perHead);
-#endif
   ah_bwd_block<DH>(
       [&] { return (G / (int)gridDim.z) * perHead; }, kp0, AH_NO_END, AH_NO_END, 0, scaleLog2, scale,
       [&](int it, ah_bwd_item& at) {
         // Item it's query tile: its first position, and the rank and local
         // row that hold it.
-#if AH_EXPERIMENT & 6
-#if AH_EXPERIMENT & 4
-        const int ti = byHead.div(it), hi = it - ti * Gs;
-#else
-        const int hi = byHead.div(it), ti = it - hi * perHead;
-#endif
-#if AH_EXPERIMENT & 2
-        // zz-walk-rev: each head's tiles from the last down, as the
-        // whole-sequence walk (614052d).
-        const int qp0 = (qt0 + perHead - 1 - ti) * BQ, cq = qp0 / C;
-#else
-        const int qp0 = (qt0 + ti) * BQ, cq = qp0 / C;
-#endif
-#else
         const int hi = byHead.div(it);
-        const int qp0 = (qt0 + it - hi * perHead) * BQ, cq = qp0 / C;
-#endif
+        const int qp0 = (qt0 + perHead - 1 - (it - hi * perHead)) * BQ, cq = qp0 / C;
         const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
         at.h = h0 + hi;
         at.q0 = qp0;

@@ -52,14 +52,7 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "zz-walk-rev", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the ring backward walks each head's query tiles from the last down"},
-			{Name: "zz-heads-inner", Defines: []string{"AH_EXPERIMENT=4"}, Exact: true,
-				Purpose: "the ring backward's block takes each query tile for all its heads in turn"},
-			{Name: "zz-rev-heads-inner", Defines: []string{"AH_EXPERIMENT=6"}, Exact: true,
-				Purpose: "zz-walk-rev and zz-heads-inner"},
-		}},
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
