@@ -11,7 +11,9 @@ package cuda
 // softmax stays in registers from the first rank's chunk to the last.
 // Backward: a block owns 128 of this rank's keys of one kv head and walks
 // every query tile of the whole sequence that sees them, per query head of
-// the group, reading q and dout through their owner's maps and lse and
+// the group from the last tile down (as the whole-sequence backward, so
+// the blocks that start together share their tiles in L2), reading q and
+// dout through their owner's maps and lse and
 // delta through its pointers; dk and dv stay in registers and are stored
 // once, and each dq block is added into its owner's dq by TMA reductions.
 // One kernel per rank and direction, no partial output, lse or gradient in
