@@ -22,6 +22,14 @@
 # Compute GUI), writes every SASS instruction of the profiled kernels
 # with its warp-stall samples to $OUT/ncu-<n>-sass.csv and prints their
 # summary by opcode and instruction (scripts/ncu_sass.py, ncu-<n>-sass.txt).
+# NCU_LAUNCHES=1 (with NCU_SECTIONS=none and NCU_METRICS, say
+# gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_elapsed.max,
+# smsp__inst_executed.sum,dram__bytes_read.sum,dram__bytes_write.sum,
+# lts__t_sector_hit_rate.pct) instead writes the metrics of every launch
+# to $OUT/ncu-<n>.csv and prints them per run of launches
+# (scripts/ncu_launches.py, ncu-<n>-launches.txt): the way to compare
+# builds whose wall-clock figures move more than they differ, such as a
+# lab test's variants in one process.
 # The report is $OUT/ncu-<n>.txt (the first free n); Nsight Compute's
 # kernel replay saves and restores the device memory a kernel may write,
 # so a large workload profiles slowly.
@@ -81,6 +89,18 @@ if [[ -n "${NCU_SOURCE:-}" ]]; then
   else
     echo "ncu.sh: no source page (ncu --page source)" >&2
   fi
+elif [[ -n "${NCU_LAUNCHES:-}" ]]; then
+  # Every launch's metrics as a raw CSV page, summarised per run of
+  # launches (scripts/ncu_launches.py), printed last.
+  rep="$(cd "$out" && pwd)/ncu-$n"
+  (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" --export "$rep" --force-overwrite "$prog" "$@") >>"$report" 2>&1
+  rc=$?
+  metrics=()
+  [[ -n "${NCU_METRICS:-}" ]] && metrics=(--metrics "$NCU_METRICS")
+  ncu --import "$rep.ncu-rep" --csv --page raw --print-units base "${metrics[@]}" >"$out/ncu-$n.csv" 2>&1
+  rm -f "$rep.ncu-rep"
+  py=$(command -v python3 || true)
+  [[ -n "$py" ]] && "$py" scripts/ncu_launches.py "$out/ncu-$n.csv" >"$out/ncu-$n-launches.txt" 2>&1
 else
   (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" "$prog" "$@") >>"$report" 2>&1
   rc=$?
@@ -88,4 +108,5 @@ fi
 echo "ncu.sh: exit $rc, report $report"
 grep -E '^  [a-zA-Z_0-9]+ \(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Pipe Tensor Cycles Active|No Eligible|Stall (Long Scoreboard|Wait|Barrier|MIO Throttle)' "$report" | head -n 40
 [[ -f "$out/ncu-$n-sass.txt" ]] && cat "$out/ncu-$n-sass.txt"
+[[ -f "$out/ncu-$n-launches.txt" ]] && head -n 60 "$out/ncu-$n-launches.txt"
 exit $rc
