@@ -74,17 +74,20 @@ prog=$1
 shift
 [[ "$prog" == /* ]] || prog="$root/$prog"
 echo "ncu.sh: $kernels ($count after $skip) in: $*" >"$report"
+# NCU_SOURCE and NCU_LAUNCHES keep the report and read pages from it.
+rep="$(cd "$out" && pwd)/ncu-$n"  # absolute: the command may run from DIR
+keep=()
+[[ -n "${NCU_SOURCE:-}${NCU_LAUNCHES:-}" ]] && keep=(--export "$rep" --force-overwrite)
+(cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" "${keep[@]}" "$prog" "$@") >>"$report" 2>&1
+rc=$?
+py=$(command -v python3 || true)
 if [[ -n "${NCU_SOURCE:-}" ]]; then
-  # Keep the report, print its sections from it, and list every SASS
-  # instruction with its warp-stall samples (ncu-<n>-sass.csv).
-  rep="$(cd "$out" && pwd)/ncu-$n"  # absolute: the command may run from DIR
-  (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" --export "$rep" --force-overwrite "$prog" "$@") >>"$report" 2>&1
-  rc=$?
+  # Print the sections from the report, and list every SASS instruction
+  # with its warp-stall samples (ncu-<n>-sass.csv).
   ncu --import "$rep.ncu-rep" --print-details all >>"$report" 2>&1
   if ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"$out/ncu-$n-sass.csv" 2>&1; then
     # The opcodes and instructions with the most stall samples
     # (scripts/ncu_sass.py), printed last.
-    py=$(command -v python3 || true)
     [[ -n "$py" ]] && "$py" scripts/ncu_sass.py "$out/ncu-$n-sass.csv" 15 >"$out/ncu-$n-sass.txt" 2>&1
   else
     echo "ncu.sh: no source page (ncu --page source)" >&2
@@ -92,18 +95,11 @@ if [[ -n "${NCU_SOURCE:-}" ]]; then
 elif [[ -n "${NCU_LAUNCHES:-}" ]]; then
   # Every launch's metrics as a raw CSV page, summarised per run of
   # launches (scripts/ncu_launches.py), printed last.
-  rep="$(cd "$out" && pwd)/ncu-$n"
-  (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" --export "$rep" --force-overwrite "$prog" "$@") >>"$report" 2>&1
-  rc=$?
   metrics=()
   [[ -n "${NCU_METRICS:-}" ]] && metrics=(--metrics "$NCU_METRICS")
   ncu --import "$rep.ncu-rep" --csv --page raw --print-units base "${metrics[@]}" >"$out/ncu-$n.csv" 2>&1
   rm -f "$rep.ncu-rep"
-  py=$(command -v python3 || true)
   [[ -n "$py" ]] && "$py" scripts/ncu_launches.py "$out/ncu-$n.csv" >"$out/ncu-$n-launches.txt" 2>&1
-else
-  (cd "$dir" && timeout "${NCU_TIMEOUT:-300}" ncu "${args[@]}" "$prog" "$@") >>"$report" 2>&1
-  rc=$?
 fi
 echo "ncu.sh: exit $rc, report $report"
 grep -E '^  [a-zA-Z_0-9]+ \(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Pipe Tensor Cycles Active|No Eligible|Stall (Long Scoreboard|Wait|Barrier|MIO Throttle)' "$report" | head -n 40
