@@ -102,6 +102,15 @@ Send and Recv), each rank waiting for its GPU before a step counts as
 finished, against the core on GPU 0 alone: the ring's efficiency over
 NVLink (the multi-GPU issue, #33).
 
+After a row's timed rounds, on virtual ranks where mode ring is the fused
+ring, one more forward+backward step of the core and one of the fused
+ring run on a profiling wrapper of the backend (backend/profile): each
+op between two marks of the device's clock, the step behind a hold.
+The table's last lines and the row's "profile" give each op's calls and
+time, their sum and the step's time (the difference is the device's
+time between ops): where the ring's step spends what its kernels alone
+do not account for.
+
 Writes attention.json (attention-gpus.json with --gpus) into
 bench/results/<machine>/ (the latest result
 per machine, overwritten by the next run) or into the folder --out
@@ -788,6 +797,9 @@ type attnRingRow struct {
 	HostQueueMaxMS     float64 `json:"host_queue_max_ms"`
 	UncoveredSteps     int     `json:"uncovered_steps"`
 	CoreUncoveredSteps int     `json:"core_uncovered_steps"`
+	// Profile is one forward+backward step of the core and of the fused
+	// ring op by op, on virtual ranks where the ring is fused (else null).
+	Profile *attnRingProfile `json:"profile,omitempty"`
 }
 
 // parseRingFlags reads --ring-world (numbers of ranks, 2 or more, or none)
@@ -880,6 +892,11 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 	row.PortableEffFwd, row.PortableEffStep = ratio(row.CoreFwdMS, row.RingPortable.FwdMS), ratio(row.CoreStepMS, row.RingPortable.StepMS)
 	if row.AllGather.FwdMS != nil {
 		row.OverAllGatherFwd, row.OverAllGatherStep = ratio(*row.AllGather.FwdMS, row.Ring.FwdMS), ratio(*row.AllGather.StepMS, row.Ring.StepMS)
+	}
+	if !ownDevices && row.Ring.FwdMS != nil && strings.HasPrefix(row.Ring.Path, "fused ring") {
+		if row.Profile, err = profileRingRow(b, clock, g, in, w); err != nil {
+			return row, fmt.Errorf("profiled step: %w", err)
+		}
 	}
 	return row, nil
 }
@@ -1129,6 +1146,7 @@ func printAttnRing(w io.Writer, ring *attnRingResult) {
 			fmt.Fprintf(w, "(the host took longer than the hold to queue some steps at %s: those steps count the GPU's wait for it)\n", strings.Join(over, ", "))
 		}
 	}
+	printRingProfiles(w, ring.Rows)
 	for _, e := range errs {
 		fmt.Fprintf(w, "(not measured: %s)\n", e)
 	}

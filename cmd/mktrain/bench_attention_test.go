@@ -223,6 +223,7 @@ func TestBenchAttentionRing(t *testing.T) {
 			!near(*r.OverAllGatherFwd, *ag.FwdMS / *r.Ring.FwdMS) || !near(*r.OverAllGatherStep, *ag.StepMS / *r.Ring.StepMS) {
 			t.Errorf("row %d: ring %+v", i, r)
 		}
+		checkRingProfile(t, i, r)
 	}
 	bars := res.Figures.Bars
 	if len(bars) != 3 || bars[1].Bar != ringEfficiencyBar || bars[1].Verdict != verdictNotMeasured || bars[1].Why != "no row at S/W >= 4096" || bars[2].Bar != ringFasterBar {
@@ -233,6 +234,38 @@ func TestBenchAttentionRing(t *testing.T) {
 	}
 	if !strings.Contains(stdout, "virtual ranks share one GPU's memory and SMs") || !strings.Contains(stdout, "#33") || !strings.Contains(stdout, "r/ag fwd") {
 		t.Errorf("the ring table does not say what virtual ranks are:\n%s", stdout)
+	}
+}
+
+// checkRingProfile checks row i's profiled steps: the core's two ops once
+// each, every rank's forward in the ring's, the ops' times summed and
+// within the step.
+func checkRingProfile(t *testing.T, i int, r attnRingRow) {
+	t.Helper()
+	p := r.Profile
+	if p == nil || p.Core.Path != "core on the whole sequence" || p.Ring.Path != r.Ring.Path {
+		t.Errorf("row %d: profile %+v", i, p)
+		return
+	}
+	calls := func(s attnStepProfile, op string) int {
+		for _, o := range s.Ops {
+			if o.Op == op {
+				return o.Calls
+			}
+		}
+		return 0
+	}
+	if calls(p.Core, "AttentionForward") != 1 || calls(p.Core, "AttentionBackward") != 1 || calls(p.Ring, "ZigzagAttentionForward") != r.World {
+		t.Errorf("row %d: profiled ops: core %+v, ring %+v", i, p.Core.Ops, p.Ring.Ops)
+	}
+	for _, s := range []attnStepProfile{p.Core, p.Ring} {
+		var sum float64
+		for _, o := range s.Ops {
+			sum += o.MS
+		}
+		if !near(sum, s.OpsMS) || s.OpsMS <= 0 || s.StepMS < s.OpsMS*0.999 {
+			t.Errorf("row %d: %s: step %g ms, ops %g ms, op times summing to %g", i, s.Path, s.StepMS, s.OpsMS, sum)
+		}
 	}
 }
 
