@@ -263,7 +263,7 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
 	keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
 	if splits == 0 {
-		splits = zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, b.dev.info.SMs)
+		splits = zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, b.dev.info.SMs)
 	}
 	if splits > 1 {
 		// The blocks add their shares of dk and dv.
@@ -281,21 +281,24 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 
 // zigzagBackwardSplits is how many blocks of attn_h_zz_backward_d* share
 // one key block of a rank (each walking an equal share of the group's
-// query heads, group of them, and adding its dk and dv): the fewest that
-// make at least 1.5 blocks an SM, a divisor of group (1 when keyBlocks
-// already do). A rank's key blocks differ in work by up to 2W times (its
-// early chunk's keys see every later query), so with about one block an
-// SM the heaviest set the call's time; with more, the light ones fill the
-// SMs the heavy ones leave. 1.5 and not 2: at two blocks an SM (chunks of
-// 4096 rows at four kv heads) the call already ran at 1.2-1.3 times the
-// whole-sequence backward's rate then, and TestZigzagBackwardSplitFigures
-// (H100, two runs) found no other split clearly faster: at chunks of 4096
-// rows two blocks a key block ran 1-2% faster than one on average at head
-// dim 128, within the runs' 3% spread, and 1% slower at head dim 64; four
-// were slower than two where two is the rule (kernels/attention_hopper.md).
-func zigzagBackwardSplits(keyBlocks, group, sms int) int {
+// query heads, group of them, and adding its dk and dv): the fewest
+// divisors of group that make at least 1.5 blocks an SM, and at head dim
+// 128 at least two (the whole group at most). A rank's key blocks differ
+// in work by up to 2W times (its early chunk's keys see every later
+// query), so with about one block an SM the heaviest set the call's time;
+// with more, the light ones fill the SMs the heavy ones leave. 1.5 and
+// not 2: at chunks of 2048 rows two blocks a key block (1.9 an SM) beat
+// four at bench level (TestZigzagBackwardSplitFigures, H100). At head
+// dim 128 two beat one at chunks of 4096 rows too, where one already
+// makes 1.9 blocks an SM: Nsight Compute per launch (H100, 7d3cf03) put
+// a rank's call at 2.6% (W4) and 4.0% (W2) less time with two blocks a
+// key block and 1.6-1.7% with four, its L2 hits from 85.7% to 92%: a
+// block walking half the heads drifts half as far from the blocks it
+// started beside, which read the same query tiles
+// (kernels/attention_hopper.md).
+func zigzagBackwardSplits(keyBlocks, group, headDim, sms int) int {
 	for d := 1; d < group; d++ {
-		if group%d == 0 && 2*keyBlocks*d >= 3*sms {
+		if group%d == 0 && 2*keyBlocks*d >= 3*sms && (d > 1 || headDim != 128) {
 			return d
 		}
 	}

@@ -1,8 +1,9 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT bits:
-// 1 zz-chunk-shift (the ring backward walk's chunk of a position by a
-// shift where the chunk length is a power of two), 2 zz-red-v2 (the ring
-// backward's shared dk and dv added two columns a reduction). The last labs (kernels/attention_hopper.md): the ring
+// define it compiles to the production source's PTX. AH_EXPERIMENT has no
+// bit at the moment. The last labs: zz-red-v2 (the ring backward's shared
+// dk and dv added two columns a reduction) is production since it was
+// measured by Nsight Compute; zz-chunk-shift (the walk's chunk of a
+// position by a shift) was level and left. Before them (kernels/attention_hopper.md): the ring
 // backward's zz-walk-rev (each head's query tiles from the last down) is
 // production since it was measured by Nsight Compute (1.3-1.8% faster a
 // step); zz-heads-inner and zz-rev-heads-inner (the block's heads inner)
@@ -1503,7 +1504,7 @@ __device__ __forceinline__ void ah_backward(const gg_tmap* mapQ, const gg_tmap* 
 // ---- The fused ring's backward ----
 //
 // ah_zz_store_dkdv writes a block's dk and dv: stored where it walks every
-// query head of its group (gridDim.z 1), added (red.global.add, into dk
+// query head of its group (gridDim.z 1), added (red.global.add.v2, into dk
 // and dv the launch zeroed) where gridDim.z blocks share a key block, each
 // walking G/gridDim.z of the heads: a rank's call at 2C/128 key blocks a
 // kv head fills an H100 less than twice, and its key blocks' work differs
@@ -1519,9 +1520,8 @@ __device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const flo
   const int KD = KV * DH;
   float* k0 = dk + ((long long)b * S + kr0) * KD + kvh * DH + 2 * t4;
   float* v0 = dv + ((long long)b * S + kr0) * KD + kvh * DH + 2 * t4;
-#if AH_EXPERIMENT & 2
-  // zz-red-v2: a thread's two adjacent columns in one vector reduction
-  // (red.global.add.v2.f32, sm_90): half the reductions.
+  // A thread's two adjacent columns in one vector reduction (sm_90): half
+  // the reductions of scalar adds, 0.7-2% off the S/W 4096 rows' calls.
 #pragma unroll
   for (int i = 0; i < DH / 8; i++) {
 #pragma unroll
@@ -1531,17 +1531,6 @@ __device__ __forceinline__ void ah_zz_store_dkdv(float* dk, float* dv, const flo
       asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(v0 + at), "f"(dva[4 * i + e]), "f"(dva[4 * i + e + 1]) : "memory");
     }
   }
-#else
-#pragma unroll
-  for (int i = 0; i < DH / 8; i++) {
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const long long at = (e >> 1) * 8LL * KD + 8 * i + (e & 1);  // rows kr0, kr0 + 8
-      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(k0 + at), "f"(dka[4 * i + e]) : "memory");
-      asm volatile("red.global.add.f32 [%0], %1;" ::"l"(v0 + at), "f"(dva[4 * i + e]) : "memory");
-    }
-  }
-#endif
 }
 
 // ah_zz_backward (attn_h_zz_backward_d64 and _d128) serves one
@@ -1591,16 +1580,7 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
         // Item it's query tile: its first position, and the rank and local
         // row that hold it.
         const int hi = byHead.div(it);
-#if AH_EXPERIMENT & 1
-        // zz-chunk-shift: the chunk of a position by a shift where C is a
-        // power of two (bench attention's rows), else by the division.
-        unsigned lz;
-        asm("clz.b32 %0, %1;" : "=r"(lz) : "r"((unsigned)C));
-        const int qp0 = (qt0 + perHead - 1 - (it - hi * perHead)) * BQ;
-        const int cq = (C & (C - 1)) == 0 ? qp0 >> (31 - (int)lz) : qp0 / C;
-#else
         const int qp0 = (qt0 + perHead - 1 - (it - hi * perHead)) * BQ, cq = qp0 / C;
-#endif
         const int owner = cq < W ? cq : 2 * W - 1 - cq, nq = cq < W ? 0 : 1, row = nq * C + qp0 - cq * C;
         at.h = h0 + hi;
         at.q0 = qp0;

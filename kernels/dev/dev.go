@@ -52,12 +52,7 @@ type Variant struct {
 // Sources lists the lab sources. A test checks it against the files.
 func Sources() []Source {
 	return []Source{
-		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu", Variants: []Variant{
-			{Name: "zz-chunk-shift", Defines: []string{"AH_EXPERIMENT=1"}, Exact: true,
-				Purpose: "the ring backward walk's chunk of a position by a shift where the chunk length is a power of two, not a division"},
-			{Name: "zz-red-v2", Defines: []string{"AH_EXPERIMENT=2"}, Exact: true,
-				Purpose: "the ring backward's shared dk and dv added two adjacent columns a reduction (red.global.add.v2.f32)"},
-		}},
+		{File: "attention_hopper_lab.cu", Production: "attention_hopper.cu"},
 		{File: "moe_fused_lab.cu", Production: "moe_fused.cu", Variants: []Variant{
 			// The gather of moe_dispatch_swiglu and moe_dispatch_dgrad.
 			{Name: "bf16-sources", Defines: []string{"GG_EXPERIMENT=1"},
