@@ -266,7 +266,11 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 		splits = zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, b.dev.info.SMs)
 	}
 	if splits > 1 {
-		// The blocks add their shares of dk and dv.
+		// The blocks add their shares of dk and dv, two adjacent columns
+		// a vector reduction, which wants 8-byte addresses.
+		if single[0]%8 != 0 || single[1]%8 != 0 {
+			fail(op, "dk and dv must start on 8-byte boundaries (views at even element offsets), not at %#x and %#x", uint64(single[0]), uint64(single[1]))
+		}
 		b.Zero(dkTK)
 		b.Zero(dvTK)
 	}
