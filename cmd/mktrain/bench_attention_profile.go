@@ -83,13 +83,10 @@ func profileRingRow(b backend.Backend, clock profile.Clock, g attnBenchShape, in
 }
 
 // profileStep runs step once unprofiled (a warm-up: first calls allocate
-// and load kernels) and once with prof enabled, and returns the second's
-// ops.
+// and load kernels; step waits for the device) and once with prof
+// enabled, and returns the second's ops.
 func profileStep(prof *profile.Backend, step func() error) (attnStepProfile, error) {
 	if err := step(); err != nil {
-		return attnStepProfile{}, err
-	}
-	if _, err := prof.Report(); err != nil { // nothing recorded; waits for the warm-up
 		return attnStepProfile{}, err
 	}
 	prof.SetEnabled(true)
