@@ -489,7 +489,7 @@ type Backend interface {
 	ZigzagAttentionBackwardDKDV(dkTK, dvTK, kTK, vTK Tensor, qTQ, doutTQ, lseBHS, deltaBHS []Tensor, s ZigzagShape)
 	// The one-pass fused ring, where ZigzagAttentionOnePass says the
 	// backend takes s: ZigzagAttentionForward on bf16 q, k and v (every
-	// rank's k and v read in place), then per rank ZigzagAttentionDelta
+	// rank's k and v read in place), then per rank ZigzagAttentionPrepare
 	// and one ZigzagAttentionBackward, which writes its own dk and dv and
 	// adds its keys' share of every rank's dq into that rank's dq. The
 	// kernels need no second pass and no per-head sums, at the price of
@@ -500,15 +500,16 @@ type Backend interface {
 	// they do. Where it is nil, ZigzagAttentionForward also takes bf16 q,
 	// k and v.
 	ZigzagAttentionOnePass(s ZigzagShape) error
-	// ZigzagAttentionDelta writes deltaBHS [B, 2, H, C], D_i =
-	// rowsum(dout_i * out_i) per row and head, from this rank's doutTQ and
-	// outTQ (float).
-	ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ Tensor, s ZigzagShape)
+	// ZigzagAttentionPrepare readies this rank's inputs to the one-pass
+	// backward from its doutTQ and outTQ (float): deltaBHS [B, 2, H, C],
+	// D_i = rowsum(dout_i * out_i) per row and head; doutBF16TQ, dout
+	// rounded to bf16; and dqTQ (float) zeroed.
+	ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ Tensor, s ZigzagShape)
 	// ZigzagAttentionBackward writes this rank's dk and dv (overwrites,
 	// float) for its bf16 keys kTK and values vTK from every query that
 	// sees them, and adds their share of each rank's dq into dqTQ[rank]
 	// (float, zeroed by its owner before the meeting), from every rank's
-	// bf16 q and dout and float lse and delta (ZigzagAttentionDelta's).
+	// bf16 q and dout and float lse and delta (ZigzagAttentionPrepare's).
 	// Every rank's zeroed dq and delta must be complete before the call,
 	// and no rank may read its dq before every rank's call is done.
 	ZigzagAttentionBackward(dqTQ []Tensor, dkTK, dvTK, kTK, vTK Tensor, qTQ, doutTQ, lseBHS, deltaBHS []Tensor, s ZigzagShape)

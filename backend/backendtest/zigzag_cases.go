@@ -3,7 +3,7 @@ package backendtest
 // Conformance cases of the zigzag context-parallel attention ops (the
 // fused ring): the two-pass ZigzagAttentionForward,
 // ZigzagAttentionBackwardDQ and ZigzagAttentionBackwardDKDV, and the
-// one-pass ZigzagAttentionForward on bf16 q, k, v, ZigzagAttentionDelta
+// one-pass ZigzagAttentionForward on bf16 q, k, v, ZigzagAttentionPrepare
 // and ZigzagAttentionBackward. Compare runs every rank's ops, in the
 // order a context-parallel layer does (every forward, then every dq or
 // delta, then every dk/dv or backward), on the backend and the oracle.
@@ -82,12 +82,12 @@ func zigzagOnePassCompare(s backend.ZigzagShape) func(e *Env) {
 			k = append(k, e.BF16Uniform(n("k"), -2, 2, rows, K))
 			v = append(v, e.BF16Uniform(n("v"), -1, 1, rows, K))
 			dout = append(dout, e.Uniform(n("dout"), -1, 1, rows, Q))
-			// The layer rounds dout for the backward's products, after
-			// delta took it in float.
-			doutBF16 = append(doutBF16, e.BF16Floats(n("dout-bf16"), dout[r].host, rows, Q))
+			// ZigzagAttentionPrepare rounds dout for the backward's
+			// products and zeroes dq, which starts as NaN.
+			doutBF16 = append(doutBF16, e.OutBF16(n("dout-bf16"), rows, Q))
 			out = append(out, e.Out(n("out"), rows, Q))
 			lse = append(lse, e.Out(n("lse"), s.Batch, 2, s.Heads, s.Chunk))
-			dq = append(dq, e.InOut(e.Floats(n("dq"), make([]float64, rows*Q), rows, Q)))
+			dq = append(dq, e.Out(n("dq"), rows, Q))
 			delta = append(delta, e.Out(n("delta"), s.Batch, 2, s.Heads, s.Chunk))
 			dk = append(dk, e.Out(n("dk"), rows, K))
 			dv = append(dv, e.Out(n("dv"), rows, K))
@@ -99,7 +99,7 @@ func zigzagOnePassCompare(s backend.ZigzagShape) func(e *Env) {
 				b.ZigzagAttentionForward(x(out[r]), x(lse[r]), x(q[r]), x.All(k), x.All(v), rank(r))
 			}
 			for r := range W {
-				b.ZigzagAttentionDelta(x(delta[r]), x(dout[r]), x(out[r]), rank(r))
+				b.ZigzagAttentionPrepare(x(delta[r]), x(doutBF16[r]), x(dq[r]), x(dout[r]), x(out[r]), rank(r))
 			}
 			for r := range W {
 				b.ZigzagAttentionBackward(x.All(dq), x(dk[r]), x(dv[r]), x(k[r]), x(v[r]), x.All(q), x.All(doutBF16), x.All(lse), x.All(delta), rank(r))
@@ -255,17 +255,23 @@ func zigzagCheck(s backend.ZigzagShape) func(t *testing.T, b64 backend.Backend) 
 			CompareFloats(t, fmt.Sprintf("rank %d dv", r), Download(b64, ldv), local(want["dv"], K, r), 1e-12)
 		}
 
-		// The one-pass ops: every rank's delta, then every rank's backward,
-		// which writes its dk, dv and adds its keys' share to every rank's
-		// zeroed dq.
+		// The one-pass ops: every rank's preparation (delta, dout rounded,
+		// dq zeroed from NaN), then every rank's backward, which writes its
+		// dk, dv and adds its keys' share to every rank's dq. The backward
+		// here reads the float dout, so that it meets the float64
+		// definition; the rounding is checked on its own.
 		ldqs := make([]backend.Tensor, W)
 		for r := range W {
 			sr := s
 			sr.Rank = r
 			ldelta[r] = Upload(b64, attnNaNs(B*2*C*s.Heads), B, 2, s.Heads, C)
-			b64.ZigzagAttentionDelta(ldelta[r], ldout[r], lout[r], sr)
+			ldqs[r] = Upload(b64, attnNaNs(B*2*C*Q), B*2*C, Q)
+			lround := UploadBF16(b64, attnNaNs(B*2*C*Q), B*2*C, Q)
+			b64.ZigzagAttentionPrepare(ldelta[r], lround, ldqs[r], ldout[r], lout[r], sr)
 			CompareFloats(t, fmt.Sprintf("one pass: rank %d delta", r), Download(b64, ldelta[r]), local(want["delta"], 0, r), 1e-12)
-			ldqs[r] = Upload(b64, make([]float64, B*2*C*Q), B*2*C, Q)
+			CompareFloats(t, fmt.Sprintf("one pass: rank %d dout rounded", r), Download(b64, lround),
+				RoundTo(backend.BFloat16, Download(b64, ldout[r])), 0)
+			CompareFloats(t, fmt.Sprintf("one pass: rank %d dq zeroed", r), Download(b64, ldqs[r]), make([]float64, B*2*C*Q), 0)
 		}
 		for r := range W {
 			sr := s

@@ -269,14 +269,23 @@ func (b *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
 	return fmt.Errorf("the CPU backend runs the fused ring in two passes, which give the all-gather path's bits")
 }
 
-func (b *Backend) ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
-	checkZigzag("ZigzagAttentionDelta", s,
-		[]attnArg{{"delta", deltaBHS, 0, false}, {"dout", doutTQ, s.Heads, false}, {"out", outTQ, s.Heads, false}}, nil)
+// ZigzagAttentionPrepare takes delta from the float dout, as
+// ZigzagAttentionBackwardDQ does (the CUDA kernel from dout rounded to bf16,
+// as its products see it: within the conformance tolerance).
+func (b *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+	checkZigzag("ZigzagAttentionPrepare", s,
+		[]attnArg{{"delta", deltaBHS, 0, false}, {"dout (bf16)", doutBF16TQ, s.Heads, false}, {"dq", dqTQ, s.Heads, false},
+			{"dout", doutTQ, s.Heads, false}, {"out", outTQ, s.Heads, false}}, nil)
+	if dt := doutBF16TQ.DType(); dt != backend.BFloat16 {
+		panic(fmt.Sprintf("cpu: ZigzagAttentionPrepare: dout's rounding must be BFloat16, not %v", dt))
+	}
 	if b.dt == backend.Float32 {
 		zigzagDelta[float32](deltaBHS, doutTQ, outTQ, zigzag{s})
 	} else {
 		zigzagDelta[float64](deltaBHS, doutTQ, outTQ, zigzag{s})
 	}
+	b.Copy(doutBF16TQ, doutTQ)
+	b.Zero(dqTQ)
 }
 
 // ZigzagAttentionBackward is the one-pass backward: dk and dv as

@@ -458,7 +458,8 @@ func hopperAttnBwdLaunch(dh int) (threads, smem int) {
 
 // hopperAttnBackward is AttentionBackward on the Hopper kernels: q, k, v
 // and dout rounded to bf16 in scratch unless in says they are bf16
-// already, delta = rowsum(dout*out) by attn_h_delta, dq zeroed, then
+// already (dout by attn_h_delta, which also writes delta = rowsum(dout*out)
+// and zeroes dq in the same pass), then
 // attn_h_backward_d{64,128}, which writes dk and dv and adds dq's blocks
 // with TMA reductions: float adds at L2 in the order the blocks run, so
 // dq's last bits vary from run to run (attentionBackward under
@@ -499,21 +500,21 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	}
 	nq, nk := attnElems(s)
 	nl := int64(s.Batch) * int64(s.Heads) * int64(s.Seq)
-	// The bf16 copies the inputs need (dout; q, k and v), then float32
-	// delta, all 16-byte aligned (nq and nk are multiples of 64).
+	// Scratch: dout rounded to bf16 (by the delta kernel), the bf16
+	// copies of q, k and v, then float32 delta, all 16-byte aligned (nq
+	// and nk are multiples of 64).
 	type rounding struct {
 		dst, src driver.DevicePtr
 		n        int64
 	}
 	var rounds []rounding
-	ob, qb, kb, vb := dout, q, k, v
-	if !in.dout {
-		rounds = append(rounds, rounding{src: dout, n: nq})
-	}
 	if !in.qkv {
 		rounds = append(rounds, rounding{src: q, n: nq}, rounding{src: k, n: nk}, rounding{src: v, n: nk})
 	}
 	bytes := 4 * nl
+	if !in.dout {
+		bytes += 2 * nq
+	}
 	for _, r := range rounds {
 		bytes += 2 * r.n
 	}
@@ -523,28 +524,31 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	}
 	defer d.Free(buf) // stream-ordered, after the kernels below
 	at := buf.Ptr()
+	ob, qb, kb, vb := dout, q, k, v
+	if !in.dout {
+		ob = at
+		at += driver.DevicePtr(2 * nq)
+	}
 	for i := range rounds {
 		rounds[i].dst = at
 		at += driver.DevicePtr(2 * rounds[i].n)
 	}
 	delta := at
-	if !in.dout {
-		ob = rounds[0].dst
-	}
 	if !in.qkv {
-		r := rounds[len(rounds)-3:]
-		qb, kb, vb = r[0].dst, r[1].dst, r[2].dst
+		qb, kb, vb = rounds[0].dst, rounds[1].dst, rounds[2].dst
 	}
 	for _, c := range rounds {
 		if err := d.Launch(conv, d.StrideGrid((c.n+3)/4, 256, 8), c.dst, c.src, c.n); err != nil {
 			return err
 		}
 	}
+	// delta, dq zeroed and (a float dout) its bf16 rounding, in one pass.
 	T := int32(s.Batch * s.Seq)
-	if err := d.Launch(deltaKern, d.StrideGrid(int64(T)*int64(s.Heads)*32, 256, 8), delta, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh)); err != nil {
-		return err
+	deltaArgs := []any{delta, dq, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh)}
+	if !in.dout {
+		deltaArgs = []any{delta, ob, dq, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh)}
 	}
-	if err := d.Submit(func() error { return d.drv.MemsetD32Async(dq, 0, int(nq), d.stream) }); err != nil {
+	if err := d.Launch(deltaKern, d.StrideGrid(int64(T)*int64(s.Heads)*32, 256, 8), deltaArgs...); err != nil {
 		return err
 	}
 	maps := []namedMap{

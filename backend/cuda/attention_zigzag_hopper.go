@@ -189,24 +189,35 @@ func (b *Backend) zigzagForwardArgs(op string, outTQ, lseBHS, qTQ backend.Tensor
 	return grid, maps, slots, [2][]*Tensor{ks, vs}
 }
 
-// ZigzagAttentionDelta runs attn_h_delta over this rank's rows: its
+// ZigzagAttentionPrepare runs attn_h_delta over this rank's rows: its
 // [B*2C] rows are B*2 runs of C rows, which is [B, 2, H, C] in the
-// kernel's [B', H, S] layout (B' = 2B, S = C).
-func (b *Backend) ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
-	const op = "ZigzagAttentionDelta"
+// kernel's [B', H, S] layout (B' = 2B, S = C). The same pass rounds dout
+// into doutBF16TQ and zeroes dqTQ.
+func (b *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+	const op = "ZigzagAttentionPrepare"
 	if err := s.Check(); err != nil {
 		fail(op, "%v", err)
 	}
 	rows := s.Batch * 2 * s.Chunk
 	n := rows * s.Heads * s.HeadDim
-	ps := zigzagPtrs(op, "delta, dout and out", []*Tensor{vector(op, "delta", deltaBHS, s.Batch*2*s.Heads*s.Chunk),
-		vector(op, "dout", doutTQ, n), vector(op, "out", outTQ, n)})
+	ps := zigzagPtrs(op, "delta, dout's rounding, dq, dout and out", []*Tensor{vector(op, "delta", deltaBHS, s.Batch*2*s.Heads*s.Chunk),
+		bf16Vector(op, "dout's rounding", doutBF16TQ, n), vector(op, "dq", dqTQ, n), vector(op, "dout", doutTQ, n), vector(op, "out", outTQ, n)})
+	// The kernel moves four columns an access: 16 bytes of the float
+	// tensors, 8 of the bf16 one.
+	for i, a := range []struct {
+		name  string
+		bytes driver.DevicePtr
+	}{{"dout's rounding", 8}, {"dq", 16}, {"dout", 16}, {"out", 16}} {
+		if ps[i+1]%a.bytes != 0 {
+			fail(op, "%s must start on a %d-byte boundary, not at %#x", a.name, a.bytes, uint64(ps[i+1]))
+		}
+	}
 	kern, err := sourceKernel(b.dev, "attention_hopper.cu", "attn_h_delta")
 	if err != nil {
 		b.fail(err)
 		return
 	}
-	b.fail(b.dev.Launch(kern, b.dev.StrideGrid(int64(rows)*int64(s.Heads)*32, 256, 8), ps[0], ps[1], ps[2],
+	b.fail(b.dev.Launch(kern, b.dev.StrideGrid(int64(rows)*int64(s.Heads)*32, 256, 8), ps[0], ps[1], ps[2], ps[3], ps[4],
 		int32(rows), int32(s.Chunk), int32(s.Heads), int32(s.HeadDim)))
 }
 

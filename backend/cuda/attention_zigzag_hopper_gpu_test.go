@@ -69,9 +69,7 @@ func (o *zzOnePass) backwardSplits(splits int) {
 		r.b.Copy(o.q[i], r.lq[i])
 		r.b.Copy(o.k[i], r.lk[i])
 		r.b.Copy(o.v[i], r.lv[i])
-		r.b.Copy(o.doutH16[i], r.ldout[i])
-		r.b.ZigzagAttentionDelta(r.ldelta[i], r.ldout[i], r.lout[i], r.rank(i))
-		r.b.Zero(r.ldq[i])
+		r.b.ZigzagAttentionPrepare(r.ldelta[i], o.doutH16[i], r.ldq[i], r.ldout[i], r.lout[i], r.rank(i))
 	}
 	for i := range r.s.Ranks {
 		r.b.zigzagBackwardHopper(r.ldq, r.ldk[i], r.ldv[i], o.k[i], o.v[i], o.q, o.doutH16, r.llse, r.ldelta, r.rank(i), splits)

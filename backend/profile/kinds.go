@@ -75,7 +75,7 @@ func KindOf(scope, op string) string {
 		return KindTransfers
 	case opGroupedMatMul, opGroupedMatMulTN, opDispatchSwiGLU, opDownCombine, opDispatchDgrad, opDgradCombine:
 		return KindExpertGEMM
-	case opAttentionForward, opAttentionBackward, opAttentionMerge, opZigzagForward, opZigzagDQ, opZigzagDKDV, opZigzagDelta, opZigzagBackward:
+	case opAttentionForward, opAttentionBackward, opAttentionMerge, opZigzagForward, opZigzagDQ, opZigzagDKDV, opZigzagPrepare, opZigzagBackward:
 		return KindAttention
 	case opMatMul:
 		return KindDenseGEMM

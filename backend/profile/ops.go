@@ -35,7 +35,7 @@ const (
 	opZigzagForward     = "ZigzagAttentionForward"
 	opZigzagDQ          = "ZigzagAttentionBackwardDQ"
 	opZigzagDKDV        = "ZigzagAttentionBackwardDKDV"
-	opZigzagDelta       = "ZigzagAttentionDelta"
+	opZigzagPrepare     = "ZigzagAttentionPrepare"
 	opZigzagBackward    = "ZigzagAttentionBackward"
 	opSwiGLUForward     = "SwiGLUForward"
 	opSwiGLUBackward    = "SwiGLUBackward"
@@ -230,9 +230,9 @@ func (p *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
 	return p.inner.ZigzagAttentionOnePass(s)
 }
 
-func (p *Backend) ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
-	defer p.end(p.begin(), opZigzagDelta)
-	p.inner.ZigzagAttentionDelta(deltaBHS, doutTQ, outTQ, s)
+func (p *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+	defer p.end(p.begin(), opZigzagPrepare)
+	p.inner.ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ, s)
 }
 
 func (p *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
