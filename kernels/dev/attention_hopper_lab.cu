@@ -1629,10 +1629,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_d128(const 
 }
 
 // attn_h_delta: delta[b, h, i] = sum over d of bf16(dout) * out at query
-// row b*S + i, head h (float32 in, [B, H, S] out); attn_h_delta_bf16 the
-// same for a dout stored in bf16 already, attn_h_delta_bf16_bf16 for a
-// bf16 dout and out. One warp per (row, head), grid-stride; Dh a multiple
-// of 4, rows 16-byte aligned (8-byte for bf16 ones).
+// row b*S + i, head h (float32 in, [B, H, S] out), and the backward's other
+// inputs in the same pass: dout rounded to bf16 into doutb (the kernels'
+// TMA operand, one read of dout for both) and dq zeroed (the kernels add
+// into it). attn_h_delta_bf16 is the same for a dout stored in bf16 already
+// (no doutb), attn_h_delta_bf16_bf16 for a bf16 dout and out. One warp per
+// (row, head), grid-stride; Dh a multiple of 4, rows 16-byte aligned
+// (8-byte for bf16 ones).
 struct alignas(8) ah_h4 {
   mk_bf16 x, y, z, w;
 };
@@ -1652,33 +1655,42 @@ __device__ __forceinline__ ah_f4 ah_out4(const mk_bf16* p) {
   return ah_f4{mk_bf16_to_f32(a.x), mk_bf16_to_f32(a.y), mk_bf16_to_f32(a.z), mk_bf16_to_f32(a.w)};
 }
 
+// ah_delta writes delta and zeroes dq; with a doutb it also stores the
+// rounded dout there (a's values are on the bf16 grid already, so the
+// conversion back is exact).
 template <typename DO, typename O>
-__device__ __forceinline__ void ah_delta(float* delta, const DO* dout, const O* out, int T, int S, int H, int Dh) {
+__device__ __forceinline__ void ah_delta(float* delta, mk_bf16* doutb, float* dq, const DO* dout, const O* out, int T, int S, int H,
+                                         int Dh) {
   const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
   const int lane = threadIdx.x & 31;
   for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < (long long)T * H; w += warps) {
     const long long row = w / H;
     const int h = (int)(w % H);
-    const DO* dr = dout + row * H * Dh + h * Dh;
-    const O* orow = out + row * H * Dh + h * Dh;
+    const long long at = row * H * Dh + h * Dh;
     float sum = 0.0f;
     for (int d = 4 * lane; d < Dh; d += 128) {
-      const ah_f4 a = ah_dout4(dr + d), o = ah_out4(orow + d);
+      const ah_f4 a = ah_dout4(dout + at + d), o = ah_out4(out + at + d);
       sum += a.x * o.x + a.y * o.y + a.z * o.z + a.w * o.w;
+      if (doutb != nullptr) {
+        *(ah_h4*)(doutb + at + d) = ah_h4{mk_f32_to_bf16(a.x), mk_f32_to_bf16(a.y), mk_f32_to_bf16(a.z), mk_f32_to_bf16(a.w)};
+      }
+      *(ah_f4*)(dq + at + d) = ah_f4{0.0f, 0.0f, 0.0f, 0.0f};
     }
     sum = mk_warp_sum(sum);
     if (lane == 0) delta[((row / S) * H + h) * S + row % S] = sum;
   }
 }
 
-extern "C" __global__ void attn_h_delta(float* delta, const float* dout, const float* out, int T, int S, int H, int Dh) {
-  ah_delta(delta, dout, out, T, S, H, Dh);
+extern "C" __global__ void attn_h_delta(float* delta, mk_bf16* doutb, float* dq, const float* dout, const float* out, int T, int S, int H,
+                                        int Dh) {
+  ah_delta(delta, doutb, dq, dout, out, T, S, H, Dh);
 }
 
-extern "C" __global__ void attn_h_delta_bf16(float* delta, const mk_bf16* dout, const float* out, int T, int S, int H, int Dh) {
-  ah_delta(delta, dout, out, T, S, H, Dh);
+extern "C" __global__ void attn_h_delta_bf16(float* delta, float* dq, const mk_bf16* dout, const float* out, int T, int S, int H, int Dh) {
+  ah_delta(delta, (mk_bf16*)nullptr, dq, dout, out, T, S, H, Dh);
 }
 
-extern "C" __global__ void attn_h_delta_bf16_bf16(float* delta, const mk_bf16* dout, const mk_bf16* out, int T, int S, int H, int Dh) {
-  ah_delta(delta, dout, out, T, S, H, Dh);
+extern "C" __global__ void attn_h_delta_bf16_bf16(float* delta, float* dq, const mk_bf16* dout, const mk_bf16* out, int T, int S, int H,
+                                                  int Dh) {
+  ah_delta(delta, (mk_bf16*)nullptr, dq, dout, out, T, S, H, Dh);
 }
