@@ -69,7 +69,7 @@ func (o *zzOnePass) backwardSplits(splits int) {
 		r.b.Copy(o.q[i], r.lq[i])
 		r.b.Copy(o.k[i], r.lk[i])
 		r.b.Copy(o.v[i], r.lv[i])
-		r.b.ZigzagAttentionPrepare(r.ldelta[i], o.doutH16[i], r.ldq[i], r.ldout[i], r.lout[i], r.rank(i))
+		r.b.ZigzagAttentionPrepare(r.ldelta[i], o.doutH16[i], r.ldq[i], r.ldk[i], r.ldv[i], r.ldout[i], r.lout[i], r.rank(i))
 	}
 	for i := range r.s.Ranks {
 		r.b.zigzagBackwardHopper(r.ldq, r.ldk[i], r.ldv[i], o.k[i], o.v[i], o.q, o.doutH16, r.llse, r.ldelta, r.rank(i), splits)
@@ -224,7 +224,7 @@ func TestZigzagBackwardSplitFigures(t *testing.T) {
 		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
 		name := fmt.Sprintf("ring splits W%d S%d Dh%d", c.w, s.Seq(), c.dh)
 		keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
-		figure(t, name+" chosen", float64(zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, d.info.SMs)), "blocks a key block")
+		figure(t, name+" chosen", float64(zigzagBackwardSplitsFor(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, d.info.SMs)), "blocks a key block")
 		splits := []int{1, 2, 4}
 		ms := map[int]float64{}
 		for _, sp := range append(slices.Clone(splits), 4, 2, 1) {
