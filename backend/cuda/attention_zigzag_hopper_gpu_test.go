@@ -24,6 +24,16 @@ import (
 type zzOnePass struct {
 	r                *zzRun
 	q, k, v, doutH16 []backend.Tensor
+	// between, when set, is queued between consecutive ranks' kernels,
+	// which ends their Grid.Chain (TestZigzagChainFigures).
+	between func()
+}
+
+// next runs o.between unless i is the first rank.
+func (o *zzOnePass) next(i int) {
+	if i > 0 && o.between != nil {
+		o.between()
+	}
 }
 
 func newZZOnePass(r *zzRun) *zzOnePass {
@@ -49,6 +59,7 @@ func (o *zzOnePass) forwardBand(band int) {
 		r.b.Copy(o.v[i], r.lv[i])
 	}
 	for i := range r.s.Ranks {
+		o.next(i)
 		if band == 0 {
 			r.b.ZigzagAttentionForward(r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i))
 		} else {
@@ -72,6 +83,7 @@ func (o *zzOnePass) backwardSplits(splits int) {
 		r.b.ZigzagAttentionPrepare(r.ldelta[i], o.doutH16[i], r.ldq[i], r.ldk[i], r.ldv[i], r.ldout[i], r.lout[i], r.rank(i))
 	}
 	for i := range r.s.Ranks {
+		o.next(i)
 		r.b.zigzagBackwardHopper(r.ldq, r.ldk[i], r.ldv[i], o.k[i], o.v[i], o.q, o.doutH16, r.llse, r.ldelta, r.rank(i), splits)
 	}
 }
@@ -169,6 +181,43 @@ func TestZigzagOnePassFigures(t *testing.T) {
 		figure(t, name+" one-pass efficiency fwd+bwd", (coreF+coreB)/(oneF+oneB), "x")
 		figure(t, name+" two-pass efficiency fwd", coreF/tcF, "x")
 		figure(t, name+" two-pass efficiency fwd+bwd", (coreF+coreB)/(tcF+tcB), "x")
+	}
+}
+
+// TestZigzagChainFigures times the one-pass ring's forward and backward
+// on W virtual ranks with the ranks' kernels chained (each starting on the
+// SMs the previous one's last blocks leave, Grid.Chain) and separated (a
+// one-element zeroing queued between them), at the rows of bench
+// attention's ring table, and checks both sets of outputs against the
+// whole sequence.
+func TestZigzagChainFigures(t *testing.T) {
+	b := testBackend(t)
+	d := b.dev
+	for _, c := range []struct{ w, perRank, dh int }{{2, 4096, 128}, {4, 4096, 128}, {8, 4096, 128}, {4, 8192, 128}, {8, 8192, 128}, {8, 4096, 64}} {
+		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: c.dh}
+		if err := b.ZigzagAttentionOnePass(s); err != nil {
+			t.Skipf("the one-pass fused ring does not run here: %v", err)
+		}
+		r := newZZRun(t, b, s, 97)
+		r.wholeForward()
+		r.wholeBackward()
+		o := newZZOnePass(r)
+		sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
+		stop := b.New(backend.Float32, 1)
+		name := fmt.Sprintf("ring chain W%d S%d Dh%d", c.w, s.Seq(), c.dh)
+		for _, sep := range []bool{false, true, false, true} {
+			o.between = nil
+			what := "chained"
+			if sep {
+				o.between = func() { b.Zero(stop) }
+				what = "separated"
+			}
+			fwd := attnMedianMs(t, d, sync(o.forward))
+			bwd := attnMedianMs(t, d, sync(o.backward))
+			r.compareSome(t, "out", "lse", "dq", "dk", "dv")
+			figure(t, name+" "+what+" fwd", fwd, "ms")
+			figure(t, name+" "+what+" bwd", bwd, "ms")
+		}
 	}
 }
 
