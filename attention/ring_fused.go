@@ -172,7 +172,7 @@ func (f *fusedRing) backward(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
 
 func (f *fusedRing) backwardOnePass(dqTQ, dkTK, dvTK, daTQ backend.Tensor) error {
 	c, b, z := f.c, f.c.b, f.zzScratch
-	b.ZigzagAttentionPrepare(z.deltaBHS, z.daTQ, dqTQ, dkTK, dvTK, daTQ, c.aTQ, f.shape)
+	b.ZigzagAttentionPrepare(z.deltaBHS, z.daTQ, dqTQ, daTQ, c.aTQ, f.shape)
 	if err := f.meet("fused ring: exchange of the backward's inputs", dqTQ, c.qTQ, z.daTQ, c.lseBHS, z.deltaBHS); err != nil {
 		return err
 	}

@@ -503,18 +503,15 @@ type Backend interface {
 	// ZigzagAttentionPrepare readies this rank's inputs to the one-pass
 	// backward from its doutTQ and outTQ (float): deltaBHS [B, 2, H, C],
 	// D_i = rowsum(dout_i * out_i) per row and head; doutBF16TQ, dout
-	// rounded to bf16; dqTQ (float) zeroed; and its dkTK and dvTK for
-	// ZigzagAttentionBackward (zeroed where the backend's blocks add into
-	// them).
-	ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, dkTK, dvTK, doutTQ, outTQ Tensor, s ZigzagShape)
-	// ZigzagAttentionBackward writes this rank's dk and dv (float, as
-	// ZigzagAttentionPrepare left them) for its bf16 keys kTK and values
-	// vTK from every query that sees them, and adds their share of each
-	// rank's dq into dqTQ[rank] (float, zeroed by its owner before the
-	// meeting), from every rank's bf16 q and dout and float lse and delta
-	// (ZigzagAttentionPrepare's). Every rank's preparation must be
-	// complete before the call, and no rank may read its dq before every
-	// rank's call is done.
+	// rounded to bf16; and dqTQ (float) zeroed.
+	ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ Tensor, s ZigzagShape)
+	// ZigzagAttentionBackward writes this rank's dk and dv (overwrites,
+	// float) for its bf16 keys kTK and values vTK from every query that
+	// sees them, and adds their share of each rank's dq into dqTQ[rank]
+	// (float, zeroed by its owner before the meeting), from every rank's
+	// bf16 q and dout and float lse and delta (ZigzagAttentionPrepare's).
+	// Every rank's zeroed dq and delta must be complete before the call,
+	// and no rank may read its dq before every rank's call is done.
 	ZigzagAttentionBackward(dqTQ []Tensor, dkTK, dvTK, kTK, vTK Tensor, qTQ, doutTQ, lseBHS, deltaBHS []Tensor, s ZigzagShape)
 
 	// Tensor parallelism's fused products (see tensorpar.go): a product

@@ -269,14 +269,13 @@ func (b *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
 	return fmt.Errorf("the CPU backend runs the fused ring in two passes, which give the all-gather path's bits")
 }
 
-// ZigzagAttentionPrepare (which zeroes dk and dv too, though the
-// backward overwrites them here) takes delta from the float dout, as
+// ZigzagAttentionPrepare takes delta from the float dout, as
 // ZigzagAttentionBackwardDQ does (the CUDA kernel from dout rounded to bf16,
 // as its products see it: within the conformance tolerance).
-func (b *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, dkTK, dvTK, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+func (b *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
 	checkZigzag("ZigzagAttentionPrepare", s,
 		[]attnArg{{"delta", deltaBHS, 0, false}, {"dout (bf16)", doutBF16TQ, s.Heads, false}, {"dq", dqTQ, s.Heads, false},
-			{"dk", dkTK, s.KVHeads, true}, {"dv", dvTK, s.KVHeads, true}, {"dout", doutTQ, s.Heads, false}, {"out", outTQ, s.Heads, false}}, nil)
+			{"dout", doutTQ, s.Heads, false}, {"out", outTQ, s.Heads, false}}, nil)
 	if dt := doutBF16TQ.DType(); dt != backend.BFloat16 {
 		panic(fmt.Sprintf("cpu: ZigzagAttentionPrepare: dout's rounding must be BFloat16, not %v", dt))
 	}
@@ -287,8 +286,6 @@ func (b *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, dkTK, dvTK,
 	}
 	b.Copy(doutBF16TQ, doutTQ)
 	b.Zero(dqTQ)
-	b.Zero(dkTK)
-	b.Zero(dvTK)
 }
 
 // ZigzagAttentionBackward is the one-pass backward: dk and dv as

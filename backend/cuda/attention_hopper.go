@@ -254,7 +254,10 @@ func launchEncoded(d *Device, op string, kern *Kernel, grid Grid, maps []namedMa
 		if err != nil {
 			return err
 		}
-		return d.launchParams(kern, grid, ps)
+		if err := d.drv.LaunchKernel(kern.fn, grid.Grid, grid.Block, grid.Shared, d.stream, ps); err != nil {
+			return fmt.Errorf("%s: %w", kern.Desc.Name, err)
+		}
+		return nil
 	})
 }
 
@@ -543,8 +546,7 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	T := int32(s.Batch * s.Seq)
 	deltaArgs := []any{delta, dq, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh)}
 	if !in.dout {
-		// (No dk or dv to zero: attn_h_backward stores them.)
-		deltaArgs = []any{delta, ob, dq, driver.DevicePtr(0), driver.DevicePtr(0), dout, out, T, int32(s.Seq), int32(s.Heads), int32(s.KVHeads), int32(dh)}
+		deltaArgs = []any{delta, ob, dq, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh)}
 	}
 	if err := d.Launch(deltaKern, d.StrideGrid(int64(T)*int64(s.Heads)*32, 256, 8), deltaArgs...); err != nil {
 		return err

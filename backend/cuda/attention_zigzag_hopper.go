@@ -185,7 +185,6 @@ func (b *Backend) zigzagForwardArgs(op string, outTQ, lseBHS, qTQ backend.Tensor
 		Grid:   driver.Dim3{X: s.Batch * s.Heads, Y: 2 * s.Chunk / hopperAttnBM, Z: 1},
 		Block:  driver.Dim3{X: 384, Y: 1, Z: 1},
 		Shared: hopperAttnSmem(s.HeadDim, 2),
-		Chain:  "attn_h_zz_forward",
 	}
 	return grid, maps, slots, [2][]*Tensor{ks, vs}
 }
@@ -193,61 +192,46 @@ func (b *Backend) zigzagForwardArgs(op string, outTQ, lseBHS, qTQ backend.Tensor
 // ZigzagAttentionPrepare runs attn_h_delta over this rank's rows: its
 // [B*2C] rows are B*2 runs of C rows, which is [B, 2, H, C] in the
 // kernel's [B', H, S] layout (B' = 2B, S = C). The same pass rounds dout
-// into doutBF16TQ, zeroes dqTQ and, where ZigzagAttentionBackward will
-// run several blocks a key block (zigzagBackwardSplits), dkTK and dvTK,
-// so that nothing is queued between the ranks' backward kernels.
-func (b *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, dkTK, dvTK, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+// into doutBF16TQ and zeroes dqTQ.
+func (b *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
 	const op = "ZigzagAttentionPrepare"
 	if err := s.Check(); err != nil {
 		fail(op, "%v", err)
 	}
 	rows := s.Batch * 2 * s.Chunk
-	n, nkv := rows*s.Heads*s.HeadDim, rows*s.KVHeads*s.HeadDim
-	ps := zigzagPtrs(op, "delta, dout's rounding, dq, dk, dv, dout and out", []*Tensor{vector(op, "delta", deltaBHS, s.Batch*2*s.Heads*s.Chunk),
-		bf16Vector(op, "dout's rounding", doutBF16TQ, n), vector(op, "dq", dqTQ, n), vector(op, "dk", dkTK, nkv), vector(op, "dv", dvTK, nkv),
-		vector(op, "dout", doutTQ, n), vector(op, "out", outTQ, n)})
+	n := rows * s.Heads * s.HeadDim
+	ps := zigzagPtrs(op, "delta, dout's rounding, dq, dout and out", []*Tensor{vector(op, "delta", deltaBHS, s.Batch*2*s.Heads*s.Chunk),
+		bf16Vector(op, "dout's rounding", doutBF16TQ, n), vector(op, "dq", dqTQ, n), vector(op, "dout", doutTQ, n), vector(op, "out", outTQ, n)})
 	// The kernel moves four columns an access: 16 bytes of the float
 	// tensors, 8 of the bf16 one.
 	for i, a := range []struct {
 		name  string
 		bytes driver.DevicePtr
-	}{{"dout's rounding", 8}, {"dq", 16}, {"dk", 16}, {"dv", 16}, {"dout", 16}, {"out", 16}} {
+	}{{"dout's rounding", 8}, {"dq", 16}, {"dout", 16}, {"out", 16}} {
 		if ps[i+1]%a.bytes != 0 {
 			fail(op, "%s must start on a %d-byte boundary, not at %#x", a.name, a.bytes, uint64(ps[i+1]))
 		}
-	}
-	dk, dv := ps[3], ps[4]
-	if b.zigzagBackwardSplits(s) == 1 {
-		dk, dv = 0, 0 // one block a key block stores them
 	}
 	kern, err := sourceKernel(b.dev, "attention_hopper.cu", "attn_h_delta")
 	if err != nil {
 		b.fail(err)
 		return
 	}
-	b.fail(b.dev.Launch(kern, b.dev.StrideGrid(int64(rows)*int64(s.Heads)*32, 256, 8), ps[0], ps[1], ps[2], dk, dv, ps[5], ps[6],
-		int32(rows), int32(s.Chunk), int32(s.Heads), int32(s.KVHeads), int32(s.HeadDim)))
+	b.fail(b.dev.Launch(kern, b.dev.StrideGrid(int64(rows)*int64(s.Heads)*32, 256, 8), ps[0], ps[1], ps[2], ps[3], ps[4],
+		int32(rows), int32(s.Chunk), int32(s.Heads), int32(s.HeadDim)))
 }
 
 // ZigzagAttentionBackward runs attn_h_zz_backward_d{64,128}, whose one
 // block parameter is ah_zz_bmaps: this rank's k and v maps, then
 // zigzagHopperMaxRanks maps each of q, dout and dq, then one map-sized
-// entry holding zigzagHopperMaxRanks pointers each of lse and delta. The
-// ranks' calls, queued one after another, form a Grid.Chain: each rank's
-// kernel starts on the SMs the previous one's last blocks leave.
+// entry holding zigzagHopperMaxRanks pointers each of lse and delta.
 func (b *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {
 	b.zigzagBackwardHopper(dqTQ, dkTK, dvTK, kTK, vTK, qTQ, doutTQ, lseBHS, deltaBHS, s, 0)
 }
 
-// zigzagBackwardSplits is zigzagBackwardSplitsFor on s and this device.
-func (b *Backend) zigzagBackwardSplits(s backend.ZigzagShape) int {
-	return zigzagBackwardSplitsFor(s.Batch*s.KVHeads*2*s.Chunk/hopperAttnBN, s.Heads/s.KVHeads, s.HeadDim, b.dev.info.SMs)
-}
-
 // zigzagBackwardHopper is ZigzagAttentionBackward with splits blocks
-// sharing each key block (0: zigzagBackwardSplits's choice, for which
-// ZigzagAttentionPrepare zeroed dk and dv; else a divisor of the group,
-// dk and dv zeroed here where the blocks add).
+// sharing each key block (0: zigzagBackwardSplits's choice; else a
+// divisor of the group).
 func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape, splits int) {
 	const op = "ZigzagAttentionBackward"
 	if err := b.zigzagOnePassTakes(s); err != nil {
@@ -288,14 +272,13 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 	slots := []uint64{uint64(single[0]), uint64(single[1]), uint64(uint32(s.Rank)), uint64(uint32(s.Ranks)), uint64(uint32(s.Chunk)),
 		uint64(uint32(s.Heads)), uint64(uint32(s.KVHeads)), uint64(math.Float32bits(scaleLog2)), uint64(math.Float32bits(scale))}
 	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
-	prepared := splits == 0
-	if prepared {
-		splits = b.zigzagBackwardSplits(s)
+	keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
+	if splits == 0 {
+		splits = zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, b.dev.info.SMs)
 	}
-	if splits > 1 && !prepared {
+	if splits > 1 {
 		// The blocks add their shares of dk and dv, two adjacent columns
-		// a vector reduction (8-byte aligned: ZigzagAttentionPrepare's
-		// 16-byte rule covers the production call).
+		// a vector reduction, which wants 8-byte addresses.
 		if single[0]%8 != 0 || single[1]%8 != 0 {
 			fail(op, "dk and dv must start on 8-byte boundaries (views at even element offsets), not at %#x and %#x", uint64(single[0]), uint64(single[1]))
 		}
@@ -306,13 +289,12 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 		Grid:   driver.Dim3{X: s.Batch * s.KVHeads, Y: 2 * s.Chunk / hopperAttnBN, Z: splits},
 		Block:  driver.Dim3{X: threads, Y: 1, Z: 1},
 		Shared: smem,
-		Chain:  "attn_h_zz_backward",
 	}
 	b.fail(b.launchMapBlock(op, fmt.Sprintf("attn_h_zz_backward_d%d", s.HeadDim), grid, maps, []driver.TensorMap{pointers}, slots))
 	runtime.KeepAlive(lists)
 }
 
-// zigzagBackwardSplitsFor is how many blocks of attn_h_zz_backward_d* share
+// zigzagBackwardSplits is how many blocks of attn_h_zz_backward_d* share
 // one key block of a rank (each walking an equal share of the group's
 // query heads, group of them, and adding its dk and dv): the fewest
 // divisors of group that make at least 1.5 blocks an SM, and at head dim
@@ -329,7 +311,7 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 // block walking half the heads drifts half as far from the blocks it
 // started beside, which read the same query tiles
 // (kernels/attention_hopper.md).
-func zigzagBackwardSplitsFor(keyBlocks, group, headDim, sms int) int {
+func zigzagBackwardSplits(keyBlocks, group, headDim, sms int) int {
 	for d := 1; d < group; d++ {
 		if group%d == 0 && 2*keyBlocks*d >= 3*sms && (d > 1 || headDim != 128) {
 			return d

@@ -24,16 +24,6 @@ import (
 type zzOnePass struct {
 	r                *zzRun
 	q, k, v, doutH16 []backend.Tensor
-	// between, when set, is queued between consecutive ranks' kernels,
-	// which ends their Grid.Chain (TestZigzagChainFigures).
-	between func()
-}
-
-// next runs o.between unless i is the first rank.
-func (o *zzOnePass) next(i int) {
-	if i > 0 && o.between != nil {
-		o.between()
-	}
 }
 
 func newZZOnePass(r *zzRun) *zzOnePass {
@@ -59,7 +49,6 @@ func (o *zzOnePass) forwardBand(band int) {
 		r.b.Copy(o.v[i], r.lv[i])
 	}
 	for i := range r.s.Ranks {
-		o.next(i)
 		if band == 0 {
 			r.b.ZigzagAttentionForward(r.lout[i], r.llse[i], o.q[i], o.k, o.v, r.rank(i))
 		} else {
@@ -80,10 +69,9 @@ func (o *zzOnePass) backwardSplits(splits int) {
 		r.b.Copy(o.q[i], r.lq[i])
 		r.b.Copy(o.k[i], r.lk[i])
 		r.b.Copy(o.v[i], r.lv[i])
-		r.b.ZigzagAttentionPrepare(r.ldelta[i], o.doutH16[i], r.ldq[i], r.ldk[i], r.ldv[i], r.ldout[i], r.lout[i], r.rank(i))
+		r.b.ZigzagAttentionPrepare(r.ldelta[i], o.doutH16[i], r.ldq[i], r.ldout[i], r.lout[i], r.rank(i))
 	}
 	for i := range r.s.Ranks {
-		o.next(i)
 		r.b.zigzagBackwardHopper(r.ldq, r.ldk[i], r.ldv[i], o.k[i], o.v[i], o.q, o.doutH16, r.llse, r.ldelta, r.rank(i), splits)
 	}
 }
@@ -184,43 +172,6 @@ func TestZigzagOnePassFigures(t *testing.T) {
 	}
 }
 
-// TestZigzagChainFigures times the one-pass ring's forward and backward
-// on W virtual ranks with the ranks' kernels chained (each starting on the
-// SMs the previous one's last blocks leave, Grid.Chain) and separated (a
-// one-element zeroing queued between them), at the rows of bench
-// attention's ring table, and checks both sets of outputs against the
-// whole sequence.
-func TestZigzagChainFigures(t *testing.T) {
-	b := testBackend(t)
-	d := b.dev
-	for _, c := range []struct{ w, perRank, dh int }{{2, 4096, 128}, {4, 4096, 128}, {8, 4096, 128}, {4, 8192, 128}, {8, 8192, 128}, {8, 4096, 64}} {
-		s := backend.ZigzagShape{Ranks: c.w, Batch: 1, Chunk: c.perRank / 2, Heads: 16, KVHeads: 4, HeadDim: c.dh}
-		if err := b.ZigzagAttentionOnePass(s); err != nil {
-			t.Skipf("the one-pass fused ring does not run here: %v", err)
-		}
-		r := newZZRun(t, b, s, 97)
-		r.wholeForward()
-		r.wholeBackward()
-		o := newZZOnePass(r)
-		sync := func(f func()) func() error { return func() error { f(); return b.Sync() } }
-		stop := b.New(backend.Float32, 1)
-		name := fmt.Sprintf("ring chain W%d S%d Dh%d", c.w, s.Seq(), c.dh)
-		for _, sep := range []bool{false, true, false, true} {
-			o.between = nil
-			what := "chained"
-			if sep {
-				o.between = func() { b.Zero(stop) }
-				what = "separated"
-			}
-			fwd := attnMedianMs(t, d, sync(o.forward))
-			bwd := attnMedianMs(t, d, sync(o.backward))
-			r.compareSome(t, "out", "lse", "dq", "dk", "dv")
-			figure(t, name+" "+what+" fwd", fwd, "ms")
-			figure(t, name+" "+what+" bwd", bwd, "ms")
-		}
-	}
-}
-
 // TestZigzagForwardBandFigures times the one-pass ring's forward on W
 // virtual ranks with its blocks each band of (sequence, head) pairs at a
 // time, beside the whole-sequence forward (its efficiency at each band),
@@ -273,7 +224,7 @@ func TestZigzagBackwardSplitFigures(t *testing.T) {
 		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
 		name := fmt.Sprintf("ring splits W%d S%d Dh%d", c.w, s.Seq(), c.dh)
 		keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
-		figure(t, name+" chosen", float64(zigzagBackwardSplitsFor(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, d.info.SMs)), "blocks a key block")
+		figure(t, name+" chosen", float64(zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, d.info.SMs)), "blocks a key block")
 		splits := []int{1, 2, 4}
 		ms := map[int]float64{}
 		for _, sp := range append(slices.Clone(splits), 4, 2, 1) {

@@ -20,8 +20,8 @@ func TestZigzagBackwardSplits(t *testing.T) {
 		{60, 6, 64, 132, 6},   // 4 does not divide 6: 3 gives 180 < 198
 		{1, 8, 128, 132, 8},
 	} {
-		if got := zigzagBackwardSplitsFor(c.keyBlocks, c.group, c.headDim, c.sms); got != c.want {
-			t.Errorf("zigzagBackwardSplitsFor(%d key blocks, group %d, head dim %d, %d SMs) = %d, want %d",
+		if got := zigzagBackwardSplits(c.keyBlocks, c.group, c.headDim, c.sms); got != c.want {
+			t.Errorf("zigzagBackwardSplits(%d key blocks, group %d, head dim %d, %d SMs) = %d, want %d",
 				c.keyBlocks, c.group, c.headDim, c.sms, got, c.want)
 		}
 	}

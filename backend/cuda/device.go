@@ -74,13 +74,8 @@ type Device struct {
 
 	// Touched only on the device thread.
 	asyncErr error
-	// chain is the Grid.Chain of the kernel the last work item launched
-	// last, "" when that item queued something else or nothing after it;
-	// chainKept says the running item's launches set it (launchParams).
-	chain     string
-	chainKept bool
-	staging   stagingRing // small uploads (staging.go)
-	fetch     fetchPool   // queued downloads (fetch.go)
+	staging  stagingRing // small uploads (staging.go)
+	fetch    fetchPool   // queued downloads (fetch.go)
 
 	mem *allocator
 
@@ -152,11 +147,7 @@ func (d *Device) loop(ordinal int, ready chan<- error) {
 		if w.f == nil { // quit
 			return
 		}
-		d.chainKept = false
 		err := w.f()
-		if !d.chainKept {
-			d.chain = ""
-		}
 		if w.reply != nil {
 			w.reply <- err
 		} else if err != nil && d.asyncErr == nil {

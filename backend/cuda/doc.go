@@ -59,10 +59,6 @@
 // (sm_90a on compute capability 9.0) to a cubin cached under
 // DefaultKernelCacheDir, keyed by the source, target, options and NVRTC
 // version; a rejected source returns a *driver.CompileError with NVRTC's log.
-// A Grid may ask for thread-block clusters, or name a Chain: independent
-// kernels queued back to back (the fused ring's per-rank kernels on virtual
-// ranks), each started with programmatic dependent launch while the
-// previous one's last blocks still run.
 //
 // Precision. Tensors are float32, int32 or bfloat16. MatMul rounds float32
 // inputs to bf16 and accumulates in fp32; bfloat16 tensors (OperandType)

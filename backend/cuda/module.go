@@ -144,16 +144,6 @@ type Grid struct {
 	// clusters of this shape (cuLaunchKernelEx; each grid dimension a
 	// multiple of the cluster's).
 	Cluster driver.Dim3
-	// Chain, when not "", names a run of independent launches: one queued
-	// right after a kernel of the same chain (nothing on the stream
-	// between them) may start while that kernel's last blocks still run
-	// (programmatic dependent launch), its blocks taking the SMs the other
-	// leaves. A chain's kernels must not read what another of them
-	// writes, nor write what another reads or writes but by reductions,
-	// and each must run griddepcontrol.wait before it ends, so that the
-	// last one ends after all the others (attention_hopper.cu's
-	// ah_chain_close). The first kernel of a chain starts as any other.
-	Chain string
 }
 
 // Grid1D is a grid of blocks x 1 x 1 with threads x 1 x 1.
@@ -221,21 +211,17 @@ func (d *Device) launchNow(k *Kernel, g Grid, slots []uint64) error {
 
 // launchParams runs on the device thread: k on grid g with the
 // parameter list params (cuLaunchKernel, or cuLaunchKernelEx for a grid
-// of clusters or a kernel that follows one of its chain; a driver without
-// cuLaunchKernelEx runs chains one kernel after another).
+// of clusters).
 func (d *Device) launchParams(k *Kernel, g Grid, params []unsafe.Pointer) error {
-	o := driver.LaunchOptions{Cluster: g.Cluster, Overlap: g.Chain != "" && g.Chain == d.chain && d.drv.CanLaunchEx()}
 	var err error
-	if o.Cluster.X > 0 || o.Overlap {
-		err = d.drv.LaunchKernelEx(k.fn, g.Grid, g.Block, g.Shared, d.stream, params, o)
+	if g.Cluster.X > 0 {
+		err = d.drv.LaunchKernelCluster(k.fn, g.Grid, g.Block, g.Cluster, g.Shared, d.stream, params)
 	} else {
 		err = d.drv.LaunchKernel(k.fn, g.Grid, g.Block, g.Shared, d.stream, params)
 	}
-	d.chain, d.chainKept = "", true
 	if err != nil {
 		return fmt.Errorf("%s: %w", k.Desc.Name, err)
 	}
-	d.chain = g.Chain
 	return nil
 }
 

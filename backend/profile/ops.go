@@ -230,9 +230,9 @@ func (p *Backend) ZigzagAttentionOnePass(s backend.ZigzagShape) error {
 	return p.inner.ZigzagAttentionOnePass(s)
 }
 
-func (p *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, dkTK, dvTK, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
+func (p *Backend) ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ backend.Tensor, s backend.ZigzagShape) {
 	defer p.end(p.begin(), opZigzagPrepare)
-	p.inner.ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, dkTK, dvTK, doutTQ, outTQ, s)
+	p.inner.ZigzagAttentionPrepare(deltaBHS, doutBF16TQ, dqTQ, doutTQ, outTQ, s)
 }
 
 func (p *Backend) ZigzagAttentionBackward(dqTQ []backend.Tensor, dkTK, dvTK, kTK, vTK backend.Tensor, qTQ, doutTQ, lseBHS, deltaBHS []backend.Tensor, s backend.ZigzagShape) {

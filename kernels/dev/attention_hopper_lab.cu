@@ -646,18 +646,6 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
 
 // ---- The fused ring's forward (zigzag context parallelism) ----
 //
-// The ring's kernels of consecutive ranks, queued one after another on one
-// stream, may overlap (programmatic dependent launch: backend/cuda's
-// Grid.Chain): every block lets the next rank's kernel start once all of
-// this kernel's blocks have started (ah_chain_open), so its blocks take the
-// SMs this kernel's last ones leave, and waits before it ends for the
-// previous rank's kernel to finish (ah_chain_close), so that the last
-// kernel of the chain ends after all of them. The ranks' kernels read only
-// what was written before the first of them and write their own rows
-// (dq: reductions, order-free). Launched plainly, both are no-ops.
-__device__ __forceinline__ void ah_chain_open() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void ah_chain_close() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 // attn_h_zz_forward_d{64,128} serve one context-parallel rank r of W
 // (backend.ZigzagShape, W <= AH_ZZ_MAX): its 2C local rows of each of B
 // sequences, chunk r's then chunk 2W-1-r's, every rank's k and v read in
@@ -762,15 +750,11 @@ __device__ __forceinline__ void ah_zz_forward(const ah_zz_maps* maps, float* out
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d64(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
-  ah_chain_open();
   ah_zz_forward<64>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
-  ah_chain_close();
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_forward_d128(const __grid_constant__ ah_zz_maps maps, float* out, float* lse, int r, int W, int C, int H, int KV, float scaleLog2, int band) {
-  ah_chain_open();
   ah_zz_forward<128>(&maps, out, lse, r, W, C, H, KV, scaleLog2, band);
-  ah_chain_close();
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) attn_h_forward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, float* out, float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band, int pairs) {
@@ -1629,15 +1613,11 @@ __device__ __forceinline__ void ah_zz_backward(const ah_zz_bmaps* maps, float* d
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_backward_d128(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
-  ah_chain_open();
   ah_zz_backward<128>(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
-  ah_chain_close();
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_zz_backward_d64(const __grid_constant__ ah_zz_bmaps maps, float* dk, float* dv, int r, int W, int C, int H, int KV, float scaleLog2, float scale) {
-  ah_chain_open();
   ah_zz_backward<64>(&maps, dk, dv, r, W, C, H, KV, scaleLog2, scale);
-  ah_chain_close();
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_d64(const __grid_constant__ gg_tmap mapQ, const __grid_constant__ gg_tmap mapDO, const __grid_constant__ gg_tmap mapK, const __grid_constant__ gg_tmap mapV, const __grid_constant__ gg_tmap mapDQ, const float* lse, const float* delta, float* dk, float* dv, int S, int KS, int off, int H, int KV, float scaleLog2, float scale, int band) {
@@ -1655,9 +1635,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_h_backward_d128(const 
 // into it). attn_h_delta_bf16 is the same for a dout stored in bf16 already
 // (no doutb), attn_h_delta_bf16_bf16 for a bf16 dout and out. One warp per
 // (row, head), grid-stride; Dh a multiple of 4, rows 16-byte aligned
-// (8-byte for bf16 ones). attn_h_delta also zeroes dk and dv ([T, KV*Dh])
-// when they are not null: the ring's backward, where several blocks add
-// into one key block's rows.
+// (8-byte for bf16 ones).
 struct alignas(8) ah_h4 {
   mk_bf16 x, y, z, w;
 };
@@ -1679,10 +1657,10 @@ __device__ __forceinline__ ah_f4 ah_out4(const mk_bf16* p) {
 
 // ah_delta writes delta and zeroes dq; with a doutb it also stores the
 // rounded dout there (a's values are on the bf16 grid already, so the
-// conversion back is exact), with a dk it zeroes dk and dv.
+// conversion back is exact).
 template <typename DO, typename O>
-__device__ __forceinline__ void ah_delta(float* delta, mk_bf16* doutb, float* dq, float* dk, float* dv, const DO* dout, const O* out,
-                                         int T, int S, int H, int KV, int Dh) {
+__device__ __forceinline__ void ah_delta(float* delta, mk_bf16* doutb, float* dq, const DO* dout, const O* out, int T, int S, int H,
+                                         int Dh) {
   const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
   const int lane = threadIdx.x & 31;
   for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < (long long)T * H; w += warps) {
@@ -1697,27 +1675,22 @@ __device__ __forceinline__ void ah_delta(float* delta, mk_bf16* doutb, float* dq
         *(ah_h4*)(doutb + at + d) = ah_h4{mk_f32_to_bf16(a.x), mk_f32_to_bf16(a.y), mk_f32_to_bf16(a.z), mk_f32_to_bf16(a.w)};
       }
       *(ah_f4*)(dq + at + d) = ah_f4{0.0f, 0.0f, 0.0f, 0.0f};
-      if (dk != nullptr && h < KV) {
-        const long long kat = row * KV * Dh + h * Dh + d;
-        *(ah_f4*)(dk + kat) = ah_f4{0.0f, 0.0f, 0.0f, 0.0f};
-        *(ah_f4*)(dv + kat) = ah_f4{0.0f, 0.0f, 0.0f, 0.0f};
-      }
     }
     sum = mk_warp_sum(sum);
     if (lane == 0) delta[((row / S) * H + h) * S + row % S] = sum;
   }
 }
 
-extern "C" __global__ void attn_h_delta(float* delta, mk_bf16* doutb, float* dq, float* dk, float* dv, const float* dout, const float* out,
-                                        int T, int S, int H, int KV, int Dh) {
-  ah_delta(delta, doutb, dq, dk, dv, dout, out, T, S, H, KV, Dh);
+extern "C" __global__ void attn_h_delta(float* delta, mk_bf16* doutb, float* dq, const float* dout, const float* out, int T, int S, int H,
+                                        int Dh) {
+  ah_delta(delta, doutb, dq, dout, out, T, S, H, Dh);
 }
 
 extern "C" __global__ void attn_h_delta_bf16(float* delta, float* dq, const mk_bf16* dout, const float* out, int T, int S, int H, int Dh) {
-  ah_delta(delta, (mk_bf16*)nullptr, dq, (float*)nullptr, (float*)nullptr, dout, out, T, S, H, 0, Dh);
+  ah_delta(delta, (mk_bf16*)nullptr, dq, dout, out, T, S, H, Dh);
 }
 
 extern "C" __global__ void attn_h_delta_bf16_bf16(float* delta, float* dq, const mk_bf16* dout, const mk_bf16* out, int T, int S, int H,
                                                   int Dh) {
-  ah_delta(delta, (mk_bf16*)nullptr, dq, (float*)nullptr, (float*)nullptr, dout, out, T, S, H, 0, Dh);
+  ah_delta(delta, (mk_bf16*)nullptr, dq, dout, out, T, S, H, Dh);
 }

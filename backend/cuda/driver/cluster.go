@@ -16,19 +16,9 @@ import (
 // launchAttrClusterDimension is CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION.
 const launchAttrClusterDimension = 4
 
-// launchAttrProgrammaticStreamSerialization is
-// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (programmatic
-// dependent launch, sm_90): with its value's first int 1, the kernel may
-// start before the previous kernel on the stream has ended, once every
-// block of that one has run griddepcontrol.launch_dependents or ended; the
-// kernel's griddepcontrol.wait waits for the previous one to end and its
-// writes to be visible.
-const launchAttrProgrammaticStreamSerialization = 6
-
 // launchAttribute is CUlaunchAttribute: the id, padding to 8 bytes and the
 // 64-byte CUlaunchAttributeValue union, whose clusterDim member is three
-// unsigned ints at its start and programmaticStreamSerializationAllowed
-// one int.
+// unsigned ints at its start.
 type launchAttribute struct {
 	id    uint32
 	_     uint32
@@ -49,83 +39,52 @@ type launchConfig struct {
 	_                      uint32
 }
 
-// LaunchOptions are the cuLaunchKernelEx attributes a launch asks for.
-type LaunchOptions struct {
-	// Cluster, when X is not 0, launches the grid in thread-block clusters
-	// of this shape (each grid dimension a multiple of the cluster's).
-	Cluster Dim3
-	// Overlap lets the kernel start while the previous kernel on the
-	// stream still runs (launchAttrProgrammaticStreamSerialization).
-	Overlap bool
-}
-
 // errNoClusterLaunch is the error of a cluster call on a driver without
 // cuLaunchKernelEx or cuOccupancyMaxActiveClusters (before CUDA 12.0).
 var errNoClusterLaunch = errors.New("cuda: this driver cannot launch thread-block clusters (cuLaunchKernelEx needs CUDA 12.0 or later)")
 
-// exConfig builds the launch configuration with o's attributes in attrs;
-// the caller keeps attrs alive (and pinned) across the call.
-func exConfig(grid, block Dim3, sharedBytes int, s Stream, o LaunchOptions, attrs *[2]launchAttribute) launchConfig {
-	n := 0
-	if o.Cluster.X > 0 {
-		attrs[n].id = launchAttrClusterDimension
-		dims := (*[3]uint32)(unsafe.Pointer(&attrs[n].value[0]))
-		dims[0], dims[1], dims[2] = uint32(o.Cluster.X), uint32(o.Cluster.Y), uint32(o.Cluster.Z)
-		n++
-	}
-	if o.Overlap {
-		attrs[n].id = launchAttrProgrammaticStreamSerialization
-		*(*int32)(unsafe.Pointer(&attrs[n].value[0])) = 1
-		n++
-	}
-	cfg := launchConfig{
+// clusterConfig builds the launch configuration for a cluster launch; the
+// caller keeps attr alive (and pinned) across the call.
+func clusterConfig(grid, block, cluster Dim3, sharedBytes int, s Stream, attr *launchAttribute) launchConfig {
+	attr.id = launchAttrClusterDimension
+	dims := (*[3]uint32)(unsafe.Pointer(&attr.value[0]))
+	dims[0], dims[1], dims[2] = uint32(cluster.X), uint32(cluster.Y), uint32(cluster.Z)
+	return launchConfig{
 		gridX: uint32(grid.X), gridY: uint32(grid.Y), gridZ: uint32(grid.Z),
 		blockX: uint32(block.X), blockY: uint32(block.Y), blockZ: uint32(block.Z),
-		sharedBytes: uint32(sharedBytes), stream: s, numAttrs: uint32(n),
+		sharedBytes: uint32(sharedBytes), stream: s, attrs: attr, numAttrs: 1,
 	}
-	if n > 0 {
-		cfg.attrs = &attrs[0]
-	}
-	return cfg
 }
 
-// pinnedExConfig is exConfig on the heap, the configuration and its
-// attributes pinned by pin (the driver reads both through pointers).
-func pinnedExConfig(pin *runtime.Pinner, grid, block Dim3, sharedBytes int, s Stream, o LaunchOptions) *launchConfig {
-	attrs := new([2]launchAttribute)
-	pin.Pin(attrs)
+// pinnedClusterConfig is clusterConfig on the heap, the configuration and
+// its attribute pinned by pin (the driver reads both through pointers).
+func pinnedClusterConfig(pin *runtime.Pinner, grid, block, cluster Dim3, sharedBytes int, s Stream) *launchConfig {
+	attr := new(launchAttribute)
+	pin.Pin(attr)
 	cfg := new(launchConfig)
-	*cfg = exConfig(grid, block, sharedBytes, s, o, attrs)
+	*cfg = clusterConfig(grid, block, cluster, sharedBytes, s, attr)
 	pin.Pin(cfg)
 	return cfg
 }
 
-// CanLaunchEx says whether the driver has cuLaunchKernelEx (CUDA 12.0 on),
-// which LaunchKernelEx needs.
-func (d *Driver) CanLaunchEx() bool { return d.fn.launchKernelEx != 0 }
-
-// LaunchKernelEx is cuLaunchKernelEx: LaunchKernel with o's attributes.
-// params is as LaunchKernel's.
-func (d *Driver) LaunchKernelEx(f Function, grid, block Dim3, sharedBytes int, s Stream, params []unsafe.Pointer, o LaunchOptions) error {
-	if !d.CanLaunchEx() {
+// LaunchKernelCluster is cuLaunchKernelEx with a cluster dimension: grid
+// blocks in clusters of cluster (each grid dimension a multiple of the
+// cluster's). params is as LaunchKernel's.
+func (d *Driver) LaunchKernelCluster(f Function, grid, block, cluster Dim3, sharedBytes int, s Stream, params []unsafe.Pointer) error {
+	if d.fn.launchKernelEx == 0 {
 		return errNoClusterLaunch
 	}
 	var pin runtime.Pinner
 	defer pin.Unpin()
-	cfg := pinnedExConfig(&pin, grid, block, sharedBytes, s, o)
+	cfg := pinnedClusterConfig(&pin, grid, block, cluster, sharedBytes, s)
 	r := d.call(d.fn.launchKernelEx, uintptr(unsafe.Pointer(cfg)), uintptr(f),
 		uintptr(unsafe.Pointer(unsafe.SliceData(params))), 0)
 	runtime.KeepAlive(params)
 	if r != Success {
-		return d.check(r, "cuLaunchKernelEx(grid %dx%dx%d, clusters of %dx%dx%d, block %dx%dx%d, %d shared bytes, overlap %v)",
-			grid.X, grid.Y, grid.Z, o.Cluster.X, o.Cluster.Y, o.Cluster.Z, block.X, block.Y, block.Z, sharedBytes, o.Overlap)
+		return d.check(r, "cuLaunchKernelEx(grid %dx%dx%d in clusters of %dx%dx%d, block %dx%dx%d, %d shared bytes)",
+			grid.X, grid.Y, grid.Z, cluster.X, cluster.Y, cluster.Z, block.X, block.Y, block.Z, sharedBytes)
 	}
 	return nil
-}
-
-// LaunchKernelCluster is LaunchKernelEx with a cluster dimension alone.
-func (d *Driver) LaunchKernelCluster(f Function, grid, block, cluster Dim3, sharedBytes int, s Stream, params []unsafe.Pointer) error {
-	return d.LaunchKernelEx(f, grid, block, sharedBytes, s, params, LaunchOptions{Cluster: cluster})
 }
 
 // MaxActiveClusters is cuOccupancyMaxActiveClusters: how many clusters of
@@ -138,7 +97,7 @@ func (d *Driver) MaxActiveClusters(f Function, grid, block, cluster Dim3, shared
 	}
 	var pin runtime.Pinner
 	defer pin.Unpin()
-	cfg := pinnedExConfig(&pin, grid, block, sharedBytes, 0, LaunchOptions{Cluster: cluster})
+	cfg := pinnedClusterConfig(&pin, grid, block, cluster, sharedBytes, 0)
 	var n int32
 	r := d.call(d.fn.occupancyMaxActiveClusters, uintptr(unsafe.Pointer(&n)), uintptr(f), uintptr(unsafe.Pointer(cfg)))
 	return int(n), d.check(r, "cuOccupancyMaxActiveClusters(clusters of %dx%dx%d, block %dx%dx%d, %d shared bytes)",

@@ -29,41 +29,20 @@ func TestLaunchConfigLayout(t *testing.T) {
 	}
 }
 
-// TestExConfig checks that a launch's configuration carries the grid,
-// block, shared bytes, stream and the attributes asked for: a cluster
-// dimension, programmatic stream serialization, both or none.
-func TestExConfig(t *testing.T) {
-	for _, o := range []LaunchOptions{{}, {Cluster: Dim3{2, 1, 1}}, {Overlap: true}, {Cluster: Dim3{2, 1, 1}, Overlap: true}} {
-		var attrs [2]launchAttribute
-		cfg := exConfig(Dim3{132, 1, 1}, Dim3{384, 1, 1}, 197632, Stream(0x1234), o, &attrs)
-		if cfg.gridX != 132 || cfg.gridY != 1 || cfg.blockX != 384 || cfg.sharedBytes != 197632 || cfg.stream != 0x1234 {
-			t.Errorf("%+v: config %+v", o, cfg)
-		}
-		var want []uint32
-		if o.Cluster.X > 0 {
-			want = append(want, launchAttrClusterDimension)
-		}
-		if o.Overlap {
-			want = append(want, launchAttrProgrammaticStreamSerialization)
-		}
-		if int(cfg.numAttrs) != len(want) || (len(want) == 0) != (cfg.attrs == nil) {
-			t.Fatalf("%+v: %d attributes at %p, want %d", o, cfg.numAttrs, cfg.attrs, len(want))
-		}
-		for i, id := range want {
-			a := attrs[i]
-			if a.id != id {
-				t.Errorf("%+v: attribute %d has id %d, want %d", o, i, a.id, id)
-			}
-			switch id {
-			case launchAttrClusterDimension:
-				if dims := *(*[3]uint32)(unsafe.Pointer(&a.value[0])); dims != [3]uint32{2, 1, 1} {
-					t.Errorf("cluster dims %v, want [2 1 1]", dims)
-				}
-			case launchAttrProgrammaticStreamSerialization:
-				if v := *(*int32)(unsafe.Pointer(&a.value[0])); v != 1 {
-					t.Errorf("programmatic stream serialization %d, want 1", v)
-				}
-			}
-		}
+// TestClusterConfig checks that a cluster launch's configuration carries
+// the grid, block, shared bytes, stream and one cluster-dimension
+// attribute.
+func TestClusterConfig(t *testing.T) {
+	var attr launchAttribute
+	cfg := clusterConfig(Dim3{132, 1, 1}, Dim3{384, 1, 1}, Dim3{2, 1, 1}, 197632, Stream(0x1234), &attr)
+	if cfg.gridX != 132 || cfg.gridY != 1 || cfg.blockX != 384 || cfg.sharedBytes != 197632 || cfg.stream != 0x1234 {
+		t.Errorf("config %+v", cfg)
+	}
+	if cfg.attrs != &attr || cfg.numAttrs != 1 || attr.id != launchAttrClusterDimension {
+		t.Errorf("attribute: %d of id %d", cfg.numAttrs, attr.id)
+	}
+	dims := *(*[3]uint32)(unsafe.Pointer(&attr.value[0]))
+	if dims != [3]uint32{2, 1, 1} {
+		t.Errorf("cluster dims %v, want [2 1 1]", dims)
 	}
 }
