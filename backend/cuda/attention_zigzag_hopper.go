@@ -274,7 +274,7 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 	threads, smem := hopperAttnBwdLaunch(s.HeadDim)
 	keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
 	if splits == 0 {
-		splits = zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, b.dev.info.SMs)
+		splits = zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, s.Seq(), b.dev.info.SMs)
 	}
 	if splits > 1 {
 		// The blocks add their shares of dk and dv, two adjacent columns
@@ -310,8 +310,15 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 // key block and 1.6-1.7% with four, its L2 hits from 85.7% to 92%: a
 // block walking half the heads drifts half as far from the blocks it
 // started beside, which read the same query tiles
-// (kernels/attention_hopper.md).
-func zigzagBackwardSplits(keyBlocks, group, headDim, sms int) int {
+// (kernels/attention_hopper.md). For the same reason a head a block at
+// head dim 128 once the whole sequence, seq positions, reaches 65,536,
+// where a block's walk is longest: at W8 S/W 8192 four blocks a key block
+// took 83.6 and 84.1 ms against two's 83.2 and 87.2 and one's 85.9 and
+// 87.8 (TestZigzagBackwardSplitFigures, two H100s, ca3eff4's kernels).
+func zigzagBackwardSplits(keyBlocks, group, headDim, seq, sms int) int {
+	if headDim == 128 && seq >= 65536 {
+		return group
+	}
 	for d := 1; d < group; d++ {
 		if group%d == 0 && 2*keyBlocks*d >= 3*sms && (d > 1 || headDim != 128) {
 			return d

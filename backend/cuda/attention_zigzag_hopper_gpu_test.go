@@ -224,7 +224,7 @@ func TestZigzagBackwardSplitFigures(t *testing.T) {
 		coreB := attnMedianMs(t, d, sync(r.wholeBackward))
 		name := fmt.Sprintf("ring splits W%d S%d Dh%d", c.w, s.Seq(), c.dh)
 		keyBlocks := s.Batch * s.KVHeads * 2 * s.Chunk / hopperAttnBN
-		figure(t, name+" chosen", float64(zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, d.info.SMs)), "blocks a key block")
+		figure(t, name+" chosen", float64(zigzagBackwardSplits(keyBlocks, s.Heads/s.KVHeads, s.HeadDim, s.Seq(), d.info.SMs)), "blocks a key block")
 		splits := []int{1, 2, 4}
 		ms := map[int]float64{}
 		for _, sp := range append(slices.Clone(splits), 4, 2, 1) {
