@@ -12,13 +12,14 @@ package attention
 //
 // One pass (backend.ZigzagAttentionOnePass takes the shape: the Hopper
 // core's attn_h_zz_* on CUDA, not under train.deterministic). q, k and v
-// come in bf16 (ContextCore.QKVType: a Layer's RoPE writes them so); each
-// rank rounds its da to bf16 in the Scratch before the backward's meeting.
+// come in bf16 (ContextCore.QKVType: a Layer's RoPE writes them so).
 //
 //	forward:  after PeerTensors(k, v), r's forward reads every rank's k
 //	          and v; Barrier, so no rank overwrites its k or v (the next
 //	          layer's) while a peer still reads them.
-//	backward: r writes its delta (D_i = rowsum(da*a)) and zeroes its dq;
+//	backward: r's ZigzagAttentionPrepare writes its delta (D_i =
+//	          rowsum(da*a)), rounds its da to bf16 in the Scratch and
+//	          zeroes its dq, in one pass;
 //	          PeerTensors(dq, q, da, lse, delta); r's one kernel walks
 //	          every query that sees r's keys, writes r's dk and dv and adds
 //	          their share of each rank's dq into that rank's dq; Barrier,
