@@ -314,7 +314,10 @@ func (b *Backend) zigzagBackwardHopper(dqTQ []backend.Tensor, dkTK, dvTK, kTK, v
 // head dim 128 once the whole sequence, seq positions, reaches 65,536,
 // where a block's walk is longest: at W8 S/W 8192 four blocks a key block
 // took 83.6 and 84.1 ms against two's 83.2 and 87.2 and one's 85.9 and
-// 87.8 (TestZigzagBackwardSplitFigures, two H100s, ca3eff4's kernels).
+// 87.8 (TestZigzagBackwardSplitFigures, two H100s, ca3eff4's kernels),
+// and 82.9 against two's 82.7 on production's kernels (859b7f6), where
+// bench attention's profiled step put the row's backward kernels at 77.8
+// ms against 81.8 with two.
 func zigzagBackwardSplits(keyBlocks, group, headDim, seq, sms int) int {
 	if headDim == 128 && seq >= 65536 {
 		return group
