@@ -82,7 +82,8 @@ ms), behind which the ranks queue their ops after their barriers, so
 the times are the GPU's, not the host's queueing (the JSON gives the
 longest the host took to queue a timed step, host_queue_max_ms, and how
 many outlasted their hold, uncovered_steps, per row and per mode, which
-the table flags by path). q, k and v come in the type each path's
+the table flags by path, and each median's fastest and slowest step,
+the *_ms_range pairs). q, k and v come in the type each path's
 layers keep them in: bf16 for the core and the
 one-pass ring, float32 for the others, whose time includes their
 rounding. Ring efficiency = core time / ring time, and ring / allgather
@@ -752,6 +753,10 @@ type attnRingMode struct {
 	StepMS *float64 `json:"fwd_bwd_ms"`
 	FwdTF  *float64 `json:"fwd_tflops"`
 	StepTF *float64 `json:"fwd_bwd_tflops"` // 3.5x the forward's FLOPs
+	// FwdRangeMS and StepRangeMS are the fastest and slowest timed steps
+	// (the medians' spread).
+	FwdRangeMS  []float64 `json:"fwd_ms_range,omitempty"`
+	StepRangeMS []float64 `json:"fwd_bwd_ms_range,omitempty"`
 	// HostQueueMaxMS and UncoveredSteps are the row's (below) for this
 	// mode alone.
 	HostQueueMaxMS float64 `json:"host_queue_max_ms,omitempty"`
@@ -771,6 +776,10 @@ type attnRingRow struct {
 	CoreStepMS float64 `json:"core_fwd_bwd_ms"`
 	CoreFwdTF  float64 `json:"core_fwd_tflops"`
 	CoreStepTF float64 `json:"core_fwd_bwd_tflops"`
+	// CoreFwdRangeMS and CoreStepRangeMS are the core's fastest and
+	// slowest timed steps.
+	CoreFwdRangeMS  []float64 `json:"core_fwd_ms_range"`
+	CoreStepRangeMS []float64 `json:"core_fwd_bwd_ms_range"`
 
 	AllGather attnRingMode `json:"allgather"`
 	Ring      attnRingMode `json:"ring"`
@@ -864,7 +873,9 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 	flops := attnForwardFLOPs(1, seq, g.Heads, g.HeadDim)
 	stepFLOPs := (1 + attnBackwardFactor) * flops
 	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+	span := func(p *timedPath, k int) []float64 { return []float64{ms(p.spans[k][0]), ms(p.spans[k][1])} }
 	row.CoreFwdMS, row.CoreStepMS = ms(paths[0].medians[0]), ms(paths[0].medians[1])
+	row.CoreFwdRangeMS, row.CoreStepRangeMS = span(paths[0], 0), span(paths[0], 1)
 	for _, p := range paths {
 		row.HostQueueMaxMS = max(row.HostQueueMaxMS, ms(p.queue))
 		row.UncoveredSteps += p.uncovered
@@ -878,6 +889,7 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		f, s := ms(modePath[i].medians[0]), ms(modePath[i].medians[1])
 		ftf, stf := tflops(flops, f), tflops(stepFLOPs, s)
 		m.fig.FwdMS, m.fig.StepMS, m.fig.FwdTF, m.fig.StepTF = &f, &s, &ftf, &stf
+		m.fig.FwdRangeMS, m.fig.StepRangeMS = span(modePath[i], 0), span(modePath[i], 1)
 		m.fig.HostQueueMaxMS, m.fig.UncoveredSteps = ms(modePath[i].queue), modePath[i].uncovered
 	}
 	ratio := func(num float64, den *float64) *float64 {

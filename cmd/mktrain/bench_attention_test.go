@@ -196,6 +196,16 @@ func TestBenchAttentionRing(t *testing.T) {
 		if r.HostQueueMaxMS <= 0 {
 			t.Errorf("row %d: host queue %g ms, want the CPU's time in the ops", i, r.HostQueueMaxMS)
 		}
+		// Every median within its steps' range.
+		inRange := func(med float64, rng []float64) bool { return len(rng) == 2 && rng[0] <= med && med <= rng[1] }
+		if !inRange(r.CoreFwdMS, r.CoreFwdRangeMS) || !inRange(r.CoreStepMS, r.CoreStepRangeMS) {
+			t.Errorf("row %d: core medians %g, %g outside %v, %v", i, r.CoreFwdMS, r.CoreStepMS, r.CoreFwdRangeMS, r.CoreStepRangeMS)
+		}
+		for _, m := range []attnRingMode{r.AllGather, r.Ring, r.RingPortable} {
+			if m.FwdMS != nil && (!inRange(*m.FwdMS, m.FwdRangeMS) || !inRange(*m.StepMS, m.StepRangeMS)) {
+				t.Errorf("row %d: %s medians %g, %g outside %v, %v", i, m.Path, *m.FwdMS, *m.StepMS, m.FwdRangeMS, m.StepRangeMS)
+			}
+		}
 		w, perRank := []int{2, 2, 4, 4}[i], []int{8, 16, 8, 16}[i]
 		if r.World != w || r.SeqPerRank != perRank || r.Seq != w*perRank || r.EfficiencyBarApply {
 			t.Errorf("row %d: %+v, want W %d S/W %d", i, r, w, perRank)

@@ -257,13 +257,14 @@ func rankSampler(b backend.Backend, clock profile.Clock, stepsByKind ...[]rankSt
 
 // timedPath is one path of a benchmark row (one way of doing the row's
 // work), built and ready to sample; medians are timeInterleaved's, one a
-// kind of step; queue is the longest the host took to queue a timed
+// kind of step, and spans each kind's fastest and slowest timed sample; queue is the longest the host took to queue a timed
 // sample's work, and uncovered how many timed samples that held the
 // device it queued for longer than their hold.
 type timedPath struct {
 	name      string
 	sample    sampler
 	medians   []time.Duration
+	spans     [][2]time.Duration
 	queue     time.Duration
 	uncovered int
 }
@@ -310,10 +311,10 @@ func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
 		}
 	}
 	for i, p := range paths {
-		p.medians = make([]time.Duration, len(kinds))
+		p.medians, p.spans = make([]time.Duration, len(kinds)), make([][2]time.Duration, len(kinds))
 		for k, ds := range samples[i] {
 			slices.Sort(ds)
-			p.medians[k] = ds[len(ds)/2]
+			p.medians[k], p.spans[k] = ds[len(ds)/2], [2]time.Duration{ds[0], ds[len(ds)-1]}
 		}
 	}
 	return nil

@@ -115,7 +115,8 @@ func TestOneRankStepHolds(t *testing.T) {
 
 // timeInterleaved takes one sample of each kind (here the ring rows'
 // forward and forward+backward) of every path a round, the paths rotated by one each round, keeps the
-// samples after the two warm-up rounds, and sets each path's medians; a
+// samples after the two warm-up rounds, and sets each path's medians and
+// spans; a
 // failing sample names its path and direction.
 func TestTimeInterleaved(t *testing.T) {
 	var order []string
@@ -161,6 +162,9 @@ func TestTimeInterleaved(t *testing.T) {
 		base := time.Duration(10000 * (i + 1))
 		if p.medians[0] != base+3 || p.medians[1] != base+1003 || p.queue != time.Duration(i+1)*time.Millisecond || p.uncovered != 0 {
 			t.Errorf("path %s: medians %v / %v, queue %v (%d uncovered), want %v / %v, %v ms", p.name, p.medians[0], p.medians[1], p.queue, p.uncovered, base+3, base+1003, i+1)
+		}
+		if want := [][2]time.Duration{{base + 2, base + 4}, {base + 1002, base + 1004}}; !slices.Equal(p.spans, want) {
+			t.Errorf("path %s: spans %v, want %v", p.name, p.spans, want)
 		}
 	}
 	// The holds: stepHold, or 1.5 times the path's last queueing (c's
