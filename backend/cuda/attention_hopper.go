@@ -544,10 +544,11 @@ func launchHopperAttnBackward(d *Device, kern *Kernel, threads, smem int, dq, dk
 	}
 	// delta, dq zeroed and (a float dout) its bf16 rounding, in one pass.
 	T := int32(s.Batch * s.Seq)
-	deltaArgs := []any{delta, dq, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh)}
+	deltaArgs := []any{delta}
 	if !in.dout {
-		deltaArgs = []any{delta, ob, dq, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh)}
+		deltaArgs = append(deltaArgs, ob) // attn_h_delta's doutb
 	}
+	deltaArgs = append(deltaArgs, dq, dout, out, T, int32(s.Seq), int32(s.Heads), int32(dh))
 	if err := d.Launch(deltaKern, d.StrideGrid(int64(T)*int64(s.Heads)*32, 256, 8), deltaArgs...); err != nil {
 		return err
 	}

@@ -257,9 +257,10 @@ func rankSampler(b backend.Backend, clock profile.Clock, stepsByKind ...[]rankSt
 
 // timedPath is one path of a benchmark row (one way of doing the row's
 // work), built and ready to sample; medians are timeInterleaved's, one a
-// kind of step, and spans each kind's fastest and slowest timed sample; queue is the longest the host took to queue a timed
-// sample's work, and uncovered how many timed samples that held the
-// device it queued for longer than their hold.
+// kind of step, and spans each kind's fastest and slowest timed sample;
+// queue is the longest the host took to queue a timed sample's work, and
+// uncovered how many timed samples that held the device it queued for
+// longer than their hold.
 type timedPath struct {
 	name      string
 	sample    sampler
