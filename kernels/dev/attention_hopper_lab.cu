@@ -1,6 +1,7 @@
 // Lab copy of kernels/attention_hopper.cu (kernels/dev/README.md): with no
-// define it compiles to the production source's PTX. AH_EXPERIMENT has no
-// bit at the moment. The last labs: zz-red-v2 (the ring backward's shared
+// define it compiles to the production source's PTX. AH_EXPERIMENT bit 1:
+// fwd-dynamic (head dim 64's walking forward claims its items after the
+// first from a counter: ah_walk_next). The labs before it: zz-red-v2 (the ring backward's shared
 // dk and dv added two columns a reduction) is production since it was
 // measured by Nsight Compute; zz-chunk-shift (the walk's chunk of a
 // position by a shift) was level and left. Before them (kernels/attention_hopper.md): the ring
@@ -563,6 +564,25 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + ((long long)b * H + h) * S, b, h, S, H, r0, r1, t4);
 }
 
+#if AH_EXPERIMENT & 1
+// fwd-dynamic: ah_forward_walk's items after each block's first are
+// claimed from ah_walk_next (item gridDim.x + the count of claims so
+// far), so a block whose items ran short takes the next heaviest instead
+// of its fixed stride's (a static stride leaves the busiest SM 3.1% over
+// the mean at moe-small's 1,408 items on 132 SMs, claims 1.3%). Module
+// globals, zero when the module loads; the last block to finish claiming
+// zeroes them again (ah_walk_done counts the blocks done), so launches on
+// the device's one stream each find them zero.
+__device__ unsigned ah_walk_next, ah_walk_done;
+
+// ah_atom_add adds v to *p at the GPU's scope and returns what was there.
+__device__ __forceinline__ unsigned ah_atom_add(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+#endif
+
 // ah_forward_walk is the whole-sequence forward on a grid of gridDim.x
 // blocks over the pairs x q tiles (items) in ah_band_of's order: block x
 // runs items x, x + gridDim.x, ... (the host launches one block an item
@@ -586,6 +606,12 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
   // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES], qFree.
   const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
                  emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES, qFree = emptyV + 8 * STAGES;
+#if AH_EXPERIMENT & 1
+  // The item the producer claimed: written before barQ's arrival for it
+  // (its release), read after the consumers' wait (their acquire), not
+  // rewritten before qFree says every consumer warp has read it.
+  const unsigned slot = qFree + 8;
+#endif
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nQT = (S + BM - 1) / BM, items = pairs * nQT;
   if (tid == 0) ah_fwd_init_bars<STAGES>(barQ, qFree, fullK, fullV, emptyK, emptyV, 4 * NC);
@@ -598,16 +624,41 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
     gg_prefetch_tmap(mapK);
     gg_prefetch_tmap(mapV);
     int T = 0;  // the block's tiles so far: the stages' position
+#if AH_EXPERIMENT & 1
+    for (int lin = blockIdx.x, j = 0;; j++) {
+      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q and slot read (item 0: a fresh barrier's parity 1)
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(slot), "r"(lin) : "memory");
+      if (lin >= items) {
+        gg_bar_arrive(barQ);  // the slot says: no more items
+        break;
+      }
+#else
     for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+#endif
       int bh, ty;
       ah_band_of(lin, pairs, nQT, band, bh, ty);
       const int b = bh / H, h = bh % H, kvh = h / (H / KV), i0 = (nQT - 1 - ty) * BM;
       const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
+#if !(AH_EXPERIMENT & 1)
       gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
+#endif
       ah_fwd_load_item<DH, STAGES>(mapQ, mapK, mapV, qs, ks, vs, barQ, fullK, fullV, emptyK, emptyV, QTILE, BOX, TILE, QBOX, h,
                                    kvh, b * S + i0, b * KS, nT, T);
       T += nT;
+#if AH_EXPERIMENT & 1
+      // Claimed once this item's last tile load is queued: the blocks
+      // whose items ran short take the next heaviest.
+      lin = gridDim.x + (int)ah_atom_add(&ah_walk_next, 1u);
+#endif
     }
+#if AH_EXPERIMENT & 1
+    // The last block past the end resets the counters for the next launch
+    // (every block has made its last claim by then).
+    if (ah_atom_add(&ah_walk_done, 1u) == gridDim.x - 1) {
+      asm volatile("st.relaxed.gpu.u32 [%0], 0;" ::"l"(&ah_walk_next) : "memory");
+      asm volatile("st.relaxed.gpu.u32 [%0], 0;" ::"l"(&ah_walk_done) : "memory");
+    }
+#endif
     return;
   }
 
@@ -616,7 +667,15 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
   int T = 0;  // the producer's count, in step
 #pragma unroll 1
+#if AH_EXPERIMENT & 1
+  for (int j = 0;; j++) {
+    gg_bar_wait(barQ, j & 1);
+    int lin;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(lin) : "r"(slot) : "memory");
+    if (lin >= items) break;
+#else
   for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+#endif
     int bh, ty;
     ah_band_of(lin, pairs, nQT, band, bh, ty);
     const int i0 = (nQT - 1 - ty) * BM;
@@ -627,7 +686,9 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
 #pragma unroll
     for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
     float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
+#if !(AH_EXPERIMENT & 1)
     gg_bar_wait(barQ, j & 1);
+#endif
     if (nTw > 0)
       ah_fwd_tiles<DH, STAGES, true>(o, m0, m1, l0, l1, nTw, T, dq, ks, vs, fullK, fullV, emptyK, emptyV, qFree, lane, off, w0,
                                      r0, r1, KS, t4, scaleLog2);
