@@ -73,9 +73,10 @@ bars, for comparison), from before the first rank starts to after the
 last ends, and the core on the whole sequence on one rank (the same
 work). Every path of a row is built before any is timed; then each of
 2 warm-up and --iters rounds takes one forward and one forward+backward
-step of every path, in an order rotated each round, and each figure is
-its path's median, so that the clocks' drift under the power cap weighs
-on every path alike. On virtual ranks each step starts after a hold of
+step of every path, the paths in the rows of a balanced order (each
+path first equally often and after every other equally often), and each
+figure is its path's median, so that the clocks' drift under the power
+cap, and the step before's mark on them, weigh on every path alike. On virtual ranks each step starts after a hold of
 at least 2 ms on the GPU (a kernel that waits; 1.5 times the host's
 time queueing the path's last step where that is longer, at most 25
 ms), behind which the ranks queue their ops after their barriers, so
@@ -346,7 +347,7 @@ func cmdBenchAttention(ctx context.Context, args []string, stdout, stderr io.Wri
 		"core":  rows,
 		"bars":  bars,
 		"flops": "forward 2*2*B*H*S*S*Dh/2 (causal), backward 2.5x the forward, for the core and the peer",
-		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); q, k, v, out and dout of the backend's operand type (bf16 on the GPU, as a layer on one rank keeps them), float32 lse and gradients; the ring rows' core (float32 out and dout, as the context-parallel layers keep them): each step waited for before the next and started after a hold of the GPU, as the ranks' steps, in rounds that take one step of every path of the row in turn",
+		"core_timing": fmt.Sprintf("median of %d calls after 2 warm-up calls, queued back to back, each between two marks of the backend's clock (%s); fresh uniform random inputs in [-1, 1); q, k, v, out and dout of the backend's operand type (bf16 on the GPU, as a layer on one rank keeps them), float32 lse and gradients; the ring rows' core (float32 out and dout, as the context-parallel layers keep them): each step waited for before the next and started after a hold of the GPU, as the ranks' steps, in rounds that take one step of every path of the row in a balanced order (each path after every other equally often)",
 			*iters, clockName(b)),
 	}
 	peerFig := map[string]any{"command": nil}

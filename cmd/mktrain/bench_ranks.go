@@ -271,24 +271,28 @@ type timedPath struct {
 }
 
 // timeInterleaved runs 2 warm-up rounds and iters timed ones; a round
-// takes one sample of each kind of every path, the paths in an order
-// rotated by one each round, so that every path is sampled across the
-// same stretch of time and none always follows the same other: the
-// clocks' drift under the power cap, which moved one path's time by 10%
-// between the blocks of a run when each path ran its steps in a block of
-// its own, weighs on every path alike. Each path's medians are its timed
-// samples' of each kind. A sample's hold is stepHold or, when longer, 1.5
-// times the host's time queueing the path's previous sample of the same
-// kind, at most stepHoldMax. kinds name the kinds in errors.
+// takes one sample of each kind of every path, the paths in the order of
+// a row of balancedOrder's, the rows in turn, so that every path is
+// sampled across the same stretch of time and, over a cycle of rows,
+// follows every other path equally often. Both matter on a GPU under its
+// power cap: its clocks drifted by 10% between the blocks of a run when
+// each path ran its steps in a block of its own, and they depend on the
+// step before (a dense path leaves them lower than one that waits on the
+// host); an order rotated by one each round had each path follow the
+// same other in all but one round of each cycle. Each path's medians
+// are its timed samples' of each kind. A sample's hold is stepHold or,
+// when longer, 1.5 times the host's time queueing the path's previous
+// sample of the same kind, at most stepHoldMax. kinds name the kinds in
+// errors.
 func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
 	samples := make([][][]time.Duration, len(paths)) // path, kind, round
 	lastQueue := make([][]time.Duration, len(paths))
 	for i := range paths {
 		samples[i], lastQueue[i] = make([][]time.Duration, len(kinds)), make([]time.Duration, len(kinds))
 	}
+	order := balancedOrder(len(paths))
 	for round := -2; round < iters; round++ {
-		for j := range paths {
-			i := (j + round + 2) % len(paths)
+		for _, i := range order[(round+2)%len(order)] {
 			p := paths[i]
 			for k := range kinds {
 				hold := min(stepHoldMax, max(stepHold, lastQueue[i][k]*3/2))
@@ -319,4 +323,39 @@ func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
 		}
 	}
 	return nil
+}
+
+// balancedOrder is a Williams design for n paths: rows, each an order of
+// 0..n-1, such that across all rows every path comes first equally often
+// and directly follows every other path equally often (n rows for an
+// even n, 2n for an odd one: the rows of the even construction and their
+// reverses). Row r is 0, 1, n-1, 2, n-2, ... plus r, mod n.
+func balancedOrder(n int) [][]int {
+	if n < 1 {
+		return [][]int{{}}
+	}
+	first := make([]int, n)
+	for j := 1; j < n; j++ {
+		if j%2 == 1 {
+			first[j] = (j + 1) / 2
+		} else {
+			first[j] = n - j/2
+		}
+	}
+	rows := make([][]int, 0, 2*n)
+	for r := range n {
+		row := make([]int, n)
+		for j, v := range first {
+			row[j] = (v + r) % n
+		}
+		rows = append(rows, row)
+	}
+	if n%2 == 1 {
+		for r := range n {
+			rev := slices.Clone(rows[r])
+			slices.Reverse(rev)
+			rows = append(rows, rev)
+		}
+	}
+	return rows
 }

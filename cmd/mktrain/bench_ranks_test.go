@@ -114,10 +114,10 @@ func TestOneRankStepHolds(t *testing.T) {
 }
 
 // timeInterleaved takes one sample of each kind (here the ring rows'
-// forward and forward+backward) of every path a round, the paths rotated by one each round, keeps the
-// samples after the two warm-up rounds, and sets each path's medians and
-// spans; a
-// failing sample names its path and direction.
+// forward and forward+backward) of every path a round, the paths in the
+// order of balancedOrder's rows in turn, keeps the samples after the two
+// warm-up rounds, and sets each path's medians and spans; a failing
+// sample names its path and direction.
 func TestTimeInterleaved(t *testing.T) {
 	var order []string
 	holds := map[string][]time.Duration{}
@@ -146,12 +146,11 @@ func TestTimeInterleaved(t *testing.T) {
 	if err := timeInterleaved(paths, ringKinds, 3); err != nil {
 		t.Fatal(err)
 	}
-	// Rounds -2..2; round r starts at path (r+2) mod 3.
+	// Rounds -2..2 take balancedOrder(3)'s first five rows.
 	want := []string{}
-	for r := -2; r < 3; r++ {
-		for j := range 3 {
-			n := []string{"a", "b", "c"}[(j+r+2)%3]
-			want = append(want, n+"/0", n+"/1")
+	for _, row := range []string{"abc", "bca", "cab", "cba", "acb"} {
+		for _, n := range row {
+			want = append(want, string(n)+"/0", string(n)+"/1")
 		}
 	}
 	if strings.Join(order, " ") != strings.Join(want, " ") {
@@ -250,6 +249,46 @@ func TestRingCoreSamplerHolds(t *testing.T) {
 		}
 		if got := strings.Join(c.log, ", "); got != want {
 			t.Errorf("hold %v: log %q, want %q", hold, got, want)
+		}
+	}
+}
+
+// balancedOrder's rows are orders of every path in which, over all rows,
+// each path comes first equally often and directly follows each other
+// path equally often.
+func TestBalancedOrder(t *testing.T) {
+	for n := 1; n <= 7; n++ {
+		rows := balancedOrder(n)
+		if want := n + n%2*n; len(rows) != want {
+			t.Errorf("n %d: %d rows, want %d", n, len(rows), want)
+		}
+		firsts := make([]int, n)
+		follows := make([][]int, n) // follows[a][b]: rows where b directly follows a
+		for a := range follows {
+			follows[a] = make([]int, n)
+		}
+		for _, row := range rows {
+			if sorted := slices.Sorted(slices.Values(row)); len(row) != n || sorted[0] != 0 || sorted[n-1] != n-1 || len(slices.Compact(sorted)) != n {
+				t.Fatalf("n %d: row %v is not an order of 0..%d", n, row, n-1)
+			}
+			firsts[row[0]]++
+			for j := 1; j < n; j++ {
+				follows[row[j-1]][row[j]]++
+			}
+		}
+		if slices.Min(firsts) != slices.Max(firsts) {
+			t.Errorf("n %d: first positions %v, not equal", n, firsts)
+		}
+		var counts []int
+		for a := range n {
+			for b := range n {
+				if a != b {
+					counts = append(counts, follows[a][b])
+				}
+			}
+		}
+		if n > 1 && slices.Min(counts) != slices.Max(counts) {
+			t.Errorf("n %d: followers %v, not equal", n, follows)
 		}
 	}
 }

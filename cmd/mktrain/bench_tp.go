@@ -58,8 +58,10 @@ Deterministic (every rank's rows landed in slots of their own and summed
 in rank order), each from before the first rank starts to after the last
 ends (barriers, marks of the backend's clock on rank 0), the median of
 --iters steps after two warm-up steps, sampled in rounds that take one
-step of every path in an order rotated each round (so that the clocks'
-drift under the power cap weighs on every path alike), each step on
+step of every path in a balanced order (each path first equally often
+and after every other equally often, so that the clocks' drift under the
+power cap, and the step before's mark on them, weigh on every path
+alike), each step on
 virtual ranks after a hold of the GPU behind which the ranks queue their
 ops (as bench attention's ring rows: the times are the GPU's, not the
 host's queueing). TFLOP/s count every rank's
@@ -323,7 +325,7 @@ func cmdBenchTP(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		"overlap_efficiency": fmt.Sprintf("(product + comm - fused) / comm; null when comm is under %g of product", tpOverlapMinComm),
 		"note":               note,
 		"flops":              "every rank's products together: 2*R*K*N for allgather_gemm (N summed over its outputs), 2*R*F*N for gemm_reducescatter and gemm_allreduce",
-		"timing": fmt.Sprintf("median of %d steps after 2 warm-up steps, in rounds that take one step of every path of the row in an order rotated each round, each from a mark taken on rank 0 before any rank starts (barrier; on virtual ranks after a hold of the GPU behind which the ranks queue their ops) to one after every rank has returned (barrier), on the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32",
+		"timing": fmt.Sprintf("median of %d steps after 2 warm-up steps, in rounds that take one step of every path of the row in a balanced order (each path after every other equally often), each from a mark taken on rank 0 before any rank starts (barrier; on virtual ranks after a hold of the GPU behind which the ranks queue their ops) to one after every rank has returned (barrier), on the backend's clock (%s); fresh uniform random inputs in [-1, 1); float32",
 			*iters, clockName(b)),
 		"memory_budget_bytes": int64(tpMemoryBudget),
 	}
