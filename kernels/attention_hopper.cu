@@ -213,7 +213,8 @@ __device__ __forceinline__ void ah_wgmma_ss(float (&d)[32], unsigned long long d
 // ah_cfg is the forward's layout for head dim DH and NC consumer
 // warpgroups: STAGES is the ring depth (a stage is a k and a v tile, 32
 // KiB at Dh 64, 64 KiB at Dh 128), beside the q tile of 64*NC rows and
-// the mbarriers (q's, and fullK, fullV, emptyK, emptyV a stage).
+// the mbarriers (q's, and fullK, fullV, emptyK, emptyV a stage, and
+// qFree) and ah_forward_walk's item slot.
 template <int DH, int NC = 2>
 struct ah_cfg {
   static constexpr int STAGES = DH == 64 ? 4 : 2;
@@ -222,7 +223,7 @@ struct ah_cfg {
   static constexpr unsigned TILE = (DH / 64) * BOX;        // a k or v tile
   static constexpr unsigned QBOX = BM * 128;               // {64 columns, BM rows}
   static constexpr unsigned QTILE = (DH / 64) * QBOX;      // the q tile
-  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (2 + 4 * STAGES);
+  static constexpr unsigned SMEM = 1024 + QTILE + 2 * STAGES * TILE + 8 * (3 + 4 * STAGES);
   // setmaxnreg's counts: 128 x REG_DEC + 128NC x REG_INC <= 65536.
   static constexpr int REG_DEC = NC == 2 ? 40 : 32, REG_INC = NC == 2 ? 232 : 160;
 };
@@ -543,17 +544,36 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
   ah_fwd_store<DH>(o, m0, m1, l0, l1, out, lse + ((long long)b * H + h) * S, b, h, S, H, r0, r1, t4);
 }
 
+// ah_walk_next and ah_walk_done are ah_forward_walk's claims: module
+// globals, zero when the module loads, which the last block of a launch
+// to finish claiming zeroes again, so that each launch on the device's
+// one stream finds them zero (a Device loads the module for itself).
+__device__ unsigned ah_walk_next, ah_walk_done;
+
+// ah_atom_add adds v to *p at the GPU's scope and returns what was there.
+__device__ __forceinline__ unsigned ah_atom_add(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 // ah_forward_walk is the whole-sequence forward on a grid of gridDim.x
 // blocks over the pairs x q tiles (items) in ah_band_of's order: block x
-// runs items x, x + gridDim.x, ... (the host launches one block an item
-// where a band applies, whose L2 order one block an SM would lose, and
-// min(SMs, items) blocks elsewhere): head dim 64's kernels. The producer
-// loads each item's q tile once qFree says every consumer warp has its
-// last scores of the item before, then the item's k and v tiles on the
-// stages' ring, which turns on across items (T counts the block's tiles),
-// so that the next item's q and first tiles land under this one's last
-// products and epilogue (kernels/attention_hopper.md, fwd-persistent:
-// 1.07-1.09x at moe-small's shape).
+// runs item x first, then claims the next unclaimed item (gridDim.x + the
+// count of claims so far, ah_walk_next) each time its producer has queued
+// an item's last tile load, so a block whose items ran short takes the
+// next heaviest (the host launches one block an item where a band
+// applies, whose L2 order one block an SM would lose, and min(SMs,
+// items) blocks elsewhere): head dim 64's kernels. The producer hands
+// each item to the consumers in a shared slot written before its q
+// tile's barrier arrival and read after their wait; it writes the next
+// once qFree says every consumer warp has its last scores of the item
+// before, then loads the item's q tile and its k and v tiles on the
+// stages' ring, which turns on across items (T counts the block's
+// tiles), so that the next item's q and first tiles land under this
+// one's last products and epilogue (kernels/attention_hopper.md,
+// fwd-persistent: 1.07-1.09x at moe-small's shape; fwd-dynamic, the
+// claims instead of a fixed stride: 1.02-1.03x).
 template <int DH, typename Out, int NC>
 __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tmap* mapK, const gg_tmap* mapV, Out* out,
                                                 float* lse, int S, int KS, int off, int H, int KV, float scaleLog2, int band,
@@ -566,6 +586,10 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
   // mbarriers: q, fullK[STAGES], fullV[STAGES], emptyK[STAGES], emptyV[STAGES], qFree.
   const unsigned barQ = base + QTILE + 2 * STAGES * TILE, fullK = barQ + 8, fullV = fullK + 8 * STAGES,
                  emptyK = fullV + 8 * STAGES, emptyV = emptyK + 8 * STAGES, qFree = emptyV + 8 * STAGES;
+  // The item the producer claimed: written before barQ's arrival for it
+  // (its release), read after the consumers' wait (their acquire), not
+  // rewritten before qFree says every consumer warp has read it.
+  const unsigned slot = qFree + 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nQT = (S + BM - 1) / BM, items = pairs * nQT;
   if (tid == 0) ah_fwd_init_bars<STAGES>(barQ, qFree, fullK, fullV, emptyK, emptyV, 4 * NC);
@@ -578,15 +602,26 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
     gg_prefetch_tmap(mapK);
     gg_prefetch_tmap(mapV);
     int T = 0;  // the block's tiles so far: the stages' position
-    for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+    for (int lin = blockIdx.x, j = 0;; j++) {
+      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q and slot read (item 0: a fresh barrier's parity 1)
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(slot), "r"(lin) : "memory");
+      if (lin >= items) {
+        gg_bar_arrive(barQ);  // the slot says: no more items
+        break;
+      }
       int bh, ty;
       ah_band_of(lin, pairs, nQT, band, bh, ty);
       const int b = bh / H, h = bh % H, kvh = h / (H / KV), i0 = (nQT - 1 - ty) * BM;
       const int nT = gg_min(KS - 1, off + gg_min(S - 1, i0 + BM - 1)) / AH_BN + 1;
-      gg_bar_wait(qFree, (j & 1) ^ 1);  // item j-1's q read (item 0: a fresh barrier's parity 1)
       ah_fwd_load_item<DH, STAGES>(mapQ, mapK, mapV, qs, ks, vs, barQ, fullK, fullV, emptyK, emptyV, QTILE, BOX, TILE, QBOX, h,
                                    kvh, b * S + i0, b * KS, nT, T);
       T += nT;
+      lin = gridDim.x + (int)ah_atom_add(&ah_walk_next, 1u);
+    }
+    // Every block has made its last claim once the last one gets here.
+    if (ah_atom_add(&ah_walk_done, 1u) == gridDim.x - 1) {
+      asm volatile("st.relaxed.gpu.u32 [%0], 0;" ::"l"(&ah_walk_next) : "memory");
+      asm volatile("st.relaxed.gpu.u32 [%0], 0;" ::"l"(&ah_walk_done) : "memory");
     }
     return;
   }
@@ -596,7 +631,11 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
   const unsigned long long dq = gg_desc(qs + cw * 64 * 128);
   int T = 0;  // the producer's count, in step
 #pragma unroll 1
-  for (int lin = blockIdx.x, j = 0; lin < items; lin += gridDim.x, j++) {
+  for (int j = 0;; j++) {
+    gg_bar_wait(barQ, j & 1);
+    int lin;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(lin) : "r"(slot) : "memory");
+    if (lin >= items) break;
     int bh, ty;
     ah_band_of(lin, pairs, nQT, band, bh, ty);
     const int i0 = (nQT - 1 - ty) * BM;
@@ -607,7 +646,6 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
 #pragma unroll
     for (int i = 0; i < DH / 2; i++) o[i] = 0.0f;
     float m0 = ah_neg_inf(), m1 = ah_neg_inf(), l0 = 0.0f, l1 = 0.0f;
-    gg_bar_wait(barQ, j & 1);
     if (nTw > 0)
       ah_fwd_tiles<DH, STAGES, true>(o, m0, m1, l0, l1, nTw, T, dq, ks, vs, fullK, fullV, emptyK, emptyV, qFree, lane, off, w0,
                                      r0, r1, KS, t4, scaleLog2);

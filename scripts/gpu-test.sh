@@ -315,7 +315,7 @@ done <"$BIN/packages.txt"
 # get; LABS=pending runs the ones waiting for a GPU (PENDING_LABS, empty
 # when none is). A lab that might hang goes last and alone: it holds its
 # process until LAB_TIMEOUT.
-PENDING_LABS="TestAttentionLabForwardOwnLaunch:fwd-dynamic"
+PENDING_LABS=""
 labs=${LABS:-}
 if [[ "$labs" == pending ]]; then
   labs=$PENDING_LABS

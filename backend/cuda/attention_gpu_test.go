@@ -397,6 +397,38 @@ func naiveAttnRow(q, k, v []float32, s backend.AttnShape, b, kvh, h, i int) ([]f
 	return out, m + math.Log(sum)
 }
 
+// TestHopperAttnWalkRepeats: head dim 64's walking forward, whose blocks
+// claim items from module counters that each launch's last block resets,
+// writes every element and the same bits launch after launch, on grids
+// of min(SMs, items) blocks and of one block an item (band 1) in turn.
+func TestHopperAttnWalkRepeats(t *testing.T) {
+	d := testDevice(t)
+	s := backend.AttnShape{Batch: 4, Seq: 2048, Heads: 16, KVHeads: 4, HeadDim: 64}
+	if !hopperAttnTakes(d, s) || !hopperAttnWalks(s.HeadDim) {
+		t.Skipf("the Hopper attention kernels do not run on %s", d.info.Name)
+	}
+	k := newKT(t, 97)
+	T, H, KV, Dh := s.Batch*s.Seq, s.Heads, s.KVHeads, s.HeadDim
+	nq, nk, nl := T*H*Dh, T*KV*Dh, s.Batch*H*s.Seq
+	q, kk, v := k.buf(k.randn(nq, 1.5), true), k.buf(k.randn(nk, 1.5), true), k.buf(k.randn(nk, 1), true)
+	var first []float32
+	for call, band := range []int{0, 0, 1, 0, 1, 1, 0} {
+		out, lse := k.poisoned(nq), k.poisoned(nl)
+		if err := launchHopperAttnForward(d, out.Ptr(), lse.Ptr(), q.Ptr(), kk.Ptr(), v.Ptr(), s, false, band); err != nil {
+			t.Fatal(err)
+		}
+		got := append(k.download(out, nq), k.download(lse, nl)...)
+		if i := slices.IndexFunc(got, func(x float32) bool { return math.IsNaN(float64(x)) }); i >= 0 {
+			t.Fatalf("call %d (band %d): element %d of out and lse is NaN: an item no block ran", call, band, i)
+		}
+		if first == nil {
+			first = got
+		} else if !slices.Equal(got, first) {
+			t.Errorf("call %d (band %d): out or lse differs from the first call's", call, band)
+		}
+	}
+}
+
 // TestHopperAttnBands: the whole-sequence Hopper kernels give the same
 // results whichever pairs their blocks run at a time. On shapes of 64
 // and 32 tiles a pair, where hopperAttnBand picks a band (and the last

@@ -47,12 +47,12 @@ func hopperAttnStages(dh int) int {
 
 // hopperAttnSmem is a forward kernel's dynamic shared memory with
 // consumers consumer warpgroups (ah_cfg<DH, NC>::SMEM): alignment slack,
-// the q tile of 64*consumers rows, the ring of k and v tiles and the
+// the q tile of 64*consumers rows, the ring of k and v tiles, the
 // mbarriers (q's full and free, and four a stage: k and v full, k and v
-// empty).
+// empty) and 8 bytes for the walking kernels' item slot.
 func hopperAttnSmem(dh, consumers int) int {
 	stages, tile, qTile := hopperAttnStages(dh), dh/64*hopperAttnBN*128, dh/64*64*consumers*128
-	return 1024 + qTile + 2*stages*tile + 8*(2+4*stages)
+	return 1024 + qTile + 2*stages*tile + 8*(3+4*stages)
 }
 
 // hopperAttnTakes says whether the Hopper kernels run s on d: a Hopper

@@ -60,10 +60,7 @@ var ownLaunch = map[string]labBackwardLaunch{}
 
 // ownForwardLaunch names the variants that add forward kernels of their
 // own: TestAttentionLabForwardOwnLaunch runs them.
-var ownForwardLaunch = map[string]labForwardLaunch{
-	// The claimed item's slot after the mbarriers.
-	"fwd-dynamic": {headDims: []int{64}, kernel: "attn_h_forward_d%d", extraSmem: func(int) int { return 16 }},
-}
+var ownForwardLaunch = map[string]labForwardLaunch{}
 
 // labForwardLaunch is how a lab build's forward kernels launch:
 // production's arguments, grid, block and q map (hopperAttnConsumers'
