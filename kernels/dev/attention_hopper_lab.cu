@@ -573,10 +573,17 @@ __device__ __forceinline__ void ah_forward(const gg_tmap* mapQ, const gg_tmap* m
 // one stream finds them zero (a Device loads the module for itself).
 __device__ unsigned ah_walk_next, ah_walk_done;
 
-// ah_atom_add adds v to *p at the GPU's scope and returns what was there.
+// ah_atom_add adds v to *p at the GPU's scope and returns what was there
+// (relaxed); ah_atom_add_acq_rel also orders this thread's accesses
+// before it ahead of it and those after it behind it.
 __device__ __forceinline__ unsigned ah_atom_add(unsigned* p, unsigned v) {
   unsigned old;
   asm volatile("atom.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ unsigned ah_atom_add_acq_rel(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
 
@@ -641,8 +648,10 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
       T += nT;
       lin = gridDim.x + (int)ah_atom_add(&ah_walk_next, 1u);
     }
-    // Every block has made its last claim once the last one gets here.
-    if (ah_atom_add(&ah_walk_done, 1u) == gridDim.x - 1) {
+    // Every block has made its last claim once the last one gets here:
+    // each block's count releases its claims, and the last one's acquires
+    // them all before it zeroes the counters.
+    if (ah_atom_add_acq_rel(&ah_walk_done, 1u) == gridDim.x - 1) {
       asm volatile("st.relaxed.gpu.u32 [%0], 0;" ::"l"(&ah_walk_next) : "memory");
       asm volatile("st.relaxed.gpu.u32 [%0], 0;" ::"l"(&ah_walk_done) : "memory");
     }
