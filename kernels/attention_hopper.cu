@@ -658,8 +658,13 @@ __device__ __forceinline__ void ah_forward_walk(const gg_tmap* mapQ, const gg_tm
     if (nTw > 0)
       ah_fwd_tiles<DH, STAGES, true>(o, m0, m1, l0, l1, nTw, T, dq, ks, vs, fullK, fullV, emptyK, emptyV, qFree, lane, off, w0,
                                      r0, r1, KS, t4, scaleLog2);
-    else if (lane == 0)
-      gg_bar_arrive(qFree);  // queries past S: q never read
+    else {
+      // Queries past S: q never read. Every lane has read the slot before
+      // lane 0 frees it (the lanes may leave barQ's wait apart; in
+      // ah_fwd_tiles the warpgroup's products gather them first).
+      asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+      if (lane == 0) gg_bar_arrive(qFree);
+    }
     ah_fwd_drain<STAGES>(nTw, nT, T, fullK, fullV, emptyK, emptyV, lane);
     T += nT;
     // (The item's sequence and head again, rather than held in registers
