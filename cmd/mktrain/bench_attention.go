@@ -810,6 +810,21 @@ type attnRingRow struct {
 	// Profile is one forward+backward step of the core and of the fused
 	// ring op by op, on virtual ranks where the ring is fused (else null).
 	Profile *attnRingProfile `json:"profile,omitempty"`
+	// Timeline is every timed step of the row in the order it ran, to be
+	// read against a log of the GPU's clocks and power over the same
+	// stretch (scripts/gpu-test.sh's clocks.csv): under the power cap a
+	// step's time follows the clock it ran at.
+	Timeline []attnRingSample `json:"timeline"`
+}
+
+// attnRingSample is one timed step of a ring row: its path and kind, when
+// the host began it (Unix time in ms, before the ranks' barrier and the
+// hold) and its time.
+type attnRingSample struct {
+	Path        string  `json:"path"`
+	Kind        string  `json:"kind"`
+	StartUnixMS float64 `json:"start_unix_ms"`
+	MS          float64 `json:"ms"`
 }
 
 // parseRingFlags reads --ring-world (numbers of ranks, 2 or more, or none)
@@ -867,7 +882,8 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		modePath[i] = &timedPath{name: name, sample: sample}
 		paths = append(paths, modePath[i])
 	}
-	if err := timeInterleaved(paths, ringKinds, iters); err != nil {
+	timeline, err := timeInterleaved(paths, ringKinds, iters)
+	if err != nil {
 		return row, err
 	}
 
@@ -882,6 +898,11 @@ func benchRingRow(b backend.Backend, place rankPlacer, ownDevices bool, clock pr
 		row.UncoveredSteps += p.uncovered
 	}
 	row.CoreUncoveredSteps = paths[0].uncovered
+	row.Timeline = make([]attnRingSample, len(timeline))
+	for i, ts := range timeline {
+		row.Timeline[i] = attnRingSample{Path: paths[ts.path].name, Kind: ringKinds[ts.kind],
+			StartUnixMS: float64(ts.start.UnixMicro()) / 1e3, MS: ms(ts.d)}
+	}
 	row.CoreFwdTF, row.CoreStepTF = tflops(flops, row.CoreFwdMS), tflops(stepFLOPs, row.CoreStepMS)
 	for i, m := range modes {
 		if modePath[i] == nil {

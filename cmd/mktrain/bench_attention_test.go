@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -205,6 +206,29 @@ func TestBenchAttentionRing(t *testing.T) {
 			if m.FwdMS != nil && (!inRange(*m.FwdMS, m.FwdRangeMS) || !inRange(*m.StepMS, m.StepRangeMS)) {
 				t.Errorf("row %d: %s medians %g, %g outside %v, %v", i, m.Path, *m.FwdMS, *m.StepMS, m.FwdRangeMS, m.StepRangeMS)
 			}
+		}
+		// The timeline: every timed step of every path, in order; the
+		// core's two steps of each kind give its median (the slower).
+		modes := 1
+		for _, m := range []attnRingMode{r.AllGather, r.Ring, r.RingPortable} {
+			if m.FwdMS != nil {
+				modes++
+			}
+		}
+		if len(r.Timeline) != modes*2*2 {
+			t.Errorf("row %d: %d timed steps in the timeline, want %d", i, len(r.Timeline), modes*2*2)
+		}
+		coreSteps := map[string][]float64{}
+		for j, ts := range r.Timeline {
+			if j > 0 && ts.StartUnixMS < r.Timeline[j-1].StartUnixMS || ts.StartUnixMS <= 0 || !slices.Contains(ringKinds, ts.Kind) {
+				t.Errorf("row %d: timeline[%d] %+v out of order or unnamed", i, j, ts)
+			}
+			if ts.Path == "core on the whole sequence" {
+				coreSteps[ts.Kind] = append(coreSteps[ts.Kind], ts.MS)
+			}
+		}
+		if f, fb := coreSteps[ringKinds[0]], coreSteps[ringKinds[1]]; len(f) != 2 || len(fb) != 2 || slices.Max(f) != r.CoreFwdMS || slices.Max(fb) != r.CoreStepMS {
+			t.Errorf("row %d: the core's timed steps %v / %v, medians %g / %g", i, f, fb, r.CoreFwdMS, r.CoreStepMS)
 		}
 		w, perRank := []int{2, 2, 4, 4}[i], []int{8, 16, 8, 16}[i]
 		if r.World != w || r.SeqPerRank != perRank || r.Seq != w*perRank || r.EfficiencyBarApply {

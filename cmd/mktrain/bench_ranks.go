@@ -255,6 +255,15 @@ func rankSampler(b backend.Backend, clock profile.Clock, stepsByKind ...[]rankSt
 	}
 }
 
+// timedSample is one timed sample of timeInterleaved's: its path (an
+// index into the paths) and kind, when the host began it (before the
+// ranks' barrier and the hold) and the time it measured.
+type timedSample struct {
+	path, kind int
+	start      time.Time
+	d          time.Duration
+}
+
 // timedPath is one path of a benchmark row (one way of doing the row's
 // work), built and ready to sample; medians are timeInterleaved's, one a
 // kind of step, and spans each kind's fastest and slowest timed sample;
@@ -283,8 +292,8 @@ type timedPath struct {
 // are its timed samples' of each kind. A sample's hold is stepHold or,
 // when longer, 1.5 times the host's time queueing the path's previous
 // sample of the same kind, at most stepHoldMax. kinds name the kinds in
-// errors.
-func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
+// errors. timeline is every timed sample in the order they ran.
+func timeInterleaved(paths []*timedPath, kinds []string, iters int) (timeline []timedSample, err error) {
 	samples := make([][][]time.Duration, len(paths)) // path, kind, round
 	lastQueue := make([][]time.Duration, len(paths))
 	for i := range paths {
@@ -296,12 +305,13 @@ func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
 			p := paths[i]
 			for k := range kinds {
 				hold := min(stepHoldMax, max(stepHold, lastQueue[i][k]*3/2))
+				start := time.Now()
 				d, queue, held, err := p.sample(k, hold)
 				if err != nil {
 					if len(kinds) > 1 {
-						return fmt.Errorf("%s, %s: %w", p.name, kinds[k], err)
+						return nil, fmt.Errorf("%s, %s: %w", p.name, kinds[k], err)
 					}
-					return fmt.Errorf("%s: %w", p.name, err)
+					return nil, fmt.Errorf("%s: %w", p.name, err)
 				}
 				lastQueue[i][k] = queue
 				if round < 0 {
@@ -312,6 +322,7 @@ func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
 					p.uncovered++
 				}
 				samples[i][k] = append(samples[i][k], d)
+				timeline = append(timeline, timedSample{path: i, kind: k, start: start, d: d})
 			}
 		}
 	}
@@ -322,7 +333,7 @@ func timeInterleaved(paths []*timedPath, kinds []string, iters int) error {
 			p.medians[k], p.spans[k] = ds[len(ds)/2], [2]time.Duration{ds[0], ds[len(ds)-1]}
 		}
 	}
-	return nil
+	return timeline, nil
 }
 
 // balancedOrder is a Williams design for n paths: rows, each an order of

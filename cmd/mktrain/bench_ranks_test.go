@@ -143,8 +143,31 @@ func TestTimeInterleaved(t *testing.T) {
 		}}
 	}
 	paths := []*timedPath{path("a", 10000), path("b", 20000), path("c", 30000)}
-	if err := timeInterleaved(paths, ringKinds, 3); err != nil {
+	before := time.Now()
+	timeline, err := timeInterleaved(paths, ringKinds, 3)
+	if err != nil {
 		t.Fatal(err)
+	}
+	// The timeline: the timed samples (rounds 0..2, rows "cab", "cba",
+	// "acb"), each with its path, kind, time and start, in order.
+	var gotTimeline []string
+	for i, ts := range timeline {
+		gotTimeline = append(gotTimeline, fmt.Sprintf("%s/%d", paths[ts.path].name, ts.kind))
+		if ts.start.Before(before) || (i > 0 && ts.start.Before(timeline[i-1].start)) {
+			t.Errorf("timeline[%d] started at %v, before the call or the sample before it", i, ts.start)
+		}
+		if base := time.Duration(10000 * (ts.path + 1)); ts.d < base+1000*time.Duration(ts.kind)+2 || ts.d > base+1000*time.Duration(ts.kind)+4 {
+			t.Errorf("timeline[%d] = %v, not a timed sample of %s", i, ts.d, paths[ts.path].name)
+		}
+	}
+	wantTimeline := []string{}
+	for _, row := range []string{"cab", "cba", "acb"} {
+		for _, n := range row {
+			wantTimeline = append(wantTimeline, string(n)+"/0", string(n)+"/1")
+		}
+	}
+	if strings.Join(gotTimeline, " ") != strings.Join(wantTimeline, " ") {
+		t.Errorf("timeline\n %v\nwant\n %v", gotTimeline, wantTimeline)
 	}
 	// Rounds -2..2 take balancedOrder(3)'s first five rows.
 	want := []string{}
@@ -183,7 +206,7 @@ func TestTimeInterleaved(t *testing.T) {
 		q *= 2
 		return 1, q, true, nil
 	}}
-	if err := timeInterleaved([]*timedPath{growing}, []string{""}, 3); err != nil || growing.uncovered != 3 || growing.queue != 32*time.Millisecond {
+	if _, err := timeInterleaved([]*timedPath{growing}, []string{""}, 3); err != nil || growing.uncovered != 3 || growing.queue != 32*time.Millisecond {
 		t.Errorf("growing queue: %d steps uncovered, longest %v (%v), want 3, 32ms", growing.uncovered, growing.queue, err)
 	}
 
@@ -196,7 +219,7 @@ func TestTimeInterleaved(t *testing.T) {
 		waitingHolds = append(waitingHolds, hold)
 		return 1, hold + time.Millisecond, true, nil
 	}}
-	if err := timeInterleaved([]*timedPath{waiting}, []string{""}, 10); err != nil || waiting.uncovered != 10 {
+	if _, err := timeInterleaved([]*timedPath{waiting}, []string{""}, 10); err != nil || waiting.uncovered != 10 {
 		t.Errorf("waiting host: %d steps uncovered (%v), want 10", waiting.uncovered, err)
 	}
 	if longest := slices.Max(waitingHolds); longest != stepHoldMax || waitingHolds[len(waitingHolds)-1] != stepHoldMax {
@@ -209,7 +232,7 @@ func TestTimeInterleaved(t *testing.T) {
 	unheld := &timedPath{name: "unheld", sample: func(int, time.Duration) (time.Duration, time.Duration, bool, error) {
 		return 1, 50 * time.Millisecond, false, nil
 	}}
-	if err := timeInterleaved([]*timedPath{unheld}, []string{""}, 3); err != nil || unheld.uncovered != 0 || unheld.queue != 50*time.Millisecond {
+	if _, err := timeInterleaved([]*timedPath{unheld}, []string{""}, 3); err != nil || unheld.uncovered != 0 || unheld.queue != 50*time.Millisecond {
 		t.Errorf("unheld path: %d steps uncovered, longest %v (%v), want 0, 50ms", unheld.uncovered, unheld.queue, err)
 	}
 
@@ -219,7 +242,7 @@ func TestTimeInterleaved(t *testing.T) {
 		}
 		return 1, 0, true, nil
 	}}
-	err := timeInterleaved([]*timedPath{path("core", 1), failing}, ringKinds, 2)
+	_, err = timeInterleaved([]*timedPath{path("core", 1), failing}, ringKinds, 2)
 	if err == nil || err.Error() != "mode ring, forward+backward: rank 1: timeout" {
 		t.Errorf("error %v", err)
 	}

@@ -538,7 +538,7 @@ func timeTPRow(bs []backend.Backend, ownDevices bool, clock profile.Clock, rng *
 			fusedKinds = append(fusedKinds, k)
 		}
 	}
-	if err := timeInterleaved(paths, []string{"step"}, iters); err != nil {
+	if _, err := timeInterleaved(paths, []string{"step"}, iters); err != nil {
 		return err
 	}
 	row.ProductMS, row.UnfusedMS, row.CommMS = ms(paths[0].medians[0]), ms(paths[1].medians[0]), ms(paths[2].medians[0])
