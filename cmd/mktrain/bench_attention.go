@@ -76,10 +76,11 @@ work). Every path of a row is built before any is timed; then each of
 step of every path, the paths in the rows of a balanced order (each
 path first equally often and after every other equally often), and each
 figure is its path's median, so that the clocks' drift under the power
-cap, and the step before's mark on them, weigh on every path alike. On virtual ranks each step starts after a hold of
-at least 2 ms on the GPU (a kernel that waits; 1.5 times the host's
-time queueing the path's last step where that is longer, at most 25
-ms), behind which the ranks queue their ops after their barriers, so
+cap, and the step before's mark on them, weigh on every path alike (the
+JSON's timeline gives every timed step's start and time). On virtual
+ranks each step starts after a hold of at least 2 ms on the GPU (a
+kernel that waits; 1.5 times the host's time queueing the path's last
+step where that is longer, at most 25 ms), behind which the ranks queue their ops after their barriers, so
 the times are the GPU's, not the host's queueing (the JSON gives the
 longest the host took to queue a timed step, host_queue_max_ms, and how
 many outlasted their hold, uncovered_steps, per row and per mode, which
