@@ -294,10 +294,9 @@ type timedPath struct {
 // sample of the same kind, at most stepHoldMax. kinds name the kinds in
 // errors. timeline is every timed sample in the order they ran.
 func timeInterleaved(paths []*timedPath, kinds []string, iters int) (timeline []timedSample, err error) {
-	samples := make([][][]time.Duration, len(paths)) // path, kind, round
 	lastQueue := make([][]time.Duration, len(paths))
 	for i := range paths {
-		samples[i], lastQueue[i] = make([][]time.Duration, len(kinds)), make([]time.Duration, len(kinds))
+		lastQueue[i] = make([]time.Duration, len(kinds))
 	}
 	order := balancedOrder(len(paths))
 	for round := -2; round < iters; round++ {
@@ -321,14 +320,19 @@ func timeInterleaved(paths []*timedPath, kinds []string, iters int) (timeline []
 				if held && queue > hold {
 					p.uncovered++
 				}
-				samples[i][k] = append(samples[i][k], d)
 				timeline = append(timeline, timedSample{path: i, kind: k, start: start, d: d})
 			}
 		}
 	}
 	for i, p := range paths {
 		p.medians, p.spans = make([]time.Duration, len(kinds)), make([][2]time.Duration, len(kinds))
-		for k, ds := range samples[i] {
+		for k := range kinds {
+			var ds []time.Duration
+			for _, ts := range timeline {
+				if ts.path == i && ts.kind == k {
+					ds = append(ds, ts.d)
+				}
+			}
 			slices.Sort(ds)
 			p.medians[k], p.spans[k] = ds[len(ds)/2], [2]time.Duration{ds[0], ds[len(ds)-1]}
 		}
