@@ -61,10 +61,9 @@ ends (barriers, marks of the backend's clock on rank 0), the median of
 step of every path in a balanced order (each path first equally often
 and after every other equally often, so that the clocks' drift under the
 power cap, and the step before's mark on them, weigh on every path
-alike), each step on
-virtual ranks after a hold of the GPU behind which the ranks queue their
-ops (as bench attention's ring rows: the times are the GPU's, not the
-host's queueing). TFLOP/s count every rank's
+alike), each step on virtual ranks after a hold of the GPU behind which
+the ranks queue their ops (as bench attention's ring rows: the times are
+the GPU's, not the host's queueing). TFLOP/s count every rank's
 products (2*R*K*N in all for allgather_gemm, 2*R*F*N for the others) over
 that time; unfused / product, fused / product and fused / unfused are
 ratios of the times, and the overlap efficiency, (product + comm -
