@@ -164,3 +164,65 @@ func TestFusedRingCUDA(t *testing.T) {
 		}
 	}
 }
+
+// TestFusedRingDeterministicCUDA is TestFusedRingCUDA with the run-to-run
+// floor taken out. Under train.deterministic every path adds in a fixed
+// order (one rank and the all-gather path on attention_tc.cu's ordered
+// backward, the ring on its two-pass kernels, the MoE layers on the
+// unfused dispatcher), so each run repeats its own losses bit for bit,
+// which is checked, and what separates the ring from one rank is the
+// order of the ring's sums alone. Those differences are held to issue
+// 27's bar, 2e-4 over 20 steps, at the two-pass layouts of
+// TestFusedRingCUDA and at its chunks of 128 positions.
+func TestFusedRingDeterministicCUDA(t *testing.T) {
+	gpu := openGPU(t)
+	const bar = 2e-4
+	base := equivalenceConfig()
+	base.Model.Dim, base.Model.Heads, base.Model.KVHeads = 128, 2, 1
+	base.Train.Steps, base.Train.GlobalBatch, base.Train.Deterministic = 20, 4, true
+	layouts := []struct{ dp, ep, cp, micro, seq int }{{1, 1, 2, 4, 256}, {1, 1, 4, 4, 512}, {2, 1, 2, 2, 256}, {1, 2, 2, 2, 256}, {1, 1, 2, 4, 512}}
+	repeats := func(what string, a, b []float64) {
+		for i := range a {
+			if math.Float64bits(a[i]) != math.Float64bits(b[i]) {
+				t.Errorf("%s: step %d's loss is %.9g in the first run, %.9g in the second (train.deterministic)", what, i+1, a[i], b[i])
+				return
+			}
+		}
+	}
+	for _, l := range layouts {
+		one := base
+		one.Train.Seq, one.Train.MicroBatch = l.seq, 4
+		oneName := fmt.Sprintf("dp1 ep1 seq%d", l.seq)
+		want := trainOn(t, one, gpu, oneName).losses
+		repeats(oneName, want, trainOn(t, one, gpu, oneName+" again").losses)
+		layout := fmt.Sprintf("dp%d ep%d cp%d seq%d", l.dp, l.ep, l.cp, l.seq)
+		runs := map[string][]float64{}
+		for _, mode := range []string{"ring", "allgather"} {
+			cfg := base
+			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP = l.dp, l.ep, l.cp
+			cfg.Train.MicroBatch, cfg.Train.Seq = l.micro, l.seq
+			cfg.Parallel.CPAttention = mode
+			if world := cfg.mesh().World(); mode == "ring" {
+				if fused, onePass := PlanRing(cfg, world, world, gpu); !fused || onePass {
+					t.Fatalf("%s: mode ring plans fused %v, one pass %v; want the two-pass fused ring", layout, fused, onePass)
+				}
+			}
+			runs[mode] = trainOn(t, cfg, gpu, layout+" "+mode).losses
+			if mode == "ring" {
+				repeats(layout+" ring", runs[mode], trainOn(t, cfg, gpu, layout+" ring again").losses)
+			}
+		}
+		var worstOne, worstGather, gatherOne float64
+		for i, w := range want {
+			ring, gather := runs["ring"][i], runs["allgather"][i]
+			worstOne = max(worstOne, math.Abs(ring-w)/math.Abs(w))
+			worstGather = max(worstGather, math.Abs(ring-gather)/math.Abs(gather))
+			gatherOne = max(gatherOne, math.Abs(gather-w)/math.Abs(w))
+		}
+		if !(worstOne <= bar) {
+			t.Errorf("%s deterministic fused ring: max relative loss difference %.3g from one rank over %d steps, over %g", layout, worstOne, len(want), bar)
+		}
+		t.Logf("%s deterministic fused ring: max relative loss difference %.2e from one rank, %.2e from allgather; allgather from one rank %.2e", layout, worstOne, worstGather, gatherOne)
+		t.Logf("%s deterministic losses by step: one rank %.5f; ring %.5f; allgather %.5f", layout, want, runs["ring"], runs["allgather"])
+	}
+}
