@@ -62,6 +62,23 @@ const (
 	fusedRingDriftTol   = 2e-2
 )
 
+// ringLayout is a context-parallel layout of the fused-ring tests: dp x
+// ep x cp virtual ranks, micro sequences of seq tokens each a rank.
+type ringLayout struct{ dp, ep, cp, micro, seq int }
+
+func (l ringLayout) String() string {
+	return fmt.Sprintf("dp%d ep%d cp%d seq%d", l.dp, l.ep, l.cp, l.seq)
+}
+
+// config is base on layout l with parallel.cp_attention mode.
+func (l ringLayout) config(base Config, mode string) Config {
+	cfg := base
+	cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP = l.dp, l.ep, l.cp
+	cfg.Train.MicroBatch, cfg.Train.Seq = l.micro, l.seq
+	cfg.Parallel.CPAttention = mode
+	return cfg
+}
+
 // TestFusedRingCUDA is TestRingCUDA at shapes the fused ring's kernels
 // take (head dim 64; chunks of 64 positions, seq 256 at cp 2 and 512 at
 // cp 4, which run in two passes; on a Hopper GPU chunks of 128, seq 512
@@ -91,10 +108,10 @@ func TestFusedRingCUDA(t *testing.T) {
 	base := equivalenceConfig()
 	base.Model.Dim, base.Model.Heads, base.Model.KVHeads = 128, 2, 1
 	base.Train.Steps, base.Train.GlobalBatch = 20, 4
-	layouts := []struct{ dp, ep, cp, micro, seq int }{{1, 1, 2, 4, 256}, {1, 1, 4, 4, 512}, {2, 1, 2, 2, 256}, {1, 2, 2, 2, 256}}
+	layouts := []ringLayout{{1, 1, 2, 4, 256}, {1, 1, 4, 4, 512}, {2, 1, 2, 2, 256}, {1, 2, 2, 2, 256}}
 	onePass := gpu.ZigzagAttentionOnePass(backend.ZigzagShape{Ranks: 2, Batch: 4, Chunk: 128, Heads: 2, KVHeads: 1, HeadDim: 64}) == nil
 	if onePass {
-		layouts = append(layouts, []struct{ dp, ep, cp, micro, seq int }{{1, 1, 2, 4, 512}, {1, 1, 4, 4, 1024}, {1, 2, 2, 2, 512}}...)
+		layouts = append(layouts, []ringLayout{{1, 1, 2, 4, 512}, {1, 1, 4, 4, 1024}, {1, 2, 2, 2, 512}}...)
 	} else {
 		t.Logf("the one-pass ring is not tested here: %v", gpu.ZigzagAttentionOnePass(backend.ZigzagShape{Ranks: 2, Batch: 4, Chunk: 128, Heads: 2, KVHeads: 1, HeadDim: 64}))
 	}
@@ -106,14 +123,10 @@ func TestFusedRingCUDA(t *testing.T) {
 		// MoE kernels' float additions land in the order blocks run), the
 		// floor under any path's difference from it.
 		again := trainOn(t, one, gpu, fmt.Sprintf("dp1 ep1 seq%d again", l.seq)).losses
-		layout := fmt.Sprintf("dp%d ep%d cp%d seq%d", l.dp, l.ep, l.cp, l.seq)
+		layout := l.String()
 		runs := map[string][]float64{}
 		for _, mode := range []string{"ring", "allgather"} {
-			cfg := base
-			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP = l.dp, l.ep, l.cp
-			cfg.Train.MicroBatch, cfg.Train.Seq = l.micro, l.seq
-			cfg.Parallel.CPAttention = mode
-			runs[mode] = trainOn(t, cfg, gpu, layout+" "+mode).losses
+			runs[mode] = trainOn(t, l.config(base, mode), gpu, layout+" "+mode).losses
 		}
 		var worstOne, worstGather, gatherOne, oneOne float64
 		for i, w := range want {
@@ -191,7 +204,7 @@ func TestFusedRingDeterministicCUDA(t *testing.T) {
 	base := equivalenceConfig()
 	base.Model.Dim, base.Model.Heads, base.Model.KVHeads = 128, 2, 1
 	base.Train.Steps, base.Train.GlobalBatch, base.Train.Deterministic = 20, 4, true
-	layouts := []struct{ dp, ep, cp, micro, seq int }{{1, 1, 2, 4, 256}, {1, 1, 4, 4, 512}, {2, 1, 2, 2, 256}, {1, 2, 2, 2, 256}, {1, 1, 2, 4, 512}}
+	layouts := []ringLayout{{1, 1, 2, 4, 256}, {1, 1, 4, 4, 512}, {2, 1, 2, 2, 256}, {1, 2, 2, 2, 256}, {1, 1, 2, 4, 512}}
 	repeats := func(what string, a, b []float64) {
 		for i := range a {
 			if math.Float64bits(a[i]) != math.Float64bits(b[i]) {
@@ -206,23 +219,17 @@ func TestFusedRingDeterministicCUDA(t *testing.T) {
 		oneName := fmt.Sprintf("dp1 ep1 seq%d", l.seq)
 		want := trainOn(t, one, gpu, oneName).losses
 		repeats(oneName, want, trainOn(t, one, gpu, oneName+" again").losses)
-		layout := fmt.Sprintf("dp%d ep%d cp%d seq%d", l.dp, l.ep, l.cp, l.seq)
-		runs := map[string][]float64{}
-		for _, mode := range []string{"ring", "allgather"} {
-			cfg := base
-			cfg.Parallel.DP, cfg.Parallel.EP, cfg.Parallel.CP = l.dp, l.ep, l.cp
-			cfg.Train.MicroBatch, cfg.Train.Seq = l.micro, l.seq
-			cfg.Parallel.CPAttention = mode
-			if world := cfg.mesh().World(); mode == "ring" {
-				if fused, onePass := PlanRing(cfg, world, world, gpu); !fused || onePass {
-					t.Fatalf("%s: mode ring plans fused %v, one pass %v; want the two-pass fused ring", layout, fused, onePass)
-				}
-			}
-			runs[mode] = trainOn(t, cfg, gpu, layout+" "+mode).losses
-			if mode == "ring" {
-				repeats(layout+" ring", runs[mode], trainOn(t, cfg, gpu, layout+" ring again").losses)
-			}
+		layout := l.String()
+		ringCfg := l.config(base, "ring")
+		world := ringCfg.mesh().World()
+		if fused, onePass := PlanRing(ringCfg, world, world, gpu); !fused || onePass {
+			t.Fatalf("%s: mode ring plans fused %v, one pass %v; want the two-pass fused ring", layout, fused, onePass)
 		}
+		runs := map[string][]float64{
+			"ring":      trainOn(t, ringCfg, gpu, layout+" ring").losses,
+			"allgather": trainOn(t, l.config(base, "allgather"), gpu, layout+" allgather").losses,
+		}
+		repeats(layout+" ring", runs["ring"], trainOn(t, ringCfg, gpu, layout+" ring again").losses)
 		var worstOne, worstGather, gatherOne float64
 		for i, w := range want {
 			ring, gather := runs["ring"][i], runs["allgather"][i]
