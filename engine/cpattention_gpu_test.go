@@ -79,6 +79,26 @@ func (l ringLayout) config(base Config, mode string) Config {
 	return cfg
 }
 
+// checkRingLosses requires the ring's loss at every step (0-based) within
+// tol(step), relative, of one rank's (want) and of the all-gather path's
+// (runs["ring"], runs["allgather"]), and returns the largest differences:
+// the ring from one rank, the ring from the all-gather path, and the
+// all-gather path from one rank.
+func checkRingLosses(t *testing.T, what string, want []float64, runs map[string][]float64, tol func(step int) float64) (worstOne, worstGather, gatherOne float64) {
+	t.Helper()
+	for i, w := range want {
+		ring, gather := runs["ring"][i], runs["allgather"][i]
+		relOne, relGather := math.Abs(ring-w)/math.Abs(w), math.Abs(ring-gather)/math.Abs(gather)
+		worstOne, worstGather = max(worstOne, relOne), max(worstGather, relGather)
+		gatherOne = max(gatherOne, math.Abs(gather-w)/math.Abs(w))
+		if tl := tol(i); !(relOne <= tl) || !(relGather <= tl) {
+			t.Errorf("%s: step %d: loss %.6f, one rank %.6f, allgather %.6f (relative %.3g, %.3g > %g)",
+				what, i+1, ring, w, gather, relOne, relGather, tl)
+		}
+	}
+	return worstOne, worstGather, gatherOne
+}
+
 // TestFusedRingCUDA is TestRingCUDA at shapes the fused ring's kernels
 // take (head dim 64; chunks of 64 positions, seq 256 at cp 2 and 512 at
 // cp 4, which run in two passes; on a Hopper GPU chunks of 128, seq 512
@@ -128,21 +148,15 @@ func TestFusedRingCUDA(t *testing.T) {
 		for _, mode := range []string{"ring", "allgather"} {
 			runs[mode] = trainOn(t, l.config(base, mode), gpu, layout+" "+mode).losses
 		}
-		var worstOne, worstGather, gatherOne, oneOne float64
+		worstOne, worstGather, gatherOne := checkRingLosses(t, layout+" fused ring", want, runs, func(step int) float64 {
+			if step >= fusedRingTightSteps {
+				return fusedRingDriftTol
+			}
+			return fusedRingTol
+		})
+		var oneOne float64
 		for i, w := range want {
-			ring, gather := runs["ring"][i], runs["allgather"][i]
-			relOne, relGather := math.Abs(ring-w)/math.Abs(w), math.Abs(ring-gather)/math.Abs(gather)
-			worstOne, worstGather = max(worstOne, relOne), max(worstGather, relGather)
-			gatherOne = max(gatherOne, math.Abs(gather-w)/math.Abs(w))
 			oneOne = max(oneOne, math.Abs(again[i]-w)/math.Abs(w))
-			tol := fusedRingTol
-			if i >= fusedRingTightSteps {
-				tol = fusedRingDriftTol
-			}
-			if !(relOne <= tol) || !(relGather <= tol) {
-				t.Errorf("%s fused ring: step %d: loss %.6f, one rank %.6f, allgather %.6f (relative %.3g, %.3g > %g)",
-					layout, i+1, ring, w, gather, relOne, relGather, tol)
-			}
 		}
 		t.Logf("%s fused ring: max relative loss difference %.2e from one rank (2e-4 held: %v), %.2e from allgather; allgather from one rank %.2e; one rank from itself %.2e",
 			layout, worstOne, worstOne <= 2e-4, worstGather, gatherOne, oneOne)
@@ -230,24 +244,15 @@ func TestFusedRingDeterministicCUDA(t *testing.T) {
 			"allgather": trainOn(t, l.config(base, "allgather"), gpu, layout+" allgather").losses,
 		}
 		repeats(layout+" ring", runs["ring"], trainOn(t, ringCfg, gpu, layout+" ring again").losses)
-		var worstOne, worstGather, gatherOne float64
-		for i, w := range want {
-			ring, gather := runs["ring"][i], runs["allgather"][i]
-			relOne, relGather := math.Abs(ring-w)/math.Abs(w), math.Abs(ring-gather)/math.Abs(gather)
-			worstOne, worstGather = max(worstOne, relOne), max(worstGather, relGather)
-			gatherOne = max(gatherOne, math.Abs(gather-w)/math.Abs(w))
-			tol := fusedRingDriftTol
+		worstOne, worstGather, gatherOne := checkRingLosses(t, layout+" deterministic fused ring", want, runs, func(step int) float64 {
 			switch {
-			case i < deterministicRingSteps:
-				tol = bar
-			case i < fusedRingTightSteps:
-				tol = fusedRingTol
+			case step < deterministicRingSteps:
+				return bar
+			case step < fusedRingTightSteps:
+				return fusedRingTol
 			}
-			if !(relOne <= tol) || !(relGather <= tol) {
-				t.Errorf("%s deterministic fused ring: step %d: loss %.6f, one rank %.6f, allgather %.6f (relative %.3g, %.3g > %g)",
-					layout, i+1, ring, w, gather, relOne, relGather, tol)
-			}
-		}
+			return fusedRingDriftTol
+		})
 		t.Logf("%s deterministic fused ring: max relative loss difference over 20 steps %.2e from one rank, %.2e from allgather; allgather from one rank %.2e", layout, worstOne, worstGather, gatherOne)
 		t.Logf("%s deterministic losses by step: one rank %.5f; ring %.5f; allgather %.5f", layout, want, runs["ring"], runs["allgather"])
 	}
